@@ -1,0 +1,40 @@
+"""speechattn: study attention mechanisms in self-supervised speech transformers.
+
+Layers (imports only go left to right):
+    data -> attention / model -> tasks -> report
+`bench` may use `data`, `attention` and `model`.
+"""
+
+from pathlib import Path
+
+__version__ = "0.1.0"
+
+# Hydra configs live at the repository root (`conf/`); the package is installed editable.
+CONFIG_DIR = Path(__file__).resolve().parent.parent / "conf"
+
+
+def load_upstream(path: str | Path, map_location: str = "cpu"):
+    """Load a pretrained upstream saved by `python -m speechattn.pretrain` (`upstream.pt`).
+
+    See `speechattn.model.upstream.load_upstream` for the returned module's interface.
+    """
+    from speechattn.model.upstream import load_upstream as _load
+
+    return _load(path, map_location=map_location)
+
+
+def code_version() -> str:
+    """Package version plus the git commit of the checkout when there is one."""
+    import subprocess
+
+    try:
+        commit = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            cwd=Path(__file__).resolve().parent,
+            capture_output=True,
+            text=True,
+            timeout=5,
+        ).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        commit = ""
+    return f"{__version__}+{commit}" if commit else __version__
