@@ -1,0 +1,22 @@
+"""Attention variants studied by speechattn, chosen by name.
+
+    from speechattn.attention import available, build
+    attn = build("ldsa", dim=768, num_heads=12, context=15)
+    y = attn(x, padding_mask=pad)                    # (B, T, D)
+    y, w = attn(x, padding_mask=pad, need_weights=True)  # w (B, h, T, T)
+
+Each family lives in its own file and registers itself on import (explicit imports below).
+"""
+
+from speechattn.attention import dot_product  # noqa: F401  (registers full, shared_qk)
+from speechattn.attention.base import Attention, AttentionConfig
+from speechattn.attention.registry import available, build, get, register
+
+__all__ = [
+    "Attention",
+    "AttentionConfig",
+    "available",
+    "build",
+    "get",
+    "register",
+]

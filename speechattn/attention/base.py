@@ -1,0 +1,233 @@
+"""Shared pieces of every attention variant: config, abstract class, padding/head logic.
+
+Shape letters (used in every docstring and shape comment of `speechattn.attention`):
+
+    B    batch size
+    T    frames (sequence length, padded)
+    D    model dim (``dim``)
+    h    heads (``num_heads``)
+    d_k  per-head dim, D / h
+    k    keys kept per query (LSH top-k), c context width (LDSA) or summary columns (sparse)
+    l    block size / stride of the sparse patterns, n = ceil(T / l) blocks
+
+A variant subclasses `Attention`, declares its `Config` dataclass and its metadata, and
+implements two methods on the per-head level:
+
+* `attend(x, valid) -> (B, h, T, d_k)`: the efficient path (SDPA, blocks, bands, top-k);
+* `attend_dense(x, valid) -> (heads (B, h, T, d_k), weights (B, h, T, T))`: the reference
+  with explicit T x T weights, sharing the same parameters.
+
+`Attention.forward` does everything else once for all variants: input checks, zeroing padded
+input frames, the head mask xi (seed 004: each head's output is multiplied by xi_h before the
+output projection, differentiably), the output projection and zeroing padded outputs.
+"""
+
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+# Additive score on the diagonal for shared-QK attention (Reformer): a query attends to
+# itself only when it has no other valid key. Finite, unlike -inf, so such rows stay defined.
+SELF_PENALTY = -5e4
+
+
+@dataclass
+class AttentionConfig:
+    """Options shared by every variant; each variant's config extends this one."""
+
+    dim: int  # D, model dim
+    num_heads: int  # h; D must be divisible by h
+    dropout: float = 0.0  # dropout on attention probabilities (training only)
+    bias: bool = True  # biases in the input/output projections
+
+    def __post_init__(self) -> None:
+        if self.dim <= 0 or self.num_heads <= 0:
+            raise ValueError(
+                f"dim and num_heads must be positive, got {self.dim}, {self.num_heads}"
+            )
+        if self.dim % self.num_heads:
+            raise ValueError(f"dim={self.dim} is not divisible by num_heads={self.num_heads}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.num_heads
+
+
+class Attention(nn.Module, ABC):
+    """Multi-head self-attention with one fixed signature (see module docstring).
+
+    Class metadata, declared by each variant:
+        name: registry name (set by `registry.register`)
+        paper: citation of the mechanism
+        complexity_training / complexity_inference: theoretical time cost (study, Table 1)
+        supports_weights: whether `need_weights=True` can return (B, h, T, T) weights
+    """
+
+    Config: ClassVar[type[AttentionConfig]] = AttentionConfig
+    name: ClassVar[str] = ""
+    paper: ClassVar[str] = ""
+    complexity_training: ClassVar[str] = ""
+    complexity_inference: ClassVar[str] = ""
+    supports_weights: ClassVar[bool] = True
+
+    def __init__(self, config: AttentionConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.dim = config.dim
+        self.num_heads = config.num_heads
+        self.head_dim = config.head_dim
+        self.dropout = config.dropout
+        self.out_proj = nn.Linear(config.dim, config.dim, bias=config.bias)  # W^O
+
+    @classmethod
+    def from_config(cls, config: AttentionConfig) -> Attention:
+        return cls(config)
+
+    # ----------------------------------------------------------------- metadata
+    @property
+    def complexity(self) -> str:
+        """Theoretical time complexity, e.g. ``"training O(T^2 D); inference O(T^2 D)"``."""
+        return f"training {self.complexity_training}; inference {self.complexity_inference}"
+
+    @abstractmethod
+    def keys_attended(self, T: int) -> float:
+        """Average number of keys whose score each query computes, for T valid frames.
+
+        Synthesizer-style variants, which produce weights without query-key interaction,
+        report 0 as in the study's Figure 4.
+        """
+
+    # ----------------------------------------------------------------- variant hooks
+    @abstractmethod
+    def attend(self, x: Tensor, valid: Tensor) -> Tensor:
+        """Efficient path. x (B, T, D) with padded frames zeroed, valid (B, T) bool.
+
+        Returns per-head outputs (B, h, T, d_k); rows of padded queries may hold anything
+        finite (they are zeroed afterwards).
+        """
+
+    @abstractmethod
+    def attend_dense(self, x: Tensor, valid: Tensor) -> tuple[Tensor, Tensor]:
+        """Reference path with explicit weights: (heads (B, h, T, d_k), weights (B, h, T, T))."""
+
+    # ----------------------------------------------------------------- public API
+    def forward(
+        self,
+        x: Tensor,
+        padding_mask: Tensor | None = None,
+        head_mask: Tensor | None = None,
+        need_weights: bool = False,
+    ) -> Tensor | tuple[Tensor, Tensor]:
+        """Self-attention over x.
+
+        Args:
+            x: (B, T, D) input frames.
+            padding_mask: (B, T) bool, True at padded frames; None means no padding.
+            head_mask: (h,) float xi; head h's output is multiplied by xi_h before the
+                output projection. Differentiable (head importance uses dL/dxi).
+            need_weights: also return the attention weights, computed by the dense reference.
+
+        Returns:
+            y (B, T, D), zero at padded frames; with need_weights, (y, weights (B, h, T, T)).
+        """
+        if need_weights:
+            return self.dense_reference(x, padding_mask, head_mask)
+        x, valid = self._prepare(x, padding_mask, head_mask)
+        return self._project(self.attend(x, valid), valid, head_mask)
+
+    def dense_reference(
+        self, x: Tensor, padding_mask: Tensor | None = None, head_mask: Tensor | None = None
+    ) -> tuple[Tensor, Tensor]:
+        """Same as `forward` through explicit (B, h, T, T) weights: returns (y, weights)."""
+        if not self.supports_weights:
+            raise NotImplementedError(f"{self.name} cannot return attention weights")
+        x, valid = self._prepare(x, padding_mask, head_mask)
+        heads, weights = self.attend_dense(x, valid)
+        weights = weights * valid[:, None, :, None]  # padded queries: zero rows
+        return self._project(heads, valid, head_mask), weights
+
+    # ----------------------------------------------------------------- shared logic
+    def _prepare(
+        self, x: Tensor, padding_mask: Tensor | None, head_mask: Tensor | None
+    ) -> tuple[Tensor, Tensor]:
+        if x.dim() != 3 or x.shape[-1] != self.dim:
+            raise ValueError(
+                f"{self.name}: expected x of shape (B, T, {self.dim}), got {tuple(x.shape)}"
+            )
+        B, T, _ = x.shape
+        if T < 1:
+            raise ValueError(f"{self.name}: expected T >= 1 frames, got {T}")
+        if padding_mask is None:
+            valid = torch.ones(B, T, dtype=torch.bool, device=x.device)
+        else:
+            if padding_mask.shape != (B, T) or padding_mask.dtype != torch.bool:
+                raise ValueError(
+                    f"{self.name}: expected padding_mask bool (B, T) = ({B}, {T}), "
+                    f"got {padding_mask.dtype} {tuple(padding_mask.shape)}"
+                )
+            valid = ~padding_mask
+            x = x.masked_fill(padding_mask[..., None], 0.0)  # padded content never matters
+        if head_mask is not None and head_mask.shape != (self.num_heads,):
+            raise ValueError(
+                f"{self.name}: expected head_mask of shape ({self.num_heads},), got {tuple(head_mask.shape)}"
+            )
+        return x, valid
+
+    def _project(self, heads: Tensor, valid: Tensor, head_mask: Tensor | None) -> Tensor:
+        """heads (B, h, T, d_k) -> xi-scaled, merged, projected y (B, T, D), zero at padding."""
+        B, h, T, dk = heads.shape
+        if head_mask is not None:
+            heads = heads * head_mask.to(heads.dtype).view(1, h, 1, 1)
+        merged = heads.transpose(1, 2).reshape(B, T, h * dk)  # (B, T, D)
+        y = self.out_proj(merged)  # (B, T, D)
+        return y.masked_fill(~valid[..., None], 0.0)
+
+    def split_heads(self, t: Tensor) -> Tensor:
+        """(B, T, D) -> (B, h, T, d_k)."""
+        B, T, _ = t.shape
+        return t.view(B, T, self.num_heads, -1).transpose(1, 2)
+
+    def drop(self, probs: Tensor) -> Tensor:
+        """Dropout on attention probabilities (identity in eval mode or when p = 0)."""
+        return F.dropout(probs, self.dropout, self.training) if self.dropout else probs
+
+    def extra_repr(self) -> str:
+        return f"name={self.name!r}, dim={self.dim}, num_heads={self.num_heads}"
+
+
+# --------------------------------------------------------------------- helpers for variants
+def key_mask(valid: Tensor) -> Tensor:
+    """Keys a query may use: valid (B, T) -> (B, T) bool.
+
+    A sequence without any valid frame lets its (padded, later zeroed) queries use every key
+    so that no softmax row is empty and nothing turns NaN.
+    """
+    return valid | ~valid.any(dim=-1, keepdim=True)
+
+
+def masked_softmax(scores: Tensor, allowed: Tensor, dim: int = -1) -> Tensor:
+    """Softmax over `allowed` entries only; disallowed entries get exactly 0.
+
+    A row without any allowed entry becomes uniform instead of NaN (only padded queries can
+    have such rows, and their outputs are zeroed).
+    """
+    scores = scores.masked_fill(~allowed, torch.finfo(scores.dtype).min)
+    return torch.softmax(scores, dim=dim)
+
+
+def self_penalty(T: int, device: torch.device, dtype: torch.dtype) -> Tensor:
+    """(T, T) additive matrix with SELF_PENALTY on the diagonal."""
+    return torch.eye(T, device=device, dtype=dtype) * SELF_PENALTY
+
+
+def scale(d: int) -> float:
+    return 1.0 / math.sqrt(d)

@@ -1,0 +1,121 @@
+"""Scaled dot-product attention: `full` and Reformer's `shared_qk`.
+
+* full: Vaswani et al., "Attention Is All You Need", NeurIPS 2017. Separate Q, K, V
+  projections, softmax(Q K^T / sqrt(d_k)) V per head.
+* shared_qk: Kitaev et al., "Reformer: The Efficient Transformer", ICLR 2020, section 2
+  ("Shared-QK Transformer"). One projection gives Q; keys are the per-head L2-normalised
+  queries; a query may attend to itself only when it has no other valid key (additive
+  SELF_PENALTY = -5e4 on the diagonal).
+
+Both efficient paths call `torch.nn.functional.scaled_dot_product_attention` (flash /
+memory-efficient kernels on GPU, the fused flash kernel on CPU).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from speechattn.attention.base import (
+    Attention,
+    AttentionConfig,
+    key_mask,
+    masked_softmax,
+    scale,
+    self_penalty,
+)
+from speechattn.attention.registry import register
+
+
+@dataclass
+class FullConfig(AttentionConfig):
+    """No options beyond the shared ones."""
+
+
+@register("full")
+class FullAttention(Attention):
+    """Multi-head scaled dot-product attention with separate Q, K, V projections."""
+
+    Config = FullConfig
+    paper = "Vaswani et al., Attention Is All You Need, NeurIPS 2017"
+    complexity_training = "O(T^2 D)"
+    complexity_inference = "O(T^2 D)"
+
+    def __init__(self, config: FullConfig) -> None:
+        super().__init__(config)
+        self.qkv = nn.Linear(config.dim, 3 * config.dim, bias=config.bias)  # W^Q | W^K | W^V
+
+    def keys_attended(self, T: int) -> float:
+        return float(T)
+
+    def _qkv(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        q, k, v = self.qkv(x).chunk(3, dim=-1)  # 3 x (B, T, D)
+        return self.split_heads(q), self.split_heads(k), self.split_heads(v)  # (B, h, T, d_k)
+
+    def attend(self, x: Tensor, valid: Tensor) -> Tensor:
+        q, k, v = self._qkv(x)  # (B, h, T, d_k)
+        mask = None if bool(valid.all()) else key_mask(valid)[:, None, None, :]  # (B, 1, 1, T)
+        p = self.dropout if self.training else 0.0
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p)
+
+    def attend_dense(self, x: Tensor, valid: Tensor) -> tuple[Tensor, Tensor]:
+        q, k, v = self._qkv(x)  # (B, h, T, d_k)
+        scores = q @ k.transpose(-1, -2) * scale(self.head_dim)  # (B, h, T, T)
+        weights = masked_softmax(scores, key_mask(valid)[:, None, None, :])  # (B, h, T, T)
+        return self.drop(weights) @ v, weights
+
+
+@dataclass
+class SharedQKConfig(AttentionConfig):
+    """No options beyond the shared ones."""
+
+
+class SharedQKBase(Attention):
+    """Shared-QK projections and scores; reused by the sparse variants."""
+
+    def __init__(self, config: AttentionConfig) -> None:
+        super().__init__(config)
+        self.qv = nn.Linear(config.dim, 2 * config.dim, bias=config.bias)  # W^Q | W^V
+
+    def shared_qkv(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """x (B, T, D) -> q, k, v (B, h, T, d_k); k = q / ||q|| per head."""
+        q, v = self.qv(x).chunk(2, dim=-1)  # 2 x (B, T, D)
+        q, v = self.split_heads(q), self.split_heads(v)  # (B, h, T, d_k)
+        return q, F.normalize(q, dim=-1), v
+
+    def shared_scores(self, q: Tensor, k: Tensor) -> Tensor:
+        """Dense shared-QK scores (B, h, T, T) with the self penalty on the diagonal."""
+        T = q.shape[-2]
+        return q @ k.transpose(-1, -2) * scale(self.head_dim) + self_penalty(T, q.device, q.dtype)
+
+
+@register("shared_qk")
+class SharedQKAttention(SharedQKBase):
+    """Reformer shared-QK attention over all valid keys."""
+
+    Config = SharedQKConfig
+    paper = "Kitaev et al., Reformer: The Efficient Transformer, ICLR 2020"
+    complexity_training = "O(T^2 D)"
+    complexity_inference = "O(T^2 D)"
+
+    def keys_attended(self, T: int) -> float:
+        return float(T)
+
+    def attend(self, x: Tensor, valid: Tensor) -> Tensor:
+        q, k, v = self.shared_qkv(x)  # (B, h, T, d_k)
+        T = x.shape[1]
+        mask = self_penalty(T, x.device, q.dtype)[None, None]  # (1, 1, T, T)
+        if not bool(valid.all()):
+            pad = torch.zeros(valid.shape, dtype=q.dtype, device=x.device)
+            pad = pad.masked_fill(~key_mask(valid), float("-inf"))  # (B, T)
+            mask = mask + pad[:, None, None, :]  # (B, 1, T, T)
+        p = self.dropout if self.training else 0.0
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p)
+
+    def attend_dense(self, x: Tensor, valid: Tensor) -> tuple[Tensor, Tensor]:
+        q, k, v = self.shared_qkv(x)  # (B, h, T, d_k)
+        weights = masked_softmax(self.shared_scores(q, k), key_mask(valid)[:, None, None, :])
+        return self.drop(weights) @ v, weights  # (B, h, T, d_k), (B, h, T, T)

@@ -1,0 +1,71 @@
+"""Name -> attention class registry (xformers-zoo style) and the `build` factory."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+from speechattn.attention.base import Attention, AttentionConfig
+
+_REGISTRY: dict[str, type[Attention]] = {}
+
+
+def register(name: str) -> Callable[[type[Attention]], type[Attention]]:
+    """Class decorator adding a variant under `name`; refuses duplicates and non-subclasses."""
+
+    def decorator(cls: type[Attention]) -> type[Attention]:
+        if name in _REGISTRY:
+            raise ValueError(
+                f"attention {name!r} is already registered ({_REGISTRY[name].__qualname__})"
+            )
+        if not (isinstance(cls, type) and issubclass(cls, Attention)):
+            raise TypeError(f"{cls!r} registered as {name!r} is not a subclass of Attention")
+        if not (isinstance(cls.Config, type) and issubclass(cls.Config, AttentionConfig)):
+            raise TypeError(f"{cls.__qualname__}.Config must subclass AttentionConfig")
+        cls.name = name
+        _REGISTRY[name] = cls
+        return cls
+
+    return decorator
+
+
+def available() -> list[str]:
+    """Registered variant names, in registration order."""
+    return list(_REGISTRY)
+
+
+def get(name: str) -> type[Attention]:
+    """The class registered under `name`; unknown names raise a ValueError listing valid ones."""
+    if name not in _REGISTRY:
+        raise ValueError(f"unknown attention {name!r}; valid names: {', '.join(_REGISTRY)}")
+    return _REGISTRY[name]
+
+
+def options(name: str) -> dict[str, Any]:
+    """The variant-specific options of `name` with their defaults (dim/num_heads excluded)."""
+    base = {f.name for f in dataclasses.fields(AttentionConfig)} - {"dropout", "bias"}
+    out = {}
+    for f in dataclasses.fields(get(name).Config):
+        if f.name in base:
+            continue
+        out[f.name] = f.default if f.default is not dataclasses.MISSING else None
+    return out
+
+
+def build(name: str, dim: int, num_heads: int, **options: Any) -> Attention:
+    """Build variant `name` with model dim D = `dim`, h = `num_heads` and its own options.
+
+    Unknown names raise ValueError listing the valid names; unknown options raise TypeError
+    naming them and listing the options the variant accepts.
+    """
+    cls = get(name)
+    allowed = [f.name for f in dataclasses.fields(cls.Config) if f.name not in ("dim", "num_heads")]
+    unknown = sorted(set(options) - set(allowed))
+    if unknown:
+        raise TypeError(
+            f"unknown option(s) {', '.join(map(repr, unknown))} for attention {name!r}; "
+            f"valid options: {', '.join(allowed)}"
+        )
+    config = cls.Config(dim=dim, num_heads=num_heads, **options)
+    return cls.from_config(config)
