@@ -1,0 +1,405 @@
+"""AALBERT: an ALBERT-style transformer encoder over stacked log-mel frames.
+
+Audio ALBERT (Chi et al., 2020, "Audio ALBERT: A Lite BERT for Self-supervised Learning of Audio
+Representation") is Mockingjay with ALBERT's cross-layer parameter sharing: one transformer layer
+applied L times. The study this toolkit reproduces swaps the layer's self-attention for each of
+the variants in `speechattn.attention`; the layer receives its attention module and never knows
+which variant it holds.
+
+Read top to bottom: positions, input embedding, feed-forward, layer, encoder, reconstruction
+head, config, the full model, then the builder and its presets.
+
+Shape letters (see `speechattn/attention/base.py`): B batch, T 10 ms mel frames, T' stacked
+30 ms model frames, F mel bins, D model dim, h heads, L layers.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F_
+from torch import Tensor, nn
+
+from speechattn.model.features import stack_frames, stacked_lengths
+
+
+def sinusoidal_positions(length: int, dim: int, device=None, dtype=None) -> Tensor:
+    """Vaswani et al. sine/cosine positions, (length, dim). Computed on the fly: no max length."""
+    position = torch.arange(length, device=device, dtype=torch.float32)[:, None]  # (T', 1)
+    # 10000^(-2i/D) for i < D/2; odd D gets one more sine column than cosine columns
+    freq = torch.exp(
+        torch.arange(0, dim, 2, device=device, dtype=torch.float32) * (-math.log(10000.0) / dim)
+    )  # (ceil(D/2),)
+    table = torch.zeros(length, dim, device=device, dtype=torch.float32)
+    table[:, 0::2] = torch.sin(position * freq)
+    table[:, 1::2] = torch.cos(position * freq[: dim // 2])
+    return table.to(dtype or torch.float32)
+
+
+class InputEmbedding(nn.Module):
+    """Stacked frames -> Linear -> + sinusoidal positions -> LayerNorm -> dropout (Mockingjay)."""
+
+    def __init__(self, in_dim: int, dim: int, dropout: float, eps: float) -> None:
+        super().__init__()
+        self.proj = nn.Linear(in_dim, dim)
+        self.norm = nn.LayerNorm(dim, eps=eps)
+        self.dropout = nn.Dropout(dropout)
+
+    def forward(self, x: Tensor) -> Tensor:
+        """x (B, T', stack*F) -> (B, T', D)."""
+        _, T, _ = x.shape
+        h = self.proj(x)
+        h = h + sinusoidal_positions(T, h.shape[-1], device=h.device, dtype=h.dtype)
+        return self.dropout(self.norm(h))
+
+
+class FeedForward(nn.Module):
+    """Position-wise Linear -> GELU -> dropout -> Linear (BERT intermediate + output)."""
+
+    def __init__(self, dim: int, ffn_dim: int, dropout: float) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(dim, ffn_dim)
+        self.fc2 = nn.Linear(ffn_dim, dim)
+        self.dropout = nn.Dropout(dropout)
+
+    def forward(self, x: Tensor) -> Tensor:
+        """x (B, T', D) -> (B, T', D)."""
+        return self.fc2(self.dropout(F_.gelu(self.fc1(x))))
+
+
+class EncoderLayer(nn.Module):
+    """One transformer layer around a given attention module.
+
+    Post-LN (BERT, the AALBERT default): x = LN(x + attn(x)); x = LN(x + ffn(x)).
+    Pre-LN (option): x = x + attn(LN(x)); x = x + ffn(LN(x)); trains more stably when deep,
+    and the encoder then adds a final LayerNorm.
+    """
+
+    def __init__(
+        self,
+        attention: nn.Module,
+        dim: int,
+        ffn_dim: int,
+        dropout: float,
+        pre_norm: bool,
+        eps: float,
+    ) -> None:
+        super().__init__()
+        self.attention = attention
+        self.attn_norm = nn.LayerNorm(dim, eps=eps)
+        self.ffn = FeedForward(dim, ffn_dim, dropout)
+        self.ffn_norm = nn.LayerNorm(dim, eps=eps)
+        self.dropout = nn.Dropout(dropout)
+        self.pre_norm = pre_norm
+
+    def forward(
+        self,
+        x: Tensor,
+        padding_mask: Tensor | None,
+        head_mask: Tensor | None = None,
+        need_weights: bool = False,
+    ) -> Tensor | tuple[Tensor, Tensor]:
+        """x (B, T', D), padding_mask (B, T') True at padding, head_mask (h,) -> (B, T', D).
+
+        With need_weights also returns the attention weights (B, h, T', T').
+        """
+        a_in = self.attn_norm(x) if self.pre_norm else x
+        out = self.attention(a_in, padding_mask, head_mask=head_mask, need_weights=need_weights)
+        a, weights = out if need_weights else (out, None)
+        x = x + self.dropout(a)
+        if not self.pre_norm:
+            x = self.attn_norm(x)
+        f_in = self.ffn_norm(x) if self.pre_norm else x
+        x = x + self.dropout(self.ffn(f_in))
+        if not self.pre_norm:
+            x = self.ffn_norm(x)
+        return (x, weights) if need_weights else x
+
+
+class Encoder(nn.Module):
+    """L applications of transformer layers; ALBERT shares one layer object across all depths.
+
+    `layers` holds one layer (shared) or L layers; `depth_to_layer[i]` says which one runs at
+    depth i. Each depth still has its own row of the head mask (seed 004: one xi per depth).
+    """
+
+    def __init__(self, layers: list[EncoderLayer], num_layers: int, final_norm: nn.Module) -> None:
+        super().__init__()
+        if len(layers) not in (1, num_layers):
+            raise ValueError(f"expected 1 (shared) or {num_layers} layers, got {len(layers)}")
+        self.layers = nn.ModuleList(layers)
+        self.num_layers = num_layers
+        self.depth_to_layer = [0] * num_layers if len(layers) == 1 else list(range(num_layers))
+        self.final_norm = final_norm  # Identity for post-LN
+
+    def forward(
+        self, x: Tensor, padding_mask: Tensor | None, head_mask: Tensor | None = None
+    ) -> list[Tensor]:
+        """x (B, T', D) embedded input -> L+1 hidden states (B, T', D); hidden[0] is x.
+
+        head_mask: (L, h) or None. Padded positions are zero in every hidden state so that a
+        padded batch gives what each utterance gives alone.
+        """
+        if head_mask is not None and head_mask.shape[0] != self.num_layers:
+            raise ValueError(
+                f"head_mask must be (L={self.num_layers}, h), got {tuple(head_mask.shape)}"
+            )
+        keep = None if padding_mask is None else (~padding_mask)[..., None].to(x.dtype)
+        if keep is not None:
+            x = x * keep
+        hidden = [x]
+        for depth, index in enumerate(self.depth_to_layer):
+            x = self.layers[index](x, padding_mask, None if head_mask is None else head_mask[depth])
+            if depth == self.num_layers - 1:
+                x = self.final_norm(x)
+            if keep is not None:
+                x = x * keep  # LayerNorm biases would otherwise leak into padded positions
+            hidden.append(x)
+        return hidden
+
+    def attention_weights(
+        self,
+        x: Tensor,
+        padding_mask: Tensor | None,
+        layer: int,
+        head_mask: Tensor | None = None,
+    ) -> Tensor:
+        """Attention weights (B, h, T', T') of depth `layer` (1-based, like hidden[layer])."""
+        if not 1 <= layer <= self.num_layers:
+            raise ValueError(f"layer must be in 1..{self.num_layers}, got {layer}")
+        keep = None if padding_mask is None else (~padding_mask)[..., None].to(x.dtype)
+        if keep is not None:
+            x = x * keep
+        for depth in range(layer):
+            hm = None if head_mask is None else head_mask[depth]
+            module = self.layers[self.depth_to_layer[depth]]
+            if depth == layer - 1:
+                _, weights = module(x, padding_mask, hm, need_weights=True)
+                return weights
+            x = module(x, padding_mask, hm)
+            if keep is not None:
+                x = x * keep
+        raise AssertionError("unreachable")
+
+
+class ReconstructionHead(nn.Module):
+    """Linear -> GELU -> LayerNorm -> Linear back to the stacked feature dim (Mockingjay)."""
+
+    def __init__(self, dim: int, out_dim: int, eps: float) -> None:
+        super().__init__()
+        self.dense = nn.Linear(dim, dim)
+        self.norm = nn.LayerNorm(dim, eps=eps)
+        self.out = nn.Linear(dim, out_dim)
+
+    def forward(self, h: Tensor) -> Tensor:
+        """h (B, T', D) -> (B, T', stack*F)."""
+        return self.out(self.norm(F_.gelu(self.dense(h))))
+
+
+@dataclass
+class ModelConfig:
+    """Everything needed to rebuild the network; saved verbatim in `upstream.pt`."""
+
+    feature_dim: int = 80  # F: log-mel bins per 10 ms frame (the data layer's feature_dim)
+    stack: int = 3  # 10 ms frames per model step: 30 ms steps, a third of the sequence length
+    dim: int = 768  # D, "hidden_size" in AALBERT
+    num_layers: int = 6  # L applications of the layer, "num_hidden_layers"
+    num_heads: int = 12  # h, "num_attention_heads"
+    ffn_dim: int = 3072  # "intermediate_size"
+    shared: bool = True  # ALBERT cross-layer sharing: one layer object applied L times
+    pre_norm: bool = False  # BERT post-LN is what AALBERT used; pre-LN is the stabler option
+    dropout: float = 0.1  # "hidden_dropout_prob"
+    layer_norm_eps: float = 1e-12  # BERT/AALBERT value
+    attention: str = "full"  # a name from speechattn.attention.available()
+    attention_options: dict[str, Any] = field(default_factory=dict)  # passed to attention.build
+
+    def __post_init__(self) -> None:
+        if self.dim % self.num_heads:
+            raise ValueError(f"dim={self.dim} is not divisible by num_heads={self.num_heads}")
+        if self.stack < 1 or self.num_layers < 1:
+            raise ValueError(
+                f"stack and num_layers must be >= 1, got {self.stack}, {self.num_layers}"
+            )
+        self.attention_options = dict(self.attention_options)
+
+    @property
+    def input_dim(self) -> int:
+        """Stacked feature dim the model reads and reconstructs (3F = 240 for 80 mel bins)."""
+        return self.stack * self.feature_dim
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+AttentionFactory = Callable[[], nn.Module]
+
+
+def registry_attention(config: ModelConfig) -> AttentionFactory:
+    """A factory building `config.attention` from the registry with the model's dim and heads."""
+    from speechattn.attention import build
+
+    return lambda: build(config.attention, config.dim, config.num_heads, **config.attention_options)
+
+
+class AALBERT(nn.Module):
+    """Input embedding -> (shared) encoder -> reconstruction head.
+
+    `forward` takes 10 ms features and returns hidden states; pretraining uses the pieces
+    (`stack`, `embed_and_encode`, `head`) because it masks stacked frames in between.
+    """
+
+    def __init__(self, config: ModelConfig, make_attention: AttentionFactory | None = None) -> None:
+        super().__init__()
+        self.config = config
+        make_attention = make_attention or registry_attention(config)
+        c = config
+        self.embedding = InputEmbedding(c.input_dim, c.dim, c.dropout, c.layer_norm_eps)
+        n_objects = 1 if c.shared else c.num_layers
+        layers = [
+            EncoderLayer(
+                make_attention(), c.dim, c.ffn_dim, c.dropout, c.pre_norm, c.layer_norm_eps
+            )
+            for _ in range(n_objects)
+        ]
+        final_norm = nn.LayerNorm(c.dim, eps=c.layer_norm_eps) if c.pre_norm else nn.Identity()
+        self.encoder = Encoder(layers, c.num_layers, final_norm)
+        self.head = ReconstructionHead(c.dim, c.input_dim, c.layer_norm_eps)
+        self._init_own_weights()
+
+    def _init_own_weights(self) -> None:
+        """BERT init (normal, std 0.02) for our Linear/LayerNorm; attention modules keep theirs
+        (e.g. `syn_fixed` initialises its logits from patterns that must not be overwritten)."""
+        attention_params = {
+            id(p) for layer in self.encoder.layers for p in layer.attention.parameters()
+        }
+        for module in self.modules():
+            if isinstance(module, nn.Linear) and id(module.weight) not in attention_params:
+                nn.init.normal_(module.weight, std=0.02)
+                if module.bias is not None:
+                    nn.init.zeros_(module.bias)
+
+    @property
+    def num_heads(self) -> int:
+        return self.config.num_heads
+
+    @property
+    def num_layers(self) -> int:
+        return self.config.num_layers
+
+    def get_num_params(self, include_head: bool = True) -> int:
+        """Unique parameters (a shared layer counts once)."""
+        n = sum(p.numel() for p in self.parameters())
+        if not include_head:
+            n -= sum(p.numel() for p in self.head.parameters())
+        return n
+
+    def stack(self, features: Tensor, lengths: Tensor) -> tuple[Tensor, Tensor]:
+        """features (B, T, F) 10 ms, lengths (B,) -> (B, T', stack*F), lengths' (B,)."""
+        if features.shape[-1] != self.config.feature_dim:
+            raise ValueError(
+                f"expected features (B, T, F={self.config.feature_dim}), got {tuple(features.shape)}"
+            )
+        return stack_frames(features, lengths, self.config.stack)
+
+    def output_lengths(self, lengths: Tensor) -> Tensor:
+        """10 ms frame counts -> model frame counts: ceil(T / stack)."""
+        return stacked_lengths(lengths, self.config.stack)
+
+    def embed_and_encode(
+        self, stacked: Tensor, lengths: Tensor, head_mask: Tensor | None = None
+    ) -> list[Tensor]:
+        """stacked (B, T', stack*F), lengths' (B,) -> L+1 hidden states (B, T', D)."""
+        padding_mask = padding_mask_from_lengths(lengths, stacked.shape[1])
+        return self.encoder(self.embedding(stacked), padding_mask, head_mask)
+
+    def forward(
+        self, features: Tensor, lengths: Tensor, head_mask: Tensor | None = None
+    ) -> list[Tensor]:
+        """features (B, T, F) normalised log-mel, lengths (B,) -> L+1 hidden states (B, T', D)."""
+        stacked, out_lengths = self.stack(features, lengths)
+        return self.embed_and_encode(stacked, out_lengths, head_mask)
+
+    def attention_weights(
+        self, features: Tensor, lengths: Tensor, layer: int, head_mask: Tensor | None = None
+    ) -> Tensor:
+        """Weights (B, h, T', T') of the attention at depth `layer` (1..L)."""
+        stacked, out_lengths = self.stack(features, lengths)
+        padding_mask = padding_mask_from_lengths(out_lengths, stacked.shape[1])
+        return self.encoder.attention_weights(
+            self.embedding(stacked), padding_mask, layer, head_mask
+        )
+
+
+def padding_mask_from_lengths(lengths: Tensor, max_len: int) -> Tensor:
+    """lengths (B,) -> (B, max_len) bool, True at padded positions."""
+    return torch.arange(max_len, device=lengths.device)[None, :] >= lengths[:, None]
+
+
+def aalbert(
+    feature_dim: int = 80,
+    stack: int = 3,
+    dim: int = 768,
+    num_layers: int = 6,
+    num_heads: int = 12,
+    ffn_dim: int = 3072,
+    shared: bool = True,
+    pre_norm: bool = False,
+    dropout: float = 0.1,
+    layer_norm_eps: float = 1e-12,
+    attention: str = "full",
+    attention_options: dict[str, Any] | None = None,
+    make_attention: AttentionFactory | None = None,
+) -> AALBERT:
+    """Build an AALBERT model.
+
+    Args:
+        feature_dim: mel bins F per 10 ms frame (AALBERT: 80, "input_dim").
+        stack: frames stacked into one model step ("downsample_rate", 3 in AALBERT).
+        dim: model width D ("hidden_size").
+        num_layers: depth L ("num_hidden_layers"); with `shared` one layer runs L times.
+        num_heads: h ("num_attention_heads").
+        ffn_dim: feed-forward width ("intermediate_size").
+        shared: ALBERT cross-layer sharing ("share_layer"); False gives L independent layers.
+        pre_norm: LayerNorm before each sub-layer instead of after (BERT is post-LN).
+        dropout: "hidden_dropout_prob".
+        layer_norm_eps: "layer_norm_eps".
+        attention: registry name of the self-attention (`speechattn.attention.available()`).
+        attention_options: keyword options for that attention's config.
+        make_attention: a factory returning a fresh attention module; overrides the registry
+            (tests use it to plug in a stand-in).
+    """
+    config = ModelConfig(
+        feature_dim=feature_dim,
+        stack=stack,
+        dim=dim,
+        num_layers=num_layers,
+        num_heads=num_heads,
+        ffn_dim=ffn_dim,
+        shared=shared,
+        pre_norm=pre_norm,
+        dropout=dropout,
+        layer_norm_eps=layer_norm_eps,
+        attention=attention,
+        attention_options=attention_options or {},
+    )
+    return AALBERT(config, make_attention)
+
+
+def aalbert_base(**overrides: Any) -> AALBERT:
+    """The study's model: 6 shared layers, D 768, 12 heads, FFN 3072 (about 7.6 M parameters)."""
+    return aalbert(**{**PRESETS["aalbert_base"], **overrides})
+
+
+def aalbert_tiny(**overrides: Any) -> AALBERT:
+    """The CPU default: small enough to pretrain in minutes on two cores."""
+    return aalbert(**{**PRESETS["aalbert_tiny"], **overrides})
+
+
+PRESETS: dict[str, dict[str, Any]] = {
+    "aalbert_base": dict(dim=768, num_layers=6, num_heads=12, ffn_dim=3072),
+    "aalbert_tiny": dict(dim=192, num_layers=4, num_heads=4, ffn_dim=768),
+}
