@@ -1,0 +1,76 @@
+"""Pure pattern builders (no parameters, no compute kernels).
+
+Boolean (T, T) masks are True where query i (row) may attend key j (column); they are used by
+the dense references, by tests and by the visualiser. The efficient kernels never build them.
+Also the fixed attention patterns of Raganato et al. (2020) used to initialise `syn_fixed`.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+# Order of the fixed patterns (Raganato et al. 2020), i.e. of the first heads of syn_fixed.
+FIXED_PATTERN_NAMES = ("current", "previous", "next", "left", "right", "start", "end")
+
+
+def default_stride(num_valid: int) -> int:
+    """l ~ sqrt(T) for an utterance of `num_valid` frames (Child et al. 2019), at least 1."""
+    return max(1, round(math.sqrt(num_valid)))
+
+
+def _ij(T: int, device: torch.device | None = None) -> tuple[Tensor, Tensor]:
+    i = torch.arange(T, device=device)[:, None]
+    j = torch.arange(T, device=device)[None, :]
+    return i, j
+
+
+def band_pattern(T: int, width: int, device: torch.device | None = None) -> Tensor:
+    """Local band |i - j| <= width, (T, T) bool (strided pattern, first half of the heads)."""
+    i, j = _ij(T, device)
+    return (i - j).abs() <= width
+
+
+def strided_pattern(T: int, stride: int, device: torch.device | None = None) -> Tensor:
+    """Residue classes (i - j) mod l = 0, (T, T) bool (strided pattern, second half)."""
+    i, j = _ij(T, device)
+    return (i - j) % stride == 0
+
+
+def block_pattern(T: int, block: int, device: torch.device | None = None) -> Tensor:
+    """Own block floor(i / l) = floor(j / l), (T, T) bool (fixed pattern, first half)."""
+    i, j = _ij(T, device)
+    return i // block == j // block
+
+
+def summary_pattern(T: int, block: int, summary: int, device: torch.device | None = None) -> Tensor:
+    """Summary columns j mod l >= l - c, (T, T) bool (fixed pattern, second half)."""
+    _, j = _ij(T, device)
+    return (j % block >= block - summary).expand(T, T)
+
+
+def fixed_patterns(n: int, context: int = 3) -> Tensor:
+    """The 7 fixed patterns of Raganato et al. (2020) on an n x n grid: (7, n, n) float.
+
+    Rows sum to 1 where the pattern has a target and are all-zero otherwise (e.g. "previous"
+    of the first frame). current: j = i; previous: j = i - 1; next: j = i + 1; left: the
+    `context` frames before i (uniform); right: the `context` frames after i; start: j = 0;
+    end: j = n - 1. Used as logits log(pattern + eps) with "end" read from the bottom-right
+    corner so that it points at the utterance's own last frame.
+    """
+    i, j = _ij(n)
+    d = i - j  # (n, n) query minus key offset
+    left = ((d >= 1) & (d <= context)).double()
+    right = ((-d >= 1) & (-d <= context)).double()
+    pats = [
+        (d == 0).double(),
+        (d == 1).double(),
+        (d == -1).double(),
+        left / left.sum(-1, keepdim=True).clamp_min(1),
+        right / right.sum(-1, keepdim=True).clamp_min(1),
+        (j == 0).double().expand(n, n),
+        (j == n - 1).double().expand(n, n),
+    ]
+    return torch.stack(pats).float()  # (7, n, n)

@@ -1,0 +1,307 @@
+"""Bidirectional sparse attention patterns on shared-QK scores: `sparse_strided`, `sparse_fixed`.
+
+Child, Gray, Radford, Sutskever, "Generating Long Sequences with Sparse Transformers", 2019,
+section 4.2 (strided and fixed factorised patterns), made bidirectional as in the study.
+Scores are the Reformer shared-QK scores of `shared_qk` (keys = L2-normalised queries, self
+penalised by -5e4; the self key is always allowed so that no row is empty).
+
+* sparse_strided: heads [0, ceil(h/2)) attend to the band |i - j| <= l, the other heads to the
+  residue class (i - j) mod l = 0.
+* sparse_fixed: heads [0, ceil(h/2)) attend within their own block floor(i/l) = floor(j/l), the
+  other heads to the c summary columns at the end of every block, j mod l >= l - c.
+
+l ~ sqrt(T): with the default ``stride``/``block`` = None each utterance uses
+l = round(sqrt(T_valid)) of its own valid length, so its output does not depend on what it is
+batched with (utterances sharing l are processed together). An int fixes l for all inputs.
+
+Efficient path (never a T x T mask; n = ceil(T / l) blocks):
+    band:    each query block against [previous, own, next] key blocks   (B, H, n, l, 3l)
+    residue: reshape (n, l) -> (l, n), attend within each residue class   (B, H, l, n, n)
+    block:   attend within each block                                      (B, H, n, l, l)
+    summary: gather the n*c summary columns, plus the self column          (B, H, T, n c + 1)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from speechattn.attention import patterns
+from speechattn.attention.base import (
+    SELF_PENALTY,
+    AttentionConfig,
+    key_mask,
+    masked_softmax,
+    scale,
+)
+from speechattn.attention.dot_product import SharedQKBase
+from speechattn.attention.registry import register
+
+Kernel = Callable[[Tensor, Tensor, Tensor, Tensor, int, float], Tensor]
+
+
+def _pad_time(t: Tensor, left: int, right: int, dim: int) -> Tensor:
+    """Zero/False-pad dimension `dim` of t by (left, right)."""
+    pad = [0, 0] * (t.dim() - 1 - dim) + [left, right]
+    return F.pad(t, pad)
+
+
+def _blocks(t: Tensor, ls: int) -> Tensor:
+    """(B, H, T, d) -> (B, H, n, l, d), zero-padded to n * l frames."""
+    B, H, T, d = t.shape
+    n = -(-T // ls)
+    return _pad_time(t, 0, n * ls - T, 2).view(B, H, n, ls, d)
+
+
+def _valid_blocks(kv: Tensor, ls: int) -> Tensor:
+    """(B, T) bool -> (B, n, l) bool, padded with False."""
+    B, T = kv.shape
+    n = -(-T // ls)
+    return _pad_time(kv, 0, n * ls - T, 1).view(B, n, ls)
+
+
+def _attend(q: Tensor, k: Tensor, v: Tensor, allowed: Tensor, bias: Tensor, p: float) -> Tensor:
+    """softmax over allowed of (q k^T / sqrt(d) + bias), dropout p, times v.
+
+    q (..., Q, d), k and v (..., K, d), allowed/bias broadcastable to (..., Q, K).
+    """
+    s = q @ k.transpose(-1, -2) * scale(q.shape[-1]) + bias
+    return _dropout(masked_softmax(s, allowed), p) @ v
+
+
+def _dropout(probs: Tensor, p: float) -> Tensor:
+    return F.dropout(probs, p) if p else probs
+
+
+def band_kernel(q: Tensor, k: Tensor, v: Tensor, kv: Tensor, ls: int, p: float = 0.0) -> Tensor:
+    """|i - j| <= l. q, k, v (B, H, T, d), kv (B, T) allowed keys -> (B, H, T, d)."""
+    B, H, T, d = q.shape
+    n = -(-T // ls)
+    qb = _blocks(q, ls)  # (B, H, n, l, d)
+
+    def windows(t: Tensor) -> Tensor:  # (B, H, T, d) -> (B, H, n, 3l, d)
+        tp = _pad_time(t, ls, n * ls - T + ls, 2)  # (B, H, (n + 2) l, d)
+        parts = [tp[:, :, s * ls : (s + n) * ls].reshape(B, H, n, ls, d) for s in range(3)]
+        return torch.cat(parts, dim=3)
+
+    vp = _pad_time(kv, ls, n * ls - T + ls, 1)  # (B, (n + 2) l)
+    kvw = torch.cat([vp[:, s * ls : (s + n) * ls].view(B, n, ls) for s in range(3)], dim=2)
+    a = torch.arange(ls, device=q.device)[:, None]
+    w = torch.arange(3 * ls, device=q.device)[None, :]
+    rel = a + ls - w  # (l, 3l) query minus key position
+    allowed = (rel.abs() <= ls) & kvw[:, None, :, None, :]  # (B, 1, n, l, 3l)
+    bias = (rel == 0).to(q.dtype) * SELF_PENALTY  # (l, 3l)
+    out = _attend(qb, windows(k), windows(v), allowed, bias, p)  # (B, H, n, l, d)
+    return out.reshape(B, H, n * ls, d)[:, :, :T]
+
+
+def residue_kernel(q: Tensor, k: Tensor, v: Tensor, kv: Tensor, ls: int, p: float = 0.0) -> Tensor:
+    """(i - j) mod l = 0. q, k, v (B, H, T, d), kv (B, T) -> (B, H, T, d)."""
+    B, H, T, d = q.shape
+    n = -(-T // ls)
+
+    def classes(t: Tensor) -> Tensor:  # (B, H, T, d) -> (B, H, l, n, d)
+        return _blocks(t, ls).transpose(2, 3)
+
+    kvr = _valid_blocks(kv, ls).transpose(1, 2)  # (B, l, n)
+    allowed = kvr[:, None, :, None, :]  # (B, 1, l, 1, n)
+    bias = torch.eye(n, device=q.device, dtype=q.dtype) * SELF_PENALTY  # (n, n)
+    out = _attend(classes(q), classes(k), classes(v), allowed, bias, p)  # (B, H, l, n, d)
+    return out.transpose(2, 3).reshape(B, H, n * ls, d)[:, :, :T]
+
+
+def block_kernel(q: Tensor, k: Tensor, v: Tensor, kv: Tensor, ls: int, p: float = 0.0) -> Tensor:
+    """floor(i / l) = floor(j / l). q, k, v (B, H, T, d), kv (B, T) -> (B, H, T, d)."""
+    B, H, T, d = q.shape
+    allowed = _valid_blocks(kv, ls)[:, None, :, None, :]  # (B, 1, n, 1, l)
+    bias = torch.eye(ls, device=q.device, dtype=q.dtype) * SELF_PENALTY  # (l, l)
+    out = _attend(
+        _blocks(q, ls), _blocks(k, ls), _blocks(v, ls), allowed, bias, p
+    )  # (B, H, n, l, d)
+    return out.reshape(B, H, -1, d)[:, :, :T]
+
+
+def summary_kernel(
+    q: Tensor, k: Tensor, v: Tensor, kv: Tensor, ls: int, c: int, p: float = 0.0
+) -> Tensor:
+    """j mod l >= l - c, plus the (penalised) self key. q, k, v (B, H, T, d) -> (B, H, T, d)."""
+    B, H, T, d = q.shape
+    n = -(-T // ls)
+    c = min(c, ls)
+    cols = torch.arange(n, device=q.device)[:, None] * ls + torch.arange(
+        ls - c, ls, device=q.device
+    )
+    cols = cols.reshape(-1)  # (n c,) summary positions, some may be >= T
+    in_range = cols < T
+    cols_c = cols.clamp_max(T - 1)
+    ks, vs = k[:, :, cols_c], v[:, :, cols_c]  # (B, H, n c, d)
+    s_sum = q @ ks.transpose(-1, -2) * scale(d)  # (B, H, T, n c)
+    not_self = cols[None, :] != torch.arange(T, device=q.device)[:, None]  # (T, n c)
+    ok_sum = (kv[:, cols_c] & in_range)[:, None, None, :] & not_self  # (B, 1, T, n c)
+    s_self = (q * k).sum(-1, keepdim=True) * scale(d) + SELF_PENALTY  # (B, H, T, 1)
+    ok_self = kv[:, None, :, None]  # (B, 1, T, 1)
+    probs = masked_softmax(
+        torch.cat([s_sum, s_self], dim=-1),
+        torch.cat([ok_sum.expand(B, 1, T, -1), ok_self], dim=-1),
+    )  # (B, H, T, n c + 1)
+    probs = _dropout(probs, p)
+    return probs[..., :-1] @ vs + probs[..., -1:] * v
+
+
+class _SparseBase(SharedQKBase):
+    """Shared-QK sparse attention; subclasses give the two kernels and the two patterns."""
+
+    complexity_training = "O(T sqrt(T) D)"
+    complexity_inference = "O(T sqrt(T) D)"
+
+    def _fixed_stride(self) -> int | None:
+        raise NotImplementedError
+
+    def kernels(self) -> tuple[Kernel, Kernel]:
+        raise NotImplementedError
+
+    def pattern_pair(self, T: int, ls: int, device: torch.device) -> tuple[Tensor, Tensor]:
+        """The (T, T) bool patterns of the first and second half of the heads."""
+        raise NotImplementedError
+
+    def strides(self, valid: Tensor) -> list[int]:
+        """l per utterance: the configured one, or round(sqrt(T_valid))."""
+        fixed = self._fixed_stride()
+        if fixed is not None:
+            return [fixed] * valid.shape[0]
+        return [patterns.default_stride(int(n)) for n in valid.sum(-1).tolist()]
+
+    @property
+    def heads_first(self) -> int:
+        return (self.num_heads + 1) // 2
+
+    def _run(self, q: Tensor, k: Tensor, v: Tensor, kv: Tensor, ls: int) -> Tensor:
+        first, second = self.kernels()
+        hA, p = self.heads_first, (self.dropout if self.training else 0.0)
+        outs = [first(q[:, :hA], k[:, :hA], v[:, :hA], kv, ls, p)]
+        if hA < self.num_heads:
+            outs.append(second(q[:, hA:], k[:, hA:], v[:, hA:], kv, ls, p))
+        return torch.cat(outs, dim=1)  # (B, h, T, d_k)
+
+    def attend(self, x: Tensor, valid: Tensor) -> Tensor:
+        q, k, v = self.shared_qkv(x)  # (B, h, T, d_k)
+        kv = key_mask(valid)  # (B, T)
+        strides = self.strides(valid)
+        if len(set(strides)) == 1:
+            return self._run(q, k, v, kv, strides[0])
+        # Utterances with different l: run each group on its own, trimmed to its last valid frame.
+        out = q.new_zeros(q.shape)
+        last = torch.where(valid, torch.arange(x.shape[1], device=x.device), -1).amax(-1)
+        for ls in sorted(set(strides)):
+            idx = torch.tensor([b for b, s in enumerate(strides) if s == ls], device=x.device)
+            Tg = max(1, int(last[idx].max()) + 1)
+            out[idx, :, :Tg] = self._run(
+                q[idx, :, :Tg], k[idx, :, :Tg], v[idx, :, :Tg], kv[idx, :Tg], ls
+            )
+        return out
+
+    def allowed_dense(self, valid: Tensor) -> Tensor:
+        """(B, h, T, T) bool: the pattern of each head, plus self, restricted to allowed keys."""
+        B, T = valid.shape
+        eye = torch.eye(T, dtype=torch.bool, device=valid.device)
+        hA = self.heads_first
+        rows = []
+        for ls in self.strides(valid):
+            a, b = self.pattern_pair(T, ls, valid.device)
+            rows.append(torch.stack([a] * hA + [b] * (self.num_heads - hA)) | eye)
+        return torch.stack(rows) & key_mask(valid)[:, None, None, :]
+
+    def attend_dense(self, x: Tensor, valid: Tensor) -> tuple[Tensor, Tensor]:
+        q, k, v = self.shared_qkv(x)  # (B, h, T, d_k)
+        weights = masked_softmax(self.shared_scores(q, k), self.allowed_dense(valid))
+        return self.drop(weights) @ v, weights  # (B, h, T, d_k), (B, h, T, T)
+
+    def _mean_pattern_size(self, T: int) -> tuple[float, float]:
+        raise NotImplementedError
+
+    def keys_attended(self, T: int) -> float:
+        a, b = self._mean_pattern_size(T)
+        hA = self.heads_first
+        return (hA * a + (self.num_heads - hA) * b) / self.num_heads
+
+
+@dataclass
+class SparseStridedConfig(AttentionConfig):
+    stride: int | None = None  # l; None: round(sqrt(T_valid)) per utterance
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.stride is not None and self.stride < 1:
+            raise ValueError(f"stride must be >= 1 or None, got {self.stride}")
+
+
+@register("sparse_strided")
+class SparseStridedAttention(_SparseBase):
+    """Bidirectional strided sparse attention: local band and residue classes."""
+
+    Config = SparseStridedConfig
+    paper = "Child et al., Generating Long Sequences with Sparse Transformers, 2019 (strided)"
+
+    def _fixed_stride(self) -> int | None:
+        return self.config.stride
+
+    def kernels(self) -> tuple[Kernel, Kernel]:
+        return band_kernel, residue_kernel
+
+    def pattern_pair(self, T: int, ls: int, device: torch.device) -> tuple[Tensor, Tensor]:
+        return patterns.band_pattern(T, ls, device), patterns.strided_pattern(T, ls, device)
+
+    def _mean_pattern_size(self, T: int) -> tuple[float, float]:
+        ls = self._fixed_stride() or patterns.default_stride(T)
+        i = torch.arange(T)
+        band = (torch.clamp(i + ls, max=T - 1) - torch.clamp(i - ls, min=0) + 1).double().mean()
+        residue = torch.div(T - 1 - (i % ls), ls, rounding_mode="floor").double().add(1).mean()
+        return float(band), float(residue)
+
+
+@dataclass
+class SparseFixedConfig(AttentionConfig):
+    block: int | None = None  # l; None: round(sqrt(T_valid)) per utterance
+    summary: int = 1  # c summary columns at the end of each block (clipped to l)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.block is not None and self.block < 1:
+            raise ValueError(f"block must be >= 1 or None, got {self.block}")
+        if self.summary < 1:
+            raise ValueError(f"summary must be >= 1, got {self.summary}")
+
+
+@register("sparse_fixed")
+class SparseFixedAttention(_SparseBase):
+    """Bidirectional fixed sparse attention: own block and per-block summary columns."""
+
+    Config = SparseFixedConfig
+    paper = "Child et al., Generating Long Sequences with Sparse Transformers, 2019 (fixed)"
+
+    def _fixed_stride(self) -> int | None:
+        return self.config.block
+
+    def kernels(self) -> tuple[Kernel, Kernel]:
+        c = self.config.summary
+
+        def summary(q: Tensor, k: Tensor, v: Tensor, kv: Tensor, ls: int, p: float) -> Tensor:
+            return summary_kernel(q, k, v, kv, ls, c, p)
+
+        return block_kernel, summary
+
+    def pattern_pair(self, T: int, ls: int, device: torch.device) -> tuple[Tensor, Tensor]:
+        c = min(self.config.summary, ls)
+        return patterns.block_pattern(T, ls, device), patterns.summary_pattern(T, ls, c, device)
+
+    def _mean_pattern_size(self, T: int) -> tuple[float, float]:
+        ls = self._fixed_stride() or patterns.default_stride(T)
+        c = min(self.config.summary, ls)
+        i = torch.arange(T)
+        block = (torch.clamp((i // ls + 1) * ls, max=T) - (i // ls) * ls).double().mean()
+        summary = float((i % ls >= ls - c).sum())
+        return float(block), summary
