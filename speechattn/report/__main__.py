@@ -1,0 +1,62 @@
+"""`python -m speechattn.report RESULTS_DIR [--out DIR] [--bench PATH] [--maps-variant NAME]`.
+
+Writes table1.md/.csv, table2.md/.csv (+ table2_reference.csv), fig_attention_maps.png,
+fig_accuracy_vs_keys.png and README.md for the downstream results found under RESULTS_DIR.
+Incomplete results show as gaps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from speechattn.report.build import make_report
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m speechattn.report", description=__doc__.split("\n")[2]
+    )
+    parser.add_argument("results_dir", help="folder searched recursively for result.json files")
+    parser.add_argument(
+        "--out", default=None, help="where to write the report (default: RESULTS_DIR)"
+    )
+    parser.add_argument(
+        "--bench",
+        default=None,
+        help="attention benchmark JSON (default: RESULTS_DIR/bench/attention.json)",
+    )
+    parser.add_argument(
+        "--maps-variant", default="full", help="variant whose attention maps to draw"
+    )
+    parser.add_argument(
+        "--maps-layer", type=int, default=None, help="1-based layer (default: last)"
+    )
+    parser.add_argument(
+        "--seq-len",
+        type=int,
+        default=None,
+        help="frames at which keys attended are counted (default: median test utterance length)",
+    )
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    report = make_report(
+        args.results_dir,
+        out=args.out,
+        bench=args.bench,
+        maps_variant=args.maps_variant,
+        maps_layer=args.maps_layer,
+        seq_len=args.seq_len,
+    )
+    for path in report.files:
+        print(f"wrote {path}")
+    for note in report.notes:
+        print(f"note: {note}", file=sys.stderr)
+    if report.missing:
+        print(f"{len(report.missing)} (variant, task) runs missing: shown as gaps", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,99 @@
+"""Figures of the report: attention maps of every head (study Fig. 2) and utterance-level
+speaker accuracy vs keys attended (study Fig. 4)."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")  # files only, no display
+import matplotlib.pyplot as plt  # noqa: E402
+import torch  # noqa: E402
+
+from speechattn.report.results import ResultSet  # noqa: E402
+from speechattn.report.tables import attention_facts  # noqa: E402
+from speechattn.tasks.downstream_result import MEL  # noqa: E402
+
+SPEAKER_TASK = "speaker_utterance"
+
+
+def accuracy_vs_keys(results: ResultSet, seq_len: int, path: Path) -> Path | None:
+    """Scatter of `speaker_utterance` test accuracy against keys attended per query at
+    `seq_len` (log scale); the mel baseline as a dashed line. None when nothing to plot."""
+    points = []
+    for variant in results.variants():
+        acc = results.accuracy(variant, SPEAKER_TASK)
+        if acc is None or variant == MEL:
+            continue
+        keys = attention_facts(variant, seq_len).get("keys_attended")
+        if keys is not None:
+            points.append((variant, keys, acc))
+    if not points:
+        return None
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for name, keys, acc in points:
+        ax.scatter(keys, acc, s=36)
+        ax.annotate(name, (keys, acc), textcoords="offset points", xytext=(4, 3), fontsize=8)
+    mel = results.accuracy(MEL, SPEAKER_TASK)
+    if mel is not None:
+        ax.axhline(mel, color="grey", linestyle="--", linewidth=1, label="mel (no pretraining)")
+        ax.legend(loc="lower right", fontsize=8)
+    ax.set_xscale("log")
+    ax.set_xlabel(f"keys attended per query (T = {seq_len} frames)")
+    ax.set_ylabel("utterance-level speaker accuracy (test)")
+    ax.set_title("Speaker accuracy vs keys attended")
+    ax.grid(True, which="both", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=130)
+    plt.close(fig)
+    return path
+
+
+def attention_maps(
+    upstream_path: str | Path,
+    example_path: str | Path,
+    path: Path,
+    layer: int = 1,
+    max_frames: int = 200,
+) -> Path:
+    """Every head's attention weights in `layer` (1-based) for one utterance, as a grid.
+
+    The utterance is the normalised test utterance a downstream run saved beside its result
+    (`example_utterance.pt`); the weights come from the upstream's `attention_weights`, i.e. the
+    variant's dense reference. At most `max_frames` frames are drawn.
+    """
+    from speechattn import load_upstream
+
+    upstream = load_upstream(upstream_path).eval()
+    example = torch.load(example_path, map_location="cpu", weights_only=True)
+    features = example["features"][None]  # (1, T, F)
+    lengths = torch.tensor([features.size(1)])
+    if not 1 <= layer <= upstream.num_layers:
+        raise ValueError(f"layer {layer} out of range: the upstream has {upstream.num_layers}")
+    with torch.no_grad():
+        weights = upstream.attention_weights(features, lengths, layer)  # (1, h, T', T')
+    weights = weights[0, :, :max_frames, :max_frames].float()  # (h, T', T')
+    heads = weights.size(0)
+    cols = min(4, heads)
+    rows = math.ceil(heads / cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(3 * cols, 3 * rows), squeeze=False)
+    for h in range(rows * cols):
+        ax = axes[h // cols][h % cols]
+        ax.set_xticks([])
+        ax.set_yticks([])
+        if h >= heads:
+            ax.axis("off")
+            continue
+        ax.imshow(weights[h].numpy(), cmap="viridis", aspect="equal", interpolation="nearest")
+        ax.set_title(f"head {h}", fontsize=9)
+    name = getattr(upstream, "attention_name", "?")
+    fig.suptitle(
+        f"{name}: layer {layer}, utterance {example.get('utt_id', '?')} (rows: queries, cols: keys)",
+        fontsize=10,
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

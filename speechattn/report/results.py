@@ -1,0 +1,164 @@
+"""Collect downstream results (`result.json`) and attention benchmarks from a results folder.
+
+A results folder is any tree: every `result.json` below it is one run. Runs are grouped by
+variant (the upstream's attention name, `mel` for the baseline) and task; when a (variant, task)
+pair has several runs the newest wins and the others are listed as superseded. Unreadable files
+are reported, never fatal, so a half-finished study still gives a report.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from speechattn.tasks.downstream_result import (
+    MEL,
+    RESULT_FILE,
+    TASKS,
+    DownstreamResult,
+    read_result,
+)
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class ResultSet:
+    """results[variant][task] -> the run that counts; problems are human-readable notes."""
+
+    results: dict[str, dict[str, tuple[Path, DownstreamResult]]] = field(default_factory=dict)
+    problems: list[str] = field(default_factory=list)
+    superseded: list[Path] = field(default_factory=list)
+
+    def get(self, variant: str, task: str) -> DownstreamResult | None:
+        entry = self.results.get(variant, {}).get(task)
+        return None if entry is None else entry[1]
+
+    def path(self, variant: str, task: str) -> Path | None:
+        entry = self.results.get(variant, {}).get(task)
+        return None if entry is None else entry[0]
+
+    def accuracy(self, variant: str, task: str) -> float | None:
+        result = self.get(variant, task)
+        return None if result is None else result.test_accuracy
+
+    def tasks(self) -> list[str]:
+        """The study's four tasks in order, then any others found."""
+        found = {t for runs in self.results.values() for t in runs}
+        return [*TASKS, *sorted(found - set(TASKS))]
+
+    def variants(self, order: list[str] | None = None) -> list[str]:
+        """`mel` first, then `order` (the registry's), then any other variants found."""
+        order = order if order is not None else registry_order()
+        found = set(self.results)
+        ordered = [MEL] + [v for v in order if v != MEL]
+        return [v for v in ordered if v in found] + sorted(found - set(ordered))
+
+
+def registry_order() -> list[str]:
+    """Variant names in the attention registry's order ([] when it cannot be imported)."""
+    try:
+        from speechattn.attention import available
+    except ImportError:
+        return []
+    return list(available())
+
+
+def collect(root: str | Path) -> ResultSet:
+    """Read every `result.json` under `root`."""
+    root = Path(root)
+    found = ResultSet()
+    if not root.is_dir():
+        found.problems.append(f"{root}: results folder does not exist")
+        return found
+    for path in sorted(root.rglob(RESULT_FILE)):
+        try:
+            result = read_result(path)
+        except ValueError as e:
+            found.problems.append(str(e))
+            continue
+        runs = found.results.setdefault(result.attention, {})
+        previous = runs.get(result.task)
+        if previous is None or result.created >= previous[1].created:
+            if previous is not None:
+                found.superseded.append(previous[0])
+            runs[result.task] = (path, result)
+        else:
+            found.superseded.append(path)
+    return found
+
+
+# ----------------------------------------------------------------------------- benchmark
+
+
+@dataclass
+class BenchRecord:
+    """One measurement: variant at sequence length T (times in ms, memory in MiB)."""
+
+    variant: str
+    seq_len: int
+    time_ms: float | None = None
+    memory_mb: float | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+_NAME_KEYS = ("attention", "variant", "name")
+_LEN_KEYS = ("seq_len", "T", "length", "seq_length")
+_TIME_KEYS = ("time_ms", "forward_backward_ms", "train_ms", "fwd_bwd_ms", "forward_ms", "ms")
+_MEM_KEYS = ("peak_memory_mb", "peak_mem_mb", "memory_mb", "peak_mb", "mem_mb")
+
+
+def _first(record: dict[str, Any], keys: tuple[str, ...]) -> Any:
+    for key in keys:
+        if record.get(key) is not None:
+            return record[key]
+    return None
+
+
+def read_bench(path: str | Path) -> tuple[list[BenchRecord], dict[str, Any]]:
+    """Read `python -m speechattn.bench attention --json PATH` output.
+
+    Accepted shapes: a list of records, or an object with a `results` (or `records`) list and
+    any other top-level keys kept as metadata (device, dtype, ...). A record names its variant
+    (`attention`/`variant`/`name`), its sequence length (`seq_len`/`T`) and the measured time
+    (`time_ms`, ...) and peak memory (`peak_memory_mb`, ...). Unknown keys are kept in `extra`.
+    """
+    data = json.loads(Path(path).read_text())
+    meta: dict[str, Any] = {}
+    if isinstance(data, dict):
+        rows = data.get("results", data.get("records", []))
+        meta = {k: v for k, v in data.items() if k not in ("results", "records")}
+    else:
+        rows = data
+    records = []
+    for row in rows:
+        if not isinstance(row, dict):
+            continue
+        name, seq_len = _first(row, _NAME_KEYS), _first(row, _LEN_KEYS)
+        if name is None or seq_len is None:
+            continue
+        used = set(_NAME_KEYS + _LEN_KEYS + _TIME_KEYS + _MEM_KEYS)
+        time_ms, memory = _first(row, _TIME_KEYS), _first(row, _MEM_KEYS)
+        records.append(
+            BenchRecord(
+                variant=str(name),
+                seq_len=int(seq_len),
+                time_ms=None if time_ms is None else float(time_ms),
+                memory_mb=None if memory is None else float(memory),
+                extra={k: v for k, v in row.items() if k not in used},
+            )
+        )
+    return records, meta
+
+
+def find_bench(root: str | Path) -> Path | None:
+    """The attention benchmark JSON in a results folder (`bench/attention.json` first)."""
+    root = Path(root)
+    preferred = root / "bench" / "attention.json"
+    if preferred.is_file():
+        return preferred
+    candidates = sorted(root.glob("**/*bench*.json")) + sorted(root.glob("bench/*.json"))
+    return candidates[0] if candidates else None

@@ -1,0 +1,163 @@
+"""Table 1 (cost per variant) and Table 2 (accuracy per variant x task), as Markdown and CSV.
+
+Missing entries are gaps (`–` in Markdown, empty in CSV), never errors.
+"""
+
+from __future__ import annotations
+
+import csv
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from speechattn.report.reference import REFERENCE, reference_accuracy
+from speechattn.report.results import BenchRecord, ResultSet, registry_order
+from speechattn.tasks.downstream_result import MEL
+
+log = logging.getLogger(__name__)
+
+GAP = "–"
+TASK_TITLES = {
+    "speaker_utterance": "speaker (utterance)",
+    "speaker_frame": "speaker (frame)",
+    "phone_1hidden": "phone (1 hidden)",
+    "phone_2hidden": "phone (2 hidden)",
+}
+# Dimensions at which Table 1 counts attention parameters: the study's AALBERT (SPEC 3).
+STUDY_DIM, STUDY_HEADS = 768, 12
+
+
+@dataclass
+class Table:
+    """Header + rows of cells (None = gap) + optional per-cell emphasis."""
+
+    header: list[str]
+    rows: list[list[Any]]
+    bold: set[tuple[int, int]]
+
+    def markdown(self, digits: int = 4) -> str:
+        def cell(value: Any, r: int, c: int) -> str:
+            if value is None:
+                text = GAP
+            elif isinstance(value, float):
+                text = f"{value:.{digits}f}"
+            else:
+                text = str(value)
+            return f"**{text}**" if (r, c) in self.bold and value is not None else text
+
+        lines = ["| " + " | ".join(self.header) + " |", "|" + "---|" * len(self.header)]
+        for r, row in enumerate(self.rows):
+            lines.append("| " + " | ".join(cell(v, r, c) for c, v in enumerate(row)) + " |")
+        return "\n".join(lines) + "\n"
+
+    def write_csv(self, path: Path) -> None:
+        with open(path, "w", newline="") as f:
+            writer = csv.writer(f)
+            writer.writerow(self.header)
+            for row in self.rows:
+                writer.writerow(["" if v is None else v for v in row])
+
+
+def _mark_best(rows: list[list[Any]], columns: range) -> set[tuple[int, int]]:
+    """(row, column) of the maximum of each column (ties all marked)."""
+    bold = set()
+    for c in columns:
+        values = [row[c] for row in rows if isinstance(row[c], float)]
+        if not values:
+            continue
+        best = max(values)
+        bold |= {(r, c) for r, row in enumerate(rows) if row[c] == best}
+    return bold
+
+
+def accuracy_table(results: ResultSet, tasks: list[str], variants: list[str]) -> Table:
+    """Test accuracy per variant (rows) and task (columns); best per column in bold."""
+    header = ["variant", *[TASK_TITLES.get(t, t) for t in tasks]]
+    rows = [[_label(v), *[results.accuracy(v, t) for t in tasks]] for v in variants]
+    return Table(header, rows, _mark_best(rows, range(1, len(header))))
+
+
+def reference_table(tasks: list[str], variants: list[str]) -> Table:
+    """The study's LibriSpeech accuracies (SPEC 9) for the same rows, best per column in bold."""
+    names = [v for v in variants if v in REFERENCE] + [v for v in REFERENCE if v not in variants]
+    header = ["variant", *[TASK_TITLES.get(t, t) for t in tasks]]
+    rows = [[_label(v), *[reference_accuracy(v, t) for t in tasks]] for v in names]
+    return Table(header, rows, _mark_best(rows, range(1, len(header))))
+
+
+def _label(variant: str) -> str:
+    return "mel (no pretraining)" if variant == MEL else variant
+
+
+# ----------------------------------------------------------------------------- table 1
+
+
+def attention_facts(variant: str, seq_len: int) -> dict[str, Any]:
+    """Complexity, keys attended at `seq_len` and parameters of one attention layer at the
+    study's size, from the attention registry; {} when the variant cannot be built."""
+    try:
+        from speechattn.attention import build
+
+        module = build(variant, STUDY_DIM, STUDY_HEADS)
+    except Exception as e:  # a variant missing from this checkout, or the library absent
+        log.info("table 1: cannot build %s (%s)", variant, e)
+        return {}
+    return {
+        "complexity": getattr(module, "complexity", None),
+        "keys_attended": float(module.keys_attended(seq_len)),
+        "attention_params": sum(p.numel() for p in module.parameters()),
+    }
+
+
+def cost_table(
+    results: ResultSet,
+    bench: list[BenchRecord],
+    seq_len: int,
+    variants: list[str] | None = None,
+) -> Table:
+    """Per variant: complexity, keys attended at `seq_len`, parameters, measured time/memory.
+
+    Measured columns come from the benchmark records, one pair per benchmarked length; they
+    are absent when no benchmark was run.
+    """
+    if variants is None:
+        names = registry_order() or [v for v in results.variants() if v != MEL]
+        variants = names + [
+            v
+            for v in results.variants() + sorted({r.variant for r in bench})
+            if v not in names and v != MEL
+        ]
+    lengths = sorted({r.seq_len for r in bench})
+    by_key = {(r.variant, r.seq_len): r for r in bench}
+    header = [
+        "variant",
+        "complexity",
+        f"keys attended (T={seq_len})",
+        f"attention params/layer (D={STUDY_DIM}, h={STUDY_HEADS})",
+        "upstream params",
+    ]
+    header += [f"time ms (T={n})" for n in lengths] + [f"peak MiB (T={n})" for n in lengths]
+    rows = []
+    for v in variants:
+        facts = attention_facts(v, seq_len)
+        upstream_params = next(
+            (r.upstream_parameters for t in results.tasks() if (r := results.get(v, t))), None
+        )
+        row: list[Any] = [
+            v,
+            facts.get("complexity"),
+            facts.get("keys_attended"),
+            facts.get("attention_params"),
+            upstream_params or None,
+        ]
+        row += [getattr(by_key.get((v, n)), "time_ms", None) for n in lengths]
+        row += [getattr(by_key.get((v, n)), "memory_mb", None) for n in lengths]
+        rows.append(row)
+    # Lowest measured cost per column in bold.
+    bold = set()
+    for c in range(5, len(header)):
+        values = [row[c] for row in rows if isinstance(row[c], float)]
+        if values:
+            bold |= {(r, c) for r, row in enumerate(rows) if row[c] == min(values)}
+    return Table(header, rows, bold)

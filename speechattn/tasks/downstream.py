@@ -1,0 +1,513 @@
+"""Downstream evaluation of a frozen upstream (SPEC 7): probe training, model selection, result.
+
+`run(cfg)` is the whole protocol; `python -m speechattn.downstream` is a thin Hydra wrapper:
+
+1. build the labelled corpus (`LabelledDataModule`) and open the upstream (`upstream.pt` or `mel`),
+2. extract the chosen layer(s) once per split into the feature cache (`upstream_features`),
+3. train the task's probe on train with Lightning, early-stop and checkpoint on dev accuracy,
+4. score test with the best-dev checkpoint and write `result.json` (`downstream_result`).
+
+Tasks (conf/task/NAME.yaml mirrors `TaskConfig`):
+
+    speaker_utterance  mean (or fused attention) pooling + linear, one speaker per utterance
+    speaker_frame      linear per frame, the utterance's speaker on every frame
+    phone_1hidden      MLP, one hidden ReLU layer (768), per frame
+    phone_2hidden      MLP, two hidden ReLU layers (768), per frame
+
+Frame tasks are scored at the 10 ms label rate over all valid frames: the probe runs once per
+upstream frame and its logits are repeated `downsample` times and trimmed/padded to the label
+length (`speechattn.data.features.expand_to_labels`), which equals repeating the features.
+
+Shape letters: B batch, N cached layers, T' upstream frames, T 10 ms label frames, D hidden
+dim, C classes.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import asdict, dataclass, is_dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+import torch.nn.functional as Fn
+from omegaconf import DictConfig, OmegaConf
+from torch import Tensor
+from torch.utils.data import DataLoader, Dataset
+from torchmetrics.classification import MulticlassAccuracy
+
+from speechattn.tasks.downstream_result import EXAMPLE_FILE, MEL, TASKS, DownstreamResult
+from speechattn.tasks.probes import FrameProbe, LayerSelector, UtteranceProbe
+from speechattn.tasks.upstream_features import (
+    SPLITS,
+    SplitFeatures,
+    cache_key,
+    extract_split,
+    load_split,
+    open_upstream,
+    resolve_layers,
+    save_split,
+    tensor_digest,
+)
+
+log = logging.getLogger(__name__)
+IGNORE = -100  # label id of padded frames (the data layer's padding value)
+
+
+@dataclass
+class TaskConfig:
+    """One downstream task; `conf/task/NAME.yaml` mirrors it field for field."""
+
+    name: str
+    target: str  # "speaker" or "phones"
+    level: str  # "utterance" (one label per utterance) or "frame" (one per 10 ms frame)
+    pooling: str = "mean"  # utterance level only: mean | fused
+    hidden_layers: int = 0  # 0 = linear probe
+    hidden_dim: int = 768  # the study's phoneme MLP width
+    dropout: float = 0.0
+    batch_size: int = 32
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.target not in ("speaker", "phones"):
+            raise ValueError(
+                f"task {self.name}: target must be speaker or phones, not {self.target!r}"
+            )
+        if self.level not in ("utterance", "frame"):
+            raise ValueError(
+                f"task {self.name}: level must be utterance or frame, not {self.level!r}"
+            )
+        if self.level == "utterance" and self.target != "speaker":
+            raise ValueError(f"task {self.name}: utterance level needs one label per utterance")
+
+
+# ----------------------------------------------------------------------------- data
+
+
+class ProbeDataset(Dataset):
+    """Items of one cached split: hidden (N, T', D) plus the task's labels."""
+
+    def __init__(self, split: SplitFeatures, task: TaskConfig) -> None:
+        if task.target == "speaker" and split.speakers is None:
+            raise ValueError(f"task {task.name}: the corpus provides no speaker labels")
+        if task.target == "phones" and split.phones is None:
+            raise ValueError(f"task {task.name}: the corpus provides no phone labels")
+        self.split, self.task = split, task
+
+    def __len__(self) -> int:
+        return len(self.split)
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        s, task = self.split, self.task
+        item: dict[str, Any] = {"hidden": s.hidden(i), "utt_id": s.utt_ids[i]}
+        if task.target == "phones":
+            item["labels"] = s.phones_of(i)  # (T,)
+        elif task.level == "frame":  # the utterance's speaker on every 10 ms frame
+            item["labels"] = s.speakers[i].repeat(int(s.input_lengths[i]))  # (T,)
+        else:
+            item["labels"] = s.speakers[i]  # ()
+        return item
+
+
+def collate(items: list[dict[str, Any]]) -> dict[str, Any]:
+    """Pad a list of items: hidden (B, N, T', D), lengths (B,), padding_mask (B, T'),
+    labels (B,) or (B, T) padded with -100, label_lengths (B,), utt_ids."""
+    N, _, D = items[0]["hidden"].shape
+    lengths = torch.tensor([it["hidden"].size(1) for it in items])
+    hidden = torch.zeros(len(items), N, int(lengths.max()), D)
+    for b, it in enumerate(items):
+        hidden[b, :, : lengths[b]] = it["hidden"]
+    padding_mask = torch.arange(hidden.size(2))[None, :] >= lengths[:, None]  # (B, T')
+    batch: dict[str, Any] = {
+        "hidden": hidden,
+        "lengths": lengths,
+        "padding_mask": padding_mask,
+        "utt_ids": [it["utt_id"] for it in items],
+    }
+    labels = [it["labels"] for it in items]
+    if labels[0].dim() == 0:
+        batch["labels"] = torch.stack(labels)
+    else:
+        label_lengths = torch.tensor([len(y) for y in labels])
+        padded = torch.full((len(items), int(label_lengths.max())), IGNORE, dtype=torch.long)
+        for b, y in enumerate(labels):
+            padded[b, : len(y)] = y
+        batch["labels"], batch["label_lengths"] = padded, label_lengths
+    return batch
+
+
+# ----------------------------------------------------------------------------- model
+
+
+class DownstreamProbe(L.LightningModule):
+    """Layer selection + the task's head, trained with cross-entropy on frozen features."""
+
+    def __init__(
+        self,
+        task: TaskConfig,
+        input_dim: int,
+        num_layers: int,
+        num_classes: int,
+        downsample: int,
+        tolerance: int,
+    ) -> None:
+        super().__init__()
+        self.save_hyperparameters(
+            {
+                "task": asdict(task),
+                "input_dim": input_dim,
+                "num_layers": num_layers,
+                "num_classes": num_classes,
+                "downsample": downsample,
+                "tolerance": tolerance,
+            }
+        )
+        self.task, self.downsample, self.tolerance = task, downsample, tolerance
+        self.select = LayerSelector(num_layers)
+        if task.level == "utterance":
+            self.head: torch.nn.Module = UtteranceProbe(input_dim, num_classes, task.pooling)
+        else:
+            self.head = FrameProbe(
+                input_dim, num_classes, task.hidden_layers, task.hidden_dim, task.dropout
+            )
+        metric = MulticlassAccuracy(num_classes, average="micro", ignore_index=IGNORE)
+        self.train_acc, self.dev_acc, self.test_acc = metric.clone(), metric.clone(), metric.clone()
+
+    def forward(self, batch: dict[str, Any]) -> Tensor:
+        """Logits (B, C) for utterance tasks, (B, T, C) at the label rate for frame tasks."""
+        x = self.select(batch["hidden"])  # (B, T', D)
+        if self.task.level == "utterance":
+            return self.head(x, batch["padding_mask"])
+        from speechattn.data.features import expand_to_labels
+
+        logits = self.head(x, batch["padding_mask"])  # (B, T', C)
+        return expand_to_labels(
+            logits, self.downsample, batch["label_lengths"], batch["utt_ids"], self.tolerance
+        )  # (B, T, C)
+
+    def _step(self, batch: dict[str, Any], metric: MulticlassAccuracy) -> Tensor:
+        logits, labels = self(batch), batch["labels"]
+        T = min(logits.size(1), labels.size(1)) if logits.dim() == 3 else 0
+        if logits.dim() == 3:  # expand_to_labels pads to the longest label; keep both aligned
+            logits, labels = logits[:, :T], labels[:, :T]
+        flat_logits = logits.reshape(-1, logits.size(-1))  # (B*T, C) or (B, C)
+        flat_labels = labels.reshape(-1)
+        loss = Fn.cross_entropy(flat_logits, flat_labels, ignore_index=IGNORE)
+        metric.update(flat_logits.detach(), flat_labels)
+        return loss
+
+    def training_step(self, batch: dict[str, Any], batch_idx: int) -> Tensor:
+        loss = self._step(batch, self.train_acc)
+        B = len(batch["utt_ids"])
+        self.log("train_loss", loss, prog_bar=True, batch_size=B)
+        self.log("train_acc", self.train_acc, on_step=False, on_epoch=True, batch_size=B)
+        return loss
+
+    def validation_step(self, batch: dict[str, Any], batch_idx: int) -> None:
+        loss = self._step(batch, self.dev_acc)
+        B = len(batch["utt_ids"])
+        self.log("dev_loss", loss, batch_size=B)
+        self.log("dev_acc", self.dev_acc, prog_bar=True, batch_size=B)
+
+    def test_step(self, batch: dict[str, Any], batch_idx: int) -> None:
+        self._step(batch, self.test_acc)
+        self.log("test_acc", self.test_acc, batch_size=len(batch["utt_ids"]))
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        params = [p for p in self.parameters() if p.requires_grad]
+        return torch.optim.AdamW(params, lr=self.task.lr, weight_decay=self.task.weight_decay)
+
+
+# ----------------------------------------------------------------------------- features
+
+
+def cached_features(
+    upstream: torch.nn.Module,
+    upstream_id: str,
+    layers: list[int],
+    datamodule: Any,
+    data_config: dict[str, Any],
+    cache_dir: str | Path,
+    device: torch.device | str = "cpu",
+) -> dict[str, SplitFeatures]:
+    """Hidden states `layers` of every split, from the cache or extracted (then cached) once."""
+    normalizer = getattr(datamodule, "normalizer", None)
+    stats = tensor_digest(getattr(normalizer, "mean", None), getattr(normalizer, "std", None))
+    key = cache_key(upstream_id, layers, data_config, stats)
+    folder = Path(cache_dir).expanduser() / key
+    splits: dict[str, SplitFeatures] = {}
+    upstream = upstream.to(device)
+    for name in SPLITS:
+        path = folder / f"{name}.pt"
+        if path.is_file():
+            log.info("features %s: cached %s", name, path)
+            splits[name] = load_split(path)
+            continue
+        loader = _split_loader(datamodule, name)
+        total = len(loader) if hasattr(loader, "__len__") else None
+        splits[name] = extract_split(
+            upstream, loader, layers, total=total, description=f"features {name}", device=device
+        )
+        save_split(splits[name], path)
+        log.info("features %s: %d utterances -> %s", name, len(splits[name]), path)
+    return splits
+
+
+def _split_loader(datamodule: Any, split: str) -> Any:
+    if hasattr(datamodule, "extraction_dataloader"):
+        return datamodule.extraction_dataloader(split)
+    return {
+        "train": datamodule.train_dataloader,
+        "dev": datamodule.val_dataloader,
+        "test": datamodule.test_dataloader,
+    }[split]()
+
+
+def check_label_lengths(split: SplitFeatures, downsample: int, tolerance: int) -> None:
+    """Raise (naming the utterance) when phone labels and features disagree beyond `tolerance`.
+
+    Runs `expand_to_labels` on zero-width stand-ins, so every utterance is checked before any
+    training starts.
+    """
+    from speechattn.data.features import expand_to_labels
+
+    if split.phone_lengths is None:
+        return
+    for start in range(0, len(split), 256):
+        stop = min(start + 256, len(split))
+        lengths = split.lengths[start:stop]
+        dummy = torch.zeros(stop - start, int(lengths.max()), 1)  # (B, T', 1)
+        expand_to_labels(
+            dummy, downsample, split.phone_lengths[start:stop], split.utt_ids[start:stop], tolerance
+        )
+
+
+# ----------------------------------------------------------------------------- run
+
+
+def _output_dir(cfg: DictConfig) -> Path:
+    if cfg.get("output_dir"):
+        return Path(cfg.output_dir)
+    try:
+        from hydra.core.hydra_config import HydraConfig
+
+        return Path(HydraConfig.get().runtime.output_dir)
+    except (ImportError, ValueError):
+        return Path.cwd()
+
+
+def _plain(value: Any) -> Any:
+    """Dataclasses / DictConfigs / tensors -> JSON-friendly values."""
+    if is_dataclass(value) and not isinstance(value, type):
+        return _plain(asdict(value))
+    if isinstance(value, DictConfig):
+        return OmegaConf.to_container(value, resolve=True)
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_plain(v) for v in value]
+    if isinstance(value, Tensor):
+        return value.tolist()
+    if isinstance(value, Path):
+        return str(value)
+    return value
+
+
+def _device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def run(cfg: DictConfig) -> dict[str, Any]:
+    """Evaluate `cfg.upstream` on `cfg.task`; writes `result.json` and returns it as a dict."""
+    from speechattn.data import DataConfig, LabelledDataModule
+
+    t_start = time.perf_counter()
+    task = TaskConfig(**OmegaConf.to_container(cfg.task, resolve=True))
+    if task.name not in TASKS:
+        log.warning("task %s is not one of the study's tasks %s", task.name, TASKS)
+    out = _output_dir(cfg)
+    out.mkdir(parents=True, exist_ok=True)
+    L.seed_everything(cfg.seed, workers=True)
+
+    data_config = DataConfig(**OmegaConf.to_container(cfg.data, resolve=True))
+    datamodule = LabelledDataModule(data_config)
+    datamodule.prepare_data()
+    datamodule.setup("fit")
+    datamodule.setup("test")
+    _require_labels(task, datamodule, data_config)
+
+    upstream, sha = open_upstream(cfg.upstream, datamodule.feature_dim)
+    layers = resolve_layers(cfg.layer, upstream.num_layers)
+    device = _device(cfg.get("device", "auto"))
+    t_features = time.perf_counter()
+    splits = cached_features(
+        upstream,
+        sha or f"{MEL}:{datamodule.feature_dim}",
+        layers,
+        datamodule,
+        _plain(data_config),
+        cfg.cache_dir,
+        device,
+    )
+    upstream.cpu()
+    t_features = time.perf_counter() - t_features
+    if task.target == "phones":
+        for name in SPLITS:
+            check_label_lengths(splits[name], upstream.downsample, cfg.tolerance)
+    num_classes = datamodule.num_speakers if task.target == "speaker" else datamodule.num_phones
+
+    loaders = {
+        name: DataLoader(
+            ProbeDataset(splits[name], task),
+            batch_size=task.batch_size,
+            shuffle=name == "train",
+            collate_fn=collate,
+            num_workers=0,
+        )
+        for name in SPLITS
+    }
+    probe = DownstreamProbe(
+        task,
+        input_dim=splits["train"].features.size(-1),
+        num_layers=len(layers),
+        num_classes=num_classes,
+        downsample=upstream.downsample,
+        tolerance=cfg.tolerance,
+    )
+    checkpoint = L.pytorch.callbacks.ModelCheckpoint(
+        dirpath=out / "checkpoints",
+        monitor="dev_acc",
+        mode="max",
+        save_top_k=1,
+        save_weights_only=True,
+        filename="best-{epoch}",
+    )
+    stopping = L.pytorch.callbacks.EarlyStopping(
+        monitor="dev_acc", mode="max", patience=cfg.early_stopping.patience
+    )
+    trainer = L.Trainer(
+        **OmegaConf.to_container(cfg.trainer, resolve=True),
+        callbacks=[checkpoint, stopping],
+        logger=L.pytorch.loggers.CSVLogger(out, name="", version=""),
+        default_root_dir=out,
+    )
+    t_train = time.perf_counter()
+    trainer.fit(probe, loaders["train"], loaders["dev"])
+    best = checkpoint.best_model_path
+    dev_accuracy = (
+        float(checkpoint.best_model_score) if checkpoint.best_model_score is not None else 0.0
+    )
+    test_metrics = trainer.test(probe, loaders["test"], ckpt_path=best or None, verbose=False)
+    t_train = time.perf_counter() - t_train
+
+    best_epoch = (
+        int(Path(best).stem.split("epoch=")[-1]) if "epoch=" in best else trainer.current_epoch
+    )
+    if cfg.layer == "weighted":
+        best_probe = probe
+        weights = best_probe.select.weights().tolist()
+    else:
+        weights = None
+    meta = dict(getattr(upstream, "metadata", {}) or {})
+    result = DownstreamResult(
+        task=task.name,
+        upstream=str(cfg.upstream)
+        if str(cfg.upstream) == MEL
+        else str(Path(cfg.upstream).resolve()),
+        upstream_sha256=sha,
+        attention=upstream.attention_name,
+        attention_config=_plain(meta.get("attention_config", meta.get("attention", {}))) or {},
+        model_config=_plain(meta.get("model_config", meta.get("model", {}))) or {},
+        pretraining_steps=_pretraining_steps(meta),
+        upstream_parameters=sum(p.numel() for p in upstream.parameters()),
+        layer=cfg.layer,
+        pooling=task.pooling if task.level == "utterance" else None,
+        probe={**asdict(task), "layers": layers, "layer_weights": weights},
+        corpus=_plain(data_config),
+        split_sizes={name: len(splits[name]) for name in SPLITS},
+        eval_frames={name: _eval_count(splits[name], task) for name in ("dev", "test")},
+        frames_per_utterance=round(float(splits["test"].lengths.float().mean()), 2),
+        num_classes=int(num_classes),
+        dev_accuracy=dev_accuracy,
+        test_accuracy=float(test_metrics[0]["test_acc"]),
+        best_epoch=best_epoch,
+        epochs_trained=int(trainer.current_epoch),
+        seed=int(cfg.seed),
+        code_version=_code_version(),
+        runtime_s={
+            "features": round(t_features, 2),
+            "train": round(t_train, 2),
+            "total": round(time.perf_counter() - t_start, 2),
+        },
+        created=datetime.now(UTC).isoformat(timespec="seconds"),
+    )
+    path = result.write(out)
+    _save_example(splits, datamodule, out)
+    log.info(
+        "%s on %s: dev %.4f test %.4f -> %s",
+        task.name,
+        result.attention,
+        result.dev_accuracy,
+        result.test_accuracy,
+        path,
+    )
+    return result.to_dict()
+
+
+def _require_labels(task: TaskConfig, datamodule: Any, data_config: Any) -> None:
+    """Fail early, naming the missing file, when the corpus lacks the task's labels."""
+    if task.target == "phones" and not getattr(datamodule, "num_phones", 0):
+        root = getattr(data_config, "root", None) or "the corpus root"
+        raise FileNotFoundError(
+            f"task {task.name} needs frame-level phone labels, but the corpus has none: "
+            f"put converted_aligned_phones.txt (CPC format, SPEC 2.2) with train_split.txt / "
+            f"test_split.txt in {root}"
+        )
+    if task.target == "speaker" and not getattr(datamodule, "num_speakers", 0):
+        raise ValueError(f"task {task.name} needs speaker labels, but the corpus has none")
+
+
+def _pretraining_steps(meta: dict[str, Any]) -> int | None:
+    for key in ("global_step", "steps", "step", "pretraining_steps"):
+        if isinstance(meta.get(key), int):
+            return int(meta[key])
+    return None
+
+
+def _eval_count(split: SplitFeatures, task: TaskConfig) -> int:
+    """Utterances (utterance tasks) or 10 ms frames (frame tasks) that accuracy is taken over."""
+    if task.level == "utterance":
+        return len(split)
+    if task.target == "phones" and split.phone_lengths is not None:
+        return int(split.phone_lengths.sum())
+    return int(split.input_lengths.sum())
+
+
+def _code_version() -> str:
+    from speechattn import code_version
+
+    return code_version()
+
+
+def _save_example(splits: dict[str, SplitFeatures], datamodule: Any, out: Path) -> None:
+    """Keep one normalised test utterance beside the result, for the report's attention maps."""
+    try:
+        batch = next(iter(_split_loader(datamodule, "test")))
+    except (StopIteration, AttributeError):
+        return
+    n = int(batch["lengths"][0])
+    example = {
+        "utt_id": batch["utt_ids"][0],
+        "features": batch["features"][0, :n].clone(),  # (T, F) normalised log-mel
+        "speaker": int(batch["speaker"][0]) if batch.get("speaker") is not None else None,
+    }
+    tmp = out / f".{EXAMPLE_FILE}.tmp"
+    torch.save(example, tmp)
+    os.replace(tmp, out / EXAMPLE_FILE)

@@ -1,0 +1,123 @@
+"""Downstream probe heads: small trainable modules on top of frozen upstream features.
+
+Shape letters (see `speechattn/attention/base.py`): B batch, N cached hidden layers, T frames,
+D feature dim, C classes.
+
+- `LayerSelector`: one cached layer, or a learned softmax-weighted sum of all of them
+  (s3prl's `Featurizer` idea).
+- `MeanPool` / `FusedPool`: utterance pooling, (B, T, D) -> (B, D), padding excluded.
+- `UtteranceProbe`: pooling + linear (`speaker_utterance`).
+- `FrameProbe`: per-frame linear (`speaker_frame`) or MLP with ReLU hidden layers (`phone_*`).
+
+Everything here is plain torch: the probes are tested on synthetic tensors.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+
+class LayerSelector(nn.Module):
+    """Collapse the cached layer axis: identity for one layer, learned weighted sum for several.
+
+    The weights start uniform (zero logits) and are normalised with a softmax, so the probe
+    can only mix layers, never scale them.
+    """
+
+    def __init__(self, num_layers: int) -> None:
+        super().__init__()
+        if num_layers < 1:
+            raise ValueError(f"LayerSelector needs at least one layer, got {num_layers}")
+        self.num_layers = num_layers
+        self.logits = nn.Parameter(torch.zeros(num_layers)) if num_layers > 1 else None
+
+    def weights(self) -> Tensor:
+        """Mixing weights (N,), summing to one."""
+        if self.logits is None:
+            return torch.ones(1)
+        return self.logits.softmax(dim=0)
+
+    def forward(self, hidden: Tensor) -> Tensor:
+        """hidden (B, N, T, D) -> (B, T, D)."""
+        if hidden.dim() != 4 or hidden.size(1) != self.num_layers:
+            raise ValueError(
+                f"expected hidden states (B, {self.num_layers}, T, D), got {tuple(hidden.shape)}"
+            )
+        if self.logits is None:
+            return hidden[:, 0]
+        w = self.logits.softmax(dim=0).to(hidden.dtype)
+        return torch.einsum("bntd,n->btd", hidden, w)
+
+
+class MeanPool(nn.Module):
+    """Average over valid frames: (B, T, D), padding_mask (B, T) True=pad -> (B, D)."""
+
+    def forward(self, x: Tensor, padding_mask: Tensor) -> Tensor:
+        keep = (~padding_mask).unsqueeze(-1).to(x.dtype)  # (B, T, 1)
+        count = keep.sum(dim=1).clamp_min(1.0)  # (B, 1): an empty utterance pools to zeros
+        return (x * keep).sum(dim=1) / count
+
+
+class FusedPool(nn.Module):
+    """FusedAttention pooling (SPEC 6) from the attention library, behind MeanPool's signature."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        from speechattn.attention import FusedAttentionPool
+
+        self.pool = FusedAttentionPool(dim)
+
+    def forward(self, x: Tensor, padding_mask: Tensor) -> Tensor:
+        """x (B, T, D), padding_mask (B, T) -> (B, D)."""
+        return self.pool(x, padding_mask)
+
+
+POOLINGS = ("mean", "fused")
+
+
+class UtteranceProbe(nn.Module):
+    """Pool the frames of each utterance, then a linear classifier: (B, T, D) -> (B, C)."""
+
+    def __init__(self, dim: int, num_classes: int, pooling: str = "mean") -> None:
+        super().__init__()
+        if pooling == "mean":
+            self.pool: nn.Module = MeanPool()
+        elif pooling == "fused":
+            self.pool = FusedPool(dim)
+        else:
+            raise ValueError(f"unknown pooling {pooling!r}; choose one of {', '.join(POOLINGS)}")
+        self.classifier = nn.Linear(dim, num_classes)
+
+    def forward(self, x: Tensor, padding_mask: Tensor) -> Tensor:
+        return self.classifier(self.pool(x, padding_mask))
+
+
+class FrameProbe(nn.Module):
+    """Per-frame classifier, (B, T, D) -> (B, T, C).
+
+    `hidden_layers=0` is a linear probe; otherwise each hidden layer is Linear -> ReLU
+    (-> dropout) with `hidden_dim` units, as in the study's phoneme heads.
+    """
+
+    def __init__(
+        self,
+        dim: int,
+        num_classes: int,
+        hidden_layers: int = 0,
+        hidden_dim: int = 768,
+        dropout: float = 0.0,
+    ) -> None:
+        super().__init__()
+        layers: list[nn.Module] = []
+        width = dim
+        for _ in range(hidden_layers):
+            layers += [nn.Linear(width, hidden_dim), nn.ReLU()]
+            if dropout > 0:
+                layers.append(nn.Dropout(dropout))
+            width = hidden_dim
+        layers.append(nn.Linear(width, num_classes))
+        self.net = nn.Sequential(*layers)
+
+    def forward(self, x: Tensor, padding_mask: Tensor | None = None) -> Tensor:
+        return self.net(x)

@@ -1,0 +1,167 @@
+"""The report from a partial results folder: gaps, never crashes."""
+
+import csv
+import json
+from pathlib import Path
+
+import pytest
+
+from speechattn.report.__main__ import main
+from speechattn.report.build import make_report
+from speechattn.report.results import collect, read_bench, registry_order
+from speechattn.tasks.downstream_result import TASKS, DownstreamResult, read_result
+
+
+def fake_result(
+    root: Path, variant: str, task: str, acc: float, created: str = "2024-01-01T00:00:00+00:00"
+) -> Path:
+    result = DownstreamResult(
+        task=task,
+        upstream="mel" if variant == "mel" else str(root / variant / "upstream.pt"),
+        upstream_sha256=None if variant == "mel" else "ab" * 32,
+        attention=variant,
+        layer="last",
+        dev_accuracy=acc,
+        test_accuracy=acc,
+        seed=0,
+        code_version="test",
+        split_sizes={"train": 10, "dev": 2, "test": 3},
+        upstream_parameters=0 if variant == "mel" else 1234,
+        frames_per_utterance=0.0 if variant == "mel" else 100.0,
+        created=created,
+    )
+    return result.write(root / variant / task)
+
+
+@pytest.fixture
+def partial(tmp_path: Path) -> Path:
+    root = tmp_path / "results"
+    for i, task in enumerate(TASKS):
+        fake_result(root, "mel", task, 0.1 + 0.01 * i)
+    for task in TASKS[:3]:
+        fake_result(root, "full", task, 0.8)
+    fake_result(root, "shared_qk", "phone_1hidden", 0.9)
+    # An older duplicate (superseded) and two broken files.
+    fake_result(root / "old", "full", "speaker_utterance", 0.2, created="2020-01-01T00:00:00+00:00")
+    (root / "broken").mkdir()
+    (root / "broken" / "result.json").write_text("{not json")
+    (root / "incomplete").mkdir()
+    (root / "incomplete" / "result.json").write_text(json.dumps({"task": "speaker_frame"}))
+    return root
+
+
+def test_result_json_round_trip(tmp_path: Path) -> None:
+    path = fake_result(tmp_path, "full", "phone_2hidden", 0.5)
+    data = json.loads(path.read_text())
+    for key in (
+        "task",
+        "upstream",
+        "upstream_sha256",
+        "attention",
+        "model_config",
+        "pretraining_steps",
+        "corpus",
+        "split_sizes",
+        "dev_accuracy",
+        "test_accuracy",
+        "seed",
+        "code_version",
+    ):
+        assert key in data
+    assert read_result(path) == DownstreamResult(**data)
+
+
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        ("{oops", "not a readable"),
+        ("[]", "JSON object"),
+        ('{"task": "x"}', "lacks required"),
+        (None, "must be a number"),
+    ],
+)
+def test_read_result_rejects_bad_files(tmp_path: Path, content: str | None, message: str) -> None:
+    path = tmp_path / "result.json"
+    if content is None:
+        data = json.loads(fake_result(tmp_path, "full", "phone_1hidden", 0.5).read_text())
+        data["test_accuracy"] = 1.5
+        content = json.dumps(data)
+    path.write_text(content)
+    with pytest.raises(ValueError, match=message) as info:
+        read_result(path)
+    assert str(path) in str(info.value)
+
+
+def test_collect_keeps_newest_and_reports_problems(partial: Path) -> None:
+    found = collect(partial)
+    assert found.accuracy("full", "speaker_utterance") == 0.8  # the newer run wins
+    assert len(found.superseded) == 1
+    assert len(found.problems) == 2 and all("result.json" in p for p in found.problems)
+    assert found.variants()[0] == "mel"
+    assert found.accuracy("shared_qk", "speaker_frame") is None
+
+
+def test_report_from_partial_results(partial: Path, tmp_path: Path) -> None:
+    out = tmp_path / "report"
+    report = make_report(partial, out=out)
+    for name in (
+        "table1.md",
+        "table1.csv",
+        "table2.md",
+        "table2.csv",
+        "table2_reference.csv",
+        "README.md",
+    ):
+        assert (out / name).is_file(), name
+    if registry_order():  # keys attended come from the attention registry
+        assert (out / "fig_accuracy_vs_keys.png").is_file()
+    table2 = (out / "table2.md").read_text()
+    assert "mel (no pretraining)" in table2
+    assert "**0.9000**" in table2  # shared_qk is best on phone_1hidden
+    assert "–" in table2  # gaps for the missing runs
+    assert "0.9926" in table2  # the study's reference numbers
+    rows = {row[0]: row for row in csv.reader(open(out / "table2.csv"))}
+    assert rows["full"][4] == ""  # full has no phone_2hidden run: an empty cell
+    assert float(rows["mel (no pretraining)"][1]) == pytest.approx(0.1)
+    assert ("full", "phone_2hidden") in report.missing
+    readme = (out / "README.md").read_text()
+    assert "table2.md" in readme and "Missing runs" in readme
+    assert any("fig_attention_maps" in n for n in report.notes)  # no upstream.pt: a note, no crash
+
+
+def test_report_of_empty_folder(tmp_path: Path) -> None:
+    report = make_report(tmp_path, out=tmp_path / "r")
+    assert (tmp_path / "r" / "table2.md").is_file()
+    assert not (tmp_path / "r" / "fig_accuracy_vs_keys.png").exists()
+    assert report.missing  # every expected run is missing
+
+
+def test_bench_json_is_read_tolerantly(tmp_path: Path) -> None:
+    path = tmp_path / "attention.json"
+    path.write_text(
+        json.dumps(
+            {
+                "device": "cpu",
+                "results": [
+                    {"attention": "full", "seq_len": 256, "time_ms": 1.5, "peak_memory_mb": 10.0},
+                    {"variant": "ldsa", "T": 256, "time_ms": 0.5},
+                    {"bogus": True},
+                ],
+            }
+        )
+    )
+    records, meta = read_bench(path)
+    assert meta == {"device": "cpu"}
+    assert [(r.variant, r.seq_len, r.time_ms, r.memory_mb) for r in records] == [
+        ("full", 256, 1.5, 10.0),
+        ("ldsa", 256, 0.5, None),
+    ]
+
+
+def test_cli(partial: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    bench = tmp_path / "b.json"
+    bench.write_text(json.dumps([{"attention": "full", "seq_len": 128, "time_ms": 2.0}]))
+    assert main([str(partial), "--out", str(tmp_path / "cli"), "--bench", str(bench)]) == 0
+    table1 = (tmp_path / "cli" / "table1.md").read_text()
+    assert "time ms (T=128)" in table1 and "2.0" in table1
+    assert "wrote" in capsys.readouterr().out
