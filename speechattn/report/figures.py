@@ -21,7 +21,7 @@ SPEAKER_TASK = "speaker_utterance"
 
 def accuracy_vs_keys(results: ResultSet, seq_len: int, path: Path) -> Path | None:
     """Scatter of `speaker_utterance` test accuracy against keys attended per query at
-    `seq_len` (log scale); the mel baseline as a dashed line. None when nothing to plot."""
+    `seq_len` (symmetric log scale, so 0 keys fits); the mel baseline as a dashed line. None when nothing to plot."""
     points = []
     for variant in results.variants():
         acc = results.accuracy(variant, SPEAKER_TASK)
@@ -40,7 +40,7 @@ def accuracy_vs_keys(results: ResultSet, seq_len: int, path: Path) -> Path | Non
     if mel is not None:
         ax.axhline(mel, color="grey", linestyle="--", linewidth=1, label="mel (no pretraining)")
         ax.legend(loc="lower right", fontsize=8)
-    ax.set_xscale("log")
+    ax.set_xscale("symlog", linthresh=1.0)  # synthesizers attend 0 keys (no query-key scores)
     ax.set_xlabel(f"keys attended per query (T = {seq_len} frames)")
     ax.set_ylabel("utterance-level speaker accuracy (test)")
     ax.set_title("Speaker accuracy vs keys attended")

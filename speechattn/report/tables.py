@@ -104,7 +104,8 @@ def attention_facts(variant: str, seq_len: int) -> dict[str, Any]:
         log.info("table 1: cannot build %s (%s)", variant, e)
         return {}
     return {
-        "complexity": getattr(module, "complexity", None),
+        "complexity_training": getattr(module, "complexity_training", None) or None,
+        "complexity_inference": getattr(module, "complexity_inference", None) or None,
         "keys_attended": float(module.keys_attended(seq_len)),
         "attention_params": sum(p.numel() for p in module.parameters()),
     }
@@ -132,7 +133,8 @@ def cost_table(
     by_key = {(r.variant, r.seq_len): r for r in bench}
     header = [
         "variant",
-        "complexity",
+        "time complexity (training)",
+        "time complexity (inference)",
         f"keys attended (T={seq_len})",
         f"attention params/layer (D={STUDY_DIM}, h={STUDY_HEADS})",
         "upstream params",
@@ -146,7 +148,8 @@ def cost_table(
         )
         row: list[Any] = [
             v,
-            facts.get("complexity"),
+            facts.get("complexity_training"),
+            facts.get("complexity_inference"),
             facts.get("keys_attended"),
             facts.get("attention_params"),
             upstream_params or None,
@@ -156,7 +159,7 @@ def cost_table(
         rows.append(row)
     # Lowest measured cost per column in bold.
     bold = set()
-    for c in range(5, len(header)):
+    for c in range(6, len(header)):
         values = [row[c] for row in rows if isinstance(row[c], float)]
         if values:
             bold |= {(r, c) for r, row in enumerate(rows) if row[c] == min(values)}
