@@ -1,0 +1,207 @@
+"""The attention study end to end: pretrain every variant, probe it on the four tasks, report.
+
+    python recipes/attention_study.py --scale tiny                  # built-in corpus, CPU
+    python recipes/attention_study.py --scale paper --librispeech /data/LibriSpeech   # GPU
+
+(`recipes/attention_study.sh` wraps this.) Layout of the output folder:
+
+    OUT/pretrain/<variant>/upstream.pt         python -m speechattn.pretrain attention=<variant>
+    OUT/downstream/<variant>/<task>/result.json python -m speechattn.downstream (Hydra multirun)
+    OUT/downstream/mel/<task>/result.json       the no-pretraining baseline
+    OUT/bench/attention.json                   python -m speechattn.bench attention --json
+    OUT/cache/                                 frozen features (shared by the four tasks)
+    OUT/logs/*.log                             every command's output
+    OUT/README.md, table*.md/csv, fig_*.png    python -m speechattn.report OUT
+
+Resumable: a variant with an `upstream.pt` is not pretrained again and a task with a
+`result.json` is not run again, so rerunning the same command continues an interrupted study.
+A failing step is logged and skipped; the report shows the gap and the exit status is 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+TASKS = ("speaker_utterance", "speaker_frame", "phone_1hidden", "phone_2hidden")
+MEL = "mel"
+
+
+@dataclass
+class Scale:
+    """Hydra overrides per stage for one scale of the study."""
+
+    pretrain: list[str] = field(default_factory=list)
+    downstream: list[str] = field(default_factory=list)
+    bench: list[str] = field(default_factory=list)
+
+
+def scale_overrides(scale: str, librispeech: str | None) -> Scale:
+    if scale == "tiny":
+        # Built-in corpus and the CPU defaults of each command.
+        return Scale(
+            pretrain=["trainer.accelerator=cpu"],
+            downstream=["trainer.accelerator=cpu", "device=cpu"],
+            bench=["--device", "cpu"],
+        )
+    if scale == "paper":
+        if not librispeech:
+            raise SystemExit(
+                "--scale paper needs the LibriSpeech root: --librispeech DIR or $LIBRISPEECH"
+            )
+        data = ["data=librispeech", f"data.root={librispeech}"]
+        return Scale(
+            pretrain=["experiment=paper", *data],
+            downstream=[*data, "trainer.max_epochs=100", "early_stopping.patience=10"],
+            bench=[],
+        )
+    raise SystemExit(f"unknown scale {scale!r}: tiny or paper")
+
+
+class Study:
+    def __init__(self, out: Path, scale: Scale, dry_run: bool = False) -> None:
+        self.out, self.scale, self.dry_run = out, scale, dry_run
+        self.failures: list[str] = []
+        (out / "logs").mkdir(parents=True, exist_ok=True)
+
+    def command(self, name: str, argv: list[str]) -> bool:
+        """Run one step, its output to logs/<name>.log; True on success."""
+        log = self.out / "logs" / f"{name}.log"
+        line = " ".join(shlex.quote(a) for a in argv)
+        print(f"[study] {name}: {line}", flush=True)
+        if self.dry_run:
+            return True
+        start = time.perf_counter()
+        with open(log, "w") as f:
+            f.write(f"$ {line}\n")
+            f.flush()
+            code = subprocess.call(argv, stdout=f, stderr=subprocess.STDOUT)
+        elapsed = time.perf_counter() - start
+        status = "ok" if code == 0 else f"FAILED (exit {code}, see {log})"
+        print(f"[study] {name}: {status} in {elapsed:.0f} s", flush=True)
+        if code != 0:
+            self.failures.append(f"{name}: exit {code}, log {log}")
+        return code == 0
+
+    def upstream_path(self, variant: str) -> Path:
+        return self.out / "pretrain" / variant / "upstream.pt"
+
+    def pretrain(self, variant: str) -> bool:
+        path = self.upstream_path(variant)
+        if path.is_file():
+            print(f"[study] pretrain {variant}: done, skipping ({path})", flush=True)
+            return True
+        argv = [
+            sys.executable,
+            "-m",
+            "speechattn.pretrain",
+            f"attention={variant}",
+            f"hydra.run.dir={path.parent}",
+            *self.scale.pretrain,
+        ]
+        ok = self.command(f"pretrain_{variant}", argv)
+        if ok and not self.dry_run and not path.is_file():
+            self.failures.append(f"pretrain {variant}: finished without writing {path}")
+            return False
+        return ok
+
+    def downstream(self, variant: str, tasks: tuple[str, ...]) -> None:
+        folder = self.out / "downstream" / variant
+        todo = [t for t in tasks if not (folder / t / "result.json").is_file()]
+        if not todo:
+            print(f"[study] downstream {variant}: all tasks done, skipping", flush=True)
+            return
+        upstream = MEL if variant == MEL else str(self.upstream_path(variant))
+        argv = [
+            sys.executable,
+            "-m",
+            "speechattn.downstream",
+            "--multirun",
+            f"task={','.join(todo)}",
+            f"upstream={upstream}",
+            f"hydra.sweep.dir={folder}",
+            "hydra.sweep.subdir=${task.name}",
+            f"cache_dir={self.out / 'cache'}",
+            *self.scale.downstream,
+        ]
+        if self.command(f"downstream_{variant}", argv) or self.dry_run:
+            return
+        # A failing job stops a Hydra multirun: give every task still missing its own run.
+        self.failures.pop()
+        for task in [t for t in todo if not (folder / t / "result.json").is_file()]:
+            single = [a if not a.startswith("task=") else f"task={task}" for a in argv]
+            single = [a for a in single if a != "--multirun"]
+            single = [
+                f"hydra.run.dir={folder / task}" if a.startswith("hydra.sweep.dir") else a
+                for a in single
+                if not a.startswith("hydra.sweep.subdir")
+            ]
+            self.command(f"downstream_{variant}_{task}", single)
+
+    def bench(self) -> None:
+        path = self.out / "bench" / "attention.json"
+        if path.is_file():
+            return
+        path.parent.mkdir(parents=True, exist_ok=True)
+        argv = [sys.executable, "-m", "speechattn.bench", "attention", "--json", str(path)]
+        self.command("bench_attention", [*argv, *self.scale.bench])
+
+    def report(self) -> None:
+        self.command("report", [sys.executable, "-m", "speechattn.report", str(self.out)])
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--scale", choices=("tiny", "paper"), default="tiny")
+    parser.add_argument("--out", type=Path, default=None, help="default: results/<scale>")
+    parser.add_argument(
+        "--librispeech",
+        default=os.environ.get("LIBRISPEECH"),
+        help="LibriSpeech root for --scale paper (default: $LIBRISPEECH)",
+    )
+    parser.add_argument("--variants", default=None, help="comma-separated subset (default: all)")
+    parser.add_argument("--tasks", default=",".join(TASKS), help="comma-separated subset")
+    parser.add_argument("--no-mel", action="store_true", help="skip the mel baseline")
+    parser.add_argument("--no-bench", action="store_true", help="skip the attention benchmark")
+    parser.add_argument("--dry-run", action="store_true", help="print the commands only")
+    args = parser.parse_args(argv)
+
+    from speechattn.attention import available
+
+    variants = available()
+    if args.variants:
+        chosen = args.variants.split(",")
+        unknown = sorted(set(chosen) - set(variants))
+        if unknown:
+            raise SystemExit(f"unknown variant(s) {unknown}; available: {', '.join(variants)}")
+        variants = [v for v in variants if v in chosen]
+    tasks = tuple(args.tasks.split(","))
+    out = (args.out or Path("results") / args.scale).resolve()
+    study = Study(out, scale_overrides(args.scale, args.librispeech), args.dry_run)
+    print(f"[study] {args.scale}: {len(variants)} variants x {len(tasks)} tasks -> {out}")
+
+    start = time.perf_counter()
+    if not args.no_mel:
+        study.downstream(MEL, tasks)
+    for variant in variants:
+        if study.pretrain(variant):
+            study.downstream(variant, tasks)
+    if not args.no_bench:
+        study.bench()
+    study.report()
+    print(
+        f"[study] finished in {(time.perf_counter() - start) / 60:.1f} min; report: {out}/README.md"
+    )
+    for failure in study.failures:
+        print(f"[study] failed: {failure}", file=sys.stderr)
+    return 1 if study.failures else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
