@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import time
 from dataclasses import asdict, dataclass, is_dataclass
 from datetime import UTC, datetime
@@ -287,6 +288,81 @@ def check_label_lengths(split: SplitFeatures, downsample: int, tolerance: int) -
         )
 
 
+@dataclass
+class ProbeFit:
+    """Outcome of training one probe: accuracies at the best dev checkpoint."""
+
+    dev_accuracy: float
+    test_accuracy: float
+    best_epoch: int
+    epochs_trained: int
+    layer_weights: list[float] | None
+
+
+def fit_probe(
+    task: TaskConfig,
+    splits: dict[str, SplitFeatures],
+    num_classes: int,
+    downsample: int,
+    tolerance: int,
+    trainer_kwargs: dict[str, Any],
+    patience: int,
+    out: Path,
+) -> ProbeFit:
+    """Train on `splits["train"]`, early-stop and checkpoint on dev accuracy, test the best."""
+    loaders = {
+        name: DataLoader(
+            ProbeDataset(splits[name], task),
+            batch_size=task.batch_size,
+            shuffle=name == "train",
+            collate_fn=collate,
+            num_workers=0,
+        )
+        for name in SPLITS
+    }
+    probe = DownstreamProbe(
+        task,
+        input_dim=splits["train"].features.size(-1),
+        num_layers=splits["train"].features.size(1),
+        num_classes=num_classes,
+        downsample=downsample,
+        tolerance=tolerance,
+    )
+    checkpoint = L.pytorch.callbacks.ModelCheckpoint(
+        dirpath=out / "checkpoints",
+        monitor="dev_acc",
+        mode="max",
+        save_top_k=1,
+        save_weights_only=True,
+        filename="best-{epoch}",
+    )
+    stopping = L.pytorch.callbacks.EarlyStopping(monitor="dev_acc", mode="max", patience=patience)
+    trainer = L.Trainer(
+        **trainer_kwargs,
+        callbacks=[checkpoint, stopping],
+        logger=L.pytorch.loggers.CSVLogger(out, name="", version=""),
+        default_root_dir=out,
+    )
+    trainer.fit(probe, loaders["train"], loaders["dev"])
+    best = checkpoint.best_model_path
+    if not best:
+        raise RuntimeError(
+            f"task {task.name}: no dev evaluation ran, so there is no best checkpoint"
+        )
+    dev_accuracy = float(checkpoint.best_model_score)
+    epochs = int(trainer.current_epoch)
+    # trainer.test loads the best checkpoint's weights into `probe`.
+    test_metrics = trainer.test(probe, loaders["test"], ckpt_path=best, verbose=False)
+    weights = probe.select.weights().tolist() if probe.select.num_layers > 1 else None
+    return ProbeFit(
+        dev_accuracy=dev_accuracy,
+        test_accuracy=float(test_metrics[0]["test_acc"]),
+        best_epoch=int(re.search(r"epoch=(\d+)", Path(best).name).group(1)),
+        epochs_trained=epochs,
+        layer_weights=weights,
+    )
+
+
 # ----------------------------------------------------------------------------- run
 
 
@@ -363,58 +439,18 @@ def run(cfg: DictConfig) -> dict[str, Any]:
             check_label_lengths(splits[name], upstream.downsample, cfg.tolerance)
     num_classes = datamodule.num_speakers if task.target == "speaker" else datamodule.num_phones
 
-    loaders = {
-        name: DataLoader(
-            ProbeDataset(splits[name], task),
-            batch_size=task.batch_size,
-            shuffle=name == "train",
-            collate_fn=collate,
-            num_workers=0,
-        )
-        for name in SPLITS
-    }
-    probe = DownstreamProbe(
+    t_train = time.perf_counter()
+    fit = fit_probe(
         task,
-        input_dim=splits["train"].features.size(-1),
-        num_layers=len(layers),
+        splits,
         num_classes=num_classes,
         downsample=upstream.downsample,
         tolerance=cfg.tolerance,
+        trainer_kwargs=OmegaConf.to_container(cfg.trainer, resolve=True),
+        patience=cfg.early_stopping.patience,
+        out=out,
     )
-    checkpoint = L.pytorch.callbacks.ModelCheckpoint(
-        dirpath=out / "checkpoints",
-        monitor="dev_acc",
-        mode="max",
-        save_top_k=1,
-        save_weights_only=True,
-        filename="best-{epoch}",
-    )
-    stopping = L.pytorch.callbacks.EarlyStopping(
-        monitor="dev_acc", mode="max", patience=cfg.early_stopping.patience
-    )
-    trainer = L.Trainer(
-        **OmegaConf.to_container(cfg.trainer, resolve=True),
-        callbacks=[checkpoint, stopping],
-        logger=L.pytorch.loggers.CSVLogger(out, name="", version=""),
-        default_root_dir=out,
-    )
-    t_train = time.perf_counter()
-    trainer.fit(probe, loaders["train"], loaders["dev"])
-    best = checkpoint.best_model_path
-    dev_accuracy = (
-        float(checkpoint.best_model_score) if checkpoint.best_model_score is not None else 0.0
-    )
-    test_metrics = trainer.test(probe, loaders["test"], ckpt_path=best or None, verbose=False)
     t_train = time.perf_counter() - t_train
-
-    best_epoch = (
-        int(Path(best).stem.split("epoch=")[-1]) if "epoch=" in best else trainer.current_epoch
-    )
-    if cfg.layer == "weighted":
-        best_probe = probe
-        weights = best_probe.select.weights().tolist()
-    else:
-        weights = None
     meta = dict(getattr(upstream, "metadata", {}) or {})
     result = DownstreamResult(
         task=task.name,
@@ -429,16 +465,16 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         upstream_parameters=sum(p.numel() for p in upstream.parameters()),
         layer=cfg.layer,
         pooling=task.pooling if task.level == "utterance" else None,
-        probe={**asdict(task), "layers": layers, "layer_weights": weights},
+        probe={**asdict(task), "layers": layers, "layer_weights": fit.layer_weights},
         corpus=_plain(data_config),
         split_sizes={name: len(splits[name]) for name in SPLITS},
         eval_frames={name: _eval_count(splits[name], task) for name in ("dev", "test")},
         frames_per_utterance=round(float(splits["test"].lengths.float().mean()), 2),
         num_classes=int(num_classes),
-        dev_accuracy=dev_accuracy,
-        test_accuracy=float(test_metrics[0]["test_acc"]),
-        best_epoch=best_epoch,
-        epochs_trained=int(trainer.current_epoch),
+        dev_accuracy=fit.dev_accuracy,
+        test_accuracy=fit.test_accuracy,
+        best_epoch=fit.best_epoch,
+        epochs_trained=fit.epochs_trained,
         seed=int(cfg.seed),
         code_version=_code_version(),
         runtime_s={
