@@ -1,0 +1,98 @@
+"""Multi-head local dense synthesizer attention: `ldsa`.
+
+Xu, Li, Zhang, "Transformer-based End-to-End Speech Recognition with Local Dense Synthesizer
+Attention", ICASSP 2021 (arXiv:2010.12155), with the multi-head formulation of the authors'
+supplement (seeds/000):
+
+    B^i   = softmax(ReLU(X W_1^i) W_2^i)      W_1^i (D, d_k), W_2^i (d_k, c)   -> (T, c)
+    V^i   = X W_3^i                           W_3^i (D, d_k)                   -> (T, d_k)
+    Y_t^i = sum_{j<c} B^i_{t,j} V^i_{t + j - floor(c/2)}
+    Y     = concat_i(Y^i) W^O
+
+Window positions outside [0, T) or on padded frames are excluded and the softmax is taken over
+the remaining ones (renormalised). The efficient path never forms a T x T matrix: c shifted
+multiply-adds over the zero-padded values, O(T c D) time and O(T (c h + D)) memory.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from speechattn.attention.base import Attention, AttentionConfig, key_mask, masked_softmax
+from speechattn.attention.registry import register
+
+
+@dataclass
+class LDSAConfig(AttentionConfig):
+    context: int = 15  # c, odd context width: the frame itself and c // 2 on each side
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.context < 1 or self.context % 2 == 0:
+            raise ValueError(
+                f"ldsa context width c must be a positive odd number, got {self.context}"
+            )
+
+
+@register("ldsa")
+class LDSAttention(Attention):
+    """Local dense synthesizer: per-frame weights over a window of c neighbours, per head."""
+
+    Config = LDSAConfig
+    paper = (
+        "Xu et al., Transformer-based End-to-End Speech Recognition with Local Dense "
+        "Synthesizer Attention, ICASSP 2021 (multi-head form: seeds/000)"
+    )
+    complexity_training = "O(T c D)"
+    complexity_inference = "O(T c D)"
+
+    def __init__(self, config: LDSAConfig) -> None:
+        super().__init__(config)
+        h, dk, c = config.num_heads, config.head_dim, config.context
+        self.context = c
+        self.w1 = nn.Linear(config.dim, config.dim, bias=config.bias)  # W_1^i for all heads
+        self.w2 = nn.Parameter(torch.empty(h, dk, c))  # W_2^i
+        nn.init.normal_(self.w2, std=dk**-0.5)
+        self.w3 = nn.Linear(config.dim, config.dim, bias=config.bias)  # W_3^i (values)
+
+    def keys_attended(self, T: int) -> float:
+        return 0.0  # weights are synthesised, no query-key scores (study's convention)
+
+    def window_weights(self, x: Tensor, valid: Tensor) -> Tensor:
+        """B^i renormalised over in-range valid positions: (B, h, T, c)."""
+        B, T, _ = x.shape
+        r = self.context // 2
+        hid = F.relu(self.split_heads(self.w1(x)))  # (B, h, T, d_k)
+        logits = torch.einsum("bhtd,hdc->bhtc", hid, self.w2)  # (B, h, T, c)
+        kv = F.pad(key_mask(valid), (r, r))  # (B, T + 2r), False out of range
+        allowed = kv.unfold(1, self.context, 1)  # (B, T, c): key t + j - r allowed
+        return masked_softmax(logits, allowed[:, None])  # (B, h, T, c)
+
+    def attend(self, x: Tensor, valid: Tensor) -> Tensor:
+        T, r = x.shape[1], self.context // 2
+        w = self.drop(self.window_weights(x, valid))  # (B, h, T, c)
+        v = F.pad(self.split_heads(self.w3(x)), (0, 0, r, r))  # (B, h, T + 2r, d_k)
+        out = w[..., 0, None] * v[:, :, 0:T]
+        for j in range(1, self.context):
+            out = out + w[..., j, None] * v[:, :, j : j + T]  # (B, h, T, d_k)
+        return out
+
+    def attend_dense(self, x: Tensor, valid: Tensor) -> tuple[Tensor, Tensor]:
+        B, T, _ = x.shape
+        r = self.context // 2
+        w = self.window_weights(x, valid)  # (B, h, T, c)
+        cols = (
+            torch.arange(T, device=x.device)[:, None]
+            + torch.arange(self.context, device=x.device)
+            - r
+        )
+        inside = (cols >= 0) & (cols < T)  # (T, c)
+        idx = cols.clamp(0, T - 1).expand(B, self.num_heads, T, self.context)
+        weights = torch.zeros(B, self.num_heads, T, T, dtype=w.dtype, device=x.device)
+        weights = weights.scatter_add(-1, idx, w * inside)  # (B, h, T, T), band of width c
+        v = self.split_heads(self.w3(x))  # (B, h, T, d_k)
+        return self.drop(weights) @ v, weights
