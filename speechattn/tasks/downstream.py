@@ -459,10 +459,12 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         else str(Path(cfg.upstream).resolve()),
         upstream_sha256=sha,
         attention=upstream.attention_name,
-        attention_config=_plain(meta.get("attention_config", meta.get("attention", {}))) or {},
-        model_config=_plain(meta.get("model_config", meta.get("model", {}))) or {},
+        attention_config=_attention_config(upstream),
+        model_config=_model_config(upstream),
         pretraining_steps=_pretraining_steps(meta),
-        upstream_parameters=sum(p.numel() for p in upstream.parameters()),
+        upstream_parameters=int(
+            meta.get("num_params") or sum(p.numel() for p in upstream.parameters())
+        ),
         layer=cfg.layer,
         pooling=task.pooling if task.level == "utterance" else None,
         probe={**asdict(task), "layers": layers, "layer_weights": fit.layer_weights},
@@ -508,6 +510,18 @@ def _require_labels(task: TaskConfig, datamodule: Any, data_config: Any) -> None
         )
     if task.target == "speaker" and not getattr(datamodule, "num_speakers", 0):
         raise ValueError(f"task {task.name} needs speaker labels, but the corpus has none")
+
+
+def _model_config(upstream: Any) -> dict[str, Any]:
+    config = getattr(upstream, "config", None)
+    return _plain(config) if config is not None else {}
+
+
+def _attention_config(upstream: Any) -> dict[str, Any]:
+    config = getattr(upstream, "config", None)
+    if config is None:
+        return {}
+    return {"name": config.attention, "options": _plain(dict(config.attention_options))}
 
 
 def _pretraining_steps(meta: dict[str, Any]) -> int | None:

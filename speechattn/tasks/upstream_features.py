@@ -87,9 +87,9 @@ def open_upstream(spec: str | Path, feature_dim: int) -> tuple[nn.Module, str | 
 
     try:
         upstream = load_upstream(path)
-    except (
-        Exception
-    ) as e:  # torch.load / unpickling / missing keys: all mean "not a valid upstream"
+    except ValueError:  # the loader's own error already names the file and the problem
+        raise
+    except Exception as e:  # anything else unexpected still means "not a usable upstream"
         raise ValueError(
             f"{path} is not a valid speechattn upstream file (corrupt, truncated or not written "
             f"by `python -m speechattn.pretrain`): {type(e).__name__}: {e}"
