@@ -1,0 +1,189 @@
+"""The pretrained upstream: `upstream.pt` file format, saving and `load_upstream`.
+
+`upstream.pt` is self-contained and loads without Hydra, Lightning or the run directory:
+
+    {
+      "format": "speechattn-upstream", "version": 1,
+      "model_config": ModelConfig as a dict (attention name and options included),
+      "state_dict":   AALBERT weights (encoder and reconstruction head),
+      "normalizer":   {"mean": (F,), "std": (F,)} training-split statistics,
+      "feature_config": the data layer's feature settings (mel bins, window, hop, ...),
+      "metadata":     pretraining facts: steps, corpus, seed, code version, losses, ...
+    }
+
+Only tensors and plain Python values are stored, so it is read with `weights_only=True`
+(no unpickling of arbitrary objects).
+
+Downstream code sees the contract of docs/ARCHITECTURE.md: `forward(features, lengths)`
+returns every layer's hidden states (B, T', D), hidden[0] being the input embedding.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from speechattn.model.aalbert import AALBERT, ModelConfig
+
+UPSTREAM_FORMAT = "speechattn-upstream"
+UPSTREAM_VERSION = 1
+MEL_FRAME_RATE = 100.0  # 10 ms hop of the data layer's log-mel features
+
+
+class UpstreamFileError(ValueError):
+    """The file is missing, unreadable, corrupt or not a speechattn upstream."""
+
+
+class Upstream(nn.Module):
+    """A frozen-ready AALBERT with its normalisation statistics and feature settings."""
+
+    def __init__(
+        self,
+        model: AALBERT,
+        mean: Tensor,
+        std: Tensor,
+        feature_config: dict[str, Any],
+        metadata: dict[str, Any],
+    ) -> None:
+        super().__init__()
+        self.model = model
+        self.register_buffer("mean", mean.detach().clone().float())  # (F,)
+        self.register_buffer("std", std.detach().clone().float())  # (F,)
+        self.feature_config = dict(feature_config)
+        self.metadata = dict(metadata)
+        c = model.config
+        self.downsample = c.stack  # 10 ms frames per hidden state
+        self.frame_rate = MEL_FRAME_RATE / c.stack  # hidden states per second (100/3)
+        self.hidden_dim = c.dim
+        self.num_layers = c.num_layers
+        self.num_heads = c.num_heads
+        self.feature_dim = c.feature_dim
+        self.attention_name = c.attention
+
+    @property
+    def config(self) -> ModelConfig:
+        return self.model.config
+
+    def forward(
+        self, features: Tensor, lengths: Tensor, head_mask: Tensor | None = None
+    ) -> list[Tensor]:
+        """features (B, T, F) normalised log-mel, lengths (B,), head_mask (L, h) or None ->
+        L+1 hidden states (B, T', D), T' = ceil(T / downsample), zero at padded positions."""
+        return self.model(features, lengths, head_mask)
+
+    def output_lengths(self, lengths: Tensor) -> Tensor:
+        """10 ms frame counts (B,) -> hidden-state counts (B,)."""
+        return self.model.output_lengths(lengths)
+
+    def normalize(self, features: Tensor, lengths: Tensor | None = None) -> Tensor:
+        """Raw log-mel (B, T, F) -> normalised with the pretraining statistics; padding stays 0."""
+        out = (features - self.mean) / self.std
+        if lengths is not None:
+            valid = torch.arange(out.shape[1], device=out.device)[None, :] < lengths[:, None]
+            out = out * valid[..., None].to(out.dtype)
+        return out
+
+    def features_from_waveforms(self, wavs: Tensor, lengths: Tensor) -> tuple[Tensor, Tensor]:
+        """16 kHz waveforms (B, S) zero-padded, sample counts (B,) -> normalised features
+        (B, T, F) and frame counts (B,), computed exactly as during pretraining."""
+        from speechattn.data.features import FeatureConfig, log_mel_batch
+
+        config = FeatureConfig(**self.feature_config)
+        feats, frame_lengths = log_mel_batch(wavs, lengths, config)
+        return self.normalize(feats.to(self.mean.device), frame_lengths), frame_lengths
+
+    def attention_weights(
+        self, features: Tensor, lengths: Tensor, layer: int, head_mask: Tensor | None = None
+    ) -> Tensor:
+        """Attention weights (B, h, T', T') of depth `layer` (1..L), via the variant's dense
+        reference (`need_weights=True`)."""
+        return self.model.attention_weights(features, lengths, layer, head_mask)
+
+
+def upstream_state(
+    model: AALBERT,
+    mean: Tensor,
+    std: Tensor,
+    feature_config: dict[str, Any],
+    metadata: dict[str, Any],
+) -> dict[str, Any]:
+    """The dictionary stored in `upstream.pt` (tensors on CPU, plain values only)."""
+    return {
+        "format": UPSTREAM_FORMAT,
+        "version": UPSTREAM_VERSION,
+        "model_config": model.config.to_dict(),
+        "state_dict": {k: v.detach().cpu().clone() for k, v in model.state_dict().items()},
+        "normalizer": {"mean": mean.detach().cpu().float(), "std": std.detach().cpu().float()},
+        "feature_config": dict(feature_config),
+        "metadata": dict(metadata),
+    }
+
+
+def save_upstream(path: str | Path, state: dict[str, Any]) -> Path:
+    """Write `state` atomically (temp file + rename): a crash never leaves half a file."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            torch.save(state, f)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def load_upstream(path: str | Path, map_location: str | torch.device = "cpu") -> Upstream:
+    """Load an `upstream.pt` written by `python -m speechattn.pretrain`, in eval mode.
+
+    Raises `FileNotFoundError` for a missing file and `UpstreamFileError` (a ValueError)
+    naming the file when it is corrupt, truncated, or not a speechattn upstream.
+    """
+    path = Path(path).expanduser()
+    if not path.is_file():
+        raise FileNotFoundError(f"upstream file {path} does not exist")
+    try:
+        state = torch.load(path, map_location=map_location, weights_only=True)
+    except Exception as e:  # truncated zip, random bytes, pickled objects we refuse to run
+        hint = ""
+        if path.suffix == ".ckpt":
+            hint = (
+                " (this looks like a Lightning checkpoint; export it with "
+                "`speechattn.tasks.pretrain.export_upstream(ckpt, out)` or use the run's "
+                "upstream.pt)"
+            )
+        raise UpstreamFileError(
+            f"{path} is not a readable speechattn upstream file{hint}: {type(e).__name__}: {e}"
+        ) from e
+    if not isinstance(state, dict) or state.get("format") != UPSTREAM_FORMAT:
+        found = state.get("format") if isinstance(state, dict) else type(state).__name__
+        raise UpstreamFileError(
+            f"{path} is not a speechattn upstream file: expected format {UPSTREAM_FORMAT!r}, "
+            f"found {found!r}"
+        )
+    if state.get("version") != UPSTREAM_VERSION:
+        raise UpstreamFileError(
+            f"{path} has upstream format version {state.get('version')!r}; this speechattn "
+            f"reads version {UPSTREAM_VERSION}"
+        )
+    missing = {"model_config", "state_dict", "normalizer", "feature_config", "metadata"} - set(
+        state
+    )
+    if missing:
+        raise UpstreamFileError(f"{path} is incomplete: missing {sorted(missing)}")
+    try:
+        model = AALBERT(ModelConfig(**state["model_config"]))
+        model.load_state_dict(state["state_dict"])
+    except Exception as e:  # unknown attention name, shape mismatch, unexpected keys
+        raise UpstreamFileError(f"{path}: cannot rebuild the model: {type(e).__name__}: {e}") from e
+    norm = state["normalizer"]
+    upstream = Upstream(
+        model, norm["mean"], norm["std"], state["feature_config"], state["metadata"]
+    )
+    return upstream.to(map_location).eval()

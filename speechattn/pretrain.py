@@ -1,0 +1,208 @@
+"""`python -m speechattn.pretrain [attention=NAME] [model=...] [trainer=...] [overrides]`.
+
+Pretrains AALBERT by masked reconstruction (SPEC 3) and writes a run directory:
+
+    checkpoints/last.ckpt, checkpoints/step=NNNNNNN.ckpt   resumable Lightning checkpoints
+    upstream.pt      weights + model/attention/feature config + normaliser + metadata
+    metrics.csv      step, train_loss, val_loss, lr, frames_per_s, elapsed_s
+    tensorboard/     TensorBoard event files
+    config.yaml      the resolved configuration (Hydra's own copy is in .hydra/)
+
+All the work is in `run(cfg)`, which tests call directly; `main` is the Hydra wrapper.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import warnings
+from pathlib import Path
+from typing import Any
+
+import hydra
+from omegaconf import DictConfig, OmegaConf
+
+import speechattn
+
+log = logging.getLogger("speechattn.pretrain")
+
+
+def resolve_ckpt_path(ckpt_path: str | None, output_dir: Path) -> Path | None:
+    """`null` -> fresh run; `last` -> <run dir>/checkpoints/last.ckpt if it exists (else a fresh
+    run, with a warning naming earlier runs that could be resumed); a path -> that file."""
+    if ckpt_path in (None, "", "null"):
+        return None
+    if ckpt_path == "last":
+        last = output_dir / "checkpoints" / "last.ckpt"
+        if last.is_file():
+            return last
+        hint = ""
+        candidates = sorted(
+            output_dir.parent.glob("*/checkpoints/last.ckpt"), key=lambda p: p.stat().st_mtime
+        )
+        if candidates:
+            hint = f"; to resume the latest earlier run add hydra.run.dir={candidates[-1].parent.parent}"
+        warnings.warn(
+            f"ckpt_path=last: no checkpoint in {last.parent}, starting from scratch{hint}",
+            stacklevel=2,
+        )
+        return None
+    path = Path(ckpt_path).expanduser()
+    if not path.is_file():
+        raise FileNotFoundError(f"ckpt_path={ckpt_path}: no such checkpoint file")
+    return path
+
+
+def resolve_precision(precision: Any, accelerator: str) -> Any:
+    """`auto`: bf16-mixed on GPUs that support it, 32-true otherwise. Mixed precision on CPU is
+    replaced by fp32 (slower there, and the defaults promise fp32 on CPU)."""
+    import torch
+
+    on_gpu = accelerator in ("gpu", "cuda") or (accelerator == "auto" and torch.cuda.is_available())
+    if precision == "auto":
+        return "bf16-mixed" if on_gpu and torch.cuda.is_bf16_supported() else "32-true"
+    if not on_gpu and str(precision) in ("bf16-mixed", "16-mixed", "16", "bf16"):
+        log.warning("precision=%s on CPU: using 32-true instead", precision)
+        return "32-true"
+    return precision
+
+
+def build_datamodule(cfg: DictConfig):
+    """The data layer's PretrainDataModule for `cfg.data` (corpus built/extracted on first use)."""
+    from speechattn.data import DataConfig, PretrainDataModule
+
+    return PretrainDataModule(DataConfig(**OmegaConf.to_container(cfg.data, resolve=True)))
+
+
+def container(node: Any) -> Any:
+    """A config node as plain Python (dicts/lists); None/empty -> {}."""
+    if node is None:
+        return {}
+    return OmegaConf.to_container(node, resolve=True) if OmegaConf.is_config(node) else node
+
+
+def feature_config(datamodule: Any, data_config: dict[str, Any]) -> dict[str, Any]:
+    """Feature settings to store in upstream.pt (what `features_from_waveforms` recomputes)."""
+    fc = getattr(datamodule, "feature_config", None)
+    if fc is not None:
+        return dict(fc.to_dict() if hasattr(fc, "to_dict") else vars(fc))
+    keys = ("n_mels", "deltas", "normalization")
+    return {k: data_config[k] for k in keys if k in data_config}
+
+
+def run(cfg: DictConfig, datamodule: Any = None) -> dict[str, Any]:
+    """Pretrain as configured; returns final metrics and paths.
+
+    `datamodule` replaces the data layer's PretrainDataModule (tests pass synthetic data);
+    it must follow the batch contract of docs/ARCHITECTURE.md.
+    """
+    import lightning as L
+    import torch
+    from hydra.utils import instantiate
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from speechattn.tasks.common import MetricsCSV, progress_bar
+    from speechattn.tasks.pretrain import PretrainTask
+    from speechattn.tasks.pretrain_data import ResumableData
+
+    output_dir = Path(cfg.output_dir).resolve()
+    output_dir.mkdir(parents=True, exist_ok=True)
+    resume = resolve_ckpt_path(cfg.get("ckpt_path"), output_dir)
+    L.seed_everything(cfg.seed, workers=True, verbose=False)
+    if cfg.trainer.get("accelerator") == "cpu":
+        # matmul-bound on CPU: use every core (Lightning/Hydra leave the default otherwise)
+        torch.set_num_threads(max(1, torch.get_num_threads()))
+
+    inner = datamodule if datamodule is not None else build_datamodule(cfg)
+    data = ResumableData(inner, seed=cfg.seed)
+    model_cfg = {
+        **container(cfg.model.net),
+        "feature_dim": int(inner.feature_dim),
+        "attention": cfg.attention.name,
+        "attention_options": container(cfg.attention.get("options")),
+    }
+    max_steps = int(cfg.trainer.max_steps)
+    task = PretrainTask(
+        model=model_cfg,
+        masking=container(cfg.model.masking),
+        optimizer=container(cfg.model.optimizer),
+        total_steps=max_steps,
+        seed=cfg.seed,
+        max_nonfinite=cfg.max_nonfinite,
+    )
+    data_config = container(cfg.get("data"))
+    task.set_data_info(
+        feature_config=feature_config(inner, data_config),
+        corpus=str(data_config.get("corpus", type(inner).__name__)),
+        data_config=data_config,
+        model_name=str(cfg.model.get("name", "")),
+    )
+
+    every = int(cfg.checkpoint.every_n_steps)
+    keep = int(cfg.checkpoint.keep)
+    periodic = ModelCheckpoint(
+        dirpath=output_dir / "checkpoints",
+        filename="step={step:07d}",
+        auto_insert_metric_name=False,
+        every_n_train_steps=every,
+        save_top_k=keep,
+        monitor="step" if keep != -1 else None,
+        mode="max",
+        save_last=True,
+        save_on_train_epoch_end=False,
+    )
+    callbacks = [periodic, MetricsCSV(output_dir / "metrics.csv", cfg.trainer.log_every_n_steps)]
+    callbacks += progress_bar(cfg.get("progress_bar", "rich"))
+    loggers = [instantiate(c) for c in (cfg.get("logger") or {}).values() if c]
+    trainer: L.Trainer = instantiate(
+        cfg.trainer,
+        precision=resolve_precision(cfg.trainer.precision, cfg.trainer.accelerator),
+        callbacks=callbacks,
+        logger=loggers or False,
+        default_root_dir=str(output_dir),
+        enable_progress_bar=cfg.get("progress_bar", "rich") not in ("none", None),
+        _convert_="all",
+    )
+    if trainer.is_global_zero:
+        OmegaConf.save(cfg, output_dir / "config.yaml", resolve=True)
+        log.info("run directory: %s", output_dir)
+        if resume is None:
+            log.info("resume after a crash with: hydra.run.dir=%s ckpt_path=last", output_dir)
+        else:
+            log.info("resuming from %s", resume)
+
+    trainer.fit(task, datamodule=data, ckpt_path=str(resume) if resume else None)
+
+    metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if v.numel() == 1}
+    result: dict[str, Any] = {
+        "output_dir": str(output_dir),
+        "steps": int(trainer.global_step),
+        "train_loss": metrics.get("train_loss"),
+        "val_loss": metrics.get("val_loss"),
+        "upstream": None,
+    }
+    if trainer.is_global_zero:
+        upstream = task.export_upstream(
+            output_dir / "upstream.pt",
+            {"train_loss": result["train_loss"], "val_loss": result["val_loss"]},
+        )
+        result["upstream"] = str(upstream)
+        print(f"upstream.pt written to {upstream}", flush=True)
+    return result
+
+
+@hydra.main(version_base="1.3", config_path=str(speechattn.CONFIG_DIR), config_name="pretrain")
+def main(cfg: DictConfig) -> float | None:
+    from speechattn.tasks.pretrain import NonFiniteLossError
+
+    try:
+        result = run(cfg)
+    except NonFiniteLossError as e:
+        log.error("%s", e)
+        sys.exit(1)
+    # Hydra sweepers (e.g. Optuna) optimise the returned value
+    return result.get("val_loss") or result.get("train_loss")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,87 @@
+"""Callbacks and small helpers shared by the training entry points."""
+
+from __future__ import annotations
+
+import csv
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+from lightning.pytorch.callbacks import Callback, ProgressBar, RichProgressBar, TQDMProgressBar
+
+
+class MetricsCSV(Callback):
+    """`metrics.csv` with fixed columns, one row per logged step and one per validation.
+
+    Unlike Lightning's CSVLogger it survives a resume: rows after the checkpoint's step are
+    dropped (they will be recomputed) and new rows are appended, so the file always reads as
+    one uninterrupted run.
+    """
+
+    COLUMNS = ("step", "train_loss", "val_loss", "lr", "frames_per_s", "elapsed_s")
+
+    def __init__(self, path: str | Path, every_n_steps: int = 10) -> None:
+        self.path = Path(path)
+        self.every_n_steps = max(1, int(every_n_steps))
+        self._start = time.perf_counter()
+        self._elapsed_before = 0.0
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if not trainer.is_global_zero:
+            return
+        step = trainer.global_step
+        rows = []
+        if step > 0 and self.path.is_file():  # resumed: keep the history up to the checkpoint
+            with self.path.open(newline="") as f:
+                rows = [r for r in csv.DictReader(f) if r.get("step") and int(r["step"]) <= step]
+            if rows and rows[-1].get("elapsed_s"):
+                self._elapsed_before = float(rows[-1]["elapsed_s"])
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with self.path.open("w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=self.COLUMNS, extrasaction="ignore")
+            writer.writeheader()
+            writer.writerows(rows)
+        self._start = time.perf_counter()
+
+    def _write(self, trainer: L.Trainer, keys: tuple[str, ...]) -> None:
+        metrics = trainer.callback_metrics
+        row: dict[str, Any] = {"step": trainer.global_step}
+        for key in keys:
+            if key in metrics:
+                row[key] = f"{float(metrics[key]):.6g}"
+        row["elapsed_s"] = f"{self._elapsed_before + time.perf_counter() - self._start:.2f}"
+        with self.path.open("a", newline="") as f:
+            csv.DictWriter(f, fieldnames=self.COLUMNS, extrasaction="ignore").writerow(row)
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args) -> None:
+        step = trainer.global_step
+        if not trainer.is_global_zero or step == 0 or trainer.fit_loop._should_accumulate():
+            return
+        if step % self.every_n_steps == 0 or step == trainer.max_steps:
+            self._write(trainer, ("train_loss", "lr", "frames_per_s"))
+
+    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if trainer.is_global_zero and not trainer.sanity_checking:
+            self._write(trainer, ("val_loss",))
+
+
+def progress_bar(kind: str) -> list[ProgressBar]:
+    """`rich` (default), `tqdm`, or `none`; returned as a callback list to splice in."""
+    if kind == "rich":
+        return [RichProgressBar(leave=True)]
+    if kind == "tqdm":
+        return [TQDMProgressBar()]
+    if kind in ("none", None):
+        return []
+    raise ValueError(f"unknown progress_bar {kind!r}; choose rich, tqdm or none")
+
+
+def read_metrics(path: str | Path) -> list[dict[str, float]]:
+    """Rows of a `metrics.csv` as floats (NaN for empty cells)."""
+    with Path(path).open(newline="") as f:
+        return [
+            {k: float(v) if v not in ("", None) else math.nan for k, v in r.items()}
+            for r in csv.DictReader(f)
+        ]

@@ -1,0 +1,381 @@
+"""Masked-reconstruction pretraining of AALBERT as a LightningModule.
+
+Lightning owns the loop; this module owns one step: stack frames, corrupt spans
+(`model/masking.py`), encode, reconstruct, L1 on the chosen frames. Around it:
+
+* reproducibility: every micro-batch reseeds the global RNG (dropout) and a CPU generator
+  (masking) from (seed, optimizer step, micro-batch, rank), and `StepBatchSampler` makes the
+  data order a function of (seed, batch number). A run resumed from any checkpoint therefore
+  sees exactly the batches, masks and dropout of an uninterrupted run.
+* non-finite losses or gradients: the update is skipped with a `NonFiniteWarning`; after
+  `max_nonfinite` in a row training stops with `NonFiniteLossError` explaining what to try.
+* `upstream.pt` export from the live module or from any Lightning checkpoint of a run.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+import warnings
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+from torch import Tensor
+from torch.utils.data import Sampler
+
+from speechattn.model.aalbert import AALBERT, ModelConfig
+from speechattn.model.masking import MaskingConfig, mask_frames, masked_l1
+from speechattn.model.upstream import save_upstream, upstream_state
+
+# ----------------------------------------------------------------------------- config
+
+
+@dataclass
+class OptimConfig:
+    name: str = "lamb"  # lamb (AALBERT, pytorch_optimizer.Lamb) | adamw (torch.optim.AdamW)
+    lr: float = 5e-5  # the study's value for aalbert_base
+    weight_decay: float = 0.01  # applied to matrices only (>= 2 dims), as in BERT / nanoGPT
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-6
+    warmup_fraction: float = 0.07  # linear warm-up over this share of the steps (Mockingjay)
+    warmup_steps: int | None = None  # overrides warmup_fraction when set
+    final_lr_fraction: float = 0.0  # linear decay from lr to lr * this at the last step
+
+    def __post_init__(self) -> None:
+        if self.name not in ("lamb", "adamw"):
+            raise ValueError(f"unknown optimizer {self.name!r}; choose lamb or adamw")
+        self.betas = tuple(self.betas)  # type: ignore[assignment]
+
+    def warmup(self, total_steps: int) -> int:
+        if self.warmup_steps is not None:
+            return int(self.warmup_steps)
+        return int(round(self.warmup_fraction * total_steps))
+
+
+def lr_factor(step: int, warmup: int, total: int, final: float = 0.0) -> float:
+    """Multiplier of the peak LR at optimizer step `step`: linear warm-up, then linear decay."""
+    if warmup > 0 and step < warmup:
+        return (step + 1) / warmup
+    span = max(1, total - warmup)
+    progress = min(1.0, (step - warmup) / span)
+    return 1.0 - (1.0 - final) * progress
+
+
+def derive_seed(*parts: int | str) -> int:
+    """A 63-bit seed from parts (stable across processes and Python versions, unlike hash())."""
+    digest = hashlib.blake2b(repr(parts).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & ((1 << 63) - 1)
+
+
+# ----------------------------------------------------------------------------- data order
+
+
+class StepBatchSampler(Sampler[list[int]]):
+    """Batches of a whole run, each a pure function of (seed, batch number, rank).
+
+    The index stream is the concatenation of seeded permutations of the dataset, one per
+    pass; global batch i takes stream items [i*G, (i+1)*G) with G = batch_size * world_size,
+    and rank r takes its slice of those. Iteration starts at `start`, the number of batches
+    already consumed (set from the checkpoint when resuming), so no state needs saving. The
+    length is the whole run, which keeps Lightning's epoch bookkeeping consistent on resume.
+    """
+
+    def __init__(
+        self,
+        num_items: int,
+        batch_size: int,
+        total_batches: int,
+        seed: int,
+        rank: int = 0,
+        world_size: int = 1,
+        start: int = 0,
+    ) -> None:
+        if num_items < 1:
+            raise ValueError("cannot sample batches from an empty training split")
+        if batch_size < 1 or total_batches < 0:
+            raise ValueError(
+                f"need batch_size >= 1 and total_batches >= 0, got {batch_size}, {total_batches}"
+            )
+        self.num_items = num_items
+        self.batch_size = batch_size
+        self.total_batches = total_batches
+        self.seed = seed
+        self.rank = rank
+        self.world_size = world_size
+        self.start = start
+        self._perms: dict[int, Tensor] = {}
+
+    def _permutation(self, epoch: int) -> Tensor:
+        if epoch not in self._perms:
+            if len(self._perms) > 2:
+                self._perms.clear()
+            g = torch.Generator().manual_seed(derive_seed(self.seed, "data-order", epoch))
+            self._perms[epoch] = torch.randperm(self.num_items, generator=g)
+        return self._perms[epoch]
+
+    def batch(self, i: int) -> list[int]:
+        """Dataset indices of this rank's share of global batch i."""
+        G = self.batch_size * self.world_size
+        first = i * G + self.rank * self.batch_size
+        out = []
+        for p in range(first, first + self.batch_size):
+            out.append(int(self._permutation(p // self.num_items)[p % self.num_items]))
+        return out
+
+    def __iter__(self) -> Iterator[list[int]]:
+        for i in range(self.start, self.total_batches):
+            yield self.batch(i)
+
+    def __len__(self) -> int:
+        return self.total_batches
+
+
+# ----------------------------------------------------------------------------- faults
+
+
+class NonFiniteWarning(UserWarning):
+    """A training step produced a NaN/inf loss or gradient and was skipped."""
+
+
+class NonFiniteLossError(RuntimeError):
+    """Too many non-finite steps in a row: training cannot recover by skipping."""
+
+
+# ----------------------------------------------------------------------------- module
+
+
+class PretrainTask(L.LightningModule):
+    """AALBERT + masked acoustic modelling.
+
+    Batches follow the data contract: `features` (B, T, F) normalised log-mel at 10 ms,
+    `lengths` (B,). Everything needed to export `upstream.pt` (feature settings, normaliser
+    statistics, corpus) is given by `set_data_info` and travels in every checkpoint.
+    """
+
+    def __init__(
+        self,
+        model: dict[str, Any],
+        masking: dict[str, Any] | None = None,
+        optimizer: dict[str, Any] | None = None,
+        total_steps: int = 1000,
+        seed: int = 0,
+        max_nonfinite: int = 5,
+    ) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.model_config = ModelConfig(**model)
+        self.masking = MaskingConfig(**(masking or {}))
+        self.optim = OptimConfig(**(optimizer or {}))
+        self.total_steps = int(total_steps)
+        self.seed = int(seed)
+        self.max_nonfinite = int(max_nonfinite)
+        self.model = AALBERT(self.model_config)
+        self.data_info: dict[str, Any] = {}
+        self._nonfinite_in_row = 0
+        self._skipped_this_step = False
+        self._micro = (-1, 0)  # (global_step, micro-batch index within the accumulation)
+        self._last_time: float | None = None
+        self._last_frames = 0
+
+    # ------------------------------------------------------------------ data info
+    def set_data_info(
+        self,
+        mean: Tensor | None = None,
+        std: Tensor | None = None,
+        feature_config: dict[str, Any] | None = None,
+        **extra: Any,
+    ) -> None:
+        """Record what `upstream.pt` needs from the data layer: normaliser statistics (F,),
+        feature settings, and facts for the metadata (corpus, data config, ...)."""
+        if mean is not None:
+            self.data_info["mean"] = mean.detach().cpu().float()
+        if std is not None:
+            self.data_info["std"] = std.detach().cpu().float()
+        if feature_config is not None:
+            self.data_info["feature_config"] = dict(feature_config)
+        self.data_info.update(extra)
+
+    def setup(self, stage: str) -> None:
+        # the normaliser is computed by the data module's setup, which Lightning runs first
+        dm = self.trainer.datamodule if self._trainer is not None else None
+        norm = getattr(dm, "normalizer", None) if dm is not None else None
+        if norm is not None:
+            self.set_data_info(mean=norm.mean, std=norm.std)
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        checkpoint["speechattn_data"] = self.data_info
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        self.data_info = checkpoint.get("speechattn_data", {}) or self.data_info
+
+    # ------------------------------------------------------------------ step
+    def reconstruction_loss(
+        self, batch: dict[str, Any], generator: torch.Generator
+    ) -> tuple[Tensor, int]:
+        """Masked L1 of one batch and the number of valid 10 ms frames in it."""
+        features, lengths = batch["features"], batch["lengths"]
+        stacked, stacked_len = self.model.stack(features, lengths)  # (B, T', 3F), (B,)
+        masked = mask_frames(stacked, stacked_len, self.masking, generator)
+        hidden = self.model.embed_and_encode(masked.inputs, stacked_len)
+        prediction = self.model.head(hidden[-1])  # (B, T', 3F)
+        return masked_l1(prediction, stacked, masked.chosen), int(lengths.sum())
+
+    def _seed_micro_batch(self) -> torch.Generator:
+        """Reseed dropout and masking from (seed, step, micro-batch, rank): resumable RNG."""
+        step = self.global_step
+        micro = self._micro[1] + 1 if self._micro[0] == step else 0
+        self._micro = (step, micro)
+        s = derive_seed(self.seed, "train", step, micro, self.global_rank)
+        torch.manual_seed(s)  # dropout (also seeds CUDA generators)
+        return torch.Generator().manual_seed(s ^ 0x5DEECE66D)
+
+    def training_step(self, batch: dict[str, Any], batch_idx: int) -> Tensor | None:
+        generator = self._seed_micro_batch()
+        loss, frames = self.reconstruction_loss(batch, generator)
+        if self._micro[1] == 0:
+            self._skipped_this_step = False
+        finite = bool(torch.isfinite(loss).item())
+        if self.trainer.world_size > 1:  # every rank must skip together or DDP would hang
+            finite = self.trainer.strategy.reduce_boolean_decision(finite, all=True)
+        if not finite:
+            self._skipped_this_step = True
+            self._register_nonfinite(f"loss {loss.item()}")
+            return None
+        self._log_throughput(frames)
+        self.log("train_loss", loss, prog_bar=True, on_step=True, batch_size=len(batch["lengths"]))
+        return loss
+
+    def _log_throughput(self, frames: int) -> None:
+        now = time.perf_counter()
+        if self._last_time is not None and now > self._last_time:
+            fps = self._last_frames / (now - self._last_time) * self.trainer.world_size
+            self.log("frames_per_s", fps, prog_bar=True, on_step=True, batch_size=1)
+        self._last_time, self._last_frames = now, frames
+        scheduler = self.lr_schedulers()
+        if scheduler is not None:
+            self.log("lr", scheduler.get_last_lr()[0], on_step=True, batch_size=1)
+
+    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        grads = [p.grad for p in self.parameters() if p.grad is not None]
+        if not grads:
+            return  # the step's loss was skipped already
+        norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
+        if torch.isfinite(norm):
+            if not self._skipped_this_step:
+                self._nonfinite_in_row = 0
+            return
+        for p in self.parameters():  # gradients are all-reduced: every rank skips together
+            p.grad = None
+        self._register_nonfinite(f"gradient norm {norm.item()}")
+
+    def _register_nonfinite(self, what: str) -> None:
+        self._nonfinite_in_row += 1
+        step = self.global_step
+        warnings.warn(
+            f"step {step}: non-finite {what}; skipping this update "
+            f"({self._nonfinite_in_row}/{self.max_nonfinite} in a row)",
+            NonFiniteWarning,
+            stacklevel=2,
+        )
+        if self._nonfinite_in_row >= self.max_nonfinite:
+            raise NonFiniteLossError(
+                f"training stopped at step {step}: {self._nonfinite_in_row} non-finite "
+                f"losses/gradients in a row (limit max_nonfinite={self.max_nonfinite}). "
+                f"Try a lower learning rate (model.optimizer.lr={self.optim.lr}), a longer "
+                f"warm-up, gradient clipping (trainer.gradient_clip_val), fp32 instead of "
+                f"mixed precision, or check the features for NaN/inf; resume from the last "
+                f"good checkpoint with ckpt_path=last."
+            )
+
+    def validation_step(self, batch: dict[str, Any], batch_idx: int) -> Tensor:
+        # fixed masks per validation batch, so val_loss is comparable across the run
+        generator = torch.Generator().manual_seed(derive_seed(self.seed, "val", batch_idx))
+        loss, _ = self.reconstruction_loss(batch, generator)
+        self.log("val_loss", loss, prog_bar=True, sync_dist=True, batch_size=len(batch["lengths"]))
+        return loss
+
+    # ------------------------------------------------------------------ optimisation
+    def configure_optimizers(self) -> dict[str, Any]:
+        o = self.optim
+        decay = [p for p in self.parameters() if p.requires_grad and p.dim() >= 2]
+        no_decay = [p for p in self.parameters() if p.requires_grad and p.dim() < 2]
+        groups = [
+            {"params": decay, "weight_decay": o.weight_decay},
+            {"params": no_decay, "weight_decay": 0.0},  # biases, LayerNorm: decay hurts
+        ]
+        if o.name == "lamb":
+            from pytorch_optimizer import Lamb
+
+            optimizer = Lamb(groups, lr=o.lr, betas=o.betas, eps=o.eps)
+        else:
+            optimizer = torch.optim.AdamW(groups, lr=o.lr, betas=o.betas, eps=o.eps)
+        warmup, total, final = o.warmup(self.total_steps), self.total_steps, o.final_lr_fraction
+        scheduler = torch.optim.lr_scheduler.LambdaLR(
+            optimizer, lambda step: lr_factor(step, warmup, total, final)
+        )
+        return {
+            "optimizer": optimizer,
+            "lr_scheduler": {"scheduler": scheduler, "interval": "step", "frequency": 1},
+        }
+
+    # ------------------------------------------------------------------ export
+    def upstream_metadata(self) -> dict[str, Any]:
+        from speechattn import code_version
+
+        info = {
+            k: v for k, v in self.data_info.items() if k not in ("mean", "std", "feature_config")
+        }
+        trainer = self._trainer
+        return {
+            "steps": int(self.global_step),
+            "total_steps": self.total_steps,
+            "seed": self.seed,
+            "code_version": code_version(),
+            "attention": self.model_config.attention,
+            "attention_options": dict(self.model_config.attention_options),
+            "masking": asdict(self.masking),
+            "optimizer": {**asdict(self.optim), "betas": list(self.optim.betas)},
+            "world_size": trainer.world_size if trainer is not None else 1,
+            "num_params": self.model.get_num_params(include_head=False),
+            **info,
+        }
+
+    def export_upstream(self, path: str | Path, extra: dict[str, Any] | None = None) -> Path:
+        """Write `upstream.pt` for the current weights."""
+        F = self.model_config.feature_dim
+        state = upstream_state(
+            self.model,
+            self.data_info.get("mean", torch.zeros(F)),  # no normaliser: features used as-is
+            self.data_info.get("std", torch.ones(F)),
+            self.data_info.get("feature_config", {}),
+            {**self.upstream_metadata(), **(extra or {})},
+        )
+        return save_upstream(path, state)
+
+
+def export_upstream(checkpoint: str | Path, out: str | Path) -> Path:
+    """Write `upstream.pt` from a Lightning checkpoint of a pretraining run (e.g. a periodic one)."""
+    task = PretrainTask.load_from_checkpoint(
+        str(checkpoint), map_location="cpu", weights_only=False
+    )
+    ckpt = torch.load(str(checkpoint), map_location="cpu", weights_only=False)
+    task.data_info = ckpt.get("speechattn_data", {})
+    # load_from_checkpoint has no trainer, so global_step comes from the file
+    extra = {"steps": int(ckpt.get("global_step", 0)), "checkpoint": str(checkpoint)}
+    return task.export_upstream(out, extra)
+
+
+__all__ = [
+    "NonFiniteLossError",
+    "NonFiniteWarning",
+    "OptimConfig",
+    "PretrainTask",
+    "StepBatchSampler",
+    "derive_seed",
+    "export_upstream",
+    "lr_factor",
+]
