@@ -1,0 +1,67 @@
+"""Bad input to downstream evaluation: clear errors naming the file or utterance."""
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from speechattn.tasks.upstream_features import MelUpstream, open_upstream
+
+
+def save_tiny_upstream(path: Path, feature_dim: int = 8, attention: str = "full") -> Path:
+    from speechattn.model.aalbert import aalbert
+    from speechattn.model.upstream import save_upstream, upstream_state
+
+    model = aalbert(
+        feature_dim=feature_dim, dim=16, num_layers=2, num_heads=2, ffn_dim=32, attention=attention
+    )
+    state = upstream_state(
+        model,
+        torch.zeros(feature_dim),
+        torch.ones(feature_dim),
+        {"n_mels": feature_dim},
+        {"steps": 7},
+    )
+    return save_upstream(path, state)
+
+
+def test_mel_needs_no_file() -> None:
+    upstream, sha = open_upstream("mel", 80)
+    assert isinstance(upstream, MelUpstream) and upstream.hidden_dim == 80 and sha is None
+
+
+def test_missing_upstream_file_is_named(tmp_path: Path) -> None:
+    path = tmp_path / "nope" / "upstream.pt"
+    with pytest.raises(FileNotFoundError, match="upstream=mel") as info:
+        open_upstream(path, 80)
+    assert str(path) in str(info.value)
+
+
+@pytest.mark.parametrize("kind", ["garbage", "foreign", "truncated"])
+def test_corrupt_or_foreign_upstream_is_named(tmp_path: Path, kind: str) -> None:
+    path = tmp_path / "upstream.pt"
+    if kind == "garbage":
+        path.write_bytes(b"\x00not a torch file" * 10)
+    elif kind == "foreign":
+        torch.save({"state_dict": {"w": torch.zeros(2)}}, path)
+    else:
+        save_tiny_upstream(path)
+        path.write_bytes(path.read_bytes()[:500])
+    with pytest.raises(ValueError) as info:
+        open_upstream(path, 8)
+    assert str(path) in str(info.value)
+
+
+def test_upstream_with_other_features_is_refused(tmp_path: Path) -> None:
+    path = save_tiny_upstream(tmp_path / "upstream.pt", feature_dim=8)
+    with pytest.raises(ValueError, match="expects 8-dim input features but the corpus provides 80"):
+        open_upstream(path, 80)
+
+
+def test_upstream_is_frozen_and_hashed(tmp_path: Path) -> None:
+    path = save_tiny_upstream(tmp_path / "upstream.pt", feature_dim=8)
+    upstream, sha = open_upstream(path, 8)
+    assert len(sha) == 64 and not upstream.training
+    assert not any(p.requires_grad for p in upstream.parameters())
+    hidden = upstream(torch.randn(2, 10, 8), torch.tensor([10, 4]))
+    assert len(hidden) == 3 and hidden[-1].shape == (2, 4, 16)
