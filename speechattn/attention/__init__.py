@@ -8,7 +8,7 @@
 Each family lives in its own file and registers itself on import (explicit imports below).
 """
 
-from speechattn.attention import dot_product, ldsa, sparse, synthesizer  # noqa: F401  (register)
+from speechattn.attention import dot_product, ldsa, lsh, sparse, synthesizer  # noqa: F401
 from speechattn.attention.base import Attention, AttentionConfig
 from speechattn.attention.registry import available, build, get, register
 
