@@ -10,11 +10,13 @@ Each family lives in its own file and registers itself on import (explicit impor
 
 from speechattn.attention import dot_product, ldsa, lsh, sparse, synthesizer  # noqa: F401
 from speechattn.attention.base import Attention, AttentionConfig
+from speechattn.attention.pooling import FusedAttentionPool
 from speechattn.attention.registry import available, build, get, register
 
 __all__ = [
     "Attention",
     "AttentionConfig",
+    "FusedAttentionPool",
     "available",
     "build",
     "get",

@@ -1,0 +1,146 @@
+"""FusedAttention pooling: attention that maps L inputs to 1 output.
+
+"FusedAttention: fusing attention matrix into attention vector" (seeds/002):
+
+    Q = f_Q(X), K = f_K(X), V = f_V(X)            tokens (B, L, u), (B, L, u), (B, L, d)
+    alpha = fuse(norm(K^T Q / sqrt(u)))           norm: softmax over keys, (B, L_k, L_q)
+                                                  fuse: mean over valid queries -> (B, L)
+    Y = g_V(V alpha)                              (B, d) -> g_V
+
+With the defaults (linear f_Q, f_K, f_V, softmax, mean, identity g_V), Y is exactly the mean
+over the valid queries of ordinary single-head attention outputs. In speechattn it is an
+alternative to mean pooling for utterance-level tasks: (B, T, D) + padding mask -> (B, D_out).
+
+Two input forms (seeds/002):
+* a collection of L same-shaped tensors: a list/tuple of L tensors (B, C, W_1..W_n) or one
+  tensor (B, L, C, W_1..W_n) (including (B, T, D) frame sequences); each element is
+  flattened to one token of C * prod(W_i) features;
+* one tensor (B, C, W_1..W_n) cut into non-overlapping patches of size `patch` =
+  (dW_1..dW_n): L = prod(W_i / dW_i) tokens of C * prod(dW_i) features. g_V may map the pooled
+  vector back to (C', dW_1..dW_n), e.g. ``g_v=lambda y: y.view(-1, C, *patch)``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+
+import torch
+from torch import Tensor, nn
+
+from speechattn.attention.base import masked_softmax
+
+Norm = Callable[[Tensor, Tensor], Tensor]  # (scores (B, Lk, Lq), key_valid (B, Lk)) -> weights
+Fuse = Callable[[Tensor, Tensor], Tensor]  # (weights (B, Lk, Lq), query_valid (B, Lq)) -> (B, Lk)
+
+
+def softmax_over_keys(scores: Tensor, key_valid: Tensor) -> Tensor:
+    """Default norm: softmax over the valid keys, column-wise. (B, Lk, Lq) -> (B, Lk, Lq)."""
+    return masked_softmax(scores, key_valid[:, :, None], dim=1)
+
+
+def mean_over_queries(weights: Tensor, query_valid: Tensor) -> Tensor:
+    """Default fuse: mean over the valid queries, row-wise. (B, Lk, Lq) -> (B, Lk)."""
+    qv = query_valid.to(weights.dtype)[:, None, :]  # (B, 1, Lq)
+    return (weights * qv).sum(-1) / qv.sum(-1).clamp_min(1)
+
+
+def to_patches(x: Tensor, patch: Sequence[int]) -> Tensor:
+    """(B, C, W_1..W_n) -> (B, L, C * prod(dW_i)) non-overlapping patches, row-major order."""
+    B, C, *W = x.shape
+    if len(W) != len(patch) or any(w % p for w, p in zip(W, patch)):
+        raise ValueError(
+            f"input spatial size {tuple(W)} is not divisible into patches {tuple(patch)}"
+        )
+    n = len(W)
+    grid = [w // p for w, p in zip(W, patch)]
+    shape = [B, C] + [s for g, p in zip(grid, patch) for s in (g, p)]
+    t = x.reshape(shape)  # (B, C, g_1, p_1, ..., g_n, p_n)
+    perm = [0] + [2 + 2 * i for i in range(n)] + [1] + [3 + 2 * i for i in range(n)]
+    return t.permute(perm).reshape(B, math.prod(grid), C * math.prod(patch))  # (B, L, F)
+
+
+class FusedAttentionPool(nn.Module):
+    """L inputs -> 1 output by fused attention (see module docstring).
+
+    Args:
+        in_dim: F, features per token; needed only for the default linear f_Q/f_K/f_V.
+        out_dim: d, size of V (default in_dim).
+        qk_dim: u, size of Q and K (default in_dim).
+        f_q, f_k, f_v: modules/callables mapping tokens (B, L, F) to (B, L, u|u|d).
+        norm: (scores (B, Lk, Lq), key_valid (B, Lk)) -> weights; default softmax over keys.
+        fuse: (weights (B, Lk, Lq), query_valid (B, Lq)) -> alpha (B, Lk); default mean.
+        g_v: applied to the pooled V alpha (B, d); default identity.
+        patch: window sizes (dW_1..dW_n) for the single-tensor form; None for collections.
+    """
+
+    def __init__(
+        self,
+        in_dim: int | None = None,
+        out_dim: int | None = None,
+        qk_dim: int | None = None,
+        *,
+        f_q: Callable[[Tensor], Tensor] | None = None,
+        f_k: Callable[[Tensor], Tensor] | None = None,
+        f_v: Callable[[Tensor], Tensor] | None = None,
+        norm: Norm = softmax_over_keys,
+        fuse: Fuse = mean_over_queries,
+        g_v: Callable[[Tensor], Tensor] | None = None,
+        patch: Sequence[int] | None = None,
+    ) -> None:
+        super().__init__()
+        if in_dim is None and None in (f_q, f_k, f_v):
+            raise ValueError("FusedAttentionPool: give in_dim or all of f_q, f_k, f_v")
+        u, d = qk_dim or in_dim, out_dim or in_dim
+        self.f_q = f_q if f_q is not None else nn.Linear(in_dim, u)
+        self.f_k = f_k if f_k is not None else nn.Linear(in_dim, u)
+        self.f_v = f_v if f_v is not None else nn.Linear(in_dim, d)
+        self.norm, self.fuse = norm, fuse
+        self.g_v = g_v if g_v is not None else nn.Identity()
+        self.patch = tuple(patch) if patch is not None else None
+
+    def tokens(self, x: Tensor | Sequence[Tensor]) -> Tensor:
+        """Either input form -> tokens (B, L, F)."""
+        if isinstance(x, (list, tuple)):
+            x = torch.stack(list(x), dim=1)  # (B, L, C, W_1..W_n)
+        if self.patch is not None:
+            return to_patches(x, self.patch)
+        if x.dim() < 3:
+            raise ValueError(
+                f"expected a collection (B, L, ...) of L tensors, got shape {tuple(x.shape)}"
+            )
+        return x.flatten(2)  # (B, L, F)
+
+    def forward(
+        self,
+        x: Tensor | Sequence[Tensor],
+        padding_mask: Tensor | None = None,
+        need_weights: bool = False,
+    ) -> Tensor | tuple[Tensor, Tensor]:
+        """Pool L inputs into one.
+
+        Args:
+            x: (B, L, ...) / list of L (B, ...) tensors, or (B, C, W_1..W_n) with `patch`.
+            padding_mask: (B, L) bool, True at padded inputs (never used as keys or queries).
+            need_weights: also return alpha (B, L).
+
+        Returns:
+            g_V(V alpha) ((B, d) by default), and alpha (B, L) with need_weights.
+        """
+        tok = self.tokens(x)  # (B, L, F)
+        B, L, _ = tok.shape
+        if padding_mask is None:
+            valid = torch.ones(B, L, dtype=torch.bool, device=tok.device)
+        else:
+            if padding_mask.shape != (B, L):
+                raise ValueError(
+                    f"expected padding_mask (B, L) = ({B}, {L}), got {tuple(padding_mask.shape)}"
+                )
+            valid = ~padding_mask
+            tok = tok.masked_fill(padding_mask[..., None], 0.0)
+        q, k, v = self.f_q(tok), self.f_k(tok), self.f_v(tok)  # (B, L, u), (B, L, u), (B, L, d)
+        scores = k @ q.transpose(1, 2) / math.sqrt(q.shape[-1])  # (B, Lk, Lq) = K^T Q / sqrt(u)
+        alpha = self.fuse(self.norm(scores, valid), valid)  # (B, Lk)
+        alpha = alpha * valid  # padded keys carry nothing, also for custom norm/fuse
+        y = self.g_v((alpha[:, None, :] @ v).squeeze(1))  # V alpha: (B, d)
+        return (y, alpha) if need_weights else y
