@@ -1,0 +1,39 @@
+"""Helpers for the attention tests: small, fast configurations and padded batches."""
+
+from __future__ import annotations
+
+import torch
+
+from speechattn.attention import Attention, build
+
+DIM, HEADS = 32, 4
+
+# Options that make each variant non-trivial at T ~ 20 (a new variant works with {}).
+SMALL_OPTIONS: dict[str, dict] = {
+    "syn_dense": {"max_len": 64},
+    "syn_dense_mh": {"max_len": 64},
+    "syn_random": {"max_len": 64},
+    "syn_fixed": {"max_len": 64},
+    "ldsa": {"context": 5},
+    **{
+        n: {"k": 5, "bits": 8}
+        for n in ("sign_alsh", "xbox", "xbox_qnf", "simple_lsh", "simple_alsh")
+    },
+}
+
+
+def make(name: str, seed: int = 0, **options) -> Attention:
+    """A float64 module in eval mode with deterministic weights."""
+    torch.manual_seed(seed)
+    return build(name, DIM, HEADS, **{**SMALL_OPTIONS.get(name, {}), **options}).double().eval()
+
+
+def batch(
+    lengths: list[int], T: int | None = None, seed: int = 1
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """x (B, T, DIM) float64 and padding_mask (B, T), True past each length."""
+    T = T or max(lengths)
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(len(lengths), T, DIM, generator=g, dtype=torch.float64)
+    pad = torch.arange(T)[None, :] >= torch.tensor(lengths)[:, None]
+    return x, pad
