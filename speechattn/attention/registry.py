@@ -43,8 +43,8 @@ def get(name: str) -> type[Attention]:
 
 
 def options(name: str) -> dict[str, Any]:
-    """The variant-specific options of `name` with their defaults (dim/num_heads excluded)."""
-    base = {f.name for f in dataclasses.fields(AttentionConfig)} - {"dropout", "bias"}
+    """The variant's own options with their defaults (shared ones such as dropout excluded)."""
+    base = {f.name for f in dataclasses.fields(AttentionConfig)}
     out = {}
     for f in dataclasses.fields(get(name).Config):
         if f.name in base:

@@ -22,9 +22,9 @@ SMALL_OPTIONS: dict[str, dict] = {
 }
 
 
-def make(name: str, seed: int = 0, **options) -> Attention:
+def make(name: str, torch_seed: int = 0, **options) -> Attention:
     """A float64 module in eval mode with deterministic weights."""
-    torch.manual_seed(seed)
+    torch.manual_seed(torch_seed)
     return build(name, DIM, HEADS, **{**SMALL_OPTIONS.get(name, {}), **options}).double().eval()
 
 

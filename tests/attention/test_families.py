@@ -1,0 +1,249 @@
+"""Facts specific to each family: sparse sets, LDSA locality, LSH codes, synthesizer patterns."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from _attention_testing import DIM, HEADS, batch, make
+
+from speechattn.attention import build, lsh, patterns
+
+# ---------------------------------------------------------------- shared_qk
+
+
+def test_shared_qk_self_only_when_alone():
+    attn = make("shared_qk")
+    x, pad = batch([6, 1], T=6)
+    _, w = attn(x, pad, need_weights=True)
+    diag = w[0].diagonal(dim1=-2, dim2=-1)
+    assert diag.max() < 1e-12  # never itself while other keys exist
+    torch.testing.assert_close(w[1, :, 0, 0], torch.ones(HEADS, dtype=w.dtype))  # alone: itself
+
+
+# ---------------------------------------------------------------- sparse
+
+
+def _spec_set(name: str, head: int, i: int, j: int, stride: int, summary: int = 1) -> bool:
+    """The SPEC section 4 set definitions, written independently of patterns.py."""
+    first_half = head < (HEADS + 1) // 2
+    if name == "sparse_strided":
+        return abs(i - j) <= stride if first_half else (i - j) % stride == 0
+    if first_half:
+        return i // stride == j // stride
+    return j % stride >= stride - min(summary, stride)
+
+
+@pytest.mark.parametrize("name", ["sparse_strided", "sparse_fixed"])
+@pytest.mark.parametrize("stride", [None, 3])
+def test_sparse_support_matches_set_definition(name, stride):
+    lengths = [20, 11, 4]
+    key = "stride" if name == "sparse_strided" else "block"
+    options = {key: stride} | ({"summary": 2} if name == "sparse_fixed" else {})
+    attn = make(name, **options)
+    x, pad = batch(lengths)
+    _, w = attn(x, pad, need_weights=True)
+    for b, n in enumerate(lengths):
+        ls = stride or round(math.sqrt(n))
+        for h in range(HEADS):
+            support = w[b, h, :n, :n] > 0
+            for i in range(n):
+                want = {j for j in range(n) if _spec_set(name, h, i, j, ls, 2) and j != i}
+                got = {j for j in range(n) if support[i, j] and j != i}
+                assert got == want, (b, h, i)
+                # the self key is used only when nothing else is allowed
+                assert bool(support[i, i]) == (not want)
+
+
+def test_sparse_default_stride_is_sqrt_of_own_length():
+    attn = make("sparse_strided")
+    _, pad = batch([100, 30, 2])
+    assert attn.strides(~pad) == [10, 5, 1]
+    assert make("sparse_strided", stride=7).strides(~pad) == [7, 7, 7]
+
+
+@pytest.mark.parametrize("name", ["sparse_strided", "sparse_fixed"])
+def test_sparse_keys_attended_counts_the_pattern(name):
+    attn = make(name)
+    for T in (1, 9, 50):
+        ls = patterns.default_stride(T)
+        pats = attn.pattern_pair(T, ls, torch.device("cpu"))
+        hA = (HEADS + 1) // 2
+        expected = (
+            hA * pats[0].sum(-1).double().mean() + (HEADS - hA) * pats[1].sum(-1).double().mean()
+        ) / HEADS
+        assert attn.keys_attended(T) == pytest.approx(float(expected))
+    assert attn.keys_attended(4096) < 0.1 * 4096
+
+
+# ---------------------------------------------------------------- ldsa
+
+
+def test_ldsa_is_local():
+    c = 5
+    attn = make("ldsa", context=c)
+    x, _ = batch([15])
+    y = attn(x)
+    t = 7
+    for s in range(15):
+        x2 = x.clone()
+        x2[0, s] += 3.0
+        changed = not torch.allclose(attn(x2)[0, t], y[0, t], rtol=0, atol=1e-12)
+        assert changed == (abs(s - t) <= c // 2), s
+
+
+def test_ldsa_weights_are_a_renormalised_band():
+    attn = make("ldsa", context=5)
+    x, pad = batch([8, 3])
+    _, w = attn(x, pad, need_weights=True)
+    i = torch.arange(8)
+    outside = (i[:, None] - i[None, :]).abs() > 2
+    assert (w[:, :, outside] == 0).all()
+    assert w[1, :, 0, 0].min() > 0 and (w[1, :, 0, 3:] == 0).all()
+
+
+def test_ldsa_context_must_be_odd():
+    with pytest.raises(ValueError, match="odd"):
+        make("ldsa", context=4)
+
+
+# ---------------------------------------------------------------- lsh
+
+LSH = ["sign_alsh", "xbox", "xbox_qnf", "simple_lsh", "simple_alsh"]
+
+
+def _qkm(seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    q = (
+        torch.randn(2, 3, 40, 8, generator=g, dtype=torch.float64)
+        * torch.rand(2, 3, 40, 1, generator=g, dtype=torch.float64)
+        * 4
+    )
+    M = q.norm(dim=-1, keepdim=True).amax(-2, keepdim=True)
+    R = torch.randn(9, 64, generator=g, dtype=torch.float64)
+    return q, M, R
+
+
+def test_xbox_qnf_and_simple_lsh_give_identical_codes():
+    q, M, R = _qkm()
+    codes = [
+        tuple(lsh.sign_codes(z, R) for z in f(q, q, M))
+        for f in (lsh.xbox, lsh.xbox_qnf, lsh.simple_lsh)
+    ]
+    for cq, ck in codes[1:]:
+        assert torch.equal(cq, codes[0][0]) and torch.equal(ck, codes[0][1])
+
+
+def test_sign_alsh_with_and_without_qnf_identical():
+    q, M, _ = _qkm(1)
+    R = torch.randn(10, 64, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    a = [lsh.sign_codes(z, R) for z in lsh.sign_alsh(q, q, M)]
+    b = [lsh.sign_codes(z, R) for z in lsh.sign_alsh(q, q, M, qnf=True)]
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+
+
+def test_equivalent_lsh_variants_give_identical_outputs():
+    x, pad = batch([20, 12])
+    ref = make("xbox")
+    for name in ("xbox_qnf", "simple_lsh"):
+        other = make(name)
+        other.load_state_dict(ref.state_dict())
+        torch.testing.assert_close(other(x, pad), ref(x, pad), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("name", LSH)
+def test_lsh_attends_min_k_valid_keys(name):
+    lengths = [20, 5, 1]
+    attn = make(name, k=6)
+    x, pad = batch(lengths)
+    q, k, _ = attn._qkv(x.masked_fill(pad[..., None], 0))
+    valid = ~pad
+    idx = attn.select(q, k, valid)  # (B, h, T, kk)
+    sel = attn.selection_dense(q, k, valid)  # (B, h, T, T)
+    fast = torch.zeros_like(sel).scatter(-1, idx, True)
+    for b, n in enumerate(lengths):
+        want = min(6, n)
+        assert (sel[b, :, :n, :n].sum(-1) == want).all()
+        assert torch.equal(fast[b, :, :n, :n], sel[b, :, :n, :n])  # fast top-k == reference
+        # padded keys only fill the top-k when fewer than k keys are valid (masked later)
+        assert (sel[b, :, :n, n:].sum(-1) == idx.shape[-1] - want).all()
+
+
+@pytest.mark.parametrize("name", LSH)
+def test_lsh_is_deterministic_across_modes_calls_and_instances(name):
+    x, pad = batch([20, 12])
+    attn = make(name)
+    y = attn(x, pad)
+    torch.testing.assert_close(attn(x, pad), y, rtol=0, atol=0)
+    attn.train()
+    torch.testing.assert_close(attn(x, pad), y, rtol=0, atol=0)
+    assert "projection" in attn.state_dict()
+    twin = make(name, torch_seed=123)  # other weights, same hashing seed (option default)
+    assert torch.equal(twin.projection, attn.projection)
+
+
+def test_lsh_seed_changes_projection():
+    a = build("xbox", DIM, HEADS, seed=0).projection
+    assert torch.equal(a, build("xbox", DIM, HEADS, seed=0).projection)
+    assert not torch.equal(a, build("xbox", DIM, HEADS, seed=1).projection)
+
+
+def test_lsh_tie_break_prefers_near_then_early():
+    # all codes equal: every key ties, so the k nearest keys win, earlier first at equal distance
+    cq = torch.ones(1, 9, 4, dtype=torch.bool)
+    kv = torch.ones(1, 9, dtype=torch.bool)
+    idx = lsh.topk_by_match(cq, cq, kv, 3)[0]
+    assert sorted(idx[4].tolist()) == [3, 4, 5]
+    assert sorted(lsh.topk_by_match(cq, cq, kv, 2)[0][4].tolist()) == [3, 4]
+    assert sorted(idx[0].tolist()) == [0, 1, 2]
+
+
+# ---------------------------------------------------------------- synthesizers
+
+
+@pytest.mark.parametrize("name", ["syn_dense", "syn_dense_mh", "syn_random", "syn_fixed"])
+def test_synthesizer_rejects_sequences_longer_than_max_len(name):
+    attn = make(name, max_len=8)
+    x, _ = batch([9])
+    with pytest.raises(ValueError, match="max_len=8"):
+        attn(x)
+    assert attn(x[:, :8]).shape == (1, 8, DIM)
+
+
+def test_syn_fixed_initial_weights_follow_the_patterns():
+    torch.manual_seed(0)
+    attn = build("syn_fixed", DIM, 8, max_len=64).double()  # 7 pattern heads + 1 random
+    assert torch.equal(attn.logits[:7], build("syn_fixed", DIM, 8, max_len=64).logits[:7].double())
+    lengths = [20, 13]
+    x, pad = batch(lengths)
+    _, w = attn(x, pad, need_weights=True)
+    for b, n in enumerate(lengths):
+        wb = w[b, :, :n, :n]
+        for i in range(n):
+            assert wb[0, i].argmax() == i  # current
+            if i > 0:
+                assert wb[1, i].argmax() == i - 1  # previous
+                assert wb[3, i, max(0, i - 3) : i].sum() > 0.9  # left context
+            if i < n - 1:
+                assert wb[2, i].argmax() == i + 1  # next
+                assert wb[4, i, i + 1 : i + 4].sum() > 0.9  # right context
+            assert wb[5, i].argmax() == 0  # start: own first frame
+            assert wb[6, i].argmax() == n - 1  # end: own last valid frame, not T - 1
+            assert wb[6, i, n - 1] > 0.9
+    # the patterns dominate: weights of the intended key near 1
+    assert w[0, 0].diagonal().min() > 0.99
+
+
+def test_syn_fixed_with_fewer_heads_keeps_first_patterns():
+    attn = build("syn_fixed", 16, 2, max_len=16)
+    assert attn.pattern_names == ("current", "previous")
+    y = attn(torch.randn(1, 5, 16))
+    assert y.shape == (1, 5, 16)
+
+
+def test_fixed_patterns_rows():
+    p = patterns.fixed_patterns(6, context=2)
+    assert p.shape == (7, 6, 6)
+    torch.testing.assert_close(p[3, 4], torch.tensor([0, 0, 0.5, 0.5, 0, 0]))
+    assert p[1, 0].sum() == 0 and p[2, 5].sum() == 0  # no previous of the first frame etc.
