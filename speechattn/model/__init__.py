@@ -1,0 +1,34 @@
+"""AALBERT model, masked acoustic modelling and the pretrained-upstream file format.
+
+from speechattn.model import aalbert_tiny, load_upstream
+model = aalbert_tiny(attention="ldsa")           # ModelConfig + registry attention
+hidden = model(features, lengths)                # L+1 hidden states (B, T', D)
+upstream = load_upstream("outputs/.../upstream.pt")
+"""
+
+from speechattn.model.aalbert import (
+    AALBERT,
+    PRESETS,
+    ModelConfig,
+    aalbert,
+    aalbert_base,
+    aalbert_tiny,
+)
+from speechattn.model.masking import MaskedBatch, MaskingConfig, mask_frames, masked_l1
+from speechattn.model.upstream import Upstream, UpstreamFileError, load_upstream
+
+__all__ = [
+    "AALBERT",
+    "PRESETS",
+    "MaskedBatch",
+    "MaskingConfig",
+    "ModelConfig",
+    "Upstream",
+    "UpstreamFileError",
+    "aalbert",
+    "aalbert_base",
+    "aalbert_tiny",
+    "load_upstream",
+    "mask_frames",
+    "masked_l1",
+]

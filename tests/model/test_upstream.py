@@ -1,0 +1,81 @@
+"""upstream.pt: save -> load_upstream round trip, the upstream contract, and bad files."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import speechattn
+from speechattn.model import UpstreamFileError, aalbert, load_upstream
+from speechattn.model.upstream import save_upstream, upstream_state
+
+
+@pytest.fixture
+def saved(tmp_path):
+    model = aalbert(feature_dim=8, dim=32, num_layers=2, num_heads=4, ffn_dim=64, attention="ldsa")
+    mean, std = torch.randn(8), torch.rand(8) + 0.5
+    meta = {"steps": 12, "corpus": "embedded", "seed": 3, "code_version": speechattn.code_version()}
+    path = save_upstream(
+        tmp_path / "upstream.pt", upstream_state(model, mean, std, {"n_mels": 8}, meta)
+    )
+    return model.eval(), path, mean, std
+
+
+def test_round_trip_gives_identical_hidden_states(saved):
+    model, path, mean, std = saved
+    up = speechattn.load_upstream(path)
+    x = torch.randn(2, 20, 8)
+    lengths = torch.tensor([20, 7])
+    with torch.no_grad():
+        ref, got = model(x, lengths), up(x, lengths)
+    assert len(got) == 3
+    for a, b in zip(ref, got):
+        assert torch.equal(a, b)
+    assert up.output_lengths(lengths).tolist() == [7, 3]
+    assert (up.downsample, up.hidden_dim, up.num_layers, up.num_heads) == (3, 32, 2, 4)
+    assert up.frame_rate == pytest.approx(100 / 3)
+    assert up.attention_name == "ldsa" and up.feature_dim == 8
+    assert up.metadata["steps"] == 12 and up.metadata["corpus"] == "embedded"
+    assert not up.training
+    torch.testing.assert_close(up.mean, mean)
+    raw = torch.randn(1, 5, 8)
+    torch.testing.assert_close(up.normalize(raw), (raw - mean) / std)
+    w = up.attention_weights(x, lengths, layer=1)
+    assert w.shape == (2, 4, 7, 7)
+
+
+def test_missing_file(tmp_path):
+    with pytest.raises(FileNotFoundError, match="nothere.pt"):
+        load_upstream(tmp_path / "nothere.pt")
+
+
+@pytest.mark.parametrize("kind", ["garbage", "text", "truncated", "foreign", "checkpoint_like"])
+def test_bad_files_raise_an_error_naming_the_file(saved, tmp_path, kind):
+    _, good, _, _ = saved
+    bad = tmp_path / f"bad_{kind}.pt"
+    if kind == "garbage":
+        bad.write_bytes(bytes(range(256)) * 10)
+    elif kind == "text":
+        bad.write_text("hello")
+    elif kind == "truncated":
+        bad.write_bytes(good.read_bytes()[:2000])
+    elif kind == "foreign":
+        torch.save({"weights": torch.zeros(3)}, bad)
+    else:  # a pickled object, as in Lightning checkpoints: refused by weights_only loading
+        torch.save({"obj": torch.nn.Linear(2, 2)}, bad)
+    with pytest.raises(UpstreamFileError, match=f"bad_{kind}.pt"):
+        load_upstream(bad)
+
+
+def test_wrong_version_and_incomplete(saved, tmp_path):
+    _, good, _, _ = saved
+    state = torch.load(good, weights_only=True)
+    state["version"] = 99
+    torch.save(state, tmp_path / "v99.pt")
+    with pytest.raises(UpstreamFileError, match="version"):
+        load_upstream(tmp_path / "v99.pt")
+    state["version"] = 1
+    del state["normalizer"]
+    torch.save(state, tmp_path / "partial.pt")
+    with pytest.raises(UpstreamFileError, match="normalizer"):
+        load_upstream(tmp_path / "partial.pt")
