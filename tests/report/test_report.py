@@ -165,3 +165,29 @@ def test_cli(partial: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) 
     table1 = (tmp_path / "cli" / "table1.md").read_text()
     assert "time ms (T=128)" in table1 and "2.0" in table1
     assert "wrote" in capsys.readouterr().out
+
+
+def test_attention_maps_from_a_real_upstream(tmp_path: Path) -> None:
+    """A pretrained run's upstream.pt + saved utterance give the every-head figure."""
+    import torch
+
+    from speechattn.model.aalbert import aalbert
+    from speechattn.model.upstream import save_upstream, upstream_state
+
+    model = aalbert(feature_dim=8, dim=16, num_layers=2, num_heads=2, ffn_dim=32, attention="full")
+    upstream = save_upstream(
+        tmp_path / "pretrain" / "upstream.pt",
+        upstream_state(model, torch.zeros(8), torch.ones(8), {"n_mels": 8}, {"steps": 1}),
+    )
+    root = tmp_path / "results"
+    path = fake_result(root, "full", "speaker_utterance", 0.7)
+    data = json.loads(path.read_text())
+    data["upstream"], data["model_config"] = str(upstream), {"num_layers": 2}
+    path.write_text(json.dumps(data))
+    torch.save(
+        {"utt_id": "u1", "features": torch.randn(30, 8), "speaker": 0},
+        path.parent / "example_utterance.pt",
+    )
+    report = make_report(root)
+    assert (root / "fig_attention_maps.png").is_file(), report.notes
+    assert "fig_attention_maps.png" in (root / "README.md").read_text()
