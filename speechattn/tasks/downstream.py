@@ -188,7 +188,12 @@ class DownstreamProbe(L.LightningModule):
 
         logits = self.head(x, batch["padding_mask"])  # (B, T', C)
         return expand_to_labels(
-            logits, self.downsample, batch["label_lengths"], batch["utt_ids"], self.tolerance
+            logits,
+            self.downsample,
+            batch["label_lengths"],
+            batch["utt_ids"],
+            self.tolerance,
+            lengths=batch["lengths"],
         )  # (B, T, C)
 
     def _step(self, batch: dict[str, Any], metric: MulticlassAccuracy) -> Tensor:
@@ -252,11 +257,43 @@ def cached_features(
         loader = _split_loader(datamodule, name)
         total = len(loader) if hasattr(loader, "__len__") else None
         splits[name] = extract_split(
-            upstream, loader, layers, total=total, description=f"features {name}", device=device
+            upstream,
+            loader,
+            layers,
+            total=total,
+            description=f"features {name}",
+            device=device,
+            transform=renormalizer(normalizer, upstream),
         )
         save_split(splits[name], path)
         log.info("features %s: %d utterances -> %s", name, len(splits[name]), path)
     return splits
+
+
+def renormalizer(normalizer: Any, upstream: torch.nn.Module) -> Any:
+    """Map features normalised with the corpus statistics onto the upstream's own statistics.
+
+    The data module normalises with its training split's mean/std; an upstream pretrained on
+    another corpus (train-clean-360 vs train-clean-100) saw its own. Returns
+    `f(features (B, T, F), padding_mask (B, T)) -> features`, or None when nothing to do.
+    """
+    src_mean, src_std = getattr(normalizer, "mean", None), getattr(normalizer, "std", None)
+    dst_mean, dst_std = getattr(upstream, "mean", None), getattr(upstream, "std", None)
+    if getattr(normalizer, "mode", "global") != "global" or None in (src_mean, dst_mean):
+        return None
+    if torch.allclose(src_mean, dst_mean.cpu(), atol=1e-4) and torch.allclose(
+        src_std, dst_std.cpu(), atol=1e-4
+    ):
+        return None
+    log.info("features: mapping corpus normalisation onto the upstream's pretraining statistics")
+
+    def remap(features: Tensor, padding_mask: Tensor) -> Tensor:
+        d = features.device
+        raw = features * src_std.to(d) + src_mean.to(d)  # (B, T, F) log-mel
+        out = (raw - dst_mean.to(d)) / dst_std.to(d)
+        return out.masked_fill(padding_mask.unsqueeze(-1), 0.0)
+
+    return remap
 
 
 def _split_loader(datamodule: Any, split: str) -> Any:
@@ -284,7 +321,12 @@ def check_label_lengths(split: SplitFeatures, downsample: int, tolerance: int) -
         lengths = split.lengths[start:stop]
         dummy = torch.zeros(stop - start, int(lengths.max()), 1)  # (B, T', 1)
         expand_to_labels(
-            dummy, downsample, split.phone_lengths[start:stop], split.utt_ids[start:stop], tolerance
+            dummy,
+            downsample,
+            split.phone_lengths[start:stop],
+            split.utt_ids[start:stop],
+            tolerance,
+            lengths=lengths,
         )
 
 
@@ -423,13 +465,14 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     layers = resolve_layers(cfg.layer, upstream.num_layers)
     device = _device(cfg.get("device", "auto"))
     t_features = time.perf_counter()
+    cache_dir = cfg.get("cache_dir") or data_config.cache_root() / "downstream"
     splits = cached_features(
         upstream,
         sha or f"{MEL}:{datamodule.feature_dim}",
         layers,
         datamodule,
         _plain(data_config),
-        cfg.cache_dir,
+        cache_dir,
         device,
     )
     upstream.cpu()
