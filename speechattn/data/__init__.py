@@ -1,0 +1,58 @@
+"""Data layer: the built-in eSpeak corpus, LibriSpeech + CPC label readers, the feature cache
+and the Lightning data modules (contracts in docs/ARCHITECTURE.md).
+
+    from speechattn.data import DataConfig, PretrainDataModule, LabelledDataModule
+    dm = LabelledDataModule(DataConfig(batch_size=8))   # built-in corpus, built on first use
+    dm.prepare_data(); dm.setup("fit")
+    batch = next(iter(dm.train_dataloader()))         # features (B, T, 80), phones (B, T), ...
+"""
+
+from speechattn.data.config import DataConfig, default_cache_root
+from speechattn.data.errors import DataError, Issues, Skip
+from speechattn.data.features import (
+    FeatureConfig,
+    LogMel,
+    Normalizer,
+    expand_to_labels,
+    num_frames,
+    stack_frames,
+)
+from speechattn.data.librispeech import Utterance, find_splits, scan_split
+from speechattn.data.synth import build_corpus, ensure_embedded_corpus
+
+_LAZY = {
+    "LabelledDataModule",
+    "PretrainDataModule",
+    "resolve_root",
+}  # import Lightning on first use
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        from speechattn.data import datamodules
+
+        return getattr(datamodules, name)
+    raise AttributeError(f"module 'speechattn.data' has no attribute {name!r}")
+
+
+__all__ = [
+    "DataConfig",
+    "DataError",
+    "FeatureConfig",
+    "Issues",
+    "LabelledDataModule",
+    "LogMel",
+    "Normalizer",
+    "PretrainDataModule",
+    "Skip",
+    "Utterance",
+    "build_corpus",
+    "default_cache_root",
+    "ensure_embedded_corpus",
+    "expand_to_labels",
+    "find_splits",
+    "num_frames",
+    "resolve_root",
+    "scan_split",
+    "stack_frames",
+]

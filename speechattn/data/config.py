@@ -1,0 +1,119 @@
+"""`DataConfig`: every data-layer setting, mirrored by `conf/data/{embedded,librispeech}.yaml`.
+
+Tasks build it with `DataConfig(**cfg.data)`; lists coming from Hydra (`ListConfig`) are turned
+into plain lists and every choice is validated here, so a typo fails at start-up, not mid-run.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+CORPUS_CHOICES = ("embedded", "librispeech")
+NORMALIZATION_CHOICES = ("global", "utterance", "none")
+SAMPLE_RATE_POLICIES = ("resample", "error")
+CACHE_DTYPES = ("float16", "float32")
+
+
+def default_cache_root() -> Path:
+    """`$SPEECHATTN_CACHE`, else `~/.cache/speechattn`."""
+    env = os.environ.get("SPEECHATTN_CACHE")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "speechattn"
+
+
+@dataclass
+class DataConfig:
+    """Data-layer configuration (flat, so Hydra overrides read `data.batch_size=8`)."""
+
+    # ---- corpus ----
+    corpus: str = "embedded"  # embedded (built-in eSpeak corpus) | librispeech
+    root: str | None = (
+        None  # corpus root; embedded + None: build/reuse the default corpus in the cache
+    )
+    alignments_dir: str | None = None  # folder with the label/split files below; None: the root
+    cache_dir: str | None = None  # None: $SPEECHATTN_CACHE or ~/.cache/speechattn
+    # Built-in corpus size when `root` is None (changing them builds another corpus).
+    synth_speakers: int = 24
+    synth_utterances_per_speaker: int = 25
+    synth_seed: int = 0
+
+    # ---- which split folders / lists feed which role ----
+    pretrain_splits: list[str] = field(default_factory=lambda: ["synth-clean"])
+    labelled_splits: list[str] = field(default_factory=lambda: ["synth-clean"])
+    train_list: str | None = "train_split.txt"  # None: every labelled utterance not in test
+    test_list: str | None = "test_split.txt"  # None: test = all utterances of `test_splits`
+    test_splits: list[str] = field(default_factory=list)
+    alignments: str | None = "converted_aligned_phones.txt"  # None: no phone labels
+    phone_set: str | None = "phone_set.txt"  # missing file: classes are "0".."num_phones-1"
+    num_phones: int | None = None  # without phone_set.txt (CPC LibriSpeech labels: 41)
+    dev_fraction: float = 0.1  # seeded, per speaker, taken from train
+    pretrain_exclude_test: bool = True  # keep labelled test audio out of pretraining
+    pretrain_val_fraction: float = 0.05  # held out from pretraining for a validation loss
+
+    # ---- features (SPEC 2.4) ----
+    n_mels: int = 80
+    deltas: bool = False  # append deltas and delta-deltas (F = 3 * n_mels)
+    normalization: str = "global"  # global (train-split mean/std) | utterance (CMVN) | none
+    sample_rate_policy: str = "resample"  # non-16 kHz audio: resample (with a warning) | error
+    cache_dtype: str = "float16"  # on-disk feature precision
+
+    # ---- batching ----
+    batch_size: int = 16
+    num_workers: int = 0  # DataLoader workers
+    max_frames: int = 1500  # pretraining random crop, 10 ms frames (model limit: 3072)
+    labelled_max_frames: int | None = 3000  # longer labelled utterances are cropped (logged)
+    min_frames: int = 10  # shorter utterances are bad input ("too short")
+    bucket_size: int = 50  # batches per length-sorting pool
+    label_tolerance: int = 2  # 10 ms frames labels may differ from the audio before it is an error
+
+    # ---- robustness and bookkeeping ----
+    on_error: str = "error"  # error | skip (counted and reported)
+    seed: int = 0
+    extract_workers: int | None = None  # feature-extraction processes; None: min(cpu count, 8)
+    shard_size: int = 64  # utterances per cache shard (unit of resume and of parallel work)
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("pretrain_splits", "labelled_splits", "test_splits"):
+            value = getattr(self, name)
+            setattr(self, name, [value] if isinstance(value, str) else [str(v) for v in value])
+        for name, choices in (
+            ("corpus", CORPUS_CHOICES),
+            ("normalization", NORMALIZATION_CHOICES),
+            ("sample_rate_policy", SAMPLE_RATE_POLICIES),
+            ("cache_dtype", CACHE_DTYPES),
+            ("on_error", ("error", "skip")),
+        ):
+            if getattr(self, name) not in choices:
+                raise ValueError(
+                    f"data.{name} must be one of {choices}, found {getattr(self, name)!r}"
+                )
+        if self.corpus == "librispeech" and not self.root:
+            raise ValueError(
+                "data.root is required for corpus=librispeech (the LibriSpeech folder)"
+            )
+        for name in ("batch_size", "max_frames", "min_frames", "shard_size", "bucket_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"data.{name} must be >= 1, found {getattr(self, name)}")
+        if not 0 <= self.dev_fraction < 1 or not 0 <= self.pretrain_val_fraction < 1:
+            raise ValueError("data.dev_fraction and data.pretrain_val_fraction must be in [0, 1)")
+        if self.max_frames < self.min_frames:
+            raise ValueError(
+                f"data.max_frames ({self.max_frames}) < data.min_frames ({self.min_frames})"
+            )
+        if self.test_list is None and not self.test_splits:
+            raise ValueError(
+                "data.test_list is null, so data.test_splits must name the test folders"
+            )
+
+    @property
+    def feature_dim(self) -> int:
+        return self.n_mels * (3 if self.deltas else 1)
+
+    def cache_root(self) -> Path:
+        return Path(self.cache_dir).expanduser() if self.cache_dir else default_cache_root()
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)

@@ -1,0 +1,520 @@
+"""Lightning data modules: `PretrainDataModule` (unlabelled crops) and `LabelledDataModule`
+(speaker per utterance, phone per 10 ms frame, train/dev/test).
+
+Both resolve the corpus (building the built-in one on first use when `corpus=embedded` and no
+`root` is given), scan the split folders, extract features into the cache (one entry per split
+folder, shared by both modules), compute normalisation statistics on their training utterances,
+and serve padded, length-bucketed batches (see `speechattn.data.datasets`).
+
+Bad input follows `cfg.on_error`: "error" raises `DataError` naming the file; "skip" drops the
+utterance, and the skips are logged at the end of `setup` and kept in `.skipped`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import numpy as np
+import torch
+from torch.utils.data import ConcatDataset, DataLoader, RandomSampler, SequentialSampler
+
+from speechattn.data.cache import ExtractionSettings, FeatureStore, extract_features
+from speechattn.data.config import DataConfig
+from speechattn.data.datasets import FeatureDataset, LengthBucketBatchSampler, collate
+from speechattn.data.errors import DataError, Issues, Skip
+from speechattn.data.features import FeatureConfig, Normalizer
+from speechattn.data.librispeech import (
+    LabelFiles,
+    Utterance,
+    read_alignments,
+    read_split_list,
+    scan_split,
+)
+
+log = logging.getLogger(__name__)
+
+
+def resolve_root(cfg: DataConfig) -> Path:
+    """The corpus root: `cfg.root`, or the built-in corpus (built on first use)."""
+    if cfg.root:
+        return Path(cfg.root).expanduser().resolve()
+    if cfg.corpus != "embedded":
+        raise ValueError(f"data.root is required for corpus={cfg.corpus}")
+    from speechattn.data.synth import ensure_embedded_corpus
+
+    return ensure_embedded_corpus(
+        cfg.cache_root(), cfg.synth_speakers, cfg.synth_utterances_per_speaker, cfg.synth_seed,
+        workers=cfg.extract_workers, progress=cfg.progress,
+    )  # fmt: skip
+
+
+def extraction_settings(cfg: DataConfig) -> ExtractionSettings:
+    return ExtractionSettings(
+        features=FeatureConfig(n_mels=cfg.n_mels, deltas=cfg.deltas),
+        sample_rate_policy=cfg.sample_rate_policy,
+        min_frames=cfg.min_frames,
+        dtype=cfg.cache_dtype,
+    )
+
+
+class _Items(ConcatDataset):
+    """Concatenation of per-split `FeatureDataset`s with their `lengths` and `utt_ids`."""
+
+    def __init__(self, parts: list[FeatureDataset]) -> None:
+        super().__init__(parts)
+        self.parts = parts
+        self.lengths = (
+            np.concatenate([p.lengths for p in parts]) if parts else np.zeros(0, np.int64)
+        )
+
+    @property
+    def utt_ids(self) -> list[str]:
+        return [u for p in self.parts for u in p.utt_ids]
+
+
+class _CorpusDataModule(L.LightningDataModule):
+    """Shared machinery: corpus resolution, scanning, feature cache, loaders."""
+
+    def __init__(
+        self, cfg: DataConfig | dict[str, Any] | None = None, normalizer: Normalizer | None = None
+    ) -> None:
+        super().__init__()
+        self.cfg = cfg if isinstance(cfg, DataConfig) else DataConfig(**(cfg or {}))
+        self.issues = Issues(self.cfg.on_error)
+        self._given_normalizer = normalizer
+        self._normalizer: Normalizer | None = None
+        self._root: Path | None = None
+        self._splits: dict[str, tuple[list[Utterance], FeatureStore]] = {}
+        self._ready = False
+        self.datasets: dict[str, _Items] = {}
+
+    # ---- contract properties ----
+    @property
+    def feature_dim(self) -> int:
+        return self.cfg.feature_dim
+
+    @property
+    def normalizer(self) -> Normalizer:
+        if self._normalizer is None:
+            raise RuntimeError(
+                f"{type(self).__name__}.normalizer is set by setup(); call setup() first"
+            )
+        return self._normalizer
+
+    @property
+    def skipped(self) -> list[Skip]:
+        """Every utterance left out under `on_error=skip`, with file and reason."""
+        return list(self.issues.skips)
+
+    @property
+    def root(self) -> Path:
+        if self._root is None:
+            self._root = resolve_root(self.cfg)
+        return self._root
+
+    @property
+    def label_files(self) -> LabelFiles:
+        c = self.cfg
+        folder = Path(c.alignments_dir).expanduser().resolve() if c.alignments_dir else self.root
+        return LabelFiles(folder, c.alignments, c.phone_set, c.train_list, c.test_list)
+
+    # ---- corpus and cache ----
+    def _split(self, split: str) -> tuple[list[Utterance], FeatureStore]:
+        """Utterances of one split folder and their cached features (extracted once)."""
+        if split not in self._splits:
+            utts = scan_split(self.root, split, self.issues)
+            if not utts:
+                raise DataError(
+                    self.root / split,
+                    "no usable utterances",
+                    "the split folder holds no valid audio",
+                )
+            store = extract_features(
+                utts, extraction_settings(self.cfg), self.cfg.cache_root(), self.issues,
+                workers=self.cfg.extract_workers, shard_size=self.cfg.shard_size,
+                progress=self.cfg.progress, description=f"features {split}",
+            )  # fmt: skip
+            self._splits[split] = (utts, store)
+        return self._splits[split]
+
+    def _splits_needed(self) -> list[str]:
+        raise NotImplementedError
+
+    def prepare_data(self) -> None:
+        """Build the corpus (embedded) and the feature caches; runs once per node under DDP."""
+        for split in self._splits_needed():
+            self._split(split)
+
+    def _normalizer_from(self, parts: list[tuple[FeatureStore, list[int]]]) -> Normalizer:
+        if self._given_normalizer is not None:
+            return self._given_normalizer
+        count, total, total_sq = 0, np.zeros(self.feature_dim), np.zeros(self.feature_dim)
+        for store, indices in parts:
+            if indices:
+                n, s, s2 = store.sums(indices)
+                count, total, total_sq = count + n, total + s, total_sq + s2
+        if self.cfg.normalization == "none":
+            return Normalizer.identity(self.feature_dim)
+        return Normalizer.from_sums(count, total, total_sq, self.cfg.normalization)
+
+    def _finish_setup(self) -> None:
+        self._ready = True
+        self.issues.log_summary(log)
+
+    # ---- loaders ----
+    def _loader(self, dataset: _Items, shuffle: bool) -> DataLoader:
+        c = self.cfg
+        if shuffle:
+            sampler = RandomSampler(dataset, generator=torch.Generator().manual_seed(c.seed))
+        else:
+            sampler = SequentialSampler(dataset)
+        batches = LengthBucketBatchSampler(
+            sampler,
+            c.batch_size,
+            False,
+            dataset.lengths,
+            c.bucket_size,
+            shuffle=shuffle,
+            seed=c.seed,
+        )
+        return DataLoader(
+            dataset, batch_sampler=batches, collate_fn=collate, num_workers=c.num_workers,
+            persistent_workers=c.num_workers > 0,
+        )  # fmt: skip
+
+    def _dataset(self, name: str) -> _Items:
+        if not self._ready:
+            raise RuntimeError(f"{type(self).__name__}: call setup() before asking for dataloaders")
+        return self.datasets[name]
+
+    def describe(self) -> dict[str, Any]:
+        """Corpus facts for result metadata: root, utterances per role, skips."""
+        return {
+            "corpus": self.cfg.corpus,
+            "root": str(self.root),
+            **{f"{k}_utterances": len(v) for k, v in self.datasets.items()},
+            "skipped": len(self.issues.skips),
+        }
+
+
+def _holdout(ids: list[str], fraction: float, seed: int) -> tuple[list[str], list[str]]:
+    """Seeded split of `ids` into (kept, held out), held out ~ `fraction` (>= 1 when possible)."""
+    if fraction <= 0 or len(ids) < 2:
+        return ids, []
+    order = np.random.default_rng(seed).permutation(len(ids))
+    n = min(len(ids) - 1, max(1, round(fraction * len(ids))))
+    held = {ids[i] for i in order[:n]}
+    return [u for u in ids if u not in held], [u for u in ids if u in held]
+
+
+class PretrainDataModule(_CorpusDataModule):
+    """Unlabelled batches for masked acoustic modelling.
+
+    Training items are random crops of at most `max_frames` frames; validation items the first
+    `max_frames` frames of a seeded `pretrain_val_fraction` of the utterances. Shorter
+    utterances are used whole (padded in the batch; `padding_mask` marks the padding).
+    """
+
+    def _splits_needed(self) -> list[str]:
+        return self.cfg.pretrain_splits
+
+    def _excluded(self) -> set[str]:
+        """Labelled test utterances kept out of pretraining (`pretrain_exclude_test`)."""
+        path = self.label_files.path(self.cfg.test_list)
+        if not self.cfg.pretrain_exclude_test or path is None or not path.is_file():
+            return set()
+        return set(read_split_list(path))
+
+    def setup(self, stage: str | None = None) -> None:
+        if self._ready:
+            return
+        excluded = self._excluded()
+        train_parts, val_parts, stats_parts = [], [], []
+        n_excluded = 0
+        for split in self.cfg.pretrain_splits:
+            _, store = self._split(split)
+            ids = [u for u in store.utt_ids if u not in excluded]
+            n_excluded += len(store) - len(ids)
+            train_ids, val_ids = _holdout(ids, self.cfg.pretrain_val_fraction, self.cfg.seed)
+            train_idx = [store.position[u] for u in train_ids]
+            val_idx = [store.position[u] for u in val_ids]
+            stats_parts.append((store, train_idx))
+            train_parts.append((store, train_idx))
+            val_parts.append((store, val_idx))
+        if not any(idx for _, idx in train_parts):
+            raise DataError(
+                self.root,
+                "no pretraining utterances",
+                f"splits {self.cfg.pretrain_splits} are empty",
+            )
+        self._normalizer = self._normalizer_from(stats_parts)
+        mf = self.cfg.max_frames
+        self.datasets = {
+            "train": _Items(
+                [
+                    FeatureDataset(s, i, self._normalizer, mf, random_crop=True)
+                    for s, i in train_parts
+                ]
+            ),
+            "val": _Items(
+                [
+                    FeatureDataset(s, i, self._normalizer, mf, random_crop=False)
+                    for s, i in val_parts
+                ]
+            ),
+        }
+        log.info(
+            "pretraining data: %d train / %d val utterances from %s (%d labelled-test utterances excluded)",
+            len(self.datasets["train"]), len(self.datasets["val"]), self.cfg.pretrain_splits, n_excluded,
+        )  # fmt: skip
+        self._finish_setup()
+
+    def train_dataloader(self) -> DataLoader:
+        return self._loader(self._dataset("train"), shuffle=True)
+
+    def val_dataloader(self) -> DataLoader | list:
+        ds = self._dataset("val")
+        return self._loader(ds, shuffle=False) if len(ds) else []
+
+
+class LabelledDataModule(_CorpusDataModule):
+    """Speaker and phone labels for downstream probes.
+
+    train/test come from the split lists in `alignments_dir` (or, with `test_list: null`, test is
+    every utterance of `test_splits`); dev is a seeded `dev_fraction` of train, per speaker.
+    Phone labels (10 ms frames) are checked against the feature length: a difference above
+    `label_tolerance` is bad input; within it, labels are trimmed or padded with -100.
+
+    Attributes after `setup`: `num_speakers`, `speakers` (class -> speaker id), `num_phones`,
+    `phone_set`, `normalizer`, `datasets` ("train", "dev", "test"), `skipped`.
+    """
+
+    def __init__(
+        self, cfg: DataConfig | dict[str, Any] | None = None, normalizer: Normalizer | None = None
+    ) -> None:
+        super().__init__(cfg, normalizer)
+        self.speakers: list[str] = []
+        self.phone_set: list[str] = []
+
+    @property
+    def num_speakers(self) -> int:
+        return len(self.speakers)
+
+    @property
+    def num_phones(self) -> int:
+        return len(self.phone_set)
+
+    def _splits_needed(self) -> list[str]:
+        extra = self.cfg.test_splits if self.cfg.test_list is None else []
+        return list(dict.fromkeys(self.cfg.labelled_splits + extra))
+
+    def _role_ids(self, available: dict[str, tuple[str, int]]) -> tuple[list[str], list[str]]:
+        """Train and test utterance ids per the configured lists / folders, checked."""
+        c, files = self.cfg, self.label_files
+        skipped = self.issues.skipped_ids
+        labelled = [u for u, (split, _) in available.items() if split in c.labelled_splits]
+
+        def from_list(name: str) -> list[str]:
+            path = files.path(name)
+            assert path is not None
+            ids = []
+            for u in read_split_list(path):
+                if u in available:
+                    ids.append(u)
+                elif u not in skipped:  # skipped ones were already reported
+                    self.issues.report(
+                        DataError(
+                            path,
+                            "utterance not in the corpus",
+                            f"not found in {c.labelled_splits}",
+                            u,
+                        ),
+                        "lists",
+                    )
+            return ids
+
+        if c.test_list is not None:
+            test = from_list(c.test_list)
+        else:
+            test = sorted(u for u, (split, _) in available.items() if split in c.test_splits)
+        test_set = set(test)
+        if c.train_list is not None:
+            train = from_list(c.train_list)
+            overlap = [u for u in train if u in test_set]
+            for u in overlap:
+                self.issues.report(
+                    DataError(
+                        files.path(c.train_list), "utterance in both train and test lists", "", u
+                    ),
+                    "lists",
+                )
+            train = [u for u in train if u not in test_set]
+        else:
+            train = sorted(u for u in labelled if u not in test_set)
+        unused = len(set(labelled) - set(train) - test_set)
+        if unused:
+            log.info(
+                "%d utterances of %s are in neither the train nor the test list (unused)",
+                unused,
+                c.labelled_splits,
+            )
+        return train, test
+
+    def _phones(self, ids: list[str], lengths: dict[str, int]) -> dict[str, np.ndarray]:
+        """Checked phone labels of `ids` (reports missing / mismatched / unknown symbols)."""
+        c, files = self.cfg, self.label_files
+        path = files.path(c.alignments)
+        if path is None:
+            self.phone_set = []
+            return {}
+        phone_set = files.load_phone_set(c.num_phones)
+        labels = read_alignments(path, phone_set, self.issues, wanted=set(ids))
+        if phone_set is None:
+            top = max((int(v.max()) for v in labels.values()), default=-1)
+            phone_set = [str(i) for i in range(top + 1)]
+        self.phone_set = phone_set
+        skipped = self.issues.skipped_ids
+        out = {}
+        for u in ids:
+            lab = labels.get(u)
+            if lab is None:
+                if u not in skipped:
+                    self.issues.report(
+                        DataError(path, "missing alignment", "no line for this utterance", u),
+                        "labels",
+                    )
+                continue
+            if abs(len(lab) - lengths[u]) > c.label_tolerance:
+                self.issues.report(
+                    DataError(path, "alignment length mismatch",
+                              f"{len(lab)} label frames, the audio gives {lengths[u]} frames "
+                              f"(snip-edges), tolerance {c.label_tolerance}", u),
+                    "labels",
+                )  # fmt: skip
+                continue
+            out[u] = lab
+        return out
+
+    def setup(self, stage: str | None = None) -> None:
+        if self._ready:
+            return
+        c = self.cfg
+        available: dict[str, tuple[str, int]] = {}  # utt_id -> (split, position in its store)
+        meta: dict[str, Utterance] = {}
+        for split in self._splits_needed():
+            utts, store = self._split(split)
+            for u in utts:
+                if u.utt_id in store:
+                    available[u.utt_id] = (split, store.position[u.utt_id])
+                    meta[u.utt_id] = u
+        train, test = self._role_ids(available)
+        lengths = {
+            u: int(self._splits[available[u][0]][1].lengths[available[u][1]]) for u in train + test
+        }
+        phones = self._phones(train + test, lengths)
+        if c.alignments is not None:
+            train, test = [u for u in train if u in phones], [u for u in test if u in phones]
+        train, dev = self._dev_split(train, meta)
+        if not train or not test:
+            raise DataError(
+                self.label_files.folder,
+                "empty train or test set",
+                f"train {len(train)}, test {len(test)} utterances",
+            )
+        self.speakers = sorted({meta[u].speaker for u in train + dev + test}, key=_numeric_first)
+        speaker_class = {s: i for i, s in enumerate(self.speakers)}
+        unseen = sorted({meta[u].speaker for u in test} - {meta[u].speaker for u in train})
+        if unseen:
+            log.warning(
+                "%d test speakers never occur in train (speaker tasks cannot get them right): %s",
+                len(unseen),
+                unseen[:10],
+            )
+
+        def parts(
+            ids: list[str],
+        ) -> list[tuple[FeatureStore, list[int], list[int], list[np.ndarray]]]:
+            grouped: dict[str, list[str]] = defaultdict(list)
+            for u in ids:
+                grouped[available[u][0]].append(u)
+            out = []
+            for split, us in grouped.items():
+                store = self._splits[split][1]
+                out.append((
+                    store, [available[u][1] for u in us], [speaker_class[meta[u].speaker] for u in us],
+                    [phones.get(u, np.zeros(0, np.int16)) for u in us],
+                ))  # fmt: skip
+            return out
+
+        self._normalizer = self._normalizer_from([(s, i) for s, i, _, _ in parts(train)])
+        mf = c.labelled_max_frames
+        self.datasets = {}
+        for name, ids, random_crop in (
+            ("train", train, True),
+            ("dev", dev, False),
+            ("test", test, False),
+        ):
+            self.datasets[name] = _Items(
+                [
+                    FeatureDataset(s, i, self._normalizer, mf, random_crop, spk, ph)
+                    for s, i, spk, ph in parts(ids)
+                ]
+            )
+        self._eval_train = _Items(
+            [
+                FeatureDataset(s, i, self._normalizer, mf, False, spk, ph)
+                for s, i, spk, ph in parts(train)
+            ]
+        )
+        cropped = sum(1 for u in train + dev + test if mf and lengths[u] > mf)
+        if cropped:
+            log.warning(
+                "%d labelled utterances are longer than labelled_max_frames=%d and are cropped",
+                cropped,
+                mf,
+            )
+        log.info(
+            "labelled data: %d train / %d dev / %d test utterances, %d speakers, %d phone classes",
+            len(train), len(dev), len(test), self.num_speakers, self.num_phones,
+        )  # fmt: skip
+        self._finish_setup()
+
+    def _dev_split(
+        self, train: list[str], meta: dict[str, Utterance]
+    ) -> tuple[list[str], list[str]]:
+        by_speaker: dict[str, list[str]] = defaultdict(list)
+        for u in train:
+            by_speaker[meta[u].speaker].append(u)
+        dev: set[str] = set()
+        for k, speaker in enumerate(sorted(by_speaker, key=_numeric_first)):
+            _, held = _holdout(
+                sorted(by_speaker[speaker]), self.cfg.dev_fraction, self.cfg.seed * 100003 + k
+            )
+            dev.update(held)
+        return [u for u in train if u not in dev], [u for u in train if u in dev]
+
+    def train_dataloader(self) -> DataLoader:
+        return self._loader(self._dataset("train"), shuffle=True)
+
+    def val_dataloader(self) -> DataLoader:
+        return self._loader(self._dataset("dev"), shuffle=False)
+
+    def test_dataloader(self) -> DataLoader:
+        return self._loader(self._dataset("test"), shuffle=False)
+
+    def extraction_dataloader(self, split: str) -> DataLoader:
+        """Deterministic loader (no shuffling, no random crops) of "train", "dev" or "test"."""
+        if split not in ("train", "dev", "test"):
+            raise ValueError(f"split must be train, dev or test, found {split!r}")
+        self._dataset(split)
+        return self._loader(
+            self._eval_train if split == "train" else self.datasets[split], shuffle=False
+        )
+
+
+def _numeric_first(speaker: str) -> tuple[int, str]:
+    return (int(speaker), speaker) if speaker.isdigit() else (1 << 62, speaker)

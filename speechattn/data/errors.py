@@ -1,0 +1,102 @@
+"""Bad input: one error type that names the file and the problem, and a skip ledger.
+
+Every check in the data layer reports through an `Issues` ledger. With `on_error="error"` the
+first problem raises `DataError`; with `on_error="skip"` the utterance is dropped, counted and
+listed, and `Issues.log_summary` reports the total at the end (SPEC 2.5: nothing is dropped
+silently).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+ON_ERROR_CHOICES = ("error", "skip")
+
+
+class DataError(ValueError):
+    """A problem with one input file, e.g. `/x/19-198-0001.flac: truncated audio (...)`.
+
+    Attributes:
+        path: the offending file (audio, transcript, alignment or split list).
+        problem: a short, fixed category such as `"unreadable audio"` (used to group skips).
+        detail: free text with the numbers that show what is wrong.
+        utt_id: the utterance concerned, when there is one.
+    """
+
+    def __init__(
+        self, path: str | Path, problem: str, detail: str = "", utt_id: str | None = None
+    ) -> None:
+        self.path, self.problem, self.detail, self.utt_id = str(path), problem, detail, utt_id
+        where = f"{self.path}" + (f" [{utt_id}]" if utt_id else "")
+        super().__init__(f"{where}: {problem}" + (f" ({detail})" if detail else ""))
+
+    def __reduce__(self):  # picklable across worker processes
+        return (DataError, (self.path, self.problem, self.detail, self.utt_id))
+
+
+@dataclass(frozen=True)
+class Skip:
+    """One utterance left out under `on_error="skip"`."""
+
+    utt_id: str | None
+    path: str
+    problem: str
+    detail: str
+    stage: str  # "scan", "audio", "labels", ...
+
+    @classmethod
+    def from_error(cls, error: DataError, stage: str) -> Skip:
+        return cls(error.utt_id, error.path, error.problem, error.detail, stage)
+
+    def __str__(self) -> str:
+        where = self.path + (f" [{self.utt_id}]" if self.utt_id else "")
+        return f"{where}: {self.problem}" + (f" ({self.detail})" if self.detail else "")
+
+
+@dataclass
+class Issues:
+    """Ledger of bad input: raises under `on_error="error"`, records under `"skip"`."""
+
+    on_error: str = "error"
+    skips: list[Skip] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.on_error not in ON_ERROR_CHOICES:
+            raise ValueError(f"on_error must be one of {ON_ERROR_CHOICES}, found {self.on_error!r}")
+
+    def report(self, error: DataError, stage: str) -> None:
+        """Raise `error` or record it as a skip, depending on the policy."""
+        if self.on_error == "error":
+            raise error
+        self.skips.append(Skip.from_error(error, stage))
+
+    def extend(self, skips: list[Skip]) -> None:
+        self.skips.extend(skips)
+
+    @property
+    def skipped_ids(self) -> set[str]:
+        return {s.utt_id for s in self.skips if s.utt_id}
+
+    def counts(self) -> Counter[str]:
+        """Number of skips per problem."""
+        return Counter(s.problem for s in self.skips)
+
+    def summary(self, max_examples: int = 5) -> str:
+        """Multi-line human summary; empty string when nothing was skipped."""
+        if not self.skips:
+            return ""
+        parts = ", ".join(f"{n} {problem}" for problem, n in self.counts().most_common())
+        lines = [f"skipped {len(self.skips)} bad input(s): {parts}"]
+        lines += [f"  {s}" for s in self.skips[:max_examples]]
+        if len(self.skips) > max_examples:
+            lines.append(f"  ... and {len(self.skips) - max_examples} more")
+        return "\n".join(lines)
+
+    def log_summary(self, logger: logging.Logger = log) -> None:
+        if self.skips:
+            logger.warning(self.summary())

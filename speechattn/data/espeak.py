@@ -1,0 +1,143 @@
+"""Minimal ctypes binding to eSpeak NG (shipped by the `espeakng-loader` wheel).
+
+eSpeak NG keeps global state and is not thread-safe: use one `Espeak` per process (the class
+is a per-process singleton) and parallelise with processes. Synthesis runs in synchronous mode
+with phoneme events, so every call returns the waveform and the start sample of each phoneme:
+
+    audio, phonemes = Espeak.get().synthesize("Hello there.", voice="en-us+m3")
+    # audio: int16 (N,) at Espeak.get().sample_rate (22050 Hz)
+    # phonemes: [(start_sample, "h"), (..., "ə"), ...]; "" marks a pause
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+from dataclasses import dataclass
+
+import numpy as np
+
+# speak_lib.h constants
+AUDIO_OUTPUT_SYNCHRONOUS = 2
+INITIALIZE_PHONEME_EVENTS = 0x0001
+INITIALIZE_PHONEME_IPA = 0x0002
+INITIALIZE_DONT_EXIT = 0x8000
+EVENT_LIST_TERMINATED = 0
+EVENT_PHONEME = 7
+POS_CHARACTER = 1
+CHARS_UTF8 = 1
+PARAM_RATE, PARAM_VOLUME, PARAM_PITCH, PARAM_RANGE = 1, 2, 3, 4
+
+
+class _Event(ctypes.Structure):
+    """`espeak_EVENT`; `id` is a union whose 8-byte `string` member holds the phoneme name."""
+
+    _fields_ = [
+        ("type", ctypes.c_int),
+        ("unique_identifier", ctypes.c_uint),
+        ("text_position", ctypes.c_int),
+        ("length", ctypes.c_int),
+        ("audio_position", ctypes.c_int),
+        ("sample", ctypes.c_int),
+        ("user_data", ctypes.c_void_p),
+        ("id", ctypes.c_char * 8),
+    ]
+
+
+_Callback = ctypes.CFUNCTYPE(
+    ctypes.c_int, ctypes.POINTER(ctypes.c_short), ctypes.c_int, ctypes.POINTER(_Event)
+)
+
+
+@dataclass(frozen=True)
+class VoiceSettings:
+    """eSpeak voice name (`"en-us+m3"`: language + variant) and prosody parameters."""
+
+    voice: str
+    rate: int = 175  # words per minute (80..450)
+    pitch: int = 50  # base pitch, 0..100
+    pitch_range: int = 50  # intonation range, 0..100
+    volume: int = 100
+
+
+class Espeak:
+    """Per-process eSpeak NG engine (use `Espeak.get()`)."""
+
+    _instance: Espeak | None = None
+    _lock = threading.Lock()
+
+    def __init__(self) -> None:
+        import espeakng_loader
+
+        self.lib = ctypes.CDLL(espeakng_loader.get_library_path())
+        self.lib.espeak_Initialize.argtypes = [
+            ctypes.c_int,
+            ctypes.c_int,
+            ctypes.c_char_p,
+            ctypes.c_int,
+        ]
+        self.lib.espeak_Initialize.restype = ctypes.c_int
+        self.lib.espeak_SetVoiceByName.argtypes = [ctypes.c_char_p]
+        self.lib.espeak_SetVoiceByName.restype = ctypes.c_int
+        self.lib.espeak_SetParameter.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int]
+        self.lib.espeak_SetParameter.restype = ctypes.c_int
+        self.lib.espeak_Synth.argtypes = [
+            ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint, ctypes.c_int,
+            ctypes.c_uint, ctypes.c_uint, ctypes.c_void_p, ctypes.c_void_p,
+        ]  # fmt: skip
+        self.lib.espeak_Synth.restype = ctypes.c_int
+        flags = INITIALIZE_PHONEME_EVENTS | INITIALIZE_PHONEME_IPA | INITIALIZE_DONT_EXIT
+        data_path = espeakng_loader.get_data_path().encode()
+        rate = self.lib.espeak_Initialize(AUDIO_OUTPUT_SYNCHRONOUS, 0, data_path, flags)
+        if rate <= 0:
+            raise RuntimeError(
+                f"espeak_Initialize failed (returned {rate}); data path {data_path!r}"
+            )
+        self.sample_rate = int(rate)
+        self._chunks: list[np.ndarray] = []
+        self._events: list[tuple[int, str]] = []
+        self._callback = _Callback(self._on_synth)  # keep a reference: C holds the pointer
+        self.lib.espeak_SetSynthCallback(self._callback)
+
+    @classmethod
+    def get(cls) -> Espeak:
+        with cls._lock:
+            if cls._instance is None:
+                cls._instance = cls()
+            return cls._instance
+
+    def _on_synth(self, wav, num_samples: int, events) -> int:
+        if num_samples > 0:
+            self._chunks.append(np.ctypeslib.as_array(wav, shape=(num_samples,)).copy())
+        i = 0
+        while events[i].type != EVENT_LIST_TERMINATED:
+            event = events[i]
+            if event.type == EVENT_PHONEME:
+                name = event.id.decode("utf-8", errors="replace").rstrip("\x00")
+                self._events.append((int(event.sample), name))
+            i += 1
+        return 0  # 0 = continue synthesis
+
+    def synthesize(
+        self, text: str, settings: VoiceSettings
+    ) -> tuple[np.ndarray, list[tuple[int, str]]]:
+        """Speak `text`; returns int16 audio (N,) at `sample_rate` and [(start sample, IPA name)]."""
+        with self._lock:
+            if self.lib.espeak_SetVoiceByName(settings.voice.encode()) != 0:
+                raise ValueError(f"eSpeak NG has no voice {settings.voice!r}")
+            for param, value in (
+                (PARAM_RATE, settings.rate),
+                (PARAM_PITCH, settings.pitch),
+                (PARAM_RANGE, settings.pitch_range),
+                (PARAM_VOLUME, settings.volume),
+            ):
+                self.lib.espeak_SetParameter(param, int(value), 0)
+            self._chunks, self._events = [], []
+            data = text.encode("utf-8") + b"\x00"
+            err = self.lib.espeak_Synth(
+                data, len(data), 0, POS_CHARACTER, 0, CHARS_UTF8, None, None
+            )
+            if err != 0:
+                raise RuntimeError(f"espeak_Synth failed with error {err} for text {text!r}")
+            audio = np.concatenate(self._chunks) if self._chunks else np.zeros(0, np.int16)
+            return audio.astype(np.int16, copy=False), list(self._events)

@@ -1,0 +1,252 @@
+"""Log-mel features, normalisation, and the 10 ms <-> model-frame helpers (SPEC 2.4).
+
+Shapes: B batch, T 10 ms frames, F feature dim (80, or 240 with deltas), T' model frames
+(T' = ceil(T / factor)), D model dim.
+
+Framing follows Kaldi snip-edges (torchaudio `center=False`): 25 ms windows every 10 ms give
+`num_frames(n) = (n - 400) // 160 + 1` frames, exactly one per CPC phone label.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+
+FEATURE_VERSION = 1  # bump when extraction changes: feature caches are keyed on it
+SAMPLE_RATE = 16000
+WIN_LENGTH = 400  # 25 ms
+HOP_LENGTH = 160  # 10 ms
+
+
+def num_frames(num_samples: int) -> int:
+    """Kaldi snip-edges frame count at 16 kHz; 0 when shorter than one window."""
+    return max(0, (num_samples - WIN_LENGTH) // HOP_LENGTH + 1)
+
+
+def min_samples_for(frames: int) -> int:
+    """Fewest samples that give `frames` frames."""
+    return WIN_LENGTH + (frames - 1) * HOP_LENGTH if frames > 0 else 0
+
+
+@dataclass(frozen=True)
+class FeatureConfig:
+    """Log-mel settings (everything that changes the cached numbers)."""
+
+    n_mels: int = 80
+    n_fft: int = 400
+    win_length: int = WIN_LENGTH
+    hop_length: int = HOP_LENGTH
+    f_min: float = 20.0
+    f_max: float = 7600.0
+    log_offset: float = 1e-6  # log(mel power + offset): keeps digital silence finite
+    deltas: bool = False  # append deltas and delta-deltas (window 5)
+
+    @property
+    def dim(self) -> int:
+        return self.n_mels * (3 if self.deltas else 1)
+
+    def fingerprint(self) -> dict[str, Any]:
+        return {"feature_version": FEATURE_VERSION, **asdict(self)}
+
+
+class LogMel:
+    """Waveform (N,) float32 at 16 kHz -> log-mel (T, F) float32, T = num_frames(N)."""
+
+    def __init__(self, cfg: FeatureConfig = FeatureConfig()) -> None:
+        import torchaudio
+
+        self.cfg = cfg
+        self.mel = torchaudio.transforms.MelSpectrogram(
+            sample_rate=SAMPLE_RATE,
+            n_fft=cfg.n_fft,
+            win_length=cfg.win_length,
+            hop_length=cfg.hop_length,
+            f_min=cfg.f_min,
+            f_max=cfg.f_max,
+            n_mels=cfg.n_mels,
+            center=False,  # snip-edges: frame count matches the 10 ms labels
+            power=2.0,
+        )
+
+    @torch.no_grad()
+    def __call__(self, wav: Tensor | np.ndarray) -> Tensor:
+        wav = torch.as_tensor(wav, dtype=torch.float32)
+        if wav.dim() != 1:
+            raise ValueError(f"expected a mono waveform (N,), found shape {tuple(wav.shape)}")
+        if wav.numel() < self.cfg.win_length:
+            return torch.zeros(0, self.cfg.dim)
+        spec = torch.log(self.mel(wav) + self.cfg.log_offset)  # (n_mels, T)
+        if self.cfg.deltas:
+            import torchaudio.functional as AF
+
+            d1 = AF.compute_deltas(spec[None], win_length=5)[0]
+            d2 = AF.compute_deltas(d1[None], win_length=5)[0]
+            spec = torch.cat([spec, d1, d2], dim=0)  # (3 n_mels, T)
+        return spec.T.contiguous()  # (T, F)
+
+
+class Normalizer:
+    """Feature normalisation with statistics from the training split.
+
+    mode "global" (default): (x - mean) / std with `mean`, `std` (F,) from the training split.
+    mode "utterance": per-utterance CMVN over the valid frames (erases speaker information).
+    mode "none": identity.
+    `__call__(features (..., T, F), lengths (B,) | None)`; frames past `lengths` come out zero.
+    """
+
+    MODES = ("global", "utterance", "none")
+
+    def __init__(self, mean: Tensor, std: Tensor, mode: str = "global") -> None:
+        if mode not in self.MODES:
+            raise ValueError(f"normalisation mode must be one of {self.MODES}, found {mode!r}")
+        self.mean = torch.as_tensor(mean, dtype=torch.float32).reshape(-1)  # (F,)
+        self.std = torch.as_tensor(std, dtype=torch.float32).reshape(-1)  # (F,)
+        if self.mean.shape != self.std.shape:
+            raise ValueError(
+                f"mean {tuple(self.mean.shape)} and std {tuple(self.std.shape)} differ"
+            )
+        self.mode = mode
+
+    @classmethod
+    def from_sums(
+        cls, count: int, total: np.ndarray, total_sq: np.ndarray, mode: str = "global"
+    ) -> Normalizer:
+        """From frame count and per-dimension sum and sum of squares (float64 (F,))."""
+        if count <= 0:
+            raise ValueError("cannot compute normalisation statistics from 0 frames")
+        mean = total / count
+        var = np.maximum(total_sq / count - mean**2, 0.0)
+        std = np.sqrt(np.maximum(var, 1e-10))
+        return cls(torch.from_numpy(mean).float(), torch.from_numpy(std).float(), mode)
+
+    @classmethod
+    def identity(cls, dim: int) -> Normalizer:
+        return cls(torch.zeros(dim), torch.ones(dim), "none")
+
+    @property
+    def dim(self) -> int:
+        return self.mean.numel()
+
+    def __call__(self, features: Tensor, lengths: Tensor | None = None) -> Tensor:
+        if features.size(-1) != self.dim:
+            raise ValueError(f"features have {features.size(-1)} dims, the normaliser {self.dim}")
+        valid = _valid_mask(features, lengths)  # (..., T, 1) bool or None
+        if self.mode == "global":
+            out = (features - self.mean.to(features)) / self.std.to(features)
+        elif self.mode == "utterance":
+            out = cmvn(features, lengths)
+        else:
+            out = features.clone()
+        return out if valid is None else out.masked_fill(~valid, 0.0)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"mean": self.mean.clone(), "std": self.std.clone(), "mode": self.mode}
+
+    @classmethod
+    def from_state_dict(cls, state: dict[str, Any]) -> Normalizer:
+        return cls(state["mean"], state["std"], state.get("mode", "global"))
+
+    def __repr__(self) -> str:
+        return f"Normalizer(mode={self.mode!r}, dim={self.dim})"
+
+
+def _valid_mask(features: Tensor, lengths: Tensor | None) -> Tensor | None:
+    if lengths is None:
+        return None
+    T = features.size(-2)
+    return (torch.arange(T, device=features.device)[None] < lengths.to(features.device)[:, None])[
+        ..., None
+    ]
+
+
+def cmvn(features: Tensor, lengths: Tensor | None = None, eps: float = 1e-5) -> Tensor:
+    """Per-utterance mean/variance normalisation over valid frames of (T, F) or (B, T, F)."""
+    if features.dim() == 2:
+        mean, std = features.mean(0, keepdim=True), features.std(0, unbiased=False, keepdim=True)
+        return (features - mean) / (std + eps)
+    valid = _valid_mask(features, lengths)
+    if valid is None:
+        valid = torch.ones_like(features[..., :1], dtype=torch.bool)
+    w = valid.to(features.dtype)  # (B, T, 1)
+    n = w.sum(1, keepdim=True).clamp_min(1.0)  # (B, 1, 1)
+    mean = (features * w).sum(1, keepdim=True) / n  # (B, 1, F)
+    var = (((features - mean) * w) ** 2).sum(1, keepdim=True) / n
+    return (features - mean) / (var.sqrt() + eps)
+
+
+def stack_frames(x: Tensor, lengths: Tensor, factor: int = 3) -> tuple[Tensor, Tensor]:
+    """Stack `factor` consecutive 10 ms frames into one model frame (AALBERT input).
+
+    Args:
+        x: (B, T, F) features, padded past `lengths`.
+        lengths: (B,) valid frames.
+    Returns:
+        (B, ceil(T / factor), factor * F) stacked features (frames past each length are zero,
+        so a partial last model frame is zero-filled), and lengths ceil(lengths / factor).
+    """
+    B, T, F = x.shape
+    valid = torch.arange(T, device=x.device)[None, :] < lengths.to(x.device)[:, None]  # (B, T)
+    x = x.masked_fill(~valid[..., None], 0.0)
+    T_pad = -(-T // factor) * factor
+    if T_pad != T:
+        x = torch.nn.functional.pad(x, (0, 0, 0, T_pad - T))  # (B, T_pad, F)
+    stacked = x.reshape(B, T_pad // factor, factor * F)  # (B, T', factor*F)
+    return stacked, torch.div(lengths + factor - 1, factor, rounding_mode="floor")
+
+
+def expand_to_labels(
+    h: Tensor,
+    factor: int,
+    label_lengths: Tensor,
+    utt_ids: list[str],
+    tolerance: int = 2,
+    lengths: Tensor | None = None,
+) -> Tensor:
+    """Repeat each model frame `factor` times and trim/pad to each utterance's label length.
+
+    Label frame t of utterance b takes model frame min(t // factor, lengths[b] - 1), so a label
+    sequence slightly longer than the repeated features reuses the last frame.
+
+    Args:
+        h: (B, T', D) model-rate features or logits.
+        factor: 10 ms frames per model frame (3).
+        label_lengths: (B,) number of 10 ms labels per utterance.
+        utt_ids: B utterance ids (named in errors).
+        tolerance: allowed mismatch in 10 ms frames.
+        lengths: (B,) valid model frames; None: every row has T' valid frames (only the
+            "too many labels" direction can then be checked).
+    Returns:
+        (B, max(label_lengths), D); positions past each label length are zero.
+    Raises:
+        ValueError naming the utterance when the labels outrun the repeated frames by more than
+        `tolerance`, or (with `lengths`) fall short of them by more than `factor - 1 + tolerance`
+        (the ceil in `stack_frames` adds up to `factor - 1` frames).
+    """
+    B, T_model, D = h.shape
+    label_lengths = label_lengths.to(h.device).long()
+    given = lengths is not None
+    if lengths is None:
+        lengths = torch.full((B,), T_model, dtype=torch.long, device=h.device)
+    lengths = lengths.to(h.device).long()
+    expanded = lengths * factor  # (B,) 10 ms frames covered by the model frames
+    bad = label_lengths > expanded + tolerance
+    if given:
+        bad |= label_lengths < expanded - (factor - 1) - tolerance
+    if bool(bad.any()):
+        b = int(bad.nonzero()[0])
+        raise ValueError(
+            f"utterance {utt_ids[b]}: {int(label_lengths[b])} labels but {int(lengths[b])} model frames "
+            f"x {factor} = {int(expanded[b])} frames (tolerance {tolerance} frames)"
+        )
+    T_lab = int(label_lengths.max()) if B else 0
+    if T_model == 0:
+        return h.new_zeros(B, T_lab, D)
+    t = torch.arange(T_lab, device=h.device)  # (T_lab,)
+    idx = torch.minimum(t[None, :] // factor, (lengths - 1).clamp_min(0)[:, None])  # (B, T_lab)
+    out = torch.gather(h, 1, idx[..., None].expand(B, T_lab, D))  # (B, T_lab, D)
+    valid = t[None, :] < label_lengths[:, None]  # (B, T_lab)
+    return out.masked_fill(~valid[..., None], 0.0)

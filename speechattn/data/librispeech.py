@@ -1,0 +1,307 @@
+"""Read a LibriSpeech-layout corpus (real LibriSpeech or the built-in one) and its labels.
+
+Layout (SPEC 2.1):
+
+    ROOT/<split>/<speaker>/<chapter>/<speaker>-<chapter>-<utt:04d>.flac
+    ROOT/<split>/<speaker>/<chapter>/<speaker>-<chapter>.trans.txt     lines "<utt-id> TEXT"
+
+Label files (SPEC 2.2) live in `alignments_dir` (default: ROOT):
+
+    converted_aligned_phones.txt   "<utt-id> <p0> <p1> ..." one phone per 10 ms frame
+    train_split.txt, test_split.txt   one utterance id per line
+    phone_set.txt                  optional; one symbol per line, line number = class id
+
+For real LibriSpeech, put the CPC files (`converted_aligned_phones.txt`, `train_split.txt`,
+`test_split.txt`, covering train-clean-100) in ROOT, or point `alignments_dir` at their folder.
+Without `phone_set.txt` the classes are the integers 0..num_phones-1 (41 for CPC labels).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from speechattn.data.errors import DataError, Issues
+
+AUDIO_SUFFIX = ".flac"
+UTT_RE = re.compile(r"^(\d+)-(\d+)-(\d+)$")
+
+
+@dataclass(frozen=True)
+class Utterance:
+    """One utterance of a LibriSpeech-layout corpus."""
+
+    utt_id: str  # "<speaker>-<chapter>-<utt:04d>"
+    speaker: str
+    chapter: str
+    path: Path  # absolute path of the audio file
+    transcript: str
+    split: str  # the split folder, e.g. "train-clean-100" or "synth-clean"
+    num_samples: int | None = None  # filled by `with_info=True` (header read)
+    sample_rate: int | None = None
+    size: int = 0  # bytes on disk (part of the feature-cache key)
+    mtime_ns: int = 0
+
+    @property
+    def duration(self) -> float | None:
+        if self.num_samples is None or not self.sample_rate:
+            return None
+        return self.num_samples / self.sample_rate
+
+
+def find_splits(root: str | Path) -> list[str]:
+    """Names of the split folders under `root` (folders holding <speaker>/<chapter>/*.flac).
+
+    Raises `DataError` naming the root when it does not exist or holds no such folder.
+    """
+    root = Path(root).expanduser()
+    if not root.is_dir():
+        raise DataError(root, "corpus root not found", "expected a LibriSpeech folder (SPEC 2.1)")
+    splits = [p.name for p in sorted(root.iterdir()) if p.is_dir() and _looks_like_split(p)]
+    if not splits:
+        found = sorted(p.name + ("/" if p.is_dir() else "") for p in root.iterdir())[:12]
+        raise DataError(
+            root, "not a LibriSpeech layout",
+            f"expected split folders such as train-clean-100/ holding <speaker>/<chapter>/*{AUDIO_SUFFIX}; "
+            f"found {found or 'nothing'}",
+        )  # fmt: skip
+    return splits
+
+
+def _looks_like_split(folder: Path) -> bool:
+    for speaker in sorted(folder.iterdir()):
+        if not speaker.is_dir():
+            continue
+        for chapter in sorted(speaker.iterdir()):
+            if chapter.is_dir() and any(chapter.glob(f"*{AUDIO_SUFFIX}")):
+                return True
+        return False
+    return False
+
+
+def read_transcripts(path: Path, issues: Issues) -> dict[str, str]:
+    """`{utt_id: text}` from one `*.trans.txt`; malformed lines are reported."""
+    out: dict[str, str] = {}
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as e:
+        issues.report(DataError(path, "unreadable transcript file", str(e)), "scan")
+        return out
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        utt_id, _, text = line.strip().partition(" ")
+        if not UTT_RE.match(utt_id):
+            issues.report(
+                DataError(path, "malformed transcript line", f"line {n}: {line[:60]!r}"), "scan"
+            )
+            continue
+        out[utt_id] = text.strip()
+    return out
+
+
+def scan_split(
+    root: str | Path, split: str, issues: Issues | None = None, with_info: bool = False
+) -> list[Utterance]:
+    """All utterances of `root/split`, sorted by id.
+
+    Audio without a transcript line, transcript lines without audio and badly named files are
+    reported to `issues` (raise or skip). `with_info=True` reads each header for
+    `num_samples`/`sample_rate` (slower; decoding problems surface later, at extraction).
+    """
+    issues = issues or Issues()
+    root = Path(root).expanduser().resolve()
+    folder = root / split
+    if not folder.is_dir():
+        raise DataError(folder, "split folder not found", f"available splits: {find_splits(root)}")
+    utts: list[Utterance] = []
+    for speaker_dir in sorted(p for p in folder.iterdir() if p.is_dir()):
+        for chapter_dir in sorted(p for p in speaker_dir.iterdir() if p.is_dir()):
+            utts += _scan_chapter(chapter_dir, speaker_dir.name, split, issues, with_info)
+    return utts
+
+
+def _scan_chapter(
+    chapter_dir: Path, speaker: str, split: str, issues: Issues, with_info: bool
+) -> list[Utterance]:
+    chapter = chapter_dir.name
+    trans_path = chapter_dir / f"{speaker}-{chapter}.trans.txt"
+    audio: dict[str, os.DirEntry] = {}
+    with os.scandir(chapter_dir) as entries:
+        for entry in entries:
+            if entry.name.endswith(AUDIO_SUFFIX):
+                audio[entry.name[: -len(AUDIO_SUFFIX)]] = entry
+    transcripts = read_transcripts(trans_path, issues) if trans_path.is_file() else {}
+    out = []
+    for utt_id in sorted(audio):
+        entry = audio[utt_id]
+        m = UTT_RE.match(utt_id)
+        if not m or m.group(1) != speaker or m.group(2) != chapter:
+            issues.report(
+                DataError(
+                    entry.path,
+                    "unexpected file name",
+                    f"expected {speaker}-{chapter}-NNNN{AUDIO_SUFFIX}",
+                ),
+                "scan",
+            )
+            continue
+        if utt_id not in transcripts:
+            where = (
+                f"no line for it in {trans_path.name}"
+                if trans_path.is_file()
+                else f"{trans_path.name} is missing"
+            )
+            issues.report(DataError(entry.path, "missing transcript", where, utt_id), "scan")
+            continue
+        stat = entry.stat()
+        num_samples = rate = None
+        if with_info:
+            num_samples, rate = _header(Path(entry.path))
+        out.append(
+            Utterance(
+                utt_id,
+                speaker,
+                chapter,
+                Path(entry.path),
+                transcripts[utt_id],
+                split,
+                num_samples,
+                rate,
+                stat.st_size,
+                stat.st_mtime_ns,
+            )  # fmt: skip
+        )
+    for utt_id in sorted(set(transcripts) - set(audio)):
+        issues.report(
+            DataError(trans_path, "transcript without audio", f"no {utt_id}{AUDIO_SUFFIX}", utt_id),
+            "scan",
+        )
+    return out
+
+
+def _header(path: Path) -> tuple[int | None, int | None]:
+    import soundfile as sf
+
+    try:
+        info = sf.info(str(path))
+    except RuntimeError:
+        return None, None  # reported with the full reason when the audio is decoded
+    return int(info.frames), int(info.samplerate)
+
+
+def read_split_list(path: str | Path) -> list[str]:
+    """Utterance ids, one per line (CPC `train_split.txt` / `test_split.txt`), order kept."""
+    path = Path(path)
+    if not path.is_file():
+        raise DataError(
+            path, "split list not found", "set data.alignments_dir or data.train_list/test_list"
+        )
+    seen: dict[str, None] = {}
+    for line in path.read_text().splitlines():
+        if line.strip():
+            seen.setdefault(line.strip(), None)
+    return list(seen)
+
+
+def read_phone_set(path: str | Path) -> list[str]:
+    """Phone symbols, one per line; the line number (from 0) is the class id."""
+    path = Path(path)
+    symbols = [ln.strip() for ln in path.read_text(encoding="utf-8").splitlines() if ln.strip()]
+    if len(set(symbols)) != len(symbols):
+        raise DataError(path, "duplicate phone symbols", "each line must hold a distinct symbol")
+    return symbols
+
+
+def read_alignments(
+    path: str | Path,
+    phone_set: list[str] | None,
+    issues: Issues | None = None,
+    wanted: set[str] | None = None,
+) -> dict[str, np.ndarray]:
+    """`{utt_id: (T,) int16 phone ids}` from a CPC-format file.
+
+    Tokens are class ids (integers) or symbols of `phone_set`. A token outside the phone set
+    is reported ("unknown phone symbol", naming file, line and utterance) and that utterance
+    gets no labels. `phone_set=None` accepts any non-negative integer class id (the phone set
+    is then inferred by the caller). `wanted` limits parsing to those utterance ids.
+    """
+    issues = issues or Issues()
+    path = Path(path)
+    if not path.is_file():
+        raise DataError(
+            path, "alignment file not found", "set data.alignments_dir, or data.alignments=null"
+        )
+    symbol_id = {s: i for i, s in enumerate(phone_set or [])}
+    n_classes = len(phone_set) if phone_set is not None else np.iinfo(np.int16).max
+    out: dict[str, np.ndarray] = {}
+    with open(path, encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            utt_id, _, rest = line.strip().partition(" ")
+            if not utt_id or (wanted is not None and utt_id not in wanted):
+                continue
+            tokens = rest.split()
+            try:
+                ids = np.array(tokens, dtype=np.int64)
+            except ValueError:
+                ids = np.array([symbol_id.get(t, -1) for t in tokens], dtype=np.int64)
+                bad = [t for t in tokens if t not in symbol_id and not t.lstrip("-").isdigit()]
+                if bad:
+                    issues.report(
+                        DataError(path, "unknown phone symbol",
+                                  f"line {n}: {bad[0]!r} is not in the phone set ({len(symbol_id)} symbols)", utt_id),
+                        "labels",
+                    )  # fmt: skip
+                    continue
+                ids = np.array(
+                    [int(t) if t not in symbol_id else symbol_id[t] for t in tokens], dtype=np.int64
+                )
+            if ids.size and (ids.min() < 0 or ids.max() >= n_classes):
+                bad_id = int(ids[(ids < 0) | (ids >= n_classes)][0])
+                issues.report(
+                    DataError(path, "unknown phone symbol",
+                              f"line {n}: class {bad_id} outside 0..{n_classes - 1}", utt_id),
+                    "labels",
+                )  # fmt: skip
+                continue
+            if ids.size == 0:
+                issues.report(
+                    DataError(path, "empty alignment", f"line {n} has no labels", utt_id), "labels"
+                )
+                continue
+            out[utt_id] = ids.astype(np.int16)
+    return out
+
+
+@dataclass
+class LabelFiles:
+    """Where a corpus's label and split files are (see the module docstring)."""
+
+    folder: Path
+    alignments: str | None = "converted_aligned_phones.txt"
+    phone_set: str | None = "phone_set.txt"
+    train_list: str | None = "train_split.txt"
+    test_list: str | None = "test_split.txt"
+
+    def path(self, name: str | None) -> Path | None:
+        return None if name is None else self.folder / name
+
+    def load_phone_set(self, num_phones: int | None) -> list[str] | None:
+        """Symbols from `phone_set.txt`, or "0".."num_phones-1", or None when unknown."""
+        path = self.path(self.phone_set)
+        if path is not None and path.is_file():
+            symbols = read_phone_set(path)
+            if num_phones is not None and num_phones != len(symbols):
+                raise DataError(
+                    path,
+                    "phone set size mismatch",
+                    f"{len(symbols)} symbols, data.num_phones={num_phones}",
+                )
+            return symbols
+        if num_phones is not None:
+            return [str(i) for i in range(num_phones)]
+        return None

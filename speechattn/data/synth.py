@@ -1,0 +1,423 @@
+"""Built-in multi-speaker corpus synthesised with eSpeak NG (SPEC 2.3).
+
+    python -m speechattn.data.synth --out DIR [--speakers 24] [--utterances-per-speaker 25]
+                                    [--seed 0] [--heldout] [--workers N]
+
+writes a LibriSpeech-layout corpus (SPEC 2.1 + 2.2):
+
+    DIR/synth-clean/<spk>/<chapter>/<spk>-<chapter>-<utt:04d>.flac   16 kHz mono FLAC
+    DIR/synth-clean/<spk>/<chapter>/<spk>-<chapter>.trans.txt
+    DIR/converted_aligned_phones.txt   CPC format, one phone id per 10 ms frame (snip-edges)
+    DIR/phone_set.txt                  40 classes, line number = id (0 = sil)
+    DIR/train_split.txt, test_split.txt   utterance-level ~80/20, every speaker in both
+    DIR/speakers.json                  each speaker's eSpeak voice and prosody parameters
+    DIR/corpus.json                    generator version + parameters (stale corpora rebuild)
+
+A speaker is an eSpeak voice variant x English accent x pitch x pitch range x rate, plus a fixed
+"channel" (spectral tilt, gain, noise level); every utterance jitters pitch, rate, gain and SNR,
+so speaker identity is learnable but not trivial. `--heldout` writes `synth-heldout/` with
+speakers (voice/accent pairs) and sentences that the main corpus of the same seed never uses.
+eSpeak audio is not bit-identical between calls: the text, labels and parameters are
+deterministic, the samples only nearly so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import logging
+import multiprocessing as mp
+import os
+import shutil
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+
+from speechattn.data import text as textgen
+from speechattn.data.phones import PHONE_SET, phone_id
+
+log = logging.getLogger(__name__)
+
+GENERATOR_VERSION = 1  # bump whenever the output changes: cached corpora then rebuild
+SAMPLE_RATE = 16000
+WIN, HOP = 400, 160  # 25 ms / 10 ms at 16 kHz (Kaldi snip-edges framing)
+SPLIT_MAIN, SPLIT_HELDOUT = "synth-clean", "synth-heldout"
+MIN_SECONDS, MAX_SECONDS = 2.0, 8.0
+TEST_SHARE = 0.2
+CHAPTERS_PER_SPEAKER = 2
+
+# eSpeak NG English accents (espeak-ng-data/lang/gmw) and human-sounding voice variants (voices/!v).
+ACCENTS = ("en", "en-us", "en-gb-x-rp", "en-029", "en-gb-scotland", "en-us-nyc",
+           "en-gb-x-gbcwmd", "en-gb-x-gbclan")  # fmt: skip
+VARIANTS = ("m1", "m2", "m3", "m4", "m5", "m6", "m7", "m8", "f1", "f2", "f3", "f4", "f5",
+            "Alex", "Alicia", "Andrea", "Andy", "Annie", "Denis", "Gene", "Jacky", "Lee",
+            "Michael", "Mike", "antonio", "aunty", "belinda", "boris", "ed", "iven", "john",
+            "linda", "max", "norbert", "quincy", "robert", "steph", "travis")  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Speaker:
+    """One synthetic speaker: eSpeak voice + prosody + a fixed channel."""
+
+    speaker_id: str
+    accent: str
+    variant: str
+    pitch: int  # eSpeak base pitch 0..100
+    pitch_range: int  # eSpeak intonation range 0..100
+    rate: int  # words per minute
+    tilt: float  # channel: y[n] = x[n] + tilt * x[n-1]
+    gain_db: float
+    snr_db: float  # additive white noise level
+
+    @property
+    def voice(self) -> str:
+        return f"{self.accent}+{self.variant}"
+
+
+@dataclass(frozen=True)
+class _Job:
+    speaker: Speaker
+    speaker_index: int
+    chapter: str
+    index: int  # utterance number within the chapter
+    seed: int
+    heldout: bool
+    split_dir: str
+
+
+def make_speakers(count: int, seed: int = 0, heldout: bool = False) -> list[Speaker]:
+    """`count` speakers; main corpora take voice/accent pairs from the front of a seeded
+    permutation, held-out corpora from the back, so the two never share a pair."""
+    pairs = [(v, a) for v in VARIANTS for a in ACCENTS]
+    if count > len(pairs) // 2:
+        raise ValueError(f"at most {len(pairs) // 2} speakers per corpus, asked for {count}")
+    order = np.random.default_rng([seed, 7919]).permutation(len(pairs))
+    chosen = order[::-1][:count] if heldout else order[:count]
+    speakers = []
+    for i, k in enumerate(chosen):
+        variant, accent = pairs[int(k)]
+        rng = np.random.default_rng([seed, int(heldout), i, 104729])
+        speakers.append(
+            Speaker(
+                speaker_id=str((7001 if heldout else 1001) + i),
+                accent=accent,
+                variant=variant,
+                pitch=int(rng.integers(30, 71)),
+                pitch_range=int(rng.integers(30, 81)),
+                rate=int(rng.integers(140, 201)),
+                tilt=round(float(rng.uniform(-0.45, 0.45)), 3),
+                gain_db=round(float(rng.uniform(-6.0, 0.0)), 2),
+                snr_db=round(float(rng.uniform(28.0, 42.0)), 1),
+            )
+        )
+    return speakers
+
+
+def frame_count(num_samples: int) -> int:
+    """Kaldi snip-edges frames of 25 ms every 10 ms: `(num_samples - 400) // 160 + 1`."""
+    return max(0, (num_samples - WIN) // HOP + 1)
+
+
+def frame_labels(starts: np.ndarray, classes: np.ndarray, num_samples: int) -> np.ndarray:
+    """Phone id per 10 ms frame: the phone active at each frame's centre.
+
+    Args:
+        starts: (P,) start sample of each phone segment (non-decreasing).
+        classes: (P,) phone id of each segment; a segment lasts until the next start.
+        num_samples: audio length; frames follow `frame_count`.
+    Returns:
+        (frame_count(num_samples),) int64; frames before the first segment are silence (0).
+    """
+    centres = np.arange(frame_count(num_samples)) * HOP + WIN // 2
+    idx = np.searchsorted(starts, centres, side="right") - 1
+    return np.where(idx >= 0, classes[np.clip(idx, 0, None)], 0).astype(np.int64)
+
+
+_RESAMPLER = None
+
+
+def _resample(audio: np.ndarray, source_rate: int) -> np.ndarray:
+    global _RESAMPLER
+    import torch
+    import torchaudio
+
+    if _RESAMPLER is None or _RESAMPLER[0] != source_rate:
+        _RESAMPLER = (source_rate, torchaudio.transforms.Resample(source_rate, SAMPLE_RATE))
+    with torch.no_grad():
+        return _RESAMPLER[1](torch.from_numpy(audio)[None])[0].numpy()
+
+
+def _synth_one(job: _Job) -> dict:
+    """Synthesise, post-process, write one FLAC; return its id, text, labels and length."""
+    import soundfile as sf
+
+    from speechattn.data.espeak import Espeak, VoiceSettings
+
+    engine = Espeak.get()
+    spk = job.speaker
+    rng = np.random.default_rng(
+        [job.seed, int(job.heldout), job.speaker_index, int(job.chapter), job.index]
+    )
+    utt_id = f"{spk.speaker_id}-{job.chapter}-{job.index:04d}"
+    pool = "heldout" if job.heldout else "main"
+    for _attempt in range(40):
+        rate = int(spk.rate * rng.uniform(0.92, 1.08))
+        target = rng.uniform(MIN_SECONDS + 0.5, MAX_SECONDS - 1.0)
+        words = max(3, int(target * rate / 60 * 0.85))
+        text = textgen.utterance_text(rng, max(3, words - 2), words + 2)
+        while textgen.pool_of(text) != pool:  # main and held-out corpora never share a sentence
+            text = textgen.utterance_text(rng, max(3, words - 2), words + 2)
+        settings = VoiceSettings(
+            voice=spk.voice,
+            rate=rate,
+            pitch=int(np.clip(spk.pitch + rng.integers(-4, 5), 0, 100)),
+            pitch_range=int(np.clip(spk.pitch_range + rng.integers(-6, 7), 0, 100)),
+        )
+        raw, events = engine.synthesize(text, settings)
+        lead = int(rng.uniform(0.08, 0.35) * SAMPLE_RATE)
+        tail = int(rng.uniform(0.05, 0.25) * SAMPLE_RATE)
+        speech = _resample(raw.astype(np.float32) / 32768.0, engine.sample_rate)
+        n = lead + len(speech) + tail
+        if MIN_SECONDS <= n / SAMPLE_RATE <= MAX_SECONDS:
+            break
+    else:
+        raise RuntimeError(
+            f"{utt_id}: could not synthesise a {MIN_SECONDS}-{MAX_SECONDS} s utterance"
+        )
+
+    # channel: spectral tilt and gain, then noise at the utterance's SNR
+    speech = speech + spk.tilt * np.concatenate([[0.0], speech[:-1]]).astype(np.float32)
+    audio = np.zeros(n, np.float32)
+    audio[lead : lead + len(speech)] = speech
+    audio *= 10 ** ((spk.gain_db + rng.uniform(-1.5, 1.5)) / 20)
+    rms = float(np.sqrt(np.mean(audio[lead : lead + len(speech)] ** 2) + 1e-12))
+    snr = spk.snr_db + rng.uniform(-3.0, 3.0)
+    audio += rng.standard_normal(n).astype(np.float32) * rms * 10 ** (-snr / 20)
+    audio = np.clip(audio, -1.0, 1.0 - 1 / 32768)
+
+    scale = SAMPLE_RATE / engine.sample_rate
+    starts = np.array([lead + round(s * scale) for s, _ in events], dtype=np.int64)
+    classes = np.array([phone_id(name) for _, name in events], dtype=np.int64)
+    order = np.argsort(starts, kind="stable")
+    labels = frame_labels(starts[order], classes[order], n)
+
+    folder = Path(job.split_dir) / spk.speaker_id / job.chapter
+    folder.mkdir(parents=True, exist_ok=True)
+    sf.write(folder / f"{utt_id}.flac", audio, SAMPLE_RATE, subtype="PCM_16", format="FLAC")
+    return {"utt_id": utt_id, "text": text, "labels": labels, "num_samples": n}
+
+
+def _init_worker() -> None:
+    import torch
+
+    torch.set_num_threads(1)
+
+
+def _progress(total: int, enabled: bool, description: str):
+    from speechattn.data.progress import progress_bar
+
+    return progress_bar(total, description, enabled)
+
+
+def corpus_params(speakers: int, utterances_per_speaker: int, seed: int, heldout: bool) -> dict:
+    """The parameters recorded in `corpus.json` (a corpus is reused only if they match)."""
+    return {
+        "generator_version": GENERATOR_VERSION,
+        "speakers": speakers,
+        "utterances_per_speaker": utterances_per_speaker,
+        "seed": seed,
+        "heldout": heldout,
+        "sample_rate": SAMPLE_RATE,
+        "num_phones": len(PHONE_SET),
+    }
+
+
+def build_corpus(
+    out: str | Path,
+    speakers: int = 24,
+    utterances_per_speaker: int = 25,
+    seed: int = 0,
+    heldout: bool = False,
+    workers: int | None = None,
+    progress: bool = False,
+) -> Path:
+    """Write a corpus into `out` (created; existing corpus files are overwritten). Returns `out`."""
+    if speakers < 1 or utterances_per_speaker < 2:
+        raise ValueError("need at least 1 speaker and 2 utterances per speaker (train and test)")
+    start = time.perf_counter()
+    out = Path(out)
+    split = SPLIT_HELDOUT if heldout else SPLIT_MAIN
+    split_dir = out / split
+    split_dir.mkdir(parents=True, exist_ok=True)
+    table = make_speakers(speakers, seed, heldout)
+    jobs = []
+    for s_idx, spk in enumerate(table):
+        for u in range(utterances_per_speaker):
+            chapter = str(int(spk.speaker_id) * 10 + 1 + u % CHAPTERS_PER_SPEAKER)
+            jobs.append(
+                _Job(spk, s_idx, chapter, u // CHAPTERS_PER_SPEAKER, seed, heldout, str(split_dir))
+            )
+
+    workers = min(workers or os.cpu_count() or 1, len(jobs))
+    results: list[dict] = []
+    with _progress(len(jobs), progress, f"synthesising {split}") as advance:
+        if workers <= 1:
+            for job in jobs:
+                results.append(_synth_one(job))
+                advance()
+        else:
+            method = "fork" if sys.platform.startswith("linux") else "spawn"
+            with mp.get_context(method).Pool(workers, initializer=_init_worker) as pool:
+                for result in pool.imap_unordered(_synth_one, jobs, chunksize=4):
+                    results.append(result)
+                    advance()
+    results.sort(key=lambda r: r["utt_id"])
+    _write_metadata(
+        out,
+        split,
+        table,
+        results,
+        seed,
+        corpus_params(speakers, utterances_per_speaker, seed, heldout),
+    )
+    seconds = sum(r["num_samples"] for r in results) / SAMPLE_RATE
+    log.info(
+        "built %s: %d speakers, %d utterances, %.1f min of speech in %.1f s",
+        out, len(table), len(results), seconds / 60, time.perf_counter() - start,
+    )  # fmt: skip
+    return out
+
+
+def _write_metadata(
+    out: Path, split: str, table: list[Speaker], results: list[dict], seed: int, params: dict
+) -> None:
+    by_chapter: dict[Path, list[str]] = {}
+    for r in results:
+        spk, chapter, _ = r["utt_id"].split("-")
+        line = f"{r['utt_id']} {textgen.normalise_transcript(r['text'])}"
+        by_chapter.setdefault(
+            out / split / spk / chapter / f"{spk}-{chapter}.trans.txt", []
+        ).append(line)
+    for path, lines in by_chapter.items():
+        path.write_text("\n".join(sorted(lines)) + "\n")
+
+    with open(out / "converted_aligned_phones.txt", "w") as f:
+        for r in results:
+            f.write(r["utt_id"] + " " + " ".join(map(str, r["labels"].tolist())) + "\n")
+    (out / "phone_set.txt").write_text("\n".join(PHONE_SET) + "\n")
+
+    rng = np.random.default_rng([seed, 15485863])
+    train, test = [], []
+    for spk in table:
+        ids = sorted(r["utt_id"] for r in results if r["utt_id"].startswith(spk.speaker_id + "-"))
+        ids = [ids[i] for i in rng.permutation(len(ids))]
+        n_test = min(len(ids) - 1, max(1, round(TEST_SHARE * len(ids))))
+        test += ids[:n_test]
+        train += ids[n_test:]
+    (out / "train_split.txt").write_text("\n".join(sorted(train)) + "\n")
+    (out / "test_split.txt").write_text("\n".join(sorted(test)) + "\n")
+
+    counts = {spk.speaker_id: 0 for spk in table}
+    for r in results:
+        counts[r["utt_id"].split("-")[0]] += 1
+    speakers = {
+        spk.speaker_id: {
+            **asdict(spk),
+            "voice": spk.voice,
+            "split": split,
+            "utterances": counts[spk.speaker_id],
+        }
+        for spk in table
+    }
+    (out / "speakers.json").write_text(json.dumps(speakers, indent=2) + "\n")
+    total = sum(r["num_samples"] for r in results)
+    info = {
+        **params,
+        "split": split,
+        "utterances": len(results),
+        "hours": round(total / SAMPLE_RATE / 3600, 4),
+    }
+    (out / "corpus.json").write_text(json.dumps(info, indent=2) + "\n")
+
+
+def _params_match(folder: Path, params: dict) -> bool:
+    try:
+        info = json.loads((folder / "corpus.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return all(info.get(k) == v for k, v in params.items())
+
+
+def ensure_embedded_corpus(
+    cache_root: str | Path | None = None,
+    speakers: int = 24,
+    utterances_per_speaker: int = 25,
+    seed: int = 0,
+    workers: int | None = None,
+    progress: bool = True,
+) -> Path:
+    """Path of the built-in corpus in `cache_root/corpus/`, built on first use.
+
+    The folder name carries a hash of the generator version and parameters, and `corpus.json`
+    is checked again before reuse, so a new generator version never reuses stale audio. The
+    corpus is built in a temporary sibling folder and renamed into place, so an interrupted
+    build leaves nothing half-written behind.
+    """
+    if cache_root is None:
+        from speechattn.data.config import default_cache_root
+
+        cache_root = default_cache_root()
+    params = corpus_params(speakers, utterances_per_speaker, seed, False)
+    digest = hashlib.sha256(json.dumps(params, sort_keys=True).encode()).hexdigest()[:10]
+    parent = Path(cache_root).expanduser() / "corpus"
+    final = parent / f"embedded-v{GENERATOR_VERSION}-{digest}"
+    if _params_match(final, params):
+        return final
+    parent.mkdir(parents=True, exist_ok=True)
+    log.info("building the built-in corpus into %s (first use)", final)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=parent))
+    try:
+        build_corpus(tmp, speakers, utterances_per_speaker, seed, False, workers, progress)
+        if final.exists():  # stale (parameter mismatch) or built concurrently
+            if _params_match(final, params):
+                return final
+            shutil.rmtree(final)
+        try:
+            os.rename(tmp, final)
+        except OSError:
+            if not _params_match(final, params):  # lost a race to a broken build: should not happen
+                raise
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return final
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        prog="python -m speechattn.data.synth", description=__doc__.split("\n\n")[0]
+    )
+    parser.add_argument("--out", required=True, type=Path, help="output folder (created)")
+    parser.add_argument("--speakers", type=int, default=24)
+    parser.add_argument("--utterances-per-speaker", type=int, default=25)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--heldout", action="store_true", help="unseen speakers and sentences (synth-heldout/)"
+    )
+    parser.add_argument("--workers", type=int, default=None, help="processes (default: all cores)")
+    parser.add_argument("--no-progress", action="store_true")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    build_corpus(
+        args.out, args.speakers, args.utterances_per_speaker, args.seed, args.heldout, args.workers,
+        progress=not args.no_progress,
+    )  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
