@@ -98,6 +98,11 @@ class _CorpusDataModule(L.LightningDataModule):
         return self.cfg.feature_dim
 
     @property
+    def feature_config(self) -> FeatureConfig:
+        """Log-mel settings (store `feature_config.to_dict()` to recompute features later)."""
+        return extraction_settings(self.cfg).features
+
+    @property
     def normalizer(self) -> Normalizer:
         if self._normalizer is None:
             raise RuntimeError(

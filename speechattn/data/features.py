@@ -49,6 +49,10 @@ class FeatureConfig:
     def dim(self) -> int:
         return self.n_mels * (3 if self.deltas else 1)
 
+    def to_dict(self) -> dict[str, Any]:
+        """Constructor arguments: `FeatureConfig(**cfg.to_dict()) == cfg` (stored in upstream.pt)."""
+        return asdict(self)
+
     def fingerprint(self) -> dict[str, Any]:
         return {"feature_version": FEATURE_VERSION, **asdict(self)}
 
@@ -75,6 +79,8 @@ class LogMel:
     @torch.no_grad()
     def __call__(self, wav: Tensor | np.ndarray) -> Tensor:
         wav = torch.as_tensor(wav, dtype=torch.float32)
+        if self.mel.spectrogram.window.device != wav.device:
+            self.mel = self.mel.to(wav.device)
         if wav.dim() != 1:
             raise ValueError(f"expected a mono waveform (N,), found shape {tuple(wav.shape)}")
         if wav.numel() < self.cfg.win_length:
@@ -87,6 +93,31 @@ class LogMel:
             d2 = AF.compute_deltas(d1[None], win_length=5)[0]
             spec = torch.cat([spec, d1, d2], dim=0)  # (3 n_mels, T)
         return spec.T.contiguous()  # (T, F)
+
+
+_LOGMELS: dict[FeatureConfig, LogMel] = {}
+
+
+def log_mel_batch(
+    wavs: Tensor, lengths: Tensor, cfg: FeatureConfig = FeatureConfig()
+) -> tuple[Tensor, Tensor]:
+    """Log-mel of a padded batch, computed exactly as the feature cache does (unnormalised).
+
+    Args:
+        wavs: (B, S) 16 kHz waveforms, zero-padded past `lengths`.
+        lengths: (B,) valid samples.
+    Returns:
+        features (B, T, F) zero-padded past each utterance's frames, and frames (B,) with
+        frames = num_frames(samples). (The cache stores float16 by default, so cached features
+        differ from these by float16 rounding only.)
+    """
+    mel = _LOGMELS.get(cfg) or _LOGMELS.setdefault(cfg, LogMel(cfg))
+    frames = torch.tensor([num_frames(int(n)) for n in lengths], dtype=torch.long)
+    out = wavs.new_zeros(wavs.shape[0], int(frames.max()) if len(frames) else 0, cfg.dim)
+    for b in range(wavs.shape[0]):
+        if frames[b] > 0:
+            out[b, : frames[b]] = mel(wavs[b, : int(lengths[b])].float()).to(out)
+    return out, frames.to(wavs.device)
 
 
 class Normalizer:

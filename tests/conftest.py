@@ -1,0 +1,70 @@
+"""Shared fixtures: a tiny built-in corpus and a ready `DataConfig` pointing at it.
+
+- Every test session gets its own cache folder (`SPEECHATTN_CACHE` is redirected), so no test
+  reads or writes `~/.cache/speechattn`.
+- `tiny_corpus` (session): Path of a 4-speaker x 6-utterance corpus (~1.5 min of speech) in
+  the built-in layout (`synth-clean/`, `converted_aligned_phones.txt`, split lists, ...),
+  synthesised once per session (~2 s).
+- `tiny_data_config` (function): `DataConfig` for that corpus -- batch size 4, no workers, no
+  progress bars, a session-wide feature cache (features are extracted once per session; keys are
+  content hashes, so sharing is safe). Tests may `dataclasses.replace` it; use `tmp_path` as
+  `cache_dir` when a test needs a cold cache.
+
+    def test_something(tiny_data_config):
+        dm = LabelledDataModule(tiny_data_config)
+        dm.setup("fit")
+        batch = next(iter(dm.train_dataloader()))
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from speechattn.data import DataConfig
+from speechattn.data.synth import build_corpus
+
+TINY_SPEAKERS, TINY_UTTERANCES = 4, 6
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _isolated_cache(tmp_path_factory: pytest.TempPathFactory):
+    """Point `SPEECHATTN_CACHE` at a per-session temporary folder."""
+    previous = os.environ.get("SPEECHATTN_CACHE")
+    path = tmp_path_factory.mktemp("speechattn-cache")
+    os.environ["SPEECHATTN_CACHE"] = str(path)
+    yield path
+    if previous is None:
+        os.environ.pop("SPEECHATTN_CACHE", None)
+    else:
+        os.environ["SPEECHATTN_CACHE"] = previous
+
+
+@pytest.fixture(scope="session")
+def tiny_corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Root of a small built-in corpus (4 speakers x 6 utterances, split folder `synth-clean`)."""
+    root = tmp_path_factory.mktemp("tiny-corpus")
+    return build_corpus(root, speakers=TINY_SPEAKERS, utterances_per_speaker=TINY_UTTERANCES, seed=0, workers=1)
+
+
+@pytest.fixture(scope="session")
+def tiny_feature_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Session-wide feature cache folder used by `tiny_data_config`."""
+    return tmp_path_factory.mktemp("tiny-feature-cache")
+
+
+@pytest.fixture
+def tiny_data_config(tiny_corpus: Path, tiny_feature_cache: Path) -> DataConfig:
+    """A `DataConfig` for `tiny_corpus`, small batches, CPU-friendly, quiet."""
+    return DataConfig(
+        corpus="embedded",
+        root=str(tiny_corpus),
+        cache_dir=str(tiny_feature_cache),
+        batch_size=4,
+        num_workers=0,
+        extract_workers=1,
+        shard_size=8,
+        progress=False,
+    )
