@@ -68,7 +68,15 @@ def resolve_precision(precision: Any, accelerator: str) -> Any:
 
 
 def build_datamodule(cfg: DictConfig):
-    """The data layer's PretrainDataModule for `cfg.data` (corpus built/extracted on first use)."""
+    """The data layer's PretrainDataModule for `cfg.data` (corpus built/extracted on first use).
+
+    A `data._target_` instantiates any other DataModule that follows the batch contract of
+    docs/ARCHITECTURE.md instead (bring your own data; the tests use synthetic speech).
+    """
+    if "_target_" in cfg.data:
+        from hydra.utils import instantiate
+
+        return instantiate(cfg.data)
     from speechattn.data import DataConfig, PretrainDataModule
 
     return PretrainDataModule(DataConfig(**OmegaConf.to_container(cfg.data, resolve=True)))

@@ -215,14 +215,15 @@ class PretrainTask(L.LightningModule):
     # ------------------------------------------------------------------ step
     def reconstruction_loss(
         self, batch: dict[str, Any], generator: torch.Generator
-    ) -> tuple[Tensor, int]:
-        """Masked L1 of one batch and the number of valid 10 ms frames in it."""
+    ) -> tuple[Tensor, int, int]:
+        """Masked L1 of one batch, its valid 10 ms frames and its chosen model frames."""
         features, lengths = batch["features"], batch["lengths"]
         stacked, stacked_len = self.model.stack(features, lengths)  # (B, T', 3F), (B,)
         masked = mask_frames(stacked, stacked_len, self.masking, generator)
         hidden = self.model.embed_and_encode(masked.inputs, stacked_len)
         prediction = self.model.head(hidden[-1])  # (B, T', 3F)
-        return masked_l1(prediction, stacked, masked.chosen), int(lengths.sum())
+        loss = masked_l1(prediction, stacked, masked.chosen)
+        return loss, int(lengths.sum()), int(masked.chosen.sum())
 
     def _seed_micro_batch(self) -> torch.Generator:
         """Reseed dropout and masking from (seed, step, micro-batch, rank): resumable RNG."""
@@ -235,7 +236,7 @@ class PretrainTask(L.LightningModule):
 
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> Tensor | None:
         generator = self._seed_micro_batch()
-        loss, frames = self.reconstruction_loss(batch, generator)
+        loss, frames, chosen = self.reconstruction_loss(batch, generator)
         if self._micro[1] == 0:
             self._skipped_this_step = False
         finite = bool(torch.isfinite(loss).item())
@@ -246,7 +247,8 @@ class PretrainTask(L.LightningModule):
             self._register_nonfinite(f"loss {loss.item()}")
             return None
         self._log_throughput(frames)
-        self.log("train_loss", loss, prog_bar=True, on_step=True, batch_size=len(batch["lengths"]))
+        if chosen:  # a batch of very short utterances may have nothing to reconstruct (loss 0)
+            self.log("train_loss", loss, prog_bar=True, on_step=True, batch_size=chosen)
         return loss
 
     def _log_throughput(self, frames: int) -> None:
@@ -294,8 +296,9 @@ class PretrainTask(L.LightningModule):
     def validation_step(self, batch: dict[str, Any], batch_idx: int) -> Tensor:
         # fixed masks per validation batch, so val_loss is comparable across the run
         generator = torch.Generator().manual_seed(derive_seed(self.seed, "val", batch_idx))
-        loss, _ = self.reconstruction_loss(batch, generator)
-        self.log("val_loss", loss, prog_bar=True, sync_dist=True, batch_size=len(batch["lengths"]))
+        loss, _, chosen = self.reconstruction_loss(batch, generator)
+        # weighted by chosen frames, so val_loss is the L1 over all masked validation frames
+        self.log("val_loss", loss, prog_bar=True, sync_dist=True, batch_size=max(chosen, 1))
         return loss
 
     # ------------------------------------------------------------------ optimisation

@@ -1,0 +1,190 @@
+"""Pretraining end to end on synthetic speech: learning, outputs, export, resume, faults."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from conftest import SyntheticPretrainData, compose_pretrain
+
+import speechattn
+from speechattn.pretrain import run
+from speechattn.tasks.common import read_metrics
+from speechattn.tasks.pretrain import (
+    NonFiniteLossError,
+    NonFiniteWarning,
+    PretrainTask,
+    StepBatchSampler,
+    export_upstream,
+    lr_factor,
+)
+
+SYNTH = ("~data",)  # the tests pass SyntheticPretrainData to run() directly
+
+
+def train_losses(path) -> list[float]:
+    return [r["train_loss"] for r in read_metrics(path) if not math.isnan(r["train_loss"])]
+
+
+def test_short_run_learns_and_writes_the_run_directory(tmp_path):
+    cfg = compose_pretrain(
+        tmp_path,
+        *SYNTH,
+        "trainer.max_steps=40",
+        "trainer.val_check_interval=20",
+        "logger=tensorboard",
+    )
+    result = run(cfg, datamodule=SyntheticPretrainData())
+    assert result["steps"] == 40
+    losses = train_losses(tmp_path / "metrics.csv")
+    assert len(losses) >= 15
+    assert sum(losses[-5:]) / 5 < 0.8 * sum(losses[:5]) / 5, losses
+    rows = read_metrics(tmp_path / "metrics.csv")
+    assert [r["step"] for r in rows if not math.isnan(r["val_loss"])] == [20, 40]
+    assert all(r["frames_per_s"] > 0 for r in rows[1:] if not math.isnan(r["train_loss"]))
+    names = {p.name for p in tmp_path.iterdir()}
+    assert {"checkpoints", "upstream.pt", "metrics.csv", "config.yaml", "tensorboard"} <= names
+    ckpts = {p.name for p in (tmp_path / "checkpoints").iterdir()}
+    assert {"last.ckpt", "step=0000004.ckpt", "step=0000040.ckpt"} <= ckpts
+    assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
+
+    up = speechattn.load_upstream(result["upstream"])
+    meta = up.metadata
+    assert meta["steps"] == 40 and meta["seed"] == cfg.seed and meta["attention"] == "full"
+    assert meta["code_version"].startswith(speechattn.__version__)
+    assert up.hidden_dim == 32 and up.num_layers == 2
+
+
+def test_checkpoint_to_upstream_round_trip_is_exact(tmp_path):
+    cfg = compose_pretrain(tmp_path, *SYNTH, "attention=ldsa")
+    run(cfg, datamodule=SyntheticPretrainData())
+    ckpt = tmp_path / "checkpoints" / "step=0000004.ckpt"
+    task = PretrainTask.load_from_checkpoint(
+        str(ckpt), map_location="cpu", weights_only=False
+    ).eval()
+    out = export_upstream(ckpt, tmp_path / "from_ckpt.pt")
+    up = speechattn.load_upstream(out)
+    assert up.metadata["steps"] == 4 and up.attention_name == "ldsa"
+    batch = next(iter(SyntheticPretrainData().val_dataloader()))
+    with torch.no_grad():
+        ref = task.model(batch["features"], batch["lengths"])
+        got = up(batch["features"], batch["lengths"])
+    for a, b in zip(ref, got):
+        assert torch.equal(a, b)
+    # the run's final upstream.pt holds the weights of last.ckpt
+    last = PretrainTask.load_from_checkpoint(
+        str(tmp_path / "checkpoints" / "last.ckpt"), map_location="cpu", weights_only=False
+    )
+    final = speechattn.load_upstream(tmp_path / "upstream.pt")
+    for k, v in last.model.state_dict().items():
+        assert torch.equal(v, final.model.state_dict()[k]), k
+
+
+def test_resume_after_crash_equals_uninterrupted_run(tmp_path, monkeypatch):
+    steps = ("trainer.max_steps=12", "checkpoint.every_n_steps=4", "trainer.val_check_interval=6")
+    ref_dir, crash_dir = tmp_path / "ref", tmp_path / "crash"
+    run(compose_pretrain(ref_dir, *SYNTH, *steps), datamodule=SyntheticPretrainData())
+
+    original = PretrainTask.training_step
+
+    def crash_at_step_7(self, batch, batch_idx):
+        if self.global_step == 7:
+            raise RuntimeError("simulated crash")
+        return original(self, batch, batch_idx)
+
+    monkeypatch.setattr(PretrainTask, "training_step", crash_at_step_7)
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        run(compose_pretrain(crash_dir, *SYNTH, *steps), datamodule=SyntheticPretrainData())
+    monkeypatch.setattr(PretrainTask, "training_step", original)
+    assert (crash_dir / "checkpoints" / "last.ckpt").is_file()
+
+    resumed = run(
+        compose_pretrain(crash_dir, *SYNTH, *steps, "ckpt_path=last"),
+        datamodule=SyntheticPretrainData(),
+    )
+    assert resumed["steps"] == 12
+    ref_rows, got_rows = (
+        read_metrics(ref_dir / "metrics.csv"),
+        read_metrics(crash_dir / "metrics.csv"),
+    )
+    assert [r["step"] for r in got_rows] == [r["step"] for r in ref_rows]
+    for a, b in zip(ref_rows, got_rows):
+        for key in ("train_loss", "val_loss", "lr"):
+            assert (math.isnan(a[key]) and math.isnan(b[key])) or a[key] == pytest.approx(
+                b[key], rel=1e-5
+            )
+    ref_up = torch.load(ref_dir / "upstream.pt", weights_only=True)["state_dict"]
+    got_up = torch.load(crash_dir / "upstream.pt", weights_only=True)["state_dict"]
+    for k in ref_up:
+        torch.testing.assert_close(got_up[k], ref_up[k], atol=1e-6, rtol=1e-5)
+
+
+def test_nonfinite_loss_is_skipped_with_a_warning(tmp_path, monkeypatch):
+    original = PretrainTask.reconstruction_loss
+    weights = {}
+
+    def nan_at_step_3(self, batch, generator):
+        loss, frames, chosen = original(self, batch, generator)
+        if self.training and self.global_step == 3:
+            weights["before"] = {k: v.clone() for k, v in self.model.state_dict().items()}
+            return loss * float("nan"), frames, chosen
+        if self.training and self.global_step == 4 and "after" not in weights:
+            weights["after"] = {k: v.clone() for k, v in self.model.state_dict().items()}
+        return loss, frames, chosen
+
+    monkeypatch.setattr(PretrainTask, "reconstruction_loss", nan_at_step_3)
+    with pytest.warns(NonFiniteWarning, match="step 3: non-finite loss"):
+        result = run(compose_pretrain(tmp_path, *SYNTH), datamodule=SyntheticPretrainData())
+    assert result["steps"] == 8 and math.isfinite(result["train_loss"])
+    for k, v in weights["before"].items():  # the NaN step changed nothing
+        assert torch.equal(v, weights["after"][k]), k
+
+
+def test_too_many_nonfinite_steps_in_a_row_abort_with_a_clear_message(tmp_path, monkeypatch):
+    original = PretrainTask.reconstruction_loss
+
+    def nan_from_step_2(self, batch, generator):
+        loss, frames, chosen = original(self, batch, generator)
+        bad = self.training and self.global_step >= 2
+        return (loss * float("inf") if bad else loss), frames, chosen
+
+    monkeypatch.setattr(PretrainTask, "reconstruction_loss", nan_from_step_2)
+    cfg = compose_pretrain(tmp_path, *SYNTH, "max_nonfinite=3")
+    with (
+        pytest.warns(NonFiniteWarning),
+        pytest.raises(NonFiniteLossError, match="3 non-finite") as e,
+    ):
+        run(cfg, datamodule=SyntheticPretrainData())
+    assert "model.optimizer.lr" in str(e.value) and "ckpt_path=last" in str(e.value)
+
+
+def test_step_sampler_is_a_function_of_seed_and_batch_number():
+    full = list(StepBatchSampler(10, 3, total_batches=9, seed=1))
+    resumed = list(StepBatchSampler(10, 3, total_batches=9, seed=1, start=4))
+    assert resumed == full[4:]
+    stream = [i for b in full for i in b]
+    assert sorted(stream[:10]) == list(range(10)) and sorted(stream[10:20]) == list(range(10))
+    assert full != list(StepBatchSampler(10, 3, total_batches=9, seed=2))
+    ranks = [
+        list(StepBatchSampler(12, 2, total_batches=9, seed=1, rank=r, world_size=2)) for r in (0, 1)
+    ]
+    for i in range(9):
+        assert not set(ranks[0][i]) & set(ranks[1][i]), "ranks see disjoint halves of a batch"
+    assert len(StepBatchSampler(10, 3, total_batches=9, seed=1, start=4)) == 9
+
+
+def test_lr_schedule_warms_up_then_decays_linearly():
+    f = [lr_factor(s, warmup=4, total=12) for s in range(12)]
+    assert f[:4] == [0.25, 0.5, 0.75, 1.0]
+    assert f[4] == 1.0 and f[8] == pytest.approx(0.5) and f[11] == pytest.approx(0.125)
+    assert lr_factor(0, 0, 10) == 1.0
+
+
+def test_unknown_names_give_hydra_errors_listing_the_choices(tmp_path):
+    from hydra.errors import ConfigCompositionException
+
+    for override, listed in (("attention=nope", "ldsa"), ("model=nope", "aalbert_base")):
+        with pytest.raises(ConfigCompositionException) as e:
+            compose_pretrain(tmp_path, *SYNTH, override)
+        assert "Available options" in str(e.value) and listed in str(e.value)
