@@ -46,7 +46,9 @@ def _isolated_cache(tmp_path_factory: pytest.TempPathFactory):
 def tiny_corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Root of a small built-in corpus (4 speakers x 6 utterances, split folder `synth-clean`)."""
     root = tmp_path_factory.mktemp("tiny-corpus")
-    return build_corpus(root, speakers=TINY_SPEAKERS, utterances_per_speaker=TINY_UTTERANCES, seed=0, workers=1)
+    return build_corpus(
+        root, speakers=TINY_SPEAKERS, utterances_per_speaker=TINY_UTTERANCES, seed=0, workers=1
+    )
 
 
 @pytest.fixture(scope="session")

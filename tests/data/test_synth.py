@@ -72,7 +72,9 @@ def test_labels_follow_the_audio(tiny_corpus):
         energy = mel(audio).mean(1).numpy()  # (T,)
         lab = labels[path.stem]
         assert len(energy) == len(lab) == num_frames(len(audio))
-        vowels = np.isin(lab, [PHONE_ID[p] for p in ("AA", "AE", "AH", "AO", "EH", "IH", "IY", "EY", "AY")])
+        vowels = np.isin(
+            lab, [PHONE_ID[p] for p in ("AA", "AE", "AH", "AO", "EH", "IH", "IY", "EY", "AY")]
+        )
         gaps.append(energy[vowels].mean() - energy[lab == 0].mean())
     assert min(gaps) > 2.0  # log-energy: vowels are far louder than silence
 
@@ -104,15 +106,25 @@ def test_speaker_table(tiny_corpus):
 
 
 def test_heldout_speakers_and_sentences_are_unseen(tiny_corpus, tmp_path):
-    out = synth.build_corpus(tmp_path / "held", speakers=2, utterances_per_speaker=2, heldout=True, workers=1)
+    out = synth.build_corpus(
+        tmp_path / "held", speakers=2, utterances_per_speaker=2, heldout=True, workers=1
+    )
     main_table = json.loads((tiny_corpus / "speakers.json").read_text())
     held_table = json.loads((out / "speakers.json").read_text())
     assert (out / synth.SPLIT_HELDOUT).is_dir()
     assert not set(main_table) & set(held_table)
     assert not {r["voice"] for r in main_table.values()} & {r["voice"] for r in held_table.values()}
     # every sentence of a held-out corpus is in the held-out pool, which the main corpus never uses
-    main = [ln.split(" ", 1)[1] for p in (tiny_corpus / "synth-clean").glob("*/*/*.trans.txt") for ln in p.read_text().splitlines()]
-    held = [ln.split(" ", 1)[1] for p in out.glob("*/*/*/*.trans.txt") for ln in p.read_text().splitlines()]
+    main = [
+        ln.split(" ", 1)[1]
+        for p in (tiny_corpus / "synth-clean").glob("*/*/*.trans.txt")
+        for ln in p.read_text().splitlines()
+    ]
+    held = [
+        ln.split(" ", 1)[1]
+        for p in out.glob("*/*/*/*.trans.txt")
+        for ln in p.read_text().splitlines()
+    ]
     assert held and not set(main) & set(held)
     # pools are a fixed partition of the sentence space
     rng = np.random.default_rng(1)
@@ -135,7 +147,9 @@ def test_frame_labels_take_the_phone_at_each_frame_centre():
 
 def test_phone_map_covers_the_phone_set():
     assert set(IPA_TO_PHONE.values()) == set(PHONE_SET)
-    assert ipa_to_phone("ˈaɪ") == "AY" and ipa_to_phone("ˌoʊ") == "OW" and ipa_to_phone("") == SILENCE
+    assert (
+        ipa_to_phone("ˈaɪ") == "AY" and ipa_to_phone("ˌoʊ") == "OW" and ipa_to_phone("") == SILENCE
+    )
     assert ipa_to_phone("ɑːː") == "AA"  # falls back to the form without length marks
     with pytest.raises(KeyError, match="no class"):
         ipa_to_phone("ǂ")
@@ -150,22 +164,35 @@ def test_ensure_embedded_corpus_builds_once_and_rebuilds_on_new_version(tmp_path
         return real_build(out, *args, **kwargs)
 
     monkeypatch.setattr(synth, "build_corpus", counting_build)
-    first = synth.ensure_embedded_corpus(tmp_path, speakers=1, utterances_per_speaker=2, workers=1, progress=False)
-    again = synth.ensure_embedded_corpus(tmp_path, speakers=1, utterances_per_speaker=2, workers=1, progress=False)
+    first = synth.ensure_embedded_corpus(
+        tmp_path, speakers=1, utterances_per_speaker=2, workers=1, progress=False
+    )
+    again = synth.ensure_embedded_corpus(
+        tmp_path, speakers=1, utterances_per_speaker=2, workers=1, progress=False
+    )
     assert first == again and len(calls) == 1
     assert len(list(first.glob("synth-clean/*/*/*.flac"))) == 2
     assert [p.name for p in (tmp_path / "corpus").iterdir()] == [first.name]  # no temp folder left
 
     monkeypatch.setattr(synth, "GENERATOR_VERSION", synth.GENERATOR_VERSION + 1)
-    newer = synth.ensure_embedded_corpus(tmp_path, speakers=1, utterances_per_speaker=2, workers=1, progress=False)
+    newer = synth.ensure_embedded_corpus(
+        tmp_path, speakers=1, utterances_per_speaker=2, workers=1, progress=False
+    )
     assert newer != first and len(calls) == 2
-    assert json.loads((newer / "corpus.json").read_text())["generator_version"] == synth.GENERATOR_VERSION
+    assert (
+        json.loads((newer / "corpus.json").read_text())["generator_version"]
+        == synth.GENERATOR_VERSION
+    )
 
 
 def test_ensure_embedded_corpus_rebuilds_a_corrupt_record(tmp_path):
-    first = synth.ensure_embedded_corpus(tmp_path, speakers=1, utterances_per_speaker=2, workers=1, progress=False)
+    first = synth.ensure_embedded_corpus(
+        tmp_path, speakers=1, utterances_per_speaker=2, workers=1, progress=False
+    )
     (first / "corpus.json").write_text("{broken")
-    again = synth.ensure_embedded_corpus(tmp_path, speakers=1, utterances_per_speaker=2, workers=1, progress=False)
+    again = synth.ensure_embedded_corpus(
+        tmp_path, speakers=1, utterances_per_speaker=2, workers=1, progress=False
+    )
     assert again == first and json.loads((again / "corpus.json").read_text())["speakers"] == 1
 
 
