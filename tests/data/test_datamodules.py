@@ -236,4 +236,4 @@ def test_config_validation():
 
 def test_normalizer_needs_setup(tiny_data_config):
     with pytest.raises(RuntimeError, match="setup"):
-        LabelledDataModule(tiny_data_config).normalizer
+        _ = LabelledDataModule(tiny_data_config).normalizer
