@@ -1,0 +1,198 @@
+"""Bad input (SPEC 2.5): each defect raises a DataError naming file and problem, or under
+`on_error=skip` is skipped, counted, logged and listed in `datamodule.skipped`."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import soundfile as sf
+import torch
+import torchaudio.functional as AF
+
+from speechattn.data import DataError, LabelledDataModule, PretrainDataModule
+from speechattn.data.librispeech import find_splits, scan_split
+
+
+@pytest.fixture
+def corpus(tiny_corpus, tmp_path) -> Path:
+    root = tmp_path / "corpus"
+    shutil.copytree(tiny_corpus, root)
+    return root
+
+
+def _victim(root: Path) -> tuple[str, Path]:
+    """A training utterance to damage, and its audio path."""
+    utt = (root / "train_split.txt").read_text().split()[0]
+    spk, chapter, _ = utt.split("-")
+    return utt, root / "synth-clean" / spk / chapter / f"{utt}.flac"
+
+
+def _edit_alignment(root: Path, utt: str, edit) -> None:
+    path = root / "converted_aligned_phones.txt"
+    lines = []
+    for line in path.read_text().splitlines():
+        if line.startswith(utt + " "):
+            tokens = line.split()[1:]
+            line = " ".join([utt, *edit(tokens)])
+        lines.append(line)
+    path.write_text("\n".join(lines) + "\n")
+
+
+def _drop_transcript(root: Path, utt: str) -> None:
+    spk, chapter, _ = utt.split("-")
+    trans = root / "synth-clean" / spk / chapter / f"{spk}-{chapter}.trans.txt"
+    trans.write_text(
+        "".join(ln + "\n" for ln in trans.read_text().splitlines() if not ln.startswith(utt))
+    )
+
+
+def _damage(case: str, root: Path) -> tuple[str, str, str]:
+    """Apply one defect; returns (utterance, file name expected in the message, problem)."""
+    utt, flac = _victim(root)
+    align = "converted_aligned_phones.txt"
+    if case == "unreadable":
+        flac.write_bytes(b"this is not a flac file" * 50)
+        return utt, flac.name, "unreadable audio"
+    if case == "truncated":
+        data = flac.read_bytes()
+        flac.write_bytes(data[: len(data) // 2])
+        return utt, flac.name, "truncated or corrupt audio"
+    if case == "empty":
+        flac.write_bytes(b"")
+        return utt, flac.name, "empty audio"
+    if case == "too_short":
+        sf.write(flac, np.zeros(1000, np.float32), 16000, format="FLAC")  # < 10 frames
+        return utt, flac.name, "too short"
+    if case == "wrong_rate":
+        audio, _ = sf.read(str(flac), dtype="float32")
+        sf.write(
+            flac, AF.resample(torch.from_numpy(audio), 16000, 8000).numpy(), 8000, format="FLAC"
+        )
+        return utt, flac.name, "wrong sample rate"
+    if case == "missing_transcript":
+        _drop_transcript(root, utt)
+        return utt, flac.name, "missing transcript"
+    if case == "alignment_length":
+        _edit_alignment(root, utt, lambda t: t[:-10])
+        return utt, align, "alignment length mismatch"
+    if case == "unknown_symbol":
+        _edit_alignment(root, utt, lambda t: [*t[:5], "XX", *t[6:]])
+        return utt, align, "unknown phone symbol"
+    if case == "class_out_of_range":
+        _edit_alignment(root, utt, lambda t: [*t[:5], "99", *t[6:]])
+        return utt, align, "unknown phone symbol"
+    if case == "missing_alignment":
+        _edit_alignment(root, utt, lambda t: t)
+        path = root / align
+        path.write_text(
+            "".join(ln + "\n" for ln in path.read_text().splitlines() if not ln.startswith(utt))
+        )
+        return utt, align, "missing alignment"
+    if case == "list_without_audio":
+        path = root / "train_split.txt"
+        path.write_text(path.read_text() + "1001-10011-0099\n")
+        return "1001-10011-0099", "train_split.txt", "utterance not in the corpus"
+    raise ValueError(case)
+
+
+CASES = ["unreadable", "truncated", "empty", "too_short", "wrong_rate", "missing_transcript",
+         "alignment_length", "unknown_symbol", "class_out_of_range", "missing_alignment", "list_without_audio"]  # fmt: skip
+
+
+def _config(base, root, tmp_path, **changes):
+    extra = {"sample_rate_policy": "error"} | changes
+    return dataclasses.replace(base, root=str(root), cache_dir=str(tmp_path / "cache"), **extra)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_bad_input_raises_naming_file_and_problem(case, corpus, tmp_path, tiny_data_config):
+    utt, filename, problem = _damage(case, corpus)
+    dm = LabelledDataModule(_config(tiny_data_config, corpus, tmp_path))
+    with pytest.raises(DataError) as info:
+        dm.prepare_data()
+        dm.setup("fit")
+    err = info.value
+    assert err.problem == problem and err.utt_id == utt
+    assert filename in str(err) and problem in str(err)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_bad_input_is_skipped_counted_and_reported(
+    case, corpus, tmp_path, tiny_data_config, caplog
+):
+    utt, filename, problem = _damage(case, corpus)
+    dm = LabelledDataModule(_config(tiny_data_config, corpus, tmp_path, on_error="skip"))
+    with caplog.at_level(logging.WARNING):
+        dm.setup("fit")
+    assert [(s.utt_id, s.problem) for s in dm.skipped] == [(utt, problem)]
+    assert filename in dm.skipped[0].path
+    used = {u for ds in dm.datasets.values() for u in ds.utt_ids}
+    assert utt not in used and len(used) == 23 + (case == "list_without_audio")
+    assert "skipped 1 bad input(s): 1 " + problem in caplog.text
+    assert dm.issues.counts() == {problem: 1}
+
+
+def test_skips_survive_a_cached_rerun(corpus, tmp_path, tiny_data_config):
+    """A bad file recorded in the feature cache is reported again, without re-decoding."""
+    utt, _, problem = _damage("truncated", corpus)
+    cfg = _config(tiny_data_config, corpus, tmp_path, on_error="skip")
+    first = LabelledDataModule(cfg)
+    first.setup("fit")
+    second = LabelledDataModule(cfg)
+    second.setup("fit")
+    assert [(s.utt_id, s.problem) for s in second.skipped] == [(utt, problem)]
+    with pytest.raises(DataError, match="truncated"):
+        LabelledDataModule(dataclasses.replace(cfg, on_error="error")).setup("fit")
+
+
+def test_pretraining_skips_bad_audio(corpus, tmp_path, tiny_data_config):
+    utt, _, _ = _damage("unreadable", corpus)
+    dm = PretrainDataModule(_config(tiny_data_config, corpus, tmp_path, on_error="skip"))
+    dm.setup("fit")
+    assert [s.utt_id for s in dm.skipped] == [utt]
+    assert utt not in dm.datasets["train"].utt_ids + dm.datasets["val"].utt_ids
+
+
+def test_wrong_sample_rate_is_resampled_with_a_warning(corpus, tmp_path, tiny_data_config, caplog):
+    utt, filename, _ = _damage("wrong_rate", corpus)
+    dm = LabelledDataModule(
+        _config(tiny_data_config, corpus, tmp_path, sample_rate_policy="resample")
+    )
+    with caplog.at_level(logging.WARNING):
+        dm.setup("fit")
+    assert not dm.skipped and utt in dm.datasets["train"].utt_ids + dm.datasets["dev"].utt_ids
+    assert f"{filename}: resampled from 8000 Hz" in caplog.text
+
+
+def test_root_without_librispeech_folders(tmp_path, tiny_data_config):
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "README.txt").write_text("hello")
+    with pytest.raises(DataError, match="not a LibriSpeech layout") as info:
+        find_splits(tmp_path)
+    assert str(tmp_path) in str(info.value) and "README.txt" in str(info.value)
+    with pytest.raises(DataError, match="corpus root not found"):
+        find_splits(tmp_path / "missing")
+    dm = LabelledDataModule(
+        dataclasses.replace(tiny_data_config, root=str(tmp_path), cache_dir=str(tmp_path / "c"))
+    )
+    with pytest.raises(DataError, match="not a LibriSpeech layout"):
+        dm.setup("fit")
+    wrong = dataclasses.replace(
+        tiny_data_config, pretrain_splits=["train-clean-360"], cache_dir=str(tmp_path / "c")
+    )
+    with pytest.raises(DataError, match=r"train-clean-360: split folder not found.*'synth-clean'"):
+        PretrainDataModule(wrong).setup("fit")
+
+
+def test_transcript_without_audio_is_reported(corpus):
+    utt, flac = _victim(corpus)
+    flac.unlink()
+    with pytest.raises(
+        DataError, match=f"transcript without audio.*{utt}|{utt}.*transcript without audio"
+    ):
+        scan_split(corpus, "synth-clean")
