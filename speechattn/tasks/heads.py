@@ -1,0 +1,650 @@
+"""Head importance, ablation and pruning (Michel et al., 2019, seed 004) for any attention variant.
+
+Every registered attention multiplies head h's output by xi_h before its output projection
+(SPEC 4, 5): MHAtt(x) = sum_h xi_h Att_h(x). The model takes xi as a (L, h) tensor, one row per
+depth even when the layer's weights are shared (ALBERT), and everything below is computed from
+that one differentiable input:
+
+* importance  I_{l,h} = E_x |dL(x)/dxi_{l,h}|, the gradient taken at xi = 1 (or at the current
+  pruning mask). The absolute value is taken per *unit* before averaging: per utterance by
+  default (Michel et al.'s expectation over examples of the absolute value), or per batch
+  (`per="batch"`, one backward pass per batch: cheaper, but gradients of opposite sign within a
+  batch cancel before the abs). Each depth's row is then divided by its L2 norm.
+* ablation    the metric with one head masked (xi_{l,h} = 0), with only head h of depth l kept
+  (the rest of that depth masked), and with a whole depth masked.
+* pruning     heads masked in increasing order of normalised importance, `step` of all heads at a
+  time, the metric after each step, up to all heads (or all but one per depth when guarded);
+  importance optionally re-estimated at the current mask after each step.
+
+What L and the metric are is an `Objective`:
+
+* `PretrainObjective`: masked-reconstruction L1 (the pretraining loss) under masks drawn once
+  from a fixed seed per batch, so every evaluation sees the same corruption; metric: the L1 loss
+  over all chosen frames of the subset (lower is better).
+* `ProbeObjective`: a trained downstream probe's cross-entropy on the upstream run un-cached
+  with the head mask, then the probe's layer selection/pooling/head; metric: accuracy.
+
+The model runs in eval mode (no dropout), so every number here is deterministic.
+
+Shape letters: B batch, T 10 ms frames, T' model frames, F' stacked features (3F), D model dim,
+L depths, h heads per depth, N hidden layers the probe reads, C classes.
+"""
+
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Generic, TypeVar
+
+import torch
+import torch.nn.functional as Fn
+from torch import Tensor, nn
+
+from speechattn.model.aalbert import AALBERT
+from speechattn.model.masking import MaskingConfig, mask_frames, masked_l1
+from speechattn.tasks.pretrain import derive_seed
+
+IGNORE = -100  # label id of padded frames (data layer and downstream probes)
+PER_CHOICES = ("utterance", "batch")
+
+# ----------------------------------------------------------------------------- config
+
+
+@dataclass
+class ImportanceConfig:
+    per: str = "utterance"  # abs of the gradient per utterance (Michel et al.) | per batch
+
+    def __post_init__(self) -> None:
+        if self.per not in PER_CHOICES:
+            raise ValueError(f"importance.per must be one of {PER_CHOICES}, got {self.per!r}")
+
+
+@dataclass
+class AblationConfig:
+    single: bool = True  # mask one head at a time: L*h evaluations
+    keep_only: bool = True  # keep only head h of depth l: L*h evaluations
+    layer: bool = True  # mask a whole depth: L evaluations
+
+
+@dataclass
+class PruningConfig:
+    enabled: bool = True
+    step: float = 0.1  # fraction of all L*h heads masked per step (Michel et al.: 10 %)
+    recompute: bool = False  # re-estimate importance at the current mask after each step
+    keep_one_per_layer: bool = False  # never mask the last head of a depth
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.step <= 1.0:
+            raise ValueError(f"pruning.step must be in (0, 1], got {self.step}")
+
+
+@dataclass
+class HeadsConfig:
+    """The analyses to run; `conf/analyze.yaml` mirrors it (`importance`, `ablation`, `pruning`)."""
+
+    importance: ImportanceConfig = field(default_factory=ImportanceConfig)
+    ablation: AblationConfig = field(default_factory=AblationConfig)
+    pruning: PruningConfig = field(default_factory=PruningConfig)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> HeadsConfig:
+        return cls(
+            ImportanceConfig(**d.get("importance", {})),
+            AblationConfig(**d.get("ablation", {})),
+            PruningConfig(**d.get("pruning", {})),
+        )
+
+
+# ----------------------------------------------------------------------------- objectives
+
+U = TypeVar("U")
+
+
+class Objective(ABC, Generic[U]):
+    """A loss L(unit, xi) to differentiate and a metric to ablate, over a fixed data subset.
+
+    `batches` are prepared once (features on the device, fixed masks); a unit is a batch or
+    one utterance cut out of one (`split`), trimmed to its own length.
+    """
+
+    metric_name: str = ""
+    higher_is_better: bool = False
+    device: torch.device = torch.device("cpu")  # where the batches and the model live
+    dtype: torch.dtype = torch.float32  # float64 for finite-difference checks
+
+    def __init__(self, num_layers: int, num_heads: int, batches: list[U]) -> None:
+        if not batches:
+            raise ValueError("the data subset is empty: no batches to analyse")
+        self.num_layers, self.num_heads, self.batches = num_layers, num_heads, batches
+
+    @abstractmethod
+    def split(self, batch: U) -> list[U]:
+        """The batch's utterances as units of one, each trimmed to its length."""
+
+    @abstractmethod
+    def loss(self, unit: U, head_mask: Tensor) -> Tensor | None:
+        """Scalar loss with a graph to `head_mask` (L, h); None when nothing in it is scored."""
+
+    @abstractmethod
+    def score(self, unit: U, head_mask: Tensor) -> tuple[float, float]:
+        """(sum, count) of the metric over the unit; the metric is sum(sums) / sum(counts)."""
+
+    @abstractmethod
+    def subset(self) -> dict[str, int]:
+        """Size of the data subset: batches, utterances, frames (10 ms), scored items."""
+
+    def units(self, per: str) -> Iterator[U]:
+        if per == "batch":
+            yield from self.batches
+        elif per == "utterance":
+            for batch in self.batches:
+                yield from self.split(batch)
+        else:
+            raise ValueError(f"per must be one of {PER_CHOICES}, got {per!r}")
+
+    def num_units(self, per: str) -> int:
+        return sum(1 for _ in self.units(per))
+
+    def ones(self) -> Tensor:
+        """xi = 1 everywhere: (L, h) in the model's dtype and device."""
+        return torch.ones(self.num_layers, self.num_heads, dtype=self.dtype, device=self.device)
+
+
+@dataclass
+class MaskedBatch:
+    """A batch prepared for masked reconstruction, its corruption drawn once."""
+
+    inputs: Tensor  # (B, T', F') corrupted model input
+    target: Tensor  # (B, T', F') clean stacked frames
+    chosen: Tensor  # (B, T') bool, frames the loss is computed on
+    lengths: Tensor  # (B,) valid model frames
+    frames: int  # valid 10 ms frames in the batch
+
+
+class PretrainObjective(Objective[MaskedBatch]):
+    """Masked-reconstruction L1 of an AALBERT (encoder + reconstruction head)."""
+
+    metric_name = "l1_loss"
+    higher_is_better = False
+
+    def __init__(
+        self,
+        model: AALBERT,
+        batches: Iterable[dict[str, Any]],
+        masking: MaskingConfig | None = None,
+        seed: int = 0,
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
+        self.device, self.dtype = torch.device(device), dtype
+        self.model = _frozen(model, self.device, dtype)
+        masking = masking or MaskingConfig()
+        prepared = []
+        for i, batch in enumerate(batches):
+            features = batch["features"].to(self.device, dtype)  # (B, T, F)
+            lengths = batch["lengths"].to(self.device)  # (B,)
+            stacked, n = self.model.stack(features, lengths)  # (B, T', F'), (B,)
+            generator = torch.Generator().manual_seed(derive_seed(seed, "heads-mask", i))
+            m = mask_frames(stacked, n, masking, generator)
+            prepared.append(MaskedBatch(m.inputs, stacked, m.chosen, n, int(lengths.sum())))
+        super().__init__(model.num_layers, model.num_heads, prepared)
+
+    def split(self, batch: MaskedBatch) -> list[MaskedBatch]:
+        units = []
+        for b, n in enumerate(batch.lengths.tolist()):
+            units.append(
+                MaskedBatch(
+                    batch.inputs[b : b + 1, :n],
+                    batch.target[b : b + 1, :n],
+                    batch.chosen[b : b + 1, :n],
+                    batch.lengths[b : b + 1],
+                    frames=0,
+                )
+            )
+        return units
+
+    def predict(self, unit: MaskedBatch, head_mask: Tensor | None) -> Tensor:
+        """Reconstruction (B, T', F') of the corrupted input with head mask (L, h)."""
+        hidden = self.model.embed_and_encode(unit.inputs, unit.lengths, head_mask)
+        return self.model.head(hidden[-1])
+
+    def loss(self, unit: MaskedBatch, head_mask: Tensor) -> Tensor | None:
+        if not bool(unit.chosen.any()):
+            return None  # e.g. an utterance too short for a span: nothing to reconstruct
+        return masked_l1(self.predict(unit, head_mask), unit.target, unit.chosen)
+
+    def score(self, unit: MaskedBatch, head_mask: Tensor) -> tuple[float, float]:
+        if not bool(unit.chosen.any()):
+            return 0.0, 0.0
+        error = (self.predict(unit, head_mask) - unit.target).abs()  # (B, T', F')
+        weight = unit.chosen[..., None].to(error.dtype)  # (B, T', 1)
+        return float((error * weight).sum()), float(weight.sum()) * error.shape[-1]
+
+    def subset(self) -> dict[str, int]:
+        return {
+            "batches": len(self.batches),
+            "utterances": sum(len(b.lengths) for b in self.batches),
+            "frames": sum(b.frames for b in self.batches),
+            "scored": sum(int(b.chosen.sum()) for b in self.batches),  # chosen model frames
+        }
+
+
+@dataclass
+class LabelledBatch:
+    """A labelled batch in the downstream task's label layout."""
+
+    features: Tensor  # (B, T, F) normalised log-mel
+    lengths: Tensor  # (B,) 10 ms frames
+    labels: Tensor  # (B,) utterance labels, or (B, T_lab) frame labels padded with -100
+    label_lengths: Tensor | None  # (B,) for frame labels
+    utt_ids: list[str]
+
+
+class ProbeObjective(Objective[LabelledBatch]):
+    """Cross-entropy / accuracy of a trained downstream probe on the head-masked upstream.
+
+    `probe` is a `speechattn.tasks.downstream.DownstreamProbe` (or anything with its call
+    contract: a batch dict with hidden (B, N, T', D), padding_mask, label_lengths, utt_ids ->
+    logits (B, C) or (B, T_lab, C)); `layers` are the hidden-state indices it was trained on.
+    """
+
+    metric_name = "accuracy"
+    higher_is_better = True
+
+    def __init__(
+        self,
+        upstream: nn.Module,
+        probe: nn.Module,
+        layers: Sequence[int],
+        batches: Iterable[dict[str, Any]],
+        target: str,
+        level: str,
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
+        self.device, self.dtype = torch.device(device), dtype
+        self.upstream = _frozen(upstream, self.device, dtype)
+        self.probe = _frozen(probe, self.device, dtype)
+        self.layers = list(layers)
+        self.level = level
+        prepared = [self._labelled(b, target, level) for b in batches]
+        super().__init__(int(upstream.num_layers), int(upstream.num_heads), prepared)
+
+    def _labelled(self, batch: dict[str, Any], target: str, level: str) -> LabelledBatch:
+        features = batch["features"].to(self.device, self.dtype)
+        lengths = batch["lengths"].to(self.device)
+        label_lengths = None
+        if target == "phones":
+            if batch.get("phones") is None:
+                raise ValueError("the downstream task needs phone labels; the batches have none")
+            labels, label_lengths = batch["phones"], batch["phone_lengths"]
+        elif batch.get("speaker") is None:
+            raise ValueError("the downstream task needs speaker labels; the batches have none")
+        elif level == "frame":  # the utterance's speaker on each of its 10 ms frames
+            T = int(batch["lengths"].max())
+            valid = torch.arange(T)[None, :] < batch["lengths"][:, None]
+            labels = batch["speaker"][:, None].expand(-1, T).masked_fill(~valid, IGNORE)
+            label_lengths = batch["lengths"]
+        else:
+            labels = batch["speaker"]
+        return LabelledBatch(
+            features,
+            lengths,
+            labels.to(self.device),
+            None if label_lengths is None else label_lengths.to(self.device),
+            list(batch["utt_ids"]),
+        )
+
+    def split(self, batch: LabelledBatch) -> list[LabelledBatch]:
+        units = []
+        for b, n in enumerate(batch.lengths.tolist()):
+            if batch.label_lengths is None:
+                labels, label_lengths = batch.labels[b : b + 1], None
+            else:
+                m = int(batch.label_lengths[b])
+                labels, label_lengths = batch.labels[b : b + 1, :m], batch.label_lengths[b : b + 1]
+            units.append(
+                LabelledBatch(
+                    batch.features[b : b + 1, :n],
+                    batch.lengths[b : b + 1],
+                    labels,
+                    label_lengths,
+                    batch.utt_ids[b : b + 1],
+                )
+            )
+        return units
+
+    def logits(self, unit: LabelledBatch, head_mask: Tensor | None) -> tuple[Tensor, Tensor]:
+        """Flat logits (M, C) and labels (M,): M utterances, or label frames for frame tasks."""
+        hidden = self.upstream(unit.features, unit.lengths, head_mask)  # L+1 x (B, T', D)
+        out_lengths = self.upstream.output_lengths(unit.lengths)  # (B,)
+        T = int(out_lengths.max())
+        stacked = torch.stack([hidden[i][:, :T] for i in self.layers], dim=1)  # (B, N, T', D)
+        batch: dict[str, Any] = {
+            "hidden": stacked,
+            "lengths": out_lengths,
+            "padding_mask": torch.arange(T, device=self.device)[None, :] >= out_lengths[:, None],
+            "utt_ids": unit.utt_ids,
+        }
+        if unit.label_lengths is not None:
+            batch["label_lengths"] = unit.label_lengths
+        logits, labels = self.probe(batch), unit.labels
+        if logits.dim() == 3:  # frame task: align the label-rate logits with the labels
+            T = min(logits.size(1), labels.size(1))
+            logits, labels = logits[:, :T], labels[:, :T]
+        return logits.reshape(-1, logits.size(-1)), labels.reshape(-1)
+
+    def loss(self, unit: LabelledBatch, head_mask: Tensor) -> Tensor | None:
+        logits, labels = self.logits(unit, head_mask)
+        if not bool((labels != IGNORE).any()):
+            return None
+        return Fn.cross_entropy(logits, labels, ignore_index=IGNORE)
+
+    def score(self, unit: LabelledBatch, head_mask: Tensor) -> tuple[float, float]:
+        logits, labels = self.logits(unit, head_mask)
+        valid = labels != IGNORE
+        correct = (logits.argmax(-1) == labels) & valid
+        return float(correct.sum()), float(valid.sum())
+
+    def subset(self) -> dict[str, int]:
+        def scored(b: LabelledBatch) -> int:
+            return int((b.labels != IGNORE).sum())
+
+        return {
+            "batches": len(self.batches),
+            "utterances": sum(len(b.lengths) for b in self.batches),
+            "frames": sum(int(b.lengths.sum()) for b in self.batches),
+            "scored": sum(scored(b) for b in self.batches),  # utterances or label frames
+        }
+
+
+def _frozen(module: nn.Module, device: torch.device, dtype: torch.dtype) -> nn.Module:
+    """Eval mode (no dropout), on device/dtype, parameters without gradients (only xi gets one)."""
+    module = module.to(device=device, dtype=dtype).eval()
+    for p in module.parameters():
+        p.requires_grad_(False)
+    return module
+
+
+# ----------------------------------------------------------------------------- analyses
+
+
+def _track(items: Iterable[Any], description: str, total: int | None, enabled: bool) -> Iterable:
+    if not enabled:
+        return items
+    from rich.progress import track
+
+    return track(items, description=description, total=total, transient=False)
+
+
+def head_gradient(objective: Objective, unit: Any, head_mask: Tensor) -> Tensor | None:
+    """Signed dL/dxi (L, h) of one unit at `head_mask`; None when the unit scores nothing."""
+    xi = head_mask.detach().clone().requires_grad_(True)
+    loss = objective.loss(unit, xi)
+    if loss is None:
+        return None
+    (grad,) = torch.autograd.grad(loss, xi)
+    return grad
+
+
+@torch.no_grad()
+def evaluate(objective: Objective, head_mask: Tensor | None = None) -> float:
+    """The metric over the whole subset with head mask (L, h) (None: all heads)."""
+    head_mask = objective.ones() if head_mask is None else head_mask.to(objective.ones())
+    total = count = 0.0
+    for batch in objective.batches:
+        s, c = objective.score(batch, head_mask)
+        total, count = total + s, count + c
+    if count == 0:
+        raise ValueError("nothing in the data subset is scored (no chosen frames / labels)")
+    return total / count
+
+
+def normalize_per_depth(raw: Tensor, active: Tensor | None = None) -> Tensor:
+    """Divide each depth's row of raw (L, h) by its L2 norm; heads with `active` (L, h) False
+    count as 0 (already pruned). A row of zeros stays zero."""
+    scores = raw if active is None else raw * active.to(raw.dtype)
+    norm = torch.linalg.vector_norm(scores, dim=1, keepdim=True)  # (L, 1)
+    return scores / norm.clamp_min(torch.finfo(raw.dtype).tiny)
+
+
+@dataclass
+class Importance:
+    raw: Tensor  # (L, h) E|dL/dxi|
+    normalized: Tensor  # (L, h) raw / ||raw_l||_2 per depth
+    signed: Tensor  # (L, h) E[dL/dxi], for diagnostics
+    per: str  # "utterance" | "batch"
+    units: int  # units averaged over
+
+    def order(self) -> list[tuple[int, int]]:
+        """(depth, head) in increasing normalised importance (ties: depth, then head)."""
+        flat = self.normalized.flatten().cpu()
+        idx = torch.argsort(flat, stable=True).tolist()
+        h = self.normalized.shape[1]
+        return [(i // h, i % h) for i in idx]
+
+
+def head_importance(
+    objective: Objective,
+    per: str = "utterance",
+    head_mask: Tensor | None = None,
+    progress: bool = False,
+) -> Importance:
+    """I = E_unit |dL/dxi| at `head_mask` (default all ones), normalised per depth.
+
+    Heads masked in `head_mask` get importance 0 in `normalized` (they are already pruned).
+    """
+    head_mask = objective.ones() if head_mask is None else head_mask.to(objective.ones())
+    acc_abs = torch.zeros_like(head_mask)
+    acc = torch.zeros_like(head_mask)
+    n = 0
+    total = objective.num_units(per) if progress else None
+    for unit in _track(objective.units(per), f"importance (per {per})", total, progress):
+        grad = head_gradient(objective, unit, head_mask)
+        if grad is None:
+            continue  # nothing scored in this unit: it carries no evidence
+        acc_abs += grad.abs()
+        acc += grad
+        n += 1
+    if n == 0:
+        raise ValueError("no unit of the data subset has a scored frame or label")
+    raw = acc_abs / n
+    return Importance(raw, normalize_per_depth(raw, head_mask != 0), acc / n, per, n)
+
+
+@dataclass
+class Ablation:
+    base: float
+    single: Tensor | None = None  # (L, h) metric with head (l, h) masked
+    keep_only: Tensor | None = None  # (L, h) metric with only head h kept in depth l
+    layer: Tensor | None = None  # (L,) metric with depth l fully masked
+
+    def delta(self, name: str) -> Tensor | None:
+        value = getattr(self, name)
+        return None if value is None else value - self.base
+
+
+def ablate(
+    objective: Objective,
+    single: bool = True,
+    keep_only: bool = True,
+    layer: bool = True,
+    base: float | None = None,
+    progress: bool = False,
+) -> Ablation:
+    """Metric when masking one head, keeping one head per depth, or masking one depth."""
+    ones = objective.ones()
+    L, h = ones.shape
+    out = Ablation(evaluate(objective, ones) if base is None else base)
+    jobs: list[tuple[str, int, int]] = []
+    if single:
+        out.single = torch.empty(L, h, dtype=torch.float64)
+        jobs += [("single", d, k) for d in range(L) for k in range(h)]
+    if keep_only:
+        out.keep_only = torch.empty(L, h, dtype=torch.float64)
+        jobs += [("keep_only", d, k) for d in range(L) for k in range(h)]
+    if layer:
+        out.layer = torch.empty(L, dtype=torch.float64)
+        jobs += [("layer", d, -1) for d in range(L)]
+    for kind, d, k in _track(jobs, "ablation", len(jobs), progress):
+        mask = ones.clone()
+        if kind == "single":
+            mask[d, k] = 0.0
+            out.single[d, k] = evaluate(objective, mask)  # type: ignore[index]
+        elif kind == "keep_only":
+            mask[d] = 0.0
+            mask[d, k] = 1.0
+            out.keep_only[d, k] = evaluate(objective, mask)  # type: ignore[index]
+        else:
+            mask[d] = 0.0
+            out.layer[d] = evaluate(objective, mask)  # type: ignore[index]
+    return out
+
+
+def prune_schedule(total: int, step: float, cap: int | None = None) -> list[int]:
+    """Heads masked at each point: round(k * step * total) for k = 0, 1, ... up to `total`
+    (or `cap`), duplicates dropped; always starts at 0 and ends at min(total, cap)."""
+    cap = total if cap is None else min(cap, total)
+    steps = math.ceil(1.0 / step - 1e-9)
+    counts = [min(cap, math.floor(k * step * total + 0.5)) for k in range(steps + 1)]
+    counts.append(cap)
+    return sorted(set(counts))
+
+
+def next_heads(
+    scores: Tensor, mask: Tensor, count: int, keep_one_per_layer: bool = False
+) -> list[tuple[int, int]]:
+    """The `count` unmasked heads of lowest score (L, h) to mask next (ties: depth, head);
+    with `keep_one_per_layer`, a depth's last unmasked head is never chosen."""
+    L, h = scores.shape
+    left = (mask != 0).sum(dim=1).tolist()  # unmasked heads per depth
+    picked: list[tuple[int, int]] = []
+    for i in torch.argsort(scores.flatten().cpu(), stable=True).tolist():
+        if len(picked) == count:
+            break
+        d, k = divmod(i, h)
+        if mask[d, k] == 0 or (keep_one_per_layer and left[d] <= 1):
+            continue
+        picked.append((d, k))
+        left[d] -= 1
+    return picked
+
+
+@dataclass
+class PruningPoint:
+    num_masked: int
+    fraction: float  # num_masked / (L * h)
+    metric: float
+    newly_masked: list[tuple[int, int]]  # heads masked at this step (depth, head)
+    mask: Tensor  # (L, h) 1 = kept, 0 = masked
+
+
+def pruning_curve(
+    objective: Objective,
+    importance: Importance,
+    step: float = 0.1,
+    recompute: bool = False,
+    keep_one_per_layer: bool = False,
+    base: float | None = None,
+    progress: bool = False,
+) -> list[PruningPoint]:
+    """Mask heads in increasing order of normalised importance, `step` of all heads at a time.
+
+    The first point is the unpruned model; the last has every head masked, or one head left
+    per depth with `keep_one_per_layer`. With `recompute`, importance is re-estimated (same
+    `per`) at the current mask before choosing each step's heads.
+    """
+    mask = objective.ones()
+    L, h = mask.shape
+    cap = L * h - L if keep_one_per_layer else L * h
+    schedule = prune_schedule(L * h, step, cap)
+    first = evaluate(objective, mask) if base is None else base
+    points = [PruningPoint(0, 0.0, first, [], mask.clone())]
+    scores = importance.normalized
+    for target in _track(schedule[1:], "pruning", len(schedule) - 1, progress):
+        if recompute:
+            scores = head_importance(objective, importance.per, mask).normalized
+        chosen = next_heads(scores, mask, target - points[-1].num_masked, keep_one_per_layer)
+        for d, k in chosen:
+            mask[d, k] = 0.0
+        n = int((mask == 0).sum())
+        points.append(PruningPoint(n, n / (L * h), evaluate(objective, mask), chosen, mask.clone()))
+    return points
+
+
+@dataclass
+class HeadAnalysis:
+    """Everything `analyze_heads` measured (plain tensors; `heads_result` serialises it)."""
+
+    metric_name: str
+    higher_is_better: bool
+    base_metric: float
+    importance: Importance
+    ablation: Ablation
+    pruning: list[PruningPoint]
+    subset: dict[str, int]
+    runtime_s: dict[str, float]
+
+
+def analyze_heads(
+    objective: Objective, config: HeadsConfig | None = None, progress: bool = False
+) -> HeadAnalysis:
+    """Importance, ablation and the pruning curve of one objective, as configured."""
+    import time
+
+    config = config or HeadsConfig()
+    times: dict[str, float] = {}
+    t = time.perf_counter()
+    base = evaluate(objective)
+    importance = head_importance(objective, config.importance.per, progress=progress)
+    times["importance"] = time.perf_counter() - t
+    t = time.perf_counter()
+    a = config.ablation
+    ablation = ablate(objective, a.single, a.keep_only, a.layer, base=base, progress=progress)
+    times["ablation"] = time.perf_counter() - t
+    t = time.perf_counter()
+    p = config.pruning
+    points: list[PruningPoint] = []
+    if p.enabled:
+        points = pruning_curve(
+            objective, importance, p.step, p.recompute, p.keep_one_per_layer, base, progress
+        )
+    times["pruning"] = time.perf_counter() - t
+    return HeadAnalysis(
+        metric_name=objective.metric_name,
+        higher_is_better=objective.higher_is_better,
+        base_metric=base,
+        importance=importance,
+        ablation=ablation,
+        pruning=points,
+        subset={**objective.subset(), "importance_units": importance.units},
+        runtime_s={k: round(v, 3) for k, v in times.items()},
+    )
+
+
+__all__ = [
+    "Ablation",
+    "AblationConfig",
+    "HeadAnalysis",
+    "HeadsConfig",
+    "Importance",
+    "ImportanceConfig",
+    "LabelledBatch",
+    "MaskedBatch",
+    "Objective",
+    "PretrainObjective",
+    "ProbeObjective",
+    "PruningConfig",
+    "PruningPoint",
+    "ablate",
+    "analyze_heads",
+    "evaluate",
+    "head_gradient",
+    "head_importance",
+    "next_heads",
+    "normalize_per_depth",
+    "prune_schedule",
+    "pruning_curve",
+]
