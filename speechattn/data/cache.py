@@ -116,13 +116,15 @@ class FeatureStore:
             self._maps[s] = m
         return m
 
-    def features(self, i: int | str) -> np.ndarray:
-        """(T, F) float32 features of utterance `i` (index or utterance id)."""
+    def raw(self, i: int | str) -> np.ndarray:
+        """(T, F) read-only view into the memory map, in the cache dtype (float16 by default)."""
         i = self.position[i] if isinstance(i, str) else int(i)
         start = self.offset[i]
-        return np.asarray(
-            self._shard(int(self.shard[i]))[start : start + self.lengths[i]], dtype=np.float32
-        )
+        return self._shard(int(self.shard[i]))[start : start + self.lengths[i]]
+
+    def features(self, i: int | str) -> np.ndarray:
+        """(T, F) float32 features of utterance `i` (index or utterance id), a copy."""
+        return np.asarray(self.raw(i), dtype=np.float32)
 
     def sums(self, indices: Sequence[int]) -> tuple[int, np.ndarray, np.ndarray]:
         """Frame count, sum and sum of squares (float64 (F,)) over the given utterances."""

@@ -61,21 +61,22 @@ class FeatureDataset(Dataset):
 
     def __getitem__(self, item: int) -> dict[str, Any]:
         i = self.indices[item]
-        x = torch.from_numpy(self.store.features(i))  # (T, F)
+        x = self.store.raw(i)  # (T, F) memory-mapped, cache dtype
         T = x.shape[0]
         start = 0
         if self.max_frames and T > self.max_frames:
             if self.random_crop:
                 start = int(torch.randint(0, T - self.max_frames + 1, ()))
             x = x[start : start + self.max_frames]
-        out: dict[str, Any] = {"features": self.normalizer(x), "utt_id": self.store.utt_ids[i]}
+        features = torch.from_numpy(self.normalizer.numpy(x))  # (T_crop, F) float32
+        out: dict[str, Any] = {"features": features, "utt_id": self.store.utt_ids[i]}
         if self.speakers is not None:
             out["speaker"] = int(self.speakers[item])
         if self.phones is not None:
-            labels = torch.full((T,), IGNORE_INDEX, dtype=torch.long)
-            lab = torch.from_numpy(self.phones[item][:T].astype(np.int64))
-            labels[: lab.numel()] = lab
-            out["phones"] = labels[start : start + x.shape[0]]
+            labels = np.full(T, IGNORE_INDEX, dtype=np.int64)  # trim / pad (-100) to the frames
+            lab = self.phones[item][:T]
+            labels[: len(lab)] = lab
+            out["phones"] = torch.from_numpy(labels[start : start + x.shape[0]])
         return out
 
 
@@ -87,11 +88,11 @@ def collate(items: list[dict[str, Any]]) -> dict[str, Any]:
         int(lengths.max()) if items else 0,
         items[0]["features"].shape[1] if items else 0,
     )
-    features = torch.zeros(B, T, F)
+    features = np.zeros((B, T, F), dtype=np.float32)  # NumPy: single-threaded, no thread wake-ups
     for b, it in enumerate(items):
-        features[b, : lengths[b]] = it["features"]
+        features[b, : it["features"].shape[0]] = it["features"].numpy()
     batch: dict[str, Any] = {
-        "features": features,  # (B, T, F)
+        "features": torch.from_numpy(features),  # (B, T, F)
         "lengths": lengths,  # (B,)
         "padding_mask": torch.arange(T)[None, :] >= lengths[:, None],  # (B, T)
         "utt_ids": [it["utt_id"] for it in items],
@@ -99,10 +100,10 @@ def collate(items: list[dict[str, Any]]) -> dict[str, Any]:
     if items and "speaker" in items[0]:
         batch["speaker"] = torch.tensor([it["speaker"] for it in items], dtype=torch.long)
     if items and "phones" in items[0]:
-        phones = torch.full((B, T), IGNORE_INDEX, dtype=torch.long)
+        phones = np.full((B, T), IGNORE_INDEX, dtype=np.int64)
         for b, it in enumerate(items):
-            phones[b, : it["phones"].numel()] = it["phones"]
-        batch["phones"] = phones  # (B, T)
+            phones[b, : it["phones"].numel()] = it["phones"].numpy()
+        batch["phones"] = torch.from_numpy(phones)  # (B, T)
         batch["phone_lengths"] = torch.tensor(
             [it["phones"].numel() for it in items], dtype=torch.long
         )

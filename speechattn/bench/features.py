@@ -1,0 +1,172 @@
+"""`python -m speechattn.bench features`: feature extraction and cached-loading throughput.
+
+Measures, on the built-in corpus (or `--root`):
+- extraction: decode FLAC + log-mel + cache write, into a fresh temporary cache, as a multiple
+  of real time (seconds of audio per second of wall clock), with `--workers` processes;
+- cached loading: utterances/s and frames/s read back from the memory-mapped cache, both raw
+  (`FeatureStore.features`) and through the training path (dataset + normalisation + padded
+  batches), compared with an *assumed* consumer: a tiny model training at ~20k mel frames/s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from torch.utils.data import DataLoader
+
+from speechattn.data.cache import ExtractionSettings, FeatureStore, extract_features
+from speechattn.data.config import default_cache_root
+from speechattn.data.datasets import FeatureDataset, LengthBucketBatchSampler, collate
+from speechattn.data.features import Normalizer
+from speechattn.data.librispeech import find_splits, scan_split
+from speechattn.data.synth import ensure_embedded_corpus
+
+ASSUMED_CONSUMER_FPS = 20_000  # mel frames/s a tiny AALBERT consumes while training (assumption)
+
+
+def _parse(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="python -m speechattn.bench features", description=__doc__.split("\n\n")[0]
+    )
+    p.add_argument(
+        "--root", type=Path, default=None, help="corpus root (default: the built-in corpus)"
+    )
+    p.add_argument("--split", action="append", default=None, help="split folder(s) (default: all)")
+    p.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="extraction processes")
+    p.add_argument("--shard-size", type=int, default=64)
+    p.add_argument("--dtype", choices=("float16", "float32"), default="float16")
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument(
+        "--min-seconds", type=float, default=2.0, help="minimum duration of each load measurement"
+    )
+    p.add_argument("--consumer-fps", type=float, default=ASSUMED_CONSUMER_FPS)
+    p.add_argument("--json", type=Path, default=None, help="also write the numbers here")
+    return p.parse_args(argv)
+
+
+def _timed_passes(fn, min_seconds: float) -> tuple[float, int]:
+    """Run `fn` (one pass) until `min_seconds` elapse; returns (seconds, passes)."""
+    fn()  # warm-up: page cache, memory maps, allocator
+    passes, start = 0, time.perf_counter()
+    while True:
+        fn()
+        passes += 1
+        elapsed = time.perf_counter() - start
+        if elapsed >= min_seconds:
+            return elapsed, passes
+
+
+def run(args: argparse.Namespace) -> dict:
+    root = args.root or ensure_embedded_corpus(default_cache_root())
+    splits = args.split or find_splits(root)
+    utts = [u for s in splits for u in scan_split(root, s)]
+    settings = ExtractionSettings(dtype=args.dtype)
+    results: dict = {
+        "root": str(root),
+        "splits": splits,
+        "utterances": len(utts),
+        "workers": args.workers,
+    }
+
+    with tempfile.TemporaryDirectory(prefix="speechattn-bench-") as cache:
+        start = time.perf_counter()
+        store = extract_features(
+            utts, settings, cache, workers=args.workers, shard_size=args.shard_size, progress=False
+        )
+        extract_s = time.perf_counter() - start
+        audio_s = store.audio_seconds
+        frames = int(store.lengths.sum())
+        results["extraction"] = {
+            "audio_seconds": audio_s,
+            "wall_seconds": extract_s,
+            "x_real_time": audio_s / extract_s,
+            "frames": frames,
+            "cache_mb": sum(p.stat().st_size for p in Path(store.directory).iterdir()) / 2**20,
+        }
+
+        fresh = FeatureStore(store.directory)  # new object: memory maps opened on first use
+        n = len(fresh)
+
+        def raw_pass() -> None:
+            for i in range(n):
+                fresh.features(i)
+
+        seconds, passes = _timed_passes(raw_pass, args.min_seconds)
+        results["load_raw"] = {
+            "utt_per_s": n * passes / seconds,
+            "frames_per_s": frames * passes / seconds,
+        }
+
+        count, total, total_sq = fresh.sums(range(n))
+        dataset = FeatureDataset(fresh, range(n), Normalizer.from_sums(count, total, total_sq))
+        sampler = LengthBucketBatchSampler(
+            range(n), args.batch_size, False, dataset.lengths, shuffle=True
+        )
+        loader = DataLoader(dataset, batch_sampler=sampler, collate_fn=collate)
+
+        def batch_pass() -> None:
+            for _ in loader:
+                pass
+
+        seconds, passes = _timed_passes(batch_pass, args.min_seconds)
+        results["load_batches"] = {
+            "utt_per_s": n * passes / seconds,
+            "frames_per_s": frames * passes / seconds,
+        }
+    results["assumed_consumer_fps"] = args.consumer_fps
+    results["load_vs_consumer"] = results["load_batches"]["frames_per_s"] / args.consumer_fps
+    return results
+
+
+def _print(r: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    e = r["extraction"]
+    table = Table(
+        title=f"features benchmark: {r['utterances']} utterances, {e['audio_seconds'] / 60:.1f} min of audio"
+    )
+    for col in ("measurement", "throughput", "detail"):
+        table.add_column(col)
+    table.add_row(
+        f"extraction ({r['workers']} workers)",
+        f"{e['x_real_time']:.0f}x real time",
+        f"{e['wall_seconds']:.2f} s wall, {e['frames']:,} frames, cache {e['cache_mb']:.1f} MB",
+    )
+    for key, name in (
+        ("load_raw", "cached load, raw slices"),
+        ("load_batches", "cached load, training batches"),
+    ):
+        x = r[key]
+        table.add_row(
+            name, f"{x['frames_per_s']:,.0f} frames/s", f"{x['utt_per_s']:,.0f} utterances/s"
+        )
+    table.add_row(
+        "load / assumed consumer",
+        f"{r['load_vs_consumer']:.0f}x",
+        f"assumes a tiny model trains at {r['assumed_consumer_fps']:,.0f} mel frames/s (not measured)",
+    )
+    Console().print(table)
+    print(
+        f"torch threads {torch.get_num_threads()}, cpu count {os.cpu_count()}; targets: extraction >= 300x real time, load >= 20x consumer"
+    )
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = _parse(list(argv or []))
+    results = run(args)
+    _print(results)
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=2, default=float) + "\n")
+
+
+if __name__ == "__main__":  # pragma: no cover
+    import sys
+
+    main(sys.argv[1:])
