@@ -50,6 +50,7 @@ SPLIT_MAIN, SPLIT_HELDOUT = "synth-clean", "synth-heldout"
 MIN_SECONDS, MAX_SECONDS = 2.0, 8.0
 TEST_SHARE = 0.2
 CHAPTERS_PER_SPEAKER = 2
+STALE_BUILD_SECONDS = 3600  # temporary build folders older than this belong to killed builds
 
 # eSpeak NG English accents (espeak-ng-data/lang/gmw) and human-sounding voice variants (voices/!v).
 ACCENTS = ("en", "en-us", "en-gb-x-rp", "en-029", "en-gb-scotland", "en-us-nyc",
@@ -379,6 +380,9 @@ def ensure_embedded_corpus(
     if _params_match(final, params):
         return final
     parent.mkdir(parents=True, exist_ok=True)
+    for stale in parent.glob(f".{final.name}.tmp-*"):  # left by a build that was killed
+        if time.time() - stale.stat().st_mtime > STALE_BUILD_SECONDS:
+            shutil.rmtree(stale, ignore_errors=True)
     log.info("building the built-in corpus into %s (first use)", final)
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=parent))
     try:

@@ -146,6 +146,35 @@ def test_short_utterances_are_used_whole(tiny_data_config):
             assert n == lengths[dm.datasets["train"].utt_ids.index(u)] < 1500
 
 
+def test_long_labelled_utterances_are_cropped_with_their_labels(tiny_data_config, tiny_corpus):
+    dm = LabelledDataModule(dataclasses.replace(tiny_data_config, labelled_max_frames=100))
+    dm.setup("fit")
+    labels = {}
+    for line in (tiny_corpus / "converted_aligned_phones.txt").read_text().splitlines():
+        utt, *rest = line.split()
+        labels[utt] = [int(x) for x in rest]
+    for batch in dm.test_dataloader():  # evaluation: the first window, deterministically
+        assert batch["features"].shape[1] == 100
+        for b, utt in enumerate(batch["utt_ids"]):
+            assert batch["phones"][b].tolist() == labels[utt][:100]
+    for batch in dm.train_dataloader():  # training: a random window, labels cut alike
+        assert batch["features"].shape[1] == 100 and batch["phones"].shape == (
+            len(batch["utt_ids"]),
+            100,
+        )
+        for b, utt in enumerate(batch["utt_ids"]):
+            window = batch["phones"][b].tolist()
+            full = labels[utt]
+            assert any(full[s : s + 100] == window for s in range(len(full) - 99))
+
+
+def test_loader_workers_reopen_the_memory_maps(tiny_data_config):
+    dm = PretrainDataModule(dataclasses.replace(tiny_data_config, num_workers=1))
+    dm.setup("fit")
+    ids = [u for batch in dm.train_dataloader() for u in batch["utt_ids"]]
+    assert sorted(ids) == sorted(dm.datasets["train"].utt_ids)
+
+
 def test_bucketing_reduces_padding():
     lengths = np.random.default_rng(0).integers(50, 1000, size=400)
     seq = SequentialSampler(range(400))
