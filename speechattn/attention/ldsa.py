@@ -11,7 +11,8 @@ supplement (seeds/000):
 
 Window positions outside [0, T) or on padded frames are excluded and the softmax is taken over
 the remaining ones (renormalised). The efficient path never forms a T x T matrix: c shifted
-multiply-adds over the zero-padded values, O(T c D) time and O(T (c h + D)) memory.
+multiply-adds over the zero-padded values (`LocalWeightedSum`, a small autograd function that
+accumulates in place in both directions), O(T c D) time and O(T (c h + D)) memory.
 """
 
 from __future__ import annotations
@@ -24,6 +25,36 @@ from torch import Tensor, nn
 
 from speechattn.attention.base import Attention, AttentionConfig, key_mask, masked_softmax
 from speechattn.attention.registry import register
+
+
+class LocalWeightedSum(torch.autograd.Function):
+    """out_t = sum_j w_{t,j} v_{t+j}: w (B, h, T, c), v (B, h, T + c - 1, d_k) -> (B, h, T, d_k).
+
+    Equivalent to c shifted multiply-adds under autograd, without the c zero-filled slice
+    gradients that autograd would allocate in the backward pass.
+    """
+
+    @staticmethod
+    def forward(ctx, w: Tensor, v: Tensor) -> Tensor:
+        T, c = w.shape[-2:]
+        out = w[..., 0, None] * v[:, :, :T]
+        for j in range(1, c):
+            out.addcmul_(w[..., j, None], v[:, :, j : j + T])
+        ctx.save_for_backward(w, v)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor | None, Tensor | None]:
+        w, v = ctx.saved_tensors
+        T, c = w.shape[-2:]
+        gw = gv = None
+        if ctx.needs_input_grad[0]:
+            gw = torch.stack([(grad * v[:, :, j : j + T]).sum(-1) for j in range(c)], dim=-1)
+        if ctx.needs_input_grad[1]:
+            gv = torch.zeros_like(v)
+            for j in range(c):
+                gv[:, :, j : j + T].addcmul_(w[..., j, None], grad)
+        return gw, gv
 
 
 @dataclass
@@ -73,13 +104,10 @@ class LDSAttention(Attention):
         return masked_softmax(logits, allowed[:, None])  # (B, h, T, c)
 
     def attend(self, x: Tensor, valid: Tensor) -> Tensor:
-        T, r = x.shape[1], self.context // 2
+        r = self.context // 2
         w = self.drop(self.window_weights(x, valid))  # (B, h, T, c)
         v = F.pad(self.split_heads(self.w3(x)), (0, 0, r, r))  # (B, h, T + 2r, d_k)
-        out = w[..., 0, None] * v[:, :, 0:T]
-        for j in range(1, self.context):
-            out = out + w[..., j, None] * v[:, :, j : j + T]  # (B, h, T, d_k)
-        return out
+        return LocalWeightedSum.apply(w, v)  # (B, h, T, d_k)
 
     def attend_dense(self, x: Tensor, valid: Tensor) -> tuple[Tensor, Tensor]:
         B, T, _ = x.shape

@@ -17,7 +17,10 @@ Tay et al., "Synthesizer: Rethinking Self-Attention in Transformer Models", ICML
 
 Rows are always normalised over the T valid keys only. T > max_len raises a ValueError.
 Dense synthesizers use SDPA: logits are the inner products of [ReLU(W_1 x_i), 1] with
-[W_2 row j, b_2 j], so the fused kernel never stores the T x T weights.
+[W_2 row j, b_2 j], so the fused kernel never stores the T x T weights. Random synthesizers use
+`TableAttention`, a row-chunked softmax(R) V that reads R straight from the parameter and
+recomputes the weights in the backward pass, so no (B, h, T, T) tensor is ever allocated
+(only the gradient of R itself, which has the parameter's size).
 """
 
 from __future__ import annotations
@@ -158,6 +161,110 @@ class SynDenseMHAttention(_SynthesizerBase):
         return self.drop(w) @ self.split_heads(self.v_proj(x)), w
 
 
+_CHUNK = 1 << 21  # elements of one (h, rows, T) block of weights in TableAttention
+
+
+def _window(r: Tensor, o: int, s: int, e: int, T: int) -> Tensor:
+    """Rows [o + s, o + e) and columns [o, o + T) of r (n, n), zero-padded past n: (e - s, T).
+
+    Only the "end" head of syn_fixed on a padded utterance reaches past n, and only at padded
+    rows and columns (masked keys, zeroed queries).
+    """
+    n = r.shape[-1]
+    w = r[o + s : min(o + e, n), o : min(o + T, n)]
+    return F.pad(w, (0, T - w.shape[1], 0, (e - s) - w.shape[0]))
+
+
+class TableAttention(torch.autograd.Function):
+    """Y = softmax(R sliced to T x T, over valid keys) V, in row chunks.
+
+    table (h, n, n) logits; offsets (G, h) int: head i of group g reads rows and columns
+    [o, o + T) with o = offsets[g, i]; G = 1 (one slice for the whole batch) or G = B (one per
+    utterance); v (B, h, T, d_k); kv (B, T) allowed keys. Returns (B, h, T, d_k).
+    The backward pass recomputes each chunk's weights; with G = 1 it writes the gradient of
+    each head's slice once instead of accumulating into a zero-filled copy of the table.
+    """
+
+    @staticmethod
+    def _groups(offsets: Tensor, B: int) -> list[tuple[slice, list[int]]]:
+        """[(batch slice, per-head offsets)]."""
+        offs = offsets.tolist()
+        return (
+            [(slice(0, B), offs[0])]
+            if len(offs) == 1
+            else [(slice(b, b + 1), o) for b, o in enumerate(offs)]
+        )
+
+    @staticmethod
+    def _probs(table: Tensor, offs: list[int], s: int, e: int, kv: Tensor) -> Tensor:
+        """(nb or 1, h, C, T) weights of rows [s, e)."""
+        T = kv.shape[-1]
+        if len(set(offs)) == 1 and offs[0] + T <= table.shape[-1]:
+            o = offs[0]
+            logits = table[None, :, o + s : o + e, o : o + T]  # (1, h, C, T), a view
+        else:
+            logits = torch.stack([_window(table[i], o, s, e, T) for i, o in enumerate(offs)])[None]
+        if bool(kv.all()):
+            return torch.softmax(logits, dim=-1)
+        return masked_softmax(logits, kv[:, None, None, :])
+
+    @staticmethod
+    def forward(ctx, table: Tensor, offsets: Tensor, v: Tensor, kv: Tensor) -> Tensor:
+        B, h, T, _ = v.shape
+        chunk = max(1, _CHUNK // (h * T))
+        out = v.new_empty(v.shape)
+        for bs, offs in TableAttention._groups(offsets, B):
+            for s in range(0, T, chunk):
+                e = min(s + chunk, T)
+                p = TableAttention._probs(table, offs, s, e, kv[bs])  # (nb | 1, h, C, T)
+                out[bs, :, s:e] = p @ v[bs]
+        ctx.save_for_backward(table, offsets, v, kv, out)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor | None, None, Tensor | None, None]:
+        table, offsets, v, kv, out = ctx.saved_tensors
+        B, h, T, d = v.shape
+        n = table.shape[-1]
+        chunk = max(1, _CHUNK // (h * T))
+        groups = TableAttention._groups(offsets, B)
+        write_once = len(groups) == 1  # each table entry receives one chunk's gradient
+        g_table = None
+        if ctx.needs_input_grad[0]:
+            g_table = table.new_empty(table.shape) if write_once else torch.zeros_like(table)
+        g_v = torch.zeros_like(v)
+        for bs, offs in groups:
+            vt = v[bs].transpose(-1, -2)  # (nb, h, d_k, T)
+            for s in range(0, T, chunk):
+                e = min(s + chunk, T)
+                p = TableAttention._probs(table, offs, s, e, kv[bs])  # (nb | 1, h, C, T)
+                go = grad[bs, :, s:e]  # (nb, h, C, d_k)
+                g_v[bs] += p.transpose(-1, -2) @ go
+                if g_table is None:
+                    continue
+                delta = (go * out[bs, :, s:e]).sum(-1, keepdim=True)  # (nb, h, C, 1)
+                g_p = (go @ vt).sub_(delta)  # dL/dp - delta, (nb, h, C, T)
+                g_logits = g_p.mul_(p)
+                g_logits = g_logits[0] if g_logits.shape[0] == 1 else g_logits.sum(0)  # (h, C, T)
+                for i, o in enumerate(offs):
+                    r, c = min(e, n - o), min(T, n - o)
+                    if r <= s:
+                        continue
+                    dst = g_table[i, o + s : o + r, o : o + c]
+                    if write_once:
+                        dst.copy_(g_logits[i, : r - s, :c])
+                    else:
+                        dst += g_logits[i, : r - s, :c]
+        if g_table is not None and write_once:
+            for i, o in enumerate(groups[0][1]):  # zero what no slice covered
+                c = min(T, n - o)
+                g_table[i, :o].zero_()
+                g_table[i, o + c :].zero_()
+                g_table[i, o : o + c, :o].zero_()
+                g_table[i, o : o + c, o + c :].zero_()
+        return g_table, None, g_v, None
+
+
 @dataclass
 class SynRandomConfig(AttentionConfig):
     max_len: int = 1024  # l_max; each head learns an l_max x l_max logit matrix
@@ -182,11 +289,21 @@ class SynRandomAttention(_SynthesizerBase):
         n = config.max_len
         self.logits = nn.Parameter(torch.randn(config.num_heads, n, n) / math.sqrt(n))  # R^i
 
+    def offsets(self, valid: Tensor) -> Tensor:
+        """(G, h) first row/column of each head's T x T slice of R; G = 1 or B."""
+        _check_len(self.name, valid.shape[1], self.max_len)
+        return torch.zeros(1, self.num_heads, dtype=torch.long)
+
     def sliced_logits(self, valid: Tensor) -> Tensor:
-        """R^i sliced to T x T: (1, h, T, T) (subclasses may return (B, h, T, T))."""
+        """R^i sliced to T x T at `offsets`: (G, h, T, T) with G = 1 or B."""
         T = valid.shape[1]
-        _check_len(self.name, T, self.max_len)
-        return self.logits[None, :, :T, :T]
+        offs = self.offsets(valid).tolist()
+        return torch.stack(
+            [
+                torch.stack([_window(self.logits[i], o, 0, T, T) for i, o in enumerate(r)])
+                for r in offs
+            ]
+        )
 
     def weights(self, valid: Tensor) -> Tensor:
         """softmax over the valid keys: (1 or B, h, T, T)."""
@@ -197,7 +314,9 @@ class SynRandomAttention(_SynthesizerBase):
 
     def attend(self, x: Tensor, valid: Tensor) -> Tensor:
         v = self.split_heads(self.v_proj(x))  # (B, h, T, d_k)
-        return self.drop(self.weights(valid)) @ v
+        if self.dropout and self.training:  # dropout needs the weights: unfused path
+            return self.drop(self.weights(valid)) @ v
+        return TableAttention.apply(self.logits, self.offsets(valid), v, key_mask(valid))
 
     def attend_dense(self, x: Tensor, valid: Tensor) -> tuple[Tensor, Tensor]:
         w = self.weights(valid).expand(x.shape[0], -1, -1, -1)  # (B, h, T, T)
@@ -233,19 +352,18 @@ class SynFixedAttention(SynRandomAttention):
             pat = patterns.fixed_patterns(config.max_len, config.context)[:n_pat]
             self.logits[:n_pat] = torch.log(pat + config.eps)
 
-    def sliced_logits(self, valid: Tensor) -> Tensor:
-        """(B, h, T, T): "start"/"end" heads aligned with each utterance's first/last valid frame."""
+    def offsets(self, valid: Tensor) -> Tensor:
+        """(G, h): the "end" head is read so that each utterance's last valid frame meets the
+        bottom-right corner of R; G = 1 when all utterances agree (e.g. B = 1), else B.
+
+        The other heads, "start" included, are read from the top-left corner: padding is at
+        the end (data contract), so frame 0 is the utterance's first valid frame.
+        """
         B, T = valid.shape
-        _check_len(self.name, T, self.max_len)
-        logits = self.logits[None, :, :T, :T]  # (1, h, T, T)
-        if len(self.pattern_names) < 6:
-            return logits
-        n, pos = self.max_len, torch.arange(T, device=valid.device)
-        first = torch.where(valid, pos, T).amin(-1) % T  # (B,), 0 when nothing is valid
-        last = torch.where(valid, pos, -1).amax(-1) % T  # (B,), T - 1 when nothing is valid
-        heads = list(logits.expand(B, -1, -1, -1).unbind(1))
-        for h, offset in ((5, -first), (6, n - 1 - last)):
-            if h < len(self.pattern_names):
-                idx = (pos[None] + offset[:, None]).clamp(0, n - 1)  # (B, T) rows/cols of R^h
-                heads[h] = self.logits[h][idx[:, :, None], idx[:, None, :]]  # (B, T, T)
-        return torch.stack(heads, dim=1)
+        offs = super().offsets(valid)
+        if len(self.pattern_names) < 7:
+            return offs
+        offs = offs.repeat(B, 1)  # (B, h)
+        last = torch.where(valid, torch.arange(T, device=valid.device), -1).amax(-1) % T
+        offs[:, 6] = (self.max_len - 1 - last).cpu()  # last valid frame -> row/col n - 1
+        return offs[:1] if bool((offs == offs[:1]).all()) else offs

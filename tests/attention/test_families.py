@@ -247,3 +247,23 @@ def test_fixed_patterns_rows():
     assert p.shape == (7, 6, 6)
     torch.testing.assert_close(p[3, 4], torch.tensor([0, 0, 0.5, 0.5, 0, 0]))
     assert p[1, 0].sum() == 0 and p[2, 5].sum() == 0  # no previous of the first frame etc.
+
+
+def test_syn_fixed_end_head_fast_path_matches_reference_with_padding():
+    torch.manual_seed(0)
+    attn = build("syn_fixed", DIM, 8, max_len=24).double()
+    with torch.no_grad():
+        attn.logits.add_(torch.randn_like(attn.logits))  # leave the initial patterns
+    x, pad = batch([20, 13, 20])
+    for xb, pb in ((x, pad), (x[1:2, :13], None)):  # per-utterance slices; one slice for B = 1
+        w = torch.randn(xb.shape, dtype=x.dtype)
+        grads = []
+        for fast in (True, False):
+            attn.zero_grad()
+            xi = xb.clone().requires_grad_(True)
+            y = attn(xi, pb) if fast else attn.dense_reference(xi, pb)[0]
+            (y * w).sum().backward()
+            grads.append((y.detach(), xi.grad, attn.logits.grad.clone()))
+        for a, b in zip(*grads):
+            torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(attn(x, pad)[1:2, :13], attn(x[1:2, :13]), rtol=1e-10, atol=1e-12)
