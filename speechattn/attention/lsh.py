@@ -30,6 +30,7 @@ the gathered keys O(T k D).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import ClassVar
@@ -50,7 +51,8 @@ from speechattn.attention.registry import register
 
 Transform = Callable[[Tensor, Tensor, Tensor], tuple[Tensor, Tensor]]
 _TINY = 1e-12
-_MATCH_CHUNK = 1 << 24  # elements of one (B h, chunk, T) block of match scores
+_MATCH_CHUNK = 1 << 21  # elements of one (B h, chunk, T) block of match scores
+_GATHER_CHUNK = 1 << 21  # elements of one (B h, chunk, k, d_k) block of gathered keys
 
 
 # ------------------------------------------------------------------ transforms Q(q), P(k)
@@ -115,28 +117,120 @@ def tie_break(rows: Tensor, T: int) -> Tensor:
     return 1 - rank.float() / (2 * T)
 
 
+def _group_size(T: int, k: int) -> int:
+    """Key group size S for the pruned top-k (minimises T / S + k S), 0 when not worth it."""
+    S = 1 << max(2, round(math.log2(math.sqrt(T / k))))
+    G = -(-T // S)
+    return S if k < G and G + k * S < T // 2 else 0
+
+
 def topk_by_match(cq: Tensor, ck: Tensor, kv: Tensor, k: int) -> Tensor:
     """Top-k keys per query by number of equal bits, ties to nearer then earlier keys.
 
     cq, ck (N, T, K) bool codes (N = B h), kv (N, T) allowed keys. Returns (N, T, min(k, T)).
-    One batched matmul of +-1 codes gives 2 match - K; the tie-break (in (0, 1]) is added
-    inside the same `baddbmm`, and disallowed keys get an extra -4 (K + 1) through an extra
-    code column, so each row needs a single top-k.
+
+    Composite score = (2 match - K) + tie-break in (0, 1], all values distinct in a row: one
+    batched matmul of +-1 codes, where an extra code column subtracts 4 (K + 1) from
+    disallowed keys (8 (K + 1) from the keys padding T to a multiple of S). Exact pruning for
+    long rows: the top-k lie in the k groups of S consecutive keys with the largest group
+    maxima (a group holding a top-k key has a maximum beaten by fewer than k keys), so each
+    row needs a top-k over T / S group maxima and over k S candidates instead of over T.
+    Rows are processed in chunks so the (N, chunk, T) scores stay small.
     """
     N, T, K = cq.shape
     kk = min(k, T)
-    dtype = torch.float32 if (K + 1) * 8 * T < (1 << 24) else torch.float64
-    sq = torch.cat([cq.to(dtype) * 2 - 1, torch.ones(N, T, 1, dtype=dtype, device=cq.device)], -1)
-    sk = torch.cat([ck.to(dtype) * 2 - 1, (~kv[..., None]).to(dtype) * (-4.0 * (K + 1))], -1)
-    skT = sk.transpose(1, 2)  # (N, K + 1, T)
-    chunk = max(1, _MATCH_CHUNK // max(1, N * T))
+    S = _group_size(T, kk)
+    G = -(-T // S) if S else 1
+    Tp = G * S if S else T
+    dtype = torch.float32 if 9 * (K + 1) * 2 * Tp < (1 << 24) else torch.float64
+    ones = torch.ones(N, T, 1, dtype=dtype, device=cq.device)
+    sq = torch.cat([cq.to(dtype) * 2 - 1, ones], dim=-1)  # (N, T, K + 1)
+    pen = (~kv[..., None]).to(dtype) * (-4.0 * (K + 1))  # (N, T, 1)
+    sk = torch.cat([ck.to(dtype) * 2 - 1, pen], dim=-1)  # (N, T, K + 1)
+    if Tp > T:
+        fake = torch.zeros(N, Tp - T, K + 1, dtype=dtype, device=cq.device)
+        fake[..., -1] = -8.0 * (K + 1)
+        sk = torch.cat([sk, fake], dim=1)  # (N, Tp, K + 1)
+    skT = sk.transpose(1, 2).contiguous()  # (N, K + 1, Tp)
+    chunk = max(1, _MATCH_CHUNK // max(1, N * Tp))
     out = []
     for s in range(0, T, chunk):
         rows = torch.arange(s, min(s + chunk, T), device=cq.device)
-        tb = tie_break(rows, T).to(dtype).expand(N, -1, -1)  # (N, C, T)
-        score = torch.baddbmm(tb, sq[:, s : s + chunk], skT)  # (N, C, T)
-        out.append(score.topk(kk, dim=-1, sorted=False).indices)
+        score = torch.bmm(sq[:, s : s + chunk], skT)  # (N, C, Tp)
+        score += tie_break(rows, Tp).to(dtype)
+        if not S:
+            out.append(score.topk(kk, dim=-1, sorted=False).indices)
+            continue
+        C = rows.numel()
+        blocks = score.view(N, C, G, S)
+        groups = blocks.amax(-1).topk(kk, dim=-1, sorted=False).indices  # (N, C, kk)
+        cand = blocks.gather(2, groups[..., None].expand(N, C, kk, S)).view(N, C, kk * S)
+        pick = cand.topk(kk, dim=-1, sorted=False).indices  # (N, C, kk) in the candidates
+        out.append(groups.gather(-1, pick // S) * S + pick % S)
     return torch.cat(out, dim=1)  # (N, T, kk)
+
+
+class GatheredAttention(torch.autograd.Function):
+    """Softmax attention of each query over its own selected keys, in query chunks.
+
+    q, k, v (N, T, d_k), idx (N, T, kk) selected key positions, allowed (N, T, kk) bool,
+    scale float. Scores q_i k_j * scale, with the self penalty where idx == i. Returns
+    (N, T, d_k). Gathered keys/values exist only one chunk at a time (forward and backward),
+    so memory is O(T kk) for the saved weights instead of O(T kk d_k).
+    """
+
+    @staticmethod
+    def _chunks(N: int, T: int, kk: int, d: int) -> range:
+        return range(0, T, max(1, _GATHER_CHUNK // max(1, N * kk * d)))
+
+    @staticmethod
+    def _gather(t: Tensor, flat: Tensor, shape: tuple[int, ...]) -> Tensor:
+        return t.reshape(-1, t.shape[-1]).index_select(0, flat.reshape(-1)).view(shape)
+
+    @staticmethod
+    def forward(
+        ctx, q: Tensor, k: Tensor, v: Tensor, idx: Tensor, allowed: Tensor, scale: float
+    ) -> Tensor:
+        N, T, d = q.shape
+        kk = idx.shape[-1]
+        flat = idx + torch.arange(N, device=q.device).view(N, 1, 1) * T  # rows of (N T, d)
+        bias = (idx == torch.arange(T, device=q.device)[:, None]).to(q.dtype) * SELF_PENALTY
+        out, probs = q.new_empty(q.shape), q.new_empty(idx.shape)
+        step = GatheredAttention._chunks(N, T, kk, d).step
+        for s in range(0, T, step):
+            e = min(s + step, T)
+            kg = GatheredAttention._gather(k, flat[:, s:e], (N, e - s, kk, d))
+            sc = (q[:, s:e, None, :] @ kg.transpose(-1, -2)).squeeze(-2) * scale + bias[:, s:e]
+            p = masked_softmax(sc, allowed[:, s:e])  # (N, C, kk)
+            probs[:, s:e] = p
+            vg = GatheredAttention._gather(v, flat[:, s:e], (N, e - s, kk, d))
+            out[:, s:e] = (p[..., None, :] @ vg).squeeze(-2)
+        ctx.scale = scale
+        ctx.save_for_backward(q, k, v, flat, probs, out)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, Tensor, Tensor, None, None, None]:
+        q, k, v, flat, probs, out = ctx.saved_tensors
+        N, T, d = q.shape
+        kk = flat.shape[-1]
+        g_q = torch.empty_like(q)
+        g_k = torch.zeros(N * T, d, dtype=q.dtype, device=q.device)
+        g_v = torch.zeros(N * T, d, dtype=q.dtype, device=q.device)
+        step = GatheredAttention._chunks(N, T, kk, d).step
+        for s in range(0, T, step):
+            e = min(s + step, T)
+            rows = flat[:, s:e].reshape(-1)
+            kg = GatheredAttention._gather(k, flat[:, s:e], (N, e - s, kk, d))
+            vg = GatheredAttention._gather(v, flat[:, s:e], (N, e - s, kk, d))
+            go, p = grad[:, s:e], probs[:, s:e]  # (N, C, d), (N, C, kk)
+            g_p = (go[..., None, :] @ vg.transpose(-1, -2)).squeeze(-2)  # (N, C, kk)
+            delta = (go * out[:, s:e]).sum(-1, keepdim=True)
+            g_s = p * (g_p - delta) * ctx.scale  # (N, C, kk)
+            g_q[:, s:e] = (g_s[..., None, :] @ kg).squeeze(-2)
+            g_k.index_add_(0, rows, (g_s[..., None] * q[:, s:e, None, :]).reshape(-1, d))
+            g_v.index_add_(0, rows, (p[..., None] * go[:, :, None, :]).reshape(-1, d))
+        return g_q, g_k.view(N, T, d), g_v.view(N, T, d), None, None, None
 
 
 @dataclass
@@ -213,14 +307,27 @@ class _LSHAttention(Attention):
         q, k, v = self._qkv(x)  # (B, h, T, d_k)
         B, h, T, d = q.shape
         idx = self.select(q, k, valid)  # (B, h, T, kk)
+        allowed = key_mask(valid).gather(1, idx.reshape(B, -1)).view(idx.shape)
+        if self.dropout and self.training:  # dropout needs the weights: unfused path
+            return self._attend_unfused(q, k, v, idx, allowed)
+        N = B * h
+        out = GatheredAttention.apply(
+            q.reshape(N, T, d), k.reshape(N, T, d), v.reshape(N, T, d),
+            idx.view(N, T, -1), allowed.view(N, T, -1), scale(d),
+        )  # fmt: skip
+        return out.view(B, h, T, d)
+
+    def _attend_unfused(
+        self, q: Tensor, k: Tensor, v: Tensor, idx: Tensor, allowed: Tensor
+    ) -> Tensor:
+        """GatheredAttention under plain autograd (keeps the gathered keys), with dropout."""
+        B, h, T, d = q.shape
         kk = idx.shape[-1]
-        offsets = torch.arange(B * h, device=x.device).view(B, h, 1, 1) * T
-        flat = (idx + offsets).reshape(-1)  # (B h T kk,) rows of the flattened keys
+        flat = (idx + torch.arange(B * h, device=q.device).view(B, h, 1, 1) * T).reshape(-1)
         kg = k.reshape(B * h * T, d).index_select(0, flat).view(B, h, T, kk, d)
         vg = v.reshape(B * h * T, d).index_select(0, flat).view(B, h, T, kk, d)
         s = (q.unsqueeze(-2) @ kg.transpose(-1, -2)).squeeze(-2) * scale(d)  # (B, h, T, kk)
-        s = s + (idx == torch.arange(T, device=x.device)[:, None]).to(s.dtype) * SELF_PENALTY
-        allowed = key_mask(valid).gather(1, idx.reshape(B, -1)).view(B, h, T, kk)
+        s = s + (idx == torch.arange(T, device=q.device)[:, None]).to(s.dtype) * SELF_PENALTY
         probs = self.drop(masked_softmax(s, allowed))  # (B, h, T, kk)
         return (probs.unsqueeze(-2) @ vg).squeeze(-2)  # (B, h, T, d_k)
 

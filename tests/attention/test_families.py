@@ -267,3 +267,31 @@ def test_syn_fixed_end_head_fast_path_matches_reference_with_padding():
         for a, b in zip(*grads):
             torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
     torch.testing.assert_close(attn(x, pad)[1:2, :13], attn(x[1:2, :13]), rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize(("T", "k"), [(300, 4), (257, 9), (64, 32)])
+def test_pruned_topk_equals_exact_sort(T, k):
+    g = torch.Generator().manual_seed(T)
+    cq = torch.rand(3, T, 6, generator=g) > 0.5  # few bits: many ties, tie-break matters
+    ck = torch.rand(3, T, 6, generator=g) > 0.5
+    kv = torch.rand(3, T, generator=g) > 0.3
+    kv[2, 5:] = False  # fewer valid keys than k for one row
+    got = torch.zeros(3, T, T, dtype=torch.bool).scatter(-1, lsh.topk_by_match(cq, ck, kv, k), True)
+    match = (cq[:, :, None] == ck[:, None]).sum(-1)
+    i = torch.arange(T)
+    rank = 2 * (i[:, None] - i[None]).abs() + (i[None] > i[:, None]).long()
+    key = match * 4 * T - rank - (~kv)[:, None, :] * 4 * T * 10
+    want = torch.zeros_like(got).scatter(-1, key.argsort(-1, descending=True)[..., :k], True)
+    assert torch.equal(got, want)
+
+
+def test_gathered_attention_gradcheck():
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (
+        torch.randn(2, 7, 3, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(3)
+    )
+    idx = torch.stack([torch.randperm(7, generator=g)[:4] for _ in range(14)]).view(2, 7, 4)
+    allowed = torch.rand(2, 7, 4, generator=g) > 0.2
+    assert torch.autograd.gradcheck(
+        lambda *t: lsh.GatheredAttention.apply(*t, idx, allowed, 0.5), (q, k, v)
+    )
