@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F_
 from torch import Tensor, nn
 
-from speechattn.model.features import stack_frames, stacked_lengths
+from speechattn.data.features import stack_frames
 
 
 def sinusoidal_positions(length: int, dim: int, device=None, dtype=None) -> Tensor:
@@ -307,7 +307,7 @@ class AALBERT(nn.Module):
 
     def output_lengths(self, lengths: Tensor) -> Tensor:
         """10 ms frame counts -> model frame counts: ceil(T / stack)."""
-        return stacked_lengths(lengths, self.config.stack)
+        return torch.div(lengths + self.config.stack - 1, self.config.stack, rounding_mode="floor")
 
     def embed_and_encode(
         self, stacked: Tensor, lengths: Tensor, head_mask: Tensor | None = None

@@ -6,7 +6,7 @@
       "format": "speechattn-upstream", "version": 1,
       "model_config": ModelConfig as a dict (attention name and options included),
       "state_dict":   AALBERT weights (encoder and reconstruction head),
-      "normalizer":   {"mean": (F,), "std": (F,)} training-split statistics,
+      "normalizer":   {"mean": (F,), "std": (F,), "mode": str} (data layer `Normalizer` state),
       "feature_config": the data layer's feature settings (mel bins, window, hop, ...),
       "metadata":     pretraining facts: steps, corpus, seed, code version, losses, ...
     }
@@ -28,6 +28,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from speechattn.data.features import FeatureConfig, Normalizer, log_mel_batch
 from speechattn.model.aalbert import AALBERT, ModelConfig
 
 UPSTREAM_FORMAT = "speechattn-upstream"
@@ -45,15 +46,15 @@ class Upstream(nn.Module):
     def __init__(
         self,
         model: AALBERT,
-        mean: Tensor,
-        std: Tensor,
+        normalizer: Normalizer,
         feature_config: dict[str, Any],
         metadata: dict[str, Any],
     ) -> None:
         super().__init__()
         self.model = model
-        self.register_buffer("mean", mean.detach().clone().float())  # (F,)
-        self.register_buffer("std", std.detach().clone().float())  # (F,)
+        self.normalizer = normalizer  # training-split statistics, applied to raw log-mel
+        self.register_buffer("mean", normalizer.mean.detach().clone().float())  # (F,)
+        self.register_buffer("std", normalizer.std.detach().clone().float())  # (F,)
         self.feature_config = dict(feature_config)
         self.metadata = dict(metadata)
         c = model.config
@@ -81,21 +82,15 @@ class Upstream(nn.Module):
         return self.model.output_lengths(lengths)
 
     def normalize(self, features: Tensor, lengths: Tensor | None = None) -> Tensor:
-        """Raw log-mel (B, T, F) -> normalised with the pretraining statistics; padding stays 0."""
-        out = (features - self.mean) / self.std
-        if lengths is not None:
-            valid = torch.arange(out.shape[1], device=out.device)[None, :] < lengths[:, None]
-            out = out * valid[..., None].to(out.dtype)
-        return out
+        """Raw log-mel (B, T, F) -> normalised as during pretraining; padding stays 0."""
+        return self.normalizer(features, lengths)
 
     def features_from_waveforms(self, wavs: Tensor, lengths: Tensor) -> tuple[Tensor, Tensor]:
         """16 kHz waveforms (B, S) zero-padded, sample counts (B,) -> normalised features
-        (B, T, F) and frame counts (B,), computed exactly as during pretraining."""
-        from speechattn.data.features import FeatureConfig, log_mel_batch
-
+        (B, T, F) and frame counts (B,), computed exactly as the data layer does."""
         config = FeatureConfig(**self.feature_config)
         feats, frame_lengths = log_mel_batch(wavs, lengths, config)
-        return self.normalize(feats.to(self.mean.device), frame_lengths), frame_lengths
+        return self.normalize(feats, frame_lengths), frame_lengths
 
     def attention_weights(
         self, features: Tensor, lengths: Tensor, layer: int, head_mask: Tensor | None = None
@@ -107,18 +102,22 @@ class Upstream(nn.Module):
 
 def upstream_state(
     model: AALBERT,
-    mean: Tensor,
-    std: Tensor,
+    normalizer: Normalizer,
     feature_config: dict[str, Any],
     metadata: dict[str, Any],
 ) -> dict[str, Any]:
     """The dictionary stored in `upstream.pt` (tensors on CPU, plain values only)."""
+    norm = normalizer.state_dict()
     return {
         "format": UPSTREAM_FORMAT,
         "version": UPSTREAM_VERSION,
         "model_config": model.config.to_dict(),
         "state_dict": {k: v.detach().cpu().clone() for k, v in model.state_dict().items()},
-        "normalizer": {"mean": mean.detach().cpu().float(), "std": std.detach().cpu().float()},
+        "normalizer": {
+            "mean": norm["mean"].cpu().float(),
+            "std": norm["std"].cpu().float(),
+            "mode": str(norm["mode"]),
+        },
         "feature_config": dict(feature_config),
         "metadata": dict(metadata),
     }
@@ -132,6 +131,9 @@ def save_upstream(path: str | Path, state: dict[str, Any]) -> Path:
     try:
         with os.fdopen(fd, "wb") as f:
             torch.save(state, f)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)  # mkstemp creates 0600; give it normal file permissions
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
@@ -182,8 +184,9 @@ def load_upstream(path: str | Path, map_location: str | torch.device = "cpu") ->
         model.load_state_dict(state["state_dict"])
     except Exception as e:  # unknown attention name, shape mismatch, unexpected keys
         raise UpstreamFileError(f"{path}: cannot rebuild the model: {type(e).__name__}: {e}") from e
-    norm = state["normalizer"]
-    upstream = Upstream(
-        model, norm["mean"], norm["std"], state["feature_config"], state["metadata"]
-    )
+    try:
+        normalizer = Normalizer.from_state_dict(state["normalizer"])
+    except Exception as e:
+        raise UpstreamFileError(f"{path}: bad normalizer statistics: {e}") from e
+    upstream = Upstream(model, normalizer, state["feature_config"], state["metadata"])
     return upstream.to(map_location).eval()

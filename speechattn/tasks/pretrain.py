@@ -17,7 +17,7 @@ from __future__ import annotations
 import hashlib
 import time
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -25,8 +25,9 @@ from typing import Any
 import lightning as L
 import torch
 from torch import Tensor
-from torch.utils.data import Sampler
+from torch.utils.data import Dataset, Sampler
 
+from speechattn.data.features import Normalizer
 from speechattn.model.aalbert import AALBERT, ModelConfig
 from speechattn.model.masking import MaskingConfig, mask_frames, masked_l1
 from speechattn.model.upstream import save_upstream, upstream_state
@@ -74,14 +75,19 @@ def derive_seed(*parts: int | str) -> int:
 # ----------------------------------------------------------------------------- data order
 
 
-class StepBatchSampler(Sampler[list[int]]):
+class StepBatchSampler(Sampler[list[tuple[int, int]]]):
     """Batches of a whole run, each a pure function of (seed, batch number, rank).
 
     The index stream is the concatenation of seeded permutations of the dataset, one per
-    pass; global batch i takes stream items [i*G, (i+1)*G) with G = batch_size * world_size,
-    and rank r takes its slice of those. Iteration starts at `start`, the number of batches
-    already consumed (set from the checkpoint when resuming), so no state needs saving. The
-    length is the whole run, which keeps Lightning's epoch bookkeeping consistent on resume.
+    pass. With `lengths`, every pool of `bucket_size` consecutive global batches is sorted by
+    length, cut into batches and put in a seeded random order (less padding, same items).
+    Global batch i has G = batch_size * world_size items and rank r takes its r-th slice.
+
+    Iteration starts at `start`, the number of batches already consumed (from the checkpoint
+    when resuming), so the sampler needs no saved state. The length is the whole run, which
+    keeps Lightning's epoch bookkeeping consistent on resume. Each yielded key is
+    (item seed, dataset index): `SeededItems` seeds random crops with it, so even the crops
+    do not depend on how far the loader had prefetched when a run was killed.
     """
 
     def __init__(
@@ -93,13 +99,18 @@ class StepBatchSampler(Sampler[list[int]]):
         rank: int = 0,
         world_size: int = 1,
         start: int = 0,
+        lengths: Sequence[int] | None = None,
+        bucket_size: int = 1,
     ) -> None:
         if num_items < 1:
             raise ValueError("cannot sample batches from an empty training split")
-        if batch_size < 1 or total_batches < 0:
+        if batch_size < 1 or total_batches < 0 or bucket_size < 1:
             raise ValueError(
-                f"need batch_size >= 1 and total_batches >= 0, got {batch_size}, {total_batches}"
+                f"need batch_size, bucket_size >= 1 and total_batches >= 0, "
+                f"got {batch_size}, {bucket_size}, {total_batches}"
             )
+        if lengths is not None and len(lengths) != num_items:
+            raise ValueError(f"{len(lengths)} lengths for {num_items} items")
         self.num_items = num_items
         self.batch_size = batch_size
         self.total_batches = total_batches
@@ -107,31 +118,66 @@ class StepBatchSampler(Sampler[list[int]]):
         self.rank = rank
         self.world_size = world_size
         self.start = start
-        self._perms: dict[int, Tensor] = {}
+        self.lengths = None if lengths is None else [int(n) for n in lengths]
+        self.bucket_size = bucket_size if lengths is not None else 1
+        self._perm: tuple[int, list[int]] = (-1, [])
+        self._pool: tuple[int, list[list[int]]] = (-1, [])
 
-    def _permutation(self, epoch: int) -> Tensor:
-        if epoch not in self._perms:
-            if len(self._perms) > 2:
-                self._perms.clear()
+    def _item(self, position: int) -> int:
+        """Dataset index at `position` of the stream of seeded permutations."""
+        epoch = position // self.num_items
+        if self._perm[0] != epoch:
             g = torch.Generator().manual_seed(derive_seed(self.seed, "data-order", epoch))
-            self._perms[epoch] = torch.randperm(self.num_items, generator=g)
-        return self._perms[epoch]
+            self._perm = (epoch, torch.randperm(self.num_items, generator=g).tolist())
+        return self._perm[1][position % self.num_items]
+
+    def _global_batches(self, pool: int) -> list[list[int]]:
+        """The `bucket_size` global batches of one pool, as stream positions."""
+        if self._pool[0] != pool:
+            G, P = self.batch_size * self.world_size, self.bucket_size
+            positions = list(range(pool * P * G, (pool + 1) * P * G))
+            if self.lengths is not None and P > 1:
+                lengths = self.lengths
+                positions.sort(key=lambda q: (lengths[self._item(q)], q))
+            batches = [positions[k * G : (k + 1) * G] for k in range(P)]
+            if P > 1:
+                g = torch.Generator().manual_seed(derive_seed(self.seed, "bucket-order", pool))
+                batches = [batches[j] for j in torch.randperm(P, generator=g).tolist()]
+            self._pool = (pool, batches)
+        return self._pool[1]
+
+    def positions(self, i: int) -> list[int]:
+        """Stream positions of this rank's share of global batch i."""
+        batch = self._global_batches(i // self.bucket_size)[i % self.bucket_size]
+        return batch[self.rank * self.batch_size : (self.rank + 1) * self.batch_size]
 
     def batch(self, i: int) -> list[int]:
         """Dataset indices of this rank's share of global batch i."""
-        G = self.batch_size * self.world_size
-        first = i * G + self.rank * self.batch_size
-        out = []
-        for p in range(first, first + self.batch_size):
-            out.append(int(self._permutation(p // self.num_items)[p % self.num_items]))
-        return out
+        return [self._item(q) for q in self.positions(i)]
 
-    def __iter__(self) -> Iterator[list[int]]:
+    def __iter__(self) -> Iterator[list[tuple[int, int]]]:
         for i in range(self.start, self.total_batches):
-            yield self.batch(i)
+            yield [(derive_seed(self.seed, "item", q), self._item(q)) for q in self.positions(i)]
 
     def __len__(self) -> int:
         return self.total_batches
+
+
+class SeededItems(Dataset):
+    """`dataset[(seed, index)]` -> `dataset[index]` with the global RNG seeded for that item
+    (the data layer's random crops draw from it) and restored afterwards."""
+
+    def __init__(self, dataset: Dataset) -> None:
+        self.dataset = dataset
+
+    def __len__(self) -> int:
+        return len(self.dataset)  # type: ignore[arg-type]
+
+    def __getitem__(self, key: tuple[int, int]) -> Any:
+        seed, index = key
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            return self.dataset[index]
 
 
 # ----------------------------------------------------------------------------- faults
@@ -184,17 +230,14 @@ class PretrainTask(L.LightningModule):
     # ------------------------------------------------------------------ data info
     def set_data_info(
         self,
-        mean: Tensor | None = None,
-        std: Tensor | None = None,
+        normalizer: Normalizer | None = None,
         feature_config: dict[str, Any] | None = None,
         **extra: Any,
     ) -> None:
-        """Record what `upstream.pt` needs from the data layer: normaliser statistics (F,),
-        feature settings, and facts for the metadata (corpus, data config, ...)."""
-        if mean is not None:
-            self.data_info["mean"] = mean.detach().cpu().float()
-        if std is not None:
-            self.data_info["std"] = std.detach().cpu().float()
+        """Record what `upstream.pt` needs from the data layer: the training-split normaliser,
+        the feature settings, and facts for the metadata (corpus, data config, ...)."""
+        if normalizer is not None:
+            self.data_info["normalizer"] = normalizer.state_dict()
         if feature_config is not None:
             self.data_info["feature_config"] = dict(feature_config)
         self.data_info.update(extra)
@@ -204,7 +247,7 @@ class PretrainTask(L.LightningModule):
         dm = self.trainer.datamodule if self._trainer is not None else None
         norm = getattr(dm, "normalizer", None) if dm is not None else None
         if norm is not None:
-            self.set_data_info(mean=norm.mean, std=norm.std)
+            self.set_data_info(normalizer=norm)
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         checkpoint["speechattn_data"] = self.data_info
@@ -349,11 +392,15 @@ class PretrainTask(L.LightningModule):
 
     def export_upstream(self, path: str | Path, extra: dict[str, Any] | None = None) -> Path:
         """Write `upstream.pt` for the current weights."""
-        F = self.model_config.feature_dim
+        norm = self.data_info.get("normalizer")
+        normalizer = (
+            Normalizer.from_state_dict(norm)
+            if norm is not None
+            else Normalizer.identity(self.model_config.feature_dim)  # data given pre-normalised
+        )
         state = upstream_state(
             self.model,
-            self.data_info.get("mean", torch.zeros(F)),  # no normaliser: features used as-is
-            self.data_info.get("std", torch.ones(F)),
+            normalizer,
             self.data_info.get("feature_config", {}),
             {**self.upstream_metadata(), **(extra or {})},
         )
@@ -377,6 +424,7 @@ __all__ = [
     "NonFiniteWarning",
     "OptimConfig",
     "PretrainTask",
+    "SeededItems",
     "StepBatchSampler",
     "derive_seed",
     "export_upstream",

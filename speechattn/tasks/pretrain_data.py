@@ -13,17 +13,22 @@ from typing import Any
 import lightning as L
 from torch.utils.data import DataLoader
 
-from speechattn.tasks.pretrain import StepBatchSampler
+from speechattn.tasks.pretrain import SeededItems, StepBatchSampler
 
 
 class ResumableData(L.LightningDataModule):
     def __init__(
-        self, inner: L.LightningDataModule, seed: int, batch_size: int | None = None
+        self,
+        inner: L.LightningDataModule,
+        seed: int,
+        batch_size: int | None = None,
+        bucket_size: int | None = None,
     ) -> None:
         super().__init__()
         self.inner = inner
         self.seed = seed
-        self.batch_size = batch_size
+        self.batch_size = batch_size  # None: the wrapped loader's
+        self.bucket_size = bucket_size  # None: the wrapped batch sampler's, else 1
         self.sampler: StepBatchSampler | None = None
 
     @property
@@ -53,8 +58,11 @@ class ResumableData(L.LightningDataModule):
             batch_size = getattr(loader.batch_sampler, "batch_size", None)
         if batch_size is None:
             raise ValueError("cannot tell the training batch size; set data.batch_size")
+        dataset = loader.dataset
+        lengths = getattr(dataset, "lengths", None)  # frames per item: enables length buckets
+        bucket = self.bucket_size or getattr(loader.batch_sampler, "bucket_size", None) or 1
         self.sampler = StepBatchSampler(
-            num_items=len(loader.dataset),  # type: ignore[arg-type]
+            num_items=len(dataset),  # type: ignore[arg-type]
             batch_size=int(batch_size),
             total_batches=trainer.max_steps * accumulate,
             seed=self.seed,
@@ -62,9 +70,11 @@ class ResumableData(L.LightningDataModule):
             world_size=trainer.world_size,
             # a checkpoint is written after an optimizer step: the batches before it are done
             start=trainer.global_step * accumulate,
+            lengths=lengths,
+            bucket_size=int(bucket),
         )
         return DataLoader(
-            loader.dataset,
+            SeededItems(dataset),
             batch_sampler=self.sampler,
             collate_fn=loader.collate_fn,
             num_workers=loader.num_workers,

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import speechattn
+from speechattn.data.features import FeatureConfig, Normalizer
 from speechattn.model import UpstreamFileError, aalbert, load_upstream
 from speechattn.model.upstream import save_upstream, upstream_state
 
@@ -15,9 +16,8 @@ def saved(tmp_path):
     model = aalbert(feature_dim=8, dim=32, num_layers=2, num_heads=4, ffn_dim=64, attention="ldsa")
     mean, std = torch.randn(8), torch.rand(8) + 0.5
     meta = {"steps": 12, "corpus": "embedded", "seed": 3, "code_version": speechattn.code_version()}
-    path = save_upstream(
-        tmp_path / "upstream.pt", upstream_state(model, mean, std, {"n_mels": 8}, meta)
-    )
+    state = upstream_state(model, Normalizer(mean, std), FeatureConfig(n_mels=8).to_dict(), meta)
+    path = save_upstream(tmp_path / "upstream.pt", state)
     return model.eval(), path, mean, std
 
 
@@ -79,3 +79,20 @@ def test_wrong_version_and_incomplete(saved, tmp_path):
     torch.save(state, tmp_path / "partial.pt")
     with pytest.raises(UpstreamFileError, match="normalizer"):
         load_upstream(tmp_path / "partial.pt")
+
+
+def test_features_from_waveforms_match_the_data_layer(saved):
+    _, path, mean, std = saved
+    from speechattn.data.features import log_mel_batch
+
+    up = load_upstream(path)
+    t = torch.arange(8000) / 16000
+    wavs = torch.stack([torch.sin(2 * torch.pi * 440 * t), 0.1 * torch.randn(8000)])
+    wavs[1, 5000:] = 0
+    lengths = torch.tensor([8000, 5000])
+    feats, frames = up.features_from_waveforms(wavs, lengths)
+    raw, raw_frames = log_mel_batch(wavs, lengths, FeatureConfig(n_mels=8))
+    assert frames.tolist() == raw_frames.tolist() == [48, 29]
+    torch.testing.assert_close(feats[0], (raw[0] - mean) / std)
+    assert (feats[1, 29:] == 0).all()
+    assert len(up(feats, frames)) == 3

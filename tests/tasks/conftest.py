@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from pathlib import Path
-from types import SimpleNamespace
 
 import lightning as L
 import pytest
@@ -13,6 +12,7 @@ from omegaconf import DictConfig, open_dict
 from torch.utils.data import DataLoader, Dataset
 
 from speechattn import CONFIG_DIR
+from speechattn.data.features import Normalizer
 
 
 def compose_pretrain(output_dir: Path, *overrides: str) -> DictConfig:
@@ -106,9 +106,7 @@ class SyntheticPretrainData(L.LightningDataModule):
         self.batch_size = batch_size
         self.train = SyntheticSpeech(n_train, feature_dim, seed=0, short_every=16)
         self.val = SyntheticSpeech(n_val, feature_dim, seed=1)
-        self.normalizer = SimpleNamespace(
-            mean=torch.zeros(feature_dim), std=torch.ones(feature_dim)
-        )
+        self.normalizer = Normalizer(torch.zeros(feature_dim), torch.ones(feature_dim))
 
     def train_dataloader(self) -> DataLoader:
         return DataLoader(self.train, batch_size=self.batch_size, shuffle=True, collate_fn=collate)

@@ -15,6 +15,7 @@ from speechattn.tasks.pretrain import (
     NonFiniteLossError,
     NonFiniteWarning,
     PretrainTask,
+    SeededItems,
     StepBatchSampler,
     export_upstream,
     lr_factor,
@@ -160,18 +161,52 @@ def test_too_many_nonfinite_steps_in_a_row_abort_with_a_clear_message(tmp_path, 
 
 
 def test_step_sampler_is_a_function_of_seed_and_batch_number():
-    full = list(StepBatchSampler(10, 3, total_batches=9, seed=1))
-    resumed = list(StepBatchSampler(10, 3, total_batches=9, seed=1, start=4))
-    assert resumed == full[4:]
+    def batches(**kw):
+        sampler = StepBatchSampler(
+            **{"num_items": 10, "batch_size": 3, "total_batches": 9, "seed": 1, **kw}
+        )
+        return [sampler.batch(i) for i in range(kw.get("start", 0), 9)], list(sampler)
+
+    full, keys = batches()
+    resumed, resumed_keys = batches(start=4)
+    assert resumed == full[4:] and resumed_keys == keys[4:]
+    assert [[i for _, i in b] for b in keys] == full
     stream = [i for b in full for i in b]
     assert sorted(stream[:10]) == list(range(10)) and sorted(stream[10:20]) == list(range(10))
-    assert full != list(StepBatchSampler(10, 3, total_batches=9, seed=2))
-    ranks = [
-        list(StepBatchSampler(12, 2, total_batches=9, seed=1, rank=r, world_size=2)) for r in (0, 1)
-    ]
-    for i in range(9):
-        assert not set(ranks[0][i]) & set(ranks[1][i]), "ranks see disjoint halves of a batch"
+    assert full != batches(seed=2)[0]
+    ranks = [batches(num_items=12, batch_size=2, rank=r, world_size=2)[0] for r in (0, 1)]
+    for a, b in zip(*ranks):
+        assert not set(a) & set(b), "ranks see disjoint halves of a batch"
     assert len(StepBatchSampler(10, 3, total_batches=9, seed=1, start=4)) == 9
+
+
+def test_length_buckets_group_similar_lengths_without_changing_the_items():
+    lengths = list(range(100))
+    plain = StepBatchSampler(100, 4, total_batches=25, seed=0)
+    bucketed = StepBatchSampler(100, 4, total_batches=25, seed=0, lengths=lengths, bucket_size=5)
+    for pool in range(5):  # a pool of 5 batches holds the same items, sorted into batches
+        ids = range(pool * 5, pool * 5 + 5)
+        assert sorted(i for k in ids for i in plain.batch(k)) == sorted(
+            i for k in ids for i in bucketed.batch(k)
+        )
+    spread = sum(max(bucketed.batch(k)) - min(bucketed.batch(k)) for k in range(25))
+    spread_plain = sum(max(plain.batch(k)) - min(plain.batch(k)) for k in range(25))
+    assert spread < spread_plain / 3
+
+
+def test_seeded_items_make_random_crops_reproducible():
+    class RandomCrop(torch.utils.data.Dataset):
+        def __len__(self):
+            return 3
+
+        def __getitem__(self, i):
+            return int(torch.randint(0, 1000, ()))
+
+    items = SeededItems(RandomCrop())
+    torch.manual_seed(0)
+    a = [items[(7, 1)], items[(8, 1)]]
+    torch.manual_seed(1)  # the global RNG state does not matter
+    assert [items[(7, 1)], items[(8, 1)]] == a
 
 
 def test_lr_schedule_warms_up_then_decays_linearly():
