@@ -18,20 +18,23 @@ from speechattn.data.features import (
     stack_frames,
 )
 from speechattn.data.librispeech import Utterance, find_splits, scan_split
-from speechattn.data.synth import build_corpus, ensure_embedded_corpus
 
+# Imported on first use: Lightning is slow to import, and `python -m speechattn.data.synth`
+# must not find its own module already imported by the package.
 _LAZY = {
-    "LabelledDataModule",
-    "PretrainDataModule",
-    "resolve_root",
-}  # import Lightning on first use
+    "LabelledDataModule": "speechattn.data.datamodules",
+    "PretrainDataModule": "speechattn.data.datamodules",
+    "resolve_root": "speechattn.data.datamodules",
+    "build_corpus": "speechattn.data.synth",
+    "ensure_embedded_corpus": "speechattn.data.synth",
+}
 
 
 def __getattr__(name: str):
     if name in _LAZY:
-        from speechattn.data import datamodules
+        import importlib
 
-        return getattr(datamodules, name)
+        return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module 'speechattn.data' has no attribute {name!r}")
 
 

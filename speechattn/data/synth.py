@@ -43,13 +43,15 @@ from speechattn.data.phones import PHONE_SET, phone_id
 
 log = logging.getLogger(__name__)
 
-GENERATOR_VERSION = 1  # bump whenever the output changes: cached corpora then rebuild
+GENERATOR_VERSION = 2  # bump whenever the output changes: cached corpora then rebuild
 SAMPLE_RATE = 16000
 WIN, HOP = 400, 160  # 25 ms / 10 ms at 16 kHz (Kaldi snip-edges framing)
 SPLIT_MAIN, SPLIT_HELDOUT = "synth-clean", "synth-heldout"
 MIN_SECONDS, MAX_SECONDS = 2.0, 8.0
 TEST_SHARE = 0.2
 CHAPTERS_PER_SPEAKER = 2
+# per-utterance variation of the channel (so utterance statistics alone do not give the speaker)
+UTT_TILT_JITTER, UTT_EQ_DB, UTT_GAIN_DB, UTT_SNR_DB = 0.15, 4.0, 4.0, 5.0
 STALE_BUILD_SECONDS = 3600  # temporary build folders older than this belong to killed builds
 
 # eSpeak NG English accents (espeak-ng-data/lang/gmw) and human-sounding voice variants (voices/!v).
@@ -139,6 +141,23 @@ def frame_labels(starts: np.ndarray, classes: np.ndarray, num_samples: int) -> n
     return np.where(idx >= 0, classes[np.clip(idx, 0, None)], 0).astype(np.int64)
 
 
+def random_eq(
+    audio: np.ndarray, rng: np.random.Generator, depth_db: float, taps: int = 64
+) -> np.ndarray:
+    """Colour `audio` with a random smooth EQ: gains of +-`depth_db` at 6 log-spaced
+    frequencies, interpolated, applied as a linear-phase FIR (length preserved)."""
+    if depth_db <= 0:
+        return audio
+    freqs = np.fft.rfftfreq(taps, 1 / SAMPLE_RATE)  # (taps/2 + 1,)
+    anchors = np.geomspace(100, SAMPLE_RATE / 2, 6)
+    gains_db = np.interp(
+        np.log(np.maximum(freqs, 50)), np.log(anchors), rng.uniform(-depth_db, depth_db, 6)
+    )
+    h = np.fft.irfft(10 ** (gains_db / 20), taps)  # zero-phase impulse response
+    h = np.roll(h, taps // 2) * np.hanning(taps)  # causal, windowed: linear phase
+    return np.convolve(audio, h.astype(np.float32), mode="same").astype(np.float32)
+
+
 _RESAMPLER = None
 
 
@@ -191,13 +210,15 @@ def _synth_one(job: _Job) -> dict:
             f"{utt_id}: could not synthesise a {MIN_SECONDS}-{MAX_SECONDS} s utterance"
         )
 
-    # channel: spectral tilt and gain, then noise at the utterance's SNR
-    speech = speech + spk.tilt * np.concatenate([[0.0], speech[:-1]]).astype(np.float32)
+    # channel: the speaker's tilt (jittered), a random per-utterance EQ and gain, then noise
+    tilt = spk.tilt + rng.uniform(-UTT_TILT_JITTER, UTT_TILT_JITTER)
+    speech = speech + tilt * np.concatenate([[0.0], speech[:-1]]).astype(np.float32)
+    speech = random_eq(speech, rng, UTT_EQ_DB)
     audio = np.zeros(n, np.float32)
     audio[lead : lead + len(speech)] = speech
-    audio *= 10 ** ((spk.gain_db + rng.uniform(-1.5, 1.5)) / 20)
+    audio *= 10 ** ((spk.gain_db + rng.uniform(-UTT_GAIN_DB, UTT_GAIN_DB)) / 20)
     rms = float(np.sqrt(np.mean(audio[lead : lead + len(speech)] ** 2) + 1e-12))
-    snr = spk.snr_db + rng.uniform(-3.0, 3.0)
+    snr = spk.snr_db + rng.uniform(-UTT_SNR_DB, UTT_SNR_DB)
     audio += rng.standard_normal(n).astype(np.float32) * rms * 10 ** (-snr / 20)
     audio = np.clip(audio, -1.0, 1.0 - 1 / 32768)
 
