@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from speechattn.attention import available
+from speechattn.data.features import Normalizer
 from speechattn.model import MaskingConfig, aalbert
 from speechattn.model.upstream import Upstream
 from speechattn.tasks.downstream import DownstreamProbe, TaskConfig
@@ -260,7 +261,7 @@ def test_recomputed_pruning_reaches_the_end_too() -> None:
 
 def probe_setup(level: str = "utterance", hidden_layers: int = 0, layers=(2,)):
     model = tiny()
-    upstream = Upstream(model, torch.zeros(F), torch.ones(F), {}, {}).double().eval()
+    upstream = Upstream(model, Normalizer(torch.zeros(F), torch.ones(F)), {}, {}).double().eval()
     target = "speaker"
     name = "speaker_utterance" if level == "utterance" else "speaker_frame"
     task = TaskConfig(name=name, target=target, level=level, hidden_layers=hidden_layers)

@@ -1,0 +1,445 @@
+"""Where a head analysis gets its model, probe and data, and how its `heads.json` is assembled.
+
+`run_heads(config)` is the whole of `python -m speechattn.analyze heads` except the figures:
+
+    task=pretrain      upstream.pt (weights + reconstruction head) and the pretraining
+                       validation split of the corpus recorded in the upstream's metadata;
+    task=<downstream>  the probe checkpoint of a `python -m speechattn.downstream` run dir
+                       (`result.json` + `checkpoints/best-*.ckpt`), the upstream it was trained
+                       on, and the dev (or test) split of the corpus recorded in `result.json`.
+
+Every missing or mismatched input is an error naming the file and what is expected.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from dataclasses import asdict, dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from speechattn.model.masking import MaskingConfig
+from speechattn.tasks.downstream_result import MEL, RESULT_FILE, TASKS, read_result
+from speechattn.tasks.heads import (
+    HeadAnalysis,
+    HeadsConfig,
+    Objective,
+    PretrainObjective,
+    ProbeObjective,
+    analyze_heads,
+)
+from speechattn.tasks.heads_result import KIND, PRETRAIN, SCHEMA_VERSION, write_heads
+from speechattn.tasks.upstream_features import file_sha256
+
+log = logging.getLogger(__name__)
+HEAD_TASKS: tuple[str, ...] = (PRETRAIN, *TASKS)
+SPLIT_CHOICES = ("dev", "test")
+DTYPES = {"float32": torch.float32, "float64": torch.float64}
+
+
+@dataclass
+class HeadsRunConfig:
+    """`conf/analyze.yaml` as a dataclass (Hydra-only keys such as `output_dir` excluded)."""
+
+    upstream: str | None = None  # upstream.pt; for downstream tasks default: result.json's
+    task: str | None = None  # pretrain | a downstream task; None: pretrain, or the result's task
+    downstream: str | None = None  # run dir of `python -m speechattn.downstream`
+    split: str = "dev"  # downstream subset: dev | test (pretrain always uses its validation split)
+    num_batches: int | None = 8  # batches in the subset; None: the whole split
+    batch_size: int | None = None  # None: the data config's
+    seed: int = 0  # fixed reconstruction masks (task=pretrain)
+    device: str = "auto"  # auto | cpu | cuda
+    dtype: str = "float32"  # float32 | float64
+    data: dict[str, Any] | None = None  # None: the data config recorded with the upstream/probe
+    heads: HeadsConfig = field(default_factory=HeadsConfig)
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        if self.task is not None and self.task not in HEAD_TASKS:
+            raise ValueError(f"unknown task {self.task!r}; choose one of {', '.join(HEAD_TASKS)}")
+        if self.split not in SPLIT_CHOICES:
+            raise ValueError(f"split must be one of {SPLIT_CHOICES}, got {self.split!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {tuple(DTYPES)}, got {self.dtype!r}")
+        if self.num_batches is not None and self.num_batches < 1:
+            raise ValueError(f"num_batches must be >= 1 or null, got {self.num_batches}")
+
+
+# ----------------------------------------------------------------------------- inputs
+
+
+def open_upstream_for_heads(spec: str | Path | None) -> tuple[nn.Module, str, Path]:
+    """Load `upstream.pt` (path) -> (upstream, sha256, resolved path); refuses `mel`."""
+    if spec in (None, ""):
+        raise ValueError(
+            "upstream=PATH is required: an upstream.pt written by `python -m speechattn.pretrain`"
+        )
+    if str(spec) == MEL:
+        raise ValueError("upstream=mel has no attention heads to analyse; pass an upstream.pt")
+    path = Path(spec).expanduser().resolve()
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"upstream file {path} does not exist; pass upstream=PATH to an upstream.pt written "
+            f"by `python -m speechattn.pretrain`"
+        )
+    from speechattn import load_upstream
+
+    try:
+        upstream = load_upstream(path)
+    except ValueError:  # the loader's own error names the file and the problem
+        raise
+    except Exception as e:
+        raise ValueError(
+            f"{path} is not a valid speechattn upstream file: {type(e).__name__}: {e}"
+        ) from e
+    if not int(getattr(upstream, "num_heads", 0)):
+        raise ValueError(f"{path}: the upstream has no attention heads")
+    return upstream, file_sha256(path), path
+
+
+@dataclass
+class ProbeRun:
+    """A finished downstream run: its result, best probe checkpoint and the probe itself."""
+
+    directory: Path
+    result: Any  # DownstreamResult
+    checkpoint: Path
+    probe: nn.Module  # DownstreamProbe with the best-dev weights
+    layers: list[int]
+
+
+def find_probe_checkpoint(directory: Path, best_epoch: int | None) -> Path:
+    folder = directory / "checkpoints"
+    candidates = sorted(folder.glob("best-*.ckpt"))
+    if not candidates:
+        raise FileNotFoundError(
+            f"downstream run {directory} has no probe checkpoint: expected "
+            f"{folder}/best-epoch=N.ckpt (written by `python -m speechattn.downstream`)"
+        )
+    exact = folder / f"best-epoch={best_epoch}.ckpt"
+    if exact in candidates:
+        return exact
+    return max(candidates, key=lambda p: p.stat().st_mtime)
+
+
+def load_probe_run(directory: str | Path) -> ProbeRun:
+    """Read `result.json` and rebuild the best probe of a downstream run directory."""
+    from speechattn.tasks.downstream import DownstreamProbe, TaskConfig
+
+    directory = Path(directory).expanduser().resolve()
+    if not directory.is_dir():
+        raise FileNotFoundError(
+            f"downstream={directory} is not a directory; pass the run dir of "
+            f"`python -m speechattn.downstream` (it holds {RESULT_FILE} and checkpoints/)"
+        )
+    result_path = directory / RESULT_FILE
+    if not result_path.is_file():
+        raise FileNotFoundError(
+            f"downstream run {directory} has no {RESULT_FILE}: the run did not finish, or this "
+            f"is not a `python -m speechattn.downstream` run dir"
+        )
+    result = read_result(result_path)
+    if result.upstream == MEL:
+        raise ValueError(
+            f"{result_path}: that probe was trained on upstream=mel, which has no attention heads"
+        )
+    checkpoint = find_probe_checkpoint(directory, result.best_epoch)
+    try:
+        state = torch.load(checkpoint, map_location="cpu", weights_only=True)
+        hp = state["hyper_parameters"]
+        task = TaskConfig(**hp["task"])
+        probe = DownstreamProbe(
+            task,
+            int(hp["input_dim"]),
+            int(hp["num_layers"]),
+            int(hp["num_classes"]),
+            int(hp["downsample"]),
+            int(hp["tolerance"]),
+        )
+        probe.load_state_dict(state["state_dict"])
+    except Exception as e:
+        raise ValueError(
+            f"{checkpoint}: not a readable downstream probe checkpoint: {type(e).__name__}: {e}"
+        ) from e
+    layers = [int(i) for i in (result.probe or {}).get("layers", [])]
+    if len(layers) != probe.select.num_layers:
+        raise ValueError(
+            f"{result_path}: probe.layers {layers} does not match the checkpoint's "
+            f"{probe.select.num_layers} input layer(s)"
+        )
+    if task.name != result.task:
+        raise ValueError(
+            f"{checkpoint} is a {task.name} probe but {result_path} says {result.task}"
+        )
+    return ProbeRun(directory, result, checkpoint, probe.eval(), layers)
+
+
+def subset_batches(loader: Any, num_batches: int | None) -> list[dict[str, Any]]:
+    """The first `num_batches` batches of a deterministic loader (all with None)."""
+    batches = list(itertools.islice(iter(loader), num_batches))
+    if not batches:
+        raise ValueError("the data split is empty: no batches to analyse")
+    return batches
+
+
+def _with_batch_size(data: dict[str, Any], batch_size: int | None) -> dict[str, Any]:
+    return data if batch_size is None else {**data, "batch_size": int(batch_size)}
+
+
+def _instantiate(data: dict[str, Any], kind: str) -> Any:
+    """A data module from a data config dict (`_target_` for custom modules, as in pretraining)."""
+    if "_target_" in data:
+        from hydra.utils import instantiate
+
+        return instantiate(data)
+    from speechattn.data import DataConfig, LabelledDataModule, PretrainDataModule
+
+    cls = PretrainDataModule if kind == "pretrain" else LabelledDataModule
+    return cls(DataConfig(**data))
+
+
+def _transform(datamodule: Any, upstream: nn.Module) -> Any:
+    """Map the corpus normalisation onto the upstream's (as downstream feature extraction does)."""
+    from speechattn.tasks.downstream import renormalizer
+
+    normalizer = getattr(datamodule, "normalizer", None)
+    return None if normalizer is None else renormalizer(normalizer, upstream)
+
+
+def _renormalized(batches: list[dict[str, Any]], transform: Any) -> list[dict[str, Any]]:
+    if transform is None:
+        return batches
+    out = []
+    for b in batches:
+        mask = b.get("padding_mask")
+        if mask is None:
+            T = b["features"].shape[1]
+            mask = torch.arange(T)[None, :] >= b["lengths"][:, None]
+        out.append({**b, "features": transform(b["features"], mask)})
+    return out
+
+
+def _device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+# ----------------------------------------------------------------------------- run
+
+
+@dataclass
+class Prepared:
+    objective: Objective
+    task: str
+    upstream: nn.Module
+    upstream_path: Path
+    upstream_sha256: str
+    split: str
+    downstream: dict[str, Any] | None
+
+
+def prepare(config: HeadsRunConfig, datamodule: Any = None) -> Prepared:
+    """Resolve task, upstream, probe and data; build the objective. `datamodule` replaces the
+    data module built from the recorded data config (tests pass synthetic data)."""
+    device, dtype = _device(config.device), DTYPES[config.dtype]
+    task = config.task or PRETRAIN
+    if config.downstream is None:
+        if config.task not in (None, PRETRAIN):
+            raise ValueError(
+                f"task={config.task} needs downstream=RESULT_DIR: the run dir of "
+                f"`python -m speechattn.downstream task={config.task} upstream=...` (it holds "
+                f"{RESULT_FILE} and checkpoints/best-epoch=N.ckpt with the trained probe)"
+            )
+        upstream, sha, path = open_upstream_for_heads(config.upstream)
+        data = config.data or dict(upstream.metadata.get("data_config") or {})
+        if datamodule is None:
+            if not data:
+                raise ValueError(
+                    f"{path} does not record its pretraining data (metadata.data_config); "
+                    f"choose it with data=embedded or data=librispeech data.root=DIR"
+                )
+            datamodule = _instantiate(_with_batch_size(data, config.batch_size), "pretrain")
+            datamodule.prepare_data()
+        datamodule.setup("fit")
+        if config.split != "dev":
+            log.info("task=pretrain: the subset is the pretraining validation split")
+        batches = subset_batches(datamodule.val_dataloader(), config.num_batches)
+        batches = _renormalized(batches, _transform(datamodule, upstream))
+        masking = MaskingConfig(**(upstream.metadata.get("masking") or {}))
+        objective: Objective = PretrainObjective(
+            upstream.model, batches, masking, config.seed, device, dtype
+        )
+        return Prepared(objective, task, upstream, path, sha, "val", None)
+
+    run = load_probe_run(config.downstream)
+    if config.task not in (None, run.result.task):
+        raise ValueError(
+            f"task={config.task} but downstream={run.directory} is a {run.result.task} run "
+            f"({run.directory / RESULT_FILE})"
+        )
+    task = run.result.task
+    upstream, sha, path = open_upstream_for_heads(config.upstream or run.result.upstream)
+    if run.result.upstream_sha256 and run.result.upstream_sha256 != sha:
+        raise ValueError(
+            f"{path} is not the upstream the probe in {run.directory} was trained on "
+            f"(sha256 {sha[:12]}..., {RESULT_FILE} records {run.result.upstream_sha256[:12]}... "
+            f"for {run.result.upstream})"
+        )
+    if run.probe.hparams["input_dim"] != upstream.hidden_dim:
+        raise ValueError(
+            f"{run.checkpoint}: the probe reads {run.probe.hparams['input_dim']}-dim features, "
+            f"the upstream {path} gives {upstream.hidden_dim}"
+        )
+    if datamodule is None:
+        data = config.data or dict(run.result.corpus or {})
+        if not data:
+            raise ValueError(f"{run.directory / RESULT_FILE} records no corpus; pass data=...")
+        datamodule = _instantiate(_with_batch_size(data, config.batch_size), "labelled")
+        datamodule.prepare_data()
+    datamodule.setup("fit")
+    datamodule.setup("test")
+    classes = run.probe.hparams["num_classes"]
+    target = run.probe.task.target
+    found = getattr(datamodule, "num_speakers" if target == "speaker" else "num_phones", None)
+    if found is not None and int(found) != int(classes):
+        raise ValueError(
+            f"the corpus has {found} {target} classes but the probe in {run.directory} was "
+            f"trained on {classes}: use the downstream run's corpus (leave data unset)"
+        )
+    if hasattr(datamodule, "extraction_dataloader"):
+        loader = datamodule.extraction_dataloader(config.split)
+    else:
+        loader = (
+            datamodule.val_dataloader() if config.split == "dev" else datamodule.test_dataloader()
+        )
+    batches = _renormalized(
+        subset_batches(loader, config.num_batches), _transform(datamodule, upstream)
+    )
+    objective = ProbeObjective(
+        upstream,
+        run.probe,
+        run.layers,
+        batches,
+        target=target,
+        level=run.probe.task.level,
+        device=device,
+        dtype=dtype,
+    )
+    downstream = {
+        "dir": str(run.directory),
+        "checkpoint": str(run.checkpoint),
+        "layers": run.layers,
+        "dev_accuracy": run.result.dev_accuracy,
+        "test_accuracy": run.result.test_accuracy,
+    }
+    return Prepared(objective, task, upstream, path, sha, config.split, downstream)
+
+
+def result_dict(
+    analysis: HeadAnalysis,
+    prepared: Prepared,
+    config: HeadsRunConfig,
+    runtime_s: dict[str, float],
+) -> dict[str, Any]:
+    """The `heads.json` object (schema in `speechattn.tasks.heads_result`)."""
+    from speechattn import code_version
+
+    up = prepared.upstream
+    model_config = up.config.to_dict() if hasattr(up, "config") else {}
+    imp = analysis.importance
+    ab = analysis.ablation
+
+    def matrix(name: str) -> dict[str, Any] | None:
+        value = getattr(ab, name)
+        if value is None:
+            return None
+        return {"metric": value.tolist(), "delta": ab.delta(name).tolist()}
+
+    pruning = None
+    if analysis.pruning:
+        p = config.heads.pruning
+        pruning = {
+            "step": p.step,
+            "recompute": p.recompute,
+            "keep_one_per_layer": p.keep_one_per_layer,
+            "points": [
+                {
+                    "num_masked": pt.num_masked,
+                    "fraction": pt.fraction,
+                    "metric": pt.metric,
+                    "newly_masked": [list(x) for x in pt.newly_masked],
+                    "mask": pt.mask.int().tolist(),
+                }
+                for pt in analysis.pruning
+            ],
+        }
+    return {
+        "schema_version": SCHEMA_VERSION,
+        "kind": KIND,
+        "task": prepared.task,
+        "metric": analysis.metric_name,
+        "higher_is_better": analysis.higher_is_better,
+        "base_metric": analysis.base_metric,
+        "num_layers": int(up.num_layers),
+        "num_heads": int(up.num_heads),
+        "attention": str(up.attention_name),
+        "attention_options": dict(model_config.get("attention_options", {})),
+        "model_config": model_config,
+        "upstream": str(prepared.upstream_path),
+        "upstream_sha256": prepared.upstream_sha256,
+        "downstream": prepared.downstream,
+        "split": prepared.split,
+        "subset": analysis.subset,
+        "seed": config.seed,
+        "importance": {
+            "per": imp.per,
+            "raw": imp.raw.double().tolist(),
+            "normalized": imp.normalized.double().tolist(),
+            "signed": imp.signed.double().tolist(),
+            "order": [list(x) for x in imp.order()],
+        },
+        "ablation": {
+            "single": matrix("single"),
+            "keep_only": matrix("keep_only"),
+            "layer": matrix("layer"),
+        },
+        "pruning": pruning,
+        "config": {
+            "num_batches": config.num_batches,
+            "batch_size": config.batch_size,
+            "dtype": config.dtype,
+            "heads": asdict(config.heads),
+        },
+        "code_version": code_version(),
+        "runtime_s": runtime_s,
+        "created": datetime.now(UTC).isoformat(timespec="seconds"),
+    }
+
+
+def run_heads(
+    config: HeadsRunConfig, output_dir: str | Path, datamodule: Any = None
+) -> tuple[dict[str, Any], Path]:
+    """Prepare, analyse, write `output_dir/heads.json`; returns (the object, its path)."""
+    t0 = time.perf_counter()
+    prepared = prepare(config, datamodule)
+    t_load = time.perf_counter() - t0
+    log.info(
+        "heads: %s on %s (%d x %d heads), subset %s",
+        prepared.task,
+        prepared.upstream.attention_name,
+        prepared.upstream.num_layers,
+        prepared.upstream.num_heads,
+        prepared.objective.subset(),
+    )
+    analysis = analyze_heads(prepared.objective, config.heads, progress=config.progress)
+    runtime = {"load": round(t_load, 3), **analysis.runtime_s}
+    runtime["total"] = round(time.perf_counter() - t0, 3)
+    result = result_dict(analysis, prepared, config, runtime)
+    return result, write_heads(result, output_dir)
