@@ -28,7 +28,7 @@ import logging
 import os
 import re
 import time
-from dataclasses import asdict, dataclass, is_dataclass
+from dataclasses import asdict, dataclass, is_dataclass, replace
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -99,13 +99,14 @@ class ProbeDataset(Dataset):
         if task.target == "phones" and split.phones is None:
             raise ValueError(f"task {task.name}: the corpus provides no phone labels")
         self.split, self.task = split, task
+        self.hidden = [split.hidden(i) for i in range(len(split))]  # float32 once, not per epoch
 
     def __len__(self) -> int:
         return len(self.split)
 
     def __getitem__(self, i: int) -> dict[str, Any]:
         s, task = self.split, self.task
-        item: dict[str, Any] = {"hidden": s.hidden(i), "utt_id": s.utt_ids[i]}
+        item: dict[str, Any] = {"hidden": self.hidden[i], "utt_id": s.utt_ids[i]}
         if task.target == "phones":
             item["labels"] = s.phones_of(i)  # (T,)
         elif task.level == "frame":  # the utterance's speaker on every 10 ms frame
@@ -240,6 +241,7 @@ def cached_features(
     data_config: dict[str, Any],
     cache_dir: str | Path,
     device: torch.device | str = "cpu",
+    progress_bar: bool = True,
 ) -> dict[str, SplitFeatures]:
     """Hidden states `layers` of every split, from the cache or extracted (then cached) once."""
     normalizer = getattr(datamodule, "normalizer", None)
@@ -264,6 +266,7 @@ def cached_features(
             description=f"features {name}",
             device=device,
             transform=renormalizer(normalizer, upstream),
+            progress_bar=progress_bar,
         )
         save_split(splits[name], path)
         log.info("features %s: %d utterances -> %s", name, len(splits[name]), path)
@@ -279,7 +282,9 @@ def renormalizer(normalizer: Any, upstream: torch.nn.Module) -> Any:
     """
     src_mean, src_std = getattr(normalizer, "mean", None), getattr(normalizer, "std", None)
     dst_mean, dst_std = getattr(upstream, "mean", None), getattr(upstream, "std", None)
-    if getattr(normalizer, "mode", "global") != "global" or None in (src_mean, dst_mean):
+    modes = {getattr(normalizer, "mode", "global")}
+    modes.add(getattr(getattr(upstream, "normalizer", None), "mode", "global"))
+    if modes != {"global"} or src_mean is None or dst_mean is None:
         return None
     if torch.allclose(src_mean, dst_mean.cpu(), atol=1e-4) and torch.allclose(
         src_std, dst_std.cpu(), atol=1e-4
@@ -382,7 +387,7 @@ def fit_probe(
     trainer = L.Trainer(
         **trainer_kwargs,
         callbacks=[checkpoint, stopping],
-        logger=L.pytorch.loggers.CSVLogger(out, name="", version=""),
+        logger=L.pytorch.loggers.CSVLogger(out, name="logs", version=""),
         default_root_dir=out,
     )
     trainer.fit(probe, loaders["train"], loaders["dev"])
@@ -454,12 +459,13 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     out.mkdir(parents=True, exist_ok=True)
     L.seed_everything(cfg.seed, workers=True)
 
-    data_config = DataConfig(**OmegaConf.to_container(cfg.data, resolve=True))
+    data_config = labelled_data_config(
+        task, DataConfig(**OmegaConf.to_container(cfg.data, resolve=True))
+    )
     datamodule = LabelledDataModule(data_config)
     datamodule.prepare_data()
     datamodule.setup("fit")
-    datamodule.setup("test")
-    _require_labels(task, datamodule, data_config)
+    _require_labels(task, datamodule)
 
     upstream, sha = open_upstream(cfg.upstream, datamodule.feature_dim)
     layers = resolve_layers(cfg.layer, upstream.num_layers)
@@ -474,6 +480,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         _plain(data_config),
         cache_dir,
         device,
+        progress_bar=data_config.progress,
     )
     upstream.cpu()
     t_features = time.perf_counter() - t_features
@@ -511,7 +518,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         layer=cfg.layer,
         pooling=task.pooling if task.level == "utterance" else None,
         probe={**asdict(task), "layers": layers, "layer_weights": fit.layer_weights},
-        corpus=_plain(data_config),
+        corpus={**_plain(datamodule.describe()), "config": _plain(data_config)},
         split_sizes={name: len(splits[name]) for name in SPLITS},
         eval_frames={name: _eval_count(splits[name], task) for name in ("dev", "test")},
         frames_per_utterance=round(float(splits["test"].lengths.float().mean()), 2),
@@ -542,17 +549,45 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     return result.to_dict()
 
 
-def _require_labels(task: TaskConfig, datamodule: Any, data_config: Any) -> None:
-    """Fail early, naming the missing file, when the corpus lacks the task's labels."""
-    if task.target == "phones" and not getattr(datamodule, "num_phones", 0):
-        root = getattr(data_config, "root", None) or "the corpus root"
+def labelled_data_config(task: TaskConfig, data_config: Any) -> Any:
+    """The data config for `task`, failing early (naming the file) when labels are missing.
+
+    Phone tasks need the frame-level alignments file; speaker tasks only need the audio, so
+    for them a missing alignments file is dropped (`alignments=None`) rather than an error.
+    """
+    from speechattn.data import LabelledDataModule
+
+    if data_config.alignments is None:
+        if task.target == "phones":
+            raise ValueError(
+                f"task {task.name} needs frame-level phone labels, but data.alignments is null; "
+                f"set it to the CPC-format file (converted_aligned_phones.txt, SPEC 2.2)"
+            )
+        return data_config
+    path = LabelledDataModule(data_config).label_files.path(data_config.alignments)
+    if path is not None and path.is_file():
+        return data_config
+    if task.target == "phones":
         raise FileNotFoundError(
-            f"task {task.name} needs frame-level phone labels, but the corpus has none: "
-            f"put converted_aligned_phones.txt (CPC format, SPEC 2.2) with train_split.txt / "
-            f"test_split.txt in {root}"
+            f"task {task.name} needs frame-level phone labels: {path} does not exist. For real "
+            f"LibriSpeech put the CPC alignments there (converted_aligned_phones.txt with "
+            f"train_split.txt / test_split.txt, SPEC 2.2) or point data.alignments_dir at them"
         )
-    if task.target == "speaker" and not getattr(datamodule, "num_speakers", 0):
-        raise ValueError(f"task {task.name} needs speaker labels, but the corpus has none")
+    log.warning("no phone alignments at %s: speaker task without phone labels", path)
+    return replace(data_config, alignments=None)
+
+
+def _require_labels(task: TaskConfig, datamodule: Any) -> None:
+    """The labels really arrived (e.g. an alignments file without a single usable line)."""
+    if task.target == "phones" and not datamodule.num_phones:
+        raise ValueError(
+            f"task {task.name}: the corpus yielded no phone classes from "
+            f"{datamodule.label_files.path(datamodule.cfg.alignments)}"
+        )
+    if task.target == "speaker" and datamodule.num_speakers < 2:
+        raise ValueError(
+            f"task {task.name} needs at least 2 speakers, the corpus has {datamodule.num_speakers}"
+        )
 
 
 def _model_config(upstream: Any) -> dict[str, Any]:

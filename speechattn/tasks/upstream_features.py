@@ -225,6 +225,7 @@ def extract_split(
     description: str = "features",
     device: torch.device | str = "cpu",
     transform: Any = None,
+    progress_bar: bool = True,
 ) -> SplitFeatures:
     """Run the frozen upstream over `batches` (data-layer batch dicts) and keep `layers`.
 
@@ -242,7 +243,8 @@ def extract_split(
     phone_lengths: list[Tensor] = []
     has_speaker = has_phones = True
     columns = (*Progress.get_default_columns()[:1], BarColumn(), MofNCompleteColumn())
-    with Progress(*columns, TimeRemainingColumn(), transient=False) as progress:
+    bar = Progress(*columns, TimeRemainingColumn(), transient=False, disable=not progress_bar)
+    with bar as progress:
         task = progress.add_task(description, total=total)
         for batch in batches:
             x = batch["features"].to(device)  # (B, T, F)

@@ -171,13 +171,16 @@ def test_attention_maps_from_a_real_upstream(tmp_path: Path) -> None:
     """A pretrained run's upstream.pt + saved utterance give the every-head figure."""
     import torch
 
+    from speechattn.data import Normalizer
     from speechattn.model.aalbert import aalbert
     from speechattn.model.upstream import save_upstream, upstream_state
 
     model = aalbert(feature_dim=8, dim=16, num_layers=2, num_heads=2, ffn_dim=32, attention="full")
     upstream = save_upstream(
         tmp_path / "pretrain" / "upstream.pt",
-        upstream_state(model, torch.zeros(8), torch.ones(8), {"n_mels": 8}, {"steps": 1}),
+        upstream_state(
+            model, Normalizer(torch.zeros(8), torch.ones(8)), {"n_mels": 8}, {"steps": 1}
+        ),
     )
     root = tmp_path / "results"
     path = fake_result(root, "full", "speaker_utterance", 0.7)

@@ -9,6 +9,7 @@ from speechattn.tasks.upstream_features import MelUpstream, open_upstream
 
 
 def save_tiny_upstream(path: Path, feature_dim: int = 8, attention: str = "full") -> Path:
+    from speechattn.data import Normalizer
     from speechattn.model.aalbert import aalbert
     from speechattn.model.upstream import save_upstream, upstream_state
 
@@ -17,8 +18,7 @@ def save_tiny_upstream(path: Path, feature_dim: int = 8, attention: str = "full"
     )
     state = upstream_state(
         model,
-        torch.zeros(feature_dim),
-        torch.ones(feature_dim),
+        Normalizer(torch.zeros(feature_dim), torch.ones(feature_dim)),
         {"n_mels": feature_dim},
         {"steps": 7},
     )
