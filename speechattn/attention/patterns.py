@@ -51,26 +51,32 @@ def summary_pattern(T: int, block: int, summary: int, device: torch.device | Non
     return (j % block >= block - summary).expand(T, T)
 
 
-def fixed_patterns(n: int, context: int = 3) -> Tensor:
-    """The 7 fixed patterns of Raganato et al. (2020) on an n x n grid: (7, n, n) float.
+def fixed_pattern(name: str, n: int, context: int = 3) -> Tensor:
+    """One fixed pattern of Raganato et al. (2020) on an n x n grid: (n, n) float32.
 
     Rows sum to 1 where the pattern has a target and are all-zero otherwise (e.g. "previous"
     of the first frame). current: j = i; previous: j = i - 1; next: j = i + 1; left: the
     `context` frames before i (uniform); right: the `context` frames after i; start: j = 0;
-    end: j = n - 1. Used as logits log(pattern + eps) with "end" read from the bottom-right
-    corner so that it points at the utterance's own last frame.
+    end: j = n - 1. Built with float32 band operations (no n x n index tensors), so
+    n = 8192 costs one 256 MiB matrix.
     """
-    i, j = _ij(n)
-    d = i - j  # (n, n) query minus key offset
-    left = ((d >= 1) & (d <= context)).double()
-    right = ((-d >= 1) & (-d <= context)).double()
-    pats = [
-        (d == 0).double(),
-        (d == 1).double(),
-        (d == -1).double(),
-        left / left.sum(-1, keepdim=True).clamp_min(1),
-        right / right.sum(-1, keepdim=True).clamp_min(1),
-        (j == 0).double().expand(n, n),
-        (j == n - 1).double().expand(n, n),
-    ]
-    return torch.stack(pats).float()  # (7, n, n)
+    ones = torch.ones(n, n)
+    if name == "current":
+        return torch.eye(n)
+    if name == "previous":
+        return ones.tril(-1).triu(-1)
+    if name == "next":
+        return ones.triu(1).tril(1)
+    if name in ("left", "right"):
+        band = ones.tril(-1).triu(-context) if name == "left" else ones.triu(1).tril(context)
+        return band / band.sum(-1, keepdim=True).clamp_min(1)
+    if name in ("start", "end"):
+        out = torch.zeros(n, n)
+        out[:, 0 if name == "start" else n - 1] = 1
+        return out
+    raise ValueError(f"unknown fixed pattern {name!r}; valid: {', '.join(FIXED_PATTERN_NAMES)}")
+
+
+def fixed_patterns(n: int, context: int = 3) -> Tensor:
+    """All 7 fixed patterns in FIXED_PATTERN_NAMES order: (7, n, n) float32."""
+    return torch.stack([fixed_pattern(name, n, context) for name in FIXED_PATTERN_NAMES])

@@ -25,7 +25,6 @@ recomputes the weights in the backward pass, so no (B, h, T, T) tensor is ever a
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -287,7 +286,7 @@ class SynRandomAttention(_SynthesizerBase):
     def __init__(self, config: SynRandomConfig) -> None:
         super().__init__(config)
         n = config.max_len
-        self.logits = nn.Parameter(torch.randn(config.num_heads, n, n) / math.sqrt(n))  # R^i
+        self.logits = nn.Parameter(torch.empty(config.num_heads, n, n).normal_(std=n**-0.5))  # R^i
 
     def offsets(self, valid: Tensor) -> Tensor:
         """(G, h) first row/column of each head's T x T slice of R; G = 1 or B."""
@@ -348,9 +347,10 @@ class SynFixedAttention(SynRandomAttention):
         super().__init__(config)
         n_pat = min(len(patterns.FIXED_PATTERN_NAMES), config.num_heads)
         self.pattern_names = patterns.FIXED_PATTERN_NAMES[:n_pat]
-        with torch.no_grad():
-            pat = patterns.fixed_patterns(config.max_len, config.context)[:n_pat]
-            self.logits[:n_pat] = torch.log(pat + config.eps)
+        with torch.no_grad():  # one head at a time: l_max = 8192 stays affordable
+            for i, name in enumerate(self.pattern_names):
+                pat = patterns.fixed_pattern(name, config.max_len, config.context)
+                self.logits[i] = pat.add_(config.eps).log_()
 
     def offsets(self, valid: Tensor) -> Tensor:
         """(G, h): the "end" head is read so that each utterance's last valid frame meets the

@@ -1,0 +1,476 @@
+"""Speed and memory of every attention variant vs sequence length (the study's Table 1).
+
+    python -m speechattn.bench attention [--quick] [--json PATH] [--png PATH]
+        [--device cpu|cuda] [--lengths 256 512 ...] [--variants full ldsa ...]
+
+For each T, every variant runs forward + backward on x (B, T, D) (B = 1, D = 768, h = 12 by
+default) in the same process and in interleaved order, together with two baselines:
+`sdpa_mha` (bare qkv Linear -> scaled_dot_product_attention -> out Linear, i.e. `full` without
+speechattn's wrapper) and `sdpa_kernel` (the SDPA call alone on ready (B, h, T, d_k) tensors).
+
+* time: minimum over `--reps` timed steps after one warm-up step (min is the most robust
+  statistic on a shared machine); the median is stored too. Parameter gradients are reset
+  to None before each step, as `optimizer.zero_grad()` does.
+* peak memory: on CUDA, `torch.cuda.max_memory_allocated` minus the memory allocated
+  before the step. On CPU (Linux), the rise of the process's peak resident set size during
+  one step: the kernel's high-water mark is reset through /proc/self/clear_refs (after
+  malloc_trim) and VmHWM - VmRSS is read afterwards. It therefore counts every byte the step
+  touches (activations, workspaces, parameter gradients), not just tensors. Also stored:
+  `saved_mb`, the bytes of tensors saved for backward (storages counted once), collected with
+  `torch.autograd.graph.saved_tensors_hooks`; deterministic but blind to transients.
+* LSH variants: `select_ms` times hashing + code matching + top-k alone (no gradient), and
+  `attention_ms` = time - select_ms is their attention part.
+* Synthesizers whose max_len < T are built with max_len = T.
+* growth exponent: least-squares slope of log time vs log T over the largest lengths
+  (T >= max T / 8).
+
+Prints a table of times and ratios to `full`, the growth exponents and the targets of issue 3,
+writes JSON (for the report's Table 1) and a log-log PNG.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import datetime
+import json
+import math
+import re
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from speechattn.attention import Attention, available, build, registry
+
+DEFAULT_LENGTHS = [256, 512, 1024, 2048, 4096, 8192]
+QUICK_LENGTHS = [128, 256, 512, 1024]
+BASELINES = ["sdpa_mha", "sdpa_kernel"]
+LSH = {"sign_alsh", "xbox", "xbox_qnf", "simple_lsh", "simple_alsh"}
+
+
+class BareMHA(nn.Module):
+    """`full` without speechattn: qkv Linear -> SDPA -> out Linear (no masks, no checks)."""
+
+    def __init__(self, dim: int, num_heads: int) -> None:
+        super().__init__()
+        self.h = num_heads
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.out = nn.Linear(dim, dim)
+
+    def forward(self, x: Tensor) -> Tensor:
+        B, T, D = x.shape
+        q, k, v = self.qkv(x).view(B, T, 3, self.h, -1).permute(2, 0, 3, 1, 4)  # (B, h, T, d_k)
+        y = F.scaled_dot_product_attention(q, k, v)
+        return self.out(y.transpose(1, 2).reshape(B, T, D))
+
+
+class KernelOnly(nn.Module):
+    """The SDPA call alone on (B, h, T, d_k) leaf tensors."""
+
+    def __init__(self, num_heads: int) -> None:
+        super().__init__()
+        self.h = num_heads
+
+    def forward(self, qkv: tuple[Tensor, Tensor, Tensor]) -> Tensor:
+        return F.scaled_dot_product_attention(*qkv)
+
+
+# --------------------------------------------------------------------------- memory probes
+class _RSS:
+    """Peak-RSS rise of one call (Linux): reset VmHWM via /proc/self/clear_refs."""
+
+    def __init__(self) -> None:
+        self.ok = Path("/proc/self/clear_refs").exists()
+        try:
+            self.libc = ctypes.CDLL("libc.so.6")
+        except OSError:
+            self.libc = None
+        if self.ok:
+            try:
+                self._reset()
+            except OSError:
+                self.ok = False
+
+    @staticmethod
+    def _status(key: str) -> int:
+        text = Path("/proc/self/status").read_text()
+        return int(re.search(rf"{key}:\s+(\d+) kB", text).group(1)) * 1024
+
+    def _reset(self) -> None:
+        Path("/proc/self/clear_refs").write_text("5")
+
+    def measure(self, fn: Callable[[], None]) -> float | None:
+        if not self.ok:
+            return None
+        if self.libc is not None:
+            self.libc.malloc_trim(0)
+        self._reset()
+        base = self._status("VmRSS")
+        fn()
+        return (self._status("VmHWM") - base) / 2**20
+
+
+def saved_bytes(fn: Callable[[], Tensor]) -> tuple[Tensor, float]:
+    """Run fn under saved_tensors_hooks; returns (output, MiB of distinct saved storages)."""
+    seen: dict[int, int] = {}
+
+    def pack(t: Tensor) -> Tensor:
+        if t.numel():
+            st = t.untyped_storage()
+            seen[st.data_ptr()] = st.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn()
+    return out, sum(seen.values()) / 2**20
+
+
+# --------------------------------------------------------------------------- measuring
+class Case:
+    """One benchmarked module at one length: builds inputs and runs one training step."""
+
+    def __init__(self, name: str, T: int, args: argparse.Namespace, device: torch.device) -> None:
+        self.name, self.T, self.device = name, T, device
+        B, D, h = args.batch, args.dim, args.heads
+        gen = torch.Generator().manual_seed(T)
+        self.options: dict = {}
+        if name == "sdpa_mha":
+            self.module: nn.Module = BareMHA(D, h)
+        elif name == "sdpa_kernel":
+            self.module = KernelOnly(h)
+        else:
+            defaults = registry.options(name)
+            if "max_len" in defaults and defaults["max_len"] < T:
+                self.options["max_len"] = T
+            self.module = build(name, D, h, **self.options)
+        self.module.to(device)
+        if name == "sdpa_kernel":
+            shape = (B, h, T, D // h)
+            self.inputs = tuple(
+                torch.randn(shape, generator=gen).to(device).requires_grad_() for _ in range(3)
+            )
+        else:
+            self.inputs = torch.randn(B, T, D, generator=gen).to(device).requires_grad_()
+
+    def forward(self) -> Tensor:
+        return self.module(self.inputs)
+
+    def _zero(self) -> None:
+        for p in self.module.parameters():
+            p.grad = None
+        for t in self.inputs if isinstance(self.inputs, tuple) else (self.inputs,):
+            t.grad = None
+
+    def step(self) -> None:
+        self._zero()
+        self.forward().sum().backward()
+
+    def sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+
+    def time_step(self) -> float:
+        self._zero()
+        self.sync()
+        t0 = time.perf_counter()
+        self.forward().sum().backward()
+        self.sync()
+        return (time.perf_counter() - t0) * 1000
+
+    def time_select(self) -> float | None:
+        """LSH only: hashing + matching + top-k on this input, no gradient (ms)."""
+        if self.name not in LSH:
+            return None
+        attn: Attention = self.module
+        with torch.no_grad():
+            valid = torch.ones(self.inputs.shape[:2], dtype=torch.bool, device=self.device)
+            q, k, _ = attn._qkv(self.inputs)
+            self.sync()
+            t0 = time.perf_counter()
+            attn.select(q, k, valid)
+            self.sync()
+        return (time.perf_counter() - t0) * 1000
+
+    def memory(self, rss: _RSS) -> tuple[float | None, float]:
+        self._zero()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats(self.device)
+            base = torch.cuda.memory_allocated(self.device)
+            self.step()
+            torch.cuda.synchronize()
+            peak = (torch.cuda.max_memory_allocated(self.device) - base) / 2**20
+        else:
+            peak = rss.measure(self.step)
+        self._zero()
+        _, saved = saved_bytes(self.forward)
+        return peak, saved
+
+    def params(self) -> int:
+        return sum(p.numel() for p in self.module.parameters())
+
+
+def growth_exponent(times: dict[int, float]) -> float | None:
+    """Slope of log(time) vs log(T) over T >= max(T) / 8 (least squares)."""
+    pts = [(T, t) for T, t in times.items() if t and t > 0]
+    if len(pts) < 2:
+        return None
+    top = max(T for T, _ in pts)
+    pts = [(math.log(T), math.log(t)) for T, t in pts if T >= top / 8] or pts
+    if len(pts) < 2:
+        return None
+    mx = statistics.fmean(x for x, _ in pts)
+    my = statistics.fmean(y for _, y in pts)
+    sxx = sum((x - mx) ** 2 for x, _ in pts)
+    return sum((x - mx) * (y - my) for x, y in pts) / sxx if sxx else None
+
+
+def run(args: argparse.Namespace) -> dict:
+    device = torch.device(args.device)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    names = args.variants or available()
+    if "full" not in names:
+        names = ["full", *names]
+    rows = names + ([] if args.no_baselines else BASELINES)
+    rss = _RSS()
+    res: dict[str, dict] = {
+        n: {"time_ms": {}, "time_ms_median": {}, "peak_mem_mb": {}, "saved_mb": {}} for n in rows
+    }
+    torch.manual_seed(0)
+    for T in args.lengths:
+        cases = {}
+        for n in rows:
+            try:
+                cases[n] = Case(n, T, args, device)
+                cases[n].step()  # warm-up
+            except (RuntimeError, MemoryError) as err:  # e.g. out of memory: record and go on
+                cases.pop(n, None)
+                res[n].setdefault("errors", {})[T] = str(err).splitlines()[0][:200]
+                print(f"  T={T} {n}: skipped ({res[n]['errors'][T]})", file=sys.stderr)
+        samples: dict[str, list[float]] = {n: [] for n in cases}
+        for _ in range(args.reps):
+            for n, case in cases.items():
+                samples[n].append(case.time_step())
+        for n, case in cases.items():
+            r = res[n]
+            r["time_ms"][T] = min(samples[n])
+            r["time_ms_median"][T] = statistics.median(samples[n])
+            sel = [case.time_select() for _ in range(args.reps)] if n in LSH else []
+            if sel:
+                r.setdefault("select_ms", {})[T] = min(sel)
+                r.setdefault("attention_ms", {})[T] = max(r["time_ms"][T] - min(sel), 1e-3)
+            if not args.no_memory:
+                r["peak_mem_mb"][T], r["saved_mb"][T] = case.memory(rss)
+            r.setdefault("params_at_T", {})[T] = case.params()
+            if case.options:
+                r.setdefault("options_at_T", {})[T] = case.options
+            if isinstance(case.module, Attention):
+                r.setdefault("keys_attended", {})[T] = case.module.keys_attended(T)
+        line = "  ".join(f"{n}={res[n]['time_ms'][T]:.0f}" for n in cases)
+        print(f"T={T}: {line} (ms)", file=sys.stderr, flush=True)
+        del cases
+    for n in rows:
+        r = res[n]
+        full = res["full"]["time_ms"]
+        r["ratio_to_full"] = {T: full[T] / t for T, t in r["time_ms"].items() if T in full}
+        r["growth_exponent"] = growth_exponent(r["time_ms"])
+        if "attention_ms" in r:
+            r["attention_growth_exponent"] = growth_exponent(r["attention_ms"])
+        if n in BASELINES:
+            r["complexity"] = "O(T^2 D)" if n == "sdpa_mha" else "O(T^2 d_k h)"
+            continue
+        attn = build(n, args.dim, args.heads)
+        r.update(
+            paper=attn.paper,
+            complexity=attn.complexity,
+            complexity_training=attn.complexity_training,
+            complexity_inference=attn.complexity_inference,
+            params=sum(p.numel() for p in attn.parameters()),
+            options=registry.options(n),
+        )
+    meta = {
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "torch": torch.__version__,
+        "device": str(device),
+        "threads": torch.get_num_threads(),
+        "batch": args.batch,
+        "dim": args.dim,
+        "heads": args.heads,
+        "lengths": args.lengths,
+        "reps": args.reps,
+        "timing": "forward+backward wall time, min over reps after one warm-up",
+        "memory": (
+            "cuda max_memory_allocated rise"
+            if device.type == "cuda"
+            else "peak RSS rise (VmHWM after /proc/self/clear_refs reset)"
+            if rss.ok
+            else "unavailable"
+        ),
+        "saved_mb": "bytes of distinct storages saved for backward (saved_tensors_hooks)",
+    }
+    out = {
+        "meta": meta,
+        "variants": {n: res[n] for n in names},
+        "baselines": {n: res[n] for n in rows if n in BASELINES},
+    }
+    out["targets"] = targets(out)
+    return out
+
+
+def targets(out: dict) -> list[dict]:
+    """Issue 3 targets, evaluated at T = 4096 (or the largest measured T)."""
+    v, b = out["variants"], out["baselines"]
+    Ts = out["meta"]["lengths"]
+    T = 4096 if 4096 in Ts else max(Ts)
+    checks = []
+
+    def add(what: str, value: float | None, ok: bool | None) -> None:
+        checks.append({"target": what, "value": value, "met": ok})
+
+    for n in v:
+        exp = v[n].get("growth_exponent")
+        if n.startswith("sparse_") or n == "ldsa":
+            add(f"{n}: growth exponent <= 1.2", exp, exp is not None and exp <= 1.2)
+            r = v[n]["ratio_to_full"].get(T)
+            add(f"{n}: >= 3x faster than full at T={T}", r, r is not None and r >= 3)
+        if n in LSH:
+            exp = v[n].get("attention_growth_exponent")
+            add(f"{n}: attention-part growth exponent <= 1.3", exp, exp is not None and exp <= 1.3)
+        if n in LSH or n.startswith("syn_"):
+            r = v[n]["ratio_to_full"].get(T)
+            add(f"{n}: >= 1.5x faster than full at T={T}", r, r is not None and r >= 1.5)
+    if "sdpa_mha" in b and T in b["sdpa_mha"]["time_ms"] and T in v["full"]["time_ms"]:
+        r = v["full"]["time_ms"][T] / b["sdpa_mha"]["time_ms"][T]
+        add(f"full within 10% of bare SDPA MHA at T={T} (time ratio)", r, r <= 1.10)
+    return checks
+
+
+# --------------------------------------------------------------------------- output
+def print_table(out: dict) -> None:
+    Ts = out["meta"]["lengths"]
+    allrows = {**out["variants"], **out["baselines"]}
+    w = max(len(n) for n in allrows) + 2
+    print(f"\nforward+backward time (ms), B={out['meta']['batch']} D={out['meta']['dim']} "
+          f"h={out['meta']['heads']} on {out['meta']['device']} ({out['meta']['threads']} threads)")  # fmt: skip
+    print("variant".ljust(w) + "".join(f"T={T}".rjust(10) for T in Ts) + "   exp")
+    for n, r in allrows.items():
+        cells = "".join(f"{r['time_ms'].get(T, float('nan')):10.1f}" for T in Ts)
+        exp = r.get("growth_exponent")
+        print(n.ljust(w) + cells + (f"  {exp:4.2f}" if exp is not None else "     -"))
+    print("\nspeed-up vs full (full time / variant time)")
+    print("variant".ljust(w) + "".join(f"T={T}".rjust(10) for T in Ts))
+    for n, r in allrows.items():
+        print(n.ljust(w) + "".join(f"{r['ratio_to_full'].get(T, float('nan')):10.2f}" for T in Ts))
+    if any("attention_ms" in r for r in allrows.values()):
+        print("\nLSH: hashing+matching (select) / attention part (ms)")
+        for n, r in allrows.items():
+            if "attention_ms" in r:
+                cells = "".join(
+                    f"{r['select_ms'][T]:7.0f}/{r['attention_ms'][T]:<7.0f}"
+                    for T in Ts
+                    if T in r["select_ms"]
+                )
+                print(
+                    n.ljust(w)
+                    + cells
+                    + f"  attention exp {r['attention_growth_exponent'] or float('nan'):.2f}"
+                )
+    if any(r["peak_mem_mb"] for r in allrows.values()):
+        print(f"\npeak memory (MiB; {out['meta']['memory']})")
+        print("variant".ljust(w) + "".join(f"T={T}".rjust(10) for T in Ts))
+        for n, r in allrows.items():
+            print(n.ljust(w) + "".join(_fmt(r["peak_mem_mb"].get(T)) for T in Ts))
+    print("\ntargets")
+    for c in out["targets"]:
+        val = "n/a" if c["value"] is None else f"{c['value']:.2f}"
+        print(f"  [{'met' if c['met'] else 'MISSED'}] {c['target']}: {val}")
+
+
+def _fmt(x: float | None) -> str:
+    return f"{x:10.1f}" if x is not None else "       n/a"
+
+
+def plot(out: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    allrows = {**out["variants"], **out["baselines"]}
+    fig, axes = plt.subplots(1, 2, figsize=(13, 5.5))
+    for n, r in allrows.items():
+        style = "--" if n in BASELINES else "-"
+        for ax, key in zip(axes, ("time_ms", "peak_mem_mb")):
+            pts = sorted((T, t) for T, t in r[key].items() if t)
+            if pts:
+                ax.plot(*zip(*pts), style, marker="o", ms=3, label=n)
+    for ax, label in zip(
+        axes, ("forward+backward time (ms)", f"peak memory (MiB, {out['meta']['memory']})")
+    ):
+        ax.set(xscale="log", yscale="log", xlabel="T (frames)", ylabel=label)
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0].legend(fontsize=7, ncol=2)
+    fig.suptitle(
+        f"attention variants, B={out['meta']['batch']} D={out['meta']['dim']} h={out['meta']['heads']}, {out['meta']['device']}"
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="python -m speechattn.bench attention", description=__doc__.split("\n\n")[0]
+    )
+    p.add_argument(
+        "--quick", action="store_true", help=f"lengths {QUICK_LENGTHS}, 2 reps (< 2 min)"
+    )
+    p.add_argument("--json", type=Path, default=None, help="write results here")
+    p.add_argument("--png", type=Path, default=None, help="log-log plot (default: next to --json)")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    p.add_argument("--lengths", type=int, nargs="+", default=None)
+    p.add_argument("--variants", nargs="+", default=None, help="default: all registered")
+    p.add_argument(
+        "--reps", type=int, default=None, help="timed steps per case (default 3; quick 2)"
+    )
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--dim", type=int, default=768)
+    p.add_argument("--heads", type=int, default=12)
+    p.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's)")
+    p.add_argument("--no-memory", action="store_true", help="skip the memory pass")
+    p.add_argument("--no-baselines", action="store_true", help="skip sdpa_mha / sdpa_kernel")
+    args = p.parse_args(argv)
+    args.lengths = args.lengths or (QUICK_LENGTHS if args.quick else DEFAULT_LENGTHS)
+    args.reps = args.reps or (2 if args.quick else 3)
+    unknown = set(args.variants or []) - set(available())
+    if unknown:
+        p.error(f"unknown variant(s) {sorted(unknown)}; valid: {', '.join(available())}")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda requested but CUDA is not available")
+    return args
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse(sys.argv[1:] if argv is None else argv)
+    out = run(args)
+    print_table(out)
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(out, indent=1))
+        print(f"\nwrote {args.json}")
+    png = args.png or (args.json.with_suffix(".png") if args.json else None)
+    if png:
+        plot(out, png)
+        print(f"wrote {png}")
+    return out
+
+
+if __name__ == "__main__":
+    main()
