@@ -34,18 +34,32 @@ def _title(r: dict[str, Any]) -> str:
     return f"{r['attention']} · {r['task']}"
 
 
-def _annotate(ax: Any, values: np.ndarray, fmt: str) -> None:
+def _annotate(ax: Any, values: np.ndarray, fmt: str, diverging: bool = False) -> None:
+    """Write each cell's value; skipped when the grid is too dense to read."""
     L, h = values.shape
-    if L * h > 144:  # too dense to read; the colour bar carries the scale
+    if L * h > 144:  # the colour bar carries the scale
         return
     size = 8 if L * h <= 48 else 6
-    finite = values[np.isfinite(values)]
-    mid = (finite.max() + finite.min()) / 2 if finite.size else 0.0
+    finite = np.abs(values[np.isfinite(values)])
+    top = float(finite.max()) if finite.size else 0.0
     for i in range(L):
         for j in range(h):
             v = values[i, j]
-            color = "white" if v < mid else "black"
+            # dark cells: low end of viridis, or either end of the diverging map
+            dark = abs(v) > 0.6 * top if diverging else v < 0.5 * top
+            color = "white" if dark else "black"
             ax.text(j, i, format(v, fmt), ha="center", va="center", fontsize=size, color=color)
+
+
+def _delta_scale(values: np.ndarray) -> tuple[np.ndarray, str, str]:
+    """(values to print, their format, unit note): deltas below 0.01 are printed in units of
+    10^e so that every cell stays short."""
+    finite = np.abs(values[np.isfinite(values)])
+    top = float(finite.max()) if finite.size else 0.0
+    if top == 0.0 or top >= 0.01:
+        return values, "+.3f", ""
+    e = math.floor(math.log10(top))
+    return values / 10.0**e, "+.1f", f" (×1e{e})"
 
 
 def _axes_labels(ax: Any, L: int, h: int) -> None:
@@ -100,9 +114,10 @@ def ablation_heatmap(result: dict[str, Any] | str | Path, path: str | Path) -> P
         delta = np.asarray(r["ablation"][key]["delta"], dtype=float)
         limit = max(1e-12, float(np.abs(delta).max()))
         im = ax.imshow(delta, cmap=cmap, aspect="auto", vmin=-limit, vmax=limit)
-        _annotate(ax, delta, "+.3f")
+        shown, fmt, unit = _delta_scale(delta)
+        _annotate(ax, shown, fmt, diverging=True)
         _axes_labels(ax, L, h)
-        ax.set_title(title, fontsize=9)
+        ax.set_title(title + unit, fontsize=9)
         fig.colorbar(im, ax=ax, label=f"Δ {metric}")
     fig.suptitle(f"{_title(r)}: ablation (base {metric} {r['base_metric']:.4f})", fontsize=10)
     fig.tight_layout()

@@ -32,6 +32,8 @@ Schema (version 1), one JSON object:
     pruning           null or {"step", "recompute", "keep_one_per_layer", "points": [{"num_masked",
                       "fraction", "metric", "newly_masked": [[depth, head], ...],
                       "mask": (L, h) 1 kept / 0 masked}, ...]}
+    config            {"num_batches", "batch_size", "dtype", "heads": {"importance", "ablation",
+                      "pruning"}} the options the analysis ran with
     code_version      `speechattn.code_version()`
     runtime_s         {"load", "importance", "ablation", "pruning", "total"}
     created           ISO-8601 UTC time stamp

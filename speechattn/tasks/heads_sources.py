@@ -188,6 +188,14 @@ def subset_batches(loader: Any, num_batches: int | None) -> list[dict[str, Any]]
     return batches
 
 
+def recorded_data_config(corpus: dict[str, Any] | None) -> dict[str, Any]:
+    """The data config a downstream run recorded in result.json: `corpus["config"]` (corpus
+    facts + config), or `corpus` itself when it is the bare data config."""
+    corpus = dict(corpus or {})
+    config = corpus.get("config")
+    return dict(config) if isinstance(config, dict) else corpus
+
+
 def _with_batch_size(data: dict[str, Any], batch_size: int | None) -> dict[str, Any]:
     return data if batch_size is None else {**data, "batch_size": int(batch_size)}
 
@@ -298,7 +306,7 @@ def prepare(config: HeadsRunConfig, datamodule: Any = None) -> Prepared:
             f"the upstream {path} gives {upstream.hidden_dim}"
         )
     if datamodule is None:
-        data = config.data or dict(run.result.corpus or {})
+        data = config.data or recorded_data_config(run.result.corpus)
         if not data:
             raise ValueError(f"{run.directory / RESULT_FILE} records no corpus; pass data=...")
         datamodule = _instantiate(_with_batch_size(data, config.batch_size), "labelled")

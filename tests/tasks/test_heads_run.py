@@ -20,7 +20,7 @@ from speechattn.model.upstream import save_upstream, upstream_state
 from speechattn.tasks.downstream import DownstreamProbe, TaskConfig
 from speechattn.tasks.downstream_result import DownstreamResult
 from speechattn.tasks.heads_result import KIND, read_heads
-from speechattn.tasks.heads_sources import HeadsRunConfig
+from speechattn.tasks.heads_sources import HeadsRunConfig, recorded_data_config
 from speechattn.tasks.upstream_features import file_sha256
 
 F, D, LAYERS, HEADS, SPEAKERS = 8, 16, 2, 4, 3
@@ -224,14 +224,22 @@ def test_pretrain_and_phone_probe_on_the_tiny_corpus(tmp_path: Path, tiny_data_c
     task = TaskConfig(
         name="phone_1hidden", target="phones", level="frame", hidden_layers=1, hidden_dim=8
     )
+    corpus = {"corpus": "embedded", "test_utterances": 4, "config": data}  # as downstream writes
     run_dir = make_downstream_run(
-        tmp_path / "ds", upstream, task=task, num_classes=labelled.num_phones, corpus=data
+        tmp_path / "ds", upstream, task=task, num_classes=labelled.num_phones, corpus=corpus
     )
     res = run(compose_analyze(tmp_path / "a", f"downstream={run_dir}", "split=test", *common))
     assert res["task"] == "phone_1hidden" and res["metric"] == "accuracy"
     assert res["split"] == "test" and res["subset"]["utterances"] == 4
     assert res["subset"]["scored"] > 100  # 10 ms phone labels
     assert 0.0 <= res["base_metric"] <= 1.0
+
+
+def test_recorded_data_config_reads_both_result_layouts() -> None:
+    config = {"corpus": "embedded", "batch_size": 4}
+    assert recorded_data_config({"corpus": "embedded", "root": "/x", "config": config}) == config
+    assert recorded_data_config(config) == config
+    assert recorded_data_config(None) == {}
 
 
 # ----------------------------------------------------------------------------- errors
