@@ -102,10 +102,22 @@ def make_report(
     fig = _maps(results, maps_variant, maps_layer, report)
     if fig is not None:
         report.files.append(fig)
+    report.files += _head_analyses(results_dir, report)
 
     (report.out / "README.md").write_text(_readme(report, results, tables=(table2, table1)))
     report.files.append(report.out / "README.md")
     return report
+
+
+def _head_analyses(results_dir: Path, report: Report) -> list[Path]:
+    """Figures and `heads.md` of any `python -m speechattn.analyze heads` runs in the folder."""
+    try:
+        from speechattn.report.heads import head_report
+
+        return head_report(results_dir, report.out)
+    except Exception as e:  # a broken heads.json must not sink the accuracy tables
+        report.notes.append(f"head analyses: {type(e).__name__}: {e}")
+        return []
 
 
 def _registry_or(found: list[str]) -> list[str]:
@@ -178,6 +190,12 @@ def _readme(report: Report, results: ResultSet, tables: tuple) -> str:
         lines.append(
             "| [fig_accuracy_vs_keys.png](fig_accuracy_vs_keys.png) | utterance-level speaker "
             "accuracy vs keys attended per query (study Fig. 4) |"
+        )
+    if (report.out / "heads.md").is_file():
+        lines.append(
+            "| [heads.md](heads.md), `heads_*.png`, `fig_heads_pruning.png` | head importance "
+            "heat-maps, single-head ablations and pruning curves (`python -m speechattn.analyze "
+            "heads`) |"
         )
     lines += ["", "## Accuracy (Table 2)", "", table2.markdown()]
     if report.missing:
