@@ -117,9 +117,6 @@ def run(cfg: DictConfig, datamodule: Any = None) -> dict[str, Any]:
     output_dir.mkdir(parents=True, exist_ok=True)
     resume = resolve_ckpt_path(cfg.get("ckpt_path"), output_dir)
     L.seed_everything(cfg.seed, workers=True, verbose=False)
-    if cfg.trainer.get("accelerator") == "cpu":
-        # matmul-bound on CPU: use every core (Lightning/Hydra leave the default otherwise)
-        torch.set_num_threads(max(1, torch.get_num_threads()))
 
     inner = datamodule if datamodule is not None else build_datamodule(cfg)
     data = ResumableData(inner, seed=cfg.seed)

@@ -1,0 +1,284 @@
+"""Benchmark one pretraining step per attention variant, against a plain reference transformer.
+
+    python -m speechattn.bench pretrain [--model aalbert_tiny|aalbert_base] [--batch 4]
+        [--frames 500] [--attention full,ldsa,...] [--repeat 5] [--json out.json]
+
+A step is what `PretrainTask.training_step` does: stack frames, span masking, forward, masked
+L1, backward, LAMB update. Each variant is timed in the same process as
+
+* `reference`: a hand-written BERT-style AALBERT (explicit softmax(QK^T)V, no SDPA, no
+  registry), the same sizes; it shows what the registry/model plumbing costs;
+* the machine's fp32 matmul peak, measured with a large `torch.mm` in the same run.
+
+Matmul FLOPs are counted with `torch.utils.flop_counter` (plus the CPU flash-attention kernel,
+which it does not know: 4 B h T S d_k forward, twice that backward), so "% of peak" is
+achieved matmul FLOP/s over the measured peak. `--frames` counts stacked (30 ms) model frames.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F_
+from torch import Tensor, nn
+from torch.utils.flop_counter import FlopCounterMode
+
+from speechattn.attention import available
+from speechattn.attention.registry import options as attention_options
+from speechattn.model.aalbert import AALBERT, PRESETS, ModelConfig, sinusoidal_positions
+from speechattn.model.masking import MaskingConfig, mask_frames, masked_l1
+
+FEATURE_DIM = 80
+
+
+# ----------------------------------------------------------------------------- reference
+
+
+class ReferenceLayer(nn.Module):
+    """BERT layer written out by hand: explicit attention matrix, post-LN, GELU FFN."""
+
+    def __init__(self, dim: int, heads: int, ffn: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.out = nn.Linear(dim, dim)
+        self.norm1 = nn.LayerNorm(dim)
+        self.fc1 = nn.Linear(dim, ffn)
+        self.fc2 = nn.Linear(ffn, dim)
+        self.norm2 = nn.LayerNorm(dim)
+
+    def forward(self, x: Tensor, pad: Tensor) -> Tensor:
+        """x (B, T, D), pad (B, T) True at padding -> (B, T, D)."""
+        B, T, D = x.shape
+        q, k, v = self.qkv(x).view(B, T, 3, self.heads, D // self.heads).permute(2, 0, 3, 1, 4)
+        scores = q @ k.transpose(-1, -2) / math.sqrt(D // self.heads)  # (B, h, T, T)
+        scores = scores.masked_fill(pad[:, None, None, :], float("-inf"))
+        a = (scores.softmax(-1) @ v).transpose(1, 2).reshape(B, T, D)  # (B, T, D)
+        x = self.norm1(x + self.out(a))
+        return self.norm2(x + self.fc2(F_.gelu(self.fc1(x))))
+
+
+class ReferenceAALBERT(nn.Module):
+    """Embedding, one shared ReferenceLayer applied L times, reconstruction head."""
+
+    def __init__(self, c: ModelConfig) -> None:
+        super().__init__()
+        self.c = c
+        self.proj = nn.Linear(c.input_dim, c.dim)
+        self.norm = nn.LayerNorm(c.dim)
+        n = 1 if c.shared else c.num_layers
+        self.layers = nn.ModuleList(
+            [ReferenceLayer(c.dim, c.num_heads, c.ffn_dim) for _ in range(n)]
+        )
+        self.head = nn.Sequential(
+            nn.Linear(c.dim, c.dim), nn.GELU(), nn.LayerNorm(c.dim), nn.Linear(c.dim, c.input_dim)
+        )
+
+    def forward(self, x: Tensor, lengths: Tensor) -> Tensor:
+        """x (B, T', 3F) -> reconstruction (B, T', 3F)."""
+        B, T, _ = x.shape
+        pad = torch.arange(T, device=x.device)[None, :] >= lengths[:, None]
+        h = self.norm(self.proj(x) + sinusoidal_positions(T, self.c.dim, x.device, x.dtype))
+        for depth in range(self.c.num_layers):
+            h = self.layers[depth % len(self.layers)](h, pad)
+        return self.head(h)
+
+
+# ----------------------------------------------------------------------------- measuring
+
+
+def _sdpa_cpu_flops(q, k, v, *args, **kwargs) -> int:
+    B, h, T, d = q
+    return 4 * B * h * T * k[2] * d
+
+
+def _sdpa_cpu_backward_flops(grad_out, q, k, v, *args, **kwargs) -> int:
+    B, h, T, d = q
+    return 8 * B * h * T * k[2] * d
+
+
+SDPA_CPU = {
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: _sdpa_cpu_flops,
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward: _sdpa_cpu_backward_flops,
+}
+
+
+def matmul_peak(n: int = 3072, repeat: int = 5, device: str = "cpu") -> float:
+    """Best fp32 FLOP/s of an n x n x n torch.mm on this device."""
+    a, b = torch.randn(n, n, device=device), torch.randn(n, n, device=device)
+    a @ b  # warm-up
+    best = math.inf
+    for _ in range(repeat):
+        _sync(device)
+        t = time.perf_counter()
+        a @ b
+        _sync(device)
+        best = min(best, time.perf_counter() - t)
+    return 2 * n**3 / best
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def make_step(
+    model: nn.Module, batch: dict[str, Tensor], masking: MaskingConfig, lr: float = 1e-3
+) -> Callable[[], float]:
+    """A closure doing one full training step; returns the loss."""
+    from pytorch_optimizer import Lamb
+
+    opt = Lamb(model.parameters(), lr=lr)
+    g = torch.Generator().manual_seed(0)
+    features, lengths = batch["features"], batch["lengths"]
+
+    def step() -> float:
+        if isinstance(model, AALBERT):
+            stacked, slen = model.stack(features, lengths)
+            masked = mask_frames(stacked, slen, masking, g)
+            prediction = model.head(model.embed_and_encode(masked.inputs, slen)[-1])
+        else:
+            c = model.c
+            B, T, _ = features.shape
+            stacked = features.reshape(B, T // c.stack, c.input_dim)
+            slen = torch.div(lengths + c.stack - 1, c.stack, rounding_mode="floor")
+            masked = mask_frames(stacked, slen, masking, g)
+            prediction = model(masked.inputs, slen)
+        loss = masked_l1(prediction, stacked, masked.chosen)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        return loss.item()
+
+    return step
+
+
+def count_flops(step: Callable[[], float]) -> int:
+    with FlopCounterMode(display=False, custom_mapping=SDPA_CPU) as counter:
+        step()
+    return int(counter.get_total_flops())
+
+
+def time_step(step: Callable[[], float], repeat: int, warmup: int, device: str) -> float:
+    """Median seconds per step."""
+    for _ in range(warmup):
+        step()
+    times = []
+    for _ in range(repeat):
+        _sync(device)
+        t = time.perf_counter()
+        step()
+        _sync(device)
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def build(name: str, config: ModelConfig, frames: int, device: str) -> nn.Module:
+    torch.manual_seed(0)
+    if name == "reference":
+        return ReferenceAALBERT(config).to(device).train()
+    opts = {}
+    if "max_len" in attention_options(name):
+        opts["max_len"] = max(1024, frames)  # synthesizers need l_max >= T'
+    c = ModelConfig(**{**config.to_dict(), "attention": name, "attention_options": opts})
+    return AALBERT(c).to(device).train()
+
+
+# ----------------------------------------------------------------------------- CLI
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="python -m speechattn.bench pretrain", description=__doc__.split("\n")[0]
+    )
+    p.add_argument("--model", default="aalbert_base", choices=sorted(PRESETS))
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument(
+        "--frames", type=int, default=500, help="stacked 30 ms model frames per utterance"
+    )
+    p.add_argument("--attention", default="all", help="comma-separated names, or all")
+    p.add_argument("--repeat", type=int, default=5)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (CPU)")
+    p.add_argument("--dropout", type=float, default=0.0, help="0 keeps the step matmul-bound")
+    p.add_argument("--json", type=Path, default=None, help="also write the results here")
+    return p.parse_args(argv)
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    names = available() if args.attention == "all" else args.attention.split(",")
+    unknown = [n for n in names if n not in available()]
+    if unknown:
+        raise SystemExit(f"unknown attention {unknown}; choose from {', '.join(available())}")
+    config = ModelConfig(feature_dim=FEATURE_DIM, dropout=args.dropout, **PRESETS[args.model])
+    T = args.frames * config.stack
+    batch = {
+        "features": torch.randn(args.batch, T, FEATURE_DIM, device=args.device),
+        "lengths": torch.full((args.batch,), T, dtype=torch.long, device=args.device),
+    }
+    masking = MaskingConfig()
+    peak = matmul_peak(device=args.device)
+    print(
+        f"{args.model}, batch {args.batch} x {args.frames} stacked frames, {args.device}, "
+        f"{torch.get_num_threads()} threads; fp32 matmul peak {peak / 1e9:.1f} GFLOP/s"
+    )
+    # Round-robin timing: every variant gets one step per round, so drifting machine load
+    # (shared CPUs) affects all of them alike; the peak is re-measured at the end.
+    steps, flops = {}, {}
+    for name in ["reference", *names]:
+        model = build(name, config, args.frames, args.device)
+        steps[name] = make_step(model, batch, masking)
+        flops[name] = count_flops(steps[name])
+        for _ in range(args.warmup):
+            steps[name]()
+    times: dict[str, list[float]] = {name: [] for name in steps}
+    for _ in range(args.repeat):
+        for name, step in steps.items():
+            times[name].append(time_step(step, 1, 0, args.device))
+    peak = max(peak, matmul_peak(device=args.device))
+    print(f"  (peak re-measured after the steps: {peak / 1e9:.1f} GFLOP/s, the best is used)")
+    rows = []
+    for name in steps:
+        seconds = statistics.median(times[name])
+        rows.append({"attention": name, "step_s": seconds, "gflop": flops[name] / 1e9,
+                     "gflops": flops[name] / seconds / 1e9, "of_peak": flops[name] / seconds / peak})  # fmt: skip
+        r = rows[-1]
+        print(
+            f"  {name:15s} {seconds * 1e3:9.1f} ms  {r['gflop']:8.2f} GFLOP  "
+            f"{r['gflops']:7.1f} GFLOP/s  {100 * r['of_peak']:5.1f} % of peak"
+        )
+    full = next((r for r in rows if r["attention"] == "full"), None)
+    if full:
+        print("step time relative to full:")
+        for r in rows:
+            r["vs_full"] = r["step_s"] / full["step_s"]
+            print(f"  {r['attention']:15s} {r['vs_full']:.2f}x")
+    result = {
+        "benchmark": "pretrain_step",
+        "model": args.model,
+        "batch": args.batch,
+        "frames": args.frames,
+        "device": args.device,
+        "threads": torch.get_num_threads(),
+        "peak_gflops": peak / 1e9,
+        "rows": rows,
+    }
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(result, indent=2))
+    return result
+
+
+def main(argv: list[str]) -> None:
+    run(parse(argv))
