@@ -23,14 +23,15 @@ Under sign projections the bits are invariant to positive scaling, so xbox, xbox
 simple_lsh give identical codes, as do Sign-ALSH with and without QNF (tested; they would
 differ only under an L2 / E2LSH hash, which is not implemented).
 
-Cost: hashing O(T K D); matching O(T^2 K h) as one matmul of +-1 codes (with the tie-break
-folded in) followed by top-k, chunked over queries so memory stays O(chunk T); attention on
-the gathered keys O(T k D).
+Cost: hashing O(T K D); matching O(T^2 K h) as one matmul of +-1 codes plus an exact
+group-pruned top-k, chunked over queries so memory stays O(chunk T); attention on the
+selected keys O(T k D) as sparse (CSR) products.
 """
 
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import ClassVar
@@ -52,7 +53,6 @@ from speechattn.attention.registry import register
 Transform = Callable[[Tensor, Tensor, Tensor], tuple[Tensor, Tensor]]
 _TINY = 1e-12
 _MATCH_CHUNK = 1 << 21  # elements of one (B h, chunk, T) block of match scores
-_GATHER_CHUNK = 1 << 21  # elements of one (B h, chunk, k, d_k) block of gathered keys
 
 
 # ------------------------------------------------------------------ transforms Q(q), P(k)
@@ -117,11 +117,27 @@ def tie_break(rows: Tensor, T: int) -> Tensor:
     return 1 - rank.float() / (2 * T)
 
 
+def _tie_break_vector(T: int, Tp: int, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """w[u] = tie-break of the offset j - i = u - (T - 1), u in [0, T + Tp - 1)."""
+    off = torch.arange(-(T - 1), Tp, device=device)
+    rank = 2 * off.abs() + (off > 0).long()
+    return (1 - rank.to(dtype) / (2 * Tp)).contiguous()
+
+
+def _tie_break_chunk(w: Tensor, T: int, s: int, e: int, S: int, G: int) -> Tensor:
+    """tie_break(rows s..e-1, S G) with keys in grouped order p = r G + g <-> j = g S + r.
+
+    A strided view of w read bottom-up (strides must be positive), then flipped: (C, S G).
+    """
+    up = w.as_strided((e - s, S, G), (1, 1, S), T - e)  # [a, r, g] = w[T - e + a + r + g S]
+    return up.flip(0).reshape(e - s, S * G)
+
+
 def _group_size(T: int, k: int) -> int:
-    """Key group size S for the pruned top-k (minimises T / S + k S), 0 when not worth it."""
+    """Key group size S for the pruned top-k (minimises T / S + k S); 1 when not worth it."""
     S = 1 << max(2, round(math.log2(math.sqrt(T / k))))
     G = -(-T // S)
-    return S if k < G and G + k * S < T // 2 else 0
+    return S if k < G and G + k * S < T // 2 else 1
 
 
 def topk_by_match(cq: Tensor, ck: Tensor, kv: Tensor, k: int) -> Tensor:
@@ -129,63 +145,67 @@ def topk_by_match(cq: Tensor, ck: Tensor, kv: Tensor, k: int) -> Tensor:
 
     cq, ck (N, T, K) bool codes (N = B h), kv (N, T) allowed keys. Returns (N, T, min(k, T)).
 
-    Composite score = (2 match - K) + tie-break in (0, 1], all values distinct in a row: one
-    batched matmul of +-1 codes, where an extra code column subtracts 4 (K + 1) from
-    disallowed keys (8 (K + 1) from the keys padding T to a multiple of S). Exact pruning for
-    long rows: the top-k lie in the k groups of S consecutive keys with the largest group
-    maxima (a group holding a top-k key has a maximum beaten by fewer than k keys), so each
-    row needs a top-k over T / S group maxima and over k S candidates instead of over T.
-    Rows are processed in chunks so the (N, chunk, T) scores stay small.
+    Composite score = (2 match - K) + tie-break in (0, 1]; all values of a row are distinct.
+    The integer part is one batched matmul of +-1 codes (bfloat16 is exact for these small
+    integers and about 3x faster than float32 on CPU) where an extra code column subtracts
+    4 (K + 1) from disallowed keys and 8 (K + 1) from the keys padding T up to S G; the
+    tie-break is added in float32 (float64 when 2^24 is too small).
+
+    Exact pruning for long rows: keys are split into G groups of S (group g = keys g S + r),
+    stored group-strided so that group maxima are elementwise maxima over S contiguous
+    slices. The top-k lie in the k groups with the largest maxima (a group holding a top-k
+    key has a maximum beaten by fewer than k keys), so each row needs a top-k over G group
+    maxima and one over k S candidates instead of one over T. Rows go in chunks so the
+    (N, chunk, T) scores stay small.
     """
     N, T, K = cq.shape
     kk = min(k, T)
     S = _group_size(T, kk)
-    G = -(-T // S) if S else 1
-    Tp = G * S if S else T
+    G = -(-T // S)
+    Tp = G * S
     dtype = torch.float32 if 9 * (K + 1) * 2 * Tp < (1 << 24) else torch.float64
-    ones = torch.ones(N, T, 1, dtype=dtype, device=cq.device)
-    sq = torch.cat([cq.to(dtype) * 2 - 1, ones], dim=-1)  # (N, T, K + 1)
-    pen = (~kv[..., None]).to(dtype) * (-4.0 * (K + 1))  # (N, T, 1)
-    sk = torch.cat([ck.to(dtype) * 2 - 1, pen], dim=-1)  # (N, T, K + 1)
+    mdtype = torch.bfloat16 if cq.device.type == "cpu" and 9 * (K + 1) <= 256 else dtype
+    sq = torch.cat([cq.to(mdtype) * 2 - 1, torch.ones(N, T, 1, dtype=mdtype, device=cq.device)], -1)
+    pen = (~kv[..., None]).to(mdtype) * (-4 * (K + 1))  # (N, T, 1)
+    sk = torch.cat([ck.to(mdtype) * 2 - 1, pen], dim=-1)  # (N, T, K + 1)
     if Tp > T:
-        fake = torch.zeros(N, Tp - T, K + 1, dtype=dtype, device=cq.device)
-        fake[..., -1] = -8.0 * (K + 1)
+        fake = torch.zeros(N, Tp - T, K + 1, dtype=mdtype, device=cq.device)
+        fake[..., -1] = -8 * (K + 1)
         sk = torch.cat([sk, fake], dim=1)  # (N, Tp, K + 1)
-    skT = sk.transpose(1, 2).contiguous()  # (N, K + 1, Tp)
+    skT = sk.view(N, G, S, K + 1).permute(0, 3, 2, 1).reshape(N, K + 1, Tp)  # key p = r G + g
     chunk = max(1, _MATCH_CHUNK // max(1, N * Tp))
+    w = _tie_break_vector(T, Tp, dtype, cq.device)
     out = []
     for s in range(0, T, chunk):
-        rows = torch.arange(s, min(s + chunk, T), device=cq.device)
-        score = torch.bmm(sq[:, s : s + chunk], skT)  # (N, C, Tp)
-        score += tie_break(rows, Tp).to(dtype)
-        if not S:
+        e, C = min(s + chunk, T), min(chunk, T - s)
+        score = torch.add(
+            torch.bmm(sq[:, s:e], skT), _tie_break_chunk(w, T, s, e, S, G)
+        )  # (N, C, Tp)
+        if S == 1:
             out.append(score.topk(kk, dim=-1, sorted=False).indices)
             continue
-        C = rows.numel()
-        blocks = score.view(N, C, G, S)
-        groups = blocks.amax(-1).topk(kk, dim=-1, sorted=False).indices  # (N, C, kk)
-        cand = blocks.gather(2, groups[..., None].expand(N, C, kk, S)).view(N, C, kk * S)
-        pick = cand.topk(kk, dim=-1, sorted=False).indices  # (N, C, kk) in the candidates
-        out.append(groups.gather(-1, pick // S) * S + pick % S)
+        blocks = score.view(N, C, S, G)
+        groups = blocks.amax(-2).topk(kk, dim=-1, sorted=False).indices  # (N, C, kk)
+        cand = blocks.gather(3, groups[:, :, None, :].expand(N, C, S, kk))  # (N, C, S, kk)
+        pick = cand.view(N, C, S * kk).topk(kk, dim=-1, sorted=False).indices  # (N, C, kk)
+        out.append(groups.gather(-1, pick % kk) * S + pick // kk)
     return torch.cat(out, dim=1)  # (N, T, kk)
 
 
-class GatheredAttention(torch.autograd.Function):
-    """Softmax attention of each query over its own selected keys, in query chunks.
+def _csr(crow: Tensor, col: Tensor, values: Tensor, T: int) -> Tensor:
+    """A (T, T) CSR matrix with len(crow) - 1 rows of equal width (one head)."""
+    return torch.sparse_csr_tensor(crow, col, values, (T, T))
 
-    q, k, v (N, T, d_k), idx (N, T, kk) selected key positions, allowed (N, T, kk) bool,
-    scale float. Scores q_i k_j * scale, with the self penalty where idx == i. Returns
-    (N, T, d_k). Gathered keys/values exist only one chunk at a time (forward and backward),
-    so memory is O(T kk) for the saved weights instead of O(T kk d_k).
+
+class SparseTopkAttention(torch.autograd.Function):
+    """Softmax attention of each query over its own selected keys, as sparse matrix products.
+
+    q, k, v (N, T, d_k), idx (N, T, kk) selected key positions (distinct per row), allowed
+    (N, T, kk) bool, scale float. Scores q_i k_j * scale (+ the self penalty where j = i) are
+    an SDDMM (`torch.sparse.sampled_addmm`) on the CSR pattern of idx; outputs and gradients
+    are CSR x dense products (transposed for dK and dV). Nothing of size T x T or
+    T x kk x d_k is formed: memory O(T kk + T d_k), time O(T kk d_k).
     """
-
-    @staticmethod
-    def _chunks(N: int, T: int, kk: int, d: int) -> range:
-        return range(0, T, max(1, _GATHER_CHUNK // max(1, N * kk * d)))
-
-    @staticmethod
-    def _gather(t: Tensor, flat: Tensor, shape: tuple[int, ...]) -> Tensor:
-        return t.reshape(-1, t.shape[-1]).index_select(0, flat.reshape(-1)).view(shape)
 
     @staticmethod
     def forward(
@@ -193,44 +213,42 @@ class GatheredAttention(torch.autograd.Function):
     ) -> Tensor:
         N, T, d = q.shape
         kk = idx.shape[-1]
-        flat = idx + torch.arange(N, device=q.device).view(N, 1, 1) * T  # rows of (N T, d)
-        bias = (idx == torch.arange(T, device=q.device)[:, None]).to(q.dtype) * SELF_PENALTY
-        out, probs = q.new_empty(q.shape), q.new_empty(idx.shape)
-        step = GatheredAttention._chunks(N, T, kk, d).step
-        for s in range(0, T, step):
-            e = min(s + step, T)
-            kg = GatheredAttention._gather(k, flat[:, s:e], (N, e - s, kk, d))
-            sc = (q[:, s:e, None, :] @ kg.transpose(-1, -2)).squeeze(-2) * scale + bias[:, s:e]
-            p = masked_softmax(sc, allowed[:, s:e])  # (N, C, kk)
-            probs[:, s:e] = p
-            vg = GatheredAttention._gather(v, flat[:, s:e], (N, e - s, kk, d))
-            out[:, s:e] = (p[..., None, :] @ vg).squeeze(-2)
+        idx, order = idx.sort(dim=-1)  # CSR columns in increasing order
+        allowed = allowed.gather(-1, order)
+        crow = (torch.arange(T + 1, device=q.device) * kk).expand(N, -1).contiguous()  # (N, T + 1)
+        col = idx.reshape(N, T * kk)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # "sparse CSR support is in beta"
+            pattern = torch.sparse_csr_tensor(crow, col, q.new_ones(N, T * kk), (N, T, T))
+            sc = torch.sparse.sampled_addmm(pattern, q, k.transpose(1, 2), beta=0.0, alpha=scale)
+            sc = sc.values().view(N, T, kk)
+            sc = sc + (idx == torch.arange(T, device=q.device)[:, None]).to(q.dtype) * SELF_PENALTY
+            p = masked_softmax(sc, allowed).contiguous()  # (N, T, kk)
+            out = torch.stack([_csr(crow[i], col[i], p[i].view(-1), T) @ v[i] for i in range(N)])
         ctx.scale = scale
-        ctx.save_for_backward(q, k, v, flat, probs, out)
+        ctx.save_for_backward(q, k, v, crow, col, p, out)
         return out
 
     @staticmethod
     def backward(ctx, grad: Tensor) -> tuple[Tensor, Tensor, Tensor, None, None, None]:
-        q, k, v, flat, probs, out = ctx.saved_tensors
+        q, k, v, crow, col, p, out = ctx.saved_tensors
         N, T, d = q.shape
-        kk = flat.shape[-1]
-        g_q = torch.empty_like(q)
-        g_k = torch.zeros(N * T, d, dtype=q.dtype, device=q.device)
-        g_v = torch.zeros(N * T, d, dtype=q.dtype, device=q.device)
-        step = GatheredAttention._chunks(N, T, kk, d).step
-        for s in range(0, T, step):
-            e = min(s + step, T)
-            rows = flat[:, s:e].reshape(-1)
-            kg = GatheredAttention._gather(k, flat[:, s:e], (N, e - s, kk, d))
-            vg = GatheredAttention._gather(v, flat[:, s:e], (N, e - s, kk, d))
-            go, p = grad[:, s:e], probs[:, s:e]  # (N, C, d), (N, C, kk)
-            g_p = (go[..., None, :] @ vg.transpose(-1, -2)).squeeze(-2)  # (N, C, kk)
-            delta = (go * out[:, s:e]).sum(-1, keepdim=True)
-            g_s = p * (g_p - delta) * ctx.scale  # (N, C, kk)
-            g_q[:, s:e] = (g_s[..., None, :] @ kg).squeeze(-2)
-            g_k.index_add_(0, rows, (g_s[..., None] * q[:, s:e, None, :]).reshape(-1, d))
-            g_v.index_add_(0, rows, (p[..., None] * go[:, :, None, :]).reshape(-1, d))
-        return g_q, g_k.view(N, T, d), g_v.view(N, T, d), None, None, None
+        kk = p.shape[-1]
+        grad = grad.contiguous()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            pattern = torch.sparse_csr_tensor(crow, col, q.new_ones(N, T * kk), (N, T, T))
+            g_p = torch.sparse.sampled_addmm(pattern, grad, v.transpose(1, 2), beta=0.0)
+            delta = (grad * out).sum(-1, keepdim=True)  # (N, T, 1)
+            g_s = ((g_p.values().view(N, T, kk) - delta) * p * ctx.scale).view(N, -1)
+            g_q, g_k, g_v = [], [], []
+            for i in range(N):
+                S = _csr(crow[i], col[i], g_s[i], T)  # dL/dscores of head i
+                P = _csr(crow[i], col[i], p[i].view(-1), T)
+                g_q.append(S @ k[i])
+                g_k.append(S.t() @ q[i])
+                g_v.append(P.t() @ grad[i])
+        return torch.stack(g_q), torch.stack(g_k), torch.stack(g_v), None, None, None
 
 
 @dataclass
@@ -311,7 +329,7 @@ class _LSHAttention(Attention):
         if self.dropout and self.training:  # dropout needs the weights: unfused path
             return self._attend_unfused(q, k, v, idx, allowed)
         N = B * h
-        out = GatheredAttention.apply(
+        out = SparseTopkAttention.apply(
             q.reshape(N, T, d), k.reshape(N, T, d), v.reshape(N, T, d),
             idx.view(N, T, -1), allowed.view(N, T, -1), scale(d),
         )  # fmt: skip
@@ -320,7 +338,7 @@ class _LSHAttention(Attention):
     def _attend_unfused(
         self, q: Tensor, k: Tensor, v: Tensor, idx: Tensor, allowed: Tensor
     ) -> Tensor:
-        """GatheredAttention under plain autograd (keeps the gathered keys), with dropout."""
+        """SparseTopkAttention under plain autograd (gathers T kk d_k keys), with dropout."""
         B, h, T, d = q.shape
         kk = idx.shape[-1]
         flat = (idx + torch.arange(B * h, device=q.device).view(B, h, 1, 1) * T).reshape(-1)

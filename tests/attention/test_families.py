@@ -285,7 +285,7 @@ def test_pruned_topk_equals_exact_sort(T, k):
     assert torch.equal(got, want)
 
 
-def test_gathered_attention_gradcheck():
+def test_sparse_topk_attention_gradcheck():
     g = torch.Generator().manual_seed(0)
     q, k, v = (
         torch.randn(2, 7, 3, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(3)
@@ -293,5 +293,5 @@ def test_gathered_attention_gradcheck():
     idx = torch.stack([torch.randperm(7, generator=g)[:4] for _ in range(14)]).view(2, 7, 4)
     allowed = torch.rand(2, 7, 4, generator=g) > 0.2
     assert torch.autograd.gradcheck(
-        lambda *t: lsh.GatheredAttention.apply(*t, idx, allowed, 0.5), (q, k, v)
+        lambda *t: lsh.SparseTopkAttention.apply(*t, idx, allowed, 0.5), (q, k, v)
     )
