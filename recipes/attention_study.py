@@ -103,6 +103,7 @@ class Study:
             "speechattn.pretrain",
             f"attention={variant}",
             f"hydra.run.dir={path.parent}",
+            "ckpt_path=last",  # resume an interrupted pretraining from its last checkpoint
             *self.scale.pretrain,
         ]
         ok = self.command(f"pretrain_{variant}", argv)

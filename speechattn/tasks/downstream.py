@@ -41,6 +41,7 @@ from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
 from torchmetrics.classification import MulticlassAccuracy
 
+from speechattn.data import DataConfig, LabelledDataModule, expand_to_labels
 from speechattn.tasks.downstream_result import EXAMPLE_FILE, MEL, TASKS, DownstreamResult
 from speechattn.tasks.probes import FrameProbe, LayerSelector, UtteranceProbe
 from speechattn.tasks.upstream_features import (
@@ -185,8 +186,6 @@ class DownstreamProbe(L.LightningModule):
         x = self.select(batch["hidden"])  # (B, T', D)
         if self.task.level == "utterance":
             return self.head(x, batch["padding_mask"])
-        from speechattn.data.features import expand_to_labels
-
         logits = self.head(x, batch["padding_mask"])  # (B, T', C)
         return expand_to_labels(
             logits,
@@ -317,8 +316,6 @@ def check_label_lengths(split: SplitFeatures, downsample: int, tolerance: int) -
     Runs `expand_to_labels` on zero-width stand-ins, so every utterance is checked before any
     training starts.
     """
-    from speechattn.data.features import expand_to_labels
-
     if split.phone_lengths is None:
         return
     for start in range(0, len(split), 256):
@@ -449,8 +446,6 @@ def _device(name: str) -> torch.device:
 
 def run(cfg: DictConfig) -> dict[str, Any]:
     """Evaluate `cfg.upstream` on `cfg.task`; writes `result.json` and returns it as a dict."""
-    from speechattn.data import DataConfig, LabelledDataModule
-
     t_start = time.perf_counter()
     task = TaskConfig(**OmegaConf.to_container(cfg.task, resolve=True))
     if task.name not in TASKS:
@@ -555,8 +550,6 @@ def labelled_data_config(task: TaskConfig, data_config: Any) -> Any:
     Phone tasks need the frame-level alignments file; speaker tasks only need the audio, so
     for them a missing alignments file is dropped (`alignments=None`) rather than an error.
     """
-    from speechattn.data import LabelledDataModule
-
     if data_config.alignments is None:
         if task.target == "phones":
             raise ValueError(
@@ -619,7 +612,7 @@ def _eval_count(split: SplitFeatures, task: TaskConfig) -> int:
 
 
 def _code_version() -> str:
-    from speechattn import code_version
+    from speechattn import code_version  # the package root, imported lazily (no cycle)
 
     return code_version()
 
