@@ -176,6 +176,11 @@ def run(cfg: DictConfig, datamodule: Any = None) -> dict[str, Any]:
         else:
             log.info("resuming from %s", resume)
 
+    if resume is None:
+        (output_dir / "metrics.csv").unlink(missing_ok=True)  # a fresh run starts a fresh file
+        if cfg.get("validate_at_start", True) and trainer.limit_val_batches:
+            # the untrained model's val_loss: the starting point of the curve in metrics.csv
+            trainer.validate(task, datamodule=data, verbose=False)
     trainer.fit(task, datamodule=data, ckpt_path=str(resume) if resume else None)
 
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if v.numel() == 1}

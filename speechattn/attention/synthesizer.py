@@ -36,6 +36,18 @@ from speechattn.attention.base import Attention, AttentionConfig, key_mask, mask
 from speechattn.attention.registry import register
 
 
+def _sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, p: float) -> Tensor:
+    """softmax(q k^T) v by SDPA with scale 1, zero-padding q/k or v to one head size first:
+    the fused CPU kernel needs equal sizes (else SDPA falls back to the T x T math path)."""
+    dq, dv = q.shape[-1], v.shape[-1]
+    if dq > dv:
+        v = F.pad(v, (0, dq - dv))
+    elif dv > dq:
+        q, k = F.pad(q, (0, dv - dq)), F.pad(k, (0, dv - dq))
+    y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p, scale=1.0)
+    return y[..., :dv]
+
+
 def _check_len(name: str, T: int, max_len: int) -> None:
     if T > max_len:
         raise ValueError(
@@ -101,8 +113,7 @@ class SynDenseAttention(_SynthesizerBase):
         v = self.v_proj(x)[:, None]  # (B, 1, T, D): all heads share the weights
         mask = None if bool(valid.all()) else key_mask(valid)[:, None, None, :]  # (B, 1, 1, T)
         p = self.dropout if self.training else 0.0
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p, scale=1.0)
-        return self.split_heads(y[:, 0])  # (B, h, T, d_k)
+        return self.split_heads(_sdpa(q, k, v, mask, p)[:, 0])  # (B, h, T, d_k)
 
     def attend_dense(self, x: Tensor, valid: Tensor) -> tuple[Tensor, Tensor]:
         q, k = self._qk(x)  # (B, 1, T, H')
@@ -149,8 +160,7 @@ class SynDenseMHAttention(_SynthesizerBase):
         q, k = self._qk(x)  # (B, h, T, H')
         v = self.split_heads(self.v_proj(x))  # (B, h, T, d_k)
         mask = None if bool(valid.all()) else key_mask(valid)[:, None, None, :]  # (B, 1, 1, T)
-        p = self.dropout if self.training else 0.0
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p, scale=1.0)
+        return _sdpa(q, k, v, mask, self.dropout if self.training else 0.0)
 
     def attend_dense(self, x: Tensor, valid: Tensor) -> tuple[Tensor, Tensor]:
         q, k = self._qk(x)  # (B, h, T, H')

@@ -33,7 +33,7 @@ class MetricsCSV(Callback):
             return
         step = trainer.global_step
         rows = []
-        if step > 0 and self.path.is_file():  # resumed: keep the history up to the checkpoint
+        if self.path.is_file():  # keep the history up to this point (resume, or step-0 validation)
             with self.path.open(newline="") as f:
                 rows = [r for r in csv.DictReader(f) if r.get("step") and int(r["step"]) <= step]
             if rows and rows[-1].get("elapsed_s"):
@@ -63,8 +63,13 @@ class MetricsCSV(Callback):
             self._write(trainer, ("train_loss", "lr", "frames_per_s"))
 
     def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if trainer.is_global_zero and not trainer.sanity_checking:
-            self._write(trainer, ("val_loss",))
+        if not trainer.is_global_zero or trainer.sanity_checking:
+            return
+        if not self.path.is_file():  # validation before training: start the file
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            with self.path.open("w", newline="") as f:
+                csv.DictWriter(f, fieldnames=self.COLUMNS).writeheader()
+        self._write(trainer, ("val_loss",))
 
 
 def progress_bar(kind: str) -> list[ProgressBar]:

@@ -42,7 +42,7 @@ def test_short_run_learns_and_writes_the_run_directory(tmp_path):
     assert len(losses) >= 15
     assert sum(losses[-5:]) / 5 < 0.8 * sum(losses[:5]) / 5, losses
     rows = read_metrics(tmp_path / "metrics.csv")
-    assert [r["step"] for r in rows if not math.isnan(r["val_loss"])] == [20, 40]
+    assert [r["step"] for r in rows if not math.isnan(r["val_loss"])] == [0, 20, 40]
     assert all(r["frames_per_s"] > 0 for r in rows[1:] if not math.isnan(r["train_loss"]))
     names = {p.name for p in tmp_path.iterdir()}
     assert {"checkpoints", "upstream.pt", "metrics.csv", "config.yaml", "tensorboard"} <= names
@@ -223,3 +223,33 @@ def test_unknown_names_give_hydra_errors_listing_the_choices(tmp_path):
         with pytest.raises(ConfigCompositionException) as e:
             compose_pretrain(tmp_path, *SYNTH, override)
         assert "Available options" in str(e.value) and listed in str(e.value)
+
+
+def test_real_data_module_on_the_tiny_corpus(tmp_path, tiny_data_config):
+    """The default data path (PretrainDataModule on a built-in corpus) learns and exports."""
+    d = tiny_data_config
+    cfg = compose_pretrain(
+        tmp_path,
+        f"data.root={d.root}",
+        f"data.cache_dir={d.cache_dir}",
+        "data.batch_size=8",
+        "data.extract_workers=1",
+        "data.shard_size=8",
+        "data.progress=false",
+        "model.net.dim=64",
+        "model.net.num_heads=4",
+        "model.net.ffn_dim=128",
+        "model.optimizer.lr=1e-2",
+        "trainer.max_steps=60",
+        "trainer.val_check_interval=10",
+        "data.pretrain_val_fraction=0.2",
+    )
+    result = run(cfg)
+    rows = read_metrics(tmp_path / "metrics.csv")
+    val = [r["val_loss"] for r in rows if not math.isnan(r["val_loss"])]
+    assert rows[0]["step"] == 0 and len(val) == 7  # the untrained model's val_loss comes first
+    assert val[-1] < val[0] - 0.02 and min(val[1:]) < val[0], val
+    up = speechattn.load_upstream(result["upstream"])
+    assert up.metadata["corpus"] == "embedded" and up.feature_dim == 80
+    assert up.feature_config["n_mels"] == 80
+    assert up.normalizer.mode == "global" and up.mean.abs().sum() > 0
