@@ -181,6 +181,8 @@ def _window(r: Tensor, o: int, s: int, e: int, T: int) -> Tensor:
     """
     n = r.shape[-1]
     w = r[o + s : min(o + e, n), o : min(o + T, n)]
+    if w.shape == (e - s, T):
+        return w  # a view, the usual case
     return F.pad(w, (0, T - w.shape[1], 0, (e - s) - w.shape[0]))
 
 
@@ -205,28 +207,25 @@ class TableAttention(torch.autograd.Function):
         )
 
     @staticmethod
-    def _probs(table: Tensor, offs: list[int], s: int, e: int, kv: Tensor) -> Tensor:
-        """(nb or 1, h, C, T) weights of rows [s, e)."""
+    def _probs(r: Tensor, o: int, s: int, e: int, kv: Tensor) -> Tensor:
+        """Weights of rows [s, e) of one head's table r (n, n) read at offset o: (nb | 1, C, T)."""
         T = kv.shape[-1]
-        if len(set(offs)) == 1 and offs[0] + T <= table.shape[-1]:
-            o = offs[0]
-            logits = table[None, :, o + s : o + e, o : o + T]  # (1, h, C, T), a view
-        else:
-            logits = torch.stack([_window(table[i], o, s, e, T) for i, o in enumerate(offs)])[None]
+        logits = _window(r, o, s, e, T)[None]  # (1, C, T)
         if bool(kv.all()):
             return torch.softmax(logits, dim=-1)
-        return masked_softmax(logits, kv[:, None, None, :])
+        return masked_softmax(logits, kv[:, None, :])
 
     @staticmethod
     def forward(ctx, table: Tensor, offsets: Tensor, v: Tensor, kv: Tensor) -> Tensor:
         B, h, T, _ = v.shape
-        chunk = max(1, _CHUNK // (h * T))
+        chunk = max(1, _CHUNK // T)  # rows per block: one head, (chunk, T) weights
         out = v.new_empty(v.shape)
         for bs, offs in TableAttention._groups(offsets, B):
-            for s in range(0, T, chunk):
-                e = min(s + chunk, T)
-                p = TableAttention._probs(table, offs, s, e, kv[bs])  # (nb | 1, h, C, T)
-                out[bs, :, s:e] = p @ v[bs]
+            for i, o in enumerate(offs):
+                for s in range(0, T, chunk):
+                    e = min(s + chunk, T)
+                    p = TableAttention._probs(table[i], o, s, e, kv[bs])  # (nb | 1, C, T)
+                    out[bs, i, s:e] = p @ v[bs, i]
         ctx.save_for_backward(table, offsets, v, kv, out)
         return out
 
@@ -235,35 +234,38 @@ class TableAttention(torch.autograd.Function):
         table, offsets, v, kv, out = ctx.saved_tensors
         B, h, T, d = v.shape
         n = table.shape[-1]
-        chunk = max(1, _CHUNK // (h * T))
+        chunk = max(1, _CHUNK // T)
         groups = TableAttention._groups(offsets, B)
-        write_once = len(groups) == 1  # each table entry receives one chunk's gradient
+        write_once = len(groups) == 1  # each table entry receives one block's gradient
         g_table = None
         if ctx.needs_input_grad[0]:
             g_table = table.new_empty(table.shape) if write_once else torch.zeros_like(table)
         g_v = torch.zeros_like(v)
         for bs, offs in groups:
-            vt = v[bs].transpose(-1, -2)  # (nb, h, d_k, T)
-            for s in range(0, T, chunk):
-                e = min(s + chunk, T)
-                p = TableAttention._probs(table, offs, s, e, kv[bs])  # (nb | 1, h, C, T)
-                go = grad[bs, :, s:e]  # (nb, h, C, d_k)
-                g_v[bs] += p.transpose(-1, -2) @ go
-                if g_table is None:
-                    continue
-                delta = (go * out[bs, :, s:e]).sum(-1, keepdim=True)  # (nb, h, C, 1)
-                g_p = (go @ vt).sub_(delta)  # dL/dp - delta, (nb, h, C, T)
-                g_logits = g_p.mul_(p)
-                g_logits = g_logits[0] if g_logits.shape[0] == 1 else g_logits.sum(0)  # (h, C, T)
-                for i, o in enumerate(offs):
+            for i, o in enumerate(offs):
+                vi, gvi = v[bs, i], g_v[bs, i]  # (nb, T, d_k)
+                for s in range(0, T, chunk):
+                    e = min(s + chunk, T)
+                    p = TableAttention._probs(table[i], o, s, e, kv[bs])  # (nb | 1, C, T)
+                    go = grad[bs, i, s:e]  # (nb, C, d_k)
+                    gvi.baddbmm_(p.transpose(-1, -2).expand(go.shape[0], -1, -1), go)
+                    if g_table is None:
+                        continue
+                    delta = (go * out[bs, i, s:e]).sum(-1, keepdim=True)  # (nb, C, 1)
                     r, c = min(e, n - o), min(T, n - o)
+                    dst = g_table[i, o + s : o + r, o : o + c]
+                    if write_once and go.shape[0] == 1 and dst.shape == (e - s, T):
+                        # dL/dlogits = p * (go v^T - delta), written straight into the gradient
+                        torch.addmm(delta[0], go[0], vi[0].T, beta=-1, out=dst).mul_(p[0])
+                        continue
+                    g_logits = torch.baddbmm(delta, go, vi.transpose(-1, -2), beta=-1).mul_(p)
+                    g_logits = g_logits[0] if g_logits.shape[0] == 1 else g_logits.sum(0)  # (C, T)
                     if r <= s:
                         continue
-                    dst = g_table[i, o + s : o + r, o : o + c]
                     if write_once:
-                        dst.copy_(g_logits[i, : r - s, :c])
+                        dst.copy_(g_logits[: r - s, :c])
                     else:
-                        dst += g_logits[i, : r - s, :c]
+                        dst += g_logits[: r - s, :c]
         if g_table is not None and write_once:
             for i, o in enumerate(groups[0][1]):  # zero what no slice covered
                 c = min(T, n - o)
