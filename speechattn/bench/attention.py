@@ -10,7 +10,9 @@ speechattn's wrapper) and `sdpa_kernel` (the SDPA call alone on ready (B, h, T, 
 
 * time: minimum over `--reps` timed steps after one warm-up step (min is the most robust
   statistic on a shared machine); the median is stored too. Parameter gradients are reset
-  to None before each step, as `optimizer.zero_grad()` does.
+  to None around each step, as `optimizer.zero_grad()` does. `--clock wall` (default) times
+  wall-clock; `--clock cpu` times the process's CPU time, which with `--threads 1` is immune
+  to other processes competing for the cores (it sums all threads otherwise).
 * peak memory: on CUDA, `torch.cuda.max_memory_allocated` minus the memory allocated
   before the step. On CPU (Linux), the rise of the process's peak resident set size during
   one step: the kernel's high-water mark is reset through /proc/self/clear_refs (after
@@ -175,15 +177,17 @@ class Case:
         if self.device.type == "cuda":
             torch.cuda.synchronize()
 
-    def time_step(self) -> float:
+    def time_step(self, clock: Callable[[], float]) -> float:
         self._zero()
         self.sync()
-        t0 = time.perf_counter()
+        t0 = clock()
         self.forward().sum().backward()
         self.sync()
-        return (time.perf_counter() - t0) * 1000
+        dt = (clock() - t0) * 1000
+        self._zero()  # free gradients (large for synthesizer tables) before the next case
+        return dt
 
-    def time_select(self) -> float | None:
+    def time_select(self, clock: Callable[[], float]) -> float | None:
         """LSH only: hashing + matching + top-k on this input, no gradient (ms)."""
         if self.name not in LSH:
             return None
@@ -192,10 +196,10 @@ class Case:
             valid = torch.ones(self.inputs.shape[:2], dtype=torch.bool, device=self.device)
             q, k, _ = attn._qkv(self.inputs)
             self.sync()
-            t0 = time.perf_counter()
+            t0 = clock()
             attn.select(q, k, valid)
             self.sync()
-        return (time.perf_counter() - t0) * 1000
+        return (clock() - t0) * 1000
 
     def memory(self, rss: _RSS) -> tuple[float | None, float]:
         self._zero()
@@ -240,6 +244,7 @@ def run(args: argparse.Namespace) -> dict:
         names = ["full", *names]
     rows = names + ([] if args.no_baselines else BASELINES)
     rss = _RSS()
+    clock = time.process_time if args.clock == "cpu" else time.perf_counter
     res: dict[str, dict] = {
         n: {"time_ms": {}, "time_ms_median": {}, "peak_mem_mb": {}, "saved_mb": {}} for n in rows
     }
@@ -257,12 +262,12 @@ def run(args: argparse.Namespace) -> dict:
         samples: dict[str, list[float]] = {n: [] for n in cases}
         for _ in range(args.reps):
             for n, case in cases.items():
-                samples[n].append(case.time_step())
+                samples[n].append(case.time_step(clock))
         for n, case in cases.items():
             r = res[n]
             r["time_ms"][T] = min(samples[n])
             r["time_ms_median"][T] = statistics.median(samples[n])
-            sel = [case.time_select() for _ in range(args.reps)] if n in LSH else []
+            sel = [case.time_select(clock) for _ in range(args.reps)] if n in LSH else []
             if sel:
                 r.setdefault("select_ms", {})[T] = min(sel)
                 r.setdefault("attention_ms", {})[T] = max(r["time_ms"][T] - min(sel), 1e-3)
@@ -305,7 +310,7 @@ def run(args: argparse.Namespace) -> dict:
         "heads": args.heads,
         "lengths": args.lengths,
         "reps": args.reps,
-        "timing": "forward+backward wall time, min over reps after one warm-up",
+        "timing": f"forward+backward {args.clock} time, min over reps after one warm-up",
         "memory": (
             "cuda max_memory_allocated rise"
             if device.type == "cuda"
@@ -357,7 +362,7 @@ def print_table(out: dict) -> None:
     Ts = out["meta"]["lengths"]
     allrows = {**out["variants"], **out["baselines"]}
     w = max(len(n) for n in allrows) + 2
-    print(f"\nforward+backward time (ms), B={out['meta']['batch']} D={out['meta']['dim']} "
+    print(f"\nforward+backward {out['meta']['timing'].split()[1]} time (ms), B={out['meta']['batch']} D={out['meta']['dim']} "
           f"h={out['meta']['heads']} on {out['meta']['device']} ({out['meta']['threads']} threads)")  # fmt: skip
     print("variant".ljust(w) + "".join(f"T={T}".rjust(10) for T in Ts) + "   exp")
     for n, r in allrows.items():
@@ -444,6 +449,9 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--dim", type=int, default=768)
     p.add_argument("--heads", type=int, default=12)
     p.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's)")
+    p.add_argument(
+        "--clock", choices=["wall", "cpu"], default="wall", help="wall or process CPU time"
+    )
     p.add_argument("--no-memory", action="store_true", help="skip the memory pass")
     p.add_argument("--no-baselines", action="store_true", help="skip sdpa_mha / sdpa_kernel")
     args = p.parse_args(argv)
