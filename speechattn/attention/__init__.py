@@ -8,7 +8,15 @@
 Each family lives in its own file and registers itself on import (explicit imports below).
 """
 
-from speechattn.attention import dot_product, ldsa, lsh, sparse, synthesizer  # noqa: F401
+# Registration order = the order of `available()` (as in the study's tables).
+# isort: off
+from speechattn.attention import dot_product  # noqa: F401  full, shared_qk
+from speechattn.attention import sparse  # noqa: F401  sparse_strided, sparse_fixed
+from speechattn.attention import lsh  # noqa: F401  sign_alsh, xbox, xbox_qnf, simple_lsh, simple_alsh
+from speechattn.attention import synthesizer  # noqa: F401  syn_dense, syn_dense_mh, syn_random, syn_fixed
+from speechattn.attention import ldsa  # noqa: F401  ldsa
+
+# isort: on
 from speechattn.attention.base import Attention, AttentionConfig
 from speechattn.attention.pooling import FusedAttentionPool
 from speechattn.attention.registry import available, build, get, register

@@ -14,7 +14,7 @@ l ~ sqrt(T): with the default ``stride``/``block`` = None each utterance uses
 l = round(sqrt(T_valid)) of its own valid length, so its output does not depend on what it is
 batched with (utterances sharing l are processed together). An int fixes l for all inputs.
 
-Efficient path (never a T x T mask; n = ceil(T / l) blocks):
+Efficient path (never a T x T mask; n = ceil(T / l) blocks; l is `ls` in the code):
     band:    each query block against [previous, own, next] key blocks   (B, H, n, l, 3l)
     residue: reshape (n, l) -> (l, n), attend within each residue class   (B, H, l, n, n)
     block:   attend within each block                                      (B, H, n, l, l)
