@@ -403,28 +403,29 @@ def _fmt(x: float | None) -> str:
 
 
 def plot(out: dict, path: Path) -> None:
+    """Log-log time and memory vs T (also works on a JSON-loaded result with str keys)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     allrows = {**out["variants"], **out["baselines"]}
-    fig, axes = plt.subplots(1, 2, figsize=(13, 5.5))
-    for n, r in allrows.items():
-        style = "--" if n in BASELINES else "-"
+    colors = plt.get_cmap("tab20").colors
+    markers = "osD^v<>pPX*hH"
+    fig, axes = plt.subplots(1, 2, figsize=(14, 6))
+    for i, (n, r) in enumerate(allrows.items()):
+        style = dict(ls="--" if n in BASELINES else "-", marker=markers[i % len(markers)], ms=4)
         for ax, key in zip(axes, ("time_ms", "peak_mem_mb")):
-            pts = sorted((T, t) for T, t in r[key].items() if t)
+            pts = sorted((int(T), t) for T, t in r.get(key, {}).items() if t)
             if pts:
-                ax.plot(*zip(*pts), style, marker="o", ms=3, label=n)
-    for ax, label in zip(
-        axes, ("forward+backward time (ms)", f"peak memory (MiB, {out['meta']['memory']})")
-    ):
+                ax.plot(*zip(*pts), color=colors[i % len(colors)], label=n, **style)
+    for ax, label in zip(axes, ("forward+backward time (ms)", "peak memory rise (MiB)")):
         ax.set(xscale="log", yscale="log", xlabel="T (frames)", ylabel=label)
         ax.grid(True, which="both", alpha=0.3)
-    axes[0].legend(fontsize=7, ncol=2)
-    fig.suptitle(
-        f"attention variants, B={out['meta']['batch']} D={out['meta']['dim']} h={out['meta']['heads']}, {out['meta']['device']}"
-    )
+    axes[1].legend(fontsize=8, ncol=2, loc="upper left")
+    m = out["meta"]
+    fig.suptitle(f"attention variants: B={m['batch']}, D={m['dim']}, h={m['heads']}, {m['device']}, "
+                 f"{m['threads']} thread(s); {m['timing']}", fontsize=10)  # fmt: skip
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
