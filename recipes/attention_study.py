@@ -48,7 +48,7 @@ def scale_overrides(scale: str, librispeech: str | None) -> Scale:
         return Scale(
             pretrain=["trainer.accelerator=cpu"],
             downstream=["trainer.accelerator=cpu", "device=cpu"],
-            bench=["--device", "cpu"],
+            bench=["--quick", "--device", "cpu"],
         )
     if scale == "paper":
         if not librispeech:

@@ -121,13 +121,16 @@ def _first(record: dict[str, Any], keys: tuple[str, ...]) -> Any:
 def read_bench(path: str | Path) -> tuple[list[BenchRecord], dict[str, Any]]:
     """Read `python -m speechattn.bench attention --json PATH` output.
 
-    Accepted shapes: a list of records, or an object with a `results` (or `records`) list and
+    Accepted shapes: the benchmark's own `{"meta": {...}, "variants": {name: {"time_ms": {T: ms},
+    "peak_mem_mb": {T: MiB}, ...}}}`; a list of records, or an object with a `results` (or `records`) list and
     any other top-level keys kept as metadata (device, dtype, ...). A record names its variant
     (`attention`/`variant`/`name`), its sequence length (`seq_len`/`T`) and the measured time
     (`time_ms`, ...) and peak memory (`peak_memory_mb`, ...). Unknown keys are kept in `extra`.
     """
     data = json.loads(Path(path).read_text())
     meta: dict[str, Any] = {}
+    if isinstance(data, dict) and isinstance(data.get("variants"), dict):
+        return _read_bench_by_variant(data)
     if isinstance(data, dict):
         rows = data.get("results", data.get("records", []))
         meta = {k: v for k, v in data.items() if k not in ("results", "records")}
@@ -151,6 +154,29 @@ def read_bench(path: str | Path) -> tuple[list[BenchRecord], dict[str, Any]]:
                 extra={k: v for k, v in row.items() if k not in used},
             )
         )
+    return records, meta
+
+
+def _read_bench_by_variant(data: dict[str, Any]) -> tuple[list[BenchRecord], dict[str, Any]]:
+    """`speechattn.bench.attention` JSON: per variant, measurements keyed by T (JSON strings)."""
+    records = []
+    for name, row in data["variants"].items():
+        if not isinstance(row, dict):
+            continue
+        times = row.get("time_ms") or {}
+        memory = row.get("peak_mem_mb") or {}
+        for T in sorted({*times, *memory}, key=lambda t: int(t)):
+            time_ms, mem = times.get(T), memory.get(T)
+            records.append(
+                BenchRecord(
+                    variant=str(name),
+                    seq_len=int(T),
+                    time_ms=None if time_ms is None else float(time_ms),
+                    memory_mb=None if mem is None else float(mem),
+                    extra={"error": (row.get("errors") or {}).get(T)},
+                )
+            )
+    meta = dict(data.get("meta") or {})
     return records, meta
 
 

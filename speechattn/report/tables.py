@@ -116,11 +116,12 @@ def cost_table(
     bench: list[BenchRecord],
     seq_len: int,
     variants: list[str] | None = None,
+    max_lengths: int | None = None,
 ) -> Table:
     """Per variant: complexity, keys attended at `seq_len`, parameters, measured time/memory.
 
-    Measured columns come from the benchmark records, one pair per benchmarked length; they
-    are absent when no benchmark was run.
+    Measured columns come from the benchmark records, one pair per benchmarked length (at most
+    `max_lengths`, spread from the shortest to the longest); absent without a benchmark.
     """
     if variants is None:
         names = registry_order() or [v for v in results.variants() if v != MEL]
@@ -130,6 +131,9 @@ def cost_table(
             if v not in names and v != MEL
         ]
     lengths = sorted({r.seq_len for r in bench})
+    if max_lengths is not None and len(lengths) > max_lengths:  # smallest, ..., largest
+        step = (len(lengths) - 1) / (max_lengths - 1)
+        lengths = sorted({lengths[round(i * step)] for i in range(max_lengths)})
     by_key = {(r.variant, r.seq_len): r for r in bench}
     header = [
         "variant",

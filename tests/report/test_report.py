@@ -194,3 +194,40 @@ def test_attention_maps_from_a_real_upstream(tmp_path: Path) -> None:
     report = make_report(root)
     assert (root / "fig_attention_maps.png").is_file(), report.notes
     assert "fig_attention_maps.png" in (root / "README.md").read_text()
+
+
+def test_bench_json_of_speechattn_bench_attention(tmp_path: Path, partial: Path) -> None:
+    """The benchmark's own layout: per variant, measurements keyed by T (strings in JSON)."""
+    lengths = [128, 256, 512, 1024]
+    bench = {
+        "meta": {"device": "cpu", "dim": 768, "heads": 12, "lengths": lengths},
+        "variants": {
+            "full": {
+                "time_ms": {str(T): T / 10 for T in lengths},
+                "peak_mem_mb": {str(T): T / 100 for T in lengths},
+            },
+            "ldsa": {
+                "time_ms": {"128": 1.0},
+                "peak_mem_mb": {},
+                "errors": {"256": "out of memory"},
+            },
+        },
+        "baselines": {"sdpa_mha": {"time_ms": {"128": 1.0}}},
+    }
+    path = tmp_path / "attention.json"
+    path.write_text(json.dumps(bench))
+    records, meta = read_bench(path)
+    assert meta["device"] == "cpu"
+    assert [(r.variant, r.seq_len, r.time_ms) for r in records][:2] == [
+        ("full", 128, 12.8),
+        ("full", 256, 25.6),
+    ]
+    assert ("ldsa", 128, 1.0, None) in [
+        (r.variant, r.seq_len, r.time_ms, r.memory_mb) for r in records
+    ]
+    make_report(partial, out=tmp_path / "r", bench=path)
+    md = (tmp_path / "r" / "table1.md").read_text()
+    assert "time ms (T=128)" in md and "time ms (T=1024)" in md and "on cpu" in md
+    assert sum(f"time ms (T={T})" in md for T in lengths) == 3  # the Markdown shows 3 lengths
+    header = next(csv.reader(open(tmp_path / "r" / "table1.csv")))
+    assert sum(h.startswith("time ms") for h in header) == 4  # the CSV keeps them all
