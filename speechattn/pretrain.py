@@ -105,7 +105,6 @@ def run(cfg: DictConfig, datamodule: Any = None) -> dict[str, Any]:
     it must follow the batch contract of docs/ARCHITECTURE.md.
     """
     import lightning as L
-    import torch
     from hydra.utils import instantiate
     from lightning.pytorch.callbacks import ModelCheckpoint
 
