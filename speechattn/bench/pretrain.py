@@ -3,7 +3,8 @@
     python -m speechattn.bench pretrain [--model aalbert_tiny|aalbert_base] [--batch 4]
         [--frames 500] [--attention full,ldsa,...] [--repeat 5] [--json out.json]
 
-A step is what `PretrainTask.training_step` does: stack frames, span masking, forward, masked
+`--clock cpu --threads 1` times CPU time of one thread, which other processes on a shared
+machine cannot inflate. A step is what `PretrainTask.training_step` does: stack frames, span masking, forward, masked
 L1, backward, LAMB update. Each variant is timed in the same process as
 
 * `reference`: a hand-written BERT-style AALBERT (explicit softmax(QK^T)V, no SDPA, no
@@ -111,17 +112,22 @@ SDPA_CPU = {
 }
 
 
-def matmul_peak(n: int = 3072, repeat: int = 5, device: str = "cpu") -> float:
+def matmul_peak(
+    n: int = 3072,
+    repeat: int = 5,
+    device: str = "cpu",
+    clock: Callable[[], float] = time.perf_counter,
+) -> float:
     """Best fp32 FLOP/s of an n x n x n torch.mm on this device."""
     a, b = torch.randn(n, n, device=device), torch.randn(n, n, device=device)
     a @ b  # warm-up
     best = math.inf
     for _ in range(repeat):
         _sync(device)
-        t = time.perf_counter()
+        t = clock()
         a @ b
         _sync(device)
-        best = min(best, time.perf_counter() - t)
+        best = min(best, clock() - t)
     return 2 * n**3 / best
 
 
@@ -167,18 +173,15 @@ def count_flops(step: Callable[[], float]) -> int:
     return int(counter.get_total_flops())
 
 
-def time_step(step: Callable[[], float], repeat: int, warmup: int, device: str) -> float:
-    """Median seconds per step."""
-    for _ in range(warmup):
-        step()
-    times = []
-    for _ in range(repeat):
-        _sync(device)
-        t = time.perf_counter()
-        step()
-        _sync(device)
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
+def time_step(
+    step: Callable[[], float], device: str, clock: Callable[[], float] = time.perf_counter
+) -> float:
+    """Seconds of one step by `clock`."""
+    _sync(device)
+    t = clock()
+    step()
+    _sync(device)
+    return clock() - t
 
 
 def build(name: str, config: ModelConfig, frames: int, device: str) -> nn.Module:
@@ -209,6 +212,12 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--device", default="cpu")
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (CPU)")
+    p.add_argument(
+        "--clock",
+        default="wall",
+        choices=("wall", "cpu"),
+        help="cpu: process CPU time, immune to other load (needs --threads 1)",
+    )
     p.add_argument("--dropout", type=float, default=0.0, help="0 keeps the step matmul-bound")
     p.add_argument("--json", type=Path, default=None, help="also write the results here")
     return p.parse_args(argv)
@@ -228,10 +237,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "lengths": torch.full((args.batch,), T, dtype=torch.long, device=args.device),
     }
     masking = MaskingConfig()
-    peak = matmul_peak(device=args.device)
+    if args.clock == "cpu" and (args.device != "cpu" or torch.get_num_threads() != 1):
+        raise SystemExit("--clock cpu needs --device cpu --threads 1 (CPU time of one thread)")
+    clock = time.process_time if args.clock == "cpu" else time.perf_counter
+    peak = matmul_peak(device=args.device, clock=clock)
     print(
         f"{args.model}, batch {args.batch} x {args.frames} stacked frames, {args.device}, "
-        f"{torch.get_num_threads()} threads; fp32 matmul peak {peak / 1e9:.1f} GFLOP/s"
+        f"{torch.get_num_threads()} threads, {args.clock} clock; "
+        f"fp32 matmul peak {peak / 1e9:.1f} GFLOP/s"
     )
     # Round-robin timing: every variant gets one step per round, so drifting machine load
     # (shared CPUs) affects all of them alike; the peak is re-measured at the end.
@@ -245,8 +258,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     times: dict[str, list[float]] = {name: [] for name in steps}
     for _ in range(args.repeat):
         for name, step in steps.items():
-            times[name].append(time_step(step, 1, 0, args.device))
-    peak = max(peak, matmul_peak(device=args.device))
+            times[name].append(time_step(step, args.device, clock))
+    peak = max(peak, matmul_peak(device=args.device, clock=clock))
     print(f"  (peak re-measured after the steps: {peak / 1e9:.1f} GFLOP/s, the best is used)")
     rows = []
     for name in steps:
@@ -271,6 +284,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "frames": args.frames,
         "device": args.device,
         "threads": torch.get_num_threads(),
+        "clock": args.clock,
         "peak_gflops": peak / 1e9,
         "rows": rows,
     }
