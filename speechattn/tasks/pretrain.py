@@ -248,6 +248,9 @@ class PretrainTask(L.LightningModule):
         norm = getattr(dm, "normalizer", None) if dm is not None else None
         if norm is not None:
             self.set_data_info(normalizer=norm)
+        describe = getattr(dm, "describe", None)
+        if callable(describe):
+            self.set_data_info(data_summary=describe())  # corpus root, utterance counts, skips
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         checkpoint["speechattn_data"] = self.data_info

@@ -36,6 +36,11 @@ class ResumableData(L.LightningDataModule):
         """The wrapped module's `Normalizer` (training-split mean/std), available after setup."""
         return self.inner.normalizer
 
+    def describe(self) -> dict[str, Any]:
+        """Corpus facts for the upstream metadata (the wrapped module's, when it has them)."""
+        describe = getattr(self.inner, "describe", None)
+        return dict(describe()) if callable(describe) else {}
+
     @property
     def feature_dim(self) -> int:
         return int(self.inner.feature_dim)

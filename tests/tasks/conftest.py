@@ -15,7 +15,7 @@ from speechattn import CONFIG_DIR
 from speechattn.data.features import Normalizer
 
 
-def compose_pretrain(output_dir: Path, *overrides: str) -> DictConfig:
+def compose_pretrain(output_dir: Path, *overrides: str, shrink: bool = True) -> DictConfig:
     """The real `conf/pretrain.yaml`, shrunk for CPU tests (tiny model, no progress bar)."""
     base = [
         "model.net.dim=32",
@@ -33,7 +33,7 @@ def compose_pretrain(output_dir: Path, *overrides: str) -> DictConfig:
         "logger=none",
     ]
     with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
-        cfg = compose("pretrain", overrides=[*base, *overrides])
+        cfg = compose("pretrain", overrides=[*(base if shrink else []), *overrides])
     with open_dict(cfg):
         cfg.output_dir = str(output_dir)
     return cfg

@@ -251,5 +251,37 @@ def test_real_data_module_on_the_tiny_corpus(tmp_path, tiny_data_config):
     assert val[-1] < val[0] - 0.02 and min(val[1:]) < val[0], val
     up = speechattn.load_upstream(result["upstream"])
     assert up.metadata["corpus"] == "embedded" and up.feature_dim == 80
+    assert up.metadata["data_summary"]["train_utterances"] > 0
     assert up.feature_config["n_mels"] == 80
     assert up.normalizer.mode == "global" and up.mean.abs().sum() > 0
+
+
+@pytest.mark.parametrize(
+    "overrides, expected",
+    [
+        (["model=aalbert_base"], {"model.net.dim": 768, "model.net.num_heads": 12,
+                                  "model.net.ffn_dim": 3072, "model.net.num_layers": 6,
+                                  "model.optimizer.name": "lamb", "model.optimizer.lr": 5e-5}),
+        (["trainer=gpu"], {"trainer.accelerator": "gpu", "trainer.precision": "bf16-mixed"}),
+        (["trainer=ddp"], {"trainer.strategy": "ddp", "trainer.precision": "auto"}),
+        (["experiment=paper"], {"data.corpus": "librispeech", "data.batch_size": 50,
+                                "trainer.max_steps": 500000, "model.name": "aalbert_base",
+                                "trainer.precision": "bf16-mixed"}),
+        (["debug=fdr"], {"trainer.max_steps": 5}),
+        (["model.net.shared=false", "model.optimizer.name=adamw"], {"model.net.shared": False}),
+    ],
+)  # fmt: skip
+def test_config_groups_compose(tmp_path, overrides, expected):
+    from omegaconf import OmegaConf
+
+    cfg = compose_pretrain(tmp_path, *overrides, shrink=False)
+    for key, value in expected.items():
+        assert OmegaConf.select(cfg, key) == value, key
+
+
+def test_precision_auto_is_fp32_on_cpu():
+    from speechattn.pretrain import resolve_precision
+
+    assert resolve_precision("auto", "cpu") == "32-true"
+    assert resolve_precision("bf16-mixed", "cpu") == "32-true"
+    assert resolve_precision("32-true", "cpu") == "32-true"
