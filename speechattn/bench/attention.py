@@ -18,8 +18,9 @@ speechattn's wrapper) and `sdpa_kernel` (the SDPA call alone on ready (B, h, T, 
   one step: the kernel's high-water mark is reset through /proc/self/clear_refs (after
   malloc_trim) and VmHWM - VmRSS is read afterwards. It therefore counts every byte the step
   touches (activations, workspaces, parameter gradients), not just tensors. Also stored:
-  `saved_mb`, the bytes of tensors saved for backward (storages counted once), collected with
-  `torch.autograd.graph.saved_tensors_hooks`; deterministic but blind to transients.
+  `saved_mb`, the bytes of tensors saved for backward (storages counted once, parameters
+  excluded), collected with `torch.autograd.graph.saved_tensors_hooks`; deterministic but
+  blind to transients.
 * LSH variants: `select_ms` times hashing + code matching + top-k alone (no gradient), and
   `attention_ms` = time - select_ms is their attention part.
 * Synthesizers whose max_len < T are built with max_len = T.
@@ -118,12 +119,14 @@ class _RSS:
         return (self._status("VmHWM") - base) / 2**20
 
 
-def saved_bytes(fn: Callable[[], Tensor]) -> tuple[Tensor, float]:
-    """Run fn under saved_tensors_hooks; returns (output, MiB of distinct saved storages)."""
+def saved_bytes(fn: Callable[[], Tensor], params: list[Tensor]) -> tuple[Tensor, float]:
+    """Run fn under saved_tensors_hooks; returns (output, MiB of distinct saved storages),
+    not counting storages of `params` (saving a parameter costs no memory)."""
     seen: dict[int, int] = {}
+    skip = {p.untyped_storage().data_ptr() for p in params}
 
     def pack(t: Tensor) -> Tensor:
-        if t.numel():
+        if t.numel() and t.untyped_storage().data_ptr() not in skip:
             st = t.untyped_storage()
             seen[st.data_ptr()] = st.nbytes()
         return t
@@ -213,7 +216,7 @@ class Case:
         else:
             peak = rss.measure(self.step)
         self._zero()
-        _, saved = saved_bytes(self.forward)
+        _, saved = saved_bytes(self.forward, list(self.module.parameters()))
         return peak, saved
 
     def params(self) -> int:
@@ -318,7 +321,7 @@ def run(args: argparse.Namespace) -> dict:
             if rss.ok
             else "unavailable"
         ),
-        "saved_mb": "bytes of distinct storages saved for backward (saved_tensors_hooks)",
+        "saved_mb": "bytes of distinct non-parameter storages saved for backward (saved_tensors_hooks)",
     }
     out = {
         "meta": meta,
