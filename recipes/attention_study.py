@@ -171,6 +171,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-mel", action="store_true", help="skip the mel baseline")
     parser.add_argument("--no-bench", action="store_true", help="skip the attention benchmark")
     parser.add_argument("--dry-run", action="store_true", help="print the commands only")
+    parser.add_argument(
+        "--pretrain-arg",
+        action="append",
+        default=[],
+        metavar="OVERRIDE",
+        help="extra Hydra override for every pretraining (repeatable), e.g. trainer.max_steps=300",
+    )
+    parser.add_argument(
+        "--downstream-arg",
+        action="append",
+        default=[],
+        metavar="OVERRIDE",
+        help="extra Hydra override for every downstream run (repeatable), e.g. layer=weighted",
+    )
     args = parser.parse_args(argv)
 
     from speechattn.attention import available
@@ -184,7 +198,10 @@ def main(argv: list[str] | None = None) -> int:
         variants = [v for v in variants if v in chosen]
     tasks = tuple(args.tasks.split(","))
     out = (args.out or Path("results") / args.scale).resolve()
-    study = Study(out, scale_overrides(args.scale, args.librispeech), args.dry_run)
+    scale = scale_overrides(args.scale, args.librispeech)
+    scale.pretrain += args.pretrain_arg
+    scale.downstream += args.downstream_arg
+    study = Study(out, scale, args.dry_run)
     print(f"[study] {args.scale}: {len(variants)} variants x {len(tasks)} tasks -> {out}")
 
     start = time.perf_counter()
