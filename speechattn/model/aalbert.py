@@ -281,6 +281,11 @@ class AALBERT(nn.Module):
                 nn.init.normal_(module.weight, std=0.02)
                 if module.bias is not None:
                     nn.init.zeros_(module.bias)
+        # Normalised features (unit variance per bin) must reach the encoder at the scale of the
+        # sinusoidal positions (entries in [-1, 1]): with std 0.02 the 3F -> D projection gives
+        # content ~0.3, the positions dominate after the LayerNorm and short runs learn features
+        # that lose to raw log-mel in the probes. std 1/sqrt(3F) keeps content at unit scale.
+        nn.init.normal_(self.embedding.proj.weight, std=self.config.input_dim**-0.5)
 
     @property
     def num_heads(self) -> int:
