@@ -186,7 +186,11 @@ class DownstreamProbe(L.LightningModule):
         x = self.select(batch["hidden"])  # (B, T', D)
         if self.task.level == "utterance":
             return self.head(x, batch["padding_mask"])
-        logits = self.head(x, batch["padding_mask"])  # (B, T', C)
+        valid = ~batch["padding_mask"]  # (B, T')
+        # The head runs on valid frames only (padding would cost a third of the compute).
+        frames = self.head(x[valid])  # (V, C), V valid frames in the batch
+        logits = frames.new_zeros(*valid.shape, frames.size(-1))  # (B, T', C)
+        logits[valid] = frames
         return expand_to_labels(
             logits,
             self.downsample,
