@@ -74,6 +74,8 @@ class TaskConfig:
     batch_size: int = 32
     lr: float = 1e-3
     weight_decay: float = 0.0
+    max_epochs: int = 15  # conf/downstream.yaml feeds these to the trainer and early stopping
+    patience: int = 5  # epochs without a better dev accuracy before stopping
 
     def __post_init__(self) -> None:
         if self.target not in ("speaker", "phones"):
@@ -516,7 +518,13 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         ),
         layer=cfg.layer,
         pooling=task.pooling if task.level == "utterance" else None,
-        probe={**asdict(task), "layers": layers, "layer_weights": fit.layer_weights},
+        probe={
+            **asdict(task),
+            "max_epochs": int(cfg.trainer.max_epochs),  # what ran, after overrides
+            "patience": int(cfg.early_stopping.patience),
+            "layers": layers,
+            "layer_weights": fit.layer_weights,
+        },
         corpus={**_plain(datamodule.describe()), "config": _plain(data_config)},
         split_sizes={name: len(splits[name]) for name in SPLITS},
         eval_frames={name: _eval_count(splits[name], task) for name in ("dev", "test")},
