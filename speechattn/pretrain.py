@@ -107,6 +107,7 @@ def run(cfg: DictConfig, datamodule: Any = None) -> dict[str, Any]:
     import lightning as L
     from hydra.utils import instantiate
     from lightning.pytorch.callbacks import ModelCheckpoint
+    from lightning.pytorch.utilities import rank_zero_only
 
     from speechattn.tasks.common import MetricsCSV, progress_bar
     from speechattn.tasks.pretrain import PretrainTask
@@ -167,7 +168,10 @@ def run(cfg: DictConfig, datamodule: Any = None) -> dict[str, Any]:
         enable_progress_bar=cfg.get("progress_bar", "rich") not in ("none", None),
         _convert_="all",
     )
-    if trainer.is_global_zero:
+    # Under DDP the launched processes run this function too; rank_zero_only.rank is read from
+    # the launcher's environment, so it is right before the processes are connected.
+    rank_zero = rank_zero_only.rank == 0
+    if rank_zero:
         OmegaConf.save(cfg, output_dir / "config.yaml", resolve=True)
         log.info("run directory: %s", output_dir)
         if resume is None:
@@ -176,7 +180,8 @@ def run(cfg: DictConfig, datamodule: Any = None) -> dict[str, Any]:
             log.info("resuming from %s", resume)
 
     if resume is None:
-        (output_dir / "metrics.csv").unlink(missing_ok=True)  # a fresh run starts a fresh file
+        if rank_zero:
+            (output_dir / "metrics.csv").unlink(missing_ok=True)  # a fresh run, a fresh file
         if cfg.get("validate_at_start", True) and trainer.limit_val_batches:
             # the untrained model's val_loss: the starting point of the curve in metrics.csv
             trainer.validate(task, datamodule=data, verbose=False)
