@@ -30,6 +30,7 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 
 import speechattn
+from speechattn.tasks.common import run_output_dir
 
 log = logging.getLogger("speechattn.analyze")
 ANALYSES = ("heads",)
@@ -39,17 +40,6 @@ USAGE = (
     "[task=pretrain|speaker_utterance|speaker_frame|phone_1hidden|phone_2hidden] "
     "[downstream=RESULT_DIR] [overrides]"
 )
-
-
-def _output_dir(cfg: DictConfig) -> Path:
-    if cfg.get("output_dir"):
-        return Path(cfg.output_dir)
-    try:
-        from hydra.core.hydra_config import HydraConfig
-
-        return Path(HydraConfig.get().runtime.output_dir)
-    except (ImportError, ValueError):
-        return Path.cwd()
 
 
 def compose_config(overrides: list[str] | None = None) -> DictConfig:
@@ -87,7 +77,7 @@ def run(cfg: DictConfig, datamodule: Any = None) -> dict[str, Any]:
     from speechattn.tasks.heads_sources import run_heads
 
     config = run_config(cfg)
-    out = _output_dir(cfg).resolve()
+    out = run_output_dir(cfg).resolve()
     result, path = run_heads(config, out, datamodule)
     figures: list[Path] = []
     if cfg.get("figures", True):

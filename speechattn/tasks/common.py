@@ -90,3 +90,16 @@ def read_metrics(path: str | Path) -> list[dict[str, float]]:
             {k: float(v) if v not in ("", None) else math.nan for k, v in r.items()}
             for r in csv.DictReader(f)
         ]
+
+
+def run_output_dir(cfg: Any) -> Path:
+    """Where a run writes: `cfg.output_dir` when set (tests, scripts), else Hydra's run dir,
+    else the current directory (a plain `run(cfg)` call outside Hydra)."""
+    if cfg.get("output_dir"):
+        return Path(cfg.output_dir)
+    try:
+        from hydra.core.hydra_config import HydraConfig
+
+        return Path(HydraConfig.get().runtime.output_dir)
+    except (ImportError, ValueError):
+        return Path.cwd()

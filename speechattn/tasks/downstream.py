@@ -42,6 +42,7 @@ from torch.utils.data import DataLoader, Dataset
 from torchmetrics.classification import MulticlassAccuracy
 
 from speechattn.data import DataConfig, LabelledDataModule, expand_to_labels
+from speechattn.tasks.common import run_output_dir
 from speechattn.tasks.downstream_result import EXAMPLE_FILE, MEL, TASKS, DownstreamResult
 from speechattn.tasks.probes import FrameProbe, LayerSelector, UtteranceProbe
 from speechattn.tasks.upstream_features import (
@@ -416,17 +417,6 @@ def fit_probe(
 # ----------------------------------------------------------------------------- run
 
 
-def _output_dir(cfg: DictConfig) -> Path:
-    if cfg.get("output_dir"):
-        return Path(cfg.output_dir)
-    try:
-        from hydra.core.hydra_config import HydraConfig
-
-        return Path(HydraConfig.get().runtime.output_dir)
-    except (ImportError, ValueError):
-        return Path.cwd()
-
-
 def _plain(value: Any) -> Any:
     """Dataclasses / DictConfigs / tensors -> JSON-friendly values."""
     if is_dataclass(value) and not isinstance(value, type):
@@ -456,7 +446,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     task = TaskConfig(**OmegaConf.to_container(cfg.task, resolve=True))
     if task.name not in TASKS:
         log.warning("task %s is not one of the study's tasks %s", task.name, TASKS)
-    out = _output_dir(cfg)
+    out = run_output_dir(cfg)
     out.mkdir(parents=True, exist_ok=True)
     L.seed_everything(cfg.seed, workers=True)
 
