@@ -83,7 +83,12 @@ def test_checkpoint_to_upstream_round_trip_is_exact(tmp_path):
 
 
 def test_resume_after_crash_equals_uninterrupted_run(tmp_path, monkeypatch):
-    steps = ("trainer.max_steps=12", "checkpoint.every_n_steps=4", "trainer.val_check_interval=6")
+    steps = (
+        "trainer.max_steps=12",
+        "checkpoint.every_n_steps=4",
+        "trainer.val_check_interval=6",
+        "model.net.dropout=0.1",  # dropout's RNG must resume too
+    )
     ref_dir, crash_dir = tmp_path / "ref", tmp_path / "crash"
     run(compose_pretrain(ref_dir, *SYNTH, *steps), datamodule=SyntheticPretrainData())
 
@@ -261,7 +266,8 @@ def test_real_data_module_on_the_tiny_corpus(tmp_path, tiny_data_config):
     [
         (["model=aalbert_base"], {"model.net.dim": 768, "model.net.num_heads": 12,
                                   "model.net.ffn_dim": 3072, "model.net.num_layers": 6,
-                                  "model.optimizer.name": "lamb", "model.optimizer.lr": 5e-5}),
+                                  "model.optimizer.name": "lamb", "model.optimizer.lr": 5e-5,
+                                  "model.net.pre_norm": False, "model.net.dropout": 0.1}),
         (["trainer=gpu"], {"trainer.accelerator": "gpu", "trainer.precision": "bf16-mixed"}),
         (["trainer=ddp"], {"trainer.strategy": "ddp", "trainer.precision": "auto"}),
         (["experiment=paper"], {"data.corpus": "librispeech", "data.batch_size": 50,
