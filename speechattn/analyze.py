@@ -30,7 +30,7 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 
 import speechattn
-from speechattn.tasks.common import run_output_dir
+from speechattn.tasks.common import quiet_library_notices, run_output_dir
 
 log = logging.getLogger("speechattn.analyze")
 ANALYSES = ("heads",)
@@ -76,6 +76,7 @@ def run(cfg: DictConfig, datamodule: Any = None) -> dict[str, Any]:
     module built from the recorded data config (tests pass synthetic data)."""
     from speechattn.tasks.heads_sources import run_heads
 
+    quiet_library_notices()
     config = run_config(cfg)
     out = run_output_dir(cfg).resolve()
     result, path = run_heads(config, out, datamodule)

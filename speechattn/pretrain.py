@@ -109,10 +109,11 @@ def run(cfg: DictConfig, datamodule: Any = None) -> dict[str, Any]:
     from lightning.pytorch.callbacks import ModelCheckpoint
     from lightning.pytorch.utilities import rank_zero_only
 
-    from speechattn.tasks.common import MetricsCSV, progress_bar
+    from speechattn.tasks.common import MetricsCSV, progress_bar, quiet_library_notices
     from speechattn.tasks.pretrain import PretrainTask
     from speechattn.tasks.pretrain_data import ResumableData
 
+    quiet_library_notices()
     output_dir = Path(cfg.output_dir).resolve()
     output_dir.mkdir(parents=True, exist_ok=True)
     resume = resolve_ckpt_path(cfg.get("ckpt_path"), output_dir)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import math
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -72,15 +73,28 @@ class MetricsCSV(Callback):
         self._write(trainer, ("val_loss",))
 
 
+class StepRichProgressBar(RichProgressBar):
+    """Rich bar for runs bounded by `max_steps`: says "Pretraining", not "Epoch 0/-2"."""
+
+    def _get_train_description(self, current_epoch: int) -> str:
+        # Lightning's description prints max_epochs - 1, which is -2 for a step-bounded run.
+        return f"{'Pretraining':{len(self.validation_description)}}"
+
+
 def progress_bar(kind: str) -> list[ProgressBar]:
     """`rich` (default), `tqdm`, or `none`; returned as a callback list to splice in."""
     if kind == "rich":
-        return [RichProgressBar(leave=True)]
+        return [StepRichProgressBar(leave=True)]
     if kind == "tqdm":
         return [TQDMProgressBar()]
     if kind in ("none", None):
         return []
     raise ValueError(f"unknown progress_bar {kind!r}; choose rich, tqdm or none")
+
+
+def quiet_library_notices() -> None:
+    """Silence deprecation notices raised inside Lightning that users cannot act on."""
+    warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)")
 
 
 def read_metrics(path: str | Path) -> list[dict[str, float]]:

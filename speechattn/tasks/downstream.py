@@ -42,7 +42,7 @@ from torch.utils.data import DataLoader, Dataset
 from torchmetrics.classification import MulticlassAccuracy
 
 from speechattn.data import DataConfig, LabelledDataModule, expand_to_labels
-from speechattn.tasks.common import run_output_dir
+from speechattn.tasks.common import quiet_library_notices, run_output_dir
 from speechattn.tasks.downstream_result import EXAMPLE_FILE, MEL, TASKS, DownstreamResult
 from speechattn.tasks.probes import FrameProbe, LayerSelector, UtteranceProbe
 from speechattn.tasks.upstream_features import (
@@ -443,6 +443,7 @@ def _device(name: str) -> torch.device:
 def run(cfg: DictConfig) -> dict[str, Any]:
     """Evaluate `cfg.upstream` on `cfg.task`; writes `result.json` and returns it as a dict."""
     t_start = time.perf_counter()
+    quiet_library_notices()
     task = TaskConfig(**OmegaConf.to_container(cfg.task, resolve=True))
     if task.name not in TASKS:
         log.warning("task %s is not one of the study's tasks %s", task.name, TASKS)

@@ -114,3 +114,14 @@ def test_sigkill_then_resume_equals_uninterrupted_run(tmp_path):
     assert got["metadata"]["steps"] == ref["metadata"]["steps"] == 120
     for k, v in ref["state_dict"].items():
         torch.testing.assert_close(got["state_dict"][k], v, atol=1e-5, rtol=1e-4)
+
+
+def test_progress_bar_choices_and_step_label():
+    from speechattn.tasks.common import StepRichProgressBar, progress_bar
+
+    (bar,) = progress_bar("rich")
+    assert isinstance(bar, StepRichProgressBar)
+    assert bar._get_train_description(0).strip() == "Pretraining"  # not "Epoch 0/-2"
+    assert progress_bar("none") == []
+    with pytest.raises(ValueError, match="unknown progress_bar 'fancy'"):
+        progress_bar("fancy")
