@@ -26,6 +26,7 @@ import shlex
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -40,6 +41,7 @@ class Scale:
     pretrain: list[str] = field(default_factory=list)
     downstream: list[str] = field(default_factory=list)
     bench: list[str] = field(default_factory=list)
+    jobs: int = 1  # variants run side by side (each a pretraining then its four probes)
 
 
 def scale_overrides(scale: str, librispeech: str | None) -> Scale:
@@ -49,6 +51,8 @@ def scale_overrides(scale: str, librispeech: str | None) -> Scale:
             pretrain=["trainer.accelerator=cpu"],
             downstream=["trainer.accelerator=cpu", "device=cpu"],
             bench=["--quick", "--device", "cpu"],
+            # A tiny model keeps one core busy at best: run one single-threaded job per core.
+            jobs=os.cpu_count() or 1,
         )
     if scale == "paper":
         if not librispeech:
@@ -67,10 +71,14 @@ def scale_overrides(scale: str, librispeech: str | None) -> Scale:
 class Study:
     def __init__(self, out: Path, scale: Scale, dry_run: bool = False) -> None:
         self.out, self.scale, self.dry_run = out, scale, dry_run
-        self.failures: list[str] = []
+        self.failures: list[str] = []  # appended from worker threads (list.append is atomic)
+        self.env = dict(os.environ)
+        if scale.jobs > 1:  # share the cores between the jobs instead of oversubscribing them
+            threads = str(max(1, (os.cpu_count() or 1) // scale.jobs))
+            self.env.update(OMP_NUM_THREADS=threads, MKL_NUM_THREADS=threads)
         (out / "logs").mkdir(parents=True, exist_ok=True)
 
-    def command(self, name: str, argv: list[str]) -> bool:
+    def command(self, name: str, argv: list[str], record_failure: bool = True) -> bool:
         """Run one step, its output to logs/<name>.log; True on success."""
         log = self.out / "logs" / f"{name}.log"
         line = " ".join(shlex.quote(a) for a in argv)
@@ -81,11 +89,11 @@ class Study:
         with open(log, "w") as f:
             f.write(f"$ {line}\n")
             f.flush()
-            code = subprocess.call(argv, stdout=f, stderr=subprocess.STDOUT)
+            code = subprocess.call(argv, stdout=f, stderr=subprocess.STDOUT, env=self.env)
         elapsed = time.perf_counter() - start
         status = "ok" if code == 0 else f"FAILED (exit {code}, see {log})"
         print(f"[study] {name}: {status} in {elapsed:.0f} s", flush=True)
-        if code != 0:
+        if code != 0 and record_failure:
             self.failures.append(f"{name}: exit {code}, log {log}")
         return code == 0
 
@@ -131,10 +139,9 @@ class Study:
             f"cache_dir={self.out / 'cache'}",
             *self.scale.downstream,
         ]
-        if self.command(f"downstream_{variant}", argv) or self.dry_run:
+        if self.command(f"downstream_{variant}", argv, record_failure=False) or self.dry_run:
             return
         # A failing job stops a Hydra multirun: give every task still missing its own run.
-        self.failures.pop()
         for task in [t for t in todo if not (folder / t / "result.json").is_file()]:
             single = [a if not a.startswith("task=") else f"task={task}" for a in argv]
             single = [a for a in single if a != "--multirun"]
@@ -170,6 +177,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tasks", default=",".join(TASKS), help="comma-separated subset")
     parser.add_argument("--no-mel", action="store_true", help="skip the mel baseline")
     parser.add_argument("--no-bench", action="store_true", help="skip the attention benchmark")
+    parser.add_argument(
+        "--jobs",
+        type=int,
+        default=None,
+        help="variants run in parallel, cores shared between them (default: tiny one per core, "
+        "paper 1)",
+    )
     parser.add_argument("--dry-run", action="store_true", help="print the commands only")
     parser.add_argument(
         "--pretrain-arg",
@@ -201,15 +215,24 @@ def main(argv: list[str] | None = None) -> int:
     scale = scale_overrides(args.scale, args.librispeech)
     scale.pretrain += args.pretrain_arg
     scale.downstream += args.downstream_arg
+    if args.jobs is not None:
+        if args.jobs < 1:
+            raise SystemExit(f"--jobs must be at least 1, got {args.jobs}")
+        scale.jobs = args.jobs
     study = Study(out, scale, args.dry_run)
-    print(f"[study] {args.scale}: {len(variants)} variants x {len(tasks)} tasks -> {out}")
+    print(
+        f"[study] {args.scale}: {len(variants)} variants x {len(tasks)} tasks, "
+        f"{scale.jobs} in parallel -> {out}"
+    )
+
+    def evaluate(variant: str) -> None:
+        if variant == MEL or study.pretrain(variant):
+            study.downstream(variant, tasks)
 
     start = time.perf_counter()
-    if not args.no_mel:
-        study.downstream(MEL, tasks)
-    for variant in variants:
-        if study.pretrain(variant):
-            study.downstream(variant, tasks)
+    units = ([] if args.no_mel else [MEL]) + variants
+    with ThreadPoolExecutor(max_workers=scale.jobs) as pool:
+        list(pool.map(evaluate, units))  # list() re-raises a worker's exception here
     if not args.no_bench:
         study.bench()
     study.report()

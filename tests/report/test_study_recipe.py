@@ -60,3 +60,21 @@ def test_paper_scale_needs_librispeech(study, tmp_path: Path, monkeypatch) -> No
 def test_unknown_variant_is_refused(study, tmp_path: Path) -> None:
     with pytest.raises(SystemExit, match="unknown variant"):
         study.main(["--out", str(tmp_path), "--dry-run", "--variants", "nope"])
+
+
+def test_parallel_jobs_share_the_cores_and_failures_are_recorded(
+    study, tmp_path: Path, monkeypatch
+) -> None:
+    monkeypatch.setattr(study.os, "cpu_count", lambda: 4)
+    runner = study.Study(tmp_path, study.Scale(jobs=2))
+    show = "import os; print('threads', os.environ['OMP_NUM_THREADS'])"
+    assert runner.command("show", [sys.executable, "-c", show])
+    assert "threads 2" in (tmp_path / "logs" / "show.log").read_text()
+    assert not runner.command("quiet", [sys.executable, "-c", "raise SystemExit(4)"], False)
+    assert not runner.command("loud", [sys.executable, "-c", "raise SystemExit(3)"])
+    assert runner.failures == [f"loud: exit 3, log {tmp_path / 'logs' / 'loud.log'}"]
+
+
+def test_jobs_must_be_positive(study, tmp_path: Path) -> None:
+    with pytest.raises(SystemExit, match="--jobs must be at least 1, got 0"):
+        study.main(["--out", str(tmp_path), "--dry-run", "--jobs", "0"])
