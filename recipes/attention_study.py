@@ -8,13 +8,15 @@
     OUT/pretrain/<variant>/upstream.pt         python -m speechattn.pretrain attention=<variant>
     OUT/downstream/<variant>/<task>/result.json python -m speechattn.downstream (Hydra multirun)
     OUT/downstream/mel/<task>/result.json       the no-pretraining baseline
+    OUT/heads/<variant>/<analysis>/heads.json   python -m speechattn.analyze heads (pretraining
+                                               loss, and the phone_1hidden probe by default)
     OUT/bench/attention.json                   python -m speechattn.bench attention --json
     OUT/cache/                                 frozen features (shared by the four tasks)
     OUT/logs/*.log                             every command's output
     OUT/README.md, table*.md/csv, fig_*.png    python -m speechattn.report OUT
 
-Resumable: a variant with an `upstream.pt` is not pretrained again and a task with a
-`result.json` is not run again, so rerunning the same command continues an interrupted study.
+Resumable: a variant with an `upstream.pt` is not pretrained again, and a task with a
+`result.json` or an analysis with a `heads.json` is not run again, so rerunning the same command continues an interrupted study.
 A failing step is logged and skipped; the report shows the gap and the exit status is 1.
 """
 
@@ -41,6 +43,7 @@ class Scale:
     pretrain: list[str] = field(default_factory=list)
     downstream: list[str] = field(default_factory=list)
     bench: list[str] = field(default_factory=list)
+    heads: list[str] = field(default_factory=list)
     jobs: int = 1  # variants run side by side (each a pretraining then its four probes)
 
 
@@ -51,6 +54,7 @@ def scale_overrides(scale: str, librispeech: str | None) -> Scale:
             pretrain=["trainer.accelerator=cpu"],
             downstream=["trainer.accelerator=cpu", "device=cpu"],
             bench=["--quick", "--device", "cpu"],
+            heads=["device=cpu"],
             # A tiny model keeps one core busy at best: run one single-threaded job per core.
             jobs=os.cpu_count() or 1,
         )
@@ -152,6 +156,33 @@ class Study:
             ]
             self.command(f"downstream_{variant}_{task}", single)
 
+    def heads(self, variant: str, analyses: tuple[str, ...]) -> None:
+        """Head importance, ablation and pruning (python -m speechattn.analyze heads) of one
+        pretrained variant: for its pretraining loss (`pretrain`) and/or a trained probe (a task).
+        """
+        for analysis in analyses:
+            folder = self.out / "heads" / variant / analysis
+            if (folder / "heads.json").is_file():
+                continue
+            if analysis == "pretrain":
+                source = [f"upstream={self.upstream_path(variant)}"]
+            else:
+                probe = self.out / "downstream" / variant / analysis
+                if not (probe / "result.json").is_file() and not self.dry_run:
+                    continue  # the probe failed: already reported
+                source = [f"downstream={probe}"]
+            argv = [
+                sys.executable,
+                "-m",
+                "speechattn.analyze",
+                "heads",
+                *source,
+                f"hydra.run.dir={folder}",
+                "progress=false",
+                *self.scale.heads,
+            ]
+            self.command(f"heads_{variant}_{analysis}", argv)
+
     def bench(self) -> None:
         path = self.out / "bench" / "attention.json"
         if path.is_file():
@@ -177,6 +208,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tasks", default=",".join(TASKS), help="comma-separated subset")
     parser.add_argument("--no-mel", action="store_true", help="skip the mel baseline")
     parser.add_argument("--no-bench", action="store_true", help="skip the attention benchmark")
+    parser.add_argument(
+        "--heads",
+        default="pretrain,phone_1hidden",
+        help="head analyses per variant: pretrain (its pretraining loss) and/or task names "
+        "(that probe's loss and accuracy); empty for none",
+    )
     parser.add_argument(
         "--jobs",
         type=int,
@@ -225,9 +262,17 @@ def main(argv: list[str] | None = None) -> int:
         f"{scale.jobs} in parallel -> {out}"
     )
 
+    analyses = tuple(a for a in args.heads.split(",") if a)
+    unknown = sorted(set(analyses) - {"pretrain", *TASKS})
+    if unknown:
+        raise SystemExit(f"unknown head analysis {unknown}; choose pretrain or tasks {TASKS}")
+
     def evaluate(variant: str) -> None:
-        if variant == MEL or study.pretrain(variant):
+        if variant == MEL:
             study.downstream(variant, tasks)
+        elif study.pretrain(variant):
+            study.downstream(variant, tasks)
+            study.heads(variant, analyses)
 
     start = time.perf_counter()
     units = ([] if args.no_mel else [MEL]) + variants

@@ -78,3 +78,17 @@ def test_parallel_jobs_share_the_cores_and_failures_are_recorded(
 def test_jobs_must_be_positive(study, tmp_path: Path) -> None:
     with pytest.raises(SystemExit, match="--jobs must be at least 1, got 0"):
         study.main(["--out", str(tmp_path), "--dry-run", "--jobs", "0"])
+
+
+def test_head_analyses_per_variant(study, tmp_path: Path, capsys) -> None:
+    args = ["--out", str(tmp_path), "--dry-run", "--no-bench", "--no-mel", "--variants", "ldsa"]
+    assert study.main(args) == 0
+    out = capsys.readouterr().out
+    pretrain_dir = tmp_path / "heads" / "ldsa" / "pretrain"
+    assert f"upstream={tmp_path / 'pretrain' / 'ldsa' / 'upstream.pt'}" in out
+    assert f"hydra.run.dir={pretrain_dir}" in out
+    assert f"downstream={tmp_path / 'downstream' / 'ldsa' / 'phone_1hidden'}" in out
+    assert study.main([*args, "--heads", ""]) == 0
+    assert "speechattn.analyze" not in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="unknown head analysis"):
+        study.main([*args, "--heads", "pretrain,nope"])
