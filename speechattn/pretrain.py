@@ -187,6 +187,10 @@ def run(cfg: DictConfig, datamodule: Any = None) -> dict[str, Any]:
             # the untrained model's val_loss: the starting point of the curve in metrics.csv
             trainer.validate(task, datamodule=data, verbose=False)
     trainer.fit(task, datamodule=data, ckpt_path=str(resume) if resume else None)
+    every = trainer.val_check_interval
+    if trainer.limit_val_batches and isinstance(every, int) and trainer.global_step % every:
+        # the curve in metrics.csv and upstream.pt's val_loss must describe the final weights
+        trainer.validate(task, datamodule=data, verbose=False)
 
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if v.numel() == 1}
     result: dict[str, Any] = {

@@ -28,6 +28,18 @@ def train_losses(path) -> list[float]:
     return [r["train_loss"] for r in read_metrics(path) if not math.isnan(r["train_loss"])]
 
 
+def test_final_weights_are_validated_when_the_run_ends_between_validations(tmp_path):
+    cfg = compose_pretrain(
+        tmp_path, *SYNTH, "trainer.max_steps=25", "trainer.val_check_interval=10"
+    )
+    result = run(cfg, datamodule=SyntheticPretrainData())
+    rows = read_metrics(tmp_path / "metrics.csv")
+    validated = [(r["step"], r["val_loss"]) for r in rows if not math.isnan(r["val_loss"])]
+    assert [step for step, _ in validated] == [0, 10, 20, 25]
+    assert result["val_loss"] == pytest.approx(validated[-1][1], rel=1e-5)
+    assert speechattn.load_upstream(result["upstream"]).metadata["val_loss"] == result["val_loss"]
+
+
 def test_short_run_learns_and_writes_the_run_directory(tmp_path):
     cfg = compose_pretrain(
         tmp_path,
