@@ -27,6 +27,8 @@ def test_dry_run_covers_every_variant_and_task(study, tmp_path: Path, capsys) ->
         assert f"attention={variant} " in out
         assert f"downstream/{variant} " in out
     assert "upstream=mel" in out and "speechattn.report" in out
+    assert out.count("speechattn.analyze heads upstream=") == len(available())
+    assert "heads downstream=" not in out  # tiny: the pretraining loss only
     assert (
         out.count("task=speaker_utterance,speaker_frame,phone_1hidden,phone_2hidden")
         == len(available()) + 1
@@ -82,6 +84,7 @@ def test_jobs_must_be_positive(study, tmp_path: Path) -> None:
 
 def test_head_analyses_per_variant(study, tmp_path: Path, capsys) -> None:
     args = ["--out", str(tmp_path), "--dry-run", "--no-bench", "--no-mel", "--variants", "ldsa"]
+    args += ["--heads", "pretrain,phone_1hidden"]
     assert study.main(args) == 0
     out = capsys.readouterr().out
     pretrain_dir = tmp_path / "heads" / "ldsa" / "pretrain"
