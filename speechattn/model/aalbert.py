@@ -43,9 +43,12 @@ def sinusoidal_positions(length: int, dim: int, device=None, dtype=None) -> Tens
 class InputEmbedding(nn.Module):
     """Stacked frames -> Linear -> + sinusoidal positions -> LayerNorm -> dropout (Mockingjay)."""
 
-    def __init__(self, in_dim: int, dim: int, dropout: float, eps: float) -> None:
+    def __init__(
+        self, in_dim: int, dim: int, dropout: float, eps: float, position_scale: float = 1.0
+    ) -> None:
         super().__init__()
         self.proj = nn.Linear(in_dim, dim)
+        self.position_scale = position_scale
         self.norm = nn.LayerNorm(dim, eps=eps)
         self.dropout = nn.Dropout(dropout)
 
@@ -53,7 +56,8 @@ class InputEmbedding(nn.Module):
         """x (B, T', stack*F) -> (B, T', D)."""
         _, T, _ = x.shape
         h = self.proj(x)
-        h = h + sinusoidal_positions(T, h.shape[-1], device=h.device, dtype=h.dtype)
+        positions = sinusoidal_positions(T, h.shape[-1], device=h.device, dtype=h.dtype)
+        h = h + self.position_scale * positions
         return self.dropout(self.norm(h))
 
 
@@ -214,6 +218,7 @@ class ModelConfig:
     pre_norm: bool = False  # BERT post-LN is what AALBERT used; pre-LN is the stabler option
     dropout: float = 0.1  # "hidden_dropout_prob"
     layer_norm_eps: float = 1e-12  # BERT/AALBERT value
+    position_scale: float = 1.0  # weight of the sinusoidal positions against the content
     attention: str = "full"  # a name from speechattn.attention.available()
     attention_options: dict[str, Any] = field(default_factory=dict)  # passed to attention.build
 
@@ -257,7 +262,9 @@ class AALBERT(nn.Module):
         self.config = config
         make_attention = make_attention or registry_attention(config)
         c = config
-        self.embedding = InputEmbedding(c.input_dim, c.dim, c.dropout, c.layer_norm_eps)
+        self.embedding = InputEmbedding(
+            c.input_dim, c.dim, c.dropout, c.layer_norm_eps, c.position_scale
+        )
         n_objects = 1 if c.shared else c.num_layers
         layers = [
             EncoderLayer(
@@ -355,6 +362,7 @@ def aalbert(
     pre_norm: bool = False,
     dropout: float = 0.1,
     layer_norm_eps: float = 1e-12,
+    position_scale: float = 1.0,
     attention: str = "full",
     attention_options: dict[str, Any] | None = None,
     make_attention: AttentionFactory | None = None,
@@ -372,6 +380,8 @@ def aalbert(
         pre_norm: LayerNorm before each sub-layer instead of after (BERT is post-LN).
         dropout: "hidden_dropout_prob".
         layer_norm_eps: "layer_norm_eps".
+        position_scale: weight of the sinusoidal positions added to the projected frames
+            (1 as in Mockingjay; 0 drops them).
         attention: registry name of the self-attention (`speechattn.attention.available()`).
         attention_options: keyword options for that attention's config.
         make_attention: a factory returning a fresh attention module; overrides the registry
@@ -388,6 +398,7 @@ def aalbert(
         pre_norm=pre_norm,
         dropout=dropout,
         layer_norm_eps=layer_norm_eps,
+        position_scale=position_scale,
         attention=attention,
         attention_options=attention_options or {},
     )

@@ -193,6 +193,9 @@ def write_head_figures(run_dirs: list[str | Path], out_dir: str | Path) -> list[
     return written
 
 
+CURVE_MARKERS = "os^vDP*Xph<>"
+
+
 def overlay_pruning_curves(
     heads_json_paths: list[str | Path], out_png: str | Path, relative: bool = False
 ) -> Path | None:
@@ -214,11 +217,19 @@ def overlay_pruning_curves(
     fig, axes = plt.subplots(rows, cols, figsize=(6 * cols, 4 * rows), squeeze=False)
     for i, ((task, metric), results) in enumerate(sorted(groups.items())):
         ax = axes[i // cols][i % cols]
-        for r in sorted(results, key=lambda r: r["attention"]):
+        for k, r in enumerate(sorted(results, key=lambda r: r["attention"])):
             x, y = _curve(r)
             if relative:
                 y = y / r["base_metric"] if r["base_metric"] else y
-            ax.plot(x, y, marker="o", markersize=3, label=_variant_label(r))
+            # 14+ variants: the default 10-colour cycle would repeat, so vary markers as well
+            ax.plot(
+                x,
+                y,
+                color=plt.get_cmap("tab20")(k % 20),
+                marker=CURVE_MARKERS[k % len(CURVE_MARKERS)],
+                markersize=3,
+                label=_variant_label(r),
+            )
         label = METRIC_LABELS.get(metric, metric)
         ax.set_ylabel(f"{label} / unpruned" if relative else label)
         ax.set_xlabel("heads pruned (%)")

@@ -147,3 +147,16 @@ def test_sinusoidal_positions_odd_dim():
     p = sinusoidal_positions(5, 7)
     assert p.shape == (5, 7)
     assert torch.allclose(p[0, 0::2], torch.zeros(4)) and torch.allclose(p[0, 1::2], torch.ones(3))
+
+
+@pytest.mark.parametrize("scale", [0.0, 0.5, 1.0])
+def test_position_scale_weights_the_sinusoids(scale):
+    model = small(position_scale=scale)
+    x = torch.randn(2, 10, model.config.input_dim)
+    content = model.embedding.proj(x)
+    expected = model.embedding.norm(content + scale * sinusoidal_positions(10, 32))
+    assert torch.allclose(model.embedding(x), expected, atol=1e-6)
+    # without positions the same frame embeds the same wherever it is
+    same = x[:, :1].expand(-1, 10, -1)
+    spread = model.embedding(same).std(dim=1).max().item()
+    assert (spread < 1e-6) == (scale == 0.0)
