@@ -50,7 +50,6 @@ class Scale:
 
 def scale_overrides(scale: str, librispeech: str | None) -> Scale:
     if scale == "tiny":
-        # Built-in corpus and the CPU defaults of each command.
         # Built-in corpus, aalbert_tiny, CPU. 400 steps (half the quick-start run) keeps 14
         # pretrainings, 60 probes and the head analyses within ~90 min on 2 cores.
         return Scale(

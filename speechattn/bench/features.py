@@ -27,9 +27,8 @@ from speechattn.data.features import Normalizer
 from speechattn.data.librispeech import find_splits, scan_split
 from speechattn.data.synth import ensure_embedded_corpus
 
-ASSUMED_CONSUMER_FPS = (
-    20_000  # mel frames/s; the quick-start aalbert_tiny run measured 16.6k (median)
-)
+# mel frames/s a tiny AALBERT consumes while training; the quick-start run measured 16.6k (median)
+ASSUMED_CONSUMER_FPS = 20_000
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:

@@ -24,6 +24,7 @@ import numpy as np  # noqa: E402
 from speechattn.tasks.heads_result import HEADS_FILE, find_heads, read_heads  # noqa: E402
 
 METRIC_LABELS = {"l1_loss": "masked-reconstruction L1", "accuracy": "accuracy"}
+CURVE_MARKERS = "os^vDP*Xph<>"  # cycled with tab20 colours so that 14+ overlaid curves differ
 
 
 def _load(result: dict[str, Any] | str | Path) -> dict[str, Any]:
@@ -193,9 +194,6 @@ def write_head_figures(run_dirs: list[str | Path], out_dir: str | Path) -> list[
     return written
 
 
-CURVE_MARKERS = "os^vDP*Xph<>"
-
-
 def overlay_pruning_curves(
     heads_json_paths: list[str | Path], out_png: str | Path, relative: bool = False
 ) -> Path | None:
@@ -221,7 +219,6 @@ def overlay_pruning_curves(
             x, y = _curve(r)
             if relative:
                 y = y / r["base_metric"] if r["base_metric"] else y
-            # 14+ variants: the default 10-colour cycle would repeat, so vary markers as well
             ax.plot(
                 x,
                 y,
