@@ -40,24 +40,62 @@ def sinusoidal_positions(length: int, dim: int, device=None, dtype=None) -> Tens
     return table.to(dtype or torch.float32)
 
 
+class ConvPositions(nn.Module):
+    """Relative positions from a grouped convolution over time (wav2vec 2.0's positional conv).
+
+    Adds GELU(conv(h)) to h: every frame sees its `kernel` neighbours through fixed offsets, so
+    the encoder gets local order without having to learn it from absolute sinusoids (which a
+    short run does not manage: see the README's tiny-study diagnosis).
+    """
+
+    def __init__(self, dim: int, kernel: int, groups: int) -> None:
+        super().__init__()
+        if kernel % 2 == 0:
+            raise ValueError(f"conv_position_kernel must be odd (centred), got {kernel}")
+        if dim % groups:
+            raise ValueError(f"dim={dim} is not divisible by conv_position_groups={groups}")
+        self.conv = nn.Conv1d(dim, dim, kernel, padding=kernel // 2, groups=groups)
+
+    def forward(self, h: Tensor, padding_mask: Tensor | None) -> Tensor:
+        """h (B, T', D), padding_mask (B, T') True at padding -> (B, T', D)."""
+        if padding_mask is not None:  # padded frames read as zeros, like the sequence's ends
+            h = h.masked_fill(padding_mask[..., None], 0.0)
+        return h + F_.gelu(self.conv(h.transpose(1, 2)).transpose(1, 2))
+
+
 class InputEmbedding(nn.Module):
-    """Stacked frames -> Linear -> + sinusoidal positions -> LayerNorm -> dropout (Mockingjay)."""
+    """Stacked frames -> Linear -> + sinusoidal positions [-> + conv positions] -> LayerNorm
+    -> dropout (Mockingjay; the convolutional positions are an option, off by default)."""
 
     def __init__(
-        self, in_dim: int, dim: int, dropout: float, eps: float, position_scale: float = 1.0
+        self,
+        in_dim: int,
+        dim: int,
+        dropout: float,
+        eps: float,
+        position_scale: float = 1.0,
+        conv_position_kernel: int = 0,
+        conv_position_groups: int = 16,
     ) -> None:
         super().__init__()
         self.proj = nn.Linear(in_dim, dim)
         self.position_scale = position_scale
+        self.conv_positions = (
+            ConvPositions(dim, conv_position_kernel, conv_position_groups)
+            if conv_position_kernel
+            else None
+        )
         self.norm = nn.LayerNorm(dim, eps=eps)
         self.dropout = nn.Dropout(dropout)
 
-    def forward(self, x: Tensor) -> Tensor:
-        """x (B, T', stack*F) -> (B, T', D)."""
+    def forward(self, x: Tensor, padding_mask: Tensor | None = None) -> Tensor:
+        """x (B, T', stack*F), padding_mask (B, T') True at padding -> (B, T', D)."""
         _, T, _ = x.shape
         h = self.proj(x)
         positions = sinusoidal_positions(T, h.shape[-1], device=h.device, dtype=h.dtype)
         h = h + self.position_scale * positions
+        if self.conv_positions is not None:
+            h = self.conv_positions(h, padding_mask)
         return self.dropout(self.norm(h))
 
 
@@ -219,6 +257,8 @@ class ModelConfig:
     dropout: float = 0.1  # "hidden_dropout_prob"
     layer_norm_eps: float = 1e-12  # BERT/AALBERT value
     position_scale: float = 1.0  # weight of the sinusoidal positions against the content
+    conv_position_kernel: int = 0  # odd width of the convolutional positions; 0: none (AALBERT)
+    conv_position_groups: int = 16
     attention: str = "full"  # a name from speechattn.attention.available()
     attention_options: dict[str, Any] = field(default_factory=dict)  # passed to attention.build
 
@@ -263,7 +303,13 @@ class AALBERT(nn.Module):
         make_attention = make_attention or registry_attention(config)
         c = config
         self.embedding = InputEmbedding(
-            c.input_dim, c.dim, c.dropout, c.layer_norm_eps, c.position_scale
+            c.input_dim,
+            c.dim,
+            c.dropout,
+            c.layer_norm_eps,
+            c.position_scale,
+            c.conv_position_kernel,
+            c.conv_position_groups,
         )
         n_objects = 1 if c.shared else c.num_layers
         layers = [
@@ -326,7 +372,7 @@ class AALBERT(nn.Module):
     ) -> list[Tensor]:
         """stacked (B, T', stack*F), lengths' (B,) -> L+1 hidden states (B, T', D)."""
         padding_mask = padding_mask_from_lengths(lengths, stacked.shape[1])
-        return self.encoder(self.embedding(stacked), padding_mask, head_mask)
+        return self.encoder(self.embedding(stacked, padding_mask), padding_mask, head_mask)
 
     def forward(
         self, features: Tensor, lengths: Tensor, head_mask: Tensor | None = None
@@ -342,7 +388,7 @@ class AALBERT(nn.Module):
         stacked, out_lengths = self.stack(features, lengths)
         padding_mask = padding_mask_from_lengths(out_lengths, stacked.shape[1])
         return self.encoder.attention_weights(
-            self.embedding(stacked), padding_mask, layer, head_mask
+            self.embedding(stacked, padding_mask), padding_mask, layer, head_mask
         )
 
 
@@ -363,6 +409,8 @@ def aalbert(
     dropout: float = 0.1,
     layer_norm_eps: float = 1e-12,
     position_scale: float = 1.0,
+    conv_position_kernel: int = 0,
+    conv_position_groups: int = 16,
     attention: str = "full",
     attention_options: dict[str, Any] | None = None,
     make_attention: AttentionFactory | None = None,
@@ -382,6 +430,9 @@ def aalbert(
         layer_norm_eps: "layer_norm_eps".
         position_scale: weight of the sinusoidal positions added to the projected frames
             (1 as in Mockingjay; 0 drops them).
+        conv_position_kernel: odd width (model frames) of a grouped convolution over time whose
+            GELU output is added to the embedding (wav2vec 2.0's relative positions); 0: none.
+        conv_position_groups: groups of that convolution (D must be divisible by it).
         attention: registry name of the self-attention (`speechattn.attention.available()`).
         attention_options: keyword options for that attention's config.
         make_attention: a factory returning a fresh attention module; overrides the registry
@@ -399,6 +450,8 @@ def aalbert(
         dropout=dropout,
         layer_norm_eps=layer_norm_eps,
         position_scale=position_scale,
+        conv_position_kernel=conv_position_kernel,
+        conv_position_groups=conv_position_groups,
         attention=attention,
         attention_options=attention_options or {},
     )

@@ -46,8 +46,9 @@ def test_every_registered_attention_builds_and_runs(name):
     assert all(p.grad is None or torch.isfinite(p.grad).all() for p in model.parameters())
 
 
-def test_padded_batch_equals_each_utterance_alone():
-    model = small()
+@pytest.mark.parametrize("conv_kernel", [0, 5])
+def test_padded_batch_equals_each_utterance_alone(conv_kernel):
+    model = small(conv_position_kernel=conv_kernel, conv_position_groups=4)
     x, lengths = batch()
     hidden = model(x, lengths)[-1]
     for b, n in enumerate(lengths.tolist()):
@@ -160,3 +161,36 @@ def test_position_scale_weights_the_sinusoids(scale):
     same = x[:, :1].expand(-1, 10, -1)
     spread = model.embedding(same).std(dim=1).max().item()
     assert (spread < 1e-6) == (scale == 0.0)
+
+
+def test_conv_positions_add_a_centred_grouped_convolution():
+    model = small(conv_position_kernel=5, conv_position_groups=4, position_scale=0.0)
+    conv = model.embedding.conv_positions.conv
+    x = torch.randn(1, 9, model.config.input_dim)
+    h = model.embedding.proj(x)[0]  # (T', D)
+    # reference: frame t, channel c of group g reads channels of g at frames t-2 .. t+2
+    D, per_group = 32, 32 // 4
+    ref = torch.zeros(9, D)
+    for t in range(9):
+        for c in range(D):
+            g = c // per_group
+            total = conv.bias[c].clone()
+            for j in range(5):
+                s = t + j - 2
+                if 0 <= s < 9:
+                    total += conv.weight[c, :, j] @ h[s, g * per_group : (g + 1) * per_group]
+            ref[t, c] = total
+    expected = model.embedding.norm(h + torch.nn.functional.gelu(ref))
+    torch.testing.assert_close(model.embedding(x)[0], expected, atol=1e-5, rtol=1e-5)
+    # it gives order: with no sinusoids, a frame's embedding now depends on its neighbours
+    same = x[:, :1].expand(-1, 15, -1).clone()
+    same[:, 7] = x[:, 5]
+    e = model.embedding(same)[0]  # frames 2 and 12 see five copies of the same frame, 5 does not
+    assert torch.allclose(e[2], e[12], atol=1e-5) and not torch.allclose(e[2], e[5], atol=1e-3)
+
+
+def test_conv_position_errors_are_clear():
+    with pytest.raises(ValueError, match="must be odd"):
+        small(conv_position_kernel=4)
+    with pytest.raises(ValueError, match="conv_position_groups=5"):
+        small(conv_position_kernel=3, conv_position_groups=5)
