@@ -183,6 +183,46 @@ def test_lsh_is_deterministic_across_modes_calls_and_instances(name):
     assert torch.equal(twin.projection, attn.projection)
 
 
+@pytest.mark.parametrize("name", LSH)
+def test_lsh_sparse_and_short_paths_agree(name, monkeypatch):
+    """Both kernels behind `attend` (all-pairs scores masked to the selection below
+    DENSE_SELECTED_MAX_T, CSR products above) give the dense reference's outputs and
+    gradients; the tiny lengths here would otherwise only reach the first."""
+    x, pad = batch([20, 12, 1])
+    w = torch.randn(x.shape, generator=torch.Generator().manual_seed(3), dtype=x.dtype)
+    results = []
+    for limit in (10**6, 0, None):  # short path, sparse path, dense reference
+        attn = make(name)
+        xi = x.clone().requires_grad_(True)
+        if limit is None:
+            y = attn.dense_reference(xi, pad)[0]
+        else:
+            monkeypatch.setattr(lsh, "DENSE_SELECTED_MAX_T", limit)
+            y = attn(xi, pad)
+        (y * w).sum().backward()
+        results.append((y.detach(), xi.grad, attn.qv.weight.grad))
+    for got in results[:2]:
+        for a, b in zip(got, results[2], strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
+
+
+def test_code_matching_uses_bfloat16_only_where_native(monkeypatch):
+    """Match scores are exact small integers in either dtype; bfloat16 is only chosen where the
+    CPU has it natively (emulated, it is several times slower than float32)."""
+    g = torch.Generator().manual_seed(0)
+    cq, ck = (torch.rand(2, 30, 8, generator=g) > 0.5 for _ in range(2))
+    kv = torch.ones(2, 30, dtype=torch.bool)
+    seen = []
+    real_bmm = torch.bmm
+    monkeypatch.setattr(torch, "bmm", lambda a, b: seen.append(a.dtype) or real_bmm(a, b))
+    picks = {}
+    for native in (False, True):
+        monkeypatch.setattr(lsh, "_native_bf16_cpu", lambda native=native: native)
+        picks[native] = lsh.topk_by_match(cq, ck, kv, 5)
+    assert seen[0] == torch.float32 and seen[-1] == torch.bfloat16
+    assert torch.equal(picks[False], picks[True])
+
+
 def test_lsh_seed_changes_projection():
     a = build("xbox", DIM, HEADS, seed=0).projection
     assert torch.equal(a, build("xbox", DIM, HEADS, seed=0).projection)
