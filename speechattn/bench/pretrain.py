@@ -34,7 +34,13 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from speechattn.attention import available
 from speechattn.attention.registry import options as attention_options
-from speechattn.model.aalbert import AALBERT, PRESETS, ModelConfig, sinusoidal_positions
+from speechattn.model.aalbert import (
+    AALBERT,
+    PRESETS,
+    ModelConfig,
+    model_preset,
+    sinusoidal_positions,
+)
 from speechattn.model.masking import MaskingConfig, mask_frames, masked_l1
 
 FEATURE_DIM = 80
@@ -230,7 +236,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     unknown = [n for n in names if n not in available()]
     if unknown:
         raise SystemExit(f"unknown attention {unknown}; choose from {', '.join(available())}")
-    config = ModelConfig(feature_dim=FEATURE_DIM, dropout=args.dropout, **PRESETS[args.model])
+    config = ModelConfig(
+        **{**model_preset(args.model), "feature_dim": FEATURE_DIM, "dropout": args.dropout}
+    )
     T = args.frames * config.stack
     batch = {
         "features": torch.randn(args.batch, T, FEATURE_DIM, device=args.device),

@@ -458,17 +458,39 @@ def aalbert(
     return AALBERT(config, make_attention)
 
 
+def model_preset(name: str) -> dict[str, Any]:
+    """`aalbert()` keyword arguments of a Hydra model preset: the `net` section of
+    `conf/model/<name>.yaml` after its defaults list (other presets it extends), so Python and
+    the command line build the same model."""
+    from omegaconf import OmegaConf
+
+    from speechattn import CONFIG_DIR
+
+    def load(preset: str):
+        path = CONFIG_DIR / "model" / f"{preset}.yaml"
+        if not path.is_file():
+            known = sorted(p.stem for p in path.parent.glob("*.yaml"))
+            raise ValueError(f"unknown model preset {preset!r} ({path} not found); known: {known}")
+        own = OmegaConf.load(path)
+        defaults = list(own.pop("defaults", []))
+        if "_self_" not in defaults:
+            defaults.append("_self_")  # Hydra's default: the file overrides what it extends
+        parts = [own if entry == "_self_" else load(entry) for entry in defaults]
+        return OmegaConf.merge(*parts)
+
+    return OmegaConf.to_container(load(name).net, resolve=True)
+
+
 def aalbert_base(**overrides: Any) -> AALBERT:
-    """The study's model: 6 shared layers, D 768, 12 heads, FFN 3072 (about 7.6 M parameters)."""
-    return aalbert(**{**PRESETS["aalbert_base"], **overrides})
+    """The study's model (`model=aalbert_base`): 6 shared post-LN layers, D 768, 12 heads,
+    FFN 3072, sinusoidal positions, as AALBERT."""
+    return aalbert(**{**model_preset("aalbert_base"), **overrides})
 
 
 def aalbert_tiny(**overrides: Any) -> AALBERT:
-    """The CPU default: small enough to pretrain in minutes on two cores."""
-    return aalbert(**{**PRESETS["aalbert_tiny"], **overrides})
+    """The CPU default (`model=aalbert_tiny`): 3 shared pre-LN layers, D 256, 8 heads,
+    convolutional positions; pretrains in minutes on two cores."""
+    return aalbert(**{**model_preset("aalbert_tiny"), **overrides})
 
 
-PRESETS: dict[str, dict[str, Any]] = {
-    "aalbert_base": dict(dim=768, num_layers=6, num_heads=12, ffn_dim=3072),
-    "aalbert_tiny": dict(dim=192, num_layers=4, num_heads=4, ffn_dim=768),
-}
+PRESETS = ("aalbert_base", "aalbert_tiny")  # conf/model/*.yaml the Python builders mirror
