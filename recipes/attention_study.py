@@ -51,7 +51,7 @@ class Scale:
 def scale_overrides(scale: str, librispeech: str | None) -> Scale:
     if scale == "tiny":
         # Built-in corpus, aalbert_tiny, CPU: the quick-start run (800 steps of 8 utterances)
-        # for every variant; 14 pretrainings, 60 probes and the head analyses take ~75 min on
+        # for every variant; 14 pretrainings, 60 probes and the head analyses took 71 min on
         # 2 cores.
         return Scale(
             pretrain=["trainer.accelerator=cpu", "trainer.max_steps=800"],
