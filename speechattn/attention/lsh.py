@@ -161,8 +161,8 @@ def topk_by_match(cq: Tensor, ck: Tensor, kv: Tensor, k: int) -> Tensor:
 
     Composite score = (2 match - K) + tie-break in (0, 1]; all values of a row are distinct.
     The integer part is one batched matmul of +-1 codes (bfloat16, exact for these small
-    integers, on CPUs with native bfloat16, where it is about 3x faster than float32) where an extra code column subtracts
-    4 (K + 1) from disallowed keys and 8 (K + 1) from the keys padding T up to S G; the
+    integers, on CPUs with native bfloat16, where it is about 3x faster than float32) where an
+    extra code column subtracts 4 (K + 1) from disallowed keys and 8 (K + 1) from the keys padding T up to S G; the
     tie-break is added in float32 (float64 when 2^24 is too small).
 
     Exact pruning for long rows: keys are split into G groups of S (group g = keys g S + r),
@@ -362,6 +362,20 @@ class _LSHAttention(Attention):
         s = s + torch.eye(T, device=q.device, dtype=s.dtype) * SELF_PENALTY
         weights = masked_softmax(s, selected & key_mask(valid)[:, None, None, :])
         return self.drop(weights) @ v
+
+    def _attend_unfused(
+        self, q: Tensor, k: Tensor, v: Tensor, idx: Tensor, allowed: Tensor
+    ) -> Tensor:
+        """SparseTopkAttention under plain autograd (gathers T kk d_k keys), with dropout."""
+        B, h, T, d = q.shape
+        kk = idx.shape[-1]
+        flat = (idx + torch.arange(B * h, device=q.device).view(B, h, 1, 1) * T).reshape(-1)
+        kg = k.reshape(B * h * T, d).index_select(0, flat).view(B, h, T, kk, d)
+        vg = v.reshape(B * h * T, d).index_select(0, flat).view(B, h, T, kk, d)
+        s = (q.unsqueeze(-2) @ kg.transpose(-1, -2)).squeeze(-2) * scale(d)  # (B, h, T, kk)
+        s = s + (idx == torch.arange(T, device=q.device)[:, None]).to(s.dtype) * SELF_PENALTY
+        probs = self.drop(masked_softmax(s, allowed))  # (B, h, T, kk)
+        return (probs.unsqueeze(-2) @ vg).squeeze(-2)  # (B, h, T, d_k)
 
     def attend_dense(self, x: Tensor, valid: Tensor) -> tuple[Tensor, Tensor]:
         q, k, v = self._qkv(x)  # (B, h, T, d_k)

@@ -206,6 +206,23 @@ def test_lsh_sparse_and_short_paths_agree(name, monkeypatch):
             torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
 
 
+@pytest.mark.parametrize("limit", [10**6, 0])  # short path, sparse path (gathered keys)
+def test_lsh_dropout_in_training_runs_on_both_paths(limit, monkeypatch):
+    """Attention dropout needs the weights: above DENSE_SELECTED_MAX_T it takes the gathered
+    (unfused) path, below it the masked all-pairs one. Both train, pad with zeros, and with the
+    dropout off in eval mode equal the dense reference."""
+    monkeypatch.setattr(lsh, "DENSE_SELECTED_MAX_T", limit)
+    attn = make("xbox", dropout=0.5).train()
+    x, pad = batch([20, 12])
+    torch.manual_seed(0)
+    y = attn(x, pad)
+    y.sum().backward()
+    assert torch.isfinite(y).all() and (y[pad] == 0).all()
+    assert attn.qv.weight.grad is not None
+    attn.eval()
+    torch.testing.assert_close(attn(x, pad), attn.dense_reference(x, pad)[0])
+
+
 def test_code_matching_uses_bfloat16_only_where_native(monkeypatch):
     """Match scores are exact small integers in either dtype; bfloat16 is only chosen where the
     CPU has it natively (emulated, it is several times slower than float32)."""
