@@ -17,13 +17,14 @@ from speechattn.attention import synthesizer  # noqa: F401  syn_dense, syn_dense
 from speechattn.attention import ldsa  # noqa: F401  ldsa
 
 # isort: on
-from speechattn.attention.base import Attention, AttentionConfig
+from speechattn.attention.base import Attention, AttentionConfig, Flops
 from speechattn.attention.pooling import FusedAttentionPool
 from speechattn.attention.registry import available, build, get, register
 
 __all__ = [
     "Attention",
     "AttentionConfig",
+    "Flops",
     "FusedAttentionPool",
     "available",
     "build",

@@ -38,6 +38,36 @@ from torch import Tensor, nn
 SELF_PENALTY = -5e4
 
 
+@dataclass(frozen=True)
+class Flops:
+    """FLOPs of one forward pass over one sequence of T frames, as the variant is defined.
+
+    Counted: matrix products, 2 FLOPs per multiply-add (projections, scores and weighted
+    sums over the keys each query really attends). Not counted: elementwise work (softmax,
+    masks, normalisation), which is small beside them.
+
+    differentiable: work with a backward pass of about twice its cost.
+    no_grad: work without one (LSH hashing and code matching).
+    """
+
+    differentiable: float
+    no_grad: float = 0.0
+
+    @property
+    def training(self) -> float:
+        """One forward + backward pass."""
+        return 3 * self.differentiable + self.no_grad
+
+    @property
+    def inference(self) -> float:
+        return self.differentiable + self.no_grad
+
+
+def linear_flops(T: int, d_in: int, d_out: int) -> float:
+    """A (T, d_in) x (d_in, d_out) product."""
+    return 2.0 * T * d_in * d_out
+
+
 @dataclass
 class AttentionConfig:
     """Options shared by every variant; each variant's config extends this one."""
@@ -70,6 +100,10 @@ class Attention(nn.Module, ABC):
         paper: citation of the mechanism
         complexity_training / complexity_inference: theoretical time cost (study, Table 1)
         supports_weights: whether `need_weights=True` can return (B, h, T, T) weights
+        short_path_max_t: variants with two kernels use their short-sequence one (all T x T
+            pairs in a fused or batched call, cheapest at small T) up to this many frames and
+            their long-sequence one (blocks, sparse products, chunks) above; None: one kernel.
+            Crossovers are measured with `python -m speechattn.bench attention`.
     """
 
     Config: ClassVar[type[AttentionConfig]] = AttentionConfig
@@ -78,6 +112,7 @@ class Attention(nn.Module, ABC):
     complexity_training: ClassVar[str] = ""
     complexity_inference: ClassVar[str] = ""
     supports_weights: ClassVar[bool] = True
+    short_path_max_t: ClassVar[int | None] = None
 
     def __init__(self, config: AttentionConfig) -> None:
         super().__init__()
@@ -105,6 +140,14 @@ class Attention(nn.Module, ABC):
         Synthesizer-style variants, which produce weights without query-key interaction,
         report 0 as in the study's Figure 4.
         """
+
+    @abstractmethod
+    def flops(self, T: int) -> Flops:
+        """FLOPs of one sequence of T valid frames, output projection included (see `Flops`)."""
+
+    def output_flops(self, T: int) -> float:
+        """The output projection W^O, shared by every variant."""
+        return linear_flops(T, self.dim, self.dim)
 
     # ----------------------------------------------------------------- variant hooks
     @abstractmethod

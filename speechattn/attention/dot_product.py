@@ -22,7 +22,9 @@ from torch import Tensor, nn
 from speechattn.attention.base import (
     Attention,
     AttentionConfig,
+    Flops,
     key_mask,
+    linear_flops,
     masked_softmax,
     scale,
     self_penalty,
@@ -50,6 +52,11 @@ class FullAttention(Attention):
 
     def keys_attended(self, T: int) -> float:
         return float(T)
+
+    def flops(self, T: int) -> Flops:
+        D = self.dim
+        attention = 2 * 2.0 * T * T * D  # Q K^T and weights x V, all heads
+        return Flops(linear_flops(T, D, 3 * D) + attention + self.output_flops(T))
 
     def _qkv(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         q, k, v = self.qkv(x).chunk(3, dim=-1)  # 3 x (B, T, D)
@@ -80,6 +87,12 @@ class SharedQKBase(Attention):
         super().__init__(config)
         self.qv = nn.Linear(config.dim, 2 * config.dim, bias=config.bias)  # W^Q | W^V
 
+    def shared_flops(self, T: int, keys: float) -> Flops:
+        """Shared-QK projections, scores and weighted sums over `keys` keys per query."""
+        D = self.dim
+        attention = 2 * 2.0 * T * keys * D
+        return Flops(linear_flops(T, D, 2 * D) + attention + self.output_flops(T))
+
     def shared_qkv(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """x (B, T, D) -> q, k, v (B, h, T, d_k); k = q / ||q|| per head."""
         q, v = self.qv(x).chunk(2, dim=-1)  # 2 x (B, T, D)
@@ -103,6 +116,9 @@ class SharedQKAttention(SharedQKBase):
 
     def keys_attended(self, T: int) -> float:
         return float(T)
+
+    def flops(self, T: int) -> Flops:
+        return self.shared_flops(T, T)
 
     def attend(self, x: Tensor, valid: Tensor) -> Tensor:
         q, k, v = self.shared_qkv(x)  # (B, h, T, d_k)

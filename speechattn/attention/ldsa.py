@@ -23,7 +23,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from speechattn.attention.base import Attention, AttentionConfig, key_mask, masked_softmax
+from speechattn.attention.base import (
+    Attention,
+    AttentionConfig,
+    Flops,
+    key_mask,
+    linear_flops,
+    masked_softmax,
+)
 from speechattn.attention.registry import register
 
 
@@ -92,6 +99,12 @@ class LDSAttention(Attention):
 
     def keys_attended(self, T: int) -> float:
         return 0.0  # weights are synthesised, no query-key scores (study's convention)
+
+    def flops(self, T: int) -> Flops:
+        D, c = self.dim, self.context
+        projections = 2 * linear_flops(T, D, D)  # W_1 and W_3 (values), all heads
+        window = 2 * 2.0 * T * D * c  # ReLU(X W_1^i) W_2^i and the c-frame weighted sums
+        return Flops(projections + window + self.output_flops(T))
 
     def window_weights(self, x: Tensor, valid: Tensor) -> Tensor:
         """B^i renormalised over in-range valid positions: (B, h, T, c)."""

@@ -45,7 +45,9 @@ from speechattn.attention.base import (
     SELF_PENALTY,
     Attention,
     AttentionConfig,
+    Flops,
     key_mask,
+    linear_flops,
     masked_softmax,
     scale,
 )
@@ -54,9 +56,6 @@ from speechattn.attention.registry import register
 Transform = Callable[[Tensor, Tensor, Tensor], tuple[Tensor, Tensor]]
 _TINY = 1e-12
 _MATCH_CHUNK = 1 << 21  # elements of one (B h, chunk, T) block of match scores
-# Up to this length, scoring all T x T pairs and masking to the selected keys is faster than
-# the sparse CSR products (measured on CPU: 0.65x their time at T = 140, 1.5x at T = 400).
-DENSE_SELECTED_MAX_T = 256
 
 
 @functools.cache
@@ -132,10 +131,11 @@ def tie_break(rows: Tensor, T: int) -> Tensor:
 
 
 def _tie_break_vector(T: int, Tp: int, dtype: torch.dtype, device: torch.device) -> Tensor:
-    """w[u] = tie-break of the offset j - i = u - (T - 1), u in [0, T + Tp - 1)."""
+    """w[u] = 2 Tp - rank of the offset j - i = u - (T - 1), u in [0, T + Tp - 1): integers in
+    [1, 2 Tp], larger for nearer keys, then for the earlier of two equidistant ones."""
     off = torch.arange(-(T - 1), Tp, device=device)
     rank = 2 * off.abs() + (off > 0).long()
-    return (1 - rank.to(dtype) / (2 * Tp)).contiguous()
+    return (2 * Tp - rank).to(dtype).contiguous()
 
 
 def _tie_break_chunk(w: Tensor, T: int, s: int, e: int, S: int, G: int) -> Tensor:
@@ -151,7 +151,7 @@ def _group_size(T: int, k: int) -> int:
     """Key group size S for the pruned top-k (minimises T / S + k S); 1 when not worth it."""
     S = 1 << max(2, round(math.log2(math.sqrt(T / k))))
     G = -(-T // S)
-    return S if k < G and G + k * S < T // 2 else 1
+    return S if k < G and G + k * S <= T // 2 else 1
 
 
 def topk_by_match(cq: Tensor, ck: Tensor, kv: Tensor, k: int) -> Tensor:
@@ -159,11 +159,12 @@ def topk_by_match(cq: Tensor, ck: Tensor, kv: Tensor, k: int) -> Tensor:
 
     cq, ck (N, T, K) bool codes (N = B h), kv (N, T) allowed keys. Returns (N, T, min(k, T)).
 
-    Composite score = (2 match - K) + tie-break in (0, 1]; all values of a row are distinct.
-    The integer part is one batched matmul of +-1 codes (bfloat16, exact for these small
-    integers, on CPUs with native bfloat16, where it is about 3x faster than float32) where an
-    extra code column subtracts 4 (K + 1) from disallowed keys and 8 (K + 1) from the keys padding T up to S G; the
-    tie-break is added in float32 (float64 when 2^24 is too small).
+    Composite integer score = (2 match - K) (2 Tp + 1) + tie-break in [1, 2 Tp]; all values
+    of a row are distinct. The match part is one batched matmul of +-1 codes (bfloat16, exact
+    for these small integers, on CPUs with native bfloat16, where it is about 3x faster than
+    float32) where an extra code column subtracts 4 (K + 1) from disallowed keys and 8 (K + 1)
+    from the keys padding T up to S G; the composite is int32 (int64 if it could overflow),
+    on which top-k runs about 1.5x faster than on floats (measured on CPU).
 
     Exact pruning for long rows: keys are split into G groups of S (group g = keys g S + r),
     stored group-strided so that group maxima are elementwise maxima over S contiguous
@@ -177,9 +178,10 @@ def topk_by_match(cq: Tensor, ck: Tensor, kv: Tensor, k: int) -> Tensor:
     S = _group_size(T, kk)
     G = -(-T // S)
     Tp = G * S
-    dtype = torch.float32 if 9 * (K + 1) * 2 * Tp < (1 << 24) else torch.float64
+    M = 2 * Tp + 1  # above every tie-break value
+    dtype = torch.int32 if (10 * (K + 1) + 1) * M < (1 << 31) else torch.int64
     native_bf16 = cq.device.type == "cpu" and _native_bf16_cpu()
-    mdtype = torch.bfloat16 if native_bf16 and 9 * (K + 1) <= 256 else dtype
+    mdtype = torch.bfloat16 if native_bf16 and 9 * (K + 1) <= 256 else torch.float32
     sq = torch.cat([cq.to(mdtype) * 2 - 1, torch.ones(N, T, 1, dtype=mdtype, device=cq.device)], -1)
     pen = (~kv[..., None]).to(mdtype) * (-4 * (K + 1))  # (N, T, 1)
     sk = torch.cat([ck.to(mdtype) * 2 - 1, pen], dim=-1)  # (N, T, K + 1)
@@ -193,9 +195,8 @@ def topk_by_match(cq: Tensor, ck: Tensor, kv: Tensor, k: int) -> Tensor:
     out = []
     for s in range(0, T, chunk):
         e, C = min(s + chunk, T), min(chunk, T - s)
-        score = torch.add(
-            torch.bmm(sq[:, s:e], skT), _tie_break_chunk(w, T, s, e, S, G)
-        )  # (N, C, Tp)
+        score = torch.bmm(sq[:, s:e], skT).to(dtype).mul_(M)
+        score += _tie_break_chunk(w, T, s, e, S, G)  # (N, C, Tp)
         if S == 1:
             out.append(score.topk(kk, dim=-1, sorted=False).indices)
             continue
@@ -207,6 +208,11 @@ def topk_by_match(cq: Tensor, ck: Tensor, kv: Tensor, k: int) -> Tensor:
     return torch.cat(out, dim=1)  # (N, T, kk)
 
 
+def _widen(t: Tensor) -> Tensor:
+    """Half-precision tensors to float32; float32 and float64 unchanged."""
+    return t.to(torch.promote_types(t.dtype, torch.float32))
+
+
 def _csr(crow: Tensor, col: Tensor, values: Tensor, T: int) -> Tensor:
     """A (T, T) CSR matrix with len(crow) - 1 rows of equal width (one head)."""
     return torch.sparse_csr_tensor(crow, col, values, (T, T))
@@ -214,6 +220,10 @@ def _csr(crow: Tensor, col: Tensor, values: Tensor, T: int) -> Tensor:
 
 class SparseTopkAttention(torch.autograd.Function):
     """Softmax attention of each query over its own selected keys, as sparse matrix products.
+
+    Runs in float32 (float64 stays float64) with autocast off, whatever the input dtype: the
+    sparse kernels have no half-precision CPU implementation. Gradients come back in the
+    inputs' dtype.
 
     q, k, v (N, T, d_k), idx (N, T, kk) selected key positions (distinct per row), allowed
     (N, T, kk) bool, scale float. Scores q_i k_j * scale (+ the self penalty where j = i) are
@@ -224,6 +234,16 @@ class SparseTopkAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(
+        ctx, q: Tensor, k: Tensor, v: Tensor, idx: Tensor, allowed: Tensor, scale: float
+    ) -> Tensor:
+        ctx.dtype = q.dtype
+        q, k, v = _widen(q), _widen(k), _widen(v)
+        with torch.autocast(q.device.type, enabled=False):
+            out = SparseTopkAttention._forward(ctx, q, k, v, idx, allowed, scale)
+        return out.to(ctx.dtype)
+
+    @staticmethod
+    def _forward(
         ctx, q: Tensor, k: Tensor, v: Tensor, idx: Tensor, allowed: Tensor, scale: float
     ) -> Tensor:
         N, T, d = q.shape
@@ -246,6 +266,12 @@ class SparseTopkAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: Tensor) -> tuple[Tensor, Tensor, Tensor, None, None, None]:
+        with torch.autocast(grad.device.type, enabled=False):
+            g_q, g_k, g_v = SparseTopkAttention._backward(ctx, _widen(grad))
+        return g_q.to(ctx.dtype), g_k.to(ctx.dtype), g_v.to(ctx.dtype), None, None, None
+
+    @staticmethod
+    def _backward(ctx, grad: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         q, k, v, crow, col, p, out = ctx.saved_tensors
         N, T, d = q.shape
         kk = p.shape[-1]
@@ -263,7 +289,7 @@ class SparseTopkAttention(torch.autograd.Function):
                 g_q.append(S @ k[i])
                 g_k.append(S.t() @ q[i])
                 g_v.append(P.t() @ grad[i])
-        return torch.stack(g_q), torch.stack(g_k), torch.stack(g_v), None, None, None
+        return torch.stack(g_q), torch.stack(g_k), torch.stack(g_v)
 
 
 @dataclass
@@ -286,6 +312,8 @@ class _LSHAttention(Attention):
     extra_dims: ClassVar[int]  # m, dimensions added by the transforms
     complexity_training = "O(T k D) attention + O(T K D) hashing + O(T^2 K h) code matching"
     complexity_inference = "O(T k D) attention + O(T K D) hashing + O(T^2 K h) code matching"
+    # All-pairs SDPA masked to the selection up to here, CSR products above (bench attention).
+    short_path_max_t = 512
 
     def __init__(self, config: LSHConfig) -> None:
         super().__init__(config)
@@ -298,6 +326,15 @@ class _LSHAttention(Attention):
     def keys_attended(self, T: int) -> float:
         return float(min(self.k, T))
 
+    def flops(self, T: int) -> Flops:
+        D, h, K = self.dim, self.num_heads, self.bits
+        attention = 2 * 2.0 * T * min(self.k, T) * D  # scores and weighted sums, top-k keys
+        hashing = 2 * linear_flops(T, self.head_dim + self.extra_dims, K) * h  # Q(q), P(k)
+        matching = 2.0 * T * T * (K + 1) * h  # +-1 code products (and the validity column)
+        return Flops(
+            linear_flops(T, D, 2 * D) + attention + self.output_flops(T), hashing + matching
+        )
+
     def _qkv(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         q, v = self.qv(x).chunk(2, dim=-1)  # 2 x (B, T, D)
         q = self.split_heads(q)  # (B, h, T, d_k)
@@ -305,7 +342,15 @@ class _LSHAttention(Attention):
 
     @torch.no_grad()
     def codes(self, q: Tensor, k: Tensor, valid: Tensor) -> tuple[Tensor, Tensor]:
-        """Query and key codes (B, h, T, K) bool; M over the valid keys of each sequence/head."""
+        """Query and key codes (B, h, T, K) bool; M over the valid keys of each sequence/head.
+
+        Always computed in float32 with autocast off: a sign bit is a hard decision, and half
+        precision transforms (norms, sqrt(M^2 - ||x||^2)) would flip bits of the fp32 model.
+        """
+        with torch.autocast(q.device.type, enabled=False):
+            return self._codes(_widen(q), _widen(k), valid)
+
+    def _codes(self, q: Tensor, k: Tensor, valid: Tensor) -> tuple[Tensor, Tensor]:
         kv = key_mask(valid)[:, None, :, None]  # (B, 1, T, 1)
         M = (k.norm(dim=-1, keepdim=True) * kv).amax(dim=-2, keepdim=True).clamp_min(_TINY)
         Qq, Pk = type(self).transform(q, k, M)  # (B, h, T, d_k + m)
@@ -317,7 +362,8 @@ class _LSHAttention(Attention):
         B, h, T, _ = q.shape
         cq, ck = self.codes(q, k, valid)
         kv = key_mask(valid)[:, None].expand(B, h, T).reshape(B * h, T)
-        idx = topk_by_match(cq.reshape(B * h, T, -1), ck.reshape(B * h, T, -1), kv, self.k)
+        with torch.autocast(q.device.type, enabled=False):  # exact integer match counts
+            idx = topk_by_match(cq.reshape(B * h, T, -1), ck.reshape(B * h, T, -1), kv, self.k)
         return idx.view(B, h, T, -1)
 
     @torch.no_grad()
@@ -340,7 +386,7 @@ class _LSHAttention(Attention):
         q, k, v = self._qkv(x)  # (B, h, T, d_k)
         B, h, T, d = q.shape
         idx = self.select(q, k, valid)  # (B, h, T, kk)
-        if T <= DENSE_SELECTED_MAX_T:
+        if T <= self.short_path_max_t:
             return self._attend_short(q, k, v, idx, valid)
         allowed = key_mask(valid).gather(1, idx.reshape(B, -1)).view(idx.shape)
         if self.dropout and self.training:  # dropout needs the weights: unfused path
@@ -353,15 +399,16 @@ class _LSHAttention(Attention):
         return out.view(B, h, T, d)
 
     def _attend_short(self, q: Tensor, k: Tensor, v: Tensor, idx: Tensor, valid: Tensor) -> Tensor:
-        """Short sequences: all T x T scores, softmax over the selected keys only (same result
-        as the sparse path, cheaper below DENSE_SELECTED_MAX_T)."""
+        """Short sequences: one fused SDPA call over all T x T pairs whose additive mask keeps
+        the selected keys (0), drops the others (-inf) and penalises self (same result as the
+        sparse path, cheaper up to `short_path_max_t`)."""
         T = q.shape[-2]
-        selected = torch.zeros(q.shape[:-1] + (T,), dtype=torch.bool, device=q.device)
-        selected.scatter_(-1, idx, True)  # (B, h, T, T)
-        s = q @ k.transpose(-1, -2) * scale(q.shape[-1])  # (B, h, T, T)
-        s = s + torch.eye(T, device=q.device, dtype=s.dtype) * SELF_PENALTY
-        weights = masked_softmax(s, selected & key_mask(valid)[:, None, None, :])
-        return self.drop(weights) @ v
+        bias = torch.full(q.shape[:-1] + (T,), float("-inf"), dtype=q.dtype, device=q.device)
+        bias.scatter_(-1, idx, 0.0)  # (B, h, T, T)
+        bias.masked_fill_(~key_mask(valid)[:, None, None, :], float("-inf"))
+        bias.diagonal(dim1=-2, dim2=-1).add_(SELF_PENALTY)
+        p = self.dropout if self.training else 0.0
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=p)
 
     def _attend_unfused(
         self, q: Tensor, k: Tensor, v: Tensor, idx: Tensor, allowed: Tensor

@@ -34,6 +34,7 @@ from speechattn.attention import patterns
 from speechattn.attention.base import (
     SELF_PENALTY,
     AttentionConfig,
+    Flops,
     key_mask,
     masked_softmax,
     scale,
@@ -227,6 +228,9 @@ class _SparseBase(SharedQKBase):
         a, b = self._mean_pattern_size(T)
         hA = self.heads_first
         return (hA * a + (self.num_heads - hA) * b) / self.num_heads
+
+    def flops(self, T: int) -> Flops:
+        return self.shared_flops(T, self.keys_attended(T))
 
 
 @dataclass

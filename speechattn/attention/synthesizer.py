@@ -17,22 +17,33 @@ Tay et al., "Synthesizer: Rethinking Self-Attention in Transformer Models", ICML
 
 Rows are always normalised over the T valid keys only. T > max_len raises a ValueError.
 Dense synthesizers use SDPA: logits are the inner products of [ReLU(W_1 x_i), 1] with
-[W_2 row j, b_2 j], so the fused kernel never stores the T x T weights. Random synthesizers use
-`TableAttention`, a row-chunked softmax(R) V that reads R straight from the parameter and
-recomputes the weights in the backward pass, so no (B, h, T, T) tensor is ever allocated
-(only the gradient of R itself, which has the parameter's size).
+[W_2 row j, b_2 j], so the fused kernel never stores the T x T weights. Random synthesizers
+form their (1 or B, h, T, T) weights explicitly up to `short_path_max_t` frames (one batched
+product, cheaper than `full` there); above it they use `TableAttention`, a row-chunked
+softmax(R) V that reads R straight from the parameter and recomputes the weights in the
+backward pass, so no (B, h, T, T) tensor is ever allocated (only the gradient of R itself,
+which has the parameter's size). Both run under autocast: softmax(R) in float32, the product
+with V in V's dtype.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from speechattn.attention import patterns
-from speechattn.attention.base import Attention, AttentionConfig, key_mask, masked_softmax
+from speechattn.attention.base import (
+    Attention,
+    AttentionConfig,
+    Flops,
+    key_mask,
+    linear_flops,
+    masked_softmax,
+)
 from speechattn.attention.registry import register
 
 
@@ -80,6 +91,10 @@ class _SynthesizerBase(Attention):
     def keys_attended(self, T: int) -> float:
         return 0.0  # weights are synthesised, no query-key scores (study, Figure 4)
 
+    def value_flops(self, T: int) -> float:
+        """V projection, the (T x T) weights x V product of all heads, output projection."""
+        return linear_flops(T, self.dim, self.dim) + 2.0 * T * T * self.dim + self.output_flops(T)
+
 
 @register("syn_dense")
 class SynDenseAttention(_SynthesizerBase):
@@ -95,6 +110,11 @@ class SynDenseAttention(_SynthesizerBase):
         hidden = config.hidden or config.dim
         self.w1 = nn.Linear(config.dim, hidden, bias=config.bias)  # W_1
         self.w2 = nn.Linear(hidden, config.max_len, bias=config.bias)  # W_2, one row per key
+
+    def flops(self, T: int) -> Flops:
+        hidden = self.w1.out_features
+        logits = linear_flops(T, hidden, T)  # one shared (T, T) logit matrix
+        return Flops(linear_flops(T, self.dim, hidden) + logits + self.value_flops(T))
 
     def _qk(self, x: Tensor) -> tuple[Tensor, Tensor]:
         """Logits as inner products: q (B, 1, T, H'), k (B, 1, T, H') with H' = hidden (+1)."""
@@ -145,6 +165,11 @@ class SynDenseMHAttention(_SynthesizerBase):
         nn.init.uniform_(self.w2, -(self.hidden**-0.5), self.hidden**-0.5)
         self.b2 = nn.Parameter(torch.zeros(h, config.max_len)) if config.bias else None
 
+    def flops(self, T: int) -> Flops:
+        h, hidden = self.num_heads, self.hidden
+        logits = h * linear_flops(T, hidden, T)  # one (T, T) logit matrix per head
+        return Flops(linear_flops(T, self.dim, h * hidden) + logits + self.value_flops(T))
+
     def _qk(self, x: Tensor) -> tuple[Tensor, Tensor]:
         """q (B, h, T, H'), k (B, h, T, H') with H' = hidden (+1 for the bias)."""
         B, T, _ = x.shape
@@ -173,6 +198,20 @@ class SynDenseMHAttention(_SynthesizerBase):
 _CHUNK = 1 << 21  # elements of one (h, rows, T) block of weights in TableAttention
 
 
+def weighted_values(w: Tensor, v: Tensor) -> Tensor:
+    """w (G, h, T, T) @ v (B, h, T, d_k) -> (B, h, T, d_k), with G = 1 or B.
+
+    G = 1 runs as one (h, T, T) x (h, T, B d_k) product rather than broadcasting w to B
+    copies. The weights are cast to v's dtype (under autocast, v is half precision).
+    """
+    B, h, T, d = v.shape
+    w = w.to(v.dtype)
+    if w.shape[0] == B:
+        return w @ v
+    vb = v.permute(1, 2, 0, 3).reshape(h, T, B * d)  # (h, T, B d_k)
+    return (w[0] @ vb).view(h, T, B, d).permute(2, 0, 1, 3)
+
+
 def _window(r: Tensor, o: int, s: int, e: int, T: int) -> Tensor:
     """Rows [o + s, o + e) and columns [o, o + T) of r (n, n), zero-padded past n: (e - s, T).
 
@@ -186,6 +225,51 @@ def _window(r: Tensor, o: int, s: int, e: int, T: int) -> Tensor:
     return F.pad(w, (0, T - w.shape[1], 0, (e - s) - w.shape[0]))
 
 
+def table_gradient(table: Tensor) -> Tensor:
+    """A zero tensor of table's shape, dtype and device, for its gradient.
+
+    On CPU it comes from calloc (numpy's zeros), whose pages the OS maps on first write: a
+    step writes only its T x T windows of the (h, l_max, l_max) table, so it pays page
+    faults for those, not a zero-fill of the whole table (measured: 2 ms against 26 ms for
+    12 x 1024 x 1024 float32 with T = 128).
+    """
+    if table.device.type == "cpu" and table.dtype in _NUMPY_DTYPES:
+        return torch.from_numpy(np.zeros(tuple(table.shape), dtype=_NUMPY_DTYPES[table.dtype]))
+    return torch.zeros(table.shape, dtype=table.dtype, device=table.device)
+
+
+_NUMPY_DTYPES = {torch.float32: np.float32, torch.float64: np.float64}
+
+
+class TableWindows(torch.autograd.Function):
+    """Each head's T x T window of a logit table: table (h, n, n), offsets (G, h) int ->
+    (G, h, T, T); head i of group g reads rows and columns [o, o + T), o = offsets[g, i].
+
+    Autograd's own slicing would build one zero-filled (h, n, n) gradient per head and add
+    them up (h full-table passes per step); this backward fills one gradient and adds each
+    window into it.
+    """
+
+    @staticmethod
+    def forward(ctx, table: Tensor, offsets: Tensor, T: int) -> Tensor:
+        ctx.save_for_backward(table, offsets)
+        return torch.stack(
+            [torch.stack([_window(table[i], o, 0, T, T) for i, o in enumerate(offs)])
+             for offs in offsets.tolist()]
+        )  # fmt: skip
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, None, None]:
+        table, offsets = ctx.saved_tensors
+        n, T = table.shape[-1], grad.shape[-1]
+        g_table = table_gradient(table)
+        for g, offs in enumerate(offsets.tolist()):
+            for i, o in enumerate(offs):
+                c = min(T, n - o)  # rows/columns of the window inside the table
+                g_table[i, o : o + c, o : o + c] += grad[g, i, :c, :c]
+        return g_table, None, None
+
+
 class TableAttention(torch.autograd.Function):
     """Y = softmax(R sliced to T x T, over valid keys) V, in row chunks.
 
@@ -193,7 +277,7 @@ class TableAttention(torch.autograd.Function):
     [o, o + T) with o = offsets[g, i]; G = 1 (one slice for the whole batch) or G = B (one per
     utterance); v (B, h, T, d_k); kv (B, T) allowed keys. Returns (B, h, T, d_k).
     The backward pass recomputes each chunk's weights; with G = 1 it writes the gradient of
-    each head's slice once instead of accumulating into a zero-filled copy of the table.
+    each head's slice straight into the (lazily zeroed, see `table_gradient`) table gradient.
     """
 
     @staticmethod
@@ -217,6 +301,15 @@ class TableAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, table: Tensor, offsets: Tensor, v: Tensor, kv: Tensor) -> Tensor:
+        # Computed in the table's dtype with autocast off: under autocast v arrives in half
+        # precision while the logits (a parameter) stay float32.
+        ctx.v_dtype = v.dtype
+        with torch.autocast(v.device.type, enabled=False):
+            out = TableAttention._forward(ctx, table, offsets, v.to(table.dtype), kv)
+        return out.to(ctx.v_dtype)
+
+    @staticmethod
+    def _forward(ctx, table: Tensor, offsets: Tensor, v: Tensor, kv: Tensor) -> Tensor:
         B, h, T, _ = v.shape
         chunk = max(1, _CHUNK // T)  # rows per block: one head, (chunk, T) weights
         out = v.new_empty(v.shape)
@@ -231,15 +324,20 @@ class TableAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: Tensor) -> tuple[Tensor | None, None, Tensor | None, None]:
+        table = ctx.saved_tensors[0]
+        with torch.autocast(grad.device.type, enabled=False):
+            g_table, g_v = TableAttention._backward(ctx, grad.to(table.dtype))
+        return g_table, None, g_v.to(ctx.v_dtype), None
+
+    @staticmethod
+    def _backward(ctx, grad: Tensor) -> tuple[Tensor | None, Tensor]:
         table, offsets, v, kv, out = ctx.saved_tensors
         B, h, T, d = v.shape
         n = table.shape[-1]
         chunk = max(1, _CHUNK // T)
         groups = TableAttention._groups(offsets, B)
         write_once = len(groups) == 1  # each table entry receives one block's gradient
-        g_table = None
-        if ctx.needs_input_grad[0]:
-            g_table = table.new_empty(table.shape) if write_once else torch.zeros_like(table)
+        g_table = table_gradient(table) if ctx.needs_input_grad[0] else None
         g_v = torch.zeros_like(v)
         for bs, offs in groups:
             for i, o in enumerate(offs):
@@ -262,18 +360,8 @@ class TableAttention(torch.autograd.Function):
                     g_logits = g_logits[0] if g_logits.shape[0] == 1 else g_logits.sum(0)  # (C, T)
                     if r <= s:
                         continue
-                    if write_once:
-                        dst.copy_(g_logits[: r - s, :c])
-                    else:
-                        dst += g_logits[: r - s, :c]
-        if g_table is not None and write_once:
-            for i, o in enumerate(groups[0][1]):  # zero what no slice covered
-                c = min(T, n - o)
-                g_table[i, :o].zero_()
-                g_table[i, o + c :].zero_()
-                g_table[i, o : o + c, :o].zero_()
-                g_table[i, o : o + c, o + c :].zero_()
-        return g_table, None, g_v, None
+                    dst += g_logits[: r - s, :c]
+        return g_table, g_v
 
 
 @dataclass
@@ -294,11 +382,16 @@ class SynRandomAttention(_SynthesizerBase):
     paper = "Tay et al., Synthesizer: Rethinking Self-Attention in Transformer Models, ICML 2021 (Random)"
     complexity_training = "O(T^2 D)"
     complexity_inference = "O(T^2 D) (softmax(R) input-independent, cacheable)"
+    # Explicit (G, h, T, T) weights up to here, the row-chunked TableAttention above.
+    short_path_max_t = 768
 
     def __init__(self, config: SynRandomConfig) -> None:
         super().__init__(config)
         n = config.max_len
         self.logits = nn.Parameter(torch.empty(config.num_heads, n, n).normal_(std=n**-0.5))  # R^i
+
+    def flops(self, T: int) -> Flops:
+        return Flops(self.value_flops(T))  # the logits are a parameter: no product at all
 
     def offsets(self, valid: Tensor) -> Tensor:
         """(G, h) first row/column of each head's T x T slice of R; G = 1 or B."""
@@ -307,14 +400,7 @@ class SynRandomAttention(_SynthesizerBase):
 
     def sliced_logits(self, valid: Tensor) -> Tensor:
         """R^i sliced to T x T at `offsets`: (G, h, T, T) with G = 1 or B."""
-        T = valid.shape[1]
-        offs = self.offsets(valid).tolist()
-        return torch.stack(
-            [
-                torch.stack([_window(self.logits[i], o, 0, T, T) for i, o in enumerate(r)])
-                for r in offs
-            ]
-        )
+        return TableWindows.apply(self.logits, self.offsets(valid), valid.shape[1])
 
     def weights(self, valid: Tensor) -> Tensor:
         """softmax over the valid keys: (1 or B, h, T, T)."""
@@ -325,8 +411,11 @@ class SynRandomAttention(_SynthesizerBase):
 
     def attend(self, x: Tensor, valid: Tensor) -> Tensor:
         v = self.split_heads(self.v_proj(x))  # (B, h, T, d_k)
-        if self.dropout and self.training:  # dropout needs the weights: unfused path
-            return self.drop(self.weights(valid)) @ v
+        T = x.shape[1]
+        # Short sequences (and dropout, which needs the weights): explicit (G, h, T, T)
+        # weights in one batched product; long ones: the row-chunked table kernel.
+        if T <= self.short_path_max_t or (self.dropout and self.training):
+            return weighted_values(self.drop(self.weights(valid)), v)
         return TableAttention.apply(self.logits, self.offsets(valid), v, key_mask(valid))
 
     def attend_dense(self, x: Tensor, valid: Tensor) -> tuple[Tensor, Tensor]:

@@ -26,9 +26,17 @@ speechattn's wrapper) and `sdpa_kernel` (the SDPA call alone on ready (B, h, T, 
 * Synthesizers whose max_len < T are built with max_len = T.
 * growth exponent: least-squares slope of log time vs log T over the largest lengths
   (T >= max T / 8).
+* FLOPs: each variant's own count as it is defined (`Attention.flops`: projections, scores
+  and weighted sums over the keys it really attends; backward twice the differentiable
+  forward), so `bound` = flops(full) / flops(variant) is the speed-up a variant would reach
+  at full's FLOP/s, and `achieved/bound` how much of it the kernels deliver. MFU is the
+  achieved FLOP/s over the matmul peak measured in the same run, in the precision's dtype.
+* `--precision bf16|fp16` runs every step under autocast (default: bf16 on CUDA, fp32 on CPU).
 
-Prints a table of times and ratios to `full`, the growth exponents and the targets of issue 3,
-writes JSON (for the report's Table 1) and a log-log PNG.
+Prints times, speed-ups over `full`, FLOP bounds, achieved/bound, MFU, growth exponents and
+the targets (issue 12: no variant with fewer FLOPs than `full` above 1.1x its time for T in
+128..8192; `ldsa`/`sparse_*` at >= 70 % of their bound for T >= 4096), writes JSON (for the
+report's Table 1) and a log-log PNG.
 """
 
 from __future__ import annotations
@@ -38,6 +46,7 @@ import ctypes
 import datetime
 import json
 import math
+import os
 import re
 import statistics
 import sys
@@ -50,11 +59,24 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from speechattn.attention import Attention, available, build, registry
+from speechattn.attention.base import linear_flops
+from speechattn.bench.common import (
+    PRECISIONS,
+    autocast,
+    default_precision,
+    matmul_peak,
+    peak_dtype,
+    sync,
+)
 
 DEFAULT_LENGTHS = [256, 512, 1024, 2048, 4096, 8192]
 QUICK_LENGTHS = [128, 256, 512, 1024]
 BASELINES = ["sdpa_mha", "sdpa_kernel"]
 LSH = {"sign_alsh", "xbox", "xbox_qnf", "simple_lsh", "simple_alsh"}
+SLOWDOWN_LIMIT = 1.1  # a variant with fewer FLOPs than full may take at most this x full's time
+BOUND_SHARE = 0.7  # ldsa / sparse_* keep this share of their FLOP-bound speed-up ...
+BOUND_MIN_T = 4096  # ... at this length and above
+TARGET_LENGTHS = (128, 8192)  # the range the slowdown limit applies to
 
 
 class BareMHA(nn.Module):
@@ -142,6 +164,7 @@ class Case:
 
     def __init__(self, name: str, T: int, args: argparse.Namespace, device: torch.device) -> None:
         self.name, self.T, self.device = name, T, device
+        self.precision, self.batch, self.dim = args.precision, args.batch, args.dim
         B, D, h = args.batch, args.dim, args.heads
         gen = torch.Generator().manual_seed(T)
         self.options: dict = {}
@@ -164,7 +187,17 @@ class Case:
             self.inputs = torch.randn(B, T, D, generator=gen).to(device).requires_grad_()
 
     def forward(self) -> Tensor:
-        return self.module(self.inputs)
+        with autocast(self.device.type, self.precision):
+            return self.module(self.inputs)
+
+    def flops(self) -> float:
+        """Training FLOPs of one step (forward + backward) as the module is defined."""
+        B, T, D = self.batch, self.T, self.dim
+        if isinstance(self.module, Attention):
+            return B * self.module.flops(T).training
+        attention = 3 * 4.0 * T * T * D  # SDPA: scores and weighted sums, forward + backward
+        projections = 3 * linear_flops(T, D, 4 * D) if self.name == "sdpa_mha" else 0.0
+        return B * (attention + projections)
 
     def _zero(self) -> None:
         for p in self.module.parameters():
@@ -174,18 +207,14 @@ class Case:
 
     def step(self) -> None:
         self._zero()
-        self.forward().sum().backward()
-
-    def sync(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize()
+        self.forward().float().sum().backward()
 
     def time_step(self, clock: Callable[[], float]) -> float:
         self._zero()
-        self.sync()
+        sync(self.device)
         t0 = clock()
-        self.forward().sum().backward()
-        self.sync()
+        self.forward().float().sum().backward()
+        sync(self.device)
         dt = (clock() - t0) * 1000
         self._zero()  # free gradients (large for synthesizer tables) before the next case
         return dt
@@ -195,23 +224,23 @@ class Case:
         if self.name not in LSH:
             return None
         attn: Attention = self.module
-        with torch.no_grad():
+        with torch.no_grad(), autocast(self.device.type, self.precision):
             valid = torch.ones(self.inputs.shape[:2], dtype=torch.bool, device=self.device)
             q, k, _ = attn._qkv(self.inputs)
-            self.sync()
+            sync(self.device)
             t0 = clock()
             attn.select(q, k, valid)
-            self.sync()
+            sync(self.device)
         return (clock() - t0) * 1000
 
     def memory(self, rss: _RSS) -> tuple[float | None, float]:
         self._zero()
         if self.device.type == "cuda":
-            torch.cuda.synchronize()
+            sync(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
             base = torch.cuda.memory_allocated(self.device)
             self.step()
-            torch.cuda.synchronize()
+            sync(self.device)
             peak = (torch.cuda.max_memory_allocated(self.device) - base) / 2**20
         else:
             peak = rss.measure(self.step)
@@ -248,8 +277,10 @@ def run(args: argparse.Namespace) -> dict:
     rows = names + ([] if args.no_baselines else BASELINES)
     rss = _RSS()
     clock = time.process_time if args.clock == "cpu" else time.perf_counter
+    peak = matmul_peak(device=args.device, dtype=peak_dtype(args.precision), clock=clock)
     res: dict[str, dict] = {
-        n: {"time_ms": {}, "time_ms_median": {}, "peak_mem_mb": {}, "saved_mb": {}} for n in rows
+        n: {"time_ms": {}, "time_ms_median": {}, "peak_mem_mb": {}, "saved_mb": {}, "gflop": {}}
+        for n in rows
     }
     torch.manual_seed(0)
     for T in args.lengths:
@@ -276,6 +307,7 @@ def run(args: argparse.Namespace) -> dict:
                 r.setdefault("attention_ms", {})[T] = max(r["time_ms"][T] - min(sel), 1e-3)
             if not args.no_memory:
                 r["peak_mem_mb"][T], r["saved_mb"][T] = case.memory(rss)
+            r["gflop"][T] = case.flops() / 1e9
             r.setdefault("params_at_T", {})[T] = case.params()
             if case.options:
                 r.setdefault("options_at_T", {})[T] = case.options
@@ -284,10 +316,18 @@ def run(args: argparse.Namespace) -> dict:
         line = "  ".join(f"{n}={res[n]['time_ms'][T]:.0f}" for n in cases)
         print(f"T={T}: {line} (ms)", file=sys.stderr, flush=True)
         del cases
+    peak = max(peak, matmul_peak(device=args.device, dtype=peak_dtype(args.precision), clock=clock))
+    full, full_gflop = res["full"]["time_ms"], res["full"]["gflop"]
     for n in rows:
         r = res[n]
-        full = res["full"]["time_ms"]
         r["ratio_to_full"] = {T: full[T] / t for T, t in r["time_ms"].items() if T in full}
+        r["flop_bound"] = {T: full_gflop[T] / g for T, g in r["gflop"].items() if T in full_gflop}
+        r["achieved_of_bound"] = {
+            T: r["ratio_to_full"][T] / b
+            for T, b in r["flop_bound"].items()
+            if T in r["ratio_to_full"]
+        }
+        r["mfu"] = {T: r["gflop"][T] * 1e9 / (t / 1e3) / peak for T, t in r["time_ms"].items()}
         r["growth_exponent"] = growth_exponent(r["time_ms"])
         if "attention_ms" in r:
             r["attention_growth_exponent"] = growth_exponent(r["attention_ms"])
@@ -307,6 +347,9 @@ def run(args: argparse.Namespace) -> dict:
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "torch": torch.__version__,
         "device": str(device),
+        "device_name": device_name(device),
+        "precision": args.precision,
+        "matmul_peak_gflops": peak / 1e9,
         "threads": torch.get_num_threads(),
         "batch": args.batch,
         "dim": args.dim,
@@ -333,49 +376,88 @@ def run(args: argparse.Namespace) -> dict:
 
 
 def targets(out: dict) -> list[dict]:
-    """Issue 3 targets, evaluated at T = 4096 (or the largest measured T)."""
+    """Issue 12: for every measured T in TARGET_LENGTHS, each variant with fewer FLOPs than
+    `full` takes at most SLOWDOWN_LIMIT x its time; `ldsa` / `sparse_*` keep BOUND_SHARE of
+    their FLOP-bound speed-up at T >= BOUND_MIN_T; `full` is within 10 % of bare SDPA MHA."""
     v, b = out["variants"], out["baselines"]
-    Ts = out["meta"]["lengths"]
-    T = 4096 if 4096 in Ts else max(Ts)
+    lo, hi = TARGET_LENGTHS
     checks = []
 
     def add(what: str, value: float | None, ok: bool | None) -> None:
         checks.append({"target": what, "value": value, "met": ok})
 
-    for n in v:
-        exp = v[n].get("growth_exponent")
+    for n, r in v.items():
+        if n == "full":
+            continue
+        for T, bound in r["flop_bound"].items():
+            if not lo <= T <= hi or bound <= 1 or T not in r["ratio_to_full"]:
+                continue
+            slowdown = 1 / r["ratio_to_full"][T]
+            add(f"{n} at T={T}: time <= {SLOWDOWN_LIMIT}x full's (FLOP bound {bound:.2f})",
+                slowdown, slowdown <= SLOWDOWN_LIMIT)  # fmt: skip
         if n.startswith("sparse_") or n == "ldsa":
-            add(f"{n}: growth exponent <= 1.2", exp, exp is not None and exp <= 1.2)
-            r = v[n]["ratio_to_full"].get(T)
-            add(f"{n}: >= 3x faster than full at T={T}", r, r is not None and r >= 3)
-        if n in LSH:
-            exp = v[n].get("attention_growth_exponent")
-            add(f"{n}: attention-part growth exponent <= 1.3", exp, exp is not None and exp <= 1.3)
-        if n in LSH or n.startswith("syn_"):
-            r = v[n]["ratio_to_full"].get(T)
-            add(f"{n}: >= 1.5x faster than full at T={T}", r, r is not None and r >= 1.5)
-    if "sdpa_mha" in b and T in b["sdpa_mha"]["time_ms"] and T in v["full"]["time_ms"]:
-        r = v["full"]["time_ms"][T] / b["sdpa_mha"]["time_ms"][T]
-        add(f"full within 10% of bare SDPA MHA at T={T} (time ratio)", r, r <= 1.10)
+            for T, share in r["achieved_of_bound"].items():
+                if T >= BOUND_MIN_T:
+                    add(f"{n} at T={T}: >= {BOUND_SHARE:.0%} of its FLOP-bound speed-up",
+                        share, share >= BOUND_SHARE)  # fmt: skip
+    full = v["full"]["time_ms"]
+    for T, t in b.get("sdpa_mha", {}).get("time_ms", {}).items():
+        if T == max(full) and T in full:
+            r = full[T] / t
+            add(f"full within 10% of bare SDPA MHA at T={T} (time ratio)", r, r <= 1.10)
     return checks
+
+
+def device_name(device: torch.device) -> str:
+    """The GPU's name, or the CPU model and core count."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    model = next(
+        (ln.split(":", 1)[1].strip() for ln in _read("/proc/cpuinfo").splitlines()
+         if ln.startswith("model name")),
+        "CPU",
+    )  # fmt: skip
+    return f"{model}, {torch.get_num_threads()} threads of {os.cpu_count()} cores"
+
+
+def _read(path: str) -> str:
+    try:
+        return Path(path).read_text()
+    except OSError:
+        return ""
 
 
 # --------------------------------------------------------------------------- output
 def print_table(out: dict) -> None:
-    Ts = out["meta"]["lengths"]
+    m = out["meta"]
+    Ts = m["lengths"]
     allrows = {**out["variants"], **out["baselines"]}
     w = max(len(n) for n in allrows) + 2
-    print(f"\nforward+backward {out['meta']['timing'].split()[1]} time (ms), B={out['meta']['batch']} D={out['meta']['dim']} "
-          f"h={out['meta']['heads']} on {out['meta']['device']} ({out['meta']['threads']} threads)")  # fmt: skip
+
+    def table(title: str, key: str, fmt: str = "{:10.2f}") -> None:
+        print(f"\n{title}")
+        print("variant".ljust(w) + "".join(f"T={T}".rjust(10) for T in Ts))
+        for n, r in allrows.items():
+            cells = (r.get(key, {}).get(T) for T in Ts)
+            print(
+                n.ljust(w)
+                + "".join(fmt.format(c) if c is not None else f"{'-':>10}" for c in cells)
+            )
+
+    print(
+        f"\n{m['device_name']}; {m['precision']}; matmul peak {m['matmul_peak_gflops']:.1f} GFLOP/s"
+    )
+    print(f"forward+backward {m['timing'].split()[1]} time (ms), B={m['batch']} D={m['dim']} "
+          f"h={m['heads']} on {m['device']} ({m['threads']} threads)")  # fmt: skip
     print("variant".ljust(w) + "".join(f"T={T}".rjust(10) for T in Ts) + "   exp")
     for n, r in allrows.items():
         cells = "".join(f"{r['time_ms'].get(T, float('nan')):10.1f}" for T in Ts)
         exp = r.get("growth_exponent")
         print(n.ljust(w) + cells + (f"  {exp:4.2f}" if exp is not None else "     -"))
-    print("\nspeed-up vs full (full time / variant time)")
-    print("variant".ljust(w) + "".join(f"T={T}".rjust(10) for T in Ts))
-    for n, r in allrows.items():
-        print(n.ljust(w) + "".join(f"{r['ratio_to_full'].get(T, float('nan')):10.2f}" for T in Ts))
+    table("speed-up vs full (full time / variant time)", "ratio_to_full")
+    table("FLOP bound: flops(full) / flops(variant)", "flop_bound")
+    table("achieved / bound (speed-up over FLOP bound)", "achieved_of_bound")
+    table("MFU (achieved FLOP/s over the measured matmul peak)", "mfu")
     if any("attention_ms" in r for r in allrows.values()):
         print("\nLSH: hashing+matching (select) / attention part (ms)")
         for n, r in allrows.items():
@@ -391,14 +473,17 @@ def print_table(out: dict) -> None:
                     + f"  attention exp {r['attention_growth_exponent'] or float('nan'):.2f}"
                 )
     if any(r["peak_mem_mb"] for r in allrows.values()):
-        print(f"\npeak memory (MiB; {out['meta']['memory']})")
+        print(f"\npeak memory (MiB; {m['memory']})")
         print("variant".ljust(w) + "".join(f"T={T}".rjust(10) for T in Ts))
         for n, r in allrows.items():
             print(n.ljust(w) + "".join(_fmt(r["peak_mem_mb"].get(T)) for T in Ts))
     print("\ntargets")
+    missed = [c for c in out["targets"] if not c["met"]]
     for c in out["targets"]:
-        val = "n/a" if c["value"] is None else f"{c['value']:.2f}"
-        print(f"  [{'met' if c['met'] else 'MISSED'}] {c['target']}: {val}")
+        if not c["met"] or len(out["targets"]) <= 40:
+            val = "n/a" if c["value"] is None else f"{c['value']:.2f}"
+            print(f"  [{'met' if c['met'] else 'MISSED'}] {c['target']}: {val}")
+    print(f"  {len(out['targets']) - len(missed)} of {len(out['targets'])} met")
 
 
 def _fmt(x: float | None) -> str:
@@ -444,6 +529,12 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--json", type=Path, default=None, help="write results here")
     p.add_argument("--png", type=Path, default=None, help="log-log plot (default: next to --json)")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    p.add_argument(
+        "--precision",
+        choices=sorted(PRECISIONS),
+        default=None,
+        help="autocast dtype (default: bf16 on cuda, fp32 on cpu)",
+    )
     p.add_argument("--lengths", type=int, nargs="+", default=None)
     p.add_argument("--variants", nargs="+", default=None, help="default: all registered")
     p.add_argument(
@@ -466,6 +557,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
         p.error(f"unknown variant(s) {sorted(unknown)}; valid: {', '.join(available())}")
     if args.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda requested but CUDA is not available")
+    args.precision = args.precision or default_precision(args.device)
     return args
 
 

@@ -34,6 +34,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from speechattn.attention import available
 from speechattn.attention.registry import options as attention_options
+from speechattn.bench.common import matmul_peak, sync
 from speechattn.model.aalbert import (
     AALBERT,
     PRESETS,
@@ -118,30 +119,6 @@ SDPA_CPU = {
 }
 
 
-def matmul_peak(
-    n: int = 3072,
-    repeat: int = 5,
-    device: str = "cpu",
-    clock: Callable[[], float] = time.perf_counter,
-) -> float:
-    """Best fp32 FLOP/s of an n x n x n torch.mm on this device."""
-    a, b = torch.randn(n, n, device=device), torch.randn(n, n, device=device)
-    a @ b  # warm-up
-    best = math.inf
-    for _ in range(repeat):
-        _sync(device)
-        t = clock()
-        a @ b
-        _sync(device)
-        best = min(best, clock() - t)
-    return 2 * n**3 / best
-
-
-def _sync(device: str) -> None:
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
-
-
 def make_step(
     model: nn.Module, batch: dict[str, Tensor], masking: MaskingConfig, lr: float = 1e-3
 ) -> Callable[[], float]:
@@ -183,10 +160,10 @@ def time_step(
     step: Callable[[], float], device: str, clock: Callable[[], float] = time.perf_counter
 ) -> float:
     """Seconds of one step by `clock`."""
-    _sync(device)
+    sync(device)
     t = clock()
     step()
-    _sync(device)
+    sync(device)
     return clock() - t
 
 

@@ -186,7 +186,7 @@ def test_lsh_is_deterministic_across_modes_calls_and_instances(name):
 @pytest.mark.parametrize("name", LSH)
 def test_lsh_sparse_and_short_paths_agree(name, monkeypatch):
     """Both kernels behind `attend` (all-pairs scores masked to the selection below
-    DENSE_SELECTED_MAX_T, CSR products above) give the dense reference's outputs and
+    `short_path_max_t`, CSR products above) give the dense reference's outputs and
     gradients; the tiny lengths here would otherwise only reach the first."""
     x, pad = batch([20, 12, 1])
     w = torch.randn(x.shape, generator=torch.Generator().manual_seed(3), dtype=x.dtype)
@@ -197,7 +197,7 @@ def test_lsh_sparse_and_short_paths_agree(name, monkeypatch):
         if limit is None:
             y = attn.dense_reference(xi, pad)[0]
         else:
-            monkeypatch.setattr(lsh, "DENSE_SELECTED_MAX_T", limit)
+            monkeypatch.setattr(type(attn), "short_path_max_t", limit)
             y = attn(xi, pad)
         (y * w).sum().backward()
         results.append((y.detach(), xi.grad, attn.qv.weight.grad))
@@ -208,10 +208,10 @@ def test_lsh_sparse_and_short_paths_agree(name, monkeypatch):
 
 @pytest.mark.parametrize("limit", [10**6, 0])  # short path, sparse path (gathered keys)
 def test_lsh_dropout_in_training_runs_on_both_paths(limit, monkeypatch):
-    """Attention dropout needs the weights: above DENSE_SELECTED_MAX_T it takes the gathered
+    """Attention dropout needs the weights: above `short_path_max_t` it takes the gathered
     (unfused) path, below it the masked all-pairs one. Both train, pad with zeros, and with the
     dropout off in eval mode equal the dense reference."""
-    monkeypatch.setattr(lsh, "DENSE_SELECTED_MAX_T", limit)
+    monkeypatch.setattr(lsh.XBOXAttention, "short_path_max_t", limit)
     attn = make("xbox", dropout=0.5).train()
     x, pad = batch([20, 12])
     torch.manual_seed(0)

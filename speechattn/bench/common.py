@@ -1,0 +1,56 @@
+"""Pieces shared by the benchmarks: device sync, measured matmul peak, precision contexts."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from collections.abc import Callable
+
+import torch
+
+PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def default_precision(device: str) -> str:
+    """bf16 autocast on CUDA (how the study trains there), plain fp32 on CPU (its fast dtype)."""
+    return "bf16" if device.startswith("cuda") else "fp32"
+
+
+def autocast(device: str, precision: str) -> contextlib.AbstractContextManager:
+    """Autocast to `precision` on `device`, or nothing for fp32."""
+    dtype = PRECISIONS[precision]
+    if dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast(torch.device(device).type, dtype=dtype)
+
+
+def sync(device: str | torch.device) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+
+
+def matmul_peak(
+    n: int = 3072,
+    repeat: int = 5,
+    device: str = "cpu",
+    dtype: torch.dtype = torch.float32,
+    clock: Callable[[], float] = time.perf_counter,
+) -> float:
+    """Best FLOP/s of an n x n x n torch.mm in `dtype` on this device (the MFU denominator)."""
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    a @ b  # warm-up
+    best = math.inf
+    for _ in range(repeat):
+        sync(device)
+        t = clock()
+        a @ b
+        sync(device)
+        best = min(best, clock() - t)
+    return 2 * n**3 / best
+
+
+def peak_dtype(precision: str) -> torch.dtype:
+    """The matmul dtype a precision runs its products in."""
+    return PRECISIONS[precision] or torch.float32
