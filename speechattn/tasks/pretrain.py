@@ -375,9 +375,10 @@ class PretrainTask(L.LightningModule):
     def upstream_metadata(self) -> dict[str, Any]:
         from speechattn import code_version
 
-        info = {
-            k: v for k, v in self.data_info.items() if k not in ("mean", "std", "feature_config")
-        }
+        # the normaliser and feature settings have their own entries in upstream.pt; metadata
+        # holds plain values only
+        skip = ("mean", "std", "feature_config", "normalizer")
+        info = {k: v for k, v in self.data_info.items() if k not in skip}
         trainer = self._trainer
         return {
             "steps": int(self.global_step),
