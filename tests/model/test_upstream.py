@@ -98,13 +98,16 @@ def test_features_from_waveforms_match_the_data_layer(saved):
     assert len(up(feats, frames)) == 3
 
 
-def test_hf_style_output_matches_the_list_call(saved):
-    _, path, _, _ = saved
-    up = load_upstream(path)
+def list_and_object(saved, **flags):
+    """The loaded upstream, its inputs, and its list call and object call on them."""
+    up = load_upstream(saved[1])
     x, lengths = torch.randn(2, 20, 8), torch.tensor([20, 7])
     with torch.no_grad():
-        listed = up(x, lengths)
-        out = up(x, lengths, return_dict=True)
+        return up, x, lengths, up(x, lengths), up(x, lengths, **flags)
+
+
+def test_hf_style_output_matches_the_list_call(saved):
+    up, x, lengths, listed, out = list_and_object(saved, return_dict=True)
     assert isinstance(listed, list) and len(listed) == 3  # the old call is unchanged
     assert out.keys() == [
         "last_hidden_state",
@@ -128,12 +131,8 @@ def test_hf_style_output_matches_the_list_call(saved):
 
 
 def test_hf_style_output_attentions_are_each_layers_weights(saved):
-    _, path, _, _ = saved
-    up = load_upstream(path)
-    x, lengths = torch.randn(2, 20, 8), torch.tensor([20, 7])
+    up, x, lengths, listed, out = list_and_object(saved, output_attentions=True)
     with torch.no_grad():
-        listed = up(x, lengths)
-        out = up(x, lengths, output_attentions=True)
         per_layer = [up.attention_weights(x, lengths, layer=k) for k in (1, 2)]
     assert len(out.attentions) == 2 and out.keys()[-2:] == ["attentions", "output_lengths"]
     for k, w in enumerate(out.attentions):
