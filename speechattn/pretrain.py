@@ -4,6 +4,7 @@ Pretrains AALBERT by masked reconstruction (SPEC 3) and writes a run directory:
 
     checkpoints/last.ckpt, checkpoints/step=NNNNNNN.ckpt   resumable Lightning checkpoints
     upstream.pt      weights + model/attention/feature config + normaliser + metadata
+    README.md        model card (YAML header + how to load), loss_curve.png beside it
     metrics.csv      step, train_loss, val_loss, lr, frames_per_s, elapsed_s
     tensorboard/     TensorBoard event files
     config.yaml      the resolved configuration (Hydra's own copy is in .hydra/)
@@ -109,7 +110,13 @@ def run(cfg: DictConfig, datamodule: Any = None) -> dict[str, Any]:
     from lightning.pytorch.callbacks import ModelCheckpoint
     from lightning.pytorch.utilities import rank_zero_only
 
-    from speechattn.tasks.common import MetricsCSV, progress_bar, quiet_library_notices
+    from speechattn.tasks.common import (
+        MetricsCSV,
+        progress_bar,
+        quiet_library_notices,
+        read_metrics,
+    )
+    from speechattn.tasks.model_card import median_frames_per_s, training_device, write_model_card
     from speechattn.tasks.pretrain import PretrainTask
     from speechattn.tasks.pretrain_data import ResumableData
 
@@ -196,17 +203,24 @@ def run(cfg: DictConfig, datamodule: Any = None) -> dict[str, Any]:
     result: dict[str, Any] = {
         "output_dir": str(output_dir),
         "steps": int(trainer.global_step),
-        "train_loss": metrics.get("train_loss"),
+        "train_loss": task.last_train_loss,
         "val_loss": metrics.get("val_loss"),
         "upstream": None,
+        "model_card": None,
     }
     if trainer.is_global_zero:
-        upstream = task.export_upstream(
-            output_dir / "upstream.pt",
-            {"train_loss": result["train_loss"], "val_loss": result["val_loss"]},
-        )
-        result["upstream"] = str(upstream)
-        print(f"upstream.pt written to {upstream}", flush=True)
+        metrics_csv = output_dir / "metrics.csv"
+        rows = read_metrics(metrics_csv) if metrics_csv.is_file() else []
+        run_facts = {
+            "val_loss": result["val_loss"],
+            "frames_per_s": median_frames_per_s(rows),
+            "precision": str(trainer.precision),
+            "device": training_device(trainer),
+        }
+        upstream = task.export_upstream(output_dir / "upstream.pt", run_facts)
+        card = write_model_card(upstream, rows, license=str(cfg.get("license") or "mit"))
+        result.update(upstream=str(upstream), model_card=str(card))
+        print(f"upstream.pt written to {upstream} (model card: {card})", flush=True)
     return result
 
 

@@ -70,3 +70,46 @@ def tiny_data_config(tiny_corpus: Path, tiny_feature_cache: Path) -> DataConfig:
         shard_size=8,
         progress=False,
     )
+
+
+PRETRAIN_STEPS = 6
+
+
+@pytest.fixture(scope="session")
+def pretrained_tiny_run(
+    tiny_corpus: Path, tiny_feature_cache: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Path:
+    """Run folder of a real `python -m speechattn.pretrain` run (through `run(cfg)`) on
+    `tiny_corpus`: the tiny preset shrunk to D 32, 2 layers, `PRETRAIN_STEPS` steps; holds
+    `upstream.pt`, `README.md` (model card), `metrics.csv` and the loss curve."""
+    from hydra import compose, initialize_config_dir
+
+    from speechattn import CONFIG_DIR
+    from speechattn.pretrain import run
+
+    out = tmp_path_factory.mktemp("pretrained-tiny")
+    overrides = [
+        f"data.root={tiny_corpus}",
+        f"data.cache_dir={tiny_feature_cache}",
+        "data.batch_size=4",
+        "data.extract_workers=1",
+        "data.shard_size=8",
+        "data.progress=false",
+        "model.net.dim=32",
+        "model.net.num_layers=2",
+        "model.net.num_heads=4",
+        "model.net.ffn_dim=64",
+        "model.net.conv_position_groups=4",
+        f"trainer.max_steps={PRETRAIN_STEPS}",
+        "trainer.val_check_interval=3",
+        "trainer.log_every_n_steps=1",
+        "trainer.enable_model_summary=false",
+        "checkpoint.every_n_steps=100",
+        "progress_bar=none",
+        "logger=none",
+        f"output_dir={out}",
+    ]
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+        cfg = compose("pretrain", overrides=overrides)
+    run(cfg)
+    return out

@@ -1,4 +1,8 @@
-"""The dependency rule: data -> attention/model -> tasks -> report (bench uses data/attention/model)."""
+"""The dependency rule: data -> attention/model -> tasks -> report (bench uses data/attention/model).
+
+`interop` (s3prl expert) reads upstreams through `model` and is imported by no layer; the
+repository's `hubconf.py` may use `model` and `interop` only.
+"""
 
 import ast
 from pathlib import Path
@@ -15,6 +19,7 @@ ALLOWED = {
     "tasks": {"data", "attention", "model"},
     "report": {"data", "attention", "model", "tasks"},
     "bench": {"data", "attention", "model"},
+    "interop": {"data", "attention", "model"},
 }
 
 
@@ -42,3 +47,8 @@ def test_layer_imports_only_from_the_left(layer):
         if bad:
             offenders.append(f"{path.relative_to(PACKAGE)} imports {sorted(bad)}")
     assert not offenders, "dependency rule broken:\n" + "\n".join(offenders)
+
+
+def test_hubconf_uses_only_the_upstream_api():
+    used = project_imports(PACKAGE.parent / "hubconf.py")
+    assert used and used <= {"model", "interop"}, sorted(used)

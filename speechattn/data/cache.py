@@ -186,10 +186,19 @@ def _atomic_save_npy(path: Path, array: np.ndarray) -> None:
     os.replace(tmp, path)
 
 
-def atomic_write_text(path: Path, text: str) -> None:
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    """Write `data` to a temporary name beside `path`, then rename: never half a file."""
     tmp = _tmp_name(path)
-    tmp.write_text(text)
-    os.replace(tmp, path)
+    try:
+        tmp.write_bytes(data)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    atomic_write_bytes(path, text.encode("utf-8"))
 
 
 def _extract_shard(task: _ShardTask) -> _ShardResult:

@@ -26,7 +26,7 @@ from speechattn.data.cache import ExtractionSettings, FeatureStore, extract_feat
 from speechattn.data.config import DataConfig
 from speechattn.data.datasets import FeatureDataset, LengthBucketBatchSampler, collate
 from speechattn.data.errors import DataError, Issues, Skip
-from speechattn.data.features import FeatureConfig, Normalizer
+from speechattn.data.features import HOP_LENGTH, SAMPLE_RATE, FeatureConfig, Normalizer
 from speechattn.data.librispeech import (
     LabelFiles,
     Utterance,
@@ -197,11 +197,17 @@ class _CorpusDataModule(L.LightningDataModule):
         return self.datasets[name]
 
     def describe(self) -> dict[str, Any]:
-        """Corpus facts for result metadata: root, utterances per role, skips."""
+        """Corpus facts for result metadata: root, utterances and seconds of audio (10 ms
+        frames) per role, skips."""
+        frame_s = HOP_LENGTH / SAMPLE_RATE
         return {
             "corpus": self.cfg.corpus,
             "root": str(self.root),
             **{f"{k}_utterances": len(v) for k, v in self.datasets.items()},
+            **{
+                f"{k}_seconds": round(float(v.lengths.sum()) * frame_s, 1)
+                for k, v in self.datasets.items()
+            },
             "skipped": len(self.issues.skips),
         }
 

@@ -15,7 +15,7 @@ from speechattn.model.aalbert import (
     aalbert_tiny,
 )
 from speechattn.model.masking import MaskedBatch, MaskingConfig, mask_frames, masked_l1
-from speechattn.model.upstream import Upstream, UpstreamFileError, load_upstream
+from speechattn.model.upstream import Upstream, UpstreamFileError, UpstreamOutput, load_upstream
 
 __all__ = [
     "AALBERT",
@@ -25,6 +25,7 @@ __all__ = [
     "ModelConfig",
     "Upstream",
     "UpstreamFileError",
+    "UpstreamOutput",
     "aalbert",
     "aalbert_base",
     "aalbert_tiny",

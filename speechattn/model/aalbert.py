@@ -186,22 +186,17 @@ class Encoder(nn.Module):
         head_mask: (L, h) or None. Padded positions are zero in every hidden state so that a
         padded batch gives what each utterance gives alone.
         """
-        if head_mask is not None and head_mask.shape[0] != self.num_layers:
-            raise ValueError(
-                f"head_mask must be (L={self.num_layers}, h), got {tuple(head_mask.shape)}"
-            )
-        keep = None if padding_mask is None else (~padding_mask)[..., None].to(x.dtype)
-        if keep is not None:
-            x = x * keep
-        hidden = [x]
-        for depth, index in enumerate(self.depth_to_layer):
-            x = self.layers[index](x, padding_mask, None if head_mask is None else head_mask[depth])
-            if depth == self.num_layers - 1:
-                x = self.final_norm(x)
-            if keep is not None:
-                x = x * keep  # LayerNorm biases would otherwise leak into padded positions
-            hidden.append(x)
-        return hidden
+        return self._run(x, padding_mask, head_mask, self.num_layers, weights_from=None)[0]
+
+    def forward_with_weights(
+        self, x: Tensor, padding_mask: Tensor | None, head_mask: Tensor | None = None
+    ) -> tuple[list[Tensor], list[Tensor]]:
+        """As `forward`, plus every depth's attention weights (B, h, T', T') in one pass.
+
+        Every depth runs its attention's dense reference (the only path with explicit
+        weights), so hidden states match `forward` to rounding, not bit for bit.
+        """
+        return self._run(x, padding_mask, head_mask, self.num_layers, weights_from=1)
 
     def attention_weights(
         self,
@@ -213,19 +208,42 @@ class Encoder(nn.Module):
         """Attention weights (B, h, T', T') of depth `layer` (1-based, like hidden[layer])."""
         if not 1 <= layer <= self.num_layers:
             raise ValueError(f"layer must be in 1..{self.num_layers}, got {layer}")
+        # the depths below `layer` take their efficient path: only the last one needs weights
+        return self._run(x, padding_mask, head_mask, layer, weights_from=layer)[1][-1]
+
+    def _run(
+        self,
+        x: Tensor,
+        padding_mask: Tensor | None,
+        head_mask: Tensor | None,
+        depths: int,
+        weights_from: int | None,
+    ) -> tuple[list[Tensor], list[Tensor]]:
+        """The first `depths` layers; depths >= `weights_from` (1-based; None: none) also
+        return their weights. -> (hidden states [x, ...], weights of those depths)."""
+        if head_mask is not None and head_mask.shape[0] != self.num_layers:
+            raise ValueError(
+                f"head_mask must be (L={self.num_layers}, h), got {tuple(head_mask.shape)}"
+            )
         keep = None if padding_mask is None else (~padding_mask)[..., None].to(x.dtype)
         if keep is not None:
             x = x * keep
-        for depth in range(layer):
+        hidden, weights = [x], []
+        for depth, index in enumerate(self.depth_to_layer[:depths]):
             hm = None if head_mask is None else head_mask[depth]
-            module = self.layers[self.depth_to_layer[depth]]
-            if depth == layer - 1:
-                _, weights = module(x, padding_mask, hm, need_weights=True)
-                return weights
-            x = module(x, padding_mask, hm)
+            need = weights_from is not None and depth + 1 >= weights_from
+            out = self.layers[index](x, padding_mask, hm, need_weights=need)
+            if need:
+                x, w = out
+                weights.append(w)
+            else:
+                x = out
+            if depth == self.num_layers - 1:
+                x = self.final_norm(x)
             if keep is not None:
-                x = x * keep
-        raise AssertionError("unreachable")
+                x = x * keep  # LayerNorm biases would otherwise leak into padded positions
+            hidden.append(x)
+        return hidden, weights
 
 
 class ReconstructionHead(nn.Module):
@@ -381,15 +399,24 @@ class AALBERT(nn.Module):
         stacked, out_lengths = self.stack(features, lengths)
         return self.embed_and_encode(stacked, out_lengths, head_mask)
 
+    def forward_with_weights(
+        self, features: Tensor, lengths: Tensor, head_mask: Tensor | None = None
+    ) -> tuple[list[Tensor], list[Tensor]]:
+        """features (B, T, F), lengths (B,) -> (L+1 hidden states (B, T', D), L attention
+        weights (B, h, T', T')), from the attention's dense reference at every depth."""
+        return self.encoder.forward_with_weights(*self._embed(features, lengths), head_mask)
+
     def attention_weights(
         self, features: Tensor, lengths: Tensor, layer: int, head_mask: Tensor | None = None
     ) -> Tensor:
         """Weights (B, h, T', T') of the attention at depth `layer` (1..L)."""
+        return self.encoder.attention_weights(*self._embed(features, lengths), layer, head_mask)
+
+    def _embed(self, features: Tensor, lengths: Tensor) -> tuple[Tensor, Tensor]:
+        """features (B, T, F), lengths (B,) -> embedded input (B, T', D), padding mask (B, T')."""
         stacked, out_lengths = self.stack(features, lengths)
         padding_mask = padding_mask_from_lengths(out_lengths, stacked.shape[1])
-        return self.encoder.attention_weights(
-            self.embedding(stacked, padding_mask), padding_mask, layer, head_mask
-        )
+        return self.embedding(stacked, padding_mask), padding_mask
 
 
 def padding_mask_from_lengths(lengths: Tensor, max_len: int) -> Tensor:

@@ -15,13 +15,16 @@ Only tensors and plain Python values are stored, so it is read with `weights_onl
 (no unpickling of arbitrary objects).
 
 Downstream code sees the contract of docs/ARCHITECTURE.md: `forward(features, lengths)`
-returns every layer's hidden states (B, T', D), hidden[0] being the input embedding.
+returns every layer's hidden states (B, T', D), hidden[0] being the input embedding. With
+`return_dict=True` or `output_attentions=True` it returns an `UpstreamOutput` instead, named as
+in `transformers`' `Wav2Vec2BaseModelOutput`, so code written for HF speech models reads it.
 """
 
 from __future__ import annotations
 
 import os
 import tempfile
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +41,42 @@ MEL_FRAME_RATE = 100.0  # 10 ms hop of the data layer's log-mel features
 
 class UpstreamFileError(ValueError):
     """The file is missing, unreadable, corrupt or not a speechattn upstream."""
+
+
+@dataclass
+class UpstreamOutput:
+    """HF-style output of `Upstream.forward(..., return_dict=True)`.
+
+    Field names and order follow `transformers`' `Wav2Vec2BaseModelOutput`; `output_lengths`
+    is ours (HF models return an attention mask instead). Unlike HF, `hidden_states` is always
+    filled: every layer is what the study probes.
+
+        last_hidden_state: (B, T', D), equal to hidden_states[-1]
+        extract_features:  (B, T', stack*F) stacked normalised log-mel, the encoder's input
+        hidden_states:     L+1 tensors (B, T', D), the input embedding first
+        attentions:        L tensors (B, h, T', T') with output_attentions=True, else None
+        output_lengths:    (B,) valid model frames per utterance
+    """
+
+    last_hidden_state: Tensor
+    extract_features: Tensor
+    hidden_states: tuple[Tensor, ...]
+    attentions: tuple[Tensor, ...] | None
+    output_lengths: Tensor
+
+    def __getitem__(self, key: str) -> Any:
+        """`out["hidden_states"]`, as HF's ModelOutput allows."""
+        if not isinstance(key, str) or key not in self.keys():
+            raise KeyError(f"UpstreamOutput has no field {key!r}; fields: {self.keys()}")
+        return getattr(self, key)
+
+    def keys(self) -> list[str]:
+        """Names of the fields that are set (attentions only when requested), in order."""
+        return [f.name for f in fields(self) if getattr(self, f.name) is not None]
+
+    def to_tuple(self) -> tuple[Any, ...]:
+        """The set fields in order, as HF's `return_dict=False` tuple."""
+        return tuple(getattr(self, k) for k in self.keys())
 
 
 class Upstream(nn.Module):
@@ -59,6 +98,8 @@ class Upstream(nn.Module):
         self.metadata = dict(metadata)
         c = model.config
         self.downsample = c.stack  # 10 ms frames per hidden state
+        hop = FeatureConfig(**self.feature_config).hop_length  # samples per 10 ms frame
+        self.samples_per_frame = hop * c.stack  # 16 kHz samples per hidden state (480)
         self.frame_rate = MEL_FRAME_RATE / c.stack  # hidden states per second (100/3)
         self.hidden_dim = c.dim
         self.num_layers = c.num_layers
@@ -71,11 +112,44 @@ class Upstream(nn.Module):
         return self.model.config
 
     def forward(
-        self, features: Tensor, lengths: Tensor, head_mask: Tensor | None = None
-    ) -> list[Tensor]:
+        self,
+        features: Tensor,
+        lengths: Tensor,
+        head_mask: Tensor | None = None,
+        *,
+        output_attentions: bool = False,
+        return_dict: bool = False,
+    ) -> list[Tensor] | UpstreamOutput:
         """features (B, T, F) normalised log-mel, lengths (B,), head_mask (L, h) or None ->
-        L+1 hidden states (B, T', D), T' = ceil(T / downsample), zero at padded positions."""
-        return self.model(features, lengths, head_mask)
+        L+1 hidden states (B, T', D), T' = ceil(T / downsample), zero at padded positions.
+
+        With `return_dict=True` or `output_attentions=True`: an `UpstreamOutput`. Attention
+        weights come from each variant's dense reference (explicit T'xT' weights), so the hidden
+        states then equal the list call's to rounding, and cost O(T'^2) memory per layer.
+        """
+        if not (return_dict or output_attentions):
+            return self.model(features, lengths, head_mask)
+        if output_attentions:
+            self._check_weights_available()
+            hidden, weights = self.model.forward_with_weights(features, lengths, head_mask)
+        else:
+            hidden, weights = self.model(features, lengths, head_mask), None
+        stacked, out_lengths = self.model.stack(features, lengths)  # (B, T', stack*F), (B,)
+        return UpstreamOutput(
+            last_hidden_state=hidden[-1],
+            extract_features=stacked,
+            hidden_states=tuple(hidden),
+            attentions=None if weights is None else tuple(weights),
+            output_lengths=out_lengths,
+        )
+
+    def _check_weights_available(self) -> None:
+        for layer in self.model.encoder.layers:
+            if not layer.attention.supports_weights:
+                raise ValueError(
+                    f"output_attentions=True: attention {self.attention_name!r} cannot return "
+                    f"attention weights (it has no dense reference); call without it"
+                )
 
     def output_lengths(self, lengths: Tensor) -> Tensor:
         """10 ms frame counts (B,) -> hidden-state counts (B,)."""

@@ -226,6 +226,7 @@ class PretrainTask(L.LightningModule):
         self._micro = (-1, 0)  # (global_step, micro-batch index within the accumulation)
         self._last_time: float | None = None
         self._last_frames = 0
+        self.last_train_loss: float | None = None  # of the last step that trained (metadata)
 
     # ------------------------------------------------------------------ data info
     def set_data_info(
@@ -254,9 +255,11 @@ class PretrainTask(L.LightningModule):
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         checkpoint["speechattn_data"] = self.data_info
+        checkpoint["speechattn_train_loss"] = self.last_train_loss
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         self.data_info = checkpoint.get("speechattn_data", {}) or self.data_info
+        self.last_train_loss = checkpoint.get("speechattn_train_loss", self.last_train_loss)
 
     # ------------------------------------------------------------------ step
     def reconstruction_loss(
@@ -295,6 +298,8 @@ class PretrainTask(L.LightningModule):
         self._log_throughput(frames)
         if chosen:  # a batch of very short utterances may have nothing to reconstruct (loss 0)
             self.log("train_loss", loss, prog_bar=True, on_step=True, batch_size=chosen)
+            # kept here: callback_metrics lose step-only values when validate() runs after fit
+            self.last_train_loss = float(loss.detach())
         return loss
 
     def _log_throughput(self, frames: int) -> None:
@@ -375,9 +380,10 @@ class PretrainTask(L.LightningModule):
     def upstream_metadata(self) -> dict[str, Any]:
         from speechattn import code_version
 
-        info = {
-            k: v for k, v in self.data_info.items() if k not in ("mean", "std", "feature_config")
-        }
+        # the normaliser and feature settings have their own entries in upstream.pt; metadata
+        # holds plain values only
+        skip = ("mean", "std", "feature_config", "normalizer")
+        info = {k: v for k, v in self.data_info.items() if k not in skip}
         trainer = self._trainer
         return {
             "steps": int(self.global_step),
@@ -390,6 +396,7 @@ class PretrainTask(L.LightningModule):
             "optimizer": {**asdict(self.optim), "betas": list(self.optim.betas)},
             "world_size": trainer.world_size if trainer is not None else 1,
             "num_params": self.model.get_num_params(include_head=False),
+            "train_loss": self.last_train_loss,
             **info,
         }
 

@@ -96,3 +96,65 @@ def test_features_from_waveforms_match_the_data_layer(saved):
     torch.testing.assert_close(feats[0], (raw[0] - mean) / std)
     assert (feats[1, 29:] == 0).all()
     assert len(up(feats, frames)) == 3
+
+
+def list_and_object(saved, **flags):
+    """The loaded upstream, its inputs, and its list call and object call on them."""
+    up = load_upstream(saved[1])
+    x, lengths = torch.randn(2, 20, 8), torch.tensor([20, 7])
+    with torch.no_grad():
+        return up, x, lengths, up(x, lengths), up(x, lengths, **flags)
+
+
+def test_hf_style_output_matches_the_list_call(saved):
+    up, x, lengths, listed, out = list_and_object(saved, return_dict=True)
+    assert isinstance(listed, list) and len(listed) == 3  # the old call is unchanged
+    assert out.keys() == [
+        "last_hidden_state",
+        "extract_features",
+        "hidden_states",
+        "output_lengths",
+    ]
+    assert out.attentions is None
+    assert len(out.hidden_states) == 3
+    for a, b in zip(listed, out.hidden_states):
+        assert torch.equal(a, b)
+    assert torch.equal(out.last_hidden_state, listed[-1])
+    assert out["last_hidden_state"] is out.last_hidden_state
+    assert out.output_lengths.tolist() == [7, 3]
+    stacked, _ = up.model.stack(x, lengths)
+    assert out.extract_features.shape == (2, 7, 24)
+    assert torch.equal(out.extract_features, stacked)
+    assert len(out.to_tuple()) == 4 and out.to_tuple()[0] is out.last_hidden_state
+    with pytest.raises(KeyError, match="attentions"):
+        out["attentions"]  # not requested: absent, as in HF's ModelOutput
+
+
+def test_hf_style_output_attentions_are_each_layers_weights(saved):
+    up, x, lengths, listed, out = list_and_object(saved, output_attentions=True)
+    with torch.no_grad():
+        per_layer = [up.attention_weights(x, lengths, layer=k) for k in (1, 2)]
+    assert len(out.attentions) == 2 and out.keys()[-2:] == ["attentions", "output_lengths"]
+    for k, w in enumerate(out.attentions):
+        assert w.shape == (2, 4, 7, 7)
+        torch.testing.assert_close(w, per_layer[k])
+        torch.testing.assert_close(w[0].sum(-1), torch.ones(4, 7))  # rows are distributions
+        assert (w[1, :, 3:] == 0).all() and (w[1, :, :3, 3:] == 0).all()  # padding gets none
+    for a, b in zip(listed, out.hidden_states):  # dense reference path: equal to rounding
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_output_attentions_for_a_variant_without_weights_says_so(saved, monkeypatch):
+    _, path, _, _ = saved
+    up = load_upstream(path)
+    attention = up.model.encoder.layers[0].attention
+    monkeypatch.setattr(type(attention), "supports_weights", False)
+    with pytest.raises(ValueError, match="'ldsa' cannot return attention weights"):
+        up(torch.randn(1, 9, 8), torch.tensor([9]), output_attentions=True)
+    assert len(up(torch.randn(1, 9, 8), torch.tensor([9]), return_dict=True).hidden_states) == 3
+
+
+def test_samples_per_frame_comes_from_the_feature_hop_and_stacking(saved):
+    _, path, _, _ = saved
+    up = load_upstream(path)
+    assert up.samples_per_frame == 160 * 3 == 480

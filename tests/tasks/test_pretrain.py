@@ -37,7 +37,14 @@ def test_final_weights_are_validated_when_the_run_ends_between_validations(tmp_p
     validated = [(r["step"], r["val_loss"]) for r in rows if not math.isnan(r["val_loss"])]
     assert [step for step, _ in validated] == [0, 10, 20, 25]
     assert result["val_loss"] == pytest.approx(validated[-1][1], rel=1e-5)
-    assert speechattn.load_upstream(result["upstream"]).metadata["val_loss"] == result["val_loss"]
+    meta = speechattn.load_upstream(result["upstream"]).metadata
+    assert meta["val_loss"] == result["val_loss"]
+    # the extra validation used to erase train_loss from Lightning's metrics: metadata had None
+    assert (
+        meta["train_loss"]
+        == result["train_loss"]
+        == pytest.approx(train_losses(tmp_path / "metrics.csv")[-1], rel=1e-5)
+    )
 
 
 def test_short_run_learns_and_writes_the_run_directory(tmp_path):

@@ -1,0 +1,40 @@
+"""torch.hub entry points for speechattn upstreams (any attention variant).
+
+    up = torch.hub.load(REPO_DIR, "speechattn_upstream", source="local", ckpt="run/upstream.pt")
+    hidden = up(features, lengths)                       # L+1 hidden states (B, T', D)
+    expert = torch.hub.load(REPO_DIR, "speechattn_s3prl", source="local", ckpt=PATH)
+    expert([wav])["hidden_states"]                       # s3prl's upstream interface
+
+Both read `upstream.pt` through `speechattn.model.load_upstream` (`weights_only=True`); nothing
+is downloaded. REPO_DIR is a checkout of this repository with speechattn's dependencies
+installed (`pip install -e .`).
+"""
+
+from __future__ import annotations
+
+# torch.hub checks that these import before calling an entry point
+dependencies = ["torch", "torchaudio", "numpy"]
+
+
+def speechattn_upstream(ckpt: str | None = None, map_location: str = "cpu"):
+    """A pretrained speechattn upstream (`speechattn.model.Upstream`, eval mode) from `ckpt`,
+    an `upstream.pt` written by `python -m speechattn.pretrain`."""
+    from speechattn.model.upstream import load_upstream
+
+    return load_upstream(_required(ckpt), map_location=map_location)
+
+
+def speechattn_s3prl(ckpt: str | None = None, map_location: str = "cpu"):
+    """The same upstream behind s3prl's upstream interface (`speechattn.interop.s3prl`)."""
+    from speechattn.interop.s3prl import UpstreamExpert
+
+    return UpstreamExpert(_required(ckpt), map_location=map_location)
+
+
+def _required(ckpt: str | None) -> str:
+    if not ckpt:
+        raise ValueError(
+            "speechattn hub entry points need ckpt=PATH of an upstream.pt, e.g. "
+            'torch.hub.load(REPO_DIR, "speechattn_upstream", source="local", ckpt=PATH)'
+        )
+    return ckpt

@@ -1,0 +1,142 @@
+"""A speechattn `upstream.pt` as an s3prl upstream ("expert"), for SUPERB and s3prl's tools.
+
+s3prl (0.4.x) drives every upstream through one contract, which `UpstreamExpert` follows:
+
+    expert = UpstreamExpert(ckpt="run/upstream.pt")      # s3prl: run_downstream.py -k PATH
+    out = expert([wav_a, wav_b])                         # 1-D 16 kHz tensors, any lengths
+    out["hidden_states"]       # L+1 tensors (B, T', D), input embedding first, zero-padded
+    out["last_hidden_state"]   # (B, T', D)
+    expert.get_downsample_rates("hidden_states")         # 480 samples per model frame
+
+With s3prl installed (`pip install 'speechattn[s3prl]'`) the expert subclasses s3prl's
+`UpstreamBase`, so s3prl's forward hooks and its `Featurizer` (the weighted layer sum used by
+`run_downstream.py`) work on it unchanged; without s3prl it is a plain `nn.Module` with the
+same forward. Weights are read by `load_upstream` (`weights_only=True`), never unpickled.
+
+Shapes: B utterances, S samples at 16 kHz, T' model frames (30 ms), D model dim, L layers.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from speechattn.data.features import SAMPLE_RATE, WIN_LENGTH
+from speechattn.model.upstream import Upstream, load_upstream
+
+try:  # optional: the expert only needs s3prl for its hooks; its interface module is light
+    from s3prl.upstream.interfaces import UpstreamBase as _ExpertBase
+
+    S3PRL_AVAILABLE = True
+except ImportError:
+    _ExpertBase = nn.Module
+    S3PRL_AVAILABLE = False
+
+
+class UpstreamExpert(_ExpertBase):
+    """s3prl upstream over a speechattn `upstream.pt` (any attention variant).
+
+    Args:
+        ckpt: path of an `upstream.pt` written by `python -m speechattn.pretrain`
+            (s3prl's `-k/--upstream_ckpt`).
+        model_config: s3prl's `-g`; must stay unset, as `upstream.pt` holds its own config.
+        refresh: s3prl's re-download flag; nothing is downloaded, so it has no effect.
+        map_location: device to load the weights on (s3prl moves the expert afterwards).
+        **kwargs: s3prl `UpstreamBase` arguments (`hooks`, `hook_postprocess`).
+    """
+
+    def __init__(
+        self,
+        ckpt: str | Path | None = None,
+        model_config: str | None = None,
+        refresh: bool = False,
+        map_location: str | torch.device = "cpu",
+        **kwargs: Any,
+    ) -> None:
+        if kwargs and not S3PRL_AVAILABLE:
+            raise TypeError(
+                f"UpstreamExpert got {sorted(kwargs)}: s3prl hook arguments need s3prl "
+                f"(pip install 'speechattn[s3prl]')"
+            )
+        super().__init__(**kwargs)
+        if ckpt is None or str(ckpt) == "":
+            raise ValueError(
+                "UpstreamExpert needs ckpt=PATH of a speechattn upstream.pt "
+                "(run_downstream.py -k PATH)"
+            )
+        if model_config:
+            raise ValueError(
+                f"model_config={model_config!r}: a speechattn upstream.pt carries its own model "
+                f"config; drop -g/--upstream_model_config"
+            )
+        self.name = "[speechattn UpstreamExpert]"
+        self.upstream: Upstream = load_upstream(ckpt, map_location=map_location)
+        self.ckpt = str(ckpt)
+
+    def get_downsample_rates(self, key: str) -> int:
+        """16 kHz samples per output frame, the same for every key: the 10 ms feature hop times
+        the model's frame stacking (160 x 3 = 480)."""
+        return self.upstream.samples_per_frame
+
+    def forward(
+        self, wavs: list[Tensor], sample_rate: int = SAMPLE_RATE
+    ) -> dict[str, Tensor | list[Tensor]]:
+        """wavs: B 1-D 16 kHz waveforms (S_b,) -> {"hidden_states": L+1 tensors (B, T', D),
+        "last_hidden_state": (B, T', D)}, zero past each utterance's frames.
+
+        s3prl always feeds 16 kHz; `sample_rate` lets other callers have that checked.
+
+        When s3prl hooks are registered, s3prl builds those keys from the hooks, so the
+        expert returns an empty dict (s3prl refuses both at once).
+        """
+        if sample_rate != SAMPLE_RATE:
+            raise ValueError(
+                f"{self.name} got {sample_rate} Hz audio; the upstream was trained on "
+                f"{SAMPLE_RATE} Hz log-mel: resample to {SAMPLE_RATE} Hz first"
+            )
+        padded, lengths = self._pad(wavs)
+        features, frames = self.upstream.features_from_waveforms(padded, lengths)
+        hidden = self.upstream(features, frames)
+        if getattr(self, "hooks", None):
+            return {}
+        return {"hidden_states": hidden, "last_hidden_state": hidden[-1]}
+
+    def _pad(self, wavs: list[Tensor]) -> tuple[Tensor, Tensor]:
+        """B waveforms -> zero-padded (B, S_max) on the model's device, sample counts (B,)."""
+        if isinstance(wavs, Tensor) or not isinstance(wavs, list | tuple) or not wavs:
+            found = f"a tensor of shape {tuple(wavs.shape)}" if isinstance(wavs, Tensor) else wavs
+            raise ValueError(
+                f"{self.name} expects a non-empty list of 1-D {SAMPLE_RATE} Hz waveforms, "
+                f"got {found!r}"
+            )
+        for i, wav in enumerate(wavs):
+            if not isinstance(wav, Tensor) or not wav.is_floating_point():
+                kind = wav.dtype if isinstance(wav, Tensor) else type(wav).__name__
+                raise ValueError(f"wavs[{i}]: expected a float waveform tensor, got {kind}")
+            if wav.dim() != 1:
+                raise ValueError(
+                    f"wavs[{i}]: expected a 1-D {SAMPLE_RATE} Hz waveform (samples,), got shape "
+                    f"{tuple(wav.shape)} (mix channels to mono, one tensor per utterance)"
+                )
+            if wav.numel() < WIN_LENGTH:
+                raise ValueError(
+                    f"wavs[{i}]: {wav.numel()} samples is shorter than one {WIN_LENGTH}-sample "
+                    f"analysis window ({1000 * WIN_LENGTH // SAMPLE_RATE} ms at {SAMPLE_RATE} Hz)"
+                )
+        device = self.upstream.mean.device
+        lengths = torch.tensor([w.numel() for w in wavs], device=device)
+        padded = torch.nn.utils.rnn.pad_sequence(
+            [w.to(device=device, dtype=torch.float32) for w in wavs], batch_first=True
+        )  # (B, S_max)
+        return padded, lengths
+
+
+def speechattn_local(ckpt: str | Path, *args: Any, **kwargs: Any) -> UpstreamExpert:
+    """s3prl hub entry: `run_downstream.py -u speechattn_local -k path/to/upstream.pt`."""
+    return UpstreamExpert(ckpt, *args, **kwargs)
+
+
+__all__ = ["S3PRL_AVAILABLE", "UpstreamExpert", "speechattn_local"]

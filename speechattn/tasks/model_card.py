@@ -1,0 +1,221 @@
+"""The model card: `README.md` and `loss_curve.png` written beside every `upstream.pt`.
+
+The card follows the Hugging Face model-card layout: a YAML header of machine-readable facts
+(library, license, attention and its options, model size, steps, corpus and its duration,
+final losses, throughput, precision, device, code version) and a short Markdown body with the
+loss curve and how to load the upstream with speechattn, torch.hub and s3prl.
+
+Every fact is read back from the written `upstream.pt` (through `load_upstream`) and the run's
+`metrics.csv`, so the card describes exactly the file beside it. Both files are written
+atomically (temporary name + rename).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import math
+import platform
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+import yaml
+
+from speechattn.data.cache import atomic_write_bytes, atomic_write_text
+from speechattn.data.features import SAMPLE_RATE, FeatureConfig
+from speechattn.model.upstream import load_upstream
+
+CARD_FILE = "README.md"
+LOSS_CURVE_FILE = "loss_curve.png"
+
+
+def training_device(trainer: L.Trainer) -> str:
+    """What trained the model, e.g. "cuda: NVIDIA H100 80GB HBM3 x 2" or "cpu: <model name>"."""
+    device = trainer.strategy.root_device
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+    else:
+        name = _cpu_name()
+    count = trainer.world_size
+    return f"{device.type}: {name}" + (f" x {count}" if count > 1 else "")
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown CPU"
+
+
+def median_frames_per_s(rows: list[dict[str, float]]) -> float | None:
+    """Median training throughput (10 ms frames/s) over the logged steps of `metrics.csv`."""
+    values = sorted(
+        r["frames_per_s"] for r in rows if not math.isnan(r.get("frames_per_s", math.nan))
+    )
+    if not values:
+        return None
+    mid = len(values) // 2
+    return values[mid] if len(values) % 2 else (values[mid - 1] + values[mid]) / 2
+
+
+def plot_loss_curve(rows: list[dict[str, float]], path: Path, title: str) -> Path:
+    """Train and validation L1 against the optimizer step, as a PNG at `path`."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only, no display
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.5), dpi=120)
+    for key, style in (("train_loss", "-"), ("val_loss", "o-")):
+        points = [(r["step"], r[key]) for r in rows if not math.isnan(r.get(key, math.nan))]
+        if points:
+            steps, values = zip(*points, strict=True)
+            ax.plot(steps, values, style, label=key.replace("_", " "), markersize=4)
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("masked L1")
+    ax.set_title(title)
+    if ax.lines:
+        ax.legend()
+    else:
+        ax.text(0.5, 0.5, "no losses logged", ha="center", va="center", transform=ax.transAxes)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png")
+    plt.close(fig)
+    atomic_write_bytes(path, buffer.getvalue())
+    return path
+
+
+def card_header(upstream_path: Path, rows: list[dict[str, float]], license: str) -> dict[str, Any]:
+    """The YAML header's facts, from `upstream.pt` and the rows of `metrics.csv`."""
+    up = load_upstream(upstream_path)
+    meta, config = up.metadata, up.config
+    summary = meta.get("data_summary") or {}
+    train_s = summary.get("train_seconds")
+    fps = meta.get("frames_per_s", median_frames_per_s(rows))
+    features = FeatureConfig(**up.feature_config)
+    return {
+        "library_name": "speechattn",
+        "license": license,
+        "tags": ["speech", "self-supervised-learning", "aalbert", f"attention-{up.attention_name}"],
+        "attention": up.attention_name,
+        "attention_options": dict(meta.get("attention_options") or config.attention_options),
+        "model": {
+            "preset": meta.get("model_name") or None,
+            "parameters": int(meta.get("num_params") or up.model.get_num_params(False)),
+            "dim": config.dim,
+            "num_layers": config.num_layers,
+            "num_heads": config.num_heads,
+            "ffn_dim": config.ffn_dim,
+            "shared_layer": config.shared,
+            "pre_norm": config.pre_norm,
+            "frame_stack": config.stack,
+        },
+        "input": {
+            "sample_rate": SAMPLE_RATE,
+            "n_mels": features.n_mels,
+            "deltas": features.deltas,
+            "samples_per_frame": up.samples_per_frame,  # 480: one hidden state per 30 ms
+        },
+        "steps": meta.get("steps"),
+        "corpus": meta.get("corpus"),
+        "corpus_root": summary.get("root"),
+        "train_utterances": summary.get("train_utterances"),
+        "train_hours": None if train_s is None else round(train_s / 3600, 3),
+        "final_train_loss": _rounded(meta.get("train_loss")),
+        "final_val_loss": _rounded(meta.get("val_loss")),
+        "frames_per_s": None if fps is None else round(float(fps)),
+        "precision": meta.get("precision"),
+        "device": meta.get("device"),
+        "seed": meta.get("seed"),
+        "code_version": meta.get("code_version"),
+        "upstream": upstream_path.name,
+        "upstream_sha256": hashlib.sha256(upstream_path.read_bytes()).hexdigest(),
+    }
+
+
+def _rounded(value: Any) -> float | None:
+    return None if value is None else round(float(value), 6)
+
+
+def card_body(header: dict[str, Any], upstream_name: str) -> str:
+    """The Markdown under the header: what it is, the loss curve, how to load it."""
+    h = header
+    hours = f", {h['train_hours'] * 60:.1f} min of training audio" if h["train_hours"] else ""
+    losses = f"final train L1 {h['final_train_loss']}, validation L1 {h['final_val_loss']}"
+    return f"""
+# speechattn upstream: AALBERT with `{h["attention"]}` attention
+
+A masked-reconstruction AALBERT ({h["model"]["num_layers"]} x {h["model"]["dim"]}, \
+{h["model"]["num_heads"]} heads, {h["model"]["parameters"]:,} parameters) pretrained by \
+speechattn for {h["steps"]} steps on the `{h["corpus"]}` corpus{hours}; {losses}. \
+Input: {h["input"]["sample_rate"] // 1000} kHz audio ({h["input"]["n_mels"]}-bin log-mel); \
+output: one hidden state per {h["input"]["samples_per_frame"]} samples for the input \
+embedding and each layer.
+
+![training and validation loss]({LOSS_CURVE_FILE})
+
+## Load it
+
+Paths are relative to this folder. speechattn:
+
+```python
+import speechattn
+up = speechattn.load_upstream("{upstream_name}")
+feats, frames = up.features_from_waveforms(wavs, sample_counts)   # (B, S) 16 kHz, (B,)
+hidden = up(feats, frames)                                       # L+1 x (B, T', D)
+out = up(feats, frames, output_attentions=True)                  # HF-style output object
+```
+
+torch.hub, from a checkout of speechattn:
+
+```python
+up = torch.hub.load("path/to/speechattn", "speechattn_upstream", source="local", ckpt="{upstream_name}")
+```
+
+s3prl (`pip install 'speechattn[s3prl]'`), e.g. under its `Featurizer`:
+
+```python
+from speechattn.interop.s3prl import UpstreamExpert
+expert = UpstreamExpert("{upstream_name}")
+expert([wav_a, wav_b])["hidden_states"]   # 1-D 16 kHz tensors in; downsample rate 480
+```
+
+SUPERB with s3prl's `run_downstream.py`: see "Using upstreams in other tools" in speechattn's
+README.
+"""
+
+
+def write_model_card(
+    upstream_path: str | Path, rows: list[dict[str, float]], license: str = "mit"
+) -> Path:
+    """Write `README.md` and `loss_curve.png` beside `upstream_path`; returns the card's path.
+
+    `rows` are the run's `metrics.csv` rows (`speechattn.tasks.common.read_metrics`).
+    """
+    upstream_path = Path(upstream_path)
+    header = card_header(upstream_path, rows, license)
+    title = f"AALBERT, {header['attention']} attention"
+    plot_loss_curve(rows, upstream_path.parent / LOSS_CURVE_FILE, title)
+    text = "---\n" + yaml.safe_dump(header, sort_keys=False) + "---\n"
+    text += card_body(header, upstream_path.name)
+    path = upstream_path.parent / CARD_FILE
+    atomic_write_text(path, text)
+    return path
+
+
+__all__ = [
+    "CARD_FILE",
+    "LOSS_CURVE_FILE",
+    "card_header",
+    "median_frames_per_s",
+    "plot_loss_curve",
+    "training_device",
+    "write_model_card",
+]
