@@ -14,7 +14,9 @@ l ~ sqrt(T): with the default ``stride``/``block`` = None each utterance uses
 l = round(sqrt(T_valid)) of its own valid length, so its output does not depend on what it is
 batched with (utterances sharing l are processed together). An int fixes l for all inputs.
 
-Efficient path (never a T x T mask; n = ceil(T / l) blocks; l is `ls` in the code):
+Efficient path (never a T x T mask; n = ceil(T / l) blocks; l is `ls` in the code), each
+sub-problem one fused SDPA call (flash kernels on CPU and GPU), measured faster than all-pairs
+SDPA with the patterns as a mask at every T >= 128 on CPU (so there is no short-T path):
     band:    each query block against [previous, own, next] key blocks   (B, H, n, l, 3l)
     residue: reshape (n, l) -> (l, n), attend within each residue class   (B, H, l, n, n)
     block:   attend within each block                                      (B, H, n, l, l)
@@ -66,12 +68,23 @@ def _valid_blocks(kv: Tensor, ls: int) -> Tensor:
 
 
 def _attend(q: Tensor, k: Tensor, v: Tensor, allowed: Tensor, bias: Tensor, p: float) -> Tensor:
-    """softmax over allowed of (q k^T / sqrt(d) + bias), dropout p, times v.
+    """Per-block softmax attention by one fused SDPA call.
 
-    q (..., Q, d), k and v (..., K, d), allowed/bias broadcastable to (..., Q, K).
+    q (B, H, m, Q, d), k and v (B, H, m, K, d) for m independent blocks; allowed (B, 1, m, Q, K)
+    bool, which must allow every query's own key (so no row is empty); bias broadcastable to
+    (Q, K), added to the scores. Returns (B, H, m, Q, d). Blocks become SDPA's batch and heads
+    its second dim, so one (B m, 1, Q, K) mask serves all heads.
     """
-    s = q @ k.transpose(-1, -2) * scale(q.shape[-1]) + bias
-    return _dropout(masked_softmax(s, allowed), p) @ v
+    B, H, m, Q, d = q.shape
+    mask = bias.to(q.dtype).masked_fill(~allowed, float("-inf")).transpose(1, 2)  # (B, m, 1, Q, K)
+
+    def fold(t: Tensor) -> Tensor:  # (B, H, m, L, d) -> (B m, H, L, d)
+        return t.transpose(1, 2).reshape(B * m, H, t.shape[-2], d)
+
+    out = F.scaled_dot_product_attention(
+        fold(q), fold(k), fold(v), attn_mask=mask.reshape(B * m, 1, Q, -1), dropout_p=p
+    )  # (B m, H, Q, d)
+    return out.view(B, m, H, Q, d).transpose(1, 2)
 
 
 def _dropout(probs: Tensor, p: float) -> Tensor:
@@ -94,7 +107,7 @@ def band_kernel(q: Tensor, k: Tensor, v: Tensor, kv: Tensor, ls: int, p: float =
     a = torch.arange(ls, device=q.device)[:, None]
     w = torch.arange(3 * ls, device=q.device)[None, :]
     rel = a + ls - w  # (l, 3l) query minus key position
-    allowed = (rel.abs() <= ls) & kvw[:, None, :, None, :]  # (B, 1, n, l, 3l)
+    allowed = ((rel.abs() <= ls) & kvw[:, None, :, None, :]) | (rel == 0)  # (B, 1, n, l, 3l)
     bias = (rel == 0).to(q.dtype) * SELF_PENALTY  # (l, 3l)
     out = _attend(qb, windows(k), windows(v), allowed, bias, p)  # (B, H, n, l, d)
     return out.reshape(B, H, n * ls, d)[:, :, :T]
@@ -109,8 +122,9 @@ def residue_kernel(q: Tensor, k: Tensor, v: Tensor, kv: Tensor, ls: int, p: floa
         return _blocks(t, ls).transpose(2, 3)
 
     kvr = _valid_blocks(kv, ls).transpose(1, 2)  # (B, l, n)
-    allowed = kvr[:, None, :, None, :]  # (B, 1, l, 1, n)
-    bias = torch.eye(n, device=q.device, dtype=q.dtype) * SELF_PENALTY  # (n, n)
+    eye = torch.eye(n, dtype=torch.bool, device=q.device)
+    allowed = kvr[:, None, :, None, :] | eye  # (B, 1, l, n, n)
+    bias = eye.to(q.dtype) * SELF_PENALTY  # (n, n)
     out = _attend(classes(q), classes(k), classes(v), allowed, bias, p)  # (B, H, l, n, d)
     return out.transpose(2, 3).reshape(B, H, n * ls, d)[:, :, :T]
 
@@ -118,8 +132,9 @@ def residue_kernel(q: Tensor, k: Tensor, v: Tensor, kv: Tensor, ls: int, p: floa
 def block_kernel(q: Tensor, k: Tensor, v: Tensor, kv: Tensor, ls: int, p: float = 0.0) -> Tensor:
     """floor(i / l) = floor(j / l). q, k, v (B, H, T, d), kv (B, T) -> (B, H, T, d)."""
     B, H, T, d = q.shape
-    allowed = _valid_blocks(kv, ls)[:, None, :, None, :]  # (B, 1, n, 1, l)
-    bias = torch.eye(ls, device=q.device, dtype=q.dtype) * SELF_PENALTY  # (l, l)
+    eye = torch.eye(ls, dtype=torch.bool, device=q.device)
+    allowed = _valid_blocks(kv, ls)[:, None, :, None, :] | eye  # (B, 1, n, l, l)
+    bias = eye.to(q.dtype) * SELF_PENALTY  # (l, l)
     out = _attend(
         _blocks(q, ls), _blocks(k, ls), _blocks(v, ls), allowed, bias, p
     )  # (B, H, n, l, d)

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
-from speechattn.attention import Attention, build
+from speechattn.attention import Attention, available, build, get
 
 DIM, HEADS = 32, 4
 
@@ -37,3 +38,16 @@ def batch(
     x = torch.randn(len(lengths), T, DIM, generator=g, dtype=torch.float64)
     pad = torch.arange(T)[None, :] >= torch.tensor(lengths)[:, None]
     return x, pad
+
+
+def force_path(monkeypatch: pytest.MonkeyPatch, path: str) -> None:
+    """Make every two-kernel variant (`short_path_max_t` set) use its short (all pairs) or
+    its long kernel at any T, so tiny test inputs reach both."""
+    for name in available():
+        cls = get(name)
+        if cls.short_path_max_t is not None:
+            monkeypatch.setattr(cls, "short_path_max_t", 10**9 if path == "short" else 0)
+
+
+def has_two_kernels(name: str) -> bool:
+    return get(name).short_path_max_t is not None

@@ -1,0 +1,118 @@
+"""Every registered variant trains under bf16 and fp16 autocast, on each of its kernels.
+
+CPU autocast follows the dtype rules of the GPU path (`trainer=gpu` is bf16-mixed), so these
+tests cover what a GPU run meets: projections in half precision, softmax and the variants'
+own kernels in whatever they choose. A new variant is covered when it registers; one with a
+short- and a long-sequence kernel (`short_path_max_t`) is run on both.
+
+Stated tolerance, relative (Frobenius) error against the same float32 module: outputs 1e-2
+(bf16) / 2e-3 (fp16); gradients of inputs and parameters 8e-2 / 3e-3. Worst measured over the
+registry and both kernels: outputs 4.3e-3 / 5.4e-4, input gradients 1.7e-2 / 6.2e-4, parameter
+gradients 4.9e-2 (ldsa's W_1 bias, a sum over all frames) / 7.7e-4. LSH variants are compared
+with their float32 top-k selection held fixed: a sign bit of a half-precision query may flip,
+which changes the keys, not the kernels' accuracy.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from _attention_testing import DIM, HEADS, SMALL_OPTIONS, batch, force_path, has_two_kernels
+
+from speechattn.attention import FusedAttentionPool, available, build, get
+
+NAMES = available()
+TOLERANCE = {torch.bfloat16: 1e-2, torch.float16: 2e-3}  # outputs
+GRAD_TOLERANCE = {torch.bfloat16: 8e-2, torch.float16: 3e-3}
+DTYPES = list(TOLERANCE)
+LENGTHS = [20, 13, 1]
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.detach().float(), b.detach().float()
+    return float((a - b).norm() / b.norm().clamp_min(1e-12))
+
+
+def _step(attn, x, pad, w, dtype):
+    """One forward + backward, under autocast to `dtype` (None: float32)."""
+    attn.zero_grad()
+    xi = x.clone().requires_grad_(True)
+    with torch.autocast("cpu", dtype=dtype or torch.bfloat16, enabled=dtype is not None):
+        y = attn(xi, pad)
+    (y.float() * w).sum().backward()
+    grads = {n: p.grad.clone() for n, p in attn.named_parameters() if p.grad is not None}
+    return y.detach(), xi.grad, grads
+
+
+@pytest.mark.parametrize("path", ["short", "long"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
+@pytest.mark.parametrize("name", NAMES)
+def test_trains_under_autocast_close_to_float32(name, dtype, path, monkeypatch):
+    if path == "long" and not has_two_kernels(name):
+        pytest.skip(f"{name} has a single kernel")
+    force_path(monkeypatch, path)
+    torch.manual_seed(0)
+    attn = build(name, DIM, HEADS, **SMALL_OPTIONS.get(name, {}))
+    if hasattr(attn, "select"):  # hold the float32 top-k fixed (module docstring)
+        chosen = {}
+        select = attn.select
+        monkeypatch.setattr(
+            attn, "select", lambda q, k, v: chosen.setdefault("idx", select(q, k, v))
+        )
+    x, pad = batch(LENGTHS)
+    x = x.float()
+    w = torch.randn(x.shape, generator=torch.Generator().manual_seed(5))
+    y32, gx32, gp32 = _step(attn, x, pad, w, None)
+    y, gx, gp = _step(attn, x, pad, w, dtype)
+    assert y.dtype == dtype and torch.isfinite(y).all() and (y[pad] == 0).all()
+    assert _rel(y, y32) < TOLERANCE[dtype]
+    assert _rel(gx, gx32) < GRAD_TOLERANCE[dtype]
+    assert gp.keys() == gp32.keys() and gp
+    for n in gp:
+        assert torch.isfinite(gp[n]).all() and gp[n].dtype == gp32[n].dtype, n
+        assert _rel(gp[n], gp32[n]) < GRAD_TOLERANCE[dtype], n
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
+@pytest.mark.parametrize("name", NAMES)
+def test_weights_under_autocast(name, dtype):
+    """need_weights (attention maps, head analysis) also runs under autocast."""
+    torch.manual_seed(0)
+    attn = build(name, DIM, HEADS, **SMALL_OPTIONS.get(name, {})).eval()
+    x, pad = batch(LENGTHS)
+    with torch.autocast("cpu", dtype=dtype):
+        y, weights = attn(x.float(), pad, need_weights=True)
+    rows = weights.float().sum(-1).transpose(1, 2)[~pad]  # (valid frames, h)
+    torch.testing.assert_close(rows, torch.ones_like(rows), rtol=0, atol=TOLERANCE[dtype])
+    assert torch.isfinite(y).all() and (y[pad] == 0).all()
+
+
+@pytest.mark.parametrize("name", [n for n in NAMES if hasattr(get(n), "select")])
+def test_lsh_selection_ignores_autocast(name):
+    """Codes and top-k run in float32 with autocast off: the same queries select the same
+    keys inside and outside autocast (fp16 autocast used to fail in the match product)."""
+    torch.manual_seed(0)
+    attn = build(name, DIM, HEADS, **SMALL_OPTIONS[name])
+    x, pad = batch([300, 210])  # above every short-path limit: the grouped top-k too
+    q, k, _ = attn._qkv(x.float())
+    want = attn.select(q.bfloat16().float(), k.bfloat16().float(), ~pad)
+    for dtype in DTYPES:
+        with torch.autocast("cpu", dtype=dtype):
+            got = attn.select(q.bfloat16(), k.bfloat16(), ~pad)
+        assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
+def test_fused_attention_pool_under_autocast(dtype):
+    torch.manual_seed(0)
+    pool = FusedAttentionPool(DIM, out_dim=8, qk_dim=16)
+    x, pad = batch(LENGTHS)
+    x = x.float()
+    ref, alpha_ref = pool(x, pad, need_weights=True)
+    xi = x.clone().requires_grad_(True)
+    with torch.autocast("cpu", dtype=dtype):
+        y, alpha = pool(xi, pad, need_weights=True)
+    y.float().sum().backward()
+    assert torch.isfinite(xi.grad).all() and pool.f_q.weight.grad is not None
+    assert _rel(y, ref) < TOLERANCE[dtype] and _rel(alpha, alpha_ref) < TOLERANCE[dtype]
+    assert (alpha[pad] == 0).all()
