@@ -53,6 +53,29 @@ def resolve_ckpt_path(ckpt_path: str | None, output_dir: Path) -> Path | None:
     return path
 
 
+def check_resume_checkpoint(path: Path) -> None:
+    """Read `path` safely (`weights_only=True`) before Lightning does; when it is truncated,
+    corrupt or refused, raise `TorchFileError` naming it and the newest periodic checkpoint
+    beside it that reads."""
+    from speechattn.model.serialization import TorchFileError, load_torch_file
+
+    try:
+        load_torch_file(path, "cpu", "checkpoint to resume")
+    except TorchFileError as e:
+        for periodic in sorted(path.parent.glob("step=*.ckpt"), reverse=True):  # newest first
+            if periodic == path:
+                continue
+            try:
+                load_torch_file(periodic, "cpu")
+            except TorchFileError:
+                continue
+            hint = f"resume from the newest intact checkpoint instead: ckpt_path={periodic}"
+            break
+        else:
+            hint = f"no intact periodic checkpoint in {path.parent}: start afresh without ckpt_path"
+        raise TorchFileError(f"{e}; {hint}") from e
+
+
 def resolve_precision(precision: Any, accelerator: str) -> Any:
     """`auto`: bf16-mixed on GPUs that support it, 32-true otherwise. Mixed precision on CPU is
     replaced by fp32 (slower there, and the defaults promise fp32 on CPU)."""
@@ -117,6 +140,8 @@ def run(cfg: DictConfig, datamodule: Any = None) -> dict[str, Any]:
     output_dir = Path(cfg.output_dir).resolve()
     output_dir.mkdir(parents=True, exist_ok=True)
     resume = resolve_ckpt_path(cfg.get("ckpt_path"), output_dir)
+    if resume is not None:
+        check_resume_checkpoint(resume)
     L.seed_everything(cfg.seed, workers=True, verbose=False)
 
     inner = datamodule if datamodule is not None else build_datamodule(cfg)
@@ -186,7 +211,7 @@ def run(cfg: DictConfig, datamodule: Any = None) -> dict[str, Any]:
         if cfg.get("validate_at_start", True) and trainer.limit_val_batches:
             # the untrained model's val_loss: the starting point of the curve in metrics.csv
             trainer.validate(task, datamodule=data, verbose=False)
-    trainer.fit(task, datamodule=data, ckpt_path=str(resume) if resume else None)
+    trainer.fit(task, datamodule=data, ckpt_path=str(resume) if resume else None, weights_only=True)
     every = trainer.val_check_interval
     if trainer.limit_val_batches and isinstance(every, int) and trainer.global_step % every:
         # the curve in metrics.csv and upstream.pt's val_loss must describe the final weights

@@ -30,13 +30,14 @@ from torch import Tensor, nn
 
 from speechattn.data.features import FeatureConfig, Normalizer, log_mel_batch
 from speechattn.model.aalbert import AALBERT, ModelConfig
+from speechattn.model.serialization import TorchFileError, describe_load_error, load_torch_file
 
 UPSTREAM_FORMAT = "speechattn-upstream"
 UPSTREAM_VERSION = 1
 MEL_FRAME_RATE = 100.0  # 10 ms hop of the data layer's log-mel features
 
 
-class UpstreamFileError(ValueError):
+class UpstreamFileError(TorchFileError):
     """The file is missing, unreadable, corrupt or not a speechattn upstream."""
 
 
@@ -151,17 +152,17 @@ def load_upstream(path: str | Path, map_location: str | torch.device = "cpu") ->
     if not path.is_file():
         raise FileNotFoundError(f"upstream file {path} does not exist")
     try:
-        state = torch.load(path, map_location=map_location, weights_only=True)
-    except Exception as e:  # truncated zip, random bytes, pickled objects we refuse to run
+        state = load_torch_file(path, map_location, "upstream file")
+    except TorchFileError as e:  # truncated zip, random bytes, pickled objects we refuse to run
         hint = ""
         if path.suffix == ".ckpt":
             hint = (
-                " (this looks like a Lightning checkpoint; export it with "
-                "`speechattn.tasks.pretrain.export_upstream(ckpt, out)` or use the run's "
-                "upstream.pt)"
+                " (this looks like a Lightning checkpoint; use the run's upstream.pt, or write "
+                "one with `speechattn.tasks.pretrain.export_upstream(ckpt, out)`)"
             )
         raise UpstreamFileError(
-            f"{path} is not a readable speechattn upstream file{hint}: {type(e).__name__}: {e}"
+            f"{path} is not a readable speechattn upstream file{hint}: "
+            f"{describe_load_error(e.__cause__ or e, path)}"
         ) from e
     if not isinstance(state, dict) or state.get("format") != UPSTREAM_FORMAT:
         found = state.get("format") if isinstance(state, dict) else type(state).__name__

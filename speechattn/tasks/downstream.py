@@ -403,7 +403,9 @@ def fit_probe(
     dev_accuracy = float(checkpoint.best_model_score)
     epochs = int(trainer.current_epoch)
     # trainer.test loads the best checkpoint's weights into `probe`.
-    test_metrics = trainer.test(probe, loaders["test"], ckpt_path=best, verbose=False)
+    test_metrics = trainer.test(
+        probe, loaders["test"], ckpt_path=best, verbose=False, weights_only=True
+    )
     weights = probe.select.weights().tolist() if probe.select.num_layers > 1 else None
     return ProbeFit(
         dev_accuracy=dev_accuracy,

@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from speechattn.model.masking import MaskingConfig
+from speechattn.model.serialization import TorchFileError, describe_load_error, load_torch_file
 from speechattn.tasks.downstream_result import MEL, RESULT_FILE, TASKS, read_result
 from speechattn.tasks.heads import (
     HeadAnalysis,
@@ -151,7 +152,13 @@ def load_probe_run(directory: str | Path) -> ProbeRun:
         )
     checkpoint = find_probe_checkpoint(directory, result.best_epoch)
     try:
-        state = torch.load(checkpoint, map_location="cpu", weights_only=True)
+        state = load_torch_file(checkpoint, "cpu")
+    except TorchFileError as e:
+        raise TorchFileError(
+            f"{checkpoint}: not a readable downstream probe checkpoint: "
+            f"{describe_load_error(e.__cause__ or e, checkpoint)}"
+        ) from e
+    try:
         hp = state["hyper_parameters"]
         task = TaskConfig(**hp["task"])
         probe = DownstreamProbe(

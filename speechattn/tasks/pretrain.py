@@ -30,6 +30,7 @@ from torch.utils.data import Dataset, Sampler
 from speechattn.data.features import Normalizer
 from speechattn.model.aalbert import AALBERT, ModelConfig
 from speechattn.model.masking import MaskingConfig, mask_frames, masked_l1
+from speechattn.model.serialization import TorchFileError, load_torch_file
 from speechattn.model.upstream import save_upstream, upstream_state
 
 # ----------------------------------------------------------------------------- config
@@ -411,13 +412,23 @@ class PretrainTask(L.LightningModule):
 
 
 def export_upstream(checkpoint: str | Path, out: str | Path) -> Path:
-    """Write `upstream.pt` from a Lightning checkpoint of a pretraining run (e.g. a periodic one)."""
-    task = PretrainTask.load_from_checkpoint(
-        str(checkpoint), map_location="cpu", weights_only=False
-    )
-    ckpt = torch.load(str(checkpoint), map_location="cpu", weights_only=False)
+    """Write `upstream.pt` from a Lightning checkpoint of a pretraining run (e.g. a periodic one).
+
+    The checkpoint is read with `weights_only=True` (`load_torch_file`): a file holding pickled
+    objects is refused, never executed. Raises `TorchFileError` naming the file when it is
+    unreadable or not a pretraining checkpoint.
+    """
+    ckpt = load_torch_file(checkpoint, "cpu", "pretraining checkpoint")
+    try:
+        task = PretrainTask(**ckpt["hyper_parameters"])
+        task.load_state_dict(ckpt["state_dict"])
+    except Exception as e:  # another module's checkpoint, or missing/mismatched weights
+        raise TorchFileError(
+            f"pretraining checkpoint {checkpoint}: not a checkpoint of `python -m "
+            f"speechattn.pretrain` ({type(e).__name__}: {str(e)[:200]})"
+        ) from e
     task.data_info = ckpt.get("speechattn_data", {})
-    # load_from_checkpoint has no trainer, so global_step comes from the file
+    # a checkpoint has no trainer, so global_step comes from the file
     extra = {"steps": int(ckpt.get("global_step", 0)), "checkpoint": str(checkpoint)}
     return task.export_upstream(out, extra)
 

@@ -28,6 +28,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from speechattn.model.serialization import load_torch_file
+
 MEL = "mel"
 CACHE_VERSION = 1
 SPLITS = ("train", "dev", "test")
@@ -300,5 +302,5 @@ def save_split(split: SplitFeatures, path: Path) -> None:
 
 
 def load_split(path: Path) -> SplitFeatures:
-    state = torch.load(path, map_location="cpu", weights_only=True)
+    state = load_torch_file(path, "cpu", "cached downstream features")
     return SplitFeatures(**state)

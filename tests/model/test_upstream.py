@@ -96,3 +96,17 @@ def test_features_from_waveforms_match_the_data_layer(saved):
     torch.testing.assert_close(feats[0], (raw[0] - mean) / std)
     assert (feats[1, 29:] == 0).all()
     assert len(up(feats, frames)) == 3
+
+
+@pytest.mark.parametrize("name", ["upstream.pt", "last.ckpt"])
+def test_a_crafted_pickle_is_refused_and_never_runs(saved, tmp_path, crafted_torch_file, name):
+    _, good, _, _ = saved
+    crafted = tmp_path / name
+    marker = crafted_torch_file(crafted, torch.load(good, weights_only=True))
+    with pytest.raises(UpstreamFileError, match="refused to unpickle") as info:
+        load_upstream(crafted)
+    assert not marker.exists()
+    message = str(info.value)
+    assert str(crafted) in message and "weights_only=False" not in message
+    if name.endswith(".ckpt"):  # the suggested export is itself a safe load
+        assert "export_upstream" in message

@@ -65,3 +65,11 @@ def test_upstream_is_frozen_and_hashed(tmp_path: Path) -> None:
     assert not any(p.requires_grad for p in upstream.parameters())
     hidden = upstream(torch.randn(2, 10, 8), torch.tensor([10, 4]))
     assert len(hidden) == 3 and hidden[-1].shape == (2, 4, 16)
+
+
+def test_crafted_upstream_never_runs_code(tmp_path: Path, crafted_torch_file) -> None:
+    path = tmp_path / "upstream.pt"
+    marker = crafted_torch_file(path, {"format": "speechattn-upstream", "version": 1})
+    with pytest.raises(ValueError, match="refused to unpickle") as info:
+        open_upstream(path, 80)
+    assert str(path) in str(info.value) and not marker.exists()

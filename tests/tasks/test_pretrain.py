@@ -74,7 +74,7 @@ def test_checkpoint_to_upstream_round_trip_is_exact(tmp_path):
     run(cfg, datamodule=SyntheticPretrainData())
     ckpt = tmp_path / "checkpoints" / "step=0000004.ckpt"
     task = PretrainTask.load_from_checkpoint(
-        str(ckpt), map_location="cpu", weights_only=False
+        str(ckpt), map_location="cpu", weights_only=True
     ).eval()
     out = export_upstream(ckpt, tmp_path / "from_ckpt.pt")
     up = speechattn.load_upstream(out)
@@ -87,7 +87,7 @@ def test_checkpoint_to_upstream_round_trip_is_exact(tmp_path):
         assert torch.equal(a, b)
     # the run's final upstream.pt holds the weights of last.ckpt
     last = PretrainTask.load_from_checkpoint(
-        str(tmp_path / "checkpoints" / "last.ckpt"), map_location="cpu", weights_only=False
+        str(tmp_path / "checkpoints" / "last.ckpt"), map_location="cpu", weights_only=True
     )
     final = speechattn.load_upstream(tmp_path / "upstream.pt")
     for k, v in last.model.state_dict().items():
@@ -308,3 +308,46 @@ def test_precision_auto_is_fp32_on_cpu():
     assert resolve_precision("auto", "cpu") == "32-true"
     assert resolve_precision("bf16-mixed", "cpu") == "32-true"
     assert resolve_precision("32-true", "cpu") == "32-true"
+
+
+def test_crafted_checkpoints_never_run_code(tmp_path, crafted_torch_file):
+    """export_upstream and resuming read checkpoints with weights_only=True: a pickle that
+    calls os.system is refused, naming the file, and the command never runs."""
+    from speechattn.model.serialization import TorchFileError
+
+    run(
+        compose_pretrain(tmp_path, *SYNTH, "trainer.max_steps=4"),
+        datamodule=SyntheticPretrainData(),
+    )
+    last = tmp_path / "checkpoints" / "last.ckpt"
+    assert torch.serialization.get_unsafe_globals_in_checkpoint(last) == []  # nothing to allow
+    marker = crafted_torch_file(last, torch.load(last, weights_only=True))
+    with pytest.raises(TorchFileError, match="refused to unpickle") as info:
+        export_upstream(last, tmp_path / "exported.pt")
+    assert str(last) in str(info.value) and not (tmp_path / "exported.pt").exists()
+    with pytest.raises(TorchFileError, match="refused to unpickle") as info:
+        run(
+            compose_pretrain(tmp_path, *SYNTH, "trainer.max_steps=8", "ckpt_path=last"),
+            datamodule=SyntheticPretrainData(),
+        )
+    assert str(last) in str(info.value) and "ckpt_path=" in str(info.value)
+    assert not marker.exists()
+
+
+def test_truncated_last_checkpoint_names_it_and_the_newest_intact_one(tmp_path):
+    from speechattn.model.serialization import TorchFileError
+
+    steps = ("trainer.max_steps=8", "checkpoint.every_n_steps=4")
+    run(compose_pretrain(tmp_path, *SYNTH, *steps), datamodule=SyntheticPretrainData())
+    ckpts = tmp_path / "checkpoints"
+    last, newest = ckpts / "last.ckpt", ckpts / "step=0000008.ckpt"
+    last.write_bytes(last.read_bytes()[:5000])
+    newest.write_bytes(newest.read_bytes()[:100])  # the newest periodic one is damaged too
+    with pytest.raises(TorchFileError) as info:
+        run(
+            compose_pretrain(tmp_path, *SYNTH, "trainer.max_steps=12", "ckpt_path=last"),
+            datamodule=SyntheticPretrainData(),
+        )
+    message = str(info.value)
+    assert str(last) in message and "truncated or corrupt" in message
+    assert f"ckpt_path={ckpts / 'step=0000004.ckpt'}" in message
