@@ -14,6 +14,7 @@ All the work is in `run(cfg)`, which tests call directly; `main` is the Hydra wr
 from __future__ import annotations
 
 import logging
+import math
 import sys
 import warnings
 from pathlib import Path
@@ -133,7 +134,7 @@ def run(cfg: DictConfig, datamodule: Any = None) -> dict[str, Any]:
     from lightning.pytorch.utilities import rank_zero_only
 
     from speechattn.tasks.common import MetricsCSV, progress_bar, quiet_library_notices
-    from speechattn.tasks.pretrain import PretrainTask
+    from speechattn.tasks.pretrain import NonFiniteLossError, PretrainTask
     from speechattn.tasks.pretrain_data import ResumableData
 
     quiet_library_notices()
@@ -225,6 +226,14 @@ def run(cfg: DictConfig, datamodule: Any = None) -> dict[str, Any]:
         "val_loss": metrics.get("val_loss"),
         "upstream": None,
     }
+    task.check_converged()
+    val_loss = result["val_loss"]
+    if val_loss is not None and not math.isfinite(val_loss):
+        raise NonFiniteLossError(
+            f"the final validation loss is {val_loss} at step {result['steps']}: the model "
+            f"diverged or the validation features hold NaN/inf; no upstream.pt is written. "
+            f"{task.divergence_advice()}"
+        )
     if trainer.is_global_zero:
         upstream = task.export_upstream(
             output_dir / "upstream.pt",
@@ -237,11 +246,12 @@ def run(cfg: DictConfig, datamodule: Any = None) -> dict[str, Any]:
 
 @hydra.main(version_base="1.3", config_path=str(speechattn.CONFIG_DIR), config_name="pretrain")
 def main(cfg: DictConfig) -> float | None:
+    from speechattn.model.upstream import NonFiniteWeightsError
     from speechattn.tasks.pretrain import NonFiniteLossError
 
     try:
         result = run(cfg)
-    except NonFiniteLossError as e:
+    except (NonFiniteLossError, NonFiniteWeightsError) as e:
         log.error("%s", e)
         sys.exit(1)
     # Hydra sweepers (e.g. Optuna) optimise the returned value

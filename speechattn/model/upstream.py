@@ -50,8 +50,10 @@ class Upstream(nn.Module):
         normalizer: Normalizer,
         feature_config: dict[str, Any],
         metadata: dict[str, Any],
+        source: str | None = None,
     ) -> None:
         super().__init__()
+        self.source = source  # the file it was loaded from, for error messages
         self.model = model
         self.normalizer = normalizer  # training-split statistics, applied to raw log-mel
         self.register_buffer("mean", normalizer.mean.detach().clone().float())  # (F,)
@@ -101,6 +103,37 @@ class Upstream(nn.Module):
         return self.model.attention_weights(features, lengths, layer, head_mask)
 
 
+class NonFiniteWeightsError(ValueError):
+    """Weights or statistics hold NaN/inf: a diverged run, never written or loaded."""
+
+
+def nonfinite_tensors(tensors: dict[str, Tensor]) -> list[str]:
+    """Names of the floating-point tensors in `tensors` holding any NaN or inf.
+
+    One device sync in total (not one per tensor), so it is cheap enough to run every step.
+    """
+    named = [(k, t) for k, t in tensors.items() if isinstance(t, Tensor) and t.is_floating_point()]
+    if not named:
+        return []
+    finite = torch.stack([torch.isfinite(t).all() for _, t in named])  # (N,) on their device
+    if bool(finite.all()):
+        return []
+    return [k for (k, _), ok in zip(named, finite.tolist()) if not ok]
+
+
+def _check_finite(state: dict[str, Any], where: str) -> None:
+    norm = state["normalizer"] if isinstance(state["normalizer"], dict) else {}
+    bad = nonfinite_tensors(state["state_dict"]) + [
+        f"normalizer.{k}" for k in nonfinite_tensors(norm)
+    ]
+    if bad:
+        raise NonFiniteWeightsError(
+            f"{where}: {len(bad)} tensor(s) hold NaN/inf ({', '.join(bad[:3])}"
+            f"{', ...' if len(bad) > 3 else ''}): the pretraining run diverged, so this "
+            f"upstream is unusable; pretrain again with a smaller model.optimizer.lr"
+        )
+
+
 def upstream_state(
     model: AALBERT,
     normalizer: Normalizer,
@@ -125,8 +158,12 @@ def upstream_state(
 
 
 def save_upstream(path: str | Path, state: dict[str, Any]) -> Path:
-    """Write `state` atomically (temp file + rename): a crash never leaves half a file."""
+    """Write `state` atomically (temp file + rename): a crash never leaves half a file.
+
+    Raises `NonFiniteWeightsError` (nothing written) when a weight or statistic is NaN/inf.
+    """
     path = Path(path)
+    _check_finite(state, f"not writing {path}")
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
@@ -180,6 +217,7 @@ def load_upstream(path: str | Path, map_location: str | torch.device = "cpu") ->
     )
     if missing:
         raise UpstreamFileError(f"{path} is incomplete: missing {sorted(missing)}")
+    _check_finite(state, str(path))
     try:
         model = AALBERT(ModelConfig(**state["model_config"]))
         model.load_state_dict(state["state_dict"])
@@ -189,5 +227,5 @@ def load_upstream(path: str | Path, map_location: str | torch.device = "cpu") ->
         normalizer = Normalizer.from_state_dict(state["normalizer"])
     except Exception as e:
         raise UpstreamFileError(f"{path}: bad normalizer statistics: {e}") from e
-    upstream = Upstream(model, normalizer, state["feature_config"], state["metadata"])
+    upstream = Upstream(model, normalizer, state["feature_config"], state["metadata"], str(path))
     return upstream.to(map_location).eval()

@@ -30,6 +30,7 @@ from speechattn.tasks.downstream_result import MEL, RESULT_FILE, TASKS, read_res
 from speechattn.tasks.heads import (
     HeadAnalysis,
     HeadsConfig,
+    NonFiniteMetricError,
     Objective,
     PretrainObjective,
     ProbeObjective,
@@ -453,7 +454,10 @@ def run_heads(
         prepared.upstream.num_heads,
         prepared.objective.subset(),
     )
-    analysis = analyze_heads(prepared.objective, config.heads, progress=config.progress)
+    try:
+        analysis = analyze_heads(prepared.objective, config.heads, progress=config.progress)
+    except NonFiniteMetricError as e:
+        raise NonFiniteMetricError(f"upstream {prepared.upstream_path}: {e}") from e
     runtime = {"load": round(t_load, 3), **analysis.runtime_s}
     runtime["total"] = round(time.perf_counter() - t0, 3)
     result = result_dict(analysis, prepared, config, runtime)

@@ -218,6 +218,10 @@ def tensor_digest(*tensors: Tensor | None) -> str:
     return h.hexdigest()[:16]
 
 
+class NonFiniteFeaturesError(ValueError):
+    """The upstream's hidden states hold NaN/inf: refused rather than probed at chance."""
+
+
 @torch.no_grad()
 def extract_split(
     upstream: nn.Module,
@@ -256,6 +260,14 @@ def extract_split(
             hidden = upstream(x, n)
             out_len = upstream.output_lengths(n).cpu()  # (B,)
             stacked = torch.stack([hidden[i] for i in layers], dim=2).cpu()  # (B, T', N, D)
+            if not bool(torch.isfinite(stacked).all()):  # padding is 0, so only real frames
+                raise NonFiniteFeaturesError(
+                    f"{description}: upstream {getattr(upstream, 'source', None) or upstream} "
+                    f"gives NaN/inf hidden states (layers {list(layers)}) for "
+                    f"{', '.join(batch['utt_ids'][:3])}: its pretraining diverged (or the input "
+                    f"features hold NaN/inf); a probe on them would score chance. Pretrain "
+                    f"again with a smaller model.optimizer.lr"
+                )
             for b, utt in enumerate(batch["utt_ids"]):
                 utt_ids.append(utt)
                 feats.append(stacked[b, : out_len[b]].to(torch.float16))

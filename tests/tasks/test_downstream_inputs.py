@@ -73,3 +73,25 @@ def test_crafted_upstream_never_runs_code(tmp_path: Path, crafted_torch_file) ->
     with pytest.raises(ValueError, match="refused to unpickle") as info:
         open_upstream(path, 80)
     assert str(path) in str(info.value) and not marker.exists()
+
+
+def test_upstream_with_nonfinite_hidden_states_is_refused(tmp_path: Path) -> None:
+    """Finite but overflowing weights (a diverged run) give NaN features: refused, naming the
+    file, instead of probing at chance (a NaN-weight upstream is refused by load_upstream)."""
+    from speechattn.tasks.upstream_features import NonFiniteFeaturesError, extract_split
+
+    path = save_tiny_upstream(tmp_path / "upstream.pt")
+    state = torch.load(path, weights_only=True)
+    state["state_dict"]["embedding.proj.weight"] *= 1e30
+    torch.save(state, path)
+    upstream, _ = open_upstream(path, 8)
+    lengths = torch.tensor([12, 9])
+    batch = {
+        "features": torch.randn(2, 12, 8),
+        "lengths": lengths,
+        "padding_mask": torch.arange(12)[None] >= lengths[:, None],
+        "utt_ids": ["a", "b"],
+    }
+    with pytest.raises(NonFiniteFeaturesError, match="NaN/inf hidden states") as info:
+        extract_split(upstream, [batch], layers=[2], progress_bar=False)
+    assert str(path) in str(info.value) and "model.optimizer.lr" in str(info.value)

@@ -335,3 +335,14 @@ def test_crafted_probe_or_upstream_never_runs_code(tmp_path: Path, crafted_torch
     with pytest.raises(ValueError, match="refused to unpickle") as info:
         run(compose_analyze(tmp_path / "b", f"upstream={upstream}"), datamodule=TinyData())
     assert str(upstream) in str(info.value) and not marker.exists()
+
+
+def test_upstream_with_nonfinite_hidden_states_is_refused(tmp_path: Path) -> None:
+    upstream = make_upstream(tmp_path / "upstream.pt")
+    state = torch.load(upstream, weights_only=True)
+    state["state_dict"]["embedding.proj.weight"] *= 1e30  # finite weights, overflowing states
+    torch.save(state, upstream)
+    with pytest.raises(ValueError, match="NaN/inf") as info:
+        run(compose_analyze(tmp_path / "a", f"upstream={upstream}"), datamodule=TinyData())
+    assert str(upstream) in str(info.value)
+    assert not (tmp_path / "a" / "heads.json").exists()

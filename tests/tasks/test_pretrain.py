@@ -162,19 +162,89 @@ def test_nonfinite_loss_is_skipped_with_a_warning(tmp_path, monkeypatch):
 def test_too_many_nonfinite_steps_in_a_row_abort_with_a_clear_message(tmp_path, monkeypatch):
     original = PretrainTask.reconstruction_loss
 
-    def nan_from_step_2(self, batch, generator):
+    def nan_from_step_5(self, batch, generator):
         loss, frames, chosen = original(self, batch, generator)
-        bad = self.training and self.global_step >= 2
+        bad = self.training and self.global_step >= 5
         return (loss * float("inf") if bad else loss), frames, chosen
 
-    monkeypatch.setattr(PretrainTask, "reconstruction_loss", nan_from_step_2)
-    cfg = compose_pretrain(tmp_path, *SYNTH, "max_nonfinite=3")
+    monkeypatch.setattr(PretrainTask, "reconstruction_loss", nan_from_step_5)
+    cfg = compose_pretrain(tmp_path, *SYNTH, "max_nonfinite=3")  # lr 1e-2, checkpoint at step 4
     with (
         pytest.warns(NonFiniteWarning),
         pytest.raises(NonFiniteLossError, match="3 non-finite") as e,
     ):
         run(cfg, datamodule=SyntheticPretrainData())
-    assert "model.optimizer.lr" in str(e.value) and "ckpt_path=last" in str(e.value)
+    assert "model.optimizer.lr=0.001 (now 0.01)" in str(e.value)  # smaller, not the same
+    assert "ckpt_path=last" in str(e.value)  # checkpoints/last.ckpt of step 4 exists
+    assert not (tmp_path / "upstream.pt").exists()
+
+
+@pytest.mark.parametrize("abort_early", [False, True])
+def test_a_diverged_run_fails_and_writes_no_upstream(tmp_path, abort_early):
+    """lr=1e9: the run must not end normally with an upstream.pt whose hidden states are all
+    NaN (it used to: exit 0, val_loss nan). Resuming is suggested only when a checkpoint exists
+    (abort_early: the guard stops at step 2, before the first checkpoint at step 4)."""
+    overrides = ["model.optimizer.lr=1e9", "trainer.max_steps=5"]
+    overrides += ["max_nonfinite=2"] if abort_early else []
+    with pytest.warns(NonFiniteWarning), pytest.raises(NonFiniteLossError) as e:
+        run(compose_pretrain(tmp_path, *SYNTH, *overrides), datamodule=SyntheticPretrainData())
+    message = str(e.value)
+    assert "non-finite" in message and "model.optimizer.lr=1e+08 (now 1e+09)" in message
+    assert not (tmp_path / "upstream.pt").exists()
+    has_checkpoint = (tmp_path / "checkpoints" / "last.ckpt").is_file()
+    assert has_checkpoint != abort_early
+    assert ("ckpt_path=last" in message) == has_checkpoint
+
+
+def test_nonfinite_weights_stop_training_at_once(tmp_path, monkeypatch):
+    """An update that leaves a NaN weight stops the run before any checkpoint keeps it."""
+    original = PretrainTask.optimizer_step
+
+    def poisoned_step_6(self, *args, **kwargs):
+        if self.global_step == 5:  # the sixth update
+            with torch.no_grad():
+                next(self.model.parameters())[0] = float("nan")
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(PretrainTask, "optimizer_step", poisoned_step_6)
+    with pytest.raises(NonFiniteLossError, match="diverged at step 5.*1 parameter tensor") as e:
+        run(compose_pretrain(tmp_path, *SYNTH), datamodule=SyntheticPretrainData())
+    assert "ckpt_path=last" in str(e.value)  # the step-4 checkpoint exists
+    ckpt = torch.load(tmp_path / "checkpoints" / "last.ckpt", weights_only=True)
+    assert ckpt["global_step"] == 4
+    assert all(torch.isfinite(v).all() for v in ckpt["state_dict"].values())
+    assert not (tmp_path / "upstream.pt").exists()
+
+
+def test_nonfinite_final_validation_fails_and_writes_no_upstream(tmp_path, monkeypatch):
+    original = PretrainTask.reconstruction_loss
+
+    def nan_in_validation(self, batch, generator):
+        loss, frames, chosen = original(self, batch, generator)
+        return (loss if self.training else loss * float("nan")), frames, chosen
+
+    monkeypatch.setattr(PretrainTask, "reconstruction_loss", nan_in_validation)
+    with pytest.raises(NonFiniteLossError, match="final validation loss is nan"):
+        run(compose_pretrain(tmp_path, *SYNTH), datamodule=SyntheticPretrainData())
+    assert not (tmp_path / "upstream.pt").exists()
+
+
+def test_nonfinite_upstream_is_never_written_or_loaded(tmp_path):
+    from speechattn.model.upstream import NonFiniteWeightsError
+
+    run(
+        compose_pretrain(tmp_path, *SYNTH, "trainer.max_steps=4"),
+        datamodule=SyntheticPretrainData(),
+    )
+    state = torch.load(tmp_path / "upstream.pt", weights_only=True)
+    name = next(iter(state["state_dict"]))
+    state["state_dict"][name][0] = float("nan")
+    with pytest.raises(NonFiniteWeightsError, match=f"not writing .*nan.pt.*{name}"):
+        speechattn.model.upstream.save_upstream(tmp_path / "nan.pt", state)
+    assert not (tmp_path / "nan.pt").exists()
+    torch.save(state, tmp_path / "nan.pt")  # written by something else
+    with pytest.raises(NonFiniteWeightsError, match=f"nan.pt: 1 tensor.*{name}.*diverged"):
+        speechattn.load_upstream(tmp_path / "nan.pt")
 
 
 def test_step_sampler_is_a_function_of_seed_and_batch_number():
