@@ -142,6 +142,7 @@ class _CorpusDataModule(L.LightningDataModule):
                 utts, extraction_settings(self.cfg), self.cfg.cache_root(), self.issues,
                 workers=self.cfg.extract_workers, shard_size=self.cfg.shard_size,
                 progress=self.cfg.progress, description=f"features {split}",
+                verify=self.cfg.verify_cache,
             )  # fmt: skip
             self._splits[split] = (utts, store)
         return self._splits[split]

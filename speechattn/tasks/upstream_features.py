@@ -28,6 +28,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from speechattn.data.cache import file_sha256
 from speechattn.model.serialization import load_torch_file
 
 MEL = "mel"
@@ -59,15 +60,6 @@ class MelUpstream(nn.Module):
 
     def output_lengths(self, lengths: Tensor) -> Tensor:
         return lengths.clone()
-
-
-def file_sha256(path: str | Path, chunk: int = 1 << 20) -> str:
-    """Hex sha256 of a file's bytes."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
 
 
 def open_upstream(spec: str | Path, feature_dim: int) -> tuple[nn.Module, str | None]:
