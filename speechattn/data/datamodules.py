@@ -41,7 +41,10 @@ log = logging.getLogger(__name__)
 def resolve_root(cfg: DataConfig) -> Path:
     """The corpus root: `cfg.root`, or the built-in corpus (built on first use)."""
     if cfg.root:
-        return Path(cfg.root).expanduser().resolve()
+        root = Path(cfg.root).expanduser().resolve()
+        if not root.is_dir():  # before anything looks for label files inside it
+            raise DataError(root, "corpus root not found", f"data.root={cfg.root} is not a folder")
+        return root
     if cfg.corpus != "embedded":
         raise ValueError(f"data.root is required for corpus={cfg.corpus}")
     from speechattn.data.synth import ensure_embedded_corpus

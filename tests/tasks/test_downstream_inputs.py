@@ -95,3 +95,17 @@ def test_upstream_with_nonfinite_hidden_states_is_refused(tmp_path: Path) -> Non
     with pytest.raises(NonFiniteFeaturesError, match="NaN/inf hidden states") as info:
         extract_split(upstream, [batch], layers=[2], progress_bar=False)
     assert str(path) in str(info.value) and "model.optimizer.lr" in str(info.value)
+
+
+def test_missing_root_on_a_phone_task_blames_the_root(tmp_path: Path, tiny_data_config) -> None:
+    """It used to say converted_aligned_phones.txt does not exist."""
+    import dataclasses
+
+    from speechattn.data import DataError
+    from speechattn.tasks.downstream import TaskConfig, labelled_data_config
+
+    missing = tmp_path / "no-such-corpus"
+    task = TaskConfig(name="phone_1hidden", target="phones", level="frame")
+    with pytest.raises(DataError, match="corpus root not found") as info:
+        labelled_data_config(task, dataclasses.replace(tiny_data_config, root=str(missing)))
+    assert str(missing) in str(info.value) and "converted_aligned" not in str(info.value)
