@@ -163,6 +163,8 @@ def run(cfg: DictConfig, datamodule: Any = None) -> dict[str, Any]:
         max_nonfinite=cfg.max_nonfinite,
     )
     data_config = container(cfg.get("data"))
+    if "max_frames" in data_config:  # the data layer crops to it; fail now, not at a long batch
+        task.model.check_input_frames(data_config["max_frames"], "data.max_frames")
     task.set_data_info(
         feature_config=feature_config(inner, data_config),
         corpus=str(data_config.get("corpus", type(inner).__name__)),

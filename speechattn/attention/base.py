@@ -78,6 +78,7 @@ class Attention(nn.Module, ABC):
     complexity_training: ClassVar[str] = ""
     complexity_inference: ClassVar[str] = ""
     supports_weights: ClassVar[bool] = True
+    max_len: int | None = None  # longest sequence (T) the variant accepts; None: any
 
     def __init__(self, config: AttentionConfig) -> None:
         super().__init__()

@@ -109,3 +109,34 @@ def test_missing_root_on_a_phone_task_blames_the_root(tmp_path: Path, tiny_data_
     with pytest.raises(DataError, match="corpus root not found") as info:
         labelled_data_config(task, dataclasses.replace(tiny_data_config, root=str(missing)))
     assert str(missing) in str(info.value) and "converted_aligned" not in str(info.value)
+
+
+def test_utterances_beyond_the_upstream_limit_fail_before_extraction() -> None:
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from speechattn.model.aalbert import aalbert
+    from speechattn.tasks.downstream import _check_input_frames
+
+    model = aalbert(
+        feature_dim=8, dim=16, num_layers=1, num_heads=2, ffn_dim=32,
+        attention="syn_random", attention_options={"max_len": 1024},
+    )  # fmt: skip
+    upstream = SimpleNamespace(model=model)
+
+    def data(crop, longest):
+        return SimpleNamespace(
+            cfg=SimpleNamespace(labelled_max_frames=crop),
+            datasets={
+                "dev": SimpleNamespace(lengths=np.zeros(0)),
+                "test": SimpleNamespace(lengths=np.array([longest])),
+            },
+        )
+
+    _check_input_frames(upstream, data(3000, 5000))  # cropped below 3072: fine
+    with pytest.raises(ValueError, match="data.labelled_max_frames=4000.*3072 input frames"):
+        _check_input_frames(upstream, data(4000, 100))
+    with pytest.raises(ValueError, match="=null lets a 5000-frame utterance through.*3072"):
+        _check_input_frames(upstream, data(None, 5000))
+    _check_input_frames(SimpleNamespace(), data(None, 5000))  # mel: no limit

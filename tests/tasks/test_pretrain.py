@@ -421,3 +421,15 @@ def test_truncated_last_checkpoint_names_it_and_the_newest_intact_one(tmp_path):
     message = str(info.value)
     assert str(last) in message and "truncated or corrupt" in message
     assert f"ckpt_path={ckpts / 'step=0000004.ckpt'}" in message
+
+
+def test_crop_beyond_the_attention_limit_fails_before_training(tmp_path):
+    """syn_random with max_len 100 model frames takes 300 input frames; data.max_frames=1500
+    used to fail at the first long batch."""
+    cfg = compose_pretrain(tmp_path, "attention=syn_random", "attention.options.max_len=100")
+    with pytest.raises(
+        ValueError, match="data.max_frames=1500.*syn_random accepts: 300 input"
+    ) as e:
+        run(cfg, datamodule=SyntheticPretrainData())
+    assert "attention.options.max_len>=500" in str(e.value)
+    assert not (tmp_path / "checkpoints").exists()
