@@ -15,6 +15,7 @@ All the work is in `run(cfg)`, which tests call directly; `main` is the Hydra wr
 from __future__ import annotations
 
 import logging
+import math
 import sys
 import warnings
 from pathlib import Path
@@ -52,6 +53,29 @@ def resolve_ckpt_path(ckpt_path: str | None, output_dir: Path) -> Path | None:
     if not path.is_file():
         raise FileNotFoundError(f"ckpt_path={ckpt_path}: no such checkpoint file")
     return path
+
+
+def check_resume_checkpoint(path: Path) -> None:
+    """Read `path` safely (`weights_only=True`) before Lightning does; when it is truncated,
+    corrupt or refused, raise `TorchFileError` naming it and the newest periodic checkpoint
+    beside it that reads."""
+    from speechattn.model.serialization import TorchFileError, load_torch_file
+
+    try:
+        load_torch_file(path, "cpu", "checkpoint to resume")
+    except TorchFileError as e:
+        for periodic in sorted(path.parent.glob("step=*.ckpt"), reverse=True):  # newest first
+            if periodic == path:
+                continue
+            try:
+                load_torch_file(periodic, "cpu")
+            except TorchFileError:
+                continue
+            hint = f"resume from the newest intact checkpoint instead: ckpt_path={periodic}"
+            break
+        else:
+            hint = f"no intact periodic checkpoint in {path.parent}: start afresh without ckpt_path"
+        raise TorchFileError(f"{e}; {hint}") from e
 
 
 def resolve_precision(precision: Any, accelerator: str) -> Any:
@@ -117,13 +141,15 @@ def run(cfg: DictConfig, datamodule: Any = None) -> dict[str, Any]:
         read_metrics,
     )
     from speechattn.tasks.model_card import median_frames_per_s, training_device, write_model_card
-    from speechattn.tasks.pretrain import PretrainTask
+    from speechattn.tasks.pretrain import NonFiniteLossError, PretrainTask
     from speechattn.tasks.pretrain_data import ResumableData
 
     quiet_library_notices()
     output_dir = Path(cfg.output_dir).resolve()
     output_dir.mkdir(parents=True, exist_ok=True)
     resume = resolve_ckpt_path(cfg.get("ckpt_path"), output_dir)
+    if resume is not None:
+        check_resume_checkpoint(resume)
     L.seed_everything(cfg.seed, workers=True, verbose=False)
 
     inner = datamodule if datamodule is not None else build_datamodule(cfg)
@@ -144,6 +170,8 @@ def run(cfg: DictConfig, datamodule: Any = None) -> dict[str, Any]:
         max_nonfinite=cfg.max_nonfinite,
     )
     data_config = container(cfg.get("data"))
+    if "max_frames" in data_config:  # the data layer crops to it; fail now, not at a long batch
+        task.model.check_input_frames(data_config["max_frames"], "data.max_frames")
     task.set_data_info(
         feature_config=feature_config(inner, data_config),
         corpus=str(data_config.get("corpus", type(inner).__name__)),
@@ -193,7 +221,7 @@ def run(cfg: DictConfig, datamodule: Any = None) -> dict[str, Any]:
         if cfg.get("validate_at_start", True) and trainer.limit_val_batches:
             # the untrained model's val_loss: the starting point of the curve in metrics.csv
             trainer.validate(task, datamodule=data, verbose=False)
-    trainer.fit(task, datamodule=data, ckpt_path=str(resume) if resume else None)
+    trainer.fit(task, datamodule=data, ckpt_path=str(resume) if resume else None, weights_only=True)
     every = trainer.val_check_interval
     if trainer.limit_val_batches and isinstance(every, int) and trainer.global_step % every:
         # the curve in metrics.csv and upstream.pt's val_loss must describe the final weights
@@ -208,6 +236,14 @@ def run(cfg: DictConfig, datamodule: Any = None) -> dict[str, Any]:
         "upstream": None,
         "model_card": None,
     }
+    task.check_converged()
+    val_loss = result["val_loss"]
+    if val_loss is not None and not math.isfinite(val_loss):
+        raise NonFiniteLossError(
+            f"the final validation loss is {val_loss} at step {result['steps']}: the model "
+            f"diverged or the validation features hold NaN/inf; no upstream.pt is written. "
+            f"{task.divergence_advice()}"
+        )
     if trainer.is_global_zero:
         metrics_csv = output_dir / "metrics.csv"
         rows = read_metrics(metrics_csv) if metrics_csv.is_file() else []
@@ -226,11 +262,12 @@ def run(cfg: DictConfig, datamodule: Any = None) -> dict[str, Any]:
 
 @hydra.main(version_base="1.3", config_path=str(speechattn.CONFIG_DIR), config_name="pretrain")
 def main(cfg: DictConfig) -> float | None:
+    from speechattn.model.upstream import NonFiniteWeightsError
     from speechattn.tasks.pretrain import NonFiniteLossError
 
     try:
         result = run(cfg)
-    except NonFiniteLossError as e:
+    except (NonFiniteLossError, NonFiniteWeightsError) as e:
         log.error("%s", e)
         sys.exit(1)
     # Hydra sweepers (e.g. Optuna) optimise the returned value

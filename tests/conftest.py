@@ -5,6 +5,9 @@
 - `tiny_corpus` (session): Path of a 4-speaker x 6-utterance corpus (~1.5 min of speech) in
   the built-in layout (`synth-clean/`, `converted_aligned_phones.txt`, split lists, ...),
   synthesised once per session (~2 s).
+- `crafted_torch_file` (function): writes a torch file whose unpickling would run a shell
+  command that creates a marker file; tests load it through a code path and check the marker
+  never appears (a checkpoint must never run code).
 - `tiny_data_config` (function): `DataConfig` for that corpus -- batch size 4, no workers, no
   progress bars, a session-wide feature cache (features are extracted once per session; keys are
   content hashes, so sharing is safe). Tests may `dataclasses.replace` it; use `tmp_path` as
@@ -19,9 +22,12 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
+import torch
 
 from speechattn.data import DataConfig
 from speechattn.data.synth import build_corpus
@@ -113,3 +119,28 @@ def pretrained_tiny_run(
         cfg = compose("pretrain", overrides=overrides)
     run(cfg)
     return out
+class _RunsShell:
+    """Unpickles by calling `os.system(command)`: what a malicious checkpoint would do."""
+
+    def __init__(self, command: str) -> None:
+        self.command = command
+
+    def __reduce__(self) -> tuple[Any, tuple[str]]:
+        return os.system, (self.command,)
+
+
+@pytest.fixture
+def crafted_torch_file(tmp_path: Path) -> Callable[..., Path]:
+    """`write(path, contents=None) -> marker`: save `contents` (a dict, e.g. a real checkpoint)
+    plus a payload that would `touch marker` when unpickled without `weights_only`."""
+
+    def write(path: Path, contents: dict[str, Any] | None = None) -> Path:
+        marker = tmp_path / f"ran-{path.name}.marker"
+        torch.save({**(contents or {}), "payload": _RunsShell(f"touch {marker}")}, path)
+        # the payload is live: an unrestricted load would call os.system
+        assert any(
+            "system" in g for g in torch.serialization.get_unsafe_globals_in_checkpoint(path)
+        )
+        return marker
+
+    return write

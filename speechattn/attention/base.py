@@ -113,6 +113,7 @@ class Attention(nn.Module, ABC):
     complexity_inference: ClassVar[str] = ""
     supports_weights: ClassVar[bool] = True
     short_path_max_t: ClassVar[int | None] = None
+    max_len: int | None = None  # longest sequence (T) the variant accepts; None: any
 
     def __init__(self, config: AttentionConfig) -> None:
         super().__init__()

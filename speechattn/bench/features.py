@@ -5,7 +5,9 @@ Measures, on the built-in corpus (or `--root`):
   of real time (seconds of audio per second of wall clock), with `--workers` processes;
 - cached loading: utterances/s and frames/s read back from the memory-mapped cache, both raw
   (`FeatureStore.features`) and through the training path (dataset + normalisation + padded
-  batches), compared with an *assumed* consumer: a tiny model training at ~20k mel frames/s.
+  batches), compared with an *assumed* consumer: a tiny model training at ~20k mel frames/s;
+- cache verification: the first raw pass over a fresh store (each shard checksummed on its
+  first read, unless `--no-verify`) and a full check as `data.verify_cache=true` does at start-up.
 """
 
 from __future__ import annotations
@@ -47,6 +49,9 @@ def _parse(argv: list[str]) -> argparse.Namespace:
         "--min-seconds", type=float, default=2.0, help="minimum duration of each load measurement"
     )
     p.add_argument("--consumer-fps", type=float, default=ASSUMED_CONSUMER_FPS)
+    p.add_argument(
+        "--no-verify", action="store_true", help="read shards without their first-read checksum"
+    )
     p.add_argument("--json", type=Path, default=None, help="also write the numbers here")
     return p.parse_args(argv)
 
@@ -91,12 +96,26 @@ def run(args: argparse.Namespace) -> dict:
             "cache_mb": sum(p.stat().st_size for p in Path(store.directory).iterdir()) / 2**20,
         }
 
-        fresh = FeatureStore(store.directory)  # new object: memory maps opened on first use
+        # new object: memory maps opened (and shards checksummed) on first use
+        fresh = FeatureStore(store.directory, checksums=not args.no_verify)
         n = len(fresh)
 
         def raw_pass() -> None:
             for i in range(n):
                 fresh.features(i)
+
+        start = time.perf_counter()
+        raw_pass()
+        first = time.perf_counter() - start
+        results["load_first_pass"] = {
+            "checksums": not args.no_verify,
+            "seconds": first,
+            "frames_per_s": frames / first,
+        }
+        start = time.perf_counter()
+        if damaged := fresh.damaged(checksums=True):
+            raise RuntimeError(f"the cache just written does not verify: {damaged[:3]}")
+        results["verify_all_seconds"] = time.perf_counter() - start
 
         seconds, passes = _timed_passes(raw_pass, args.min_seconds)
         results["load_raw"] = {
@@ -139,6 +158,13 @@ def _print(r: dict) -> None:
         f"extraction ({r['workers']} workers)",
         f"{e['x_real_time']:.0f}x real time",
         f"{e['wall_seconds']:.2f} s wall, {e['frames']:,} frames, cache {e['cache_mb']:.1f} MB",
+    )
+    first = r["load_first_pass"]
+    table.add_row(
+        "cached load, first pass" + (" (checksums)" if first["checksums"] else ""),
+        f"{first['frames_per_s']:,.0f} frames/s",
+        f"{first['seconds']:.3f} s; checking every file (data.verify_cache): "
+        f"{r['verify_all_seconds']:.3f} s",
     )
     for key, name in (
         ("load_raw", "cached load, raw slices"),

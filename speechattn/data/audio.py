@@ -56,6 +56,11 @@ def load_audio(
     try:
         audio, rate = sf.read(str(path), dtype="float32", always_2d=True)  # (N, C)
     except (RuntimeError, OSError) as e:
+        if flac_audio_bytes(path) == 0:
+            # libsndfile reports an unknown length as 2**63 - 1 samples; say what is there
+            raise DataError(
+                path, "empty audio", "a FLAC header with no audio frames after it", utt_id
+            ) from None
         raise DataError(
             path,
             "truncated or corrupt audio",
@@ -89,6 +94,24 @@ def load_audio(
             f"{audio.shape[0]} samples ({audio.shape[0] / SAMPLE_RATE:.3f} s), need at least {min_samples}", utt_id,
         )  # fmt: skip
     return AudioResult(np.ascontiguousarray(audio, dtype=np.float32), int(rate), notes)
+
+
+def flac_audio_bytes(path: Path) -> int | None:
+    """Bytes after a FLAC file's metadata blocks (0: header only), or None when `path` is not
+    a readable FLAC file."""
+    try:
+        with open(path, "rb") as f:
+            if f.read(4) != b"fLaC":
+                return None
+            while True:
+                block = f.read(4)  # 1 bit last-block flag, 7 bits type, 24 bits length
+                if len(block) < 4:
+                    return 0
+                f.seek(int.from_bytes(block[1:], "big"), 1)
+                if block[0] & 0x80:
+                    return max(0, path.stat().st_size - f.tell())
+    except OSError:
+        return None
 
 
 def resample(audio: np.ndarray, rate: int) -> np.ndarray:

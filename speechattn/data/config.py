@@ -73,6 +73,9 @@ class DataConfig:
     seed: int = 0
     extract_workers: int | None = None  # feature-extraction processes; None: min(cpu count, 8)
     shard_size: int = 64  # utterances per cache shard (unit of resume and of parallel work)
+    # checksum every cached shard at start-up (re-extracting damaged ones) instead of each on its
+    # first read; sizes, headers and statistics checksums are always checked at start-up
+    verify_cache: bool = False
     progress: bool = True
 
     def __post_init__(self) -> None:

@@ -41,7 +41,10 @@ log = logging.getLogger(__name__)
 def resolve_root(cfg: DataConfig) -> Path:
     """The corpus root: `cfg.root`, or the built-in corpus (built on first use)."""
     if cfg.root:
-        return Path(cfg.root).expanduser().resolve()
+        root = Path(cfg.root).expanduser().resolve()
+        if not root.is_dir():  # before anything looks for label files inside it
+            raise DataError(root, "corpus root not found", f"data.root={cfg.root} is not a folder")
+        return root
     if cfg.corpus != "embedded":
         raise ValueError(f"data.root is required for corpus={cfg.corpus}")
     from speechattn.data.synth import ensure_embedded_corpus
@@ -142,6 +145,7 @@ class _CorpusDataModule(L.LightningDataModule):
                 utts, extraction_settings(self.cfg), self.cfg.cache_root(), self.issues,
                 workers=self.cfg.extract_workers, shard_size=self.cfg.shard_size,
                 progress=self.cfg.progress, description=f"features {split}",
+                verify=self.cfg.verify_cache,
             )  # fmt: skip
             self._splits[split] = (utts, store)
         return self._splits[split]

@@ -84,9 +84,26 @@ def _looks_like_split(folder: Path) -> bool:
     return False
 
 
-def read_transcripts(path: Path, issues: Issues) -> dict[str, str]:
-    """`{utt_id: text}` from one `*.trans.txt`; malformed lines are reported."""
-    out: dict[str, str] = {}
+def _first_word(line: str) -> tuple[str, str]:
+    """`"id rest"` split at the first run of any whitespace (spaces or tabs) -> (id, rest)."""
+    parts = line.split(maxsplit=1)
+    return (parts[0], parts[1] if len(parts) > 1 else "") if parts else ("", "")
+
+
+def _duplicate(path: Path, kind: str, n: int, first: int, utt_id: str) -> DataError:
+    return DataError(
+        path,
+        f"duplicate {kind}",
+        f"line {n} repeats {utt_id} (first on line {first}); which one is right is unknown",
+        utt_id,
+    )
+
+
+def read_transcripts(path: Path, issues: Issues) -> dict[str, str | None]:
+    """`{utt_id: text}` from one `*.trans.txt`; malformed lines are reported, and so is an id on
+    two lines (its value is then None: reported, to be left out)."""
+    out: dict[str, str | None] = {}
+    first_line: dict[str, int] = {}
     try:
         lines = path.read_text(encoding="utf-8").splitlines()
     except (OSError, UnicodeDecodeError) as e:
@@ -95,12 +112,20 @@ def read_transcripts(path: Path, issues: Issues) -> dict[str, str]:
     for n, line in enumerate(lines, 1):
         if not line.strip():
             continue
-        utt_id, _, text = line.strip().partition(" ")
+        utt_id, text = _first_word(line)
         if not UTT_RE.match(utt_id):
             issues.report(
                 DataError(path, "malformed transcript line", f"line {n}: {line[:60]!r}"), "scan"
             )
             continue
+        if utt_id in first_line:
+            if out[utt_id] is not None:  # report each utterance once
+                out[utt_id] = None
+                issues.report(
+                    _duplicate(path, "transcript line", n, first_line[utt_id], utt_id), "scan"
+                )
+            continue
+        first_line[utt_id] = n
         out[utt_id] = text.strip()
     return out
 
@@ -132,10 +157,13 @@ def _scan_chapter(
     chapter = chapter_dir.name
     trans_path = chapter_dir / f"{speaker}-{chapter}.trans.txt"
     audio: dict[str, os.DirEntry] = {}
+    other: dict[str, str] = {}  # utterance id -> name of a file with another extension
     with os.scandir(chapter_dir) as entries:
         for entry in entries:
             if entry.name.endswith(AUDIO_SUFFIX):
                 audio[entry.name[: -len(AUDIO_SUFFIX)]] = entry
+            elif UTT_RE.match(stem := entry.name.partition(".")[0]):
+                other[stem] = entry.name
     transcripts = read_transcripts(trans_path, issues) if trans_path.is_file() else {}
     out = []
     for utt_id in sorted(audio):
@@ -151,6 +179,8 @@ def _scan_chapter(
                 "scan",
             )
             continue
+        if transcripts.get(utt_id, "") is None:
+            continue  # a duplicated transcript line, reported already
         if utt_id not in transcripts:
             where = (
                 f"no line for it in {trans_path.name}"
@@ -178,10 +208,13 @@ def _scan_chapter(
             )  # fmt: skip
         )
     for utt_id in sorted(set(transcripts) - set(audio)):
-        issues.report(
-            DataError(trans_path, "transcript without audio", f"no {utt_id}{AUDIO_SUFFIX}", utt_id),
-            "scan",
-        )
+        detail = f"no {utt_id}{AUDIO_SUFFIX}"
+        if utt_id in other:  # e.g. a .wav: say what was found and why it is not used
+            detail += (
+                f"; found {other[utt_id]}, but only {AUDIO_SUFFIX} files are read "
+                f"(convert it to {AUDIO_SUFFIX})"
+            )
+        issues.report(DataError(trans_path, "transcript without audio", detail, utt_id), "scan")
     return out
 
 
@@ -240,11 +273,22 @@ def read_alignments(
     symbol_id = {s: i for i, s in enumerate(phone_set or [])}
     n_classes = len(phone_set) if phone_set is not None else np.iinfo(np.int16).max
     out: dict[str, np.ndarray] = {}
+    first_line: dict[str, int] = {}
+    duplicated: set[str] = set()
     with open(path, encoding="utf-8") as f:
         for n, line in enumerate(f, 1):
-            utt_id, _, rest = line.strip().partition(" ")
+            utt_id, rest = _first_word(line)  # any whitespace: CPC files use spaces, some tabs
             if not utt_id or (wanted is not None and utt_id not in wanted):
                 continue
+            if utt_id in first_line:  # two label sequences: neither can be trusted
+                if utt_id not in duplicated:
+                    duplicated.add(utt_id)
+                    out.pop(utt_id, None)
+                    issues.report(
+                        _duplicate(path, "alignment", n, first_line[utt_id], utt_id), "labels"
+                    )
+                continue
+            first_line[utt_id] = n
             try:
                 ids = _parse_ints(rest)
             except ValueError:  # symbols rather than class ids (or junk)

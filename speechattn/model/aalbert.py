@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F_
 from torch import Tensor, nn
 
+from speechattn.attention.base import Attention
 from speechattn.data.features import stack_frames
 
 
@@ -365,6 +366,32 @@ class AALBERT(nn.Module):
     @property
     def num_layers(self) -> int:
         return self.config.num_layers
+
+    @property
+    def max_input_frames(self) -> int | None:
+        """Longest input in 10 ms frames: the attention's max_len x stack (None: no limit)."""
+        limits = [m.max_len for m in self.modules() if isinstance(m, Attention) and m.max_len]
+        return min(limits) * self.config.stack if limits else None
+
+    def check_input_frames(self, frames: int, setting: str, uncropped: bool = False) -> None:
+        """Raise ValueError, before any batch runs, when inputs of up to `frames` 10 ms frames
+        (the value of `setting`, or with `uncropped` the longest utterance it lets through)
+        exceed what the attention accepts."""
+        limit = self.max_input_frames
+        if limit is None or frames <= limit:
+            return
+        stack = self.config.stack
+        given = (
+            f"{setting}=null lets a {frames}-frame utterance through"
+            if uncropped
+            else (f"{setting}={frames}")
+        )
+        raise ValueError(
+            f"{given}, more than attention={self.config.attention} accepts: "
+            f"{limit} input frames (max_len {limit // stack} model frames x {stack}); set "
+            f"{setting}<={limit} or, when pretraining, attention.options.max_len>="
+            f"{-(-frames // stack)}"
+        )
 
     def get_num_params(self, include_head: bool = True) -> int:
         """Unique parameters (a shared layer counts once)."""

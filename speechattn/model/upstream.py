@@ -33,13 +33,14 @@ from torch import Tensor, nn
 
 from speechattn.data.features import FeatureConfig, Normalizer, log_mel_batch
 from speechattn.model.aalbert import AALBERT, ModelConfig
+from speechattn.model.serialization import TorchFileError, describe_load_error, load_torch_file
 
 UPSTREAM_FORMAT = "speechattn-upstream"
 UPSTREAM_VERSION = 1
 MEL_FRAME_RATE = 100.0  # 10 ms hop of the data layer's log-mel features
 
 
-class UpstreamFileError(ValueError):
+class UpstreamFileError(TorchFileError):
     """The file is missing, unreadable, corrupt or not a speechattn upstream."""
 
 
@@ -88,8 +89,10 @@ class Upstream(nn.Module):
         normalizer: Normalizer,
         feature_config: dict[str, Any],
         metadata: dict[str, Any],
+        source: str | None = None,
     ) -> None:
         super().__init__()
+        self.source = source  # the file it was loaded from, for error messages
         self.model = model
         self.normalizer = normalizer  # training-split statistics, applied to raw log-mel
         self.register_buffer("mean", normalizer.mean.detach().clone().float())  # (F,)
@@ -174,6 +177,37 @@ class Upstream(nn.Module):
         return self.model.attention_weights(features, lengths, layer, head_mask)
 
 
+class NonFiniteWeightsError(ValueError):
+    """Weights or statistics hold NaN/inf: a diverged run, never written or loaded."""
+
+
+def nonfinite_tensors(tensors: dict[str, Tensor]) -> list[str]:
+    """Names of the floating-point tensors in `tensors` holding any NaN or inf.
+
+    One device sync in total (not one per tensor), so it is cheap enough to run every step.
+    """
+    named = [(k, t) for k, t in tensors.items() if isinstance(t, Tensor) and t.is_floating_point()]
+    if not named:
+        return []
+    finite = torch.stack([torch.isfinite(t).all() for _, t in named])  # (N,) on their device
+    if bool(finite.all()):
+        return []
+    return [k for (k, _), ok in zip(named, finite.tolist()) if not ok]
+
+
+def _check_finite(state: dict[str, Any], where: str) -> None:
+    norm = state["normalizer"] if isinstance(state["normalizer"], dict) else {}
+    bad = nonfinite_tensors(state["state_dict"]) + [
+        f"normalizer.{k}" for k in nonfinite_tensors(norm)
+    ]
+    if bad:
+        raise NonFiniteWeightsError(
+            f"{where}: {len(bad)} tensor(s) hold NaN/inf ({', '.join(bad[:3])}"
+            f"{', ...' if len(bad) > 3 else ''}): the pretraining run diverged, so this "
+            f"upstream is unusable; pretrain again with a smaller model.optimizer.lr"
+        )
+
+
 def upstream_state(
     model: AALBERT,
     normalizer: Normalizer,
@@ -198,8 +232,12 @@ def upstream_state(
 
 
 def save_upstream(path: str | Path, state: dict[str, Any]) -> Path:
-    """Write `state` atomically (temp file + rename): a crash never leaves half a file."""
+    """Write `state` atomically (temp file + rename): a crash never leaves half a file.
+
+    Raises `NonFiniteWeightsError` (nothing written) when a weight or statistic is NaN/inf.
+    """
     path = Path(path)
+    _check_finite(state, f"not writing {path}")
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
@@ -225,17 +263,17 @@ def load_upstream(path: str | Path, map_location: str | torch.device = "cpu") ->
     if not path.is_file():
         raise FileNotFoundError(f"upstream file {path} does not exist")
     try:
-        state = torch.load(path, map_location=map_location, weights_only=True)
-    except Exception as e:  # truncated zip, random bytes, pickled objects we refuse to run
+        state = load_torch_file(path, map_location, "upstream file")
+    except TorchFileError as e:  # truncated zip, random bytes, pickled objects we refuse to run
         hint = ""
         if path.suffix == ".ckpt":
             hint = (
-                " (this looks like a Lightning checkpoint; export it with "
-                "`speechattn.tasks.pretrain.export_upstream(ckpt, out)` or use the run's "
-                "upstream.pt)"
+                " (this looks like a Lightning checkpoint; use the run's upstream.pt, or write "
+                "one with `speechattn.tasks.pretrain.export_upstream(ckpt, out)`)"
             )
         raise UpstreamFileError(
-            f"{path} is not a readable speechattn upstream file{hint}: {type(e).__name__}: {e}"
+            f"{path} is not a readable speechattn upstream file{hint}: "
+            f"{describe_load_error(e.__cause__ or e, path)}"
         ) from e
     if not isinstance(state, dict) or state.get("format") != UPSTREAM_FORMAT:
         found = state.get("format") if isinstance(state, dict) else type(state).__name__
@@ -253,6 +291,7 @@ def load_upstream(path: str | Path, map_location: str | torch.device = "cpu") ->
     )
     if missing:
         raise UpstreamFileError(f"{path} is incomplete: missing {sorted(missing)}")
+    _check_finite(state, str(path))
     try:
         model = AALBERT(ModelConfig(**state["model_config"]))
         model.load_state_dict(state["state_dict"])
@@ -262,5 +301,5 @@ def load_upstream(path: str | Path, map_location: str | torch.device = "cpu") ->
         normalizer = Normalizer.from_state_dict(state["normalizer"])
     except Exception as e:
         raise UpstreamFileError(f"{path}: bad normalizer statistics: {e}") from e
-    upstream = Upstream(model, normalizer, state["feature_config"], state["metadata"])
+    upstream = Upstream(model, normalizer, state["feature_config"], state["metadata"], str(path))
     return upstream.to(map_location).eval()

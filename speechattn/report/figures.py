@@ -12,6 +12,7 @@ matplotlib.use("Agg")  # files only, no display
 import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
 
+from speechattn.model.serialization import load_torch_file  # noqa: E402
 from speechattn.report.results import ResultSet  # noqa: E402
 from speechattn.report.tables import attention_facts  # noqa: E402
 from speechattn.tasks.downstream_result import MEL  # noqa: E402
@@ -67,7 +68,7 @@ def attention_maps(
     from speechattn import load_upstream
 
     upstream = load_upstream(upstream_path).eval()
-    example = torch.load(example_path, map_location="cpu", weights_only=True)
+    example = load_torch_file(example_path, "cpu", "attention-map example")
     features = example["features"][None]  # (1, T, F)
     lengths = torch.tensor([features.size(1)])
     if not 1 <= layer <= upstream.num_layers:

@@ -403,7 +403,9 @@ def fit_probe(
     dev_accuracy = float(checkpoint.best_model_score)
     epochs = int(trainer.current_epoch)
     # trainer.test loads the best checkpoint's weights into `probe`.
-    test_metrics = trainer.test(probe, loaders["test"], ckpt_path=best, verbose=False)
+    test_metrics = trainer.test(
+        probe, loaders["test"], ckpt_path=best, verbose=False, weights_only=True
+    )
     weights = probe.select.weights().tolist() if probe.select.num_layers > 1 else None
     return ProbeFit(
         dev_accuracy=dev_accuracy,
@@ -460,6 +462,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     _require_labels(task, datamodule)
 
     upstream, sha = open_upstream(cfg.upstream, datamodule.feature_dim)
+    _check_input_frames(upstream, datamodule)
     layers = resolve_layers(cfg.layer, upstream.num_layers)
     device = _device(cfg.get("device", "auto"))
     t_features = time.perf_counter()
@@ -571,6 +574,20 @@ def labelled_data_config(task: TaskConfig, data_config: Any) -> Any:
         )
     log.warning("no phone alignments at %s: speaker task without phone labels", path)
     return replace(data_config, alignments=None)
+
+
+def _check_input_frames(upstream: Any, datamodule: Any) -> None:
+    """Fail before extraction when the corpus's (cropped) utterances exceed the upstream's
+    attention limit (synthesizers: max_len model frames)."""
+    model = getattr(upstream, "model", None)
+    if not hasattr(model, "check_input_frames"):
+        return  # mel, or an upstream without a length limit
+    crop = datamodule.cfg.labelled_max_frames
+    if crop is None:  # uncropped: the longest utterance decides
+        lengths = [int(ds.lengths.max()) for ds in datamodule.datasets.values() if len(ds.lengths)]
+        model.check_input_frames(max(lengths, default=0), "data.labelled_max_frames", True)
+    else:
+        model.check_input_frames(crop, "data.labelled_max_frames")
 
 
 def _require_labels(task: TaskConfig, datamodule: Any) -> None:

@@ -588,6 +588,10 @@ class HeadAnalysis:
     runtime_s: dict[str, float]
 
 
+class NonFiniteMetricError(ValueError):
+    """The metric of the unmasked model is NaN/inf."""
+
+
 def analyze_heads(
     objective: Objective, config: HeadsConfig | None = None, progress: bool = False
 ) -> HeadAnalysis:
@@ -598,6 +602,11 @@ def analyze_heads(
     times: dict[str, float] = {}
     t = time.perf_counter()
     base = evaluate(objective)
+    if not math.isfinite(base):  # every importance, ablation and pruning point would be NaN
+        raise NonFiniteMetricError(
+            f"the unmasked model's {objective.metric_name} is {base}: the upstream's hidden "
+            f"states are NaN/inf (a diverged pretraining?), so no head can be scored"
+        )
     importance = head_importance(objective, config.importance.per, progress=progress)
     times["importance"] = time.perf_counter() - t
     t = time.perf_counter()
@@ -632,6 +641,7 @@ __all__ = [
     "Importance",
     "ImportanceConfig",
     "LabelledBatch",
+    "NonFiniteMetricError",
     "MaskedBatch",
     "Objective",
     "PretrainObjective",

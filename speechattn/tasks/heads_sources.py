@@ -25,10 +25,12 @@ import torch
 from torch import nn
 
 from speechattn.model.masking import MaskingConfig
+from speechattn.model.serialization import TorchFileError, describe_load_error, load_torch_file
 from speechattn.tasks.downstream_result import MEL, RESULT_FILE, TASKS, read_result
 from speechattn.tasks.heads import (
     HeadAnalysis,
     HeadsConfig,
+    NonFiniteMetricError,
     Objective,
     PretrainObjective,
     ProbeObjective,
@@ -151,7 +153,13 @@ def load_probe_run(directory: str | Path) -> ProbeRun:
         )
     checkpoint = find_probe_checkpoint(directory, result.best_epoch)
     try:
-        state = torch.load(checkpoint, map_location="cpu", weights_only=True)
+        state = load_torch_file(checkpoint, "cpu")
+    except TorchFileError as e:
+        raise TorchFileError(
+            f"{checkpoint}: not a readable downstream probe checkpoint: "
+            f"{describe_load_error(e.__cause__ or e, checkpoint)}"
+        ) from e
+    try:
         hp = state["hyper_parameters"]
         task = TaskConfig(**hp["task"])
         probe = DownstreamProbe(
@@ -446,7 +454,10 @@ def run_heads(
         prepared.upstream.num_heads,
         prepared.objective.subset(),
     )
-    analysis = analyze_heads(prepared.objective, config.heads, progress=config.progress)
+    try:
+        analysis = analyze_heads(prepared.objective, config.heads, progress=config.progress)
+    except NonFiniteMetricError as e:
+        raise NonFiniteMetricError(f"upstream {prepared.upstream_path}: {e}") from e
     runtime = {"load": round(t_load, 3), **analysis.runtime_s}
     runtime["total"] = round(time.perf_counter() - t0, 3)
     result = result_dict(analysis, prepared, config, runtime)

@@ -30,7 +30,8 @@ from torch.utils.data import Dataset, Sampler
 from speechattn.data.features import Normalizer
 from speechattn.model.aalbert import AALBERT, ModelConfig
 from speechattn.model.masking import MaskingConfig, mask_frames, masked_l1
-from speechattn.model.upstream import save_upstream, upstream_state
+from speechattn.model.serialization import TorchFileError, load_torch_file
+from speechattn.model.upstream import nonfinite_tensors, save_upstream, upstream_state
 
 # ----------------------------------------------------------------------------- config
 
@@ -338,10 +339,49 @@ class PretrainTask(L.LightningModule):
             raise NonFiniteLossError(
                 f"training stopped at step {step}: {self._nonfinite_in_row} non-finite "
                 f"losses/gradients in a row (limit max_nonfinite={self.max_nonfinite}). "
-                f"Try a lower learning rate (model.optimizer.lr={self.optim.lr}), a longer "
-                f"warm-up, gradient clipping (trainer.gradient_clip_val), fp32 instead of "
-                f"mixed precision, or check the features for NaN/inf; resume from the last "
-                f"good checkpoint with ckpt_path=last."
+                f"{self.divergence_advice()}"
+            )
+
+    def optimizer_step(self, *args: Any, **kwargs: Any) -> None:
+        super().optimizer_step(*args, **kwargs)
+        # a finite loss and gradient can still overflow the weights (lr far too high); after
+        # that every later loss is NaN, so stop before a checkpoint or upstream.pt keeps them
+        bad = nonfinite_tensors(dict(self.model.named_parameters()))
+        if bad:
+            raise NonFiniteLossError(
+                f"training diverged at step {self.global_step}: the update made {len(bad)} "
+                f"parameter tensor(s) NaN/inf ({', '.join(bad[:3])}{', ...' if len(bad) > 3 else ''}); "
+                f"no upstream.pt is written. {self.divergence_advice()}"
+            )
+
+    def divergence_advice(self) -> str:
+        """What to change after a divergence: a smaller lr, and resuming only if a checkpoint
+        from before it exists."""
+        lr = self.optim.lr
+        advice = (
+            f"Try a smaller learning rate, e.g. model.optimizer.lr={lr / 10:g} (now {lr:g}), a "
+            f"longer warm-up (model.optimizer.warmup_fraction), gradient clipping "
+            f"(trainer.gradient_clip_val), fp32 instead of mixed precision, or check the "
+            f"features for NaN/inf."
+        )
+        callback = self.trainer.checkpoint_callback if self._trainer is not None else None
+        folder = getattr(callback, "dirpath", None)
+        last = Path(folder) / "last.ckpt" if folder else None
+        if last is not None and last.is_file():
+            advice += (
+                f" The last checkpoint, {last}, resumes with ckpt_path=last, but keeps its saved "
+                f"learning rate: a smaller lr needs a fresh run."
+            )
+        return advice
+
+    def check_converged(self) -> None:
+        """Raise `NonFiniteLossError` when training ended inside a run of skipped non-finite
+        steps: the weights never recovered, whatever the step budget cut short."""
+        if self._nonfinite_in_row:
+            raise NonFiniteLossError(
+                f"training diverged: its last {self._nonfinite_in_row} step(s), up to step "
+                f"{self.global_step}, had non-finite losses/gradients and were skipped; no "
+                f"upstream.pt is written. {self.divergence_advice()}"
             )
 
     def validation_step(self, batch: dict[str, Any], batch_idx: int) -> Tensor:
@@ -418,13 +458,23 @@ class PretrainTask(L.LightningModule):
 
 
 def export_upstream(checkpoint: str | Path, out: str | Path) -> Path:
-    """Write `upstream.pt` from a Lightning checkpoint of a pretraining run (e.g. a periodic one)."""
-    task = PretrainTask.load_from_checkpoint(
-        str(checkpoint), map_location="cpu", weights_only=False
-    )
-    ckpt = torch.load(str(checkpoint), map_location="cpu", weights_only=False)
+    """Write `upstream.pt` from a Lightning checkpoint of a pretraining run (e.g. a periodic one).
+
+    The checkpoint is read with `weights_only=True` (`load_torch_file`): a file holding pickled
+    objects is refused, never executed. Raises `TorchFileError` naming the file when it is
+    unreadable or not a pretraining checkpoint.
+    """
+    ckpt = load_torch_file(checkpoint, "cpu", "pretraining checkpoint")
+    try:
+        task = PretrainTask(**ckpt["hyper_parameters"])
+        task.load_state_dict(ckpt["state_dict"])
+    except Exception as e:  # another module's checkpoint, or missing/mismatched weights
+        raise TorchFileError(
+            f"pretraining checkpoint {checkpoint}: not a checkpoint of `python -m "
+            f"speechattn.pretrain` ({type(e).__name__}: {str(e)[:200]})"
+        ) from e
     task.data_info = ckpt.get("speechattn_data", {})
-    # load_from_checkpoint has no trainer, so global_step comes from the file
+    # a checkpoint has no trainer, so global_step comes from the file
     extra = {"steps": int(ckpt.get("global_step", 0)), "checkpoint": str(checkpoint)}
     return task.export_upstream(out, extra)
 

@@ -28,6 +28,9 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from speechattn.data.cache import file_sha256
+from speechattn.model.serialization import load_torch_file
+
 MEL = "mel"
 CACHE_VERSION = 1
 SPLITS = ("train", "dev", "test")
@@ -57,15 +60,6 @@ class MelUpstream(nn.Module):
 
     def output_lengths(self, lengths: Tensor) -> Tensor:
         return lengths.clone()
-
-
-def file_sha256(path: str | Path, chunk: int = 1 << 20) -> str:
-    """Hex sha256 of a file's bytes."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
 
 
 def open_upstream(spec: str | Path, feature_dim: int) -> tuple[nn.Module, str | None]:
@@ -216,6 +210,10 @@ def tensor_digest(*tensors: Tensor | None) -> str:
     return h.hexdigest()[:16]
 
 
+class NonFiniteFeaturesError(ValueError):
+    """The upstream's hidden states hold NaN/inf: refused rather than probed at chance."""
+
+
 @torch.no_grad()
 def extract_split(
     upstream: nn.Module,
@@ -254,6 +252,14 @@ def extract_split(
             hidden = upstream(x, n)
             out_len = upstream.output_lengths(n).cpu()  # (B,)
             stacked = torch.stack([hidden[i] for i in layers], dim=2).cpu()  # (B, T', N, D)
+            if not bool(torch.isfinite(stacked).all()):  # padding is 0, so only real frames
+                raise NonFiniteFeaturesError(
+                    f"{description}: upstream {getattr(upstream, 'source', None) or upstream} "
+                    f"gives NaN/inf hidden states (layers {list(layers)}) for "
+                    f"{', '.join(batch['utt_ids'][:3])}: its pretraining diverged (or the input "
+                    f"features hold NaN/inf); a probe on them would score chance. Pretrain "
+                    f"again with a smaller model.optimizer.lr"
+                )
             for b, utt in enumerate(batch["utt_ids"]):
                 utt_ids.append(utt)
                 feats.append(stacked[b, : out_len[b]].to(torch.float16))
@@ -300,5 +306,5 @@ def save_split(split: SplitFeatures, path: Path) -> None:
 
 
 def load_split(path: Path) -> SplitFeatures:
-    state = torch.load(path, map_location="cpu", weights_only=True)
+    state = load_torch_file(path, "cpu", "cached downstream features")
     return SplitFeatures(**state)

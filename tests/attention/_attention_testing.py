@@ -49,5 +49,9 @@ def force_path(monkeypatch: pytest.MonkeyPatch, path: str) -> None:
             monkeypatch.setattr(cls, "short_path_max_t", 10**9 if path == "short" else 0)
 
 
-def has_two_kernels(name: str) -> bool:
-    return get(name).short_path_max_t is not None
+def kernels() -> list[tuple[str, str]]:
+    """(variant, "short" | "long") for every kernel of every registered variant."""
+    names = available()
+    return [(n, "short") for n in names] + [
+        (n, "long") for n in names if get(n).short_path_max_t is not None
+    ]

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _attention_testing import DIM, HEADS, SMALL_OPTIONS, batch, force_path, has_two_kernels
+from _attention_testing import DIM, HEADS, SMALL_OPTIONS, batch, force_path, kernels
 
 from speechattn.attention import FusedAttentionPool, available, build, get
 
@@ -44,12 +44,9 @@ def _step(attn, x, pad, w, dtype):
     return y.detach(), xi.grad, grads
 
 
-@pytest.mark.parametrize("path", ["short", "long"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
-@pytest.mark.parametrize("name", NAMES)
-def test_trains_under_autocast_close_to_float32(name, dtype, path, monkeypatch):
-    if path == "long" and not has_two_kernels(name):
-        pytest.skip(f"{name} has a single kernel")
+@pytest.mark.parametrize(("name", "path"), kernels())
+def test_trains_under_autocast_close_to_float32(name, path, dtype, monkeypatch):
     force_path(monkeypatch, path)
     torch.manual_seed(0)
     attn = build(name, DIM, HEADS, **SMALL_OPTIONS.get(name, {}))

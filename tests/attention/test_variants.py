@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _attention_testing import DIM, HEADS, batch, force_path, has_two_kernels, make
+from _attention_testing import DIM, HEADS, batch, force_path, kernels, make
 
 from speechattn.attention import available
 
@@ -16,13 +16,10 @@ def _loss_weights(y: torch.Tensor) -> torch.Tensor:
     return torch.randn(y.shape, generator=torch.Generator().manual_seed(7), dtype=y.dtype)
 
 
-@pytest.mark.parametrize("kernel", ["short", "long"])
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize(("name", "kernel"), kernels())
 def test_efficient_path_equals_dense_reference(name, kernel, monkeypatch):
     """forward and gradients (inputs and parameters) of both paths agree in float64, for each
     kernel of a variant that has a short- and a long-sequence one."""
-    if kernel == "long" and not has_two_kernels(name):
-        pytest.skip(f"{name} has a single kernel")
     force_path(monkeypatch, kernel)
     attn = make(name)
     x, pad = batch(LENGTHS)

@@ -15,7 +15,8 @@ import torch
 import torchaudio.functional as AF
 
 from speechattn.data import DataError, LabelledDataModule, PretrainDataModule
-from speechattn.data.librispeech import find_splits, scan_split
+from speechattn.data.audio import flac_audio_bytes
+from speechattn.data.librispeech import find_splits, read_alignments, scan_split
 
 
 @pytest.fixture
@@ -93,6 +94,22 @@ def _damage(case: str, root: Path) -> tuple[str, str, str]:
             "".join(ln + "\n" for ln in path.read_text().splitlines() if not ln.startswith(utt))
         )
         return utt, align, "missing alignment"
+    if case == "header_only":  # a FLAC cut after its metadata, length field "unknown"
+        data = bytearray(flac.read_bytes())
+        data[8 + 13] &= 0xF0  # STREAMINFO total samples (36 bits) = 0: libsndfile says 2**63-1
+        data[8 + 14 : 8 + 18] = bytes(4)
+        flac.write_bytes(bytes(data[: len(data) - flac_audio_bytes(flac)]))
+        return utt, flac.name, "empty audio"
+    if case == "duplicate_alignment":  # a second line for the same utterance
+        path = root / align
+        line = next(ln for ln in path.read_text().splitlines() if ln.startswith(utt + " "))
+        path.write_text(path.read_text() + line.replace(" 1", " 2") + "\n")
+        return utt, align, "duplicate alignment"
+    if case == "duplicate_transcript":
+        spk, chapter, _ = utt.split("-")
+        trans = root / "synth-clean" / spk / chapter / f"{spk}-{chapter}.trans.txt"
+        trans.write_text(trans.read_text() + f"{utt} SOMETHING ELSE\n")
+        return utt, trans.name, "duplicate transcript line"
     if case == "list_without_audio":
         path = root / "train_split.txt"
         path.write_text(path.read_text() + "1001-10011-0099\n")
@@ -101,7 +118,8 @@ def _damage(case: str, root: Path) -> tuple[str, str, str]:
 
 
 CASES = ["unreadable", "truncated", "empty", "too_short", "wrong_rate", "missing_transcript",
-         "alignment_length", "unknown_symbol", "class_out_of_range", "missing_alignment", "list_without_audio"]  # fmt: skip
+         "alignment_length", "unknown_symbol", "class_out_of_range", "missing_alignment", "list_without_audio",
+         "header_only", "duplicate_alignment", "duplicate_transcript"]  # fmt: skip
 
 
 def _config(base, root, tmp_path, **changes):
@@ -195,4 +213,43 @@ def test_transcript_without_audio_is_reported(corpus):
     with pytest.raises(
         DataError, match=f"transcript without audio.*{utt}|{utt}.*transcript without audio"
     ):
+        scan_split(corpus, "synth-clean")
+
+
+def test_header_only_flac_says_it_has_no_audio(corpus, tmp_path, tiny_data_config):
+    _damage("header_only", corpus)
+    with pytest.raises(DataError, match="no audio frames") as info:
+        LabelledDataModule(_config(tiny_data_config, corpus, tmp_path)).setup("fit")
+    assert "9223372036854775807" not in str(info.value)
+
+
+def test_duplicate_lines_name_file_and_both_lines(corpus):
+    utt, _, _ = _damage("duplicate_alignment", corpus)
+    path = corpus / "converted_aligned_phones.txt"
+    n = len(path.read_text().splitlines())
+    with pytest.raises(DataError, match=f"duplicate alignment.*line {n} repeats {utt}"):
+        read_alignments(path, None)
+    _damage("duplicate_transcript", corpus)
+    with pytest.raises(DataError, match=f"trans.txt \\[{utt}\\]: duplicate transcript line"):
+        scan_split(corpus, "synth-clean")
+
+
+def test_tab_separated_alignments_are_read(corpus, tmp_path, tiny_data_config):
+    reference = read_alignments(corpus / "converted_aligned_phones.txt", None)
+    path = corpus / "converted_aligned_phones.txt"
+    path.write_text(path.read_text().replace(" ", "\t"))
+    assert {u: v.tolist() for u, v in read_alignments(path, None).items()} == {
+        u: v.tolist() for u, v in reference.items()
+    }
+    dm = LabelledDataModule(_config(tiny_data_config, corpus, tmp_path))
+    dm.setup("fit")
+    assert len({u for ds in dm.datasets.values() for u in ds.utt_ids}) == 24
+
+
+def test_audio_in_another_format_is_named(corpus):
+    utt, flac = _victim(corpus)
+    audio, rate = sf.read(str(flac), dtype="float32")
+    sf.write(flac.with_suffix(".wav"), audio, rate)
+    flac.unlink()
+    with pytest.raises(DataError, match=f"transcript without audio.*found {utt}.wav.*only .flac"):
         scan_split(corpus, "synth-clean")

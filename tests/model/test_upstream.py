@@ -158,3 +158,15 @@ def test_samples_per_frame_comes_from_the_feature_hop_and_stacking(saved):
     _, path, _, _ = saved
     up = load_upstream(path)
     assert up.samples_per_frame == 160 * 3 == 480
+@pytest.mark.parametrize("name", ["upstream.pt", "last.ckpt"])
+def test_a_crafted_pickle_is_refused_and_never_runs(saved, tmp_path, crafted_torch_file, name):
+    _, good, _, _ = saved
+    crafted = tmp_path / name
+    marker = crafted_torch_file(crafted, torch.load(good, weights_only=True))
+    with pytest.raises(UpstreamFileError, match="refused to unpickle") as info:
+        load_upstream(crafted)
+    assert not marker.exists()
+    message = str(info.value)
+    assert str(crafted) in message and "weights_only=False" not in message
+    if name.endswith(".ckpt"):  # the suggested export is itself a safe load
+        assert "export_upstream" in message

@@ -318,3 +318,31 @@ def test_cli_needs_a_known_analysis(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as e:
         main(["attention_maps", "upstream=x"])
     assert e.value.code == 2 and "unknown analysis 'attention_maps'" in capsys.readouterr().err
+
+
+def test_crafted_probe_or_upstream_never_runs_code(tmp_path: Path, crafted_torch_file) -> None:
+    """Head analysis reads files we may not have written (a shared run dir): the probe
+    checkpoint and the upstream are refused, naming them, and their pickle never runs."""
+    upstream = make_upstream(tmp_path / "upstream.pt")
+    run_dir = make_downstream_run(tmp_path / "ds", upstream)
+    best = run_dir / "checkpoints" / "best-epoch=0.ckpt"
+    marker = crafted_torch_file(best, torch.load(best, weights_only=True))
+    with pytest.raises(ValueError, match="refused to unpickle") as info:
+        run(compose_analyze(tmp_path / "a", f"downstream={run_dir}"), datamodule=TinyData())
+    assert str(best) in str(info.value) and not marker.exists()
+
+    marker = crafted_torch_file(upstream, torch.load(upstream, weights_only=True))
+    with pytest.raises(ValueError, match="refused to unpickle") as info:
+        run(compose_analyze(tmp_path / "b", f"upstream={upstream}"), datamodule=TinyData())
+    assert str(upstream) in str(info.value) and not marker.exists()
+
+
+def test_upstream_with_nonfinite_hidden_states_is_refused(tmp_path: Path) -> None:
+    upstream = make_upstream(tmp_path / "upstream.pt")
+    state = torch.load(upstream, weights_only=True)
+    state["state_dict"]["embedding.proj.weight"] *= 1e30  # finite weights, overflowing states
+    torch.save(state, upstream)
+    with pytest.raises(ValueError, match="NaN/inf") as info:
+        run(compose_analyze(tmp_path / "a", f"upstream={upstream}"), datamodule=TinyData())
+    assert str(upstream) in str(info.value)
+    assert not (tmp_path / "a" / "heads.json").exists()

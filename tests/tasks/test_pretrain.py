@@ -81,7 +81,7 @@ def test_checkpoint_to_upstream_round_trip_is_exact(tmp_path):
     run(cfg, datamodule=SyntheticPretrainData())
     ckpt = tmp_path / "checkpoints" / "step=0000004.ckpt"
     task = PretrainTask.load_from_checkpoint(
-        str(ckpt), map_location="cpu", weights_only=False
+        str(ckpt), map_location="cpu", weights_only=True
     ).eval()
     out = export_upstream(ckpt, tmp_path / "from_ckpt.pt")
     up = speechattn.load_upstream(out)
@@ -94,7 +94,7 @@ def test_checkpoint_to_upstream_round_trip_is_exact(tmp_path):
         assert torch.equal(a, b)
     # the run's final upstream.pt holds the weights of last.ckpt
     last = PretrainTask.load_from_checkpoint(
-        str(tmp_path / "checkpoints" / "last.ckpt"), map_location="cpu", weights_only=False
+        str(tmp_path / "checkpoints" / "last.ckpt"), map_location="cpu", weights_only=True
     )
     final = speechattn.load_upstream(tmp_path / "upstream.pt")
     for k, v in last.model.state_dict().items():
@@ -169,19 +169,89 @@ def test_nonfinite_loss_is_skipped_with_a_warning(tmp_path, monkeypatch):
 def test_too_many_nonfinite_steps_in_a_row_abort_with_a_clear_message(tmp_path, monkeypatch):
     original = PretrainTask.reconstruction_loss
 
-    def nan_from_step_2(self, batch, generator):
+    def nan_from_step_5(self, batch, generator):
         loss, frames, chosen = original(self, batch, generator)
-        bad = self.training and self.global_step >= 2
+        bad = self.training and self.global_step >= 5
         return (loss * float("inf") if bad else loss), frames, chosen
 
-    monkeypatch.setattr(PretrainTask, "reconstruction_loss", nan_from_step_2)
-    cfg = compose_pretrain(tmp_path, *SYNTH, "max_nonfinite=3")
+    monkeypatch.setattr(PretrainTask, "reconstruction_loss", nan_from_step_5)
+    cfg = compose_pretrain(tmp_path, *SYNTH, "max_nonfinite=3")  # lr 1e-2, checkpoint at step 4
     with (
         pytest.warns(NonFiniteWarning),
         pytest.raises(NonFiniteLossError, match="3 non-finite") as e,
     ):
         run(cfg, datamodule=SyntheticPretrainData())
-    assert "model.optimizer.lr" in str(e.value) and "ckpt_path=last" in str(e.value)
+    assert "model.optimizer.lr=0.001 (now 0.01)" in str(e.value)  # smaller, not the same
+    assert "ckpt_path=last" in str(e.value)  # checkpoints/last.ckpt of step 4 exists
+    assert not (tmp_path / "upstream.pt").exists()
+
+
+@pytest.mark.parametrize("abort_early", [False, True])
+def test_a_diverged_run_fails_and_writes_no_upstream(tmp_path, abort_early):
+    """lr=1e9: the run must not end normally with an upstream.pt whose hidden states are all
+    NaN (it used to: exit 0, val_loss nan). Resuming is suggested only when a checkpoint exists
+    (abort_early: the guard stops at step 2, before the first checkpoint at step 4)."""
+    overrides = ["model.optimizer.lr=1e9", "trainer.max_steps=5"]
+    overrides += ["max_nonfinite=2"] if abort_early else []
+    with pytest.warns(NonFiniteWarning), pytest.raises(NonFiniteLossError) as e:
+        run(compose_pretrain(tmp_path, *SYNTH, *overrides), datamodule=SyntheticPretrainData())
+    message = str(e.value)
+    assert "non-finite" in message and "model.optimizer.lr=1e+08 (now 1e+09)" in message
+    assert not (tmp_path / "upstream.pt").exists()
+    has_checkpoint = (tmp_path / "checkpoints" / "last.ckpt").is_file()
+    assert has_checkpoint != abort_early
+    assert ("ckpt_path=last" in message) == has_checkpoint
+
+
+def test_nonfinite_weights_stop_training_at_once(tmp_path, monkeypatch):
+    """An update that leaves a NaN weight stops the run before any checkpoint keeps it."""
+    original = PretrainTask.optimizer_step
+
+    def poisoned_step_6(self, *args, **kwargs):
+        if self.global_step == 5:  # the sixth update
+            with torch.no_grad():
+                next(self.model.parameters())[0] = float("nan")
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(PretrainTask, "optimizer_step", poisoned_step_6)
+    with pytest.raises(NonFiniteLossError, match="diverged at step 5.*1 parameter tensor") as e:
+        run(compose_pretrain(tmp_path, *SYNTH), datamodule=SyntheticPretrainData())
+    assert "ckpt_path=last" in str(e.value)  # the step-4 checkpoint exists
+    ckpt = torch.load(tmp_path / "checkpoints" / "last.ckpt", weights_only=True)
+    assert ckpt["global_step"] == 4
+    assert all(torch.isfinite(v).all() for v in ckpt["state_dict"].values())
+    assert not (tmp_path / "upstream.pt").exists()
+
+
+def test_nonfinite_final_validation_fails_and_writes_no_upstream(tmp_path, monkeypatch):
+    original = PretrainTask.reconstruction_loss
+
+    def nan_in_validation(self, batch, generator):
+        loss, frames, chosen = original(self, batch, generator)
+        return (loss if self.training else loss * float("nan")), frames, chosen
+
+    monkeypatch.setattr(PretrainTask, "reconstruction_loss", nan_in_validation)
+    with pytest.raises(NonFiniteLossError, match="final validation loss is nan"):
+        run(compose_pretrain(tmp_path, *SYNTH), datamodule=SyntheticPretrainData())
+    assert not (tmp_path / "upstream.pt").exists()
+
+
+def test_nonfinite_upstream_is_never_written_or_loaded(tmp_path):
+    from speechattn.model.upstream import NonFiniteWeightsError
+
+    run(
+        compose_pretrain(tmp_path, *SYNTH, "trainer.max_steps=4"),
+        datamodule=SyntheticPretrainData(),
+    )
+    state = torch.load(tmp_path / "upstream.pt", weights_only=True)
+    name = next(iter(state["state_dict"]))
+    state["state_dict"][name][0] = float("nan")
+    with pytest.raises(NonFiniteWeightsError, match=f"not writing .*nan.pt.*{name}"):
+        speechattn.model.upstream.save_upstream(tmp_path / "nan.pt", state)
+    assert not (tmp_path / "nan.pt").exists()
+    torch.save(state, tmp_path / "nan.pt")  # written by something else
+    with pytest.raises(NonFiniteWeightsError, match=f"nan.pt: 1 tensor.*{name}.*diverged"):
+        speechattn.load_upstream(tmp_path / "nan.pt")
 
 
 def test_step_sampler_is_a_function_of_seed_and_batch_number():
@@ -315,3 +385,58 @@ def test_precision_auto_is_fp32_on_cpu():
     assert resolve_precision("auto", "cpu") == "32-true"
     assert resolve_precision("bf16-mixed", "cpu") == "32-true"
     assert resolve_precision("32-true", "cpu") == "32-true"
+
+
+def test_crafted_checkpoints_never_run_code(tmp_path, crafted_torch_file):
+    """export_upstream and resuming read checkpoints with weights_only=True: a pickle that
+    calls os.system is refused, naming the file, and the command never runs."""
+    from speechattn.model.serialization import TorchFileError
+
+    run(
+        compose_pretrain(tmp_path, *SYNTH, "trainer.max_steps=4"),
+        datamodule=SyntheticPretrainData(),
+    )
+    last = tmp_path / "checkpoints" / "last.ckpt"
+    assert torch.serialization.get_unsafe_globals_in_checkpoint(last) == []  # nothing to allow
+    marker = crafted_torch_file(last, torch.load(last, weights_only=True))
+    with pytest.raises(TorchFileError, match="refused to unpickle") as info:
+        export_upstream(last, tmp_path / "exported.pt")
+    assert str(last) in str(info.value) and not (tmp_path / "exported.pt").exists()
+    with pytest.raises(TorchFileError, match="refused to unpickle") as info:
+        run(
+            compose_pretrain(tmp_path, *SYNTH, "trainer.max_steps=8", "ckpt_path=last"),
+            datamodule=SyntheticPretrainData(),
+        )
+    assert str(last) in str(info.value) and "ckpt_path=" in str(info.value)
+    assert not marker.exists()
+
+
+def test_truncated_last_checkpoint_names_it_and_the_newest_intact_one(tmp_path):
+    from speechattn.model.serialization import TorchFileError
+
+    steps = ("trainer.max_steps=8", "checkpoint.every_n_steps=4")
+    run(compose_pretrain(tmp_path, *SYNTH, *steps), datamodule=SyntheticPretrainData())
+    ckpts = tmp_path / "checkpoints"
+    last, newest = ckpts / "last.ckpt", ckpts / "step=0000008.ckpt"
+    last.write_bytes(last.read_bytes()[:5000])
+    newest.write_bytes(newest.read_bytes()[:100])  # the newest periodic one is damaged too
+    with pytest.raises(TorchFileError) as info:
+        run(
+            compose_pretrain(tmp_path, *SYNTH, "trainer.max_steps=12", "ckpt_path=last"),
+            datamodule=SyntheticPretrainData(),
+        )
+    message = str(info.value)
+    assert str(last) in message and "truncated or corrupt" in message
+    assert f"ckpt_path={ckpts / 'step=0000004.ckpt'}" in message
+
+
+def test_crop_beyond_the_attention_limit_fails_before_training(tmp_path):
+    """syn_random with max_len 100 model frames takes 300 input frames; data.max_frames=1500
+    used to fail at the first long batch."""
+    cfg = compose_pretrain(tmp_path, "attention=syn_random", "attention.options.max_len=100")
+    with pytest.raises(
+        ValueError, match="data.max_frames=1500.*syn_random accepts: 300 input"
+    ) as e:
+        run(cfg, datamodule=SyntheticPretrainData())
+    assert "attention.options.max_len>=500" in str(e.value)
+    assert not (tmp_path / "checkpoints").exists()
