@@ -8,6 +8,8 @@
 - `crafted_torch_file` (function): writes a torch file whose unpickling would run a shell
   command that creates a marker file; tests load it through a code path and check the marker
   never appears (a checkpoint must never run code).
+- `gpu_device` (function): the device of the `gpu` suite (`pytest -m gpu`): CUDA, skipping
+  without it; `SPEECHATTN_GPU_SUITE_DEVICE=cpu` runs the suite on CPU to check the suite itself.
 - `tiny_data_config` (function): `DataConfig` for that corpus -- batch size 4, no workers, no
   progress bars, a session-wide feature cache (features are extracted once per session; keys are
   content hashes, so sharing is safe). Tests may `dataclasses.replace` it; use `tmp_path` as
@@ -119,6 +121,8 @@ def pretrained_tiny_run(
         cfg = compose("pretrain", overrides=overrides)
     run(cfg)
     return out
+
+
 class _RunsShell:
     """Unpickles by calling `os.system(command)`: what a malicious checkpoint would do."""
 
@@ -144,3 +148,14 @@ def crafted_torch_file(tmp_path: Path) -> Callable[..., Path]:
         return marker
 
     return write
+
+
+@pytest.fixture
+def gpu_device() -> torch.device:
+    """CUDA for the `gpu` suite; skips without it, unless SPEECHATTN_GPU_SUITE_DEVICE=cpu asks
+    to run the suite on CPU (slowly: it checks the tests, not the GPU)."""
+    if os.environ.get("SPEECHATTN_GPU_SUITE_DEVICE") == "cpu":
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    return torch.device("cuda")

@@ -225,15 +225,16 @@ def _window(r: Tensor, o: int, s: int, e: int, T: int) -> Tensor:
     return F.pad(w, (0, T - w.shape[1], 0, (e - s) - w.shape[0]))
 
 
-def table_gradient(table: Tensor) -> Tensor:
-    """A zero tensor of table's shape, dtype and device, for its gradient.
+def table_gradient(table: Tensor, T: int) -> Tensor:
+    """A zero tensor of table's shape, dtype and device, for its gradient from T x T windows.
 
-    On CPU it comes from calloc (numpy's zeros), whose pages the OS maps on first write: a
-    step writes only its T x T windows of the (h, l_max, l_max) table, so it pays page
-    faults for those, not a zero-fill of the whole table (measured: 2 ms against 26 ms for
-    12 x 1024 x 1024 float32 with T = 128).
+    On CPU, when the windows cover at most a quarter of the table, it comes from calloc
+    (numpy's zeros), whose pages the OS maps on first write: a step pays page faults for its
+    windows, not a zero-fill of the whole (h, l_max, l_max) table (measured: 2 ms against
+    26 ms for 12 x 1024 x 1024 float32 with T = 128).
     """
-    if table.device.type == "cpu" and table.dtype in _NUMPY_DTYPES:
+    lazy = 4 * T * T <= table.shape[-1] ** 2
+    if lazy and table.device.type == "cpu" and table.dtype in _NUMPY_DTYPES:
         return torch.from_numpy(np.zeros(tuple(table.shape), dtype=_NUMPY_DTYPES[table.dtype]))
     return torch.zeros(table.shape, dtype=table.dtype, device=table.device)
 
@@ -262,11 +263,16 @@ class TableWindows(torch.autograd.Function):
     def backward(ctx, grad: Tensor) -> tuple[Tensor, None, None]:
         table, offsets = ctx.saved_tensors
         n, T = table.shape[-1], grad.shape[-1]
-        g_table = table_gradient(table)
+        g_table = table_gradient(table, T)
+        # On CPU the windows are added by numpy, on one thread: the first write to each page of
+        # the lazily zeroed gradient faults, and faults from two threads at once were 10x
+        # slower than from one (measured: 31 ms against 3 ms for 12 windows of 256 x 256).
+        on_numpy = g_table.device.type == "cpu" and g_table.dtype in _NUMPY_DTYPES
+        dst, src = (g_table.numpy(), grad.numpy()) if on_numpy else (g_table, grad)
         for g, offs in enumerate(offsets.tolist()):
             for i, o in enumerate(offs):
                 c = min(T, n - o)  # rows/columns of the window inside the table
-                g_table[i, o : o + c, o : o + c] += grad[g, i, :c, :c]
+                dst[i, o : o + c, o : o + c] += src[g, i, :c, :c]
         return g_table, None, None
 
 
@@ -337,7 +343,7 @@ class TableAttention(torch.autograd.Function):
         chunk = max(1, _CHUNK // T)
         groups = TableAttention._groups(offsets, B)
         write_once = len(groups) == 1  # each table entry receives one block's gradient
-        g_table = table_gradient(table) if ctx.needs_input_grad[0] else None
+        g_table = table_gradient(table, T) if ctx.needs_input_grad[0] else None
         g_v = torch.zeros_like(v)
         for bs, offs in groups:
             for i, o in enumerate(offs):

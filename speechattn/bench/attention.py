@@ -46,7 +46,6 @@ import ctypes
 import datetime
 import json
 import math
-import os
 import re
 import statistics
 import sys
@@ -64,6 +63,7 @@ from speechattn.bench.common import (
     PRECISIONS,
     autocast,
     default_precision,
+    device_name,
     matmul_peak,
     peak_dtype,
     sync,
@@ -408,25 +408,6 @@ def targets(out: dict) -> list[dict]:
     return checks
 
 
-def device_name(device: torch.device) -> str:
-    """The GPU's name, or the CPU model and core count."""
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    model = next(
-        (ln.split(":", 1)[1].strip() for ln in _read("/proc/cpuinfo").splitlines()
-         if ln.startswith("model name")),
-        "CPU",
-    )  # fmt: skip
-    return f"{model}, {torch.get_num_threads()} threads of {os.cpu_count()} cores"
-
-
-def _read(path: str) -> str:
-    try:
-        return Path(path).read_text()
-    except OSError:
-        return ""
-
-
 # --------------------------------------------------------------------------- output
 def print_table(out: dict) -> None:
     m = out["meta"]
@@ -510,7 +491,7 @@ def plot(out: dict, path: Path) -> None:
     for ax, label in zip(axes, ("forward+backward time (ms)", "peak memory rise (MiB)")):
         ax.set(xscale="log", yscale="log", xlabel="T (frames)", ylabel=label)
         ax.grid(True, which="both", alpha=0.3)
-    axes[1].legend(fontsize=8, ncol=2, loc="upper left")
+    axes[1 if axes[1].lines else 0].legend(fontsize=8, ncol=2, loc="upper left")
     m = out["meta"]
     fig.suptitle(f"attention variants: B={m['batch']}, D={m['dim']}, h={m['heads']}, {m['device']}, "
                  f"{m['threads']} thread(s); {m['timing']}", fontsize=10)  # fmt: skip

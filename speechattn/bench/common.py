@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
@@ -54,3 +56,23 @@ def matmul_peak(
 def peak_dtype(precision: str) -> torch.dtype:
     """The matmul dtype a precision runs its products in."""
     return PRECISIONS[precision] or torch.float32
+
+
+def device_name(device: str | torch.device) -> str:
+    """The GPU's name, or the CPU model and core count."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    model = next(
+        (ln.split(":", 1)[1].strip() for ln in _read("/proc/cpuinfo").splitlines()
+         if ln.startswith("model name")),
+        "CPU",
+    )  # fmt: skip
+    return f"{model}, {torch.get_num_threads()} threads of {os.cpu_count()} cores"
+
+
+def _read(path: str) -> str:
+    try:
+        return Path(path).read_text()
+    except OSError:
+        return ""

@@ -1,19 +1,27 @@
 """Benchmark one pretraining step per attention variant, against a plain reference transformer.
 
     python -m speechattn.bench pretrain [--model aalbert_tiny|aalbert_base] [--batch 4]
-        [--frames 500] [--attention full,ldsa,...] [--repeat 5] [--json out.json]
+        [--frames 500] [--attention full,ldsa,...] [--repeat 5] [--device cpu|cuda]
+        [--precision fp32|bf16|fp16] [--json out.json]
 
 `--clock cpu --threads 1` times CPU time of one thread, which other processes on a shared
-machine cannot inflate. A step is what `PretrainTask.training_step` does: stack frames, span masking, forward, masked
-L1, backward, LAMB update. Each variant is timed in the same process as
+machine cannot inflate. A step is what `PretrainTask.training_step` does: stack frames, span
+masking, forward, masked L1, backward, LAMB update, under autocast for `--precision bf16|fp16`
+(default: bf16 on CUDA, as `trainer=gpu` trains; fp32 on CPU). Each variant is timed in the
+same process as
 
 * `reference`: a hand-written BERT-style AALBERT (explicit softmax(QK^T)V, no SDPA, no
   registry), the same sizes; it shows what the registry/model plumbing costs;
-* the machine's fp32 matmul peak, measured with a large `torch.mm` in the same run.
+* the machine's matmul peak in the precision's dtype, measured with a large `torch.mm` in
+  the same run (before and after the steps; the best is used).
 
-Matmul FLOPs are counted with `torch.utils.flop_counter` (plus the CPU flash-attention kernel,
-which it does not know: 4 B h T S d_k forward, twice that backward), so "% of peak" is
-achieved matmul FLOP/s over the measured peak. `--frames` counts stacked (30 ms) model frames.
+FLOPs are counted as each variant is defined: the `full` model's step is counted with
+`torch.utils.flop_counter` (plus the CPU flash-attention kernel, which it does not know: 4 B h
+T S d_k forward, twice that backward); a variant's step is that count with `full`'s attention
+FLOPs replaced by the variant's own (`Attention.flops`, per layer application). So `bound` =
+flops(full) / flops(variant) is the speed-up the variant would reach at full's FLOP/s,
+`achieved/bound` how much of it it delivers, and MFU is defined FLOP/s over the peak.
+`--frames` counts stacked (30 ms) model frames.
 """
 
 from __future__ import annotations
@@ -33,8 +41,17 @@ from torch import Tensor, nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from speechattn.attention import available
+from speechattn.attention import build as build_attention
 from speechattn.attention.registry import options as attention_options
-from speechattn.bench.common import matmul_peak, sync
+from speechattn.bench.common import (
+    PRECISIONS,
+    autocast,
+    default_precision,
+    device_name,
+    matmul_peak,
+    peak_dtype,
+    sync,
+)
 from speechattn.model.aalbert import (
     AALBERT,
     PRESETS,
@@ -120,16 +137,30 @@ SDPA_CPU = {
 
 
 def make_step(
-    model: nn.Module, batch: dict[str, Tensor], masking: MaskingConfig, lr: float = 1e-3
+    model: nn.Module,
+    batch: dict[str, Tensor],
+    masking: MaskingConfig,
+    lr: float = 1e-3,
+    precision: str = "fp32",
 ) -> Callable[[], float]:
-    """A closure doing one full training step; returns the loss."""
+    """A closure doing one full training step (forward and loss under `precision`'s
+    autocast); returns the loss."""
     from pytorch_optimizer import Lamb
 
     opt = Lamb(model.parameters(), lr=lr)
     g = torch.Generator().manual_seed(0)
     features, lengths = batch["features"], batch["lengths"]
+    device = features.device.type
 
     def step() -> float:
+        with autocast(device, precision):
+            loss = forward_loss()
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        return loss.item()
+
+    def forward_loss() -> Tensor:
         if isinstance(model, AALBERT):
             stacked, slen = model.stack(features, lengths)
             masked = mask_frames(stacked, slen, masking, g)
@@ -141,11 +172,7 @@ def make_step(
             slen = torch.div(lengths + c.stack - 1, c.stack, rounding_mode="floor")
             masked = mask_frames(stacked, slen, masking, g)
             prediction = model(masked.inputs, slen)
-        loss = masked_l1(prediction, stacked, masked.chosen)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-        return loss.item()
+        return masked_l1(prediction.float(), stacked, masked.chosen)
 
     return step
 
@@ -165,6 +192,22 @@ def time_step(
     step()
     sync(device)
     return clock() - t
+
+
+def defined_flops(
+    counted_full: float, name: str, config: ModelConfig, batch: int, frames: int
+) -> float:
+    """A variant's step FLOPs as it is defined: `full`'s counted step with its attention FLOPs
+    (every layer application) replaced by the variant's own."""
+    if name == "reference":
+        return counted_full
+
+    def attention(n: str) -> float:
+        opts = {"max_len": max(1024, frames)} if "max_len" in attention_options(n) else {}
+        module = build_attention(n, config.dim, config.num_heads, **opts)
+        return module.flops(frames).training * batch * config.num_layers
+
+    return counted_full - attention("full") + attention(name)
 
 
 def build(name: str, config: ModelConfig, frames: int, device: str) -> nn.Module:
@@ -194,6 +237,12 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--repeat", type=int, default=5)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--device", default="cpu")
+    p.add_argument(
+        "--precision",
+        choices=sorted(PRECISIONS),
+        default=None,
+        help="autocast dtype of the step (default: bf16 on cuda, fp32 on cpu)",
+    )
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (CPU)")
     p.add_argument(
         "--clock",
@@ -203,7 +252,9 @@ def parse(argv: list[str]) -> argparse.Namespace:
     )
     p.add_argument("--dropout", type=float, default=0.0, help="0 keeps the step matmul-bound")
     p.add_argument("--json", type=Path, default=None, help="also write the results here")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    args.precision = args.precision or default_precision(args.device)
+    return args
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -225,49 +276,68 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.clock == "cpu" and (args.device != "cpu" or torch.get_num_threads() != 1):
         raise SystemExit("--clock cpu needs --device cpu --threads 1 (CPU time of one thread)")
     clock = time.process_time if args.clock == "cpu" else time.perf_counter
-    peak = matmul_peak(device=args.device, clock=clock)
+    dtype = peak_dtype(args.precision)
+    peak = matmul_peak(device=args.device, dtype=dtype, clock=clock)
     print(
-        f"{args.model}, batch {args.batch} x {args.frames} stacked frames, {args.device}, "
-        f"{torch.get_num_threads()} threads, {args.clock} clock; "
-        f"fp32 matmul peak {peak / 1e9:.1f} GFLOP/s"
+        f"{args.model}, batch {args.batch} x {args.frames} stacked frames, {args.device} "
+        f"({device_name(args.device)}), {args.precision}, {torch.get_num_threads()} threads, "
+        f"{args.clock} clock; {str(dtype).removeprefix('torch.')} matmul peak "
+        f"{peak / 1e9:.1f} GFLOP/s"
     )
     # Round-robin timing: every variant gets one step per round, so drifting machine load
     # (shared CPUs) affects all of them alike; the peak is re-measured at the end.
+    counted_full = None
     steps, flops = {}, {}
-    for name in ["reference", *names]:
+    for name in ["reference", "full", *[n for n in names if n != "full"]]:
         model = build(name, config, args.frames, args.device)
-        steps[name] = make_step(model, batch, masking)
-        flops[name] = count_flops(steps[name])
+        steps[name] = make_step(model, batch, masking, precision=args.precision)
+        if name == "full":
+            counted_full = count_flops(steps[name])
         for _ in range(args.warmup):
             steps[name]()
+    if "full" not in names:
+        del steps["full"]
+    for name in steps:
+        flops[name] = defined_flops(counted_full, name, config, args.batch, args.frames)
+    flops["reference"] = count_flops(steps["reference"])
     times: dict[str, list[float]] = {name: [] for name in steps}
     for _ in range(args.repeat):
         for name, step in steps.items():
             times[name].append(time_step(step, args.device, clock))
-    peak = max(peak, matmul_peak(device=args.device, clock=clock))
+    peak = max(peak, matmul_peak(device=args.device, dtype=dtype, clock=clock))
     print(f"  (peak re-measured after the steps: {peak / 1e9:.1f} GFLOP/s, the best is used)")
     rows = []
+    full_flops = defined_flops(counted_full, "full", config, args.batch, args.frames)
     for name in steps:
         seconds = statistics.median(times[name])
         rows.append({"attention": name, "step_s": seconds, "gflop": flops[name] / 1e9,
-                     "gflops": flops[name] / seconds / 1e9, "of_peak": flops[name] / seconds / peak})  # fmt: skip
+                     "gflops": flops[name] / seconds / 1e9, "of_peak": flops[name] / seconds / peak,
+                     "flop_bound": None if name == "reference" else full_flops / flops[name]})  # fmt: skip
         r = rows[-1]
         print(
             f"  {name:15s} {seconds * 1e3:9.1f} ms  {r['gflop']:8.2f} GFLOP  "
-            f"{r['gflops']:7.1f} GFLOP/s  {100 * r['of_peak']:5.1f} % of peak"
+            f"{r['gflops']:7.1f} GFLOP/s  MFU {100 * r['of_peak']:5.1f} %"
         )
     full = next((r for r in rows if r["attention"] == "full"), None)
     if full:
-        print("step time relative to full:")
+        print("step time relative to full, speed-up FLOP bound, achieved / bound:")
         for r in rows:
             r["vs_full"] = r["step_s"] / full["step_s"]
-            print(f"  {r['attention']:15s} {r['vs_full']:.2f}x")
+            line = f"  {r['attention']:15s} {r['vs_full']:.2f}x"
+            if r["flop_bound"] is not None:  # the reference counts its own FLOPs
+                r["achieved_of_bound"] = 1 / r["vs_full"] / r["flop_bound"]
+                line += (
+                    f"  bound {r['flop_bound']:.2f}  achieved/bound {r['achieved_of_bound']:.2f}"
+                )
+            print(line)
     result = {
         "benchmark": "pretrain_step",
         "model": args.model,
         "batch": args.batch,
         "frames": args.frames,
         "device": args.device,
+        "device_name": device_name(args.device),
+        "precision": args.precision,
         "threads": torch.get_num_threads(),
         "clock": args.clock,
         "peak_gflops": peak / 1e9,

@@ -55,3 +55,14 @@ def kernels() -> list[tuple[str, str]]:
     return [(n, "short") for n in names] + [
         (n, "long") for n in names if get(n).short_path_max_t is not None
     ]
+
+
+def rel_error(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Relative Frobenius error of a against the reference b, in float32."""
+    a, b = a.detach().float(), b.detach().float()
+    return float((a - b).norm() / b.norm().clamp_min(1e-12))
+
+
+# Stated tolerances of half-precision autocast against float32 (see test_precision.py).
+OUTPUT_TOLERANCE = {torch.bfloat16: 1e-2, torch.float16: 2e-3}
+GRAD_TOLERANCE = {torch.bfloat16: 8e-2, torch.float16: 3e-3}

@@ -17,20 +17,24 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _attention_testing import DIM, HEADS, SMALL_OPTIONS, batch, force_path, kernels
+from _attention_testing import (
+    DIM,
+    GRAD_TOLERANCE,
+    HEADS,
+    OUTPUT_TOLERANCE,
+    SMALL_OPTIONS,
+    batch,
+    force_path,
+    kernels,
+    rel_error,
+)
 
 from speechattn.attention import FusedAttentionPool, available, build, get
 
 NAMES = available()
-TOLERANCE = {torch.bfloat16: 1e-2, torch.float16: 2e-3}  # outputs
-GRAD_TOLERANCE = {torch.bfloat16: 8e-2, torch.float16: 3e-3}
+TOLERANCE = OUTPUT_TOLERANCE
 DTYPES = list(TOLERANCE)
 LENGTHS = [20, 13, 1]
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.detach().float(), b.detach().float()
-    return float((a - b).norm() / b.norm().clamp_min(1e-12))
 
 
 def _step(attn, x, pad, w, dtype):
@@ -62,12 +66,12 @@ def test_trains_under_autocast_close_to_float32(name, path, dtype, monkeypatch):
     y32, gx32, gp32 = _step(attn, x, pad, w, None)
     y, gx, gp = _step(attn, x, pad, w, dtype)
     assert y.dtype == dtype and torch.isfinite(y).all() and (y[pad] == 0).all()
-    assert _rel(y, y32) < TOLERANCE[dtype]
-    assert _rel(gx, gx32) < GRAD_TOLERANCE[dtype]
+    assert rel_error(y, y32) < TOLERANCE[dtype]
+    assert rel_error(gx, gx32) < GRAD_TOLERANCE[dtype]
     assert gp.keys() == gp32.keys() and gp
     for n in gp:
         assert torch.isfinite(gp[n]).all() and gp[n].dtype == gp32[n].dtype, n
-        assert _rel(gp[n], gp32[n]) < GRAD_TOLERANCE[dtype], n
+        assert rel_error(gp[n], gp32[n]) < GRAD_TOLERANCE[dtype], n
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
@@ -111,5 +115,5 @@ def test_fused_attention_pool_under_autocast(dtype):
         y, alpha = pool(xi, pad, need_weights=True)
     y.float().sum().backward()
     assert torch.isfinite(xi.grad).all() and pool.f_q.weight.grad is not None
-    assert _rel(y, ref) < TOLERANCE[dtype] and _rel(alpha, alpha_ref) < TOLERANCE[dtype]
+    assert rel_error(y, ref) < TOLERANCE[dtype] and rel_error(alpha, alpha_ref) < TOLERANCE[dtype]
     assert (alpha[pad] == 0).all()

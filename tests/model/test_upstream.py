@@ -158,6 +158,8 @@ def test_samples_per_frame_comes_from_the_feature_hop_and_stacking(saved):
     _, path, _, _ = saved
     up = load_upstream(path)
     assert up.samples_per_frame == 160 * 3 == 480
+
+
 @pytest.mark.parametrize("name", ["upstream.pt", "last.ckpt"])
 def test_a_crafted_pickle_is_refused_and_never_runs(saved, tmp_path, crafted_torch_file, name):
     _, good, _, _ = saved
