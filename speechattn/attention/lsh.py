@@ -405,7 +405,8 @@ class _LSHAttention(Attention):
         T = q.shape[-2]
         bias = torch.full(q.shape[:-1] + (T,), float("-inf"), dtype=q.dtype, device=q.device)
         bias.scatter_(-1, idx, 0.0)  # (B, h, T, T)
-        bias.masked_fill_(~key_mask(valid)[:, None, None, :], float("-inf"))
+        if not bool(valid.all()):  # selected padded keys (rows with fewer than k valid ones)
+            bias.masked_fill_(~key_mask(valid)[:, None, None, :], float("-inf"))
         bias.diagonal(dim1=-2, dim2=-1).add_(SELF_PENALTY)
         p = self.dropout if self.training else 0.0
         return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=p)
