@@ -352,3 +352,24 @@ def test_sparse_topk_attention_gradcheck():
     assert torch.autograd.gradcheck(
         lambda *t: lsh.SparseTopkAttention.apply(*t, idx, allowed, 0.5), (q, k, v)
     )
+
+
+@pytest.mark.parametrize("name", ["syn_random", "syn_fixed"])
+@pytest.mark.parametrize("max_len", [20, 24, 80])  # windows cover all, most, a sixteenth
+def test_table_kernel_gradient_whatever_the_window_covers(name, max_len, monkeypatch):
+    """The long-sequence table kernel writes the logits' gradient into a zero-filled table
+    when the T x T windows cover most of it and into a lazily zeroed one otherwise: both
+    equal the dense reference's gradient, zeros included."""
+    monkeypatch.setattr(type(make(name)), "short_path_max_t", 0)
+    torch.manual_seed(0)
+    attn = build(name, DIM, HEADS, max_len=max_len).double()
+    x, _ = batch([20, 20])
+    w = torch.randn(x.shape, generator=torch.Generator().manual_seed(2), dtype=x.dtype)
+    grads = []
+    for dense in (False, True):
+        attn.zero_grad()
+        y = attn.dense_reference(x)[0] if dense else attn(x)
+        (y * w).sum().backward()
+        grads.append(attn.logits.grad.clone())
+    torch.testing.assert_close(grads[0], grads[1], rtol=1e-10, atol=1e-12)
+    assert (grads[0][:, 20:] == 0).all() and (grads[0][:, :, 20:] == 0).all()
