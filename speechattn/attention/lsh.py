@@ -24,8 +24,9 @@ simple_lsh give identical codes, as do Sign-ALSH with and without QNF (tested; t
 differ only under an L2 / E2LSH hash, which is not implemented).
 
 Cost: hashing O(T K D); matching O(T^2 K h) as one matmul of +-1 codes plus an exact
-group-pruned top-k, chunked over queries so memory stays O(chunk T); attention on the
-selected keys O(T k D) as sparse (CSR) products.
+group-pruned top-k, chunked over queries so memory stays O(chunk T); attention on the selected
+keys: up to `short_path_max_t` frames one all-pairs SDPA call masked to them, above that
+O(T k D) as sparse (CSR) products (float32 under autocast).
 """
 
 from __future__ import annotations
