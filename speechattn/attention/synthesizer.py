@@ -234,12 +234,17 @@ def table_gradient(table: Tensor, T: int) -> Tensor:
     26 ms for 12 x 1024 x 1024 float32 with T = 128).
     """
     lazy = 4 * T * T <= table.shape[-1] ** 2
-    if lazy and table.device.type == "cpu" and table.dtype in _NUMPY_DTYPES:
+    if lazy and _numpy_backed(table):
         return torch.from_numpy(np.zeros(tuple(table.shape), dtype=_NUMPY_DTYPES[table.dtype]))
     return torch.zeros(table.shape, dtype=table.dtype, device=table.device)
 
 
 _NUMPY_DTYPES = {torch.float32: np.float32, torch.float64: np.float64}
+
+
+def _numpy_backed(t: Tensor) -> bool:
+    """Whether t can be shared with numpy (CPU, a dtype numpy has)."""
+    return t.device.type == "cpu" and t.dtype in _NUMPY_DTYPES
 
 
 class TableWindows(torch.autograd.Function):
@@ -267,8 +272,7 @@ class TableWindows(torch.autograd.Function):
         # On CPU the windows are added by numpy, on one thread: the first write to each page of
         # the lazily zeroed gradient faults, and faults from two threads at once were 10x
         # slower than from one (measured: 31 ms against 3 ms for 12 windows of 256 x 256).
-        on_numpy = g_table.device.type == "cpu" and g_table.dtype in _NUMPY_DTYPES
-        dst, src = (g_table.numpy(), grad.numpy()) if on_numpy else (g_table, grad)
+        dst, src = (g_table.numpy(), grad.numpy()) if _numpy_backed(g_table) else (g_table, grad)
         for g, offs in enumerate(offsets.tolist()):
             for i, o in enumerate(offs):
                 c = min(T, n - o)  # rows/columns of the window inside the table

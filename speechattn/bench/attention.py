@@ -60,7 +60,7 @@ from torch import Tensor, nn
 from speechattn.attention import Attention, available, build, registry
 from speechattn.attention.base import linear_flops
 from speechattn.bench.common import (
-    PRECISIONS,
+    add_precision_argument,
     autocast,
     default_precision,
     device_name,
@@ -401,10 +401,11 @@ def targets(out: dict) -> list[dict]:
                     add(f"{n} at T={T}: >= {BOUND_SHARE:.0%} of its FLOP-bound speed-up",
                         share, share >= BOUND_SHARE)  # fmt: skip
     full = v["full"]["time_ms"]
-    for T, t in b.get("sdpa_mha", {}).get("time_ms", {}).items():
-        if T == max(full) and T in full:
-            r = full[T] / t
-            add(f"full within 10% of bare SDPA MHA at T={T} (time ratio)", r, r <= 1.10)
+    bare = b.get("sdpa_mha", {}).get("time_ms", {})
+    if full and max(full) in bare:
+        T = max(full)
+        r = full[T] / bare[T]
+        add(f"full within 10% of bare SDPA MHA at T={T} (time ratio)", r, r <= 1.10)
     return checks
 
 
@@ -510,12 +511,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--json", type=Path, default=None, help="write results here")
     p.add_argument("--png", type=Path, default=None, help="log-log plot (default: next to --json)")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    p.add_argument(
-        "--precision",
-        choices=sorted(PRECISIONS),
-        default=None,
-        help="autocast dtype (default: bf16 on cuda, fp32 on cpu)",
-    )
+    add_precision_argument(p)
     p.add_argument("--lengths", type=int, nargs="+", default=None)
     p.add_argument("--variants", nargs="+", default=None, help="default: all registered")
     p.add_argument(

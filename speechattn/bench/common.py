@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import math
 import os
@@ -17,6 +18,16 @@ PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 def default_precision(device: str) -> str:
     """bf16 autocast on CUDA (how the study trains there), plain fp32 on CPU (its fast dtype)."""
     return "bf16" if device.startswith("cuda") else "fp32"
+
+
+def add_precision_argument(parser: argparse.ArgumentParser) -> None:
+    """`--precision fp32|bf16|fp16`; None until resolved with `default_precision`."""
+    parser.add_argument(
+        "--precision",
+        choices=sorted(PRECISIONS),
+        default=None,
+        help="autocast dtype (default: bf16 on cuda, fp32 on cpu)",
+    )
 
 
 def autocast(device: str, precision: str) -> contextlib.AbstractContextManager:

@@ -44,7 +44,7 @@ from speechattn.attention import available
 from speechattn.attention import build as build_attention
 from speechattn.attention.registry import options as attention_options
 from speechattn.bench.common import (
-    PRECISIONS,
+    add_precision_argument,
     autocast,
     default_precision,
     device_name,
@@ -194,20 +194,11 @@ def time_step(
     return clock() - t
 
 
-def defined_flops(
-    counted_full: float, name: str, config: ModelConfig, batch: int, frames: int
-) -> float:
-    """A variant's step FLOPs as it is defined: `full`'s counted step with its attention FLOPs
-    (every layer application) replaced by the variant's own."""
-    if name == "reference":
-        return counted_full
-
-    def attention(n: str) -> float:
-        opts = {"max_len": max(1024, frames)} if "max_len" in attention_options(n) else {}
-        module = build_attention(n, config.dim, config.num_heads, **opts)
-        return module.flops(frames).training * batch * config.num_layers
-
-    return counted_full - attention("full") + attention(name)
+def attention_flops(name: str, config: ModelConfig, batch: int, frames: int) -> float:
+    """Training FLOPs of variant `name`'s attention in one step, every layer application."""
+    opts = {"max_len": max(1024, frames)} if "max_len" in attention_options(name) else {}
+    module = build_attention(name, config.dim, config.num_heads, **opts)
+    return module.flops(frames).training * batch * config.num_layers
 
 
 def build(name: str, config: ModelConfig, frames: int, device: str) -> nn.Module:
@@ -237,12 +228,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--repeat", type=int, default=5)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--device", default="cpu")
-    p.add_argument(
-        "--precision",
-        choices=sorted(PRECISIONS),
-        default=None,
-        help="autocast dtype of the step (default: bf16 on cuda, fp32 on cpu)",
-    )
+    add_precision_argument(p)
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (CPU)")
     p.add_argument(
         "--clock",
@@ -297,8 +283,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             steps[name]()
     if "full" not in names:
         del steps["full"]
+    # a variant's step as it is defined: full's counted step with full's attention swapped out
+    full_attention = attention_flops("full", config, args.batch, args.frames)
     for name in steps:
-        flops[name] = defined_flops(counted_full, name, config, args.batch, args.frames)
+        if name != "reference":
+            flops[name] = (
+                counted_full
+                - full_attention
+                + attention_flops(name, config, args.batch, args.frames)
+            )
     flops["reference"] = count_flops(steps["reference"])
     times: dict[str, list[float]] = {name: [] for name in steps}
     for _ in range(args.repeat):
@@ -307,12 +300,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     peak = max(peak, matmul_peak(device=args.device, dtype=dtype, clock=clock))
     print(f"  (peak re-measured after the steps: {peak / 1e9:.1f} GFLOP/s, the best is used)")
     rows = []
-    full_flops = defined_flops(counted_full, "full", config, args.batch, args.frames)
     for name in steps:
         seconds = statistics.median(times[name])
         rows.append({"attention": name, "step_s": seconds, "gflop": flops[name] / 1e9,
                      "gflops": flops[name] / seconds / 1e9, "of_peak": flops[name] / seconds / peak,
-                     "flop_bound": None if name == "reference" else full_flops / flops[name]})  # fmt: skip
+                     "flop_bound": None if name == "reference" else counted_full / flops[name]})  # fmt: skip
         r = rows[-1]
         print(
             f"  {name:15s} {seconds * 1e3:9.1f} ms  {r['gflop']:8.2f} GFLOP  "

@@ -66,3 +66,36 @@ def rel_error(a: torch.Tensor, b: torch.Tensor) -> float:
 # Stated tolerances of half-precision autocast against float32 (see test_precision.py).
 OUTPUT_TOLERANCE = {torch.bfloat16: 1e-2, torch.float16: 2e-3}
 GRAD_TOLERANCE = {torch.bfloat16: 8e-2, torch.float16: 3e-3}
+
+
+def train_pass(attn: Attention, x, pad, w, dtype: torch.dtype | None = None, dense: bool = False):
+    """One forward + backward of sum(y * w), under autocast to `dtype` (None: none), through
+    the efficient path or the dense reference. Returns (y, dL/dx, {parameter: gradient})."""
+    attn.zero_grad()
+    xi = x.clone().requires_grad_(True)
+    with torch.autocast(x.device.type, dtype=dtype or torch.bfloat16, enabled=dtype is not None):
+        y = attn.dense_reference(xi, pad)[0] if dense else attn(xi, pad)
+    (y.float() * w).sum().backward()
+    grads = {n: p.grad.clone() for n, p in attn.named_parameters() if p.grad is not None}
+    return y.detach(), xi.grad, grads
+
+
+def hold_selection(attn: Attention, monkeypatch: pytest.MonkeyPatch) -> None:
+    """LSH variants: the first top-k `select` computes serves every later call and the dense
+    reference's selection, so passes in other dtypes differ in their kernels only (a sign bit
+    of a half-precision query may flip, which changes the keys, not the kernels' accuracy)."""
+    if not hasattr(attn, "select"):
+        return
+    chosen = {}
+    select = attn.select
+
+    def held(q, k, valid):
+        return chosen.setdefault("idx", select(q, k, valid))
+
+    def held_dense(q, k, valid):
+        T = q.shape[-2]
+        mask = torch.zeros(q.shape[:-1] + (T,), dtype=torch.bool, device=q.device)
+        return mask.scatter(-1, held(q, k, valid), True)
+
+    monkeypatch.setattr(attn, "select", held)
+    monkeypatch.setattr(attn, "selection_dense", held_dense)

@@ -6,25 +6,20 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _attention_testing import GRAD_TOLERANCE, OUTPUT_TOLERANCE, force_path, kernels, rel_error
+from _attention_testing import (
+    GRAD_TOLERANCE,
+    OUTPUT_TOLERANCE,
+    force_path,
+    hold_selection,
+    kernels,
+    rel_error,
+    train_pass,
+)
 
 from speechattn.attention import build, registry
 
 pytestmark = pytest.mark.gpu
 DIM, HEADS, LENGTHS = 256, 4, [300, 181]
-
-
-def _pass(attn, x, pad, w, dense: bool):
-    attn.zero_grad()
-    xi = x.clone().requires_grad_(True)
-    if dense:
-        y = attn.dense_reference(xi, pad)[0]
-    else:
-        with torch.autocast(x.device.type, dtype=torch.bfloat16):
-            y = attn(xi, pad)
-    (y.float() * w).sum().backward()
-    grads = {n: p.grad.float().clone() for n, p in attn.named_parameters() if p.grad is not None}
-    return y.detach(), xi.grad, grads
 
 
 @pytest.mark.parametrize(("name", "kernel"), kernels())
@@ -37,18 +32,9 @@ def test_bf16_kernel_matches_float32_dense_reference(name, kernel, gpu_device, m
     x = torch.randn(len(LENGTHS), max(LENGTHS), DIM, generator=g).to(gpu_device)
     pad = (torch.arange(max(LENGTHS))[None] >= torch.tensor(LENGTHS)[:, None]).to(gpu_device)
     w = torch.randn(x.shape, generator=g).to(gpu_device)
-    if hasattr(attn, "select"):  # the reference uses the keys the bf16 run selected
-        chosen = {}
-        select = attn.select
-        monkeypatch.setattr(attn, "select", lambda q, k, v: chosen.setdefault("i", select(q, k, v)))
-        monkeypatch.setattr(
-            attn,
-            "selection_dense",
-            lambda q, k, v: torch.zeros(q.shape[:-1] + (q.shape[-2],), dtype=torch.bool,
-                                        device=q.device).scatter(-1, chosen["i"], True),
-        )  # fmt: skip
-    y, gx, gp = _pass(attn, x, pad, w, dense=False)
-    y_ref, gx_ref, gp_ref = _pass(attn, x, pad, w, dense=True)
+    hold_selection(attn, monkeypatch)  # the reference uses the bf16 run's keys
+    y, gx, gp = train_pass(attn, x, pad, w, torch.bfloat16)
+    y_ref, gx_ref, gp_ref = train_pass(attn, x, pad, w, dense=True)
     assert y.dtype == torch.bfloat16 and (y[pad] == 0).all()
     assert rel_error(y, y_ref) < OUTPUT_TOLERANCE[torch.bfloat16]
     assert rel_error(gx, gx_ref) < GRAD_TOLERANCE[torch.bfloat16]

@@ -25,8 +25,10 @@ from _attention_testing import (
     SMALL_OPTIONS,
     batch,
     force_path,
+    hold_selection,
     kernels,
     rel_error,
+    train_pass,
 )
 
 from speechattn.attention import FusedAttentionPool, available, build, get
@@ -37,34 +39,18 @@ DTYPES = list(TOLERANCE)
 LENGTHS = [20, 13, 1]
 
 
-def _step(attn, x, pad, w, dtype):
-    """One forward + backward, under autocast to `dtype` (None: float32)."""
-    attn.zero_grad()
-    xi = x.clone().requires_grad_(True)
-    with torch.autocast("cpu", dtype=dtype or torch.bfloat16, enabled=dtype is not None):
-        y = attn(xi, pad)
-    (y.float() * w).sum().backward()
-    grads = {n: p.grad.clone() for n, p in attn.named_parameters() if p.grad is not None}
-    return y.detach(), xi.grad, grads
-
-
 @pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
 @pytest.mark.parametrize(("name", "path"), kernels())
 def test_trains_under_autocast_close_to_float32(name, path, dtype, monkeypatch):
     force_path(monkeypatch, path)
     torch.manual_seed(0)
     attn = build(name, DIM, HEADS, **SMALL_OPTIONS.get(name, {}))
-    if hasattr(attn, "select"):  # hold the float32 top-k fixed (module docstring)
-        chosen = {}
-        select = attn.select
-        monkeypatch.setattr(
-            attn, "select", lambda q, k, v: chosen.setdefault("idx", select(q, k, v))
-        )
+    hold_selection(attn, monkeypatch)  # the float32 top-k (module docstring)
     x, pad = batch(LENGTHS)
     x = x.float()
     w = torch.randn(x.shape, generator=torch.Generator().manual_seed(5))
-    y32, gx32, gp32 = _step(attn, x, pad, w, None)
-    y, gx, gp = _step(attn, x, pad, w, dtype)
+    y32, gx32, gp32 = train_pass(attn, x, pad, w)
+    y, gx, gp = train_pass(attn, x, pad, w, dtype)
     assert y.dtype == dtype and torch.isfinite(y).all() and (y[pad] == 0).all()
     assert rel_error(y, y32) < TOLERANCE[dtype]
     assert rel_error(gx, gx32) < GRAD_TOLERANCE[dtype]
