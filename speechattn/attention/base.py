@@ -76,6 +76,9 @@ class AttentionConfig:
     num_heads: int  # h; D must be divisible by h
     dropout: float = 0.0  # dropout on attention probabilities (training only)
     bias: bool = True  # biases in the input/output projections
+    # Depth of this module in the encoder (0 for a layer shared across depths), set by the
+    # model; variants with fixed random parameters (LSH projections) derive their seed from it.
+    layer: int = 0
 
     def __post_init__(self) -> None:
         if self.dim <= 0 or self.num_heads <= 0:
@@ -84,6 +87,8 @@ class AttentionConfig:
             )
         if self.dim % self.num_heads:
             raise ValueError(f"dim={self.dim} is not divisible by num_heads={self.num_heads}")
+        if self.layer < 0:
+            raise ValueError(f"layer must be >= 0, got {self.layer}")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
 

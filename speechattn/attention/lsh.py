@@ -14,10 +14,13 @@ Common scheme (the study, section 2.2): one shared projection gives q = k (share
 projections; keys are *not* normalised since the MIPS transforms need their norms) and v.
 Per sequence and head, M = max ||k_j|| over valid keys. Keys are transformed with P, queries
 with Q, hashed by K sign random projections (one fixed seeded matrix per module, a registered
-buffer, identical at train and inference). match_ij = number of equal bits. Each query keeps
-its top-k keys by match; ties go to the nearer key, then the earlier one (deterministic). The
-softmax runs over those k only, on the shared-QK scores q_i k_j / sqrt(d_k) with the self
-penalty of `shared_qk` (-5e4). With fewer than k valid keys a query attends to all of them.
+buffer, identical at train and inference, seeded from the `seed` option and the layer index so
+that unshared layers hash differently). match_ij = number of equal bits. Each query keeps its
+top-k other keys by match; ties go to the nearer key, then the earlier one (deterministic). The
+softmax runs over those k only, on the shared-QK scores q_i k_j / sqrt(d_k). As in `shared_qk`,
+a query attends to itself only when it has no other valid key: it is ranked below every other
+valid key and its score carries the -5e4 self penalty, so a query with n valid keys gives
+nonzero weight to exactly min(k, n - 1) of them (to itself when n = 1).
 
 Under sign projections the bits are invariant to positive scaling, so xbox, xbox_qnf and
 simple_lsh give identical codes, as do Sign-ALSH with and without QNF (tested; they would
@@ -38,6 +41,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import ClassVar
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -124,23 +128,21 @@ def sign_codes(z: Tensor, projection: Tensor) -> Tensor:
     return (z @ projection.to(z.dtype)) > 0
 
 
-def tie_break(rows: Tensor, T: int) -> Tensor:
-    """(R, T) values in (0, 1]: larger for nearer keys, then for the earlier of two equidistant."""
-    j = torch.arange(T, device=rows.device)[None, :]
-    rank = 2 * (rows[:, None] - j).abs() + (j > rows[:, None]).long()  # unique per row
-    return 1 - rank.float() / (2 * T)
-
-
-def _tie_break_vector(T: int, Tp: int, dtype: torch.dtype, device: torch.device) -> Tensor:
-    """w[u] = 2 Tp - rank of the offset j - i = u - (T - 1), u in [0, T + Tp - 1): integers in
-    [1, 2 Tp], larger for nearer keys, then for the earlier of two equidistant ones."""
+def _offset_scores(
+    T: int, Tp: int, self_penalty: int, dtype: torch.dtype, device: torch.device
+) -> Tensor:
+    """w[u] for the offset j - i = u - (T - 1), u in [0, T + Tp - 1): 2 Tp - rank, integers in
+    [1, 2 Tp - 1] larger for nearer keys, then for the earlier of two equidistant ones; the
+    self offset 0 gets 2 Tp - self_penalty, which no other offset's score can equal."""
     off = torch.arange(-(T - 1), Tp, device=device)
     rank = 2 * off.abs() + (off > 0).long()
-    return (2 * Tp - rank).to(dtype).contiguous()
+    w = 2 * Tp - rank
+    w[T - 1] -= self_penalty
+    return w.to(dtype).contiguous()
 
 
-def _tie_break_chunk(w: Tensor, T: int, s: int, e: int, S: int, G: int) -> Tensor:
-    """tie_break(rows s..e-1, S G) with keys in grouped order p = r G + g <-> j = g S + r.
+def _offset_chunk(w: Tensor, T: int, s: int, e: int, S: int, G: int) -> Tensor:
+    """w at the offsets of rows s..e-1, keys in grouped order p = r G + g <-> j = g S + r.
 
     A strided view of w read bottom-up (strides must be positive), then flipped: (C, S G).
     """
@@ -156,12 +158,13 @@ def _group_size(T: int, k: int) -> int:
 
 
 def topk_by_match(cq: Tensor, ck: Tensor, kv: Tensor, k: int) -> Tensor:
-    """Top-k keys per query by number of equal bits, ties to nearer then earlier keys.
+    """Top-k keys per query by number of equal bits, ties to nearer then earlier keys; the
+    query's own key ranks below every other allowed key and above the disallowed ones.
 
     cq, ck (N, T, K) bool codes (N = B h), kv (N, T) allowed keys. Returns (N, T, min(k, T)).
 
-    Composite integer score = (2 match - K) (2 Tp + 1) + tie-break in [1, 2 Tp]; all values
-    of a row are distinct. The match part is one batched matmul of +-1 codes (bfloat16, exact
+    Composite integer score = (2 match - K - 2 (K + 1) [j = i]) (2 Tp + 1) + tie-break in
+    [1, 2 Tp]; all values of a row are distinct. The match part is one batched matmul of +-1 codes (bfloat16, exact
     for these small integers, on CPUs with native bfloat16, where it is about 3x faster than
     float32) where an extra code column subtracts 4 (K + 1) from disallowed keys and 8 (K + 1)
     from the keys padding T up to S G; the composite is int32 (int64 if it could overflow),
@@ -192,12 +195,12 @@ def topk_by_match(cq: Tensor, ck: Tensor, kv: Tensor, k: int) -> Tensor:
         sk = torch.cat([sk, fake], dim=1)  # (N, Tp, K + 1)
     skT = sk.view(N, G, S, K + 1).permute(0, 3, 2, 1).reshape(N, K + 1, Tp)  # key p = r G + g
     chunk = max(1, _MATCH_CHUNK // max(1, N * Tp))
-    w = _tie_break_vector(T, Tp, dtype, cq.device)
+    w = _offset_scores(T, Tp, 2 * (K + 1) * M, dtype, cq.device)
     out = []
     for s in range(0, T, chunk):
         e, C = min(s + chunk, T), min(chunk, T - s)
         score = torch.bmm(sq[:, s:e], skT).to(dtype).mul_(M)
-        score += _tie_break_chunk(w, T, s, e, S, G)  # (N, C, Tp)
+        score += _offset_chunk(w, T, s, e, S, G)  # (N, C, Tp)
         if S == 1:
             out.append(score.topk(kk, dim=-1, sorted=False).indices)
             continue
@@ -207,6 +210,12 @@ def topk_by_match(cq: Tensor, ck: Tensor, kv: Tensor, k: int) -> Tensor:
         pick = cand.view(N, C, S * kk).topk(kk, dim=-1, sorted=False).indices  # (N, C, kk)
         out.append(groups.gather(-1, pick % kk) * S + pick // kk)
     return torch.cat(out, dim=1)  # (N, T, kk)
+
+
+def projection_seed(seed: int, layer: int) -> int:
+    """The projection matrix's seed for one encoder layer: distinct layers (and distinct
+    `seed` options) get unrelated matrices, and the same layer always the same one."""
+    return int(np.random.SeedSequence([seed, layer]).generate_state(1, np.uint64)[0] >> 1)
 
 
 def _widen(t: Tensor) -> Tensor:
@@ -297,7 +306,7 @@ class SparseTopkAttention(torch.autograd.Function):
 class LSHConfig(AttentionConfig):
     k: int = 32  # keys kept per query (top-k by matching bits)
     bits: int = 16  # K, sign random projections per code
-    seed: int = 0  # seed of the fixed projection matrix
+    seed: int = 0  # with the layer index, seeds the fixed projection matrix
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -320,7 +329,7 @@ class _LSHAttention(Attention):
         super().__init__(config)
         self.k, self.bits = config.k, config.bits
         self.qv = nn.Linear(config.dim, 2 * config.dim, bias=config.bias)  # W^Q (= W^K) | W^V
-        gen = torch.Generator().manual_seed(config.seed)
+        gen = torch.Generator().manual_seed(projection_seed(config.seed, config.layer))
         proj = torch.randn(config.head_dim + self.extra_dims, config.bits, generator=gen)
         self.register_buffer("projection", proj)  # (d_k + m, K), fixed, saved with the model
 
@@ -375,11 +384,11 @@ class _LSHAttention(Attention):
         match = (cq[:, :, :, None, :] == ck[:, :, None, :, :]).sum(-1)  # (B, h, T, T)
         i = torch.arange(T, device=q.device)
         rank = 2 * (i[:, None] - i[None, :]).abs() + (i[None, :] > i[:, None]).long()  # (T, T)
-        key = (
-            match * (4 * T)
-            - rank
-            - (~key_mask(valid))[:, None, None, :] * (4 * T * (self.bits + 2))
-        )
+        # match * 4T - rank orders the other valid keys within [-2T, 4T K); self sits below
+        # them and every disallowed key below self.
+        own = torch.eye(T, dtype=torch.long, device=q.device) * (4 * T * (self.bits + 1))
+        disallowed = (~key_mask(valid))[:, None, None, :] * (4 * T * (2 * self.bits + 4))
+        key = match * (4 * T) - rank - own - disallowed
         order = key.argsort(dim=-1, descending=True)[..., : min(self.k, T)]
         return torch.zeros_like(match, dtype=torch.bool).scatter(-1, order, True)
 

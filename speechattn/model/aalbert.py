@@ -299,14 +299,19 @@ class ModelConfig:
         return asdict(self)
 
 
-AttentionFactory = Callable[[], nn.Module]
+AttentionFactory = Callable[[int], nn.Module]  # layer index -> attention module
 
 
 def registry_attention(config: ModelConfig) -> AttentionFactory:
-    """A factory building `config.attention` from the registry with the model's dim and heads."""
+    """A factory building `config.attention` from the registry with the model's dim and heads,
+    for the layer at the given index (0 for the shared layer)."""
     from speechattn.attention import build
 
-    return lambda: build(config.attention, config.dim, config.num_heads, **config.attention_options)
+    def make(layer: int) -> nn.Module:
+        c = config
+        return build(c.attention, c.dim, c.num_heads, layer=layer, **c.attention_options)
+
+    return make
 
 
 class AALBERT(nn.Module):
@@ -333,9 +338,9 @@ class AALBERT(nn.Module):
         n_objects = 1 if c.shared else c.num_layers
         layers = [
             EncoderLayer(
-                make_attention(), c.dim, c.ffn_dim, c.dropout, c.pre_norm, c.layer_norm_eps
+                make_attention(i), c.dim, c.ffn_dim, c.dropout, c.pre_norm, c.layer_norm_eps
             )
-            for _ in range(n_objects)
+            for i in range(n_objects)
         ]
         final_norm = nn.LayerNorm(c.dim, eps=c.layer_norm_eps) if c.pre_norm else nn.Identity()
         self.encoder = Encoder(layers, c.num_layers, final_norm)

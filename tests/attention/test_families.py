@@ -162,12 +162,39 @@ def test_lsh_attends_min_k_valid_keys(name):
     idx = attn.select(q, k, valid)  # (B, h, T, kk)
     sel = attn.selection_dense(q, k, valid)  # (B, h, T, T)
     fast = torch.zeros_like(sel).scatter(-1, idx, True)
+    eye = torch.eye(x.shape[1], dtype=torch.bool)
     for b, n in enumerate(lengths):
-        want = min(6, n)
-        assert (sel[b, :, :n, :n].sum(-1) == want).all()
+        others = sel[b, :, :n, :n] & ~eye[:n, :n]
+        assert (others.sum(-1) == min(6, n - 1)).all()  # k other keys, fewer only if there are
+        # self is kept only to fill a top-k that the other valid keys cannot
+        assert torch.equal(
+            sel[b, :, :n, :n].diagonal(dim1=-2, dim2=-1).all(-1), torch.tensor([n <= 6] * HEADS)
+        )
         assert torch.equal(fast[b, :, :n, :n], sel[b, :, :n, :n])  # fast top-k == reference
         # padded keys only fill the top-k when fewer than k keys are valid (masked later)
-        assert (sel[b, :, :n, n:].sum(-1) == idx.shape[-1] - want).all()
+        assert (sel[b, :, :n, n:].sum(-1) == idx.shape[-1] - min(6, n)).all()
+
+
+@pytest.mark.parametrize("name", LSH)
+@pytest.mark.parametrize("limit", [10**6, 0])  # short path, sparse path
+def test_lsh_weights_min_k_other_keys_self_only_when_alone(name, limit, monkeypatch):
+    """Each valid query gives nonzero weight to exactly min(k, n - 1) keys other than itself
+    and none to itself, unless it is alone (n = 1): then all its weight is on itself."""
+    monkeypatch.setattr(type(make(name)), "short_path_max_t", limit)
+    lengths = [20, 5, 1]
+    attn = make(name, k=6)
+    x, pad = batch(lengths)
+    _, w = attn.dense_reference(x, pad)  # (B, h, T, T)
+    eye = torch.eye(x.shape[1], dtype=torch.bool)
+    for b, n in enumerate(lengths):
+        wb = w[b, :, :n, :n]
+        assert ((wb > 0) & ~eye[:n, :n]).sum(-1).eq(min(6, n - 1)).all()
+        diag = wb.diagonal(dim1=-2, dim2=-1)
+        if n == 1:
+            torch.testing.assert_close(diag, torch.ones_like(diag))
+        else:
+            assert diag.max() < 1e-12
+    torch.testing.assert_close(attn(x, pad), attn.dense_reference(x, pad)[0])
 
 
 @pytest.mark.parametrize("name", LSH)
@@ -246,14 +273,37 @@ def test_lsh_seed_changes_projection():
     assert not torch.equal(a, build("xbox", DIM, HEADS, seed=1).projection)
 
 
-def test_lsh_tie_break_prefers_near_then_early():
-    # all codes equal: every key ties, so the k nearest keys win, earlier first at equal distance
+def test_lsh_layers_hash_differently_and_reproducibly():
+    """Unshared layers get their own projection, derived from the layer index: the same for
+    every build of the model (so train and eval hash alike), different between layers."""
+    from speechattn.model.aalbert import AALBERT, ModelConfig
+
+    def projections(seed: int = 0) -> list[torch.Tensor]:
+        config = ModelConfig(
+            dim=32, num_heads=4, ffn_dim=64, num_layers=3, shared=False,
+            attention="xbox", attention_options={"seed": seed},
+        )  # fmt: skip
+        torch.manual_seed(seed + 1)  # other weights: the hashing must not depend on them
+        return [layer.attention.projection for layer in AALBERT(config).encoder.layers]
+
+    first = projections()
+    assert len(first) == 3
+    for a, b in zip(first, projections(), strict=True):
+        assert torch.equal(a, b)
+    assert not torch.equal(first[0], first[1]) and not torch.equal(first[1], first[2])
+    assert not torch.equal(first[0], projections(seed=1)[0])
+
+
+def test_lsh_tie_break_prefers_near_then_early_and_self_last():
+    # all codes equal: every key ties, so the k nearest other keys win, earlier first at equal
+    # distance; the query's own key comes last
     cq = torch.ones(1, 9, 4, dtype=torch.bool)
     kv = torch.ones(1, 9, dtype=torch.bool)
     idx = lsh.topk_by_match(cq, cq, kv, 3)[0]
-    assert sorted(idx[4].tolist()) == [3, 4, 5]
-    assert sorted(lsh.topk_by_match(cq, cq, kv, 2)[0][4].tolist()) == [3, 4]
-    assert sorted(idx[0].tolist()) == [0, 1, 2]
+    assert sorted(idx[4].tolist()) == [2, 3, 5]
+    assert sorted(lsh.topk_by_match(cq, cq, kv, 2)[0][4].tolist()) == [3, 5]
+    assert sorted(idx[0].tolist()) == [1, 2, 3]
+    assert sorted(lsh.topk_by_match(cq, cq, kv, 9)[0][4].tolist()) == list(range(9))
 
 
 # ---------------------------------------------------------------- synthesizers
@@ -337,7 +387,8 @@ def test_pruned_topk_equals_exact_sort(T, k):
     match = (cq[:, :, None] == ck[:, None]).sum(-1)
     i = torch.arange(T)
     rank = 2 * (i[:, None] - i[None]).abs() + (i[None] > i[:, None]).long()
-    key = match * 4 * T - rank - (~kv)[:, None, :] * 4 * T * 10
+    own = torch.eye(T, dtype=torch.long) * 4 * T * 7  # below every other allowed key
+    key = match * 4 * T - rank - own - (~kv)[:, None, :] * 4 * T * 20
     want = torch.zeros_like(got).scatter(-1, key.argsort(-1, descending=True)[..., :k], True)
     assert torch.equal(got, want)
 
