@@ -16,7 +16,9 @@ batched with (utterances sharing l are processed together). An int fixes l for a
 
 Efficient path (never a T x T mask; n = ceil(T / l) blocks; l is `ls` in the code), each
 sub-problem one fused SDPA call (flash kernels on CPU and GPU), measured faster than all-pairs
-SDPA with the patterns as a mask at every T >= 128 on CPU (so there is no short-T path):
+SDPA with the patterns as a mask at every T >= 128 on CPU (so there is no short-T path). With
+the option ``kernel="flex"`` CUDA runs all heads in one FlexAttention call instead (flex.py;
+elsewhere, or with attention dropout in training, the SDPA sub-problems run):
     band:    each query block against [previous, own, next] key blocks   (B, H, n, l, 3l)
     residue: reshape (n, l) -> (l, n), attend within each residue class   (B, H, l, n, n)
     block:   attend within each block                                      (B, H, n, l, l)
@@ -25,14 +27,14 @@ SDPA with the patterns as a mask at every T >= 128 on CPU (so there is no short-
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from speechattn.attention import patterns
+from speechattn.attention import flex, patterns
 from speechattn.attention.base import (
     SELF_PENALTY,
     AttentionConfig,
@@ -195,7 +197,15 @@ class _SparseBase(SharedQKBase):
     def heads_first(self) -> int:
         return (self.num_heads + 1) // 2
 
+    def flex_mask(self, ls: int) -> tuple[Hashable, flex.MaskMod]:
+        """The two patterns by head as FlexAttention's mask_mod(b, h, i, j), and a key naming
+        them for the BlockMask cache."""
+        raise NotImplementedError
+
     def _run(self, q: Tensor, k: Tensor, v: Tensor, kv: Tensor, ls: int) -> Tensor:
+        if self.config.kernel == "flex" and flex.use_flex(q, self.training, self.dropout):
+            key, mask_mod = self.flex_mask(ls)
+            return flex.pattern_attention(q, k, v, kv, mask_mod, key)
         first, second = self.kernels()
         hA, p = self.heads_first, (self.dropout if self.training else 0.0)
         outs = [first(q[:, :hA], k[:, :hA], v[:, :hA], kv, ls, p)]
@@ -248,8 +258,22 @@ class _SparseBase(SharedQKBase):
         return self.shared_flops(T, self.keys_attended(T))
 
 
+KERNELS = ("sdpa", "flex")
+
+
 @dataclass
-class SparseStridedConfig(AttentionConfig):
+class SparseConfig(AttentionConfig):
+    # "sdpa": one SDPA call per sub-problem; "flex": one FlexAttention call on CUDA (flex.py)
+    kernel: str = "sdpa"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.kernel not in KERNELS:
+            raise ValueError(f"kernel must be one of {KERNELS}, got {self.kernel!r}")
+
+
+@dataclass
+class SparseStridedConfig(SparseConfig):
     stride: int | None = None  # l; None: round(sqrt(T_valid)) per utterance
 
     def __post_init__(self) -> None:
@@ -271,6 +295,14 @@ class SparseStridedAttention(_SparseBase):
     def kernels(self) -> tuple[Kernel, Kernel]:
         return band_kernel, residue_kernel
 
+    def flex_mask(self, ls: int) -> tuple[Hashable, flex.MaskMod]:
+        hA = self.heads_first
+
+        def strided(b: Tensor, h: Tensor, i: Tensor, j: Tensor) -> Tensor:
+            return torch.where(h < hA, (i - j).abs() <= ls, (i - j) % ls == 0)
+
+        return (self.name, ls, hA), strided
+
     def pattern_pair(self, T: int, ls: int, device: torch.device) -> tuple[Tensor, Tensor]:
         return patterns.band_pattern(T, ls, device), patterns.strided_pattern(T, ls, device)
 
@@ -283,7 +315,7 @@ class SparseStridedAttention(_SparseBase):
 
 
 @dataclass
-class SparseFixedConfig(AttentionConfig):
+class SparseFixedConfig(SparseConfig):
     block: int | None = None  # l; None: round(sqrt(T_valid)) per utterance
     summary: int = 1  # c summary columns at the end of each block (clipped to l)
 
@@ -312,6 +344,14 @@ class SparseFixedAttention(_SparseBase):
             return summary_kernel(q, k, v, kv, ls, c, p)
 
         return block_kernel, summary
+
+    def flex_mask(self, ls: int) -> tuple[Hashable, flex.MaskMod]:
+        hA, c = self.heads_first, min(self.config.summary, ls)
+
+        def fixed(b: Tensor, h: Tensor, i: Tensor, j: Tensor) -> Tensor:
+            return torch.where(h < hA, i // ls == j // ls, j % ls >= ls - c)
+
+        return (self.name, ls, hA, c), fixed
 
     def pattern_pair(self, T: int, ls: int, device: torch.device) -> tuple[Tensor, Tensor]:
         c = min(self.config.summary, ls)

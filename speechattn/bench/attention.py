@@ -32,6 +32,7 @@ speechattn's wrapper) and `sdpa_kernel` (the SDPA call alone on ready (B, h, T, 
   at full's FLOP/s, and `achieved/bound` how much of it the kernels deliver. MFU is the
   achieved FLOP/s over the matmul peak measured in the same run, in the precision's dtype.
 * `--precision bf16|fp16` runs every step under autocast (default: bf16 on CUDA, fp32 on CPU).
+* On CUDA, variants with a FlexAttention kernel get a second row, `NAME+flex`.
 
 Prints times, speed-ups over `full`, FLOP bounds, achieved/bound, MFU, growth exponents and
 the targets (issue 12: no variant with fewer FLOPs than `full` above 1.1x its time for T in
@@ -77,6 +78,14 @@ SLOWDOWN_LIMIT = 1.1  # a variant with fewer FLOPs than full may take at most th
 BOUND_SHARE = 0.7  # ldsa / sparse_* keep this share of their FLOP-bound speed-up ...
 BOUND_MIN_T = 4096  # ... at this length and above
 TARGET_LENGTHS = (128, 8192)  # the range the slowdown limit applies to
+FLEX = "+flex"  # row suffix: the variant with kernel="flex" (CUDA runs add these rows)
+
+
+def variant_of(row: str) -> tuple[str, dict]:
+    """A result row's registry name and the options that distinguish it."""
+    if row.endswith(FLEX):
+        return row.removesuffix(FLEX), {"kernel": "flex"}
+    return row, {}
 
 
 class BareMHA(nn.Module):
@@ -173,10 +182,11 @@ class Case:
         elif name == "sdpa_kernel":
             self.module = KernelOnly(h)
         else:
-            defaults = registry.options(name)
+            variant, self.options = variant_of(name)
+            defaults = registry.options(variant)
             if "max_len" in defaults and defaults["max_len"] < T:
                 self.options["max_len"] = T
-            self.module = build(name, D, h, **self.options)
+            self.module = build(variant, D, h, **self.options)
         self.module.to(device)
         if name == "sdpa_kernel":
             shape = (B, h, T, D // h)
@@ -274,6 +284,8 @@ def run(args: argparse.Namespace) -> dict:
     names = args.variants or available()
     if "full" not in names:
         names = ["full", *names]
+    if device.type == "cuda":  # FlexAttention kernels train on CUDA only
+        names += [n + FLEX for n in names if "kernel" in registry.options(n)]
     rows = names + ([] if args.no_baselines else BASELINES)
     rss = _RSS()
     clock = time.process_time if args.clock == "cpu" else time.perf_counter
@@ -334,14 +346,15 @@ def run(args: argparse.Namespace) -> dict:
         if n in BASELINES:
             r["complexity"] = "O(T^2 D)" if n == "sdpa_mha" else "O(T^2 d_k h)"
             continue
-        attn = build(n, args.dim, args.heads)
+        variant, options = variant_of(n)
+        attn = build(variant, args.dim, args.heads, **options)
         r.update(
             paper=attn.paper,
             complexity=attn.complexity,
             complexity_training=attn.complexity_training,
             complexity_inference=attn.complexity_inference,
             params=sum(p.numel() for p in attn.parameters()),
-            options=registry.options(n),
+            options={**registry.options(variant), **options},
         )
     meta = {
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from speechattn.attention import Attention, available, build, get
+from speechattn.attention import Attention, available, build, get, registry
 
 DIM, HEADS = 32, 4
 
@@ -55,6 +55,13 @@ def kernels() -> list[tuple[str, str]]:
     return [(n, "short") for n in names] + [
         (n, "long") for n in names if get(n).short_path_max_t is not None
     ]
+
+
+def device_kernels() -> list[tuple[str, str]]:
+    """`kernels()` plus (variant, "flex") for the variants with a FlexAttention kernel, which
+    trains on CUDA only (torch 2.11 has no Flex backward on CPU)."""
+    flex = [(n, "flex") for n in available() if "kernel" in registry.options(n)]
+    return kernels() + flex
 
 
 def rel_error(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -1,5 +1,5 @@
 """GPU suite (`pytest -m gpu`; skipped without CUDA): every kernel of every variant on the
-device, under bf16 autocast, against its float32 dense reference (outputs and gradients,
+device (FlexAttention included), under bf16 autocast, against its float32 dense reference (outputs and gradients,
 the tolerances of test_precision.py). Sizes are the study's per-head shape (d_k = 64)."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ import torch
 from _attention_testing import (
     GRAD_TOLERANCE,
     OUTPUT_TOLERANCE,
+    device_kernels,
     force_path,
     hold_selection,
-    kernels,
     rel_error,
     train_pass,
 )
@@ -22,11 +22,14 @@ pytestmark = pytest.mark.gpu
 DIM, HEADS, LENGTHS = 256, 4, [300, 181]
 
 
-@pytest.mark.parametrize(("name", "kernel"), kernels())
+@pytest.mark.parametrize(("name", "kernel"), device_kernels())
 def test_bf16_kernel_matches_float32_dense_reference(name, kernel, gpu_device, monkeypatch):
-    force_path(monkeypatch, kernel)
     torch.manual_seed(0)
     options = {"max_len": 512} if "max_len" in registry.options(name) else {}
+    if kernel == "flex":
+        options["kernel"] = "flex"
+    else:
+        force_path(monkeypatch, kernel)
     attn = build(name, DIM, HEADS, **options).to(gpu_device)
     g = torch.Generator().manual_seed(1)
     x = torch.randn(len(LENGTHS), max(LENGTHS), DIM, generator=g).to(gpu_device)
