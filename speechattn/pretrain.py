@@ -5,7 +5,7 @@ Pretrains AALBERT by masked reconstruction (SPEC 3) and writes a run directory:
     checkpoints/last.ckpt, checkpoints/step=NNNNNNN.ckpt   resumable Lightning checkpoints
     upstream.pt      weights + model/attention/feature config + normaliser + metadata
     README.md        model card (YAML header + how to load), loss_curve.png beside it
-    metrics.csv      step, train_loss, val_loss, lr, frames_per_s, elapsed_s
+    metrics.csv      step, train_loss, val_loss, lr, frames_per_s, data_wait, elapsed_s
     tensorboard/     TensorBoard event files
     config.yaml      the resolved configuration (Hydra's own copy is in .hydra/)
 
@@ -135,12 +135,13 @@ def run(cfg: DictConfig, datamodule: Any = None) -> dict[str, Any]:
     from lightning.pytorch.utilities import rank_zero_only
 
     from speechattn.tasks.common import (
+        DataWait,
         MetricsCSV,
         progress_bar,
         quiet_library_notices,
         read_metrics,
     )
-    from speechattn.tasks.model_card import median_frames_per_s, training_device, write_model_card
+    from speechattn.tasks.model_card import median_metric, training_device, write_model_card
     from speechattn.tasks.pretrain import NonFiniteLossError, PretrainTask
     from speechattn.tasks.pretrain_data import ResumableData
 
@@ -192,7 +193,8 @@ def run(cfg: DictConfig, datamodule: Any = None) -> dict[str, Any]:
         save_last=True,
         save_on_train_epoch_end=False,
     )
-    callbacks = [periodic, MetricsCSV(output_dir / "metrics.csv", cfg.trainer.log_every_n_steps)]
+    metrics = MetricsCSV(output_dir / "metrics.csv", cfg.trainer.log_every_n_steps)
+    callbacks = [periodic, metrics, DataWait()]
     callbacks += progress_bar(cfg.get("progress_bar", "rich"))
     loggers = [instantiate(c) for c in (cfg.get("logger") or {}).values() if c]
     trainer: L.Trainer = instantiate(
@@ -249,7 +251,8 @@ def run(cfg: DictConfig, datamodule: Any = None) -> dict[str, Any]:
         rows = read_metrics(metrics_csv) if metrics_csv.is_file() else []
         run_facts = {
             "val_loss": result["val_loss"],
-            "frames_per_s": median_frames_per_s(rows),
+            "frames_per_s": median_metric(rows, "frames_per_s"),
+            "data_wait": median_metric(rows, "data_wait"),
             "precision": str(trainer.precision),
             "device": training_device(trainer),
         }

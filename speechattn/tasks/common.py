@@ -21,7 +21,7 @@ class MetricsCSV(Callback):
     one uninterrupted run.
     """
 
-    COLUMNS = ("step", "train_loss", "val_loss", "lr", "frames_per_s", "elapsed_s")
+    COLUMNS = ("step", "train_loss", "val_loss", "lr", "frames_per_s", "data_wait", "elapsed_s")
 
     def __init__(self, path: str | Path, every_n_steps: int = 10) -> None:
         self.path = Path(path)
@@ -61,7 +61,7 @@ class MetricsCSV(Callback):
         if not trainer.is_global_zero or step == 0 or trainer.fit_loop._should_accumulate():
             return
         if step % self.every_n_steps == 0 or step == trainer.max_steps:
-            self._write(trainer, ("train_loss", "lr", "frames_per_s"))
+            self._write(trainer, ("train_loss", "lr", "frames_per_s", "data_wait"))
 
     def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if not trainer.is_global_zero or trainer.sanity_checking:
@@ -71,6 +71,35 @@ class MetricsCSV(Callback):
             with self.path.open("w", newline="") as f:
                 csv.DictWriter(f, fieldnames=self.COLUMNS).writeheader()
         self._write(trainer, ("val_loss",))
+
+
+class DataWait(Callback):
+    """Logs `data_wait`: the share of each training batch's wall time spent waiting for it
+    (the loader's next batch and its copy to the device), measured in the run itself. Near 0
+    the data pipeline keeps up with the model; near 1 the model waits for data.
+
+    A batch's time runs from the previous batch's end to its own end; batches after a
+    validation or a checkpoint save are not measured (those pauses are not the loader's).
+    """
+
+    def __init__(self) -> None:
+        self._end: float | None = None  # previous batch's end
+        self._wait: float | None = None
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, *args) -> None:
+        self._wait = None if self._end is None else time.perf_counter() - self._end
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args) -> None:
+        now = time.perf_counter()
+        if self._wait is not None and self._end is not None and now > self._end:
+            share = self._wait / (now - self._end)
+            pl_module.log("data_wait", share, on_step=True, batch_size=1)
+        self._end = now
+
+    def _pause(self, *args) -> None:
+        self._end = None
+
+    on_validation_start = on_save_checkpoint = on_train_start = _pause
 
 
 class StepRichProgressBar(RichProgressBar):

@@ -52,11 +52,11 @@ def _cpu_name() -> str:
     return platform.processor() or platform.machine() or "unknown CPU"
 
 
-def median_frames_per_s(rows: list[dict[str, float]]) -> float | None:
-    """Median training throughput (10 ms frames/s) over the logged steps of `metrics.csv`."""
-    values = sorted(
-        r["frames_per_s"] for r in rows if not math.isnan(r.get("frames_per_s", math.nan))
-    )
+def median_metric(rows: list[dict[str, float]], key: str) -> float | None:
+    """Median of a `metrics.csv` column over the rows that have it (e.g. `frames_per_s`, the
+    training throughput in 10 ms frames/s, or `data_wait`, the share of time spent waiting
+    for data); None if no row has it."""
+    values = sorted(r[key] for r in rows if not math.isnan(r.get(key, math.nan)))
     if not values:
         return None
     mid = len(values) // 2
@@ -98,7 +98,8 @@ def card_header(upstream_path: Path, rows: list[dict[str, float]], license: str)
     meta, config = up.metadata, up.config
     summary = meta.get("data_summary") or {}
     train_s = summary.get("train_seconds")
-    fps = meta.get("frames_per_s", median_frames_per_s(rows))
+    fps = meta.get("frames_per_s", median_metric(rows, "frames_per_s"))
+    wait = meta.get("data_wait", median_metric(rows, "data_wait"))
     features = FeatureConfig(**up.feature_config)
     return {
         "library_name": "speechattn",
@@ -131,6 +132,7 @@ def card_header(upstream_path: Path, rows: list[dict[str, float]], license: str)
         "final_train_loss": _rounded(meta.get("train_loss")),
         "final_val_loss": _rounded(meta.get("val_loss")),
         "frames_per_s": None if fps is None else round(float(fps)),
+        "data_wait": _rounded(wait),
         "precision": meta.get("precision"),
         "device": meta.get("device"),
         "seed": meta.get("seed"),
@@ -214,7 +216,7 @@ __all__ = [
     "CARD_FILE",
     "LOSS_CURVE_FILE",
     "card_header",
-    "median_frames_per_s",
+    "median_metric",
     "plot_loss_curve",
     "training_device",
     "write_model_card",

@@ -12,7 +12,7 @@ import yaml
 
 import speechattn
 from speechattn.tasks.common import read_metrics
-from speechattn.tasks.model_card import median_frames_per_s, write_model_card
+from speechattn.tasks.model_card import median_metric, write_model_card
 
 
 def read_card(path: Path) -> tuple[dict, str]:
@@ -51,7 +51,9 @@ def test_a_pretraining_run_writes_a_model_card(pretrained_tiny_run: Path):
     assert card["final_train_loss"] == pytest.approx(trained[-1], rel=1e-5)
     assert up.metadata["train_loss"] == pytest.approx(trained[-1], rel=1e-5)
     assert card["final_val_loss"] == pytest.approx(validated[-1], rel=1e-5)
-    assert card["frames_per_s"] == round(median_frames_per_s(rows)) > 0
+    assert card["frames_per_s"] == round(median_metric(rows, "frames_per_s")) > 0
+    assert card["data_wait"] == pytest.approx(up.metadata["data_wait"], abs=1e-4)
+    assert 0 <= card["data_wait"] < 1
     assert card["precision"] == "32-true" == up.metadata["precision"]
     assert card["device"].startswith("cpu: ")
     assert card["code_version"] == up.metadata["code_version"]
@@ -65,12 +67,12 @@ def test_a_pretraining_run_writes_a_model_card(pretrained_tiny_run: Path):
     assert image.ndim == 3 and image.shape[0] > 100 and image.shape[1] > 100
 
 
-def test_median_frames_per_s():
+def test_median_metric():
     nan = math.nan
     rows = [{"frames_per_s": v} for v in (nan, 30.0, 10.0, 20.0, 40.0)]
-    assert median_frames_per_s(rows) == 25.0
-    assert median_frames_per_s(rows[:4]) == 20.0
-    assert median_frames_per_s([{"frames_per_s": nan}]) is None
+    assert median_metric(rows, "frames_per_s") == 25.0
+    assert median_metric(rows[:4], "frames_per_s") == 20.0
+    assert median_metric([{"frames_per_s": nan}], "frames_per_s") is None
 
 
 def test_card_writes_are_atomic(pretrained_tiny_run: Path, tmp_path: Path, monkeypatch):
