@@ -7,7 +7,6 @@
 #     && export PYTHONPATH=/tmp/site:$PWD
 set -euo pipefail
 mkdir -p .whl
-grep -qx '/.whl/' .git/info/exclude 2>/dev/null || echo '/.whl/' >> .git/info/exclude
 platforms=(manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_17_x86_64 manylinux2014_x86_64)
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
   "${platforms[@]/#/--platform=}" -d .whl \
