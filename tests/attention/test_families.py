@@ -103,6 +103,18 @@ def test_ldsa_weights_are_a_renormalised_band():
     assert w[1, :, 0, 0].min() > 0 and (w[1, :, 0, 3:] == 0).all()
 
 
+def test_ldsa_keys_attended_counts_its_window():
+    """Every query weighs the c values of its window (renormalised over those inside the
+    utterance), so keys_attended is that window's size, not 0 like the synthesizers'."""
+    attn = make("ldsa", context=5)
+    for T in (1, 3, 8, 40):
+        x, _ = batch([T])
+        _, w = attn(x, need_weights=True)
+        assert attn.keys_attended(T) == pytest.approx(float((w[0] > 0).sum(-1).double().mean()))
+    assert attn.keys_attended(4) == pytest.approx(14 / 4)  # 3, 4, 4, 3 keys: the window is cut
+    assert build("ldsa", DIM, HEADS).keys_attended(1000) == pytest.approx(15 - 7 * 8 / 1000)
+
+
 def test_ldsa_context_must_be_odd():
     with pytest.raises(ValueError, match="odd"):
         make("ldsa", context=4)
