@@ -1,4 +1,5 @@
-"""Facts specific to each family: sparse sets, LDSA locality, LSH codes, synthesizer patterns."""
+"""Facts specific to each family: sparse sets, LDSA locality, LSH codes, synthesizer patterns,
+linear attention's formula and memory."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import math
 import pytest
 import torch
 from _attention_testing import DIM, HEADS, batch, make
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from speechattn.attention import build, lsh, patterns
 
@@ -385,3 +387,81 @@ def test_table_kernel_gradient_whatever_the_window_covers(name, max_len, monkeyp
         grads.append(attn.logits.grad.clone())
     torch.testing.assert_close(grads[0], grads[1], rtol=1e-10, atol=1e-12)
     assert (grads[0][:, 20:] == 0).all() and (grads[0][:, :, 20:] == 0).all()
+
+
+# ---------------------------------------------------------------- linear
+
+
+def _merged_heads(attn, x, pad):
+    """Per-head outputs of the efficient path, merged (B, T, D): the input of W^O."""
+    seen = {}
+    hook = attn.out_proj.register_forward_hook(lambda m, inp, out: seen.update(merged=inp[0]))
+    attn(x, pad)
+    hook.remove()
+    return seen["merged"]
+
+
+def test_linear_equals_the_papers_formula():
+    """y_i = phi(q_i)^T sum_j phi(k_j) v_j^T / (phi(q_i)^T sum_j phi(k_j)), j over valid keys,
+    written per utterance and head with an explicit loop over the keys."""
+    lengths = [11, 6, 1]
+    attn = make("linear")
+    x, pad = batch(lengths)
+    merged = _merged_heads(attn, x, pad)
+    dk = DIM // HEADS
+    for b, n in enumerate(lengths):
+        q, k, v = attn.qkv(x[b, :n]).chunk(3, dim=-1)  # (n, D) each
+        for h in range(HEADS):
+            cols = slice(h * dk, (h + 1) * dk)
+            phi_q = torch.nn.functional.elu(q[:, cols]) + 1  # (n, d_k)
+            phi_k = torch.nn.functional.elu(k[:, cols]) + 1
+            num = sum(torch.outer(phi_k[j], v[j, cols]) for j in range(n))  # (d_k, d_k)
+            den = sum(phi_k[j] for j in range(n))  # (d_k,)
+            want = (phi_q @ num) / (phi_q @ den)[:, None]  # (n, d_k)
+            torch.testing.assert_close(merged[b, :n, cols], want, rtol=1e-10, atol=1e-12)
+
+
+class _LargestTensor(TorchDispatchMode):
+    """Records the largest number of elements of any tensor an operator returns."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.numel = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor):
+                self.numel = max(self.numel, t.numel())
+        return out
+
+
+def test_linear_efficient_path_never_forms_t_by_t():
+    """Forward and backward at T = 600: no tensor reaches T^2 = 360k elements (the largest are
+    the (B, T, 3D) projections), while the dense reference forms (B, h, T, T)."""
+    attn = make("linear")
+    x, pad = batch([600, 450])
+    x.requires_grad_(True)
+    with _LargestTensor() as mode:
+        attn(x, pad).sum().backward()
+    assert mode.numel <= 2 * 600 * 3 * DIM < 600 * 600
+    with _LargestTensor() as mode:
+        attn.dense_reference(x, pad)
+    assert mode.numel >= 2 * HEADS * 600 * 600
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_linear_long_sums_stay_in_float32_under_autocast(dtype):
+    """At T = 100k the normaliser z = sum_j phi(k_j) exceeds float16's range (6.5e4): the
+    sums run in float32, so the output is finite and close to float32's, in the caller's dtype."""
+    torch.manual_seed(0)
+    attn = build("linear", DIM, HEADS).eval()
+    x = torch.randn(1, 100_000, DIM, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ref = attn(x)
+        _, k, _ = attn.projections(x)
+        assert (torch.nn.functional.elu(k) + 1).sum(-2).max() > 7e4  # z overflows float16
+        with torch.autocast("cpu", dtype=dtype):
+            y = attn(x)
+    assert y.dtype == dtype and torch.isfinite(y).all()
+    assert float((y.float() - ref).norm() / ref.norm()) < 1e-2
