@@ -140,7 +140,8 @@ class Attention(nn.Module, ABC):
 
         Conventions (the x axis of the study's Figure 4):
         * score-based variants count the keys whose score a query computes: T for `full`,
-          `shared_qk` and `linear`, the pattern's size for `sparse_*`, min(k, T) for LSH;
+          `shared_qk` and `linear`, the pattern's size for `sparse_*` and
+          `longformer`, min(k, T) for LSH;
         * `ldsa` counts its window of c frames inside the utterance (c, less near the ends):
           its weights are synthesised, but they come from and apply to that window;
         * the synthesizers (`syn_*`) report 0, as in the study: their weights do not come from

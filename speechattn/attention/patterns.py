@@ -51,6 +51,13 @@ def summary_pattern(T: int, block: int, summary: int, device: torch.device | Non
     return (j % block >= block - summary).expand(T, T)
 
 
+def global_pattern(T: int, every: int, device: torch.device | None = None) -> Tensor:
+    """Rows and columns of the global frames i mod g = 0, (T, T) bool: a global frame attends to
+    every frame and every frame attends to it (Longformer)."""
+    i, j = _ij(T, device)
+    return (i % every == 0) | (j % every == 0)
+
+
 def window_keys(T: int, width: int, step: int = 1) -> tuple[Tensor, Tensor]:
     """Keys of a window around each query, j = i + step * o for o in [-width, width].
 

@@ -1,5 +1,5 @@
 """Facts specific to each family: sparse sets, LDSA locality, LSH codes, synthesizer patterns,
-linear attention's formula and memory."""
+linear attention's formula and memory, Longformer's pattern and long kernel."""
 
 from __future__ import annotations
 
@@ -465,3 +465,102 @@ def test_linear_long_sums_stay_in_float32_under_autocast(dtype):
             y = attn(x)
     assert y.dtype == dtype and torch.isfinite(y).all()
     assert float((y.float() - ref).norm() / ref.norm()) < 1e-2
+
+
+# ---------------------------------------------------------------- longformer
+
+
+def _longformer_set(head: int, i: int, j: int, w: int, delta: int, g: int, dilated: int) -> bool:
+    """SPEC 4.1's pattern, written independently of patterns.py and the kernels."""
+    if g and (i % g == 0 or j % g == 0):
+        return True
+    if head < HEADS - dilated:
+        return abs(i - j) <= w
+    return abs(i - j) <= w * delta and (i - j) % delta == 0
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"window": 2, "dilation": 3, "global_every": 7},
+        {"window": 3, "dilation": 2, "global_every": 0, "dilated_heads": 1},
+        {"window": 1, "dilation": 4, "global_every": 5, "dilated_heads": 4},
+    ],
+)
+def test_longformer_support_matches_the_definition(options):
+    lengths = [23, 12, 1]
+    attn = make("longformer", **options)
+    x, pad = batch(lengths)
+    _, weights = attn(x, pad, need_weights=True)
+    w, delta, g = options["window"], options["dilation"], options["global_every"]
+    dilated = options.get("dilated_heads", HEADS // 2)
+    for b, n in enumerate(lengths):
+        for h in range(HEADS):
+            want = torch.tensor(
+                [
+                    [_longformer_set(h, i, j, w, delta, g, dilated) for j in range(n)]
+                    for i in range(n)
+                ]
+            )
+            assert torch.equal(weights[b, h, :n, :n] > 0, want), (b, h)
+        assert attn.keys_attended(n) == pytest.approx(
+            float((weights[b, :, :n] > 0).sum(-1).double().mean())
+        )
+
+
+@pytest.mark.parametrize("options", [{}, {"window": 4, "dilation": 3, "global_every": 0}])
+def test_longformer_long_kernel_equals_reference_at_length(options, monkeypatch):
+    """At T in the hundreds (many blocks, classes and global frames; the defaults: w = 16,
+    delta = 4, g = 64), both kernels give the dense reference's outputs and gradients."""
+    lengths = [300, 181, 64, 1]
+    x, pad = batch(lengths)
+    w = torch.randn(x.shape, generator=torch.Generator().manual_seed(3), dtype=x.dtype)
+    results = []
+    for limit in (10**6, 0, None):  # short kernel, long kernel, dense reference
+        torch.manual_seed(0)
+        attn = build("longformer", DIM, HEADS, **options).double()
+        xi = x.clone().requires_grad_(True)
+        if limit is None:
+            y = attn.dense_reference(xi, pad)[0]
+        else:
+            monkeypatch.setattr(type(attn), "short_path_max_t", limit)
+            y = attn(xi, pad)
+        (y * w).sum().backward()
+        results.append((y.detach(), xi.grad, attn.qkv.weight.grad))
+    for got in results[:2]:
+        for a, b in zip(got, results[2], strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
+
+
+def test_longformer_long_kernel_never_forms_t_by_t(monkeypatch):
+    monkeypatch.setattr(type(make("longformer")), "short_path_max_t", 0)
+    attn = make("longformer", window=4, global_every=64)
+    x, pad = batch([600, 450])
+    x.requires_grad_(True)
+    with _LargestTensor() as mode:
+        attn(x, pad).sum().backward()
+    assert mode.numel < 600 * 600
+
+
+def test_longformer_keys_attended_at_the_defaults():
+    """O(T w) counting equals the (T, T) pattern's mean row size; at T = 4096 about 2w + 1 = 33
+    window keys, plus 64 global columns, plus the 64 global rows' 4096 keys spread over all."""
+    attn = build("longformer", DIM, HEADS)
+    pattern = attn.pattern(torch.ones(1, 300, dtype=torch.bool))  # (1, h, T, T)
+    assert attn.keys_attended(300) == pytest.approx(float(pattern.sum(-1).double().mean()))
+    assert 33 + 64 + 64 - 3 < attn.keys_attended(4096) < 33 + 64 + 64
+    assert build("longformer", DIM, HEADS, global_every=0).keys_attended(4096) < 33
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"window": 0}, "window w must be >= 1"),
+        ({"dilation": 0}, "dilation must be >= 1"),
+        ({"dilated_heads": HEADS + 1}, r"dilated_heads must be in \[0, num_heads=4\]"),
+        ({"global_every": -1}, "global_every must be >= 0"),
+    ],
+)
+def test_longformer_rejects_bad_options(options, message):
+    with pytest.raises(ValueError, match=message):
+        build("longformer", DIM, HEADS, **options)
