@@ -58,6 +58,26 @@ def kernels() -> list[tuple[str, str]]:
     ]
 
 
+def kernels_and_reference(
+    build_attn, x, pad, weight: str, monkeypatch: pytest.MonkeyPatch
+) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """(y, dL/dx, dL/d`weight`) of L = sum(y * w) through a two-kernel variant's short kernel,
+    its long kernel and its dense reference, each on a fresh module from `build_attn()`."""
+    w = torch.randn(x.shape, generator=torch.Generator().manual_seed(3), dtype=x.dtype)
+    results = []
+    for limit in (10**9, 0, None):  # short kernel, long kernel, dense reference
+        attn = build_attn()
+        xi = x.clone().requires_grad_(True)
+        if limit is None:
+            y = attn.dense_reference(xi, pad)[0]
+        else:
+            monkeypatch.setattr(type(attn), "short_path_max_t", limit)
+            y = attn(xi, pad)
+        (y * w).sum().backward()
+        results.append((y.detach(), xi.grad, attn.get_parameter(weight).grad))
+    return results
+
+
 def rel_error(a: torch.Tensor, b: torch.Tensor) -> float:
     """Relative Frobenius error of a against the reference b, in float32."""
     a, b = a.detach().float(), b.detach().float()

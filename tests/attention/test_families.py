@@ -7,10 +7,10 @@ import math
 
 import pytest
 import torch
-from _attention_testing import DIM, HEADS, batch, make
+from _attention_testing import DIM, HEADS, batch, kernels_and_reference, make
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from speechattn.attention import build, lsh, patterns
+from speechattn.attention import Attention, build, lsh, patterns
 
 # ---------------------------------------------------------------- shared_qk
 
@@ -203,18 +203,7 @@ def test_lsh_sparse_and_short_paths_agree(name, monkeypatch):
     `short_path_max_t`, CSR products above) give the dense reference's outputs and
     gradients; the tiny lengths here would otherwise only reach the first."""
     x, pad = batch([20, 12, 1])
-    w = torch.randn(x.shape, generator=torch.Generator().manual_seed(3), dtype=x.dtype)
-    results = []
-    for limit in (10**6, 0, None):  # short path, sparse path, dense reference
-        attn = make(name)
-        xi = x.clone().requires_grad_(True)
-        if limit is None:
-            y = attn.dense_reference(xi, pad)[0]
-        else:
-            monkeypatch.setattr(type(attn), "short_path_max_t", limit)
-            y = attn(xi, pad)
-        (y * w).sum().backward()
-        results.append((y.detach(), xi.grad, attn.qv.weight.grad))
+    results = kernels_and_reference(lambda: make(name), x, pad, "qv.weight", monkeypatch)
     for got in results[:2]:
         for a, b in zip(got, results[2], strict=True):
             torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
@@ -512,21 +501,13 @@ def test_longformer_support_matches_the_definition(options):
 def test_longformer_long_kernel_equals_reference_at_length(options, monkeypatch):
     """At T in the hundreds (many blocks, classes and global frames; the defaults: w = 16,
     delta = 4, g = 64), both kernels give the dense reference's outputs and gradients."""
-    lengths = [300, 181, 64, 1]
-    x, pad = batch(lengths)
-    w = torch.randn(x.shape, generator=torch.Generator().manual_seed(3), dtype=x.dtype)
-    results = []
-    for limit in (10**6, 0, None):  # short kernel, long kernel, dense reference
+    x, pad = batch([300, 181, 64, 1])
+
+    def defaults() -> Attention:
         torch.manual_seed(0)
-        attn = build("longformer", DIM, HEADS, **options).double()
-        xi = x.clone().requires_grad_(True)
-        if limit is None:
-            y = attn.dense_reference(xi, pad)[0]
-        else:
-            monkeypatch.setattr(type(attn), "short_path_max_t", limit)
-            y = attn(xi, pad)
-        (y * w).sum().backward()
-        results.append((y.detach(), xi.grad, attn.qkv.weight.grad))
+        return build("longformer", DIM, HEADS, **options).double()
+
+    results = kernels_and_reference(defaults, x, pad, "qkv.weight", monkeypatch)
     for got in results[:2]:
         for a, b in zip(got, results[2], strict=True):
             torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
