@@ -439,6 +439,20 @@ def test_linear_efficient_path_never_forms_t_by_t():
     assert mode.numel >= 2 * HEADS * 600 * 600
 
 
+def test_linear_dropout_drops_key_columns_in_both_paths():
+    """Training-time dropout leaves whole keys out of the numerator (the same mask for every
+    query, drawn once per call): from one seed both paths give the same output, and it differs
+    from the eval output."""
+    attn = make("linear", dropout=0.5).train()
+    x, pad = batch([12, 7])
+    torch.manual_seed(0)
+    y = attn(x, pad)
+    torch.manual_seed(0)
+    y_ref, _ = attn.dense_reference(x, pad)
+    torch.testing.assert_close(y, y_ref, rtol=1e-10, atol=1e-12)
+    assert not torch.allclose(y, attn.eval()(x, pad))
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 def test_linear_long_sums_stay_in_float32_under_autocast(dtype):
     """At T = 100k the normaliser z = sum_j phi(k_j) exceeds float16's range (6.5e4): the
