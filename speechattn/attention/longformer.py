@@ -22,10 +22,11 @@ Two kernels (`short_path_max_t`):
 * short T: one SDPA call over all T x T pairs with the pattern as a boolean mask;
 * long T, O(T (w + T/g) D), no T x T tensor: the dilated heads' residue classes mod delta are
   folded into the batch, which makes their window a plain band of radius w; each block of l = w
-  queries then attends its [previous, own, next] key blocks (sparse.block_windows) plus the
-  global keys, in one fused SDPA call (B delta, h, n, l, 3l + G); window keys that are global are
-  masked there, since the global part holds them. The global frames' own rows are then replaced
-  by one SDPA call of their queries against all keys, (B, h, G, T).
+  queries then attends its [previous, own, next] key blocks (sparse.block_windows) plus the G
+  global keys, in one fused SDPA call per head group, (B delta, H, n, l, 3l + G) for the dilated
+  heads; window keys that are global are masked there, since the global part holds them. The
+  global frames' own rows are then replaced by one SDPA call of their queries against all keys,
+  (B, h, G, T). Measured crossover: README, "Speed, FLOPs and kernels".
 """
 
 from __future__ import annotations
@@ -148,7 +149,7 @@ class LongformerAttention(Attention):
     paper = "Beltagy et al., Longformer: The Long-Document Transformer, 2020"
     complexity_training = "O(T (w + T/g) D)"
     complexity_inference = "O(T (w + T/g) D)"
-    # All-pairs SDPA with the pattern as a mask up to here; measured crossover, see README.
+    # All-pairs SDPA with the pattern as a mask up to here, the blocked kernel above (README).
     short_path_max_t = 256
 
     def __init__(self, config: LongformerConfig) -> None:
