@@ -141,10 +141,16 @@ class Attention(nn.Module, ABC):
 
     @abstractmethod
     def keys_attended(self, T: int) -> float:
-        """Average number of keys whose score each query computes, for T valid frames.
+        """Average number of frames whose value each query weighs, for T valid frames.
 
-        Synthesizer-style variants, which produce weights without query-key interaction,
-        report 0 as in the study's Figure 4.
+        Conventions (the x axis of the study's Figure 4):
+        * score-based variants count the keys whose score a query computes: T for `full`,
+          `shared_qk` and `linear`, the pattern's size for `sparse_*` and
+          `longformer`, min(k, T) for LSH;
+        * `ldsa` counts its window of c frames inside the utterance (c, less near the ends):
+          its weights are synthesised, but they come from and apply to that window;
+        * the synthesizers (`syn_*`) report 0, as in the study: their weights do not come from
+          the keys at all (input-independent or from the query frame alone).
         """
 
     @abstractmethod

@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from speechattn.attention import patterns
 from speechattn.attention.base import (
     Attention,
     AttentionConfig,
@@ -98,7 +99,10 @@ class LDSAttention(Attention):
         self.w3 = nn.Linear(config.dim, config.dim, bias=config.bias)  # W_3^i (values)
 
     def keys_attended(self, T: int) -> float:
-        return 0.0  # weights are synthesised, no query-key scores (study's convention)
+        # Weights are synthesised, but each query weighs the values of its window of c
+        # frames: count those inside the utterance (c, less near its ends and when T < c).
+        _, inside = patterns.window_keys(T, self.context // 2)  # (T, c)
+        return float(inside.sum(-1).double().mean())
 
     def flops(self, T: int) -> Flops:
         D, c = self.dim, self.context

@@ -51,6 +51,25 @@ def summary_pattern(T: int, block: int, summary: int, device: torch.device | Non
     return (j % block >= block - summary).expand(T, T)
 
 
+def global_pattern(T: int, every: int, device: torch.device | None = None) -> Tensor:
+    """Rows and columns of the global frames i mod g = 0, (T, T) bool: a global frame attends to
+    every frame and every frame attends to it (Longformer)."""
+    i, j = _ij(T, device)
+    return (i % every == 0) | (j % every == 0)
+
+
+def window_keys(T: int, width: int, step: int = 1) -> tuple[Tensor, Tensor]:
+    """Keys of a window around each query, j = i + step * o for o in [-width, width].
+
+    Returns positions (T, 2 width + 1) int64 and in_range (T, 2 width + 1) bool (0 <= j < T):
+    O(T width) memory, so keys can be counted at any T without a T x T pattern (LDSA's window,
+    Longformer's sliding and dilated windows).
+    """
+    i = torch.arange(T)[:, None]
+    j = i + step * torch.arange(-width, width + 1)  # (T, 2 width + 1)
+    return j, (j >= 0) & (j < T)
+
+
 def fixed_pattern(name: str, n: int, context: int = 3) -> Tensor:
     """One fixed pattern of Raganato et al. (2020) on an n x n grid: (n, n) float32.
 

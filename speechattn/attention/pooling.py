@@ -3,9 +3,12 @@
 "FusedAttention: fusing attention matrix into attention vector" (seeds/002):
 
     Q = f_Q(X), K = f_K(X), V = f_V(X)            tokens (B, L, u), (B, L, u), (B, L, d)
-    alpha = fuse(norm(K^T Q / sqrt(u)))           norm: softmax over keys, (B, L_k, L_q)
+    alpha = fuse(norm(K^T Q / sqrt(d)))           norm: softmax over keys, (B, L_k, L_q)
                                                   fuse: mean over valid queries -> (B, L)
     Y = g_V(V alpha)                              (B, d) -> g_V
+
+The seed (and SPEC section 6) scales by sqrt(d), d the size of V; ``scale="key"`` uses sqrt(u),
+the size of Q and K, as in ordinary scaled dot-product attention. They differ only when u != d.
 
 With the defaults (linear f_Q, f_K, f_V, softmax, mean, identity g_V), Y is exactly the mean
 over the valid queries of ordinary single-head attention outputs. In speechattn it is an
@@ -32,6 +35,7 @@ from speechattn.attention.base import masked_softmax
 
 Norm = Callable[[Tensor, Tensor], Tensor]  # (scores (B, Lk, Lq), key_valid (B, Lk)) -> weights
 Fuse = Callable[[Tensor, Tensor], Tensor]  # (weights (B, Lk, Lq), query_valid (B, Lq)) -> (B, Lk)
+SCALES = ("value", "key")  # divide K^T Q by sqrt(d) (seeds/002) or by sqrt(u)
 
 
 def softmax_over_keys(scores: Tensor, key_valid: Tensor) -> Tensor:
@@ -72,6 +76,8 @@ class FusedAttentionPool(nn.Module):
         fuse: (weights (B, Lk, Lq), query_valid (B, Lq)) -> alpha (B, Lk); default mean.
         g_v: applied to the pooled V alpha (B, d); default identity.
         patch: window sizes (dW_1..dW_n) for the single-tensor form; None for collections.
+        scale: "value" divides K^T Q by sqrt(d), the size of V (seeds/002, the default);
+            "key" by sqrt(u), the size of Q and K.
     """
 
     def __init__(
@@ -87,8 +93,14 @@ class FusedAttentionPool(nn.Module):
         fuse: Fuse = mean_over_queries,
         g_v: Callable[[Tensor], Tensor] | None = None,
         patch: Sequence[int] | None = None,
+        scale: str = "value",
     ) -> None:
         super().__init__()
+        if scale not in SCALES:
+            raise ValueError(
+                f"FusedAttentionPool: scale must be 'value' (sqrt(d), the size of V, seeds/002) "
+                f"or 'key' (sqrt(u), the size of Q and K), got {scale!r}"
+            )
         if in_dim is None and None in (f_q, f_k, f_v):
             raise ValueError("FusedAttentionPool: give in_dim or all of f_q, f_k, f_v")
         u, d = qk_dim or in_dim, out_dim or in_dim
@@ -98,6 +110,7 @@ class FusedAttentionPool(nn.Module):
         self.norm, self.fuse = norm, fuse
         self.g_v = g_v if g_v is not None else nn.Identity()
         self.patch = tuple(patch) if patch is not None else None
+        self.scale = scale
 
     def tokens(self, x: Tensor | Sequence[Tensor]) -> Tensor:
         """Either input form -> tokens (B, L, F)."""
@@ -139,7 +152,8 @@ class FusedAttentionPool(nn.Module):
             valid = ~padding_mask
             tok = tok.masked_fill(padding_mask[..., None], 0.0)
         q, k, v = self.f_q(tok), self.f_k(tok), self.f_v(tok)  # (B, L, u), (B, L, u), (B, L, d)
-        scores = k @ q.transpose(1, 2) / math.sqrt(q.shape[-1])  # (B, Lk, Lq) = K^T Q / sqrt(u)
+        size = v.shape[-1] if self.scale == "value" else q.shape[-1]  # d or u
+        scores = k @ q.transpose(1, 2) / math.sqrt(size)  # (B, Lk, Lq) = K^T Q / sqrt(d | u)
         alpha = self.fuse(self.norm(scores, valid), valid)  # (B, Lk)
         alpha = alpha * valid  # padded keys carry nothing, also for custom norm/fuse
         y = self.g_v((alpha[:, None, :] @ v).squeeze(1))  # V alpha: (B, d)

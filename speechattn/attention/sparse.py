@@ -93,25 +93,38 @@ def _dropout(probs: Tensor, p: float) -> Tensor:
     return F.dropout(probs, p) if p else probs
 
 
+def block_windows(t: Tensor, ls: int, dim: int) -> Tensor:
+    """Keys of each query block in the band kernels: the previous, own and next block of l
+    frames along `dim` (zero/False outside the sequence).
+
+    (..., T, ...) -> (..., n, 3l, ...), n = ceil(T / l); window position w of block b is frame
+    (b - 1) l + w, so a query at offset a of its block is at w = a + l.
+    """
+    T = t.shape[dim]
+    n = -(-T // ls)
+    tp = _pad_time(t, ls, n * ls - T + ls, dim)  # (n + 2) l frames along dim
+    parts = [tp.narrow(dim, s * ls, n * ls).unflatten(dim, (n, ls)) for s in range(3)]
+    return torch.cat(parts, dim=dim + 1)
+
+
+def window_offsets(ls: int, device: torch.device) -> Tensor:
+    """(l, 3l) query minus key position inside `block_windows`."""
+    a = torch.arange(ls, device=device)[:, None]
+    w = torch.arange(3 * ls, device=device)[None, :]
+    return a + ls - w
+
+
 def band_kernel(q: Tensor, k: Tensor, v: Tensor, kv: Tensor, ls: int, p: float = 0.0) -> Tensor:
     """|i - j| <= l. q, k, v (B, H, T, d), kv (B, T) allowed keys -> (B, H, T, d)."""
     B, H, T, d = q.shape
     n = -(-T // ls)
     qb = _blocks(q, ls)  # (B, H, n, l, d)
-
-    def windows(t: Tensor) -> Tensor:  # (B, H, T, d) -> (B, H, n, 3l, d)
-        tp = _pad_time(t, ls, n * ls - T + ls, 2)  # (B, H, (n + 2) l, d)
-        parts = [tp[:, :, s * ls : (s + n) * ls].reshape(B, H, n, ls, d) for s in range(3)]
-        return torch.cat(parts, dim=3)
-
-    vp = _pad_time(kv, ls, n * ls - T + ls, 1)  # (B, (n + 2) l)
-    kvw = torch.cat([vp[:, s * ls : (s + n) * ls].view(B, n, ls) for s in range(3)], dim=2)
-    a = torch.arange(ls, device=q.device)[:, None]
-    w = torch.arange(3 * ls, device=q.device)[None, :]
-    rel = a + ls - w  # (l, 3l) query minus key position
+    kvw = block_windows(kv, ls, 1)  # (B, n, 3l)
+    rel = window_offsets(ls, q.device)  # (l, 3l)
     allowed = ((rel.abs() <= ls) & kvw[:, None, :, None, :]) | (rel == 0)  # (B, 1, n, l, 3l)
     bias = (rel == 0).to(q.dtype) * SELF_PENALTY  # (l, 3l)
-    out = _attend(qb, windows(k), windows(v), allowed, bias, p)  # (B, H, n, l, d)
+    kw, vw = block_windows(k, ls, 2), block_windows(v, ls, 2)  # (B, H, n, 3l, d)
+    out = _attend(qb, kw, vw, allowed, bias, p)  # (B, H, n, l, d)
     return out.reshape(B, H, n * ls, d)[:, :, :T]
 
 

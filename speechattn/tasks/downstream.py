@@ -69,6 +69,7 @@ class TaskConfig:
     target: str  # "speaker" or "phones"
     level: str  # "utterance" (one label per utterance) or "frame" (one per 10 ms frame)
     pooling: str = "mean"  # utterance level only: mean | fused
+    pooling_scale: str = "value"  # fused: scores / sqrt(size of V) (seeds/002) | "key": of Q, K
     hidden_layers: int = 0  # 0 = linear probe
     hidden_dim: int = 768  # the study's phoneme MLP width
     dropout: float = 0.0
@@ -176,7 +177,9 @@ class DownstreamProbe(L.LightningModule):
         self.task, self.downsample, self.tolerance = task, downsample, tolerance
         self.select = LayerSelector(num_layers)
         if task.level == "utterance":
-            self.head: torch.nn.Module = UtteranceProbe(input_dim, num_classes, task.pooling)
+            self.head: torch.nn.Module = UtteranceProbe(
+                input_dim, num_classes, task.pooling, task.pooling_scale
+            )
         else:
             self.head = FrameProbe(
                 input_dim, num_classes, task.hidden_layers, task.hidden_dim, task.dropout

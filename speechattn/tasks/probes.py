@@ -60,13 +60,17 @@ class MeanPool(nn.Module):
 
 
 class FusedPool(nn.Module):
-    """FusedAttention pooling (SPEC 6) from the attention library, behind MeanPool's signature."""
+    """FusedAttention pooling (SPEC 6) from the attention library, behind MeanPool's signature.
 
-    def __init__(self, dim: int) -> None:
+    `scale`: "value" (sqrt(d), seeds/002) or "key" (sqrt(u)); here u = d = D, so both give the
+    same scores, but the option is passed through so a config states what it asked for.
+    """
+
+    def __init__(self, dim: int, scale: str = "value") -> None:
         super().__init__()
         from speechattn.attention import FusedAttentionPool
 
-        self.pool = FusedAttentionPool(dim)
+        self.pool = FusedAttentionPool(dim, scale=scale)
 
     def forward(self, x: Tensor, padding_mask: Tensor) -> Tensor:
         """x (B, T, D), padding_mask (B, T) -> (B, D)."""
@@ -79,12 +83,14 @@ POOLINGS = ("mean", "fused")
 class UtteranceProbe(nn.Module):
     """Pool the frames of each utterance, then a linear classifier: (B, T, D) -> (B, C)."""
 
-    def __init__(self, dim: int, num_classes: int, pooling: str = "mean") -> None:
+    def __init__(
+        self, dim: int, num_classes: int, pooling: str = "mean", pooling_scale: str = "value"
+    ) -> None:
         super().__init__()
         if pooling == "mean":
             self.pool: nn.Module = MeanPool()
         elif pooling == "fused":
-            self.pool = FusedPool(dim)
+            self.pool = FusedPool(dim, pooling_scale)
         else:
             raise ValueError(f"unknown pooling {pooling!r}; choose one of {', '.join(POOLINGS)}")
         self.classifier = nn.Linear(dim, num_classes)

@@ -16,6 +16,7 @@ SMALL_OPTIONS: dict[str, dict] = {
     "syn_random": {"max_len": 64},
     "syn_fixed": {"max_len": 64},
     "ldsa": {"context": 5},
+    "longformer": {"window": 2, "dilation": 3, "global_every": 7},
     **{
         n: {"k": 5, "bits": 8}
         for n in ("sign_alsh", "xbox", "xbox_qnf", "simple_lsh", "simple_alsh")
@@ -62,6 +63,26 @@ def device_kernels() -> list[tuple[str, str]]:
     trains on CUDA only (torch 2.11 has no Flex backward on CPU)."""
     flex = [(n, "flex") for n in available() if "kernel" in registry.options(n)]
     return kernels() + flex
+
+
+def kernels_and_reference(
+    build_attn, x, pad, weight: str, monkeypatch: pytest.MonkeyPatch
+) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """(y, dL/dx, dL/d`weight`) of L = sum(y * w) through a two-kernel variant's short kernel,
+    its long kernel and its dense reference, each on a fresh module from `build_attn()`."""
+    w = torch.randn(x.shape, generator=torch.Generator().manual_seed(3), dtype=x.dtype)
+    results = []
+    for limit in (10**9, 0, None):  # short kernel, long kernel, dense reference
+        attn = build_attn()
+        xi = x.clone().requires_grad_(True)
+        if limit is None:
+            y = attn.dense_reference(xi, pad)[0]
+        else:
+            monkeypatch.setattr(type(attn), "short_path_max_t", limit)
+            y = attn(xi, pad)
+        (y * w).sum().backward()
+        results.append((y.detach(), xi.grad, attn.get_parameter(weight).grad))
+    return results
 
 
 def rel_error(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -28,7 +28,10 @@ def test_bench_writes_json_and_png(tmp_path, capsys):
     assert set(out["baselines"]) == {"sdpa_mha", "sdpa_kernel"}
     ldsa = out["variants"]["ldsa"]
     assert set(ldsa["time_ms"]) == {"16", "32"} and ldsa["complexity"].startswith("training")
-    assert ldsa["keys_attended"]["32"] == 0 and out["variants"]["xbox"]["keys_attended"]["16"] == 16
+    assert (
+        ldsa["keys_attended"]["32"] == 15 - 7 * 8 / 32
+        and out["variants"]["xbox"]["keys_attended"]["16"] == 16
+    )
     assert "attention_ms" in out["variants"]["xbox"] and ldsa["params"] > 0
     assert out["targets"] and (tmp_path / "bench.png").exists()
     assert "speed-up vs full" in capsys.readouterr().out

@@ -1,4 +1,5 @@
-"""Facts specific to each family: sparse sets, LDSA locality, LSH codes, synthesizer patterns."""
+"""Facts specific to each family: sparse sets, LDSA locality, LSH codes, synthesizer patterns,
+linear attention's formula and memory, Longformer's pattern and long kernel."""
 
 from __future__ import annotations
 
@@ -6,9 +7,10 @@ import math
 
 import pytest
 import torch
-from _attention_testing import DIM, HEADS, batch, make
+from _attention_testing import DIM, HEADS, batch, kernels_and_reference, make
+from torch.utils._python_dispatch import TorchDispatchMode
 
-from speechattn.attention import build, lsh, patterns
+from speechattn.attention import Attention, build, lsh, patterns
 
 # ---------------------------------------------------------------- shared_qk
 
@@ -101,6 +103,18 @@ def test_ldsa_weights_are_a_renormalised_band():
     outside = (i[:, None] - i[None, :]).abs() > 2
     assert (w[:, :, outside] == 0).all()
     assert w[1, :, 0, 0].min() > 0 and (w[1, :, 0, 3:] == 0).all()
+
+
+def test_ldsa_keys_attended_counts_its_window():
+    """Every query weighs the c values of its window (renormalised over those inside the
+    utterance), so keys_attended is that window's size, not 0 like the synthesizers'."""
+    attn = make("ldsa", context=5)
+    for T in (1, 3, 8, 40):
+        x, _ = batch([T])
+        _, w = attn(x, need_weights=True)
+        assert attn.keys_attended(T) == pytest.approx(float((w[0] > 0).sum(-1).double().mean()))
+    assert attn.keys_attended(4) == pytest.approx(14 / 4)  # 3, 4, 4, 3 keys: the window is cut
+    assert build("ldsa", DIM, HEADS).keys_attended(1000) == pytest.approx(15 - 7 * 8 / 1000)
 
 
 def test_ldsa_context_must_be_odd():
@@ -216,18 +230,7 @@ def test_lsh_sparse_and_short_paths_agree(name, monkeypatch):
     `short_path_max_t`, CSR products above) give the dense reference's outputs and
     gradients; the tiny lengths here would otherwise only reach the first."""
     x, pad = batch([20, 12, 1])
-    w = torch.randn(x.shape, generator=torch.Generator().manual_seed(3), dtype=x.dtype)
-    results = []
-    for limit in (10**6, 0, None):  # short path, sparse path, dense reference
-        attn = make(name)
-        xi = x.clone().requires_grad_(True)
-        if limit is None:
-            y = attn.dense_reference(xi, pad)[0]
-        else:
-            monkeypatch.setattr(type(attn), "short_path_max_t", limit)
-            y = attn(xi, pad)
-        (y * w).sum().backward()
-        results.append((y.detach(), xi.grad, attn.qv.weight.grad))
+    results = kernels_and_reference(lambda: make(name), x, pad, "qv.weight", monkeypatch)
     for got in results[:2]:
         for a, b in zip(got, results[2], strict=True):
             torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
@@ -424,3 +427,186 @@ def test_table_kernel_gradient_whatever_the_window_covers(name, max_len, monkeyp
         grads.append(attn.logits.grad.clone())
     torch.testing.assert_close(grads[0], grads[1], rtol=1e-10, atol=1e-12)
     assert (grads[0][:, 20:] == 0).all() and (grads[0][:, :, 20:] == 0).all()
+
+
+# ---------------------------------------------------------------- linear
+
+
+def _merged_heads(attn, x, pad):
+    """Per-head outputs of the efficient path, merged (B, T, D): the input of W^O."""
+    seen = {}
+    hook = attn.out_proj.register_forward_hook(lambda m, inp, out: seen.update(merged=inp[0]))
+    attn(x, pad)
+    hook.remove()
+    return seen["merged"]
+
+
+def test_linear_equals_the_papers_formula():
+    """y_i = phi(q_i)^T sum_j phi(k_j) v_j^T / (phi(q_i)^T sum_j phi(k_j)), j over valid keys,
+    written per utterance and head with an explicit loop over the keys."""
+    lengths = [11, 6, 1]
+    attn = make("linear")
+    x, pad = batch(lengths)
+    merged = _merged_heads(attn, x, pad)
+    dk = DIM // HEADS
+    for b, n in enumerate(lengths):
+        q, k, v = attn.qkv(x[b, :n]).chunk(3, dim=-1)  # (n, D) each
+        for h in range(HEADS):
+            cols = slice(h * dk, (h + 1) * dk)
+            phi_q = torch.nn.functional.elu(q[:, cols]) + 1  # (n, d_k)
+            phi_k = torch.nn.functional.elu(k[:, cols]) + 1
+            num = sum(torch.outer(phi_k[j], v[j, cols]) for j in range(n))  # (d_k, d_k)
+            den = sum(phi_k[j] for j in range(n))  # (d_k,)
+            want = (phi_q @ num) / (phi_q @ den)[:, None]  # (n, d_k)
+            torch.testing.assert_close(merged[b, :n, cols], want, rtol=1e-10, atol=1e-12)
+
+
+class _LargestTensor(TorchDispatchMode):
+    """Records the largest number of elements of any tensor an operator returns."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.numel = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor):
+                self.numel = max(self.numel, t.numel())
+        return out
+
+
+def test_linear_efficient_path_never_forms_t_by_t():
+    """Forward and backward at T = 600: no tensor reaches T^2 = 360k elements (the largest are
+    the (B, T, 3D) projections), while the dense reference forms (B, h, T, T)."""
+    attn = make("linear")
+    x, pad = batch([600, 450])
+    x.requires_grad_(True)
+    with _LargestTensor() as mode:
+        attn(x, pad).sum().backward()
+    assert mode.numel <= 2 * 600 * 3 * DIM < 600 * 600
+    with _LargestTensor() as mode:
+        attn.dense_reference(x, pad)
+    assert mode.numel >= 2 * HEADS * 600 * 600
+
+
+def test_linear_dropout_drops_key_columns_in_both_paths():
+    """Training-time dropout leaves whole keys out of the numerator (the same mask for every
+    query, drawn once per call): from one seed both paths give the same output, and it differs
+    from the eval output."""
+    attn = make("linear", dropout=0.5).train()
+    x, pad = batch([12, 7])
+    torch.manual_seed(0)
+    y = attn(x, pad)
+    torch.manual_seed(0)
+    y_ref, _ = attn.dense_reference(x, pad)
+    torch.testing.assert_close(y, y_ref, rtol=1e-10, atol=1e-12)
+    assert not torch.allclose(y, attn.eval()(x, pad))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_linear_long_sums_stay_in_float32_under_autocast(dtype):
+    """At T = 100k the normaliser z = sum_j phi(k_j) exceeds float16's range (6.5e4): the
+    sums run in float32, so the output is finite and close to float32's, in the caller's dtype."""
+    torch.manual_seed(0)
+    attn = build("linear", DIM, HEADS).eval()
+    x = torch.randn(1, 100_000, DIM, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ref = attn(x)
+        _, k, _ = attn.projections(x)
+        assert (torch.nn.functional.elu(k) + 1).sum(-2).max() > 7e4  # z overflows float16
+        with torch.autocast("cpu", dtype=dtype):
+            y = attn(x)
+    assert y.dtype == dtype and torch.isfinite(y).all()
+    assert float((y.float() - ref).norm() / ref.norm()) < 1e-2
+
+
+# ---------------------------------------------------------------- longformer
+
+
+def _longformer_set(head: int, i: int, j: int, w: int, delta: int, g: int, dilated: int) -> bool:
+    """SPEC 4.1's pattern, written independently of patterns.py and the kernels."""
+    if g and (i % g == 0 or j % g == 0):
+        return True
+    if head < HEADS - dilated:
+        return abs(i - j) <= w
+    return abs(i - j) <= w * delta and (i - j) % delta == 0
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"window": 2, "dilation": 3, "global_every": 7},
+        {"window": 3, "dilation": 2, "global_every": 0, "dilated_heads": 1},
+        {"window": 1, "dilation": 4, "global_every": 5, "dilated_heads": 4},
+    ],
+)
+def test_longformer_support_matches_the_definition(options):
+    lengths = [23, 12, 1]
+    attn = make("longformer", **options)
+    x, pad = batch(lengths)
+    _, weights = attn(x, pad, need_weights=True)
+    w, delta, g = options["window"], options["dilation"], options["global_every"]
+    dilated = options.get("dilated_heads", HEADS // 2)
+    for b, n in enumerate(lengths):
+        for h in range(HEADS):
+            want = torch.tensor(
+                [
+                    [_longformer_set(h, i, j, w, delta, g, dilated) for j in range(n)]
+                    for i in range(n)
+                ]
+            )
+            assert torch.equal(weights[b, h, :n, :n] > 0, want), (b, h)
+        assert attn.keys_attended(n) == pytest.approx(
+            float((weights[b, :, :n] > 0).sum(-1).double().mean())
+        )
+
+
+@pytest.mark.parametrize("options", [{}, {"window": 4, "dilation": 3, "global_every": 0}])
+def test_longformer_long_kernel_equals_reference_at_length(options, monkeypatch):
+    """At T in the hundreds (many blocks, classes and global frames; the defaults: w = 16,
+    delta = 4, g = 64), both kernels give the dense reference's outputs and gradients."""
+    x, pad = batch([300, 181, 64, 1])
+
+    def defaults() -> Attention:
+        torch.manual_seed(0)
+        return build("longformer", DIM, HEADS, **options).double()
+
+    results = kernels_and_reference(defaults, x, pad, "qkv.weight", monkeypatch)
+    for got in results[:2]:
+        for a, b in zip(got, results[2], strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
+
+
+def test_longformer_long_kernel_never_forms_t_by_t(monkeypatch):
+    monkeypatch.setattr(type(make("longformer")), "short_path_max_t", 0)
+    attn = make("longformer", window=4, global_every=64)
+    x, pad = batch([600, 450])
+    x.requires_grad_(True)
+    with _LargestTensor() as mode:
+        attn(x, pad).sum().backward()
+    assert mode.numel < 600 * 600
+
+
+def test_longformer_keys_attended_at_the_defaults():
+    """O(T w) counting equals the (T, T) pattern's mean row size; at T = 4096 about 2w + 1 = 33
+    window keys, plus 64 global columns, plus the 64 global rows' 4096 keys spread over all."""
+    attn = build("longformer", DIM, HEADS)
+    pattern = attn.pattern(torch.ones(1, 300, dtype=torch.bool))  # (1, h, T, T)
+    assert attn.keys_attended(300) == pytest.approx(float(pattern.sum(-1).double().mean()))
+    assert 33 + 64 + 64 - 3 < attn.keys_attended(4096) < 33 + 64 + 64
+    assert build("longformer", DIM, HEADS, global_every=0).keys_attended(4096) < 33
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"window": 0}, "window w must be >= 1"),
+        ({"dilation": 0}, "dilation must be >= 1"),
+        ({"dilated_heads": HEADS + 1}, r"dilated_heads must be in \[0, num_heads=4\]"),
+        ({"global_every": -1}, "global_every must be >= 0"),
+    ],
+)
+def test_longformer_rejects_bad_options(options, message):
+    with pytest.raises(ValueError, match=message):
+        build("longformer", DIM, HEADS, **options)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 
 from speechattn.attention import FusedAttentionPool
@@ -17,19 +18,28 @@ def _data(lengths, T=9, D=6, seed=0):
     return x, pad
 
 
-def test_equals_mean_over_queries_of_ordinary_attention():
+@pytest.mark.parametrize(("scale", "size"), [(None, 5), ("value", 5), ("key", 4)])
+def test_equals_mean_over_queries_of_ordinary_attention(scale, size):
+    """Scores are divided by sqrt(d) = sqrt(5), the size of V (seeds/002, the default), or by
+    sqrt(u) = sqrt(4), the size of Q and K, with scale="key"."""
     torch.manual_seed(0)
-    pool = FusedAttentionPool(6, out_dim=5, qk_dim=4).double()
+    options = {} if scale is None else {"scale": scale}
+    pool = FusedAttentionPool(6, out_dim=5, qk_dim=4, **options).double()
     x, pad = _data([9, 4, 1])
     y, alpha = pool(x, pad, need_weights=True)
     for b, n in enumerate([9, 4, 1]):
         xb = x[b, :n]
         q, k, v = pool.f_q(xb), pool.f_k(xb), pool.f_v(xb)
-        att = torch.softmax(q @ k.T / math.sqrt(4), dim=-1)  # (n queries, n keys)
+        att = torch.softmax(q @ k.T / math.sqrt(size), dim=-1)  # (n queries, n keys)
         torch.testing.assert_close(y[b], (att @ v).mean(0))
         torch.testing.assert_close(alpha[b, :n], att.mean(0))
     assert (alpha[pad] == 0).all()
     torch.testing.assert_close(alpha.sum(-1), torch.ones(3, dtype=torch.float64))
+
+
+def test_unknown_scale_is_an_error():
+    with pytest.raises(ValueError, match="scale must be 'value'.*or 'key'.*got 'query'"):
+        FusedAttentionPool(6, scale="query")
 
 
 def test_padding_invariance_and_gradients():

@@ -1,0 +1,107 @@
+"""Kernelised linear attention: `linear`.
+
+Katharopoulos, Vyas, Pappas, Fleuret, "Transformers are RNNs: Fast Autoregressive Transformers
+with Linear Attention", ICML 2020 (arXiv:2006.16236), section 3.2, non-causal form. Per head,
+with the feature map phi(x) = elu(x) + 1 (positive, so each query's weights are a distribution)
+and separate Q, K, V projections as in `full`:
+
+    y_i = phi(q_i)^T (sum_j phi(k_j) v_j^T) / (phi(q_i)^T sum_j phi(k_j))      over valid keys j
+
+There is no 1/sqrt(d_k): the feature map replaces the softmax's exponential (the paper's eq. 6).
+
+Efficient path: the state S = phi(K)^T V (B, h, d_k, d_k) and the normaliser z = sum_j phi(k_j)
+(B, h, d_k) once per sequence, then one product per query: O(T d_k^2 h) = O(T D d_k) time and no
+T x T tensor. The dense reference forms the weights A = phi(Q) phi(K)^T, each row divided by its
+sum, (B, h, T, T) explicitly.
+
+Precision: S and z are sums of T positive terms (at T = 8192 they reach ~1e4, near float16's
+6.5e4, and bfloat16 keeps 3 significant digits of them), so both paths switch autocast off and
+run in float32 (float64 stays float64); the heads return in the caller's dtype.
+
+Dropout: the efficient path has no weights to drop, so attention dropout drops key columns:
+each valid key of each head leaves the numerator with probability p (survivors scaled by
+1 / (1 - p)), the same key for every query, while the denominator keeps every key, as dropout
+after a softmax does. The dense reference applies the same column mask to its weights.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from speechattn.attention.base import Attention, AttentionConfig, Flops, key_mask, linear_flops
+from speechattn.attention.registry import register
+
+
+@dataclass
+class LinearConfig(AttentionConfig):
+    """No options beyond the shared ones (the feature map is the paper's elu(x) + 1)."""
+
+
+@register("linear")
+class LinearAttention(Attention):
+    """Non-causal linear attention with the feature map elu(x) + 1."""
+
+    Config = LinearConfig
+    paper = (
+        "Katharopoulos et al., Transformers are RNNs: Fast Autoregressive Transformers with "
+        "Linear Attention, ICML 2020"
+    )
+    complexity_training = "O(T D d_k)"
+    complexity_inference = "O(T D d_k)"
+
+    def __init__(self, config: LinearConfig) -> None:
+        super().__init__(config)
+        self.qkv = nn.Linear(config.dim, 3 * config.dim, bias=config.bias)  # W^Q | W^K | W^V
+
+    def keys_attended(self, T: int) -> float:
+        return float(T)  # every valid key enters S and z
+
+    def flops(self, T: int) -> Flops:
+        D, dk = self.dim, self.head_dim
+        state = 2 * 2.0 * T * D * dk  # phi(K)^T V and phi(Q) S, all heads
+        normaliser = 2 * 2.0 * T * D  # z = sum_j phi(k_j) and phi(Q) z
+        return Flops(linear_flops(T, D, 3 * D) + state + normaliser + self.output_flops(T))
+
+    def projections(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """x (B, T, D) -> q, k, v (B, h, T, d_k), in the caller's (autocast) precision."""
+        q, k, v = self.qkv(x).chunk(3, dim=-1)  # 3 x (B, T, D)
+        return self.split_heads(q), self.split_heads(k), self.split_heads(v)
+
+    def features(
+        self, q: Tensor, k: Tensor, v: Tensor, valid: Tensor
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """phi(Q), phi(K) zeroed at padded keys, and V: (B, h, T, d_k) each, float32 or wider
+        (call with autocast off, see module docstring)."""
+        dtype = torch.promote_types(q.dtype, torch.float32)
+        q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+        kv = key_mask(valid)[:, None, :, None]  # (B, 1, T, 1)
+        return F.elu(q) + 1, (F.elu(k) + 1) * kv, v
+
+    def key_dropout(self, fk: Tensor) -> Tensor:
+        """Column mask (B, h, T, 1) of attention dropout, scaled by 1 / (1 - p); ones in eval."""
+        return self.drop(fk.new_ones(fk.shape[:-1] + (1,)))
+
+    def attend(self, x: Tensor, valid: Tensor) -> Tensor:
+        q, k, v = self.projections(x)  # (B, h, T, d_k)
+        with torch.autocast(x.device.type, enabled=False):
+            fq, fk, v32 = self.features(q, k, v, valid)  # (B, h, T, d_k)
+            state = (fk * self.key_dropout(fk)).transpose(-1, -2) @ v32  # (B, h, d_k, d_k)
+            z = fk.sum(-2, keepdim=True)  # (B, h, 1, d_k)
+            num = fq @ state  # (B, h, T, d_k)
+            den = (fq * z).sum(-1, keepdim=True)  # (B, h, T, 1) = phi(q_i)^T z
+            out = num / den.clamp_min(torch.finfo(den.dtype).tiny)  # 0 / 0 only on underflow
+        return out.to(v.dtype)
+
+    def attend_dense(self, x: Tensor, valid: Tensor) -> tuple[Tensor, Tensor]:
+        q, k, v = self.projections(x)  # (B, h, T, d_k)
+        with torch.autocast(x.device.type, enabled=False):
+            fq, fk, v32 = self.features(q, k, v, valid)  # (B, h, T, d_k)
+            scores = fq @ fk.transpose(-1, -2)  # (B, h, T, T), zero at padded keys
+            rows = scores.sum(-1, keepdim=True)  # (B, h, T, 1) = phi(q_i)^T z
+            weights = scores / rows.clamp_min(torch.finfo(rows.dtype).tiny)
+            heads = (weights * self.key_dropout(fk).transpose(-1, -2)) @ v32  # (B, h, T, d_k)
+        return heads.to(v.dtype), weights

@@ -1,0 +1,259 @@
+"""Sliding-window, dilated-window and global attention: `longformer`.
+
+Beltagy, Peters, Cohan, "Longformer: The Long-Document Transformer", 2020 (arXiv:2004.05150),
+section 3.1, bidirectional as in SPEC 4.1. Scaled dot-product scores with separate Q, K, V
+projections as in `full`; query i of head h attends key j (both valid) when
+
+    window heads (the first h - `dilated_heads`):  |i - j| <= w
+    dilated heads (the last `dilated_heads`):      |i - j| <= w delta  and  (i - j) mod delta = 0
+    every head:                                    i or j is a global frame
+
+Global frames: 0, g, 2g, ... (g = `global_every`; 0 = none). Speech has no [CLS] token to make
+global, and an utterance's first frames are usually silence, so a regular grid stands in for the
+paper's task-chosen tokens: at 30 ms frames and g = 64 one global frame every 1.9 s, through which
+any two frames meet within two layers. The grid is counted from the utterance's first frame, so it
+does not depend on what the utterance is batched with (padding comes last). Departure from the
+paper: the global scores reuse the Q, K, V projections (the paper trains a second set for them).
+
+keys_attended counts the pattern (as `sparse_*`): about 2w + 1 + T/g keys for an ordinary frame
+and T for a global one, averaged over frames and heads.
+
+Two kernels (`short_path_max_t`):
+* short T: one SDPA call over all T x T pairs with the pattern as a boolean mask;
+* long T, O(T (w + T/g) D), no T x T tensor: the dilated heads' residue classes mod delta are
+  folded into the batch, which makes their window a plain band of radius w; each block of l = w
+  queries then attends its [previous, own, next] key blocks (sparse.block_windows) plus the G
+  global keys, in one fused SDPA call per head group, (B delta, H, n, l, 3l + G) for the dilated
+  heads; window keys that are global are masked there, since the global part holds them. The
+  global frames' own rows are then replaced by one SDPA call of their queries against all keys,
+  (B, h, G, T). Measured crossover: README, "Speed, FLOPs and kernels".
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from speechattn.attention import patterns
+from speechattn.attention.base import (
+    Attention,
+    AttentionConfig,
+    Flops,
+    key_mask,
+    linear_flops,
+    masked_softmax,
+    scale,
+)
+from speechattn.attention.registry import register
+from speechattn.attention.sparse import (
+    _attend,
+    _blocks,
+    _pad_time,
+    _valid_blocks,
+    block_windows,
+    window_offsets,
+)
+
+
+@dataclass
+class LongformerConfig(AttentionConfig):
+    window: int = 16  # w: window heads attend |i - j| <= w (16 frames = 480 ms each side)
+    dilation: int = 4  # delta: dilated heads see |i - j| <= w delta in steps of delta (1.9 s)
+    dilated_heads: int | None = None  # the last heads use the dilated window; None: floor(h / 2)
+    global_every: int = 64  # g: frames 0, g, 2g, ... are global (1.9 s apart); 0: none
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.window < 1:
+            raise ValueError(f"longformer window w must be >= 1, got {self.window}")
+        if self.dilation < 1:
+            raise ValueError(f"longformer dilation must be >= 1 (1: no gaps), got {self.dilation}")
+        if self.dilated_heads is not None and not 0 <= self.dilated_heads <= self.num_heads:
+            raise ValueError(
+                f"longformer dilated_heads must be in [0, num_heads={self.num_heads}] or None, "
+                f"got {self.dilated_heads}"
+            )
+        if self.global_every < 0:
+            raise ValueError(
+                f"longformer global_every must be >= 0 (0: no global frames), got {self.global_every}"
+            )
+
+    @property
+    def num_dilated(self) -> int:
+        return self.num_heads // 2 if self.dilated_heads is None else self.dilated_heads
+
+
+def _fold_classes(t: Tensor, step: int, dim: int) -> Tensor:
+    """Residue classes mod `step` along `dim` into the batch (zero/False padded):
+    (B, ..., T, ...) -> (B step, ..., m, ...), m = ceil(T / step); frame a step + r is entry
+    a of class r, at batch index b step + r."""
+    T = t.shape[dim]
+    m = -(-T // step)
+    t = _pad_time(t, 0, m * step - T, dim).unflatten(dim, (m, step))  # (B, ..., m, step, ...)
+    return t.movedim(dim + 1, 1).flatten(0, 1)
+
+
+def _unfold_classes(t: Tensor, step: int, T: int) -> Tensor:
+    """Inverse of `_fold_classes` for (B step, H, m, d) -> (B, H, T, d)."""
+    t = t.unflatten(0, (-1, step)).movedim(1, 3)  # (B, H, m, step, d)
+    return t.flatten(2, 3)[:, :, :T]
+
+
+def band_global_kernel(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    kv: Tensor,
+    glob: Tensor,
+    kg: Tensor,
+    vg: Tensor,
+    kvg: Tensor,
+    w: int,
+    p: float = 0.0,
+) -> Tensor:
+    """Band |a - b| <= w plus G global keys, in one softmax per query.
+
+    q, k, v (B, H, m, d) and kv (B, m) allowed keys; glob (B, m) marks the global frames among
+    them (left out of the band, the global part holds them); kg, vg (B, H, G, d) and kvg (B, G)
+    the global keys. A query that is not an allowed key itself (padding) may use its own key,
+    so that no softmax row is empty. Returns (B, H, m, d).
+    """
+    B, H, m, d = q.shape
+    n, G = -(-m // w), kg.shape[2]
+    rel = window_offsets(w, q.device)  # (l, 3l), l = w
+    band_keys = block_windows(kv & ~glob, w, 1)[:, :, None, :]  # (B, n, 1, 3l)
+    pad_self = (rel == 0) & ~_valid_blocks(kv, w)[..., None]  # (B, n, l, 3l)
+    allowed = torch.cat(
+        [(rel.abs() <= w) & band_keys | pad_self, kvg[:, None, None, :].expand(B, n, w, G)],
+        dim=-1,
+    )  # (B, n, l, 3l + G)
+
+    def with_globals(t: Tensor, tg: Tensor) -> Tensor:  # -> (B, H, n, 3l + G, d)
+        return torch.cat([block_windows(t, w, 2), tg[:, :, None].expand(B, H, n, G, d)], dim=3)
+
+    bias = q.new_zeros(())
+    out = _attend(
+        _blocks(q, w), with_globals(k, kg), with_globals(v, vg), allowed[:, None], bias, p
+    )
+    return out.reshape(B, H, n * w, d)[:, :, :m]  # (B, H, m, d)
+
+
+@register("longformer")
+class LongformerAttention(Attention):
+    """Window and dilated-window heads plus global frames (see module docstring)."""
+
+    Config = LongformerConfig
+    paper = "Beltagy et al., Longformer: The Long-Document Transformer, 2020"
+    complexity_training = "O(T (w + T/g) D)"
+    complexity_inference = "O(T (w + T/g) D)"
+    # All-pairs SDPA with the pattern as a mask up to here, the blocked kernel above (README).
+    short_path_max_t = 256
+
+    def __init__(self, config: LongformerConfig) -> None:
+        super().__init__(config)
+        self.window, self.dilation = config.window, config.dilation
+        self.global_every = config.global_every
+        self.num_dilated = config.num_dilated
+        self.qkv = nn.Linear(config.dim, 3 * config.dim, bias=config.bias)  # W^Q | W^K | W^V
+
+    # ----------------------------------------------------------------- metadata
+    def _mean_keys(self, T: int, step: int) -> float:
+        """Keys of one head's pattern per query, averaged over T frames (O(T w), no T x T)."""
+        j, inside = patterns.window_keys(T, self.window, step)  # (T, 2w + 1)
+        count = inside.sum(-1)
+        g = self.global_every
+        if g:
+            global_in_window = (inside & (j % g == 0)).sum(-1)
+            num_global = -(-T // g)
+            count = count + num_global - global_in_window
+            count = torch.where(torch.arange(T) % g == 0, T, count)  # global rows: all frames
+        return float(count.double().mean())
+
+    def keys_attended(self, T: int) -> float:
+        hd = self.num_dilated
+        hw = self.num_heads - hd
+        window = hw * self._mean_keys(T, 1) if hw else 0.0
+        dilated = hd * self._mean_keys(T, self.dilation) if hd else 0.0
+        return (window + dilated) / self.num_heads
+
+    def flops(self, T: int) -> Flops:
+        D = self.dim
+        attention = 2 * 2.0 * T * self.keys_attended(T) * D  # scores and weighted sums
+        return Flops(linear_flops(T, D, 3 * D) + attention + self.output_flops(T))
+
+    # ----------------------------------------------------------------- kernels
+    def _qkv(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        q, k, v = self.qkv(x).chunk(3, dim=-1)  # 3 x (B, T, D)
+        return self.split_heads(q), self.split_heads(k), self.split_heads(v)  # (B, h, T, d_k)
+
+    def head_steps(self) -> list[tuple[slice, int]]:
+        """(heads, step) of the two head groups: window heads step 1, dilated heads delta."""
+        hw = self.num_heads - self.num_dilated
+        groups = [(slice(0, hw), 1), (slice(hw, self.num_heads), self.dilation)]
+        return [(heads, step) for heads, step in groups if heads.stop > heads.start]
+
+    def pattern(self, valid: Tensor) -> Tensor:
+        """(B, h, T, T) bool: each head's pattern restricted to allowed keys, plus the own key
+        of queries that are not allowed keys (padding), so no row is empty."""
+        T = valid.shape[1]
+        device = valid.device
+        heads = []
+        for group, step in self.head_steps():
+            local = patterns.band_pattern(T, self.window * step, device)
+            if step > 1:
+                local = local & patterns.strided_pattern(T, step, device)
+            heads += [local] * (group.stop - group.start)
+        pat = torch.stack(heads)  # (h, T, T)
+        if self.global_every:
+            pat = pat | patterns.global_pattern(T, self.global_every, device)
+        kv = key_mask(valid)
+        eye = torch.eye(T, dtype=torch.bool, device=device)
+        return pat & kv[:, None, None, :] | eye & ~kv[:, None, :, None]
+
+    def attend(self, x: Tensor, valid: Tensor) -> Tensor:
+        q, k, v = self._qkv(x)  # (B, h, T, d_k)
+        p = self.dropout if self.training else 0.0
+        if x.shape[1] <= self.short_path_max_t:
+            mask = self.pattern(valid)  # (B, h, T, T)
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p)
+        return self.attend_long(q, k, v, key_mask(valid), p)
+
+    def attend_long(self, q: Tensor, k: Tensor, v: Tensor, kv: Tensor, p: float) -> Tensor:
+        """The long-sequence kernel (module docstring): q, k, v (B, h, T, d_k), kv (B, T)."""
+        B, h, T, _ = q.shape
+        g = self.global_every
+        frames = torch.arange(T, device=q.device)
+        glob = frames % g == 0 if g else frames < 0  # (T,) the global frames (none for g = 0)
+        gpos = frames[glob]  # (G,)
+        glob = glob.expand(B, T)
+        outs = []
+        for heads, step in self.head_steps():
+            qh, kh, vh = q[:, heads], k[:, heads], v[:, heads]  # (B, H, T, d_k)
+            # the global keys and values, repeated for each of the `step` residue classes
+            kg = kh[:, :, gpos].repeat_interleave(step, 0)  # (B step, H, G, d_k)
+            vg = vh[:, :, gpos].repeat_interleave(step, 0)
+            kvg = kv[:, gpos].repeat_interleave(step, 0)  # (B step, G)
+            kvh, globh = kv, glob
+            if step > 1:  # residue classes mod delta into the batch: the window becomes a band
+                qh, kh, vh = (
+                    _fold_classes(t, step, 2) for t in (qh, kh, vh)
+                )  # (B step, H, m, d_k)
+                kvh, globh = _fold_classes(kv, step, 1), _fold_classes(glob, step, 1)  # (B step, m)
+            out = band_global_kernel(qh, kh, vh, kvh, globh, kg, vg, kvg, self.window, p)
+            outs.append(_unfold_classes(out, step, T) if step > 1 else out)  # (B, H, T, d_k)
+        out = torch.cat(outs, dim=1)  # (B, h, T, d_k)
+        if not g:
+            return out
+        # Global frames attend to every allowed key, in every head.
+        mask = kv[:, None, None, :]  # (B, 1, 1, T)
+        out_g = F.scaled_dot_product_attention(q[:, :, gpos], k, v, attn_mask=mask, dropout_p=p)
+        return out.index_copy(2, gpos, out_g)  # (B, h, T, d_k)
+
+    def attend_dense(self, x: Tensor, valid: Tensor) -> tuple[Tensor, Tensor]:
+        q, k, v = self._qkv(x)  # (B, h, T, d_k)
+        scores = q @ k.transpose(-1, -2) * scale(self.head_dim)  # (B, h, T, T)
+        weights = masked_softmax(scores, self.pattern(valid))  # (B, h, T, T)
+        return self.drop(weights) @ v, weights
