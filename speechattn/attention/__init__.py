@@ -15,6 +15,7 @@ from speechattn.attention import sparse  # noqa: F401  sparse_strided, sparse_fi
 from speechattn.attention import lsh  # noqa: F401  sign_alsh, xbox, xbox_qnf, simple_lsh, simple_alsh
 from speechattn.attention import synthesizer  # noqa: F401  syn_dense, syn_dense_mh, syn_random, syn_fixed
 from speechattn.attention import ldsa  # noqa: F401  ldsa
+from speechattn.attention import relpos  # noqa: F401  relpos
 
 # isort: on
 from speechattn.attention.base import Attention, AttentionConfig, Flops
