@@ -91,9 +91,7 @@ class RelPosAttention(Attention):
         super().__init__(config)
         h, dk = config.num_heads, config.head_dim
         self.qkv = nn.Linear(config.dim, 3 * config.dim, bias=config.bias)  # W^Q | W^K | W^V
-        self.pos_proj = nn.Linear(
-            config.dim, config.dim, bias=False
-        )  # W_R (Transformer-XL W_{k,R})
+        self.pos_proj = nn.Linear(config.dim, config.dim, bias=False)  # W_R, no bias
         # u (content bias) and v (position bias), one d_k vector per head; Xavier-uniform as
         # in Conformer implementations, so that both terms matter from the first step.
         self.pos_bias_u = nn.Parameter(nn.init.xavier_uniform_(torch.empty(h, dk)))
