@@ -16,6 +16,7 @@ from speechattn.attention import lsh  # noqa: F401  sign_alsh, xbox, xbox_qnf, s
 from speechattn.attention import synthesizer  # noqa: F401  syn_dense, syn_dense_mh, syn_random, syn_fixed
 from speechattn.attention import ldsa  # noqa: F401  ldsa
 from speechattn.attention import relpos  # noqa: F401  relpos
+from speechattn.attention import adaptive_span  # noqa: F401  adaptive_span
 
 # isort: on
 from speechattn.attention.base import Attention, AttentionConfig, Flops
