@@ -17,6 +17,7 @@ SMALL_OPTIONS: dict[str, dict] = {
     "syn_fixed": {"max_len": 64},
     "ldsa": {"context": 5},
     "adaptive_span": {"max_span": 8, "ramp": 2},  # spans of 2 frames, reach 3: the band kernel
+    "routing": {"window": 2, "max_clusters": 3},  # clusters of ~T/3 frames
     **{
         n: {"k": 5, "bits": 8}
         for n in ("sign_alsh", "xbox", "xbox_qnf", "simple_lsh", "simple_alsh")
