@@ -170,3 +170,18 @@ def test_one_head_is_all_local():
 def test_invalid_options_are_named(options, match):
     with pytest.raises(ValueError, match=match):
         build("routing", 32, 4, **options)
+
+
+def test_long_kernels_equal_reference_with_dropped_members(monkeypatch):
+    """Band kernel (local heads) and gathered keys (routing heads) against the dense
+    reference, at a length where clusters overflow their capacity."""
+    monkeypatch.setattr(type(make("routing")), "short_path_max_t", 0)
+    attn = make("routing", window=3, max_clusters=4)
+    x, pad = batch([70, 41, 2])
+    xi, xr = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+    y = attn(xi, pad)
+    y_ref, _ = attn.dense_reference(xr, pad)
+    torch.testing.assert_close(y, y_ref, rtol=1e-10, atol=1e-12)
+    y.pow(2).sum().backward()
+    y_ref.pow(2).sum().backward()
+    torch.testing.assert_close(xi.grad, xr.grad, rtol=1e-9, atol=1e-11)
