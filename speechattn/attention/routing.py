@@ -18,8 +18,9 @@ Centroids (h - ceil(h/2), max_clusters, d_k) are a buffer (saved and loaded with
 never touched by the optimiser). In training mode each forward pass moves every used centroid
 towards the mean of the valid vectors assigned to it over the batch (exponential moving
 average with `decay`, then back onto the unit sphere); eval mode leaves them fixed. The update
-is deterministic (one-hot matrix products, no atomics). Under DDP each rank updates its own
-copy from its own batch (not synchronised).
+is deterministic (one-hot matrix products, no atomics). A layer shared across depths (ALBERT)
+updates its centroids once per depth, from that depth's vectors. Under DDP each rank updates
+its own copy from its own batch (not synchronised).
 
 Selection is separate from attention, as in `lsh.py`: `select` gives each query's keys as
 indices (B, h, T, kk) (column 0 = the query itself, the others its band or cluster; repeats of
@@ -195,8 +196,11 @@ class RoutingAttention(SharedQKBase):
                 routes = self.route(self._routing_vectors(k), valid)
             parts.append(self._cluster_members(routes))
         width = max(p.shape[-1] for p in parts)
-        parts = [F.pad(p - i[:, None], (0, width - p.shape[-1])) + i[:, None] for p in parts]
-        idx = torch.cat(parts, dim=1)  # (B, h, T, width), fillers = self
+        parts = [  # the narrower part padded with fillers (the query itself)
+            torch.cat([p, i[:, None].expand(*p.shape[:-1], width - p.shape[-1])], dim=-1)
+            for p in parts
+        ]
+        idx = torch.cat(parts, dim=1)  # (B, h, T, width)
         return torch.cat([i.expand(B, h, T)[..., None], idx], dim=-1)  # (B, h, T, kk)
 
     def _cluster_members(self, routes: Routes) -> Tensor:
