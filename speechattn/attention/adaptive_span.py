@@ -12,9 +12,9 @@ each head sees z_h + R frames on each side. m(0) = 1, so every query keeps its o
 
 The span is learned as z_h / S (the paper's parametrisation), clamped to [0, 1] in the
 forward pass; `spans()` gives the current z (h,). The paper's L1 penalty on the spans is
-`span_loss()` = span_penalty * mean_h z_h (SPEC: lambda mean(z) / S with lambda =
-span_penalty * S); the pretraining task does not add it (yet): a trainer that wants it adds
-`span_loss()` of each attention module to its loss.
+`auxiliary_loss()` = span_penalty * mean_h z_h (SPEC: lambda mean(z) / S with lambda =
+span_penalty * S), which the pretraining task adds to its loss and logs as `aux_loss`
+(span_penalty = 0 turns it off). A layer shared across depths (ALBERT) counts once.
 
 Both kernels compute softmax(s + log m) (log 0 = -inf), which equals the renormalised product
 above, as one fused SDPA call with the log-mask as additive mask (differentiable in z):
@@ -89,8 +89,8 @@ class AdaptiveSpanAttention(Attention):
         """Current spans z (h,) in frames, in [0, S] (differentiable)."""
         return self.span_fraction.clamp(0.0, 1.0) * self.max_span
 
-    def span_loss(self) -> Tensor:
-        """The paper's L1 span penalty, span_penalty * mean_h z_h (a scalar to add to a loss)."""
+    def auxiliary_loss(self) -> Tensor:
+        """The paper's L1 span penalty, span_penalty * mean_h z_h (a scalar)."""
         return self.config.span_penalty * self.spans().mean()
 
     def reach(self) -> int:

@@ -150,6 +150,11 @@ class Attention(nn.Module, ABC):
         """The output projection W^O, shared by every variant."""
         return linear_flops(T, self.dim, self.dim)
 
+    def auxiliary_loss(self) -> Tensor | None:
+        """A term the variant adds to the training loss (adaptive_span: its span penalty);
+        None for the others. The pretraining task adds it once per module."""
+        return None
+
     # ----------------------------------------------------------------- variant hooks
     @abstractmethod
     def attend(self, x: Tensor, valid: Tensor) -> Tensor:

@@ -72,11 +72,11 @@ def test_spans_are_learnable_and_clamped():
     assert attn.reach() == 9  # ceil(8 + 2) - 1
 
 
-def test_span_loss_is_the_l1_penalty_and_shrinks_spans():
+def test_auxiliary_loss_is_the_l1_penalty_and_shrinks_spans():
     attn = _with_spans(span_penalty=1e-3)
     z = torch.tensor(SPANS, dtype=torch.float64) * 8
-    torch.testing.assert_close(attn.span_loss(), 1e-3 * z.mean())
-    attn.span_loss().backward()
+    torch.testing.assert_close(attn.auxiliary_loss(), 1e-3 * z.mean())
+    attn.auxiliary_loss().backward()
     assert (attn.span_fraction.grad > 0).all()  # gradient descent makes every span shorter
 
 
