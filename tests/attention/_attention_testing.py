@@ -83,9 +83,10 @@ def train_pass(attn: Attention, x, pad, w, dtype: torch.dtype | None = None, den
 
 
 def hold_selection(attn: Attention, monkeypatch: pytest.MonkeyPatch) -> None:
-    """LSH variants: the first top-k `select` computes serves every later call and the dense
-    reference's selection, so passes in other dtypes differ in their kernels only (a sign bit
-    of a half-precision query may flip, which changes the keys, not the kernels' accuracy)."""
+    """Variants that select keys (LSH, routing): the first selection `select` computes serves
+    every later call and the dense reference's selection, so passes in other dtypes differ in
+    their kernels only (a sign bit or a cluster of a half-precision query may flip, which
+    changes the keys, not the kernels' accuracy)."""
     if not hasattr(attn, "select"):
         return
     chosen = {}
