@@ -108,11 +108,9 @@ class RoutingAttention(SharedQKBase):
 
     def __init__(self, config: RoutingConfig) -> None:
         super().__init__(config)
-        self.window, self.max_clusters, self.decay = (
-            config.window,
-            config.max_clusters,
-            config.decay,
-        )
+        self.window = config.window
+        self.max_clusters = config.max_clusters
+        self.decay = config.decay
         self.heads_local = (config.num_heads + 1) // 2
         h_r = config.num_heads - self.heads_local
         gen = torch.Generator().manual_seed(config.seed)
