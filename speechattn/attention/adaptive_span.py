@@ -11,7 +11,8 @@ The paper is causal (x = i - j >= 0); speech encoders are bidirectional, so here
 each head sees z_h + R frames on each side. m(0) = 1, so every query keeps its own key.
 
 The span is learned as z_h / S (the paper's parametrisation), clamped to [0, 1] in the
-forward pass; `spans()` gives the current z (h,). The paper's L1 penalty on the spans is
+forward pass and, as in the paper, projected back into [0, 1] after every optimiser step
+(`after_optimizer_step`, called by the pretraining task); `spans()` gives the current z (h,). The paper's L1 penalty on the spans is
 `auxiliary_loss()` = span_penalty * mean_h z_h (SPEC: lambda mean(z) / S with lambda =
 span_penalty * S), which the pretraining task adds to its loss and logs as `aux_loss`
 (span_penalty = 0 turns it off). A layer shared across depths (ALBERT) counts once.
@@ -92,6 +93,13 @@ class AdaptiveSpanAttention(Attention):
     def auxiliary_loss(self) -> Tensor:
         """The paper's L1 span penalty, span_penalty * mean_h z_h (a scalar)."""
         return self.config.span_penalty * self.spans().mean()
+
+    @torch.no_grad()
+    def after_optimizer_step(self) -> None:
+        """The paper's projection of z / S back into [0, 1] after each step: a span pushed to
+        0 or S keeps the gradient of the mask's ramp and can move back (a parameter left
+        outside would only meet the forward clamp, whose gradient there is 0)."""
+        self.span_fraction.clamp_(0.0, 1.0)
 
     def reach(self) -> int:
         """Largest distance x with m_z(x) > 0 in any head: ceil(max z + R) - 1."""

@@ -155,6 +155,10 @@ class Attention(nn.Module, ABC):
         None for the others. The pretraining task adds it once per module."""
         return None
 
+    def after_optimizer_step(self) -> None:
+        """Called by the pretraining task after each optimiser step to put parameters back
+        into their valid range (adaptive_span: its spans); nothing for the others."""
+
     # ----------------------------------------------------------------- variant hooks
     @abstractmethod
     def attend(self, x: Tensor, valid: Tensor) -> Tensor:

@@ -355,6 +355,9 @@ class PretrainTask(L.LightningModule):
 
     def optimizer_step(self, *args: Any, **kwargs: Any) -> None:
         super().optimizer_step(*args, **kwargs)
+        for module in self.model.modules():
+            if isinstance(module, Attention):
+                module.after_optimizer_step()  # adaptive_span: spans back into [0, S]
         # a finite loss and gradient can still overflow the weights (lr far too high); after
         # that every later loss is NaN, so stop before a checkpoint or upstream.pt keeps them
         bad = nonfinite_tensors(dict(self.model.named_parameters()))

@@ -459,6 +459,20 @@ def test_adaptive_span_penalty_joins_the_training_loss(tmp_path, penalty):
     assert len(train_losses(tmp_path / "metrics.csv")) >= 3
 
 
+def test_adaptive_spans_are_projected_into_range_after_each_step(tmp_path):
+    """A penalty far above the reconstruction gradient drives every span to 0, where the
+    projection after each optimiser step (the paper's clamp) holds it."""
+    cfg = compose_pretrain(
+        tmp_path, *SYNTH, "attention=adaptive_span", "attention.options.span_penalty=10",
+        "model.optimizer.lr=0.2", "model.optimizer.warmup_steps=0",
+    )  # fmt: skip
+    run(cfg, datamodule=SyntheticPretrainData())
+    task = PretrainTask.load_from_checkpoint(
+        str(tmp_path / "checkpoints" / "last.ckpt"), map_location="cpu", weights_only=True
+    )
+    assert (task.model.encoder.layers[0].attention.span_fraction == 0).all()
+
+
 def test_no_auxiliary_loss_without_a_variant_that_has_one(tmp_path):
     cfg = compose_pretrain(tmp_path, *SYNTH, "trainer.max_steps=1")
     run(cfg, datamodule=SyntheticPretrainData())
