@@ -70,6 +70,9 @@ def test_spans_are_learnable_and_clamped():
         attn.span_fraction.copy_(torch.tensor([-0.5, 0.0, 1.0, 3.0]))
     assert attn.spans().tolist() == [0.0, 0.0, 8.0, 8.0]
     assert attn.reach() == 9  # ceil(8 + 2) - 1
+    attn.after_optimizer_step()  # the paper's projection: the parameter itself back in range
+    assert attn.span_fraction.tolist() == [0.0, 0.0, 1.0, 1.0]
+    assert build("full", 32, 4).auxiliary_loss() is None  # other variants: no hooks to honour
 
 
 def test_auxiliary_loss_is_the_l1_penalty_and_shrinks_spans():
