@@ -17,6 +17,9 @@ from speechattn.attention import synthesizer  # noqa: F401  syn_dense, syn_dense
 from speechattn.attention import ldsa  # noqa: F401  ldsa
 from speechattn.attention import longformer  # noqa: F401  longformer
 from speechattn.attention import linear  # noqa: F401  linear
+from speechattn.attention import relpos  # noqa: F401  relpos
+from speechattn.attention import adaptive_span  # noqa: F401  adaptive_span
+from speechattn.attention import routing  # noqa: F401  routing
 
 # isort: on
 from speechattn.attention.base import Attention, AttentionConfig, Flops

@@ -161,6 +161,15 @@ class Attention(nn.Module, ABC):
         """The output projection W^O, shared by every variant."""
         return linear_flops(T, self.dim, self.dim)
 
+    def auxiliary_loss(self) -> Tensor | None:
+        """A term the variant adds to the training loss (adaptive_span: its span penalty);
+        None for the others. The pretraining task adds it once per module."""
+        return None
+
+    def after_optimizer_step(self) -> None:
+        """Called by the pretraining task after each optimiser step to put parameters back
+        into their valid range (adaptive_span: its spans); nothing for the others."""
+
     # ----------------------------------------------------------------- variant hooks
     @abstractmethod
     def attend(self, x: Tensor, valid: Tensor) -> Tensor:

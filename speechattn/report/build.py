@@ -105,6 +105,7 @@ def make_report(
     if fig is not None:
         report.files.append(fig)
     report.files += _head_analyses(results_dir, report)
+    report.files += _spans(results, report)
 
     (report.out / "README.md").write_text(_readme(report, results, tables=(table2, table1_md)))
     report.files.append(report.out / "README.md")
@@ -119,6 +120,17 @@ def _head_analyses(results_dir: Path, report: Report) -> list[Path]:
         return head_report(results_dir, report.out)
     except Exception as e:  # a broken heads.json must not sink the accuracy tables
         report.notes.append(f"head analyses: {type(e).__name__}: {e}")
+        return []
+
+
+def _spans(results: ResultSet, report: Report) -> list[Path]:
+    """`spans.md` / `spans.csv`: learned spans per layer and head of adaptive_span upstreams."""
+    try:
+        from speechattn.report.spans import spans_report
+
+        return spans_report(results, report.out)
+    except Exception as e:  # a broken upstream must not sink the whole report
+        report.notes.append(f"spans.md: {type(e).__name__}: {e}")
         return []
 
 
@@ -198,6 +210,11 @@ def _readme(report: Report, results: ResultSet, tables: tuple) -> str:
             "| [heads.md](heads.md), `heads_*.png`, `fig_heads_pruning.png` | head importance "
             "heat-maps, single-head ablations and pruning curves (`python -m speechattn.analyze "
             "heads`) |"
+        )
+    if (report.out / "spans.md").is_file():
+        lines.append(
+            "| [spans.md](spans.md) / `spans.csv` | learned attention span of every head and "
+            "layer of the adaptive_span upstreams |"
         )
     lines += ["", "## Accuracy (Table 2)", "", table2.markdown()]
     if report.missing:

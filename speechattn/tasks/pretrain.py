@@ -27,6 +27,7 @@ import torch
 from torch import Tensor
 from torch.utils.data import Dataset, Sampler
 
+from speechattn.attention import Attention
 from speechattn.data.features import Normalizer
 from speechattn.model.aalbert import AALBERT, ModelConfig
 from speechattn.model.masking import MaskingConfig, mask_frames, masked_l1
@@ -301,7 +302,17 @@ class PretrainTask(L.LightningModule):
             self.log("train_loss", loss, prog_bar=True, on_step=True, batch_size=chosen)
             # kept here: callback_metrics lose step-only values when validate() runs after fit
             self.last_train_loss = float(loss.detach())
+        aux = self.auxiliary_loss()
+        if aux is not None:  # adaptive_span's span penalty; train_loss stays reconstruction
+            self.log("aux_loss", aux, on_step=True, batch_size=1)
+            loss = loss + aux
         return loss
+
+    def auxiliary_loss(self) -> Tensor | None:
+        """Sum of the attention modules' `auxiliary_loss()`, each (shared) module once."""
+        terms = [m.auxiliary_loss() for m in self.model.modules() if isinstance(m, Attention)]
+        terms = [t for t in terms if t is not None]
+        return torch.stack(terms).sum() if terms else None
 
     def _log_throughput(self, frames: int) -> None:
         now = time.perf_counter()
@@ -344,6 +355,9 @@ class PretrainTask(L.LightningModule):
 
     def optimizer_step(self, *args: Any, **kwargs: Any) -> None:
         super().optimizer_step(*args, **kwargs)
+        for module in self.model.modules():
+            if isinstance(module, Attention):
+                module.after_optimizer_step()  # adaptive_span: spans back into [0, S]
         # a finite loss and gradient can still overflow the weights (lr far too high); after
         # that every later loss is NaN, so stop before a checkpoint or upstream.pt keeps them
         bad = nonfinite_tensors(dict(self.model.named_parameters()))

@@ -17,6 +17,8 @@ SMALL_OPTIONS: dict[str, dict] = {
     "syn_fixed": {"max_len": 64},
     "ldsa": {"context": 5},
     "longformer": {"window": 2, "dilation": 3, "global_every": 7},
+    "adaptive_span": {"max_span": 8, "ramp": 2},  # spans of 2 frames, reach 3: the band kernel
+    "routing": {"window": 2, "max_clusters": 3},  # clusters of ~T/3 frames
     **{
         n: {"k": 5, "bits": 8}
         for n in ("sign_alsh", "xbox", "xbox_qnf", "simple_lsh", "simple_alsh")
@@ -109,9 +111,10 @@ def train_pass(attn: Attention, x, pad, w, dtype: torch.dtype | None = None, den
 
 
 def hold_selection(attn: Attention, monkeypatch: pytest.MonkeyPatch) -> None:
-    """LSH variants: the first top-k `select` computes serves every later call and the dense
-    reference's selection, so passes in other dtypes differ in their kernels only (a sign bit
-    of a half-precision query may flip, which changes the keys, not the kernels' accuracy)."""
+    """Variants that select keys (LSH, routing): the first selection `select` computes serves
+    every later call and the dense reference's selection, so passes in other dtypes differ in
+    their kernels only (a sign bit or a cluster of a half-precision query may flip, which
+    changes the keys, not the kernels' accuracy)."""
     if not hasattr(attn, "select"):
         return
     chosen = {}

@@ -484,3 +484,43 @@ def test_crop_beyond_the_attention_limit_fails_before_training(tmp_path):
         run(cfg, datamodule=SyntheticPretrainData())
     assert "attention.options.max_len>=500" in str(e.value)
     assert not (tmp_path / "checkpoints").exists()
+
+
+@pytest.mark.parametrize("penalty", [0.0, 0.5])
+def test_adaptive_span_penalty_joins_the_training_loss(tmp_path, penalty):
+    """The task adds the span penalty (once for the shared layer) to the loss it optimises:
+    a large one shrinks the spans that reconstruction alone lengthens (Adam: ~lr per step)."""
+    cfg = compose_pretrain(
+        tmp_path, *SYNTH, "attention=adaptive_span", f"attention.options.span_penalty={penalty}"
+    )
+    run(cfg, datamodule=SyntheticPretrainData())
+    task = PretrainTask.load_from_checkpoint(
+        str(tmp_path / "checkpoints" / "last.ckpt"), map_location="cpu", weights_only=True
+    )
+    spans = task.model.encoder.layers[0].attention.spans()  # init: S / 4 = 64 frames
+    torch.testing.assert_close(task.auxiliary_loss(), penalty * spans.mean())
+    assert (spans < 64).all() if penalty else (spans != 64).all()  # learned either way
+    assert len(train_losses(tmp_path / "metrics.csv")) >= 3
+
+
+def test_adaptive_spans_are_projected_into_range_after_each_step(tmp_path):
+    """A penalty far above the reconstruction gradient drives every span to 0, where the
+    projection after each optimiser step (the paper's clamp) holds it."""
+    cfg = compose_pretrain(
+        tmp_path, *SYNTH, "attention=adaptive_span", "attention.options.span_penalty=10",
+        "model.optimizer.lr=0.2", "model.optimizer.warmup_steps=0",
+    )  # fmt: skip
+    run(cfg, datamodule=SyntheticPretrainData())
+    task = PretrainTask.load_from_checkpoint(
+        str(tmp_path / "checkpoints" / "last.ckpt"), map_location="cpu", weights_only=True
+    )
+    assert (task.model.encoder.layers[0].attention.span_fraction == 0).all()
+
+
+def test_no_auxiliary_loss_without_a_variant_that_has_one(tmp_path):
+    cfg = compose_pretrain(tmp_path, *SYNTH, "trainer.max_steps=1")
+    run(cfg, datamodule=SyntheticPretrainData())
+    task = PretrainTask.load_from_checkpoint(
+        str(tmp_path / "checkpoints" / "last.ckpt"), map_location="cpu", weights_only=True
+    )
+    assert task.auxiliary_loss() is None

@@ -1,0 +1,140 @@
+"""Relative positional multi-head self-attention (Transformer-XL, as used by Conformer): `relpos`.
+
+* Dai et al., "Transformer-XL: Attentive Language Models Beyond a Fixed-Length Context",
+  ACL 2019, section 3.3 (relative positional encodings, terms (a)-(d)).
+* Gulati et al., "Conformer: Convolution-augmented Transformer for Speech Recognition",
+  Interspeech 2020, section 2.1 (the same attention, bidirectional, in a speech encoder).
+
+Per head, with r_m the sinusoidal embedding of the relative distance m = i - j in
+[-(T-1), T-1], W_R a linear map without bias (shared by the heads, split like Q, K, V) and
+u_h, v_h learned per-head biases:
+
+    score_ij = ((q_i + u_h)^T k_j + (q_i + v_h)^T (W_R r_{i-j})_h) / sqrt(d_k)
+
+The first term is content (Transformer-XL's (a) + (c)), the second position ((b) + (d)).
+Non-causal: every valid key j is attended. The sinusoids depend on T only and cost O(T D)
+elementwise work, far below the O(T D^2) projection of them, so they are not cached.
+
+Efficient path: the position term is one (T, 2T - 1) product per head against the 2T - 1
+projected distances, turned into the (T, T) matrix of term (i, j) by the relative shift
+(Transformer-XL appendix B: pad one zero column, reshape, drop a row), then passed as the
+additive mask of one fused SDPA call whose queries are q + u. No (T, T, D) tensor is formed.
+The dense reference gathers the distance index T - 1 - (i - j) explicitly for every (i, j).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from speechattn.attention.base import (
+    Attention,
+    AttentionConfig,
+    Flops,
+    key_mask,
+    linear_flops,
+    masked_softmax,
+    scale,
+)
+from speechattn.attention.registry import register
+
+
+def relative_sinusoids(T: int, dim: int, device: torch.device, dtype: torch.dtype) -> Tensor:
+    """Sinusoidal embeddings of the distances m = T-1, T-2, ..., -(T-1): (2T - 1, dim).
+
+    Row n holds distance m = T - 1 - n (largest first, the order the relative shift expects);
+    columns alternate sin, cos of m / 10000^(2c / dim) (Vaswani et al. 2017, section 3.5).
+    Computed in float64 so that long sequences keep exact angles, then cast to `dtype`.
+    """
+    m = torch.arange(T - 1, -T, -1, device=device, dtype=torch.float64)  # (2T - 1,)
+    c = torch.arange(0, dim, 2, device=device, dtype=torch.float64)
+    angles = m[:, None] * torch.exp(c * (-math.log(10000.0) / dim))  # (2T - 1, ceil(dim / 2))
+    r = torch.stack([angles.sin(), angles.cos()], dim=-1).flatten(1)[:, :dim]  # (2T - 1, dim)
+    return r.to(dtype)
+
+
+def relative_shift(scores: Tensor) -> Tensor:
+    """(..., T, 2T - 1) scores against the distances T-1..-(T-1) -> (..., T, T) with
+    out[..., i, j] = scores[..., i, T - 1 - i + j], the score of distance i - j.
+
+    Transformer-XL's trick: with a zero column in front, the flat (T, 2T) rows read as
+    (2T, T); dropping the first of those rows shifts row i left by T - i positions.
+    """
+    *lead, T, W = scores.shape
+    padded = F.pad(scores, (1, 0))  # (..., T, 2T)
+    shifted = padded.reshape(*lead, W + 1, T)[..., 1:, :]  # (..., 2T - 1, T)
+    return shifted.reshape(*lead, T, W)[..., :T]  # (..., T, T)
+
+
+@dataclass
+class RelPosConfig(AttentionConfig):
+    """No options beyond the shared ones (the sinusoids need no maximum length)."""
+
+
+@register("relpos")
+class RelPosAttention(Attention):
+    """Transformer-XL relative positional self-attention with content and position biases."""
+
+    Config = RelPosConfig
+    paper = (
+        "Dai et al., Transformer-XL, ACL 2019; Gulati et al., Conformer, Interspeech 2020 "
+        "(relative positional multi-head self-attention)"
+    )
+    complexity_training = "O(T^2 D)"
+    complexity_inference = "O(T^2 D)"
+
+    def __init__(self, config: RelPosConfig) -> None:
+        super().__init__(config)
+        h, dk = config.num_heads, config.head_dim
+        self.qkv = nn.Linear(config.dim, 3 * config.dim, bias=config.bias)  # W^Q | W^K | W^V
+        self.pos_proj = nn.Linear(config.dim, config.dim, bias=False)  # W_R, no bias
+        # u (content bias) and v (position bias), one d_k vector per head; Xavier-uniform as
+        # in Conformer implementations, so that both terms matter from the first step.
+        self.pos_bias_u = nn.Parameter(nn.init.xavier_uniform_(torch.empty(h, dk)))
+        self.pos_bias_v = nn.Parameter(nn.init.xavier_uniform_(torch.empty(h, dk)))
+
+    def keys_attended(self, T: int) -> float:
+        return float(T)
+
+    def flops(self, T: int) -> Flops:
+        D = self.dim
+        projections = linear_flops(T, D, 3 * D) + linear_flops(2 * T - 1, D, D)  # QKV, W_R r
+        content = 2 * 2.0 * T * T * D  # (q + u) k^T and weights x V, all heads
+        position = 2.0 * T * (2 * T - 1) * D  # (q + v) against the 2T - 1 distances
+        return Flops(projections + content + position + self.output_flops(T))
+
+    def _qkv(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        q, k, v = self.qkv(x).chunk(3, dim=-1)  # 3 x (B, T, D)
+        return self.split_heads(q), self.split_heads(k), self.split_heads(v)  # (B, h, T, d_k)
+
+    def _position_scores(self, q: Tensor) -> Tensor:
+        """(q + v) against every distance, unshifted: (B, h, T, 2T - 1), row n <-> T - 1 - n."""
+        B, h, T, dk = q.shape
+        r = relative_sinusoids(T, self.dim, q.device, self.pos_proj.weight.dtype)
+        p = self.pos_proj(r).view(2 * T - 1, h, dk).transpose(0, 1)  # (h, 2T - 1, d_k)
+        qv = q + self.pos_bias_v.to(q.dtype)[:, None, :]  # (B, h, T, d_k)
+        return qv @ p.transpose(-1, -2).to(q.dtype)  # (B, h, T, 2T - 1)
+
+    def attend(self, x: Tensor, valid: Tensor) -> Tensor:
+        q, k, v = self._qkv(x)  # (B, h, T, d_k)
+        bias = relative_shift(self._position_scores(q)) * scale(self.head_dim)  # (B, h, T, T)
+        if not bool(valid.all()):
+            bias = bias.masked_fill(~key_mask(valid)[:, None, None, :], float("-inf"))
+        qu = q + self.pos_bias_u.to(q.dtype)[:, None, :]  # (B, h, T, d_k)
+        p = self.dropout if self.training else 0.0
+        return F.scaled_dot_product_attention(qu, k, v, attn_mask=bias.to(qu.dtype), dropout_p=p)
+
+    def attend_dense(self, x: Tensor, valid: Tensor) -> tuple[Tensor, Tensor]:
+        q, k, v = self._qkv(x)  # (B, h, T, d_k)
+        B, h, T, _ = q.shape
+        content = (q + self.pos_bias_u.to(q.dtype)[:, None, :]) @ k.transpose(-1, -2)
+        i = torch.arange(T, device=x.device)
+        column = (T - 1 - (i[:, None] - i[None, :])).expand(B, h, T, T)  # distance i - j's row
+        position = self._position_scores(q).gather(-1, column)  # (B, h, T, T)
+        scores = (content + position) * scale(self.head_dim)  # (B, h, T, T)
+        weights = masked_softmax(scores, key_mask(valid)[:, None, None, :])
+        return self.drop(weights) @ v, weights

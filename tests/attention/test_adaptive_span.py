@@ -1,0 +1,105 @@
+"""adaptive_span: the soft mask, its two kernels, the learnable clamped spans and their penalty."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from _attention_testing import HEADS, batch, make
+
+from speechattn.attention import build
+
+SPANS = [0.0, 0.25, 0.6, 1.0]  # z / S per head: no span, short, longer, the maximum
+
+
+def _with_spans(**options) -> torch.nn.Module:
+    attn = make("adaptive_span", **options)
+    with torch.no_grad():
+        attn.span_fraction.copy_(torch.tensor(SPANS, dtype=torch.float64))
+    return attn
+
+
+def test_weights_follow_the_paper_with_absolute_distance():
+    attn = _with_spans()  # S = 8, R = 2
+    x, pad = batch([15, 9])
+    _, w = attn(x, pad, need_weights=True)
+    q, k, _ = attn._qkv(x)
+    T = x.shape[1]
+    probs = (
+        (q @ k.transpose(-1, -2) / (k.shape[-1] ** 0.5))
+        .masked_fill(pad[:, None, None, :], float("-inf"))
+        .softmax(-1)
+    )  # (B, h, T, T)
+    for h, frac in enumerate(SPANS):
+        z = 8 * frac
+        for i in range(T):
+            for j in range(T):
+                m = min(max((2 + z - abs(i - j)) / 2, 0.0), 1.0)
+                probs[:, h, i, j] *= m
+    total = probs.sum(-1, keepdim=True).clamp_min(1e-300)  # padded queries: 0, not NaN
+    expected = probs / total * (~pad)[:, None, :, None]
+    torch.testing.assert_close(w, expected, rtol=1e-10, atol=1e-12)
+    assert w[0, 0, 7, 7 + 2] == 0 and w[0, 0, 7, 7 + 1] > 0  # z = 0, R = 2: reach 1
+    assert w[0, 1, 7, 7 + 4] == 0 and w[0, 1, 7, 7 + 3] > 0  # z = 2, R = 2: reach 3
+
+
+@pytest.mark.parametrize("T", [47, 67])
+def test_band_kernel_equals_all_pairs(T, monkeypatch):
+    """Forward and gradients (spans included) of the band of blocks and of all pairs agree."""
+    attn = _with_spans(max_span=12, ramp=3)
+    x, pad = batch([T, T - 11, 5])  # 3 X < T: the band kernel really runs
+    results = []
+    for limit in (10**6, 0):  # all pairs, band (reach ceil(12 + 3) - 1 = 14)
+        monkeypatch.setattr(type(attn), "short_path_max_t", limit)
+        attn.zero_grad()
+        xi = x.clone().requires_grad_(True)
+        y = attn(xi, pad)
+        (y * torch.linspace(-1, 1, y.numel(), dtype=y.dtype).view(y.shape)).sum().backward()
+        results.append((y.detach(), xi.grad, attn.span_fraction.grad.clone()))
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+    assert attn.reach() == 14 and 3 * attn.reach() < T
+
+
+def test_spans_are_learnable_and_clamped():
+    attn = make("adaptive_span", max_span=8, ramp=2, init_span=0.5)
+    torch.testing.assert_close(attn.spans(), torch.full((HEADS,), 4.0, dtype=torch.float64))
+    x, pad = batch([12, 7])
+    attn(x, pad).pow(2).sum().backward()
+    assert attn.span_fraction.grad.abs().min() > 0  # every head's span receives a gradient
+    with torch.no_grad():
+        attn.span_fraction.copy_(torch.tensor([-0.5, 0.0, 1.0, 3.0]))
+    assert attn.spans().tolist() == [0.0, 0.0, 8.0, 8.0]
+    assert attn.reach() == 9  # ceil(8 + 2) - 1
+    attn.after_optimizer_step()  # the paper's projection: the parameter itself back in range
+    assert attn.span_fraction.tolist() == [0.0, 0.0, 1.0, 1.0]
+    assert build("full", 32, 4).auxiliary_loss() is None  # other variants: no hooks to honour
+
+
+def test_auxiliary_loss_is_the_l1_penalty_and_shrinks_spans():
+    attn = _with_spans(span_penalty=1e-3)
+    z = torch.tensor(SPANS, dtype=torch.float64) * 8
+    torch.testing.assert_close(attn.auxiliary_loss(), 1e-3 * z.mean())
+    attn.auxiliary_loss().backward()
+    assert (attn.span_fraction.grad > 0).all()  # gradient descent makes every span shorter
+
+
+def test_keys_attended_counts_nonzero_mask_entries():
+    attn = _with_spans()
+    x, _ = batch([13])
+    _, w = attn(x, need_weights=True)
+    assert attn.keys_attended(13) == pytest.approx(float((w > 0).sum(-1).double().mean()))
+    assert attn.keys_attended(1) == 1.0
+
+
+@pytest.mark.parametrize(
+    ("options", "match"),
+    [
+        ({"max_span": 0}, "max_span >= 1"),
+        ({"ramp": 0}, "ramp >= 1"),
+        ({"init_span": 1.5}, "init_span"),
+        ({"span_penalty": -1.0}, "span_penalty"),
+    ],
+)
+def test_invalid_options_are_named(options, match):
+    with pytest.raises(ValueError, match=match):
+        build("adaptive_span", 32, 4, **options)

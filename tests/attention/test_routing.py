@@ -1,0 +1,187 @@
+"""routing: cluster selection, balanced capacity, local heads and the EMA centroids."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from _attention_testing import HEADS, batch, make
+
+from speechattn.attention import build
+
+LOCAL = (HEADS + 1) // 2  # heads [0, LOCAL) are local, the others route
+
+
+def _expected_support(attn, x, pad) -> torch.Tensor:
+    """(B, h, T, T) keys each query may use, from the SPEC's definition written out here."""
+    q, k, _ = attn._qkv(x)
+    B, h, T, _ = q.shape
+    out = torch.zeros(B, h, T, T, dtype=torch.bool)
+    for b in range(B):
+        n = int((~pad[b]).sum())
+        C = min(math.ceil(math.sqrt(n)), attn.max_clusters)
+        cap = math.ceil(n / C)
+        for head in range(h):
+            for i in range(n):
+                out[b, head, i, i] = True
+            if head < LOCAL:
+                for i in range(n):
+                    for j in range(n):
+                        out[b, head, i, j] |= abs(i - j) <= attn.window
+                continue
+            sim = k[b, head, :n] @ attn.centroids[head - LOCAL, :C].T  # (n, C)
+            best, cluster = sim.max(-1)
+            kept = set()
+            for c in range(C):
+                members = [j for j in range(n) if cluster[j] == c]
+                members.sort(key=lambda j: (-float(best[j].detach()), j))
+                kept |= set(members[:cap])
+            for i in range(n):
+                for j in kept:
+                    out[b, head, i, j] |= bool(cluster[i] == cluster[j])
+    return out
+
+
+@pytest.mark.parametrize("lengths", [[40, 23, 1], [90]])
+def test_support_matches_the_definition(lengths):
+    attn = make("routing")  # w = 2, at most 3 clusters: capacities of ~T/3 frames
+    x, pad = batch(lengths)
+    _, w = attn(x, pad, need_weights=True)
+    expected = _expected_support(attn, x, pad)
+    assert torch.equal(w > 0, expected & (w > 0))  # weight only inside the support
+    # every supported key but self gets weight (self only when alone: shared-QK penalty)
+    off_diagonal = expected & ~torch.eye(x.shape[1], dtype=torch.bool)
+    assert (w[off_diagonal] > 0).all()
+
+
+def test_clusters_are_balanced_and_some_members_dropped():
+    """At most ceil(T / C) keys per cluster, all from the query's own cluster; an unbalanced
+    routing really drops members, and a dropped query still attends its cluster's kept ones."""
+    attn = make("routing", max_clusters=4)
+    valid = torch.ones(1, 64, dtype=torch.bool)
+    x, _ = batch([64])
+    q, k, _ = attn._qkv(x)
+    idx = attn.select(q, k, valid)  # (1, h, T, kk)
+    routes = attn.route(k[:, LOCAL:], valid)
+    cap = int(routes.capacity[0])
+    assert cap == 16  # C = min(ceil(sqrt(64)), 4) = 4 clusters of at most 16
+    assert idx.shape[-1] == 1 + max(2 * attn.window, cap)
+    dropped = 0
+    for head in range(HEADS - LOCAL):
+        cluster = routes.cluster[0, head]
+        for c in cluster.unique().tolist():
+            members = (cluster == c).nonzero().flatten()
+            keys = set(idx[0, LOCAL + head, members, 1:].flatten().tolist())
+            assert keys <= set(members.tolist()) and len(keys) == min(cap, len(members))
+            for i in members.tolist():  # every member sees all kept keys (or is one)
+                assert set(idx[0, LOCAL + head, i].tolist()) - {i} == keys - {i}
+            dropped += max(0, len(members) - cap)
+    assert dropped > 0
+
+
+def test_fast_selection_equals_reference_with_truncation():
+    """`select` (sorts and a member table) equals `selection_dense` (pairwise ranks)."""
+    attn = make("routing", max_clusters=5)
+    x, pad = batch([120, 77, 31])
+    q, k, _ = attn._qkv(x)
+    idx = attn.select(q, k, ~pad)
+    T = x.shape[1]
+    fast = torch.zeros(idx.shape[:-1] + (T,), dtype=torch.bool).scatter(-1, idx, True)
+    ref = attn.selection_dense(q, k, ~pad)
+    valid_rows = (~pad)[:, None, :, None]
+    assert torch.equal(fast & valid_rows, ref & valid_rows)
+    routed = fast[:, LOCAL:] & ~torch.eye(T, dtype=torch.bool)  # local bands are masked later
+    assert not (routed & pad[:, None, None, :]).any()  # padded keys never join a cluster
+
+
+def test_ema_moves_centroids_towards_member_means_in_training_only():
+    attn = make("routing", decay=0.9)
+    x, pad = batch([30, 18])
+    before = attn.centroids.clone()
+    attn(x, pad)  # eval: fixed
+    assert torch.equal(attn.centroids, before)
+    q, k, _ = attn._qkv(x)
+    routes = attn.route(k[:, LOCAL:], ~pad)  # assignment before the update
+    attn.train()
+    attn(x, pad)
+    for head in range(HEADS - LOCAL):
+        for c in range(attn.max_clusters):
+            members = k[:, LOCAL + head][routes.cluster[:, head] == c]  # (n, d_k)
+            old, new = before[head, c], attn.centroids[head, c]
+            if len(members) == 0:
+                assert torch.equal(new, old)
+                continue
+            mean = members.mean(0)
+            want = F.normalize(0.9 * old + 0.1 * mean, dim=0)
+            torch.testing.assert_close(new, want)
+            cos = F.cosine_similarity
+            assert cos(new, mean, dim=0) > cos(old, mean, dim=0)  # closer to its members
+    assert not torch.equal(attn.centroids, before)
+
+
+def test_ema_is_deterministic_and_centroids_save_with_the_model():
+    x, pad = batch([25, 12])
+    a, b = make("routing").train(), make("routing").train()
+    a(x, pad)
+    b(x, pad)
+    assert torch.equal(a.centroids, b.centroids)
+    assert "centroids" in a.state_dict()
+    fresh = make("routing", seed=1)
+    assert not torch.equal(fresh.centroids, a.centroids)
+    fresh.load_state_dict(a.state_dict())
+    assert torch.equal(fresh.centroids, a.centroids)
+    assert not a.centroids.requires_grad
+
+
+def test_centroid_update_runs_in_float32_under_autocast():
+    """The EMA step under bf16 autocast equals the float32 step on the same (rounded) keys."""
+    x, pad = batch([50, 20])
+    attn = build("routing", 32, 4, window=2, max_clusters=3)
+    ref = build("routing", 32, 4, window=2, max_clusters=3)
+    _, k, _ = attn._qkv(x.float())
+    ref.update_centroids(k.bfloat16().float(), ~pad)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        attn.update_centroids(k.bfloat16(), ~pad)
+    assert attn.centroids.dtype == torch.float32
+    assert torch.equal(attn.centroids, ref.centroids)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert attn(x.float(), pad).dtype == torch.bfloat16  # the caller's dtype comes back
+
+
+def test_one_head_is_all_local():
+    attn = build("routing", 32, 1, window=3).double().eval()
+    x, pad = batch([9])
+    _, w = attn(x, pad, need_weights=True)
+    i = torch.arange(9)
+    assert ((w[0, 0] > 0) <= ((i[:, None] - i[None, :]).abs() <= 3)).all()
+    assert attn.centroids.shape[0] == 0
+
+
+@pytest.mark.parametrize(
+    ("options", "match"),
+    [
+        ({"window": 0}, "window >= 1"),
+        ({"max_clusters": 0}, "max_clusters"),
+        ({"decay": 1.0}, "decay"),
+    ],
+)
+def test_invalid_options_are_named(options, match):
+    with pytest.raises(ValueError, match=match):
+        build("routing", 32, 4, **options)
+
+
+def test_long_kernels_equal_reference_with_dropped_members(monkeypatch):
+    """Band kernel (local heads) and gathered keys (routing heads) against the dense
+    reference, at a length where clusters overflow their capacity."""
+    monkeypatch.setattr(type(make("routing")), "short_path_max_t", 0)
+    attn = make("routing", window=3, max_clusters=4)
+    x, pad = batch([70, 41, 2])
+    xi, xr = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+    y = attn(xi, pad)
+    y_ref, _ = attn.dense_reference(xr, pad)
+    torch.testing.assert_close(y, y_ref, rtol=1e-10, atol=1e-12)
+    y.pow(2).sum().backward()
+    y_ref.pow(2).sum().backward()
+    torch.testing.assert_close(xi.grad, xr.grad, rtol=1e-9, atol=1e-11)
