@@ -151,3 +151,36 @@ def test_prune_from_heads_json_point(tmp_path):
     heads["upstream_sha256"] = "0" * 64
     with pytest.raises(ValueError, match="not the upstream"):
         prune_from_heads(heads, 0.4, tmp_path / "other.pt")
+
+
+def test_prune_command_writes_the_pruned_upstream(tmp_path):
+    """`python -m speechattn.prune heads=... fraction=... out=...` on a minimal heads.json."""
+    import json
+    import subprocess
+    import sys
+
+    from speechattn.tasks.heads_result import KIND, SCHEMA_VERSION, write_heads
+
+    src = _save(_model("ldsa", True), tmp_path / "upstream.pt")
+    zeros = torch.zeros(L, H).tolist()
+    points = [
+        {"num_masked": 0, "fraction": 0.0, "metric": 1.0, "mask": torch.ones(L, H).tolist()},
+        {"num_masked": 7, "fraction": 7 / 12, "metric": 1.3, "mask": MASK.tolist()},
+    ]
+    heads = {
+        "schema_version": SCHEMA_VERSION, "kind": KIND, "task": "pretrain", "metric": "l1_loss",
+        "higher_is_better": False, "base_metric": 1.0, "num_layers": L, "num_heads": H,
+        "attention": "ldsa", "upstream": str(src),
+        "upstream_sha256": speechattn.data.cache.file_sha256(src),
+        "importance": {"raw": zeros, "normalized": zeros}, "ablation": {},
+        "pruning": {"points": points}, "seed": 0, "code_version": "test",
+    }  # fmt: skip
+    folder = write_heads(heads, tmp_path / "analysis")
+    out = tmp_path / "pruned.pt"
+    cmd = [sys.executable, "-m", "speechattn.prune", f"heads={folder}", "fraction=0.6"]
+    cmd += [f"out={out}", f"hydra.run.dir={tmp_path / 'run'}"]
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    up = load_upstream(out)
+    assert up.config.pruned_heads == {0: [0, 2, 3]} and up.config.residual_head_mask
+    assert json.loads(json.dumps(up.metadata["pruning"]))["heads_num_masked"] == 7
