@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -155,7 +157,6 @@ def test_prune_from_heads_json_point(tmp_path):
 
 def test_prune_command_writes_the_pruned_upstream(tmp_path):
     """`python -m speechattn.prune heads=... fraction=... out=...` on a minimal heads.json."""
-    import json
     import subprocess
     import sys
 
@@ -184,3 +185,16 @@ def test_prune_command_writes_the_pruned_upstream(tmp_path):
     up = load_upstream(out)
     assert up.config.pruned_heads == {0: [0, 2, 3]} and up.config.residual_head_mask
     assert json.loads(json.dumps(up.metadata["pruning"]))["heads_num_masked"] == 7
+
+
+def test_pruning_benchmark_runs_and_reports(tmp_path, capsys):
+    from speechattn.bench import pruning as bench
+
+    path = tmp_path / "bench.json"
+    argv = ["--model", "aalbert_tiny", "--attention", "sparse_fixed", "--fraction", "0.5"]
+    argv += ["--batch", "1", "--frames", "12", "--reps", "1", "--threads", "1", "--json", str(path)]
+    bench.main(argv)
+    out = json.loads(path.read_text())
+    assert out["shared"] and out["max_abs_diff"] < 1e-4
+    assert out["rows"]["pruned"]["params"] < out["rows"]["masked"]["params"]
+    assert out["speedup"] > 0 and "speed-up (masked / pruned time)" in capsys.readouterr().out
