@@ -468,7 +468,16 @@ class AALBERT(nn.Module):
         Non-binary xi values of the kept heads also go into the residual mask. The run-time
         head mask keeps its (L, h) shape over the original heads.
         """
-        if isinstance(heads, Tensor):
+        layers, h = len(self.encoder.layers), self.num_heads
+        if not isinstance(heads, Tensor):
+            bad = {j: k for j, k in heads.items() if not 0 <= j < layers or not k}
+            bad.update({j: k for j, k in heads.items() if any(not 0 <= i < h for i in k)})
+            if bad:
+                raise ValueError(
+                    f"prune_heads: expected {{layer in [0, {layers}): heads to keep in [0, {h}), "
+                    f"at least one}}, got {bad}"
+                )
+        else:
             heads, residual = pruning_plan(heads, self.encoder.depth_to_layer)
             if residual is not None and self.encoder.residual_head_mask is not None:
                 residual = residual * self.encoder.residual_head_mask.to(residual)
@@ -478,6 +487,8 @@ class AALBERT(nn.Module):
         for j, kept in heads.items():
             attention = self.encoder.layers[j].attention
             current = list(attention.kept_heads)
+            # heads already removed stay removed; keep one if nothing else is left (the mask
+            # path's residual head mask masks it)
             local = [current.index(k) for k in kept if k in current] or [0]
             attention.prune_heads(local)
             if attention.num_heads < self.num_heads:

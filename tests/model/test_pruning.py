@@ -198,3 +198,9 @@ def test_pruning_benchmark_runs_and_reports(tmp_path, capsys):
     assert out["shared"] and out["max_abs_diff"] < 1e-4
     assert out["rows"]["pruned"]["params"] < out["rows"]["masked"]["params"]
     assert out["speedup"] > 0 and "speed-up (masked / pruned time)" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("heads", [{3: [0]}, {0: []}, {1: [4]}])
+def test_bad_layer_mappings_are_refused(heads):
+    with pytest.raises(ValueError, match="heads to keep"):
+        _model("full", False).prune_heads(heads)
