@@ -196,9 +196,15 @@ class Encoder(nn.Module):
             return None
         else:
             row = head_mask[depth]
-        kept = getattr(self.layers[self.depth_to_layer[depth]].attention, "kept_heads", None)
-        if kept is None or len(kept) == row.shape[0]:
+        attention = self.layers[self.depth_to_layer[depth]].attention
+        kept = getattr(attention, "kept_heads", None)
+        if kept is None or len(kept) == attention.config.num_heads:
             return row
+        if row.shape[0] != attention.config.num_heads:
+            raise ValueError(
+                f"head_mask must be (L={self.num_layers}, h={attention.config.num_heads}) over "
+                f"the heads before pruning, got rows of {row.shape[0]}"
+            )
         return row[torch.tensor(kept, device=row.device)]  # (h',)
 
     def forward(
@@ -477,6 +483,8 @@ class AALBERT(nn.Module):
                     f"prune_heads: expected {{layer in [0, {layers}): heads to keep in [0, {h}), "
                     f"at least one}}, got {bad}"
                 )
+        elif heads.shape != (self.num_layers, h):
+            raise ValueError(f"prune_heads: expected a head mask (L, h) = {(self.num_layers, h)}")
         else:
             heads, residual = pruning_plan(heads, self.encoder.depth_to_layer)
             if residual is not None and self.encoder.residual_head_mask is not None:

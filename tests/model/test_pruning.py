@@ -204,3 +204,13 @@ def test_pruning_benchmark_runs_and_reports(tmp_path, capsys):
 def test_bad_layer_mappings_are_refused(heads):
     with pytest.raises(ValueError, match="heads to keep"):
         _model("full", False).prune_heads(heads)
+
+
+def test_head_mask_of_the_pruned_width_is_refused():
+    pruned = _model("full", False)
+    pruned.prune_heads(MASK)
+    x, lengths = _inputs()
+    with pytest.raises(ValueError, match="before pruning"):
+        pruned(x, lengths, torch.ones(L, 2, dtype=torch.float64))
+    with pytest.raises(ValueError, match="head mask"):
+        pruned.prune_heads(torch.ones(L, 2))
