@@ -29,7 +29,15 @@ def test_pruned_module_equals_head_masked_module(name, kernel, keep, monkeypatch
     x, pad = batch(LENGTHS)
     xi = torch.zeros(HEADS, dtype=torch.float64)
     xi[keep] = 1.0
-    torch.testing.assert_close(pruned(x, pad), full(x, pad, head_mask=xi), rtol=1e-10, atol=1e-12)
+    w = torch.randn(x.shape, generator=torch.Generator().manual_seed(3), dtype=x.dtype)
+    outs = []
+    for module, head_mask in ((pruned, None), (full, xi)):
+        xg = x.clone().requires_grad_(True)
+        y = module(xg, pad, head_mask=head_mask)
+        (y * w).sum().backward()  # gradients too: a pruned upstream can be fine-tuned
+        outs.append((y.detach(), xg.grad))
+    torch.testing.assert_close(outs[0][0], outs[1][0], rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(outs[0][1], outs[1][1], rtol=1e-9, atol=1e-11)
     # a head mask on the pruned module has one entry per kept head
     half = torch.full((len(keep),), 0.5, dtype=torch.float64)
     xi[keep] = 0.5
