@@ -43,6 +43,7 @@ from speechattn.attention.base import (
     linear_flops,
     masked_softmax,
     scale,
+    select_,
 )
 from speechattn.attention.registry import register
 
@@ -135,9 +136,13 @@ class AdaptiveSpanAttention(Attention):
         return float(torch.stack(counts).mean())
 
     def flops(self, T: int) -> Flops:
-        D = self.dim
-        attention = 2 * 2.0 * T * self.keys_attended(T) * D  # scores, weighted sums in span
-        return Flops(linear_flops(T, D, 3 * D) + attention + self.output_flops(T))
+        D, E = self.dim, self.inner_dim  # E = h d_k (D unless pruned)
+        attention = 2 * 2.0 * T * self.keys_attended(T) * E  # scores, weighted sums in span
+        return Flops(linear_flops(T, D, 3 * E) + attention + self.output_flops(T))
+
+    def _remove_heads(self, index: Tensor) -> None:
+        self._remove_projection_heads(self.qkv, index, blocks=3)
+        select_(self, "span_fraction", index)
 
     # ----------------------------------------------------------------- kernels
     def _qkv(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:

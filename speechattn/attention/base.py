@@ -20,12 +20,21 @@ implements two methods on the per-head level:
 `Attention.forward` does everything else once for all variants: input checks, zeroing padded
 input frames, the head mask xi (seed 004: each head's output is multiplied by xi_h before the
 output projection, differentiably), the output projection and zeroing padded outputs.
+
+Pruning: `prune_heads(keep)` removes the parameters of every head not in `keep`, in place.
+The model dim D stays; the heads' inner size becomes h' d_k (the output projection reads
+h' d_k columns). A variant removes its own per-head parameters in `_remove_heads` (helpers:
+`head_index`, `select_`, `select_linear_`); kept heads keep their original order, so heads
+with a role by position (sparse first/second half, longformer window/dilated, routing
+local/routing) remain a prefix and a suffix, and the module then equals the unpruned one
+with xi = 0 on the removed heads exactly.
 """
 
 from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -128,6 +137,8 @@ class Attention(nn.Module, ABC):
         self.head_dim = config.head_dim
         self.dropout = config.dropout
         self.out_proj = nn.Linear(config.dim, config.dim, bias=config.bias)  # W^O
+        # Original indices of the heads this module still has (all, until `prune_heads`).
+        self.kept_heads: list[int] = list(range(config.num_heads))
 
     @classmethod
     def from_config(cls, config: AttentionConfig) -> Attention:
@@ -157,9 +168,14 @@ class Attention(nn.Module, ABC):
     def flops(self, T: int) -> Flops:
         """FLOPs of one sequence of T valid frames, output projection included (see `Flops`)."""
 
+    @property
+    def inner_dim(self) -> int:
+        """h d_k, the width of all heads together: D, or less after `prune_heads`."""
+        return self.num_heads * self.head_dim
+
     def output_flops(self, T: int) -> float:
         """The output projection W^O, shared by every variant."""
-        return linear_flops(T, self.dim, self.dim)
+        return linear_flops(T, self.inner_dim, self.dim)
 
     def auxiliary_loss(self) -> Tensor | None:
         """A term the variant adds to the training loss (adaptive_span: its span penalty);
@@ -182,6 +198,44 @@ class Attention(nn.Module, ABC):
     @abstractmethod
     def attend_dense(self, x: Tensor, valid: Tensor) -> tuple[Tensor, Tensor]:
         """Reference path with explicit weights: (heads (B, h, T, d_k), weights (B, h, T, T))."""
+
+    # ----------------------------------------------------------------- pruning
+    def prune_heads(self, keep: Sequence[int]) -> None:
+        """Remove the parameters of every head not in `keep` (indices of the current heads).
+
+        Afterwards `num_heads` = len(keep), the kept heads in increasing index order, and the
+        module computes exactly what it computed before with head_mask xi = 0 on the removed
+        heads (the head mask then has h' entries). `kept_heads` maps the remaining heads to
+        the original ones, also across repeated pruning.
+        """
+        kept = sorted(set(int(k) for k in keep))
+        if len(kept) != len(keep) or not kept or kept[0] < 0 or kept[-1] >= self.num_heads:
+            raise ValueError(
+                f"{self.name}: keep must list distinct head indices in [0, {self.num_heads}) "
+                f"and at least one, got {list(keep)}"
+            )
+        if len(kept) == self.num_heads:
+            return
+        index = torch.tensor(kept, dtype=torch.long)
+        self._remove_heads(index)  # the variant's own per-head parameters, h still the old one
+        select_linear_(self.out_proj, head_index(index, self.head_dim, self.num_heads), dim=1)
+        self.kept_heads = [self.kept_heads[k] for k in kept]
+        self.num_heads = len(kept)
+
+    def _remove_heads(self, index: Tensor) -> None:
+        """Keep only heads `index` (sorted, long) of the variant's per-head parameters.
+
+        Called by `prune_heads` before `num_heads` changes; the output projection is done there.
+        """
+        raise NotImplementedError(f"attention {self.name!r} does not implement prune_heads")
+
+    def _remove_projection_heads(
+        self, linear: nn.Linear, index: Tensor, blocks: int = 1, size: int | None = None
+    ) -> None:
+        """Keep heads `index` of a projection whose outputs are `blocks` x h x `size` (default
+        d_k), e.g. blocks = 3 for a fused W^Q | W^K | W^V."""
+        rows = head_index(index, size or self.head_dim, self.num_heads, blocks)
+        select_linear_(linear, rows, dim=0)
 
     # ----------------------------------------------------------------- public API
     def forward(
@@ -265,7 +319,8 @@ class Attention(nn.Module, ABC):
         return F.dropout(probs, self.dropout, self.training) if self.dropout else probs
 
     def extra_repr(self) -> str:
-        return f"name={self.name!r}, dim={self.dim}, num_heads={self.num_heads}"
+        pruned = "" if self.num_heads == self.config.num_heads else f", kept={self.kept_heads}"
+        return f"name={self.name!r}, dim={self.dim}, num_heads={self.num_heads}{pruned}"
 
 
 # --------------------------------------------------------------------- helpers for variants
@@ -295,3 +350,34 @@ def self_penalty(T: int, device: torch.device, dtype: torch.dtype) -> Tensor:
 
 def scale(d: int) -> float:
     return 1.0 / math.sqrt(d)
+
+
+# --------------------------------------------------------------------- helpers for pruning
+def head_index(keep: Tensor, size: int, num_heads: int, blocks: int = 1) -> Tensor:
+    """Positions of heads `keep` along an axis of `blocks` x h x `size` entries (e.g. the rows
+    of a fused W^Q | W^K | W^V, blocks = 3, size = d_k): (blocks h' size,) long."""
+    per_head = (keep[:, None] * size + torch.arange(size)).reshape(-1)  # (h' size,)
+    return torch.cat([b * num_heads * size + per_head for b in range(blocks)])
+
+
+def select_(module: nn.Module, name: str, index: Tensor, dim: int = 0) -> None:
+    """Replace parameter or buffer `name` of `module` by its entries `index` along `dim`
+    (same dtype, device, requires_grad and buffer persistence)."""
+    old = getattr(module, name)
+    new = old.detach().index_select(dim, index.to(old.device))
+    if isinstance(old, nn.Parameter):
+        setattr(module, name, nn.Parameter(new, requires_grad=old.requires_grad))
+    else:
+        module._buffers[name] = new
+
+
+def select_linear_(linear: nn.Linear, index: Tensor, dim: int) -> None:
+    """Keep outputs (dim = 0: weight rows and bias) or inputs (dim = 1: weight columns)
+    `index` of a Linear layer."""
+    select_(linear, "weight", index, dim)
+    if dim == 0:
+        if linear.bias is not None:
+            select_(linear, "bias", index)
+        linear.out_features = len(index)
+    else:
+        linear.in_features = len(index)

@@ -54,9 +54,12 @@ class FullAttention(Attention):
         return float(T)
 
     def flops(self, T: int) -> Flops:
-        D = self.dim
-        attention = 2 * 2.0 * T * T * D  # Q K^T and weights x V, all heads
-        return Flops(linear_flops(T, D, 3 * D) + attention + self.output_flops(T))
+        D, E = self.dim, self.inner_dim  # E = h d_k (D unless pruned)
+        attention = 2 * 2.0 * T * T * E  # Q K^T and weights x V, all heads
+        return Flops(linear_flops(T, D, 3 * E) + attention + self.output_flops(T))
+
+    def _remove_heads(self, index: Tensor) -> None:
+        self._remove_projection_heads(self.qkv, index, blocks=3)
 
     def _qkv(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         q, k, v = self.qkv(x).chunk(3, dim=-1)  # 3 x (B, T, D)
@@ -89,9 +92,12 @@ class SharedQKBase(Attention):
 
     def shared_flops(self, T: int, keys: float) -> Flops:
         """Shared-QK projections, scores and weighted sums over `keys` keys per query."""
-        D = self.dim
-        attention = 2 * 2.0 * T * keys * D
-        return Flops(linear_flops(T, D, 2 * D) + attention + self.output_flops(T))
+        D, E = self.dim, self.inner_dim  # E = h d_k (D unless pruned)
+        attention = 2 * 2.0 * T * keys * E
+        return Flops(linear_flops(T, D, 2 * E) + attention + self.output_flops(T))
+
+    def _remove_heads(self, index: Tensor) -> None:
+        self._remove_projection_heads(self.qv, index, blocks=2)
 
     def shared_qkv(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """x (B, T, D) -> q, k, v (B, h, T, d_k); k = q / ||q|| per head."""

@@ -31,6 +31,7 @@ from speechattn.attention.base import (
     key_mask,
     linear_flops,
     masked_softmax,
+    select_,
 )
 from speechattn.attention.registry import register
 
@@ -105,10 +106,15 @@ class LDSAttention(Attention):
         return float(inside.sum(-1).double().mean())
 
     def flops(self, T: int) -> Flops:
-        D, c = self.dim, self.context
-        projections = 2 * linear_flops(T, D, D)  # W_1 and W_3 (values), all heads
-        window = 2 * 2.0 * T * D * c  # ReLU(X W_1^i) W_2^i and the c-frame weighted sums
+        D, E, c = self.dim, self.inner_dim, self.context  # E = h d_k (D unless pruned)
+        projections = 2 * linear_flops(T, D, E)  # W_1 and W_3 (values), all heads
+        window = 2 * 2.0 * T * E * c  # ReLU(X W_1^i) W_2^i and the c-frame weighted sums
         return Flops(projections + window + self.output_flops(T))
+
+    def _remove_heads(self, index: Tensor) -> None:
+        self._remove_projection_heads(self.w1, index)
+        select_(self, "w2", index)
+        self._remove_projection_heads(self.w3, index)
 
     def window_weights(self, x: Tensor, valid: Tensor) -> Tensor:
         """B^i renormalised over in-range valid positions: (B, h, T, c)."""

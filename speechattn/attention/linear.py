@@ -61,10 +61,13 @@ class LinearAttention(Attention):
         return float(T)  # every valid key enters S and z
 
     def flops(self, T: int) -> Flops:
-        D, dk = self.dim, self.head_dim
-        state = 2 * 2.0 * T * D * dk  # phi(K)^T V and phi(Q) S, all heads
-        normaliser = 2 * 2.0 * T * D  # z = sum_j phi(k_j) and phi(Q) z
-        return Flops(linear_flops(T, D, 3 * D) + state + normaliser + self.output_flops(T))
+        D, E, dk = self.dim, self.inner_dim, self.head_dim  # E = h d_k (D unless pruned)
+        state = 2 * 2.0 * T * E * dk  # phi(K)^T V and phi(Q) S, all heads
+        normaliser = 2 * 2.0 * T * E  # z = sum_j phi(k_j) and phi(Q) z
+        return Flops(linear_flops(T, D, 3 * E) + state + normaliser + self.output_flops(T))
+
+    def _remove_heads(self, index: Tensor) -> None:
+        self._remove_projection_heads(self.qkv, index, blocks=3)
 
     def projections(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """x (B, T, D) -> q, k, v (B, h, T, d_k), in the caller's (autocast) precision."""

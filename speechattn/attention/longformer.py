@@ -180,9 +180,15 @@ class LongformerAttention(Attention):
         return (window + dilated) / self.num_heads
 
     def flops(self, T: int) -> Flops:
-        D = self.dim
-        attention = 2 * 2.0 * T * self.keys_attended(T) * D  # scores and weighted sums
-        return Flops(linear_flops(T, D, 3 * D) + attention + self.output_flops(T))
+        D, E = self.dim, self.inner_dim  # E = h d_k (D unless pruned)
+        attention = 2 * 2.0 * T * self.keys_attended(T) * E  # scores and weighted sums
+        return Flops(linear_flops(T, D, 3 * E) + attention + self.output_flops(T))
+
+    def _remove_heads(self, index: Tensor) -> None:
+        # window heads stay a prefix and dilated heads a suffix (index is sorted)
+        first_dilated = self.num_heads - self.num_dilated
+        self.num_dilated = int((index >= first_dilated).sum())
+        self._remove_projection_heads(self.qkv, index, blocks=3)
 
     # ----------------------------------------------------------------- kernels
     def _qkv(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:

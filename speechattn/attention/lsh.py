@@ -337,13 +337,17 @@ class _LSHAttention(Attention):
         return float(min(self.k, T))
 
     def flops(self, T: int) -> Flops:
-        D, h, K = self.dim, self.num_heads, self.bits
-        attention = 2 * 2.0 * T * min(self.k, T) * D  # scores and weighted sums, top-k keys
+        D, E, h, K = self.dim, self.inner_dim, self.num_heads, self.bits
+        attention = 2 * 2.0 * T * min(self.k, T) * E  # scores and weighted sums, top-k keys
         hashing = 2 * linear_flops(T, self.head_dim + self.extra_dims, K) * h  # Q(q), P(k)
         matching = 2.0 * T * T * (K + 1) * h  # +-1 code products (and the validity column)
         return Flops(
-            linear_flops(T, D, 2 * D) + attention + self.output_flops(T), hashing + matching
+            linear_flops(T, D, 2 * E) + attention + self.output_flops(T), hashing + matching
         )
+
+    def _remove_heads(self, index: Tensor) -> None:
+        # the projection matrix is per layer, the same for every head: it stays
+        self._remove_projection_heads(self.qv, index, blocks=2)
 
     def _qkv(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         q, v = self.qv(x).chunk(2, dim=-1)  # 2 x (B, T, D)

@@ -39,6 +39,7 @@ from speechattn.attention.base import (
     linear_flops,
     masked_softmax,
     scale,
+    select_,
 )
 from speechattn.attention.registry import register
 
@@ -101,11 +102,17 @@ class RelPosAttention(Attention):
         return float(T)
 
     def flops(self, T: int) -> Flops:
-        D = self.dim
-        projections = linear_flops(T, D, 3 * D) + linear_flops(2 * T - 1, D, D)  # QKV, W_R r
-        content = 2 * 2.0 * T * T * D  # (q + u) k^T and weights x V, all heads
-        position = 2.0 * T * (2 * T - 1) * D  # (q + v) against the 2T - 1 distances
+        D, E = self.dim, self.inner_dim  # E = h d_k (D unless pruned)
+        projections = linear_flops(T, D, 3 * E) + linear_flops(2 * T - 1, D, E)  # QKV, W_R r
+        content = 2 * 2.0 * T * T * E  # (q + u) k^T and weights x V, all heads
+        position = 2.0 * T * (2 * T - 1) * E  # (q + v) against the 2T - 1 distances
         return Flops(projections + content + position + self.output_flops(T))
+
+    def _remove_heads(self, index: Tensor) -> None:
+        self._remove_projection_heads(self.qkv, index, blocks=3)
+        self._remove_projection_heads(self.pos_proj, index)  # W_R r is split into heads too
+        select_(self, "pos_bias_u", index)
+        select_(self, "pos_bias_v", index)
 
     def _qkv(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         q, k, v = self.qkv(x).chunk(3, dim=-1)  # 3 x (B, T, D)

@@ -50,6 +50,7 @@ from speechattn.attention.base import (
     key_mask,
     masked_softmax,
     scale,
+    select_,
 )
 from speechattn.attention.dot_product import SharedQKBase
 from speechattn.attention.registry import register
@@ -118,6 +119,13 @@ class RoutingAttention(SharedQKBase):
             torch.randn(h_r, config.max_clusters, config.head_dim, generator=gen), dim=-1
         )
         self.register_buffer("centroids", mu)  # (h_r, max_clusters, d_k), unit vectors
+
+    def _remove_heads(self, index: Tensor) -> None:
+        # local heads stay a prefix (index is sorted); routing heads keep their centroids
+        routing = index[index >= self.heads_local] - self.heads_local
+        self.heads_local = int((index < self.heads_local).sum())
+        select_(self, "centroids", routing)
+        super()._remove_heads(index)
 
     # ----------------------------------------------------------------- metadata
     def keys_attended(self, T: int) -> float:
@@ -266,7 +274,7 @@ class RoutingAttention(SharedQKBase):
             return self._attend_short(q, k, v, idx, valid)
         hl, p = self.heads_local, (self.dropout if self.training else 0.0)
         kv = key_mask(valid)
-        outs = [band_kernel(q[:, :hl], k[:, :hl], v[:, :hl], kv, self.window, p)]
+        outs = [band_kernel(q[:, :hl], k[:, :hl], v[:, :hl], kv, self.window, p)] if hl else []
         if self.num_heads > hl:
             outs.append(self._attend_gathered(q[:, hl:], k[:, hl:], v[:, hl:], idx[:, hl:], kv))
         return torch.cat(outs, dim=1)  # (B, h, T, d_k)

@@ -189,6 +189,15 @@ class _SparseBase(SharedQKBase):
     complexity_training = "O(T sqrt(T) D)"
     complexity_inference = "O(T sqrt(T) D)"
 
+    def __init__(self, config: AttentionConfig) -> None:
+        super().__init__(config)
+        # heads [0, heads_first) use the first pattern, the others the second
+        self.heads_first = (config.num_heads + 1) // 2
+
+    def _remove_heads(self, index: Tensor) -> None:
+        self.heads_first = int((index < self.heads_first).sum())  # still a prefix (sorted)
+        super()._remove_heads(index)
+
     def _fixed_stride(self) -> int | None:
         raise NotImplementedError
 
@@ -206,10 +215,6 @@ class _SparseBase(SharedQKBase):
             return [fixed] * valid.shape[0]
         return [patterns.default_stride(int(n)) for n in valid.sum(-1).tolist()]
 
-    @property
-    def heads_first(self) -> int:
-        return (self.num_heads + 1) // 2
-
     def flex_mask(self, ls: int) -> tuple[Hashable, flex.MaskMod]:
         """The two patterns by head as FlexAttention's mask_mod(b, h, i, j), and a key naming
         them for the BlockMask cache."""
@@ -221,7 +226,7 @@ class _SparseBase(SharedQKBase):
             return flex.pattern_attention(q, k, v, kv, mask_mod, key)
         first, second = self.kernels()
         hA, p = self.heads_first, (self.dropout if self.training else 0.0)
-        outs = [first(q[:, :hA], k[:, :hA], v[:, :hA], kv, ls, p)]
+        outs = [first(q[:, :hA], k[:, :hA], v[:, :hA], kv, ls, p)] if hA else []
         if hA < self.num_heads:
             outs.append(second(q[:, hA:], k[:, hA:], v[:, hA:], kv, ls, p))
         return torch.cat(outs, dim=1)  # (B, h, T, d_k)

@@ -44,6 +44,7 @@ from speechattn.attention.base import (
     key_mask,
     linear_flops,
     masked_softmax,
+    select_,
 )
 from speechattn.attention.registry import register
 
@@ -94,7 +95,11 @@ class _SynthesizerBase(Attention):
 
     def value_flops(self, T: int) -> float:
         """V projection, the (T x T) weights x V product of all heads, output projection."""
-        return linear_flops(T, self.dim, self.dim) + 2.0 * T * T * self.dim + self.output_flops(T)
+        E = self.inner_dim  # h d_k, D unless pruned
+        return linear_flops(T, self.dim, E) + 2.0 * T * T * E + self.output_flops(T)
+
+    def _remove_heads(self, index: Tensor) -> None:
+        self._remove_projection_heads(self.v_proj, index)
 
 
 @register("syn_dense")
@@ -170,6 +175,13 @@ class SynDenseMHAttention(_SynthesizerBase):
         h, hidden = self.num_heads, self.hidden
         logits = h * linear_flops(T, hidden, T)  # one (T, T) logit matrix per head
         return Flops(linear_flops(T, self.dim, h * hidden) + logits + self.value_flops(T))
+
+    def _remove_heads(self, index: Tensor) -> None:
+        super()._remove_heads(index)
+        self._remove_projection_heads(self.w1, index, size=self.hidden)
+        select_(self, "w2", index)
+        if self.b2 is not None:
+            select_(self, "b2", index)
 
     def _qk(self, x: Tensor) -> tuple[Tensor, Tensor]:
         """q (B, h, T, H'), k (B, h, T, H') with H' = hidden (+1 for the bias)."""
@@ -414,6 +426,10 @@ class SynRandomAttention(_SynthesizerBase):
     def flops(self, T: int) -> Flops:
         return Flops(self.value_flops(T))  # the logits are a parameter: no product at all
 
+    def _remove_heads(self, index: Tensor) -> None:
+        super()._remove_heads(index)
+        select_(self, "logits", index)
+
     def offsets(self, valid: Tensor) -> Tensor:
         """(G, h) first row/column of each head's T x T slice of R; G = 1 or B."""
         _check_len(self.name, valid.shape[1], self.max_len)
@@ -469,10 +485,17 @@ class SynFixedAttention(SynRandomAttention):
         super().__init__(config)
         n_pat = min(len(patterns.FIXED_PATTERN_NAMES), config.num_heads)
         self.pattern_names = patterns.FIXED_PATTERN_NAMES[:n_pat]
+        # the pattern each head started from (None: random), by current head index
+        self.head_patterns: list[str | None] = [*self.pattern_names]
+        self.head_patterns += [None] * (config.num_heads - n_pat)
         with torch.no_grad():  # one head at a time: l_max = 8192 stays affordable
             for i, name in enumerate(self.pattern_names):
                 pat = patterns.fixed_pattern(name, config.max_len, config.context)
                 self.logits[i] = pat.add_(config.eps).log_()
+
+    def _remove_heads(self, index: Tensor) -> None:
+        super()._remove_heads(index)
+        self.head_patterns = [self.head_patterns[i] for i in index.tolist()]
 
     def offsets(self, valid: Tensor) -> Tensor:
         """(G, h): the "end" head is read so that each utterance's last valid frame meets the
@@ -483,9 +506,10 @@ class SynFixedAttention(SynRandomAttention):
         """
         B, T = valid.shape
         offs = super().offsets(valid)
-        if len(self.pattern_names) < 7:
+        if "end" not in self.head_patterns:
             return offs
+        end = self.head_patterns.index("end")  # head 6 unless pruned
         offs = offs.repeat(B, 1)  # (B, h)
         last = torch.where(valid, torch.arange(T, device=valid.device), -1).amax(-1) % T
-        offs[:, 6] = (self.max_len - 1 - last).cpu()  # last valid frame -> row/col n - 1
+        offs[:, end] = (self.max_len - 1 - last).cpu()  # last valid frame -> row/col n - 1
         return offs[:1] if bool((offs == offs[:1]).all()) else offs

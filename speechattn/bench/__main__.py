@@ -1,4 +1,4 @@
-"""`python -m speechattn.bench {features,attention,pretrain} [options]`.
+"""`python -m speechattn.bench {features,attention,pretrain,pruning} [options]`.
 
 Each benchmark lives in its own module and measures the compared variants side by side in
 one run, printing ratios rather than absolute targets (machines are noisy).
@@ -11,6 +11,7 @@ BENCHMARKS = {
     "features": "speechattn.bench.features",
     "attention": "speechattn.bench.attention",
     "pretrain": "speechattn.bench.pretrain",
+    "pruning": "speechattn.bench.pruning",
 }
 
 

@@ -4,6 +4,7 @@ from speechattn.model import aalbert_tiny, load_upstream
 model = aalbert_tiny(attention="ldsa")           # ModelConfig + registry attention
 hidden = model(features, lengths)                # L+1 hidden states (B, T', D)
 upstream = load_upstream("outputs/.../upstream.pt")
+prune_upstream("upstream.pt", head_mask, "pruned.pt")  # remove masked heads' parameters
 """
 
 from speechattn.model.aalbert import (
@@ -15,6 +16,7 @@ from speechattn.model.aalbert import (
     aalbert_tiny,
 )
 from speechattn.model.masking import MaskedBatch, MaskingConfig, mask_frames, masked_l1
+from speechattn.model.pruning import prune_upstream
 from speechattn.model.upstream import Upstream, UpstreamFileError, UpstreamOutput, load_upstream
 
 __all__ = [
@@ -32,4 +34,5 @@ __all__ = [
     "load_upstream",
     "mask_frames",
     "masked_l1",
+    "prune_upstream",
 ]

@@ -16,7 +16,7 @@ Shape letters (see `speechattn/attention/base.py`): B batch, T 10 ms mel frames,
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -168,6 +168,11 @@ class Encoder(nn.Module):
 
     `layers` holds one layer (shared) or L layers; `depth_to_layer[i]` says which one runs at
     depth i. Each depth still has its own row of the head mask (seed 004: one xi per depth).
+
+    After pruning (`AALBERT.prune_heads`) the head mask keeps its (L, h) shape over the
+    original heads: each depth's attention receives the entries of the heads it still has
+    (`kept_heads`), times `residual_head_mask` (L, h) when the pruning left one (a shared
+    layer's heads masked at some depths only).
     """
 
     def __init__(self, layers: list[EncoderLayer], num_layers: int, final_norm: nn.Module) -> None:
@@ -178,6 +183,29 @@ class Encoder(nn.Module):
         self.num_layers = num_layers
         self.depth_to_layer = [0] * num_layers if len(layers) == 1 else list(range(num_layers))
         self.final_norm = final_norm  # Identity for post-LN
+        self.residual_head_mask: Tensor | None  # (L, h), from the model config; not saved
+        self.register_buffer("residual_head_mask", None, persistent=False)
+
+    def _depth_head_mask(self, head_mask: Tensor | None, depth: int) -> Tensor | None:
+        """xi of depth `depth` for its layer's remaining heads: (L, h) row -> (h',) or None."""
+        residual = self.residual_head_mask
+        if residual is not None:
+            residual = residual[depth]
+            row = residual if head_mask is None else head_mask[depth] * residual.to(head_mask)
+        elif head_mask is None:
+            return None
+        else:
+            row = head_mask[depth]
+        attention = self.layers[self.depth_to_layer[depth]].attention
+        kept = getattr(attention, "kept_heads", None)
+        if kept is None or len(kept) == attention.config.num_heads:
+            return row
+        if row.shape[0] != attention.config.num_heads:
+            raise ValueError(
+                f"head_mask must be (L={self.num_layers}, h={attention.config.num_heads}) over "
+                f"the heads before pruning, got rows of {row.shape[0]}"
+            )
+        return row[torch.tensor(kept, device=row.device)]  # (h',)
 
     def forward(
         self, x: Tensor, padding_mask: Tensor | None, head_mask: Tensor | None = None
@@ -222,7 +250,13 @@ class Encoder(nn.Module):
     ) -> tuple[list[Tensor], list[Tensor]]:
         """The first `depths` layers; depths >= `weights_from` (1-based; None: none) also
         return their weights. -> (hidden states [x, ...], weights of those depths)."""
-        if head_mask is not None and head_mask.shape[0] != self.num_layers:
+        if head_mask is not None and (
+            head_mask.shape[0] != self.num_layers
+            or (
+                self.residual_head_mask is not None
+                and head_mask.shape != self.residual_head_mask.shape
+            )
+        ):
             raise ValueError(
                 f"head_mask must be (L={self.num_layers}, h), got {tuple(head_mask.shape)}"
             )
@@ -231,7 +265,7 @@ class Encoder(nn.Module):
             x = x * keep
         hidden, weights = [x], []
         for depth, index in enumerate(self.depth_to_layer[:depths]):
-            hm = None if head_mask is None else head_mask[depth]
+            hm = self._depth_head_mask(head_mask, depth)
             need = weights_from is not None and depth + 1 >= weights_from
             out = self.layers[index](x, padding_mask, hm, need_weights=need)
             if need:
@@ -280,6 +314,13 @@ class ModelConfig:
     conv_position_groups: int = 16
     attention: str = "full"  # a name from speechattn.attention.available()
     attention_options: dict[str, Any] = field(default_factory=dict)  # passed to attention.build
+    # Actual pruning (`AALBERT.prune_heads`): layer -> original indices of the heads it keeps
+    # (layer = depth when unshared, 0 for the shared layer; unlisted layers keep all heads).
+    # Empty in unpruned models and in files written before pruning existed.
+    pruned_heads: dict[int, list[int]] = field(default_factory=dict)
+    # (L, h) xi applied under every run-time head mask: the heads of a pruned shared layer
+    # that were masked at some depths only (None: nothing left to mask).
+    residual_head_mask: list[list[float]] | None = None
 
     def __post_init__(self) -> None:
         if self.dim % self.num_heads:
@@ -289,6 +330,22 @@ class ModelConfig:
                 f"stack and num_layers must be >= 1, got {self.stack}, {self.num_layers}"
             )
         self.attention_options = dict(self.attention_options)
+        # keys may come back as strings from JSON (heads.json, model cards)
+        self.pruned_heads = {int(j): sorted(map(int, k)) for j, k in self.pruned_heads.items()}
+        layers = 1 if self.shared else self.num_layers
+        for j, kept in self.pruned_heads.items():
+            if not 0 <= j < layers or not kept or not 0 <= kept[0] <= kept[-1] < self.num_heads:
+                raise ValueError(
+                    f"pruned_heads[{j}] = {kept}: expected a layer in [0, {layers}) keeping "
+                    f"heads in [0, {self.num_heads})"
+                )
+        if self.residual_head_mask is not None:
+            self.residual_head_mask = [list(map(float, row)) for row in self.residual_head_mask]
+            shape = (len(self.residual_head_mask), *{len(r) for r in self.residual_head_mask})
+            if shape != (self.num_layers, self.num_heads):
+                raise ValueError(
+                    f"residual_head_mask must be (L, h) = ({self.num_layers}, {self.num_heads})"
+                )
 
     @property
     def input_dim(self) -> int:
@@ -346,6 +403,9 @@ class AALBERT(nn.Module):
         self.encoder = Encoder(layers, c.num_layers, final_norm)
         self.head = ReconstructionHead(c.dim, c.input_dim, c.layer_norm_eps)
         self._init_own_weights()
+        for j, kept in c.pruned_heads.items():  # rebuild a pruned model's structure
+            self.encoder.layers[j].attention.prune_heads(kept)
+        self._set_residual(c.residual_head_mask)
 
     def _init_own_weights(self) -> None:
         """BERT init (normal, std 0.02) for our Linear/LayerNorm; attention modules keep theirs
@@ -398,6 +458,58 @@ class AALBERT(nn.Module):
             f"{-(-frames // stack)}"
         )
 
+    # ----------------------------------------------------------------- pruning
+    def prune_heads(self, heads: Mapping[int, Sequence[int]] | Tensor) -> None:
+        """Remove attention heads' parameters (actual pruning), recorded in the config.
+
+        heads: either {layer: original indices of the heads to keep} (layer = index into
+        `encoder.layers`: the depth when unshared, 0 for a shared layer), or an (L, h) head
+        mask xi (0 = masked), whose pruned model equals this model run with that head mask:
+        * an unshared layer loses the heads masked at its depth;
+        * a shared layer only loses the heads masked at every depth; the heads masked at some
+          depths only stay, masked there by `config.residual_head_mask`, applied under every
+          later head mask (so a shared model gains less);
+        * a layer whose every head is masked keeps its first head, masked likewise (an
+          attention module has at least one head).
+        Non-binary xi values of the kept heads also go into the residual mask. The run-time
+        head mask keeps its (L, h) shape over the original heads.
+        """
+        layers, h = len(self.encoder.layers), self.num_heads
+        if not isinstance(heads, Tensor):
+            bad = {j: k for j, k in heads.items() if not 0 <= j < layers or not k}
+            bad.update({j: k for j, k in heads.items() if any(not 0 <= i < h for i in k)})
+            if bad:
+                raise ValueError(
+                    f"prune_heads: expected {{layer in [0, {layers}): heads to keep in [0, {h}), "
+                    f"at least one}}, got {bad}"
+                )
+        elif heads.shape != (self.num_layers, h):
+            raise ValueError(f"prune_heads: expected a head mask (L, h) = {(self.num_layers, h)}")
+        else:
+            heads, residual = pruning_plan(heads, self.encoder.depth_to_layer)
+            if residual is not None and self.encoder.residual_head_mask is not None:
+                residual = residual * self.encoder.residual_head_mask.to(residual)
+            elif residual is None and self.encoder.residual_head_mask is not None:
+                residual = self.encoder.residual_head_mask
+            self._set_residual(None if residual is None else residual.tolist())
+        for j, kept in heads.items():
+            attention = self.encoder.layers[j].attention
+            current = list(attention.kept_heads)
+            # heads already removed stay removed; keep one if nothing else is left (the mask
+            # path's residual head mask masks it)
+            local = [current.index(k) for k in kept if k in current] or [0]
+            attention.prune_heads(local)
+            if attention.num_heads < self.num_heads:
+                self.config.pruned_heads[j] = list(attention.kept_heads)
+
+    def _set_residual(self, residual: list[list[float]] | None) -> None:
+        self.config.residual_head_mask = residual
+        if residual is None:
+            self.encoder.residual_head_mask = None
+            return
+        like = next(self.parameters())
+        self.encoder.residual_head_mask = torch.tensor(residual, device=like.device).to(like)
+
     def get_num_params(self, include_head: bool = True) -> int:
         """Unique parameters (a shared layer counts once)."""
         n = sum(p.numel() for p in self.parameters())
@@ -449,6 +561,27 @@ class AALBERT(nn.Module):
         stacked, out_lengths = self.stack(features, lengths)
         padding_mask = padding_mask_from_lengths(out_lengths, stacked.shape[1])
         return self.embedding(stacked, padding_mask), padding_mask
+
+
+def pruning_plan(
+    head_mask: Tensor, depth_to_layer: Sequence[int]
+) -> tuple[dict[int, list[int]], Tensor | None]:
+    """Heads to keep per layer for an (L, h) head mask (see `AALBERT.prune_heads`).
+
+    Returns ({layer: kept heads}, residual (L, h) float head mask, or None when every kept
+    head has xi = 1 at every depth).
+    """
+    L, h = head_mask.shape
+    if L != len(depth_to_layer):
+        raise ValueError(f"head mask must be (L={len(depth_to_layer)}, h), got {(L, h)}")
+    on = head_mask.detach().cpu().double() != 0  # (L, h)
+    keep: dict[int, list[int]] = {}
+    for j in sorted(set(depth_to_layer)):
+        depths = [d for d, layer in enumerate(depth_to_layer) if layer == j]
+        keep[j] = on[depths].any(0).nonzero().flatten().tolist() or [0]
+    residual = head_mask.detach().cpu().double().clone()
+    needed = any(bool((residual[d, keep[j]] != 1).any()) for d, j in enumerate(depth_to_layer))
+    return keep, residual if needed else None
 
 
 def padding_mask_from_lengths(lengths: Tensor, max_len: int) -> Tensor:

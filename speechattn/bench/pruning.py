@@ -1,0 +1,220 @@
+"""Speed and memory gained by actual pruning: the head-masked model against the pruned one.
+
+    python -m speechattn.bench pruning [--upstream PATH | --model aalbert_base --attention full]
+        [--heads HEADS_JSON] [--fraction 0.5] [--batch 4] [--frames 500] [--reps 10]
+        [--device cpu|cuda] [--precision fp32|bf16|fp16] [--json out.json]
+
+Both models run the same inference forward pass (no gradient, as a frozen upstream does
+downstream) on the same batch of `--frames` stacked 30 ms frames, side by side in interleaved
+order after one warm-up each:
+
+* `masked`: the full upstream with the head mask (xi = 0 on the pruned heads);
+* `pruned`: the same upstream after `AALBERT.prune_heads(mask)` (exactly the same outputs;
+  the largest difference is printed).
+
+The mask is the heads.json pruning point nearest to `--fraction` (`--heads`), else a seeded
+random choice of round(fraction h) heads per layer, the same heads at every depth of a shared
+layer (so that it loses them too). Without `--upstream` the model is a `--model` preset with
+random weights. Time: minimum over `--reps` (the most robust statistic on a shared machine),
+the median is stored too. Peak memory as `bench attention` measures it: the rise of
+`torch.cuda.max_memory_allocated` on CUDA, of the peak resident set size on CPU (Linux).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from speechattn.attention.registry import options as attention_options
+from speechattn.bench.attention import _RSS
+from speechattn.bench.common import (
+    add_precision_argument,
+    autocast,
+    default_precision,
+    device_name,
+    sync,
+)
+from speechattn.model.aalbert import AALBERT, PRESETS, ModelConfig, model_preset
+from speechattn.model.pruning import pruning_point
+from speechattn.model.upstream import load_upstream
+
+FEATURE_DIM = 80
+
+
+def random_mask(model: AALBERT, fraction: float, seed: int = 0) -> Tensor:
+    """(L, h) mask with round(fraction h) heads masked per layer object (seeded), the same
+    heads at every depth that runs that layer."""
+    L, h = model.num_layers, model.num_heads
+    g = torch.Generator().manual_seed(seed)
+    drop = {
+        j: torch.randperm(h, generator=g)[: round(fraction * h)]
+        for j in range(len(model.encoder.layers))
+    }
+    mask = torch.ones(L, h)
+    for depth, j in enumerate(model.encoder.depth_to_layer):
+        mask[depth, drop[j]] = 0.0
+    return mask
+
+
+def models(args: argparse.Namespace) -> tuple[AALBERT, AALBERT, Tensor, str]:
+    """(full model, pruned model, mask (L, h), where the mask comes from)."""
+    if args.upstream:
+        full = load_upstream(args.upstream).model
+    else:
+        needs_len = "max_len" in attention_options(args.attention)  # synthesizers: l_max >= T'
+        opts = {"max_len": max(1024, args.frames)} if needs_len else {}
+        c = {**model_preset(args.model), "feature_dim": FEATURE_DIM}
+        torch.manual_seed(0)
+        full = AALBERT(ModelConfig(**{**c, "attention": args.attention, "attention_options": opts}))
+    if args.heads:
+        point = pruning_point(json.loads(Path(args.heads).read_text()), args.fraction)
+        mask, source = torch.tensor(point["mask"]), f"{args.heads}, point {point['fraction']:.3f}"
+    else:
+        mask, source = random_mask(full, args.fraction, args.seed), f"random, seed {args.seed}"
+    pruned = copy.deepcopy(full)
+    pruned.prune_heads(mask)
+    return full.eval(), pruned.eval(), mask, source
+
+
+def peak_memory(fn: Callable[[], Any], device: torch.device, rss: _RSS) -> float | None:
+    """MiB the call adds at its peak (CUDA allocator, or peak RSS on CPU)."""
+    if device.type != "cuda":
+        return rss.measure(fn)
+    sync(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    base = torch.cuda.memory_allocated(device)
+    fn()
+    sync(device)
+    return (torch.cuda.max_memory_allocated(device) - base) / 2**20
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    full, pruned, mask, source = models(args)
+    full, pruned = full.to(device), pruned.to(device)
+    mask = mask.to(device)
+    T = args.frames * full.config.stack
+    g = torch.Generator().manual_seed(args.seed)
+    features = torch.randn(args.batch, T, full.config.feature_dim, generator=g).to(device)
+    lengths = torch.full((args.batch,), T, dtype=torch.long, device=device)
+
+    def forward(model: AALBERT, head_mask: Tensor | None) -> Callable[[], list[Tensor]]:
+        def call() -> list[Tensor]:
+            with torch.no_grad(), autocast(device.type, args.precision):
+                return model(features, lengths, head_mask)
+
+        return call
+
+    cases = {"masked": forward(full, mask.to(torch.float32)), "pruned": forward(pruned, None)}
+    outputs = {name: fn()[-1].float() for name, fn in cases.items()}  # warm-up
+    diff = float((outputs["masked"] - outputs["pruned"]).abs().max())
+    times: dict[str, list[float]] = {name: [] for name in cases}
+    for _ in range(args.reps):
+        for name, fn in cases.items():  # interleaved: drifting load affects both alike
+            sync(device)
+            t0 = time.perf_counter()
+            fn()
+            sync(device)
+            times[name].append(time.perf_counter() - t0)
+    rss = _RSS()
+    rows = {}
+    for name, model in (("masked", full), ("pruned", pruned)):
+        params = sum(p.numel() for p in model.parameters())
+        rows[name] = {
+            "time_ms": 1e3 * min(times[name]),
+            "time_ms_median": 1e3 * statistics.median(times[name]),
+            "peak_mem_mb": peak_memory(cases[name], device, rss),
+            "params": params,
+            "param_mb": sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20,
+        }
+    heads = [layer.attention.num_heads for layer in pruned.encoder.layers]
+    c = full.config
+    print(
+        f"pruning: {args.upstream or args.model} ({c.attention}, {'shared' if c.shared else 'unshared'}"
+        f" layers, L={c.num_layers}, h={c.num_heads}), batch {args.batch} x {args.frames} frames, "
+        f"{device} ({device_name(device)}), {args.precision}, {torch.get_num_threads()} threads"
+    )
+    print(
+        f"  mask: {source}; {int((mask == 0).sum())} of {mask.numel()} head applications masked; "
+        f"heads left per layer {heads}; residual head mask: "
+        f"{'yes' if pruned.config.residual_head_mask else 'no'}; max |masked - pruned| {diff:.2e}"
+    )
+    for name, r in rows.items():
+        mem = "-" if r["peak_mem_mb"] is None else f"{r['peak_mem_mb']:.1f}"
+        print(
+            f"  {name:7s} {r['time_ms']:9.2f} ms (median {r['time_ms_median']:.2f})  "
+            f"peak memory {mem} MiB  params {r['params'] / 1e6:.3f} M ({r['param_mb']:.1f} MiB)"
+        )
+    m, p = rows["masked"], rows["pruned"]
+    speedup = m["time_ms"] / p["time_ms"]
+    mem_ratio = (
+        p["peak_mem_mb"] / m["peak_mem_mb"] if p["peak_mem_mb"] and m["peak_mem_mb"] else None
+    )
+    print(
+        f"  speed-up (masked / pruned time) {speedup:.2f}x; pruned peak memory "
+        f"{'-' if mem_ratio is None else f'{mem_ratio:.2f}x'} of masked; parameters "
+        f"{p['params'] / m['params']:.2f}x"
+    )
+    result = {
+        "benchmark": "pruning",
+        "upstream": args.upstream,
+        "model": None if args.upstream else args.model,
+        "attention": c.attention,
+        "shared": c.shared,
+        "mask_source": source,
+        "mask": mask.tolist(),
+        "heads_left": heads,
+        "batch": args.batch,
+        "frames": args.frames,
+        "device": str(device),
+        "device_name": device_name(device),
+        "precision": args.precision,
+        "threads": torch.get_num_threads(),
+        "max_abs_diff": diff,
+        "rows": rows,
+        "speedup": speedup,
+        "peak_mem_ratio": mem_ratio,
+    }
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(result, indent=2))
+    return result
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="python -m speechattn.bench pruning", description=__doc__.split("\n")[0]
+    )
+    p.add_argument(
+        "--upstream", default=None, help="upstream.pt (default: --model, random weights)"
+    )
+    p.add_argument("--model", default="aalbert_base", choices=sorted(PRESETS))
+    p.add_argument("--attention", default="full", help="with --model: the variant")
+    p.add_argument("--heads", default=None, help="heads.json whose pruning point to use")
+    p.add_argument("--fraction", type=float, default=0.5, help="fraction of heads masked")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--frames", type=int, default=500, help="stacked 30 ms frames per utterance")
+    p.add_argument("--reps", type=int, default=10)
+    p.add_argument("--device", default="cpu")
+    add_precision_argument(p)
+    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (CPU)")
+    p.add_argument("--json", type=Path, default=None, help="also write the results here")
+    args = p.parse_args(argv)
+    args.precision = args.precision or default_precision(args.device)
+    return args
+
+
+def main(argv: list[str]) -> None:
+    run(parse(argv))

@@ -1,0 +1,102 @@
+"""Actual pruning: an `upstream.pt` whose masked heads' parameters are removed.
+
+Head analysis (`python -m speechattn.analyze heads`) finds heads to mask (xi = 0); this writes
+an upstream without them that `load_upstream` reads like any other and that equals the source
+upstream run with that head mask (`AALBERT.prune_heads` gives the rules: a shared layer loses
+only the heads masked at every depth, the rest stays masked by a residual head mask).
+
+    from speechattn.model.pruning import prune_upstream
+    prune_upstream("upstream.pt", mask, "pruned.pt")       # mask (L, h), 0 = masked
+    prune_upstream("upstream.pt", {0: [1, 3]}, "pruned.pt")  # layer -> heads kept
+
+The file records the kept heads in `model_config["pruned_heads"]` (and the residual mask in
+`model_config["residual_head_mask"]`), so `load_upstream` builds the full model, prunes it and
+loads the smaller weights; files without them are unpruned. `metadata["pruning"]` says where
+the upstream comes from and what was removed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from speechattn.data.cache import file_sha256
+from speechattn.model.upstream import load_upstream, save_upstream, upstream_state
+
+Heads = Mapping[int, Sequence[int]] | Tensor | Sequence[Sequence[float]]
+
+
+def prune_upstream(
+    src: str | Path, heads: Heads, dst: str | Path, extra: dict[str, Any] | None = None
+) -> Path:
+    """Write to `dst` the upstream `src` without the heads that `heads` removes.
+
+    heads: an (L, h) head mask (tensor or nested lists, 0 = masked, e.g. a heads.json pruning
+    point) or {layer: heads to keep} (see `AALBERT.prune_heads`). `extra` goes into
+    `metadata["pruning"]`. Returns `dst`, written atomically.
+    """
+    src = Path(src)
+    upstream = load_upstream(src)
+    model = upstream.model
+    if not isinstance(heads, Tensor | Mapping):
+        heads = torch.tensor(heads, dtype=torch.float64)
+    before = model.get_num_params()
+    model.prune_heads(heads)
+    c = model.config
+    record = {
+        "source": str(src.resolve()),
+        "source_sha256": file_sha256(src),
+        "params_before": before,
+        "params_after": model.get_num_params(),
+        "pruned_heads": {int(j): list(k) for j, k in c.pruned_heads.items()},
+        "residual_head_mask": c.residual_head_mask is not None,
+        "shared": c.shared,
+        **(extra or {}),
+    }
+    metadata = {**upstream.metadata, "pruning": record}
+    state = upstream_state(model, upstream.normalizer, upstream.feature_config, metadata)
+    return save_upstream(dst, state)
+
+
+def pruning_point(heads: Mapping[str, Any], fraction: float) -> dict[str, Any]:
+    """The point of a heads.json pruning curve whose fraction of masked heads is nearest to
+    `fraction` (ties: the smaller one), as stored: {"num_masked", "fraction", "metric", "mask"}."""
+    curve = heads.get("pruning")
+    if not curve or not curve.get("points"):
+        raise ValueError(
+            "this heads.json has no pruning curve; run `python -m speechattn.analyze heads` "
+            "with pruning.enabled=true"
+        )
+    if not 0.0 <= fraction <= 1.0:
+        raise ValueError(f"fraction must be in [0, 1], got {fraction}")
+    return min(curve["points"], key=lambda p: (abs(p["fraction"] - fraction), p["fraction"]))
+
+
+def prune_from_heads(
+    heads: Mapping[str, Any],
+    fraction: float,
+    dst: str | Path,
+    upstream: str | Path | None = None,
+) -> Path:
+    """Prune the upstream of a head analysis (`heads`, a read heads.json) at its pruning
+    point nearest to `fraction`; `upstream` defaults to the file the analysis ran on and must
+    have the sha256 the analysis recorded. Returns the written path."""
+    src = Path(upstream or heads["upstream"])
+    recorded = heads.get("upstream_sha256")
+    if recorded and file_sha256(src) != recorded:
+        raise ValueError(
+            f"{src} is not the upstream this head analysis ran on (sha256 differs from "
+            f"{recorded[:12]}... recorded for {heads['upstream']})"
+        )
+    point = pruning_point(heads, fraction)
+    extra = {
+        "heads_fraction": point["fraction"],
+        "heads_num_masked": point["num_masked"],
+        "heads_metric": {heads.get("metric", "metric"): point.get("metric")},
+        "heads_task": heads.get("task"),
+    }
+    return prune_upstream(src, point["mask"], dst, extra)
