@@ -54,3 +54,8 @@ def test_layer_imports_only_from_the_left(layer):
 def test_hubconf_uses_only_the_upstream_api():
     used = project_imports(PACKAGE.parent / "hubconf.py")
     assert used and used <= {"model", "interop"}, sorted(used)
+
+
+def test_shared_helpers_import_nothing_from_the_project():
+    """`speechattn.utils` is used by every layer, so it may use none of them."""
+    assert project_imports(PACKAGE / "utils.py") == set()

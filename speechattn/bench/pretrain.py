@@ -60,6 +60,7 @@ from speechattn.model.aalbert import (
     sinusoidal_positions,
 )
 from speechattn.model.masking import MaskingConfig, mask_frames, masked_l1
+from speechattn.utils import lengths_to_padding_mask
 
 FEATURE_DIM = 80
 
@@ -110,7 +111,7 @@ class ReferenceAALBERT(nn.Module):
     def forward(self, x: Tensor, lengths: Tensor) -> Tensor:
         """x (B, T', 3F) -> reconstruction (B, T', 3F)."""
         B, T, _ = x.shape
-        pad = torch.arange(T, device=x.device)[None, :] >= lengths[:, None]
+        pad = lengths_to_padding_mask(lengths, T)
         h = self.norm(self.proj(x) + sinusoidal_positions(T, self.c.dim, x.device, x.dtype))
         for depth in range(self.c.num_layers):
             h = self.layers[depth % len(self.layers)](h, pad)

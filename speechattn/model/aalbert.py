@@ -26,6 +26,7 @@ from torch import Tensor, nn
 
 from speechattn.attention.base import Attention
 from speechattn.data.features import stack_frames
+from speechattn.utils import lengths_to_padding_mask
 
 
 def sinusoidal_positions(length: int, dim: int, device=None, dtype=None) -> Tensor:
@@ -416,7 +417,7 @@ class AALBERT(nn.Module):
         self, stacked: Tensor, lengths: Tensor, head_mask: Tensor | None = None
     ) -> list[Tensor]:
         """stacked (B, T', stack*F), lengths' (B,) -> L+1 hidden states (B, T', D)."""
-        padding_mask = padding_mask_from_lengths(lengths, stacked.shape[1])
+        padding_mask = lengths_to_padding_mask(lengths, stacked.shape[1])
         return self.encoder(self.embedding(stacked, padding_mask), padding_mask, head_mask)
 
     def forward(
@@ -442,13 +443,8 @@ class AALBERT(nn.Module):
     def _embed(self, features: Tensor, lengths: Tensor) -> tuple[Tensor, Tensor]:
         """features (B, T, F), lengths (B,) -> embedded input (B, T', D), padding mask (B, T')."""
         stacked, out_lengths = self.stack(features, lengths)
-        padding_mask = padding_mask_from_lengths(out_lengths, stacked.shape[1])
+        padding_mask = lengths_to_padding_mask(out_lengths, stacked.shape[1])
         return self.embedding(stacked, padding_mask), padding_mask
-
-
-def padding_mask_from_lengths(lengths: Tensor, max_len: int) -> Tensor:
-    """lengths (B,) -> (B, max_len) bool, True at padded positions."""
-    return torch.arange(max_len, device=lengths.device)[None, :] >= lengths[:, None]
 
 
 def aalbert(

@@ -25,7 +25,6 @@ dim, C classes.
 from __future__ import annotations
 
 import logging
-import os
 import re
 import time
 from dataclasses import asdict, dataclass, is_dataclass, replace
@@ -56,9 +55,9 @@ from speechattn.tasks.upstream_features import (
     save_split,
     tensor_digest,
 )
+from speechattn.utils import IGNORE_INDEX, atomic_path, choose_device, lengths_to_padding_mask
 
 log = logging.getLogger(__name__)
-IGNORE = -100  # label id of padded frames (the data layer's padding value)
 
 
 @dataclass
@@ -128,7 +127,7 @@ def collate(items: list[dict[str, Any]]) -> dict[str, Any]:
     hidden = torch.zeros(len(items), N, int(lengths.max()), D)
     for b, it in enumerate(items):
         hidden[b, :, : lengths[b]] = it["hidden"]
-    padding_mask = torch.arange(hidden.size(2))[None, :] >= lengths[:, None]  # (B, T')
+    padding_mask = lengths_to_padding_mask(lengths, hidden.size(2))  # (B, T')
     batch: dict[str, Any] = {
         "hidden": hidden,
         "lengths": lengths,
@@ -140,7 +139,7 @@ def collate(items: list[dict[str, Any]]) -> dict[str, Any]:
         batch["labels"] = torch.stack(labels)
     else:
         label_lengths = torch.tensor([len(y) for y in labels])
-        padded = torch.full((len(items), int(label_lengths.max())), IGNORE, dtype=torch.long)
+        padded = torch.full((len(items), int(label_lengths.max())), IGNORE_INDEX, dtype=torch.long)
         for b, y in enumerate(labels):
             padded[b, : len(y)] = y
         batch["labels"], batch["label_lengths"] = padded, label_lengths
@@ -181,7 +180,7 @@ class DownstreamProbe(L.LightningModule):
             self.head = FrameProbe(
                 input_dim, num_classes, task.hidden_layers, task.hidden_dim, task.dropout
             )
-        metric = MulticlassAccuracy(num_classes, average="micro", ignore_index=IGNORE)
+        metric = MulticlassAccuracy(num_classes, average="micro", ignore_index=IGNORE_INDEX)
         self.train_acc, self.dev_acc, self.test_acc = metric.clone(), metric.clone(), metric.clone()
 
     def forward(self, batch: dict[str, Any]) -> Tensor:
@@ -210,7 +209,7 @@ class DownstreamProbe(L.LightningModule):
             logits, labels = logits[:, :T], labels[:, :T]
         flat_logits = logits.reshape(-1, logits.size(-1))  # (B*T, C) or (B, C)
         flat_labels = labels.reshape(-1)
-        loss = Fn.cross_entropy(flat_logits, flat_labels, ignore_index=IGNORE)
+        loss = Fn.cross_entropy(flat_logits, flat_labels, ignore_index=IGNORE_INDEX)
         metric.update(flat_logits.detach(), flat_labels)
         return loss
 
@@ -436,12 +435,6 @@ def _plain(value: Any) -> Any:
     return value
 
 
-def _device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
-
-
 def run(cfg: DictConfig) -> dict[str, Any]:
     """Evaluate `cfg.upstream` on `cfg.task`; writes `result.json` and returns it as a dict."""
     t_start = time.perf_counter()
@@ -464,7 +457,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     upstream, sha = open_upstream(cfg.upstream, datamodule.feature_dim)
     _check_input_frames(upstream, datamodule)
     layers = resolve_layers(cfg.layer, upstream.num_layers)
-    device = _device(cfg.get("device", "auto"))
+    device = choose_device(cfg.get("device", "auto"))
     t_features = time.perf_counter()
     cache_dir = cfg.get("cache_dir") or data_config.cache_root() / "downstream"
     splits = cached_features(
@@ -649,6 +642,5 @@ def _save_example(splits: dict[str, SplitFeatures], datamodule: Any, out: Path) 
         "features": batch["features"][0, :n].clone(),  # (T, F) normalised log-mel
         "speaker": int(batch["speaker"][0]) if batch.get("speaker") is not None else None,
     }
-    tmp = out / f".{EXAMPLE_FILE}.tmp"
-    torch.save(example, tmp)
-    os.replace(tmp, out / EXAMPLE_FILE)
+    with atomic_path(out / EXAMPLE_FILE) as tmp:
+        torch.save(example, tmp)

@@ -45,8 +45,8 @@ from torch import Tensor, nn
 from speechattn.model.aalbert import AALBERT
 from speechattn.model.masking import MaskingConfig, mask_frames, masked_l1
 from speechattn.tasks.pretrain import derive_seed
+from speechattn.utils import IGNORE_INDEX, lengths_to_padding_mask, track
 
-IGNORE = -100  # label id of padded frames (data layer and downstream probes)
 PER_CHOICES = ("utterance", "batch")
 
 # ----------------------------------------------------------------------------- config
@@ -284,8 +284,8 @@ class ProbeObjective(Objective[LabelledBatch]):
             raise ValueError("the downstream task needs speaker labels; the batches have none")
         elif level == "frame":  # the utterance's speaker on each of its 10 ms frames
             T = int(batch["lengths"].max())
-            valid = torch.arange(T)[None, :] < batch["lengths"][:, None]
-            labels = batch["speaker"][:, None].expand(-1, T).masked_fill(~valid, IGNORE)
+            valid = ~lengths_to_padding_mask(batch["lengths"], T)
+            labels = batch["speaker"][:, None].expand(-1, T).masked_fill(~valid, IGNORE_INDEX)
             label_lengths = batch["lengths"]
         else:
             labels = batch["speaker"]
@@ -325,7 +325,7 @@ class ProbeObjective(Objective[LabelledBatch]):
         batch: dict[str, Any] = {
             "hidden": stacked,
             "lengths": out_lengths,
-            "padding_mask": torch.arange(T, device=self.device)[None, :] >= out_lengths[:, None],
+            "padding_mask": lengths_to_padding_mask(out_lengths, T),
             "utt_ids": unit.utt_ids,
         }
         if unit.label_lengths is not None:
@@ -338,19 +338,19 @@ class ProbeObjective(Objective[LabelledBatch]):
 
     def loss(self, unit: LabelledBatch, head_mask: Tensor) -> Tensor | None:
         logits, labels = self.logits(unit, head_mask)
-        if not bool((labels != IGNORE).any()):
+        if not bool((labels != IGNORE_INDEX).any()):
             return None
-        return Fn.cross_entropy(logits, labels, ignore_index=IGNORE)
+        return Fn.cross_entropy(logits, labels, ignore_index=IGNORE_INDEX)
 
     def score(self, unit: LabelledBatch, head_mask: Tensor) -> tuple[float, float]:
         logits, labels = self.logits(unit, head_mask)
-        valid = labels != IGNORE
+        valid = labels != IGNORE_INDEX
         correct = (logits.argmax(-1) == labels) & valid
         return float(correct.sum()), float(valid.sum())
 
     def subset(self) -> dict[str, int]:
         def scored(b: LabelledBatch) -> int:
-            return int((b.labels != IGNORE).sum())
+            return int((b.labels != IGNORE_INDEX).sum())
 
         return {
             "batches": len(self.batches),
@@ -369,14 +369,6 @@ def _frozen(module: nn.Module, device: torch.device, dtype: torch.dtype) -> nn.M
 
 
 # ----------------------------------------------------------------------------- analyses
-
-
-def _track(items: Iterable[Any], description: str, total: int | None, enabled: bool) -> Iterable:
-    if not enabled:
-        return items
-    from rich.progress import track
-
-    return track(items, description=description, total=total, transient=False)
 
 
 def head_gradient(objective: Objective, unit: Any, head_mask: Tensor) -> Tensor | None:
@@ -441,7 +433,7 @@ def head_importance(
     acc = torch.zeros_like(head_mask)
     n = 0
     total = objective.num_units(per) if progress else None
-    for unit in _track(objective.units(per), f"importance (per {per})", total, progress):
+    for unit in track(objective.units(per), f"importance (per {per})", total, progress):
         grad = head_gradient(objective, unit, head_mask)
         if grad is None:
             continue  # nothing scored in this unit: it carries no evidence
@@ -488,7 +480,7 @@ def ablate(
     if layer:
         out.layer = torch.empty(L, dtype=torch.float64)
         jobs += [("layer", d, -1) for d in range(L)]
-    for kind, d, k in _track(jobs, "ablation", len(jobs), progress):
+    for kind, d, k in track(jobs, "ablation", len(jobs), progress):
         mask = ones.clone()
         if kind == "single":
             mask[d, k] = 0.0
@@ -563,7 +555,7 @@ def pruning_curve(
     first = evaluate(objective, mask) if base is None else base
     points = [PruningPoint(0, 0.0, first, [], mask.clone())]
     scores = importance.normalized
-    for target in _track(schedule[1:], "pruning", len(schedule) - 1, progress):
+    for target in track(schedule[1:], "pruning", len(schedule) - 1, progress):
         if recompute:
             scores = head_importance(objective, importance.per, mask).normalized
         chosen = next_heads(scores, mask, target - points[-1].num_masked, keep_one_per_layer)

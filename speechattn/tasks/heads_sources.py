@@ -38,6 +38,7 @@ from speechattn.tasks.heads import (
 )
 from speechattn.tasks.heads_result import KIND, PRETRAIN, SCHEMA_VERSION, write_heads
 from speechattn.tasks.upstream_features import file_sha256
+from speechattn.utils import choose_device, lengths_to_padding_mask
 
 log = logging.getLogger(__name__)
 HEAD_TASKS: tuple[str, ...] = (PRETRAIN, *TASKS)
@@ -236,15 +237,9 @@ def _renormalized(batches: list[dict[str, Any]], transform: Any) -> list[dict[st
         mask = b.get("padding_mask")
         if mask is None:
             T = b["features"].shape[1]
-            mask = torch.arange(T)[None, :] >= b["lengths"][:, None]
+            mask = lengths_to_padding_mask(b["lengths"], T)
         out.append({**b, "features": transform(b["features"], mask)})
     return out
-
-
-def _device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
 
 
 # ----------------------------------------------------------------------------- run
@@ -264,7 +259,7 @@ class Prepared:
 def prepare(config: HeadsRunConfig, datamodule: Any = None) -> Prepared:
     """Resolve task, upstream, probe and data; build the objective. `datamodule` replaces the
     data module built from the recorded data config (tests pass synthetic data)."""
-    device, dtype = _device(config.device), DTYPES[config.dtype]
+    device, dtype = choose_device(config.device), DTYPES[config.dtype]
     task = config.task or PRETRAIN
     if config.downstream is None:
         if config.task not in (None, PRETRAIN):
