@@ -56,7 +56,7 @@ from speechattn.model.aalbert import (
     AALBERT,
     PRESETS,
     ModelConfig,
-    model_preset,
+    preset_config,
     sinusoidal_positions,
 )
 from speechattn.model.masking import MaskingConfig, mask_frames, masked_l1
@@ -251,9 +251,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     unknown = [n for n in names if n not in available()]
     if unknown:
         raise SystemExit(f"unknown attention {unknown}; choose from {', '.join(available())}")
-    config = ModelConfig(
-        **{**model_preset(args.model), "feature_dim": FEATURE_DIM, "dropout": args.dropout}
-    )
+    config = preset_config(args.model, feature_dim=FEATURE_DIM, dropout=args.dropout)
     T = args.frames * config.stack
     batch = {
         "features": torch.randn(args.batch, T, FEATURE_DIM, device=args.device),

@@ -508,39 +508,33 @@ def aalbert(
     return AALBERT(config, make_attention)
 
 
-def model_preset(name: str) -> dict[str, Any]:
-    """`aalbert()` keyword arguments of a Hydra model preset: the `net` section of
-    `conf/model/<name>.yaml` after its defaults list (other presets it extends), so Python and
-    the command line build the same model."""
-    from omegaconf import OmegaConf
+PRESETS = {"aalbert_base": None, "aalbert_tiny": "tiny"}  # name -> experiment that shrinks it
 
-    from speechattn import CONFIG_DIR
 
-    def load(preset: str):
-        path = CONFIG_DIR / "model" / f"{preset}.yaml"
-        if not path.is_file():
-            known = sorted(p.stem for p in path.parent.glob("*.yaml"))
-            raise ValueError(f"unknown model preset {preset!r} ({path} not found); known: {known}")
-        own = OmegaConf.load(path)
-        defaults = list(own.pop("defaults", []))
-        if "_self_" not in defaults:
-            defaults.append("_self_")  # Hydra's default: the file overrides what it extends
-        parts = [own if entry == "_self_" else load(entry) for entry in defaults]
-        return OmegaConf.merge(*parts)
+def preset_config(name: str, **overrides: Any) -> ModelConfig:
+    """The `ModelConfig` of a preset: `aalbert_base` is `ModelConfig()` itself; `aalbert_tiny`
+    is what `conf/experiment/tiny.yaml` (the command line's default) changes of it, read from
+    that file so Python and the command line build the same model."""
+    if name not in PRESETS:
+        raise ValueError(f"unknown model preset {name!r}; known: {sorted(PRESETS)}")
+    net: dict[str, Any] = {}
+    if PRESETS[name] is not None:
+        from omegaconf import OmegaConf
 
-    return OmegaConf.to_container(load(name).net, resolve=True)
+        from speechattn import CONFIG_DIR
+
+        experiment = OmegaConf.load(CONFIG_DIR / "experiment" / f"{PRESETS[name]}.yaml")
+        net = OmegaConf.to_container(OmegaConf.select(experiment, "model.net") or {})  # type: ignore[assignment]
+    return ModelConfig(**{**net, **overrides})
 
 
 def aalbert_base(**overrides: Any) -> AALBERT:
-    """The study's model (`model=aalbert_base`): 6 shared post-LN layers, D 768, 12 heads,
-    FFN 3072, sinusoidal positions, as AALBERT."""
-    return aalbert(**{**model_preset("aalbert_base"), **overrides})
+    """The study's model (`model=aalbert_base`, the `ModelConfig` defaults): 6 shared post-LN
+    layers, D 768, 12 heads, FFN 3072, sinusoidal positions, as AALBERT."""
+    return AALBERT(preset_config("aalbert_base", **overrides))
 
 
 def aalbert_tiny(**overrides: Any) -> AALBERT:
-    """The CPU default (`model=aalbert_tiny`): 3 shared pre-LN layers, D 256, 8 heads,
+    """The CPU default (`experiment=tiny`): 3 shared pre-LN layers, D 256, 8 heads,
     convolutional positions; pretrains in minutes on two cores."""
-    return aalbert(**{**model_preset("aalbert_tiny"), **overrides})
-
-
-PRESETS = ("aalbert_base", "aalbert_tiny")  # conf/model/*.yaml the Python builders mirror
+    return AALBERT(preset_config("aalbert_tiny", **overrides))
