@@ -59,7 +59,7 @@ class HeadsRunConfig(HeadsConfig):
     split: str = "dev"  # downstream subset: dev | test (pretrain always uses its validation split)
     num_batches: int | None = 8  # batches in the subset; None: the whole split
     batch_size: int | None = None  # None: the data config's
-    seed: int = 0  # fixed reconstruction masks (task=pretrain): the same corruption in every evaluation
+    seed: int = 0  # fixed reconstruction masks (task=pretrain): the same in every evaluation
     device: str = "auto"  # auto | cpu | cuda
     dtype: str = "float32"  # float32 | float64
     data: Any = None  # a data config; None: the one recorded with the upstream/probe
