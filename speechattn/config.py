@@ -31,9 +31,9 @@ from speechattn import CONFIG_DIR
 from speechattn.data.config import DataConfig
 from speechattn.model.aalbert import ModelConfig
 from speechattn.model.masking import MaskingConfig
+from speechattn.model.optim import OptimConfig
 from speechattn.tasks.downstream import TaskConfig
 from speechattn.tasks.heads_sources import HeadsRunConfig
-from speechattn.tasks.pretrain import OptimConfig
 
 # ----------------------------------------------------------------------------- pretrain
 

@@ -1,4 +1,5 @@
-"""AALBERT model, masked acoustic modelling and the pretrained-upstream file format.
+"""AALBERT model, its objective (masked acoustic modelling) and optimiser, and the
+pretrained-upstream file format.
 
 from speechattn.model import aalbert_tiny, load_upstream
 model = aalbert_tiny(attention="ldsa")           # ModelConfig + registry attention
@@ -14,7 +15,15 @@ from speechattn.model.aalbert import (
     aalbert_base,
     aalbert_tiny,
 )
-from speechattn.model.masking import MaskedBatch, MaskingConfig, mask_frames, masked_l1
+from speechattn.model.masking import (
+    MaskedBatch,
+    MaskingConfig,
+    corrupt,
+    mask_frames,
+    masked_l1,
+    reconstruction_loss,
+)
+from speechattn.model.optim import OptimConfig, build_optimizer, build_scheduler, parameter_groups
 from speechattn.model.upstream import Upstream, UpstreamFileError, UpstreamOutput, load_upstream
 
 __all__ = [
@@ -23,13 +32,19 @@ __all__ = [
     "MaskedBatch",
     "MaskingConfig",
     "ModelConfig",
+    "OptimConfig",
     "Upstream",
     "UpstreamFileError",
     "UpstreamOutput",
     "aalbert",
     "aalbert_base",
     "aalbert_tiny",
+    "build_optimizer",
+    "build_scheduler",
+    "corrupt",
     "load_upstream",
     "mask_frames",
     "masked_l1",
+    "parameter_groups",
+    "reconstruction_loss",
 ]

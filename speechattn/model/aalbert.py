@@ -420,6 +420,13 @@ class AALBERT(nn.Module):
         padding_mask = lengths_to_padding_mask(lengths, stacked.shape[1])
         return self.encoder(self.embedding(stacked, padding_mask), padding_mask, head_mask)
 
+    def reconstruct(
+        self, stacked: Tensor, lengths: Tensor, head_mask: Tensor | None = None
+    ) -> Tensor:
+        """Masked-reconstruction prediction: stacked (B, T', stack*F) (corrupted), lengths' (B,)
+        -> (B, T', stack*F). Its loss is `speechattn.model.masking.reconstruction_loss`."""
+        return self.head(self.embed_and_encode(stacked, lengths, head_mask)[-1])
+
     def forward(
         self, features: Tensor, lengths: Tensor, head_mask: Tensor | None = None
     ) -> list[Tensor]:

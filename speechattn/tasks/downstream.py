@@ -34,16 +34,15 @@ from typing import Any
 
 import lightning as L
 import torch
-import torch.nn.functional as Fn
 from omegaconf import DictConfig, OmegaConf
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
 from torchmetrics.classification import MulticlassAccuracy
 
 from speechattn.data import DataConfig, LabelledDataModule, expand_to_labels
+from speechattn.model.probes import Probe
 from speechattn.tasks.common import quiet_library_notices, run_output_dir
 from speechattn.tasks.downstream_result import EXAMPLE_FILE, MEL, TASKS, DownstreamResult
-from speechattn.tasks.probes import FrameProbe, LayerSelector, UtteranceProbe
 from speechattn.tasks.upstream_features import (
     SPLITS,
     SplitFeatures,
@@ -152,8 +151,8 @@ def collate(items: list[dict[str, Any]]) -> dict[str, Any]:
 # ----------------------------------------------------------------------------- model
 
 
-class DownstreamProbe(L.LightningModule):
-    """Layer selection + the task's head, trained with cross-entropy on frozen features."""
+class DownstreamProbe(Probe, L.LightningModule):
+    """The task's `Probe`, trained with cross-entropy on frozen features (Lightning)."""
 
     def __init__(
         self,
@@ -164,7 +163,18 @@ class DownstreamProbe(L.LightningModule):
         downsample: int,
         tolerance: int,
     ) -> None:
-        super().__init__()
+        super().__init__(
+            task.level,
+            input_dim,
+            num_layers,
+            num_classes,
+            downsample,
+            tolerance,
+            pooling=task.pooling,
+            hidden_layers=task.hidden_layers,
+            hidden_dim=task.hidden_dim,
+            dropout=task.dropout,
+        )
         self.save_hyperparameters(
             {
                 "task": asdict(task),
@@ -175,46 +185,14 @@ class DownstreamProbe(L.LightningModule):
                 "tolerance": tolerance,
             }
         )
-        self.task, self.downsample, self.tolerance = task, downsample, tolerance
-        self.select = LayerSelector(num_layers)
-        if task.level == "utterance":
-            self.head: torch.nn.Module = UtteranceProbe(input_dim, num_classes, task.pooling)
-        else:
-            self.head = FrameProbe(
-                input_dim, num_classes, task.hidden_layers, task.hidden_dim, task.dropout
-            )
+        self.task = task
         metric = MulticlassAccuracy(num_classes, average="micro", ignore_index=IGNORE_INDEX)
         self.train_acc, self.dev_acc, self.test_acc = metric.clone(), metric.clone(), metric.clone()
 
-    def forward(self, batch: dict[str, Any]) -> Tensor:
-        """Logits (B, C) for utterance tasks, (B, T, C) at the label rate for frame tasks."""
-        x = self.select(batch["hidden"])  # (B, T', D)
-        if self.task.level == "utterance":
-            return self.head(x, batch["padding_mask"])
-        valid = ~batch["padding_mask"]  # (B, T')
-        # The head runs on valid frames only (padding would cost a third of the compute).
-        frames = self.head(x[valid])  # (V, C), V valid frames in the batch
-        logits = frames.new_zeros(*valid.shape, frames.size(-1))  # (B, T', C)
-        logits[valid] = frames
-        return expand_to_labels(
-            logits,
-            self.downsample,
-            batch["label_lengths"],
-            batch["utt_ids"],
-            self.tolerance,
-            lengths=batch["lengths"],
-        )  # (B, T, C)
-
     def _step(self, batch: dict[str, Any], metric: MulticlassAccuracy) -> Tensor:
-        logits, labels = self(batch), batch["labels"]
-        T = min(logits.size(1), labels.size(1)) if logits.dim() == 3 else 0
-        if logits.dim() == 3:  # expand_to_labels pads to the longest label; keep both aligned
-            logits, labels = logits[:, :T], labels[:, :T]
-        flat_logits = logits.reshape(-1, logits.size(-1))  # (B*T, C) or (B, C)
-        flat_labels = labels.reshape(-1)
-        loss = Fn.cross_entropy(flat_logits, flat_labels, ignore_index=IGNORE_INDEX)
+        flat_logits, flat_labels = self.aligned(self(batch), batch["labels"])
         metric.update(flat_logits.detach(), flat_labels)
-        return loss
+        return self.loss(flat_logits, flat_labels)
 
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> Tensor:
         loss = self._step(batch, self.train_acc)

@@ -39,11 +39,11 @@ from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
 import torch
-import torch.nn.functional as Fn
 from torch import Tensor, nn
 
 from speechattn.model.aalbert import AALBERT
-from speechattn.model.masking import MaskingConfig, mask_frames, masked_l1
+from speechattn.model.masking import MaskedBatch, MaskingConfig, corrupt, reconstruction_loss
+from speechattn.model.probes import Probe
 from speechattn.tasks.pretrain import derive_seed
 from speechattn.utils import IGNORE_INDEX, lengths_to_padding_mask, track
 
@@ -152,17 +152,6 @@ class Objective(ABC, Generic[U]):
         return torch.ones(self.num_layers, self.num_heads, dtype=self.dtype, device=self.device)
 
 
-@dataclass
-class MaskedBatch:
-    """A batch prepared for masked reconstruction, its corruption drawn once."""
-
-    inputs: Tensor  # (B, T', F') corrupted model input
-    target: Tensor  # (B, T', F') clean stacked frames
-    chosen: Tensor  # (B, T') bool, frames the loss is computed on
-    lengths: Tensor  # (B,) valid model frames
-    frames: int  # valid 10 ms frames in the batch
-
-
 class PretrainObjective(Objective[MaskedBatch]):
     """Masked-reconstruction L1 of an AALBERT (encoder + reconstruction head)."""
 
@@ -181,44 +170,28 @@ class PretrainObjective(Objective[MaskedBatch]):
         self.device, self.dtype = torch.device(device), dtype
         self.model = _frozen(model, self.device, dtype)
         masking = masking or MaskingConfig()
-        prepared = []
+        prepared, self.frames = [], 0  # frames: valid 10 ms frames in the subset
         for i, batch in enumerate(batches):
             features = batch["features"].to(self.device, dtype)  # (B, T, F)
             lengths = batch["lengths"].to(self.device)  # (B,)
-            stacked, n = self.model.stack(features, lengths)  # (B, T', F'), (B,)
             generator = torch.Generator().manual_seed(derive_seed(seed, "heads-mask", i))
-            m = mask_frames(stacked, n, masking, generator)
-            prepared.append(MaskedBatch(m.inputs, stacked, m.chosen, n, int(lengths.sum())))
+            prepared.append(corrupt(self.model, features, lengths, masking, generator))
+            self.frames += int(lengths.sum())
         super().__init__(model.num_layers, model.num_heads, prepared)
 
     def split(self, batch: MaskedBatch) -> list[MaskedBatch]:
-        units = []
-        for b, n in enumerate(batch.lengths.tolist()):
-            units.append(
-                MaskedBatch(
-                    batch.inputs[b : b + 1, :n],
-                    batch.target[b : b + 1, :n],
-                    batch.chosen[b : b + 1, :n],
-                    batch.lengths[b : b + 1],
-                    frames=0,
-                )
-            )
-        return units
-
-    def predict(self, unit: MaskedBatch, head_mask: Tensor | None) -> Tensor:
-        """Reconstruction (B, T', F') of the corrupted input with head mask (L, h)."""
-        hidden = self.model.embed_and_encode(unit.inputs, unit.lengths, head_mask)
-        return self.model.head(hidden[-1])
+        return batch.utterances()
 
     def loss(self, unit: MaskedBatch, head_mask: Tensor) -> Tensor | None:
         if not bool(unit.chosen.any()):
             return None  # e.g. an utterance too short for a span: nothing to reconstruct
-        return masked_l1(self.predict(unit, head_mask), unit.target, unit.chosen)
+        return reconstruction_loss(self.model, unit, head_mask)
 
     def score(self, unit: MaskedBatch, head_mask: Tensor) -> tuple[float, float]:
         if not bool(unit.chosen.any()):
             return 0.0, 0.0
-        error = (self.predict(unit, head_mask) - unit.target).abs()  # (B, T', F')
+        prediction = self.model.reconstruct(unit.inputs, unit.lengths, head_mask)
+        error = (prediction - unit.target).abs()  # (B, T', F')
         weight = unit.chosen[..., None].to(error.dtype)  # (B, T', 1)
         return float((error * weight).sum()), float(weight.sum()) * error.shape[-1]
 
@@ -226,7 +199,7 @@ class PretrainObjective(Objective[MaskedBatch]):
         return {
             "batches": len(self.batches),
             "utterances": sum(len(b.lengths) for b in self.batches),
-            "frames": sum(b.frames for b in self.batches),
+            "frames": self.frames,
             "scored": sum(int(b.chosen.sum()) for b in self.batches),  # chosen model frames
         }
 
@@ -245,9 +218,9 @@ class LabelledBatch:
 class ProbeObjective(Objective[LabelledBatch]):
     """Cross-entropy / accuracy of a trained downstream probe on the head-masked upstream.
 
-    `probe` is a `speechattn.tasks.downstream.DownstreamProbe` (or anything with its call
-    contract: a batch dict with hidden (B, N, T', D), padding_mask, label_lengths, utt_ids ->
-    logits (B, C) or (B, T_lab, C)); `layers` are the hidden-state indices it was trained on.
+    `probe` is a `speechattn.model.probes.Probe` (the downstream run's `DownstreamProbe` is
+    one): a batch dict with hidden (B, N, T', D), padding_mask, label_lengths, utt_ids ->
+    logits (B, C) or (B, T_lab, C); `layers` are the hidden-state indices it was trained on.
     """
 
     metric_name = "accuracy"
@@ -330,17 +303,13 @@ class ProbeObjective(Objective[LabelledBatch]):
         }
         if unit.label_lengths is not None:
             batch["label_lengths"] = unit.label_lengths
-        logits, labels = self.probe(batch), unit.labels
-        if logits.dim() == 3:  # frame task: align the label-rate logits with the labels
-            T = min(logits.size(1), labels.size(1))
-            logits, labels = logits[:, :T], labels[:, :T]
-        return logits.reshape(-1, logits.size(-1)), labels.reshape(-1)
+        return Probe.aligned(self.probe(batch), unit.labels)
 
     def loss(self, unit: LabelledBatch, head_mask: Tensor) -> Tensor | None:
         logits, labels = self.logits(unit, head_mask)
         if not bool((labels != IGNORE_INDEX).any()):
             return None
-        return Fn.cross_entropy(logits, labels, ignore_index=IGNORE_INDEX)
+        return Probe.loss(logits, labels)
 
     def score(self, unit: LabelledBatch, head_mask: Tensor) -> tuple[float, float]:
         logits, labels = self.logits(unit, head_mask)
@@ -634,7 +603,6 @@ __all__ = [
     "ImportanceConfig",
     "LabelledBatch",
     "NonFiniteMetricError",
-    "MaskedBatch",
     "Objective",
     "PretrainObjective",
     "ProbeObjective",

@@ -9,6 +9,7 @@ import torch
 from conftest import SyntheticPretrainData, compose_pretrain
 
 import speechattn
+from speechattn.model.optim import lr_factor
 from speechattn.pretrain import run
 from speechattn.tasks.common import read_metrics
 from speechattn.tasks.pretrain import (
@@ -18,7 +19,6 @@ from speechattn.tasks.pretrain import (
     SeededItems,
     StepBatchSampler,
     export_upstream,
-    lr_factor,
 )
 
 SYNTH = ("~data",)  # the tests pass SyntheticPretrainData to run() directly

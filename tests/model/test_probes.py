@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from speechattn.tasks.probes import FrameProbe, LayerSelector, MeanPool, UtteranceProbe
+from speechattn.model.probes import FrameProbe, LayerSelector, MeanPool, UtteranceProbe
 
 
 def fit(model: torch.nn.Module, inputs: tuple, labels: torch.Tensor, steps: int = 300) -> None:
