@@ -50,11 +50,11 @@ class Scale:
 
 def scale_overrides(scale: str, librispeech: str | None) -> Scale:
     if scale == "tiny":
-        # Built-in corpus, aalbert_tiny, CPU: the quick-start run (800 steps of 8 utterances)
+        # Built-in corpus, experiment=tiny, CPU: the quick-start run (800 steps of 8 utterances)
         # for every variant; 14 pretrainings, 60 probes and the head analyses took 71 min on
         # 2 cores.
         return Scale(
-            pretrain=["trainer.accelerator=cpu", "trainer.max_steps=800"],
+            pretrain=["experiment=tiny", "trainer.accelerator=cpu", "trainer.max_steps=800"],
             downstream=["trainer.accelerator=cpu", "device=cpu"],
             bench=["--quick", "--device", "cpu"],
             heads=["device=cpu", "num_batches=4"],

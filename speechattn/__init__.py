@@ -9,8 +9,16 @@ from pathlib import Path
 
 __version__ = "0.1.0"
 
-# Hydra configs live at the repository root (`conf/`); the package is installed editable.
-CONFIG_DIR = Path(__file__).resolve().parent.parent / "conf"
+
+def _config_dir() -> Path:
+    """`conf/`: shipped inside the package by `pip install .` (setup.py maps it to
+    `speechattn/conf`); in a checkout or an editable install, the repository's top-level one."""
+    here = Path(__file__).resolve().parent
+    shipped = here / "conf"
+    return shipped if shipped.is_dir() else here.parent / "conf"
+
+
+CONFIG_DIR = _config_dir()  # Hydra configs; their schemas are in speechattn.config
 
 
 def load_upstream(path: str | Path, map_location: str = "cpu"):

@@ -29,12 +29,12 @@ from typing import Any
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-import speechattn
+from speechattn.config import CONFIG_DIR  # registers the structured configs
 from speechattn.tasks.common import quiet_library_notices, run_output_dir
 
 log = logging.getLogger("speechattn.analyze")
 ANALYSES = ("heads",)
-SEARCHPATH = f"file://{speechattn.CONFIG_DIR / 'analyze'}"  # holds task/pretrain.yaml
+SEARCHPATH = f"file://{CONFIG_DIR / 'analyze'}"  # holds task/pretrain.yaml
 USAGE = (
     "usage: python -m speechattn.analyze heads upstream=PATH "
     "[task=pretrain|speaker_utterance|speaker_frame|phone_1hidden|phone_2hidden] "
@@ -45,29 +45,14 @@ USAGE = (
 def compose_config(overrides: list[str] | None = None) -> DictConfig:
     """`conf/analyze.yaml` composed with `overrides`, as `python -m speechattn.analyze heads`
     would (for tests and notebooks)."""
-    from hydra import compose, initialize_config_dir
+    from speechattn.config import compose
 
-    with initialize_config_dir(config_dir=str(speechattn.CONFIG_DIR), version_base="1.3"):
-        return compose(
-            "analyze", overrides=[f"hydra.searchpath=[{SEARCHPATH}]", *(overrides or [])]
-        )
+    return compose("analyze", [f"hydra.searchpath=[{SEARCHPATH}]", *(overrides or [])])
 
 
 def run_config(cfg: DictConfig) -> Any:
     """The typed `HeadsRunConfig` of a composed `conf/analyze.yaml`."""
-    from speechattn.tasks.heads import HeadsConfig
-    from speechattn.tasks.heads_sources import HeadsRunConfig
-
-    c = OmegaConf.to_container(cfg, resolve=True)
-    assert isinstance(c, dict)
-    heads = HeadsConfig.from_dict(
-        {k: c.pop(k) for k in ("importance", "ablation", "pruning") if k in c}
-    )
-    for key in ("figures", "output_dir", "hydra"):
-        c.pop(key, None)
-    task = c.pop("task", None)  # the selected task group option, or a plain name
-    c["task"] = task.get("name") if isinstance(task, dict) else task
-    return HeadsRunConfig(**c, heads=heads)
+    return OmegaConf.to_object(cfg)
 
 
 def run(cfg: DictConfig, datamodule: Any = None) -> dict[str, Any]:
@@ -102,7 +87,7 @@ def run(cfg: DictConfig, datamodule: Any = None) -> dict[str, Any]:
     }
 
 
-@hydra.main(version_base="1.3", config_path=str(speechattn.CONFIG_DIR), config_name="analyze")
+@hydra.main(version_base="1.3", config_path=str(CONFIG_DIR), config_name="analyze")
 def _heads_main(cfg: DictConfig) -> None:
     try:
         run(cfg)

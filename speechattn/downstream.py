@@ -9,10 +9,10 @@ from typing import Any
 import hydra
 from omegaconf import DictConfig
 
-import speechattn
+from speechattn.config import CONFIG_DIR  # registers the structured configs
 
 
-@hydra.main(version_base="1.3", config_path=str(speechattn.CONFIG_DIR), config_name="downstream")
+@hydra.main(version_base="1.3", config_path=str(CONFIG_DIR), config_name="downstream")
 def main(cfg: DictConfig) -> dict[str, Any]:
     from speechattn.tasks.downstream import run
 

@@ -24,7 +24,7 @@ from typing import Any
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-import speechattn
+from speechattn.config import CONFIG_DIR  # registers the structured configs
 
 log = logging.getLogger("speechattn.pretrain")
 
@@ -263,7 +263,7 @@ def run(cfg: DictConfig, datamodule: Any = None) -> dict[str, Any]:
     return result
 
 
-@hydra.main(version_base="1.3", config_path=str(speechattn.CONFIG_DIR), config_name="pretrain")
+@hydra.main(version_base="1.3", config_path=str(CONFIG_DIR), config_name="pretrain")
 def main(cfg: DictConfig) -> float | None:
     from speechattn.model.upstream import NonFiniteWeightsError
     from speechattn.tasks.pretrain import NonFiniteLossError

@@ -90,9 +90,7 @@ def pretrained_tiny_run(
     """Run folder of a real `python -m speechattn.pretrain` run (through `run(cfg)`) on
     `tiny_corpus`: the tiny preset shrunk to D 32, 2 layers, `PRETRAIN_STEPS` steps; holds
     `upstream.pt`, `README.md` (model card), `metrics.csv` and the loss curve."""
-    from hydra import compose, initialize_config_dir
-
-    from speechattn import CONFIG_DIR
+    from speechattn.config import compose
     from speechattn.pretrain import run
 
     out = tmp_path_factory.mktemp("pretrained-tiny")
@@ -117,9 +115,7 @@ def pretrained_tiny_run(
         "logger=none",
         f"output_dir={out}",
     ]
-    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
-        cfg = compose("pretrain", overrides=overrides)
-    run(cfg)
+    run(compose("pretrain", overrides))
     return out
 
 

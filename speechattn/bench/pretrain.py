@@ -52,14 +52,17 @@ from speechattn.bench.common import (
     peak_dtype,
     sync,
 )
+from speechattn.data.features import stack_frames
 from speechattn.model.aalbert import (
     AALBERT,
     PRESETS,
     ModelConfig,
-    model_preset,
+    preset_config,
     sinusoidal_positions,
 )
-from speechattn.model.masking import MaskingConfig, mask_frames, masked_l1
+from speechattn.model.masking import MaskingConfig, corrupt, reconstruction_loss
+from speechattn.model.optim import OptimConfig, build_optimizer
+from speechattn.utils import lengths_to_padding_mask
 
 FEATURE_DIM = 80
 
@@ -107,10 +110,14 @@ class ReferenceAALBERT(nn.Module):
             nn.Linear(c.dim, c.dim), nn.GELU(), nn.LayerNorm(c.dim), nn.Linear(c.dim, c.input_dim)
         )
 
-    def forward(self, x: Tensor, lengths: Tensor) -> Tensor:
-        """x (B, T', 3F) -> reconstruction (B, T', 3F)."""
+    def stack(self, features: Tensor, lengths: Tensor) -> tuple[Tensor, Tensor]:
+        """features (B, T, F), lengths (B,) -> (B, T', 3F), lengths' (B,), as AALBERT."""
+        return stack_frames(features, lengths, self.c.stack)
+
+    def reconstruct(self, x: Tensor, lengths: Tensor, head_mask: None = None) -> Tensor:
+        """x (B, T', 3F) corrupted, lengths' (B,) -> reconstruction (B, T', 3F)."""
         B, T, _ = x.shape
-        pad = torch.arange(T, device=x.device)[None, :] >= lengths[:, None]
+        pad = lengths_to_padding_mask(lengths, T)
         h = self.norm(self.proj(x) + sinusoidal_positions(T, self.c.dim, x.device, x.dtype))
         for depth in range(self.c.num_layers):
             h = self.layers[depth % len(self.layers)](h, pad)
@@ -145,9 +152,7 @@ def make_step(
 ) -> Callable[[], float]:
     """A closure doing one full training step (forward and loss under `precision`'s
     autocast); returns the loss."""
-    from pytorch_optimizer import Lamb
-
-    opt = Lamb(model.parameters(), lr=lr)
+    opt = build_optimizer(model, OptimConfig(lr=lr))  # LAMB with pretraining's decay groups
     g = torch.Generator().manual_seed(0)
     features, lengths = batch["features"], batch["lengths"]
     device = features.device.type
@@ -160,19 +165,8 @@ def make_step(
         opt.step()
         return loss.item()
 
-    def forward_loss() -> Tensor:
-        if isinstance(model, AALBERT):
-            stacked, slen = model.stack(features, lengths)
-            masked = mask_frames(stacked, slen, masking, g)
-            prediction = model.head(model.embed_and_encode(masked.inputs, slen)[-1])
-        else:
-            c = model.c
-            B, T, _ = features.shape
-            stacked = features.reshape(B, T // c.stack, c.input_dim)
-            slen = torch.div(lengths + c.stack - 1, c.stack, rounding_mode="floor")
-            masked = mask_frames(stacked, slen, masking, g)
-            prediction = model(masked.inputs, slen)
-        return masked_l1(prediction.float(), stacked, masked.chosen)
+    def forward_loss() -> Tensor:  # pretraining's objective (PretrainTask.reconstruction_loss)
+        return reconstruction_loss(model, corrupt(model, features, lengths, masking, g))
 
     return step
 
@@ -250,9 +244,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     unknown = [n for n in names if n not in available()]
     if unknown:
         raise SystemExit(f"unknown attention {unknown}; choose from {', '.join(available())}")
-    config = ModelConfig(
-        **{**model_preset(args.model), "feature_dim": FEATURE_DIM, "dropout": args.dropout}
-    )
+    config = preset_config(args.model, feature_dim=FEATURE_DIM, dropout=args.dropout)
     T = args.frames * config.stack
     batch = {
         "features": torch.randn(args.batch, T, FEATURE_DIM, device=args.device),

@@ -43,7 +43,7 @@ from speechattn.bench.common import (
     device_name,
     sync,
 )
-from speechattn.model.aalbert import AALBERT, PRESETS, ModelConfig, model_preset
+from speechattn.model.aalbert import AALBERT, PRESETS, preset_config
 from speechattn.model.pruning import pruning_point
 from speechattn.model.upstream import load_upstream
 
@@ -72,9 +72,14 @@ def models(args: argparse.Namespace) -> tuple[AALBERT, AALBERT, Tensor, str]:
     else:
         needs_len = "max_len" in attention_options(args.attention)  # synthesizers: l_max >= T'
         opts = {"max_len": max(1024, args.frames)} if needs_len else {}
-        c = {**model_preset(args.model), "feature_dim": FEATURE_DIM}
+        config = preset_config(
+            args.model,
+            feature_dim=FEATURE_DIM,
+            attention=args.attention,
+            attention_options=opts,
+        )
         torch.manual_seed(0)
-        full = AALBERT(ModelConfig(**{**c, "attention": args.attention, "attention_options": opts}))
+        full = AALBERT(config)
     if args.heads:
         point = pruning_point(json.loads(Path(args.heads).read_text()), args.fraction)
         mask, source = torch.tensor(point["mask"]), f"{args.heads}, point {point['fraction']:.3f}"

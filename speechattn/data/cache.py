@@ -50,11 +50,12 @@ from speechattn.data.audio import load_audio
 from speechattn.data.errors import DataError, Issues, Skip
 from speechattn.data.features import FeatureConfig, LogMel, min_samples_for
 from speechattn.data.librispeech import Utterance
+from speechattn.utils import TEMP_MARK, atomic_path, atomic_write_text, progress_bar
 
 log = logging.getLogger(__name__)
 
 CACHE_VERSION = 2  # 2: shard sizes and checksums in the index
-_TMP_RE = re.compile(r"\.tmp-(\d+)-")
+_TMP_RE = re.compile(re.escape(TEMP_MARK) + r"(\d+)-")
 _VERIFIED: set[tuple[str, str]] = set()  # (path, sha256) checksummed in this process
 
 
@@ -269,10 +270,6 @@ def _logmel(cfg: FeatureConfig) -> LogMel:
     return _LOGMEL
 
 
-def _tmp_name(path: Path) -> Path:
-    return path.with_name(f"{path.name}.tmp-{os.getpid()}-{os.urandom(3).hex()}")
-
-
 class _HashingWriter:
     """A binary file that hashes what is written (np.save then streams through `write`)."""
 
@@ -287,15 +284,9 @@ class _HashingWriter:
 
 def _atomic_save_npy(path: Path, array: np.ndarray) -> dict[str, Any]:
     """Write `array` as `path` (temp file + rename); returns its integrity record."""
-    tmp = _tmp_name(path)
-    try:
-        with open(tmp, "wb") as f:
-            out = _HashingWriter(f)
-            np.save(out, array)
-    except BaseException:
-        tmp.unlink(missing_ok=True)  # a failed write (full disk) leaves nothing behind
-        raise
-    os.replace(tmp, path)
+    with atomic_path(path) as tmp, open(tmp, "wb") as f:
+        out = _HashingWriter(f)
+        np.save(out, array)
     return {
         "size": out.size,
         "shape": list(array.shape),
@@ -307,21 +298,6 @@ def _atomic_save_npy(path: Path, array: np.ndarray) -> dict[str, Any]:
 def _disk_full(error: OSError) -> bool:
     # NumPy's tofile reports a short write as "N requested and M written", with no errno
     return error.errno in (errno.ENOSPC, errno.EDQUOT) or "requested and" in str(error)
-
-
-def atomic_write_bytes(path: Path, data: bytes) -> None:
-    """Write `data` to a temporary name beside `path`, then rename: never half a file."""
-    tmp = _tmp_name(path)
-    try:
-        tmp.write_bytes(data)
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-
-
-def atomic_write_text(path: Path, text: str) -> None:
-    atomic_write_bytes(path, text.encode("utf-8"))
 
 
 def _extract_shard(task: _ShardTask) -> _ShardResult:
@@ -404,7 +380,7 @@ def _init_worker() -> None:
 
 def _remove_stale_tmp(directory: Path) -> None:
     """Delete temporary files left by processes that no longer run (killed extractions)."""
-    for path in directory.glob("*.tmp-*"):
+    for path in directory.glob(f"*{TEMP_MARK}*"):
         m = _TMP_RE.search(path.name)
         pid = int(m.group(1)) if m else -1
         try:
@@ -502,7 +478,6 @@ def _build(
     description: str,
     on_shard_done: Callable[[int], None] | None,
 ) -> None:
-    from speechattn.data.progress import progress_bar
 
     directory.mkdir(parents=True, exist_ok=True)
     _remove_stale_tmp(directory)
@@ -598,16 +573,6 @@ def _write_index(directory: Path, n_shards: int, feature_dim: int) -> None:
     def cat(parts: list[np.ndarray]) -> np.ndarray:
         return np.concatenate(parts) if parts else np.zeros(0, np.int64)
 
-    tmp = _tmp_name(directory / "index.npz")
-    with open(tmp, "wb") as f:
-        np.savez(
-            f,
-            utt_ids=np.array(ids, dtype=str),
-            shard=cat(shard),
-            row=cat(row),
-            offset=cat(offset),
-            length=cat(length),
-        )
     meta = {
         "failures": failures,
         "notes": notes,
@@ -616,5 +581,15 @@ def _write_index(directory: Path, n_shards: int, feature_dim: int) -> None:
         "shards": n_shards,
         "files": files,
     }
-    atomic_write_text(directory / "index.json", json.dumps(meta))
-    os.replace(tmp, directory / "index.npz")  # last: its presence marks the entry complete
+    # index.npz is renamed last: its presence marks the entry complete
+    with atomic_path(directory / "index.npz") as tmp:
+        with open(tmp, "wb") as f:
+            np.savez(
+                f,
+                utt_ids=np.array(ids, dtype=str),
+                shard=cat(shard),
+                row=cat(row),
+                offset=cat(offset),
+                length=cat(length),
+            )
+        atomic_write_text(directory / "index.json", json.dumps(meta))

@@ -1,4 +1,5 @@
-"""`DataConfig`: every data-layer setting, mirrored by `conf/data/{embedded,librispeech}.yaml`.
+"""`DataConfig`: every data-layer setting and its default (the `data` group's Hydra schema:
+`conf/data/embedded.yaml` is these defaults, `librispeech.yaml` states what differs).
 
 Tasks build it with `DataConfig(**cfg.data)`; lists coming from Hydra (`ListConfig`) are turned
 into plain lists and every choice is validated here, so a typo fails at start-up, not mid-run.
@@ -60,7 +61,7 @@ class DataConfig:
     cache_dtype: str = "float16"  # on-disk feature precision
 
     # ---- batching ----
-    batch_size: int = 16
+    batch_size: int = 8  # pretraining utterances per step (short runs gain from more updates)
     num_workers: int = 0  # DataLoader workers
     max_frames: int = 1500  # pretraining random crop, 10 ms frames (model limit: 3072)
     labelled_max_frames: int | None = 3000  # longer labelled utterances are cropped (logged)

@@ -17,8 +17,7 @@ from torch.utils.data import BatchSampler, Dataset, Sampler
 
 from speechattn.data.cache import FeatureStore
 from speechattn.data.features import Normalizer
-
-IGNORE_INDEX = -100  # phone label of padded / unlabelled frames
+from speechattn.utils import IGNORE_INDEX, lengths_to_padding_mask
 
 
 class FeatureDataset(Dataset):
@@ -94,7 +93,7 @@ def collate(items: list[dict[str, Any]]) -> dict[str, Any]:
     batch: dict[str, Any] = {
         "features": torch.from_numpy(features),  # (B, T, F)
         "lengths": lengths,  # (B,)
-        "padding_mask": torch.arange(T)[None, :] >= lengths[:, None],  # (B, T)
+        "padding_mask": lengths_to_padding_mask(lengths, T),  # (B, T)
         "utt_ids": [it["utt_id"] for it in items],
     }
     if items and "speaker" in items[0]:

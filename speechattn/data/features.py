@@ -16,6 +16,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from speechattn.utils import lengths_to_padding_mask
+
 FEATURE_VERSION = 1  # bump when extraction changes: feature caches are keyed on it
 SAMPLE_RATE = 16000
 WIN_LENGTH = 400  # 25 ms
@@ -211,10 +213,7 @@ class Normalizer:
 def _valid_mask(features: Tensor, lengths: Tensor | None) -> Tensor | None:
     if lengths is None:
         return None
-    T = features.size(-2)
-    return (torch.arange(T, device=features.device)[None] < lengths.to(features.device)[:, None])[
-        ..., None
-    ]
+    return ~lengths_to_padding_mask(lengths.to(features.device), features.size(-2))[..., None]
 
 
 def cmvn(features: Tensor, lengths: Tensor | None = None, eps: float = 1e-5) -> Tensor:
@@ -243,7 +242,7 @@ def stack_frames(x: Tensor, lengths: Tensor, factor: int = 3) -> tuple[Tensor, T
         so a partial last model frame is zero-filled), and lengths ceil(lengths / factor).
     """
     B, T, F = x.shape
-    valid = torch.arange(T, device=x.device)[None, :] < lengths.to(x.device)[:, None]  # (B, T)
+    valid = ~lengths_to_padding_mask(lengths.to(x.device), T)  # (B, T)
     x = x.masked_fill(~valid[..., None], 0.0)
     T_pad = -(-T // factor) * factor
     if T_pad != T:

@@ -40,6 +40,7 @@ import numpy as np
 
 from speechattn.data import text as textgen
 from speechattn.data.phones import PHONE_SET, phone_id
+from speechattn.utils import progress_bar
 
 log = logging.getLogger(__name__)
 
@@ -240,12 +241,6 @@ def _init_worker() -> None:
     torch.set_num_threads(1)
 
 
-def _progress(total: int, enabled: bool, description: str):
-    from speechattn.data.progress import progress_bar
-
-    return progress_bar(total, description, enabled)
-
-
 def corpus_params(speakers: int, utterances_per_speaker: int, seed: int, heldout: bool) -> dict:
     """The parameters recorded in `corpus.json` (a corpus is reused only if they match)."""
     return {
@@ -287,7 +282,7 @@ def build_corpus(
 
     workers = min(workers or os.cpu_count() or 1, len(jobs))
     results: list[dict] = []
-    with _progress(len(jobs), progress, f"synthesising {split}") as advance:
+    with progress_bar(len(jobs), f"synthesising {split}", progress) as advance:
         if workers <= 1:
             for job in jobs:
                 results.append(_synth_one(job))

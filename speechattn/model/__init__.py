@@ -1,4 +1,5 @@
-"""AALBERT model, masked acoustic modelling and the pretrained-upstream file format.
+"""AALBERT model, its objective (masked acoustic modelling) and optimiser, and the
+pretrained-upstream file format.
 
 from speechattn.model import aalbert_tiny, load_upstream
 model = aalbert_tiny(attention="ldsa")           # ModelConfig + registry attention
@@ -15,7 +16,15 @@ from speechattn.model.aalbert import (
     aalbert_base,
     aalbert_tiny,
 )
-from speechattn.model.masking import MaskedBatch, MaskingConfig, mask_frames, masked_l1
+from speechattn.model.masking import (
+    MaskedBatch,
+    MaskingConfig,
+    corrupt,
+    mask_frames,
+    masked_l1,
+    reconstruction_loss,
+)
+from speechattn.model.optim import OptimConfig, build_optimizer, build_scheduler, parameter_groups
 from speechattn.model.pruning import prune_upstream
 from speechattn.model.upstream import Upstream, UpstreamFileError, UpstreamOutput, load_upstream
 
@@ -25,14 +34,20 @@ __all__ = [
     "MaskedBatch",
     "MaskingConfig",
     "ModelConfig",
+    "OptimConfig",
     "Upstream",
     "UpstreamFileError",
     "UpstreamOutput",
     "aalbert",
     "aalbert_base",
     "aalbert_tiny",
+    "build_optimizer",
+    "build_scheduler",
+    "corrupt",
     "load_upstream",
     "mask_frames",
     "masked_l1",
+    "parameter_groups",
     "prune_upstream",
+    "reconstruction_loss",
 ]

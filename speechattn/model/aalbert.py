@@ -26,6 +26,7 @@ from torch import Tensor, nn
 
 from speechattn.attention.base import Attention
 from speechattn.data.features import stack_frames
+from speechattn.utils import lengths_to_padding_mask
 
 
 def sinusoidal_positions(length: int, dim: int, device=None, dtype=None) -> Tensor:
@@ -533,8 +534,15 @@ class AALBERT(nn.Module):
         self, stacked: Tensor, lengths: Tensor, head_mask: Tensor | None = None
     ) -> list[Tensor]:
         """stacked (B, T', stack*F), lengths' (B,) -> L+1 hidden states (B, T', D)."""
-        padding_mask = padding_mask_from_lengths(lengths, stacked.shape[1])
+        padding_mask = lengths_to_padding_mask(lengths, stacked.shape[1])
         return self.encoder(self.embedding(stacked, padding_mask), padding_mask, head_mask)
+
+    def reconstruct(
+        self, stacked: Tensor, lengths: Tensor, head_mask: Tensor | None = None
+    ) -> Tensor:
+        """Masked-reconstruction prediction: stacked (B, T', stack*F) (corrupted), lengths' (B,)
+        -> (B, T', stack*F). Its loss is `speechattn.model.masking.reconstruction_loss`."""
+        return self.head(self.embed_and_encode(stacked, lengths, head_mask)[-1])
 
     def forward(
         self, features: Tensor, lengths: Tensor, head_mask: Tensor | None = None
@@ -559,7 +567,7 @@ class AALBERT(nn.Module):
     def _embed(self, features: Tensor, lengths: Tensor) -> tuple[Tensor, Tensor]:
         """features (B, T, F), lengths (B,) -> embedded input (B, T', D), padding mask (B, T')."""
         stacked, out_lengths = self.stack(features, lengths)
-        padding_mask = padding_mask_from_lengths(out_lengths, stacked.shape[1])
+        padding_mask = lengths_to_padding_mask(out_lengths, stacked.shape[1])
         return self.embedding(stacked, padding_mask), padding_mask
 
 
@@ -584,11 +592,6 @@ def pruning_plan(
     return keep, residual if needed else None
 
 
-def padding_mask_from_lengths(lengths: Tensor, max_len: int) -> Tensor:
-    """lengths (B,) -> (B, max_len) bool, True at padded positions."""
-    return torch.arange(max_len, device=lengths.device)[None, :] >= lengths[:, None]
-
-
 def aalbert(
     feature_dim: int = 80,
     stack: int = 3,
@@ -605,6 +608,8 @@ def aalbert(
     conv_position_groups: int = 16,
     attention: str = "full",
     attention_options: dict[str, Any] | None = None,
+    pruned_heads: dict[int, list[int]] | None = None,
+    residual_head_mask: list[list[float]] | None = None,
     make_attention: AttentionFactory | None = None,
 ) -> AALBERT:
     """Build an AALBERT model.
@@ -627,6 +632,9 @@ def aalbert(
         conv_position_groups: groups of that convolution (D must be divisible by it).
         attention: registry name of the self-attention (`speechattn.attention.available()`).
         attention_options: keyword options for that attention's config.
+        pruned_heads: {layer: original indices of the heads it keeps} of an actually pruned
+            model (`AALBERT.prune_heads`); None or {}: all heads.
+        residual_head_mask: (L, h) xi a pruned shared layer still applies; None: none.
         make_attention: a factory returning a fresh attention module; overrides the registry
             (tests use it to plug in a stand-in).
     """
@@ -646,43 +654,39 @@ def aalbert(
         conv_position_groups=conv_position_groups,
         attention=attention,
         attention_options=attention_options or {},
+        pruned_heads=pruned_heads or {},
+        residual_head_mask=residual_head_mask,
     )
     return AALBERT(config, make_attention)
 
 
-def model_preset(name: str) -> dict[str, Any]:
-    """`aalbert()` keyword arguments of a Hydra model preset: the `net` section of
-    `conf/model/<name>.yaml` after its defaults list (other presets it extends), so Python and
-    the command line build the same model."""
-    from omegaconf import OmegaConf
+PRESETS = {"aalbert_base": None, "aalbert_tiny": "tiny"}  # name -> experiment that shrinks it
 
-    from speechattn import CONFIG_DIR
 
-    def load(preset: str):
-        path = CONFIG_DIR / "model" / f"{preset}.yaml"
-        if not path.is_file():
-            known = sorted(p.stem for p in path.parent.glob("*.yaml"))
-            raise ValueError(f"unknown model preset {preset!r} ({path} not found); known: {known}")
-        own = OmegaConf.load(path)
-        defaults = list(own.pop("defaults", []))
-        if "_self_" not in defaults:
-            defaults.append("_self_")  # Hydra's default: the file overrides what it extends
-        parts = [own if entry == "_self_" else load(entry) for entry in defaults]
-        return OmegaConf.merge(*parts)
+def preset_config(name: str, **overrides: Any) -> ModelConfig:
+    """The `ModelConfig` of a preset: `aalbert_base` is `ModelConfig()` itself; `aalbert_tiny`
+    is what `conf/experiment/tiny.yaml` (the command line's default) changes of it, read from
+    that file so Python and the command line build the same model."""
+    if name not in PRESETS:
+        raise ValueError(f"unknown model preset {name!r}; known: {sorted(PRESETS)}")
+    net: dict[str, Any] = {}
+    if PRESETS[name] is not None:
+        from omegaconf import OmegaConf
 
-    return OmegaConf.to_container(load(name).net, resolve=True)
+        from speechattn import CONFIG_DIR
+
+        experiment = OmegaConf.load(CONFIG_DIR / "experiment" / f"{PRESETS[name]}.yaml")
+        net = OmegaConf.to_container(OmegaConf.select(experiment, "model.net") or {})  # type: ignore[assignment]
+    return ModelConfig(**{**net, **overrides})
 
 
 def aalbert_base(**overrides: Any) -> AALBERT:
-    """The study's model (`model=aalbert_base`): 6 shared post-LN layers, D 768, 12 heads,
-    FFN 3072, sinusoidal positions, as AALBERT."""
-    return aalbert(**{**model_preset("aalbert_base"), **overrides})
+    """The study's model (`model=aalbert_base`, the `ModelConfig` defaults): 6 shared post-LN
+    layers, D 768, 12 heads, FFN 3072, sinusoidal positions, as AALBERT."""
+    return AALBERT(preset_config("aalbert_base", **overrides))
 
 
 def aalbert_tiny(**overrides: Any) -> AALBERT:
-    """The CPU default (`model=aalbert_tiny`): 3 shared pre-LN layers, D 256, 8 heads,
+    """The CPU default (`experiment=tiny`): 3 shared pre-LN layers, D 256, 8 heads,
     convolutional positions; pretrains in minutes on two cores."""
-    return aalbert(**{**model_preset("aalbert_tiny"), **overrides})
-
-
-PRESETS = ("aalbert_base", "aalbert_tiny")  # conf/model/*.yaml the Python builders mirror
+    return AALBERT(preset_config("aalbert_tiny", **overrides))

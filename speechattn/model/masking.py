@@ -7,6 +7,11 @@ probability `p_zero` the chosen frames are zeroed (the mean of normalised featur
 they are left unchanged (so the model cannot tell which frames it will be scored on). The loss
 is L1 between the prediction and the clean frames, on chosen frames only.
 
+The objective is written once, here: `corrupt(model, features, lengths, ...)` draws the masks
+and `reconstruction_loss(model, masked, head_mask)` scores a reconstruction, for any model with
+AALBERT's `stack` and `reconstruct` (pretraining, the head analysis and the benchmark's
+hand-written reference all use them).
+
 Short utterances never break a batch: the span shrinks to the utterance, and the number of spans
 is drawn by stochastic rounding so that the expected fraction stays `fraction` even when it is
 below one span. A batch in which nothing was chosen gives a loss of exactly 0 (with a graph).
@@ -15,6 +20,7 @@ below one span. A batch in which nothing was chosen gives a loss of exactly 0 (w
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 from torch import Tensor
@@ -43,9 +49,26 @@ class MaskingConfig:
 
 @dataclass
 class MaskedBatch:
+    """A batch corrupted for masked reconstruction, its masks drawn once."""
+
     inputs: Tensor  # (B, T', F') corrupted model input
+    target: Tensor  # (B, T', F') clean stacked frames
     chosen: Tensor  # (B, T') bool, frames the loss is computed on (never padding)
+    lengths: Tensor  # (B,) valid model frames
     mode: Tensor  # (B,) int64, ZERO / RANDOM / UNCHANGED per utterance
+
+    def utterances(self) -> list[MaskedBatch]:
+        """Each utterance as a batch of one, trimmed to its length."""
+        return [
+            MaskedBatch(
+                self.inputs[b : b + 1, :n],
+                self.target[b : b + 1, :n],
+                self.chosen[b : b + 1, :n],
+                self.lengths[b : b + 1],
+                self.mode[b : b + 1],
+            )
+            for b, n in enumerate(self.lengths.tolist())
+        ]
 
 
 def choose_spans(length: int, cfg: MaskingConfig, generator: torch.Generator) -> Tensor:
@@ -99,7 +122,7 @@ def mask_frames(
     inputs = torch.gather(x, 1, source[..., None].expand_as(x))  # RANDOM rows copied in
     zero = chosen & (mode_dev == ZERO)[:, None]
     inputs = inputs.masked_fill(zero[..., None], 0.0)
-    return MaskedBatch(inputs=inputs, chosen=chosen, mode=mode)
+    return MaskedBatch(inputs=inputs, target=x, chosen=chosen, lengths=lengths, mode=mode)
 
 
 def masked_l1(prediction: Tensor, target: Tensor, chosen: Tensor) -> Tensor:
@@ -108,3 +131,33 @@ def masked_l1(prediction: Tensor, target: Tensor, chosen: Tensor) -> Tensor:
     total = ((prediction - target).abs() * weight).sum()
     count = weight.sum() * prediction.shape[-1]
     return total / count.clamp(min=1.0)
+
+
+class Reconstructor(Protocol):
+    """What the objective needs of a model (AALBERT has it)."""
+
+    def stack(self, features: Tensor, lengths: Tensor) -> tuple[Tensor, Tensor]: ...
+
+    def reconstruct(
+        self, inputs: Tensor, lengths: Tensor, head_mask: Tensor | None = None
+    ) -> Tensor: ...
+
+
+def corrupt(
+    model: Reconstructor,
+    features: Tensor,
+    lengths: Tensor,
+    cfg: MaskingConfig,
+    generator: torch.Generator,
+) -> MaskedBatch:
+    """Stack features (B, T, F), lengths (B,) into model frames and corrupt them."""
+    stacked, stacked_lengths = model.stack(features, lengths)  # (B, T', F'), (B,)
+    return mask_frames(stacked, stacked_lengths, cfg, generator)
+
+
+def reconstruction_loss(
+    model: Reconstructor, masked: MaskedBatch, head_mask: Tensor | None = None
+) -> Tensor:
+    """Masked L1 of the model's reconstruction of `masked` (with head mask (L, h))."""
+    prediction = model.reconstruct(masked.inputs, masked.lengths, head_mask)  # (B, T', F')
+    return masked_l1(prediction, masked.target, masked.chosen)

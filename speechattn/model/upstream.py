@@ -22,8 +22,6 @@ in `transformers`' `Wav2Vec2BaseModelOutput`, so code written for HF speech mode
 
 from __future__ import annotations
 
-import os
-import tempfile
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -34,6 +32,7 @@ from torch import Tensor, nn
 from speechattn.data.features import FeatureConfig, Normalizer, log_mel_batch
 from speechattn.model.aalbert import AALBERT, ModelConfig
 from speechattn.model.serialization import TorchFileError, describe_load_error, load_torch_file
+from speechattn.utils import atomic_path
 
 UPSTREAM_FORMAT = "speechattn-upstream"
 UPSTREAM_VERSION = 1
@@ -238,18 +237,8 @@ def save_upstream(path: str | Path, state: dict[str, Any]) -> Path:
     """
     path = Path(path)
     _check_finite(state, f"not writing {path}")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            torch.save(state, f)
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)  # mkstemp creates 0600; give it normal file permissions
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    with atomic_path(path) as tmp:
+        torch.save(state, tmp)
     return path
 
 

@@ -7,7 +7,7 @@
 3. train the task's probe on train with Lightning, early-stop and checkpoint on dev accuracy,
 4. score test with the best-dev checkpoint and write `result.json` (`downstream_result`).
 
-Tasks (conf/task/NAME.yaml mirrors `TaskConfig`):
+Tasks (`TaskConfig`; conf/task/NAME.yaml states how each differs from speaker_utterance):
 
     speaker_utterance  mean (or fused attention) pooling + linear, one speaker per utterance
     speaker_frame      linear per frame, the utterance's speaker on every frame
@@ -25,7 +25,6 @@ dim, C classes.
 from __future__ import annotations
 
 import logging
-import os
 import re
 import time
 from dataclasses import asdict, dataclass, is_dataclass, replace
@@ -35,16 +34,15 @@ from typing import Any
 
 import lightning as L
 import torch
-import torch.nn.functional as Fn
 from omegaconf import DictConfig, OmegaConf
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
 from torchmetrics.classification import MulticlassAccuracy
 
 from speechattn.data import DataConfig, LabelledDataModule, expand_to_labels
+from speechattn.model.probes import Probe
 from speechattn.tasks.common import quiet_library_notices, run_output_dir
 from speechattn.tasks.downstream_result import EXAMPLE_FILE, MEL, TASKS, DownstreamResult
-from speechattn.tasks.probes import FrameProbe, LayerSelector, UtteranceProbe
 from speechattn.tasks.upstream_features import (
     SPLITS,
     SplitFeatures,
@@ -56,28 +54,31 @@ from speechattn.tasks.upstream_features import (
     save_split,
     tensor_digest,
 )
+from speechattn.utils import IGNORE_INDEX, atomic_path, choose_device, lengths_to_padding_mask
 
 log = logging.getLogger(__name__)
-IGNORE = -100  # label id of padded frames (the data layer's padding value)
 
 
 @dataclass
 class TaskConfig:
-    """One downstream task; `conf/task/NAME.yaml` mirrors it field for field."""
+    """One downstream task (the `task` group's Hydra schema). The defaults are the default
+    task, `speaker_utterance`; the other `conf/task/NAME.yaml` state what differs."""
 
-    name: str
-    target: str  # "speaker" or "phones"
-    level: str  # "utterance" (one label per utterance) or "frame" (one per 10 ms frame)
-    pooling: str = "mean"  # utterance level only: mean | fused
-    pooling_scale: str = "value"  # fused: scores / sqrt(size of V) (seeds/002) | "key": of Q, K
+    name: str = "speaker_utterance"
+    target: str = "speaker"  # speaker | phones
+    level: str = "utterance"  # utterance (one label per utterance) | frame (one per 10 ms frame)
+    pooling: str = "mean"  # utterance level only: mean | fused (FusedAttentionPool, SPEC 6)
+    pooling_scale: str = "value"  # fused: scores / sqrt(size of V) (seeds/002) | key: of Q, K
     hidden_layers: int = 0  # 0 = linear probe
     hidden_dim: int = 768  # the study's phoneme MLP width
     dropout: float = 0.0
-    batch_size: int = 32
-    lr: float = 1e-3
+    batch_size: int = 8  # utterances (~3k frames at 10 ms): more updates per epoch
+    lr: float = 1e-2  # linear on mean-pooled features: few updates per epoch (~54)
     weight_decay: float = 0.0
-    max_epochs: int = 15  # conf/downstream.yaml feeds these to the trainer and early stopping
-    patience: int = 5  # epochs without a better dev accuracy before stopping
+    # conf/downstream.yaml feeds these to the trainer and early stopping. Utterance-level
+    # epochs are cheap (one vector per utterance) and the dev split small and noisy.
+    max_epochs: int = 40
+    patience: int = 10  # epochs without a better dev accuracy before stopping
 
     def __post_init__(self) -> None:
         if self.target not in ("speaker", "phones"):
@@ -129,7 +130,7 @@ def collate(items: list[dict[str, Any]]) -> dict[str, Any]:
     hidden = torch.zeros(len(items), N, int(lengths.max()), D)
     for b, it in enumerate(items):
         hidden[b, :, : lengths[b]] = it["hidden"]
-    padding_mask = torch.arange(hidden.size(2))[None, :] >= lengths[:, None]  # (B, T')
+    padding_mask = lengths_to_padding_mask(lengths, hidden.size(2))  # (B, T')
     batch: dict[str, Any] = {
         "hidden": hidden,
         "lengths": lengths,
@@ -141,7 +142,7 @@ def collate(items: list[dict[str, Any]]) -> dict[str, Any]:
         batch["labels"] = torch.stack(labels)
     else:
         label_lengths = torch.tensor([len(y) for y in labels])
-        padded = torch.full((len(items), int(label_lengths.max())), IGNORE, dtype=torch.long)
+        padded = torch.full((len(items), int(label_lengths.max())), IGNORE_INDEX, dtype=torch.long)
         for b, y in enumerate(labels):
             padded[b, : len(y)] = y
         batch["labels"], batch["label_lengths"] = padded, label_lengths
@@ -151,8 +152,8 @@ def collate(items: list[dict[str, Any]]) -> dict[str, Any]:
 # ----------------------------------------------------------------------------- model
 
 
-class DownstreamProbe(L.LightningModule):
-    """Layer selection + the task's head, trained with cross-entropy on frozen features."""
+class DownstreamProbe(Probe, L.LightningModule):
+    """The task's `Probe`, trained with cross-entropy on frozen features (Lightning)."""
 
     def __init__(
         self,
@@ -163,7 +164,19 @@ class DownstreamProbe(L.LightningModule):
         downsample: int,
         tolerance: int,
     ) -> None:
-        super().__init__()
+        super().__init__(
+            task.level,
+            input_dim,
+            num_layers,
+            num_classes,
+            downsample,
+            tolerance,
+            pooling=task.pooling,
+            pooling_scale=task.pooling_scale,
+            hidden_layers=task.hidden_layers,
+            hidden_dim=task.hidden_dim,
+            dropout=task.dropout,
+        )
         self.save_hyperparameters(
             {
                 "task": asdict(task),
@@ -174,48 +187,14 @@ class DownstreamProbe(L.LightningModule):
                 "tolerance": tolerance,
             }
         )
-        self.task, self.downsample, self.tolerance = task, downsample, tolerance
-        self.select = LayerSelector(num_layers)
-        if task.level == "utterance":
-            self.head: torch.nn.Module = UtteranceProbe(
-                input_dim, num_classes, task.pooling, task.pooling_scale
-            )
-        else:
-            self.head = FrameProbe(
-                input_dim, num_classes, task.hidden_layers, task.hidden_dim, task.dropout
-            )
-        metric = MulticlassAccuracy(num_classes, average="micro", ignore_index=IGNORE)
+        self.task = task
+        metric = MulticlassAccuracy(num_classes, average="micro", ignore_index=IGNORE_INDEX)
         self.train_acc, self.dev_acc, self.test_acc = metric.clone(), metric.clone(), metric.clone()
 
-    def forward(self, batch: dict[str, Any]) -> Tensor:
-        """Logits (B, C) for utterance tasks, (B, T, C) at the label rate for frame tasks."""
-        x = self.select(batch["hidden"])  # (B, T', D)
-        if self.task.level == "utterance":
-            return self.head(x, batch["padding_mask"])
-        valid = ~batch["padding_mask"]  # (B, T')
-        # The head runs on valid frames only (padding would cost a third of the compute).
-        frames = self.head(x[valid])  # (V, C), V valid frames in the batch
-        logits = frames.new_zeros(*valid.shape, frames.size(-1))  # (B, T', C)
-        logits[valid] = frames
-        return expand_to_labels(
-            logits,
-            self.downsample,
-            batch["label_lengths"],
-            batch["utt_ids"],
-            self.tolerance,
-            lengths=batch["lengths"],
-        )  # (B, T, C)
-
     def _step(self, batch: dict[str, Any], metric: MulticlassAccuracy) -> Tensor:
-        logits, labels = self(batch), batch["labels"]
-        T = min(logits.size(1), labels.size(1)) if logits.dim() == 3 else 0
-        if logits.dim() == 3:  # expand_to_labels pads to the longest label; keep both aligned
-            logits, labels = logits[:, :T], labels[:, :T]
-        flat_logits = logits.reshape(-1, logits.size(-1))  # (B*T, C) or (B, C)
-        flat_labels = labels.reshape(-1)
-        loss = Fn.cross_entropy(flat_logits, flat_labels, ignore_index=IGNORE)
+        flat_logits, flat_labels = self.aligned(self(batch), batch["labels"])
         metric.update(flat_logits.detach(), flat_labels)
-        return loss
+        return self.loss(flat_logits, flat_labels)
 
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> Tensor:
         loss = self._step(batch, self.train_acc)
@@ -439,12 +418,6 @@ def _plain(value: Any) -> Any:
     return value
 
 
-def _device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
-
-
 def run(cfg: DictConfig) -> dict[str, Any]:
     """Evaluate `cfg.upstream` on `cfg.task`; writes `result.json` and returns it as a dict."""
     t_start = time.perf_counter()
@@ -467,7 +440,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     upstream, sha = open_upstream(cfg.upstream, datamodule.feature_dim)
     _check_input_frames(upstream, datamodule)
     layers = resolve_layers(cfg.layer, upstream.num_layers)
-    device = _device(cfg.get("device", "auto"))
+    device = choose_device(cfg.get("device", "auto"))
     t_features = time.perf_counter()
     cache_dir = cfg.get("cache_dir") or data_config.cache_root() / "downstream"
     splits = cached_features(
@@ -652,6 +625,5 @@ def _save_example(splits: dict[str, SplitFeatures], datamodule: Any, out: Path) 
         "features": batch["features"][0, :n].clone(),  # (T, F) normalised log-mel
         "speaker": int(batch["speaker"][0]) if batch.get("speaker") is not None else None,
     }
-    tmp = out / f".{EXAMPLE_FILE}.tmp"
-    torch.save(example, tmp)
-    os.replace(tmp, out / EXAMPLE_FILE)
+    with atomic_path(out / EXAMPLE_FILE) as tmp:
+        torch.save(example, tmp)

@@ -34,11 +34,11 @@ Schema (version 1), one JSON object:
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
+
+from speechattn.utils import atomic_write_text
 
 SCHEMA_VERSION = 1
 RESULT_FILE = "result.json"
@@ -85,14 +85,8 @@ class DownstreamResult:
 
     def write(self, directory: str | Path) -> Path:
         """Write `directory/result.json` atomically (temp file + rename); returns its path."""
-        directory = Path(directory)
-        directory.mkdir(parents=True, exist_ok=True)
-        path = directory / RESULT_FILE
-        fd, tmp = tempfile.mkstemp(dir=directory, prefix=".result.", suffix=".tmp")
-        with os.fdopen(fd, "w") as f:
-            json.dump(self.to_dict(), f, indent=2, sort_keys=False, default=str)
-            f.write("\n")
-        os.replace(tmp, path)
+        path = Path(directory) / RESULT_FILE
+        atomic_write_text(path, json.dumps(self.to_dict(), indent=2, default=str) + "\n")
         return path
 
 

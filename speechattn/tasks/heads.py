@@ -39,14 +39,14 @@ from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
 import torch
-import torch.nn.functional as Fn
 from torch import Tensor, nn
 
 from speechattn.model.aalbert import AALBERT
-from speechattn.model.masking import MaskingConfig, mask_frames, masked_l1
+from speechattn.model.masking import MaskedBatch, MaskingConfig, corrupt, reconstruction_loss
+from speechattn.model.probes import Probe
 from speechattn.tasks.pretrain import derive_seed
+from speechattn.utils import IGNORE_INDEX, lengths_to_padding_mask, track
 
-IGNORE = -100  # label id of padded frames (data layer and downstream probes)
 PER_CHOICES = ("utterance", "batch")
 
 # ----------------------------------------------------------------------------- config
@@ -152,17 +152,6 @@ class Objective(ABC, Generic[U]):
         return torch.ones(self.num_layers, self.num_heads, dtype=self.dtype, device=self.device)
 
 
-@dataclass
-class MaskedBatch:
-    """A batch prepared for masked reconstruction, its corruption drawn once."""
-
-    inputs: Tensor  # (B, T', F') corrupted model input
-    target: Tensor  # (B, T', F') clean stacked frames
-    chosen: Tensor  # (B, T') bool, frames the loss is computed on
-    lengths: Tensor  # (B,) valid model frames
-    frames: int  # valid 10 ms frames in the batch
-
-
 class PretrainObjective(Objective[MaskedBatch]):
     """Masked-reconstruction L1 of an AALBERT (encoder + reconstruction head)."""
 
@@ -181,44 +170,28 @@ class PretrainObjective(Objective[MaskedBatch]):
         self.device, self.dtype = torch.device(device), dtype
         self.model = _frozen(model, self.device, dtype)
         masking = masking or MaskingConfig()
-        prepared = []
+        prepared, self.frames = [], 0  # frames: valid 10 ms frames in the subset
         for i, batch in enumerate(batches):
             features = batch["features"].to(self.device, dtype)  # (B, T, F)
             lengths = batch["lengths"].to(self.device)  # (B,)
-            stacked, n = self.model.stack(features, lengths)  # (B, T', F'), (B,)
             generator = torch.Generator().manual_seed(derive_seed(seed, "heads-mask", i))
-            m = mask_frames(stacked, n, masking, generator)
-            prepared.append(MaskedBatch(m.inputs, stacked, m.chosen, n, int(lengths.sum())))
+            prepared.append(corrupt(self.model, features, lengths, masking, generator))
+            self.frames += int(lengths.sum())
         super().__init__(model.num_layers, model.num_heads, prepared)
 
     def split(self, batch: MaskedBatch) -> list[MaskedBatch]:
-        units = []
-        for b, n in enumerate(batch.lengths.tolist()):
-            units.append(
-                MaskedBatch(
-                    batch.inputs[b : b + 1, :n],
-                    batch.target[b : b + 1, :n],
-                    batch.chosen[b : b + 1, :n],
-                    batch.lengths[b : b + 1],
-                    frames=0,
-                )
-            )
-        return units
-
-    def predict(self, unit: MaskedBatch, head_mask: Tensor | None) -> Tensor:
-        """Reconstruction (B, T', F') of the corrupted input with head mask (L, h)."""
-        hidden = self.model.embed_and_encode(unit.inputs, unit.lengths, head_mask)
-        return self.model.head(hidden[-1])
+        return batch.utterances()
 
     def loss(self, unit: MaskedBatch, head_mask: Tensor) -> Tensor | None:
         if not bool(unit.chosen.any()):
             return None  # e.g. an utterance too short for a span: nothing to reconstruct
-        return masked_l1(self.predict(unit, head_mask), unit.target, unit.chosen)
+        return reconstruction_loss(self.model, unit, head_mask)
 
     def score(self, unit: MaskedBatch, head_mask: Tensor) -> tuple[float, float]:
         if not bool(unit.chosen.any()):
             return 0.0, 0.0
-        error = (self.predict(unit, head_mask) - unit.target).abs()  # (B, T', F')
+        prediction = self.model.reconstruct(unit.inputs, unit.lengths, head_mask)
+        error = (prediction - unit.target).abs()  # (B, T', F')
         weight = unit.chosen[..., None].to(error.dtype)  # (B, T', 1)
         return float((error * weight).sum()), float(weight.sum()) * error.shape[-1]
 
@@ -226,7 +199,7 @@ class PretrainObjective(Objective[MaskedBatch]):
         return {
             "batches": len(self.batches),
             "utterances": sum(len(b.lengths) for b in self.batches),
-            "frames": sum(b.frames for b in self.batches),
+            "frames": self.frames,
             "scored": sum(int(b.chosen.sum()) for b in self.batches),  # chosen model frames
         }
 
@@ -245,9 +218,9 @@ class LabelledBatch:
 class ProbeObjective(Objective[LabelledBatch]):
     """Cross-entropy / accuracy of a trained downstream probe on the head-masked upstream.
 
-    `probe` is a `speechattn.tasks.downstream.DownstreamProbe` (or anything with its call
-    contract: a batch dict with hidden (B, N, T', D), padding_mask, label_lengths, utt_ids ->
-    logits (B, C) or (B, T_lab, C)); `layers` are the hidden-state indices it was trained on.
+    `probe` is a `speechattn.model.probes.Probe` (the downstream run's `DownstreamProbe` is
+    one): a batch dict with hidden (B, N, T', D), padding_mask, label_lengths, utt_ids ->
+    logits (B, C) or (B, T_lab, C); `layers` are the hidden-state indices it was trained on.
     """
 
     metric_name = "accuracy"
@@ -284,8 +257,8 @@ class ProbeObjective(Objective[LabelledBatch]):
             raise ValueError("the downstream task needs speaker labels; the batches have none")
         elif level == "frame":  # the utterance's speaker on each of its 10 ms frames
             T = int(batch["lengths"].max())
-            valid = torch.arange(T)[None, :] < batch["lengths"][:, None]
-            labels = batch["speaker"][:, None].expand(-1, T).masked_fill(~valid, IGNORE)
+            valid = ~lengths_to_padding_mask(batch["lengths"], T)
+            labels = batch["speaker"][:, None].expand(-1, T).masked_fill(~valid, IGNORE_INDEX)
             label_lengths = batch["lengths"]
         else:
             labels = batch["speaker"]
@@ -325,32 +298,28 @@ class ProbeObjective(Objective[LabelledBatch]):
         batch: dict[str, Any] = {
             "hidden": stacked,
             "lengths": out_lengths,
-            "padding_mask": torch.arange(T, device=self.device)[None, :] >= out_lengths[:, None],
+            "padding_mask": lengths_to_padding_mask(out_lengths, T),
             "utt_ids": unit.utt_ids,
         }
         if unit.label_lengths is not None:
             batch["label_lengths"] = unit.label_lengths
-        logits, labels = self.probe(batch), unit.labels
-        if logits.dim() == 3:  # frame task: align the label-rate logits with the labels
-            T = min(logits.size(1), labels.size(1))
-            logits, labels = logits[:, :T], labels[:, :T]
-        return logits.reshape(-1, logits.size(-1)), labels.reshape(-1)
+        return Probe.aligned(self.probe(batch), unit.labels)
 
     def loss(self, unit: LabelledBatch, head_mask: Tensor) -> Tensor | None:
         logits, labels = self.logits(unit, head_mask)
-        if not bool((labels != IGNORE).any()):
+        if not bool((labels != IGNORE_INDEX).any()):
             return None
-        return Fn.cross_entropy(logits, labels, ignore_index=IGNORE)
+        return Probe.loss(logits, labels)
 
     def score(self, unit: LabelledBatch, head_mask: Tensor) -> tuple[float, float]:
         logits, labels = self.logits(unit, head_mask)
-        valid = labels != IGNORE
+        valid = labels != IGNORE_INDEX
         correct = (logits.argmax(-1) == labels) & valid
         return float(correct.sum()), float(valid.sum())
 
     def subset(self) -> dict[str, int]:
         def scored(b: LabelledBatch) -> int:
-            return int((b.labels != IGNORE).sum())
+            return int((b.labels != IGNORE_INDEX).sum())
 
         return {
             "batches": len(self.batches),
@@ -369,14 +338,6 @@ def _frozen(module: nn.Module, device: torch.device, dtype: torch.dtype) -> nn.M
 
 
 # ----------------------------------------------------------------------------- analyses
-
-
-def _track(items: Iterable[Any], description: str, total: int | None, enabled: bool) -> Iterable:
-    if not enabled:
-        return items
-    from rich.progress import track
-
-    return track(items, description=description, total=total, transient=False)
 
 
 def head_gradient(objective: Objective, unit: Any, head_mask: Tensor) -> Tensor | None:
@@ -441,7 +402,7 @@ def head_importance(
     acc = torch.zeros_like(head_mask)
     n = 0
     total = objective.num_units(per) if progress else None
-    for unit in _track(objective.units(per), f"importance (per {per})", total, progress):
+    for unit in track(objective.units(per), f"importance (per {per})", total, progress):
         grad = head_gradient(objective, unit, head_mask)
         if grad is None:
             continue  # nothing scored in this unit: it carries no evidence
@@ -488,7 +449,7 @@ def ablate(
     if layer:
         out.layer = torch.empty(L, dtype=torch.float64)
         jobs += [("layer", d, -1) for d in range(L)]
-    for kind, d, k in _track(jobs, "ablation", len(jobs), progress):
+    for kind, d, k in track(jobs, "ablation", len(jobs), progress):
         mask = ones.clone()
         if kind == "single":
             mask[d, k] = 0.0
@@ -563,7 +524,7 @@ def pruning_curve(
     first = evaluate(objective, mask) if base is None else base
     points = [PruningPoint(0, 0.0, first, [], mask.clone())]
     scores = importance.normalized
-    for target in _track(schedule[1:], "pruning", len(schedule) - 1, progress):
+    for target in track(schedule[1:], "pruning", len(schedule) - 1, progress):
         if recompute:
             scores = head_importance(objective, importance.per, mask).normalized
         chosen = next_heads(scores, mask, target - points[-1].num_masked, keep_one_per_layer)
@@ -642,7 +603,6 @@ __all__ = [
     "ImportanceConfig",
     "LabelledBatch",
     "NonFiniteMetricError",
-    "MaskedBatch",
     "Objective",
     "PretrainObjective",
     "ProbeObjective",

@@ -42,10 +42,10 @@ Schema (version 1), one JSON object:
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from pathlib import Path
 from typing import Any
+
+from speechattn.utils import atomic_write_text
 
 SCHEMA_VERSION = 1
 KIND = "speechattn-heads"
@@ -72,17 +72,9 @@ REQUIRED = (
 def write_heads(result: dict[str, Any], directory: str | Path) -> Path:
     """Write `directory/heads.json` atomically (temp file + rename); returns its path."""
     check_heads(result, HEADS_FILE)
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".heads.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(result, f, indent=1, default=str)
-            f.write("\n")
-        os.replace(tmp, directory / HEADS_FILE)
-    finally:
-        Path(tmp).unlink(missing_ok=True)
-    return directory / HEADS_FILE
+    path = Path(directory) / HEADS_FILE
+    atomic_write_text(path, json.dumps(result, indent=1, default=str) + "\n")
+    return path
 
 
 def read_heads(path: str | Path) -> dict[str, Any]:

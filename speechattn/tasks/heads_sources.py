@@ -16,7 +16,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, is_dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -38,6 +38,7 @@ from speechattn.tasks.heads import (
 )
 from speechattn.tasks.heads_result import KIND, PRETRAIN, SCHEMA_VERSION, write_heads
 from speechattn.tasks.upstream_features import file_sha256
+from speechattn.utils import choose_device, lengths_to_padding_mask
 
 log = logging.getLogger(__name__)
 HEAD_TASKS: tuple[str, ...] = (PRETRAIN, *TASKS)
@@ -46,23 +47,31 @@ DTYPES = {"float32": torch.float32, "float64": torch.float64}
 
 
 @dataclass
-class HeadsRunConfig:
-    """`conf/analyze.yaml` as a dataclass (Hydra-only keys such as `output_dir` excluded)."""
+class HeadsRunConfig(HeadsConfig):
+    """`python -m speechattn.analyze heads`: the analyses (`importance`, `ablation`,
+    `pruning`, from `HeadsConfig`) and where they run (the schema of `conf/analyze.yaml`)."""
 
     upstream: str | None = None  # upstream.pt; for downstream tasks default: result.json's
-    task: str | None = None  # pretrain | a downstream task; None: pretrain, or the result's task
+    # pretrain | a downstream task (a name, or the `task` group's node); None: pretrain, or the
+    # downstream run's task
+    task: Any = None
     downstream: str | None = None  # run dir of `python -m speechattn.downstream`
     split: str = "dev"  # downstream subset: dev | test (pretrain always uses its validation split)
     num_batches: int | None = 8  # batches in the subset; None: the whole split
     batch_size: int | None = None  # None: the data config's
-    seed: int = 0  # fixed reconstruction masks (task=pretrain)
+    seed: int = 0  # fixed reconstruction masks (task=pretrain): the same in every evaluation
     device: str = "auto"  # auto | cpu | cuda
     dtype: str = "float32"  # float32 | float64
-    data: dict[str, Any] | None = None  # None: the data config recorded with the upstream/probe
-    heads: HeadsConfig = field(default_factory=HeadsConfig)
-    progress: bool = True
+    data: Any = None  # a data config; None: the one recorded with the upstream/probe
+    progress: bool = True  # rich progress bars
+    figures: bool = True  # write the PNGs next to heads.json
+    output_dir: str | None = None  # None: the Hydra run dir
 
     def __post_init__(self) -> None:
+        if isinstance(self.task, dict) or hasattr(self.task, "name"):  # the task group's node
+            self.task = self.task["name"] if isinstance(self.task, dict) else self.task.name
+        if is_dataclass(self.data):
+            self.data = asdict(self.data)
         if self.task is not None and self.task not in HEAD_TASKS:
             raise ValueError(f"unknown task {self.task!r}; choose one of {', '.join(HEAD_TASKS)}")
         if self.split not in SPLIT_CHOICES:
@@ -71,6 +80,11 @@ class HeadsRunConfig:
             raise ValueError(f"dtype must be one of {tuple(DTYPES)}, got {self.dtype!r}")
         if self.num_batches is not None and self.num_batches < 1:
             raise ValueError(f"num_batches must be >= 1 or null, got {self.num_batches}")
+
+    @property
+    def heads(self) -> HeadsConfig:
+        """The analyses alone (what `analyze_heads` and heads.json's config record)."""
+        return HeadsConfig(self.importance, self.ablation, self.pruning)
 
 
 # ----------------------------------------------------------------------------- inputs
@@ -236,15 +250,9 @@ def _renormalized(batches: list[dict[str, Any]], transform: Any) -> list[dict[st
         mask = b.get("padding_mask")
         if mask is None:
             T = b["features"].shape[1]
-            mask = torch.arange(T)[None, :] >= b["lengths"][:, None]
+            mask = lengths_to_padding_mask(b["lengths"], T)
         out.append({**b, "features": transform(b["features"], mask)})
     return out
-
-
-def _device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
 
 
 # ----------------------------------------------------------------------------- run
@@ -264,7 +272,7 @@ class Prepared:
 def prepare(config: HeadsRunConfig, datamodule: Any = None) -> Prepared:
     """Resolve task, upstream, probe and data; build the objective. `datamodule` replaces the
     data module built from the recorded data config (tests pass synthetic data)."""
-    device, dtype = _device(config.device), DTYPES[config.dtype]
+    device, dtype = choose_device(config.device), DTYPES[config.dtype]
     task = config.task or PRETRAIN
     if config.downstream is None:
         if config.task not in (None, PRETRAIN):

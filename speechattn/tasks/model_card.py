@@ -23,9 +23,9 @@ import lightning as L
 import torch
 import yaml
 
-from speechattn.data.cache import atomic_write_bytes, atomic_write_text
 from speechattn.data.features import SAMPLE_RATE, FeatureConfig
 from speechattn.model.upstream import load_upstream
+from speechattn.utils import atomic_write_bytes, atomic_write_text
 
 CARD_FILE = "README.md"
 LOSS_CURVE_FILE = "loss_curve.png"

@@ -18,7 +18,7 @@ import hashlib
 import time
 import warnings
 from collections.abc import Iterator, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -30,42 +30,12 @@ from torch.utils.data import Dataset, Sampler
 from speechattn.attention import Attention
 from speechattn.data.features import Normalizer
 from speechattn.model.aalbert import AALBERT, ModelConfig
-from speechattn.model.masking import MaskingConfig, mask_frames, masked_l1
+from speechattn.model.masking import MaskingConfig, corrupt, reconstruction_loss
+from speechattn.model.optim import OptimConfig, build_optimizer, build_scheduler
 from speechattn.model.serialization import TorchFileError, load_torch_file
 from speechattn.model.upstream import nonfinite_tensors, save_upstream, upstream_state
 
 # ----------------------------------------------------------------------------- config
-
-
-@dataclass
-class OptimConfig:
-    name: str = "lamb"  # lamb (AALBERT, pytorch_optimizer.Lamb) | adamw (torch.optim.AdamW)
-    lr: float = 5e-5  # the study's value for aalbert_base
-    weight_decay: float = 0.01  # applied to matrices only (>= 2 dims), as in BERT / nanoGPT
-    betas: tuple[float, float] = (0.9, 0.999)
-    eps: float = 1e-6
-    warmup_fraction: float = 0.07  # linear warm-up over this share of the steps (Mockingjay)
-    warmup_steps: int | None = None  # overrides warmup_fraction when set
-    final_lr_fraction: float = 0.0  # linear decay from lr to lr * this at the last step
-
-    def __post_init__(self) -> None:
-        if self.name not in ("lamb", "adamw"):
-            raise ValueError(f"unknown optimizer {self.name!r}; choose lamb or adamw")
-        self.betas = tuple(self.betas)  # type: ignore[assignment]
-
-    def warmup(self, total_steps: int) -> int:
-        if self.warmup_steps is not None:
-            return int(self.warmup_steps)
-        return int(round(self.warmup_fraction * total_steps))
-
-
-def lr_factor(step: int, warmup: int, total: int, final: float = 0.0) -> float:
-    """Multiplier of the peak LR at optimizer step `step`: linear warm-up, then linear decay."""
-    if warmup > 0 and step < warmup:
-        return (step + 1) / warmup
-    span = max(1, total - warmup)
-    progress = min(1.0, (step - warmup) / span)
-    return 1.0 - (1.0 - final) * progress
 
 
 def derive_seed(*parts: int | str) -> int:
@@ -268,13 +238,9 @@ class PretrainTask(L.LightningModule):
         self, batch: dict[str, Any], generator: torch.Generator
     ) -> tuple[Tensor, int, int]:
         """Masked L1 of one batch, its valid 10 ms frames and its chosen model frames."""
-        features, lengths = batch["features"], batch["lengths"]
-        stacked, stacked_len = self.model.stack(features, lengths)  # (B, T', 3F), (B,)
-        masked = mask_frames(stacked, stacked_len, self.masking, generator)
-        hidden = self.model.embed_and_encode(masked.inputs, stacked_len)
-        prediction = self.model.head(hidden[-1])  # (B, T', 3F)
-        loss = masked_l1(prediction, stacked, masked.chosen)
-        return loss, int(lengths.sum()), int(masked.chosen.sum())
+        masked = corrupt(self.model, batch["features"], batch["lengths"], self.masking, generator)
+        loss = reconstruction_loss(self.model, masked)
+        return loss, int(batch["lengths"].sum()), int(masked.chosen.sum())
 
     def _seed_micro_batch(self) -> torch.Generator:
         """Reseed dropout and masking from (seed, step, micro-batch, rank): resumable RNG."""
@@ -408,23 +374,8 @@ class PretrainTask(L.LightningModule):
 
     # ------------------------------------------------------------------ optimisation
     def configure_optimizers(self) -> dict[str, Any]:
-        o = self.optim
-        decay = [p for p in self.parameters() if p.requires_grad and p.dim() >= 2]
-        no_decay = [p for p in self.parameters() if p.requires_grad and p.dim() < 2]
-        groups = [
-            {"params": decay, "weight_decay": o.weight_decay},
-            {"params": no_decay, "weight_decay": 0.0},  # biases, LayerNorm: decay hurts
-        ]
-        if o.name == "lamb":
-            from pytorch_optimizer import Lamb
-
-            optimizer = Lamb(groups, lr=o.lr, betas=o.betas, eps=o.eps)
-        else:
-            optimizer = torch.optim.AdamW(groups, lr=o.lr, betas=o.betas, eps=o.eps)
-        warmup, total, final = o.warmup(self.total_steps), self.total_steps, o.final_lr_fraction
-        scheduler = torch.optim.lr_scheduler.LambdaLR(
-            optimizer, lambda step: lr_factor(step, warmup, total, final)
-        )
+        optimizer = build_optimizer(self, self.optim)
+        scheduler = build_scheduler(optimizer, self.optim, self.total_steps)
         return {
             "optimizer": optimizer,
             "lr_scheduler": {"scheduler": scheduler, "interval": "step", "frequency": 1},
@@ -496,11 +447,9 @@ def export_upstream(checkpoint: str | Path, out: str | Path) -> Path:
 __all__ = [
     "NonFiniteLossError",
     "NonFiniteWarning",
-    "OptimConfig",
     "PretrainTask",
     "SeededItems",
     "StepBatchSampler",
     "derive_seed",
     "export_upstream",
-    "lr_factor",
 ]

@@ -18,8 +18,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import tempfile
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,6 +28,8 @@ from torch import Tensor, nn
 
 from speechattn.data.cache import file_sha256
 from speechattn.model.serialization import load_torch_file
+from speechattn.utils import atomic_path, lengths_to_padding_mask
+from speechattn.utils import progress_bar as progress
 
 MEL = "mel"
 CACHE_VERSION = 1
@@ -55,7 +55,7 @@ class MelUpstream(nn.Module):
     ) -> list[Tensor]:
         """features (B, T, F), lengths (B,) -> [features (B, T, F)] with padding zeroed."""
         T = features.size(1)
-        valid = torch.arange(T, device=features.device)[None, :] < lengths[:, None]  # (B, T)
+        valid = ~lengths_to_padding_mask(lengths, T)  # (B, T)
         return [features * valid.unsqueeze(-1).to(features.dtype)]
 
     def output_lengths(self, lengths: Tensor) -> Tensor:
@@ -230,8 +230,6 @@ def extract_split(
     `transform(features, padding_mask) -> features` may adapt the corpus normalisation to the
     upstream's. Shows a progress bar.
     """
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeRemainingColumn
-
     utt_ids: list[str] = []
     feats: list[Tensor] = []
     lengths: list[Tensor] = []
@@ -240,10 +238,7 @@ def extract_split(
     phones: list[Tensor] = []
     phone_lengths: list[Tensor] = []
     has_speaker = has_phones = True
-    columns = (*Progress.get_default_columns()[:1], BarColumn(), MofNCompleteColumn())
-    bar = Progress(*columns, TimeRemainingColumn(), transient=False, disable=not progress_bar)
-    with bar as progress:
-        task = progress.add_task(description, total=total)
+    with progress(total, description, progress_bar) as advance:
         for batch in batches:
             x = batch["features"].to(device)  # (B, T, F)
             n = batch["lengths"].to(device)  # (B,)
@@ -275,7 +270,7 @@ def extract_split(
                 phones.extend(batch["phones"][b, : pl[b]].cpu() for b in range(len(pl)))
             else:
                 has_phones = False
-            progress.advance(task)
+            advance(1)
     if not utt_ids:
         raise ValueError(f"{description}: the split is empty")
     if len(set(utt_ids)) != len(utt_ids):
@@ -294,15 +289,8 @@ def extract_split(
 
 def save_split(split: SplitFeatures, path: Path) -> None:
     """Atomic write: temp file in the same folder, then rename."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.stem}.", suffix=".tmp")
-    os.close(fd)
-    try:
+    with atomic_path(path) as tmp:
         torch.save(split.state(), tmp)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
 
 
 def load_split(path: Path) -> SplitFeatures:

@@ -10,7 +10,8 @@ import torch
 from torch.utils.data import DistributedSampler, SequentialSampler
 
 from speechattn.data import DataConfig, LabelledDataModule, PretrainDataModule
-from speechattn.data.datasets import IGNORE_INDEX, LengthBucketBatchSampler
+from speechattn.data.datasets import LengthBucketBatchSampler
+from speechattn.utils import IGNORE_INDEX
 
 
 def _check_common(batch):

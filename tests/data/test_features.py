@@ -63,9 +63,8 @@ def test_normalizer_global_and_padding():
     torch.testing.assert_close(out[0], (x[0] - 2) / 4)
     assert (out[1, 3:] == 0).all()
     restored = Normalizer.from_state_dict(norm.state_dict())
-    torch.testing.assert_close(restored.mean, norm.mean) and torch.testing.assert_close(
-        restored.std, norm.std
-    )
+    torch.testing.assert_close(restored.mean, norm.mean)
+    torch.testing.assert_close(restored.std, norm.std)
     with pytest.raises(ValueError, match="dims"):
         norm(torch.zeros(4, 7))
 

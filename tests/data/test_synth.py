@@ -41,7 +41,9 @@ def test_layout_is_librispeech(tiny_corpus):
 
 
 def test_audio_is_16k_mono_2_to_8_seconds(tiny_corpus):
-    for path in (tiny_corpus / "synth-clean").glob("*/*/*.flac"):
+    flacs = sorted((tiny_corpus / "synth-clean").glob("*/*/*.flac"))
+    assert len(flacs) == TINY_SPEAKERS * TINY_UTTERANCES
+    for path in flacs:
         info = sf.info(str(path))
         assert (info.samplerate, info.channels, info.format) == (16000, 1, "FLAC")
         assert 2.0 <= info.frames / 16000 <= 8.0
@@ -53,7 +55,9 @@ def test_labels_match_audio_length_and_phone_set(tiny_corpus):
     labels = _alignments(tiny_corpus)
     assert len(labels) == TINY_SPEAKERS * TINY_UTTERANCES
     seen = set()
-    for path in (tiny_corpus / "synth-clean").glob("*/*/*.flac"):
+    flacs = sorted((tiny_corpus / "synth-clean").glob("*/*/*.flac"))
+    assert len(flacs) == len(labels)
+    for path in flacs:
         lab = labels[path.stem]
         assert len(lab) == (sf.info(str(path)).frames - 400) // 160 + 1  # Kaldi snip-edges
         assert lab.min() >= 0 and lab.max() < len(phone_set)
@@ -67,7 +71,9 @@ def test_labels_follow_the_audio(tiny_corpus):
     labels = _alignments(tiny_corpus)
     mel = LogMel()
     gaps = []
-    for path in sorted((tiny_corpus / "synth-clean").glob("*/*/*.flac"))[:8]:
+    flacs = sorted((tiny_corpus / "synth-clean").glob("*/*/*.flac"))[:8]
+    assert len(flacs) == 8
+    for path in flacs:
         audio, _ = sf.read(str(path), dtype="float32")
         energy = mel(audio).mean(1).numpy()  # (T,)
         lab = labels[path.stem]

@@ -7,7 +7,7 @@ import torch
 
 from speechattn.attention import available
 from speechattn.model import ModelConfig, aalbert, aalbert_base, aalbert_tiny
-from speechattn.model.aalbert import AALBERT, PRESETS, model_preset, sinusoidal_positions
+from speechattn.model.aalbert import AALBERT, preset_config, sinusoidal_positions
 
 F = 8
 
@@ -75,25 +75,9 @@ def test_presets():
     assert tiny.get_num_params() < base.get_num_params() / 5
 
 
-@pytest.mark.parametrize("name", PRESETS)
-def test_python_presets_build_what_hydra_composes(name):
-    """`aalbert_tiny()` / `aalbert_base()` and `model=<name>` on the command line agree
-    (aalbert_base extends aalbert_tiny through its defaults list)."""
-    from hydra import compose, initialize_config_dir
-
-    from speechattn import CONFIG_DIR
-
-    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
-        cfg = compose("pretrain", overrides=[f"model={name}"])
-    builder = {"aalbert_tiny": aalbert_tiny, "aalbert_base": aalbert_base}[name]
-    got = builder(feature_dim=80).config.to_dict()
-    want = ModelConfig(**cfg.model.net, feature_dim=80).to_dict()
-    assert got == want
-
-
 def test_unknown_preset_is_named():
     with pytest.raises(ValueError, match="unknown model preset 'aalbert_huge'.*aalbert_tiny"):
-        model_preset("aalbert_huge")
+        preset_config("aalbert_huge")
 
 
 def test_post_ln_outputs_are_normalised_and_pre_ln_residual_stream_is_not():

@@ -126,3 +126,29 @@ def test_config_validation():
         MaskingConfig(fraction=1.5)
     with pytest.raises(ValueError, match="p_zero"):
         MaskingConfig(p_zero=0.9, p_random=0.2)
+
+
+def test_one_objective_and_one_optimiser_for_pretraining_analysis_and_benchmark():
+    """The pretraining step, the head analysis and the benchmark share the model's loss and
+    its decay groups (matrices decayed; biases and norms never)."""
+    import inspect
+
+    from speechattn.bench import pretrain as bench
+    from speechattn.model import aalbert, build_optimizer, corrupt, reconstruction_loss
+    from speechattn.model.optim import OptimConfig
+    from speechattn.tasks import heads
+    from speechattn.tasks.pretrain import PretrainTask
+
+    for user in (PretrainTask.reconstruction_loss, heads.PretrainObjective, bench.make_step):
+        source = inspect.getsource(user)
+        assert "reconstruction_loss(" in source and "masked_l1" not in source, user
+    model = aalbert(feature_dim=8, dim=16, num_layers=1, num_heads=2, ffn_dim=32).eval()
+    x, lens = padded([12, 7], F=8)
+    masked = corrupt(model, x, lens, MaskingConfig(span=1, fraction=0.5), torch.Generator())
+    assert masked.target.shape == masked.inputs.shape == (2, 4, 24)
+    assert masked.lengths.tolist() == [4, 3] and len(masked.utterances()) == 2
+    prediction = model.reconstruct(masked.inputs, masked.lengths)
+    assert reconstruction_loss(model, masked) == masked_l1(prediction, masked.target, masked.chosen)
+    decay, no_decay = build_optimizer(model, OptimConfig()).param_groups
+    assert decay["weight_decay"] == 0.01 and all(p.dim() >= 2 for p in decay["params"])
+    assert no_decay["weight_decay"] == 0.0 and all(p.dim() < 2 for p in no_decay["params"])

@@ -7,11 +7,10 @@ from pathlib import Path
 import lightning as L
 import pytest
 import torch
-from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig, open_dict
 from torch.utils.data import DataLoader, Dataset
 
-from speechattn import CONFIG_DIR
+from speechattn.config import compose
 from speechattn.data.features import Normalizer
 
 
@@ -32,8 +31,7 @@ def compose_pretrain(output_dir: Path, *overrides: str, shrink: bool = True) -> 
         "progress_bar=none",
         "logger=none",
     ]
-    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
-        cfg = compose("pretrain", overrides=[*(base if shrink else []), *overrides])
+    cfg = compose("pretrain", [*(base if shrink else []), *overrides])
     with open_dict(cfg):
         cfg.output_dir = str(output_dir)
     return cfg

@@ -10,10 +10,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig, open_dict
 
-from speechattn import CONFIG_DIR
+from speechattn.config import compose
 from speechattn.data import DataConfig
 from speechattn.tasks.downstream import DownstreamProbe, TaskConfig, check_label_lengths, run
 from speechattn.tasks.downstream_result import EXAMPLE_FILE, TASKS, read_result
@@ -39,8 +38,7 @@ def data_overrides(config: DataConfig) -> list[str]:
 
 
 def compose_downstream(out: Path, data: DataConfig, *overrides: str) -> DictConfig:
-    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
-        cfg = compose("downstream", overrides=[*data_overrides(data), *FAST, *overrides])
+    cfg = compose("downstream", [*data_overrides(data), *FAST, *overrides])
     with open_dict(cfg):
         cfg.output_dir = str(out)
         cfg.cache_dir = str(out.parent / "feature-cache")

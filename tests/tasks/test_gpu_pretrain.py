@@ -1,6 +1,6 @@
 """GPU suite (`pytest -m gpu`; skipped without CUDA): the study's model trains on the device.
 
-- a 30-step `model=aalbert_base` bf16-mixed pretraining per attention family, loss decreasing;
+- a 30-step aalbert_base (`~experiment`) bf16-mixed pretraining per attention family, loss decreasing;
 - an interrupted run resumed from `last.ckpt` on the device equals an uninterrupted one;
 - `trainer=ddp` over every visible GPU;
 - `bench attention --device cuda` and `bench pretrain --device cuda` report MFU against the
@@ -46,7 +46,7 @@ def test_aalbert_base_bf16_pretraining_loss_decreases(attention, gpu_device, tmp
     cfg = compose_pretrain(
         tmp_path,
         "~data",
-        "model=aalbert_base",
+        "~experiment",  # aalbert_base as the study has it
         f"attention={attention}",
         *_trainer(gpu_device),
         *_quiet(f"trainer.max_steps={steps}", "trainer.val_check_interval=30"),

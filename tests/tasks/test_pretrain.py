@@ -11,6 +11,7 @@ from conftest import SyntheticPretrainData, compose_pretrain
 from torch.utils.data import DataLoader, Dataset
 
 import speechattn
+from speechattn.model.optim import lr_factor
 from speechattn.pretrain import run
 from speechattn.tasks.common import read_metrics
 from speechattn.tasks.pretrain import (
@@ -20,7 +21,6 @@ from speechattn.tasks.pretrain import (
     SeededItems,
     StepBatchSampler,
     export_upstream,
-    lr_factor,
 )
 
 SYNTH = ("~data",)  # the tests pass SyntheticPretrainData to run() directly
@@ -397,7 +397,7 @@ def test_real_data_module_on_the_tiny_corpus(tmp_path, tiny_data_config):
 @pytest.mark.parametrize(
     "overrides, expected",
     [
-        (["model=aalbert_base"], {"model.net.dim": 768, "model.net.num_heads": 12,
+        (["~experiment"], {"model.net.dim": 768, "model.net.num_heads": 12,
                                   "model.net.ffn_dim": 3072, "model.net.num_layers": 6,
                                   "model.optimizer.name": "lamb", "model.optimizer.lr": 5e-5,
                                   "model.net.pre_norm": False, "model.net.dropout": 0.1,

@@ -1,4 +1,6 @@
-"""Downstream probe heads: small trainable modules on top of frozen upstream features.
+"""Downstream probes: small trainable modules on top of frozen upstream features, and the one
+`Probe` (layer selection + head + label alignment + loss) behind both the downstream task and
+the head analysis' probe objective.
 
 Shape letters (see `speechattn/attention/base.py`): B batch, N cached hidden layers, T frames,
 D feature dim, C classes.
@@ -8,14 +10,22 @@ D feature dim, C classes.
 - `MeanPool` / `FusedPool`: utterance pooling, (B, T, D) -> (B, D), padding excluded.
 - `UtteranceProbe`: pooling + linear (`speaker_utterance`).
 - `FrameProbe`: per-frame linear (`speaker_frame`) or MLP with ReLU hidden layers (`phone_*`).
+- `Probe`: a task's whole probe, batch dict -> logits, and its loss against labels padded with
+  `IGNORE_INDEX` (`aligned` cuts label-rate logits and labels to a common length).
 
-Everything here is plain torch: the probes are tested on synthetic tensors.
+The heads are plain torch, tested on synthetic tensors.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
+import torch.nn.functional as Fn
 from torch import Tensor, nn
+
+from speechattn.data.features import expand_to_labels
+from speechattn.utils import IGNORE_INDEX
 
 
 class LayerSelector(nn.Module):
@@ -127,3 +137,65 @@ class FrameProbe(nn.Module):
 
     def forward(self, x: Tensor, padding_mask: Tensor | None = None) -> Tensor:
         return self.net(x)
+
+
+class Probe(nn.Module):
+    """Layer selection + the task's head: batch -> logits (B, C) for utterance-level tasks, or
+    (B, T, C) at the 10 ms label rate for frame-level ones (each upstream frame's logits
+    repeated `downsample` times and trimmed/padded to the labels, within `tolerance`)."""
+
+    def __init__(
+        self,
+        level: str,
+        input_dim: int,
+        num_layers: int,
+        num_classes: int,
+        downsample: int,
+        tolerance: int,
+        pooling: str = "mean",
+        pooling_scale: str = "value",
+        hidden_layers: int = 0,
+        hidden_dim: int = 768,
+        dropout: float = 0.0,
+    ) -> None:
+        super().__init__()
+        self.level, self.downsample, self.tolerance = level, downsample, tolerance
+        self.select = LayerSelector(num_layers)
+        if level == "utterance":
+            self.head: nn.Module = UtteranceProbe(input_dim, num_classes, pooling, pooling_scale)
+        else:
+            self.head = FrameProbe(input_dim, num_classes, hidden_layers, hidden_dim, dropout)
+
+    def forward(self, batch: dict[str, Any]) -> Tensor:
+        """batch: hidden (B, N, T', D), padding_mask (B, T'), lengths (B,); frame tasks also
+        label_lengths (B,) and utt_ids."""
+        x = self.select(batch["hidden"])  # (B, T', D)
+        if self.level == "utterance":
+            return self.head(x, batch["padding_mask"])
+        valid = ~batch["padding_mask"]  # (B, T')
+        # The head runs on valid frames only (padding would cost a third of the compute).
+        frames = self.head(x[valid])  # (V, C), V valid frames in the batch
+        logits = frames.new_zeros(*valid.shape, frames.size(-1))  # (B, T', C)
+        logits[valid] = frames
+        return expand_to_labels(
+            logits,
+            self.downsample,
+            batch["label_lengths"],
+            batch["utt_ids"],
+            self.tolerance,
+            lengths=batch["lengths"],
+        )  # (B, T, C)
+
+    @staticmethod
+    def aligned(logits: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:
+        """Flat logits (M, C) and labels (M,): M utterances, or label frames of frame tasks
+        (label-rate logits and labels cut to their common length)."""
+        if logits.dim() == 3:  # expand_to_labels pads to the longest label; keep both aligned
+            T = min(logits.size(1), labels.size(1))
+            logits, labels = logits[:, :T], labels[:, :T]
+        return logits.reshape(-1, logits.size(-1)), labels.reshape(-1)
+
+    @staticmethod
+    def loss(flat_logits: Tensor, flat_labels: Tensor) -> Tensor:
+        """Cross-entropy over the labelled items (`IGNORE_INDEX` excluded)."""
+        return Fn.cross_entropy(flat_logits, flat_labels, ignore_index=IGNORE_INDEX)

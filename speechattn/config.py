@@ -1,0 +1,146 @@
+"""The one source of configuration: typed dataclasses registered as Hydra structured configs.
+
+Every setting has its default in exactly one dataclass. The YAML files in `conf/` select one
+of them as their schema (`defaults: [/schema/<name>@_here_, _self_]`) and state only what
+differs, so code defaults, YAML and the command line cannot disagree and a misspelt or
+mistyped override fails at composition. The schemas:
+
+    schema/pretrain   PretrainConfig       conf/pretrain.yaml (entry point's own keys)
+    schema/downstream DownstreamConfig     conf/downstream.yaml
+    schema/analyze    HeadsRunConfig       conf/analyze.yaml
+    schema/data       DataConfig           conf/data/*.yaml (`embedded` is the defaults)
+    schema/model      PretrainModelConfig  conf/model/aalbert_base.yaml (the defaults)
+    schema/task       TaskConfig           conf/task/*.yaml (`speaker_utterance` is the defaults)
+
+`attention/` options stay untyped here: the registry checks them against each variant's own
+config when the model is built (`speechattn.attention.build`). `trainer/` and `logger/` are
+`_target_` subtrees instantiated as they stand (lightning-hydra-template's way).
+
+`compose(name, overrides)` is what the entry points' `@hydra.main` does, for tests and
+notebooks; `CONFIG_DIR` is `conf/`, shipped inside the package by a plain `pip install .`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from omegaconf import DictConfig
+
+from speechattn import CONFIG_DIR
+from speechattn.data.config import DataConfig
+from speechattn.model.aalbert import ModelConfig
+from speechattn.model.masking import MaskingConfig
+from speechattn.model.optim import OptimConfig
+from speechattn.tasks.downstream import TaskConfig
+from speechattn.tasks.heads_sources import HeadsRunConfig
+
+# ----------------------------------------------------------------------------- pretrain
+
+
+@dataclass
+class PretrainModelConfig:
+    """The `model` group: the network, its masked-reconstruction objective and optimiser."""
+
+    name: str = "aalbert_base"  # recorded in upstream.pt and the model card
+    net: ModelConfig = field(default_factory=ModelConfig)
+    masking: MaskingConfig = field(default_factory=MaskingConfig)
+    optimizer: OptimConfig = field(default_factory=OptimConfig)
+
+
+@dataclass
+class CheckpointConfig:
+    every_n_steps: int = 200  # periodic checkpoints/step=NNNNNNN.ckpt (plus last.ckpt)
+    keep: int = 3  # periodic checkpoints kept (newest); -1 keeps all
+
+
+@dataclass
+class PretrainConfig:
+    """`python -m speechattn.pretrain`: its groups and its own keys."""
+
+    data: Any = None  # DataConfig, or any DataModule given by `_target_` (tests: synthetic data)
+    attention: Any = None  # {name, options}: a variant of speechattn.attention.available()
+    model: Any = None  # PretrainModelConfig
+    trainer: Any = None  # lightning.pytorch.Trainer arguments (`_target_`)
+    logger: Any = field(default_factory=dict)  # name -> logger `_target_`; {} = metrics.csv only
+    seed: int = 1234  # model init, data order, masks and dropout all derive from it
+    ckpt_path: str | None = None  # null | last (<run dir>/checkpoints/last.ckpt) | PATH.ckpt
+    output_dir: str | None = "${hydra:runtime.output_dir}"
+    max_nonfinite: int = 5  # abort after this many non-finite losses/gradients in a row
+    progress_bar: str = "rich"  # rich | tqdm | none
+    validate_at_start: bool = True  # val_loss of the untrained model first (step 0 of metrics.csv)
+    license: str = "mit"  # stated in the model card; e.g. cc-by-4.0 for LibriSpeech
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+
+
+# ----------------------------------------------------------------------------- downstream
+
+
+@dataclass
+class EarlyStoppingConfig:
+    patience: int = "${task.patience}"  # type: ignore[assignment]  # epochs without a better dev accuracy
+
+
+def _downstream_trainer() -> dict[str, Any]:
+    return {
+        "max_epochs": "${task.max_epochs}",  # per task; override here for all tasks
+        "accelerator": "auto",
+        "devices": 1,
+        "deterministic": False,
+        "enable_model_summary": False,
+        "enable_progress_bar": True,
+        "log_every_n_steps": 10,
+        "num_sanity_val_steps": 0,
+    }
+
+
+@dataclass
+class DownstreamConfig:
+    """`python -m speechattn.downstream`: its groups and its own keys."""
+
+    data: Any = None  # DataConfig
+    task: Any = None  # TaskConfig
+    upstream: str = "mel"  # an upstream.pt from `python -m speechattn.pretrain`, or `mel`
+    layer: Any = "last"  # last | weighted (learned softmax mix of all layers) | index (0 = input)
+    seed: int = 0
+    tolerance: int = "${data.label_tolerance}"  # type: ignore[assignment]  # 10 ms frames labels may differ from the repeated features
+    device: str = "auto"  # feature extraction device: auto | cpu | cuda
+    # frozen features are cached, keyed by upstream file hash + layers + data config + statistics
+    cache_dir: str | None = None  # null: <data cache root>/downstream
+    output_dir: str | None = None  # null: the Hydra run dir
+    trainer: dict[str, Any] = field(default_factory=_downstream_trainer)  # lightning.Trainer
+    early_stopping: EarlyStoppingConfig = field(default_factory=EarlyStoppingConfig)
+
+
+# ----------------------------------------------------------------------------- registry
+
+SCHEMAS: dict[str, Any] = {
+    "pretrain": PretrainConfig,
+    "downstream": DownstreamConfig,
+    "analyze": HeadsRunConfig,
+    "data": DataConfig,
+    "model": PretrainModelConfig,
+    "task": TaskConfig,
+}
+
+
+def register() -> None:
+    """Store the schemas in Hydra's ConfigStore under `schema/` (idempotent)."""
+    from hydra.core.config_store import ConfigStore
+
+    store = ConfigStore.instance()
+    for name, node in SCHEMAS.items():
+        store.store(group="schema", name=name, node=node)
+
+
+def compose(config_name: str, overrides: list[str] | None = None) -> DictConfig:
+    """`conf/<config_name>.yaml` composed with `overrides`, as its entry point would."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+
+    register()
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+        return hydra_compose(config_name, overrides=list(overrides or []))
+
+
+register()

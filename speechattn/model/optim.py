@@ -1,0 +1,73 @@
+"""The model's optimiser: parameter groups, LAMB / AdamW and the learning-rate schedule.
+
+As in nanoGPT's `configure_optimizers`, weight decay applies to matrices only (parameters of
+two or more dimensions); biases and LayerNorm gains are never decayed. Pretraining, the head
+analysis and the benchmark all build their optimiser here, so they cannot drift apart.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+
+@dataclass
+class OptimConfig:
+    name: str = "lamb"  # lamb (AALBERT, pytorch_optimizer.Lamb) | adamw (torch.optim.AdamW)
+    lr: float = 5e-5  # the study's value for aalbert_base
+    weight_decay: float = 0.01  # applied to matrices only (>= 2 dims), as in BERT / nanoGPT
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-6
+    warmup_fraction: float = 0.07  # linear warm-up over this share of the steps (Mockingjay)
+    warmup_steps: int | None = None  # overrides warmup_fraction when set
+    final_lr_fraction: float = 0.0  # linear decay from lr to lr * this at the last step
+
+    def __post_init__(self) -> None:
+        if self.name not in ("lamb", "adamw"):
+            raise ValueError(f"unknown optimizer {self.name!r}; choose lamb or adamw")
+        self.betas = tuple(self.betas)  # type: ignore[assignment]
+
+    def warmup(self, total_steps: int) -> int:
+        if self.warmup_steps is not None:
+            return int(self.warmup_steps)
+        return int(round(self.warmup_fraction * total_steps))
+
+
+def parameter_groups(module: nn.Module, weight_decay: float) -> list[dict]:
+    """Trainable parameters in two groups: matrices decayed, vectors (biases, norms) not."""
+    params = [p for p in module.parameters() if p.requires_grad]
+    return [
+        {"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
+        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},  # decay hurts
+    ]
+
+
+def build_optimizer(module: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer:
+    """`cfg.name` over `parameter_groups(module, cfg.weight_decay)`."""
+    groups = parameter_groups(module, cfg.weight_decay)
+    if cfg.name == "lamb":
+        from pytorch_optimizer import Lamb
+
+        return Lamb(groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps)
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps)
+
+
+def lr_factor(step: int, warmup: int, total: int, final: float = 0.0) -> float:
+    """Multiplier of the peak LR at optimizer step `step`: linear warm-up, then linear decay."""
+    if warmup > 0 and step < warmup:
+        return (step + 1) / warmup
+    span = max(1, total - warmup)
+    progress = min(1.0, (step - warmup) / span)
+    return 1.0 - (1.0 - final) * progress
+
+
+def build_scheduler(
+    optimizer: torch.optim.Optimizer, cfg: OptimConfig, total_steps: int
+) -> torch.optim.lr_scheduler.LambdaLR:
+    """Per-step schedule: `lr_factor` with `cfg`'s warm-up over `total_steps`."""
+    warmup, final = cfg.warmup(total_steps), cfg.final_lr_fraction
+    return torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda step: lr_factor(step, warmup, total_steps, final)
+    )

@@ -1,0 +1,138 @@
+"""Small helpers every layer shares: padding masks, the ignored label id, device choice, atomic
+writes and a progress bar.
+
+This module imports nothing from the project, so `data`, `attention`, `model`, `tasks`,
+`report` and `bench` may all use it without bending the dependency rule
+(`tests/test_layering.py` checks both).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import TYPE_CHECKING, TypeVar
+
+if TYPE_CHECKING:
+    import torch
+    from torch import Tensor
+
+T = TypeVar("T")
+
+IGNORE_INDEX = -100  # label id of padded / unlabelled frames (PyTorch's cross-entropy default)
+
+
+# ----------------------------------------------------------------------------- tensors
+
+
+def lengths_to_padding_mask(lengths: Tensor, max_len: int | None = None) -> Tensor:
+    """lengths (B,) -> (B, max_len) bool, True at padded positions (`~` of it marks valid ones).
+
+    `max_len` defaults to the longest length; the mask lives on `lengths`' device.
+    """
+    import torch
+
+    T = int(lengths.max()) if max_len is None else int(max_len)
+    return torch.arange(T, device=lengths.device)[None, :] >= lengths[:, None]
+
+
+def choose_device(name: str | torch.device = "auto") -> torch.device:
+    """`auto`: CUDA when available, else CPU; any other name (`cpu`, `cuda:1`) as given."""
+    import torch
+
+    if str(name) == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+# ----------------------------------------------------------------------------- files
+
+TEMP_MARK = ".tmp-"  # temporary names are `<name>.tmp-<pid>-<random>` beside the target
+
+
+def temp_name(path: Path) -> Path:
+    """A fresh temporary name beside `path` (same folder, so the rename is atomic)."""
+    return path.with_name(f"{path.name}{TEMP_MARK}{os.getpid()}-{os.urandom(3).hex()}")
+
+
+@contextmanager
+def atomic_path(path: str | Path) -> Iterator[Path]:
+    """`with atomic_path(p) as tmp: write tmp`: renamed onto `p` when the block succeeds,
+    removed when it fails, so readers see the old file or the whole new one, never half."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = temp_name(path)
+    try:
+        yield tmp
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)  # a failed write (full disk, crash) leaves nothing behind
+
+
+def atomic_write_bytes(path: str | Path, data: bytes) -> None:
+    """Write `data` to `path` through a temporary name and a rename."""
+    with atomic_path(path) as tmp:
+        tmp.write_bytes(data)
+
+
+def atomic_write_text(path: str | Path, text: str) -> None:
+    atomic_write_bytes(path, text.encode("utf-8"))
+
+
+# ----------------------------------------------------------------------------- progress
+
+
+@contextmanager
+def progress_bar(
+    total: int | None, description: str, enabled: bool = True
+) -> Iterator[Callable[[int], None]]:
+    """`with progress_bar(n, "extracting") as advance: ... advance()`: a rich bar with a count,
+    elapsed and remaining time; a no-op when disabled (or when `total` is 0)."""
+    if not enabled or total == 0:
+        yield lambda steps=1: None
+        return
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
+
+    columns = (
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        TimeRemainingColumn(),
+    )
+    with Progress(*columns, transient=False) as progress:
+        task = progress.add_task(description, total=total)
+        yield lambda steps=1: progress.advance(task, steps)
+
+
+def track(
+    items: Iterable[T], description: str, total: int | None = None, enabled: bool = True
+) -> Iterator[T]:
+    """Iterate `items` under `progress_bar` (total: `len(items)` when it has one)."""
+    if total is None and hasattr(items, "__len__"):
+        total = len(items)  # type: ignore[arg-type]
+    with progress_bar(total, description, enabled) as advance:
+        for item in items:
+            yield item
+            advance(1)
+
+
+__all__ = [
+    "IGNORE_INDEX",
+    "atomic_path",
+    "atomic_write_bytes",
+    "atomic_write_text",
+    "choose_device",
+    "lengths_to_padding_mask",
+    "progress_bar",
+    "temp_name",
+    "track",
+]

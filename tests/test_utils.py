@@ -1,0 +1,55 @@
+"""The shared helpers in `speechattn.utils`."""
+
+import os
+
+import pytest
+import torch
+
+from speechattn.utils import (
+    IGNORE_INDEX,
+    TEMP_MARK,
+    atomic_path,
+    atomic_write_text,
+    choose_device,
+    lengths_to_padding_mask,
+    track,
+)
+
+
+def test_padding_mask_marks_frames_past_each_length():
+    mask = lengths_to_padding_mask(torch.tensor([3, 1, 0]), 4)
+    assert mask.tolist() == [
+        [False, False, False, True],
+        [False, True, True, True],
+        [True, True, True, True],
+    ]
+    assert lengths_to_padding_mask(torch.tensor([2, 5])).shape == (2, 5)  # longest by default
+
+
+def test_ignore_index_is_cross_entropys_default():
+    assert IGNORE_INDEX == torch.nn.CrossEntropyLoss().ignore_index
+
+
+def test_choose_device():
+    assert choose_device("cpu") == torch.device("cpu")
+    assert choose_device("auto").type == ("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def test_atomic_write_replaces_whole_files_and_leaves_no_temporary_on_failure(tmp_path):
+    path = tmp_path / "sub" / "a.json"
+    atomic_write_text(path, "old")
+    with pytest.raises(RuntimeError), atomic_path(path) as tmp:
+        tmp.write_text("half")
+        raise RuntimeError("crash mid-write")
+    assert path.read_text() == "old"
+    assert os.listdir(path.parent) == ["a.json"]
+    atomic_write_text(path, "new")
+    assert path.read_text() == "new" and not list(path.parent.glob(f"*{TEMP_MARK}*"))
+    umask = os.umask(0)
+    os.umask(umask)
+    assert path.stat().st_mode & 0o777 == 0o666 & ~umask  # a normal file, not mkstemp's 0600
+
+
+def test_track_yields_every_item_with_and_without_a_bar():
+    assert list(track(range(3), "x", enabled=False)) == [0, 1, 2]
+    assert list(track(iter("ab"), "x", total=2)) == ["a", "b"]
