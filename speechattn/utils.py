@@ -8,6 +8,7 @@ This module imports nothing from the project, so `data`, `attention`, `model`, `
 
 from __future__ import annotations
 
+import hashlib
 import os
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
@@ -44,6 +45,15 @@ def choose_device(name: str | torch.device = "auto") -> torch.device:
     if str(name) == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(name)
+
+
+# ----------------------------------------------------------------------------- seeds
+
+
+def derive_seed(*parts: int | str) -> int:
+    """A 63-bit seed from parts (stable across processes and Python versions, unlike hash())."""
+    digest = hashlib.blake2b(repr(parts).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & ((1 << 63) - 1)
 
 
 # ----------------------------------------------------------------------------- files
@@ -131,6 +141,7 @@ __all__ = [
     "atomic_write_bytes",
     "atomic_write_text",
     "choose_device",
+    "derive_seed",
     "lengths_to_padding_mask",
     "progress_bar",
     "temp_name",

@@ -15,7 +15,7 @@ import torch  # noqa: E402
 from speechattn.model.serialization import load_torch_file  # noqa: E402
 from speechattn.report.results import ResultSet  # noqa: E402
 from speechattn.report.tables import attention_facts  # noqa: E402
-from speechattn.tasks.downstream_result import MEL  # noqa: E402
+from speechattn.tasks.records import MEL  # noqa: E402
 
 SPEAKER_TASK = "speaker_utterance"
 

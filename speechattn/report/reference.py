@@ -7,7 +7,7 @@ the study, so it has no reference row.
 
 from __future__ import annotations
 
-# Column order = speechattn.tasks.downstream_result.TASKS.
+# Column order = speechattn.tasks.records.TASKS.
 REFERENCE_TASKS = ("speaker_utterance", "speaker_frame", "phone_1hidden", "phone_2hidden")
 
 REFERENCE: dict[str, tuple[float, float, float, float]] = {

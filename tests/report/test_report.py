@@ -9,7 +9,7 @@ import pytest
 from speechattn.report.__main__ import main
 from speechattn.report.build import make_report
 from speechattn.report.results import collect, read_bench, registry_order
-from speechattn.tasks.downstream_result import TASKS, DownstreamResult, read_result
+from speechattn.tasks.records import TASKS, DownstreamResult, read_result
 
 
 def fake_result(
