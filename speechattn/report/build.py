@@ -186,7 +186,7 @@ def _readme(report: Report, results: ResultSet, tables: tuple) -> str:
     if (report.out / "fig_attention_maps.png").is_file():
         lines.append(
             "| [fig_attention_maps.png](fig_attention_maps.png) | every head of one layer for one "
-            "test utterance (study Fig. 2) |"
+            "test utterance under its log-mel spectrogram (study Fig. 2) |"
         )
     if (report.out / "fig_accuracy_vs_keys.png").is_file():
         lines.append(
