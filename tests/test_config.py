@@ -86,6 +86,12 @@ def test_every_debug_option_composes(name):
 DOWNSTREAM_TASKS = [t for t in options("task") if t != "pretrain"]  # pretrain: analysis only
 
 
+def test_the_task_list_is_the_task_group():
+    from speechattn.tasks.records import TASKS
+
+    assert sorted(TASKS) == DOWNSTREAM_TASKS
+
+
 @pytest.mark.parametrize("name", DOWNSTREAM_TASKS)
 def test_every_task_option_builds_for_downstream_and_analysis(name):
     task = OmegaConf.to_object(compose("downstream", [f"task={name}"]).task)
