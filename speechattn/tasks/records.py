@@ -1,5 +1,6 @@
 """The records the jobs write and `report/` reads: `result.json` (one per downstream run, the
-typed `DownstreamResult`) and `heads.json` (one per head analysis), with their readers.
+typed `DownstreamResult`) and `heads.json` (one per head analysis, the typed `HeadsRecord`),
+with their readers and schema checks.
 
 Kept free of torch/Lightning imports so the report can read them cheaply.
 
@@ -73,7 +74,7 @@ from __future__ import annotations
 import json
 from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
 from speechattn.utils import atomic_write_text
 
@@ -168,24 +169,43 @@ KIND = "speechattn-heads"
 HEADS_FILE = "heads.json"
 PRETRAIN = "pretrain"
 
-REQUIRED = (
-    "task",
-    "metric",
-    "higher_is_better",
-    "base_metric",
-    "num_layers",
-    "num_heads",
-    "attention",
-    "upstream",
-    "importance",
-    "ablation",
-    "pruning",
-    "seed",
-    "code_version",
-)
+
+class _HeadsRequired(TypedDict):
+    task: str
+    metric: str
+    higher_is_better: bool
+    base_metric: float
+    num_layers: int
+    num_heads: int
+    attention: str
+    upstream: str
+    importance: dict[str, Any]
+    ablation: dict[str, Any]
+    pruning: dict[str, Any] | None
+    seed: int
+    code_version: str
 
 
-def write_heads(result: dict[str, Any], directory: str | Path) -> Path:
+class HeadsRecord(_HeadsRequired, total=False):
+    """One `heads.json` (the schema above); JSON-shaped, so the report indexes it as a dict."""
+
+    schema_version: int
+    kind: str
+    attention_options: dict[str, Any]
+    model_config: dict[str, Any]
+    upstream_sha256: str | None
+    downstream: dict[str, Any] | None
+    split: str
+    subset: dict[str, int]
+    config: dict[str, Any]
+    runtime_s: dict[str, float]
+    created: str
+
+
+REQUIRED = tuple(_HeadsRequired.__annotations__)  # checked on every read and write
+
+
+def write_heads(result: HeadsRecord, directory: str | Path) -> Path:
     """Write `directory/heads.json` atomically (temp file + rename); returns its path."""
     check_heads(result, HEADS_FILE)
     path = Path(directory) / HEADS_FILE
@@ -193,7 +213,7 @@ def write_heads(result: dict[str, Any], directory: str | Path) -> Path:
     return path
 
 
-def read_heads(path: str | Path) -> dict[str, Any]:
+def read_heads(path: str | Path) -> HeadsRecord:
     """Read and check one `heads.json` (or a folder holding one); `ValueError` naming the file
     when it is not one."""
     path = Path(path)

@@ -44,6 +44,7 @@ from speechattn.tasks.records import (
     PRETRAIN,
     RESULT_FILE,
     TASKS,
+    HeadsRecord,
     read_result,
     write_heads,
 )
@@ -383,7 +384,7 @@ def result_dict(
     prepared: Prepared,
     config: HeadsRunConfig,
     runtime_s: dict[str, float],
-) -> dict[str, Any]:
+) -> HeadsRecord:
     """The `heads.json` object (schema in `speechattn.tasks.records`)."""
     from speechattn import code_version
 
@@ -461,7 +462,7 @@ def result_dict(
 
 def run_heads(
     config: HeadsRunConfig, output_dir: str | Path, datamodule: Any = None
-) -> tuple[dict[str, Any], Path]:
+) -> tuple[HeadsRecord, Path]:
     """Prepare, analyse, write `output_dir/heads.json`; returns (the object, its path)."""
     t0 = time.perf_counter()
     prepared = prepare(config, datamodule)
