@@ -3,9 +3,9 @@
 `run(cfg)` is the whole protocol; `python -m speechattn.downstream` is a thin Hydra wrapper:
 
 1. build the labelled corpus (`LabelledDataModule`) and open the upstream (`upstream.pt` or `mel`),
-2. extract the chosen layer(s) once per split into the feature cache (`upstream_features`),
+2. extract the chosen layer(s) once per split into the feature cache (`features.py`),
 3. train the task's probe on train with Lightning, early-stop and checkpoint on dev accuracy,
-4. score test with the best-dev checkpoint and write `result.json` (`downstream_result`).
+4. score test with the best-dev checkpoint and write `result.json` (`tasks/records.py`).
 
 Tasks (`TaskConfig`; conf/task/NAME.yaml states how each differs from speaker_utterance):
 
