@@ -32,8 +32,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-TASKS = ("speaker_utterance", "speaker_frame", "phone_1hidden", "phone_2hidden")
-MEL = "mel"
+from speechattn.tasks.records import MEL, TASKS
 
 
 @dataclass

@@ -17,11 +17,15 @@ config when the model is built (`speechattn.attention.build`). `trainer/` and `l
 `_target_` subtrees instantiated as they stand (lightning-hydra-template's way).
 
 `compose(name, overrides)` is what the entry points' `@hydra.main` does, for tests and
-notebooks; `CONFIG_DIR` is `conf/`, shipped inside the package by a plain `pip install .`.
+notebooks; `CONFIG_DIR` is `conf/`, shipped inside the package by a plain `pip install .`;
+`run_cli` is the error handling every entry point shares.
 """
 
 from __future__ import annotations
 
+import logging
+import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,8 +36,8 @@ from speechattn.data.config import DataConfig
 from speechattn.model.aalbert import ModelConfig
 from speechattn.model.masking import MaskingConfig
 from speechattn.model.optim import OptimConfig
-from speechattn.tasks.downstream import TaskConfig
-from speechattn.tasks.heads_sources import HeadsRunConfig
+from speechattn.tasks.analysis.sources import HeadsRunConfig
+from speechattn.tasks.downstream.probe import TaskConfig
 
 # ----------------------------------------------------------------------------- pretrain
 
@@ -141,6 +145,20 @@ def compose(config_name: str, overrides: list[str] | None = None) -> DictConfig:
     register()
     with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
         return hydra_compose(config_name, overrides=list(overrides or []))
+
+
+def run_cli(
+    run: Callable[[DictConfig], dict[str, Any]],
+    cfg: DictConfig,
+    errors: tuple[type[BaseException], ...] = (),
+) -> dict[str, Any]:
+    """`run(cfg)` for a command line: the `errors` it names (bad inputs, a diverged run) end
+    the process with one clear line and exit status 1 instead of a traceback."""
+    try:
+        return run(cfg)
+    except errors as e:
+        logging.getLogger(run.__module__).error("%s", e)
+        sys.exit(1)
 
 
 register()

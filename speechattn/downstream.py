@@ -1,23 +1,27 @@
 """`python -m speechattn.downstream task=NAME upstream=PATH|mel [overrides]`.
 
 Evaluates a frozen upstream on one downstream task (SPEC 7) and writes `result.json` to the
-Hydra run dir. All logic is in `speechattn.tasks.downstream.run`, which tests call directly.
+Hydra run dir. The work is `speechattn.tasks.downstream.run(cfg)`, which tests call directly;
+`main` is the Hydra wrapper (every entry point has this shape).
 """
+
+from __future__ import annotations
 
 from typing import Any
 
 import hydra
 from omegaconf import DictConfig
 
-from speechattn.config import CONFIG_DIR  # registers the structured configs
+from speechattn.config import CONFIG_DIR, run_cli
+from speechattn.tasks.downstream import run
 
 
 @hydra.main(version_base="1.3", config_path=str(CONFIG_DIR), config_name="downstream")
-def main(cfg: DictConfig) -> dict[str, Any]:
-    from speechattn.tasks.downstream import run
+def main(cfg: DictConfig) -> Any:
+    return run_cli(run, cfg)
 
-    return run(cfg)
 
+__all__ = ["main", "run"]
 
 if __name__ == "__main__":
     main()

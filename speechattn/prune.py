@@ -1,30 +1,28 @@
 """`python -m speechattn.prune heads=HEADS_JSON fraction=0.3 [upstream=PATH] [out=PATH]`.
 
 Actual pruning: writes an upstream.pt without the heads that a head analysis
-(`python -m speechattn.analyze heads`) masks at the pruning point nearest to `fraction`. All
-logic is in `speechattn.model.pruning` (`prune_from_heads`, `prune_upstream`).
+(`python -m speechattn.analyze heads`) masks at the pruning point nearest to `fraction`. The
+work is `speechattn.tasks.analysis.prune.run(cfg)`; `main` is the Hydra wrapper (every entry
+point has this shape).
 """
 
-from pathlib import Path
+from __future__ import annotations
+
+from typing import Any
 
 import hydra
 from omegaconf import DictConfig
 
-import speechattn
+from speechattn.config import CONFIG_DIR, run_cli
+from speechattn.tasks.analysis.prune import run
 
 
-@hydra.main(version_base="1.3", config_path=str(speechattn.CONFIG_DIR), config_name="prune")
-def main(cfg: DictConfig) -> Path:
-    from hydra.core.hydra_config import HydraConfig
+@hydra.main(version_base="1.3", config_path=str(CONFIG_DIR), config_name="prune")
+def main(cfg: DictConfig) -> Any:
+    return run_cli(run, cfg, errors=(FileNotFoundError, ValueError))
 
-    from speechattn.model.pruning import prune_from_heads
-    from speechattn.tasks.heads_result import read_heads
 
-    out = cfg.out or Path(HydraConfig.get().runtime.output_dir) / "upstream.pt"
-    path = prune_from_heads(read_heads(cfg.heads), cfg.fraction, out, cfg.upstream)
-    print(f"wrote {path}")
-    return path
-
+__all__ = ["main", "run"]
 
 if __name__ == "__main__":
     main()

@@ -8,11 +8,13 @@ This module imports nothing from the project, so `data`, `attention`, `model`, `
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 if TYPE_CHECKING:
     import torch
@@ -44,6 +46,24 @@ def choose_device(name: str | torch.device = "auto") -> torch.device:
     if str(name) == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(name)
+
+
+# ----------------------------------------------------------------------------- seeds
+
+
+def derive_seed(*parts: int | str) -> int:
+    """A 63-bit seed from parts (stable across processes and Python versions, unlike hash())."""
+    digest = hashlib.blake2b(repr(parts).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & ((1 << 63) - 1)
+
+
+def digest(obj: Any, lines: Iterable[str] = (), length: int = 16) -> str:
+    """A cache key: hex sha256 of `obj` as canonical JSON (sorted keys; str() for other
+    types), then of each of `lines`, cut to `length` digits. Both caches key with it."""
+    h = hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode())
+    for line in lines:
+        h.update(line.encode())
+    return h.hexdigest()[:length]
 
 
 # ----------------------------------------------------------------------------- files
@@ -131,6 +151,8 @@ __all__ = [
     "atomic_write_bytes",
     "atomic_write_text",
     "choose_device",
+    "derive_seed",
+    "digest",
     "lengths_to_padding_mask",
     "progress_bar",
     "temp_name",

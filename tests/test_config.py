@@ -21,10 +21,10 @@ from speechattn.config import (
 from speechattn.data import DataConfig
 from speechattn.model import ModelConfig
 from speechattn.model.aalbert import aalbert, preset_config
+from speechattn.tasks.analysis.sources import HeadsRunConfig
 from speechattn.tasks.downstream import TaskConfig
-from speechattn.tasks.heads_sources import HeadsRunConfig
 
-ANALYZE = ["hydra.searchpath=[file://" + str(CONFIG_DIR / "analyze") + "]"]
+ANALYZE = ["analysis=heads"]
 
 
 def options(group: str) -> list[str]:
@@ -83,7 +83,16 @@ def test_every_debug_option_composes(name):
     assert compose("pretrain", [f"debug={name}"]).trainer.max_steps > 0
 
 
-@pytest.mark.parametrize("name", options("task"))
+DOWNSTREAM_TASKS = [t for t in options("task") if t != "pretrain"]  # pretrain: analysis only
+
+
+def test_the_task_list_is_the_task_group():
+    from speechattn.tasks.records import TASKS
+
+    assert sorted(TASKS) == DOWNSTREAM_TASKS
+
+
+@pytest.mark.parametrize("name", DOWNSTREAM_TASKS)
 def test_every_task_option_builds_for_downstream_and_analysis(name):
     task = OmegaConf.to_object(compose("downstream", [f"task={name}"]).task)
     assert isinstance(task, TaskConfig) and task.name == name
@@ -143,9 +152,23 @@ def test_the_builder_keeps_model_config_defaults():
 
 def test_yaml_states_only_what_differs_from_the_schema():
     """No option restates a default of its schema (a mirror drifts)."""
-    schemas = {"data": DataConfig(), "task": TaskConfig()}
+    schemas = {"data": DataConfig(), "task": TaskConfig(), "model": PretrainModelConfig()}
     for group, defaults in schemas.items():
         for path in (CONFIG_DIR / group).glob("*.yaml"):
             own = OmegaConf.to_container(OmegaConf.load(path))
             restated = [k for k, v in own.items() if getattr(defaults, k, object()) == v]
             assert not restated, f"{path.name} restates defaults {restated}"
+
+
+@pytest.mark.parametrize("name", options("analysis"))
+def test_every_analysis_option_builds(name):
+    heads = OmegaConf.to_object(compose("analyze", [f"analysis={name}"]))
+    assert isinstance(heads, HeadsRunConfig) and heads.analysis == name
+
+
+def test_task_pretrain_is_refused_by_the_downstream_job(tmp_path):
+    from speechattn.tasks.downstream import run
+
+    cfg = compose("downstream", ["task=pretrain", f"output_dir={tmp_path}"])
+    with pytest.raises(ValueError, match="task=pretrain is the head analysis' objective"):
+        run(cfg)

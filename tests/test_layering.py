@@ -1,5 +1,11 @@
 """The dependency rule: data -> attention/model -> tasks -> report (bench uses data/attention/model).
 
+Every import counts, including the lazy ones inside functions and relative ones. Besides the
+layers: `speechattn.utils` (shared helpers) imports nothing from the project and any layer may
+use it; the root package (`speechattn/__init__.py`) imports nothing eagerly; `config` sits on
+data, model and tasks; the entry modules (`pretrain`, `downstream`, `analyze`) may use every
+layer but `bench`. Inside `tasks` the jobs are independent, except that the head analysis reads
+downstream runs: `pretrain` and `downstream` import no other job, `analysis` only `downstream`.
 `interop` (s3prl expert) reads upstreams through `model` and is imported by no layer; the
 repository's `hubconf.py` may use `model` and `interop` only.
 """
@@ -11,7 +17,7 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "speechattn"
 
-# For each layer, the project layers it may import from (besides itself).
+# For each layer, the project layers it may import from (besides itself and `utils`).
 ALLOWED = {
     "data": set(),
     "attention": set(),
@@ -21,22 +27,51 @@ ALLOWED = {
     "bench": {"data", "attention", "model"},
     "interop": {"data", "attention", "model"},
 }
+ROOT_MODULES = {
+    "utils": set(),
+    "config": {"data", "attention", "model", "tasks"},
+    "pretrain": {"config", "data", "attention", "model", "tasks"},
+    "downstream": {"config", "data", "attention", "model", "tasks"},
+    "analyze": {"config", "data", "attention", "model", "tasks", "report"},
+    "prune": {"config", "tasks"},
+}
+JOBS = {"pretrain": set(), "downstream": set(), "analysis": {"downstream"}}
+EVERYWHERE = {"utils", ""}  # "" is the root package itself (version, CONFIG_DIR, load_upstream)
 
 
-def project_imports(path: Path) -> set[str]:
+def is_module(name: str) -> bool:
+    path = PACKAGE.parent.joinpath(*name.split("."))
+    return path.is_dir() or path.with_suffix(".py").is_file()
+
+
+def imported_modules(path: Path, lazy: bool = True) -> set[str]:
+    """Absolute names of the project modules `path` imports (module level only: lazy=False)."""
     tree = ast.parse(path.read_text(), filename=str(path))
-    layers = set()
-    for node in ast.walk(tree):
-        names = []
+    package = ".".join(path.relative_to(PACKAGE.parent).with_suffix("").parts[:-1])
+    nodes = ast.walk(tree) if lazy else tree.body
+    names = set()
+    for node in nodes:
         if isinstance(node, ast.Import):
-            names = [alias.name for alias in node.names]
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            names = [node.module]
-        for name in names:
-            parts = name.split(".")
-            if parts[0] == "speechattn" and len(parts) > 1:
-                layers.add(parts[1])
-    return layers
+            names |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # relative: resolve against this file's package
+                parent = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join([*parent, base] if base else parent)
+            names |= {base} | {
+                f"{base}.{alias.name}"
+                for alias in node.names
+                if is_module(f"{base}.{alias.name}")  # `from speechattn import tasks`
+            }
+        elif isinstance(node, ast.Call) and ast.unparse(node.func).endswith("import_module"):
+            if node.args and isinstance(node.args[0], ast.Constant):
+                names.add(str(node.args[0].value))
+    return {n for n in names if n == "speechattn" or n.startswith("speechattn.")}
+
+
+def project_imports(path: Path, lazy: bool = True) -> set[str]:
+    """The project layers / root modules `path` imports ("" for the root package)."""
+    return {(n.split(".") + [""])[1] for n in imported_modules(path, lazy)}
 
 
 @pytest.mark.parametrize("layer", sorted(ALLOWED))
@@ -45,17 +80,43 @@ def test_layer_imports_only_from_the_left(layer):
     assert files, f"no modules under speechattn/{layer}/: the rule would hold vacuously"
     offenders = []
     for path in files:
-        bad = project_imports(path) & (set(ALLOWED) - ALLOWED[layer] - {layer})
+        bad = project_imports(path) - ALLOWED[layer] - {layer} - EVERYWHERE
         if bad:
             offenders.append(f"{path.relative_to(PACKAGE)} imports {sorted(bad)}")
     assert not offenders, "dependency rule broken:\n" + "\n".join(offenders)
 
 
+@pytest.mark.parametrize("module", sorted(ROOT_MODULES))
+def test_root_modules_import_only_what_they_sit_on(module):
+    used = project_imports(PACKAGE / f"{module}.py") - {module}
+    allowed = ROOT_MODULES[module] | ({""} if module != "utils" else set())
+    assert used <= allowed, f"speechattn/{module}.py imports {sorted(used - allowed)}"
+
+
+def test_every_root_module_is_covered():
+    modules = {p.stem for p in PACKAGE.glob("*.py")} - {"__init__"}
+    assert modules == set(ROOT_MODULES), "add new root modules to ROOT_MODULES"
+
+
+def test_the_root_package_imports_nothing_eagerly():
+    """`import speechattn` stays cheap: only lazy imports inside its functions."""
+    assert project_imports(PACKAGE / "__init__.py", lazy=False) == set()
+
+
+@pytest.mark.parametrize("job", sorted(JOBS))
+def test_jobs_are_independent(job):
+    files = sorted((PACKAGE / "tasks" / job).rglob("*.py"))
+    assert files, f"no modules under speechattn/tasks/{job}/"
+    for path in files:
+        used = {
+            n.split(".")[2]
+            for n in imported_modules(path)
+            if n.startswith("speechattn.tasks.") and n.split(".")[2] in JOBS
+        }
+        bad = used - JOBS[job] - {job}
+        assert not bad, f"{path.relative_to(PACKAGE)} imports the jobs {sorted(bad)}"
+
+
 def test_hubconf_uses_only_the_upstream_api():
     used = project_imports(PACKAGE.parent / "hubconf.py")
     assert used and used <= {"model", "interop"}, sorted(used)
-
-
-def test_shared_helpers_import_nothing_from_the_project():
-    """`speechattn.utils` is used by every layer, so it may use none of them."""
-    assert project_imports(PACKAGE / "utils.py") == set()

@@ -53,3 +53,15 @@ def test_atomic_write_replaces_whole_files_and_leaves_no_temporary_on_failure(tm
 def test_track_yields_every_item_with_and_without_a_bar():
     assert list(track(range(3), "x", enabled=False)) == [0, 1, 2]
     assert list(track(iter("ab"), "x", total=2)) == ["a", "b"]
+
+
+def test_digest_is_canonical_json_then_lines():
+    import hashlib
+    import json
+
+    from speechattn.utils import digest
+
+    assert digest({"b": 1, "a": [2]}) == digest({"a": [2], "b": 1})
+    expected = hashlib.sha256(json.dumps({"a": 1}).encode())
+    expected.update(b"x\n")
+    assert digest({"a": 1}, ["x\n"], length=20) == expected.hexdigest()[:20]

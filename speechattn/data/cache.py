@@ -50,7 +50,7 @@ from speechattn.data.audio import load_audio
 from speechattn.data.errors import DataError, Issues, Skip
 from speechattn.data.features import FeatureConfig, LogMel, min_samples_for
 from speechattn.data.librispeech import Utterance
-from speechattn.utils import TEMP_MARK, atomic_path, atomic_write_text, progress_bar
+from speechattn.utils import TEMP_MARK, atomic_path, atomic_write_text, digest, progress_bar
 
 log = logging.getLogger(__name__)
 
@@ -80,10 +80,8 @@ class ExtractionSettings:
 
 def cache_key(utterances: Sequence[Utterance], settings: ExtractionSettings) -> str:
     """Hash of the settings and the file list (id, path, size, mtime) -- 16 hex digits."""
-    h = hashlib.sha256(json.dumps(settings.fingerprint(), sort_keys=True).encode())
-    for u in utterances:
-        h.update(f"{u.utt_id}\t{u.path}\t{u.size}\t{u.mtime_ns}\n".encode())
-    return h.hexdigest()[:16]
+    lines = (f"{u.utt_id}\t{u.path}\t{u.size}\t{u.mtime_ns}\n" for u in utterances)
+    return digest(settings.fingerprint(), lines)
 
 
 # ----------------------------------------------------------------------------- integrity

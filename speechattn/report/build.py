@@ -14,7 +14,7 @@ from pathlib import Path
 from speechattn.report.figures import SPEAKER_TASK, accuracy_vs_keys, attention_maps
 from speechattn.report.results import BenchRecord, ResultSet, collect, find_bench, read_bench
 from speechattn.report.tables import accuracy_table, cost_table, reference_table
-from speechattn.tasks.downstream_result import EXAMPLE_FILE, MEL, TASKS
+from speechattn.tasks.records import EXAMPLE_FILE, MEL, TASKS
 
 log = logging.getLogger(__name__)
 DEFAULT_SEQ_LEN = 500  # ~15 s at 30 ms per frame: a typical LibriSpeech utterance
@@ -198,7 +198,7 @@ def _readme(report: Report, results: ResultSet, tables: tuple) -> str:
     if (report.out / "fig_attention_maps.png").is_file():
         lines.append(
             "| [fig_attention_maps.png](fig_attention_maps.png) | every head of one layer for one "
-            "test utterance (study Fig. 2) |"
+            "test utterance under its log-mel spectrogram (study Fig. 2) |"
         )
     if (report.out / "fig_accuracy_vs_keys.png").is_file():
         lines.append(

@@ -1,5 +1,6 @@
-"""Figures of the report: attention maps of every head (study Fig. 2) and utterance-level
-speaker accuracy vs keys attended (study Fig. 4)."""
+"""Figures of the report: attention maps of every head under the utterance's log-mel
+spectrogram (study Fig. 2; `librosa.display.specshow`, time in seconds on both) and
+utterance-level speaker accuracy vs keys attended (study Fig. 4)."""
 
 from __future__ import annotations
 
@@ -12,10 +13,11 @@ matplotlib.use("Agg")  # files only, no display
 import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
 
+from speechattn.data.features import SAMPLE_RATE, FeatureConfig  # noqa: E402
 from speechattn.model.serialization import load_torch_file  # noqa: E402
 from speechattn.report.results import ResultSet  # noqa: E402
 from speechattn.report.tables import attention_facts  # noqa: E402
-from speechattn.tasks.downstream_result import MEL  # noqa: E402
+from speechattn.tasks.records import MEL  # noqa: E402
 
 SPEAKER_TASK = "speaker_utterance"
 
@@ -59,12 +61,15 @@ def attention_maps(
     layer: int = 1,
     max_frames: int = 200,
 ) -> Path:
-    """Every head's attention weights in `layer` (1-based) for one utterance, as a grid.
+    """Every head's attention weights in `layer` (1-based) for one utterance, as a grid, each
+    column under the utterance's log-mel spectrogram on the same time axis (seconds).
 
     The utterance is the normalised test utterance a downstream run saved beside its result
     (`example_utterance.pt`); the weights come from the upstream's `attention_weights`, i.e. the
-    variant's dense reference. At most `max_frames` frames are drawn.
+    variant's dense reference. At most `max_frames` model frames are drawn.
     """
+    from librosa.display import specshow
+
     from speechattn import load_upstream
 
     upstream = load_upstream(upstream_path).eval()
@@ -76,22 +81,56 @@ def attention_maps(
     with torch.no_grad():
         weights = upstream.attention_weights(features, lengths, layer)  # (1, h, T', T')
     weights = weights[0, :, :max_frames, :max_frames].float()  # (h, T', T')
-    heads = weights.size(0)
+    heads, shown = weights.size(0), weights.size(-1)
+    fc = FeatureConfig(**upstream.feature_config)
+    seconds = shown / upstream.frame_rate  # the maps' time span
+    mel = features[0, : shown * upstream.downsample, : fc.n_mels].float().numpy().T  # (F, T)
     cols = min(4, heads)
     rows = math.ceil(heads / cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(3 * cols, 3 * rows), squeeze=False)
+    fig, axes = plt.subplots(
+        rows + 1,
+        cols,
+        figsize=(3 * cols, 3 * rows + 1.2),
+        squeeze=False,
+        gridspec_kw={"height_ratios": [0.4, *[1] * rows]},
+    )
+    for c in range(cols):  # the spectrogram over each column: one time axis for all panels
+        ax = axes[0][c]
+        specshow(
+            mel,
+            sr=SAMPLE_RATE,
+            hop_length=fc.hop_length,
+            x_axis="time",
+            y_axis="mel",
+            fmin=fc.f_min,
+            fmax=fc.f_max,
+            ax=ax,
+            cmap="magma",
+        )
+        ax.set_xlim(0, seconds)
+        ax.set_xlabel("time (s)", fontsize=7)
+        ax.set_ylabel("log-mel (Hz)" if c == 0 else "", fontsize=7)
+        ax.tick_params(labelsize=7)
     for h in range(rows * cols):
-        ax = axes[h // cols][h % cols]
+        ax = axes[1 + h // cols][h % cols]
         ax.set_xticks([])
         ax.set_yticks([])
         if h >= heads:
             ax.axis("off")
             continue
-        ax.imshow(weights[h].numpy(), cmap="viridis", aspect="equal", interpolation="nearest")
+        ax.imshow(
+            weights[h].numpy(),
+            cmap="viridis",
+            aspect="auto",
+            interpolation="nearest",
+            extent=(0, seconds, seconds, 0),  # keys (x) and queries (y) in seconds
+        )
+        ax.set_xlim(0, seconds)
         ax.set_title(f"head {h}", fontsize=9)
     name = getattr(upstream, "attention_name", "?")
     fig.suptitle(
-        f"{name}: layer {layer}, utterance {example.get('utt_id', '?')} (rows: queries, cols: keys)",
+        f"{name}: layer {layer}, utterance {example.get('utt_id', '?')} "
+        f"(rows: queries, cols: keys; {seconds:.2f} s)",
         fontsize=10,
     )
     fig.tight_layout()

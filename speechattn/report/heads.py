@@ -21,7 +21,7 @@ matplotlib.use("Agg")  # files only, no display
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
-from speechattn.tasks.heads_result import HEADS_FILE, find_heads, read_heads  # noqa: E402
+from speechattn.tasks.records import HEADS_FILE, find_heads, read_heads  # noqa: E402
 
 METRIC_LABELS = {"l1_loss": "masked-reconstruction L1", "accuracy": "accuracy"}
 CURVE_MARKERS = "os^vDP*Xph<>"  # cycled with tab20 colours so that 14+ overlaid curves differ

@@ -7,8 +7,9 @@ the study, so it has no reference row.
 
 from __future__ import annotations
 
-# Column order = speechattn.tasks.downstream_result.TASKS.
-REFERENCE_TASKS = ("speaker_utterance", "speaker_frame", "phone_1hidden", "phone_2hidden")
+from speechattn.tasks.records import TASKS
+
+REFERENCE_TASKS = TASKS  # column order of the rows below
 
 REFERENCE: dict[str, tuple[float, float, float, float]] = {
     "mel": (0.0060, 0.0033, 0.5246, 0.5768),

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from speechattn.tasks.downstream_result import (
+from speechattn.tasks.records import (
     MEL,
     RESULT_FILE,
     TASKS,

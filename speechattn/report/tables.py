@@ -13,7 +13,7 @@ from typing import Any
 
 from speechattn.report.reference import REFERENCE, reference_accuracy
 from speechattn.report.results import BenchRecord, ResultSet, registry_order
-from speechattn.tasks.downstream_result import MEL
+from speechattn.tasks.records import MEL
 
 log = logging.getLogger(__name__)
 

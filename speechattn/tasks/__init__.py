@@ -1,10 +1,12 @@
-"""LightningModules and their helpers (Lightning owns the loops; no runner classes).
+"""The jobs, one package each, as LightningModules and plain functions (Lightning owns the
+loops; there is no runner class):
 
-- `pretrain`: AALBERT masked reconstruction (`PretrainTask`), resumable data order,
-  non-finite step handling, `upstream.pt` export; `pretrain_data`: the resumable data view;
-  `common`: callbacks shared by entry points (`MetricsCSV`, progress bars).
-- `downstream` and friends: frozen-upstream probes (SPEC 7).
+- `pretrain/`: AALBERT masked reconstruction, resumable data order, upstream.pt + model card
+- `downstream/`: frozen-upstream probes (SPEC 7), cached features, result.json
+- `analysis/`: head importance, ablation and pruning (SPEC 5), heads.json
+- `records`: the result.json / heads.json schemas the report reads
+- `common`: Lightning callbacks and helpers the entry points share (metrics.csv, progress bars)
 
-Modules are imported explicitly (`from speechattn.tasks.pretrain import PretrainTask`), so
-importing this package stays cheap.
+Import what you use (`from speechattn.tasks.pretrain import PretrainTask`); this package's
+root imports nothing, so `speechattn.tasks.records` stays cheap for the report.
 """

@@ -136,7 +136,7 @@ def test_one_objective_and_one_optimiser_for_pretraining_analysis_and_benchmark(
     from speechattn.bench import pretrain as bench
     from speechattn.model import aalbert, build_optimizer, corrupt, reconstruction_loss
     from speechattn.model.optim import OptimConfig
-    from speechattn.tasks import heads
+    from speechattn.tasks.analysis import heads
     from speechattn.tasks.pretrain import PretrainTask
 
     for user in (PretrainTask.reconstruction_loss, heads.PretrainObjective, bench.make_step):

@@ -160,7 +160,7 @@ def test_prune_command_writes_the_pruned_upstream(tmp_path):
     import subprocess
     import sys
 
-    from speechattn.tasks.heads_result import KIND, SCHEMA_VERSION, write_heads
+    from speechattn.tasks.records import HEADS_SCHEMA_VERSION, KIND, write_heads
 
     src = _save(_model("ldsa", True), tmp_path / "upstream.pt")
     zeros = torch.zeros(L, H).tolist()
@@ -169,7 +169,7 @@ def test_prune_command_writes_the_pruned_upstream(tmp_path):
         {"num_masked": 7, "fraction": 7 / 12, "metric": 1.3, "mask": MASK.tolist()},
     ]
     heads = {
-        "schema_version": SCHEMA_VERSION, "kind": KIND, "task": "pretrain", "metric": "l1_loss",
+        "schema_version": HEADS_SCHEMA_VERSION, "kind": KIND, "task": "pretrain", "metric": "l1_loss",
         "higher_is_better": False, "base_metric": 1.0, "num_layers": L, "num_heads": H,
         "attention": "ldsa", "upstream": str(src),
         "upstream_sha256": speechattn.data.cache.file_sha256(src),

@@ -14,7 +14,7 @@ from speechattn.report.heads import (
     overlay_pruning_curves,
     write_head_figures,
 )
-from speechattn.tasks.heads_result import KIND, find_heads, read_heads, write_heads
+from speechattn.tasks.records import KIND, find_heads, read_heads, write_heads
 
 
 def fake_heads(attention: str, task: str = "pretrain", L: int = 2, h: int = 3) -> dict:

@@ -9,7 +9,7 @@ import pytest
 from speechattn.report.__main__ import main
 from speechattn.report.build import make_report
 from speechattn.report.results import collect, read_bench, registry_order
-from speechattn.tasks.downstream_result import TASKS, DownstreamResult, read_result
+from speechattn.tasks.records import TASKS, DownstreamResult, read_result
 
 
 def fake_result(
@@ -231,3 +231,36 @@ def test_bench_json_of_speechattn_bench_attention(tmp_path: Path, partial: Path)
     assert sum(f"time ms (T={T})" in md for T in lengths) == 3  # the Markdown shows 3 lengths
     header = next(csv.reader(open(tmp_path / "r" / "table1.csv")))
     assert sum(h.startswith("time ms") for h in header) == 4  # the CSV keeps them all
+
+
+def test_attention_maps_sit_under_the_utterances_spectrogram_in_seconds(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each column of maps has the utterance's log-mel above it (librosa's specshow), on the
+    maps' time axis: 30 10-ms frames are 10 model frames, 0.3 s."""
+    import librosa.display
+    import torch
+
+    from speechattn.data import Normalizer
+    from speechattn.model.aalbert import aalbert
+    from speechattn.model.upstream import save_upstream, upstream_state
+    from speechattn.report.figures import attention_maps
+
+    drawn = []
+    specshow = librosa.display.specshow
+
+    def spy(data, **kwargs):
+        drawn.append((data.shape, kwargs))
+        return specshow(data, **kwargs)
+
+    monkeypatch.setattr(librosa.display, "specshow", spy)
+    model = aalbert(feature_dim=8, dim=16, num_layers=2, num_heads=2, ffn_dim=32)
+    state = upstream_state(model, Normalizer(torch.zeros(8), torch.ones(8)), {"n_mels": 8}, {})
+    upstream = save_upstream(tmp_path / "upstream.pt", state)
+    example = tmp_path / "example_utterance.pt"
+    torch.save({"utt_id": "u1", "features": torch.randn(30, 8)}, example)
+    assert attention_maps(upstream, example, tmp_path / "maps.png").is_file()
+    assert len(drawn) == 2  # one spectrogram per column of heads
+    shape, kwargs = drawn[0]
+    assert shape == (8, 30) and (kwargs["sr"], kwargs["hop_length"]) == (16000, 160)
+    assert kwargs["x_axis"] == "time" and kwargs["ax"].get_xlim() == pytest.approx((0.0, 0.3))

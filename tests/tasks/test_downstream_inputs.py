@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from speechattn.tasks.upstream_features import MelUpstream, open_upstream
+from speechattn.tasks.downstream.features import MelUpstream, open_upstream
 
 
 def save_tiny_upstream(path: Path, feature_dim: int = 8, attention: str = "full") -> Path:
@@ -78,7 +78,7 @@ def test_crafted_upstream_never_runs_code(tmp_path: Path, crafted_torch_file) ->
 def test_upstream_with_nonfinite_hidden_states_is_refused(tmp_path: Path) -> None:
     """Finite but overflowing weights (a diverged run) give NaN features: refused, naming the
     file, instead of probing at chance (a NaN-weight upstream is refused by load_upstream)."""
-    from speechattn.tasks.upstream_features import NonFiniteFeaturesError, extract_split
+    from speechattn.tasks.downstream.features import NonFiniteFeaturesError, extract_split
 
     path = save_tiny_upstream(tmp_path / "upstream.pt")
     state = torch.load(path, weights_only=True)
@@ -117,7 +117,7 @@ def test_utterances_beyond_the_upstream_limit_fail_before_extraction() -> None:
     import numpy as np
 
     from speechattn.model.aalbert import aalbert
-    from speechattn.tasks.downstream import _check_input_frames
+    from speechattn.tasks.downstream.run import _check_input_frames
 
     model = aalbert(
         feature_dim=8, dim=16, num_layers=1, num_heads=2, ffn_dim=32,

@@ -15,8 +15,8 @@ from omegaconf import DictConfig, open_dict
 from speechattn.config import compose
 from speechattn.data import DataConfig
 from speechattn.tasks.downstream import DownstreamProbe, TaskConfig, check_label_lengths, run
-from speechattn.tasks.downstream_result import EXAMPLE_FILE, TASKS, read_result
-from speechattn.tasks.upstream_features import SplitFeatures
+from speechattn.tasks.downstream.features import SplitFeatures
+from speechattn.tasks.records import EXAMPLE_FILE, TASKS, read_result
 
 FAST = [
     "trainer.max_epochs=2",

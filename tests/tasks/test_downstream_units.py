@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from speechattn.tasks.downstream import ProbeDataset, TaskConfig, collate, fit_probe
-from speechattn.tasks.upstream_features import (
+from speechattn.tasks.downstream.features import (
     MelUpstream,
     SplitFeatures,
     extract_split,

@@ -9,8 +9,7 @@ from speechattn.attention import available
 from speechattn.data.features import Normalizer
 from speechattn.model import MaskingConfig, aalbert
 from speechattn.model.upstream import Upstream
-from speechattn.tasks.downstream import DownstreamProbe, TaskConfig
-from speechattn.tasks.heads import (
+from speechattn.tasks.analysis.heads import (
     HeadsConfig,
     PretrainObjective,
     ProbeObjective,
@@ -25,6 +24,7 @@ from speechattn.tasks.heads import (
     prune_schedule,
     pruning_curve,
 )
+from speechattn.tasks.downstream import DownstreamProbe, TaskConfig
 
 F = 8  # mel bins of the synthetic features
 MASKING = MaskingConfig(fraction=0.3, span=3)

@@ -17,11 +17,10 @@ from speechattn.analyze import compose_config, main, run
 from speechattn.data.features import Normalizer
 from speechattn.model import aalbert
 from speechattn.model.upstream import save_upstream, upstream_state
+from speechattn.tasks.analysis.sources import HeadsRunConfig, recorded_data_config
 from speechattn.tasks.downstream import DownstreamProbe, TaskConfig
-from speechattn.tasks.downstream_result import DownstreamResult
-from speechattn.tasks.heads_result import KIND, read_heads
-from speechattn.tasks.heads_sources import HeadsRunConfig, recorded_data_config
-from speechattn.tasks.upstream_features import file_sha256
+from speechattn.tasks.downstream.features import file_sha256
+from speechattn.tasks.records import KIND, DownstreamResult, read_heads
 
 F, D, LAYERS, HEADS, SPEAKERS = 8, 16, 2, 4, 3
 
@@ -310,14 +309,14 @@ def test_upstream_that_is_not_ours_is_refused(tmp_path: Path) -> None:
 
 
 def test_cli_needs_a_known_analysis(capsys: pytest.CaptureFixture[str]) -> None:
+    """The analysis is the `analysis` group: none or an unknown one fails, listing `heads`."""
     with pytest.raises(SystemExit) as e:
         main([])
-    assert (
-        e.value.code == 2 and "usage: python -m speechattn.analyze heads" in capsys.readouterr().err
-    )
+    assert e.value.code == 1 and "analysis" in capsys.readouterr().err
     with pytest.raises(SystemExit) as e:
         main(["attention_maps", "upstream=x"])
-    assert e.value.code == 2 and "unknown analysis 'attention_maps'" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert e.value.code == 1 and "analysis/attention_maps" in err and "heads" in err
 
 
 def test_crafted_probe_or_upstream_never_runs_code(tmp_path: Path, crafted_torch_file) -> None:

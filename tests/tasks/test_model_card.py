@@ -12,7 +12,7 @@ import yaml
 
 import speechattn
 from speechattn.tasks.common import read_metrics
-from speechattn.tasks.model_card import median_metric, write_model_card
+from speechattn.tasks.pretrain.model_card import median_metric, write_model_card
 
 
 def read_card(path: Path) -> tuple[dict, str]:

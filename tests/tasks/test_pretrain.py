@@ -424,7 +424,7 @@ def test_config_groups_compose(tmp_path, overrides, expected):
 
 
 def test_precision_auto_is_fp32_on_cpu():
-    from speechattn.pretrain import resolve_precision
+    from speechattn.tasks.pretrain.run import resolve_precision
 
     assert resolve_precision("auto", "cpu") == "32-true"
     assert resolve_precision("bf16-mixed", "cpu") == "32-true"

@@ -17,7 +17,6 @@ F input features, N cached layers, D hidden dim, U utterances in a split.
 from __future__ import annotations
 
 import hashlib
-import json
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,7 +27,7 @@ from torch import Tensor, nn
 
 from speechattn.data.cache import file_sha256
 from speechattn.model.serialization import load_torch_file
-from speechattn.utils import atomic_path, lengths_to_padding_mask
+from speechattn.utils import atomic_path, digest, lengths_to_padding_mask
 from speechattn.utils import progress_bar as progress
 
 MEL = "mel"
@@ -187,7 +186,7 @@ def _offsets(lengths: Tensor) -> list[int]:
 
 def cache_key(upstream_id: str, layers: Sequence[int], data: dict[str, Any], stats: str) -> str:
     """Hash of everything the cached features depend on."""
-    blob = json.dumps(
+    return digest(
         {
             "version": CACHE_VERSION,
             "upstream": upstream_id,
@@ -195,10 +194,8 @@ def cache_key(upstream_id: str, layers: Sequence[int], data: dict[str, Any], sta
             "data": data,
             "stats": stats,
         },
-        sort_keys=True,
-        default=str,
+        length=20,
     )
-    return hashlib.sha256(blob.encode()).hexdigest()[:20]
 
 
 def tensor_digest(*tensors: Tensor | None) -> str:

@@ -1,6 +1,7 @@
 """Where a head analysis gets its model, probe and data, and how its `heads.json` is assembled.
 
-`run_heads(config)` is the whole of `python -m speechattn.analyze heads` except the figures:
+`run_heads(config)` is the whole of `python -m speechattn.analyze heads` except the figures
+(the report layer draws them):
 
     task=pretrain      upstream.pt (weights + reconstruction head) and the pretraining
                        validation split of the corpus recorded in the upstream's metadata;
@@ -26,8 +27,7 @@ from torch import nn
 
 from speechattn.model.masking import MaskingConfig
 from speechattn.model.serialization import TorchFileError, describe_load_error, load_torch_file
-from speechattn.tasks.downstream_result import MEL, RESULT_FILE, TASKS, read_result
-from speechattn.tasks.heads import (
+from speechattn.tasks.analysis.heads import (
     HeadAnalysis,
     HeadsConfig,
     NonFiniteMetricError,
@@ -36,8 +36,18 @@ from speechattn.tasks.heads import (
     ProbeObjective,
     analyze_heads,
 )
-from speechattn.tasks.heads_result import KIND, PRETRAIN, SCHEMA_VERSION, write_heads
-from speechattn.tasks.upstream_features import file_sha256
+from speechattn.tasks.downstream.features import file_sha256
+from speechattn.tasks.records import (
+    HEADS_SCHEMA_VERSION,
+    KIND,
+    MEL,
+    PRETRAIN,
+    RESULT_FILE,
+    TASKS,
+    HeadsRecord,
+    read_result,
+    write_heads,
+)
 from speechattn.utils import choose_device, lengths_to_padding_mask
 
 log = logging.getLogger(__name__)
@@ -51,6 +61,7 @@ class HeadsRunConfig(HeadsConfig):
     """`python -m speechattn.analyze heads`: the analyses (`importance`, `ablation`,
     `pruning`, from `HeadsConfig`) and where they run (the schema of `conf/analyze.yaml`)."""
 
+    analysis: str = "heads"  # the `analysis` group's option (the only analysis so far)
     upstream: str | None = None  # upstream.pt; for downstream tasks default: result.json's
     # pretrain | a downstream task (a name, or the `task` group's node); None: pretrain, or the
     # downstream run's task
@@ -72,6 +83,8 @@ class HeadsRunConfig(HeadsConfig):
             self.task = self.task["name"] if isinstance(self.task, dict) else self.task.name
         if is_dataclass(self.data):
             self.data = asdict(self.data)
+        if self.analysis != "heads":
+            raise ValueError(f"unknown analysis {self.analysis!r}; choose heads")
         if self.task is not None and self.task not in HEAD_TASKS:
             raise ValueError(f"unknown task {self.task!r}; choose one of {', '.join(HEAD_TASKS)}")
         if self.split not in SPLIT_CHOICES:
@@ -371,8 +384,8 @@ def result_dict(
     prepared: Prepared,
     config: HeadsRunConfig,
     runtime_s: dict[str, float],
-) -> dict[str, Any]:
-    """The `heads.json` object (schema in `speechattn.tasks.heads_result`)."""
+) -> HeadsRecord:
+    """The `heads.json` object (schema in `speechattn.tasks.records`)."""
     from speechattn import code_version
 
     up = prepared.upstream
@@ -405,7 +418,7 @@ def result_dict(
             ],
         }
     return {
-        "schema_version": SCHEMA_VERSION,
+        "schema_version": HEADS_SCHEMA_VERSION,
         "kind": KIND,
         "task": prepared.task,
         "metric": analysis.metric_name,
@@ -449,7 +462,7 @@ def result_dict(
 
 def run_heads(
     config: HeadsRunConfig, output_dir: str | Path, datamodule: Any = None
-) -> tuple[dict[str, Any], Path]:
+) -> tuple[HeadsRecord, Path]:
     """Prepare, analyse, write `output_dir/heads.json`; returns (the object, its path)."""
     t0 = time.perf_counter()
     prepared = prepare(config, datamodule)

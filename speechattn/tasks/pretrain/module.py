@@ -4,9 +4,10 @@ Lightning owns the loop; this module owns one step: stack frames, corrupt spans
 (`model/masking.py`), encode, reconstruct, L1 on the chosen frames. Around it:
 
 * reproducibility: every micro-batch reseeds the global RNG (dropout) and a CPU generator
-  (masking) from (seed, optimizer step, micro-batch, rank), and `StepBatchSampler` makes the
-  data order a function of (seed, batch number). A run resumed from any checkpoint therefore
-  sees exactly the batches, masks and dropout of an uninterrupted run.
+  (masking) from (seed, optimizer step, micro-batch, rank), and `StepBatchSampler`
+  (`tasks/pretrain/data.py`) makes the data order a function of (seed, batch number). A run
+  resumed from any checkpoint therefore sees exactly the batches, masks and dropout of an
+  uninterrupted run.
 * non-finite losses or gradients: the update is skipped with a `NonFiniteWarning`; after
   `max_nonfinite` in a row training stops with `NonFiniteLossError` explaining what to try.
 * `upstream.pt` export from the live module or from any Lightning checkpoint of a run.
@@ -14,10 +15,8 @@ Lightning owns the loop; this module owns one step: stack frames, corrupt spans
 
 from __future__ import annotations
 
-import hashlib
 import time
 import warnings
-from collections.abc import Iterator, Sequence
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -25,7 +24,6 @@ from typing import Any
 import lightning as L
 import torch
 from torch import Tensor
-from torch.utils.data import Dataset, Sampler
 
 from speechattn.attention import Attention
 from speechattn.data.features import Normalizer
@@ -34,122 +32,9 @@ from speechattn.model.masking import MaskingConfig, corrupt, reconstruction_loss
 from speechattn.model.optim import OptimConfig, build_optimizer, build_scheduler
 from speechattn.model.serialization import TorchFileError, load_torch_file
 from speechattn.model.upstream import nonfinite_tensors, save_upstream, upstream_state
+from speechattn.utils import derive_seed
 
 # ----------------------------------------------------------------------------- config
-
-
-def derive_seed(*parts: int | str) -> int:
-    """A 63-bit seed from parts (stable across processes and Python versions, unlike hash())."""
-    digest = hashlib.blake2b(repr(parts).encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") & ((1 << 63) - 1)
-
-
-# ----------------------------------------------------------------------------- data order
-
-
-class StepBatchSampler(Sampler[list[tuple[int, int]]]):
-    """Batches of a whole run, each a pure function of (seed, batch number, rank).
-
-    The index stream is the concatenation of seeded permutations of the dataset, one per
-    pass. With `lengths`, every pool of `bucket_size` consecutive global batches is sorted by
-    length, cut into batches and put in a seeded random order (less padding, same items).
-    Global batch i has G = batch_size * world_size items and rank r takes its r-th slice.
-
-    Iteration starts at `start`, the number of batches already consumed (from the checkpoint
-    when resuming), so the sampler needs no saved state. The length is the whole run, which
-    keeps Lightning's epoch bookkeeping consistent on resume. Each yielded key is
-    (item seed, dataset index): `SeededItems` seeds random crops with it, so even the crops
-    do not depend on how far the loader had prefetched when a run was killed.
-    """
-
-    def __init__(
-        self,
-        num_items: int,
-        batch_size: int,
-        total_batches: int,
-        seed: int,
-        rank: int = 0,
-        world_size: int = 1,
-        start: int = 0,
-        lengths: Sequence[int] | None = None,
-        bucket_size: int = 1,
-    ) -> None:
-        if num_items < 1:
-            raise ValueError("cannot sample batches from an empty training split")
-        if batch_size < 1 or total_batches < 0 or bucket_size < 1:
-            raise ValueError(
-                f"need batch_size, bucket_size >= 1 and total_batches >= 0, "
-                f"got {batch_size}, {bucket_size}, {total_batches}"
-            )
-        if lengths is not None and len(lengths) != num_items:
-            raise ValueError(f"{len(lengths)} lengths for {num_items} items")
-        self.num_items = num_items
-        self.batch_size = batch_size
-        self.total_batches = total_batches
-        self.seed = seed
-        self.rank = rank
-        self.world_size = world_size
-        self.start = start
-        self.lengths = None if lengths is None else [int(n) for n in lengths]
-        self.bucket_size = bucket_size if lengths is not None else 1
-        self._perm: tuple[int, list[int]] = (-1, [])
-        self._pool: tuple[int, list[list[int]]] = (-1, [])
-
-    def _item(self, position: int) -> int:
-        """Dataset index at `position` of the stream of seeded permutations."""
-        epoch = position // self.num_items
-        if self._perm[0] != epoch:
-            g = torch.Generator().manual_seed(derive_seed(self.seed, "data-order", epoch))
-            self._perm = (epoch, torch.randperm(self.num_items, generator=g).tolist())
-        return self._perm[1][position % self.num_items]
-
-    def _global_batches(self, pool: int) -> list[list[int]]:
-        """The `bucket_size` global batches of one pool, as stream positions."""
-        if self._pool[0] != pool:
-            G, P = self.batch_size * self.world_size, self.bucket_size
-            positions = list(range(pool * P * G, (pool + 1) * P * G))
-            if self.lengths is not None and P > 1:
-                lengths = self.lengths
-                positions.sort(key=lambda q: (lengths[self._item(q)], q))
-            batches = [positions[k * G : (k + 1) * G] for k in range(P)]
-            if P > 1:
-                g = torch.Generator().manual_seed(derive_seed(self.seed, "bucket-order", pool))
-                batches = [batches[j] for j in torch.randperm(P, generator=g).tolist()]
-            self._pool = (pool, batches)
-        return self._pool[1]
-
-    def positions(self, i: int) -> list[int]:
-        """Stream positions of this rank's share of global batch i."""
-        batch = self._global_batches(i // self.bucket_size)[i % self.bucket_size]
-        return batch[self.rank * self.batch_size : (self.rank + 1) * self.batch_size]
-
-    def batch(self, i: int) -> list[int]:
-        """Dataset indices of this rank's share of global batch i."""
-        return [self._item(q) for q in self.positions(i)]
-
-    def __iter__(self) -> Iterator[list[tuple[int, int]]]:
-        for i in range(self.start, self.total_batches):
-            yield [(derive_seed(self.seed, "item", q), self._item(q)) for q in self.positions(i)]
-
-    def __len__(self) -> int:
-        return self.total_batches
-
-
-class SeededItems(Dataset):
-    """`dataset[(seed, index)]` -> `dataset[index]` with the global RNG seeded for that item
-    (the data layer's random crops draw from it) and restored afterwards."""
-
-    def __init__(self, dataset: Dataset) -> None:
-        self.dataset = dataset
-
-    def __len__(self) -> int:
-        return len(self.dataset)  # type: ignore[arg-type]
-
-    def __getitem__(self, key: tuple[int, int]) -> Any:
-        seed, index = key
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed)
-            return self.dataset[index]
 
 
 # ----------------------------------------------------------------------------- faults
@@ -448,8 +333,5 @@ __all__ = [
     "NonFiniteLossError",
     "NonFiniteWarning",
     "PretrainTask",
-    "SeededItems",
-    "StepBatchSampler",
-    "derive_seed",
     "export_upstream",
 ]

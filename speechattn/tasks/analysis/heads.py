@@ -44,8 +44,7 @@ from torch import Tensor, nn
 from speechattn.model.aalbert import AALBERT
 from speechattn.model.masking import MaskedBatch, MaskingConfig, corrupt, reconstruction_loss
 from speechattn.model.probes import Probe
-from speechattn.tasks.pretrain import derive_seed
-from speechattn.utils import IGNORE_INDEX, lengths_to_padding_mask, track
+from speechattn.utils import IGNORE_INDEX, derive_seed, lengths_to_padding_mask, track
 
 PER_CHOICES = ("utterance", "batch")
 

@@ -1,0 +1,25 @@
+"""Actual pruning job: an upstream without the heads that a head analysis masks.
+
+`run(cfg)` reads the heads.json `cfg.heads`, takes its pruning point nearest to `cfg.fraction`
+and writes the pruned upstream (`speechattn.model.pruning` does the pruning itself).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig
+
+from speechattn.model.pruning import prune_from_heads
+from speechattn.tasks.records import read_heads
+
+
+def run(cfg: DictConfig) -> dict[str, Any]:
+    """Prune per `conf/prune.yaml`; returns {"upstream": the written path}."""
+    from hydra.core.hydra_config import HydraConfig
+
+    out = cfg.out or Path(HydraConfig.get().runtime.output_dir) / "upstream.pt"
+    path = prune_from_heads(read_heads(cfg.heads), cfg.fraction, out, cfg.upstream)
+    print(f"wrote {path}", flush=True)
+    return {"upstream": str(path)}

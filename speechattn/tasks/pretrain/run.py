@@ -1,0 +1,258 @@
+"""`run(cfg)`: pretrain AALBERT as configured and write the run directory.
+
+The shape every job's run has: build the data, the task, the trainer (instantiated from the
+config), fit, write the results. `python -m speechattn.pretrain` is its Hydra wrapper.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import warnings
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+from hydra.utils import instantiate
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.utilities import rank_zero_only
+from omegaconf import DictConfig, OmegaConf
+
+from speechattn.data import DataConfig, PretrainDataModule
+from speechattn.model.serialization import TorchFileError, load_torch_file
+from speechattn.tasks.common import (
+    DataWait,
+    MetricsCSV,
+    progress_bar,
+    quiet_library_notices,
+    read_metrics,
+)
+from speechattn.tasks.pretrain.data import ResumableData
+from speechattn.tasks.pretrain.model_card import (
+    median_metric,
+    training_device,
+    write_model_card,
+)
+from speechattn.tasks.pretrain.module import NonFiniteLossError, PretrainTask
+
+log = logging.getLogger("speechattn.pretrain")
+
+
+def run(cfg: DictConfig, datamodule: Any = None) -> dict[str, Any]:
+    """Pretrain as configured; returns final metrics and paths.
+
+    `datamodule` replaces the data layer's PretrainDataModule (tests pass synthetic data);
+    it must follow the batch contract of docs/ARCHITECTURE.md.
+    """
+    quiet_library_notices()
+    output_dir = Path(cfg.output_dir).resolve()
+    output_dir.mkdir(parents=True, exist_ok=True)
+    resume = resolve_ckpt_path(cfg.get("ckpt_path"), output_dir)
+    if resume is not None:
+        check_resume_checkpoint(resume)
+    L.seed_everything(cfg.seed, workers=True, verbose=False)
+
+    # data
+    inner = datamodule if datamodule is not None else build_datamodule(cfg)
+    data = ResumableData(inner, seed=cfg.seed)
+    # task: the model gets the data's feature dim; the saved config.yaml records it
+    cfg.model.net.feature_dim = int(inner.feature_dim)
+    task = PretrainTask(
+        model=container(cfg.model.net),
+        masking=container(cfg.model.masking),
+        optimizer=container(cfg.model.optimizer),
+        total_steps=int(cfg.trainer.max_steps),
+        seed=cfg.seed,
+        max_nonfinite=cfg.max_nonfinite,
+    )
+    data_config = container(cfg.get("data"))
+    if "max_frames" in data_config:  # the data layer crops to it; fail now, not at a long batch
+        task.model.check_input_frames(data_config["max_frames"], "data.max_frames")
+    task.set_data_info(
+        feature_config=feature_config(inner, data_config),
+        corpus=str(data_config.get("corpus", type(inner).__name__)),
+        data_config=data_config,
+        model_name=str(cfg.model.get("name", "")),
+    )
+    # trainer
+    trainer = build_trainer(cfg, output_dir)
+    # Under DDP the launched processes run this function too; rank_zero_only.rank is read from
+    # the launcher's environment, so it is right before the processes are connected.
+    if rank_zero_only.rank == 0:
+        OmegaConf.save(cfg, output_dir / "config.yaml", resolve=True)
+        log.info("run directory: %s", output_dir)
+        if resume is None:
+            log.info("resume after a crash with: hydra.run.dir=%s ckpt_path=last", output_dir)
+            (output_dir / "metrics.csv").unlink(missing_ok=True)  # a fresh run, a fresh file
+        else:
+            log.info("resuming from %s", resume)
+
+    # fit
+    if resume is None and cfg.get("validate_at_start", True) and trainer.limit_val_batches:
+        # the untrained model's val_loss: the starting point of the curve in metrics.csv
+        trainer.validate(task, datamodule=data, verbose=False)
+    trainer.fit(task, datamodule=data, ckpt_path=str(resume) if resume else None, weights_only=True)
+    every = trainer.val_check_interval
+    if trainer.limit_val_batches and isinstance(every, int) and trainer.global_step % every:
+        # the curve in metrics.csv and upstream.pt's val_loss must describe the final weights
+        trainer.validate(task, datamodule=data, verbose=False)
+
+    # results
+    return write_results(trainer, task, output_dir, license=str(cfg.get("license") or "mit"))
+
+
+def build_datamodule(cfg: DictConfig) -> L.LightningDataModule:
+    """The data layer's PretrainDataModule for `cfg.data` (corpus built/extracted on first use).
+
+    A `data._target_` instantiates any other DataModule that follows the batch contract of
+    docs/ARCHITECTURE.md instead (bring your own data; the tests use synthetic speech).
+    """
+    if "_target_" in cfg.data:
+        return instantiate(cfg.data)
+    return PretrainDataModule(DataConfig(**container(cfg.data)))
+
+
+def build_trainer(cfg: DictConfig, output_dir: Path) -> L.Trainer:
+    """`cfg.trainer` instantiated with the run's checkpoints, metrics.csv, bar and loggers."""
+    keep = int(cfg.checkpoint.keep)
+    periodic = ModelCheckpoint(
+        dirpath=output_dir / "checkpoints",
+        filename="step={step:07d}",
+        auto_insert_metric_name=False,
+        every_n_train_steps=int(cfg.checkpoint.every_n_steps),
+        save_top_k=keep,
+        monitor="step" if keep != -1 else None,
+        mode="max",
+        save_last=True,
+        save_on_train_epoch_end=False,
+    )
+    bar = cfg.get("progress_bar", "rich")
+    metrics = MetricsCSV(output_dir / "metrics.csv", cfg.trainer.log_every_n_steps)
+    callbacks = [periodic, metrics, DataWait()]
+    loggers = [instantiate(c) for c in (cfg.get("logger") or {}).values() if c]
+    return instantiate(
+        cfg.trainer,
+        precision=resolve_precision(cfg.trainer.precision, cfg.trainer.accelerator),
+        callbacks=[*callbacks, *progress_bar(bar)],
+        logger=loggers or False,
+        default_root_dir=str(output_dir),
+        enable_progress_bar=bar not in ("none", None),
+        _convert_="all",
+    )
+
+
+def write_results(
+    trainer: L.Trainer, task: PretrainTask, output_dir: Path, license: str
+) -> dict[str, Any]:
+    """Check the run converged, then write upstream.pt and its model card (rank zero)."""
+    metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if v.numel() == 1}
+    result: dict[str, Any] = {
+        "output_dir": str(output_dir),
+        "steps": int(trainer.global_step),
+        "train_loss": task.last_train_loss,
+        "val_loss": metrics.get("val_loss"),
+        "upstream": None,
+        "model_card": None,
+    }
+    task.check_converged()
+    val_loss = result["val_loss"]
+    if val_loss is not None and not math.isfinite(val_loss):
+        raise NonFiniteLossError(
+            f"the final validation loss is {val_loss} at step {result['steps']}: the model "
+            f"diverged or the validation features hold NaN/inf; no upstream.pt is written. "
+            f"{task.divergence_advice()}"
+        )
+    if trainer.is_global_zero:
+        metrics_csv = output_dir / "metrics.csv"
+        rows = read_metrics(metrics_csv) if metrics_csv.is_file() else []
+        run_facts = {
+            "val_loss": result["val_loss"],
+            "frames_per_s": median_metric(rows, "frames_per_s"),
+            "data_wait": median_metric(rows, "data_wait"),
+            "precision": str(trainer.precision),
+            "device": training_device(trainer),
+        }
+        upstream = task.export_upstream(output_dir / "upstream.pt", run_facts)
+        card = write_model_card(upstream, rows, license=license)
+        result.update(upstream=str(upstream), model_card=str(card))
+        print(f"upstream.pt written to {upstream} (model card: {card})", flush=True)
+    return result
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def container(node: Any) -> Any:
+    """A config node as plain Python (dicts/lists); None/empty -> {}."""
+    if node is None:
+        return {}
+    return OmegaConf.to_container(node, resolve=True) if OmegaConf.is_config(node) else node
+
+
+def feature_config(datamodule: Any, data_config: dict[str, Any]) -> dict[str, Any]:
+    """Feature settings to store in upstream.pt (what `features_from_waveforms` recomputes)."""
+    fc = getattr(datamodule, "feature_config", None)
+    if fc is not None:
+        return dict(fc.to_dict() if hasattr(fc, "to_dict") else vars(fc))
+    keys = ("n_mels", "deltas", "normalization")
+    return {k: data_config[k] for k in keys if k in data_config}
+
+
+def resolve_ckpt_path(ckpt_path: str | None, output_dir: Path) -> Path | None:
+    """`null` -> fresh run; `last` -> <run dir>/checkpoints/last.ckpt if it exists (else a fresh
+    run, with a warning naming earlier runs that could be resumed); a path -> that file."""
+    if ckpt_path in (None, "", "null"):
+        return None
+    if ckpt_path == "last":
+        last = output_dir / "checkpoints" / "last.ckpt"
+        if last.is_file():
+            return last
+        hint = ""
+        candidates = sorted(
+            output_dir.parent.glob("*/checkpoints/last.ckpt"), key=lambda p: p.stat().st_mtime
+        )
+        if candidates:
+            hint = f"; to resume the latest earlier run add hydra.run.dir={candidates[-1].parent.parent}"
+        warnings.warn(
+            f"ckpt_path=last: no checkpoint in {last.parent}, starting from scratch{hint}",
+            stacklevel=2,
+        )
+        return None
+    path = Path(ckpt_path).expanduser()
+    if not path.is_file():
+        raise FileNotFoundError(f"ckpt_path={ckpt_path}: no such checkpoint file")
+    return path
+
+
+def check_resume_checkpoint(path: Path) -> None:
+    """Read `path` safely (`weights_only=True`) before Lightning does; when it is truncated,
+    corrupt or refused, raise `TorchFileError` naming it and the newest periodic checkpoint
+    beside it that reads."""
+    try:
+        load_torch_file(path, "cpu", "checkpoint to resume")
+    except TorchFileError as e:
+        for periodic in sorted(path.parent.glob("step=*.ckpt"), reverse=True):  # newest first
+            if periodic == path:
+                continue
+            try:
+                load_torch_file(periodic, "cpu")
+            except TorchFileError:
+                continue
+            hint = f"resume from the newest intact checkpoint instead: ckpt_path={periodic}"
+            break
+        else:
+            hint = f"no intact periodic checkpoint in {path.parent}: start afresh without ckpt_path"
+        raise TorchFileError(f"{e}; {hint}") from e
+
+
+def resolve_precision(precision: Any, accelerator: str) -> Any:
+    """`auto`: bf16-mixed on GPUs that support it, 32-true otherwise. Mixed precision on CPU is
+    replaced by fp32 (slower there, and the defaults promise fp32 on CPU)."""
+    on_gpu = accelerator in ("gpu", "cuda") or (accelerator == "auto" and torch.cuda.is_available())
+    if precision == "auto":
+        return "bf16-mixed" if on_gpu and torch.cuda.is_bf16_supported() else "32-true"
+    if not on_gpu and str(precision) in ("bf16-mixed", "16-mixed", "16", "bf16"):
+        log.warning("precision=%s on CPU: using 32-true instead", precision)
+        return "32-true"
+    return precision

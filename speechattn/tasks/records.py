@@ -1,0 +1,272 @@
+"""The records the jobs write and `report/` reads: `result.json` (one per downstream run, the
+typed `DownstreamResult`) and `heads.json` (one per head analysis, the typed `HeadsRecord`),
+with their readers and schema checks.
+
+Kept free of torch/Lightning imports so the report can read them cheaply.
+
+`result.json` (schema version 1), one JSON object:
+
+    schema_version    1
+    task              speaker_utterance | speaker_frame | phone_1hidden | phone_2hidden
+    upstream          path of the upstream.pt that was probed, or "mel"
+    upstream_sha256   sha256 of that file (null for mel)
+    attention         attention variant of the upstream ("mel" for the baseline)
+    attention_config  {"name": ..., "options": {...}} as saved by pretraining ({} for mel)
+    model_config      upstream model config ({} for mel)
+    pretraining_steps optimiser steps of the upstream (null for mel or when unknown)
+    upstream_parameters  parameter count of the upstream (0 for mel)
+    layer             "last", "weighted" or an integer index into the hidden states
+    pooling           utterance pooling ("mean" | "fused"), null for frame tasks
+    probe             the task config used (head sizes, optimiser, batch size)
+    corpus            the data config (DataConfig fields)
+    split_sizes       utterances per split {"train", "dev", "test"}
+    eval_frames       frames (or utterances) scored per split {"dev", "test"}
+    frames_per_utterance  mean upstream frames per test utterance (T' at the upstream rate)
+    num_classes       classes of the probe
+    dev_accuracy      best dev accuracy (model selection)
+    test_accuracy     test accuracy of the best-dev checkpoint
+    best_epoch        epoch of the best-dev checkpoint (0-based)
+    epochs_trained    epochs run before early stopping / max_epochs
+    seed              global seed
+    code_version      `speechattn.code_version()`
+    runtime_s         {"features": ..., "train": ..., "total": ...}
+    created           ISO-8601 UTC time stamp
+
+`heads.json` (schema version 1), one JSON object; matrices are nested lists, rows = depths
+0..L-1, columns = heads 0..h-1:
+
+    schema_version    1
+    kind              "speechattn-heads"
+    task              pretrain | speaker_utterance | speaker_frame | phone_1hidden | phone_2hidden
+    metric            "l1_loss" (pretrain, lower is better) | "accuracy" (downstream)
+    higher_is_better  bool
+    base_metric       metric of the unmasked model on the subset
+    num_layers        L (depths, one xi row each, also with shared weights)
+    num_heads         h
+    attention         attention variant of the upstream
+    attention_options its options as saved by pretraining
+    model_config      the upstream's model config
+    upstream          absolute path of upstream.pt
+    upstream_sha256   sha256 of that file
+    downstream        null (pretrain) or {"dir", "checkpoint", "layers", "dev_accuracy",
+                      "test_accuracy"} of the probe's run
+    split             data split the subset comes from ("val" for pretrain, "dev"/"test")
+    subset            {"batches", "utterances", "frames" (10 ms), "scored" (chosen model
+                      frames / labels), "importance_units" (units averaged for importance)}
+    seed              seed of the fixed reconstruction masks
+    importance        {"per": "utterance"|"batch", "raw": (L, h) E|dL/dxi|, "normalized": (L, h)
+                      raw / per-depth L2 norm, "signed": (L, h) E[dL/dxi],
+                      "order": [[depth, head], ...] increasing normalised importance}
+    ablation          {"single" | "keep_only": {"metric": (L, h), "delta": (L, h)} or null,
+                       "layer": {"metric": (L,), "delta": (L,)} or null}; delta = metric - base
+    pruning           null or {"step", "recompute", "keep_one_per_layer", "points": [{"num_masked",
+                      "fraction", "metric", "newly_masked": [[depth, head], ...],
+                      "mask": (L, h) 1 kept / 0 masked}, ...]}
+    config            {"num_batches", "batch_size", "dtype", "heads": {"importance", "ablation",
+                      "pruning"}} the options the analysis ran with
+    code_version      `speechattn.code_version()`
+    runtime_s         {"load", "importance", "ablation", "pruning", "total"}
+    created           ISO-8601 UTC time stamp
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import MISSING, asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any, TypedDict
+
+from speechattn.utils import atomic_write_text
+
+SCHEMA_VERSION = 1
+RESULT_FILE = "result.json"
+# One normalised test utterance saved beside each result, for the report's attention maps.
+EXAMPLE_FILE = "example_utterance.pt"
+
+# The four tasks of SPEC 7, in the column order of the study's Table 2.
+TASKS: tuple[str, ...] = ("speaker_utterance", "speaker_frame", "phone_1hidden", "phone_2hidden")
+MEL = "mel"
+
+
+@dataclass
+class DownstreamResult:
+    """One downstream run (see the module docstring for each field's meaning)."""
+
+    task: str
+    upstream: str
+    upstream_sha256: str | None
+    attention: str
+    layer: str | int
+    dev_accuracy: float
+    test_accuracy: float
+    seed: int
+    code_version: str
+    split_sizes: dict[str, int]
+    corpus: dict[str, Any] = field(default_factory=dict)
+    attention_config: dict[str, Any] = field(default_factory=dict)
+    model_config: dict[str, Any] = field(default_factory=dict)
+    pretraining_steps: int | None = None
+    upstream_parameters: int = 0
+    pooling: str | None = None
+    probe: dict[str, Any] = field(default_factory=dict)
+    eval_frames: dict[str, int] = field(default_factory=dict)
+    frames_per_utterance: float = 0.0
+    num_classes: int = 0
+    best_epoch: int = 0
+    epochs_trained: int = 0
+    runtime_s: dict[str, float] = field(default_factory=dict)
+    created: str = ""
+    schema_version: int = SCHEMA_VERSION
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def write(self, directory: str | Path) -> Path:
+        """Write `directory/result.json` atomically (temp file + rename); returns its path."""
+        path = Path(directory) / RESULT_FILE
+        atomic_write_text(path, json.dumps(self.to_dict(), indent=2, default=str) + "\n")
+        return path
+
+
+def _required_fields() -> list[str]:
+    return [
+        f.name
+        for f in fields(DownstreamResult)
+        if f.default is MISSING and f.default_factory is MISSING
+    ]
+
+
+def read_result(path: str | Path) -> DownstreamResult:
+    """Read and check one `result.json`; a clear `ValueError` naming the file when it is not one."""
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path}: not a readable result.json ({e})") from e
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a JSON object, found {type(data).__name__}")
+    version = data.get("schema_version", SCHEMA_VERSION)
+    if version != SCHEMA_VERSION:
+        raise ValueError(f"{path}: result schema version {version}, expected {SCHEMA_VERSION}")
+    missing = [name for name in _required_fields() if name not in data]
+    if missing:
+        raise ValueError(f"{path}: result.json lacks required field(s) {', '.join(missing)}")
+    known = {f.name for f in fields(DownstreamResult)}
+    # Fields added by newer writers are ignored, never fatal.
+    result = DownstreamResult(**{k: v for k, v in data.items() if k in known})
+    for name in ("dev_accuracy", "test_accuracy"):
+        value = getattr(result, name)
+        if not isinstance(value, int | float) or not 0.0 <= value <= 1.0:
+            raise ValueError(f"{path}: {name} must be a number in [0, 1], found {value!r}")
+    return result
+
+
+# ----------------------------------------------------------------------------- heads.json
+
+
+HEADS_SCHEMA_VERSION = 1
+KIND = "speechattn-heads"
+HEADS_FILE = "heads.json"
+PRETRAIN = "pretrain"
+
+
+class _HeadsRequired(TypedDict):
+    task: str
+    metric: str
+    higher_is_better: bool
+    base_metric: float
+    num_layers: int
+    num_heads: int
+    attention: str
+    upstream: str
+    importance: dict[str, Any]
+    ablation: dict[str, Any]
+    pruning: dict[str, Any] | None
+    seed: int
+    code_version: str
+
+
+class HeadsRecord(_HeadsRequired, total=False):
+    """One `heads.json` (the schema above); JSON-shaped, so the report indexes it as a dict."""
+
+    schema_version: int
+    kind: str
+    attention_options: dict[str, Any]
+    model_config: dict[str, Any]
+    upstream_sha256: str | None
+    downstream: dict[str, Any] | None
+    split: str
+    subset: dict[str, int]
+    config: dict[str, Any]
+    runtime_s: dict[str, float]
+    created: str
+
+
+REQUIRED = tuple(_HeadsRequired.__annotations__)  # checked on every read and write
+
+
+def write_heads(result: HeadsRecord, directory: str | Path) -> Path:
+    """Write `directory/heads.json` atomically (temp file + rename); returns its path."""
+    check_heads(result, HEADS_FILE)
+    path = Path(directory) / HEADS_FILE
+    atomic_write_text(path, json.dumps(result, indent=1, default=str) + "\n")
+    return path
+
+
+def read_heads(path: str | Path) -> HeadsRecord:
+    """Read and check one `heads.json` (or a folder holding one); `ValueError` naming the file
+    when it is not one."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / HEADS_FILE
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path}: not a readable heads.json ({e})") from e
+    check_heads(data, path)
+    return data
+
+
+def check_heads(data: Any, path: str | Path) -> None:
+    """Schema checks: kind, version, required fields and (L, h) matrix shapes."""
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a JSON object, found {type(data).__name__}")
+    if data.get("kind") != KIND:
+        raise ValueError(
+            f"{path}: not a head analysis (kind {data.get('kind')!r}, expected {KIND!r})"
+        )
+    if data.get("schema_version") != HEADS_SCHEMA_VERSION:
+        raise ValueError(
+            f"{path}: heads schema version {data.get('schema_version')!r}, expected {HEADS_SCHEMA_VERSION}"
+        )
+    missing = [k for k in REQUIRED if k not in data]
+    if missing:
+        raise ValueError(f"{path}: heads.json lacks required field(s) {', '.join(missing)}")
+    L, h = data["num_layers"], data["num_heads"]
+
+    def matrix(value: Any, where: str) -> None:
+        ok = (
+            isinstance(value, list)
+            and len(value) == L
+            and all(isinstance(r, list) and len(r) == h for r in value)
+        )
+        if not ok:
+            raise ValueError(f"{path}: {where} must be a {L} x {h} matrix (depth x head)")
+
+    for key in ("raw", "normalized"):
+        matrix(data["importance"].get(key), f"importance.{key}")
+    for key in ("single", "keep_only"):
+        if data["ablation"].get(key) is not None:
+            matrix(data["ablation"][key].get("metric"), f"ablation.{key}.metric")
+            matrix(data["ablation"][key].get("delta"), f"ablation.{key}.delta")
+    if data["pruning"] is not None:
+        points = data["pruning"].get("points")
+        if not isinstance(points, list) or not points:
+            raise ValueError(f"{path}: pruning.points must be a non-empty list")
+        for i, point in enumerate(points):
+            matrix(point.get("mask"), f"pruning.points[{i}].mask")
+
+
+def find_heads(results_dir: str | Path) -> list[Path]:
+    """Every `heads.json` under `results_dir`, sorted."""
+    return sorted(Path(results_dir).rglob(HEADS_FILE))
