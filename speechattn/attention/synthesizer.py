@@ -28,10 +28,9 @@ with V in V's dtype.
 
 from __future__ import annotations
 
-import math
-import mmap
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -241,33 +240,24 @@ def _window(r: Tensor, o: int, s: int, e: int, T: int) -> Tensor:
 def table_gradient(table: Tensor, T: int) -> Tensor:
     """A zero tensor of table's shape, dtype and device, for its gradient from T x T windows.
 
-    On CPU it comes from fresh anonymous memory, which the OS hands out zeroed on first write
-    (no zero-fill pass of ours):
-    * when the windows cover at most a quarter of the table, in 4 KiB pages, so a step pays for
-      the pages of its windows only (measured: 2 ms against 26 ms for zero-filling 12 x 1024 x
-      1024 float32 with T = 128);
-    * otherwise in transparent huge pages where the OS offers them (Linux, `madvise` mode): the
-      whole table is written, and first-touching 3.2 GB (12 x 8192^2 float32) took 0.4 s in
-      2 MiB pages against 1.6-8.3 s in 4 KiB pages on the development VM.
+    On CPU it comes from numpy's zeros: calloc'ed fresh memory that the OS zeroes page by page
+    on first write (no zero-fill pass of ours, so a step pays for the pages of its windows
+    only), which numpy marks for transparent huge pages (Linux, `madvise` mode). On the
+    development VM 4 KiB page faults are slow: first-touching 3.2 GB (12 x 8192^2 float32, the
+    table at T = l_max = 8192) took 0.4 s in 2 MiB pages against 1.6-8.3 s in 4 KiB ones, and a
+    step at T = 128 with a 12 x 1024^2 table 18 ms against 30 ms.
     """
     if not _numpy_backed(table):
         return torch.zeros(table.shape, dtype=table.dtype, device=table.device)
-    return _fresh_zeros(table.shape, table.dtype, huge_pages=4 * T * T > table.shape[-1] ** 2)
+    return torch.from_numpy(np.zeros(tuple(table.shape), dtype=_NUMPY_DTYPES[table.dtype]))
 
 
-def _fresh_zeros(shape: torch.Size, dtype: torch.dtype, huge_pages: bool) -> Tensor:
-    """A CPU tensor on its own private anonymous mapping (zero pages, mapped on first write),
-    asking for transparent huge pages if `huge_pages`; unmapped when the tensor is freed."""
-    count = math.prod(shape)
-    buf = mmap.mmap(-1, max(1, count * dtype.itemsize), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    if huge_pages and hasattr(mmap, "MADV_HUGEPAGE"):
-        buf.madvise(mmap.MADV_HUGEPAGE)
-    return torch.frombuffer(buf, dtype=dtype, count=count).view(shape)
+_NUMPY_DTYPES = {torch.float32: np.float32, torch.float64: np.float64}
 
 
 def _numpy_backed(t: Tensor) -> bool:
     """Whether t can be shared with numpy (CPU, float32 or float64)."""
-    return t.device.type == "cpu" and t.dtype in (torch.float32, torch.float64)
+    return t.device.type == "cpu" and t.dtype in _NUMPY_DTYPES
 
 
 class TableWindows(torch.autograd.Function):

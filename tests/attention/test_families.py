@@ -411,9 +411,9 @@ def test_sparse_topk_attention_gradcheck():
 @pytest.mark.parametrize("name", ["syn_random", "syn_fixed"])
 @pytest.mark.parametrize("max_len", [20, 24, 80])  # windows cover all, most, a sixteenth
 def test_table_kernel_gradient_whatever_the_window_covers(name, max_len, monkeypatch):
-    """The long-sequence table kernel writes the logits' gradient into fresh OS-zeroed memory,
-    in huge pages when the T x T windows cover most of the table and in 4 KiB pages otherwise:
-    both equal the dense reference's gradient, zeros included."""
+    """The long-sequence table kernel writes the logits' gradient into fresh OS-zeroed memory
+    whether the T x T windows cover all, most or little of the table: it equals the dense
+    reference's gradient, zeros included."""
     monkeypatch.setattr(type(make(name)), "short_path_max_t", 0)
     torch.manual_seed(0)
     attn = build(name, DIM, HEADS, max_len=max_len).double()
