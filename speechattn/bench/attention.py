@@ -43,11 +43,9 @@ report's Table 1) and a log-log PNG.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import datetime
 import json
 import math
-import re
 import statistics
 import sys
 import time
@@ -61,12 +59,14 @@ from torch import Tensor, nn
 from speechattn.attention import Attention, available, build, registry
 from speechattn.attention.base import linear_flops
 from speechattn.bench.common import (
+    PeakRSS,
     add_precision_argument,
     autocast,
     default_precision,
     device_name,
     matmul_peak,
     peak_dtype,
+    peak_memory,
     sync,
 )
 
@@ -116,40 +116,6 @@ class KernelOnly(nn.Module):
 
 
 # --------------------------------------------------------------------------- memory probes
-class _RSS:
-    """Peak-RSS rise of one call (Linux): reset VmHWM via /proc/self/clear_refs."""
-
-    def __init__(self) -> None:
-        self.ok = Path("/proc/self/clear_refs").exists()
-        try:
-            self.libc = ctypes.CDLL("libc.so.6")
-        except OSError:
-            self.libc = None
-        if self.ok:
-            try:
-                self._reset()
-            except OSError:
-                self.ok = False
-
-    @staticmethod
-    def _status(key: str) -> int:
-        text = Path("/proc/self/status").read_text()
-        return int(re.search(rf"{key}:\s+(\d+) kB", text).group(1)) * 1024
-
-    def _reset(self) -> None:
-        Path("/proc/self/clear_refs").write_text("5")
-
-    def measure(self, fn: Callable[[], None]) -> float | None:
-        if not self.ok:
-            return None
-        if self.libc is not None:
-            self.libc.malloc_trim(0)
-        self._reset()
-        base = self._status("VmRSS")
-        fn()
-        return (self._status("VmHWM") - base) / 2**20
-
-
 def saved_bytes(fn: Callable[[], Tensor], params: list[Tensor]) -> tuple[Tensor, float]:
     """Run fn under saved_tensors_hooks; returns (output, MiB of distinct saved storages),
     not counting storages of `params` (saving a parameter costs no memory)."""
@@ -243,17 +209,9 @@ class Case:
             sync(self.device)
         return (clock() - t0) * 1000
 
-    def memory(self, rss: _RSS) -> tuple[float | None, float]:
+    def memory(self, rss: PeakRSS) -> tuple[float | None, float]:
         self._zero()
-        if self.device.type == "cuda":
-            sync(self.device)
-            torch.cuda.reset_peak_memory_stats(self.device)
-            base = torch.cuda.memory_allocated(self.device)
-            self.step()
-            sync(self.device)
-            peak = (torch.cuda.max_memory_allocated(self.device) - base) / 2**20
-        else:
-            peak = rss.measure(self.step)
+        peak = peak_memory(self.step, self.device, rss)
         self._zero()
         _, saved = saved_bytes(self.forward, list(self.module.parameters()))
         return peak, saved
@@ -287,7 +245,7 @@ def run(args: argparse.Namespace) -> dict:
     if device.type == "cuda":  # FlexAttention kernels train on CUDA only
         names += [n + FLEX for n in names if "kernel" in registry.options(n)]
     rows = names + ([] if args.no_baselines else BASELINES)
-    rss = _RSS()
+    rss = PeakRSS()
     clock = time.process_time if args.clock == "cpu" else time.perf_counter
     peak = matmul_peak(device=args.device, dtype=peak_dtype(args.precision), clock=clock)
     res: dict[str, dict] = {

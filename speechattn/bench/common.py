@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import ctypes
 import math
 import os
+import re
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -87,3 +89,50 @@ def _read(path: str) -> str:
         return Path(path).read_text()
     except OSError:
         return ""
+
+
+class PeakRSS:
+    """Peak-RSS rise of one call (Linux): reset VmHWM via /proc/self/clear_refs."""
+
+    def __init__(self) -> None:
+        self.ok = Path("/proc/self/clear_refs").exists()
+        try:
+            self.libc = ctypes.CDLL("libc.so.6")
+        except OSError:
+            self.libc = None
+        if self.ok:
+            try:
+                self._reset()
+            except OSError:
+                self.ok = False
+
+    @staticmethod
+    def _status(key: str) -> int:
+        text = Path("/proc/self/status").read_text()
+        return int(re.search(rf"{key}:\s+(\d+) kB", text).group(1)) * 1024
+
+    def _reset(self) -> None:
+        Path("/proc/self/clear_refs").write_text("5")
+
+    def measure(self, fn: Callable[[], None]) -> float | None:
+        if not self.ok:
+            return None
+        if self.libc is not None:
+            self.libc.malloc_trim(0)
+        self._reset()
+        base = self._status("VmRSS")
+        fn()
+        return (self._status("VmHWM") - base) / 2**20
+
+
+def peak_memory(fn: Callable[[], object], device: torch.device, rss: PeakRSS) -> float | None:
+    """MiB that `fn()` adds at its peak: the CUDA allocator's peak rise on CUDA, the peak
+    resident set size's rise on CPU (None where that cannot be read)."""
+    if device.type != "cuda":
+        return rss.measure(fn)
+    sync(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    base = torch.cuda.memory_allocated(device)
+    fn()
+    sync(device)
+    return (torch.cuda.max_memory_allocated(device) - base) / 2**20

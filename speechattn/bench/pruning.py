@@ -35,12 +35,13 @@ import torch
 from torch import Tensor
 
 from speechattn.attention.registry import options as attention_options
-from speechattn.bench.attention import _RSS
 from speechattn.bench.common import (
+    PeakRSS,
     add_precision_argument,
     autocast,
     default_precision,
     device_name,
+    peak_memory,
     sync,
 )
 from speechattn.model.aalbert import AALBERT, PRESETS, preset_config
@@ -90,18 +91,6 @@ def models(args: argparse.Namespace) -> tuple[AALBERT, AALBERT, Tensor, str]:
     return full.eval(), pruned.eval(), mask, source
 
 
-def peak_memory(fn: Callable[[], Any], device: torch.device, rss: _RSS) -> float | None:
-    """MiB the call adds at its peak (CUDA allocator, or peak RSS on CPU)."""
-    if device.type != "cuda":
-        return rss.measure(fn)
-    sync(device)
-    torch.cuda.reset_peak_memory_stats(device)
-    base = torch.cuda.memory_allocated(device)
-    fn()
-    sync(device)
-    return (torch.cuda.max_memory_allocated(device) - base) / 2**20
-
-
 def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -132,7 +121,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             fn()
             sync(device)
             times[name].append(time.perf_counter() - t0)
-    rss = _RSS()
+    rss = PeakRSS()
     rows = {}
     for name, model in (("masked", full), ("pruned", pruned)):
         params = sum(p.numel() for p in model.parameters())
