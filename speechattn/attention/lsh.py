@@ -164,9 +164,9 @@ def topk_by_match(cq: Tensor, ck: Tensor, kv: Tensor, k: int) -> Tensor:
     cq, ck (N, T, K) bool codes (N = B h), kv (N, T) allowed keys. Returns (N, T, min(k, T)).
 
     Composite integer score = (2 match - K - 2 (K + 1) [j = i]) (2 Tp + 1) + tie-break in
-    [1, 2 Tp]; all values of a row are distinct. The match part is one batched matmul of +-1 codes (bfloat16, exact
-    for these small integers, on CPUs with native bfloat16, where it is about 3x faster than
-    float32) where an extra code column subtracts 4 (K + 1) from disallowed keys and 8 (K + 1)
+    [1, 2 Tp]; all values of a row are distinct. The match part is one batched matmul of +-1
+    codes (bfloat16, exact for these small integers, on CPUs with native bfloat16, where it is
+    about 3x faster than float32) where an extra code column subtracts 4 (K + 1) from disallowed keys and 8 (K + 1)
     from the keys padding T up to S G; the composite is int32 (int64 if it could overflow),
     on which top-k runs about 1.5x faster than on floats (measured on CPU).
 
