@@ -114,11 +114,19 @@ def hold_selection(attn: Attention, monkeypatch: pytest.MonkeyPatch) -> None:
     """Variants that select keys (LSH, routing): the first selection `select` computes serves
     every later call and the dense reference's selection, so passes in other dtypes differ in
     their kernels only (a sign bit or a cluster of a half-precision query may flip, which
-    changes the keys, not the kernels' accuracy)."""
+    changes the keys, not the kernels' accuracy). Routing's long kernel takes its clusters
+    from `members`, which `select` reads too: the first one computed is held as well."""
     if not hasattr(attn, "select"):
         return
     chosen = {}
     select = attn.select
+    if hasattr(attn, "members"):
+        members = attn.members
+
+        def held_members(k, valid):
+            return chosen.setdefault("members", members(k, valid))
+
+        monkeypatch.setattr(attn, "members", held_members)
 
     def held(q, k, valid):
         return chosen.setdefault("idx", select(q, k, valid))

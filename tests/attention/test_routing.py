@@ -185,3 +185,48 @@ def test_long_kernels_equal_reference_with_dropped_members(monkeypatch):
     y.pow(2).sum().backward()
     y_ref.pow(2).sum().backward()
     torch.testing.assert_close(xi.grad, xr.grad, rtol=1e-9, atol=1e-11)
+
+
+@pytest.mark.parametrize("keep", [None, [0, 2, 3]], ids=["all", "pruned"])
+def test_cluster_kernel_equals_reference_with_overfull_clusters(keep, monkeypatch):
+    """The cluster-block kernel (routing heads above `short_path_max_t`) against the dense
+    reference in float64, outputs and input gradients: padding, a cluster with more queries
+    than the capacity W (several query blocks, members dropped) and a pruned module."""
+    monkeypatch.setattr(type(make("routing")), "short_path_max_t", 0)
+    attn = make("routing", window=3, max_clusters=4)
+    if keep is not None:
+        attn.prune_heads(keep)  # one local head and two routing heads left
+    x, pad = batch([90, 57, 3])
+    q, k, _ = attn._qkv(x)
+    members = attn.members(k, ~pad)
+    W = members.table.shape[-1]
+    assert (members.counts > W).any()  # overfull: dropped members and two query blocks
+    assert (members.counts[0] > 0).sum(-1).min() > 1  # several clusters per head
+    xi, xr = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+    y = attn(xi, pad)
+    y_ref, _ = attn.dense_reference(xr, pad)
+    torch.testing.assert_close(y, y_ref, rtol=1e-10, atol=1e-12)
+    w = torch.randn(y.shape, generator=torch.Generator().manual_seed(3), dtype=y.dtype)
+    (y * w).sum().backward()
+    (y_ref * w).sum().backward()
+    torch.testing.assert_close(xi.grad, xr.grad, rtol=1e-9, atol=1e-11)
+
+
+def test_cluster_kernel_dropout_in_training(monkeypatch):
+    """Attention dropout reaches the cluster kernel (a module of routing heads only, centroids
+    held): training outputs depend on the seed only, stay finite and are zero at padding."""
+    monkeypatch.setattr(type(make("routing")), "short_path_max_t", 0)
+    attn = make("routing", dropout=0.5)
+    attn.prune_heads([2, 3])
+    assert attn.heads_local == 0
+    monkeypatch.setattr(attn, "update_centroids", lambda k, valid: None)
+    x, pad = batch([40, 25])
+    y_eval = attn(x, pad)
+    attn.train()
+    outs = []
+    for seed in (0, 0, 1):
+        torch.manual_seed(seed)
+        outs.append(attn(x, pad))
+    assert torch.isfinite(outs[2]).all() and (outs[2][pad] == 0).all()
+    assert torch.equal(outs[0], outs[1]) and not torch.allclose(outs[0], outs[2])
+    assert not torch.allclose(outs[0], y_eval)
