@@ -183,8 +183,9 @@ class RoutingAttention(SharedQKBase):
     paper = (
         "Roy et al., Efficient Content-Based Sparse Attention with Routing Transformers, TACL 2021"
     )
-    complexity_training = "O(T (w + sqrt(T)) D) attention + O(T sqrt(T) D) routing"
-    complexity_inference = "O(T (w + sqrt(T)) D) attention + O(T sqrt(T) D) routing"
+    # C = min(ceil(sqrt(T)), max_clusters): T / C is sqrt(T) up to T = max_clusters^2, then T / C
+    complexity_training = "O(T (w + T / C) D) attention + O(T C D) routing"
+    complexity_inference = "O(T (w + T / C) D) attention + O(T C D) routing"
     # All-pairs SDPA masked to the selection up to here, band and cluster kernels above
     # (measured crossover, module docstring).
     short_path_max_t = 128
