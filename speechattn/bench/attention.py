@@ -24,6 +24,12 @@ speechattn's wrapper) and `sdpa_kernel` (the SDPA call alone on ready (B, h, T, 
 * LSH variants: `select_ms` times hashing + code matching + top-k alone (no gradient), and
   `attention_ms` = time - select_ms is their attention part.
 * Synthesizers whose max_len < T are built with max_len = T.
+* Memory guard: a case is skipped (and its error recorded) when its predicted peak would not
+  fit in the memory still available (`MEMORY_SHARE` of MemAvailable on CPU, of free CUDA
+  memory): the prediction is its measured peak rise at the previous length times the length
+  ratio squared, checked before it is built, and its measured warm-up peak, checked again
+  once every case of the length is built. On CPU the OOM killer would otherwise end the run
+  (an O(T^2)-memory variant such as `relpos` needs tens of GB at T = 8192).
 * growth exponent: least-squares slope of log time vs log T over the largest lengths
   (T >= max T / 8).
 * FLOPs: each variant's own count as it is defined (`Attention.flops`: projections, scores
@@ -62,6 +68,7 @@ from speechattn.bench.common import (
     PeakRSS,
     add_precision_argument,
     autocast,
+    available_memory,
     default_precision,
     device_name,
     matmul_peak,
@@ -79,6 +86,7 @@ BOUND_SHARE = 0.7  # ldsa / sparse_* keep this share of their FLOP-bound speed-u
 BOUND_MIN_T = 4096  # ... at this length and above
 TARGET_LENGTHS = (128, 8192)  # the range the slowdown limit applies to
 FLEX = "+flex"  # row suffix: the variant with kernel="flex" (CUDA runs add these rows)
+MEMORY_SHARE = 0.8  # a case's peak may take this share of the memory still available
 
 
 def variant_of(row: str) -> tuple[str, dict]:
@@ -184,6 +192,7 @@ class Case:
     def step(self) -> None:
         self._zero()
         self.forward().float().sum().backward()
+        self._zero()  # free gradients (large for synthesizer tables) before the next case
 
     def time_step(self, clock: Callable[[], float]) -> float:
         self._zero()
@@ -253,16 +262,35 @@ def run(args: argparse.Namespace) -> dict:
         for n in rows
     }
     torch.manual_seed(0)
+    warmup_peak: dict[str, tuple[int, float]] = {}  # name -> (T, MiB) of its last warm-up
+
+    def skip(n: str, T: int, why: str) -> None:
+        res[n].setdefault("errors", {})[T] = why
+        print(f"  T={T} {n}: skipped ({why})", file=sys.stderr, flush=True)
+
     for T in args.lengths:
         cases = {}
         for n in rows:
+            if n in warmup_peak:
+                T0, mb = warmup_peak[n]
+                predicted, free = mb * (T / T0) ** 2, available_memory(device)
+                if free is not None and predicted > MEMORY_SHARE * free:
+                    skip(n, T, f"predicted peak {predicted:.0f} MiB, {free:.0f} MiB available")
+                    continue
             try:
                 cases[n] = Case(n, T, args, device)
-                cases[n].step()  # warm-up
+                peak = peak_memory(cases[n].step, device, rss)  # warm-up
             except (RuntimeError, MemoryError) as err:  # e.g. out of memory: record and go on
                 cases.pop(n, None)
-                res[n].setdefault("errors", {})[T] = str(err).splitlines()[0][:200]
-                print(f"  T={T} {n}: skipped ({res[n]['errors'][T]})", file=sys.stderr)
+                skip(n, T, str(err).splitlines()[0][:200])
+                continue
+            if peak is not None:
+                warmup_peak[n] = (T, peak)
+        free = available_memory(device)  # every case of this length is built now
+        for n in list(cases):
+            if free is not None and n in warmup_peak and warmup_peak[n][1] > MEMORY_SHARE * free:
+                del cases[n]
+                skip(n, T, f"peak {warmup_peak[n][1]:.0f} MiB, {free:.0f} MiB available")
         samples: dict[str, list[float]] = {n: [] for n in cases}
         for _ in range(args.reps):
             for n, case in cases.items():

@@ -136,3 +136,12 @@ def peak_memory(fn: Callable[[], object], device: torch.device, rss: PeakRSS) ->
     fn()
     sync(device)
     return (torch.cuda.max_memory_allocated(device) - base) / 2**20
+
+
+def available_memory(device: torch.device) -> float | None:
+    """MiB the next allocations can still take: free CUDA memory, or the kernel's
+    MemAvailable on CPU (None where that cannot be read)."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0] / 2**20
+    found = re.search(r"MemAvailable:\s+(\d+) kB", _read("/proc/meminfo"))
+    return int(found.group(1)) / 1024 if found else None

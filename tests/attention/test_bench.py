@@ -35,3 +35,25 @@ def test_bench_writes_json_and_png(tmp_path, capsys):
     assert "attention_ms" in out["variants"]["xbox"] and ldsa["params"] > 0
     assert out["targets"] and (tmp_path / "bench.png").exists()
     assert "speed-up vs full" in capsys.readouterr().out
+
+
+def test_cases_that_would_not_fit_in_memory_are_skipped_and_recorded(monkeypatch, capsys):
+    """A case whose peak at the previous length, times the length ratio squared, exceeds the
+    memory available is never built; the others still run."""
+
+    def fake_peak(fn, device, rss):  # syn_random's warm-up peaks at 100 MiB, the rest at 1
+        fn()
+        return 100.0 if fn.__self__.name == "syn_random" else 1.0  # fn: a Case's step
+
+    monkeypatch.setattr(bench, "peak_memory", fake_peak)
+    monkeypatch.setattr(bench, "available_memory", lambda device: 300.0)  # 0.8 x 300 = 240
+    argv = ["--lengths", "16", "32", "--dim", "32", "--heads", "4", "--reps", "1"]
+    out = bench.run(
+        bench.parse([*argv, "--variants", "syn_random", "--no-memory", "--threads", "1"])
+    )
+    syn = out["variants"]["syn_random"]
+    assert set(syn["time_ms"]) == {16} and "predicted peak 400 MiB" in syn["errors"][32]
+    assert set(out["variants"]["full"]["time_ms"]) == {16, 32}
+    assert "T=32 syn_random: skipped (predicted peak 400 MiB, 300 MiB available)" in (
+        capsys.readouterr().err
+    )
