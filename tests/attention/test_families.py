@@ -3,6 +3,7 @@ linear attention's formula and memory, Longformer's pattern and long kernel."""
 
 from __future__ import annotations
 
+import copy
 import math
 
 import pytest
@@ -427,6 +428,29 @@ def test_table_kernel_gradient_whatever_the_window_covers(name, max_len, monkeyp
         grads.append(attn.logits.grad.clone())
     torch.testing.assert_close(grads[0], grads[1], rtol=1e-10, atol=1e-12)
     assert (grads[0][:, 20:] == 0).all() and (grads[0][:, :, 20:] == 0).all()
+
+
+@pytest.mark.parametrize("limit", [10**6, 0])  # explicit weights, table kernel
+def test_table_gradient_memory_is_reused_only_once_released(limit, monkeypatch):
+    """The logits' gradient memory comes back, zeroed, once `.grad` has let go of it; while
+    `.grad` still holds it (accumulation) a step gets other memory and the gradients add."""
+    monkeypatch.setattr(type(make("syn_random")), "short_path_max_t", limit)
+    attn = build("syn_random", DIM, HEADS, max_len=24).double()
+    x, _ = batch([20, 20])
+
+    def step(weight: float = 1.0) -> None:
+        (weight * attn(x).pow(2).sum()).backward()
+
+    step()
+    first, memory = attn.logits.grad.clone(), attn.logits.grad.data_ptr()
+    attn.zero_grad()  # set_to_none, as optimizers do
+    step()
+    assert attn.logits.grad.data_ptr() == memory  # the same pages, not fresh ones
+    torch.testing.assert_close(attn.logits.grad, first, rtol=0, atol=0)
+    step(3.0)  # no zero_grad: the held gradient must not be handed out again
+    assert attn.logits.grad.data_ptr() == memory
+    torch.testing.assert_close(attn.logits.grad, 4 * first, rtol=1e-12, atol=0)
+    assert copy.deepcopy(attn).gradient_memory.array is None
 
 
 # ---------------------------------------------------------------- linear
