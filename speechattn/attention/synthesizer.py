@@ -38,10 +38,12 @@ from torch import Tensor, nn
 
 from speechattn.attention import patterns
 from speechattn.attention.base import (
+    NUMPY_DTYPES,
     Attention,
     AttentionConfig,
     Flops,
     key_mask,
+    lazy_zeros,
     linear_flops,
     masked_softmax,
     select_,
@@ -264,7 +266,7 @@ class GradientMemory:
         n = table.shape[-1]
         if not _numpy_backed(table) or 4 * T * T < n * n:
             return table_gradient(table)
-        shape, dtype = tuple(table.shape), _NUMPY_DTYPES[table.dtype]
+        shape, dtype = tuple(table.shape), NUMPY_DTYPES[table.dtype]
         # two references: self.array and getrefcount's argument; any more are a gradient
         if (
             self.array is None
@@ -284,26 +286,15 @@ class GradientMemory:
 
 
 def table_gradient(table: Tensor) -> Tensor:
-    """A zero tensor of table's shape, dtype and device, for its gradient from T x T windows.
-
-    On CPU it comes from numpy's zeros: calloc'ed fresh memory that the OS zeroes page by page
-    on first write (no zero-fill pass of ours, so a step pays for the pages of its windows
-    only), which numpy marks for transparent huge pages (Linux, `madvise` mode). On the
-    development VM 4 KiB page faults are slow: first-touching 3.2 GB (12 x 8192^2 float32, the
-    table at T = l_max = 8192) took 0.4 s in 2 MiB pages against 1.6-8.3 s in 4 KiB ones, and a
-    step at T = 128 with a 12 x 1024^2 table 18 ms against 30 ms.
-    """
-    if not _numpy_backed(table):
-        return torch.zeros(table.shape, dtype=table.dtype, device=table.device)
-    return torch.from_numpy(np.zeros(tuple(table.shape), dtype=_NUMPY_DTYPES[table.dtype]))
-
-
-_NUMPY_DTYPES = {torch.float32: np.float32, torch.float64: np.float64}
+    """A zero tensor of table's shape, dtype and device, for its gradient from T x T windows,
+    in lazily zeroed memory (`lazy_zeros`): a step pays for the pages of its windows only
+    (at T = 128 with a 12 x 1024^2 table, 18 ms per step against 30 ms for torch.zeros)."""
+    return lazy_zeros(tuple(table.shape), table.dtype, table.device)
 
 
 def _numpy_backed(t: Tensor) -> bool:
     """Whether t can be shared with numpy (CPU, float32 or float64)."""
-    return t.device.type == "cpu" and t.dtype in _NUMPY_DTYPES
+    return t.device.type == "cpu" and t.dtype in NUMPY_DTYPES
 
 
 class TableWindows(torch.autograd.Function):
