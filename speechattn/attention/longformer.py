@@ -229,12 +229,12 @@ class LongformerAttention(Attention):
         place (building the boolean pattern took 1.15x `full`'s time at T = 256).
         """
         T, device = valid.shape[1], valid.device
-        offset = torch.arange(T - 1, -T, -1, device=device)  # u -> i - j = T - 1 - u
+        offset = torch.arange(1 - T, T, device=device)  # i - j
         groups = []
         for heads, step in self.head_steps():
             outside = (offset.abs() > self.window * step) | (offset % step != 0)
             row = torch.zeros(2 * T - 1, dtype=dtype, device=device).masked_fill(outside, -math.inf)
-            window = row.as_strided((T, T), (1, 1)).flip(0)  # [i, j] = row[T - 1 - i + j]
+            window = patterns.toeplitz(row, T, T)  # (T, T)
             groups.append(window.expand(heads.stop - heads.start, T, T))
         bias = torch.cat(groups)[None]  # (1, h, T, T)
         if self.global_every:
