@@ -18,8 +18,11 @@ span_penalty * S), which the pretraining task adds to its loss and logs as `aux_
 (span_penalty = 0 turns it off). A layer shared across depths (ALBERT) counts once.
 
 Both kernels compute softmax(s + log m) (log 0 = -inf), which equals the renormalised product
-above, as one fused SDPA call with the log-mask as additive mask (differentiable in z; it is
-computed once per distance and laid out as a strided Toeplitz view, see `_toeplitz`):
+above, with the log-mask as additive mask, computed once per distance and laid out as a
+strided view. On CUDA, one SDPA call whose memory-efficient kernel differentiates the mask in z
+(`_toeplitz`). On CPU, `FlashThenUnfused`: CPU flash attention forward and an unfused backward
+that gives the spans' gradient as one more reduction (SDPA would run its unfused math path
+both ways for a mask that needs a gradient: 0.87-0.90x `full`'s speed at T = 128-256):
 * short (T <= `short_path_max_t`): all T x T pairs.
 * long: only keys within the reach X = ceil(max_h z_h + R) - 1 (the largest distance with a
   non-zero mask in any head): query blocks of X frames against the previous, own and next
@@ -48,6 +51,53 @@ from speechattn.attention.base import (
     select_,
 )
 from speechattn.attention.registry import register
+
+# CPU flash attention with its log-sum-exp (public SDPA returns only the output)
+_flash_cpu = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+
+
+class FlashThenUnfused(torch.autograd.Function):
+    """Attention under an additive mask that depends on the spans z, on CPU.
+
+    Forward: CPU flash attention with the mask as a constant (CPU flash has no mask gradient;
+    SDPA runs its unfused math path, forward too, for a mask that needs one). Backward:
+    unfused, from flash's log-sum-exp, so that the scores' gradient dS is at hand and the
+    spans' gradient is one more reduction, dL/dz_h = sum dS * d mask / dz_h. Its T x T
+    tensors make this the short path only.
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, z, mask, mask_dz):  # noqa: D102
+        """q, k, v (B, h, T, d); z (h,); mask and its z-derivative mask_dz (B or 1, h, T, T)."""
+        out, log_sum_exp = _flash_cpu(q, k, v, attn_mask=mask)
+        ctx.save_for_backward(q, k, v, out, log_sum_exp, mask, mask_dz)
+        ctx.span_dtype = z.dtype
+        return out
+
+    @staticmethod
+    def backward(ctx, d_out):  # noqa: D102
+        q, k, v, out, log_sum_exp, mask, mask_dz = ctx.saved_tensors
+        B, h, L, d = q.shape
+        Lk = k.shape[-2]
+        wide = torch.promote_types(q.dtype, torch.float32)  # half precision: in float32
+
+        def heads(t: Tensor) -> Tensor:  # (B, h, ...) -> (B h, ...) in the wide dtype
+            return t.to(wide).expand(B, h, *t.shape[2:]).reshape(B * h, *t.shape[2:])
+
+        q_, k_, v_, out_, d_out_ = (heads(t) for t in (q, k, v, out, d_out))
+        scale_ = d**-0.5
+        # the probabilities again, from flash's log-sum-exp: exp(q k^T scale + mask - lse)
+        probs = torch.baddbmm(heads(mask), q_, k_.mT, alpha=scale_)
+        probs = probs.sub_(log_sum_exp.reshape(B * h, L, 1)).exp_()  # (B h, L, Lk)
+        d_v = probs.mT @ d_out_
+        row = (d_out_ * out_).sum(-1, keepdim=True)  # dO . O
+        d_scores = torch.baddbmm(-row, d_out_, v_.mT).mul_(probs)  # dS = P (dP - dO . O)
+        d_scores_heads = d_scores.view(B, h, L, Lk)
+        d_z = ((d_scores_heads.sum(0) if B > 1 else d_scores_heads[0]) * mask_dz[0]).sum((1, 2))
+        d_q = (d_scores @ k_).mul_(scale_)
+        d_k = (d_scores.mT @ q_).mul_(scale_)
+        grads = (g.view(B, h, -1, d).to(t.dtype) for g, t in ((d_q, q), (d_k, k), (d_v, v)))
+        return *grads, d_z.to(ctx.span_dtype), None, None
 
 
 @dataclass
@@ -78,8 +128,9 @@ class AdaptiveSpanAttention(Attention):
     paper = "Sukhbaatar et al., Adaptive Attention Span in Transformers, ACL 2019"
     complexity_training = "O(T min(T, z + R) D), z <= S the largest learned span"
     complexity_inference = "O(T min(T, z + R) D), z <= S the largest learned span"
-    # All T x T pairs in one SDPA call up to here, the band of blocks above (measured
-    # crossover with the initial spans, X = 95: 1.00x at T = 448, 0.95x at 512, 0.84x at 640).
+    # All T x T pairs up to here, the band of blocks above. Measured on CPU with the initial
+    # spans (X = 95), speed over `full`'s: all pairs 0.92 at T = 384 and 448 (band 0.75, 0.84),
+    # both 0.85 at 512, band 0.88 at 640 (all pairs 0.82).
     short_path_max_t = 448
 
     def __init__(self, config: AdaptiveSpanConfig) -> None:
@@ -109,22 +160,28 @@ class AdaptiveSpanAttention(Attention):
         """Largest distance x with m_z(x) > 0 in any head: ceil(max z + R) - 1."""
         return math.ceil(float(self.spans().detach().max()) + self.ramp) - 1
 
-    def soft_mask(self, distance: Tensor) -> Tensor:
+    def ramp_position(self, distance: Tensor, z: Tensor | None = None) -> Tensor:
+        """(R + z - x) / R per head, distance (...) -> (h, ...): m_z(x) is this clamped to
+        [0, 1], and x lies on the ramp (m's z-derivative is not 0) where it is in (0, 1].
+        z (h,) defaults to the current spans."""
+        z = self.spans() if z is None else z
+        return (self.ramp + z.view(-1, *([1] * distance.dim())) - distance) / self.ramp
+
+    def soft_mask(self, distance: Tensor, z: Tensor | None = None) -> Tensor:
         """m_z(x) per head: distance (...) -> (h, ...), in [0, 1].
 
         Where m reaches 0 (x = z + R) its gradient is taken as 0, the derivative from inside
         the masked region: log m, which the kernels use, has no other finite choice there.
         """
-        z = self.spans().view(-1, *([1] * distance.dim()))  # (h, 1, ...)
-        raw = (self.ramp + z - distance) / self.ramp
+        raw = self.ramp_position(distance, z)
         return raw.clamp(0.0, 1.0) * (raw > 0)
 
-    def log_mask(self, distance: Tensor) -> Tensor:
+    def log_mask(self, distance: Tensor, z: Tensor | None = None) -> Tensor:
         """log m_z(x) per head, -inf where m = 0: distance (...) -> (h, ...).
 
         The clamp keeps log away from 0 so that masked entries get a zero gradient, not NaN.
         """
-        m = self.soft_mask(distance)
+        m = self.soft_mask(distance, z)
         return m.clamp_min(torch.finfo(m.dtype).tiny).log().masked_fill(m == 0, float("-inf"))
 
     def _toeplitz(self, c: int, L: int, Lk: int) -> Tensor:
@@ -169,8 +226,16 @@ class AdaptiveSpanAttention(Attention):
         T = q.shape[-2]
         X = self.reach()
         if T <= self.short_path_max_t or 3 * X >= T:  # the band would cover (nearly) all pairs
+            if self._uses_flash(q):
+                return self._attend_all_pairs_flash(q, k, v, valid)
             return self._attend_all_pairs(q, k, v, valid)
         return self._attend_band(q, k, v, valid, X)
+
+    def _uses_flash(self, q: Tensor) -> bool:
+        """All pairs in `FlashThenUnfused` on CPU (0.87x `full`'s speed at T = 128 in SDPA,
+        which runs its math path for a mask that needs a gradient); CUDA's memory-efficient
+        kernel differentiates the mask itself. No attention dropout: flash draws none."""
+        return q.device.type == "cpu" and not (self.training and self.dropout)
 
     def _attend_all_pairs(self, q: Tensor, k: Tensor, v: Tensor, valid: Tensor) -> Tensor:
         T = q.shape[-2]
@@ -185,6 +250,36 @@ class AdaptiveSpanAttention(Attention):
         p = self.dropout if self.training else 0.0
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask.to(q.dtype), dropout_p=p)
 
+    def _constant_log_mask(self, offsets: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """log m and its z-derivative (1 / (R raw) on the ramp, raw in (0, 1], 0 elsewhere)
+        at query-minus-key offsets (n,), as constants for `FlashThenUnfused`: (h, n) each."""
+        raw = self.ramp_position(self._distance(offsets), self.spans().detach())
+        log_m = raw.clamp(0.0, 1.0).log()  # -inf where m = 0
+        return log_m.to(dtype), torch.where(raw.ceil() == 1, 1.0 / (self.ramp * raw), 0.0)
+
+    def _flash(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor, mask_dz: Tensor) -> Tensor:
+        """Attention of (N, h, L, d) blocks under the constant additive mask, differentiable in
+        the spans through mask_dz (same layout), on CPU."""
+        z = self.spans()
+        if not (torch.is_grad_enabled() and z.requires_grad):  # spans fixed: flash's backward
+            return _flash_cpu(q, k, v, attn_mask=mask)[0]
+        return FlashThenUnfused.apply(q, k, v, z, mask, mask_dz)
+
+    def _attend_all_pairs_flash(self, q: Tensor, k: Tensor, v: Tensor, valid: Tensor) -> Tensor:
+        """All pairs with the keys in reverse order: query i and reversed key j' = T - 1 - j
+        are i + j' - (T - 1) apart, so a mask over (query, reversed key) is a strided view of
+        its 2T - 1 values (`patterns.hankel`; CPU flash reads masks by stride), not a T x T
+        tensor, unless the batch is padded."""
+        T = q.shape[-2]
+        log_m, log_m_dz = self._constant_log_mask(torch.arange(1 - T, T, device=q.device), q.dtype)
+        mask = patterns.hankel(log_m, T, T)[None]  # (1, h, T, T)
+        if not bool(valid.all()):
+            i = torch.arange(T, device=q.device)
+            self_key = i[:, None] + i[None, :] == T - 1  # (T, T), allowed as in _attend_all_pairs
+            allowed = key_mask(valid).flip(-1)[:, None, None, :] | self_key  # (B, 1, T, T)
+            mask = mask.masked_fill(~allowed, float("-inf"))  # (B, h, T, T)
+        return self._flash(q, k.flip(-2), v.flip(-2), mask, patterns.hankel(log_m_dz, T, T)[None])
+
     def _attend_band(self, q: Tensor, k: Tensor, v: Tensor, valid: Tensor, X: int) -> Tensor:
         """Keys within distance X only: blocks of X queries against the 3X keys of the
         previous, own and next block (every key within reach is among them)."""
@@ -195,21 +290,27 @@ class AdaptiveSpanAttention(Attention):
         def windows(t: Tensor) -> Tensor:  # (B, h, T, d) -> (B, h, n, 3X, d), zero outside
             return F.pad(t, (0, 0, X, right + X)).unfold(2, 3 * X, X).transpose(-1, -2)
 
-        kv = F.pad(key_mask(valid), (X, right + X)).unfold(1, 3 * X, X)  # (B, n, 3X)
-        rel = torch.arange(X, device=q.device)[:, None] + X - torch.arange(3 * X, device=q.device)
-        allowed = kv[:, None, :, None, :] | (rel == 0)  # (B, 1, n, X, 3X), self as above
-        bias = self._toeplitz(X, X, 3 * X)  # (h, X, 3X)
-        mask = bias[None, :, None].masked_fill(~allowed, float("-inf"))  # (B, h, n, X, 3X)
-
         def fold(t: Tensor) -> Tensor:  # (B, h, n, L, e) -> (B n, h, L, e), blocks as batch
             return t.transpose(1, 2).reshape(B * n, h, t.shape[-2], t.shape[-1])
 
-        qb = F.pad(q, (0, 0, 0, right)).view(B, h, n, X, d)
-        p = self.dropout if self.training else 0.0
-        mask = fold(mask).to(q.dtype)  # (B n, h, X, 3X)
-        out = F.scaled_dot_product_attention(
-            fold(qb), fold(windows(k)), fold(windows(v)), attn_mask=mask, dropout_p=p
-        )  # (B n, h, X, d)
+        kv = F.pad(key_mask(valid), (X, right + X)).unfold(1, 3 * X, X)  # (B, n, 3X)
+        rel = torch.arange(X, device=q.device)[:, None] + X - torch.arange(3 * X, device=q.device)
+        allowed = kv[:, :, None, None, :] | (rel == 0)  # (B, n, 1, X, 3X), self as above
+        qb = fold(F.pad(q, (0, 0, 0, right)).view(B, h, n, X, d))
+        kb, vb = fold(windows(k)), fold(windows(v))  # (B n, h, 3X, d)
+        offsets = torch.arange(1 - 2 * X, 2 * X, device=q.device)  # X + a - w, a query, w key
+        if self._uses_flash(q):
+            log_m, log_m_dz = self._constant_log_mask(offsets, q.dtype)
+            bias = patterns.toeplitz(log_m, X, 3 * X)  # (h, X, 3X)
+            mask = bias.masked_fill(~allowed, float("-inf")).view(B * n, h, X, 3 * X)
+            out = self._flash(qb, kb, vb, mask, patterns.toeplitz(log_m_dz, X, 3 * X)[None])
+        else:
+            bias = patterns.toeplitz(self.log_mask(self._distance(offsets)), X, 3 * X)
+            mask = bias.masked_fill(~allowed, float("-inf")).view(B * n, h, X, 3 * X)
+            p = self.dropout if self.training else 0.0
+            out = F.scaled_dot_product_attention(
+                qb, kb, vb, attn_mask=mask.to(q.dtype), dropout_p=p
+            )  # (B n, h, X, d)
         return out.view(B, n, h, X, d).transpose(1, 2).reshape(B, h, n * X, d)[:, :, :T]
 
     def attend_dense(self, x: Tensor, valid: Tensor) -> tuple[Tensor, Tensor]:

@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from speechattn.attention import patterns
 from speechattn.attention.base import (
     SELF_PENALTY,
     Attention,
@@ -137,7 +138,7 @@ class SharedQKAttention(SharedQKBase):
             # (memory traffic). CUDA's kernels want a dense mask, padding a per-key term.
             line = torch.zeros(2 * T - 1, dtype=q.dtype, device=x.device)
             line[T - 1] = SELF_PENALTY
-            mask = line.as_strided((1, 1, T, T), (0, 0, 1, 1))  # [i, j'] = line[i + j']
+            mask = patterns.hankel(line, T, T)[None, None]  # (1, 1, T, T), [i, j'] = line[i + j']
             return F.scaled_dot_product_attention(
                 q, k.flip(-2), v.flip(-2), attn_mask=mask, dropout_p=p
             )

@@ -51,15 +51,22 @@ def summary_pattern(T: int, block: int, summary: int, device: torch.device | Non
     return (j % block >= block - summary).expand(T, T)
 
 
+def hankel(values: Tensor, L: int, Lk: int) -> Tensor:
+    """A function of a + w laid out over (L, Lk): values (..., L + Lk - 1) holds it at
+    a + w = 0 .. L + Lk - 2; returns the strided view (..., L, Lk) with [a, w] = values[a + w]
+    (no copy). With the keys in reverse order, w = Lk - 1 - j, it lays a function of the offset
+    a - j over (query, key) without a flip: CPU flash attention reads such a mask by stride."""
+    values = values.contiguous()
+    return values.as_strided((*values.shape[:-1], L, Lk), (*values.stride()[:-1], 1, 1))
+
+
 def toeplitz(values: Tensor, L: int, Lk: int) -> Tensor:
     """A function of the offset a - w laid out over (L, Lk): values (..., L + Lk - 1) holds it
     at offsets -(Lk - 1) .. L - 1 in increasing order; returns (..., L, Lk) with [a, w] =
-    values[..., a - w + Lk - 1]. A strided view of values, copied once by the flip, so the
-    function is evaluated (and differentiated) once per offset, not once per pair."""
-    values = values.contiguous()
-    # [a, w] of the view is values[a + w], so after the flip [a, w] is values[a + Lk - 1 - w]
-    view = values.as_strided((*values.shape[:-1], L, Lk), (*values.stride()[:-1], 1, 1))
-    return view.flip(-1)
+    values[..., a - w + Lk - 1]. The Hankel view, copied once by the flip, so the function is
+    evaluated (and differentiated) once per offset, not once per pair."""
+    # [a, w] of the Hankel view is values[a + w], after the flip values[a + Lk - 1 - w]
+    return hankel(values, L, Lk).flip(-1)
 
 
 def global_pattern(T: int, every: int, device: torch.device | None = None) -> Tensor:

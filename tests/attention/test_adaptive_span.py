@@ -103,3 +103,33 @@ def test_keys_attended_counts_nonzero_mask_entries():
 def test_invalid_options_are_named(options, match):
     with pytest.raises(ValueError, match=match):
         build("adaptive_span", 32, 4, **options)
+
+
+@pytest.mark.parametrize("T", [20, 47])  # all pairs; the band of blocks (3 X < T)
+def test_fixed_spans_take_flash_backward_and_agree(T, monkeypatch):
+    """With the spans frozen the CPU kernels skip FlashThenUnfused (flash's own backward):
+    outputs and input gradients equal those of learnable spans."""
+    results = []
+    for learn in (True, False):
+        attn = _with_spans(max_span=12, ramp=3)
+        attn.span_fraction.requires_grad_(learn)
+        monkeypatch.setattr(type(attn), "short_path_max_t", 30)
+        x, pad = batch([T, T - 9])
+        x.requires_grad_(True)
+        y = attn(x, pad)
+        (y * torch.linspace(-1, 1, y.numel(), dtype=y.dtype).view(y.shape)).sum().backward()
+        results.append((y.detach(), x.grad))
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+
+
+def test_attention_dropout_trains_spans_through_sdpa():
+    """Attention dropout (which CPU flash does not draw) keeps the SDPA kernel: dropout acts in
+    training and the spans still receive a gradient."""
+    attn = _with_spans(dropout=0.5).train()
+    x, pad = batch([15, 9])
+    torch.manual_seed(0)
+    y = attn(x, pad)
+    y.pow(2).sum().backward()
+    assert attn.span_fraction.grad.abs().max() > 0
+    assert not torch.allclose(y, attn.eval()(x, pad))
