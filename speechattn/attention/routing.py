@@ -19,8 +19,10 @@ never touched by the optimiser). In training mode each forward pass moves every 
 towards the mean of the valid vectors assigned to it over the batch (exponential moving
 average with `decay`, then back onto the unit sphere); eval mode leaves them fixed. The update
 is deterministic (one-hot matrix products, no atomics). A layer shared across depths (ALBERT)
-updates its centroids once per depth, from that depth's vectors. Under DDP each rank updates
-its own copy from its own batch (not synchronised).
+updates its centroids once per depth, from that depth's vectors. Under data parallelism
+(torch.distributed initialised, more than one rank) the members' sums and counts are summed
+over the ranks first, as SyncBatchNorm does its statistics, so every rank takes the same step
+from the whole batch (DDP's buffer broadcast alone would keep rank 0's step only).
 
 Selection is separate from attention, as in `lsh.py`: `members` sorts the routing heads'
 frames by cluster and builds each cluster's table of kept members (`Members`, (max_clusters, W)
@@ -52,6 +54,7 @@ import math
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
 
@@ -66,6 +69,11 @@ from speechattn.attention.base import (
 from speechattn.attention.dot_product import SharedQKBase
 from speechattn.attention.registry import register
 from speechattn.attention.sparse import band_kernel
+
+
+def _data_parallel() -> bool:
+    """Whether this process is one of several ranks of an initialised process group."""
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
 @dataclass
@@ -264,6 +272,10 @@ class RoutingAttention(SharedQKBase):
         onehot = onehot * (routes.cluster >= 0)[..., None]  # (B, h_r, T, max_clusters)
         sums = torch.einsum("bhtc,bhtd->hcd", onehot, k)  # (h_r, max_clusters, d_k)
         counts = onehot.sum(dim=(0, 2))[..., None]  # (h_r, max_clusters, 1)
+        if _data_parallel():  # every rank moves its centroids by the whole batch
+            statistics = torch.cat([sums, counts], dim=-1)
+            dist.all_reduce(statistics)
+            sums, counts = statistics[..., :-1], statistics[..., -1:]
         mean = sums / counts.clamp_min(1)
         mu = self.centroids.to(k.dtype)
         moved = F.normalize(self.decay * mu + (1 - self.decay) * mean, dim=-1)

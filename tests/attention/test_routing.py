@@ -121,6 +121,35 @@ def test_ema_moves_centroids_towards_member_means_in_training_only():
     assert not torch.equal(attn.centroids, before)
 
 
+def _ema_on_one_rank(rank: int, rendezvous: str, out_dir: str) -> None:
+    """One of two gloo ranks: a training pass over its half of the batch, centroids saved."""
+    torch.distributed.init_process_group("gloo", init_method=rendezvous, rank=rank, world_size=2)
+    try:
+        attn = make("routing", decay=0.9).train()
+        x, pad = batch([30, 18, 25, 9])
+        half = slice(2 * rank, 2 * rank + 2)
+        attn(x[half, :30], pad[half, :30])
+        torch.save(attn.centroids, f"{out_dir}/centroids{rank}.pt")
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def test_ema_under_data_parallel_steps_every_rank_by_the_whole_batch(tmp_path):
+    """Two ranks, each with half of the batch, end with the centroids that one process gets
+    from the whole batch (the members' sums and counts are summed over the ranks)."""
+    torch.multiprocessing.spawn(
+        _ema_on_one_rank, args=(f"file://{tmp_path}/rendezvous", str(tmp_path)), nprocs=2
+    )
+    whole = make("routing", decay=0.9).train()
+    x, pad = batch([30, 18, 25, 9])
+    before = whole.centroids.clone()
+    whole(x, pad)
+    for rank in range(2):
+        centroids = torch.load(tmp_path / f"centroids{rank}.pt", weights_only=True)
+        torch.testing.assert_close(centroids, whole.centroids, rtol=1e-12, atol=1e-12)
+    assert not torch.allclose(whole.centroids, before)
+
+
 def test_ema_is_deterministic_and_centroids_save_with_the_model():
     x, pad = batch([25, 12])
     a, b = make("routing").train(), make("routing").train()

@@ -64,10 +64,12 @@ def finish(proc: subprocess.Popen, timeout: float = 240) -> str:
     return out
 
 
-def test_ddp_with_two_cpu_processes(tmp_path):
+@pytest.mark.parametrize("attention", ["full", "routing"])  # routing: a collective in forward
+def test_ddp_with_two_cpu_processes(tmp_path, attention):
     out = finish(
         cli(
             tmp_path,
+            f"attention={attention}",
             "trainer=ddp",
             "trainer.accelerator=cpu",
             "trainer.devices=2",
