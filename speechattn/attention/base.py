@@ -119,6 +119,9 @@ class Attention(nn.Module, ABC):
             pairs in a fused or batched call, cheapest at small T) up to this many frames and
             their long-sequence one (blocks, sparse products, chunks) above; None: one kernel.
             Crossovers are measured with `python -m speechattn.bench attention`.
+        no_weight_decay: names of this module's parameters that are biases stored as matrices
+            (one vector per head): the optimiser groups leave them undecayed, like every
+            parameter of fewer than 2 dimensions.
     """
 
     Config: ClassVar[type[AttentionConfig]] = AttentionConfig
@@ -128,6 +131,7 @@ class Attention(nn.Module, ABC):
     complexity_inference: ClassVar[str] = ""
     supports_weights: ClassVar[bool] = True
     short_path_max_t: ClassVar[int | None] = None
+    no_weight_decay: ClassVar[tuple[str, ...]] = ()
     max_len: int | None = None  # longest sequence (T) the variant accepts; None: any
 
     def __init__(self, config: AttentionConfig) -> None:

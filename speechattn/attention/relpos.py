@@ -88,6 +88,8 @@ class RelPosAttention(Attention):
     complexity_training = "O(T^2 D)"
     complexity_inference = "O(T^2 D)"
 
+    no_weight_decay = ("pos_bias_u", "pos_bias_v")  # per-head biases
+
     def __init__(self, config: RelPosConfig) -> None:
         super().__init__(config)
         h, dk = config.num_heads, config.head_dim

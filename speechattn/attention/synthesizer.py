@@ -164,6 +164,8 @@ class SynDenseMHAttention(_SynthesizerBase):
     complexity_training = "O(T^2 D)"
     complexity_inference = "O(T^2 D)"
 
+    no_weight_decay = ("b2",)  # the per-head bias of W_2
+
     def __init__(self, config: SynDenseConfig) -> None:
         super().__init__(config)
         h = config.num_heads

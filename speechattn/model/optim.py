@@ -36,11 +36,20 @@ class OptimConfig:
 
 
 def parameter_groups(module: nn.Module, weight_decay: float) -> list[dict]:
-    """Trainable parameters in two groups: matrices decayed, vectors (biases, norms) not."""
+    """Trainable parameters in two groups: matrices decayed; vectors (biases, norms) and the
+    parameters a submodule lists in `no_weight_decay` (per-head biases stored as matrices,
+    e.g. relpos's u and v) not."""
+    exempt = {
+        id(getattr(sub, name))
+        for sub in module.modules()
+        for name in getattr(sub, "no_weight_decay", ())
+        if getattr(sub, name, None) is not None
+    }
     params = [p for p in module.parameters() if p.requires_grad]
+    decayed = [p for p in params if p.dim() >= 2 and id(p) not in exempt]
     return [
-        {"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
-        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},  # decay hurts
+        {"params": decayed, "weight_decay": weight_decay},
+        {"params": [p for p in params if p.dim() < 2 or id(p) in exempt], "weight_decay": 0.0},
     ]
 
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from speechattn.attention import available
-from speechattn.model import ModelConfig, aalbert, aalbert_base, aalbert_tiny
+from speechattn.model import ModelConfig, aalbert, aalbert_base, aalbert_tiny, parameter_groups
 from speechattn.model.aalbert import AALBERT, preset_config, sinusoidal_positions
 
 F = 8
@@ -199,3 +199,22 @@ def test_conv_position_errors_are_clear():
         small(conv_position_kernel=4)
     with pytest.raises(ValueError, match="conv_position_groups=5"):
         small(conv_position_kernel=3, conv_position_groups=5)
+
+
+@pytest.mark.parametrize(
+    ("attention", "exempt"),
+    [("relpos", {"pos_bias_u", "pos_bias_v"}), ("syn_dense_mh", {"b2"}), ("full", set())],
+)
+def test_optimizer_groups_decay_matrices_but_not_per_head_biases(attention, exempt):
+    model = small(
+        attention=attention, attention_options={"max_len": 64} if "syn" in attention else {}
+    )
+    decayed, undecayed = parameter_groups(model, 0.01)
+    assert decayed["weight_decay"] == 0.01 and undecayed["weight_decay"] == 0.0
+    names = {id(p): n for n, p in model.named_parameters()}
+    undecayed_names = {names[id(p)] for p in undecayed["params"]}
+    for n, p in model.named_parameters():
+        leaf = n.rsplit(".", 1)[-1]
+        want_decay = p.dim() >= 2 and leaf not in exempt
+        assert (n in undecayed_names) != want_decay, n
+    assert len(decayed["params"]) + len(undecayed["params"]) == len(list(model.parameters()))
