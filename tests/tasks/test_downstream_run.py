@@ -5,6 +5,7 @@ upstream API; both go through Hydra composition of the real `conf/downstream.yam
 """
 
 import json
+import logging
 from dataclasses import asdict
 from pathlib import Path
 
@@ -15,7 +16,7 @@ from omegaconf import DictConfig, open_dict
 from speechattn.config import compose
 from speechattn.data import DataConfig
 from speechattn.tasks.downstream import DownstreamProbe, TaskConfig, check_label_lengths, run
-from speechattn.tasks.downstream.features import SplitFeatures
+from speechattn.tasks.downstream.features import SplitFeatures, load_split
 from speechattn.tasks.records import EXAMPLE_FILE, TASKS, read_result
 
 FAST = [
@@ -132,6 +133,27 @@ def test_features_are_extracted_once(
     )
     run(third)  # another layer: another cache entry
     assert len(list((tmp_path / "feature-cache").rglob("train.pt"))) == 2
+
+
+def test_a_damaged_cached_split_is_extracted_again(
+    tmp_path: Path, tiny_data_config: DataConfig, tiny_upstream: Path, caplog
+) -> None:
+    cfg = compose_downstream(
+        tmp_path / "a", tiny_data_config, "task=speaker_frame", f"upstream={tiny_upstream}"
+    )
+    run(cfg)
+    (train,) = (tmp_path / "feature-cache").rglob("train.pt")
+    before = load_split(train)
+    good = train.read_bytes()
+    train.write_bytes(good[:-100] + bytes(100))  # the tail overwritten, size unchanged
+    again = compose_downstream(
+        tmp_path / "b", tiny_data_config, "task=speaker_frame", f"upstream={tiny_upstream}"
+    )
+    with caplog.at_level(logging.WARNING):
+        run(again)
+    assert "the file does not match its sha256 record; extracting it again" in caplog.text
+    after = load_split(train)  # matches its new record
+    assert after.utt_ids == before.utt_ids and torch.equal(after.features, before.features)
 
 
 def test_phone_task_without_alignments_names_the_file(

@@ -7,6 +7,7 @@ import torch
 
 from speechattn.tasks.downstream import ProbeDataset, TaskConfig, collate, fit_probe
 from speechattn.tasks.downstream.features import (
+    DamagedSplit,
     MelUpstream,
     SplitFeatures,
     extract_split,
@@ -96,10 +97,34 @@ def test_cache_round_trip_is_atomic(tmp_path: Path) -> None:
     split = synthetic_split(5, 2, layers=2)
     path = tmp_path / "k" / "train.pt"
     save_split(split, path)
-    assert [p.name for p in path.parent.iterdir()] == ["train.pt"]  # no temp file left behind
+    # no temp file left behind; the checksum record commits the split
+    assert sorted(p.name for p in path.parent.iterdir()) == ["train.pt", "train.pt.sha256"]
     back = load_split(path)
     assert back.utt_ids == split.utt_ids and torch.equal(back.features, split.features)
     assert torch.equal(back.hidden(3), split.hidden(3))
+
+
+def test_cached_split_is_read_only_when_it_matches_its_record(tmp_path: Path) -> None:
+    path = tmp_path / "k" / "train.pt"
+    save_split(synthetic_split(5, 2, layers=2), path)
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x01  # one flipped bit, same size
+    path.write_bytes(bytes(data))
+    with pytest.raises(DamagedSplit, match=r"train\.pt: the file does not match its sha256"):
+        load_split(path)
+    save_split(synthetic_split(5, 2, layers=2), path)
+    (tmp_path / "k" / "train.pt.sha256").unlink()  # e.g. killed between the two writes
+    with pytest.raises(DamagedSplit, match=r"train\.pt: no checksum record train\.pt\.sha256"):
+        load_split(path)
+
+
+def test_split_fields_must_agree() -> None:
+    split = synthetic_split(5, 2, layers=2)
+    state = split.state()
+    with pytest.raises(ValueError, match="lengths sum to"):
+        SplitFeatures(**{**state, "lengths": state["lengths"] + 1})
+    with pytest.raises(ValueError, match="5 utterance ids but per-utterance fields"):
+        SplitFeatures(**{**state, "input_lengths": state["input_lengths"][:4]})
 
 
 def test_collate_pads_features_and_frame_labels() -> None:

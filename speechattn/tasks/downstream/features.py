@@ -8,7 +8,10 @@ features in that contract, so the no-pretraining baseline goes through the same 
 Extraction runs the upstream once over train/dev/test and stores the chosen hidden layers per
 split in `cache_dir/<key>/<split>.pt`, the key hashing the upstream file, the layers, the data
 config and the normalisation statistics. Writes are atomic, so an interrupted run never leaves a
-half-written split behind; finished splits are reused.
+half-written split behind; finished splits are reused. Each split's file is followed by its
+record `<split>.pt.sha256` (size and sha256, written last: the commit marker), and a split is
+read only when the file matches its record and its fields agree with each other; otherwise
+`load_split` raises `DamagedSplit` and the run extracts that split again.
 
 Shape letters: B batch, T 10 ms frames, T' upstream frames (T' = ceil(T / downsample)),
 F input features, N cached layers, D hidden dim, U utterances in a split.
@@ -17,6 +20,7 @@ F input features, N cached layers, D hidden dim, U utterances in a split.
 from __future__ import annotations
 
 import hashlib
+import json
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,8 +30,8 @@ import torch
 from torch import Tensor, nn
 
 from speechattn.data.cache import file_sha256
-from speechattn.model.serialization import load_torch_file
-from speechattn.utils import atomic_path, digest, lengths_to_padding_mask
+from speechattn.model.serialization import TorchFileError, load_torch_file
+from speechattn.utils import atomic_path, atomic_write_bytes, digest, lengths_to_padding_mask
 from speechattn.utils import progress_bar as progress
 
 MEL = "mel"
@@ -150,6 +154,20 @@ class SplitFeatures:
     phone_lengths: Tensor | None = None
 
     def __post_init__(self) -> None:
+        U = len(self.utt_ids)
+        counts = [
+            len(t) for t in (self.lengths, self.input_lengths, self.speakers) if t is not None
+        ]
+        if any(n != U for n in counts):
+            raise ValueError(f"{U} utterance ids but per-utterance fields of sizes {counts}")
+        if int(self.lengths.sum()) != len(self.features):
+            raise ValueError(
+                f"lengths sum to {int(self.lengths.sum())} frames, features have {len(self.features)}"
+            )
+        if (self.phones is None) != (self.phone_lengths is None) or (
+            self.phones is not None and int(self.phone_lengths.sum()) != len(self.phones)
+        ):
+            raise ValueError("phones and phone_lengths disagree")
         self._offsets = _offsets(self.lengths)
         self._phone_offsets = None if self.phone_lengths is None else _offsets(self.phone_lengths)
 
@@ -284,12 +302,39 @@ def extract_split(
     )
 
 
+class DamagedSplit(ValueError):
+    """A cached split that does not match its checksum record or whose fields disagree."""
+
+
+def _record_path(path: Path) -> Path:
+    return path.with_name(path.name + ".sha256")
+
+
 def save_split(split: SplitFeatures, path: Path) -> None:
-    """Atomic write: temp file in the same folder, then rename."""
+    """Atomic writes (temp file in the same folder, then rename): the split, then its record
+    (size and sha256), which commits it."""
     with atomic_path(path) as tmp:
         torch.save(split.state(), tmp)
+    record = {"size": path.stat().st_size, "sha256": file_sha256(path)}
+    atomic_write_bytes(_record_path(path), json.dumps(record).encode())
 
 
 def load_split(path: Path) -> SplitFeatures:
-    state = load_torch_file(path, "cpu", "cached downstream features")
-    return SplitFeatures(**state)
+    """The split at `path` after checking it against its record; `DamagedSplit` (naming the
+    file and what is wrong) when there is no record, the bytes differ or the fields disagree."""
+    record_path = _record_path(path)
+    if not record_path.is_file():
+        raise DamagedSplit(f"cached features {path}: no checksum record {record_path.name}")
+    try:
+        record = json.loads(record_path.read_text())
+        size, sha256 = int(record["size"]), str(record["sha256"])
+    except (ValueError, KeyError, TypeError) as e:
+        raise DamagedSplit(f"cached features {path}: unreadable record {record_path}: {e}") from e
+    if path.stat().st_size != size or file_sha256(path) != sha256:
+        raise DamagedSplit(f"cached features {path}: the file does not match its sha256 record")
+    try:
+        return SplitFeatures(**load_torch_file(path, "cpu", "cached downstream features"))
+    except TorchFileError as e:  # matches its record, yet this torch cannot read it
+        raise DamagedSplit(str(e)) from e
+    except (TypeError, ValueError) as e:
+        raise DamagedSplit(f"cached features {path}: {e}") from e

@@ -42,6 +42,7 @@ from speechattn.data import DataConfig, LabelledDataModule, expand_to_labels
 from speechattn.tasks.common import quiet_library_notices, run_output_dir
 from speechattn.tasks.downstream.features import (
     SPLITS,
+    DamagedSplit,
     SplitFeatures,
     cache_key,
     extract_split,
@@ -81,9 +82,12 @@ def cached_features(
     for name in SPLITS:
         path = folder / f"{name}.pt"
         if path.is_file():
-            log.info("features %s: cached %s", name, path)
-            splits[name] = load_split(path)
-            continue
+            try:
+                splits[name] = load_split(path)
+                log.info("features %s: cached %s", name, path)
+                continue
+            except DamagedSplit as e:
+                log.warning("%s; extracting it again", e)
         loader = _split_loader(datamodule, name)
         total = len(loader) if hasattr(loader, "__len__") else None
         splits[name] = extract_split(
