@@ -23,7 +23,8 @@ strided view. On CUDA, one SDPA call whose memory-efficient kernel differentiate
 (`_toeplitz`). On CPU, `FlashThenUnfused`: CPU flash attention forward and an unfused backward
 that gives the spans' gradient as one more reduction (SDPA would run its unfused math path
 both ways for a mask that needs a gradient: 0.87-0.90x `full`'s speed at T = 128-256):
-* short (T <= `short_path_max_t`): all T x T pairs.
+* short (T <= `short_path_max_t`): all T x T pairs (on CPU the backward takes query blocks
+  against the keys within reach only, see `FlashThenUnfused`).
 * long: only keys within the reach X = ceil(max_h z_h + R) - 1 (the largest distance with a
   non-zero mask in any head): query blocks of X frames against the previous, own and next
   key blocks, O(T X D) time and O(T X h) memory, never T x T.
@@ -62,42 +63,50 @@ class FlashThenUnfused(torch.autograd.Function):
     Forward: CPU flash attention with the mask as a constant (CPU flash has no mask gradient;
     SDPA runs its unfused math path, forward too, for a mask that needs one). Backward:
     unfused, from flash's log-sum-exp, so that the scores' gradient dS is at hand and the
-    spans' gradient is one more reduction, dL/dz_h = sum dS * d mask / dz_h. Its T x T
-    tensors make this the short path only.
+    spans' gradient is one more reduction, dL/dz_h = sum dS * d mask / dz_h. With a reach X
+    (every key farther than X frames masked) the backward runs query blocks of
+    `backward_block` frames against the keys within reach only.
     """
 
+    backward_block = 128  # queries per block of the backward (64: as fast; 256: 2-5 % slower)
+
     @staticmethod
-    def forward(ctx, q, k, v, z, mask, mask_dz):  # noqa: D102
-        """q, k, v (B, h, T, d); z (h,); mask and its z-derivative mask_dz (B or 1, h, T, T)."""
+    def forward(ctx, q, k, v, z, mask, mask_dz, reach, keys_reversed):  # noqa: D102
+        """q, k, v (B, h, L, d); z (h,); mask and its z-derivative mask_dz (B or 1, h, L, Lk);
+        reach: X or None (all pairs); keys_reversed: key j stored at Lk - 1 - j."""
         out, log_sum_exp = _flash_cpu(q, k, v, attn_mask=mask)
         ctx.save_for_backward(q, k, v, out, log_sum_exp, mask, mask_dz)
-        ctx.span_dtype = z.dtype
+        ctx.span_dtype, ctx.reach, ctx.keys_reversed = z.dtype, reach, keys_reversed
         return out
 
     @staticmethod
     def backward(ctx, d_out):  # noqa: D102
         q, k, v, out, log_sum_exp, mask, mask_dz = ctx.saved_tensors
-        B, h, L, d = q.shape
-        Lk = k.shape[-2]
         wide = torch.promote_types(q.dtype, torch.float32)  # half precision: in float32
-
-        def heads(t: Tensor) -> Tensor:  # (B, h, ...) -> (B h, ...) in the wide dtype
-            return t.to(wide).expand(B, h, *t.shape[2:]).reshape(B * h, *t.shape[2:])
-
-        q_, k_, v_, out_, d_out_ = (heads(t) for t in (q, k, v, out, d_out))
-        scale_ = d**-0.5
-        # the probabilities again, from flash's log-sum-exp: exp(q k^T scale + mask - lse)
-        probs = torch.baddbmm(heads(mask), q_, k_.mT, alpha=scale_)
-        probs = probs.sub_(log_sum_exp.reshape(B * h, L, 1)).exp_()  # (B h, L, Lk)
-        d_v = probs.mT @ d_out_
+        q_, k_, v_, out_, d_out_ = (t.to(wide) for t in (q, k, v, out, d_out))  # (B, h, ., d)
+        lse = log_sum_exp.to(wide)[..., None]  # (B, h, L, 1)
         row = (d_out_ * out_).sum(-1, keepdim=True)  # dO . O
-        d_scores = torch.baddbmm(-row, d_out_, v_.mT).mul_(probs)  # dS = P (dP - dO . O)
-        d_scores_heads = d_scores.view(B, h, L, Lk)
-        d_z = ((d_scores_heads.sum(0) if B > 1 else d_scores_heads[0]) * mask_dz[0]).sum((1, 2))
-        d_q = (d_scores @ k_).mul_(scale_)
-        d_k = (d_scores.mT @ q_).mul_(scale_)
-        grads = (g.view(B, h, -1, d).to(t.dtype) for g, t in ((d_q, q), (d_k, k), (d_v, v)))
-        return *grads, d_z.to(ctx.span_dtype), None, None
+        d_q, d_k, d_v = torch.zeros_like(q_), torch.zeros_like(k_), torch.zeros_like(v_)
+        d_z = torch.zeros(q.shape[1], dtype=wide, device=q.device)
+        L, Lk, X = q.shape[-2], k.shape[-2], ctx.reach
+        step = L if X is None else FlashThenUnfused.backward_block
+        for a in range(0, L, step):
+            b = min(L, a + step)
+            c, e = (0, Lk) if X is None else (max(0, a - X), min(Lk, b + X))  # keys within reach
+            if ctx.keys_reversed:
+                c, e = Lk - e, Lk - c
+            qa, ka, va, oa = q_[..., a:b, :], k_[..., c:e, :], v_[..., c:e, :], d_out_[..., a:b, :]
+            # the probabilities again, from flash's log-sum-exp: exp(q k^T scale + mask - lse)
+            probs = (qa @ ka.mT).mul_(q.shape[-1] ** -0.5).add_(mask[..., a:b, c:e])
+            probs = probs.sub_(lse[..., a:b, :]).exp_()  # (B, h, b - a, e - c)
+            d_v[..., c:e, :] += probs.mT @ oa
+            d_scores = (oa @ va.mT).sub_(row[..., a:b, :]).mul_(probs)  # P (dP - dO . O)
+            d_z += (d_scores * mask_dz[..., a:b, c:e]).sum((0, 2, 3))
+            d_q[..., a:b, :] = d_scores @ ka
+            d_k[..., c:e, :] += d_scores.mT @ qa
+        scale_ = q.shape[-1] ** -0.5
+        d_q, d_k = d_q.mul_(scale_).to(q.dtype), d_k.mul_(scale_).to(k.dtype)
+        return d_q, d_k, d_v.to(v.dtype), d_z.to(ctx.span_dtype), None, None, None, None
 
 
 @dataclass
@@ -129,9 +138,10 @@ class AdaptiveSpanAttention(Attention):
     complexity_training = "O(T min(T, z + R) D), z <= S the largest learned span"
     complexity_inference = "O(T min(T, z + R) D), z <= S the largest learned span"
     # All T x T pairs up to here, the band of blocks above. Measured on CPU with the initial
-    # spans (X = 95), speed over `full`'s: all pairs 0.92 at T = 384 and 448 (band 0.75, 0.84),
-    # both 0.85 at 512, band 0.88 at 640 (all pairs 0.82).
-    short_path_max_t = 448
+    # spans (X = 95), speed over `full`'s, all pairs / band: 1.06-1.09 / 0.91 at T = 768,
+    # 1.18-1.22 / 0.99-1.02 at 1024, 1.20-1.39 / 1.35-1.42 at 1536, 1.54-1.57 / 1.52-1.64 at
+    # 2048. All pairs never builds a T x T tensor unless the batch is padded.
+    short_path_max_t = 1024
 
     def __init__(self, config: AdaptiveSpanConfig) -> None:
         super().__init__(config)
@@ -257,13 +267,22 @@ class AdaptiveSpanAttention(Attention):
         log_m = raw.clamp(0.0, 1.0).log()  # -inf where m = 0
         return log_m.to(dtype), torch.where(raw.ceil() == 1, 1.0 / (self.ramp * raw), 0.0)
 
-    def _flash(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor, mask_dz: Tensor) -> Tensor:
+    def _flash(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        mask: Tensor,
+        mask_dz: Tensor,
+        reach: int | None = None,
+        keys_reversed: bool = False,
+    ) -> Tensor:
         """Attention of (N, h, L, d) blocks under the constant additive mask, differentiable in
-        the spans through mask_dz (same layout), on CPU."""
+        the spans through mask_dz (same layout), on CPU; see `FlashThenUnfused`."""
         z = self.spans()
         if not (torch.is_grad_enabled() and z.requires_grad):  # spans fixed: flash's backward
             return _flash_cpu(q, k, v, attn_mask=mask)[0]
-        return FlashThenUnfused.apply(q, k, v, z, mask, mask_dz)
+        return FlashThenUnfused.apply(q, k, v, z, mask, mask_dz, reach, keys_reversed)
 
     def _attend_all_pairs_flash(self, q: Tensor, k: Tensor, v: Tensor, valid: Tensor) -> Tensor:
         """All pairs with the keys in reverse order: query i and reversed key j' = T - 1 - j
@@ -278,7 +297,8 @@ class AdaptiveSpanAttention(Attention):
             self_key = i[:, None] + i[None, :] == T - 1  # (T, T), allowed as in _attend_all_pairs
             allowed = key_mask(valid).flip(-1)[:, None, None, :] | self_key  # (B, 1, T, T)
             mask = mask.masked_fill(~allowed, float("-inf"))  # (B, h, T, T)
-        return self._flash(q, k.flip(-2), v.flip(-2), mask, patterns.hankel(log_m_dz, T, T)[None])
+        mask_dz = patterns.hankel(log_m_dz, T, T)[None]
+        return self._flash(q, k.flip(-2), v.flip(-2), mask, mask_dz, self.reach(), True)
 
     def _attend_band(self, q: Tensor, k: Tensor, v: Tensor, valid: Tensor, X: int) -> Tensor:
         """Keys within distance X only: blocks of X queries against the 3X keys of the

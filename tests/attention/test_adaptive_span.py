@@ -133,3 +133,26 @@ def test_attention_dropout_trains_spans_through_sdpa():
     y.pow(2).sum().backward()
     assert attn.span_fraction.grad.abs().max() > 0
     assert not torch.allclose(y, attn.eval()(x, pad))
+
+
+@pytest.mark.parametrize("block", [5, 16, 128])  # many blocks, a few, one
+def test_blocked_backward_equals_dense_reference(block, monkeypatch):
+    """The all-pairs backward in query blocks against the keys within reach (reversed keys,
+    windows clipped at both ends, padding) gives the dense reference's gradients."""
+    from speechattn.attention.adaptive_span import FlashThenUnfused
+
+    monkeypatch.setattr(FlashThenUnfused, "backward_block", block)
+    attn = _with_spans(max_span=12, ramp=3)  # reach 14
+    monkeypatch.setattr(type(attn), "short_path_max_t", 10**6)
+    x, pad = batch([47, 30, 3])
+    w = torch.linspace(-1, 1, x.numel(), dtype=x.dtype).view(x.shape)
+    results = []
+    for dense in (False, True):
+        attn.zero_grad()
+        xi = x.clone().requires_grad_(True)
+        y = attn.dense_reference(xi, pad)[0] if dense else attn(xi, pad)
+        (y * w).sum().backward()
+        results.append((y.detach(), xi.grad, attn.span_fraction.grad.clone(), attn.qkv.weight.grad))
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+    assert attn.reach() == 14
