@@ -135,15 +135,20 @@ def test_attention_dropout_trains_spans_through_sdpa():
     assert not torch.allclose(y, attn.eval()(x, pad))
 
 
-@pytest.mark.parametrize("block", [5, 16, 128])  # many blocks, a few, one
-def test_blocked_backward_equals_dense_reference(block, monkeypatch):
-    """The all-pairs backward in query blocks against the keys within reach (reversed keys,
-    windows clipped at both ends, padding) gives the dense reference's gradients."""
+@pytest.mark.parametrize(
+    ("block", "scores", "limit"),
+    [(5, 1 << 22, 10**6), (16, 1 << 22, 10**6), (128, 1 << 22, 10**6), (5, 1, 10**6), (5, 1, 0)],
+)  # all pairs: many query blocks, a few, one; one batch entry per pass; the band, likewise
+def test_blocked_backward_equals_dense_reference(block, scores, limit, monkeypatch):
+    """The backward in query blocks against the keys within reach (reversed keys, windows
+    clipped at both ends, padding), in passes over the batch, gives the dense reference's
+    gradients."""
     from speechattn.attention.adaptive_span import FlashThenUnfused
 
     monkeypatch.setattr(FlashThenUnfused, "backward_block", block)
+    monkeypatch.setattr(FlashThenUnfused, "backward_scores", scores)
     attn = _with_spans(max_span=12, ramp=3)  # reach 14
-    monkeypatch.setattr(type(attn), "short_path_max_t", 10**6)
+    monkeypatch.setattr(type(attn), "short_path_max_t", limit)
     x, pad = batch([47, 30, 3])
     w = torch.linspace(-1, 1, x.numel(), dtype=x.dtype).view(x.shape)
     results = []
