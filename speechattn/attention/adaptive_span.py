@@ -251,14 +251,14 @@ class AdaptiveSpanAttention(Attention):
         X = self.reach()
         if T <= self.short_path_max_t or 3 * X >= T:  # the band would cover (nearly) all pairs
             if self._uses_flash(q):
-                return self._attend_all_pairs_flash(q, k, v, valid)
+                return self._attend_all_pairs_flash(q, k, v, valid, X)
             return self._attend_all_pairs(q, k, v, valid)
         return self._attend_band(q, k, v, valid, X)
 
     def _uses_flash(self, q: Tensor) -> bool:
-        """All pairs in `FlashThenUnfused` on CPU (0.87x `full`'s speed at T = 128 in SDPA,
-        which runs its math path for a mask that needs a gradient); CUDA's memory-efficient
-        kernel differentiates the mask itself. No attention dropout: flash draws none."""
+        """Whether the kernels run `FlashThenUnfused`: on CPU, where SDPA runs its math path for
+        a mask that needs a gradient (0.87x `full`'s speed at T = 128); CUDA's memory-efficient
+        kernel differentiates the mask itself. Not with attention dropout: flash draws none."""
         return q.device.type == "cpu" and not (self.training and self.dropout)
 
     def _attend_all_pairs(self, q: Tensor, k: Tensor, v: Tensor, valid: Tensor) -> Tensor:
@@ -298,8 +298,10 @@ class AdaptiveSpanAttention(Attention):
             return _flash_cpu(q, k, v, attn_mask=mask)[0]
         return FlashThenUnfused.apply(q, k, v, z, mask, mask_dz, reach, keys_reversed)
 
-    def _attend_all_pairs_flash(self, q: Tensor, k: Tensor, v: Tensor, valid: Tensor) -> Tensor:
-        """All pairs with the keys in reverse order: query i and reversed key j' = T - 1 - j
+    def _attend_all_pairs_flash(
+        self, q: Tensor, k: Tensor, v: Tensor, valid: Tensor, X: int
+    ) -> Tensor:
+        """All pairs (the backward within reach X) with the keys in reverse order: query i and reversed key j' = T - 1 - j
         are i + j' - (T - 1) apart, so a mask over (query, reversed key) is a strided view of
         its 2T - 1 values (`patterns.hankel`; CPU flash reads masks by stride), not a T x T
         tensor, unless the batch is padded."""
@@ -312,7 +314,7 @@ class AdaptiveSpanAttention(Attention):
             allowed = key_mask(valid).flip(-1)[:, None, None, :] | self_key  # (B, 1, T, T)
             mask = mask.masked_fill(~allowed, float("-inf"))  # (B, h, T, T)
         mask_dz = patterns.hankel(log_m_dz, T, T)[None]
-        return self._flash(q, k.flip(-2), v.flip(-2), mask, mask_dz, self.reach(), True)
+        return self._flash(q, k.flip(-2), v.flip(-2), mask, mask_dz, X, True)
 
     def _attend_band(self, q: Tensor, k: Tensor, v: Tensor, valid: Tensor, X: int) -> Tensor:
         """Keys within distance X only: blocks of X queries against the 3X keys of the
