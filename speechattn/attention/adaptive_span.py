@@ -89,8 +89,8 @@ class FlashThenUnfused(torch.autograd.Function):
         row = (d_out_ * out_).sum(-1, keepdim=True)  # dO . O
         d_q, d_k, d_v = torch.zeros_like(q_), torch.zeros_like(k_), torch.zeros_like(v_)
         d_z = torch.zeros(q.shape[1], dtype=wide, device=q.device)
-        N, h, L, _ = q.shape
-        Lk, X = k.shape[-2], ctx.reach
+        N, h, L, d = q.shape
+        Lk, X, scale_ = k.shape[-2], ctx.reach, d**-0.5
         step = L if X is None else FlashThenUnfused.backward_block
         # batch entries per pass: about `backward_scores` scores, so that the temporaries stay
         # small and their memory is reused (fresh memory costs page faults here)
@@ -111,14 +111,13 @@ class FlashThenUnfused(torch.autograd.Function):
                 qa, oa = q_n[..., a:b, :], o_n[..., a:b, :]
                 ka, va = k_n[..., c:e, :], v_n[..., c:e, :]
                 # the probabilities again, from flash's log-sum-exp: exp(q k^T scale + mask - lse)
-                probs = (qa @ ka.mT).mul_(q.shape[-1] ** -0.5).add_(mask_n[..., a:b, c:e])
+                probs = (qa @ ka.mT).mul_(scale_).add_(mask_n[..., a:b, c:e])
                 probs = probs.sub_(lse_n[..., a:b, :]).exp_()  # (n', h, b - a, e - c)
                 dv_n[..., c:e, :] += probs.mT @ oa
                 d_scores = (oa @ va.mT).sub_(row_n[..., a:b, :]).mul_(probs)  # P (dP - dO . O)
                 d_z += (d_scores * dz_n[..., a:b, c:e]).sum((0, 2, 3))
                 dq_n[..., a:b, :] = d_scores @ ka
                 dk_n[..., c:e, :] += d_scores.mT @ qa
-        scale_ = q.shape[-1] ** -0.5
         d_q, d_k = d_q.mul_(scale_).to(q.dtype), d_k.mul_(scale_).to(k.dtype)
         return d_q, d_k, d_v.to(v.dtype), d_z.to(ctx.span_dtype), None, None, None, None
 
@@ -274,9 +273,13 @@ class AdaptiveSpanAttention(Attention):
         p = self.dropout if self.training else 0.0
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask.to(q.dtype), dropout_p=p)
 
-    def _constant_log_mask(self, offsets: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-        """log m and its z-derivative (1 / (R raw) on the ramp, raw in (0, 1], 0 elsewhere)
-        at query-minus-key offsets (n,), as constants for `FlashThenUnfused`: (h, n) each."""
+    def _constant_log_mask(
+        self, c: int, L: int, Lk: int, dtype: torch.dtype
+    ) -> tuple[Tensor, Tensor]:
+        """For `FlashThenUnfused`: log m and its z-derivative (1 / (R raw) on the ramp, raw in
+        (0, 1], 0 elsewhere) as constants, per head at the offsets c + a - w of an (L, Lk)
+        layout, as `_toeplitz` takes them: (h, L + Lk - 1) each, in increasing offset order."""
+        offsets = torch.arange(c - Lk + 1, c + L, device=self.span_fraction.device)
         raw = self.ramp_position(self._distance(offsets), self.spans().detach())
         log_m = raw.clamp(0.0, 1.0).log()  # -inf where m = 0
         return log_m.to(dtype), torch.where(raw.ceil() == 1, 1.0 / (self.ramp * raw), 0.0)
@@ -301,12 +304,12 @@ class AdaptiveSpanAttention(Attention):
     def _attend_all_pairs_flash(
         self, q: Tensor, k: Tensor, v: Tensor, valid: Tensor, X: int
     ) -> Tensor:
-        """All pairs (the backward within reach X) with the keys in reverse order: query i and reversed key j' = T - 1 - j
-        are i + j' - (T - 1) apart, so a mask over (query, reversed key) is a strided view of
-        its 2T - 1 values (`patterns.hankel`; CPU flash reads masks by stride), not a T x T
-        tensor, unless the batch is padded."""
+        """All pairs (the backward within reach X) with the keys in reverse order: query i and
+        reversed key j' = T - 1 - j are i + j' - (T - 1) apart, so a mask over (query, reversed
+        key) is a strided view of its 2T - 1 values (`patterns.hankel`; CPU flash reads masks
+        by stride), not a T x T tensor, unless the batch is padded."""
         T = q.shape[-2]
-        log_m, log_m_dz = self._constant_log_mask(torch.arange(1 - T, T, device=q.device), q.dtype)
+        log_m, log_m_dz = self._constant_log_mask(0, T, T, q.dtype)  # offsets 1 - T .. T - 1
         mask = patterns.hankel(log_m, T, T)[None]  # (1, h, T, T)
         if not bool(valid.all()):
             i = torch.arange(T, device=q.device)
@@ -334,19 +337,18 @@ class AdaptiveSpanAttention(Attention):
         allowed = kv[:, :, None, None, :] | (rel == 0)  # (B, n, 1, X, 3X), self as above
         qb = fold(F.pad(q, (0, 0, 0, right)).view(B, h, n, X, d))
         kb, vb = fold(windows(k)), fold(windows(v))  # (B n, h, 3X, d)
-        offsets = torch.arange(1 - 2 * X, 2 * X, device=q.device)  # X + a - w, a query, w key
+
+        def block_mask(bias: Tensor) -> Tensor:  # (h, X, 3X) -> (B n, h, X, 3X), -inf outside
+            return bias.masked_fill(~allowed, float("-inf")).view(B * n, h, X, 3 * X)
+
         if self._uses_flash(q):
-            log_m, log_m_dz = self._constant_log_mask(offsets, q.dtype)
-            bias = patterns.toeplitz(log_m, X, 3 * X)  # (h, X, 3X)
-            mask = bias.masked_fill(~allowed, float("-inf")).view(B * n, h, X, 3 * X)
-            out = self._flash(qb, kb, vb, mask, patterns.toeplitz(log_m_dz, X, 3 * X)[None])
+            log_m, log_m_dz = self._constant_log_mask(X, X, 3 * X, q.dtype)
+            mask_dz = patterns.toeplitz(log_m_dz, X, 3 * X)[None]
+            out = self._flash(qb, kb, vb, block_mask(patterns.toeplitz(log_m, X, 3 * X)), mask_dz)
         else:
-            bias = patterns.toeplitz(self.log_mask(self._distance(offsets)), X, 3 * X)
-            mask = bias.masked_fill(~allowed, float("-inf")).view(B * n, h, X, 3 * X)
+            mask = block_mask(self._toeplitz(X, X, 3 * X)).to(q.dtype)
             p = self.dropout if self.training else 0.0
-            out = F.scaled_dot_product_attention(
-                qb, kb, vb, attn_mask=mask.to(q.dtype), dropout_p=p
-            )  # (B n, h, X, d)
+            out = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask, dropout_p=p)
         return out.view(B, n, h, X, d).transpose(1, 2).reshape(B, h, n * X, d)[:, :, :T]
 
     def attend_dense(self, x: Tensor, valid: Tensor) -> tuple[Tensor, Tensor]:

@@ -362,6 +362,12 @@ def self_penalty(T: int, device: torch.device, dtype: torch.dtype) -> Tensor:
 NUMPY_DTYPES = {torch.float32: np.float32, torch.float64: np.float64}  # lazy_zeros' dtypes
 
 
+def numpy_backed(dtype: torch.dtype, device: torch.device | str) -> bool:
+    """Whether tensors of this dtype and device can share memory with numpy (CPU float32 or
+    float64)."""
+    return torch.device(device).type == "cpu" and dtype in NUMPY_DTYPES
+
+
 def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> Tensor:
     """A zero tensor whose pages are zeroed by the OS on first touch (CPU float32/float64).
 
@@ -371,8 +377,7 @@ def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device)
     are slow: first-touching 3.2 GB took 0.4 s in 2 MiB pages against 1.6-8.3 s in 4 KiB
     ones. Elsewhere (other dtypes, CUDA) plain torch.zeros.
     """
-    device = torch.device(device)
-    if device.type != "cpu" or dtype not in NUMPY_DTYPES:
+    if not numpy_backed(dtype, device):
         return torch.zeros(shape, dtype=dtype, device=device)
     return torch.from_numpy(np.zeros(shape, dtype=NUMPY_DTYPES[dtype]))
 

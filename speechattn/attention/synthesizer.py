@@ -46,6 +46,7 @@ from speechattn.attention.base import (
     lazy_zeros,
     linear_flops,
     masked_softmax,
+    numpy_backed,
     select_,
 )
 from speechattn.attention.registry import register
@@ -266,7 +267,7 @@ class GradientMemory:
         """A zero tensor of table's shape, dtype and device, for its gradient from (up to
         G) T x T windows of each (h, n, n) head."""
         n = table.shape[-1]
-        if not _numpy_backed(table) or 4 * T * T < n * n:
+        if not numpy_backed(table.dtype, table.device) or 4 * T * T < n * n:
             return table_gradient(table)
         shape, dtype = tuple(table.shape), NUMPY_DTYPES[table.dtype]
         # two references: self.array and getrefcount's argument; any more are a gradient
@@ -292,11 +293,6 @@ def table_gradient(table: Tensor) -> Tensor:
     in lazily zeroed memory (`lazy_zeros`): a step pays for the pages of its windows only
     (at T = 128 with a 12 x 1024^2 table, 18 ms per step against 30 ms for torch.zeros)."""
     return lazy_zeros(tuple(table.shape), table.dtype, table.device)
-
-
-def _numpy_backed(t: Tensor) -> bool:
-    """Whether t can be shared with numpy (CPU, float32 or float64)."""
-    return t.device.type == "cpu" and t.dtype in NUMPY_DTYPES
 
 
 class TableWindows(torch.autograd.Function):
@@ -326,7 +322,11 @@ class TableWindows(torch.autograd.Function):
         # On CPU the windows are added by numpy, on one thread: the first write to each page of
         # the lazily zeroed gradient faults, and faults from two threads at once were 10x
         # slower than from one (measured: 31 ms against 3 ms for 12 windows of 256 x 256).
-        dst, src = (g_table.numpy(), grad.numpy()) if _numpy_backed(g_table) else (g_table, grad)
+        dst, src = (
+            (g_table.numpy(), grad.numpy())
+            if numpy_backed(g_table.dtype, g_table.device)
+            else (g_table, grad)
+        )
         for g, offs in enumerate(offsets.tolist()):
             for i, o in enumerate(offs):
                 c = min(T, n - o)  # rows/columns of the window inside the table

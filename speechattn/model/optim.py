@@ -46,10 +46,10 @@ def parameter_groups(module: nn.Module, weight_decay: float) -> list[dict]:
         if getattr(sub, name, None) is not None
     }
     params = [p for p in module.parameters() if p.requires_grad]
-    decayed = [p for p in params if p.dim() >= 2 and id(p) not in exempt]
+    decays = {id(p): p.dim() >= 2 and id(p) not in exempt for p in params}
     return [
-        {"params": decayed, "weight_decay": weight_decay},
-        {"params": [p for p in params if p.dim() < 2 or id(p) in exempt], "weight_decay": 0.0},
+        {"params": [p for p in params if decays[id(p)]], "weight_decay": weight_decay},
+        {"params": [p for p in params if not decays[id(p)]], "weight_decay": 0.0},
     ]
 
 
