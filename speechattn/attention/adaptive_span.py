@@ -20,11 +20,13 @@ span_penalty * S), which the pretraining task adds to its loss and logs as `aux_
 Both kernels compute softmax(s + log m) (log 0 = -inf), which equals the renormalised product
 above, with the log-mask as additive mask, computed once per distance and laid out as a
 strided view. On CUDA, one SDPA call whose memory-efficient kernel differentiates the mask in z
-(`_toeplitz`). On CPU, `FlashThenUnfused`: CPU flash attention forward and an unfused backward
-that gives the spans' gradient as one more reduction (SDPA would run its unfused math path
-both ways for a mask that needs a gradient: 0.87-0.90x `full`'s speed at T = 128-256):
-* short (T <= `short_path_max_t`): all T x T pairs (on CPU the backward takes query blocks
-  against the keys within reach only, see `FlashThenUnfused`).
+(`_toeplitz`). On CPU the spans' gradient is one more reduction of the scores' gradient in a
+kernel of our own (SDPA would run its unfused math path both ways for a mask that needs a
+gradient: 0.87-0.90x `full`'s speed at T = 128-256): `UnfusedSavedWeights` up to
+`saved_weights_max_t` frames, above it `FlashThenUnfused` (CPU flash attention forward, an
+unfused backward):
+* short (T <= `short_path_max_t`): all T x T pairs (`FlashThenUnfused`'s backward takes query
+  blocks against the keys within reach only).
 * long: only keys within the reach X = ceil(max_h z_h + R) - 1 (the largest distance with a
   non-zero mask in any head): query blocks of X frames against the previous, own and next
   key blocks, O(T X D) time and O(T X h) memory, never T x T.
@@ -50,6 +52,7 @@ from speechattn.attention.base import (
     masked_softmax,
     scale,
     select_,
+    widen,
 )
 from speechattn.attention.registry import register
 
@@ -122,6 +125,49 @@ class FlashThenUnfused(torch.autograd.Function):
         return d_q, d_k, d_v.to(v.dtype), d_z.to(ctx.span_dtype), None, None, None, None
 
 
+class UnfusedSavedWeights(torch.autograd.Function):
+    """Attention under an additive mask that depends on the spans z, on CPU, for short
+    sequences: unfused, keeping the weights P (N, h, L, Lk) for the backward.
+
+    At T = 128 flash's forward plus `FlashThenUnfused`'s backward (which recomputes P, five
+    products in all) cost about 1.3x SDPA's fused step; this kernel's six products with P kept
+    cost about as much as SDPA's (the mask added inside the score product, one softmax).
+    It stores N h L Lk weights, so it serves short sequences only (`saved_weights_max_t`).
+    Runs in float32 (float64 stays) whatever the input dtype.
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, z, mask, mask_dz):  # noqa: D102
+        """q, k, v (N, h, L | Lk, d); z (h,); mask and its z-derivative mask_dz
+        (N or 1, h, L, Lk)."""
+        N, h, L, d = q.shape
+        Lk, wide = k.shape[-2], widen(q).dtype
+        q_, k_, v_ = (t.to(wide).reshape(N * h, -1, d) for t in (q, k, v))
+        bias = mask.to(wide).expand(N, h, L, Lk).reshape(N * h, L, Lk)
+        with torch.autocast(q.device.type, enabled=False):
+            weights = torch.baddbmm(bias, q_, k_.mT, alpha=d**-0.5).softmax(-1)  # (N h, L, Lk)
+            out = weights @ v_  # (N h, L, d)
+        ctx.save_for_backward(q_, k_, v_, out, weights, mask_dz)
+        ctx.dtypes = q.dtype, k.dtype, v.dtype, z.dtype
+        return out.view(N, h, L, d).to(q.dtype)
+
+    @staticmethod
+    def backward(ctx, d_out):  # noqa: D102
+        q_, k_, v_, out, weights, mask_dz = ctx.saved_tensors
+        N, h, L, d = d_out.shape
+        d_out_ = d_out.to(out.dtype).reshape(N * h, L, d)
+        with torch.autocast(d_out.device.type, enabled=False):
+            row = (d_out_ * out).sum(-1, keepdim=True)  # dO . O
+            d_v = weights.mT @ d_out_
+            d_scores = torch.baddbmm(row.neg_(), d_out_, v_.mT).mul_(weights)  # P (dP - dO.O)
+            d_z = (d_scores.view(N, h, L, -1) * mask_dz).sum((0, 2, 3))
+            d_q = (d_scores @ k_).mul_(d**-0.5)
+            d_k = (d_scores.mT @ q_).mul_(d**-0.5)
+        grads = (g.view(N, h, -1, d) for g in (d_q, d_k, d_v))
+        d_q, d_k, d_v = (g.to(dtype) for g, dtype in zip(grads, ctx.dtypes, strict=False))
+        return d_q, d_k, d_v, d_z.to(ctx.dtypes[3]), None, None
+
+
 @dataclass
 class AdaptiveSpanConfig(AttentionConfig):
     max_span: int = 256  # S, longest learnable span in frames (7.7 s of 30 ms frames)
@@ -155,6 +201,11 @@ class AdaptiveSpanAttention(Attention):
     # 1.18-1.22 / 0.99-1.02 at 1024, 1.20-1.39 / 1.35-1.42 at 1536, 1.54-1.57 / 1.52-1.64 at
     # 2048. All pairs never builds a T x T tensor unless the batch is padded.
     short_path_max_t = 1024
+    # On CPU, all pairs keep their weights for the backward (`UnfusedSavedWeights`) up to
+    # here, then flash forward (`FlashThenUnfused`). Speed over `full`'s, interleaved medians,
+    # saved / flash: 0.93-0.95 / 0.91-0.93 at T = 128, 0.95-0.97 / 0.92-0.93 at 256,
+    # 0.94-0.95 / 0.95 at 320 and 384, 0.86 / 0.99 at 448.
+    saved_weights_max_t = 320
 
     def __init__(self, config: AdaptiveSpanConfig) -> None:
         super().__init__(config)
@@ -249,15 +300,16 @@ class AdaptiveSpanAttention(Attention):
         T = q.shape[-2]
         X = self.reach()
         if T <= self.short_path_max_t or 3 * X >= T:  # the band would cover (nearly) all pairs
-            if self._uses_flash(q):
-                return self._attend_all_pairs_flash(q, k, v, valid, X)
+            if self._uses_cpu_kernels(q):
+                return self._attend_all_pairs_cpu(q, k, v, valid, X)
             return self._attend_all_pairs(q, k, v, valid)
         return self._attend_band(q, k, v, valid, X)
 
-    def _uses_flash(self, q: Tensor) -> bool:
-        """Whether the kernels run `FlashThenUnfused`: on CPU, where SDPA runs its math path for
-        a mask that needs a gradient (0.87x `full`'s speed at T = 128); CUDA's memory-efficient
-        kernel differentiates the mask itself. Not with attention dropout: flash draws none."""
+    def _uses_cpu_kernels(self, q: Tensor) -> bool:
+        """Whether the kernels run our CPU kernels (`UnfusedSavedWeights`, `FlashThenUnfused`,
+        or flash alone for fixed spans): on CPU, where SDPA runs its math path for a mask that
+        needs a gradient (0.87x `full`'s speed at T = 128); CUDA's memory-efficient kernel
+        differentiates the mask itself. Not with attention dropout, which SDPA draws."""
         return q.device.type == "cpu" and not (self.training and self.dropout)
 
     def _attend_all_pairs(self, q: Tensor, k: Tensor, v: Tensor, valid: Tensor) -> Tensor:
@@ -284,7 +336,7 @@ class AdaptiveSpanAttention(Attention):
         log_m = raw.clamp(0.0, 1.0).log()  # -inf where m = 0
         return log_m.to(dtype), torch.where(raw.ceil() == 1, 1.0 / (self.ramp * raw), 0.0)
 
-    def _flash(
+    def _cpu_kernel(
         self,
         q: Tensor,
         k: Tensor,
@@ -293,31 +345,42 @@ class AdaptiveSpanAttention(Attention):
         mask_dz: Tensor,
         reach: int | None = None,
         keys_reversed: bool = False,
+        save_weights: bool = False,
     ) -> Tensor:
         """Attention of (N, h, L, d) blocks under the constant additive mask, differentiable in
-        the spans through mask_dz (same layout), on CPU; see `FlashThenUnfused`."""
+        the spans through mask_dz (same layout), on CPU: `UnfusedSavedWeights` when
+        save_weights, else `FlashThenUnfused` (see both)."""
         z = self.spans()
         if not (torch.is_grad_enabled() and z.requires_grad):  # spans fixed: flash's backward
             return _flash_cpu(q, k, v, attn_mask=mask)[0]
+        if save_weights:
+            return UnfusedSavedWeights.apply(q, k, v, z, mask, mask_dz)
         return FlashThenUnfused.apply(q, k, v, z, mask, mask_dz, reach, keys_reversed)
 
-    def _attend_all_pairs_flash(
+    def _attend_all_pairs_cpu(
         self, q: Tensor, k: Tensor, v: Tensor, valid: Tensor, X: int
     ) -> Tensor:
-        """All pairs (the backward within reach X) with the keys in reverse order: query i and
-        reversed key j' = T - 1 - j are i + j' - (T - 1) apart, so a mask over (query, reversed
-        key) is a strided view of its 2T - 1 values (`patterns.hankel`; CPU flash reads masks
-        by stride), not a T x T tensor, unless the batch is padded."""
+        """All pairs (the backward within reach X). Up to `saved_weights_max_t` frames
+        `UnfusedSavedWeights`, with the keys in order (it adds the mask inside its score
+        product, so a T x T mask costs nothing extra). Above, flash with the keys in reverse
+        order: query i and reversed key j' = T - 1 - j are i + j' - (T - 1) apart, so a mask
+        over (query, reversed key) is a strided view of its 2T - 1 values (`patterns.hankel`;
+        CPU flash reads masks by stride), not a T x T tensor, unless the batch is padded."""
         T = q.shape[-2]
+        reverse = T > self.saved_weights_max_t
+        layout = patterns.hankel if reverse else patterns.toeplitz
         log_m, log_m_dz = self._constant_log_mask(0, T, T, q.dtype)  # offsets 1 - T .. T - 1
-        mask = patterns.hankel(log_m, T, T)[None]  # (1, h, T, T)
+        mask, mask_dz = layout(log_m, T, T)[None], layout(log_m_dz, T, T)[None]  # (1, h, T, T)
         if not bool(valid.all()):
-            i = torch.arange(T, device=q.device)
-            self_key = i[:, None] + i[None, :] == T - 1  # (T, T), allowed as in _attend_all_pairs
-            allowed = key_mask(valid).flip(-1)[:, None, None, :] | self_key  # (B, 1, T, T)
+            # self always allowed, as in _attend_all_pairs
+            keys, self_key = key_mask(valid), torch.eye(T, dtype=torch.bool, device=q.device)
+            if reverse:
+                keys, self_key = keys.flip(-1), self_key.flip(-1)
+            allowed = keys[:, None, None, :] | self_key  # (B, 1, T, T)
             mask = mask.masked_fill(~allowed, float("-inf"))  # (B, h, T, T)
-        mask_dz = patterns.hankel(log_m_dz, T, T)[None]
-        return self._flash(q, k.flip(-2), v.flip(-2), mask, mask_dz, X, True)
+        if reverse:
+            k, v = k.flip(-2), v.flip(-2)
+        return self._cpu_kernel(q, k, v, mask, mask_dz, X, reverse, save_weights=not reverse)
 
     def _attend_band(self, q: Tensor, k: Tensor, v: Tensor, valid: Tensor, X: int) -> Tensor:
         """Keys within distance X only: blocks of X queries against the 3X keys of the
@@ -341,10 +404,12 @@ class AdaptiveSpanAttention(Attention):
         def block_mask(bias: Tensor) -> Tensor:  # (h, X, 3X) -> (B n, h, X, 3X), -inf outside
             return bias.masked_fill(~allowed, float("-inf")).view(B * n, h, X, 3 * X)
 
-        if self._uses_flash(q):
+        if self._uses_cpu_kernels(q):
             log_m, log_m_dz = self._constant_log_mask(X, X, 3 * X, q.dtype)
             mask_dz = patterns.toeplitz(log_m_dz, X, 3 * X)[None]
-            out = self._flash(qb, kb, vb, block_mask(patterns.toeplitz(log_m, X, 3 * X)), mask_dz)
+            out = self._cpu_kernel(
+                qb, kb, vb, block_mask(patterns.toeplitz(log_m, X, 3 * X)), mask_dz
+            )
         else:
             mask = block_mask(self._toeplitz(X, X, 3 * X)).to(q.dtype)
             p = self.dropout if self.training else 0.0

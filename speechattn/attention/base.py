@@ -362,6 +362,12 @@ def self_penalty(T: int, device: torch.device, dtype: torch.dtype) -> Tensor:
 NUMPY_DTYPES = {torch.float32: np.float32, torch.float64: np.float64}  # lazy_zeros' dtypes
 
 
+def widen(t: Tensor) -> Tensor:
+    """Half-precision tensors to float32; float32 and float64 unchanged (sums and kernels
+    that must not run in half precision under autocast)."""
+    return t.to(torch.promote_types(t.dtype, torch.float32))
+
+
 def numpy_backed(dtype: torch.dtype, device: torch.device | str) -> bool:
     """Whether tensors of this dtype and device can share memory with numpy (CPU float32 or
     float64)."""

@@ -55,6 +55,7 @@ from speechattn.attention.base import (
     linear_flops,
     masked_softmax,
     scale,
+    widen,
 )
 from speechattn.attention.registry import register
 
@@ -218,11 +219,6 @@ def projection_seed(seed: int, layer: int) -> int:
     return int(np.random.SeedSequence([seed, layer]).generate_state(1, np.uint64)[0] >> 1)
 
 
-def _widen(t: Tensor) -> Tensor:
-    """Half-precision tensors to float32; float32 and float64 unchanged."""
-    return t.to(torch.promote_types(t.dtype, torch.float32))
-
-
 def _csr(crow: Tensor, col: Tensor, values: Tensor, T: int) -> Tensor:
     """A (T, T) CSR matrix with len(crow) - 1 rows of equal width (one head)."""
     return torch.sparse_csr_tensor(crow, col, values, (T, T))
@@ -247,7 +243,7 @@ class SparseTopkAttention(torch.autograd.Function):
         ctx, q: Tensor, k: Tensor, v: Tensor, idx: Tensor, allowed: Tensor, scale: float
     ) -> Tensor:
         ctx.dtype = q.dtype
-        q, k, v = _widen(q), _widen(k), _widen(v)
+        q, k, v = widen(q), widen(k), widen(v)
         with torch.autocast(q.device.type, enabled=False):
             out = SparseTopkAttention._forward(ctx, q, k, v, idx, allowed, scale)
         return out.to(ctx.dtype)
@@ -277,7 +273,7 @@ class SparseTopkAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: Tensor) -> tuple[Tensor, Tensor, Tensor, None, None, None]:
         with torch.autocast(grad.device.type, enabled=False):
-            g_q, g_k, g_v = SparseTopkAttention._backward(ctx, _widen(grad))
+            g_q, g_k, g_v = SparseTopkAttention._backward(ctx, widen(grad))
         return g_q.to(ctx.dtype), g_k.to(ctx.dtype), g_v.to(ctx.dtype), None, None, None
 
     @staticmethod
@@ -362,7 +358,7 @@ class _LSHAttention(Attention):
         precision transforms (norms, sqrt(M^2 - ||x||^2)) would flip bits of the fp32 model.
         """
         with torch.autocast(q.device.type, enabled=False):
-            return self._codes(_widen(q), _widen(k), valid)
+            return self._codes(widen(q), widen(k), valid)
 
     def _codes(self, q: Tensor, k: Tensor, valid: Tensor) -> tuple[Tensor, Tensor]:
         kv = key_mask(valid)[:, None, :, None]  # (B, 1, T, 1)

@@ -65,6 +65,7 @@ from speechattn.attention.base import (
     key_mask,
     masked_softmax,
     select_,
+    widen,
 )
 from speechattn.attention.dot_product import SharedQKBase
 from speechattn.attention.registry import register
@@ -251,8 +252,7 @@ class RoutingAttention(SharedQKBase):
 
     def _routing_vectors(self, k: Tensor) -> Tensor:
         """The routing heads' keys in float32 (float64 stays): (B, h_r, T, d_k)."""
-        k = k[:, self.heads_local :]
-        return k.to(torch.promote_types(k.dtype, torch.float32))
+        return widen(k[:, self.heads_local :])
 
     @torch.no_grad()
     def update_centroids(self, k: Tensor, valid: Tensor) -> None:

@@ -149,6 +149,7 @@ def test_blocked_backward_equals_dense_reference(block, scores, limit, monkeypat
     monkeypatch.setattr(FlashThenUnfused, "backward_scores", scores)
     attn = _with_spans(max_span=12, ramp=3)  # reach 14
     monkeypatch.setattr(type(attn), "short_path_max_t", limit)
+    monkeypatch.setattr(type(attn), "saved_weights_max_t", 0)
     x, pad = batch([47, 30, 3])
     w = torch.linspace(-1, 1, x.numel(), dtype=x.dtype).view(x.shape)
     results = []
@@ -161,3 +162,38 @@ def test_blocked_backward_equals_dense_reference(block, scores, limit, monkeypat
     for a, b in zip(*results):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
     assert attn.reach() == 14
+
+
+@pytest.mark.parametrize("saved", [True, False], ids=["saved-weights", "flash-then-unfused"])
+@pytest.mark.parametrize("lengths", [[47, 30, 3], [40]], ids=["padded", "unpadded"])
+def test_all_pairs_cpu_kernels_equal_dense_reference(saved, lengths, monkeypatch):
+    """Both all-pairs CPU kernels (keys in order with the weights kept; keys reversed with
+    flash's forward) give the dense reference's output and gradients, the spans' included."""
+    from speechattn.attention.adaptive_span import FlashThenUnfused, UnfusedSavedWeights
+
+    attn = _with_spans(max_span=12, ramp=3)
+    monkeypatch.setattr(type(attn), "short_path_max_t", 10**6)
+    monkeypatch.setattr(type(attn), "saved_weights_max_t", 10**6 if saved else 0)
+    used = []
+    for kernel in (FlashThenUnfused, UnfusedSavedWeights):
+        monkeypatch.setattr(kernel, "apply", _recording(kernel.apply, kernel, used))
+    x, pad = batch(lengths)
+    w = torch.linspace(-1, 1, x.numel(), dtype=x.dtype).view(x.shape)
+    results = []
+    for dense in (False, True):
+        attn.zero_grad()
+        xi = x.clone().requires_grad_(True)
+        y = attn.dense_reference(xi, pad)[0] if dense else attn(xi, pad)
+        (y * w).sum().backward()
+        results.append((y.detach(), xi.grad, attn.span_fraction.grad.clone(), attn.qkv.weight.grad))
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+    assert used == [UnfusedSavedWeights if saved else FlashThenUnfused]
+
+
+def _recording(apply, kernel, used):
+    def wrapped(*args):
+        used.append(kernel)
+        return apply(*args)
+
+    return wrapped
