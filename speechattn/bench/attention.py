@@ -9,7 +9,10 @@ default) in the same process and in interleaved order, together with two baselin
 speechattn's wrapper) and `sdpa_kernel` (the SDPA call alone on ready (B, h, T, d_k) tensors).
 
 * time: minimum over `--reps` timed steps after one warm-up step (min is the most robust
-  statistic on a shared machine); the median is stored too. Parameter gradients are reset
+  statistic on a shared machine); the median is stored too. Short lengths get more steps, so
+  that each case is timed for about `--min-time` seconds (`full`'s step time decides the count
+  for the length): their steps are cheap and the noisiest (at T = 128, one run's min of 5 had
+  the same computation, `sdpa_mha`, at 0.96x `full`). Parameter gradients are reset
   to None around each step, as `optimizer.zero_grad()` does. `--clock wall` (default) times
   wall-clock; `--clock cpu` times the process's CPU time, which with `--threads 1` is immune
   to other processes competing for the cores (it sums all threads otherwise).
@@ -263,6 +266,7 @@ def run(args: argparse.Namespace) -> dict:
     }
     torch.manual_seed(0)
     warmup_peak: dict[str, tuple[int, float]] = {}  # name -> (T, MiB) of its last warm-up
+    reps_at: dict[int, int] = {}
 
     def skip(n: str, T: int, why: str) -> None:
         res[n].setdefault("errors", {})[T] = why
@@ -292,14 +296,18 @@ def run(args: argparse.Namespace) -> dict:
                 del cases[n]
                 skip(n, T, f"peak {warmup_peak[n][1]:.0f} MiB, {free:.0f} MiB available")
         samples: dict[str, list[float]] = {n: [] for n in cases}
-        for _ in range(args.reps):
+        reps = args.reps
+        if "full" in cases:
+            reps = max(reps, math.ceil(args.min_time * 1000 / cases["full"].time_step(clock)))
+        reps_at[T] = reps
+        for _ in range(reps):
             for n, case in cases.items():
                 samples[n].append(case.time_step(clock))
         for n, case in cases.items():
             r = res[n]
             r["time_ms"][T] = min(samples[n])
             r["time_ms_median"][T] = statistics.median(samples[n])
-            sel = [case.time_select(clock) for _ in range(args.reps)] if n in LSH else []
+            sel = [case.time_select(clock) for _ in range(reps)] if n in LSH else []
             if sel:
                 r.setdefault("select_ms", {})[T] = min(sel)
                 r.setdefault("attention_ms", {})[T] = max(r["time_ms"][T] - min(sel), 1e-3)
@@ -354,7 +362,7 @@ def run(args: argparse.Namespace) -> dict:
         "dim": args.dim,
         "heads": args.heads,
         "lengths": args.lengths,
-        "reps": args.reps,
+        "reps": reps_at,
         "timing": f"forward+backward {args.clock} time, min over reps after one warm-up",
         "memory": (
             "cuda max_memory_allocated rise"
@@ -516,6 +524,13 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument(
         "--reps", type=int, default=None, help="timed steps per case (default 3; quick 2)"
     )
+    p.add_argument(
+        "--min-time",
+        type=float,
+        default=None,
+        help="seconds of timed steps per case at least (default 0.5; quick 0.1): short "
+        "lengths get more than --reps steps",
+    )
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--dim", type=int, default=768)
     p.add_argument("--heads", type=int, default=12)
@@ -528,6 +543,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     args = p.parse_args(argv)
     args.lengths = args.lengths or (QUICK_LENGTHS if args.quick else DEFAULT_LENGTHS)
     args.reps = args.reps or (2 if args.quick else 3)
+    args.min_time = (0.1 if args.quick else 0.5) if args.min_time is None else args.min_time
     unknown = set(args.variants or []) - set(available())
     if unknown:
         p.error(f"unknown variant(s) {sorted(unknown)}; valid: {', '.join(available())}")

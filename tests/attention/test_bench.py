@@ -19,6 +19,8 @@ def test_bench_writes_json_and_png(tmp_path, capsys):
         "4",
         "--reps",
         "1",
+        "--min-time",
+        "0",
         "--json",
         str(path),
     ]
@@ -47,7 +49,19 @@ def test_cases_that_would_not_fit_in_memory_are_skipped_and_recorded(monkeypatch
 
     monkeypatch.setattr(bench, "peak_memory", fake_peak)
     monkeypatch.setattr(bench, "available_memory", lambda device: 300.0)  # 0.8 x 300 = 240
-    argv = ["--lengths", "16", "32", "--dim", "32", "--heads", "4", "--reps", "1"]
+    argv = [
+        "--lengths",
+        "16",
+        "32",
+        "--dim",
+        "32",
+        "--heads",
+        "4",
+        "--reps",
+        "1",
+        "--min-time",
+        "0",
+    ]
     out = bench.run(
         bench.parse([*argv, "--variants", "syn_random", "--no-memory", "--threads", "1"])
     )
@@ -57,3 +71,15 @@ def test_cases_that_would_not_fit_in_memory_are_skipped_and_recorded(monkeypatch
     assert "T=32 syn_random: skipped (predicted peak 400 MiB, 300 MiB available)" in (
         capsys.readouterr().err
     )
+
+
+def test_short_steps_are_timed_more_often(monkeypatch):
+    """Each length's cases get --reps steps at least, more when `full`'s step is short enough
+    that --reps of them take less than --min-time; the counts are recorded."""
+    monkeypatch.setattr(bench, "matmul_peak", lambda **kwargs: 1e11)  # not under test here
+    argv = ["--lengths", "16", "--dim", "32", "--heads", "4", "--threads", "1"]
+    args = ["--variants", "ldsa", "--no-memory", "--no-baselines", "--reps", "2"]
+    quick = bench.run(bench.parse([*argv, *args, "--min-time", "0"]))
+    timed = bench.run(bench.parse([*argv, *args, "--min-time", "0.2"]))
+    assert quick["meta"]["reps"] == {16: 2}
+    assert timed["meta"]["reps"][16] > 2  # a step at T = 16, D = 32 takes well under 0.1 s
