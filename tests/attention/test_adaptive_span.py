@@ -150,17 +150,7 @@ def test_blocked_backward_equals_dense_reference(block, scores, limit, monkeypat
     attn = _with_spans(max_span=12, ramp=3)  # reach 14
     monkeypatch.setattr(type(attn), "short_path_max_t", limit)
     monkeypatch.setattr(type(attn), "saved_weights_max_t", 0)
-    x, pad = batch([47, 30, 3])
-    w = torch.linspace(-1, 1, x.numel(), dtype=x.dtype).view(x.shape)
-    results = []
-    for dense in (False, True):
-        attn.zero_grad()
-        xi = x.clone().requires_grad_(True)
-        y = attn.dense_reference(xi, pad)[0] if dense else attn(xi, pad)
-        (y * w).sum().backward()
-        results.append((y.detach(), xi.grad, attn.span_fraction.grad.clone(), attn.qkv.weight.grad))
-    for a, b in zip(*results):
-        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+    _assert_equals_dense_reference(attn, [47, 30, 3])
     assert attn.reach() == 14
 
 
@@ -177,6 +167,13 @@ def test_all_pairs_cpu_kernels_equal_dense_reference(saved, lengths, monkeypatch
     used = []
     for kernel in (FlashThenUnfused, UnfusedSavedWeights):
         monkeypatch.setattr(kernel, "apply", _recording(kernel.apply, kernel, used))
+    _assert_equals_dense_reference(attn, lengths)
+    assert used == [UnfusedSavedWeights if saved else FlashThenUnfused]
+
+
+def _assert_equals_dense_reference(attn, lengths: list[int]) -> None:
+    """Output and gradients (input, spans, projection) of the efficient path and the dense
+    reference agree in float64."""
     x, pad = batch(lengths)
     w = torch.linspace(-1, 1, x.numel(), dtype=x.dtype).view(x.shape)
     results = []
@@ -188,7 +185,6 @@ def test_all_pairs_cpu_kernels_equal_dense_reference(saved, lengths, monkeypatch
         results.append((y.detach(), xi.grad, attn.span_fraction.grad.clone(), attn.qkv.weight.grad))
     for a, b in zip(*results):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
-    assert used == [UnfusedSavedWeights if saved else FlashThenUnfused]
 
 
 def _recording(apply, kernel, used):

@@ -6,24 +6,13 @@ import json
 
 from speechattn.bench import attention as bench
 
+# two tiny lengths, one timed step per case
+TINY = ["--lengths", "16", "32", "--dim", "32", "--heads", "4", "--reps", "1", "--min-time", "0"]
+
 
 def test_bench_writes_json_and_png(tmp_path, capsys):
     path = tmp_path / "bench.json"
-    argv = [
-        "--lengths",
-        "16",
-        "32",
-        "--dim",
-        "32",
-        "--heads",
-        "4",
-        "--reps",
-        "1",
-        "--min-time",
-        "0",
-        "--json",
-        str(path),
-    ]
+    argv = [*TINY, "--json", str(path)]
     bench.main([*argv, "--variants", "ldsa", "xbox", "syn_random", "--threads", "1"])
     out = json.loads(path.read_text())
     assert set(out["variants"]) == {"full", "ldsa", "xbox", "syn_random"}
@@ -49,21 +38,8 @@ def test_cases_that_would_not_fit_in_memory_are_skipped_and_recorded(monkeypatch
 
     monkeypatch.setattr(bench, "peak_memory", fake_peak)
     monkeypatch.setattr(bench, "available_memory", lambda device: 300.0)  # 0.8 x 300 = 240
-    argv = [
-        "--lengths",
-        "16",
-        "32",
-        "--dim",
-        "32",
-        "--heads",
-        "4",
-        "--reps",
-        "1",
-        "--min-time",
-        "0",
-    ]
     out = bench.run(
-        bench.parse([*argv, "--variants", "syn_random", "--no-memory", "--threads", "1"])
+        bench.parse([*TINY, "--variants", "syn_random", "--no-memory", "--threads", "1"])
     )
     syn = out["variants"]["syn_random"]
     assert set(syn["time_ms"]) == {16} and "predicted peak 400 MiB" in syn["errors"][32]
