@@ -4,7 +4,16 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _attention_testing import HEADS, batch, make
+from _attention_testing import (
+    DIM,
+    GRAD_TOLERANCE,
+    HEADS,
+    OUTPUT_TOLERANCE,
+    batch,
+    make,
+    rel_error,
+    train_pass,
+)
 
 from speechattn.attention import build
 
@@ -169,6 +178,25 @@ def test_all_pairs_cpu_kernels_equal_dense_reference(saved, lengths, monkeypatch
         monkeypatch.setattr(kernel, "apply", _recording(kernel.apply, kernel, used))
     _assert_equals_dense_reference(attn, lengths)
     assert used == [UnfusedSavedWeights if saved else FlashThenUnfused]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_flash_then_unfused_all_pairs_under_autocast(dtype, monkeypatch):
+    """The all-pairs kernel above `saved_weights_max_t` (flash forward, reversed keys) trains
+    under autocast within the registry's tolerance of float32 (test_precision runs the other
+    two CPU kernels: the saved-weights one as the short kernel, the band as the long one)."""
+    attn = build("adaptive_span", DIM, HEADS, max_span=12, ramp=3)
+    monkeypatch.setattr(type(attn), "short_path_max_t", 10**6)
+    monkeypatch.setattr(type(attn), "saved_weights_max_t", 0)
+    x, pad = batch([20, 13, 1])
+    x = x.float()
+    w = torch.randn(x.shape, generator=torch.Generator().manual_seed(5))
+    y32, gx32, gp32 = train_pass(attn, x, pad, w)
+    y, gx, gp = train_pass(attn, x, pad, w, dtype)
+    assert y.dtype == dtype and rel_error(y, y32) < OUTPUT_TOLERANCE[dtype]
+    assert rel_error(gx, gx32) < GRAD_TOLERANCE[dtype]
+    for n in gp32:
+        assert rel_error(gp[n], gp32[n]) < GRAD_TOLERANCE[dtype], n
 
 
 def _assert_equals_dense_reference(attn, lengths: list[int]) -> None:
