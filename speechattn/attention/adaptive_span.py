@@ -86,8 +86,8 @@ class FlashThenUnfused(torch.autograd.Function):
     @staticmethod
     def backward(ctx, d_out):  # noqa: D102
         q, k, v, out, log_sum_exp, mask, mask_dz = ctx.saved_tensors
-        wide = torch.promote_types(q.dtype, torch.float32)  # half precision: in float32
-        q_, k_, v_, out_, d_out_ = (t.to(wide) for t in (q, k, v, out, d_out))  # (B, h, ., d)
+        q_, k_, v_, out_, d_out_ = (widen(t) for t in (q, k, v, out, d_out))  # (B, h, ., d)
+        wide = q_.dtype  # half precision: in float32
         lse = log_sum_exp.to(wide)[..., None]  # (B, h, L, 1)
         row = (d_out_ * out_).sum(-1, keepdim=True)  # dO . O
         d_q, d_k, d_v = torch.zeros_like(q_), torch.zeros_like(k_), torch.zeros_like(v_)
@@ -141,9 +141,9 @@ class UnfusedSavedWeights(torch.autograd.Function):
         """q, k, v (N, h, L | Lk, d); z (h,); mask and its z-derivative mask_dz
         (N or 1, h, L, Lk)."""
         N, h, L, d = q.shape
-        Lk, wide = k.shape[-2], widen(q).dtype
-        q_, k_, v_ = (t.to(wide).reshape(N * h, -1, d) for t in (q, k, v))
-        bias = mask.to(wide).expand(N, h, L, Lk).reshape(N * h, L, Lk)
+        Lk = k.shape[-2]
+        q_, k_, v_ = (widen(t).reshape(N * h, -1, d) for t in (q, k, v))
+        bias = mask.to(q_.dtype).expand(N, h, L, Lk).reshape(N * h, L, Lk)
         with torch.autocast(q.device.type, enabled=False):
             weights = torch.baddbmm(bias, q_, k_.mT, alpha=d**-0.5).softmax(-1)  # (N h, L, Lk)
             out = weights @ v_  # (N h, L, d)
@@ -328,7 +328,7 @@ class AdaptiveSpanAttention(Attention):
     def _constant_log_mask(
         self, c: int, L: int, Lk: int, dtype: torch.dtype
     ) -> tuple[Tensor, Tensor]:
-        """For `FlashThenUnfused`: log m and its z-derivative (1 / (R raw) on the ramp, raw in
+        """For the CPU kernels: log m and its z-derivative (1 / (R raw) on the ramp, raw in
         (0, 1], 0 elsewhere) as constants, per head at the offsets c + a - w of an (L, Lk)
         layout, as `_toeplitz` takes them: (h, L + Lk - 1) each, in increasing offset order."""
         offsets = torch.arange(c - Lk + 1, c + L, device=self.span_fraction.device)

@@ -48,10 +48,6 @@ def phi(x: Tensor) -> Tensor:
     return F.elu(x) + 1
 
 
-def _tiny(t: Tensor) -> float:
-    return torch.finfo(t.dtype).tiny
-
-
 class LinearKernel(torch.autograd.Function):
     """Heads phi(Q) S / (phi(Q) z) from q, k, v (B, h, T, d_k), with a hand-written backward.
 
@@ -78,7 +74,7 @@ class LinearKernel(torch.autograd.Function):
         if drop is not None:
             state[..., -1] = fk.sum(-2)  # the normaliser keeps every key
         num_den = fq @ state  # (B, h, T, d_k + 1)
-        den = num_den[..., -1:].clamp_min(_tiny(q))  # 0 / 0 only on underflow
+        den = num_den[..., -1:].clamp_min(torch.finfo(q.dtype).tiny)  # 0 / 0 only on underflow
         out = num_den[..., :-1] / den
         ctx.save_for_backward(fq, fk, v1, state, out, den, drop)
         return out
