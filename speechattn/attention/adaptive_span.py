@@ -47,6 +47,7 @@ from speechattn.attention.base import (
     Attention,
     AttentionConfig,
     Flops,
+    all_valid,
     key_mask,
     linear_flops,
     masked_softmax,
@@ -295,7 +296,8 @@ class AdaptiveSpanAttention(Attention):
         """|i - j| in the spans' dtype (a half-precision distance is inexact above 256)."""
         return rel.abs().to(self.span_fraction.dtype)
 
-    def attend(self, x: Tensor, valid: Tensor) -> Tensor:
+    def attend(self, x: Tensor, valid: Tensor | None) -> Tensor:
+        valid = all_valid(x) if valid is None else valid
         q, k, v = self._qkv(x)  # (B, h, T, d_k)
         T = q.shape[-2]
         X = self.reach()

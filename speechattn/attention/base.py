@@ -193,8 +193,10 @@ class Attention(nn.Module, ABC):
 
     # ----------------------------------------------------------------- variant hooks
     @abstractmethod
-    def attend(self, x: Tensor, valid: Tensor) -> Tensor:
-        """Efficient path. x (B, T, D) with padded frames zeroed, valid (B, T) bool.
+    def attend(self, x: Tensor, valid: Tensor | None) -> Tensor:
+        """Efficient path. x (B, T, D) with padded frames zeroed, valid (B, T) bool, or None
+        when no frame is padded (the caller knows it from host-side lengths; a kernel that
+        reads the mask to find that out would make the host wait for the device).
 
         Returns per-head outputs (B, h, T, d_k); rows of padded queries may hold anything
         finite (they are zeroed afterwards).
@@ -274,6 +276,7 @@ class Attention(nn.Module, ABC):
         if not self.supports_weights:
             raise NotImplementedError(f"{self.name} cannot return attention weights")
         x, valid = self._prepare(x, padding_mask, head_mask)
+        valid = all_valid(x) if valid is None else valid
         heads, weights = self.attend_dense(x, valid)
         weights = weights * valid[:, None, :, None]  # padded queries: zero rows
         return self._project(heads, valid, head_mask), weights
@@ -281,7 +284,8 @@ class Attention(nn.Module, ABC):
     # ----------------------------------------------------------------- shared logic
     def _prepare(
         self, x: Tensor, padding_mask: Tensor | None, head_mask: Tensor | None
-    ) -> tuple[Tensor, Tensor]:
+    ) -> tuple[Tensor, Tensor | None]:
+        """Checked x with padded frames zeroed, and valid (B, T) bool (None: no padding)."""
         if x.dim() != 3 or x.shape[-1] != self.dim:
             raise ValueError(
                 f"{self.name}: expected x of shape (B, T, {self.dim}), got {tuple(x.shape)}"
@@ -290,7 +294,7 @@ class Attention(nn.Module, ABC):
         if T < 1:
             raise ValueError(f"{self.name}: expected T >= 1 frames, got {T}")
         if padding_mask is None:
-            valid = torch.ones(B, T, dtype=torch.bool, device=x.device)
+            valid = None
         else:
             if padding_mask.shape != (B, T) or padding_mask.dtype != torch.bool:
                 raise ValueError(
@@ -305,14 +309,14 @@ class Attention(nn.Module, ABC):
             )
         return x, valid
 
-    def _project(self, heads: Tensor, valid: Tensor, head_mask: Tensor | None) -> Tensor:
+    def _project(self, heads: Tensor, valid: Tensor | None, head_mask: Tensor | None) -> Tensor:
         """heads (B, h, T, d_k) -> xi-scaled, merged, projected y (B, T, D), zero at padding."""
         B, h, T, dk = heads.shape
         if head_mask is not None:
             heads = heads * head_mask.to(heads.dtype).view(1, h, 1, 1)
         merged = heads.transpose(1, 2).reshape(B, T, h * dk)  # (B, T, D)
         y = self.out_proj(merged)  # (B, T, D)
-        return y.masked_fill(~valid[..., None], 0.0)
+        return y if valid is None else y.masked_fill(~valid[..., None], 0.0)
 
     def split_heads(self, t: Tensor) -> Tensor:
         """(B, T, D) -> (B, h, T, d_k)."""
@@ -329,6 +333,12 @@ class Attention(nn.Module, ABC):
 
 
 # --------------------------------------------------------------------- helpers for variants
+def all_valid(x: Tensor) -> Tensor:
+    """valid (B, T) all True for x (B, T, ...): for kernels that need the mask as a tensor
+    when the caller said there is no padding (valid None)."""
+    return torch.ones(x.shape[:2], dtype=torch.bool, device=x.device)
+
+
 def key_mask(valid: Tensor) -> Tensor:
     """Keys a query may use: valid (B, T) -> (B, T) bool.
 

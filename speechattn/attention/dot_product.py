@@ -67,9 +67,9 @@ class FullAttention(Attention):
         q, k, v = self.qkv(x).chunk(3, dim=-1)  # 3 x (B, T, D)
         return self.split_heads(q), self.split_heads(k), self.split_heads(v)  # (B, h, T, d_k)
 
-    def attend(self, x: Tensor, valid: Tensor) -> Tensor:
+    def attend(self, x: Tensor, valid: Tensor | None) -> Tensor:
         q, k, v = self._qkv(x)  # (B, h, T, d_k)
-        mask = None if bool(valid.all()) else key_mask(valid)[:, None, None, :]  # (B, 1, 1, T)
+        mask = None if valid is None else key_mask(valid)[:, None, None, :]  # (B, 1, 1, T)
         p = self.dropout if self.training else 0.0
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p)
 
@@ -128,11 +128,11 @@ class SharedQKAttention(SharedQKBase):
     def flops(self, T: int) -> Flops:
         return self.shared_flops(T, T)
 
-    def attend(self, x: Tensor, valid: Tensor) -> Tensor:
+    def attend(self, x: Tensor, valid: Tensor | None) -> Tensor:
         q, k, v = self.shared_qkv(x)  # (B, h, T, d_k)
         T = x.shape[1]
         p = self.dropout if self.training else 0.0
-        if x.device.type == "cpu" and bool(valid.all()):
+        if x.device.type == "cpu" and valid is None:
             # Keys in reverse order put the self penalty on the anti-diagonal, which a strided
             # view of 2T - 1 numbers holds: the T x T mask cost 17 % of the step at T = 8192
             # (memory traffic). CUDA's kernels want a dense mask, padding a per-key term.
@@ -143,7 +143,7 @@ class SharedQKAttention(SharedQKBase):
                 q, k.flip(-2), v.flip(-2), attn_mask=mask, dropout_p=p
             )
         mask = self_penalty(T, x.device, q.dtype)[None, None]  # (1, 1, T, T)
-        if not bool(valid.all()):
+        if valid is not None:
             pad = torch.zeros(valid.shape, dtype=q.dtype, device=x.device)
             pad = pad.masked_fill(~key_mask(valid), float("-inf"))  # (B, T)
             mask = mask + pad[:, None, None, :]  # (B, 1, T, T)

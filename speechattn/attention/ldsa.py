@@ -28,6 +28,7 @@ from speechattn.attention.base import (
     Attention,
     AttentionConfig,
     Flops,
+    all_valid,
     key_mask,
     linear_flops,
     masked_softmax,
@@ -126,7 +127,8 @@ class LDSAttention(Attention):
         allowed = kv.unfold(1, self.context, 1)  # (B, T, c): key t + j - r allowed
         return masked_softmax(logits, allowed[:, None])  # (B, h, T, c)
 
-    def attend(self, x: Tensor, valid: Tensor) -> Tensor:
+    def attend(self, x: Tensor, valid: Tensor | None) -> Tensor:
+        valid = all_valid(x) if valid is None else valid
         r = self.context // 2
         w = self.drop(self.window_weights(x, valid))  # (B, h, T, c)
         v = F.pad(self.split_heads(self.w3(x)), (0, 0, r, r))  # (B, h, T + 2r, d_k)

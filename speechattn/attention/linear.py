@@ -147,11 +147,11 @@ class LinearAttention(Attention):
         """Column mask (B, h, T, 1) of attention dropout, scaled by 1 / (1 - p); ones in eval."""
         return self.drop(fk.new_ones(fk.shape[:-1] + (1,)))
 
-    def attend(self, x: Tensor, valid: Tensor) -> Tensor:
+    def attend(self, x: Tensor, valid: Tensor | None) -> Tensor:
         q, k, v = self.projections(x)  # (B, h, T, d_k)
         with torch.autocast(x.device.type, enabled=False):
             q32, k32, v32 = widen(q), widen(k), widen(v)
-            keep = None if bool(valid.all()) else key_mask(valid)[:, None, :, None].to(q32)
+            keep = None if valid is None else key_mask(valid)[:, None, :, None].to(q32)
             drop = self.key_dropout(k32) if self.dropout and self.training else None
             out = LinearKernel.apply(q32, k32, v32, keep, drop)
         return out.to(v.dtype)

@@ -43,6 +43,7 @@ from speechattn.attention.base import (
     Attention,
     AttentionConfig,
     Flops,
+    all_valid,
     key_mask,
     linear_flops,
     masked_softmax,
@@ -246,7 +247,8 @@ class LongformerAttention(Attention):
             bias = bias.masked_fill(~kv[:, None, None, :], -math.inf).masked_fill(own, 0.0)
         return bias
 
-    def attend(self, x: Tensor, valid: Tensor) -> Tensor:
+    def attend(self, x: Tensor, valid: Tensor | None) -> Tensor:
+        valid = all_valid(x) if valid is None else valid
         q, k, v = self._qkv(x)  # (B, h, T, d_k)
         p = self.dropout if self.training else 0.0
         if x.shape[1] <= self.short_path_max_t:

@@ -51,6 +51,7 @@ from speechattn.attention.base import (
     Attention,
     AttentionConfig,
     Flops,
+    all_valid,
     key_mask,
     linear_flops,
     masked_softmax,
@@ -398,7 +399,8 @@ class _LSHAttention(Attention):
         order = key.argsort(dim=-1, descending=True)[..., : min(self.k, T)]
         return torch.zeros_like(match, dtype=torch.bool).scatter(-1, order, True)
 
-    def attend(self, x: Tensor, valid: Tensor) -> Tensor:
+    def attend(self, x: Tensor, valid: Tensor | None) -> Tensor:
+        valid = all_valid(x) if valid is None else valid
         q, k, v = self._qkv(x)  # (B, h, T, d_k)
         B, h, T, d = q.shape
         idx = self.select(q, k, valid)  # (B, h, T, kk)

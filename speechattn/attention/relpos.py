@@ -128,10 +128,10 @@ class RelPosAttention(Attention):
         qv = q + self.pos_bias_v.to(q.dtype)[:, None, :]  # (B, h, T, d_k)
         return qv @ p.transpose(-1, -2).to(q.dtype)  # (B, h, T, 2T - 1)
 
-    def attend(self, x: Tensor, valid: Tensor) -> Tensor:
+    def attend(self, x: Tensor, valid: Tensor | None) -> Tensor:
         q, k, v = self._qkv(x)  # (B, h, T, d_k)
         bias = relative_shift(self._position_scores(q)) * scale(self.head_dim)  # (B, h, T, T)
-        if not bool(valid.all()):
+        if valid is not None:
             bias = bias.masked_fill(~key_mask(valid)[:, None, None, :], float("-inf"))
         qu = q + self.pos_bias_u.to(q.dtype)[:, None, :]  # (B, h, T, d_k)
         p = self.dropout if self.training else 0.0

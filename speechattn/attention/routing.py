@@ -62,6 +62,7 @@ from speechattn.attention.base import (
     SELF_PENALTY,
     AttentionConfig,
     Flops,
+    all_valid,
     key_mask,
     masked_softmax,
     select_,
@@ -368,7 +369,8 @@ class RoutingAttention(SharedQKBase):
         """q, k, v (B, h, T, d_k) as `select` takes them (the name `lsh.py` uses)."""
         return self.shared_qkv(x)
 
-    def attend(self, x: Tensor, valid: Tensor) -> Tensor:
+    def attend(self, x: Tensor, valid: Tensor | None) -> Tensor:
+        valid = all_valid(x) if valid is None else valid
         q, k, v = self.shared_qkv(x)  # (B, h, T, d_k)
         T = q.shape[-2]
         hl, p = self.heads_local, (self.dropout if self.training else 0.0)

@@ -39,6 +39,7 @@ from speechattn.attention.base import (
     SELF_PENALTY,
     AttentionConfig,
     Flops,
+    all_valid,
     key_mask,
     masked_softmax,
     scale,
@@ -231,7 +232,8 @@ class _SparseBase(SharedQKBase):
             outs.append(second(q[:, hA:], k[:, hA:], v[:, hA:], kv, ls, p))
         return torch.cat(outs, dim=1)  # (B, h, T, d_k)
 
-    def attend(self, x: Tensor, valid: Tensor) -> Tensor:
+    def attend(self, x: Tensor, valid: Tensor | None) -> Tensor:
+        valid = all_valid(x) if valid is None else valid
         q, k, v = self.shared_qkv(x)  # (B, h, T, d_k)
         kv = key_mask(valid)  # (B, T)
         strides = self.strides(valid)

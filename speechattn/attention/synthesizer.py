@@ -42,6 +42,7 @@ from speechattn.attention.base import (
     Attention,
     AttentionConfig,
     Flops,
+    all_valid,
     key_mask,
     lazy_zeros,
     linear_flops,
@@ -136,11 +137,11 @@ class SynDenseAttention(_SynthesizerBase):
             k = torch.cat([k, self.w2.bias[:T, None]], dim=-1)
         return q[:, None], k.expand(B, 1, T, -1)
 
-    def attend(self, x: Tensor, valid: Tensor) -> Tensor:
+    def attend(self, x: Tensor, valid: Tensor | None) -> Tensor:
         B, T, D = x.shape
         q, k = self._qk(x)  # (B, 1, T, H')
         v = self.v_proj(x)[:, None]  # (B, 1, T, D): all heads share the weights
-        mask = None if bool(valid.all()) else key_mask(valid)[:, None, None, :]  # (B, 1, 1, T)
+        mask = None if valid is None else key_mask(valid)[:, None, None, :]  # (B, 1, 1, T)
         p = self.dropout if self.training else 0.0
         return self.split_heads(_sdpa(q, k, v, mask, p)[:, 0])  # (B, h, T, d_k)
 
@@ -199,10 +200,10 @@ class SynDenseMHAttention(_SynthesizerBase):
             k = torch.cat([k, self.b2[:, :T, None]], dim=-1)
         return q, k.expand(B, -1, -1, -1)
 
-    def attend(self, x: Tensor, valid: Tensor) -> Tensor:
+    def attend(self, x: Tensor, valid: Tensor | None) -> Tensor:
         q, k = self._qk(x)  # (B, h, T, H')
         v = self.split_heads(self.v_proj(x))  # (B, h, T, d_k)
-        mask = None if bool(valid.all()) else key_mask(valid)[:, None, None, :]  # (B, 1, 1, T)
+        mask = None if valid is None else key_mask(valid)[:, None, None, :]  # (B, 1, 1, T)
         return _sdpa(q, k, v, mask, self.dropout if self.training else 0.0)
 
     def attend_dense(self, x: Tensor, valid: Tensor) -> tuple[Tensor, Tensor]:
@@ -483,7 +484,8 @@ class SynRandomAttention(_SynthesizerBase):
             return torch.softmax(logits, dim=-1)  # computed once for the whole batch
         return masked_softmax(logits, key_mask(valid)[:, None, None, :])
 
-    def attend(self, x: Tensor, valid: Tensor) -> Tensor:
+    def attend(self, x: Tensor, valid: Tensor | None) -> Tensor:
+        valid = all_valid(x) if valid is None else valid
         v = self.split_heads(self.v_proj(x))  # (B, h, T, d_k)
         T = x.shape[1]
         # Short sequences (and dropout, which needs the weights): explicit (G, h, T, T)

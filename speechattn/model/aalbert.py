@@ -282,6 +282,19 @@ class Encoder(nn.Module):
         return hidden, weights
 
 
+def padding_mask_for(lengths: Tensor, x: Tensor) -> Tensor | None:
+    """(B, T') True at padded frames of x (B, T', ...) for valid lengths (B,); None when no
+    frame is padded, which lets every layer take its unmasked kernel.
+
+    Host-side lengths (CPU) are read without a sync; lengths already on x's GPU are not read
+    (that would make the host wait for the device): the mask is built there, padded or not.
+    """
+    T = x.shape[1]
+    if lengths.device.type == "cpu" and min(lengths.tolist(), default=T) >= T:
+        return None
+    return lengths_to_padding_mask(lengths.to(x.device, non_blocking=True), T)
+
+
 class ReconstructionHead(nn.Module):
     """Linear -> GELU -> LayerNorm -> Linear back to the stacked feature dim (Mockingjay)."""
 
@@ -533,8 +546,11 @@ class AALBERT(nn.Module):
     def embed_and_encode(
         self, stacked: Tensor, lengths: Tensor, head_mask: Tensor | None = None
     ) -> list[Tensor]:
-        """stacked (B, T', stack*F), lengths' (B,) -> L+1 hidden states (B, T', D)."""
-        padding_mask = lengths_to_padding_mask(lengths, stacked.shape[1])
+        """stacked (B, T', stack*F), lengths' (B,) -> L+1 hidden states (B, T', D).
+
+        `lengths` on the host (CPU) while `stacked` is on a GPU costs no sync: whether the batch
+        is padded at all is read there (see `padding_mask_for`)."""
+        padding_mask = padding_mask_for(lengths, stacked)
         return self.encoder(self.embedding(stacked, padding_mask), padding_mask, head_mask)
 
     def reconstruct(
@@ -567,7 +583,7 @@ class AALBERT(nn.Module):
     def _embed(self, features: Tensor, lengths: Tensor) -> tuple[Tensor, Tensor]:
         """features (B, T, F), lengths (B,) -> embedded input (B, T', D), padding mask (B, T')."""
         stacked, out_lengths = self.stack(features, lengths)
-        padding_mask = lengths_to_padding_mask(out_lengths, stacked.shape[1])
+        padding_mask = padding_mask_for(out_lengths, stacked)
         return self.embedding(stacked, padding_mask), padding_mask
 
 
