@@ -5,14 +5,14 @@ from __future__ import annotations
 import argparse
 import contextlib
 import ctypes
-import math
 import os
 import re
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
+from torch import Tensor
 
 PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -46,24 +46,66 @@ def sync(device: str | torch.device) -> None:
 
 
 def matmul_peak(
-    n: int = 3072,
-    repeat: int = 5,
+    sizes: Sequence[int] | None = None,
+    seconds: float | None = None,
+    repeat: int = 2,
     device: str = "cpu",
     dtype: torch.dtype = torch.float32,
     clock: Callable[[], float] = time.perf_counter,
 ) -> float:
-    """Best FLOP/s of an n x n x n torch.mm in `dtype` on this device (the MFU denominator)."""
-    a = torch.randn(n, n, device=device, dtype=dtype)
-    b = torch.randn(n, n, device=device, dtype=dtype)
-    a @ b  # warm-up
-    best = math.inf
-    for _ in range(repeat):
-        sync(device)
-        t = clock()
-        a @ b
-        sync(device)
-        best = min(best, clock() - t)
-    return 2 * n**3 / best
+    """Best sustained FLOP/s of square `torch.mm`s in `dtype` on this device (the MFU
+    denominator): the maximum of `matmul_series` over its sizes."""
+    return max(matmul_series(sizes, seconds, repeat, device, dtype, clock).values())
+
+
+def matmul_series(
+    sizes: Sequence[int] | None = None,
+    seconds: float | None = None,
+    repeat: int = 2,
+    device: str = "cpu",
+    dtype: torch.dtype = torch.float32,
+    clock: Callable[[], float] = time.perf_counter,
+) -> dict[int, float]:
+    """{n: best sustained FLOP/s of n x n x n products}, each size warmed up, then timed as
+    `repeat` series of back-to-back products into one preallocated output, between two syncs.
+
+    One product is a poor peak: a GPU raises its clocks under sustained load, and a single
+    launch carries its own overhead and the first call's setup; small sizes do not fill an H100
+    and large ones do not fit a CPU's caches, hence several sizes. The timed warm-up call sizes
+    each series to last about `seconds` (default 0.2 s on CUDA, 0.05 s on CPU). Sizes default
+    to 2048, 4096, 8192 on CUDA and 512, 1024, 2048 on CPU; a size whose one product would take
+    over 20 x `seconds` at the best rate so far is skipped (bf16 on a CPU without bf16 units),
+    so the whole measurement takes about a second on a free CPU and two on a GPU.
+    """
+    cuda = torch.device(device).type == "cuda"
+    sizes = sizes or ((2048, 4096, 8192) if cuda else (512, 1024, 2048))
+    seconds = seconds if seconds is not None else (0.2 if cuda else 0.05)
+    rates: dict[int, float] = {}
+    for n in sorted(sizes):
+        flop = 2.0 * n**3
+        if rates and flop / max(rates.values()) > 20 * seconds:
+            break  # larger sizes only take longer
+        a = torch.randn(n, n, device=device, dtype=dtype)
+        b = torch.randn(n, n, device=device, dtype=dtype)
+        out = torch.empty(n, n, device=device, dtype=dtype)
+        elapsed = _time_products(a, b, out, 1, device, clock)  # warm-up, timed to size a series
+        count = max(1, min(10_000, round(seconds / max(elapsed, 1e-9))))
+        rates[n] = max(
+            count * flop / _time_products(a, b, out, count, device, clock) for _ in range(repeat)
+        )
+    return rates
+
+
+def _time_products(
+    a: Tensor, b: Tensor, out: Tensor, count: int, device: str, clock: Callable[[], float]
+) -> float:
+    """Seconds of `count` back-to-back `torch.mm(a, b, out=out)` between two syncs."""
+    sync(device)
+    t = clock()
+    for _ in range(count):
+        torch.mm(a, b, out=out)
+    sync(device)
+    return max(clock() - t, 1e-9)
 
 
 def peak_dtype(precision: str) -> torch.dtype:
