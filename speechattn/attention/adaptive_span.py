@@ -30,6 +30,12 @@ unfused backward):
 * long: only keys within the reach X = ceil(max_h z_h + R) - 1 (the largest distance with a
   non-zero mask in any head): query blocks of X frames against the previous, own and next
   key blocks, O(T X D) time and O(T X h) memory, never T x T.
+
+On CUDA and under torch.compile (`_static`) nothing reads device data on the host: the reach
+is its bound S + R - 1 from the options (z <= S), so shapes are fixed per T whatever the spans
+learn, and padding is masked without first asking whether there is any (valid None: none).
+Keys beyond a head's reach get log m = -inf either way, so the result is the same. The CPU
+eager path reads the spans (a CPU read costs nothing) and keeps its tighter reach.
 The dense reference takes the paper's route: softmax over valid keys, times m, renormalised.
 """
 
@@ -70,6 +76,10 @@ class FlashThenUnfused(torch.autograd.Function):
     spans' gradient is one more reduction, dL/dz_h = sum dS * d mask / dz_h. With a reach X
     (every key farther than X frames masked) the backward runs query blocks of
     `backward_block` frames against the keys within reach only.
+
+    CPU only (`_uses_cpu_kernels`), so no CUDA autocast to declare; it casts explicitly:
+    flash runs in q's dtype (the mask given in it), the backward in float32 (float64 stays)
+    with autocast off, whatever the caller's autocast state.
     """
 
     backward_block = 128  # queries per block of the backward (64: as fast; 256: 2-5 % slower)
@@ -86,6 +96,11 @@ class FlashThenUnfused(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, d_out):  # noqa: D102
+        with torch.autocast(d_out.device.type, enabled=False):  # widened below: keep float32
+            return FlashThenUnfused._backward(ctx, d_out)
+
+    @staticmethod
+    def _backward(ctx, d_out):  # noqa: ANN205 - backward's gradients
         q, k, v, out, log_sum_exp, mask, mask_dz = ctx.saved_tensors
         q_, k_, v_, out_, d_out_ = (widen(t) for t in (q, k, v, out, d_out))  # (B, h, ., d)
         wide = q_.dtype  # half precision: in float32
@@ -134,7 +149,8 @@ class UnfusedSavedWeights(torch.autograd.Function):
     products in all) cost about 1.3x SDPA's fused step; this kernel's six products with P kept
     cost about as much as SDPA's (the mask added inside the score product, one softmax).
     It stores N h L Lk weights, so it serves short sequences only (`saved_weights_max_t`).
-    Runs in float32 (float64 stays) whatever the input dtype.
+    Runs in float32 (float64 stays) with autocast off, whatever the input dtype: CPU only
+    (`_uses_cpu_kernels`), it casts explicitly rather than declaring a CUDA autocast policy.
     """
 
     @staticmethod
@@ -231,8 +247,12 @@ class AdaptiveSpanAttention(Attention):
         outside would only meet the forward clamp, whose gradient there is 0)."""
         self.span_fraction.clamp_(0.0, 1.0)
 
-    def reach(self) -> int:
-        """Largest distance x with m_z(x) > 0 in any head: ceil(max z + R) - 1."""
+    def reach(self, static: bool = False) -> int:
+        """Largest distance x with m_z(x) > 0 in any head: ceil(max z + R) - 1, read from the
+        current spans; with `static` its bound S + R - 1 (z <= S) from the options, which
+        reads nothing (CUDA, torch.compile: see `_static`)."""
+        if static:
+            return self.max_span + self.ramp - 1
         return math.ceil(float(self.spans().detach().max()) + self.ramp) - 1
 
     def ramp_position(self, distance: Tensor, z: Tensor | None = None) -> Tensor:
@@ -297,29 +317,39 @@ class AdaptiveSpanAttention(Attention):
         return rel.abs().to(self.span_fraction.dtype)
 
     def attend(self, x: Tensor, valid: Tensor | None) -> Tensor:
-        valid = all_valid(x) if valid is None else valid
         q, k, v = self._qkv(x)  # (B, h, T, d_k)
         T = q.shape[-2]
-        X = self.reach()
-        if T <= self.short_path_max_t or 3 * X >= T:  # the band would cover (nearly) all pairs
+        static = self._static(q)
+        X = self.reach(static)
+        if not static and valid is not None and bool(valid.all()):
+            valid = None  # CPU: a free read, and an unpadded batch keeps its masks strided views
+        if self.use_short_path(q) or 3 * X >= T:  # the band would cover (nearly) all pairs
             if self._uses_cpu_kernels(q):
                 return self._attend_all_pairs_cpu(q, k, v, valid, X)
             return self._attend_all_pairs(q, k, v, valid)
-        return self._attend_band(q, k, v, valid, X)
+        return self._attend_band(q, k, v, all_valid(x) if valid is None else valid, X)
+
+    @staticmethod
+    def _static(q: Tensor) -> bool:
+        """Whether this call takes the branch with shapes fixed per T and no host read of
+        device data: on CUDA (a read stalls the launch queue) and under torch.compile (it
+        breaks the graph). The CPU eager branch reads the spans for its reach instead."""
+        return q.device.type != "cpu" or torch.compiler.is_compiling()
 
     def _uses_cpu_kernels(self, q: Tensor) -> bool:
         """Whether the kernels run our CPU kernels (`UnfusedSavedWeights`, `FlashThenUnfused`,
         or flash alone for fixed spans): on CPU, where SDPA runs its math path for a mask that
         needs a gradient (0.87x `full`'s speed at T = 128); CUDA's memory-efficient kernel
-        differentiates the mask itself. Not with attention dropout, which SDPA draws."""
-        return q.device.type == "cpu" and not (self.training and self.dropout)
+        differentiates the mask itself. Not with attention dropout, which SDPA draws, nor
+        under torch.compile, which traces the SDPA kernels (`_static`)."""
+        return not self._static(q) and not (self.training and self.dropout)
 
-    def _attend_all_pairs(self, q: Tensor, k: Tensor, v: Tensor, valid: Tensor) -> Tensor:
+    def _attend_all_pairs(self, q: Tensor, k: Tensor, v: Tensor, valid: Tensor | None) -> Tensor:
         T = q.shape[-2]
         i = torch.arange(T, device=q.device)
         rel = i[:, None] - i[None, :]  # (T, T) query minus key position
         mask = self._toeplitz(0, T, T)[None]  # (1, h, T, T)
-        if not bool(valid.all()):
+        if valid is not None:
             # self always allowed (m(0) = 1), so that padded queries far from any valid key
             # keep a finite row (their outputs are zeroed afterwards)
             allowed = key_mask(valid)[:, None, None, :] | (rel == 0)  # (B, 1, T, T)
@@ -360,7 +390,7 @@ class AdaptiveSpanAttention(Attention):
         return FlashThenUnfused.apply(q, k, v, z, mask, mask_dz, reach, keys_reversed)
 
     def _attend_all_pairs_cpu(
-        self, q: Tensor, k: Tensor, v: Tensor, valid: Tensor, X: int
+        self, q: Tensor, k: Tensor, v: Tensor, valid: Tensor | None, X: int
     ) -> Tensor:
         """All pairs (the backward within reach X). Up to `saved_weights_max_t` frames
         `UnfusedSavedWeights`, with the keys in order (it adds the mask inside its score
@@ -373,7 +403,7 @@ class AdaptiveSpanAttention(Attention):
         layout = patterns.hankel if reverse else patterns.toeplitz
         log_m, log_m_dz = self._constant_log_mask(0, T, T, q.dtype)  # offsets 1 - T .. T - 1
         mask, mask_dz = layout(log_m, T, T)[None], layout(log_m_dz, T, T)[None]  # (1, h, T, T)
-        if not bool(valid.all()):
+        if valid is not None:
             # self always allowed, as in _attend_all_pairs
             keys, self_key = key_mask(valid), torch.eye(T, dtype=torch.bool, device=q.device)
             if reverse:

@@ -118,7 +118,8 @@ class Attention(nn.Module, ABC):
         short_path_max_t: variants with two kernels use their short-sequence one (all T x T
             pairs in a fused or batched call, cheapest at small T) up to this many frames and
             their long-sequence one (blocks, sparse products, chunks) above; None: one kernel.
-            Crossovers are measured with `python -m speechattn.bench attention`.
+            Crossovers are measured with `python -m speechattn.bench attention`; with
+            `autotune` on, `use_short_path` times both kernels on this machine instead.
         no_weight_decay: names of this module's parameters that are biases stored as matrices
             (one vector per head): the optimiser groups leave them undecayed, like every
             parameter of fewer than 2 dimensions.
@@ -133,6 +134,10 @@ class Attention(nn.Module, ABC):
     short_path_max_t: ClassVar[int | None] = None
     no_weight_decay: ClassVar[tuple[str, ...]] = ()
     max_len: int | None = None  # longest sequence (T) the variant accepts; None: any
+    # Kernel choice by measurement (`attention.autotune`, see `autotune.py`): off by default
+    # so that a module built here keeps the `short_path_max_t` rule (tests, `force_path`).
+    autotune: bool = False
+    _forced_kernel: str | None = None  # "short"/"long" while the tuner times one kernel
 
     def __init__(self, config: AttentionConfig) -> None:
         super().__init__()
@@ -144,6 +149,8 @@ class Attention(nn.Module, ABC):
         self.out_proj = nn.Linear(config.dim, config.dim, bias=config.bias)  # W^O
         # Original indices of the heads this module still has (all, until `prune_heads`).
         self.kept_heads: list[int] = list(range(config.num_heads))
+        self._kernel_memo: dict[tuple, bool] = {}  # measured choices: key -> short kernel
+        self.kernel_choices: dict[str, dict] = {}  # the same, readable, for run metadata
 
     @classmethod
     def from_config(cls, config: AttentionConfig) -> Attention:
@@ -190,6 +197,20 @@ class Attention(nn.Module, ABC):
     def after_optimizer_step(self) -> None:
         """Called by the pretraining task after each optimiser step to put parameters back
         into their valid range (adaptive_span: its spans); nothing for the others."""
+
+    def use_short_path(self, t: Tensor) -> bool:
+        """Whether a two-kernel variant runs its short-sequence kernel for t: x (B, T, D) or
+        q (B, h, T, d_k). The rule T <= `short_path_max_t`, or with `autotune` on the kernel
+        measured fastest for T's length bucket on this machine (`autotune.choose`; never
+        while compiling, where the rule keeps the branch static)."""
+        T = t.shape[-2] if t.dim() == 4 else t.shape[1]
+        if self._forced_kernel is not None:  # the tuner is timing one kernel
+            return self._forced_kernel == "short"
+        if self.autotune and not torch.compiler.is_compiling():
+            from speechattn.attention import autotune  # imports this module
+
+            return autotune.choose(self, t, T)
+        return T <= self.short_path_max_t
 
     # ----------------------------------------------------------------- variant hooks
     @abstractmethod

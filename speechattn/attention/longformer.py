@@ -251,7 +251,7 @@ class LongformerAttention(Attention):
         valid = all_valid(x) if valid is None else valid
         q, k, v = self._qkv(x)  # (B, h, T, d_k)
         p = self.dropout if self.training else 0.0
-        if x.shape[1] <= self.short_path_max_t:
+        if self.use_short_path(x):
             mask = self.pattern_bias(valid, q.dtype)  # (1 or B, h, T, T)
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p)
         return self.attend_long(q, k, v, key_mask(valid), p)

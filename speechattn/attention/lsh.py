@@ -404,7 +404,7 @@ class _LSHAttention(Attention):
         q, k, v = self._qkv(x)  # (B, h, T, d_k)
         B, h, T, d = q.shape
         idx = self.select(q, k, valid)  # (B, h, T, kk)
-        if T <= self.short_path_max_t:
+        if self.use_short_path(q):
             return self._attend_short(q, k, v, idx, valid)
         allowed = key_mask(valid).gather(1, idx.reshape(B, -1)).view(idx.shape)
         if self.dropout and self.training:  # dropout needs the weights: unfused path

@@ -375,7 +375,7 @@ class RoutingAttention(SharedQKBase):
         T = q.shape[-2]
         hl, p = self.heads_local, (self.dropout if self.training else 0.0)
         # Select with the centroids as they were before this pass moves them.
-        if T <= self.short_path_max_t:
+        if self.use_short_path(q):
             idx = self.select(q, k, valid)  # (B, h, T, kk)
             outs = [self._attend_short(q, k, v, idx, valid)]
         else:

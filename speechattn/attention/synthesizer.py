@@ -490,7 +490,7 @@ class SynRandomAttention(_SynthesizerBase):
         T = x.shape[1]
         # Short sequences (and dropout, which needs the weights): explicit (G, h, T, T)
         # weights in one batched product; long ones: the row-chunked table kernel.
-        if T <= self.short_path_max_t or (self.dropout and self.training):
+        if self.use_short_path(x) or (self.dropout and self.training):
             return weighted_values(self.drop(self.weights(valid)), v)
         return TableAttention.apply(
             self.logits, self.offsets(valid), v, key_mask(valid), self.gradient_memory

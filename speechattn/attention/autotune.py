@@ -1,0 +1,366 @@
+"""Kernel choice by measurement on the machine that runs it (issue 23, item 4).
+
+Variants with two exact kernels, a short-sequence one over all T x T pairs (one fused or
+batched call) and a long-sequence one (bands, blocks, sparse products, chunks), ask
+`Attention.use_short_path(t)` which one to run. Two ways to answer:
+
+* the rule (default): T <= `short_path_max_t`, crossovers measured once on an AMD EPYC host.
+  Always used under torch.compile / jit / fx tracing, on fake, meta or subclassed tensors,
+  under a dispatch mode (the fake-CUDA suite, sync counters), for CUDA tensors without a
+  driver, and when the short kernel's (B, h, T, T) scores for one sequence exceed
+  `SCORE_BUDGET` (there it is not a candidate to time);
+* measurement (`enable(model)`; pretraining does it unless `attention.autotune=false`): on
+  the first call per key, both kernels run forward + backward (`attend` on random
+  x (B', T_b, D), gradients of x and of the parameters through `torch.autograd.grad`, so no
+  `.grad` is touched) in eval mode under the caller's autocast, interleaved, min of `REPS`
+  after a warm-up each, and the faster one is kept, like `cudnn.benchmark` or Triton's
+  autotune. RNG states are forked, so measuring changes no random stream of the run.
+
+Key: device name (CPU model and torch threads, or the CUDA device's name), torch version,
+compute dtype (the autocast dtype when autocast is on), variant, heads, head dim, the options
+that shape the kernels (the config but `layer` and `dropout`), the length bucket T_b and the
+batch bucket. Length buckets are 2^k and 1.5 x 2^k frames (32, 48, 64, 96, 128, ..., every
+current crossover is one), timed at their top T_b (at most the variant's max_len); the batch
+is timed as given, cut so that B' h T_b^2 score elements fit `SCORE_BUDGET`, and bucketed to a
+power of two (GPU kernels' relative cost moves with occupancy).
+
+Cache: in memory per module and per process, and on disk in
+`$SPEECHATTN_CACHE/autotune/kernels.json` (the data layer's cache root; default
+`~/.cache/speechattn`), rewritten atomically (merged with what is there) after each new
+measurement; a corrupt file is ignored with a warning and rewritten. Delete it to re-measure.
+Choices are per process: DDP ranks may pick differently, which is harmless because both
+kernels compute the same function of the same parameters.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import json
+import math
+import os
+import platform
+import time
+import warnings
+from collections.abc import Callable, Iterator
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from speechattn.attention.base import Attention
+from speechattn.utils import atomic_write_text, digest
+
+KERNELS = ("short", "long")
+CACHE_VERSION = 1
+REPS = 3  # timed steps per kernel after one warm-up each; the min counts
+MIN_BUCKET = 32
+# Bytes of one (B', h, T, T) score tensor at the compute dtype that the short kernel may take
+# while it is timed (it allocates a few such tensors); longer T keep the rule.
+SCORE_BUDGET = 256 * 2**20
+# Config fields that do not change which kernel is faster (timing runs in eval mode).
+IGNORED_OPTIONS = ("dim", "num_heads", "layer", "dropout")
+
+_memory: dict[Path, dict[str, dict[str, Any]]] = {}  # cache file -> its entries, as read
+
+
+# ----------------------------------------------------------------------------- switching on
+def enable(model: nn.Module, on: bool = True) -> int:
+    """Switch measurement on (or off) for every two-kernel attention module of `model`
+    (itself included); returns how many there are."""
+    n = 0
+    for m in model.modules():
+        if isinstance(m, Attention) and m.short_path_max_t is not None:
+            m.autotune = on
+            n += 1
+    return n
+
+
+def rule_only(t: Tensor) -> bool:
+    """Whether t's context rules measurement out (see the module docstring)."""
+    from torch._subclasses.fake_tensor import is_fake
+    from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+    return (
+        torch.compiler.is_compiling()
+        or torch.jit.is_tracing()
+        or torch.fx._symbolic_trace.is_fx_tracing()
+        or type(t) not in (Tensor, nn.Parameter)
+        or is_fake(t)
+        or t.device.type == "meta"
+        or _get_current_dispatch_mode() is not None
+        or (t.device.type == "cuda" and not torch.cuda.is_available())
+    )
+
+
+# ----------------------------------------------------------------------------- keys
+def bucket(T: int) -> int:
+    """The smallest of 32, 48, 64, 96, ..., 2^k, 1.5 x 2^k that is >= T."""
+    if T <= MIN_BUCKET:
+        return MIN_BUCKET
+    p = 1 << (T - 1).bit_length()  # next power of two >= T
+    return p * 3 // 4 if T <= p * 3 // 4 else p
+
+
+@functools.cache
+def _cpu_model() -> str:
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return platform.processor() or platform.machine() or "cpu"
+
+
+def device_name(device: torch.device) -> str:
+    """What the timings belong to: e.g. "cuda:NVIDIA H100 80GB HBM3" or "cpu:AMD EPYC, 2
+    threads" (the thread count moves CPU crossovers as much as the model does)."""
+    if device.type == "cuda":
+        return f"cuda:{torch.cuda.get_device_name(device)}"
+    if device.type == "cpu":
+        return f"cpu:{_cpu_model()}, {torch.get_num_threads()} threads"
+    return device.type
+
+
+def compute_dtype(t: Tensor) -> torch.dtype:
+    """The dtype the kernels compute in: autocast's when it is on for t's device."""
+    kind = t.device.type
+    if kind in ("cpu", "cuda") and torch.is_autocast_enabled(kind):
+        return torch.get_autocast_dtype(kind)
+    return t.dtype
+
+
+def key_parts(module: Attention, t: Tensor, T: int, batch: int) -> dict[str, Any]:
+    """Everything the measured choice depends on (see the module docstring)."""
+    options = {k: v for k, v in asdict(module.config).items() if k not in IGNORED_OPTIONS}
+    return {
+        "device": device_name(t.device),
+        "torch": torch.__version__,
+        "dtype": str(compute_dtype(t)).removeprefix("torch."),
+        "variant": module.name,
+        "heads": module.num_heads,
+        "head_dim": module.head_dim,
+        "options": options,
+        "bucket": bucket(T),
+        "batch": batch,
+    }
+
+
+def timed_shape(module: Attention, t: Tensor, T: int) -> tuple[int, int] | None:
+    """(B', T_b) to time for a call with t at T frames; None when the short kernel's scores
+    for one sequence of T_b frames exceed `SCORE_BUDGET` (the rule decides there)."""
+    B = t.shape[0]
+    T_b = min(bucket(T), module.max_len or bucket(T))
+    per_sequence = module.num_heads * T_b * T_b * compute_dtype(t).itemsize
+    fits = SCORE_BUDGET // per_sequence
+    if fits < 1:
+        return None
+    B_t = max(1, min(B, fits))
+    return 1 << (B_t.bit_length() - 1), T_b  # a power of two <= B'
+
+
+# ----------------------------------------------------------------------------- choosing
+def choose(module: Attention, t: Tensor, T: int) -> bool:
+    """Whether `module` runs its short kernel for t (x (B, T, D) or q (B, h, T, d_k)) at T
+    frames: measured once per key, then from memory or disk."""
+    rule = T <= module.short_path_max_t
+    if rule_only(t):
+        return rule
+    shape = timed_shape(module, t, T)
+    memo_key = (bucket(T), shape, t.device, compute_dtype(t), module.num_heads)
+    memo = module._kernel_memo
+    if memo_key in memo:
+        return memo[memo_key]
+    if shape is None:
+        entry = {"kernel": "short" if rule else "long", "by": "rule (scores over budget)"}
+        parts = {"variant": module.name, "bucket": bucket(T), "dtype": str(compute_dtype(t))}
+    else:
+        parts = key_parts(module, t, T, shape[0])
+        key = digest(parts)
+        path = cache_path()
+        entry = _entries(path).get(key)
+        if entry is None:
+            ms = measure(module, t, *shape)
+            entry = {
+                **parts,
+                "kernel": min(KERNELS, key=ms.__getitem__),
+                "ms": {k: round(v, 4) for k, v in ms.items()},
+                "measured_at": shape[1],
+            }
+            _store(path, key, entry)
+            entry = {**entry, "by": "measured"}
+        else:
+            entry = {**entry, "by": "cache"}
+    short = entry["kernel"] == "short"
+    memo[memo_key] = short
+    label = f"{parts['variant']} T<={parts['bucket']} {parts['dtype']}"
+    if shape is not None:
+        label += f" B'={shape[0]} {parts['device']}"
+    module.kernel_choices[label] = {
+        "kernel": entry["kernel"],
+        "by": entry["by"],
+        **({"ms": entry["ms"]} if "ms" in entry else {}),
+    }
+    return short
+
+
+def time_once(step: Callable[[], None], kernel: str, device: torch.device) -> float:
+    """Seconds of one `step` (the forward + backward of `kernel`); tests replace it."""
+    del kernel  # the real clock does not need it
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    t0 = time.perf_counter()
+    step()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter() - t0
+
+
+def measure(module: Attention, like: Tensor, B: int, T: int) -> dict[str, float]:
+    """Milliseconds of forward + backward of each kernel of `module` on random x (B, T, D),
+    min over `REPS` interleaved steps after one warm-up each."""
+    device = like.device
+    dtype = module.out_proj.weight.dtype  # the module's input dtype (autocast casts inside)
+    gen = torch.Generator().manual_seed(T)
+    forks = [device] if device.type == "cuda" else []
+    with (
+        torch.random.fork_rng(forks, device_type="cuda"),
+        _eval(module),
+        torch.inference_mode(False),
+        torch.enable_grad(),
+    ):
+        x = torch.randn(B, T, module.dim, generator=gen).to(device, dtype).requires_grad_()
+        inputs = [x, *(p for p in module.parameters() if p.requires_grad)]
+
+        def step() -> None:
+            out = module.attend(x, None)  # (B, h, T, d_k)
+            torch.autograd.grad(out.float().sum(), inputs, allow_unused=True)
+
+        best = {k: math.inf for k in KERNELS}
+        for rep in range(REPS + 1):
+            for kernel in KERNELS:
+                with forced(module, kernel):
+                    seconds = time_once(step, kernel, device)
+                if rep:  # rep 0 warms up
+                    best[kernel] = min(best[kernel], seconds)
+    return {k: 1000 * v for k, v in best.items()}
+
+
+@contextlib.contextmanager
+def forced(module: Attention, kernel: str | None) -> Iterator[None]:
+    """Make `module.use_short_path` answer for `kernel` ("short"/"long"; None: as usual)."""
+    previous, module._forced_kernel = module._forced_kernel, kernel
+    try:
+        yield
+    finally:
+        module._forced_kernel = previous
+
+
+@contextlib.contextmanager
+def _eval(module: nn.Module) -> Iterator[None]:
+    """Eval mode (no dropout, no routing centroid updates) for the block, then each
+    submodule's own mode back."""
+    modes = [(m, m.training) for m in module.modules()]
+    module.eval()
+    try:
+        yield
+    finally:
+        for m, mode in modes:
+            m.training = mode
+
+
+# ----------------------------------------------------------------------------- disk cache
+def cache_path() -> Path:
+    """`$SPEECHATTN_CACHE/autotune/kernels.json` (the root of
+    `speechattn.data.config.default_cache_root`, which this layer may not import)."""
+    env = os.environ.get("SPEECHATTN_CACHE")
+    root = Path(env).expanduser() if env else Path.home() / ".cache" / "speechattn"
+    return root / "autotune" / "kernels.json"
+
+
+def _read(path: Path, warn: bool = True) -> dict[str, dict[str, Any]]:
+    """The file's entries; {} when it is missing, or corrupt (with a warning: the next
+    measurement rewrites it)."""
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError) as err:
+        if warn:
+            warnings.warn(
+                f"ignoring the corrupt kernel cache {path} ({err}); it will be rewritten",
+                stacklevel=2,
+            )
+        return {}
+    entries = data.get("entries") if isinstance(data, dict) else None
+    ok = (
+        isinstance(data, dict)
+        and data.get("version") == CACHE_VERSION
+        and isinstance(entries, dict)
+        and all(isinstance(e, dict) and e.get("kernel") in KERNELS for e in entries.values())
+    )
+    if not ok:
+        if warn:
+            warnings.warn(
+                f"ignoring the kernel cache {path} (unexpected content); it will be rewritten",
+                stacklevel=2,
+            )
+        return {}
+    return entries
+
+
+def _entries(path: Path) -> dict[str, dict[str, Any]]:
+    if path not in _memory:
+        _memory[path] = _read(path)
+    return _memory[path]
+
+
+def _store(path: Path, key: str, entry: dict[str, Any]) -> None:
+    """Add `entry` in memory and on disk, merged with the file as it is now (another process
+    may have added entries since it was read)."""
+    entries = _entries(path)
+    entries[key] = entry
+    merged = {**_read(path, warn=False), **entries}
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        text = json.dumps({"version": CACHE_VERSION, "entries": merged}, indent=1, sort_keys=True)
+        atomic_write_text(path, text + "\n")
+    except OSError as err:  # a read-only cache: keep the choice in memory only
+        warnings.warn(f"could not write the kernel cache {path}: {err}", stacklevel=2)
+
+
+def clear_memory() -> None:
+    """Forget the files read in this process (tests; the disk and module memos stay)."""
+    _memory.clear()
+
+
+# ----------------------------------------------------------------------------- reporting
+def choices(model: nn.Module) -> dict[str, Any]:
+    """The kernel choices of `model`'s attention for run metadata and model cards:
+    {"autotune": on, "short_path_max_t": the rule's crossover or None (one kernel),
+    "choices": {"VARIANT T<=T_b DTYPE ...": {"kernel", "by", "ms"}}} (choices made so far)."""
+    modules = [m for m in model.modules() if isinstance(m, Attention)]
+    if not modules:
+        return {}
+    first = modules[0]
+    made: dict[str, Any] = {}
+    for m in modules:
+        made.update(m.kernel_choices)
+    return {
+        "autotune": any(m.autotune for m in modules),
+        "short_path_max_t": first.short_path_max_t,
+        "choices": dict(sorted(made.items())),
+    }
+
+
+def used(module: Attention, T: int) -> str:
+    """The kernel `module` takes at T frames now, for tables: "one" (a single kernel),
+    "short"/"long" with "*" when measured (or read from the cache), else by the rule."""
+    if module.short_path_max_t is None:
+        return "one"
+    prefix = f"{module.name} T<={bucket(T)} "
+    for label, c in module.kernel_choices.items():
+        if label.startswith(prefix):
+            return c["kernel"] + ("*" if c["by"] in ("measured", "cache") else "")
+    return "short" if T <= module.short_path_max_t else "long"
