@@ -3,6 +3,12 @@
     python -m speechattn.bench pretrain [--model aalbert_tiny|aalbert_base] [--batch 4]
         [--frames 500] [--attention full,ldsa,...] [--repeat 5] [--device cpu|cuda]
         [--precision fp32|bf16|fp16] [--json out.json]
+    python -m speechattn.bench pretrain --plan experiment=paper [--gpu h100|a100] [--mfu 0.4]
+
+`--plan OVERRIDES` times nothing: it composes the pretraining config as
+`python -m speechattn.pretrain OVERRIDES` would and prints per variant the FLOPs of one training
+step (`step_flops`), the step time and GPU-hours they project to at `--mfu` of the GPU's
+vendor dense peak, and the frames/s the loader must deliver: a projection, not a measurement.
 
 `--clock cpu --threads 1` times CPU time of one thread, which other processes on a shared
 machine cannot inflate. A step is what `PretrainTask.training_step` does: stack frames, span
@@ -12,8 +18,9 @@ same process as
 
 * `reference`: a hand-written BERT-style AALBERT (explicit softmax(QK^T)V, no SDPA, no
   registry), the same sizes; it shows what the registry/model plumbing costs;
-* the machine's matmul peak in the precision's dtype, measured with a large `torch.mm` in
-  the same run (before and after the steps; the best is used).
+* the machine's matmul peak in the precision's dtype, the best sustained rate of series of
+  `torch.mm`s of several sizes (`common.matmul_series`) in the same run (before and after the
+  steps; the best is used).
 
 FLOPs are counted as each variant is defined: the `full` model's step is counted with
 `torch.utils.flop_counter` (plus the CPU flash-attention kernel, which it does not know: 4 B h
@@ -42,6 +49,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from speechattn.attention import available
 from speechattn.attention import build as build_attention
+from speechattn.attention.base import linear_flops
 from speechattn.attention.registry import options as attention_options
 from speechattn.bench.common import (
     add_precision_argument,
@@ -58,6 +66,7 @@ from speechattn.model.aalbert import (
     PRESETS,
     ModelConfig,
     preset_config,
+    registry_attention,
     sinusoidal_positions,
 )
 from speechattn.model.masking import MaskingConfig, corrupt, reconstruction_loss
@@ -206,6 +215,111 @@ def build(name: str, config: ModelConfig, frames: int, device: str) -> nn.Module
     return AALBERT(c).to(device).train()
 
 
+# ----------------------------------------------------------------------------- plan
+
+# Vendor dense peaks of the tensor cores, FLOP/s (no 2:4 structured sparsity: the datasheets'
+# headline figures "with sparsity" halved). NVIDIA H100 SXM5 datasheet: BF16/FP16 1,979 and TF32
+# 989 TFLOPS with sparsity; NVIDIA A100 datasheet: BF16/FP16 312 and TF32 156 TFLOPS dense.
+GPU_PEAKS: dict[str, tuple[str, dict[str, float]]] = {
+    "h100": ("NVIDIA H100 SXM", {"bf16": 989.4e12, "fp16": 989.4e12, "tf32": 494.7e12}),
+    "a100": ("NVIDIA A100", {"bf16": 312e12, "fp16": 312e12, "tf32": 156e12}),
+}
+
+
+def tensor_core_dtype(precision: Any) -> str:
+    """Lightning's `trainer.precision` -> the dtype its products run in on tensor cores
+    (bf16-mixed -> bf16, 16-mixed -> fp16, 32-true -> tf32, which assumes TF32 is enabled)."""
+    p = str(precision)
+    return "bf16" if p.startswith("bf16") else "fp16" if p.startswith("16") else "tf32"
+
+
+def model_flops(config: ModelConfig, frames: int) -> float:
+    """Training FLOPs (forward + backward) of one utterance of `frames` model frames through
+    all but the attention modules: input projection, convolutional positions, L feed-forwards
+    and the reconstruction head (`Flops`' rules: products only, a backward twice the forward;
+    the input projection's backward is its weight gradient alone, the features need none)."""
+    T, D, F, S = frames, config.dim, config.ffn_dim, config.input_dim  # S: stacked features
+    embedding = 2 * linear_flops(T, S, D)
+    if config.conv_position_kernel:  # grouped Conv1d: D / groups inputs per output channel
+        per_frame = D * (D // config.conv_position_groups) * config.conv_position_kernel
+        embedding += 3 * 2.0 * T * per_frame
+    ffn = 3 * config.num_layers * (linear_flops(T, D, F) + linear_flops(T, F, D))
+    head = 3 * (linear_flops(T, D, D) + linear_flops(T, D, S))
+    return embedding + ffn + head
+
+
+def step_flops(config: ModelConfig, batch: int, frames: int) -> float:
+    """Training FLOPs of one step of `batch` utterances of `frames` model frames: the model's
+    own products plus `config.attention`'s `Attention.flops(frames).training` per layer
+    application. The masked-L1 loss and the optimiser add elementwise work only."""
+    attention = registry_attention(config)(0)
+    per_utterance = model_flops(config, frames)
+    per_utterance += config.num_layers * attention.flops(frames).training
+    return batch * per_utterance
+
+
+def plan(args: argparse.Namespace) -> dict[str, Any]:
+    """`--plan OVERRIDES`: per variant, the FLOPs of one training step of the pretraining
+    config those overrides compose (model, `data.batch_size`, `data.max_frames`,
+    `trainer.max_steps`, `trainer.precision`), and what they project to on `--gpu` at `--mfu`:
+    step time = FLOPs / (MFU x vendor dense peak), GPU-hours = steps x step time / 3600, and
+    the loader's frames/s = 10 ms frames per step / step time. Every utterance is taken at the
+    full crop, so these are the upper bounds on work per step. A projection, nothing timed."""
+    from omegaconf import OmegaConf
+
+    from speechattn.config import compose
+
+    if not 0 < args.mfu <= 1:
+        raise SystemExit(f"--mfu must be in (0, 1], got {args.mfu}")
+    names = available() if args.attention == "all" else args.attention.split(",")
+    unknown = [n for n in names if n not in available()]
+    if unknown:
+        raise SystemExit(f"unknown attention {unknown}; choose from {', '.join(available())}")
+    gpu, peaks = GPU_PEAKS[args.gpu]
+    rows, setting = [], {}
+    for name in names:
+        cfg = compose("pretrain", [*args.plan, f"attention={name}"])
+        config = ModelConfig(**OmegaConf.to_container(cfg.model.net, resolve=True))
+        crop, batch = int(cfg.data.max_frames), int(cfg.data.batch_size)
+        frames, steps = crop // config.stack, int(cfg.trainer.max_steps)
+        dtype = tensor_core_dtype(cfg.trainer.precision)
+        setting = {"model": str(cfg.model.name), "dim": config.dim, "layers": config.num_layers,
+                   "heads": config.num_heads, "batch": batch, "frames": frames, "crop": crop,
+                   "steps": steps, "precision": str(cfg.trainer.precision), "dtype": dtype}  # fmt: skip
+        flops = step_flops(config, batch, frames)
+        step_s = flops / (args.mfu * peaks[dtype])
+        rows.append({
+            "attention": name,
+            "step_tflop": flops / 1e12,
+            "step_ms": step_s * 1e3,
+            "gpu_hours": steps * step_s / 3600 if steps > 0 else None,  # -1: no step limit
+            "frames_per_step": batch * crop,
+            "loader_frames_per_s": batch * crop / step_s,
+        })  # fmt: skip
+    s = setting
+    print(
+        f"plan for {' '.join(args.plan) or 'the default config'}: {s['model']} (D {s['dim']}, "
+        f"{s['layers']} layers, {s['heads']} heads), batch {s['batch']} x {s['frames']} model "
+        f"frames ({s['crop']} 10 ms frames), {s['steps']} steps, {s['precision']}\n"
+        f"PROJECTION, not a measurement: step time = FLOPs / ({args.mfu:.2f} MFU x {gpu} "
+        f"{s['dtype']} dense peak {peaks[s['dtype']] / 1e12:.1f} TFLOP/s, vendor figure)"
+    )
+    print(f"  {'attention':15s} {'TFLOP/step':>10s} {'step ms':>8s} {'GPU-hours':>9s} "
+          f"{'loader M frames/s (10 ms)':>26s}")  # fmt: skip
+    for r in rows:
+        hours = "n/a" if r["gpu_hours"] is None else f"{r['gpu_hours']:9.1f}"
+        print(
+            f"  {r['attention']:15s} {r['step_tflop']:10.2f} {r['step_ms']:8.1f} {hours:>9s} "
+            f"{r['loader_frames_per_s'] / 1e6:26.2f}"
+        )
+    result = {"benchmark": "pretrain_plan", "overrides": list(args.plan), "gpu": gpu,
+              "peak_tflops": peaks[s["dtype"]] / 1e12, "mfu": args.mfu, **s, "rows": rows}  # fmt: skip
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(result, indent=2))
+    return result
+
+
 # ----------------------------------------------------------------------------- CLI
 
 
@@ -232,6 +346,16 @@ def parse(argv: list[str]) -> argparse.Namespace:
     )
     p.add_argument("--dropout", type=float, default=0.0, help="0 keeps the step matmul-bound")
     p.add_argument("--json", type=Path, default=None, help="also write the results here")
+    p.add_argument(
+        "--plan",
+        nargs="*",
+        default=None,
+        metavar="OVERRIDE",
+        help="project instead of timing: FLOPs, GPU time and loader rate per step of the "
+        "pretraining config these overrides compose (e.g. --plan experiment=paper)",
+    )
+    p.add_argument("--gpu", default="h100", choices=sorted(GPU_PEAKS), help="--plan's GPU")
+    p.add_argument("--mfu", type=float, default=0.4, help="--plan's model FLOPs utilisation")
     args = p.parse_args(argv)
     args.precision = args.precision or default_precision(args.device)
     return args
@@ -334,4 +458,5 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def main(argv: list[str]) -> None:
-    run(parse(argv))
+    args = parse(argv)
+    plan(args) if args.plan is not None else run(args)
