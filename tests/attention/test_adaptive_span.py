@@ -14,6 +14,8 @@ from _attention_testing import (
     rel_error,
     train_pass,
 )
+from torch._dynamo.utils import counters
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from speechattn.attention import build
 
@@ -221,3 +223,63 @@ def _recording(apply, kernel, used):
         return apply(*args)
 
     return wrapped
+
+
+class _HostReads(TorchDispatchMode):
+    """Counts reads of tensor data on the host (`.item()`, `float(t)`, `bool(t)`): on a GPU
+    each is a host-device sync."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        self.count += func is torch.ops.aten._local_scalar_dense.default
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("limit", [10**6, 0], ids=["all-pairs", "band"])
+@pytest.mark.parametrize("lengths", [[47, 30, 3], [47, 47]], ids=["padded", "unpadded"])
+def test_static_branch_equals_dense_reference_without_host_reads(limit, lengths, monkeypatch):
+    """The branch CUDA and torch.compile take: the reach bounded from the options (S + R - 1 =
+    14 here, above the spans' 10), SDPA under the log-mask, padding masked without asking
+    whether there is any. Same output and gradients as the dense reference, and no read of
+    device data on the host in the forward."""
+    attn = make("adaptive_span", max_span=12, ramp=3)
+    with torch.no_grad():
+        attn.span_fraction.copy_(torch.tensor([0.0, 0.25, 0.5, 0.6], dtype=torch.float64))
+    assert attn.reach() == 10 and attn.reach(static=True) == 14 and 3 * 14 < 47  # band runs
+    monkeypatch.setattr(type(attn), "_static", staticmethod(lambda q: True))
+    monkeypatch.setattr(type(attn), "short_path_max_t", limit)
+    x, pad = batch(lengths)
+    padding = pad if len(set(lengths)) > 1 else None  # None: no frame padded
+    with _HostReads() as reads:
+        attn(x, padding)
+    assert reads.count == 0
+    _assert_equals_dense_reference(attn, lengths)
+
+
+def test_compiles_in_one_graph_without_recompiling_as_spans_learn():
+    """torch.compile (AOTAutograd, forward and backward) traces the whole module in one graph,
+    padded or not, matches eager, and a change of the spans (a parameter, not a constant)
+    recompiles nothing."""
+    attn = make("adaptive_span", max_span=8, ramp=2).train()
+    x, pad = batch([40, 31])
+
+    def loss(x: torch.Tensor, pad: torch.Tensor | None) -> torch.Tensor:
+        return attn(x, pad).square().sum()
+
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(loss, backend="aot_eager", fullgraph=True)  # a break raises
+    for padding in (pad, None, pad):
+        for fn in (loss, compiled):
+            attn.zero_grad()
+            xi = x.clone().requires_grad_(True)
+            fn(xi, padding).backward()
+            if fn is loss:
+                expected = xi.grad, attn.span_fraction.grad.clone()
+        torch.testing.assert_close((xi.grad, attn.span_fraction.grad), expected)
+        with torch.no_grad():
+            attn.span_fraction.mul_(0.5)  # the spans learn
+    assert counters["stats"]["unique_graphs"] == 2  # padded and unpadded, once each
