@@ -1,9 +1,22 @@
 #!/usr/bin/env bash
-# The GPU measurements of issue 12, for a session lent the device. Each part fits one
+# The GPU measurements of issues 12 and 23, for a session lent the device. Each part fits one
 # 10-minute device call and writes its log and JSON under $OUT (the device tool's output
 # folder; ./gpu_results elsewhere). Carry .whl (scripts/device_wheels.sh) and run, e.g.
-#   scripts/gpu_measurements.sh suite      # pytest -m gpu: kernels, 30-step pretraining per
-#                                          # family, resume, DDP, both benchmarks' MFU
+#   scripts/gpu_measurements.sh suite      # pytest -m gpu, all but the two parts below:
+#                                          # kernels, 30-step pretraining per family, loader
+#                                          # workers, fp32 and bf16 resume, DDP, matmul peak,
+#                                          # both benchmarks' MFU
+#   scripts/gpu_measurements.sh steps [full,ldsa,...]   # every variant (default all 19; both
+#                                          # kernels of the two-kernel ones, Flex where offered)
+#                                          # trains 4 bf16 steps at paper shapes (aalbert_base,
+#                                          # 50 x 500 frames): syncs/step, launches, runtime
+#                                          # syncs and copies -> paper_steps.jsonl (about 30
+#                                          # runs: split the variants if a call runs out)
+#   scripts/gpu_measurements.sh compile [VARIANTS]      # the same steps, model.compile=true
+#   scripts/gpu_measurements.sh peak       # matmul_series: sustained FLOP/s per size, bf16,
+#                                          # fp16, fp32 with and without TF32
+#   scripts/gpu_measurements.sh plan       # bench pretrain --plan experiment=paper (H100,
+#                                          # A100): the projection to compare with the above
 #   scripts/gpu_measurements.sh attention  # bench attention --device cuda, T = 128 .. 16384
 #   scripts/gpu_measurements.sh pretrain   # bench pretrain --device cuda, aalbert_base,
 #                                          # batch 50 x 500 frames, every variant
@@ -22,7 +35,30 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT
 
 case "${1:-}" in
   suite)
-    python3 -m pytest -m gpu -q -p no:cacheprovider tests 2>&1 | tee "$OUT/gpu_suite.log" ;;
+    python3 -m pytest -m gpu -q -p no:cacheprovider tests -k "not paper_shapes and not compiled" \
+      2>&1 | tee "$OUT/gpu_suite.log" ;;
+  steps|compile)
+    export SPEECHATTN_GPU_RESULTS="$OUT" SPEECHATTN_GPU_VARIANTS="${2:-}"
+    test=$([ "$1" = steps ] && echo paper_shapes || echo compiled)
+    python3 -m pytest -m gpu -q -p no:cacheprovider -rA tests/tasks/test_gpu_pretrain.py -k "$test" \
+      2>&1 | tee "$OUT/gpu_$1.log" ;;
+  peak)
+    python3 - <<'PY' 2>&1 | tee "$OUT/matmul_peak.log"
+import torch
+from speechattn.bench.common import device_name, matmul_series
+print(device_name("cuda"))
+for label, dtype, tf32 in [("bf16", torch.bfloat16, False), ("fp16", torch.float16, False),
+                           ("fp32", torch.float32, False), ("tf32", torch.float32, True)]:
+    torch.backends.cuda.matmul.allow_tf32 = tf32
+    rates = matmul_series(device="cuda", dtype=dtype, seconds=0.5, repeat=3)
+    print(label, {n: f"{r / 1e12:.1f} TFLOP/s" for n, r in rates.items()})
+PY
+    ;;
+  plan)
+    for gpu in h100 a100; do
+      python3 -m speechattn.bench pretrain --plan experiment=paper --gpu "$gpu" \
+        --json "$OUT/plan_$gpu.json" 2>&1 | tee "$OUT/plan_$gpu.log"
+    done ;;
   attention)
     python3 -m speechattn.bench attention --device cuda --reps 5 --json "$OUT/bench_attention.json" \
       --lengths 128 256 512 1024 2048 4096 8192 16384 2>&1 | tee "$OUT/bench_attention.log" ;;
@@ -38,5 +74,6 @@ case "${1:-}" in
       cp "/tmp/paper/$variant/metrics.csv" "$OUT/paper_${variant}_metrics.csv"
     done ;;
   *)
-    echo "usage: $0 suite | attention | pretrain | paper [VARIANTS]" >&2; exit 2 ;;
+    echo "usage: $0 suite | steps [VARIANTS] | compile [VARIANTS] | peak | plan | attention |" \
+      "pretrain | paper [VARIANTS]" >&2; exit 2 ;;
 esac
