@@ -12,9 +12,10 @@ mistyped override fails at composition. The schemas:
     schema/model      PretrainModelConfig  conf/model/aalbert_base.yaml (the defaults)
     schema/task       TaskConfig           conf/task/*.yaml (`speaker_utterance` is the defaults)
 
-`attention/` options stay untyped here: the registry checks them against each variant's own
-config when the model is built (`speechattn.attention.build`). `trainer/` and `logger/` are
-`_target_` subtrees instantiated as they stand (lightning-hydra-template's way).
+`attention/` options stay untyped here (`AttentionGroupConfig.options`): the registry checks
+them against each variant's own config when the model is built (`speechattn.attention.build`).
+`trainer/` and `logger/` are `_target_` subtrees instantiated as they stand
+(lightning-hydra-template's way).
 
 `compose(name, overrides)` is what the entry points' `@hydra.main` does, for tests and
 notebooks; `CONFIG_DIR` is `conf/`, shipped inside the package by a plain `pip install .`;
@@ -29,7 +30,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from omegaconf import DictConfig
+from omegaconf import MISSING, DictConfig
 
 from speechattn import CONFIG_DIR
 from speechattn.data.config import DataConfig
@@ -53,6 +54,20 @@ class PretrainModelConfig:
 
 
 @dataclass
+class AttentionGroupConfig:
+    """The `attention` group: a variant, its options (`conf/attention/<name>.yaml`) and how
+    its kernel is chosen where it has two exact ones (`speechattn.attention.autotune`)."""
+
+    name: str = MISSING  # the group option chosen, e.g. attention=ldsa
+    options: dict[str, Any] = field(default_factory=dict)  # checked by attention.build
+    # Time both kernels once per length bucket on this machine (cached on disk) and run the
+    # faster; false: the `short_path_max_t` crossovers measured on one AMD EPYC host. On for
+    # runs, which last hours and meet hosts (GPUs, other CPUs) whose crossovers differ; a
+    # module built in code keeps the rule (tests, one-off calls: no first-call pause).
+    autotune: bool = True
+
+
+@dataclass
 class CheckpointConfig:
     every_n_steps: int = 200  # periodic checkpoints/step=NNNNNNN.ckpt (plus last.ckpt)
     keep: int = 3  # periodic checkpoints kept (newest); -1 keeps all
@@ -63,7 +78,8 @@ class PretrainConfig:
     """`python -m speechattn.pretrain`: its groups and its own keys."""
 
     data: Any = None  # DataConfig, or any DataModule given by `_target_` (tests: synthetic data)
-    attention: Any = None  # {name, options}: a variant of speechattn.attention.available()
+    # {name, options, autotune}: a variant of speechattn.attention.available()
+    attention: AttentionGroupConfig = field(default_factory=AttentionGroupConfig)
     model: Any = None  # PretrainModelConfig
     trainer: Any = None  # lightning.pytorch.Trainer arguments (`_target_`)
     logger: Any = field(default_factory=dict)  # name -> logger `_target_`; {} = metrics.csv only

@@ -13,7 +13,8 @@ batched call) and a long-sequence one (bands, blocks, sparse products, chunks), 
   the first call per key, both kernels run forward + backward (`attend` on random
   x (B', T_b, D), gradients of x and of the parameters through `torch.autograd.grad`, so no
   `.grad` is touched) in eval mode under the caller's autocast, interleaved, min of `REPS`
-  after a warm-up each, and the faster one is kept, like `cudnn.benchmark` or Triton's
+  or more after a warm-up each, and the faster one is kept (the rule's unless the other is
+  `MARGIN` faster: noise must not flip a choice), like `cudnn.benchmark` or Triton's
   autotune. RNG states are forked, so measuring changes no random stream of the run.
 
 Key: device name (CPU model and torch threads, or the CUDA device's name), torch version,
@@ -56,6 +57,9 @@ from speechattn.utils import atomic_write_text, digest
 KERNELS = ("short", "long")
 CACHE_VERSION = 1
 REPS = 3  # timed steps per kernel after one warm-up each; the min counts
+MIN_SECONDS = 0.05  # ... and more (up to MAX_REPS) until each kernel ran this long: short
+MAX_REPS = 20  # steps are the noisiest
+MARGIN = 0.03  # the rule's kernel stays unless the other is this much faster (noise)
 MIN_BUCKET = 32
 # Bytes of one (B', h, T, T) score tensor at the compute dtype that the short kernel may take
 # while it is timed (it allocates a few such tensors); longer T keep the rule.
@@ -68,13 +72,14 @@ _memory: dict[Path, dict[str, dict[str, Any]]] = {}  # cache file -> its entries
 
 # ----------------------------------------------------------------------------- switching on
 def enable(model: nn.Module, on: bool = True) -> int:
-    """Switch measurement on (or off) for every two-kernel attention module of `model`
-    (itself included); returns how many there are."""
+    """Switch measurement on (or off) for every attention module of `model` (itself
+    included; one-kernel variants only record the setting); returns how many modules have
+    two kernels."""
     n = 0
     for m in model.modules():
-        if isinstance(m, Attention) and m.short_path_max_t is not None:
+        if isinstance(m, Attention):
             m.autotune = on
-            n += 1
+            n += m.short_path_max_t is not None
     return n
 
 
@@ -182,9 +187,11 @@ def choose(module: Attention, t: Tensor, T: int) -> bool:
         entry = _entries(path).get(key)
         if entry is None:
             ms = measure(module, t, *shape)
+            ruled = "short" if shape[1] <= module.short_path_max_t else "long"
+            other = KERNELS[1 - KERNELS.index(ruled)]
             entry = {
                 **parts,
-                "kernel": min(KERNELS, key=ms.__getitem__),
+                "kernel": other if ms[other] < (1 - MARGIN) * ms[ruled] else ruled,
                 "ms": {k: round(v, 4) for k, v in ms.items()},
                 "measured_at": shape[1],
             }
@@ -218,8 +225,8 @@ def time_once(step: Callable[[], None], kernel: str, device: torch.device) -> fl
 
 
 def measure(module: Attention, like: Tensor, B: int, T: int) -> dict[str, float]:
-    """Milliseconds of forward + backward of each kernel of `module` on random x (B, T, D),
-    min over `REPS` interleaved steps after one warm-up each."""
+    """Milliseconds of forward + backward of each kernel of `module` on random x (B, T, D):
+    the min over interleaved steps after one warm-up each (`REPS`, more for short steps)."""
     device = like.device
     dtype = module.out_proj.weight.dtype  # the module's input dtype (autocast casts inside)
     gen = torch.Generator().manual_seed(T)
@@ -238,12 +245,16 @@ def measure(module: Attention, like: Tensor, B: int, T: int) -> dict[str, float]
             torch.autograd.grad(out.float().sum(), inputs, allow_unused=True)
 
         best = {k: math.inf for k in KERNELS}
-        for rep in range(REPS + 1):
+        spent = {k: 0.0 for k in KERNELS}
+        for rep in range(MAX_REPS + 1):
             for kernel in KERNELS:
                 with forced(module, kernel):
                     seconds = time_once(step, kernel, device)
                 if rep:  # rep 0 warms up
                     best[kernel] = min(best[kernel], seconds)
+                    spent[kernel] += seconds
+            if rep >= REPS and min(spent.values()) >= MIN_SECONDS:
+                break
     return {k: 1000 * v for k, v in best.items()}
 
 
@@ -345,8 +356,9 @@ def choices(model: nn.Module) -> dict[str, Any]:
         return {}
     first = modules[0]
     made: dict[str, Any] = {}
-    for m in modules:
-        made.update(m.kernel_choices)
+    for m in modules:  # unshared layers share keys: the first layer measured, the rest read
+        for label, choice in m.kernel_choices.items():
+            made.setdefault(label, choice)
     return {
         "autotune": any(m.autotune for m in modules),
         "short_path_max_t": first.short_path_max_t,

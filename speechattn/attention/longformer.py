@@ -221,15 +221,16 @@ class LongformerAttention(Attention):
         eye = torch.eye(T, dtype=torch.bool, device=device)
         return pat & kv[:, None, None, :] | eye & ~kv[:, None, :, None]
 
-    def pattern_bias(self, valid: Tensor, dtype: torch.dtype) -> Tensor:
+    def pattern_bias(
+        self, valid: Tensor | None, T: int, dtype: torch.dtype, device: torch.device
+    ) -> Tensor:
         """`pattern` as SDPA's additive mask, 0 where allowed and -inf elsewhere: (1, h, T, T)
-        when every key is valid, else (B, h, T, T).
+        when valid is None (no padding), else (B, h, T, T).
 
         A head group's window depends on i - j only: it is written once over the 2T - 1
         offsets and laid out as a strided view, and the global rows and columns are filled in
         place (building the boolean pattern took 1.15x `full`'s time at T = 256).
         """
-        T, device = valid.shape[1], valid.device
         offset = torch.arange(1 - T, T, device=device)  # i - j
         groups = []
         for heads, step in self.head_steps():
@@ -241,20 +242,22 @@ class LongformerAttention(Attention):
         if self.global_every:
             bias[..., :: self.global_every, :] = 0.0
             bias[..., :: self.global_every] = 0.0
+        if valid is None:
+            return bias
+        # Padded keys out; a padded query keeps its own key. Applied whenever there is a mask
+        # (the caller passes None when nothing is padded), never decided by reading it.
         kv = key_mask(valid)
-        if not bool(kv.all()):  # padded keys out; a padded query keeps its own key
-            own = torch.eye(T, dtype=torch.bool, device=device) & ~kv[:, None, :, None]
-            bias = bias.masked_fill(~kv[:, None, None, :], -math.inf).masked_fill(own, 0.0)
-        return bias
+        own = torch.eye(T, dtype=torch.bool, device=device) & ~kv[:, None, :, None]
+        return bias.masked_fill(~kv[:, None, None, :], -math.inf).masked_fill(own, 0.0)
 
     def attend(self, x: Tensor, valid: Tensor | None) -> Tensor:
-        valid = all_valid(x) if valid is None else valid
         q, k, v = self._qkv(x)  # (B, h, T, d_k)
         p = self.dropout if self.training else 0.0
         if self.use_short_path(x):
-            mask = self.pattern_bias(valid, q.dtype)  # (1 or B, h, T, T)
+            mask = self.pattern_bias(valid, x.shape[1], q.dtype, q.device)  # (1 or B, h, T, T)
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p)
-        return self.attend_long(q, k, v, key_mask(valid), p)
+        kv = all_valid(x) if valid is None else key_mask(valid)  # (B, T)
+        return self.attend_long(q, k, v, kv, p)
 
     def attend_long(self, q: Tensor, k: Tensor, v: Tensor, kv: Tensor, p: float) -> Tensor:
         """The long-sequence kernel (module docstring): q, k, v (B, h, T, d_k), kv (B, T)."""
@@ -262,7 +265,8 @@ class LongformerAttention(Attention):
         g = self.global_every
         frames = torch.arange(T, device=q.device)
         glob = frames % g == 0 if g else frames < 0  # (T,) the global frames (none for g = 0)
-        gpos = frames[glob]  # (G,)
+        # (G,) their positions, G = ceil(T / g) known from T (no nonzero: no host read)
+        gpos = torch.arange(0, T, g, device=q.device) if g else frames[:0]
         glob = glob.expand(B, T)
         outs = []
         for heads, step in self.head_steps():

@@ -21,6 +21,28 @@ def default_stride(num_valid: int) -> int:
     return max(1, round(math.sqrt(num_valid)))
 
 
+def default_strides(num_valid: Tensor) -> Tensor:
+    """`default_stride` of each entry of an int tensor, on its device (no host read).
+
+    sqrt(n) is never a tie x + 1/2 for an integer n, and float64 resolves the gap to the
+    nearest tie (about 1 / (8 sqrt(n))) far beyond any sequence length, so floor(sqrt + 1/2)
+    equals Python's round.
+    """
+    return (num_valid.double().sqrt() + 0.5).floor().long().clamp_min(1)
+
+
+def stride_bounds(T: int) -> tuple[int, int]:
+    """Static bounds on the default strides of utterances of at most T frames: (L, M) with
+    L = default_stride(T) >= every l (it grows with the length) and M >= ceil(e / l), the
+    blocks of l frames in any e <= T frames at l = default_stride(e).
+
+    Why M: round(sqrt(e)) = l means l^2 - l < e <= l^2 + l, so ceil(e / l) <= l + 1 <= L for
+    l < L, and ceil(e / L) <= ceil(T / L) for l = L.
+    """
+    L = default_stride(T)
+    return L, max(-(-T // L), L)
+
+
 def _ij(T: int, device: torch.device | None = None) -> tuple[Tensor, Tensor]:
     i = torch.arange(T, device=device)[:, None]
     j = torch.arange(T, device=device)[None, :]

@@ -11,8 +11,15 @@ penalised by -5e4; the self key is always allowed so that no row is empty).
   other heads to the c summary columns at the end of every block, j mod l >= l - c.
 
 l ~ sqrt(T): with the default ``stride``/``block`` = None each utterance uses
-l = round(sqrt(T_valid)) of its own valid length, so its output does not depend on what it is
-batched with (utterances sharing l are processed together). An int fixes l for all inputs.
+l = round(sqrt(T_u)) of its own extent T_u (frames up to its last valid one: its length, as
+padding comes last), so its output does not depend on what it is batched with. An int fixes l
+for all inputs. Per-utterance strides are data: on the CPU (where reading them is free) the
+utterances sharing l run together, trimmed to their extent; on CUDA and under torch.compile,
+where a host read stalls the device or breaks the graph, one call serves all strides with
+shapes fixed by T (`patterns.stride_bounds`: L = round(sqrt(T)) >= every l, M >= blocks per
+utterance): each utterance's blocks of l_b frames are gathered into (M, L) slots, attended by
+row (block) or column (residue class), and gathered back; the band kernel runs in blocks of L
+with radius l_b; the summary keys are gathered per utterance.
 
 Efficient path (never a T x T mask; n = ceil(T / l) blocks; l is `ls` in the code), each
 sub-problem one fused SDPA call (flash kernels on CPU and GPU), measured faster than all-pairs
@@ -47,7 +54,25 @@ from speechattn.attention.base import (
 from speechattn.attention.dot_product import SharedQKBase
 from speechattn.attention.registry import register
 
-Kernel = Callable[[Tensor, Tensor, Tensor, Tensor, int, float], Tensor]
+# l: one stride for the batch (int), or one per utterance ((B,) long, on the device)
+Stride = int | Tensor
+Kernel = Callable[[Tensor, Tensor, Tensor, Tensor, Stride, float], Tensor]
+
+
+def needs_static_shapes(t: Tensor) -> bool:
+    """Whether shapes and control flow must not depend on t's data: on CUDA (a host read of
+    device data makes the host wait for the device) and under torch.compile (it breaks the
+    graph). Elsewhere (CPU eager) reading a tensor is free and host decisions may pick the
+    cheaper kernel."""
+    return t.is_cuda or torch.compiler.is_compiling()
+
+
+def extents(valid: Tensor) -> Tensor:
+    """(B, T) bool -> (B,) long: frames up to each utterance's last valid one (its length when
+    padding comes last; 0 when no frame is valid)."""
+    T = valid.shape[1]
+    frames = torch.arange(1, T + 1, device=valid.device)
+    return torch.where(valid, frames, 0).amax(-1)
 
 
 def _pad_time(t: Tensor, left: int, right: int, dim: int) -> Tensor:
@@ -90,6 +115,55 @@ def _attend(q: Tensor, k: Tensor, v: Tensor, allowed: Tensor, bias: Tensor, p: f
     return out.view(B, m, H, Q, d).transpose(1, 2)
 
 
+def _take_frames(t: Tensor, pos: Tensor) -> Tensor:
+    """Frames `pos` of each utterance: t (B, H, T, d), pos (B, N) long -> (B, H, N, d)."""
+    B, H, _, d = t.shape
+    return t.gather(2, pos[:, None, :, None].expand(B, H, -1, d))
+
+
+def utterance_slots(ls: Tensor, T: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Each utterance's blocks of l_b frames in (M, L) slots, (L, M) = stride_bounds(T).
+
+    ls (B,) strides. Returns pos (B, M, L), the frame m l_b + a of slot (m, a) (clamped into
+    [0, T)); used (B, M, L), whether that slot holds a frame (a < l_b, m l_b + a < T); slot
+    (B, T), the slot m L + a of each frame t = m l_b + a (clamped for frames past the extent,
+    which are padding). Every frame before the extent has its own slot.
+    """
+    L, M = patterns.stride_bounds(T)
+    device = ls.device
+    lb = ls[:, None, None]  # (B, 1, 1)
+    a = torch.arange(L, device=device)
+    pos = torch.arange(M, device=device)[:, None] * lb + a  # (B, M, L)
+    used = (a < lb) & (pos < T)
+    t = torch.arange(T, device=device)
+    slot = torch.div(t, ls[:, None], rounding_mode="floor") * L + t % ls[:, None]  # (B, T)
+    return pos.clamp_max(T - 1), used, slot.clamp_max(M * L - 1)
+
+
+def _slot_kernel(
+    q: Tensor, k: Tensor, v: Tensor, kv: Tensor, ls: Tensor, p: float, by_class: bool
+) -> Tensor:
+    """Block (by_class False: attend along each row of slots) or residue (True: along each
+    column) pattern with per-utterance strides ls (B,). q, k, v (B, H, T, d) -> (B, H, T, d)."""
+    B, H, T, d = q.shape
+    pos, used, slot = utterance_slots(ls, T)  # (B, M, L), (B, M, L), (B, T)
+    M, L = pos.shape[1:]
+    flat = pos.flatten(1)  # (B, M L)
+    keys = kv.gather(1, flat).view(B, M, L) & used  # (B, M, L) slots holding an allowed key
+
+    def grid(t: Tensor) -> Tensor:  # (B, H, T, d) -> (B, H, M, L, d), or (B, H, L, M, d)
+        g = _take_frames(t, flat).view(B, H, M, L, d)
+        return g.transpose(2, 3) if by_class else g
+
+    keys = keys.transpose(1, 2) if by_class else keys  # (B, rows, cols)
+    eye = torch.eye(keys.shape[2], dtype=torch.bool, device=q.device)
+    allowed = keys[:, None, :, None, :] | eye  # (B, 1, rows, cols, cols)
+    bias = eye.to(q.dtype) * SELF_PENALTY
+    out = _attend(grid(q), grid(k), grid(v), allowed, bias, p)  # (B, H, rows, cols, d)
+    out = out.transpose(2, 3) if by_class else out  # (B, H, M, L, d)
+    return _take_frames(out.reshape(B, H, M * L, d), slot)  # (B, H, T, d)
+
+
 def _dropout(probs: Tensor, p: float) -> Tensor:
     return F.dropout(probs, p) if p else probs
 
@@ -115,22 +189,33 @@ def window_offsets(ls: int, device: torch.device) -> Tensor:
     return a + ls - w
 
 
-def band_kernel(q: Tensor, k: Tensor, v: Tensor, kv: Tensor, ls: int, p: float = 0.0) -> Tensor:
-    """|i - j| <= l. q, k, v (B, H, T, d), kv (B, T) allowed keys -> (B, H, T, d)."""
+def band_kernel(q: Tensor, k: Tensor, v: Tensor, kv: Tensor, ls: Stride, p: float = 0.0) -> Tensor:
+    """|i - j| <= l. q, k, v (B, H, T, d), kv (B, T) allowed keys -> (B, H, T, d).
+
+    Per-utterance strides ls (B,): blocks of L >= every l (`patterns.stride_bounds`), each
+    utterance's radius masked inside them."""
     B, H, T, d = q.shape
-    n = -(-T // ls)
-    qb = _blocks(q, ls)  # (B, H, n, l, d)
-    kvw = block_windows(kv, ls, 1)  # (B, n, 3l)
-    rel = window_offsets(ls, q.device)  # (l, 3l)
-    allowed = ((rel.abs() <= ls) & kvw[:, None, :, None, :]) | (rel == 0)  # (B, 1, n, l, 3l)
+    if isinstance(ls, Tensor):
+        width, radius = patterns.stride_bounds(T)[0], ls.view(B, 1, 1, 1, 1)
+    else:
+        width = radius = ls
+    n = -(-T // width)
+    qb = _blocks(q, width)  # (B, H, n, l, d)
+    kvw = block_windows(kv, width, 1)  # (B, n, 3l)
+    rel = window_offsets(width, q.device)  # (l, 3l)
+    allowed = ((rel.abs() <= radius) & kvw[:, None, :, None, :]) | (rel == 0)  # (B, 1, n, l, 3l)
     bias = (rel == 0).to(q.dtype) * SELF_PENALTY  # (l, 3l)
-    kw, vw = block_windows(k, ls, 2), block_windows(v, ls, 2)  # (B, H, n, 3l, d)
+    kw, vw = block_windows(k, width, 2), block_windows(v, width, 2)  # (B, H, n, 3l, d)
     out = _attend(qb, kw, vw, allowed, bias, p)  # (B, H, n, l, d)
-    return out.reshape(B, H, n * ls, d)[:, :, :T]
+    return out.reshape(B, H, n * width, d)[:, :, :T]
 
 
-def residue_kernel(q: Tensor, k: Tensor, v: Tensor, kv: Tensor, ls: int, p: float = 0.0) -> Tensor:
+def residue_kernel(
+    q: Tensor, k: Tensor, v: Tensor, kv: Tensor, ls: Stride, p: float = 0.0
+) -> Tensor:
     """(i - j) mod l = 0. q, k, v (B, H, T, d), kv (B, T) -> (B, H, T, d)."""
+    if isinstance(ls, Tensor):
+        return _slot_kernel(q, k, v, kv, ls, p, by_class=True)
     B, H, T, d = q.shape
     n = -(-T // ls)
 
@@ -145,8 +230,10 @@ def residue_kernel(q: Tensor, k: Tensor, v: Tensor, kv: Tensor, ls: int, p: floa
     return out.transpose(2, 3).reshape(B, H, n * ls, d)[:, :, :T]
 
 
-def block_kernel(q: Tensor, k: Tensor, v: Tensor, kv: Tensor, ls: int, p: float = 0.0) -> Tensor:
+def block_kernel(q: Tensor, k: Tensor, v: Tensor, kv: Tensor, ls: Stride, p: float = 0.0) -> Tensor:
     """floor(i / l) = floor(j / l). q, k, v (B, H, T, d), kv (B, T) -> (B, H, T, d)."""
+    if isinstance(ls, Tensor):
+        return _slot_kernel(q, k, v, kv, ls, p, by_class=False)
     B, H, T, d = q.shape
     eye = torch.eye(ls, dtype=torch.bool, device=q.device)
     allowed = _valid_blocks(kv, ls)[:, None, :, None, :] | eye  # (B, 1, n, l, l)
@@ -157,29 +244,46 @@ def block_kernel(q: Tensor, k: Tensor, v: Tensor, kv: Tensor, ls: int, p: float 
     return out.reshape(B, H, -1, d)[:, :, :T]
 
 
+def summary_columns(T: int, ls: Stride, c: int, device: torch.device) -> tuple[Tensor, Tensor]:
+    """The summary keys j mod l >= l - min(c, l): positions (1, N) for one stride, (B, N) for
+    per-utterance strides (N fixed by T, `patterns.stride_bounds`), clamped into [0, T), and
+    (1 or B, N) whether each is one of its utterance's columns inside [0, T)."""
+    if isinstance(ls, Tensor):
+        L, n = patterns.stride_bounds(T)
+        lb = ls[:, None, None]  # (B, 1, 1)
+        cb = lb.clamp_max(c)  # its c, clipped to its l
+        offset = torch.arange(min(c, L), device=device)
+        cols = torch.arange(n, device=device)[:, None] * lb + lb - cb + offset  # (B, n, C)
+        real = (offset < cb).expand_as(cols)
+    else:
+        n, c = -(-T // ls), min(c, ls)
+        last = torch.arange(ls - c, ls, device=device)  # the last c offsets of a block
+        cols = torch.arange(n, device=device)[:, None] * ls + last  # (n, c)
+        cols, real = cols[None], torch.ones_like(cols[None], dtype=torch.bool)  # (1, n, c)
+    cols, real = cols.flatten(1), real.flatten(1)
+    return cols.clamp_max(T - 1), real & (cols < T)
+
+
 def summary_kernel(
-    q: Tensor, k: Tensor, v: Tensor, kv: Tensor, ls: int, c: int, p: float = 0.0
+    q: Tensor, k: Tensor, v: Tensor, kv: Tensor, ls: Stride, c: int, p: float = 0.0
 ) -> Tensor:
     """j mod l >= l - c, plus the (penalised) self key. q, k, v (B, H, T, d) -> (B, H, T, d)."""
     B, H, T, d = q.shape
-    n = -(-T // ls)
-    c = min(c, ls)
-    cols = torch.arange(n, device=q.device)[:, None] * ls + torch.arange(
-        ls - c, ls, device=q.device
-    )
-    cols = cols.reshape(-1)  # (n c,) summary positions, some may be >= T
-    in_range = cols < T
-    cols_c = cols.clamp_max(T - 1)
-    ks, vs = k[:, :, cols_c], v[:, :, cols_c]  # (B, H, n c, d)
-    s_sum = q @ ks.transpose(-1, -2) * scale(d)  # (B, H, T, n c)
-    not_self = cols[None, :] != torch.arange(T, device=q.device)[:, None]  # (T, n c)
-    ok_sum = (kv[:, cols_c] & in_range)[:, None, None, :] & not_self  # (B, 1, T, n c)
+    cols, in_range = summary_columns(T, ls, c, q.device)  # (1 or B, N)
+    if cols.shape[0] == 1:  # one stride: the same columns for every utterance
+        ks, vs = k[:, :, cols[0]], v[:, :, cols[0]]  # (B, H, N, d)
+    else:
+        ks, vs = _take_frames(k, cols), _take_frames(v, cols)
+    s_sum = q @ ks.transpose(-1, -2) * scale(d)  # (B, H, T, N)
+    not_self = cols[:, None, :] != torch.arange(T, device=q.device)[:, None]  # (1 or B, T, N)
+    real = kv.gather(1, cols.expand(B, -1)) & in_range  # (B, N)
+    ok_sum = real[:, None, None, :] & not_self[:, None]  # (B, 1, T, N)
     s_self = (q * k).sum(-1, keepdim=True) * scale(d) + SELF_PENALTY  # (B, H, T, 1)
     ok_self = kv[:, None, :, None]  # (B, 1, T, 1)
     probs = masked_softmax(
         torch.cat([s_sum, s_self], dim=-1),
         torch.cat([ok_sum.expand(B, 1, T, -1), ok_self], dim=-1),
-    )  # (B, H, T, n c + 1)
+    )  # (B, H, T, N + 1)
     probs = _dropout(probs, p)
     return probs[..., :-1] @ vs + probs[..., -1:] * v
 
@@ -210,19 +314,23 @@ class _SparseBase(SharedQKBase):
         raise NotImplementedError
 
     def strides(self, valid: Tensor) -> list[int]:
-        """l per utterance: the configured one, or round(sqrt(T_valid))."""
+        """l per utterance, read on the host: the configured one, or round(sqrt(T_u)) of its
+        extent T_u (`extents`)."""
         fixed = self._fixed_stride()
         if fixed is not None:
             return [fixed] * valid.shape[0]
-        return [patterns.default_stride(int(n)) for n in valid.sum(-1).tolist()]
+        return [patterns.default_stride(e) for e in extents(valid).tolist()]
 
     def flex_mask(self, ls: int) -> tuple[Hashable, flex.MaskMod]:
         """The two patterns by head as FlexAttention's mask_mod(b, h, i, j), and a key naming
         them for the BlockMask cache."""
         raise NotImplementedError
 
-    def _run(self, q: Tensor, k: Tensor, v: Tensor, kv: Tensor, ls: int) -> Tensor:
-        if self.config.kernel == "flex" and flex.use_flex(q, self.training, self.dropout):
+    def _run(self, q: Tensor, k: Tensor, v: Tensor, kv: Tensor, ls: Stride) -> Tensor:
+        """All heads with stride ls (int, or (B,) per utterance) -> (B, h, T, d_k)."""
+        # Flex's BlockMask is built per stride: per-utterance strides run the slot kernels
+        flex_ok = self.config.kernel == "flex" and flex.use_flex(q, self.training, self.dropout)
+        if isinstance(ls, int) and flex_ok:
             key, mask_mod = self.flex_mask(ls)
             return flex.pattern_attention(q, k, v, kv, mask_mod, key)
         first, second = self.kernels()
@@ -233,18 +341,25 @@ class _SparseBase(SharedQKBase):
         return torch.cat(outs, dim=1)  # (B, h, T, d_k)
 
     def attend(self, x: Tensor, valid: Tensor | None) -> Tensor:
-        valid = all_valid(x) if valid is None else valid
         q, k, v = self.shared_qkv(x)  # (B, h, T, d_k)
+        fixed = self._fixed_stride()
+        if valid is None:  # every utterance spans all T frames: one stride
+            return self._run(q, k, v, all_valid(x), fixed or patterns.default_stride(x.shape[1]))
         kv = key_mask(valid)  # (B, T)
-        strides = self.strides(valid)
+        if fixed is not None:
+            return self._run(q, k, v, kv, fixed)
+        if needs_static_shapes(q):  # the strides stay on the device
+            return self._run(q, k, v, kv, patterns.default_strides(extents(valid)))
+        # CPU eager: utterances sharing l run together, trimmed to their extent (host reads).
+        ext = extents(valid).tolist()
+        strides = [patterns.default_stride(e) for e in ext]
         if len(set(strides)) == 1:
             return self._run(q, k, v, kv, strides[0])
-        # Utterances with different l: run each group on its own, trimmed to its last valid frame.
         out = q.new_zeros(q.shape)
-        last = torch.where(valid, torch.arange(x.shape[1], device=x.device), -1).amax(-1)
         for ls in sorted(set(strides)):
-            idx = torch.tensor([b for b, s in enumerate(strides) if s == ls], device=x.device)
-            Tg = max(1, int(last[idx].max()) + 1)
+            group = [b for b, s in enumerate(strides) if s == ls]
+            idx = torch.tensor(group, device=x.device)
+            Tg = max(1, max(ext[b] for b in group))
             out[idx, :, :Tg] = self._run(
                 q[idx, :, :Tg], k[idx, :, :Tg], v[idx, :, :Tg], kv[idx, :Tg], ls
             )
@@ -360,7 +475,7 @@ class SparseFixedAttention(_SparseBase):
     def kernels(self) -> tuple[Kernel, Kernel]:
         c = self.config.summary
 
-        def summary(q: Tensor, k: Tensor, v: Tensor, kv: Tensor, ls: int, p: float) -> Tensor:
+        def summary(q: Tensor, k: Tensor, v: Tensor, kv: Tensor, ls: Stride, p: float) -> Tensor:
             return summary_kernel(q, k, v, kv, ls, c, p)
 
         return block_kernel, summary

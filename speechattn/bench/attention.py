@@ -42,6 +42,10 @@ speechattn's wrapper) and `sdpa_kernel` (the SDPA call alone on ready (B, h, T, 
   achieved FLOP/s over the matmul peak measured in the same run, in the precision's dtype.
 * `--precision bf16|fp16` runs every step under autocast (default: bf16 on CUDA, fp32 on CPU).
 * On CUDA, variants with a FlexAttention kernel get a second row, `NAME+flex`.
+* Kernels: variants with two exact kernels choose by measurement on this machine
+  (`speechattn.attention.autotune`, cached on disk; `--autotune off`: the `short_path_max_t`
+  rule). The choice is made before the warm-up, so neither timing nor memory includes it;
+  the "kernel used" table shows it per case (`*`: measured here or read from the cache).
 
 Prints times, speed-ups over `full`, FLOP bounds, achieved/bound, MFU, growth exponents and
 the targets (issue 12: no variant with fewer FLOPs than `full` above 1.1x its time for T in
@@ -65,7 +69,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from speechattn.attention import Attention, available, build, registry
+from speechattn.attention import Attention, autotune, available, build, registry
 from speechattn.attention.base import linear_flops
 from speechattn.bench.common import (
     PeakRSS,
@@ -164,6 +168,7 @@ class Case:
             if "max_len" in defaults and defaults["max_len"] < T:
                 self.options["max_len"] = T
             self.module = build(variant, D, h, **self.options)
+            autotune.enable(self.module, args.autotune == "on")
         self.module.to(device)
         if name == "sdpa_kernel":
             shape = (B, h, T, D // h)
@@ -172,6 +177,9 @@ class Case:
             )
         else:
             self.inputs = torch.randn(B, T, D, generator=gen).to(device).requires_grad_()
+        if getattr(self.module, "autotune", False):
+            with torch.no_grad():  # choose the kernel now: outside every timed or measured step
+                self.forward()
 
     def forward(self) -> Tensor:
         with autocast(self.device.type, self.precision):
@@ -319,6 +327,7 @@ def run(args: argparse.Namespace) -> dict:
                 r.setdefault("options_at_T", {})[T] = case.options
             if isinstance(case.module, Attention):
                 r.setdefault("keys_attended", {})[T] = case.module.keys_attended(T)
+                r.setdefault("kernel", {})[T] = autotune.used(case.module, T)
         line = "  ".join(f"{n}={res[n]['time_ms'][T]:.0f}" for n in cases)
         print(f"T={T}: {line} (ms)", file=sys.stderr, flush=True)
         del cases
@@ -358,6 +367,7 @@ def run(args: argparse.Namespace) -> dict:
         "precision": args.precision,
         "matmul_peak_gflops": peak / 1e9,
         "threads": torch.get_num_threads(),
+        "autotune": args.autotune,
         "batch": args.batch,
         "dim": args.dim,
         "heads": args.heads,
@@ -461,6 +471,13 @@ def print_table(out: dict) -> None:
                     + cells
                     + f"  attention exp {r['attention_growth_exponent'] or float('nan'):.2f}"
                 )
+    two = {n: r for n, r in allrows.items() if set(r.get("kernel", {}).values()) - {"one"}}
+    if two:
+        how = "measured (*: here or cached)" if m.get("autotune") == "on" else "rule"
+        print(f"\nkernel used (short: all T x T pairs, long: the sparse/band one; {how})")
+        print("variant".ljust(w) + "".join(f"T={T}".rjust(10) for T in Ts))
+        for n, r in two.items():
+            print(n.ljust(w) + "".join(f"{r['kernel'].get(T, '-'):>10}" for T in Ts))
     if any(r["peak_mem_mb"] for r in allrows.values()):
         print(f"\npeak memory (MiB; {m['memory']})")
         print("variant".ljust(w) + "".join(f"T={T}".rjust(10) for T in Ts))
@@ -537,6 +554,12 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's)")
     p.add_argument(
         "--clock", choices=["wall", "cpu"], default="wall", help="wall or process CPU time"
+    )
+    p.add_argument(
+        "--autotune",
+        choices=["on", "off"],
+        default="on",
+        help="two-kernel variants: time both on this machine (on) or the short_path_max_t rule",
     )
     p.add_argument("--no-memory", action="store_true", help="skip the memory pass")
     p.add_argument("--no-baselines", action="store_true", help="skip sdpa_mha / sdpa_kernel")

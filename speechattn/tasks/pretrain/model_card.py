@@ -107,6 +107,7 @@ def card_header(upstream_path: Path, rows: list[dict[str, float]], license: str)
         "tags": ["speech", "self-supervised-learning", "aalbert", f"attention-{up.attention_name}"],
         "attention": up.attention_name,
         "attention_options": dict(meta.get("attention_options") or config.attention_options),
+        "kernels": meta.get("kernels"),  # which kernel ran per length bucket, and how chosen
         "model": {
             "preset": meta.get("model_name") or None,
             "parameters": int(meta.get("num_params") or up.model.get_num_params(False)),

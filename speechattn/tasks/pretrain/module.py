@@ -25,7 +25,7 @@ import lightning as L
 import torch
 from torch import Tensor
 
-from speechattn.attention import Attention
+from speechattn.attention import Attention, autotune
 from speechattn.data.features import Normalizer
 from speechattn.model.aalbert import AALBERT, ModelConfig
 from speechattn.model.masking import MaskingConfig, corrupt, reconstruction_loss
@@ -282,6 +282,7 @@ class PretrainTask(L.LightningModule):
             "code_version": code_version(),
             "attention": self.model_config.attention,
             "attention_options": dict(self.model_config.attention_options),
+            "kernels": autotune.choices(self.model),  # measured or by rule (attention.autotune)
             "masking": asdict(self.masking),
             "optimizer": {**asdict(self.optim), "betas": list(self.optim.betas)},
             "world_size": trainer.world_size if trainer is not None else 1,

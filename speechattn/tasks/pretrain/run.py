@@ -19,6 +19,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig, OmegaConf
 
+from speechattn.attention import autotune
 from speechattn.data import DataConfig, PretrainDataModule
 from speechattn.model.serialization import TorchFileError, load_torch_file
 from speechattn.tasks.common import (
@@ -66,6 +67,9 @@ def run(cfg: DictConfig, datamodule: Any = None) -> dict[str, Any]:
         seed=cfg.seed,
         max_nonfinite=cfg.max_nonfinite,
     )
+    # two-kernel variants time both kernels per length bucket (config.AttentionGroupConfig;
+    # its default where a config was built without the schema)
+    autotune.enable(task.model, bool(cfg.attention.get("autotune", True)))
     data_config = container(cfg.get("data"))
     if "max_frames" in data_config:  # the data layer crops to it; fail now, not at a long batch
         task.model.check_input_frames(data_config["max_frames"], "data.max_frames")
