@@ -146,9 +146,20 @@ def _sdpa_cpu_backward_flops(grad_out, q, k, v, *args, **kwargs) -> int:
     return 8 * B * h * T * k[2] * d
 
 
-SDPA_CPU = {
+def _conv_backward_flops(grad_out, x, w, _bias, _stride, _padding, _dilation, transposed,
+                         _output_padding, _groups, output_mask, **kwargs) -> int:  # fmt: skip
+    """A convolution's input and weight gradients, each as many products as its forward
+    (torch 2.11's counter takes a grouped convolution's input gradient as `groups` times that:
+    aalbert_tiny's convolutional positions)."""
+    spatial = x[2:] if transposed else grad_out[2:]
+    forward = 2 * grad_out[0] * math.prod(w) * math.prod(spatial)
+    return forward * (int(output_mask[0]) + int(output_mask[1]))
+
+
+SDPA_CPU = {  # the counter's additions and corrections
     torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: _sdpa_cpu_flops,
     torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward: _sdpa_cpu_backward_flops,
+    torch.ops.aten.convolution_backward: _conv_backward_flops,
 }
 
 
