@@ -54,11 +54,14 @@ def test_plan_reads_the_overrides():
         _plan("--plan", "--mfu", "0")
 
 
-@pytest.mark.parametrize("pre_norm", [False, True])
-def test_step_flops_equal_the_counted_step_of_full(pre_norm):
-    """`step_flops` (model products + `Attention.flops`) equals torch's FLOP counter over a
-    real training step of `full`, forward + backward, at a small size."""
-    config = ModelConfig(dim=32, num_layers=2, num_heads=4, ffn_dim=64, pre_norm=pre_norm)
+CONV = {"conv_position_kernel": 5, "conv_position_groups": 4}  # aalbert_tiny's positions
+
+
+@pytest.mark.parametrize("extra", [{}, {"pre_norm": True, **CONV}], ids=["base", "tiny"])
+def test_step_flops_equal_the_counted_step_of_full(extra):
+    """`step_flops` (model products + `Attention.flops`) equals torch's FLOP counter (with the
+    bench's corrections) over a real training step of `full`, forward + backward, small."""
+    config = ModelConfig(dim=32, num_layers=2, num_heads=4, ffn_dim=64, **extra)
     B, T = 2, 16
     model = bench.build("full", config, T, "cpu")
     batch = {"features": torch.randn(B, 3 * T, 80), "lengths": torch.full((B,), 3 * T)}
@@ -67,9 +70,9 @@ def test_step_flops_equal_the_counted_step_of_full(pre_norm):
 
 
 def test_grouped_convolution_positions_count_three_forwards():
-    """The convolutional positions' backward is counted as twice their forward (torch 2.11's
-    counter gives a grouped convolution's input gradient `groups` times its FLOPs)."""
+    """The convolutional positions' backward is twice their forward (torch 2.11's own counter
+    gives a grouped convolution's input gradient `groups` times its products)."""
     base = ModelConfig(dim=32, num_layers=1, num_heads=4, ffn_dim=64)
-    conv = ModelConfig(**{**base.to_dict(), "conv_position_kernel": 5, "conv_position_groups": 4})
+    conv = ModelConfig(**{**base.to_dict(), **CONV})
     forward = 2 * 16 * 32 * (32 // 4) * 5  # T' 16, D 32, 8 inputs per channel, 5 taps
     assert bench.model_flops(conv, 16) - bench.model_flops(base, 16) == 3 * forward
