@@ -91,7 +91,7 @@ def rule_only(t: Tensor) -> bool:
     return (
         torch.compiler.is_compiling()
         or torch.jit.is_tracing()
-        or torch.fx._symbolic_trace.is_fx_tracing()
+        or torch.fx._symbolic_trace.is_fx_symbolic_tracing()
         or type(t) not in (Tensor, nn.Parameter)
         or is_fake(t)
         or t.device.type == "meta"
@@ -205,6 +205,7 @@ def choose(module: Attention, t: Tensor, T: int) -> bool:
     if shape is not None:
         label += f" B'={shape[0]} {parts['device']}"
     module.kernel_choices[label] = {
+        "bucket": parts["bucket"],
         "kernel": entry["kernel"],
         "by": entry["by"],
         **({"ms": entry["ms"]} if "ms" in entry else {}),
@@ -350,7 +351,8 @@ def clear_memory() -> None:
 def choices(model: nn.Module) -> dict[str, Any]:
     """The kernel choices of `model`'s attention for run metadata and model cards:
     {"autotune": on, "short_path_max_t": the rule's crossover or None (one kernel),
-    "choices": {"VARIANT T<=T_b DTYPE ...": {"kernel", "by", "ms"}}} (choices made so far)."""
+    "choices": {"VARIANT T<=T_b DTYPE ...": {"bucket", "kernel", "by", "ms"}}} (the choices
+    made so far, by length)."""
     modules = [m for m in model.modules() if isinstance(m, Attention)]
     if not modules:
         return {}
@@ -362,7 +364,7 @@ def choices(model: nn.Module) -> dict[str, Any]:
     return {
         "autotune": any(m.autotune for m in modules),
         "short_path_max_t": first.short_path_max_t,
-        "choices": dict(sorted(made.items())),
+        "choices": dict(sorted(made.items(), key=lambda kv: (kv[1]["bucket"], kv[0]))),
     }
 
 

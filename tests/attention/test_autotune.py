@@ -187,7 +187,7 @@ def test_compiling_fake_tensors_and_a_small_budget_keep_the_rule(monkeypatch):
     assert attn.use_short_path(x_of(40))
     assert not timer.calls
     (choice,) = autotune.choices(attn)["choices"].values()
-    assert choice == {"kernel": "short", "by": "rule (scores over budget)"}
+    assert choice == {"bucket": 48, "kernel": "short", "by": "rule (scores over budget)"}
 
 
 @pytest.mark.parametrize("content", ["{not json", '{"version": 1, "entries": {"k": 3}}', "[]"])
