@@ -60,9 +60,14 @@ class LinearKernel(torch.autograd.Function):
     `full`'s speed). Here S and z are one product, phi(K)^T [V, 1] (B, h, d_k, d_k + 1), so
     phi(Q) [S, z] gives numerator and denominator together, and phi's derivative is
     min(phi, 1) (1 where x > 0, exp(x) = phi elsewhere), read from the saved features.
+
+    Precision: float32 (or float64) only. Under CUDA autocast `custom_fwd` casts half-precision
+    inputs to float32 and runs the forward with autocast off, and `custom_bwd` runs the backward
+    the same way; the caller also switches autocast off and widens (CPU autocast too).
     """
 
     @staticmethod
+    @torch.amp.custom_fwd(device_type="cuda", cast_inputs=torch.float32)
     def forward(
         ctx, q: Tensor, k: Tensor, v: Tensor, keep: Tensor | None, drop: Tensor | None
     ) -> Tensor:
@@ -80,6 +85,7 @@ class LinearKernel(torch.autograd.Function):
         return out
 
     @staticmethod
+    @torch.amp.custom_bwd(device_type="cuda")
     def backward(ctx, grad: Tensor) -> tuple[Tensor, Tensor, Tensor, None, None]:
         fq, fk, v1, state, out, den, drop = ctx.saved_tensors
         g_num = grad / den  # (B, h, T, d_k)

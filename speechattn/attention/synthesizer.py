@@ -24,6 +24,13 @@ softmax(R) V that reads R straight from the parameter and recomputes the weights
 backward pass, so no (B, h, T, T) tensor is ever allocated (only the gradient of R itself,
 which has the parameter's size). Both run under autocast: softmax(R) in float32, the product
 with V in V's dtype.
+
+Those two CPU kernels read the slices' offsets and the padding on the host, which is free on a
+CPU. On CUDA and under `torch.compile` (a read would make the host wait for the device, or break
+the graph) random synthesizers take the explicit-weights path at every T instead: the windows
+are slices of R at offsets fixed by T, and syn_fixed's "end" head on a padded batch is read by
+one gather with a (B, T) index made on the device from the padding, so shapes depend on B and
+T only (memory: the (B, h, T, T) weights, bounded by B h max_len^2).
 """
 
 from __future__ import annotations
@@ -63,6 +70,12 @@ def _sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, p: float) -> Ten
         q, k = F.pad(q, (0, dv - dq)), F.pad(k, (0, dv - dq))
     y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p, scale=1.0)
     return y[..., :dv]
+
+
+def _host_reads_free(t: Tensor) -> bool:
+    """Whether code may read t's data on the host at no cost: CPU eager. On CUDA a read makes
+    the host wait for the device; under torch.compile it breaks the graph."""
+    return t.device.type == "cpu" and not torch.compiler.is_compiling()
 
 
 def _check_len(name: str, T: int, max_len: int) -> None:
@@ -303,7 +316,8 @@ class TableWindows(torch.autograd.Function):
 
     Autograd's own slicing would build one zero-filled (h, n, n) gradient per head and add
     them up (h full-table passes per step); this backward fills one gradient and adds each
-    window into it.
+    window into it. CPU eager only (it reads the offsets on the host): no autocast-sensitive op
+    inside, the windows keep the table's dtype.
     """
 
     @staticmethod
@@ -343,7 +357,9 @@ class TableAttention(torch.autograd.Function):
     utterance); v (B, h, T, d_k); kv (B, T) allowed keys; memory (`GradientMemory`) gives the
     table gradient's memory. Returns (B, h, T, d_k).
     The backward pass recomputes each chunk's weights; with G = 1 it writes the gradient of
-    each head's slice straight into the table gradient.
+    each head's slice straight into the table gradient. CPU eager only (offsets and padding are
+    read on the host); autocast is handled explicitly: switched off inside, v and the gradient
+    cast to the table's dtype, the outputs back to v's.
     """
 
     @staticmethod
@@ -466,38 +482,47 @@ class SynRandomAttention(_SynthesizerBase):
         super()._remove_heads(index)
         select_(self, "logits", index)
 
-    def offsets(self, valid: Tensor) -> Tensor:
-        """(G, h) first row/column of each head's T x T slice of R; G = 1 or B."""
-        _check_len(self.name, valid.shape[1], self.max_len)
+    def offsets(self, valid: Tensor | None, T: int) -> Tensor:
+        """(G, h) first row/column of each head's T x T slice of R, G = 1 or B, on the host
+        (the CPU kernels read them); valid (B, T) or None (nothing padded)."""
         return torch.zeros(1, self.num_heads, dtype=torch.long)
 
-    def sliced_logits(self, valid: Tensor) -> Tensor:
-        """R^i sliced to T x T at `offsets`: (G, h, T, T) with G = 1 or B."""
-        return TableWindows.apply(
-            self.logits, self.offsets(valid), valid.shape[1], self.gradient_memory
-        )
+    def window_logits(self, valid: Tensor | None, T: int) -> Tensor:
+        """R^i sliced to T x T at the same places as `offsets`, by device ops whose shapes
+        depend on T (and B) only: (G, h, T, T), G = 1 or B. Autograd's slicing builds the
+        table's gradient (one pass over it per slice; cheap on a GPU)."""
+        return self.logits[None, :, :T, :T]
 
-    def weights(self, valid: Tensor) -> Tensor:
-        """softmax over the valid keys: (1 or B, h, T, T)."""
-        logits = self.sliced_logits(valid)
-        if bool(valid.all()):
-            return torch.softmax(logits, dim=-1)  # computed once for the whole batch
+    def weights(self, valid: Tensor | None, T: int) -> Tensor:
+        """softmax over the valid keys (valid None: all T): (1 or B, h, T, T)."""
+        _check_len(self.name, T, self.max_len)
+        if not _host_reads_free(self.logits):
+            logits = self.window_logits(valid, T)  # (G, h, T, T)
+        else:
+            if valid is not None and bool(valid.all()):
+                valid = None  # a free read on the CPU: one softmax for the whole batch
+            offsets = self.offsets(valid, T)
+            logits = TableWindows.apply(self.logits, offsets, T, self.gradient_memory)
+        if valid is None:
+            return torch.softmax(logits, dim=-1)
         return masked_softmax(logits, key_mask(valid)[:, None, None, :])
 
     def attend(self, x: Tensor, valid: Tensor | None) -> Tensor:
-        valid = all_valid(x) if valid is None else valid
         v = self.split_heads(self.v_proj(x))  # (B, h, T, d_k)
         T = x.shape[1]
-        # Short sequences (and dropout, which needs the weights): explicit (G, h, T, T)
-        # weights in one batched product; long ones: the row-chunked table kernel.
-        if self.use_short_path(x) or (self.dropout and self.training):
-            return weighted_values(self.drop(self.weights(valid)), v)
+        # Short sequences (and dropout, which needs the weights), and every T on CUDA or under
+        # torch.compile: explicit (G, h, T, T) weights in one batched product. Long ones on
+        # the CPU: the row-chunked table kernel.
+        if not _host_reads_free(x) or self.use_short_path(x) or (self.dropout and self.training):
+            return weighted_values(self.drop(self.weights(valid, T)), v)
+        _check_len(self.name, T, self.max_len)
+        valid = all_valid(x) if valid is None else valid
         return TableAttention.apply(
-            self.logits, self.offsets(valid), v, key_mask(valid), self.gradient_memory
+            self.logits, self.offsets(valid, T), v, key_mask(valid), self.gradient_memory
         )
 
     def attend_dense(self, x: Tensor, valid: Tensor) -> tuple[Tensor, Tensor]:
-        w = self.weights(valid).expand(x.shape[0], -1, -1, -1)  # (B, h, T, T)
+        w = self.weights(valid, x.shape[1]).expand(x.shape[0], -1, -1, -1)  # (B, h, T, T)
         return self.drop(w) @ self.split_heads(self.v_proj(x)), w
 
 
@@ -538,19 +563,52 @@ class SynFixedAttention(SynRandomAttention):
         super()._remove_heads(index)
         self.head_patterns = [self.head_patterns[i] for i in index.tolist()]
 
-    def offsets(self, valid: Tensor) -> Tensor:
-        """(G, h): the "end" head is read so that each utterance's last valid frame meets the
-        bottom-right corner of R; G = 1 when all utterances agree (e.g. B = 1), else B.
+    def offsets(self, valid: Tensor | None, T: int) -> Tensor:
+        """(G, h) on the host: the "end" head is read so that each utterance's last valid
+        frame meets the bottom-right corner of R; G = 1 when all utterances agree (e.g. B = 1,
+        or valid None), else B.
 
         The other heads, "start" included, are read from the top-left corner: padding is at
         the end (data contract), so frame 0 is the utterance's first valid frame.
         """
-        B, T = valid.shape
-        offs = super().offsets(valid)
+        offs = super().offsets(valid, T)
         if "end" not in self.head_patterns:
             return offs
         end = self.head_patterns.index("end")  # head 6 unless pruned
-        offs = offs.repeat(B, 1)  # (B, h)
-        last = torch.where(valid, torch.arange(T, device=valid.device), -1).amax(-1) % T
-        offs[:, end] = (self.max_len - 1 - last).cpu()  # last valid frame -> row/col n - 1
+        if valid is None:
+            offs[:, end] = self.max_len - T  # frame T - 1 -> row/col n - 1
+            return offs
+        offs = offs.repeat(valid.shape[0], 1)  # (B, h)
+        offs[:, end] = (self.max_len - 1 - self._last_valid(valid)).cpu()
         return offs[:1] if bool((offs == offs[:1]).all()) else offs
+
+    @staticmethod
+    def _last_valid(valid: Tensor) -> Tensor:
+        """(B,) index of each utterance's last valid frame (T - 1 when it has none)."""
+        T = valid.shape[1]
+        return torch.where(valid, torch.arange(T, device=valid.device), -1).amax(-1) % T
+
+    def window_logits(self, valid: Tensor | None, T: int) -> Tensor:
+        """`offsets`' windows by device ops: (1, h, T, T) unpadded, (B, h, T, T) padded.
+
+        Utterance b's "end" window starts d_b = T - 1 - last_b rows and columns past the
+        bottom-right T x T corner of R, i.e. it is the corner shifted up-left along the
+        diagonal by d_b, with zeros past the table's edge (padded rows and columns only): one
+        gather from the corner, zero-padded to (2T - 1, 2T - 1), with a (B, T) index.
+        """
+        logits = super().window_logits(valid, T)  # (1, h, T, T), top-left windows
+        if "end" not in self.head_patterns:
+            return logits
+        end = self.head_patterns.index("end")  # head 6 unless pruned
+        o = self.max_len - T
+        corner = self.logits[end, o:, o:]  # (T, T): frame T - 1 meets row/col n - 1
+        if valid is None:
+            head = corner[None, None]  # (1, 1, T, T)
+        else:
+            B = valid.shape[0]
+            d = T - 1 - self._last_valid(valid)  # (B,) padded frames at the end
+            idx = torch.arange(T, device=valid.device) + d[:, None]  # (B, T), <= 2T - 2
+            padded = F.pad(corner, (0, T - 1, 0, T - 1))  # (2T - 1, 2T - 1)
+            head = padded[idx[:, :, None], idx[:, None, :]][:, None]  # (B, 1, T, T)
+            logits = logits.expand(B, -1, -1, -1)
+        return torch.cat([logits[:, :end], head, logits[:, end + 1 :]], dim=1)

@@ -96,7 +96,9 @@ def backward(outputs: Sequence[Tensor], grads: Sequence[Tensor]) -> dict[Tensor,
                 leaves[node.variable] = received[0]
             continue
         count = len(node._input_metadata)
-        results = node(*[received.get(i) for i in range(count)])
+        # custom autograd Functions' nodes are not callable: their `apply` runs `backward`
+        call = node if callable(node) else node.apply
+        results = call(*[received.get(i) for i in range(count)])
         results = results if isinstance(results, tuple) else (results,)
         for (child, slot), g in zip(node.next_functions, results):
             if child is None:
