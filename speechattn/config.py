@@ -51,6 +51,10 @@ class PretrainModelConfig:
     net: ModelConfig = field(default_factory=ModelConfig)
     masking: MaskingConfig = field(default_factory=MaskingConfig)
     optimizer: OptimConfig = field(default_factory=OptimConfig)
+    # torch.compile the training step's masked reconstruction (embedding, encoder, head, L1;
+    # `tasks/pretrain/compiled.py`): one graph per (batch size, length bucket, padded or not)
+    compile: bool = False
+    compile_mode: str = "default"  # default | reduce-overhead | max-autotune | ...
 
 
 @dataclass

@@ -2,13 +2,16 @@
 
     python -m speechattn.bench pretrain [--model aalbert_tiny|aalbert_base] [--batch 4]
         [--frames 500] [--attention full,ldsa,...] [--repeat 5] [--device cpu|cuda]
-        [--precision fp32|bf16|fp16] [--json out.json]
+        [--precision fp32|bf16|fp16] [--json out.json] [--compile]
     python -m speechattn.bench pretrain --plan experiment=paper [--gpu h100|a100] [--mfu 0.4]
 
 `--plan OVERRIDES` times nothing: it composes the pretraining config as
 `python -m speechattn.pretrain OVERRIDES` would and prints per variant the FLOPs of one training
 step (`step_flops`), the step time and GPU-hours they project to at `--mfu` of the GPU's
 vendor dense peak, and the frames/s the loader must deliver: a projection, not a measurement.
+
+`--compile` prints per variant the graph breaks of what `model.compile=true` compiles and the
+compiled vs the eager step, side by side (`speechattn/bench/compiled.py`).
 
 `--clock cpu --threads 1` times CPU time of one thread, which other processes on a shared
 machine cannot inflate. A step is what `PretrainTask.training_step` does: stack frames, span
@@ -358,6 +361,11 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--dropout", type=float, default=0.0, help="0 keeps the step matmul-bound")
     p.add_argument("--json", type=Path, default=None, help="also write the results here")
     p.add_argument(
+        "--compile",
+        action="store_true",
+        help="per variant: graph breaks of model.compile's unit, compiled vs eager step",
+    )
+    p.add_argument(
         "--plan",
         nargs="*",
         default=None,
@@ -468,6 +476,46 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return result
 
 
+def run_compile(args: argparse.Namespace) -> dict[str, Any]:
+    """`--compile`: graph breaks, compile time, eager and compiled step (`bench/compiled.py`)."""
+    from speechattn.bench.compiled import run_compiled
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    names = available() if args.attention == "all" else args.attention.split(",")
+    config = preset_config(args.model, feature_dim=FEATURE_DIM, dropout=args.dropout)
+    T = args.frames * config.stack
+    batch = {
+        "features": torch.randn(args.batch, T, FEATURE_DIM, device=args.device),
+        "lengths": torch.full((args.batch,), T, dtype=torch.long),  # host-side, as the loader
+    }
+    print(
+        f"{args.model}, batch {args.batch} x {args.frames} stacked frames, {args.device} "
+        f"({device_name(args.device)}), {args.precision}, {torch.get_num_threads()} threads"
+    )
+    rows = run_compiled(
+        args,
+        names,
+        build=lambda name: build(name, config, args.frames, args.device),
+        make_step=lambda model: make_step(model, batch, MaskingConfig(), precision=args.precision),
+        batch=batch,
+        time_step=lambda step: time_step(step, args.device),
+    )
+    result = {"benchmark": "pretrain_compile", "model": args.model, "batch": args.batch,
+              "frames": args.frames, "device": args.device, "precision": args.precision,
+              "device_name": device_name(args.device), "threads": torch.get_num_threads(),
+              "torch": torch.__version__, "rows": rows}  # fmt: skip
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(result, indent=2))
+    return result
+
+
 def main(argv: list[str]) -> None:
     args = parse(argv)
-    plan(args) if args.plan is not None else run(args)
+    if args.plan is not None:
+        plan(args)
+    elif args.compile:
+        run_compile(args)
+    else:
+        run(args)

@@ -66,6 +66,8 @@ def run(cfg: DictConfig, datamodule: Any = None) -> dict[str, Any]:
         total_steps=int(cfg.trainer.max_steps),
         seed=cfg.seed,
         max_nonfinite=cfg.max_nonfinite,
+        compile=bool(cfg.model.get("compile", False)),
+        compile_mode=str(cfg.model.get("compile_mode", "default")),
     )
     # two-kernel variants time both kernels per length bucket (config.AttentionGroupConfig;
     # its default where a config was built without the schema)

@@ -1,0 +1,124 @@
+"""torch.compile for pretraining: the region a training step spends its device time in.
+
+Pretraining never calls `AALBERT.forward`: a step stacks frames, corrupts spans on the host
+(`model/masking.py`), then runs embedding -> encoder -> reconstruction head -> masked L1. That
+last part is the compile unit, `masked_reconstruction(model, inputs, target, chosen,
+padding_mask)`. It takes the padding mask (or None when no frame is padded) rather than
+lengths: whether a batch is padded is decided on the host by `padding_mask_for` before the
+call, so no host read of device data and no Python branch on data sits inside the graph.
+
+Graphs and recompiles (`dynamic=False`): dynamo specialises on every input's shape and on
+`padding_mask is None`, so there is one graph (a set, for a variant with graph breaks) per
+(B, T', padded or not) seen in training. With the lengths bucketed by the data layer (T' a multiple of the bucket) the count is bounded by
+2 x (buckets) x (distinct batch sizes, normally 1 plus a short last batch). Nothing is marked
+dynamic: a symbolic T' would not give one graph anyway, because the variants derive static
+sizes from T' in Python (windows, blocks, chunk and cluster capacities; sparse strides), which
+dynamo either specialises on (a guard per length, i.e. the same recompiles) or cannot lower
+(LSH: "Cannot convert symbols to int"); static shapes also let inductor pick its kernels
+per length. `compile_objective` raises dynamo's per-function recompile limit (8) to the bound
+(64 unless told), so a ninth graph is compiled rather than silently run eagerly.
+
+Validation stays eager (eval mode and no_grad would each add another set of graphs for a few
+batches per epoch).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from speechattn.model.aalbert import padding_mask_for
+from speechattn.model.masking import MaskedBatch, masked_l1
+
+# torch.compile modes accepted by `model.compile_mode`
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+
+
+def masked_reconstruction(
+    model: nn.Module,
+    inputs: Tensor,
+    target: Tensor,
+    chosen: Tensor,
+    padding_mask: Tensor | None,
+) -> Tensor:
+    """Masked L1 of AALBERT's reconstruction: the part of a pretraining step that is compiled.
+
+    inputs, target (B, T', stack*F) corrupted and clean stacked frames, chosen (B, T') bool
+    frames scored, padding_mask (B, T') True at padding or None (nothing padded) -> loss ().
+    Equals `masking.reconstruction_loss(model, masked)` with
+    `padding_mask = padding_mask_for(masked.lengths, masked.inputs)`.
+    """
+    h = model.embedding(inputs, padding_mask)  # (B, T', D)
+    h = model.encoder(h, padding_mask)[-1]  # (B, T', D)
+    return masked_l1(model.head(h), target, chosen)
+
+
+def compile_objective(
+    model: nn.Module,
+    mode: str = "default",
+    backend: str = "inductor",
+    max_graphs: int = 64,
+) -> Callable[[MaskedBatch], Tensor]:
+    """`masked_reconstruction` of `model` compiled with static shapes, as a function of a
+    `MaskedBatch` (its lengths on the host, read there by `padding_mask_for`: no sync).
+
+    The compiled function itself is the returned function's `compiled` attribute, called as
+    `compiled(inputs, target, chosen, padding_mask)`. max_graphs: graphs the caller may need
+    (2 x length buckets x batch sizes; 64 covers T' up to 2048 in buckets of 64 frames):
+    dynamo's per-function recompile limit (default 8, beyond which it silently runs the
+    function eagerly) is raised to it.
+    """
+    if mode not in COMPILE_MODES:
+        raise ValueError(f"compile_mode must be one of {COMPILE_MODES}, got {mode!r}")
+    if max_graphs > torch._dynamo.config.recompile_limit:
+        torch._dynamo.config.recompile_limit = max_graphs
+
+    def objective(inputs: Tensor, target: Tensor, chosen: Tensor, padding_mask: Tensor | None):
+        return masked_reconstruction(model, inputs, target, chosen, padding_mask)
+
+    # "default" is torch.compile's own default mode; None lets backends other than inductor
+    # (aot_eager in the tests) accept it
+    compiled = torch.compile(
+        objective, backend=backend, mode=None if mode == "default" else mode, dynamic=False
+    )
+
+    def loss(masked: MaskedBatch) -> Tensor:
+        """Masked L1 of a masked batch (as `masking.reconstruction_loss`), compiled."""
+        padding_mask = padding_mask_for(masked.lengths, masked.inputs)  # host-side decision
+        return compiled(masked.inputs, masked.target, masked.chosen, padding_mask)
+
+    loss.compiled = compiled  # type: ignore[attr-defined]
+    return loss
+
+
+def graph_breaks(
+    model: nn.Module,
+    inputs: Tensor,
+    target: Tensor,
+    chosen: Tensor,
+    padding_mask: Tensor | None,
+) -> dict[str, Any]:
+    """`torch._dynamo.explain` of the compile unit at these inputs -> {graphs, breaks,
+    reasons (one line each)}.
+
+    The backward has no graph breaks of its own: AOTAutograd derives it from the forward
+    graphs, and a custom autograd Function whose backward dynamo cannot trace breaks the
+    forward graph where the Function is applied, so it is counted here.
+    """
+    torch._dynamo.reset()
+    out = torch._dynamo.explain(masked_reconstruction)(model, inputs, target, chosen, padding_mask)
+    torch._dynamo.reset()
+    reasons = []
+    for r in out.break_reasons:
+        what = " ".join(str(r.reason).split()).split(" Explanation:")[0][:100]
+        ours = [f for f in r.user_stack if "speechattn" in f.filename]  # innermost last
+        where = f" at {Path(ours[-1].filename).name}:{ours[-1].lineno}" if ours else ""
+        reasons.append(what + where)
+    return {"graphs": out.graph_count, "breaks": out.graph_break_count, "reasons": reasons}
+
+
+__all__ = ["COMPILE_MODES", "compile_objective", "graph_breaks", "masked_reconstruction"]
