@@ -62,7 +62,14 @@ class DataConfig:
 
     # ---- batching ----
     batch_size: int = 8  # pretraining utterances per step (short runs gain from more updates)
-    num_workers: int = 0  # DataLoader workers
+    # DataLoader worker processes (they also stack and mask pretraining batches); null: one per
+    # CPU core this process may use, minus one for the training loop, at most 8
+    num_workers: int | None = 0
+    pin_memory: bool = False  # page-locked batches: asynchronous copies to a GPU
+    prefetch_factor: int = 2  # batches each worker keeps ready (with num_workers > 0)
+    # pretraining batches padded to a multiple of this many model frames (30 ms): a compiled
+    # step sees one shape per bucket, and SDPA gets masks it need not pad (GPU: 64)
+    pad_to_multiple: int = 1
     max_frames: int = 1500  # pretraining random crop, 10 ms frames (model limit: 3072)
     labelled_max_frames: int | None = 3000  # longer labelled utterances are cropped (logged)
     min_frames: int = 10  # shorter utterances are bad input ("too short")
@@ -98,7 +105,10 @@ class DataConfig:
             raise ValueError(
                 "data.root is required for corpus=librispeech (the LibriSpeech folder)"
             )
-        for name in ("batch_size", "max_frames", "min_frames", "shard_size", "bucket_size"):
+        for name in (
+            "batch_size", "max_frames", "min_frames", "shard_size", "bucket_size",
+            "prefetch_factor", "pad_to_multiple",
+        ):  # fmt: skip
             if getattr(self, name) < 1:
                 raise ValueError(f"data.{name} must be >= 1, found {getattr(self, name)}")
         if not 0 <= self.dev_fraction < 1 or not 0 <= self.pretrain_val_fraction < 1:
@@ -111,6 +121,14 @@ class DataConfig:
             raise ValueError(
                 "data.test_list is null, so data.test_splits must name the test folders"
             )
+
+    @property
+    def loader_workers(self) -> int:
+        """`num_workers`, with null resolved from the CPUs this process may use."""
+        if self.num_workers is not None:
+            return max(0, int(self.num_workers))
+        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+        return max(1, min(8, (cpus or 1) - 1))
 
     @property
     def feature_dim(self) -> int:

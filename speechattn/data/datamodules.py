@@ -190,9 +190,11 @@ class _CorpusDataModule(L.LightningDataModule):
             shuffle=shuffle,
             seed=c.seed,
         )
+        workers = c.loader_workers
         return DataLoader(
-            dataset, batch_sampler=batches, collate_fn=collate, num_workers=c.num_workers,
-            persistent_workers=c.num_workers > 0,
+            dataset, batch_sampler=batches, collate_fn=collate, num_workers=workers,
+            pin_memory=c.pin_memory, persistent_workers=workers > 0,
+            prefetch_factor=c.prefetch_factor if workers > 0 else None,
         )  # fmt: skip
 
     def _dataset(self, name: str) -> _Items:

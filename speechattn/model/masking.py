@@ -19,11 +19,13 @@ below one span. A batch in which nothing was chosen gives a loss of exactly 0 (w
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 import torch
 from torch import Tensor
+
+from speechattn.data.features import stack_frames
 
 ZERO, RANDOM, UNCHANGED = 0, 1, 2  # per-utterance corruption modes
 
@@ -49,13 +51,42 @@ class MaskingConfig:
 
 @dataclass
 class MaskedBatch:
-    """A batch corrupted for masked reconstruction, its masks drawn once."""
+    """A batch corrupted for masked reconstruction, its masks drawn once (on the host).
+
+    `lengths` stay on the host wherever the tensors go (`to`), so the model decides from them
+    whether anything is padded without reading device memory; `num_chosen` is counted when
+    the masks are drawn, so the step never reads `chosen` back from the device either.
+    """
 
     inputs: Tensor  # (B, T', F') corrupted model input
     target: Tensor  # (B, T', F') clean stacked frames
     chosen: Tensor  # (B, T') bool, frames the loss is computed on (never padding)
-    lengths: Tensor  # (B,) valid model frames
+    lengths: Tensor  # (B,) valid model frames, on the host (CPU)
     mode: Tensor  # (B,) int64, ZERO / RANDOM / UNCHANGED per utterance
+    num_chosen: int = 0  # chosen.sum(), counted on the host
+
+    def to(self, device: torch.device | str, non_blocking: bool = True) -> MaskedBatch:
+        """The tensors on `device` (copies from pinned memory overlap with compute), lengths
+        kept on the host. Lightning moves a batch holding a MaskedBatch through this method."""
+        return replace(
+            self,
+            inputs=self.inputs.to(device, non_blocking=non_blocking),
+            target=self.target.to(device, non_blocking=non_blocking),
+            chosen=self.chosen.to(device, non_blocking=non_blocking),
+            mode=self.mode.to(device, non_blocking=non_blocking),
+        )
+
+    def pin_memory(self) -> MaskedBatch:
+        """Page-locked copies, for the DataLoader's pinning thread (lengths too: read on the
+        host, they may also be copied to the device without blocking)."""
+        return replace(
+            self,
+            inputs=self.inputs.pin_memory(),
+            target=self.target.pin_memory(),
+            chosen=self.chosen.pin_memory(),
+            lengths=self.lengths.pin_memory(),
+            mode=self.mode.pin_memory(),
+        )
 
     def utterances(self) -> list[MaskedBatch]:
         """Each utterance as a batch of one, trimmed to its length."""
@@ -66,29 +97,86 @@ class MaskedBatch:
                 self.chosen[b : b + 1, :n],
                 self.lengths[b : b + 1],
                 self.mode[b : b + 1],
+                int(self.chosen[b, :n].sum()),
             )
             for b, n in enumerate(self.lengths.tolist())
         ]
 
 
-def choose_spans(length: int, cfg: MaskingConfig, generator: torch.Generator) -> Tensor:
-    """Start indices of non-overlapping spans for an utterance of `length` valid frames.
+def draw_spans(
+    lengths: Tensor, T: int, cfg: MaskingConfig, generator: torch.Generator
+) -> tuple[Tensor, Tensor]:
+    """Span starts for utterances of `lengths` (B,) valid frames, all utterances at once.
 
-    Spans are placed uniformly among non-overlapping placements: draw k distinct slots out of
-    `length - k*(s-1)` and shift the i-th by i*(s-1). Adjacent spans may touch.
+    Per utterance of n frames: span s = min(span, n); k spans, the expected count
+    fraction * n / s rounded stochastically (E[chosen frames] = fraction * n even below one
+    span) and capped at n // s; the k spans placed uniformly among non-overlapping placements:
+    k distinct slots out of n - k(s-1) (the k smallest of i.i.d. keys), the i-th shifted by
+    i(s-1). Adjacent spans may touch.
+
+    Returns starts (B, T) bool (True where a span starts; spans never reach past n) and the
+    spans' length s (B,), on the host.
     """
-    if length <= 0:
-        return torch.empty(0, dtype=torch.long)
-    s = min(cfg.span, length)
-    expected = cfg.fraction * length / s  # spans, fractional
-    k = int(expected)
-    if torch.rand((), generator=generator).item() < expected - k:
-        k += 1  # stochastic rounding keeps E[chosen frames] = fraction * length
-    k = min(k, length // s)
-    if k == 0:
-        return torch.empty(0, dtype=torch.long)
-    slots = torch.randperm(length - k * (s - 1), generator=generator)[:k].sort().values
-    return slots + torch.arange(k) * (s - 1)
+    n = lengths.to("cpu", torch.long)
+    B = n.shape[0]
+    s = n.clamp(max=cfg.span).clamp(min=1)  # (B,) (n = 0 has no spans: k = 0 below)
+    expected = cfg.fraction * n.double() / s.double()  # (B,) spans, fractional
+    k = expected.floor()
+    k = k + (torch.rand(B, generator=generator, dtype=torch.float64) < expected - k).double()
+    k = torch.minimum(k.long(), n // s)  # (B,)
+    slots = n - k * (s - 1)  # (B,) placements of k non-overlapping spans = k distinct slots
+    position = torch.arange(T)
+    keys = torch.rand(B, T, generator=generator)
+    keys = keys.masked_fill(position[None, :] >= slots[:, None], 2.0)  # past the slots: never
+    rank = keys.argsort(dim=1).argsort(dim=1)  # (B, T) rank of each slot's key in its row
+    picked = rank < k[:, None]  # (B, T) the k picked slots
+    index = picked.cumsum(dim=1) - 1  # (B, T) i of a picked slot among its row's picks
+    start = position[None, :] + index * (s[:, None] - 1)  # slot j -> j + i(s-1) <= n - s
+    starts = torch.zeros(B, T + 1, dtype=torch.bool)  # column T: where unpicked slots go
+    starts.scatter_(1, torch.where(picked, start, T), True)
+    return starts[:, :T], s
+
+
+def draw_masks(
+    lengths: Tensor, T: int, cfg: MaskingConfig, generator: torch.Generator
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Masks for utterances of `lengths` (B,) valid frames in a batch padded to T, drawn for
+    all utterances at once with batched tensor ops (no per-utterance Python loop).
+
+    Spans as `draw_spans`; then one mode per utterance with probabilities p_zero / p_random /
+    rest; RANDOM rows copy into each chosen frame a frame of the same utterance drawn
+    uniformly.
+
+    Args:
+        lengths: (B,) int, on the host.
+        T: padded length (>= lengths.max()).
+        generator: CPU generator; every draw comes from it, in a fixed order.
+    Returns:
+        chosen (B, T) bool, source (B, T) int64 (the frame copied into each position: itself
+        except at RANDOM rows' chosen frames), mode (B,) int64. All on the host.
+    """
+    n = lengths.to("cpu", torch.long)
+    B = n.shape[0]
+    starts, s = draw_spans(n, T, cfg, generator)  # (B, T), (B,)
+    # chosen[t]: a span starts in (t-s, t]: a difference of cumulative counts, s per row
+    count = torch.nn.functional.pad(starts.long().cumsum(dim=1), (1, 0))  # (B, T+1)
+    t = torch.arange(1, T + 1)
+    chosen = (count[:, t] - count.gather(1, (t[None, :] - s[:, None]).clamp(min=0))) > 0
+    u = torch.rand(B, generator=generator, dtype=torch.float64)
+    mode = torch.full((B,), UNCHANGED, dtype=torch.long)
+    mode = torch.where(u < cfg.p_zero + cfg.p_random, RANDOM, mode)
+    mode = torch.where(u < cfg.p_zero, ZERO, mode)
+    # float64 draws: floor(u * n) < n for any length a batch can hold
+    other = (torch.rand(B, T, generator=generator, dtype=torch.float64) * n[:, None]).long()
+    source = torch.arange(T).expand(B, T)
+    source = torch.where(chosen & (mode == RANDOM)[:, None], other, source)
+    return chosen, source, mode
+
+
+def choose_spans(length: int, cfg: MaskingConfig, generator: torch.Generator) -> Tensor:
+    """Start indices of the spans `draw_spans` places in one utterance of `length` frames."""
+    starts, _ = draw_spans(torch.tensor([length]), length, cfg, generator)
+    return torch.arange(length)[starts[0]]
 
 
 def mask_frames(
@@ -96,33 +184,47 @@ def mask_frames(
 ) -> MaskedBatch:
     """Corrupt x (B, T', F') with valid lengths (B,) for masked reconstruction.
 
-    All random draws use `generator` (a CPU generator), so the corruption is reproducible
-    from its seed, independently of the device and of dropout's global RNG.
+    The masks are drawn on the host (`draw_masks`, from `generator`, a CPU generator: the
+    corruption is reproducible from its seed, independently of the device and of dropout's
+    global RNG) and applied on x's device after non-blocking copies. Give `lengths` on the
+    host: lengths on a GPU are read back (a sync).
     """
     B, T, _ = x.shape
     lengths_cpu = lengths.detach().to("cpu", torch.long)
-    chosen = torch.zeros(B, T, dtype=torch.bool)
-    mode = torch.full((B,), UNCHANGED, dtype=torch.long)
-    source = torch.arange(T).expand(B, T).clone()  # (B, T') index of the frame to copy in
-    for b in range(B):
-        n = int(lengths_cpu[b])
-        starts = choose_spans(n, cfg, generator)
-        u = torch.rand((), generator=generator).item()
-        mode[b] = ZERO if u < cfg.p_zero else RANDOM if u < cfg.p_zero + cfg.p_random else UNCHANGED
-        if len(starts) == 0:
-            continue
-        s = min(cfg.span, n)
-        idx = (starts[:, None] + torch.arange(s)).reshape(-1)  # chosen positions, all < n
-        chosen[b, idx] = True
-        if mode[b] == RANDOM:
-            source[b, idx] = torch.randint(0, n, (len(idx),), generator=generator)
-    chosen = chosen.to(x.device)
-    source = source.to(x.device)
-    mode_dev = mode.to(x.device)
-    inputs = torch.gather(x, 1, source[..., None].expand_as(x))  # RANDOM rows copied in
-    zero = chosen & (mode_dev == ZERO)[:, None]
+    chosen, source, mode = draw_masks(lengths_cpu, T, cfg, generator)
+    num_chosen = int(chosen.sum())  # host data: free
+    chosen_dev = chosen.to(x.device, non_blocking=True)
+    source_dev = source.to(x.device, non_blocking=True)
+    zero = (chosen & (mode == ZERO)[:, None]).to(x.device, non_blocking=True)
+    inputs = torch.gather(x, 1, source_dev[..., None].expand_as(x))  # RANDOM rows copied in
     inputs = inputs.masked_fill(zero[..., None], 0.0)
-    return MaskedBatch(inputs=inputs, target=x, chosen=chosen, lengths=lengths, mode=mode)
+    return MaskedBatch(inputs, x, chosen_dev, lengths_cpu, mode, num_chosen)
+
+
+def mask_batch(
+    features: Tensor,
+    lengths: Tensor,
+    stack: int,
+    cfg: MaskingConfig,
+    generator: torch.Generator,
+    pad_to_multiple: int = 1,
+    max_model_frames: int | None = None,
+) -> MaskedBatch:
+    """Host side of a pretraining step, for the data loader: stack 10 ms features (B, T, F)
+    with lengths (B,) into model frames, pad them to a multiple of `pad_to_multiple` model
+    frames (at most `max_model_frames`, the model's limit), and corrupt them (`mask_frames`).
+
+    Padding to a multiple gives a compiled step few shapes (one per bucket) and lets SDPA
+    take masks without padding them to its alignment itself.
+    """
+    stacked, stacked_lengths = stack_frames(features, lengths, stack)  # (B, T', stack*F)
+    T = stacked.shape[1]
+    padded = -(-T // pad_to_multiple) * pad_to_multiple
+    if max_model_frames is not None:
+        padded = max(T, min(padded, max_model_frames))
+    if padded != T:
+        stacked = torch.nn.functional.pad(stacked, (0, 0, 0, padded - T))
+    return mask_frames(stacked, stacked_lengths, cfg, generator)
 
 
 def masked_l1(prediction: Tensor, target: Tensor, chosen: Tensor) -> Tensor:

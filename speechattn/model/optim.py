@@ -59,7 +59,9 @@ def build_optimizer(module: nn.Module, cfg: OptimConfig) -> torch.optim.Optimize
     if cfg.name == "lamb":
         from pytorch_optimizer import Lamb
 
-        return Lamb(groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps)
+        # foreach: one batched update over all tensors, with no host reads; the per-parameter
+        # path reads each tensor's norms on the host (`weight_norm == 0`): 2 syncs a tensor
+        return Lamb(groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, foreach=True)
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps)
 
 

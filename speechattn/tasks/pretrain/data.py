@@ -1,21 +1,32 @@
 """The pretraining data order: every batch a function of (seed, batch number, rank).
 
 `StepBatchSampler` makes the order and `SeededItems` seeds each item's random crop, so a run
-resumed from any checkpoint sees exactly the batches of an uninterrupted one. `ResumableData` wraps any DataModule of the data contract (docs/ARCHITECTURE.md) and only
+resumed from any checkpoint sees exactly the batches of an uninterrupted one.
+`ResumableData` wraps any DataModule of the data contract (docs/ARCHITECTURE.md) and only
 replaces the order of training batches with `StepBatchSampler`: batch i is a function of
 (seed, i, rank), sharded across DDP ranks, and a resumed run starts at the batch after the
 checkpoint's step. Datasets, collation, workers and validation are the wrapped module's.
+
+The host's share of a training step runs in the loader too (in its worker processes when
+`num_workers` > 0): `MaskingCollate` stacks each collated batch into model frames, pads it to
+a multiple of `pad_to_multiple` model frames and draws its masks (`model/masking.py`,
+vectorised) from a generator seeded by (seed, batch number, rank), so masks resume exactly
+as the data order does. The step then receives `{"masked": MaskedBatch, "lengths": (B,)}`,
+everything it reads on the host already there.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import lightning as L
 import torch
+from torch import Tensor
 from torch.utils.data import DataLoader, Dataset, Sampler
 
+from speechattn.model.masking import MaskedBatch, MaskingConfig, mask_batch
 from speechattn.utils import derive_seed
 
 # ----------------------------------------------------------------------------- data order
@@ -33,7 +44,8 @@ class StepBatchSampler(Sampler[list[tuple[int, int]]]):
     when resuming), so the sampler needs no saved state. The length is the whole run, which
     keeps Lightning's epoch bookkeeping consistent on resume. Each yielded key is
     (item seed, dataset index): `SeededItems` seeds random crops with it, so even the crops
-    do not depend on how far the loader had prefetched when a run was killed.
+    do not depend on how far the loader had prefetched when a run was killed. Each batch of
+    keys (`BatchKeys`) carries the seed of its masks, from (seed, batch number, rank).
     """
 
     def __init__(
@@ -103,15 +115,34 @@ class StepBatchSampler(Sampler[list[tuple[int, int]]]):
 
     def __iter__(self) -> Iterator[list[tuple[int, int]]]:
         for i in range(self.start, self.total_batches):
-            yield [(derive_seed(self.seed, "item", q), self._item(q)) for q in self.positions(i)]
+            keys = [(derive_seed(self.seed, "item", q), self._item(q)) for q in self.positions(i)]
+            yield BatchKeys(keys, derive_seed(self.seed, "mask", i, self.rank))
 
     def __len__(self) -> int:
         return self.total_batches
 
 
+class BatchKeys(list):
+    """One batch's item keys, with `mask_seed`: its masks' seed (it travels to the workers
+    with the keys, so masks never depend on which worker or how far ahead it runs)."""
+
+    def __init__(self, keys: list[tuple[int, int]], mask_seed: int) -> None:
+        super().__init__(keys)
+        self.mask_seed = mask_seed
+
+
+class BatchItems(list):
+    """One batch's items, with the `mask_seed` of its keys, for `MaskingCollate`."""
+
+    def __init__(self, items: list[Any], mask_seed: int | None) -> None:
+        super().__init__(items)
+        self.mask_seed = mask_seed
+
+
 class SeededItems(Dataset):
     """`dataset[(seed, index)]` -> `dataset[index]` with the global RNG seeded for that item
-    (the data layer's random crops draw from it) and restored afterwards."""
+    (the data layer's random crops draw from it) and restored afterwards. A whole batch of
+    keys (the DataLoader's `__getitems__`) gives `BatchItems`, which keep its mask seed."""
 
     def __init__(self, dataset: Dataset) -> None:
         self.dataset = dataset
@@ -125,6 +156,49 @@ class SeededItems(Dataset):
             torch.manual_seed(seed)
             return self.dataset[index]
 
+    def __getitems__(self, keys: list[tuple[int, int]]) -> BatchItems:
+        return BatchItems([self[key] for key in keys], getattr(keys, "mask_seed", None))
+
+
+# ----------------------------------------------------------------------------- masking
+
+
+@dataclass(frozen=True)
+class BatchMasker:
+    """What the loader needs of the model to prepare a step: its frame stacking, masking
+    settings and input limit, and the length bucket (`pad_to_multiple` model frames)."""
+
+    stack: int
+    masking: MaskingConfig
+    pad_to_multiple: int = 1
+    max_model_frames: int | None = None
+
+    def __call__(self, features: Tensor, lengths: Tensor, seed: int) -> MaskedBatch:
+        """features (B, T, F) 10 ms, lengths (B,) on the host -> a `MaskedBatch` (host)."""
+        generator = torch.Generator().manual_seed(seed)
+        return mask_batch(
+            features, lengths, self.stack, self.masking, generator,
+            self.pad_to_multiple, self.max_model_frames,
+        )  # fmt: skip
+
+
+class MaskingCollate:
+    """collate_fn of the pretraining loader: the wrapped collate's padded batch, stacked,
+    bucketed and masked on the host by `masker` -> {"masked": MaskedBatch, "lengths": (B,)
+    10 ms frames, "utt_ids"}. Picklable: it runs in the loader's worker processes."""
+
+    def __init__(self, collate: Callable[[list[Any]], dict[str, Any]], masker: BatchMasker):
+        self.collate = collate
+        self.masker = masker
+
+    def __call__(self, items: list[Any]) -> dict[str, Any]:
+        seed = getattr(items, "mask_seed", None)
+        if seed is None:
+            raise ValueError("MaskingCollate needs batches of StepBatchSampler keys (BatchKeys)")
+        batch = self.collate(list(items))
+        masked = self.masker(batch["features"], batch["lengths"], seed)
+        return {"masked": masked, "lengths": batch["lengths"], "utt_ids": batch.get("utt_ids")}
+
 
 # ----------------------------------------------------------------------------- data module
 
@@ -136,12 +210,15 @@ class ResumableData(L.LightningDataModule):
         seed: int,
         batch_size: int | None = None,
         bucket_size: int | None = None,
+        pad_to_multiple: int | None = None,
     ) -> None:
         super().__init__()
         self.inner = inner
         self.seed = seed
         self.batch_size = batch_size  # None: the wrapped loader's
         self.bucket_size = bucket_size  # None: the wrapped batch sampler's, else 1
+        # model frames per length bucket; None: the wrapped module's `cfg.pad_to_multiple`, else 1
+        self.pad_to_multiple = pad_to_multiple
         self.sampler: StepBatchSampler | None = None
 
     @property
@@ -191,15 +268,36 @@ class ResumableData(L.LightningDataModule):
             lengths=lengths,
             bucket_size=int(bucket),
         )
+        collate = loader.collate_fn
+        batch_masker = getattr(trainer.lightning_module, "batch_masker", None)
+        if callable(batch_masker):  # the pretraining task: stack and mask in the loader
+            pad = self.pad_to_multiple
+            if pad is None:
+                pad = getattr(getattr(self.inner, "cfg", None), "pad_to_multiple", 1)
+            collate = MaskingCollate(collate, batch_masker(int(pad)))
+        workers = loader.num_workers
         return DataLoader(
             SeededItems(dataset),
             batch_sampler=self.sampler,
-            collate_fn=loader.collate_fn,
-            num_workers=loader.num_workers,
+            collate_fn=collate,
+            num_workers=workers,
             pin_memory=loader.pin_memory,
-            persistent_workers=loader.persistent_workers if loader.num_workers > 0 else False,
+            persistent_workers=loader.persistent_workers if workers > 0 else False,
+            prefetch_factor=loader.prefetch_factor if workers > 0 else None,
             worker_init_fn=loader.worker_init_fn,
         )
 
     def val_dataloader(self) -> Any:
         return self.inner.val_dataloader()
+
+    def transfer_batch_to_device(
+        self, batch: Any, device: torch.device, dataloader_idx: int
+    ) -> Any:
+        """Tensors to `device` (non-blocking from pinned memory; a `MaskedBatch` keeps its
+        lengths on the host), `lengths` kept on the host: the model reads them there to size
+        the step without a sync (`padding_mask_for`)."""
+        if isinstance(batch, dict) and isinstance(batch.get("lengths"), Tensor):
+            rest = {k: v for k, v in batch.items() if k != "lengths"}
+            moved = super().transfer_batch_to_device(rest, device, dataloader_idx)
+            return {**moved, "lengths": batch["lengths"]}
+        return super().transfer_batch_to_device(batch, device, dataloader_idx)

@@ -3,13 +3,19 @@
 Lightning owns the loop; this module owns one step: stack frames, corrupt spans
 (`model/masking.py`), encode, reconstruct, L1 on the chosen frames. Around it:
 
-* reproducibility: every micro-batch reseeds the global RNG (dropout) and a CPU generator
-  (masking) from (seed, optimizer step, micro-batch, rank), and `StepBatchSampler`
-  (`tasks/pretrain/data.py`) makes the data order a function of (seed, batch number). A run
-  resumed from any checkpoint therefore sees exactly the batches, masks and dropout of an
-  uninterrupted run.
-* non-finite losses or gradients: the update is skipped with a `NonFiniteWarning`; after
-  `max_nonfinite` in a row training stops with `NonFiniteLossError` explaining what to try.
+* the host prepares, the device computes: training batches arrive stacked and masked by the
+  loader (`MaskingCollate` in `tasks/pretrain/data.py`, in its worker processes), their
+  lengths and counts on the host, their tensors copied from pinned memory without blocking.
+* reproducibility: `StepBatchSampler` makes the data order and the masks a function of (seed,
+  batch number, rank), and every micro-batch reseeds the global RNG (dropout) from (seed,
+  optimizer step, micro-batch, rank). A run resumed from any checkpoint therefore sees exactly
+  the batches, masks and dropout of an uninterrupted run.
+* one host-device sync per step: the finite checks of the loss, of the gradient norm and of
+  the parameters after the previous update are computed on the device and read together
+  once, in `on_before_optimizer_step`, after backward was launched (the parameters of the
+  last update are also checked before every checkpoint and at the end). A non-finite loss or
+  gradient skips the update with a `NonFiniteWarning`; after `max_nonfinite` in a row training
+  stops with `NonFiniteLossError` explaining what to try; non-finite parameters stop it at once.
 * `upstream.pt` export from the live module or from any Lightning checkpoint of a run.
 """
 
@@ -28,11 +34,11 @@ from torch import Tensor
 from speechattn.attention import Attention, autotune
 from speechattn.data.features import Normalizer
 from speechattn.model.aalbert import AALBERT, ModelConfig
-from speechattn.model.masking import MaskingConfig, corrupt, reconstruction_loss
+from speechattn.model.masking import MaskedBatch, MaskingConfig, corrupt, reconstruction_loss
 from speechattn.model.optim import OptimConfig, build_optimizer, build_scheduler
 from speechattn.model.serialization import TorchFileError, load_torch_file
 from speechattn.model.upstream import nonfinite_tensors, save_upstream, upstream_state
-from speechattn.tasks.pretrain.compiled import compile_objective
+from speechattn.tasks.pretrain.data import BatchMasker
 from speechattn.utils import derive_seed
 
 # ----------------------------------------------------------------------------- config
@@ -68,8 +74,6 @@ class PretrainTask(L.LightningModule):
         total_steps: int = 1000,
         seed: int = 0,
         max_nonfinite: int = 5,
-        compile: bool = False,
-        compile_mode: str = "default",
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
@@ -80,16 +84,26 @@ class PretrainTask(L.LightningModule):
         self.seed = int(seed)
         self.max_nonfinite = int(max_nonfinite)
         self.model = AALBERT(self.model_config)
-        # model.compile: training's masked reconstruction under torch.compile (static shapes,
-        # a graph per length bucket; `tasks/pretrain/compiled.py`), compiled at its first call
-        self._compiled = compile_objective(self.model, compile_mode) if compile else None
         self.data_info: dict[str, Any] = {}
         self._nonfinite_in_row = 0
         self._skipped_this_step = False
         self._micro = (-1, 0)  # (global_step, micro-batch index within the accumulation)
         self._last_time: float | None = None
         self._last_frames = 0
-        self.last_train_loss: float | None = None  # of the last step that trained (metadata)
+        # device-side state of the step's checks, read once per step (on_before_optimizer_step)
+        self._loss_finite: Tensor | None = None  # () bool, all micro-batches' losses finite
+        self._step_loss: tuple[Tensor, int] | None = None  # (loss (), chosen frames) to log
+        self._params_finite: tuple[Tensor, int] | None = None  # (() bool, step) after an update
+        self._train_loss: Tensor | float | None = None  # of the last step that trained
+
+    @property
+    def last_train_loss(self) -> float | None:
+        """Loss of the last step that trained (metadata), read from the device when asked."""
+        return None if self._train_loss is None else float(self._train_loss)
+
+    @last_train_loss.setter
+    def last_train_loss(self, value: float | None) -> None:
+        self._train_loss = value
 
     # ------------------------------------------------------------------ data info
     def set_data_info(
@@ -107,6 +121,11 @@ class PretrainTask(L.LightningModule):
         self.data_info.update(extra)
 
     def setup(self, stage: str) -> None:
+        if self.trainer.strategy.root_device.type == "cuda":
+            # fp32 regions (linear attention, LSH CSR, routing, tables, the optimiser's norms)
+            # use TF32 tensor cores: ~8x the fp32 matmul rate, 10-bit mantissa products
+            torch.backends.cuda.matmul.allow_tf32 = True
+            torch.backends.cudnn.allow_tf32 = True
         # the normaliser is computed by the data module's setup, which Lightning runs first
         dm = self.trainer.datamodule if self._trainer is not None else None
         norm = getattr(dm, "normalizer", None) if dm is not None else None
@@ -117,6 +136,7 @@ class PretrainTask(L.LightningModule):
             self.set_data_info(data_summary=describe())  # corpus root, utterance counts, skips
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        self.check_parameters()  # never keep weights the last update made NaN/inf
         checkpoint["speechattn_data"] = self.data_info
         checkpoint["speechattn_train_loss"] = self.last_train_loss
 
@@ -125,19 +145,37 @@ class PretrainTask(L.LightningModule):
         self.last_train_loss = checkpoint.get("speechattn_train_loss", self.last_train_loss)
 
     # ------------------------------------------------------------------ step
+    def batch_masker(self, pad_to_multiple: int = 1) -> BatchMasker:
+        """The host side of a training step, run by the loader (`ResumableData`): stacking,
+        length buckets of `pad_to_multiple` model frames, masking."""
+        limit = self.model.max_input_frames
+        return BatchMasker(
+            stack=self.model_config.stack,
+            masking=self.masking,
+            pad_to_multiple=pad_to_multiple,
+            max_model_frames=None if limit is None else limit // self.model_config.stack,
+        )
+
     def reconstruction_loss(
         self, batch: dict[str, Any], generator: torch.Generator
     ) -> tuple[Tensor, int, int]:
-        """Masked L1 of one batch, its valid 10 ms frames and its chosen model frames."""
-        masked = corrupt(self.model, batch["features"], batch["lengths"], self.masking, generator)
-        if self._compiled is not None and self.training:  # validation stays eager
-            loss = self._compiled(masked)
-        else:
-            loss = reconstruction_loss(self.model, masked)
-        return loss, int(batch["lengths"].sum()), int(masked.chosen.sum())
+        """Masked L1 of one batch, its valid 10 ms frames and its chosen model frames.
+
+        A training batch comes masked by the loader (`batch["masked"]`, a `MaskedBatch`); a
+        batch of features (validation) is masked here with `generator`. The counts are read
+        from host-side lengths and masks: no sync.
+        """
+        masked: MaskedBatch | None = batch.get("masked")
+        if masked is None:
+            masked = corrupt(
+                self.model, batch["features"], batch["lengths"], self.masking, generator
+            )
+        loss = reconstruction_loss(self.model, masked)
+        return loss, int(batch["lengths"].sum()), masked.num_chosen
 
     def _seed_micro_batch(self) -> torch.Generator:
-        """Reseed dropout and masking from (seed, step, micro-batch, rank): resumable RNG."""
+        """Reseed dropout (and masking of an unmasked batch) from (seed, step, micro-batch,
+        rank): resumable RNG."""
         step = self.global_step
         micro = self._micro[1] + 1 if self._micro[0] == step else 0
         self._micro = (step, micro)
@@ -145,28 +183,91 @@ class PretrainTask(L.LightningModule):
         torch.manual_seed(s)  # dropout (also seeds CUDA generators)
         return torch.Generator().manual_seed(s ^ 0x5DEECE66D)
 
-    def training_step(self, batch: dict[str, Any], batch_idx: int) -> Tensor | None:
+    def training_step(self, batch: dict[str, Any], batch_idx: int) -> Tensor:
+        loss, frames = self.step_loss(batch)
+        self._log_throughput(frames)
+        return loss  # backward runs even when it is not finite; the update is then skipped
+
+    def step_loss(self, batch: dict[str, Any]) -> tuple[Tensor, int]:
+        """A training micro-batch up to backward: its loss (with the attention's auxiliary
+        loss), whose finite check is queued on the device, and its valid 10 ms frames."""
         generator = self._seed_micro_batch()
         loss, frames, chosen = self.reconstruction_loss(batch, generator)
-        if self._micro[1] == 0:
-            self._skipped_this_step = False
-        finite = bool(torch.isfinite(loss).item())
-        if self.trainer.world_size > 1:  # every rank must skip together or DDP would hang
-            finite = self.trainer.strategy.reduce_boolean_decision(finite, all=True)
-        if not finite:
-            self._skipped_this_step = True
-            self._register_nonfinite(f"loss {loss.item()}")
-            return None
-        self._log_throughput(frames)
-        if chosen:  # a batch of very short utterances may have nothing to reconstruct (loss 0)
-            self.log("train_loss", loss, prog_bar=True, on_step=True, batch_size=chosen)
-            # kept here: callback_metrics lose step-only values when validate() runs after fit
-            self.last_train_loss = float(loss.detach())
+        self.record_loss(loss, chosen)
         aux = self.auxiliary_loss()
         if aux is not None:  # adaptive_span's span penalty; train_loss stays reconstruction
             self.log("aux_loss", aux, on_step=True, batch_size=1)
             loss = loss + aux
-        return loss
+        return loss, frames
+
+    def record_loss(self, loss: Tensor, chosen: int) -> None:
+        """Keep a micro-batch's finite check on the device, for `check_step` to read."""
+        finite = torch.isfinite(loss.detach())  # () bool, stays on the device
+        if self._micro[1] == 0 or self._loss_finite is None:
+            self._skipped_this_step = False
+            self._loss_finite = finite
+        else:
+            self._loss_finite = self._loss_finite & finite
+        # a batch of very short utterances may have nothing to reconstruct (loss 0): not logged
+        self._step_loss = (loss.detach(), chosen) if chosen else None
+
+    def check_step(self) -> bool:
+        """The step's one host read: whether the losses, the gradient norm and the parameters
+        of the previous update are all finite. Grads are dropped (update skipped) when not;
+        raises `NonFiniteLossError` when the parameters are not or after `max_nonfinite`
+        skipped steps in a row. Returns whether the update goes ahead."""
+        grads = [p.grad for p in self.parameters() if p.grad is not None]
+        if not grads and self._loss_finite is None:
+            return False
+        flags, norm = [], None  # () bool device tensors: [loss, gradient norm, parameters]
+        flags.append(self._loss_finite if self._loss_finite is not None else torch.tensor(True))
+        if grads:
+            norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)))
+            flags.append(torch.isfinite(norm))
+        else:
+            flags.append(torch.ones_like(flags[0]))
+        if self._params_finite is not None:
+            flags.append(self._params_finite[0])
+        device = flags[0].device
+        loss_ok, grad_ok, *params_ok = torch.stack([f.to(device) for f in flags]).tolist()
+        self._loss_finite = None
+        if params_ok and not params_ok[0]:
+            self._raise_diverged(self._params_finite[1])  # type: ignore[index]
+        self._params_finite = None
+        if loss_ok and grad_ok:
+            if not self._skipped_this_step:
+                self._nonfinite_in_row = 0
+            if self._step_loss is not None:
+                loss, chosen = self._step_loss
+                self.log("train_loss", loss, prog_bar=True, on_step=True, batch_size=chosen)
+                # kept here: callback_metrics lose step-only values when validate() runs after fit
+                self._train_loss = loss
+            return True
+        for p in self.parameters():  # gradients are all-reduced: every rank skips together
+            p.grad = None
+        self._skipped_this_step = True
+        step_loss = self._step_loss[0] if self._step_loss is not None else float("nan")
+        what = f"loss {float(step_loss)}" if not loss_ok else f"gradient norm {float(norm)}"  # type: ignore[arg-type]
+        self._register_nonfinite(what)
+        return False
+
+    def check_parameters(self) -> None:
+        """Read the parameters' finite check of the last update (a sync: at checkpoints and at
+        the end only) and raise `NonFiniteLossError` when it failed."""
+        if self._params_finite is not None:
+            ok, step = self._params_finite
+            if not bool(ok):
+                self._raise_diverged(step)
+
+    def _raise_diverged(self, step: int) -> None:
+        # a finite loss and gradient can still overflow the weights (lr far too high); after
+        # that every later loss is NaN, so stop before a checkpoint or upstream.pt keeps them
+        bad = nonfinite_tensors(dict(self.model.named_parameters()))
+        raise NonFiniteLossError(
+            f"training diverged at step {step}: the update made {len(bad)} "
+            f"parameter tensor(s) NaN/inf ({', '.join(bad[:3])}{', ...' if len(bad) > 3 else ''}); "
+            f"no upstream.pt is written. {self.divergence_advice()}"
+        )
 
     def auxiliary_loss(self) -> Tensor | None:
         """Sum of the attention modules' `auxiliary_loss()`, each (shared) module once."""
@@ -185,17 +286,8 @@ class PretrainTask(L.LightningModule):
             self.log("lr", scheduler.get_last_lr()[0], on_step=True, batch_size=1)
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
-        grads = [p.grad for p in self.parameters() if p.grad is not None]
-        if not grads:
-            return  # the step's loss was skipped already
-        norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
-        if torch.isfinite(norm):
-            if not self._skipped_this_step:
-                self._nonfinite_in_row = 0
-            return
-        for p in self.parameters():  # gradients are all-reduced: every rank skips together
-            p.grad = None
-        self._register_nonfinite(f"gradient norm {norm.item()}")
+        # after backward was launched, before clipping and the update
+        self.check_step()
 
     def _register_nonfinite(self, what: str) -> None:
         self._nonfinite_in_row += 1
@@ -215,18 +307,19 @@ class PretrainTask(L.LightningModule):
 
     def optimizer_step(self, *args: Any, **kwargs: Any) -> None:
         super().optimizer_step(*args, **kwargs)
+        self.after_update()
+
+    def after_update(self) -> None:
+        """After an optimiser update: adaptive_span's spans back into [0, S], and the
+        parameters' finite check queued on the device (read by the next `check_step`, before
+        a checkpoint, or at the end: no sync here)."""
         for module in self.model.modules():
             if isinstance(module, Attention):
-                module.after_optimizer_step()  # adaptive_span: spans back into [0, S]
-        # a finite loss and gradient can still overflow the weights (lr far too high); after
-        # that every later loss is NaN, so stop before a checkpoint or upstream.pt keeps them
-        bad = nonfinite_tensors(dict(self.model.named_parameters()))
-        if bad:
-            raise NonFiniteLossError(
-                f"training diverged at step {self.global_step}: the update made {len(bad)} "
-                f"parameter tensor(s) NaN/inf ({', '.join(bad[:3])}{', ...' if len(bad) > 3 else ''}); "
-                f"no upstream.pt is written. {self.divergence_advice()}"
-            )
+                module.after_optimizer_step()
+        params = [p.detach() for p in self.model.parameters()]
+        # max |p| is NaN/inf exactly when some element is (a 2-norm overflows for huge weights)
+        finite = torch.isfinite(torch.stack(torch._foreach_norm(params, float("inf")))).all()
+        self._params_finite = (finite, self.global_step)
 
     def divergence_advice(self) -> str:
         """What to change after a divergence: a smaller lr, and resuming only if a checkpoint
@@ -249,8 +342,10 @@ class PretrainTask(L.LightningModule):
         return advice
 
     def check_converged(self) -> None:
-        """Raise `NonFiniteLossError` when training ended inside a run of skipped non-finite
-        steps: the weights never recovered, whatever the step budget cut short."""
+        """Raise `NonFiniteLossError` when the last update made the weights NaN/inf, or when
+        training ended inside a run of skipped non-finite steps: the weights never recovered,
+        whatever the step budget cut short."""
+        self.check_parameters()
         if self._nonfinite_in_row:
             raise NonFiniteLossError(
                 f"training diverged: its last {self._nonfinite_in_row} step(s), up to step "
