@@ -38,6 +38,7 @@ from speechattn.model.masking import MaskedBatch, MaskingConfig, corrupt, recons
 from speechattn.model.optim import OptimConfig, build_optimizer, build_scheduler
 from speechattn.model.serialization import TorchFileError, load_torch_file
 from speechattn.model.upstream import nonfinite_tensors, save_upstream, upstream_state
+from speechattn.tasks.pretrain.compiled import compile_objective
 from speechattn.tasks.pretrain.data import BatchMasker
 from speechattn.utils import derive_seed
 
@@ -74,6 +75,8 @@ class PretrainTask(L.LightningModule):
         total_steps: int = 1000,
         seed: int = 0,
         max_nonfinite: int = 5,
+        compile: bool = False,
+        compile_mode: str = "default",
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
@@ -84,6 +87,9 @@ class PretrainTask(L.LightningModule):
         self.seed = int(seed)
         self.max_nonfinite = int(max_nonfinite)
         self.model = AALBERT(self.model_config)
+        # model.compile: training's masked reconstruction under torch.compile (static shapes,
+        # a graph per length bucket; `tasks/pretrain/compiled.py`), compiled at its first call
+        self._compiled = compile_objective(self.model, compile_mode) if compile else None
         self.data_info: dict[str, Any] = {}
         self._nonfinite_in_row = 0
         self._skipped_this_step = False
@@ -170,7 +176,10 @@ class PretrainTask(L.LightningModule):
             masked = corrupt(
                 self.model, batch["features"], batch["lengths"], self.masking, generator
             )
-        loss = reconstruction_loss(self.model, masked)
+        if self._compiled is not None and self.training:  # validation stays eager
+            loss = self._compiled(masked)
+        else:
+            loss = reconstruction_loss(self.model, masked)
         return loss, int(batch["lengths"].sum()), masked.num_chosen
 
     def _seed_micro_batch(self) -> torch.Generator:
