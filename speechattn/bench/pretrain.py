@@ -218,6 +218,16 @@ def attention_flops(name: str, config: ModelConfig, batch: int, frames: int) -> 
     return module.flops(frames).training * batch * config.num_layers
 
 
+def step_syncs(name: str, config: ModelConfig, args: argparse.Namespace) -> int:
+    """Host-device syncs of one `PretrainTask` training step of variant `name` at the bench's
+    batch and length (fp32; on a CPU the CPU stands in for the device: `bench/syncs.py`)."""
+    from speechattn.bench.syncs import pretrain_step_syncs
+
+    opts = {"max_len": max(1024, args.frames)} if "max_len" in attention_options(name) else {}
+    net = {**config.to_dict(), "attention": name, "attention_options": opts}
+    return pretrain_step_syncs(net, args.batch, args.frames, args.device).count
+
+
 def build(name: str, config: ModelConfig, frames: int, device: str) -> nn.Module:
     torch.manual_seed(0)
     if name == "reference":
@@ -441,9 +451,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                      "gflops": flops[name] / seconds / 1e9, "of_peak": flops[name] / seconds / peak,
                      "flop_bound": None if name == "reference" else counted_full / flops[name]})  # fmt: skip
         r = rows[-1]
+        r["syncs_per_step"] = None if name == "reference" else step_syncs(name, config, args)
+        syncs = "" if name == "reference" else f"  {r['syncs_per_step']} syncs/step"
         print(
             f"  {name:15s} {seconds * 1e3:9.1f} ms  {r['gflop']:8.2f} GFLOP  "
-            f"{r['gflops']:7.1f} GFLOP/s  MFU {100 * r['of_peak']:5.1f} %"
+            f"{r['gflops']:7.1f} GFLOP/s  MFU {100 * r['of_peak']:5.1f} %{syncs}"
         )
     full = next((r for r in rows if r["attention"] == "full"), None)
     if full:
