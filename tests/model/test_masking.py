@@ -152,3 +152,23 @@ def test_one_objective_and_one_optimiser_for_pretraining_analysis_and_benchmark(
     decay, no_decay = build_optimizer(model, OptimConfig()).param_groups
     assert decay["weight_decay"] == 0.01 and all(p.dim() >= 2 for p in decay["params"])
     assert no_decay["weight_decay"] == 0.0 and all(p.dim() < 2 for p in no_decay["params"])
+
+
+def test_span_placements_are_uniform_and_batches_pad_to_their_bucket():
+    """k spans among n frames: every non-overlapping placement equally likely (n=10, s=3,
+    k=2: 15 placements), drawn for all utterances at once; mask_batch pads to the bucket."""
+    from collections import Counter
+
+    from speechattn.model.masking import draw_spans, mask_batch
+
+    cfg = MaskingConfig(fraction=0.6, span=3)  # expected spans 0.6 * 10 / 3 = 2 exactly
+    starts, _ = draw_spans(torch.full((6000,), 10), 10, cfg, torch.Generator().manual_seed(0))
+    placements = Counter(tuple(torch.arange(10)[row].tolist()) for row in starts)
+    assert len(placements) == 15 and all(a + 3 <= b for a, b in placements)
+    assert all(abs(c - 400) < 80 for c in placements.values()), placements  # sd ~19
+    x, lens = padded([30, 12], F=4)
+    m = mask_batch(x, lens, 3, MaskingConfig(), torch.Generator().manual_seed(0), 8)
+    assert m.inputs.shape == (2, 16, 12) and m.lengths.tolist() == [10, 4]
+    assert m.num_chosen == int(m.chosen.sum()) and not m.chosen[:, 10:].any()
+    moved = m.to("meta")  # tensors move, lengths stay on the host
+    assert moved.inputs.device.type == "meta" and moved.lengths.device.type == "cpu"
