@@ -24,8 +24,10 @@ with radius l_b; the summary keys are gathered per utterance.
 Efficient path (never a T x T mask; n = ceil(T / l) blocks; l is `ls` in the code), each
 sub-problem one fused SDPA call (flash kernels on CPU and GPU), measured faster than all-pairs
 SDPA with the patterns as a mask at every T >= 128 on CPU (so there is no short-T path). With
-the option ``kernel="flex"`` CUDA runs all heads in one FlexAttention call instead (flex.py;
-elsewhere, or with attention dropout in training, the SDPA sub-problems run):
+the option ``kernel="flex"`` CUDA runs all heads and utterances in one FlexAttention call
+instead, the per-utterance strides a tensor its score_mod reads, so it compiles once per length
+bucket whatever the strides (flex.py; elsewhere, or with attention dropout in training, the
+SDPA sub-problems run):
     band:    each query block against [previous, own, next] key blocks   (B, H, n, l, 3l)
     residue: reshape (n, l) -> (l, n), attend within each residue class   (B, H, l, n, n)
     block:   attend within each block                                      (B, H, n, l, l)
@@ -321,18 +323,26 @@ class _SparseBase(SharedQKBase):
             return [fixed] * valid.shape[0]
         return [patterns.default_stride(e) for e in extents(valid).tolist()]
 
-    def flex_mask(self, ls: int) -> tuple[Hashable, flex.MaskMod]:
-        """The two patterns by head as FlexAttention's mask_mod(b, h, i, j), and a key naming
-        them for the BlockMask cache."""
+    def flex_mask(self, ls: Tensor, bound: int) -> tuple[Hashable, flex.MaskMod, flex.MaskMod]:
+        """The two patterns by head for FlexAttention with per-utterance strides ls (B,):
+        (key, pattern, envelope). pattern(b, h, i, j) reads ls[b] (a tensor, so the compiled
+        kernel serves every stride); envelope, named by key for the BlockMask cache, allows
+        every key the pattern allows for any stride up to `bound`."""
         raise NotImplementedError
+
+    def flex_strides(self, ls: Stride, B: int, T: int, device: torch.device) -> tuple[Tensor, int]:
+        """Strides for `flex_mask`: (B,) on the device (an int filled in, no host copy) and
+        their bound, the configured stride or the largest default one of T's Flex bucket (so
+        one BlockMask serves the bucket)."""
+        strides = ls if isinstance(ls, Tensor) else torch.full((B,), ls, device=device)
+        return strides, self._fixed_stride() or patterns.stride_bounds(flex.bucket(T))[0]
 
     def _run(self, q: Tensor, k: Tensor, v: Tensor, kv: Tensor, ls: Stride) -> Tensor:
         """All heads with stride ls (int, or (B,) per utterance) -> (B, h, T, d_k)."""
-        # Flex's BlockMask is built per stride: per-utterance strides run the slot kernels
-        flex_ok = self.config.kernel == "flex" and flex.use_flex(q, self.training, self.dropout)
-        if isinstance(ls, int) and flex_ok:
-            key, mask_mod = self.flex_mask(ls)
-            return flex.pattern_attention(q, k, v, kv, mask_mod, key)
+        if self.config.kernel == "flex" and flex.use_flex(q, self.training, self.dropout):
+            B, _, T, _ = q.shape
+            key, pattern, envelope = self.flex_mask(*self.flex_strides(ls, B, T, q.device))
+            return flex.pattern_attention(q, k, v, kv, pattern, envelope, key)
         first, second = self.kernels()
         hA, p = self.heads_first, (self.dropout if self.training else 0.0)
         outs = [first(q[:, :hA], k[:, :hA], v[:, :hA], kv, ls, p)] if hA else []
@@ -430,13 +440,17 @@ class SparseStridedAttention(_SparseBase):
     def kernels(self) -> tuple[Kernel, Kernel]:
         return band_kernel, residue_kernel
 
-    def flex_mask(self, ls: int) -> tuple[Hashable, flex.MaskMod]:
+    def flex_mask(self, ls: Tensor, bound: int) -> tuple[Hashable, flex.MaskMod, flex.MaskMod]:
         hA = self.heads_first
 
         def strided(b: Tensor, h: Tensor, i: Tensor, j: Tensor) -> Tensor:
-            return torch.where(h < hA, (i - j).abs() <= ls, (i - j) % ls == 0)
+            lb = ls[b]
+            return torch.where(h < hA, (i - j).abs() <= lb, (i - j) % lb == 0)
 
-        return (self.name, ls, hA), strided
+        def envelope(b: Tensor, h: Tensor, i: Tensor, j: Tensor) -> Tensor:
+            return (h >= hA) | ((i - j).abs() <= bound)  # residue classes: any key
+
+        return (self.name, bound, hA), strided, envelope
 
     def pattern_pair(self, T: int, ls: int, device: torch.device) -> tuple[Tensor, Tensor]:
         return patterns.band_pattern(T, ls, device), patterns.strided_pattern(T, ls, device)
@@ -480,13 +494,17 @@ class SparseFixedAttention(_SparseBase):
 
         return block_kernel, summary
 
-    def flex_mask(self, ls: int) -> tuple[Hashable, flex.MaskMod]:
-        hA, c = self.heads_first, min(self.config.summary, ls)
+    def flex_mask(self, ls: Tensor, bound: int) -> tuple[Hashable, flex.MaskMod, flex.MaskMod]:
+        hA, c = self.heads_first, self.config.summary
 
         def fixed(b: Tensor, h: Tensor, i: Tensor, j: Tensor) -> Tensor:
-            return torch.where(h < hA, i // ls == j // ls, j % ls >= ls - c)
+            lb = ls[b]
+            return torch.where(h < hA, i // lb == j // lb, j % lb >= lb - lb.clamp_max(c))
 
-        return (self.name, ls, hA, c), fixed
+        def envelope(b: Tensor, h: Tensor, i: Tensor, j: Tensor) -> Tensor:
+            return (h >= hA) | ((i - j).abs() < bound)  # one block: closer than l <= bound
+
+        return (self.name, bound, hA), fixed, envelope
 
     def pattern_pair(self, T: int, ls: int, device: torch.device) -> tuple[Tensor, Tensor]:
         c = min(self.config.summary, ls)

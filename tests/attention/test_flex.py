@@ -1,7 +1,9 @@
 """The FlexAttention kernel of the sparse variants (`kernel="flex"`, flex.py).
 
-Torch 2.11 has Flex's backward on CUDA only, so here its forward runs eagerly on CPU against
-the dense reference; the GPU suite (test_gpu_kernels.py) trains through it in bf16."""
+Torch 2.11 has Flex's backward on CUDA only, so here its forward runs on CPU against the
+dense reference (eagerly), and compiled with a counting backend to show that it compiles
+once per (batch size, length bucket) whatever the strides; the GPU suite
+(test_gpu_kernels.py) trains through it in bf16."""
 
 from __future__ import annotations
 
@@ -13,20 +15,15 @@ from speechattn.attention import build, flex
 from speechattn.attention.base import key_mask
 
 
-def _flex_heads(attn, x, pad):
-    """The Flex kernel's per-head outputs (B, h, T, d_k), utterance by utterance (each with
-    its own l), zero past each length."""
+def _flex_heads(attn, x, pad, backend=None):
+    """The Flex kernel's per-head outputs (B, h, T, d_k), one call for the batch with each
+    utterance's own l, as CUDA runs it."""
     valid = ~pad
+    B, T = valid.shape
     q, k, v = attn.shared_qkv(x.masked_fill(pad[..., None], 0))
-    out = torch.zeros_like(q)
-    for b, ls in enumerate(attn.strides(valid)):
-        key, mask_mod = attn.flex_mask(ls)
-        n = int(valid[b].sum())
-        one = flex.pattern_attention(
-            q[b : b + 1], k[b : b + 1], v[b : b + 1], key_mask(valid)[b : b + 1], mask_mod, key
-        )
-        out[b, :, :n] = one[0, :, :n]
-    return out
+    ls = torch.tensor(attn.strides(valid))  # (B,)
+    key, pattern, envelope = attn.flex_mask(*attn.flex_strides(ls, B, T, q.device))
+    return flex.pattern_attention(q, k, v, key_mask(valid), pattern, envelope, key, backend)
 
 
 # eager Flex on CPU is the unfused reference implementation, which says so
@@ -40,6 +37,7 @@ pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without to
         ("sparse_strided", {"stride": 3}),
         ("sparse_fixed", {}),
         ("sparse_fixed", {"block": 4, "summary": 2}),
+        ("sparse_fixed", {"summary": 11}),  # c clipped to l per utterance (l = 12, 10, 1)
     ],
 )
 def test_flex_kernel_equals_dense_reference(name, options):
@@ -53,8 +51,7 @@ def test_flex_kernel_equals_dense_reference(name, options):
 
 
 def test_flex_block_mask_is_built_once_per_pattern_and_bucket(monkeypatch):
-    attn = make("sparse_strided", kernel="flex", stride=4)
-    x, pad = batch([100, 120])
+    attn = make("sparse_strided", kernel="flex")
     flex._BLOCK_MASKS.clear()
     built = []
     create = flex._flex_module().create_block_mask
@@ -64,11 +61,36 @@ def test_flex_block_mask_is_built_once_per_pattern_and_bucket(monkeypatch):
         lambda *a, **kw: built.append(a) or create(*a, **kw),
     )
     with torch.no_grad():
-        _flex_heads(attn, x, pad)
-        _flex_heads(attn, x[:, :110], pad[:, :110])  # same 128 bucket: cached
+        _flex_heads(attn, *batch([100, 120]))  # l = 10, 11
+        _flex_heads(attn, *batch([110, 30], T=110))  # other strides, same 128 bucket: cached
         assert len(built) == 1
-        _flex_heads(attn, *batch([200], T=200))  # next bucket
+        _flex_heads(attn, *batch([200]))  # next bucket
     assert len(built) == 2 and built[1][3] == 256
+
+
+@pytest.mark.parametrize("name", ["sparse_strided", "sparse_fixed"])
+def test_compiled_flex_compiles_once_per_bucket_whatever_the_strides(name):
+    """The strides are tensors the score_mod captures, not constants: batches of one bucket
+    with other strides and lengths reuse the compiled kernel; the next bucket compiles once
+    more, past a recompile limit of 1 (the call raises dynamo's limit to MAX_COMPILES)."""
+    compiled = []
+
+    def counting(gm, example_inputs):  # noqa: ANN001, ANN202 - a torch.compile backend
+        compiled.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    attn = make(name, kernel="flex")
+    cases = [([150, 97, 1], 150), ([200, 180, 60], 200), ([256, 131, 129], 256)]
+    with torch.no_grad(), torch._dynamo.config.patch(recompile_limit=1):
+        for lengths, T in cases:  # l = (12, 10, 1), (14, 13, 8), (16, 11, 11): bucket 256
+            x, pad = batch(lengths, T=T)
+            torch.testing.assert_close(
+                _flex_heads(attn, x, pad, counting), _flex_heads(attn, x, pad), rtol=0, atol=0
+            )
+        assert len(compiled) == 1
+        _flex_heads(attn, *batch([300, 20, 77]), backend=counting)  # bucket 384
+    assert len(compiled) == 2
 
 
 def test_flex_option_falls_back_to_sdpa_off_cuda():
