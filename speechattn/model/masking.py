@@ -128,8 +128,8 @@ def draw_spans(
     position = torch.arange(T)
     keys = torch.rand(B, T, generator=generator)
     keys = keys.masked_fill(position[None, :] >= slots[:, None], 2.0)  # past the slots: never
-    rank = keys.argsort(dim=1).argsort(dim=1)  # (B, T) rank of each slot's key in its row
-    picked = rank < k[:, None]  # (B, T) the k picked slots
+    kth = keys.sort(dim=1).values.gather(1, (k - 1).clamp(min=0)[:, None])  # (B, 1)
+    picked = (keys <= kth) & (k > 0)[:, None]  # (B, T) the k picked slots (ties: p ~ 0)
     index = picked.cumsum(dim=1) - 1  # (B, T) i of a picked slot among its row's picks
     start = position[None, :] + index * (s[:, None] - 1)  # slot j -> j + i(s-1) <= n - s
     starts = torch.zeros(B, T + 1, dtype=torch.bool)  # column T: where unpicked slots go
@@ -166,8 +166,8 @@ def draw_masks(
     mode = torch.full((B,), UNCHANGED, dtype=torch.long)
     mode = torch.where(u < cfg.p_zero + cfg.p_random, RANDOM, mode)
     mode = torch.where(u < cfg.p_zero, ZERO, mode)
-    # float64 draws: floor(u * n) < n for any length a batch can hold
-    other = (torch.rand(B, T, generator=generator, dtype=torch.float64) * n[:, None]).long()
+    other = (torch.rand(B, T, generator=generator) * n[:, None]).long()  # uniform in [0, n)
+    other = torch.minimum(other, (n - 1).clamp(min=0)[:, None])  # u * n rounded up to n
     source = torch.arange(T).expand(B, T)
     source = torch.where(chosen & (mode == RANDOM)[:, None], other, source)
     return chosen, source, mode
@@ -193,11 +193,15 @@ def mask_frames(
     lengths_cpu = lengths.detach().to("cpu", torch.long)
     chosen, source, mode = draw_masks(lengths_cpu, T, cfg, generator)
     num_chosen = int(chosen.sum())  # host data: free
+    zero = chosen & (mode == ZERO)[:, None]  # (B, T')
+    rows, cols = (chosen & (mode == RANDOM)[:, None]).nonzero(as_tuple=True)  # host: free
+    inputs = x.masked_fill(zero.to(x.device, non_blocking=True)[..., None], 0.0)
+    if len(rows):  # RANDOM rows' chosen frames copied in (a few % of the frames)
+        src = (rows, source[rows, cols])
+        dst = (rows, cols)
+        dst, src = [tuple(i.to(x.device, non_blocking=True) for i in ix) for ix in (dst, src)]
+        inputs[dst] = x[src]
     chosen_dev = chosen.to(x.device, non_blocking=True)
-    source_dev = source.to(x.device, non_blocking=True)
-    zero = (chosen & (mode == ZERO)[:, None]).to(x.device, non_blocking=True)
-    inputs = torch.gather(x, 1, source_dev[..., None].expand_as(x))  # RANDOM rows copied in
-    inputs = inputs.masked_fill(zero[..., None], 0.0)
     return MaskedBatch(inputs, x, chosen_dev, lengths_cpu, mode, num_chosen)
 
 
