@@ -125,6 +125,8 @@ def draw_spans(
     k = k + (torch.rand(B, generator=generator, dtype=torch.float64) < expected - k).double()
     k = torch.minimum(k.long(), n // s)  # (B,)
     slots = n - k * (s - 1)  # (B,) placements of k non-overlapping spans = k distinct slots
+    if T == 0:  # nothing to place (sort/gather below need a column)
+        return torch.zeros(B, 0, dtype=torch.bool), s
     position = torch.arange(T)
     keys = torch.rand(B, T, generator=generator)
     keys = keys.masked_fill(position[None, :] >= slots[:, None], 2.0)  # past the slots: never
