@@ -54,11 +54,18 @@ class LocalWeightedSum(torch.autograd.Function):
     def forward(ctx, w: Tensor, v: Tensor) -> Tensor:
         T, c = w.shape[-2:]
         wf, vf = widen(w), widen(v)
+        # In place in eager (no new tensor per term); out of place under torch.compile, where
+        # dynamo (torch 2.11) silently drops this Function's gradients when its forward
+        # returns a tensor it accumulated in place (the compiled kernel fuses the sum anyway).
+        compiling = torch.compiler.is_compiling()
         out = wf[..., 0, None] * vf[:, :, :T]
         for j in range(1, c):
-            out.addcmul_(wf[..., j, None], vf[:, :, j : j + T])
+            term = wf[..., j, None], vf[:, :, j : j + T]
+            out = torch.addcmul(out, *term) if compiling else out.addcmul_(*term)
         ctx.save_for_backward(w, v)
-        return out.to(torch.promote_types(w.dtype, v.dtype))
+        dtype = torch.promote_types(w.dtype, v.dtype)
+        # no `.to` when it would return `out` itself: dynamo drops the gradients then too
+        return out if out.dtype == dtype else out.to(dtype)
 
     @staticmethod
     @torch.amp.custom_bwd(device_type="cuda")

@@ -289,7 +289,12 @@ class LongformerAttention(Attention):
         # Global frames attend to every allowed key, in every head.
         mask = kv[:, None, None, :]  # (B, 1, 1, T)
         out_g = F.scaled_dot_product_attention(q[:, :, gpos], k, v, attn_mask=mask, dropout_p=p)
-        return out.index_copy(2, gpos, out_g)  # (B, h, T, d_k)
+        # Their rows replace the first frame of every group of g (an index_copy's backward
+        # trips AOTAutograd's functionalization in torch 2.11 under torch.compile).
+        G = gpos.shape[0]
+        groups = _pad_time(out, 0, G * g - T, 2).unflatten(2, (G, g))  # (B, h, G, g, d_k)
+        out = torch.cat([out_g[:, :, :, None], groups[:, :, :, 1:]], dim=3)
+        return out.flatten(2, 3)[:, :, :T]  # (B, h, T, d_k)
 
     def attend_dense(self, x: Tensor, valid: Tensor) -> tuple[Tensor, Tensor]:
         q, k, v = self._qkv(x)  # (B, h, T, d_k)

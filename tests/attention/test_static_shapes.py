@@ -99,20 +99,31 @@ COMPILED = [("sparse_strided", None), ("sparse_fixed", None), ("ldsa", None)] + 
 
 
 @pytest.mark.parametrize("name,path", COMPILED)
-def test_one_graph_under_compile(name, path, monkeypatch):
-    """torch._dynamo.explain of the loss, padded and unpadded: no graph break."""
+def test_one_graph_under_compile_with_eager_gradients(name, path, monkeypatch):
+    """fullgraph=True (any graph break raises), padded and unpadded, through AOTAutograd (the
+    graphs inductor compiles): eager's loss and gradients. Regressions caught here: ldsa's
+    Function lost its gradients under dynamo; longformer's index_copy broke the backward."""
     if path is not None:
         limit = 10**9 if path == "short" else 0
         monkeypatch.setattr(type(make(name)), "short_path_max_t", limit)
     torch.manual_seed(0)
     attn = build(name, DIM, HEADS, **SMALL_OPTIONS.get(name, {}))
+    x, pad = batch([40, 27])
 
     def loss(x, pad):
         return attn(x, pad).pow(2).sum()
 
-    x, pad = batch([40, 27])
-    for mask in (None, pad):
-        torch._dynamo.reset()
-        explained = torch._dynamo.explain(loss)(x.float(), mask)
-        assert explained.graph_break_count == 0, explained.break_reasons
     torch._dynamo.reset()
+    compiled = torch.compile(loss, backend="aot_eager", fullgraph=True)
+    try:
+        for mask in (None, pad):
+            results = []
+            for fn in (loss, compiled):
+                attn.zero_grad()
+                xi = x.float().requires_grad_(True)
+                fn(xi, mask).backward()
+                results.append([xi.grad] + [p.grad for p in attn.parameters()])
+            for eager, graph in zip(*results):
+                torch.testing.assert_close(graph, eager, rtol=1e-5, atol=1e-6)
+    finally:
+        torch._dynamo.reset()
