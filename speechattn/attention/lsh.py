@@ -29,12 +29,12 @@ differ only under an L2 / E2LSH hash, which is not implemented).
 Cost: hashing O(T K D); matching O(T^2 K h) as one matmul of +-1 codes plus an exact
 group-pruned top-k, chunked over queries so memory stays O(chunk T); attention on the selected
 keys: up to `short_path_max_t` frames one all-pairs SDPA call masked to them, above that
-O(T k D) as sparse (CSR) products (float32 under autocast).
+O(T k D) as sparse (CSR) products (float32 under autocast; a custom op, so torch.compile
+keeps it in its graph).
 """
 
 from __future__ import annotations
 
-import functools
 import math
 import warnings
 from collections.abc import Callable
@@ -62,17 +62,37 @@ from speechattn.attention.registry import register
 
 Transform = Callable[[Tensor, Tensor, Tensor], tuple[Tensor, Tensor]]
 _TINY = 1e-12
-_MATCH_CHUNK = 1 << 21  # elements of one (B h, chunk, T) block of match scores
+# Elements of one (B h, chunk, T) block of match scores. On CPU a cache-sized block is
+# fastest; on a GPU each block is ~10 kernel launches, so a block is as large as memory
+# allows (about 0.5 GiB per int32 copy of the scores, a few alive at once), which at
+# B = 50, h = 12, T = 500 is 2 blocks per layer instead of 84.
+_MATCH_CHUNK = 1 << 21
+_MATCH_CHUNK_GPU = 1 << 27
 
 
-@functools.cache
-def _native_bf16_cpu() -> bool:
+def _probe_native_bf16_cpu() -> bool:
     """Whether this CPU multiplies bfloat16 natively (AVX512-BF16 / AMX). Without it, a
     bfloat16 matmul is emulated and 7-11x slower than float32 (measured on an AVX2 EPYC)."""
     try:
         return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
     except (AttributeError, RuntimeError):
         return False
+
+
+# probed once at import: a plain bool is a constant to torch.compile (the op is not traceable)
+_NATIVE_BF16_CPU = _probe_native_bf16_cpu()
+
+
+def _native_bf16_cpu() -> bool:
+    """Whether this CPU multiplies bfloat16 natively (tests replace this function)."""
+    return _NATIVE_BF16_CPU
+
+
+def _host_reads_free(t: Tensor) -> bool:
+    """Whether reading t's values on the host costs nothing: CPU tensors in eager mode. On a
+    GPU a read is a device sync, and under torch.compile a data-dependent branch breaks the
+    graph, so there sizes come from shapes and options only."""
+    return t.device.type == "cpu" and not torch.compiler.is_compiling()
 
 
 # ------------------------------------------------------------------ transforms Q(q), P(k)
@@ -159,6 +179,16 @@ def _group_size(T: int, k: int) -> int:
     return S if k < G and G + k * S <= T // 2 else 1
 
 
+def _match_dtype(K: int, device: torch.device) -> torch.dtype:
+    """dtype of the +-1 code matmul, exact for its integers (|entries and partial sums| <=
+    9 (K + 1), whatever the accumulation): bfloat16 (exact to 256) on CPUs that have it
+    natively; on GPUs float16 (exact to 2048; tensor cores), else float64, since float32 may
+    run as TF32 there (exact to 2048 only); float32 on other CPUs."""
+    if device.type == "cpu":
+        return torch.bfloat16 if _native_bf16_cpu() and 9 * (K + 1) <= 256 else torch.float32
+    return torch.float16 if 9 * (K + 1) <= 2048 else torch.float64
+
+
 def topk_by_match(cq: Tensor, ck: Tensor, kv: Tensor, k: int) -> Tensor:
     """Top-k keys per query by number of equal bits, ties to nearer then earlier keys; the
     query's own key ranks below every other allowed key and above the disallowed ones.
@@ -167,9 +197,9 @@ def topk_by_match(cq: Tensor, ck: Tensor, kv: Tensor, k: int) -> Tensor:
 
     Composite integer score = (2 match - K - 2 (K + 1) [j = i]) (2 Tp + 1) + tie-break in
     [1, 2 Tp]; all values of a row are distinct. The match part is one batched matmul of +-1
-    codes (bfloat16, exact for these small integers, on CPUs with native bfloat16, where it is
-    about 3x faster than float32) where an extra code column subtracts 4 (K + 1) from disallowed keys and 8 (K + 1)
-    from the keys padding T up to S G; the composite is int32 (int64 if it could overflow),
+    codes (`_match_dtype`: bfloat16, exact for these small integers, on CPUs with native
+    bfloat16, where it is about 3x faster than float32) where an extra code column subtracts
+    4 (K + 1) from disallowed keys and 8 (K + 1) from the keys padding T up to S G; the composite is int32 (int64 if it could overflow),
     on which top-k runs about 1.5x faster than on floats (measured on CPU).
 
     Exact pruning for long rows: keys are split into G groups of S (group g = keys g S + r),
@@ -177,7 +207,8 @@ def topk_by_match(cq: Tensor, ck: Tensor, kv: Tensor, k: int) -> Tensor:
     slices. The top-k lie in the k groups with the largest maxima (a group holding a top-k
     key has a maximum beaten by fewer than k keys), so each row needs a top-k over G group
     maxima and one over k S candidates instead of one over T. Rows go in chunks so the
-    (N, chunk, T) scores stay small.
+    (N, chunk, T) scores stay small: cache-sized on CPU, as large as a memory bound allows on
+    GPUs (a few chunks, not thousands of small launches). Chunks depend on shapes only.
     """
     N, T, K = cq.shape
     kk = min(k, T)
@@ -186,8 +217,7 @@ def topk_by_match(cq: Tensor, ck: Tensor, kv: Tensor, k: int) -> Tensor:
     Tp = G * S
     M = 2 * Tp + 1  # above every tie-break value
     dtype = torch.int32 if (10 * (K + 1) + 1) * M < (1 << 31) else torch.int64
-    native_bf16 = cq.device.type == "cpu" and _native_bf16_cpu()
-    mdtype = torch.bfloat16 if native_bf16 and 9 * (K + 1) <= 256 else torch.float32
+    mdtype = _match_dtype(K, cq.device)
     sq = torch.cat([cq.to(mdtype) * 2 - 1, torch.ones(N, T, 1, dtype=mdtype, device=cq.device)], -1)
     pen = (~kv[..., None]).to(mdtype) * (-4 * (K + 1))  # (N, T, 1)
     sk = torch.cat([ck.to(mdtype) * 2 - 1, pen], dim=-1)  # (N, T, K + 1)
@@ -196,7 +226,8 @@ def topk_by_match(cq: Tensor, ck: Tensor, kv: Tensor, k: int) -> Tensor:
         fake[..., -1] = -8 * (K + 1)
         sk = torch.cat([sk, fake], dim=1)  # (N, Tp, K + 1)
     skT = sk.view(N, G, S, K + 1).permute(0, 3, 2, 1).reshape(N, K + 1, Tp)  # key p = r G + g
-    chunk = max(1, _MATCH_CHUNK // max(1, N * Tp))
+    budget = _MATCH_CHUNK if cq.device.type == "cpu" else _MATCH_CHUNK_GPU
+    chunk = max(1, budget // max(1, N * Tp))
     w = _offset_scores(T, Tp, 2 * (K + 1) * M, dtype, cq.device)
     out = []
     for s in range(0, T, chunk):
@@ -228,40 +259,18 @@ def _csr(crow: Tensor, col: Tensor, values: Tensor) -> Tensor:
         return torch.sparse_csr_tensor(crow, col, values, (n, n))
 
 
-class SparseTopkAttention(torch.autograd.Function):
-    """Softmax attention of each query over its own selected keys, as sparse matrix products.
-
-    Runs in float32 (float64 stays float64) with autocast off, whatever the input dtype: the
-    sparse kernels have no half-precision CPU implementation. Gradients come back in the
-    inputs' dtype.
-
-    q, k, v (N, T, d_k), idx (N, T, kk) selected key positions (distinct per row), allowed
-    (N, T, kk) bool, scale float. The N heads' patterns lie along the diagonal of one
-    (N T, N T) CSR matrix (no batched CSR product on CPU; one matrix instead of a loop over
-    heads). Scores q_i k_j * scale (+ the self penalty where j = i) are an SDDMM
-    (`torch.sparse.sampled_addmm`) on that pattern; outputs and gradients are CSR x dense
-    products. dK and dV take the pattern's transpose, built once in the backward by a stable
-    sort of the keys (transposing each head's CSR matrix took 30 of the 41 ms of forward and
-    backward at T = 1024). Nothing of size T x T or T x kk x d_k is formed: memory
-    O(T kk + T d_k), time O(T kk d_k).
-    """
-
-    @staticmethod
-    def forward(
-        ctx, q: Tensor, k: Tensor, v: Tensor, idx: Tensor, allowed: Tensor, scale: float
-    ) -> Tensor:
-        ctx.dtype = q.dtype
-        q, k, v = widen(q), widen(k), widen(v)
-        with torch.autocast(q.device.type, enabled=False):
-            out = SparseTopkAttention._forward(ctx, q, k, v, idx, allowed, scale)
-        return out.to(ctx.dtype)
-
-    @staticmethod
-    def _forward(
-        ctx, q: Tensor, k: Tensor, v: Tensor, idx: Tensor, allowed: Tensor, scale: float
-    ) -> Tensor:
-        N, T, d = q.shape
-        kk = idx.shape[-1]
+# Softmax attention over each query's selected keys as sparse (CSR) products, a custom op:
+# torch.compile keeps it in the graph as one opaque call (sparse tensors cannot be traced),
+# and its fake implementations give shapes on fake/meta tensors.
+@torch.library.custom_op("speechattn::topk_attention", mutates_args=())
+def _topk_attention(
+    q: Tensor, k: Tensor, v: Tensor, idx: Tensor, allowed: Tensor, scale: float
+) -> tuple[Tensor, Tensor, Tensor]:
+    """q, k, v (N, T, d) float32/64, idx (N, T, kk), allowed (N, T, kk) -> out (N, T, d),
+    weights p (N T kk,) and CSR columns col (N T kk,) (saved for the backward)."""
+    N, T, d = q.shape
+    kk = idx.shape[-1]
+    with torch.autocast(q.device.type, enabled=False):  # sparse kernels: float32/64 only
         idx, order = idx.sort(dim=-1)  # CSR columns in increasing order
         allowed = allowed.gather(-1, order)
         crow = torch.arange(N * T + 1, device=q.device) * kk
@@ -273,34 +282,95 @@ class SparseTopkAttention(torch.autograd.Function):
         sc = sc.view(N, T, kk) + own.to(q.dtype) * SELF_PENALTY
         p = masked_softmax(sc, allowed).reshape(-1)  # (N T kk)
         out = _csr(crow, col, p) @ v  # (N T, d)
-        ctx.scale, ctx.kk = scale, kk
-        ctx.save_for_backward(q, k, v, crow, col, p, out)
-        return out.view(N, T, d)
+    return out.view(N, T, d), p, col
 
-    @staticmethod
-    def backward(ctx, grad: Tensor) -> tuple[Tensor, Tensor, Tensor, None, None, None]:
-        with torch.autocast(grad.device.type, enabled=False):
-            g_q, g_k, g_v = SparseTopkAttention._backward(ctx, widen(grad))
-        return g_q.to(ctx.dtype), g_k.to(ctx.dtype), g_v.to(ctx.dtype), None, None, None
 
-    @staticmethod
-    def _backward(ctx, grad: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        q, k, v, crow, col, p, out = ctx.saved_tensors
-        shape, kk = grad.shape, ctx.kk
-        grad = grad.reshape(q.shape)  # (N T, d)
+@_topk_attention.register_fake
+def _(q: Tensor, k: Tensor, v: Tensor, idx: Tensor, allowed: Tensor, scale: float):
+    n = idx.numel()
+    return torch.empty_like(q), q.new_empty(n), idx.new_empty(n, dtype=torch.long)
+
+
+def key_pointers(col: Tensor, by_key: Tensor, n: int, count: bool) -> Tensor:
+    """Row pointers (n + 1,) of the transposed pattern: entries with key < j, for j = 0..n.
+
+    col (nnz,) keys of the entries, by_key (nnz,) their stable order by key. count=True
+    (CPU, fastest there): a bincount; its output size depends on the largest key, which a GPU
+    must read back (a sync), so elsewhere a binary search of the sorted keys, sized by n."""
+    if count:
+        return F.pad(torch.bincount(col, minlength=n).cumsum(0), (1, 0))
+    return torch.searchsorted(col[by_key], torch.arange(n + 1, device=col.device))
+
+
+@torch.library.custom_op("speechattn::topk_attention_backward", mutates_args=())
+def _topk_attention_backward(
+    grad: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, p: Tensor, col: Tensor,
+    scale: float,
+) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+    """dL/dq, dL/dk, dL/dv (N, T, d) of `_topk_attention` from dL/dout (N, T, d)."""
+    shape = q.shape
+    N, T, d = shape
+    kk = col.shape[0] // (N * T)
+    with torch.autocast(q.device.type, enabled=False):
+        grad, q, k, v, out = (t.reshape(N * T, d) for t in (grad, q, k, v, out))
+        crow = torch.arange(N * T + 1, device=q.device) * kk
         pattern = _csr(crow, col, torch.ones_like(p))
         g_p = torch.sparse.sampled_addmm(pattern, grad, v.T, beta=0.0).values().view(-1, kk)
         delta = (grad * out).sum(-1, keepdim=True)  # (N T, 1)
-        g_s = ((g_p - delta) * p.view(-1, kk) * ctx.scale).view(-1)  # dL/dscores
+        g_s = ((g_p - delta) * p.view(-1, kk) * scale).view(-1)  # dL/dscores
         # the transpose: entries by key, a key's queries in increasing order (stable sort)
         by_key = col.to(torch.int32).argsort(stable=True)  # int32: sorts about 2x faster
-        crow_t = torch.zeros_like(crow)
-        crow_t[1:] = torch.bincount(col, minlength=crow.shape[0] - 1).cumsum(0)
+        crow_t = key_pointers(col, by_key, N * T, count=q.device.type == "cpu")
         query = by_key // kk  # the row (query) of each entry, in key order
         g_q = _csr(crow, col, g_s) @ k
         g_k = _csr(crow_t, query, g_s[by_key]) @ q
         g_v = _csr(crow_t, query, p[by_key]) @ grad
-        return g_q.view(shape), g_k.view(shape), g_v.view(shape)
+    return g_q.view(shape), g_k.view(shape), g_v.view(shape)
+
+
+@_topk_attention_backward.register_fake
+def _(grad, q, k, v, out, p, col, scale):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _topk_attention_setup(ctx, inputs, output) -> None:
+    q, k, v, _, _, scale = inputs
+    out, p, col = output
+    ctx.scale = scale
+    ctx.save_for_backward(q, k, v, out, p, col)
+
+
+def _topk_attention_grad(ctx, grad: Tensor, _p: Tensor | None, _col: Tensor | None):
+    q, k, v, out, p, col = ctx.saved_tensors
+    g_q, g_k, g_v = _topk_attention_backward(grad.contiguous(), q, k, v, out, p, col, ctx.scale)
+    return g_q, g_k, g_v, None, None, None
+
+
+_topk_attention.register_autograd(_topk_attention_grad, setup_context=_topk_attention_setup)
+
+
+def sparse_topk_attention(
+    q: Tensor, k: Tensor, v: Tensor, idx: Tensor, allowed: Tensor, scale: float
+) -> Tensor:
+    """Softmax attention of each query over its own selected keys, as sparse matrix products.
+
+    q, k, v (N, T, d_k), idx (N, T, kk) selected key positions (distinct per row), allowed
+    (N, T, kk) bool, scale float -> (N, T, d_k) in q's dtype.
+
+    Runs in float32 (float64 stays float64) with autocast off, whatever the input dtype (the
+    sparse kernels have no half-precision CPU implementation; explicit casts, so CUDA
+    autocast needs no declaration); gradients come back in the inputs' dtypes through the
+    casts. The N heads' patterns lie along the diagonal of one (N T, N T) CSR matrix (no
+    batched CSR product on CPU; one matrix instead of a loop over heads). Scores q_i k_j *
+    scale (+ the self penalty where j = i) are an SDDMM (`torch.sparse.sampled_addmm`) on
+    that pattern; outputs and gradients are CSR x dense products. dK and dV take the
+    pattern's transpose, built once in the backward by a stable sort of the keys
+    (transposing each head's CSR matrix took 30 of the 41 ms of forward and backward at T =
+    1024); its row pointers come from the sorted keys, so no size depends on data. Nothing of
+    size T x T or T x kk x d_k is formed: memory O(T kk + T d_k), time O(T kk d_k).
+    """
+    out, _, _ = _topk_attention(widen(q), widen(k), widen(v), idx, allowed, scale)
+    return out.to(q.dtype)
 
 
 @dataclass
@@ -400,30 +470,35 @@ class _LSHAttention(Attention):
         return torch.zeros_like(match, dtype=torch.bool).scatter(-1, order, True)
 
     def attend(self, x: Tensor, valid: Tensor | None) -> Tensor:
+        padded = valid is not None
         valid = all_valid(x) if valid is None else valid
         q, k, v = self._qkv(x)  # (B, h, T, d_k)
         B, h, T, d = q.shape
         idx = self.select(q, k, valid)  # (B, h, T, kk)
         if self.use_short_path(q):
-            return self._attend_short(q, k, v, idx, valid)
+            return self._attend_short(q, k, v, idx, valid if padded else None)
         allowed = key_mask(valid).gather(1, idx.reshape(B, -1)).view(idx.shape)
         if self.dropout and self.training:  # dropout needs the weights: unfused path
             return self._attend_unfused(q, k, v, idx, allowed)
         N = B * h
-        out = SparseTopkAttention.apply(
+        out = sparse_topk_attention(
             q.reshape(N, T, d), k.reshape(N, T, d), v.reshape(N, T, d),
             idx.view(N, T, -1), allowed.view(N, T, -1), scale(d),
         )  # fmt: skip
         return out.view(B, h, T, d)
 
-    def _attend_short(self, q: Tensor, k: Tensor, v: Tensor, idx: Tensor, valid: Tensor) -> Tensor:
+    def _attend_short(
+        self, q: Tensor, k: Tensor, v: Tensor, idx: Tensor, valid: Tensor | None
+    ) -> Tensor:
         """Short sequences: one fused SDPA call over all T x T pairs whose additive mask keeps
         the selected keys (0), drops the others (-inf) and penalises self (same result as the
-        sparse path, cheaper up to `short_path_max_t`)."""
+        sparse path, cheaper up to `short_path_max_t`). valid (B, T) or None (no padding)."""
         T = q.shape[-2]
         bias = torch.full(q.shape[:-1] + (T,), float("-inf"), dtype=q.dtype, device=q.device)
         bias.scatter_(-1, idx, 0.0)  # (B, h, T, T)
-        if not bool(valid.all()):  # selected padded keys (rows with fewer than k valid ones)
+        # Rows with fewer than k valid keys selected padded ones: drop them. On CPU a batch
+        # whose mask pads nothing skips the pass (a free read); elsewhere it always runs.
+        if valid is not None and not (_host_reads_free(valid) and bool(valid.all())):
             bias.masked_fill_(~key_mask(valid)[:, None, None, :], float("-inf"))
         bias.diagonal(dim1=-2, dim2=-1).add_(SELF_PENALTY)
         p = self.dropout if self.training else 0.0

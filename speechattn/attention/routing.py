@@ -112,7 +112,39 @@ class Routes:
 
 def num_clusters(num_valid: int, max_clusters: int) -> int:
     """C = ceil(sqrt(T_valid)) (Roy et al.: sqrt(n) clusters), at most `max_clusters`."""
-    return max(1, min(math.ceil(math.sqrt(num_valid)), max_clusters))
+    return max(1, min(math.isqrt(max(0, num_valid - 1)) + 1, max_clusters))
+
+
+def num_clusters_tensor(num_valid: Tensor, max_clusters: int) -> Tensor:
+    """`num_clusters` on device, exact integer arithmetic: num_valid (B,) long -> C (B,)."""
+    n = num_valid.clamp_min(1)
+    c = n.double().sqrt().ceil().long()  # off by one at most: corrected below
+    c = c - ((c - 1) * (c - 1) >= n).long()
+    c = c + (c * c < n).long()
+    return c.clamp(1, max_clusters)
+
+
+def capacity_bound(T: int, max_clusters: int) -> int:
+    """The largest capacity ceil(n / C(n)) of any utterance of n <= T valid frames: the
+    member tables' width W when it must not depend on data (GPU, torch.compile).
+
+    Capacity never decreases with n, so it is T's own: within C = c it grows with n, and
+    where C steps from c to c + 1 (n = c^2 + 1) it stays c, as ceil((c^2 + 1) / (c + 1)) = c.
+    """
+    return -(-T // num_clusters(T, max_clusters))
+
+
+def blocks_bound(T: int, W: int, max_clusters: int) -> int:
+    """Most query blocks of W one head of `cluster_kernel` can need for n <= T valid frames:
+    sum_c ceil(n_c / W) <= (n + C (W - 1)) / W over C <= C(T) non-empty clusters."""
+    return max(1, (T + num_clusters(T, max_clusters) * (W - 1)) // W)
+
+
+def _static_sizes(t: Tensor) -> bool:
+    """Whether sizes must come from shapes and options only: off CPU (a host read of device
+    data is a sync) and under torch.compile (a data-dependent size breaks the graph). The CPU
+    eager path reads the batch's own sizes (free there), which pads less."""
+    return t.device.type != "cpu" or torch.compiler.is_compiling()
 
 
 @dataclass
@@ -145,13 +177,20 @@ def cluster_kernel(q: Tensor, k: Tensor, v: Tensor, members: Members, p: float =
     Self is penalised where a query is its own key (kept queries); a query that was not kept
     has other kept members in its cluster, so its penalised self weight exp(-5e4) is exactly
     0 and it needs no key of its own. Padded frames are in no block and get 0.
+
+    Blocks per head nb: the batch's largest count on CPU in eager mode; elsewhere
+    `blocks_bound` from T, W and Cm, so that no size depends on data (extra blocks are
+    empty and discarded).
     """
     B, H, T, d = q.shape
     Cm, W = members.table.shape[-2:]
     real = members.label < Cm  # (B, H, T), sorted: padded frames last
     blocks = -(-members.counts // W)  # (B, H, Cm) blocks per cluster
     ends = blocks.cumsum(-1)
-    nb = max(1, int(ends[..., -1].max()))  # blocks per head, padded to the batch's largest
+    if _static_sizes(ends):
+        nb = blocks_bound(T, W, Cm)
+    else:
+        nb = max(1, int(ends[..., -1].max()))  # blocks per head, padded to the batch's largest
     # Block and slot of every sorted query; padded frames go to a discarded slot nb W.
     label = members.label.clamp_max(Cm - 1)
     block = (ends - blocks).gather(-1, label) + members.rank // W
@@ -241,9 +280,9 @@ class RoutingAttention(SharedQKBase):
     def route(self, k: Tensor, valid: Tensor) -> Routes:
         """Nearest centroid of every valid routing-head vector. k (B, h_r, T, d_k) unit vectors."""
         B, h_r, T, _ = k.shape
-        n_valid = valid.sum(-1).tolist()
-        C = torch.tensor([num_clusters(n, self.max_clusters) for n in n_valid], device=k.device)
-        capacity = torch.tensor([max(1, n) for n in n_valid], device=k.device).add(C - 1) // C
+        n_valid = valid.sum(-1)  # (B,), on device: no host read
+        C = num_clusters_tensor(n_valid, self.max_clusters)  # (B,)
+        capacity = (n_valid.clamp_min(1) + C - 1) // C
         sim = k @ self.centroids.to(k.dtype).transpose(-1, -2)[None]  # (B, h_r, T, max_clusters)
         unused = torch.arange(self.max_clusters, device=k.device) >= C[:, None]  # (B, max_clusters)
         sim = sim.masked_fill(unused[:, None, None, :], float("-inf"))
@@ -312,10 +351,15 @@ class RoutingAttention(SharedQKBase):
 
     def _sort(self, routes: Routes) -> Members:
         """Sort by (cluster, similarity descending, position) with two stable sorts; a frame's
-        rank in its cluster is its sorted position minus the cluster's first position."""
+        rank in its cluster is its sorted position minus the cluster's first position.
+
+        Table width W: the batch's largest capacity on CPU in eager mode; elsewhere the
+        largest any utterance of T frames can have (`capacity_bound`), so that no size
+        depends on data (extra slots are empty, -1)."""
         cluster, similarity, capacity = routes.cluster, routes.similarity, routes.capacity
         B, h_r, T = cluster.shape
-        Cm, W = self.max_clusters, int(capacity.max())
+        Cm = self.max_clusters
+        W = capacity_bound(T, Cm) if _static_sizes(capacity) else int(capacity.max())
         label = torch.where(cluster >= 0, cluster, Cm)  # padded frames sort last
         order = similarity.masked_fill(cluster < 0, 0).sort(dim=-1, descending=True, stable=True)[1]
         order = order.gather(
@@ -372,7 +416,6 @@ class RoutingAttention(SharedQKBase):
     def attend(self, x: Tensor, valid: Tensor | None) -> Tensor:
         valid = all_valid(x) if valid is None else valid
         q, k, v = self.shared_qkv(x)  # (B, h, T, d_k)
-        T = q.shape[-2]
         hl, p = self.heads_local, (self.dropout if self.training else 0.0)
         # Select with the centroids as they were before this pass moves them.
         if self.use_short_path(q):

@@ -405,7 +405,7 @@ def test_sparse_topk_attention_gradcheck():
     idx = torch.stack([torch.randperm(7, generator=g)[:4] for _ in range(14)]).view(2, 7, 4)
     allowed = torch.rand(2, 7, 4, generator=g) > 0.2
     assert torch.autograd.gradcheck(
-        lambda *t: lsh.SparseTopkAttention.apply(*t, idx, allowed, 0.5), (q, k, v)
+        lambda *t: lsh.sparse_topk_attention(*t, idx, allowed, 0.5), (q, k, v)
     )
 
 

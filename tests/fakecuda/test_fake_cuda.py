@@ -38,20 +38,11 @@ T = 48
 
 # Variants whose CUDA branch still reads device data on the host (a sync) in some kernel:
 # expected to fail, strictly, so the fix that makes one pass must take it off this list.
-PENDING = {
-    "routing", "sign_alsh", "simple_alsh", "simple_lsh",
-    "xbox", "xbox_qnf",
-}  # fmt: skip
+PENDING: set[str] = set()
 
 
 # pending variants whose long kernel already passes
-LONG_PASSING = {
-    "sign_alsh",
-    "simple_alsh",
-    "simple_lsh",
-    "xbox",
-    "xbox_qnf",
-}
+LONG_PASSING: set[str] = set()
 
 
 def _pending(request: pytest.FixtureRequest, name: str) -> None:
