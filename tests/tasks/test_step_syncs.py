@@ -27,7 +27,7 @@ ALLOWED: dict[str, tuple[str, int]] = {
     "syn_random": (CPU_KERNEL, 11),
     "syn_fixed": (CPU_KERNEL, 11),
     "adaptive_span": (CPU_KERNEL, 5),
-    "routing": ("attention kernel, being fixed", 17),
+    "routing": (CPU_KERNEL, 13),
 }
 
 
