@@ -93,7 +93,7 @@ def _fold_classes(t: Tensor, step: int, dim: int) -> Tensor:
     (B, ..., T, ...) -> (B step, ..., m, ...), m = ceil(T / step); frame a step + r is entry
     a of class r, at batch index b step + r."""
     T = t.shape[dim]
-    m = -(-T // step)
+    m = (T + step - 1) // step
     t = _pad_time(t, 0, m * step - T, dim).unflatten(dim, (m, step))  # (B, ..., m, step, ...)
     return t.movedim(dim + 1, 1).flatten(0, 1)
 
@@ -124,7 +124,7 @@ def band_global_kernel(
     so that no softmax row is empty. Returns (B, H, m, d).
     """
     B, H, m, d = q.shape
-    n, G = -(-m // w), kg.shape[2]
+    n, G = (m + w - 1) // w, kg.shape[2]
     rel = window_offsets(w, q.device)  # (l, 3l), l = w
     band_keys = block_windows(kv & ~glob, w, 1)[:, :, None, :]  # (B, n, 1, 3l)
     pad_self = (rel == 0) & ~_valid_blocks(kv, w)[..., None]  # (B, n, l, 3l)

@@ -86,14 +86,14 @@ def _pad_time(t: Tensor, left: int, right: int, dim: int) -> Tensor:
 def _blocks(t: Tensor, ls: int) -> Tensor:
     """(B, H, T, d) -> (B, H, n, l, d), zero-padded to n * l frames."""
     B, H, T, d = t.shape
-    n = -(-T // ls)
+    n = (T + ls - 1) // ls
     return _pad_time(t, 0, n * ls - T, 2).view(B, H, n, ls, d)
 
 
 def _valid_blocks(kv: Tensor, ls: int) -> Tensor:
     """(B, T) bool -> (B, n, l) bool, padded with False."""
     B, T = kv.shape
-    n = -(-T // ls)
+    n = (T + ls - 1) // ls
     return _pad_time(kv, 0, n * ls - T, 1).view(B, n, ls)
 
 
@@ -178,7 +178,7 @@ def block_windows(t: Tensor, ls: int, dim: int) -> Tensor:
     (b - 1) l + w, so a query at offset a of its block is at w = a + l.
     """
     T = t.shape[dim]
-    n = -(-T // ls)
+    n = (T + ls - 1) // ls
     tp = _pad_time(t, ls, n * ls - T + ls, dim)  # (n + 2) l frames along dim
     parts = [tp.narrow(dim, s * ls, n * ls).unflatten(dim, (n, ls)) for s in range(3)]
     return torch.cat(parts, dim=dim + 1)
@@ -201,7 +201,7 @@ def band_kernel(q: Tensor, k: Tensor, v: Tensor, kv: Tensor, ls: Stride, p: floa
         width, radius = patterns.stride_bounds(T)[0], ls.view(B, 1, 1, 1, 1)
     else:
         width = radius = ls
-    n = -(-T // width)
+    n = (T + width - 1) // width
     qb = _blocks(q, width)  # (B, H, n, l, d)
     kvw = block_windows(kv, width, 1)  # (B, n, 3l)
     rel = window_offsets(width, q.device)  # (l, 3l)
@@ -219,7 +219,7 @@ def residue_kernel(
     if isinstance(ls, Tensor):
         return _slot_kernel(q, k, v, kv, ls, p, by_class=True)
     B, H, T, d = q.shape
-    n = -(-T // ls)
+    n = (T + ls - 1) // ls
 
     def classes(t: Tensor) -> Tensor:  # (B, H, T, d) -> (B, H, l, n, d)
         return _blocks(t, ls).transpose(2, 3)
@@ -258,7 +258,7 @@ def summary_columns(T: int, ls: Stride, c: int, device: torch.device) -> tuple[T
         cols = torch.arange(n, device=device)[:, None] * lb + lb - cb + offset  # (B, n, C)
         real = (offset < cb).expand_as(cols)
     else:
-        n, c = -(-T // ls), min(c, ls)
+        n, c = (T + ls - 1) // ls, min(c, ls)
         last = torch.arange(ls - c, ls, device=device)  # the last c offsets of a block
         cols = torch.arange(n, device=device)[:, None] * ls + last  # (n, c)
         cols, real = cols[None], torch.ones_like(cols[None], dtype=torch.bool)  # (1, n, c)
