@@ -110,12 +110,15 @@ class StepRichProgressBar(RichProgressBar):
         return f"{'Pretraining':{len(self.validation_description)}}"
 
 
-def progress_bar(kind: str) -> list[ProgressBar]:
-    """`rich` (default), `tqdm`, or `none`; returned as a callback list to splice in."""
+def progress_bar(kind: str, refresh_rate: int = 1) -> list[ProgressBar]:
+    """`rich` (default), `tqdm`, or `none`; returned as a callback list to splice in.
+
+    Every refresh reads the logged device tensors (train_loss) on the host: on a GPU that is a
+    sync, so GPU runs refresh every `refresh_rate` steps (their log interval)."""
     if kind == "rich":
-        return [StepRichProgressBar(leave=True)]
+        return [StepRichProgressBar(refresh_rate=refresh_rate, leave=True)]
     if kind == "tqdm":
-        return [TQDMProgressBar()]
+        return [TQDMProgressBar(refresh_rate=refresh_rate)]
     if kind in ("none", None):
         return []
     raise ValueError(f"unknown progress_bar {kind!r}; choose rich, tqdm or none")

@@ -134,13 +134,15 @@ def build_trainer(cfg: DictConfig, output_dir: Path) -> L.Trainer:
         save_on_train_epoch_end=False,
     )
     bar = cfg.get("progress_bar", "rich")
+    # a bar refresh reads train_loss from the device: once per log interval off the CPU
+    refresh = 1 if cfg.trainer.accelerator == "cpu" else int(cfg.trainer.log_every_n_steps)
     metrics = MetricsCSV(output_dir / "metrics.csv", cfg.trainer.log_every_n_steps)
     callbacks = [periodic, metrics, DataWait()]
     loggers = [instantiate(c) for c in (cfg.get("logger") or {}).values() if c]
     return instantiate(
         cfg.trainer,
         precision=resolve_precision(cfg.trainer.precision, cfg.trainer.accelerator),
-        callbacks=[*callbacks, *progress_bar(bar)],
+        callbacks=[*callbacks, *progress_bar(bar, refresh)],
         logger=loggers or False,
         default_root_dir=str(output_dir),
         enable_progress_bar=bar not in ("none", None),
