@@ -19,7 +19,7 @@ B, T = 2, 500  # utterances, model frames
 # Variants whose attention reads data on the host in this CPU run, with the reason and the
 # count measured here (the step's own read included). Kernels chosen for the CPU may decide
 # from data (free there); their CUDA branches are checked sync-free on fake CUDA
-# (tests/fakecuda), except the ones still pending there.
+# (tests/fakecuda).
 CPU_KERNEL = "CPU kernel's host-side choice (free on a CPU; CUDA branch: tests/fakecuda)"
 ALLOWED: dict[str, tuple[str, int]] = {
     "sparse_strided": (CPU_KERNEL, 3),
