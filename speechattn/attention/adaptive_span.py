@@ -57,6 +57,7 @@ from speechattn.attention.base import (
     key_mask,
     linear_flops,
     masked_softmax,
+    needs_static_shapes,
     scale,
     select_,
     widen,
@@ -319,7 +320,7 @@ class AdaptiveSpanAttention(Attention):
     def attend(self, x: Tensor, valid: Tensor | None) -> Tensor:
         q, k, v = self._qkv(x)  # (B, h, T, d_k)
         T = q.shape[-2]
-        static = self._static(q)
+        static = needs_static_shapes(q)  # else the CPU branch reads the spans for its reach
         X = self.reach(static)
         if not static and valid is not None and bool(valid.all()):
             valid = None  # CPU: a free read, and an unpadded batch keeps its masks strided views
@@ -329,20 +330,13 @@ class AdaptiveSpanAttention(Attention):
             return self._attend_all_pairs(q, k, v, valid)
         return self._attend_band(q, k, v, all_valid(x) if valid is None else valid, X)
 
-    @staticmethod
-    def _static(q: Tensor) -> bool:
-        """Whether this call takes the branch with shapes fixed per T and no host read of
-        device data: on CUDA (a read stalls the launch queue) and under torch.compile (it
-        breaks the graph). The CPU eager branch reads the spans for its reach instead."""
-        return q.device.type != "cpu" or torch.compiler.is_compiling()
-
     def _uses_cpu_kernels(self, q: Tensor) -> bool:
         """Whether the kernels run our CPU kernels (`UnfusedSavedWeights`, `FlashThenUnfused`,
         or flash alone for fixed spans): on CPU, where SDPA runs its math path for a mask that
         needs a gradient (0.87x `full`'s speed at T = 128); CUDA's memory-efficient kernel
         differentiates the mask itself. Not with attention dropout, which SDPA draws, nor
         under torch.compile, which traces the SDPA kernels (`_static`)."""
-        return not self._static(q) and not (self.training and self.dropout)
+        return not needs_static_shapes(q) and not (self.training and self.dropout)
 
     def _attend_all_pairs(self, q: Tensor, k: Tensor, v: Tensor, valid: Tensor | None) -> Tensor:
         T = q.shape[-2]

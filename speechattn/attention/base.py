@@ -393,6 +393,13 @@ def self_penalty(T: int, device: torch.device, dtype: torch.dtype) -> Tensor:
 NUMPY_DTYPES = {torch.float32: np.float32, torch.float64: np.float64}  # lazy_zeros' dtypes
 
 
+def needs_static_shapes(t: Tensor) -> bool:
+    """Whether shapes and control flow must not depend on t's data: off the CPU (a host read
+    of device data makes the host wait for the device) and under torch.compile (it breaks the
+    graph). On CPU eager a read is free, so kernels may size themselves from the batch."""
+    return t.device.type != "cpu" or torch.compiler.is_compiling()
+
+
 def widen(t: Tensor) -> Tensor:
     """Half-precision tensors to float32; float32 and float64 unchanged (sums and kernels
     that must not run in half precision under autocast)."""

@@ -55,6 +55,7 @@ from speechattn.attention.base import (
     key_mask,
     linear_flops,
     masked_softmax,
+    needs_static_shapes,
     scale,
     widen,
 )
@@ -86,13 +87,6 @@ _NATIVE_BF16_CPU = _probe_native_bf16_cpu()
 def _native_bf16_cpu() -> bool:
     """Whether this CPU multiplies bfloat16 natively (tests replace this function)."""
     return _NATIVE_BF16_CPU
-
-
-def _host_reads_free(t: Tensor) -> bool:
-    """Whether reading t's values on the host costs nothing: CPU tensors in eager mode. On a
-    GPU a read is a device sync, and under torch.compile a data-dependent branch breaks the
-    graph, so there sizes come from shapes and options only."""
-    return t.device.type == "cpu" and not torch.compiler.is_compiling()
 
 
 # ------------------------------------------------------------------ transforms Q(q), P(k)
@@ -498,7 +492,7 @@ class _LSHAttention(Attention):
         bias.scatter_(-1, idx, 0.0)  # (B, h, T, T)
         # Rows with fewer than k valid keys selected padded ones: drop them. On CPU a batch
         # whose mask pads nothing skips the pass (a free read); elsewhere it always runs.
-        if valid is not None and not (_host_reads_free(valid) and bool(valid.all())):
+        if valid is not None and (needs_static_shapes(valid) or not bool(valid.all())):
             bias.masked_fill_(~key_mask(valid)[:, None, None, :], float("-inf"))
         bias.diagonal(dim1=-2, dim2=-1).add_(SELF_PENALTY)
         p = self.dropout if self.training else 0.0

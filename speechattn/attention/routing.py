@@ -65,6 +65,7 @@ from speechattn.attention.base import (
     all_valid,
     key_mask,
     masked_softmax,
+    needs_static_shapes,
     select_,
     widen,
 )
@@ -140,13 +141,6 @@ def blocks_bound(T: int, W: int, max_clusters: int) -> int:
     return max(1, (T + num_clusters(T, max_clusters) * (W - 1)) // W)
 
 
-def _static_sizes(t: Tensor) -> bool:
-    """Whether sizes must come from shapes and options only: off CPU (a host read of device
-    data is a sync) and under torch.compile (a data-dependent size breaks the graph). The CPU
-    eager path reads the batch's own sizes (free there), which pads less."""
-    return t.device.type != "cpu" or torch.compiler.is_compiling()
-
-
 @dataclass
 class Members:
     """Routing heads' frames sorted by (cluster, similarity descending, position), h_r heads,
@@ -187,7 +181,7 @@ def cluster_kernel(q: Tensor, k: Tensor, v: Tensor, members: Members, p: float =
     real = members.label < Cm  # (B, H, T), sorted: padded frames last
     blocks = -(-members.counts // W)  # (B, H, Cm) blocks per cluster
     ends = blocks.cumsum(-1)
-    if _static_sizes(ends):
+    if needs_static_shapes(ends):
         nb = blocks_bound(T, W, Cm)
     else:
         nb = max(1, int(ends[..., -1].max()))  # blocks per head, padded to the batch's largest
@@ -359,7 +353,7 @@ class RoutingAttention(SharedQKBase):
         cluster, similarity, capacity = routes.cluster, routes.similarity, routes.capacity
         B, h_r, T = cluster.shape
         Cm = self.max_clusters
-        W = capacity_bound(T, Cm) if _static_sizes(capacity) else int(capacity.max())
+        W = capacity_bound(T, Cm) if needs_static_shapes(capacity) else int(capacity.max())
         label = torch.where(cluster >= 0, cluster, Cm)  # padded frames sort last
         order = similarity.masked_fill(cluster < 0, 0).sort(dim=-1, descending=True, stable=True)[1]
         order = order.gather(

@@ -51,6 +51,7 @@ from speechattn.attention.base import (
     all_valid,
     key_mask,
     masked_softmax,
+    needs_static_shapes,
     scale,
 )
 from speechattn.attention.dot_product import SharedQKBase
@@ -59,14 +60,6 @@ from speechattn.attention.registry import register
 # l: one stride for the batch (int), or one per utterance ((B,) long, on the device)
 Stride = int | Tensor
 Kernel = Callable[[Tensor, Tensor, Tensor, Tensor, Stride, float], Tensor]
-
-
-def needs_static_shapes(t: Tensor) -> bool:
-    """Whether shapes and control flow must not depend on t's data: on CUDA (a host read of
-    device data makes the host wait for the device) and under torch.compile (it breaks the
-    graph). Elsewhere (CPU eager) reading a tensor is free and host decisions may pick the
-    cheaper kernel."""
-    return t.is_cuda or torch.compiler.is_compiling()
 
 
 def extents(valid: Tensor) -> Tensor:

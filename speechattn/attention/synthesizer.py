@@ -54,6 +54,7 @@ from speechattn.attention.base import (
     lazy_zeros,
     linear_flops,
     masked_softmax,
+    needs_static_shapes,
     numpy_backed,
     select_,
 )
@@ -70,12 +71,6 @@ def _sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, p: float) -> Ten
         q, k = F.pad(q, (0, dv - dq)), F.pad(k, (0, dv - dq))
     y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p, scale=1.0)
     return y[..., :dv]
-
-
-def _host_reads_free(t: Tensor) -> bool:
-    """Whether code may read t's data on the host at no cost: CPU eager. On CUDA a read makes
-    the host wait for the device; under torch.compile it breaks the graph."""
-    return t.device.type == "cpu" and not torch.compiler.is_compiling()
 
 
 def _check_len(name: str, T: int, max_len: int) -> None:
@@ -496,7 +491,7 @@ class SynRandomAttention(_SynthesizerBase):
     def weights(self, valid: Tensor | None, T: int) -> Tensor:
         """softmax over the valid keys (valid None: all T): (1 or B, h, T, T)."""
         _check_len(self.name, T, self.max_len)
-        if not _host_reads_free(self.logits):
+        if needs_static_shapes(self.logits):
             logits = self.window_logits(valid, T)  # (G, h, T, T)
         else:
             if valid is not None and bool(valid.all()):
@@ -513,7 +508,7 @@ class SynRandomAttention(_SynthesizerBase):
         # Short sequences (and dropout, which needs the weights), and every T on CUDA or under
         # torch.compile: explicit (G, h, T, T) weights in one batched product. Long ones on
         # the CPU: the row-chunked table kernel.
-        if not _host_reads_free(x) or self.use_short_path(x) or (self.dropout and self.training):
+        if needs_static_shapes(x) or self.use_short_path(x) or (self.dropout and self.training):
             return weighted_values(self.drop(self.weights(valid, T)), v)
         _check_len(self.name, T, self.max_len)
         valid = all_valid(x) if valid is None else valid
