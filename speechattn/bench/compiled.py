@@ -27,36 +27,7 @@ from torch import Tensor, nn
 from speechattn.bench.common import autocast
 from speechattn.model.aalbert import padding_mask_for
 from speechattn.model.masking import MaskingConfig, corrupt
-from speechattn.model.optim import OptimConfig, build_optimizer
 from speechattn.tasks.pretrain.compiled import compile_objective, graph_breaks
-
-
-def make_compiled_step(
-    model: nn.Module,
-    batch: dict[str, Tensor],
-    masking: MaskingConfig,
-    lr: float = 1e-3,
-    precision: str = "fp32",
-    mode: str = "default",
-) -> Callable[[], float]:
-    """`bench.pretrain.make_step` with the masked reconstruction compiled as
-    `model.compile=true` compiles it."""
-    opt = build_optimizer(model, OptimConfig(lr=lr))
-    g = torch.Generator().manual_seed(0)
-    features, lengths = batch["features"], batch["lengths"]
-    device = features.device.type
-    loss_of = compile_objective(model, mode)
-
-    def step() -> float:
-        masked = corrupt(model, features, lengths, masking, g)  # host side, as in training
-        with autocast(device, precision):
-            loss = loss_of(masked)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-        return loss.item()
-
-    return step
 
 
 def explain(model: nn.Module, batch: dict[str, Tensor], masking: MaskingConfig, precision: str):
@@ -71,21 +42,23 @@ def run_compiled(
     args: argparse.Namespace,
     names: list[str],
     build: Callable[[str], nn.Module],
-    make_step: Callable[[nn.Module], Callable[[], float]],
+    make_step: Callable[..., Callable[[], float]],
     batch: dict[str, Tensor],
     time_step: Callable[[Callable[[], float]], float],
 ) -> list[dict[str, Any]]:
     """Per variant: graph breaks (explain), compile time, eager and compiled step medians.
 
     `build(name)` gives a fresh model (same weights each call), `make_step(model)` the eager
-    step of `bench pretrain`, `time_step(step)` one timed step."""
+    step of `bench pretrain` (`make_step(model, objective)` with another objective),
+    `time_step(step)` one timed step."""
     masking = MaskingConfig()
     rows = []
     print("graph breaks (torch._dynamo.explain of the compile unit), eager vs compiled step:")
     for name in names:
         info = explain(build(name), batch, masking, args.precision)
         eager = make_step(build(name))
-        compiled = make_compiled_step(build(name), batch, masking, precision=args.precision)
+        model = build(name)
+        compiled = make_step(model, compile_objective(model))
         for _ in range(args.warmup):
             eager()
         t = time.perf_counter()
@@ -112,4 +85,4 @@ def run_compiled(
     return rows
 
 
-__all__ = ["explain", "make_compiled_step", "run_compiled"]
+__all__ = ["explain", "run_compiled"]

@@ -72,7 +72,7 @@ from speechattn.model.aalbert import (
     registry_attention,
     sinusoidal_positions,
 )
-from speechattn.model.masking import MaskingConfig, corrupt, reconstruction_loss
+from speechattn.model.masking import MaskedBatch, MaskingConfig, corrupt, reconstruction_loss
 from speechattn.model.optim import OptimConfig, build_optimizer
 from speechattn.utils import lengths_to_padding_mask
 
@@ -172,24 +172,25 @@ def make_step(
     masking: MaskingConfig,
     lr: float = 1e-3,
     precision: str = "fp32",
+    objective: Callable[[MaskedBatch], Tensor] | None = None,
 ) -> Callable[[], float]:
-    """A closure doing one full training step (forward and loss under `precision`'s
-    autocast); returns the loss."""
+    """A closure doing one full training step (masking on the host, then forward and loss
+    under `precision`'s autocast); returns the loss. `objective` scores a masked batch:
+    pretraining's `reconstruction_loss` by default, or what `model.compile=true` compiles."""
     opt = build_optimizer(model, OptimConfig(lr=lr))  # LAMB with pretraining's decay groups
     g = torch.Generator().manual_seed(0)
     features, lengths = batch["features"], batch["lengths"]
     device = features.device.type
+    loss_of = objective or (lambda masked: reconstruction_loss(model, masked))
 
     def step() -> float:
+        masked = corrupt(model, features, lengths, masking, g)
         with autocast(device, precision):
-            loss = forward_loss()
+            loss = loss_of(masked)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
         return loss.item()
-
-    def forward_loss() -> Tensor:  # pretraining's objective (PretrainTask.reconstruction_loss)
-        return reconstruction_loss(model, corrupt(model, features, lengths, masking, g))
 
     return step
 
@@ -509,7 +510,9 @@ def run_compile(args: argparse.Namespace) -> dict[str, Any]:
         args,
         names,
         build=lambda name: build(name, config, args.frames, args.device),
-        make_step=lambda model: make_step(model, batch, MaskingConfig(), precision=args.precision),
+        make_step=lambda model, objective=None: make_step(
+            model, batch, MaskingConfig(), precision=args.precision, objective=objective
+        ),
         batch=batch,
         time_step=lambda step: time_step(step, args.device),
     )
