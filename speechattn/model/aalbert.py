@@ -550,7 +550,13 @@ class AALBERT(nn.Module):
 
         `lengths` on the host (CPU) while `stacked` is on a GPU costs no sync: whether the batch
         is padded at all is read there (see `padding_mask_for`)."""
-        padding_mask = padding_mask_for(lengths, stacked)
+        return self.encode(stacked, padding_mask_for(lengths, stacked), head_mask)
+
+    def encode(
+        self, stacked: Tensor, padding_mask: Tensor | None, head_mask: Tensor | None = None
+    ) -> list[Tensor]:
+        """`embed_and_encode` given the padding mask (B, T') instead of lengths (None: nothing
+        padded): the form `torch.compile` takes, with the host-side decision made outside."""
         return self.encoder(self.embedding(stacked, padding_mask), padding_mask, head_mask)
 
     def reconstruct(

@@ -52,8 +52,7 @@ def masked_reconstruction(
     Equals `masking.reconstruction_loss(model, masked)` with
     `padding_mask = padding_mask_for(masked.lengths, masked.inputs)`.
     """
-    h = model.embedding(inputs, padding_mask)  # (B, T', D)
-    h = model.encoder(h, padding_mask)[-1]  # (B, T', D)
+    h = model.encode(inputs, padding_mask)[-1]  # (B, T', D)
     return masked_l1(model.head(h), target, chosen)
 
 
