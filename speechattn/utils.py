@@ -39,6 +39,13 @@ def lengths_to_padding_mask(lengths: Tensor, max_len: int | None = None) -> Tens
     return torch.arange(T, device=lengths.device)[None, :] >= lengths[:, None]
 
 
+def default_cache_root() -> Path:
+    """`$SPEECHATTN_CACHE`, else `~/.cache/speechattn`: the root of every cache we write
+    (features, the built-in corpus, measured kernel choices)."""
+    env = os.environ.get("SPEECHATTN_CACHE")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "speechattn"
+
+
 def choose_device(name: str | torch.device = "auto") -> torch.device:
     """`auto`: CUDA when available, else CPU; any other name (`cpu`, `cuda:1`) as given."""
     import torch

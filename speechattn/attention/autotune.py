@@ -39,7 +39,6 @@ import contextlib
 import functools
 import json
 import math
-import os
 import platform
 import time
 import warnings
@@ -52,7 +51,7 @@ import torch
 from torch import Tensor, nn
 
 from speechattn.attention.base import Attention
-from speechattn.utils import atomic_write_text, digest
+from speechattn.utils import atomic_write_text, default_cache_root, digest
 
 KERNELS = ("short", "long")
 CACHE_VERSION = 1
@@ -284,11 +283,8 @@ def _eval(module: nn.Module) -> Iterator[None]:
 
 # ----------------------------------------------------------------------------- disk cache
 def cache_path() -> Path:
-    """`$SPEECHATTN_CACHE/autotune/kernels.json` (the root of
-    `speechattn.data.config.default_cache_root`, which this layer may not import)."""
-    env = os.environ.get("SPEECHATTN_CACHE")
-    root = Path(env).expanduser() if env else Path.home() / ".cache" / "speechattn"
-    return root / "autotune" / "kernels.json"
+    """`$SPEECHATTN_CACHE/autotune/kernels.json`."""
+    return default_cache_root() / "autotune" / "kernels.json"
 
 
 def _read(path: Path, warn: bool = True) -> dict[str, dict[str, Any]]:

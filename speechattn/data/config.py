@@ -12,16 +12,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from speechattn.utils import default_cache_root
+
 CORPUS_CHOICES = ("embedded", "librispeech")
 NORMALIZATION_CHOICES = ("global", "utterance", "none")
 SAMPLE_RATE_POLICIES = ("resample", "error")
 CACHE_DTYPES = ("float16", "float32")
-
-
-def default_cache_root() -> Path:
-    """`$SPEECHATTN_CACHE`, else `~/.cache/speechattn`."""
-    env = os.environ.get("SPEECHATTN_CACHE")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "speechattn"
 
 
 @dataclass
