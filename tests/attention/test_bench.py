@@ -59,3 +59,25 @@ def test_short_steps_are_timed_more_often(monkeypatch):
     timed = bench.run(bench.parse([*argv, *args, "--min-time", "0.2"]))
     assert quick["meta"]["reps"] == {16: 2}
     assert timed["meta"]["reps"][16] > 2  # a step at T = 16, D = 32 takes well under 0.1 s
+
+
+def test_missed_targets_say_why(monkeypatch, capsys):
+    """With a limit nothing can meet, every missed target explains itself from measurements:
+    a two-kernel variant's other kernel is timed too, LSH reports its selection overhead, a
+    one-kernel variant says so."""
+    monkeypatch.setattr(bench, "SLOWDOWN_LIMIT", 0.0)
+    monkeypatch.setattr(bench, "TARGET_LENGTHS", (16, 32))
+    monkeypatch.setattr(bench, "matmul_peak", lambda **kwargs: 1e11)  # not under test here
+    args = ["--variants", "syn_random", "xbox", "linear", "--no-memory", "--no-baselines"]
+    out = bench.run(bench.parse([*TINY, *args, "--threads", "1"]))
+    missed = {c["target"].split(" at ")[0]: c for c in out["targets"] if not c["met"]}
+    assert set(missed) == {"syn_random", "xbox", "linear"}
+    syn = out["variants"]["syn_random"]["other_kernel"][32]
+    used = out["variants"]["syn_random"]["kernel"][32].rstrip("*")
+    assert syn["kernel"] == {"short": "long", "long": "short"}[used] and syn["ms"] > 0
+    assert f"the {syn['kernel']} kernel takes" in missed["syn_random"]["why"]
+    assert "neither kernel meets the limit" in missed["syn_random"]["why"]
+    assert "(selection overhead)" in missed["xbox"]["why"]
+    assert missed["linear"]["why"] == "one kernel only"
+    bench.print_table(out)
+    assert "      why: one kernel only" in capsys.readouterr().out
