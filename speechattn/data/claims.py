@@ -1,0 +1,558 @@
+"""Claims: processes on several hosts share out units of work (cache shards) in one folder.
+
+Under DDP every rank may run the same extraction into a cache on a shared filesystem; claims
+make each unit get done once, by whoever is free, and let the others wait for the rest:
+
+    done = lambda shard: (entry / f"{shard}.json").is_file()     # the unit's commit marker
+    for shard in claim_pending(names, entry, done, what="shards"):
+        extract(shard)                       # atomic writes, the marker last
+
+A claim is `<claims_dir>/<unit>.claim`, created with O_CREAT|O_EXCL (atomic on local disks and
+NFSv3+) and holding the holder's host, pid, start time and a random token. A daemon thread in
+the holding process touches (mtime) every claim it holds every `heartbeat_s`. A claim untouched
+for `expiry_s` is a dead (or frozen) holder's and exactly one other process takes it over: it
+renames the claim to a unique name, checks that it moved the very file it judged dead (inode,
+token, age), and creates a fresh claim with O_EXCL. A claim of this same host, kernel and pid
+namespace whose process no longer exists is dead at once (a crashed run restarts without
+waiting). Ages are measured on the filesystem's own clock (the mtime of a file this process
+just touched), so skewed node clocks do not expire live claims.
+
+`remove_stale_temps` deletes temporary files (`utils.TEMP_MARK`) only when no live claim covers
+them, whatever host wrote them. Settings and DDP use: docs/multinode.md.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import secrets
+import socket
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import closing
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from speechattn.data.errors import DataError
+from speechattn.utils import TEMP_MARK, temp_name
+
+log = logging.getLogger(__name__)
+
+HOST_ENV = "SPEECHATTN_HOST"  # overrides socket.gethostname(): tests stand in for nodes with it
+CLAIM_SUFFIX = ".claim"
+
+
+def host_name() -> str:
+    """This process's host identity in claims: `$SPEECHATTN_HOST`, else the host name."""
+    return os.environ.get(HOST_ENV) or socket.gethostname()
+
+
+def _machine() -> str:
+    """This kernel's boot id and pid namespace ("" where unknown). Processes that share both see
+    each other's pids, so there a missing pid is a dead holder (containers on one kernel differ
+    in pid namespace; machines sharing a host name differ in boot id)."""
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+        return f"{boot}/{os.readlink('/proc/self/ns/pid')}"
+    except OSError:
+        return ""
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, another user's
+        return True
+    return pid > 0
+
+
+@dataclass(frozen=True)
+class ClaimConfig:
+    """Timing of claims (the data layer's `data.claim_*` / `data.cache_wait_*` settings)."""
+
+    heartbeat_s: float = 10.0  # a holder touches its claims this often
+    # a claim untouched this long is a dead (or frozen) holder's: another process takes it over
+    expiry_s: float = 120.0
+    # give up (ClaimTimeout) when none of the units other processes hold finishes for this long
+    wait_timeout_s: float = 1800.0
+    log_every_s: float = 60.0  # a progress line this often while waiting for other processes
+    poll_s: float = 2.0  # a waiting process looks at the claims again this often
+
+    def __post_init__(self) -> None:
+        for name in ("heartbeat_s", "expiry_s", "wait_timeout_s", "log_every_s", "poll_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"claim {name} must be > 0, found {getattr(self, name)}")
+        if self.expiry_s < 3 * self.heartbeat_s:
+            raise ValueError(
+                f"claim expiry_s ({self.expiry_s}) must be at least 3 x heartbeat_s "
+                f"({self.heartbeat_s}): a holder that misses one heartbeat would lose its claims"
+            )
+
+
+@dataclass(frozen=True)
+class ClaimInfo:
+    """A claim file as read: its holder (what it wrote) and the file's own state."""
+
+    path: Path
+    host: str  # "?" while the claim is being written (or when a crash left it empty)
+    pid: int
+    started: float  # Unix time the claim was made (holder's clock)
+    token: str  # random, unique to one claim: tells "still ours" apart from "taken over"
+    machine: str  # boot id / pid namespace of the holder ("" unknown)
+    mtime: float  # last heartbeat (filesystem clock)
+    inode: int
+
+    def __str__(self) -> str:
+        return f"{self.host} pid {self.pid}"
+
+
+def read_claim(path: Path) -> ClaimInfo | None:
+    """The claim at `path`, None when there is none. Opening (not stat) makes NFS fetch fresh
+    attributes (close-to-open), so `mtime` is the server's current one."""
+    try:
+        with open(path, "rb") as f:
+            st = os.fstat(f.fileno())
+            raw = f.read(4096)
+    except FileNotFoundError:
+        return None
+    try:
+        data: dict[str, Any] = json.loads(raw)
+    except ValueError:  # created but not yet written, or its writer died in between
+        data = {}
+    return ClaimInfo(
+        path=Path(path),
+        host=str(data.get("host", "?")),
+        pid=int(data.get("pid", 0)),
+        started=float(data.get("started", 0.0)),
+        token=str(data.get("token", "")),
+        machine=str(data.get("machine", "")),
+        mtime=st.st_mtime,
+        inode=st.st_ino,
+    )
+
+
+class ClaimTimeout(DataError):
+    """Units claimed by other, live processes made no progress within the wait timeout."""
+
+    def __reduce__(self):  # keep the type across processes (DataError's rebuilds a DataError)
+        return (ClaimTimeout, (self.path, self.problem, self.detail, self.utt_id))
+
+
+class Claims:
+    """This process's claims in one folder; a context manager that runs the heartbeat.
+
+        with Claims(folder, config) as claims:
+            if claims.try_claim("shard-00003"):
+                ...                                  # do it
+                claims.release("shard-00003")
+
+    Leaving the block releases every claim still held. Not thread-safe, apart from the
+    heartbeat thread it runs itself.
+    """
+
+    def __init__(
+        self, claims_dir: str | Path, config: ClaimConfig | None = None, host: str | None = None
+    ) -> None:
+        self.dir = Path(claims_dir)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.config = config or ClaimConfig()
+        self.host = host or host_name()
+        self.machine = _machine()
+        self._held: dict[str, tuple[Path, str]] = {}  # unit -> (claim file, our token)
+        self._lock = threading.Lock()  # guards _held against the heartbeat thread
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._clock: tuple[Path, int] | None = None  # (file, open descriptor), see now()
+
+    # ---- lifetime
+    def __enter__(self) -> Claims:
+        self._thread = threading.Thread(
+            target=self._heartbeat_loop, name="claims-heartbeat", daemon=True
+        )
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Stop the heartbeat, release every claim still held, remove the clock file."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        for unit in list(self._held):
+            self.release(unit)
+        if self._clock is not None:
+            path, fd = self._clock
+            os.close(fd)
+            path.unlink(missing_ok=True)
+            self._clock = None
+
+    # ---- reading
+    def path(self, unit: str) -> Path:
+        """The claim file of `unit`."""
+        if not unit or "/" in unit or unit in (".", ".."):
+            raise ValueError(f"a unit name must be a plain file name, found {unit!r}")
+        return self.dir / f"{unit}{CLAIM_SUFFIX}"
+
+    def holder(self, unit: str) -> ClaimInfo | None:
+        """Who claims `unit` now (None: nobody)."""
+        return read_claim(self.path(unit))
+
+    def holds(self, unit: str) -> bool:
+        """Whether this process holds `unit` (False once the heartbeat found it taken over)."""
+        with self._lock:
+            return unit in self._held
+
+    def now(self) -> float:
+        """The shared filesystem's current time: the mtime of a file this process just touched
+        (claim mtimes are set by the file server, not by the holders' clocks)."""
+        if self._clock is None:
+            path = temp_name(self.dir / ".clock")
+            self._clock = (path, os.open(path, os.O_CREAT | os.O_WRONLY, 0o666))
+        fd = self._clock[1]
+        os.utime(fd)
+        return os.fstat(fd).st_mtime
+
+    def is_dead(self, info: ClaimInfo) -> bool:
+        """True when the claim's holder cannot be working any more: silent for `expiry_s`
+        (any host), or a process of this very host, kernel and pid namespace that is gone."""
+        if self.now() - info.mtime > self.config.expiry_s:
+            return True
+        same_machine = info.host == self.host and info.machine and info.machine == self.machine
+        return bool(same_machine and info.pid != os.getpid() and not _pid_alive(info.pid))
+
+    # ---- claiming
+    def try_claim(self, unit: str) -> bool:
+        """Claim `unit`: True when it is now ours (it was free, or its holder was dead and this
+        process took it over), False when a live process holds it."""
+        if self._thread is None:
+            raise RuntimeError("claim inside `with Claims(...)`, which runs the heartbeat")
+        path = self.path(unit)
+        if self._create(unit, path):
+            return True
+        info = read_claim(path)
+        if info is None:  # released between our attempt and the read: compete once more
+            return self._create(unit, path)
+        return self.is_dead(info) and self._take_over(unit, path, info)
+
+    def release(self, unit: str) -> None:
+        """Give `unit` up: its claim file is removed if it is still ours (never someone else's)."""
+        with self._lock:
+            entry = self._held.pop(unit, None)
+        if entry is None:
+            return
+        path, token = entry
+        info = read_claim(path)
+        if info is not None and info.token == token:
+            path.unlink(missing_ok=True)
+        else:
+            log.warning(
+                "%s: no longer ours at release (%s)",
+                path,
+                f"now claimed by {info}" if info else "removed",
+            )
+
+    def _create(self, unit: str, path: Path) -> bool:
+        try:
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666)
+        except FileExistsError:
+            return False
+        token = secrets.token_hex(8)
+        record = {
+            "host": self.host,
+            "pid": os.getpid(),
+            "started": time.time(),
+            "token": token,
+            "machine": self.machine,
+        }
+        try:
+            os.write(fd, json.dumps(record).encode())
+        except BaseException:
+            path.unlink(missing_ok=True)  # a claim we could not write (disk full) is no claim
+            raise
+        finally:
+            os.close(fd)
+        with self._lock:
+            self._held[unit] = (path, token)
+        return True
+
+    def _take_over(self, unit: str, path: Path, dead: ClaimInfo) -> bool:
+        """Replace the dead claim `dead` at `path`; exactly one of several racing processes wins.
+
+        Moving the file away first is what decides: a rename moves one inode once. A process
+        that judged the same claim dead but comes second moves the winner's fresh claim instead,
+        sees that it is not the dead one (inode, token or age differ) and puts it back.
+        """
+        grave = temp_name(path)
+        try:
+            os.rename(path, grave)
+        except FileNotFoundError:  # released, or moved by a faster taker: compete for it
+            return self._create(unit, path)
+        moved = read_claim(grave)
+        if moved is None:  # our moved file was swept away meanwhile: compete for the free name
+            return self._create(unit, path)
+        if moved.inode == dead.inode and moved.token == dead.token and self.is_dead(moved):
+            grave.unlink(missing_ok=True)
+            started = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(dead.started))
+            log.warning(
+                "%s: took over the claim of %s (started %s, silent for %.0f s)",
+                path,
+                dead,
+                started,
+                self.now() - dead.mtime,
+            )
+            return self._create(unit, path)
+        try:  # a live claim: put it back, unless a new claim filled the name meanwhile
+            os.link(grave, path)
+        except FileExistsError:
+            log.warning(
+                "%s: the claim of %s was displaced; %s may be done twice", path, moved, unit
+            )
+        except OSError:  # a filesystem without hard links
+            if not path.exists():
+                os.replace(grave, path)
+        finally:
+            grave.unlink(missing_ok=True)
+        return False
+
+    # ---- heartbeat
+    def _heartbeat_loop(self) -> None:
+        while not self._stop.wait(self.config.heartbeat_s):
+            self._beat()
+
+    def _beat(self) -> None:
+        """Touch every claim still ours; drop (with a warning) the ones that are not."""
+        with self._lock:
+            held = list(self._held.items())
+        for unit, (path, token) in held:
+            try:
+                fd = os.open(path, os.O_RDONLY)
+            except FileNotFoundError:
+                self._lost(unit, token, "its claim file was removed")
+                continue
+            except OSError as e:  # a filesystem hiccup: try again at the next beat
+                log.warning("%s: heartbeat failed (%s)", path, e)
+                continue
+            try:
+                try:
+                    ours = json.loads(os.read(fd, 4096)).get("token") == token
+                except ValueError:
+                    ours = False
+                if ours:
+                    os.utime(fd)
+            except OSError as e:
+                log.warning("%s: heartbeat failed (%s)", path, e)
+                continue
+            finally:
+                os.close(fd)
+            if not ours:
+                self._lost(unit, token, "another process took its claim over")
+
+    def _lost(self, unit: str, token: str, why: str) -> None:
+        with self._lock:
+            if self._held.get(unit, (None, None))[1] != token:
+                return  # released meanwhile: nothing was lost
+            del self._held[unit]
+        log.warning(
+            "%s: %s (this process was silent for over %.0f s?); it may be done twice",
+            self.path(unit),
+            why,
+            self.config.expiry_s,
+        )
+
+
+# ----------------------------------------------------------------------------- driver
+
+
+def claim_batches(
+    units: Iterable[str],
+    claims_dir: str | Path,
+    is_done: Callable[[str], bool],
+    size: int,
+    config: ClaimConfig | None = None,
+    what: str = "units",
+    host: str | None = None,
+) -> Iterator[list[str]]:
+    """Share `units` with every other process running this over the same `claims_dir`.
+
+    Yields lists of up to `size` units claimed for this process, in the order of `units`,
+    skipping those `is_done` and those others hold. The caller does a list's units (a pool of
+    `size` workers may) before asking for the next list; then each must be done (else
+    RuntimeError) and its claim is released. When nothing is left to claim, waits until every
+    unit is done, polling every `poll_s`: a unit whose claim expires or is released undone is
+    claimed and yielded here; a progress line is logged every `log_every_s`; `ClaimTimeout`
+    (naming the units, their holders and claim files) when none of them finishes for
+    `wait_timeout_s`. Claims still held when the caller stops (an exception, `break`) are
+    released.
+    """
+    if size < 1:
+        raise ValueError(f"size must be >= 1, found {size}")
+    units = list(units)
+    if len(set(units)) != len(units):
+        raise ValueError(f"{what}: unit names must be unique")
+    config = config or ClaimConfig()
+    with Claims(claims_dir, config, host) as claims:
+        queue = deque(units)
+        waiting: list[str] = []  # units others held when last seen
+        last_progress = last_log = time.monotonic()
+        while True:
+            batch: list[str] = []
+            while queue and len(batch) < size:
+                unit = queue.popleft()
+                if is_done(unit):
+                    continue
+                if not claims.try_claim(unit):
+                    waiting.append(unit)
+                elif is_done(unit):  # its previous holder finished it just before we claimed
+                    claims.release(unit)
+                else:
+                    batch.append(unit)
+            if batch:
+                yield list(batch)
+                for unit in batch:
+                    if not is_done(unit):
+                        raise RuntimeError(
+                            f"{unit} ({what}) was handed out, but is_done({unit!r}) is still "
+                            "False when the next ones are asked for: the work must finish it"
+                        )
+                    claims.release(unit)
+                last_progress = time.monotonic()
+                continue
+            still = [unit for unit in waiting if not is_done(unit)]
+            if not still:
+                return
+            now = time.monotonic()
+            if len(still) < len(waiting):
+                last_progress = now
+            waiting = []
+            if now - last_progress > config.wait_timeout_s:
+                raise _timeout(claims, still, what, now - last_progress)
+            if now - last_log >= config.log_every_s:
+                log.info(
+                    "waiting for %d %s claimed by other processes: %s; none finished for "
+                    "%.0f s (gives up after %.0f s)",
+                    len(still),
+                    what,
+                    _by_holder(claims, still),
+                    now - last_progress,
+                    config.wait_timeout_s,
+                )
+                last_log = now
+            time.sleep(config.poll_s)
+            queue.extend(still)  # look again: done, released undone, or their holder died
+
+
+def claim_pending(
+    units: Iterable[str],
+    claims_dir: str | Path,
+    is_done: Callable[[str], bool],
+    config: ClaimConfig | None = None,
+    what: str = "units",
+    host: str | None = None,
+) -> Iterator[str]:
+    """`claim_batches` one unit at a time: `for unit in claim_pending(...): do(unit)`."""
+    with closing(claim_batches(units, claims_dir, is_done, 1, config, what, host)) as batches:
+        for (unit,) in batches:
+            yield unit
+
+
+def _by_holder(claims: Claims, units: list[str], shown: int = 5) -> str:
+    """'node7 pid 1234 (shard-00005, shard-00007), node3 pid 99 (shard-00010)'."""
+    groups: dict[str, list[str]] = {}
+    for unit in units:
+        info = claims.holder(unit)
+        groups.setdefault(str(info) if info else "released, not done", []).append(unit)
+    parts = []
+    for holder, names in groups.items():
+        more = f", ... {len(names) - shown} more" if len(names) > shown else ""
+        parts.append(f"{holder} ({', '.join(names[:shown])}{more})")
+    return ", ".join(parts)
+
+
+def _timeout(claims: Claims, units: list[str], what: str, waited: float) -> ClaimTimeout:
+    lines = []
+    for unit in units[:10]:
+        info = claims.holder(unit)
+        if info is None:
+            lines.append(f"{unit} (claim released, not done)")
+            continue
+        started = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(info.started))
+        lines.append(
+            f"{unit} (claimed by {info} since {started}, last heartbeat "
+            f"{claims.now() - info.mtime:.0f} s ago; claim file {info.path})"
+        )
+    if len(units) > 10:
+        lines.append(f"... {len(units) - 10} more")
+    return ClaimTimeout(
+        claims.path(units[0]),
+        f"timed out waiting for {what} claimed by other processes",
+        f"{len(units)} {what} unfinished and none done for {waited:.0f} s: "
+        + "; ".join(lines)
+        + ". Their holders still heartbeat but finish nothing: check those processes, or "
+        "raise data.cache_wait_timeout_s; deleting a claim file frees its unit for the next "
+        "process that looks",
+    )
+
+
+# ----------------------------------------------------------------------------- temporary files
+
+
+def remove_stale_temps(
+    directory: str | Path,
+    unit_of: Callable[[str], str | None],
+    config: ClaimConfig | None = None,
+    claims_dir: str | Path | None = None,
+) -> list[Path]:
+    """Delete the temporary files (`<target>.tmp-<pid>-<random>`, see `utils.atomic_path`) in
+    `directory` that no live process can still be writing, whatever host wrote them.
+
+    `unit_of(target)` names the unit a target file belongs to (`shard-00003.npy` ->
+    `shard-00003`), or None for files of no unit (an index written by whoever finishes last).
+    A unit's temporary files go when its claim (in `claims_dir`, default `directory`) is absent
+    or dead, however fresh they are, and stay while it is live, however old; the others go when
+    untouched for `expiry_s`. Returns the removed paths.
+    """
+    directory = Path(directory)
+    claims = Claims(claims_dir if claims_dir is not None else directory, config)
+    removed = []
+    try:  # listed before this process's own clock file exists
+        for tmp in sorted(directory.glob(f"*{TEMP_MARK}*")):
+            unit = unit_of(tmp.name.partition(TEMP_MARK)[0])
+            if unit is None:
+                try:
+                    stale = claims.now() - tmp.stat().st_mtime > claims.config.expiry_s
+                except FileNotFoundError:  # renamed into place meanwhile
+                    continue
+            else:
+                holder = claims.holder(unit)
+                stale = holder is None or claims.is_dead(holder)
+            if stale:
+                tmp.unlink(missing_ok=True)
+                removed.append(tmp)
+    finally:
+        claims.close()
+    if removed:
+        log.info("removed %d stale temporary files in %s", len(removed), directory)
+    return removed
+
+
+__all__ = [
+    "HOST_ENV",
+    "ClaimConfig",
+    "ClaimInfo",
+    "ClaimTimeout",
+    "Claims",
+    "claim_batches",
+    "claim_pending",
+    "host_name",
+    "read_claim",
+    "remove_stale_temps",
+]
