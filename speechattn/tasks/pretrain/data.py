@@ -40,6 +40,14 @@ class StepBatchSampler(Sampler[list[tuple[int, int]]]):
     length, cut into batches and put in a seeded random order (less padding, same items).
     Global batch i has G = batch_size * world_size items and rank r takes its r-th slice.
 
+    No utterance appears twice in a pool, so none twice in a batch. A pool holds at most half
+    the dataset (`bucket_size` is lowered to N // 2G where it would hold more), so it spans at
+    most two passes; where it spans two, the later pass's first items that are also among the
+    earlier pass's last items in that pool are swapped with the next items further on in
+    their pass that are not. The swaps never touch a pass's own last pool items, which the
+    next boundary reads: every pass depends on its own and the previous seeded permutation
+    only, so no batch needs the history of the run. This needs N >= 2G - 1 items.
+
     Iteration starts at `start`, the number of batches already consumed (from the checkpoint
     when resuming), so the sampler needs no saved state. The length is the whole run, which
     keeps Lightning's epoch bookkeeping consistent on resume. Each yielded key is
@@ -69,6 +77,14 @@ class StepBatchSampler(Sampler[list[tuple[int, int]]]):
             )
         if lengths is not None and len(lengths) != num_items:
             raise ValueError(f"{len(lengths)} lengths for {num_items} items")
+        G = batch_size * world_size
+        if num_items < 2 * G - 1:
+            raise ValueError(
+                f"{num_items} training utterances for global batches of {G} (batch_size "
+                f"{batch_size} x {world_size} ranks): a batch spanning two passes could hold "
+                f"an utterance twice; use at least {2 * G - 1} utterances or a smaller "
+                f"data.batch_size"
+            )
         self.num_items = num_items
         self.batch_size = batch_size
         self.total_batches = total_batches
@@ -77,23 +93,66 @@ class StepBatchSampler(Sampler[list[tuple[int, int]]]):
         self.world_size = world_size
         self.start = start
         self.lengths = None if lengths is None else [int(n) for n in lengths]
-        self.bucket_size = bucket_size if lengths is not None else 1
-        self._perm: tuple[int, list[int]] = (-1, [])
+        # batches per length-sorting pool: at most half the items per pool (see above)
+        wanted = bucket_size if lengths is not None else 1
+        self.bucket_size = max(1, min(wanted, num_items // (2 * G)))
+        self.pool_items = self.bucket_size * G  # W: stream positions per pool
+        self._passes: dict[tuple[str, int], list[int]] = {}  # a few recent passes, by epoch
         self._pool: tuple[int, list[list[int]]] = (-1, [])
 
-    def _item(self, position: int) -> int:
-        """Dataset index at `position` of the stream of seeded permutations."""
-        epoch = position // self.num_items
-        if self._perm[0] != epoch:
+    def _cached(self, kind: str, epoch: int, make: Callable[[], list[int]]) -> list[int]:
+        """`make()` memoised per (kind, epoch); a pool reads two passes, keep four entries."""
+        key = (kind, epoch)
+        if key not in self._passes:
+            if len(self._passes) >= 4:
+                del self._passes[next(iter(self._passes))]  # the oldest
+            self._passes[key] = make()
+        return self._passes[key]
+
+    def _permutation(self, epoch: int) -> list[int]:
+        """The seeded permutation of pass `epoch`, before any swap."""
+
+        def make() -> list[int]:
             g = torch.Generator().manual_seed(derive_seed(self.seed, "data-order", epoch))
-            self._perm = (epoch, torch.randperm(self.num_items, generator=g).tolist())
-        return self._perm[1][position % self.num_items]
+            return torch.randperm(self.num_items, generator=g).tolist()
+
+        return self._cached("permutation", epoch, make)
+
+    def _tail(self, epoch: int) -> int:
+        """How many of pass `epoch`'s last items share a pool with the next pass (0: none)."""
+        return (epoch + 1) * self.num_items % self.pool_items
+
+    def _pass(self, epoch: int) -> list[int]:
+        """Dataset indices of pass `epoch`: its permutation, with the items of its first pool
+        that the previous pass's last items in that pool already hold swapped further on."""
+
+        def make() -> list[int]:
+            order = list(self._permutation(epoch))
+            before = self._tail(epoch - 1) if epoch > 0 else 0
+            if before == 0:  # the pass starts a pool
+                return order
+            N, W = self.num_items, self.pool_items
+            head = W - before  # this pass's positions in the shared pool
+            taken = set(self._permutation(epoch - 1)[N - before :])  # never swapped: a tail
+            # N >= 2W - 1 leaves enough items between the head and this pass's own tail
+            spare = (k for k in range(head, N - self._tail(epoch)) if order[k] not in taken)
+            for k in range(head):
+                if order[k] in taken:
+                    j = next(spare)
+                    order[k], order[j] = order[j], order[k]
+            return order
+
+        return self._cached("pass", epoch, make)
+
+    def _item(self, position: int) -> int:
+        """Dataset index at `position` of the stream of passes."""
+        return self._pass(position // self.num_items)[position % self.num_items]
 
     def _global_batches(self, pool: int) -> list[list[int]]:
         """The `bucket_size` global batches of one pool, as stream positions."""
         if self._pool[0] != pool:
-            G, P = self.batch_size * self.world_size, self.bucket_size
-            positions = list(range(pool * P * G, (pool + 1) * P * G))
+            G, P, W = self.batch_size * self.world_size, self.bucket_size, self.pool_items
+            positions = list(range(pool * W, (pool + 1) * W))
             if self.lengths is not None and P > 1:
                 lengths = self.lengths
                 positions.sort(key=lambda q: (lengths[self._item(q)], q))
