@@ -301,12 +301,34 @@ class ResumableData(L.LightningDataModule):
         self.inner.setup(stage)
 
     def train_dataloader(self) -> DataLoader:
-        loader = self.inner.train_dataloader()
         trainer = self.trainer
         assert trainer is not None, "ResumableData must be attached to a Trainer"
         if trainer.max_steps is None or trainer.max_steps < 0:
             raise ValueError("pretraining is defined in steps: set trainer.max_steps")
         accumulate = trainer.accumulate_grad_batches
+        batch_masker = getattr(trainer.lightning_module, "batch_masker", None)
+        return self.step_loader(
+            total_batches=trainer.max_steps * accumulate,
+            # a checkpoint is written after an optimizer step: the batches before it are done
+            start=trainer.global_step * accumulate,
+            rank=trainer.global_rank,
+            world_size=trainer.world_size,
+            batch_masker=batch_masker if callable(batch_masker) else None,
+        )
+
+    def step_loader(
+        self,
+        total_batches: int,
+        start: int = 0,
+        rank: int = 0,
+        world_size: int = 1,
+        batch_masker: Callable[[int], BatchMasker] | None = None,
+    ) -> DataLoader:
+        """The training loader of a run of `total_batches` batches from batch `start`: the
+        wrapped module's dataset, collate, workers, pinning and prefetch with the order of
+        `StepBatchSampler`, and with `batch_masker` (the task's, given the length bucket)
+        stacking and masking in the loader. `bench loader` times this very loader."""
+        loader = self.inner.train_dataloader()
         batch_size = self.batch_size or loader.batch_size
         if batch_size is None:
             batch_size = getattr(loader.batch_sampler, "batch_size", None)
@@ -318,18 +340,16 @@ class ResumableData(L.LightningDataModule):
         self.sampler = StepBatchSampler(
             num_items=len(dataset),  # type: ignore[arg-type]
             batch_size=int(batch_size),
-            total_batches=trainer.max_steps * accumulate,
+            total_batches=total_batches,
             seed=self.seed,
-            rank=trainer.global_rank,
-            world_size=trainer.world_size,
-            # a checkpoint is written after an optimizer step: the batches before it are done
-            start=trainer.global_step * accumulate,
+            rank=rank,
+            world_size=world_size,
+            start=start,
             lengths=lengths,
             bucket_size=int(bucket),
         )
         collate = loader.collate_fn
-        batch_masker = getattr(trainer.lightning_module, "batch_masker", None)
-        if callable(batch_masker):  # the pretraining task: stack and mask in the loader
+        if batch_masker is not None:  # the pretraining task: stack and mask in the loader
             pad = self.pad_to_multiple
             if pad is None:
                 pad = getattr(getattr(self.inner, "cfg", None), "pad_to_multiple", 1)
