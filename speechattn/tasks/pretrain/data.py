@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import lightning as L
+import numpy as np
 import torch
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset, Sampler
@@ -97,56 +98,41 @@ class StepBatchSampler(Sampler[list[tuple[int, int]]]):
         wanted = bucket_size if lengths is not None else 1
         self.bucket_size = max(1, min(wanted, num_items // (2 * G)))
         self.pool_items = self.bucket_size * G  # W: stream positions per pool
-        self._passes: dict[tuple[str, int], list[int]] = {}  # a few recent passes, by epoch
+        self._passes: dict[int, np.ndarray] = {}  # the last few passes, by epoch
         self._pool: tuple[int, list[list[int]]] = (-1, [])
 
-    def _cached(self, kind: str, epoch: int, make: Callable[[], list[int]]) -> list[int]:
-        """`make()` memoised per (kind, epoch); a pool reads two passes, keep four entries."""
-        key = (kind, epoch)
-        if key not in self._passes:
-            if len(self._passes) >= 4:
-                del self._passes[next(iter(self._passes))]  # the oldest
-            self._passes[key] = make()
-        return self._passes[key]
-
-    def _permutation(self, epoch: int) -> list[int]:
-        """The seeded permutation of pass `epoch`, before any swap."""
-
-        def make() -> list[int]:
-            g = torch.Generator().manual_seed(derive_seed(self.seed, "data-order", epoch))
-            return torch.randperm(self.num_items, generator=g).tolist()
-
-        return self._cached("permutation", epoch, make)
+    def _permutation(self, epoch: int) -> np.ndarray:
+        """(N,) the seeded permutation of pass `epoch`, before any swap."""
+        g = torch.Generator().manual_seed(derive_seed(self.seed, "data-order", epoch))
+        return torch.randperm(self.num_items, generator=g).numpy()
 
     def _tail(self, epoch: int) -> int:
         """How many of pass `epoch`'s last items share a pool with the next pass (0: none)."""
         return (epoch + 1) * self.num_items % self.pool_items
 
-    def _pass(self, epoch: int) -> list[int]:
-        """Dataset indices of pass `epoch`: its permutation, with the items of its first pool
-        that the previous pass's last items in that pool already hold swapped further on."""
-
-        def make() -> list[int]:
-            order = list(self._permutation(epoch))
+    def _pass(self, epoch: int) -> np.ndarray:
+        """(N,) dataset indices of pass `epoch`: its permutation, with the items of its first
+        pool that the previous pass's last items in that pool already hold swapped further on
+        (memoised: a pool reads at most two passes)."""
+        if epoch not in self._passes:
+            if len(self._passes) >= 3:
+                del self._passes[next(iter(self._passes))]  # the oldest
+            order = self._permutation(epoch)
             before = self._tail(epoch - 1) if epoch > 0 else 0
-            if before == 0:  # the pass starts a pool
-                return order
-            N, W = self.num_items, self.pool_items
-            head = W - before  # this pass's positions in the shared pool
-            taken = set(self._permutation(epoch - 1)[N - before :])  # never swapped: a tail
-            # N >= 2W - 1 leaves enough items between the head and this pass's own tail
-            spare = (k for k in range(head, N - self._tail(epoch)) if order[k] not in taken)
-            for k in range(head):
-                if order[k] in taken:
-                    j = next(spare)
-                    order[k], order[j] = order[j], order[k]
-            return order
-
-        return self._cached("pass", epoch, make)
+            if before:  # the previous pass's last `before` items share this pass's first pool
+                N, head = self.num_items, self.pool_items - before
+                taken = self._permutation(epoch - 1)[N - before :]  # a tail: never swapped
+                twice = np.flatnonzero(np.isin(order[:head], taken))
+                # N >= 2W - 1 leaves enough items between the head and this pass's own tail
+                later = order[head : N - self._tail(epoch)]
+                spare = head + np.flatnonzero(~np.isin(later, taken))[: len(twice)]
+                order[twice], order[spare] = order[spare], order[twice].copy()
+            self._passes[epoch] = order
+        return self._passes[epoch]
 
     def _item(self, position: int) -> int:
         """Dataset index at `position` of the stream of passes."""
-        return self._pass(position // self.num_items)[position % self.num_items]
+        return int(self._pass(position // self.num_items)[position % self.num_items])
 
     def _global_batches(self, pool: int) -> list[list[int]]:
         """The `bucket_size` global batches of one pool, as stream positions."""
