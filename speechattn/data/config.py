@@ -84,8 +84,8 @@ class DataConfig:
 
     # ---- pretraining validation (beside pretrain_val_fraction above) ----
     # at most this many utterances held out (null: no cap): 5 % of LibriSpeech 960 h would be
-    # 14k utterances read before the first step and at every validation; 1000 give the loss
-    # to ~1 %. Chosen by a seeded hash of the utterance id: the same set for the same corpus
+    # 14k utterances read before the first step and at every validation; 1000 are 20 batches
+    # of 50. Chosen by a seeded hash of the utterance id: the same set for the same corpus
     # and seed, and a grown corpus changes it little (`datamodules.validation_ids`)
     max_val_utterances: int | None = 1000
 
