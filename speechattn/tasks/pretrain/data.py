@@ -198,7 +198,9 @@ class SeededItems(Dataset):
     def __getitem__(self, key: tuple[int, int]) -> Any:
         seed, index = key
         with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed)
+            # the CPU generator alone: torch.manual_seed would also queue CUDA/XPU/MTIA
+            # seeding with a formatted stack trace per item in workers (CUDA uninitialised)
+            torch.default_generator.manual_seed(seed)
             return self.dataset[index]
 
     def __getitems__(self, keys: list[tuple[int, int]]) -> BatchItems:
