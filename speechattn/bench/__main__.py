@@ -1,7 +1,9 @@
-"""`python -m speechattn.bench {features,attention,pretrain,pruning} [options]`.
+"""`python -m speechattn.bench {features,attention,pretrain,pruning,loader,scale} [options]`.
 
 Each benchmark lives in its own module and measures the compared variants side by side in
-one run, printing ratios rather than absolute targets (machines are noisy).
+one run, printing ratios rather than absolute targets (machines are noisy). `loader` times
+the pretraining train loader against a GPU's need; `scale` measures start-up and the loader
+over generated corpora of growing size, which `corpus` writes (LibriSpeech layout).
 """
 
 import importlib
@@ -12,6 +14,9 @@ BENCHMARKS = {
     "attention": "speechattn.bench.attention",
     "pretrain": "speechattn.bench.pretrain",
     "pruning": "speechattn.bench.pruning",
+    "loader": "speechattn.bench.loader",
+    "scale": "speechattn.bench.scale",
+    "corpus": "speechattn.bench.corpus",
 }
 
 

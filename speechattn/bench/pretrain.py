@@ -283,6 +283,34 @@ def step_flops(config: ModelConfig, batch: int, frames: int) -> float:
     return batch * per_utterance
 
 
+def project_step(cfg: Any, gpu: str, mfu: float) -> tuple[dict[str, Any], dict[str, Any]]:
+    """One training step of the composed pretraining config `cfg` on `gpu` (a `GPU_PEAKS`
+    key) at `mfu`: (setting, projection). The setting: model sizes, batch, crop (10 ms) and
+    model frames, steps, precision and its tensor-core dtype. The projection: TFLOP per step
+    (`step_flops`, every utterance at the full crop), step ms = FLOPs / (MFU x vendor dense
+    peak), GPU-hours for `trainer.max_steps`, and the 10 ms frames per step and per second
+    the loader must deliver to keep up."""
+    from omegaconf import OmegaConf
+
+    peaks = GPU_PEAKS[gpu][1]
+    config = ModelConfig(**OmegaConf.to_container(cfg.model.net, resolve=True))
+    crop, batch = int(cfg.data.max_frames), int(cfg.data.batch_size)
+    frames, steps = crop // config.stack, int(cfg.trainer.max_steps)
+    dtype = tensor_core_dtype(cfg.trainer.precision)
+    setting = {"model": str(cfg.model.name), "dim": config.dim, "layers": config.num_layers,
+               "heads": config.num_heads, "batch": batch, "frames": frames, "crop": crop,
+               "steps": steps, "precision": str(cfg.trainer.precision), "dtype": dtype}  # fmt: skip
+    flops = step_flops(config, batch, frames)
+    step_s = flops / (mfu * peaks[dtype])
+    return setting, {
+        "step_tflop": flops / 1e12,
+        "step_ms": step_s * 1e3,
+        "gpu_hours": steps * step_s / 3600 if steps > 0 else None,  # -1: no step limit
+        "frames_per_step": batch * crop,
+        "loader_frames_per_s": batch * crop / step_s,
+    }
+
+
 def plan(args: argparse.Namespace) -> dict[str, Any]:
     """`--plan OVERRIDES`: per variant, the FLOPs of one training step of the pretraining
     config those overrides compose (model, `data.batch_size`, `data.max_frames`,
@@ -290,7 +318,6 @@ def plan(args: argparse.Namespace) -> dict[str, Any]:
     step time = FLOPs / (MFU x vendor dense peak), GPU-hours = steps x step time / 3600, and
     the loader's frames/s = 10 ms frames per step / step time. Every utterance is taken at the
     full crop, so these are the upper bounds on work per step. A projection, nothing timed."""
-    from omegaconf import OmegaConf
 
     from speechattn.config import compose
 
@@ -304,23 +331,8 @@ def plan(args: argparse.Namespace) -> dict[str, Any]:
     rows, setting = [], {}
     for name in names:
         cfg = compose("pretrain", [*args.plan, f"attention={name}"])
-        config = ModelConfig(**OmegaConf.to_container(cfg.model.net, resolve=True))
-        crop, batch = int(cfg.data.max_frames), int(cfg.data.batch_size)
-        frames, steps = crop // config.stack, int(cfg.trainer.max_steps)
-        dtype = tensor_core_dtype(cfg.trainer.precision)
-        setting = {"model": str(cfg.model.name), "dim": config.dim, "layers": config.num_layers,
-                   "heads": config.num_heads, "batch": batch, "frames": frames, "crop": crop,
-                   "steps": steps, "precision": str(cfg.trainer.precision), "dtype": dtype}  # fmt: skip
-        flops = step_flops(config, batch, frames)
-        step_s = flops / (args.mfu * peaks[dtype])
-        rows.append({
-            "attention": name,
-            "step_tflop": flops / 1e12,
-            "step_ms": step_s * 1e3,
-            "gpu_hours": steps * step_s / 3600 if steps > 0 else None,  # -1: no step limit
-            "frames_per_step": batch * crop,
-            "loader_frames_per_s": batch * crop / step_s,
-        })  # fmt: skip
+        setting, row = project_step(cfg, args.gpu, args.mfu)
+        rows.append({"attention": name, **row})
     s = setting
     print(
         f"plan for {' '.join(args.plan) or 'the default config'}: {s['model']} (D {s['dim']}, "

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 from collections import defaultdict
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +35,7 @@ from speechattn.data.librispeech import (
     read_split_list,
     scan_split,
 )
+from speechattn.utils import derive_seed
 
 log = logging.getLogger(__name__)
 
@@ -228,11 +230,27 @@ def _holdout(ids: list[str], fraction: float, seed: int) -> tuple[list[str], lis
     return [u for u in ids if u not in held], [u for u in ids if u in held]
 
 
+def validation_ids(ids: Sequence[str], fraction: float, cap: int | None, seed: int) -> set[str]:
+    """Pretraining's validation utterances among `ids`: the `fraction` of them (at least one
+    where two or more are given, never all), at most `cap` (None: no cap), chosen by the
+    smallest seeded hash of their id. The set depends on the ids and the seed alone (not on
+    their order, the splits' order, workers or ranks), and adding utterances to a corpus
+    changes it little: under the cap, only new ids that rank first displace old ones."""
+    if fraction <= 0 or len(ids) < 2:
+        return set()
+    n = min(len(ids) - 1, max(1, round(fraction * len(ids))))
+    if cap is not None:
+        n = min(n, cap)
+    ranks = np.fromiter((derive_seed(seed, "validation", u) for u in ids), np.uint64, len(ids))
+    return {ids[i] for i in np.argsort(ranks, kind="stable")[:n]}
+
+
 class PretrainDataModule(_CorpusDataModule):
     """Unlabelled batches for masked acoustic modelling.
 
     Training items are random crops of at most `max_frames` frames; validation items the first
-    `max_frames` frames of a seeded `pretrain_val_fraction` of the utterances. Shorter
+    `max_frames` frames of a seeded `pretrain_val_fraction` of the utterances, at most
+    `max_val_utterances` of them (`validation_ids`: stable as the corpus grows). Shorter
     utterances are used whole (padded in the batch; `padding_mask` marks the padding).
     """
 
@@ -252,11 +270,23 @@ class PretrainDataModule(_CorpusDataModule):
         excluded = self._excluded()
         train_parts, val_parts, stats_parts = [], [], []
         n_excluded = 0
+        usable = {}  # split -> its utterance ids not excluded
         for split in self.cfg.pretrain_splits:
             _, store = self._split(split)
-            ids = [u for u in store.utt_ids if u not in excluded]
-            n_excluded += len(store) - len(ids)
-            train_ids, val_ids = _holdout(ids, self.cfg.pretrain_val_fraction, self.cfg.seed)
+            usable[split] = [u for u in store.utt_ids if u not in excluded]
+            n_excluded += len(store) - len(usable[split])
+        c = self.cfg
+        everything = [u for ids in usable.values() for u in ids]
+        held = validation_ids(everything, c.pretrain_val_fraction, c.max_val_utterances, c.seed)
+        if len(held) < round(c.pretrain_val_fraction * len(everything)):
+            log.info(
+                "validation: %d utterances (data.max_val_utterances=%s; pretrain_val_fraction=%s "
+                "would hold out %d)", len(held), c.max_val_utterances, c.pretrain_val_fraction,
+                round(c.pretrain_val_fraction * len(everything)),
+            )  # fmt: skip
+        for split, ids in usable.items():
+            store = self._split(split)[1]
+            train_ids, val_ids = [u for u in ids if u not in held], [u for u in ids if u in held]
             train_idx = [store.position[u] for u in train_ids]
             val_idx = [store.position[u] for u in val_ids]
             stats_parts.append((store, train_idx))

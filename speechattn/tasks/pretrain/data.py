@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import lightning as L
+import numpy as np
 import torch
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset, Sampler
@@ -39,6 +40,14 @@ class StepBatchSampler(Sampler[list[tuple[int, int]]]):
     pass. With `lengths`, every pool of `bucket_size` consecutive global batches is sorted by
     length, cut into batches and put in a seeded random order (less padding, same items).
     Global batch i has G = batch_size * world_size items and rank r takes its r-th slice.
+
+    No utterance appears twice in a pool, so none twice in a batch. A pool holds at most half
+    the dataset (`bucket_size` is lowered to N // 2G where it would hold more), so it spans at
+    most two passes; where it spans two, the later pass's first items that are also among the
+    earlier pass's last items in that pool are swapped with the next items further on in
+    their pass that are not. The swaps never touch a pass's own last pool items, which the
+    next boundary reads: every pass depends on its own and the previous seeded permutation
+    only, so no batch needs the history of the run. This needs N >= 2G - 1 items.
 
     Iteration starts at `start`, the number of batches already consumed (from the checkpoint
     when resuming), so the sampler needs no saved state. The length is the whole run, which
@@ -69,6 +78,14 @@ class StepBatchSampler(Sampler[list[tuple[int, int]]]):
             )
         if lengths is not None and len(lengths) != num_items:
             raise ValueError(f"{len(lengths)} lengths for {num_items} items")
+        G = batch_size * world_size
+        if num_items < 2 * G - 1:
+            raise ValueError(
+                f"{num_items} training utterances for global batches of {G} (batch_size "
+                f"{batch_size} x {world_size} ranks): a batch spanning two passes could hold "
+                f"an utterance twice; use at least {2 * G - 1} utterances or a smaller "
+                f"data.batch_size"
+            )
         self.num_items = num_items
         self.batch_size = batch_size
         self.total_batches = total_batches
@@ -77,23 +94,51 @@ class StepBatchSampler(Sampler[list[tuple[int, int]]]):
         self.world_size = world_size
         self.start = start
         self.lengths = None if lengths is None else [int(n) for n in lengths]
-        self.bucket_size = bucket_size if lengths is not None else 1
-        self._perm: tuple[int, list[int]] = (-1, [])
+        # batches per length-sorting pool: at most half the items per pool (see above)
+        wanted = bucket_size if lengths is not None else 1
+        self.bucket_size = max(1, min(wanted, num_items // (2 * G)))
+        self.pool_items = self.bucket_size * G  # W: stream positions per pool
+        self._passes: dict[int, np.ndarray] = {}  # the last few passes, by epoch
         self._pool: tuple[int, list[list[int]]] = (-1, [])
 
+    def _permutation(self, epoch: int) -> np.ndarray:
+        """(N,) the seeded permutation of pass `epoch`, before any swap."""
+        g = torch.Generator().manual_seed(derive_seed(self.seed, "data-order", epoch))
+        return torch.randperm(self.num_items, generator=g).numpy()
+
+    def _tail(self, epoch: int) -> int:
+        """How many of pass `epoch`'s last items share a pool with the next pass (0: none)."""
+        return (epoch + 1) * self.num_items % self.pool_items
+
+    def _pass(self, epoch: int) -> np.ndarray:
+        """(N,) dataset indices of pass `epoch`: its permutation, with the items of its first
+        pool that the previous pass's last items in that pool already hold swapped further on
+        (memoised: a pool reads at most two passes)."""
+        if epoch not in self._passes:
+            if len(self._passes) >= 3:
+                del self._passes[next(iter(self._passes))]  # the oldest
+            order = self._permutation(epoch)
+            before = self._tail(epoch - 1) if epoch > 0 else 0
+            if before:  # the previous pass's last `before` items share this pass's first pool
+                N, head = self.num_items, self.pool_items - before
+                taken = self._permutation(epoch - 1)[N - before :]  # a tail: never swapped
+                twice = np.flatnonzero(np.isin(order[:head], taken))
+                # N >= 2W - 1 leaves enough items between the head and this pass's own tail
+                later = order[head : N - self._tail(epoch)]
+                spare = head + np.flatnonzero(~np.isin(later, taken))[: len(twice)]
+                order[twice], order[spare] = order[spare], order[twice].copy()
+            self._passes[epoch] = order
+        return self._passes[epoch]
+
     def _item(self, position: int) -> int:
-        """Dataset index at `position` of the stream of seeded permutations."""
-        epoch = position // self.num_items
-        if self._perm[0] != epoch:
-            g = torch.Generator().manual_seed(derive_seed(self.seed, "data-order", epoch))
-            self._perm = (epoch, torch.randperm(self.num_items, generator=g).tolist())
-        return self._perm[1][position % self.num_items]
+        """Dataset index at `position` of the stream of passes."""
+        return int(self._pass(position // self.num_items)[position % self.num_items])
 
     def _global_batches(self, pool: int) -> list[list[int]]:
         """The `bucket_size` global batches of one pool, as stream positions."""
         if self._pool[0] != pool:
-            G, P = self.batch_size * self.world_size, self.bucket_size
-            positions = list(range(pool * P * G, (pool + 1) * P * G))
+            G, P, W = self.batch_size * self.world_size, self.bucket_size, self.pool_items
+            positions = list(range(pool * W, (pool + 1) * W))
             if self.lengths is not None and P > 1:
                 lengths = self.lengths
                 positions.sort(key=lambda q: (lengths[self._item(q)], q))
@@ -153,7 +198,9 @@ class SeededItems(Dataset):
     def __getitem__(self, key: tuple[int, int]) -> Any:
         seed, index = key
         with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed)
+            # the CPU generator alone: torch.manual_seed would also queue CUDA/XPU/MTIA
+            # seeding with a formatted stack trace per item in workers (CUDA uninitialised)
+            torch.default_generator.manual_seed(seed)
             return self.dataset[index]
 
     def __getitems__(self, keys: list[tuple[int, int]]) -> BatchItems:
@@ -242,12 +289,34 @@ class ResumableData(L.LightningDataModule):
         self.inner.setup(stage)
 
     def train_dataloader(self) -> DataLoader:
-        loader = self.inner.train_dataloader()
         trainer = self.trainer
         assert trainer is not None, "ResumableData must be attached to a Trainer"
         if trainer.max_steps is None or trainer.max_steps < 0:
             raise ValueError("pretraining is defined in steps: set trainer.max_steps")
         accumulate = trainer.accumulate_grad_batches
+        batch_masker = getattr(trainer.lightning_module, "batch_masker", None)
+        return self.step_loader(
+            total_batches=trainer.max_steps * accumulate,
+            # a checkpoint is written after an optimizer step: the batches before it are done
+            start=trainer.global_step * accumulate,
+            rank=trainer.global_rank,
+            world_size=trainer.world_size,
+            batch_masker=batch_masker if callable(batch_masker) else None,
+        )
+
+    def step_loader(
+        self,
+        total_batches: int,
+        start: int = 0,
+        rank: int = 0,
+        world_size: int = 1,
+        batch_masker: Callable[[int], BatchMasker] | None = None,
+    ) -> DataLoader:
+        """The training loader of a run of `total_batches` batches from batch `start`: the
+        wrapped module's dataset, collate, workers, pinning and prefetch with the order of
+        `StepBatchSampler`, and with `batch_masker` (the task's, given the length bucket)
+        stacking and masking in the loader. `bench loader` times this very loader."""
+        loader = self.inner.train_dataloader()
         batch_size = self.batch_size or loader.batch_size
         if batch_size is None:
             batch_size = getattr(loader.batch_sampler, "batch_size", None)
@@ -259,18 +328,16 @@ class ResumableData(L.LightningDataModule):
         self.sampler = StepBatchSampler(
             num_items=len(dataset),  # type: ignore[arg-type]
             batch_size=int(batch_size),
-            total_batches=trainer.max_steps * accumulate,
+            total_batches=total_batches,
             seed=self.seed,
-            rank=trainer.global_rank,
-            world_size=trainer.world_size,
-            # a checkpoint is written after an optimizer step: the batches before it are done
-            start=trainer.global_step * accumulate,
+            rank=rank,
+            world_size=world_size,
+            start=start,
             lengths=lengths,
             bucket_size=int(bucket),
         )
         collate = loader.collate_fn
-        batch_masker = getattr(trainer.lightning_module, "batch_masker", None)
-        if callable(batch_masker):  # the pretraining task: stack and mask in the loader
+        if batch_masker is not None:  # the pretraining task: stack and mask in the loader
             pad = self.pad_to_multiple
             if pad is None:
                 pad = getattr(getattr(self.inner, "cfg", None), "pad_to_multiple", 1)
