@@ -59,7 +59,9 @@ def gc(cache_root: Path, dry_run: bool, grace_s: float) -> None:
     for path in r["manifests"] + r["old_entries"]:
         print(f"  {path}")
     if r["kept"]:
-        print(f"kept {r['kept']} unused shards or entries: younger than {grace_s / 3600:g} h or claimed")
+        print(
+            f"kept {r['kept']} unused shards or entries: younger than {grace_s / 3600:g} h or claimed"
+        )
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -128,9 +128,7 @@ def fingerprints(
     """sha256 of each utterance's file; memoised by (relative path, size, mtime_ns) in the
     manifests, so an unchanged corpus, or one moved or copied with its mtimes, reads nothing."""
     found: list[str | None] = [None] * len(utterances)
-    wanted = {
-        (_relative(u.path, folder), u.size, u.mtime_ns): i for i, u in enumerate(utterances)
-    }
+    wanted = {(_relative(u.path, folder), u.size, u.mtime_ns): i for i, u in enumerate(utterances)}
     _known_fingerprints(manifests, wanted, found)
     missing = sorted(wanted.values())
     if missing:
@@ -230,7 +228,9 @@ def _extract_shard(task: _ShardTask) -> _ShardResult:
             return _ShardResult(task.index, len(task.items))
         arrays, marker = _featurise(task)
         try:
-            marker["files"] = {kind: save_npy(paths.data(kind), arrays[kind]) for kind in DATA_KINDS}
+            marker["files"] = {
+                kind: save_npy(paths.data(kind), arrays[kind]) for kind in DATA_KINDS
+            }
         except OSError as e:
             if not _disk_full(e):
                 raise
@@ -489,7 +489,9 @@ def report(store: FeatureStore, issues: Issues, scan: bool) -> None:
         log.warning("audio converted: %s", note)
     if len(store.notes) > limit:
         log.warning(
-            "audio converted: %d more files (listed in %s)", len(store.notes) - limit, store.manifest
+            "audio converted: %d more files (listed in %s)",
+            len(store.notes) - limit,
+            store.manifest,
         )
 
 

@@ -95,9 +95,7 @@ def _shard_files(features: Path) -> tuple[dict[tuple[str, str], ShardFiles], dic
                 if entry.name == "settings.json" or not entry.is_file():
                     continue
                 st = entry.stat()
-                item = shards.setdefault(
-                    (settings_dir.name, key), ShardFiles(settings_dir, key)
-                )
+                item = shards.setdefault((settings_dir.name, key), ShardFiles(settings_dir, key))
                 item.files.append(Path(entry.path))
                 item.bytes += st.st_size
                 item.newest = max(item.newest, st.st_mtime)

@@ -20,7 +20,9 @@ import numpy as np
 from speechattn.utils import atomic_path, atomic_write_text
 
 Record = dict[str, Any]  # size, shape, dtype, sha256, mtime_ns
-HEADER_BYTES = 4096  # enough for any .npy header this cache writes (NumPy pads them to 64-byte units)
+HEADER_BYTES = (
+    4096  # enough for any .npy header this cache writes (NumPy pads them to 64-byte units)
+)
 
 
 def file_sha256(path: str | Path, chunk: int = 1 << 20) -> str:
@@ -78,15 +80,19 @@ def parse_header(head: bytes, record: Record) -> tuple[int, str | None]:
     except Exception as e:  # ValueError, SyntaxError, tokenize.TokenError, ... from a bad header
         return 0, f"damaged .npy header ({type(e).__name__}: {str(e)[:80]})"
     if list(shape) != list(record["shape"]) or dtype.str != record["dtype"] or fortran:
-        return 0, f"header says {dtype.str} {list(shape)}, expected {record['dtype']} {record['shape']}"
+        return (
+            0,
+            f"header says {dtype.str} {list(shape)}, expected {record['dtype']} {record['shape']}",
+        )
     return f.tell(), None
 
 
 def read_marker(path: Path) -> dict[str, Any] | None:
-    """A shard's commit marker, or None when it is missing or unreadable (not committed)."""
+    """A shard's commit marker, or None when it is missing or not valid JSON (not committed).
+    Other errors (EMFILE, EACCES, EIO) are raised: they say nothing about the shard."""
     try:
         return json.loads(path.read_text())
-    except (OSError, ValueError):
+    except (FileNotFoundError, ValueError):
         return None
 
 
@@ -107,8 +113,8 @@ def reconcile(
     """
     try:
         st = os.stat(path)
-    except OSError as e:
-        return None, f"missing or unreadable ({e.strerror})"
+    except FileNotFoundError:  # other errors (EACCES, EIO) say nothing about the bytes: raised
+        return None, "missing"
     if not verify and cached is not None and same_stat(st, cached):
         return cached, None
     marker = read_marker(marker_path)

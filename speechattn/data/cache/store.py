@@ -54,13 +54,10 @@ class _OpenShards:
         """Read `out.nbytes` bytes at `start` bytes past the data offset of `path` into `out`;
         `opener(path)` opens and checks a file not open yet. Returns the bytes read."""
         with self.lock:
-            entry = self.files.get(path)
-            if entry is None:
-                while len(self.files) >= max(1, self.limit):
-                    os.close(self.files.popitem(last=False)[1][0])
-                entry = self.files[path] = opener(path)
-            else:
-                self.files.move_to_end(path)
+            entry = self.files.pop(path, None)
+            while len(self.files) >= max(1, self.limit):  # the limit may have shrunk
+                os.close(self.files.popitem(last=False)[1][0])
+            self.files[path] = entry = entry or opener(path)  # most recently used last
             fd, data_offset = entry
             return os.preadv(fd, [out], data_offset + start)
 
@@ -107,7 +104,9 @@ class FeatureStore:
         offset (N,) int64 first frame in the shard; lengths (N,) int64 frames.
     """
 
-    def __init__(self, manifest: str | Path, max_open_shards: int = DEFAULT_MAX_OPEN_SHARDS) -> None:
+    def __init__(
+        self, manifest: str | Path, max_open_shards: int = DEFAULT_MAX_OPEN_SHARDS
+    ) -> None:
         self.manifest = Path(manifest)
         meta, z = load_manifest(self.manifest)
         with z:
@@ -178,7 +177,9 @@ class FeatureStore:
         weight = weight.astype(np.float64)  # (N,)
         total = np.zeros(self.feature_dim)
         total_sq = np.zeros(self.feature_dim)
-        bounds = np.searchsorted(self.shard, np.arange(self.num_shards + 1))  # shard k: [b_k, b_k+1)
+        bounds = np.searchsorted(
+            self.shard, np.arange(self.num_shards + 1)
+        )  # shard k: [b_k, b_k+1)
         for k in np.unique(self.shard[weight > 0]):
             lo, hi = int(bounds[k]), int(bounds[k + 1])
             stats = self._statistics(int(k))[self.row[lo:hi]]  # (n, 2, F)
@@ -246,8 +247,8 @@ class FeatureStore:
         """Open shard k's features for the LRU: (fd, data offset), checked against its record."""
         try:
             fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-        except OSError as e:
-            self._refuse(k, Path(path), f"missing or unreadable ({e.strerror})")
+        except FileNotFoundError:  # other errors (EMFILE, EACCES) say nothing about the file
+            self._refuse(k, Path(path), "missing")
         try:
             record = self._checked(k, "npy", os.fstat(fd))
             data_offset, problem = parse_header(os.pread(fd, HEADER_BYTES, 0), record)
@@ -270,8 +271,8 @@ class FeatureStore:
                     self._refuse(k, path, problem)
                 f.seek(data_offset)
                 stats = np.fromfile(f, dtype=np.dtype(record["dtype"]))
-        except FileNotFoundError as e:
-            self._refuse(k, path, f"missing or unreadable ({e.strerror})")
+        except FileNotFoundError:
+            self._refuse(k, path, "missing")
         if stats.size != int(np.prod(record["shape"])):
             self._refuse(k, path, f"{stats.size} values instead of {record['shape']}")
         return stats.reshape(record["shape"])
