@@ -90,7 +90,9 @@ def plan_shards(utt_ids: Sequence[str], shard_size: int) -> list[tuple[int, int]
 
 
 def _relative(path: Path, folder: Path) -> str:
-    return os.path.relpath(path, folder)
+    """`path` relative to `folder` (the key the fingerprint memo survives a move with)."""
+    text, prefix = str(path), str(folder) + os.sep
+    return text[len(prefix) :] if text.startswith(prefix) else os.path.relpath(text, folder)
 
 
 def _known_fingerprints(

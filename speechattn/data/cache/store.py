@@ -59,7 +59,11 @@ class _OpenShards:
                 os.close(self.files.popitem(last=False)[1][0])
             self.files[path] = entry = entry or opener(path)  # most recently used last
             fd, data_offset = entry
-            return os.preadv(fd, [out], data_offset + start)
+            if hasattr(os, "preadv"):  # straight into `out`
+                return os.preadv(fd, [out], data_offset + start)
+            data = os.pread(fd, out.nbytes, data_offset + start)
+            out.reshape(-1).view(np.uint8)[: len(data)] = np.frombuffer(data, np.uint8)
+            return len(data)
 
     def forget(self, path: str) -> None:
         with self.lock:
