@@ -16,6 +16,7 @@ import socket
 import sys
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import closing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -139,9 +140,10 @@ def fingerprints(
         batches = [paths[j : j + HASH_BATCH] for j in range(0, len(paths), HASH_BATCH)]
         with progress_bar(len(paths), "fingerprinting audio", progress) as advance:
             hashes = []
-            for batch in _map(_hash_files, batches, workers):
-                hashes += batch
-                advance(len(batch))
+            with closing(_map(_hash_files, batches, workers)) as results:
+                for batch in results:
+                    hashes += batch
+                    advance(len(batch))
         for i, h in zip(missing, hashes):
             found[i] = h
     return found  # type: ignore[return-value]
@@ -387,17 +389,19 @@ def extract_features(
     done = len(utterances) - sum(len(t.items) for t in pending)
     with progress_bar(len(utterances), description, progress and bool(pending)) as advance:
         advance(done)
-        for result in _map(_extract_shard, pending, n_workers):
-            advance(result.utterances)
-            if not result.marker:  # claimed by another process: wait for its commit
-                result.marker = wait_for_shard(ShardPaths(directory, keys[result.index]))
-            OPEN_SHARDS.forget(str(ShardPaths(directory, keys[result.index]).npy))
-            markers[result.index] = result.marker
-            if result.marker["failures"] and issues.on_error == "error":
-                raise _first_failure(result.marker, path_of)
-            os.utime(plan)  # still alive: gc keeps what the plan names
-            if on_shard_done is not None:
-                on_shard_done(result.index)
+        with closing(_map(_extract_shard, pending, n_workers)) as results:  # closed: pool ends
+            for result in results:
+                advance(result.utterances)
+                paths = ShardPaths(directory, keys[result.index])
+                if not result.marker:  # claimed by another process: wait for its commit
+                    result.marker = wait_for_shard(paths)
+                OPEN_SHARDS.forget(str(paths.npy))  # a descriptor of a replaced file is stale
+                markers[result.index] = result.marker
+                if result.marker["failures"] and issues.on_error == "error":
+                    raise _first_failure(result.marker, path_of)
+                os.utime(plan)  # still alive: gc keeps what the plan names
+                if on_shard_done is not None:
+                    on_shard_done(result.index)
     if pending:
         log.info("%s: done in %.1f s", description, time.perf_counter() - start)
 

@@ -116,18 +116,15 @@ def _files_in_use(meta: dict, z, folder: Path) -> set[str]:
     """Shard keys of a manifest whose audio files all still have the recorded size and mtime."""
     keys = meta["shards"]
     broken = np.zeros(len(keys), dtype=bool)
-    rel = z["files_rel"].tolist()
-    for i, (r, size, mtime) in enumerate(
-        zip(rel, z["files_size"].tolist(), z["files_mtime"].tolist())
-    ):
+    files = zip(z["files_rel"].tolist(), z["files_size"].tolist(), z["files_mtime"].tolist(),
+                z["files_shard"].tolist())  # fmt: skip
+    for rel, size, mtime, k in files:
         try:
-            st = os.stat(folder / r.decode())
-            ok = st.st_size == size and st.st_mtime_ns == mtime
-        except OSError:
-            ok = False
-        if not ok:
-            broken[int(z["files_shard"][i])] = True
-    return {k for k, bad in zip(keys, broken) if not bad}
+            st = os.stat(folder / rel.decode())
+            broken[k] |= st.st_size != size or st.st_mtime_ns != mtime
+        except FileNotFoundError:
+            broken[k] = True
+    return {key for key, bad in zip(keys, broken) if not bad}
 
 
 def survey(cache_root: str | Path, grace_s: float = GRACE_S, check_files: bool = True) -> Survey:
