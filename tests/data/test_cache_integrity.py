@@ -17,7 +17,13 @@ import pytest
 import torch
 
 from speechattn.data import DataError, PretrainDataModule
-from speechattn.data.cache import ExtractionSettings, FeatureStore, extract_features, open_split
+from speechattn.data.cache import (
+    OPEN_SHARDS,
+    ExtractionSettings,
+    FeatureStore,
+    extract_features,
+    open_split,
+)
 from speechattn.data.cache import integrity as integrity_module
 from speechattn.data.librispeech import scan_split
 
@@ -106,8 +112,6 @@ def test_damage_after_start_up_is_refused_on_first_read(utts, tmp_path):
     store = _extract(utts, tmp_path)
     reference = _reference(store)
     fresh = FeatureStore(store.manifest)  # as a DataLoader worker sees it: shard 1 not opened yet
-    from speechattn.data.cache import OPEN_SHARDS
-
     OPEN_SHARDS.forget(str(store.paths(1).npy))
     damaged = _damage("data_bytes", store)
     with pytest.raises(DataError, match="checksum mismatch") as info:
