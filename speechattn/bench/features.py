@@ -6,8 +6,8 @@ Measures, on the built-in corpus (or `--root`):
 - cached loading: utterances/s and frames/s read back from the memory-mapped cache, both raw
   (`FeatureStore.features`) and through the training path (dataset + normalisation + padded
   batches), compared with an *assumed* consumer: a tiny model training at ~20k mel frames/s;
-- cache verification: the first raw pass over a fresh store (each shard checksummed on its
-  first read, unless `--no-verify`) and a full check as `data.verify_cache=true` does at start-up.
+- cache verification: the first raw pass over a fresh store (each shard's size, mtime and
+  header checked as it is opened) and a full check as `data.verify_cache=true` does at start-up.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 from torch.utils.data import DataLoader
 
-from speechattn.data.cache import ExtractionSettings, FeatureStore, extract_features
+from speechattn.data.cache import OPEN_SHARDS, ExtractionSettings, FeatureStore, extract_features
 from speechattn.data.config import default_cache_root
 from speechattn.data.datasets import FeatureDataset, LengthBucketBatchSampler, collate
 from speechattn.data.features import Normalizer
@@ -49,9 +49,6 @@ def _parse(argv: list[str]) -> argparse.Namespace:
         "--min-seconds", type=float, default=2.0, help="minimum duration of each load measurement"
     )
     p.add_argument("--consumer-fps", type=float, default=ASSUMED_CONSUMER_FPS)
-    p.add_argument(
-        "--no-verify", action="store_true", help="read shards without their first-read checksum"
-    )
     p.add_argument("--json", type=Path, default=None, help="also write the numbers here")
     return p.parse_args(argv)
 
@@ -93,11 +90,13 @@ def run(args: argparse.Namespace) -> dict:
             "wall_seconds": extract_s,
             "x_real_time": audio_s / extract_s,
             "frames": frames,
-            "cache_mb": sum(p.stat().st_size for p in Path(store.directory).iterdir()) / 2**20,
+            "cache_mb": store.nbytes() / 2**20,
         }
 
-        # new object: memory maps opened (and shards checksummed) on first use
-        fresh = FeatureStore(store.directory, checksums=not args.no_verify)
+        # new object, shard files closed: opened (and checked) on first use
+        for k in range(store.num_shards):
+            OPEN_SHARDS.forget(str(store.paths(k).npy))
+        fresh = FeatureStore(store.manifest)
         n = len(fresh)
 
         def raw_pass() -> None:
@@ -108,12 +107,11 @@ def run(args: argparse.Namespace) -> dict:
         raw_pass()
         first = time.perf_counter() - start
         results["load_first_pass"] = {
-            "checksums": not args.no_verify,
             "seconds": first,
             "frames_per_s": frames / first,
         }
         start = time.perf_counter()
-        if damaged := fresh.damaged(checksums=True):
+        if damaged := fresh.check(verify=True):
             raise RuntimeError(f"the cache just written does not verify: {damaged[:3]}")
         results["verify_all_seconds"] = time.perf_counter() - start
 
@@ -161,7 +159,7 @@ def _print(r: dict) -> None:
     )
     first = r["load_first_pass"]
     table.add_row(
-        "cached load, first pass" + (" (checksums)" if first["checksums"] else ""),
+        "cached load, first pass",
         f"{first['frames_per_s']:,.0f} frames/s",
         f"{first['seconds']:.3f} s; checking every file (data.verify_cache): "
         f"{r['verify_all_seconds']:.3f} s",

@@ -76,10 +76,15 @@ class DataConfig:
     on_error: str = "error"  # error | skip (counted and reported)
     seed: int = 0
     extract_workers: int | None = None  # feature-extraction processes; None: min(cpu count, 8)
-    shard_size: int = 64  # utterances per cache shard (unit of resume and of parallel work)
-    # checksum every cached shard at start-up (re-extracting damaged ones) instead of each on its
-    # first read; sizes, headers and statistics checksums are always checked at start-up
+    # utterances per cache shard on average (unit of resume, of parallel work and of what a
+    # changed file re-extracts); shards hold at most 3x as many
+    shard_size: int = 64
+    # checksum every cached file at start-up (re-extracting damaged ones); otherwise a file is
+    # checksummed only when its size or mtime no longer match what was recorded at extraction
     verify_cache: bool = False
+    # open shard files per process (each DataLoader worker too): reads go through an LRU of
+    # this many descriptors, so `ulimit -n` need not grow with the corpus
+    max_open_shards: int = 32
     progress: bool = True
 
     # ---- pretraining validation (beside pretrain_val_fraction above) ----
@@ -110,7 +115,7 @@ class DataConfig:
             )
         for name in (
             "batch_size", "max_frames", "min_frames", "shard_size", "bucket_size",
-            "prefetch_factor", "pad_to_multiple",
+            "prefetch_factor", "pad_to_multiple", "max_open_shards",
         ):  # fmt: skip
             if getattr(self, name) < 1:
                 raise ValueError(f"data.{name} must be >= 1, found {getattr(self, name)}")

@@ -23,18 +23,12 @@ import numpy as np
 import torch
 from torch.utils.data import ConcatDataset, DataLoader, RandomSampler, SequentialSampler
 
-from speechattn.data.cache import ExtractionSettings, FeatureStore, extract_features
+from speechattn.data.cache import ExtractionSettings, FeatureStore, open_split
 from speechattn.data.config import DataConfig
 from speechattn.data.datasets import FeatureDataset, LengthBucketBatchSampler, collate
 from speechattn.data.errors import DataError, Issues, Skip
 from speechattn.data.features import HOP_LENGTH, SAMPLE_RATE, FeatureConfig, Normalizer
-from speechattn.data.librispeech import (
-    LabelFiles,
-    Utterance,
-    read_alignments,
-    read_split_list,
-    scan_split,
-)
+from speechattn.data.librispeech import LabelFiles, read_alignments, read_split_list
 from speechattn.utils import derive_seed
 
 log = logging.getLogger(__name__)
@@ -93,7 +87,7 @@ class _CorpusDataModule(L.LightningDataModule):
         self._given_normalizer = normalizer
         self._normalizer: Normalizer | None = None
         self._root: Path | None = None
-        self._splits: dict[str, tuple[list[Utterance], FeatureStore]] = {}
+        self._splits: dict[str, FeatureStore] = {}
         self._ready = False
         self.datasets: dict[str, _Items] = {}
 
@@ -133,23 +127,16 @@ class _CorpusDataModule(L.LightningDataModule):
         return LabelFiles(folder, c.alignments, c.phone_set, c.train_list, c.test_list)
 
     # ---- corpus and cache ----
-    def _split(self, split: str) -> tuple[list[Utterance], FeatureStore]:
-        """Utterances of one split folder and their cached features (extracted once)."""
+    def _split(self, split: str) -> FeatureStore:
+        """Cached features of one split folder (extracted once; a warm start reads the
+        manifest after one stat per file)."""
         if split not in self._splits:
-            utts = scan_split(self.root, split, self.issues)
-            if not utts:
-                raise DataError(
-                    self.root / split,
-                    "no usable utterances",
-                    "the split folder holds no valid audio",
-                )
-            store = extract_features(
-                utts, extraction_settings(self.cfg), self.cfg.cache_root(), self.issues,
-                workers=self.cfg.extract_workers, shard_size=self.cfg.shard_size,
-                progress=self.cfg.progress, description=f"features {split}",
-                verify=self.cfg.verify_cache,
+            c = self.cfg
+            self._splits[split] = open_split(
+                self.root, split, extraction_settings(c), c.cache_root(), self.issues,
+                workers=c.extract_workers, shard_size=c.shard_size, progress=c.progress,
+                verify=c.verify_cache, max_open_shards=c.max_open_shards,
             )  # fmt: skip
-            self._splits[split] = (utts, store)
         return self._splits[split]
 
     def _splits_needed(self) -> list[str]:
@@ -164,8 +151,8 @@ class _CorpusDataModule(L.LightningDataModule):
         if self._given_normalizer is not None:
             return self._given_normalizer
         count, total, total_sq = 0, np.zeros(self.feature_dim), np.zeros(self.feature_dim)
-        for store, indices in parts:
-            if indices:
+        for store, indices in parts:  # one pass over each store's statistics files
+            if len(indices):
                 n, s, s2 = store.sums(indices)
                 count, total, total_sq = count + n, total + s, total_sq + s2
         if self.cfg.normalization == "none":
@@ -272,7 +259,7 @@ class PretrainDataModule(_CorpusDataModule):
         n_excluded = 0
         usable = {}  # split -> its utterance ids not excluded
         for split in self.cfg.pretrain_splits:
-            _, store = self._split(split)
+            store = self._split(split)
             usable[split] = [u for u in store.utt_ids if u not in excluded]
             n_excluded += len(store) - len(usable[split])
         c = self.cfg
@@ -285,7 +272,7 @@ class PretrainDataModule(_CorpusDataModule):
                 round(c.pretrain_val_fraction * len(everything)),
             )  # fmt: skip
         for split, ids in usable.items():
-            store = self._split(split)[1]
+            store = self._split(split)
             train_ids, val_ids = [u for u in ids if u not in held], [u for u in ids if u in held]
             train_idx = [store.position[u] for u in train_ids]
             val_idx = [store.position[u] for u in val_ids]
@@ -451,30 +438,26 @@ class LabelledDataModule(_CorpusDataModule):
             return
         c = self.cfg
         available: dict[str, tuple[str, int]] = {}  # utt_id -> (split, position in its store)
-        meta: dict[str, Utterance] = {}
         for split in self._splits_needed():
-            utts, store = self._split(split)
-            for u in utts:
-                if u.utt_id in store:
-                    available[u.utt_id] = (split, store.position[u.utt_id])
-                    meta[u.utt_id] = u
+            store = self._split(split)
+            available.update((u, (split, i)) for i, u in enumerate(store.utt_ids))
         train, test = self._role_ids(available)
         lengths = {
-            u: int(self._splits[available[u][0]][1].lengths[available[u][1]]) for u in train + test
+            u: int(self._splits[available[u][0]].lengths[available[u][1]]) for u in train + test
         }
         phones = self._phones(train + test, lengths)
         if c.alignments is not None:
             train, test = [u for u in train if u in phones], [u for u in test if u in phones]
-        train, dev = self._dev_split(train, meta)
+        train, dev = self._dev_split(train)
         if not train or not test:
             raise DataError(
                 self.label_files.folder,
                 "empty train or test set",
                 f"train {len(train)}, test {len(test)} utterances",
             )
-        self.speakers = sorted({meta[u].speaker for u in train + dev + test}, key=_numeric_first)
+        self.speakers = sorted({_speaker(u) for u in train + dev + test}, key=_numeric_first)
         speaker_class = {s: i for i, s in enumerate(self.speakers)}
-        unseen = sorted({meta[u].speaker for u in test} - {meta[u].speaker for u in train})
+        unseen = sorted({_speaker(u) for u in test} - {_speaker(u) for u in train})
         if unseen:
             log.warning(
                 "%d test speakers never occur in train (speaker tasks cannot get them right): %s",
@@ -490,9 +473,9 @@ class LabelledDataModule(_CorpusDataModule):
                 grouped[available[u][0]].append(u)
             out = []
             for split, us in grouped.items():
-                store = self._splits[split][1]
+                store = self._splits[split]
                 out.append((
-                    store, [available[u][1] for u in us], [speaker_class[meta[u].speaker] for u in us],
+                    store, [available[u][1] for u in us], [speaker_class[_speaker(u)] for u in us],
                     [phones.get(u, np.zeros(0, np.int16)) for u in us],
                 ))  # fmt: skip
             return out
@@ -530,12 +513,10 @@ class LabelledDataModule(_CorpusDataModule):
         )  # fmt: skip
         self._finish_setup()
 
-    def _dev_split(
-        self, train: list[str], meta: dict[str, Utterance]
-    ) -> tuple[list[str], list[str]]:
+    def _dev_split(self, train: list[str]) -> tuple[list[str], list[str]]:
         by_speaker: dict[str, list[str]] = defaultdict(list)
         for u in train:
-            by_speaker[meta[u].speaker].append(u)
+            by_speaker[_speaker(u)].append(u)
         dev: set[str] = set()
         for k, speaker in enumerate(sorted(by_speaker, key=_numeric_first)):
             _, held = _holdout(
@@ -561,6 +542,11 @@ class LabelledDataModule(_CorpusDataModule):
         return self._loader(
             self._eval_train if split == "train" else self.datasets[split], shuffle=False
         )
+
+
+def _speaker(utt_id: str) -> str:
+    """The speaker of a LibriSpeech id "<speaker>-<chapter>-<utt>" (the scan checked the form)."""
+    return utt_id.split("-", 1)[0]
 
 
 def _numeric_first(speaker: str) -> tuple[int, str]:

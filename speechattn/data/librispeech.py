@@ -18,6 +18,7 @@ Without `phone_set.txt` the classes are the integers 0..num_phones-1 (41 for CPC
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 import warnings
@@ -44,7 +45,7 @@ class Utterance:
     split: str  # the split folder, e.g. "train-clean-100" or "synth-clean"
     num_samples: int | None = None  # filled by `with_info=True` (header read)
     sample_rate: int | None = None
-    size: int = 0  # bytes on disk (part of the feature-cache key)
+    size: int = 0  # bytes on disk (with mtime_ns: whether its content fingerprint is still valid)
     mtime_ns: int = 0
 
     @property
@@ -130,49 +131,106 @@ def read_transcripts(path: Path, issues: Issues) -> dict[str, str | None]:
     return out
 
 
+@dataclass(frozen=True)
+class SplitListing:
+    """What `walk_split` saw of one split folder: every file of every <speaker>/<chapter>/
+    folder with its size and mtime, in sorted order. Comparing `digest` with the one recorded
+    in the feature cache tells, with one stat per file, whether the folder changed since."""
+
+    folder: Path  # absolute
+    chapters: tuple[tuple[str, str, tuple[tuple[str, int, int], ...]], ...]
+    # (speaker, chapter, ((file name, size, mtime_ns), ...)) per chapter folder
+    digest: str  # 32 hex digits over the relative paths, sizes and mtimes
+
+    @property
+    def num_files(self) -> int:
+        return sum(len(files) for _, _, files in self.chapters)
+
+
+def walk_split(root: str | Path, split: str) -> SplitListing:
+    """One `os.scandir` walk of `root/split` with a stat per file (no file is opened).
+
+    Raises `DataError` naming the folder when it does not exist.
+    """
+    root = Path(root).expanduser().resolve()
+    folder = root / split
+    if not folder.is_dir():
+        raise DataError(folder, "split folder not found", f"available splits: {find_splits(root)}")
+    h = hashlib.sha256()
+    chapters = []
+    for speaker in _subfolders(str(folder)):
+        for chapter in _subfolders(os.path.join(folder, speaker)):
+            files = []
+            with os.scandir(os.path.join(folder, speaker, chapter)) as entries:
+                for entry in entries:
+                    if entry.is_file():
+                        st = entry.stat()
+                        files.append((entry.name, st.st_size, st.st_mtime_ns))
+            files.sort()
+            for name, size, mtime in files:
+                h.update(f"{speaker}/{chapter}/{name}\t{size}\t{mtime}\n".encode())
+            chapters.append((speaker, chapter, tuple(files)))
+    return SplitListing(folder, tuple(chapters), h.hexdigest()[:32])
+
+
+def _subfolders(path: str) -> list[str]:
+    with os.scandir(path) as entries:
+        return sorted(e.name for e in entries if e.is_dir())
+
+
 def scan_split(
-    root: str | Path, split: str, issues: Issues | None = None, with_info: bool = False
+    root: str | Path,
+    split: str,
+    issues: Issues | None = None,
+    with_info: bool = False,
+    listing: SplitListing | None = None,
 ) -> list[Utterance]:
     """All utterances of `root/split`, sorted by id.
 
     Audio without a transcript line, transcript lines without audio and badly named files are
     reported to `issues` (raise or skip). `with_info=True` reads each header for
     `num_samples`/`sample_rate` (slower; decoding problems surface later, at extraction).
+    `listing` (from `walk_split` of the same folder) saves walking it again.
     """
     issues = issues or Issues()
-    root = Path(root).expanduser().resolve()
-    folder = root / split
-    if not folder.is_dir():
-        raise DataError(folder, "split folder not found", f"available splits: {find_splits(root)}")
+    listing = listing or walk_split(root, split)
     utts: list[Utterance] = []
-    for speaker_dir in sorted(p for p in folder.iterdir() if p.is_dir()):
-        for chapter_dir in sorted(p for p in speaker_dir.iterdir() if p.is_dir()):
-            utts += _scan_chapter(chapter_dir, speaker_dir.name, split, issues, with_info)
+    for speaker, chapter, files in listing.chapters:
+        chapter_dir = listing.folder / speaker / chapter
+        utts += _scan_chapter(chapter_dir, speaker, chapter, files, split, issues, with_info)
     return utts
 
 
 def _scan_chapter(
-    chapter_dir: Path, speaker: str, split: str, issues: Issues, with_info: bool
+    chapter_dir: Path,
+    speaker: str,
+    chapter: str,
+    files: tuple[tuple[str, int, int], ...],
+    split: str,
+    issues: Issues,
+    with_info: bool,
 ) -> list[Utterance]:
-    chapter = chapter_dir.name
-    trans_path = chapter_dir / f"{speaker}-{chapter}.trans.txt"
-    audio: dict[str, os.DirEntry] = {}
+    trans_name = f"{speaker}-{chapter}.trans.txt"
+    trans_path = chapter_dir / trans_name
+    audio: dict[str, tuple[int, int]] = {}  # utterance id -> (size, mtime_ns)
     other: dict[str, str] = {}  # utterance id -> name of a file with another extension
-    with os.scandir(chapter_dir) as entries:
-        for entry in entries:
-            if entry.name.endswith(AUDIO_SUFFIX):
-                audio[entry.name[: -len(AUDIO_SUFFIX)]] = entry
-            elif UTT_RE.match(stem := entry.name.partition(".")[0]):
-                other[stem] = entry.name
-    transcripts = read_transcripts(trans_path, issues) if trans_path.is_file() else {}
+    has_transcripts = False
+    for name, size, mtime in files:
+        if name.endswith(AUDIO_SUFFIX):
+            audio[name[: -len(AUDIO_SUFFIX)]] = (size, mtime)
+        elif name == trans_name:
+            has_transcripts = True
+        elif UTT_RE.match(stem := name.partition(".")[0]):
+            other[stem] = name
+    transcripts = read_transcripts(trans_path, issues) if has_transcripts else {}
     out = []
     for utt_id in sorted(audio):
-        entry = audio[utt_id]
+        path = chapter_dir / f"{utt_id}{AUDIO_SUFFIX}"
         m = UTT_RE.match(utt_id)
         if not m or m.group(1) != speaker or m.group(2) != chapter:
             issues.report(
                 DataError(
-                    entry.path,
+                    path,
                     "unexpected file name",
                     f"expected {speaker}-{chapter}-NNNN{AUDIO_SUFFIX}",
                 ),
@@ -183,30 +241,18 @@ def _scan_chapter(
             continue  # a duplicated transcript line, reported already
         if utt_id not in transcripts:
             where = (
-                f"no line for it in {trans_path.name}"
-                if trans_path.is_file()
-                else f"{trans_path.name} is missing"
+                f"no line for it in {trans_name}" if has_transcripts else f"{trans_name} is missing"
             )
-            issues.report(DataError(entry.path, "missing transcript", where, utt_id), "scan")
+            issues.report(DataError(path, "missing transcript", where, utt_id), "scan")
             continue
-        stat = entry.stat()
+        size, mtime = audio[utt_id]
         num_samples = rate = None
         if with_info:
-            num_samples, rate = _header(Path(entry.path))
+            num_samples, rate = _header(path)
         out.append(
-            Utterance(
-                utt_id,
-                speaker,
-                chapter,
-                Path(entry.path),
-                transcripts[utt_id],
-                split,
-                num_samples,
-                rate,
-                stat.st_size,
-                stat.st_mtime_ns,
-            )  # fmt: skip
-        )
+            Utterance(utt_id, speaker, chapter, path, transcripts[utt_id], split, num_samples,
+                      rate, size, mtime)
+        )  # fmt: skip
     for utt_id in sorted(set(transcripts) - set(audio)):
         detail = f"no {utt_id}{AUDIO_SUFFIX}"
         if utt_id in other:  # e.g. a .wav: say what was found and why it is not used

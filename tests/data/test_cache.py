@@ -1,8 +1,10 @@
-"""Feature cache: correctness, keys, atomicity, resume after an interruption, parallel extraction."""
+"""Feature cache: correctness, atomicity, resume after an interruption, parallel extraction.
+
+(Identity across edits and moves: test_cache_identity.py; descriptors: test_cache_descriptors.py;
+ls/gc: test_cache_gc.py; damaged files: test_cache_integrity.py.)"""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import signal
@@ -14,8 +16,15 @@ import numpy as np
 import pytest
 import soundfile as sf
 
-from speechattn.data.cache import ExtractionSettings, FeatureStore, cache_key, extract_features
-from speechattn.data.features import FeatureConfig, LogMel
+from speechattn.data.cache import (
+    OPEN_SHARDS,
+    ExtractionSettings,
+    FeatureStore,
+    extract_features,
+    plan_shards,
+    shard_dir,
+)
+from speechattn.data.features import LogMel
 from speechattn.data.librispeech import scan_split
 
 SETTINGS = ExtractionSettings(dtype="float32")
@@ -26,9 +35,12 @@ def utts(tiny_corpus):
     return scan_split(tiny_corpus, "synth-clean")
 
 
-def _entry(cache: Path) -> Path:
-    (entry,) = (cache / "features").iterdir()
-    return entry
+def _shards(cache: Path, settings: ExtractionSettings = SETTINGS) -> Path:
+    return shard_dir(cache, settings)
+
+
+def _plan(utts, shard_size: int) -> list[tuple[int, int]]:
+    return plan_shards([u.utt_id for u in utts], shard_size)
 
 
 def _all_features(store: FeatureStore) -> dict[str, np.ndarray]:
@@ -42,39 +54,43 @@ def test_cached_features_equal_direct_extraction(utts, tmp_path):
     for u in utts[:4]:
         audio, _ = sf.read(str(u.path), dtype="float32")
         np.testing.assert_array_equal(store.features(u.utt_id), mel(audio).numpy())
-    assert isinstance(store._shard(0), np.memmap)  # loading is a memory-mapped slice
     assert store.audio_seconds == pytest.approx(
         sum(sf.info(str(u.path)).duration for u in utts), rel=1e-6
     )
-    files = sorted(p.name for p in _entry(tmp_path).iterdir())
-    assert (
-        "index.npz" in files and sum(f.endswith(".stats.npy") for f in files) == 5
-    )  # ceil(24 / 5) shards
-    assert not [f for f in files if ".tmp-" in f]
+    files = sorted(p.name for p in _shards(tmp_path).iterdir() if p.name != "settings.json")
+    n_shards = len(_plan(utts, 5))
+    assert store.num_shards == n_shards and 1 < n_shards < 24
+    for suffix in (".npy", ".stats.npy", ".json"):  # features, statistics, commit marker
+        assert (
+            sum(f.endswith(suffix) and f.count(".") == suffix.count(".") for f in files) == n_shards
+        )
+    (manifest,) = (tmp_path / "features" / "splits").glob("*.json")
+    assert manifest == store.manifest and manifest.with_suffix(".npz").is_file()
+    assert not [f for f in (tmp_path / "features").rglob("*.tmp-*")]
+
+
+def test_shards_are_content_defined_and_capped():
+    ids = [f"{s}-{c}-{i:04d}" for s in range(1000, 1040) for c in (1, 2) for i in range(30)]
+    plan = plan_shards(ids, 16)
+    assert [a for a, _ in plan[1:]] == [b for _, b in plan[:-1]] and plan[-1][1] == len(ids)
+    sizes = [b - a for a, b in plan]
+    assert max(sizes) <= 48 and 10 < len(ids) / len(plan) < 26  # mean near shard_size
+    # removing one id moves no boundary but (at most) the one after it
+    gone = ids[:700] + ids[701:]
+    ends = {ids[b - 1] for _, b in plan}
+    assert len(ends ^ {gone[b - 1] for _, b in plan_shards(gone, 16)}) <= 2
 
 
 def test_float16_cache_and_statistics(utts, tmp_path):
     store = extract_features(
         utts, ExtractionSettings(), tmp_path, shard_size=7, workers=1, progress=False
     )
-    assert store._shard(0).dtype == np.float16
+    assert store.raw(0).dtype == np.float16
     x = np.concatenate([store.features(i) for i in range(len(store))]).astype(np.float64)
     count, total, total_sq = store.sums(range(len(store)))
     assert count == len(x)
     np.testing.assert_allclose(total, x.sum(0), rtol=1e-9)
     np.testing.assert_allclose(total_sq, (x**2).sum(0), rtol=1e-9)
-
-
-def test_key_depends_on_settings_and_files(utts):
-    key = cache_key(utts, SETTINGS)
-    assert key == cache_key(list(utts), SETTINGS)
-    assert key != cache_key(utts[:-1], SETTINGS)
-    assert key != cache_key(
-        utts, dataclasses.replace(SETTINGS, features=FeatureConfig(deltas=True))
-    )
-    assert key != cache_key(utts, dataclasses.replace(SETTINGS, dtype="float16"))
-    touched = [dataclasses.replace(utts[0], mtime_ns=utts[0].mtime_ns + 1), *utts[1:]]
-    assert key != cache_key(touched, SETTINGS)
 
 
 class Interrupt(Exception):
@@ -85,6 +101,7 @@ def test_interrupted_extraction_resumes_to_an_identical_cache(utts, tmp_path):
     reference = _all_features(
         extract_features(utts, SETTINGS, tmp_path / "ref", shard_size=5, workers=1, progress=False)
     )
+    n_shards = len(_plan(utts, 5))
 
     def stop_after_two(shard: int) -> None:
         if shard == 1:
@@ -100,16 +117,19 @@ def test_interrupted_extraction_resumes_to_an_identical_cache(utts, tmp_path):
             progress=False,
             on_shard_done=stop_after_two,
         )
-    entry = _entry(tmp_path / "c")
-    assert not (entry / "index.npz").exists()  # an incomplete entry is never loadable
-    assert sorted(p.name for p in entry.glob("shard-*.json")) == [
-        "shard-00000.json",
-        "shard-00001.json",
-    ]
+    shards = _shards(tmp_path / "c")
+    splits = tmp_path / "c" / "features" / "splits"
+    (plan,) = splits.glob("*.plan.json")  # an incomplete folder has a plan, never a manifest
+    assert not [p for p in splits.glob("*.json") if p != plan]
+    keys = json.loads(plan.read_text())["shards"]
+    assert len(keys) == n_shards
+    assert sorted(p.name for p in shards.glob("*.json") if p.name != "settings.json") == sorted(
+        f"{k}.json" for k in keys[:2]
+    )
     # debris of a writer killed mid-file: a stray temp file and a shard without its commit marker
-    (entry / f"shard-00002.npy.tmp-{2**22 + 17}-abcdef").write_bytes(b"half a file")
-    (entry / "shard-00003.npy").write_bytes(b"garbage from a killed writer")
-    done_before = (entry / "shard-00000.npy").stat().st_mtime_ns
+    (shards / f"{keys[2]}.npy.tmp-{2**22 + 17}-abcdef").write_bytes(b"half a file")
+    (shards / f"{keys[3]}.npy").write_bytes(b"garbage from a killed writer")
+    done_before = (shards / f"{keys[0]}.npy").stat().st_mtime_ns
 
     redone = []
     store = extract_features(
@@ -121,9 +141,9 @@ def test_interrupted_extraction_resumes_to_an_identical_cache(utts, tmp_path):
         progress=False,
         on_shard_done=redone.append,
     )
-    assert sorted(redone) == [2, 3, 4]  # done shards are skipped
-    assert (entry / "shard-00000.npy").stat().st_mtime_ns == done_before
-    assert not list(entry.glob("*.tmp-*"))
+    assert sorted(redone) == list(range(2, n_shards))  # done shards are skipped
+    assert (shards / f"{keys[0]}.npy").stat().st_mtime_ns == done_before
+    assert not list(shards.glob("*.tmp-*")) and not list(splits.glob("*.plan.json"))
     resumed = _all_features(store)
     assert resumed.keys() == reference.keys()
     for u in reference:
@@ -150,8 +170,9 @@ def test_sigkill_mid_extraction_then_rerun(utts, tiny_corpus, tmp_path):
         timeout=120,
     )
     assert proc.returncode == -signal.SIGKILL, proc.stderr.decode()[-2000:]
-    entry = _entry(tmp_path)
-    assert not (entry / "index.npz").exists() and len(list(entry.glob("shard-*.json"))) == 3
+    n_shards = len(_plan(utts, 4))
+    markers = [p for p in _shards(tmp_path).glob("*.json") if p.name != "settings.json"]
+    assert len(markers) == 3 and not list((tmp_path / "features" / "splits").glob("*[0-9a-f].json"))
     redone = []
     store = extract_features(
         utts,
@@ -162,7 +183,7 @@ def test_sigkill_mid_extraction_then_rerun(utts, tiny_corpus, tmp_path):
         progress=False,
         on_shard_done=redone.append,
     )
-    assert sorted(redone) == [3, 4, 5]
+    assert sorted(redone) == list(range(3, n_shards))
     mel = LogMel()
     for u in utts[::5]:
         audio, _ = sf.read(str(u.path), dtype="float32")
@@ -181,13 +202,18 @@ def test_parallel_extraction_matches_serial(utts, tmp_path):
         np.testing.assert_array_equal(serial.features(u), parallel.features(u))
 
 
-def test_store_pickles_without_memory_maps(utts, tmp_path):
+def test_store_pickles_without_open_files(utts, tmp_path):
     import pickle
 
     store = extract_features(utts, SETTINGS, tmp_path, shard_size=8, workers=1, progress=False)
     store.features(0)
+    assert str(store.paths(int(store.shard[0])).npy) in OPEN_SHARDS.files
     clone = pickle.loads(pickle.dumps(store))
-    assert clone._maps == {} and np.array_equal(clone.features(3), store.features(3))
-    meta = json.loads((store.directory / "settings.json").read_text())
-    assert meta["shards"] == 3 and meta["dtype"] == "float32"
-    assert os.path.getsize(store.directory / "index.npz") > 0
+    assert clone._position is None  # rebuilt on demand in each worker
+    assert np.array_equal(clone.features(3), store.features(3)) and clone.utt_ids == store.utt_ids
+    meta = json.loads(store.manifest.read_text())
+    assert meta["shards"] == store.shard_keys and meta["settings"]["dtype"] == "float32"
+    assert (
+        meta["folder"] == str(utts[0].path.parents[2])
+        and os.path.getsize(store.manifest.with_suffix(".npz")) == meta["npz"]["size"]
+    )

@@ -1,12 +1,15 @@
 """A damaged feature cache is never served: flipped bytes, damaged headers, truncated shards and
-corrupt statistics are found (size and header at open, checksums at open or on first read),
-named, and re-extracted; a full disk says so, with the cache path and the space needed."""
+corrupt statistics are found (size and mtime against the record at start-up, then a checksum;
+header and size whenever a process opens a shard; every checksum with verify), named, and
+re-extracted; a full disk says so, with the cache path and the space needed."""
 
 from __future__ import annotations
 
 import dataclasses
 import errno
 import logging
+import os
+import time
 from pathlib import Path
 
 import numpy as np
@@ -14,8 +17,14 @@ import pytest
 import torch
 
 from speechattn.data import DataError, PretrainDataModule
-from speechattn.data import cache as cache_module
-from speechattn.data.cache import ExtractionSettings, FeatureStore, extract_features
+from speechattn.data.cache import (
+    OPEN_SHARDS,
+    ExtractionSettings,
+    FeatureStore,
+    extract_features,
+    open_split,
+)
+from speechattn.data.cache import integrity as integrity_module
 from speechattn.data.librispeech import scan_split
 
 SETTINGS = ExtractionSettings()  # float16, as the data modules store features
@@ -33,12 +42,13 @@ def _extract(utts, cache: Path, **kw) -> FeatureStore:
 def _flip(path: Path, offset: int, n: int = 16) -> None:
     data = bytearray(path.read_bytes())
     data[offset : offset + n] = bytes(b ^ 0xFF for b in data[offset : offset + n])
+    time.sleep(0.02)  # damage comes later than the write (mtimes tick every few ms)
     path.write_bytes(bytes(data))
 
 
-def _damage(case: str, entry: Path) -> Path:
+def _damage(case: str, store: FeatureStore) -> Path:
     """Damage one file of shard 1 as `case` says; returns it."""
-    shard, stats = entry / "shard-00001.npy", entry / "shard-00001.stats.npy"
+    shard, stats = store.paths(1).npy, store.paths(1).stats
     if case == "data_bytes":
         _flip(shard, shard.stat().st_size // 2)
         return shard
@@ -51,7 +61,16 @@ def _damage(case: str, entry: Path) -> Path:
     if case == "truncated":  # what gave "mmap length is greater than file size"
         shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
         return shard
+    if case == "data_bytes_same_mtime":  # bit rot: size and mtime as recorded
+        before = shard.stat()
+        _flip(shard, shard.stat().st_size // 2)
+        os.utime(shard, ns=(before.st_atime_ns, before.st_mtime_ns))
+        return shard
     raise ValueError(case)
+
+
+def _first_of_shard(store: FeatureStore, k: int) -> str:
+    return store.utt_ids[int((store.shard == k).argmax())]
 
 
 def _reference(store: FeatureStore) -> tuple[dict[str, np.ndarray], np.ndarray]:
@@ -70,22 +89,54 @@ def _assert_serves(store: FeatureStore, reference) -> None:
 @pytest.mark.parametrize("verify", [False, True])
 @pytest.mark.parametrize("case", ["stats_bytes", "header", "truncated", "data_bytes"])
 def test_damaged_cache_files_are_named_and_reextracted(utts, tmp_path, caplog, case, verify):
-    reference = _reference(_extract(utts, tmp_path))
-    (entry,) = (tmp_path / "features").iterdir()
-    damaged = _damage(case, entry)
-    cache_module._VERIFIED.clear()  # a new process: nothing checksummed yet
-    victim = utts[5].utt_id  # first utterance of shard 1
-    with caplog.at_level(logging.WARNING):
+    store = _extract(utts, tmp_path)
+    reference = _reference(store)
+    damaged = _damage(case, store)
+    with caplog.at_level(logging.WARNING):  # size or mtime moved: checksummed, refused
         store = _extract(utts, tmp_path, verify=verify)
-    if case == "data_bytes" and not verify:
-        # same size and header: found by the checksum on the shard's first read
-        with pytest.raises(DataError, match="checksum mismatch") as info:
-            store.features(victim)
-        assert str(damaged) in str(info.value) and "rerun the same command" in str(info.value)
-        store = _extract(utts, tmp_path)  # ... which re-extracts it
-    else:
-        assert f"{damaged}: " in caplog.text and "re-extracting shard 1" in caplog.text
+    assert f"{damaged}: " in caplog.text and "re-extracting its shard" in caplog.text
     _assert_serves(store, reference)
+
+
+def test_bit_rot_under_the_recorded_size_and_mtime_is_found_by_verify(utts, tmp_path, caplog):
+    store = _extract(utts, tmp_path)
+    reference = _reference(store)
+    damaged = _damage("data_bytes_same_mtime", store)
+    with caplog.at_level(logging.WARNING):
+        store = _extract(utts, tmp_path, verify=True)
+    assert f"{damaged}: checksum mismatch" in caplog.text
+    _assert_serves(store, reference)
+
+
+def test_damage_after_start_up_is_refused_on_first_read(utts, tmp_path):
+    store = _extract(utts, tmp_path)
+    reference = _reference(store)
+    fresh = FeatureStore(store.manifest)  # as a DataLoader worker sees it: shard 1 not opened yet
+    OPEN_SHARDS.forget(str(store.paths(1).npy))
+    damaged = _damage("data_bytes", store)
+    with pytest.raises(DataError, match="checksum mismatch") as info:
+        fresh.features(_first_of_shard(fresh, 1))
+    assert str(damaged) in str(info.value) and "rerun the same command" in str(info.value)
+    assert not store.paths(1).marker.exists()  # marked for re-extraction
+    _assert_serves(_extract(utts, tmp_path), reference)  # ... which the rerun does
+
+
+def test_a_touched_shard_is_checksummed_once_and_kept(utts, tiny_corpus, tmp_path, monkeypatch):
+    """A copy or `touch` moves the mtime: the bytes are checked once, then trusted again."""
+    store = open_split(tiny_corpus, "synth-clean", SETTINGS, tmp_path, progress=False)
+    reference = _reference(store)
+    hashed = []
+    original = integrity_module.file_sha256
+    monkeypatch.setattr(integrity_module, "file_sha256", lambda p: hashed.append(p) or original(p))
+    again = open_split(tiny_corpus, "synth-clean", SETTINGS, tmp_path, progress=False)
+    _assert_serves(again, reference)
+    assert hashed == []  # size + mtime as recorded: no checksum at start-up or on reads
+    os.utime(store.paths(0).npy, ns=(1, 10**18))
+    again = open_split(tiny_corpus, "synth-clean", SETTINGS, tmp_path, progress=False)
+    assert hashed == [store.paths(0).npy]
+    again = open_split(tiny_corpus, "synth-clean", SETTINGS, tmp_path, progress=False)
+    _assert_serves(again, reference)
+    assert hashed == [store.paths(0).npy] and again.manifest == store.manifest
 
 
 def test_corrupt_statistics_never_reach_the_normaliser(tiny_data_config, tmp_path):
@@ -93,7 +144,9 @@ def test_corrupt_statistics_never_reach_the_normaliser(tiny_data_config, tmp_pat
     cfg = dataclasses.replace(tiny_data_config, cache_dir=str(tmp_path))
     first = PretrainDataModule(cfg)
     first.setup("fit")
-    for stats in (tmp_path / "features").glob("*/shard-00000.stats.npy"):
+    stats_files = list((tmp_path / "features" / "shards").glob("*/*.stats.npy"))
+    assert stats_files
+    for stats in stats_files:
         _flip(stats, stats.stat().st_size - 64, 32)
     again = PretrainDataModule(cfg)
     again.setup("fit")
@@ -101,10 +154,15 @@ def test_corrupt_statistics_never_reach_the_normaliser(tiny_data_config, tmp_pat
     torch.testing.assert_close(again.normalizer.std, first.normalizer.std, rtol=0, atol=0)
 
 
-def test_an_unreadable_index_is_rebuilt(utts, tmp_path):
-    reference = _reference(_extract(utts, tmp_path))
-    (entry,) = (tmp_path / "features").iterdir()
-    (entry / "index.npz").write_bytes(b"not a zip")
+def test_an_unreadable_manifest_is_rebuilt(utts, tiny_corpus, tmp_path, caplog):
+    store = open_split(tiny_corpus, "synth-clean", SETTINGS, tmp_path, progress=False)
+    reference = _reference(store)
+    store.manifest.with_suffix(".npz").write_bytes(b"not a zip")
+    with caplog.at_level(logging.WARNING):
+        again = open_split(tiny_corpus, "synth-clean", SETTINGS, tmp_path, progress=False)
+    assert "unreadable feature cache manifest" in caplog.text and str(store.manifest) in caplog.text
+    _assert_serves(again, reference)
+    store.manifest.write_text("{")
     _assert_serves(_extract(utts, tmp_path), reference)
 
 
@@ -116,21 +174,26 @@ def test_an_unreadable_index_is_rebuilt(utts, tmp_path):
     ],
 )
 def test_full_disk_names_the_cache_and_the_space_needed(utts, tmp_path, monkeypatch, error):
-    original = cache_module._HashingWriter.write
+    original = integrity_module._HashingWriter.write
+    written = []
 
     def write(self, data):
-        if "shard-00002.npy" in self.f.name:  # two shards fit, then the device is full
+        name = Path(self.f.name).name.split(".")[0]
+        if name not in written:
+            written.append(name)
+        if len(written) == 3:  # two shards fit, then the device is full
             raise error
         return original(self, data)
 
-    monkeypatch.setattr(cache_module._HashingWriter, "write", write)
+    monkeypatch.setattr(integrity_module._HashingWriter, "write", write)
     with pytest.raises(DataError, match="feature cache device is full") as info:
         _extract(utts, tmp_path)
-    (entry,) = (tmp_path / "features").iterdir()
+    directory = next((tmp_path / "features" / "shards").iterdir())
     message = str(info.value)
-    assert str(entry) in message and "needs about" in message and "data.cache_dir" in message
-    assert not list(entry.glob("*.tmp-*")), "a failed write leaves no temporary file"
-    done = sorted(p.name for p in entry.glob("shard-*.json"))
-    assert done == ["shard-00000.json", "shard-00001.json"] and not (entry / "index.npz").exists()
-    monkeypatch.setattr(cache_module._HashingWriter, "write", original)
+    assert str(directory) in message and "needs about" in message and "data.cache_dir" in message
+    assert not list(directory.glob("*.tmp-*")), "a failed write leaves no temporary file"
+    done = sorted(p.name for p in directory.glob("*.json") if p.name != "settings.json")
+    assert done == sorted(f"{key}.json" for key in written[:2])
+    assert not list((tmp_path / "features" / "splits").glob("*[0-9a-f].json"))  # no manifest
+    monkeypatch.setattr(integrity_module._HashingWriter, "write", original)
     _assert_serves(_extract(utts, tmp_path), _reference(_extract(utts, tmp_path / "clean")))

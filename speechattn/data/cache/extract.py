@@ -1,0 +1,575 @@
+"""Extraction: fingerprint the audio, plan content-defined shards, extract the missing ones in
+parallel, and commit the corpus folder's manifest (`extract_features`); and the start-up path
+that skips all of it when the folder did not change (`open_split`).
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import json
+import logging
+import multiprocessing as mp
+import os
+import shutil
+import socket
+import sys
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import closing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from speechattn.data.audio import load_audio
+from speechattn.data.cache.integrity import (
+    file_sha256,
+    invalidate,
+    read_marker,
+    reconcile,
+    save_npy,
+    save_npz,
+    write_marker,
+)
+from speechattn.data.cache.layout import (
+    DATA_KINDS,
+    ExtractionSettings,
+    ShardPaths,
+    claim_shard,
+    manifest_key,
+    remove_stale_tmp,
+    shard_dir,
+    shard_key,
+    splits_dir,
+    wait_for_shard,
+)
+from speechattn.data.cache.store import (
+    DEFAULT_MAX_OPEN_SHARDS,
+    OPEN_SHARDS,
+    FeatureStore,
+    load_manifest,
+    touch,
+)
+from speechattn.data.errors import DataError, Issues, Skip
+from speechattn.data.features import FeatureConfig, LogMel, min_samples_for
+from speechattn.data.librispeech import Utterance, scan_split, walk_split
+from speechattn.utils import atomic_write_text, progress_bar
+
+log = logging.getLogger(__name__)
+
+MAX_SHARD_FACTOR = 3  # a shard holds at most this many times `shard_size` utterances
+HASH_BATCH = 32  # files per fingerprinting task handed to a worker process
+
+
+# ----------------------------------------------------------------------------- shard plan
+
+
+def _boundary(utt_id: str, shard_size: int) -> bool:
+    """Whether a shard ends after `utt_id`: 1 in `shard_size` ids, chosen by a hash of the id
+    alone, so adding, removing or changing one file moves no other boundary."""
+    h = hashlib.blake2b(utt_id.encode(), digest_size=8).digest()
+    return int.from_bytes(h, "little") % shard_size == 0
+
+
+def plan_shards(utt_ids: Sequence[str], shard_size: int) -> list[tuple[int, int]]:
+    """Content-defined shards of `utt_ids` (in the given order) as (start, end) index ranges:
+    `shard_size` utterances on average, at most `MAX_SHARD_FACTOR * shard_size`."""
+    cap = MAX_SHARD_FACTOR * shard_size
+    ranges, start = [], 0
+    for i, utt_id in enumerate(utt_ids):
+        if _boundary(utt_id, shard_size) or i + 1 - start >= cap:
+            ranges.append((start, i + 1))
+            start = i + 1
+    if start < len(utt_ids):
+        ranges.append((start, len(utt_ids)))
+    return ranges
+
+
+# ----------------------------------------------------------------------------- fingerprints
+
+
+def _relative(path: Path, folder: Path) -> str:
+    """`path` relative to `folder` (the key the fingerprint memo survives a move with)."""
+    text, prefix = str(path), str(folder) + os.sep
+    return text[len(prefix) :] if text.startswith(prefix) else os.path.relpath(text, folder)
+
+
+def _known_fingerprints(
+    manifests: Iterable[Path], wanted: dict[tuple[str, int, int], int], found: list[str | None]
+) -> None:
+    """Fill `found[i]` for each (relative path, size, mtime_ns) -> i of `wanted` that a
+    manifest has hashed before (manifests are read in order until nothing is missing)."""
+    for manifest in manifests:
+        if not wanted:
+            return
+        try:
+            _, z = load_manifest(manifest)
+            with z:
+                rel = [r.decode() for r in z["files_rel"].tolist()]
+                size, mtime, sha = z["files_size"], z["files_mtime"], z["files_sha"]
+                for r, s, m, h in zip(rel, size.tolist(), mtime.tolist(), sha.tolist()):
+                    i = wanted.pop((r, s, m), None)
+                    if i is not None:
+                        found[i] = h.decode()
+        except (DataError, KeyError, ValueError, OSError):
+            continue  # an unreadable manifest is only a lost memo
+
+
+def _hash_files(paths: list[str]) -> list[str]:
+    return [file_sha256(p) for p in paths]
+
+
+def fingerprints(
+    utterances: Sequence[Utterance],
+    folder: Path,
+    manifests: Iterable[Path],
+    workers: int,
+    progress: bool,
+) -> list[str]:
+    """sha256 of each utterance's file; memoised by (relative path, size, mtime_ns) in the
+    manifests, so an unchanged corpus, or one moved or copied with its mtimes, reads nothing."""
+    found: list[str | None] = [None] * len(utterances)
+    wanted = {(_relative(u.path, folder), u.size, u.mtime_ns): i for i, u in enumerate(utterances)}
+    _known_fingerprints(manifests, wanted, found)
+    missing = sorted(wanted.values())
+    if missing:
+        log.info("fingerprinting %d audio files (sha256)", len(missing))
+        paths = [str(utterances[i].path) for i in missing]
+        batches = [paths[j : j + HASH_BATCH] for j in range(0, len(paths), HASH_BATCH)]
+        with progress_bar(len(paths), "fingerprinting audio", progress) as advance:
+            hashes = []
+            with closing(_map(_hash_files, batches, workers)) as results:
+                for batch in results:
+                    hashes += batch
+                    advance(len(batch))
+        for i, h in zip(missing, hashes):
+            found[i] = h
+    return found  # type: ignore[return-value]
+
+
+# ----------------------------------------------------------------------------- one shard
+
+
+@dataclass
+class _ShardTask:
+    directory: str
+    key: str
+    index: int  # position in this extraction's plan (what `on_shard_done` receives)
+    items: list[tuple[str, str]]  # (utt_id, path)
+    settings: ExtractionSettings
+    total_utterances: int  # of the whole extraction, to estimate the space it needs
+
+
+@dataclass
+class _ShardResult:
+    index: int
+    utterances: int
+    marker: dict[str, Any] = field(default_factory=dict)  # empty: another process extracts it
+
+
+_LOGMEL: LogMel | None = None
+
+
+def _logmel(cfg: FeatureConfig) -> LogMel:
+    global _LOGMEL
+    if _LOGMEL is None or _LOGMEL.cfg != cfg:
+        _LOGMEL = LogMel(cfg)
+    return _LOGMEL
+
+
+def _disk_full(error: OSError) -> bool:
+    # NumPy's tofile reports a short write as "N requested and M written", with no errno
+    return error.errno in (errno.ENOSPC, errno.EDQUOT) or "requested and" in str(error)
+
+
+def _featurise(task: _ShardTask) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+    """Decode and featurise a shard's utterances: its two arrays and its marker (no files)."""
+    import torch
+
+    s = task.settings
+    mel = _logmel(s.features)
+    dtype = np.float16 if s.dtype == "float16" else np.float32
+    min_samples = min_samples_for(s.min_frames)
+    feats, stats, ids, lengths, failures, notes = [], [], [], [], [], []
+    seconds = 0.0
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # one utterance is small; parallelism comes from processes
+    try:
+        for utt_id, path in task.items:
+            try:
+                audio = load_audio(path, s.sample_rate_policy, min_samples, utt_id)
+            except DataError as e:
+                failures.append({"utt_id": utt_id, "problem": e.problem, "detail": e.detail})
+                continue
+            x = mel(audio.audio).numpy()  # (T, F) float32
+            stored = x.astype(dtype)
+            exact = stored.astype(np.float64)  # statistics of what loading will return
+            feats.append(stored)
+            stats.append(np.stack([exact.sum(0), (exact**2).sum(0)]))  # (2, F)
+            ids.append(utt_id)
+            lengths.append(len(x))
+            notes += [[utt_id, n] for n in audio.notes]
+            seconds += len(audio.audio) / 16000
+    finally:
+        torch.set_num_threads(threads)
+    F = s.features.dim
+    arrays = {
+        "npy": np.concatenate(feats) if feats else np.zeros((0, F), dtype),  # (frames, F)
+        "stats": np.stack(stats) if stats else np.zeros((0, 2, F)),  # (utterances, 2, F)
+    }
+    marker = {"key": task.key, "utt_ids": ids, "lengths": lengths, "failures": failures,
+              "notes": notes, "seconds": seconds}  # fmt: skip
+    return arrays, marker
+
+
+def _extract_shard(task: _ShardTask) -> _ShardResult:
+    """Extract one shard and write its three files, the commit marker last."""
+    paths = ShardPaths(Path(task.directory), task.key)
+    with claim_shard(paths.directory, task.key) as ours:
+        if not ours:
+            return _ShardResult(task.index, len(task.items))
+        arrays, marker = _featurise(task)
+        try:
+            marker["files"] = {
+                kind: save_npy(paths.data(kind), arrays[kind]) for kind in DATA_KINDS
+            }
+        except OSError as e:
+            if not _disk_full(e):
+                raise
+            shard_bytes = sum(a.nbytes for a in arrays.values())
+            need = shard_bytes / max(len(task.items), 1) * task.total_utterances
+            free = shutil.disk_usage(paths.directory).free
+            raise DataError(
+                paths.directory,
+                "feature cache device is full",
+                f"writing shard {task.key} failed ({e}); {free / 2**20:.0f} MiB free, and "
+                f"extracting all {task.total_utterances} utterances needs about "
+                f"{need / 2**20:.0f} MiB. Free space there or set data.cache_dir to another "
+                f"disk; finished shards are kept and nothing half-written is used",
+            ) from None
+        write_marker(paths.marker, marker)  # commit
+    return _ShardResult(task.index, len(task.items), marker)
+
+
+def _init_worker() -> None:
+    import torch
+
+    torch.set_num_threads(1)
+
+
+def _map(fn: Callable[[Any], Any], items: list[Any], workers: int) -> Iterator[Any]:
+    """`fn` over `items`, in `workers` processes (results in completion order) or inline."""
+    workers = min(workers, len(items))
+    if workers <= 1:
+        yield from map(fn, items)
+        return
+    method = "fork" if sys.platform.startswith("linux") else "spawn"
+    with mp.get_context(method).Pool(workers, initializer=_init_worker) as pool:
+        yield from pool.imap_unordered(fn, items)
+
+
+# ----------------------------------------------------------------------------- one folder
+
+
+def _first_failure(marker: dict[str, Any], path_of: dict[str, str]) -> DataError:
+    f = marker["failures"][0]
+    return DataError(path_of[f["utt_id"]], f["problem"], f["detail"], f["utt_id"])
+
+
+def _intact(paths: ShardPaths, verify: bool) -> dict[str, Any] | None:
+    """A committed shard's marker when both data files are what it records, else None (after
+    a warning naming the damaged file and marking the shard for re-extraction)."""
+    marker = read_marker(paths.marker)
+    if marker is None:
+        return None
+    for kind in DATA_KINDS:
+        path = paths.data(kind)
+        record, problem = reconcile(path, marker["files"][kind], paths.marker, kind, verify)
+        if problem:
+            log.warning("feature cache: %s: %s; re-extracting its shard", path, problem)
+            invalidate(paths.marker, path)
+            return None
+        marker["files"][kind] = record
+    return marker
+
+
+def _write_plan(plan: Path, folder: Path, settings: ExtractionSettings, keys: list[str]) -> None:
+    """What an extraction in progress needs: `gc` keeps these shards while the plan is fresh
+    (it is touched after every committed shard)."""
+    atomic_write_text(plan, json.dumps({
+        "folder": str(folder), "settings_key": settings.key, "shards": keys,
+        "host": socket.gethostname(), "pid": os.getpid(), "started": time.time(),
+    }))  # fmt: skip
+
+
+def extract_features(
+    utterances: Sequence[Utterance],
+    settings: ExtractionSettings,
+    cache_root: str | Path,
+    issues: Issues | None = None,
+    workers: int | None = None,
+    shard_size: int = 64,
+    progress: bool = True,
+    description: str = "extracting features",
+    on_shard_done: Callable[[int], None] | None = None,
+    verify: bool = False,
+    *,
+    folder: str | Path | None = None,
+    listing: str | None = None,
+    scan_skips: Sequence[Skip] = (),
+    max_open_shards: int = DEFAULT_MAX_OPEN_SHARDS,
+) -> FeatureStore:
+    """Cached features of `utterances`; extracts the shards not in the cache first.
+
+    Shards are content-addressed (see the package docstring): a shard extracted for any corpus
+    folder with the same settings and the same audio under the same ids is reused. Bad audio
+    goes to `issues` (raise on the first under `on_error=error`, else recorded as skips);
+    resampled or down-mixed files are logged as warnings. `on_shard_done(i)` is called after
+    the i-th shard of this extraction's plan is committed (tests use it to interrupt). A cache
+    file that does not match its record is re-extracted with a warning naming it (`verify`:
+    checksum every file first).
+
+    `folder` (default: the split folder(s) the files are in) names the manifest; `listing` is
+    the digest of `walk_split` that `open_split` compares at the next start; `scan_skips` are
+    the scan's problems, recorded so that a start without scanning reports them again.
+    """
+    issues = issues or Issues()
+    if not utterances:
+        raise ValueError("extract_features needs at least one utterance")
+    if folder is None:
+        folder = Path(os.path.commonpath([str(u.path.parents[2]) for u in utterances]))
+    folder = Path(folder)
+    directory = shard_dir(cache_root, settings)
+    directory.mkdir(parents=True, exist_ok=True)
+    remove_stale_tmp(directory)
+    settings_file = directory / "settings.json"
+    if not settings_file.is_file():
+        atomic_write_text(settings_file, json.dumps(settings.fingerprint(), indent=2))
+    manifests = splits_dir(cache_root)
+    manifests.mkdir(parents=True, exist_ok=True)
+    manifest = manifests / f"{manifest_key(folder, settings)}.json"
+    n_workers = workers or min(os.cpu_count() or 1, 8)
+
+    # 1. identity: content fingerprints (memoised), content-defined shards
+    others = sorted(p for p in manifests.glob("*.json") if not p.name.endswith(".plan.json"))
+    shas = fingerprints(
+        utterances, folder, [manifest, *(p for p in others if p != manifest)], n_workers, progress
+    )
+    ranges = plan_shards([u.utt_id for u in utterances], shard_size)
+    keys = [
+        shard_key(settings, [(u.utt_id, u.size, h) for u, h in zip(utterances[a:b], shas[a:b])])
+        for a, b in ranges
+    ]
+    plan = manifest.with_suffix(".plan.json")
+    _write_plan(plan, folder, settings, keys)
+
+    # 2. what is there already (intact), what needs extracting
+    path_of = {u.utt_id: str(u.path) for u in utterances}
+    markers: list[dict[str, Any] | None] = [_intact(ShardPaths(directory, k), verify) for k in keys]
+    if issues.on_error == "error":  # a shard done earlier may already hold a bad file: fail now
+        for marker in markers:
+            if marker is not None and marker["failures"]:
+                raise _first_failure(marker, path_of)
+    pending = [
+        _ShardTask(str(directory), key, i, [(u.utt_id, str(u.path)) for u in utterances[a:b]],
+                   settings, len(utterances))
+        for i, (key, (a, b), marker) in enumerate(zip(keys, ranges, markers))
+        if marker is None
+    ]  # fmt: skip
+    if pending:
+        log.info(
+            "%s: %d of %d shards (%d utterances) to extract -> %s",
+            description, len(pending), len(keys), sum(len(t.items) for t in pending), directory,
+        )  # fmt: skip
+
+    # 3. extract (each shard claimed, written, committed; see layout.claim_shard)
+    start = time.perf_counter()
+    done = len(utterances) - sum(len(t.items) for t in pending)
+    with progress_bar(len(utterances), description, progress and bool(pending)) as advance:
+        advance(done)
+        with closing(_map(_extract_shard, pending, n_workers)) as results:  # closed: pool ends
+            for result in results:
+                advance(result.utterances)
+                paths = ShardPaths(directory, keys[result.index])
+                if not result.marker:  # claimed by another process: wait for its commit
+                    result.marker = wait_for_shard(paths)
+                OPEN_SHARDS.forget(str(paths.npy))  # a descriptor of a replaced file is stale
+                markers[result.index] = result.marker
+                if result.marker["failures"] and issues.on_error == "error":
+                    raise _first_failure(result.marker, path_of)
+                os.utime(plan)  # still alive: gc keeps what the plan names
+                if on_shard_done is not None:
+                    on_shard_done(result.index)
+    if pending:
+        log.info("%s: done in %.1f s", description, time.perf_counter() - start)
+
+    # 4. the folder's manifest (npz, then its json: the commit), then the plan goes
+    _write_manifest(
+        manifest, folder, settings, utterances, shas, ranges, keys, markers, listing, scan_skips
+    )  # fmt: skip
+    plan.unlink(missing_ok=True)
+    store = FeatureStore(manifest, max_open_shards)
+    report(store, issues, scan=False)
+    return store
+
+
+def _write_manifest(
+    manifest: Path,
+    folder: Path,
+    settings: ExtractionSettings,
+    utterances: Sequence[Utterance],
+    shas: list[str],
+    ranges: list[tuple[int, int]],
+    keys: list[str],
+    markers: list[dict[str, Any] | None],
+    listing: str | None,
+    scan_skips: Sequence[Skip],
+) -> None:
+    path_of = {u.utt_id: str(u.path) for u in utterances}
+    ids, shard, row, offset, length = [], [], [], [], []
+    failures, notes, records = [], [], {}
+    seconds = 0.0
+    for k, marker in enumerate(markers):
+        assert marker is not None
+        n = len(marker["utt_ids"])
+        lengths = np.asarray(marker["lengths"], dtype=np.int64)
+        ids += marker["utt_ids"]
+        shard.append(np.full(n, k, dtype=np.int32))
+        row.append(np.arange(n, dtype=np.int32))
+        offset.append(np.cumsum(lengths) - lengths)  # first frame of each utterance
+        length.append(lengths)
+        records[keys[k]] = marker["files"]
+        seconds += marker["seconds"]
+        failures += [
+            {**f, "path": path_of[f["utt_id"]], "stage": "audio"} for f in marker["failures"]
+        ]
+        notes += [[u, f"{path_of[u]}: {note}"] for u, note in marker["notes"]]
+    file_shard = np.zeros(len(utterances), dtype=np.int32)
+    for k, (a, b) in enumerate(ranges):
+        file_shard[a:b] = k
+    arrays = {
+        "utt_ids": np.array(ids, dtype=str),
+        "shard": np.concatenate(shard),
+        "row": np.concatenate(row),
+        "offset": np.concatenate(offset),
+        "length": np.concatenate(length),
+        # every audio file (bad ones too): the fingerprint memo, and what `gc` checks
+        "files_rel": np.array([_relative(u.path, folder).encode() for u in utterances]),
+        "files_size": np.array([u.size for u in utterances], dtype=np.int64),
+        "files_mtime": np.array([u.mtime_ns for u in utterances], dtype=np.int64),
+        "files_sha": np.array([h.encode() for h in shas]),
+        "files_shard": file_shard,
+    }
+    meta = {
+        "version": 3,
+        "folder": str(folder),
+        "settings_key": settings.key,
+        "settings": settings.fingerprint(),
+        "listing": listing,
+        "utterances": len(ids),
+        "audio_files": len(utterances),
+        "frames": int(sum(int(a.sum()) for a in length)),
+        "audio_seconds": seconds,
+        "feature_dim": settings.features.dim,
+        "dtype": settings.dtype,
+        "shards": keys,
+        "records": records,
+        "failures": failures,
+        "scan_skips": [vars(s) for s in scan_skips],
+        "notes": notes,
+        "npz": save_npz(manifest.with_suffix(".npz"), arrays),
+        "created": time.time(),
+    }
+    atomic_write_text(manifest, json.dumps(meta))  # commit
+
+
+def report(store: FeatureStore, issues: Issues, scan: bool) -> None:
+    """Report what the cache recorded as bad input (the scan's problems too when `scan`) to
+    `issues`, and log the audio conversions."""
+    for s in (store.scan_skips if scan else []) + store.failures:
+        issues.report(DataError(s.path, s.problem, s.detail, s.utt_id), s.stage)
+    limit = 5
+    for _, note in store.notes[:limit]:
+        log.warning("audio converted: %s", note)
+    if len(store.notes) > limit:
+        log.warning(
+            "audio converted: %d more files (listed in %s)",
+            len(store.notes) - limit,
+            store.manifest,
+        )
+
+
+# ----------------------------------------------------------------------------- start-up
+
+
+def open_split(
+    root: str | Path,
+    split: str,
+    settings: ExtractionSettings,
+    cache_root: str | Path,
+    issues: Issues | None = None,
+    *,
+    workers: int | None = None,
+    shard_size: int = 64,
+    progress: bool = True,
+    verify: bool = False,
+    max_open_shards: int = DEFAULT_MAX_OPEN_SHARDS,
+    on_shard_done: Callable[[int], None] | None = None,
+) -> FeatureStore:
+    """The cached features of the split folder `root/split`, extracting what is missing.
+
+    Warm start (the folder is as the cache last saw it): one walk with a stat per file, then
+    the manifest's arrays and a stat per shard file (`verify`: a checksum). Otherwise: a full
+    scan (transcripts checked), fingerprints where size or mtime changed, and extraction of
+    the shards whose content is not cached (`extract_features`).
+    """
+    issues = issues or Issues()
+    listing = walk_split(root, split)
+    manifest = splits_dir(cache_root) / f"{manifest_key(listing.folder, settings)}.json"
+    store = _warm_store(manifest, listing.digest, verify, max_open_shards)
+    if store is not None:
+        report(store, issues, scan=True)
+    else:
+        before = len(issues.skips)
+        utts = scan_split(root, split, issues, listing=listing)
+        if not utts:
+            raise DataError(
+                listing.folder, "no usable utterances", "the split folder holds no valid audio"
+            )
+        store = extract_features(
+            utts, settings, cache_root, issues, workers, shard_size, progress,
+            f"features {split}", on_shard_done, verify, folder=listing.folder,
+            listing=listing.digest, scan_skips=issues.skips[before:],
+            max_open_shards=max_open_shards,
+        )  # fmt: skip
+    from speechattn.data.cache.gc import warn_if_stale
+
+    warn_if_stale(cache_root)
+    return store
+
+
+def _warm_store(
+    manifest: Path, listing: str, verify: bool, max_open_shards: int
+) -> FeatureStore | None:
+    """The manifest's store when it was made for this listing and every shard file checks
+    out, else None (damaged shards marked for re-extraction, with a warning naming the file)."""
+    if not manifest.is_file():
+        return None
+    try:
+        store = FeatureStore(manifest, max_open_shards)
+    except DataError as e:
+        log.warning("feature cache: %s; rebuilding it", e)
+        return None
+    if store.listing != listing:
+        return None
+    damaged = store.check(verify)
+    for k, path, problem in damaged:
+        log.warning("feature cache: %s: %s; re-extracting its shard", path, problem)
+        invalidate(store.paths(k).marker, path)
+        OPEN_SHARDS.forget(str(store.paths(k).npy))
+    if damaged:
+        return None
+    touch(manifest)
+    return store

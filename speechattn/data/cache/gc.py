@@ -1,0 +1,255 @@
+"""What in the feature cache is still used, and removing what is not (`ls` / `gc`).
+
+A manifest is *live* while its corpus folder exists and every audio file it recorded still
+has the recorded size and mtime; a folder that is gone makes it *stale*; some files changed
+makes it *changed*: only the shards whose files all still match stay in use (the next run
+re-extracts the others anyway). `gc` removes stale manifests and every shard no live or
+changed manifest uses, and version-2 entries (`features/<key>/`). It never removes a shard
+with a file younger than the grace period, one with a live claim, or one named by the plan of
+an extraction in progress (`splits/*.plan.json`, touched after every shard), so it is safe
+beside a running extraction.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from speechattn.data.cache.layout import OLD_ENTRY_RE, claim_is_live, features_root
+from speechattn.data.cache.store import load_manifest
+from speechattn.data.errors import DataError
+from speechattn.utils import TEMP_MARK
+
+log = logging.getLogger(__name__)
+
+GRACE_S = 6 * 3600.0  # younger files may belong to an extraction in progress: never removed
+STALE_WARN_BYTES = 1 << 30  # log a hint when unused cache exceeds 1 GiB ...
+STALE_WARN_SHARE = 0.10  # ... or 10 % of the feature cache
+_WARNED: set[str] = set()  # cache roots already looked at by this process
+
+
+@dataclass
+class ShardFiles:
+    """A shard's files on disk (features, statistics, marker, temporaries, claim)."""
+
+    directory: Path
+    key: str
+    files: list[Path] = field(default_factory=list)
+    bytes: int = 0
+    newest: float = 0.0  # mtime of its youngest file
+
+
+@dataclass
+class ManifestInfo:
+    path: Path
+    folder: str
+    exists: bool
+    utterances: int
+    shards: list[str]  # keys, in order
+    in_use: set[str]  # the keys still worth keeping
+    last_used: float
+    status: str  # live | changed | stale | unreadable
+
+
+@dataclass
+class Survey:
+    """Everything under `<cache_root>/features`, sorted into used and unused."""
+
+    root: Path
+    manifests: list[ManifestInfo]
+    shards: dict[tuple[str, str], ShardFiles]  # (settings key, shard key) -> files
+    settings_of: dict[str, str]  # shard key -> settings key (a key is unique in practice)
+    fresh_plans: list[Path]
+    stale_plans: list[Path]
+    old_entries: list[tuple[Path, int, float]]  # (folder, bytes, newest mtime)
+    protected: set[str]  # shard keys in use by a live/changed manifest or a fresh plan
+
+    def shard_bytes(self, keys: set[str]) -> int:
+        return sum(s.bytes for (_, k), s in self.shards.items() if k in keys)
+
+    @property
+    def unreferenced(self) -> list[ShardFiles]:
+        return [s for (_, k), s in self.shards.items() if k not in self.protected]
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(s.bytes for s in self.shards.values()) + sum(b for _, b, _ in self.old_entries)
+
+
+def _shard_files(features: Path) -> tuple[dict[tuple[str, str], ShardFiles], dict[str, str]]:
+    shards: dict[tuple[str, str], ShardFiles] = {}
+    settings_of: dict[str, str] = {}
+    for settings_dir in sorted((features / "shards").glob("*")):
+        if not settings_dir.is_dir():
+            continue
+        with os.scandir(settings_dir) as entries:
+            for entry in entries:
+                key = entry.name.split(".", 1)[0]
+                if entry.name == "settings.json" or not entry.is_file():
+                    continue
+                st = entry.stat()
+                item = shards.setdefault((settings_dir.name, key), ShardFiles(settings_dir, key))
+                item.files.append(Path(entry.path))
+                item.bytes += st.st_size
+                item.newest = max(item.newest, st.st_mtime)
+                settings_of[key] = settings_dir.name
+    return shards, settings_of
+
+
+def _old_entries(features: Path) -> list[tuple[Path, int, float]]:
+    out = []
+    for entry in sorted(features.glob("*")):
+        if entry.is_dir() and OLD_ENTRY_RE.match(entry.name):
+            stats = [p.stat() for p in entry.rglob("*") if p.is_file()]
+            out.append((entry, sum(s.st_size for s in stats), max((s.st_mtime for s in stats), default=0)))  # fmt: skip
+    return out
+
+
+def _files_in_use(meta: dict, z, folder: Path) -> set[str]:
+    """Shard keys of a manifest whose audio files all still have the recorded size and mtime."""
+    keys = meta["shards"]
+    broken = np.zeros(len(keys), dtype=bool)
+    files = zip(z["files_rel"].tolist(), z["files_size"].tolist(), z["files_mtime"].tolist(),
+                z["files_shard"].tolist())  # fmt: skip
+    for rel, size, mtime, k in files:
+        try:
+            st = os.stat(folder / rel.decode())
+            broken[k] |= st.st_size != size or st.st_mtime_ns != mtime
+        except FileNotFoundError:
+            broken[k] = True
+    return {key for key, bad in zip(keys, broken) if not bad}
+
+
+def survey(cache_root: str | Path, grace_s: float = GRACE_S, check_files: bool = True) -> Survey:
+    """Sort the cache into used and unused. `check_files=False` (the start-up hint) only asks
+    whether each manifest's folder exists, without a stat per audio file."""
+    features = features_root(cache_root)
+    shards, settings_of = _shard_files(features)
+    manifests, protected = [], set()
+    splits = features / "splits"
+    now = time.time()
+    fresh_plans, stale_plans = [], []
+    for plan in sorted(splits.glob("*.plan.json")):
+        try:
+            if now - plan.stat().st_mtime < grace_s:
+                protected.update(json.loads(plan.read_text())["shards"])
+                fresh_plans.append(plan)
+            else:
+                stale_plans.append(plan)
+        except (OSError, ValueError, KeyError):
+            continue
+    for path in sorted(p for p in splits.glob("*.json") if not p.name.endswith(".plan.json")):
+        try:
+            meta, z = load_manifest(path)
+        except DataError:
+            last = path.stat().st_mtime
+            manifests.append(ManifestInfo(path, "?", False, 0, [], set(), last, "unreadable"))
+            continue
+        folder = Path(meta["folder"])
+        exists = folder.is_dir()
+        with z:
+            if not exists:
+                in_use: set[str] = set()
+            elif check_files:
+                in_use = _files_in_use(meta, z, folder)
+            else:
+                in_use = set(meta["shards"])
+        status = "live" if in_use == set(meta["shards"]) else "changed" if in_use else "stale"
+        manifests.append(ManifestInfo(path, meta["folder"], exists, meta["utterances"],
+                                      meta["shards"], in_use, path.stat().st_mtime, status))  # fmt: skip
+        protected |= in_use
+    return Survey(features, manifests, shards, settings_of, fresh_plans, stale_plans,
+                  _old_entries(features), protected)  # fmt: skip
+
+
+def _kept(shard: ShardFiles, grace_s: float, now: float) -> str | None:
+    """Why an unreferenced shard must stay for now, or None."""
+    if now - shard.newest < grace_s:
+        return "younger than the grace period"
+    if claim_is_live(shard.directory, shard.key, grace_s):
+        return "claimed"
+    return None
+
+
+def _older(path: Path, grace_s: float, now: float) -> bool:
+    try:
+        return now - path.stat().st_mtime >= grace_s
+    except FileNotFoundError:
+        return False
+
+
+def collect(cache_root: str | Path, dry_run: bool = False, grace_s: float = GRACE_S) -> dict:
+    """Remove what no manifest uses (see the module docstring). Returns what was (or, with
+    `dry_run`, would be) removed: {"manifests", "shards", "old_entries", "temp_files", "bytes",
+    "kept" (unused shards or entries too young or claimed to remove)}."""
+    s = survey(cache_root, grace_s)
+    now = time.time()
+    removed = {"manifests": [], "shards": [], "old_entries": [], "temp_files": [], "bytes": 0,
+               "kept": 0}  # fmt: skip
+    for m in s.manifests:
+        if m.status in ("stale", "unreadable") and now - m.last_used >= grace_s:
+            removed["manifests"].append(m.path)
+            if not dry_run:
+                m.path.unlink(missing_ok=True)  # the json (commit marker) first
+                m.path.with_suffix(".npz").unlink(missing_ok=True)
+    for plan in s.stale_plans:
+        if not dry_run:
+            plan.unlink(missing_ok=True)
+    for shard in s.shards.values():  # debris of killed writers, even beside a used shard
+        for f in shard.files:
+            if TEMP_MARK in f.name and shard.key in s.protected and _older(f, grace_s, now):
+                removed["temp_files"].append(f)
+                if not dry_run:
+                    f.unlink(missing_ok=True)
+    for shard in s.unreferenced:
+        if _kept(shard, grace_s, now):
+            removed["kept"] += 1
+            continue
+        removed["shards"].append(shard.key)
+        removed["bytes"] += shard.bytes
+        if not dry_run:
+            marker = shard.directory / f"{shard.key}.json"
+            marker.unlink(missing_ok=True)  # uncommitted first: never a marker without data
+            for f in shard.files:
+                f.unlink(missing_ok=True)
+    for folder, size, newest in s.old_entries:
+        if now - newest < grace_s:
+            removed["kept"] += 1
+            continue
+        removed["old_entries"].append(folder)
+        removed["bytes"] += size
+        if not dry_run:
+            shutil.rmtree(folder, ignore_errors=True)
+    return removed
+
+
+def stale_bytes(s: Survey) -> int:
+    """Bytes that `gc` could free (ignoring the grace period)."""
+    return sum(x.bytes for x in s.unreferenced) + sum(b for _, b, _ in s.old_entries)
+
+
+def warn_if_stale(cache_root: str | Path) -> None:
+    """Once per process and cache: one log line when unused cache exceeds STALE_WARN_BYTES or
+    STALE_WARN_SHARE of it (folders checked for existence only: cheap at start-up)."""
+    root = str(Path(cache_root).expanduser())
+    if root in _WARNED:
+        return
+    _WARNED.add(root)
+    try:
+        s = survey(root, check_files=False)
+    except OSError:
+        return
+    stale, total = stale_bytes(s), s.total_bytes
+    if stale and (stale >= STALE_WARN_BYTES or stale >= STALE_WARN_SHARE * total):
+        log.warning(
+            "%.1f GB of feature cache (%.0f %% of %s) is not used by any corpus: "
+            "python -m speechattn.data.cache gc --cache-dir %s",
+            stale / 1e9, 100 * stale / max(total, 1), s.root, root,
+        )  # fmt: skip

@@ -1,0 +1,291 @@
+"""Reading a corpus folder's cached features: `FeatureStore` over one manifest.
+
+Descriptors stay bounded whatever the corpus size: a read is one `os.preadv` into a fresh
+array from a process-wide LRU of open shard files (`max_open_shards`, 32 by default, per
+process: DataLoader workers each have their own). Nothing stays memory-mapped, so a returned
+array never pins a file open.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from speechattn.data.cache.integrity import (
+    HEADER_BYTES,
+    Record,
+    invalidate,
+    parse_header,
+    reconcile,
+    same_stat,
+)
+from speechattn.data.cache.layout import DATA_KINDS, ShardPaths
+from speechattn.data.config import DataConfig
+from speechattn.data.errors import DataError, Skip
+from speechattn.utils import atomic_write_text
+
+DEFAULT_MAX_OPEN_SHARDS = DataConfig.max_open_shards  # documented there
+
+
+class _OpenShards:
+    """LRU of open shard files, path -> (fd, offset of the array data); one per process.
+
+    The lock makes a read and an eviction exclusive (a pin-memory thread and the loop may
+    share it). After a fork the child keeps usable copies of the descriptors (`pread` has no
+    shared file position), so DataLoader workers start warm.
+    """
+
+    def __init__(self, limit: int = DEFAULT_MAX_OPEN_SHARDS) -> None:
+        self.limit = limit
+        self.files: OrderedDict[str, tuple[int, int]] = OrderedDict()
+        self.lock = threading.Lock()
+
+    def read(
+        self, path: str, opener: Callable[[str], tuple[int, int]], start: int, out: np.ndarray
+    ) -> int:
+        """Read `out.nbytes` bytes at `start` bytes past the data offset of `path` into `out`;
+        `opener(path)` opens and checks a file not open yet. Returns the bytes read."""
+        with self.lock:
+            entry = self.files.pop(path, None)
+            while len(self.files) >= max(1, self.limit):  # the limit may have shrunk
+                os.close(self.files.popitem(last=False)[1][0])
+            self.files[path] = entry = entry or opener(path)  # most recently used last
+            fd, data_offset = entry
+            if hasattr(os, "preadv"):  # straight into `out`
+                return os.preadv(fd, [out], data_offset + start)
+            data = os.pread(fd, out.nbytes, data_offset + start)
+            out.reshape(-1).view(np.uint8)[: len(data)] = np.frombuffer(data, np.uint8)
+            return len(data)
+
+    def forget(self, path: str) -> None:
+        with self.lock:
+            entry = self.files.pop(path, None)
+            if entry is not None:
+                os.close(entry[0])
+
+    def _after_fork(self) -> None:
+        self.lock = threading.Lock()  # a lock held by another thread at fork time stays held
+
+
+OPEN_SHARDS = _OpenShards()
+os.register_at_fork(after_in_child=OPEN_SHARDS._after_fork)
+
+
+def load_manifest(path: Path) -> tuple[dict[str, Any], Any]:
+    """A manifest's json and its (lazily read) npz; `DataError` naming the file when either is
+    missing, unreadable or not the npz the json committed."""
+    npz = path.with_suffix(".npz")
+    try:
+        meta = json.loads(path.read_text())
+        st = os.stat(npz)
+        if st.st_size != meta["npz"]["size"] or st.st_mtime_ns != meta["npz"]["mtime_ns"]:
+            raise ValueError(f"{npz.name} is not the file this manifest committed")
+        return meta, np.load(npz)
+    except (OSError, ValueError, KeyError) as e:
+        raise DataError(path, "unreadable feature cache manifest", str(e)[:200]) from None
+
+
+class FeatureStore:
+    """Read access to the cached features of one corpus folder (one manifest).
+
+    `lengths[i]` frames for `utt_ids[i]`; `features(i)` -> float32 (T, F), `raw(i)` the same in
+    the cache dtype, both fresh arrays. Picklable (DataLoader workers open files themselves).
+    A shard file is checked when a process opens it (size and mtime against its record, and the
+    .npy header; a checksum only when size or mtime moved); a damaged one is marked for
+    re-extraction and raises `DataError` naming the file. `check()` does the same for every file
+    at start-up.
+
+    Arrays (N utterances, in manifest order; each shard's utterances are consecutive):
+        shard (N,) int32 index into `shard_keys`; row (N,) its row in the shard's statistics;
+        offset (N,) int64 first frame in the shard; lengths (N,) int64 frames.
+    """
+
+    def __init__(
+        self, manifest: str | Path, max_open_shards: int = DEFAULT_MAX_OPEN_SHARDS
+    ) -> None:
+        self.manifest = Path(manifest)
+        meta, z = load_manifest(self.manifest)
+        with z:
+            self.utt_ids: list[str] = z["utt_ids"].tolist()
+            self.shard = z["shard"]
+            self.row = z["row"]
+            self.offset = z["offset"]
+            self.lengths = z["length"]
+        self.folder = Path(meta["folder"])
+        self.listing: str | None = meta["listing"]  # digest of the folder walk it was made for
+        # the manifest is features/splits/<key>.json; its shards are features/shards/<settings key>/
+        self.directory = self.manifest.parent.parent / "shards" / meta["settings_key"]
+        self.shard_keys: list[str] = meta["shards"]
+        self.records: dict[str, dict[str, Record]] = meta["records"]  # key -> npy/stats record
+        self.failures = [Skip(**f) for f in meta["failures"]]
+        self.scan_skips = [Skip(**f) for f in meta["scan_skips"]]
+        self.notes: list[tuple[str, str]] = [tuple(n) for n in meta["notes"]]
+        self.feature_dim = int(meta["feature_dim"])
+        self.dtype = np.dtype(meta["dtype"])
+        self.audio_seconds = float(meta["audio_seconds"])
+        self.max_open_shards = max_open_shards
+        self._position: dict[str, int] | None = None
+
+    # ---- the reading API ----
+    def __len__(self) -> int:
+        return len(self.utt_ids)
+
+    def __contains__(self, utt_id: str) -> bool:
+        return utt_id in self.position
+
+    @property
+    def position(self) -> dict[str, int]:
+        """utterance id -> index (built on first use)."""
+        if self._position is None:
+            self._position = dict(zip(self.utt_ids, range(len(self.utt_ids))))
+        return self._position
+
+    @property
+    def num_shards(self) -> int:
+        return len(self.shard_keys)
+
+    def paths(self, k: int) -> ShardPaths:
+        return ShardPaths(self.directory, self.shard_keys[k])
+
+    def raw(self, i: int | str) -> np.ndarray:
+        """(T, F) features of utterance `i` (index or id) in the cache dtype (float16 by
+        default), read from its shard."""
+        i = self.position[i] if isinstance(i, str) else int(i)
+        k = int(self.shard[i])
+        out = np.empty((int(self.lengths[i]), self.feature_dim), self.dtype)
+        start = int(self.offset[i]) * self.feature_dim * self.dtype.itemsize
+        OPEN_SHARDS.limit = self.max_open_shards
+        path = str(self.paths(k).npy)
+        got = OPEN_SHARDS.read(path, lambda p: self._open(k, p), start, out)
+        if got != out.nbytes:  # the file shrank after it was opened and checked
+            OPEN_SHARDS.forget(path)
+            self._refuse(k, Path(path), f"{got} of {out.nbytes} bytes read at {start}: truncated")
+        return out
+
+    def features(self, i: int | str) -> np.ndarray:
+        """(T, F) float32 features of utterance `i` (index or utterance id)."""
+        return self.raw(i).astype(np.float32)
+
+    def sums(self, indices: Sequence[int]) -> tuple[int, np.ndarray, np.ndarray]:
+        """Frame count, sum and sum of squares (float64 (F,)) over the given utterances (an
+        index given twice counts twice). One pass: each shard's statistics are read once."""
+        weight = np.bincount(np.asarray(indices, dtype=np.int64), minlength=len(self))
+        weight = weight.astype(np.float64)  # (N,)
+        total = np.zeros(self.feature_dim)
+        total_sq = np.zeros(self.feature_dim)
+        bounds = np.searchsorted(
+            self.shard, np.arange(self.num_shards + 1)
+        )  # shard k: [b_k, b_k+1)
+        for k in np.unique(self.shard[weight > 0]):
+            lo, hi = int(bounds[k]), int(bounds[k + 1])
+            stats = self._statistics(int(k))[self.row[lo:hi]]  # (n, 2, F)
+            total += weight[lo:hi] @ stats[:, 0]
+            total_sq += weight[lo:hi] @ stats[:, 1]
+        return int(weight @ self.lengths), total, total_sq
+
+    def nbytes(self) -> int:
+        """Bytes of shard files this store reads."""
+        return sum(r["size"] for rec in self.records.values() for r in rec.values())
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "_position": None}
+
+    # ---- integrity ----
+    def check(self, verify: bool = False) -> list[tuple[int, Path, str]]:
+        """(shard, file, problem) for every data file that is not what was written: a stat of
+        each (size, mtime); a checksum where they moved, or of everything with `verify`. Files
+        found intact under a new mtime get their records refreshed (here and in the manifest)."""
+        bad, refreshed = [], False
+        for k, key in enumerate(self.shard_keys):
+            paths = self.paths(k)
+            for kind in DATA_KINDS:
+                cached = self.records[key][kind]
+                record, problem = reconcile(paths.data(kind), cached, paths.marker, kind, verify)
+                if problem:
+                    bad.append((k, paths.data(kind), problem))
+                elif record is not cached:
+                    self.records[key][kind] = record
+                    refreshed = refreshed or record != cached
+        if refreshed:
+            self._save_records()
+        return bad
+
+    def _save_records(self) -> None:
+        meta = json.loads(self.manifest.read_text())
+        meta["records"] = self.records
+        try:
+            atomic_write_text(self.manifest, json.dumps(meta))
+        except OSError:
+            pass  # a read-only cache: checked again next time
+
+    def _refuse(self, k: int, path: Path, problem: str) -> None:
+        invalidate(self.paths(k).marker, path)
+        raise DataError(
+            path,
+            "corrupt feature cache",
+            f"{problem}; shard {self.shard_keys[k]} is marked for re-extraction: rerun the same "
+            f"command (add data.verify_cache=true to checksum every shard before training starts)",
+        )
+
+    def _checked(self, k: int, kind: str, st: os.stat_result) -> Record:
+        """The record a file with stat `st` must match; refuses the file when it does not."""
+        paths, key = self.paths(k), self.shard_keys[k]
+        cached = self.records[key][kind]
+        if same_stat(st, cached):
+            return cached
+        record, problem = reconcile(paths.data(kind), cached, paths.marker, kind, False)
+        if problem:
+            self._refuse(k, paths.data(kind), problem)
+        self.records[key][kind] = record
+        return record
+
+    def _open(self, k: int, path: str) -> tuple[int, int]:
+        """Open shard k's features for the LRU: (fd, data offset), checked against its record."""
+        try:
+            fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        except FileNotFoundError:  # other errors (EMFILE, EACCES) say nothing about the file
+            self._refuse(k, Path(path), "missing")
+        try:
+            record = self._checked(k, "npy", os.fstat(fd))
+            data_offset, problem = parse_header(os.pread(fd, HEADER_BYTES, 0), record)
+            if problem:
+                self._refuse(k, Path(path), problem)
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd, data_offset
+
+    def _statistics(self, k: int) -> np.ndarray:
+        """Shard k's (utterances, 2, F) float64 statistics, checked against their record."""
+        path = self.paths(k).stats
+        try:
+            with open(path, "rb") as f:
+                record = self._checked(k, "stats", os.fstat(f.fileno()))
+                head = f.read(HEADER_BYTES)
+                data_offset, problem = parse_header(head, record)
+                if problem:
+                    self._refuse(k, path, problem)
+                f.seek(data_offset)
+                stats = np.fromfile(f, dtype=np.dtype(record["dtype"]))
+        except FileNotFoundError:
+            self._refuse(k, path, "missing")
+        if stats.size != int(np.prod(record["shape"])):
+            self._refuse(k, path, f"{stats.size} values instead of {record['shape']}")
+        return stats.reshape(record["shape"])
+
+
+def touch(manifest: Path) -> None:
+    """Note that a manifest was used now (its json's mtime is the `last used` of `ls`)."""
+    try:
+        now = time.time()
+        os.utime(manifest, (now, now))
+    except OSError:
+        pass

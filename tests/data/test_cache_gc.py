@@ -1,0 +1,156 @@
+"""`python -m speechattn.data.cache ls|gc`: what is listed, what gc removes, what it keeps (a
+live corpus's shards, shards shared with it, young files, claimed shards, a running
+extraction's plan), and the one-line hint a run logs about unused cache."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from speechattn.data.cache import ExtractionSettings, FeatureStore, open_split, shard_dir
+from speechattn.data.cache import gc as gc_module
+from speechattn.data.cache.__main__ import main
+
+F16 = ExtractionSettings()
+F32 = dataclasses.replace(F16, dtype="float32")
+SPLIT = "synth-clean"
+
+
+def _open(root: Path, cache: Path, settings=F16, extracted: list | None = None) -> FeatureStore:
+    return open_split(
+        root, SPLIT, settings, cache, workers=1, shard_size=5, progress=False,
+        on_shard_done=None if extracted is None else extracted.append,
+    )  # fmt: skip
+
+
+def _copy(src: Path, dst: Path) -> Path:
+    return Path(shutil.copytree(src, dst, copy_function=shutil.copy2))
+
+
+def _files(cache: Path) -> set[Path]:
+    return {p for p in (cache / "features").rglob("*") if p.is_file()}
+
+
+@pytest.fixture
+def cache_with_garbage(tiny_corpus, tmp_path):
+    """A cache holding: corpus `a` (live, float16), corpus `b` (float32, folder since deleted),
+    corpus `c` (float16 copy of `a`, deleted: its shards are shared with `a`) and a v2 entry."""
+    cache = tmp_path / "cache"
+    a = _copy(tiny_corpus, tmp_path / "a")
+    live = _open(a, cache)
+    b = _copy(tiny_corpus, tmp_path / "b")
+    gone = _open(b, cache, F32)
+    c = _copy(tiny_corpus, tmp_path / "c")
+    _open(c, cache)
+    shutil.rmtree(b)
+    shutil.rmtree(c)
+    old = cache / "features" / "0123456789abcdef"
+    old.mkdir()
+    (old / "shard-00000.npy").write_bytes(bytes(1000))
+    os.utime(old / "shard-00000.npy", (0, 0))
+    return cache, a, live, gone, old
+
+
+def test_ls_lists_corpora_unreferenced_shards_and_old_entries(cache_with_garbage, capsys):
+    cache, a, live, gone, old = cache_with_garbage
+    main(["ls", "--cache-dir", str(cache)])
+    out = capsys.readouterr().out
+    rows = [ln.split() for ln in out.splitlines() if ln.startswith(("live", "stale"))]
+    assert sorted((r[0], r[1], r[2], r[-1]) for r in rows if r[-1] != "(missing)") == [
+        ("live", "24", str(live.num_shards), str(a / SPLIT))
+    ]
+    stale = [r for r in rows if r[0] == "stale"]
+    assert len(stale) == 2 and all(r[-1] == "(missing)" for r in stale)
+    assert f"unreferenced shards: {gone.num_shards}," in out  # b's; c's are a's too
+    assert f"old layout (v2): {old}, 1.0 kB" in out
+    assert "gc would free" in out
+
+
+def test_gc_removes_what_no_live_corpus_uses_and_nothing_else(cache_with_garbage, capsys):
+    cache, a, live, gone, old = cache_with_garbage
+    reference = {u: live.raw(u) for u in live.utt_ids}
+    before = _files(cache)
+    main(["gc", "--cache-dir", str(cache), "--dry-run", "--grace-hours", "0"])
+    out = capsys.readouterr().out
+    assert _files(cache) == before
+    assert f"would remove 2 stale manifests, {gone.num_shards} unreferenced shards, 1 old" in out
+    main(["gc", "--cache-dir", str(cache)])  # default grace period: only the old entry is old
+    out = capsys.readouterr().out
+    assert before - _files(cache) == {old / "shard-00000.npy"} and not old.exists()
+    assert f"kept {gone.num_shards} unused shards" in out
+
+    before = _files(cache)
+    main(["gc", "--cache-dir", str(cache), "--grace-hours", "0"])
+    out = capsys.readouterr().out
+    assert f"removed 2 stale manifests, {gone.num_shards} unreferenced shards, 0 old-layout" in out
+    removed = before - _files(cache)
+    assert not list(shard_dir(cache, F32).glob("*.npy"))
+    assert not any(p.parent == shard_dir(cache, F16) for p in removed)  # a's (= c's) shards stay
+    assert {p.name for p in (cache / "features" / "splits").iterdir()} == {
+        live.manifest.name,
+        live.manifest.with_suffix(".npz").name,
+    }
+    extracted = []
+    again = _open(a, cache, extracted=extracted)
+    assert extracted == [] and again.manifest == live.manifest
+    for u, x in reference.items():
+        np.testing.assert_array_equal(again.raw(u), x)
+    main(["ls", "--cache-dir", str(cache)])
+    assert "unreferenced shards: 0, 0 B" in capsys.readouterr().out
+
+
+def test_gc_of_a_changed_corpus_removes_only_the_changed_shard(tiny_corpus, tmp_path):
+    cache = tmp_path / "cache"
+    a = _copy(tiny_corpus, tmp_path / "a")
+    store = _open(a, cache)
+    victim = store.utt_ids[7]
+    flac = next((a / SPLIT).glob(f"*/*/{victim}.flac"))
+    flac.write_bytes(next((a / SPLIT).glob(f"*/*/{store.utt_ids[20]}.flac")).read_bytes())
+    survey = gc_module.survey(cache, grace_s=0)
+    (m,) = survey.manifests
+    assert m.status == "changed" and len(m.in_use) == store.num_shards - 1
+    removed = gc_module.collect(cache, grace_s=0)
+    assert removed["shards"] == [store.shard_keys[int(store.shard[7])]] and not removed["manifests"]
+    extracted = []
+    _open(a, cache, extracted=extracted)
+    assert extracted == [int(store.shard[7])]
+
+
+def test_gc_keeps_claimed_shards_and_a_running_extraction(tiny_corpus, tmp_path):
+    cache = tmp_path / "cache"
+    b = _copy(tiny_corpus, tmp_path / "b")
+    store = _open(b, cache)
+    shutil.rmtree(b)
+    keys = store.shard_keys
+    for f in _files(cache):
+        os.utime(f, (0, 0))  # everything written long ago ...
+    (store.directory / f"{keys[0]}.claim").write_text("host 1 pid 2")  # a live claim
+    plan = store.manifest.parent / "0000000000000000.plan.json"  # an extraction in progress
+    plan.write_text(json.dumps({"shards": [keys[1]]}))
+    removed = gc_module.collect(cache, grace_s=3600)  # ... but the claim and the plan are fresh
+    assert set(keys) - set(removed["shards"]) == {keys[0], keys[1]} and removed["manifests"]
+    assert store.paths(0).npy.exists() and store.paths(1).npy.exists()
+    assert not store.paths(2).npy.exists() and not store.paths(2).marker.exists()
+
+
+def test_a_run_says_how_much_cache_no_corpus_uses(cache_with_garbage, caplog, monkeypatch):
+    cache, a, *_ = cache_with_garbage
+    monkeypatch.setattr(gc_module, "_WARNED", set())
+    with caplog.at_level(logging.WARNING):
+        _open(a, cache)
+        _open(a, cache)  # once per process
+    lines = [r.getMessage() for r in caplog.records if "not used by any corpus" in r.getMessage()]
+    assert len(lines) == 1 and "python -m speechattn.data.cache gc" in lines[0]
+    gc_module.collect(cache, grace_s=0)
+    monkeypatch.setattr(gc_module, "_WARNED", set())
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        _open(a, cache)
+    assert "not used by any corpus" not in caplog.text
