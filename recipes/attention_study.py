@@ -142,9 +142,14 @@ class Study:
         scale: Scale,
         launcher: list[str] | None = None,
         dry_run: bool = False,
+        jobs_elsewhere: bool = False,
     ) -> None:
         self.out, self.scale, self.dry_run = out, scale, dry_run
         self.launcher = list(launcher or [])  # overrides for every multirun: hydra/launcher=...
+        # the launcher runs the jobs in processes of their own (local, slurm): a multirun only
+        # waits for them, so all of a stage's multiruns run at once (mel's probes beside the
+        # variants' on the cluster), not scale.jobs at a time
+        self.jobs_elsewhere = jobs_elsewhere
         self.failures: list[str] = []
         self.env = dict(os.environ)
         if scale.jobs > 1:  # share the cores between the multiruns instead of oversubscribing them
@@ -188,14 +193,16 @@ class Study:
         return code == 0
 
     def run_sweeps(self, sweeps: list[Sweep], extra: Sequence[str]) -> dict[str, str]:
-        """Run the multiruns, `scale.jobs` side by side; returns each value's sweep log name
-        (a failed job is found by its missing output, not by the multirun's exit status)."""
+        """Run the multiruns, `scale.jobs` side by side (all at once when their jobs run
+        elsewhere); returns each value's multirun log name (a failed job is found by its
+        missing output, not by the multirun's exit status)."""
         parts = [part for sweep in sweeps for part in sweep.split(self.scale.jobs)]
         if not parts:
             return {}
         # the stage's own overrides last: they win over --launcher-arg (e.g. a longer time limit)
         argv = [(part.name, part.argv([*self.launcher, *extra]), False) for part in parts]
-        with ThreadPoolExecutor(max_workers=self.scale.jobs) as pool:
+        side_by_side = len(parts) if self.jobs_elsewhere else self.scale.jobs
+        with ThreadPoolExecutor(max_workers=side_by_side) as pool:
             list(pool.map(lambda a: self.command(*a), argv))  # list() re-raises an exception here
         return {value: part.name for part in parts for value in part.values}
 
@@ -431,10 +438,12 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"unknown head analysis {unknown}; choose pretrain or tasks {TASKS}")
 
     launcher = [] if args.launcher == "basic" else [f"hydra/launcher={args.launcher}"]
-    study = Study(out, scale, [*launcher, *args.launcher_arg], args.dry_run)
+    elsewhere = args.launcher != "basic"
+    study = Study(out, scale, [*launcher, *args.launcher_arg], args.dry_run, elsewhere)
+    side_by_side = "a stage's multiruns at once" if elsewhere else f"up to {scale.jobs} at once"
     print(
         f"[study] {args.scale}: {len(variants)} variants x {len(tasks)} tasks, launcher "
-        f"{args.launcher}, up to {scale.jobs} multirun(s) side by side -> {out}"
+        f"{args.launcher} ({side_by_side}) -> {out}"
     )
     start = time.perf_counter()
     pretrained = study.pretrain(variants, args.pretrain_arg)

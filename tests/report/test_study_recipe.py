@@ -198,3 +198,26 @@ def test_study_through_submitit_local_resumes_and_reports_failures(
     assert full_result.stat().st_mtime_ns == before
     for variant in ("full", "ldsa"):
         assert (out / "heads" / variant / "pretrain" / "heads.json").is_file()
+
+
+@pytest.mark.parametrize("elsewhere", [True, False])
+def test_multiruns_that_only_wait_run_at_once(study, tmp_path: Path, elsewhere: bool) -> None:
+    """With local or slurm a multirun waits for jobs that run elsewhere, so mel's probes and the
+    variants' are submitted together; with the basic launcher, `scale.jobs` (1) at a time."""
+    import threading
+
+    runner = study.Study(tmp_path, study.Scale(jobs=1), jobs_elsewhere=elsewhere)
+    both_running = threading.Barrier(2, timeout=2)
+
+    def command(name: str, argv: list[str], record_failure: bool = True) -> bool:
+        try:
+            both_running.wait()
+        except threading.BrokenBarrierError:
+            return False
+        return True
+
+    runner.command = command
+    sweeps = [study.Sweep(n, "speechattn.downstream", "+variant", [n], []) for n in ("mel", "full")]
+    logs = runner.run_sweeps(sweeps, [])
+    assert logs == {"mel": "mel", "full": "full"}
+    assert both_running.broken is not elsewhere
