@@ -192,11 +192,12 @@ class Study:
             self.failures.append(f"{name}: exit {code}, log {log}")
         return code == 0
 
-    def run_sweeps(self, sweeps: list[Sweep], extra: Sequence[str]) -> dict[str, str]:
+    def run_sweeps(self, sweeps: list[Sweep], extra: Sequence[str]) -> dict[tuple[str, str], str]:
         """Run the multiruns, `scale.jobs` side by side (all at once when their jobs run
-        elsewhere); returns each value's multirun log name (a failed job is found by its
-        missing output, not by the multirun's exit status)."""
-        parts = [part for sweep in sweeps for part in sweep.split(self.scale.jobs)]
+        elsewhere); returns the log name of the multirun that ran each (sweep name, value) (a
+        failed job is found by its missing output, not by the multirun's exit status)."""
+        split = {sweep.name: sweep.split(self.scale.jobs) for sweep in sweeps}
+        parts = [part for shares in split.values() for part in shares]
         if not parts:
             return {}
         # the stage's own overrides last: they win over --launcher-arg (e.g. a longer time limit)
@@ -204,7 +205,12 @@ class Study:
         side_by_side = len(parts) if self.jobs_elsewhere else self.scale.jobs
         with ThreadPoolExecutor(max_workers=side_by_side) as pool:
             list(pool.map(lambda a: self.command(*a), argv))  # list() re-raises an exception here
-        return {value: part.name for part in parts for value in part.values}
+        return {
+            (name, value): part.name
+            for name, shares in split.items()
+            for part in shares
+            for value in part.values
+        }
 
     def missing(self, what: str, path: Path, job_dir: Path, sweep: str) -> None:
         """Record a job whose output is missing after its multirun, with where to look."""
@@ -240,7 +246,7 @@ class Study:
         for variant in todo:
             if not self.upstream_path(variant).is_file():
                 path = self.upstream_path(variant)
-                self.missing(f"pretrain {variant}", path, path.parent, logs[variant])
+                self.missing(f"pretrain {variant}", path, path.parent, logs["pretrain", variant])
         return [v for v in variants if self.upstream_path(v).is_file()]
 
     def downstream(
@@ -256,10 +262,12 @@ class Study:
             else:
                 print(f"[study] downstream {unit}: all tasks done, skipping", flush=True)
         sweeps: list[Sweep] = []
+        todos: list[tuple[str, ...]] = []  # the tasks of each sweep
         for (is_mel, todo), group in groups.items():
             upstream = MEL if is_mel else f"{self.out / 'pretrain'}/${{variant}}/upstream.pt"
             others = sum(s.name != "downstream_mel" for s in sweeps)
             name = "downstream_mel" if is_mel else f"downstream{f'_{others + 1}' if others else ''}"
+            todos.append(todo)
             sweeps.append(
                 Sweep(
                     name,
@@ -279,12 +287,13 @@ class Study:
         logs = self.run_sweeps(sweeps, extra)
         if self.dry_run:
             return
-        for (_, todo), group in groups.items():
-            for unit in group:
+        for sweep, todo in zip(sweeps, todos):
+            for unit in sweep.values:
                 for task in todo:
                     path = self.result_path(unit, task)
                     if not path.is_file():
-                        self.missing(f"downstream {unit} {task}", path, path.parent, logs[unit])
+                        log = logs[sweep.name, unit]
+                        self.missing(f"downstream {unit} {task}", path, path.parent, log)
 
     def heads(
         self, variants: list[str], analyses: tuple[str, ...], extra: Sequence[str] = ()
@@ -328,7 +337,8 @@ class Study:
             for variant in sweep.values:
                 path = self.heads_path(variant, analysis)
                 if not path.is_file():
-                    self.missing(f"heads {variant} {analysis}", path, path.parent, logs[variant])
+                    log = logs[sweep.name, variant]
+                    self.missing(f"heads {variant} {analysis}", path, path.parent, log)
 
     def bench(self) -> None:
         """The attention benchmark, run here (not through the launcher: it is no Hydra app)."""

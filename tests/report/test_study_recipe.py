@@ -219,5 +219,31 @@ def test_multiruns_that_only_wait_run_at_once(study, tmp_path: Path, elsewhere: 
     runner.command = command
     sweeps = [study.Sweep(n, "speechattn.downstream", "+variant", [n], []) for n in ("mel", "full")]
     logs = runner.run_sweeps(sweeps, [])
-    assert logs == {"mel": "mel", "full": "full"}
+    assert logs == {("mel", "mel"): "mel", ("full", "full"): "full"}
     assert both_running.broken is not elsewhere
+
+
+def test_each_missing_output_names_the_multirun_that_ran_it(study, tmp_path: Path) -> None:
+    """Multiruns that write nothing: every job is reported missing with its job folder and the
+    log of the multirun (share) that ran it, though a variant is in several multiruns."""
+    runner = study.Study(tmp_path, study.Scale(jobs=2))
+    runner.command = lambda name, argv, record_failure=True: True
+    for variant in ("full", "linear"):  # their phone_1hidden probes exist, ldsa's failed
+        result = tmp_path / "downstream" / variant / "phone_1hidden" / "result.json"
+        result.parent.mkdir(parents=True)
+        result.write_text("{}")
+    runner.heads(["full", "ldsa", "linear"], ("pretrain", "phone_1hidden"))
+
+    def failure(variant: str, analysis: str, log: str) -> str:
+        job = tmp_path / "heads" / variant / analysis
+        return f"heads {variant} {analysis}: no heads.json (job log {job}/, multirun log {tmp_path / 'logs' / log}.log)"
+
+    assert sorted(runner.failures) == sorted(
+        [
+            failure("full", "pretrain", "heads_pretrain-1"),
+            failure("linear", "pretrain", "heads_pretrain-1"),  # round robin: full, linear | ldsa
+            failure("ldsa", "pretrain", "heads_pretrain-2"),
+            failure("full", "phone_1hidden", "heads_phone_1hidden-1"),
+            failure("linear", "phone_1hidden", "heads_phone_1hidden-2"),
+        ]
+    )
