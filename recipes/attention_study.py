@@ -1,38 +1,65 @@
 """The attention study end to end: pretrain every variant, probe it on the four tasks, report.
 
     python recipes/attention_study.py --scale tiny                  # built-in corpus, CPU
-    python recipes/attention_study.py --scale paper --librispeech /data/LibriSpeech   # GPU
+    python recipes/attention_study.py --scale paper --librispeech /data/LibriSpeech \\
+        --launcher slurm --launcher-arg hydra.launcher.partition=gpu   # a SLURM job per run
 
-(`recipes/attention_study.sh` wraps this.) Layout of the output folder:
+(`recipes/attention_study.sh` wraps this; docs/slurm.md has the SLURM side.) Every stage is a
+Hydra multirun of an entry point, run by the launcher `--launcher` names (`hydra/launcher=`):
+`basic`, Hydra's own, runs the jobs one after another in the multirun's process; `local`
+(conf/hydra/launcher/local.yaml) runs each job in its own local process, all at once; `slurm`
+(conf/hydra/launcher/slurm.yaml) submits each job to SLURM with one GPU. The stages, and the
+output folder they fill:
 
-    OUT/pretrain/<variant>/upstream.pt         python -m speechattn.pretrain attention=<variant>
-    OUT/downstream/<variant>/<task>/result.json python -m speechattn.downstream (Hydra multirun)
-    OUT/downstream/mel/<task>/result.json       the no-pretraining baseline
-    OUT/heads/<variant>/<analysis>/heads.json   python -m speechattn.analyze heads (pretraining
-                                               loss, and the phone_1hidden probe by default)
+    OUT/pretrain/<variant>/upstream.pt          python -m speechattn.pretrain -m attention=a,b,...
+    OUT/downstream/<variant>/<task>/result.json python -m speechattn.downstream -m +variant=a,b,...
+                                                task=t1,t2,... (upstream OUT/pretrain/<variant>)
+    OUT/downstream/mel/<task>/result.json       the no-pretraining baseline (upstream=mel)
+    OUT/heads/<variant>/<analysis>/heads.json   python -m speechattn.analyze -m analysis=heads
+                                                +variant=a,b,... (pretraining loss, and the
+                                                phone_1hidden probe by default)
     OUT/bench/attention.json                   python -m speechattn.bench attention --json
     OUT/cache/                                 frozen features (shared by the four tasks)
-    OUT/logs/*.log                             every command's output
+    OUT/logs/<stage>.log                       each multirun's own output (the job logs are in
+                                               the job folders, and .submitit/ for local/slurm)
     OUT/README.md, table*.md/csv, fig_*.png    python -m speechattn.report OUT
 
-Resumable: a variant with an `upstream.pt` is not pretrained again, and a task with a
-`result.json` or an analysis with a `heads.json` is not run again, so rerunning the same command continues an interrupted study.
-A failing step is logged and skipped; the report shows the gap and the exit status is 1.
+(`+variant=NAME` adds a key that only names the job's folder and its upstream.) Resumable: a
+variant with an `upstream.pt` is not pretrained again (an interrupted pretraining resumes from
+its last checkpoint), and a task with a `result.json` or an analysis with a `heads.json` is not
+run again: each multirun gets only the missing jobs, so rerunning the same command continues an
+interrupted study. A failed job is reported (with its logs) and what depends on it is skipped;
+the report shows the gap and the exit status is 1.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import re
 import shlex
 import subprocess
 import sys
 import time
+from collections import defaultdict
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from speechattn.tasks.records import MEL, TASKS
+from speechattn.tasks.records import MEL, RESULT_FILE, TASKS
+
+LAUNCHERS = ("basic", "local", "slurm")  # hydra/launcher options (conf/hydra/launcher/)
+HEADS_FILE = "heads.json"
+
+
+def hydra_value(text: str | Path) -> str:
+    """`text` as the value of a Hydra override: quoted where it holds characters the override
+    grammar reads (a comma would make a sweep of `--out /data/a,b`); `${...}` still resolves."""
+    text = str(text)
+    if re.fullmatch(r"[\w/.~+:@${}-]*", text):
+        return text
+    return "'" + text.replace("'", "\\'") + "'"
 
 
 @dataclass
@@ -44,10 +71,12 @@ class Scale:
     bench: list[str] = field(default_factory=list)
     heads: list[str] = field(default_factory=list)
     analyses: tuple[str, ...] = ("pretrain", "phone_1hidden")  # head analyses per variant
-    jobs: int = 1  # variants run side by side (each a pretraining then its four probes)
+    # multiruns side by side, each given a share of a stage's jobs (the basic launcher runs a
+    # multirun's jobs one after another; local and slurm run them side by side themselves)
+    jobs: int = 1
 
 
-def scale_overrides(scale: str, librispeech: str | None) -> Scale:
+def scale_overrides(scale: str, librispeech: str | None, launcher: str = "basic") -> Scale:
     if scale == "tiny":
         # Built-in corpus, experiment=tiny, CPU: the quick-start run (800 steps of 8 utterances)
         # for every variant; 14 pretrainings, 60 probes and the head analyses took 71 min on
@@ -58,8 +87,8 @@ def scale_overrides(scale: str, librispeech: str | None) -> Scale:
             bench=["--quick", "--device", "cpu"],
             heads=["device=cpu", "num_batches=4"],
             analyses=("pretrain",),
-            # A tiny model keeps one core busy at best: run one single-threaded job per core.
-            jobs=os.cpu_count() or 1,
+            # A tiny model keeps one core busy at best: one single-threaded multirun per core.
+            jobs=(os.cpu_count() or 1) if launcher == "basic" else 1,
         )
     if scale == "paper":
         if not librispeech:
@@ -75,19 +104,78 @@ def scale_overrides(scale: str, librispeech: str | None) -> Scale:
     raise SystemExit(f"unknown scale {scale!r}: tiny or paper")
 
 
+@dataclass
+class Sweep:
+    """One Hydra multirun, a job per value of `key` (times the values the overrides sweep):
+    `python -m MODULE --multirun KEY=V1,V2,... OVERRIDES...`."""
+
+    name: str  # its log: OUT/logs/<name>.log
+    module: str  # the entry point, e.g. speechattn.pretrain
+    key: str  # e.g. attention, +variant
+    values: list[str]
+    overrides: list[str]
+
+    def argv(self, extra: list[str]) -> list[str]:
+        values = f"{self.key}={','.join(self.values)}"
+        return [sys.executable, "-m", self.module, "--multirun", values, *self.overrides, *extra]
+
+    def split(self, parts: int) -> list[Sweep]:
+        """At most `parts` multiruns sharing the values (round robin), named NAME-1, NAME-2..."""
+        parts = min(parts, len(self.values))
+        if parts <= 1:
+            return [self]
+        return [
+            Sweep(
+                f"{self.name}-{i + 1}", self.module, self.key, self.values[i::parts], self.overrides
+            )
+            for i in range(parts)
+        ]
+
+
 class Study:
-    def __init__(self, out: Path, scale: Scale, dry_run: bool = False) -> None:
+    """The study's output folder: which work is missing, the multiruns that do it, and the
+    failures left after them."""
+
+    def __init__(
+        self,
+        out: Path,
+        scale: Scale,
+        launcher: list[str] | None = None,
+        dry_run: bool = False,
+        jobs_elsewhere: bool = False,
+    ) -> None:
         self.out, self.scale, self.dry_run = out, scale, dry_run
-        self.failures: list[str] = []  # appended from worker threads (list.append is atomic)
+        self.launcher = list(launcher or [])  # overrides for every multirun: hydra/launcher=...
+        # the launcher runs the jobs in processes of their own (local, slurm): a multirun only
+        # waits for them, so all of a stage's multiruns run at once (mel's probes beside the
+        # variants' on the cluster), not scale.jobs at a time
+        self.jobs_elsewhere = jobs_elsewhere
+        self.failures: list[str] = []
         self.env = dict(os.environ)
-        if scale.jobs > 1:  # share the cores between the jobs instead of oversubscribing them
+        if scale.jobs > 1:  # share the cores between the multiruns instead of oversubscribing them
             threads = str(max(1, (os.cpu_count() or 1) // scale.jobs))
             self.env.update(OMP_NUM_THREADS=threads, MKL_NUM_THREADS=threads)
         (out / "logs").mkdir(parents=True, exist_ok=True)
 
+    # ------------------------------------------------------------------ paths of the outputs
+
+    def upstream_path(self, variant: str) -> Path:
+        return self.out / "pretrain" / variant / "upstream.pt"
+
+    def result_path(self, unit: str, task: str) -> Path:
+        return self.out / "downstream" / unit / task / RESULT_FILE
+
+    def heads_path(self, variant: str, analysis: str) -> Path:
+        return self.out / "heads" / variant / analysis / HEADS_FILE
+
+    # ------------------------------------------------------------------ running
+
+    def log_path(self, name: str) -> Path:
+        return self.out / "logs" / f"{name}.log"
+
     def command(self, name: str, argv: list[str], record_failure: bool = True) -> bool:
-        """Run one step, its output to logs/<name>.log; True on success."""
-        log = self.out / "logs" / f"{name}.log"
+        """Run one command, its output to logs/<name>.log; True on success."""
+        log = self.log_path(name)
         line = " ".join(shlex.quote(a) for a in argv)
         print(f"[study] {name}: {line}", flush=True)
         if self.dry_run:
@@ -104,89 +192,156 @@ class Study:
             self.failures.append(f"{name}: exit {code}, log {log}")
         return code == 0
 
-    def upstream_path(self, variant: str) -> Path:
-        return self.out / "pretrain" / variant / "upstream.pt"
+    def run_sweeps(self, sweeps: list[Sweep], extra: Sequence[str]) -> dict[tuple[str, str], str]:
+        """Run the multiruns, `scale.jobs` side by side (all at once when their jobs run
+        elsewhere); returns the log name of the multirun that ran each (sweep name, value) (a
+        failed job is found by its missing output, not by the multirun's exit status)."""
+        split = {sweep.name: sweep.split(self.scale.jobs) for sweep in sweeps}
+        parts = [part for shares in split.values() for part in shares]
+        if not parts:
+            return {}
+        # the stage's own overrides last: they win over --launcher-arg (e.g. a longer time limit)
+        argv = [(part.name, part.argv([*self.launcher, *extra]), False) for part in parts]
+        side_by_side = len(parts) if self.jobs_elsewhere else self.scale.jobs
+        with ThreadPoolExecutor(max_workers=side_by_side) as pool:
+            list(pool.map(lambda a: self.command(*a), argv))  # list() re-raises an exception here
+        return {
+            (name, value): part.name
+            for name, shares in split.items()
+            for part in shares
+            for value in part.values
+        }
 
-    def pretrain(self, variant: str) -> bool:
-        path = self.upstream_path(variant)
-        if path.is_file():
-            print(f"[study] pretrain {variant}: done, skipping ({path})", flush=True)
-            return True
-        argv = [
-            sys.executable,
-            "-m",
-            "speechattn.pretrain",
-            f"attention={variant}",
-            f"hydra.run.dir={path.parent}",
-            "ckpt_path=last",  # resume an interrupted pretraining from its last checkpoint
-            *self.scale.pretrain,
-        ]
-        ok = self.command(f"pretrain_{variant}", argv)
-        if ok and not self.dry_run and not path.is_file():
-            self.failures.append(f"pretrain {variant}: finished without writing {path}")
-            return False
-        return ok
+    def missing(self, what: str, path: Path, job_dir: Path, sweep: str) -> None:
+        """Record a job whose output is missing after its multirun, with where to look."""
+        self.failures.append(
+            f"{what}: no {path.name} (job log {job_dir}/, multirun log {self.log_path(sweep)})"
+        )
 
-    def downstream(self, variant: str, tasks: tuple[str, ...]) -> None:
-        folder = self.out / "downstream" / variant
-        todo = [t for t in tasks if not (folder / t / "result.json").is_file()]
-        if not todo:
-            print(f"[study] downstream {variant}: all tasks done, skipping", flush=True)
-            return
-        upstream = MEL if variant == MEL else str(self.upstream_path(variant))
-        argv = [
-            sys.executable,
-            "-m",
-            "speechattn.downstream",
-            "--multirun",
-            f"task={','.join(todo)}",
-            f"upstream={upstream}",
-            f"hydra.sweep.dir={folder}",
-            "hydra.sweep.subdir=${task.name}",
-            f"cache_dir={self.out / 'cache'}",
-            *self.scale.downstream,
-        ]
-        if self.command(f"downstream_{variant}", argv, record_failure=False) or self.dry_run:
-            return
-        # A failing job stops a Hydra multirun: give every task still missing its own run.
-        for task in [t for t in todo if not (folder / t / "result.json").is_file()]:
-            single = [a if not a.startswith("task=") else f"task={task}" for a in argv]
-            single = [a for a in single if a != "--multirun"]
-            single = [
-                f"hydra.run.dir={folder / task}" if a.startswith("hydra.sweep.dir") else a
-                for a in single
-                if not a.startswith("hydra.sweep.subdir")
-            ]
-            self.command(f"downstream_{variant}_{task}", single)
+    # ------------------------------------------------------------------ stages
 
-    def heads(self, variant: str, analyses: tuple[str, ...]) -> None:
-        """Head importance, ablation and pruning (python -m speechattn.analyze heads) of one
-        pretrained variant: for its pretraining loss (`pretrain`) and/or a trained probe (a task).
-        """
-        for analysis in analyses:
-            folder = self.out / "heads" / variant / analysis
-            if (folder / "heads.json").is_file():
-                continue
-            if analysis == "pretrain":
-                source = [f"upstream={self.upstream_path(variant)}"]
+    def pretrain(self, variants: list[str], extra: Sequence[str] = ()) -> list[str]:
+        """Pretrain the variants without an upstream.pt; returns the variants that have one."""
+        todo = []
+        for variant in variants:
+            if self.upstream_path(variant).is_file():
+                print(f"[study] pretrain {variant}: done, skipping ({self.upstream_path(variant)})")
             else:
-                probe = self.out / "downstream" / variant / analysis
-                if not (probe / "result.json").is_file() and not self.dry_run:
-                    continue  # the probe failed: already reported
-                source = [f"downstream={probe}"]
-            argv = [
-                sys.executable,
-                "-m",
-                "speechattn.analyze",
-                "heads",
-                *source,
-                f"hydra.run.dir={folder}",
-                "progress=false",
-                *self.scale.heads,
-            ]
-            self.command(f"heads_{variant}_{analysis}", argv)
+                todo.append(variant)
+        sweep = Sweep(
+            "pretrain",
+            "speechattn.pretrain",
+            "attention",
+            todo,
+            [
+                f"hydra.sweep.dir={hydra_value(self.out / 'pretrain')}",
+                "hydra.sweep.subdir=${attention.name}",
+                "ckpt_path=last",  # resume an interrupted pretraining from its last checkpoint
+                *self.scale.pretrain,
+            ],
+        )
+        logs = self.run_sweeps([sweep] if todo else [], extra)
+        if self.dry_run:
+            return variants
+        for variant in todo:
+            if not self.upstream_path(variant).is_file():
+                path = self.upstream_path(variant)
+                self.missing(f"pretrain {variant}", path, path.parent, logs["pretrain", variant])
+        return [v for v in variants if self.upstream_path(v).is_file()]
+
+    def downstream(
+        self, units: list[str], tasks: tuple[str, ...], extra: Sequence[str] = ()
+    ) -> None:
+        """Probe each unit (a pretrained variant or `mel`) on its tasks without a result.json:
+        one multirun per set of missing tasks (Hydra sweeps products: variants x tasks)."""
+        groups: dict[tuple[bool, tuple[str, ...]], list[str]] = defaultdict(list)
+        for unit in units:
+            todo = tuple(t for t in tasks if not self.result_path(unit, t).is_file())
+            if todo:
+                groups[(unit == MEL, todo)].append(unit)
+            else:
+                print(f"[study] downstream {unit}: all tasks done, skipping", flush=True)
+        sweeps: list[Sweep] = []
+        todos: list[tuple[str, ...]] = []  # the tasks of each sweep
+        for (is_mel, todo), group in groups.items():
+            upstream = MEL if is_mel else f"{self.out / 'pretrain'}/${{variant}}/upstream.pt"
+            others = sum(s.name != "downstream_mel" for s in sweeps)
+            name = "downstream_mel" if is_mel else f"downstream{f'_{others + 1}' if others else ''}"
+            todos.append(todo)
+            sweeps.append(
+                Sweep(
+                    name,
+                    "speechattn.downstream",
+                    "+variant",
+                    group,
+                    [
+                        f"task={','.join(todo)}",
+                        f"upstream={hydra_value(upstream)}",
+                        f"hydra.sweep.dir={hydra_value(self.out / 'downstream')}",
+                        "hydra.sweep.subdir=${variant}/${task.name}",
+                        f"cache_dir={hydra_value(self.out / 'cache')}",
+                        *self.scale.downstream,
+                    ],
+                )
+            )
+        logs = self.run_sweeps(sweeps, extra)
+        if self.dry_run:
+            return
+        for sweep, todo in zip(sweeps, todos):
+            for unit in sweep.values:
+                for task in todo:
+                    path = self.result_path(unit, task)
+                    if not path.is_file():
+                        log = logs[sweep.name, unit]
+                        self.missing(f"downstream {unit} {task}", path, path.parent, log)
+
+    def heads(
+        self, variants: list[str], analyses: tuple[str, ...], extra: Sequence[str] = ()
+    ) -> None:
+        """Head importance, ablation and pruning (python -m speechattn.analyze heads) of each
+        pretrained variant: for its pretraining loss (`pretrain`) and/or a trained probe (a
+        task, skipped where that probe failed: already reported). One multirun per analysis."""
+        sweeps = []
+        for analysis in analyses:
+            todo = [v for v in variants if not self.heads_path(v, analysis).is_file()]
+            if analysis == "pretrain":
+                source = f"upstream={hydra_value(f'{self.out}/pretrain/${{variant}}/upstream.pt')}"
+            else:
+                if not self.dry_run:
+                    todo = [v for v in todo if self.result_path(v, analysis).is_file()]
+                source = (
+                    f"downstream={hydra_value(f'{self.out}/downstream/${{variant}}/{analysis}')}"
+                )
+            if todo:
+                sweeps.append(
+                    Sweep(
+                        f"heads_{analysis}",
+                        "speechattn.analyze",
+                        "+variant",
+                        todo,
+                        [
+                            "analysis=heads",
+                            source,
+                            f"hydra.sweep.dir={hydra_value(self.out / 'heads')}",
+                            f"hydra.sweep.subdir=${{variant}}/{analysis}",
+                            "progress=false",
+                            *self.scale.heads,
+                        ],
+                    )
+                )
+        logs = self.run_sweeps(sweeps, extra)
+        if self.dry_run:
+            return
+        for sweep in sweeps:
+            analysis = sweep.name.removeprefix("heads_")
+            for variant in sweep.values:
+                path = self.heads_path(variant, analysis)
+                if not path.is_file():
+                    log = logs[sweep.name, variant]
+                    self.missing(f"heads {variant} {analysis}", path, path.parent, log)
 
     def bench(self) -> None:
+        """The attention benchmark, run here (not through the launcher: it is no Hydra app)."""
         path = self.out / "bench" / "attention.json"
         if path.is_file():
             return
@@ -219,11 +374,27 @@ def main(argv: list[str] | None = None) -> int:
         "pretrain,phone_1hidden)",
     )
     parser.add_argument(
+        "--launcher",
+        choices=LAUNCHERS,
+        default="basic",
+        help="Hydra launcher of every multirun (hydra/launcher=...): basic runs the jobs one "
+        "after another here, local each in its own process here, slurm each as a SLURM job "
+        "(docs/slurm.md)",
+    )
+    parser.add_argument(
+        "--launcher-arg",
+        action="append",
+        default=[],
+        metavar="OVERRIDE",
+        help="extra Hydra override for every multirun (repeatable), e.g. "
+        "hydra.launcher.partition=gpu",
+    )
+    parser.add_argument(
         "--jobs",
         type=int,
         default=None,
-        help="variants run in parallel, cores shared between them (default: tiny one per core, "
-        "paper 1)",
+        help="multiruns side by side, each with a share of a stage's jobs and of the cores "
+        "(default: tiny with the basic launcher one per core, else 1)",
     )
     parser.add_argument("--dry-run", action="store_true", help="print the commands only")
     parser.add_argument(
@@ -231,14 +402,22 @@ def main(argv: list[str] | None = None) -> int:
         action="append",
         default=[],
         metavar="OVERRIDE",
-        help="extra Hydra override for every pretraining (repeatable), e.g. trainer.max_steps=300",
+        help="extra Hydra override for the pretrainings (repeatable), e.g. "
+        "trainer.max_steps=300, hydra.launcher.timeout_min=4320",
     )
     parser.add_argument(
         "--downstream-arg",
         action="append",
         default=[],
         metavar="OVERRIDE",
-        help="extra Hydra override for every downstream run (repeatable), e.g. layer=weighted",
+        help="extra Hydra override for the downstream runs (repeatable), e.g. layer=weighted",
+    )
+    parser.add_argument(
+        "--heads-arg",
+        action="append",
+        default=[],
+        metavar="OVERRIDE",
+        help="extra Hydra override for the head analyses (repeatable), e.g. num_batches=8",
     )
     args = parser.parse_args(argv)
 
@@ -252,20 +431,15 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit(f"unknown variant(s) {unknown}; available: {', '.join(variants)}")
         variants = [v for v in variants if v in chosen]
     tasks = tuple(args.tasks.split(","))
+    unknown = sorted(set(tasks) - set(TASKS))
+    if unknown:
+        raise SystemExit(f"unknown task(s) {unknown}; choose from {', '.join(TASKS)}")
     out = (args.out or Path("results") / args.scale).resolve()
-    scale = scale_overrides(args.scale, args.librispeech)
-    scale.pretrain += args.pretrain_arg
-    scale.downstream += args.downstream_arg
+    scale = scale_overrides(args.scale, args.librispeech, args.launcher)
     if args.jobs is not None:
         if args.jobs < 1:
             raise SystemExit(f"--jobs must be at least 1, got {args.jobs}")
         scale.jobs = args.jobs
-    study = Study(out, scale, args.dry_run)
-    print(
-        f"[study] {args.scale}: {len(variants)} variants x {len(tasks)} tasks, "
-        f"{scale.jobs} in parallel -> {out}"
-    )
-
     analyses = (
         scale.analyses if args.heads is None else tuple(a for a in args.heads.split(",") if a)
     )
@@ -273,17 +447,19 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         raise SystemExit(f"unknown head analysis {unknown}; choose pretrain or tasks {TASKS}")
 
-    def evaluate(variant: str) -> None:
-        if variant == MEL:
-            study.downstream(variant, tasks)
-        elif study.pretrain(variant):
-            study.downstream(variant, tasks)
-            study.heads(variant, analyses)
-
+    launcher = [] if args.launcher == "basic" else [f"hydra/launcher={args.launcher}"]
+    elsewhere = args.launcher != "basic"
+    study = Study(out, scale, [*launcher, *args.launcher_arg], args.dry_run, elsewhere)
+    side_by_side = "a stage's multiruns at once" if elsewhere else f"up to {scale.jobs} at once"
+    print(
+        f"[study] {args.scale}: {len(variants)} variants x {len(tasks)} tasks, launcher "
+        f"{args.launcher} ({side_by_side}) -> {out}"
+    )
     start = time.perf_counter()
-    units = ([] if args.no_mel else [MEL]) + variants
-    with ThreadPoolExecutor(max_workers=scale.jobs) as pool:
-        list(pool.map(evaluate, units))  # list() re-raises a worker's exception here
+    pretrained = study.pretrain(variants, args.pretrain_arg)
+    units = ([] if args.no_mel else [MEL]) + pretrained
+    study.downstream(units, tasks, args.downstream_arg)
+    study.heads(pretrained, analyses, args.heads_arg)
     if not args.no_bench:
         study.bench()
     study.report()

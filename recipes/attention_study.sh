@@ -7,13 +7,14 @@
 #
 # Extra options go to recipes/attention_study.py after `--`, e.g.
 #   recipes/attention_study.sh tiny results/tiny -- --variants full,ldsa --tasks phone_1hidden
+#   recipes/attention_study.sh paper OUT ROOT -- --launcher slurm --launcher-arg hydra.launcher.partition=gpu
 # Rerunning the same command resumes: finished pretrainings and results are skipped.
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 scale="${1:-tiny}"
 case "$scale" in
   tiny|paper) ;;
-  -h|--help) sed -n '2,11p' "$0"; exit 0 ;;
+  -h|--help) sed -n '2,12p' "$0"; exit 0 ;;
   *) echo "usage: $0 tiny|paper [OUT] [LIBRISPEECH] [-- options]" >&2; exit 2 ;;
 esac
 shift || true

@@ -173,12 +173,25 @@ def run_cli(
     errors: tuple[type[BaseException], ...] = (),
 ) -> dict[str, Any]:
     """`run(cfg)` for a command line: the `errors` it names (bad inputs, a diverged run) end
-    the process with one clear line and exit status 1 instead of a traceback."""
+    the process with one clear line and exit status 1 instead of a traceback. In a multirun
+    (`-m`) they are logged and raised instead: Hydra records that job as failed and goes on
+    with the others (an exit would end the whole sweep, or lose a submitit job's result), then
+    ends the sweep with status 1."""
     try:
         return run(cfg)
     except errors as e:
         logging.getLogger(run.__module__).error("%s", e)
+        if _in_multirun():
+            raise
         sys.exit(1)
+
+
+def _in_multirun() -> bool:
+    """True inside a job of a Hydra multirun (any launcher)."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    return HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
 
 
 register()
