@@ -171,7 +171,11 @@ class StopOnSignal(Callback):
             return
         trainer.save_checkpoint(self.last_path)  # all ranks: its barrier meets; rank 0 writes
         self.saved = self.last_path
-        raise SIGTERMException  # Lightning's own "stopped by a signal", turned into TrainingStopped
+        # Lightning's own "stopped by a signal", turned into TrainingStopped. Raised here, the
+        # state is that of a periodic checkpoint (resumes tested); what Lightning does after
+        # the callbacks is skipped: the module's on_train_batch_end (PretrainTask has none)
+        # and handing this step's logged values to the loggers (metrics.csv has its row).
+        raise SIGTERMException
 
     # -- the end ------------------------------------------------------------------------------
 

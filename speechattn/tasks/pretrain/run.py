@@ -117,9 +117,14 @@ def run(cfg: DictConfig, datamodule: Any = None) -> dict[str, Any]:
             # which fit skips on resume (Lightning counts it as done): run it here, on the
             # checkpoint's weights, so metrics.csv reads as one uninterrupted run
             log.info("repeating the validation at step %d that the stop cut short", resume_step)
-            metrics_csv(trainer).step_override = resume_step
-            trainer.validate(task, datamodule=data, ckpt_path=ckpt_path, verbose=False)
-            metrics_csv(trainer).step_override = None
+            metrics = metrics_csv(trainer)
+            metrics.step_override = resume_step
+            try:
+                trainer.validate(
+                    task, datamodule=data, ckpt_path=ckpt_path, verbose=False, weights_only=True
+                )
+            finally:
+                metrics.step_override = None
             stop.check()
         trainer.fit(task, datamodule=data, ckpt_path=ckpt_path, weights_only=True)
         every = trainer.val_check_interval
