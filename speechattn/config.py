@@ -78,6 +78,18 @@ class CheckpointConfig:
 
 
 @dataclass
+class PreemptionConfig:
+    """SIGTERM/SIGUSR1 during training (docs/preemption.md): the step in progress finishes,
+    checkpoints/last.ckpt is written, the process exits with 128 + the signal's number."""
+
+    # Under SLURM (SLURM_JOB_ID set), SIGUSR1 (`sbatch --signal=USR1@90`) also runs `scontrol
+    # requeue <job>`; the requeued job reruns its command, so give it a fixed run directory and
+    # ckpt_path=last (hydra.run.dir=.../slurm-$SLURM_JOB_ID). SIGTERM never requeues: it is
+    # also what `scancel` sends, and SLURM's own preemption requeues by itself.
+    requeue: bool = True
+
+
+@dataclass
 class PretrainConfig:
     """`python -m speechattn.pretrain`: its groups and its own keys."""
 
@@ -95,6 +107,7 @@ class PretrainConfig:
     validate_at_start: bool = True  # val_loss of the untrained model first (step 0 of metrics.csv)
     license: str = "mit"  # stated in the model card; e.g. cc-by-4.0 for LibriSpeech
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    preemption: PreemptionConfig = field(default_factory=PreemptionConfig)
 
 
 # ----------------------------------------------------------------------------- downstream

@@ -28,6 +28,9 @@ class MetricsCSV(Callback):
         self.every_n_steps = max(1, int(every_n_steps))
         self._start = time.perf_counter()
         self._elapsed_before = 0.0
+        # the step a validation outside `fit` describes when not the trainer's global_step:
+        # a resumed run repeating its checkpoint's validation sets it (pretrain run.py)
+        self.step_override: int | None = None
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if not trainer.is_global_zero:
@@ -48,7 +51,8 @@ class MetricsCSV(Callback):
 
     def _write(self, trainer: L.Trainer, keys: tuple[str, ...]) -> None:
         metrics = trainer.callback_metrics
-        row: dict[str, Any] = {"step": trainer.global_step}
+        step = trainer.global_step if self.step_override is None else self.step_override
+        row: dict[str, Any] = {"step": step}
         for key in keys:
             if key in metrics:
                 row[key] = f"{float(metrics[key]):.6g}"

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import logging
 import math
+import os
+import shlex
 import warnings
 from pathlib import Path
 from typing import Any
@@ -28,6 +30,11 @@ from speechattn.tasks.common import (
     progress_bar,
     quiet_library_notices,
     read_metrics,
+)
+from speechattn.tasks.preemption import (
+    AtomicCheckpointIO,
+    StopOnSignal,
+    remove_partial_checkpoints,
 )
 from speechattn.tasks.pretrain.data import ResumableData
 from speechattn.tasks.pretrain.model_card import (
@@ -50,8 +57,8 @@ def run(cfg: DictConfig, datamodule: Any = None) -> dict[str, Any]:
     output_dir = Path(cfg.output_dir).resolve()
     output_dir.mkdir(parents=True, exist_ok=True)
     resume = resolve_ckpt_path(cfg.get("ckpt_path"), output_dir)
-    if resume is not None:
-        check_resume_checkpoint(resume)
+    resume_step = check_resume_checkpoint(resume) if resume is not None else 0
+    warn_if_requeued_from_scratch(resume, output_dir)
     L.seed_everything(cfg.seed, workers=True, verbose=False)
 
     # data
@@ -82,27 +89,48 @@ def run(cfg: DictConfig, datamodule: Any = None) -> dict[str, Any]:
         model_name=str(cfg.model.get("name", "")),
     )
     # trainer
-    trainer = build_trainer(cfg, output_dir)
+    preemption = cfg.get("preemption") or {}  # config.PreemptionConfig
+    stop = StopOnSignal(output_dir / "checkpoints", requeue=bool(preemption.get("requeue", True)))
+    trainer = build_trainer(cfg, output_dir, stop)
     # Under DDP the launched processes run this function too; rank_zero_only.rank is read from
     # the launcher's environment, so it is right before the processes are connected.
+    hint = resume_hint(output_dir)
     if rank_zero_only.rank == 0:
         OmegaConf.save(cfg, output_dir / "config.yaml", resolve=True)
         log.info("run directory: %s", output_dir)
+        remove_partial_checkpoints(output_dir / "checkpoints")
         if resume is None:
-            log.info("resume after a crash with: hydra.run.dir=%s ckpt_path=last", output_dir)
+            log.info("resume after a crash with: %s", hint)
             (output_dir / "metrics.csv").unlink(missing_ok=True)  # a fresh run, a fresh file
         else:
             log.info("resuming from %s", resume)
 
-    # fit
-    if resume is None and cfg.get("validate_at_start", True) and trainer.limit_val_batches:
-        # the untrained model's val_loss: the starting point of the curve in metrics.csv
-        trainer.validate(task, datamodule=data, verbose=False)
-    trainer.fit(task, datamodule=data, ckpt_path=str(resume) if resume else None, weights_only=True)
-    every = trainer.val_check_interval
-    if trainer.limit_val_batches and isinstance(every, int) and trainer.global_step % every:
-        # the curve in metrics.csv and upstream.pt's val_loss must describe the final weights
-        trainer.validate(task, datamodule=data, verbose=False)
+    # fit; SIGTERM/SIGUSR1 end it after the step in progress, with checkpoints/last.ckpt
+    ckpt_path = str(resume) if resume else None
+    with stop.handling_signals(trainer, hint):
+        if resume is None and cfg.get("validate_at_start", True) and trainer.limit_val_batches:
+            # the untrained model's val_loss: the starting point of the curve in metrics.csv
+            trainer.validate(task, datamodule=data, verbose=False)
+            stop.check()
+        elif resume is not None and validation_missed(trainer, resume_step, output_dir):
+            # the run stopped between this step's checkpoint and the end of its validation,
+            # which fit skips on resume (Lightning counts it as done): run it here, on the
+            # checkpoint's weights, so metrics.csv reads as one uninterrupted run
+            log.info("repeating the validation at step %d that the stop cut short", resume_step)
+            metrics = metrics_csv(trainer)
+            metrics.step_override = resume_step
+            try:
+                trainer.validate(
+                    task, datamodule=data, ckpt_path=ckpt_path, verbose=False, weights_only=True
+                )
+            finally:
+                metrics.step_override = None
+            stop.check()
+        trainer.fit(task, datamodule=data, ckpt_path=ckpt_path, weights_only=True)
+        every = trainer.val_check_interval
+        if trainer.limit_val_batches and isinstance(every, int) and trainer.global_step % every:
+            # the curve in metrics.csv and upstream.pt's val_loss must describe the final weights
+            trainer.validate(task, datamodule=data, verbose=False)
 
     # results
     return write_results(trainer, task, output_dir, license=str(cfg.get("license") or "mit"))
@@ -119,8 +147,9 @@ def build_datamodule(cfg: DictConfig) -> L.LightningDataModule:
     return PretrainDataModule(DataConfig(**container(cfg.data)))
 
 
-def build_trainer(cfg: DictConfig, output_dir: Path) -> L.Trainer:
-    """`cfg.trainer` instantiated with the run's checkpoints, metrics.csv, bar and loggers."""
+def build_trainer(cfg: DictConfig, output_dir: Path, *extra_callbacks: L.Callback) -> L.Trainer:
+    """`cfg.trainer` instantiated with the run's checkpoints (written atomically), metrics.csv,
+    bar, loggers and `extra_callbacks`."""
     keep = int(cfg.checkpoint.keep)
     periodic = ModelCheckpoint(
         dirpath=output_dir / "checkpoints",
@@ -137,17 +166,34 @@ def build_trainer(cfg: DictConfig, output_dir: Path) -> L.Trainer:
     # a bar refresh reads train_loss from the device: once per log interval off the CPU
     refresh = 1 if cfg.trainer.accelerator == "cpu" else int(cfg.trainer.log_every_n_steps)
     metrics = MetricsCSV(output_dir / "metrics.csv", cfg.trainer.log_every_n_steps)
-    callbacks = [periodic, metrics, DataWait()]
+    callbacks = [periodic, metrics, DataWait(), *extra_callbacks]
     loggers = [instantiate(c) for c in (cfg.get("logger") or {}).values() if c]
     return instantiate(
         cfg.trainer,
         precision=resolve_precision(cfg.trainer.precision, cfg.trainer.accelerator),
         callbacks=[*callbacks, *progress_bar(bar, refresh)],
         logger=loggers or False,
+        plugins=[AtomicCheckpointIO()],
         default_root_dir=str(output_dir),
         enable_progress_bar=bar not in ("none", None),
         _convert_="all",
     )
+
+
+def validation_missed(trainer: L.Trainer, step: int, output_dir: Path) -> bool:
+    """Whether `fit` validates after `step` (every `val_check_interval` steps) and the
+    metrics.csv of a run resumed there lacks that validation."""
+    every = trainer.val_check_interval
+    if not trainer.limit_val_batches or not isinstance(every, int) or step == 0 or step % every:
+        return False
+    metrics = output_dir / "metrics.csv"
+    rows = read_metrics(metrics) if metrics.is_file() else []
+    return not any(r["step"] == step and math.isfinite(r["val_loss"]) for r in rows)
+
+
+def metrics_csv(trainer: L.Trainer) -> MetricsCSV:
+    """The trainer's MetricsCSV callback (build_trainer adds one)."""
+    return next(c for c in trainer.callbacks if isinstance(c, MetricsCSV))
 
 
 def write_results(
@@ -233,12 +279,40 @@ def resolve_ckpt_path(ckpt_path: str | None, output_dir: Path) -> Path | None:
     return path
 
 
-def check_resume_checkpoint(path: Path) -> None:
-    """Read `path` safely (`weights_only=True`) before Lightning does; when it is truncated,
-    corrupt or refused, raise `TorchFileError` naming it and the newest periodic checkpoint
-    beside it that reads."""
+def resume_hint(output_dir: Path) -> str:
+    """The command that resumes the run in `output_dir`: this process's own command line
+    (its Hydra overrides, when run through Hydra) with the run directory and `ckpt_path=last`."""
+    overrides: list[str] = []
     try:
-        load_torch_file(path, "cpu", "checkpoint to resume")
+        from hydra.core.hydra_config import HydraConfig
+
+        task = HydraConfig.get().overrides.task
+        overrides = [o for o in task if not o.startswith("ckpt_path=")]
+    except (ImportError, ValueError):  # run(cfg) called outside Hydra
+        pass
+    args = [*overrides, f"hydra.run.dir={output_dir}", "ckpt_path=last"]
+    return " ".join(["python -m speechattn.pretrain", *(shlex.quote(a) for a in args)])
+
+
+def warn_if_requeued_from_scratch(resume: Path | None, output_dir: Path) -> None:
+    """A requeued SLURM job reruns its command: without `ckpt_path=last` in a fixed run
+    directory it starts over and the hours before the requeue are lost. Say so."""
+    restarts = os.environ.get("SLURM_RESTART_COUNT", "0")
+    if resume is None and restarts not in ("", "0"):
+        warnings.warn(
+            f"this SLURM job was requeued (SLURM_RESTART_COUNT={restarts}) but training starts "
+            f"from scratch in {output_dir}: submit it with hydra.run.dir=<a fixed directory, "
+            f"e.g. outputs/pretrain/slurm-$SLURM_JOB_ID> ckpt_path=last (docs/preemption.md)",
+            stacklevel=2,
+        )
+
+
+def check_resume_checkpoint(path: Path) -> int:
+    """Read `path` safely (`weights_only=True`) before Lightning does and return its step; when
+    it is truncated, corrupt or refused, raise `TorchFileError` naming it and the newest
+    periodic checkpoint beside it that reads."""
+    try:
+        return int(load_torch_file(path, "cpu", "checkpoint to resume").get("global_step", 0))
     except TorchFileError as e:
         for periodic in sorted(path.parent.glob("step=*.ckpt"), reverse=True):  # newest first
             if periodic == path:

@@ -1,0 +1,230 @@
+"""Preemption: SIGTERM and SIGUSR1 end training at a step boundary with a resumable checkpoint.
+
+A cluster ends a job with SIGTERM (preemption, time limit, `scancel`; SIGKILL follows after
+SLURM's KillWait, 30 s by default), and `sbatch --signal=USR1@90` warns it 90 s early with
+SIGUSR1. docs/preemption.md is the user's view. What Lightning 2.6 does by itself, read from
+its source (`trainer/connectors/signal_connector.py`, `loops/training_epoch_loop.py`,
+`loops/evaluation_loop.py`, `fabric/utilities/cloud_io.py`) and tried here, and why this
+module replaces the first two:
+
+- SIGTERM: the trainer's signal connector sets `trainer.received_sigterm`; the training loop
+  raises `SIGTERMException` (a `SystemExit` with status 0, so a killed job looks finished)
+  after the step's validation, and saves nothing; the validation loop raises it after any
+  batch, so a validation is cut short. Under DDP the handler also runs `dist.broadcast` inside
+  the signal handler, at whatever point each rank is at: with 2 CPU ranks (gloo) and SIGTERM
+  sent to both, as SLURM does, the ranks deadlocked in mismatched collectives (backward's
+  all-reduce against the broadcast) until killed.
+- SIGUSR1 under SLURM (`SLURMEnvironment(auto_requeue=True)`, what Lightning picks by itself
+  in a batch job): its handler writes `hpc_ckpt_N.ckpt` *inside the signal handler*, in the
+  middle of whatever the step is doing (between two parameter updates; under DDP a barrier
+  that each rank enters at a different point), runs `scontrol requeue`, and trains on until
+  SLURM kills the job; the requeued job finds the file only with `ckpt_path=None` and the
+  same `default_root_dir`.
+- Checkpoint writes: `_atomic_save` commits through an fsspec transaction: the bytes go to a
+  `tempfile.mkstemp()` file in $TMPDIR, then `shutil.move` puts it in place. On a cluster
+  $TMPDIR is node-local and the run directory is not, so the move is a copy into the final
+  name (a SIGKILL during it leaves a truncated `last.ckpt`), and a full $TMPDIR fails the save.
+
+So `StopOnSignal`'s handler takes both signals over from the connector once `fit` (or
+`validate`) has installed its own, and only records the signal. After each optimizer step
+(`on_train_batch_end`, the point periodic checkpoints are written at) the ranks agree whether
+any of them got one (one all-reduce under DDP; a single process reads its flag), and if so
+all write `last.ckpt` and stop at that same step; `run(cfg)` exits with `TrainingStopped`
+(status 128 + signal number) after `scontrol requeue` for SIGUSR1 under SLURM. A validation
+in progress finishes first. `AtomicCheckpointIO` writes checkpoints beside the target,
+fsyncs, and renames.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import signal
+import subprocess
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+import lightning as L
+import torch
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.plugins.io import TorchCheckpointIO
+from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+from speechattn.utils import TEMP_MARK, atomic_path
+
+log = logging.getLogger("speechattn.preemption")
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+REQUEUE_SIGNAL = signal.SIGUSR1  # what `sbatch --signal=USR1@90` sends (Lightning's default too)
+
+
+class TrainingStopped(SystemExit):
+    """Training was stopped by `signum` after writing a resumable checkpoint.
+
+    A `SystemExit`, so a command line ends with `code` (128 + signal number, as a shell reports
+    a process ended by that signal) and no traceback; `run(cfg)` callers can catch it.
+    """
+
+    def __init__(self, signum: signal.Signals, step: int, message: str) -> None:
+        super().__init__(128 + int(signum))
+        self.signum = signum
+        self.step = step
+        self.message = message
+
+    def __str__(self) -> str:
+        return self.message
+
+
+class AtomicCheckpointIO(TorchCheckpointIO):
+    """Lightning's `TorchCheckpointIO`, writing through a temporary file beside the target that
+    is fsynced and renamed onto it: a reader (a resume) sees the previous checkpoint or the
+    whole new one, never a truncated one, whatever kills the process during the write."""
+
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None
+    ) -> None:
+        if storage_options is not None:
+            raise TypeError(f"{type(self).__name__} takes no storage_options")
+        with atomic_path(path) as tmp, open(tmp, "wb") as f:
+            torch.save(checkpoint, f)
+            f.flush()
+            os.fsync(f.fileno())  # the rename must never expose unwritten blocks
+
+
+def remove_partial_checkpoints(checkpoint_dir: Path) -> None:
+    """Delete temporary files that a killed checkpoint write left in `checkpoint_dir` (one run
+    writes to its directory at a time; each is as large as a checkpoint)."""
+    for partial in sorted(checkpoint_dir.glob(f"*.ckpt{TEMP_MARK}*")):
+        log.info("removing %s, left by a checkpoint write that was killed", partial)
+        partial.unlink(missing_ok=True)
+
+
+class StopOnSignal(Callback):
+    """SIGTERM or SIGUSR1 during training: finish the step, write `last.ckpt`, stop.
+
+    Use as `with stop.handling_signals(trainer, resume_hint): trainer.fit(...)` with this
+    callback among the trainer's: the block installs the handlers and turns the stop into
+    `TrainingStopped` (after `scontrol requeue` for SIGUSR1 under SLURM when `requeue`).
+    A signal during a validation takes effect after it; one after the last step is ignored
+    (the run finishes normally).
+    """
+
+    def __init__(self, checkpoint_dir: str | Path, requeue: bool = True) -> None:
+        self.last_path = Path(checkpoint_dir) / "last.ckpt"
+        self.requeue = requeue
+        self.received: signal.Signals | None = None  # the first stop signal this process got
+        self.saved: Path | None = None
+
+    # -- signals ------------------------------------------------------------------------------
+
+    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        if self.received is None:
+            self.received = signal.Signals(signum)
+            log.info("received %s: stopping after the current step", self.received.name)
+
+    def _take_signals(self) -> None:
+        if threading.current_thread() is threading.main_thread():  # Python's rule for handlers
+            for signum in STOP_SIGNALS:
+                signal.signal(signum, self._on_signal)
+
+    def check(self) -> None:
+        """Outside `fit`'s steps (before it, between validations): stop now if a signal came."""
+        if self.received is not None:
+            raise SIGTERMException
+
+    @contextmanager
+    def handling_signals(self, trainer: L.Trainer, resume_hint: str) -> Iterator[None]:
+        """Stop signals set the stop; `SIGTERMException` from the block becomes `TrainingStopped`
+        with the log line saying where the run stopped and how to resume it."""
+        previous: dict[signal.Signals, Any] = {}
+        if threading.current_thread() is threading.main_thread():
+            previous = {s: signal.getsignal(s) for s in STOP_SIGNALS}
+        self._take_signals()
+        try:
+            self.check()
+            yield
+        except SIGTERMException:
+            raise self._stopped(trainer, resume_hint) from None
+        finally:
+            for signum, handler in previous.items():
+                signal.signal(signum, handler)
+
+    # -- callback hooks -----------------------------------------------------------------------
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._take_signals()  # fit has just installed the connector's handlers (see above)
+
+    def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._take_signals()  # as does validate
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args) -> None:
+        if trainer.fit_loop._should_accumulate():
+            return  # mid-accumulation: not a step boundary
+        # every rank calls this at every step: the agreement is one tiny all-reduce under DDP
+        # (Lightning already syncs once per step there); a single process reads its flag
+        if not trainer.strategy.reduce_boolean_decision(self.received is not None, all=False):
+            return
+        trainer.save_checkpoint(self.last_path)  # all ranks: its barrier meets; rank 0 writes
+        self.saved = self.last_path
+        # Lightning's own "stopped by a signal", turned into TrainingStopped. Raised here, the
+        # state is that of a periodic checkpoint (resumes tested); what Lightning does after
+        # the callbacks is skipped: the module's on_train_batch_end (PretrainTask has none)
+        # and handing this step's logged values to the loggers (metrics.csv has its row).
+        raise SIGTERMException
+
+    # -- the end ------------------------------------------------------------------------------
+
+    def _stopped(self, trainer: L.Trainer, resume_hint: str) -> TrainingStopped:
+        """Log the stop (rank 0), requeue under SLURM for the requeue signal, and return the
+        exception that ends the process."""
+        signum = self.received or signal.SIGTERM  # a DDP rank may stop on rank 0's signal only
+        step = int(trainer.global_step)
+        where = f"checkpoint {self.saved}" if self.saved else "no checkpoint written in this run"
+        message = f"stopped by {signum.name} at step {step} ({where})"
+        job = slurm_job_id()
+        if not trainer.is_global_zero:  # rank 0 requeues and tells
+            return TrainingStopped(signum, step, message)
+        if signum == REQUEUE_SIGNAL and self.requeue and job is not None:
+            if requeue_slurm_job(job):
+                message += f"; SLURM job {job} requeued: it resumes if started with {resume_hint}"
+            else:
+                message += f"; requeueing SLURM job {job} failed: resume with {resume_hint}"
+        else:
+            message += f"; resume with: {resume_hint}"
+        log.warning("%s", message)
+        return TrainingStopped(signum, step, message)
+
+
+# ----------------------------------------------------------------------------- SLURM
+
+
+def slurm_job_id() -> str | None:
+    """This job's id for `scontrol` (`<array job>_<task>` in an array), or None outside SLURM."""
+    array_job = os.environ.get("SLURM_ARRAY_JOB_ID")
+    if array_job is not None:
+        return f"{array_job}_{os.environ.get('SLURM_ARRAY_TASK_ID', '')}"
+    return os.environ.get("SLURM_JOB_ID")
+
+
+def requeue_slurm_job(job: str) -> bool:
+    """`scontrol requeue <job>`: SLURM ends this job and queues it again (it needs the job
+    submitted with `--requeue`, or the cluster's JobRequeue=1). True when scontrol succeeded."""
+    if not re.fullmatch(r"\d+(_\d+)?", job):
+        log.error("not requeueing: %r is not a SLURM job id", job)
+        return False
+    cmd = ["scontrol", "requeue", job]
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=60, check=False)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        log.error("%s failed: %s", " ".join(cmd), e)
+        return False
+    if done.returncode != 0:
+        log.error("%s exited with %d: %s", " ".join(cmd), done.returncode, done.stderr.strip())
+        return False
+    log.info("requeued SLURM job %s", job)
+    return True
