@@ -1,8 +1,10 @@
-"""Preemption: SIGTERM and SIGUSR1 end training at a step boundary with a resumable checkpoint.
+"""Preemption: SIGTERM, SIGUSR1 and SIGUSR2 end training at a step boundary with a resumable
+checkpoint.
 
 A cluster ends a job with SIGTERM (preemption, time limit, `scancel`; SIGKILL follows after
 SLURM's KillWait, 30 s by default), and `sbatch --signal=USR1@90` warns it 90 s early with
-SIGUSR1. docs/preemption.md is the user's view. What Lightning 2.6 does by itself, read from
+SIGUSR1 (SIGUSR2 in jobs of Hydra's submitit launcher, `conf/hydra/launcher/slurm.yaml`).
+docs/preemption.md is the user's view. What Lightning 2.6 does by itself, read from
 its source (`trainer/connectors/signal_connector.py`, `loops/training_epoch_loop.py`,
 `loops/evaluation_loop.py`, `fabric/utilities/cloud_io.py`) and tried here, and why this
 module replaces the first two:
@@ -30,7 +32,7 @@ So `StopOnSignal`'s handler takes both signals over from the connector once `fit
 (`on_train_batch_end`, the point periodic checkpoints are written at) the ranks agree whether
 any of them got one (one all-reduce under DDP; a single process reads its flag), and if so
 all write `last.ckpt` and stop at that same step; `run(cfg)` exits with `TrainingStopped`
-(status 128 + signal number) after `scontrol requeue` for SIGUSR1 under SLURM. A validation
+(status 128 + signal number) after `scontrol requeue` for SIGUSR1/SIGUSR2 under SLURM. A validation
 in progress finishes first. `AtomicCheckpointIO` writes checkpoints beside the target,
 fsyncs, and renames.
 """
@@ -59,8 +61,11 @@ from speechattn.utils import TEMP_MARK, atomic_path
 
 log = logging.getLogger("speechattn.preemption")
 
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
-REQUEUE_SIGNAL = signal.SIGUSR1  # what `sbatch --signal=USR1@90` sends (Lightning's default too)
+# The time-limit warnings that ask for a requeue: `sbatch --signal=USR1@90` (Lightning's
+# default) and USR2, what hydra-submitit-launcher's jobs ask SLURM for (submitit's handler
+# would requeue without saving; this one saves last.ckpt first, then requeues the same job)
+REQUEUE_SIGNALS = (signal.SIGUSR1, signal.SIGUSR2)
+STOP_SIGNALS = (signal.SIGTERM, *REQUEUE_SIGNALS)
 
 
 class TrainingStopped(SystemExit):
@@ -105,11 +110,11 @@ def remove_partial_checkpoints(checkpoint_dir: Path) -> None:
 
 
 class StopOnSignal(Callback):
-    """SIGTERM or SIGUSR1 during training: finish the step, write `last.ckpt`, stop.
+    """SIGTERM, SIGUSR1 or SIGUSR2 during training: finish the step, write `last.ckpt`, stop.
 
     Use as `with stop.handling_signals(trainer, resume_hint): trainer.fit(...)` with this
     callback among the trainer's: the block installs the handlers and turns the stop into
-    `TrainingStopped` (after `scontrol requeue` for SIGUSR1 under SLURM when `requeue`).
+    `TrainingStopped` (after `scontrol requeue` for SIGUSR1/SIGUSR2 under SLURM when `requeue`).
     A signal during a validation takes effect after it; one after the last step is ignored
     (the run finishes normally).
     """
@@ -189,7 +194,7 @@ class StopOnSignal(Callback):
         job = slurm_job_id()
         if not trainer.is_global_zero:  # rank 0 requeues and tells
             return TrainingStopped(signum, step, message)
-        if signum == REQUEUE_SIGNAL and self.requeue and job is not None:
+        if signum in REQUEUE_SIGNALS and self.requeue and job is not None:
             if requeue_slurm_job(job):
                 message += f"; SLURM job {job} requeued: it resumes if started with {resume_hint}"
             else:

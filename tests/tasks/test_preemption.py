@@ -29,6 +29,7 @@ from conftest import compose_pretrain
 
 from speechattn.pretrain import run
 from speechattn.tasks.preemption import (
+    StopOnSignal,
     TrainingStopped,
     requeue_slurm_job,
     slurm_job_id,
@@ -361,6 +362,27 @@ def test_requeue_calls_scontrol_with_the_job_id(tmp_path, monkeypatch):
     monkeypatch.delenv("SLURM_ARRAY_JOB_ID")
     monkeypatch.delenv("SLURM_JOB_ID")
     assert slurm_job_id() is None
+
+
+@pytest.mark.parametrize(
+    ("signum", "requeued"),
+    [(signal.SIGUSR1, True), (signal.SIGUSR2, True), (signal.SIGTERM, False)],
+)
+def test_the_time_limit_warnings_requeue_and_sigterm_does_not(
+    tmp_path, monkeypatch, signum, requeued
+):
+    """USR1 (`sbatch --signal=USR1@90`) and USR2 (what Hydra's submitit launcher asks SLURM
+    for) requeue the job after the save; SIGTERM (also what `scancel` sends) never does."""
+    calls = fake_scontrol(tmp_path, monkeypatch)
+    monkeypatch.delenv("SLURM_ARRAY_JOB_ID", raising=False)
+    monkeypatch.setenv("SLURM_JOB_ID", "4242")
+    stop = StopOnSignal(tmp_path / "checkpoints")
+    stop._on_signal(signum, None)
+    trainer = type("Trainer", (), {"global_step": 7, "is_global_zero": True})()
+    stopped = stop._stopped(trainer, "ckpt_path=last")
+    assert stopped.code == 128 + signum and stopped.step == 7
+    assert ("SLURM job 4242 requeued" in stopped.message) == requeued
+    assert (calls.read_text() if calls.exists() else "") == ("requeue 4242\n" if requeued else "")
 
 
 def test_requeue_failures_are_reported_not_raised(tmp_path, monkeypatch, caplog):
