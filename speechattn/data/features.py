@@ -231,22 +231,33 @@ def cmvn(features: Tensor, lengths: Tensor | None = None, eps: float = 1e-5) -> 
     return (features - mean) / (var.sqrt() + eps)
 
 
-def stack_frames(x: Tensor, lengths: Tensor, factor: int = 3) -> tuple[Tensor, Tensor]:
+def stack_frames(
+    x: Tensor, lengths: Tensor, factor: int = 3, frames: int | None = None
+) -> tuple[Tensor, Tensor]:
     """Stack `factor` consecutive 10 ms frames into one model frame (AALBERT input).
 
     Args:
         x: (B, T, F) features, padded past `lengths`.
         lengths: (B,) valid frames.
+        frames: model frames T' to return (>= ceil(T / factor); default that), so a caller
+            that pads to a length bucket gets it in the same copy.
     Returns:
-        (B, ceil(T / factor), factor * F) stacked features (frames past each length are zero,
-        so a partial last model frame is zero-filled), and lengths ceil(lengths / factor).
+        (B, T', factor * F) stacked features, zero past each length (a partial last model
+        frame is zero-filled), and lengths ceil(lengths / factor).
     """
     B, T, F = x.shape
-    valid = ~lengths_to_padding_mask(lengths.to(x.device), T)  # (B, T)
-    x = x.masked_fill(~valid[..., None], 0.0)
-    T_pad = -(-T // factor) * factor
-    if T_pad != T:
-        x = torch.nn.functional.pad(x, (0, 0, 0, T_pad - T))  # (B, T_pad, F)
+    T_pad = max(-(-T // factor), frames or 0) * factor
+    # one copy: padded (or cloned), then zeroed past the lengths in place
+    x = torch.nn.functional.pad(x, (0, 0, 0, T_pad - T)) if T_pad != T else x.clone()
+    if (
+        x.device.type == "cpu"
+        and lengths.device.type == "cpu"
+        and not torch.compiler.is_compiling()
+    ):
+        for b, n in enumerate(lengths.tolist()):  # the loader's case: touch the padding only
+            x[b, n:] = 0.0
+    else:  # lengths on a GPU are not read on the host
+        x.masked_fill_(lengths_to_padding_mask(lengths.to(x.device), T_pad)[..., None], 0.0)
     stacked = x.reshape(B, T_pad // factor, factor * F)  # (B, T', factor*F)
     return stacked, torch.div(lengths + factor - 1, factor, rounding_mode="floor")
 

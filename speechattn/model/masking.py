@@ -195,14 +195,19 @@ def mask_frames(
     lengths_cpu = lengths.detach().to("cpu", torch.long)
     chosen, source, mode = draw_masks(lengths_cpu, T, cfg, generator)
     num_chosen = int(chosen.sum())  # host data: free
-    zero = chosen & (mode == ZERO)[:, None]  # (B, T')
-    rows, cols = (chosen & (mode == RANDOM)[:, None]).nonzero(as_tuple=True)  # host: free
-    inputs = x.masked_fill(zero.to(x.device, non_blocking=True)[..., None], 0.0)
+
+    def on_device(*index: Tensor) -> tuple[Tensor, ...]:
+        return tuple(i.to(x.device, non_blocking=True) for i in index)
+
+    # the chosen frames by (row, frame) index, found on the host (free there): writing only
+    # them into a copy of x is ~3x faster on a CPU than a masked_fill over all of x
+    inputs = x.clone()
+    rows, cols = (chosen & (mode == ZERO)[:, None]).nonzero(as_tuple=True)
+    if len(rows):  # ZERO rows' chosen frames
+        inputs[on_device(rows, cols)] = 0.0
+    rows, cols = (chosen & (mode == RANDOM)[:, None]).nonzero(as_tuple=True)
     if len(rows):  # RANDOM rows' chosen frames copied in (a few % of the frames)
-        src = (rows, source[rows, cols])
-        dst = (rows, cols)
-        dst, src = [tuple(i.to(x.device, non_blocking=True) for i in ix) for ix in (dst, src)]
-        inputs[dst] = x[src]
+        inputs[on_device(rows, cols)] = x[on_device(rows, source[rows, cols])]
     chosen_dev = chosen.to(x.device, non_blocking=True)
     return MaskedBatch(inputs, x, chosen_dev, lengths_cpu, mode, num_chosen)
 
@@ -223,13 +228,12 @@ def mask_batch(
     Padding to a multiple gives a compiled step few shapes (one per bucket) and lets SDPA
     take masks without padding them to its alignment itself.
     """
-    stacked, stacked_lengths = stack_frames(features, lengths, stack)  # (B, T', stack*F)
-    T = stacked.shape[1]
+    T = -(-features.shape[1] // stack)  # model frames
     padded = -(-T // pad_to_multiple) * pad_to_multiple
     if max_model_frames is not None:
         padded = max(T, min(padded, max_model_frames))
-    if padded != T:
-        stacked = torch.nn.functional.pad(stacked, (0, 0, 0, padded - T))
+    # (B, padded, stack*F): stacked and padded to the bucket in one copy
+    stacked, stacked_lengths = stack_frames(features, lengths, stack, frames=padded)
     return mask_frames(stacked, stacked_lengths, cfg, generator)
 
 

@@ -116,6 +116,20 @@ def test_stack_frames_shapes_and_content():
     assert (stacked[1, 1, 2:] == 0).all() and (stacked[1, 2] == 0).all()  # padding stays zero
 
 
+def test_stack_frames_pads_to_a_bucket_in_the_same_call_and_leaves_its_input_alone():
+    x = torch.randn(2, 7, 2) + 5.0  # nonzero everywhere, padding included
+    before = x.clone()
+    plain, _ = stack_frames(x, torch.tensor([7, 4]), factor=3)
+    bucket, lengths = stack_frames(x, torch.tensor([7, 4]), factor=3, frames=5)
+    assert bucket.shape == (2, 5, 6) and lengths.tolist() == [3, 2]
+    torch.testing.assert_close(bucket[:, :3], plain)
+    assert (bucket[:, 3:] == 0).all() and (plain[1, 1, 2:] == 0).all()
+    torch.testing.assert_close(x, before)  # zeroed in its own copy
+    same, _ = stack_frames(x[:, :6], torch.tensor([6, 4]), factor=3)  # no pad: still a copy
+    torch.testing.assert_close(x, before)
+    assert (same[1, 1, 2:] == 0).all()
+
+
 def test_stack_then_expand_round_trip():
     T, F = 10, 2
     x = torch.randn(1, T, F)
