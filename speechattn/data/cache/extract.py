@@ -43,6 +43,7 @@ from speechattn.data.cache.layout import (
     ExtractionSettings,
     ShardPaths,
     manifest_key,
+    manifest_of,
     plan_path,
     shard_dir,
     shard_key,
@@ -54,9 +55,16 @@ from speechattn.data.cache.store import (
     OPEN_SHARDS,
     FeatureStore,
     load_manifest,
+    manifest_meta,
     touch,
 )
-from speechattn.data.claims import ClaimConfig, claim_map, host_name, remove_stale_temps
+from speechattn.data.claims import (
+    ClaimConfig,
+    claim_map,
+    claim_pending,
+    host_name,
+    remove_stale_temps,
+)
 from speechattn.data.errors import DataError, Issues, Skip
 from speechattn.data.features import FeatureConfig, LogMel, min_samples_for
 from speechattn.data.librispeech import Utterance, scan_split, walk_split
@@ -271,9 +279,10 @@ def _pool(workers: int) -> Iterator[Pool | None]:
 
 
 def _map(fn: Callable[[Any], Any], items: list[Any], workers: int) -> Iterator[Any]:
-    """`fn` over `items`, in `workers` processes (results in completion order) or inline."""
+    """`fn` over `items`, in `workers` processes or inline; results in the order of `items`
+    (`fingerprints` pairs them with their files by position)."""
     with _pool(min(workers, len(items))) as pool:
-        yield from map(fn, items) if pool is None else pool.imap_unordered(fn, items)
+        yield from map(fn, items) if pool is None else pool.imap(fn, items)
 
 
 # ----------------------------------------------------------------------------- one folder
@@ -370,7 +379,7 @@ def extract_features(
         atomic_write_text(settings_file, json.dumps(settings.fingerprint(), indent=2))
     manifests = splits_dir(cache_root)
     manifests.mkdir(parents=True, exist_ok=True)
-    remove_stale_temps(manifests, lambda name: None, claim_config)  # untouched for the expiry
+    remove_stale_temps(manifests, manifest_of, claim_config)  # plans': untouched for the expiry
     manifest = manifests / f"{manifest_key(folder, settings)}.json"
     n_workers = workers or min(os.cpu_count() or 1, 8)
 
@@ -447,10 +456,24 @@ def extract_features(
     if left:
         log.info("%s: done in %.1f s", description, time.perf_counter() - start)
 
-    # 4. the folder's manifest (npz, then its json: the commit), then the plan goes
-    _write_manifest(
-        manifest, folder, settings, utterances, shas, ranges, keys, markers, listing, scan_skips
-    )  # fmt: skip
+    # 4. the folder's manifest (npz, then its json: the commit), then the plan goes. One process
+    # writes it, the others wait (a json and an npz of two writers would not match).
+    records = json.loads(json.dumps({k: m["files"] for k, m in zip(keys, markers) if m}))
+
+    def written(unit: str) -> bool:
+        """Whether the manifest committed is this one: shards, their files, the listing."""
+        try:
+            meta = manifest_meta(manifest)
+        except DataError:
+            return False
+        return (meta["shards"], meta["records"], meta["listing"]) == (keys, records, listing)
+
+    for _ in claim_pending([manifest.stem], manifests, written, claim_config, "manifests"):
+        _write_manifest(
+            manifest, folder, settings, utterances, shas, ranges, keys, markers, listing,
+            scan_skips,
+        )  # fmt: skip
+    touch(manifest)  # used now (`ls`), whoever wrote it
     plan.unlink(missing_ok=True)
     store = FeatureStore(manifest, max_open_shards)
     report(store, issues, scan=False)

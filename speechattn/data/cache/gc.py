@@ -171,17 +171,19 @@ def survey(cache_root: str | Path, grace_s: float = GRACE_S, check_files: bool =
                   _old_entries(features), protected)  # fmt: skip
 
 
-def _claimed(shard: ShardFiles, claims: ClaimConfig | None) -> bool:
+def _claimed(shard: ShardFiles, claim_config: ClaimConfig | None) -> bool:
     """Whether a live process holds the shard's claim (someone is extracting it)."""
     claim = shard.directory / f"{shard.key}{CLAIM_SUFFIX}"
-    return claim in shard.files and live_claim(shard.directory, shard.key, claims) is not None
+    return claim in shard.files and live_claim(shard.directory, shard.key, claim_config) is not None
 
 
-def _kept(shard: ShardFiles, grace_s: float, now: float, claims: ClaimConfig | None) -> str | None:
+def _kept(
+    shard: ShardFiles, grace_s: float, now: float, claim_config: ClaimConfig | None
+) -> str | None:
     """Why an unreferenced shard must stay for now, or None."""
     if now - shard.newest < grace_s:
         return "younger than the grace period"
-    if _claimed(shard, claims):
+    if _claimed(shard, claim_config):
         return "claimed"
     return None
 
@@ -197,12 +199,12 @@ def collect(
     cache_root: str | Path,
     dry_run: bool = False,
     grace_s: float = GRACE_S,
-    claims: ClaimConfig | None = None,
+    claim_config: ClaimConfig | None = None,
 ) -> dict:
     """Remove what no manifest uses (see the module docstring). Returns what was (or, with
     `dry_run`, would be) removed: {"manifests", "shards", "old_entries", "temp_files", "bytes",
-    "kept" (unused shards or entries too young or claimed to remove)}. `claims`: the claim
-    timing extractions run with (`data.claim_expiry_s`; default the defaults)."""
+    "kept" (unused shards or entries too young or claimed to remove)}. `claim_config`: the
+    claims' timing the extractions run with (`data.claim_expiry_s`; None: the defaults)."""
     s = survey(cache_root, grace_s)
     now = time.time()
     removed = {"manifests": [], "shards": [], "old_entries": [], "temp_files": [], "bytes": 0,
@@ -218,14 +220,14 @@ def collect(
             plan.unlink(missing_ok=True)
     for shard in s.shards.values():  # debris of killed writers, even beside a used shard
         old = [f for f in shard.files if TEMP_MARK in f.name and _older(f, grace_s, now)]
-        if not old or shard.key not in s.protected or _claimed(shard, claims):
+        if not old or shard.key not in s.protected or _claimed(shard, claim_config):
             continue
         for f in old:
             removed["temp_files"].append(f)
             if not dry_run:
                 f.unlink(missing_ok=True)
     for shard in s.unreferenced:
-        if _kept(shard, grace_s, now, claims):
+        if _kept(shard, grace_s, now, claim_config):
             removed["kept"] += 1
             continue
         removed["shards"].append(shard.key)

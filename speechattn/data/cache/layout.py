@@ -28,6 +28,7 @@ from speechattn.utils import digest
 # 3: content-addressed shards shared by every corpus folder, per-folder manifests
 CACHE_VERSION = 3
 _SHARD_KEY_RE = re.compile(r"^[0-9a-f]{32}$")  # `shard_key`: 32 hex digits
+_MANIFEST_KEY_RE = re.compile(r"^[0-9a-f]{16}$")  # `manifest_key`: 16 hex digits
 OLD_ENTRY_RE = re.compile(r"^[0-9a-f]{16}$")  # a version-2 entry: features/<key>/
 
 
@@ -112,6 +113,13 @@ def shard_of(name: str) -> str | None:
     (`settings.json`, a claims clock file)."""
     key = name.split(".", 1)[0]
     return key if _SHARD_KEY_RE.match(key) else None
+
+
+def manifest_of(name: str) -> str | None:
+    """The manifest a file of the splits folder belongs to: `<key>.json`, `<key>.npz` (and
+    their temporary names) -> key; None for the others (plans, a claims clock file)."""
+    key, _, rest = name.partition(".")
+    return key if _MANIFEST_KEY_RE.match(key) and rest in ("json", "npz") else None
 
 
 def plan_path(manifest: Path, host: str, pid: int) -> Path:
