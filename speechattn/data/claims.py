@@ -393,10 +393,11 @@ class WorkShare:
 
         with WorkShare(units, folder, is_done, config) as share:
             while True:
-                for unit in share.claim(n):   # up to n units: nobody finished or holds them
+                batch = share.claim(n)        # up to n units: nobody finished or holds them
+                for unit in batch:
                     do(unit)
                     share.finished(unit)      # is_done(unit) must now be True: released
-                if nothing was claimed and not share.wait():
+                if not batch and not share.wait():
                     break                     # every unit is done, by someone
 
     Not thread-safe: use it from one thread (the heartbeat thread is its own business).

@@ -28,15 +28,25 @@ def usable_cpus() -> int:
     return os.cpu_count() or 1
 
 
-def local_world_size() -> int:
-    """Processes of this job on this node: `LOCAL_WORLD_SIZE` (torchrun), else
-    `SLURM_NTASKS_PER_NODE` (Lightning under SLURM; "4(x2)" reads 4), else `WORLD_SIZE`
-    (Lightning's own launcher: exact on one node, an upper bound on several), else 1."""
-    for name in ("LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE", "WORLD_SIZE"):
-        value = os.environ.get(name, "").split("(")[0]
-        if value.isdigit() and int(value) > 0:
-            return int(value)
-    return 1
+def _env_count(name: str) -> int | None:
+    """A positive count from the environment ("4(x2)", SLURM's per-node form, reads 4)."""
+    value = os.environ.get(name, "").split("(")[0]
+    return int(value) if value.isdigit() and int(value) > 0 else None
+
+
+def rank_cpus() -> int:
+    """CPU cores for this process's own work when every DDP rank works at once: torchrun
+    (`LOCAL_WORLD_SIZE`) starts a node's ranks on the same cores, so they share them; a SLURM
+    task has `SLURM_CPUS_PER_TASK` of its own; otherwise the cores are shared among
+    `SLURM_NTASKS_PER_NODE` tasks, or `WORLD_SIZE` ranks (Lightning's own launcher: exact on
+    one node, too many on several, which errs towards fewer workers)."""
+    cpus = usable_cpus()
+    if ranks := _env_count("LOCAL_WORLD_SIZE"):
+        return cpus // ranks
+    if own := _env_count("SLURM_CPUS_PER_TASK"):
+        return min(cpus, own)
+    ranks = _env_count("SLURM_NTASKS_PER_NODE") or _env_count("WORLD_SIZE") or 1
+    return cpus // ranks
 
 
 def local_rank() -> int:
@@ -100,8 +110,8 @@ class DataConfig:
     # ---- robustness and bookkeeping ----
     on_error: str = "error"  # error | skip (counted and reported)
     seed: int = 0
-    # feature-extraction processes per process (per DDP rank); None: the usable CPU cores
-    # shared among this node's ranks (`local_world_size`), at most 8
+    # feature-extraction processes per process (per DDP rank: every rank extracts); None: this
+    # rank's share of the node's cores (`rank_cpus`), at most 8
     extract_workers: int | None = None
     # utterances per cache shard on average (unit of resume, of parallel work and of what a
     # changed file re-extracts); shards hold at most 3x as many
@@ -197,11 +207,11 @@ class DataConfig:
 
     @property
     def extraction_workers(self) -> int:
-        """`extract_workers`, with null resolved: this node's usable cores shared among its
-        ranks (every rank extracts), at most 8."""
+        """`extract_workers`, with null resolved: this rank's share of the node's cores (every
+        rank extracts at the same time), at most 8."""
         if self.extract_workers is not None:
             return self.extract_workers
-        return max(1, min(8, usable_cpus() // local_world_size()))
+        return max(1, min(8, rank_cpus()))
 
     def claim_config(self) -> ClaimConfig:
         """The claims' timing (`speechattn.data.claims`) from the settings above."""

@@ -258,11 +258,15 @@ def test_claim_settings_are_validated_and_extraction_workers_share_the_node(monk
     with pytest.raises(ValueError, match="data.extract_workers must be >= 1 or null"):
         DataConfig(extract_workers=0)
     monkeypatch.setattr(config_module, "usable_cpus", lambda: 16)
-    for name in ("LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE", "WORLD_SIZE"):
+    for name in ("LOCAL_WORLD_SIZE", "SLURM_CPUS_PER_TASK", "SLURM_NTASKS_PER_NODE", "WORLD_SIZE"):
         monkeypatch.delenv(name, raising=False)
     assert DataConfig().extraction_workers == 8  # alone: all cores, at most 8
-    monkeypatch.setenv("SLURM_NTASKS_PER_NODE", "8(x2)")
-    assert DataConfig().extraction_workers == 2
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")  # torchrun's count comes first
+    monkeypatch.setenv("WORLD_SIZE", "4")  # Lightning's launcher: 4 ranks on these cores
     assert DataConfig().extraction_workers == 4
-    assert DataConfig(extract_workers=3).extraction_workers == 3
+    monkeypatch.setenv("SLURM_NTASKS_PER_NODE", "8(x2)")  # 8 SLURM tasks on each of 2 nodes
+    assert DataConfig().extraction_workers == 2
+    monkeypatch.setenv("SLURM_CPUS_PER_TASK", "3")  # ... each with 3 cores of its own
+    assert DataConfig().extraction_workers == 3
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "16")  # torchrun: its ranks share the cores
+    assert DataConfig().extraction_workers == 1
+    assert DataConfig(extract_workers=5).extraction_workers == 5
