@@ -7,6 +7,9 @@ make each unit get done once, by whoever is free, and let the others wait for th
     for shard in claim_pending(names, entry, done, what="shards"):
         extract(shard)                       # atomic writes, the marker last
 
+`claim_map` does the same with a process pool, keeping every worker busy (the feature cache's
+extraction, `cache/extract.py`); `claim_batches` hands out lists of units.
+
 A claim is `<claims_dir>/<unit>.claim`, created with O_CREAT|O_EXCL (atomic on local disks and
 NFSv3+) and holding the holder's host, pid, start time and a random token. A daemon thread in
 the holding process touches (mtime) every claim it holds every `heartbeat_s`. A claim untouched
@@ -26,21 +29,26 @@ from __future__ import annotations
 import json
 import logging
 import os
+import queue
 import secrets
 import socket
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import closing
 from dataclasses import dataclass
+from multiprocessing.pool import Pool
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from speechattn.data.errors import DataError
 from speechattn.utils import TEMP_MARK, temp_name
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+R = TypeVar("R")
 
 HOST_ENV = "SPEECHATTN_HOST"  # overrides socket.gethostname(): tests stand in for nodes with it
 CLAIM_SUFFIX = ".claim"
@@ -229,6 +237,12 @@ class Claims:
         same_machine = info.host == self.host and info.machine and info.machine == self.machine
         return bool(same_machine and info.pid != os.getpid() and not _pid_alive(info.pid))
 
+    def live_holder(self, unit: str) -> ClaimInfo | None:
+        """Who is working on `unit` now: its claim's holder, None when the claim is absent or
+        dead (what `remove_stale_temps` and the cache's `gc` ask before deleting anything)."""
+        info = self.holder(unit)
+        return None if info is None or self.is_dead(info) else info
+
     # ---- claiming
     def try_claim(self, unit: str) -> bool:
         """Claim `unit`: True when it is now ours (it was free, or its holder was dead and this
@@ -372,6 +386,109 @@ class Claims:
 # ----------------------------------------------------------------------------- driver
 
 
+class WorkShare:
+    """One process's view of a job shared over `claims_dir`: which of `units` it may do next
+    and, once it has nothing left to do, the wait for the units others hold. `claim_batches`
+    and `claim_map` drive it; a context manager (it runs the claims' heartbeat).
+
+        with WorkShare(units, folder, is_done, config) as share:
+            while True:
+                batch = share.claim(n)        # up to n units: nobody finished or holds them
+                for unit in batch:
+                    do(unit)
+                    share.finished(unit)      # is_done(unit) must now be True: released
+                if not batch and not share.wait():
+                    break                     # every unit is done, by someone
+
+    Not thread-safe: use it from one thread (the heartbeat thread is its own business).
+    """
+
+    def __init__(
+        self,
+        units: Iterable[str],
+        claims_dir: str | Path,
+        is_done: Callable[[str], bool],
+        config: ClaimConfig | None = None,
+        what: str = "units",
+        host: str | None = None,
+    ) -> None:
+        units = list(units)
+        if len(set(units)) != len(units):
+            raise ValueError(f"{what}: unit names must be unique")
+        self.config = config or ClaimConfig()
+        self.claims = Claims(claims_dir, self.config, host)
+        self.is_done = is_done
+        self.what = what
+        self._queue = deque(units)  # still to look at, in order
+        self._waiting: list[str] = []  # others held them when last looked at
+        self._last_progress = self._last_log = time.monotonic()
+
+    def __enter__(self) -> WorkShare:
+        self.claims.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.claims.close()  # releases what is still held: the next process may take it
+
+    def claim(self, n: int) -> list[str]:
+        """Up to `n` units claimed for this process, in order: those neither done nor held by
+        a live process (a dead holder's claim is taken over). [] when none is free now."""
+        batch: list[str] = []
+        while self._queue and len(batch) < n:
+            unit = self._queue.popleft()
+            if self.is_done(unit):
+                continue
+            if not self.claims.try_claim(unit):
+                self._waiting.append(unit)
+            elif self.is_done(unit):  # its previous holder finished it just before we claimed
+                self.claims.release(unit)
+            else:
+                batch.append(unit)
+        return batch
+
+    def finished(self, unit: str) -> None:
+        """`unit`, claimed here, is done: release its claim (RuntimeError when `is_done` says
+        it is not: work that claims success without its commit would be lost silently)."""
+        if not self.is_done(unit):
+            raise RuntimeError(
+                f"{unit} ({self.what}) was handed out, but is_done({unit!r}) is still False "
+                "when the next ones are asked for: the work must finish it"
+            )
+        self.claims.release(unit)
+        self._last_progress = time.monotonic()
+
+    def wait(self) -> bool:
+        """Call when this process holds nothing and `claim` found nothing: False when every
+        unit is done; else sleeps `poll_s` and queues the units others held for another look
+        (done, released undone, or their holder died), True. Logs a progress line naming the
+        holders every `log_every_s`; `ClaimTimeout` when none of them finished for
+        `wait_timeout_s`."""
+        still = [unit for unit in self._waiting if not self.is_done(unit)]
+        if not still and not self._queue:
+            return False
+        now = time.monotonic()
+        if len(still) < len(self._waiting):
+            self._last_progress = now
+        self._waiting = []
+        config = self.config
+        if now - self._last_progress > config.wait_timeout_s:
+            raise _timeout(self.claims, still, self.what, now - self._last_progress)
+        if now - self._last_log >= config.log_every_s:
+            log.info(
+                "waiting for %d %s claimed by other processes: %s; none finished for "
+                "%.0f s (gives up after %.0f s)",
+                len(still),
+                self.what,
+                _by_holder(self.claims, still),
+                now - self._last_progress,
+                config.wait_timeout_s,
+            )
+            self._last_log = now
+        time.sleep(config.poll_s)
+        self._queue.extend(still)
+        return True
+
+
 def claim_batches(
     units: Iterable[str],
     claims_dir: str | Path,
@@ -387,67 +504,22 @@ def claim_batches(
     skipping those `is_done` and those others hold. The caller does a list's units (a pool of
     `size` workers may) before asking for the next list; then each must be done (else
     RuntimeError) and its claim is released. When nothing is left to claim, waits until every
-    unit is done, polling every `poll_s`: a unit whose claim expires or is released undone is
-    claimed and yielded here; a progress line is logged every `log_every_s`; `ClaimTimeout`
-    (naming the units, their holders and claim files) when none of them finishes for
-    `wait_timeout_s`. Claims still held when the caller stops (an exception, `break`) are
+    unit is done (`WorkShare.wait`: a unit whose claim expires or is released undone is
+    claimed and yielded here; progress lines; `ClaimTimeout` naming the units, their holders
+    and claim files). Claims still held when the caller stops (an exception, `break`) are
     released.
     """
     if size < 1:
         raise ValueError(f"size must be >= 1, found {size}")
-    units = list(units)
-    if len(set(units)) != len(units):
-        raise ValueError(f"{what}: unit names must be unique")
-    config = config or ClaimConfig()
-    with Claims(claims_dir, config, host) as claims:
-        queue = deque(units)
-        waiting: list[str] = []  # units others held when last seen
-        last_progress = last_log = time.monotonic()
+    with WorkShare(units, claims_dir, is_done, config, what, host) as share:
         while True:
-            batch: list[str] = []
-            while queue and len(batch) < size:
-                unit = queue.popleft()
-                if is_done(unit):
-                    continue
-                if not claims.try_claim(unit):
-                    waiting.append(unit)
-                elif is_done(unit):  # its previous holder finished it just before we claimed
-                    claims.release(unit)
-                else:
-                    batch.append(unit)
+            batch = share.claim(size)
             if batch:
                 yield list(batch)
                 for unit in batch:
-                    if not is_done(unit):
-                        raise RuntimeError(
-                            f"{unit} ({what}) was handed out, but is_done({unit!r}) is still "
-                            "False when the next ones are asked for: the work must finish it"
-                        )
-                    claims.release(unit)
-                last_progress = time.monotonic()
-                continue
-            still = [unit for unit in waiting if not is_done(unit)]
-            if not still:
+                    share.finished(unit)
+            elif not share.wait():
                 return
-            now = time.monotonic()
-            if len(still) < len(waiting):
-                last_progress = now
-            waiting = []
-            if now - last_progress > config.wait_timeout_s:
-                raise _timeout(claims, still, what, now - last_progress)
-            if now - last_log >= config.log_every_s:
-                log.info(
-                    "waiting for %d %s claimed by other processes: %s; none finished for "
-                    "%.0f s (gives up after %.0f s)",
-                    len(still),
-                    what,
-                    _by_holder(claims, still),
-                    now - last_progress,
-                    config.wait_timeout_s,
-                )
-                last_log = now
-            time.sleep(config.poll_s)
-            queue.extend(still)  # look again: done, released undone, or their holder died
 
 
 def claim_pending(
@@ -462,6 +534,56 @@ def claim_pending(
     with closing(claim_batches(units, claims_dir, is_done, 1, config, what, host)) as batches:
         for (unit,) in batches:
             yield unit
+
+
+def claim_map(
+    fn: Callable[[T], R],
+    items: Mapping[str, T],
+    claims_dir: str | Path,
+    is_done: Callable[[str], bool],
+    pool: Pool | None = None,
+    workers: int = 1,
+    config: ClaimConfig | None = None,
+    what: str = "units",
+    host: str | None = None,
+) -> Iterator[tuple[str, R]]:
+    """`fn(items[unit])` for each unit (`items`' keys, in order) that no other process running
+    this over `claims_dir` did or does, yielding `(unit, result)` in completion order; then
+    waits for the units others hold, as `claim_batches` does.
+
+    `fn` must make `is_done(unit)` true (its commit) before it returns; the unit's claim is
+    released when its result arrives. With a `pool`, `workers` units are claimed and running
+    at a time, a new one claimed as each finishes; without, `fn` runs here, one at a time.
+    Create the pool before calling this (its processes fork before the heartbeat thread
+    starts) and consume this generator in one thread. A failure of `fn` is raised here after
+    the claims still held are released (the pool's other tasks run on: end the pool).
+    """
+    if workers < 1:
+        raise ValueError(f"workers must be >= 1, found {workers}")
+    arrived: queue.SimpleQueue[tuple[str, bool, Any]] = queue.SimpleQueue()
+    running = 0
+    with WorkShare(items, claims_dir, is_done, config, what, host) as share:
+        while True:
+            for unit in share.claim((workers if pool is not None else 1) - running):
+                running += 1
+                if pool is None:
+                    arrived.put((unit, True, fn(items[unit])))
+                    continue
+                pool.apply_async(
+                    fn,
+                    (items[unit],),
+                    callback=lambda result, unit=unit: arrived.put((unit, True, result)),
+                    error_callback=lambda error, unit=unit: arrived.put((unit, False, error)),
+                )
+            if running:
+                unit, ok, value = arrived.get()  # the pool's result thread puts them
+                running -= 1
+                if not ok:
+                    raise value
+                share.finished(unit)
+                yield unit, value
+            elif not share.wait():
+                return
 
 
 def _by_holder(claims: Claims, units: list[str], shown: int = 5) -> str:
@@ -505,6 +627,17 @@ def _timeout(claims: Claims, units: list[str], what: str, waited: float) -> Clai
 # ----------------------------------------------------------------------------- temporary files
 
 
+def live_claim(
+    claims_dir: str | Path, unit: str, config: ClaimConfig | None = None
+) -> ClaimInfo | None:
+    """`Claims.live_holder` for a process that claims nothing itself (`gc`)."""
+    claims = Claims(claims_dir, config)
+    try:
+        return claims.live_holder(unit)
+    finally:
+        claims.close()
+
+
 def remove_stale_temps(
     directory: str | Path,
     unit_of: Callable[[str], str | None],
@@ -532,8 +665,7 @@ def remove_stale_temps(
                 except FileNotFoundError:  # renamed into place meanwhile
                     continue
             else:
-                holder = claims.holder(unit)
-                stale = holder is None or claims.is_dead(holder)
+                stale = claims.live_holder(unit) is None
             if stale:
                 tmp.unlink(missing_ok=True)
                 removed.append(tmp)
@@ -550,9 +682,12 @@ __all__ = [
     "ClaimInfo",
     "ClaimTimeout",
     "Claims",
+    "WorkShare",
     "claim_batches",
+    "claim_map",
     "claim_pending",
     "host_name",
+    "live_claim",
     "read_claim",
     "remove_stale_temps",
 ]

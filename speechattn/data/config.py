@@ -12,12 +12,47 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from speechattn.data.claims import ClaimConfig
 from speechattn.utils import default_cache_root
 
 CORPUS_CHOICES = ("embedded", "librispeech")
 NORMALIZATION_CHOICES = ("global", "utterance", "none")
 SAMPLE_RATE_POLICIES = ("resample", "error")
 CACHE_DTYPES = ("float16", "float32")
+
+
+def usable_cpus() -> int:
+    """CPU cores this process may run on (its affinity mask: a SLURM or taskset share)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
+def _env_count(name: str) -> int | None:
+    """A positive count from the environment ("4(x2)", SLURM's per-node form, reads 4)."""
+    value = os.environ.get(name, "").split("(")[0]
+    return int(value) if value.isdigit() and int(value) > 0 else None
+
+
+def rank_cpus() -> int:
+    """CPU cores for this process's own work when every DDP rank works at once: torchrun
+    (`LOCAL_WORLD_SIZE`) starts a node's ranks on the same cores, so they share them; a SLURM
+    task has `SLURM_CPUS_PER_TASK` of its own; otherwise the cores are shared among
+    `SLURM_NTASKS_PER_NODE` tasks, or `WORLD_SIZE` ranks (Lightning's own launcher: exact on
+    one node, too many on several, which errs towards fewer workers)."""
+    cpus = usable_cpus()
+    if ranks := _env_count("LOCAL_WORLD_SIZE"):
+        return cpus // ranks
+    if own := _env_count("SLURM_CPUS_PER_TASK"):
+        return min(cpus, own)
+    ranks = _env_count("SLURM_NTASKS_PER_NODE") or _env_count("WORLD_SIZE") or 1
+    return cpus // ranks
+
+
+def local_rank() -> int:
+    """This process's rank on its node (`LOCAL_RANK`, set by Lightning and torchrun; else 0)."""
+    value = os.environ.get("LOCAL_RANK", "")
+    return int(value) if value.isdigit() else 0
 
 
 @dataclass
@@ -75,7 +110,9 @@ class DataConfig:
     # ---- robustness and bookkeeping ----
     on_error: str = "error"  # error | skip (counted and reported)
     seed: int = 0
-    extract_workers: int | None = None  # feature-extraction processes; None: min(cpu count, 8)
+    # feature-extraction processes per process (per DDP rank: every rank extracts); None: this
+    # rank's share of the node's cores (`rank_cpus`), at most 8
+    extract_workers: int | None = None
     # utterances per cache shard on average (unit of resume, of parallel work and of what a
     # changed file re-extracts); shards hold at most 3x as many
     shard_size: int = 64
@@ -93,6 +130,18 @@ class DataConfig:
     # of 50. Chosen by a seeded hash of the utterance id: the same set for the same corpus
     # and seed, and a grown corpus changes it little (`datamodules.validation_ids`)
     max_val_utterances: int | None = 1000
+
+    # ---- several processes extracting into one cache (DDP ranks, nodes; docs/multinode.md) ----
+    # Every process claims the shards nobody holds (a claim file beside the shard) and waits for
+    # the others'. Defaults live in `speechattn.data.claims.ClaimConfig`.
+    claim_heartbeat_s: float = ClaimConfig.heartbeat_s  # a process touches its claims this often
+    # a claim untouched this long is a dead (or frozen) holder's and another process takes its
+    # shard over; at least 3 x claim_heartbeat_s
+    claim_expiry_s: float = ClaimConfig.expiry_s
+    # give up (`ClaimTimeout`, naming the shards, their holders and claim files) when none of
+    # the shards other processes hold finishes for this long
+    cache_wait_timeout_s: float = ClaimConfig.wait_timeout_s
+    cache_wait_log_s: float = ClaimConfig.log_every_s  # a waiting process logs progress this often
 
     def __post_init__(self) -> None:
         for name in ("pretrain_splits", "labelled_splits", "test_splits"):
@@ -134,14 +183,44 @@ class DataConfig:
             raise ValueError(
                 "data.test_list is null, so data.test_splits must name the test folders"
             )
+        if self.extract_workers is not None and self.extract_workers < 1:
+            raise ValueError(
+                f"data.extract_workers must be >= 1 or null (from the CPU count), "
+                f"found {self.extract_workers}"
+            )
+        try:
+            self.claim_config()
+        except ValueError as e:
+            raise ValueError(
+                f"data.claim_heartbeat_s={self.claim_heartbeat_s}, "
+                f"data.claim_expiry_s={self.claim_expiry_s}, "
+                f"data.cache_wait_timeout_s={self.cache_wait_timeout_s}, "
+                f"data.cache_wait_log_s={self.cache_wait_log_s}: {e}"
+            ) from None
 
     @property
     def loader_workers(self) -> int:
         """`num_workers`, with null resolved from the CPUs this process may use."""
         if self.num_workers is not None:
             return max(0, int(self.num_workers))
-        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-        return max(1, min(8, (cpus or 1) - 1))
+        return max(1, min(8, usable_cpus() - 1))
+
+    @property
+    def extraction_workers(self) -> int:
+        """`extract_workers`, with null resolved: this rank's share of the node's cores (every
+        rank extracts at the same time), at most 8."""
+        if self.extract_workers is not None:
+            return self.extract_workers
+        return max(1, min(8, rank_cpus()))
+
+    def claim_config(self) -> ClaimConfig:
+        """The claims' timing (`speechattn.data.claims`) from the settings above."""
+        return ClaimConfig(
+            heartbeat_s=self.claim_heartbeat_s,
+            expiry_s=self.claim_expiry_s,
+            wait_timeout_s=self.cache_wait_timeout_s,
+            log_every_s=self.cache_wait_log_s,
+        )
 
     @property
     def feature_dim(self) -> int:

@@ -6,6 +6,11 @@ Both resolve the corpus (building the built-in one on first use when `corpus=emb
 folder, shared by both modules), compute normalisation statistics on their training utterances,
 and serve padded, length-bucketed batches (see `speechattn.data.datasets`).
 
+Under DDP, `prepare_data` (local rank 0 of each node) only builds the built-in corpus; every
+rank extracts in `setup`, the ranks of every node sharing the shards through claims, and each
+waits for the shards others hold with progress lines (docs/multinode.md): no rank sits idle in
+a barrier while another extracts.
+
 Bad input follows `cfg.on_error`: "error" raises `DataError` naming the file; "skip" drops the
 utterance, and the skips are logged at the end of `setup` and kept in `.skipped`.
 """
@@ -24,7 +29,7 @@ import torch
 from torch.utils.data import ConcatDataset, DataLoader, RandomSampler, SequentialSampler
 
 from speechattn.data.cache import ExtractionSettings, FeatureStore, open_split
-from speechattn.data.config import DataConfig
+from speechattn.data.config import DataConfig, local_rank
 from speechattn.data.datasets import FeatureDataset, LengthBucketBatchSampler, collate
 from speechattn.data.errors import DataError, Issues, Skip
 from speechattn.data.features import HOP_LENGTH, SAMPLE_RATE, FeatureConfig, Normalizer
@@ -128,14 +133,16 @@ class _CorpusDataModule(L.LightningDataModule):
 
     # ---- corpus and cache ----
     def _split(self, split: str) -> FeatureStore:
-        """Cached features of one split folder (extracted once; a warm start reads the
-        manifest after one stat per file)."""
+        """Cached features of one split folder (extracted once, shard by shard, by whichever
+        process claims each shard first; a warm start reads the manifest after one stat per
+        file). Progress bars on each node's local rank 0 only; every rank logs its waits."""
         if split not in self._splits:
             c = self.cfg
             self._splits[split] = open_split(
                 self.root, split, extraction_settings(c), c.cache_root(), self.issues,
-                workers=c.extract_workers, shard_size=c.shard_size, progress=c.progress,
-                verify=c.verify_cache, max_open_shards=c.max_open_shards,
+                workers=c.extraction_workers, shard_size=c.shard_size,
+                progress=c.progress and local_rank() == 0, verify=c.verify_cache,
+                max_open_shards=c.max_open_shards, claim_config=c.claim_config(),
             )  # fmt: skip
         return self._splits[split]
 
@@ -143,9 +150,10 @@ class _CorpusDataModule(L.LightningDataModule):
         raise NotImplementedError
 
     def prepare_data(self) -> None:
-        """Build the corpus (embedded) and the feature caches; runs once per node under DDP."""
-        for split in self._splits_needed():
-            self._split(split)
+        """Build the built-in corpus on first use (`corpus=embedded` without a root). Lightning
+        runs this on each node's local rank 0 before a barrier; the features are extracted in
+        `setup` by every rank, cooperating through claims."""
+        self._root = resolve_root(self.cfg)
 
     def _normalizer_from(self, parts: list[tuple[FeatureStore, list[int]]]) -> Normalizer:
         if self._given_normalizer is not None:

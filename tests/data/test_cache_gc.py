@@ -17,6 +17,7 @@ import pytest
 from speechattn.data.cache import ExtractionSettings, FeatureStore, open_split, shard_dir
 from speechattn.data.cache import gc as gc_module
 from speechattn.data.cache.__main__ import main
+from speechattn.data.claims import ClaimConfig, Claims
 
 F16 = ExtractionSettings()
 F32 = dataclasses.replace(F16, dtype="float32")
@@ -138,6 +139,31 @@ def test_gc_keeps_claimed_shards_and_a_running_extraction(tiny_corpus, tmp_path)
     assert set(keys) - set(removed["shards"]) == {keys[0], keys[1]} and removed["manifests"]
     assert store.paths(0).npy.exists() and store.paths(1).npy.exists()
     assert not store.paths(2).npy.exists() and not store.paths(2).marker.exists()
+
+
+def test_gc_asks_the_claims_module_who_is_still_working(tiny_corpus, tmp_path):
+    """Without a grace period only claims protect: a live claim (heartbeat) keeps its shard and
+    its temporary files however old; a dead holder's claim protects nothing."""
+    cache, fast = tmp_path / "cache", ClaimConfig(heartbeat_s=0.05, expiry_s=0.4)
+    b = _copy(tiny_corpus, tmp_path / "b")
+    store = _open(b, cache)
+    keys = store.shard_keys
+    temps = [store.directory / f"{key}.npy.tmp-1-abcdef" for key in keys[:2]]
+    for temp in temps:
+        temp.write_bytes(b"half a file")
+        os.utime(temp, (0, 0))
+    dead = store.directory / f"{keys[1]}.claim"
+    dead.write_text('{"host": "ghost", "pid": 4242, "started": 0, "token": "ghost"}')
+    os.utime(dead, (0, 0))
+    with Claims(store.directory, fast, host="node9") as live:
+        assert live.try_claim(keys[0])
+        removed = gc_module.collect(cache, grace_s=0, claim_config=fast)  # corpus b is live
+        assert removed["temp_files"] == [temps[1]] and temps[0].is_file()
+        shutil.rmtree(b)  # now every shard is unused
+        removed = gc_module.collect(cache, grace_s=0, claim_config=fast)
+        assert removed["kept"] == 1 and keys[0] not in removed["shards"]
+        assert set(removed["shards"]) == set(keys[1:]) and not dead.exists()
+        assert store.paths(0).npy.exists() and temps[0].is_file()
 
 
 def test_a_run_says_how_much_cache_no_corpus_uses(cache_with_garbage, caplog, monkeypatch):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import shutil
+import time
 from pathlib import Path
 
 import numpy as np
@@ -15,6 +16,7 @@ from speechattn.data.cache import ExtractionSettings, FeatureStore, open_split, 
 from speechattn.data.cache import extract as extract_module
 from speechattn.data.errors import Issues
 from speechattn.data.features import FeatureConfig
+from speechattn.data.librispeech import scan_split
 
 SETTINGS = ExtractionSettings()
 SPLIT = "synth-clean"
@@ -170,3 +172,17 @@ def test_a_recorded_bad_file_is_named_where_it_is_now(corpus, tmp_path):
     extracted = []
     _open(moved, tmp_path / "cache", extracted, issues=issues)
     assert extracted == [] and [s.path for s in issues.skips] == [str(_flac(moved, bad.stem))]
+
+
+def test_fingerprints_hashed_in_parallel_belong_to_their_files(corpus, monkeypatch):
+    """A pool hashes batches of files; the checksums are paired with the files in order even
+    when the first batch finishes last (completion order once gave files others' checksums,
+    and processes sharing a cache then disagreed on the shard keys)."""
+    utts = scan_split(corpus, SPLIT)
+    hash_file, first = extract_module.file_sha256, str(utts[0].path)
+    monkeypatch.setattr(
+        extract_module, "file_sha256", lambda p: time.sleep(0.5 * (str(p) == first)) or hash_file(p)
+    )  # seen by the pool's processes: forked after the patch
+    monkeypatch.setattr(extract_module, "HASH_BATCH", 4)
+    shas = extract_module.fingerprints(utts, corpus, [], workers=2, progress=False)
+    assert shas == [hash_file(u.path) for u in utts]

@@ -20,6 +20,7 @@ from speechattn.data.claims import (
     Claims,
     ClaimTimeout,
     claim_batches,
+    claim_map,
     claim_pending,
     read_claim,
     remove_stale_temps,
@@ -213,6 +214,29 @@ def test_batches_hold_their_claims_until_done(tmp_path):
             _work(tmp_path, unit, "nodeA")
     assert batches == [units[:3], units[3:6], units[6:]]
     assert _leftovers(tmp_path) == []
+
+
+def _work_in_pool(job: tuple[Path, str]) -> str:
+    folder, unit = job
+    if unit == "u4":
+        raise OSError("disk full")
+    _work(folder, unit, "pool")
+    return unit.upper()
+
+
+def test_claim_map_runs_claimed_units_in_a_pool_and_a_failure_releases_the_claims(tmp_path):
+    jobs = {f"u{i}": (tmp_path, f"u{i}") for i in range(6)}
+    _work(tmp_path, "u1", "earlier")
+    with CTX.Pool(2) as pool:  # before claim_map: forked before the heartbeat thread
+        ran = dict(claim_map(_work_in_pool, dict(list(jobs.items())[:4]), tmp_path,
+                             _done(tmp_path), pool, workers=2, config=FAST))  # fmt: skip
+    assert ran == {"u0": "U0", "u2": "U2", "u3": "U3"}  # u1 was done already
+    with CTX.Pool(2) as pool, pytest.raises(OSError, match="disk full"):
+        for _ in claim_map(_work_in_pool, jobs, tmp_path, _done(tmp_path), pool, 2, FAST):
+            pass
+    assert not list(tmp_path.glob("*.claim"))  # released at once, not after the expiry
+    inline = claim_map(_work_in_pool, {"u9": (tmp_path, "u9")}, tmp_path, _done(tmp_path))
+    assert list(inline) == [("u9", "U9")]  # no pool: run here
 
 
 def test_done_units_are_skipped_and_undone_work_is_an_error(tmp_path):

@@ -17,7 +17,9 @@ mtimes, is never re-read; a file replaced by an identical copy is re-hashed, not
 Writes are atomic (temporary name + rename). A shard counts as done once its json commit
 marker exists, written last; a manifest once its json exists, written after its npz. A killed
 extraction leaves at most temporary files (removed on the next run) and a rerun extracts only
-the shards without a marker. Bad audio is recorded in the shard's marker and the manifest, so
+the shards without a marker. Processes extracting into one cache at the same time (DDP ranks,
+nodes) claim each shard through `speechattn.data.claims` and wait for the others' shards: each
+shard is extracted once, and one of them writes the manifest (docs/multinode.md). Bad audio is recorded in the shard's marker and the manifest, so
 a rerun reports it again without decoding.
 
 Integrity ("checksums once"). Each data file's size, shape, dtype, sha256 and mtime_ns are

@@ -1,6 +1,11 @@
 """Extraction: fingerprint the audio, plan content-defined shards, extract the missing ones in
 parallel, and commit the corpus folder's manifest (`extract_features`); and the start-up path
 that skips all of it when the folder did not change (`open_split`).
+
+Several processes (DDP ranks, nodes sharing the cache, jobs side by side) may extract into one
+cache at once: each pending shard is claimed through `speechattn.data.claims` (its claim file
+beside the shard's files), extracted by the one process holding the claim and released once
+its commit marker is written; the others wait for it (docs/multinode.md).
 """
 
 from __future__ import annotations
@@ -12,12 +17,12 @@ import logging
 import multiprocessing as mp
 import os
 import shutil
-import socket
 import sys
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from contextlib import closing
-from dataclasses import dataclass, field
+from contextlib import closing, contextmanager
+from dataclasses import dataclass
+from multiprocessing.pool import Pool
 from pathlib import Path
 from typing import Any
 
@@ -37,20 +42,28 @@ from speechattn.data.cache.layout import (
     DATA_KINDS,
     ExtractionSettings,
     ShardPaths,
-    claim_shard,
     manifest_key,
-    remove_stale_tmp,
+    manifest_of,
+    plan_path,
     shard_dir,
     shard_key,
+    shard_of,
     splits_dir,
-    wait_for_shard,
 )
 from speechattn.data.cache.store import (
     DEFAULT_MAX_OPEN_SHARDS,
     OPEN_SHARDS,
     FeatureStore,
     load_manifest,
+    manifest_meta,
     touch,
+)
+from speechattn.data.claims import (
+    ClaimConfig,
+    claim_map,
+    claim_pending,
+    host_name,
+    remove_stale_temps,
 )
 from speechattn.data.errors import DataError, Issues, Skip
 from speechattn.data.features import FeatureConfig, LogMel, min_samples_for
@@ -165,8 +178,7 @@ class _ShardTask:
 @dataclass
 class _ShardResult:
     index: int
-    utterances: int
-    marker: dict[str, Any] = field(default_factory=dict)  # empty: another process extracts it
+    marker: dict[str, Any]
 
 
 _LOGMEL: LogMel | None = None
@@ -225,32 +237,28 @@ def _featurise(task: _ShardTask) -> tuple[dict[str, np.ndarray], dict[str, Any]]
 
 
 def _extract_shard(task: _ShardTask) -> _ShardResult:
-    """Extract one shard and write its three files, the commit marker last."""
+    """Extract one shard and write its three files, the commit marker last (the caller holds
+    the shard's claim)."""
     paths = ShardPaths(Path(task.directory), task.key)
-    with claim_shard(paths.directory, task.key) as ours:
-        if not ours:
-            return _ShardResult(task.index, len(task.items))
-        arrays, marker = _featurise(task)
-        try:
-            marker["files"] = {
-                kind: save_npy(paths.data(kind), arrays[kind]) for kind in DATA_KINDS
-            }
-        except OSError as e:
-            if not _disk_full(e):
-                raise
-            shard_bytes = sum(a.nbytes for a in arrays.values())
-            need = shard_bytes / max(len(task.items), 1) * task.total_utterances
-            free = shutil.disk_usage(paths.directory).free
-            raise DataError(
-                paths.directory,
-                "feature cache device is full",
-                f"writing shard {task.key} failed ({e}); {free / 2**20:.0f} MiB free, and "
-                f"extracting all {task.total_utterances} utterances needs about "
-                f"{need / 2**20:.0f} MiB. Free space there or set data.cache_dir to another "
-                f"disk; finished shards are kept and nothing half-written is used",
-            ) from None
-        write_marker(paths.marker, marker)  # commit
-    return _ShardResult(task.index, len(task.items), marker)
+    arrays, marker = _featurise(task)
+    try:
+        marker["files"] = {kind: save_npy(paths.data(kind), arrays[kind]) for kind in DATA_KINDS}
+    except OSError as e:
+        if not _disk_full(e):
+            raise
+        shard_bytes = sum(a.nbytes for a in arrays.values())
+        need = shard_bytes / max(len(task.items), 1) * task.total_utterances
+        free = shutil.disk_usage(paths.directory).free
+        raise DataError(
+            paths.directory,
+            "feature cache device is full",
+            f"writing shard {task.key} failed ({e}); {free / 2**20:.0f} MiB free, and "
+            f"extracting all {task.total_utterances} utterances needs about "
+            f"{need / 2**20:.0f} MiB. Free space there or set data.cache_dir to another "
+            f"disk; finished shards are kept and nothing half-written is used",
+        ) from None
+    write_marker(paths.marker, marker)  # commit
+    return _ShardResult(task.index, marker)
 
 
 def _init_worker() -> None:
@@ -259,15 +267,22 @@ def _init_worker() -> None:
     torch.set_num_threads(1)
 
 
-def _map(fn: Callable[[Any], Any], items: list[Any], workers: int) -> Iterator[Any]:
-    """`fn` over `items`, in `workers` processes (results in completion order) or inline."""
-    workers = min(workers, len(items))
+@contextmanager
+def _pool(workers: int) -> Iterator[Pool | None]:
+    """`workers` processes (one thread each), ended on leaving; None for one worker (inline)."""
     if workers <= 1:
-        yield from map(fn, items)
+        yield None
         return
     method = "fork" if sys.platform.startswith("linux") else "spawn"
     with mp.get_context(method).Pool(workers, initializer=_init_worker) as pool:
-        yield from pool.imap_unordered(fn, items)
+        yield pool
+
+
+def _map(fn: Callable[[Any], Any], items: list[Any], workers: int) -> Iterator[Any]:
+    """`fn` over `items`, in `workers` processes or inline; results in the order of `items`
+    (`fingerprints` pairs them with their files by position)."""
+    with _pool(min(workers, len(items))) as pool:
+        yield from map(fn, items) if pool is None else pool.imap(fn, items)
 
 
 # ----------------------------------------------------------------------------- one folder
@@ -276,6 +291,13 @@ def _map(fn: Callable[[Any], Any], items: list[Any], workers: int) -> Iterator[A
 def _first_failure(marker: dict[str, Any], path_of: dict[str, str]) -> DataError:
     f = marker["failures"][0]
     return DataError(path_of[f["utt_id"]], f["problem"], f["detail"], f["utt_id"])
+
+
+def _check_failures(marker: dict[str, Any], issues: Issues, path_of: dict[str, str]) -> None:
+    """Under `on_error=error`, raise the first bad file a shard recorded (skips are reported
+    from the manifest)."""
+    if marker["failures"] and issues.on_error == "error":
+        raise _first_failure(marker, path_of)
 
 
 def _intact(paths: ShardPaths, verify: bool) -> dict[str, Any] | None:
@@ -300,7 +322,7 @@ def _write_plan(plan: Path, folder: Path, settings: ExtractionSettings, keys: li
     (it is touched after every committed shard)."""
     atomic_write_text(plan, json.dumps({
         "folder": str(folder), "settings_key": settings.key, "shards": keys,
-        "host": socket.gethostname(), "pid": os.getpid(), "started": time.time(),
+        "host": host_name(), "pid": os.getpid(), "started": time.time(),
     }))  # fmt: skip
 
 
@@ -320,6 +342,7 @@ def extract_features(
     listing: str | None = None,
     scan_skips: Sequence[Skip] = (),
     max_open_shards: int = DEFAULT_MAX_OPEN_SHARDS,
+    claim_config: ClaimConfig | None = None,
 ) -> FeatureStore:
     """Cached features of `utterances`; extracts the shards not in the cache first.
 
@@ -327,9 +350,15 @@ def extract_features(
     folder with the same settings and the same audio under the same ids is reused. Bad audio
     goes to `issues` (raise on the first under `on_error=error`, else recorded as skips);
     resampled or down-mixed files are logged as warnings. `on_shard_done(i)` is called after
-    the i-th shard of this extraction's plan is committed (tests use it to interrupt). A cache
-    file that does not match its record is re-extracted with a warning naming it (`verify`:
-    checksum every file first).
+    this process committed the i-th shard of its plan (tests use it to interrupt and count). A
+    cache file that does not match its record is re-extracted with a warning naming it
+    (`verify`: checksum every file first).
+
+    Other processes may run this on the same cache at the same time (the same corpus or
+    another sharing shards): each missing shard is claimed and extracted by one of them, the
+    others wait for it (`claim_config`: heartbeat, expiry, wait timeout and progress lines;
+    `ClaimTimeout` when shards others hold make no progress), and each writes the same
+    manifest. Temporary files are removed only where no live claim covers them.
 
     `folder` (default: the split folder(s) the files are in) names the manifest; `listing` is
     the digest of `walk_split` that `open_split` compares at the next start; `scan_skips` are
@@ -341,14 +370,16 @@ def extract_features(
     if folder is None:
         folder = Path(os.path.commonpath([str(u.path.parents[2]) for u in utterances]))
     folder = Path(folder)
+    claim_config = claim_config or ClaimConfig()
     directory = shard_dir(cache_root, settings)
     directory.mkdir(parents=True, exist_ok=True)
-    remove_stale_tmp(directory)
+    remove_stale_temps(directory, shard_of, claim_config)  # a shard's: when its claim is dead
     settings_file = directory / "settings.json"
     if not settings_file.is_file():
         atomic_write_text(settings_file, json.dumps(settings.fingerprint(), indent=2))
     manifests = splits_dir(cache_root)
     manifests.mkdir(parents=True, exist_ok=True)
+    remove_stale_temps(manifests, manifest_of, claim_config)  # plans': untouched for the expiry
     manifest = manifests / f"{manifest_key(folder, settings)}.json"
     n_workers = workers or min(os.cpu_count() or 1, 8)
 
@@ -362,53 +393,87 @@ def extract_features(
         shard_key(settings, [(u.utt_id, u.size, h) for u, h in zip(utterances[a:b], shas[a:b])])
         for a, b in ranges
     ]
-    plan = manifest.with_suffix(".plan.json")
+    plan = plan_path(manifest, host_name(), os.getpid())
     _write_plan(plan, folder, settings, keys)
 
     # 2. what is there already (intact), what needs extracting
     path_of = {u.utt_id: str(u.path) for u in utterances}
     markers: list[dict[str, Any] | None] = [_intact(ShardPaths(directory, k), verify) for k in keys]
-    if issues.on_error == "error":  # a shard done earlier may already hold a bad file: fail now
-        for marker in markers:
-            if marker is not None and marker["failures"]:
-                raise _first_failure(marker, path_of)
-    pending = [
-        _ShardTask(str(directory), key, i, [(u.utt_id, str(u.path)) for u in utterances[a:b]],
-                   settings, len(utterances))
+    for marker in markers:  # a shard done earlier may already hold a bad file: fail now
+        if marker is not None:
+            _check_failures(marker, issues, path_of)
+    pending = {
+        key: _ShardTask(str(directory), key, i, [(u.utt_id, str(u.path)) for u in utterances[a:b]],
+                        settings, len(utterances))
         for i, (key, (a, b), marker) in enumerate(zip(keys, ranges, markers))
         if marker is None
-    ]  # fmt: skip
+    }  # fmt: skip
     if pending:
         log.info(
             "%s: %d of %d shards (%d utterances) to extract -> %s",
-            description, len(pending), len(keys), sum(len(t.items) for t in pending), directory,
+            description, len(pending), len(keys), sum(len(t.items) for t in pending.values()),
+            directory,
         )  # fmt: skip
 
-    # 3. extract (each shard claimed, written, committed; see layout.claim_shard)
+    # 3. extract: every pending shard claimed, written and committed here, or by another process
     start = time.perf_counter()
-    done = len(utterances) - sum(len(t.items) for t in pending)
+    left = sum(len(t.items) for t in pending.values())
     with progress_bar(len(utterances), description, progress and bool(pending)) as advance:
-        advance(done)
-        with closing(_map(_extract_shard, pending, n_workers)) as results:  # closed: pool ends
-            for result in results:
-                advance(result.utterances)
-                paths = ShardPaths(directory, keys[result.index])
-                if not result.marker:  # claimed by another process: wait for its commit
-                    result.marker = wait_for_shard(paths)
-                OPEN_SHARDS.forget(str(paths.npy))  # a descriptor of a replaced file is stale
-                markers[result.index] = result.marker
-                if result.marker["failures"] and issues.on_error == "error":
-                    raise _first_failure(result.marker, path_of)
-                os.utime(plan)  # still alive: gc keeps what the plan names
-                if on_shard_done is not None:
-                    on_shard_done(result.index)
-    if pending:
+        advance(len(utterances) - left)
+        counted: set[str] = set()
+
+        def committed(key: str) -> bool:
+            """Whether shard `key` is done (by anyone); the bar counts each shard once."""
+            done = ShardPaths(directory, key).marker.is_file()
+            if done and key not in counted:
+                counted.add(key)
+                advance(len(pending[key].items))
+            return done
+
+        while pending:  # one round, unless a shard another process wrote is already damaged
+            workers = min(n_workers, len(pending))
+            with _pool(workers) as pool:  # forked before the claims' heartbeat thread starts
+                shards = claim_map(
+                    _extract_shard, dict(pending), directory, committed, pool, workers,
+                    claim_config, "shards",
+                )  # fmt: skip
+                with closing(shards):  # closed: claims released, then the pool ends
+                    for key, result in shards:
+                        OPEN_SHARDS.forget(str(ShardPaths(directory, key).npy))  # replaced file
+                        markers[result.index] = result.marker
+                        _check_failures(result.marker, issues, path_of)
+                        os.utime(plan)  # still alive: gc keeps what the plan names
+                        if on_shard_done is not None:
+                            on_shard_done(result.index)
+            for key, task in list(pending.items()):
+                if markers[task.index] is None:  # committed by another process
+                    paths = ShardPaths(directory, key)
+                    OPEN_SHARDS.forget(str(paths.npy))
+                    markers[task.index] = _intact(paths, verify=False)
+                if markers[task.index] is not None:
+                    _check_failures(markers[task.index], issues, path_of)
+                    del pending[key]
+    if left:
         log.info("%s: done in %.1f s", description, time.perf_counter() - start)
 
-    # 4. the folder's manifest (npz, then its json: the commit), then the plan goes
-    _write_manifest(
-        manifest, folder, settings, utterances, shas, ranges, keys, markers, listing, scan_skips
-    )  # fmt: skip
+    # 4. the folder's manifest (npz, then its json: the commit), then the plan goes. One process
+    # writes it, the others wait (a json and an npz of two writers would not match).
+    records = json.loads(json.dumps({k: m["files"] for k, m in zip(keys, markers) if m}))
+
+    def written(unit: str) -> bool:
+        """Whether the manifest committed is this one: shards, their files, the listing."""
+        try:
+            meta = manifest_meta(manifest)
+        except DataError:
+            return False
+        return (meta["shards"], meta["records"], meta["listing"]) == (keys, records, listing)
+
+    for _ in claim_pending([manifest.stem], manifests, written, claim_config, "manifests"):
+        _write_manifest(
+            manifest, folder, settings, utterances, shas, ranges, keys, markers, listing,
+            scan_skips,
+        )  # fmt: skip
+    touch(manifest)  # used now (`ls`), whoever wrote it
     plan.unlink(missing_ok=True)
     store = FeatureStore(manifest, max_open_shards)
     report(store, issues, scan=False)
@@ -517,13 +582,15 @@ def open_split(
     verify: bool = False,
     max_open_shards: int = DEFAULT_MAX_OPEN_SHARDS,
     on_shard_done: Callable[[int], None] | None = None,
+    claim_config: ClaimConfig | None = None,
 ) -> FeatureStore:
     """The cached features of the split folder `root/split`, extracting what is missing.
 
     Warm start (the folder is as the cache last saw it): one walk with a stat per file, then
     the manifest's arrays and a stat per shard file (`verify`: a checksum). Otherwise: a full
     scan (transcripts checked), fingerprints where size or mtime changed, and extraction of
-    the shards whose content is not cached (`extract_features`).
+    the shards whose content is not cached (`extract_features`, shared through claims with
+    any other process doing the same; `claim_config`: their timing).
     """
     issues = issues or Issues()
     listing = walk_split(root, split)
@@ -542,7 +609,7 @@ def open_split(
             utts, settings, cache_root, issues, workers, shard_size, progress,
             f"features {split}", on_shard_done, verify, folder=listing.folder,
             listing=listing.digest, scan_skips=issues.skips[before:],
-            max_open_shards=max_open_shards,
+            max_open_shards=max_open_shards, claim_config=claim_config,
         )  # fmt: skip
     from speechattn.data.cache.gc import warn_if_stale
 

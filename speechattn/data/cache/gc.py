@@ -5,9 +5,10 @@ has the recorded size and mtime; a folder that is gone makes it *stale*; some fi
 makes it *changed*: only the shards whose files all still match stay in use (the next run
 re-extracts the others anyway). `gc` removes stale manifests and every shard no live or
 changed manifest uses, and version-2 entries (`features/<key>/`). It never removes a shard
-with a file younger than the grace period, one with a live claim, or one named by the plan of
-an extraction in progress (`splits/*.plan.json`, touched after every shard), so it is safe
-beside a running extraction.
+with a file younger than the grace period, one with a live claim (`claims.live_claim`: the
+claims module decides who is still working, here as in the extraction), or one named by the
+plan of an extraction in progress (`splits/*.plan.json`, touched after every shard), so it is
+safe beside a running extraction; nor a temporary file under a live claim, however old.
 """
 
 from __future__ import annotations
@@ -22,8 +23,9 @@ from pathlib import Path
 
 import numpy as np
 
-from speechattn.data.cache.layout import OLD_ENTRY_RE, claim_is_live, features_root
+from speechattn.data.cache.layout import OLD_ENTRY_RE, features_root
 from speechattn.data.cache.store import load_manifest
+from speechattn.data.claims import CLAIM_SUFFIX, ClaimConfig, live_claim
 from speechattn.data.errors import DataError
 from speechattn.utils import TEMP_MARK
 
@@ -169,11 +171,19 @@ def survey(cache_root: str | Path, grace_s: float = GRACE_S, check_files: bool =
                   _old_entries(features), protected)  # fmt: skip
 
 
-def _kept(shard: ShardFiles, grace_s: float, now: float) -> str | None:
+def _claimed(shard: ShardFiles, claim_config: ClaimConfig | None) -> bool:
+    """Whether a live process holds the shard's claim (someone is extracting it)."""
+    claim = shard.directory / f"{shard.key}{CLAIM_SUFFIX}"
+    return claim in shard.files and live_claim(shard.directory, shard.key, claim_config) is not None
+
+
+def _kept(
+    shard: ShardFiles, grace_s: float, now: float, claim_config: ClaimConfig | None
+) -> str | None:
     """Why an unreferenced shard must stay for now, or None."""
     if now - shard.newest < grace_s:
         return "younger than the grace period"
-    if claim_is_live(shard.directory, shard.key, grace_s):
+    if _claimed(shard, claim_config):
         return "claimed"
     return None
 
@@ -185,10 +195,16 @@ def _older(path: Path, grace_s: float, now: float) -> bool:
         return False
 
 
-def collect(cache_root: str | Path, dry_run: bool = False, grace_s: float = GRACE_S) -> dict:
+def collect(
+    cache_root: str | Path,
+    dry_run: bool = False,
+    grace_s: float = GRACE_S,
+    claim_config: ClaimConfig | None = None,
+) -> dict:
     """Remove what no manifest uses (see the module docstring). Returns what was (or, with
     `dry_run`, would be) removed: {"manifests", "shards", "old_entries", "temp_files", "bytes",
-    "kept" (unused shards or entries too young or claimed to remove)}."""
+    "kept" (unused shards or entries too young or claimed to remove)}. `claim_config`: the
+    claims' timing the extractions run with (`data.claim_expiry_s`; None: the defaults)."""
     s = survey(cache_root, grace_s)
     now = time.time()
     removed = {"manifests": [], "shards": [], "old_entries": [], "temp_files": [], "bytes": 0,
@@ -203,13 +219,15 @@ def collect(cache_root: str | Path, dry_run: bool = False, grace_s: float = GRAC
         if not dry_run:
             plan.unlink(missing_ok=True)
     for shard in s.shards.values():  # debris of killed writers, even beside a used shard
-        for f in shard.files:
-            if TEMP_MARK in f.name and shard.key in s.protected and _older(f, grace_s, now):
-                removed["temp_files"].append(f)
-                if not dry_run:
-                    f.unlink(missing_ok=True)
+        old = [f for f in shard.files if TEMP_MARK in f.name and _older(f, grace_s, now)]
+        if not old or shard.key not in s.protected or _claimed(shard, claim_config):
+            continue
+        for f in old:
+            removed["temp_files"].append(f)
+            if not dry_run:
+                f.unlink(missing_ok=True)
     for shard in s.unreferenced:
-        if _kept(shard, grace_s, now):
+        if _kept(shard, grace_s, now, claim_config):
             removed["kept"] += 1
             continue
         removed["shards"].append(shard.key)

@@ -1,35 +1,34 @@
-"""Where the feature cache keeps what, and what names it: settings and keys, paths, the shard
-claim hook (multi-node extraction) and the clean-up of temporary files left by killed writers.
+"""Where the feature cache keeps what, and what names it: settings and keys, paths.
 
-    <cache_root>/features/
-        shards/<settings key>/settings.json       the extraction settings, for `ls`
-        shards/<settings key>/<shard key>.npy        (frames, F) float16/32 features
-        shards/<settings key>/<shard key>.stats.npy  (utterances, 2, F) float64 sums, sums of squares
-        shards/<settings key>/<shard key>.json       commit marker: ids, lengths, failures, records
-        splits/<manifest key>.npz                 per-utterance index of one corpus folder
-        splits/<manifest key>.json                its commit marker: folder, listing digest, shard
-                                                  keys' records, failures, notes
-        splits/<manifest key>.plan.json           written while extracting: the shards it needs
-        <16 hex digits>/                          a version-2 entry (old layout; `gc` removes it)
+<cache_root>/features/
+    shards/<settings key>/settings.json       the extraction settings, for `ls`
+    shards/<settings key>/<shard key>.npy        (frames, F) float16/32 features
+    shards/<settings key>/<shard key>.stats.npy  (utterances, 2, F) float64 sums, sums of squares
+    shards/<settings key>/<shard key>.json       commit marker: ids, lengths, failures, records
+    shards/<settings key>/<shard key>.claim      held while a process extracts the shard
+                                              (`speechattn.data.claims`; docs/multinode.md)
+    splits/<manifest key>.npz                 per-utterance index of one corpus folder
+    splits/<manifest key>.json                its commit marker: folder, listing digest, shard
+                                              keys' records, failures, notes
+    splits/<manifest key>.<host>-<pid>.plan.json  written while a process extracts for the
+                                              folder: the shards it needs
+    <16 hex digits>/                          a version-2 entry (old layout; `gc` removes it)
 """
 
 from __future__ import annotations
 
-import os
 import re
-import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from speechattn.data.features import FeatureConfig
-from speechattn.utils import TEMP_MARK, digest
+from speechattn.utils import digest
 
 # 3: content-addressed shards shared by every corpus folder, per-folder manifests
 CACHE_VERSION = 3
-_TMP_RE = re.compile(re.escape(TEMP_MARK) + r"(\d+)-")
+_SHARD_KEY_RE = re.compile(r"^[0-9a-f]{32}$")  # `shard_key`: 32 hex digits
+_MANIFEST_KEY_RE = re.compile(r"^[0-9a-f]{16}$")  # `manifest_key`: 16 hex digits
 OLD_ENTRY_RE = re.compile(r"^[0-9a-f]{16}$")  # a version-2 entry: features/<key>/
 
 
@@ -108,57 +107,23 @@ class ShardPaths:
 DATA_KINDS = ("npy", "stats")  # a shard's two data files, as named in the records
 
 
-# ----------------------------------------------------------------------------- concurrency hooks
-# Multi-node extraction (issue #24 item 7) plugs in here: `claim_shard` is entered around the
-# extraction and commit of one shard, `claim_is_live` is what `gc` asks before removing a shard,
-# and `remove_stale_tmp` is the one place where temporary files of dead writers are deleted.
+def shard_of(name: str) -> str | None:
+    """The shard a file of a settings folder belongs to: `<key>.npy`, `<key>.stats.npy`,
+    `<key>.json`, `<key>.claim` (and their temporary names) -> key; None for the others
+    (`settings.json`, a claims clock file)."""
+    key = name.split(".", 1)[0]
+    return key if _SHARD_KEY_RE.match(key) else None
 
 
-def claim_path(directory: Path, key: str) -> Path:
-    """Where a claim on shard `key` would live (written by the claims module, read by gc)."""
-    return directory / f"{key}.claim"
+def manifest_of(name: str) -> str | None:
+    """The manifest a file of the splits folder belongs to: `<key>.json`, `<key>.npz` (and
+    their temporary names) -> key; None for the others (plans, a claims clock file)."""
+    key, _, rest = name.partition(".")
+    return key if _MANIFEST_KEY_RE.match(key) and rest in ("json", "npz") else None
 
 
-@contextmanager
-def claim_shard(directory: Path, key: str) -> Iterator[bool]:
-    """Held while this process extracts and commits shard `key`; yields whether the shard is
-    ours to extract (False: another process holds it -- wait for its commit marker instead).
-
-    Single-host for now: every shard is ours (two processes extracting the same shard write
-    identical files through atomic renames, so the result is right, only the work is doubled).
-    """
-    yield True
-
-
-def wait_for_shard(paths: ShardPaths) -> dict[str, Any]:
-    """The commit marker of a shard another process claimed, once it is written (waiting with
-    progress logging and a timeout belongs here). Unreachable while `claim_shard` always
-    yields True."""
-    raise NotImplementedError(f"shard {paths.key} is claimed by another process")
-
-
-def claim_is_live(directory: Path, key: str, grace_s: float) -> bool:
-    """Whether someone may be working on shard `key` (its claim file changed within `grace_s`)."""
-    try:
-        return time.time() - claim_path(directory, key).stat().st_mtime < grace_s
-    except FileNotFoundError:
-        return False
-
-
-def remove_stale_tmp(directory: Path) -> None:
-    """Delete temporary files (`<name>.tmp-<pid>-...`) whose writer no longer runs on this host.
-
-    A file whose pid is alive here (or cannot be checked) is kept: it may be in progress.
-    """
-    for path in directory.glob(f"*{TEMP_MARK}*"):
-        m = _TMP_RE.search(path.name)
-        pid = int(m.group(1)) if m else -1
-        try:
-            if pid > 0 and pid != os.getpid():
-                os.kill(pid, 0)
-                continue  # still running: someone else's file
-        except ProcessLookupError:
-            pass
-        except PermissionError:
-            continue
-        path.unlink(missing_ok=True)
+def plan_path(manifest: Path, host: str, pid: int) -> Path:
+    """The plan of one process's extraction for a manifest (one per process: each touches and
+    removes its own, so `gc` keeps a shard while any extraction that needs it runs)."""
+    host = re.sub(r"[^A-Za-z0-9_.-]", "_", host)  # a file name, whatever $SPEECHATTN_HOST holds
+    return manifest.with_name(f"{manifest.stem}.{host}-{pid}.plan.json")

@@ -79,17 +79,26 @@ OPEN_SHARDS = _OpenShards()
 os.register_at_fork(after_in_child=OPEN_SHARDS._after_fork)
 
 
-def load_manifest(path: Path) -> tuple[dict[str, Any], Any]:
-    """A manifest's json and its (lazily read) npz; `DataError` naming the file when either is
-    missing, unreadable or not the npz the json committed."""
+def manifest_meta(path: Path) -> dict[str, Any]:
+    """A manifest's json, once its npz is the one the json committed (size and mtime);
+    `DataError` naming the file when either is missing, unreadable or they do not match."""
     npz = path.with_suffix(".npz")
     try:
         meta = json.loads(path.read_text())
         st = os.stat(npz)
         if st.st_size != meta["npz"]["size"] or st.st_mtime_ns != meta["npz"]["mtime_ns"]:
             raise ValueError(f"{npz.name} is not the file this manifest committed")
-        return meta, np.load(npz)
-    except (OSError, ValueError, KeyError) as e:
+        return meta
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise DataError(path, "unreadable feature cache manifest", str(e)[:200]) from None
+
+
+def load_manifest(path: Path) -> tuple[dict[str, Any], Any]:
+    """A manifest's json (`manifest_meta`) and its (lazily read) npz."""
+    meta = manifest_meta(path)
+    try:
+        return meta, np.load(path.with_suffix(".npz"))
+    except (OSError, ValueError) as e:
         raise DataError(path, "unreadable feature cache manifest", str(e)[:200]) from None
 
 
