@@ -146,13 +146,14 @@ def measure(cfg: Any, batches: int = 50, warmup: int = 5, cold: bool = False) ->
 
 def _time_loader(loader: Any, warmup: int, batches: int) -> dict[str, Any]:
     """Iterate `loader`: the first batch (workers start), `warmup` more, then `batches` timed."""
+    others = set(child_pids())  # e.g. inductor's compile workers: not the loader's
     start = time.perf_counter()
     iterator = iter(loader)
     next(iterator)
     first = time.perf_counter() - start
     for _ in range(warmup):
         next(iterator)
-    workers = child_pids()
+    workers = [p for p in child_pids() if p not in others]
     cpu_before = cpu_seconds() + sum(cpu_seconds(p) for p in workers)
     frames = padded = 0
     start = time.perf_counter()
