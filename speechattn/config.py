@@ -79,11 +79,11 @@ class CheckpointConfig:
 
 @dataclass
 class PreemptionConfig:
-    """SIGTERM/SIGUSR1 during training (docs/preemption.md): the step in progress finishes,
-    checkpoints/last.ckpt is written, the process exits with 128 + the signal's number."""
+    """SIGTERM/SIGUSR1/SIGUSR2 during training (docs/preemption.md): the step in progress
+    finishes, checkpoints/last.ckpt is written, the process exits with 128 + the signal's number."""
 
-    # Under SLURM (SLURM_JOB_ID set), SIGUSR1 (`sbatch --signal=USR1@90`) also runs `scontrol
-    # requeue <job>`; the requeued job reruns its command, so give it a fixed run directory and
+    # Under SLURM (SLURM_JOB_ID set), SIGUSR1 (`sbatch --signal=USR1@90`) or SIGUSR2 (what
+    # hydra/launcher=slurm's jobs ask for) also runs `scontrol requeue <job>`; the requeued job reruns its command, so give it a fixed run directory and
     # ckpt_path=last (hydra.run.dir=.../slurm-$SLURM_JOB_ID). SIGTERM never requeues: it is
     # also what `scancel` sends, and SLURM's own preemption requeues by itself.
     requeue: bool = True

@@ -33,7 +33,7 @@ from speechattn.data.config import DataConfig, local_rank
 from speechattn.data.datasets import FeatureDataset, LengthBucketBatchSampler, collate
 from speechattn.data.errors import DataError, Issues, Skip
 from speechattn.data.features import HOP_LENGTH, SAMPLE_RATE, FeatureConfig, Normalizer
-from speechattn.data.librispeech import LabelFiles, read_alignments, read_split_list
+from speechattn.data.librispeech import LabelFiles, read_alignments, read_split_list, speaker_of
 from speechattn.utils import derive_seed
 
 log = logging.getLogger(__name__)
@@ -463,9 +463,9 @@ class LabelledDataModule(_CorpusDataModule):
                 "empty train or test set",
                 f"train {len(train)}, test {len(test)} utterances",
             )
-        self.speakers = sorted({_speaker(u) for u in train + dev + test}, key=_numeric_first)
+        self.speakers = sorted({speaker_of(u) for u in train + dev + test}, key=_numeric_first)
         speaker_class = {s: i for i, s in enumerate(self.speakers)}
-        unseen = sorted({_speaker(u) for u in test} - {_speaker(u) for u in train})
+        unseen = sorted({speaker_of(u) for u in test} - {speaker_of(u) for u in train})
         if unseen:
             log.warning(
                 "%d test speakers never occur in train (speaker tasks cannot get them right): %s",
@@ -483,7 +483,7 @@ class LabelledDataModule(_CorpusDataModule):
             for split, us in grouped.items():
                 store = self._splits[split]
                 out.append((
-                    store, [available[u][1] for u in us], [speaker_class[_speaker(u)] for u in us],
+                    store, [available[u][1] for u in us], [speaker_class[speaker_of(u)] for u in us],
                     [phones.get(u, np.zeros(0, np.int16)) for u in us],
                 ))  # fmt: skip
             return out
@@ -524,7 +524,7 @@ class LabelledDataModule(_CorpusDataModule):
     def _dev_split(self, train: list[str]) -> tuple[list[str], list[str]]:
         by_speaker: dict[str, list[str]] = defaultdict(list)
         for u in train:
-            by_speaker[_speaker(u)].append(u)
+            by_speaker[speaker_of(u)].append(u)
         dev: set[str] = set()
         for k, speaker in enumerate(sorted(by_speaker, key=_numeric_first)):
             _, held = _holdout(
@@ -550,11 +550,6 @@ class LabelledDataModule(_CorpusDataModule):
         return self._loader(
             self._eval_train if split == "train" else self.datasets[split], shuffle=False
         )
-
-
-def _speaker(utt_id: str) -> str:
-    """The speaker of a LibriSpeech id "<speaker>-<chapter>-<utt>" (the scan checked the form)."""
-    return utt_id.split("-", 1)[0]
 
 
 def _numeric_first(speaker: str) -> tuple[int, str]:

@@ -55,6 +55,12 @@ class Utterance:
         return self.num_samples / self.sample_rate
 
 
+def speaker_of(utt_id: str) -> str:
+    """The speaker of a LibriSpeech id "<speaker>-<chapter>-<utt>" (`UTT_RE`; the scan checks
+    every id against it)."""
+    return utt_id.split("-", 1)[0]
+
+
 def find_splits(root: str | Path) -> list[str]:
     """Names of the split folders under `root` (folders holding <speaker>/<chapter>/*.flac).
 

@@ -470,8 +470,8 @@ def extract_features(
 
     for _ in claim_pending([manifest.stem], manifests, written, claim_config, "manifests"):
         _write_manifest(
-            manifest, folder, settings, utterances, shas, ranges, keys, markers, listing,
-            scan_skips,
+            manifest, folder, settings, utterances, path_of, shas, ranges, keys, markers,
+            listing, scan_skips,
         )  # fmt: skip
     touch(manifest)  # used now (`ls`), whoever wrote it
     plan.unlink(missing_ok=True)
@@ -485,6 +485,7 @@ def _write_manifest(
     folder: Path,
     settings: ExtractionSettings,
     utterances: Sequence[Utterance],
+    path_of: dict[str, str],
     shas: list[str],
     ranges: list[tuple[int, int]],
     keys: list[str],
@@ -492,7 +493,8 @@ def _write_manifest(
     listing: str | None,
     scan_skips: Sequence[Skip],
 ) -> None:
-    path_of = {u.utt_id: str(u.path) for u in utterances}
+    """The folder's manifest: per-utterance index arrays from the shards' `markers`, the
+    audio files' fingerprints (`shas`, `path_of`: utterance id -> its audio file)."""
     ids, shard, row, offset, length = [], [], [], [], []
     failures, notes, records = [], [], {}
     seconds = 0.0
