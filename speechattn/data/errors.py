@@ -13,12 +13,14 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from speechattn.errors import SpeechattnError
+
 log = logging.getLogger(__name__)
 
 ON_ERROR_CHOICES = ("error", "skip")
 
 
-class DataError(ValueError):
+class DataError(SpeechattnError, ValueError):
     """A problem with one input file, e.g. `/x/19-198-0001.flac: truncated audio (...)`.
 
     Attributes:

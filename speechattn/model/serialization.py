@@ -20,12 +20,14 @@ from typing import Any
 
 import torch
 
+from speechattn.errors import SpeechattnError
+
 # Globals a weights_only load may rebuild beyond torch's defaults. Empty: our checkpoints store
 # hyper-parameters as plain dicts (never OmegaConf nodes) and paths as strings.
 SAFE_GLOBALS: list[Callable[..., Any]] = []
 
 
-class TorchFileError(ValueError):
+class TorchFileError(SpeechattnError, ValueError):
     """A torch file is missing, truncated, corrupt, or holds objects we refuse to unpickle."""
 
 

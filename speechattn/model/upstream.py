@@ -30,6 +30,7 @@ import torch
 from torch import Tensor, nn
 
 from speechattn.data.features import FeatureConfig, Normalizer, log_mel_batch
+from speechattn.errors import SpeechattnError
 from speechattn.model.aalbert import AALBERT, ModelConfig
 from speechattn.model.serialization import TorchFileError, describe_load_error, load_torch_file
 from speechattn.utils import atomic_path
@@ -176,7 +177,7 @@ class Upstream(nn.Module):
         return self.model.attention_weights(features, lengths, layer, head_mask)
 
 
-class NonFiniteWeightsError(ValueError):
+class NonFiniteWeightsError(SpeechattnError, ValueError):
     """Weights or statistics hold NaN/inf: a diverged run, never written or loaded."""
 
 

@@ -41,6 +41,7 @@ from typing import Any, Generic, TypeVar
 import torch
 from torch import Tensor, nn
 
+from speechattn.errors import SpeechattnError
 from speechattn.model.aalbert import AALBERT
 from speechattn.model.masking import MaskedBatch, MaskingConfig, corrupt, reconstruction_loss
 from speechattn.model.probes import Probe
@@ -548,7 +549,7 @@ class HeadAnalysis:
     runtime_s: dict[str, float]
 
 
-class NonFiniteMetricError(ValueError):
+class NonFiniteMetricError(SpeechattnError, ValueError):
     """The metric of the unmasked model is NaN/inf."""
 
 

@@ -30,6 +30,7 @@ import torch
 from torch import Tensor, nn
 
 from speechattn.data.cache import file_sha256
+from speechattn.errors import SpeechattnError
 from speechattn.model.serialization import TorchFileError, load_torch_file
 from speechattn.utils import atomic_path, atomic_write_bytes, digest, lengths_to_padding_mask
 from speechattn.utils import progress_bar as progress
@@ -225,7 +226,7 @@ def tensor_digest(*tensors: Tensor | None) -> str:
     return h.hexdigest()[:16]
 
 
-class NonFiniteFeaturesError(ValueError):
+class NonFiniteFeaturesError(SpeechattnError, ValueError):
     """The upstream's hidden states hold NaN/inf: refused rather than probed at chance."""
 
 

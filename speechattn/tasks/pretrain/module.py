@@ -33,6 +33,7 @@ from torch import Tensor
 
 from speechattn.attention import Attention, autotune
 from speechattn.data.features import Normalizer
+from speechattn.errors import SpeechattnError
 from speechattn.model.aalbert import AALBERT, ModelConfig
 from speechattn.model.masking import MaskedBatch, MaskingConfig, corrupt, reconstruction_loss
 from speechattn.model.optim import OptimConfig, build_optimizer, build_scheduler
@@ -52,7 +53,7 @@ class NonFiniteWarning(UserWarning):
     """A training step produced a NaN/inf loss or gradient and was skipped."""
 
 
-class NonFiniteLossError(RuntimeError):
+class NonFiniteLossError(SpeechattnError, RuntimeError):
     """Too many non-finite steps in a row: training cannot recover by skipping."""
 
 

@@ -1,0 +1,20 @@
+"""The errors speechattn raises on purpose.
+
+`SpeechattnError` is the base of every error that means "the input or the settings are wrong,
+and here is what to do": a damaged file, a value out of range, a diverged run. Entry points
+(`run_cli`) turn exactly these into one line and exit status 1; anything else is a bug and
+keeps its traceback. Subclasses keep `ValueError` (or `RuntimeError`) as a second base where
+callers already catch those.
+"""
+
+from __future__ import annotations
+
+
+class SpeechattnError(Exception):
+    """Base of every error speechattn raises on purpose; its message names the problem and
+    the fix."""
+
+
+class ConfigError(SpeechattnError, ValueError):
+    """A setting that cannot work, e.g. `model.net.num_heads=0: must be a positive divisor of
+    hidden_size=256`. The message names the setting, the value and what it must be."""
