@@ -36,6 +36,7 @@ from speechattn import CONFIG_DIR
 from speechattn.data.config import DataConfig
 from speechattn.model.aalbert import ModelConfig
 from speechattn.model.masking import MaskingConfig
+from speechattn.errors import SpeechattnError
 from speechattn.model.optim import OptimConfig
 from speechattn.tasks.analysis.sources import HeadsRunConfig
 from speechattn.tasks.downstream.probe import TaskConfig
@@ -192,7 +193,7 @@ def run_cli(
     ends the sweep with status 1."""
     try:
         return run(cfg)
-    except errors as e:
+    except (SpeechattnError, *errors) as e:
         logging.getLogger(run.__module__).error("%s", e)
         if _in_multirun():
             raise
