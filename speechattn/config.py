@@ -34,9 +34,9 @@ from omegaconf import MISSING, DictConfig
 
 from speechattn import CONFIG_DIR
 from speechattn.data.config import DataConfig
+from speechattn.errors import SpeechattnError
 from speechattn.model.aalbert import ModelConfig
 from speechattn.model.masking import MaskingConfig
-from speechattn.errors import SpeechattnError
 from speechattn.model.optim import OptimConfig
 from speechattn.tasks.analysis.sources import HeadsRunConfig
 from speechattn.tasks.downstream.probe import TaskConfig
