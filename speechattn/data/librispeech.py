@@ -30,6 +30,7 @@ import numpy as np
 from speechattn.data.errors import DataError, Issues
 
 AUDIO_SUFFIX = ".flac"
+DANGLING = -1  # size and mtime `walk_split` lists for a symbolic link to nothing
 UTT_RE = re.compile(r"^(\d+)-(\d+)-(\d+)$")
 
 
@@ -145,7 +146,8 @@ class SplitListing:
 
     folder: Path  # absolute
     chapters: tuple[tuple[str, str, tuple[tuple[str, int, int], ...]], ...]
-    # (speaker, chapter, ((file name, size, mtime_ns), ...)) per chapter folder
+    # (speaker, chapter, ((file name, size, mtime_ns), ...)) per chapter folder; a symbolic
+    # link whose target is missing has size and mtime `DANGLING` (the scan reports it)
     digest: str  # 32 hex digits over the relative paths, sizes and mtimes
 
     @property
@@ -172,6 +174,8 @@ def walk_split(root: str | Path, split: str) -> SplitListing:
                     if entry.is_file():
                         st = entry.stat()
                         files.append((entry.name, st.st_size, st.st_mtime_ns))
+                    elif entry.is_symlink() and not entry.is_dir():  # its target is gone
+                        files.append((entry.name, DANGLING, DANGLING))
             files.sort()
             for name, size, mtime in files:
                 h.update(f"{speaker}/{chapter}/{name}\t{size}\t{mtime}\n".encode())
@@ -221,8 +225,13 @@ def _scan_chapter(
     audio: dict[str, tuple[int, int]] = {}  # utterance id -> (size, mtime_ns)
     other: dict[str, str] = {}  # utterance id -> name of a file with another extension
     has_transcripts = False
+    reported: set[str | None] = set()  # utterance ids of dangling audio links, reported here
     for name, size, mtime in files:
-        if name.endswith(AUDIO_SUFFIX):
+        if size == DANGLING:
+            error = _dangling(chapter_dir / name)
+            issues.report(error, "scan")
+            reported.add(error.utt_id)
+        elif name.endswith(AUDIO_SUFFIX):
             audio[name[: -len(AUDIO_SUFFIX)]] = (size, mtime)
         elif name == trans_name:
             has_transcripts = True
@@ -259,7 +268,7 @@ def _scan_chapter(
             Utterance(utt_id, speaker, chapter, path, transcripts[utt_id], split, num_samples,
                       rate, size, mtime)
         )  # fmt: skip
-    for utt_id in sorted(set(transcripts) - set(audio)):
+    for utt_id in sorted(set(transcripts) - set(audio) - reported):
         detail = f"no {utt_id}{AUDIO_SUFFIX}"
         if utt_id in other:  # e.g. a .wav: say what was found and why it is not used
             detail += (
@@ -268,6 +277,22 @@ def _scan_chapter(
             )
         issues.report(DataError(trans_path, "transcript without audio", detail, utt_id), "scan")
     return out
+
+
+def _dangling(link: Path) -> DataError:
+    """The error for a symbolic link whose target is missing (named with its utterance id when
+    it is an audio file)."""
+    try:
+        target = os.readlink(link)
+    except OSError:
+        target = "?"
+    stem = link.name[: -len(AUDIO_SUFFIX)] if link.name.endswith(AUDIO_SUFFIX) else None
+    return DataError(
+        link,
+        "dangling symlink",
+        f"it points to {target}, which does not exist: restore the target or remove the link",
+        stem if stem and UTT_RE.match(stem) else None,
+    )
 
 
 def _header(path: Path) -> tuple[int | None, int | None]:
