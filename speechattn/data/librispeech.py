@@ -30,7 +30,7 @@ import numpy as np
 from speechattn.data.errors import DataError, Issues
 
 AUDIO_SUFFIX = ".flac"
-DANGLING = -1  # size and mtime `walk_split` lists for a symbolic link to nothing
+DANGLING = -1  # size, mtime and ctime `walk_split` lists for a symbolic link to nothing
 UTT_RE = re.compile(r"^(\d+)-(\d+)-(\d+)$")
 
 
@@ -46,8 +46,12 @@ class Utterance:
     split: str  # the split folder, e.g. "train-clean-100" or "synth-clean"
     num_samples: int | None = None  # filled by `with_info=True` (header read)
     sample_rate: int | None = None
-    size: int = 0  # bytes on disk (with mtime_ns: whether its content fingerprint is still valid)
+    # bytes on disk, mtime and ctime: while all three are as recorded, the file's content
+    # fingerprint (sha256) stands. The ctime moves on every write and on every change of the
+    # mtime, and nobody can set it back, so an edit under a restored mtime is seen too.
+    size: int = 0
     mtime_ns: int = 0
+    ctime_ns: int = 0
 
     @property
     def duration(self) -> float | None:
@@ -141,14 +145,15 @@ def read_transcripts(path: Path, issues: Issues) -> dict[str, str | None]:
 @dataclass(frozen=True)
 class SplitListing:
     """What `walk_split` saw of one split folder: every file of every <speaker>/<chapter>/
-    folder with its size and mtime, in sorted order. Comparing `digest` with the one recorded
+    folder with its size, mtime and ctime, in sorted order. Comparing `digest` with the one recorded
     in the feature cache tells, with one stat per file, whether the folder changed since."""
 
     folder: Path  # absolute
-    chapters: tuple[tuple[str, str, tuple[tuple[str, int, int], ...]], ...]
-    # (speaker, chapter, ((file name, size, mtime_ns), ...)) per chapter folder; a symbolic
-    # link whose target is missing has size and mtime `DANGLING` (the scan reports it)
-    digest: str  # 32 hex digits over the relative paths, sizes and mtimes
+    chapters: tuple[tuple[str, str, tuple[tuple[str, int, int, int], ...]], ...]
+    # (speaker, chapter, ((file name, size, mtime_ns, ctime_ns), ...)) per chapter folder; a
+    # symbolic link whose target is missing has size, mtime and ctime `DANGLING` (the scan
+    # reports it)
+    digest: str  # 32 hex digits over the relative paths, sizes, mtimes and ctimes
 
     @property
     def num_files(self) -> int:
@@ -173,12 +178,12 @@ def walk_split(root: str | Path, split: str) -> SplitListing:
                 for entry in entries:
                     if entry.is_file():
                         st = entry.stat()
-                        files.append((entry.name, st.st_size, st.st_mtime_ns))
+                        files.append((entry.name, st.st_size, st.st_mtime_ns, st.st_ctime_ns))
                     elif entry.is_symlink() and not entry.is_dir():  # its target is gone
-                        files.append((entry.name, DANGLING, DANGLING))
+                        files.append((entry.name, DANGLING, DANGLING, DANGLING))
             files.sort()
-            for name, size, mtime in files:
-                h.update(f"{speaker}/{chapter}/{name}\t{size}\t{mtime}\n".encode())
+            for name, size, mtime, ctime in files:
+                h.update(f"{speaker}/{chapter}/{name}\t{size}\t{mtime}\t{ctime}\n".encode())
             chapters.append((speaker, chapter, tuple(files)))
     return SplitListing(folder, tuple(chapters), h.hexdigest()[:32])
 
@@ -215,24 +220,24 @@ def _scan_chapter(
     chapter_dir: Path,
     speaker: str,
     chapter: str,
-    files: tuple[tuple[str, int, int], ...],
+    files: tuple[tuple[str, int, int, int], ...],
     split: str,
     issues: Issues,
     with_info: bool,
 ) -> list[Utterance]:
     trans_name = f"{speaker}-{chapter}.trans.txt"
     trans_path = chapter_dir / trans_name
-    audio: dict[str, tuple[int, int]] = {}  # utterance id -> (size, mtime_ns)
+    audio: dict[str, tuple[int, int, int]] = {}  # utterance id -> (size, mtime_ns, ctime_ns)
     other: dict[str, str] = {}  # utterance id -> name of a file with another extension
     has_transcripts = False
     reported: set[str | None] = set()  # utterance ids of dangling audio links, reported here
-    for name, size, mtime in files:
+    for name, size, mtime, ctime in files:
         if size == DANGLING:
             error = _dangling(chapter_dir / name)
             issues.report(error, "scan")
             reported.add(error.utt_id)
         elif name.endswith(AUDIO_SUFFIX):
-            audio[name[: -len(AUDIO_SUFFIX)]] = (size, mtime)
+            audio[name[: -len(AUDIO_SUFFIX)]] = (size, mtime, ctime)
         elif name == trans_name:
             has_transcripts = True
         elif UTT_RE.match(stem := name.partition(".")[0]):
@@ -260,13 +265,13 @@ def _scan_chapter(
             )
             issues.report(DataError(path, "missing transcript", where, utt_id), "scan")
             continue
-        size, mtime = audio[utt_id]
+        size, mtime, ctime = audio[utt_id]
         num_samples = rate = None
         if with_info:
             num_samples, rate = _header(path)
         out.append(
             Utterance(utt_id, speaker, chapter, path, transcripts[utt_id], split, num_samples,
-                      rate, size, mtime)
+                      rate, size, mtime, ctime)
         )  # fmt: skip
     for utt_id in sorted(set(transcripts) - set(audio) - reported):
         detail = f"no {utt_id}{AUDIO_SUFFIX}"

@@ -110,10 +110,12 @@ def _relative(path: Path, folder: Path) -> str:
 
 
 def _known_fingerprints(
-    manifests: Iterable[Path], wanted: dict[tuple[str, int, int], int], found: list[str | None]
+    manifests: Iterable[Path],
+    wanted: dict[tuple[str, int, int, int], int],
+    found: list[str | None],
 ) -> None:
-    """Fill `found[i]` for each (relative path, size, mtime_ns) -> i of `wanted` that a
-    manifest has hashed before (manifests are read in order until nothing is missing)."""
+    """Fill `found[i]` for each (relative path, size, mtime_ns, ctime_ns) -> i of `wanted`
+    that a manifest has hashed before (manifests are read in order until nothing is missing)."""
     for manifest in manifests:
         if not wanted:
             return
@@ -121,13 +123,14 @@ def _known_fingerprints(
             _, z = load_manifest(manifest)
             with z:
                 rel = [r.decode() for r in z["files_rel"].tolist()]
-                size, mtime, sha = z["files_size"], z["files_mtime"], z["files_sha"]
-                for r, s, m, h in zip(rel, size.tolist(), mtime.tolist(), sha.tolist()):
-                    i = wanted.pop((r, s, m), None)
+                size, mtime, ctime = z["files_size"], z["files_mtime"], z["files_ctime"]
+                stamps = zip(rel, size.tolist(), mtime.tolist(), ctime.tolist())
+                for stamp, h in zip(stamps, z["files_sha"].tolist()):
+                    i = wanted.pop(stamp, None)
                     if i is not None:
                         found[i] = h.decode()
         except (DataError, KeyError, ValueError, OSError):
-            continue  # an unreadable manifest is only a lost memo
+            continue  # an unreadable manifest (or one without ctimes) is only a lost memo
 
 
 def _hash_files(paths: list[str]) -> list[str]:
@@ -141,10 +144,15 @@ def fingerprints(
     workers: int,
     progress: bool,
 ) -> list[str]:
-    """sha256 of each utterance's file; memoised by (relative path, size, mtime_ns) in the
-    manifests, so an unchanged corpus, or one moved or copied with its mtimes, reads nothing."""
+    """sha256 of each utterance's file; memoised by (relative path, size, mtime_ns, ctime_ns)
+    in the manifests, so an unchanged corpus, or one renamed within its filesystem, reads
+    nothing. A file written since (even with its size and mtime put back) has a new ctime
+    and is hashed again; so is every file of a copied corpus (new ctimes)."""
     found: list[str | None] = [None] * len(utterances)
-    wanted = {(_relative(u.path, folder), u.size, u.mtime_ns): i for i, u in enumerate(utterances)}
+    wanted = {
+        (_relative(u.path, folder), u.size, u.mtime_ns, u.ctime_ns): i
+        for i, u in enumerate(utterances)
+    }
     _known_fingerprints(manifests, wanted, found)
     missing = sorted(wanted.values())
     if missing:
@@ -352,7 +360,8 @@ def extract_features(
     resampled or down-mixed files are logged as warnings. `on_shard_done(i)` is called after
     this process committed the i-th shard of its plan (tests use it to interrupt and count). A
     cache file that does not match its record is re-extracted with a warning naming it
-    (`verify`: checksum every file first).
+    (`verify`: hash every audio file, ignoring the fingerprints recorded, and checksum every
+    cache file first).
 
     Other processes may run this on the same cache at the same time (the same corpus or
     another sharing shards): each missing shard is claimed and extracted by one of them, the
@@ -385,9 +394,8 @@ def extract_features(
 
     # 1. identity: content fingerprints (memoised), content-defined shards
     others = sorted(p for p in manifests.glob("*.json") if not p.name.endswith(".plan.json"))
-    shas = fingerprints(
-        utterances, folder, [manifest, *(p for p in others if p != manifest)], n_workers, progress
-    )
+    memo = [] if verify else [manifest, *(p for p in others if p != manifest)]
+    shas = fingerprints(utterances, folder, memo, n_workers, progress)
     ranges = plan_shards([u.utt_id for u in utterances], shard_size)
     keys = [
         shard_key(settings, [(u.utt_id, u.size, h) for u, h in zip(utterances[a:b], shas[a:b])])
@@ -526,6 +534,7 @@ def _write_manifest(
         "files_rel": np.array([_relative(u.path, folder).encode() for u in utterances]),
         "files_size": np.array([u.size for u in utterances], dtype=np.int64),
         "files_mtime": np.array([u.mtime_ns for u in utterances], dtype=np.int64),
+        "files_ctime": np.array([u.ctime_ns for u in utterances], dtype=np.int64),
         "files_sha": np.array([h.encode() for h in shas]),
         "files_shard": file_shard,
     }
@@ -589,15 +598,17 @@ def open_split(
     """The cached features of the split folder `root/split`, extracting what is missing.
 
     Warm start (the folder is as the cache last saw it): one walk with a stat per file, then
-    the manifest's arrays and a stat per shard file (`verify`: a checksum). Otherwise: a full
-    scan (transcripts checked), fingerprints where size or mtime changed, and extraction of
+    the manifest's arrays and a stat per shard file. Otherwise (or with `verify`, which trusts
+    nothing recorded: every audio file hashed, every cache file checksummed): a full scan
+    (transcripts checked), fingerprints where size, mtime or ctime changed, and extraction of
     the shards whose content is not cached (`extract_features`, shared through claims with
     any other process doing the same; `claim_config`: their timing).
     """
     issues = issues or Issues()
     listing = walk_split(root, split)
     manifest = splits_dir(cache_root) / f"{manifest_key(listing.folder, settings)}.json"
-    store = _warm_store(manifest, listing.digest, verify, max_open_shards)
+    # verify: nothing recorded is trusted; every audio file is hashed, every shard checksummed
+    store = None if verify else _warm_store(manifest, listing.digest, max_open_shards)
     if store is not None:
         report(store, issues, scan=True)
     else:
@@ -619,9 +630,7 @@ def open_split(
     return store
 
 
-def _warm_store(
-    manifest: Path, listing: str, verify: bool, max_open_shards: int
-) -> FeatureStore | None:
+def _warm_store(manifest: Path, listing: str, max_open_shards: int) -> FeatureStore | None:
     """The manifest's store when it was made for this listing and every shard file checks
     out, else None (damaged shards marked for re-extraction, with a warning naming the file)."""
     if not manifest.is_file():
@@ -633,7 +642,7 @@ def _warm_store(
         return None
     if store.listing != listing:
         return None
-    damaged = store.check(verify)
+    damaged = store.check()
     for k, path, problem in damaged:
         log.warning("feature cache: %s: %s; re-extracting its shard", path, problem)
         invalidate(store.paths(k).marker, path)
