@@ -10,7 +10,6 @@ its commit marker is written; the others wait for it (docs/multinode.md).
 
 from __future__ import annotations
 
-import errno
 import hashlib
 import json
 import logging
@@ -68,7 +67,7 @@ from speechattn.data.claims import (
 from speechattn.data.errors import DataError, Issues, Skip
 from speechattn.data.features import FeatureConfig, LogMel, min_samples_for
 from speechattn.data.librispeech import Utterance, scan_split, walk_split
-from speechattn.utils import atomic_write_text, progress_bar
+from speechattn.utils import atomic_write_text, out_of_space, progress_bar
 
 log = logging.getLogger(__name__)
 
@@ -199,11 +198,6 @@ def _logmel(cfg: FeatureConfig) -> LogMel:
     return _LOGMEL
 
 
-def _disk_full(error: OSError) -> bool:
-    # NumPy's tofile reports a short write as "N requested and M written", with no errno
-    return error.errno in (errno.ENOSPC, errno.EDQUOT) or "requested and" in str(error)
-
-
 def _featurise(task: _ShardTask) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
     """Decode and featurise a shard's utterances: its two arrays and its marker (no files)."""
     import torch
@@ -252,7 +246,7 @@ def _extract_shard(task: _ShardTask) -> _ShardResult:
     try:
         marker["files"] = {kind: save_npy(paths.data(kind), arrays[kind]) for kind in DATA_KINDS}
     except OSError as e:
-        if not _disk_full(e):
+        if not out_of_space(e):
             raise
         shard_bytes = sum(a.nbytes for a in arrays.values())
         need = shard_bytes / max(len(task.items), 1) * task.total_utterances
@@ -432,7 +426,7 @@ def extract_features(
 
         def committed(key: str) -> bool:
             """Whether shard `key` is done (by anyone); the bar counts each shard once."""
-            done = ShardPaths(directory, key).marker.is_file()
+            done = read_marker(ShardPaths(directory, key).marker) is not None
             if done and key not in counted:
                 counted.add(key)
                 advance(len(pending[key].items))
