@@ -633,6 +633,7 @@ def _warm_store(manifest: Path, listing: str, max_open_shards: int) -> FeatureSt
         store = FeatureStore(manifest, max_open_shards)
     except DataError as e:
         log.warning("feature cache: %s; rebuilding it", e)
+        manifest.unlink(missing_ok=True)  # not committed: rewritten even when it looks current
         return None
     if store.listing != listing:
         return None
