@@ -29,3 +29,6 @@ class DiskFullError(SpeechattnError, OSError):
     def __init__(self, message: str, errno: int) -> None:
         super().__init__(message)
         self.errno = errno
+
+    def __reduce__(self):  # picklable across worker processes
+        return (DiskFullError, (str(self), self.errno))

@@ -152,7 +152,8 @@ def disk_full_error(path: Path, error: BaseException) -> DiskFullError:
     except OSError:
         free = f"free space in {folder} unknown"
     code = getattr(error, "errno", None)
-    cause = os.strerror(code) if code else str(error).strip().splitlines()[-1][:120]
+    # torch's zip writer and NumPy report a short write without an errno; say what it means
+    cause = os.strerror(code) if code else "a write came up short"
     fix = "free space there or write to another disk"
     if str(folder.resolve()).startswith(str(Path(tempfile.gettempdir()).resolve())):
         fix += " (set TMPDIR to a folder on a larger disk)"

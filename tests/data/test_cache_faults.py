@@ -5,6 +5,7 @@ record left empty or garbled by a crash repairs itself on the next run."""
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -18,6 +19,8 @@ import soundfile as sf
 from speechattn.data.cache import ExtractionSettings, FeatureStore, open_split
 from speechattn.data.cache.integrity import save_npz
 from speechattn.data.errors import DataError
+from speechattn.errors import SpeechattnError
+from speechattn.utils import TEMP_MARK
 
 SETTINGS = ExtractionSettings()
 SPLIT = "synth-clean"
@@ -166,3 +169,52 @@ def test_commits_are_flushed_to_the_device_before_their_renames(tmp_path, monkey
     utils.atomic_write_text(tmp_path / "x.json", "{}")
     assert events == ["fsync", "rename x.json", "fsync"]
     assert (tmp_path / "x.json").read_text() == "{}"
+
+
+# ----------------------------------------------------------------------------- full device
+
+
+@pytest.mark.parametrize("target", ["settings.json", "shard json", "index npz", "index json"])
+def test_a_full_device_names_the_cache_file_being_written(target, corpus, tmp_path, monkeypatch):
+    """Each of the cache's own files: one SpeechattnError naming it (the shard's with the space
+    the extraction needs), not `[Errno 28]` naming nothing; the next run completes the cache."""
+    cache = tmp_path / "cache"
+    reference = _features(_open(corpus, tmp_path / "clean"))
+    full = OSError(errno.ENOSPC, "No space left on device")
+    write_bytes = Path.write_bytes
+
+    def is_target(path: Path) -> bool:
+        name = path.name.split(TEMP_MARK)[0]
+        if target == "settings.json":
+            return name == "settings.json"
+        if target == "shard json":
+            return path.parent.parent.name == "shards" and len(name) == len("0" * 32 + ".json")
+        return path.parent.name == "splits" and name.endswith(".json") and "plan" not in name
+
+    def fail_write_bytes(self: Path, data: bytes) -> int:
+        if is_target(self):
+            raise full
+        return write_bytes(self, data)
+
+    def fail_savez(f, **arrays):
+        raise full
+
+    if target == "index npz":
+        monkeypatch.setattr(np, "savez", fail_savez)
+    else:
+        monkeypatch.setattr(Path, "write_bytes", fail_write_bytes)
+    with pytest.raises(SpeechattnError) as info:
+        _open(corpus, cache)
+    message = str(info.value)
+    if target == "shard json":
+        assert "feature cache device is full" in message and "needs about" in message
+        assert (
+            str(cache / "features" / "shards") in message and ".json: cannot be written" in message
+        )
+    else:
+        name = {"settings.json": "settings.json", "index npz": ".npz", "index json": ".json"}
+        assert f"{name[target]}: cannot be written: the device is full" in message
+        assert "MiB free in" in message and "Errno" not in message
+    assert not list(cache.rglob(f"*{TEMP_MARK}*"))
+    monkeypatch.undo()
+    _assert_same(_open(corpus, cache), reference)

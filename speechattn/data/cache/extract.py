@@ -245,6 +245,7 @@ def _extract_shard(task: _ShardTask) -> _ShardResult:
     arrays, marker = _featurise(task)
     try:
         marker["files"] = {kind: save_npy(paths.data(kind), arrays[kind]) for kind in DATA_KINDS}
+        write_marker(paths.marker, marker)  # commit
     except OSError as e:
         if not out_of_space(e):
             raise
@@ -259,7 +260,6 @@ def _extract_shard(task: _ShardTask) -> _ShardResult:
             f"{need / 2**20:.0f} MiB. Free space there or set data.cache_dir to another "
             f"disk; finished shards are kept and nothing half-written is used",
         ) from None
-    write_marker(paths.marker, marker)  # commit
     return _ShardResult(task.index, marker)
 
 
