@@ -57,16 +57,11 @@ from speechattn.data.cache.store import (
     manifest_meta,
     touch,
 )
-from speechattn.data.claims import (
-    ClaimConfig,
-    claim_map,
-    claim_pending,
-    host_name,
-    remove_stale_temps,
-)
+from speechattn.data.claims import ClaimConfig, host_name, remove_stale_temps
 from speechattn.data.errors import DataError, Issues, Skip
 from speechattn.data.features import FeatureConfig, LogMel, min_samples_for
 from speechattn.data.librispeech import Utterance, scan_split, walk_split
+from speechattn.data.workshare import claim_map, claim_pending
 from speechattn.utils import atomic_write_text, out_of_space, progress_bar
 
 log = logging.getLogger(__name__)
