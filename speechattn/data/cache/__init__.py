@@ -42,7 +42,7 @@ shards' `.stats.npy` (`FeatureStore.sums`). `python -m speechattn.data.cache ls|
 removes what no corpus uses (`gc.py`).
 """
 
-from speechattn.data.cache.extract import extract_features, open_split, plan_shards
+from speechattn.data.cache.extract import extract_features, open_split
 from speechattn.data.cache.integrity import file_sha256
 from speechattn.data.cache.layout import (
     CACHE_VERSION,
@@ -51,6 +51,7 @@ from speechattn.data.cache.layout import (
     shard_dir,
     splits_dir,
 )
+from speechattn.data.cache.shards import plan_shards
 from speechattn.data.cache.store import DEFAULT_MAX_OPEN_SHARDS, OPEN_SHARDS, FeatureStore
 
 __all__ = [
