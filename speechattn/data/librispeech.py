@@ -30,7 +30,7 @@ import numpy as np
 from speechattn.data.errors import DataError, Issues
 
 AUDIO_SUFFIX = ".flac"
-DANGLING = -1  # size, mtime and ctime `walk_split` lists for a symbolic link to nothing
+BROKEN_LINK = -1  # size, mtime and ctime `walk_split` lists for a link it cannot follow
 UTT_RE = re.compile(r"^(\d+)-(\d+)-(\d+)$")
 
 
@@ -151,8 +151,8 @@ class SplitListing:
     folder: Path  # absolute
     chapters: tuple[tuple[str, str, tuple[tuple[str, int, int, int], ...]], ...]
     # (speaker, chapter, ((file name, size, mtime_ns, ctime_ns), ...)) per chapter folder; a
-    # symbolic link whose target is missing has size, mtime and ctime `DANGLING` (the scan
-    # reports it)
+    # symbolic link whose target is missing (or a link loop) has size, mtime and ctime
+    # `BROKEN_LINK` (the scan reports it)
     digest: str  # 32 hex digits over the relative paths, sizes, mtimes and ctimes
 
     @property
@@ -176,11 +176,16 @@ def walk_split(root: str | Path, split: str) -> SplitListing:
             files = []
             with os.scandir(os.path.join(folder, speaker, chapter)) as entries:
                 for entry in entries:
-                    if entry.is_file():
+                    try:
+                        is_file, broken = entry.is_file(), False
+                        broken = not is_file and entry.is_symlink() and not entry.is_dir()
+                    except OSError:  # a link loop (ELOOP)
+                        is_file, broken = False, True
+                    if is_file:
                         st = entry.stat()
                         files.append((entry.name, st.st_size, st.st_mtime_ns, st.st_ctime_ns))
-                    elif entry.is_symlink() and not entry.is_dir():  # its target is gone
-                        files.append((entry.name, DANGLING, DANGLING, DANGLING))
+                    elif broken:  # its target is gone: the scan reports it
+                        files.append((entry.name, BROKEN_LINK, BROKEN_LINK, BROKEN_LINK))
             files.sort()
             for name, size, mtime, ctime in files:
                 h.update(f"{speaker}/{chapter}/{name}\t{size}\t{mtime}\t{ctime}\n".encode())
@@ -230,10 +235,10 @@ def _scan_chapter(
     audio: dict[str, tuple[int, int, int]] = {}  # utterance id -> (size, mtime_ns, ctime_ns)
     other: dict[str, str] = {}  # utterance id -> name of a file with another extension
     has_transcripts = False
-    reported: set[str | None] = set()  # utterance ids of dangling audio links, reported here
+    reported: set[str | None] = set()  # utterance ids of broken audio links, reported here
     for name, size, mtime, ctime in files:
-        if size == DANGLING:
-            error = _dangling(chapter_dir / name)
+        if size == BROKEN_LINK:
+            error = _broken_link(chapter_dir / name)
             issues.report(error, "scan")
             reported.add(error.utt_id)
         elif name.endswith(AUDIO_SUFFIX):
@@ -284,18 +289,23 @@ def _scan_chapter(
     return out
 
 
-def _dangling(link: Path) -> DataError:
-    """The error for a symbolic link whose target is missing (named with its utterance id when
-    it is an audio file)."""
+def _broken_link(link: Path) -> DataError:
+    """The error for a symbolic link that cannot be followed: its target is missing, or it is
+    a loop (named with its utterance id when it is an audio file)."""
     try:
         target = os.readlink(link)
     except OSError:
         target = "?"
+    try:
+        os.stat(link)
+        why = "cannot be followed"  # it was broken during the walk; followed now
+    except OSError as e:  # "No such file or directory", "Too many levels of symbolic links"
+        why = e.strerror or str(e)
     stem = link.name[: -len(AUDIO_SUFFIX)] if link.name.endswith(AUDIO_SUFFIX) else None
     return DataError(
         link,
-        "dangling symlink",
-        f"it points to {target}, which does not exist: restore the target or remove the link",
+        "broken symlink",
+        f"it points to {target} ({why}): restore the target or remove the link",
         stem if stem and UTT_RE.match(stem) else None,
     )
 

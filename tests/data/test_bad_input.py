@@ -116,7 +116,11 @@ def _damage(case: str, root: Path) -> tuple[str, str, str]:
     if case == "dangling_symlink":  # the link's target was moved away
         flac.unlink()
         flac.symlink_to(root / "moved-away.flac")
-        return utt, flac.name, "dangling symlink"
+        return utt, flac.name, "broken symlink"
+    if case == "symlink_loop":
+        flac.unlink()
+        flac.symlink_to(flac.name)
+        return utt, flac.name, "broken symlink"
     if case in _BAD_VALUES:  # float samples (a WAV float file under a .flac name)
         audio, rate = sf.read(str(flac), dtype="float32")
         audio[len(audio) // 2] = _BAD_VALUES[case]
@@ -132,6 +136,7 @@ def _damage(case: str, root: Path) -> tuple[str, str, str]:
 CASES = ["unreadable", "truncated", "empty", "too_short", "wrong_rate", "missing_transcript",
          "alignment_length", "unknown_symbol", "class_out_of_range", "missing_alignment", "list_without_audio",
          "header_only", "duplicate_alignment", "duplicate_transcript", "dangling_symlink",
+         "symlink_loop",
          *_BAD_VALUES]  # fmt: skip
 
 
