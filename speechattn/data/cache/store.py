@@ -325,7 +325,13 @@ class FeatureStore:
             self._refuse(k, path, "missing")
         if stats.size != int(np.prod(record["shape"])):
             self._refuse(k, path, f"{stats.size} values instead of {record['shape']}")
-        return stats.reshape(record["shape"])
+        stats = stats.reshape(record["shape"])
+        finite = np.isfinite(stats).reshape(len(stats), -1).all(axis=1)  # (utterances,)
+        if not finite.all():  # cached before decoding refused NaN/inf samples: extract again
+            row = int(np.argmin(finite))
+            utt = self.utt_ids[int(np.flatnonzero((self.shard == k) & (self.row == row))[0])]
+            self._refuse(k, path, f"non-finite features cached for {utt}")
+        return stats
 
 
 def touch(manifest: Path) -> None:
