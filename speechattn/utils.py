@@ -110,7 +110,7 @@ def atomic_path(path: str | Path) -> Iterator[Path]:
             yield tmp
             _fsync(tmp)
             os.replace(tmp, path)
-            _fsync(path.parent)
+            _fsync(path.parent, folder=True)
         except (OSError, RuntimeError) as e:
             if isinstance(e, DiskFullError) or not out_of_space(e):
                 raise
@@ -119,9 +119,14 @@ def atomic_path(path: str | Path) -> Iterator[Path]:
         tmp.unlink(missing_ok=True)  # a failed write (full disk, crash) leaves nothing behind
 
 
-def _fsync(path: Path) -> None:
-    """Flush a file's (or a folder's entries') pending writes to the device."""
-    fd = os.open(path, os.O_RDONLY)
+def _fsync(path: Path, folder: bool = False) -> None:
+    """Flush a file's (or a `folder`'s entries') pending writes to the device."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        if folder:  # not every system opens folders (Windows): its renames are its own business
+            return
+        raise
     try:
         os.fsync(fd)
     except OSError as e:
