@@ -18,3 +18,17 @@ class SpeechattnError(Exception):
 class ConfigError(SpeechattnError, ValueError):
     """A setting that cannot work, e.g. `model.net.num_heads=0: must be a positive divisor of
     hidden_size=256`. The message names the setting, the value and what it must be."""
+
+
+class DiskFullError(SpeechattnError, OSError):
+    """A write that failed for lack of space (ENOSPC, EDQUOT, or a write cut short), e.g.
+    `/runs/x/upstream.pt: cannot be written: the device is full (12 MiB free in /runs/x) ...`.
+    The message names the file, the folder, the free space there and the fix. An `OSError`
+    with the original `errno`, so code that handles a full disk itself still recognises it."""
+
+    def __init__(self, message: str, errno: int) -> None:
+        super().__init__(message)
+        self.errno = errno
+
+    def __reduce__(self):  # picklable across worker processes
+        return (DiskFullError, (str(self), self.errno))
