@@ -64,18 +64,29 @@ def test_every_model_option_and_experiment_builds(name, experiment):
     assert isinstance(OmegaConf.to_object(cfg.data), DataConfig)
 
 
+JOB_OF_TRAINER = {"probe": "downstream"}  # the others are pretraining's
+
+
 @pytest.mark.parametrize("name", options("trainer"))
 def test_every_trainer_option_names_trainer_arguments(name):
-    cfg = OmegaConf.to_container(compose("pretrain", [f"trainer={name}"]).trainer, resolve=True)
+    job = JOB_OF_TRAINER.get(name, "pretrain")
+    cfg = OmegaConf.to_container(compose(job, [f"trainer={name}"]).trainer, resolve=True)
     trainer = get_class(cfg.pop("_target_"))
     assert set(cfg) <= set(inspect.signature(trainer.__init__).parameters)
 
 
+@pytest.mark.parametrize("job", ["pretrain", "downstream"])
 @pytest.mark.parametrize("name", options("logger"))
-def test_every_logger_option_instantiates(name, tmp_path):
-    cfg = compose("pretrain", [f"logger={name}", f"output_dir={tmp_path}"])
+def test_every_logger_option_instantiates(name, job, tmp_path):
+    from speechattn.tasks.common import configured_loggers
+
+    cfg = compose(job, [f"logger={name}", f"output_dir={tmp_path}"])
     for logger in cfg.logger.values():
-        instantiate(logger)
+        cls = get_class(logger._target_)
+        assert set(logger) - {"_target_"} <= set(inspect.signature(cls.__init__).parameters)
+    if name in ("wandb", "mlflow"):  # optional extras: speechattn[wandb], speechattn[mlflow]
+        pytest.importorskip(name)
+    assert len(configured_loggers(cfg)) == len(cfg.logger)
 
 
 @pytest.mark.parametrize("name", options("debug"))
@@ -86,10 +97,13 @@ def test_every_debug_option_composes(name):
 DOWNSTREAM_TASKS = [t for t in options("task") if t != "pretrain"]  # pretrain: analysis only
 
 
+EXAMPLE_TASKS = ["pitch_utterance"]  # docs/extending.md's worked example, not a study task
+
+
 def test_the_task_list_is_the_task_group():
     from speechattn.tasks.records import TASKS
 
-    assert sorted(TASKS) == DOWNSTREAM_TASKS
+    assert sorted([*TASKS, *EXAMPLE_TASKS]) == DOWNSTREAM_TASKS
 
 
 @pytest.mark.parametrize("name", DOWNSTREAM_TASKS)

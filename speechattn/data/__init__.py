@@ -24,6 +24,7 @@ from speechattn.data.librispeech import Utterance, find_splits, scan_split
 _LAZY = {
     "LabelledDataModule": "speechattn.data.datamodules",
     "PretrainDataModule": "speechattn.data.datamodules",
+    "build_datamodule": "speechattn.data.datamodules",
     "resolve_root": "speechattn.data.datamodules",
     "build_corpus": "speechattn.data.synth",
     "ensure_embedded_corpus": "speechattn.data.synth",
@@ -50,6 +51,7 @@ __all__ = [
     "Skip",
     "Utterance",
     "build_corpus",
+    "build_datamodule",
     "default_cache_root",
     "ensure_embedded_corpus",
     "expand_to_labels",

@@ -45,6 +45,7 @@ from speechattn.errors import SpeechattnError
 from speechattn.model.aalbert import AALBERT
 from speechattn.model.masking import MaskedBatch, MaskingConfig, corrupt, reconstruction_loss
 from speechattn.model.probes import Probe
+from speechattn.tasks.downstream.labels import LabelSource, label_source
 from speechattn.utils import IGNORE_INDEX, derive_seed, lengths_to_padding_mask, track
 
 PER_CHOICES = ("utterance", "batch")
@@ -232,36 +233,26 @@ class ProbeObjective(Objective[LabelledBatch]):
         probe: nn.Module,
         layers: Sequence[int],
         batches: Iterable[dict[str, Any]],
-        target: str,
+        target: str | LabelSource,
         level: str,
         device: torch.device | str = "cpu",
         dtype: torch.dtype = torch.float32,
     ) -> None:
+        """`target`: the task's label source (bound to the corpus), or its name for sources
+        whose labels travel with the batches (speaker, phones)."""
         self.device, self.dtype = torch.device(device), dtype
         self.upstream = _frozen(upstream, self.device, dtype)
         self.probe = _frozen(probe, self.device, dtype)
         self.layers = list(layers)
         self.level = level
-        prepared = [self._labelled(b, target, level) for b in batches]
+        labels = label_source(target)() if isinstance(target, str) else target
+        prepared = [self._labelled(b, labels, level) for b in batches]
         super().__init__(int(upstream.num_layers), int(upstream.num_heads), prepared)
 
-    def _labelled(self, batch: dict[str, Any], target: str, level: str) -> LabelledBatch:
+    def _labelled(self, batch: dict[str, Any], source: LabelSource, level: str) -> LabelledBatch:
         features = batch["features"].to(self.device, self.dtype)
         lengths = batch["lengths"].to(self.device)
-        label_lengths = None
-        if target == "phones":
-            if batch.get("phones") is None:
-                raise ValueError("the downstream task needs phone labels; the batches have none")
-            labels, label_lengths = batch["phones"], batch["phone_lengths"]
-        elif batch.get("speaker") is None:
-            raise ValueError("the downstream task needs speaker labels; the batches have none")
-        elif level == "frame":  # the utterance's speaker on each of its 10 ms frames
-            T = int(batch["lengths"].max())
-            valid = ~lengths_to_padding_mask(batch["lengths"], T)
-            labels = batch["speaker"][:, None].expand(-1, T).masked_fill(~valid, IGNORE_INDEX)
-            label_lengths = batch["lengths"]
-        else:
-            labels = batch["speaker"]
+        labels, label_lengths = source.batch(batch, level)  # (B,) | (B, T) and (B,)
         return LabelledBatch(
             features,
             lengths,
