@@ -8,6 +8,7 @@ mistyped override fails at composition. The schemas:
     schema/pretrain   PretrainConfig       conf/pretrain.yaml (entry point's own keys)
     schema/downstream DownstreamConfig     conf/downstream.yaml
     schema/analyze    HeadsRunConfig       conf/analyze.yaml
+    schema/prune      PruneConfig          conf/prune.yaml
     schema/data       DataConfig           conf/data/*.yaml (`embedded` is the defaults)
     schema/model      PretrainModelConfig  conf/model/aalbert_base.yaml (the defaults)
     schema/task       TaskConfig           conf/task/*.yaml (`speaker_utterance` is the defaults)
@@ -39,6 +40,7 @@ from speechattn.errors import SpeechattnError
 from speechattn.model.aalbert import ModelConfig
 from speechattn.model.masking import MaskingConfig
 from speechattn.model.optim import OptimConfig
+from speechattn.tasks.analysis.prune import PruneConfig
 from speechattn.tasks.analysis.sources import HeadsRunConfig
 from speechattn.tasks.downstream.probe import TaskConfig
 
@@ -147,6 +149,7 @@ SCHEMAS: dict[str, Any] = {
     "pretrain": PretrainConfig,
     "downstream": DownstreamConfig,
     "analyze": HeadsRunConfig,
+    "prune": PruneConfig,
     "data": DataConfig,
     "model": PretrainModelConfig,
     "task": TaskConfig,

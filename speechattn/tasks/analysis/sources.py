@@ -105,11 +105,10 @@ class HeadsRunConfig(HeadsConfig):
 
 
 def head_tasks() -> list[str]:
-    """What `task=` may name: pretrain, or a downstream task of the `task` group (conf/task/)."""
-    return [
-        PRETRAIN,
-        *sorted({*TASKS, *(p.stem for p in (CONFIG_DIR / "task").glob("*.yaml"))} - {PRETRAIN}),
-    ]
+    """What `task=` may name: pretrain, the study's tasks, then the other options of the `task`
+    group (conf/task/)."""
+    others = {p.stem for p in (CONFIG_DIR / "task").glob("*.yaml")} - {PRETRAIN, *TASKS}
+    return [PRETRAIN, *TASKS, *sorted(others)]
 
 
 # ----------------------------------------------------------------------------- inputs

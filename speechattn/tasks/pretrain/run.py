@@ -28,6 +28,7 @@ from speechattn.tasks.common import (
     DataWait,
     MetricsCSV,
     configured_loggers,
+    finish_loggers,
     progress_bar,
     quiet_library_notices,
     read_metrics,
@@ -135,7 +136,10 @@ def run(cfg: DictConfig, datamodule: Any = None) -> dict[str, Any]:
             trainer.validate(task, datamodule=data, verbose=False)
 
     # results
-    return write_results(trainer, task, output_dir, license=str(cfg.get("license") or "mit"))
+    try:
+        return write_results(trainer, task, output_dir, license=str(cfg.get("license") or "mit"))
+    finally:
+        finish_loggers(trainer.loggers)
 
 
 def build_trainer(cfg: DictConfig, output_dir: Path, *extra_callbacks: L.Callback) -> L.Trainer:
