@@ -7,7 +7,7 @@ import inspect
 from dataclasses import fields, is_dataclass
 
 import pytest
-from hydra.utils import get_class, instantiate
+from hydra.utils import get_class
 from omegaconf import OmegaConf
 
 from speechattn import CONFIG_DIR
