@@ -21,9 +21,11 @@ from speechattn.tasks.records import read_heads
 class PruneConfig:
     """`python -m speechattn.prune`: which heads to remove, from which upstream, to where."""
 
-    heads: str = MISSING  # heads.json (or its folder) written by `python -m speechattn.analyze heads`
-    fraction: float = MISSING  # pruning point: fraction of all L x h heads masked (nearest point)
-    upstream: str | None = None  # None: the upstream the analysis ran on (sha256 checked either way)
+    # heads.json (or its folder) written by `python -m speechattn.analyze heads`
+    heads: str = MISSING
+    # the pruning point: fraction of all L x h heads masked (the curve's nearest point)
+    fraction: float = MISSING
+    upstream: str | None = None  # None: the analysed upstream (its sha256 is checked either way)
     out: str | None = None  # None: <run dir>/upstream.pt
 
 
