@@ -85,7 +85,7 @@ EXAMPLE_FILE = "example_utterance.pt"
 
 # The four tasks of SPEC 7, in the column order of the study's Table 2.
 TASKS: tuple[str, ...] = ("speaker_utterance", "speaker_frame", "phone_1hidden", "phone_2hidden")
-MEL = "mel"
+MEL = "mel"  # the no-pretraining baseline: upstream=mel probes the input features
 
 
 @dataclass

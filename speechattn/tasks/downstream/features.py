@@ -32,10 +32,10 @@ from torch import Tensor, nn
 from speechattn.data.cache import file_sha256
 from speechattn.errors import SpeechattnError
 from speechattn.model.serialization import TorchFileError, load_torch_file
+from speechattn.tasks.records import MEL  # the no-pretraining baseline's name
 from speechattn.utils import atomic_path, atomic_write_bytes, digest, lengths_to_padding_mask
 from speechattn.utils import progress_bar as progress
 
-MEL = "mel"
 CACHE_VERSION = 1
 SPLITS = ("train", "dev", "test")
 
