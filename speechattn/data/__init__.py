@@ -22,7 +22,7 @@ from speechattn.data.librispeech import Utterance, find_splits, scan_split
 # Imported on first use: Lightning is slow to import, and `python -m speechattn.data.synth`
 # must not find its own module already imported by the package.
 _LAZY = {
-    "LabelledDataModule": "speechattn.data.datamodules",
+    "LabelledDataModule": "speechattn.data.labelled",
     "PretrainDataModule": "speechattn.data.datamodules",
     "build_datamodule": "speechattn.data.datamodules",
     "resolve_root": "speechattn.data.datamodules",
