@@ -7,7 +7,10 @@ the variants in `speechattn.attention`; the layer receives its attention module 
 which variant it holds.
 
 Read top to bottom: positions, input embedding, feed-forward, layer, encoder, reconstruction
-head, config, the full model, then the builder and its presets.
+head, config, the full model, then the builder and its presets. Longer than 500 lines on
+purpose: one network in dependency order in one file, as nanoGPT's `model.py`; half of it is
+`AALBERT` itself (embedding + encoder + head, head masks, actual head pruning, layer outputs),
+whose parts only make sense together.
 
 Shape letters (see `speechattn/attention/base.py`): B batch, T 10 ms mel frames, T' stacked
 30 ms model frames, F mel bins, D model dim, h heads, L layers.
