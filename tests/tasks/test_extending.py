@@ -23,7 +23,8 @@ from tests.tasks.test_downstream_run import compose_downstream
 REPO = Path(__file__).resolve().parents[2]
 DOC = REPO / "docs" / "extending.md"
 EXAMPLE_FILES = {
-    "speechattn/tasks/downstream/labels/pitch.py": REPO / "speechattn/tasks/downstream/labels/pitch.py",
+    "speechattn/tasks/downstream/labels/pitch.py": REPO
+    / "speechattn/tasks/downstream/labels/pitch.py",
     "conf/task/pitch_utterance.yaml": CONFIG_DIR / "task" / "pitch_utterance.yaml",
 }
 
