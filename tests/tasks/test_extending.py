@@ -18,7 +18,7 @@ from speechattn.data.librispeech import speaker_of
 from speechattn.tasks.downstream import TaskConfig, run
 from speechattn.tasks.downstream.labels import label_source
 from speechattn.tasks.records import read_result
-from tests.tasks.test_downstream_run import compose_downstream
+from tests.tasks.test_downstream_run import compose_downstream, tiny_upstream  # noqa: F401  (fixture)
 
 REPO = Path(__file__).resolve().parents[2]
 DOC = REPO / "docs" / "extending.md"
@@ -84,3 +84,26 @@ def test_the_example_task_trains_and_learns(tmp_path: Path, tiny_data_config: Da
 def test_an_unknown_target_names_the_folder_to_add_it_to() -> None:
     with pytest.raises(ValueError, match="labels/loudness.py"):
         TaskConfig(name="loudness_utterance", target="loudness")
+
+
+def test_the_head_analysis_reads_the_example_task(
+    tmp_path: Path,
+    tiny_data_config: DataConfig,
+    tiny_upstream: Path,  # noqa: F811  (the fixture imported above)
+) -> None:
+    """The analysis job needs no change either: it asks the task's label source for labels."""
+    from speechattn.analyze import compose_config
+    from speechattn.analyze import run as analyze
+
+    probe_run = tmp_path / "pitch"
+    cfg = compose_downstream(
+        probe_run, tiny_data_config, "task=pitch_utterance", f"upstream={tiny_upstream}",
+        "logger=none",
+    )  # fmt: skip
+    run(cfg)
+    overrides = [f"output_dir={tmp_path / 'heads'}", "progress=false", "figures=false"]
+    heads = analyze(compose_config([*overrides, f"downstream={probe_run}", "num_batches=2"]))
+    assert heads["task"] == "pitch_utterance" and heads["metric"] == "accuracy"
+    assert heads["split"] == "dev" and heads["downstream"]["dir"] == str(probe_run)
+    assert heads["subset"]["scored"] == heads["subset"]["utterances"] > 0  # one label each
+    assert 0.0 <= heads["base_metric"] <= 1.0
