@@ -1,5 +1,5 @@
 """Small helpers every layer shares: padding masks, the ignored label id, device choice, atomic
-writes and a progress bar.
+writes, a progress bar and plain (JSON-friendly) copies of config values.
 
 This module imports nothing from the project but `speechattn.errors`, so `data`, `attention`,
 `model`, `tasks`, `report` and `bench` may all use it without bending the dependency rule
@@ -42,6 +42,28 @@ def lengths_to_padding_mask(lengths: Tensor, max_len: int | None = None) -> Tens
 
     T = int(lengths.max()) if max_len is None else int(max_len)
     return torch.arange(T, device=lengths.device)[None, :] >= lengths[:, None]
+
+
+def plain(value: Any) -> Any:
+    """Config values as plain Python for JSON and keyword arguments: OmegaConf nodes (resolved)
+    and dataclasses -> dicts/lists, tensors -> lists, paths -> str; anything else as it is."""
+    from dataclasses import asdict, is_dataclass
+
+    if is_dataclass(value) and not isinstance(value, type):
+        return plain(asdict(value))
+    if type(value).__module__.startswith("omegaconf"):  # DictConfig / ListConfig
+        from omegaconf import OmegaConf
+
+        return plain(OmegaConf.to_container(value, resolve=True))
+    if isinstance(value, dict):
+        return {str(k): plain(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [plain(v) for v in value]
+    if hasattr(value, "tolist") and hasattr(value, "dtype"):  # tensors, numpy arrays
+        return value.tolist()
+    if isinstance(value, Path):
+        return str(value)
+    return value
 
 
 def default_cache_root() -> Path:

@@ -32,10 +32,10 @@ from torch import Tensor, nn
 from speechattn.data.cache import file_sha256
 from speechattn.errors import SpeechattnError
 from speechattn.model.serialization import TorchFileError, load_torch_file
+from speechattn.tasks.records import MEL  # the no-pretraining baseline's name
 from speechattn.utils import atomic_path, atomic_write_bytes, digest, lengths_to_padding_mask
 from speechattn.utils import progress_bar as progress
 
-MEL = "mel"
 CACHE_VERSION = 1
 SPLITS = ("train", "dev", "test")
 
@@ -66,12 +66,14 @@ class MelUpstream(nn.Module):
         return lengths.clone()
 
 
-def open_upstream(spec: str | Path, feature_dim: int) -> tuple[nn.Module, str | None]:
+def open_upstream(spec: str | Path, feature_dim: int | None = None) -> tuple[nn.Module, str | None]:
     """Load the upstream named by `spec` (a path to `upstream.pt`, or `mel`), frozen, in eval mode.
 
     Returns the upstream and the sha256 of its file (None for `mel`). Raises `FileNotFoundError`
     or `ValueError` naming the file when it is missing, corrupt, not ours, or expects other
-    input features than the corpus provides.
+    input features than the corpus provides (`feature_dim`; None: not checked, e.g. the head
+    analysis, which reads the corpus recorded with the upstream). The one loader of both the
+    downstream job and the head analysis.
     """
     if str(spec) == MEL:
         return MelUpstream(feature_dim).eval(), None
@@ -93,7 +95,7 @@ def open_upstream(spec: str | Path, feature_dim: int) -> tuple[nn.Module, str | 
             f"by `python -m speechattn.pretrain`): {type(e).__name__}: {e}"
         ) from e
     expected = _upstream_feature_dim(upstream)
-    if expected is not None and expected != feature_dim:
+    if expected is not None and feature_dim is not None and expected != feature_dim:
         raise ValueError(
             f"{path} expects {expected}-dim input features but the corpus provides "
             f"{feature_dim}; use the same data.* feature settings as for pretraining"
