@@ -67,6 +67,7 @@ from speechattn.tasks.downstream.features import (
 )
 from speechattn.tasks.downstream.labels import LabelSource
 from speechattn.tasks.downstream.probe import DownstreamProbe, ProbeDataset, TaskConfig, collate
+from speechattn.tasks.preemption import AtomicCheckpointIO
 from speechattn.tasks.records import EXAMPLE_FILE, MEL, PRETRAIN, DownstreamResult
 from speechattn.utils import atomic_path, choose_device, plain
 
@@ -250,6 +251,8 @@ def probe_trainer(
         callbacks=callbacks,
         logger=[metrics, *loggers],
         default_root_dir=str(out),
+        # written beside the target, not staged in $TMPDIR; a full disk names the file
+        plugins=[AtomicCheckpointIO()],
         _convert_="all",
     )
 
