@@ -18,3 +18,23 @@ class SpeechattnError(Exception):
 class ConfigError(SpeechattnError, ValueError):
     """A setting that cannot work, e.g. `model.net.num_heads=0: must be a positive divisor of
     hidden_size=256`. The message names the setting, the value and what it must be."""
+
+
+def require(ok: bool, setting: str, value: object, rule: str) -> None:
+    """Raise `ConfigError("<setting>=<value>: must be <rule>")` unless `ok`.
+
+    The one shape of a start-up check, e.g.
+    `require(heads > 0, "model.net.num_heads", heads, "a positive divisor of dim=256")`.
+    """
+    if not ok:
+        raise ConfigError(f"{setting}={value!r}: must be {rule}")
+
+
+def is_number(value: object) -> bool:
+    """True for an int or float (not a bool, not a string such as "abc")."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def is_int(value: object) -> bool:
+    """True for an int (not a bool)."""
+    return isinstance(value, int) and not isinstance(value, bool)

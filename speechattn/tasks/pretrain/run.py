@@ -23,6 +23,10 @@ from omegaconf import DictConfig, OmegaConf
 
 from speechattn.attention import autotune
 from speechattn.data import DataConfig, PretrainDataModule
+from speechattn.errors import ConfigError, is_int, is_number, require
+from speechattn.model.aalbert import ModelConfig
+from speechattn.model.masking import MaskingConfig
+from speechattn.model.optim import OptimConfig
 from speechattn.model.serialization import TorchFileError, load_torch_file
 from speechattn.tasks.common import (
     DataWait,
@@ -54,6 +58,7 @@ def run(cfg: DictConfig, datamodule: Any = None) -> dict[str, Any]:
     it must follow the batch contract of docs/ARCHITECTURE.md.
     """
     quiet_library_notices()
+    check_settings(cfg)
     output_dir = Path(cfg.output_dir).resolve()
     output_dir.mkdir(parents=True, exist_ok=True)
     resume = resolve_ckpt_path(cfg.get("ckpt_path"), output_dir)
@@ -134,6 +139,40 @@ def run(cfg: DictConfig, datamodule: Any = None) -> dict[str, Any]:
 
     # results
     return write_results(trainer, task, output_dir, license=str(cfg.get("license") or "mit"))
+
+
+def check_settings(cfg: DictConfig) -> None:
+    """Refuse, before any data is read, the run-level settings that make a run do nothing or
+    fail later (`ConfigError` naming the setting, its value and its valid range). The groups'
+    own settings are checked by their dataclasses (DataConfig, ModelConfig, ...) as they are
+    built."""
+    trainer = cfg.trainer
+    for name in ("max_steps", "accumulate_grad_batches", "log_every_n_steps"):
+        value = trainer.get(name, 1)
+        # max_steps: 0 trains nothing; Lightning's -1 (no limit) leaves the lr schedule no end
+        require(is_int(value) and value >= 1, f"trainer.{name}", value, "an integer >= 1")
+    every = trainer.get("val_check_interval", 1.0)
+    ok = (is_int(every) and every >= 1) or (isinstance(every, float) and 0 < every <= 1)
+    rule = "an integer >= 1 (steps) or a fraction in (0, 1] of an epoch"
+    require(ok, "trainer.val_check_interval", every, rule)
+    limit = trainer.get("limit_train_batches", 1.0)
+    ok = is_number(limit) and limit > 0
+    require(ok, "trainer.limit_train_batches", limit, "> 0 (0 trains nothing)")
+    # the groups' dataclasses check their own settings as they are built: build them now,
+    # before the corpus is read or extracted (the model gets its feature_dim from the data)
+    if "_target_" not in (cfg.get("data") or {}):
+        DataConfig(**container(cfg.data))
+    ModelConfig(**container(cfg.model.net))
+    MaskingConfig(**container(cfg.model.masking))
+    OptimConfig(**container(cfg.model.optimizer))
+    every_n = cfg.checkpoint.every_n_steps
+    require(
+        is_int(every_n) and every_n >= 1, "checkpoint.every_n_steps", every_n, "an integer >= 1"
+    )
+    keep = cfg.checkpoint.keep
+    require(is_int(keep) and keep >= -1, "checkpoint.keep", keep, "an integer >= 0, or -1 (all)")
+    limit = cfg.max_nonfinite
+    require(is_int(limit) and limit >= 1, "max_nonfinite", limit, "an integer >= 1")
 
 
 def build_datamodule(cfg: DictConfig) -> L.LightningDataModule:
