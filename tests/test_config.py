@@ -190,6 +190,7 @@ BAD_SETTINGS = [
     ("checkpoint.every_n_steps=0", "checkpoint.every_n_steps=0: must be an integer >= 1"),
     ("checkpoint.keep=-2", "checkpoint.keep=-2: must be an integer >= 0, or -1"),
     ("max_nonfinite=0", "max_nonfinite=0: must be an integer >= 1"),
+    ("progress_bar=fancy", "progress_bar='fancy': must be rich, tqdm or none"),
     ("model.net.dropout=1.0", "model.net.dropout=1.0: must be in [0, 1)"),
     ("model.net.num_layers=0", "model.net.num_layers=0: must be an integer >= 1"),
     ("model.net.conv_position_kernel=4", "model.net.conv_position_kernel=4: must be 0 (none) or"),
@@ -226,3 +227,20 @@ def test_a_prune_fraction_that_is_not_a_number_is_refused(tmp_path):
         cfg = compose("prune", [f"heads={tmp_path}/heads.json", f"fraction={value}"])
         with pytest.raises(ConfigError, match=rf"^fraction={shown}: must be a number in \[0, 1\]"):
             run(cfg)
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("data.dev_fraction=0", "data.dev_fraction=0.0: must be in (0, 1)"),  # was Lightning's
+        ("data.label_tolerance=-1", "data.label_tolerance=-1: must be an integer >= 0"),
+    ],
+)
+def test_downstream_refuses_them_before_reading_data(tmp_path, override, message):
+    from speechattn.errors import ConfigError
+    from speechattn.tasks.downstream import run
+
+    cfg = compose("downstream", [override, f"output_dir={tmp_path}"])
+    with pytest.raises(ConfigError) as refused:
+        run(cfg)
+    assert str(refused.value).startswith(message)

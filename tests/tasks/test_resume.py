@@ -39,7 +39,7 @@ def upstream_metadata(out: Path) -> dict:
     return torch.load(out / "upstream.pt", weights_only=True)["metadata"]
 
 
-# ----------------------------------------------------------------------------- 9: a stopped extension
+# ------------------------------------------------------------------------- 9: a stopped extension
 
 
 def test_sigterm_while_extending_a_finished_run_says_the_upstream_is_the_earlier_one(
@@ -58,7 +58,7 @@ def test_sigterm_while_extending_a_finished_run_says_the_upstream_is_the_earlier
     assert step_of(tmp_path / "checkpoints" / "last.ckpt") == 13
 
 
-# ----------------------------------------------------------------------------- 10: the newest checkpoint
+# ---------------------------------------------------------------------- 10: the newest checkpoint
 
 
 def test_ckpt_path_last_finds_the_newest_checkpoint_in_a_copied_run_dir(tmp_path):
@@ -81,7 +81,7 @@ def test_ckpt_path_last_finds_the_newest_checkpoint_in_a_copied_run_dir(tmp_path
     assert step_of(checkpoints / "step=0000012.ckpt") == 12  # resumed at 12, not at 4
 
 
-# ----------------------------------------------------------------------------- 11, 20: what may change
+# ------------------------------------------------------------------------ 11, 20: what may change
 
 
 @pytest.fixture(scope="module")
@@ -163,7 +163,7 @@ def test_weights_that_do_not_fit_and_plain_dicts_name_the_file(finished, tmp_pat
     )
 
 
-# ----------------------------------------------------------------------------- 12: one run per run dir
+# ------------------------------------------------------------------------ 12: one run per run dir
 
 
 def test_a_run_dir_in_use_is_refused_and_a_dead_runs_lock_is_taken_over(tmp_path, caplog):
@@ -198,7 +198,7 @@ def test_a_run_dir_in_use_is_refused_and_a_dead_runs_lock_is_taken_over(tmp_path
     assert upstream_metadata(out)["steps"] == 4 and not (out / "run.claim").exists()
 
 
-# ----------------------------------------------------------------------------- 25: hints that paste
+# --------------------------------------------------------------------------- 25: hints that paste
 
 
 def test_overrides_in_hints_survive_the_shell_and_hydras_parser(tmp_path):

@@ -383,8 +383,8 @@ class PretrainTask(L.LightningModule):
         last = Path(folder) / "last.ckpt" if folder else None
         if last is not None and last.is_file():
             advice += (
-                f" The last checkpoint, {last}, resumes with ckpt_path=last, but keeps its saved "
-                f"learning rate: a smaller lr needs a fresh run."
+                f" The last checkpoint, {last}, resumes with ckpt_path=last; with a smaller lr "
+                f"add allow_resume_changes=[model.optimizer.lr] (docs/preemption.md)."
             )
         return advice
 

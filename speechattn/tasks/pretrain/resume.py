@@ -191,7 +191,8 @@ def check_state_dict(checkpoint: dict[str, Any], path: Path, model: torch.nn.Mod
             if items
         ]
         raise ConfigError(
-            f"ckpt_path={path}: its weights do not fit the model configured now ({'; '.join(parts)}): "
+            f"ckpt_path={path}: its weights do not fit the model configured now "
+            f"({'; '.join(parts)}): "
             f"resume with the checkpoint's model settings or start a fresh run"
         )
 
@@ -258,9 +259,10 @@ class RunLock:
                 continue  # released meanwhile: try again
             same_machine = holder.host == self.claims.host and holder.machine == self.claims.machine
             if same_machine or (deadline is not None and time.monotonic() > deadline):
+                started = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(holder.started))
                 raise RunInUseError(
                     f"run directory {self.run_dir} is in use by another run ({holder}, "
-                    f"started {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(holder.started))}; "
+                    f"started {started}; "
                     f"lock {holder.path}): wait for it to end, or choose another hydra.run.dir"
                 )
             if deadline is None:  # another host: alive, or dead and not yet silent long enough

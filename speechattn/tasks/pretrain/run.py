@@ -149,7 +149,7 @@ def run_locked(cfg: DictConfig, datamodule: Any, output_dir: Path) -> dict[str, 
 
     # fit; SIGTERM/SIGUSR1 end it after the step in progress, with checkpoints/last.ckpt
     ckpt_path = str(resume) if resume else None
-    earlier = earlier_result(output_dir) if resume is not None else None
+    earlier = earlier_result(output_dir) if resume and rank_zero_only.rank == 0 else None
     try:
         with stop.handling_signals(trainer, hint):
             if resume is None and cfg.get("validate_at_start", True) and trainer.limit_val_batches:
@@ -173,17 +173,17 @@ def run_locked(cfg: DictConfig, datamodule: Any, output_dir: Path) -> dict[str, 
             trainer.fit(task, datamodule=data, ckpt_path=ckpt_path, weights_only=True)
             every = trainer.val_check_interval
             if trainer.limit_val_batches and isinstance(every, int) and trainer.global_step % every:
-                # the curve in metrics.csv and upstream.pt's val_loss must describe the final weights
+                # the curve in metrics.csv and upstream.pt's val_loss describe the final weights
                 trainer.validate(task, datamodule=data, verbose=False)
-    except TrainingStopped as stopped:
+        # results
+        return write_results(trainer, task, output_dir, license=str(cfg.get("license") or "mit"))
+    except BaseException as error:  # a stop, a divergence, a crash
         if earlier is not None:  # never let the earlier run's file pass for this one's
             note = f"{earlier}; this run has no result until it is resumed and finishes"
             log.warning("%s", note)
-            stopped.message += f". {note}"
+            if isinstance(error, TrainingStopped):
+                error.message += f". {note}"
         raise
-
-    # results
-    return write_results(trainer, task, output_dir, license=str(cfg.get("license") or "mit"))
 
 
 def earlier_result(output_dir: Path) -> str | None:
@@ -197,7 +197,10 @@ def earlier_result(output_dir: Path) -> str | None:
         step = f"at step {int(meta['steps'])}"
     except Exception:  # unreadable: it is still not this run's result
         step = "of unknown step"
-    what = f"{upstream} (and README.md, its model card) is an earlier result of this run directory, {step}"
+    what = (
+        f"{upstream} (and README.md, its model card) is an earlier result of this run "
+        f"directory, {step}"
+    )
     log.warning("%s: it stays until this run finishes and replaces it", what)
     return what
 
@@ -234,6 +237,8 @@ def check_settings(cfg: DictConfig) -> None:
     require(is_int(keep) and keep >= -1, "checkpoint.keep", keep, "an integer >= 0, or -1 (all)")
     limit = cfg.max_nonfinite
     require(is_int(limit) and limit >= 1, "max_nonfinite", limit, "an integer >= 1")
+    bar = cfg.get("progress_bar", "rich")
+    require(bar in ("rich", "tqdm", "none", None), "progress_bar", bar, "rich, tqdm or none")
 
 
 def build_datamodule(cfg: DictConfig) -> L.LightningDataModule:
