@@ -197,7 +197,9 @@ def test_conv_positions_add_a_centred_grouped_convolution():
 
 
 def test_conv_position_errors_are_clear():
-    with pytest.raises(ValueError, match="conv_position_kernel=4: must be 0 .none. or an odd width"):
+    with pytest.raises(
+        ValueError, match="conv_position_kernel=4: must be 0 .none. or an odd width"
+    ):
         small(conv_position_kernel=4)
     with pytest.raises(ValueError, match="conv_position_groups=5"):
         small(conv_position_kernel=3, conv_position_groups=5)
