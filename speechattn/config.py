@@ -104,7 +104,11 @@ class PretrainConfig:
     trainer: Any = None  # lightning.pytorch.Trainer arguments (`_target_`)
     logger: Any = field(default_factory=dict)  # name -> logger `_target_`; {} = metrics.csv only
     seed: int = 1234  # model init, data order, masks and dropout all derive from it
-    ckpt_path: str | None = None  # null | last (<run dir>/checkpoints/last.ckpt) | PATH.ckpt
+    ckpt_path: str | None = None  # null | last (the run dir's newest checkpoint) | PATH.ckpt
+    # settings a resume may change against its checkpoint, e.g. [model.optimizer.lr]; others
+    # that differ are refused. Each change is logged and recorded in upstream.pt's metadata
+    # (resume_changes); model.optimizer.name never changes (docs/preemption.md)
+    allow_resume_changes: list[str] = field(default_factory=list)
     output_dir: str | None = "${hydra:runtime.output_dir}"
     max_nonfinite: int = 5  # abort after this many non-finite losses/gradients in a row
     progress_bar: str = "rich"  # rich | tqdm | none

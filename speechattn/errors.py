@@ -32,3 +32,23 @@ class DiskFullError(SpeechattnError, OSError):
 
     def __reduce__(self):  # picklable across worker processes
         return (DiskFullError, (str(self), self.errno))
+
+
+def require(ok: bool, setting: str, value: object, rule: str) -> None:
+    """Raise `ConfigError("<setting>=<value>: must be <rule>")` unless `ok`.
+
+    The one shape of a start-up check, e.g.
+    `require(heads > 0, "model.net.num_heads", heads, "a positive divisor of dim=256")`.
+    """
+    if not ok:
+        raise ConfigError(f"{setting}={value!r}: must be {rule}")
+
+
+def is_number(value: object) -> bool:
+    """True for an int or float (not a bool, not a string such as "abc")."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def is_int(value: object) -> bool:
+    """True for an int (not a bool)."""
+    return isinstance(value, int) and not isinstance(value, bool)

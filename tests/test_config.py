@@ -256,3 +256,80 @@ def test_task_pretrain_is_refused_by_the_downstream_job(tmp_path):
     cfg = compose("downstream", ["task=pretrain", f"output_dir={tmp_path}"])
     with pytest.raises(ValueError, match="task=pretrain is the head analysis' objective"):
         run(cfg)
+
+
+# a setting that cannot work -> ConfigError "<setting>=<value>: must be <range>" at start-up,
+# before any data is read (the fault campaign's cases first, then their neighbours)
+BAD_SETTINGS = [
+    ("model.net.num_heads=0", "model.net.num_heads=0: must be an integer >= 1"),
+    ("model.net.num_heads=5", "model.net.num_heads=5: must be a divisor of model.net.dim="),
+    ("data.dev_fraction=0", "data.dev_fraction=0.0: must be in (0, 1)"),
+    ("data.label_tolerance=-1", "data.label_tolerance=-1: must be an integer >= 0"),
+    ("trainer.accumulate_grad_batches=0", "trainer.accumulate_grad_batches=0: must be an integer"),
+    ("trainer.max_steps=0", "trainer.max_steps=0: must be an integer >= 1"),
+    ("trainer.max_steps=-1", "trainer.max_steps=-1: must be an integer >= 1"),
+    ("trainer.val_check_interval=0", "trainer.val_check_interval=0: must be an integer >= 1"),
+    ("+trainer.limit_train_batches=0", "trainer.limit_train_batches=0: must be > 0"),
+    ("trainer.log_every_n_steps=0", "trainer.log_every_n_steps=0: must be an integer >= 1"),
+    ("checkpoint.every_n_steps=0", "checkpoint.every_n_steps=0: must be an integer >= 1"),
+    ("checkpoint.keep=-2", "checkpoint.keep=-2: must be an integer >= 0, or -1"),
+    ("max_nonfinite=0", "max_nonfinite=0: must be an integer >= 1"),
+    ("progress_bar=fancy", "progress_bar='fancy': must be rich, tqdm or none"),
+    ("model.net.dropout=1.0", "model.net.dropout=1.0: must be in [0, 1)"),
+    ("model.net.num_layers=0", "model.net.num_layers=0: must be an integer >= 1"),
+    ("model.net.conv_position_kernel=4", "model.net.conv_position_kernel=4: must be 0 (none) or"),
+    ("model.masking.span=0", "model.masking.span=0: must be an integer >= 1"),
+    ("model.masking.fraction=1.5", "model.masking.fraction=1.5: must be in [0, 1]"),
+    ("model.optimizer.lr=0", "model.optimizer.lr=0.0: must be > 0"),
+    ("model.optimizer.lr=-1e-3", "model.optimizer.lr=-0.001: must be > 0"),
+    ("model.optimizer.warmup_fraction=2", "model.optimizer.warmup_fraction=2.0: must be in [0, 1]"),
+    ("model.optimizer.betas=[0.9,1.5]", "model.optimizer.betas=[0.9, 1.5]: must be two numbers"),
+    ("data.batch_size=0", "data.batch_size=0: must be an integer >= 1"),
+    ("data.n_mels=0", "data.n_mels=0: must be an integer >= 1"),
+    ("data.num_workers=-1", "data.num_workers=-1: must be an integer >= 0, or null"),
+    ("data.normalization=cmvn", "data.normalization='cmvn': must be one of global, utterance"),
+]
+
+
+@pytest.mark.parametrize(("override", "message"), BAD_SETTINGS)
+def test_settings_that_cannot_work_are_refused_at_start_up(tmp_path, override, message):
+    from speechattn.errors import ConfigError
+    from speechattn.tasks.pretrain import run
+
+    cfg = compose("pretrain", [override, f"output_dir={tmp_path / 'run'}"])
+    with pytest.raises(ConfigError) as refused:
+        run(cfg)
+    assert str(refused.value).startswith(message)
+    assert not (tmp_path / "run").exists()  # refused before anything is written
+
+
+def test_a_prune_fraction_that_is_not_a_number_is_refused(tmp_path):
+    """`fraction=abc` is refused by PruneConfig's schema as the config is composed (Hydra
+    names the override); a number outside [0, 1] by the job's own check."""
+    from hydra.errors import ConfigCompositionException
+
+    from speechattn.errors import ConfigError
+    from speechattn.tasks.analysis.prune import run
+
+    with pytest.raises(ConfigCompositionException, match="fraction=abc"):
+        compose("prune", [f"heads={tmp_path}/heads.json", "fraction=abc"])
+    cfg = compose("prune", [f"heads={tmp_path}/heads.json", "fraction=1.5"])
+    with pytest.raises(ConfigError, match=r"^fraction=1.5: must be a number in \[0, 1\]"):
+        run(cfg)
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("data.dev_fraction=0", "data.dev_fraction=0.0: must be in (0, 1)"),  # was Lightning's
+        ("data.label_tolerance=-1", "data.label_tolerance=-1: must be an integer >= 0"),
+    ],
+)
+def test_downstream_refuses_them_before_reading_data(tmp_path, override, message):
+    from speechattn.errors import ConfigError
+    from speechattn.tasks.downstream import run
+
+    cfg = compose("downstream", [override, f"output_dir={tmp_path}"])
+    with pytest.raises(ConfigError) as refused:
+        run(cfg)
+    assert str(refused.value).startswith(message)

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from speechattn.data.claims import ClaimConfig
+from speechattn.errors import ConfigError, is_int, is_number, require
 from speechattn.utils import default_cache_root
 
 CORPUS_CHOICES = ("embedded", "librispeech")
@@ -155,44 +156,45 @@ class DataConfig:
             ("cache_dtype", CACHE_DTYPES),
             ("on_error", ("error", "skip")),
         ):
-            if getattr(self, name) not in choices:
-                raise ValueError(
-                    f"data.{name} must be one of {choices}, found {getattr(self, name)!r}"
-                )
+            value = getattr(self, name)
+            require(value in choices, f"data.{name}", value, f"one of {', '.join(choices)}")
         if self.corpus == "librispeech" and not self.root:
-            raise ValueError(
+            raise ConfigError(
                 "data.root is required for corpus=librispeech (the LibriSpeech folder)"
             )
         for name in (
             "batch_size", "max_frames", "min_frames", "shard_size", "bucket_size",
-            "prefetch_factor", "pad_to_multiple", "max_open_shards",
+            "prefetch_factor", "pad_to_multiple", "max_open_shards", "n_mels",
         ):  # fmt: skip
-            if getattr(self, name) < 1:
-                raise ValueError(f"data.{name} must be >= 1, found {getattr(self, name)}")
-        if self.max_val_utterances is not None and self.max_val_utterances < 1:
-            raise ValueError(
-                f"data.max_val_utterances must be >= 1 or null (no cap), "
-                f"found {self.max_val_utterances}"
-            )
-        if not 0 <= self.dev_fraction < 1 or not 0 <= self.pretrain_val_fraction < 1:
-            raise ValueError("data.dev_fraction and data.pretrain_val_fraction must be in [0, 1)")
-        if self.max_frames < self.min_frames:
-            raise ValueError(
-                f"data.max_frames ({self.max_frames}) < data.min_frames ({self.min_frames})"
-            )
+            value = getattr(self, name)
+            require(is_int(value) and value >= 1, f"data.{name}", value, "an integer >= 1")
+        for name in ("max_val_utterances", "labelled_max_frames", "extract_workers"):
+            value = getattr(self, name)
+            ok = value is None or (is_int(value) and value >= 1)
+            require(ok, f"data.{name}", value, "an integer >= 1, or null")
+        ok = self.num_workers is None or (is_int(self.num_workers) and self.num_workers >= 0)
+        require(ok, "data.num_workers", self.num_workers, "an integer >= 0, or null")
+        ok = is_int(self.label_tolerance) and self.label_tolerance >= 0
+        require(ok, "data.label_tolerance", self.label_tolerance, "an integer >= 0 (10 ms frames)")
+        # downstream's early stopping needs a dev set: 0 would leave it empty
+        ok = is_number(self.dev_fraction) and 0 < self.dev_fraction < 1
+        require(ok, "data.dev_fraction", self.dev_fraction, "in (0, 1), e.g. 0.1")
+        ok = is_number(self.pretrain_val_fraction) and 0 <= self.pretrain_val_fraction < 1
+        require(ok, "data.pretrain_val_fraction", self.pretrain_val_fraction, "in [0, 1)")
+        require(
+            self.max_frames >= self.min_frames,
+            "data.max_frames",
+            self.max_frames,
+            f">= data.min_frames={self.min_frames}",
+        )
         if self.test_list is None and not self.test_splits:
-            raise ValueError(
+            raise ConfigError(
                 "data.test_list is null, so data.test_splits must name the test folders"
-            )
-        if self.extract_workers is not None and self.extract_workers < 1:
-            raise ValueError(
-                f"data.extract_workers must be >= 1 or null (from the CPU count), "
-                f"found {self.extract_workers}"
             )
         try:
             self.claim_config()
         except ValueError as e:
-            raise ValueError(
+            raise ConfigError(
                 f"data.claim_heartbeat_s={self.claim_heartbeat_s}, "
                 f"data.claim_expiry_s={self.claim_expiry_s}, "
                 f"data.cache_wait_timeout_s={self.cache_wait_timeout_s}, "

@@ -29,6 +29,7 @@ from torch import Tensor, nn
 
 from speechattn.attention.base import Attention
 from speechattn.data.features import stack_frames
+from speechattn.errors import is_int, is_number, require
 from speechattn.utils import lengths_to_padding_mask
 
 
@@ -340,12 +341,32 @@ class ModelConfig:
     residual_head_mask: list[list[float]] | None = None
 
     def __post_init__(self) -> None:
-        if self.dim % self.num_heads:
-            raise ValueError(f"dim={self.dim} is not divisible by num_heads={self.num_heads}")
-        if self.stack < 1 or self.num_layers < 1:
-            raise ValueError(
-                f"stack and num_layers must be >= 1, got {self.stack}, {self.num_layers}"
-            )
+        for name in ("feature_dim", "stack", "dim", "num_layers", "num_heads", "ffn_dim"):
+            value = getattr(self, name)
+            require(is_int(value) and value >= 1, f"model.net.{name}", value, "an integer >= 1")
+        require(
+            self.dim % self.num_heads == 0,
+            "model.net.num_heads",
+            self.num_heads,
+            f"a divisor of model.net.dim={self.dim}",
+        )
+        ok = is_number(self.dropout) and 0 <= self.dropout < 1
+        require(ok, "model.net.dropout", self.dropout, "in [0, 1)")
+        ok = is_number(self.layer_norm_eps) and self.layer_norm_eps > 0
+        require(ok, "model.net.layer_norm_eps", self.layer_norm_eps, "> 0")
+        require(
+            is_number(self.position_scale),
+            "model.net.position_scale",
+            self.position_scale,
+            "a number",
+        )
+        kernel, groups = self.conv_position_kernel, self.conv_position_groups
+        ok = is_int(kernel) and (kernel == 0 or (kernel > 0 and kernel % 2 == 1))
+        require(ok, "model.net.conv_position_kernel", kernel, "0 (none) or an odd width >= 1")
+        if kernel:  # the groups split the convolution's channels
+            ok = is_int(groups) and groups >= 1 and self.dim % groups == 0
+            rule = f"a divisor of model.net.dim={self.dim}"
+            require(ok, "model.net.conv_position_groups", groups, rule)
         self.attention_options = dict(self.attention_options)
         # keys may come back as strings from JSON (heads.json, model cards)
         self.pruned_heads = {int(j): sorted(map(int, k)) for j, k in self.pruned_heads.items()}

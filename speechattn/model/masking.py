@@ -26,6 +26,7 @@ import torch
 from torch import Tensor
 
 from speechattn.data.features import stack_frames
+from speechattn.errors import is_int, is_number, require
 
 ZERO, RANDOM, UNCHANGED = 0, 1, 2  # per-utterance corruption modes
 
@@ -38,15 +39,19 @@ class MaskingConfig:
     p_random: float = 0.1  # replace with random other frames of the same utterance
 
     def __post_init__(self) -> None:
-        if not 0.0 <= self.fraction <= 1.0:
-            raise ValueError(f"masking fraction must be in [0, 1], got {self.fraction}")
-        if self.span < 1:
-            raise ValueError(f"masking span must be >= 1, got {self.span}")
-        if self.p_zero < 0 or self.p_random < 0 or self.p_zero + self.p_random > 1.0 + 1e-9:
-            raise ValueError(
-                f"need p_zero, p_random >= 0 and p_zero + p_random <= 1, "
-                f"got {self.p_zero}, {self.p_random}"
-            )
+        ok = is_number(self.fraction) and 0.0 <= self.fraction <= 1.0
+        require(ok, "model.masking.fraction", self.fraction, "in [0, 1]")
+        ok = is_int(self.span) and self.span >= 1
+        require(ok, "model.masking.span", self.span, "an integer >= 1 (model frames)")
+        for name in ("p_zero", "p_random"):
+            value = getattr(self, name)
+            require(is_number(value) and value >= 0, f"model.masking.{name}", value, ">= 0")
+        require(
+            self.p_zero + self.p_random <= 1.0 + 1e-9,
+            "model.masking.p_random",
+            self.p_random,
+            f"<= 1 - model.masking.p_zero={self.p_zero}",
+        )
 
 
 @dataclass

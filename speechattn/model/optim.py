@@ -12,6 +12,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from speechattn.errors import is_int, is_number, require
+
 
 @dataclass
 class OptimConfig:
@@ -25,9 +27,20 @@ class OptimConfig:
     final_lr_fraction: float = 0.0  # linear decay from lr to lr * this at the last step
 
     def __post_init__(self) -> None:
-        if self.name not in ("lamb", "adamw"):
-            raise ValueError(f"unknown optimizer {self.name!r}; choose lamb or adamw")
+        require(self.name in ("lamb", "adamw"), "model.optimizer.name", self.name, "lamb or adamw")
         self.betas = tuple(self.betas)  # type: ignore[assignment]
+        require(is_number(self.lr) and self.lr > 0, "model.optimizer.lr", self.lr, "> 0")
+        ok = is_number(self.weight_decay) and self.weight_decay >= 0
+        require(ok, "model.optimizer.weight_decay", self.weight_decay, ">= 0")
+        ok = len(self.betas) == 2 and all(is_number(b) and 0 <= b < 1 for b in self.betas)
+        require(ok, "model.optimizer.betas", list(self.betas), "two numbers in [0, 1)")
+        require(is_number(self.eps) and self.eps > 0, "model.optimizer.eps", self.eps, "> 0")
+        for name in ("warmup_fraction", "final_lr_fraction"):
+            value = getattr(self, name)
+            ok = is_number(value) and 0 <= value <= 1
+            require(ok, f"model.optimizer.{name}", value, "in [0, 1]")
+        ok = self.warmup_steps is None or (is_int(self.warmup_steps) and self.warmup_steps >= 0)
+        require(ok, "model.optimizer.warmup_steps", self.warmup_steps, "an integer >= 0, or null")
 
     def warmup(self, total_steps: int) -> int:
         if self.warmup_steps is not None:

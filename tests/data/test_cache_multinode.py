@@ -255,7 +255,9 @@ def test_claim_settings_are_validated_and_extraction_workers_share_the_node(monk
         DataConfig(claim_expiry_s=20)
     with pytest.raises(ValueError, match=r"data.cache_wait_log_s=0.*log_every_s must be > 0"):
         DataConfig(cache_wait_log_s=0)
-    with pytest.raises(ValueError, match="data.extract_workers must be >= 1 or null"):
+    with pytest.raises(
+        ValueError, match="data.extract_workers=0: must be an integer >= 1, or null"
+    ):
         DataConfig(extract_workers=0)
     monkeypatch.setattr(config_module, "usable_cpus", lambda: 16)
     for name in ("LOCAL_WORLD_SIZE", "SLURM_CPUS_PER_TASK", "SLURM_NTASKS_PER_NODE", "WORLD_SIZE"):

@@ -87,7 +87,9 @@ def test_pretrain_data_module_caps_validation(tmp_path):
     uncapped.setup("fit")
     assert set(val) < set(uncapped.datasets["val"].utt_ids) and len(uncapped.datasets["val"]) == 15
     assert DataConfig().max_val_utterances == 1000
-    with pytest.raises(ValueError, match="data.max_val_utterances must be >= 1 or null"):
+    with pytest.raises(
+        ValueError, match="data.max_val_utterances=0: must be an integer >= 1, or null"
+    ):
         DataConfig(max_val_utterances=0)
 
 

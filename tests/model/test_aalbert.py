@@ -141,7 +141,9 @@ def test_attention_weights_of_a_layer():
 
 
 def test_config_errors_are_clear():
-    with pytest.raises(ValueError, match="divisible"):
+    with pytest.raises(
+        ValueError, match="model.net.num_heads=4: must be a divisor of model.net.dim=30"
+    ):
         ModelConfig(dim=30, num_heads=4)
     with pytest.raises((KeyError, ValueError), match="valid names"):
         small(attention="nope")
@@ -195,7 +197,9 @@ def test_conv_positions_add_a_centred_grouped_convolution():
 
 
 def test_conv_position_errors_are_clear():
-    with pytest.raises(ValueError, match="must be odd"):
+    with pytest.raises(
+        ValueError, match="conv_position_kernel=4: must be 0 .none. or an odd width"
+    ):
         small(conv_position_kernel=4)
     with pytest.raises(ValueError, match="conv_position_groups=5"):
         small(conv_position_kernel=3, conv_position_groups=5)

@@ -471,7 +471,9 @@ def test_truncated_last_checkpoint_names_it_and_the_newest_intact_one(tmp_path):
         )
     message = str(info.value)
     assert str(last) in message and "truncated or corrupt" in message
-    assert f"ckpt_path={ckpts / 'step=0000004.ckpt'}" in message
+    # quoted for Hydra's parser (`=` in the name): test_resume.py pastes one
+    pasted = "\"ckpt_path='" + str(ckpts / "step=0000004.ckpt") + "'\""
+    assert f"(step 4): {pasted}" in message
 
 
 def test_crop_beyond_the_attention_limit_fails_before_training(tmp_path):

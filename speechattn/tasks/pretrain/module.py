@@ -92,6 +92,9 @@ class PretrainTask(L.LightningModule):
         # a graph per length bucket; `tasks/pretrain/compiled.py`), compiled at its first call
         self._compiled = compile_objective(self.model, compile_mode) if compile else None
         self.data_info: dict[str, Any] = {}
+        # settings a resume changed against its checkpoint (`allow_resume_changes`), each
+        # {"step", "setting", "checkpoint", "now"}: set before fit, recorded in data_info
+        self.resume_changes: list[dict[str, Any]] = []
         self._nonfinite_in_row = 0
         self._skipped_this_step = False
         self._micro = (-1, 0)  # (global_step, micro-batch index within the accumulation)
@@ -148,8 +151,42 @@ class PretrainTask(L.LightningModule):
         checkpoint["speechattn_train_loss"] = self.last_train_loss
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        self.data_info = checkpoint.get("speechattn_data", {}) or self.data_info
+        # Lightning calls this before it restores the optimiser and its schedule from
+        # `checkpoint`: edits to it here take effect
+        saved = checkpoint.get("speechattn_data", {}) or {}
+        history = [*saved.get("resume_changes", []), *self.resume_changes]
+        if any(c["setting"].startswith("data.") for c in self.resume_changes):
+            # other features from now on: the checkpoint's normaliser no longer applies
+            saved = {k: v for k, v in saved.items() if k not in ("normalizer", "feature_config")}
+        # what this run set (the data it trains on from now) over what the checkpoint recorded
+        self.data_info = {**saved, **self.data_info}
+        if history:
+            self.data_info["resume_changes"] = history
         self.last_train_loss = checkpoint.get("speechattn_train_loss", self.last_train_loss)
+        if any(c["setting"].startswith("model.optimizer.") for c in self.resume_changes):
+            self._apply_optimizer_settings(checkpoint)
+
+    def _apply_optimizer_settings(self, checkpoint: dict[str, Any]) -> None:
+        """Put this run's lr, betas, eps and weight decay into the checkpoint's optimiser and
+        schedule state (an allowed `allow_resume_changes`): restored as saved, they would keep
+        the old values while the metadata states the new ones. The schedule's shape (warm-up,
+        final fraction, total steps) is this run's anyway: the state keeps only its step."""
+        for state in checkpoint.get("optimizer_states", []):
+            for index, group in enumerate(state["param_groups"]):
+                base = group.get("initial_lr", group["lr"])
+                group["lr"] = group["lr"] * self.optim.lr / base  # the same point of the schedule
+                group["initial_lr"] = self.optim.lr
+                group["betas"] = tuple(self.optim.betas)
+                group["eps"] = self.optim.eps
+                if index == 0:  # parameter_groups: the decayed matrices first, then the rest
+                    group["weight_decay"] = self.optim.weight_decay
+        for state in checkpoint.get("lr_schedulers", []):
+            if "base_lrs" in state:
+                state["_last_lr"] = [
+                    lr * self.optim.lr / base
+                    for lr, base in zip(state["_last_lr"], state["base_lrs"])
+                ]
+                state["base_lrs"] = [self.optim.lr] * len(state["base_lrs"])
 
     # ------------------------------------------------------------------ step
     def batch_masker(self, pad_to_multiple: int = 1) -> BatchMasker:
@@ -346,8 +383,8 @@ class PretrainTask(L.LightningModule):
         last = Path(folder) / "last.ckpt" if folder else None
         if last is not None and last.is_file():
             advice += (
-                f" The last checkpoint, {last}, resumes with ckpt_path=last, but keeps its saved "
-                f"learning rate: a smaller lr needs a fresh run."
+                f" The last checkpoint, {last}, resumes with ckpt_path=last; with a smaller lr "
+                f"add allow_resume_changes=[model.optimizer.lr] (docs/preemption.md)."
             )
         return advice
 

@@ -11,6 +11,8 @@ import math
 import os
 import shlex
 import warnings
+from contextlib import nullcontext
+from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +24,12 @@ from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig, OmegaConf
 
 from speechattn.attention import autotune
-from speechattn.data import build_datamodule
+from speechattn.data import DataConfig, build_datamodule
+from speechattn.data.features import FeatureConfig
+from speechattn.errors import is_int, is_number, require
+from speechattn.model.aalbert import ModelConfig
+from speechattn.model.masking import MaskingConfig
+from speechattn.model.optim import OptimConfig
 from speechattn.model.serialization import TorchFileError, load_torch_file
 from speechattn.tasks.common import (
     DataWait,
@@ -36,6 +43,7 @@ from speechattn.tasks.common import (
 from speechattn.tasks.preemption import (
     AtomicCheckpointIO,
     StopOnSignal,
+    TrainingStopped,
     remove_partial_checkpoints,
 )
 from speechattn.tasks.pretrain.data import ResumableData
@@ -45,6 +53,15 @@ from speechattn.tasks.pretrain.model_card import (
     write_model_card,
 )
 from speechattn.tasks.pretrain.module import NonFiniteLossError, PretrainTask
+from speechattn.tasks.pretrain.resume import (
+    RunLock,
+    check_resume_settings,
+    check_state_dict,
+    checkpoint_step,
+    newest_checkpoint,
+    override,
+    resume_differences,
+)
 from speechattn.utils import plain
 
 log = logging.getLogger("speechattn.pretrain")
@@ -57,10 +74,31 @@ def run(cfg: DictConfig, datamodule: Any = None) -> dict[str, Any]:
     it must follow the batch contract of docs/ARCHITECTURE.md.
     """
     quiet_library_notices()
+    check_settings(cfg)
     output_dir = Path(cfg.output_dir).resolve()
     output_dir.mkdir(parents=True, exist_ok=True)
+    # one run per run directory; under DDP the launched ranks run this too: rank 0 holds it
+    # (rank_zero_only.rank is read from the launcher's environment, right before connecting)
+    with RunLock(output_dir) if rank_zero_only.rank == 0 else nullcontext():
+        return run_locked(cfg, datamodule, output_dir)
+
+
+def run_locked(cfg: DictConfig, datamodule: Any, output_dir: Path) -> dict[str, Any]:
+    """`run`, in the run directory `output_dir` that this process holds."""
     resume = resolve_ckpt_path(cfg.get("ckpt_path"), output_dir)
-    resume_step = check_resume_checkpoint(resume) if resume is not None else 0
+    checkpoint = check_resume_checkpoint(resume) if resume is not None else None
+    resume_step = int(checkpoint["global_step"]) if checkpoint is not None else 0
+    changes: list[dict[str, Any]] = []
+    if checkpoint is not None:
+        today = {
+            "model": plain(cfg.model.net),
+            "masking": plain(cfg.model.masking),
+            "optimizer": plain(cfg.model.optimizer),
+            "seed": cfg.seed,
+        }
+        differences = resume_differences(checkpoint, resume, today, plain(cfg.get("data")) or {})
+        allowed = [str(s) for s in cfg.get("allow_resume_changes") or []]
+        changes = check_resume_settings(differences, allowed, resume, resume_step)
     warn_if_requeued_from_scratch(resume, output_dir)
     L.seed_everything(cfg.seed, workers=True, verbose=False)
 
@@ -79,6 +117,10 @@ def run(cfg: DictConfig, datamodule: Any = None) -> dict[str, Any]:
         compile=bool(cfg.model.get("compile", False)),
         compile_mode=str(cfg.model.get("compile_mode", "default")),
     )
+    if checkpoint is not None:  # weights that do not fit: say so before Lightning loads them
+        check_state_dict(checkpoint, resume, task)
+        task.resume_changes = changes
+        del checkpoint  # Lightning reads the file again in fit
     # two-kernel variants time both kernels per length bucket (config.AttentionGroupConfig;
     # its default where a config was built without the schema)
     autotune.enable(task.model, bool(cfg.attention.get("autotune", True)))
@@ -110,36 +152,99 @@ def run(cfg: DictConfig, datamodule: Any = None) -> dict[str, Any]:
 
     # fit; SIGTERM/SIGUSR1 end it after the step in progress, with checkpoints/last.ckpt
     ckpt_path = str(resume) if resume else None
-    with stop.handling_signals(trainer, hint):
-        if resume is None and cfg.get("validate_at_start", True) and trainer.limit_val_batches:
-            # the untrained model's val_loss: the starting point of the curve in metrics.csv
-            trainer.validate(task, datamodule=data, verbose=False)
-            stop.check()
-        elif resume is not None and validation_missed(trainer, resume_step, output_dir):
-            # the run stopped between this step's checkpoint and the end of its validation,
-            # which fit skips on resume (Lightning counts it as done): run it here, on the
-            # checkpoint's weights, so metrics.csv reads as one uninterrupted run
-            log.info("repeating the validation at step %d that the stop cut short", resume_step)
-            metrics = metrics_csv(trainer)
-            metrics.step_override = resume_step
-            try:
-                trainer.validate(
-                    task, datamodule=data, ckpt_path=ckpt_path, verbose=False, weights_only=True
-                )
-            finally:
-                metrics.step_override = None
-            stop.check()
-        trainer.fit(task, datamodule=data, ckpt_path=ckpt_path, weights_only=True)
-        every = trainer.val_check_interval
-        if trainer.limit_val_batches and isinstance(every, int) and trainer.global_step % every:
-            # the curve in metrics.csv and upstream.pt's val_loss must describe the final weights
-            trainer.validate(task, datamodule=data, verbose=False)
-
-    # results
+    earlier = earlier_result(output_dir) if resume and rank_zero_only.rank == 0 else None
     try:
+        with stop.handling_signals(trainer, hint):
+            if resume is None and cfg.get("validate_at_start", True) and trainer.limit_val_batches:
+                # the untrained model's val_loss: the starting point of the curve in metrics.csv
+                trainer.validate(task, datamodule=data, verbose=False)
+                stop.check()
+            elif resume is not None and validation_missed(trainer, resume_step, output_dir):
+                # the run stopped between this step's checkpoint and the end of its validation,
+                # which fit skips on resume (Lightning counts it as done): run it here, on the
+                # checkpoint's weights, so metrics.csv reads as one uninterrupted run
+                log.info("repeating the validation at step %d that the stop cut short", resume_step)
+                metrics = metrics_csv(trainer)
+                metrics.step_override = resume_step
+                try:
+                    trainer.validate(
+                        task, datamodule=data, ckpt_path=ckpt_path, verbose=False, weights_only=True
+                    )
+                finally:
+                    metrics.step_override = None
+                stop.check()
+            trainer.fit(task, datamodule=data, ckpt_path=ckpt_path, weights_only=True)
+            every = trainer.val_check_interval
+            if trainer.limit_val_batches and isinstance(every, int) and trainer.global_step % every:
+                # the curve in metrics.csv and upstream.pt's val_loss describe the final weights
+                trainer.validate(task, datamodule=data, verbose=False)
+        # results
         return write_results(trainer, task, output_dir, license=str(cfg.get("license") or "mit"))
+    except BaseException as error:  # a stop, a divergence, a crash
+        if earlier is not None:  # never let the earlier run's file pass for this one's
+            note = f"{earlier}; this run has no result until it is resumed and finishes"
+            log.warning("%s", note)
+            if isinstance(error, TrainingStopped):
+                error.message += f". {note}"
+        raise
     finally:
         finish_loggers(trainer.loggers)
+
+
+def earlier_result(output_dir: Path) -> str | None:
+    """What a resumed run must not pass off as its own: the upstream.pt (and model card) an
+    earlier finish of this run directory left, described with its step; None when absent."""
+    upstream = output_dir / "upstream.pt"
+    if not upstream.is_file():
+        return None
+    try:  # memory-mapped: reads the metadata, not the weights
+        meta = torch.load(upstream, map_location="cpu", weights_only=True, mmap=True)["metadata"]
+        step = f"at step {int(meta['steps'])}"
+    except Exception:  # unreadable: it is still not this run's result
+        step = "of unknown step"
+    what = (
+        f"{upstream} (and README.md, its model card) is an earlier result of this run "
+        f"directory, {step}"
+    )
+    log.warning("%s: it stays until this run finishes and replaces it", what)
+    return what
+
+
+def check_settings(cfg: DictConfig) -> None:
+    """Refuse, before any data is read, the run-level settings that make a run do nothing or
+    fail later (`ConfigError` naming the setting, its value and its valid range). The groups'
+    own settings are checked by their dataclasses (DataConfig, ModelConfig, ...) as they are
+    built."""
+    trainer = cfg.trainer
+    for name in ("max_steps", "accumulate_grad_batches", "log_every_n_steps"):
+        value = trainer.get(name, 1)
+        # max_steps: 0 trains nothing; Lightning's -1 (no limit) leaves the lr schedule no end
+        require(is_int(value) and value >= 1, f"trainer.{name}", value, "an integer >= 1")
+    every = trainer.get("val_check_interval", 1.0)
+    ok = (is_int(every) and every >= 1) or (isinstance(every, float) and 0 < every <= 1)
+    rule = "an integer >= 1 (steps) or a fraction in (0, 1] of an epoch"
+    require(ok, "trainer.val_check_interval", every, rule)
+    limit = trainer.get("limit_train_batches", 1.0)
+    ok = is_number(limit) and limit > 0
+    require(ok, "trainer.limit_train_batches", limit, "> 0 (0 trains nothing)")
+    # the groups' dataclasses check their own settings as they are built: build them now,
+    # before the corpus is read or extracted (the model gets its feature_dim from the data)
+    data = cfg.get("data")
+    if data is not None and "_target_" not in data:  # tests and custom corpora bring their own
+        DataConfig(**plain(data))
+    ModelConfig(**plain(cfg.model.net))
+    MaskingConfig(**plain(cfg.model.masking))
+    OptimConfig(**plain(cfg.model.optimizer))
+    every_n = cfg.checkpoint.every_n_steps
+    require(
+        is_int(every_n) and every_n >= 1, "checkpoint.every_n_steps", every_n, "an integer >= 1"
+    )
+    keep = cfg.checkpoint.keep
+    require(is_int(keep) and keep >= -1, "checkpoint.keep", keep, "an integer >= 0, or -1 (all)")
+    limit = cfg.max_nonfinite
+    require(is_int(limit) and limit >= 1, "max_nonfinite", limit, "an integer >= 1")
+    bar = cfg.get("progress_bar", "rich")
+    require(bar in ("rich", "tqdm", "none", None), "progress_bar", bar, "rich, tqdm or none")
 
 
 def build_trainer(cfg: DictConfig, output_dir: Path, *extra_callbacks: L.Callback) -> L.Trainer:
@@ -156,6 +261,9 @@ def build_trainer(cfg: DictConfig, output_dir: Path, *extra_callbacks: L.Callbac
         mode="max",
         save_last=True,
         save_on_train_epoch_end=False,
+        # overwrite, never `last-v1.ckpt`: in a copied or moved run directory Lightning would
+        # not take last.ckpt for its own and write beside it (newest_checkpoint finds either)
+        enable_version_counter=False,
     )
     bar = cfg.get("progress_bar", "rich")
     # a bar refresh reads train_loss from the device: once per log interval off the CPU
@@ -237,27 +345,36 @@ def feature_config(datamodule: Any, data_config: dict[str, Any]) -> dict[str, An
     fc = getattr(datamodule, "feature_config", None)
     if fc is not None:
         return dict(fc.to_dict() if hasattr(fc, "to_dict") else vars(fc))
-    keys = ("n_mels", "deltas", "normalization")
-    return {k: data_config[k] for k in keys if k in data_config}
+    # FeatureConfig's own settings only: upstream.pt rebuilds a FeatureConfig from them (the
+    # normalisation travels as the normaliser's mode)
+    names = {f.name for f in fields(FeatureConfig)}
+    return {k: v for k, v in data_config.items() if k in names}
 
 
 def resolve_ckpt_path(ckpt_path: str | None, output_dir: Path) -> Path | None:
-    """`null` -> fresh run; `last` -> <run dir>/checkpoints/last.ckpt if it exists (else a fresh
-    run, with a warning naming earlier runs that could be resumed); a path -> that file."""
+    """`null` -> fresh run; `last` -> the newest checkpoint of <run dir>/checkpoints (highest
+    step, whatever Lightning named it: `newest_checkpoint`), else a fresh run with a warning
+    naming earlier runs that could be resumed; a path -> that file."""
     if ckpt_path in (None, "", "null"):
         return None
     if ckpt_path == "last":
-        last = output_dir / "checkpoints" / "last.ckpt"
-        if last.is_file():
-            return last
+        newest = newest_checkpoint(output_dir / "checkpoints")
+        if newest is not None:
+            if newest.name != "last.ckpt":
+                log.info("ckpt_path=last: the newest checkpoint is %s", newest)
+            return newest
         hint = ""
         candidates = sorted(
-            output_dir.parent.glob("*/checkpoints/last.ckpt"), key=lambda p: p.stat().st_mtime
+            output_dir.parent.glob("*/checkpoints/last*.ckpt"), key=lambda p: p.stat().st_mtime
         )
         if candidates:
-            hint = f"; to resume the latest earlier run add hydra.run.dir={candidates[-1].parent.parent}"
+            earlier = candidates[-1].parent.parent
+            hint = (
+                f"; to resume the latest earlier run add {override('hydra.run.dir', str(earlier))}"
+            )
         warnings.warn(
-            f"ckpt_path=last: no checkpoint in {last.parent}, starting from scratch{hint}",
+            f"ckpt_path=last: no checkpoint in {output_dir / 'checkpoints'}, starting from "
+            f"scratch{hint}",
             stacklevel=2,
         )
         return None
@@ -278,8 +395,8 @@ def resume_hint(output_dir: Path) -> str:
         overrides = [o for o in task if not o.startswith("ckpt_path=")]
     except (ImportError, ValueError):  # run(cfg) called outside Hydra
         pass
-    args = [*overrides, f"hydra.run.dir={output_dir}", "ckpt_path=last"]
-    return " ".join(["python -m speechattn.pretrain", *(shlex.quote(a) for a in args)])
+    words = [*(shlex.quote(o) for o in overrides), override("hydra.run.dir", str(output_dir))]
+    return " ".join(["python -m speechattn.pretrain", *words, "ckpt_path=last"])
 
 
 def warn_if_requeued_from_scratch(resume: Path | None, output_dir: Path) -> None:
@@ -295,25 +412,39 @@ def warn_if_requeued_from_scratch(resume: Path | None, output_dir: Path) -> None
         )
 
 
-def check_resume_checkpoint(path: Path) -> int:
-    """Read `path` safely (`weights_only=True`) before Lightning does and return its step; when
-    it is truncated, corrupt or refused, raise `TorchFileError` naming it and the newest
-    periodic checkpoint beside it that reads."""
+def check_resume_checkpoint(path: Path) -> dict[str, Any]:
+    """Read `path` safely (`weights_only=True`) before Lightning does and return it. Raises
+    `TorchFileError` naming it: when it is truncated, corrupt or refused (with the newest
+    intact checkpoint beside it, as an override to paste), or when it is not a checkpoint of
+    `python -m speechattn.pretrain` (a plain dict of weights, another program's file)."""
     try:
-        return int(load_torch_file(path, "cpu", "checkpoint to resume").get("global_step", 0))
+        checkpoint = load_torch_file(path, "cpu", "checkpoint to resume")
     except TorchFileError as e:
-        for periodic in sorted(path.parent.glob("step=*.ckpt"), reverse=True):  # newest first
-            if periodic == path:
-                continue
-            try:
-                load_torch_file(periodic, "cpu")
-            except TorchFileError:
-                continue
-            hint = f"resume from the newest intact checkpoint instead: ckpt_path={periodic}"
-            break
+        steps = {p: checkpoint_step(p) for p in path.parent.glob("*.ckpt") if p != path}
+        intact = [p for p, step in steps.items() if step is not None]
+        if intact:
+            newest = max(intact, key=lambda p: (steps[p], p.name))
+            hint = (
+                f"resume from the newest intact checkpoint instead (step {steps[newest]}): "
+                f"{override('ckpt_path', str(newest))}"
+            )
         else:
-            hint = f"no intact periodic checkpoint in {path.parent}: start afresh without ckpt_path"
+            hint = f"no intact checkpoint in {path.parent}: start afresh without ckpt_path"
         raise TorchFileError(f"{e}; {hint}") from e
+    expected = ("global_step", "state_dict", "hyper_parameters", "optimizer_states")
+    missing = [k for k in expected if not isinstance(checkpoint, dict) or k not in checkpoint]
+    if missing or "model" not in (checkpoint.get("hyper_parameters") or {}):
+        if isinstance(checkpoint, dict) and all(torch.is_tensor(v) for v in checkpoint.values()):
+            kind = f"a plain dict of {len(checkpoint)} tensors"  # a bare state_dict
+        else:
+            kind = f"a {type(checkpoint).__name__}"
+        found = sorted(map(str, checkpoint))[:4] if isinstance(checkpoint, dict) else []
+        raise TorchFileError(
+            f"ckpt_path={path}: not a checkpoint of `python -m speechattn.pretrain` ({kind}, "
+            f"keys {found}, lacking {missing or ['hyper_parameters.model']}): resume from a "
+            f"run's checkpoints/*.ckpt, or start afresh without ckpt_path"
+        )
+    return checkpoint
 
 
 def resolve_precision(precision: Any, accelerator: str) -> Any:
