@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from speechattn.data.claims import ClaimConfig
+from speechattn.errors import ConfigError
 from speechattn.utils import default_cache_root
 
 CORPUS_CHOICES = ("embedded", "librispeech")
@@ -155,11 +156,11 @@ class DataConfig:
             ("on_error", ("error", "skip")),
         ):
             if getattr(self, name) not in choices:
-                raise ValueError(
+                raise ConfigError(
                     f"data.{name} must be one of {choices}, found {getattr(self, name)!r}"
                 )
         if self.corpus == "librispeech" and not self.root:
-            raise ValueError(
+            raise ConfigError(
                 "data.root is required for corpus=librispeech (the LibriSpeech folder)"
             )
         for name in (
@@ -167,31 +168,31 @@ class DataConfig:
             "prefetch_factor", "pad_to_multiple", "max_open_shards",
         ):  # fmt: skip
             if getattr(self, name) < 1:
-                raise ValueError(f"data.{name} must be >= 1, found {getattr(self, name)}")
+                raise ConfigError(f"data.{name} must be >= 1, found {getattr(self, name)}")
         if self.max_val_utterances is not None and self.max_val_utterances < 1:
-            raise ValueError(
+            raise ConfigError(
                 f"data.max_val_utterances must be >= 1 or null (no cap), "
                 f"found {self.max_val_utterances}"
             )
         if not 0 <= self.dev_fraction < 1 or not 0 <= self.pretrain_val_fraction < 1:
-            raise ValueError("data.dev_fraction and data.pretrain_val_fraction must be in [0, 1)")
+            raise ConfigError("data.dev_fraction and data.pretrain_val_fraction must be in [0, 1)")
         if self.max_frames < self.min_frames:
-            raise ValueError(
+            raise ConfigError(
                 f"data.max_frames ({self.max_frames}) < data.min_frames ({self.min_frames})"
             )
         if self.test_list is None and not self.test_splits:
-            raise ValueError(
+            raise ConfigError(
                 "data.test_list is null, so data.test_splits must name the test folders"
             )
         if self.extract_workers is not None and self.extract_workers < 1:
-            raise ValueError(
+            raise ConfigError(
                 f"data.extract_workers must be >= 1 or null (from the CPU count), "
                 f"found {self.extract_workers}"
             )
         try:
             self.claim_config()
         except ValueError as e:
-            raise ValueError(
+            raise ConfigError(
                 f"data.claim_heartbeat_s={self.claim_heartbeat_s}, "
                 f"data.claim_expiry_s={self.claim_expiry_s}, "
                 f"data.cache_wait_timeout_s={self.cache_wait_timeout_s}, "

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from speechattn.errors import ConfigError
 from speechattn.utils import lengths_to_padding_mask
 
 FEATURE_VERSION = 1  # bump when extraction changes: feature caches are keyed on it
@@ -135,7 +136,7 @@ class Normalizer:
 
     def __init__(self, mean: Tensor, std: Tensor, mode: str = "global") -> None:
         if mode not in self.MODES:
-            raise ValueError(f"normalisation mode must be one of {self.MODES}, found {mode!r}")
+            raise ConfigError(f"normalisation mode must be one of {self.MODES}, found {mode!r}")
         self.mean = torch.as_tensor(mean, dtype=torch.float32).reshape(-1)  # (F,)
         self.std = torch.as_tensor(std, dtype=torch.float32).reshape(-1)  # (F,)
         if self.mean.shape != self.std.shape:
@@ -151,7 +152,7 @@ class Normalizer:
     ) -> Normalizer:
         """From frame count and per-dimension sum and sum of squares (float64 (F,))."""
         if count <= 0:
-            raise ValueError("cannot compute normalisation statistics from 0 frames")
+            raise ConfigError("cannot compute normalisation statistics from 0 frames")
         mean = total / count
         var = np.maximum(total_sq / count - mean**2, 0.0)
         std = np.sqrt(np.maximum(var, 1e-10))

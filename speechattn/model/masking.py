@@ -26,6 +26,7 @@ import torch
 from torch import Tensor
 
 from speechattn.data.features import stack_frames
+from speechattn.errors import ConfigError
 
 ZERO, RANDOM, UNCHANGED = 0, 1, 2  # per-utterance corruption modes
 
@@ -39,11 +40,11 @@ class MaskingConfig:
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.fraction <= 1.0:
-            raise ValueError(f"masking fraction must be in [0, 1], got {self.fraction}")
+            raise ConfigError(f"masking fraction must be in [0, 1], got {self.fraction}")
         if self.span < 1:
-            raise ValueError(f"masking span must be >= 1, got {self.span}")
+            raise ConfigError(f"masking span must be >= 1, got {self.span}")
         if self.p_zero < 0 or self.p_random < 0 or self.p_zero + self.p_random > 1.0 + 1e-9:
-            raise ValueError(
+            raise ConfigError(
                 f"need p_zero, p_random >= 0 and p_zero + p_random <= 1, "
                 f"got {self.p_zero}, {self.p_random}"
             )

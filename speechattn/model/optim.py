@@ -12,6 +12,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from speechattn.errors import ConfigError
+
 
 @dataclass
 class OptimConfig:
@@ -26,7 +28,7 @@ class OptimConfig:
 
     def __post_init__(self) -> None:
         if self.name not in ("lamb", "adamw"):
-            raise ValueError(f"unknown optimizer {self.name!r}; choose lamb or adamw")
+            raise ConfigError(f"unknown optimizer {self.name!r}; choose lamb or adamw")
         self.betas = tuple(self.betas)  # type: ignore[assignment]
 
     def warmup(self, total_steps: int) -> int:

@@ -30,9 +30,14 @@ import torch
 from torch import Tensor, nn
 
 from speechattn.data.features import FeatureConfig, Normalizer, log_mel_batch
-from speechattn.errors import SpeechattnError
+from speechattn.errors import ConfigError, SpeechattnError
 from speechattn.model.aalbert import AALBERT, ModelConfig
-from speechattn.model.serialization import TorchFileError, describe_load_error, load_torch_file
+from speechattn.model.serialization import (
+    TorchFileError,
+    check_is_file,
+    describe_load_error,
+    load_torch_file,
+)
 from speechattn.utils import atomic_path
 
 UPSTREAM_FORMAT = "speechattn-upstream"
@@ -149,7 +154,7 @@ class Upstream(nn.Module):
     def _check_weights_available(self) -> None:
         for layer in self.model.encoder.layers:
             if not layer.attention.supports_weights:
-                raise ValueError(
+                raise ConfigError(
                     f"output_attentions=True: attention {self.attention_name!r} cannot return "
                     f"attention weights (it has no dense reference); call without it"
                 )
@@ -246,12 +251,12 @@ def save_upstream(path: str | Path, state: dict[str, Any]) -> Path:
 def load_upstream(path: str | Path, map_location: str | torch.device = "cpu") -> Upstream:
     """Load an `upstream.pt` written by `python -m speechattn.pretrain`, in eval mode.
 
-    Raises `FileNotFoundError` for a missing file and `UpstreamFileError` (a ValueError)
-    naming the file when it is corrupt, truncated, or not a speechattn upstream.
+    Raises `MissingFileError` (a FileNotFoundError) for a missing file and `UpstreamFileError`
+    (a ValueError) naming the file when it is a folder, corrupt, truncated, or not a speechattn
+    upstream.
     """
     path = Path(path).expanduser()
-    if not path.is_file():
-        raise FileNotFoundError(f"upstream file {path} does not exist")
+    check_is_file(path, "upstream file", UpstreamFileError)
     try:
         state = load_torch_file(path, map_location, "upstream file")
     except TorchFileError as e:  # truncated zip, random bytes, pickled objects we refuse to run

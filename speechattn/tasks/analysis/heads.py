@@ -41,7 +41,7 @@ from typing import Any, Generic, TypeVar
 import torch
 from torch import Tensor, nn
 
-from speechattn.errors import SpeechattnError
+from speechattn.errors import ConfigError, SpeechattnError
 from speechattn.model.aalbert import AALBERT
 from speechattn.model.masking import MaskedBatch, MaskingConfig, corrupt, reconstruction_loss
 from speechattn.model.probes import Probe
@@ -58,7 +58,7 @@ class ImportanceConfig:
 
     def __post_init__(self) -> None:
         if self.per not in PER_CHOICES:
-            raise ValueError(f"importance.per must be one of {PER_CHOICES}, got {self.per!r}")
+            raise ConfigError(f"importance.per must be one of {PER_CHOICES}, got {self.per!r}")
 
 
 @dataclass
@@ -77,7 +77,7 @@ class PruningConfig:
 
     def __post_init__(self) -> None:
         if not 0.0 < self.step <= 1.0:
-            raise ValueError(f"pruning.step must be in (0, 1], got {self.step}")
+            raise ConfigError(f"pruning.step must be in (0, 1], got {self.step}")
 
 
 @dataclass
@@ -116,7 +116,7 @@ class Objective(ABC, Generic[U]):
 
     def __init__(self, num_layers: int, num_heads: int, batches: list[U]) -> None:
         if not batches:
-            raise ValueError("the data subset is empty: no batches to analyse")
+            raise ConfigError("the data subset is empty: no batches to analyse")
         self.num_layers, self.num_heads, self.batches = num_layers, num_heads, batches
 
     @abstractmethod
@@ -142,7 +142,7 @@ class Objective(ABC, Generic[U]):
             for batch in self.batches:
                 yield from self.split(batch)
         else:
-            raise ValueError(f"per must be one of {PER_CHOICES}, got {per!r}")
+            raise ConfigError(f"per must be one of {PER_CHOICES}, got {per!r}")
 
     def num_units(self, per: str) -> int:
         return sum(1 for _ in self.units(per))
@@ -251,10 +251,10 @@ class ProbeObjective(Objective[LabelledBatch]):
         label_lengths = None
         if target == "phones":
             if batch.get("phones") is None:
-                raise ValueError("the downstream task needs phone labels; the batches have none")
+                raise ConfigError("the downstream task needs phone labels; the batches have none")
             labels, label_lengths = batch["phones"], batch["phone_lengths"]
         elif batch.get("speaker") is None:
-            raise ValueError("the downstream task needs speaker labels; the batches have none")
+            raise ConfigError("the downstream task needs speaker labels; the batches have none")
         elif level == "frame":  # the utterance's speaker on each of its 10 ms frames
             T = int(batch["lengths"].max())
             valid = ~lengths_to_padding_mask(batch["lengths"], T)
@@ -359,7 +359,7 @@ def evaluate(objective: Objective, head_mask: Tensor | None = None) -> float:
         s, c = objective.score(batch, head_mask)
         total, count = total + s, count + c
     if count == 0:
-        raise ValueError("nothing in the data subset is scored (no chosen frames / labels)")
+        raise ConfigError("nothing in the data subset is scored (no chosen frames / labels)")
     return total / count
 
 
@@ -410,7 +410,7 @@ def head_importance(
         acc += grad
         n += 1
     if n == 0:
-        raise ValueError("no unit of the data subset has a scored frame or label")
+        raise ConfigError("no unit of the data subset has a scored frame or label")
     raw = acc_abs / n
     return Importance(raw, normalize_per_depth(raw, head_mask != 0), acc / n, per, n)
 

@@ -25,8 +25,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from speechattn.errors import ConfigError, MissingFileError
 from speechattn.model.masking import MaskingConfig
 from speechattn.model.serialization import TorchFileError, describe_load_error, load_torch_file
+from speechattn.model.upstream import UpstreamFileError
 from speechattn.tasks.analysis.heads import (
     HeadAnalysis,
     HeadsConfig,
@@ -84,15 +86,15 @@ class HeadsRunConfig(HeadsConfig):
         if is_dataclass(self.data):
             self.data = asdict(self.data)
         if self.analysis != "heads":
-            raise ValueError(f"unknown analysis {self.analysis!r}; choose heads")
+            raise ConfigError(f"unknown analysis {self.analysis!r}; choose heads")
         if self.task is not None and self.task not in HEAD_TASKS:
-            raise ValueError(f"unknown task {self.task!r}; choose one of {', '.join(HEAD_TASKS)}")
+            raise ConfigError(f"unknown task {self.task!r}; choose one of {', '.join(HEAD_TASKS)}")
         if self.split not in SPLIT_CHOICES:
-            raise ValueError(f"split must be one of {SPLIT_CHOICES}, got {self.split!r}")
+            raise ConfigError(f"split must be one of {SPLIT_CHOICES}, got {self.split!r}")
         if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {tuple(DTYPES)}, got {self.dtype!r}")
+            raise ConfigError(f"dtype must be one of {tuple(DTYPES)}, got {self.dtype!r}")
         if self.num_batches is not None and self.num_batches < 1:
-            raise ValueError(f"num_batches must be >= 1 or null, got {self.num_batches}")
+            raise ConfigError(f"num_batches must be >= 1 or null, got {self.num_batches}")
 
     @property
     def heads(self) -> HeadsConfig:
@@ -106,14 +108,14 @@ class HeadsRunConfig(HeadsConfig):
 def open_upstream_for_heads(spec: str | Path | None) -> tuple[nn.Module, str, Path]:
     """Load `upstream.pt` (path) -> (upstream, sha256, resolved path); refuses `mel`."""
     if spec in (None, ""):
-        raise ValueError(
+        raise ConfigError(
             "upstream=PATH is required: an upstream.pt written by `python -m speechattn.pretrain`"
         )
     if str(spec) == MEL:
-        raise ValueError("upstream=mel has no attention heads to analyse; pass an upstream.pt")
+        raise ConfigError("upstream=mel has no attention heads to analyse; pass an upstream.pt")
     path = Path(spec).expanduser().resolve()
-    if not path.is_file():
-        raise FileNotFoundError(
+    if not path.exists():  # a folder is refused by the loader, which names what it holds
+        raise MissingFileError(
             f"upstream file {path} does not exist; pass upstream=PATH to an upstream.pt written "
             f"by `python -m speechattn.pretrain`"
         )
@@ -124,11 +126,11 @@ def open_upstream_for_heads(spec: str | Path | None) -> tuple[nn.Module, str, Pa
     except ValueError:  # the loader's own error names the file and the problem
         raise
     except Exception as e:
-        raise ValueError(
+        raise UpstreamFileError(
             f"{path} is not a valid speechattn upstream file: {type(e).__name__}: {e}"
         ) from e
     if not int(getattr(upstream, "num_heads", 0)):
-        raise ValueError(f"{path}: the upstream has no attention heads")
+        raise ConfigError(f"{path}: the upstream has no attention heads")
     return upstream, file_sha256(path), path
 
 
@@ -147,7 +149,7 @@ def find_probe_checkpoint(directory: Path, best_epoch: int | None) -> Path:
     folder = directory / "checkpoints"
     candidates = sorted(folder.glob("best-*.ckpt"))
     if not candidates:
-        raise FileNotFoundError(
+        raise MissingFileError(
             f"downstream run {directory} has no probe checkpoint: expected "
             f"{folder}/best-epoch=N.ckpt (written by `python -m speechattn.downstream`)"
         )
@@ -163,19 +165,19 @@ def load_probe_run(directory: str | Path) -> ProbeRun:
 
     directory = Path(directory).expanduser().resolve()
     if not directory.is_dir():
-        raise FileNotFoundError(
+        raise MissingFileError(
             f"downstream={directory} is not a directory; pass the run dir of "
             f"`python -m speechattn.downstream` (it holds {RESULT_FILE} and checkpoints/)"
         )
     result_path = directory / RESULT_FILE
     if not result_path.is_file():
-        raise FileNotFoundError(
+        raise MissingFileError(
             f"downstream run {directory} has no {RESULT_FILE}: the run did not finish, or this "
             f"is not a `python -m speechattn.downstream` run dir"
         )
     result = read_result(result_path)
     if result.upstream == MEL:
-        raise ValueError(
+        raise ConfigError(
             f"{result_path}: that probe was trained on upstream=mel, which has no attention heads"
         )
     checkpoint = find_probe_checkpoint(directory, result.best_epoch)
@@ -199,17 +201,17 @@ def load_probe_run(directory: str | Path) -> ProbeRun:
         )
         probe.load_state_dict(state["state_dict"])
     except Exception as e:
-        raise ValueError(
+        raise TorchFileError(
             f"{checkpoint}: not a readable downstream probe checkpoint: {type(e).__name__}: {e}"
         ) from e
     layers = [int(i) for i in (result.probe or {}).get("layers", [])]
     if len(layers) != probe.select.num_layers:
-        raise ValueError(
+        raise ConfigError(
             f"{result_path}: probe.layers {layers} does not match the checkpoint's "
             f"{probe.select.num_layers} input layer(s)"
         )
     if task.name != result.task:
-        raise ValueError(
+        raise ConfigError(
             f"{checkpoint} is a {task.name} probe but {result_path} says {result.task}"
         )
     return ProbeRun(directory, result, checkpoint, probe.eval(), layers)
@@ -219,7 +221,7 @@ def subset_batches(loader: Any, num_batches: int | None) -> list[dict[str, Any]]
     """The first `num_batches` batches of a deterministic loader (all with None)."""
     batches = list(itertools.islice(iter(loader), num_batches))
     if not batches:
-        raise ValueError("the data split is empty: no batches to analyse")
+        raise ConfigError("the data split is empty: no batches to analyse")
     return batches
 
 
@@ -289,7 +291,7 @@ def prepare(config: HeadsRunConfig, datamodule: Any = None) -> Prepared:
     task = config.task or PRETRAIN
     if config.downstream is None:
         if config.task not in (None, PRETRAIN):
-            raise ValueError(
+            raise ConfigError(
                 f"task={config.task} needs downstream=RESULT_DIR: the run dir of "
                 f"`python -m speechattn.downstream task={config.task} upstream=...` (it holds "
                 f"{RESULT_FILE} and checkpoints/best-epoch=N.ckpt with the trained probe)"
@@ -298,7 +300,7 @@ def prepare(config: HeadsRunConfig, datamodule: Any = None) -> Prepared:
         data = config.data or dict(upstream.metadata.get("data_config") or {})
         if datamodule is None:
             if not data:
-                raise ValueError(
+                raise ConfigError(
                     f"{path} does not record its pretraining data (metadata.data_config); "
                     f"choose it with data=embedded or data=librispeech data.root=DIR"
                 )
@@ -317,27 +319,27 @@ def prepare(config: HeadsRunConfig, datamodule: Any = None) -> Prepared:
 
     run = load_probe_run(config.downstream)
     if config.task not in (None, run.result.task):
-        raise ValueError(
+        raise ConfigError(
             f"task={config.task} but downstream={run.directory} is a {run.result.task} run "
             f"({run.directory / RESULT_FILE})"
         )
     task = run.result.task
     upstream, sha, path = open_upstream_for_heads(config.upstream or run.result.upstream)
     if run.result.upstream_sha256 and run.result.upstream_sha256 != sha:
-        raise ValueError(
+        raise ConfigError(
             f"{path} is not the upstream the probe in {run.directory} was trained on "
             f"(sha256 {sha[:12]}..., {RESULT_FILE} records {run.result.upstream_sha256[:12]}... "
             f"for {run.result.upstream})"
         )
     if run.probe.hparams["input_dim"] != upstream.hidden_dim:
-        raise ValueError(
+        raise ConfigError(
             f"{run.checkpoint}: the probe reads {run.probe.hparams['input_dim']}-dim features, "
             f"the upstream {path} gives {upstream.hidden_dim}"
         )
     if datamodule is None:
         data = config.data or recorded_data_config(run.result.corpus)
         if not data:
-            raise ValueError(f"{run.directory / RESULT_FILE} records no corpus; pass data=...")
+            raise ConfigError(f"{run.directory / RESULT_FILE} records no corpus; pass data=...")
         datamodule = _instantiate(_with_batch_size(data, config.batch_size), "labelled")
         datamodule.prepare_data()
     datamodule.setup("fit")
@@ -346,7 +348,7 @@ def prepare(config: HeadsRunConfig, datamodule: Any = None) -> Prepared:
     target = run.probe.task.target
     found = getattr(datamodule, "num_speakers" if target == "speaker" else "num_phones", None)
     if found is not None and int(found) != int(classes):
-        raise ValueError(
+        raise ConfigError(
             f"the corpus has {found} {target} classes but the probe in {run.directory} was "
             f"trained on {classes}: use the downstream run's corpus (leave data unset)"
         )

@@ -30,8 +30,9 @@ import torch
 from torch import Tensor, nn
 
 from speechattn.data.cache import file_sha256
-from speechattn.errors import SpeechattnError
+from speechattn.errors import ConfigError, MissingFileError, SpeechattnError
 from speechattn.model.serialization import TorchFileError, load_torch_file
+from speechattn.model.upstream import UpstreamFileError
 from speechattn.utils import atomic_path, atomic_write_bytes, digest, lengths_to_padding_mask
 from speechattn.utils import progress_bar as progress
 
@@ -76,8 +77,8 @@ def open_upstream(spec: str | Path, feature_dim: int) -> tuple[nn.Module, str | 
     if str(spec) == MEL:
         return MelUpstream(feature_dim).eval(), None
     path = Path(spec).expanduser()
-    if not path.is_file():
-        raise FileNotFoundError(
+    if not path.exists():  # a folder is refused by the loader, which names what it holds
+        raise MissingFileError(
             f"upstream file {path} does not exist; pass upstream=PATH to an upstream.pt written "
             f"by `python -m speechattn.pretrain`, or upstream=mel"
         )
@@ -88,13 +89,13 @@ def open_upstream(spec: str | Path, feature_dim: int) -> tuple[nn.Module, str | 
     except ValueError:  # the loader's own error already names the file and the problem
         raise
     except Exception as e:  # anything else unexpected still means "not a usable upstream"
-        raise ValueError(
+        raise UpstreamFileError(
             f"{path} is not a valid speechattn upstream file (corrupt, truncated or not written "
             f"by `python -m speechattn.pretrain`): {type(e).__name__}: {e}"
         ) from e
     expected = _upstream_feature_dim(upstream)
     if expected is not None and expected != feature_dim:
-        raise ValueError(
+        raise ConfigError(
             f"{path} expects {expected}-dim input features but the corpus provides "
             f"{feature_dim}; use the same data.* feature settings as for pretraining"
         )
@@ -126,12 +127,12 @@ def resolve_layers(layer: str | int, num_layers: int) -> list[int]:
     try:
         index = int(layer)
     except (TypeError, ValueError):
-        raise ValueError(
+        raise ConfigError(
             f"unknown layer choice {layer!r}; use last, weighted or an index in "
             f"[{-count}, {count - 1}]"
         ) from None
     if not -count <= index < count:
-        raise ValueError(
+        raise ConfigError(
             f"layer={index} is out of range: the upstream has {count} hidden states "
             f"(0 = input embedding, {num_layers} = last layer)"
         )
@@ -288,7 +289,7 @@ def extract_split(
                 has_phones = False
             advance(1)
     if not utt_ids:
-        raise ValueError(f"{description}: the split is empty")
+        raise ConfigError(f"{description}: the split is empty")
     if len(set(utt_ids)) != len(utt_ids):
         raise ValueError(f"{description}: duplicate utterance ids in the split")
     width = len(layers)
@@ -303,7 +304,7 @@ def extract_split(
     )
 
 
-class DamagedSplit(ValueError):
+class DamagedSplit(SpeechattnError, ValueError):
     """A cached split that does not match its checksum record or whose fields disagree."""
 
 

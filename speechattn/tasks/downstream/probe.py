@@ -17,6 +17,7 @@ from torch import Tensor
 from torch.utils.data import Dataset
 from torchmetrics.classification import MulticlassAccuracy
 
+from speechattn.errors import ConfigError
 from speechattn.model.probes import Probe
 from speechattn.tasks.downstream.features import (
     SplitFeatures,
@@ -49,15 +50,15 @@ class TaskConfig:
 
     def __post_init__(self) -> None:
         if self.target not in ("speaker", "phones"):
-            raise ValueError(
+            raise ConfigError(
                 f"task {self.name}: target must be speaker or phones, not {self.target!r}"
             )
         if self.level not in ("utterance", "frame"):
-            raise ValueError(
+            raise ConfigError(
                 f"task {self.name}: level must be utterance or frame, not {self.level!r}"
             )
         if self.level == "utterance" and self.target != "speaker":
-            raise ValueError(f"task {self.name}: utterance level needs one label per utterance")
+            raise ConfigError(f"task {self.name}: utterance level needs one label per utterance")
 
 
 # ----------------------------------------------------------------------------- data
@@ -68,9 +69,9 @@ class ProbeDataset(Dataset):
 
     def __init__(self, split: SplitFeatures, task: TaskConfig) -> None:
         if task.target == "speaker" and split.speakers is None:
-            raise ValueError(f"task {task.name}: the corpus provides no speaker labels")
+            raise ConfigError(f"task {task.name}: the corpus provides no speaker labels")
         if task.target == "phones" and split.phones is None:
-            raise ValueError(f"task {task.name}: the corpus provides no phone labels")
+            raise ConfigError(f"task {task.name}: the corpus provides no phone labels")
         self.split, self.task = split, task
         self.hidden = [split.hidden(i) for i in range(len(split))]  # float32 once, not per epoch
 

@@ -39,6 +39,7 @@ from torch import Tensor
 from torch.utils.data import DataLoader
 
 from speechattn.data import DataConfig, LabelledDataModule, expand_to_labels
+from speechattn.errors import ConfigError, MissingFileError
 from speechattn.tasks.common import quiet_library_notices, run_output_dir
 from speechattn.tasks.downstream.features import (
     SPLITS,
@@ -223,7 +224,7 @@ def fit_probe(
     trainer.fit(probe, loaders["train"], loaders["dev"])
     best = checkpoint.best_model_path
     if not best:
-        raise RuntimeError(
+        raise ConfigError(
             f"task {task.name}: no dev evaluation ran, so there is no best checkpoint"
         )
     dev_accuracy = float(checkpoint.best_model_score)
@@ -268,7 +269,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     quiet_library_notices()
     task = TaskConfig(**OmegaConf.to_container(cfg.task, resolve=True))
     if task.name == PRETRAIN:
-        raise ValueError("task=pretrain is the head analysis' objective, not a downstream task")
+        raise ConfigError("task=pretrain is the head analysis' objective, not a downstream task")
     if task.name not in TASKS:
         log.warning("task %s is not one of the study's tasks %s", task.name, TASKS)
     out = run_output_dir(cfg)
@@ -380,7 +381,7 @@ def labelled_data_config(task: TaskConfig, data_config: Any) -> Any:
     """
     if data_config.alignments is None:
         if task.target == "phones":
-            raise ValueError(
+            raise ConfigError(
                 f"task {task.name} needs frame-level phone labels, but data.alignments is null; "
                 f"set it to the CPC-format file (converted_aligned_phones.txt, SPEC 2.2)"
             )
@@ -389,7 +390,7 @@ def labelled_data_config(task: TaskConfig, data_config: Any) -> Any:
     if path is not None and path.is_file():
         return data_config
     if task.target == "phones":
-        raise FileNotFoundError(
+        raise MissingFileError(
             f"task {task.name} needs frame-level phone labels: {path} does not exist. For real "
             f"LibriSpeech put the CPC alignments there (converted_aligned_phones.txt with "
             f"train_split.txt / test_split.txt, SPEC 2.2) or point data.alignments_dir at them"
@@ -415,12 +416,12 @@ def _check_input_frames(upstream: Any, datamodule: Any) -> None:
 def _require_labels(task: TaskConfig, datamodule: Any) -> None:
     """The labels really arrived (e.g. an alignments file without a single usable line)."""
     if task.target == "phones" and not datamodule.num_phones:
-        raise ValueError(
+        raise ConfigError(
             f"task {task.name}: the corpus yielded no phone classes from "
             f"{datamodule.label_files.path(datamodule.cfg.alignments)}"
         )
     if task.target == "speaker" and datamodule.num_speakers < 2:
-        raise ValueError(
+        raise ConfigError(
             f"task {task.name} needs at least 2 speakers, the corpus has {datamodule.num_speakers}"
         )
 

@@ -23,6 +23,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from speechattn.attention import autotune
 from speechattn.data import DataConfig, PretrainDataModule
+from speechattn.errors import MissingFileError
 from speechattn.model.serialization import TorchFileError, load_torch_file
 from speechattn.tasks.common import (
     DataWait,
@@ -275,7 +276,7 @@ def resolve_ckpt_path(ckpt_path: str | None, output_dir: Path) -> Path | None:
         return None
     path = Path(ckpt_path).expanduser()
     if not path.is_file():
-        raise FileNotFoundError(f"ckpt_path={ckpt_path}: no such checkpoint file")
+        raise MissingFileError(f"ckpt_path={ckpt_path}: no such checkpoint file")
     return path
 
 
