@@ -143,6 +143,10 @@ class DownstreamConfig:
     seed: int = 0
     tolerance: int = "${data.label_tolerance}"  # type: ignore[assignment]  # 10 ms frames labels may differ from the repeated features
     device: str = "auto"  # feature extraction device: auto | cpu | cuda
+    # upstream: features normalised as the upstream was pretrained (its own mode and statistics,
+    # whatever data.normalization says); corpus: as data.normalization says, a mismatch with the
+    # upstream logged and recorded in result.json (corpus.normalization)
+    normalization: str = "upstream"
     # frozen features are cached, keyed by upstream file hash + layers + data config + statistics
     cache_dir: str | None = None  # null: <data cache root>/downstream
     output_dir: str | None = None  # null: the Hydra run dir

@@ -19,9 +19,7 @@ PROG = "python -m speechattn.report"
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog=PROG, description=__doc__.split("\n")[2]
-    )
+    parser = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n")[2])
     parser.add_argument("results_dir", help="folder searched recursively for result.json files")
     parser.add_argument(
         "--out", default=None, help="where to write the report (default: RESULTS_DIR)"

@@ -5,12 +5,12 @@
 - `run`: `run(cfg)`, what `python -m speechattn.downstream` does
 """
 
+from speechattn.tasks.downstream.features import renormalizer
 from speechattn.tasks.downstream.probe import DownstreamProbe, ProbeDataset, TaskConfig, collate
 from speechattn.tasks.downstream.run import (
     check_label_lengths,
     fit_probe,
     labelled_data_config,
-    renormalizer,
     run,
 )
 

@@ -44,9 +44,12 @@ from speechattn.tasks.common import quiet_library_notices, run_output_dir
 from speechattn.tasks.downstream.features import (
     SPLITS,
     DamagedSplit,
+    FeatureNormalization,
     SplitFeatures,
     cache_key,
+    check_normalization,
     extract_split,
+    feature_normalization,
     load_split,
     open_upstream,
     resolve_layers,
@@ -72,11 +75,14 @@ def cached_features(
     cache_dir: str | Path,
     device: torch.device | str = "cpu",
     progress_bar: bool = True,
+    normalization: FeatureNormalization | None = None,
 ) -> dict[str, SplitFeatures]:
-    """Hidden states `layers` of every split, from the cache or extracted (then cached) once."""
+    """Hidden states `layers` of every split, from the cache or extracted (then cached) once;
+    `normalization` (default: the upstream's own, `feature_normalization`) adapts the input."""
     normalizer = getattr(datamodule, "normalizer", None)
+    normalization = normalization or feature_normalization(normalizer, upstream)
     stats = tensor_digest(getattr(normalizer, "mean", None), getattr(normalizer, "std", None))
-    key = cache_key(upstream_id, layers, data_config, stats)
+    key = cache_key(upstream_id, layers, data_config, stats + normalization.cache_tag)
     folder = Path(cache_dir).expanduser() / key
     splits: dict[str, SplitFeatures] = {}
     upstream = upstream.to(device)
@@ -98,40 +104,12 @@ def cached_features(
             total=total,
             description=f"features {name}",
             device=device,
-            transform=renormalizer(normalizer, upstream),
+            transform=normalization.transform,
             progress_bar=progress_bar,
         )
         save_split(splits[name], path)
         log.info("features %s: %d utterances -> %s", name, len(splits[name]), path)
     return splits
-
-
-def renormalizer(normalizer: Any, upstream: torch.nn.Module) -> Any:
-    """Map features normalised with the corpus statistics onto the upstream's own statistics.
-
-    The data module normalises with its training split's mean/std; an upstream pretrained on
-    another corpus (train-clean-360 vs train-clean-100) saw its own. Returns
-    `f(features (B, T, F), padding_mask (B, T)) -> features`, or None when nothing to do.
-    """
-    src_mean, src_std = getattr(normalizer, "mean", None), getattr(normalizer, "std", None)
-    dst_mean, dst_std = getattr(upstream, "mean", None), getattr(upstream, "std", None)
-    modes = {getattr(normalizer, "mode", "global")}
-    modes.add(getattr(getattr(upstream, "normalizer", None), "mode", "global"))
-    if modes != {"global"} or src_mean is None or dst_mean is None:
-        return None
-    if torch.allclose(src_mean, dst_mean.cpu(), atol=1e-4) and torch.allclose(
-        src_std, dst_std.cpu(), atol=1e-4
-    ):
-        return None
-    log.info("features: mapping corpus normalisation onto the upstream's pretraining statistics")
-
-    def remap(features: Tensor, padding_mask: Tensor) -> Tensor:
-        d = features.device
-        raw = features * src_std.to(d) + src_mean.to(d)  # (B, T, F) log-mel
-        out = (raw - dst_mean.to(d)) / dst_std.to(d)
-        return out.masked_fill(padding_mask.unsqueeze(-1), 0.0)
-
-    return remap
 
 
 def _split_loader(datamodule: Any, split: str) -> Any:
@@ -279,14 +257,17 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     data_config = labelled_data_config(
         task, DataConfig(**OmegaConf.to_container(cfg.data, resolve=True))
     )
+    # the upstream first: a wrong upstream= or feature setting fails before any extraction
+    upstream, sha = open_upstream(cfg.upstream, data_config.feature_dim, data_config)
+    layers = resolve_layers(cfg.layer, upstream.num_layers)
+    check_normalization(data_config.normalization, upstream, cfg.normalization)
     datamodule = LabelledDataModule(data_config)
     datamodule.prepare_data()
     datamodule.setup("fit")
     _require_labels(task, datamodule)
+    normalization = feature_normalization(datamodule.normalizer, upstream, cfg.normalization)
 
-    upstream, sha = open_upstream(cfg.upstream, datamodule.feature_dim)
     _check_input_frames(upstream, datamodule)
-    layers = resolve_layers(cfg.layer, upstream.num_layers)
     device = choose_device(cfg.get("device", "auto"))
     t_features = time.perf_counter()
     cache_dir = cfg.get("cache_dir") or data_config.cache_root() / "downstream"
@@ -299,6 +280,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         cache_dir,
         device,
         progress_bar=data_config.progress,
+        normalization=normalization,
     )
     upstream.cpu()
     t_features = time.perf_counter() - t_features
@@ -342,7 +324,11 @@ def run(cfg: DictConfig) -> dict[str, Any]:
             "layers": layers,
             "layer_weights": fit.layer_weights,
         },
-        corpus={**_plain(datamodule.describe()), "config": _plain(data_config)},
+        corpus={
+            **_plain(datamodule.describe()),
+            "config": _plain(data_config),
+            "normalization": normalization.record,
+        },
         split_sizes={name: len(splits[name]) for name in SPLITS},
         eval_frames={name: _eval_count(splits[name], task) for name in ("dev", "test")},
         frames_per_utterance=round(float(splits["test"].lengths.float().mean()), 2),
