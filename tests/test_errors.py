@@ -233,14 +233,19 @@ def test_every_error_class_derives_from_the_base() -> None:
     from speechattn.data.claims import ClaimTimeout
     from speechattn.errors import DependencyError, MissingFileError
     from speechattn.model.serialization import TorchFileError
-    from speechattn.model.upstream import NonFiniteWeightsError
+    from speechattn.model.upstream import ImplausibleWeightsError, NonFiniteWeightsError
     from speechattn.tasks.analysis.heads import NonFiniteMetricError
-    from speechattn.tasks.downstream.features import DamagedSplit, NonFiniteFeaturesError
+    from speechattn.tasks.downstream.features import (
+        DamagedSplit,
+        ImplausibleFeaturesError,
+        NonFiniteFeaturesError,
+    )
     from speechattn.tasks.pretrain import NonFiniteLossError
 
     classes = [ConfigError, DataError, ClaimTimeout, DependencyError, MissingFileError,
                TorchFileError, UpstreamFileError, NonFiniteWeightsError, NonFiniteLossError,
-               NonFiniteMetricError, NonFiniteFeaturesError, DamagedSplit, UnknownOptionError]  # fmt: skip
+               NonFiniteMetricError, NonFiniteFeaturesError, DamagedSplit, UnknownOptionError,
+               ImplausibleWeightsError, ImplausibleFeaturesError]  # fmt: skip
     assert all(issubclass(c, SpeechattnError) for c in classes)
     text = (ROOT / "docs" / "errors.md").read_text()
     assert all(f"`{c.__name__}`" in text for c in classes), "docs/errors.md lists every class"
