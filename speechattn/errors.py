@@ -41,6 +41,11 @@ class MissingFileError(SpeechattnError, FileNotFoundError):
     The message names the path and the setting that gave it."""
 
 
+class OutputExistsError(SpeechattnError, FileExistsError):
+    """Where a command would write, something else already is (it is never overwritten);
+    the message says what to remove or where else to write."""
+
+
 class DependencyError(SpeechattnError, RuntimeError):
     """A library or program speechattn needs is missing or fails on this machine (eSpeak NG,
     an optional package); the message says what to install."""
@@ -110,6 +115,7 @@ __all__ = [
     "ConfigError",
     "DependencyError",
     "MissingFileError",
+    "OutputExistsError",
     "SpeechattnError",
     "UsageExit",
     "add_debug_flag",

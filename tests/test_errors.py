@@ -231,7 +231,8 @@ def test_every_error_class_derives_from_the_base() -> None:
     """The classes docs/errors.md lists are all SpeechattnErrors (callers catch one base)."""
     from speechattn.attention.registry import UnknownOptionError
     from speechattn.data.claims import ClaimTimeout
-    from speechattn.errors import DependencyError, MissingFileError
+    from speechattn.data.features import LabelMismatchError
+    from speechattn.errors import DependencyError, MissingFileError, OutputExistsError
     from speechattn.model.serialization import TorchFileError
     from speechattn.model.upstream import ImplausibleWeightsError, NonFiniteWeightsError
     from speechattn.tasks.analysis.heads import NonFiniteMetricError
@@ -245,7 +246,8 @@ def test_every_error_class_derives_from_the_base() -> None:
     classes = [ConfigError, DataError, ClaimTimeout, DependencyError, MissingFileError,
                TorchFileError, UpstreamFileError, NonFiniteWeightsError, NonFiniteLossError,
                NonFiniteMetricError, NonFiniteFeaturesError, DamagedSplit, UnknownOptionError,
-               ImplausibleWeightsError, ImplausibleFeaturesError]  # fmt: skip
+               ImplausibleWeightsError, ImplausibleFeaturesError, LabelMismatchError,
+               OutputExistsError]  # fmt: skip
     assert all(issubclass(c, SpeechattnError) for c in classes)
     text = (ROOT / "docs" / "errors.md").read_text()
     assert all(f"`{c.__name__}`" in text for c in classes), "docs/errors.md lists every class"

@@ -34,7 +34,7 @@ from typing import Any
 
 import numpy as np
 
-from speechattn.errors import ConfigError
+from speechattn.errors import ConfigError, OutputExistsError
 from speechattn.utils import progress_bar, temp_name
 
 log = logging.getLogger(__name__)
@@ -120,7 +120,9 @@ def make_scale_corpus(
             found = None
         if found == params:
             return out
-        raise FileExistsError(f"{out} exists and is not this corpus ({params}); remove it")
+        raise OutputExistsError(
+            f"{out} exists and is not this corpus ({params}); remove it or choose another --out"
+        )
     start = time.perf_counter()
     tmp = temp_name(out)
     try:

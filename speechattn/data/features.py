@@ -16,7 +16,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from speechattn.errors import ConfigError
+from speechattn.errors import ConfigError, SpeechattnError
 from speechattn.utils import lengths_to_padding_mask
 
 FEATURE_VERSION = 1  # bump when extraction changes: feature caches are keyed on it
@@ -33,6 +33,11 @@ def num_frames(num_samples: int) -> int:
 def min_samples_for(frames: int) -> int:
     """Fewest samples that give `frames` frames."""
     return WIN_LENGTH + (frames - 1) * HOP_LENGTH if frames > 0 else 0
+
+
+class LabelMismatchError(SpeechattnError, ValueError):
+    """An utterance whose frame labels do not fit its frames (beyond data.label_tolerance):
+    alignments of other audio, or of another frame rate."""
 
 
 @dataclass(frozen=True)
@@ -303,9 +308,10 @@ def expand_to_labels(
         bad |= label_lengths < expanded - (factor - 1) - tolerance
     if bool(bad.any()):
         b = int(bad.nonzero()[0])
-        raise ValueError(
+        raise LabelMismatchError(
             f"utterance {utt_ids[b]}: {int(label_lengths[b])} labels but {int(lengths[b])} model frames "
-            f"x {factor} = {int(expanded[b])} frames (tolerance {tolerance} frames)"
+            f"x {factor} = {int(expanded[b])} frames (tolerance {tolerance} frames): check that "
+            f"data.alignments belongs to this audio, or allow more with data.label_tolerance"
         )
     T_lab = int(label_lengths.max()) if B else 0
     if T_model == 0:
