@@ -2,7 +2,7 @@
 
 Analyses of a pretrained upstream, one per option of the `analysis` config group; `heads`
 (`analysis=heads`, the only one so far) gives head importance, single-head and keep-one
-ablations and the pruning curve (SPEC 5, Michel et al. 2019), for any attention variant, on the
+ablations and the pruning curve (Michel et al. 2019; docs/analysis.md), for any attention variant, on the
 pretraining loss or on a trained downstream probe. Writes to the Hydra run dir
 (`outputs/analyze/heads/<time>`, or `hydra.run.dir=DIR`):
 
@@ -12,25 +12,20 @@ pretraining loss or on a trained downstream probe. Writes to the Hydra run dir
     heads_pruning.png        metric vs fraction of heads pruned
 
 `run(cfg)` (tests call it; `compose_config` composes its config) is the analysis job,
-`speechattn.tasks.analysis.run_heads`, plus the report's figures; `main` is the Hydra wrapper
-(every entry point has this shape).
+`speechattn.tasks.analysis.run`, with the report's figures; `main` is the Hydra wrapper (every
+entry point has this shape).
 """
 
 from __future__ import annotations
 
-import logging
 import sys
-from pathlib import Path
 from typing import Any
 
 import hydra
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from speechattn.config import CONFIG_DIR, compose, run_cli
-from speechattn.tasks.analysis import HeadsRunConfig, run_heads
-from speechattn.tasks.common import quiet_library_notices, run_output_dir
-
-log = logging.getLogger("speechattn.analyze")
+from speechattn.tasks.analysis import run as run_analysis
 
 
 def compose_config(overrides: list[str] | None = None) -> DictConfig:
@@ -39,33 +34,11 @@ def compose_config(overrides: list[str] | None = None) -> DictConfig:
 
 
 def run(cfg: DictConfig, datamodule: Any = None) -> dict[str, Any]:
-    """Analyse the heads as configured; writes heads.json (+ figures) and returns its content
-    plus `output_dir`, `heads_json` and `figures` (paths). `datamodule` replaces the data
-    module built from the recorded data config (tests pass synthetic data)."""
-    quiet_library_notices()
-    config: HeadsRunConfig = OmegaConf.to_object(cfg)  # type: ignore[assignment]
-    out = run_output_dir(cfg).resolve()
-    result, path = run_heads(config, out, datamodule)
-    figures: list[Path] = []
-    if config.figures:
-        from speechattn.report.heads import head_figures
+    """`speechattn.tasks.analysis.run` with the report's figures (tasks do not import the
+    report layer, the entry point joins them)."""
+    from speechattn.report.heads import head_figures
 
-        figures = head_figures(result, out)
-    log.info(
-        "heads: %s on %s, base %s %.4f -> %s",
-        result["task"],
-        result["attention"],
-        result["metric"],
-        result["base_metric"],
-        path,
-    )
-    print(f"heads.json written to {path}", flush=True)
-    return {
-        **result,
-        "output_dir": str(out),
-        "heads_json": str(path),
-        "figures": [str(p) for p in figures],
-    }
+    return run_analysis(cfg, datamodule, figures=head_figures)
 
 
 @hydra.main(version_base="1.3", config_path=str(CONFIG_DIR), config_name="analyze")

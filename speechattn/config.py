@@ -8,6 +8,7 @@ mistyped override fails at composition. The schemas:
     schema/pretrain   PretrainConfig       conf/pretrain.yaml (entry point's own keys)
     schema/downstream DownstreamConfig     conf/downstream.yaml
     schema/analyze    HeadsRunConfig       conf/analyze.yaml
+    schema/prune      PruneConfig          conf/prune.yaml
     schema/data       DataConfig           conf/data/*.yaml (`embedded` is the defaults)
     schema/model      PretrainModelConfig  conf/model/aalbert_base.yaml (the defaults)
     schema/task       TaskConfig           conf/task/*.yaml (`speaker_utterance` is the defaults)
@@ -15,7 +16,8 @@ mistyped override fails at composition. The schemas:
 `attention/` options stay untyped here (`AttentionGroupConfig.options`): the registry checks
 them against each variant's own config when the model is built (`speechattn.attention.build`).
 `trainer/` and `logger/` are `_target_` subtrees instantiated as they stand
-(lightning-hydra-template's way).
+(lightning-hydra-template's way): `trainer/cpu|gpu|ddp` for pretraining, `trainer/probe` for the
+downstream probes, and every `logger/` option for both jobs.
 
 `compose(name, overrides)` is what the entry points' `@hydra.main` does, for tests and
 notebooks; `CONFIG_DIR` is `conf/`, shipped inside the package by a plain `pip install .`;
@@ -38,6 +40,7 @@ from speechattn.errors import SpeechattnError, one_line, traceback_requested
 from speechattn.model.aalbert import ModelConfig
 from speechattn.model.masking import MaskingConfig
 from speechattn.model.optim import OptimConfig
+from speechattn.tasks.analysis.prune import PruneConfig
 from speechattn.tasks.analysis.sources import HeadsRunConfig
 from speechattn.tasks.downstream.probe import TaskConfig
 
@@ -119,19 +122,6 @@ class EarlyStoppingConfig:
     patience: int = "${task.patience}"  # type: ignore[assignment]  # epochs without a better dev accuracy
 
 
-def _downstream_trainer() -> dict[str, Any]:
-    return {
-        "max_epochs": "${task.max_epochs}",  # per task; override here for all tasks
-        "accelerator": "auto",
-        "devices": 1,
-        "deterministic": False,
-        "enable_model_summary": False,
-        "enable_progress_bar": True,
-        "log_every_n_steps": 10,
-        "num_sanity_val_steps": 0,
-    }
-
-
 @dataclass
 class DownstreamConfig:
     """`python -m speechattn.downstream`: its groups and its own keys."""
@@ -150,7 +140,10 @@ class DownstreamConfig:
     # frozen features are cached, keyed by upstream file hash + layers + data config + statistics
     cache_dir: str | None = None  # null: <data cache root>/downstream
     output_dir: str | None = None  # null: the Hydra run dir
-    trainer: dict[str, Any] = field(default_factory=_downstream_trainer)  # lightning.Trainer
+    trainer: Any = None  # lightning.pytorch.Trainer arguments (`_target_`, conf/trainer/probe.yaml)
+    logger: Any = field(
+        default_factory=dict
+    )  # name -> logger `_target_`; {} = logs/metrics.csv only
     early_stopping: EarlyStoppingConfig = field(default_factory=EarlyStoppingConfig)
 
 
@@ -160,6 +153,7 @@ SCHEMAS: dict[str, Any] = {
     "pretrain": PretrainConfig,
     "downstream": DownstreamConfig,
     "analyze": HeadsRunConfig,
+    "prune": PruneConfig,
     "data": DataConfig,
     "model": PretrainModelConfig,
     "task": TaskConfig,

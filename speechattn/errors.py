@@ -36,6 +36,20 @@ class ConfigError(SpeechattnError, ValueError):
     hidden_size=256`. The message names the setting, the value and what it must be."""
 
 
+class DiskFullError(SpeechattnError, OSError):
+    """A write that failed for lack of space (ENOSPC, EDQUOT, or a write cut short), e.g.
+    `/runs/x/upstream.pt: cannot be written: the device is full (12 MiB free in /runs/x) ...`.
+    The message names the file, the folder, the free space there and the fix. An `OSError`
+    with the original `errno`, so code that handles a full disk itself still recognises it."""
+
+    def __init__(self, message: str, errno: int) -> None:
+        super().__init__(message)
+        self.errno = errno
+
+    def __reduce__(self):  # picklable across worker processes
+        return (DiskFullError, (str(self), self.errno))
+
+
 class MissingFileError(SpeechattnError, FileNotFoundError):
     """A file or folder the user named (an upstream, a checkpoint, a run dir) does not exist.
     The message names the path and the setting that gave it."""
@@ -114,6 +128,7 @@ __all__ = [
     "TRACEBACK_ENV",
     "ConfigError",
     "DependencyError",
+    "DiskFullError",
     "MissingFileError",
     "OutputExistsError",
     "SpeechattnError",

@@ -1,20 +1,25 @@
 """Small helpers every layer shares: padding masks, the ignored label id, device choice, atomic
-writes and a progress bar.
+writes, a progress bar and plain (JSON-friendly) copies of config values.
 
-This module imports nothing from the project, so `data`, `attention`, `model`, `tasks`,
-`report` and `bench` may all use it without bending the dependency rule
+This module imports nothing from the project but `speechattn.errors`, so `data`, `attention`,
+`model`, `tasks`, `report` and `bench` may all use it without bending the dependency rule
 (`tests/test_layering.py` checks both).
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
+import shutil
+import tempfile
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
+
+from speechattn.errors import DiskFullError
 
 if TYPE_CHECKING:
     import torch
@@ -37,6 +42,28 @@ def lengths_to_padding_mask(lengths: Tensor, max_len: int | None = None) -> Tens
 
     T = int(lengths.max()) if max_len is None else int(max_len)
     return torch.arange(T, device=lengths.device)[None, :] >= lengths[:, None]
+
+
+def plain(value: Any) -> Any:
+    """Config values as plain Python for JSON and keyword arguments: OmegaConf nodes (resolved)
+    and dataclasses -> dicts/lists, tensors -> lists, paths -> str; anything else as it is."""
+    from dataclasses import asdict, is_dataclass
+
+    if is_dataclass(value) and not isinstance(value, type):
+        return plain(asdict(value))
+    if type(value).__module__.startswith("omegaconf"):  # DictConfig / ListConfig
+        from omegaconf import OmegaConf
+
+        return plain(OmegaConf.to_container(value, resolve=True))
+    if isinstance(value, dict):
+        return {str(k): plain(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [plain(v) for v in value]
+    if hasattr(value, "tolist") and hasattr(value, "dtype"):  # tensors, numpy arrays
+        return value.tolist()
+    if isinstance(value, Path):
+        return str(value)
+    return value
 
 
 def default_cache_root() -> Path:
@@ -86,15 +113,81 @@ def temp_name(path: Path) -> Path:
 @contextmanager
 def atomic_path(path: str | Path) -> Iterator[Path]:
     """`with atomic_path(p) as tmp: write tmp`: renamed onto `p` when the block succeeds,
-    removed when it fails, so readers see the old file or the whole new one, never half."""
+    removed when it fails, so readers see the old file or the whole new one, never half.
+
+    Durable: `tmp` is fsynced before the rename and the folder after it, so a power loss never
+    leaves the new name over blocks that were not written (a commit record written after its
+    data, as the feature cache does, then never points at missing data). The cost is waiting
+    for the device once per file, which the kernel would write within seconds anyway.
+
+    A full device (ENOSPC, EDQUOT, a short write, or torch's `inline_container.cc ... unexpected
+    pos` for `torch.save(obj, tmp)`) raises `DiskFullError` naming `p`, its folder's free space
+    and the fix, whatever wrote the file.
+    """
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = temp_name(path)
     try:
-        yield tmp
-        os.replace(tmp, path)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            yield tmp
+            _fsync(tmp)
+            os.replace(tmp, path)
+            _fsync(path.parent, folder=True)
+        except (OSError, RuntimeError) as e:
+            if isinstance(e, DiskFullError) or not out_of_space(e):
+                raise
+            raise disk_full_error(path, e) from e
     finally:
         tmp.unlink(missing_ok=True)  # a failed write (full disk, crash) leaves nothing behind
+
+
+def _fsync(path: Path, folder: bool = False) -> None:
+    """Flush a file's (or a `folder`'s entries') pending writes to the device."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        if folder:  # not every system opens folders (Windows): its renames are its own business
+            return
+        raise
+    try:
+        os.fsync(fd)
+    except OSError as e:
+        if e.errno not in (errno.EINVAL, errno.ENOTSUP, errno.EBADF):
+            raise  # EIO: the bytes may not be on the device
+        # a file system that cannot sync this (some network ones, folders): nothing to wait for
+    finally:
+        os.close(fd)
+
+
+def out_of_space(error: BaseException) -> bool:
+    """Whether `error` says a write ran out of space: ENOSPC or EDQUOT; NumPy's short write
+    ("N requested and M written", no errno); torch's zip writer ("unexpected pos", "file write
+    failed": its C++ `fwrite` came up short)."""
+    if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT):
+        return True
+    text = str(error)
+    if isinstance(error, OSError):
+        return "requested and" in text and "written" in text
+    return "inline_container" in text and ("unexpected pos" in text or "write failed" in text)
+
+
+def disk_full_error(path: Path, error: BaseException) -> DiskFullError:
+    """The `DiskFullError` for writing `path` having failed with `error` (`out_of_space`)."""
+    folder = path.parent
+    try:
+        free = f"{shutil.disk_usage(folder).free / 2**20:.0f} MiB free in {folder}"
+    except OSError:
+        free = f"free space in {folder} unknown"
+    code = getattr(error, "errno", None)
+    # torch's zip writer and NumPy report a short write without an errno; say what it means
+    cause = os.strerror(code) if code else "a write came up short"
+    fix = "free space there or write to another disk"
+    if str(folder.resolve()).startswith(str(Path(tempfile.gettempdir()).resolve())):
+        fix += " (set TMPDIR to a folder on a larger disk)"
+    return DiskFullError(
+        f"{path}: cannot be written: the device is full or over quota ({free}; {cause}); {fix}",
+        code or errno.ENOSPC,
+    )
 
 
 def atomic_write_bytes(path: str | Path, data: bytes) -> None:
@@ -160,7 +253,9 @@ __all__ = [
     "choose_device",
     "derive_seed",
     "digest",
+    "disk_full_error",
     "lengths_to_padding_mask",
+    "out_of_space",
     "progress_bar",
     "temp_name",
     "track",

@@ -4,10 +4,10 @@ command line's (the YAML files state only what differs from the dataclasses)."""
 from __future__ import annotations
 
 import inspect
-from dataclasses import fields
+from dataclasses import fields, is_dataclass
 
 import pytest
-from hydra.utils import get_class, instantiate
+from hydra.utils import get_class
 from omegaconf import OmegaConf
 
 from speechattn import CONFIG_DIR
@@ -21,6 +21,7 @@ from speechattn.config import (
 from speechattn.data import DataConfig
 from speechattn.model import ModelConfig
 from speechattn.model.aalbert import aalbert, preset_config
+from speechattn.tasks.analysis.prune import PruneConfig
 from speechattn.tasks.analysis.sources import HeadsRunConfig
 from speechattn.tasks.downstream import TaskConfig
 
@@ -64,18 +65,29 @@ def test_every_model_option_and_experiment_builds(name, experiment):
     assert isinstance(OmegaConf.to_object(cfg.data), DataConfig)
 
 
+JOB_OF_TRAINER = {"probe": "downstream"}  # the others are pretraining's
+
+
 @pytest.mark.parametrize("name", options("trainer"))
 def test_every_trainer_option_names_trainer_arguments(name):
-    cfg = OmegaConf.to_container(compose("pretrain", [f"trainer={name}"]).trainer, resolve=True)
+    job = JOB_OF_TRAINER.get(name, "pretrain")
+    cfg = OmegaConf.to_container(compose(job, [f"trainer={name}"]).trainer, resolve=True)
     trainer = get_class(cfg.pop("_target_"))
     assert set(cfg) <= set(inspect.signature(trainer.__init__).parameters)
 
 
+@pytest.mark.parametrize("job", ["pretrain", "downstream"])
 @pytest.mark.parametrize("name", options("logger"))
-def test_every_logger_option_instantiates(name, tmp_path):
-    cfg = compose("pretrain", [f"logger={name}", f"output_dir={tmp_path}"])
+def test_every_logger_option_instantiates(name, job, tmp_path):
+    from speechattn.tasks.common import configured_loggers
+
+    cfg = compose(job, [f"logger={name}", f"output_dir={tmp_path}"])
     for logger in cfg.logger.values():
-        instantiate(logger)
+        cls = get_class(logger._target_)
+        assert set(logger) - {"_target_"} <= set(inspect.signature(cls.__init__).parameters)
+    if name in ("wandb", "mlflow"):  # optional extras: speechattn[wandb], speechattn[mlflow]
+        pytest.importorskip(name)
+    assert len(configured_loggers(cfg)) == len(cfg.logger)
 
 
 @pytest.mark.parametrize("name", options("debug"))
@@ -86,10 +98,13 @@ def test_every_debug_option_composes(name):
 DOWNSTREAM_TASKS = [t for t in options("task") if t != "pretrain"]  # pretrain: analysis only
 
 
+EXAMPLE_TASKS = ["pitch_utterance"]  # docs/extending.md's worked example, not a study task
+
+
 def test_the_task_list_is_the_task_group():
     from speechattn.tasks.records import TASKS
 
-    assert sorted(TASKS) == DOWNSTREAM_TASKS
+    assert sorted([*TASKS, *EXAMPLE_TASKS]) == DOWNSTREAM_TASKS
 
 
 @pytest.mark.parametrize("name", DOWNSTREAM_TASKS)
@@ -143,21 +158,90 @@ def test_the_default_run_is_the_tiny_experiment_and_python_presets_match_it():
 
 
 def test_the_builder_keeps_model_config_defaults():
-    """`aalbert(...)` spells out ModelConfig's fields as arguments: the same defaults."""
-    params = inspect.signature(aalbert).parameters
-    for f in fields(ModelConfig):
-        default = f.default_factory() if callable(f.default_factory) else f.default
-        assert params[f.name].default in (default, None), f.name  # options: None -> {}
+    """`aalbert(...)` builds `ModelConfig(...)`: its defaults are ModelConfig's, stated once."""
+    assert set(inspect.signature(aalbert).parameters) == {"make_attention", "config"}
+    assert aalbert().config == ModelConfig()
+    assert aalbert(dim=64, num_heads=4).config == ModelConfig(dim=64, num_heads=4)
+
+
+NOT_VALUES = {"defaults", "hydra", "_target_"}  # composition keys, not settings
+
+
+def restated(own: dict, defaults, path: str = "") -> list[str]:
+    """Dotted keys of `own` (a YAML file's mapping) whose value equals the default they
+    override; `defaults` is a dataclass instance or a dict, nested ones followed."""
+    found = []
+    for key, value in own.items():
+        if key in NOT_VALUES:
+            continue
+        if isinstance(defaults, dict):
+            default = defaults.get(key, NOT_VALUES)
+        else:
+            default = getattr(defaults, key, NOT_VALUES)
+        if isinstance(value, dict) and (isinstance(default, dict) or is_dataclass(default)):
+            found += restated(value, default, f"{path}{key}.")
+        elif value == default:
+            found.append(f"{path}{key}")
+    return found
+
+
+def yaml(path) -> dict:
+    return OmegaConf.to_container(OmegaConf.load(path))
+
+
+def signature_defaults(target: str) -> dict:
+    params = inspect.signature(get_class(target).__init__).parameters.values()
+    return {p.name: p.default for p in params if p.default is not inspect.Parameter.empty}
 
 
 def test_yaml_states_only_what_differs_from_the_schema():
-    """No option restates a default of its schema (a mirror drifts)."""
-    schemas = {"data": DataConfig(), "task": TaskConfig(), "model": PretrainModelConfig()}
+    """No YAML file restates a default of what it configures (a mirror drifts):
+
+    - the groups with a dataclass schema (data, task, model, nested fields included) and the
+      entry points' own files (pretrain, downstream, analyze, prune) against their schema;
+    - the options that write at the top level (experiment, debug, analysis, trainer=gpu)
+      against the schemas of the keys they set, and trainer=cpu's values for `trainer`;
+    - the trainer options that extend another (ddp extends cpu) against that option;
+    - each logger against its class's own arguments.
+
+    The base trainer options (cpu, probe) are the one home of our Trainer settings; they keep
+    keys equal to Lightning's defaults so that the command line can override them without `+`.
+    `attention/` is checked by its own test; `hydra/launcher/` configures Hydra's plugins.
+    """
+    cpu = yaml(CONFIG_DIR / "trainer" / "cpu.yaml")
+    top_level = {  # what experiment/debug options and trainer=gpu write into: pretraining's
+        **{f.name: getattr(PretrainConfig(), f.name) for f in fields(PretrainConfig)},
+        "data": DataConfig(),
+        "model": PretrainModelConfig(),
+        "trainer": cpu,
+    }
+    schemas = {
+        "data": DataConfig(),
+        "task": TaskConfig(),
+        "model": PretrainModelConfig(),
+        "experiment": top_level,
+        "debug": top_level,
+        "analysis": HeadsRunConfig(),
+    }
+    checked = {}
     for group, defaults in schemas.items():
         for path in (CONFIG_DIR / group).glob("*.yaml"):
-            own = OmegaConf.to_container(OmegaConf.load(path))
-            restated = [k for k, v in own.items() if getattr(defaults, k, object()) == v]
-            assert not restated, f"{path.name} restates defaults {restated}"
+            checked[f"{group}/{path.name}"] = restated(yaml(path), defaults)
+    for name, schema in (
+        ("pretrain", PretrainConfig()),
+        ("downstream", DownstreamConfig()),
+        ("analyze", HeadsRunConfig()),
+        ("prune", PruneConfig()),
+    ):
+        checked[f"{name}.yaml"] = restated(yaml(CONFIG_DIR / f"{name}.yaml"), schema)
+    checked["trainer/ddp.yaml"] = restated(yaml(CONFIG_DIR / "trainer" / "ddp.yaml"), cpu)
+    checked["trainer/gpu.yaml"] = restated(yaml(CONFIG_DIR / "trainer" / "gpu.yaml"), top_level)
+    for path in (CONFIG_DIR / "logger").glob("*.yaml"):
+        for logger in yaml(path).values():
+            own = restated(logger, signature_defaults(logger["_target_"]))
+            checked[f"logger/{path.name}"] = checked.get(f"logger/{path.name}", []) + own
+    assert len(checked) > 20
+    assert {k: v for k, v in checked.items() if v} == {}
 
 
 @pytest.mark.parametrize("name", options("analysis"))

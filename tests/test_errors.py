@@ -232,7 +232,12 @@ def test_every_error_class_derives_from_the_base() -> None:
     from speechattn.attention.registry import UnknownOptionError
     from speechattn.data.claims import ClaimTimeout
     from speechattn.data.features import LabelMismatchError
-    from speechattn.errors import DependencyError, MissingFileError, OutputExistsError
+    from speechattn.errors import (
+        DependencyError,
+        DiskFullError,
+        MissingFileError,
+        OutputExistsError,
+    )
     from speechattn.model.serialization import TorchFileError
     from speechattn.model.upstream import ImplausibleWeightsError, NonFiniteWeightsError
     from speechattn.tasks.analysis.heads import NonFiniteMetricError
@@ -241,13 +246,14 @@ def test_every_error_class_derives_from_the_base() -> None:
         ImplausibleFeaturesError,
         NonFiniteFeaturesError,
     )
+    from speechattn.tasks.downstream.labels.phones import MissingAlignmentsError
     from speechattn.tasks.pretrain import NonFiniteLossError
 
     classes = [ConfigError, DataError, ClaimTimeout, DependencyError, MissingFileError,
                TorchFileError, UpstreamFileError, NonFiniteWeightsError, NonFiniteLossError,
                NonFiniteMetricError, NonFiniteFeaturesError, DamagedSplit, UnknownOptionError,
                ImplausibleWeightsError, ImplausibleFeaturesError, LabelMismatchError,
-               OutputExistsError]  # fmt: skip
+               OutputExistsError, DiskFullError, MissingAlignmentsError]  # fmt: skip
     assert all(issubclass(c, SpeechattnError) for c in classes)
     text = (ROOT / "docs" / "errors.md").read_text()
     assert all(f"`{c.__name__}`" in text for c in classes), "docs/errors.md lists every class"

@@ -13,7 +13,7 @@ each head sees z_h + R frames on each side. m(0) = 1, so every query keeps its o
 The span is learned as z_h / S (the paper's parametrisation), clamped to [0, 1] in the
 forward pass and, as in the paper, projected back into [0, 1] after every optimiser step
 (`after_optimizer_step`, called by the pretraining task); `spans()` gives the current z (h,). The paper's L1 penalty on the spans is
-`auxiliary_loss()` = span_penalty * mean_h z_h (SPEC: lambda mean(z) / S with lambda =
+`auxiliary_loss()` = span_penalty * mean_h z_h (written lambda mean(z) / S with lambda =
 span_penalty * S), which the pretraining task adds to its loss and logs as `aux_loss`
 (span_penalty = 0 turns it off). A layer shared across depths (ALBERT) counts once.
 
@@ -191,7 +191,7 @@ class UnfusedSavedWeights(torch.autograd.Function):
 class AdaptiveSpanConfig(AttentionConfig):
     max_span: int = 256  # S, longest learnable span in frames (7.7 s of 30 ms frames)
     ramp: int = 32  # R, width of the soft mask's linear ramp (frames)
-    init_span: float = 0.25  # z / S at initialisation (SPEC: z = S / 4)
+    init_span: float = 0.25  # z / S at initialisation (z = S / 4)
     span_penalty: float = 2e-6  # the paper's L1 coefficient per frame of mean span
 
     def __post_init__(self) -> None:

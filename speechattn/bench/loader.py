@@ -91,11 +91,11 @@ def measure(cfg: Any, batches: int = 50, warmup: int = 5, cold: bool = False) ->
     from speechattn.data import DataConfig, PretrainDataModule
     from speechattn.data.datamodules import resolve_root
     from speechattn.tasks.pretrain import PretrainTask, ResumableData
-    from speechattn.tasks.pretrain.run import container
+    from speechattn.utils import plain
 
     if batches < 1 or warmup < 0:
         raise UsageExit(f"--batches must be >= 1 and --warmup >= 0, got {batches}, {warmup}")
-    data_cfg = DataConfig(**container(cfg.data))
+    data_cfg = DataConfig(**plain(cfg.data))
     scratch = None
     if cold:  # an empty feature cache; the corpus itself (built-in or given) is resolved first
         scratch = tempfile.mkdtemp(prefix="speechattn-bench-loader-")
@@ -115,8 +115,8 @@ def measure(cfg: Any, batches: int = 50, warmup: int = 5, cold: bool = False) ->
         with open_dict(cfg):
             cfg.model.net.feature_dim = int(inner.feature_dim)
         task = PretrainTask(
-            model=container(cfg.model.net), masking=container(cfg.model.masking),
-            optimizer=container(cfg.model.optimizer), total_steps=int(cfg.trainer.max_steps),
+            model=plain(cfg.model.net), masking=plain(cfg.model.masking),
+            optimizer=plain(cfg.model.optimizer), total_steps=int(cfg.trainer.max_steps),
             seed=int(cfg.seed),
         )  # fmt: skip
         loader = ResumableData(inner, seed=int(cfg.seed)).step_loader(

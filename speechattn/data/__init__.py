@@ -22,8 +22,9 @@ from speechattn.data.librispeech import Utterance, find_splits, scan_split
 # Imported on first use: Lightning is slow to import, and `python -m speechattn.data.synth`
 # must not find its own module already imported by the package.
 _LAZY = {
-    "LabelledDataModule": "speechattn.data.datamodules",
+    "LabelledDataModule": "speechattn.data.labelled",
     "PretrainDataModule": "speechattn.data.datamodules",
+    "build_datamodule": "speechattn.data.datamodules",
     "resolve_root": "speechattn.data.datamodules",
     "build_corpus": "speechattn.data.synth",
     "ensure_embedded_corpus": "speechattn.data.synth",
@@ -50,6 +51,7 @@ __all__ = [
     "Skip",
     "Utterance",
     "build_corpus",
+    "build_datamodule",
     "default_cache_root",
     "ensure_embedded_corpus",
     "expand_to_labels",

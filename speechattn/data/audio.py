@@ -1,8 +1,8 @@
-"""Decode one audio file with every check SPEC 2.5 asks for.
+"""Decode one audio file with every check of docs/data.md, "Bad input".
 
 `load_audio` returns float32 mono samples at 16 kHz or raises `DataError` naming the file:
 unreadable (not audio / bad header), truncated or corrupt (header fine, data not), empty, too
-short, wrong sample rate (under `sample_rate_policy="error"`). Non-16 kHz audio is otherwise
+short, invalid samples (NaN, inf or a peak over `MAX_PEAK` in a float file), wrong sample rate (under `sample_rate_policy="error"`). Non-16 kHz audio is otherwise
 resampled and multi-channel audio averaged; both are reported in `AudioResult.notes` so the
 caller can warn about them.
 """
@@ -17,6 +17,11 @@ import numpy as np
 from speechattn.data.errors import DataError
 
 SAMPLE_RATE = 16000
+# Float audio is nominally within +-1 (integer formats always are, once decoded); a little over
+# is clipping headroom, but a peak 100 times (40 dB) over full scale is a file written at
+# another scale (integer values stored as floats) or garbage, and its log-mel features would
+# dwarf every other utterance's in the corpus statistics.
+MAX_PEAK = 100.0
 
 
 @dataclass
@@ -76,6 +81,7 @@ def load_audio(
         )
     if audio.shape[0] == 0:
         raise DataError(path, "empty audio", "0 samples", utt_id)
+    _check_values(audio, path, utt_id)
     notes = []
     if audio.shape[1] > 1:
         notes.append(f"averaged {audio.shape[1]} channels")
@@ -94,6 +100,28 @@ def load_audio(
             f"{audio.shape[0]} samples ({audio.shape[0] / SAMPLE_RATE:.3f} s), need at least {min_samples}", utt_id,
         )  # fmt: skip
     return AudioResult(np.ascontiguousarray(audio, dtype=np.float32), int(rate), notes)
+
+
+def _check_values(audio: np.ndarray, path: Path, utt_id: str | None) -> None:
+    """Refuse NaN, infinite or absurdly large samples (float files only can hold them): one
+    such sample makes every feature of the file, and the corpus statistics, NaN or inf.
+    `audio`: (N, C) float32 as decoded."""
+    finite = np.isfinite(audio)
+    if not finite.all():
+        bad = audio[~finite]
+        n_nan = int(np.isnan(bad).sum())
+        raise DataError(
+            path, "invalid samples",
+            f"{n_nan} NaN and {bad.size - n_nan} infinite sample(s), the first at sample "
+            f"{int(np.argmin(finite.all(axis=1)))}: re-export the audio", utt_id,
+        )  # fmt: skip
+    peak = float(np.abs(audio).max())
+    if peak > MAX_PEAK:
+        raise DataError(
+            path, "invalid samples",
+            f"peak {peak:.3g}, float audio must lie within +-{MAX_PEAK:g} (nominally +-1): "
+            f"rescale it to +-1 or re-export it", utt_id,
+        )  # fmt: skip
 
 
 def flac_audio_bytes(path: Path) -> int | None:

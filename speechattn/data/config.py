@@ -85,7 +85,7 @@ class DataConfig:
     pretrain_exclude_test: bool = True  # keep labelled test audio out of pretraining
     pretrain_val_fraction: float = 0.05  # held out from pretraining for a validation loss
 
-    # ---- features (SPEC 2.4) ----
+    # ---- features (docs/data.md) ----
     n_mels: int = 80
     deltas: bool = False  # append deltas and delta-deltas (F = 3 * n_mels)
     normalization: str = "global"  # global (train-split mean/std) | utterance (CMVN) | none
@@ -117,8 +117,9 @@ class DataConfig:
     # utterances per cache shard on average (unit of resume, of parallel work and of what a
     # changed file re-extracts); shards hold at most 3x as many
     shard_size: int = 64
-    # checksum every cached file at start-up (re-extracting damaged ones); otherwise a file is
-    # checksummed only when its size or mtime no longer match what was recorded at extraction
+    # hash every audio file and checksum every cached file at start-up (re-extracting what
+    # changed or is damaged); otherwise a file is hashed or checksummed only when its size or
+    # mtime (for audio also its ctime) no longer match what was recorded
     verify_cache: bool = False
     # open shard files per process (each DataLoader worker too): reads go through an LRU of
     # this many descriptors, so `ulimit -n` need not grow with the corpus

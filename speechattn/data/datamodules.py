@@ -1,5 +1,6 @@
-"""Lightning data modules: `PretrainDataModule` (unlabelled crops) and `LabelledDataModule`
-(speaker per utterance, phone per 10 ms frame, train/dev/test).
+"""Lightning data modules: the shared corpus machinery, `PretrainDataModule` (unlabelled crops)
+and `build_datamodule`; `LabelledDataModule` (speaker per utterance, phone per 10 ms frame,
+train/dev/test) builds on them in `speechattn.data.labelled`.
 
 Both resolve the corpus (building the built-in one on first use when `corpus=embedded` and no
 `root` is given), scan the split folders, extract features into the cache (one entry per split
@@ -18,7 +19,6 @@ utterance, and the skips are logged at the end of `setup` and kept in `.skipped`
 from __future__ import annotations
 
 import logging
-from collections import defaultdict
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -33,9 +33,9 @@ from speechattn.data.config import DataConfig, local_rank
 from speechattn.data.datasets import FeatureDataset, LengthBucketBatchSampler, collate
 from speechattn.data.errors import DataError, Issues, Skip
 from speechattn.data.features import HOP_LENGTH, SAMPLE_RATE, FeatureConfig, Normalizer
-from speechattn.data.librispeech import LabelFiles, read_alignments, read_split_list, speaker_of
+from speechattn.data.librispeech import LabelFiles, read_split_list
 from speechattn.errors import ConfigError
-from speechattn.utils import derive_seed
+from speechattn.utils import derive_seed, plain
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +55,26 @@ def resolve_root(cfg: DataConfig) -> Path:
         cfg.cache_root(), cfg.synth_speakers, cfg.synth_utterances_per_speaker, cfg.synth_seed,
         workers=cfg.extract_workers, progress=cfg.progress,
     )  # fmt: skip
+
+
+def build_datamodule(config: Any, kind: str = "pretrain") -> L.LightningDataModule:
+    """The data module of a job from its `data` config (a DataConfig, dict or config node):
+    `PretrainDataModule` (kind "pretrain") or `LabelledDataModule` (kind "labelled"). A
+    `_target_` instantiates any other DataModule that follows the batch contract of
+    docs/ARCHITECTURE.md instead (bring your own data; the tests use synthetic speech)."""
+    if not isinstance(config, DataConfig) and "_target_" in config:
+        from hydra.utils import instantiate
+
+        return instantiate(config)
+    if kind not in ("pretrain", "labelled"):
+        raise ValueError(f"kind must be pretrain or labelled, not {kind!r}")
+    if not isinstance(config, DataConfig):
+        config = DataConfig(**plain(config))
+    if kind == "pretrain":
+        return PretrainDataModule(config)
+    from speechattn.data.labelled import LabelledDataModule  # it builds on this module
+
+    return LabelledDataModule(config)
 
 
 def extraction_settings(cfg: DataConfig) -> ExtractionSettings:
@@ -216,16 +236,6 @@ class _CorpusDataModule(L.LightningDataModule):
         }
 
 
-def _holdout(ids: list[str], fraction: float, seed: int) -> tuple[list[str], list[str]]:
-    """Seeded split of `ids` into (kept, held out), held out ~ `fraction` (>= 1 when possible)."""
-    if fraction <= 0 or len(ids) < 2:
-        return ids, []
-    order = np.random.default_rng(seed).permutation(len(ids))
-    n = min(len(ids) - 1, max(1, round(fraction * len(ids))))
-    held = {ids[i] for i in order[:n]}
-    return [u for u in ids if u not in held], [u for u in ids if u in held]
-
-
 def validation_ids(ids: Sequence[str], fraction: float, cap: int | None, seed: int) -> set[str]:
     """Pretraining's validation utterances among `ids`: the `fraction` of them (at least one
     where two or more are given, never all), at most `cap` (None: no cap), chosen by the
@@ -322,236 +332,3 @@ class PretrainDataModule(_CorpusDataModule):
     def val_dataloader(self) -> DataLoader | list:
         ds = self._dataset("val")
         return self._loader(ds, shuffle=False) if len(ds) else []
-
-
-class LabelledDataModule(_CorpusDataModule):
-    """Speaker and phone labels for downstream probes.
-
-    train/test come from the split lists in `alignments_dir` (or, with `test_list: null`, test is
-    every utterance of `test_splits`); dev is a seeded `dev_fraction` of train, per speaker.
-    Phone labels (10 ms frames) are checked against the feature length: a difference above
-    `label_tolerance` is bad input; within it, labels are trimmed or padded with -100.
-
-    Attributes after `setup`: `num_speakers`, `speakers` (class -> speaker id), `num_phones`,
-    `phone_set`, `normalizer`, `datasets` ("train", "dev", "test"), `skipped`.
-    """
-
-    def __init__(
-        self, cfg: DataConfig | dict[str, Any] | None = None, normalizer: Normalizer | None = None
-    ) -> None:
-        super().__init__(cfg, normalizer)
-        self.speakers: list[str] = []
-        self.phone_set: list[str] = []
-
-    @property
-    def num_speakers(self) -> int:
-        return len(self.speakers)
-
-    @property
-    def num_phones(self) -> int:
-        return len(self.phone_set)
-
-    def _splits_needed(self) -> list[str]:
-        extra = self.cfg.test_splits if self.cfg.test_list is None else []
-        return list(dict.fromkeys(self.cfg.labelled_splits + extra))
-
-    def _role_ids(self, available: dict[str, tuple[str, int]]) -> tuple[list[str], list[str]]:
-        """Train and test utterance ids per the configured lists / folders, checked."""
-        c, files = self.cfg, self.label_files
-        skipped = self.issues.skipped_ids
-        labelled = [u for u, (split, _) in available.items() if split in c.labelled_splits]
-
-        def from_list(name: str) -> list[str]:
-            path = files.path(name)
-            assert path is not None
-            ids = []
-            for u in read_split_list(path):
-                if u in available:
-                    ids.append(u)
-                elif u not in skipped:  # skipped ones were already reported
-                    self.issues.report(
-                        DataError(
-                            path,
-                            "utterance not in the corpus",
-                            f"not found in {c.labelled_splits}",
-                            u,
-                        ),
-                        "lists",
-                    )
-            return ids
-
-        if c.test_list is not None:
-            test = from_list(c.test_list)
-        else:
-            test = sorted(u for u, (split, _) in available.items() if split in c.test_splits)
-        test_set = set(test)
-        if c.train_list is not None:
-            train = from_list(c.train_list)
-            overlap = [u for u in train if u in test_set]
-            for u in overlap:
-                self.issues.report(
-                    DataError(
-                        files.path(c.train_list), "utterance in both train and test lists", "", u
-                    ),
-                    "lists",
-                )
-            train = [u for u in train if u not in test_set]
-        else:
-            train = sorted(u for u in labelled if u not in test_set)
-        unused = len(set(labelled) - set(train) - test_set)
-        if unused:
-            log.info(
-                "%d utterances of %s are in neither the train nor the test list (unused)",
-                unused,
-                c.labelled_splits,
-            )
-        return train, test
-
-    def _phones(self, ids: list[str], lengths: dict[str, int]) -> dict[str, np.ndarray]:
-        """Checked phone labels of `ids` (reports missing / mismatched / unknown symbols)."""
-        c, files = self.cfg, self.label_files
-        path = files.path(c.alignments)
-        if path is None:
-            self.phone_set = []
-            return {}
-        phone_set = files.load_phone_set(c.num_phones)
-        labels = read_alignments(path, phone_set, self.issues, wanted=set(ids))
-        if phone_set is None:
-            top = max((int(v.max()) for v in labels.values()), default=-1)
-            phone_set = [str(i) for i in range(top + 1)]
-        self.phone_set = phone_set
-        skipped = self.issues.skipped_ids
-        out = {}
-        for u in ids:
-            lab = labels.get(u)
-            if lab is None:
-                if u not in skipped:
-                    self.issues.report(
-                        DataError(path, "missing alignment", "no line for this utterance", u),
-                        "labels",
-                    )
-                continue
-            if abs(len(lab) - lengths[u]) > c.label_tolerance:
-                self.issues.report(
-                    DataError(path, "alignment length mismatch",
-                              f"{len(lab)} label frames, the audio gives {lengths[u]} frames "
-                              f"(snip-edges), tolerance {c.label_tolerance}", u),
-                    "labels",
-                )  # fmt: skip
-                continue
-            out[u] = lab
-        return out
-
-    def setup(self, stage: str | None = None) -> None:
-        if self._ready:
-            return
-        c = self.cfg
-        available: dict[str, tuple[str, int]] = {}  # utt_id -> (split, position in its store)
-        for split in self._splits_needed():
-            store = self._split(split)
-            available.update((u, (split, i)) for i, u in enumerate(store.utt_ids))
-        train, test = self._role_ids(available)
-        lengths = {
-            u: int(self._splits[available[u][0]].lengths[available[u][1]]) for u in train + test
-        }
-        phones = self._phones(train + test, lengths)
-        if c.alignments is not None:
-            train, test = [u for u in train if u in phones], [u for u in test if u in phones]
-        train, dev = self._dev_split(train)
-        if not train or not test:
-            raise DataError(
-                self.label_files.folder,
-                "empty train or test set",
-                f"train {len(train)}, test {len(test)} utterances",
-            )
-        self.speakers = sorted({speaker_of(u) for u in train + dev + test}, key=_numeric_first)
-        speaker_class = {s: i for i, s in enumerate(self.speakers)}
-        unseen = sorted({speaker_of(u) for u in test} - {speaker_of(u) for u in train})
-        if unseen:
-            log.warning(
-                "%d test speakers never occur in train (speaker tasks cannot get them right): %s",
-                len(unseen),
-                unseen[:10],
-            )
-
-        def parts(
-            ids: list[str],
-        ) -> list[tuple[FeatureStore, list[int], list[int], list[np.ndarray]]]:
-            grouped: dict[str, list[str]] = defaultdict(list)
-            for u in ids:
-                grouped[available[u][0]].append(u)
-            out = []
-            for split, us in grouped.items():
-                store = self._splits[split]
-                out.append((
-                    store, [available[u][1] for u in us], [speaker_class[speaker_of(u)] for u in us],
-                    [phones.get(u, np.zeros(0, np.int16)) for u in us],
-                ))  # fmt: skip
-            return out
-
-        self._normalizer = self._normalizer_from([(s, i) for s, i, _, _ in parts(train)])
-        mf = c.labelled_max_frames
-        self.datasets = {}
-        for name, ids, random_crop in (
-            ("train", train, True),
-            ("dev", dev, False),
-            ("test", test, False),
-        ):
-            self.datasets[name] = _Items(
-                [
-                    FeatureDataset(s, i, self._normalizer, mf, random_crop, spk, ph)
-                    for s, i, spk, ph in parts(ids)
-                ]
-            )
-        self._eval_train = _Items(
-            [
-                FeatureDataset(s, i, self._normalizer, mf, False, spk, ph)
-                for s, i, spk, ph in parts(train)
-            ]
-        )
-        cropped = sum(1 for u in train + dev + test if mf and lengths[u] > mf)
-        if cropped:
-            log.warning(
-                "%d labelled utterances are longer than labelled_max_frames=%d and are cropped",
-                cropped,
-                mf,
-            )
-        log.info(
-            "labelled data: %d train / %d dev / %d test utterances, %d speakers, %d phone classes",
-            len(train), len(dev), len(test), self.num_speakers, self.num_phones,
-        )  # fmt: skip
-        self._finish_setup()
-
-    def _dev_split(self, train: list[str]) -> tuple[list[str], list[str]]:
-        by_speaker: dict[str, list[str]] = defaultdict(list)
-        for u in train:
-            by_speaker[speaker_of(u)].append(u)
-        dev: set[str] = set()
-        for k, speaker in enumerate(sorted(by_speaker, key=_numeric_first)):
-            _, held = _holdout(
-                sorted(by_speaker[speaker]), self.cfg.dev_fraction, self.cfg.seed * 100003 + k
-            )
-            dev.update(held)
-        return [u for u in train if u not in dev], [u for u in train if u in dev]
-
-    def train_dataloader(self) -> DataLoader:
-        return self._loader(self._dataset("train"), shuffle=True)
-
-    def val_dataloader(self) -> DataLoader:
-        return self._loader(self._dataset("dev"), shuffle=False)
-
-    def test_dataloader(self) -> DataLoader:
-        return self._loader(self._dataset("test"), shuffle=False)
-
-    def extraction_dataloader(self, split: str) -> DataLoader:
-        """Deterministic loader (no shuffling, no random crops) of "train", "dev" or "test"."""
-        if split not in ("train", "dev", "test"):
-            raise ConfigError(f"split must be train, dev or test, found {split!r}")
-        self._dataset(split)
-        return self._loader(
-            self._eval_train if split == "train" else self.datasets[split], shuffle=False
-        )
-
-
-def _numeric_first(speaker: str) -> tuple[int, str]:
-    return (int(speaker), speaker) if speaker.isdigit() else (1 << 62, speaker)

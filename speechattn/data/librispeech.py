@@ -1,11 +1,11 @@
 """Read a LibriSpeech-layout corpus (real LibriSpeech or the built-in one) and its labels.
 
-Layout (SPEC 2.1):
+Layout (docs/data.md):
 
     ROOT/<split>/<speaker>/<chapter>/<speaker>-<chapter>-<utt:04d>.flac
     ROOT/<split>/<speaker>/<chapter>/<speaker>-<chapter>.trans.txt     lines "<utt-id> TEXT"
 
-Label files (SPEC 2.2) live in `alignments_dir` (default: ROOT):
+Label files (CPC format, docs/data.md) live in `alignments_dir` (default: ROOT):
 
     converted_aligned_phones.txt   "<utt-id> <p0> <p1> ..." one phone per 10 ms frame
     train_split.txt, test_split.txt   one utterance id per line
@@ -30,6 +30,7 @@ import numpy as np
 from speechattn.data.errors import DataError, Issues
 
 AUDIO_SUFFIX = ".flac"
+BROKEN_LINK = -1  # size, mtime and ctime `walk_split` lists for a link it cannot follow
 UTT_RE = re.compile(r"^(\d+)-(\d+)-(\d+)$")
 
 
@@ -45,8 +46,12 @@ class Utterance:
     split: str  # the split folder, e.g. "train-clean-100" or "synth-clean"
     num_samples: int | None = None  # filled by `with_info=True` (header read)
     sample_rate: int | None = None
-    size: int = 0  # bytes on disk (with mtime_ns: whether its content fingerprint is still valid)
+    # bytes on disk, mtime and ctime: while all three are as recorded, the file's content
+    # fingerprint (sha256) stands. The ctime moves on every write and on every change of the
+    # mtime, and nobody can set it back, so an edit under a restored mtime is seen too.
+    size: int = 0
     mtime_ns: int = 0
+    ctime_ns: int = 0
 
     @property
     def duration(self) -> float | None:
@@ -68,7 +73,11 @@ def find_splits(root: str | Path) -> list[str]:
     """
     root = Path(root).expanduser()
     if not root.is_dir():
-        raise DataError(root, "corpus root not found", "expected a LibriSpeech folder (SPEC 2.1)")
+        raise DataError(
+            root,
+            "corpus root not found",
+            "expected a LibriSpeech folder: ROOT/<split>/<speaker>/<chapter>/*.flac",
+        )
     splits = [p.name for p in sorted(root.iterdir()) if p.is_dir() and _looks_like_split(p)]
     if not splits:
         found = sorted(p.name + ("/" if p.is_dir() else "") for p in root.iterdir())[:12]
@@ -140,13 +149,15 @@ def read_transcripts(path: Path, issues: Issues) -> dict[str, str | None]:
 @dataclass(frozen=True)
 class SplitListing:
     """What `walk_split` saw of one split folder: every file of every <speaker>/<chapter>/
-    folder with its size and mtime, in sorted order. Comparing `digest` with the one recorded
+    folder with its size, mtime and ctime, in sorted order. Comparing `digest` with the one recorded
     in the feature cache tells, with one stat per file, whether the folder changed since."""
 
     folder: Path  # absolute
-    chapters: tuple[tuple[str, str, tuple[tuple[str, int, int], ...]], ...]
-    # (speaker, chapter, ((file name, size, mtime_ns), ...)) per chapter folder
-    digest: str  # 32 hex digits over the relative paths, sizes and mtimes
+    chapters: tuple[tuple[str, str, tuple[tuple[str, int, int, int], ...]], ...]
+    # (speaker, chapter, ((file name, size, mtime_ns, ctime_ns), ...)) per chapter folder; a
+    # symbolic link whose target is missing (or a link loop) has size, mtime and ctime
+    # `BROKEN_LINK` (the scan reports it)
+    digest: str  # 32 hex digits over the relative paths, sizes, mtimes and ctimes
 
     @property
     def num_files(self) -> int:
@@ -169,12 +180,19 @@ def walk_split(root: str | Path, split: str) -> SplitListing:
             files = []
             with os.scandir(os.path.join(folder, speaker, chapter)) as entries:
                 for entry in entries:
-                    if entry.is_file():
+                    try:
+                        is_file, broken = entry.is_file(), False
+                        broken = not is_file and entry.is_symlink() and not entry.is_dir()
+                    except OSError:  # a link loop (ELOOP)
+                        is_file, broken = False, True
+                    if is_file:
                         st = entry.stat()
-                        files.append((entry.name, st.st_size, st.st_mtime_ns))
+                        files.append((entry.name, st.st_size, st.st_mtime_ns, st.st_ctime_ns))
+                    elif broken:  # its target is gone: the scan reports it
+                        files.append((entry.name, BROKEN_LINK, BROKEN_LINK, BROKEN_LINK))
             files.sort()
-            for name, size, mtime in files:
-                h.update(f"{speaker}/{chapter}/{name}\t{size}\t{mtime}\n".encode())
+            for name, size, mtime, ctime in files:
+                h.update(f"{speaker}/{chapter}/{name}\t{size}\t{mtime}\t{ctime}\n".encode())
             chapters.append((speaker, chapter, tuple(files)))
     return SplitListing(folder, tuple(chapters), h.hexdigest()[:32])
 
@@ -211,19 +229,24 @@ def _scan_chapter(
     chapter_dir: Path,
     speaker: str,
     chapter: str,
-    files: tuple[tuple[str, int, int], ...],
+    files: tuple[tuple[str, int, int, int], ...],
     split: str,
     issues: Issues,
     with_info: bool,
 ) -> list[Utterance]:
     trans_name = f"{speaker}-{chapter}.trans.txt"
     trans_path = chapter_dir / trans_name
-    audio: dict[str, tuple[int, int]] = {}  # utterance id -> (size, mtime_ns)
+    audio: dict[str, tuple[int, int, int]] = {}  # utterance id -> (size, mtime_ns, ctime_ns)
     other: dict[str, str] = {}  # utterance id -> name of a file with another extension
     has_transcripts = False
-    for name, size, mtime in files:
-        if name.endswith(AUDIO_SUFFIX):
-            audio[name[: -len(AUDIO_SUFFIX)]] = (size, mtime)
+    reported: set[str | None] = set()  # utterance ids of broken audio links, reported here
+    for name, size, mtime, ctime in files:
+        if size == BROKEN_LINK:
+            error = _broken_link(chapter_dir / name)
+            issues.report(error, "scan")
+            reported.add(error.utt_id)
+        elif name.endswith(AUDIO_SUFFIX):
+            audio[name[: -len(AUDIO_SUFFIX)]] = (size, mtime, ctime)
         elif name == trans_name:
             has_transcripts = True
         elif UTT_RE.match(stem := name.partition(".")[0]):
@@ -251,15 +274,15 @@ def _scan_chapter(
             )
             issues.report(DataError(path, "missing transcript", where, utt_id), "scan")
             continue
-        size, mtime = audio[utt_id]
+        size, mtime, ctime = audio[utt_id]
         num_samples = rate = None
         if with_info:
             num_samples, rate = _header(path)
         out.append(
             Utterance(utt_id, speaker, chapter, path, transcripts[utt_id], split, num_samples,
-                      rate, size, mtime)
+                      rate, size, mtime, ctime)
         )  # fmt: skip
-    for utt_id in sorted(set(transcripts) - set(audio)):
+    for utt_id in sorted(set(transcripts) - set(audio) - reported):
         detail = f"no {utt_id}{AUDIO_SUFFIX}"
         if utt_id in other:  # e.g. a .wav: say what was found and why it is not used
             detail += (
@@ -268,6 +291,27 @@ def _scan_chapter(
             )
         issues.report(DataError(trans_path, "transcript without audio", detail, utt_id), "scan")
     return out
+
+
+def _broken_link(link: Path) -> DataError:
+    """The error for a symbolic link that cannot be followed: its target is missing, or it is
+    a loop (named with its utterance id when it is an audio file)."""
+    try:
+        target = os.readlink(link)
+    except OSError:
+        target = "?"
+    try:
+        os.stat(link)
+        why = "cannot be followed"  # it was broken during the walk; followed now
+    except OSError as e:  # "No such file or directory", "Too many levels of symbolic links"
+        why = e.strerror or str(e)
+    stem = link.name[: -len(AUDIO_SUFFIX)] if link.name.endswith(AUDIO_SUFFIX) else None
+    return DataError(
+        link,
+        "broken symlink",
+        f"it points to {target} ({why}): restore the target or remove the link",
+        stem if stem and UTT_RE.match(stem) else None,
+    )
 
 
 def _header(path: Path) -> tuple[int | None, int | None]:

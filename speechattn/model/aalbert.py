@@ -7,7 +7,10 @@ the variants in `speechattn.attention`; the layer receives its attention module 
 which variant it holds.
 
 Read top to bottom: positions, input embedding, feed-forward, layer, encoder, reconstruction
-head, config, the full model, then the builder and its presets.
+head, config, the full model, then the builder and its presets. Longer than 500 lines on
+purpose: one network in dependency order in one file, as nanoGPT's `model.py`; half of it is
+`AALBERT` itself (embedding + encoder + head, head masks, actual head pruning, layer outputs),
+whose parts only make sense together.
 
 Shape letters (see `speechattn/attention/base.py`): B batch, T 10 ms mel frames, T' stacked
 30 ms model frames, F mel bins, D model dim, h heads, L layers.
@@ -48,7 +51,7 @@ class ConvPositions(nn.Module):
 
     Adds GELU(conv(h)) to h: every frame sees its `kernel` neighbours through fixed offsets, so
     the encoder gets local order without having to learn it from absolute sinusoids (which a
-    short run does not manage: see the README's tiny-study diagnosis).
+    short run does not manage: see docs/tiny_study.md).
     """
 
     def __init__(self, dim: int, kernel: int, groups: int) -> None:
@@ -169,7 +172,7 @@ class Encoder(nn.Module):
     """L applications of transformer layers; ALBERT shares one layer object across all depths.
 
     `layers` holds one layer (shared) or L layers; `depth_to_layer[i]` says which one runs at
-    depth i. Each depth still has its own row of the head mask (seed 004: one xi per depth).
+    depth i. Each depth still has its own row of the head mask (Michel et al. 2019's gates: one xi per depth).
 
     After pruning (`AALBERT.prune_heads`) the head mask keeps its (L, h) shape over the
     original heads: each depth's attention receives the entries of the heads it still has
@@ -326,7 +329,7 @@ class ModelConfig:
     layer_norm_eps: float = 1e-12  # BERT/AALBERT value
     position_scale: float = 1.0  # weight of the sinusoidal positions against the content
     conv_position_kernel: int = 0  # odd width of the convolutional positions; 0: none (AALBERT)
-    conv_position_groups: int = 16
+    conv_position_groups: int = 16  # groups of that convolution (dim must be divisible by it)
     attention: str = "full"  # a name from speechattn.attention.available()
     attention_options: dict[str, Any] = field(default_factory=dict)  # passed to attention.build
     # Actual pruning (`AALBERT.prune_heads`): layer -> original indices of the heads it keeps
@@ -615,72 +618,15 @@ def pruning_plan(
     return keep, residual if needed else None
 
 
-def aalbert(
-    feature_dim: int = 80,
-    stack: int = 3,
-    dim: int = 768,
-    num_layers: int = 6,
-    num_heads: int = 12,
-    ffn_dim: int = 3072,
-    shared: bool = True,
-    pre_norm: bool = False,
-    dropout: float = 0.1,
-    layer_norm_eps: float = 1e-12,
-    position_scale: float = 1.0,
-    conv_position_kernel: int = 0,
-    conv_position_groups: int = 16,
-    attention: str = "full",
-    attention_options: dict[str, Any] | None = None,
-    pruned_heads: dict[int, list[int]] | None = None,
-    residual_head_mask: list[list[float]] | None = None,
-    make_attention: AttentionFactory | None = None,
-) -> AALBERT:
-    """Build an AALBERT model.
+def aalbert(make_attention: AttentionFactory | None = None, **config: Any) -> AALBERT:
+    """`AALBERT(ModelConfig(**config), make_attention)`: an AALBERT from keyword arguments.
 
-    Args:
-        feature_dim: mel bins F per 10 ms frame (AALBERT: 80, "input_dim").
-        stack: frames stacked into one model step ("downsample_rate", 3 in AALBERT).
-        dim: model width D ("hidden_size").
-        num_layers: depth L ("num_hidden_layers"); with `shared` one layer runs L times.
-        num_heads: h ("num_attention_heads").
-        ffn_dim: feed-forward width ("intermediate_size").
-        shared: ALBERT cross-layer sharing ("share_layer"); False gives L independent layers.
-        pre_norm: LayerNorm before each sub-layer instead of after (BERT is post-LN).
-        dropout: "hidden_dropout_prob".
-        layer_norm_eps: "layer_norm_eps".
-        position_scale: weight of the sinusoidal positions added to the projected frames
-            (1 as in Mockingjay; 0 drops them).
-        conv_position_kernel: odd width (model frames) of a grouped convolution over time whose
-            GELU output is added to the embedding (wav2vec 2.0's relative positions); 0: none.
-        conv_position_groups: groups of that convolution (D must be divisible by it).
-        attention: registry name of the self-attention (`speechattn.attention.available()`).
-        attention_options: keyword options for that attention's config.
-        pruned_heads: {layer: original indices of the heads it keeps} of an actually pruned
-            model (`AALBERT.prune_heads`); None or {}: all heads.
-        residual_head_mask: (L, h) xi a pruned shared layer still applies; None: none.
-        make_attention: a factory returning a fresh attention module; overrides the registry
-            (tests use it to plug in a stand-in).
+    `config` takes the fields of `ModelConfig`, where each one's default and meaning (with the
+    name AALBERT's own config gives it) is written once; `make_attention` (a factory returning
+    a fresh attention module per layer index) overrides the registry, for tests that plug in a
+    stand-in. E.g. `aalbert(dim=256, num_heads=8, attention="ldsa")`.
     """
-    config = ModelConfig(
-        feature_dim=feature_dim,
-        stack=stack,
-        dim=dim,
-        num_layers=num_layers,
-        num_heads=num_heads,
-        ffn_dim=ffn_dim,
-        shared=shared,
-        pre_norm=pre_norm,
-        dropout=dropout,
-        layer_norm_eps=layer_norm_eps,
-        position_scale=position_scale,
-        conv_position_kernel=conv_position_kernel,
-        conv_position_groups=conv_position_groups,
-        attention=attention,
-        attention_options=attention_options or {},
-        pruned_heads=pruned_heads or {},
-        residual_head_mask=residual_head_mask,
-    )
-    return AALBERT(config, make_attention)
+    return AALBERT(ModelConfig(**config), make_attention)
 
 
 PRESETS = {"aalbert_base": None, "aalbert_tiny": "tiny"}  # name -> experiment that shrinks it

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import math
+import os
 import time
 import warnings
 from pathlib import Path
@@ -142,6 +143,30 @@ def read_metrics(path: str | Path) -> list[dict[str, float]]:
             {k: float(v) if v not in ("", None) else math.nan for k, v in r.items()}
             for r in csv.DictReader(f)
         ]
+
+
+def configured_loggers(cfg: Any) -> list[Any]:
+    """The loggers of `cfg.logger` (conf/logger/: name -> `_target_`), instantiated; [] for
+    `logger=none`. Their paths interpolate `${output_dir}`, so set it first."""
+    from hydra.utils import instantiate
+
+    configs = [c for c in (cfg.get("logger") or {}).values() if c]
+    for c in configs:
+        if str(c.get("_target_", "")).endswith("MLFlowLogger") and str(
+            c.get("tracking_uri") or ""
+        ).startswith("file:"):
+            # MLflow >= 3.7 refuses its file store unless asked for it; conf/logger/mlflow.yaml
+            # asks for one in the run dir (no database, no server to set up)
+            os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+    return [instantiate(c) for c in configs]
+
+
+def finish_loggers(loggers: Any) -> None:
+    """End the runs of loggers that stay open after `fit` (wandb keeps one run per process, so
+    the next job of a multirun would log into it); the others are finished by Lightning."""
+    for logger in loggers:
+        if type(logger).__name__ == "WandbLogger" and logger._experiment is not None:
+            logger.experiment.finish()
 
 
 def run_output_dir(cfg: Any) -> Path:

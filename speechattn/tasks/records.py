@@ -7,7 +7,8 @@ Kept free of torch/Lightning imports so the report can read them cheaply.
 `result.json` (schema version 1), one JSON object:
 
     schema_version    1
-    task              speaker_utterance | speaker_frame | phone_1hidden | phone_2hidden
+    task              a task of conf/task/ (the study's: speaker_utterance | speaker_frame |
+                      phone_1hidden | phone_2hidden)
     upstream          path of the upstream.pt that was probed, or "mel"
     upstream_sha256   sha256 of that file (null for mel)
     attention         attention variant of the upstream ("mel" for the baseline)
@@ -37,7 +38,7 @@ Kept free of torch/Lightning imports so the report can read them cheaply.
 
     schema_version    1
     kind              "speechattn-heads"
-    task              pretrain | speaker_utterance | speaker_frame | phone_1hidden | phone_2hidden
+    task              pretrain | a downstream task of conf/task/
     metric            "l1_loss" (pretrain, lower is better) | "accuracy" (downstream)
     higher_is_better  bool
     base_metric       metric of the unmasked model on the subset
@@ -85,9 +86,9 @@ RESULT_FILE = "result.json"
 # One normalised test utterance saved beside each result, for the report's attention maps.
 EXAMPLE_FILE = "example_utterance.pt"
 
-# The four tasks of SPEC 7, in the column order of the study's Table 2.
+# The four downstream tasks (docs/downstream.md), in the column order of the study's Table 2.
 TASKS: tuple[str, ...] = ("speaker_utterance", "speaker_frame", "phone_1hidden", "phone_2hidden")
-MEL = "mel"
+MEL = "mel"  # the no-pretraining baseline: upstream=mel probes the input features
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""Bad input (SPEC 2.5): each defect raises a DataError naming file and problem, or under
+"""Bad input (docs/data.md): each defect raises a DataError naming file and problem, or under
 `on_error=skip` is skipped, counted, logged and listed in `datamodule.skipped`."""
 
 from __future__ import annotations
@@ -16,6 +16,9 @@ import torchaudio.functional as AF
 
 from speechattn.data import DataError, LabelledDataModule, PretrainDataModule
 from speechattn.data.audio import flac_audio_bytes
+from speechattn.data.cache import open_split
+from speechattn.data.datamodules import extraction_settings
+from speechattn.data.errors import Issues
 from speechattn.data.librispeech import find_splits, read_alignments, scan_split
 
 
@@ -50,6 +53,9 @@ def _drop_transcript(root: Path, utt: str) -> None:
     trans.write_text(
         "".join(ln + "\n" for ln in trans.read_text().splitlines() if not ln.startswith(utt))
     )
+
+
+_BAD_VALUES = {"nan_samples": np.nan, "inf_samples": -np.inf, "huge_samples": 1e25}
 
 
 def _damage(case: str, root: Path) -> tuple[str, str, str]:
@@ -110,6 +116,19 @@ def _damage(case: str, root: Path) -> tuple[str, str, str]:
         trans = root / "synth-clean" / spk / chapter / f"{spk}-{chapter}.trans.txt"
         trans.write_text(trans.read_text() + f"{utt} SOMETHING ELSE\n")
         return utt, trans.name, "duplicate transcript line"
+    if case == "dangling_symlink":  # the link's target was moved away
+        flac.unlink()
+        flac.symlink_to(root / "moved-away.flac")
+        return utt, flac.name, "broken symlink"
+    if case == "symlink_loop":
+        flac.unlink()
+        flac.symlink_to(flac.name)
+        return utt, flac.name, "broken symlink"
+    if case in _BAD_VALUES:  # float samples (a WAV float file under a .flac name)
+        audio, rate = sf.read(str(flac), dtype="float32")
+        audio[len(audio) // 2] = _BAD_VALUES[case]
+        sf.write(flac, audio, rate, format="WAV", subtype="FLOAT")
+        return utt, flac.name, "invalid samples"
     if case == "list_without_audio":
         path = root / "train_split.txt"
         path.write_text(path.read_text() + "1001-10011-0099\n")
@@ -119,7 +138,9 @@ def _damage(case: str, root: Path) -> tuple[str, str, str]:
 
 CASES = ["unreadable", "truncated", "empty", "too_short", "wrong_rate", "missing_transcript",
          "alignment_length", "unknown_symbol", "class_out_of_range", "missing_alignment", "list_without_audio",
-         "header_only", "duplicate_alignment", "duplicate_transcript"]  # fmt: skip
+         "header_only", "duplicate_alignment", "duplicate_transcript", "dangling_symlink",
+         "symlink_loop",
+         *_BAD_VALUES]  # fmt: skip
 
 
 def _config(base, root, tmp_path, **changes):
@@ -168,12 +189,17 @@ def test_skips_survive_a_cached_rerun(corpus, tmp_path, tiny_data_config):
         LabelledDataModule(dataclasses.replace(cfg, on_error="error")).setup("fit")
 
 
-def test_pretraining_skips_bad_audio(corpus, tmp_path, tiny_data_config):
-    utt, _, _ = _damage("unreadable", corpus)
+@pytest.mark.parametrize("case", ["unreadable", "dangling_symlink", *_BAD_VALUES])
+def test_pretraining_skips_bad_audio(case, corpus, tmp_path, tiny_data_config):
+    utt, filename, problem = _damage(case, corpus)
     dm = PretrainDataModule(_config(tiny_data_config, corpus, tmp_path, on_error="skip"))
     dm.setup("fit")
-    assert [s.utt_id for s in dm.skipped] == [utt]
+    assert [(s.utt_id, s.problem) for s in dm.skipped] == [(utt, problem)]
     assert utt not in dm.datasets["train"].utt_ids + dm.datasets["val"].utt_ids
+    assert torch.isfinite(dm.normalizer.mean).all() and torch.isfinite(dm.normalizer.std).all()
+    with pytest.raises(DataError, match=problem) as info:
+        PretrainDataModule(_config(tiny_data_config, corpus, tmp_path / "again")).setup("fit")
+    assert filename in str(info.value)
 
 
 def test_wrong_sample_rate_is_resampled_with_a_warning(corpus, tmp_path, tiny_data_config, caplog):
@@ -253,3 +279,25 @@ def test_audio_in_another_format_is_named(corpus):
     flac.unlink()
     with pytest.raises(DataError, match=f"transcript without audio.*found {utt}.wav.*only .flac"):
         scan_split(corpus, "synth-clean")
+
+
+def test_nan_features_cached_by_an_older_version_are_reextracted(
+    corpus, tmp_path, tiny_data_config, monkeypatch
+):
+    """A cache written before samples were checked may hold NaN features for a NaN file (the
+    shard's key is the same): they never reach the statistics; the shard is extracted again."""
+    from speechattn.data import audio as audio_module
+
+    cfg = _config(tiny_data_config, corpus, tmp_path, on_error="skip")
+    utt, _, problem = _damage("nan_samples", corpus)
+    with monkeypatch.context() as old:  # what the cache got before samples were checked
+        old.setattr(audio_module, "_check_values", lambda *args: None)
+        store = open_split(corpus, "synth-clean", extraction_settings(cfg), cfg.cache_root(),
+                           Issues("skip"), workers=1, shard_size=cfg.shard_size, progress=False)  # fmt: skip
+        assert not np.isfinite(store.raw(utt)).all()
+    with pytest.raises(DataError, match=f"non-finite features cached for {utt}.*rerun"):
+        PretrainDataModule(cfg).setup("fit")
+    dm = PretrainDataModule(cfg)
+    dm.setup("fit")
+    assert [(s.utt_id, s.problem) for s in dm.skipped] == [(utt, problem)]
+    assert torch.isfinite(dm.normalizer.mean).all() and torch.isfinite(dm.normalizer.std).all()

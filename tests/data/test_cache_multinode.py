@@ -21,7 +21,7 @@ from speechattn.bench.corpus import make_scale_corpus
 from speechattn.data import DataConfig, PretrainDataModule
 from speechattn.data import config as config_module
 from speechattn.data.cache import ExtractionSettings, FeatureStore, open_split, shard_dir
-from speechattn.data.cache import extract as extract_module
+from speechattn.data.cache import shards as shards_module
 from speechattn.data.claims import HOST_ENV, ClaimConfig, Claims, ClaimTimeout
 from speechattn.utils import temp_name
 
@@ -65,7 +65,7 @@ def _digests(store: FeatureStore) -> dict[str, str]:
 def _count_extractions(log_file: Path, host: str, seconds: float = 0.0) -> None:
     """From now on, each shard this process (or a pool worker it forks) featurises appends
     '<shard key> <host>' to `log_file` (and takes `seconds` longer: the others get a share)."""
-    featurise = extract_module._featurise
+    featurise = shards_module._featurise
 
     def counted(task):
         with open(log_file, "a") as f:  # O_APPEND: one short line is written whole
@@ -73,7 +73,7 @@ def _count_extractions(log_file: Path, host: str, seconds: float = 0.0) -> None:
         time.sleep(seconds)
         return featurise(task)
 
-    extract_module._featurise = counted
+    shards_module._featurise = counted
 
 
 def _extracted(log_file: Path) -> list[tuple[str, str]]:

@@ -1,4 +1,4 @@
-"""On-disk feature cache: extract once, in parallel, resumable, shared by content (SPEC 2.4).
+"""On-disk feature cache: extract once, in parallel, resumable, shared by content (docs/cache.md).
 
 Layout (`layout.py`; user guide: docs/cache.md):
 
@@ -11,11 +11,14 @@ after each utterance whose hash(id) % shard_size == 0 (at most 3 x shard_size ut
 adding, removing or changing a file changes its shard (or two neighbours) and no other. A
 manifest, keyed by (absolute folder, settings), holds the folder's per-utterance index as
 arrays, its shard keys and their files' records, and every audio file's (relative path, size,
-mtime_ns, sha256): the fingerprint memo. An unchanged corpus, or one moved or copied with its
-mtimes, is never re-read; a file replaced by an identical copy is re-hashed, not re-extracted.
+mtime_ns, ctime_ns, sha256): the fingerprint memo. An unchanged corpus, or one renamed within
+its file system, is never re-read; a file whose size, mtime or ctime moved is re-hashed (the
+ctime catches an edit under a restored mtime) and re-extracted only when its bytes changed.
 
-Writes are atomic (temporary name + rename). A shard counts as done once its json commit
-marker exists, written last; a manifest once its json exists, written after its npz. A killed
+Writes are atomic and durable (temporary name, fsync, rename, fsync of the folder). A shard
+counts as done once its json commit marker exists, written last, and is consistent (a damaged
+one is removed and the shard re-extracted); a manifest once its json exists, written after its
+npz, and its index fits the shards' markers and files (else it is rebuilt). A killed
 extraction leaves at most temporary files (removed on the next run) and a rerun extracts only
 the shards without a marker. Processes extracting into one cache at the same time (DDP ranks,
 nodes) claim each shard through `speechattn.data.claims` and wait for the others' shards: each
@@ -26,7 +29,7 @@ Integrity ("checksums once"). Each data file's size, shape, dtype, sha256 and mt
 recorded as it is written. Start-up stats every shard file against the manifest's records; a
 file whose size or mtime moved is checksummed against its marker, kept (its mtime recorded)
 when the bytes match, else re-extracted with a warning naming it. `verify` (`data.verify_cache`)
-checksums every file at start-up. A reader checks size, mtime and .npy header whenever it opens
+checksums every file and re-hashes every audio file at start-up. A reader checks size, mtime and .npy header whenever it opens
 a shard; one changed since start-up is marked for re-extraction and raises `DataError` naming
 the file ("rerun the same command").
 
@@ -39,7 +42,7 @@ shards' `.stats.npy` (`FeatureStore.sums`). `python -m speechattn.data.cache ls|
 removes what no corpus uses (`gc.py`).
 """
 
-from speechattn.data.cache.extract import extract_features, open_split, plan_shards
+from speechattn.data.cache.extract import extract_features, open_split
 from speechattn.data.cache.integrity import file_sha256
 from speechattn.data.cache.layout import (
     CACHE_VERSION,
@@ -48,6 +51,7 @@ from speechattn.data.cache.layout import (
     shard_dir,
     splits_dir,
 )
+from speechattn.data.cache.shards import plan_shards
 from speechattn.data.cache.store import DEFAULT_MAX_OPEN_SHARDS, OPEN_SHARDS, FeatureStore
 
 __all__ = [

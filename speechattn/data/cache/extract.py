@@ -1,6 +1,7 @@
 """Extraction: fingerprint the audio, plan content-defined shards, extract the missing ones in
-parallel, and commit the corpus folder's manifest (`extract_features`); and the start-up path
-that skips all of it when the folder did not change (`open_split`).
+parallel (one shard's extraction: `shards.py`), and commit the corpus folder's manifest
+(`extract_features`); and the start-up path that skips all of it when the folder did not
+change (`open_split`).
 
 Several processes (DDP ranks, nodes sharing the cache, jobs side by side) may extract into one
 cache at once: each pending shard is claimed through `speechattn.data.claims` (its claim file
@@ -10,33 +11,23 @@ its commit marker is written; the others wait for it (docs/multinode.md).
 
 from __future__ import annotations
 
-import errno
-import hashlib
 import json
 import logging
-import multiprocessing as mp
 import os
-import shutil
-import sys
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
-from contextlib import closing, contextmanager
-from dataclasses import dataclass
-from multiprocessing.pool import Pool
+from collections.abc import Callable, Iterable, Sequence
+from contextlib import closing
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from speechattn.data.audio import load_audio
 from speechattn.data.cache.integrity import (
     file_sha256,
     invalidate,
     read_marker,
     reconcile,
-    save_npy,
     save_npz,
-    write_marker,
 )
 from speechattn.data.cache.layout import (
     DATA_KINDS,
@@ -50,6 +41,13 @@ from speechattn.data.cache.layout import (
     shard_of,
     splits_dir,
 )
+from speechattn.data.cache.shards import (
+    ShardTask,
+    extract_shard,
+    map_in_processes,
+    plan_shards,
+    process_pool,
+)
 from speechattn.data.cache.store import (
     DEFAULT_MAX_OPEN_SHARDS,
     OPEN_SHARDS,
@@ -58,46 +56,15 @@ from speechattn.data.cache.store import (
     manifest_meta,
     touch,
 )
-from speechattn.data.claims import (
-    ClaimConfig,
-    claim_map,
-    claim_pending,
-    host_name,
-    remove_stale_temps,
-)
+from speechattn.data.claims import ClaimConfig, host_name, remove_stale_temps
 from speechattn.data.errors import DataError, Issues, Skip
-from speechattn.data.features import FeatureConfig, LogMel, min_samples_for
 from speechattn.data.librispeech import Utterance, scan_split, walk_split
+from speechattn.data.workshare import claim_map, claim_pending
 from speechattn.utils import atomic_write_text, progress_bar
 
 log = logging.getLogger(__name__)
 
-MAX_SHARD_FACTOR = 3  # a shard holds at most this many times `shard_size` utterances
 HASH_BATCH = 32  # files per fingerprinting task handed to a worker process
-
-
-# ----------------------------------------------------------------------------- shard plan
-
-
-def _boundary(utt_id: str, shard_size: int) -> bool:
-    """Whether a shard ends after `utt_id`: 1 in `shard_size` ids, chosen by a hash of the id
-    alone, so adding, removing or changing one file moves no other boundary."""
-    h = hashlib.blake2b(utt_id.encode(), digest_size=8).digest()
-    return int.from_bytes(h, "little") % shard_size == 0
-
-
-def plan_shards(utt_ids: Sequence[str], shard_size: int) -> list[tuple[int, int]]:
-    """Content-defined shards of `utt_ids` (in the given order) as (start, end) index ranges:
-    `shard_size` utterances on average, at most `MAX_SHARD_FACTOR * shard_size`."""
-    cap = MAX_SHARD_FACTOR * shard_size
-    ranges, start = [], 0
-    for i, utt_id in enumerate(utt_ids):
-        if _boundary(utt_id, shard_size) or i + 1 - start >= cap:
-            ranges.append((start, i + 1))
-            start = i + 1
-    if start < len(utt_ids):
-        ranges.append((start, len(utt_ids)))
-    return ranges
 
 
 # ----------------------------------------------------------------------------- fingerprints
@@ -110,10 +77,12 @@ def _relative(path: Path, folder: Path) -> str:
 
 
 def _known_fingerprints(
-    manifests: Iterable[Path], wanted: dict[tuple[str, int, int], int], found: list[str | None]
+    manifests: Iterable[Path],
+    wanted: dict[tuple[str, int, int, int], int],
+    found: list[str | None],
 ) -> None:
-    """Fill `found[i]` for each (relative path, size, mtime_ns) -> i of `wanted` that a
-    manifest has hashed before (manifests are read in order until nothing is missing)."""
+    """Fill `found[i]` for each (relative path, size, mtime_ns, ctime_ns) -> i of `wanted`
+    that a manifest has hashed before (manifests are read in order until nothing is missing)."""
     for manifest in manifests:
         if not wanted:
             return
@@ -121,13 +90,14 @@ def _known_fingerprints(
             _, z = load_manifest(manifest)
             with z:
                 rel = [r.decode() for r in z["files_rel"].tolist()]
-                size, mtime, sha = z["files_size"], z["files_mtime"], z["files_sha"]
-                for r, s, m, h in zip(rel, size.tolist(), mtime.tolist(), sha.tolist()):
-                    i = wanted.pop((r, s, m), None)
+                size, mtime, ctime = z["files_size"], z["files_mtime"], z["files_ctime"]
+                stamps = zip(rel, size.tolist(), mtime.tolist(), ctime.tolist())
+                for stamp, h in zip(stamps, z["files_sha"].tolist()):
+                    i = wanted.pop(stamp, None)
                     if i is not None:
                         found[i] = h.decode()
         except (DataError, KeyError, ValueError, OSError):
-            continue  # an unreadable manifest is only a lost memo
+            continue  # an unreadable manifest (or one without ctimes) is only a lost memo
 
 
 def _hash_files(paths: list[str]) -> list[str]:
@@ -141,10 +111,15 @@ def fingerprints(
     workers: int,
     progress: bool,
 ) -> list[str]:
-    """sha256 of each utterance's file; memoised by (relative path, size, mtime_ns) in the
-    manifests, so an unchanged corpus, or one moved or copied with its mtimes, reads nothing."""
+    """sha256 of each utterance's file; memoised by (relative path, size, mtime_ns, ctime_ns)
+    in the manifests, so an unchanged corpus, or one renamed within its filesystem, reads
+    nothing. A file written since (even with its size and mtime put back) has a new ctime
+    and is hashed again; so is every file of a copied corpus (new ctimes)."""
     found: list[str | None] = [None] * len(utterances)
-    wanted = {(_relative(u.path, folder), u.size, u.mtime_ns): i for i, u in enumerate(utterances)}
+    wanted = {
+        (_relative(u.path, folder), u.size, u.mtime_ns, u.ctime_ns): i
+        for i, u in enumerate(utterances)
+    }
     _known_fingerprints(manifests, wanted, found)
     missing = sorted(wanted.values())
     if missing:
@@ -153,136 +128,13 @@ def fingerprints(
         batches = [paths[j : j + HASH_BATCH] for j in range(0, len(paths), HASH_BATCH)]
         with progress_bar(len(paths), "fingerprinting audio", progress) as advance:
             hashes = []
-            with closing(_map(_hash_files, batches, workers)) as results:
+            with closing(map_in_processes(_hash_files, batches, workers)) as results:
                 for batch in results:
                     hashes += batch
                     advance(len(batch))
         for i, h in zip(missing, hashes):
             found[i] = h
     return found  # type: ignore[return-value]
-
-
-# ----------------------------------------------------------------------------- one shard
-
-
-@dataclass
-class _ShardTask:
-    directory: str
-    key: str
-    index: int  # position in this extraction's plan (what `on_shard_done` receives)
-    items: list[tuple[str, str]]  # (utt_id, path)
-    settings: ExtractionSettings
-    total_utterances: int  # of the whole extraction, to estimate the space it needs
-
-
-@dataclass
-class _ShardResult:
-    index: int
-    marker: dict[str, Any]
-
-
-_LOGMEL: LogMel | None = None
-
-
-def _logmel(cfg: FeatureConfig) -> LogMel:
-    global _LOGMEL
-    if _LOGMEL is None or _LOGMEL.cfg != cfg:
-        _LOGMEL = LogMel(cfg)
-    return _LOGMEL
-
-
-def _disk_full(error: OSError) -> bool:
-    # NumPy's tofile reports a short write as "N requested and M written", with no errno
-    return error.errno in (errno.ENOSPC, errno.EDQUOT) or "requested and" in str(error)
-
-
-def _featurise(task: _ShardTask) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
-    """Decode and featurise a shard's utterances: its two arrays and its marker (no files)."""
-    import torch
-
-    s = task.settings
-    mel = _logmel(s.features)
-    dtype = np.float16 if s.dtype == "float16" else np.float32
-    min_samples = min_samples_for(s.min_frames)
-    feats, stats, ids, lengths, failures, notes = [], [], [], [], [], []
-    seconds = 0.0
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # one utterance is small; parallelism comes from processes
-    try:
-        for utt_id, path in task.items:
-            try:
-                audio = load_audio(path, s.sample_rate_policy, min_samples, utt_id)
-            except DataError as e:
-                failures.append({"utt_id": utt_id, "problem": e.problem, "detail": e.detail})
-                continue
-            x = mel(audio.audio).numpy()  # (T, F) float32
-            stored = x.astype(dtype)
-            exact = stored.astype(np.float64)  # statistics of what loading will return
-            feats.append(stored)
-            stats.append(np.stack([exact.sum(0), (exact**2).sum(0)]))  # (2, F)
-            ids.append(utt_id)
-            lengths.append(len(x))
-            notes += [[utt_id, n] for n in audio.notes]
-            seconds += len(audio.audio) / 16000
-    finally:
-        torch.set_num_threads(threads)
-    F = s.features.dim
-    arrays = {
-        "npy": np.concatenate(feats) if feats else np.zeros((0, F), dtype),  # (frames, F)
-        "stats": np.stack(stats) if stats else np.zeros((0, 2, F)),  # (utterances, 2, F)
-    }
-    marker = {"key": task.key, "utt_ids": ids, "lengths": lengths, "failures": failures,
-              "notes": notes, "seconds": seconds}  # fmt: skip
-    return arrays, marker
-
-
-def _extract_shard(task: _ShardTask) -> _ShardResult:
-    """Extract one shard and write its three files, the commit marker last (the caller holds
-    the shard's claim)."""
-    paths = ShardPaths(Path(task.directory), task.key)
-    arrays, marker = _featurise(task)
-    try:
-        marker["files"] = {kind: save_npy(paths.data(kind), arrays[kind]) for kind in DATA_KINDS}
-    except OSError as e:
-        if not _disk_full(e):
-            raise
-        shard_bytes = sum(a.nbytes for a in arrays.values())
-        need = shard_bytes / max(len(task.items), 1) * task.total_utterances
-        free = shutil.disk_usage(paths.directory).free
-        raise DataError(
-            paths.directory,
-            "feature cache device is full",
-            f"writing shard {task.key} failed ({e}); {free / 2**20:.0f} MiB free, and "
-            f"extracting all {task.total_utterances} utterances needs about "
-            f"{need / 2**20:.0f} MiB. Free space there or set data.cache_dir to another "
-            f"disk; finished shards are kept and nothing half-written is used",
-        ) from None
-    write_marker(paths.marker, marker)  # commit
-    return _ShardResult(task.index, marker)
-
-
-def _init_worker() -> None:
-    import torch
-
-    torch.set_num_threads(1)
-
-
-@contextmanager
-def _pool(workers: int) -> Iterator[Pool | None]:
-    """`workers` processes (one thread each), ended on leaving; None for one worker (inline)."""
-    if workers <= 1:
-        yield None
-        return
-    method = "fork" if sys.platform.startswith("linux") else "spawn"
-    with mp.get_context(method).Pool(workers, initializer=_init_worker) as pool:
-        yield pool
-
-
-def _map(fn: Callable[[Any], Any], items: list[Any], workers: int) -> Iterator[Any]:
-    """`fn` over `items`, in `workers` processes or inline; results in the order of `items`
-    (`fingerprints` pairs them with their files by position)."""
-    with _pool(min(workers, len(items))) as pool:
-        yield from map(fn, items) if pool is None else pool.imap(fn, items)
 
 
 # ----------------------------------------------------------------------------- one folder
@@ -352,7 +204,8 @@ def extract_features(
     resampled or down-mixed files are logged as warnings. `on_shard_done(i)` is called after
     this process committed the i-th shard of its plan (tests use it to interrupt and count). A
     cache file that does not match its record is re-extracted with a warning naming it
-    (`verify`: checksum every file first).
+    (`verify`: hash every audio file, ignoring the fingerprints recorded, and checksum every
+    cache file first).
 
     Other processes may run this on the same cache at the same time (the same corpus or
     another sharing shards): each missing shard is claimed and extracted by one of them, the
@@ -385,9 +238,8 @@ def extract_features(
 
     # 1. identity: content fingerprints (memoised), content-defined shards
     others = sorted(p for p in manifests.glob("*.json") if not p.name.endswith(".plan.json"))
-    shas = fingerprints(
-        utterances, folder, [manifest, *(p for p in others if p != manifest)], n_workers, progress
-    )
+    memo = [] if verify else [manifest, *(p for p in others if p != manifest)]
+    shas = fingerprints(utterances, folder, memo, n_workers, progress)
     ranges = plan_shards([u.utt_id for u in utterances], shard_size)
     keys = [
         shard_key(settings, [(u.utt_id, u.size, h) for u, h in zip(utterances[a:b], shas[a:b])])
@@ -403,7 +255,7 @@ def extract_features(
         if marker is not None:
             _check_failures(marker, issues, path_of)
     pending = {
-        key: _ShardTask(str(directory), key, i, [(u.utt_id, str(u.path)) for u in utterances[a:b]],
+        key: ShardTask(str(directory), key, i, [(u.utt_id, str(u.path)) for u in utterances[a:b]],
                         settings, len(utterances))
         for i, (key, (a, b), marker) in enumerate(zip(keys, ranges, markers))
         if marker is None
@@ -424,7 +276,7 @@ def extract_features(
 
         def committed(key: str) -> bool:
             """Whether shard `key` is done (by anyone); the bar counts each shard once."""
-            done = ShardPaths(directory, key).marker.is_file()
+            done = read_marker(ShardPaths(directory, key).marker) is not None
             if done and key not in counted:
                 counted.add(key)
                 advance(len(pending[key].items))
@@ -432,9 +284,9 @@ def extract_features(
 
         while pending:  # one round, unless a shard another process wrote is already damaged
             workers = min(n_workers, len(pending))
-            with _pool(workers) as pool:  # forked before the claims' heartbeat thread starts
+            with process_pool(workers) as pool:  # forked before the claims' heartbeat thread starts
                 shards = claim_map(
-                    _extract_shard, dict(pending), directory, committed, pool, workers,
+                    extract_shard, dict(pending), directory, committed, pool, workers,
                     claim_config, "shards",
                 )  # fmt: skip
                 with closing(shards):  # closed: claims released, then the pool ends
@@ -526,6 +378,7 @@ def _write_manifest(
         "files_rel": np.array([_relative(u.path, folder).encode() for u in utterances]),
         "files_size": np.array([u.size for u in utterances], dtype=np.int64),
         "files_mtime": np.array([u.mtime_ns for u in utterances], dtype=np.int64),
+        "files_ctime": np.array([u.ctime_ns for u in utterances], dtype=np.int64),
         "files_sha": np.array([h.encode() for h in shas]),
         "files_shard": file_shard,
     }
@@ -589,15 +442,17 @@ def open_split(
     """The cached features of the split folder `root/split`, extracting what is missing.
 
     Warm start (the folder is as the cache last saw it): one walk with a stat per file, then
-    the manifest's arrays and a stat per shard file (`verify`: a checksum). Otherwise: a full
-    scan (transcripts checked), fingerprints where size or mtime changed, and extraction of
+    the manifest's arrays and a stat per shard file. Otherwise (or with `verify`, which trusts
+    nothing recorded: every audio file hashed, every cache file checksummed): a full scan
+    (transcripts checked), fingerprints where size, mtime or ctime changed, and extraction of
     the shards whose content is not cached (`extract_features`, shared through claims with
     any other process doing the same; `claim_config`: their timing).
     """
     issues = issues or Issues()
     listing = walk_split(root, split)
     manifest = splits_dir(cache_root) / f"{manifest_key(listing.folder, settings)}.json"
-    store = _warm_store(manifest, listing.digest, verify, max_open_shards)
+    # verify: nothing recorded is trusted; every audio file is hashed, every shard checksummed
+    store = None if verify else _warm_store(manifest, listing.digest, max_open_shards)
     if store is not None:
         report(store, issues, scan=True)
     else:
@@ -619,9 +474,7 @@ def open_split(
     return store
 
 
-def _warm_store(
-    manifest: Path, listing: str, verify: bool, max_open_shards: int
-) -> FeatureStore | None:
+def _warm_store(manifest: Path, listing: str, max_open_shards: int) -> FeatureStore | None:
     """The manifest's store when it was made for this listing and every shard file checks
     out, else None (damaged shards marked for re-extraction, with a warning naming the file)."""
     if not manifest.is_file():
@@ -630,10 +483,11 @@ def _warm_store(
         store = FeatureStore(manifest, max_open_shards)
     except DataError as e:
         log.warning("feature cache: %s; rebuilding it", e)
+        manifest.unlink(missing_ok=True)  # not committed: rewritten even when it looks current
         return None
     if store.listing != listing:
         return None
-    damaged = store.check(verify)
+    damaged = store.check()
     for k, path, problem in damaged:
         log.warning("feature cache: %s: %s; re-extracting its shard", path, problem)
         invalidate(store.paths(k).marker, path)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import logging
 import os
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,8 @@ from typing import Any
 import numpy as np
 
 from speechattn.utils import atomic_path, atomic_write_text
+
+log = logging.getLogger(__name__)
 
 Record = dict[str, Any]  # size, shape, dtype, sha256, mtime_ns
 HEADER_BYTES = (
@@ -88,12 +91,42 @@ def parse_header(head: bytes, record: Record) -> tuple[int, str | None]:
 
 
 def read_marker(path: Path) -> dict[str, Any] | None:
-    """A shard's commit marker, or None when it is missing or not valid JSON (not committed).
+    """A shard's commit marker, or None when the shard is not committed: no marker, or a
+    damaged one (empty, garbled or inconsistent, as a crash before the data reached the disk
+    or a hand edit leaves it), which is removed with a warning so the shard is re-extracted.
     Other errors (EMFILE, EACCES, EIO) are raised: they say nothing about the shard."""
     try:
-        return json.loads(path.read_text())
-    except (FileNotFoundError, ValueError):
+        raw = path.read_bytes()
+    except FileNotFoundError:
         return None
+    try:
+        marker = json.loads(raw)
+        problem = _marker_problem(marker)
+    except ValueError as e:  # UnicodeDecodeError too
+        problem = f"not JSON: {str(e)[:80]}"
+    if problem is None:
+        return marker
+    log.warning("%s: damaged commit record (%s); re-extracting its shard", path, problem)
+    path.unlink(missing_ok=True)
+    return None
+
+
+def _marker_problem(marker: Any) -> str | None:
+    """What is wrong with a parsed commit marker (`_extract_shard` writes it), or None."""
+    try:
+        files, ids, lengths = marker["files"], marker["utt_ids"], marker["lengths"]
+        records = [files[kind] for kind in ("npy", "stats")]
+        for record in records:
+            for field in ("size", "mtime_ns", "sha256", "dtype", "shape"):
+                record[field]
+        list(marker["failures"]), list(marker["notes"]), float(marker["seconds"])
+        if not (isinstance(ids, list) and isinstance(lengths, list) and len(ids) == len(lengths)):
+            return "utterance ids and lengths do not pair up"
+        if records[1]["shape"][:1] != [len(ids)] or records[0]["shape"][:1] != [sum(lengths)]:
+            return f"{len(ids)} utterances of {sum(lengths)} frames, files of other shapes"
+    except (KeyError, TypeError, IndexError, ValueError) as e:
+        return f"{type(e).__name__}: {str(e)[:80]}"
+    return None
 
 
 def write_marker(path: Path, marker: dict[str, Any]) -> None:

@@ -24,6 +24,7 @@ from speechattn.data.cache.integrity import (
     Record,
     invalidate,
     parse_header,
+    read_marker,
     reconcile,
     same_stat,
 )
@@ -142,6 +143,12 @@ class FeatureStore:
         self.audio_seconds = float(meta["audio_seconds"])
         self.max_open_shards = max_open_shards
         self._position: dict[str, int] | None = None
+        problem = self._index_problem()
+        if problem:
+            raise DataError(
+                self.manifest, "feature cache index does not match its shards",
+                f"{problem}; rerun the same command: the index is rebuilt from the shards",
+            )  # fmt: skip
 
     # ---- the reading API ----
     def __len__(self) -> int:
@@ -208,6 +215,36 @@ class FeatureStore:
         return {**self.__dict__, "_position": None}
 
     # ---- integrity ----
+    def _index_problem(self) -> str | None:
+        """What makes the index unfit to read with, or None. Each shard's slice of the index
+        must be its commit marker's utterances and lengths, with consecutive rows and offsets
+        that add the lengths up to the frames its features file holds: otherwise a read would
+        return another utterance's frames (or statistics). One small json per shard."""
+        N, K = len(self.utt_ids), len(self.shard_keys)
+        if any(len(a) != N for a in (self.shard, self.row, self.offset, self.lengths)):
+            return f"its arrays do not all have {N} entries"
+        if N and (self.shard.min() < 0 or self.shard.max() >= K or np.diff(self.shard).min() < 0):
+            return f"shard numbers out of order or outside 0..{K - 1}"
+        bounds = np.searchsorted(self.shard, np.arange(K + 1))  # shard k: [b_k, b_k+1)
+        for k, key in enumerate(self.shard_keys):
+            lo, hi = int(bounds[k]), int(bounds[k + 1])
+            lengths = self.lengths[lo:hi]
+            marker = read_marker(self.paths(k).marker)
+            if marker is None:
+                return f"shard {key} is not committed"
+            if self.utt_ids[lo:hi] != marker["utt_ids"] or lengths.tolist() != marker["lengths"]:
+                return f"shard {key}: utterances or lengths differ from its commit marker"
+            if not np.array_equal(self.row[lo:hi], np.arange(hi - lo)):
+                return f"shard {key}: statistics rows out of order"
+            if not np.array_equal(self.offset[lo:hi], np.cumsum(lengths) - lengths):
+                return f"shard {key}: offsets do not follow the lengths"
+            shape = [int(lengths.sum()), self.feature_dim]
+            if self.records[key]["npy"]["shape"] != shape:
+                return f"shard {key}: {shape} frames indexed, its features file holds " + str(
+                    self.records[key]["npy"]["shape"]
+                )
+        return None
+
     def check(self, verify: bool = False) -> list[tuple[int, Path, str]]:
         """(shard, file, problem) for every data file that is not what was written: a stat of
         each (size, mtime); a checksum where they moved, or of everything with `verify`. Files
@@ -288,7 +325,13 @@ class FeatureStore:
             self._refuse(k, path, "missing")
         if stats.size != int(np.prod(record["shape"])):
             self._refuse(k, path, f"{stats.size} values instead of {record['shape']}")
-        return stats.reshape(record["shape"])
+        stats = stats.reshape(record["shape"])
+        finite = np.isfinite(stats).reshape(len(stats), -1).all(axis=1)  # (utterances,)
+        if not finite.all():  # cached before decoding refused NaN/inf samples: extract again
+            row = int(np.argmin(finite))
+            utt = self.utt_ids[int(np.flatnonzero((self.shard == k) & (self.row == row))[0])]
+            self._refuse(k, path, f"non-finite features cached for {utt}")
+        return stats
 
 
 def touch(manifest: Path) -> None:

@@ -1,7 +1,7 @@
-"""Head importance, ablation and pruning (Michel et al., 2019, seed 004) for any attention variant.
+"""Head importance, ablation and pruning (Michel et al., 2019, "Are Sixteen Heads Really Better than One?") for any attention variant.
 
 Every registered attention multiplies head h's output by xi_h before its output projection
-(SPEC 4, 5): MHAtt(x) = sum_h xi_h Att_h(x). The model takes xi as a (L, h) tensor, one row per
+(docs/analysis.md): MHAtt(x) = sum_h xi_h Att_h(x). The model takes xi as a (L, h) tensor, one row per
 depth even when the layer's weights are shared (ALBERT), and everything below is computed from
 that one differentiable input:
 
@@ -16,13 +16,8 @@ that one differentiable input:
   time, the metric after each step, up to all heads (or all but one per depth when guarded);
   importance optionally re-estimated at the current mask after each step.
 
-What L and the metric are is an `Objective`:
-
-* `PretrainObjective`: masked-reconstruction L1 (the pretraining loss) under masks drawn once
-  from a fixed seed per batch, so every evaluation sees the same corruption; metric: the L1 loss
-  over all chosen frames of the subset (lower is better).
-* `ProbeObjective`: a trained downstream probe's cross-entropy on the upstream run un-cached
-  with the head mask, then the probe's layer selection/pooling/head; metric: accuracy.
+What L and the metric are is an `Objective` (`speechattn.tasks.analysis.objectives`: the
+pretraining loss, or a trained downstream probe's accuracy).
 
 The model runs in eval mode (no dropout), so every number here is deterministic.
 
@@ -33,21 +28,21 @@ L depths, h heads per depth, N hidden layers the probe reads, C classes.
 from __future__ import annotations
 
 import math
-from abc import ABC, abstractmethod
-from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Generic, TypeVar
+from typing import Any
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from speechattn.errors import ConfigError, SpeechattnError
-from speechattn.model.aalbert import AALBERT
-from speechattn.model.masking import MaskedBatch, MaskingConfig, corrupt, reconstruction_loss
-from speechattn.model.probes import Probe
-from speechattn.utils import IGNORE_INDEX, derive_seed, lengths_to_padding_mask, track
-
-PER_CHOICES = ("utterance", "batch")
+from speechattn.tasks.analysis.objectives import (  # the objectives are re-exported here
+    PER_CHOICES,
+    LabelledBatch,
+    Objective,
+    PretrainObjective,
+    ProbeObjective,
+)
+from speechattn.utils import track
 
 # ----------------------------------------------------------------------------- config
 
@@ -95,246 +90,6 @@ class HeadsConfig:
             AblationConfig(**d.get("ablation", {})),
             PruningConfig(**d.get("pruning", {})),
         )
-
-
-# ----------------------------------------------------------------------------- objectives
-
-U = TypeVar("U")
-
-
-class Objective(ABC, Generic[U]):
-    """A loss L(unit, xi) to differentiate and a metric to ablate, over a fixed data subset.
-
-    `batches` are prepared once (features on the device, fixed masks); a unit is a batch or
-    one utterance cut out of one (`split`), trimmed to its own length.
-    """
-
-    metric_name: str = ""
-    higher_is_better: bool = False
-    device: torch.device = torch.device("cpu")  # where the batches and the model live
-    dtype: torch.dtype = torch.float32  # float64 for finite-difference checks
-
-    def __init__(self, num_layers: int, num_heads: int, batches: list[U]) -> None:
-        if not batches:
-            raise ConfigError("the data subset is empty: no batches to analyse")
-        self.num_layers, self.num_heads, self.batches = num_layers, num_heads, batches
-
-    @abstractmethod
-    def split(self, batch: U) -> list[U]:
-        """The batch's utterances as units of one, each trimmed to its length."""
-
-    @abstractmethod
-    def loss(self, unit: U, head_mask: Tensor) -> Tensor | None:
-        """Scalar loss with a graph to `head_mask` (L, h); None when nothing in it is scored."""
-
-    @abstractmethod
-    def score(self, unit: U, head_mask: Tensor) -> tuple[float, float]:
-        """(sum, count) of the metric over the unit; the metric is sum(sums) / sum(counts)."""
-
-    @abstractmethod
-    def subset(self) -> dict[str, int]:
-        """Size of the data subset: batches, utterances, frames (10 ms), scored items."""
-
-    def units(self, per: str) -> Iterator[U]:
-        if per == "batch":
-            yield from self.batches
-        elif per == "utterance":
-            for batch in self.batches:
-                yield from self.split(batch)
-        else:
-            raise ConfigError(f"per must be one of {PER_CHOICES}, got {per!r}")
-
-    def num_units(self, per: str) -> int:
-        return sum(1 for _ in self.units(per))
-
-    def ones(self) -> Tensor:
-        """xi = 1 everywhere: (L, h) in the model's dtype and device."""
-        return torch.ones(self.num_layers, self.num_heads, dtype=self.dtype, device=self.device)
-
-
-class PretrainObjective(Objective[MaskedBatch]):
-    """Masked-reconstruction L1 of an AALBERT (encoder + reconstruction head)."""
-
-    metric_name = "l1_loss"
-    higher_is_better = False
-
-    def __init__(
-        self,
-        model: AALBERT,
-        batches: Iterable[dict[str, Any]],
-        masking: MaskingConfig | None = None,
-        seed: int = 0,
-        device: torch.device | str = "cpu",
-        dtype: torch.dtype = torch.float32,
-    ) -> None:
-        self.device, self.dtype = torch.device(device), dtype
-        self.model = _frozen(model, self.device, dtype)
-        masking = masking or MaskingConfig()
-        prepared, self.frames = [], 0  # frames: valid 10 ms frames in the subset
-        for i, batch in enumerate(batches):
-            features = batch["features"].to(self.device, dtype)  # (B, T, F)
-            lengths = batch["lengths"].to(self.device)  # (B,)
-            generator = torch.Generator().manual_seed(derive_seed(seed, "heads-mask", i))
-            prepared.append(corrupt(self.model, features, lengths, masking, generator))
-            self.frames += int(lengths.sum())
-        super().__init__(model.num_layers, model.num_heads, prepared)
-
-    def split(self, batch: MaskedBatch) -> list[MaskedBatch]:
-        return batch.utterances()
-
-    def loss(self, unit: MaskedBatch, head_mask: Tensor) -> Tensor | None:
-        if not bool(unit.chosen.any()):
-            return None  # e.g. an utterance too short for a span: nothing to reconstruct
-        return reconstruction_loss(self.model, unit, head_mask)
-
-    def score(self, unit: MaskedBatch, head_mask: Tensor) -> tuple[float, float]:
-        if not bool(unit.chosen.any()):
-            return 0.0, 0.0
-        prediction = self.model.reconstruct(unit.inputs, unit.lengths, head_mask)
-        error = (prediction - unit.target).abs()  # (B, T', F')
-        weight = unit.chosen[..., None].to(error.dtype)  # (B, T', 1)
-        return float((error * weight).sum()), float(weight.sum()) * error.shape[-1]
-
-    def subset(self) -> dict[str, int]:
-        return {
-            "batches": len(self.batches),
-            "utterances": sum(len(b.lengths) for b in self.batches),
-            "frames": self.frames,
-            "scored": sum(int(b.chosen.sum()) for b in self.batches),  # chosen model frames
-        }
-
-
-@dataclass
-class LabelledBatch:
-    """A labelled batch in the downstream task's label layout."""
-
-    features: Tensor  # (B, T, F) normalised log-mel
-    lengths: Tensor  # (B,) 10 ms frames
-    labels: Tensor  # (B,) utterance labels, or (B, T_lab) frame labels padded with -100
-    label_lengths: Tensor | None  # (B,) for frame labels
-    utt_ids: list[str]
-
-
-class ProbeObjective(Objective[LabelledBatch]):
-    """Cross-entropy / accuracy of a trained downstream probe on the head-masked upstream.
-
-    `probe` is a `speechattn.model.probes.Probe` (the downstream run's `DownstreamProbe` is
-    one): a batch dict with hidden (B, N, T', D), padding_mask, label_lengths, utt_ids ->
-    logits (B, C) or (B, T_lab, C); `layers` are the hidden-state indices it was trained on.
-    """
-
-    metric_name = "accuracy"
-    higher_is_better = True
-
-    def __init__(
-        self,
-        upstream: nn.Module,
-        probe: nn.Module,
-        layers: Sequence[int],
-        batches: Iterable[dict[str, Any]],
-        target: str,
-        level: str,
-        device: torch.device | str = "cpu",
-        dtype: torch.dtype = torch.float32,
-    ) -> None:
-        self.device, self.dtype = torch.device(device), dtype
-        self.upstream = _frozen(upstream, self.device, dtype)
-        self.probe = _frozen(probe, self.device, dtype)
-        self.layers = list(layers)
-        self.level = level
-        prepared = [self._labelled(b, target, level) for b in batches]
-        super().__init__(int(upstream.num_layers), int(upstream.num_heads), prepared)
-
-    def _labelled(self, batch: dict[str, Any], target: str, level: str) -> LabelledBatch:
-        features = batch["features"].to(self.device, self.dtype)
-        lengths = batch["lengths"].to(self.device)
-        label_lengths = None
-        if target == "phones":
-            if batch.get("phones") is None:
-                raise ConfigError("the downstream task needs phone labels; the batches have none")
-            labels, label_lengths = batch["phones"], batch["phone_lengths"]
-        elif batch.get("speaker") is None:
-            raise ConfigError("the downstream task needs speaker labels; the batches have none")
-        elif level == "frame":  # the utterance's speaker on each of its 10 ms frames
-            T = int(batch["lengths"].max())
-            valid = ~lengths_to_padding_mask(batch["lengths"], T)
-            labels = batch["speaker"][:, None].expand(-1, T).masked_fill(~valid, IGNORE_INDEX)
-            label_lengths = batch["lengths"]
-        else:
-            labels = batch["speaker"]
-        return LabelledBatch(
-            features,
-            lengths,
-            labels.to(self.device),
-            None if label_lengths is None else label_lengths.to(self.device),
-            list(batch["utt_ids"]),
-        )
-
-    def split(self, batch: LabelledBatch) -> list[LabelledBatch]:
-        units = []
-        for b, n in enumerate(batch.lengths.tolist()):
-            if batch.label_lengths is None:
-                labels, label_lengths = batch.labels[b : b + 1], None
-            else:
-                m = int(batch.label_lengths[b])
-                labels, label_lengths = batch.labels[b : b + 1, :m], batch.label_lengths[b : b + 1]
-            units.append(
-                LabelledBatch(
-                    batch.features[b : b + 1, :n],
-                    batch.lengths[b : b + 1],
-                    labels,
-                    label_lengths,
-                    batch.utt_ids[b : b + 1],
-                )
-            )
-        return units
-
-    def logits(self, unit: LabelledBatch, head_mask: Tensor | None) -> tuple[Tensor, Tensor]:
-        """Flat logits (M, C) and labels (M,): M utterances, or label frames for frame tasks."""
-        hidden = self.upstream(unit.features, unit.lengths, head_mask)  # L+1 x (B, T', D)
-        out_lengths = self.upstream.output_lengths(unit.lengths)  # (B,)
-        T = int(out_lengths.max())
-        stacked = torch.stack([hidden[i][:, :T] for i in self.layers], dim=1)  # (B, N, T', D)
-        batch: dict[str, Any] = {
-            "hidden": stacked,
-            "lengths": out_lengths,
-            "padding_mask": lengths_to_padding_mask(out_lengths, T),
-            "utt_ids": unit.utt_ids,
-        }
-        if unit.label_lengths is not None:
-            batch["label_lengths"] = unit.label_lengths
-        return Probe.aligned(self.probe(batch), unit.labels)
-
-    def loss(self, unit: LabelledBatch, head_mask: Tensor) -> Tensor | None:
-        logits, labels = self.logits(unit, head_mask)
-        if not bool((labels != IGNORE_INDEX).any()):
-            return None
-        return Probe.loss(logits, labels)
-
-    def score(self, unit: LabelledBatch, head_mask: Tensor) -> tuple[float, float]:
-        logits, labels = self.logits(unit, head_mask)
-        valid = labels != IGNORE_INDEX
-        correct = (logits.argmax(-1) == labels) & valid
-        return float(correct.sum()), float(valid.sum())
-
-    def subset(self) -> dict[str, int]:
-        def scored(b: LabelledBatch) -> int:
-            return int((b.labels != IGNORE_INDEX).sum())
-
-        return {
-            "batches": len(self.batches),
-            "utterances": sum(len(b.lengths) for b in self.batches),
-            "frames": sum(int(b.lengths.sum()) for b in self.batches),
-            "scored": sum(scored(b) for b in self.batches),  # utterances or label frames
-        }
-
-
-def _frozen(module: nn.Module, device: torch.device, dtype: torch.dtype) -> nn.Module:
-    """Eval mode (no dropout), on device/dtype, parameters without gradients (only xi gets one)."""
-    module = module.to(device=device, dtype=dtype).eval()
-    for p in module.parameters():
-        p.requires_grad_(False)
-    return module
 
 
 # ----------------------------------------------------------------------------- analyses

@@ -1,18 +1,32 @@
 """Actual pruning job: an upstream without the heads that a head analysis masks.
 
 `run(cfg)` reads the heads.json `cfg.heads`, takes its pruning point nearest to `cfg.fraction`
-and writes the pruned upstream (`speechattn.model.pruning` does the pruning itself).
+and writes the pruned upstream (`speechattn.model.pruning` does the pruning itself). Its
+settings are `PruneConfig`, the schema of conf/prune.yaml.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig
+from omegaconf import MISSING, DictConfig
 
 from speechattn.model.pruning import prune_from_heads
 from speechattn.tasks.records import read_heads
+
+
+@dataclass
+class PruneConfig:
+    """`python -m speechattn.prune`: which heads to remove, from which upstream, to where."""
+
+    # heads.json (or its folder) written by `python -m speechattn.analyze heads`
+    heads: str = MISSING
+    # the pruning point: fraction of all L x h heads masked (the curve's nearest point)
+    fraction: float = MISSING
+    upstream: str | None = None  # None: the analysed upstream (its sha256 is checked either way)
+    out: str | None = None  # None: <run dir>/upstream.pt
 
 
 def run(cfg: DictConfig) -> dict[str, Any]:

@@ -25,10 +25,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from speechattn import CONFIG_DIR
+from speechattn.data import build_datamodule
 from speechattn.errors import ConfigError, MissingFileError
 from speechattn.model.masking import MaskingConfig
 from speechattn.model.serialization import TorchFileError, describe_load_error, load_torch_file
-from speechattn.model.upstream import UpstreamFileError
 from speechattn.tasks.analysis.heads import (
     HeadAnalysis,
     HeadsConfig,
@@ -38,7 +39,7 @@ from speechattn.tasks.analysis.heads import (
     ProbeObjective,
     analyze_heads,
 )
-from speechattn.tasks.downstream.features import file_sha256
+from speechattn.tasks.downstream.features import open_upstream
 from speechattn.tasks.records import (
     HEADS_SCHEMA_VERSION,
     KIND,
@@ -53,7 +54,6 @@ from speechattn.tasks.records import (
 from speechattn.utils import choose_device, lengths_to_padding_mask
 
 log = logging.getLogger(__name__)
-HEAD_TASKS: tuple[str, ...] = (PRETRAIN, *TASKS)
 SPLIT_CHOICES = ("dev", "test")
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
 
@@ -87,8 +87,10 @@ class HeadsRunConfig(HeadsConfig):
             self.data = asdict(self.data)
         if self.analysis != "heads":
             raise ConfigError(f"unknown analysis {self.analysis!r}; choose heads")
-        if self.task is not None and self.task not in HEAD_TASKS:
-            raise ConfigError(f"unknown task {self.task!r}; choose one of {', '.join(HEAD_TASKS)}")
+        if self.task is not None and self.task not in head_tasks():
+            raise ConfigError(
+                f"unknown task {self.task!r}; choose one of {', '.join(head_tasks())}"
+            )
         if self.split not in SPLIT_CHOICES:
             raise ConfigError(f"split must be one of {SPLIT_CHOICES}, got {self.split!r}")
         if self.dtype not in DTYPES:
@@ -102,11 +104,19 @@ class HeadsRunConfig(HeadsConfig):
         return HeadsConfig(self.importance, self.ablation, self.pruning)
 
 
+def head_tasks() -> list[str]:
+    """What `task=` may name: pretrain, the study's tasks, then the other options of the `task`
+    group (conf/task/)."""
+    others = {p.stem for p in (CONFIG_DIR / "task").glob("*.yaml")} - {PRETRAIN, *TASKS}
+    return [PRETRAIN, *TASKS, *sorted(others)]
+
+
 # ----------------------------------------------------------------------------- inputs
 
 
-def open_upstream_for_heads(spec: str | Path | None) -> tuple[nn.Module, str, Path]:
-    """Load `upstream.pt` (path) -> (upstream, sha256, resolved path); refuses `mel`."""
+def analysed_upstream(spec: str | Path | None) -> tuple[nn.Module, str, Path]:
+    """`upstream.pt` (path) opened as downstream opens it (`open_upstream`) -> (upstream,
+    sha256, resolved path); refuses `mel` and upstreams without attention heads."""
     if spec in (None, ""):
         raise ConfigError(
             "upstream=PATH is required: an upstream.pt written by `python -m speechattn.pretrain`"
@@ -114,24 +124,10 @@ def open_upstream_for_heads(spec: str | Path | None) -> tuple[nn.Module, str, Pa
     if str(spec) == MEL:
         raise ConfigError("upstream=mel has no attention heads to analyse; pass an upstream.pt")
     path = Path(spec).expanduser().resolve()
-    if not path.exists():  # a folder is refused by the loader, which names what it holds
-        raise MissingFileError(
-            f"upstream file {path} does not exist; pass upstream=PATH to an upstream.pt written "
-            f"by `python -m speechattn.pretrain`"
-        )
-    from speechattn import load_upstream
-
-    try:
-        upstream = load_upstream(path)
-    except ValueError:  # the loader's own error names the file and the problem
-        raise
-    except Exception as e:
-        raise UpstreamFileError(
-            f"{path} is not a valid speechattn upstream file: {type(e).__name__}: {e}"
-        ) from e
+    upstream, sha = open_upstream(path)
     if not int(getattr(upstream, "num_heads", 0)):
         raise ConfigError(f"{path}: the upstream has no attention heads")
-    return upstream, file_sha256(path), path
+    return upstream, sha, path
 
 
 @dataclass
@@ -237,18 +233,6 @@ def _with_batch_size(data: dict[str, Any], batch_size: int | None) -> dict[str, 
     return data if batch_size is None else {**data, "batch_size": int(batch_size)}
 
 
-def _instantiate(data: dict[str, Any], kind: str) -> Any:
-    """A data module from a data config dict (`_target_` for custom modules, as in pretraining)."""
-    if "_target_" in data:
-        from hydra.utils import instantiate
-
-        return instantiate(data)
-    from speechattn.data import DataConfig, LabelledDataModule, PretrainDataModule
-
-    cls = PretrainDataModule if kind == "pretrain" else LabelledDataModule
-    return cls(DataConfig(**data))
-
-
 def _transform(datamodule: Any, upstream: nn.Module) -> Any:
     """Map the corpus normalisation onto the upstream's (as downstream feature extraction does)."""
     from speechattn.tasks.downstream import renormalizer
@@ -287,8 +271,6 @@ class Prepared:
 def prepare(config: HeadsRunConfig, datamodule: Any = None) -> Prepared:
     """Resolve task, upstream, probe and data; build the objective. `datamodule` replaces the
     data module built from the recorded data config (tests pass synthetic data)."""
-    device, dtype = choose_device(config.device), DTYPES[config.dtype]
-    task = config.task or PRETRAIN
     if config.downstream is None:
         if config.task not in (None, PRETRAIN):
             raise ConfigError(
@@ -296,35 +278,43 @@ def prepare(config: HeadsRunConfig, datamodule: Any = None) -> Prepared:
                 f"`python -m speechattn.downstream task={config.task} upstream=...` (it holds "
                 f"{RESULT_FILE} and checkpoints/best-epoch=N.ckpt with the trained probe)"
             )
-        upstream, sha, path = open_upstream_for_heads(config.upstream)
-        data = config.data or dict(upstream.metadata.get("data_config") or {})
-        if datamodule is None:
-            if not data:
-                raise ConfigError(
-                    f"{path} does not record its pretraining data (metadata.data_config); "
-                    f"choose it with data=embedded or data=librispeech data.root=DIR"
-                )
-            datamodule = _instantiate(_with_batch_size(data, config.batch_size), "pretrain")
-            datamodule.prepare_data()
-        datamodule.setup("fit")
-        if config.split != "dev":
-            log.info("task=pretrain: the subset is the pretraining validation split")
-        batches = subset_batches(datamodule.val_dataloader(), config.num_batches)
-        batches = _renormalized(batches, _transform(datamodule, upstream))
-        masking = MaskingConfig(**(upstream.metadata.get("masking") or {}))
-        objective: Objective = PretrainObjective(
-            upstream.model, batches, masking, config.seed, device, dtype
-        )
-        return Prepared(objective, task, upstream, path, sha, "val", None)
+        return prepare_pretrain(config, datamodule)
+    return prepare_probe(config, datamodule)
 
+
+def prepare_pretrain(config: HeadsRunConfig, datamodule: Any = None) -> Prepared:
+    """task=pretrain: the upstream's reconstruction loss on its pretraining validation split."""
+    upstream, sha, path = analysed_upstream(config.upstream)
+    data = config.data or dict(upstream.metadata.get("data_config") or {})
+    if datamodule is None:
+        if not data:
+            raise ConfigError(
+                f"{path} does not record its pretraining data (metadata.data_config); "
+                f"choose it with data=embedded or data=librispeech data.root=DIR"
+            )
+        datamodule = build_datamodule(_with_batch_size(data, config.batch_size), "pretrain")
+        datamodule.prepare_data()
+    datamodule.setup("fit")
+    if config.split != "dev":
+        log.info("task=pretrain: the subset is the pretraining validation split")
+    batches = subset_batches(datamodule.val_dataloader(), config.num_batches)
+    batches = _renormalized(batches, _transform(datamodule, upstream))
+    masking = MaskingConfig(**(upstream.metadata.get("masking") or {}))
+    device, dtype = choose_device(config.device), DTYPES[config.dtype]
+    objective = PretrainObjective(upstream.model, batches, masking, config.seed, device, dtype)
+    return Prepared(objective, PRETRAIN, upstream, path, sha, "val", None)
+
+
+def prepare_probe(config: HeadsRunConfig, datamodule: Any = None) -> Prepared:
+    """A downstream task: the trained probe's accuracy on the dev (or test) split of the
+    downstream run's corpus, its labels from the task's label source."""
     run = load_probe_run(config.downstream)
     if config.task not in (None, run.result.task):
         raise ConfigError(
             f"task={config.task} but downstream={run.directory} is a {run.result.task} run "
             f"({run.directory / RESULT_FILE})"
         )
-    task = run.result.task
-    upstream, sha, path = open_upstream_for_heads(config.upstream or run.result.upstream)
+    upstream, sha, path = analysed_upstream(config.upstream or run.result.upstream)
     if run.result.upstream_sha256 and run.result.upstream_sha256 != sha:
         raise ConfigError(
             f"{path} is not the upstream the probe in {run.directory} was trained on "
@@ -340,16 +330,16 @@ def prepare(config: HeadsRunConfig, datamodule: Any = None) -> Prepared:
         data = config.data or recorded_data_config(run.result.corpus)
         if not data:
             raise ConfigError(f"{run.directory / RESULT_FILE} records no corpus; pass data=...")
-        datamodule = _instantiate(_with_batch_size(data, config.batch_size), "labelled")
+        datamodule = build_datamodule(_with_batch_size(data, config.batch_size), "labelled")
         datamodule.prepare_data()
     datamodule.setup("fit")
     datamodule.setup("test")
-    classes = run.probe.hparams["num_classes"]
-    target = run.probe.task.target
-    found = getattr(datamodule, "num_speakers" if target == "speaker" else "num_phones", None)
+    task = run.probe.task
+    labels = task.labels(datamodule)
+    classes, found = run.probe.hparams["num_classes"], labels.num_classes()
     if found is not None and int(found) != int(classes):
         raise ConfigError(
-            f"the corpus has {found} {target} classes but the probe in {run.directory} was "
+            f"the corpus has {found} {task.target} classes but the probe in {run.directory} was "
             f"trained on {classes}: use the downstream run's corpus (leave data unset)"
         )
     if hasattr(datamodule, "extraction_dataloader"):
@@ -366,10 +356,10 @@ def prepare(config: HeadsRunConfig, datamodule: Any = None) -> Prepared:
         run.probe,
         run.layers,
         batches,
-        target=target,
-        level=run.probe.task.level,
-        device=device,
-        dtype=dtype,
+        target=labels,
+        level=task.level,
+        device=choose_device(config.device),
+        dtype=DTYPES[config.dtype],
     )
     downstream = {
         "dir": str(run.directory),
@@ -378,7 +368,7 @@ def prepare(config: HeadsRunConfig, datamodule: Any = None) -> Prepared:
         "dev_accuracy": run.result.dev_accuracy,
         "test_accuracy": run.result.test_accuracy,
     }
-    return Prepared(objective, task, upstream, path, sha, config.split, downstream)
+    return Prepared(objective, run.result.task, upstream, path, sha, config.split, downstream)
 
 
 def result_dict(

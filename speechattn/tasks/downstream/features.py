@@ -33,12 +33,11 @@ from torch import Tensor, nn
 from speechattn.data.cache import file_sha256
 from speechattn.errors import ConfigError, MissingFileError, SpeechattnError
 from speechattn.model.serialization import TorchFileError, load_torch_file
+from speechattn.tasks.records import MEL  # the no-pretraining baseline's name
 from speechattn.utils import atomic_path, atomic_write_bytes, digest, lengths_to_padding_mask
 from speechattn.utils import progress_bar as progress
 
 log = logging.getLogger(__name__)
-
-MEL = "mel"
 CACHE_VERSION = 1
 SPLITS = ("train", "dev", "test")
 
@@ -70,15 +69,17 @@ class MelUpstream(nn.Module):
 
 
 def open_upstream(
-    spec: str | Path, feature_dim: int, data: Any = None
+    spec: str | Path, feature_dim: int | None = None, data: Any = None
 ) -> tuple[nn.Module, str | None]:
     """Load the upstream named by `spec` (a path to `upstream.pt`, or `mel`), frozen, in eval mode.
 
     Returns the upstream and the sha256 of its file (None for `mel`). Raises a SpeechattnError
     naming the file when it is missing, a folder, corrupt, not ours, or expects other input
-    features than the corpus provides (`feature_dim`; with `data`, a DataConfig, the
-    differing `data.n_mels` / `data.deltas` are named). Cheap: call it before extracting
-    anything, so a wrong `upstream=` fails at once.
+    features than the corpus provides (`feature_dim`; None: not checked, e.g. the head
+    analysis, which reads the corpus recorded with the upstream; with `data`, a DataConfig,
+    the differing `data.n_mels` / `data.deltas` are named). The one loader of both the
+    downstream job and the head analysis. Cheap: call it before extracting anything, so a
+    wrong `upstream=` fails at once.
     """
     if str(spec) == MEL:
         return MelUpstream(feature_dim).eval(), None
@@ -92,7 +93,7 @@ def open_upstream(
 
     upstream = load_upstream(path)  # its errors name the file and the problem
     expected = _upstream_feature_dim(upstream)
-    if expected is not None and expected != feature_dim:
+    if expected is not None and feature_dim is not None and expected != feature_dim:
         raise ConfigError(
             f"{path} expects {expected}-dim input features but the corpus provides "
             f"{feature_dim}{_feature_settings_differ(upstream, data)}"

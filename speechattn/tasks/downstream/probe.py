@@ -15,13 +15,11 @@ import lightning as L
 import torch
 from torch import Tensor
 from torch.utils.data import Dataset
-from torchmetrics.classification import MulticlassAccuracy
+from torchmetrics import Metric
 
-from speechattn.errors import ConfigError
 from speechattn.model.probes import Probe
-from speechattn.tasks.downstream.features import (
-    SplitFeatures,
-)
+from speechattn.tasks.downstream.features import SplitFeatures
+from speechattn.tasks.downstream.labels import LabelSource, check_level, label_source
 from speechattn.utils import IGNORE_INDEX, lengths_to_padding_mask
 
 log = logging.getLogger(__name__)
@@ -33,45 +31,47 @@ class TaskConfig:
     task, `speaker_utterance`; the other `conf/task/NAME.yaml` state what differs."""
 
     name: str = "speaker_utterance"
-    target: str = "speaker"  # speaker | phones
+    # what the probe predicts: a label source of speechattn/tasks/downstream/labels/
+    # (speaker | phones | pitch | a file you add there, docs/extending.md)
+    target: str = "speaker"
     level: str = "utterance"  # utterance (one label per utterance) | frame (one per 10 ms frame)
-    pooling: str = "mean"  # utterance level only: mean | fused (FusedAttentionPool, SPEC 6)
-    pooling_scale: str = "value"  # fused: scores / sqrt(size of V) (seeds/002) | key: of Q, K
+    pooling: str = "mean"  # utterance level only: mean | fused (FusedAttentionPool)
+    pooling_scale: str = "value"  # fused: scores / sqrt(size of V) | key: of Q, K
     hidden_layers: int = 0  # 0 = linear probe
     hidden_dim: int = 768  # the study's phoneme MLP width
     dropout: float = 0.0
     batch_size: int = 8  # utterances (~3k frames at 10 ms): more updates per epoch
     lr: float = 1e-2  # linear on mean-pooled features: few updates per epoch (~54)
     weight_decay: float = 0.0
-    # conf/downstream.yaml feeds these to the trainer and early stopping. Utterance-level
-    # epochs are cheap (one vector per utterance) and the dev split small and noisy.
+    # conf/trainer/probe.yaml and conf/downstream.yaml feed these to the trainer and early
+    # stopping. Utterance-level epochs are cheap (one vector per utterance) and the dev split
+    # small and noisy.
     max_epochs: int = 40
     patience: int = 10  # epochs without a better dev accuracy before stopping
 
     def __post_init__(self) -> None:
-        if self.target not in ("speaker", "phones"):
-            raise ConfigError(
-                f"task {self.name}: target must be speaker or phones, not {self.target!r}"
-            )
-        if self.level not in ("utterance", "frame"):
-            raise ConfigError(
-                f"task {self.name}: level must be utterance or frame, not {self.level!r}"
-            )
-        if self.level == "utterance" and self.target != "speaker":
-            raise ConfigError(f"task {self.name}: utterance level needs one label per utterance")
+        check_level(self.name, self.target, self.level)
+
+    def labels(self, datamodule: Any = None) -> LabelSource:
+        """This task's label source, bound to the data module that provides the labels."""
+        return label_source(self.target)(datamodule)
 
 
 # ----------------------------------------------------------------------------- data
 
 
 class ProbeDataset(Dataset):
-    """Items of one cached split: hidden (N, T', D) plus the task's labels."""
+    """Items of one cached split: hidden (N, T', D) plus the task's labels at its level.
 
-    def __init__(self, split: SplitFeatures, task: TaskConfig) -> None:
-        if task.target == "speaker" and split.speakers is None:
-            raise ConfigError(f"task {task.name}: the corpus provides no speaker labels")
-        if task.target == "phones" and split.phones is None:
-            raise ConfigError(f"task {task.name}: the corpus provides no phone labels")
+    `labels` is the task's label source bound to the corpus (`TaskConfig.labels(datamodule)`);
+    None binds it to nothing, which serves the sources whose labels travel with the features.
+    """
+
+    def __init__(
+        self, split: SplitFeatures, task: TaskConfig, labels: LabelSource | None = None
+    ) -> None:
+        self.labels = labels if labels is not None else task.labels()
+        self.labels.check_split(split, task.name)
         self.split, self.task = split, task
         self.hidden = [split.hidden(i) for i in range(len(split))]  # float32 once, not per epoch
 
@@ -79,15 +79,11 @@ class ProbeDataset(Dataset):
         return len(self.split)
 
     def __getitem__(self, i: int) -> dict[str, Any]:
-        s, task = self.split, self.task
-        item: dict[str, Any] = {"hidden": self.hidden[i], "utt_id": s.utt_ids[i]}
-        if task.target == "phones":
-            item["labels"] = s.phones_of(i)  # (T,)
-        elif task.level == "frame":  # the utterance's speaker on every 10 ms frame
-            item["labels"] = s.speakers[i].repeat(int(s.input_lengths[i]))  # (T,)
-        else:
-            item["labels"] = s.speakers[i]  # ()
-        return item
+        return {
+            "hidden": self.hidden[i],
+            "utt_id": self.split.utt_ids[i],
+            "labels": self.labels.item(self.split, i, self.task.level),  # () or (T,)
+        }
 
 
 def collate(items: list[dict[str, Any]]) -> dict[str, Any]:
@@ -156,10 +152,10 @@ class DownstreamProbe(Probe, L.LightningModule):
             }
         )
         self.task = task
-        metric = MulticlassAccuracy(num_classes, average="micro", ignore_index=IGNORE_INDEX)
+        metric = task.labels().metric(num_classes)
         self.train_acc, self.dev_acc, self.test_acc = metric.clone(), metric.clone(), metric.clone()
 
-    def _step(self, batch: dict[str, Any], metric: MulticlassAccuracy) -> Tensor:
+    def _step(self, batch: dict[str, Any], metric: Metric) -> Tensor:
         flat_logits, flat_labels = self.aligned(self(batch), batch["labels"])
         metric.update(flat_logits.detach(), flat_labels)
         return self.loss(flat_logits, flat_labels)

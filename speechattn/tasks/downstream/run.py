@@ -1,4 +1,4 @@
-"""Downstream evaluation of a frozen upstream (SPEC 7): probe training, model selection, result.
+"""Downstream evaluation of a frozen upstream (docs/downstream.md): probe training, model selection, result.
 
 `run(cfg)` is the whole protocol; `python -m speechattn.downstream` is a thin Hydra wrapper:
 
@@ -7,12 +7,18 @@
 3. train the task's probe on train with Lightning, early-stop and checkpoint on dev accuracy,
 4. score test with the best-dev checkpoint and write `result.json` (`tasks/records.py`).
 
-Tasks (`TaskConfig`; conf/task/NAME.yaml states how each differs from speaker_utterance):
+Tasks (`TaskConfig`; conf/task/NAME.yaml states how each differs from speaker_utterance); what
+each predicts is its label source (`target`, speechattn/tasks/downstream/labels/), which the run
+asks for everything label-specific (number of classes, label checks, labels at the task's level):
 
     speaker_utterance  mean (or fused attention) pooling + linear, one speaker per utterance
     speaker_frame      linear per frame, the utterance's speaker on every frame
     phone_1hidden      MLP, one hidden ReLU layer (768), per frame
     phone_2hidden      MLP, two hidden ReLU layers (768), per frame
+    pitch_utterance    as speaker_utterance, the speaker's pitch half (docs/extending.md)
+
+The probe's Trainer is `conf/trainer/probe.yaml` and its loggers `conf/logger/` (as for
+pretraining); `logs/metrics.csv` (per-epoch train/dev metrics) is written whatever the logger.
 
 Frame tasks are scored at the 10 ms label rate over all valid frames: the probe runs once per
 upstream frame and its logits are repeated `downsample` times and trimmed/padded to the label
@@ -27,20 +33,25 @@ from __future__ import annotations
 import logging
 import re
 import time
-from dataclasses import asdict, dataclass, is_dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 import lightning as L
 import torch
-from omegaconf import DictConfig, OmegaConf
-from torch import Tensor
+from hydra.utils import instantiate
+from omegaconf import DictConfig, open_dict
 from torch.utils.data import DataLoader
 
-from speechattn.data import DataConfig, LabelledDataModule, expand_to_labels
-from speechattn.errors import ConfigError, MissingFileError
-from speechattn.tasks.common import quiet_library_notices, run_output_dir
+from speechattn.data import DataConfig, LabelledDataModule
+from speechattn.errors import ConfigError
+from speechattn.tasks.common import (
+    configured_loggers,
+    finish_loggers,
+    quiet_library_notices,
+    run_output_dir,
+)
 from speechattn.tasks.downstream.features import (
     SPLITS,
     DamagedSplit,
@@ -56,9 +67,10 @@ from speechattn.tasks.downstream.features import (
     save_split,
     tensor_digest,
 )
+from speechattn.tasks.downstream.labels import LabelSource
 from speechattn.tasks.downstream.probe import DownstreamProbe, ProbeDataset, TaskConfig, collate
-from speechattn.tasks.records import EXAMPLE_FILE, MEL, PRETRAIN, TASKS, DownstreamResult
-from speechattn.utils import atomic_path, choose_device
+from speechattn.tasks.records import EXAMPLE_FILE, MEL, PRETRAIN, DownstreamResult
+from speechattn.utils import atomic_path, choose_device, plain
 
 log = logging.getLogger(__name__)
 
@@ -122,28 +134,6 @@ def _split_loader(datamodule: Any, split: str) -> Any:
     }[split]()
 
 
-def check_label_lengths(split: SplitFeatures, downsample: int, tolerance: int) -> None:
-    """Raise (naming the utterance) when phone labels and features disagree beyond `tolerance`.
-
-    Runs `expand_to_labels` on zero-width stand-ins, so every utterance is checked before any
-    training starts.
-    """
-    if split.phone_lengths is None:
-        return
-    for start in range(0, len(split), 256):
-        stop = min(start + 256, len(split))
-        lengths = split.lengths[start:stop]
-        dummy = torch.zeros(stop - start, int(lengths.max()), 1)  # (B, T', 1)
-        expand_to_labels(
-            dummy,
-            downsample,
-            split.phone_lengths[start:stop],
-            split.utt_ids[start:stop],
-            tolerance,
-            lengths=lengths,
-        )
-
-
 @dataclass
 class ProbeFit:
     """Outcome of training one probe: accuracies at the best dev checkpoint."""
@@ -164,11 +154,19 @@ def fit_probe(
     trainer_kwargs: dict[str, Any],
     patience: int,
     out: Path,
+    labels: LabelSource | None = None,
+    loggers: list[Any] | tuple[Any, ...] = (),
 ) -> ProbeFit:
-    """Train on `splits["train"]`, early-stop and checkpoint on dev accuracy, test the best."""
+    """Train on `splits["train"]`, early-stop and checkpoint on dev accuracy, test the best.
+
+    `trainer_kwargs`: the Trainer's arguments (`conf/trainer/probe.yaml`, its `_target_`
+    optional); `labels`: the task's label source bound to the corpus (None: unbound);
+    `loggers`: besides `out/logs/metrics.csv`, which is always written.
+    """
+    labels = labels if labels is not None else task.labels()
     loaders = {
         name: DataLoader(
-            ProbeDataset(splits[name], task),
+            ProbeDataset(splits[name], task, labels),
             batch_size=task.batch_size,
             shuffle=name == "train",
             collate_fn=collate,
@@ -193,17 +191,13 @@ def fit_probe(
         filename="best-{epoch}",
     )
     stopping = L.pytorch.callbacks.EarlyStopping(monitor="dev_acc", mode="max", patience=patience)
-    trainer = L.Trainer(
-        **trainer_kwargs,
-        callbacks=[checkpoint, stopping],
-        logger=L.pytorch.loggers.CSVLogger(out, name="logs", version=""),
-        default_root_dir=out,
-    )
+    trainer = probe_trainer(trainer_kwargs, out, [checkpoint, stopping], loggers)
     trainer.fit(probe, loaders["train"], loaders["dev"])
     best = checkpoint.best_model_path
     if not best:
         raise ConfigError(
-            f"task {task.name}: no dev evaluation ran, so there is no best checkpoint"
+            f"task {task.name}: no dev evaluation ran, so there is no best checkpoint "
+            f"(trainer.max_epochs={trainer.max_epochs}: train at least one epoch)"
         )
     dev_accuracy = float(checkpoint.best_model_score)
     epochs = int(trainer.current_epoch)
@@ -221,88 +215,127 @@ def fit_probe(
     )
 
 
+def probe_trainer(
+    trainer_kwargs: dict[str, Any], out: Path, callbacks: list[L.Callback], loggers: Any = ()
+) -> L.Trainer:
+    """The Trainer of `conf/trainer/probe.yaml` (`_target_` defaults to Lightning's), logging
+    to `out/logs/metrics.csv` (the per-epoch metrics, whatever the logger) and `loggers`."""
+    config = {"_target_": "lightning.pytorch.Trainer", **plain(trainer_kwargs)}
+    metrics = L.pytorch.loggers.CSVLogger(out, name="logs", version="")
+    return instantiate(
+        config,
+        callbacks=callbacks,
+        logger=[metrics, *loggers],
+        default_root_dir=str(out),
+        _convert_="all",
+    )
+
+
 # ----------------------------------------------------------------------------- run
-
-
-def _plain(value: Any) -> Any:
-    """Dataclasses / DictConfigs / tensors -> JSON-friendly values."""
-    if is_dataclass(value) and not isinstance(value, type):
-        return _plain(asdict(value))
-    if isinstance(value, DictConfig):
-        return OmegaConf.to_container(value, resolve=True)
-    if isinstance(value, dict):
-        return {str(k): _plain(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [_plain(v) for v in value]
-    if isinstance(value, Tensor):
-        return value.tolist()
-    if isinstance(value, Path):
-        return str(value)
-    return value
 
 
 def run(cfg: DictConfig) -> dict[str, Any]:
     """Evaluate `cfg.upstream` on `cfg.task`; writes `result.json` and returns it as a dict."""
     t_start = time.perf_counter()
     quiet_library_notices()
-    task = TaskConfig(**OmegaConf.to_container(cfg.task, resolve=True))
+    task = TaskConfig(**plain(cfg.task))
     if task.name == PRETRAIN:
         raise ConfigError("task=pretrain is the head analysis' objective, not a downstream task")
-    if task.name not in TASKS:
-        log.warning("task %s is not one of the study's tasks %s", task.name, TASKS)
     out = run_output_dir(cfg)
     out.mkdir(parents=True, exist_ok=True)
+    with open_dict(cfg):
+        cfg.output_dir = str(out)  # where conf/logger/ writes (`${output_dir}`)
     L.seed_everything(cfg.seed, workers=True)
 
-    data_config = labelled_data_config(
-        task, DataConfig(**OmegaConf.to_container(cfg.data, resolve=True))
-    )
+    data_config = labelled_data_config(task, DataConfig(**plain(cfg.data)))
     # the upstream first: a wrong upstream= or feature setting fails before any extraction
     upstream, sha = open_upstream(cfg.upstream, data_config.feature_dim, data_config)
     layers = resolve_layers(cfg.layer, upstream.num_layers)
     check_normalization(data_config.normalization, upstream, cfg.normalization)
-    datamodule = LabelledDataModule(data_config)
-    datamodule.prepare_data()
-    datamodule.setup("fit")
-    _require_labels(task, datamodule)
-    normalization = feature_normalization(datamodule.normalizer, upstream, cfg.normalization)
-
+    datamodule = labelled_data(data_config)
+    labels = task.labels(datamodule)
+    num_classes = labels.check_classes(task.name)
     _check_input_frames(upstream, datamodule)
-    device = choose_device(cfg.get("device", "auto"))
+    normalization = feature_normalization(datamodule.normalizer, upstream, cfg.normalization)
     t_features = time.perf_counter()
-    cache_dir = cfg.get("cache_dir") or data_config.cache_root() / "downstream"
     splits = cached_features(
         upstream,
         sha or f"{MEL}:{datamodule.feature_dim}",
         layers,
         datamodule,
-        _plain(data_config),
-        cache_dir,
-        device,
+        plain(data_config),
+        cfg.get("cache_dir") or data_config.cache_root() / "downstream",
+        choose_device(cfg.get("device", "auto")),
         progress_bar=data_config.progress,
         normalization=normalization,
     )
     upstream.cpu()
     t_features = time.perf_counter() - t_features
-    if task.target == "phones":
-        for name in SPLITS:
-            check_label_lengths(splits[name], upstream.downsample, cfg.tolerance)
-    num_classes = datamodule.num_speakers if task.target == "speaker" else datamodule.num_phones
+    for name in SPLITS:
+        labels.check_lengths(splits[name], upstream.downsample, cfg.tolerance)
 
     t_train = time.perf_counter()
-    fit = fit_probe(
-        task,
-        splits,
-        num_classes=num_classes,
-        downsample=upstream.downsample,
-        tolerance=cfg.tolerance,
-        trainer_kwargs=OmegaConf.to_container(cfg.trainer, resolve=True),
-        patience=cfg.early_stopping.patience,
-        out=out,
+    loggers = configured_loggers(cfg)
+    try:
+        fit = fit_probe(
+            task,
+            splits,
+            num_classes=num_classes,
+            downsample=upstream.downsample,
+            tolerance=cfg.tolerance,
+            trainer_kwargs=plain(cfg.trainer),
+            patience=cfg.early_stopping.patience,
+            out=out,
+            labels=labels,
+            loggers=loggers,
+        )
+    finally:
+        finish_loggers(loggers)
+    runtime = {"features": t_features, "train": time.perf_counter() - t_train}
+    runtime["total"] = time.perf_counter() - t_start
+    result = downstream_result(
+        cfg, task, upstream, sha, layers, splits, labels, num_classes, fit, datamodule,
+        data_config, runtime,
+    )  # fmt: skip
+    result.corpus["normalization"] = normalization.record  # what the upstream saw, and why
+    path = result.write(out)
+    _save_example(datamodule, out)
+    log.info(
+        "%s on %s: dev %.4f test %.4f -> %s",
+        task.name,
+        result.attention,
+        result.dev_accuracy,
+        result.test_accuracy,
+        path,
     )
-    t_train = time.perf_counter() - t_train
+    return result.to_dict()
+
+
+def labelled_data(data_config: DataConfig) -> LabelledDataModule:
+    """The labelled corpus of `data_config` (`labelled_data_config`'s), set up for fitting."""
+    datamodule = LabelledDataModule(data_config)
+    datamodule.prepare_data()
+    datamodule.setup("fit")
+    return datamodule
+
+
+def downstream_result(
+    cfg: DictConfig,
+    task: TaskConfig,
+    upstream: Any,
+    sha: str | None,
+    layers: list[int],
+    splits: dict[str, SplitFeatures],
+    labels: LabelSource,
+    num_classes: int,
+    fit: ProbeFit,
+    datamodule: Any,
+    data_config: DataConfig,
+    runtime_s: dict[str, float],
+) -> DownstreamResult:
+    """What `result.json` records of one run (fields in `speechattn.tasks.records`)."""
     meta = dict(getattr(upstream, "metadata", {}) or {})
-    result = DownstreamResult(
+    return DownstreamResult(
         task=task.name,
         upstream=str(cfg.upstream)
         if str(cfg.upstream) == MEL
@@ -324,13 +357,9 @@ def run(cfg: DictConfig) -> dict[str, Any]:
             "layers": layers,
             "layer_weights": fit.layer_weights,
         },
-        corpus={
-            **_plain(datamodule.describe()),
-            "config": _plain(data_config),
-            "normalization": normalization.record,
-        },
+        corpus={**plain(datamodule.describe()), "config": plain(data_config)},
         split_sizes={name: len(splits[name]) for name in SPLITS},
-        eval_frames={name: _eval_count(splits[name], task) for name in ("dev", "test")},
+        eval_frames={name: labels.scored(splits[name], task.level) for name in ("dev", "test")},
         frames_per_utterance=round(float(splits["test"].lengths.float().mean()), 2),
         num_classes=int(num_classes),
         dev_accuracy=fit.dev_accuracy,
@@ -339,49 +368,26 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         epochs_trained=fit.epochs_trained,
         seed=int(cfg.seed),
         code_version=_code_version(),
-        runtime_s={
-            "features": round(t_features, 2),
-            "train": round(t_train, 2),
-            "total": round(time.perf_counter() - t_start, 2),
-        },
+        runtime_s={k: round(v, 2) for k, v in runtime_s.items()},
         created=datetime.now(UTC).isoformat(timespec="seconds"),
     )
-    path = result.write(out)
-    _save_example(splits, datamodule, out)
-    log.info(
-        "%s on %s: dev %.4f test %.4f -> %s",
-        task.name,
-        result.attention,
-        result.dev_accuracy,
-        result.test_accuracy,
-        path,
-    )
-    return result.to_dict()
 
 
 def labelled_data_config(task: TaskConfig, data_config: Any) -> Any:
     """The data config for `task`, failing early (naming the file) when labels are missing.
 
-    Phone tasks need the frame-level alignments file; speaker tasks only need the audio, so
-    for them a missing alignments file is dropped (`alignments=None`) rather than an error.
+    Where the phone-alignments file is unset or absent, the task's label source decides: phone
+    tasks refuse to run; the others run without phone labels (`alignments=None`).
     """
+    path = None
+    if data_config.alignments is not None:
+        path = LabelledDataModule(data_config).label_files.path(data_config.alignments)
+        if path is not None and path.is_file():
+            return data_config
+    task.labels().missing_alignments(task.name, data_config.alignments, path)
     if data_config.alignments is None:
-        if task.target == "phones":
-            raise ConfigError(
-                f"task {task.name} needs frame-level phone labels, but data.alignments is null; "
-                f"set it to the CPC-format file (converted_aligned_phones.txt, SPEC 2.2)"
-            )
         return data_config
-    path = LabelledDataModule(data_config).label_files.path(data_config.alignments)
-    if path is not None and path.is_file():
-        return data_config
-    if task.target == "phones":
-        raise MissingFileError(
-            f"task {task.name} needs frame-level phone labels: {path} does not exist. For real "
-            f"LibriSpeech put the CPC alignments there (converted_aligned_phones.txt with "
-            f"train_split.txt / test_split.txt, SPEC 2.2) or point data.alignments_dir at them"
-        )
-    log.warning("no phone alignments at %s: speaker task without phone labels", path)
+    log.warning("no phone alignments at %s: %s runs without phone labels", path, task.name)
     return replace(data_config, alignments=None)
 
 
@@ -399,29 +405,16 @@ def _check_input_frames(upstream: Any, datamodule: Any) -> None:
         model.check_input_frames(crop, "data.labelled_max_frames")
 
 
-def _require_labels(task: TaskConfig, datamodule: Any) -> None:
-    """The labels really arrived (e.g. an alignments file without a single usable line)."""
-    if task.target == "phones" and not datamodule.num_phones:
-        raise ConfigError(
-            f"task {task.name}: the corpus yielded no phone classes from "
-            f"{datamodule.label_files.path(datamodule.cfg.alignments)}"
-        )
-    if task.target == "speaker" and datamodule.num_speakers < 2:
-        raise ConfigError(
-            f"task {task.name} needs at least 2 speakers, the corpus has {datamodule.num_speakers}"
-        )
-
-
 def _model_config(upstream: Any) -> dict[str, Any]:
     config = getattr(upstream, "config", None)
-    return _plain(config) if config is not None else {}
+    return plain(config) if config is not None else {}
 
 
 def _attention_config(upstream: Any) -> dict[str, Any]:
     config = getattr(upstream, "config", None)
     if config is None:
         return {}
-    return {"name": config.attention, "options": _plain(dict(config.attention_options))}
+    return {"name": config.attention, "options": plain(dict(config.attention_options))}
 
 
 def _pretraining_steps(meta: dict[str, Any]) -> int | None:
@@ -431,22 +424,13 @@ def _pretraining_steps(meta: dict[str, Any]) -> int | None:
     return None
 
 
-def _eval_count(split: SplitFeatures, task: TaskConfig) -> int:
-    """Utterances (utterance tasks) or 10 ms frames (frame tasks) that accuracy is taken over."""
-    if task.level == "utterance":
-        return len(split)
-    if task.target == "phones" and split.phone_lengths is not None:
-        return int(split.phone_lengths.sum())
-    return int(split.input_lengths.sum())
-
-
 def _code_version() -> str:
     from speechattn import code_version  # the package root, imported lazily (no cycle)
 
     return code_version()
 
 
-def _save_example(splits: dict[str, SplitFeatures], datamodule: Any, out: Path) -> None:
+def _save_example(datamodule: Any, out: Path) -> None:
     """Keep one normalised test utterance beside the result, for the report's attention maps."""
     try:
         batch = next(iter(_split_loader(datamodule, "test")))

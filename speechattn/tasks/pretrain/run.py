@@ -22,12 +22,14 @@ from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig, OmegaConf
 
 from speechattn.attention import autotune
-from speechattn.data import DataConfig, PretrainDataModule
+from speechattn.data import build_datamodule
 from speechattn.errors import MissingFileError
 from speechattn.model.serialization import TorchFileError, load_torch_file
 from speechattn.tasks.common import (
     DataWait,
     MetricsCSV,
+    configured_loggers,
+    finish_loggers,
     progress_bar,
     quiet_library_notices,
     read_metrics,
@@ -44,6 +46,7 @@ from speechattn.tasks.pretrain.model_card import (
     write_model_card,
 )
 from speechattn.tasks.pretrain.module import NonFiniteLossError, PretrainTask
+from speechattn.utils import plain
 
 log = logging.getLogger("speechattn.pretrain")
 
@@ -63,14 +66,14 @@ def run(cfg: DictConfig, datamodule: Any = None) -> dict[str, Any]:
     L.seed_everything(cfg.seed, workers=True, verbose=False)
 
     # data
-    inner = datamodule if datamodule is not None else build_datamodule(cfg)
+    inner = datamodule if datamodule is not None else build_datamodule(cfg.data, "pretrain")
     data = ResumableData(inner, seed=cfg.seed)
     # task: the model gets the data's feature dim; the saved config.yaml records it
     cfg.model.net.feature_dim = int(inner.feature_dim)
     task = PretrainTask(
-        model=container(cfg.model.net),
-        masking=container(cfg.model.masking),
-        optimizer=container(cfg.model.optimizer),
+        model=plain(cfg.model.net),
+        masking=plain(cfg.model.masking),
+        optimizer=plain(cfg.model.optimizer),
         total_steps=int(cfg.trainer.max_steps),
         seed=cfg.seed,
         max_nonfinite=cfg.max_nonfinite,
@@ -80,7 +83,7 @@ def run(cfg: DictConfig, datamodule: Any = None) -> dict[str, Any]:
     # two-kernel variants time both kernels per length bucket (config.AttentionGroupConfig;
     # its default where a config was built without the schema)
     autotune.enable(task.model, bool(cfg.attention.get("autotune", True)))
-    data_config = container(cfg.get("data"))
+    data_config = plain(cfg.get("data")) or {}
     if "max_frames" in data_config:  # the data layer crops to it; fail now, not at a long batch
         task.model.check_input_frames(data_config["max_frames"], "data.max_frames")
     task.set_data_info(
@@ -134,18 +137,10 @@ def run(cfg: DictConfig, datamodule: Any = None) -> dict[str, Any]:
             trainer.validate(task, datamodule=data, verbose=False)
 
     # results
-    return write_results(trainer, task, output_dir, license=str(cfg.get("license") or "mit"))
-
-
-def build_datamodule(cfg: DictConfig) -> L.LightningDataModule:
-    """The data layer's PretrainDataModule for `cfg.data` (corpus built/extracted on first use).
-
-    A `data._target_` instantiates any other DataModule that follows the batch contract of
-    docs/ARCHITECTURE.md instead (bring your own data; the tests use synthetic speech).
-    """
-    if "_target_" in cfg.data:
-        return instantiate(cfg.data)
-    return PretrainDataModule(DataConfig(**container(cfg.data)))
+    try:
+        return write_results(trainer, task, output_dir, license=str(cfg.get("license") or "mit"))
+    finally:
+        finish_loggers(trainer.loggers)
 
 
 def build_trainer(cfg: DictConfig, output_dir: Path, *extra_callbacks: L.Callback) -> L.Trainer:
@@ -168,7 +163,7 @@ def build_trainer(cfg: DictConfig, output_dir: Path, *extra_callbacks: L.Callbac
     refresh = 1 if cfg.trainer.accelerator == "cpu" else int(cfg.trainer.log_every_n_steps)
     metrics = MetricsCSV(output_dir / "metrics.csv", cfg.trainer.log_every_n_steps)
     callbacks = [periodic, metrics, DataWait(), *extra_callbacks]
-    loggers = [instantiate(c) for c in (cfg.get("logger") or {}).values() if c]
+    loggers = configured_loggers(cfg)
     return instantiate(
         cfg.trainer,
         precision=resolve_precision(cfg.trainer.precision, cfg.trainer.accelerator),
@@ -236,13 +231,6 @@ def write_results(
 
 
 # ----------------------------------------------------------------------------- helpers
-
-
-def container(node: Any) -> Any:
-    """A config node as plain Python (dicts/lists); None/empty -> {}."""
-    if node is None:
-        return {}
-    return OmegaConf.to_container(node, resolve=True) if OmegaConf.is_config(node) else node
 
 
 def feature_config(datamodule: Any, data_config: dict[str, Any]) -> dict[str, Any]:

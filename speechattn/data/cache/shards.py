@@ -1,0 +1,174 @@
+"""Shards: where a corpus folder's utterances are cut into shards (`plan_shards`), and the
+extraction of one shard into its three files (`extract_shard`, run in a process pool by
+`extract.py`, which decides what is missing and who does it).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import multiprocessing as mp
+import shutil
+import sys
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from multiprocessing.pool import Pool
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from speechattn.data.audio import load_audio
+from speechattn.data.cache.integrity import save_npy, write_marker
+from speechattn.data.cache.layout import DATA_KINDS, ExtractionSettings, ShardPaths
+from speechattn.data.errors import DataError
+from speechattn.data.features import FeatureConfig, LogMel, min_samples_for
+from speechattn.utils import out_of_space
+
+MAX_SHARD_FACTOR = 3  # a shard holds at most this many times `shard_size` utterances
+
+
+# ----------------------------------------------------------------------------- shard plan
+
+
+def _boundary(utt_id: str, shard_size: int) -> bool:
+    """Whether a shard ends after `utt_id`: 1 in `shard_size` ids, chosen by a hash of the id
+    alone, so adding, removing or changing one file moves no other boundary."""
+    h = hashlib.blake2b(utt_id.encode(), digest_size=8).digest()
+    return int.from_bytes(h, "little") % shard_size == 0
+
+
+def plan_shards(utt_ids: Sequence[str], shard_size: int) -> list[tuple[int, int]]:
+    """Content-defined shards of `utt_ids` (in the given order) as (start, end) index ranges:
+    `shard_size` utterances on average, at most `MAX_SHARD_FACTOR * shard_size`."""
+    cap = MAX_SHARD_FACTOR * shard_size
+    ranges, start = [], 0
+    for i, utt_id in enumerate(utt_ids):
+        if _boundary(utt_id, shard_size) or i + 1 - start >= cap:
+            ranges.append((start, i + 1))
+            start = i + 1
+    if start < len(utt_ids):
+        ranges.append((start, len(utt_ids)))
+    return ranges
+
+
+# ----------------------------------------------------------------------------- one shard
+
+
+@dataclass
+class ShardTask:
+    """One shard to extract (picklable: handed to a worker process)."""
+
+    directory: str
+    key: str
+    index: int  # position in this extraction's plan (what `on_shard_done` receives)
+    items: list[tuple[str, str]]  # (utt_id, path)
+    settings: ExtractionSettings
+    total_utterances: int  # of the whole extraction, to estimate the space it needs
+
+
+@dataclass
+class ShardResult:
+    """A committed shard: its position in the plan and the commit marker written."""
+
+    index: int
+    marker: dict[str, Any]
+
+
+_LOGMEL: LogMel | None = None
+
+
+def _logmel(cfg: FeatureConfig) -> LogMel:
+    global _LOGMEL
+    if _LOGMEL is None or _LOGMEL.cfg != cfg:
+        _LOGMEL = LogMel(cfg)
+    return _LOGMEL
+
+
+def _featurise(task: ShardTask) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+    """Decode and featurise a shard's utterances: its two arrays and its marker (no files)."""
+    import torch
+
+    s = task.settings
+    mel = _logmel(s.features)
+    dtype = np.float16 if s.dtype == "float16" else np.float32
+    min_samples = min_samples_for(s.min_frames)
+    feats, stats, ids, lengths, failures, notes = [], [], [], [], [], []
+    seconds = 0.0
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # one utterance is small; parallelism comes from processes
+    try:
+        for utt_id, path in task.items:
+            try:
+                audio = load_audio(path, s.sample_rate_policy, min_samples, utt_id)
+            except DataError as e:
+                failures.append({"utt_id": utt_id, "problem": e.problem, "detail": e.detail})
+                continue
+            x = mel(audio.audio).numpy()  # (T, F) float32
+            stored = x.astype(dtype)
+            exact = stored.astype(np.float64)  # statistics of what loading will return
+            feats.append(stored)
+            stats.append(np.stack([exact.sum(0), (exact**2).sum(0)]))  # (2, F)
+            ids.append(utt_id)
+            lengths.append(len(x))
+            notes += [[utt_id, n] for n in audio.notes]
+            seconds += len(audio.audio) / 16000
+    finally:
+        torch.set_num_threads(threads)
+    F = s.features.dim
+    arrays = {
+        "npy": np.concatenate(feats) if feats else np.zeros((0, F), dtype),  # (frames, F)
+        "stats": np.stack(stats) if stats else np.zeros((0, 2, F)),  # (utterances, 2, F)
+    }
+    marker = {"key": task.key, "utt_ids": ids, "lengths": lengths, "failures": failures,
+              "notes": notes, "seconds": seconds}  # fmt: skip
+    return arrays, marker
+
+
+def extract_shard(task: ShardTask) -> ShardResult:
+    """Extract one shard and write its three files, the commit marker last (the caller holds
+    the shard's claim)."""
+    paths = ShardPaths(Path(task.directory), task.key)
+    arrays, marker = _featurise(task)
+    try:
+        marker["files"] = {kind: save_npy(paths.data(kind), arrays[kind]) for kind in DATA_KINDS}
+        write_marker(paths.marker, marker)  # commit
+    except OSError as e:
+        if not out_of_space(e):
+            raise
+        shard_bytes = sum(a.nbytes for a in arrays.values())
+        need = shard_bytes / max(len(task.items), 1) * task.total_utterances
+        free = shutil.disk_usage(paths.directory).free
+        raise DataError(
+            paths.directory,
+            "feature cache device is full",
+            f"writing shard {task.key} failed ({e}); {free / 2**20:.0f} MiB free, and "
+            f"extracting all {task.total_utterances} utterances needs about "
+            f"{need / 2**20:.0f} MiB. Free space there or set data.cache_dir to another "
+            f"disk; finished shards are kept and nothing half-written is used",
+        ) from None
+    return ShardResult(task.index, marker)
+
+
+def _init_worker() -> None:
+    import torch
+
+    torch.set_num_threads(1)
+
+
+@contextmanager
+def process_pool(workers: int) -> Iterator[Pool | None]:
+    """`workers` processes (one thread each), ended on leaving; None for one worker (inline)."""
+    if workers <= 1:
+        yield None
+        return
+    method = "fork" if sys.platform.startswith("linux") else "spawn"
+    with mp.get_context(method).Pool(workers, initializer=_init_worker) as pool:
+        yield pool
+
+
+def map_in_processes(fn: Callable[[Any], Any], items: list[Any], workers: int) -> Iterator[Any]:
+    """`fn` over `items`, in `workers` processes or inline; results in the order of `items`
+    (`fingerprints` pairs them with their files by position)."""
+    with process_pool(min(workers, len(items))) as pool:
+        yield from map(fn, items) if pool is None else pool.imap(fn, items)

@@ -1,0 +1,272 @@
+"""Sharing a job's units of work (cache shards, manifests) between processes through claims
+(`speechattn.data.claims`): each unit gets done once, by whoever is free, and the others wait
+for the rest.
+
+    done = lambda shard: (entry / f"{shard}.json").is_file()     # the unit's commit marker
+    for shard in claim_pending(names, entry, done, what="shards"):
+        extract(shard)                       # atomic writes, the marker last
+
+`claim_map` does the same with a process pool, keeping every worker busy (the feature cache's
+extraction, `cache/extract.py`); `claim_batches` hands out lists of units. Settings and DDP
+use: docs/multinode.md.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from contextlib import closing
+from multiprocessing.pool import Pool
+from pathlib import Path
+from typing import Any, TypeVar
+
+from speechattn.data.claims import ClaimConfig, Claims, ClaimTimeout
+
+log = logging.getLogger("speechattn.data.claims")  # one logger for the claims' progress lines
+
+T = TypeVar("T")
+R = TypeVar("R")
+
+
+class WorkShare:
+    """One process's view of a job shared over `claims_dir`: which of `units` it may do next
+    and, once it has nothing left to do, the wait for the units others hold. `claim_batches`
+    and `claim_map` drive it; a context manager (it runs the claims' heartbeat).
+
+        with WorkShare(units, folder, is_done, config) as share:
+            while True:
+                batch = share.claim(n)        # up to n units: nobody finished or holds them
+                for unit in batch:
+                    do(unit)
+                    share.finished(unit)      # is_done(unit) must now be True: released
+                if not batch and not share.wait():
+                    break                     # every unit is done, by someone
+
+    Not thread-safe: use it from one thread (the heartbeat thread is its own business).
+    """
+
+    def __init__(
+        self,
+        units: Iterable[str],
+        claims_dir: str | Path,
+        is_done: Callable[[str], bool],
+        config: ClaimConfig | None = None,
+        what: str = "units",
+        host: str | None = None,
+    ) -> None:
+        units = list(units)
+        if len(set(units)) != len(units):
+            raise ValueError(f"{what}: unit names must be unique")
+        self.config = config or ClaimConfig()
+        self.claims = Claims(claims_dir, self.config, host)
+        self.is_done = is_done
+        self.what = what
+        self._queue = deque(units)  # still to look at, in order
+        self._waiting: list[str] = []  # others held them when last looked at
+        self._last_progress = self._last_log = time.monotonic()
+
+    def __enter__(self) -> WorkShare:
+        self.claims.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.claims.close()  # releases what is still held: the next process may take it
+
+    def claim(self, n: int) -> list[str]:
+        """Up to `n` units claimed for this process, in order: those neither done nor held by
+        a live process (a dead holder's claim is taken over). [] when none is free now."""
+        batch: list[str] = []
+        while self._queue and len(batch) < n:
+            unit = self._queue.popleft()
+            if self.is_done(unit):
+                continue
+            if not self.claims.try_claim(unit):
+                self._waiting.append(unit)
+            elif self.is_done(unit):  # its previous holder finished it just before we claimed
+                self.claims.release(unit)
+            else:
+                batch.append(unit)
+        return batch
+
+    def finished(self, unit: str) -> None:
+        """`unit`, claimed here, is done: release its claim (RuntimeError when `is_done` says
+        it is not: work that claims success without its commit would be lost silently)."""
+        if not self.is_done(unit):
+            raise RuntimeError(
+                f"{unit} ({self.what}) was handed out, but is_done({unit!r}) is still False "
+                "when the next ones are asked for: the work must finish it"
+            )
+        self.claims.release(unit)
+        self._last_progress = time.monotonic()
+
+    def wait(self) -> bool:
+        """Call when this process holds nothing and `claim` found nothing: False when every
+        unit is done; else sleeps `poll_s` and queues the units others held for another look
+        (done, released undone, or their holder died), True. Logs a progress line naming the
+        holders every `log_every_s`; `ClaimTimeout` when none of them finished for
+        `wait_timeout_s`."""
+        still = [unit for unit in self._waiting if not self.is_done(unit)]
+        if not still and not self._queue:
+            return False
+        now = time.monotonic()
+        if len(still) < len(self._waiting):
+            self._last_progress = now
+        self._waiting = []
+        config = self.config
+        if now - self._last_progress > config.wait_timeout_s:
+            raise _timeout(self.claims, still, self.what, now - self._last_progress)
+        if now - self._last_log >= config.log_every_s:
+            log.info(
+                "waiting for %d %s claimed by other processes: %s; none finished for "
+                "%.0f s (gives up after %.0f s)",
+                len(still),
+                self.what,
+                _by_holder(self.claims, still),
+                now - self._last_progress,
+                config.wait_timeout_s,
+            )
+            self._last_log = now
+        time.sleep(config.poll_s)
+        self._queue.extend(still)
+        return True
+
+
+def claim_batches(
+    units: Iterable[str],
+    claims_dir: str | Path,
+    is_done: Callable[[str], bool],
+    size: int,
+    config: ClaimConfig | None = None,
+    what: str = "units",
+    host: str | None = None,
+) -> Iterator[list[str]]:
+    """Share `units` with every other process running this over the same `claims_dir`.
+
+    Yields lists of up to `size` units claimed for this process, in the order of `units`,
+    skipping those `is_done` and those others hold. The caller does a list's units (a pool of
+    `size` workers may) before asking for the next list; then each must be done (else
+    RuntimeError) and its claim is released. When nothing is left to claim, waits until every
+    unit is done (`WorkShare.wait`: a unit whose claim expires or is released undone is
+    claimed and yielded here; progress lines; `ClaimTimeout` naming the units, their holders
+    and claim files). Claims still held when the caller stops (an exception, `break`) are
+    released.
+    """
+    if size < 1:
+        raise ValueError(f"size must be >= 1, found {size}")
+    with WorkShare(units, claims_dir, is_done, config, what, host) as share:
+        while True:
+            batch = share.claim(size)
+            if batch:
+                yield list(batch)
+                for unit in batch:
+                    share.finished(unit)
+            elif not share.wait():
+                return
+
+
+def claim_pending(
+    units: Iterable[str],
+    claims_dir: str | Path,
+    is_done: Callable[[str], bool],
+    config: ClaimConfig | None = None,
+    what: str = "units",
+    host: str | None = None,
+) -> Iterator[str]:
+    """`claim_batches` one unit at a time: `for unit in claim_pending(...): do(unit)`."""
+    with closing(claim_batches(units, claims_dir, is_done, 1, config, what, host)) as batches:
+        for (unit,) in batches:
+            yield unit
+
+
+def claim_map(
+    fn: Callable[[T], R],
+    items: Mapping[str, T],
+    claims_dir: str | Path,
+    is_done: Callable[[str], bool],
+    pool: Pool | None = None,
+    workers: int = 1,
+    config: ClaimConfig | None = None,
+    what: str = "units",
+    host: str | None = None,
+) -> Iterator[tuple[str, R]]:
+    """`fn(items[unit])` for each unit (`items`' keys, in order) that no other process running
+    this over `claims_dir` did or does, yielding `(unit, result)` in completion order; then
+    waits for the units others hold, as `claim_batches` does.
+
+    `fn` must make `is_done(unit)` true (its commit) before it returns; the unit's claim is
+    released when its result arrives. With a `pool`, `workers` units are claimed and running
+    at a time, a new one claimed as each finishes; without, `fn` runs here, one at a time.
+    Create the pool before calling this (its processes fork before the heartbeat thread
+    starts) and consume this generator in one thread. A failure of `fn` is raised here after
+    the claims still held are released (the pool's other tasks run on: end the pool).
+    """
+    if workers < 1:
+        raise ValueError(f"workers must be >= 1, found {workers}")
+    arrived: queue.SimpleQueue[tuple[str, bool, Any]] = queue.SimpleQueue()
+    running = 0
+    with WorkShare(items, claims_dir, is_done, config, what, host) as share:
+        while True:
+            for unit in share.claim((workers if pool is not None else 1) - running):
+                running += 1
+                if pool is None:
+                    arrived.put((unit, True, fn(items[unit])))
+                    continue
+                pool.apply_async(
+                    fn,
+                    (items[unit],),
+                    callback=lambda result, unit=unit: arrived.put((unit, True, result)),
+                    error_callback=lambda error, unit=unit: arrived.put((unit, False, error)),
+                )
+            if running:
+                unit, ok, value = arrived.get()  # the pool's result thread puts them
+                running -= 1
+                if not ok:
+                    raise value
+                share.finished(unit)
+                yield unit, value
+            elif not share.wait():
+                return
+
+
+def _by_holder(claims: Claims, units: list[str], shown: int = 5) -> str:
+    """'node7 pid 1234 (shard-00005, shard-00007), node3 pid 99 (shard-00010)'."""
+    groups: dict[str, list[str]] = {}
+    for unit in units:
+        info = claims.holder(unit)
+        groups.setdefault(str(info) if info else "released, not done", []).append(unit)
+    parts = []
+    for holder, names in groups.items():
+        more = f", ... {len(names) - shown} more" if len(names) > shown else ""
+        parts.append(f"{holder} ({', '.join(names[:shown])}{more})")
+    return ", ".join(parts)
+
+
+def _timeout(claims: Claims, units: list[str], what: str, waited: float) -> ClaimTimeout:
+    lines = []
+    for unit in units[:10]:
+        info = claims.holder(unit)
+        if info is None:
+            lines.append(f"{unit} (claim released, not done)")
+            continue
+        started = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(info.started))
+        lines.append(
+            f"{unit} (claimed by {info} since {started}, last heartbeat "
+            f"{claims.now() - info.mtime:.0f} s ago; claim file {info.path})"
+        )
+    if len(units) > 10:
+        lines.append(f"... {len(units) - 10} more")
+    return ClaimTimeout(
+        claims.path(units[0]),
+        f"timed out waiting for {what} claimed by other processes",
+        f"{len(units)} {what} unfinished and none done for {waited:.0f} s: "
+        + "; ".join(lines)
+        + ". Their holders still heartbeat but finish nothing: check those processes, or "
+        "raise data.cache_wait_timeout_s; deleting a claim file frees its unit for the next "
+        "process that looks",
+    )
+
+
+__all__ = ["WorkShare", "claim_batches", "claim_map", "claim_pending"]
