@@ -12,6 +12,8 @@ installed (`pip install -e .`).
 
 from __future__ import annotations
 
+from speechattn.errors import ConfigError
+
 # torch.hub checks that these import before calling an entry point
 dependencies = ["torch", "torchaudio", "numpy"]
 
@@ -33,7 +35,7 @@ def speechattn_s3prl(ckpt: str | None = None, map_location: str = "cpu"):
 
 def _required(ckpt: str | None) -> str:
     if not ckpt:
-        raise ValueError(
+        raise ConfigError(
             "speechattn hub entry points need ckpt=PATH of an upstream.pt, e.g. "
             'torch.hub.load(REPO_DIR, "speechattn_upstream", source="local", ckpt=PATH)'
         )

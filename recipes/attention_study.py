@@ -47,6 +47,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from speechattn.errors import ConfigError, add_debug_flag, command_line_errors, usage_error
 from speechattn.tasks.records import MEL, RESULT_FILE, TASKS
 
 LAUNCHERS = ("basic", "local", "slurm")  # hydra/launcher options (conf/hydra/launcher/)
@@ -92,7 +93,7 @@ def scale_overrides(scale: str, librispeech: str | None, launcher: str = "basic"
         )
     if scale == "paper":
         if not librispeech:
-            raise SystemExit(
+            raise ConfigError(
                 "--scale paper needs the LibriSpeech root: --librispeech DIR or $LIBRISPEECH"
             )
         data = ["data=librispeech", f"data.root={librispeech}"]
@@ -101,7 +102,7 @@ def scale_overrides(scale: str, librispeech: str | None, launcher: str = "basic"
             downstream=[*data, "trainer.max_epochs=100", "early_stopping.patience=10"],
             bench=[],
         )
-    raise SystemExit(f"unknown scale {scale!r}: tiny or paper")
+    raise ConfigError(f"unknown scale {scale!r}: tiny or paper")
 
 
 @dataclass
@@ -419,8 +420,14 @@ def main(argv: list[str] | None = None) -> int:
         metavar="OVERRIDE",
         help="extra Hydra override for the head analyses (repeatable), e.g. num_batches=8",
     )
+    add_debug_flag(parser)
     args = parser.parse_args(argv)
+    with command_line_errors(args.debug, parser.prog):
+        return run_study(parser, args)
 
+
+def run_study(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    """The study as `args` asks (main's work once the command line is parsed)."""
     from speechattn.attention import available
 
     variants = available()
@@ -428,24 +435,27 @@ def main(argv: list[str] | None = None) -> int:
         chosen = args.variants.split(",")
         unknown = sorted(set(chosen) - set(variants))
         if unknown:
-            raise SystemExit(f"unknown variant(s) {unknown}; available: {', '.join(variants)}")
+            usage_error(parser, f"unknown variant(s) {unknown}; available: {', '.join(variants)}")
         variants = [v for v in variants if v in chosen]
     tasks = tuple(args.tasks.split(","))
     unknown = sorted(set(tasks) - set(TASKS))
     if unknown:
-        raise SystemExit(f"unknown task(s) {unknown}; choose from {', '.join(TASKS)}")
+        usage_error(parser, f"unknown task(s) {unknown}; choose from {', '.join(TASKS)}")
     out = (args.out or Path("results") / args.scale).resolve()
-    scale = scale_overrides(args.scale, args.librispeech, args.launcher)
+    try:
+        scale = scale_overrides(args.scale, args.librispeech, args.launcher)
+    except ConfigError as e:
+        usage_error(parser, str(e))
     if args.jobs is not None:
         if args.jobs < 1:
-            raise SystemExit(f"--jobs must be at least 1, got {args.jobs}")
+            usage_error(parser, f"--jobs must be at least 1, got {args.jobs}")
         scale.jobs = args.jobs
     analyses = (
         scale.analyses if args.heads is None else tuple(a for a in args.heads.split(",") if a)
     )
     unknown = sorted(set(analyses) - {"pretrain", *TASKS})
     if unknown:
-        raise SystemExit(f"unknown head analysis {unknown}; choose pretrain or tasks {TASKS}")
+        usage_error(parser, f"unknown head analysis {unknown}; choose pretrain or tasks {TASKS}")
 
     launcher = [] if args.launcher == "basic" else [f"hydra/launcher={args.launcher}"]
     elsewhere = args.launcher != "basic"

@@ -43,7 +43,7 @@ def run(cfg: DictConfig, datamodule: Any = None) -> dict[str, Any]:
 
 @hydra.main(version_base="1.3", config_path=str(CONFIG_DIR), config_name="analyze")
 def _main(cfg: DictConfig) -> Any:
-    return run_cli(run, cfg, errors=(FileNotFoundError, ValueError))
+    return run_cli(run, cfg)
 
 
 def main(argv: list[str] | None = None) -> None:

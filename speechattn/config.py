@@ -36,7 +36,7 @@ from omegaconf import MISSING, DictConfig
 
 from speechattn import CONFIG_DIR
 from speechattn.data.config import DataConfig
-from speechattn.errors import SpeechattnError
+from speechattn.errors import SpeechattnError, one_line, traceback_requested
 from speechattn.model.aalbert import ModelConfig
 from speechattn.model.masking import MaskingConfig
 from speechattn.model.optim import OptimConfig
@@ -137,6 +137,10 @@ class DownstreamConfig:
     seed: int = 0
     tolerance: int = "${data.label_tolerance}"  # type: ignore[assignment]  # 10 ms frames labels may differ from the repeated features
     device: str = "auto"  # feature extraction device: auto | cpu | cuda
+    # upstream: features normalised as the upstream was pretrained (its own mode and statistics,
+    # whatever data.normalization says); corpus: as data.normalization says, a mismatch with the
+    # upstream logged and recorded in result.json (corpus.normalization)
+    normalization: str = "upstream"
     # frozen features are cached, keyed by upstream file hash + layers + data config + statistics
     cache_dir: str | None = None  # null: <data cache root>/downstream
     output_dir: str | None = None  # null: the Hydra run dir
@@ -179,21 +183,19 @@ def compose(config_name: str, overrides: list[str] | None = None) -> DictConfig:
         return hydra_compose(config_name, overrides=list(overrides or []))
 
 
-def run_cli(
-    run: Callable[[DictConfig], dict[str, Any]],
-    cfg: DictConfig,
-    errors: tuple[type[BaseException], ...] = (),
-) -> dict[str, Any]:
-    """`run(cfg)` for a command line: the `errors` it names (bad inputs, a diverged run) end
-    the process with one clear line and exit status 1 instead of a traceback. In a multirun
-    (`-m`) they are logged and raised instead: Hydra records that job as failed and goes on
-    with the others (an exit would end the whole sweep, or lose a submitit job's result), then
-    ends the sweep with status 1."""
+def run_cli(run: Callable[[DictConfig], dict[str, Any]], cfg: DictConfig) -> dict[str, Any]:
+    """`run(cfg)` for a Hydra command line: a `SpeechattnError` (bad input or settings, a
+    diverged run) ends the process with one clear line and exit status 1 instead of a
+    traceback; any other exception is a bug and keeps its traceback. `HYDRA_FULL_ERROR=1`
+    keeps the traceback of a SpeechattnError too (Hydra prints it; docs/errors.md). In a
+    multirun (`-m`) the error is logged and raised instead: Hydra records that job as failed
+    and goes on with the others (an exit would end the whole sweep, or lose a submitit job's
+    result), then ends the sweep with status 1."""
     try:
         return run(cfg)
-    except (SpeechattnError, *errors) as e:
-        logging.getLogger(run.__module__).error("%s", e)
-        if _in_multirun():
+    except SpeechattnError as e:
+        logging.getLogger(run.__module__).error("%s", one_line(e))
+        if _in_multirun() or traceback_requested():
             raise
         sys.exit(1)
 

@@ -1,13 +1,29 @@
-"""The errors speechattn raises on purpose.
+"""The errors speechattn raises on purpose, and how a command line reports them.
 
-`SpeechattnError` is the base of every error that means "the input or the settings are wrong,
-and here is what to do": a damaged file, a value out of range, a diverged run. Entry points
-(`run_cli`) turn exactly these into one line and exit status 1; anything else is a bug and
-keeps its traceback. Subclasses keep `ValueError` (or `RuntimeError`) as a second base where
-callers already catch those.
+`SpeechattnError` is the base of every error that means "the input, the settings or the
+machine are wrong, and here is what to do": a damaged file, a value out of range, a missing
+upstream, a diverged run. Entry points turn exactly these into one line and exit status 1
+(`speechattn.config.run_cli` for the Hydra commands, `command_line_errors` for the argparse
+ones); anything else is a bug and keeps its traceback. Subclasses keep `ValueError`,
+`FileNotFoundError` or `RuntimeError` as a second base where callers already catch those.
+
+Checks of the Python API's own contract (a tensor of the wrong shape passed to a module,
+`setup()` not called first) stay plain `ValueError`/`RuntimeError`: a command line never
+causes them, so reached from one they mean a bug in speechattn and keep their traceback.
+The policy, as users see it, is in docs/errors.md.
 """
 
 from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import NoReturn
+
+# Hydra's own switch for full tracebacks; every speechattn command honours it (docs/errors.md)
+TRACEBACK_ENV = "HYDRA_FULL_ERROR"
 
 
 class SpeechattnError(Exception):
@@ -34,6 +50,21 @@ class DiskFullError(SpeechattnError, OSError):
         return (DiskFullError, (str(self), self.errno))
 
 
+class MissingFileError(SpeechattnError, FileNotFoundError):
+    """A file or folder the user named (an upstream, a checkpoint, a run dir) does not exist.
+    The message names the path and the setting that gave it."""
+
+
+class OutputExistsError(SpeechattnError, FileExistsError):
+    """Where a command would write, something else already is (it is never overwritten);
+    the message says what to remove or where else to write."""
+
+
+class DependencyError(SpeechattnError, RuntimeError):
+    """A library or program speechattn needs is missing or fails on this machine (eSpeak NG,
+    an optional package); the message says what to install."""
+
+
 def require(ok: bool, setting: str, value: object, rule: str) -> None:
     """Raise `ConfigError("<setting>=<value>: must be <rule>")` unless `ok`.
 
@@ -52,3 +83,82 @@ def is_number(value: object) -> bool:
 def is_int(value: object) -> bool:
     """True for an int (not a bool)."""
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def traceback_requested() -> bool:
+    """True when `HYDRA_FULL_ERROR=1` asks every command for full tracebacks."""
+    return os.environ.get(TRACEBACK_ENV, "") == "1"
+
+
+def add_debug_flag(parser: argparse.ArgumentParser) -> None:
+    """`--debug` on an argparse command: a SpeechattnError keeps its traceback."""
+    parser.add_argument(
+        "--debug",
+        action="store_true",
+        help=f"show the traceback of an error (as {TRACEBACK_ENV}=1 does)",
+    )
+
+
+@contextmanager
+def command_line_errors(debug: bool = False, prog: str | None = None) -> Iterator[None]:
+    """The argparse commands' `run_cli`: a SpeechattnError raised inside ends the process with
+    one line on stderr (`prog: error: ...`) and exit status 1; with `debug` (`--debug`) or
+    `HYDRA_FULL_ERROR=1` it propagates with its traceback. A `UsageExit` prints its message
+    the same way and exits with status 2. Other exceptions are bugs and propagate unchanged."""
+    name = prog or os.path.basename(sys.argv[0])
+    try:
+        yield
+    except UsageExit as e:
+        print(f"{name}: error: {e}", file=sys.stderr)
+        raise
+    except SpeechattnError as e:
+        if debug or traceback_requested():
+            raise
+        print(f"{name}: error: {one_line(e)}", file=sys.stderr)
+        sys.exit(1)
+
+
+class UsageExit(SystemExit):
+    """Exit status 2 for a command line the parser accepted but the command cannot use (an
+    unknown variant name, --jobs 0), as argparse refuses one. `str()` is the message, which
+    `command_line_errors` prints (`prog: error: message`)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(2)
+        self.message = message
+
+    def __str__(self) -> str:
+        return self.message
+
+
+def usage_error(parser: argparse.ArgumentParser, message: str) -> NoReturn:
+    """Refuse the command line as argparse does: the usage line on stderr, then `UsageExit`
+    (exit status 2; `command_line_errors` prints the message)."""
+    parser.print_usage(sys.stderr)
+    raise UsageExit(message)
+
+
+def one_line(error: BaseException) -> str:
+    """`error`'s message on one line (a multi-line message is joined with ' | ')."""
+    text = str(error).strip() or type(error).__name__
+    return " | ".join(line.strip() for line in text.splitlines() if line.strip())
+
+
+__all__ = [
+    "TRACEBACK_ENV",
+    "ConfigError",
+    "DependencyError",
+    "DiskFullError",
+    "MissingFileError",
+    "OutputExistsError",
+    "SpeechattnError",
+    "UsageExit",
+    "add_debug_flag",
+    "is_int",
+    "is_number",
+    "require",
+    "command_line_errors",
+    "one_line",
+    "traceback_requested",
+    "usage_error",
+]

@@ -24,8 +24,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from speechattn.config import CONFIG_DIR, run_cli
-from speechattn.model.upstream import NonFiniteWeightsError
-from speechattn.tasks.pretrain import NonFiniteLossError, run
+from speechattn.tasks.pretrain import run
 
 log = logging.getLogger("speechattn.pretrain")
 
@@ -55,7 +54,7 @@ def main(cfg: DictConfig) -> Any:
     warning = tiny_experiment_warning(cfg, hydra_cfg.runtime.choices, hydra_cfg.overrides.task)
     if warning:
         log.warning(warning)
-    result = run_cli(run, cfg, errors=(NonFiniteLossError, NonFiniteWeightsError))
+    result = run_cli(run, cfg)
     return result.get("val_loss") or result.get("train_loss")  # what Hydra sweepers optimise
 
 

@@ -19,7 +19,7 @@ from speechattn.tasks.analysis.prune import run
 
 @hydra.main(version_base="1.3", config_path=str(CONFIG_DIR), config_name="prune")
 def main(cfg: DictConfig) -> Any:
-    return run_cli(run, cfg, errors=(FileNotFoundError, ValueError))
+    return run_cli(run, cfg)
 
 
 __all__ = ["main", "run"]

@@ -63,6 +63,7 @@ from speechattn.attention.base import (
     widen,
 )
 from speechattn.attention.registry import register
+from speechattn.errors import ConfigError
 
 # CPU flash attention with its log-sum-exp (public SDPA returns only the output)
 _flash_cpu = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
@@ -196,14 +197,16 @@ class AdaptiveSpanConfig(AttentionConfig):
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.max_span < 1 or self.ramp < 1:
-            raise ValueError(
+            raise ConfigError(
                 f"adaptive_span needs max_span >= 1 and ramp >= 1, got max_span={self.max_span}, "
                 f"ramp={self.ramp}"
             )
         if not 0.0 <= self.init_span <= 1.0:
-            raise ValueError(f"init_span is a fraction of max_span in [0, 1], got {self.init_span}")
+            raise ConfigError(
+                f"init_span is a fraction of max_span in [0, 1], got {self.init_span}"
+            )
         if self.span_penalty < 0:
-            raise ValueError(f"span_penalty must be >= 0, got {self.span_penalty}")
+            raise ConfigError(f"span_penalty must be >= 0, got {self.span_penalty}")
 
 
 @register("adaptive_span")

@@ -43,6 +43,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from speechattn.errors import ConfigError
+
 # Additive score on the diagonal for shared-QK attention (Reformer): a query attends to
 # itself only when it has no other valid key. Finite, unlike -inf, so such rows stay defined.
 SELF_PENALTY = -5e4
@@ -92,15 +94,15 @@ class AttentionConfig:
 
     def __post_init__(self) -> None:
         if self.dim <= 0 or self.num_heads <= 0:
-            raise ValueError(
+            raise ConfigError(
                 f"dim and num_heads must be positive, got {self.dim}, {self.num_heads}"
             )
         if self.dim % self.num_heads:
-            raise ValueError(f"dim={self.dim} is not divisible by num_heads={self.num_heads}")
+            raise ConfigError(f"dim={self.dim} is not divisible by num_heads={self.num_heads}")
         if self.layer < 0:
-            raise ValueError(f"layer must be >= 0, got {self.layer}")
+            raise ConfigError(f"layer must be >= 0, got {self.layer}")
         if not 0.0 <= self.dropout < 1.0:
-            raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
+            raise ConfigError(f"dropout must be in [0, 1), got {self.dropout}")
 
     @property
     def head_dim(self) -> int:

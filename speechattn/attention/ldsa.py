@@ -36,6 +36,7 @@ from speechattn.attention.base import (
     widen,
 )
 from speechattn.attention.registry import register
+from speechattn.errors import ConfigError
 
 
 class LocalWeightedSum(torch.autograd.Function):
@@ -92,7 +93,7 @@ class LDSAConfig(AttentionConfig):
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.context < 1 or self.context % 2 == 0:
-            raise ValueError(
+            raise ConfigError(
                 f"ldsa context width c must be a positive odd number, got {self.context}"
             )
 

@@ -58,6 +58,7 @@ from speechattn.attention.sparse import (
     block_windows,
     window_offsets,
 )
+from speechattn.errors import ConfigError
 
 
 @dataclass
@@ -70,16 +71,16 @@ class LongformerConfig(AttentionConfig):
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.window < 1:
-            raise ValueError(f"longformer window w must be >= 1, got {self.window}")
+            raise ConfigError(f"longformer window w must be >= 1, got {self.window}")
         if self.dilation < 1:
-            raise ValueError(f"longformer dilation must be >= 1 (1: no gaps), got {self.dilation}")
+            raise ConfigError(f"longformer dilation must be >= 1 (1: no gaps), got {self.dilation}")
         if self.dilated_heads is not None and not 0 <= self.dilated_heads <= self.num_heads:
-            raise ValueError(
+            raise ConfigError(
                 f"longformer dilated_heads must be in [0, num_heads={self.num_heads}] or None, "
                 f"got {self.dilated_heads}"
             )
         if self.global_every < 0:
-            raise ValueError(
+            raise ConfigError(
                 f"longformer global_every must be >= 0 (0: no global frames), got {self.global_every}"
             )
 

@@ -60,6 +60,7 @@ from speechattn.attention.base import (
     widen,
 )
 from speechattn.attention.registry import register
+from speechattn.errors import ConfigError
 
 Transform = Callable[[Tensor, Tensor, Tensor], tuple[Tensor, Tensor]]
 _TINY = 1e-12
@@ -376,7 +377,7 @@ class LSHConfig(AttentionConfig):
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.k < 1 or self.bits < 1:
-            raise ValueError(f"need k >= 1 and bits >= 1, got k={self.k}, bits={self.bits}")
+            raise ConfigError(f"need k >= 1 and bits >= 1, got k={self.k}, bits={self.bits}")
 
 
 class _LSHAttention(Attention):

@@ -12,6 +12,8 @@ import math
 import torch
 from torch import Tensor
 
+from speechattn.errors import ConfigError
+
 # Order of the fixed patterns (Raganato et al. 2020), i.e. of the first heads of syn_fixed.
 FIXED_PATTERN_NAMES = ("current", "previous", "next", "left", "right", "start", "end")
 
@@ -133,7 +135,7 @@ def fixed_pattern(name: str, n: int, context: int = 3) -> Tensor:
         out = torch.zeros(n, n)
         out[:, 0 if name == "start" else n - 1] = 1
         return out
-    raise ValueError(f"unknown fixed pattern {name!r}; valid: {', '.join(FIXED_PATTERN_NAMES)}")
+    raise ConfigError(f"unknown fixed pattern {name!r}; valid: {', '.join(FIXED_PATTERN_NAMES)}")
 
 
 def fixed_patterns(n: int, context: int = 3) -> Tensor:

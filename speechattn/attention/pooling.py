@@ -32,6 +32,7 @@ import torch
 from torch import Tensor, nn
 
 from speechattn.attention.base import masked_softmax
+from speechattn.errors import ConfigError
 
 Norm = Callable[[Tensor, Tensor], Tensor]  # (scores (B, Lk, Lq), key_valid (B, Lk)) -> weights
 Fuse = Callable[[Tensor, Tensor], Tensor]  # (weights (B, Lk, Lq), query_valid (B, Lq)) -> (B, Lk)
@@ -97,12 +98,12 @@ class FusedAttentionPool(nn.Module):
     ) -> None:
         super().__init__()
         if scale not in SCALES:
-            raise ValueError(
+            raise ConfigError(
                 f"FusedAttentionPool: scale must be 'value' (sqrt(d), the size of V) "
                 f"or 'key' (sqrt(u), the size of Q and K), got {scale!r}"
             )
         if in_dim is None and None in (f_q, f_k, f_v):
-            raise ValueError("FusedAttentionPool: give in_dim or all of f_q, f_k, f_v")
+            raise ConfigError("FusedAttentionPool: give in_dim or all of f_q, f_k, f_v")
         u, d = qk_dim or in_dim, out_dim or in_dim
         self.f_q = f_q if f_q is not None else nn.Linear(in_dim, u)
         self.f_k = f_k if f_k is not None else nn.Linear(in_dim, u)

@@ -7,6 +7,7 @@ from collections.abc import Callable
 from typing import Any
 
 from speechattn.attention.base import Attention, AttentionConfig
+from speechattn.errors import ConfigError
 
 _REGISTRY: dict[str, type[Attention]] = {}
 
@@ -38,7 +39,7 @@ def available() -> list[str]:
 def get(name: str) -> type[Attention]:
     """The class registered under `name`; unknown names raise a ValueError listing valid ones."""
     if name not in _REGISTRY:
-        raise ValueError(f"unknown attention {name!r}; valid names: {', '.join(_REGISTRY)}")
+        raise ConfigError(f"unknown attention {name!r}; valid names: {', '.join(_REGISTRY)}")
     return _REGISTRY[name]
 
 
@@ -53,17 +54,22 @@ def options(name: str) -> dict[str, Any]:
     return out
 
 
+class UnknownOptionError(ConfigError, TypeError):
+    """An option the variant does not have (`attention.options.strde=4`); a TypeError too, as
+    for a misspelt keyword argument."""
+
+
 def build(name: str, dim: int, num_heads: int, **options: Any) -> Attention:
     """Build variant `name` with model dim D = `dim`, h = `num_heads` and its own options.
 
-    Unknown names raise ValueError listing the valid names; unknown options raise TypeError
-    naming them and listing the options the variant accepts.
+    Unknown names raise a ConfigError listing the valid names; unknown options raise
+    `UnknownOptionError` (a TypeError) naming them and listing the options the variant accepts.
     """
     cls = get(name)
     allowed = [f.name for f in dataclasses.fields(cls.Config) if f.name not in ("dim", "num_heads")]
     unknown = sorted(set(options) - set(allowed))
     if unknown:
-        raise TypeError(
+        raise UnknownOptionError(
             f"unknown option(s) {', '.join(map(repr, unknown))} for attention {name!r}; "
             f"valid options: {', '.join(allowed)}"
         )

@@ -72,6 +72,7 @@ from speechattn.attention.base import (
 from speechattn.attention.dot_product import SharedQKBase
 from speechattn.attention.registry import register
 from speechattn.attention.sparse import band_kernel
+from speechattn.errors import ConfigError
 
 
 def _data_parallel() -> bool:
@@ -89,12 +90,12 @@ class RoutingConfig(AttentionConfig):
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.window < 1 or self.max_clusters < 1:
-            raise ValueError(
+            raise ConfigError(
                 f"routing needs window >= 1 and max_clusters >= 1, got window={self.window}, "
                 f"max_clusters={self.max_clusters}"
             )
         if not 0.0 <= self.decay < 1.0:
-            raise ValueError(f"routing decay must be in [0, 1), got {self.decay}")
+            raise ConfigError(f"routing decay must be in [0, 1), got {self.decay}")
 
 
 @dataclass

@@ -56,6 +56,7 @@ from speechattn.attention.base import (
 )
 from speechattn.attention.dot_product import SharedQKBase
 from speechattn.attention.registry import register
+from speechattn.errors import ConfigError
 
 # l: one stride for the batch (int), or one per utterance ((B,) long, on the device)
 Stride = int | Tensor
@@ -407,7 +408,7 @@ class SparseConfig(AttentionConfig):
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.kernel not in KERNELS:
-            raise ValueError(f"kernel must be one of {KERNELS}, got {self.kernel!r}")
+            raise ConfigError(f"kernel must be one of {KERNELS}, got {self.kernel!r}")
 
 
 @dataclass
@@ -417,7 +418,7 @@ class SparseStridedConfig(SparseConfig):
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.stride is not None and self.stride < 1:
-            raise ValueError(f"stride must be >= 1 or None, got {self.stride}")
+            raise ConfigError(f"stride must be >= 1 or None, got {self.stride}")
 
 
 @register("sparse_strided")
@@ -464,9 +465,9 @@ class SparseFixedConfig(SparseConfig):
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.block is not None and self.block < 1:
-            raise ValueError(f"block must be >= 1 or None, got {self.block}")
+            raise ConfigError(f"block must be >= 1 or None, got {self.block}")
         if self.summary < 1:
-            raise ValueError(f"summary must be >= 1, got {self.summary}")
+            raise ConfigError(f"summary must be >= 1, got {self.summary}")
 
 
 @register("sparse_fixed")

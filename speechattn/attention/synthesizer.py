@@ -59,6 +59,7 @@ from speechattn.attention.base import (
     select_,
 )
 from speechattn.attention.registry import register
+from speechattn.errors import ConfigError
 
 
 def _sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, p: float) -> Tensor:
@@ -75,7 +76,7 @@ def _sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, p: float) -> Ten
 
 def _check_len(name: str, T: int, max_len: int) -> None:
     if T > max_len:
-        raise ValueError(
+        raise ConfigError(
             f"{name}: sequence length T={T} exceeds max_len={max_len}; "
             f"set attention.options.max_len >= {T} (or crop the input)"
         )
@@ -89,9 +90,9 @@ class SynDenseConfig(AttentionConfig):
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.max_len < 1:
-            raise ValueError(f"max_len must be >= 1, got {self.max_len}")
+            raise ConfigError(f"max_len must be >= 1, got {self.max_len}")
         if self.hidden is not None and self.hidden < 1:
-            raise ValueError(f"hidden must be >= 1 or None, got {self.hidden}")
+            raise ConfigError(f"hidden must be >= 1 or None, got {self.hidden}")
 
 
 class _SynthesizerBase(Attention):
@@ -450,7 +451,7 @@ class SynRandomConfig(AttentionConfig):
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.max_len < 1:
-            raise ValueError(f"max_len must be >= 1, got {self.max_len}")
+            raise ConfigError(f"max_len must be >= 1, got {self.max_len}")
 
 
 @register("syn_random")
@@ -529,7 +530,7 @@ class SynFixedConfig(SynRandomConfig):
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.context < 1 or not 0 < self.eps < 1:
-            raise ValueError(f"need context >= 1 and 0 < eps < 1, got {self.context}, {self.eps}")
+            raise ConfigError(f"need context >= 1 and 0 < eps < 1, got {self.context}, {self.eps}")
 
 
 @register("syn_fixed")

@@ -54,6 +54,10 @@ report's Table 1) and a log-log PNG. A missed slowdown target says why, from wha
 measured: a two-kernel variant's other kernel is timed too (so the line says whether any of
 its kernels meets the limit), LSH variants give their hashing/matching share, one-kernel
 variants say so.
+
+`run` measures (each step its own function: `build_cases`, `time_cases`, `record_case`,
+`derive`, `describe`, `run_meta`, `targets`); one module at one length is a `Case`
+(`attention_cases.py`); the tables and the plot are in `attention_output.py`.
 """
 
 from __future__ import annotations
@@ -69,178 +73,28 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
-from torch import Tensor, nn
 
 from speechattn.attention import Attention, autotune, available, build, registry
-from speechattn.attention.base import linear_flops
+from speechattn.bench.attention_cases import BASELINES, FLEX, LSH, Case, variant_of
+from speechattn.bench.attention_output import plot, print_table
 from speechattn.bench.common import (
     PeakRSS,
     add_precision_argument,
-    autocast,
     available_memory,
     default_precision,
     device_name,
     matmul_peak,
     peak_dtype,
     peak_memory,
-    sync,
 )
 
 DEFAULT_LENGTHS = [256, 512, 1024, 2048, 4096, 8192]
 QUICK_LENGTHS = [128, 256, 512, 1024]
-BASELINES = ["sdpa_mha", "sdpa_kernel"]
-LSH = {"sign_alsh", "xbox", "xbox_qnf", "simple_lsh", "simple_alsh"}
 SLOWDOWN_LIMIT = 1.1  # a variant with fewer FLOPs than full may take at most this x full's time
 BOUND_SHARE = 0.7  # ldsa / sparse_* keep this share of their FLOP-bound speed-up ...
 BOUND_MIN_T = 4096  # ... at this length and above
 TARGET_LENGTHS = (128, 8192)  # the range the slowdown limit applies to
-FLEX = "+flex"  # row suffix: the variant with kernel="flex" (CUDA runs add these rows)
 MEMORY_SHARE = 0.8  # a case's peak may take this share of the memory still available
-
-
-def variant_of(row: str) -> tuple[str, dict]:
-    """A result row's registry name and the options that distinguish it."""
-    if row.endswith(FLEX):
-        return row.removesuffix(FLEX), {"kernel": "flex"}
-    return row, {}
-
-
-class BareMHA(nn.Module):
-    """`full` without speechattn: qkv Linear -> SDPA -> out Linear (no masks, no checks)."""
-
-    def __init__(self, dim: int, num_heads: int) -> None:
-        super().__init__()
-        self.h = num_heads
-        self.qkv = nn.Linear(dim, 3 * dim)
-        self.out = nn.Linear(dim, dim)
-
-    def forward(self, x: Tensor) -> Tensor:
-        B, T, D = x.shape
-        q, k, v = self.qkv(x).view(B, T, 3, self.h, -1).permute(2, 0, 3, 1, 4)  # (B, h, T, d_k)
-        y = F.scaled_dot_product_attention(q, k, v)
-        return self.out(y.transpose(1, 2).reshape(B, T, D))
-
-
-class KernelOnly(nn.Module):
-    """The SDPA call alone on (B, h, T, d_k) leaf tensors."""
-
-    def __init__(self, num_heads: int) -> None:
-        super().__init__()
-        self.h = num_heads
-
-    def forward(self, qkv: tuple[Tensor, Tensor, Tensor]) -> Tensor:
-        return F.scaled_dot_product_attention(*qkv)
-
-
-# --------------------------------------------------------------------------- memory probes
-def saved_bytes(fn: Callable[[], Tensor], params: list[Tensor]) -> tuple[Tensor, float]:
-    """Run fn under saved_tensors_hooks; returns (output, MiB of distinct saved storages),
-    not counting storages of `params` (saving a parameter costs no memory)."""
-    seen: dict[int, int] = {}
-    skip = {p.untyped_storage().data_ptr() for p in params}
-
-    def pack(t: Tensor) -> Tensor:
-        if t.numel() and t.untyped_storage().data_ptr() not in skip:
-            st = t.untyped_storage()
-            seen[st.data_ptr()] = st.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = fn()
-    return out, sum(seen.values()) / 2**20
-
-
-# --------------------------------------------------------------------------- measuring
-class Case:
-    """One benchmarked module at one length: builds inputs and runs one training step."""
-
-    def __init__(self, name: str, T: int, args: argparse.Namespace, device: torch.device) -> None:
-        self.name, self.T, self.device = name, T, device
-        self.precision, self.batch, self.dim = args.precision, args.batch, args.dim
-        B, D, h = args.batch, args.dim, args.heads
-        gen = torch.Generator().manual_seed(T)
-        self.options: dict = {}
-        if name == "sdpa_mha":
-            self.module: nn.Module = BareMHA(D, h)
-        elif name == "sdpa_kernel":
-            self.module = KernelOnly(h)
-        else:
-            variant, self.options = variant_of(name)
-            defaults = registry.options(variant)
-            if "max_len" in defaults and defaults["max_len"] < T:
-                self.options["max_len"] = T
-            self.module = build(variant, D, h, **self.options)
-            autotune.enable(self.module, args.autotune == "on")
-        self.module.to(device)
-        if name == "sdpa_kernel":
-            shape = (B, h, T, D // h)
-            self.inputs = tuple(
-                torch.randn(shape, generator=gen).to(device).requires_grad_() for _ in range(3)
-            )
-        else:
-            self.inputs = torch.randn(B, T, D, generator=gen).to(device).requires_grad_()
-        if getattr(self.module, "autotune", False):
-            with torch.no_grad():  # choose the kernel now: outside every timed or measured step
-                self.forward()
-
-    def forward(self) -> Tensor:
-        with autocast(self.device.type, self.precision):
-            return self.module(self.inputs)
-
-    def flops(self) -> float:
-        """Training FLOPs of one step (forward + backward) as the module is defined."""
-        B, T, D = self.batch, self.T, self.dim
-        if isinstance(self.module, Attention):
-            return B * self.module.flops(T).training
-        attention = 3 * 4.0 * T * T * D  # SDPA: scores and weighted sums, forward + backward
-        projections = 3 * linear_flops(T, D, 4 * D) if self.name == "sdpa_mha" else 0.0
-        return B * (attention + projections)
-
-    def _zero(self) -> None:
-        for p in self.module.parameters():
-            p.grad = None
-        for t in self.inputs if isinstance(self.inputs, tuple) else (self.inputs,):
-            t.grad = None
-
-    def step(self) -> None:
-        self._zero()
-        self.forward().float().sum().backward()
-        self._zero()  # free gradients (large for synthesizer tables) before the next case
-
-    def time_step(self, clock: Callable[[], float]) -> float:
-        self._zero()
-        sync(self.device)
-        t0 = clock()
-        self.forward().float().sum().backward()
-        sync(self.device)
-        dt = (clock() - t0) * 1000
-        self._zero()  # free gradients (large for synthesizer tables) before the next case
-        return dt
-
-    def time_select(self, clock: Callable[[], float]) -> float | None:
-        """LSH only: hashing + matching + top-k on this input, no gradient (ms)."""
-        if self.name not in LSH:
-            return None
-        attn: Attention = self.module
-        with torch.no_grad(), autocast(self.device.type, self.precision):
-            valid = torch.ones(self.inputs.shape[:2], dtype=torch.bool, device=self.device)
-            q, k, _ = attn._qkv(self.inputs)
-            sync(self.device)
-            t0 = clock()
-            attn.select(q, k, valid)
-            sync(self.device)
-        return (clock() - t0) * 1000
-
-    def memory(self, rss: PeakRSS) -> tuple[float | None, float]:
-        self._zero()
-        peak = peak_memory(self.step, self.device, rss)
-        self._zero()
-        _, saved = saved_bytes(self.forward, list(self.module.parameters()))
-        return peak, saved
-
-    def params(self) -> int:
-        return sum(p.numel() for p in self.module.parameters())
 
 
 def other_kernel(case: Case, clock: Callable[[], float], reps: int) -> dict | None:
@@ -307,116 +161,153 @@ def growth_exponent(times: dict[int, float]) -> float | None:
     return sum((x - mx) * (y - my) for x, y in pts) / sxx if sxx else None
 
 
-def run(args: argparse.Namespace) -> dict:
-    device = torch.device(args.device)
-    if args.threads:
-        torch.set_num_threads(args.threads)
+def row_names(args: argparse.Namespace, device: torch.device) -> tuple[list[str], list[str]]:
+    """(variant rows, all rows): the chosen variants with `full` first where missing (every
+    ratio is to it), their `+flex` rows on CUDA, then the SDPA baselines."""
     names = args.variants or available()
     if "full" not in names:
         names = ["full", *names]
     if device.type == "cuda":  # FlexAttention kernels train on CUDA only
         names += [n + FLEX for n in names if "kernel" in registry.options(n)]
-    rows = names + ([] if args.no_baselines else BASELINES)
-    rss = PeakRSS()
-    clock = time.process_time if args.clock == "cpu" else time.perf_counter
-    peak = matmul_peak(device=args.device, dtype=peak_dtype(args.precision), clock=clock)
-    res: dict[str, dict] = {
-        n: {"time_ms": {}, "time_ms_median": {}, "peak_mem_mb": {}, "saved_mb": {}, "gflop": {}}
-        for n in rows
-    }
-    torch.manual_seed(0)
-    warmup_peak: dict[str, tuple[int, float]] = {}  # name -> (T, MiB) of its last warm-up
-    reps_at: dict[int, int] = {}
+    return names, names + ([] if args.no_baselines else BASELINES)
 
-    def skip(n: str, T: int, why: str) -> None:
-        res[n].setdefault("errors", {})[T] = why
+
+class Skips:
+    """Cases left out (memory guard, build or warm-up failure): recorded in the row's `errors`
+    and said on stderr."""
+
+    def __init__(self, res: dict[str, dict]) -> None:
+        self.res = res
+
+    def __call__(self, n: str, T: int, why: str) -> None:
+        self.res[n].setdefault("errors", {})[T] = why
         print(f"  T={T} {n}: skipped ({why})", file=sys.stderr, flush=True)
 
-    for T in args.lengths:
-        cases = {}
-        for n in rows:
-            if n in warmup_peak:
-                T0, mb = warmup_peak[n]
-                predicted, free = mb * (T / T0) ** 2, available_memory(device)
-                if free is not None and predicted > MEMORY_SHARE * free:
-                    skip(n, T, f"predicted peak {predicted:.0f} MiB, {free:.0f} MiB available")
-                    continue
-            try:
-                cases[n] = Case(n, T, args, device)
-                peak = peak_memory(cases[n].step, device, rss)  # warm-up
-            except (RuntimeError, MemoryError) as err:  # e.g. out of memory: record and go on
-                cases.pop(n, None)
-                skip(n, T, str(err).splitlines()[0][:200])
-                continue
-            if peak is not None:
-                warmup_peak[n] = (T, peak)
-        free = available_memory(device)  # every case of this length is built now
-        for n in list(cases):
-            if free is not None and n in warmup_peak and warmup_peak[n][1] > MEMORY_SHARE * free:
-                del cases[n]
-                skip(n, T, f"peak {warmup_peak[n][1]:.0f} MiB, {free:.0f} MiB available")
-        samples: dict[str, list[float]] = {n: [] for n in cases}
-        reps = args.reps
-        if "full" in cases:
-            reps = max(reps, math.ceil(args.min_time * 1000 / cases["full"].time_step(clock)))
-        reps_at[T] = reps
-        for _ in range(reps):
-            for n, case in cases.items():
-                samples[n].append(case.time_step(clock))
-        full_ms = min(samples["full"]) if "full" in cases else None
-        for n, case in cases.items():
-            r = res[n]
-            r["time_ms"][T] = min(samples[n])
-            if full_ms and r["time_ms"][T] > SLOWDOWN_LIMIT * full_ms:  # a target may be missed
-                other = other_kernel(case, clock, reps)
-                if other is not None:
-                    r.setdefault("other_kernel", {})[T] = other
-            r["time_ms_median"][T] = statistics.median(samples[n])
-            sel = [case.time_select(clock) for _ in range(reps)] if n in LSH else []
-            if sel:
-                r.setdefault("select_ms", {})[T] = min(sel)
-                r.setdefault("attention_ms", {})[T] = max(r["time_ms"][T] - min(sel), 1e-3)
-            if not args.no_memory:
-                r["peak_mem_mb"][T], r["saved_mb"][T] = case.memory(rss)
-            r["gflop"][T] = case.flops() / 1e9
-            r.setdefault("params_at_T", {})[T] = case.params()
-            if case.options:
-                r.setdefault("options_at_T", {})[T] = case.options
-            if isinstance(case.module, Attention):
-                r.setdefault("keys_attended", {})[T] = case.module.keys_attended(T)
-                r.setdefault("kernel", {})[T] = autotune.used(case.module, T)
-        line = "  ".join(f"{n}={res[n]['time_ms'][T]:.0f}" for n in cases)
-        print(f"T={T}: {line} (ms)", file=sys.stderr, flush=True)
-        del cases
-    peak = max(peak, matmul_peak(device=args.device, dtype=peak_dtype(args.precision), clock=clock))
-    full, full_gflop = res["full"]["time_ms"], res["full"]["gflop"]
+
+def build_cases(
+    T: int,
+    rows: list[str],
+    args: argparse.Namespace,
+    device: torch.device,
+    rss: PeakRSS,
+    warmup_peak: dict[str, tuple[int, float]],
+    skip: Skips,
+) -> dict[str, Case]:
+    """Every row's case at length T, built and warmed up once, unless its peak memory,
+    predicted from its last warm-up (x length ratio squared) or measured at this warm-up,
+    would not fit in MEMORY_SHARE of the memory available. Updates `warmup_peak`."""
+    cases = {}
     for n in rows:
-        r = res[n]
-        r["ratio_to_full"] = {T: full[T] / t for T, t in r["time_ms"].items() if T in full}
-        r["flop_bound"] = {T: full_gflop[T] / g for T, g in r["gflop"].items() if T in full_gflop}
-        r["achieved_of_bound"] = {
-            T: r["ratio_to_full"][T] / b
-            for T, b in r["flop_bound"].items()
-            if T in r["ratio_to_full"]
-        }
-        r["mfu"] = {T: r["gflop"][T] * 1e9 / (t / 1e3) / peak for T, t in r["time_ms"].items()}
-        r["growth_exponent"] = growth_exponent(r["time_ms"])
-        if "attention_ms" in r:
-            r["attention_growth_exponent"] = growth_exponent(r["attention_ms"])
-        if n in BASELINES:
-            r["complexity"] = "O(T^2 D)" if n == "sdpa_mha" else "O(T^2 d_k h)"
+        if n in warmup_peak:
+            T0, mb = warmup_peak[n]
+            predicted, free = mb * (T / T0) ** 2, available_memory(device)
+            if free is not None and predicted > MEMORY_SHARE * free:
+                skip(n, T, f"predicted peak {predicted:.0f} MiB, {free:.0f} MiB available")
+                continue
+        try:
+            cases[n] = Case(n, T, args, device)
+            peak = peak_memory(cases[n].step, device, rss)  # warm-up
+        except (RuntimeError, MemoryError) as err:  # e.g. out of memory: record and go on
+            cases.pop(n, None)
+            skip(n, T, str(err).splitlines()[0][:200])
             continue
-        variant, options = variant_of(n)
-        attn = build(variant, args.dim, args.heads, **options)
-        r.update(
-            paper=attn.paper,
-            complexity=attn.complexity,
-            complexity_training=attn.complexity_training,
-            complexity_inference=attn.complexity_inference,
-            params=sum(p.numel() for p in attn.parameters()),
-            options={**registry.options(variant), **options},
-        )
-    meta = {
+        if peak is not None:
+            warmup_peak[n] = (T, peak)
+    free = available_memory(device)  # every case of this length is built now
+    for n in list(cases):
+        if free is not None and n in warmup_peak and warmup_peak[n][1] > MEMORY_SHARE * free:
+            del cases[n]
+            skip(n, T, f"peak {warmup_peak[n][1]:.0f} MiB, {free:.0f} MiB available")
+    return cases
+
+
+def time_cases(
+    cases: dict[str, Case], args: argparse.Namespace, clock: Callable[[], float]
+) -> tuple[dict[str, list[float]], int]:
+    """(step times in ms per case, steps per case): `--reps` steps at least, more while
+    `full`'s steps add up to less than `--min-time`; the cases take turns (interleaved)."""
+    samples: dict[str, list[float]] = {n: [] for n in cases}
+    reps = args.reps
+    if "full" in cases:
+        reps = max(reps, math.ceil(args.min_time * 1000 / cases["full"].time_step(clock)))
+    for _ in range(reps):
+        for n, case in cases.items():
+            samples[n].append(case.time_step(clock))
+    return samples, reps
+
+
+def record_case(
+    r: dict,
+    case: Case,
+    times: list[float],
+    full_ms: float | None,
+    reps: int,
+    args: argparse.Namespace,
+    clock: Callable[[], float],
+    rss: PeakRSS,
+) -> None:
+    """Store what was measured for `case` at its length in its row `r`: times, the other
+    kernel where a target may be missed, LSH's selection time, memory, FLOPs, parameters,
+    options, keys attended and the kernel used."""
+    T, n = case.T, case.name
+    r["time_ms"][T] = min(times)
+    if full_ms and r["time_ms"][T] > SLOWDOWN_LIMIT * full_ms:  # a target may be missed
+        other = other_kernel(case, clock, reps)
+        if other is not None:
+            r.setdefault("other_kernel", {})[T] = other
+    r["time_ms_median"][T] = statistics.median(times)
+    sel = [case.time_select(clock) for _ in range(reps)] if n in LSH else []
+    if sel:
+        r.setdefault("select_ms", {})[T] = min(sel)
+        r.setdefault("attention_ms", {})[T] = max(r["time_ms"][T] - min(sel), 1e-3)
+    if not args.no_memory:
+        r["peak_mem_mb"][T], r["saved_mb"][T] = case.memory(rss)
+    r["gflop"][T] = case.flops() / 1e9
+    r.setdefault("params_at_T", {})[T] = case.params()
+    if case.options:
+        r.setdefault("options_at_T", {})[T] = case.options
+    if isinstance(case.module, Attention):
+        r.setdefault("keys_attended", {})[T] = case.module.keys_attended(T)
+        r.setdefault("kernel", {})[T] = autotune.used(case.module, T)
+
+
+def derive(r: dict, full: dict, peak: float) -> None:
+    """A row's figures relative to `full`'s row and to the matmul peak (FLOP/s): speed-up,
+    FLOP bound, achieved share of it, MFU and growth exponents."""
+    full_ms, full_gflop = full["time_ms"], full["gflop"]
+    r["ratio_to_full"] = {T: full_ms[T] / t for T, t in r["time_ms"].items() if T in full_ms}
+    r["flop_bound"] = {T: full_gflop[T] / g for T, g in r["gflop"].items() if T in full_gflop}
+    r["achieved_of_bound"] = {
+        T: r["ratio_to_full"][T] / b for T, b in r["flop_bound"].items() if T in r["ratio_to_full"]
+    }
+    r["mfu"] = {T: r["gflop"][T] * 1e9 / (t / 1e3) / peak for T, t in r["time_ms"].items()}
+    r["growth_exponent"] = growth_exponent(r["time_ms"])
+    if "attention_ms" in r:
+        r["attention_growth_exponent"] = growth_exponent(r["attention_ms"])
+
+
+def describe(n: str, args: argparse.Namespace) -> dict:
+    """A row's definition: complexity for the baselines; for a variant also its paper,
+    parameters and options (from a module built at the benchmark's size)."""
+    if n in BASELINES:
+        return {"complexity": "O(T^2 D)" if n == "sdpa_mha" else "O(T^2 d_k h)"}
+    variant, options = variant_of(n)
+    attn = build(variant, args.dim, args.heads, **options)
+    return dict(
+        paper=attn.paper,
+        complexity=attn.complexity,
+        complexity_training=attn.complexity_training,
+        complexity_inference=attn.complexity_inference,
+        params=sum(p.numel() for p in attn.parameters()),
+        options={**registry.options(variant), **options},
+    )
+
+
+def run_meta(
+    args: argparse.Namespace, device: torch.device, peak: float, reps_at: dict, rss: PeakRSS
+) -> dict:
+    """How the run measured: machine, precision, sizes, steps per length, clocks."""
+    return {
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "torch": torch.__version__,
         "device": str(device),
@@ -440,8 +331,42 @@ def run(args: argparse.Namespace) -> dict:
         ),
         "saved_mb": "bytes of distinct non-parameter storages saved for backward (saved_tensors_hooks)",
     }
+
+
+def run(args: argparse.Namespace) -> dict:
+    """The benchmark as `args` says: every row at every length, then the derived figures,
+    each row's definition, the run's metadata and the targets."""
+    device = torch.device(args.device)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    names, rows = row_names(args, device)
+    rss = PeakRSS()
+    clock = time.process_time if args.clock == "cpu" else time.perf_counter
+    peak = matmul_peak(device=args.device, dtype=peak_dtype(args.precision), clock=clock)
+    res: dict[str, dict] = {
+        n: {"time_ms": {}, "time_ms_median": {}, "peak_mem_mb": {}, "saved_mb": {}, "gflop": {}}
+        for n in rows
+    }
+    torch.manual_seed(0)
+    warmup_peak: dict[str, tuple[int, float]] = {}  # name -> (T, MiB) of its last warm-up
+    reps_at: dict[int, int] = {}
+    skip = Skips(res)
+    for T in args.lengths:
+        cases = build_cases(T, rows, args, device, rss, warmup_peak, skip)
+        samples, reps_at[T] = time_cases(cases, args, clock)
+        full_ms = min(samples["full"]) if "full" in cases else None
+        for n, case in cases.items():
+            record_case(res[n], case, samples[n], full_ms, reps_at[T], args, clock, rss)
+        line = "  ".join(f"{n}={res[n]['time_ms'][T]:.0f}" for n in cases)
+        print(f"T={T}: {line} (ms)", file=sys.stderr, flush=True)
+        del cases
+    # measured again after the run (the machine may have been busier at its start): the max
+    peak = max(peak, matmul_peak(device=args.device, dtype=peak_dtype(args.precision), clock=clock))
+    for n in rows:
+        derive(res[n], res["full"], peak)
+        res[n].update(describe(n, args))
     out = {
-        "meta": meta,
+        "meta": run_meta(args, device, peak, reps_at, rss),
         "variants": {n: res[n] for n in names},
         "baselines": {n: res[n] for n in rows if n in BASELINES},
     }
@@ -483,107 +408,6 @@ def targets(out: dict) -> list[dict]:
         r = full[T] / bare[T]
         add(f"full within 10% of bare SDPA MHA at T={T} (time ratio)", r, r <= 1.10)
     return checks
-
-
-# --------------------------------------------------------------------------- output
-def print_table(out: dict) -> None:
-    m = out["meta"]
-    Ts = m["lengths"]
-    allrows = {**out["variants"], **out["baselines"]}
-    w = max(len(n) for n in allrows) + 2
-
-    def table(title: str, key: str, fmt: str = "{:10.2f}") -> None:
-        print(f"\n{title}")
-        print("variant".ljust(w) + "".join(f"T={T}".rjust(10) for T in Ts))
-        for n, r in allrows.items():
-            cells = (r.get(key, {}).get(T) for T in Ts)
-            print(
-                n.ljust(w)
-                + "".join(fmt.format(c) if c is not None else f"{'-':>10}" for c in cells)
-            )
-
-    print(
-        f"\n{m['device_name']}; {m['precision']}; matmul peak {m['matmul_peak_gflops']:.1f} GFLOP/s"
-    )
-    print(f"forward+backward {m['timing'].split()[1]} time (ms), B={m['batch']} D={m['dim']} "
-          f"h={m['heads']} on {m['device']} ({m['threads']} threads)")  # fmt: skip
-    print("variant".ljust(w) + "".join(f"T={T}".rjust(10) for T in Ts) + "   exp")
-    for n, r in allrows.items():
-        cells = "".join(f"{r['time_ms'].get(T, float('nan')):10.1f}" for T in Ts)
-        exp = r.get("growth_exponent")
-        print(n.ljust(w) + cells + (f"  {exp:4.2f}" if exp is not None else "     -"))
-    table("speed-up vs full (full time / variant time)", "ratio_to_full")
-    table("FLOP bound: flops(full) / flops(variant)", "flop_bound")
-    table("achieved / bound (speed-up over FLOP bound)", "achieved_of_bound")
-    table("MFU (achieved FLOP/s over the measured matmul peak)", "mfu")
-    if any("attention_ms" in r for r in allrows.values()):
-        print("\nLSH: hashing+matching (select) / attention part (ms)")
-        for n, r in allrows.items():
-            if "attention_ms" in r:
-                cells = "".join(
-                    f"{r['select_ms'][T]:7.0f}/{r['attention_ms'][T]:<7.0f}"
-                    for T in Ts
-                    if T in r["select_ms"]
-                )
-                print(
-                    n.ljust(w)
-                    + cells
-                    + f"  attention exp {r['attention_growth_exponent'] or float('nan'):.2f}"
-                )
-    two = {n: r for n, r in allrows.items() if set(r.get("kernel", {}).values()) - {"one"}}
-    if two:
-        how = "measured (*: here or cached)" if m.get("autotune") == "on" else "rule"
-        print(f"\nkernel used (short: all T x T pairs, long: the sparse/band one; {how})")
-        print("variant".ljust(w) + "".join(f"T={T}".rjust(10) for T in Ts))
-        for n, r in two.items():
-            print(n.ljust(w) + "".join(f"{r['kernel'].get(T, '-'):>10}" for T in Ts))
-    if any(r["peak_mem_mb"] for r in allrows.values()):
-        print(f"\npeak memory (MiB; {m['memory']})")
-        print("variant".ljust(w) + "".join(f"T={T}".rjust(10) for T in Ts))
-        for n, r in allrows.items():
-            print(n.ljust(w) + "".join(_fmt(r["peak_mem_mb"].get(T)) for T in Ts))
-    print("\ntargets")
-    missed = [c for c in out["targets"] if not c["met"]]
-    for c in out["targets"]:
-        if not c["met"] or len(out["targets"]) <= 40:
-            val = "n/a" if c["value"] is None else f"{c['value']:.2f}"
-            print(f"  [{'met' if c['met'] else 'MISSED'}] {c['target']}: {val}")
-            if c.get("why"):
-                print(f"      why: {c['why']}")
-    print(f"  {len(out['targets']) - len(missed)} of {len(out['targets'])} met")
-
-
-def _fmt(x: float | None) -> str:
-    return f"{x:10.1f}" if x is not None else "       n/a"
-
-
-def plot(out: dict, path: Path) -> None:
-    """Log-log time and memory vs T (also works on a JSON-loaded result with str keys)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    allrows = {**out["variants"], **out["baselines"]}
-    colors = plt.get_cmap("tab20").colors
-    markers = "osD^v<>pPX*hH"
-    fig, axes = plt.subplots(1, 2, figsize=(14, 6))
-    for i, (n, r) in enumerate(allrows.items()):
-        style = dict(ls="--" if n in BASELINES else "-", marker=markers[i % len(markers)], ms=4)
-        for ax, key in zip(axes, ("time_ms", "peak_mem_mb")):
-            pts = sorted((int(T), t) for T, t in r.get(key, {}).items() if t)
-            if pts:
-                ax.plot(*zip(*pts), color=colors[i % len(colors)], label=n, **style)
-    for ax, label in zip(axes, ("forward+backward time (ms)", "peak memory rise (MiB)")):
-        ax.set(xscale="log", yscale="log", xlabel="T (frames)", ylabel=label)
-        ax.grid(True, which="both", alpha=0.3)
-    axes[1 if axes[1].lines else 0].legend(fontsize=8, ncol=2, loc="upper left")
-    m = out["meta"]
-    fig.suptitle(f"attention variants: B={m['batch']}, D={m['dim']}, h={m['heads']}, {m['device']}, "
-                 f"{m['threads']} thread(s); {m['timing']}", fontsize=10)  # fmt: skip
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
 
 
 def parse(argv: list[str]) -> argparse.Namespace:

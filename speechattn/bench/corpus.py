@@ -34,6 +34,7 @@ from typing import Any
 
 import numpy as np
 
+from speechattn.errors import ConfigError, OutputExistsError
 from speechattn.utils import progress_bar, temp_name
 
 log = logging.getLogger(__name__)
@@ -101,13 +102,13 @@ def make_scale_corpus(
 
     speakers = speakers or max(1, round(utterances / UTTERANCES_PER_SPEAKER))
     if utterances < 1 or speakers < 1 or chapters < 1 or not seconds:
-        raise ValueError(
+        raise ConfigError(
             f"need utterances, speakers, chapters >= 1 and some --seconds; got {utterances}, "
             f"{speakers}, {chapters}, {list(seconds)}"
         )
     per_chapter = -(-utterances // (speakers * chapters))
     if per_chapter > 9999:
-        raise ValueError(
+        raise ConfigError(
             f"{per_chapter} utterances per chapter: LibriSpeech ids allow 9999; add speakers"
         )
     out = Path(out)
@@ -119,7 +120,9 @@ def make_scale_corpus(
             found = None
         if found == params:
             return out
-        raise FileExistsError(f"{out} exists and is not this corpus ({params}); remove it")
+        raise OutputExistsError(
+            f"{out} exists and is not this corpus ({params}); remove it or choose another --out"
+        )
     start = time.perf_counter()
     tmp = temp_name(out)
     try:

@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from speechattn.bench.pretrain import GPU_PEAKS, project_step
+from speechattn.errors import UsageExit
 
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
@@ -93,7 +94,7 @@ def measure(cfg: Any, batches: int = 50, warmup: int = 5, cold: bool = False) ->
     from speechattn.utils import plain
 
     if batches < 1 or warmup < 0:
-        raise SystemExit(f"--batches must be >= 1 and --warmup >= 0, got {batches}, {warmup}")
+        raise UsageExit(f"--batches must be >= 1 and --warmup >= 0, got {batches}, {warmup}")
     data_cfg = DataConfig(**plain(cfg.data))
     scratch = None
     if cold:  # an empty feature cache; the corpus itself (built-in or given) is resolved first
@@ -200,7 +201,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from speechattn.config import compose
 
     if not 0 < args.mfu <= 1:
-        raise SystemExit(f"--mfu must be in (0, 1], got {args.mfu}")
+        raise UsageExit(f"--mfu must be in (0, 1], got {args.mfu}")
     cfg = compose("pretrain", args.overrides)
     setting, need = project_step(cfg, args.gpu, args.mfu)
     result = {

@@ -64,6 +64,7 @@ from speechattn.bench.common import (
     sync,
 )
 from speechattn.data.features import stack_frames
+from speechattn.errors import UsageExit
 from speechattn.model.aalbert import (
     AALBERT,
     PRESETS,
@@ -322,11 +323,11 @@ def plan(args: argparse.Namespace) -> dict[str, Any]:
     from speechattn.config import compose
 
     if not 0 < args.mfu <= 1:
-        raise SystemExit(f"--mfu must be in (0, 1], got {args.mfu}")
+        raise UsageExit(f"--mfu must be in (0, 1], got {args.mfu}")
     names = available() if args.attention == "all" else args.attention.split(",")
     unknown = [n for n in names if n not in available()]
     if unknown:
-        raise SystemExit(f"unknown attention {unknown}; choose from {', '.join(available())}")
+        raise UsageExit(f"unknown attention {unknown}; choose from {', '.join(available())}")
     gpu, peaks = GPU_PEAKS[args.gpu]
     rows, setting = [], {}
     for name in names:
@@ -409,7 +410,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     names = available() if args.attention == "all" else args.attention.split(",")
     unknown = [n for n in names if n not in available()]
     if unknown:
-        raise SystemExit(f"unknown attention {unknown}; choose from {', '.join(available())}")
+        raise UsageExit(f"unknown attention {unknown}; choose from {', '.join(available())}")
     config = preset_config(args.model, feature_dim=FEATURE_DIM, dropout=args.dropout)
     T = args.frames * config.stack
     batch = {
@@ -418,7 +419,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     }
     masking = MaskingConfig()
     if args.clock == "cpu" and (args.device != "cpu" or torch.get_num_threads() != 1):
-        raise SystemExit("--clock cpu needs --device cpu --threads 1 (CPU time of one thread)")
+        raise UsageExit("--clock cpu needs --device cpu --threads 1 (CPU time of one thread)")
     clock = time.process_time if args.clock == "cpu" else time.perf_counter
     dtype = peak_dtype(args.precision)
     peak = matmul_peak(device=args.device, dtype=dtype, clock=clock)

@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from speechattn.data.errors import DataError
+from speechattn.errors import ConfigError
 from speechattn.utils import TEMP_MARK, temp_name
 
 log = logging.getLogger(__name__)
@@ -85,9 +86,9 @@ class ClaimConfig:
     def __post_init__(self) -> None:
         for name in ("heartbeat_s", "expiry_s", "wait_timeout_s", "log_every_s", "poll_s"):
             if not getattr(self, name) > 0:
-                raise ValueError(f"claim {name} must be > 0, found {getattr(self, name)}")
+                raise ConfigError(f"claim {name} must be > 0, found {getattr(self, name)}")
         if self.expiry_s < 3 * self.heartbeat_s:
-            raise ValueError(
+            raise ConfigError(
                 f"claim expiry_s ({self.expiry_s}) must be at least 3 x heartbeat_s "
                 f"({self.heartbeat_s}): a holder that misses one heartbeat would lose its claims"
             )

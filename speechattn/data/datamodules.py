@@ -34,6 +34,7 @@ from speechattn.data.datasets import FeatureDataset, LengthBucketBatchSampler, c
 from speechattn.data.errors import DataError, Issues, Skip
 from speechattn.data.features import HOP_LENGTH, SAMPLE_RATE, FeatureConfig, Normalizer
 from speechattn.data.librispeech import LabelFiles, read_split_list
+from speechattn.errors import ConfigError
 from speechattn.utils import derive_seed, plain
 
 log = logging.getLogger(__name__)
@@ -47,7 +48,7 @@ def resolve_root(cfg: DataConfig) -> Path:
             raise DataError(root, "corpus root not found", f"data.root={cfg.root} is not a folder")
         return root
     if cfg.corpus != "embedded":
-        raise ValueError(f"data.root is required for corpus={cfg.corpus}")
+        raise ConfigError(f"data.root is required for corpus={cfg.corpus}")
     from speechattn.data.synth import ensure_embedded_corpus
 
     return ensure_embedded_corpus(

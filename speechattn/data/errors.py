@@ -13,7 +13,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from speechattn.errors import SpeechattnError
+from speechattn.errors import ConfigError, SpeechattnError
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +69,9 @@ class Issues:
 
     def __post_init__(self) -> None:
         if self.on_error not in ON_ERROR_CHOICES:
-            raise ValueError(f"on_error must be one of {ON_ERROR_CHOICES}, found {self.on_error!r}")
+            raise ConfigError(
+                f"on_error must be one of {ON_ERROR_CHOICES}, found {self.on_error!r}"
+            )
 
     def report(self, error: DataError, stage: str) -> None:
         """Raise `error` or record it as a skip, depending on the policy."""

@@ -17,6 +17,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from speechattn.errors import ConfigError, DependencyError
+
 # speak_lib.h constants
 AUDIO_OUTPUT_SYNCHRONOUS = 2
 INITIALIZE_PHONEME_EVENTS = 0x0001
@@ -90,7 +92,7 @@ class Espeak:
         data_path = espeakng_loader.get_data_path().encode()
         rate = self.lib.espeak_Initialize(AUDIO_OUTPUT_SYNCHRONOUS, 0, data_path, flags)
         if rate <= 0:
-            raise RuntimeError(
+            raise DependencyError(
                 f"espeak_Initialize failed (returned {rate}); data path {data_path!r}"
             )
         self.sample_rate = int(rate)
@@ -124,7 +126,7 @@ class Espeak:
         """Speak `text`; returns int16 audio (N,) at `sample_rate` and [(start sample, IPA name)]."""
         with self._lock:
             if self.lib.espeak_SetVoiceByName(settings.voice.encode()) != 0:
-                raise ValueError(f"eSpeak NG has no voice {settings.voice!r}")
+                raise ConfigError(f"eSpeak NG has no voice {settings.voice!r}")
             for param, value in (
                 (PARAM_RATE, settings.rate),
                 (PARAM_PITCH, settings.pitch),
@@ -138,6 +140,6 @@ class Espeak:
                 data, len(data), 0, POS_CHARACTER, 0, CHARS_UTF8, None, None
             )
             if err != 0:
-                raise RuntimeError(f"espeak_Synth failed with error {err} for text {text!r}")
+                raise DependencyError(f"espeak_Synth failed with error {err} for text {text!r}")
             audio = np.concatenate(self._chunks) if self._chunks else np.zeros(0, np.int16)
             return audio.astype(np.int16, copy=False), list(self._events)

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from speechattn.errors import ConfigError, SpeechattnError
 from speechattn.utils import lengths_to_padding_mask
 
 FEATURE_VERSION = 1  # bump when extraction changes: feature caches are keyed on it
@@ -32,6 +33,11 @@ def num_frames(num_samples: int) -> int:
 def min_samples_for(frames: int) -> int:
     """Fewest samples that give `frames` frames."""
     return WIN_LENGTH + (frames - 1) * HOP_LENGTH if frames > 0 else 0
+
+
+class LabelMismatchError(SpeechattnError, ValueError):
+    """An utterance whose frame labels do not fit its frames (beyond data.label_tolerance):
+    alignments of other audio, or of another frame rate."""
 
 
 @dataclass(frozen=True)
@@ -135,7 +141,7 @@ class Normalizer:
 
     def __init__(self, mean: Tensor, std: Tensor, mode: str = "global") -> None:
         if mode not in self.MODES:
-            raise ValueError(f"normalisation mode must be one of {self.MODES}, found {mode!r}")
+            raise ConfigError(f"normalisation mode must be one of {self.MODES}, found {mode!r}")
         self.mean = torch.as_tensor(mean, dtype=torch.float32).reshape(-1)  # (F,)
         self.std = torch.as_tensor(std, dtype=torch.float32).reshape(-1)  # (F,)
         if self.mean.shape != self.std.shape:
@@ -151,7 +157,7 @@ class Normalizer:
     ) -> Normalizer:
         """From frame count and per-dimension sum and sum of squares (float64 (F,))."""
         if count <= 0:
-            raise ValueError("cannot compute normalisation statistics from 0 frames")
+            raise ConfigError("cannot compute normalisation statistics from 0 frames")
         mean = total / count
         var = np.maximum(total_sq / count - mean**2, 0.0)
         std = np.sqrt(np.maximum(var, 1e-10))
@@ -302,9 +308,10 @@ def expand_to_labels(
         bad |= label_lengths < expanded - (factor - 1) - tolerance
     if bool(bad.any()):
         b = int(bad.nonzero()[0])
-        raise ValueError(
+        raise LabelMismatchError(
             f"utterance {utt_ids[b]}: {int(label_lengths[b])} labels but {int(lengths[b])} model frames "
-            f"x {factor} = {int(expanded[b])} frames (tolerance {tolerance} frames)"
+            f"x {factor} = {int(expanded[b])} frames (tolerance {tolerance} frames): check that "
+            f"data.alignments belongs to this audio, or allow more with data.label_tolerance"
         )
     T_lab = int(label_lengths.max()) if B else 0
     if T_model == 0:

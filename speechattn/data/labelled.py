@@ -20,6 +20,7 @@ from speechattn.data.datasets import FeatureDataset
 from speechattn.data.errors import DataError
 from speechattn.data.features import Normalizer
 from speechattn.data.librispeech import read_alignments, read_split_list, speaker_of
+from speechattn.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -265,7 +266,7 @@ class LabelledDataModule(_CorpusDataModule):
     def extraction_dataloader(self, split: str) -> DataLoader:
         """Deterministic loader (no shuffling, no random crops) of "train", "dev" or "test"."""
         if split not in ("train", "dev", "test"):
-            raise ValueError(f"split must be train, dev or test, found {split!r}")
+            raise ConfigError(f"split must be train, dev or test, found {split!r}")
         self._dataset(split)
         return self._loader(
             self._eval_train if split == "train" else self.datasets[split], shuffle=False

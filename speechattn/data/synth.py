@@ -40,6 +40,7 @@ import numpy as np
 
 from speechattn.data import text as textgen
 from speechattn.data.phones import PHONE_SET, phone_id
+from speechattn.errors import ConfigError
 from speechattn.utils import progress_bar
 
 log = logging.getLogger(__name__)
@@ -99,7 +100,7 @@ def make_speakers(count: int, seed: int = 0, heldout: bool = False) -> list[Spea
     permutation, held-out corpora from the back, so the two never share a pair."""
     pairs = [(v, a) for v in VARIANTS for a in ACCENTS]
     if count > len(pairs) // 2:
-        raise ValueError(f"at most {len(pairs) // 2} speakers per corpus, asked for {count}")
+        raise ConfigError(f"at most {len(pairs) // 2} speakers per corpus, asked for {count}")
     order = np.random.default_rng([seed, 7919]).permutation(len(pairs))
     chosen = order[::-1][:count] if heldout else order[:count]
     speakers = []
@@ -265,7 +266,7 @@ def build_corpus(
 ) -> Path:
     """Write a corpus into `out` (created; existing corpus files are overwritten). Returns `out`."""
     if speakers < 1 or utterances_per_speaker < 2:
-        raise ValueError("need at least 1 speaker and 2 utterances per speaker (train and test)")
+        raise ConfigError("need at least 1 speaker and 2 utterances per speaker (train and test)")
     start = time.perf_counter()
     out = Path(out)
     split = SPLIT_HELDOUT if heldout else SPLIT_MAIN

@@ -25,6 +25,7 @@ import torch
 from torch import Tensor, nn
 
 from speechattn.data.features import SAMPLE_RATE, WIN_LENGTH
+from speechattn.errors import ConfigError
 from speechattn.model.upstream import Upstream, load_upstream
 
 try:  # optional: the expert only needs s3prl for its hooks; its interface module is light
@@ -63,12 +64,12 @@ class UpstreamExpert(_ExpertBase):
             )
         super().__init__(**kwargs)
         if ckpt is None or str(ckpt) == "":
-            raise ValueError(
+            raise ConfigError(
                 "UpstreamExpert needs ckpt=PATH of a speechattn upstream.pt "
                 "(run_downstream.py -k PATH)"
             )
         if model_config:
-            raise ValueError(
+            raise ConfigError(
                 f"model_config={model_config!r}: a speechattn upstream.pt carries its own model "
                 f"config; drop -g/--upstream_model_config"
             )

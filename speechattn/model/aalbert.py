@@ -29,7 +29,7 @@ from torch import Tensor, nn
 
 from speechattn.attention.base import Attention
 from speechattn.data.features import stack_frames
-from speechattn.errors import is_int, is_number, require
+from speechattn.errors import ConfigError, is_int, is_number, require
 from speechattn.utils import lengths_to_padding_mask
 
 
@@ -57,9 +57,9 @@ class ConvPositions(nn.Module):
     def __init__(self, dim: int, kernel: int, groups: int) -> None:
         super().__init__()
         if kernel % 2 == 0:
-            raise ValueError(f"conv_position_kernel must be odd (centred), got {kernel}")
+            raise ConfigError(f"conv_position_kernel must be odd (centred), got {kernel}")
         if dim % groups:
-            raise ValueError(f"dim={dim} is not divisible by conv_position_groups={groups}")
+            raise ConfigError(f"dim={dim} is not divisible by conv_position_groups={groups}")
         self.conv = nn.Conv1d(dim, dim, kernel, padding=kernel // 2, groups=groups)
 
     def forward(self, h: Tensor, padding_mask: Tensor | None) -> Tensor:
@@ -373,7 +373,7 @@ class ModelConfig:
         layers = 1 if self.shared else self.num_layers
         for j, kept in self.pruned_heads.items():
             if not 0 <= j < layers or not kept or not 0 <= kept[0] <= kept[-1] < self.num_heads:
-                raise ValueError(
+                raise ConfigError(
                     f"pruned_heads[{j}] = {kept}: expected a layer in [0, {layers}) keeping "
                     f"heads in [0, {self.num_heads})"
                 )
@@ -381,7 +381,7 @@ class ModelConfig:
             self.residual_head_mask = [list(map(float, row)) for row in self.residual_head_mask]
             shape = (len(self.residual_head_mask), *{len(r) for r in self.residual_head_mask})
             if shape != (self.num_layers, self.num_heads):
-                raise ValueError(
+                raise ConfigError(
                     f"residual_head_mask must be (L, h) = ({self.num_layers}, {self.num_heads})"
                 )
 
@@ -489,7 +489,7 @@ class AALBERT(nn.Module):
             if uncropped
             else (f"{setting}={frames}")
         )
-        raise ValueError(
+        raise ConfigError(
             f"{given}, more than attention={self.config.attention} accepts: "
             f"{limit} input frames (max_len {limit // stack} model frames x {stack}); set "
             f"{setting}<={limit} or, when pretraining, attention.options.max_len>="
@@ -657,7 +657,7 @@ def preset_config(name: str, **overrides: Any) -> ModelConfig:
     is what `conf/experiment/tiny.yaml` (the command line's default) changes of it, read from
     that file so Python and the command line build the same model."""
     if name not in PRESETS:
-        raise ValueError(f"unknown model preset {name!r}; known: {sorted(PRESETS)}")
+        raise ConfigError(f"unknown model preset {name!r}; known: {sorted(PRESETS)}")
     net: dict[str, Any] = {}
     if PRESETS[name] is not None:
         from omegaconf import OmegaConf

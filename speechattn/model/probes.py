@@ -25,6 +25,7 @@ import torch.nn.functional as Fn
 from torch import Tensor, nn
 
 from speechattn.data.features import expand_to_labels
+from speechattn.errors import ConfigError
 from speechattn.utils import IGNORE_INDEX
 
 
@@ -38,7 +39,7 @@ class LayerSelector(nn.Module):
     def __init__(self, num_layers: int) -> None:
         super().__init__()
         if num_layers < 1:
-            raise ValueError(f"LayerSelector needs at least one layer, got {num_layers}")
+            raise ConfigError(f"LayerSelector needs at least one layer, got {num_layers}")
         self.num_layers = num_layers
         self.logits = nn.Parameter(torch.zeros(num_layers)) if num_layers > 1 else None
 
@@ -102,7 +103,7 @@ class UtteranceProbe(nn.Module):
         elif pooling == "fused":
             self.pool = FusedPool(dim, pooling_scale)
         else:
-            raise ValueError(f"unknown pooling {pooling!r}; choose one of {', '.join(POOLINGS)}")
+            raise ConfigError(f"unknown pooling {pooling!r}; choose one of {', '.join(POOLINGS)}")
         self.classifier = nn.Linear(dim, num_classes)
 
     def forward(self, x: Tensor, padding_mask: Tensor) -> Tensor:

@@ -25,6 +25,7 @@ import torch
 from torch import Tensor
 
 from speechattn.data.cache import file_sha256
+from speechattn.errors import ConfigError, MissingFileError
 from speechattn.model.upstream import load_upstream, save_upstream, upstream_state
 
 Heads = Mapping[int, Sequence[int]] | Tensor | Sequence[Sequence[float]]
@@ -67,12 +68,14 @@ def pruning_point(heads: Mapping[str, Any], fraction: float) -> dict[str, Any]:
     `fraction` (ties: the smaller one), as stored: {"num_masked", "fraction", "metric", "mask"}."""
     curve = heads.get("pruning")
     if not curve or not curve.get("points"):
-        raise ValueError(
+        raise ConfigError(
             "this heads.json has no pruning curve; run `python -m speechattn.analyze heads` "
             "with pruning.enabled=true"
         )
+    if isinstance(fraction, bool) or not isinstance(fraction, int | float):
+        raise ConfigError(f"fraction={fraction!r}: must be a number in [0, 1], e.g. fraction=0.3")
     if not 0.0 <= fraction <= 1.0:
-        raise ValueError(f"fraction must be in [0, 1], got {fraction}")
+        raise ConfigError(f"fraction must be in [0, 1], got {fraction}")
     return min(curve["points"], key=lambda p: (abs(p["fraction"] - fraction), p["fraction"]))
 
 
@@ -85,10 +88,16 @@ def prune_from_heads(
     """Prune the upstream of a head analysis (`heads`, a read heads.json) at its pruning
     point nearest to `fraction`; `upstream` defaults to the file the analysis ran on and must
     have the sha256 the analysis recorded. Returns the written path."""
-    src = Path(upstream or heads["upstream"])
+    src = Path(upstream or heads["upstream"]).expanduser()
+    if not src.is_file():
+        given = "upstream=" if upstream else "the heads.json's upstream "
+        raise MissingFileError(
+            f"{given}{src} does not exist; pass upstream=PATH to the upstream.pt the head "
+            f"analysis ran on"
+        )
     recorded = heads.get("upstream_sha256")
     if recorded and file_sha256(src) != recorded:
-        raise ValueError(
+        raise ConfigError(
             f"{src} is not the upstream this head analysis ran on (sha256 differs from "
             f"{recorded[:12]}... recorded for {heads['upstream']})"
         )

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from speechattn.errors import SpeechattnError
+from speechattn.errors import MissingFileError, SpeechattnError
 
 # Globals a weights_only load may rebuild beyond torch's defaults. Empty: our checkpoints store
 # hyper-parameters as plain dicts (never OmegaConf nodes) and paths as strings.
@@ -35,11 +35,19 @@ def describe_load_error(error: BaseException, path: str | Path | None = None) ->
     """What went wrong reading the torch file `path`, in words (the raw message at the end)."""
     raw = str(error).strip().splitlines()
     first = raw[0][:200] if raw else type(error).__name__
-    if isinstance(error, pickle.UnpicklingError) and "weights_only" in str(error).lower():
-        culprit = next((ln.strip() for ln in raw if "GLOBAL" in ln), first)
+    # A refused pickle names the class it would have built ("Unsupported global: GLOBAL x.Y");
+    # random bytes fail with other unpickler messages ("Unsupported operand 69") and are a
+    # damaged or foreign file, not a dangerous one.
+    refused = next((ln.strip() for ln in raw if "GLOBAL" in ln), None)
+    if isinstance(error, pickle.UnpicklingError) and refused is not None:
         return (
             "refused to unpickle it: it contains Python objects that could run code, not only "
-            f"tensors and plain values ({culprit[:160]}); nothing in it was executed"
+            f"tensors and plain values ({refused[:160]}); nothing in it was executed"
+        )
+    if path is not None and not _looks_like_torch(path):
+        return (
+            "not a torch file: it is neither a torch zip archive nor a legacy torch pickle "
+            "(damaged, or some other format); give the file torch.save wrote"
         )
     # torch files are zip archives; a cut-off one has lost its central directory at the end
     if "zip archive" in first or (path is not None and not zipfile.is_zipfile(path)):
@@ -50,17 +58,28 @@ def describe_load_error(error: BaseException, path: str | Path | None = None) ->
     return f"{type(error).__name__}: {first}"
 
 
+def _looks_like_torch(path: str | Path) -> bool:
+    """True when the file opens as a torch file does: a zip archive's local header (b"PK\\3\\4",
+    even when cut off later) or a pickle protocol 2+ header (torch's legacy format)."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(4)
+    except OSError:
+        return False
+    return head == b"PK\x03\x04" or (len(head) >= 2 and head[0] == 0x80 and 2 <= head[1] <= 5)
+
+
 def load_torch_file(
     path: str | Path, map_location: str | torch.device = "cpu", what: str = "torch file"
 ) -> Any:
     """`torch.load(path, weights_only=True)` with `SAFE_GLOBALS`; errors name the file.
 
-    Raises `FileNotFoundError` when `path` does not exist and `TorchFileError` when it cannot be
-    read safely (refused pickle, truncated or corrupt archive).
+    Raises `MissingFileError` (a FileNotFoundError) when `path` does not exist and
+    `TorchFileError` when it is a folder or cannot be read safely (refused pickle, truncated or
+    corrupt archive, not a torch file).
     """
     path = Path(path).expanduser()
-    if not path.is_file():
-        raise FileNotFoundError(f"{what} {path} does not exist")
+    check_is_file(path, what)
     try:
         with torch.serialization.safe_globals(SAFE_GLOBALS):
             return torch.load(path, map_location=map_location, weights_only=True)
@@ -68,4 +87,21 @@ def load_torch_file(
         raise TorchFileError(f"{what} {path}: {describe_load_error(e, path)}") from e
 
 
-__all__ = ["SAFE_GLOBALS", "TorchFileError", "describe_load_error", "load_torch_file"]
+def check_is_file(path: Path, what: str, error: type[TorchFileError] = TorchFileError) -> None:
+    """`MissingFileError` when `path` does not exist, `error` when it is a folder (naming the
+    .pt files inside, if any)."""
+    if path.is_dir():
+        inside = sorted(p.name for p in path.glob("*.pt"))[:5]
+        hint = f"; it holds {', '.join(inside)}" if inside else ""
+        raise error(f"{what} {path} is a folder, not a file: give the .pt file{hint}")
+    if not path.is_file():
+        raise MissingFileError(f"{what} {path} does not exist")
+
+
+__all__ = [
+    "SAFE_GLOBALS",
+    "TorchFileError",
+    "check_is_file",
+    "describe_load_error",
+    "load_torch_file",
+]

@@ -30,9 +30,14 @@ import torch
 from torch import Tensor, nn
 
 from speechattn.data.features import FeatureConfig, Normalizer, log_mel_batch
-from speechattn.errors import SpeechattnError
+from speechattn.errors import ConfigError, SpeechattnError
 from speechattn.model.aalbert import AALBERT, ModelConfig
-from speechattn.model.serialization import TorchFileError, describe_load_error, load_torch_file
+from speechattn.model.serialization import (
+    TorchFileError,
+    check_is_file,
+    describe_load_error,
+    load_torch_file,
+)
 from speechattn.utils import atomic_path
 
 UPSTREAM_FORMAT = "speechattn-upstream"
@@ -149,7 +154,7 @@ class Upstream(nn.Module):
     def _check_weights_available(self) -> None:
         for layer in self.model.encoder.layers:
             if not layer.attention.supports_weights:
-                raise ValueError(
+                raise ConfigError(
                     f"output_attentions=True: attention {self.attention_name!r} cannot return "
                     f"attention weights (it has no dense reference); call without it"
                 )
@@ -195,7 +200,19 @@ def nonfinite_tensors(tensors: dict[str, Tensor]) -> list[str]:
     return [k for (k, _), ok in zip(named, finite.tolist()) if not ok]
 
 
+class ImplausibleWeightsError(NonFiniteWeightsError):
+    """Weights finite but far larger than training produces (|w| > WEIGHT_LIMIT): a run that
+    blew up without reaching inf (e.g. one AdamW step at lr=1e5), never written or loaded."""
+
+
+# Largest |weight| accepted in an upstream. Trained AALBERTs stay within a few units (the
+# LayerNorm gains are the largest, about 2); one step of AdamW at lr=1e5 gives about 1e5.
+WEIGHT_LIMIT = 1e3
+
+
 def _check_finite(state: dict[str, Any], where: str) -> None:
+    """NaN/inf weights or statistics (`NonFiniteWeightsError`), or weights beyond
+    WEIGHT_LIMIT (`ImplausibleWeightsError`): either way a diverged run."""
     norm = state["normalizer"] if isinstance(state["normalizer"], dict) else {}
     bad = nonfinite_tensors(state["state_dict"]) + [
         f"normalizer.{k}" for k in nonfinite_tensors(norm)
@@ -206,6 +223,22 @@ def _check_finite(state: dict[str, Any], where: str) -> None:
             f"{', ...' if len(bad) > 3 else ''}): the pretraining run diverged, so this "
             f"upstream is unusable; pretrain again with a smaller model.optimizer.lr"
         )
+    floats = [(k, t) for k, t in state["state_dict"].items() if _is_float_tensor(t) and t.numel()]
+    if not floats:
+        return
+    peaks = torch.stack([t.detach().abs().amax().float().cpu() for _, t in floats])  # (N,)
+    if float(peaks.max()) > WEIGHT_LIMIT:
+        worst = [k for (k, _), p in zip(floats, peaks.tolist()) if p > WEIGHT_LIMIT]
+        raise ImplausibleWeightsError(
+            f"{where}: {len(worst)} tensor(s) hold weights up to |w| = {float(peaks.max()):.3g}, "
+            f"beyond {WEIGHT_LIMIT:g} ({', '.join(worst[:3])}{', ...' if len(worst) > 3 else ''}"
+            f"; trained models stay within a few units): the pretraining run blew up, so this "
+            f"upstream is unusable; pretrain again with a smaller model.optimizer.lr"
+        )
+
+
+def _is_float_tensor(value: Any) -> bool:
+    return isinstance(value, Tensor) and value.is_floating_point()
 
 
 def upstream_state(
@@ -246,12 +279,12 @@ def save_upstream(path: str | Path, state: dict[str, Any]) -> Path:
 def load_upstream(path: str | Path, map_location: str | torch.device = "cpu") -> Upstream:
     """Load an `upstream.pt` written by `python -m speechattn.pretrain`, in eval mode.
 
-    Raises `FileNotFoundError` for a missing file and `UpstreamFileError` (a ValueError)
-    naming the file when it is corrupt, truncated, or not a speechattn upstream.
+    Raises `MissingFileError` (a FileNotFoundError) for a missing file and `UpstreamFileError`
+    (a ValueError) naming the file when it is a folder, corrupt, truncated, or not a speechattn
+    upstream.
     """
     path = Path(path).expanduser()
-    if not path.is_file():
-        raise FileNotFoundError(f"upstream file {path} does not exist")
+    check_is_file(path, "upstream file", UpstreamFileError)
     try:
         state = load_torch_file(path, map_location, "upstream file")
     except TorchFileError as e:  # truncated zip, random bytes, pickled objects we refuse to run

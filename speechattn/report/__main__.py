@@ -10,14 +10,16 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from pathlib import Path
 
+from speechattn.errors import MissingFileError, add_debug_flag, command_line_errors
 from speechattn.report.build import make_report
+
+PROG = "python -m speechattn.report"
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m speechattn.report", description=__doc__.split("\n")[2]
-    )
+    parser = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n")[2])
     parser.add_argument("results_dir", help="folder searched recursively for result.json files")
     parser.add_argument(
         "--out", default=None, help="where to write the report (default: RESULTS_DIR)"
@@ -39,16 +41,23 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="frames at which keys attended are counted (default: median test utterance length)",
     )
+    add_debug_flag(parser)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    report = make_report(
-        args.results_dir,
-        out=args.out,
-        bench=args.bench,
-        maps_variant=args.maps_variant,
-        maps_layer=args.maps_layer,
-        seq_len=args.seq_len,
-    )
+    with command_line_errors(args.debug, PROG):
+        if not Path(args.results_dir).is_dir():
+            raise MissingFileError(
+                f"results folder {args.results_dir} does not exist; give the study's output "
+                "folder (the one holding downstream/<variant>/<task>/result.json)"
+            )
+        report = make_report(
+            args.results_dir,
+            out=args.out,
+            bench=args.bench,
+            maps_variant=args.maps_variant,
+            maps_layer=args.maps_layer,
+            seq_len=args.seq_len,
+        )
     for path in report.files:
         print(f"wrote {path}")
     for note in report.notes:

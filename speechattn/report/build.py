@@ -11,6 +11,7 @@ import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from speechattn.errors import SpeechattnError
 from speechattn.report.figures import SPEAKER_TASK, accuracy_vs_keys, attention_maps
 from speechattn.report.results import BenchRecord, ResultSet, collect, find_bench, read_bench
 from speechattn.report.tables import accuracy_table, cost_table, reference_table
@@ -118,7 +119,7 @@ def _head_analyses(results_dir: Path, report: Report) -> list[Path]:
         from speechattn.report.heads import head_report
 
         return head_report(results_dir, report.out)
-    except Exception as e:  # a broken heads.json must not sink the accuracy tables
+    except SpeechattnError as e:  # a broken heads.json must not sink the accuracy tables
         report.notes.append(f"head analyses: {type(e).__name__}: {e}")
         return []
 
@@ -129,7 +130,7 @@ def _spans(results: ResultSet, report: Report) -> list[Path]:
         from speechattn.report.spans import spans_report
 
         return spans_report(results, report.out)
-    except Exception as e:  # a broken upstream must not sink the whole report
+    except SpeechattnError as e:  # a broken upstream must not sink the whole report
         report.notes.append(f"spans.md: {type(e).__name__}: {e}")
         return []
 
@@ -168,7 +169,7 @@ def _maps(results: ResultSet, variant: str, layer: int | None, report: Report) -
                 return attention_maps(
                     result.upstream, example, report.out / "fig_attention_maps.png", chosen
                 )
-            except Exception as e:  # a broken upstream must not sink the whole report
+            except SpeechattnError as e:  # a broken upstream must not sink the whole report
                 report.notes.append(f"fig_attention_maps.png: {name}: {type(e).__name__}: {e}")
                 break
     report.notes.append(

@@ -14,6 +14,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
 
 from speechattn.data.features import SAMPLE_RATE, FeatureConfig  # noqa: E402
+from speechattn.errors import ConfigError
 from speechattn.model.serialization import load_torch_file  # noqa: E402
 from speechattn.report.results import ResultSet  # noqa: E402
 from speechattn.report.tables import attention_facts  # noqa: E402
@@ -77,7 +78,7 @@ def attention_maps(
     features = example["features"][None]  # (1, T, F)
     lengths = torch.tensor([features.size(1)])
     if not 1 <= layer <= upstream.num_layers:
-        raise ValueError(f"layer {layer} out of range: the upstream has {upstream.num_layers}")
+        raise ConfigError(f"layer {layer} out of range: the upstream has {upstream.num_layers}")
     with torch.no_grad():
         weights = upstream.attention_weights(features, lengths, layer)  # (1, h, T', T')
     weights = weights[0, :, :max_frames, :max_frames].float()  # (h, T', T')

@@ -13,6 +13,8 @@ from typing import Any
 import lightning as L
 from lightning.pytorch.callbacks import Callback, ProgressBar, RichProgressBar, TQDMProgressBar
 
+from speechattn.errors import ConfigError
+
 
 class MetricsCSV(Callback):
     """`metrics.csv` with fixed columns, one row per logged step and one per validation.
@@ -126,7 +128,7 @@ def progress_bar(kind: str, refresh_rate: int = 1) -> list[ProgressBar]:
         return [TQDMProgressBar(refresh_rate=refresh_rate)]
     if kind in ("none", None):
         return []
-    raise ValueError(f"unknown progress_bar {kind!r}; choose rich, tqdm or none")
+    raise ConfigError(f"unknown progress_bar {kind!r}; choose rich, tqdm or none")
 
 
 def quiet_library_notices() -> None:

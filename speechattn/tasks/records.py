@@ -77,6 +77,8 @@ from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, TypedDict
 
+from speechattn.data.errors import DataError
+from speechattn.errors import MissingFileError
 from speechattn.utils import atomic_write_text
 
 SCHEMA_VERSION = 1
@@ -138,27 +140,27 @@ def _required_fields() -> list[str]:
 
 
 def read_result(path: str | Path) -> DownstreamResult:
-    """Read and check one `result.json`; a clear `ValueError` naming the file when it is not one."""
+    """Read and check one `result.json`; a clear `DataError` naming the file when it is not one."""
     path = Path(path)
     try:
         data = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as e:
-        raise ValueError(f"{path}: not a readable result.json ({e})") from e
+        raise DataError(path, "not a readable result.json", str(e)) from e
     if not isinstance(data, dict):
-        raise ValueError(f"{path}: expected a JSON object, found {type(data).__name__}")
+        raise DataError(path, f"expected a JSON object, found {type(data).__name__}")
     version = data.get("schema_version", SCHEMA_VERSION)
     if version != SCHEMA_VERSION:
-        raise ValueError(f"{path}: result schema version {version}, expected {SCHEMA_VERSION}")
+        raise DataError(path, f"result schema version {version}, expected {SCHEMA_VERSION}")
     missing = [name for name in _required_fields() if name not in data]
     if missing:
-        raise ValueError(f"{path}: result.json lacks required field(s) {', '.join(missing)}")
+        raise DataError(path, f"result.json lacks required field(s) {', '.join(missing)}")
     known = {f.name for f in fields(DownstreamResult)}
     # Fields added by newer writers are ignored, never fatal.
     result = DownstreamResult(**{k: v for k, v in data.items() if k in known})
     for name in ("dev_accuracy", "test_accuracy"):
         value = getattr(result, name)
         if not isinstance(value, int | float) or not 0.0 <= value <= 1.0:
-            raise ValueError(f"{path}: {name} must be a number in [0, 1], found {value!r}")
+            raise DataError(path, f"{name} must be a number in [0, 1], found {value!r}")
     return result
 
 
@@ -215,15 +217,20 @@ def write_heads(result: HeadsRecord, directory: str | Path) -> Path:
 
 
 def read_heads(path: str | Path) -> HeadsRecord:
-    """Read and check one `heads.json` (or a folder holding one); `ValueError` naming the file
+    """Read and check one `heads.json` (or a folder holding one); `DataError` naming the file
     when it is not one."""
     path = Path(path)
     if path.is_dir():
         path = path / HEADS_FILE
+    if not path.is_file():
+        raise MissingFileError(
+            f"head analysis {path} does not exist: give the heads.json (or its "
+            "folder) that `python -m speechattn.analyze heads` wrote"
+        )
     try:
         data = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as e:
-        raise ValueError(f"{path}: not a readable heads.json ({e})") from e
+        raise DataError(path, "not a readable heads.json", str(e)) from e
     check_heads(data, path)
     return data
 
@@ -231,18 +238,17 @@ def read_heads(path: str | Path) -> HeadsRecord:
 def check_heads(data: Any, path: str | Path) -> None:
     """Schema checks: kind, version, required fields and (L, h) matrix shapes."""
     if not isinstance(data, dict):
-        raise ValueError(f"{path}: expected a JSON object, found {type(data).__name__}")
+        raise DataError(path, f"expected a JSON object, found {type(data).__name__}")
     if data.get("kind") != KIND:
-        raise ValueError(
-            f"{path}: not a head analysis (kind {data.get('kind')!r}, expected {KIND!r})"
-        )
+        raise DataError(path, f"not a head analysis (kind {data.get('kind')!r}, expected {KIND!r})")
     if data.get("schema_version") != HEADS_SCHEMA_VERSION:
-        raise ValueError(
-            f"{path}: heads schema version {data.get('schema_version')!r}, expected {HEADS_SCHEMA_VERSION}"
+        raise DataError(
+            path,
+            f"heads schema version {data.get('schema_version')!r}, expected {HEADS_SCHEMA_VERSION}",
         )
     missing = [k for k in REQUIRED if k not in data]
     if missing:
-        raise ValueError(f"{path}: heads.json lacks required field(s) {', '.join(missing)}")
+        raise DataError(path, f"heads.json lacks required field(s) {', '.join(missing)}")
     L, h = data["num_layers"], data["num_heads"]
 
     def matrix(value: Any, where: str) -> None:
@@ -252,7 +258,7 @@ def check_heads(data: Any, path: str | Path) -> None:
             and all(isinstance(r, list) and len(r) == h for r in value)
         )
         if not ok:
-            raise ValueError(f"{path}: {where} must be a {L} x {h} matrix (depth x head)")
+            raise DataError(path, f"{where} must be a {L} x {h} matrix (depth x head)")
 
     for key in ("raw", "normalized"):
         matrix(data["importance"].get(key), f"importance.{key}")
@@ -263,7 +269,7 @@ def check_heads(data: Any, path: str | Path) -> None:
     if data["pruning"] is not None:
         points = data["pruning"].get("points")
         if not isinstance(points, list) or not points:
-            raise ValueError(f"{path}: pruning.points must be a non-empty list")
+            raise DataError(path, "pruning.points must be a non-empty list")
         for i, point in enumerate(points):
             matrix(point.get("mask"), f"pruning.points[{i}].mask")
 

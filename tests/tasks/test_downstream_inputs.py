@@ -75,10 +75,14 @@ def test_crafted_upstream_never_runs_code(tmp_path: Path, crafted_torch_file) ->
     assert str(path) in str(info.value) and not marker.exists()
 
 
-def test_upstream_with_nonfinite_hidden_states_is_refused(tmp_path: Path) -> None:
+def test_upstream_with_nonfinite_hidden_states_is_refused(tmp_path: Path, monkeypatch) -> None:
     """Finite but overflowing weights (a diverged run) give NaN features: refused, naming the
     file, instead of probing at chance (a NaN-weight upstream is refused by load_upstream)."""
     from speechattn.tasks.downstream.features import NonFiniteFeaturesError, extract_split
+
+    # weights this large are refused on loading (WEIGHT_LIMIT, tested below); lifted here so
+    # the hidden states are what gets checked
+    monkeypatch.setattr("speechattn.model.upstream.WEIGHT_LIMIT", float("inf"))
 
     path = save_tiny_upstream(tmp_path / "upstream.pt")
     state = torch.load(path, weights_only=True)

@@ -336,7 +336,10 @@ def test_crafted_probe_or_upstream_never_runs_code(tmp_path: Path, crafted_torch
     assert str(upstream) in str(info.value) and not marker.exists()
 
 
-def test_upstream_with_nonfinite_hidden_states_is_refused(tmp_path: Path) -> None:
+def test_upstream_with_nonfinite_hidden_states_is_refused(tmp_path: Path, monkeypatch) -> None:
+    # weights this large are refused on loading (WEIGHT_LIMIT); lifted here so the states are
+    # what gets checked
+    monkeypatch.setattr("speechattn.model.upstream.WEIGHT_LIMIT", float("inf"))
     upstream = make_upstream(tmp_path / "upstream.pt")
     state = torch.load(upstream, weights_only=True)
     state["state_dict"]["embedding.proj.weight"] *= 1e30  # finite weights, overflowing states

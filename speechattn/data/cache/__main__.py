@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 
 from speechattn.data.cache.gc import GRACE_S, collect, stale_bytes, survey
+from speechattn.errors import add_debug_flag, command_line_errors
 from speechattn.utils import default_cache_root
 
 
@@ -72,12 +73,14 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--dry-run", action="store_true", help="gc: only list what would go")
     p.add_argument("--grace-hours", type=float, default=GRACE_S / 3600,
                    help="gc keeps unused files younger than this (an extraction may be running)")  # fmt: skip
+    add_debug_flag(p)
     args = p.parse_args(argv)
     root = (args.cache_dir or default_cache_root()).expanduser()
-    if args.command == "ls":
-        ls(root)
-    else:
-        gc(root, args.dry_run, args.grace_hours * 3600)
+    with command_line_errors(args.debug, p.prog):
+        if args.command == "ls":
+            ls(root)
+        else:
+            gc(root, args.dry_run, args.grace_hours * 3600)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -34,7 +34,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from speechattn.errors import SpeechattnError
+from speechattn.errors import ConfigError, SpeechattnError
 from speechattn.tasks.analysis.objectives import (  # the objectives are re-exported here
     PER_CHOICES,
     LabelledBatch,
@@ -53,7 +53,7 @@ class ImportanceConfig:
 
     def __post_init__(self) -> None:
         if self.per not in PER_CHOICES:
-            raise ValueError(f"importance.per must be one of {PER_CHOICES}, got {self.per!r}")
+            raise ConfigError(f"importance.per must be one of {PER_CHOICES}, got {self.per!r}")
 
 
 @dataclass
@@ -72,7 +72,7 @@ class PruningConfig:
 
     def __post_init__(self) -> None:
         if not 0.0 < self.step <= 1.0:
-            raise ValueError(f"pruning.step must be in (0, 1], got {self.step}")
+            raise ConfigError(f"pruning.step must be in (0, 1], got {self.step}")
 
 
 @dataclass
@@ -114,7 +114,7 @@ def evaluate(objective: Objective, head_mask: Tensor | None = None) -> float:
         s, c = objective.score(batch, head_mask)
         total, count = total + s, count + c
     if count == 0:
-        raise ValueError("nothing in the data subset is scored (no chosen frames / labels)")
+        raise ConfigError("nothing in the data subset is scored (no chosen frames / labels)")
     return total / count
 
 
@@ -165,7 +165,7 @@ def head_importance(
         acc += grad
         n += 1
     if n == 0:
-        raise ValueError("no unit of the data subset has a scored frame or label")
+        raise ConfigError("no unit of the data subset has a scored frame or label")
     raw = acc_abs / n
     return Importance(raw, normalize_per_depth(raw, head_mask != 0), acc / n, per, n)
 

@@ -21,6 +21,7 @@ from typing import Any, Generic, TypeVar
 import torch
 from torch import Tensor, nn
 
+from speechattn.errors import ConfigError
 from speechattn.model.aalbert import AALBERT
 from speechattn.model.masking import MaskedBatch, MaskingConfig, corrupt, reconstruction_loss
 from speechattn.model.probes import Probe
@@ -45,7 +46,7 @@ class Objective(ABC, Generic[U]):
 
     def __init__(self, num_layers: int, num_heads: int, batches: list[U]) -> None:
         if not batches:
-            raise ValueError("the data subset is empty: no batches to analyse")
+            raise ConfigError("the data subset is empty: no batches to analyse")
         self.num_layers, self.num_heads, self.batches = num_layers, num_heads, batches
 
     @abstractmethod
@@ -71,7 +72,7 @@ class Objective(ABC, Generic[U]):
             for batch in self.batches:
                 yield from self.split(batch)
         else:
-            raise ValueError(f"per must be one of {PER_CHOICES}, got {per!r}")
+            raise ConfigError(f"per must be one of {PER_CHOICES}, got {per!r}")
 
     def num_units(self, per: str) -> int:
         return sum(1 for _ in self.units(per))

@@ -27,7 +27,7 @@ from torch import nn
 
 from speechattn import CONFIG_DIR
 from speechattn.data import build_datamodule
-from speechattn.errors import ConfigError
+from speechattn.errors import ConfigError, MissingFileError
 from speechattn.model.masking import MaskingConfig
 from speechattn.model.serialization import TorchFileError, describe_load_error, load_torch_file
 from speechattn.tasks.analysis.heads import (
@@ -86,17 +86,17 @@ class HeadsRunConfig(HeadsConfig):
         if is_dataclass(self.data):
             self.data = asdict(self.data)
         if self.analysis != "heads":
-            raise ValueError(f"unknown analysis {self.analysis!r}; choose heads")
+            raise ConfigError(f"unknown analysis {self.analysis!r}; choose heads")
         if self.task is not None and self.task not in head_tasks():
             raise ConfigError(
                 f"unknown task {self.task!r}; choose one of {', '.join(head_tasks())}"
             )
         if self.split not in SPLIT_CHOICES:
-            raise ValueError(f"split must be one of {SPLIT_CHOICES}, got {self.split!r}")
+            raise ConfigError(f"split must be one of {SPLIT_CHOICES}, got {self.split!r}")
         if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {tuple(DTYPES)}, got {self.dtype!r}")
+            raise ConfigError(f"dtype must be one of {tuple(DTYPES)}, got {self.dtype!r}")
         if self.num_batches is not None and self.num_batches < 1:
-            raise ValueError(f"num_batches must be >= 1 or null, got {self.num_batches}")
+            raise ConfigError(f"num_batches must be >= 1 or null, got {self.num_batches}")
 
     @property
     def heads(self) -> HeadsConfig:
@@ -145,7 +145,7 @@ def find_probe_checkpoint(directory: Path, best_epoch: int | None) -> Path:
     folder = directory / "checkpoints"
     candidates = sorted(folder.glob("best-*.ckpt"))
     if not candidates:
-        raise FileNotFoundError(
+        raise MissingFileError(
             f"downstream run {directory} has no probe checkpoint: expected "
             f"{folder}/best-epoch=N.ckpt (written by `python -m speechattn.downstream`)"
         )
@@ -161,19 +161,19 @@ def load_probe_run(directory: str | Path) -> ProbeRun:
 
     directory = Path(directory).expanduser().resolve()
     if not directory.is_dir():
-        raise FileNotFoundError(
+        raise MissingFileError(
             f"downstream={directory} is not a directory; pass the run dir of "
             f"`python -m speechattn.downstream` (it holds {RESULT_FILE} and checkpoints/)"
         )
     result_path = directory / RESULT_FILE
     if not result_path.is_file():
-        raise FileNotFoundError(
+        raise MissingFileError(
             f"downstream run {directory} has no {RESULT_FILE}: the run did not finish, or this "
             f"is not a `python -m speechattn.downstream` run dir"
         )
     result = read_result(result_path)
     if result.upstream == MEL:
-        raise ValueError(
+        raise ConfigError(
             f"{result_path}: that probe was trained on upstream=mel, which has no attention heads"
         )
     checkpoint = find_probe_checkpoint(directory, result.best_epoch)
@@ -197,17 +197,17 @@ def load_probe_run(directory: str | Path) -> ProbeRun:
         )
         probe.load_state_dict(state["state_dict"])
     except Exception as e:
-        raise ValueError(
+        raise TorchFileError(
             f"{checkpoint}: not a readable downstream probe checkpoint: {type(e).__name__}: {e}"
         ) from e
     layers = [int(i) for i in (result.probe or {}).get("layers", [])]
     if len(layers) != probe.select.num_layers:
-        raise ValueError(
+        raise ConfigError(
             f"{result_path}: probe.layers {layers} does not match the checkpoint's "
             f"{probe.select.num_layers} input layer(s)"
         )
     if task.name != result.task:
-        raise ValueError(
+        raise ConfigError(
             f"{checkpoint} is a {task.name} probe but {result_path} says {result.task}"
         )
     return ProbeRun(directory, result, checkpoint, probe.eval(), layers)
@@ -217,7 +217,7 @@ def subset_batches(loader: Any, num_batches: int | None) -> list[dict[str, Any]]
     """The first `num_batches` batches of a deterministic loader (all with None)."""
     batches = list(itertools.islice(iter(loader), num_batches))
     if not batches:
-        raise ValueError("the data split is empty: no batches to analyse")
+        raise ConfigError("the data split is empty: no batches to analyse")
     return batches
 
 

@@ -6,12 +6,12 @@
 - `run`: `run(cfg)`, what `python -m speechattn.downstream` does
 """
 
+from speechattn.tasks.downstream.features import renormalizer
 from speechattn.tasks.downstream.labels.phones import check_label_lengths
 from speechattn.tasks.downstream.probe import DownstreamProbe, ProbeDataset, TaskConfig, collate
 from speechattn.tasks.downstream.run import (
     fit_probe,
     labelled_data_config,
-    renormalizer,
     run,
 )
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,12 +31,13 @@ import torch
 from torch import Tensor, nn
 
 from speechattn.data.cache import file_sha256
-from speechattn.errors import SpeechattnError
+from speechattn.errors import ConfigError, MissingFileError, SpeechattnError
 from speechattn.model.serialization import TorchFileError, load_torch_file
 from speechattn.tasks.records import MEL  # the no-pretraining baseline's name
 from speechattn.utils import atomic_path, atomic_write_bytes, digest, lengths_to_padding_mask
 from speechattn.utils import progress_bar as progress
 
+log = logging.getLogger(__name__)
 CACHE_VERSION = 1
 SPLITS = ("train", "dev", "test")
 
@@ -66,44 +68,56 @@ class MelUpstream(nn.Module):
         return lengths.clone()
 
 
-def open_upstream(spec: str | Path, feature_dim: int | None = None) -> tuple[nn.Module, str | None]:
+def open_upstream(
+    spec: str | Path, feature_dim: int | None = None, data: Any = None
+) -> tuple[nn.Module, str | None]:
     """Load the upstream named by `spec` (a path to `upstream.pt`, or `mel`), frozen, in eval mode.
 
-    Returns the upstream and the sha256 of its file (None for `mel`). Raises `FileNotFoundError`
-    or `ValueError` naming the file when it is missing, corrupt, not ours, or expects other
-    input features than the corpus provides (`feature_dim`; None: not checked, e.g. the head
-    analysis, which reads the corpus recorded with the upstream). The one loader of both the
-    downstream job and the head analysis.
+    Returns the upstream and the sha256 of its file (None for `mel`). Raises a SpeechattnError
+    naming the file when it is missing, a folder, corrupt, not ours, or expects other input
+    features than the corpus provides (`feature_dim`; None: not checked, e.g. the head
+    analysis, which reads the corpus recorded with the upstream; with `data`, a DataConfig,
+    the differing `data.n_mels` / `data.deltas` are named). The one loader of both the
+    downstream job and the head analysis. Cheap: call it before extracting anything, so a
+    wrong `upstream=` fails at once.
     """
     if str(spec) == MEL:
         return MelUpstream(feature_dim).eval(), None
     path = Path(spec).expanduser()
-    if not path.is_file():
-        raise FileNotFoundError(
+    if not path.exists():  # a folder is refused by the loader, which names what it holds
+        raise MissingFileError(
             f"upstream file {path} does not exist; pass upstream=PATH to an upstream.pt written "
             f"by `python -m speechattn.pretrain`, or upstream=mel"
         )
     from speechattn import load_upstream
 
-    try:
-        upstream = load_upstream(path)
-    except ValueError:  # the loader's own error already names the file and the problem
-        raise
-    except Exception as e:  # anything else unexpected still means "not a usable upstream"
-        raise ValueError(
-            f"{path} is not a valid speechattn upstream file (corrupt, truncated or not written "
-            f"by `python -m speechattn.pretrain`): {type(e).__name__}: {e}"
-        ) from e
+    upstream = load_upstream(path)  # its errors name the file and the problem
     expected = _upstream_feature_dim(upstream)
     if expected is not None and feature_dim is not None and expected != feature_dim:
-        raise ValueError(
+        raise ConfigError(
             f"{path} expects {expected}-dim input features but the corpus provides "
-            f"{feature_dim}; use the same data.* feature settings as for pretraining"
+            f"{feature_dim}{_feature_settings_differ(upstream, data)}"
         )
     upstream.eval()
     for p in upstream.parameters():
         p.requires_grad_(False)
     return upstream, file_sha256(path)
+
+
+def _feature_settings_differ(upstream: nn.Module, data: Any) -> str:
+    """The end of the feature-mismatch message: the data.* settings to change, by name."""
+    recorded = getattr(upstream, "feature_config", None)
+    if data is None or not isinstance(recorded, dict):
+        return "; use the same data.* feature settings as for pretraining"
+    from speechattn.data.features import FeatureConfig
+
+    pretrained = FeatureConfig(**recorded)
+    fixes = [
+        f"data.{name}={str(want).lower()} (given {str(getattr(data, name)).lower()})"
+        for name in ("n_mels", "deltas")
+        if getattr(data, name) != (want := getattr(pretrained, name))
+    ]
+    return f": it was pretrained on other features; set {', '.join(fixes) or 'the same data.*'}"
 
 
 def _upstream_feature_dim(upstream: nn.Module) -> int | None:
@@ -112,6 +126,122 @@ def _upstream_feature_dim(upstream: nn.Module) -> int | None:
         if isinstance(value, int):
             return value
     return None
+
+
+# `normalization=`: whose normalisation the features get before the upstream sees them
+NORMALIZATION_CHOICES = ("upstream", "corpus")
+
+
+@dataclass
+class FeatureNormalization:
+    """How the corpus's normalised features are adapted before the upstream sees them.
+
+    transform: `f(features (B, T, F), padding_mask (B, T)) -> features (B, T, F)`, or None
+        (the corpus's normalisation is what the upstream expects, or what the user chose).
+    record: what result.json keeps: {"used": upstream | corpus, "corpus": data.normalization,
+        "upstream": the upstream's mode (None for mel), "differ": bool}.
+    cache_tag: appended to the feature cache key where the features differ from what this
+        code gave before the choice existed ("" elsewhere, so those caches stay valid).
+    """
+
+    transform: Any
+    record: dict[str, Any]
+    cache_tag: str = ""
+
+
+def _upstream_normalizer(upstream: nn.Module) -> Any:
+    """The upstream's own Normalizer (None for mel, which has no pretraining)."""
+    return getattr(upstream, "normalizer", None)
+
+
+def check_normalization(corpus_mode: str, upstream: nn.Module, choice: str) -> None:
+    """Fail before any extraction when `normalization=choice` cannot be honoured: an unknown
+    choice, or per-utterance corpus features (not invertible) for an upstream pretrained
+    otherwise."""
+    if choice not in NORMALIZATION_CHOICES:
+        raise ConfigError(
+            f"normalization={choice!r}: choose upstream (the upstream's own normalisation, the "
+            f"default) or corpus (data.normalization as given, mismatch recorded)"
+        )
+    own = _upstream_normalizer(upstream)
+    utterance_only = corpus_mode == "utterance" and own is not None and own.mode != "utterance"
+    if choice == "upstream" and utterance_only:
+        raise ConfigError(
+            f"data.normalization=utterance cannot be mapped onto the {own.mode} normalisation "
+            f"{getattr(upstream, 'source', 'the upstream')} was pretrained with (per-utterance "
+            f"statistics are not invertible): leave data.normalization={own.mode}, or set "
+            f"normalization=corpus to probe per-utterance features anyway (recorded in "
+            f"result.json)"
+        )
+
+
+def feature_normalization(
+    normalizer: Any, upstream: nn.Module, choice: str = "upstream"
+) -> FeatureNormalization:
+    """The features as the upstream was pretrained (`choice="upstream"`: its own statistics
+    and mode, whatever data.normalization says) or as the corpus normalises them
+    (`"corpus"`: a mismatch is logged and recorded). Says which in the log.
+
+    `normalizer` is the data module's (training-split statistics, `mode`); an upstream
+    pretrained on another corpus (train-clean-360 vs train-clean-100) saw its own.
+    """
+    corpus_mode = getattr(normalizer, "mode", None)
+    check_normalization(corpus_mode or "none", upstream, choice)
+    own = _upstream_normalizer(upstream)
+    record = {"used": choice, "corpus": corpus_mode, "upstream": getattr(own, "mode", None)}
+    if own is None or normalizer is None:  # mel: the corpus's normalisation defines it
+        log.info("features: normalised as data.normalization=%s (no pretraining)", corpus_mode)
+        return FeatureNormalization(None, {**record, "used": "corpus", "differ": False})
+    same = corpus_mode == own.mode and (
+        own.mode != "global"
+        or (
+            torch.allclose(normalizer.mean, own.mean.cpu(), atol=1e-4)
+            and torch.allclose(normalizer.std, own.std.cpu(), atol=1e-4)
+        )
+    )
+    record["differ"] = not same
+    pretrained = f"{own.mode} normalisation" + (
+        " with its pretraining statistics" if own.mode == "global" else ""
+    )
+    if same:
+        log.info("features: normalised as the upstream was pretrained (%s)", pretrained)
+        return FeatureNormalization(None, record)
+    # before `normalization=` existed, global/global with other statistics was remapped and
+    # any other mismatch was left as it was: those cache keys stay, the new cases get a tag
+    remapped_before = corpus_mode == own.mode == "global"
+    if choice == "corpus":
+        log.warning(
+            "features: normalised as data.normalization=%s (normalization=corpus), not as the "
+            "upstream was pretrained (%s); the mismatch is recorded in result.json",
+            corpus_mode,
+            pretrained,
+        )
+        tag = "|norm=corpus" if remapped_before else ""
+        return FeatureNormalization(None, record, tag)
+    log.info(
+        "features: data.normalization=%s mapped onto the upstream's own %s (set "
+        "normalization=corpus to keep the corpus's)",
+        corpus_mode,
+        pretrained,
+    )
+    src_mean, src_std = normalizer.mean, normalizer.std
+
+    def remap(features: Tensor, padding_mask: Tensor) -> Tensor:
+        d = features.device
+        raw = features  # (B, T, F) log-mel, as the corpus gives it without normalisation
+        if corpus_mode == "global":
+            raw = features * src_std.to(d) + src_mean.to(d)
+        out = own(raw, (~padding_mask).sum(1))  # the upstream's mode and statistics
+        return out.masked_fill(padding_mask.unsqueeze(-1), 0.0)
+
+    tag = "" if remapped_before else f"|norm=upstream:{own.mode}"
+    return FeatureNormalization(remap, record, tag)
+
+
+def renormalizer(normalizer: Any, upstream: nn.Module) -> Any:
+    """`feature_normalization(normalizer, upstream).transform`: the corpus's normalised
+    features mapped onto the upstream's own normalisation, or None when nothing to do."""
+    return feature_normalization(normalizer, upstream).transform
 
 
 def resolve_layers(layer: str | int, num_layers: int) -> list[int]:
@@ -128,12 +258,12 @@ def resolve_layers(layer: str | int, num_layers: int) -> list[int]:
     try:
         index = int(layer)
     except (TypeError, ValueError):
-        raise ValueError(
+        raise ConfigError(
             f"unknown layer choice {layer!r}; use last, weighted or an index in "
             f"[{-count}, {count - 1}]"
         ) from None
     if not -count <= index < count:
-        raise ValueError(
+        raise ConfigError(
             f"layer={index} is out of range: the upstream has {count} hidden states "
             f"(0 = input embedding, {num_layers} = last layer)"
         )
@@ -232,6 +362,45 @@ class NonFiniteFeaturesError(SpeechattnError, ValueError):
     """The upstream's hidden states hold NaN/inf: refused rather than probed at chance."""
 
 
+class ImplausibleFeaturesError(NonFiniteFeaturesError):
+    """The upstream's hidden states are finite but far larger than any trained model gives
+    (|h| > FEATURE_LIMIT): a run that blew up without reaching inf, refused as well."""
+
+
+# Largest |hidden state| accepted. A trained AALBERT's (layer-normed) hidden states and the
+# normalised log-mel stay within about 10-20; float16, the cache's dtype, overflows at 65504.
+FEATURE_LIMIT = 1e4
+
+
+def _check_features(
+    cached: Tensor,
+    computed: Tensor,
+    upstream: nn.Module,
+    layers: Sequence[int],
+    utt_ids: Sequence[str],
+    description: str,
+) -> None:
+    """Refuse hidden states that are not finite once cast to float16 (`cached`, as stored;
+    `computed` is the float32 original) or whose magnitude exceeds FEATURE_LIMIT. Padding is
+    0, so only real frames can fail."""
+    source = getattr(upstream, "source", None) or upstream
+    where = f"{description}: upstream {source} gives"
+    whom = f"(layers {list(layers)}) for {', '.join(utt_ids[:3])}"
+    retrain = "a probe on them would score chance. Pretrain again with a smaller model.optimizer.lr"
+    if not bool(torch.isfinite(computed).all()):
+        raise NonFiniteFeaturesError(
+            f"{where} NaN/inf hidden states {whom}: its pretraining diverged (or the input "
+            f"features hold NaN/inf); {retrain}"
+        )
+    peak = float(computed.abs().amax()) if computed.numel() else 0.0
+    if not bool(torch.isfinite(cached).all()) or peak > FEATURE_LIMIT:
+        raise ImplausibleFeaturesError(
+            f"{where} hidden states up to |h| = {peak:.3g} {whom}, beyond {FEATURE_LIMIT:g} "
+            f"(float16, the feature cache's type, overflows at 65504): its pretraining blew "
+            f"up; {retrain}"
+        )
+
+
 @torch.no_grad()
 def extract_split(
     upstream: nn.Module,
@@ -265,17 +434,11 @@ def extract_split(
             hidden = upstream(x, n)
             out_len = upstream.output_lengths(n).cpu()  # (B,)
             stacked = torch.stack([hidden[i] for i in layers], dim=2).cpu()  # (B, T', N, D)
-            if not bool(torch.isfinite(stacked).all()):  # padding is 0, so only real frames
-                raise NonFiniteFeaturesError(
-                    f"{description}: upstream {getattr(upstream, 'source', None) or upstream} "
-                    f"gives NaN/inf hidden states (layers {list(layers)}) for "
-                    f"{', '.join(batch['utt_ids'][:3])}: its pretraining diverged (or the input "
-                    f"features hold NaN/inf); a probe on them would score chance. Pretrain "
-                    f"again with a smaller model.optimizer.lr"
-                )
+            cached = stacked.to(torch.float16)  # what the cache keeps: checked after the cast
+            _check_features(cached, stacked, upstream, layers, batch["utt_ids"], description)
             for b, utt in enumerate(batch["utt_ids"]):
                 utt_ids.append(utt)
-                feats.append(stacked[b, : out_len[b]].to(torch.float16))
+                feats.append(cached[b, : out_len[b]])
             lengths.append(out_len)
             input_lengths.append(batch["lengths"].cpu())
             if has_speaker and batch.get("speaker") is not None:
@@ -290,7 +453,7 @@ def extract_split(
                 has_phones = False
             advance(1)
     if not utt_ids:
-        raise ValueError(f"{description}: the split is empty")
+        raise ConfigError(f"{description}: the split is empty")
     if len(set(utt_ids)) != len(utt_ids):
         raise ValueError(f"{description}: duplicate utterance ids in the split")
     width = len(layers)
@@ -305,7 +468,7 @@ def extract_split(
     )
 
 
-class DamagedSplit(ValueError):
+class DamagedSplit(SpeechattnError, ValueError):
     """A cached split that does not match its checksum record or whose fields disagree."""
 
 

@@ -42,7 +42,6 @@ import lightning as L
 import torch
 from hydra.utils import instantiate
 from omegaconf import DictConfig, open_dict
-from torch import Tensor
 from torch.utils.data import DataLoader
 
 from speechattn.data import DataConfig, LabelledDataModule
@@ -56,9 +55,12 @@ from speechattn.tasks.common import (
 from speechattn.tasks.downstream.features import (
     SPLITS,
     DamagedSplit,
+    FeatureNormalization,
     SplitFeatures,
     cache_key,
+    check_normalization,
     extract_split,
+    feature_normalization,
     load_split,
     open_upstream,
     resolve_layers,
@@ -86,11 +88,14 @@ def cached_features(
     cache_dir: str | Path,
     device: torch.device | str = "cpu",
     progress_bar: bool = True,
+    normalization: FeatureNormalization | None = None,
 ) -> dict[str, SplitFeatures]:
-    """Hidden states `layers` of every split, from the cache or extracted (then cached) once."""
+    """Hidden states `layers` of every split, from the cache or extracted (then cached) once;
+    `normalization` (default: the upstream's own, `feature_normalization`) adapts the input."""
     normalizer = getattr(datamodule, "normalizer", None)
+    normalization = normalization or feature_normalization(normalizer, upstream)
     stats = tensor_digest(getattr(normalizer, "mean", None), getattr(normalizer, "std", None))
-    key = cache_key(upstream_id, layers, data_config, stats)
+    key = cache_key(upstream_id, layers, data_config, stats + normalization.cache_tag)
     folder = Path(cache_dir).expanduser() / key
     splits: dict[str, SplitFeatures] = {}
     upstream = upstream.to(device)
@@ -112,40 +117,12 @@ def cached_features(
             total=total,
             description=f"features {name}",
             device=device,
-            transform=renormalizer(normalizer, upstream),
+            transform=normalization.transform,
             progress_bar=progress_bar,
         )
         save_split(splits[name], path)
         log.info("features %s: %d utterances -> %s", name, len(splits[name]), path)
     return splits
-
-
-def renormalizer(normalizer: Any, upstream: torch.nn.Module) -> Any:
-    """Map features normalised with the corpus statistics onto the upstream's own statistics.
-
-    The data module normalises with its training split's mean/std; an upstream pretrained on
-    another corpus (train-clean-360 vs train-clean-100) saw its own. Returns
-    `f(features (B, T, F), padding_mask (B, T)) -> features`, or None when nothing to do.
-    """
-    src_mean, src_std = getattr(normalizer, "mean", None), getattr(normalizer, "std", None)
-    dst_mean, dst_std = getattr(upstream, "mean", None), getattr(upstream, "std", None)
-    modes = {getattr(normalizer, "mode", "global")}
-    modes.add(getattr(getattr(upstream, "normalizer", None), "mode", "global"))
-    if modes != {"global"} or src_mean is None or dst_mean is None:
-        return None
-    if torch.allclose(src_mean, dst_mean.cpu(), atol=1e-4) and torch.allclose(
-        src_std, dst_std.cpu(), atol=1e-4
-    ):
-        return None
-    log.info("features: mapping corpus normalisation onto the upstream's pretraining statistics")
-
-    def remap(features: Tensor, padding_mask: Tensor) -> Tensor:
-        d = features.device
-        raw = features * src_std.to(d) + src_mean.to(d)  # (B, T, F) log-mel
-        out = (raw - dst_mean.to(d)) / dst_std.to(d)
-        return out.masked_fill(padding_mask.unsqueeze(-1), 0.0)
-
-    return remap
 
 
 def _split_loader(datamodule: Any, split: str) -> Any:
@@ -273,12 +250,16 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         cfg.output_dir = str(out)  # where conf/logger/ writes (`${output_dir}`)
     L.seed_everything(cfg.seed, workers=True)
 
-    datamodule, data_config = labelled_data(task, cfg.data)
+    data_config = labelled_data_config(task, DataConfig(**plain(cfg.data)))
+    # the upstream first: a wrong upstream= or feature setting fails before any extraction
+    upstream, sha = open_upstream(cfg.upstream, data_config.feature_dim, data_config)
+    layers = resolve_layers(cfg.layer, upstream.num_layers)
+    check_normalization(data_config.normalization, upstream, cfg.normalization)
+    datamodule = labelled_data(data_config)
     labels = task.labels(datamodule)
     num_classes = labels.check_classes(task.name)
-    upstream, sha = open_upstream(cfg.upstream, datamodule.feature_dim)
     _check_input_frames(upstream, datamodule)
-    layers = resolve_layers(cfg.layer, upstream.num_layers)
+    normalization = feature_normalization(datamodule.normalizer, upstream, cfg.normalization)
     t_features = time.perf_counter()
     splits = cached_features(
         upstream,
@@ -289,6 +270,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         cfg.get("cache_dir") or data_config.cache_root() / "downstream",
         choose_device(cfg.get("device", "auto")),
         progress_bar=data_config.progress,
+        normalization=normalization,
     )
     upstream.cpu()
     t_features = time.perf_counter() - t_features
@@ -318,6 +300,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         cfg, task, upstream, sha, layers, splits, labels, num_classes, fit, datamodule,
         data_config, runtime,
     )  # fmt: skip
+    result.corpus["normalization"] = normalization.record  # what the upstream saw, and why
     path = result.write(out)
     _save_example(datamodule, out)
     log.info(
@@ -331,13 +314,12 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     return result.to_dict()
 
 
-def labelled_data(task: TaskConfig, data: Any) -> tuple[LabelledDataModule, DataConfig]:
-    """The labelled corpus of `task` (`cfg.data`), set up for fitting, and its data config."""
-    data_config = labelled_data_config(task, DataConfig(**plain(data)))
+def labelled_data(data_config: DataConfig) -> LabelledDataModule:
+    """The labelled corpus of `data_config` (`labelled_data_config`'s), set up for fitting."""
     datamodule = LabelledDataModule(data_config)
     datamodule.prepare_data()
     datamodule.setup("fit")
-    return datamodule, data_config
+    return datamodule
 
 
 def downstream_result(

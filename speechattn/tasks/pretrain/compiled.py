@@ -31,6 +31,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from speechattn.errors import ConfigError
 from speechattn.model.aalbert import padding_mask_for
 from speechattn.model.masking import MaskedBatch, masked_l1
 
@@ -72,7 +73,7 @@ def compile_objective(
     function eagerly) is raised to it.
     """
     if mode not in COMPILE_MODES:
-        raise ValueError(f"compile_mode must be one of {COMPILE_MODES}, got {mode!r}")
+        raise ConfigError(f"compile_mode must be one of {COMPILE_MODES}, got {mode!r}")
     if max_graphs > torch._dynamo.config.recompile_limit:
         torch._dynamo.config.recompile_limit = max_graphs
 

@@ -27,6 +27,7 @@ import torch
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset, Sampler
 
+from speechattn.errors import ConfigError
 from speechattn.model.masking import MaskedBatch, MaskingConfig, mask_batch
 from speechattn.utils import derive_seed
 
@@ -70,9 +71,9 @@ class StepBatchSampler(Sampler[list[tuple[int, int]]]):
         bucket_size: int = 1,
     ) -> None:
         if num_items < 1:
-            raise ValueError("cannot sample batches from an empty training split")
+            raise ConfigError("cannot sample batches from an empty training split")
         if batch_size < 1 or total_batches < 0 or bucket_size < 1:
-            raise ValueError(
+            raise ConfigError(
                 f"need batch_size, bucket_size >= 1 and total_batches >= 0, "
                 f"got {batch_size}, {bucket_size}, {total_batches}"
             )
@@ -80,7 +81,7 @@ class StepBatchSampler(Sampler[list[tuple[int, int]]]):
             raise ValueError(f"{len(lengths)} lengths for {num_items} items")
         G = batch_size * world_size
         if num_items < 2 * G - 1:
-            raise ValueError(
+            raise ConfigError(
                 f"{num_items} training utterances for global batches of {G} (batch_size "
                 f"{batch_size} x {world_size} ranks): a batch spanning two passes could hold "
                 f"an utterance twice; use at least {2 * G - 1} utterances or a smaller "
@@ -292,7 +293,7 @@ class ResumableData(L.LightningDataModule):
         trainer = self.trainer
         assert trainer is not None, "ResumableData must be attached to a Trainer"
         if trainer.max_steps is None or trainer.max_steps < 0:
-            raise ValueError("pretraining is defined in steps: set trainer.max_steps")
+            raise ConfigError("pretraining is defined in steps: set trainer.max_steps")
         accumulate = trainer.accumulate_grad_batches
         batch_masker = getattr(trainer.lightning_module, "batch_masker", None)
         return self.step_loader(
@@ -321,7 +322,7 @@ class ResumableData(L.LightningDataModule):
         if batch_size is None:
             batch_size = getattr(loader.batch_sampler, "batch_size", None)
         if batch_size is None:
-            raise ValueError("cannot tell the training batch size; set data.batch_size")
+            raise ConfigError("cannot tell the training batch size; set data.batch_size")
         dataset = loader.dataset
         lengths = getattr(dataset, "lengths", None)  # frames per item: enables length buckets
         bucket = self.bucket_size or getattr(loader.batch_sampler, "bucket_size", None) or 1

@@ -26,7 +26,7 @@ from omegaconf import DictConfig, OmegaConf
 from speechattn.attention import autotune
 from speechattn.data import DataConfig, build_datamodule
 from speechattn.data.features import FeatureConfig
-from speechattn.errors import is_int, is_number, require
+from speechattn.errors import MissingFileError, is_int, is_number, require
 from speechattn.model.aalbert import ModelConfig
 from speechattn.model.masking import MaskingConfig
 from speechattn.model.optim import OptimConfig
@@ -380,7 +380,7 @@ def resolve_ckpt_path(ckpt_path: str | None, output_dir: Path) -> Path | None:
         return None
     path = Path(ckpt_path).expanduser()
     if not path.is_file():
-        raise FileNotFoundError(f"ckpt_path={ckpt_path}: no such checkpoint file")
+        raise MissingFileError(f"ckpt_path={ckpt_path}: no such checkpoint file")
     return path
 
 

@@ -14,12 +14,12 @@ import torch
 from torch import Tensor
 
 from speechattn.data.features import expand_to_labels
-from speechattn.errors import ConfigError, SpeechattnError
+from speechattn.errors import ConfigError, MissingFileError
 from speechattn.tasks.downstream.features import SplitFeatures
 from speechattn.tasks.downstream.labels import LabelSource, register
 
 
-class MissingAlignmentsError(SpeechattnError, FileNotFoundError):
+class MissingAlignmentsError(MissingFileError):
     """A phone task whose alignments file does not exist."""
 
 

@@ -1,0 +1,108 @@
+"""The printed tables and the log-log plot of `python -m speechattn.bench attention`'s result
+(`speechattn.bench.attention.run`'s dict, or the JSON it writes)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from speechattn.bench.attention_cases import BASELINES
+
+
+def print_table(out: dict) -> None:
+    m = out["meta"]
+    Ts = m["lengths"]
+    allrows = {**out["variants"], **out["baselines"]}
+    w = max(len(n) for n in allrows) + 2
+
+    def table(title: str, key: str, fmt: str = "{:10.2f}") -> None:
+        print(f"\n{title}")
+        print("variant".ljust(w) + "".join(f"T={T}".rjust(10) for T in Ts))
+        for n, r in allrows.items():
+            cells = (r.get(key, {}).get(T) for T in Ts)
+            print(
+                n.ljust(w)
+                + "".join(fmt.format(c) if c is not None else f"{'-':>10}" for c in cells)
+            )
+
+    print(
+        f"\n{m['device_name']}; {m['precision']}; matmul peak {m['matmul_peak_gflops']:.1f} GFLOP/s"
+    )
+    print(f"forward+backward {m['timing'].split()[1]} time (ms), B={m['batch']} D={m['dim']} "
+          f"h={m['heads']} on {m['device']} ({m['threads']} threads)")  # fmt: skip
+    print("variant".ljust(w) + "".join(f"T={T}".rjust(10) for T in Ts) + "   exp")
+    for n, r in allrows.items():
+        cells = "".join(f"{r['time_ms'].get(T, float('nan')):10.1f}" for T in Ts)
+        exp = r.get("growth_exponent")
+        print(n.ljust(w) + cells + (f"  {exp:4.2f}" if exp is not None else "     -"))
+    table("speed-up vs full (full time / variant time)", "ratio_to_full")
+    table("FLOP bound: flops(full) / flops(variant)", "flop_bound")
+    table("achieved / bound (speed-up over FLOP bound)", "achieved_of_bound")
+    table("MFU (achieved FLOP/s over the measured matmul peak)", "mfu")
+    if any("attention_ms" in r for r in allrows.values()):
+        print("\nLSH: hashing+matching (select) / attention part (ms)")
+        for n, r in allrows.items():
+            if "attention_ms" in r:
+                cells = "".join(
+                    f"{r['select_ms'][T]:7.0f}/{r['attention_ms'][T]:<7.0f}"
+                    for T in Ts
+                    if T in r["select_ms"]
+                )
+                print(
+                    n.ljust(w)
+                    + cells
+                    + f"  attention exp {r['attention_growth_exponent'] or float('nan'):.2f}"
+                )
+    two = {n: r for n, r in allrows.items() if set(r.get("kernel", {}).values()) - {"one"}}
+    if two:
+        how = "measured (*: here or cached)" if m.get("autotune") == "on" else "rule"
+        print(f"\nkernel used (short: all T x T pairs, long: the sparse/band one; {how})")
+        print("variant".ljust(w) + "".join(f"T={T}".rjust(10) for T in Ts))
+        for n, r in two.items():
+            print(n.ljust(w) + "".join(f"{r['kernel'].get(T, '-'):>10}" for T in Ts))
+    if any(r["peak_mem_mb"] for r in allrows.values()):
+        print(f"\npeak memory (MiB; {m['memory']})")
+        print("variant".ljust(w) + "".join(f"T={T}".rjust(10) for T in Ts))
+        for n, r in allrows.items():
+            print(n.ljust(w) + "".join(_fmt(r["peak_mem_mb"].get(T)) for T in Ts))
+    print("\ntargets")
+    missed = [c for c in out["targets"] if not c["met"]]
+    for c in out["targets"]:
+        if not c["met"] or len(out["targets"]) <= 40:
+            val = "n/a" if c["value"] is None else f"{c['value']:.2f}"
+            print(f"  [{'met' if c['met'] else 'MISSED'}] {c['target']}: {val}")
+            if c.get("why"):
+                print(f"      why: {c['why']}")
+    print(f"  {len(out['targets']) - len(missed)} of {len(out['targets'])} met")
+
+
+def _fmt(x: float | None) -> str:
+    return f"{x:10.1f}" if x is not None else "       n/a"
+
+
+def plot(out: dict, path: Path) -> None:
+    """Log-log time and memory vs T (also works on a JSON-loaded result with str keys)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    allrows = {**out["variants"], **out["baselines"]}
+    colors = plt.get_cmap("tab20").colors
+    markers = "osD^v<>pPX*hH"
+    fig, axes = plt.subplots(1, 2, figsize=(14, 6))
+    for i, (n, r) in enumerate(allrows.items()):
+        style = dict(ls="--" if n in BASELINES else "-", marker=markers[i % len(markers)], ms=4)
+        for ax, key in zip(axes, ("time_ms", "peak_mem_mb")):
+            pts = sorted((int(T), t) for T, t in r.get(key, {}).items() if t)
+            if pts:
+                ax.plot(*zip(*pts), color=colors[i % len(colors)], label=n, **style)
+    for ax, label in zip(axes, ("forward+backward time (ms)", "peak memory rise (MiB)")):
+        ax.set(xscale="log", yscale="log", xlabel="T (frames)", ylabel=label)
+        ax.grid(True, which="both", alpha=0.3)
+    axes[1 if axes[1].lines else 0].legend(fontsize=8, ncol=2, loc="upper left")
+    m = out["meta"]
+    fig.suptitle(f"attention variants: B={m['batch']}, D={m['dim']}, h={m['heads']}, {m['device']}, "
+                 f"{m['threads']} thread(s); {m['timing']}", fontsize=10)  # fmt: skip
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
