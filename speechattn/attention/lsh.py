@@ -10,24 +10,31 @@
 * simple_lsh / simple_alsh: Neyshabur & Srebro, "On Symmetric and Asymmetric LSHs for Inner
   Product Search", ICML 2015.
 
-Common scheme (the study, section 2.2): one shared projection gives q = k (shared-QK
-projections; keys are *not* normalised since the MIPS transforms need their norms) and v.
-Per sequence and head, M = max ||k_j|| over valid keys. Keys are transformed with P, queries
-with Q, hashed by K sign random projections (one fixed seeded matrix per module, a registered
-buffer, identical at train and inference, seeded from the `seed` option and the layer index so
-that unshared layers hash differently). match_ij = number of equal bits. Each query keeps its
-top-k other keys by match; ties go to the nearer key, then the earlier one (deterministic). The
-softmax runs over those k only, on the shared-QK scores q_i k_j / sqrt(d_k). As in `shared_qk`,
-a query attends to itself only when it has no other valid key: it is ranked below every other
-valid key and its score carries the -5e4 self penalty, so a query with n valid keys gives
-nonzero weight to exactly min(k, n - 1) of them (to itself when n = 1).
+Common scheme (the study, section 2.2): one shared projection gives the shared vectors q (as
+in `shared_qk`) and v. Hashing: per sequence and head, M = max ||q_j|| over valid frames; the
+shared vectors are transformed with P as keys and with Q as queries (the MIPS transforms need
+their norms, so they hash q_j itself) and hashed by K sign random projections (one fixed
+seeded matrix per module, a registered buffer, identical at train and inference, seeded from
+the `seed` option and the layer index so that unshared layers hash differently). match_ij =
+number of equal bits. Each query keeps its top-k other keys by match. Ties in the match count
+(frequent: at k = 32 and 16 bits about 40 % of the selected keys are chosen among ties) go to
+the larger score q_i k_j, and only among exactly equal scores (in float32) to the nearer key,
+then the earlier one (`tie_break="score"`; "position" sends every tie to the nearer key, the
+study's first runs, which gave LSH a hidden local window: mean |i - j| of the selected keys 80
+instead of 100 at T = 300 on random inputs). The softmax runs over those k only, on
+`shared_qk`'s scores q_i k_j / sqrt(d_k) with the L2-normalised keys k_j = q_j / ||q_j||
+(`normalize_keys=True`; False scores the raw q_i q_j, the study's first runs), so LSH with
+k >= T is `shared_qk` exactly. As in `shared_qk`, a query attends to itself only when it has
+no other valid key: it is ranked below every other valid key and its score carries the -5e4
+self penalty, so a query with n valid keys gives nonzero weight to exactly min(k, n - 1) of
+them (to itself when n = 1).
 
 Under sign projections the bits are invariant to positive scaling, so xbox, xbox_qnf and
 simple_lsh give identical codes, as do Sign-ALSH with and without QNF (tested; they would
 differ only under an L2 / E2LSH hash, which is not implemented).
 
-Cost: hashing O(T K D); matching O(T^2 K h) as one matmul of +-1 codes plus an exact
-group-pruned top-k, chunked over queries so memory stays O(chunk T); attention on the selected
+Cost: hashing O(T K D); matching O(T^2 K h) as one matmul of +-1 codes (and O(T^2 D) for
+the tie-breaking scores, `tie_break="score"`) plus an exact group-pruned top-k, chunked over queries so memory stays O(chunk T); attention on the selected
 keys: up to `short_path_max_t` frames one all-pairs SDPA call masked to them, above that
 O(T k D) as sparse (CSR) products (float32 under autocast; a custom op, so torch.compile
 keeps it in its graph).
@@ -183,18 +190,34 @@ def _match_dtype(K: int, device: torch.device) -> torch.dtype:
     return torch.float16 if 9 * (K + 1) <= 2048 else torch.float64
 
 
-def topk_by_match(cq: Tensor, ck: Tensor, kv: Tensor, k: int) -> Tensor:
-    """Top-k keys per query by number of equal bits, ties to nearer then earlier keys; the
-    query's own key ranks below every other allowed key and above the disallowed ones.
+def ordered_bits(score: Tensor) -> Tensor:
+    """Float scores as int64 in [0, 2^32) with the same order: the float32 value's bits,
+    negative values' magnitude bits flipped (-0.0 counts as +0.0). Two scores map to the
+    same integer only when they are equal in float32."""
+    bits = (widen(score).float() + 0.0).view(torch.int32)  # + 0.0 turns -0.0 into +0.0
+    return torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits).long() + (1 << 31)
 
-    cq, ck (N, T, K) bool codes (N = B h), kv (N, T) allowed keys. Returns (N, T, min(k, T)).
 
-    Composite integer score = (2 match - K - 2 (K + 1) [j = i]) (2 Tp + 1) + tie-break in
-    [1, 2 Tp]; all values of a row are distinct. The match part is one batched matmul of +-1
+def topk_by_match(
+    cq: Tensor, ck: Tensor, kv: Tensor, k: int, q: Tensor | None = None, keys: Tensor | None = None
+) -> Tensor:
+    """Top-k keys per query by number of equal bits; the query's own key ranks below every
+    other allowed key and above the disallowed ones. Ties in the match count go to the larger
+    score q_i . keys_j (compared in float32), and only among equal scores to the nearer key,
+    then the earlier one; without q and keys (the `tie_break="position"` option) straight to
+    the nearer, then the earlier key.
+
+    cq, ck (N, T, K) bool codes (N = B h), kv (N, T) allowed keys, q, keys (N, T, d) or None.
+    Returns (N, T, min(k, T)).
+
+    Composite integer score = (2 match - K - 2 (K + 1) [j = i]) W + tie-break in [0, W) with
+    W = 2^32 (2 Tp + 1) (score bits, `ordered_bits`, then position) or W = 2 Tp + 1 (position
+    only); all values of a row are distinct. The match part is one batched matmul of +-1
     codes (`_match_dtype`: bfloat16, exact for these small integers, on CPUs with native
     bfloat16, where it is about 3x faster than float32) where an extra code column subtracts
-    4 (K + 1) from disallowed keys and 8 (K + 1) from the keys padding T up to S G; the composite is int32 (int64 if it could overflow),
-    on which top-k runs about 1.5x faster than on floats (measured on CPU).
+    4 (K + 1) from disallowed keys and 8 (K + 1) from the keys padding T up to S G; the
+    scores are one more batched matmul per chunk. The composite is int32 when it fits (top-k
+    runs faster on it than on floats), else int64.
 
     Exact pruning for long rows: keys are split into G groups of S (group g = keys g S + r),
     stored group-strided so that group maxima are elementwise maxima over S contiguous
@@ -209,7 +232,10 @@ def topk_by_match(cq: Tensor, ck: Tensor, kv: Tensor, k: int) -> Tensor:
     S = _group_size(T, kk)
     G = -(-T // S)
     Tp = G * S
-    M = 2 * Tp + 1  # above every tie-break value
+    by_score = q is not None and keys is not None
+    M = (2 * Tp + 1) << (32 if by_score else 0)  # above every tie-break value
+    if (11 * (K + 1) + 1) * M >= (1 << 63):
+        raise ValueError(f"LSH top-k: T={T} with bits={K} overflows the int64 composite score")
     dtype = torch.int32 if (10 * (K + 1) + 1) * M < (1 << 31) else torch.int64
     mdtype = _match_dtype(K, cq.device)
     sq = torch.cat([cq.to(mdtype) * 2 - 1, torch.ones(N, T, 1, dtype=mdtype, device=cq.device)], -1)
@@ -219,7 +245,14 @@ def topk_by_match(cq: Tensor, ck: Tensor, kv: Tensor, k: int) -> Tensor:
         fake = torch.zeros(N, Tp - T, K + 1, dtype=mdtype, device=cq.device)
         fake[..., -1] = -8 * (K + 1)
         sk = torch.cat([sk, fake], dim=1)  # (N, Tp, K + 1)
-    skT = sk.view(N, G, S, K + 1).permute(0, 3, 2, 1).reshape(N, K + 1, Tp)  # key p = r G + g
+
+    def grouped(t: Tensor) -> Tensor:  # (N, Tp, e) -> (N, e, Tp), key p = r G + g
+        return t.view(N, G, S, -1).permute(0, 3, 2, 1).reshape(N, -1, Tp)
+
+    skT = grouped(sk)  # (N, K + 1, Tp)
+    if by_score:
+        q = widen(q)
+        keysT = grouped(F.pad(widen(keys), (0, 0, 0, Tp - T)))  # (N, d, Tp), zeros past T
     budget = _MATCH_CHUNK if cq.device.type == "cpu" else _MATCH_CHUNK_GPU
     chunk = max(1, budget // max(1, N * Tp))
     w = _offset_scores(T, Tp, 2 * (K + 1) * M, dtype, cq.device)
@@ -228,6 +261,8 @@ def topk_by_match(cq: Tensor, ck: Tensor, kv: Tensor, k: int) -> Tensor:
         e, C = min(s + chunk, T), min(chunk, T - s)
         score = torch.bmm(sq[:, s:e], skT).to(dtype).mul_(M)
         score += _offset_chunk(w, T, s, e, S, G)  # (N, C, Tp)
+        if by_score:  # the true score's order, above the position's
+            score += ordered_bits(torch.bmm(q[:, s:e], keysT)).mul_(2 * Tp + 1)
         if S == 1:
             out.append(score.topk(kk, dim=-1, sorted=False).indices)
             continue
@@ -372,11 +407,21 @@ class LSHConfig(AttentionConfig):
     k: int = 32  # keys kept per query (top-k by matching bits)
     bits: int = 16  # K, sign random projections per code
     seed: int = 0  # with the layer index, seeds the fixed projection matrix
+    # Scores q_i . k_j / sqrt(d_k) with shared_qk's keys k_j = q_j / ||q_j|| (True), so that
+    # k >= T is `shared_qk` exactly; False scores the raw shared vectors q_i . q_j (the
+    # definition of the study's first runs).
+    normalize_keys: bool = True
+    # Among keys with equal match counts: "score", the larger score (then the nearer, then the
+    # earlier key, on exactly equal scores); "position", the nearer, then the earlier key (the
+    # study's first runs: a hidden local window, since ties are frequent).
+    tie_break: str = "score"
 
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.k < 1 or self.bits < 1:
             raise ValueError(f"need k >= 1 and bits >= 1, got k={self.k}, bits={self.bits}")
+        if self.tie_break not in ("score", "position"):
+            raise ValueError(f"LSH tie_break must be 'score' or 'position', got {self.tie_break!r}")
 
 
 class _LSHAttention(Attention):
@@ -385,8 +430,10 @@ class _LSHAttention(Attention):
     Config = LSHConfig
     transform: ClassVar[Transform]
     extra_dims: ClassVar[int]  # m, dimensions added by the transforms
-    complexity_training = "O(T k D) attention + O(T K D) hashing + O(T^2 K h) code matching"
-    complexity_inference = "O(T k D) attention + O(T K D) hashing + O(T^2 K h) code matching"
+    complexity_training = (
+        "O(T k D) attention + O(T K D) hashing + O(T^2 (K h + D)) code matching and tie-break"
+    )
+    complexity_inference = complexity_training
     # All-pairs SDPA masked to the selection up to here, CSR products above. Speed over
     # `full`'s on CPU (interleaved medians), all pairs / CSR: 1.04-1.05 / 0.94 at T = 128,
     # 1.00-1.01 / 0.98-1.00 at 256, 0.98 / 1.02 at 320, 0.93 / 1.15 at 512, 0.81 / 1.34 at 1024.
@@ -395,6 +442,7 @@ class _LSHAttention(Attention):
     def __init__(self, config: LSHConfig) -> None:
         super().__init__(config)
         self.k, self.bits = config.k, config.bits
+        self.normalize_keys, self.tie_break = config.normalize_keys, config.tie_break
         self.qv = nn.Linear(config.dim, 2 * config.dim, bias=config.bias)  # W^Q (= W^K) | W^V
         gen = torch.Generator().manual_seed(projection_seed(config.seed, config.layer))
         proj = torch.randn(config.head_dim + self.extra_dims, config.bits, generator=gen)
@@ -408,6 +456,8 @@ class _LSHAttention(Attention):
         attention = 2 * 2.0 * T * min(self.k, T) * E  # scores and weighted sums, top-k keys
         hashing = 2 * linear_flops(T, self.head_dim + self.extra_dims, K) * h  # Q(q), P(k)
         matching = 2.0 * T * T * (K + 1) * h  # +-1 code products (and the validity column)
+        if self.tie_break == "score":
+            matching += 2.0 * T * T * E  # the scores that break ties, all pairs
         return Flops(
             linear_flops(T, D, 2 * E) + attention + self.output_flops(T), hashing + matching
         )
@@ -417,9 +467,10 @@ class _LSHAttention(Attention):
         self._remove_projection_heads(self.qv, index, blocks=2)
 
     def _qkv(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """x (B, T, D) -> q, k, v (B, h, T, d_k): k = q / ||q|| (`normalize_keys`) or q."""
         q, v = self.qv(x).chunk(2, dim=-1)  # 2 x (B, T, D)
         q = self.split_heads(q)  # (B, h, T, d_k)
-        return q, q, self.split_heads(v)
+        return q, F.normalize(q, dim=-1) if self.normalize_keys else q, self.split_heads(v)
 
     @torch.no_grad()
     def codes(self, q: Tensor, k: Tensor, valid: Tensor) -> tuple[Tensor, Tensor]:
@@ -439,27 +490,40 @@ class _LSHAttention(Attention):
 
     @torch.no_grad()
     def select(self, q: Tensor, k: Tensor, valid: Tensor) -> Tensor:
-        """Top-k key indices (B, h, T, min(k, T)) (fast path; no gradient)."""
-        B, h, T, _ = q.shape
-        cq, ck = self.codes(q, k, valid)
+        """Top-k key indices (B, h, T, min(k, T)) (fast path; no gradient).
+
+        q, k (B, h, T, d_k) as `_qkv` gives them: the codes hash the shared vectors q (the
+        MIPS transforms need their norms); ties are broken by the scores q . k."""
+        B, h, T, d = q.shape
+        cq, ck = self.codes(q, q, valid)
         kv = key_mask(valid)[:, None].expand(B, h, T).reshape(B * h, T)
+        q_, k_ = (q.reshape(B * h, T, d), k.reshape(B * h, T, d))
+        if self.tie_break == "position":
+            q_ = k_ = None
         with torch.autocast(q.device.type, enabled=False):  # exact integer match counts
-            idx = topk_by_match(cq.reshape(B * h, T, -1), ck.reshape(B * h, T, -1), kv, self.k)
+            idx = topk_by_match(
+                cq.reshape(B * h, T, -1), ck.reshape(B * h, T, -1), kv, self.k, q_, k_
+            )
         return idx.view(B, h, T, -1)
 
     @torch.no_grad()
     def selection_dense(self, q: Tensor, k: Tensor, valid: Tensor) -> Tensor:
         """Reference selection (B, h, T, T) bool from explicit match counts and a sort."""
         B, h, T, _ = q.shape
-        cq, ck = self.codes(q, k, valid)
+        cq, ck = self.codes(q, q, valid)
         match = (cq[:, :, :, None, :] == ck[:, :, None, :, :]).sum(-1)  # (B, h, T, T)
         i = torch.arange(T, device=q.device)
         rank = 2 * (i[:, None] - i[None, :]).abs() + (i[None, :] > i[:, None]).long()  # (T, T)
-        # match * 4T - rank orders the other valid keys within [-2T, 4T K); self sits below
-        # them and every disallowed key below self.
-        own = torch.eye(T, dtype=torch.long, device=q.device) * (4 * T * (self.bits + 1))
-        disallowed = (~key_mask(valid))[:, None, None, :] * (4 * T * (2 * self.bits + 4))
-        key = match * (4 * T) - rank - own - disallowed
+        # The match count first: self sits below the other valid keys, every disallowed key
+        # below self; then the score (its float32 order, `ordered_bits`), then the position.
+        own = torch.eye(T, dtype=torch.long, device=q.device) * (self.bits + 1)
+        disallowed = (~key_mask(valid))[:, None, None, :] * (2 * self.bits + 4)
+        tie, above = 2 * T - rank, 2 * T + 1  # (T, T) in [1, 2T], and a bound above it
+        if self.tie_break == "score":
+            with torch.autocast(q.device.type, enabled=False):
+                s = widen(q) @ widen(k).transpose(-1, -2)  # (B, h, T, T), the order of scores
+            tie, above = ordered_bits(s) * above + tie, above << 32
+        key = (match - own - disallowed) * above + tie
         order = key.argsort(dim=-1, descending=True)[..., : min(self.k, T)]
         return torch.zeros_like(match, dtype=torch.bool).scatter(-1, order, True)
 
