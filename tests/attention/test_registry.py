@@ -54,7 +54,9 @@ def test_register_refuses_duplicates_and_non_subclasses():
 
 def test_options_lists_defaults():
     assert registry.options("ldsa") == {"context": 15}
-    assert registry.options("sign_alsh") == {"k": 32, "bits": 16, "seed": 0}
+    assert registry.options("sign_alsh") == {
+        "k": 32, "bits": 16, "seed": 0, "normalize_keys": True, "tie_break": "score"
+    }  # fmt: skip
 
 
 @pytest.mark.parametrize("name", available())
