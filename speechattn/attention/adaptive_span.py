@@ -37,6 +37,15 @@ learn, and padding is masked without first asking whether there is any (valid No
 Keys beyond a head's reach get log m = -inf either way, so the result is the same. The CPU
 eager path reads the spans (a CPU read costs nothing) and keeps its tighter reach.
 The dense reference takes the paper's route: softmax over valid keys, times m, renormalised.
+
+The span's gradient at the mask's kinks: m is piecewise linear in z, with kinks where a key
+sits at x = z (m reaches 1) or x = z + R (m reaches 0). There the kernels and the reference
+take the left derivative (z decreasing): the key at x = z counts as on the ramp, the key at
+x = z + R as outside (log m, which the kernels add to the scores, has no finite right
+derivative at m = 0). With integer R this happens only at integer spans, so spans start half
+a frame off the integer init_span S (`initial_span`), and R >= 2: with R = 1 a span of 0
+(where the L1 penalty pushes it) has no key on the ramp, zero gradient, and never grows
+back; with R >= 2 the keys at 0 < x < R stay on the ramp.
 """
 
 from __future__ import annotations
@@ -63,6 +72,20 @@ from speechattn.attention.base import (
     widen,
 )
 from speechattn.attention.registry import register
+from speechattn.errors import ConfigError
+
+
+def initial_span(init_span: float, max_span: int) -> float:
+    """z at initialisation, in frames: init_span S moved half a frame up (down at S).
+
+    With integer R, an integer span puts two keys on kinks of the mask (x = z, where m
+    reaches 1, and x = z + R, where it reaches 0), where the span's gradient is one-sided;
+    at z = 64 (S = 256, R = 32) the left and right derivatives of one head had opposite signs
+    on random inputs, so the convention chose Adam's first step. Half a frame off, every key
+    is strictly inside or outside the ramp and the gradient is the true derivative."""
+    z = init_span * max_span
+    return z + 0.5 if z + 0.5 <= max_span else z - 0.5
+
 
 # CPU flash attention with its log-sum-exp (public SDPA returns only the output)
 _flash_cpu = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
@@ -190,15 +213,19 @@ class UnfusedSavedWeights(torch.autograd.Function):
 class AdaptiveSpanConfig(AttentionConfig):
     max_span: int = 256  # S, longest learnable span in frames (7.7 s of 30 ms frames)
     ramp: int = 32  # R, width of the soft mask's linear ramp (frames)
-    init_span: float = 0.25  # z / S at initialisation (SPEC: z = S / 4)
+    # z / S at initialisation (the study: z = S / 4); the spans start half a frame above
+    # (below, at S) so that no key sits on a kink of the mask at step 1 (`initial_span`)
+    init_span: float = 0.25
     span_penalty: float = 2e-6  # the paper's L1 coefficient per frame of mean span
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.max_span < 1 or self.ramp < 1:
-            raise ValueError(
-                f"adaptive_span needs max_span >= 1 and ramp >= 1, got max_span={self.max_span}, "
-                f"ramp={self.ramp}"
+        if self.max_span < 1 or self.ramp < 2:
+            raise ConfigError(
+                f"adaptive_span needs max_span >= 1 and ramp >= 2, got max_span={self.max_span}, "
+                f"ramp={self.ramp}: with ramp = 1 a span pushed to 0 (where the L1 penalty takes "
+                "it) has no key on the mask's ramp, so no gradient, and never grows back; set "
+                "attention.options.ramp >= 2"
             )
         if not 0.0 <= self.init_span <= 1.0:
             raise ValueError(f"init_span is a fraction of max_span in [0, 1], got {self.init_span}")
@@ -230,7 +257,8 @@ class AdaptiveSpanAttention(Attention):
         self.max_span, self.ramp = config.max_span, config.ramp
         self.qkv = nn.Linear(config.dim, 3 * config.dim, bias=config.bias)  # W^Q | W^K | W^V
         # z_h / S per head; learned, clamped to [0, 1] where used
-        self.span_fraction = nn.Parameter(torch.full((config.num_heads,), config.init_span))
+        z0 = initial_span(config.init_span, config.max_span)
+        self.span_fraction = nn.Parameter(torch.full((config.num_heads,), z0 / config.max_span))
 
     # ----------------------------------------------------------------- spans
     def spans(self) -> Tensor:
@@ -254,6 +282,7 @@ class AdaptiveSpanAttention(Attention):
         reads nothing (CUDA, torch.compile: see `_static`)."""
         if static:
             return self.max_span + self.ramp - 1
+        # >= R - 1 >= 1 (ramp >= 2): the band kernel's blocks are never empty
         return math.ceil(float(self.spans().detach().max()) + self.ramp) - 1
 
     def ramp_position(self, distance: Tensor, z: Tensor | None = None) -> Tensor:
