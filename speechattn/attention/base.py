@@ -43,6 +43,15 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from speechattn.errors import SpeechattnError
+
+
+class PaddingMaskError(SpeechattnError, ValueError):
+    """A padding mask a variant cannot use: padded frames before an utterance's first valid
+    frame, given to a variant whose pattern is placed by frame position
+    (`Attention.end_padded_only`)."""
+
+
 # Additive score on the diagonal for shared-QK attention (Reformer): a query attends to
 # itself only when it has no other valid key. Finite, unlike -inf, so such rows stay defined.
 SELF_PENALTY = -5e4
@@ -123,6 +132,12 @@ class Attention(nn.Module, ABC):
         no_weight_decay: names of this module's parameters that are biases stored as matrices
             (one vector per head): the optimiser groups leave them undecayed, like every
             parameter of fewer than 2 dimensions.
+        end_padded_only: whether the variant places its pattern by frame position (blocks,
+            strides, global frames, synthesised columns), so that frame 0 must be each
+            utterance's first frame: a padding mask with padded frames before an utterance's
+            first valid frame is refused (`PaddingMaskError`; padded frames after it are
+            masked keys at their positions). The other variants see only which keys are
+            valid and their distances, and give the same outputs for any padding.
     """
 
     Config: ClassVar[type[AttentionConfig]] = AttentionConfig
@@ -133,6 +148,7 @@ class Attention(nn.Module, ABC):
     supports_weights: ClassVar[bool] = True
     short_path_max_t: ClassVar[int | None] = None
     no_weight_decay: ClassVar[tuple[str, ...]] = ()
+    end_padded_only: ClassVar[bool] = False
     max_len: int | None = None  # longest sequence (T) the variant accepts; None: any
     # Kernel choice by measurement (`attention.autotune`, see `autotune.py`): off by default
     # so that a module built here keeps the `short_path_max_t` rule (tests, `force_path`).
@@ -322,6 +338,8 @@ class Attention(nn.Module, ABC):
                     f"{self.name}: expected padding_mask bool (B, T) = ({B}, {T}), "
                     f"got {padding_mask.dtype} {tuple(padding_mask.shape)}"
                 )
+            if self.end_padded_only and not torch.compiler.is_compiling():
+                check_no_leading_padding(padding_mask, self.name)
             valid = ~padding_mask
             x = x.masked_fill(padding_mask[..., None], 0.0)  # padded content never matters
         if head_mask is not None and head_mask.shape != (self.num_heads,):
@@ -354,6 +372,26 @@ class Attention(nn.Module, ABC):
 
 
 # --------------------------------------------------------------------- helpers for variants
+def check_no_leading_padding(padding_mask: Tensor, name: str) -> None:
+    """Refuse a padding mask (B, T) bool with padded frames before an utterance's first valid
+    frame (padded frames after it, at the end or between valid ones, are masked keys at their
+    positions).
+
+    A host read of the mask (free on the CPU, one synchronisation on a GPU); skipped under
+    torch.compile, where the model's masks come from lengths and are end-padded by
+    construction (`lengths_to_padding_mask`)."""
+    leading = padding_mask[:, 0] & ~padding_mask.all(-1)  # (B,): padded first, valid later
+    if bool(leading.any()):
+        b = int(leading.nonzero()[0])
+        first = int((~padding_mask[b]).nonzero()[0])
+        raise PaddingMaskError(
+            f"{name}: padding_mask row {b} starts with {first} padded frames before its first "
+            f"valid frame; {name} places its pattern by frame position, counted from frame 0, "
+            "so padding must come after each utterance's first frame (pad at the end, e.g. "
+            "speechattn.utils.lengths_to_padding_mask), or use a variant that takes any padding"
+        )
+
+
 def all_valid(x: Tensor) -> Tensor:
     """valid (B, T) all True for x (B, T, ...): for kernels that need the mask as a tensor
     when the caller said there is no padding (valid None)."""

@@ -147,6 +147,8 @@ def band_global_kernel(
 class LongformerAttention(Attention):
     """Window and dilated-window heads plus global frames (see module docstring)."""
 
+    end_padded_only = True  # positions place the pattern (see `Attention`)
+
     Config = LongformerConfig
     paper = "Beltagy et al., Longformer: The Long-Document Transformer, 2020"
     complexity_training = "O(T (w + T/g) D)"

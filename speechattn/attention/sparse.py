@@ -286,6 +286,8 @@ def summary_kernel(
 class _SparseBase(SharedQKBase):
     """Shared-QK sparse attention; subclasses give the two kernels and the two patterns."""
 
+    end_padded_only = True  # positions place the pattern (see `Attention`)
+
     complexity_training = "O(T sqrt(T) D)"
     complexity_inference = "O(T sqrt(T) D)"
 

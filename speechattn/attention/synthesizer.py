@@ -15,7 +15,11 @@ Tay et al., "Synthesizer: Rethinking Self-Attention in Transformer Models", ICML
   The "end" head is read from the bottom-right corner of its matrix, aligned with each
   utterance's own last valid frame, and "start" from its own first valid frame.
 
-Rows are always normalised over the T valid keys only. T > max_len raises a ValueError.
+Rows are always normalised over the T valid keys only. Columns (and syn_fixed's patterns)
+are placed by frame position, so padding must be at the end of each utterance (a mask with a
+valid frame after a padded one is refused, `Attention.end_padded_only`). An utterance longer
+than max_len raises a ValueError; a batch padded beyond max_len whose utterances all fit runs
+on its first max-length frames (`_fitting_length`), as if it had been padded to that length.
 Dense synthesizers use SDPA: logits are the inner products of [ReLU(W_1 x_i), 1] with
 [W_2 row j, b_2 j], so the fused kernel never stores the T x T weights. Random synthesizers
 form their (1 or B, h, T, T) weights explicitly up to `short_path_max_t` frames (one batched
@@ -59,6 +63,7 @@ from speechattn.attention.base import (
     select_,
 )
 from speechattn.attention.registry import register
+from speechattn.errors import ConfigError
 
 
 def _sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, p: float) -> Tensor:
@@ -73,9 +78,19 @@ def _sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, p: float) -> Ten
     return y[..., :dv]
 
 
+def _pad_frames(out: Tensor | tuple[Tensor, Tensor], T: int) -> Tensor | tuple[Tensor, Tensor]:
+    """Outputs of n frames padded back to T: y (B, n, D) -> (B, T, D) with zero rows, and
+    weights (B, h, n, n) -> (B, h, T, T) with zero rows and columns (padded frames)."""
+    if isinstance(out, Tensor):
+        return F.pad(out, (0, 0, 0, T - out.shape[1]))
+    y, w = out
+    n = y.shape[1]
+    return F.pad(y, (0, 0, 0, T - n)), F.pad(w, (0, T - n, 0, T - n))
+
+
 def _check_len(name: str, T: int, max_len: int) -> None:
     if T > max_len:
-        raise ValueError(
+        raise ConfigError(
             f"{name}: sequence length T={T} exceeds max_len={max_len}; "
             f"set attention.options.max_len >= {T} (or crop the input)"
         )
@@ -97,6 +112,8 @@ class SynDenseConfig(AttentionConfig):
 class _SynthesizerBase(Attention):
     """Values projection and metadata shared by the synthesizers."""
 
+    end_padded_only = True  # positions place the pattern (see `Attention`)
+
     def __init__(self, config: AttentionConfig) -> None:
         super().__init__(config)
         self.max_len = config.max_len
@@ -104,6 +121,45 @@ class _SynthesizerBase(Attention):
 
     def keys_attended(self, T: int) -> float:
         return 0.0  # weights are synthesised, no query-key scores (study, Figure 4)
+
+    def forward(
+        self,
+        x: Tensor,
+        padding_mask: Tensor | None = None,
+        head_mask: Tensor | None = None,
+        need_weights: bool = False,
+    ) -> Tensor | tuple[Tensor, Tensor]:
+        """`Attention.forward`; a batch padded beyond max_len whose utterances all fit runs
+        on its first n = (last valid frame + 1) <= max_len frames, the rest padding."""
+        n = self._fitting_length(x, padding_mask)
+        if n is None:
+            return super().forward(x, padding_mask, head_mask, need_weights)
+        out = super().forward(x[:, :n], padding_mask[:, :n], head_mask, need_weights)
+        return _pad_frames(out, x.shape[1])
+
+    def dense_reference(
+        self, x: Tensor, padding_mask: Tensor | None = None, head_mask: Tensor | None = None
+    ) -> tuple[Tensor, Tensor]:
+        """`Attention.dense_reference`, cropped as `forward` is."""
+        n = self._fitting_length(x, padding_mask)
+        if n is None:
+            return super().dense_reference(x, padding_mask, head_mask)
+        return _pad_frames(
+            super().dense_reference(x[:, :n], padding_mask[:, :n], head_mask), x.shape[1]
+        )
+
+    def _fitting_length(self, x: Tensor, padding_mask: Tensor | None) -> int | None:
+        """Frames to keep, when x (B, T, D) is longer than max_len but every utterance of the
+        batch fits: 1 + the last valid frame of any utterance (an utterance longer than
+        max_len is refused, naming its length); None when x fits as it is or has no mask. A
+        host read of the mask, only for a batch that would be refused otherwise."""
+        T = x.shape[1]
+        if T <= self.max_len or padding_mask is None or padding_mask.shape != x.shape[:2]:
+            return None
+        valid = (~padding_mask).any(0)  # (T,): frames valid in some utterance
+        n = int(valid.nonzero().max()) + 1 if bool(valid.any()) else 1
+        _check_len(self.name, n, self.max_len)  # the longest utterance must fit
+        return n
 
     def value_flops(self, T: int) -> float:
         """V projection, the (T x T) weights x V product of all heads, output projection."""
