@@ -464,6 +464,13 @@ def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device)
     return torch.from_numpy(np.zeros(shape, dtype=NUMPY_DTYPES[dtype]))
 
 
+def layer_seed(seed: int, layer: int, *more: int) -> int:
+    """Seed of a module's fixed random parameters (LSH projections, routing centroids) in one
+    encoder layer: distinct layers (and distinct `seed` options, and `more` keys) get
+    unrelated values, the same layer always the same ones."""
+    return int(np.random.SeedSequence([seed, layer, *more]).generate_state(1, np.uint64)[0] >> 1)
+
+
 def scale(d: int) -> float:
     return 1.0 / math.sqrt(d)
 

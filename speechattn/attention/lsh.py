@@ -48,7 +48,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import ClassVar
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -60,6 +59,7 @@ from speechattn.attention.base import (
     Flops,
     all_valid,
     key_mask,
+    layer_seed,
     linear_flops,
     masked_softmax,
     needs_static_shapes,
@@ -274,12 +274,6 @@ def topk_by_match(
     return torch.cat(out, dim=1)  # (N, T, kk)
 
 
-def projection_seed(seed: int, layer: int) -> int:
-    """The projection matrix's seed for one encoder layer: distinct layers (and distinct
-    `seed` options) get unrelated matrices, and the same layer always the same one."""
-    return int(np.random.SeedSequence([seed, layer]).generate_state(1, np.uint64)[0] >> 1)
-
-
 def _csr(crow: Tensor, col: Tensor, values: Tensor) -> Tensor:
     """A square CSR matrix of len(crow) - 1 rows."""
     n = crow.shape[0] - 1
@@ -444,7 +438,7 @@ class _LSHAttention(Attention):
         self.k, self.bits = config.k, config.bits
         self.normalize_keys, self.tie_break = config.normalize_keys, config.tie_break
         self.qv = nn.Linear(config.dim, 2 * config.dim, bias=config.bias)  # W^Q (= W^K) | W^V
-        gen = torch.Generator().manual_seed(projection_seed(config.seed, config.layer))
+        gen = torch.Generator().manual_seed(layer_seed(config.seed, config.layer))
         proj = torch.randn(config.head_dim + self.extra_dims, config.bits, generator=gen)
         self.register_buffer("projection", proj)  # (d_k + m, K), fixed, saved with the model
 
