@@ -650,3 +650,28 @@ def test_longformer_keys_attended_at_the_defaults():
 def test_longformer_rejects_bad_options(options, message):
     with pytest.raises(ValueError, match=message):
         build("longformer", DIM, HEADS, **options)
+
+
+@pytest.mark.parametrize("max_len", [64, 1024])
+def test_syn_fixed_patterns_hold_their_mass_at_every_length(max_len):
+    """At initialisation each pattern row holds init_mass (0.99) of its weight at T = max_len
+    and more at shorter T (eps from max_len); a fixed eps = 1e-4 held 0.91 at T = 1024."""
+    from speechattn.attention import synthesizer
+
+    def masses(attn, T: int) -> torch.Tensor:  # (h_pat, rows with a target) pattern mass
+        x = torch.zeros(1, T, DIM, dtype=torch.float64)
+        _, w = attn(x, need_weights=True)
+        pat = torch.stack([patterns.fixed_pattern(n, T) for n in attn.pattern_names]) > 0
+        if "end" in attn.pattern_names:  # read from the bottom-right corner: last column
+            pat[attn.pattern_names.index("end")] = patterns.fixed_pattern("end", T) > 0
+        mass = (w[0, : len(pat)] * pat).sum(-1)  # (h_pat, T)
+        return mass[pat.any(-1)]
+
+    attn = make("syn_fixed", max_len=max_len)
+    at_max = masses(attn, max_len)
+    assert at_max.min() >= 0.99 - 1e-9 and at_max.min() < 0.99 + 1e-6  # one-key rows: 0.99
+    assert masses(attn, max_len // 4).min() > 0.99
+    assert attn.eps == pytest.approx(synthesizer.pattern_eps(0.99, max_len))
+    if max_len == 1024:
+        fixed = make("syn_fixed", max_len=max_len, eps=1e-4)
+        assert float(masses(fixed, max_len).min()) == pytest.approx(1.0001 / 1.1024, rel=1e-6)
