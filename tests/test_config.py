@@ -12,7 +12,9 @@ from omegaconf import OmegaConf
 
 from speechattn import CONFIG_DIR
 from speechattn.attention import available, build
+from speechattn.attention.registry import options as attention_options
 from speechattn.config import (
+    AttentionGroupConfig,
     DownstreamConfig,
     PretrainConfig,
     PretrainModelConfig,
@@ -158,6 +160,13 @@ def test_yaml_states_only_what_differs_from_the_schema():
             own = OmegaConf.to_container(OmegaConf.load(path))
             restated = [k for k, v in own.items() if getattr(defaults, k, object()) == v]
             assert not restated, f"{path.name} restates defaults {restated}"
+    for path in (CONFIG_DIR / "attention").glob("*.yaml"):  # extends the variant's schema
+        own = OmegaConf.to_container(OmegaConf.load(path))
+        assert own.pop("defaults") == [f"/schema/attention/{path.stem}@_here_", "_self_"]
+        defaults = attention_options(path.stem)
+        restated = [k for k, v in own.pop("options", {}).items() if defaults.get(k) == v]
+        restated += [k for k, v in own.items() if getattr(AttentionGroupConfig, k, object()) == v]
+        assert not restated, f"{path.name} restates defaults {restated}"
 
 
 @pytest.mark.parametrize("name", options("analysis"))
