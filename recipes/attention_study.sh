@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Reproduce the attention study (SPEC 7-9): pretrain every attention variant, evaluate each on
+# Reproduce the attention study (docs/tiny_study.md): pretrain every attention variant, evaluate each on
 # the four downstream tasks plus the mel baseline, benchmark, and write the report.
 #
 #   recipes/attention_study.sh tiny [OUT]                 # built-in corpus, CPU (< 90 min on 2 cores)

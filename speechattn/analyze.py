@@ -2,7 +2,7 @@
 
 Analyses of a pretrained upstream, one per option of the `analysis` config group; `heads`
 (`analysis=heads`, the only one so far) gives head importance, single-head and keep-one
-ablations and the pruning curve (SPEC 5, Michel et al. 2019), for any attention variant, on the
+ablations and the pruning curve (Michel et al. 2019; docs/analysis.md), for any attention variant, on the
 pretraining loss or on a trained downstream probe. Writes to the Hydra run dir
 (`outputs/analyze/heads/<time>`, or `hydra.run.dir=DIR`):
 

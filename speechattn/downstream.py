@@ -1,6 +1,6 @@
 """`python -m speechattn.downstream task=NAME upstream=PATH|mel [overrides]`.
 
-Evaluates a frozen upstream on one downstream task (SPEC 7) and writes `result.json` to the
+Evaluates a frozen upstream on one downstream task (docs/downstream.md) and writes `result.json` to the
 Hydra run dir. The work is `speechattn.tasks.downstream.run(cfg)`, which tests call directly;
 `main` is the Hydra wrapper (every entry point has this shape).
 """

@@ -1,6 +1,6 @@
 """`python -m speechattn.pretrain [attention=NAME] [experiment=...] [trainer=...] [overrides]`.
 
-Pretrains AALBERT by masked reconstruction (SPEC 3) and writes a run directory:
+Pretrains AALBERT by masked reconstruction (docs/pretraining.md) and writes a run directory:
 
     checkpoints/last.ckpt, checkpoints/step=NNNNNNN.ckpt   resumable Lightning checkpoints
     upstream.pt      weights + model/attention/feature config + normaliser + metadata

@@ -13,7 +13,7 @@ each head sees z_h + R frames on each side. m(0) = 1, so every query keeps its o
 The span is learned as z_h / S (the paper's parametrisation), clamped to [0, 1] in the
 forward pass and, as in the paper, projected back into [0, 1] after every optimiser step
 (`after_optimizer_step`, called by the pretraining task); `spans()` gives the current z (h,). The paper's L1 penalty on the spans is
-`auxiliary_loss()` = span_penalty * mean_h z_h (SPEC: lambda mean(z) / S with lambda =
+`auxiliary_loss()` = span_penalty * mean_h z_h (written lambda mean(z) / S with lambda =
 span_penalty * S), which the pretraining task adds to its loss and logs as `aux_loss`
 (span_penalty = 0 turns it off). A layer shared across depths (ALBERT) counts once.
 

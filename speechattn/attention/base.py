@@ -18,7 +18,7 @@ implements two methods on the per-head level:
   with explicit T x T weights, sharing the same parameters.
 
 `Attention.forward` does everything else once for all variants: input checks, zeroing padded
-input frames, the head mask xi (seed 004: each head's output is multiplied by xi_h before the
+input frames, the head mask xi (Michel et al. 2019: each head's output is multiplied by xi_h before the
 output projection, differentiably), the output projection and zeroing padded outputs.
 
 Pruning: `prune_heads(keep)` removes the parameters of every head not in `keep`, in place.

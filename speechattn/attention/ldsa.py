@@ -2,7 +2,7 @@
 
 Xu, Li, Zhang, "Transformer-based End-to-End Speech Recognition with Local Dense Synthesizer
 Attention", ICASSP 2021 (arXiv:2010.12155), with the multi-head formulation of the authors'
-supplement (seeds/000):
+supplement ("multi-head LDSA", 2021; docs/attention.md):
 
     B^i   = softmax(ReLU(X W_1^i) W_2^i)      W_1^i (D, d_k), W_2^i (d_k, c)   -> (T, c)
     V^i   = X W_3^i                           W_3^i (D, d_k)                   -> (T, d_k)
@@ -104,7 +104,7 @@ class LDSAttention(Attention):
     Config = LDSAConfig
     paper = (
         "Xu et al., Transformer-based End-to-End Speech Recognition with Local Dense "
-        "Synthesizer Attention, ICASSP 2021 (multi-head form: seeds/000)"
+        "Synthesizer Attention, ICASSP 2021 (multi-head form: the authors' supplement)"
     )
     complexity_training = "O(T c D)"
     complexity_inference = "O(T c D)"

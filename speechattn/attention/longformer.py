@@ -1,7 +1,7 @@
 """Sliding-window, dilated-window and global attention: `longformer`.
 
 Beltagy, Peters, Cohan, "Longformer: The Long-Document Transformer", 2020 (arXiv:2004.05150),
-section 3.1, bidirectional as in SPEC 4.1. Scaled dot-product scores with separate Q, K, V
+section 3.1, bidirectional (every query looks both ways). Scaled dot-product scores with separate Q, K, V
 projections as in `full`; query i of head h attends key j (both valid) when
 
     window heads (the first h - `dilated_heads`):  |i - j| <= w
@@ -26,7 +26,7 @@ Two kernels (`short_path_max_t`):
   global keys, in one fused SDPA call per head group, (B delta, H, n, l, 3l + G) for the dilated
   heads; window keys that are global are masked there, since the global part holds them. The
   global frames' own rows are then replaced by one SDPA call of their queries against all keys,
-  (B, h, G, T). Measured crossover: README, "Speed, FLOPs and kernels".
+  (B, h, G, T). Measured crossover: docs/attention.md, `longformer`.
 """
 
 from __future__ import annotations
@@ -153,7 +153,7 @@ class LongformerAttention(Attention):
     paper = "Beltagy et al., Longformer: The Long-Document Transformer, 2020"
     complexity_training = "O(T (w + T/g) D)"
     complexity_inference = "O(T (w + T/g) D)"
-    # All-pairs SDPA with the pattern as a mask up to here, the blocked kernel above (README).
+    # All-pairs SDPA with the pattern as a mask up to here, the blocked kernel above (docs/attention.md).
     short_path_max_t = 256
 
     def __init__(self, config: LongformerConfig) -> None:

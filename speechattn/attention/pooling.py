@@ -1,20 +1,20 @@
 """FusedAttention pooling: attention that maps L inputs to 1 output.
 
-"FusedAttention: fusing attention matrix into attention vector" (seeds/002):
+"FusedAttention: fusing attention matrix into attention vector" (docs/attention.md):
 
     Q = f_Q(X), K = f_K(X), V = f_V(X)            tokens (B, L, u), (B, L, u), (B, L, d)
     alpha = fuse(norm(K^T Q / sqrt(d)))           norm: softmax over keys, (B, L_k, L_q)
                                                   fuse: mean over valid queries -> (B, L)
     Y = g_V(V alpha)                              (B, d) -> g_V
 
-The seed (and SPEC section 6) scales by sqrt(d), d the size of V; ``scale="key"`` uses sqrt(u),
+That definition scales by sqrt(d), d the size of V; ``scale="key"`` uses sqrt(u),
 the size of Q and K, as in ordinary scaled dot-product attention. They differ only when u != d.
 
 With the defaults (linear f_Q, f_K, f_V, softmax, mean, identity g_V), Y is exactly the mean
 over the valid queries of ordinary single-head attention outputs. In speechattn it is an
 alternative to mean pooling for utterance-level tasks: (B, T, D) + padding mask -> (B, D_out).
 
-Two input forms (seeds/002):
+Two input forms:
 * a collection of L same-shaped tensors: a list/tuple of L tensors (B, C, W_1..W_n) or one
   tensor (B, L, C, W_1..W_n) (including (B, T, D) frame sequences); each element is
   flattened to one token of C * prod(W_i) features;
@@ -35,7 +35,7 @@ from speechattn.attention.base import masked_softmax
 
 Norm = Callable[[Tensor, Tensor], Tensor]  # (scores (B, Lk, Lq), key_valid (B, Lk)) -> weights
 Fuse = Callable[[Tensor, Tensor], Tensor]  # (weights (B, Lk, Lq), query_valid (B, Lq)) -> (B, Lk)
-SCALES = ("value", "key")  # divide K^T Q by sqrt(d) (seeds/002) or by sqrt(u)
+SCALES = ("value", "key")  # divide K^T Q by sqrt(d) (the definition's) or by sqrt(u)
 
 
 def softmax_over_keys(scores: Tensor, key_valid: Tensor) -> Tensor:
@@ -76,7 +76,7 @@ class FusedAttentionPool(nn.Module):
         fuse: (weights (B, Lk, Lq), query_valid (B, Lq)) -> alpha (B, Lk); default mean.
         g_v: applied to the pooled V alpha (B, d); default identity.
         patch: window sizes (dW_1..dW_n) for the single-tensor form; None for collections.
-        scale: "value" divides K^T Q by sqrt(d), the size of V (seeds/002, the default);
+        scale: "value" divides K^T Q by sqrt(d), the size of V (the definition's, the default);
             "key" by sqrt(u), the size of Q and K.
     """
 
@@ -98,7 +98,7 @@ class FusedAttentionPool(nn.Module):
         super().__init__()
         if scale not in SCALES:
             raise ValueError(
-                f"FusedAttentionPool: scale must be 'value' (sqrt(d), the size of V, seeds/002) "
+                f"FusedAttentionPool: scale must be 'value' (sqrt(d), the size of V) "
                 f"or 'key' (sqrt(u), the size of Q and K), got {scale!r}"
             )
         if in_dim is None and None in (f_q, f_k, f_v):

@@ -1,8 +1,8 @@
 """Routing attention (online k-means clustering of shared-QK vectors): `routing`.
 
 Roy, Saffar, Vaswani, Grangier, "Efficient Content-Based Sparse Attention with Routing
-Transformers", TACL 2021 (arXiv:2003.05997), section 4 ("Routing attention"), bidirectional as
-in the SPEC. Shared-QK projections and scores of `shared_qk` (keys = L2-normalised queries,
+Transformers", TACL 2021 (arXiv:2003.05997), section 4 ("Routing attention"), bidirectional (an
+encoder: every query looks both ways). Shared-QK projections and scores of `shared_qk` (keys = L2-normalised queries,
 self penalised by -5e4 and always allowed, so a query attends to itself only when alone).
 
 * local heads [0, ceil(h/2)): the band |i - j| <= w (w = `window`).

@@ -620,7 +620,7 @@ class SynFixedAttention(SynRandomAttention):
     Config = SynFixedConfig
     paper = (
         "Random Synthesizer (Tay et al. 2021) initialised with the fixed patterns of "
-        "Raganato et al. 2020; proposed by the study (seeds/001)"
+        "Raganato et al. 2020; proposed by the attention study"
     )
 
     def __init__(self, config: SynFixedConfig) -> None:

@@ -1,4 +1,4 @@
-"""Decode one audio file with every check SPEC 2.5 asks for.
+"""Decode one audio file with every check of docs/data.md, "Bad input".
 
 `load_audio` returns float32 mono samples at 16 kHz or raises `DataError` naming the file:
 unreadable (not audio / bad header), truncated or corrupt (header fine, data not), empty, too

@@ -84,7 +84,7 @@ class DataConfig:
     pretrain_exclude_test: bool = True  # keep labelled test audio out of pretraining
     pretrain_val_fraction: float = 0.05  # held out from pretraining for a validation loss
 
-    # ---- features (SPEC 2.4) ----
+    # ---- features (docs/data.md) ----
     n_mels: int = 80
     deltas: bool = False  # append deltas and delta-deltas (F = 3 * n_mels)
     normalization: str = "global"  # global (train-split mean/std) | utterance (CMVN) | none

@@ -2,7 +2,7 @@
 
 Every check in the data layer reports through an `Issues` ledger. With `on_error="error"` the
 first problem raises `DataError`; with `on_error="skip"` the utterance is dropped, counted and
-listed, and `Issues.log_summary` reports the total at the end (SPEC 2.5: nothing is dropped
+listed, and `Issues.log_summary` reports the total at the end (docs/data.md, "Bad input": nothing is dropped
 silently).
 """
 

@@ -1,4 +1,4 @@
-"""Log-mel features, normalisation, and the 10 ms <-> model-frame helpers (SPEC 2.4).
+"""Log-mel features, normalisation, and the 10 ms <-> model-frame helpers (docs/data.md).
 
 Shapes: B batch, T 10 ms frames, F feature dim (80, or 240 with deltas), T' model frames
 (T' = ceil(T / factor)), D model dim.

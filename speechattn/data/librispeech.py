@@ -1,11 +1,11 @@
 """Read a LibriSpeech-layout corpus (real LibriSpeech or the built-in one) and its labels.
 
-Layout (SPEC 2.1):
+Layout (docs/data.md):
 
     ROOT/<split>/<speaker>/<chapter>/<speaker>-<chapter>-<utt:04d>.flac
     ROOT/<split>/<speaker>/<chapter>/<speaker>-<chapter>.trans.txt     lines "<utt-id> TEXT"
 
-Label files (SPEC 2.2) live in `alignments_dir` (default: ROOT):
+Label files (CPC format, docs/data.md) live in `alignments_dir` (default: ROOT):
 
     converted_aligned_phones.txt   "<utt-id> <p0> <p1> ..." one phone per 10 ms frame
     train_split.txt, test_split.txt   one utterance id per line
@@ -68,7 +68,11 @@ def find_splits(root: str | Path) -> list[str]:
     """
     root = Path(root).expanduser()
     if not root.is_dir():
-        raise DataError(root, "corpus root not found", "expected a LibriSpeech folder (SPEC 2.1)")
+        raise DataError(
+            root,
+            "corpus root not found",
+            "expected a LibriSpeech folder: ROOT/<split>/<speaker>/<chapter>/*.flac",
+        )
     splits = [p.name for p in sorted(root.iterdir()) if p.is_dir() and _looks_like_split(p)]
     if not splits:
         found = sorted(p.name + ("/" if p.is_dir() else "") for p in root.iterdir())[:12]

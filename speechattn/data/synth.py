@@ -1,9 +1,9 @@
-"""Built-in multi-speaker corpus synthesised with eSpeak NG (SPEC 2.3).
+"""Built-in multi-speaker corpus synthesised with eSpeak NG (docs/data.md).
 
     python -m speechattn.data.synth --out DIR [--speakers 24] [--utterances-per-speaker 25]
                                     [--seed 0] [--heldout] [--workers N]
 
-writes a LibriSpeech-layout corpus (SPEC 2.1 + 2.2):
+writes a LibriSpeech-layout corpus with CPC labels (docs/data.md):
 
     DIR/synth-clean/<spk>/<chapter>/<spk>-<chapter>-<utt:04d>.flac   16 kHz mono FLAC
     DIR/synth-clean/<spk>/<chapter>/<spk>-<chapter>.trans.txt

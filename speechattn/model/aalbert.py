@@ -47,7 +47,7 @@ class ConvPositions(nn.Module):
 
     Adds GELU(conv(h)) to h: every frame sees its `kernel` neighbours through fixed offsets, so
     the encoder gets local order without having to learn it from absolute sinusoids (which a
-    short run does not manage: see the README's tiny-study diagnosis).
+    short run does not manage: see docs/tiny_study.md).
     """
 
     def __init__(self, dim: int, kernel: int, groups: int) -> None:
@@ -168,7 +168,7 @@ class Encoder(nn.Module):
     """L applications of transformer layers; ALBERT shares one layer object across all depths.
 
     `layers` holds one layer (shared) or L layers; `depth_to_layer[i]` says which one runs at
-    depth i. Each depth still has its own row of the head mask (seed 004: one xi per depth).
+    depth i. Each depth still has its own row of the head mask (Michel et al. 2019's gates: one xi per depth).
 
     After pruning (`AALBERT.prune_heads`) the head mask keeps its (L, h) shape over the
     original heads: each depth's attention receives the entries of the heads it still has

@@ -70,9 +70,9 @@ class MeanPool(nn.Module):
 
 
 class FusedPool(nn.Module):
-    """FusedAttention pooling (SPEC 6) from the attention library, behind MeanPool's signature.
+    """FusedAttention pooling (docs/attention.md) from the attention library, behind MeanPool's signature.
 
-    `scale`: "value" (sqrt(d), seeds/002) or "key" (sqrt(u)); here u = d = D, so both give the
+    `scale`: "value" (sqrt(d), d the size of V) or "key" (sqrt(u)); here u = d = D, so both give the
     same scores, but the option is passed through so a config states what it asked for.
     """
 

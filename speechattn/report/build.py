@@ -56,7 +56,7 @@ def make_report(
         "# Table 2: downstream test accuracy\n\n"
         "Test accuracy at the best dev checkpoint; best per column in **bold**; – = not run.\n\n"
         + table2.markdown()
-        + "\n## Reference: the study on LibriSpeech (SPEC 9)\n\n"
+        + "\n## Reference: the study on LibriSpeech (its Table 2)\n\n"
         "6-layer AALBERT, 500k pretraining steps on train-clean-360. Different corpus and scale:\n"
         "compare the ranking and the gaps to `mel`, not the absolute numbers.\n\n"
         + reference.markdown()

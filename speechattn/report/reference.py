@@ -1,4 +1,4 @@
-"""Reference accuracies from the study (SPEC 9; Table 2 of the source paper).
+"""Reference accuracies from the study (Table 2 of the source paper; docs/report.md).
 
 LibriSpeech, 6-layer AALBERT pretrained 500k steps on train-clean-360; speaker tasks on
 train-clean-100, phoneme tasks on train-clean-360 with CPC alignments. `ldsa` was not part of

@@ -24,7 +24,7 @@ TASK_TITLES = {
     "phone_1hidden": "phone (1 hidden)",
     "phone_2hidden": "phone (2 hidden)",
 }
-# Dimensions at which Table 1 counts attention parameters: the study's AALBERT (SPEC 3).
+# Dimensions at which Table 1 counts attention parameters: the study's AALBERT (aalbert_base).
 STUDY_DIM, STUDY_HEADS = 768, 12
 
 
@@ -79,7 +79,7 @@ def accuracy_table(results: ResultSet, tasks: list[str], variants: list[str]) ->
 
 
 def reference_table(tasks: list[str], variants: list[str]) -> Table:
-    """The study's LibriSpeech accuracies (SPEC 9) for the same rows, best per column in bold."""
+    """The study's LibriSpeech accuracies (its Table 2) for the same rows, best per column in bold."""
     names = [v for v in variants if v in REFERENCE] + [v for v in REFERENCE if v not in variants]
     header = ["variant", *[TASK_TITLES.get(t, t) for t in tasks]]
     rows = [[_label(v), *[reference_accuracy(v, t) for t in tasks]] for v in names]

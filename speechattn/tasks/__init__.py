@@ -2,8 +2,8 @@
 loops; there is no runner class):
 
 - `pretrain/`: AALBERT masked reconstruction, resumable data order, upstream.pt + model card
-- `downstream/`: frozen-upstream probes (SPEC 7), cached features, result.json
-- `analysis/`: head importance, ablation and pruning (SPEC 5), heads.json
+- `downstream/`: frozen-upstream probes, cached features, result.json
+- `analysis/`: head importance, ablation and pruning, heads.json
 - `records`: the result.json / heads.json schemas the report reads
 - `common`: Lightning callbacks and helpers the entry points share (metrics.csv, progress bars)
 

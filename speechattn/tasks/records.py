@@ -83,7 +83,7 @@ RESULT_FILE = "result.json"
 # One normalised test utterance saved beside each result, for the report's attention maps.
 EXAMPLE_FILE = "example_utterance.pt"
 
-# The four tasks of SPEC 7, in the column order of the study's Table 2.
+# The four downstream tasks (docs/downstream.md), in the column order of the study's Table 2.
 TASKS: tuple[str, ...] = ("speaker_utterance", "speaker_frame", "phone_1hidden", "phone_2hidden")
 MEL = "mel"
 

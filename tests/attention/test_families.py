@@ -29,7 +29,7 @@ def test_shared_qk_self_only_when_alone():
 
 
 def _spec_set(name: str, head: int, i: int, j: int, stride: int, summary: int = 1) -> bool:
-    """The SPEC section 4 set definitions, written independently of patterns.py."""
+    """The set definitions of docs/attention.md, written independently of patterns.py."""
     first_half = head < (HEADS + 1) // 2
     if name == "sparse_strided":
         return abs(i - j) <= stride if first_half else (i - j) % stride == 0
@@ -565,7 +565,7 @@ def test_linear_long_sums_stay_in_float32_under_autocast(dtype):
 
 
 def _longformer_set(head: int, i: int, j: int, w: int, delta: int, g: int, dilated: int) -> bool:
-    """SPEC 4.1's pattern, written independently of patterns.py and the kernels."""
+    """The pattern of docs/attention.md, written independently of patterns.py and the kernels."""
     if g and (i % g == 0 or j % g == 0):
         return True
     if head < HEADS - dilated:

@@ -1,4 +1,4 @@
-"""FusedAttentionPool (seeds/002)."""
+"""FusedAttentionPool (docs/attention.md, "FusedAttention pooling")."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ def _data(lengths, T=9, D=6, seed=0):
 
 @pytest.mark.parametrize(("scale", "size"), [(None, 5), ("value", 5), ("key", 4)])
 def test_equals_mean_over_queries_of_ordinary_attention(scale, size):
-    """Scores are divided by sqrt(d) = sqrt(5), the size of V (seeds/002, the default), or by
+    """Scores are divided by sqrt(d) = sqrt(5), the size of V (the default), or by
     sqrt(u) = sqrt(4), the size of Q and K, with scale="key"."""
     torch.manual_seed(0)
     options = {} if scale is None else {"scale": scale}

@@ -16,7 +16,7 @@ LOCAL = (HEADS + 1) // 2  # heads [0, LOCAL) are local, the others route
 
 
 def _expected_support(attn, x, pad) -> torch.Tensor:
-    """(B, h, T, T) keys each query may use, from the SPEC's definition written out here."""
+    """(B, h, T, T) keys each query may use, from the definition (docs/attention.md) written out here."""
     q, k, _ = attn._qkv(x)
     B, h, T, _ = q.shape
     out = torch.zeros(B, h, T, T, dtype=torch.bool)

@@ -1,4 +1,4 @@
-"""Bad input (SPEC 2.5): each defect raises a DataError naming file and problem, or under
+"""Bad input (docs/data.md): each defect raises a DataError naming file and problem, or under
 `on_error=skip` is skipped, counted, logged and listed in `datamodule.skipped`."""
 
 from __future__ import annotations

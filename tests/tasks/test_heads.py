@@ -1,4 +1,4 @@
-"""Head importance, ablation and pruning (seed 004) on tiny models and synthetic data."""
+"""Head importance, ablation and pruning (Michel et al. 2019) on tiny models and synthetic data."""
 
 from __future__ import annotations
 

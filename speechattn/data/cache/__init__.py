@@ -1,4 +1,4 @@
-"""On-disk feature cache: extract once, in parallel, resumable, shared by content (SPEC 2.4).
+"""On-disk feature cache: extract once, in parallel, resumable, shared by content (docs/cache.md).
 
 Layout (`layout.py`; user guide: docs/cache.md):
 

@@ -1,4 +1,4 @@
-"""Analysis job: head importance, ablation and pruning of a pretrained upstream (SPEC 5).
+"""Analysis job: head importance, ablation and pruning of a pretrained upstream (docs/analysis.md).
 
 - `heads`: the objectives (pretraining loss, a trained probe) and the analyses over xi
 - `sources`: where the model, probe and data come from; `HeadsRunConfig`; heads.json's content

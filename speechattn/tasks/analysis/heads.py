@@ -1,7 +1,7 @@
-"""Head importance, ablation and pruning (Michel et al., 2019, seed 004) for any attention variant.
+"""Head importance, ablation and pruning (Michel et al., 2019, "Are Sixteen Heads Really Better than One?") for any attention variant.
 
 Every registered attention multiplies head h's output by xi_h before its output projection
-(SPEC 4, 5): MHAtt(x) = sum_h xi_h Att_h(x). The model takes xi as a (L, h) tensor, one row per
+(docs/analysis.md): MHAtt(x) = sum_h xi_h Att_h(x). The model takes xi as a (L, h) tensor, one row per
 depth even when the layer's weights are shared (ALBERT), and everything below is computed from
 that one differentiable input:
 

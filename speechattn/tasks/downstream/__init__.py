@@ -1,4 +1,4 @@
-"""Downstream job: probes on a frozen upstream (SPEC 7).
+"""Downstream job: probes on a frozen upstream (docs/downstream.md).
 
 - `probe`: `TaskConfig`, the cached features as a dataset, `DownstreamProbe`
 - `features`: frozen-upstream features, extracted once per split and cached

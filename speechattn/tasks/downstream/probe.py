@@ -34,8 +34,8 @@ class TaskConfig:
     name: str = "speaker_utterance"
     target: str = "speaker"  # speaker | phones
     level: str = "utterance"  # utterance (one label per utterance) | frame (one per 10 ms frame)
-    pooling: str = "mean"  # utterance level only: mean | fused (FusedAttentionPool, SPEC 6)
-    pooling_scale: str = "value"  # fused: scores / sqrt(size of V) (seeds/002) | key: of Q, K
+    pooling: str = "mean"  # utterance level only: mean | fused (FusedAttentionPool)
+    pooling_scale: str = "value"  # fused: scores / sqrt(size of V) | key: of Q, K
     hidden_layers: int = 0  # 0 = linear probe
     hidden_dim: int = 768  # the study's phoneme MLP width
     dropout: float = 0.0

@@ -1,4 +1,4 @@
-"""Downstream evaluation of a frozen upstream (SPEC 7): probe training, model selection, result.
+"""Downstream evaluation of a frozen upstream (docs/downstream.md): probe training, model selection, result.
 
 `run(cfg)` is the whole protocol; `python -m speechattn.downstream` is a thin Hydra wrapper:
 
@@ -382,7 +382,7 @@ def labelled_data_config(task: TaskConfig, data_config: Any) -> Any:
         if task.target == "phones":
             raise ValueError(
                 f"task {task.name} needs frame-level phone labels, but data.alignments is null; "
-                f"set it to the CPC-format file (converted_aligned_phones.txt, SPEC 2.2)"
+                f"set it to the CPC-format file (converted_aligned_phones.txt, docs/data.md)"
             )
         return data_config
     path = LabelledDataModule(data_config).label_files.path(data_config.alignments)
@@ -392,7 +392,7 @@ def labelled_data_config(task: TaskConfig, data_config: Any) -> Any:
         raise FileNotFoundError(
             f"task {task.name} needs frame-level phone labels: {path} does not exist. For real "
             f"LibriSpeech put the CPC alignments there (converted_aligned_phones.txt with "
-            f"train_split.txt / test_split.txt, SPEC 2.2) or point data.alignments_dir at them"
+            f"train_split.txt / test_split.txt, see docs/data.md) or point data.alignments_dir at them"
         )
     log.warning("no phone alignments at %s: speaker task without phone labels", path)
     return replace(data_config, alignments=None)

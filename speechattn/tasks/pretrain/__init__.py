@@ -1,4 +1,4 @@
-"""Pretraining job: AALBERT by masked reconstruction (SPEC 3).
+"""Pretraining job: AALBERT by masked reconstruction (docs/pretraining.md).
 
 - `module`: `PretrainTask` (LightningModule: one step, non-finite handling, upstream.pt export)
 - `data`: the resumable data order (`StepBatchSampler`, `SeededItems`, `ResumableData`)
