@@ -43,6 +43,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from speechattn.attention.kernels.memory import lazy_zeros
 from speechattn.errors import SpeechattnError
 
 
@@ -338,7 +339,7 @@ class Attention(nn.Module, ABC):
                     f"{self.name}: expected padding_mask bool (B, T) = ({B}, {T}), "
                     f"got {padding_mask.dtype} {tuple(padding_mask.shape)}"
                 )
-            if self.end_padded_only and not torch.compiler.is_compiling():
+            if self.end_padded_only and not needs_static_shapes(padding_mask):
                 check_no_leading_padding(padding_mask, self.name)
             valid = ~padding_mask
             x = x.masked_fill(padding_mask[..., None], 0.0)  # padded content never matters
@@ -377,9 +378,10 @@ def check_no_leading_padding(padding_mask: Tensor, name: str) -> None:
     frame (padded frames after it, at the end or between valid ones, are masked keys at their
     positions).
 
-    A host read of the mask (free on the CPU, one synchronisation on a GPU); skipped under
-    torch.compile, where the model's masks come from lengths and are end-padded by
-    construction (`lengths_to_padding_mask`)."""
+    A host read of the mask, made where it is free (CPU, eager): on a GPU and under
+    torch.compile, where the kernels never read device data on the host, the mask is trusted
+    (the model's masks come from lengths and are end-padded by construction,
+    `lengths_to_padding_mask`)."""
     leading = padding_mask[:, 0] & ~padding_mask.all(-1)  # (B,): padded first, valid later
     if bool(leading.any()):
         b = int(leading.nonzero()[0])
@@ -428,9 +430,6 @@ def self_penalty(T: int, device: torch.device, dtype: torch.dtype) -> Tensor:
     return penalty
 
 
-NUMPY_DTYPES = {torch.float32: np.float32, torch.float64: np.float64}  # lazy_zeros' dtypes
-
-
 def needs_static_shapes(t: Tensor) -> bool:
     """Whether shapes and control flow must not depend on t's data: off the CPU (a host read
     of device data makes the host wait for the device) and under torch.compile (it breaks the
@@ -442,26 +441,6 @@ def widen(t: Tensor) -> Tensor:
     """Half-precision tensors to float32; float32 and float64 unchanged (sums and kernels
     that must not run in half precision under autocast)."""
     return t.to(torch.promote_types(t.dtype, torch.float32))
-
-
-def numpy_backed(dtype: torch.dtype, device: torch.device | str) -> bool:
-    """Whether tensors of this dtype and device can share memory with numpy (CPU float32 or
-    float64)."""
-    return torch.device(device).type == "cpu" and dtype in NUMPY_DTYPES
-
-
-def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> Tensor:
-    """A zero tensor whose pages are zeroed by the OS on first touch (CPU float32/float64).
-
-    numpy's zeros are calloc'ed fresh memory, so no zero-fill pass runs and a caller that
-    writes a small part pays for those pages only; numpy also marks large arrays for
-    transparent huge pages (Linux, `madvise` mode). On the development VM 4 KiB page faults
-    are slow: first-touching 3.2 GB took 0.4 s in 2 MiB pages against 1.6-8.3 s in 4 KiB
-    ones. Elsewhere (other dtypes, CUDA) plain torch.zeros.
-    """
-    if not numpy_backed(dtype, device):
-        return torch.zeros(shape, dtype=dtype, device=device)
-    return torch.from_numpy(np.zeros(shape, dtype=NUMPY_DTYPES[dtype]))
 
 
 def layer_seed(seed: int, layer: int, *more: int) -> int:

@@ -156,7 +156,7 @@ def test_blocked_backward_equals_dense_reference(block, scores, limit, monkeypat
     """The backward in query blocks against the keys within reach (reversed keys, windows
     clipped at both ends, padding), in passes over the batch, gives the dense reference's
     gradients."""
-    from speechattn.attention.adaptive_span import FlashThenUnfused
+    from speechattn.attention.kernels.span import FlashThenUnfused
 
     monkeypatch.setattr(FlashThenUnfused, "backward_block", block)
     monkeypatch.setattr(FlashThenUnfused, "backward_scores", scores)
@@ -172,7 +172,7 @@ def test_blocked_backward_equals_dense_reference(block, scores, limit, monkeypat
 def test_all_pairs_cpu_kernels_equal_dense_reference(saved, lengths, monkeypatch):
     """Both all-pairs CPU kernels (keys in order with the weights kept; keys reversed with
     flash's forward) give the dense reference's output and gradients, the spans' included."""
-    from speechattn.attention.adaptive_span import FlashThenUnfused, UnfusedSavedWeights
+    from speechattn.attention.kernels.span import FlashThenUnfused, UnfusedSavedWeights
 
     attn = _with_spans(max_span=12, ramp=3)
     monkeypatch.setattr(type(attn), "short_path_max_t", 10**6)

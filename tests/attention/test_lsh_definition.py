@@ -8,6 +8,7 @@ import torch
 from _attention_testing import DIM, HEADS, batch, make
 
 from speechattn.attention import lsh
+from speechattn.attention.kernels import topk
 
 LSH = ["sign_alsh", "xbox", "xbox_qnf", "simple_lsh", "simple_alsh"]
 
@@ -47,7 +48,7 @@ def test_match_ties_go_to_the_larger_score(T):
     q, keys = (torch.randn(2, T, 6, generator=g, dtype=torch.float64) for _ in range(2))
     cq, ck = _tied_codes(2, T)
     kv = torch.ones(2, T, dtype=torch.bool)
-    idx = lsh.topk_by_match(cq, ck, kv, 7, q, keys)
+    idx = topk.topk_by_match(cq, ck, kv, 7, q, keys)
     s = q @ keys.transpose(-1, -2)
     s.diagonal(dim1=-2, dim2=-1).fill_(float("-inf"))  # self ranks below every other key
     want = s.topk(7, dim=-1).indices
@@ -59,7 +60,7 @@ def test_exact_score_ties_go_to_the_nearer_then_earlier_key():
     cq, ck = _tied_codes(1, T)
     q = torch.ones(1, T, 3)
     keys = torch.ones(1, T, 3)  # all scores equal
-    idx = lsh.topk_by_match(cq, ck, torch.ones(1, T, dtype=torch.bool), 4, q, keys)
+    idx = topk.topk_by_match(cq, ck, torch.ones(1, T, dtype=torch.bool), 4, q, keys)
     assert sorted(idx[0, 20].tolist()) == [18, 19, 21, 22]
     assert sorted(idx[0, 0].tolist()) == [1, 2, 3, 4]
 
@@ -68,7 +69,7 @@ def test_position_tie_break_remains_an_option():
     T = 40
     cq, ck = _tied_codes(1, T)
     kv = torch.ones(1, T, dtype=torch.bool)
-    assert sorted(lsh.topk_by_match(cq, ck, kv, 4)[0, 20].tolist()) == [18, 19, 21, 22]
+    assert sorted(topk.topk_by_match(cq, ck, kv, 4)[0, 20].tolist()) == [18, 19, 21, 22]
     attn = make("xbox", tie_break="position")
     x, pad = batch([30, 17])
     q, k, _ = attn._qkv(x)

@@ -13,7 +13,7 @@ import torch._dynamo
 from _attention_testing import DIM, HEADS, SMALL_OPTIONS, batch, make, rel_error
 
 from speechattn.attention import build, patterns, sparse
-from speechattn.attention.ldsa import LocalWeightedSum
+from speechattn.attention.kernels.local import LocalWeightedSum
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "fakecuda"))
 from _fake_cuda import CUDA, backward, cuda_autocast, fake_cuda  # noqa: E402
