@@ -21,8 +21,8 @@ Both kernels compute softmax(s + log m) (log 0 = -inf), which equals the renorma
 above, with the log-mask as additive mask, computed once per distance and laid out as a
 strided view. On CUDA, one SDPA call whose memory-efficient kernel differentiates the mask in z
 (`_toeplitz`). On CPU the spans' gradient is one more reduction of the scores' gradient in a
-kernel of our own (SDPA would run its unfused math path both ways for a mask that needs a
-gradient: 0.87-0.90x `full`'s speed at T = 128-256): `UnfusedSavedWeights` up to
+kernel of our own (SDPA would run its slower unfused math path both ways for a mask that
+needs a gradient): `UnfusedSavedWeights` up to
 `saved_weights_max_t` frames, above it `FlashThenUnfused` (CPU flash attention forward, an
 unfused backward):
 * short (T <= `short_path_max_t`): all T x T pairs (`FlashThenUnfused`'s backward takes query
@@ -119,15 +119,12 @@ class AdaptiveSpanAttention(Attention):
     paper = "Sukhbaatar et al., Adaptive Attention Span in Transformers, ACL 2019"
     complexity_training = "O(T min(T, z + R) D), z <= S the largest learned span"
     complexity_inference = "O(T min(T, z + R) D), z <= S the largest learned span"
-    # All T x T pairs up to here, the band of blocks above. Measured on CPU with the initial
-    # spans (X = 95), speed over `full`'s, all pairs / band: 1.06-1.09 / 0.91 at T = 768,
-    # 1.18-1.22 / 0.99-1.02 at 1024, 1.20-1.39 / 1.35-1.42 at 1536, 1.54-1.57 / 1.52-1.64 at
-    # 2048. All pairs never builds a T x T tensor unless the batch is padded.
+    # All T x T pairs up to here, the band of blocks above (crossover
+    # measured with `python -m speechattn.bench attention` (figures: docs/benchmarks.md), initial spans). All pairs never builds a T x T tensor unless the batch
+    # is padded.
     short_path_max_t = 1024
     # On CPU, all pairs keep their weights for the backward (`UnfusedSavedWeights`) up to
-    # here, then flash forward (`FlashThenUnfused`). Speed over `full`'s, interleaved medians,
-    # saved / flash: 0.93-0.95 / 0.91-0.93 at T = 128, 0.95-0.97 / 0.92-0.93 at 256,
-    # 0.94-0.95 / 0.95 at 320 and 384, 0.86 / 0.99 at 448.
+    # here, then flash forward (`FlashThenUnfused`): the measured crossover (docs/benchmarks.md).
     saved_weights_max_t = 320
 
     def __init__(self, config: AdaptiveSpanConfig) -> None:
@@ -190,8 +187,8 @@ class AdaptiveSpanAttention(Attention):
     def _toeplitz(self, c: int, L: int, Lk: int) -> Tensor:
         """log m over an (L, Lk) layout whose query a and key w are c + a - w frames apart:
         (h, L, Lk), differentiable in the spans. log m is computed once per distance and the
-        layout is a strided view of it (copied once by the flip): evaluating it elementwise
-        on L x Lk distances under autograd made the module 1.2x slower at T = 256."""
+        layout is a strided view of it (copied once by the flip), cheaper than evaluating it
+        elementwise on L x Lk distances under autograd."""
         offsets = torch.arange(c - Lk + 1, c + L, device=self.span_fraction.device)
         return patterns.toeplitz(self.log_mask(self._distance(offsets)), L, Lk)
 
@@ -240,7 +237,7 @@ class AdaptiveSpanAttention(Attention):
     def _uses_cpu_kernels(self, q: Tensor) -> bool:
         """Whether the kernels run our CPU kernels (`UnfusedSavedWeights`, `FlashThenUnfused`,
         or flash alone for fixed spans): on CPU, where SDPA runs its math path for a mask that
-        needs a gradient (0.87x `full`'s speed at T = 128); CUDA's memory-efficient kernel
+        needs a gradient (slower than these); CUDA's memory-efficient kernel
         differentiates the mask itself. Not with attention dropout, which SDPA draws, nor
         under torch.compile, which traces the SDPA kernels (`_static`)."""
         return not needs_static_shapes(q) and not (self.training and self.dropout)

@@ -422,8 +422,9 @@ def masked_softmax(scores: Tensor, allowed: Tensor, dim: int = -1) -> Tensor:
 def self_penalty(T: int, device: torch.device, dtype: torch.dtype) -> Tensor:
     """(T, T) additive matrix with SELF_PENALTY on the diagonal.
 
-    Built in lazily zeroed memory (`lazy_zeros`): only the diagonal's pages are written here
-    (torch.eye times the penalty took 134-562 ms at T = 8192, 2-10 % of a `shared_qk` step).
+    Built in lazily zeroed memory (`lazy_zeros`): only the diagonal's pages are written here,
+    where torch.eye times the penalty would write all T^2 entries (a visible share of a
+    `shared_qk` step at long T).
     """
     penalty = lazy_zeros((T, T), dtype, device)
     penalty.diagonal().fill_(SELF_PENALTY)

@@ -159,9 +159,8 @@ class _LSHAttention(Attention):
         "O(T k D) attention + O(T K D) hashing + O(T^2 (K h + D)) code matching and tie-break"
     )
     complexity_inference = complexity_training
-    # All-pairs SDPA masked to the selection up to here, CSR products above. Speed over
-    # `full`'s on CPU (interleaved medians), all pairs / CSR: 1.04-1.05 / 0.94 at T = 128,
-    # 1.00-1.01 / 0.98-1.00 at 256, 0.98 / 1.02 at 320, 0.93 / 1.15 at 512, 0.81 / 1.34 at 1024.
+    # All-pairs SDPA masked to the selection up to here, CSR products above: the measured
+    # crossover (`python -m speechattn.bench attention`; figures: docs/benchmarks.md).
     short_path_max_t = 256
 
     def __init__(self, config: LSHConfig) -> None:

@@ -9,7 +9,7 @@ import torch
 from _attention_testing import DIM, HEADS, batch, make
 
 from speechattn.attention import routing
-from speechattn.attention.kernels import sparse_topk, topk
+from speechattn.attention.kernels import cluster, sparse_topk, topk
 
 LSH = ["sign_alsh", "xbox", "xbox_qnf", "simple_lsh", "simple_alsh"]
 
@@ -34,6 +34,7 @@ def test_routing_static_sizes_equal_measured_ones(lengths, limit, monkeypatch):
     pad = pad if pad.any() else None
     measured = _pass(make("routing"), x, pad)
     monkeypatch.setattr(routing, "needs_static_shapes", lambda t: True)
+    monkeypatch.setattr(cluster, "needs_static_shapes", lambda t: True)  # its kernel's too
     static = _pass(make("routing"), x, pad)
     for a, b in zip(static, measured, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)

@@ -26,7 +26,7 @@ class FlashThenUnfused(torch.autograd.Function):
     with autocast off, whatever the caller's autocast state.
     """
 
-    backward_block = 128  # queries per block of the backward (64: as fast; 256: 2-5 % slower)
+    backward_block = 128  # queries per block of the backward (the fastest in the benchmark)
     backward_scores = 1 << 22  # scores (batch x heads x block x keys) per pass of the backward
 
     @staticmethod
@@ -89,8 +89,8 @@ class UnfusedSavedWeights(torch.autograd.Function):
     """Attention under an additive mask that depends on the spans z, on CPU, for short
     sequences: unfused, keeping the weights P (N, h, L, Lk) for the backward.
 
-    At T = 128 flash's forward plus `FlashThenUnfused`'s backward (which recomputes P, five
-    products in all) cost about 1.3x SDPA's fused step; this kernel's six products with P kept
+    At short T flash's forward plus `FlashThenUnfused`'s backward (which recomputes P, five
+    products in all) cost more than SDPA's fused step; this kernel's six products with P kept
     cost about as much as SDPA's (the mask added inside the score product, one softmax).
     It stores N h L Lk weights, so it serves short sequences only (`saved_weights_max_t`).
     Runs in float32 (float64 stays) with autocast off, whatever the input dtype: CPU only

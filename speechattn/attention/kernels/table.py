@@ -47,10 +47,8 @@ class GradientMemory:
     """Memory for a logit table's gradient (CPU), reused from step to step.
 
     The gradient has the table's size, h l_max^2 (0.8 GB at l_max = 4096), and fresh memory
-    costs page faults on first touch, plus compaction when the OS assembles 2 MiB pages:
-    0.07-1.7 s for 0.8 GB on the development VM, depending on how fragmented memory is. At
-    T = l_max = 4096 a `syn_random` step took 1.27 s with fresh memory (0.76x `full`'s speed
-    among the other variants' allocations) and 0.95 s with reused memory.
+    costs page faults on first touch, plus compaction when the OS assembles 2 MiB pages: at
+    T close to l_max a step with fresh memory is markedly slower than with reused memory.
 
     `take` hands last step's array out again, zeroed, once nothing refers to it any more
     (numpy's reference count of the array: every tensor, view or storage on it holds one,
@@ -90,8 +88,8 @@ class GradientMemory:
 
 def table_gradient(table: Tensor) -> Tensor:
     """A zero tensor of table's shape, dtype and device, for its gradient from T x T windows,
-    in lazily zeroed memory (`lazy_zeros`): a step pays for the pages of its windows only
-    (at T = 128 with a 12 x 1024^2 table, 18 ms per step against 30 ms for torch.zeros)."""
+    in lazily zeroed memory (`lazy_zeros`): a step pays for the pages of its windows only,
+    not for zeroing the whole table as torch.zeros would."""
     return lazy_zeros(tuple(table.shape), table.dtype, table.device)
 
 
@@ -121,8 +119,8 @@ class TableWindows(torch.autograd.Function):
         n, T = table.shape[-1], grad.shape[-1]
         g_table = ctx.memory.take(table, T)
         # On CPU the windows are added by numpy, on one thread: the first write to each page of
-        # the lazily zeroed gradient faults, and faults from two threads at once were 10x
-        # slower than from one (measured: 31 ms against 3 ms for 12 windows of 256 x 256).
+        # the lazily zeroed gradient faults, and faults from two threads at once were many
+        # times slower than from one.
         dst, src = (
             (g_table.numpy(), grad.numpy())
             if numpy_backed(g_table.dtype, g_table.device)

@@ -21,7 +21,7 @@ _MATCH_CHUNK_GPU = 1 << 27
 
 def _probe_native_bf16_cpu() -> bool:
     """Whether this CPU multiplies bfloat16 natively (AVX512-BF16 / AMX). Without it, a
-    bfloat16 matmul is emulated and 7-11x slower than float32 (measured on an AVX2 EPYC)."""
+    bfloat16 matmul is emulated and several times slower than float32."""
     try:
         return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
     except (AttributeError, RuntimeError):
@@ -100,7 +100,7 @@ def topk_by_match(
     W = 2^32 (2 Tp + 1) (score bits, `ordered_bits`, then position) or W = 2 Tp + 1 (position
     only); all values of a row are distinct. The match part is one batched matmul of +-1
     codes (`_match_dtype`: bfloat16, exact for these small integers, on CPUs with native
-    bfloat16, where it is about 3x faster than float32) where an extra code column subtracts
+    bfloat16, where it is faster than float32) where an extra code column subtracts
     4 (K + 1) from disallowed keys and 8 (K + 1) from the keys padding T up to S G; the
     scores are one more batched matmul per chunk. The composite is int32 when it fits (top-k
     runs faster on it than on floats), else int64.
