@@ -150,6 +150,9 @@ class Attention(nn.Module, ABC):
     short_path_max_t: ClassVar[int | None] = None
     no_weight_decay: ClassVar[tuple[str, ...]] = ()
     end_padded_only: ClassVar[bool] = False
+    # Options whose default changed with the definition (the study's first runs): their old
+    # values, which an upstream file of format version 1 gets where it does not state them.
+    first_run_options: ClassVar[dict[str, object]] = {}
     max_len: int | None = None  # longest sequence (T) the variant accepts; None: any
     # Kernel choice by measurement (`attention.autotune`, see `autotune.py`): off by default
     # so that a module built here keeps the `short_path_max_t` rule (tests, `force_path`).

@@ -162,6 +162,7 @@ class _LSHAttention(Attention):
     # All-pairs SDPA masked to the selection up to here, CSR products above: the measured
     # crossover (`python -m speechattn.bench attention`; figures: docs/benchmarks.md).
     short_path_max_t = 256
+    first_run_options = {"normalize_keys": False, "tie_break": "position"}
 
     def __init__(self, config: LSHConfig) -> None:
         super().__init__(config)

@@ -141,6 +141,7 @@ class RoutingAttention(SharedQKBase):
     # All-pairs SDPA masked to the selection up to here, band and cluster kernels above
     # (measured crossover, docs/benchmarks.md).
     short_path_max_t = 128
+    first_run_options = {"max_clusters": 32}
 
     def __init__(self, config: RoutingConfig) -> None:
         super().__init__(config)
