@@ -171,6 +171,15 @@ def register() -> None:
     store = ConfigStore.instance()
     for name, node in SCHEMAS.items():
         store.store(group="schema", name=name, node=node)
+    # Each attention variant's options with the defaults of its config dataclass, which
+    # conf/attention/<name>.yaml extends: the YAML states only what differs, and every option
+    # can be overridden (attention.options.k=16) without a `+`.
+    from speechattn.attention import available
+    from speechattn.attention.registry import options
+
+    for name in available():
+        node = {"name": name, "options": options(name)}
+        store.store(group="schema/attention", name=name, node=node)
 
 
 def compose(config_name: str, overrides: list[str] | None = None) -> DictConfig:

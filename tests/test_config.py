@@ -12,7 +12,9 @@ from omegaconf import OmegaConf
 
 from speechattn import CONFIG_DIR
 from speechattn.attention import available, build
+from speechattn.attention.registry import options as attention_options
 from speechattn.config import (
+    AttentionGroupConfig,
     DownstreamConfig,
     PretrainConfig,
     PretrainModelConfig,
@@ -202,11 +204,12 @@ def test_yaml_states_only_what_differs_from_the_schema():
     - the options that write at the top level (experiment, debug, analysis, trainer=gpu)
       against the schemas of the keys they set, and trainer=cpu's values for `trainer`;
     - the trainer options that extend another (ddp extends cpu) against that option;
-    - each logger against its class's own arguments.
+    - each logger against its class's own arguments;
+    - each attention option against its variant's generated schema (`/schema/attention/NAME`).
 
     The base trainer options (cpu, probe) are the one home of our Trainer settings; they keep
     keys equal to Lightning's defaults so that the command line can override them without `+`.
-    `attention/` is checked by its own test; `hydra/launcher/` configures Hydra's plugins.
+    `hydra/launcher/` configures Hydra's plugins.
     """
     cpu = yaml(CONFIG_DIR / "trainer" / "cpu.yaml")
     top_level = {  # what experiment/debug options and trainer=gpu write into: pretraining's
@@ -240,7 +243,14 @@ def test_yaml_states_only_what_differs_from_the_schema():
         for logger in yaml(path).values():
             own = restated(logger, signature_defaults(logger["_target_"]))
             checked[f"logger/{path.name}"] = checked.get(f"logger/{path.name}", []) + own
-    assert len(checked) > 20
+    for path in (CONFIG_DIR / "attention").glob("*.yaml"):  # extends the variant's schema
+        own = yaml(path)
+        assert own.pop("defaults") == [f"/schema/attention/{path.stem}@_here_", "_self_"]
+        defaults = attention_options(path.stem)
+        found = [f"options.{k}" for k, v in own.pop("options", {}).items() if defaults.get(k) == v]
+        found += [k for k, v in own.items() if getattr(AttentionGroupConfig, k, object()) == v]
+        checked[f"attention/{path.name}"] = found
+    assert len(checked) > 40
     assert {k: v for k, v in checked.items() if v} == {}
 
 

@@ -21,8 +21,8 @@ Both kernels compute softmax(s + log m) (log 0 = -inf), which equals the renorma
 above, with the log-mask as additive mask, computed once per distance and laid out as a
 strided view. On CUDA, one SDPA call whose memory-efficient kernel differentiates the mask in z
 (`_toeplitz`). On CPU the spans' gradient is one more reduction of the scores' gradient in a
-kernel of our own (SDPA would run its unfused math path both ways for a mask that needs a
-gradient: 0.87-0.90x `full`'s speed at T = 128-256): `UnfusedSavedWeights` up to
+kernel of our own (SDPA would run its slower unfused math path both ways for a mask that
+needs a gradient): `UnfusedSavedWeights` up to
 `saved_weights_max_t` frames, above it `FlashThenUnfused` (CPU flash attention forward, an
 unfused backward):
 * short (T <= `short_path_max_t`): all T x T pairs (`FlashThenUnfused`'s backward takes query
@@ -37,6 +37,15 @@ learn, and padding is masked without first asking whether there is any (valid No
 Keys beyond a head's reach get log m = -inf either way, so the result is the same. The CPU
 eager path reads the spans (a CPU read costs nothing) and keeps its tighter reach.
 The dense reference takes the paper's route: softmax over valid keys, times m, renormalised.
+
+The span's gradient at the mask's kinks: m is piecewise linear in z, with kinks where a key
+sits at x = z (m reaches 1) or x = z + R (m reaches 0). There the kernels and the reference
+take the left derivative (z decreasing): the key at x = z counts as on the ramp, the key at
+x = z + R as outside (log m, which the kernels add to the scores, has no finite right
+derivative at m = 0). With integer R this happens only at integer spans, so spans start half
+a frame off the integer init_span S (`initial_span`), and R >= 2: with R = 1 a span of 0
+(where the L1 penalty pushes it) has no key on the ramp, zero gradient, and never grows
+back; with R >= 2 the keys at 0 < x < R stay on the ramp.
 """
 
 from __future__ import annotations
@@ -60,146 +69,41 @@ from speechattn.attention.base import (
     needs_static_shapes,
     scale,
     select_,
-    widen,
 )
+from speechattn.attention.kernels.span import FlashThenUnfused, UnfusedSavedWeights, flash_cpu
 from speechattn.attention.registry import register
 from speechattn.errors import ConfigError
 
-# CPU flash attention with its log-sum-exp (public SDPA returns only the output)
-_flash_cpu = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 
+def initial_span(init_span: float, max_span: int) -> float:
+    """z at initialisation, in frames: init_span S moved half a frame up (down at S).
 
-class FlashThenUnfused(torch.autograd.Function):
-    """Attention under an additive mask that depends on the spans z, on CPU.
-
-    Forward: CPU flash attention with the mask as a constant (CPU flash has no mask gradient;
-    SDPA runs its unfused math path, forward too, for a mask that needs one). Backward:
-    unfused, from flash's log-sum-exp, so that the scores' gradient dS is at hand and the
-    spans' gradient is one more reduction, dL/dz_h = sum dS * d mask / dz_h. With a reach X
-    (every key farther than X frames masked) the backward runs query blocks of
-    `backward_block` frames against the keys within reach only.
-
-    CPU only (`_uses_cpu_kernels`), so no CUDA autocast to declare; it casts explicitly:
-    flash runs in q's dtype (the mask given in it), the backward in float32 (float64 stays)
-    with autocast off, whatever the caller's autocast state.
-    """
-
-    backward_block = 128  # queries per block of the backward (64: as fast; 256: 2-5 % slower)
-    backward_scores = 1 << 22  # scores (batch x heads x block x keys) per pass of the backward
-
-    @staticmethod
-    def forward(ctx, q, k, v, z, mask, mask_dz, reach, keys_reversed):  # noqa: D102
-        """q, k, v (B, h, L, d); z (h,); mask and its z-derivative mask_dz (B or 1, h, L, Lk);
-        reach: X or None (all pairs); keys_reversed: key j stored at Lk - 1 - j."""
-        out, log_sum_exp = _flash_cpu(q, k, v, attn_mask=mask)
-        ctx.save_for_backward(q, k, v, out, log_sum_exp, mask, mask_dz)
-        ctx.span_dtype, ctx.reach, ctx.keys_reversed = z.dtype, reach, keys_reversed
-        return out
-
-    @staticmethod
-    def backward(ctx, d_out):  # noqa: D102
-        with torch.autocast(d_out.device.type, enabled=False):  # widened below: keep float32
-            return FlashThenUnfused._backward(ctx, d_out)
-
-    @staticmethod
-    def _backward(ctx, d_out):  # noqa: ANN205 - backward's gradients
-        q, k, v, out, log_sum_exp, mask, mask_dz = ctx.saved_tensors
-        q_, k_, v_, out_, d_out_ = (widen(t) for t in (q, k, v, out, d_out))  # (B, h, ., d)
-        wide = q_.dtype  # half precision: in float32
-        lse = log_sum_exp.to(wide)[..., None]  # (B, h, L, 1)
-        row = (d_out_ * out_).sum(-1, keepdim=True)  # dO . O
-        d_q, d_k, d_v = torch.zeros_like(q_), torch.zeros_like(k_), torch.zeros_like(v_)
-        d_z = torch.zeros(q.shape[1], dtype=wide, device=q.device)
-        N, h, L, d = q.shape
-        Lk, X, scale_ = k.shape[-2], ctx.reach, d**-0.5
-        step = L if X is None else FlashThenUnfused.backward_block
-        # batch entries per pass: about `backward_scores` scores, so that the temporaries stay
-        # small and their memory is reused (fresh memory costs page faults here)
-        per_pass = max(
-            1, FlashThenUnfused.backward_scores // (h * step * min(Lk, step + 2 * (X or Lk)))
-        )
-        for n in range(0, N, per_pass):
-            batch = slice(n, n + per_pass)
-            q_n, k_n, v_n, o_n, lse_n, row_n = (t[batch] for t in (q_, k_, v_, d_out_, lse, row))
-            dq_n, dk_n, dv_n = d_q[batch], d_k[batch], d_v[batch]  # views, written in place
-            mask_n = mask if mask.shape[0] == 1 else mask[batch]  # a mask may serve the batch
-            dz_n = mask_dz if mask_dz.shape[0] == 1 else mask_dz[batch]
-            for a in range(0, L, step):
-                b = min(L, a + step)
-                c, e = (0, Lk) if X is None else (max(0, a - X), min(Lk, b + X))  # within reach
-                if ctx.keys_reversed:
-                    c, e = Lk - e, Lk - c
-                qa, oa = q_n[..., a:b, :], o_n[..., a:b, :]
-                ka, va = k_n[..., c:e, :], v_n[..., c:e, :]
-                # the probabilities again, from flash's log-sum-exp: exp(q k^T scale + mask - lse)
-                probs = (qa @ ka.mT).mul_(scale_).add_(mask_n[..., a:b, c:e])
-                probs = probs.sub_(lse_n[..., a:b, :]).exp_()  # (n', h, b - a, e - c)
-                dv_n[..., c:e, :] += probs.mT @ oa
-                d_scores = (oa @ va.mT).sub_(row_n[..., a:b, :]).mul_(probs)  # P (dP - dO . O)
-                d_z += (d_scores * dz_n[..., a:b, c:e]).sum((0, 2, 3))
-                dq_n[..., a:b, :] = d_scores @ ka
-                dk_n[..., c:e, :] += d_scores.mT @ qa
-        d_q, d_k = d_q.mul_(scale_).to(q.dtype), d_k.mul_(scale_).to(k.dtype)
-        return d_q, d_k, d_v.to(v.dtype), d_z.to(ctx.span_dtype), None, None, None, None
-
-
-class UnfusedSavedWeights(torch.autograd.Function):
-    """Attention under an additive mask that depends on the spans z, on CPU, for short
-    sequences: unfused, keeping the weights P (N, h, L, Lk) for the backward.
-
-    At T = 128 flash's forward plus `FlashThenUnfused`'s backward (which recomputes P, five
-    products in all) cost about 1.3x SDPA's fused step; this kernel's six products with P kept
-    cost about as much as SDPA's (the mask added inside the score product, one softmax).
-    It stores N h L Lk weights, so it serves short sequences only (`saved_weights_max_t`).
-    Runs in float32 (float64 stays) with autocast off, whatever the input dtype: CPU only
-    (`_uses_cpu_kernels`), it casts explicitly rather than declaring a CUDA autocast policy.
-    """
-
-    @staticmethod
-    def forward(ctx, q, k, v, z, mask, mask_dz):  # noqa: D102
-        """q, k, v (N, h, L | Lk, d); z (h,); mask and its z-derivative mask_dz
-        (N or 1, h, L, Lk)."""
-        N, h, L, d = q.shape
-        Lk = k.shape[-2]
-        q_, k_, v_ = (widen(t).reshape(N * h, -1, d) for t in (q, k, v))
-        bias = mask.to(q_.dtype).expand(N, h, L, Lk).reshape(N * h, L, Lk)
-        with torch.autocast(q.device.type, enabled=False):
-            weights = torch.baddbmm(bias, q_, k_.mT, alpha=d**-0.5).softmax(-1)  # (N h, L, Lk)
-            out = weights @ v_  # (N h, L, d)
-        ctx.save_for_backward(q_, k_, v_, out, weights, mask_dz)
-        ctx.dtypes = q.dtype, k.dtype, v.dtype, z.dtype
-        return out.view(N, h, L, d).to(q.dtype)
-
-    @staticmethod
-    def backward(ctx, d_out):  # noqa: D102
-        q_, k_, v_, out, weights, mask_dz = ctx.saved_tensors
-        N, h, L, d = d_out.shape
-        d_out_ = d_out.to(out.dtype).reshape(N * h, L, d)
-        with torch.autocast(d_out.device.type, enabled=False):
-            row = (d_out_ * out).sum(-1, keepdim=True)  # dO . O
-            d_v = weights.mT @ d_out_
-            d_scores = torch.baddbmm(row.neg_(), d_out_, v_.mT).mul_(weights)  # P (dP - dO.O)
-            d_z = (d_scores.view(N, h, L, -1) * mask_dz).sum((0, 2, 3))
-            d_q = (d_scores @ k_).mul_(d**-0.5)
-            d_k = (d_scores.mT @ q_).mul_(d**-0.5)
-        grads = (g.view(N, h, -1, d) for g in (d_q, d_k, d_v))
-        d_q, d_k, d_v = (g.to(dtype) for g, dtype in zip(grads, ctx.dtypes, strict=False))
-        return d_q, d_k, d_v, d_z.to(ctx.dtypes[3]), None, None
+    With integer R, an integer span puts two keys on kinks of the mask (x = z, where m
+    reaches 1, and x = z + R, where it reaches 0), where the span's gradient is one-sided;
+    at z = 64 (S = 256, R = 32) the left and right derivatives of one head had opposite signs
+    on random inputs, so the convention chose Adam's first step. Half a frame off, every key
+    is strictly inside or outside the ramp and the gradient is the true derivative."""
+    z = init_span * max_span
+    return z + 0.5 if z + 0.5 <= max_span else z - 0.5
 
 
 @dataclass
 class AdaptiveSpanConfig(AttentionConfig):
     max_span: int = 256  # S, longest learnable span in frames (7.7 s of 30 ms frames)
     ramp: int = 32  # R, width of the soft mask's linear ramp (frames)
-    init_span: float = 0.25  # z / S at initialisation (z = S / 4)
+    # z / S at initialisation (the study: z = S / 4); the spans start half a frame above
+    # (below, at S) so that no key sits on a kink of the mask at step 1 (`initial_span`)
+    init_span: float = 0.25
     span_penalty: float = 2e-6  # the paper's L1 coefficient per frame of mean span
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.max_span < 1 or self.ramp < 1:
+        if self.max_span < 1 or self.ramp < 2:
             raise ConfigError(
-                f"adaptive_span needs max_span >= 1 and ramp >= 1, got max_span={self.max_span}, "
-                f"ramp={self.ramp}"
+                f"adaptive_span needs max_span >= 1 and ramp >= 2, got max_span={self.max_span}, "
+                f"ramp={self.ramp}: with ramp = 1 a span pushed to 0 (where the L1 penalty takes "
+                "it) has no key on the mask's ramp, so no gradient, and never grows back; set "
+                "attention.options.ramp >= 2"
             )
         if not 0.0 <= self.init_span <= 1.0:
             raise ConfigError(
@@ -217,15 +121,12 @@ class AdaptiveSpanAttention(Attention):
     paper = "Sukhbaatar et al., Adaptive Attention Span in Transformers, ACL 2019"
     complexity_training = "O(T min(T, z + R) D), z <= S the largest learned span"
     complexity_inference = "O(T min(T, z + R) D), z <= S the largest learned span"
-    # All T x T pairs up to here, the band of blocks above. Measured on CPU with the initial
-    # spans (X = 95), speed over `full`'s, all pairs / band: 1.06-1.09 / 0.91 at T = 768,
-    # 1.18-1.22 / 0.99-1.02 at 1024, 1.20-1.39 / 1.35-1.42 at 1536, 1.54-1.57 / 1.52-1.64 at
-    # 2048. All pairs never builds a T x T tensor unless the batch is padded.
+    # All T x T pairs up to here, the band of blocks above (crossover
+    # measured with `python -m speechattn.bench attention` (figures: docs/benchmarks.md), initial spans). All pairs never builds a T x T tensor unless the batch
+    # is padded.
     short_path_max_t = 1024
     # On CPU, all pairs keep their weights for the backward (`UnfusedSavedWeights`) up to
-    # here, then flash forward (`FlashThenUnfused`). Speed over `full`'s, interleaved medians,
-    # saved / flash: 0.93-0.95 / 0.91-0.93 at T = 128, 0.95-0.97 / 0.92-0.93 at 256,
-    # 0.94-0.95 / 0.95 at 320 and 384, 0.86 / 0.99 at 448.
+    # here, then flash forward (`FlashThenUnfused`): the measured crossover (docs/benchmarks.md).
     saved_weights_max_t = 320
 
     def __init__(self, config: AdaptiveSpanConfig) -> None:
@@ -233,7 +134,8 @@ class AdaptiveSpanAttention(Attention):
         self.max_span, self.ramp = config.max_span, config.ramp
         self.qkv = nn.Linear(config.dim, 3 * config.dim, bias=config.bias)  # W^Q | W^K | W^V
         # z_h / S per head; learned, clamped to [0, 1] where used
-        self.span_fraction = nn.Parameter(torch.full((config.num_heads,), config.init_span))
+        z0 = initial_span(config.init_span, config.max_span)
+        self.span_fraction = nn.Parameter(torch.full((config.num_heads,), z0 / config.max_span))
 
     # ----------------------------------------------------------------- spans
     def spans(self) -> Tensor:
@@ -257,6 +159,7 @@ class AdaptiveSpanAttention(Attention):
         reads nothing (CUDA, torch.compile: see `_static`)."""
         if static:
             return self.max_span + self.ramp - 1
+        # >= R - 1 >= 1 (ramp >= 2): the band kernel's blocks are never empty
         return math.ceil(float(self.spans().detach().max()) + self.ramp) - 1
 
     def ramp_position(self, distance: Tensor, z: Tensor | None = None) -> Tensor:
@@ -286,8 +189,8 @@ class AdaptiveSpanAttention(Attention):
     def _toeplitz(self, c: int, L: int, Lk: int) -> Tensor:
         """log m over an (L, Lk) layout whose query a and key w are c + a - w frames apart:
         (h, L, Lk), differentiable in the spans. log m is computed once per distance and the
-        layout is a strided view of it (copied once by the flip): evaluating it elementwise
-        on L x Lk distances under autograd made the module 1.2x slower at T = 256."""
+        layout is a strided view of it (copied once by the flip), cheaper than evaluating it
+        elementwise on L x Lk distances under autograd."""
         offsets = torch.arange(c - Lk + 1, c + L, device=self.span_fraction.device)
         return patterns.toeplitz(self.log_mask(self._distance(offsets)), L, Lk)
 
@@ -336,7 +239,7 @@ class AdaptiveSpanAttention(Attention):
     def _uses_cpu_kernels(self, q: Tensor) -> bool:
         """Whether the kernels run our CPU kernels (`UnfusedSavedWeights`, `FlashThenUnfused`,
         or flash alone for fixed spans): on CPU, where SDPA runs its math path for a mask that
-        needs a gradient (0.87x `full`'s speed at T = 128); CUDA's memory-efficient kernel
+        needs a gradient (slower than these); CUDA's memory-efficient kernel
         differentiates the mask itself. Not with attention dropout, which SDPA draws, nor
         under torch.compile, which traces the SDPA kernels (`_static`)."""
         return not needs_static_shapes(q) and not (self.training and self.dropout)
@@ -381,7 +284,7 @@ class AdaptiveSpanAttention(Attention):
         save_weights, else `FlashThenUnfused` (see both)."""
         z = self.spans()
         if not (torch.is_grad_enabled() and z.requires_grad):  # spans fixed: flash's backward
-            return _flash_cpu(q, k, v, attn_mask=mask)[0]
+            return flash_cpu(q, k, v, attn_mask=mask)[0]
         if save_weights:
             return UnfusedSavedWeights.apply(q, k, v, z, mask, mask_dz)
         return FlashThenUnfused.apply(q, k, v, z, mask, mask_dz, reach, keys_reversed)

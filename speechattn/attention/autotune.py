@@ -4,7 +4,7 @@ Variants with two exact kernels, a short-sequence one over all T x T pairs (one 
 batched call) and a long-sequence one (bands, blocks, sparse products, chunks), ask
 `Attention.use_short_path(t)` which one to run. Two ways to answer:
 
-* the rule (default): T <= `short_path_max_t`, crossovers measured once on an AMD EPYC host.
+* the rule (default): T <= `short_path_max_t`, crossovers measured once on one machine.
   Always used under torch.compile / jit / fx tracing, on fake, meta or subclassed tensors,
   under a dispatch mode (the fake-CUDA suite, sync counters), for CUDA tensors without a
   driver, and when the short kernel's (B, h, T, T) scores for one sequence exceed

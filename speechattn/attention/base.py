@@ -43,7 +43,15 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from speechattn.errors import ConfigError
+from speechattn.attention.kernels.memory import lazy_zeros
+from speechattn.errors import ConfigError, SpeechattnError
+
+
+class PaddingMaskError(SpeechattnError, ValueError):
+    """A padding mask a variant cannot use: padded frames before an utterance's first valid
+    frame, given to a variant whose pattern is placed by frame position
+    (`Attention.end_padded_only`)."""
+
 
 # Additive score on the diagonal for shared-QK attention (Reformer): a query attends to
 # itself only when it has no other valid key. Finite, unlike -inf, so such rows stay defined.
@@ -125,6 +133,12 @@ class Attention(nn.Module, ABC):
         no_weight_decay: names of this module's parameters that are biases stored as matrices
             (one vector per head): the optimiser groups leave them undecayed, like every
             parameter of fewer than 2 dimensions.
+        end_padded_only: whether the variant places its pattern by frame position (blocks,
+            strides, global frames, synthesised columns), so that frame 0 must be each
+            utterance's first frame: a padding mask with padded frames before an utterance's
+            first valid frame is refused (`PaddingMaskError`; padded frames after it are
+            masked keys at their positions). The other variants see only which keys are
+            valid and their distances, and give the same outputs for any padding.
     """
 
     Config: ClassVar[type[AttentionConfig]] = AttentionConfig
@@ -135,6 +149,10 @@ class Attention(nn.Module, ABC):
     supports_weights: ClassVar[bool] = True
     short_path_max_t: ClassVar[int | None] = None
     no_weight_decay: ClassVar[tuple[str, ...]] = ()
+    end_padded_only: ClassVar[bool] = False
+    # Options whose default changed with the definition (the study's first runs): their old
+    # values, which an upstream file of format version 1 gets where it does not state them.
+    first_run_options: ClassVar[dict[str, object]] = {}
     max_len: int | None = None  # longest sequence (T) the variant accepts; None: any
     # Kernel choice by measurement (`attention.autotune`, see `autotune.py`): off by default
     # so that a module built here keeps the `short_path_max_t` rule (tests, `force_path`).
@@ -324,6 +342,8 @@ class Attention(nn.Module, ABC):
                     f"{self.name}: expected padding_mask bool (B, T) = ({B}, {T}), "
                     f"got {padding_mask.dtype} {tuple(padding_mask.shape)}"
                 )
+            if self.end_padded_only and not needs_static_shapes(padding_mask):
+                check_no_leading_padding(padding_mask, self.name)
             valid = ~padding_mask
             x = x.masked_fill(padding_mask[..., None], 0.0)  # padded content never matters
         if head_mask is not None and head_mask.shape != (self.num_heads,):
@@ -356,6 +376,27 @@ class Attention(nn.Module, ABC):
 
 
 # --------------------------------------------------------------------- helpers for variants
+def check_no_leading_padding(padding_mask: Tensor, name: str) -> None:
+    """Refuse a padding mask (B, T) bool with padded frames before an utterance's first valid
+    frame (padded frames after it, at the end or between valid ones, are masked keys at their
+    positions).
+
+    A host read of the mask, made where it is free (CPU, eager): on a GPU and under
+    torch.compile, where the kernels never read device data on the host, the mask is trusted
+    (the model's masks come from lengths and are end-padded by construction,
+    `lengths_to_padding_mask`)."""
+    leading = padding_mask[:, 0] & ~padding_mask.all(-1)  # (B,): padded first, valid later
+    if bool(leading.any()):
+        b = int(leading.nonzero()[0])
+        first = int((~padding_mask[b]).nonzero()[0])
+        raise PaddingMaskError(
+            f"{name}: padding_mask row {b} starts with {first} padded frames before its first "
+            f"valid frame; {name} places its pattern by frame position, counted from frame 0, "
+            "so padding must come after each utterance's first frame (pad at the end, e.g. "
+            "speechattn.utils.lengths_to_padding_mask), or use a variant that takes any padding"
+        )
+
+
 def all_valid(x: Tensor) -> Tensor:
     """valid (B, T) all True for x (B, T, ...): for kernels that need the mask as a tensor
     when the caller said there is no padding (valid None)."""
@@ -384,15 +425,13 @@ def masked_softmax(scores: Tensor, allowed: Tensor, dim: int = -1) -> Tensor:
 def self_penalty(T: int, device: torch.device, dtype: torch.dtype) -> Tensor:
     """(T, T) additive matrix with SELF_PENALTY on the diagonal.
 
-    Built in lazily zeroed memory (`lazy_zeros`): only the diagonal's pages are written here
-    (torch.eye times the penalty took 134-562 ms at T = 8192, 2-10 % of a `shared_qk` step).
+    Built in lazily zeroed memory (`lazy_zeros`): only the diagonal's pages are written here,
+    where torch.eye times the penalty would write all T^2 entries (a visible share of a
+    `shared_qk` step at long T).
     """
     penalty = lazy_zeros((T, T), dtype, device)
     penalty.diagonal().fill_(SELF_PENALTY)
     return penalty
-
-
-NUMPY_DTYPES = {torch.float32: np.float32, torch.float64: np.float64}  # lazy_zeros' dtypes
 
 
 def needs_static_shapes(t: Tensor) -> bool:
@@ -408,24 +447,11 @@ def widen(t: Tensor) -> Tensor:
     return t.to(torch.promote_types(t.dtype, torch.float32))
 
 
-def numpy_backed(dtype: torch.dtype, device: torch.device | str) -> bool:
-    """Whether tensors of this dtype and device can share memory with numpy (CPU float32 or
-    float64)."""
-    return torch.device(device).type == "cpu" and dtype in NUMPY_DTYPES
-
-
-def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> Tensor:
-    """A zero tensor whose pages are zeroed by the OS on first touch (CPU float32/float64).
-
-    numpy's zeros are calloc'ed fresh memory, so no zero-fill pass runs and a caller that
-    writes a small part pays for those pages only; numpy also marks large arrays for
-    transparent huge pages (Linux, `madvise` mode). On the development VM 4 KiB page faults
-    are slow: first-touching 3.2 GB took 0.4 s in 2 MiB pages against 1.6-8.3 s in 4 KiB
-    ones. Elsewhere (other dtypes, CUDA) plain torch.zeros.
-    """
-    if not numpy_backed(dtype, device):
-        return torch.zeros(shape, dtype=dtype, device=device)
-    return torch.from_numpy(np.zeros(shape, dtype=NUMPY_DTYPES[dtype]))
+def layer_seed(seed: int, layer: int, *more: int) -> int:
+    """Seed of a module's fixed random parameters (LSH projections, routing centroids) in one
+    encoder layer: distinct layers (and distinct `seed` options, and `more` keys) get
+    unrelated values, the same layer always the same ones."""
+    return int(np.random.SeedSequence([seed, layer, *more]).generate_state(1, np.uint64)[0] >> 1)
 
 
 def scale(d: int) -> float:

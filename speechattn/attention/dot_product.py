@@ -134,8 +134,8 @@ class SharedQKAttention(SharedQKBase):
         p = self.dropout if self.training else 0.0
         if x.device.type == "cpu" and valid is None:
             # Keys in reverse order put the self penalty on the anti-diagonal, which a strided
-            # view of 2T - 1 numbers holds: the T x T mask cost 17 % of the step at T = 8192
-            # (memory traffic). CUDA's kernels want a dense mask, padding a per-key term.
+            # view of 2T - 1 numbers holds: a T x T mask's memory traffic is a visible share of
+            # the step at long T. CUDA's kernels want a dense mask, padding a per-key term.
             line = torch.zeros(2 * T - 1, dtype=q.dtype, device=x.device)
             line[T - 1] = SELF_PENALTY
             mask = patterns.hankel(line, T, T)[None, None]  # (1, 1, T, T), [i, j'] = line[i + j']

@@ -8,14 +8,17 @@ self penalised by -5e4 and always allowed, so a query attends to itself only whe
 * local heads [0, ceil(h/2)): the band |i - j| <= w (w = `window`).
 * routing heads [ceil(h/2), h): each L2-normalised shared-QK vector (query and key at once)
   goes to its nearest centroid on the unit sphere (largest dot product, ties to the lower
-  index); per utterance C = min(ceil(sqrt(T_valid)), `max_clusters`) centroids of the head are
+  index); per utterance C = ceil(sqrt(T_valid)) centroids of the head (at most `max_clusters`
+  when that option is set; the cap is logged once when it binds) are
   used (the first C of its stored ones) and each cluster keeps its top ceil(T_valid / C)
   members by similarity (balanced clusters, ties to the earlier frame). A query attends to the
   kept members of its own cluster (whether or not it was kept itself), plus itself.
   Padded frames never join a cluster.
 
-Centroids (h - ceil(h/2), max_clusters, d_k) are a buffer (saved and loaded with the model,
-never touched by the optimiser). In training mode each forward pass moves every used centroid
+Centroids (h - ceil(h/2), stored, d_k) are a buffer (saved and loaded with the model, never
+touched by the optimiser): `max_clusters` of them, or with no cap those of T = 1024 and more
+as longer batches need them. Each starts from a seed of (`seed`, layer index, centroid), so
+unshared layers start from different centroids, as LSH's layers hash differently. In training mode each forward pass moves every used centroid
 towards the mean of the valid vectors assigned to it over the batch (exponential moving
 average with `decay`, then back onto the unit sphere); eval mode leaves them fixed. The update
 is deterministic (one-hot matrix products, no atomics). A layer shared across depths (ALBERT)
@@ -25,7 +28,7 @@ over the ranks first, as SyncBatchNorm does its statistics, so every rank takes 
 from the whole batch (DDP's buffer broadcast alone would keep rank 0's step only).
 
 Selection is separate from attention, as in `lsh.py`: `members` sorts the routing heads'
-frames by cluster and builds each cluster's table of kept members (`Members`, (max_clusters, W)
+frames by cluster and builds each cluster's table of kept members (`Members`, (C(T), W)
 per utterance and head, W = ceil(T_valid / C)); `select` turns it into each query's keys as
 indices (B, h, T, kk) (column 0 = the query itself, the others its band or cluster; repeats of
 itself are fillers); `selection_dense` builds the same (B, h, T, T) set explicitly from pair
@@ -44,12 +47,13 @@ leaves a part-filled block), memory O(T W) for the mask and O(T d_k) for the gat
 never T x T or T x W x d_k. A query that was not kept has no key of its own there: its
 cluster has kept members, next to which its penalised self weight is exactly 0. Backward goes
 through SDPA and the row gathers (index_select).
-Measured (CPU, one thread, D = 768, h = 12, forward + backward), the long path is as fast as
-the all-pairs call at T = 128 and faster above (0.87x at 256, 0.41x at 1024).
+The crossover between the two (`short_path_max_t`) is measured with `python -m speechattn.bench
+attention`; the figures are in docs/benchmarks.md.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass
 
@@ -64,15 +68,26 @@ from speechattn.attention.base import (
     Flops,
     all_valid,
     key_mask,
+    layer_seed,
     masked_softmax,
     needs_static_shapes,
     select_,
     widen,
 )
 from speechattn.attention.dot_product import SharedQKBase
+from speechattn.attention.kernels.blocks import band_kernel
+from speechattn.attention.kernels.cluster import (  # noqa: F401 (routing's sizes, re-exported)
+    Members,
+    blocks_bound,
+    capacity_bound,
+    cluster_kernel,
+    num_clusters,
+    num_clusters_tensor,
+)
 from speechattn.attention.registry import register
-from speechattn.attention.sparse import band_kernel
 from speechattn.errors import ConfigError
+
+log = logging.getLogger(__name__)
 
 
 def _data_parallel() -> bool:
@@ -83,13 +98,14 @@ def _data_parallel() -> bool:
 @dataclass
 class RoutingConfig(AttentionConfig):
     window: int = 16  # w, local heads attend |i - j| <= w
-    max_clusters: int = 32  # centroids stored per routing head (C = ceil(sqrt(T)) up to T = 1024)
+    # Cap on C per utterance; None: C = ceil(sqrt(T_valid)) at every length (Roy et al.)
+    max_clusters: int | None = None
     decay: float = 0.999  # EMA decay of the centroids (training only)
-    seed: int = 0  # seed of the initial centroids
+    seed: int = 0  # with the layer index, seeds the initial centroids
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.window < 1 or self.max_clusters < 1:
+        if self.window < 1 or (self.max_clusters is not None and self.max_clusters < 1):
             raise ConfigError(
                 f"routing needs window >= 1 and max_clusters >= 1, got window={self.window}, "
                 f"max_clusters={self.max_clusters}"
@@ -112,113 +128,6 @@ class Routes:
     capacity: Tensor
 
 
-def num_clusters(num_valid: int, max_clusters: int) -> int:
-    """C = ceil(sqrt(T_valid)) (Roy et al.: sqrt(n) clusters), at most `max_clusters`."""
-    return max(1, min(math.isqrt(max(0, num_valid - 1)) + 1, max_clusters))
-
-
-def num_clusters_tensor(num_valid: Tensor, max_clusters: int) -> Tensor:
-    """`num_clusters` on device, exact integer arithmetic: num_valid (B,) long -> C (B,)."""
-    n = num_valid.clamp_min(1)
-    c = n.double().sqrt().ceil().long()  # off by one at most: corrected below
-    c = c - ((c - 1) * (c - 1) >= n).long()
-    c = c + (c * c < n).long()
-    return c.clamp(1, max_clusters)
-
-
-def capacity_bound(T: int, max_clusters: int) -> int:
-    """The largest capacity ceil(n / C(n)) of any utterance of n <= T valid frames: the
-    member tables' width W when it must not depend on data (GPU, torch.compile).
-
-    Capacity never decreases with n, so it is T's own: within C = c it grows with n, and
-    where C steps from c to c + 1 (n = c^2 + 1) it stays c, as ceil((c^2 + 1) / (c + 1)) = c.
-    """
-    return -(-T // num_clusters(T, max_clusters))
-
-
-def blocks_bound(T: int, W: int, max_clusters: int) -> int:
-    """Most query blocks of W one head of `cluster_kernel` can need for n <= T valid frames:
-    sum_c ceil(n_c / W) <= (n + C (W - 1)) / W over C <= C(T) non-empty clusters."""
-    return max(1, (T + num_clusters(T, max_clusters) * (W - 1)) // W)
-
-
-@dataclass
-class Members:
-    """Routing heads' frames sorted by (cluster, similarity descending, position), h_r heads,
-    Cm = max_clusters, W = the largest capacity in the batch.
-
-    cluster (B, h_r, T) long: cluster of each position, -1 at padded frames;
-    order (B, h_r, T) long: positions in sorted order, padded frames last;
-    label (B, h_r, T) long: cluster of each sorted frame, Cm for padded frames;
-    rank (B, h_r, T) long: rank of each sorted frame in its cluster;
-    counts (B, h_r, Cm) long: cluster sizes;
-    table (B, h_r, Cm, W) long: kept members (the first `capacity` of each cluster), -1 empty.
-    """
-
-    cluster: Tensor
-    order: Tensor
-    label: Tensor
-    rank: Tensor
-    counts: Tensor
-    table: Tensor
-
-
-def cluster_kernel(q: Tensor, k: Tensor, v: Tensor, members: Members, p: float = 0.0) -> Tensor:
-    """Each query against the kept members of its cluster. q, k, v (B, H, T, d) -> (B, H, T, d).
-
-    The queries of each cluster (in `members` order) are cut into blocks of at most W; every
-    block attends to its cluster's key table (W slots), so one SDPA call over
-    (B H nb, 1, W, d) blocks does all heads, nb = ceil(T / W) + C blocks per head at most.
-    Self is penalised where a query is its own key (kept queries); a query that was not kept
-    has other kept members in its cluster, so its penalised self weight exp(-5e4) is exactly
-    0 and it needs no key of its own. Padded frames are in no block and get 0.
-
-    Blocks per head nb: the batch's largest count on CPU in eager mode; elsewhere
-    `blocks_bound` from T, W and Cm, so that no size depends on data (extra blocks are
-    empty and discarded).
-    """
-    B, H, T, d = q.shape
-    Cm, W = members.table.shape[-2:]
-    real = members.label < Cm  # (B, H, T), sorted: padded frames last
-    blocks = -(-members.counts // W)  # (B, H, Cm) blocks per cluster
-    ends = blocks.cumsum(-1)
-    if needs_static_shapes(ends):
-        nb = blocks_bound(T, W, Cm)
-    else:
-        nb = max(1, int(ends[..., -1].max()))  # blocks per head, padded to the batch's largest
-    # Block and slot of every sorted query; padded frames go to a discarded slot nb W.
-    label = members.label.clamp_max(Cm - 1)
-    block = (ends - blocks).gather(-1, label) + members.rank // W
-    slot = torch.where(real, block * W + members.rank % W, nb * W)
-    qpos = torch.full((B, H, nb * W + 1), -1, dtype=torch.long, device=q.device)
-    qpos = qpos.scatter_(-1, slot, members.order)[..., :-1].view(B, H, nb, W)
-    # Cluster of each block: the number of clusters whose blocks end at or before it.
-    steps = torch.arange(nb, device=q.device).expand(B, H, nb).contiguous()
-    owner = torch.searchsorted(ends, steps, right=True).clamp_max(Cm - 1)  # (B, H, nb)
-    kpos = members.table.gather(2, owner[..., None].expand(B, H, nb, W))  # (B, H, nb, W)
-
-    # Empty query slots (ends of blocks, unused blocks) may use every key: finite, discarded.
-    q_in, k_in = (qpos >= 0)[..., :, None], (kpos >= 0)[..., None, :]
-    is_self = (qpos[..., :, None] == kpos[..., None, :]) & q_in
-    mask = torch.zeros(is_self.shape, dtype=q.dtype, device=q.device)
-    mask = mask.masked_fill(q_in & ~k_in, float("-inf")) + is_self.to(q.dtype) * SELF_PENALTY
-
-    base = torch.arange(B * H, device=q.device).view(B, H, 1, 1) * T  # row of (b, h, 0)
-
-    def rows(t: Tensor, pos: Tensor) -> Tensor:  # (B, H, T, d) -> (B H nb, 1, W, d)
-        index = (pos.clamp_min(0) + base).reshape(-1)
-        return t.reshape(B * H * T, d).index_select(0, index).view(B * H * nb, 1, W, d)
-
-    out = F.scaled_dot_product_attention(
-        rows(q, qpos), rows(k, kpos), rows(v, kpos), attn_mask=mask.view(-1, 1, W, W), dropout_p=p
-    )  # (B H nb, 1, W, d)
-    # Back to positions: each valid query reads its slot, padded ones a zero row.
-    out = F.pad(out.view(B * H, nb * W, d), (0, 0, 0, 1))  # (B H, nb W + 1, d)
-    where = torch.empty_like(slot).scatter_(-1, members.order, slot)  # (B, H, T) slot of t
-    where = where + torch.arange(B * H, device=q.device).view(B, H, 1) * (nb * W + 1)
-    return out.view(-1, d).index_select(0, where.view(-1)).view(B, H, T, d)
-
-
 @register("routing")
 class RoutingAttention(SharedQKBase):
     """Shared-QK attention: local band heads and online k-means routing heads."""
@@ -227,12 +136,13 @@ class RoutingAttention(SharedQKBase):
     paper = (
         "Roy et al., Efficient Content-Based Sparse Attention with Routing Transformers, TACL 2021"
     )
-    # C = min(ceil(sqrt(T)), max_clusters): T / C is sqrt(T) up to T = max_clusters^2, then T / C
+    # C = ceil(sqrt(T)), so T / C = sqrt(T); with a max_clusters cap, T / C above max_clusters^2
     complexity_training = "O(T (w + T / C) D) attention + O(T C D) routing"
     complexity_inference = "O(T (w + T / C) D) attention + O(T C D) routing"
     # All-pairs SDPA masked to the selection up to here, band and cluster kernels above
-    # (measured crossover, module docstring).
+    # (measured crossover, docs/benchmarks.md).
     short_path_max_t = 128
+    first_run_options = {"max_clusters": 32}
 
     def __init__(self, config: RoutingConfig) -> None:
         super().__init__(config)
@@ -240,12 +150,56 @@ class RoutingAttention(SharedQKBase):
         self.max_clusters = config.max_clusters
         self.decay = config.decay
         self.heads_local = (config.num_heads + 1) // 2
-        h_r = config.num_heads - self.heads_local
-        gen = torch.Generator().manual_seed(config.seed)
-        mu = F.normalize(
-            torch.randn(h_r, config.max_clusters, config.head_dim, generator=gen), dim=-1
+        # (h_r, stored, d_k) unit vectors: the first C serve an utterance with C clusters.
+        # Stored: max_clusters, or with no cap those of T = 1024 (32), more added (from
+        # their own seeds) when a longer batch first needs them.
+        stored = num_clusters(1024, None) if self.max_clusters is None else self.max_clusters
+        self.register_buffer("centroids", self.initial_centroids(0, stored))
+        self._cap_logged = False
+
+    def initial_centroids(self, start: int, stop: int) -> Tensor:
+        """Initial centroids start..stop - 1 of the current routing heads: (h_r, stop - start,
+        d_k) unit vectors. Centroid c of every head comes from a seed of (`seed`, layer, c),
+        so unshared layers start from different centroids, and centroids added later are
+        the same whenever they are added."""
+        config = self.config
+        first = (config.num_heads + 1) // 2  # routing heads' original indices start here
+        heads = torch.tensor([h - first for h in self.kept_heads if h >= first], dtype=torch.long)
+        gens = [torch.Generator().manual_seed(layer_seed(config.seed, config.layer, c)) for c in range(start, stop)]  # fmt: skip
+        mu = [torch.randn(config.num_heads - first, config.head_dim, generator=g) for g in gens]
+        mu = (
+            torch.stack(mu, dim=1)
+            if mu
+            else torch.empty(config.num_heads - first, 0, config.head_dim)
         )
-        self.register_buffer("centroids", mu)  # (h_r, max_clusters, d_k), unit vectors
+        return F.normalize(mu[heads], dim=-1)  # (h_r, stop - start, d_k)
+
+    def num_centroids(self, T: int) -> int:
+        """Centroids used at T frames, C(T) (the most any utterance of the batch uses), with
+        that many stored: new ones are added from their seeds. Logs once per module when
+        `max_clusters` holds C below ceil(sqrt(T))."""
+        C = num_clusters(T, self.max_clusters)
+        if C < num_clusters(T, None) and not self._cap_logged and not torch.compiler.is_compiling():
+            self._cap_logged = True
+            log.info(
+                "routing (layer %d): max_clusters=%d caps the clusters below ceil(sqrt(T)) = %d "
+                "at T = %d: clusters hold about T / %d frames",
+                self.config.layer, C, num_clusters(T, None), T, C,
+            )  # fmt: skip
+        stored = self.centroids.shape[1]
+        if C > stored:
+            new = self.initial_centroids(stored, C).to(self.centroids)
+            self.centroids = torch.cat([self.centroids, new], dim=1)
+        return C
+
+    def _load_from_state_dict(self, state_dict: dict, prefix: str, *args, **kwargs) -> None:
+        """Centroids of a checkpoint that stored more (or fewer) than this module: take its
+        count (a module with no cap grows its store with T)."""
+        saved = state_dict.get(prefix + "centroids")
+        if saved is not None and saved.shape[1] != self.centroids.shape[1]:
+            shape = (self.centroids.shape[0], saved.shape[1], self.centroids.shape[2])
+            self.centroids = self.centroids.new_empty(shape)
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def _remove_heads(self, index: Tensor) -> None:
         # local heads stay a prefix (index is sorted); routing heads keep their centroids
@@ -275,11 +229,13 @@ class RoutingAttention(SharedQKBase):
     def route(self, k: Tensor, valid: Tensor) -> Routes:
         """Nearest centroid of every valid routing-head vector. k (B, h_r, T, d_k) unit vectors."""
         B, h_r, T, _ = k.shape
+        Cm = self.num_centroids(T)
         n_valid = valid.sum(-1)  # (B,), on device: no host read
-        C = num_clusters_tensor(n_valid, self.max_clusters)  # (B,)
+        C = num_clusters_tensor(n_valid, self.max_clusters)  # (B,), each <= Cm
         capacity = (n_valid.clamp_min(1) + C - 1) // C
-        sim = k @ self.centroids.to(k.dtype).transpose(-1, -2)[None]  # (B, h_r, T, max_clusters)
-        unused = torch.arange(self.max_clusters, device=k.device) >= C[:, None]  # (B, max_clusters)
+        mu = self.centroids[:, :Cm].to(k.dtype)  # (h_r, Cm, d_k)
+        sim = k @ mu.transpose(-1, -2)[None]  # (B, h_r, T, Cm)
+        unused = torch.arange(Cm, device=k.device) >= C[:, None]  # (B, Cm)
         sim = sim.masked_fill(unused[:, None, None, :], float("-inf"))
         similarity, cluster = sim.max(dim=-1)  # (B, h_r, T): first maximum on ties
         cluster = cluster.masked_fill(~valid[:, None, :], -1)
@@ -303,18 +259,19 @@ class RoutingAttention(SharedQKBase):
             self._ema_step(k, self.route(k, valid))
 
     def _ema_step(self, k: Tensor, routes: Routes) -> None:
-        onehot = F.one_hot(routes.cluster.clamp_min(0), self.max_clusters).to(k.dtype)
-        onehot = onehot * (routes.cluster >= 0)[..., None]  # (B, h_r, T, max_clusters)
-        sums = torch.einsum("bhtc,bhtd->hcd", onehot, k)  # (h_r, max_clusters, d_k)
-        counts = onehot.sum(dim=(0, 2))[..., None]  # (h_r, max_clusters, 1)
+        Cm = self.num_centroids(k.shape[-2])  # the centroids `route` used
+        onehot = F.one_hot(routes.cluster.clamp_min(0), Cm).to(k.dtype)
+        onehot = onehot * (routes.cluster >= 0)[..., None]  # (B, h_r, T, Cm)
+        sums = torch.einsum("bhtc,bhtd->hcd", onehot, k)  # (h_r, Cm, d_k)
+        counts = onehot.sum(dim=(0, 2))[..., None]  # (h_r, Cm, 1)
         if _data_parallel():  # every rank moves its centroids by the whole batch
             statistics = torch.cat([sums, counts], dim=-1)
             dist.all_reduce(statistics)
             sums, counts = statistics[..., :-1], statistics[..., -1:]
         mean = sums / counts.clamp_min(1)
-        mu = self.centroids.to(k.dtype)
+        mu = self.centroids[:, :Cm].to(k.dtype)
         moved = F.normalize(self.decay * mu + (1 - self.decay) * mean, dim=-1)
-        self.centroids.copy_(torch.where(counts > 0, moved, mu))
+        self.centroids[:, :Cm] = torch.where(counts > 0, moved, mu)
 
     @torch.no_grad()
     def select(self, q: Tensor, k: Tensor, valid: Tensor) -> Tensor:
@@ -353,7 +310,7 @@ class RoutingAttention(SharedQKBase):
         depends on data (extra slots are empty, -1)."""
         cluster, similarity, capacity = routes.cluster, routes.similarity, routes.capacity
         B, h_r, T = cluster.shape
-        Cm = self.max_clusters
+        Cm = self.num_centroids(T)
         W = capacity_bound(T, Cm) if needs_static_shapes(capacity) else int(capacity.max())
         label = torch.where(cluster >= 0, cluster, Cm)  # padded frames sort last
         order = similarity.masked_fill(cluster < 0, 0).sort(dim=-1, descending=True, stable=True)[1]

@@ -12,10 +12,18 @@ Tay et al., "Synthesizer: Rethinking Self-Attention in Transformer Models", ICML
   patterns of Raganato, Scherrer, Tiedemann, "Fixed Encoder Self-Attention Patterns in
   Transformer-Based Machine Translation", Findings of EMNLP 2020 (current, previous, next,
   left context, right context, start, end) as logits log(pattern + eps), the rest random.
+  eps is set from l_max so that at initialisation every pattern row holds `init_mass` (0.99)
+  of its weight at T = l_max, and more at shorter T (`pattern_eps`): "the patterns dominate
+  at the start" holds at every length. A fixed eps (the study's first runs: 1e-4) held 0.95
+  at T = 512 but 0.91 at 1024 and 0.55 at 8192.
   The "end" head is read from the bottom-right corner of its matrix, aligned with each
   utterance's own last valid frame, and "start" from its own first valid frame.
 
-Rows are always normalised over the T valid keys only. T > max_len raises a ValueError.
+Rows are always normalised over the T valid keys only. Columns (and syn_fixed's patterns)
+are placed by frame position, so padding must be at the end of each utterance (a mask with a
+valid frame after a padded one is refused, `Attention.end_padded_only`). An utterance longer
+than max_len raises a ValueError; a batch padded beyond max_len whose utterances all fit runs
+on its first max-length frames (`_fitting_length`), as if it had been padded to that length.
 Dense synthesizers use SDPA: logits are the inner products of [ReLU(W_1 x_i), 1] with
 [W_2 row j, b_2 j], so the fused kernel never stores the T x T weights. Random synthesizers
 form their (1 or B, h, T, T) weights explicitly up to `short_path_max_t` frames (one batched
@@ -35,28 +43,29 @@ T only (memory: the (B, h, T, T) weights, bounded by B h max_len^2).
 
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from speechattn.attention import patterns
 from speechattn.attention.base import (
-    NUMPY_DTYPES,
     Attention,
     AttentionConfig,
     Flops,
     all_valid,
     key_mask,
-    lazy_zeros,
     linear_flops,
     masked_softmax,
     needs_static_shapes,
-    numpy_backed,
     select_,
+)
+from speechattn.attention.kernels.table import (
+    GradientMemory,
+    TableAttention,
+    TableWindows,
+    weighted_values,
 )
 from speechattn.attention.registry import register
 from speechattn.errors import ConfigError
@@ -72,6 +81,16 @@ def _sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, p: float) -> Ten
         q, k = F.pad(q, (0, dv - dq)), F.pad(k, (0, dv - dq))
     y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p, scale=1.0)
     return y[..., :dv]
+
+
+def _pad_frames(out: Tensor | tuple[Tensor, Tensor], T: int) -> Tensor | tuple[Tensor, Tensor]:
+    """Outputs of n frames padded back to T: y (B, n, D) -> (B, T, D) with zero rows, and
+    weights (B, h, n, n) -> (B, h, T, T) with zero rows and columns (padded frames)."""
+    if isinstance(out, Tensor):
+        return F.pad(out, (0, 0, 0, T - out.shape[1]))
+    y, w = out
+    n = y.shape[1]
+    return F.pad(y, (0, 0, 0, T - n)), F.pad(w, (0, T - n, 0, T - n))
 
 
 def _check_len(name: str, T: int, max_len: int) -> None:
@@ -98,6 +117,8 @@ class SynDenseConfig(AttentionConfig):
 class _SynthesizerBase(Attention):
     """Values projection and metadata shared by the synthesizers."""
 
+    end_padded_only = True  # positions place the pattern (see `Attention`)
+
     def __init__(self, config: AttentionConfig) -> None:
         super().__init__(config)
         self.max_len = config.max_len
@@ -105,6 +126,45 @@ class _SynthesizerBase(Attention):
 
     def keys_attended(self, T: int) -> float:
         return 0.0  # weights are synthesised, no query-key scores (study, Figure 4)
+
+    def forward(
+        self,
+        x: Tensor,
+        padding_mask: Tensor | None = None,
+        head_mask: Tensor | None = None,
+        need_weights: bool = False,
+    ) -> Tensor | tuple[Tensor, Tensor]:
+        """`Attention.forward`; a batch padded beyond max_len whose utterances all fit runs
+        on its first n = (last valid frame + 1) <= max_len frames, the rest padding."""
+        n = self._fitting_length(x, padding_mask)
+        if n is None:
+            return super().forward(x, padding_mask, head_mask, need_weights)
+        out = super().forward(x[:, :n], padding_mask[:, :n], head_mask, need_weights)
+        return _pad_frames(out, x.shape[1])
+
+    def dense_reference(
+        self, x: Tensor, padding_mask: Tensor | None = None, head_mask: Tensor | None = None
+    ) -> tuple[Tensor, Tensor]:
+        """`Attention.dense_reference`, cropped as `forward` is."""
+        n = self._fitting_length(x, padding_mask)
+        if n is None:
+            return super().dense_reference(x, padding_mask, head_mask)
+        return _pad_frames(
+            super().dense_reference(x[:, :n], padding_mask[:, :n], head_mask), x.shape[1]
+        )
+
+    def _fitting_length(self, x: Tensor, padding_mask: Tensor | None) -> int | None:
+        """Frames to keep, when x (B, T, D) is longer than max_len but every utterance of the
+        batch fits: 1 + the last valid frame of any utterance (an utterance longer than
+        max_len is refused, naming its length); None when x fits as it is or has no mask. A
+        host read of the mask, only for a batch that would be refused otherwise."""
+        T = x.shape[1]
+        if T <= self.max_len or padding_mask is None or padding_mask.shape != x.shape[:2]:
+            return None
+        valid = (~padding_mask).any(0)  # (T,): frames valid in some utterance
+        n = int(valid.nonzero().max()) + 1 if bool(valid.any()) else 1
+        _check_len(self.name, n, self.max_len)  # the longest utterance must fit
+        return n
 
     def value_flops(self, T: int) -> float:
         """V projection, the (T x T) weights x V product of all heads, output projection."""
@@ -223,227 +283,6 @@ class SynDenseMHAttention(_SynthesizerBase):
         return self.drop(w) @ self.split_heads(self.v_proj(x)), w
 
 
-_CHUNK = 1 << 21  # elements of one (h, rows, T) block of weights in TableAttention
-
-
-def weighted_values(w: Tensor, v: Tensor) -> Tensor:
-    """w (G, h, T, T) @ v (B, h, T, d_k) -> (B, h, T, d_k), with G = 1 or B.
-
-    G = 1 runs as one (h, T, T) x (h, T, B d_k) product rather than broadcasting w to B
-    copies. The weights are cast to v's dtype (under autocast, v is half precision).
-    """
-    B, h, T, d = v.shape
-    w = w.to(v.dtype)
-    if w.shape[0] == B:
-        return w @ v
-    vb = v.permute(1, 2, 0, 3).reshape(h, T, B * d)  # (h, T, B d_k)
-    return (w[0] @ vb).view(h, T, B, d).permute(2, 0, 1, 3)
-
-
-def _window(r: Tensor, o: int, s: int, e: int, T: int) -> Tensor:
-    """Rows [o + s, o + e) and columns [o, o + T) of r (n, n), zero-padded past n: (e - s, T).
-
-    Only the "end" head of syn_fixed on a padded utterance reaches past n, and only at padded
-    rows and columns (masked keys, zeroed queries).
-    """
-    n = r.shape[-1]
-    w = r[o + s : min(o + e, n), o : min(o + T, n)]
-    if w.shape == (e - s, T):
-        return w  # a view, the usual case
-    return F.pad(w, (0, T - w.shape[1], 0, (e - s) - w.shape[0]))
-
-
-class GradientMemory:
-    """Memory for a logit table's gradient (CPU), reused from step to step.
-
-    The gradient has the table's size, h l_max^2 (0.8 GB at l_max = 4096), and fresh memory
-    costs page faults on first touch, plus compaction when the OS assembles 2 MiB pages:
-    0.07-1.7 s for 0.8 GB on the development VM, depending on how fragmented memory is. At
-    T = l_max = 4096 a `syn_random` step took 1.27 s with fresh memory (0.76x `full`'s speed
-    among the other variants' allocations) and 0.95 s with reused memory.
-
-    `take` hands last step's array out again, zeroed, once nothing refers to it any more
-    (numpy's reference count of the array: every tensor, view or storage on it holds one,
-    so a gradient still in `.grad`, e.g. while accumulating, is never overwritten). Steps
-    whose windows cover less than a quarter of the table take fresh lazily zeroed memory
-    instead: zeroing all of it would cost more than the pages their windows touch.
-    Copies and pickles of the module start without memory.
-    """
-
-    def __init__(self) -> None:
-        self.array: np.ndarray | None = None
-
-    def take(self, table: Tensor, T: int) -> Tensor:
-        """A zero tensor of table's shape, dtype and device, for its gradient from (up to
-        G) T x T windows of each (h, n, n) head."""
-        n = table.shape[-1]
-        if not numpy_backed(table.dtype, table.device) or 4 * T * T < n * n:
-            return table_gradient(table)
-        shape, dtype = tuple(table.shape), NUMPY_DTYPES[table.dtype]
-        # two references: self.array and getrefcount's argument; any more are a gradient
-        if (
-            self.array is None
-            or self.array.shape != shape
-            or self.array.dtype != dtype
-            or sys.getrefcount(self.array) > 2
-        ):
-            self.array = np.zeros(shape, dtype=dtype)
-            return torch.from_numpy(self.array)
-        return torch.from_numpy(self.array).zero_()
-
-    def __deepcopy__(self, memo: dict) -> GradientMemory:
-        return GradientMemory()
-
-    def __getstate__(self) -> dict:
-        return {"array": None}
-
-
-def table_gradient(table: Tensor) -> Tensor:
-    """A zero tensor of table's shape, dtype and device, for its gradient from T x T windows,
-    in lazily zeroed memory (`lazy_zeros`): a step pays for the pages of its windows only
-    (at T = 128 with a 12 x 1024^2 table, 18 ms per step against 30 ms for torch.zeros)."""
-    return lazy_zeros(tuple(table.shape), table.dtype, table.device)
-
-
-class TableWindows(torch.autograd.Function):
-    """Each head's T x T window of a logit table: table (h, n, n), offsets (G, h) int ->
-    (G, h, T, T); head i of group g reads rows and columns [o, o + T), o = offsets[g, i];
-    memory (`GradientMemory`) gives the gradient's memory.
-
-    Autograd's own slicing would build one zero-filled (h, n, n) gradient per head and add
-    them up (h full-table passes per step); this backward fills one gradient and adds each
-    window into it. CPU eager only (it reads the offsets on the host): no autocast-sensitive op
-    inside, the windows keep the table's dtype.
-    """
-
-    @staticmethod
-    def forward(ctx, table: Tensor, offsets: Tensor, T: int, memory: GradientMemory) -> Tensor:
-        ctx.save_for_backward(table, offsets)
-        ctx.memory = memory
-        return torch.stack(
-            [torch.stack([_window(table[i], o, 0, T, T) for i, o in enumerate(offs)])
-             for offs in offsets.tolist()]
-        )  # fmt: skip
-
-    @staticmethod
-    def backward(ctx, grad: Tensor) -> tuple[Tensor, None, None, None]:
-        table, offsets = ctx.saved_tensors
-        n, T = table.shape[-1], grad.shape[-1]
-        g_table = ctx.memory.take(table, T)
-        # On CPU the windows are added by numpy, on one thread: the first write to each page of
-        # the lazily zeroed gradient faults, and faults from two threads at once were 10x
-        # slower than from one (measured: 31 ms against 3 ms for 12 windows of 256 x 256).
-        dst, src = (
-            (g_table.numpy(), grad.numpy())
-            if numpy_backed(g_table.dtype, g_table.device)
-            else (g_table, grad)
-        )
-        for g, offs in enumerate(offsets.tolist()):
-            for i, o in enumerate(offs):
-                c = min(T, n - o)  # rows/columns of the window inside the table
-                dst[i, o : o + c, o : o + c] += src[g, i, :c, :c]
-        return g_table, None, None, None
-
-
-class TableAttention(torch.autograd.Function):
-    """Y = softmax(R sliced to T x T, over valid keys) V, in row chunks.
-
-    table (h, n, n) logits; offsets (G, h) int: head i of group g reads rows and columns
-    [o, o + T) with o = offsets[g, i]; G = 1 (one slice for the whole batch) or G = B (one per
-    utterance); v (B, h, T, d_k); kv (B, T) allowed keys; memory (`GradientMemory`) gives the
-    table gradient's memory. Returns (B, h, T, d_k).
-    The backward pass recomputes each chunk's weights; with G = 1 it writes the gradient of
-    each head's slice straight into the table gradient. CPU eager only (offsets and padding are
-    read on the host); autocast is handled explicitly: switched off inside, v and the gradient
-    cast to the table's dtype, the outputs back to v's.
-    """
-
-    @staticmethod
-    def _groups(offsets: Tensor, B: int) -> list[tuple[slice, list[int]]]:
-        """[(batch slice, per-head offsets)]."""
-        offs = offsets.tolist()
-        return (
-            [(slice(0, B), offs[0])]
-            if len(offs) == 1
-            else [(slice(b, b + 1), o) for b, o in enumerate(offs)]
-        )
-
-    @staticmethod
-    def _probs(r: Tensor, o: int, s: int, e: int, kv: Tensor) -> Tensor:
-        """Weights of rows [s, e) of one head's table r (n, n) read at offset o: (nb | 1, C, T)."""
-        T = kv.shape[-1]
-        logits = _window(r, o, s, e, T)[None]  # (1, C, T)
-        if bool(kv.all()):
-            return torch.softmax(logits, dim=-1)
-        return masked_softmax(logits, kv[:, None, :])
-
-    @staticmethod
-    def forward(
-        ctx, table: Tensor, offsets: Tensor, v: Tensor, kv: Tensor, memory: GradientMemory
-    ) -> Tensor:
-        # Computed in the table's dtype with autocast off: under autocast v arrives in half
-        # precision while the logits (a parameter) stay float32.
-        ctx.v_dtype, ctx.memory = v.dtype, memory
-        with torch.autocast(v.device.type, enabled=False):
-            out = TableAttention._forward(ctx, table, offsets, v.to(table.dtype), kv)
-        return out.to(ctx.v_dtype)
-
-    @staticmethod
-    def _forward(ctx, table: Tensor, offsets: Tensor, v: Tensor, kv: Tensor) -> Tensor:
-        B, h, T, _ = v.shape
-        chunk = max(1, _CHUNK // T)  # rows per block: one head, (chunk, T) weights
-        out = v.new_empty(v.shape)
-        for bs, offs in TableAttention._groups(offsets, B):
-            for i, o in enumerate(offs):
-                for s in range(0, T, chunk):
-                    e = min(s + chunk, T)
-                    p = TableAttention._probs(table[i], o, s, e, kv[bs])  # (nb | 1, C, T)
-                    out[bs, i, s:e] = p @ v[bs, i]
-        ctx.save_for_backward(table, offsets, v, kv, out)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad: Tensor) -> tuple[Tensor | None, None, Tensor | None, None, None]:
-        table = ctx.saved_tensors[0]
-        with torch.autocast(grad.device.type, enabled=False):
-            g_table, g_v = TableAttention._backward(ctx, grad.to(table.dtype))
-        return g_table, None, g_v.to(ctx.v_dtype), None, None
-
-    @staticmethod
-    def _backward(ctx, grad: Tensor) -> tuple[Tensor | None, Tensor]:
-        table, offsets, v, kv, out = ctx.saved_tensors
-        B, h, T, d = v.shape
-        n = table.shape[-1]
-        chunk = max(1, _CHUNK // T)
-        groups = TableAttention._groups(offsets, B)
-        write_once = len(groups) == 1  # each table entry receives one block's gradient
-        g_table = ctx.memory.take(table, T) if ctx.needs_input_grad[0] else None
-        g_v = torch.zeros_like(v)
-        for bs, offs in groups:
-            for i, o in enumerate(offs):
-                vi, gvi = v[bs, i], g_v[bs, i]  # (nb, T, d_k)
-                for s in range(0, T, chunk):
-                    e = min(s + chunk, T)
-                    p = TableAttention._probs(table[i], o, s, e, kv[bs])  # (nb | 1, C, T)
-                    go = grad[bs, i, s:e]  # (nb, C, d_k)
-                    gvi.baddbmm_(p.transpose(-1, -2).expand(go.shape[0], -1, -1), go)
-                    if g_table is None:
-                        continue
-                    delta = (go * out[bs, i, s:e]).sum(-1, keepdim=True)  # (nb, C, 1)
-                    r, c = min(e, n - o), min(T, n - o)
-                    dst = g_table[i, o + s : o + r, o : o + c]
-                    if write_once and go.shape[0] == 1 and dst.shape == (e - s, T):
-                        # dL/dlogits = p * (go v^T - delta), written straight into the gradient
-                        torch.addmm(delta[0], go[0], vi[0].T, beta=-1, out=dst).mul_(p[0])
-                        continue
-                    g_logits = torch.baddbmm(delta, go, vi.transpose(-1, -2), beta=-1).mul_(p)
-                    g_logits = g_logits[0] if g_logits.shape[0] == 1 else g_logits.sum(0)  # (C, T)
-                    if r <= s:
-                        continue
-                    dst += g_logits[: r - s, :c]
-        return g_table, g_v
-
-
 @dataclass
 class SynRandomConfig(AttentionConfig):
     max_len: int = 1024  # l_max; each head learns an l_max x l_max logit matrix
@@ -525,12 +364,33 @@ class SynRandomAttention(_SynthesizerBase):
 @dataclass
 class SynFixedConfig(SynRandomConfig):
     context: int = 3  # width of the left/right context patterns
-    eps: float = 1e-4  # logits = log(pattern + eps): about -9.2 off-pattern
+    # Share of each row's weight on its pattern at initialisation, at T = max_len (more at
+    # shorter T): sets eps (`pattern_eps`), so the patterns dominate at every length.
+    init_mass: float = 0.99
+    # Initial logits log(pattern + eps); None: from init_mass and max_len. A fixed eps gives a
+    # mass falling with T (1e-4, the study's first runs: 0.95 at T = 512, 0.55 at 8192).
+    eps: float | None = None
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.context < 1 or not 0 < self.eps < 1:
-            raise ConfigError(f"need context >= 1 and 0 < eps < 1, got {self.context}, {self.eps}")
+        if self.context < 1 or not 0 < self.init_mass < 1:
+            raise ConfigError(
+                f"need context >= 1 and 0 < init_mass < 1, got {self.context}, {self.init_mass}"
+            )
+        if self.eps is not None and not 0 < self.eps < 1:
+            raise ConfigError(f"need 0 < eps < 1 (or None), got {self.eps}")
+
+
+def pattern_eps(init_mass: float, max_len: int) -> float:
+    """eps with which a pattern row holds `init_mass` of its weight at T = max_len valid keys.
+
+    A row whose pattern puts 1/k on k keys has logits log(1/k + eps) there and log(eps) on
+    the other T - k, so its pattern mass is (1 + k eps) / (1 + T eps): at least init_mass
+    for every k >= 1 and T <= max_len when eps = (1 - m) / (m max_len - 1) (1 when a single
+    key makes every mass 1). init_mass = 0.99, max_len = 1024: 9.9e-6 (logits -11.5 off
+    the pattern, against log(1 + eps) ~ 0 on it)."""
+    m = init_mass
+    return (1 - m) / (m * max_len - 1) if m * max_len > 1 else 1.0
 
 
 @register("syn_fixed")
@@ -545,6 +405,9 @@ class SynFixedAttention(SynRandomAttention):
 
     def __init__(self, config: SynFixedConfig) -> None:
         super().__init__(config)
+        self.eps = (
+            pattern_eps(config.init_mass, config.max_len) if config.eps is None else config.eps
+        )
         n_pat = min(len(patterns.FIXED_PATTERN_NAMES), config.num_heads)
         self.pattern_names = patterns.FIXED_PATTERN_NAMES[:n_pat]
         # the pattern each head started from (None: random), by current head index
@@ -553,7 +416,7 @@ class SynFixedAttention(SynRandomAttention):
         with torch.no_grad():  # one head at a time: l_max = 8192 stays affordable
             for i, name in enumerate(self.pattern_names):
                 pat = patterns.fixed_pattern(name, config.max_len, config.context)
-                self.logits[i] = pat.add_(config.eps).log_()
+                self.logits[i] = pat.add_(self.eps).log_()
 
     def _remove_heads(self, index: Tensor) -> None:
         super()._remove_heads(index)

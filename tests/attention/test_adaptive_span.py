@@ -18,6 +18,7 @@ from torch._dynamo.utils import counters
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from speechattn.attention import adaptive_span, build
+from speechattn.errors import ConfigError
 
 SPANS = [0.0, 0.25, 0.6, 1.0]  # z / S per head: no span, short, longer, the maximum
 
@@ -73,7 +74,8 @@ def test_band_kernel_equals_all_pairs(T, monkeypatch):
 
 def test_spans_are_learnable_and_clamped():
     attn = make("adaptive_span", max_span=8, ramp=2, init_span=0.5)
-    torch.testing.assert_close(attn.spans(), torch.full((HEADS,), 4.0, dtype=torch.float64))
+    # z = S / 2 = 4, moved half a frame off the integer (`initial_span`)
+    torch.testing.assert_close(attn.spans(), torch.full((HEADS,), 4.5, dtype=torch.float64))
     x, pad = batch([12, 7])
     attn(x, pad).pow(2).sum().backward()
     assert attn.span_fraction.grad.abs().min() > 0  # every head's span receives a gradient
@@ -106,7 +108,7 @@ def test_keys_attended_counts_nonzero_mask_entries():
     ("options", "match"),
     [
         ({"max_span": 0}, "max_span >= 1"),
-        ({"ramp": 0}, "ramp >= 1"),
+        ({"ramp": 0}, "ramp >= 2"),
         ({"init_span": 1.5}, "init_span"),
         ({"span_penalty": -1.0}, "span_penalty"),
     ],
@@ -154,7 +156,7 @@ def test_blocked_backward_equals_dense_reference(block, scores, limit, monkeypat
     """The backward in query blocks against the keys within reach (reversed keys, windows
     clipped at both ends, padding), in passes over the batch, gives the dense reference's
     gradients."""
-    from speechattn.attention.adaptive_span import FlashThenUnfused
+    from speechattn.attention.kernels.span import FlashThenUnfused
 
     monkeypatch.setattr(FlashThenUnfused, "backward_block", block)
     monkeypatch.setattr(FlashThenUnfused, "backward_scores", scores)
@@ -170,7 +172,7 @@ def test_blocked_backward_equals_dense_reference(block, scores, limit, monkeypat
 def test_all_pairs_cpu_kernels_equal_dense_reference(saved, lengths, monkeypatch):
     """Both all-pairs CPU kernels (keys in order with the weights kept; keys reversed with
     flash's forward) give the dense reference's output and gradients, the spans' included."""
-    from speechattn.attention.adaptive_span import FlashThenUnfused, UnfusedSavedWeights
+    from speechattn.attention.kernels.span import FlashThenUnfused, UnfusedSavedWeights
 
     attn = _with_spans(max_span=12, ramp=3)
     monkeypatch.setattr(type(attn), "short_path_max_t", 10**6)
@@ -283,3 +285,47 @@ def test_compiles_in_one_graph_without_recompiling_as_spans_learn():
         with torch.no_grad():
             attn.span_fraction.mul_(0.5)  # the spans learn
     assert counters["stats"]["unique_graphs"] == 2  # padded and unpadded, once each
+
+
+def test_ramp_of_one_is_refused_before_it_traps_a_span():
+    """With R = 1 a span of 0 has no key on the ramp (zero gradient: it never grows back), and
+    at T > 1024 its reach of 0 divided by zero in the band kernel: refused, naming the fix."""
+    with pytest.raises(ConfigError, match=r"ramp >= 2.*never grows back"):
+        build("adaptive_span", 32, 4, ramp=1)
+
+
+@pytest.mark.parametrize("T", [40, 1100])  # all pairs; the band kernel with reach R - 1 = 1
+def test_spans_of_zero_run_and_grow_back(T):
+    """Every span at 0 (where the L1 penalty pushes them), smallest ramp: the forward pass
+    equals the reference and, without the penalty, every span receives a gradient."""
+    attn = make("adaptive_span", ramp=2)
+    with torch.no_grad():
+        attn.span_fraction.zero_()
+    x, pad = batch([T, T - 7])
+    y = attn(x, pad)
+    torch.testing.assert_close(y, attn.dense_reference(x, pad)[0])
+    (y - 1).pow(2).sum().backward()
+    assert (attn.span_fraction.grad != 0).all()
+
+
+def test_initial_spans_take_the_true_derivative():
+    """Spans start off-integer, so the span gradient at step 1 is the two-sided derivative
+    (at an integer span it was the one-sided left one)."""
+    attn = make("adaptive_span", max_span=8, ramp=2, init_span=0.5)
+    assert attn.spans()[0] != attn.spans()[0].round()
+    x, pad = batch([30, 21])
+    target = torch.randn(x.shape, generator=torch.Generator().manual_seed(3), dtype=x.dtype)
+
+    def loss() -> torch.Tensor:
+        return (attn(x, pad) - target).pow(2).sum()
+
+    loss().backward()
+    grad, h = attn.span_fraction.grad.clone(), 1e-7
+    for i in range(HEADS):
+        with torch.no_grad():
+            attn.span_fraction[i] += h
+            up = loss()
+            attn.span_fraction[i] -= 2 * h
+            down = loss()
+            attn.span_fraction[i] += h
+        torch.testing.assert_close(grad[i], (up - down) / (2 * h), rtol=1e-5, atol=1e-9)

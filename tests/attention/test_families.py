@@ -12,6 +12,7 @@ from _attention_testing import DIM, HEADS, batch, kernels_and_reference, make
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from speechattn.attention import Attention, build, lsh, patterns
+from speechattn.attention.kernels import sparse_topk, topk
 
 # ---------------------------------------------------------------- shared_qk
 
@@ -265,8 +266,8 @@ def test_code_matching_uses_bfloat16_only_where_native(monkeypatch):
     monkeypatch.setattr(torch, "bmm", lambda a, b: seen.append(a.dtype) or real_bmm(a, b))
     picks = {}
     for native in (False, True):
-        monkeypatch.setattr(lsh, "_native_bf16_cpu", lambda native=native: native)
-        picks[native] = lsh.topk_by_match(cq, ck, kv, 5)
+        monkeypatch.setattr(topk, "_native_bf16_cpu", lambda native=native: native)
+        picks[native] = topk.topk_by_match(cq, ck, kv, 5)
     assert seen[0] == torch.float32 and seen[-1] == torch.bfloat16
     assert torch.equal(picks[False], picks[True])
 
@@ -303,11 +304,11 @@ def test_lsh_tie_break_prefers_near_then_early_and_self_last():
     # distance; the query's own key comes last
     cq = torch.ones(1, 9, 4, dtype=torch.bool)
     kv = torch.ones(1, 9, dtype=torch.bool)
-    idx = lsh.topk_by_match(cq, cq, kv, 3)[0]
+    idx = topk.topk_by_match(cq, cq, kv, 3)[0]
     assert sorted(idx[4].tolist()) == [2, 3, 5]
-    assert sorted(lsh.topk_by_match(cq, cq, kv, 2)[0][4].tolist()) == [3, 5]
+    assert sorted(topk.topk_by_match(cq, cq, kv, 2)[0][4].tolist()) == [3, 5]
     assert sorted(idx[0].tolist()) == [1, 2, 3]
-    assert sorted(lsh.topk_by_match(cq, cq, kv, 9)[0][4].tolist()) == list(range(9))
+    assert sorted(topk.topk_by_match(cq, cq, kv, 9)[0][4].tolist()) == list(range(9))
 
 
 # ---------------------------------------------------------------- synthesizers
@@ -387,7 +388,9 @@ def test_pruned_topk_equals_exact_sort(T, k):
     ck = torch.rand(3, T, 6, generator=g) > 0.5
     kv = torch.rand(3, T, generator=g) > 0.3
     kv[2, 5:] = False  # fewer valid keys than k for one row
-    got = torch.zeros(3, T, T, dtype=torch.bool).scatter(-1, lsh.topk_by_match(cq, ck, kv, k), True)
+    got = torch.zeros(3, T, T, dtype=torch.bool).scatter(
+        -1, topk.topk_by_match(cq, ck, kv, k), True
+    )
     match = (cq[:, :, None] == ck[:, None]).sum(-1)
     i = torch.arange(T)
     rank = 2 * (i[:, None] - i[None]).abs() + (i[None] > i[:, None]).long()
@@ -405,7 +408,7 @@ def test_sparse_topk_attention_gradcheck():
     idx = torch.stack([torch.randperm(7, generator=g)[:4] for _ in range(14)]).view(2, 7, 4)
     allowed = torch.rand(2, 7, 4, generator=g) > 0.2
     assert torch.autograd.gradcheck(
-        lambda *t: lsh.sparse_topk_attention(*t, idx, allowed, 0.5), (q, k, v)
+        lambda *t: sparse_topk.sparse_topk_attention(*t, idx, allowed, 0.5), (q, k, v)
     )
 
 
@@ -650,3 +653,28 @@ def test_longformer_keys_attended_at_the_defaults():
 def test_longformer_rejects_bad_options(options, message):
     with pytest.raises(ValueError, match=message):
         build("longformer", DIM, HEADS, **options)
+
+
+@pytest.mark.parametrize("max_len", [64, 1024])
+def test_syn_fixed_patterns_hold_their_mass_at_every_length(max_len):
+    """At initialisation each pattern row holds init_mass (0.99) of its weight at T = max_len
+    and more at shorter T (eps from max_len); a fixed eps = 1e-4 held 0.91 at T = 1024."""
+    from speechattn.attention import synthesizer
+
+    def masses(attn, T: int) -> torch.Tensor:  # (h_pat, rows with a target) pattern mass
+        x = torch.zeros(1, T, DIM, dtype=torch.float64)
+        _, w = attn(x, need_weights=True)
+        pat = torch.stack([patterns.fixed_pattern(n, T) for n in attn.pattern_names]) > 0
+        if "end" in attn.pattern_names:  # read from the bottom-right corner: last column
+            pat[attn.pattern_names.index("end")] = patterns.fixed_pattern("end", T) > 0
+        mass = (w[0, : len(pat)] * pat).sum(-1)  # (h_pat, T)
+        return mass[pat.any(-1)]
+
+    attn = make("syn_fixed", max_len=max_len)
+    at_max = masses(attn, max_len)
+    assert at_max.min() >= 0.99 - 1e-9 and at_max.min() < 0.99 + 1e-6  # one-key rows: 0.99
+    assert masses(attn, max_len // 4).min() > 0.99
+    assert attn.eps == pytest.approx(synthesizer.pattern_eps(0.99, max_len))
+    if max_len == 1024:
+        fixed = make("syn_fixed", max_len=max_len, eps=1e-4)
+        assert float(masses(fixed, max_len).min()) == pytest.approx(1.0001 / 1.1024, rel=1e-6)

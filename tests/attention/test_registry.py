@@ -6,9 +6,10 @@ from pathlib import Path
 
 import pytest
 import torch
-import yaml
+from omegaconf import OmegaConf
 
 from speechattn.attention import Attention, AttentionConfig, available, build, register, registry
+from speechattn.config import compose
 
 CONF = Path(__file__).resolve().parents[2] / "conf" / "attention"
 ISSUE_NAMES = [
@@ -54,16 +55,26 @@ def test_register_refuses_duplicates_and_non_subclasses():
 
 def test_options_lists_defaults():
     assert registry.options("ldsa") == {"context": 15}
-    assert registry.options("sign_alsh") == {"k": 32, "bits": 16, "seed": 0}
+    assert registry.options("sign_alsh") == {
+        "k": 32, "bits": 16, "seed": 0, "normalize_keys": True, "tie_break": "score"
+    }  # fmt: skip
 
 
 @pytest.mark.parametrize("name", available())
 def test_one_conf_file_per_variant(name):
-    cfg = yaml.safe_load((CONF / f"{name}.yaml").read_text())
-    assert cfg["name"] == name
-    assert set(cfg["options"]) <= set(registry.options(name)) | {"dropout", "bias"}
-    attn = build(cfg["name"], 32, 4, **cfg["options"])
+    """attention=NAME composes the variant's options (its config's defaults, which every
+    override may change without a `+`) and builds it."""
+    cfg = compose("pretrain", [f"attention={name}"]).attention
+    assert cfg.name == name
+    options = OmegaConf.to_container(cfg.options)
+    assert set(options) <= set(registry.options(name)) | {"dropout", "bias"}
+    attn = build(cfg.name, 32, 4, **options)
     assert attn.name == name
+    first = next(iter(registry.options(name)), None)
+    if first is not None:
+        value = registry.options(name)[first]
+        override = f"attention.options.{first}={'null' if value is None else value}"
+        assert compose("pretrain", [f"attention={name}", override]).attention.name == name
 
 
 def test_no_stray_conf_files():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import math
 
 import pytest
@@ -9,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from _attention_testing import HEADS, batch, make
 
-from speechattn.attention import build
+from speechattn.attention import build, routing
 
 LOCAL = (HEADS + 1) // 2  # heads [0, LOCAL) are local, the others route
 
@@ -259,3 +260,36 @@ def test_cluster_kernel_dropout_in_training(monkeypatch):
     assert torch.isfinite(outs[2]).all() and (outs[2][pad] == 0).all()
     assert torch.equal(outs[0], outs[1]) and not torch.allclose(outs[0], outs[2])
     assert not torch.allclose(outs[0], y_eval)
+
+
+def test_clusters_are_the_square_root_of_the_length_unless_capped(caplog):
+    """C = ceil(sqrt(T)) at every length (46 at T = 2048, beyond the 32 stored at first);
+    an explicit max_clusters caps it, and says so once."""
+    attn = make("routing", max_clusters=None)
+    assert attn.num_centroids(2048) == 46 and attn.centroids.shape[1] == 46
+    assert routing.num_clusters(2048, None) == 46 and routing.num_clusters(2048, 32) == 32
+    x, pad = batch([2048])
+    q, k, _ = attn._qkv(x)
+    used = attn.route(attn._routing_vectors(k), ~pad).cluster
+    assert used.max() >= 32  # the added centroids take members
+    capped = make("routing", max_clusters=32)
+    with caplog.at_level(logging.INFO, logger="speechattn.attention.routing"):
+        assert capped.num_centroids(2048) == 32 and capped.num_centroids(4096) == 32
+    assert [r.message.count("max_clusters=32 caps") for r in caplog.records] == [1]
+    # a module with more centroids stored loads into a fresh one
+    fresh = make("routing", max_clusters=None)
+    fresh.load_state_dict(attn.state_dict())
+    assert torch.equal(fresh.centroids, attn.centroids)
+
+
+def test_unshared_layers_start_from_their_own_centroids():
+    def centroids(layer: int, seed: int = 0) -> torch.Tensor:
+        return build("routing", 32, 4, layer=layer, seed=seed).centroids
+
+    assert torch.equal(centroids(0), centroids(0))
+    assert not torch.equal(centroids(0), centroids(1))
+    assert not torch.equal(centroids(0), centroids(0, seed=1))
+    grown = build("routing", 32, 4, layer=1)
+    grown.num_centroids(2048)  # centroids added later are those a larger store starts with
+    assert torch.equal(grown.centroids[:, :32], centroids(1))
+    assert torch.equal(grown.centroids, grown.initial_centroids(0, 46))

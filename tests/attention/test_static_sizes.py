@@ -8,7 +8,8 @@ import pytest
 import torch
 from _attention_testing import DIM, HEADS, batch, make
 
-from speechattn.attention import lsh, routing
+from speechattn.attention import routing
+from speechattn.attention.kernels import cluster, sparse_topk, topk
 
 LSH = ["sign_alsh", "xbox", "xbox_qnf", "simple_lsh", "simple_alsh"]
 
@@ -33,6 +34,7 @@ def test_routing_static_sizes_equal_measured_ones(lengths, limit, monkeypatch):
     pad = pad if pad.any() else None
     measured = _pass(make("routing"), x, pad)
     monkeypatch.setattr(routing, "needs_static_shapes", lambda t: True)
+    monkeypatch.setattr(cluster, "needs_static_shapes", lambda t: True)  # its kernel's too
     static = _pass(make("routing"), x, pad)
     for a, b in zip(static, measured, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
@@ -59,8 +61,8 @@ def test_lsh_transpose_pointers_without_bincount():
     col = torch.randint(0, 50, (400,), generator=g)
     col[col == 7] = 8  # a key without entries
     by_key = col.argsort(stable=True)
-    counted = lsh.key_pointers(col, by_key, 60, count=True)
-    torch.testing.assert_close(lsh.key_pointers(col, by_key, 60, count=False), counted)
+    counted = sparse_topk.key_pointers(col, by_key, 60, count=True)
+    torch.testing.assert_close(sparse_topk.key_pointers(col, by_key, 60, count=False), counted)
 
 
 @pytest.mark.parametrize("mdtype", [torch.float16, torch.float64])
@@ -70,10 +72,10 @@ def test_lsh_gpu_match_dtype_and_one_chunk_give_the_same_keys(mdtype, monkeypatc
     g = torch.Generator().manual_seed(0)
     cq, ck = (torch.rand(3, 300, 8, generator=g) > 0.5 for _ in range(2))
     kv = torch.rand(3, 300, generator=g) > 0.2
-    want = lsh.topk_by_match(cq, ck, kv, 9)
-    monkeypatch.setattr(lsh, "_match_dtype", lambda K, device: mdtype)
-    monkeypatch.setattr(lsh, "_MATCH_CHUNK", lsh._MATCH_CHUNK_GPU)
-    assert torch.equal(lsh.topk_by_match(cq, ck, kv, 9), want)
+    want = topk.topk_by_match(cq, ck, kv, 9)
+    monkeypatch.setattr(topk, "_match_dtype", lambda K, device: mdtype)
+    monkeypatch.setattr(topk, "_MATCH_CHUNK", topk._MATCH_CHUNK_GPU)
+    assert torch.equal(topk.topk_by_match(cq, ck, kv, 9), want)
 
 
 @pytest.mark.parametrize("name", ["xbox", "routing"])

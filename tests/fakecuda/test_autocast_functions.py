@@ -7,7 +7,7 @@ import pytest
 import torch
 from _fake_cuda import CUDA, backward, cuda_autocast, fake_cuda
 
-from speechattn.attention.linear import LinearKernel
+from speechattn.attention.kernels.linear import LinearKernel
 
 pytestmark = pytest.mark.fakecuda
 

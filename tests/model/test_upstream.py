@@ -172,3 +172,18 @@ def test_a_crafted_pickle_is_refused_and_never_runs(saved, tmp_path, crafted_tor
     assert str(crafted) in message and "weights_only=False" not in message
     if name.endswith(".ckpt"):  # the suggested export is itself a safe load
         assert "export_upstream" in message
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_version_1_files_keep_the_attention_definition_they_were_trained_with(tmp_path, version):
+    """An LSH upstream written before its definition changed (format 1, options unstated)
+    loads with the first runs' raw-vector scores and position tie-break, not today's
+    defaults; a version 2 file gets today's."""
+    model = aalbert(feature_dim=8, dim=32, num_layers=1, num_heads=4, ffn_dim=64, attention="xbox")
+    meta = {"steps": 1, "corpus": "embedded", "seed": 0, "code_version": speechattn.code_version()}
+    state = upstream_state(model, Normalizer(torch.zeros(8), torch.ones(8)), {"n_mels": 8}, meta)
+    state = {**state, "version": version}
+    up = load_upstream(save_upstream(tmp_path / "upstream.pt", state))
+    attn = up.model.encoder.layers[0].attention
+    want = (False, "position") if version == 1 else (True, "score")
+    assert (attn.normalize_keys, attn.tie_break) == want

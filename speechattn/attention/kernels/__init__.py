@@ -1,0 +1,21 @@
+"""Kernels apart from the mechanisms: hand-written autograd Functions, custom ops and memory
+helpers that the variants' `attend` paths call. Each variant module (`attention/<name>.py`)
+holds the definition, its options, `attend`, `attend_dense`, FLOPs and the choice of kernel;
+the kernels here are tested against those dense references.
+
+* `memory`: lazily zeroed tensors (`lazy_zeros`).
+* `blocks`: the sparse patterns' blocked kernels (bands, blocks, residue classes, summary
+  columns; also longformer's and routing's local heads).
+* `local`: LDSA's window sum (`LocalWeightedSum`).
+* `linear`: linear attention with a hand-written backward (`LinearKernel`).
+* `span`: the adaptive span's CPU kernels (`FlashThenUnfused`, `UnfusedSavedWeights`).
+* `cluster`: routing's cluster kernel and the sizes of its tables (`cluster_kernel`,
+  `num_clusters`, `capacity_bound`, `blocks_bound`).
+* `topk`: LSH's exact top-k by code match (`topk_by_match`).
+* `sparse_topk`: attention over each query's selected keys as CSR products
+  (`sparse_topk_attention`, the custom ops `speechattn::topk_attention[_backward]`).
+* `table`: the random synthesizers' table kernels (`TableWindows`, `TableAttention`,
+  `GradientMemory`).
+
+Nothing here is imported eagerly: `base.py` imports `memory`, and each variant its own kernels.
+"""

@@ -1,0 +1,239 @@
+"""The blocked kernels of the sparse patterns (and of longformer and routing's local heads):
+bands, blocks, residue classes and summary columns, each sub-problem one fused SDPA call
+(`sparse.py`)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from speechattn.attention import patterns
+from speechattn.attention.base import SELF_PENALTY, masked_softmax, scale
+
+# l: one stride for the batch (int), or one per utterance ((B,) long, on the device)
+Stride = int | Tensor
+Kernel = Callable[[Tensor, Tensor, Tensor, Tensor, Stride, float], Tensor]
+
+
+def extents(valid: Tensor) -> Tensor:
+    """(B, T) bool -> (B,) long: frames up to each utterance's last valid one (its length when
+    padding comes last; 0 when no frame is valid)."""
+    T = valid.shape[1]
+    frames = torch.arange(1, T + 1, device=valid.device)
+    return torch.where(valid, frames, 0).amax(-1)
+
+
+def _pad_time(t: Tensor, left: int, right: int, dim: int) -> Tensor:
+    """Zero/False-pad dimension `dim` of t by (left, right)."""
+    pad = [0, 0] * (t.dim() - 1 - dim) + [left, right]
+    return F.pad(t, pad)
+
+
+def _blocks(t: Tensor, ls: int) -> Tensor:
+    """(B, H, T, d) -> (B, H, n, l, d), zero-padded to n * l frames."""
+    B, H, T, d = t.shape
+    n = (T + ls - 1) // ls
+    return _pad_time(t, 0, n * ls - T, 2).view(B, H, n, ls, d)
+
+
+def _valid_blocks(kv: Tensor, ls: int) -> Tensor:
+    """(B, T) bool -> (B, n, l) bool, padded with False."""
+    B, T = kv.shape
+    n = (T + ls - 1) // ls
+    return _pad_time(kv, 0, n * ls - T, 1).view(B, n, ls)
+
+
+def _attend(q: Tensor, k: Tensor, v: Tensor, allowed: Tensor, bias: Tensor, p: float) -> Tensor:
+    """Per-block softmax attention by one fused SDPA call.
+
+    q (B, H, m, Q, d), k and v (B, H, m, K, d) for m independent blocks; allowed (B, 1, m, Q, K)
+    bool, which must allow every query's own key (so no row is empty); bias broadcastable to
+    (Q, K), added to the scores. Returns (B, H, m, Q, d). Blocks become SDPA's batch and heads
+    its second dim, so one (B m, 1, Q, K) mask serves all heads.
+    """
+    B, H, m, Q, d = q.shape
+    mask = bias.to(q.dtype).masked_fill(~allowed, float("-inf")).transpose(1, 2)  # (B, m, 1, Q, K)
+
+    def fold(t: Tensor) -> Tensor:  # (B, H, m, L, d) -> (B m, H, L, d)
+        return t.transpose(1, 2).reshape(B * m, H, t.shape[-2], d)
+
+    out = F.scaled_dot_product_attention(
+        fold(q), fold(k), fold(v), attn_mask=mask.reshape(B * m, 1, Q, -1), dropout_p=p
+    )  # (B m, H, Q, d)
+    return out.view(B, m, H, Q, d).transpose(1, 2)
+
+
+def _take_frames(t: Tensor, pos: Tensor) -> Tensor:
+    """Frames `pos` of each utterance: t (B, H, T, d), pos (B, N) long -> (B, H, N, d)."""
+    B, H, _, d = t.shape
+    return t.gather(2, pos[:, None, :, None].expand(B, H, -1, d))
+
+
+def utterance_slots(ls: Tensor, T: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Each utterance's blocks of l_b frames in (M, L) slots, (L, M) = stride_bounds(T).
+
+    ls (B,) strides. Returns pos (B, M, L), the frame m l_b + a of slot (m, a) (clamped into
+    [0, T)); used (B, M, L), whether that slot holds a frame (a < l_b, m l_b + a < T); slot
+    (B, T), the slot m L + a of each frame t = m l_b + a (clamped for frames past the extent,
+    which are padding). Every frame before the extent has its own slot.
+    """
+    L, M = patterns.stride_bounds(T)
+    device = ls.device
+    lb = ls[:, None, None]  # (B, 1, 1)
+    a = torch.arange(L, device=device)
+    pos = torch.arange(M, device=device)[:, None] * lb + a  # (B, M, L)
+    used = (a < lb) & (pos < T)
+    t = torch.arange(T, device=device)
+    slot = torch.div(t, ls[:, None], rounding_mode="floor") * L + t % ls[:, None]  # (B, T)
+    return pos.clamp_max(T - 1), used, slot.clamp_max(M * L - 1)
+
+
+def _slot_kernel(
+    q: Tensor, k: Tensor, v: Tensor, kv: Tensor, ls: Tensor, p: float, by_class: bool
+) -> Tensor:
+    """Block (by_class False: attend along each row of slots) or residue (True: along each
+    column) pattern with per-utterance strides ls (B,). q, k, v (B, H, T, d) -> (B, H, T, d)."""
+    B, H, T, d = q.shape
+    pos, used, slot = utterance_slots(ls, T)  # (B, M, L), (B, M, L), (B, T)
+    M, L = pos.shape[1:]
+    flat = pos.flatten(1)  # (B, M L)
+    keys = kv.gather(1, flat).view(B, M, L) & used  # (B, M, L) slots holding an allowed key
+
+    def grid(t: Tensor) -> Tensor:  # (B, H, T, d) -> (B, H, M, L, d), or (B, H, L, M, d)
+        g = _take_frames(t, flat).view(B, H, M, L, d)
+        return g.transpose(2, 3) if by_class else g
+
+    keys = keys.transpose(1, 2) if by_class else keys  # (B, rows, cols)
+    eye = torch.eye(keys.shape[2], dtype=torch.bool, device=q.device)
+    allowed = keys[:, None, :, None, :] | eye  # (B, 1, rows, cols, cols)
+    bias = eye.to(q.dtype) * SELF_PENALTY
+    out = _attend(grid(q), grid(k), grid(v), allowed, bias, p)  # (B, H, rows, cols, d)
+    out = out.transpose(2, 3) if by_class else out  # (B, H, M, L, d)
+    return _take_frames(out.reshape(B, H, M * L, d), slot)  # (B, H, T, d)
+
+
+def _dropout(probs: Tensor, p: float) -> Tensor:
+    return F.dropout(probs, p) if p else probs
+
+
+def block_windows(t: Tensor, ls: int, dim: int) -> Tensor:
+    """Keys of each query block in the band kernels: the previous, own and next block of l
+    frames along `dim` (zero/False outside the sequence).
+
+    (..., T, ...) -> (..., n, 3l, ...), n = ceil(T / l); window position w of block b is frame
+    (b - 1) l + w, so a query at offset a of its block is at w = a + l.
+    """
+    T = t.shape[dim]
+    n = (T + ls - 1) // ls
+    tp = _pad_time(t, ls, n * ls - T + ls, dim)  # (n + 2) l frames along dim
+    parts = [tp.narrow(dim, s * ls, n * ls).unflatten(dim, (n, ls)) for s in range(3)]
+    return torch.cat(parts, dim=dim + 1)
+
+
+def window_offsets(ls: int, device: torch.device) -> Tensor:
+    """(l, 3l) query minus key position inside `block_windows`."""
+    a = torch.arange(ls, device=device)[:, None]
+    w = torch.arange(3 * ls, device=device)[None, :]
+    return a + ls - w
+
+
+def band_kernel(q: Tensor, k: Tensor, v: Tensor, kv: Tensor, ls: Stride, p: float = 0.0) -> Tensor:
+    """|i - j| <= l. q, k, v (B, H, T, d), kv (B, T) allowed keys -> (B, H, T, d).
+
+    Per-utterance strides ls (B,): blocks of L >= every l (`patterns.stride_bounds`), each
+    utterance's radius masked inside them."""
+    B, H, T, d = q.shape
+    if isinstance(ls, Tensor):
+        width, radius = patterns.stride_bounds(T)[0], ls.view(B, 1, 1, 1, 1)
+    else:
+        width = radius = ls
+    n = (T + width - 1) // width
+    qb = _blocks(q, width)  # (B, H, n, l, d)
+    kvw = block_windows(kv, width, 1)  # (B, n, 3l)
+    rel = window_offsets(width, q.device)  # (l, 3l)
+    allowed = ((rel.abs() <= radius) & kvw[:, None, :, None, :]) | (rel == 0)  # (B, 1, n, l, 3l)
+    bias = (rel == 0).to(q.dtype) * SELF_PENALTY  # (l, 3l)
+    kw, vw = block_windows(k, width, 2), block_windows(v, width, 2)  # (B, H, n, 3l, d)
+    out = _attend(qb, kw, vw, allowed, bias, p)  # (B, H, n, l, d)
+    return out.reshape(B, H, n * width, d)[:, :, :T]
+
+
+def residue_kernel(
+    q: Tensor, k: Tensor, v: Tensor, kv: Tensor, ls: Stride, p: float = 0.0
+) -> Tensor:
+    """(i - j) mod l = 0. q, k, v (B, H, T, d), kv (B, T) -> (B, H, T, d)."""
+    if isinstance(ls, Tensor):
+        return _slot_kernel(q, k, v, kv, ls, p, by_class=True)
+    B, H, T, d = q.shape
+    n = (T + ls - 1) // ls
+
+    def classes(t: Tensor) -> Tensor:  # (B, H, T, d) -> (B, H, l, n, d)
+        return _blocks(t, ls).transpose(2, 3)
+
+    kvr = _valid_blocks(kv, ls).transpose(1, 2)  # (B, l, n)
+    eye = torch.eye(n, dtype=torch.bool, device=q.device)
+    allowed = kvr[:, None, :, None, :] | eye  # (B, 1, l, n, n)
+    bias = eye.to(q.dtype) * SELF_PENALTY  # (n, n)
+    out = _attend(classes(q), classes(k), classes(v), allowed, bias, p)  # (B, H, l, n, d)
+    return out.transpose(2, 3).reshape(B, H, n * ls, d)[:, :, :T]
+
+
+def block_kernel(q: Tensor, k: Tensor, v: Tensor, kv: Tensor, ls: Stride, p: float = 0.0) -> Tensor:
+    """floor(i / l) = floor(j / l). q, k, v (B, H, T, d), kv (B, T) -> (B, H, T, d)."""
+    if isinstance(ls, Tensor):
+        return _slot_kernel(q, k, v, kv, ls, p, by_class=False)
+    B, H, T, d = q.shape
+    eye = torch.eye(ls, dtype=torch.bool, device=q.device)
+    allowed = _valid_blocks(kv, ls)[:, None, :, None, :] | eye  # (B, 1, n, l, l)
+    bias = eye.to(q.dtype) * SELF_PENALTY  # (l, l)
+    out = _attend(
+        _blocks(q, ls), _blocks(k, ls), _blocks(v, ls), allowed, bias, p
+    )  # (B, H, n, l, d)
+    return out.reshape(B, H, -1, d)[:, :, :T]
+
+
+def summary_columns(T: int, ls: Stride, c: int, device: torch.device) -> tuple[Tensor, Tensor]:
+    """The summary keys j mod l >= l - min(c, l): positions (1, N) for one stride, (B, N) for
+    per-utterance strides (N fixed by T, `patterns.stride_bounds`), clamped into [0, T), and
+    (1 or B, N) whether each is one of its utterance's columns inside [0, T)."""
+    if isinstance(ls, Tensor):
+        L, n = patterns.stride_bounds(T)
+        lb = ls[:, None, None]  # (B, 1, 1)
+        cb = lb.clamp_max(c)  # its c, clipped to its l
+        offset = torch.arange(min(c, L), device=device)
+        cols = torch.arange(n, device=device)[:, None] * lb + lb - cb + offset  # (B, n, C)
+        real = (offset < cb).expand_as(cols)
+    else:
+        n, c = (T + ls - 1) // ls, min(c, ls)
+        last = torch.arange(ls - c, ls, device=device)  # the last c offsets of a block
+        cols = torch.arange(n, device=device)[:, None] * ls + last  # (n, c)
+        cols, real = cols[None], torch.ones_like(cols[None], dtype=torch.bool)  # (1, n, c)
+    cols, real = cols.flatten(1), real.flatten(1)
+    return cols.clamp_max(T - 1), real & (cols < T)
+
+
+def summary_kernel(
+    q: Tensor, k: Tensor, v: Tensor, kv: Tensor, ls: Stride, c: int, p: float = 0.0
+) -> Tensor:
+    """j mod l >= l - c, plus the (penalised) self key. q, k, v (B, H, T, d) -> (B, H, T, d)."""
+    B, H, T, d = q.shape
+    cols, in_range = summary_columns(T, ls, c, q.device)  # (1 or B, N)
+    if cols.shape[0] == 1:  # one stride: the same columns for every utterance
+        ks, vs = k[:, :, cols[0]], v[:, :, cols[0]]  # (B, H, N, d)
+    else:
+        ks, vs = _take_frames(k, cols), _take_frames(v, cols)
+    s_sum = q @ ks.transpose(-1, -2) * scale(d)  # (B, H, T, N)
+    not_self = cols[:, None, :] != torch.arange(T, device=q.device)[:, None]  # (1 or B, T, N)
+    real = kv.gather(1, cols.expand(B, -1)) & in_range  # (B, N)
+    ok_sum = real[:, None, None, :] & not_self[:, None]  # (B, 1, T, N)
+    s_self = (q * k).sum(-1, keepdim=True) * scale(d) + SELF_PENALTY  # (B, H, T, 1)
+    ok_self = kv[:, None, :, None]  # (B, 1, T, 1)
+    probs = masked_softmax(
+        torch.cat([s_sum, s_self], dim=-1),
+        torch.cat([ok_sum.expand(B, 1, T, -1), ok_self], dim=-1),
+    )  # (B, H, T, N + 1)
+    probs = _dropout(probs, p)
+    return probs[..., :-1] @ vs + probs[..., -1:] * v

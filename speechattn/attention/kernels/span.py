@@ -1,0 +1,129 @@
+"""The adaptive span's CPU kernels: attention under an additive mask that depends on the spans,
+with the spans' gradient as one more reduction of the scores' gradient (`adaptive_span.py`)."""
+
+from __future__ import annotations
+
+import torch
+
+from speechattn.attention.base import widen
+
+# CPU flash attention with its log-sum-exp (public SDPA returns only the output)
+flash_cpu = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+
+
+class FlashThenUnfused(torch.autograd.Function):
+    """Attention under an additive mask that depends on the spans z, on CPU.
+
+    Forward: CPU flash attention with the mask as a constant (CPU flash has no mask gradient;
+    SDPA runs its unfused math path, forward too, for a mask that needs one). Backward:
+    unfused, from flash's log-sum-exp, so that the scores' gradient dS is at hand and the
+    spans' gradient is one more reduction, dL/dz_h = sum dS * d mask / dz_h. With a reach X
+    (every key farther than X frames masked) the backward runs query blocks of
+    `backward_block` frames against the keys within reach only.
+
+    CPU only (`_uses_cpu_kernels`), so no CUDA autocast to declare; it casts explicitly:
+    flash runs in q's dtype (the mask given in it), the backward in float32 (float64 stays)
+    with autocast off, whatever the caller's autocast state.
+    """
+
+    backward_block = 128  # queries per block of the backward (the fastest in the benchmark)
+    backward_scores = 1 << 22  # scores (batch x heads x block x keys) per pass of the backward
+
+    @staticmethod
+    def forward(ctx, q, k, v, z, mask, mask_dz, reach, keys_reversed):  # noqa: D102
+        """q, k, v (B, h, L, d); z (h,); mask and its z-derivative mask_dz (B or 1, h, L, Lk);
+        reach: X or None (all pairs); keys_reversed: key j stored at Lk - 1 - j."""
+        out, log_sum_exp = flash_cpu(q, k, v, attn_mask=mask)
+        ctx.save_for_backward(q, k, v, out, log_sum_exp, mask, mask_dz)
+        ctx.span_dtype, ctx.reach, ctx.keys_reversed = z.dtype, reach, keys_reversed
+        return out
+
+    @staticmethod
+    def backward(ctx, d_out):  # noqa: D102
+        with torch.autocast(d_out.device.type, enabled=False):  # widened below: keep float32
+            return FlashThenUnfused._backward(ctx, d_out)
+
+    @staticmethod
+    def _backward(ctx, d_out):  # noqa: ANN205 - backward's gradients
+        q, k, v, out, log_sum_exp, mask, mask_dz = ctx.saved_tensors
+        q_, k_, v_, out_, d_out_ = (widen(t) for t in (q, k, v, out, d_out))  # (B, h, ., d)
+        wide = q_.dtype  # half precision: in float32
+        lse = log_sum_exp.to(wide)[..., None]  # (B, h, L, 1)
+        row = (d_out_ * out_).sum(-1, keepdim=True)  # dO . O
+        d_q, d_k, d_v = torch.zeros_like(q_), torch.zeros_like(k_), torch.zeros_like(v_)
+        d_z = torch.zeros(q.shape[1], dtype=wide, device=q.device)
+        N, h, L, d = q.shape
+        Lk, X, scale_ = k.shape[-2], ctx.reach, d**-0.5
+        step = L if X is None else FlashThenUnfused.backward_block
+        # batch entries per pass: about `backward_scores` scores, so that the temporaries stay
+        # small and their memory is reused (fresh memory costs page faults here)
+        per_pass = max(
+            1, FlashThenUnfused.backward_scores // (h * step * min(Lk, step + 2 * (X or Lk)))
+        )
+        for n in range(0, N, per_pass):
+            batch = slice(n, n + per_pass)
+            q_n, k_n, v_n, o_n, lse_n, row_n = (t[batch] for t in (q_, k_, v_, d_out_, lse, row))
+            dq_n, dk_n, dv_n = d_q[batch], d_k[batch], d_v[batch]  # views, written in place
+            mask_n = mask if mask.shape[0] == 1 else mask[batch]  # a mask may serve the batch
+            dz_n = mask_dz if mask_dz.shape[0] == 1 else mask_dz[batch]
+            for a in range(0, L, step):
+                b = min(L, a + step)
+                c, e = (0, Lk) if X is None else (max(0, a - X), min(Lk, b + X))  # within reach
+                if ctx.keys_reversed:
+                    c, e = Lk - e, Lk - c
+                qa, oa = q_n[..., a:b, :], o_n[..., a:b, :]
+                ka, va = k_n[..., c:e, :], v_n[..., c:e, :]
+                # the probabilities again, from flash's log-sum-exp: exp(q k^T scale + mask - lse)
+                probs = (qa @ ka.mT).mul_(scale_).add_(mask_n[..., a:b, c:e])
+                probs = probs.sub_(lse_n[..., a:b, :]).exp_()  # (n', h, b - a, e - c)
+                dv_n[..., c:e, :] += probs.mT @ oa
+                d_scores = (oa @ va.mT).sub_(row_n[..., a:b, :]).mul_(probs)  # P (dP - dO . O)
+                d_z += (d_scores * dz_n[..., a:b, c:e]).sum((0, 2, 3))
+                dq_n[..., a:b, :] = d_scores @ ka
+                dk_n[..., c:e, :] += d_scores.mT @ qa
+        d_q, d_k = d_q.mul_(scale_).to(q.dtype), d_k.mul_(scale_).to(k.dtype)
+        return d_q, d_k, d_v.to(v.dtype), d_z.to(ctx.span_dtype), None, None, None, None
+
+
+class UnfusedSavedWeights(torch.autograd.Function):
+    """Attention under an additive mask that depends on the spans z, on CPU, for short
+    sequences: unfused, keeping the weights P (N, h, L, Lk) for the backward.
+
+    At short T flash's forward plus `FlashThenUnfused`'s backward (which recomputes P, five
+    products in all) cost more than SDPA's fused step; this kernel's six products with P kept
+    cost about as much as SDPA's (the mask added inside the score product, one softmax).
+    It stores N h L Lk weights, so it serves short sequences only (`saved_weights_max_t`).
+    Runs in float32 (float64 stays) with autocast off, whatever the input dtype: CPU only
+    (`_uses_cpu_kernels`), it casts explicitly rather than declaring a CUDA autocast policy.
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, z, mask, mask_dz):  # noqa: D102
+        """q, k, v (N, h, L | Lk, d); z (h,); mask and its z-derivative mask_dz
+        (N or 1, h, L, Lk)."""
+        N, h, L, d = q.shape
+        Lk = k.shape[-2]
+        q_, k_, v_ = (widen(t).reshape(N * h, -1, d) for t in (q, k, v))
+        bias = mask.to(q_.dtype).expand(N, h, L, Lk).reshape(N * h, L, Lk)
+        with torch.autocast(q.device.type, enabled=False):
+            weights = torch.baddbmm(bias, q_, k_.mT, alpha=d**-0.5).softmax(-1)  # (N h, L, Lk)
+            out = weights @ v_  # (N h, L, d)
+        ctx.save_for_backward(q_, k_, v_, out, weights, mask_dz)
+        ctx.dtypes = q.dtype, k.dtype, v.dtype, z.dtype
+        return out.view(N, h, L, d).to(q.dtype)
+
+    @staticmethod
+    def backward(ctx, d_out):  # noqa: D102
+        q_, k_, v_, out, weights, mask_dz = ctx.saved_tensors
+        N, h, L, d = d_out.shape
+        d_out_ = d_out.to(out.dtype).reshape(N * h, L, d)
+        with torch.autocast(d_out.device.type, enabled=False):
+            row = (d_out_ * out).sum(-1, keepdim=True)  # dO . O
+            d_v = weights.mT @ d_out_
+            d_scores = torch.baddbmm(row.neg_(), d_out_, v_.mT).mul_(weights)  # P (dP - dO.O)
+            d_z = (d_scores.view(N, h, L, -1) * mask_dz).sum((0, 2, 3))
+            d_q = (d_scores @ k_).mul_(d**-0.5)
+            d_k = (d_scores.mT @ q_).mul_(d**-0.5)
+        grads = (g.view(N, h, -1, d) for g in (d_q, d_k, d_v))
+        d_q, d_k, d_v = (g.to(dtype) for g, dtype in zip(grads, ctx.dtypes, strict=False))
+        return d_q, d_k, d_v, d_z.to(ctx.dtypes[3]), None, None

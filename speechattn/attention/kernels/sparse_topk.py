@@ -1,0 +1,133 @@
+"""Softmax attention of each query over its own selected keys as sparse (CSR) products, a
+custom op with its own backward (`lsh.py`)."""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from speechattn.attention.base import SELF_PENALTY, masked_softmax, widen
+
+
+def _csr(crow: Tensor, col: Tensor, values: Tensor) -> Tensor:
+    """A square CSR matrix of len(crow) - 1 rows."""
+    n = crow.shape[0] - 1
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # "sparse CSR support is in beta"
+        return torch.sparse_csr_tensor(crow, col, values, (n, n))
+
+
+# Softmax attention over each query's selected keys as sparse (CSR) products, a custom op:
+# torch.compile keeps it in the graph as one opaque call (sparse tensors cannot be traced),
+# and its fake implementations give shapes on fake/meta tensors.
+@torch.library.custom_op("speechattn::topk_attention", mutates_args=())
+def _topk_attention(
+    q: Tensor, k: Tensor, v: Tensor, idx: Tensor, allowed: Tensor, scale: float
+) -> tuple[Tensor, Tensor, Tensor]:
+    """q, k, v (N, T, d) float32/64, idx (N, T, kk), allowed (N, T, kk) -> out (N, T, d),
+    weights p (N T kk,) and CSR columns col (N T kk,) (saved for the backward)."""
+    N, T, d = q.shape
+    kk = idx.shape[-1]
+    with torch.autocast(q.device.type, enabled=False):  # sparse kernels: float32/64 only
+        idx, order = idx.sort(dim=-1)  # CSR columns in increasing order
+        allowed = allowed.gather(-1, order)
+        crow = torch.arange(N * T + 1, device=q.device) * kk
+        col = (idx + torch.arange(N, device=q.device).view(N, 1, 1) * T).view(-1)  # (N T kk)
+        q, k, v = q.reshape(N * T, d), k.reshape(N * T, d), v.reshape(N * T, d)
+        pattern = _csr(crow, col, q.new_ones(col.shape))
+        sc = torch.sparse.sampled_addmm(pattern, q, k.T, beta=0.0, alpha=scale).values()
+        own = idx == torch.arange(T, device=q.device)[:, None]  # (N, T, kk)
+        sc = sc.view(N, T, kk) + own.to(q.dtype) * SELF_PENALTY
+        p = masked_softmax(sc, allowed).reshape(-1)  # (N T kk)
+        out = _csr(crow, col, p) @ v  # (N T, d)
+    return out.view(N, T, d), p, col
+
+
+@_topk_attention.register_fake
+def _(q: Tensor, k: Tensor, v: Tensor, idx: Tensor, allowed: Tensor, scale: float):
+    n = idx.numel()
+    return torch.empty_like(q), q.new_empty(n), idx.new_empty(n, dtype=torch.long)
+
+
+def key_pointers(col: Tensor, by_key: Tensor, n: int, count: bool) -> Tensor:
+    """Row pointers (n + 1,) of the transposed pattern: entries with key < j, for j = 0..n.
+
+    col (nnz,) keys of the entries, by_key (nnz,) their stable order by key. count=True
+    (CPU, fastest there): a bincount; its output size depends on the largest key, which a GPU
+    must read back (a sync), so elsewhere a binary search of the sorted keys, sized by n."""
+    if count:
+        return F.pad(torch.bincount(col, minlength=n).cumsum(0), (1, 0))
+    return torch.searchsorted(col[by_key], torch.arange(n + 1, device=col.device))
+
+
+@torch.library.custom_op("speechattn::topk_attention_backward", mutates_args=())
+def _topk_attention_backward(
+    grad: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, p: Tensor, col: Tensor,
+    scale: float,
+) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+    """dL/dq, dL/dk, dL/dv (N, T, d) of `_topk_attention` from dL/dout (N, T, d)."""
+    shape = q.shape
+    N, T, d = shape
+    kk = col.shape[0] // (N * T)
+    with torch.autocast(q.device.type, enabled=False):
+        grad, q, k, v, out = (t.reshape(N * T, d) for t in (grad, q, k, v, out))
+        crow = torch.arange(N * T + 1, device=q.device) * kk
+        pattern = _csr(crow, col, torch.ones_like(p))
+        g_p = torch.sparse.sampled_addmm(pattern, grad, v.T, beta=0.0).values().view(-1, kk)
+        delta = (grad * out).sum(-1, keepdim=True)  # (N T, 1)
+        g_s = ((g_p - delta) * p.view(-1, kk) * scale).view(-1)  # dL/dscores
+        # the transpose: entries by key, a key's queries in increasing order (stable sort)
+        by_key = col.to(torch.int32).argsort(stable=True)  # int32 sorts faster than int64
+        crow_t = key_pointers(col, by_key, N * T, count=q.device.type == "cpu")
+        query = by_key // kk  # the row (query) of each entry, in key order
+        g_q = _csr(crow, col, g_s) @ k
+        g_k = _csr(crow_t, query, g_s[by_key]) @ q
+        g_v = _csr(crow_t, query, p[by_key]) @ grad
+    return g_q.view(shape), g_k.view(shape), g_v.view(shape)
+
+
+@_topk_attention_backward.register_fake
+def _(grad, q, k, v, out, p, col, scale):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _topk_attention_setup(ctx, inputs, output) -> None:
+    q, k, v, _, _, scale = inputs
+    out, p, col = output
+    ctx.scale = scale
+    ctx.save_for_backward(q, k, v, out, p, col)
+
+
+def _topk_attention_grad(ctx, grad: Tensor, _p: Tensor | None, _col: Tensor | None):
+    q, k, v, out, p, col = ctx.saved_tensors
+    g_q, g_k, g_v = _topk_attention_backward(grad.contiguous(), q, k, v, out, p, col, ctx.scale)
+    return g_q, g_k, g_v, None, None, None
+
+
+_topk_attention.register_autograd(_topk_attention_grad, setup_context=_topk_attention_setup)
+
+
+def sparse_topk_attention(
+    q: Tensor, k: Tensor, v: Tensor, idx: Tensor, allowed: Tensor, scale: float
+) -> Tensor:
+    """Softmax attention of each query over its own selected keys, as sparse matrix products.
+
+    q, k, v (N, T, d_k), idx (N, T, kk) selected key positions (distinct per row), allowed
+    (N, T, kk) bool, scale float -> (N, T, d_k) in q's dtype.
+
+    Runs in float32 (float64 stays float64) with autocast off, whatever the input dtype (the
+    sparse kernels have no half-precision CPU implementation; explicit casts, so CUDA
+    autocast needs no declaration); gradients come back in the inputs' dtypes through the
+    casts. The N heads' patterns lie along the diagonal of one (N T, N T) CSR matrix (no
+    batched CSR product on CPU; one matrix instead of a loop over heads). Scores q_i k_j *
+    scale (+ the self penalty where j = i) are an SDDMM (`torch.sparse.sampled_addmm`) on
+    that pattern; outputs and gradients are CSR x dense products. dK and dV take the
+    pattern's transpose, built once in the backward by a stable sort of the keys
+    (transposing each head's CSR matrix instead dominated the step); its row pointers come from the sorted keys, so no size depends on data. Nothing of
+    size T x T or T x kk x d_k is formed: memory O(T kk + T d_k), time O(T kk d_k).
+    """
+    out, _, _ = _topk_attention(widen(q), widen(k), widen(v), idx, allowed, scale)
+    return out.to(q.dtype)
