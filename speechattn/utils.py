@@ -13,6 +13,7 @@ import hashlib
 import json
 import os
 import shutil
+import signal
 import tempfile
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
@@ -204,6 +205,19 @@ def atomic_write_text(path: str | Path, text: str) -> None:
 
 
 @contextmanager
+def init_pool_worker() -> None:
+    """Initialiser of our process pools' workers: one torch thread each (the pool is the
+    parallelism), and the default action for stop signals. A forked worker inherits the
+    parent's handlers, and the training's stop handler only sets a flag: `Pool.terminate()`
+    (SIGTERM) would then never end the workers and leaving the pool would hang."""
+    import torch
+
+    torch.set_num_threads(1)
+    for name in ("SIGTERM", "SIGUSR1", "SIGUSR2", "SIGINT"):
+        if hasattr(signal, name):
+            signal.signal(getattr(signal, name), signal.SIG_DFL)
+
+
 def progress_bar(
     total: int | None, description: str, enabled: bool = True
 ) -> Iterator[Callable[[int], None]]:

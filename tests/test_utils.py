@@ -65,3 +65,27 @@ def test_digest_is_canonical_json_then_lines():
     expected = hashlib.sha256(json.dumps({"a": 1}).encode())
     expected.update(b"x\n")
     assert digest({"a": 1}, ["x\n"], length=20) == expected.hexdigest()[:20]
+
+
+def test_a_pool_ends_while_the_training_stop_handler_is_installed():
+    """Forked pool workers inherit the parent's signal handlers; the training's stop handler
+    only sets a flag, so without `init_pool_worker` resetting it `Pool.terminate()` (SIGTERM)
+    never ended them and leaving the pool hung (the first extraction of a CLI run)."""
+    import subprocess
+    import sys
+
+    script = (
+        "import signal\n"
+        "from speechattn.data.cache.shards import map_in_processes\n"
+        "signal.signal(signal.SIGTERM, lambda *a: None)\n"  # what StopOnSignal installs
+        "import time\n"
+        "it = map_in_processes(time.sleep, [0, 600, 600, 600], 2)\n"
+        "print(next(it))\n"
+        "it.close()\n"  # leave the pool early (an error): terminate() a busy worker
+        "print('done')\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["None", "done"]

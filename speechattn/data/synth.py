@@ -41,7 +41,7 @@ import numpy as np
 from speechattn.data import text as textgen
 from speechattn.data.phones import PHONE_SET, phone_id
 from speechattn.errors import ConfigError
-from speechattn.utils import progress_bar
+from speechattn.utils import init_pool_worker, progress_bar
 
 log = logging.getLogger(__name__)
 
@@ -236,12 +236,6 @@ def _synth_one(job: _Job) -> dict:
     return {"utt_id": utt_id, "text": text, "labels": labels, "num_samples": n}
 
 
-def _init_worker() -> None:
-    import torch
-
-    torch.set_num_threads(1)
-
-
 def corpus_params(speakers: int, utterances_per_speaker: int, seed: int, heldout: bool) -> dict:
     """The parameters recorded in `corpus.json` (a corpus is reused only if they match)."""
     return {
@@ -290,7 +284,7 @@ def build_corpus(
                 advance()
         else:
             method = "fork" if sys.platform.startswith("linux") else "spawn"
-            with mp.get_context(method).Pool(workers, initializer=_init_worker) as pool:
+            with mp.get_context(method).Pool(workers, initializer=init_pool_worker) as pool:
                 for result in pool.imap_unordered(_synth_one, jobs, chunksize=4):
                     results.append(result)
                     advance()

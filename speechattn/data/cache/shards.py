@@ -23,7 +23,7 @@ from speechattn.data.cache.integrity import save_npy, write_marker
 from speechattn.data.cache.layout import DATA_KINDS, ExtractionSettings, ShardPaths
 from speechattn.data.errors import DataError
 from speechattn.data.features import FeatureConfig, LogMel, min_samples_for
-from speechattn.utils import out_of_space
+from speechattn.utils import init_pool_worker, out_of_space
 
 MAX_SHARD_FACTOR = 3  # a shard holds at most this many times `shard_size` utterances
 
@@ -150,12 +150,6 @@ def extract_shard(task: ShardTask) -> ShardResult:
     return ShardResult(task.index, marker)
 
 
-def _init_worker() -> None:
-    import torch
-
-    torch.set_num_threads(1)
-
-
 @contextmanager
 def process_pool(workers: int) -> Iterator[Pool | None]:
     """`workers` processes (one thread each), ended on leaving; None for one worker (inline)."""
@@ -163,7 +157,7 @@ def process_pool(workers: int) -> Iterator[Pool | None]:
         yield None
         return
     method = "fork" if sys.platform.startswith("linux") else "spawn"
-    with mp.get_context(method).Pool(workers, initializer=_init_worker) as pool:
+    with mp.get_context(method).Pool(workers, initializer=init_pool_worker) as pool:
         yield pool
 
 
