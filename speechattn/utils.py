@@ -204,7 +204,6 @@ def atomic_write_text(path: str | Path, text: str) -> None:
 # ----------------------------------------------------------------------------- progress
 
 
-@contextmanager
 def init_pool_worker() -> None:
     """Initialiser of our process pools' workers: one torch thread each (the pool is the
     parallelism), and the default action for stop signals. A forked worker inherits the
@@ -218,6 +217,7 @@ def init_pool_worker() -> None:
             signal.signal(getattr(signal, name), signal.SIG_DFL)
 
 
+@contextmanager
 def progress_bar(
     total: int | None, description: str, enabled: bool = True
 ) -> Iterator[Callable[[int], None]]:
