@@ -27,6 +27,10 @@ replaces (`SHIMS`):
     libriphone          s3prl.downstream.ctc.corpus (LibriPhoneDataset), missing from the
                         s3prl 0.4.18 wheel: `speechattn.superb.libriphone`
 
+and one per experiment (`set_voxceleb1_cache`): s3prl 0.4.18's voxceleb1 dataset caches its file
+lists in site-packages, whatever the data folder, so a second data set would silently train on
+the first one's files; the cache moves into the experiment folder.
+
 Each shim is installed once and only where the gap exists, so a newer torchaudio that has the API
 again (or an installed torchcodec) is used as is.
 """
@@ -334,6 +338,15 @@ def install_libriphone() -> bool:
     sys.modules["s3prl.downstream.ctc.corpus"] = corpus
     sys.modules["s3prl.downstream.ctc.corpus.libriphone"] = libriphone
     return True
+
+
+def set_voxceleb1_cache(expdir: str | Path) -> Path:
+    """Point s3prl 0.4.18's voxceleb1 file-list cache (`dataset.CACHE_PATH`, by default inside
+    site-packages and shared by every data set) at `expdir/.voxceleb1_cache/`; returns it."""
+    dataset = importlib.import_module("s3prl.downstream.voxceleb1.dataset")
+    folder = Path(expdir) / ".voxceleb1_cache"
+    dataset.CACHE_PATH = str(folder) + "/"  # s3prl joins it with os.path.join
+    return folder
 
 
 SHIMS: tuple[Shim, ...] = (

@@ -139,6 +139,8 @@ def build_argv(argv: list[str], quick: bool, data: str | None) -> tuple[list[str
         out += ["-c", str(path)]
     elif quick or data:
         log.warning("--quick/--data apply to a new training run; this run reads its checkpoint's config")
+    if expdir is None:  # -e CHECKPOINT: its experiment folder
+        expdir = Path(args.past_exp).parent if Path(args.past_exp).is_file() else Path(args.past_exp)
     return out, {"expdir": expdir, "args": args, "quick": quick}
 
 
@@ -152,10 +154,13 @@ def register_upstreams() -> None:
         setattr(hub, name, speechattn_local)
 
 
-def run_downstream(argv: list[str]) -> None:
-    """s3prl's run_downstream.main() on `argv` (shims installed first)."""
+def run_downstream(argv: list[str], expdir: Path | None = None) -> None:
+    """s3prl's run_downstream.main() on `argv` (shims installed first; `expdir` holds the
+    per-experiment caches)."""
     compat.install()
     register_upstreams()
+    if expdir is not None:
+        compat.set_voxceleb1_cache(expdir)
     from s3prl import run_downstream as script
 
     saved = sys.argv
@@ -242,7 +247,7 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     argv_out, decided = build_argv(rest, ours.quick, ours.data)
     log.info("run_downstream.py %s", " ".join(argv_out))
-    run_downstream(argv_out)
+    run_downstream(argv_out, decided["expdir"])
     if decided["args"].mode == "evaluate":
         result = write_result(decided)
         print(f"{result.task} {result.split} {result.metric}: {result.value:.4f}")
