@@ -227,7 +227,7 @@ def _torchcodec_works() -> bool:
 def install_audio_io() -> bool:
     import torchaudio
 
-    if _torchcodec_works():
+    if torchaudio.load is load or _torchcodec_works():
         return False
     torchaudio.load = load
     torchaudio.info = info
