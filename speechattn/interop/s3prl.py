@@ -197,7 +197,6 @@ class UpstreamExpert(_ExpertBase):
         )  # (B, S_max)
         return padded, lengths
 
-
     @staticmethod
     def _check_values(wavs: list[Tensor]) -> None:
         """Refuse non-finite samples and int16-range amplitudes, naming the utterance; one

@@ -183,9 +183,7 @@ def _maps(results: ResultSet, variant: str, layer: int | None, report: Report) -
     return None
 
 
-def _readme(
-    report: Report, results: ResultSet, tables: tuple, superb: Table | None = None
-) -> str:
+def _readme(report: Report, results: ResultSet, tables: tuple, superb: Table | None = None) -> str:
     table2, table1 = tables
     found = sum(len(runs) for runs in results.results.values())
     lines = [

@@ -104,7 +104,9 @@ def _read(path: str | Path, frame_offset: int = 0, num_frames: int = -1) -> tupl
     return torch.from_numpy(data.T.copy()), int(rate)
 
 
-def _apply_effects(wav: Tensor, rate: int, effects: list[list[str]], where: str) -> tuple[Tensor, int]:
+def _apply_effects(
+    wav: Tensor, rate: int, effects: list[list[str]], where: str
+) -> tuple[Tensor, int]:
     """sox effects on (C, N) float audio: ["channels", "1"] (mean of the channels, as sox mixes
     down), ["rate", R] (torchaudio's band-limited resampling), ["gain", dB]; others raise."""
     import torchaudio
@@ -161,7 +163,9 @@ def install_sox_effects() -> bool:
     except ImportError:
         pass
     module = types.ModuleType("torchaudio.sox_effects")
-    module.__doc__ = "speechattn shim: torchaudio 2.9 removed sox_effects (see speechattn.superb.compat)"
+    module.__doc__ = (
+        "speechattn shim: torchaudio 2.9 removed sox_effects (see speechattn.superb.compat)"
+    )
     module.apply_effects_file = apply_effects_file
     module.apply_effects_tensor = apply_effects_tensor
     sys.modules["torchaudio.sox_effects"] = module
@@ -373,4 +377,3 @@ def install() -> list[str]:
     if installed:
         log.info("s3prl 0.4.18 compatibility shims installed: %s", ", ".join(installed))
     return installed
-

@@ -90,9 +90,13 @@ class LibriPhoneDataset(Dataset):
                     phonemes = [p for w in row["transcription"].split() for p in words[w]]
                     rows.append((row["wav_path"], tokenizer.encode(" ".join(phonemes))))
         except FileNotFoundError as e:
-            raise DataError(path, "split file not found", "run python -m speechattn.superb.prepare") from e
+            raise DataError(
+                path, "split file not found", "run python -m speechattn.superb.prepare"
+            ) from e
         except KeyError as e:
-            raise DataError(path, f"no column {e}", "expected columns wav_path,transcription") from e
+            raise DataError(
+                path, f"no column {e}", "expected columns wav_path,transcription"
+            ) from e
         rows.sort(key=lambda r: len(r[1]), reverse=not ascending)
         self.file_list = [r[0] for r in rows]
         self.text = [r[1] for r in rows]

@@ -172,7 +172,9 @@ def prepare_speech_commands(root: Path, out: Path, repeats: int = 3, seed: int =
     speakers = json.loads((root / "speakers.json").read_text())
     ids = sorted(speakers)
     if len(ids) < 3:
-        raise ConfigError(f"--root {root}: keyword spotting needs 3 speakers or more, found {len(ids)}")
+        raise ConfigError(
+            f"--root {root}: keyword spotting needs 3 speakers or more, found {len(ids)}"
+        )
     n_held = max(1, len(ids) // 6)  # speakers for dev and for test each
     role = {s: "test" for s in ids[:n_held]} | {s: "dev" for s in ids[n_held : 2 * n_held]}
     words = Counter(
@@ -181,7 +183,9 @@ def prepare_speech_commands(root: Path, out: Path, repeats: int = 3, seed: int =
         for line in path.read_text().splitlines()
         for w in line.split()[1:]
     )
-    unknown = [w for w, _ in words.most_common() if w not in COMMANDS and w.isalpha()][:UNKNOWN_WORDS]
+    unknown = [w for w, _ in words.most_common() if w not in COMMANDS and w.isalpha()][
+        :UNKNOWN_WORDS
+    ]
     engine = Espeak.get()
     rng = np.random.default_rng([seed, 2718])
     counts: Counter = Counter()
@@ -207,19 +211,27 @@ def prepare_speech_commands(root: Path, out: Path, repeats: int = 3, seed: int =
                 if word in COMMANDS:
                     path = base / word / f"{name}_nohash_{k}.wav"
                 else:  # any word outside the 10 commands: s3prl maps its folder to _unknown_
-                    path = base / ("_unknown_" if split == "test" else word) / f"{name}_nohash_{k}.wav"
+                    path = (
+                        base / ("_unknown_" if split == "test" else word) / f"{name}_nohash_{k}.wav"
+                    )
                 path.parent.mkdir(parents=True, exist_ok=True)
                 sf.write(path, np.clip(clip, -1, 1), SAMPLE_RATE, subtype="PCM_16")
             advance()
     noise_dir = out / "train" / "_background_noise_"
     noise_dir.mkdir(parents=True, exist_ok=True)
     for i, (colour, level) in enumerate([(0.0, -30), (1.0, -25), (2.0, -28), (1.0, -40)]):
-        sf.write(noise_dir / f"noise_{i}.wav", _noise(rng, NOISE_SECONDS, colour, level), SAMPLE_RATE)
+        sf.write(
+            noise_dir / f"noise_{i}.wav", _noise(rng, NOISE_SECONDS, colour, level), SAMPLE_RATE
+        )
     silence = out / "test" / "_silence_"
     silence.mkdir(parents=True, exist_ok=True)
     for i in range(max(2, repeats * n_held)):
         level = rng.uniform(-45, -25)
-        sf.write(silence / f"silence_{i}.wav", _noise(rng, 1.0, float(rng.uniform(0, 2)), level), SAMPLE_RATE)
+        sf.write(
+            silence / f"silence_{i}.wav",
+            _noise(rng, 1.0, float(rng.uniform(0, 2)), level),
+            SAMPLE_RATE,
+        )
     return {
         "paths": {
             "downstream_expert.datarc.speech_commands_root": str(out / "train"),
@@ -281,7 +293,11 @@ def prepare_ctc(root: Path, out: Path) -> dict:
     """s3prl `libriphone` layout in `out` from corpus `root`."""
     utterances = _corpus_utterances(root)
     split = _splits(root)
-    phone_set = read_phone_set(root / "phone_set.txt") if (root / "phone_set.txt").is_file() else list(PHONE_SET)
+    phone_set = (
+        read_phone_set(root / "phone_set.txt")
+        if (root / "phone_set.txt").is_file()
+        else list(PHONE_SET)
+    )
     labels = read_alignments(root / "converted_aligned_phones.txt", phone_set, wanted=set(split))
     rows: dict[str, list[tuple[str, str]]] = {"train": [], "dev": [], "test": []}
     lexicon = []

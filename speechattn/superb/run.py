@@ -138,9 +138,13 @@ def build_argv(argv: list[str], quick: bool, data: str | None) -> tuple[list[str
         atomic_write_text(path, yaml.safe_dump(config, sort_keys=False))
         out += ["-c", str(path)]
     elif quick or data:
-        log.warning("--quick/--data apply to a new training run; this run reads its checkpoint's config")
+        log.warning(
+            "--quick/--data apply to a new training run; this run reads its checkpoint's config"
+        )
     if expdir is None:  # -e CHECKPOINT: its experiment folder
-        expdir = Path(args.past_exp).parent if Path(args.past_exp).is_file() else Path(args.past_exp)
+        expdir = (
+            Path(args.past_exp).parent if Path(args.past_exp).is_file() else Path(args.past_exp)
+        )
     return out, {"expdir": expdir, "args": args, "quick": quick}
 
 
@@ -237,7 +241,9 @@ def main(argv: list[str] | None = None) -> None:
         add_help=False,
     )
     parser.add_argument("--quick", action="store_true", help="the quick config (minutes on CPU)")
-    parser.add_argument("--data", default=None, help="prepared task folder (default: built-in corpus)")
+    parser.add_argument(
+        "--data", default=None, help="prepared task folder (default: built-in corpus)"
+    )
     parser.add_argument("--superb-help", action="help", help="this help")
     ours, rest = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
     if any(a in ("-h", "--help") for a in rest):

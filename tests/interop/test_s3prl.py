@@ -186,7 +186,10 @@ def test_lengths_agree_with_s3prls_featurizer_for_every_input_length(expert, ups
 def test_nonfinite_or_int16_range_waveforms_are_refused(expert):
     wav = 0.1 * torch.randn(8000, generator=torch.Generator().manual_seed(3))
     for bad, message in (
-        (torch.where(torch.arange(8000) == 77, float("nan"), wav), "the waveform holds NaN or infinite"),
+        (
+            torch.where(torch.arange(8000) == 77, float("nan"), wav),
+            "the waveform holds NaN or infinite",
+        ),
         (torch.where(torch.arange(8000) == 5, float("inf"), wav), "the waveform holds NaN or inf"),
         (wav * 1e30, r"peak amplitude 4\.149e\+29 is far outside"),
         (wav * 32768, r"peak amplitude 1\.359e\+04 .* divided by 32768"),

@@ -122,8 +122,13 @@ def test_configs_paper_and_quick():
     assert ks["optimizer"]["lr"] == 1e-4 and ks["runner"]["total_steps"] == 200_000
     assert task_config("ctc")["optimizer"]["lr"] == 1e-2
     assert task_config("voxceleb1")["runner"]["gradient_accumulate_steps"] == 4
-    quick = task_config("voxceleb1", quick=True, overrides={"downstream_expert.datarc.file_path": "x"})
-    assert quick["runner"]["total_steps"] == 300 and quick["downstream_expert"]["datarc"]["file_path"] == "x"
+    quick = task_config(
+        "voxceleb1", quick=True, overrides={"downstream_expert.datarc.file_path": "x"}
+    )
+    assert (
+        quick["runner"]["total_steps"] == 300
+        and quick["downstream_expert"]["datarc"]["file_path"] == "x"
+    )
     assert PAPER["voxceleb1"]["downstream_expert"]["datarc"].get("file_path") is None  # untouched
     with pytest.raises(ValueError, match="-d asr: speechattn ships SUPERB configs for"):
         task_config("asr")

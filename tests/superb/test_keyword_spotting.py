@@ -56,7 +56,12 @@ def test_keyword_spotting_train_and_evaluate(tiny_corpus, pretrained_tiny_run, t
     assert {p.parent.name for p in test_clips} >= {"yes", "no", "_unknown_", "_silence_"}
     root = Path(speechattn.__file__).resolve().parents[1]
     done = subprocess.run(
-        [sys.executable, "-c", SCRIPT, *["|".join(c) for c in commands(upstream_pt, data, tmp_path)]],
+        [
+            sys.executable,
+            "-c",
+            SCRIPT,
+            *["|".join(c) for c in commands(upstream_pt, data, tmp_path)],
+        ],
         capture_output=True,
         text=True,
         timeout=600,
