@@ -112,8 +112,14 @@ def build_argv(argv: list[str], quick: bool, data: str | None) -> tuple[list[str
         )
     if args.mode is None:
         raise ConfigError("-m/--mode is required: train, evaluate or inference")
-    if args.upstream in UPSTREAM_NAMES and not args.upstream_ckpt and not args.past_exp:
-        raise ConfigError(f"-u {args.upstream} needs -k RUN/upstream.pt")
+    if args.upstream in UPSTREAM_NAMES and not args.past_exp:
+        if not args.upstream_ckpt:
+            raise ConfigError(f"-u {args.upstream} needs -k RUN/upstream.pt")
+        if not Path(args.upstream_ckpt).is_file():
+            raise ConfigError(
+                f"-k {args.upstream_ckpt}: no such file; give the upstream.pt of a "
+                f"python -m speechattn.pretrain run"
+            )
     out = list(argv)
     if args.device is None:
         import torch
@@ -247,7 +253,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--superb-help", action="help", help="this help")
     ours, rest = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
     if any(a in ("-h", "--help") for a in rest):
-        compat.install()
+        print(parser.format_help())
+        print("run_downstream.py's own arguments:\n")
         run_downstream(["-h"])
         return
     logging.basicConfig(level=logging.INFO, format="%(message)s")
