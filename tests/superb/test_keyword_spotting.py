@@ -21,6 +21,7 @@ import torch
 import speechattn
 
 interfaces = pytest.importorskip("s3prl.upstream.interfaces")
+pytest.importorskip("tensorboardX")  # the runner's logger (the s3prl extra)
 
 from speechattn.superb import compat  # noqa: E402
 from speechattn.superb.prepare import prepare  # noqa: E402
