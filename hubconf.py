@@ -27,7 +27,8 @@ def speechattn_upstream(ckpt: str | None = None, map_location: str = "cpu"):
 
 
 def speechattn_s3prl(ckpt: str | None = None, map_location: str = "cpu"):
-    """The same upstream behind s3prl's upstream interface (`speechattn.interop.s3prl`)."""
+    """The same upstream behind s3prl's upstream interface (`speechattn.interop.s3prl`), in
+    eval mode like `speechattn_upstream`."""
     from speechattn.interop.s3prl import UpstreamExpert
 
     return UpstreamExpert(_required(ckpt), map_location=map_location)

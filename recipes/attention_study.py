@@ -19,6 +19,10 @@ output folder they fill:
                                                 +variant=a,b,... (pretraining loss, and the
                                                 phone_1hidden probe by default)
     OUT/bench/attention.json                   python -m speechattn.bench attention --json
+    OUT/superb/<task>/<unit>/superb_result.json with --superb ks,sid,pr: python -m speechattn.superb
+                                                train + evaluate per variant and for the
+                                                fbank_no_cmvn baseline (--quick at tiny scale;
+                                                run here, one after another, not by the launcher)
     OUT/cache/                                 frozen features (shared by the four tasks)
     OUT/logs/<stage>.log                       each multirun's own output (the job logs are in
                                                the job folders, and .submitit/ for local/slurm)
@@ -52,6 +56,9 @@ from speechattn.tasks.records import MEL, RESULT_FILE, TASKS
 
 LAUNCHERS = ("basic", "local", "slurm")  # hydra/launcher options (conf/hydra/launcher/)
 HEADS_FILE = "heads.json"
+# --superb abbreviations -> s3prl downstream names (speechattn.superb.configs.ABBREVIATION)
+SUPERB_TASKS = {"ks": "speech_commands", "sid": "voxceleb1", "pr": "ctc"}
+SUPERB_BASELINE = "fbank_no_cmvn"  # the fair baseline: no per-utterance normalisation
 
 
 def hydra_value(text: str | Path) -> str:
@@ -350,6 +357,23 @@ class Study:
         argv = [sys.executable, "-m", "speechattn.bench", "attention", "--json", str(path)]
         self.command("bench_attention", [*argv, *self.scale.bench])
 
+    def superb(self, variants: list[str], tasks: Sequence[str], quick: bool) -> None:
+        """SUPERB tasks through s3prl's runner (python -m speechattn.superb), each pretrained
+        variant and the fair baseline fbank_no_cmvn; a task with a superb_result.json is done."""
+        units = [(v, ["-u", "speechattn", "-k", str(self.upstream_path(v))]) for v in variants]
+        units.append((SUPERB_BASELINE, ["-u", SUPERB_BASELINE]))
+        for abbreviation in tasks:
+            task = SUPERB_TASKS[abbreviation]
+            for unit, upstream in units:
+                expdir = self.out / "superb" / task / unit
+                if (expdir / "superb_result.json").is_file():
+                    continue
+                argv = [sys.executable, "-m", "speechattn.superb", *upstream, "-d", task,
+                        "-p", str(expdir), *(["--quick"] if quick else [])]  # fmt: skip
+                name = f"superb_{abbreviation}_{unit}"
+                if self.command(f"{name}_train", [*argv, "-m", "train"]):
+                    self.command(f"{name}_evaluate", [*argv, "-m", "evaluate"])
+
     def report(self) -> None:
         self.command("report", [sys.executable, "-m", "speechattn.report", str(self.out)])
 
@@ -397,6 +421,13 @@ def main(argv: list[str] | None = None) -> int:
         help="multiruns side by side, each with a share of a stage's jobs and of the cores "
         "(default: tiny with the basic launcher one per core, else 1)",
     )
+    parser.add_argument(
+        "--superb",
+        default="",
+        help="SUPERB tasks through s3prl's runner per variant and for fbank_no_cmvn, "
+        "comma-separated from ks,sid,pr (docs/superb.md; needs the s3prl extra); --quick "
+        "configs at tiny scale",
+    )
     parser.add_argument("--dry-run", action="store_true", help="print the commands only")
     parser.add_argument(
         "--pretrain-arg",
@@ -441,6 +472,10 @@ def run_study(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     unknown = sorted(set(tasks) - set(TASKS))
     if unknown:
         usage_error(parser, f"unknown task(s) {unknown}; choose from {', '.join(TASKS)}")
+    superb = tuple(t for t in args.superb.split(",") if t)
+    unknown = sorted(set(superb) - set(SUPERB_TASKS))
+    if unknown:
+        usage_error(parser, f"unknown SUPERB task(s) {unknown}; choose from ks, sid, pr")
     out = (args.out or Path("results") / args.scale).resolve()
     try:
         scale = scale_overrides(args.scale, args.librispeech, args.launcher)
@@ -470,6 +505,8 @@ def run_study(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     units = ([] if args.no_mel else [MEL]) + pretrained
     study.downstream(units, tasks, args.downstream_arg)
     study.heads(pretrained, analyses, args.heads_arg)
+    if superb:
+        study.superb(pretrained, superb, quick=args.scale == "tiny")
     if not args.no_bench:
         study.bench()
     study.report()

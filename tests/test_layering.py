@@ -8,7 +8,10 @@ imports nothing eagerly; `config` sits on data, model and tasks; the entry modul
 layer but `bench`. Inside `tasks` the jobs are independent, except that the head analysis reads
 downstream runs: `pretrain` and `downstream` import no other job, `analysis` only `downstream`.
 `interop` (s3prl expert) reads upstreams through `model` and is imported by no layer; the
-repository's `hubconf.py` may use `model` and `interop` only.
+repository's `hubconf.py` may use `model` and `interop` only. `superb` (s3prl's SUPERB runner
+with our upstreams) sits beside `interop` and `report`: it uses the built-in corpus (`data`),
+the expert (`interop`) and the record it writes for the report (`tasks.records`), and no layer
+imports it.
 """
 
 import ast
@@ -27,6 +30,7 @@ ALLOWED = {
     "report": {"data", "attention", "model", "tasks"},
     "bench": {"config", "data", "attention", "model", "tasks"},
     "interop": {"data", "attention", "model"},
+    "superb": {"data", "attention", "model", "tasks", "interop"},
 }
 ROOT_MODULES = {
     "utils": set(),

@@ -8,6 +8,18 @@ s3prl (0.4.x) drives every upstream through one contract, which `UpstreamExpert`
     out["last_hidden_state"]   # (B, T', D)
     expert.get_downsample_rates("hidden_states")         # 480 samples per model frame
 
+Length rule: s3prl's `Featurizer` keeps `round(S / 480)` frames of an S-sample utterance
+(Python's round, half to even), whatever the upstream returns. The model itself gives
+ceil(((S - 400) // 160 + 1) / 3) frames, which is one fewer for some S (9000 samples: 18
+against 19). So the expert returns exactly `s3prl_frames(S)` frames per utterance: when the
+model gives fewer, its last frame is repeated; when it gives more, the extra ones are dropped;
+past that count, frames are zero (T' = the batch's largest count). Frames up to the smaller
+of the two counts are `load_upstream`'s hidden states unchanged.
+
+Input checks: waveforms must be finite floats at 16 kHz scale; a peak above
+`MAX_ABS_AMPLITUDE` (int16-range samples, or garbage such as 1e30) is refused with a
+`WaveformError` instead of producing NaN or meaningless hidden states.
+
 With s3prl installed (`pip install 'speechattn[s3prl]'`) the expert subclasses s3prl's
 `UpstreamBase`, so s3prl's forward hooks and its `Featurizer` (the weighted layer sum used by
 `run_downstream.py`) work on it unchanged; without s3prl it is a plain `nn.Module` with the
@@ -25,7 +37,7 @@ import torch
 from torch import Tensor, nn
 
 from speechattn.data.features import SAMPLE_RATE, WIN_LENGTH
-from speechattn.errors import ConfigError
+from speechattn.errors import ConfigError, SpeechattnError
 from speechattn.model.upstream import Upstream, load_upstream
 
 try:  # optional: the expert only needs s3prl for its hooks; its interface module is light
@@ -35,6 +47,52 @@ try:  # optional: the expert only needs s3prl for its hooks; its interface modul
 except ImportError:
     _ExpertBase = nn.Module
     S3PRL_AVAILABLE = False
+
+
+# Largest |sample| accepted. Float audio lives in [-1, 1]; s3prl's Featurizer probes every
+# upstream with unit-variance noise (peaks of about 4.5), so a few units must pass, while
+# int16-range samples (peaks in the hundreds or thousands) must not.
+MAX_ABS_AMPLITUDE = 32.0
+
+
+class WaveformError(SpeechattnError, ValueError):
+    """A waveform the expert cannot use (wrong type, shape, length, rate or values); the
+    message names the utterance (`wavs[i]`) and the fix."""
+
+
+def s3prl_frames(num_samples: int, samples_per_frame: int = 480) -> int:
+    """Frames s3prl's `Featurizer` keeps of a `num_samples` utterance: `round(S / rate)`,
+    with Python's round (half to even), exactly as `Featurizer.tolist` computes it."""
+    return round(num_samples / samples_per_frame)
+
+
+def match_s3prl_lengths(
+    hidden: list[Tensor], model_frames: Tensor, samples: Tensor, samples_per_frame: int
+) -> list[Tensor]:
+    """Pad or trim hidden states to the frame counts s3prl's Featurizer assumes.
+
+    Args:
+        hidden: L+1 tensors (B, T', D), zero past each utterance's `model_frames`.
+        model_frames: (B,) frames the model produced per utterance (>= 1).
+        samples: (B,) sample counts of the waveforms.
+        samples_per_frame: 16 kHz samples per frame (480).
+    Returns:
+        L+1 tensors (B, T_s, D), T_s = max_b round(S_b / rate): utterance b's first
+        min(model, s3prl) frames unchanged, its last model frame repeated up to round(S_b /
+        rate) frames, zero after.
+    """
+    target = torch.tensor(
+        [s3prl_frames(int(n), samples_per_frame) for n in samples.tolist()],
+        device=model_frames.device,
+    )  # (B,)
+    steps = torch.arange(int(target.max()), device=model_frames.device)  # (T_s,)
+    index = torch.minimum(steps[None, :], model_frames[:, None] - 1)  # (B, T_s) last-frame repeat
+    keep = (steps[None, :] < target[:, None]).unsqueeze(-1)  # (B, T_s, 1)
+    out = []
+    for h in hidden:
+        gathered = h.gather(1, index.unsqueeze(-1).expand(-1, -1, h.shape[-1]))  # (B, T_s, D)
+        out.append(gathered * keep)
+    return out
 
 
 class UpstreamExpert(_ExpertBase):
@@ -76,6 +134,7 @@ class UpstreamExpert(_ExpertBase):
         self.name = "[speechattn UpstreamExpert]"
         self.upstream: Upstream = load_upstream(ckpt, map_location=map_location)
         self.ckpt = str(ckpt)
+        self.eval()  # like load_upstream: a frozen feature extractor until asked to train
 
     def get_downsample_rates(self, key: str) -> int:
         """16 kHz samples per output frame, the same for every key: the 10 ms feature hop times
@@ -86,7 +145,8 @@ class UpstreamExpert(_ExpertBase):
         self, wavs: list[Tensor], sample_rate: int = SAMPLE_RATE
     ) -> dict[str, Tensor | list[Tensor]]:
         """wavs: B 1-D 16 kHz waveforms (S_b,) -> {"hidden_states": L+1 tensors (B, T', D),
-        "last_hidden_state": (B, T', D)}, zero past each utterance's frames.
+        "last_hidden_state": (B, T', D)}: round(S_b / 480) frames per utterance (the module
+        docstring's length rule), zero after.
 
         s3prl always feeds 16 kHz; `sample_rate` lets other callers have that checked.
 
@@ -94,7 +154,7 @@ class UpstreamExpert(_ExpertBase):
         expert returns an empty dict (s3prl refuses both at once).
         """
         if sample_rate != SAMPLE_RATE:
-            raise ValueError(
+            raise WaveformError(
                 f"{self.name} got {sample_rate} Hz audio; the upstream was trained on "
                 f"{SAMPLE_RATE} Hz log-mel: resample to {SAMPLE_RATE} Hz first"
             )
@@ -103,30 +163,33 @@ class UpstreamExpert(_ExpertBase):
         hidden = self.upstream(features, frames)
         if getattr(self, "hooks", None):
             return {}
+        model_frames = self.upstream.output_lengths(frames)  # (B,)
+        hidden = match_s3prl_lengths(hidden, model_frames, lengths, self.upstream.samples_per_frame)
         return {"hidden_states": hidden, "last_hidden_state": hidden[-1]}
 
     def _pad(self, wavs: list[Tensor]) -> tuple[Tensor, Tensor]:
         """B waveforms -> zero-padded (B, S_max) on the model's device, sample counts (B,)."""
         if isinstance(wavs, Tensor) or not isinstance(wavs, list | tuple) or not wavs:
             found = f"a tensor of shape {tuple(wavs.shape)}" if isinstance(wavs, Tensor) else wavs
-            raise ValueError(
+            raise WaveformError(
                 f"{self.name} expects a non-empty list of 1-D {SAMPLE_RATE} Hz waveforms, "
                 f"got {found!r}"
             )
         for i, wav in enumerate(wavs):
             if not isinstance(wav, Tensor) or not wav.is_floating_point():
                 kind = wav.dtype if isinstance(wav, Tensor) else type(wav).__name__
-                raise ValueError(f"wavs[{i}]: expected a float waveform tensor, got {kind}")
+                raise WaveformError(f"wavs[{i}]: expected a float waveform tensor, got {kind}")
             if wav.dim() != 1:
-                raise ValueError(
+                raise WaveformError(
                     f"wavs[{i}]: expected a 1-D {SAMPLE_RATE} Hz waveform (samples,), got shape "
                     f"{tuple(wav.shape)} (mix channels to mono, one tensor per utterance)"
                 )
             if wav.numel() < WIN_LENGTH:
-                raise ValueError(
+                raise WaveformError(
                     f"wavs[{i}]: {wav.numel()} samples is shorter than one {WIN_LENGTH}-sample "
                     f"analysis window ({1000 * WIN_LENGTH // SAMPLE_RATE} ms at {SAMPLE_RATE} Hz)"
                 )
+        self._check_values(wavs)
         device = self.upstream.mean.device
         lengths = torch.tensor([w.numel() for w in wavs], device=device)
         padded = torch.nn.utils.rnn.pad_sequence(
@@ -134,10 +197,36 @@ class UpstreamExpert(_ExpertBase):
         )  # (B, S_max)
         return padded, lengths
 
+    @staticmethod
+    def _check_values(wavs: list[Tensor]) -> None:
+        """Refuse non-finite samples and int16-range amplitudes, naming the utterance; one
+        host read for the whole batch."""
+        peaks = torch.stack([w.detach().abs().max().float() for w in wavs]).cpu()  # (B,)
+        for i, peak in enumerate(peaks.tolist()):
+            if peak != peak or peak == float("inf"):  # NaN or inf somewhere in wavs[i]
+                raise WaveformError(
+                    f"wavs[{i}]: the waveform holds NaN or infinite samples; check the audio "
+                    f"file or the preprocessing that produced it"
+                )
+            if peak > MAX_ABS_AMPLITUDE:
+                raise WaveformError(
+                    f"wavs[{i}]: peak amplitude {peak:.4g} is far outside the float range "
+                    f"[-1, 1] ({MAX_ABS_AMPLITUDE:g} at most); int16 samples must be divided "
+                    f"by 32768 first"
+                )
+
 
 def speechattn_local(ckpt: str | Path, *args: Any, **kwargs: Any) -> UpstreamExpert:
     """s3prl hub entry: `run_downstream.py -u speechattn_local -k path/to/upstream.pt`."""
     return UpstreamExpert(ckpt, *args, **kwargs)
 
 
-__all__ = ["S3PRL_AVAILABLE", "UpstreamExpert", "speechattn_local"]
+__all__ = [
+    "MAX_ABS_AMPLITUDE",
+    "S3PRL_AVAILABLE",
+    "UpstreamExpert",
+    "WaveformError",
+    "match_s3prl_lengths",
+    "s3prl_frames",
+    "speechattn_local",
+]

@@ -14,7 +14,8 @@ from pathlib import Path
 from speechattn.errors import SpeechattnError
 from speechattn.report.figures import SPEAKER_TASK, accuracy_vs_keys, attention_maps
 from speechattn.report.results import BenchRecord, ResultSet, collect, find_bench, read_bench
-from speechattn.report.tables import accuracy_table, cost_table, reference_table
+from speechattn.report.superb import superb_report
+from speechattn.report.tables import Table, accuracy_table, cost_table, reference_table
 from speechattn.tasks.records import EXAMPLE_FILE, MEL, TASKS
 
 log = logging.getLogger(__name__)
@@ -107,8 +108,13 @@ def make_report(
         report.files.append(fig)
     report.files += _head_analyses(results_dir, report)
     report.files += _spans(results, report)
+    superb_files, problems, superb = superb_report(results_dir, report.out)
+    report.files += superb_files
+    report.notes += problems
 
-    (report.out / "README.md").write_text(_readme(report, results, tables=(table2, table1_md)))
+    (report.out / "README.md").write_text(
+        _readme(report, results, tables=(table2, table1_md), superb=superb)
+    )
     report.files.append(report.out / "README.md")
     return report
 
@@ -178,7 +184,7 @@ def _maps(results: ResultSet, variant: str, layer: int | None, report: Report) -
     return None
 
 
-def _readme(report: Report, results: ResultSet, tables: tuple) -> str:
+def _readme(report: Report, results: ResultSet, tables: tuple, superb: Table | None = None) -> str:
     table2, table1 = tables
     found = sum(len(runs) for runs in results.results.values())
     lines = [
@@ -212,6 +218,11 @@ def _readme(report: Report, results: ResultSet, tables: tuple) -> str:
             "heat-maps, single-head ablations and pruning curves (`python -m speechattn.analyze "
             "heads`) |"
         )
+    if superb is not None:
+        lines.append(
+            "| [superb.md](superb.md) / `superb.csv` | SUPERB tasks through s3prl's runner: "
+            "speechattn upstreams vs baselines (`python -m speechattn.superb`) |"
+        )
     if (report.out / "spans.md").is_file():
         lines.append(
             "| [spans.md](spans.md) / `spans.csv` | learned attention span of every head and "
@@ -222,6 +233,8 @@ def _readme(report: Report, results: ResultSet, tables: tuple) -> str:
         shown = ", ".join(f"{v}/{t}" for v, t in report.missing[:20])
         more = f" and {len(report.missing) - 20} more" if len(report.missing) > 20 else ""
         lines += [f"Missing runs ({len(report.missing)}): {shown}{more}.", ""]
+    if superb is not None:
+        lines += ["## SUPERB ([superb.md](superb.md))", "", superb.markdown()]
     lines += ["## Cost (Table 1)", "", table1.markdown(digits=1)]
     if (report.out / "fig_attention_maps.png").is_file():
         lines += ["## Attention maps", "", "![attention maps](fig_attention_maps.png)", ""]

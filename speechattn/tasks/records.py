@@ -277,3 +277,77 @@ def check_heads(data: Any, path: str | Path) -> None:
 def find_heads(results_dir: str | Path) -> list[Path]:
     """Every `heads.json` under `results_dir`, sorted."""
     return sorted(Path(results_dir).rglob(HEADS_FILE))
+
+
+# ----------------------------------------------------------------------------- superb_result.json
+
+# One SUPERB evaluation through s3prl's run_downstream.py (`python -m speechattn.superb -m
+# evaluate`), written into the experiment folder beside s3prl's own files:
+#
+#     schema_version    1
+#     kind              "speechattn-superb"
+#     task              s3prl downstream: speech_commands | voxceleb1 | ctc
+#     metric            "accuracy" | "per" (phone error rate), computed from s3prl's own
+#                       prediction files of the evaluated split
+#     value             the metric on `split`
+#     higher_is_better  bool
+#     split             evaluated split ("test")
+#     upstream          s3prl upstream name (-u): "speechattn" or a baseline such as fbank_no_cmvn
+#     upstream_ckpt     -k path (null for baselines)
+#     attention         attention variant of a speechattn upstream, else the upstream name
+#     quick             whether the --quick config was used
+#     steps             downstream training steps of the evaluated checkpoint
+#     checkpoint        the runner checkpoint that was evaluated
+#     code_version      `speechattn.code_version()`
+#     created           ISO-8601 UTC time stamp
+SUPERB_FILE = "superb_result.json"
+SUPERB_KIND = "speechattn-superb"
+
+
+@dataclass
+class SuperbResult:
+    """One SUPERB evaluation (fields: the comment above)."""
+
+    task: str
+    metric: str
+    value: float
+    higher_is_better: bool
+    split: str
+    upstream: str
+    upstream_ckpt: str | None
+    attention: str
+    quick: bool
+    steps: int
+    checkpoint: str
+    code_version: str = ""
+    created: str = ""
+    kind: str = SUPERB_KIND
+    schema_version: int = SCHEMA_VERSION
+
+    def write(self, directory: str | Path) -> Path:
+        """Write `directory/superb_result.json` atomically; returns its path."""
+        path = Path(directory) / SUPERB_FILE
+        atomic_write_text(path, json.dumps(asdict(self), indent=2) + "\n")
+        return path
+
+
+def read_superb(path: str | Path) -> SuperbResult:
+    """Read and check one `superb_result.json`; a `ValueError` naming the file when it is not."""
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path}: not a readable {SUPERB_FILE} ({e})") from e
+    if not isinstance(data, dict) or data.get("kind") != SUPERB_KIND:
+        raise ValueError(f"{path}: not a {SUPERB_FILE} (kind must be {SUPERB_KIND!r})")
+    if data.get("schema_version") != SCHEMA_VERSION:
+        raise ValueError(f"{path}: schema version {data.get('schema_version')}, expected 1")
+    required = [f.name for f in fields(SuperbResult) if f.default is MISSING]
+    missing = [name for name in required if name not in data]
+    if missing:
+        raise ValueError(f"{path}: lacks required field(s) {', '.join(missing)}")
+    known = {f.name for f in fields(SuperbResult)}
+    result = SuperbResult(**{k: v for k, v in data.items() if k in known})
+    if not isinstance(result.value, int | float) or result.value != result.value:
+        raise ValueError(f"{path}: value must be a number, found {result.value!r}")
+    return result

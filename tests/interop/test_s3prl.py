@@ -14,7 +14,12 @@ import torch
 from torch import Tensor
 
 import speechattn
-from speechattn.interop.s3prl import S3PRL_AVAILABLE, UpstreamExpert, speechattn_local
+from speechattn.interop.s3prl import (
+    S3PRL_AVAILABLE,
+    UpstreamExpert,
+    WaveformError,
+    speechattn_local,
+)
 
 interfaces = pytest.importorskip("s3prl.upstream.interfaces")
 
@@ -145,3 +150,59 @@ def test_bad_input_is_named(expert, tmp_path):
         UpstreamExpert(tmp_path / "bad.pt")
     with pytest.raises(ValueError, match="drop -g"):
         UpstreamExpert(tmp_path / "bad.pt", model_config="config.yaml")
+
+
+# every sample count from one window to 2 s in steps that hit all residues mod 160 and 480,
+# plus the lengths where the model gives one frame fewer than s3prl assumes (9000: 18 vs 19)
+SWEEP = sorted({*range(400, 32_000, 163), 9000, 9_120, 9_600, 10_080, 401, 479, 480, 719, 720})
+
+
+def test_lengths_agree_with_s3prls_featurizer_for_every_input_length(expert, upstream_pt):
+    featurizer = interfaces.Featurizer(expert, upstream_device="cpu")
+    up = speechattn.load_upstream(upstream_pt)
+    fewer = 0
+    for start in range(0, len(SWEEP), 16):
+        lengths = SWEEP[start : start + 16]
+        wavs = waveforms(lengths, seed=start)
+        with torch.no_grad():
+            out = expert(wavs)
+            features = featurizer(wavs, out)
+        ref, model_frames = reference(upstream_pt, wavs)
+        mixed = torch.stack(ref).mean(0)  # untrained Featurizer weights: the layer mean
+        assert out["hidden_states"][0].shape[1] == max(round(n / 480) for n in lengths)
+        for b, (n, f) in enumerate(zip(lengths, features, strict=True)):
+            want, got = round(n / 480), int(model_frames[b])
+            assert f.shape == (want, up.hidden_dim), n
+            k = min(want, got)
+            torch.testing.assert_close(f[:k], mixed[b, :k], rtol=1e-5, atol=1e-6)
+            if want > got:  # the rule: the last model frame repeats, never a zero frame
+                fewer += 1
+                assert torch.equal(f[got:], f[got - 1 : got].expand(want - got, -1)), n
+            for h in out["hidden_states"]:  # zero past s3prl's count
+                assert (h[b, want:] == 0).all()
+    assert fewer > 0  # the sweep does reach the lengths the rule exists for
+
+
+def test_nonfinite_or_int16_range_waveforms_are_refused(expert):
+    wav = 0.1 * torch.randn(8000, generator=torch.Generator().manual_seed(3))
+    for bad, message in (
+        (
+            torch.where(torch.arange(8000) == 77, float("nan"), wav),
+            "the waveform holds NaN or infinite",
+        ),
+        (torch.where(torch.arange(8000) == 5, float("inf"), wav), "the waveform holds NaN or inf"),
+        (wav * 1e30, r"peak amplitude 4\.149e\+29 is far outside"),
+        (wav * 32768, r"peak amplitude 1\.359e\+04 .* divided by 32768"),
+    ):
+        with pytest.raises(WaveformError, match=r"wavs\[1\]: " + message):
+            expert([wav, bad])
+    with pytest.raises(speechattn.errors.SpeechattnError):
+        expert([wav * 1e30])
+    # s3prl's Featurizer probes with unit-variance noise: that must pass
+    with torch.no_grad():
+        assert torch.isfinite(expert([torch.randn(16000)])["hidden_states"][-1]).all()
+
+
+def test_expert_starts_in_eval_mode(upstream_pt):
+    expert = UpstreamExpert(upstream_pt)
+    assert not expert.training and not any(m.training for m in expert.modules())

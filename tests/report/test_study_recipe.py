@@ -247,3 +247,21 @@ def test_each_missing_output_names_the_multirun_that_ran_it(study, tmp_path: Pat
             failure("linear", "phone_1hidden", "heads_phone_1hidden-2"),
         ]
     )
+
+
+def test_superb_tasks_per_variant_and_baseline(study, tmp_path: Path, capsys) -> None:
+    done = tmp_path / "superb" / "speech_commands" / "fbank_no_cmvn"
+    done.mkdir(parents=True)
+    (done / "superb_result.json").write_text("{}")
+    args = ["--out", str(tmp_path), "--dry-run", "--no-bench", "--no-mel", "--heads", "",
+            "--variants", "full,ldsa", "--superb", "ks,pr"]  # fmt: skip
+    study.main(args)
+    out = capsys.readouterr().out
+    runs = [line for line in out.splitlines() if "-m speechattn.superb" in line]
+    assert len(runs) == 2 * (3 * 2 - 1)  # train + evaluate; (2 variants + fbank) x 2 tasks - done
+    up = tmp_path / "pretrain" / "ldsa" / "upstream.pt"
+    want = f"-u speechattn -k {up} -d ctc -p {tmp_path}/superb/ctc/ldsa --quick -m evaluate"
+    assert any(line.endswith(want) for line in runs), runs
+    assert not any("speech_commands -p" in r and "fbank_no_cmvn -m" in r for r in runs)
+    with pytest.raises(SystemExit, match="unknown SUPERB task"):
+        study.main(["--out", str(tmp_path), "--dry-run", "--superb", "asr"])

@@ -1,0 +1,379 @@
+"""In-process shims that let unmodified s3prl 0.4.18 `run_downstream.py` run on torch and
+torchaudio 2.11 (and current huggingface_hub, Python 3.11).
+
+s3prl 0.4.18 was written for torch 1.x. Its runner and task code call APIs that later releases
+removed; nothing in s3prl is edited, each gap is bridged in this process before s3prl is imported
+(`install()`), and each shim says which s3prl code it serves and which release removed what it
+replaces (`SHIMS`):
+
+    set_audio_backend   torchaudio.set_audio_backend, removed in torchaudio 2.9: a no-op
+                        (run_downstream.main, upstream/byol_s at import)
+    sox_effects         torchaudio.sox_effects, removed in torchaudio 2.9: apply_effects_file
+                        for the channels/rate/gain effects (speech_commands' dataset; imported
+                        by mos_prediction) via soundfile + torchaudio resampling
+    audio_io            torchaudio.load/info, which need torchcodec (+ FFmpeg) since torchaudio
+                        2.9: soundfile readers, only when torchcodec cannot be imported
+                        (voxceleb1, ctc/asr datasets)
+    hf_folder           huggingface_hub.HfFolder/Repository, removed in huggingface_hub 1.0:
+                        import-time names (runner.py, run_downstream.py); they serve only
+                        --push_to_hf_hub and --hub huggingface, which `speechattn.superb` refuses
+    catalyst            catalyst.data.sampler.DistributedSamplerWrapper (speech_commands'
+                        expert): no catalyst release both installs (pip >= 24.1 rejects the
+                        metadata of 21.12+) and imports (21.x uses collections.MutableMapping,
+                        gone in Python 3.10) here; the wrapper itself, used only under DDP
+    checkpoints         torch 2.6 made torch.load weights-only by default and the runner's
+                        states-*.ckpt hold argparse.Namespace (`Args`): that class joins the
+                        weights-only allow-list; loading stays weights-only
+    libriphone          s3prl.downstream.ctc.corpus (LibriPhoneDataset), missing from the
+                        s3prl 0.4.18 wheel: `speechattn.superb.libriphone`
+
+and one per experiment (`set_voxceleb1_cache`): s3prl 0.4.18's voxceleb1 dataset caches its file
+lists in site-packages, whatever the data folder, so a second data set would silently train on
+the first one's files; the cache moves into the experiment folder.
+
+Each shim is installed once and only where the gap exists, so a newer torchaudio that has the API
+again (or an installed torchcodec) is used as is.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+import types
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from speechattn.errors import SpeechattnError
+
+log = logging.getLogger(__name__)
+
+
+class ShimError(SpeechattnError, NotImplementedError):
+    """s3prl asked a shim for something it does not bridge (an unsupported sox effect, pushing
+    to the Hugging Face Hub); the message names it and the way out."""
+
+
+@dataclass(frozen=True)
+class Shim:
+    """One bridge: its name, what it bridges (s3prl caller, the release that removed the
+    API), and its installer (returns True when it installed something)."""
+
+    name: str
+    bridges: str
+    install: Callable[[], bool]
+
+
+# -- torchaudio.set_audio_backend ---------------------------------------------------------------
+
+
+def _set_audio_backend(backend: str | None = None) -> None:
+    """torchaudio < 2.9's backend switch; audio I/O has one backend now, so nothing to do."""
+
+
+def install_set_audio_backend() -> bool:
+    import torchaudio
+
+    if hasattr(torchaudio, "set_audio_backend"):
+        return False
+    torchaudio.set_audio_backend = _set_audio_backend
+    return True
+
+
+# -- torchaudio.sox_effects ---------------------------------------------------------------------
+
+
+def _read(path: str | Path, frame_offset: int = 0, num_frames: int = -1) -> tuple[Tensor, int]:
+    """Audio file -> float32 (C, N) in [-1, 1] and its sample rate, read by soundfile."""
+    import soundfile as sf
+
+    try:
+        data, rate = sf.read(
+            str(path), start=frame_offset, frames=num_frames, dtype="float32", always_2d=True
+        )
+    except (sf.LibsndfileError, RuntimeError) as e:
+        from speechattn.data.errors import DataError
+
+        raise DataError(Path(path), "unreadable audio", str(e)) from e
+    return torch.from_numpy(data.T.copy()), int(rate)
+
+
+def _apply_effects(
+    wav: Tensor, rate: int, effects: list[list[str]], where: str
+) -> tuple[Tensor, int]:
+    """sox effects on (C, N) float audio: ["channels", "1"] (mean of the channels, as sox mixes
+    down), ["rate", R] (torchaudio's band-limited resampling), ["gain", dB]; others raise."""
+    import torchaudio
+
+    for effect in effects:
+        name, *values = [str(v) for v in effect]
+        if name == "channels" and values == ["1"]:
+            wav = wav.mean(0, keepdim=True)
+        elif name == "rate" and len(values) == 1:
+            target = int(float(values[0]))
+            if target != rate:
+                wav = torchaudio.functional.resample(wav, rate, target)
+                rate = target
+        elif name == "gain" and len(values) == 1:
+            wav = wav * 10 ** (float(values[0]) / 20)
+        else:
+            raise ShimError(
+                f"sox effect {effect!r} on {where}: the speechattn sox_effects shim (torchaudio "
+                f"2.9 removed sox) applies only channels 1, rate R and gain dB"
+            )
+    return wav, rate
+
+
+def apply_effects_file(
+    path: str | Path,
+    effects: list[list[str]],
+    normalize: bool = True,
+    channels_first: bool = True,
+    format: str | None = None,
+) -> tuple[Tensor, int]:
+    """torchaudio.sox_effects.apply_effects_file for the effects s3prl's tasks use
+    (`_apply_effects`); samples are always float in [-1, 1] (`normalize`, `format` are
+    accepted for the signature). Returns (C, N) (or (N, C)) float32 and the sample rate."""
+    wav, rate = _read(path)  # (C, N)
+    wav, rate = _apply_effects(wav, rate, effects, str(path))
+    return (wav if channels_first else wav.T), rate
+
+
+def apply_effects_tensor(
+    tensor: Tensor, sample_rate: int, effects: list[list[str]], channels_first: bool = True
+) -> tuple[Tensor, int]:
+    """torchaudio.sox_effects.apply_effects_tensor for the same effects."""
+    wav = tensor if channels_first else tensor.T
+    wav, rate = _apply_effects(wav.float(), sample_rate, effects, "a tensor")
+    return (wav if channels_first else wav.T), rate
+
+
+def install_sox_effects() -> bool:
+    import torchaudio
+
+    try:
+        importlib.import_module("torchaudio.sox_effects")
+        return False
+    except ImportError:
+        pass
+    module = types.ModuleType("torchaudio.sox_effects")
+    module.__doc__ = (
+        "speechattn shim: torchaudio 2.9 removed sox_effects (see speechattn.superb.compat)"
+    )
+    module.apply_effects_file = apply_effects_file
+    module.apply_effects_tensor = apply_effects_tensor
+    sys.modules["torchaudio.sox_effects"] = module
+    torchaudio.sox_effects = module
+    return True
+
+
+# -- torchaudio.load / info ---------------------------------------------------------------------
+
+
+def load(
+    uri: str | Path,
+    frame_offset: int = 0,
+    num_frames: int = -1,
+    normalize: bool = True,
+    channels_first: bool = True,
+    format: str | None = None,
+    buffer_size: int = 4096,
+    backend: str | None = None,
+) -> tuple[Tensor, int]:
+    """torchaudio.load through soundfile: float32 (C, N) (or (N, C)) in [-1, 1], sample rate.
+    `normalize=False` (integer samples) is not offered: s3prl never asks for it."""
+    if not normalize:
+        raise ShimError(f"torchaudio.load({uri}, normalize=False): the soundfile shim reads floats")
+    wav, rate = _read(uri, frame_offset, num_frames)
+    return (wav if channels_first else wav.T), rate
+
+
+@dataclass(frozen=True)
+class AudioMetaData:
+    """torchaudio's `info()` result, the fields s3prl reads."""
+
+    sample_rate: int
+    num_frames: int
+    num_channels: int
+    bits_per_sample: int
+    encoding: str
+
+
+def info(uri: str | Path, format: str | None = None, backend: str | None = None) -> AudioMetaData:
+    """torchaudio.info through soundfile's header read."""
+    import soundfile as sf
+
+    header = sf.info(str(uri))
+    bits = {"PCM_16": 16, "PCM_24": 24, "PCM_32": 32, "PCM_U8": 8, "FLOAT": 32, "DOUBLE": 64}
+    return AudioMetaData(
+        sample_rate=int(header.samplerate),
+        num_frames=int(header.frames),
+        num_channels=int(header.channels),
+        bits_per_sample=bits.get(header.subtype, 0),
+        encoding=header.subtype,
+    )
+
+
+def _torchcodec_works() -> bool:
+    try:  # torchcodec imports, then loads FFmpeg's libraries; either can fail
+        importlib.import_module("torchcodec.decoders")
+    except Exception:  # noqa: BLE001 - any failure means torchaudio.load cannot work
+        return False
+    return True
+
+
+def install_audio_io() -> bool:
+    import torchaudio
+
+    if torchaudio.load is load or _torchcodec_works():
+        return False
+    torchaudio.load = load
+    torchaudio.info = info
+    return True
+
+
+# -- huggingface_hub.HfFolder / Repository ------------------------------------------------------
+
+
+class _HubRemoved:
+    """Names s3prl imports from huggingface_hub < 1.0; using them is refused clearly."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self._refuse()
+
+    @classmethod
+    def _refuse(cls, *args: Any, **kwargs: Any) -> None:
+        raise ShimError(
+            f"huggingface_hub.{cls.__name__} (removed in huggingface_hub 1.0) is needed only to "
+            f"push to the Hugging Face Hub; drop --push_to_hf_hub / --hub huggingface"
+        )
+
+    get_token = save_token = delete_token = _refuse
+
+
+def install_hf_folder() -> bool:
+    import huggingface_hub
+
+    installed = False
+    for name in ("HfFolder", "Repository"):
+        if not hasattr(huggingface_hub, name):
+            setattr(huggingface_hub, name, type(name, (_HubRemoved,), {}))
+            installed = True
+    return installed
+
+
+# -- catalyst.data.sampler.DistributedSamplerWrapper --------------------------------------------
+
+
+class DistributedSamplerWrapper(torch.utils.data.DistributedSampler):
+    """Each DDP rank draws its share of another sampler's indices (catalyst's class of the
+    same name): the wrapped sampler is drawn once per epoch (the same on every rank, as
+    runs seed every rank alike) and rank r keeps positions r, r + world, ..."""
+
+    def __init__(
+        self,
+        sampler: torch.utils.data.Sampler,
+        num_replicas: int | None = None,
+        rank: int | None = None,
+        shuffle: bool = True,
+    ) -> None:
+        super().__init__(list(range(len(sampler))), num_replicas, rank, shuffle)  # type: ignore[arg-type]
+        self.sampler = sampler
+
+    def __iter__(self):
+        drawn = list(iter(self.sampler))
+        positions = super().__iter__()  # this rank's positions into `drawn`, padded evenly
+        return iter([drawn[p] for p in positions])
+
+
+def install_catalyst() -> bool:
+    try:
+        importlib.import_module("catalyst.data.sampler")
+        return False
+    except Exception:  # noqa: BLE001 - not installed, or installed and broken on Python 3.11
+        pass
+    for name in [n for n in sys.modules if n == "catalyst" or n.startswith("catalyst.")]:
+        del sys.modules[name]  # a half-imported broken catalyst
+    names = ("catalyst", "catalyst.data", "catalyst.data.sampler")
+    modules = {n: types.ModuleType(n) for n in names}
+    modules["catalyst.data.sampler"].DistributedSamplerWrapper = DistributedSamplerWrapper
+    modules["catalyst"].data = modules["catalyst.data"]
+    modules["catalyst.data"].sampler = modules["catalyst.data.sampler"]
+    for name, module in modules.items():
+        module.__doc__ = "speechattn shim for s3prl 0.4.18 (see speechattn.superb.compat)"
+        sys.modules[name] = module
+    return True
+
+
+# -- the runner's checkpoints under weights-only loading ----------------------------------------
+
+# What a runner checkpoint (states-*.ckpt, dev-best.ckpt) holds besides tensors, dicts, lists and
+# numbers: the parsed command line (`Args`).
+CHECKPOINT_GLOBALS: tuple[type, ...] = (argparse.Namespace,)
+
+
+def install_checkpoints() -> bool:
+    missing = [g for g in CHECKPOINT_GLOBALS if g not in torch.serialization.get_safe_globals()]
+    torch.serialization.add_safe_globals(missing)
+    return bool(missing)
+
+
+# -- s3prl.downstream.ctc.corpus ----------------------------------------------------------------
+
+
+def install_libriphone() -> bool:
+    try:
+        importlib.import_module("s3prl.downstream.ctc.corpus.libriphone")
+        return False
+    except ImportError:
+        pass
+    from speechattn.superb import libriphone
+
+    corpus = types.ModuleType("s3prl.downstream.ctc.corpus")
+    corpus.__doc__ = "speechattn shim: the s3prl 0.4.18 wheel ships no ctc/corpus package"
+    corpus.__path__ = []  # a package, so `from .corpus.libriphone import ...` resolves
+    corpus.libriphone = libriphone
+    sys.modules["s3prl.downstream.ctc.corpus"] = corpus
+    sys.modules["s3prl.downstream.ctc.corpus.libriphone"] = libriphone
+    return True
+
+
+def set_voxceleb1_cache(expdir: str | Path) -> Path:
+    """Point s3prl 0.4.18's voxceleb1 file-list cache (`dataset.CACHE_PATH`, by default inside
+    site-packages and shared by every data set) at `expdir/.voxceleb1_cache/`; returns it."""
+    dataset = importlib.import_module("s3prl.downstream.voxceleb1.dataset")
+    folder = Path(expdir) / ".voxceleb1_cache"
+    dataset.CACHE_PATH = str(folder) + "/"  # s3prl joins it with os.path.join
+    return folder
+
+
+SHIMS: tuple[Shim, ...] = (
+    Shim("set_audio_backend", "torchaudio 2.9 removed set_audio_backend (s3prl 0.4.18 "
+         "run_downstream.main, upstream/byol_s)", install_set_audio_backend),
+    Shim("sox_effects", "torchaudio 2.9 removed sox_effects (s3prl 0.4.18 speech_commands "
+         "dataset, mos_prediction import)", install_sox_effects),
+    Shim("audio_io", "torchaudio 2.9 routes load/info through torchcodec + FFmpeg (s3prl "
+         "0.4.18 voxceleb1 and ctc datasets)", install_audio_io),
+    Shim("hf_folder", "huggingface_hub 1.0 removed HfFolder and Repository (s3prl 0.4.18 "
+         "runner.py and run_downstream.py imports)", install_hf_folder),
+    Shim("catalyst", "no catalyst release installs and imports on Python 3.11 (s3prl 0.4.18 "
+         "speech_commands expert)", install_catalyst),
+    Shim("checkpoints", "torch 2.6 made torch.load weights-only (s3prl 0.4.18 runner "
+         "checkpoints hold argparse.Namespace)", install_checkpoints),
+    Shim("libriphone", "the s3prl 0.4.18 wheel lacks downstream/ctc/corpus (phoneme "
+         "recognition)", install_libriphone),
+)  # fmt: skip
+
+
+def install() -> list[str]:
+    """Install every shim that is needed here (idempotent); returns the names installed."""
+    installed = [shim.name for shim in SHIMS if shim.install()]
+    if installed:
+        log.info("s3prl 0.4.18 compatibility shims installed: %s", ", ".join(installed))
+    return installed

@@ -1,0 +1,174 @@
+"""SUPERB task configs for s3prl's `run_downstream.py`: the paper's hyper-parameters, and `--quick`.
+
+`PAPER[task]` is the config s3prl ships for that task on GitHub (its PyPI wheel ships none):
+`downstream/speech_commands/config.yaml` (keyword spotting), `downstream/voxceleb1/config.yaml`
+(speaker identification) and `downstream/ctc/libriphone.yaml` (phoneme recognition), the
+settings of the SUPERB paper (Yang et al., 2021): a weighted sum of the frozen upstream's layers
+(s3prl's Featurizer), a 256-d projection, then mean pooling + linear (KS, SID) or a linear CTC
+head (PR); Adam at 1e-4 (KS, SID) or 1e-2 (PR), 200k / 200k / 100k steps. Data paths are left
+out: `speechattn.superb` fills them from a prepared folder (`prepare.data_config`).
+
+`QUICK[task]` changes what makes a run finish in minutes on a CPU: a few hundred steps, a higher
+learning rate so that they learn something, evaluation at the end, no data-loading processes,
+shorter training crops. Quick numbers show that the route works and roughly how an upstream
+compares with a baseline on the same data; they are not SUPERB scores.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+from speechattn.errors import ConfigError
+
+# s3prl -d names -> the SUPERB abbreviations the recipe and the report use
+ABBREVIATION = {"speech_commands": "ks", "voxceleb1": "sid", "ctc": "pr"}
+TASK_OF = {v: k for k, v in ABBREVIATION.items()}
+# the metric s3prl writes for each task, and whether higher is better
+METRIC = {"speech_commands": ("accuracy", True), "voxceleb1": ("accuracy", True),
+          "ctc": ("per", False)}  # fmt: skip
+
+_ADAM = {"name": "TorchOptim", "torch_optim_name": "Adam"}
+
+PAPER: dict[str, dict[str, Any]] = {
+    "speech_commands": {
+        "runner": {
+            "total_steps": 200_000,
+            "gradient_clipping": 1,
+            "gradient_accumulate_steps": 1,
+            "log_step": 100,
+            "eval_step": 4000,
+            "save_step": 1000,
+            "max_keep": 1,
+            "eval_dataloaders": ["dev", "test"],
+        },
+        "optimizer": {**_ADAM, "lr": 1.0e-4},
+        "downstream_expert": {
+            "datarc": {"num_workers": 8, "batch_size": 32},
+            "modelrc": {
+                "projector_dim": 256,
+                "select": "UtteranceLevel",
+                "UtteranceLevel": {"pooling": "MeanPooling"},
+            },
+        },
+    },
+    "voxceleb1": {
+        "runner": {
+            "total_steps": 200_000,
+            "gradient_clipping": 1,
+            "gradient_accumulate_steps": 4,
+            "log_step": 500,
+            "eval_step": 4000,
+            "save_step": 1000,
+            "max_keep": 1,
+            "eval_dataloaders": ["dev", "test"],
+        },
+        "optimizer": {**_ADAM, "lr": 1.0e-4},
+        "downstream_expert": {
+            "datarc": {
+                "num_workers": 12,
+                "train_batch_size": 8,
+                "eval_batch_size": 1,
+                "max_timestep": 128_000,  # 8 s training crops
+            },
+            "modelrc": {
+                "projector_dim": 256,
+                "select": "UtteranceLevel",
+                "UtteranceLevel": {"pooling": "MeanPooling"},
+            },
+        },
+    },
+    "ctc": {
+        "runner": {
+            "total_steps": 100_000,
+            "gradient_clipping": 1,
+            "gradient_accumulate_steps": 2,
+            "log_step": 100,
+            "eval_step": 1000,
+            "save_step": 100,
+            "max_keep": 1,
+            "eval_dataloaders": ["dev"],
+        },
+        "optimizer": {**_ADAM, "lr": 1.0e-2},
+        "downstream_expert": {
+            "corpus": {
+                "name": "libriphone",
+                "train": "train.csv",
+                "dev": "dev.csv",
+                "test": "test.csv",
+                "bucketing": True,
+                "batch_size": 16,
+                "num_workers": 24,
+            },
+            "text": {"mode": "word"},
+            "model": {
+                "project_dim": 256,
+                "zero_infinity": True,
+                "select": "FrameLevel",
+            },
+            "save_best_on": ["dev"],
+            "metric_higher_better": False,
+            "metric": ["per"],
+        },
+    },
+}
+
+# dotted key -> value, applied over PAPER[task]
+QUICK: dict[str, dict[str, Any]] = {
+    "speech_commands": {
+        "runner.total_steps": 300,
+        "runner.log_step": 50,
+        "runner.eval_step": 300,
+        "runner.save_step": 300,
+        "runner.eval_dataloaders": ["dev"],
+        "optimizer.lr": 1.0e-3,
+        "downstream_expert.datarc.num_workers": 0,
+        "downstream_expert.datarc.batch_size": 16,
+    },
+    "voxceleb1": {
+        "runner.total_steps": 300,
+        "runner.gradient_accumulate_steps": 1,
+        "runner.log_step": 50,
+        "runner.eval_step": 300,
+        "runner.save_step": 300,
+        "runner.eval_dataloaders": ["dev"],
+        "optimizer.lr": 1.0e-3,
+        "downstream_expert.datarc.num_workers": 0,
+        "downstream_expert.datarc.train_batch_size": 8,
+        "downstream_expert.datarc.eval_batch_size": 1,
+        "downstream_expert.datarc.max_timestep": 48_000,  # 3 s training crops
+    },
+    "ctc": {
+        "runner.total_steps": 300,
+        "runner.gradient_accumulate_steps": 1,
+        "runner.log_step": 50,
+        "runner.eval_step": 300,
+        "runner.save_step": 300,
+        "downstream_expert.corpus.batch_size": 8,
+        "downstream_expert.corpus.num_workers": 0,
+    },
+}
+
+
+def set_dotted(config: dict[str, Any], key: str, value: Any) -> None:
+    """config["a"]["b"] = value for key "a.b" (intermediate dicts created)."""
+    *parents, last = key.split(".")
+    for name in parents:
+        config = config.setdefault(name, {})
+    config[last] = value
+
+
+def task_config(
+    task: str, quick: bool = False, overrides: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """The s3prl config of `task` (PAPER, or with QUICK applied), with `overrides` (dotted keys,
+    e.g. the data paths) set last. Raises `ConfigError` for an unknown task."""
+    if task not in PAPER:
+        raise ConfigError(
+            f"-d {task}: speechattn ships SUPERB configs for {', '.join(PAPER)}; "
+            f"for other s3prl tasks pass their config with -c"
+        )
+    config = copy.deepcopy(PAPER[task])
+    for key, value in {**(QUICK[task] if quick else {}), **(overrides or {})}.items():
+        set_dotted(config, key, copy.deepcopy(value))
+    return config

@@ -1,0 +1,266 @@
+"""`python -m speechattn.superb [--quick] [--data DIR] RUN_DOWNSTREAM_ARGS...`
+
+Runs s3prl 0.4.18's own, unmodified `run_downstream.py` (train, evaluate or inference, with its
+arguments) in this process, after:
+
+- installing the compatibility shims of `speechattn.superb.compat`;
+- registering speechattn upstreams in s3prl's hub: `-u speechattn -k RUN/upstream.pt`
+  (also `speechattn_local`);
+- `--device`: the runner's default is cuda; here it is cuda when available, else cpu;
+- `-d speech_commands|voxceleb1|ctc` without `-c`: the SUPERB config of `configs.py` (paper, or
+  `--quick`), its data paths pointing at `--data` (a folder of `python -m
+  speechattn.superb.prepare`), by default the built-in corpus converted on first use; the
+  resolved config is written to EXPDIR/superb_config.yaml and passed as `-c`;
+- no `-p`/`-n`: EXPDIR = result/superb/<task>[-quick]/<upstream>[-<run folder>];
+- `-m evaluate` without `-e`: the experiment's dev-best.ckpt (else its latest states-*.ckpt).
+
+After an evaluation it scores s3prl's prediction files of the split (accuracy for
+speech_commands/voxceleb1, phone error rate for ctc), prints the metric and writes
+EXPDIR/superb_result.json (`speechattn.tasks.records.SuperbResult`) for `python -m
+speechattn.report`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import glob
+import logging
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from speechattn.errors import ConfigError
+from speechattn.superb import compat
+from speechattn.superb.configs import METRIC, PAPER, task_config
+from speechattn.tasks.records import SuperbResult
+from speechattn.utils import atomic_write_text
+
+log = logging.getLogger(__name__)
+
+# the resolved task config a training run reads (its name records whether it is --quick)
+CONFIG_FILE, QUICK_CONFIG_FILE = "superb_config.yaml", "superb_config_quick.yaml"
+UPSTREAM_NAMES = ("speechattn", "speechattn_local")
+
+
+def _inspect(argv: list[str]) -> argparse.Namespace:
+    """The run_downstream.py options this wrapper reads (the parser's own, unchanged)."""
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument("-m", "--mode")
+    parser.add_argument("-t", "--evaluate_split", default="test")
+    parser.add_argument("-e", "--past_exp")
+    parser.add_argument("-c", "--config")
+    parser.add_argument("-d", "--downstream")
+    parser.add_argument("-u", "--upstream")
+    parser.add_argument("-k", "--upstream_ckpt")
+    parser.add_argument("-n", "--expname")
+    parser.add_argument("-p", "--expdir")
+    parser.add_argument("--device")
+    parser.add_argument("--hub", default="torch")
+    parser.add_argument("--push_to_hf_hub", default=False)
+    return parser.parse_known_args(argv)[0]
+
+
+def default_expdir(task: str, upstream: str, ckpt: str | None, quick: bool) -> Path:
+    """result/superb/<task>[-quick]/<upstream>[-<folder of the checkpoint>]."""
+    name = upstream + (f"-{Path(ckpt).resolve().parent.name}" if ckpt else "")
+    return Path("result") / "superb" / (task + ("-quick" if quick else "")) / name
+
+
+def latest_checkpoint(expdir: Path) -> Path:
+    """The checkpoint `-m evaluate` uses: dev-best.ckpt, else the latest states-*.ckpt."""
+    best = expdir / "dev-best.ckpt"
+    if best.is_file():
+        return best
+    states = sorted(
+        glob.glob(str(expdir / "states-*.ckpt")), key=lambda p: int(Path(p).stem.split("-")[-1])
+    )
+    if not states:
+        raise ConfigError(
+            f"-m evaluate: no dev-best.ckpt or states-*.ckpt in {expdir}; train first (same "
+            f"arguments with -m train) or pass the checkpoint with -e"
+        )
+    return Path(states[-1])
+
+
+def _data_paths(task: str, data: str | None) -> dict[str, Any]:
+    from speechattn.superb import prepare
+
+    if data is not None:
+        return prepare.data_config(data, task)
+    from speechattn.data.synth import ensure_embedded_corpus
+
+    root = ensure_embedded_corpus()
+    folder = prepare.default_out(root, task)
+    if not prepare.is_prepared(folder, task):
+        log.info("converting the built-in corpus for %s into %s (first use)", task, folder)
+        prepare.prepare(task, root, folder)
+    return prepare.data_config(folder, task)
+
+
+def build_argv(argv: list[str], quick: bool, data: str | None) -> tuple[list[str], dict[str, Any]]:
+    """The run_downstream.py command line for `argv`, and what the wrapper decided (expdir,
+    task, ...). Writes the task config into the experiment folder for a new training run."""
+    args = _inspect(argv)
+    if args.hub != "torch" or args.push_to_hf_hub not in (False, "False", "false"):
+        raise ConfigError(
+            "--hub huggingface / --push_to_hf_hub: speechattn.superb runs local upstreams only "
+            "(the Hugging Face Hub calls need huggingface_hub < 1.0)"
+        )
+    if args.mode is None:
+        raise ConfigError("-m/--mode is required: train, evaluate or inference")
+    if args.upstream in UPSTREAM_NAMES and not args.past_exp:
+        if not args.upstream_ckpt:
+            raise ConfigError(f"-u {args.upstream} needs -k RUN/upstream.pt")
+        if not Path(args.upstream_ckpt).is_file():
+            raise ConfigError(
+                f"-k {args.upstream_ckpt}: no such file; give the upstream.pt of a "
+                f"python -m speechattn.pretrain run"
+            )
+    out = list(argv)
+    if args.device is None:
+        import torch
+
+        out += ["--device", "cuda" if torch.cuda.is_available() else "cpu"]
+    expdir = Path(args.expdir) if args.expdir else None
+    if expdir is None and args.expname:
+        expdir = Path("result") / "downstream" / args.expname  # run_downstream.py's own rule
+    if expdir is None and not args.past_exp:
+        if not (args.downstream and args.upstream):
+            raise ConfigError("-d TASK and -u UPSTREAM are needed (or -e CHECKPOINT, -p EXPDIR)")
+        expdir = default_expdir(args.downstream, args.upstream, args.upstream_ckpt, quick)
+        out += ["-p", str(expdir)]
+    if args.mode == "evaluate" and not args.past_exp:
+        out += ["-e", str(latest_checkpoint(expdir))]
+    elif args.mode == "train" and not args.past_exp and not args.config:
+        if args.downstream not in PAPER:
+            task_config(args.downstream or "")  # raises the ConfigError naming the tasks
+        config = task_config(args.downstream, quick, _data_paths(args.downstream, data))
+        expdir.mkdir(parents=True, exist_ok=True)
+        path = expdir / (QUICK_CONFIG_FILE if quick else CONFIG_FILE)
+        atomic_write_text(path, yaml.safe_dump(config, sort_keys=False))
+        out += ["-c", str(path)]
+    elif quick or data:
+        log.warning(
+            "--quick/--data apply to a new training run; this run reads its checkpoint's config"
+        )
+    if expdir is None:  # -e CHECKPOINT: its experiment folder
+        expdir = (
+            Path(args.past_exp).parent if Path(args.past_exp).is_file() else Path(args.past_exp)
+        )
+    return out, {"expdir": expdir, "args": args, "quick": quick}
+
+
+def register_upstreams() -> None:
+    """Make `-u speechattn` / `-u speechattn_local` resolve in s3prl's hub."""
+    from s3prl import hub
+
+    from speechattn.interop.s3prl import speechattn_local
+
+    for name in UPSTREAM_NAMES:
+        setattr(hub, name, speechattn_local)
+
+
+def run_downstream(argv: list[str], expdir: Path | None = None) -> None:
+    """s3prl's run_downstream.main() on `argv` (shims installed first; `expdir` holds the
+    per-experiment caches)."""
+    compat.install()
+    register_upstreams()
+    if expdir is not None:
+        compat.set_voxceleb1_cache(expdir)
+    from s3prl import run_downstream as script
+
+    saved = sys.argv
+    sys.argv = ["run_downstream.py", *argv]
+    try:
+        script.main()
+    finally:
+        sys.argv = saved
+
+
+def score(task: str, expdir: Path, split: str) -> float:
+    """The metric of `split` from the prediction files s3prl's evaluation wrote in `expdir`."""
+    if task == "ctc":
+        from s3prl.downstream.ctc.metric import per
+
+        hyp = _ark(expdir / f"{split}-hyp.ark")
+        ref = _ark(expdir / f"{split}-ref.ark")
+        return float(per([hyp[k] for k in ref], [ref[k] for k in ref]))
+    predicted = _ark(expdir / f"{split}_predict.txt")
+    truth = _ark(expdir / f"{split}_truth.txt")
+    if not truth:
+        raise ConfigError(f"{expdir}/{split}_truth.txt is empty: the {split} split has no data")
+    return sum(predicted.get(k) == v for k, v in truth.items()) / len(truth)
+
+
+def _ark(path: Path) -> dict[str, str]:
+    """Lines "<id> <text>" -> {id: text}."""
+    if not path.is_file():
+        raise ConfigError(f"{path}: s3prl wrote no predictions (did the evaluation run?)")
+    lines = (line.rstrip("\n").split(" ", 1) for line in path.read_text().splitlines() if line)
+    return {parts[0]: parts[1] if len(parts) > 1 else "" for parts in lines}
+
+
+def write_result(decided: dict[str, Any]) -> SuperbResult:
+    """Score the finished evaluation and write EXPDIR/superb_result.json."""
+    import torch
+
+    import speechattn
+
+    args = decided["args"]
+    checkpoint = Path(args.past_exp) if args.past_exp else latest_checkpoint(decided["expdir"])
+    state = torch.load(checkpoint, map_location="cpu", weights_only=True)  # allow-listed Args
+    ckpt_args = state["Args"]
+    expdir, task = Path(ckpt_args.expdir), ckpt_args.downstream
+    metric, higher = METRIC.get(task, ("accuracy", True))
+    value = score(task, expdir, args.evaluate_split)
+    attention = ckpt_args.upstream
+    if ckpt_args.upstream in UPSTREAM_NAMES:
+        attention = speechattn.load_upstream(ckpt_args.upstream_ckpt).attention_name
+    result = SuperbResult(
+        task=task,
+        metric=metric,
+        value=value,
+        higher_is_better=higher,
+        split=args.evaluate_split,
+        upstream=ckpt_args.upstream,
+        upstream_ckpt=ckpt_args.upstream_ckpt,
+        attention=attention,
+        quick=os.path.basename(str(ckpt_args.config)) == QUICK_CONFIG_FILE,
+        steps=int(state.get("Step", 0)),
+        checkpoint=str(checkpoint),
+        code_version=speechattn.code_version(),
+        created=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+    )
+    result.write(expdir)
+    return result
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        prog="python -m speechattn.superb",
+        description="s3prl's run_downstream.py with speechattn upstreams (docs/superb.md); "
+        "every other argument goes to run_downstream.py unchanged",
+        add_help=False,
+    )
+    parser.add_argument("--quick", action="store_true", help="the quick config (minutes on CPU)")
+    parser.add_argument(
+        "--data", default=None, help="prepared task folder (default: built-in corpus)"
+    )
+    parser.add_argument("--superb-help", action="help", help="this help")
+    ours, rest = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
+    if any(a in ("-h", "--help") for a in rest):
+        print(parser.format_help())
+        print("run_downstream.py's own arguments:\n")
+        run_downstream(["-h"])
+        return
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    argv_out, decided = build_argv(rest, ours.quick, ours.data)
+    log.info("run_downstream.py %s", " ".join(argv_out))
+    run_downstream(argv_out, decided["expdir"])
+    if decided["args"].mode == "evaluate":
+        result = write_result(decided)
+        print(f"{result.task} {result.split} {result.metric}: {result.value:.4f}")

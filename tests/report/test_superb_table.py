@@ -1,0 +1,44 @@
+"""The SUPERB table of `python -m speechattn.report` from superb_result.json files."""
+
+from __future__ import annotations
+
+from speechattn.report.build import make_report
+from speechattn.tasks.records import SuperbResult
+
+
+def result(task, value, upstream="speechattn", attention="ldsa", quick=True, created="2026-01-01"):
+    metric, higher = ("per", False) if task == "ctc" else ("accuracy", True)
+    return SuperbResult(
+        task=task, metric=metric, value=value, higher_is_better=higher, split="test",
+        upstream=upstream, upstream_ckpt="/run/upstream.pt" if upstream == "speechattn" else None,
+        attention=attention, quick=quick, steps=300, checkpoint="dev-best.ckpt", created=created,
+    )  # fmt: skip
+
+
+def test_superb_table_compares_upstreams_with_baselines(tmp_path):
+    runs = {
+        "a": result("speech_commands", 0.61),
+        "a-old": result("speech_commands", 0.10, created="2025-01-01"),  # superseded
+        "b": result("ctc", 0.42),
+        "c": result("speech_commands", 0.53, "fbank_no_cmvn", "fbank_no_cmvn"),
+        "d": result("ctc", 0.38, "fbank_no_cmvn", "fbank_no_cmvn"),
+        "e": result("voxceleb1", 0.81, quick=False),
+    }
+    for name, run in runs.items():
+        (tmp_path / name).mkdir()
+        run.write(tmp_path / name)
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "superb_result.json").write_text("{}")
+    report = make_report(tmp_path, out=tmp_path / "report")
+    table = (tmp_path / "report" / "superb.md").read_text()
+    assert "| upstream | kind | KS acc ↑ | SID acc ↑ | PR PER ↓ |" in table
+    assert "| ldsa (quick) | speechattn | **0.6100** | – | 0.4200 |" in table
+    assert "| ldsa | speechattn | – | **0.8100** | – |" in table
+    assert "| fbank_no_cmvn (quick) | baseline | 0.5300 | – | **0.3800** |" in table  # lower PER
+    assert any("bad/superb_result.json" in n for n in report.notes)
+    assert "## SUPERB" in (tmp_path / "report" / "README.md").read_text()
+
+
+def test_no_superb_results_no_table(tmp_path):
+    make_report(tmp_path, out=tmp_path / "report")
+    assert not (tmp_path / "report" / "superb.md").exists()

@@ -1,0 +1,63 @@
+"""What `python -m speechattn.superb` hands to run_downstream.py (no s3prl run needed)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from speechattn.errors import ConfigError
+from speechattn.superb.prepare import DATA_FILE, LAYOUT_VERSION
+from speechattn.superb.run import build_argv
+
+
+def fake_prepared(folder: Path) -> Path:
+    folder.mkdir(parents=True)
+    config = {"downstream_expert.datarc.speech_commands_root": str(folder / "train"),
+              "downstream_expert.datarc.speech_commands_test_root": str(folder / "test")}  # fmt: skip
+    record = {"task": "speech_commands", "layout_version": LAYOUT_VERSION, "config": config}
+    (folder / DATA_FILE).write_text(json.dumps(record))
+    return folder
+
+
+def test_train_gets_device_expdir_and_the_task_config(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "upstream.pt").write_bytes(b"x")
+    data = fake_prepared(tmp_path / "ks")
+    argv = ["-m", "train", "-u", "speechattn", "-k", "run/upstream.pt", "-d", "speech_commands"]
+    out, decided = build_argv(argv, quick=True, data=str(data))
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    expdir = Path("result/superb/speech_commands-quick/speechattn-run")
+    assert out == [*argv, "--device", device, "-p", str(expdir),
+                   "-c", str(expdir / "superb_config_quick.yaml")]  # fmt: skip
+    config = yaml.safe_load((expdir / "superb_config_quick.yaml").read_text())
+    assert config["runner"]["total_steps"] == 300
+    assert config["downstream_expert"]["datarc"]["speech_commands_root"] == str(data / "train")
+    # explicit choices are kept
+    out, _ = build_argv([*argv, "--device", "cpu", "-p", "x"], quick=False, data=str(data))
+    assert out.count("--device") == 1 and out.count("-p") == 1
+    assert yaml.safe_load(Path("x/superb_config.yaml").read_text())["optimizer"]["lr"] == 1e-4
+
+
+def test_mistakes_are_named(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ConfigError, match="-k missing.pt: no such file"):
+        build_argv(
+            ["-m", "train", "-u", "speechattn", "-k", "missing.pt", "-d", "ctc"], False, None
+        )
+    with pytest.raises(ConfigError, match="-u speechattn needs -k"):
+        build_argv(["-m", "train", "-u", "speechattn", "-d", "ctc"], False, None)
+    with pytest.raises(ConfigError, match="no dev-best.ckpt or states-"):
+        build_argv(["-m", "evaluate", "-u", "fbank_no_cmvn", "-d", "ctc"], False, None)
+    with pytest.raises(ConfigError, match="--push_to_hf_hub"):
+        build_argv(
+            ["-m", "train", "-u", "fbank", "-d", "ctc", "--push_to_hf_hub", "True"], False, None
+        )
+    with pytest.raises(ConfigError, match="no prepared speech_commands data"):
+        build_argv(["-m", "train", "-u", "fbank", "-d", "speech_commands"], False, str(tmp_path))
+    with pytest.raises(ConfigError, match="-d asr: speechattn ships SUPERB configs"):
+        build_argv(["-m", "train", "-u", "fbank", "-d", "asr"], False, None)
