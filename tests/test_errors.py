@@ -172,7 +172,7 @@ def test_real_inputs_at_the_hydra_entry_points(
     cases = [
         ("downstream", [f"upstream={up}"], "not a torch file"),
         ("downstream", [f"upstream={tmp_path}"], "is a folder, not a file"),
-        ("downstream", ["data.batch_size=0"], "data.batch_size must be >= 1"),
+        ("downstream", ["data.batch_size=0"], "data.batch_size=0: must be an integer >= 1"),
         ("analyze", [f"upstream={up}"], "not a torch file"),
         ("analyze", [f"upstream={up}", "num_batches=0"], "num_batches must be >= 1"),
         ("pretrain", [f"ckpt_path={up}"], str(random_upstream)),

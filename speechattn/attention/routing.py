@@ -186,6 +186,18 @@ class RoutingAttention(SharedQKBase):
                 "at T = %d: clusters hold about T / %d frames",
                 self.config.layer, C, num_clusters(T, None), T, C,
             )  # fmt: skip
+        return self.num_centroids_stored(C)
+
+    def _centroids_of_all_ranks(self, C: int) -> int:
+        """The largest centroid count any rank used this step, with that many stored here, so
+        that every rank's statistics have one shape and its table stays the same size. One
+        integer all-reduce and its host read per layer and step, under data parallel only."""
+        most = torch.tensor([C], device=self.centroids.device)
+        dist.all_reduce(most, op=dist.ReduceOp.MAX)
+        return self.num_centroids_stored(int(most))
+
+    def num_centroids_stored(self, C: int) -> int:
+        """C, with at least C centroids stored (new ones from their seeds)."""
         stored = self.centroids.shape[1]
         if C > stored:
             new = self.initial_centroids(stored, C).to(self.centroids)
@@ -260,6 +272,8 @@ class RoutingAttention(SharedQKBase):
 
     def _ema_step(self, k: Tensor, routes: Routes) -> None:
         Cm = self.num_centroids(k.shape[-2])  # the centroids `route` used
+        if _data_parallel():  # ranks' batches differ in T: reduce over the largest table
+            Cm = self._centroids_of_all_ranks(Cm)
         onehot = F.one_hot(routes.cluster.clamp_min(0), Cm).to(k.dtype)
         onehot = onehot * (routes.cluster >= 0)[..., None]  # (B, h_r, T, Cm)
         sums = torch.einsum("bhtc,bhtd->hcd", onehot, k)  # (h_r, Cm, d_k)

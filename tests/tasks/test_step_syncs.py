@@ -21,11 +21,17 @@ B, T = 2, 500  # utterances, model frames
 # from data (free there); their CUDA branches are checked sync-free on fake CUDA
 # (tests/fakecuda).
 CPU_KERNEL = "CPU kernel's host-side choice (free on a CPU; CUDA branch: tests/fakecuda)"
+# one read per layer: the variants that place their pattern by position refuse a mask padded
+# in front (`check_no_leading_padding`), on CPU in eager mode only
+PADDING = "the padding-side check, CPU eager only"
 ALLOWED: dict[str, tuple[str, int]] = {
-    "sparse_strided": (CPU_KERNEL, 3),
-    "sparse_fixed": (CPU_KERNEL, 3),
-    "syn_random": (CPU_KERNEL, 11),
-    "syn_fixed": (CPU_KERNEL, 11),
+    "sparse_strided": (f"{CPU_KERNEL}; {PADDING}", 5),
+    "sparse_fixed": (f"{CPU_KERNEL}; {PADDING}", 5),
+    "syn_dense": (PADDING, 3),
+    "syn_dense_mh": (PADDING, 3),
+    "syn_random": (f"{CPU_KERNEL}; {PADDING}", 13),
+    "syn_fixed": (f"{CPU_KERNEL}; {PADDING}", 13),
+    "longformer": (PADDING, 3),
     "adaptive_span": (CPU_KERNEL, 5),
     "routing": (CPU_KERNEL, 13),
 }
