@@ -13,6 +13,9 @@ vendor dense peak, and the frames/s the loader must deliver: a projection, not a
 `--compile` prints per variant the graph breaks of what `model.compile=true` compiles and the
 compiled vs the eager step, side by side (`speechattn/bench/compiled.py`).
 
+Longer than 500 lines on purpose: the timed step, the plan and the compile comparison share
+one config composition and one model set-up, and read best beside them.
+
 `--clock cpu --threads 1` times CPU time of one thread, which other processes on a shared
 machine cannot inflate. A step is what `PretrainTask.training_step` does: stack frames, span
 masking, forward, masked L1, backward, LAMB update, under autocast for `--precision bf16|fp16`

@@ -15,6 +15,9 @@ read only when the file matches its record and its fields agree with each other;
 
 Shape letters: B batch, T 10 ms frames, T' upstream frames (T' = ceil(T / downsample)),
 F input features, N cached layers, D hidden dim, U utterances in a split.
+
+Just over 500 lines on purpose: opening an upstream, its sanity checks and the cache of its
+features are one contract (what a cached split holds is decided by what was checked on load).
 """
 
 from __future__ import annotations
