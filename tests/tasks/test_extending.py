@@ -10,6 +10,7 @@ import re
 from pathlib import Path
 
 import pytest
+from test_downstream_run import compose_downstream, tiny_upstream  # noqa: F401  (fixture)
 
 from speechattn import CONFIG_DIR
 from speechattn.config import compose
@@ -18,7 +19,6 @@ from speechattn.data.librispeech import speaker_of
 from speechattn.tasks.downstream import TaskConfig, run
 from speechattn.tasks.downstream.labels import label_source
 from speechattn.tasks.records import read_result
-from tests.tasks.test_downstream_run import compose_downstream, tiny_upstream  # noqa: F401  (fixture)
 
 REPO = Path(__file__).resolve().parents[2]
 DOC = REPO / "docs" / "extending.md"

@@ -11,12 +11,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from conftest import SyntheticPretrainData, compose_pretrain
+from test_downstream_run import compose_downstream
 
 from speechattn.data import DataConfig
 from speechattn.tasks.downstream import run as run_downstream
 from speechattn.tasks.pretrain import run as run_pretrain
-from tests.tasks.conftest import SyntheticPretrainData, compose_pretrain
-from tests.tasks.test_downstream_run import compose_downstream
 
 
 def written(name: str, out: Path) -> list[Path]:
