@@ -189,9 +189,13 @@ class RoutingAttention(SharedQKBase):
         return self.num_centroids_stored(C)
 
     def _centroids_of_all_ranks(self, C: int) -> int:
-        """The largest centroid count any rank used this step, with that many stored here, so
-        that every rank's statistics have one shape and its table stays the same size. One
-        integer all-reduce and its host read per layer and step, under data parallel only."""
+        """A centroid count every rank reduces over this step (at least C, with that many
+        stored here), so that every rank's statistics have one shape and its table stays the
+        same size. With `max_clusters` that is the cap, known to every rank: no communication.
+        Without one, the ranks' batches decide it: one integer all-reduce and its host read
+        per layer and step (set `max_clusters` for a step without it)."""
+        if self.max_clusters is not None:
+            return self.num_centroids_stored(self.max_clusters)
         most = torch.tensor([C], device=self.centroids.device)
         dist.all_reduce(most, op=dist.ReduceOp.MAX)
         return self.num_centroids_stored(int(most))

@@ -122,26 +122,31 @@ def test_ema_moves_centroids_towards_member_means_in_training_only():
     assert not torch.equal(attn.centroids, before)
 
 
-def _ema_on_one_rank(rank: int, rendezvous: str, out_dir: str) -> None:
-    """One of two gloo ranks: a training pass over its half of the batch, centroids saved."""
+def _ema_on_one_rank(rank: int, rendezvous: str, out_dir: str, max_clusters: int | None) -> None:
+    """One of two gloo ranks: a training pass over its half of the batch, padded only to its
+    own longest utterance (so the ranks' T differ), centroids saved."""
     torch.distributed.init_process_group("gloo", init_method=rendezvous, rank=rank, world_size=2)
     try:
-        attn = make("routing", decay=0.9).train()
+        attn = make("routing", decay=0.9, max_clusters=max_clusters).train()
         x, pad = batch([30, 18, 25, 9])
-        half = slice(2 * rank, 2 * rank + 2)
-        attn(x[half, :30], pad[half, :30])
+        half, frames = slice(2 * rank, 2 * rank + 2), (30, 25)[rank]
+        attn(x[half, :frames], pad[half, :frames])
         torch.save(attn.centroids, f"{out_dir}/centroids{rank}.pt")
     finally:
         torch.distributed.destroy_process_group()
 
 
-def test_ema_under_data_parallel_steps_every_rank_by_the_whole_batch(tmp_path):
-    """Two ranks, each with half of the batch, end with the centroids that one process gets
-    from the whole batch (the members' sums and counts are summed over the ranks)."""
+@pytest.mark.parametrize("max_clusters", [3, None])
+def test_ema_under_data_parallel_steps_every_rank_by_the_whole_batch(tmp_path, max_clusters):
+    """Two ranks, each with half of the batch and its own padded length, end with the
+    centroids that one process gets from the whole batch (the members' sums and counts are
+    summed over the ranks). With a cap the ranks reduce over it; without one (rank 0 uses
+    ceil(sqrt(30)) = 6 centroids, rank 1 ceil(sqrt(25)) = 5) they agree on the larger."""
+    rendezvous = f"file://{tmp_path}/rendezvous"
     torch.multiprocessing.spawn(
-        _ema_on_one_rank, args=(f"file://{tmp_path}/rendezvous", str(tmp_path)), nprocs=2
+        _ema_on_one_rank, args=(rendezvous, str(tmp_path), max_clusters), nprocs=2
     )
-    whole = make("routing", decay=0.9).train()
+    whole = make("routing", decay=0.9, max_clusters=max_clusters).train()
     x, pad = batch([30, 18, 25, 9])
     before = whole.centroids.clone()
     whole(x, pad)
