@@ -21,6 +21,7 @@ BENCHMARKS = {
     "loader": "speechattn.bench.loader",
     "scale": "speechattn.bench.scale",
     "corpus": "speechattn.bench.corpus",
+    "lease": "speechattn.bench.lease",
 }
 
 

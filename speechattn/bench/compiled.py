@@ -26,13 +26,16 @@ from torch import Tensor, nn
 
 from speechattn.bench.common import autocast
 from speechattn.model.aalbert import padding_mask_for
-from speechattn.model.masking import MaskingConfig, corrupt
+from speechattn.model.masking import MaskingConfig, mask_batch
 from speechattn.tasks.pretrain.compiled import compile_objective, graph_breaks
 
 
 def explain(model: nn.Module, batch: dict[str, Tensor], masking: MaskingConfig, precision: str):
     """Graph breaks of the compile unit on one masked batch -> {graphs, breaks, reasons}."""
-    masked = corrupt(model, batch["features"], batch["lengths"], masking, torch.Generator())
+    masked = mask_batch(
+        batch["features"], batch["lengths"], batch["stack"], masking, torch.Generator(),
+        batch.get("pad_to_multiple", 1),
+    )  # fmt: skip
     pad = padding_mask_for(masked.lengths, masked.inputs)
     with autocast(batch["features"].device.type, precision):
         return graph_breaks(model, masked.inputs, masked.target, masked.chosen, pad)

@@ -76,7 +76,7 @@ from speechattn.model.aalbert import (
     registry_attention,
     sinusoidal_positions,
 )
-from speechattn.model.masking import MaskedBatch, MaskingConfig, corrupt, reconstruction_loss
+from speechattn.model.masking import MaskedBatch, MaskingConfig, mask_batch, reconstruction_loss
 from speechattn.model.optim import OptimConfig, build_optimizer
 from speechattn.utils import lengths_to_padding_mask
 
@@ -184,11 +184,12 @@ def make_step(
     opt = build_optimizer(model, OptimConfig(lr=lr))  # LAMB with pretraining's decay groups
     g = torch.Generator().manual_seed(0)
     features, lengths = batch["features"], batch["lengths"]
+    stack, pad = batch["stack"], batch.get("pad_to_multiple", 1)
     device = features.device.type
     loss_of = objective or (lambda masked: reconstruction_loss(model, masked))
 
     def step() -> float:
-        masked = corrupt(model, features, lengths, masking, g)
+        masked = mask_batch(features, lengths, stack, masking, g, pad)
         with autocast(device, precision):
             loss = loss_of(masked)
         opt.zero_grad(set_to_none=True)
@@ -197,6 +198,42 @@ def make_step(
         return loss.item()
 
     return step
+
+
+def training_lengths(batch: int, crop: int, generator: torch.Generator) -> Tensor:
+    """(batch,) lengths in 10 ms frames as the loader's random crops of LibriSpeech give
+    them: 2/3 to all of `crop`, one utterance in five at the crop."""
+    lengths = torch.randint(2 * crop // 3, crop + 1, (batch,), generator=generator)
+    lengths[::5] = crop
+    return lengths
+
+
+def bench_batch(args: argparse.Namespace, config: ModelConfig) -> dict[str, Any]:
+    """The timed batch: `--lengths training` (default) draws lengths as the loader's crops
+    (`training_lengths`) and pads to `--pad-to-multiple` model frames as `experiment=paper`
+    does, so padded batches take the masked kernels that training takes; `--lengths full`
+    times every utterance at `--frames` (no padding, no masks). Lengths stay on the host."""
+    T = args.frames * config.stack
+    if args.lengths == "full":
+        lengths, pad = torch.full((args.batch,), T, dtype=torch.long), 1
+    else:
+        lengths, pad = (
+            training_lengths(args.batch, T, torch.Generator().manual_seed(0)),
+            args.pad_to_multiple,
+        )
+    features = torch.randn(args.batch, T, FEATURE_DIM)
+    features *= (torch.arange(T)[None, :] < lengths[:, None])[..., None]
+    return {"features": features.to(args.device), "lengths": lengths, "stack": config.stack,
+            "pad_to_multiple": pad}  # fmt: skip
+
+
+def describe(batch: dict[str, Any]) -> str:
+    """How the timed batch is shaped, for the header."""
+    if batch["pad_to_multiple"] == 1:
+        return "all at the crop, unpadded"
+    lengths = batch["lengths"] // batch["stack"]
+    return (f"crops of {int(lengths.min())}-{int(lengths.max())}, padded to multiples of "
+            f"{batch['pad_to_multiple']} as training pads")  # fmt: skip
 
 
 def count_flops(step: Callable[[], float]) -> int:
@@ -374,6 +411,14 @@ def parse(argv: list[str]) -> argparse.Namespace:
         "--frames", type=int, default=500, help="stacked 30 ms model frames per utterance"
     )
     p.add_argument("--attention", default="all", help="comma-separated names, or all")
+    p.add_argument(
+        "--lengths",
+        default="training",
+        choices=("training", "full"),
+        help="training: crops of 2/3 to all of --frames, padded as training pads (default); "
+        "full: every utterance at --frames, unpadded",
+    )
+    p.add_argument("--pad-to-multiple", type=int, default=64, help="model frames (training)")
     p.add_argument("--repeat", type=int, default=5)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--device", default="cpu")
@@ -415,11 +460,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if unknown:
         raise UsageExit(f"unknown attention {unknown}; choose from {', '.join(available())}")
     config = preset_config(args.model, feature_dim=FEATURE_DIM, dropout=args.dropout)
-    T = args.frames * config.stack
-    batch = {
-        "features": torch.randn(args.batch, T, FEATURE_DIM, device=args.device),
-        "lengths": torch.full((args.batch,), T, dtype=torch.long, device=args.device),
-    }
+    batch = bench_batch(args, config)
     masking = MaskingConfig()
     if args.clock == "cpu" and (args.device != "cpu" or torch.get_num_threads() != 1):
         raise UsageExit("--clock cpu needs --device cpu --threads 1 (CPU time of one thread)")
@@ -427,9 +468,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     dtype = peak_dtype(args.precision)
     peak = matmul_peak(device=args.device, dtype=dtype, clock=clock)
     print(
-        f"{args.model}, batch {args.batch} x {args.frames} stacked frames, {args.device} "
-        f"({device_name(args.device)}), {args.precision}, {torch.get_num_threads()} threads, "
-        f"{args.clock} clock; {str(dtype).removeprefix('torch.')} matmul peak "
+        f"{args.model}, batch {args.batch} x {args.frames} stacked frames ({describe(batch)}), "
+        f"{args.device} ({device_name(args.device)}), {args.precision}, "
+        f"{torch.get_num_threads()} threads, {args.clock} clock; "
+        f"{str(dtype).removeprefix('torch.')} matmul peak "
         f"{peak / 1e9:.1f} GFLOP/s"
     )
     # Round-robin timing: every variant gets one step per round, so drifting machine load
@@ -491,6 +533,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "model": args.model,
         "batch": args.batch,
         "frames": args.frames,
+        "lengths": args.lengths,
         "device": args.device,
         "device_name": device_name(args.device),
         "precision": args.precision,
@@ -513,11 +556,7 @@ def run_compile(args: argparse.Namespace) -> dict[str, Any]:
         torch.set_num_threads(args.threads)
     names = available() if args.attention == "all" else args.attention.split(",")
     config = preset_config(args.model, feature_dim=FEATURE_DIM, dropout=args.dropout)
-    T = args.frames * config.stack
-    batch = {
-        "features": torch.randn(args.batch, T, FEATURE_DIM, device=args.device),
-        "lengths": torch.full((args.batch,), T, dtype=torch.long),  # host-side, as the loader
-    }
+    batch = bench_batch(args, config)
     print(
         f"{args.model}, batch {args.batch} x {args.frames} stacked frames, {args.device} "
         f"({device_name(args.device)}), {args.precision}, {torch.get_num_threads()} threads"

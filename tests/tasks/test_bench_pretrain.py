@@ -64,7 +64,7 @@ def test_step_flops_equal_the_counted_step_of_full(extra):
     config = ModelConfig(dim=32, num_layers=2, num_heads=4, ffn_dim=64, **extra)
     B, T = 2, 16
     model = bench.build("full", config, T, "cpu")
-    batch = {"features": torch.randn(B, 3 * T, 80), "lengths": torch.full((B,), 3 * T)}
+    batch = {"features": torch.randn(B, 3 * T, 80), "lengths": torch.full((B,), 3 * T), "stack": 3}
     counted = bench.count_flops(bench.make_step(model, batch, MaskingConfig()))
     assert bench.step_flops(config, B, T) == counted
 

@@ -1,0 +1,533 @@
+"""One command that measures everything a short GPU lease can: every variant's training step.
+
+    python -m speechattn.bench lease [--device cuda|cpu] [--tiny] [--out DIR] [--deadline S]
+        [--variants full,ldsa,...] [--flex all|none|A,B] [--compiled full,ldsa]
+        [--steps 8] [--warmup 3] [--lightning-steps 30] [--resume]
+
+`scripts/gpu_measurements.sh lease` runs it on a GPU machine (docs/gpu.md). In order:
+
+1. the machine: device, torch / CUDA / cuDNN versions, the bf16 (CPU: fp32) matmul peak;
+2. every registered variant (`full` first) trains at the paper's shapes, as pretraining
+   does: `experiment=paper` composed (aalbert_base, LAMB, bf16 autocast on CUDA), batches of
+   50 utterances of 2/3 to all of 1500 10 ms frames (one in five at the crop) masked and
+   padded by the loader's own `BatchMasker` to multiples of `data.pad_to_multiple` model
+   frames, copied from pinned memory, kernels chosen by the autotuner as in training. Per
+   case: ms/step (CUDA events, median of `--steps` after `--warmup`), the ratio to `full`,
+   MFU (the step's useful FLOPs, each utterance at its own length, over the measured peak),
+   peak memory, whether the loss is finite, host syncs both ways (`SyncCounter` over one
+   step; on CUDA also `torch.cuda.set_sync_debug_mode` warnings and the profiler's
+   `cudaMemcpy*` / `cuda*Synchronize` calls), kernel launches, and which attention kernel
+   ran (profiler kernel names: cuDNN, flash, efficient, Flex, or none of them);
+3. the variants with a Flex kernel forced to it, then `model.compile=true` steps;
+4. a `--lightning-steps` run of `full` through `speechattn.pretrain.run` on the built-in
+   corpus (frames/s, data_wait as metrics.csv has them).
+
+Every case is a JSON line appended to `DIR/lease.jsonl` as soon as it ends (flushed and
+synced), with the error when it failed; a line "started" precedes each case, so a case that
+killed the process is recorded as "crashed" by `--resume`, which skips what is done (the
+shell script reruns the command after a crash). No case starts after `--deadline` seconds
+from `$SPEECHATTN_LEASE_T0` (the shell script's start, wheel installation included; else
+this process's start) minus what the longest case of its kind took so far. The summary line
+and a one-screen table (`DIR/lease.md`) end the run.
+
+`--device cpu --tiny` (a 2-layer D 64 model, 2 utterances of up to 300 frames) checks the
+command itself in the test suite; its figures mean nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import statistics
+import tempfile
+import time
+import traceback
+import warnings
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from speechattn.attention import available, registry
+from speechattn.bench.common import device_name, matmul_peak, sync
+from speechattn.errors import UsageExit
+
+FEATURE_DIM = 80
+TINY = [
+    "model.net.dim=64", "model.net.num_layers=2", "model.net.num_heads=4",
+    "model.net.ffn_dim=128", "data.batch_size=2", "data.max_frames=300",
+]  # fmt: skip
+# first guesses of a case's seconds on a GPU, before one of its kind has run
+FIRST_GUESS = {"step": 20.0, "flex": 60.0, "compiled": 120.0, "lightning": 90.0}
+LAUNCHES = {"cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx"}
+RUNTIME_SYNCS = {"cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize"}
+# (backend, substrings of its CUDA kernels' names), the first match wins
+ATTENTION_KERNELS = (
+    ("cudnn", ("cudnn_generated_fort_native_sdpa", "cudnn::fusion::compute_dot_do_o")),
+    ("flash", ("pytorch_flash::", "flash_fwd", "flash_bwd")),
+    ("efficient", ("fmha_cutlass", "PyTorchMemEffAttention")),
+    ("flex", ("flex_attention",)),
+)
+
+
+class InjectedFailure(RuntimeError):
+    """`--inject-failure`: the harness's own test of a failing case."""
+
+
+# ----------------------------------------------------------------------------- results file
+class Results:
+    """`lease.jsonl`: one line per case, appended, flushed and synced as it ends."""
+
+    def __init__(self, path: Path, resume: bool) -> None:
+        self.path = path
+        self.done: dict[str, dict[str, Any]] = {}
+        started: list[str] = []
+        if resume and path.is_file():
+            for line in path.read_text().splitlines():
+                with contextlib.suppress(ValueError):
+                    entry = json.loads(line)
+                    if entry.get("status") == "started":
+                        started.append(entry["case"])
+                    elif "case" in entry:
+                        self.done[entry["case"]] = entry
+        elif path.exists():
+            path.unlink()
+        for case in started:
+            if case not in self.done:  # it took the process down: record that, never retry
+                self.write({"case": case, "status": "crashed",
+                            "error": "the process died during this case"})  # fmt: skip
+
+    def write(self, entry: dict[str, Any]) -> None:
+        if "case" in entry and entry.get("status") != "started":
+            self.done[entry["case"]] = entry
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with self.path.open("a") as f:
+            f.write(json.dumps(entry, default=str) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+
+
+# ----------------------------------------------------------------------------- one step
+def compose_case(args: argparse.Namespace, name: str, *extra: str):  # noqa: ANN201 - DictConfig
+    """The pretraining config of variant `name` as `experiment=paper` has it (or --tiny)."""
+    from speechattn.config import compose
+
+    trainer = "trainer=gpu" if args.device == "cuda" else "trainer=cpu"
+    overrides = ["experiment=paper", f"attention={name}", trainer, *(TINY if args.tiny else [])]
+    cfg = compose("pretrain", [*overrides, *extra])
+    cfg.model.net.feature_dim = FEATURE_DIM
+    return cfg
+
+
+def paper_batches(cfg: Any, masker: Any, count: int, pin: bool) -> list[dict[str, Any]]:
+    """`count` training batches as the loader delivers them: `data.batch_size` utterances of
+    2/3 to all of `data.max_frames` 10 ms frames, one in five at the crop, stacked, padded to
+    the length bucket and masked by the loader's `BatchMasker`, in pinned memory on CUDA."""
+    from speechattn.bench.pretrain import training_lengths
+
+    B, crop = int(cfg.data.batch_size), int(cfg.data.max_frames)
+    batches = []
+    for seed in range(count):
+        g = torch.Generator().manual_seed(seed)
+        lengths = training_lengths(B, crop, g)
+        features = torch.randn(B, crop, FEATURE_DIM, generator=g)
+        features *= (torch.arange(crop)[None, :] < lengths[:, None])[..., None]
+        masked = masker(features, lengths, seed=seed)
+        batches.append({"masked": masked.pin_memory() if pin else masked, "lengths": lengths})
+    return batches
+
+
+def useful_flops(cfg: Any, lengths: torch.Tensor) -> float:
+    """Training FLOPs of one step, each utterance at its own length in model frames (padding
+    is not useful work): the model's products plus the variant's attention per layer."""
+    from speechattn.bench.pretrain import model_flops
+    from speechattn.model.aalbert import ModelConfig, registry_attention
+    from speechattn.utils import plain
+
+    config = ModelConfig(**plain(cfg.model.net))
+    attention = registry_attention(config)(0)
+    total = 0.0
+    for n in lengths.tolist():
+        frames = n // config.stack
+        total += model_flops(config, frames) + config.num_layers * attention.flops(frames).training
+    return total
+
+
+class Step:
+    """One training step of `PretrainTask` as Lightning's loop runs it (bf16 autocast on CUDA
+    around the forward; backward; the step's finite check; LAMB update; parameter check)."""
+
+    def __init__(self, cfg: Any, device: torch.device, compiled: bool = False) -> None:
+        from speechattn.attention import autotune
+        from speechattn.model.optim import build_optimizer
+        from speechattn.tasks.pretrain.module import PretrainTask
+        from speechattn.utils import plain
+
+        torch.manual_seed(0)
+        self.device = device
+        self.task = PretrainTask(
+            model=plain(cfg.model.net),
+            masking=plain(cfg.model.masking),
+            optimizer=plain(cfg.model.optimizer),
+            compile=compiled,
+        ).to(device).train()  # fmt: skip
+        autotune.enable(self.task.model, bool(cfg.attention.get("autotune", True)))
+        self.optimizer = build_optimizer(self.task, self.task.optim)
+        masker = self.task.batch_masker(pad_to_multiple=int(cfg.data.pad_to_multiple))
+        self.batches = paper_batches(cfg, masker, 2, pin=device.type == "cuda")
+        self.flops = statistics.fmean(useful_flops(cfg, b["lengths"]) for b in self.batches)
+        self.frames = int(self.batches[0]["masked"].inputs.shape[1])  # padded model frames
+        self.count = 0
+        self.loss: torch.Tensor | None = None
+
+    def __call__(self) -> None:
+        batch = self.batches[self.count % len(self.batches)]
+        self.count += 1
+        data = {"masked": batch["masked"].to(self.device), "lengths": batch["lengths"]}
+        autocast = torch.autocast("cuda", torch.bfloat16, enabled=self.device.type == "cuda")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # self.log without a Trainer
+            with autocast:
+                loss, _ = self.task.step_loss(data)
+            loss.backward()
+            self.task.check_step()
+            self.optimizer.step()
+            self.task.after_update()
+            self.optimizer.zero_grad(set_to_none=True)
+        self.loss = loss.detach()
+
+
+def timed(step: Step, n: int) -> list[float]:
+    """Milliseconds of `n` steps each: CUDA events on a GPU, the wall clock elsewhere."""
+    times = []
+    for _ in range(n):
+        if step.device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            step()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            step()
+            times.append(1e3 * (time.perf_counter() - t0))
+    return times
+
+
+def attention_backend(kernel_names: list[str]) -> str:
+    """Which fused attention kernels a step ran ("cudnn", "flash", "efficient", "flex", joined
+    by "+"), "none" when none of them (math SDPA, or a variant that does not use one)."""
+    found = [name for name, marks in ATTENTION_KERNELS
+             if any(m in k for k in kernel_names for m in marks)]  # fmt: skip
+    return "+".join(found) or "none"
+
+
+def profile_step(step: Step) -> dict[str, Any]:
+    """Kernel launches, CUDA runtime syncs and copies, and the attention backend of one step."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU]
+    if step.device.type == "cuda":
+        activities.append(ProfilerActivity.CUDA)
+    with profile(activities=activities) as prof:
+        step()
+        sync(step.device)
+    events = list(prof.events())
+    names = Counter(e.name for e in events)
+    kernels = sorted({e.name for e in events if e.device_type.name == "CUDA"})
+    return {
+        "launches": sum(v for k, v in names.items() if k in LAUNCHES),
+        "runtime_syncs": sum(v for k, v in names.items() if k in RUNTIME_SYNCS),
+        "memcpy_calls": sum(v for k, v in names.items() if k.startswith("cudaMemcpy")),
+        "backend": attention_backend(kernels) if step.device.type == "cuda" else "cpu",
+    }
+
+
+def count_syncs(step: Step) -> dict[str, Any]:
+    """Host reads of device data (and uploads, where the counter counts them) over one step;
+    on CUDA also the synchronising calls `torch.cuda.set_sync_debug_mode` warns about."""
+    from speechattn.bench.syncs import SyncCounter
+
+    batch = step.batches[step.count % len(step.batches)]
+    host = [batch["lengths"], batch["masked"].lengths]
+    out: dict[str, Any] = {}
+    with SyncCounter(host=host, cpu_is_device=step.device.type == "cpu") as counter:
+        step()
+    out["reads"] = counter.count
+    out["read_reasons"] = dict(counter.reasons)
+    uploads = getattr(counter, "uploads", None)
+    if uploads is not None:
+        out["uploads"] = sum(uploads.values()) if isinstance(uploads, Counter) else uploads
+    if step.device.type == "cuda":
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                step()
+                # the step queues its work; the debug mode reports syncs as they are issued
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        out["sync_debug_warnings"] = sum("synchroniz" in str(w.message) for w in caught)
+    return out
+
+
+def run_step_case(args: argparse.Namespace, name: str, extra: list[str], compiled: bool,
+                  peak: float) -> dict[str, Any]:  # fmt: skip
+    """Build, warm up, time, count and profile one variant's training step."""
+    if name in (args.inject_failure or "").split(","):
+        raise InjectedFailure(f"--inject-failure {name}")
+    if name in (args.inject_crash or "").split(","):
+        os._exit(3)  # the harness's test of a case that takes the process down
+    cfg = compose_case(args, name, *extra)
+    device = torch.device(args.device)
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    step = Step(cfg, device, compiled=compiled)
+    t0 = time.perf_counter()
+    for _ in range(args.warmup):  # the autotuner measures here, and compilation happens
+        step()
+    sync(device)
+    warmup_s = time.perf_counter() - t0
+    times = timed(step, args.steps)
+    ms = statistics.median(times)
+    row: dict[str, Any] = {
+        "ms": ms,
+        "ms_min": min(times),
+        "warmup_s": warmup_s,
+        "frames": step.frames,
+        "useful_tflop": step.flops / 1e12,
+        "mfu": step.flops / (ms / 1e3) / peak,
+        "loss": float(step.loss),
+        "finite": bool(torch.isfinite(step.loss)),
+    }
+    if device.type == "cuda":
+        row["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
+    for part in (count_syncs, profile_step):  # each may fail alone (e.g. a dispatch mode)
+        try:
+            row.update(part(step))
+        except Exception as err:  # noqa: BLE001 - recorded, the timing stands
+            row[f"{part.__name__}_error"] = f"{type(err).__name__}: {err}"[:500]
+    from speechattn.attention import autotune
+
+    row["kernels"] = autotune.choices(step.task.model).get("choices", {})
+    del step
+    return row
+
+
+def run_lightning(args: argparse.Namespace) -> dict[str, Any]:
+    """`--lightning-steps` steps of `full` through `speechattn.pretrain.run` on the built-in
+    corpus: frames/s and data_wait as its metrics.csv has them (medians)."""
+    from speechattn.pretrain import run
+    from speechattn.tasks.common import read_metrics
+    from speechattn.tasks.pretrain.model_card import median_metric
+
+    n = args.lightning_steps
+    with tempfile.TemporaryDirectory(prefix="lease_") as folder:
+        cfg = compose_case(
+            args, "full", "data=embedded", f"trainer.max_steps={n}",
+            f"trainer.val_check_interval={n}", f"trainer.log_every_n_steps={max(1, n // 10)}",
+            f"checkpoint.every_n_steps={n}", "progress_bar=none", "logger=none",
+            f"output_dir={folder}",
+        )  # fmt: skip
+        t0 = time.perf_counter()
+        result = run(cfg)
+        rows = read_metrics(Path(folder) / "metrics.csv")
+    return {
+        "steps": result["steps"],
+        "wall_s": time.perf_counter() - t0,
+        "frames_per_s": median_metric(rows, "frames_per_s"),
+        "data_wait": median_metric(rows, "data_wait"),
+        "val_loss": result["val_loss"],
+    }
+
+
+# ----------------------------------------------------------------------------- the plan
+def cases(args: argparse.Namespace) -> list[tuple[str, str, list[str], bool]]:
+    """(case name, kind, config overrides, compiled): `full` first, the other variants, then
+    Flex kernels forced, compiled steps, and the Lightning run."""
+    names = ["full", *[n for n in args.variants if n != "full"]]
+    plan = [(n, "step", [], False) for n in names]
+    flex = names if args.flex == "all" else [] if args.flex == "none" else args.flex.split(",")
+    for n in flex:
+        if "kernel" in registry.options(n):
+            plan.append((f"{n}:flex", "flex", ["attention.options.kernel=flex"], False))
+    plan += [(f"{n}:compiled", "compiled", [], True) for n in args.compiled if n]
+    if args.lightning_steps:
+        plan.append(("full:lightning", "lightning", [], False))
+    return plan
+
+
+def machine(args: argparse.Namespace) -> dict[str, Any]:
+    """Device, versions, the matmul peak in the step's compute dtype."""
+    dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
+    peak = matmul_peak(device=args.device, dtype=dtype, seconds=0.2 if args.tiny else None)
+    info = {
+        "device": device_name(args.device),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "cudnn": torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None,
+        "peak_dtype": str(dtype).removeprefix("torch."),
+        "peak_tflops": peak / 1e12,
+        "shapes": "tiny (2 layers, D 64, batch 2 x 300)"
+        if args.tiny
+        else "paper (aalbert_base, 50 x 1500 frames)",  # noqa: E501
+    }
+    if args.device == "cuda":
+        info["gpu_memory_gib"] = torch.cuda.get_device_properties(0).total_memory / 2**30
+    return info
+
+
+def start_time() -> float:
+    """The lease's clock: `$SPEECHATTN_LEASE_T0` (epoch seconds) when set, else now."""
+    with contextlib.suppress(KeyError, ValueError):
+        return float(os.environ["SPEECHATTN_LEASE_T0"])
+    return time.time()
+
+
+def run(args: argparse.Namespace) -> list[dict[str, Any]]:
+    t0 = start_time()
+    results = Results(args.out / "lease.jsonl", args.resume)
+    if "machine" not in results.done:
+        results.write({"case": "machine", **machine(args)})
+    peak = results.done["machine"]["peak_tflops"] * 1e12
+    took: dict[str, float] = {}  # kind -> the longest case of that kind so far
+    for case, kind, extra, compiled in cases(args):
+        if case in results.done:
+            continue
+        guess = took.get(kind, FIRST_GUESS[kind] if args.device == "cuda" else 0.0)
+        if time.time() - t0 + guess > args.deadline:
+            results.write({"case": case, "status": "skipped",
+                           "error": f"deadline: {args.deadline:.0f} s"})  # fmt: skip
+            continue
+        results.write({"case": case, "status": "started"})
+        print(f"[{time.time() - t0:6.1f} s] {case}", flush=True)
+        began = time.time()  # the deadline's clock
+        try:
+            if kind == "lightning":
+                row = run_lightning(args)
+            else:
+                row = run_step_case(args, case.split(":")[0], extra, compiled, peak)
+            entry = {"case": case, "kind": kind, "status": "ok", **row}
+        except Exception as err:  # noqa: BLE001 - recorded; the next case runs
+            entry = {"case": case, "kind": kind, "status": "failed",
+                     "error": f"{type(err).__name__}: {err}"[:1000],
+                     "traceback": traceback.format_exc()[-2000:]}  # fmt: skip
+        finally:
+            with contextlib.suppress(Exception):
+                torch.cuda.synchronize() if args.device == "cuda" else None
+        entry["seconds"] = time.time() - began
+        full_ms = (entry if case == "full" else results.done.get("full", {})).get("ms")
+        if full_ms and entry.get("ms"):  # full runs first
+            entry["vs_full"] = entry["ms"] / full_ms
+        took[kind] = max(took.get(kind, 0.0), entry["seconds"])
+        results.write(entry)
+    summary = summarise(results.done, time.time() - t0)
+    results.write(summary)
+    table = verdict(results.done, summary)
+    (args.out / "lease.md").write_text(table + "\n")
+    print(table)
+    print(f"results: {args.out / 'lease.jsonl'} (one JSON line per case), {args.out / 'lease.md'}")
+    return list(results.done.values())
+
+
+# ----------------------------------------------------------------------------- the verdict
+def summarise(done: dict[str, dict[str, Any]], elapsed: float) -> dict[str, Any]:
+    """The summary line: counts by status, the ratio of each step case to `full`."""
+    steps = {k: v for k, v in done.items() if v.get("kind") in ("step", "flex", "compiled")}
+    status = Counter(v.get("status") for k, v in done.items() if k != "machine")
+    return {"summary": True, "elapsed_s": elapsed, **{f"n_{k}": n for k, n in status.items()},
+            "vs_full": {k: v.get("vs_full") for k, v in steps.items()}}  # fmt: skip
+
+
+def verdict(done: dict[str, dict[str, Any]], summary: dict[str, Any]) -> str:
+    """A one-screen markdown table of the cases."""
+    m = done.get("machine", {})
+    lines = [
+        f"{m.get('device')}, torch {m.get('torch')}, CUDA {m.get('cuda')}, cuDNN "
+        f"{m.get('cudnn')}; {m.get('peak_dtype')} matmul peak {m.get('peak_tflops', 0):.1f} "
+        f"TFLOP/s; {m.get('shapes')}; {summary['elapsed_s']:.0f} s",
+        "",
+        "| case | status | ms/step | vs full | MFU % | peak GiB | finite | reads | uploads "
+        "| sync warn | memcpy | rt syncs | launches | attention kernel |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+
+    def f(v: Any, fmt: str) -> str:
+        return "" if v is None else format(v, fmt) if isinstance(v, (int, float)) else str(v)
+
+    for case, e in done.items():
+        if case == "machine" or e.get("kind") == "lightning":
+            continue
+        ms = e.get("ms")
+        lines.append(
+            f"| {case} | {e.get('status')} | {f(ms, '.1f')} | {f(e.get('vs_full'), '.2f')} "
+            f"| {f(None if e.get('mfu') is None else 100 * e['mfu'], '.1f')} "
+            f"| {f(e.get('peak_gib'), '.1f')} | {f(e.get('finite'), '')} | {f(e.get('reads'), 'd')} "
+            f"| {f(e.get('uploads'), 'd')} | {f(e.get('sync_debug_warnings'), 'd')} "
+            f"| {f(e.get('memcpy_calls'), 'd')} | {f(e.get('runtime_syncs'), 'd')} "
+            f"| {f(e.get('launches'), 'd')} | {e.get('backend', '')} |"
+        )
+    light = done.get("full:lightning")
+    if light is not None:
+        if light.get("status") == "ok":
+            fps, wait = light.get("frames_per_s"), light.get("data_wait")
+            lines.append(
+                f"\nLightning, full, {light['steps']} steps on the built-in corpus: "
+                f"{f(fps, ',.0f')} frames/s (10 ms), data_wait {f(wait, '.3f')}, "
+                f"{light['wall_s']:.0f} s"
+            )
+        else:
+            lines.append(f"\nLightning run of full: {light.get('status')} {light.get('error', '')}")
+    failed = [(k, e) for k, e in done.items() if e.get("status") in ("failed", "crashed")]
+    for case, e in failed:
+        lines.append(f"- {case}: {e.get('status')}: {str(e.get('error'))[:200]}")
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------- CLI
+def parse(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="python -m speechattn.bench lease", description=__doc__.split("\n")[0]
+    )
+    p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    p.add_argument("--tiny", action="store_true", help="a tiny model and batch (harness check)")
+    p.add_argument("--out", type=Path, default=Path("gpu_results"))
+    p.add_argument("--deadline", type=float, default=360.0,
+                   help="seconds from the lease's start after which no case starts")  # fmt: skip
+    p.add_argument("--variants", default="all", help="comma-separated names, or all")
+    p.add_argument("--flex", default="all", help="variants to run with kernel=flex: all|none|A,B")
+    p.add_argument(
+        "--compiled",
+        default=None,
+        help="variants to run with model.compile=true ('' none; default full,ldsa on cuda, "
+        "none on cpu, where each compiles for minutes)",
+    )
+    p.add_argument("--steps", type=int, default=8, help="timed steps per case")
+    p.add_argument("--warmup", type=int, default=3, help="untimed steps first (autotuning)")
+    p.add_argument("--lightning-steps", type=int, default=30, help="0: no Lightning run")
+    p.add_argument("--resume", action="store_true", help="keep DIR/lease.jsonl, skip done cases")
+    p.add_argument("--inject-failure", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--inject-crash", default=None, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    names = available() if args.variants == "all" else args.variants.split(",")
+    unknown = [n for n in names if n not in available()]
+    if unknown:
+        raise UsageExit(f"unknown attention {unknown}; choose from {', '.join(available())}")
+    args.variants = names
+    if args.compiled is None:
+        args.compiled = "full,ldsa" if args.device == "cuda" else ""
+    args.compiled = [n for n in args.compiled.split(",") if n]
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise UsageExit(
+            "--device cuda: no CUDA device here (--device cpu --tiny checks the harness)"
+        )
+    return args
+
+
+def main(argv: list[str]) -> None:
+    run(parse(argv))
