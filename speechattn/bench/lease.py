@@ -18,9 +18,11 @@
    step; on CUDA also `torch.cuda.set_sync_debug_mode` warnings and the profiler's
    `cudaMemcpy*` / `cuda*Synchronize` calls), kernel launches, and which attention kernel
    ran (profiler kernel names: cuDNN, flash, efficient, Flex, or none of them);
-3. the variants with a Flex kernel forced to it, then `model.compile=true` steps;
+3. the variants with a Flex kernel forced to it;
 4. a `--lightning-steps` run of `full` through `speechattn.pretrain.run` on the built-in
-   corpus (frames/s, data_wait as metrics.csv has them).
+   corpus (frames/s, data_wait as metrics.csv has them);
+5. `model.compile=true` steps (`--compiled`), last: each compiles for a minute or more, so
+   they are the first cases a short lease drops.
 
 Every case is a JSON line appended to `DIR/lease.jsonl` as soon as it ends (flushed and
 synced), with the error when it failed; a line "started" precedes each case, so a case that
@@ -349,16 +351,17 @@ def run_lightning(args: argparse.Namespace) -> dict[str, Any]:
 # ----------------------------------------------------------------------------- the plan
 def cases(args: argparse.Namespace) -> list[tuple[str, str, list[str], bool]]:
     """(case name, kind, config overrides, compiled): `full` first, the other variants, then
-    Flex kernels forced, compiled steps, and the Lightning run."""
+    Flex kernels forced, the Lightning run, and compiled steps."""
     names = ["full", *[n for n in args.variants if n != "full"]]
     plan = [(n, "step", [], False) for n in names]
     flex = names if args.flex == "all" else [] if args.flex == "none" else args.flex.split(",")
     for n in flex:
         if "kernel" in registry.options(n):
             plan.append((f"{n}:flex", "flex", ["attention.options.kernel=flex"], False))
-    plan += [(f"{n}:compiled", "compiled", [], True) for n in args.compiled if n]
     if args.lightning_steps:
         plan.append(("full:lightning", "lightning", [], False))
+    # compiled last: minutes of compilation each, the first cases the deadline drops
+    plan += [(f"{n}:compiled", "compiled", [], True) for n in args.compiled if n]
     return plan
 
 
