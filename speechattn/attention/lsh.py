@@ -64,6 +64,7 @@ from speechattn.attention.base import (
     scale,
     widen,
 )
+from speechattn.attention.fp32 import ieee_matmul
 from speechattn.attention.kernels.sparse_topk import sparse_topk_attention
 from speechattn.attention.kernels.topk import ordered_bits, topk_by_match
 from speechattn.attention.registry import register
@@ -124,8 +125,9 @@ def simple_alsh(q: Tensor, k: Tensor, M: Tensor) -> tuple[Tensor, Tensor]:
 
 
 def sign_codes(z: Tensor, projection: Tensor) -> Tensor:
-    """Sign random projection bits: z (..., T, d) @ projection (d, K) > 0 -> (..., T, K) bool."""
-    return (z @ projection.to(z.dtype)) > 0
+    """Sign random projection bits: z (..., T, d) @ projection (d, K) > 0 -> (..., T, K) bool,
+    the product in z's dtype (float32: true float32, never TF32)."""
+    return ieee_matmul(z, projection.to(z.dtype)) > 0
 
 
 @dataclass
@@ -247,9 +249,8 @@ class _LSHAttention(Attention):
         own = torch.eye(T, dtype=torch.long, device=q.device) * (self.bits + 1)
         disallowed = (~key_mask(valid))[:, None, None, :] * (2 * self.bits + 4)
         tie, above = 2 * T - rank, 2 * T + 1  # (T, T) in [1, 2T], and a bound above it
-        if self.tie_break == "score":
-            with torch.autocast(q.device.type, enabled=False):
-                s = widen(q) @ widen(k).transpose(-1, -2)  # (B, h, T, T), the order of scores
+        if self.tie_break == "score":  # (B, h, T, T), the order of the float32 scores
+            s = ieee_matmul(widen(q), widen(k).transpose(-1, -2))
             tie, above = ordered_bits(s) * above + tie, above << 32
         key = (match - own - disallowed) * above + tie
         order = key.argsort(dim=-1, descending=True)[..., : min(self.k, T)]

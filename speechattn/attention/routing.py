@@ -32,9 +32,10 @@ frames by cluster and builds each cluster's table of kept members (`Members`, (C
 per utterance and head, W = ceil(T_valid / C)); `select` turns it into each query's keys as
 indices (B, h, T, kk) (column 0 = the query itself, the others its band or cluster; repeats of
 itself are fillers); `selection_dense` builds the same (B, h, T, T) set explicitly from pair
-tests for the dense reference. All route in float32 with autocast off (a cluster assignment is
-a hard decision), never carry gradients and never move the centroids: the efficient forward
-pass does that after selecting (`update_centroids`), so a selection can be held fixed in tests.
+tests for the dense reference. All route in true float32 with autocast off (a cluster
+assignment is a hard decision: no TF32 either, `fp32.py`, nor in the centroid updates), never
+carry gradients and never move the centroids: the efficient forward pass does that after
+selecting (`update_centroids`), so a selection can be held fixed in tests.
 
 Attention on the selection: up to `short_path_max_t` frames one all-pairs SDPA call masked to
 `select`'s keys. Above, the local heads run the blocked band kernel of `sparse.py` and the
@@ -75,6 +76,7 @@ from speechattn.attention.base import (
     widen,
 )
 from speechattn.attention.dot_product import SharedQKBase
+from speechattn.attention.fp32 import ieee_matmul
 from speechattn.attention.kernels.blocks import band_kernel
 from speechattn.attention.kernels.cluster import (  # noqa: F401 (routing's sizes, re-exported)
     Members,
@@ -250,7 +252,7 @@ class RoutingAttention(SharedQKBase):
         C = num_clusters_tensor(n_valid, self.max_clusters)  # (B,), each <= Cm
         capacity = (n_valid.clamp_min(1) + C - 1) // C
         mu = self.centroids[:, :Cm].to(k.dtype)  # (h_r, Cm, d_k)
-        sim = k @ mu.transpose(-1, -2)[None]  # (B, h_r, T, Cm)
+        sim = ieee_matmul(k, mu.transpose(-1, -2)[None])  # (B, h_r, T, Cm), true float32
         unused = torch.arange(Cm, device=k.device) >= C[:, None]  # (B, Cm)
         sim = sim.masked_fill(unused[:, None, None, :], float("-inf"))
         similarity, cluster = sim.max(dim=-1)  # (B, h_r, T): first maximum on ties
@@ -280,7 +282,7 @@ class RoutingAttention(SharedQKBase):
             Cm = self._centroids_of_all_ranks(Cm)
         onehot = F.one_hot(routes.cluster.clamp_min(0), Cm).to(k.dtype)
         onehot = onehot * (routes.cluster >= 0)[..., None]  # (B, h_r, T, Cm)
-        sums = torch.einsum("bhtc,bhtd->hcd", onehot, k)  # (h_r, Cm, d_k)
+        sums = ieee_matmul(onehot.transpose(-1, -2), k).sum(0)  # (h_r, Cm, d_k), true float32
         counts = onehot.sum(dim=(0, 2))[..., None]  # (h_r, Cm, 1)
         if _data_parallel():  # every rank moves its centroids by the whole batch
             statistics = torch.cat([sums, counts], dim=-1)

@@ -262,8 +262,8 @@ def test_code_matching_uses_bfloat16_only_where_native(monkeypatch):
     cq, ck = (torch.rand(2, 30, 8, generator=g) > 0.5 for _ in range(2))
     kv = torch.ones(2, 30, dtype=torch.bool)
     seen = []
-    real_bmm = torch.bmm
-    monkeypatch.setattr(torch, "bmm", lambda a, b: seen.append(a.dtype) or real_bmm(a, b))
+    real_matmul = topk.ieee_matmul  # the selection's products (true float32 when float32)
+    monkeypatch.setattr(topk, "ieee_matmul", lambda a, b: seen.append(a.dtype) or real_matmul(a, b))
     picks = {}
     for native in (False, True):
         monkeypatch.setattr(topk, "_native_bf16_cpu", lambda native=native: native)

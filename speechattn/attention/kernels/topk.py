@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from speechattn.attention.base import widen
+from speechattn.attention.fp32 import ieee_matmul
 
 # Elements of one (B h, chunk, T) block of match scores. On CPU a cache-sized block is
 # fastest; on a GPU each block is ~10 kernel launches, so a block is as large as memory
@@ -102,7 +103,8 @@ def topk_by_match(
     codes (`_match_dtype`: bfloat16, exact for these small integers, on CPUs with native
     bfloat16, where it is faster than float32) where an extra code column subtracts
     4 (K + 1) from disallowed keys and 8 (K + 1) from the keys padding T up to S G; the
-    scores are one more batched matmul per chunk. The composite is int32 when it fits (top-k
+    scores are one more batched matmul per chunk, in true float32 (never TF32: `ieee_matmul`,
+    like the match product). The composite is int32 when it fits (top-k
     runs faster on it than on floats), else int64.
 
     Exact pruning for long rows: keys are split into G groups of S (group g = keys g S + r),
@@ -145,10 +147,10 @@ def topk_by_match(
     out = []
     for s in range(0, T, chunk):
         e, C = min(s + chunk, T), min(chunk, T - s)
-        score = torch.bmm(sq[:, s:e], skT).to(dtype).mul_(M)
+        score = ieee_matmul(sq[:, s:e], skT).to(dtype).mul_(M)
         score += _offset_chunk(w, T, s, e, S, G)  # (N, C, Tp)
         if by_score:  # the true score's order, above the position's
-            score += ordered_bits(torch.bmm(q[:, s:e], keysT)).mul_(2 * Tp + 1)
+            score += ordered_bits(ieee_matmul(q[:, s:e], keysT)).mul_(2 * Tp + 1)
         if S == 1:
             out.append(score.topk(kk, dim=-1, sorted=False).indices)
             continue

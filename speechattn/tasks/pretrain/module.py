@@ -132,10 +132,14 @@ class PretrainTask(L.LightningModule):
 
     def setup(self, stage: str) -> None:
         if self.trainer.strategy.root_device.type == "cuda":
-            # fp32 regions (linear attention, LSH CSR, routing, tables, the optimiser's norms)
-            # use TF32 tensor cores: ~8x the fp32 matmul rate, 10-bit mantissa products
-            torch.backends.cuda.matmul.allow_tf32 = True
-            torch.backends.cudnn.allow_tf32 = True
+            # fp32 regions (linear attention, LSH CSR, tables, the optimiser's norms) use TF32
+            # tensor cores: ~8x the fp32 matmul rate, 10-bit mantissa products. Key selection
+            # (LSH hashing and matching, routing's clusters) stays true float32 (attention/fp32.py).
+            # The fp32_precision settings, which cuBLAS reads: torch announces the legacy
+            # allow_tf32 flags as deprecated, and their getters raise once these are set.
+            torch.backends.cuda.matmul.fp32_precision = "tf32"
+            torch.backends.cudnn.conv.fp32_precision = "tf32"
+            torch.backends.cudnn.rnn.fp32_precision = "tf32"
         # the normaliser is computed by the data module's setup, which Lightning runs first
         dm = self.trainer.datamodule if self._trainer is not None else None
         norm = getattr(dm, "normalizer", None) if dm is not None else None

@@ -1,0 +1,76 @@
+"""True float32 for the code that selects keys, whatever the global TF32 setting.
+
+On CUDA, pretraining lets float32 matmuls use TF32 (10-bit mantissa products;
+`tasks/pretrain/module.py`). The weighted sums over the kept keys tolerate that; a selection
+does not: an LSH sign bit, a match count's tie-break score and a nearest centroid are hard
+decisions, defined in float32 (docs/attention.md), and TF32 would change buckets, keys and
+clusters against the CPU study. The selection code (LSH hashing, match counting, tie-break
+scores; routing's assignments and centroid updates) therefore does its products with
+`ieee_matmul`.
+
+`true_float32()` sets the float32 matmul precision of CUDA (cuBLAS) and oneDNN (CPU) to "ieee"
+for a block and restores the previous values. It uses torch's `fp32_precision` settings: the
+ones cuBLAS reads in torch 2.11 (the legacy `allow_tf32` flags are announced as deprecated
+since 2.9, and mixing the two APIs makes the legacy getters raise).
+
+Under torch.compile the switch cannot be traced: dynamo graph-breaks on the precision getter,
+and inductor fixes one precision per graph when it compiles. So a compiled graph calls the
+product as a custom op (`speechattn::ieee_matmul`), an opaque call that runs the same eager
+code at run time, with the switch around it; eager code calls that code directly.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+from torch import Tensor
+
+# Settings of the backends whose float32 matmuls may run in reduced precision.
+_MATMUL_SETTINGS = (torch.backends.cuda.matmul, torch.backends.mkldnn.matmul)
+
+
+@contextlib.contextmanager
+def true_float32() -> Iterator[None]:
+    """Float32 matmuls in IEEE float32 (no TF32, no bf16 passes) inside the block, on CUDA and
+    CPU; the previous settings come back on exit."""
+    previous = [s.fp32_precision for s in _MATMUL_SETTINGS]
+    try:
+        for s in _MATMUL_SETTINGS:
+            s.fp32_precision = "ieee"
+        yield
+    finally:
+        for s, p in zip(_MATMUL_SETTINGS, previous):
+            s.fp32_precision = p
+
+
+def _product(a: Tensor, b: Tensor) -> Tensor:
+    """a @ b with true float32 and autocast off (inputs keep their dtypes)."""
+    with true_float32():
+        if not torch.is_autocast_enabled(a.device.type):  # the usual case: skip the guard's cost
+            return a @ b
+        with torch.autocast(a.device.type, enabled=False):
+            return a @ b
+
+
+@torch.library.custom_op("speechattn::ieee_matmul", mutates_args=())
+def _ieee_matmul_op(a: Tensor, b: Tensor) -> Tensor:
+    return _product(a, b)
+
+
+@_ieee_matmul_op.register_fake
+def _(a: Tensor, b: Tensor) -> Tensor:
+    with torch.autocast(a.device.type, enabled=False):  # the real op's dtype, not autocast's
+        return a @ b
+
+
+def ieee_matmul(a: Tensor, b: Tensor) -> Tensor:
+    """a @ b (`torch.matmul` broadcasting) for selection: float32 inputs multiply in IEEE
+    float32 whatever the global TF32 setting, with autocast off; other dtypes multiply as they
+    are (callers widen what must be float32; LSH's +-1 codes may stay half precision, exact).
+    No gradient flows through it."""
+    a, b = a.detach(), b.detach()
+    if torch.compiler.is_compiling():
+        return _ieee_matmul_op(a, b)
+    return _product(a, b)
