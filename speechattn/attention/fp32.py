@@ -8,10 +8,12 @@ clusters against the CPU study. The selection code (LSH hashing, match counting,
 scores; routing's assignments and centroid updates) therefore does its products with
 `ieee_matmul`.
 
-`true_float32()` sets the float32 matmul precision of CUDA (cuBLAS) and oneDNN (CPU) to "ieee"
-for a block and restores the previous values. It uses torch's `fp32_precision` settings: the
-ones cuBLAS reads in torch 2.11 (the legacy `allow_tf32` flags are announced as deprecated
-since 2.9, and mixing the two APIs makes the legacy getters raise).
+`true_float32()` sets torch's float32 matmul precision to "highest" (IEEE float32 on cuBLAS and
+oneDNN) for a block and restores the previous one, through `torch.set_float32_matmul_precision`.
+It keeps to that one API, as `PretrainTask.setup` does: setting torch 2.11's per-backend
+`fp32_precision` attributes directly leaves the legacy state behind, after which
+`torch.get_float32_matmul_precision()` raises, and inductor calls it whenever it compiles (a
+compiled step, Flex kernels).
 
 Under torch.compile the switch cannot be traced: dynamo graph-breaks on the precision getter,
 and inductor fixes one precision per graph when it compiles. So a compiled graph calls the
@@ -27,22 +29,17 @@ from collections.abc import Iterator
 import torch
 from torch import Tensor
 
-# Settings of the backends whose float32 matmuls may run in reduced precision.
-_MATMUL_SETTINGS = (torch.backends.cuda.matmul, torch.backends.mkldnn.matmul)
-
 
 @contextlib.contextmanager
 def true_float32() -> Iterator[None]:
     """Float32 matmuls in IEEE float32 (no TF32, no bf16 passes) inside the block, on CUDA and
-    CPU; the previous settings come back on exit."""
-    previous = [s.fp32_precision for s in _MATMUL_SETTINGS]
+    CPU; the previous setting comes back on exit."""
+    previous = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("highest")
     try:
-        for s in _MATMUL_SETTINGS:
-            s.fp32_precision = "ieee"
         yield
     finally:
-        for s, p in zip(_MATMUL_SETTINGS, previous):
-            s.fp32_precision = p
+        torch.set_float32_matmul_precision(previous)
 
 
 def _product(a: Tensor, b: Tensor) -> Tensor:

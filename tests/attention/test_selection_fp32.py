@@ -40,10 +40,10 @@ class PrecisionAtProducts(TorchDispatchMode):
 @pytest.fixture
 def global_tf32():
     """TF32 on for float32 matmuls, as `PretrainTask.setup` sets it on CUDA."""
-    previous = torch.backends.cuda.matmul.fp32_precision
-    torch.backends.cuda.matmul.fp32_precision = "tf32"
+    previous = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("high")
     yield
-    torch.backends.cuda.matmul.fp32_precision = previous
+    torch.set_float32_matmul_precision(previous)
 
 
 def _float32(name: str, **options) -> tuple[torch.nn.Module, torch.Tensor, torch.Tensor]:
@@ -64,14 +64,14 @@ def _routing_selection(attn, q, k, valid) -> None:
 
 
 def test_true_float32_turns_tf32_off_and_restores(global_tf32):
-    mkldnn = torch.backends.mkldnn.matmul.fp32_precision
     with fp32.true_float32():
         assert torch.backends.cuda.matmul.fp32_precision == "ieee"
         assert torch.backends.mkldnn.matmul.fp32_precision == "ieee"
-    with pytest.raises(RuntimeError), fp32.true_float32():
-        raise RuntimeError
+        assert torch.get_float32_matmul_precision() == "highest"  # inductor reads it
+    with pytest.raises(RuntimeError, match="inside"), fp32.true_float32():
+        raise RuntimeError("inside")
     assert torch.backends.cuda.matmul.fp32_precision == "tf32"
-    assert torch.backends.mkldnn.matmul.fp32_precision == mkldnn
+    assert torch.get_float32_matmul_precision() == "high"  # the legacy getter still answers
 
 
 @pytest.mark.parametrize(

@@ -1,6 +1,8 @@
-"""Pretraining on CUDA turns TF32 on through torch's `fp32_precision` settings, not the legacy
-`allow_tf32` flags (announced as deprecated; their getters raise once the new ones are set).
-Key selection switches it off for itself (`attention/fp32.py`, tests/attention)."""
+"""Pretraining on CUDA turns TF32 on for float32 regions in a way that keeps
+`torch.get_float32_matmul_precision()` answering: inductor calls it whenever it compiles (a
+compiled step, Flex kernels), and it raises once torch's per-backend `fp32_precision`
+attributes have been set directly. Key selection switches TF32 off for itself
+(`attention/fp32.py`, tests/attention/test_selection_fp32.py)."""
 
 from __future__ import annotations
 
@@ -9,28 +11,25 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from speechattn.attention import fp32
 from speechattn.tasks.pretrain import PretrainTask
-
-SETTINGS = (torch.backends.cuda.matmul, torch.backends.cudnn.conv, torch.backends.cudnn.rnn)
 
 
 @pytest.fixture
 def restore_precision():
-    previous = [s.fp32_precision for s in SETTINGS]
+    matmul, cudnn = torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32
     yield
-    for s, p in zip(SETTINGS, previous):
-        s.fp32_precision = p
+    torch.set_float32_matmul_precision(matmul)
+    torch.backends.cudnn.allow_tf32 = cudnn
 
 
-def _legacy(*_):
-    raise AssertionError("legacy allow_tf32 setter used")
-
-
-def test_setup_on_cuda_turns_tf32_on_with_the_fp32_precision_settings(
-    restore_precision, monkeypatch
-):
-    monkeypatch.setattr(torch._C, "_set_cublas_allow_tf32", _legacy)
-    monkeypatch.setattr(type(torch.backends.cudnn), "allow_tf32", property(fset=_legacy))
+def test_setup_on_cuda_turns_tf32_on_and_compilers_can_still_read_it(restore_precision):
     on_cuda = SimpleNamespace(strategy=SimpleNamespace(root_device=torch.device("cuda")))
     PretrainTask.setup(SimpleNamespace(trainer=on_cuda, _trainer=None), "fit")
-    assert [s.fp32_precision for s in SETTINGS] == ["tf32"] * 3
+    assert torch.backends.cuda.matmul.fp32_precision == "tf32"
+    assert torch.backends.cudnn.conv.fp32_precision == "tf32"
+    assert torch.get_float32_matmul_precision() == "high"  # what inductor's cache key reads
+    with fp32.true_float32():
+        assert torch.get_float32_matmul_precision() == "highest"
+    assert torch.get_float32_matmul_precision() == "high"
+    assert torch.backends.cuda.matmul.fp32_precision == "tf32"

@@ -135,11 +135,10 @@ class PretrainTask(L.LightningModule):
             # fp32 regions (linear attention, LSH CSR, tables, the optimiser's norms) use TF32
             # tensor cores: ~8x the fp32 matmul rate, 10-bit mantissa products. Key selection
             # (LSH hashing and matching, routing's clusters) stays true float32 (attention/fp32.py).
-            # The fp32_precision settings, which cuBLAS reads: torch announces the legacy
-            # allow_tf32 flags as deprecated, and their getters raise once these are set.
-            torch.backends.cuda.matmul.fp32_precision = "tf32"
-            torch.backends.cudnn.conv.fp32_precision = "tf32"
-            torch.backends.cudnn.rnn.fp32_precision = "tf32"
+            # One API for both: per-backend fp32_precision attributes set directly would make
+            # torch.get_float32_matmul_precision() raise, and inductor calls it when it compiles.
+            torch.set_float32_matmul_precision("high")
+            torch.backends.cudnn.allow_tf32 = True
         # the normaliser is computed by the data module's setup, which Lightning runs first
         dm = self.trainer.datamodule if self._trainer is not None else None
         norm = getattr(dm, "normalizer", None) if dm is not None else None
