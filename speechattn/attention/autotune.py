@@ -1,35 +1,41 @@
-"""Kernel choice by measurement on the machine that runs it (issue 23, item 4).
+"""Kernel choice by measurement on the machine that runs it.
 
-Variants with two exact kernels, a short-sequence one over all T x T pairs (one fused or
-batched call) and a long-sequence one (bands, blocks, sparse products, chunks), ask
-`Attention.use_short_path(t)` which one to run. Two ways to answer:
+Variants with several exact kernels ask `Attention.pick_kernel(t)` which one to run: the
+two-kernel variants a short-sequence one over all T x T pairs (one fused or batched call) and
+a long-sequence one (bands, blocks, sparse products, chunks), "short" and "long"; sparse_* a
+blocked, a masked and (CUDA) a Flex kernel; routing also its long kernel with the local heads
+masked (`kernel_names`, `kernel_candidates`). Two ways to answer:
 
-* the rule (default): T <= `short_path_max_t`, crossovers measured once on one machine.
-  Always used under torch.compile / jit / fx tracing, on fake, meta or subclassed tensors,
-  under a dispatch mode (the fake-CUDA suite, sync counters), for CUDA tensors without a
-  driver, and when the short kernel's (B, h, T, T) scores for one sequence exceed
-  `SCORE_BUDGET` (there it is not a candidate to time);
+* the rule (default): `Attention.rule_kernel`, e.g. T <= `short_path_max_t`, crossovers
+  measured once on one machine. Always used under torch.compile / jit / fx tracing, on fake,
+  meta or subclassed tensors, under a dispatch mode (the fake-CUDA suite, sync counters), for
+  CUDA tensors without a driver, and when only one candidate is left after the kernels with
+  (B, h, T, T) scores (`all_pairs_kernels`) whose scores for one sequence exceed
+  `SCORE_BUDGET` are left out (they are not candidates to time there);
 * measurement (`enable(model)`; pretraining does it unless `attention.autotune=false`): on
-  the first call per key, both kernels run forward + backward (`attend` on random
+  the first call per key, every candidate runs forward + backward (`attend` on random
   x (B', T_b, D), gradients of x and of the parameters through `torch.autograd.grad`, so no
   `.grad` is touched) in eval mode under the caller's autocast, interleaved, min of `REPS`
-  or more after a warm-up each, and the faster one is kept (the rule's unless the other is
+  or more after a warm-up each, and the fastest is kept (the rule's unless another is
   `MARGIN` faster: noise must not flip a choice), like `cudnn.benchmark` or Triton's
-  autotune. RNG states are forked, so measuring changes no random stream of the run.
+  autotune. A candidate that fails while timed (e.g. a Flex kernel that does not compile, or
+  runs out of memory) is left out with a warning. RNG states are forked, so measuring changes
+  no random stream of the run.
 
 Key: device name (CPU model and torch threads, or the CUDA device's name), torch version,
 compute dtype (the autocast dtype when autocast is on), variant, heads, head dim, the options
-that shape the kernels (the config but `layer` and `dropout`), the length bucket T_b and the
-batch bucket. Length buckets are 2^k and 1.5 x 2^k frames (32, 48, 64, 96, 128, ..., every
-current crossover is one), timed at their top T_b (at most the variant's max_len); the batch
-is timed as given, cut so that B' h T_b^2 score elements fit `SCORE_BUDGET`, and bucketed to a
-power of two (GPU kernels' relative cost moves with occupancy).
+that shape the kernels (the config but `layer` and `dropout`), the candidates timed, the
+length bucket T_b and the batch bucket. Length buckets are 2^k and 1.5 x 2^k frames (32, 48,
+64, 96, 128, ..., every current crossover is one), timed at their top T_b (at most the
+variant's max_len); the batch is timed as given, cut so that B' h T_b^2 score elements fit
+`SCORE_BUDGET` when an all-pairs kernel is timed, and bucketed to a power of two (GPU
+kernels' relative cost moves with occupancy).
 
 Cache: in memory per module and per process, and on disk in
 `$SPEECHATTN_CACHE/autotune/kernels.json` (the data layer's cache root; default
 `~/.cache/speechattn`), rewritten atomically (merged with what is there) after each new
 measurement; a corrupt file is ignored with a warning and rewritten. Delete it to re-measure.
-Choices are per process: DDP ranks may pick differently, which is harmless because both
+Choices are per process: DDP ranks may pick differently, which is harmless because all
 kernels compute the same function of the same parameters.
 """
 
@@ -50,10 +56,10 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from speechattn.attention.base import Attention
+from speechattn.attention.base import Attention, compute_dtype
 from speechattn.utils import atomic_write_text, default_cache_root, digest
 
-KERNELS = ("short", "long")
+KERNELS = ("short", "long")  # the two-kernel variants' names (others: `kernel_names`)
 CACHE_VERSION = 1
 REPS = 3  # timed steps per kernel after one warm-up each; the min counts
 MIN_SECONDS = 0.05  # ... and more (up to MAX_REPS) until each kernel ran this long: short
@@ -73,12 +79,12 @@ _memory: dict[Path, dict[str, dict[str, Any]]] = {}  # cache file -> its entries
 def enable(model: nn.Module, on: bool = True) -> int:
     """Switch measurement on (or off) for every attention module of `model` (itself
     included; one-kernel variants only record the setting); returns how many modules have
-    two kernels."""
+    several kernels."""
     n = 0
     for m in model.modules():
         if isinstance(m, Attention):
             m.autotune = on
-            n += m.short_path_max_t is not None
+            n += len(m.kernel_names) > 1
     return n
 
 
@@ -127,15 +133,9 @@ def device_name(device: torch.device) -> str:
     return device.type
 
 
-def compute_dtype(t: Tensor) -> torch.dtype:
-    """The dtype the kernels compute in: autocast's when it is on for t's device."""
-    kind = t.device.type
-    if kind in ("cpu", "cuda") and torch.is_autocast_enabled(kind):
-        return torch.get_autocast_dtype(kind)
-    return t.dtype
-
-
-def key_parts(module: Attention, t: Tensor, T: int, batch: int) -> dict[str, Any]:
+def key_parts(
+    module: Attention, t: Tensor, T: int, batch: int, kernels: tuple[str, ...]
+) -> dict[str, Any]:
     """Everything the measured choice depends on (see the module docstring)."""
     options = {k: v for k, v in asdict(module.config).items() if k not in IGNORED_OPTIONS}
     return {
@@ -146,70 +146,85 @@ def key_parts(module: Attention, t: Tensor, T: int, batch: int) -> dict[str, Any
         "heads": module.num_heads,
         "head_dim": module.head_dim,
         "options": options,
+        "kernels": list(kernels),
         "bucket": bucket(T),
         "batch": batch,
     }
 
 
-def timed_shape(module: Attention, t: Tensor, T: int) -> tuple[int, int] | None:
-    """(B', T_b) to time for a call with t at T frames; None when the short kernel's scores
-    for one sequence of T_b frames exceed `SCORE_BUDGET` (the rule decides there)."""
+def timed_shape(module: Attention, t: Tensor, T: int) -> tuple[int, int, tuple[str, ...]] | None:
+    """(B', T_b, kernels) to time for a call with t at T frames: the candidates, less the
+    all-pairs kernels when their scores for one sequence of T_b frames exceed `SCORE_BUDGET`;
+    None when fewer than two are left (the rule decides there)."""
     B = t.shape[0]
     T_b = min(bucket(T), module.max_len or bucket(T))
     per_sequence = module.num_heads * T_b * T_b * compute_dtype(t).itemsize
     fits = SCORE_BUDGET // per_sequence
+    kernels = module.kernel_candidates(t)
     if fits < 1:
+        kernels = tuple(k for k in kernels if k not in module.all_pairs_kernels)
+    if len(kernels) < 2:
         return None
-    B_t = max(1, min(B, fits))
-    return 1 << (B_t.bit_length() - 1), T_b  # a power of two <= B'
+    if any(k in module.all_pairs_kernels for k in kernels):
+        B = min(B, fits)
+    B_t = max(1, B)
+    return 1 << (B_t.bit_length() - 1), T_b, kernels  # a power of two <= B'
 
 
 # ----------------------------------------------------------------------------- choosing
-def choose(module: Attention, t: Tensor, T: int) -> bool:
-    """Whether `module` runs its short kernel for t (x (B, T, D) or q (B, h, T, d_k)) at T
-    frames: measured once per key, then from memory or disk."""
-    rule = T <= module.short_path_max_t
+def choose(module: Attention, t: Tensor, T: int) -> str:
+    """The kernel `module` runs for t (x (B, T, D) or q (B, h, T, d_k)) at T frames: measured
+    once per key, then from memory or disk."""
     if rule_only(t):
-        return rule
+        return module.rule_kernel(T, t.device)
     shape = timed_shape(module, t, T)
     memo_key = (bucket(T), shape, t.device, compute_dtype(t), module.num_heads)
     memo = module._kernel_memo
     if memo_key in memo:
         return memo[memo_key]
     if shape is None:
-        entry = {"kernel": "short" if rule else "long", "by": "rule (scores over budget)"}
+        entry = {"kernel": module.rule_kernel(T, t.device), "by": "rule (scores over budget)"}
         parts = {"variant": module.name, "bucket": bucket(T), "dtype": str(compute_dtype(t))}
     else:
-        parts = key_parts(module, t, T, shape[0])
+        B_t, T_b, kernels = shape
+        parts = key_parts(module, t, T, B_t, kernels)
         key = digest(parts)
         path = cache_path()
         entry = _entries(path).get(key)
         if entry is None:
-            ms = measure(module, t, *shape)
-            ruled = "short" if shape[1] <= module.short_path_max_t else "long"
-            other = KERNELS[1 - KERNELS.index(ruled)]
+            ms, failed = measure(module, t, B_t, T_b, kernels)
             entry = {
                 **parts,
-                "kernel": other if ms[other] < (1 - MARGIN) * ms[ruled] else ruled,
+                "kernel": pick(ms, module.rule_kernel(T_b, t.device)),
                 "ms": {k: round(v, 4) for k, v in ms.items()},
-                "measured_at": shape[1],
+                "measured_at": T_b,
+                **({"failed": failed} if failed else {}),
             }
             _store(path, key, entry)
             entry = {**entry, "by": "measured"}
         else:
             entry = {**entry, "by": "cache"}
-    short = entry["kernel"] == "short"
-    memo[memo_key] = short
+    kernel = entry["kernel"]
+    memo[memo_key] = kernel
     label = f"{parts['variant']} T<={parts['bucket']} {parts['dtype']}"
     if shape is not None:
         label += f" B'={shape[0]} {parts['device']}"
     module.kernel_choices[label] = {
         "bucket": parts["bucket"],
-        "kernel": entry["kernel"],
+        "kernel": kernel,
         "by": entry["by"],
         **({"ms": entry["ms"]} if "ms" in entry else {}),
     }
-    return short
+    return kernel
+
+
+def pick(ms: dict[str, float], ruled: str) -> str:
+    """The fastest kernel of `ms` (milliseconds by kernel), or the rule's unless the fastest
+    is `MARGIN` faster than it (noise must not flip a choice)."""
+    best = min(ms, key=ms.__getitem__)
+    if ruled in ms and ms[best] >= (1 - MARGIN) * ms[ruled]:
+        return ruled
+    return best
 
 
 def time_once(step: Callable[[], None], kernel: str, device: torch.device) -> float:
@@ -224,13 +239,20 @@ def time_once(step: Callable[[], None], kernel: str, device: torch.device) -> fl
     return time.perf_counter() - t0
 
 
-def measure(module: Attention, like: Tensor, B: int, T: int) -> dict[str, float]:
-    """Milliseconds of forward + backward of each kernel of `module` on random x (B, T, D):
-    the min over interleaved steps after one warm-up each (`REPS`, more for short steps)."""
+def measure(
+    module: Attention, like: Tensor, B: int, T: int, kernels: tuple[str, ...] = KERNELS
+) -> tuple[dict[str, float], dict[str, str]]:
+    """Milliseconds of forward + backward of each of `kernels` of `module` on random
+    x (B, T, D): the min over interleaved steps after one warm-up each (`REPS`, more for short
+    steps); and {kernel: error} for those that raised (left out of the timings, with a
+    warning: e.g. a Flex kernel that does not compile, or memory running out)."""
     device = like.device
     dtype = module.out_proj.weight.dtype  # the module's input dtype (autocast casts inside)
     gen = torch.Generator().manual_seed(T)
     forks = [device] if device.type == "cuda" else []
+    best = {k: math.inf for k in kernels}
+    spent = {k: 0.0 for k in kernels}
+    failed: dict[str, str] = {}
     with (
         torch.random.fork_rng(forks, device_type="cuda"),
         _eval(module),
@@ -244,23 +266,38 @@ def measure(module: Attention, like: Tensor, B: int, T: int) -> dict[str, float]
             out = module.attend(x, None)  # (B, h, T, d_k)
             torch.autograd.grad(out.float().sum(), inputs, allow_unused=True)
 
-        best = {k: math.inf for k in KERNELS}
-        spent = {k: 0.0 for k in KERNELS}
         for rep in range(MAX_REPS + 1):
-            for kernel in KERNELS:
-                with forced(module, kernel):
-                    seconds = time_once(step, kernel, device)
+            for kernel in kernels:
+                if kernel in failed:
+                    continue
+                try:
+                    with forced(module, kernel):
+                        seconds = time_once(step, kernel, device)
+                except Exception as err:  # noqa: BLE001 - any failure rules the kernel out
+                    failed[kernel] = f"{type(err).__name__}: {str(err).splitlines()[0][:200]}"
+                    warnings.warn(
+                        f"{module.name}: the {kernel} kernel failed while timed, left out "
+                        f"({failed[kernel]})",
+                        stacklevel=2,
+                    )
+                    if device.type == "cuda":
+                        torch.cuda.empty_cache()
+                    continue
                 if rep:  # rep 0 warms up
                     best[kernel] = min(best[kernel], seconds)
                     spent[kernel] += seconds
-            if rep >= REPS and min(spent.values()) >= MIN_SECONDS:
+            timed = [k for k in kernels if k not in failed]
+            if not timed or (rep >= REPS and min(spent[k] for k in timed) >= MIN_SECONDS):
                 break
-    return {k: 1000 * v for k, v in best.items()}
+    if len(failed) == len(kernels):
+        raise RuntimeError(f"{module.name}: every kernel failed while timed: {failed}")
+    return {k: 1000 * v for k, v in best.items() if k not in failed}, failed
 
 
 @contextlib.contextmanager
 def forced(module: Attention, kernel: str | None) -> Iterator[None]:
-    """Make `module.use_short_path` answer for `kernel` ("short"/"long"; None: as usual)."""
+    """Make `module.pick_kernel` answer `kernel` (one of its `kernel_names`; None: as
+    usual)."""
     previous, module._forced_kernel = module._forced_kernel, kernel
     try:
         yield
@@ -306,7 +343,7 @@ def _read(path: Path, warn: bool = True) -> dict[str, dict[str, Any]]:
         isinstance(data, dict)
         and data.get("version") == CACHE_VERSION
         and isinstance(entries, dict)
-        and all(isinstance(e, dict) and e.get("kernel") in KERNELS for e in entries.values())
+        and all(isinstance(e, dict) and isinstance(e.get("kernel"), str) for e in entries.values())
     )
     if not ok:
         if warn:
@@ -365,12 +402,13 @@ def choices(model: nn.Module) -> dict[str, Any]:
 
 
 def used(module: Attention, T: int) -> str:
-    """The kernel `module` takes at T frames now, for tables: "one" (a single kernel),
-    "short"/"long" with "*" when measured (or read from the cache), else by the rule."""
-    if module.short_path_max_t is None:
+    """The kernel `module` takes at T frames now, for tables: "one" (a single kernel), else
+    its name ("short"/"long", "blocked"/"masked"/"flex", ...) with "*" when measured (or read
+    from the cache), else by the rule."""
+    if len(module.kernel_names) < 2:
         return "one"
     prefix = f"{module.name} T<={bucket(T)} "
     for label, c in module.kernel_choices.items():
         if label.startswith(prefix):
             return c["kernel"] + ("*" if c["by"] in ("measured", "cache") else "")
-    return "short" if T <= module.short_path_max_t else "long"
+    return module.rule_kernel(T, module.out_proj.weight.device)

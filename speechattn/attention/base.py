@@ -127,9 +127,12 @@ class Attention(nn.Module, ABC):
         supports_weights: whether `need_weights=True` can return (B, h, T, T) weights
         short_path_max_t: variants with two kernels use their short-sequence one (all T x T
             pairs in a fused or batched call, cheapest at small T) up to this many frames and
-            their long-sequence one (blocks, sparse products, chunks) above; None: one kernel.
+            their long-sequence one (blocks, sparse products, chunks) above; None: one kernel,
+            or kernels of other names (`kernel_names`, e.g. sparse's blocked / masked / flex).
             Crossovers are measured with `python -m speechattn.bench attention`; with
-            `autotune` on, `use_short_path` times both kernels on this machine instead.
+            `autotune` on, `pick_kernel` times the kernels on this machine instead.
+        all_pairs_kernels: the kernels that form (B, h, T, T) scores or masks: the tuner
+            times them only while those fit its memory budget.
         no_weight_decay: names of this module's parameters that are biases stored as matrices
             (one vector per head): the optimiser groups leave them undecayed, like every
             parameter of fewer than 2 dimensions.
@@ -148,6 +151,7 @@ class Attention(nn.Module, ABC):
     complexity_inference: ClassVar[str] = ""
     supports_weights: ClassVar[bool] = True
     short_path_max_t: ClassVar[int | None] = None
+    all_pairs_kernels: ClassVar[tuple[str, ...]] = ("short",)
     no_weight_decay: ClassVar[tuple[str, ...]] = ()
     end_padded_only: ClassVar[bool] = False
     # Options whose default changed with the definition (the study's first runs): their old
@@ -157,7 +161,7 @@ class Attention(nn.Module, ABC):
     # Kernel choice by measurement (`attention.autotune`, see `autotune.py`): off by default
     # so that a module built here keeps the `short_path_max_t` rule (tests, `force_path`).
     autotune: bool = False
-    _forced_kernel: str | None = None  # "short"/"long" while the tuner times one kernel
+    _forced_kernel: str | None = None  # the kernel the tuner is timing (`autotune.forced`)
 
     def __init__(self, config: AttentionConfig) -> None:
         super().__init__()
@@ -169,7 +173,7 @@ class Attention(nn.Module, ABC):
         self.out_proj = nn.Linear(config.dim, config.dim, bias=config.bias)  # W^O
         # Original indices of the heads this module still has (all, until `prune_heads`).
         self.kept_heads: list[int] = list(range(config.num_heads))
-        self._kernel_memo: dict[tuple, bool] = {}  # measured choices: key -> short kernel
+        self._kernel_memo: dict[tuple, str] = {}  # measured choices: key -> kernel name
         self.kernel_choices: dict[str, dict] = {}  # the same, readable, for run metadata
 
     @classmethod
@@ -218,19 +222,45 @@ class Attention(nn.Module, ABC):
         """Called by the pretraining task after each optimiser step to put parameters back
         into their valid range (adaptive_span: its spans); nothing for the others."""
 
-    def use_short_path(self, t: Tensor) -> bool:
-        """Whether a two-kernel variant runs its short-sequence kernel for t: x (B, T, D) or
-        q (B, h, T, d_k). The rule T <= `short_path_max_t`, or with `autotune` on the kernel
-        measured fastest for T's length bucket on this machine (`autotune.choose`; never
-        while compiling, where the rule keeps the branch static)."""
+    # ----------------------------------------------------------------- kernel choice
+    @property
+    def kernel_names(self) -> tuple[str, ...]:
+        """Every kernel this module may run: ("short", "long") for the variants with a
+        crossover (`short_path_max_t`), ("one",) for a single kernel; variants with other
+        kernels override it (several names: the tuner may choose among them)."""
+        return ("short", "long") if self.short_path_max_t is not None else ("one",)
+
+    def kernel_candidates(self, t: Tensor) -> tuple[str, ...]:
+        """The kernels the tuner may time for t (x (B, T, D) or q (B, h, T, d_k)), which
+        tells the device, and this module's mode: those of `kernel_names` that can run here,
+        or () when there is nothing to choose."""
+        names = self.kernel_names
+        return names if len(names) > 1 else ()
+
+    def rule_kernel(self, T: int, device: torch.device) -> str:
+        """The kernel at T frames on `device` without measurement: the crossover rule
+        T <= `short_path_max_t` (measured once on one CPU)."""
+        if self.short_path_max_t is None:
+            return self.kernel_names[0]
+        return "short" if T <= self.short_path_max_t else "long"
+
+    def pick_kernel(self, t: Tensor) -> str:
+        """The kernel to run for t: x (B, T, D) or q (B, h, T, d_k). The rule
+        (`rule_kernel`), or with `autotune` on the kernel measured fastest for T's length
+        bucket on this machine (`autotune.choose`; never while compiling, where the rule keeps
+        the branch static)."""
         T = t.shape[-2] if t.dim() == 4 else t.shape[1]
         if self._forced_kernel is not None:  # the tuner is timing one kernel
-            return self._forced_kernel == "short"
-        if self.autotune and not torch.compiler.is_compiling():
+            return self._forced_kernel
+        if self.autotune and not torch.compiler.is_compiling() and self.kernel_candidates(t):
             from speechattn.attention import autotune  # imports this module
 
             return autotune.choose(self, t, T)
-        return T <= self.short_path_max_t
+        return self.rule_kernel(T, t.device)
+
+    def use_short_path(self, t: Tensor) -> bool:
+        """Whether a two-kernel variant runs its short-sequence kernel for t (`pick_kernel`)."""
+        return self.pick_kernel(t) == "short"
 
     # ----------------------------------------------------------------- variant hooks
     @abstractmethod
@@ -439,6 +469,14 @@ def needs_static_shapes(t: Tensor) -> bool:
     of device data makes the host wait for the device) and under torch.compile (it breaks the
     graph). On CPU eager a read is free, so kernels may size themselves from the batch."""
     return t.device.type != "cpu" or torch.compiler.is_compiling()
+
+
+def compute_dtype(t: Tensor) -> torch.dtype:
+    """The dtype kernels on t compute in: autocast's when it is on for t's device."""
+    kind = t.device.type
+    if kind in ("cpu", "cuda") and torch.is_autocast_enabled(kind):
+        return torch.get_autocast_dtype(kind)
+    return t.dtype
 
 
 def widen(t: Tensor) -> Tensor:

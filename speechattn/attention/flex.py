@@ -7,8 +7,11 @@ pattern costs about its share of T x T. Here:
 * lengths are padded up to a multiple of 128 (the "bucket");
 * the BlockMask comes from an `envelope`: a mask_mod of positions and Python constants only
   that contains the pattern of every utterance the bucket can hold (e.g. a band as wide as
-  the largest stride of the bucket), so it is built once per (pattern, heads, bucket) and
-  cached, whatever the batch's strides;
+  the largest stride of the bucket), so it is built once per (pattern, heads, bucket, device)
+  and cached, whatever the batch's strides and size (it broadcasts over the batch). It is
+  built eagerly, before the compiled Flex call; inside a compiled region (the whole model
+  under torch.compile) the cache is only read, and a missing mask is built in the graph and
+  not stored (a cache written while tracing would hold traced values);
 * the exact pattern and everything else that depends on the batch go into the `score_mod`,
   as tensors it captures (per-utterance strides (B,), allowed keys (B, T)): padded keys and
   keys outside the utterance's pattern get -inf, the query's own key the shared-QK self
@@ -17,12 +20,20 @@ pattern costs about its share of T x T. Here:
   bucket) and never per stride (a stride as a Python int would be guarded on: one compile
   per stride, past dynamo's recompile limit of 8, then eager Flex over all T x T scores).
 
-Flex kernels are compiled on CUDA, with dynamo's recompile limit raised for that call to
-`MAX_COMPILES` (one per bucket and batch size). Torch 2.11 has no Flex backward on CPU, and
-its CPU forward is either compiled (tens of seconds per shape) or unfused (all T x T
-scores): callers use their SDPA kernels there (`use_flex`); the tests run this forward on
-CPU against the dense reference, eagerly, and compiled with the "eager" backend to count
-compilations.
+Flex kernels are compiled on CUDA (`CUDA_BACKEND`), with dynamo's recompile limit raised for
+that call to `MAX_COMPILES` (one per bucket and batch size). Torch 2.11 has no Flex backward
+on CPU, and its CPU forward is either compiled (tens of seconds per shape) or unfused (all
+T x T scores): callers use their SDPA kernels there (`use_flex`); the tests run this forward
+on CPU against the dense reference, eagerly, and compiled with the "eager" backend to count
+compilations, and check on CPU that each BlockMask covers the blocks the patterns need.
+
+On fake CUDA tensors (the fake-CUDA suite) Flex traces forward and backward with two
+stand-ins the tests set (`tests/fakecuda/_fake_cuda.py: fake_flex`): Flex's autograd
+differentiates the score_mod with the autograd engine on scalars of the query's device, and
+the engine asks the CUDA driver for a context, which a machine without a GPU lacks
+("hasPrimaryContext expects a valid device index"), so the score_mod's joint graph is traced
+on CPU scalars (it is the same graph: a score_mod is elementwise); and inductor's code
+generation needs a real device, so the compiled call uses the "eager" backend.
 """
 
 from __future__ import annotations
@@ -34,7 +45,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from speechattn.attention.base import SELF_PENALTY
+from speechattn.attention.base import SELF_PENALTY, compute_dtype
 
 # (batch, head, query index, key index) -> bool: whether the head may use that key.
 MaskMod = Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
@@ -42,6 +53,7 @@ BUCKET = 128  # Flex's default block size
 # compiled Flex kernels allowed per process: a bucket each (16 buckets: T up to 2048) for a
 # couple of batch sizes (the last batch of an epoch is often smaller)
 MAX_COMPILES = 32
+CUDA_BACKEND = "inductor"  # torch.compile backend of the Flex call on CUDA
 
 
 def use_flex(q: Tensor, training: bool, dropout: float) -> bool:
@@ -50,13 +62,15 @@ def use_flex(q: Tensor, training: bool, dropout: float) -> bool:
     return q.is_cuda and not (training and dropout) and _flex_module() is not None
 
 
-@functools.cache
+try:
+    from torch.nn.attention import flex_attention as _FLEX_MODULE
+except ImportError:  # a torch without FlexAttention
+    _FLEX_MODULE = None
+
+
 def _flex_module():  # noqa: ANN202 - the torch module, or None
-    try:
-        from torch.nn.attention import flex_attention
-    except ImportError:
-        return None
-    return flex_attention
+    # a plain function (no functools.cache): dynamo traces it inside compiled regions
+    return _FLEX_MODULE
 
 
 @functools.cache
@@ -68,16 +82,37 @@ _BLOCK_MASKS: dict[Hashable, object] = {}
 _MAX_BLOCK_MASKS = 64
 
 
-def _block_mask(key: Hashable, mask_mod: MaskMod, heads: int, T: int, device: str):  # noqa: ANN202
+def _block_mask(key: Hashable, mask_mod: MaskMod, heads: int, T: int, device: torch.device):  # noqa: ANN202
     """The BlockMask of `mask_mod` over (heads, T, T), for every batch, cached under
-    (key, heads, T, device): `key` names the pattern, since mask_mod is a new closure per call."""
-    full_key = (key, heads, T, device)
-    if full_key not in _BLOCK_MASKS:
-        if len(_BLOCK_MASKS) >= _MAX_BLOCK_MASKS:
-            _BLOCK_MASKS.pop(next(iter(_BLOCK_MASKS)))  # oldest first
-        create = _flex_module().create_block_mask
-        _BLOCK_MASKS[full_key] = create(mask_mod, None, heads, T, T, device=device)
-    return _BLOCK_MASKS[full_key]
+    (key, heads, T, device): `key` names the pattern, since mask_mod is a new closure per call.
+    Written only outside compiled regions and for real tensors (see the module docstring)."""
+    full_key = (key, heads, T, str(device))
+    if full_key in _BLOCK_MASKS:
+        return _BLOCK_MASKS[full_key]
+    create = _flex_module().create_block_mask
+    block_mask = create(mask_mod, None, heads, T, T, device=device)
+    if torch.compiler.is_compiling() or _is_fake(block_mask.kv_num_blocks):
+        return block_mask  # a traced or fake mask: not for later calls
+    if len(_BLOCK_MASKS) >= _MAX_BLOCK_MASKS:
+        _BLOCK_MASKS.pop(next(iter(_BLOCK_MASKS)))  # oldest first
+    _BLOCK_MASKS[full_key] = block_mask
+    return block_mask
+
+
+def _is_fake(t: Tensor) -> bool:
+    from torch._subclasses.fake_tensor import is_fake
+
+    return is_fake(t)
+
+
+def block_mask_for(key: Hashable, envelope: MaskMod, heads: int, T: int, device: torch.device):  # noqa: ANN201 - a BlockMask
+    """The cached BlockMask of `pattern_attention` for `envelope` (plus the self key) at T
+    frames: its bucket's, over (heads, bucket(T), bucket(T)), broadcast over the batch."""
+
+    def with_self(b: Tensor, hh: Tensor, i: Tensor, j: Tensor) -> Tensor:
+        return envelope(b, hh, i, j) | (i == j)
+
+    return _block_mask(key, with_self, heads, bucket(T), device)
 
 
 def bucket(T: int) -> int:
@@ -110,8 +145,7 @@ def pattern_attention(
     B, h, T, d = q.shape
     Tb = bucket(T)
     # Flex is not an autocast op: give it the dtype SDPA would run in.
-    device = q.device.type
-    dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else q.dtype
+    dtype = compute_dtype(q)
     q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
 
     def pad(t: Tensor) -> Tensor:  # contiguous: a length of whole buckets (no padding)
@@ -119,16 +153,13 @@ def pattern_attention(
 
     allowed = F.pad(kv, (0, Tb - T))  # (B, Tb); bucket padding is never a key
 
-    def with_self(b: Tensor, hh: Tensor, i: Tensor, j: Tensor) -> Tensor:
-        return envelope(b, hh, i, j) | (i == j)
-
     def score_mod(score: Tensor, b: Tensor, hh: Tensor, i: Tensor, j: Tensor) -> Tensor:
         own = i == j
         score = torch.where(own, score + SELF_PENALTY, score)
         return torch.where((pattern(b, hh, i, j) & allowed[b, j]) | own, score, float("-inf"))
 
-    block_mask = _block_mask(key, with_self, h, Tb, str(q.device))
-    backend = backend or ("inductor" if q.is_cuda else None)
+    block_mask = block_mask_for(key, envelope, h, T, q.device)
+    backend = backend or (CUDA_BACKEND if q.is_cuda else None)
     args = pad(q), pad(k), pad(v)
     if backend is None or torch.compiler.is_compiling():
         out = _flex_module().flex_attention(*args, score_mod=score_mod, block_mask=block_mask)

@@ -1,8 +1,10 @@
 """Pure pattern builders (no parameters, no compute kernels).
 
 Boolean (T, T) masks are True where query i (row) may attend key j (column); they are used by
-the dense references, by tests and by the visualiser. The efficient kernels never build them.
-Also the fixed attention patterns of Raganato et al. (2020) used to initialise `syn_fixed`.
+the dense references, by tests, by the visualiser and, as (B, T, T) masks with per-utterance
+strides, by the sparse variants' "masked" kernel (`kernels/masked.py`); the same elementwise
+predicates are their FlexAttention mask_mods. Also the fixed attention patterns of Raganato et
+al. (2020) used to initialise `syn_fixed`.
 """
 
 from __future__ import annotations
@@ -45,34 +47,83 @@ def stride_bounds(T: int) -> tuple[int, int]:
     return L, max(-(-T // L), L)
 
 
-def _ij(T: int, device: torch.device | None = None) -> tuple[Tensor, Tensor]:
-    i = torch.arange(T, device=device)[:, None]
-    j = torch.arange(T, device=device)[None, :]
-    return i, j
+# A pattern's width or stride: one for the batch (int), or one per utterance ((B,) long).
+Width = int | Tensor
 
 
-def band_pattern(T: int, width: int, device: torch.device | None = None) -> Tensor:
-    """Local band |i - j| <= width, (T, T) bool (strided pattern, first half of the heads)."""
-    i, j = _ij(T, device)
+# Elementwise predicates of query positions i and key positions j (broadcastable tensors) and
+# a width (an int or a tensor broadcastable with them). The (T, T) builders below, the sparse
+# variants' per-utterance masks and their FlexAttention mask_mods all call these, so each
+# pattern is written once.
+def in_band(i: Tensor, j: Tensor, width: Width) -> Tensor:
+    """|i - j| <= width."""
     return (i - j).abs() <= width
 
 
-def strided_pattern(T: int, stride: int, device: torch.device | None = None) -> Tensor:
-    """Residue classes (i - j) mod l = 0, (T, T) bool (strided pattern, second half)."""
-    i, j = _ij(T, device)
+def same_residue(i: Tensor, j: Tensor, stride: Width) -> Tensor:
+    """(i - j) mod l = 0."""
     return (i - j) % stride == 0
 
 
-def block_pattern(T: int, block: int, device: torch.device | None = None) -> Tensor:
-    """Own block floor(i / l) = floor(j / l), (T, T) bool (fixed pattern, first half)."""
-    i, j = _ij(T, device)
+def same_block(i: Tensor, j: Tensor, block: Width) -> Tensor:
+    """floor(i / l) = floor(j / l)."""
     return i // block == j // block
 
 
-def summary_pattern(T: int, block: int, summary: int, device: torch.device | None = None) -> Tensor:
-    """Summary columns j mod l >= l - c, (T, T) bool (fixed pattern, second half)."""
-    _, j = _ij(T, device)
-    return (j % block >= block - summary).expand(T, T)
+def summary_key(j: Tensor, block: Width, summary: Width) -> Tensor:
+    """j mod l >= l - c: the last c keys of every block of l (c <= l, clipped by the caller)."""
+    return j % block >= block - summary
+
+
+def grid(T: int, device: torch.device | None = None) -> tuple[Tensor, Tensor]:
+    """Query and key positions (T, 1) and (1, T), broadcast against each other to (T, T)."""
+    i = torch.arange(T, device=device)[:, None]
+    return i, i.view(1, T)
+
+
+def per_utterance(width: Width) -> Width:
+    """An int as is; a (B,) tensor as (B, 1, 1), so that a predicate on `grid` positions
+    gives one (T, T) pattern per utterance, (B, T, T)."""
+    return width.view(-1, 1, 1) if isinstance(width, Tensor) else width
+
+
+def _device(width: Width, device: torch.device | None) -> torch.device | None:
+    return width.device if isinstance(width, Tensor) and device is None else device
+
+
+def _full(pattern: Tensor, T: int) -> Tensor:
+    """A predicate's result broadcast to (..., T, T) (a view)."""
+    return pattern.expand(*pattern.shape[:-2], T, T)
+
+
+def band_pattern(T: int, width: Width, device: torch.device | None = None) -> Tensor:
+    """Local band |i - j| <= width, (T, T) bool, or (B, T, T) for per-utterance widths
+    (strided pattern, first half of the heads)."""
+    i, j = grid(T, _device(width, device))
+    return in_band(i, j, per_utterance(width))
+
+
+def strided_pattern(T: int, stride: Width, device: torch.device | None = None) -> Tensor:
+    """Residue classes (i - j) mod l = 0, (T, T) or (B, T, T) bool (strided pattern, second
+    half)."""
+    i, j = grid(T, _device(stride, device))
+    return same_residue(i, j, per_utterance(stride))
+
+
+def block_pattern(T: int, block: Width, device: torch.device | None = None) -> Tensor:
+    """Own block floor(i / l) = floor(j / l), (T, T) or (B, T, T) bool (fixed pattern, first
+    half)."""
+    i, j = grid(T, _device(block, device))
+    return same_block(i, j, per_utterance(block))
+
+
+def summary_pattern(
+    T: int, block: Width, summary: Width, device: torch.device | None = None
+) -> Tensor:
+    """Summary columns j mod l >= l - c, (T, T) or (B, T, T) bool (fixed pattern, second
+    half); c <= l."""
+    _, j = grid(T, _device(block, device))
+    return _full(summary_key(j, per_utterance(block), per_utterance(summary)), T)
 
 
 def hankel(values: Tensor, L: int, Lk: int) -> Tensor:
@@ -96,7 +147,7 @@ def toeplitz(values: Tensor, L: int, Lk: int) -> Tensor:
 def global_pattern(T: int, every: int, device: torch.device | None = None) -> Tensor:
     """Rows and columns of the global frames i mod g = 0, (T, T) bool: a global frame attends to
     every frame and every frame attends to it (Longformer)."""
-    i, j = _ij(T, device)
+    i, j = grid(T, device)
     return (i % every == 0) | (j % every == 0)
 
 

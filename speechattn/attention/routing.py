@@ -38,8 +38,9 @@ carry gradients and never move the centroids: the efficient forward pass does th
 selecting (`update_centroids`), so a selection can be held fixed in tests.
 
 Attention on the selection: up to `short_path_max_t` frames one all-pairs SDPA call masked to
-`select`'s keys. Above, the local heads run the blocked band kernel of `sparse.py` and the
-routing heads `cluster_kernel`: the queries of each cluster, in sorted order, are cut into
+`select`'s keys. Above, the local heads run the blocked band kernel of `sparse.py` (or, as the
+tuner's third kernel "masked", one SDPA call over all T x T pairs with the band as a mask,
+`kernels/masked.py`, cheaper on a GPU at moderate T) and the routing heads `cluster_kernel`: the queries of each cluster, in sorted order, are cut into
 blocks of at most W (at most ceil(T / W) + C blocks per head), each block attends to its
 cluster's member table, and one fused SDPA call (flash kernel on CPU) runs all blocks of all
 utterances and heads as its batch, (B h_r nb, 1, W, W) scores with a mask for empty slots and
@@ -63,6 +64,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
 
+from speechattn.attention import patterns
 from speechattn.attention.base import (
     SELF_PENALTY,
     AttentionConfig,
@@ -86,6 +88,7 @@ from speechattn.attention.kernels.cluster import (  # noqa: F401 (routing's size
     num_clusters,
     num_clusters_tensor,
 )
+from speechattn.attention.kernels.masked import masked_heads
 from speechattn.attention.registry import register
 from speechattn.errors import ConfigError
 
@@ -144,6 +147,9 @@ class RoutingAttention(SharedQKBase):
     # All-pairs SDPA masked to the selection up to here, band and cluster kernels above
     # (measured crossover, docs/benchmarks.md).
     short_path_max_t = 128
+    # "masked": the long kernel with the local heads' band as one masked SDPA call
+    kernel_names = ("short", "long", "masked")
+    all_pairs_kernels = ("short", "masked")
     first_run_options = {"max_clusters": 32}
 
     def __init__(self, config: RoutingConfig) -> None:
@@ -386,16 +392,25 @@ class RoutingAttention(SharedQKBase):
         return self.shared_qkv(x)
 
     def attend(self, x: Tensor, valid: Tensor | None) -> Tensor:
+        padded = valid is not None
         valid = all_valid(x) if valid is None else valid
         q, k, v = self.shared_qkv(x)  # (B, h, T, d_k)
         hl, p = self.heads_local, (self.dropout if self.training else 0.0)
+        kernel = self.pick_kernel(q)
         # Select with the centroids as they were before this pass moves them.
-        if self.use_short_path(q):
+        if kernel == "short":
             idx = self.select(q, k, valid)  # (B, h, T, kk)
             outs = [self._attend_short(q, k, v, idx, valid)]
         else:
             kv = key_mask(valid)
-            outs = [band_kernel(q[:, :hl], k[:, :hl], v[:, :hl], kv, self.window, p)] if hl else []
+            local = q[:, :hl], k[:, :hl], v[:, :hl]
+            if not hl:
+                outs = []
+            elif kernel == "masked":  # the band as a (1 or B, 1, T, T) mask, one SDPA call
+                band = patterns.band_pattern(x.shape[1], self.window, x.device)
+                outs = [masked_heads(*local, [(hl, band)], kv if padded else None, p)]
+            else:
+                outs = [band_kernel(*local, kv, self.window, p)]
             if self.num_heads > hl:
                 members = self.members(k, valid)
                 outs.append(cluster_kernel(q[:, hl:], k[:, hl:], v[:, hl:], members, p))

@@ -21,17 +21,28 @@ utterance): each utterance's blocks of l_b frames are gathered into (M, L) slots
 row (block) or column (residue class), and gathered back; the band kernel runs in blocks of L
 with radius l_b; the summary keys are gathered per utterance.
 
-Efficient path (never a T x T mask; n = ceil(T / l) blocks; l is `ls` in the code), each
-sub-problem one fused SDPA call (flash kernels on CPU and GPU), faster than all-pairs SDPA with
-the patterns as a mask at every T >= 128 on CPU in the benchmark (so there is no short-T path). With
-the option ``kernel="flex"`` CUDA runs all heads and utterances in one FlexAttention call
-instead, the per-utterance strides a tensor its score_mod reads, so it compiles once per length
-bucket whatever the strides (flex.py; elsewhere, or with attention dropout in training, the
-SDPA sub-problems run):
-    band:    each query block against [previous, own, next] key blocks   (B, H, n, l, 3l)
-    residue: reshape (n, l) -> (l, n), attend within each residue class   (B, H, l, n, n)
-    block:   attend within each block                                      (B, H, n, l, l)
-    summary: gather the n*c summary columns, plus the self column          (B, H, T, n c + 1)
+Kernels (option ``kernel``; "auto", the default, lets the tuner or the rule choose):
+
+* "blocked" (never a T x T mask; n = ceil(T / l) blocks; l is `ls` in the code): each
+  sub-problem one fused SDPA call (flash kernels on CPU and GPU), faster than all-pairs SDPA
+  with the patterns as a mask at every T >= 128 on CPU in the benchmark, so the CPU's rule:
+      band:    each query block against [previous, own, next] key blocks   (B, H, n, l, 3l)
+      residue: reshape (n, l) -> (l, n), attend within each residue class   (B, H, l, n, n)
+      block:   attend within each block                                      (B, H, n, l, l)
+      summary: gather the n*c summary columns, plus the self column          (B, H, T, n c + 1)
+* "masked": one SDPA call per head half over all T x T pairs, the half's pattern (per
+  utterance, built on the device) as an additive mask (`kernels/masked.py`). On a GPU the
+  blocked sub-problems are too small for the flash kernels (about a thousand 23 x 69 ones per
+  layer at T = 512), where one masked call runs at nearly the speed of unmasked attention:
+  the CUDA rule up to `MASKED_MAX_T_CUDA` frames.
+* "flex": one FlexAttention call on CUDA, the per-utterance strides a tensor its score_mod
+  reads, so it compiles once per length bucket whatever the strides (flex.py; elsewhere, or
+  with attention dropout in training, the blocked kernel runs). A candidate of the tuner on
+  CUDA only.
+
+With `attention.autotune` on (pretraining) the tuner times the candidates once per device,
+dtype and shape bucket (`autotune.py`); without it, under torch.compile and on fake tensors
+the rule decides: blocked on CPU, masked on CUDA up to `MASKED_MAX_T_CUDA`, blocked above.
 """
 
 from __future__ import annotations
@@ -61,14 +72,26 @@ from speechattn.attention.kernels.blocks import (
     residue_kernel,
     summary_kernel,
 )
+from speechattn.attention.kernels.masked import masked_heads
 from speechattn.attention.registry import register
 from speechattn.errors import ConfigError
 
+# The kernels the tuner chooses among (CUDA only for flex), and the options' values.
+TUNED = ("blocked", "masked", "flex")
+KERNELS = ("auto", *TUNED)
+OLD_NAMES = {"sdpa": "blocked"}  # the blocked kernel's name in the first runs' configs
+# The rule on CUDA (no measurement): masked up to here, blocked above. The masked kernel does
+# all T x T pairs, about 1 ms forward + backward for 50 x 12 heads at T = 512 on an H200
+# (cuDNN flash with the mask), where the blocked kernel's problems are tiny; past 1024 frames
+# its T^2 cost is left to the tuner's measurement.
+MASKED_MAX_T_CUDA = 1024
+
 
 class _SparseBase(SharedQKBase):
-    """Shared-QK sparse attention; subclasses give the two kernels and the two patterns."""
+    """Shared-QK sparse attention; subclasses give the blocked kernels and the two patterns."""
 
     end_padded_only = True  # positions place the pattern (see `Attention`)
+    all_pairs_kernels = ("masked",)
 
     complexity_training = "O(T sqrt(T) D)"
     complexity_inference = "O(T sqrt(T) D)"
@@ -86,11 +109,51 @@ class _SparseBase(SharedQKBase):
         raise NotImplementedError
 
     def kernels(self) -> tuple[Kernel, Kernel]:
+        """The blocked kernels of the first and second half of the heads."""
         raise NotImplementedError
 
-    def pattern_pair(self, T: int, ls: int, device: torch.device) -> tuple[Tensor, Tensor]:
-        """The (T, T) bool patterns of the first and second half of the heads."""
+    def first_pattern(self, i: Tensor, j: Tensor, ls: patterns.Width) -> Tensor:
+        """Whether query i may use key j in the first half of the heads, with stride ls
+        (broadcastable tensors and an int or a tensor)."""
         raise NotImplementedError
+
+    def second_pattern(self, i: Tensor, j: Tensor, ls: patterns.Width) -> Tensor:
+        """The same for the second half of the heads."""
+        raise NotImplementedError
+
+    def pattern_pair(
+        self, T: int, ls: patterns.Width, device: torch.device
+    ) -> tuple[Tensor, Tensor]:
+        """The bool patterns of the first and second half of the heads: (T, T) for one stride
+        ls, (B, T, T) for per-utterance strides ls (B,)."""
+        i, j = patterns.grid(T, device)
+        lb = patterns.per_utterance(ls)
+        first, second = self.first_pattern(i, j, lb), self.second_pattern(i, j, lb)
+        return first.expand(*first.shape[:-2], T, T), second.expand(*second.shape[:-2], T, T)
+
+    def pattern_at(self, h: Tensor, i: Tensor, j: Tensor, ls: patterns.Width) -> Tensor:
+        """Whether head h's query i may use key j with stride ls: both halves by head."""
+        first = h < self.heads_first
+        return torch.where(first, self.first_pattern(i, j, ls), self.second_pattern(i, j, ls))
+
+    # ----------------------------------------------------------------- kernel choice
+    @property
+    def kernel_names(self) -> tuple[str, ...]:
+        kernel = self.config.kernel
+        return TUNED if kernel == "auto" else (kernel,)
+
+    def kernel_candidates(self, t: Tensor) -> tuple[str, ...]:
+        """blocked and masked, and flex where it can run (`flex.use_flex`: CUDA, no dropout
+        in training); none when the option names one kernel."""
+        if self.config.kernel != "auto":
+            return ()
+        usable = flex.use_flex(t, self.training, self.dropout)
+        return TUNED if usable else tuple(k for k in TUNED if k != "flex")
+
+    def rule_kernel(self, T: int, device: torch.device) -> str:
+        if self.config.kernel != "auto":
+            return self.config.kernel
+        return "masked" if device.type == "cuda" and T <= MASKED_MAX_T_CUDA else "blocked"
 
     def strides(self, valid: Tensor) -> list[int]:
         """l per utterance, read on the host: the configured one, or round(sqrt(T_u)) of its
@@ -104,7 +167,24 @@ class _SparseBase(SharedQKBase):
         """The two patterns by head for FlexAttention with per-utterance strides ls (B,):
         (key, pattern, envelope). pattern(b, h, i, j) reads ls[b] (a tensor, so the compiled
         kernel serves every stride); envelope, named by key for the BlockMask cache, allows
-        every key the pattern allows for any stride up to `bound`."""
+        every key the pattern allows for any stride up to `bound`: the pattern itself for a
+        configured stride, else `envelope_at`."""
+        fixed = self._fixed_stride()
+
+        def pattern(b: Tensor, h: Tensor, i: Tensor, j: Tensor) -> Tensor:
+            return self.pattern_at(h, i, j, ls[b])
+
+        def envelope(b: Tensor, h: Tensor, i: Tensor, j: Tensor) -> Tensor:
+            if fixed is not None:
+                return self.pattern_at(h, i, j, fixed)
+            return self.envelope_at(h, i, j, bound)
+
+        # the options that shape the envelope (summary: with a configured stride)
+        key = (self.name, bound, self.heads_first, fixed, getattr(self.config, "summary", None))
+        return key, pattern, envelope
+
+    def envelope_at(self, h: Tensor, i: Tensor, j: Tensor, bound: int) -> Tensor:
+        """Positions only: every key head h's query i may use for any stride <= bound."""
         raise NotImplementedError
 
     def flex_strides(self, ls: Stride, B: int, T: int, device: torch.device) -> tuple[Tensor, int]:
@@ -114,9 +194,10 @@ class _SparseBase(SharedQKBase):
         strides = ls if isinstance(ls, Tensor) else torch.full((B,), ls, device=device)
         return strides, self._fixed_stride() or patterns.stride_bounds(flex.bucket(T))[0]
 
-    def _run(self, q: Tensor, k: Tensor, v: Tensor, kv: Tensor, ls: Stride) -> Tensor:
-        """All heads with stride ls (int, or (B,) per utterance) -> (B, h, T, d_k)."""
-        if self.config.kernel == "flex" and flex.use_flex(q, self.training, self.dropout):
+    def _run(self, q: Tensor, k: Tensor, v: Tensor, kv: Tensor, ls: Stride, kernel: str) -> Tensor:
+        """All heads with stride ls (int, or (B,) per utterance) by the blocked or (where it
+        can run) the Flex kernel -> (B, h, T, d_k)."""
+        if kernel == "flex" and flex.use_flex(q, self.training, self.dropout):
             B, _, T, _ = q.shape
             key, pattern, envelope = self.flex_mask(*self.flex_strides(ls, B, T, q.device))
             return flex.pattern_attention(q, k, v, kv, pattern, envelope, key)
@@ -129,39 +210,63 @@ class _SparseBase(SharedQKBase):
 
     def attend(self, x: Tensor, valid: Tensor | None) -> Tensor:
         q, k, v = self.shared_qkv(x)  # (B, h, T, d_k)
+        kernel = self.pick_kernel(q)
+        if kernel == "masked":
+            return self.attend_masked(q, k, v, valid)
         fixed = self._fixed_stride()
         if valid is None:  # every utterance spans all T frames: one stride
-            return self._run(q, k, v, all_valid(x), fixed or patterns.default_stride(x.shape[1]))
+            ls = fixed or patterns.default_stride(x.shape[1])
+            return self._run(q, k, v, all_valid(x), ls, kernel)
         kv = key_mask(valid)  # (B, T)
         if fixed is not None:
-            return self._run(q, k, v, kv, fixed)
+            return self._run(q, k, v, kv, fixed, kernel)
         if needs_static_shapes(q):  # the strides stay on the device
-            return self._run(q, k, v, kv, patterns.default_strides(extents(valid)))
+            return self._run(q, k, v, kv, patterns.default_strides(extents(valid)), kernel)
         # CPU eager: utterances sharing l run together, trimmed to their extent (host reads).
         ext = extents(valid).tolist()
         strides = [patterns.default_stride(e) for e in ext]
         if len(set(strides)) == 1:
-            return self._run(q, k, v, kv, strides[0])
+            return self._run(q, k, v, kv, strides[0], kernel)
         out = q.new_zeros(q.shape)
         for ls in sorted(set(strides)):
             group = [b for b, s in enumerate(strides) if s == ls]
             idx = torch.tensor(group, device=x.device)
             Tg = max(1, max(ext[b] for b in group))
             out[idx, :, :Tg] = self._run(
-                q[idx, :, :Tg], k[idx, :, :Tg], v[idx, :, :Tg], kv[idx, :Tg], ls
+                q[idx, :, :Tg], k[idx, :, :Tg], v[idx, :, :Tg], kv[idx, :Tg], ls, kernel
             )
         return out
+
+    def attend_masked(self, q: Tensor, k: Tensor, v: Tensor, valid: Tensor | None) -> Tensor:
+        """The masked kernel: q, k, v (B, h, T, d_k), valid (B, T) or None -> (B, h, T, d_k).
+        Per-utterance strides come from the extents by device ops (no host read), so one
+        call serves the batch on every device."""
+        T = q.shape[2]
+        fixed = self._fixed_stride()
+        if fixed is not None:
+            ls: Stride = fixed
+        elif valid is None:
+            ls = patterns.default_stride(T)
+        else:
+            ls = patterns.default_strides(extents(valid))  # (B,)
+        first, second = self.pattern_pair(T, ls, q.device)  # (T, T) or (B, T, T) each
+        hA, p = self.heads_first, (self.dropout if self.training else 0.0)
+        groups = [(hA, first), (self.num_heads - hA, second)]
+        kv = None if valid is None else key_mask(valid)
+        return masked_heads(q, k, v, groups, kv, p)
 
     def allowed_dense(self, valid: Tensor) -> Tensor:
         """(B, h, T, T) bool: the pattern of each head, plus self, restricted to allowed keys."""
         B, T = valid.shape
         eye = torch.eye(T, dtype=torch.bool, device=valid.device)
         hA = self.heads_first
-        rows = []
-        for ls in self.strides(valid):
-            a, b = self.pattern_pair(T, ls, valid.device)
-            rows.append(torch.stack([a] * hA + [b] * (self.num_heads - hA)) | eye)
-        return torch.stack(rows) & key_mask(valid)[:, None, None, :]
+        ls = torch.tensor(self.strides(valid), device=valid.device)  # (B,), read on the host
+        a, b = self.pattern_pair(T, ls, valid.device)  # (B, T, T) each
+        heads = torch.cat(
+            [a[:, None].expand(B, hA, T, T), b[:, None].expand(B, self.num_heads - hA, T, T)],
+            dim=1,
+        )
+        return (heads | eye) & key_mask(valid)[:, None, None, :]
 
     def attend_dense(self, x: Tensor, valid: Tensor) -> tuple[Tensor, Tensor]:
         q, k, v = self.shared_qkv(x)  # (B, h, T, d_k)
@@ -180,16 +285,16 @@ class _SparseBase(SharedQKBase):
         return self.shared_flops(T, self.keys_attended(T))
 
 
-KERNELS = ("sdpa", "flex")
-
-
 @dataclass
 class SparseConfig(AttentionConfig):
-    # "sdpa": one SDPA call per sub-problem; "flex": one FlexAttention call on CUDA (flex.py)
-    kernel: str = "sdpa"
+    # "auto": the tuner's (or the rule's) choice; "blocked": one SDPA call per sub-problem
+    # ("sdpa" in the first runs); "masked": one SDPA call per head half, the pattern as a
+    # mask; "flex": one FlexAttention call on CUDA (flex.py), blocked elsewhere
+    kernel: str = "auto"
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        self.kernel = OLD_NAMES.get(self.kernel, self.kernel)
         if self.kernel not in KERNELS:
             raise ConfigError(f"kernel must be one of {KERNELS}, got {self.kernel!r}")
 
@@ -217,20 +322,15 @@ class SparseStridedAttention(_SparseBase):
     def kernels(self) -> tuple[Kernel, Kernel]:
         return band_kernel, residue_kernel
 
-    def flex_mask(self, ls: Tensor, bound: int) -> tuple[Hashable, flex.MaskMod, flex.MaskMod]:
-        hA = self.heads_first
+    def first_pattern(self, i: Tensor, j: Tensor, ls: patterns.Width) -> Tensor:
+        return patterns.in_band(i, j, ls)
 
-        def strided(b: Tensor, h: Tensor, i: Tensor, j: Tensor) -> Tensor:
-            lb = ls[b]
-            return torch.where(h < hA, (i - j).abs() <= lb, (i - j) % lb == 0)
+    def second_pattern(self, i: Tensor, j: Tensor, ls: patterns.Width) -> Tensor:
+        return patterns.same_residue(i, j, ls)
 
-        def envelope(b: Tensor, h: Tensor, i: Tensor, j: Tensor) -> Tensor:
-            return (h >= hA) | ((i - j).abs() <= bound)  # residue classes: any key
-
-        return (self.name, bound, hA), strided, envelope
-
-    def pattern_pair(self, T: int, ls: int, device: torch.device) -> tuple[Tensor, Tensor]:
-        return patterns.band_pattern(T, ls, device), patterns.strided_pattern(T, ls, device)
+    def envelope_at(self, h: Tensor, i: Tensor, j: Tensor, bound: int) -> Tensor:
+        # residue classes: every key (a block of 128 keys holds every class of l <= 128)
+        return (h >= self.heads_first) | patterns.in_band(i, j, bound)
 
     def _mean_pattern_size(self, T: int) -> tuple[float, float]:
         ls = self._fixed_stride() or patterns.default_stride(T)
@@ -271,21 +371,17 @@ class SparseFixedAttention(_SparseBase):
 
         return block_kernel, summary
 
-    def flex_mask(self, ls: Tensor, bound: int) -> tuple[Hashable, flex.MaskMod, flex.MaskMod]:
-        hA, c = self.heads_first, self.config.summary
+    def first_pattern(self, i: Tensor, j: Tensor, ls: patterns.Width) -> Tensor:
+        return patterns.same_block(i, j, ls)
 
-        def fixed(b: Tensor, h: Tensor, i: Tensor, j: Tensor) -> Tensor:
-            lb = ls[b]
-            return torch.where(h < hA, i // lb == j // lb, j % lb >= lb - lb.clamp_max(c))
+    def second_pattern(self, i: Tensor, j: Tensor, ls: patterns.Width) -> Tensor:
+        c = self.config.summary
+        clipped = ls.clamp_max(c) if isinstance(ls, Tensor) else min(c, ls)  # c <= l
+        return patterns.summary_key(j, ls, clipped)
 
-        def envelope(b: Tensor, h: Tensor, i: Tensor, j: Tensor) -> Tensor:
-            return (h >= hA) | ((i - j).abs() < bound)  # one block: closer than l <= bound
-
-        return (self.name, bound, hA), fixed, envelope
-
-    def pattern_pair(self, T: int, ls: int, device: torch.device) -> tuple[Tensor, Tensor]:
-        c = min(self.config.summary, ls)
-        return patterns.block_pattern(T, ls, device), patterns.summary_pattern(T, ls, c, device)
+    def envelope_at(self, h: Tensor, i: Tensor, j: Tensor, bound: int) -> Tensor:
+        # one block: closer than l <= bound; summary columns: every key (each 128 holds some)
+        return (h >= self.heads_first) | ((i - j).abs() < bound)
 
     def _mean_pattern_size(self, T: int) -> tuple[float, float]:
         ls = self._fixed_stride() or patterns.default_stride(T)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from speechattn.attention import Attention, available, build, get, registry
+from speechattn.attention import Attention, available, build, get
 
 DIM, HEADS = 32, 4
 
@@ -61,10 +61,22 @@ def kernels() -> list[tuple[str, str]]:
 
 
 def device_kernels() -> list[tuple[str, str]]:
-    """`kernels()` plus (variant, "flex") for the variants with a FlexAttention kernel, which
-    trains on CUDA only (torch 2.11 has no Flex backward on CPU)."""
-    flex = [(n, "flex") for n in available() if "kernel" in registry.options(n)]
-    return kernels() + flex
+    """`kernels()` plus every other named kernel (`kernel_names`): sparse_*'s "blocked",
+    "masked" and "flex" (Flex trains on CUDA only: torch 2.11 has no Flex backward on CPU),
+    routing's "masked" local heads. Run them with `use_kernel`."""
+    cases = kernels()
+    for n in available():
+        names = build(n, DIM, HEADS, **SMALL_OPTIONS.get(n, {})).kernel_names
+        cases += [(n, k) for k in names if k not in ("short", "long", "one")]
+    return cases
+
+
+def use_kernel(attn: Attention, kernel: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Make `attn` run `kernel` (a name of `device_kernels`) at any T."""
+    if kernel in ("short", "long"):
+        force_path(monkeypatch, kernel)
+    else:
+        monkeypatch.setattr(attn, "_forced_kernel", kernel)
 
 
 def kernels_and_reference(

@@ -1,6 +1,8 @@
 """Kernel choice by measurement (`speechattn.attention.autotune`): a fake timer makes each
-kernel win in turn, the disk cache round-trips and separates its keys, the off switch and the
-contexts that must keep the rule do, a corrupt cache file is ignored and rewritten."""
+kernel win in turn (short / long, sparse's blocked / masked, routing's masked local heads), the
+disk cache round-trips and separates its keys, the off switch and the contexts that must keep
+the rule do, a kernel that fails while timed is left out, a corrupt cache file is ignored and
+rewritten."""
 
 from __future__ import annotations
 
@@ -9,13 +11,14 @@ import warnings
 
 import pytest
 import torch
-from _attention_testing import DIM, HEADS, make
+from _attention_testing import DIM, HEADS, batch, make
 from torch import nn
 
 from speechattn.attention import autotune, available, get
 from speechattn.config import compose
 
 TWO_KERNELS = [n for n in available() if get(n).short_path_max_t is not None]
+SLOW = 1000.0  # ms of a kernel the test does not name
 
 
 @pytest.fixture(autouse=True)
@@ -28,8 +31,9 @@ def cache(tmp_path, monkeypatch: pytest.MonkeyPatch):
 
 
 class FakeTimer:
-    """Gives each kernel a set time (ms; 100 or more, so `REPS` steps are enough); records (module's forced kernel, kernel) per step and
-    runs the step, so the kernel timed is the one forced."""
+    """Gives each kernel a set time (ms; 100 or more, so `REPS` steps are enough; `SLOW` for
+    kernels not named); records (module's forced kernel, kernel) per step and runs the step,
+    so the kernel timed is the one forced."""
 
     def __init__(self, module: nn.Module, ms: dict[str, float]) -> None:
         self.module, self.ms, self.calls = module, ms, []
@@ -37,7 +41,7 @@ class FakeTimer:
     def __call__(self, step, kernel: str, device: torch.device) -> float:
         self.calls.append((self.module._forced_kernel, kernel))
         step()
-        return self.ms[kernel] / 1000
+        return self.ms.get(kernel, SLOW) / 1000
 
 
 def tuned(name: str, monkeypatch: pytest.MonkeyPatch, ms: dict[str, float], **options):
@@ -62,13 +66,85 @@ def test_the_choice_follows_the_timer(name, winner, monkeypatch):
     assert attn.use_short_path(x_of(T)) == (winner == "short")
     assert autotune.used(attn, T) == winner + "*"
     assert timer.calls and all(forced == kernel for forced, kernel in timer.calls)
-    assert {k for _, k in timer.calls} == {"short", "long"}
+    assert {k for _, k in timer.calls} == set(attn.kernel_names) >= {"short", "long"}
     n = len(timer.calls)
     assert attn(x_of(T)).shape == y.shape
     assert len(timer.calls) == n  # measured once: the second call reads the module's memo
     (choice,) = autotune.choices(attn)["choices"].values()
     assert choice["kernel"] == winner and choice["by"] == "measured"
-    assert choice["ms"] == {winner: 100.0, loser: 500.0}
+    others = {k: SLOW for k in attn.kernel_names if k not in (winner, loser)}
+    assert choice["ms"] == {winner: 100.0, loser: 500.0, **others}
+
+
+@pytest.mark.parametrize("winner", ["blocked", "masked"])
+@pytest.mark.parametrize("name", ["sparse_strided", "sparse_fixed"])
+def test_sparse_runs_the_kernel_the_timer_favours(name, winner, monkeypatch):
+    """On CPU sparse_* time their blocked and masked kernels (flex: CUDA only); the run then
+    takes the faster one, and its outputs are the reference's either way."""
+    from speechattn.attention import sparse
+
+    attn, timer = tuned(name, monkeypatch, {winner: 100.0})
+    masked = []
+    attend_masked = attn.attend_masked
+    monkeypatch.setattr(attn, "attend_masked", lambda *a: masked.append(1) or attend_masked(*a))
+    x, pad = batch([40, 27])
+    y = attn(x, pad)
+    assert {k for _, k in timer.calls} == {"blocked", "masked"}
+    assert autotune.used(attn, 40) == winner + "*"
+    masked.clear()  # the timing ran both
+    attn(x, pad)
+    assert bool(masked) == (winner == "masked")
+    torch.testing.assert_close(y, attn.dense_reference(x, pad)[0], rtol=1e-10, atol=1e-10)
+    assert attn.rule_kernel(40, x.device) == "blocked"  # CPU's rule, which a tie keeps
+    assert sparse.TUNED == attn.kernel_names
+
+
+def test_routing_may_run_its_local_heads_masked(monkeypatch):
+    attn, timer = tuned("routing", monkeypatch, {"masked": 100.0, "long": 200.0})
+    T = attn.short_path_max_t + 40  # past the rule's crossover: long, unless measured
+    x, pad = batch([T, T - 30])
+    y = attn(x, pad)
+    assert autotune.used(attn, T) == "masked*"
+    torch.testing.assert_close(y, attn.dense_reference(x, pad)[0], rtol=1e-10, atol=1e-10)
+
+
+def test_a_kernel_option_is_never_timed(monkeypatch):
+    attn, timer = tuned("sparse_strided", monkeypatch, {"masked": 100.0}, kernel="blocked")
+    assert attn.kernel_names == ("blocked",) and autotune.enable(attn) == 0
+    assert attn.pick_kernel(x_of(40)) == "blocked" and not timer.calls
+    assert autotune.used(attn, 40) == "one"
+
+
+def test_a_kernel_that_fails_while_timed_is_left_out(cache, monkeypatch):
+    attn, timer = tuned("sparse_strided", monkeypatch, {"masked": 100.0, "blocked": 200.0})
+
+    def broken(*args):
+        raise RuntimeError("no kernel image\nis available")
+
+    monkeypatch.setattr(attn, "attend_masked", broken)
+    with pytest.warns(UserWarning, match="the masked kernel failed while timed"):
+        assert attn.pick_kernel(x_of(40)) == "blocked"
+    (entry,) = json.loads(cache.read_text())["entries"].values()
+    assert entry["failed"] == {"masked": "RuntimeError: no kernel image"}
+    assert entry["ms"] == {"blocked": 200.0} and entry["kernel"] == "blocked"
+
+
+def test_all_pairs_kernels_over_the_budget_are_not_timed(monkeypatch):
+    """Over `SCORE_BUDGET` the masked kernel is no candidate: on CUDA the blocked and Flex
+    kernels are still timed, on the caller's batch; on CPU the rule decides."""
+    attn = make("sparse_strided")
+    x = x_of(40, B=6)
+    assert autotune.timed_shape(attn, x, 40) == (4, 48, ("blocked", "masked"))
+    monkeypatch.setattr(autotune, "SCORE_BUDGET", 1000)
+    assert autotune.timed_shape(attn, x, 40) is None
+    monkeypatch.setattr(type(attn), "kernel_candidates", lambda self, t: sparse_tuned())
+    assert autotune.timed_shape(attn, x, 40) == (4, 48, ("blocked", "flex"))
+
+
+def sparse_tuned() -> tuple[str, ...]:
+    from speechattn.attention import sparse
+
+    return sparse.TUNED
 
 
 def test_a_short_winner_overrules_the_rule_above_the_crossover(monkeypatch):

@@ -2,8 +2,9 @@
 
 Torch 2.11 has Flex's backward on CUDA only, so here its forward runs on CPU against the
 dense reference (eagerly), and compiled with a counting backend to show that it compiles
-once per (batch size, length bucket) whatever the strides; the GPU suite
-(test_gpu_kernels.py) trains through it in bf16."""
+once per (batch size, length bucket) whatever the strides; its BlockMask is checked to cover
+every block the dense patterns need; fake CUDA traces it forward and backward
+(tests/fakecuda); the GPU suite (test_gpu_kernels.py) trains through it in bf16."""
 
 from __future__ import annotations
 
@@ -109,6 +110,74 @@ def test_flex_option_falls_back_to_sdpa_off_cuda():
     assert not flex.use_flex(x, training=True, dropout=0.0)
 
 
-def test_unknown_kernel_is_refused():
-    with pytest.raises(ValueError, match=r"kernel must be one of \('sdpa', 'flex'\), got 'triton'"):
+def test_unknown_kernel_is_refused_and_the_old_name_is_the_blocked_kernel():
+    message = r"kernel must be one of \('auto', 'blocked', 'masked', 'flex'\), got 'triton'"
+    with pytest.raises(ValueError, match=message):
         build("sparse_fixed", 32, HEADS, kernel="triton")
+    assert build("sparse_fixed", 32, HEADS, kernel="sdpa").config.kernel == "blocked"
+
+
+def _needed_blocks(allowed: torch.Tensor) -> torch.Tensor:
+    """(B, h, T, T) bool, T a multiple of 128 -> (h, T/128, T/128): the 128 x 128 blocks in
+    which some utterance of the batch has an allowed key."""
+    B, h, T, _ = allowed.shape
+    n = T // flex.BUCKET
+    return allowed.view(B, h, n, flex.BUCKET, n, flex.BUCKET).any(dim=(0, 3, 5))
+
+
+# name, options, bucket, (blocks of the first half's heads, of the second half's)
+COVERAGE = [
+    ("sparse_strided", {}, 512, (10, 16)),  # l <= 23: band of 3 blocks; residue: all blocks
+    ("sparse_strided", {}, 1024, (22, 64)),
+    ("sparse_fixed", {}, 1024, (22, 64)),  # own block of l <= 32; summary columns: all
+    ("sparse_strided", {"stride": 200}, 512, (14, 16)),  # the exact pattern of a fixed l
+    ("sparse_fixed", {"block": 200, "summary": 3}, 1024, (26, 43)),
+]
+
+
+@pytest.mark.parametrize(("name", "options", "T", "blocks"), COVERAGE)
+def test_block_mask_covers_exactly_the_blocks_the_patterns_need(name, options, T, blocks):
+    """Every 128 x 128 block holding a key of the dense reference's pattern is in the
+    BlockMask, for a batch of lengths (and default strides) across the bucket; the envelope
+    adds no other block: the bucket's longest utterance needs every block of it. The residue
+    and summary heads need all blocks (a block of 128 keys holds every residue class, and a
+    summary column, of a stride l <= 128), so Flex skips blocks of the first half only."""
+    attn = make(name, **options)
+    lengths = [T, T - 1, T - 100, T // 2 + 1, T // 3, 129, 128, 40]
+    valid = torch.arange(T)[None] < torch.tensor(lengths)[:, None]
+    needed = _needed_blocks(attn.allowed_dense(valid))  # (h, n, n)
+    ls = torch.tensor(attn.strides(valid))
+    key, _, envelope = attn.flex_mask(*attn.flex_strides(ls, len(lengths), T, ls.device))
+    present = flex.block_mask_for(key, envelope, HEADS, T, ls.device).to_dense()[0].bool()
+    assert not (needed & ~present).any(), "a block the pattern needs is missing"
+    assert torch.equal(present, needed), "the envelope adds blocks"
+    hA = attn.heads_first
+    assert present[:hA].sum((1, 2)).unique().tolist() == [blocks[0]]
+    assert present[hA:].sum((1, 2)).unique().tolist() == [blocks[1]]
+
+
+def test_block_mask_is_built_outside_compiled_regions():
+    """Inside a compiled region (the whole model under torch.compile) the cache is only read:
+    a missing BlockMask is built in the graph and not stored; one built eagerly is reused."""
+    attn = make("sparse_strided", kernel="flex")
+    x, pad = batch([150, 97, 1], T=150)
+
+    def heads(x: torch.Tensor) -> torch.Tensor:
+        return _flex_heads(attn, x, pad)
+
+    flex._BLOCK_MASKS.clear()
+    torch._dynamo.reset()
+    compiled = torch.compile(heads, backend="eager", fullgraph=True)
+    try:
+        with torch.no_grad():
+            traced = compiled(x)
+            assert not flex._BLOCK_MASKS
+            eager = heads(x)
+            assert len(flex._BLOCK_MASKS) == 1
+            torch._dynamo.reset()
+            cached = compiled(x)
+            assert len(flex._BLOCK_MASKS) == 1
+    finally:
+        torch._dynamo.reset()
+    torch.testing.assert_close(traced, eager, rtol=0, atol=0)
+    torch.testing.assert_close(cached, eager, rtol=0, atol=0)

@@ -10,10 +10,10 @@ from _attention_testing import (
     GRAD_TOLERANCE,
     OUTPUT_TOLERANCE,
     device_kernels,
-    force_path,
     hold_selection,
     rel_error,
     train_pass,
+    use_kernel,
 )
 
 from speechattn.attention import build, registry
@@ -26,11 +26,8 @@ DIM, HEADS, LENGTHS = 256, 4, [300, 181]
 def test_bf16_kernel_matches_float32_dense_reference(name, kernel, gpu_device, monkeypatch):
     torch.manual_seed(0)
     options = {"max_len": 512} if "max_len" in registry.options(name) else {}
-    if kernel == "flex":
-        options["kernel"] = "flex"
-    else:
-        force_path(monkeypatch, kernel)
     attn = build(name, DIM, HEADS, **options).to(gpu_device)
+    use_kernel(attn, kernel, monkeypatch)
     g = torch.Generator().manual_seed(1)
     x = torch.randn(len(LENGTHS), max(LENGTHS), DIM, generator=g).to(gpu_device)
     pad = (torch.arange(max(LENGTHS))[None] >= torch.tensor(LENGTHS)[:, None]).to(gpu_device)

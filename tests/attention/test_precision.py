@@ -2,8 +2,9 @@
 
 CPU autocast follows the dtype rules of the GPU path (`trainer=gpu` is bf16-mixed), so these
 tests cover what a GPU run meets: projections in half precision, softmax and the variants'
-own kernels in whatever they choose. A new variant is covered when it registers; one with a
-short- and a long-sequence kernel (`short_path_max_t`) is run on both.
+own kernels in whatever they choose. A new variant is covered when it registers; one with
+several kernels (a short- and a long-sequence one, `short_path_max_t`, or other names,
+`kernel_names`) is run on each, but Flex (no backward on CPU).
 
 Stated tolerance, relative (Frobenius) error against the same float32 module: outputs 1e-2
 (bf16) / 2e-3 (fp16); gradients of inputs and parameters 8e-2 / 3e-3. Worst measured over the
@@ -24,11 +25,11 @@ from _attention_testing import (
     OUTPUT_TOLERANCE,
     SMALL_OPTIONS,
     batch,
-    force_path,
+    device_kernels,
     hold_selection,
-    kernels,
     rel_error,
     train_pass,
+    use_kernel,
 )
 
 from speechattn.attention import FusedAttentionPool, available, build, get
@@ -40,11 +41,11 @@ LENGTHS = [20, 13, 1]
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
-@pytest.mark.parametrize(("name", "path"), kernels())
+@pytest.mark.parametrize(("name", "path"), [c for c in device_kernels() if c[1] != "flex"])
 def test_trains_under_autocast_close_to_float32(name, path, dtype, monkeypatch):
-    force_path(monkeypatch, path)
     torch.manual_seed(0)
     attn = build(name, DIM, HEADS, **SMALL_OPTIONS.get(name, {}))
+    use_kernel(attn, path, monkeypatch)
     hold_selection(attn, monkeypatch)  # the float32 top-k (module docstring)
     x, pad = batch(LENGTHS)
     x = x.float()

@@ -13,7 +13,7 @@ What this proves and what it cannot:
 * not proved: numerics, speed, memory, kernel launch counts, and ops whose CUDA kernel is
   missing while their meta kernel exists (rare; the gpu suite, `pytest -m gpu`, runs them).
 
-Two limits of torch 2.11 without a GPU are worked around here:
+Three limits of torch 2.11 without a GPU are worked around here:
 
 * `torch.autocast("cuda")` disables itself when CUDA is unavailable, so `cuda_autocast`
   switches CUDA autocast on through `torch.set_autocast_enabled` (the same state the context
@@ -22,16 +22,24 @@ Two limits of torch 2.11 without a GPU are worked around here:
   driver for a device context), so `backward` walks the autograd graph in Python, calling
   each node's backward function directly, which runs the very same backward formulas
   (including custom autograd Functions' `backward`).
+* FlexAttention (`fake_flex`): its autograd differentiates the score_mod through the autograd
+  engine on scalars of the query's device, which needs a CUDA context ("hasPrimaryContext
+  expects a valid device index"), so that joint graph is traced on CPU scalars instead (the
+  same elementwise graph); and inductor needs a real device to generate code, so the Flex
+  call compiles with the "eager" backend (dynamo still traces it, as on a GPU).
 """
 
 from __future__ import annotations
 
 import contextlib
+import importlib
 from collections import defaultdict
 from collections.abc import Iterator, Sequence
 
+import pytest
 import torch
 from torch import Tensor, nn
+from torch._guards import detect_fake_mode
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 CUDA = torch.device("cuda")
@@ -57,6 +65,31 @@ def cuda_autocast(dtype: torch.dtype | None) -> Iterator[None]:
     finally:
         torch.set_autocast_enabled("cuda", enabled)
         torch.set_autocast_dtype("cuda", previous)
+
+
+def fake_flex(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Let FlexAttention trace forward and backward on fake CUDA tensors (module docstring):
+    the score_mod's joint graph from CPU scalars, the compiled call on the "eager" backend."""
+    from speechattn.attention import flex
+
+    hop = importlib.import_module("torch._higher_order_ops.flex_attention")
+    create_fw_bw_graph = hop.create_fw_bw_graph
+
+    def on_cpu(score_mod, index_values, other_buffers):  # noqa: ANN001, ANN202
+        def cpu(t):  # noqa: ANN001, ANN202
+            if not isinstance(t, Tensor):
+                return t
+            return torch.empty_strided(
+                t.shape, t.stride(), dtype=t.dtype, device="cpu", requires_grad=t.requires_grad
+            )
+
+        with detect_fake_mode(index_values):
+            index_values = tuple(cpu(t) for t in index_values)
+            other_buffers = tuple(cpu(t) for t in other_buffers)
+        return create_fw_bw_graph(score_mod, index_values, other_buffers)
+
+    monkeypatch.setattr(hop, "create_fw_bw_graph", on_cpu)
+    monkeypatch.setattr(flex, "CUDA_BACKEND", "eager")
 
 
 def to_fake_cuda(module: nn.Module, mode: FakeTensorMode) -> nn.Module:

@@ -6,6 +6,8 @@ the kernels here are tested against those dense references.
 * `memory`: lazily zeroed tensors (`lazy_zeros`).
 * `blocks`: the sparse patterns' blocked kernels (bands, blocks, residue classes, summary
   columns; also longformer's and routing's local heads).
+* `masked`: the same patterns' one-SDPA-call-per-head-group kernel, the pattern as a mask
+  (`masked_heads`, `pattern_bias`).
 * `local`: LDSA's window sum (`LocalWeightedSum`).
 * `linear`: linear attention with a hand-written backward (`LinearKernel`).
 * `span`: the adaptive span's CPU kernels (`FlashThenUnfused`, `UnfusedSavedWeights`).

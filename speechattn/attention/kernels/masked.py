@@ -1,0 +1,83 @@
+"""The "masked" kernel of the shared-QK pattern heads (sparse_*, routing's local heads): one
+SDPA call per head group over all T x T pairs, the group's pattern as an additive mask.
+
+Where the blocked kernels (`blocks.py`) cut a pattern into many small sub-problems (at
+T = 512 about a thousand 23 x 69 ones, too small for a GPU's flash tiles, with masks SDPA pads
+on every call), this runs each head group as one ordinary attention call, which cuDNN's and
+the flash kernels run at nearly the speed of an unmasked one at T ~ 512. Its cost is all T x T
+pairs, so the blocked kernels win at long T; the tuner measures which (`autotune.py`).
+
+A head group shares one pattern: the mask is (1 or B, 1, T, T) and broadcasts over its heads,
+so a layer builds and keeps (for the backward) one or B such masks per group, never
+(B, h, T, T). Masks are built with device ops from the variant's own pattern predicates
+(`patterns.py`): no host read, shapes fixed by T.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from speechattn.attention.base import SELF_PENALTY, compute_dtype
+
+# SDPA copies a mask whose rows are not a multiple of this many elements apart (its
+# memory-efficient kernel's alignment): rows are allocated padded, so it never has to.
+MASK_ALIGN = 8
+
+
+def pattern_bias(allowed: Tensor, kv: Tensor | None, dtype: torch.dtype) -> Tensor:
+    """A head group's pattern as SDPA's additive mask.
+
+    allowed (T, T) or (1 or B, T, T) bool: the keys each query may use; kv (B, T) the keys that
+    may be attended (None: all). Returns (1 or B, 1, T, T) in `dtype`: 0 on allowed keys that
+    kv allows, SELF_PENALTY on the diagonal (the query's own key, always allowed, so that no
+    row is empty, as in `shared_qk`), -inf elsewhere. Its rows are `MASK_ALIGN`-aligned views
+    of a wider allocation.
+    """
+    allowed = allowed if allowed.dim() == 3 else allowed[None]
+    if kv is not None:
+        allowed = allowed & kv[:, None, :]  # (B, T, T)
+    N, T = allowed.shape[0], allowed.shape[-1]
+    width = -(-T // MASK_ALIGN) * MASK_ALIGN
+    bias = torch.full((N, 1, T, width), float("-inf"), dtype=dtype, device=allowed.device)
+    bias = bias[..., :T]
+    bias.masked_fill_(allowed[:, None], 0.0)
+    bias.diagonal(dim1=-2, dim2=-1).fill_(SELF_PENALTY)
+    return bias
+
+
+def masked_heads(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    groups: Sequence[tuple[int, Tensor]],
+    kv: Tensor | None,
+    p: float = 0.0,
+) -> Tensor:
+    """Shared-QK pattern attention, one SDPA call per head group.
+
+    q, k, v (B, h, T, d_k); groups: (number of heads, allowed (T, T) or (1 or B, T, T) bool)
+    for consecutive head groups, in head order, covering all h heads (empty groups are
+    skipped); kv (B, T) keys that may be attended, None when nothing is padded. Scores
+    q k^T / sqrt(d_k) with the self key penalised (`pattern_bias`), dropout p on the weights.
+    Returns (B, h, T, d_k).
+    """
+    dtype = compute_dtype(q)  # the mask in SDPA's dtype: autocast would cast it otherwise
+    outs, start = [], 0
+    for n, allowed in groups:
+        if n == 0:
+            continue
+        heads = slice(start, start + n)
+        mask = pattern_bias(allowed, kv, dtype)  # (1 or B, 1, T, T)
+        outs.append(
+            F.scaled_dot_product_attention(
+                q[:, heads], k[:, heads], v[:, heads], attn_mask=mask, dropout_p=p
+            )
+        )
+        start += n
+    if start != q.shape[1]:
+        raise ValueError(f"head groups cover {start} heads, q has {q.shape[1]}")
+    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
