@@ -34,6 +34,17 @@ IGNORE_INDEX = -100  # label id of padded / unlabelled frames (PyTorch's cross-e
 # ----------------------------------------------------------------------------- tensors
 
 
+def crop_lengths(batch: int, crop: int, generator: torch.Generator) -> Tensor:
+    """(batch,) lengths as pretraining's random crops of LibriSpeech give them: 2/3 to all of
+    `crop`, one utterance in five (the first included) at the crop. Benchmarks and the kernel
+    tuner time padded batches shaped like this, since training batches are padded."""
+    import torch
+
+    lengths = torch.randint(2 * crop // 3, crop + 1, (batch,), generator=generator)
+    lengths[::5] = crop
+    return lengths
+
+
 def lengths_to_padding_mask(lengths: Tensor, max_len: int | None = None) -> Tensor:
     """lengths (B,) -> (B, max_len) bool, True at padded positions (`~` of it marks valid ones).
 

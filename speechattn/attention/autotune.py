@@ -14,7 +14,8 @@ masked (`kernel_names`, `kernel_candidates`). Two ways to answer:
   `SCORE_BUDGET` are left out (they are not candidates to time there);
 * measurement (`enable(model)`; pretraining does it unless `attention.autotune=false`): on
   the first call per key, every candidate runs forward + backward (`attend` on random
-  x (B', T_b, D), gradients of x and of the parameters through `torch.autograd.grad`, so no
+  x (B', T_b, D), padded as training's batches are: lengths of 2/3 to all of T_b,
+  `utils.crop_lengths`, gradients of x and of the parameters through `torch.autograd.grad`, so no
   `.grad` is touched) in eval mode under the caller's autocast, interleaved, min of `REPS`
   or more after a warm-up each, and the fastest is kept (the rule's unless another is
   `MARGIN` faster: noise must not flip a choice), like `cudnn.benchmark` or Triton's
@@ -57,10 +58,16 @@ import torch
 from torch import Tensor, nn
 
 from speechattn.attention.base import Attention, compute_dtype
-from speechattn.utils import atomic_write_text, default_cache_root, digest
+from speechattn.utils import (
+    atomic_write_text,
+    crop_lengths,
+    default_cache_root,
+    digest,
+    lengths_to_padding_mask,
+)
 
 KERNELS = ("short", "long")  # the two-kernel variants' names (others: `kernel_names`)
-CACHE_VERSION = 1
+CACHE_VERSION = 2  # 2: timed on padded batches
 REPS = 3  # timed steps per kernel after one warm-up each; the min counts
 MIN_SECONDS = 0.05  # ... and more (up to MAX_REPS) until each kernel ran this long: short
 MAX_REPS = 20  # steps are the noisiest
@@ -261,9 +268,12 @@ def measure(
     ):
         x = torch.randn(B, T, module.dim, generator=gen).to(device, dtype).requires_grad_()
         inputs = [x, *(p for p in module.parameters() if p.requires_grad)]
+        # padded as training's batches are (they always are): the masked paths are timed
+        lengths = crop_lengths(B, T, gen)
+        valid = (~lengths_to_padding_mask(lengths, T)).to(device)  # (B, T)
 
         def step() -> None:
-            out = module.attend(x, None)  # (B, h, T, d_k)
+            out = module.attend(x, valid)  # (B, h, T, d_k)
             torch.autograd.grad(out.float().sum(), inputs, allow_unused=True)
 
         for rep in range(MAX_REPS + 1):

@@ -128,13 +128,13 @@ def paper_batches(cfg: Any, masker: Any, count: int, pin: bool) -> list[dict[str
     """`count` training batches as the loader delivers them: `data.batch_size` utterances of
     2/3 to all of `data.max_frames` 10 ms frames, one in five at the crop, stacked, padded to
     the length bucket and masked by the loader's `BatchMasker`, in pinned memory on CUDA."""
-    from speechattn.bench.pretrain import training_lengths
+    from speechattn.utils import crop_lengths
 
     B, crop = int(cfg.data.batch_size), int(cfg.data.max_frames)
     batches = []
     for seed in range(count):
         g = torch.Generator().manual_seed(seed)
-        lengths = training_lengths(B, crop, g)
+        lengths = crop_lengths(B, crop, g)
         features = torch.randn(B, crop, FEATURE_DIM, generator=g)
         features *= (torch.arange(crop)[None, :] < lengths[:, None])[..., None]
         masked = masker(features, lengths, seed=seed)
@@ -324,8 +324,8 @@ def run_step_case(args: argparse.Namespace, name: str, extra: list[str], compile
 def run_lightning(args: argparse.Namespace) -> dict[str, Any]:
     """`--lightning-steps` steps of `full` through `speechattn.pretrain.run` on the built-in
     corpus: frames/s and data_wait as its metrics.csv has them (medians)."""
-    from speechattn.pretrain import run
     from speechattn.tasks.common import read_metrics
+    from speechattn.tasks.pretrain import run
     from speechattn.tasks.pretrain.model_card import median_metric
 
     n = args.lightning_steps

@@ -78,7 +78,7 @@ from speechattn.model.aalbert import (
 )
 from speechattn.model.masking import MaskedBatch, MaskingConfig, mask_batch, reconstruction_loss
 from speechattn.model.optim import OptimConfig, build_optimizer
-from speechattn.utils import lengths_to_padding_mask
+from speechattn.utils import crop_lengths, lengths_to_padding_mask
 
 FEATURE_DIM = 80
 
@@ -200,17 +200,9 @@ def make_step(
     return step
 
 
-def training_lengths(batch: int, crop: int, generator: torch.Generator) -> Tensor:
-    """(batch,) lengths in 10 ms frames as the loader's random crops of LibriSpeech give
-    them: 2/3 to all of `crop`, one utterance in five at the crop."""
-    lengths = torch.randint(2 * crop // 3, crop + 1, (batch,), generator=generator)
-    lengths[::5] = crop
-    return lengths
-
-
 def bench_batch(args: argparse.Namespace, config: ModelConfig) -> dict[str, Any]:
     """The timed batch: `--lengths training` (default) draws lengths as the loader's crops
-    (`training_lengths`) and pads to `--pad-to-multiple` model frames as `experiment=paper`
+    (`utils.crop_lengths`) and pads to `--pad-to-multiple` model frames as `experiment=paper`
     does, so padded batches take the masked kernels that training takes; `--lengths full`
     times every utterance at `--frames` (no padding, no masks). Lengths stay on the host."""
     T = args.frames * config.stack
@@ -218,7 +210,7 @@ def bench_batch(args: argparse.Namespace, config: ModelConfig) -> dict[str, Any]
         lengths, pad = torch.full((args.batch,), T, dtype=torch.long), 1
     else:
         lengths, pad = (
-            training_lengths(args.batch, T, torch.Generator().manual_seed(0)),
+            crop_lengths(args.batch, T, torch.Generator().manual_seed(0)),
             args.pad_to_multiple,
         )
     features = torch.randn(args.batch, T, FEATURE_DIM)
