@@ -19,11 +19,12 @@ data (`host=`: the batch's lengths, which stay on the host on a GPU too), tensor
 Python data (`torch.tensor(...)`) and whatever is computed from host data only, so one CPU run
 shows the syncs a GPU step would make, as far as the step takes the same branches on both
 (kernels chosen for the CPU may read lengths that the CUDA branch bounds statically: count
-those on fake CUDA, `tests/fakecuda`). Uploads cannot be seen there from the devices of a
-copy (all CPU), so the stand-in counts as an upload what names the device: `torch.tensor` /
-`torch.as_tensor` with a `device=`, and `.to(device)` of host data, where the device is not
-the string "cpu" (a `torch.device` usually comes from a device tensor or module). Exact counts
-of uploads come from a GPU or fake CUDA, where the copies themselves are seen.
+those on fake CUDA, `tests/fakecuda`). There a copy's devices are all the CPU, so the
+stand-in counts as uploads only what plainly makes device data of host data: `torch.tensor`
+/ `torch.as_tensor` with a `device=` other than the string "cpu" (Lightning's `self.log` of
+a float), `.to(t)` for a device tensor t, and `.copy_` of host data into device data; a
+`.to(device)` of host data cannot be told from a host-to-host `.to(torch.device("cpu"))`
+there and is counted on a GPU and on fake CUDA only, where the copies themselves are seen.
 
     with SyncCounter(host=[lengths]) as syncs:
         step()
@@ -36,6 +37,7 @@ from __future__ import annotations
 import contextlib
 from collections import Counter
 from collections.abc import Iterable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -234,16 +236,12 @@ class SyncCounter(TorchDispatchMode):
         counter = self
 
         def to(t: Tensor, *args: Any, **kwargs: Any) -> Any:
-            target = kwargs.get("device", args[0] if args else None)
-            if isinstance(target, Tensor):
-                moved = counter.is_device(target)
-            else:
-                moved = not isinstance(target, torch.dtype) and _names_device(target)
-            if moved and counter._active() and t.device.type == "cpu" and not counter.is_device(t):
+            other = kwargs.get("other", args[0] if args else None)  # `t.to(other)`
+            moved = isinstance(other, Tensor) and counter.is_device(other)
+            if moved and counter._active() and not counter.is_device(t):
                 counter._upload(t, bool(kwargs.get("non_blocking", False)))
                 out = original(t, *args, **kwargs)
-                if out is not t:  # a new tensor stands for device data now
-                    counter._host.pop(out, None)
+                counter._host.pop(out, None)  # device data from here on
                 return out
             return original(t, *args, **kwargs)
 
@@ -292,16 +290,19 @@ class SyncCounter(TorchDispatchMode):
 
 
 def _caller() -> str:
-    """`file:line` of the innermost frame of the speechattn package (not this module), else of
-    the innermost frame outside torch and this module: where a sync comes from."""
+    """`file:line` of the innermost frame of the speechattn package (not this module; the path
+    inside the package), else of the innermost frame outside torch and this module (e.g.
+    Lightning's, or a test's): where a sync comes from."""
     import traceback
 
+    package = str(Path(__file__).parents[1]) + "/"
     frames = [f for f in traceback.extract_stack() if f.filename != __file__]
-    ours = [f for f in frames if "/speechattn/" in f.filename]
+    ours = [f for f in frames if f.filename.startswith(package)]
     others = [f for f in frames if "/torch/" not in f.filename]
-    for found, root in ((ours, "/speechattn/"), (others, "/site-packages/")):
-        if found:
-            return f"{found[-1].filename.rsplit(root, 1)[-1]}:{found[-1].lineno}"
+    if ours:
+        return f"{ours[-1].filename[len(package) :]}:{ours[-1].lineno}"
+    if others:
+        return f"{others[-1].filename.rsplit('/site-packages/', 1)[-1]}:{others[-1].lineno}"
     return "?"
 
 

@@ -219,7 +219,8 @@ class PretrainTask(L.LightningModule):
             loss = self._compiled(masked)
         else:
             loss = reconstruction_loss(self.model, masked)
-        return loss, int(batch["lengths"].sum()), masked.num_chosen
+        frames = sum(batch["lengths"].tolist())  # host lengths read as such: no tensor op
+        return loss, frames, masked.num_chosen
 
     def _seed_micro_batch(self) -> torch.Generator:
         """Reseed dropout (and masking of an unmasked batch) from (seed, step, micro-batch,
