@@ -197,7 +197,7 @@ class SyncCounter(TorchDispatchMode):
         self._copies(func, args, kwargs)
         out = func(*args, **kwargs)
         # computed from host data only, or made from Python data: host data too
-        if tensors and not on_device or func is aten.lift_fresh.default:
+        if (tensors and not on_device) or func is aten.lift_fresh.default:
             for t in tree_flatten(out)[0]:
                 if isinstance(t, Tensor):
                     self._host[t] = True
@@ -223,9 +223,10 @@ class SyncCounter(TorchDispatchMode):
 
         def make(original: Any) -> Any:
             def method(t: Tensor, *args: Any, **kwargs: Any) -> Any:
-                device = t.device.type != "cpu"
-                if counter._active() and counter.is_device(t) and not (name == "cpu" and device):
-                    counter._count(name)  # .cpu() of a GPU tensor: counted as _to_copy
+                # .cpu() of a GPU tensor is counted as its _to_copy
+                copied = name == "cpu" and t.device.type != "cpu"
+                if counter._active() and counter.is_device(t) and not copied:
+                    counter._count(name)
                 return original(t, *args, **kwargs)
 
             return method
@@ -284,9 +285,9 @@ class SyncCounter(TorchDispatchMode):
             return f"{n} {what}" + (f" ({each})" if each else "")
 
         text = part(self.count, "syncs", self.reasons)
-        return text + (
-            f", {part(self.upload_count, 'uploads', self.uploads)}" if self.uploads else ""
-        )
+        if self.uploads:
+            text += ", " + part(self.upload_count, "uploads", self.uploads)
+        return text
 
 
 def _caller() -> str:
