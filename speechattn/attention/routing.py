@@ -204,7 +204,7 @@ class RoutingAttention(SharedQKBase):
         per layer and step (set `max_clusters` for a step without it)."""
         if self.max_clusters is not None:
             return self.num_centroids_stored(self.max_clusters)
-        most = torch.tensor([C], device=self.centroids.device)
+        most = torch.full((1,), C, device=self.centroids.device)  # a fill: no upload
         dist.all_reduce(most, op=dist.ReduceOp.MAX)
         return self.num_centroids_stored(int(most))
 
@@ -306,8 +306,9 @@ class RoutingAttention(SharedQKBase):
         are fillers."""
         B, h, T, _ = q.shape
         i = torch.arange(T, device=q.device)
-        offsets = torch.cat([torch.arange(-self.window, 0), torch.arange(1, self.window + 1)])
-        band = i[:, None] + offsets.to(q.device)  # (T, 2w)
+        # -w..-1, 1..w, made on the device (a host-made table would be copied every call)
+        offsets = torch.arange(-self.window, self.window, device=q.device)
+        band = i[:, None] + offsets + (offsets >= 0).long()  # (T, 2w)
         band = torch.where((band >= 0) & (band < T), band, i[:, None])  # out of range: filler
         parts = [band.expand(B, self.heads_local, T, -1)]
         if h > self.heads_local:

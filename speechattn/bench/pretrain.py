@@ -252,14 +252,16 @@ def attention_flops(name: str, config: ModelConfig, batch: int, frames: int) -> 
     return module.flops(frames).training * batch * config.num_layers
 
 
-def step_syncs(name: str, config: ModelConfig, args: argparse.Namespace) -> int:
+def step_syncs(name: str, config: ModelConfig, args: argparse.Namespace) -> tuple[int, int]:
     """Host-device syncs of one `PretrainTask` training step of variant `name` at the bench's
-    batch and length (fp32; on a CPU the CPU stands in for the device: `bench/syncs.py`)."""
+    batch and length: (reads of device data, blocking uploads of host memory) (fp32; on a CPU
+    the CPU stands in for the device: `bench/syncs.py`)."""
     from speechattn.bench.syncs import pretrain_step_syncs
 
     opts = {"max_len": max(1024, args.frames)} if "max_len" in attention_options(name) else {}
     net = {**config.to_dict(), "attention": name, "attention_options": opts}
-    return pretrain_step_syncs(net, args.batch, args.frames, args.device).count
+    counter = pretrain_step_syncs(net, args.batch, args.frames, args.device)
+    return counter.count, counter.upload_count
 
 
 def build(name: str, config: ModelConfig, frames: int, device: str) -> nn.Module:
@@ -502,8 +504,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                      "gflops": flops[name] / seconds / 1e9, "of_peak": flops[name] / seconds / peak,
                      "flop_bound": None if name == "reference" else counted_full / flops[name]})  # fmt: skip
         r = rows[-1]
-        r["syncs_per_step"] = None if name == "reference" else step_syncs(name, config, args)
-        syncs = "" if name == "reference" else f"  {r['syncs_per_step']} syncs/step"
+        reads, uploads = (None, None) if name == "reference" else step_syncs(name, config, args)
+        r["syncs_per_step"], r["uploads_per_step"] = reads, uploads
+        syncs = "" if reads is None else f"  {reads} syncs/step"
+        if uploads:
+            syncs += f", {uploads} uploads/step"
         print(
             f"  {name:15s} {seconds * 1e3:9.1f} ms  {r['gflop']:8.2f} GFLOP  "
             f"{r['gflops']:7.1f} GFLOP/s  MFU {100 * r['of_peak']:5.1f} %{syncs}"

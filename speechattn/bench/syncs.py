@@ -1,22 +1,35 @@
-"""Count host-device synchronisations: reads of device data by the host.
+"""Count host-device synchronisations: reads of device data by the host, and uploads of
+pageable host memory to the device.
 
-On a GPU every such read (`.item()`, `int(t)`, `bool(t)`, `float(t)`, `.tolist()`, `.cpu()`,
-`.numpy()`, and ops whose output size depends on the data: `nonzero`, boolean indexing,
-`masked_select`, `unique`, `bincount`, `repeat_interleave` without `output_size`,
+On a GPU every read of device data (`.item()`, `int(t)`, `bool(t)`, `float(t)`, `.tolist()`,
+`.cpu()`, `.numpy()`, and ops whose output size depends on the data: `nonzero`, boolean
+indexing, `masked_select`, `unique`, `bincount`, `repeat_interleave` without `output_size`,
 `torch.equal`) makes the host wait until the device has run everything queued before it; the
 launch queue drains, and neither CUDA graphs nor a full-graph `torch.compile` can hold the
-step. `SyncCounter` is a `TorchDispatchMode` that counts them, with the reason of each.
+step. A copy of pageable (not pinned) host memory to the device (`x.to("cuda")` of a CPU
+tensor, `torch.tensor(0.5, device="cuda")`, `dst.copy_(cpu_tensor)`) is staged by the driver
+and blocks the host too, as does a blocking copy from pinned memory; only a copy from pinned
+memory with `non_blocking=True` (the batch the loader pins) overlaps with the device's work.
+`SyncCounter` is a `TorchDispatchMode` that counts both, each with its reason: reads in
+`reasons` (`count`), uploads in `uploads` (`upload_count`).
 
 On a GPU, the device data is whatever lives off the CPU. On a CPU-only machine
 (`cpu_is_device=True`) every CPU tensor counts as device data except the ones declared host
-data (`host=`: the batch's lengths, which stay on the host on a GPU too) and whatever is
-computed from host data only, so one CPU run shows the syncs a GPU step would make, as far
-as the step takes the same branches on both (kernels chosen for the CPU may read lengths
-that the CUDA branch bounds statically: count those on fake CUDA, `tests/fakecuda`).
+data (`host=`: the batch's lengths, which stay on the host on a GPU too), tensors made from
+Python data (`torch.tensor(...)`) and whatever is computed from host data only, so one CPU run
+shows the syncs a GPU step would make, as far as the step takes the same branches on both
+(kernels chosen for the CPU may read lengths that the CUDA branch bounds statically: count
+those on fake CUDA, `tests/fakecuda`). There a copy's devices are all the CPU, so the
+stand-in counts as uploads only what plainly makes device data of host data: `torch.tensor`
+/ `torch.as_tensor` with a `device=` other than the string "cpu" (Lightning's `self.log` of
+a float), `.to(t)` for a device tensor t, and `.copy_` of host data into device data; a
+`.to(device)` of host data cannot be told from a host-to-host `.to(torch.device("cpu"))`
+there and is counted on a GPU and on fake CUDA only, where the copies themselves are seen.
 
     with SyncCounter(host=[lengths]) as syncs:
         step()
-    syncs.count, syncs.reasons  # Counter of "aten._local_scalar_dense" etc.
+    syncs.count, syncs.reasons  # reads: Counter of "_local_scalar_dense" etc.
+    syncs.upload_count, syncs.uploads  # uploads: Counter of "h2d_pageable", "h2d_blocking"
 """
 
 from __future__ import annotations
@@ -24,11 +37,13 @@ from __future__ import annotations
 import contextlib
 from collections import Counter
 from collections.abc import Iterable
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch import Tensor
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch._ops import HigherOrderOperator
+from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
 from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakTensorKeyDictionary
 
@@ -47,6 +62,8 @@ _DATA_DEPENDENT = {
     aten.unique_consecutive.default,
     aten.bincount.default,
 }
+# the reasons of uploads: from pageable memory (always blocks), from pinned memory blocking
+PAGEABLE, BLOCKING = "h2d_pageable", "h2d_blocking"
 
 
 def _bool_index(func: Any, args: tuple) -> bool:
@@ -58,50 +75,82 @@ def _bool_index(func: Any, args: tuple) -> bool:
     )
 
 
+def _is_pinned(t: Tensor) -> bool:
+    """`t.is_pinned()`, False where it cannot be asked (fake tensors, no CUDA runtime)."""
+    try:
+        return bool(t.is_pinned())
+    except Exception:  # noqa: BLE001 - any failure: not known to be pinned
+        return False
+
+
+def _names_device(device: Any) -> bool:
+    """Whether a `device` argument names the device in a CPU stand-in run: anything but
+    None and the string "cpu" (see the module docstring)."""
+    return device is not None and not (isinstance(device, str) and device.startswith("cpu"))
+
+
 class SyncCounter(TorchDispatchMode):
-    """Count host reads of device data while active (see the module docstring).
+    """Count host reads of device data and uploads of pageable host memory while active (see
+    the module docstring).
 
     Args:
         host: tensors that are host data (e.g. lengths kept on the CPU); reads of them and of
             tensors computed from them alone are free.
+        pinned: host tensors to treat as pinned where `is_pinned()` cannot tell (fake tensors,
+            a CPU-only machine): their copies with `non_blocking=True` are not uploads.
         cpu_is_device: count CPU tensors (except host data) as device data: the CPU-only
             stand-in for a GPU run (default). False on a GPU, where CPU tensors are host data.
         trace: also record where each sync comes from (`where`: the innermost frame of the
-            speechattn package).
+            speechattn package, else of the caller outside torch, e.g. Lightning).
     """
 
+    # flex_attention & co. come through `__torch_dispatch__` (see `_higher_order`)
+    supports_higher_order_operators = True
+
     def __init__(
-        self, host: Iterable[Tensor] = (), cpu_is_device: bool = True, trace: bool = False
+        self,
+        host: Iterable[Tensor] = (),
+        pinned: Iterable[Tensor] = (),
+        cpu_is_device: bool = True,
+        trace: bool = False,
     ) -> None:
         super().__init__()
         self.cpu_is_device = cpu_is_device
         self.trace = trace
         self.where: Counter[str] = Counter()  # with trace: "reason at file:line" of our code
         self._host: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
+        self._pinned: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
         for t in host:
             self.mark_host(t)
-        self.reasons: Counter[str] = Counter()
-        self._patched: dict[str, Any] = {}
+        for t in pinned:
+            self._pinned[t] = True
+        self.reasons: Counter[str] = Counter()  # reads of device data
+        self.uploads: Counter[str] = Counter()  # copies of host memory that block the host
+        self._patched: list[tuple[Any, str, Any]] = []
 
-    def _count(self, reason: str) -> None:
-        self.reasons[reason] += 1
+    def _count(self, reason: str, upload: bool = False) -> None:
+        (self.uploads if upload else self.reasons)[reason] += 1
         if self.trace:
-            import traceback
-
-            frames = [
-                f for f in traceback.extract_stack()[:-2]
-                if "speechattn" in f.filename and not f.filename.endswith("syncs.py")
-            ]  # fmt: skip
-            at = f"{frames[-1].filename.rsplit('speechattn/', 1)[-1]}:{frames[-1].lineno}"
-            self.where[f"{reason} at {at if frames else '?'}"] += 1
+            self.where[f"{reason} at {_caller()}"] += 1
 
     @property
     def count(self) -> int:
+        """Reads of device data by the host."""
         return sum(self.reasons.values())
+
+    @property
+    def upload_count(self) -> int:
+        """Copies of host memory to the device that block the host."""
+        return sum(self.uploads.values())
 
     def mark_host(self, t: Tensor) -> None:
         """Declare `t` host data."""
         self._host[t] = True
+
+    def _active(self) -> bool:
+        """Whether this mode is on the dispatch stack (not popped inside a higher-order op):
+        the patched Python entries count only then."""
+        return any(m is self for m in _get_current_dispatch_mode_stack())
 
     def is_device(self, t: Tensor) -> bool:
         """Whether reading `t` on the host would wait for a device."""
@@ -111,8 +160,33 @@ class SyncCounter(TorchDispatchMode):
             return True
         return self.cpu_is_device and t not in self._host
 
+    def _upload(self, src: Tensor, non_blocking: bool) -> None:
+        """Count a copy of host tensor `src` to the device, unless it is pinned and async."""
+        pinned = src in self._pinned or _is_pinned(src)
+        if not (pinned and non_blocking):
+            self._count(BLOCKING if pinned else PAGEABLE, upload=True)
+
+    def _copies(self, func: Any, args: tuple, kwargs: dict) -> None:
+        """Count the copies between host and device that `func` makes."""
+        if func is aten._to_copy.default and kwargs.get("device") is not None:
+            src, dst = args[0].device.type, torch.device(kwargs["device"]).type
+            if dst == "cpu" and src != "cpu":
+                self._count("to_cpu")
+            elif src == "cpu" and dst not in ("cpu", "meta"):
+                self._upload(args[0], bool(kwargs.get("non_blocking", False)))
+        elif func is aten.copy_.default:
+            dst, src = args[0], args[1]
+            non_blocking = bool(args[2] if len(args) > 2 else kwargs.get("non_blocking", False))
+            if dst.device.type == "cpu" and src.device.type not in ("cpu", "meta"):
+                if not non_blocking:
+                    self._count("to_cpu")
+            elif src.device.type == "cpu" and not self.is_device(src) and self.is_device(dst):
+                self._upload(src, non_blocking)  # on a GPU, or host data into the stand-in
+
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Any = None):
         kwargs = kwargs or {}
+        if isinstance(func, HigherOrderOperator):
+            return self._higher_order(func, args, kwargs)
         tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, Tensor)]
         on_device = [t for t in tensors if self.is_device(t)]
         if on_device:
@@ -120,58 +194,139 @@ class SyncCounter(TorchDispatchMode):
                 self._count(str(func.overloadpacket.__name__))
             elif func is aten.repeat_interleave.Tensor and kwargs.get("output_size") is None:
                 self._count("repeat_interleave")
-            elif func is aten._to_copy.default and kwargs.get("device") is not None:
-                if torch.device(kwargs["device"]).type == "cpu" and tensors[0].device.type != "cpu":
-                    self._count("to_cpu")
+        self._copies(func, args, kwargs)
         out = func(*args, **kwargs)
-        if tensors and not on_device:  # computed from host data only: host data too
+        # computed from host data only, or made from Python data: host data too
+        if (tensors and not on_device) or func is aten.lift_fresh.default:
             for t in tree_flatten(out)[0]:
                 if isinstance(t, Tensor):
                     self._host[t] = True
         return out
 
-    # Tensor methods that read memory without an aten op (or that are no-ops on the CPU)
-    def _wrap(self, name: str) -> None:
-        original = getattr(Tensor, name)
+    def _higher_order(self, func: HigherOrderOperator, args: tuple, kwargs: dict) -> Any:
+        """Run a higher-order operator (flex_attention, its backward) as the modes below run
+        it, its inside not counted: a dispatch mode keeps `torch.compile` off, so Flex runs
+        torch's eager math here (which uploads its -inf fill), not the fused kernel a
+        training step runs; our score and mask functions are traced into that kernel, where a
+        host read cannot hide."""
+        return func(*args, **kwargs)  # `HigherOrderOperator.dispatch` popped this mode
+
+    # Python-level entries: reads without an aten op (or no-ops on the CPU), and, in the
+    # stand-in, uploads whose copy is a no-op on the CPU
+    def _patch(self, owner: Any, name: str, make: Any) -> None:
+        original = getattr(owner, name)
+        self._patched.append((owner, name, original))
+        setattr(owner, name, make(original))
+
+    def _read(self, name: str) -> Any:
         counter = self
 
-        def method(t: Tensor, *args: Any, **kwargs: Any) -> Any:
-            if counter.is_device(t) and not (name == "cpu" and t.device.type != "cpu"):
-                counter._count(name)  # .cpu() of a GPU tensor: counted as _to_copy
+        def make(original: Any) -> Any:
+            def method(t: Tensor, *args: Any, **kwargs: Any) -> Any:
+                # .cpu() of a GPU tensor is counted as its _to_copy
+                copied = name == "cpu" and t.device.type != "cpu"
+                if counter._active() and counter.is_device(t) and not copied:
+                    counter._count(name)
+                return original(t, *args, **kwargs)
+
+            return method
+
+        return make
+
+    def _stand_in_to(self, original: Any) -> Any:
+        counter = self
+
+        def to(t: Tensor, *args: Any, **kwargs: Any) -> Any:
+            other = kwargs.get("other", args[0] if args else None)  # `t.to(other)`
+            moved = isinstance(other, Tensor) and counter.is_device(other)
+            if moved and counter._active() and not counter.is_device(t):
+                counter._upload(t, bool(kwargs.get("non_blocking", False)))
+                out = original(t, *args, **kwargs)
+                counter._host.pop(out, None)  # device data from here on
+                return out
             return original(t, *args, **kwargs)
 
-        self._patched[name] = original
-        setattr(Tensor, name, method)
+        return to
+
+    def _stand_in_factory(self, original: Any) -> Any:
+        counter = self
+
+        def factory(data: Any, *args: Any, **kwargs: Any) -> Tensor:
+            out = original(data, *args, **kwargs)
+            if counter._active() and _names_device(kwargs.get("device")):
+                host = not isinstance(data, Tensor) or not counter.is_device(data)
+                if host:
+                    counter._count(PAGEABLE, upload=True)  # Python data is never pinned
+                counter._host.pop(out, None)  # device data from here on
+            return out
+
+        return factory
 
     def __enter__(self) -> SyncCounter:
         for name in ("tolist", "numpy", "cpu"):
-            self._wrap(name)
+            self._patch(Tensor, name, self._read(name))
+        if self.cpu_is_device:
+            self._patch(Tensor, "to", self._stand_in_to)
+            for name in ("tensor", "as_tensor"):
+                self._patch(torch, name, self._stand_in_factory)
         return super().__enter__()
 
     def __exit__(self, *exc: Any) -> None:
         super().__exit__(*exc)
-        for name, original in self._patched.items():
-            setattr(Tensor, name, original)
+        for owner, name, original in reversed(self._patched):
+            setattr(owner, name, original)
         self._patched.clear()
 
     def summary(self) -> str:
-        """`N syncs (reason x n, ...)`."""
-        parts = ", ".join(f"{k} x{v}" for k, v in self.reasons.most_common())
-        return f"{self.count} syncs" + (f" ({parts})" if parts else "")
+        """`N syncs (reason xn, ...), M uploads (reason xm)`."""
+
+        def part(n: int, what: str, reasons: Counter[str]) -> str:
+            each = ", ".join(f"{k} x{v}" for k, v in reasons.most_common())
+            return f"{n} {what}" + (f" ({each})" if each else "")
+
+        text = part(self.count, "syncs", self.reasons)
+        if self.uploads:
+            text += ", " + part(self.upload_count, "uploads", self.uploads)
+        return text
+
+
+def _caller() -> str:
+    """`file:line` of the innermost frame of the speechattn package (not this module; the path
+    inside the package), else of the innermost frame outside torch and this module (e.g.
+    Lightning's, or a test's): where a sync comes from."""
+    import traceback
+
+    package = str(Path(__file__).parents[1]) + "/"
+    frames = [f for f in traceback.extract_stack() if f.filename != __file__]
+    ours = [f for f in frames if f.filename.startswith(package)]
+    others = [f for f in frames if "/torch/" not in f.filename]
+    if ours:
+        return f"{ours[-1].filename[len(package) :]}:{ours[-1].lineno}"
+    if others:
+        return f"{others[-1].filename.rsplit('/site-packages/', 1)[-1]}:{others[-1].lineno}"
+    return "?"
 
 
 def pretrain_step_syncs(
-    model: dict[str, Any], batch: int, frames: int, device: str = "cpu", steps: int = 1
+    model: dict[str, Any],
+    batch: int,
+    frames: int,
+    device: str = "cpu",
+    steps: int = 1,
+    trace: bool = False,
 ) -> SyncCounter:
-    """Syncs of a pretraining step as `PretrainTask` trains: the loader's host side
-    (`batch_masker`: stacking, masking), then, counted, `step_loss`, backward, `check_step`,
-    the LAMB update and `after_update`; `batch` utterances of `frames` model frames (the
-    second one 10 frames shorter, so the step takes its padded path). Returns the counter of
-    the last of `steps` steps (from the second on, the parameters' check of the previous
-    update is read too, in the same read). On a CPU the CPU stands in for the device.
+    """Syncs (reads and uploads) of a pretraining step as `PretrainTask` trains: the loader's
+    host side (`batch_masker`: stacking, masking, pinning), then, counted, `step_loss`,
+    backward, `check_step`, the LAMB update and `after_update`; `batch` utterances of `frames`
+    model frames (the second one 10 frames shorter, so the step takes its padded path).
+    Returns the counter of the last of `steps` steps (from the second on, the parameters'
+    check of the previous update is read too, in the same read). On a CPU the CPU stands in
+    for the device. Lightning's own work around the step (logging, progress bar) is not
+    run: `tests/tasks/test_step_syncs.py` counts a `Trainer`'s steps.
 
     Args:
         model: `ModelConfig` fields (`PretrainTask`'s `model`).
+        trace: record where each sync comes from (`SyncCounter.where`).
     """
     import warnings
 
@@ -190,9 +345,17 @@ def pretrain_step_syncs(
             g = torch.Generator().manual_seed(step)
             features = torch.randn(batch, frames * stack, F, generator=g)
             features[torch.arange(frames * stack)[None, :] >= lengths[:, None]] = 0.0
-            masked = task.batch_masker()(features, lengths, seed=step).to(device)
+            masked = task.batch_masker()(features, lengths, seed=step)
+            if device != "cpu":
+                masked = masked.pin_memory()  # as the loader does on a GPU
+            masked = masked.to(device)  # non-blocking; its lengths stay on the host
             data = {"masked": masked, "lengths": lengths}
-            counter = SyncCounter(host=[lengths, masked.lengths], cpu_is_device=device == "cpu")
+            counter = SyncCounter(
+                host=[lengths, masked.lengths],
+                pinned=[masked.lengths],  # pinned by the loader (a CPU cannot pin)
+                cpu_is_device=device == "cpu",
+                trace=trace,
+            )
             with counter if step == steps - 1 else contextlib.nullcontext():
                 loss, _ = task.step_loss(data)
                 loss.backward()

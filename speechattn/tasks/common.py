@@ -11,9 +11,21 @@ from pathlib import Path
 from typing import Any
 
 import lightning as L
+import torch
 from lightning.pytorch.callbacks import Callback, ProgressBar, RichProgressBar, TQDMProgressBar
+from torch import Tensor
 
 from speechattn.errors import ConfigError
+
+
+def host_value(value: float) -> Tensor:
+    """A number for `LightningModule.log`, kept on the host: () float32 on the CPU.
+
+    Lightning turns a logged Python float into a tensor on the module's device, a blocking
+    copy of pageable memory every step; a CPU tensor stays where it is, and the progress bar,
+    the loggers and `callback_metrics` read it without waiting for the device.
+    """
+    return torch.tensor(float(value), dtype=torch.float32)
 
 
 class MetricsCSV(Callback):
@@ -100,7 +112,7 @@ class DataWait(Callback):
         now = time.perf_counter()
         if self._wait is not None and self._end is not None and now > self._end:
             share = self._wait / (now - self._end)
-            pl_module.log("data_wait", share, on_step=True, batch_size=1)
+            pl_module.log("data_wait", host_value(share), on_step=True, batch_size=1)
         self._end = now
 
     def _pause(self, *args) -> None:

@@ -2,9 +2,11 @@
 
 Every variant's efficient path, on each side of its kernel crossover, runs forward and
 backward on fake CUDA tensors under CUDA autocast to bf16 and fp16; one AALBERT pretraining
-step (loss, backward, optimiser step) runs the same way. Any host-device sync inside (an
-`.item()`, `bool(t)`, `.tolist()`, `nonzero`, numpy) raises here, as does any call into the real
-CUDA runtime. See `_fake_cuda.py` for what this proves and what only a GPU can.
+step (the loader's pinned batch copied over, loss, backward, optimiser step) runs the same
+way. Any host-device sync inside (an `.item()`, `bool(t)`, `.tolist()`, `nonzero`, numpy)
+raises here, as does any call into the real CUDA runtime; `SyncCounter` also counts every
+copy of host memory to the device that blocks the host (pageable memory, or a blocking
+copy): none is allowed. See `_fake_cuda.py` for what this proves and what only a GPU can.
 """
 
 from __future__ import annotations
@@ -16,9 +18,10 @@ import pytest
 import torch
 
 from speechattn.attention import available, build
-from speechattn.model.aalbert import aalbert_tiny
-from speechattn.model.masking import masked_l1
-from speechattn.model.optim import OptimConfig, build_optimizer
+from speechattn.bench.syncs import SyncCounter
+from speechattn.model.aalbert import preset_config
+from speechattn.model.optim import build_optimizer
+from speechattn.tasks.pretrain import PretrainTask
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "attention"))
 from _attention_testing import DIM, HEADS, SMALL_OPTIONS, force_path, kernels  # noqa: E402
@@ -70,12 +73,14 @@ def test_variant_trains_on_fake_cuda(name, path, padded, dtype, monkeypatch, req
     with fake_cuda() as mode:
         to_fake_cuda(attn, mode)
         x, pad = _inputs(padded)
-        with cuda_autocast(dtype):
-            y = attn(x, pad)
-        assert y.device.type == "cuda" and y.shape == (2, T, DIM)
-        assert y.dtype in (dtype, torch.float32), y.dtype
-        leaves = backward([y], [torch.ones_like(y)])
+        with SyncCounter(cpu_is_device=False, trace=True) as syncs:
+            with cuda_autocast(dtype):
+                y = attn(x, pad)
+            assert y.device.type == "cuda" and y.shape == (2, T, DIM)
+            assert y.dtype in (dtype, torch.float32), y.dtype
+            leaves = backward([y], [torch.ones_like(y)])
         grads = parameter_grads(attn, leaves)
+    assert syncs.count == syncs.upload_count == 0, (syncs.summary(), dict(syncs.where))
     trainable = {n for n, p in attn.named_parameters() if p.requires_grad}
     assert set(grads) <= trainable and grads, f"{name}: no parameter received a gradient"
     for n, g in grads.items():
@@ -84,29 +89,55 @@ def test_variant_trains_on_fake_cuda(name, path, padded, dtype, monkeypatch, req
     assert leaves[x].shape == x.shape and leaves[x].device.type == "cuda"
 
 
+@pytest.mark.filterwarnings("ignore:You are trying to `self.log()`")  # no Trainer here
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("name", available())
 def test_pretraining_step_on_fake_cuda(name, dtype, request):
-    """AALBERT (tiny) + masked reconstruction + LAMB: one optimiser step on fake CUDA, with
-    host-side lengths as the training step gives them."""
+    """AALBERT (tiny) + masked reconstruction + LAMB as `PretrainTask` trains: the loader's
+    pinned batch copied to the device (lengths kept on the host), `step_loss`, backward, the
+    optimiser step and `after_update` on fake CUDA, with no read of device data and no
+    blocking upload. (`check_step`'s one read cannot run here: fake tensors hold no data.)"""
     _pending(request, name)
     torch.manual_seed(0)
-    model = aalbert_tiny(
-        attention=name, attention_options=SMALL_OPTIONS.get(name, {}), num_layers=2
-    ).train()
-    optimizer = build_optimizer(model, OptimConfig(name="lamb", lr=1e-3))
-    lengths = torch.tensor([T, T - 9])  # model frames, on the host
+    config = preset_config(
+        "aalbert_tiny", attention=name, attention_options=SMALL_OPTIONS.get(name, {}), num_layers=2
+    )
+    task = PretrainTask(model=config.to_dict(), optimizer={"name": "lamb", "lr": 1e-3}).train()
+    optimizer = build_optimizer(task, task.optim)
+    stack, F = config.stack, config.feature_dim
+    lengths = torch.tensor([T, T - 9]) * stack  # 10 ms frames, on the host
+    features = torch.randn(2, T * stack, F)
+    masked = task.batch_masker()(features, lengths, seed=0)  # the loader's host side
+    pinned = [masked.inputs, masked.target, masked.chosen, masked.lengths, masked.mode]
     with fake_cuda() as mode:
-        to_fake_cuda(model, mode)
-        F = model.config.input_dim
-        inputs, target = torch.randn(2, T, F, device=CUDA), torch.randn(2, T, F, device=CUDA)
-        chosen = torch.zeros(2, T, dtype=torch.bool, device=CUDA)
-        with cuda_autocast(dtype):
-            prediction = model.reconstruct(inputs, lengths)
-        loss = masked_l1(prediction.float(), target, chosen)
-        leaves = backward([loss], [torch.ones_like(loss)])
-        for p in model.parameters():
-            p.grad = leaves.get(p)
-        optimizer.step()
+        to_fake_cuda(task, mode)
+        with SyncCounter(pinned=pinned, cpu_is_device=False, trace=True) as syncs:
+            batch = {"masked": masked.to(CUDA), "lengths": lengths}  # as Lightning moves it
+            with cuda_autocast(dtype):
+                loss, _ = task.step_loss(batch)
+            leaves = backward([loss], [torch.ones_like(loss)])
+            for p in task.parameters():
+                p.grad = leaves.get(p)
+            optimizer.step()
+            task.after_update()
         assert loss.device.type == "cuda" and loss.dtype == torch.float32
-        assert all(p.device.type == "cuda" and p.dtype == torch.float32 for p in model.parameters())
+        assert all(p.device.type == "cuda" and p.dtype == torch.float32 for p in task.parameters())
+    assert syncs.count == syncs.upload_count == 0, (syncs.summary(), dict(syncs.where))
+
+
+def test_the_counter_sees_copies_between_host_and_device_on_fake_cuda():
+    """What `SyncCounter` counts on a GPU, where the copies' devices tell host from device."""
+    lengths, pinned = torch.tensor([3, 2]), torch.tensor([3, 2])
+    with fake_cuda(), SyncCounter(pinned=[pinned], cpu_is_device=False, trace=True) as syncs:
+        x = torch.zeros(2, device=CUDA)  # a fill on the device: no copy
+        torch.tensor(0.5, device=CUDA)  # Lightning's `self.log` of a float does this
+        lengths.to(CUDA, non_blocking=True)  # pageable: blocks whatever the flag says
+        pinned.to(CUDA)  # pinned but blocking
+        pinned.to(CUDA, non_blocking=True)  # the loader's batch: overlaps, free
+        x.copy_(lengths)
+        x + torch.tensor(2.0)  # a CPU scalar is a kernel argument: no copy
+        x.cpu()  # a read
+        lengths.tolist()  # host data: free
+    assert syncs.uploads == {"h2d_pageable": 3, "h2d_blocking": 1}, syncs.summary()
+    assert syncs.reasons == {"to_cpu": 1}, syncs.summary()
+    assert any("test_fake_cuda.py:" in where for where in syncs.where), syncs.where

@@ -4,9 +4,10 @@
 - every variant (all 19; both kernels of the two-kernel ones, forced past their crossover; the
   FlexAttention kernel where a variant has one) trains a few bf16 steps at the paper's shapes,
   aalbert_base with batches of 50 x 500 model frames (1500 10 ms frames), with the host syncs of
-  one step counted (`speechattn.bench.syncs.SyncCounter`) and another step profiled (kernel
-  launches, CUDA runtime syncs and copies); `SPEECHATTN_GPU_RESULTS=DIR` also writes the counts
-  to DIR/paper_steps.jsonl, `SPEECHATTN_GPU_VARIANTS=full,ldsa` narrows the variants;
+  one step counted (`speechattn.bench.syncs.SyncCounter`: at most one read, no blocking upload
+  on CUDA) and another step profiled (kernel launches, CUDA runtime syncs and copies);
+  `SPEECHATTN_GPU_RESULTS=DIR` also writes the counts to DIR/paper_steps.jsonl,
+  `SPEECHATTN_GPU_VARIANTS=full,ldsa` narrows the variants;
 - the same steps compiled (`model.compile=true`) for every variant;
 - the built-in corpus's loader with worker processes (`data.num_workers=2`, pinned memory);
 - an interrupted run resumed from `last.ckpt` on the device equals an uninterrupted one, in
@@ -206,21 +207,34 @@ def _force_kernel(cfg: DictConfig, name: str, kernel: str, monkeypatch) -> None:
 
 class MeasureStep(L.Callback):
     """Counts the host syncs of training step 1 (`SyncCounter`: reads of device data by the
-    host, the batch's lengths counted as host data where they stay on the CPU) and profiles
-    step 2 (kernel launches, CUDA runtime syncs and copies; aten ops on CPU)."""
+    host and blocking uploads of host memory, with where each comes from; the batch's lengths
+    are host data, pinned as the loader pins them) from its batch's start to the end of
+    Lightning's own work on it (its logger connector's `on_batch_end`, which turns progress
+    bar values into numbers), and profiles step 2 (kernel launches, CUDA runtime syncs and
+    copies; aten ops on CPU)."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.counts: dict[str, Any] = {}
         self._counter = self._profiler = None
 
+    def on_fit_start(self, trainer, pl_module) -> None:
+        connector = trainer._logger_connector  # no hook runs after its on_batch_end
+        on_batch_end = connector.on_batch_end
+
+        def then_stop_counting() -> None:
+            on_batch_end()
+            self._stop_counting()
+
+        connector.on_batch_end = then_stop_counting
+
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         from speechattn.bench.syncs import SyncCounter
 
         if batch_idx == 1:
-            lengths = batch["lengths"]
-            host = [lengths] if lengths.device.type == "cpu" else []
-            self._counter = SyncCounter(host=host, cpu_is_device=self.device.type == "cpu")
+            host = [t for t in (batch["lengths"], batch["masked"].lengths) if not t.is_cuda]
+            cpu = self.device.type == "cpu"
+            self._counter = SyncCounter(host=host, pinned=host, cpu_is_device=cpu, trace=True)
             self._counter.__enter__()
         elif batch_idx == 2:
             activities = [torch.profiler.ProfilerActivity.CPU]
@@ -229,12 +243,19 @@ class MeasureStep(L.Callback):
             self._profiler = torch.profiler.profile(activities=activities)
             self._profiler.__enter__()
 
+    def _stop_counting(self) -> None:
+        if self._counter is None:
+            return
+        counter, self._counter = self._counter, None
+        counter.__exit__(None, None, None)
+        self.counts["syncs"] = counter.count
+        self.counts["sync_reasons"] = dict(counter.reasons)
+        self.counts["uploads"] = counter.upload_count
+        self.counts["upload_reasons"] = dict(counter.uploads)
+        self.counts["sync_where"] = dict(counter.where)
+
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        if batch_idx == 1:
-            self._counter.__exit__(None, None, None)
-            self.counts["syncs"] = self._counter.count
-            self.counts["sync_reasons"] = dict(self._counter.reasons)
-        elif batch_idx == 2:
+        if batch_idx == 2:
             self._profiler.__exit__(None, None, None)
             names = [e.name for e in self._profiler.events()]
             self.counts["launches"] = sum(n in LAUNCHES for n in names)
@@ -296,6 +317,8 @@ def test_every_variant_trains_at_paper_shapes(name, kernel, gpu_device, tmp_path
     assert counts["aten_ops"] > 0 and counts["syncs"] >= 0
     if gpu_device.type == "cuda":
         assert counts["launches"] > 0, counts
+        # docs/gpu.md: check_step's one read, no blocking upload, Lightning's work included
+        assert counts["syncs"] <= 1 and counts["uploads"] == 0, counts["sync_where"]
 
 
 @pytest.mark.parametrize("name", VARIANTS)

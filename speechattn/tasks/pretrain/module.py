@@ -39,6 +39,7 @@ from speechattn.model.masking import MaskedBatch, MaskingConfig, corrupt, recons
 from speechattn.model.optim import OptimConfig, build_optimizer, build_scheduler
 from speechattn.model.serialization import TorchFileError, load_torch_file
 from speechattn.model.upstream import nonfinite_tensors, save_upstream, upstream_state
+from speechattn.tasks.common import host_value
 from speechattn.tasks.pretrain.compiled import compile_objective
 from speechattn.tasks.pretrain.data import BatchMasker
 from speechattn.utils import derive_seed
@@ -221,7 +222,8 @@ class PretrainTask(L.LightningModule):
             loss = self._compiled(masked)
         else:
             loss = reconstruction_loss(self.model, masked)
-        return loss, int(batch["lengths"].sum()), masked.num_chosen
+        frames = sum(batch["lengths"].tolist())  # host lengths read as such: no tensor op
+        return loss, frames, masked.num_chosen
 
     def _seed_micro_batch(self) -> torch.Generator:
         """Reseed dropout (and masking of an unmasked batch) from (seed, step, micro-batch,
@@ -263,42 +265,48 @@ class PretrainTask(L.LightningModule):
 
     def check_step(self) -> bool:
         """The step's one host read: whether the losses, the gradient norm and the parameters
-        of the previous update are all finite. Grads are dropped (update skipped) when not;
-        raises `NonFiniteLossError` when the parameters are not or after `max_nonfinite`
-        skipped steps in a row. Returns whether the update goes ahead."""
+        of the previous update are all finite, with the loss and the norm themselves (logged
+        as host values, so neither Lightning nor a progress bar reads the device again).
+        Grads are dropped (update skipped) when not; raises `NonFiniteLossError` when the
+        parameters are not or after `max_nonfinite` skipped steps in a row. Returns whether
+        the update goes ahead."""
         grads = [p.grad for p in self.parameters() if p.grad is not None]
         if not grads and self._loss_finite is None:
             return False
-        flags, norm = [], None  # () bool device tensors: [loss, gradient norm, parameters]
-        flags.append(self._loss_finite if self._loss_finite is not None else torch.tensor(True))
-        if grads:
-            norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)))
-            flags.append(torch.isfinite(norm))
-        else:
-            flags.append(torch.ones_like(flags[0]))
-        if self._params_finite is not None:
-            flags.append(self._params_finite[0])
-        device = flags[0].device
-        loss_ok, grad_ok, *params_ok = torch.stack([f.to(device) for f in flags]).tolist()
+        like = self._loss_finite if self._loss_finite is not None else grads[0]
+        one = torch.ones((), device=like.device)  # a stand-in filled on the device: no copy
+        norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads))) if grads else one
+        loss = self._step_loss[0] if self._step_loss is not None else one
+        values = [
+            self._loss_finite if self._loss_finite is not None else one,
+            torch.isfinite(norm),
+            self._params_finite[0] if self._params_finite is not None else one,
+            loss,
+            norm,
+        ]  # () tensors on the device
+        read = torch.stack([v.float() for v in values]).tolist()
+        loss_ok, grad_ok, params_ok, loss_value, norm_value = read
         self._loss_finite = None
-        if params_ok and not params_ok[0]:
+        if not params_ok:
             self._raise_diverged(self._params_finite[1])  # type: ignore[index]
         self._params_finite = None
         if loss_ok and grad_ok:
             if not self._skipped_this_step:
                 self._nonfinite_in_row = 0
             if self._step_loss is not None:
-                loss, chosen = self._step_loss
-                self.log("train_loss", loss, prog_bar=True, on_step=True, batch_size=chosen)
+                chosen = self._step_loss[1]
+                value = host_value(loss_value)
+                self.log("train_loss", value, prog_bar=True, on_step=True, batch_size=chosen)
                 # kept here: callback_metrics lose step-only values when validate() runs after fit
-                self._train_loss = loss
+                self._train_loss = loss_value
             return True
         for p in self.parameters():  # gradients are all-reduced: every rank skips together
             p.grad = None
         self._skipped_this_step = True
-        step_loss = self._step_loss[0] if self._step_loss is not None else float("nan")
-        what = f"loss {float(step_loss)}" if not loss_ok else f"gradient norm {float(norm)}"  # type: ignore[arg-type]
-        self._register_nonfinite(what)
+        step_loss = loss_value if self._step_loss is not None else float("nan")
+        self._register_nonfinite(
+            f"loss {step_loss}" if not loss_ok else f"gradient norm {norm_value}"
+        )
         return False
 
     def check_parameters(self) -> None:
@@ -326,14 +334,18 @@ class PretrainTask(L.LightningModule):
         return torch.stack(terms).sum() if terms else None
 
     def _log_throughput(self, frames: int) -> None:
+        """Log `frames_per_s` (valid 10 ms frames of the previous step over the time between
+        the steps' starts, all ranks) and `lr`, as host values (`host_value`: no copy to the
+        device)."""
         now = time.perf_counter()
         if self._last_time is not None and now > self._last_time:
             fps = self._last_frames / (now - self._last_time) * self.trainer.world_size
-            self.log("frames_per_s", fps, prog_bar=True, on_step=True, batch_size=1)
+            self.log("frames_per_s", host_value(fps), prog_bar=True, on_step=True, batch_size=1)
         self._last_time, self._last_frames = now, frames
         scheduler = self.lr_schedulers()
         if scheduler is not None:
-            self.log("lr", scheduler.get_last_lr()[0], on_step=True, batch_size=1)
+            lr = host_value(scheduler.get_last_lr()[0])
+            self.log("lr", lr, on_step=True, batch_size=1)
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         # after backward was launched, before clipping and the update
