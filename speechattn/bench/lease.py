@@ -250,20 +250,20 @@ def profile_step(step: Step) -> dict[str, Any]:
 
 
 def count_syncs(step: Step) -> dict[str, Any]:
-    """Host reads of device data (and uploads, where the counter counts them) over one step;
-    on CUDA also the synchronising calls `torch.cuda.set_sync_debug_mode` warns about."""
+    """Host reads of device data and blocking uploads of host memory over one step, with
+    where each comes from; on CUDA also the synchronising calls
+    `torch.cuda.set_sync_debug_mode` warns about."""
     from speechattn.bench.syncs import SyncCounter
 
     batch = step.batches[step.count % len(step.batches)]
     host = [batch["lengths"], batch["masked"].lengths]
     out: dict[str, Any] = {}
-    with SyncCounter(host=host, cpu_is_device=step.device.type == "cpu") as counter:
+    with SyncCounter(host=host, cpu_is_device=step.device.type == "cpu", trace=True) as counter:
         step()
     out["reads"] = counter.count
-    out["read_reasons"] = dict(counter.reasons)
-    uploads = getattr(counter, "uploads", None)
-    if uploads is not None:
-        out["uploads"] = sum(uploads.values()) if isinstance(uploads, Counter) else uploads
+    out["uploads"] = counter.upload_count
+    out["sync_reasons"] = {**counter.reasons, **counter.uploads}
+    out["sync_where"] = dict(counter.where)  # file:line of each, in speechattn
     if step.device.type == "cuda":
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
