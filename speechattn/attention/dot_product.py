@@ -9,11 +9,9 @@
 
 Both efficient paths call `torch.nn.functional.scaled_dot_product_attention` (flash /
 memory-efficient kernels on GPU, the fused flash kernel on CPU). A padded batch passes its key
-mask to SDPA; on Hopper GPUs with torch 2.11 SDPA then runs cuDNN's fused flash kernel, on
-older GPUs the memory-efficient one (twice as slow on an H200). So `full` also has a
-FlexAttention kernel for padded batches on CUDA (`kernel=flex`, `flex.pattern_attention`:
-padded keys masked in its score_mod), and by default (`kernel=auto`) the tuner times both
-there and keeps the faster (docs/gpu.md).
+mask; on an H200 with torch 2.11 SDPA runs it in cuDNN's fused flash kernel, 1.27x the
+unmasked call, where compiled FlexAttention took 1.4x (padding BlockMask) to 5x (padding in a
+score_mod) and SDPA over nested jagged tensors 16x (docs/gpu.md), so the mask stays.
 """
 
 from __future__ import annotations
@@ -24,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from speechattn.attention import flex, patterns
+from speechattn.attention import patterns
 from speechattn.attention.base import (
     SELF_PENALTY,
     Attention,
@@ -37,26 +35,11 @@ from speechattn.attention.base import (
     self_penalty,
 )
 from speechattn.attention.registry import register
-from speechattn.errors import ConfigError
-
-FULL_KERNELS = ("auto", "sdpa", "flex")
 
 
 @dataclass
 class FullConfig(AttentionConfig):
-    # padded batches on CUDA: auto (the tuner times sdpa and flex), sdpa (the key mask passed
-    # to SDPA), flex (FlexAttention; SDPA wherever Flex cannot run: CPU, attention dropout)
-    kernel: str = "auto"
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if self.kernel not in FULL_KERNELS:
-            raise ConfigError(f"kernel must be one of {FULL_KERNELS}, got {self.kernel!r}")
-
-
-def _every_key(b: Tensor, h: Tensor, i: Tensor, j: Tensor) -> Tensor:
-    """A Flex mask_mod that allows every key (padding is masked in the score_mod)."""
-    return j >= 0
+    """No options beyond the shared ones."""
 
 
 @register("full")
@@ -87,33 +70,11 @@ class FullAttention(Attention):
         q, k, v = self.qkv(x).chunk(3, dim=-1)  # 3 x (B, T, D)
         return self.split_heads(q), self.split_heads(k), self.split_heads(v)  # (B, h, T, d_k)
 
-    @property
-    def kernel_names(self) -> tuple[str, ...]:
-        return ("sdpa", "flex") if self.config.kernel == "auto" else (self.config.kernel,)
-
-    def kernel_candidates(self, t: Tensor) -> tuple[str, ...]:
-        """sdpa and flex where Flex can run (`flex.use_flex`: CUDA, no attention dropout in
-        training) and the option leaves the choice to the tuner; else none."""
-        usable = self.config.kernel == "auto" and flex.use_flex(t, self.training, self.dropout)
-        return ("sdpa", "flex") if usable else ()
-
-    def rule_kernel(self, T: int, device: torch.device) -> str:
-        return "sdpa" if self.config.kernel == "auto" else self.config.kernel
-
     def attend(self, x: Tensor, valid: Tensor | None) -> Tensor:
         q, k, v = self._qkv(x)  # (B, h, T, d_k)
+        mask = None if valid is None else key_mask(valid)[:, None, None, :]  # (B, 1, 1, T)
         p = self.dropout if self.training else 0.0
-        if valid is None:  # no padding: no mask, SDPA's flash kernels
-            return F.scaled_dot_product_attention(q, k, v, dropout_p=p)
-        keys = key_mask(valid)  # (B, T)
-        if self.pick_kernel(q) == "flex" and flex.use_flex(q, self.training, self.dropout):
-            key = ("full", "every key")
-            return flex.pattern_attention(
-                q, k, v, keys, _every_key, _every_key, key, shared_qk=False
-            )
-        return F.scaled_dot_product_attention(
-            q, k, v, attn_mask=keys[:, None, None, :], dropout_p=p
-        )
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p)
 
     def attend_dense(self, x: Tensor, valid: Tensor) -> tuple[Tensor, Tensor]:
         q, k, v = self._qkv(x)  # (B, h, T, d_k)

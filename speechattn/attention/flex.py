@@ -129,9 +129,8 @@ def pattern_attention(
     envelope: MaskMod,
     key: Hashable,
     backend: str | None = None,
-    shared_qk: bool = True,
 ) -> Tensor:
-    """Pattern attention by FlexAttention (shared-QK unless `shared_qk` is False).
+    """Shared-QK pattern attention by FlexAttention.
 
     q, k, v (B, h, T, d_k); kv (B, T) keys that may be attended; pattern the keys each head
     of each utterance may use (the query's own key is added): a mask_mod that may read
@@ -140,9 +139,7 @@ def pattern_attention(
     key names the envelope for the BlockMask cache (e.g. (variant, largest stride)).
     backend: torch.compile backend of the Flex call; None: "inductor" on CUDA, eager Flex
     elsewhere (inside a torch.compile region the caller's compilation takes it).
-    Scores q k^T / sqrt(d_k), the self key penalised by -5e4 as in `shared_qk` (with
-    `shared_qk` False: no self penalty, and the own key is allowed only as `pattern` and `kv`
-    allow it, as in `full`; kv must then leave every row a key). Returns
+    Scores q k^T / sqrt(d_k), the self key penalised by -5e4 as in `shared_qk`. Returns
     (B, h, T, d_k) in the dtype SDPA would use (the autocast dtype under autocast, else q's).
     """
     B, h, T, d = q.shape
@@ -157,8 +154,6 @@ def pattern_attention(
     allowed = F.pad(kv, (0, Tb - T))  # (B, Tb); bucket padding is never a key
 
     def score_mod(score: Tensor, b: Tensor, hh: Tensor, i: Tensor, j: Tensor) -> Tensor:
-        if not shared_qk:
-            return torch.where(pattern(b, hh, i, j) & allowed[b, j], score, float("-inf"))
         own = i == j
         score = torch.where(own, score + SELF_PENALTY, score)
         return torch.where((pattern(b, hh, i, j) & allowed[b, j]) | own, score, float("-inf"))

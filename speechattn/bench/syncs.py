@@ -127,6 +127,9 @@ class SyncCounter(TorchDispatchMode):
         self.reasons: Counter[str] = Counter()  # reads of device data
         self.uploads: Counter[str] = Counter()  # copies of host memory that block the host
         self._patched: list[tuple[Any, str, Any]] = []
+        # inside a counted `.tolist()`/`.numpy()`: the copy to the host it makes on a GPU is
+        # the same read, not a second one
+        self._reading = 0
 
     def _count(self, reason: str, upload: bool = False) -> None:
         (self.uploads if upload else self.reasons)[reason] += 1
@@ -170,7 +173,7 @@ class SyncCounter(TorchDispatchMode):
         """Count the copies between host and device that `func` makes."""
         if func is aten._to_copy.default and kwargs.get("device") is not None:
             src, dst = args[0].device.type, torch.device(kwargs["device"]).type
-            if dst == "cpu" and src != "cpu":
+            if dst == "cpu" and src != "cpu" and not self._reading:
                 self._count("to_cpu")
             elif src == "cpu" and dst not in ("cpu", "meta"):
                 self._upload(args[0], bool(kwargs.get("non_blocking", False)))
@@ -178,7 +181,7 @@ class SyncCounter(TorchDispatchMode):
             dst, src = args[0], args[1]
             non_blocking = bool(args[2] if len(args) > 2 else kwargs.get("non_blocking", False))
             if dst.device.type == "cpu" and src.device.type not in ("cpu", "meta"):
-                if not non_blocking:
+                if not non_blocking and not self._reading:
                     self._count("to_cpu")
             elif src.device.type == "cpu" and not self.is_device(src) and self.is_device(dst):
                 self._upload(src, non_blocking)  # on a GPU, or host data into the stand-in
@@ -225,9 +228,14 @@ class SyncCounter(TorchDispatchMode):
             def method(t: Tensor, *args: Any, **kwargs: Any) -> Any:
                 # .cpu() of a GPU tensor is counted as its _to_copy
                 copied = name == "cpu" and t.device.type != "cpu"
-                if counter._active() and counter.is_device(t) and not copied:
+                counted = counter._active() and counter.is_device(t) and not copied
+                if counted:
                     counter._count(name)
-                return original(t, *args, **kwargs)
+                counter._reading += counted
+                try:
+                    return original(t, *args, **kwargs)
+                finally:
+                    counter._reading -= counted
 
             return method
 

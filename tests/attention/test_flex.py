@@ -181,32 +181,3 @@ def test_block_mask_is_built_outside_compiled_regions():
         torch._dynamo.reset()
     torch.testing.assert_close(traced, eager, rtol=0, atol=0)
     torch.testing.assert_close(cached, eager, rtol=0, atol=0)
-
-
-@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
-def test_full_flex_kernel_equals_masked_sdpa_on_padded_batches(dtype):
-    """`full`'s Flex kernel (no self penalty, padded keys masked in the score_mod) computes
-    what SDPA with the key mask computes, on every query of a padded batch (eager Flex on CPU:
-    the forward the CUDA kernel compiles)."""
-    from speechattn.attention import dot_product
-    from speechattn.attention.base import key_mask
-
-    torch.manual_seed(0)
-    B, h, T, d = 3, 2, 150, 8
-    q, k, v = (torch.randn(B, h, T, d, dtype=dtype) for _ in range(3))
-    valid = torch.arange(T)[None, :] < torch.tensor([T, 97, 1])[:, None]
-    keys = key_mask(valid)
-    every = dot_product._every_key
-    got = flex.pattern_attention(q, k, v, keys, every, every, ("full", "test"), shared_qk=False)
-    want = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=keys[:, None, None])
-    torch.testing.assert_close(
-        got, want, **({} if dtype == torch.float64 else {"atol": 1e-5, "rtol": 1e-5})
-    )
-
-
-def test_full_kernel_option_is_checked():
-    from speechattn.attention import build
-    from speechattn.errors import ConfigError
-
-    with pytest.raises(ConfigError, match="kernel must be one of"):
-        build("full", 16, 2, kernel="varlen")
