@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _attention_testing import DIM, HEADS, SMALL_OPTIONS, batch, make, rel_error
+from _attention_testing import HEADS, SMALL_OPTIONS, batch, make, rel_error
 
 from speechattn.attention import autotune, build, patterns
 from speechattn.attention.base import SELF_PENALTY
@@ -114,31 +114,6 @@ def test_masked_kernel_reads_nothing_on_the_host(name, options, monkeypatch):
         with SyncCounter() as syncs:
             attn.attend(x, valid)
         assert syncs.count == 0, syncs.reasons
-
-
-def test_one_graph_under_compile(monkeypatch):
-    """fullgraph=True, padded and unpadded, through AOTAutograd: eager's loss and gradients."""
-    torch.manual_seed(0)
-    attn = build("sparse_fixed", DIM, HEADS, kernel="masked")
-    x, pad = batch([40, 27])
-
-    def loss(x, pad):
-        return attn(x, pad).pow(2).sum()
-
-    torch._dynamo.reset()
-    compiled = torch.compile(loss, backend="aot_eager", fullgraph=True)
-    try:
-        for mask in (None, pad):
-            results = []
-            for fn in (loss, compiled):
-                attn.zero_grad()
-                xi = x.float().requires_grad_(True)
-                fn(xi, mask).backward()
-                results.append([xi.grad] + [p.grad for p in attn.parameters()])
-            for eager, graph in zip(*results, strict=True):
-                torch.testing.assert_close(graph, eager, rtol=1e-5, atol=1e-6)
-    finally:
-        torch._dynamo.reset()
 
 
 def test_forced_kernel_switch_reaches_every_kernel():

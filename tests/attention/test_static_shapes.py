@@ -96,6 +96,7 @@ def test_local_weighted_sum_under_cuda_autocast_runs_in_float32(dtype):
 COMPILED = [("sparse_strided", None), ("sparse_fixed", None), ("ldsa", None)] + [
     ("longformer", "short"),
     ("longformer", "long"),
+    ("sparse_fixed", "masked"),  # a kernel named by the option
 ]
 
 
@@ -104,11 +105,14 @@ def test_one_graph_under_compile_with_eager_gradients(name, path, monkeypatch):
     """fullgraph=True (any graph break raises), padded and unpadded, through AOTAutograd (the
     graphs inductor compiles): eager's loss and gradients. Regressions caught here: ldsa's
     Function lost its gradients under dynamo; longformer's index_copy broke the backward."""
-    if path is not None:
+    options = dict(SMALL_OPTIONS.get(name, {}))
+    if path in ("short", "long"):
         limit = 10**9 if path == "short" else 0
         monkeypatch.setattr(type(make(name)), "short_path_max_t", limit)
+    elif path is not None:
+        options["kernel"] = path
     torch.manual_seed(0)
-    attn = build(name, DIM, HEADS, **SMALL_OPTIONS.get(name, {}))
+    attn = build(name, DIM, HEADS, **options)
     x, pad = batch([40, 27])
 
     def loss(x, pad):

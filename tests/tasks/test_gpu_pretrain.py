@@ -37,6 +37,7 @@ import torch
 from conftest import SyntheticPretrainData, SyntheticSpeech, compose_pretrain
 from omegaconf import DictConfig, open_dict
 from test_pretrain_cli import cli, finish
+from test_step_syncs import CountSteps
 from torch.utils.data import ConcatDataset, Dataset
 
 import speechattn
@@ -205,54 +206,25 @@ def _force_kernel(cfg: DictConfig, name: str, kernel: str, monkeypatch) -> None:
         monkeypatch.setattr(get(name), "short_path_max_t", limit)
 
 
-class MeasureStep(L.Callback):
-    """Counts the host syncs of training step 1 (`SyncCounter`: reads of device data by the
-    host and blocking uploads of host memory, with where each comes from; the batch's lengths
-    are host data, pinned as the loader pins them) from its batch's start to the end of
-    Lightning's own work on it (its logger connector's `on_batch_end`, which turns progress
-    bar values into numbers), and profiles step 2 (kernel launches, CUDA runtime syncs and
-    copies; aten ops on CPU)."""
+class MeasureStep(CountSteps):
+    """Counts the host syncs of training step 1 whole (`CountSteps`: reads and blocking
+    uploads, with where each comes from, up to the end of Lightning's own work on the batch)
+    and profiles step 2 (kernel launches, CUDA runtime syncs and copies; aten ops on CPU)."""
 
     def __init__(self, device: torch.device) -> None:
+        super().__init__(only=1, cpu_is_device=device.type == "cpu")
         self.device = device
         self.counts: dict[str, Any] = {}
-        self._counter = self._profiler = None
-
-    def on_fit_start(self, trainer, pl_module) -> None:
-        connector = trainer._logger_connector  # no hook runs after its on_batch_end
-        on_batch_end = connector.on_batch_end
-
-        def then_stop_counting() -> None:
-            on_batch_end()
-            self._stop_counting()
-
-        connector.on_batch_end = then_stop_counting
+        self._profiler = None
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-        from speechattn.bench.syncs import SyncCounter
-
-        if batch_idx == 1:
-            host = [t for t in (batch["lengths"], batch["masked"].lengths) if not t.is_cuda]
-            cpu = self.device.type == "cpu"
-            self._counter = SyncCounter(host=host, pinned=host, cpu_is_device=cpu, trace=True)
-            self._counter.__enter__()
-        elif batch_idx == 2:
+        super().on_train_batch_start(trainer, pl_module, batch, batch_idx)
+        if batch_idx == 2:
             activities = [torch.profiler.ProfilerActivity.CPU]
             if self.device.type == "cuda":
                 activities.append(torch.profiler.ProfilerActivity.CUDA)
             self._profiler = torch.profiler.profile(activities=activities)
             self._profiler.__enter__()
-
-    def _stop_counting(self) -> None:
-        if self._counter is None:
-            return
-        counter, self._counter = self._counter, None
-        counter.__exit__(None, None, None)
-        self.counts["syncs"] = counter.count
-        self.counts["sync_reasons"] = dict(counter.reasons)
-        self.counts["uploads"] = counter.upload_count
-        self.counts["upload_reasons"] = dict(counter.uploads)
-        self.counts["sync_where"] = dict(counter.where)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         if batch_idx == 2:
@@ -262,6 +234,16 @@ class MeasureStep(L.Callback):
             self.counts["runtime_syncs"] = sum(n in RUNTIME_SYNCS for n in names)
             self.counts["copies"] = sum(n.startswith("cudaMemcpy") for n in names)
             self.counts["aten_ops"] = sum(n.startswith("aten::") for n in names)
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        super().on_train_end(trainer, pl_module)
+        if self.steps:
+            counter = self.steps[0]
+            self.counts.update(
+                syncs=counter.count, sync_reasons=dict(counter.reasons),
+                uploads=counter.upload_count, upload_reasons=dict(counter.uploads),
+                sync_where=dict(counter.where),
+            )  # fmt: skip
 
 
 def _paper_run(cfg: DictConfig, data, device: torch.device, monkeypatch) -> dict[str, Any]:

@@ -120,9 +120,11 @@ class CountSteps(L.Callback):
     """Counts each training step whole: from its batch's start to the end of Lightning's own
     work on it (`on_batch_end` of its logger connector: the step's logged values turned into
     progress bar numbers), before the loader's next batch. The batch's lengths are host data,
-    pinned as the loader pins them."""
+    pinned as the loader pins them (on the host wherever they stay there). `only`: count
+    that batch alone; `cpu_is_device` as `SyncCounter`'s (False on a GPU)."""
 
-    def __init__(self) -> None:
+    def __init__(self, only: int | None = None, cpu_is_device: bool = True) -> None:
+        self.only, self.cpu_is_device = only, cpu_is_device
         self.steps: list[SyncCounter] = []
         self._counting: SyncCounter | None = None
 
@@ -142,9 +144,12 @@ class CountSteps(L.Callback):
         connector.on_batch_end = then_stop
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-        host = [batch["lengths"], batch["masked"].lengths]
-        self._counting = SyncCounter(host=host, pinned=host, trace=True).__enter__()
-        self.steps.append(self._counting)
+        if self.only is not None and batch_idx != self.only:
+            return
+        host = [t for t in (batch["lengths"], batch["masked"].lengths) if not t.is_cuda]
+        counter = SyncCounter(host=host, pinned=host, cpu_is_device=self.cpu_is_device, trace=True)
+        self._counting = counter.__enter__()
+        self.steps.append(counter)
 
     def on_train_end(self, trainer, pl_module) -> None:
         self._stop()
