@@ -265,14 +265,17 @@ def count_syncs(step: Step) -> dict[str, Any]:
     out["sync_reasons"] = {**counter.reasons, **counter.uploads}
     out["sync_where"] = dict(counter.where)  # file:line of each, in speechattn
     if step.device.type == "cuda":
+        # torch warns once per process unless told to warn always
+        always = torch.is_warn_always_enabled()
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
+            torch.set_warn_always(True)
             torch.cuda.set_sync_debug_mode("warn")
             try:
                 step()
-                # the step queues its work; the debug mode reports syncs as they are issued
             finally:
                 torch.cuda.set_sync_debug_mode("default")
+                torch.set_warn_always(always)
         out["sync_debug_warnings"] = sum("synchroniz" in str(w.message) for w in caught)
     return out
 
