@@ -66,7 +66,7 @@ from speechattn.attention.base import (
 )
 from speechattn.attention.fp32 import ieee_matmul
 from speechattn.attention.kernels.sparse_topk import sparse_topk_attention
-from speechattn.attention.kernels.topk import ordered_bits, topk_by_match
+from speechattn.attention.kernels.topk import ordered_bits, tie_scores, topk_by_match
 from speechattn.attention.registry import register
 from speechattn.errors import ConfigError
 
@@ -250,8 +250,7 @@ class _LSHAttention(Attention):
         disallowed = (~key_mask(valid))[:, None, None, :] * (2 * self.bits + 4)
         tie, above = 2 * T - rank, 2 * T + 1  # (T, T) in [1, 2T], and a bound above it
         if self.tie_break == "score":  # (B, h, T, T), the order of the float32 scores
-            s = ieee_matmul(widen(q), widen(k).transpose(-1, -2))
-            tie, above = ordered_bits(s) * above + tie, above << 32
+            tie, above = ordered_bits(tie_scores(q, k)) * above + tie, above << 32
         key = (match - own - disallowed) * above + tie
         order = key.argsort(dim=-1, descending=True)[..., : min(self.k, T)]
         return torch.zeros_like(match, dtype=torch.bool).scatter(-1, order, True)
