@@ -209,7 +209,8 @@ def _nearest(mask: Tensor, m: Tensor, s: int) -> Tensor:
         d = torch.where(within(cand) < m, cand, d)
     rest = m - torch.where(d >= 0, within(d.clamp_min(0)), 0)  # 0, 1 or 2 keys at d* = d + 1
     d = d + 1
-    dist = (torch.arange(T, device=dev) - i).abs()  # (N, C, T) broadcast
+    rows = torch.arange(s, s + C, dtype=torch.int32, device=dev)[:, None]
+    dist = (torch.arange(T, dtype=torch.int32, device=dev) - rows).abs()  # (C, T), all heads
     chosen = mask & (dist < d).to(torch.uint8)
     left, right = (i - d).clamp(0, T - 1), (i + d).clamp(0, T - 1)
     take_left = (rest > 0) & (i - d >= 0) & (mask.gather(-1, left) > 0)
@@ -250,39 +251,53 @@ def _csr(crow: Tensor, col: Tensor, values: Tensor, shape: tuple[int, int]) -> T
         return torch.sparse_csr_tensor(crow, col, values, shape)
 
 
-def _finish_sampled(
-    above: Tensor, at: Tensor, need: Tensor, kk: int, s: int, q: Tensor, keys: Tensor
+def _finish_counted(
+    lvl: Tensor, cstar: Tensor, kk: int, s: int, q: Tensor | None, keys: Tensor | None
 ) -> Tensor:
-    """Keys chosen by score among the tied ones from their sampled scores (CPU eager, sizes
-    read from the data). above, at (N, C, T) 0/1 uint8, need (N, C, 1), q (N, C, d) and keys
-    (N, T, d) float64. Returns the selection, 0/1 uint8 (N, C, T).
+    """The top kk keys of rows s..e-1 from the few candidates at or above c* (CPU eager:
+    sizes read from the data, which is free there). lvl (N, C, T), cstar (N, C, 1); q (N, C,
+    d) and keys (N, T, d) float64, or None (ties straight to position). Returns (N, C, kk)
+    in increasing order.
 
-    Rows whose tied keys all fit take them all; in the others (`hard`), the tied keys are a
-    flat list (row-major, keys increasing), scored by one sampled product (SDDMM) over
-    exactly those pairs, and each row keeps its `need` best by (score, position)."""
-    N, C, T = at.shape
+    The candidates are one flat list (nonzero of [lvl >= c*]), row-major and increasing
+    within a row, rows r = n C + c. Keys above c* are in; so are the tied keys of rows where
+    they all fit. In the other (`hard`) rows the tied keys compete: by score (one sampled
+    product, SDDMM, over exactly those pairs) and position, padded to the longest row for
+    a top-k that gives each row's cut."""
+    N, C, T = lvl.shape
     R = N * C
-    hard = _count(at) > need  # (N, C, 1)
-    chosen = above | (at * ~hard)
-    flat = (at * hard).view(-1).view(torch.bool).nonzero().squeeze(1)  # a host read (size)
-    if flat.numel() == 0:
-        return chosen
-    row = flat // T  # query n C + c of the chunk
+    member = _at_least(lvl, cstar).to(torch.uint8).view(-1).view(torch.bool)  # 0/1 as bool
+    flat = member.nonzero().squeeze(1)  # (P,), a host read (its size)
+    row = flat // T
     key = flat - row * T
-    start = torch.searchsorted(row, torch.arange(R + 1))  # CSR row pointers
-    pattern = _csr(start, (row // C) * T + key, q.new_ones(flat.shape), (R, N * T))
-    sampled = torch.sparse.sampled_addmm(
-        pattern, q.reshape(R, -1), keys.reshape(N * T, -1).T, beta=0.0
-    ).values()  # (P,) float64, in the order of `flat`
-    order = ordered_bits(sampled) * (2 * T + 1) + _tie_values(s + row % C, key, T)
-    # each hard row's need-th best: rows padded to the longest, then a top-k
+    above = lvl.view(-1)[flat] > cstar.view(-1)[row]
+    start = torch.searchsorted(row, torch.arange(R + 1))  # (R + 1,): each row's first
+    n_above = F.pad(above.cumsum(0), (1, 0))[start].diff()  # (R,)
+    need = kk - n_above  # slots for tied keys, >= 1
+    hard = start.diff() - n_above > need  # (R,) more tied keys than slots
+    contest = ~above & hard[row]  # (P,)
+    grid = _tie_values(torch.arange(s, s + C)[:, None], torch.arange(T), T)  # (C, T)
+    order = grid.view(-1)[flat % (C * T)]  # (P,) 2T - rank, in [1, 2T]
+    if q is not None:
+        scored = contest.nonzero().squeeze(1)  # a host read (its size)
+        srow = row[scored]
+        pattern = _csr(
+            torch.searchsorted(srow, torch.arange(R + 1)),  # CSR row pointers
+            (srow // C) * T + key[scored],  # key j of head n: column n T + j
+            q.new_ones(scored.shape),
+            (R, N * T),
+        )
+        sampled = torch.sparse.sampled_addmm(
+            pattern, q.reshape(R, -1), keys.reshape(N * T, -1).T, beta=0.0
+        ).values()  # (S,) float64, in the order of `scored`
+        order[scored] += ordered_bits(sampled) * (2 * T + 1)
     W = int(start.diff().max())  # a host read
-    slot = torch.arange(flat.numel()) - start[row]
-    padded = torch.full((R, W), -1, dtype=torch.long).index_put_((row, slot), order)
-    best = padded.topk(min(kk, W), dim=-1).values
-    cut = best.gather(-1, (need.view(R, 1) - 1).clamp(0, best.shape[-1] - 1)).view(R)
-    chosen.view(-1)[flat[order >= cut[row]]] = 1
-    return chosen
+    padded = torch.full((R * W,), -1, dtype=torch.long)
+    padded[row * W + torch.arange(flat.numel()) - start[row]] = order.masked_fill(~contest, -1)
+    best = padded.view(R, W).topk(min(kk, W), dim=-1).values  # sorted, best first
+    cut = best.gather(-1, (need - 1).clamp(0, best.shape[-1] - 1)[:, None]).squeeze(1)
+    keep = ~contest | (order >= cut[row])  # exactly kk per row
+    return key[keep].view(N, C, kk)
 
 
 def topk_by_match(
@@ -317,13 +332,16 @@ def topk_by_match(
     for s in range(0, T, chunk):
         e = min(s + chunk, T)
         lvl = _levels(a, bT, own, s, e, ldtype)  # (N, C, T)
-        above, at = _split(lvl, _threshold(lvl, kk, top))
+        cstar = _threshold(lvl, kk, top)  # (N, C, 1)
+        if not static:
+            qc = q[:, s:e] if by_score else None
+            out.append(_finish_counted(lvl, cstar, kk, s, qc, keys if by_score else None))
+            continue
+        above, at = _split(lvl, cstar)
         need = kk - _count(above).long()  # (N, C, 1) in [1, kk]: slots for tied keys
-        if not by_score:
-            chosen = above | _nearest(at, need, s)
-        elif static:
+        if by_score:
             chosen = _finish_dense(above, at, need, kk, s, tie_scores(q[:, s:e], keys))
         else:
-            chosen = _finish_sampled(above, at, need, kk, s, q[:, s:e], keys)
+            chosen = above | _nearest(at, need, s)
         out.append(_positions(chosen, kk))
     return torch.cat(out, dim=1)  # (N, T, kk)
