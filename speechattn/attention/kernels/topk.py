@@ -278,8 +278,9 @@ def _finish_counted(
     contest = ~above & hard[row]  # (P,)
     grid = _tie_values(torch.arange(s, s + C)[:, None], torch.arange(T), T)  # (C, T)
     order = grid.view(-1)[flat % (C * T)]  # (P,) 2T - rank, in [1, 2T]
+    W, S = torch.stack([start.diff().max(), contest.sum()]).tolist()  # one host read
     if q is not None:
-        scored = contest.nonzero().squeeze(1)  # a host read (its size)
+        scored = torch.nonzero_static(contest, size=S).squeeze(1)
         srow = row[scored]
         pattern = _csr(
             torch.searchsorted(srow, torch.arange(R + 1)),  # CSR row pointers
@@ -291,13 +292,12 @@ def _finish_counted(
             pattern, q.reshape(R, -1), keys.reshape(N * T, -1).T, beta=0.0
         ).values()  # (S,) float64, in the order of `scored`
         order[scored] += ordered_bits(sampled) * (2 * T + 1)
-    W = int(start.diff().max())  # a host read
     padded = torch.full((R * W,), -1, dtype=torch.long)
     padded[row * W + torch.arange(flat.numel()) - start[row]] = order.masked_fill(~contest, -1)
     best = padded.view(R, W).topk(min(kk, W), dim=-1).values  # sorted, best first
     cut = best.gather(-1, (need - 1).clamp(0, best.shape[-1] - 1)[:, None]).squeeze(1)
     keep = ~contest | (order >= cut[row])  # exactly kk per row
-    return key[keep].view(N, C, kk)
+    return key[torch.nonzero_static(keep, size=R * kk).squeeze(1)].view(N, C, kk)
 
 
 def topk_by_match(
