@@ -261,43 +261,42 @@ def _finish_counted(
 
     The candidates are one flat list (nonzero of [lvl >= c*]), row-major and increasing
     within a row, rows r = n C + c. Keys above c* are in; so are the tied keys of rows where
-    they all fit. In the other (`hard`) rows the tied keys compete: by score (one sampled
-    product, SDDMM, over exactly those pairs) and position, padded to the longest row for
-    a top-k that gives each row's cut."""
+    they all fit. In the other rows the tied keys contest: their scores are one sampled
+    product (SDDMM) over exactly those pairs, and a top-k over them, padded to the row with
+    most, gives each row's cut."""
     N, C, T = lvl.shape
     R = N * C
     member = _at_least(lvl, cstar).to(torch.uint8).view(-1).view(torch.bool)  # 0/1 as bool
     flat = member.nonzero().squeeze(1)  # (P,), a host read (its size)
     row = flat // T
-    key = flat - row * T
-    above = lvl.view(-1)[flat] > cstar.view(-1)[row]
+    above = lvl.view(-1)[flat] > cstar.view(-1)[row]  # (P,)
     start = torch.searchsorted(row, torch.arange(R + 1))  # (R + 1,): each row's first
     n_above = F.pad(above.cumsum(0), (1, 0))[start].diff()  # (R,)
     need = kk - n_above  # slots for tied keys, >= 1
-    hard = start.diff() - n_above > need  # (R,) more tied keys than slots
-    contest = ~above & hard[row]  # (P,)
-    grid = _tie_values(torch.arange(s, s + C)[:, None], torch.arange(T), T)  # (C, T)
-    order = grid.view(-1)[flat % (C * T)]  # (P,) 2T - rank, in [1, 2T]
-    W, S = torch.stack([start.diff().max(), contest.sum()]).tolist()  # one host read
+    contest = ~above & (start.diff() - n_above > need)[row]  # (P,) tied, more than slots
+    per_row = F.pad(contest.cumsum(0), (1, 0))[start].diff()  # (R,) contested keys
+    S, W = torch.stack([per_row.sum(), per_row.max()]).tolist()  # a host read
+    contested = torch.nonzero_static(contest, size=S).squeeze(1)  # (S,) into the list
+    srow = row[contested]
+    skey = flat[contested] - srow * T
+    sstart = torch.searchsorted(srow, torch.arange(R + 1))  # (R + 1,)
+    order = _tie_values(s + srow % C, skey, T)  # (S,) 2T - rank, in [1, 2T]
     if q is not None:
-        scored = torch.nonzero_static(contest, size=S).squeeze(1)
-        srow = row[scored]
-        pattern = _csr(
-            torch.searchsorted(srow, torch.arange(R + 1)),  # CSR row pointers
-            (srow // C) * T + key[scored],  # key j of head n: column n T + j
-            q.new_ones(scored.shape),
-            (R, N * T),
-        )
-        sampled = torch.sparse.sampled_addmm(
+        pattern = _csr(sstart, (srow // C) * T + skey, q.new_ones(S), (R, N * T))  # key j of
+        sampled = torch.sparse.sampled_addmm(  # head n: column n T + j
             pattern, q.reshape(R, -1), keys.reshape(N * T, -1).T, beta=0.0
-        ).values()  # (S,) float64, in the order of `scored`
-        order[scored] += ordered_bits(sampled) * (2 * T + 1)
-    padded = torch.full((R * W,), -1, dtype=torch.long)
-    padded[row * W + torch.arange(flat.numel()) - start[row]] = order.masked_fill(~contest, -1)
-    best = padded.view(R, W).topk(min(kk, W), dim=-1).values  # sorted, best first
+        ).values()  # (S,) float64, in list order
+        order += ordered_bits(sampled) * (2 * T + 1)
+    # each contested row's cut: its need-th best, from a top-k over rows padded to the longest
+    W = max(W, 1)
+    padded = torch.full((R, W), -1, dtype=torch.long)
+    padded[srow, torch.arange(S) - sstart[srow]] = order
+    best = padded.topk(min(kk, W), dim=-1).values  # sorted, best first
     cut = best.gather(-1, (need - 1).clamp(0, best.shape[-1] - 1)[:, None]).squeeze(1)
-    keep = ~contest | (order >= cut[row])  # exactly kk per row
-    return key[torch.nonzero_static(keep, size=R * kk).squeeze(1)].view(N, C, kk)
+    keep = ~contest
+    keep[contested] = order >= cut[srow]  # exactly kk per row
+    key = flat[torch.nonzero_static(keep, size=R * kk).squeeze(1)]
+    return (key % T).view(N, C, kk)
 
 
 def topk_by_match(
