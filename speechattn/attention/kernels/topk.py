@@ -5,26 +5,26 @@ Per query row the order is a composite key: a small integer *level* (the match c
 self and disallowed keys moved below, see `_match_operands`), then the score, then the
 position. Levels take at most 2K + 4 values, so the k-th largest level c* of a row is found by
 counting, not sorting (`_threshold`: a bisection over the level values, each step one pass
-that counts the keys at or above a value). Keys above c* are in; only the keys *at* c* compete
-for the remaining slots, and only they need scores. Two ways to finish, the same keys:
+that counts the keys at or above a value). Keys above c* are in; only the keys *at* c*
+compete for the remaining slots, and only they need scores. Two ways to finish, same keys:
 
-* `_finish_counted` (CPU eager, data-dependent sizes, where a host read is free): the keys at
-  or above c* (a few k per row) are gathered by a prefix count and a binary search, the
-  scores of the tied ones are one sampled product (SDDMM) over exactly those pairs, and a
-  top-k runs over these few candidates. Nothing of size T x T but the levels.
-* `_finish_static` (CUDA, torch.compile: no host read, static shapes): at most T keys per
-  row can tie at c*, so their scores are the chunk's dense product; the r-th best tied score
-  is a top-k over the masked scores, and exact score ties go to the nearer key by a second
-  threshold. The selected keys' positions come from a prefix count and a binary search.
+* `_finish_counted` (CPU eager: sizes from the data, a host read being free there): the
+  candidates at or above c* are one flat list (a nonzero); the tied keys of rows with more of
+  them than free slots are scored by one sampled product (SDDMM) over exactly those pairs,
+  and a top-k over them gives each row's cut. No T x T score product.
+* static shapes (CUDA, torch.compile: no host read): up to T keys of a row may tie, so their
+  scores are the chunk's dense product (`tie_scores`); the cut is a top-k over the masked
+  scores (`_finish_dense`), exact score ties and the position tie-break go to the nearest
+  keys by prefix counts and a bisection over the distance (`_nearest`), and the positions
+  come from prefix counts and a binary search (`_positions`).
 
-Scores are float64 dot products rounded to float32 (`tie_scores`, and `lsh.py`'s reference):
-float32 products of the same pair round differently in a gathered product and in a matrix
-product (their summation orders differ: most last bits disagree), float64 sums of the exact
-float32 products do not, once rounded to float32. So the sampled, dense and reference scores
-agree bit for bit, and scores are compared in float32 as the definition says.
+Scores are float64 sums of the (exact) products of the float32 values, rounded to float32
+(`tie_scores`; `lsh.py`'s reference uses it too): float32 dot products of the same pair
+round differently in a sampled and in a dense matrix product (their summation orders differ;
+most last bits disagree, which changes the keys chosen among near-ties), float64 sums agree
+once rounded to float32. Scores are still compared in float32, as the definition says.
 
-Indices come back in increasing key order, from every path, so any two paths give equal
-tensors, not just equal sets.
+Indices come back in increasing key order from every path, so two paths give equal tensors.
 """
 
 from __future__ import annotations
