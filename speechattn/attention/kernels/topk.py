@@ -216,8 +216,9 @@ def _nearest(mask: Tensor, m: Tensor, s: int) -> Tensor:
     take_left = (rest > 0) & (i - d >= 0) & (mask.gather(-1, left) > 0)
     take_right = ((rest > 1) | ((rest > 0) & ~take_left)) & (i + d < T) & (d > 0)
     take_right &= mask.gather(-1, right) > 0
-    chosen.scatter_add_(-1, left, take_left.to(torch.uint8))
-    return chosen.scatter_add_(-1, right, take_right.to(torch.uint8))
+    # one key per row on each side: plain writes of the OR (no atomics on a GPU)
+    chosen.scatter_(-1, left, chosen.gather(-1, left) | take_left.to(torch.uint8))
+    return chosen.scatter_(-1, right, chosen.gather(-1, right) | take_right.to(torch.uint8))
 
 
 def _positions(chosen: Tensor, kk: int) -> Tensor:
