@@ -160,13 +160,20 @@ def _count(ones: Tensor) -> Tensor:
     return n
 
 
-def _threshold(lvl: Tensor, kk: int, top: int) -> Tensor:
+def _threshold(lvl: Tensor, kk: int, top: int, guess: bool = False) -> Tensor:
     """c* (N, C, 1): the largest level c with at least kk keys at level >= c, per row.
 
     A bisection over the bits of c (binary lifting from c = 1, where all T >= kk keys count):
-    one counting pass per bit of `top`, static in number and shape."""
+    one counting pass per bit of `top`, static in number and shape. guess=True (CPU eager)
+    first tries the window of 8 levels below each row's best, where c* usually is: if every
+    row has kk keys in it (a host read), 3 passes finish, else the full bisection runs."""
     lo = torch.ones(lvl.shape[:-1] + (1,), dtype=torch.int16, device=lvl.device)
-    for b in reversed(range(top.bit_length())):
+    steps = top.bit_length()
+    if guess:
+        low = (lvl.amax(-1, keepdim=True).to(torch.int16) - 7).clamp_min(1)
+        if bool((_count(_at_least(lvl, low.to(lvl.dtype))) >= kk).all()):
+            lo, steps = low, 3  # c* in [low, low + 7]
+    for b in reversed(range(steps)):
         cand = (lo + (1 << b)).clamp_max(top + 1)  # above the top: counts 0, never taken
         lo = torch.where(_count(_at_least(lvl, cand.to(lvl.dtype))) >= kk, cand, lo)
     return lo.to(lvl.dtype)
@@ -332,7 +339,7 @@ def topk_by_match(
     for s in range(0, T, chunk):
         e = min(s + chunk, T)
         lvl = _levels(a, bT, own, s, e, ldtype)  # (N, C, T)
-        cstar = _threshold(lvl, kk, top)  # (N, C, 1)
+        cstar = _threshold(lvl, kk, top, guess=not static)  # (N, C, 1)
         if not static:
             qc = q[:, s:e] if by_score else None
             out.append(_finish_counted(lvl, cstar, kk, s, qc, keys if by_score else None))
