@@ -190,8 +190,9 @@ class _LSHAttention(Attention):
         D, E, h, K = self.dim, self.inner_dim, self.num_heads, self.bits
         attention = 2 * 2.0 * T * min(self.k, T) * E  # scores and weighted sums, top-k keys
         hashing = 2 * linear_flops(T, self.head_dim + self.extra_dims, K) * h  # Q(q), P(k)
-        matching = 2.0 * T * T * (2 * K + 1) * h  # 0/1 code products (codes, complements,
-        # the offset column)
+        # one product of +-1 codes (and a validity column); the kernel's 0/1 codes with their
+        # complements double it, an implementation choice (non-negative levels), not counted
+        matching = 2.0 * T * T * (K + 1) * h
         if self.tie_break == "score":  # scores of the contested keys, about k per query
             matching += 2.0 * T * min(self.k, T) * E
         return Flops(
