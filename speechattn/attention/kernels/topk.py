@@ -108,7 +108,9 @@ def tie_scores(q: Tensor, keys: Tensor) -> Tensor:
     return ieee_matmul(q.double(), keys.double().transpose(-1, -2)).float()
 
 
-def _match_operands(cq: Tensor, ck: Tensor, kv: Tensor, mdtype: torch.dtype):
+def _match_operands(
+    cq: Tensor, ck: Tensor, kv: Tensor, mdtype: torch.dtype
+) -> tuple[Tensor, Tensor, Tensor]:
     """Factors of the level matmul and the levels of the query's own key.
 
     cq, ck (N, T, K) bool codes, kv (N, T) allowed keys. Returns a (N, T, 2K + 1),
@@ -322,8 +324,9 @@ def topk_by_match(
     Rows go in chunks so the (N, chunk, T) levels stay small: cache-sized on CPU, as large as
     a memory bound allows on GPUs. Per chunk: one matmul gives the levels, a bisection their
     threshold (`_threshold`), the keys above it are in, and the tied ones are chosen by
-    `_nearest` (position), `_finish_sampled` (score, CPU eager) or `_finish_dense` (score,
-    CUDA and torch.compile). Chunks depend on shapes only.
+    `_finish_counted` (CPU eager, both tie-breaks), or with static shapes (CUDA,
+    torch.compile) by `_finish_dense` (score) or `_nearest` (position). Chunks depend on
+    shapes only.
     """
     N, T, K = cq.shape
     kk = min(k, T)
