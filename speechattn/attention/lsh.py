@@ -18,7 +18,8 @@ seeded matrix per module, a registered buffer, identical at train and inference,
 the `seed` option and the layer index so that unshared layers hash differently). match_ij =
 number of equal bits. Each query keeps its top-k other keys by match. Ties in the match count
 (frequent: at k = 32 and 16 bits about 40 % of the selected keys are chosen among ties) go to
-the larger score q_i k_j, and only among exactly equal scores (in float32) to the nearer key,
+the larger score q_i k_j (float64 sums rounded to float32, so that every kernel computes it
+alike: `kernels/topk.py: tie_scores`), and only among exactly equal scores to the nearer key,
 then the earlier one (`tie_break="score"`; "position" sends every tie to the nearer key, the
 study's first runs, which gave LSH a hidden local window: mean |i - j| of the selected keys 80
 instead of 100 at T = 300 on random inputs). The softmax runs over those k only, on
@@ -33,11 +34,15 @@ Under sign projections the bits are invariant to positive scaling, so xbox, xbox
 simple_lsh give identical codes, as do Sign-ALSH with and without QNF (tested; they would
 differ only under an L2 / E2LSH hash, which is not implemented).
 
-Cost: hashing O(T K D); matching O(T^2 K h) as one matmul of +-1 codes (and O(T^2 D) for
-the tie-breaking scores, `tie_break="score"`) plus an exact group-pruned top-k, chunked over queries so memory stays O(chunk T); attention on the selected
-keys: up to `short_path_max_t` frames one all-pairs SDPA call masked to them, above that
-O(T k D) as sparse (CSR) products (float32 under autocast; a custom op, so torch.compile
-keeps it in its graph).
+Cost: hashing O(T K D); matching O(T^2 K h) as one matmul of 0/1 codes (exact small
+integers), then per query a threshold on the match counts found by counting, not sorting:
+the keys above it are in, only the keys tied at it contest for the rest (`kernels/topk.py`).
+Scores break ties among the contested keys only: on CPU one sampled product over those pairs,
+O(T c D) for c contested keys per query (about k on random inputs); with static shapes (CUDA,
+torch.compile) the chunk's dense product, O(T^2 D), cheap on a GPU. Chunked over queries so
+memory stays O(chunk T). Attention on the selected keys: up to `short_path_max_t` frames one
+all-pairs SDPA call masked to them, above that O(T k D) as sparse (CSR) products (float32
+under autocast; a custom op, so torch.compile keeps it in its graph).
 """
 
 from __future__ import annotations
@@ -66,7 +71,7 @@ from speechattn.attention.base import (
 )
 from speechattn.attention.fp32 import ieee_matmul
 from speechattn.attention.kernels.sparse_topk import sparse_topk_attention
-from speechattn.attention.kernels.topk import ordered_bits, topk_by_match
+from speechattn.attention.kernels.topk import ordered_bits, tie_scores, topk_by_match
 from speechattn.attention.registry import register
 from speechattn.errors import ConfigError
 
@@ -161,7 +166,7 @@ class _LSHAttention(Attention):
     transform: ClassVar[Transform]
     extra_dims: ClassVar[int]  # m, dimensions added by the transforms
     complexity_training = (
-        "O(T k D) attention + O(T K D) hashing + O(T^2 (K h + D)) code matching and tie-break"
+        "O(T k D) attention + O(T K D) hashing + O(T^2 K h) code matching + O(T k D) tie-break"
     )
     complexity_inference = complexity_training
     # All-pairs SDPA masked to the selection up to here, CSR products above: the measured
@@ -185,9 +190,11 @@ class _LSHAttention(Attention):
         D, E, h, K = self.dim, self.inner_dim, self.num_heads, self.bits
         attention = 2 * 2.0 * T * min(self.k, T) * E  # scores and weighted sums, top-k keys
         hashing = 2 * linear_flops(T, self.head_dim + self.extra_dims, K) * h  # Q(q), P(k)
-        matching = 2.0 * T * T * (K + 1) * h  # +-1 code products (and the validity column)
-        if self.tie_break == "score":
-            matching += 2.0 * T * T * E  # the scores that break ties, all pairs
+        # one product of +-1 codes (and a validity column); the kernel's 0/1 codes with their
+        # complements double it, an implementation choice (non-negative levels), not counted
+        matching = 2.0 * T * T * (K + 1) * h
+        if self.tie_break == "score":  # scores of the contested keys, about k per query
+            matching += 2.0 * T * min(self.k, T) * E
         return Flops(
             linear_flops(T, D, 2 * E) + attention + self.output_flops(T), hashing + matching
         )
@@ -227,9 +234,10 @@ class _LSHAttention(Attention):
         B, h, T, d = q.shape
         cq, ck = self.codes(q, q, valid)
         kv = key_mask(valid)[:, None].expand(B, h, T).reshape(B * h, T)
-        q_, k_ = (q.reshape(B * h, T, d), k.reshape(B * h, T, d))
-        if self.tie_break == "position":
-            q_ = k_ = None
+        q_ = k_ = None
+        if self.tie_break == "score":  # float64 for the tie scores: one contiguous copy each
+            f64 = {"dtype": torch.float64, "memory_format": torch.contiguous_format}
+            q_, k_ = (t.to(**f64).reshape(B * h, T, d) for t in (q, k))
         with torch.autocast(q.device.type, enabled=False):  # exact integer match counts
             idx = topk_by_match(
                 cq.reshape(B * h, T, -1), ck.reshape(B * h, T, -1), kv, self.k, q_, k_
@@ -250,8 +258,7 @@ class _LSHAttention(Attention):
         disallowed = (~key_mask(valid))[:, None, None, :] * (2 * self.bits + 4)
         tie, above = 2 * T - rank, 2 * T + 1  # (T, T) in [1, 2T], and a bound above it
         if self.tie_break == "score":  # (B, h, T, T), the order of the float32 scores
-            s = ieee_matmul(widen(q), widen(k).transpose(-1, -2))
-            tie, above = ordered_bits(s) * above + tie, above << 32
+            tie, above = ordered_bits(tie_scores(q, k)) * above + tie, above << 32
         key = (match - own - disallowed) * above + tie
         order = key.argsort(dim=-1, descending=True)[..., : min(self.k, T)]
         return torch.zeros_like(match, dtype=torch.bool).scatter(-1, order, True)

@@ -41,6 +41,9 @@ ALLOWED: dict[str, tuple[str, int]] = {
     "longformer": (PADDING, 3),
     "adaptive_span": (CPU_KERNEL, 5),
     "routing": (CPU_KERNEL, 13),
+    # LSH's CPU selection reads, per chunk of queries (one chunk per layer here), whether its
+    # threshold's guess holds and the sizes of its candidate lists: 3 reads
+    **{n: (CPU_KERNEL, 7) for n in ("sign_alsh", "xbox", "xbox_qnf", "simple_lsh", "simple_alsh")},
 }
 
 

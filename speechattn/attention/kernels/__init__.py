@@ -13,7 +13,8 @@ the kernels here are tested against those dense references.
 * `span`: the adaptive span's CPU kernels (`FlashThenUnfused`, `UnfusedSavedWeights`).
 * `cluster`: routing's cluster kernel and the sizes of its tables (`cluster_kernel`,
   `num_clusters`, `capacity_bound`, `blocks_bound`).
-* `topk`: LSH's exact top-k by code match (`topk_by_match`).
+* `topk`: LSH's exact top-k by code match (`topk_by_match`: a threshold on the match
+  counts, scores for the tied keys only).
 * `sparse_topk`: attention over each query's selected keys as CSR products
   (`sparse_topk_attention`, the custom ops `speechattn::topk_attention[_backward]`).
 * `table`: the random synthesizers' table kernels (`TableWindows`, `TableAttention`,

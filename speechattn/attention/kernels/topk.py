@@ -1,21 +1,46 @@
-"""LSH's selection kernel: the top-k keys of each query by code match, exact and group-pruned
-(`lsh.py`)."""
+"""LSH's selection kernel: the top-k keys of each query by code match, ties in the match count
+broken by the true score, then by position (`lsh.py`), found by a threshold on the counts.
+
+Per query row the order is a composite key: a small integer *level* (the match count, with
+self and disallowed keys moved below, see `_match_operands`), then the score, then the
+position. Levels take at most 2K + 4 values, so the k-th largest level c* of a row is found by
+counting, not sorting (`_threshold`: a bisection over the level values, each step one pass
+that counts the keys at or above a value). Keys above c* are in; only the keys *at* c*
+compete for the remaining slots, and only they need scores. Two ways to finish, same keys:
+
+* `_finish_counted` (CPU eager: sizes from the data, a host read being free there): the
+  candidates at or above c* are one flat list (a nonzero); the tied keys of rows with more of
+  them than free slots are scored by one sampled product (SDDMM) over exactly those pairs,
+  and a top-k over them gives each row's cut. No T x T score product.
+* static shapes (CUDA, torch.compile: no host read): up to T keys of a row may tie, so their
+  scores are the chunk's dense product (`tie_scores`); the cut is a top-k over the masked
+  scores (`_finish_dense`), exact score ties and the position tie-break go to the nearest
+  keys by prefix counts and a bisection over the distance (`_nearest`), and the positions
+  come from prefix counts and a binary search (`_positions`).
+
+Scores are float64 sums of the (exact) products of the float32 values, rounded to float32
+(`tie_scores`; `lsh.py`'s reference uses it too): float32 dot products of the same pair
+round differently in a sampled and in a dense matrix product (their summation orders differ;
+most last bits disagree, which changes the keys chosen among near-ties), float64 sums agree
+once rounded to float32. Scores are still compared in float32, as the definition says.
+
+Indices come back in increasing key order from every path, so two paths give equal tensors.
+"""
 
 from __future__ import annotations
 
-import math
+import warnings
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from speechattn.attention.base import widen
+from speechattn.attention.base import needs_static_shapes, widen
 from speechattn.attention.fp32 import ieee_matmul
 
-# Elements of one (B h, chunk, T) block of match scores. On CPU a cache-sized block is
-# fastest; on a GPU each block is ~10 kernel launches, so a block is as large as memory
-# allows (about 0.5 GiB per int32 copy of the scores, a few alive at once), which at
-# B = 50, h = 12, T = 500 is 2 blocks per layer instead of 84.
+# Elements of one (B h, chunk, T) block of match levels. On CPU a cache-sized block is
+# fastest; on a GPU a block is as large as memory allows (its dense float64 scores take
+# 1 GiB at this size), so that a layer is a few chunks, not thousands of small launches.
 _MATCH_CHUNK = 1 << 21
 _MATCH_CHUNK_GPU = 1 << 27
 
@@ -38,43 +63,34 @@ def _native_bf16_cpu() -> bool:
     return _NATIVE_BF16_CPU
 
 
-def _offset_scores(
-    T: int, Tp: int, self_penalty: int, dtype: torch.dtype, device: torch.device
-) -> Tensor:
-    """w[u] for the offset j - i = u - (T - 1), u in [0, T + Tp - 1): 2 Tp - rank, integers in
-    [1, 2 Tp - 1] larger for nearer keys, then for the earlier of two equidistant ones; the
-    self offset 0 gets 2 Tp - self_penalty, which no other offset's score can equal."""
-    off = torch.arange(-(T - 1), Tp, device=device)
-    rank = 2 * off.abs() + (off > 0).long()
-    w = 2 * Tp - rank
-    w[T - 1] -= self_penalty
-    return w.to(dtype).contiguous()
-
-
-def _offset_chunk(w: Tensor, T: int, s: int, e: int, S: int, G: int) -> Tensor:
-    """w at the offsets of rows s..e-1, keys in grouped order p = r G + g <-> j = g S + r.
-
-    A strided view of w read bottom-up (strides must be positive), then flipped: (C, S G).
-    """
-    up = w.as_strided((e - s, S, G), (1, 1, S), T - e)  # [a, r, g] = w[T - e + a + r + g S]
-    return up.flip(0).reshape(e - s, S * G)
-
-
-def _group_size(T: int, k: int) -> int:
-    """Key group size S for the pruned top-k (minimises T / S + k S); 1 when not worth it."""
-    S = 1 << max(2, round(math.log2(math.sqrt(T / k))))
-    G = -(-T // S)
-    return S if k < G and G + k * S <= T // 2 else 1
+def _top_level(K: int) -> int:
+    """The largest level (a valid other key matching in all K bits)."""
+    return 2 * K + 4
 
 
 def _match_dtype(K: int, device: torch.device) -> torch.dtype:
-    """dtype of the +-1 code matmul, exact for its integers (|entries and partial sums| <=
-    9 (K + 1), whatever the accumulation): bfloat16 (exact to 256) on CPUs that have it
-    natively; on GPUs float16 (exact to 2048; tensor cores), else float64, since float32 may
-    run as TF32 there (exact to 2048 only); float32 on other CPUs."""
+    """dtype of the code matmul, exact for its integers: every term is 0 or 1 or a
+    non-negative offset, so every partial sum lies in [0, 2K + 4], whatever the order of
+    accumulation. bfloat16 (exact to 256) on CPUs that have it natively; on GPUs float16
+    (exact to 2048; tensor cores), else float32 (true float32 through `ieee_matmul`)."""
+    top = _top_level(K)
     if device.type == "cpu":
-        return torch.bfloat16 if _native_bf16_cpu() and 9 * (K + 1) <= 256 else torch.float32
-    return torch.float16 if 9 * (K + 1) <= 2048 else torch.float64
+        return torch.bfloat16 if _native_bf16_cpu() and top <= 256 else torch.float32
+    return torch.float16 if top <= 2048 else torch.float32
+
+
+def _level_dtype(K: int) -> torch.dtype:
+    """uint8 levels while 2^7 exceeds the top (`_at_least` adds up to 2^7 - 1), else int16."""
+    if _top_level(K) < (1 << 7):
+        return torch.uint8
+    if _top_level(K) < (1 << 14):
+        return torch.int16
+    raise ValueError(f"LSH: bits={K} is too many for the int16 match levels")
+
+
+def _count_dtype(T: int) -> torch.dtype:
+    """Counts and prefix counts over T keys: int16 (faster sums) while T fits."""
+    return torch.int16 if T < (1 << 15) else torch.int32
 
 
 def ordered_bits(score: Tensor) -> Tensor:
@@ -85,78 +101,257 @@ def ordered_bits(score: Tensor) -> Tensor:
     return torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits).long() + (1 << 31)
 
 
+def tie_scores(q: Tensor, keys: Tensor) -> Tensor:
+    """All-pairs tie-break scores q_i . keys_j, (..., Tq, d) x (..., Tk, d) -> (..., Tq, Tk)
+    float32: float64 sums of the (exact) float64 products, rounded to float32, so that they
+    equal the sampled scores of `_finish_counted` (see the module docstring)."""
+    return ieee_matmul(q.double(), keys.double().transpose(-1, -2)).float()
+
+
+def _match_operands(
+    cq: Tensor, ck: Tensor, kv: Tensor, mdtype: torch.dtype
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Factors of the level matmul and the levels of the query's own key.
+
+    cq, ck (N, T, K) bool codes, kv (N, T) allowed keys. Returns a (N, T, 2K + 1),
+    bT (N, 2K + 1, T) with a_i . b_j = match_ij + offset_j (the query side [c; ~c; 1], the
+    key side [c; ~c; offset]), and own (N, T), the level that replaces the diagonal. Levels,
+    highest first, in the order of the definition (`lsh.py: selection_dense`):
+
+        allowed other key   K + 4 + match   in [K + 4, 2K + 4]
+        own key, allowed    K + 3
+        disallowed key      2 + match       in [2, K + 2]
+        own key, disallowed 1
+
+    Only the own key's place within the order matters (one key per row), not its match.
+    """
+    K = cq.shape[-1]
+    ones = torch.ones_like(cq[..., :1])
+    a = torch.cat([cq, ~cq, ones], dim=-1).to(mdtype)
+    offset = torch.where(kv, K + 4, 2).unsqueeze(-1).to(mdtype)  # (N, T, 1)
+    b = torch.cat([ck.to(mdtype), (~ck).to(mdtype), offset], dim=-1)
+    own = torch.where(kv, K + 3, 1).to(_level_dtype(K))
+    return a, b.transpose(-1, -2).contiguous(), own
+
+
+def _levels(a: Tensor, bT: Tensor, own: Tensor, s: int, e: int, ldtype: torch.dtype) -> Tensor:
+    """Levels of query rows s..e-1 against every key: (N, e - s, T), one matmul."""
+    lvl = ieee_matmul(a[:, s:e], bT).to(ldtype)
+    lvl.diagonal(offset=s, dim1=-2, dim2=-1).copy_(own[:, s:e])  # (N, e - s): keys s..e-1
+    return lvl
+
+
+def _at_least(lvl: Tensor, c: Tensor) -> Tensor:
+    """[lvl >= c] as 0/1 in lvl's dtype, c in [1, 2^s] broadcast per row, lvl < 2^s (s = 7
+    for uint8, 14 for int16): bit s of lvl + 2^s - c, which cannot overflow. Two integer
+    ops, which vectorise on CPU (comparisons to bool do not)."""
+    s = 7 if lvl.dtype == torch.uint8 else 14
+    return (lvl + ((1 << s) - c)) >> s
+
+
+def _count(ones: Tensor) -> Tensor:
+    """Row sums (N, C, 1) of 0/1 ones (N, C, T) in `_count_dtype`: sums of 128-wide groups in
+    ones' own dtype first (exact: at most 128), so the whole is never widened."""
+    cdt = _count_dtype(ones.shape[-1])
+    T = ones.shape[-1]
+    whole = T - T % 128
+    groups = ones[..., :whole].unflatten(-1, (whole // 128, 128)).sum(-1, dtype=ones.dtype)
+    n = groups.sum(-1, keepdim=True, dtype=cdt)
+    if whole < T:
+        n += ones[..., whole:].sum(-1, keepdim=True, dtype=cdt)
+    return n
+
+
+def _threshold(lvl: Tensor, kk: int, top: int, guess: bool = False) -> Tensor:
+    """c* (N, C, 1): the largest level c with at least kk keys at level >= c, per row.
+
+    A bisection over the bits of c (binary lifting from c = 1, where all T >= kk keys count):
+    one counting pass per bit of `top`, static in number and shape. guess=True (CPU eager)
+    first tries the window of 8 levels below each row's best, where c* usually is: if every
+    row has kk keys in it (a host read), 3 passes finish, else the full bisection runs."""
+    lo = torch.ones(lvl.shape[:-1] + (1,), dtype=torch.int16, device=lvl.device)
+    steps = top.bit_length()
+    if guess:
+        low = (lvl.amax(-1, keepdim=True).to(torch.int16) - 7).clamp_min(1)
+        if bool((_count(_at_least(lvl, low.to(lvl.dtype))) >= kk).all()):
+            lo, steps = low, 3  # c* in [low, low + 7]
+    for b in reversed(range(steps)):
+        cand = (lo + (1 << b)).clamp_max(top + 1)  # above the top: counts 0, never taken
+        lo = torch.where(_count(_at_least(lvl, cand.to(lvl.dtype))) >= kk, cand, lo)
+    return lo.to(lvl.dtype)
+
+
+def _tie_values(rows: Tensor, keys: Tensor, T: int) -> Tensor:
+    """2T - rank of key j for query i, rank = 2|i - j| + [j > i]: in [1, 2T], larger for the
+    nearer key, then for the earlier of two equidistant ones. rows, keys broadcast."""
+    return 2 * T - (2 * (keys - rows).abs() + (keys > rows).long())
+
+
+def _split(lvl: Tensor, cstar: Tensor) -> tuple[Tensor, Tensor]:
+    """0/1 uint8 masks (N, C, T) of the keys above c* (all selected) and at c* (tied)."""
+    above = _at_least(lvl, cstar + 1)  # c* + 1 <= top + 1: within `_at_least`'s range
+    at = _at_least(lvl, cstar) - above
+    return above.to(torch.uint8), at.to(torch.uint8)
+
+
+def _nearest(mask: Tensor, m: Tensor, s: int) -> Tensor:
+    """The m (N, C, 1) keys of each row of mask (N, C, T) 0/1 uint8 nearest to the row's
+    query i = s + c, the earlier of two equidistant ones first; m <= the row's count.
+    Returns a 0/1 uint8 mask (N, C, T). Static shapes, no host read.
+
+    With prefix counts, the keys within distance d of i are counted per row in O(1); a
+    bisection over d finds d*, the distance at which m is reached. Keys nearer than d* are
+    in; of the (at most two) keys at d*, the earlier one comes first."""
+    N, C, T = mask.shape
+    dev = mask.device
+    cdt = _count_dtype(T)
+    prefix = F.pad(mask.cumsum(-1, dtype=cdt), (1, 0))  # (N, C, T + 1): keys before j
+    i = torch.arange(s, s + C, device=dev)[:, None].expand(N, C, 1)
+
+    def within(d: Tensor) -> Tensor:  # keys with |j - i| <= d, d >= 0
+        hi = prefix.gather(-1, (i + d).clamp(-1, T - 1) + 1)
+        return hi - prefix.gather(-1, (i - d).clamp(0, T))
+
+    d = torch.full((N, C, 1), -1, dtype=torch.long, device=dev)  # within(d) < m
+    for b in reversed(range(T.bit_length())):
+        cand = (d + (1 << b)).clamp_max(T)  # T: beyond every key, never taken
+        d = torch.where(within(cand) < m, cand, d)
+    rest = m - torch.where(d >= 0, within(d.clamp_min(0)), 0)  # 0, 1 or 2 keys at d* = d + 1
+    d = d + 1
+    rows = torch.arange(s, s + C, dtype=torch.int32, device=dev)[:, None]
+    dist = (torch.arange(T, dtype=torch.int32, device=dev) - rows).abs()  # (C, T), all heads
+    chosen = mask & (dist < d).to(torch.uint8)
+    left, right = (i - d).clamp(0, T - 1), (i + d).clamp(0, T - 1)
+    take_left = (rest > 0) & (i - d >= 0) & (mask.gather(-1, left) > 0)
+    take_right = ((rest > 1) | ((rest > 0) & ~take_left)) & (i + d < T) & (d > 0)
+    take_right &= mask.gather(-1, right) > 0
+    # one key per row on each side: plain writes of the OR (no atomics on a GPU)
+    chosen.scatter_(-1, left, chosen.gather(-1, left) | take_left.to(torch.uint8))
+    return chosen.scatter_(-1, right, chosen.gather(-1, right) | take_right.to(torch.uint8))
+
+
+def _positions(chosen: Tensor, kk: int) -> Tensor:
+    """Positions (N, C, kk) of the kk set entries of each row of chosen (N, C, T), in
+    increasing order: a prefix count, then a binary search for counts 1..kk (static shapes)."""
+    cdt = _count_dtype(chosen.shape[-1])
+    cum = chosen.cumsum(-1, dtype=cdt)
+    want = torch.arange(1, kk + 1, dtype=cdt, device=chosen.device).expand(cum.shape[:-1] + (kk,))
+    return torch.searchsorted(cum, want.contiguous())
+
+
+def _finish_dense(
+    above: Tensor, at: Tensor, need: Tensor, kk: int, s: int, scores: Tensor
+) -> Tensor:
+    """Keys chosen by score among the tied ones, static shapes (CUDA, torch.compile):
+    at most T keys tie, so their scores are the chunk's dense (N, C, T) float32 `scores`. The
+    need-th best tied score is a top-k over the masked scores; better ones are in, equal
+    ones go to the nearest (`_nearest`). Returns the selection, 0/1 uint8 (N, C, T)."""
+    tied = at.view(torch.bool)
+    best = scores.masked_fill(~tied, float("-inf")).topk(kk, dim=-1).values
+    cut = best.gather(-1, need - 1)  # (N, C, 1)
+    better = (tied & (scores > cut)).to(torch.uint8)
+    equal = (tied & (scores == cut)).to(torch.uint8)
+    m = need - _count(better)
+    return above | better | _nearest(equal, m, s)
+
+
+def _csr(crow: Tensor, col: Tensor, values: Tensor, shape: tuple[int, int]) -> Tensor:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # "sparse CSR support is in beta"
+        return torch.sparse_csr_tensor(crow, col, values, shape)
+
+
+def _finish_counted(
+    lvl: Tensor, cstar: Tensor, kk: int, s: int, q: Tensor | None, keys: Tensor | None
+) -> Tensor:
+    """The top kk keys of rows s..e-1 from the few candidates at or above c* (CPU eager:
+    sizes read from the data, which is free there). lvl (N, C, T), cstar (N, C, 1); q (N, C,
+    d) and keys (N, T, d) float64, or None (ties straight to position). Returns (N, C, kk)
+    in increasing order.
+
+    The candidates are one flat list (nonzero of [lvl >= c*]), row-major and increasing
+    within a row, rows r = n C + c. Keys above c* are in; so are the tied keys of rows where
+    they all fit. In the other rows the tied keys contest: their scores are one sampled
+    product (SDDMM) over exactly those pairs, and a top-k over them, padded to the row with
+    most, gives each row's cut."""
+    N, C, T = lvl.shape
+    R = N * C
+    member = _at_least(lvl, cstar).to(torch.uint8).view(-1).view(torch.bool)  # 0/1 as bool
+    flat = member.nonzero().squeeze(1)  # (P,), a host read (its size)
+    row = flat // T
+    above = lvl.view(-1)[flat] > cstar.view(-1)[row]  # (P,)
+    start = torch.searchsorted(row, torch.arange(R + 1))  # (R + 1,): each row's first
+    n_above = F.pad(above.cumsum(0), (1, 0))[start].diff()  # (R,)
+    need = kk - n_above  # slots for tied keys, >= 1
+    contest = ~above & (start.diff() - n_above > need)[row]  # (P,) tied, more than slots
+    per_row = F.pad(contest.cumsum(0), (1, 0))[start].diff()  # (R,) contested keys
+    S, W = torch.stack([per_row.sum(), per_row.max()]).tolist()  # a host read
+    contested = torch.nonzero_static(contest, size=S).squeeze(1)  # (S,) into the list
+    srow = row[contested]
+    skey = flat[contested] - srow * T
+    sstart = torch.searchsorted(srow, torch.arange(R + 1))  # (R + 1,)
+    order = _tie_values(s + srow % C, skey, T)  # (S,) 2T - rank, in [1, 2T]
+    if q is not None:
+        pattern = _csr(sstart, (srow // C) * T + skey, q.new_ones(S), (R, N * T))  # key j of
+        sampled = torch.sparse.sampled_addmm(  # head n: column n T + j
+            pattern, q.reshape(R, -1), keys.reshape(N * T, -1).T, beta=0.0
+        ).values()  # (S,) float64, in list order
+        order += ordered_bits(sampled) * (2 * T + 1)
+    # each contested row's cut: its need-th best, from a top-k over rows padded to the longest
+    W = max(W, 1)
+    padded = torch.full((R, W), -1, dtype=torch.long)
+    padded[srow, torch.arange(S) - sstart[srow]] = order
+    best = padded.topk(min(kk, W), dim=-1).values  # sorted, best first
+    cut = best.gather(-1, (need - 1).clamp(0, best.shape[-1] - 1)[:, None]).squeeze(1)
+    keep = ~contest
+    keep[contested] = order >= cut[srow]  # exactly kk per row
+    key = flat[torch.nonzero_static(keep, size=R * kk).squeeze(1)]
+    return (key % T).view(N, C, kk)
+
+
 def topk_by_match(
     cq: Tensor, ck: Tensor, kv: Tensor, k: int, q: Tensor | None = None, keys: Tensor | None = None
 ) -> Tensor:
     """Top-k keys per query by number of equal bits; the query's own key ranks below every
     other allowed key and above the disallowed ones. Ties in the match count go to the larger
-    score q_i . keys_j (compared in float32), and only among equal scores to the nearer key,
-    then the earlier one; without q and keys (the `tie_break="position"` option) straight to
-    the nearer, then the earlier key.
+    score q_i . keys_j (compared in float32, `tie_scores`), and only among equal scores to
+    the nearer key, then the earlier one; without q and keys (the `tie_break="position"`
+    option) straight to the nearer, then the earlier key.
 
     cq, ck (N, T, K) bool codes (N = B h), kv (N, T) allowed keys, q, keys (N, T, d) or None.
-    Returns (N, T, min(k, T)).
+    Returns (N, T, min(k, T)) key positions, increasing along the last dimension.
 
-    Composite integer score = (2 match - K - 2 (K + 1) [j = i]) W + tie-break in [0, W) with
-    W = 2^32 (2 Tp + 1) (score bits, `ordered_bits`, then position) or W = 2 Tp + 1 (position
-    only); all values of a row are distinct. The match part is one batched matmul of +-1
-    codes (`_match_dtype`: bfloat16, exact for these small integers, on CPUs with native
-    bfloat16, where it is faster than float32) where an extra code column subtracts
-    4 (K + 1) from disallowed keys and 8 (K + 1) from the keys padding T up to S G; the
-    scores are one more batched matmul per chunk, in true float32 (never TF32: `ieee_matmul`,
-    like the match product). The composite is int32 when it fits (top-k
-    runs faster on it than on floats), else int64.
-
-    Exact pruning for long rows: keys are split into G groups of S (group g = keys g S + r),
-    stored group-strided so that group maxima are elementwise maxima over S contiguous
-    slices. The top-k lie in the k groups with the largest maxima (a group holding a top-k
-    key has a maximum beaten by fewer than k keys), so each row needs a top-k over G group
-    maxima and one over k S candidates instead of one over T. Rows go in chunks so the
-    (N, chunk, T) scores stay small: cache-sized on CPU, as large as a memory bound allows on
-    GPUs (a few chunks, not thousands of small launches). Chunks depend on shapes only.
+    Rows go in chunks so the (N, chunk, T) levels stay small: cache-sized on CPU, as large as
+    a memory bound allows on GPUs. Per chunk: one matmul gives the levels, a bisection their
+    threshold (`_threshold`), the keys above it are in, and the tied ones are chosen by
+    `_finish_counted` (CPU eager, both tie-breaks), or with static shapes (CUDA,
+    torch.compile) by `_finish_dense` (score) or `_nearest` (position). Chunks depend on
+    shapes only.
     """
     N, T, K = cq.shape
     kk = min(k, T)
-    S = _group_size(T, kk)
-    G = -(-T // S)
-    Tp = G * S
+    top, ldtype = _top_level(K), _level_dtype(K)
+    a, bT, own = _match_operands(cq, ck, kv, _match_dtype(K, cq.device))
     by_score = q is not None and keys is not None
-    M = (2 * Tp + 1) << (32 if by_score else 0)  # above every tie-break value
-    if (11 * (K + 1) + 1) * M >= (1 << 63):
-        raise ValueError(f"LSH top-k: T={T} with bits={K} overflows the int64 composite score")
-    dtype = torch.int32 if (10 * (K + 1) + 1) * M < (1 << 31) else torch.int64
-    mdtype = _match_dtype(K, cq.device)
-    sq = torch.cat([cq.to(mdtype) * 2 - 1, torch.ones(N, T, 1, dtype=mdtype, device=cq.device)], -1)
-    pen = (~kv[..., None]).to(mdtype) * (-4 * (K + 1))  # (N, T, 1)
-    sk = torch.cat([ck.to(mdtype) * 2 - 1, pen], dim=-1)  # (N, T, K + 1)
-    if Tp > T:
-        fake = torch.zeros(N, Tp - T, K + 1, dtype=mdtype, device=cq.device)
-        fake[..., -1] = -8 * (K + 1)
-        sk = torch.cat([sk, fake], dim=1)  # (N, Tp, K + 1)
-
-    def grouped(t: Tensor) -> Tensor:  # (N, Tp, e) -> (N, e, Tp), key p = r G + g
-        return t.view(N, G, S, -1).permute(0, 3, 2, 1).reshape(N, -1, Tp)
-
-    skT = grouped(sk)  # (N, K + 1, Tp)
-    if by_score:
-        q = widen(q)
-        keysT = grouped(F.pad(widen(keys), (0, 0, 0, Tp - T)))  # (N, d, Tp), zeros past T
+    static = needs_static_shapes(cq)
+    if by_score and not static:  # float64 copies for the sampled scores, made once
+        q, keys = q.double(), keys.double().contiguous()  # contiguous: (N T, d) is a view
     budget = _MATCH_CHUNK if cq.device.type == "cpu" else _MATCH_CHUNK_GPU
-    chunk = max(1, budget // max(1, N * Tp))
-    w = _offset_scores(T, Tp, 2 * (K + 1) * M, dtype, cq.device)
+    chunk = max(1, budget // max(1, N * T))
     out = []
     for s in range(0, T, chunk):
-        e, C = min(s + chunk, T), min(chunk, T - s)
-        score = ieee_matmul(sq[:, s:e], skT).to(dtype).mul_(M)
-        score += _offset_chunk(w, T, s, e, S, G)  # (N, C, Tp)
-        if by_score:  # the true score's order, above the position's
-            score += ordered_bits(ieee_matmul(q[:, s:e], keysT)).mul_(2 * Tp + 1)
-        if S == 1:
-            out.append(score.topk(kk, dim=-1, sorted=False).indices)
+        e = min(s + chunk, T)
+        lvl = _levels(a, bT, own, s, e, ldtype)  # (N, C, T)
+        cstar = _threshold(lvl, kk, top, guess=not static)  # (N, C, 1)
+        if not static:
+            qc = q[:, s:e] if by_score else None
+            out.append(_finish_counted(lvl, cstar, kk, s, qc, keys if by_score else None))
             continue
-        blocks = score.view(N, C, S, G)
-        groups = blocks.amax(-2).topk(kk, dim=-1, sorted=False).indices  # (N, C, kk)
-        cand = blocks.gather(3, groups[:, :, None, :].expand(N, C, S, kk))  # (N, C, S, kk)
-        pick = cand.view(N, C, S * kk).topk(kk, dim=-1, sorted=False).indices  # (N, C, kk)
-        out.append(groups.gather(-1, pick % kk) * S + pick // kk)
+        above, at = _split(lvl, cstar)
+        need = kk - _count(above).long()  # (N, C, 1) in [1, kk]: slots for tied keys
+        if by_score:
+            chosen = _finish_dense(above, at, need, kk, s, tie_scores(q[:, s:e], keys))
+        else:
+            chosen = above | _nearest(at, need, s)
+        out.append(_positions(chosen, kk))
     return torch.cat(out, dim=1)  # (N, T, kk)

@@ -1,0 +1,136 @@
+"""LSH's fast selection (`topk_by_match`: a threshold on the match counts, scores for the tied
+keys only) against the all-pairs definition, key set for key set: every variant, both
+tie-breaks, float64 and float32, padded batches, k above the valid length, many ties, several
+chunks, and both ways to finish (CPU eager with sampled scores; static shapes, as on CUDA and
+under torch.compile, with dense ones)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from _attention_testing import HEADS, batch, make
+
+from speechattn.attention.kernels import topk
+
+LSH = ["sign_alsh", "xbox", "xbox_qnf", "simple_lsh", "simple_alsh"]
+
+
+@pytest.fixture(params=["counted", "static"])
+def path(request, monkeypatch) -> str:
+    """CPU eager (sizes from the data) or static shapes (the CUDA / torch.compile code)."""
+    if request.param == "static":
+        monkeypatch.setattr(topk, "needs_static_shapes", lambda t: True)
+    return request.param
+
+
+def as_sets(idx: torch.Tensor, T: int) -> torch.Tensor:
+    """Selected indices (..., kk) -> (..., T) bool."""
+    return torch.zeros(idx.shape[:-1] + (T,), dtype=torch.bool).scatter(-1, idx, True)
+
+
+def definition(cq, ck, kv, k, q=None, keys=None) -> torch.Tensor:
+    """The definition, written out as a lexicographic sort (stable sorts, least significant
+    key first): match count (own key below the other allowed keys, disallowed keys below
+    it), then the float32 score (`tie_scores`), then nearer, then earlier. (N, T, T) bool."""
+    N, T, K = cq.shape
+    match = (cq[:, :, None, :] == ck[:, None, :, :]).sum(-1)  # (N, T, T)
+    i = torch.arange(T)
+    own = i[:, None] == i[None, :]
+    group = torch.where(kv[:, None, :], torch.where(own, 2, 3), torch.where(own, 0, 1))
+    rank = (2 * (i[None, :] - i[:, None]).abs() + (i[None, :] > i[:, None])).expand(N, T, T)
+    order = rank.argsort(dim=-1, stable=True)  # nearer first, then earlier
+    if q is not None:
+        s = topk.tie_scores(q, keys).gather(-1, order)
+        order = order.gather(-1, (-s).argsort(dim=-1, stable=True))
+    level = (group * (K + 1) + torch.where(group % 2 == 1, match, 0)).gather(-1, order)
+    order = order.gather(-1, (-level).argsort(dim=-1, stable=True))
+    return as_sets(order[..., : min(k, T)], T)
+
+
+def random_case(N, T, K, d, seed, dtype=torch.float64, valid_frac=0.8):
+    g = torch.Generator().manual_seed(seed)
+    cq, ck = (torch.rand(N, T, K, generator=g) > 0.5 for _ in range(2))
+    kv = torch.rand(N, T, generator=g) < valid_frac
+    q, keys = (torch.randn(N, T, d, generator=g, dtype=dtype) for _ in range(2))
+    return cq, ck, kv, q, keys
+
+
+@pytest.mark.parametrize("by_score", [True, False], ids=["score", "position"])
+@pytest.mark.parametrize(
+    ("T", "K", "k"),
+    [(40, 3, 7), (300, 6, 32), (257, 16, 9), (64, 8, 64), (50, 8, 80), (130, 62, 5)],
+)
+def test_kernel_equals_the_definition(T, K, k, by_score, path):
+    """Few bits: most keys tie in the match count; k >= T, k > T; 62 bits: int16 levels."""
+    cq, ck, kv, q, keys = random_case(3, T, K, 5, seed=T + K)
+    kv[1, 3:] = False  # fewer allowed keys than k
+    kv[2] = False  # none
+    args = (q, keys) if by_score else ()
+    got = topk.topk_by_match(cq, ck, kv, k, *args)
+    assert torch.equal(as_sets(got, T), definition(cq, ck, kv, k, *args))
+    assert torch.equal(got, got.sort(dim=-1).values)  # increasing key order
+
+
+@pytest.mark.parametrize("groups", [2, 3, 6])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_score_ties_go_to_the_nearer_then_earlier_key(dtype, groups, path):
+    """All codes equal and keys in groups of equal vectors (key j in group j mod `groups`):
+    the match count ties everywhere, the score within a group, and there the position
+    decides; with 2 groups the keys i - d and i + d always tie, and an odd k splits a pair."""
+    N, T, K = 2, 120, 4
+    cq = torch.ones(N, T, K, dtype=torch.bool)
+    g = torch.Generator().manual_seed(groups)
+    keys = torch.randn(N, groups, 3, generator=g, dtype=dtype)[:, torch.arange(T) % groups]
+    q = torch.randn(N, T, 3, generator=g, dtype=dtype)
+    kv = torch.ones(N, T, dtype=torch.bool)
+    for k in (9, 10):
+        got = topk.topk_by_match(cq, cq, kv, k, q, keys)
+        assert torch.equal(as_sets(got, T), definition(cq, cq, kv, k, q, keys))
+
+
+def test_many_chunks_and_chunk_offsets(path, monkeypatch):
+    """Chunks of a few rows: each chunk's own-key diagonal and positions are offset."""
+    monkeypatch.setattr(topk, "_MATCH_CHUNK", 3 * 200)
+    monkeypatch.setattr(topk, "_MATCH_CHUNK_GPU", 3 * 200)
+    cq, ck, kv, q, keys = random_case(3, 200, 5, 4, seed=5)
+    for args in ((q, keys), ()):
+        got = topk.topk_by_match(cq, ck, kv, 11, *args)
+        assert torch.equal(as_sets(got, 200), definition(cq, ck, kv, 11, *args))
+
+
+def test_float32_scores_and_near_ties(path):
+    """float32 inputs whose scores differ by an ulp or two: the sampled and dense scores
+    round as the all-pairs ones do (float64 sums of exact products)."""
+    N, T, K = 2, 256, 2
+    cq, ck, kv, q, keys = random_case(N, T, K, 8, seed=11, dtype=torch.float32, valid_frac=1)
+    keys = keys[:, :1] + 1e-7 * keys  # all keys within a few ulps of each other
+    got = topk.topk_by_match(cq, ck, kv, 17, q, keys)
+    assert torch.equal(as_sets(got, T), definition(cq, ck, kv, 17, q, keys))
+
+
+@pytest.mark.parametrize("tie_break", ["score", "position"])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("name", LSH)
+def test_select_equals_selection_dense(name, dtype, tie_break, path):
+    """Every variant's `select` against its all-pairs reference `selection_dense`, padded,
+    with k above some lengths (k = 6; lengths 40, 23, 4, 1), every row, padded ones too."""
+    attn = make(name, tie_break=tie_break, bits=4).to(dtype)
+    x, pad = batch([40, 23, 4, 1])
+    q, k, _ = attn._qkv(x.to(dtype))
+    fast = as_sets(attn.select(q, k, ~pad), 40)
+    assert torch.equal(fast, attn.selection_dense(q, k, ~pad))
+
+
+def test_select_equals_selection_dense_at_bench_shapes(path):
+    """16 bits, k = 32, T = 300, float32: the study's settings on random inputs."""
+    attn = make("xbox", k=32, bits=16).float()
+    x, pad = batch([300, 211], seed=4)
+    q, k, _ = attn._qkv(x.float())
+    assert torch.equal(as_sets(attn.select(q, k, ~pad), 300), attn.selection_dense(q, k, ~pad))
+
+
+def test_k_at_least_T_selects_everything(path):
+    cq, ck, kv, q, keys = random_case(2, 9, 4, 3, seed=1)
+    got = topk.topk_by_match(cq, ck, kv, 50, q, keys)
+    assert torch.equal(got, torch.arange(9).expand(2, 9, 9))
+    assert HEADS > 0
