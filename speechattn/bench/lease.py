@@ -64,6 +64,7 @@ TINY = [
 ]  # fmt: skip
 # first guesses of a case's seconds on a GPU, before one of its kind has run
 FIRST_GUESS = {"step": 20.0, "flex": 60.0, "compiled": 120.0, "lightning": 90.0}
+# the CUDA runtime calls the profiler records: kernel launches, host waits
 LAUNCHES = {"cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx"}
 RUNTIME_SYNCS = {"cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize"}
 # (backend, substrings of its CUDA kernels' names), the first match wins
@@ -128,15 +129,12 @@ def paper_batches(cfg: Any, masker: Any, count: int, pin: bool) -> list[dict[str
     """`count` training batches as the loader delivers them: `data.batch_size` utterances of
     2/3 to all of `data.max_frames` 10 ms frames, one in five at the crop, stacked, padded to
     the length bucket and masked by the loader's `BatchMasker`, in pinned memory on CUDA."""
-    from speechattn.utils import crop_lengths
+    from speechattn.bench.pretrain import crop_batch
 
     B, crop = int(cfg.data.batch_size), int(cfg.data.max_frames)
     batches = []
     for seed in range(count):
-        g = torch.Generator().manual_seed(seed)
-        lengths = crop_lengths(B, crop, g)
-        features = torch.randn(B, crop, FEATURE_DIM, generator=g)
-        features *= (torch.arange(crop)[None, :] < lengths[:, None])[..., None]
+        features, lengths = crop_batch(B, crop, torch.Generator().manual_seed(seed))
         masked = masker(features, lengths, seed=seed)
         batches.append({"masked": masked.pin_memory() if pin else masked, "lengths": lengths})
     return batches
@@ -144,18 +142,14 @@ def paper_batches(cfg: Any, masker: Any, count: int, pin: bool) -> list[dict[str
 
 def useful_flops(cfg: Any, lengths: torch.Tensor) -> float:
     """Training FLOPs of one step, each utterance at its own length in model frames (padding
-    is not useful work): the model's products plus the variant's attention per layer."""
-    from speechattn.bench.pretrain import model_flops
-    from speechattn.model.aalbert import ModelConfig, registry_attention
+    is not useful work; `bench.pretrain.step_flops` per length)."""
+    from speechattn.bench.pretrain import step_flops
+    from speechattn.model.aalbert import ModelConfig
     from speechattn.utils import plain
 
     config = ModelConfig(**plain(cfg.model.net))
-    attention = registry_attention(config)(0)
-    total = 0.0
-    for n in lengths.tolist():
-        frames = n // config.stack
-        total += model_flops(config, frames) + config.num_layers * attention.flops(frames).training
-    return total
+    frames = Counter(-(-n // config.stack) for n in lengths.tolist())  # model frames: count
+    return sum(step_flops(config, count, n) for n, count in frames.items())
 
 
 class Step:
@@ -186,20 +180,12 @@ class Step:
         self.loss: torch.Tensor | None = None
 
     def __call__(self) -> None:
+        from speechattn.bench.syncs import train_step
+
         batch = self.batches[self.count % len(self.batches)]
         self.count += 1
         data = {"masked": batch["masked"].to(self.device), "lengths": batch["lengths"]}
-        autocast = torch.autocast("cuda", torch.bfloat16, enabled=self.device.type == "cuda")
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # self.log without a Trainer
-            with autocast:
-                loss, _ = self.task.step_loss(data)
-            loss.backward()
-            self.task.check_step()
-            self.optimizer.step()
-            self.task.after_update()
-            self.optimizer.zero_grad(set_to_none=True)
-        self.loss = loss.detach()
+        self.loss = train_step(self.task, self.optimizer, data, bf16=self.device.type == "cuda")
 
 
 def timed(step: Step, n: int) -> list[float]:

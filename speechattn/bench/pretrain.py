@@ -205,18 +205,23 @@ def bench_batch(args: argparse.Namespace, config: ModelConfig) -> dict[str, Any]
     (`utils.crop_lengths`) and pads to `--pad-to-multiple` model frames as `experiment=paper`
     does, so padded batches take the masked kernels that training takes; `--lengths full`
     times every utterance at `--frames` (no padding, no masks). Lengths stay on the host."""
-    T = args.frames * config.stack
+    T, generator = args.frames * config.stack, torch.Generator().manual_seed(0)
     if args.lengths == "full":
+        features = torch.randn(args.batch, T, FEATURE_DIM, generator=generator)
         lengths, pad = torch.full((args.batch,), T, dtype=torch.long), 1
     else:
-        lengths, pad = (
-            crop_lengths(args.batch, T, torch.Generator().manual_seed(0)),
-            args.pad_to_multiple,
-        )
-    features = torch.randn(args.batch, T, FEATURE_DIM)
-    features *= (torch.arange(T)[None, :] < lengths[:, None])[..., None]
+        (features, lengths), pad = crop_batch(args.batch, T, generator), args.pad_to_multiple
     return {"features": features.to(args.device), "lengths": lengths, "stack": config.stack,
             "pad_to_multiple": pad}  # fmt: skip
+
+
+def crop_batch(batch: int, crop: int, generator: torch.Generator) -> tuple[Tensor, Tensor]:
+    """Random features (batch, crop, 80), zero past lengths (batch,) drawn as the loader's
+    crops give them (`utils.crop_lengths`), on the host."""
+    lengths = crop_lengths(batch, crop, generator)
+    features = torch.randn(batch, crop, FEATURE_DIM, generator=generator)
+    features *= (torch.arange(crop)[None, :] < lengths[:, None])[..., None]
+    return features, lengths
 
 
 def describe(batch: dict[str, Any]) -> str:

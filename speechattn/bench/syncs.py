@@ -315,6 +315,27 @@ def _caller() -> str:
     return "?"
 
 
+def train_step(task: Any, optimizer: torch.optim.Optimizer, data: dict[str, Any],
+               bf16: bool = False) -> Tensor:  # fmt: skip
+    """One training step of `task` (a `PretrainTask`) as Lightning's loop runs it, without a
+    Trainer: the micro-batch's loss (under CUDA bf16 autocast when `bf16`, as
+    `trainer.precision=bf16-mixed` has it), backward, the step's one read (`check_step`), the
+    update (always, as Lightning does: a skipped step has no gradients), the parameters'
+    check, gradients cleared. Returns the loss, detached."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # self.log without a Trainer
+        with torch.autocast("cuda", torch.bfloat16, enabled=bf16):
+            loss, _ = task.step_loss(data)
+        loss.backward()
+        task.check_step()
+        optimizer.step()
+        task.after_update()
+        optimizer.zero_grad(set_to_none=True)
+    return loss.detach()
+
+
 def pretrain_step_syncs(
     model: dict[str, Any],
     batch: int,
@@ -336,8 +357,6 @@ def pretrain_step_syncs(
         model: `ModelConfig` fields (`PretrainTask`'s `model`).
         trace: record where each sync comes from (`SyncCounter.where`).
     """
-    import warnings
-
     from speechattn.model.optim import build_optimizer
     from speechattn.tasks.pretrain.module import PretrainTask
 
@@ -347,31 +366,24 @@ def pretrain_step_syncs(
     stack, F = task.model_config.stack, task.model_config.feature_dim
     lengths = torch.full((batch,), frames * stack)
     lengths[1:2] -= 10 * stack  # 10 ms frames, on the host as the loader gives them
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # self.log without a Trainer
-        for step in range(steps):
-            g = torch.Generator().manual_seed(step)
-            features = torch.randn(batch, frames * stack, F, generator=g)
-            features[torch.arange(frames * stack)[None, :] >= lengths[:, None]] = 0.0
-            masked = task.batch_masker()(features, lengths, seed=step)
-            if device != "cpu":
-                masked = masked.pin_memory()  # as the loader does on a GPU
-            masked = masked.to(device)  # non-blocking; its lengths stay on the host
-            data = {"masked": masked, "lengths": lengths}
-            counter = SyncCounter(
-                host=[lengths, masked.lengths],
-                pinned=[masked.lengths],  # pinned by the loader (a CPU cannot pin)
-                cpu_is_device=device == "cpu",
-                trace=trace,
-            )
-            with counter if step == steps - 1 else contextlib.nullcontext():
-                loss, _ = task.step_loss(data)
-                loss.backward()
-                task.check_step()
-                optimizer.step()  # as Lightning does: always (a skipped step has no grads)
-                task.after_update()
-                optimizer.zero_grad(set_to_none=True)
+    for step in range(steps):
+        g = torch.Generator().manual_seed(step)
+        features = torch.randn(batch, frames * stack, F, generator=g)
+        features[torch.arange(frames * stack)[None, :] >= lengths[:, None]] = 0.0
+        masked = task.batch_masker()(features, lengths, seed=step)
+        if device != "cpu":
+            masked = masked.pin_memory()  # as the loader does on a GPU
+        masked = masked.to(device)  # non-blocking; its lengths stay on the host
+        data = {"masked": masked, "lengths": lengths}
+        counter = SyncCounter(
+            host=[lengths, masked.lengths],
+            pinned=[masked.lengths],  # pinned by the loader (a CPU cannot pin)
+            cpu_is_device=device == "cpu",
+            trace=trace,
+        )
+        with counter if step == steps - 1 else contextlib.nullcontext():
+            train_step(task, optimizer, data)
     return counter
 
 
-__all__ = ["SyncCounter", "pretrain_step_syncs"]
+__all__ = ["SyncCounter", "pretrain_step_syncs", "train_step"]

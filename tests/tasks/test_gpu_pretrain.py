@@ -42,6 +42,7 @@ from torch.utils.data import ConcatDataset, Dataset
 
 import speechattn
 from speechattn.attention import available, get, registry
+from speechattn.bench.lease import LAUNCHES, RUNTIME_SYNCS  # the profiler's CUDA calls
 from speechattn.pretrain import run
 from speechattn.tasks.common import read_metrics
 from speechattn.tasks.pretrain import PretrainTask
@@ -49,9 +50,6 @@ from speechattn.tasks.pretrain import PretrainTask
 pytestmark = pytest.mark.gpu
 FAMILIES = ["full", "sparse_strided", "xbox", "syn_random", "syn_dense", "ldsa"]
 VARIANTS = [n for n in os.environ.get("SPEECHATTN_GPU_VARIANTS", "").split(",") if n] or available()
-# CUDA runtime calls the profiler records: kernel launches, host waits, copies
-LAUNCHES = {"cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx"}
-RUNTIME_SYNCS = {"cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize"}
 
 
 def _trainer(device: torch.device, precision: str = "bf16-mixed") -> list[str]:
