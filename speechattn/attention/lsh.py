@@ -234,13 +234,12 @@ class _LSHAttention(Attention):
         B, h, T, d = q.shape
         cq, ck = self.codes(q, q, valid)
         kv = key_mask(valid)[:, None].expand(B, h, T).reshape(B * h, T)
-        q_ = k_ = None
-        if self.tie_break == "score":  # float64 for the tie scores: one contiguous copy each
-            f64 = {"dtype": torch.float64, "memory_format": torch.contiguous_format}
-            q_, k_ = (t.to(**f64).reshape(B * h, T, d) for t in (q, k))
+        scores = (
+            (q.reshape(B * h, T, d), k.reshape(B * h, T, d)) if self.tie_break == "score" else ()
+        )
         with torch.autocast(q.device.type, enabled=False):  # exact integer match counts
             idx = topk_by_match(
-                cq.reshape(B * h, T, -1), ck.reshape(B * h, T, -1), kv, self.k, q_, k_
+                cq.reshape(B * h, T, -1), ck.reshape(B * h, T, -1), kv, self.k, *scores
             )
         return idx.view(B, h, T, -1)
 

@@ -255,23 +255,6 @@ def test_lsh_dropout_in_training_runs_on_both_paths(limit, monkeypatch):
     torch.testing.assert_close(attn(x, pad), attn.dense_reference(x, pad)[0])
 
 
-def test_code_matching_uses_bfloat16_only_where_native(monkeypatch):
-    """Match scores are exact small integers in either dtype; bfloat16 is only chosen where the
-    CPU has it natively (emulated, it is several times slower than float32)."""
-    g = torch.Generator().manual_seed(0)
-    cq, ck = (torch.rand(2, 30, 8, generator=g) > 0.5 for _ in range(2))
-    kv = torch.ones(2, 30, dtype=torch.bool)
-    seen = []
-    real_matmul = topk.ieee_matmul  # the selection's products (true float32 when float32)
-    monkeypatch.setattr(topk, "ieee_matmul", lambda a, b: seen.append(a.dtype) or real_matmul(a, b))
-    picks = {}
-    for native in (False, True):
-        monkeypatch.setattr(topk, "_native_bf16_cpu", lambda native=native: native)
-        picks[native] = topk.topk_by_match(cq, ck, kv, 5)
-    assert seen[0] == torch.float32 and seen[-1] == torch.bfloat16
-    assert torch.equal(picks[False], picks[True])
-
-
 def test_lsh_seed_changes_projection():
     a = build("xbox", DIM, HEADS, seed=0).projection
     assert torch.equal(a, build("xbox", DIM, HEADS, seed=0).projection)

@@ -1,8 +1,8 @@
 """LSH's fast selection (`topk_by_match`: a threshold on the match counts, scores for the tied
 keys only) against the all-pairs definition, key set for key set: every variant, both
 tie-breaks, float64 and float32, padded batches, k above the valid length, many ties, several
-chunks, and both ways to finish (CPU eager with sampled scores; static shapes, as on CUDA and
-under torch.compile, with dense ones)."""
+chunks, and both kernels (the compiled CPU kernel; the tensor version with static shapes, as
+GPUs run it)."""
 
 from __future__ import annotations
 
@@ -15,11 +15,11 @@ from speechattn.attention.kernels import topk
 LSH = ["sign_alsh", "xbox", "xbox_qnf", "simple_lsh", "simple_alsh"]
 
 
-@pytest.fixture(params=["counted", "static"])
+@pytest.fixture(params=["cpu", "static"])
 def path(request, monkeypatch) -> str:
-    """CPU eager (sizes from the data) or static shapes (the CUDA / torch.compile code)."""
+    """The compiled CPU kernel, or the tensor version with static shapes (the GPU code)."""
     if request.param == "static":
-        monkeypatch.setattr(topk, "needs_static_shapes", lambda t: True)
+        monkeypatch.setattr(topk, "_use_cpu_kernel", lambda t: False)
     return request.param
 
 
@@ -91,7 +91,6 @@ def test_score_ties_go_to_the_nearer_then_earlier_key(dtype, groups, path):
 def test_many_chunks_and_chunk_offsets(path, monkeypatch):
     """Chunks of a few rows: each chunk's own-key diagonal and positions are offset."""
     monkeypatch.setattr(topk, "_MATCH_CHUNK", 3 * 200)
-    monkeypatch.setattr(topk, "_MATCH_CHUNK_GPU", 3 * 200)
     cq, ck, kv, q, keys = random_case(3, 200, 5, 4, seed=5)
     for args in ((q, keys), ()):
         got = topk.topk_by_match(cq, ck, kv, 11, *args)
@@ -99,7 +98,7 @@ def test_many_chunks_and_chunk_offsets(path, monkeypatch):
 
 
 def test_float32_scores_and_near_ties(path):
-    """float32 inputs whose scores differ by an ulp or two: the sampled and dense scores
+    """float32 inputs whose scores differ by an ulp or two: the per-pair and dense scores
     round as the all-pairs ones do (float64 sums of exact products)."""
     N, T, K = 2, 256, 2
     cq, ck, kv, q, keys = random_case(N, T, K, 8, seed=11, dtype=torch.float32, valid_frac=1)

@@ -67,14 +67,14 @@ def test_lsh_transpose_pointers_without_bincount():
 
 @pytest.mark.parametrize("mdtype", [torch.float16, torch.float64])
 def test_lsh_gpu_match_dtype_and_one_chunk_give_the_same_keys(mdtype, monkeypatch):
-    """The GPU's code matmul dtype (float16, or float64 for many bits) and its single large
-    chunk select the same keys as the CPU's choices."""
+    """The GPU's tensor version with its code matmul dtype (float16, or float64 for many bits)
+    selects the same keys as the CPU kernel."""
     g = torch.Generator().manual_seed(0)
     cq, ck = (torch.rand(3, 300, 8, generator=g) > 0.5 for _ in range(2))
     kv = torch.rand(3, 300, generator=g) > 0.2
     want = topk.topk_by_match(cq, ck, kv, 9)
+    monkeypatch.setattr(topk, "_use_cpu_kernel", lambda t: False)
     monkeypatch.setattr(topk, "_match_dtype", lambda K, device: mdtype)
-    monkeypatch.setattr(topk, "_MATCH_CHUNK", topk._MATCH_CHUNK_GPU)
     assert torch.equal(topk.topk_by_match(cq, ck, kv, 9), want)
 
 

@@ -54,7 +54,7 @@ def test_lsh_selection_kernel_reads_nothing_on_fake_cuda(by_score, bits, monkeyp
     """LSH's static-shape selection (the threshold's bisection, dense tie scores, ties by
     nearest key, positions by binary search), in several chunks: no host read (fake data
     cannot be read) and no copy from the host."""
-    monkeypatch.setattr(topk, "_MATCH_CHUNK_GPU", 4 * T * 10)  # chunks of 10 queries
+    monkeypatch.setattr(topk, "_MATCH_CHUNK", 4 * T * 10)  # chunks of 10 queries
     with fake_cuda():
         cq, ck = (torch.rand(4, T, bits, device=CUDA) > 0.5 for _ in range(2))
         kv = torch.rand(4, T, device=CUDA) > 0.2

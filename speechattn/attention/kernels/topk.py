@@ -1,66 +1,51 @@
 """LSH's selection kernel: the top-k keys of each query by code match, ties in the match count
 broken by the true score, then by position (`lsh.py`), found by a threshold on the counts.
 
+On the CPU one compiled kernel does it row by row (`topk_cpu.py`). This file is the tensor
+version for GPUs (static shapes: no host read, the same code under torch.compile), and the
+pieces both share.
+
 Per query row the order is a composite key: a small integer *level* (the match count, with
 self and disallowed keys moved below, see `_match_operands`), then the score, then the
 position. Levels take at most 2K + 4 values, so the k-th largest level c* of a row is found by
 counting, not sorting (`_threshold`: a bisection over the level values, each step one pass
 that counts the keys at or above a value). Keys above c* are in; only the keys *at* c*
-compete for the remaining slots, and only they need scores. Two ways to finish, same keys:
-
-* `_finish_counted` (CPU eager: sizes from the data, a host read being free there): the
-  candidates at or above c* are one flat list (a nonzero); the tied keys of rows with more of
-  them than free slots are scored by one sampled product (SDDMM) over exactly those pairs,
-  and a top-k over them gives each row's cut. No T x T score product.
-* static shapes (CUDA, torch.compile: no host read): up to T keys of a row may tie, so their
-  scores are the chunk's dense product (`tie_scores`); the cut is a top-k over the masked
-  scores (`_finish_dense`), exact score ties and the position tie-break go to the nearest
-  keys by prefix counts and a bisection over the distance (`_nearest`), and the positions
-  come from prefix counts and a binary search (`_positions`).
+compete for the remaining slots. Up to T keys of a row may tie, so their scores are the
+chunk's dense product (`tie_scores`); the cut is a top-k over the masked scores
+(`_finish_dense`), exact score ties and the position tie-break go to the nearest keys by
+prefix counts and a bisection over the distance (`_nearest`), and the positions come from
+prefix counts and a binary search (`_positions`).
 
 Scores are float64 sums of the (exact) products of the float32 values, rounded to float32
-(`tie_scores`; `lsh.py`'s reference uses it too): float32 dot products of the same pair
-round differently in a sampled and in a dense matrix product (their summation orders differ;
-most last bits disagree, which changes the keys chosen among near-ties), float64 sums agree
-once rounded to float32. Scores are still compared in float32, as the definition says.
+(`tie_scores`; `lsh.py`'s reference and the CPU kernel compute them alike): float32 dot
+products of the same pair round differently in a per-pair loop and in a dense matrix product
+(their summation orders differ; most last bits disagree, which changes the keys chosen among
+near-ties), float64 sums agree once rounded to float32. Scores are still compared in float32,
+as the definition says.
 
-Indices come back in increasing key order from every path, so two paths give equal tensors.
+Indices come back in increasing key order from both kernels, so they give equal tensors.
 """
 
 from __future__ import annotations
-
-import warnings
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from speechattn.attention.base import needs_static_shapes, widen
+from speechattn.attention.base import widen
 from speechattn.attention.fp32 import ieee_matmul
+from speechattn.attention.kernels.topk_cpu import lsh_topk_cpu
 
-# Elements of one (B h, chunk, T) block of match levels. On CPU a cache-sized block is
-# fastest; on a GPU a block is as large as memory allows (its dense float64 scores take
-# 1 GiB at this size), so that a layer is a few chunks, not thousands of small launches.
-_MATCH_CHUNK = 1 << 21
-_MATCH_CHUNK_GPU = 1 << 27
-
-
-def _probe_native_bf16_cpu() -> bool:
-    """Whether this CPU multiplies bfloat16 natively (AVX512-BF16 / AMX). Without it, a
-    bfloat16 matmul is emulated and several times slower than float32."""
-    try:
-        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-    except (AttributeError, RuntimeError):
-        return False
+# Elements of one (B h, chunk, T) block of match levels: as large as memory allows (its
+# dense float64 scores take 1 GiB at this size), so that a layer is a few chunks, not
+# thousands of small launches.
+_MATCH_CHUNK = 1 << 27
 
 
-# probed once at import: a plain bool is a constant to torch.compile (the op is not traceable)
-_NATIVE_BF16_CPU = _probe_native_bf16_cpu()
-
-
-def _native_bf16_cpu() -> bool:
-    """Whether this CPU multiplies bfloat16 natively (tests replace this function)."""
-    return _NATIVE_BF16_CPU
+def _use_cpu_kernel(t: Tensor) -> bool:
+    """Whether the compiled CPU kernel selects (tests replace this to run the tensor version
+    on the CPU)."""
+    return t.device.type == "cpu"
 
 
 def _top_level(K: int) -> int:
@@ -71,12 +56,11 @@ def _top_level(K: int) -> int:
 def _match_dtype(K: int, device: torch.device) -> torch.dtype:
     """dtype of the code matmul, exact for its integers: every term is 0 or 1 or a
     non-negative offset, so every partial sum lies in [0, 2K + 4], whatever the order of
-    accumulation. bfloat16 (exact to 256) on CPUs that have it natively; on GPUs float16
-    (exact to 2048; tensor cores), else float32 (true float32 through `ieee_matmul`)."""
-    top = _top_level(K)
-    if device.type == "cpu":
-        return torch.bfloat16 if _native_bf16_cpu() and top <= 256 else torch.float32
-    return torch.float16 if top <= 2048 else torch.float32
+    accumulation. On GPUs float16 (exact to 2048; tensor cores), else float32 (true float32
+    through `ieee_matmul`)."""
+    if device.type != "cpu" and _top_level(K) <= 2048:
+        return torch.float16
+    return torch.float32
 
 
 def _level_dtype(K: int) -> torch.dtype:
@@ -104,7 +88,7 @@ def ordered_bits(score: Tensor) -> Tensor:
 def tie_scores(q: Tensor, keys: Tensor) -> Tensor:
     """All-pairs tie-break scores q_i . keys_j, (..., Tq, d) x (..., Tk, d) -> (..., Tq, Tk)
     float32: float64 sums of the (exact) float64 products, rounded to float32, so that they
-    equal the sampled scores of `_finish_counted` (see the module docstring)."""
+    equal the CPU kernel's per-pair sums (see the module docstring)."""
     return ieee_matmul(q.double(), keys.double().transpose(-1, -2)).float()
 
 
@@ -162,20 +146,13 @@ def _count(ones: Tensor) -> Tensor:
     return n
 
 
-def _threshold(lvl: Tensor, kk: int, top: int, guess: bool = False) -> Tensor:
+def _threshold(lvl: Tensor, kk: int, top: int) -> Tensor:
     """c* (N, C, 1): the largest level c with at least kk keys at level >= c, per row.
 
     A bisection over the bits of c (binary lifting from c = 1, where all T >= kk keys count):
-    one counting pass per bit of `top`, static in number and shape. guess=True (CPU eager)
-    first tries the window of 8 levels below each row's best, where c* usually is: if every
-    row has kk keys in it (a host read), 3 passes finish, else the full bisection runs."""
+    one counting pass per bit of `top`, static in number and shape."""
     lo = torch.ones(lvl.shape[:-1] + (1,), dtype=torch.int16, device=lvl.device)
-    steps = top.bit_length()
-    if guess:
-        low = (lvl.amax(-1, keepdim=True).to(torch.int16) - 7).clamp_min(1)
-        if bool((_count(_at_least(lvl, low.to(lvl.dtype))) >= kk).all()):
-            lo, steps = low, 3  # c* in [low, low + 7]
-    for b in reversed(range(steps)):
+    for b in reversed(range(top.bit_length())):
         cand = (lo + (1 << b)).clamp_max(top + 1)  # above the top: counts 0, never taken
         lo = torch.where(_count(_at_least(lvl, cand.to(lvl.dtype))) >= kk, cand, lo)
     return lo.to(lvl.dtype)
@@ -255,60 +232,6 @@ def _finish_dense(
     return above | better | _nearest(equal, m, s)
 
 
-def _csr(crow: Tensor, col: Tensor, values: Tensor, shape: tuple[int, int]) -> Tensor:
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)  # "sparse CSR support is in beta"
-        return torch.sparse_csr_tensor(crow, col, values, shape)
-
-
-def _finish_counted(
-    lvl: Tensor, cstar: Tensor, kk: int, s: int, q: Tensor | None, keys: Tensor | None
-) -> Tensor:
-    """The top kk keys of rows s..e-1 from the few candidates at or above c* (CPU eager:
-    sizes read from the data, which is free there). lvl (N, C, T), cstar (N, C, 1); q (N, C,
-    d) and keys (N, T, d) float64, or None (ties straight to position). Returns (N, C, kk)
-    in increasing order.
-
-    The candidates are one flat list (nonzero of [lvl >= c*]), row-major and increasing
-    within a row, rows r = n C + c. Keys above c* are in; so are the tied keys of rows where
-    they all fit. In the other rows the tied keys contest: their scores are one sampled
-    product (SDDMM) over exactly those pairs, and a top-k over them, padded to the row with
-    most, gives each row's cut."""
-    N, C, T = lvl.shape
-    R = N * C
-    member = _at_least(lvl, cstar).to(torch.uint8).view(-1).view(torch.bool)  # 0/1 as bool
-    flat = member.nonzero().squeeze(1)  # (P,), a host read (its size)
-    row = flat // T
-    above = lvl.view(-1)[flat] > cstar.view(-1)[row]  # (P,)
-    start = torch.searchsorted(row, torch.arange(R + 1))  # (R + 1,): each row's first
-    n_above = F.pad(above.cumsum(0), (1, 0))[start].diff()  # (R,)
-    need = kk - n_above  # slots for tied keys, >= 1
-    contest = ~above & (start.diff() - n_above > need)[row]  # (P,) tied, more than slots
-    per_row = F.pad(contest.cumsum(0), (1, 0))[start].diff()  # (R,) contested keys
-    S, W = torch.stack([per_row.sum(), per_row.max()]).tolist()  # a host read
-    contested = torch.nonzero_static(contest, size=S).squeeze(1)  # (S,) into the list
-    srow = row[contested]
-    skey = flat[contested] - srow * T
-    sstart = torch.searchsorted(srow, torch.arange(R + 1))  # (R + 1,)
-    order = _tie_values(s + srow % C, skey, T)  # (S,) 2T - rank, in [1, 2T]
-    if q is not None:
-        pattern = _csr(sstart, (srow // C) * T + skey, q.new_ones(S), (R, N * T))  # key j of
-        sampled = torch.sparse.sampled_addmm(  # head n: column n T + j
-            pattern, q.reshape(R, -1), keys.reshape(N * T, -1).T, beta=0.0
-        ).values()  # (S,) float64, in list order
-        order += ordered_bits(sampled) * (2 * T + 1)
-    # each contested row's cut: its need-th best, from a top-k over rows padded to the longest
-    W = max(W, 1)
-    padded = torch.full((R, W), -1, dtype=torch.long)
-    padded[srow, torch.arange(S) - sstart[srow]] = order
-    best = padded.topk(min(kk, W), dim=-1).values  # sorted, best first
-    cut = best.gather(-1, (need - 1).clamp(0, best.shape[-1] - 1)[:, None]).squeeze(1)
-    keep = ~contest
-    keep[contested] = order >= cut[srow]  # exactly kk per row
-    key = flat[torch.nonzero_static(keep, size=R * kk).squeeze(1)]
-    return (key % T).view(N, C, kk)
-
-
 def topk_by_match(
     cq: Tensor, ck: Tensor, kv: Tensor, k: int, q: Tensor | None = None, keys: Tensor | None = None
 ) -> Tensor:
@@ -321,33 +244,26 @@ def topk_by_match(
     cq, ck (N, T, K) bool codes (N = B h), kv (N, T) allowed keys, q, keys (N, T, d) or None.
     Returns (N, T, min(k, T)) key positions, increasing along the last dimension.
 
-    Rows go in chunks so the (N, chunk, T) levels stay small: cache-sized on CPU, as large as
-    a memory bound allows on GPUs. Per chunk: one matmul gives the levels, a bisection their
-    threshold (`_threshold`), the keys above it are in, and the tied ones are chosen by
-    `_finish_counted` (CPU eager, both tie-breaks), or with static shapes (CUDA,
-    torch.compile) by `_finish_dense` (score) or `_nearest` (position). Chunks depend on
-    shapes only.
+    On the CPU the compiled kernel (`topk_cpu.py`). Elsewhere rows go in chunks so the
+    (N, chunk, T) levels stay within a memory bound; per chunk one matmul gives the levels, a
+    bisection their threshold (`_threshold`), the keys above it are in, and the tied ones are
+    chosen by `_finish_dense` (score) or `_nearest` (position). Chunks depend on shapes only.
     """
     N, T, K = cq.shape
     kk = min(k, T)
+    by_score = q is not None and keys is not None
+    if _use_cpu_kernel(cq):
+        if not by_score:
+            q = keys = cq.new_empty(N, T, 0, dtype=torch.float32)
+        return lsh_topk_cpu(cq, ck, kv, k, widen(q), widen(keys))
     top, ldtype = _top_level(K), _level_dtype(K)
     a, bT, own = _match_operands(cq, ck, kv, _match_dtype(K, cq.device))
-    by_score = q is not None and keys is not None
-    static = needs_static_shapes(cq)
-    if by_score and not static:  # float64 copies for the sampled scores, made once
-        q, keys = q.double(), keys.double().contiguous()  # contiguous: (N T, d) is a view
-    budget = _MATCH_CHUNK if cq.device.type == "cpu" else _MATCH_CHUNK_GPU
-    chunk = max(1, budget // max(1, N * T))
+    chunk = max(1, _MATCH_CHUNK // max(1, N * T))
     out = []
     for s in range(0, T, chunk):
         e = min(s + chunk, T)
         lvl = _levels(a, bT, own, s, e, ldtype)  # (N, C, T)
-        cstar = _threshold(lvl, kk, top, guess=not static)  # (N, C, 1)
-        if not static:
-            qc = q[:, s:e] if by_score else None
-            out.append(_finish_counted(lvl, cstar, kk, s, qc, keys if by_score else None))
-            continue
-        above, at = _split(lvl, cstar)
+        above, at = _split(lvl, _threshold(lvl, kk, top))
         need = kk - _count(above).long()  # (N, C, 1) in [1, kk]: slots for tied keys
         if by_score:
             chosen = _finish_dense(above, at, need, kk, s, tie_scores(q[:, s:e], keys))

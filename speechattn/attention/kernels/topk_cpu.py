@@ -1,0 +1,207 @@
+"""LSH's selection on the CPU: the top-k keys of each query by code match, ties in the match
+count broken by the score, then by position (`lsh.py`), one compiled kernel per layer.
+
+Per query row, in one thread and in cache: the match levels of all T keys (XOR and popcount of
+the packed codes; the levels of `topk._match_operands`), their maximum, the threshold c* (the
+largest level with at least k keys at or above it, counted four levels per pass down from the
+maximum), the keys above c* (all in) and the keys at c* (tied); the tied keys get their scores,
+float64 sums of the exact products rounded to float32 (`topk.tie_scores`), only when they
+outnumber the free slots, and a quickselect on (score, nearness) fills the slots. The row's
+keys come out in increasing order. Nothing of size T x T is ever stored, so memory is
+O(T (threads + k)) and the work O(T^2 K / 64) bit operations plus O(T c d) for c tied keys.
+
+Why numba: the selection is a few data-dependent passes over each row; as tensor operations
+every pass is a separate sweep over a T x T block in memory (the matmul, the conversion, a
+bisection of counts, a nonzero, a sampled product), which on a CPU costs 5-6x this kernel
+(`python -m speechattn.bench attention`; docs/benchmarks.md). numba is already installed with
+librosa; the kernel compiles once per machine (`cache=True`, about 15 s) and is a custom op, so
+torch.compile keeps it as one opaque call. GPUs run the tensor version (`topk.py`).
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+import torch
+from numba import njit, prange, types
+from numba.extending import intrinsic
+from torch import Tensor
+
+
+@intrinsic
+def _popcount(typingctx, x):
+    """Bits set in a uint64 (LLVM's ctpop: one instruction where the CPU has it)."""
+
+    def codegen(context, builder, signature, args):
+        return builder.ctpop(args[0])
+
+    return types.uint64(types.uint64), codegen
+
+
+@njit(cache=True)
+def _pack(codes, out):
+    """Bool codes (N, T, K) -> out (N, T, ceil(K / 64)) uint64, bit b of a code in word b // 64."""
+    N, T, K = codes.shape
+    for r in range(N * T):
+        n, t = r // T, r % T
+        out[n, t] = 0
+        for b in range(K):
+            if codes[n, t, b]:
+                out[n, t, b >> 6] |= np.uint64(1) << np.uint64(b & 63)
+
+
+# Reassociation lets the sum run in vector lanes; the products of float32 values are exact in
+# float64, so only the float64 rounding of the sum depends on the order, which survives the
+# rounding to float32 about once in 2^29 scores (as between any two float64 products).
+@njit(cache=True, fastmath={"reassoc", "contract"})
+def _dot(a, b):
+    s = 0.0
+    for e in range(a.shape[0]):
+        s += np.float64(a[e]) * np.float64(b[e])
+    return s
+
+
+@njit(cache=True)
+def _kth_largest(a, n, k):
+    """The k-th largest of the n distinct values a[:n] (reordering them: a quickselect)."""
+    target, lo, hi = n - k, 0, n - 1
+    while lo < hi:
+        pivot = a[(lo + hi) // 2]
+        i, j = lo, hi
+        while i <= j:
+            while a[i] < pivot:
+                i += 1
+            while a[j] > pivot:
+                j -= 1
+            if i <= j:
+                a[i], a[j] = a[j], a[i]
+                i += 1
+                j -= 1
+        if target <= j:
+            hi = j
+        elif target >= i:
+            lo = i
+        else:
+            break
+    return a[target]
+
+
+@njit(cache=True)
+def _threshold(lv, kk):
+    """c*: the largest level with at least kk of the levels lv (T,) at or above it."""
+    c = lv[0]
+    for j in range(lv.shape[0]):
+        c = max(c, lv[j])
+    while True:  # the counts at c, c - 1, c - 2, c - 3 in one vectorised pass
+        n0 = n1 = n2 = n3 = 0
+        for j in range(lv.shape[0]):
+            level = lv[j]
+            n0 += level >= c
+            n1 += level >= c - 1
+            n2 += level >= c - 2
+            n3 += level >= c - 3
+        for drop, n in enumerate((n0, n1, n2, n3)):
+            if n >= kk:
+                return c - drop
+        c -= 4
+
+
+@njit(parallel=True, cache=True)
+def _select(cq, ck, allowed, kk, q, keys, by_score, out):
+    """cq, ck (N, T, K) bool codes, allowed (N, T) bool, q, keys (N, T, d) float32/64 (scores,
+    when by_score), out (N, T, kk) int64: the selected keys of every row, increasing."""
+    N, T, K = cq.shape
+    W = (K + 63) // 64
+    pq = np.empty((N, T, W), np.uint64)
+    pk = np.empty((N, T, W), np.uint64)
+    _pack(cq, pq)
+    _pack(ck, pk)
+    rows = 16  # rows per task: the per-task buffers are made once per 16 rows
+    tasks = (T + rows - 1) // rows
+    for task in prange(N * tasks):
+        n = task // tasks
+        lv = np.empty(T, np.int16)  # the row's levels
+        top = np.empty(T, np.int16)  # a key's level when it matches in every bit
+        tied = np.empty(T, np.int64)
+        order = np.empty(T, np.int64)
+        scratch = np.empty(T, np.int64)
+        score = np.empty(T, np.float32)
+        chosen = np.empty(kk, np.int64)
+        for j in range(T):  # the levels of `topk._match_operands`, less the mismatches
+            top[j] = 2 * K + 4 if allowed[n, j] else K + 2
+        for i in range((task % tasks) * rows, min((task % tasks + 1) * rows, T)):
+            if W == 1:
+                code = pq[n, i, 0]
+                for j in range(T):
+                    lv[j] = top[j] - np.int16(_popcount(code ^ pk[n, j, 0]))
+            else:
+                for j in range(T):
+                    miss = 0
+                    for w in range(W):
+                        miss += _popcount(pq[n, i, w] ^ pk[n, j, w])
+                    lv[j] = top[j] - np.int16(miss)
+            lv[i] = K + 3 if allowed[n, i] else 1  # the own key: below the other allowed keys
+            c = _threshold(lv, kk)
+            members = 0  # keys at or above c*, increasing (a branch-free compaction)
+            for j in range(T):
+                tied[members] = j
+                members += lv[j] >= c
+            above = tied_n = 0
+            for m in range(members):
+                j = tied[m]
+                if lv[j] > c:
+                    out[n, i, above] = j
+                    above += 1
+                else:
+                    tied[tied_n] = j
+                    tied_n += 1
+            need = kk - above  # slots for tied keys, >= 1
+            if tied_n > need:  # the best `need` by (score, nearer, earlier); all distinct
+                for m in range(tied_n):
+                    j = tied[m]
+                    order[m] = 2 * T - (2 * abs(j - i) + (1 if j > i else 0))  # in [1, 2T]
+                if by_score:
+                    for m in range(tied_n):  # + 0.0: -0.0 counts as +0.0
+                        score[m] = np.float32(_dot(q[n, i], keys[n, tied[m]])) + np.float32(0)
+                    bits = score[:tied_n].view(np.int32)
+                    for m in range(tied_n):  # the float32 order as integers (`ordered_bits`)
+                        b = np.int64(bits[m])
+                        b = (b ^ 0x7FFFFFFF if b < 0 else b) + (1 << 31)
+                        order[m] += b * (2 * T + 1)
+                scratch[:tied_n] = order[:tied_n]
+                cut = _kth_largest(scratch, tied_n, need)
+                kept = 0
+                for m in range(tied_n):
+                    chosen[kept] = tied[m]
+                    kept += order[m] >= cut
+            else:
+                chosen[:tied_n] = tied[:tied_n]
+            a, b = above - 1, need - 1  # merge the two increasing lists from the back
+            for p in range(kk - 1, -1, -1):
+                if b < 0 or (a >= 0 and out[n, i, a] > chosen[b]):
+                    out[n, i, p] = out[n, i, a]
+                    a -= 1
+                else:
+                    out[n, i, p] = chosen[b]
+                    b -= 1
+
+
+@torch.library.custom_op("speechattn::lsh_topk_cpu", mutates_args=())
+def lsh_topk_cpu(cq: Tensor, ck: Tensor, kv: Tensor, k: int, q: Tensor, keys: Tensor) -> Tensor:
+    """cq, ck (N, T, K) bool codes, kv (N, T) allowed keys, q, keys (N, T, d) float32/64, or
+    (N, T, 0) to break ties by position alone. Returns (N, T, min(k, T)) int64 key positions,
+    increasing along the last dimension."""
+    N, T, _ = cq.shape
+    out = torch.empty(N, T, min(k, T), dtype=torch.long)
+    if N * T == 0:
+        return out
+    numba.set_num_threads(max(1, min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS)))
+    arrays = [t.contiguous().numpy() for t in (cq, ck, kv, q, keys)]
+    _select(*arrays[:3], min(k, T), *arrays[3:], q.shape[-1] > 0, out.numpy())
+    return out
+
+
+@lsh_topk_cpu.register_fake
+def _(cq: Tensor, ck: Tensor, kv: Tensor, k: int, q: Tensor, keys: Tensor) -> Tensor:
+    N, T, _ = cq.shape
+    return cq.new_empty(N, T, min(k, T), dtype=torch.long)
