@@ -10,6 +10,10 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from speechattn.attention.base import SELF_PENALTY, masked_softmax, widen
+from speechattn.attention.kernels.sparse_topk_cpu import (
+    topk_attention_backward_cpu,
+    topk_attention_cpu,
+)
 
 
 def _csr(crow: Tensor, col: Tensor, values: Tensor) -> Tensor:
@@ -29,6 +33,8 @@ def _topk_attention(
 ) -> tuple[Tensor, Tensor, Tensor]:
     """q, k, v (N, T, d) float32/64, idx (N, T, kk), allowed (N, T, kk) -> out (N, T, d),
     weights p (N T kk,) and CSR columns col (N T kk,) (saved for the backward)."""
+    if q.device.type == "cpu":
+        return topk_attention_cpu(q, k, v, idx, allowed, scale, SELF_PENALTY)
     N, T, d = q.shape
     kk = idx.shape[-1]
     with torch.autocast(q.device.type, enabled=False):  # sparse kernels: float32/64 only
@@ -69,6 +75,8 @@ def _topk_attention_backward(
     scale: float,
 ) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
     """dL/dq, dL/dk, dL/dv (N, T, d) of `_topk_attention` from dL/dout (N, T, d)."""
+    if q.device.type == "cpu":
+        return topk_attention_backward_cpu(grad, q, k, v, out, p, col, scale)
     shape = q.shape
     N, T, d = shape
     kk = col.shape[0] // (N * T)

@@ -39,15 +39,17 @@ def _popcount(typingctx, x):
 
 
 @njit(cache=True)
-def _pack(codes, out):
-    """Bool codes (N, T, K) -> out (N, T, ceil(K / 64)) uint64, bit b of a code in word b // 64."""
+def _pack(codes):
+    """Bool codes (N, T, K) -> (ceil(K / 64), N, T) uint64: bit b of a code in word b // 64
+    (words first, so that a head's codes of one word are contiguous)."""
     N, T, K = codes.shape
-    for r in range(N * T):
-        n, t = r // T, r % T
-        out[n, t] = 0
-        for b in range(K):
-            if codes[n, t, b]:
-                out[n, t, b >> 6] |= np.uint64(1) << np.uint64(b & 63)
+    out = np.zeros(((K + 63) // 64, N, T), np.uint64)
+    for n in range(N):
+        for t in range(T):
+            for b in range(K):
+                if codes[n, t, b]:
+                    out[b >> 6, n, t] |= np.uint64(1) << np.uint64(b & 63)
+    return out
 
 
 # Reassociation lets the sum run in vector lanes; the products of float32 values are exact in
@@ -93,17 +95,18 @@ def _threshold(lv, kk):
     for j in range(lv.shape[0]):
         c = max(c, lv[j])
     while True:  # the counts at c, c - 1, c - 2, c - 3 in one vectorised pass
+        c1, c2, c3 = np.int16(c - 1), np.int16(c - 2), np.int16(c - 3)
         n0 = n1 = n2 = n3 = 0
         for j in range(lv.shape[0]):
             level = lv[j]
             n0 += level >= c
-            n1 += level >= c - 1
-            n2 += level >= c - 2
-            n3 += level >= c - 3
+            n1 += level >= c1
+            n2 += level >= c2
+            n3 += level >= c3
         for drop, n in enumerate((n0, n1, n2, n3)):
             if n >= kk:
-                return c - drop
-        c -= 4
+                return np.int16(c - drop)
+        c = np.int16(c - 4)
 
 
 @njit(parallel=True, cache=True)
@@ -111,11 +114,8 @@ def _select(cq, ck, allowed, kk, q, keys, by_score, out):
     """cq, ck (N, T, K) bool codes, allowed (N, T) bool, q, keys (N, T, d) float32/64 (scores,
     when by_score), out (N, T, kk) int64: the selected keys of every row, increasing."""
     N, T, K = cq.shape
-    W = (K + 63) // 64
-    pq = np.empty((N, T, W), np.uint64)
-    pk = np.empty((N, T, W), np.uint64)
-    _pack(cq, pq)
-    _pack(ck, pk)
+    pq, pk = _pack(cq), _pack(ck)
+    W = pq.shape[0]
     rows = 16  # rows per task: the per-task buffers are made once per 16 rows
     tasks = (T + rows - 1) // rows
     for task in prange(N * tasks):
@@ -126,20 +126,18 @@ def _select(cq, ck, allowed, kk, q, keys, by_score, out):
         order = np.empty(T, np.int64)
         scratch = np.empty(T, np.int64)
         score = np.empty(T, np.float32)
+        score_bits = score.view(np.int32)
         chosen = np.empty(kk, np.int64)
         for j in range(T):  # the levels of `topk._match_operands`, less the mismatches
             top[j] = 2 * K + 4 if allowed[n, j] else K + 2
         for i in range((task % tasks) * rows, min((task % tasks + 1) * rows, T)):
-            if W == 1:
-                code = pq[n, i, 0]
+            code, keys_w = pq[0, n, i], pk[0, n]
+            for j in range(T):
+                lv[j] = top[j] - np.int16(_popcount(code ^ keys_w[j]))
+            for w in range(1, W):
+                code, keys_w = pq[w, n, i], pk[w, n]
                 for j in range(T):
-                    lv[j] = top[j] - np.int16(_popcount(code ^ pk[n, j, 0]))
-            else:
-                for j in range(T):
-                    miss = 0
-                    for w in range(W):
-                        miss += _popcount(pq[n, i, w] ^ pk[n, j, w])
-                    lv[j] = top[j] - np.int16(miss)
+                    lv[j] -= np.int16(_popcount(code ^ keys_w[j]))
             lv[i] = K + 3 if allowed[n, i] else 1  # the own key: below the other allowed keys
             c = _threshold(lv, kk)
             members = 0  # keys at or above c*, increasing (a branch-free compaction)
@@ -163,19 +161,20 @@ def _select(cq, ck, allowed, kk, q, keys, by_score, out):
                 if by_score:
                     for m in range(tied_n):  # + 0.0: -0.0 counts as +0.0
                         score[m] = np.float32(_dot(q[n, i], keys[n, tied[m]])) + np.float32(0)
-                    bits = score[:tied_n].view(np.int32)
                     for m in range(tied_n):  # the float32 order as integers (`ordered_bits`)
-                        b = np.int64(bits[m])
+                        b = np.int64(score_bits[m])
                         b = (b ^ 0x7FFFFFFF if b < 0 else b) + (1 << 31)
                         order[m] += b * (2 * T + 1)
-                scratch[:tied_n] = order[:tied_n]
+                for m in range(tied_n):
+                    scratch[m] = order[m]
                 cut = _kth_largest(scratch, tied_n, need)
                 kept = 0
                 for m in range(tied_n):
                     chosen[kept] = tied[m]
                     kept += order[m] >= cut
             else:
-                chosen[:tied_n] = tied[:tied_n]
+                for m in range(tied_n):
+                    chosen[m] = tied[m]
             a, b = above - 1, need - 1  # merge the two increasing lists from the back
             for p in range(kk - 1, -1, -1):
                 if b < 0 or (a >= 0 and out[n, i, a] > chosen[b]):
@@ -184,6 +183,11 @@ def _select(cq, ck, allowed, kk, q, keys, by_score, out):
                 else:
                     out[n, i, p] = chosen[b]
                     b -= 1
+
+
+def follow_torch_threads() -> None:
+    """numba's threads follow torch's setting (`torch.set_num_threads`, the bench's --threads)."""
+    numba.set_num_threads(max(1, min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS)))
 
 
 @torch.library.custom_op("speechattn::lsh_topk_cpu", mutates_args=())
@@ -195,7 +199,7 @@ def lsh_topk_cpu(cq: Tensor, ck: Tensor, kv: Tensor, k: int, q: Tensor, keys: Te
     out = torch.empty(N, T, min(k, T), dtype=torch.long)
     if N * T == 0:
         return out
-    numba.set_num_threads(max(1, min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS)))
+    follow_torch_threads()
     arrays = [t.contiguous().numpy() for t in (cq, ck, kv, q, keys)]
     _select(*arrays[:3], min(k, T), *arrays[3:], q.shape[-1] > 0, out.numpy())
     return out
