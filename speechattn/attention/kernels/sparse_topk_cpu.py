@@ -22,20 +22,21 @@ _FAST = {"reassoc", "contract"}  # vectorised sums; no assumption about infiniti
 
 
 @njit(parallel=True, cache=True, fastmath=_FAST)
-def _forward(q, k, v, col, allowed, scale, penalty, out, p):
+def _forward(q, k, v, col, allowed, scale, penalty, lowest, out, p):
     """q, k, v (R, d), col (R, kk) key rows (n T + j), allowed (R, kk), out (R, d) and the
     weights p (R, kk) written. Disallowed entries weigh 0; a row without any allowed entry
-    weighs its kk keys alike (`base.masked_softmax`)."""
+    weighs its kk keys alike (`base.masked_softmax`). scale, penalty and lowest (the dtype's
+    most negative value) are scalars of q's dtype, so that nothing widens."""
     R, kk = col.shape
     d = q.shape[1]
-    lowest = np.finfo(q.dtype).min
+    zero = lowest - lowest
     for r in prange(R):
         top = lowest
         for t in range(kk):
             c = col[r, t]
             s = lowest
             if allowed[r, t]:
-                acc = q[r, 0] * 0
+                acc = zero
                 for e in range(d):
                     acc += q[r, e] * k[c, e]
                 s = acc * scale
@@ -43,7 +44,7 @@ def _forward(q, k, v, col, allowed, scale, penalty, out, p):
                     s += penalty
             p[r, t] = s
             top = max(top, s)
-        total = p[r, 0] * 0
+        total = zero
         for t in range(kk):
             p[r, t] = np.exp(p[r, t] - top)
             total += p[r, t]
@@ -60,22 +61,23 @@ def _forward(q, k, v, col, allowed, scale, penalty, out, p):
 @njit(parallel=True, cache=True, fastmath=_FAST)
 def _backward(grad, q, k, v, out, p, col, scale, T, g_q, g_k, g_v):
     """dL/dq, dL/dk, dL/dv (R, d) written from dL/dout grad (R, d); one head (T rows, whose
-    keys are its own T rows) per task."""
+    keys are its own T rows) per task. scale is a scalar of q's dtype."""
     R, kk = col.shape
     d = q.shape[1]
+    zero = scale - scale
     for n in prange(R // T):
         for r in range(n * T, (n + 1) * T):
             for e in range(d):
                 g_k[r, e] = 0
                 g_v[r, e] = 0
         for r in range(n * T, (n + 1) * T):
-            delta = grad[r, 0] * 0
+            delta = zero
             for e in range(d):
                 delta += grad[r, e] * out[r, e]
                 g_q[r, e] = 0
             for t in range(kk):
                 c = col[r, t]
-                g_p = grad[r, 0] * 0
+                g_p = zero
                 for e in range(d):
                     g_p += grad[r, e] * v[c, e]
                 g_s = (g_p - delta) * p[r, t] * scale
@@ -98,7 +100,9 @@ def topk_attention_cpu(
     if N * T:
         follow_torch_threads()
         rows = [t.reshape(N * T, -1).contiguous().numpy() for t in (q, k, v, allowed)]
-        _forward(*rows[:3], col.numpy(), rows[3], scale, penalty, out.numpy(), p.numpy())
+        dtype = rows[0].dtype.type
+        scalars = dtype(scale), dtype(penalty), dtype(np.finfo(dtype).min)
+        _forward(*rows[:3], col.numpy(), rows[3], *scalars, out.numpy(), p.numpy())
     return out.view(N, T, d), p.view(-1), col.view(-1)
 
 
@@ -114,7 +118,8 @@ def topk_attention_backward_cpu(
         rows = [t.reshape(N * T, d).contiguous().numpy() for t in (grad, q, k, v, out)]
         kk = col.shape[0] // (N * T)
         _backward(
-            *rows, p.view(N * T, kk).numpy(), col.view(N * T, kk).numpy(), scale, T,
+            *rows, p.view(N * T, kk).numpy(), col.view(N * T, kk).numpy(),
+            rows[0].dtype.type(scale), T,
             *(g.numpy() for g in grads),
         )  # fmt: skip
     return tuple(g.view(N, T, d) for g in grads)
