@@ -154,9 +154,10 @@ class Attention(nn.Module, ABC):
     all_pairs_kernels: ClassVar[tuple[str, ...]] = ("short",)
     no_weight_decay: ClassVar[tuple[str, ...]] = ()
     end_padded_only: ClassVar[bool] = False
-    # Options whose default changed with the definition (the study's first runs): their old
-    # values, which an upstream file of format version 1 gets where it does not state them.
-    first_run_options: ClassVar[dict[str, object]] = {}
+    # Options whose default changed with the definition: {upstream format version that
+    # changed them: their earlier values}; an upstream file of an older version gets the
+    # earlier values where it does not state the option (`model.upstream`).
+    earlier_options: ClassVar[dict[int, dict[str, object]]] = {}
     max_len: int | None = None  # longest sequence (T) the variant accepts; None: any
     # Kernel choice by measurement (`attention.autotune`, see `autotune.py`): off by default
     # so that a module built here keeps the `short_path_max_t` rule (tests, `force_path`).

@@ -135,10 +135,18 @@ def sign_codes(z: Tensor, projection: Tensor) -> Tensor:
     return ieee_matmul(z, projection.to(z.dtype)) > 0
 
 
+def l2_codes(z: Tensor, projection: Tensor, offsets: Tensor, scale: Tensor) -> Tensor:
+    """E2LSH buckets floor(z @ projection / scale + offsets): z (..., T, d), projection (d, K),
+    offsets (K,) in [0, 1), scale (..., 1, 1) = M w -> (..., T, K) int32 (products as in
+    `sign_codes`)."""
+    u = ieee_matmul(z, projection.to(z.dtype)) / scale + offsets.to(z.dtype)
+    return u.floor().to(torch.int32)
+
+
 @dataclass
 class LSHConfig(AttentionConfig):
-    k: int = 32  # keys kept per query (top-k by matching bits)
-    bits: int = 16  # K, sign random projections per code
+    k: int = 32  # keys kept per query (top-k by matching hashes)
+    bits: int = 16  # K, hash functions per code (sign: one bit each; l2: one bucket each)
     seed: int = 0  # with the layer index, seeds the fixed projection matrix
     # Scores q_i . k_j / sqrt(d_k) with shared_qk's keys k_j = q_j / ||q_j|| (True), so that
     # k >= T is `shared_qk` exactly; False scores the raw shared vectors q_i . q_j (the
@@ -148,15 +156,39 @@ class LSHConfig(AttentionConfig):
     # earlier key, on exactly equal scores); "position", the nearer, then the earlier key (the
     # study's first runs: a hidden local window, since ties are frequent).
     tie_break: str = "score"
+    # "sign": sign random projections (SimHash), one bit per hash; "l2": E2LSH buckets
+    # floor((a . z / M + b) / w), z the transformed vector, M the largest key norm, b uniform
+    # in [0, w), w = `bucket_width`. Each scheme's default is its paper's (`default_hash`).
+    hash: str = "sign"
+    bucket_width: float = 2.5  # w of the l2 hash, in units of M (the ALSH paper's r = 2.5)
+    # The key side hashes "scored", the keys the scores use (normalised with normalize_keys),
+    # so that selection searches the score it weighs with; "shared", the raw shared vectors
+    # (the definition of upstream format versions 1 and 2).
+    hash_keys: str = "scored"
 
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.k < 1 or self.bits < 1:
             raise ConfigError(f"need k >= 1 and bits >= 1, got k={self.k}, bits={self.bits}")
-        if self.tie_break not in ("score", "position"):
-            raise ConfigError(
-                f"LSH tie_break must be 'score' or 'position', got {self.tie_break!r}"
-            )
+        for option, allowed in (
+            ("tie_break", ("score", "position")),
+            ("hash", ("sign", "l2")),
+            ("hash_keys", ("scored", "shared")),
+        ):
+            if getattr(self, option) not in allowed:
+                raise ConfigError(
+                    f"LSH {option} must be one of {', '.join(map(repr, allowed))}, "
+                    f"got {getattr(self, option)!r}"
+                )
+        if not self.bucket_width > 0:
+            raise ConfigError(f"LSH bucket_width must be > 0, got {self.bucket_width}")
+
+
+@dataclass
+class L2HashConfig(LSHConfig):
+    """The schemes whose papers reduce MIPS to Euclidean near neighbours: E2LSH by default."""
+
+    hash: str = "l2"
 
 
 class _LSHAttention(Attention):
@@ -165,6 +197,9 @@ class _LSHAttention(Attention):
     Config = LSHConfig
     transform: ClassVar[Transform]
     extra_dims: ClassVar[int]  # m, dimensions added by the transforms
+    # The transforms map into the unit ball (the l2 hash measures them as they are), or keep
+    # the keys' scale (the l2 hash measures them in units of M).
+    unit_ball: ClassVar[bool] = True
     complexity_training = (
         "O(T k D) attention + O(T K D) hashing + O(T^2 K h) code matching + O(T k D) tie-break"
     )
@@ -172,16 +207,26 @@ class _LSHAttention(Attention):
     # All-pairs SDPA masked to the selection up to here, CSR products above: the measured
     # crossover (`python -m speechattn.bench attention`; figures: docs/benchmarks.md).
     short_path_max_t = 256
-    first_run_options = {"normalize_keys": False, "tie_break": "position"}
+    earlier_options = {
+        2: {"normalize_keys": False, "tie_break": "position"},
+        3: {"hash": "sign", "hash_keys": "shared"},
+    }
 
     def __init__(self, config: LSHConfig) -> None:
         super().__init__(config)
         self.k, self.bits = config.k, config.bits
         self.normalize_keys, self.tie_break = config.normalize_keys, config.tie_break
+        self.hash, self.bucket_width, self.hash_keys = (
+            config.hash,
+            config.bucket_width,
+            config.hash_keys,
+        )
         self.qv = nn.Linear(config.dim, 2 * config.dim, bias=config.bias)  # W^Q (= W^K) | W^V
         gen = torch.Generator().manual_seed(layer_seed(config.seed, config.layer))
         proj = torch.randn(config.head_dim + self.extra_dims, config.bits, generator=gen)
         self.register_buffer("projection", proj)  # (d_k + m, K), fixed, saved with the model
+        if self.hash == "l2":  # the buckets' offsets b / w in [0, 1), drawn after the matrix
+            self.register_buffer("offsets", torch.rand(config.bits, generator=gen))
 
     def keys_attended(self, T: int) -> float:
         return float(min(self.k, T))
@@ -211,7 +256,8 @@ class _LSHAttention(Attention):
 
     @torch.no_grad()
     def codes(self, q: Tensor, k: Tensor, valid: Tensor) -> tuple[Tensor, Tensor]:
-        """Query and key codes (B, h, T, K) bool; M over the valid keys of each sequence/head.
+        """Query and key codes (B, h, T, K): bool (sign) or int32 buckets (l2); q the queries,
+        k the vectors the key side hashes; M over the valid keys of each sequence/head.
 
         Always computed in float32 with autocast off: a sign bit is a hard decision, and half
         precision transforms (norms, sqrt(M^2 - ||x||^2)) would flip bits of the fp32 model.
@@ -223,16 +269,25 @@ class _LSHAttention(Attention):
         kv = key_mask(valid)[:, None, :, None]  # (B, 1, T, 1)
         M = (k.norm(dim=-1, keepdim=True) * kv).amax(dim=-2, keepdim=True).clamp_min(_TINY)
         Qq, Pk = type(self).transform(q, k, M)  # (B, h, T, d_k + m)
-        return sign_codes(Qq, self.projection), sign_codes(Pk, self.projection)
+        if self.hash == "sign":
+            return sign_codes(Qq, self.projection), sign_codes(Pk, self.projection)
+        scale = (1.0 if self.unit_ball else M) * self.bucket_width
+        return l2_codes(Qq, self.projection, self.offsets, scale), l2_codes(
+            Pk, self.projection, self.offsets, scale
+        )
+
+    def hashed_keys(self, q: Tensor, k: Tensor) -> Tensor:
+        """The vectors the key side hashes: the scored keys k, or the raw shared vectors q."""
+        return k if self.hash_keys == "scored" else q
 
     @torch.no_grad()
     def select(self, q: Tensor, k: Tensor, valid: Tensor) -> Tensor:
         """Top-k key indices (B, h, T, min(k, T)) (fast path; no gradient).
 
-        q, k (B, h, T, d_k) as `_qkv` gives them: the codes hash the shared vectors q (the
-        MIPS transforms need their norms); ties are broken by the scores q . k."""
+        q, k (B, h, T, d_k) as `_qkv` gives them: the queries hash q and the keys k (or q,
+        `hash_keys`), each through the scheme's transform; ties are broken by the scores q . k."""
         B, h, T, d = q.shape
-        cq, ck = self.codes(q, q, valid)
+        cq, ck = self.codes(q, self.hashed_keys(q, k), valid)
         kv = key_mask(valid)[:, None].expand(B, h, T).reshape(B * h, T)
         scores = (
             (q.reshape(B * h, T, d), k.reshape(B * h, T, d)) if self.tie_break == "score" else ()
@@ -247,7 +302,7 @@ class _LSHAttention(Attention):
     def selection_dense(self, q: Tensor, k: Tensor, valid: Tensor) -> Tensor:
         """Reference selection (B, h, T, T) bool from explicit match counts and a sort."""
         B, h, T, _ = q.shape
-        cq, ck = self.codes(q, q, valid)
+        cq, ck = self.codes(q, self.hashed_keys(q, k), valid)
         match = (cq[:, :, :, None, :] == ck[:, :, None, :, :]).sum(-1)  # (B, h, T, T)
         i = torch.arange(T, device=q.device)
         rank = 2 * (i[:, None] - i[None, :]).abs() + (i[None, :] > i[:, None]).long()  # (T, T)
@@ -335,7 +390,9 @@ class XBOXAttention(_LSHAttention):
     """XBOX Euclidean transformation."""
 
     paper = "Bachrach et al., Speeding Up the Xbox Recommender System, RecSys 2014"
+    Config = L2HashConfig
     transform = staticmethod(xbox)
+    unit_ball = False
     extra_dims = 1
 
 
@@ -344,7 +401,9 @@ class XBOXQNFAttention(_LSHAttention):
     """XBOX with query-normalised-first queries."""
 
     paper = "Huang et al., Accurate and Fast ALSH for MIPS (QNF), KDD 2018"
+    Config = L2HashConfig
     transform = staticmethod(xbox_qnf)
+    unit_ball = False
     extra_dims = 1
 
 

@@ -150,7 +150,7 @@ class RoutingAttention(SharedQKBase):
     # "masked": the long kernel with the local heads' band as one masked SDPA call
     kernel_names = ("short", "long", "masked")
     all_pairs_kernels = ("short", "masked")
-    first_run_options = {"max_clusters": 32}
+    earlier_options = {2: {"max_clusters": 32}}
 
     def __init__(self, config: RoutingConfig) -> None:
         super().__init__(config)

@@ -3,7 +3,7 @@
 `upstream.pt` is self-contained and loads without Hydra, Lightning or the run directory:
 
     {
-      "format": "speechattn-upstream", "version": 2 (1 is read too: see UPSTREAM_VERSION),
+      "format": "speechattn-upstream", "version": 3 (1 and 2 are read too: see UPSTREAM_VERSION),
       "model_config": ModelConfig as a dict (attention name and options included),
       "state_dict":   AALBERT weights (encoder and reconstruction head),
       "normalizer":   {"mean": (F,), "std": (F,), "mode": str} (data layer `Normalizer` state),
@@ -41,10 +41,11 @@ from speechattn.model.serialization import (
 from speechattn.utils import atomic_path
 
 UPSTREAM_FORMAT = "speechattn-upstream"
-# 2: attention definitions of round 3 (LSH's normalised keys and score tie-break, routing's
-# uncapped clusters); a version 1 file keeps its first definitions (`_first_run_options`).
-UPSTREAM_VERSION = 2
-READABLE_VERSIONS = (1, 2)
+# 2: LSH's normalised keys and score tie-break, routing's uncapped clusters; 3: LSH hashes
+# the keys it scores, with each scheme's own hash. An older file keeps the definitions it was
+# trained with (`Attention.earlier_options`, `_earlier_options`).
+UPSTREAM_VERSION = 3
+READABLE_VERSIONS = (1, 2, 3)
 MEL_FRAME_RATE = 100.0  # 10 ms hop of the data layer's log-mel features
 
 
@@ -279,17 +280,20 @@ def save_upstream(path: str | Path, state: dict[str, Any]) -> Path:
     return path
 
 
-def _first_run_options(model_config: dict[str, Any]) -> dict[str, Any]:
-    """A version 1 file's model config with the attention options it does not state set to the
-    values of the definition it was trained with (`Attention.first_run_options`), not to
-    today's defaults: e.g. LSH scored raw shared vectors and broke ties by position."""
+def _earlier_options(model_config: dict[str, Any], version: int) -> dict[str, Any]:
+    """An older file's model config with the attention options it does not state set to the
+    values of the definition it was trained with (`Attention.earlier_options`), not to today's
+    defaults: e.g. in version 1 LSH scored raw shared vectors and broke ties by position."""
     from speechattn.attention import available, get
 
     name = model_config.get("attention")
     if name not in available():
         return model_config  # refused, naming the variant, when the model is rebuilt
-    first = get(name).first_run_options
-    options = {**first, **(model_config.get("attention_options") or {})}
+    earlier: dict[str, object] = {}
+    for changed, values in sorted(get(name).earlier_options.items(), reverse=True):
+        if version < changed:  # the oldest change's values win: the file predates it
+            earlier.update(values)
+    options = {**earlier, **(model_config.get("attention_options") or {})}
     return {**model_config, "attention_options": options}
 
 
@@ -332,8 +336,8 @@ def load_upstream(path: str | Path, map_location: str | torch.device = "cpu") ->
     if missing:
         raise UpstreamFileError(f"{path} is incomplete: missing {sorted(missing)}")
     _check_finite(state, str(path))
-    if state["version"] == 1:
-        state["model_config"] = _first_run_options(state["model_config"])
+    if state["version"] < UPSTREAM_VERSION:
+        state["model_config"] = _earlier_options(state["model_config"], state["version"])
     try:
         model = AALBERT(ModelConfig(**state["model_config"]))
         model.load_state_dict(state["state_dict"])

@@ -1,5 +1,7 @@
-"""LSH's definition against shared_qk: the same normalised keys (LSH with k >= T is
-`shared_qk` exactly) and match-count ties broken by the true score, not by position."""
+"""LSH's definition: against a brute-force float64 reference written from the papers (both
+hashes, both sets of hashed keys), against shared_qk (the same normalised keys: LSH with
+k >= T is `shared_qk` exactly), and match-count ties broken by the true score, not by
+position."""
 
 from __future__ import annotations
 
@@ -16,8 +18,89 @@ LSH = ["sign_alsh", "xbox", "xbox_qnf", "simple_lsh", "simple_alsh"]
 def _as_shared_qk(attn: torch.nn.Module) -> torch.nn.Module:
     """A `shared_qk` module with `attn`'s projections (both are W^Q | W^V and W^O)."""
     ref = make("shared_qk")
-    ref.load_state_dict({k: v for k, v in attn.state_dict().items() if k != "projection"})
+    fixed = ("projection", "offsets")  # the hash's buffers
+    ref.load_state_dict({k: v for k, v in attn.state_dict().items() if k not in fixed})
     return ref
+
+
+def _transformed(name: str, q, keys, M):
+    """(Q(q), P(k)) of each paper, written out again in float64 (`lsh.py` has its own)."""
+    pad = torch.zeros_like(q[..., :1])
+    unit_q = q / q.norm(dim=-1, keepdim=True)
+    if name == "sign_alsh":  # m = 2, U = 0.75
+        x = keys * 0.75 / M
+        n2 = (x * x).sum(-1, keepdim=True)
+        return torch.cat([unit_q, pad, pad], -1), torch.cat([x, 0.5 - n2, 0.5 - n2**2], -1)
+    if name in ("xbox", "xbox_qnf"):
+        P = torch.cat([keys, (M**2 - (keys * keys).sum(-1, keepdim=True)).clamp_min(0).sqrt()], -1)
+        return torch.cat([q if name == "xbox" else M * unit_q, pad], -1), P
+    x = keys / M
+    tail = (1 - (x * x).sum(-1, keepdim=True)).clamp_min(0).sqrt()
+    if name == "simple_lsh":
+        return torch.cat([unit_q, pad], -1), torch.cat([x, tail], -1)
+    y = q / M  # simple_alsh
+    y_tail = (1 - (y * y).sum(-1, keepdim=True)).clamp_min(0).sqrt()
+    return torch.cat([y, pad, y_tail], -1), torch.cat([x, tail, pad], -1)
+
+
+def reference_selection(attn, x, valid) -> torch.Tensor:
+    """Brute force in float64: hash, count equal hashes, and sort every query's keys by (match
+    count, float32 score, nearer, earlier), own key below the other valid keys, padded keys
+    (by their match too) below it. Returns (B, h, T, T) bool, the top min(k, T) of each row."""
+    B, T, D = x.shape
+    h, d = attn.num_heads, D // attn.num_heads
+    q = (x @ attn.qv.weight.T + attn.qv.bias)[..., :D].view(B, T, h, d).transpose(1, 2)
+    keys = q / q.norm(dim=-1, keepdim=True) if attn.normalize_keys else q
+    hashed = keys if attn.hash_keys == "scored" else q
+    kv = valid[:, None, :, None]  # (B, 1, T, 1)
+    M = (hashed.norm(dim=-1, keepdim=True) * kv).amax(dim=-2, keepdim=True)
+    Q, P = _transformed(attn.name, q, hashed, M)
+    A = attn.projection.double()
+    if attn.hash == "sign":
+        cq, ck = Q @ A > 0, P @ A > 0
+    else:
+        width = attn.bucket_width * (M if attn.name in ("xbox", "xbox_qnf") else 1.0)
+        cq, ck = ((Z @ A / width + attn.offsets.double()).floor() for Z in (Q, P))
+    match = (cq[:, :, :, None, :] == ck[:, :, None, :, :]).sum(-1)  # (B, h, T, T)
+    score = (q @ keys.transpose(-1, -2)).float().double()  # compared in float32
+    own, bits = torch.eye(T, dtype=torch.bool), attn.bits
+    allowed = valid[:, None, None, :]  # padded keys rank below own, also by their match
+    level = torch.where(
+        allowed, torch.where(own, bits + 1.5, bits + 2 + match), torch.where(own, 0, 1 + match)
+    )
+    i = torch.arange(T)
+    near = -(2 * (i[None, :] - i[:, None]).abs() + (i[None, :] > i[:, None])).double()
+    if attn.tie_break == "position":
+        score = torch.zeros_like(score)
+    # lexicographic: level, then score, then nearness (stable sorts, least significant first)
+    order = near.expand(B, h, T, T).argsort(dim=-1, descending=True, stable=True)
+    order = order.gather(-1, score.gather(-1, order).argsort(dim=-1, descending=True, stable=True))
+    order = order.gather(-1, level.gather(-1, order).argsort(dim=-1, descending=True, stable=True))
+    top = order[..., : min(attn.k, T)]
+    return torch.zeros(B, h, T, T, dtype=torch.bool).scatter(-1, top, True)
+
+
+@pytest.mark.parametrize("hash_keys", ["scored", "shared"])
+@pytest.mark.parametrize("normalize_keys", [True, False])
+@pytest.mark.parametrize("hash", ["sign", "l2"])
+@pytest.mark.parametrize("name", LSH)
+def test_selection_equals_the_brute_force_reference(name, hash, normalize_keys, hash_keys):
+    """Every scheme, both hashes, both sets of hashed keys; padded; 5 bits and k = 6 make
+    match ties frequent, so the score and position tie-breaks are exercised."""
+    attn = make(name, k=6, bits=5, hash=hash, normalize_keys=normalize_keys, hash_keys=hash_keys)
+    x, pad = batch([40, 23, 4, 1])
+    q, k, _ = attn._qkv(x)
+    got = torch.zeros(4, HEADS, 40, 40, dtype=torch.bool).scatter(-1, attn.select(q, k, ~pad), True)
+    assert torch.equal(got, reference_selection(attn, x, ~pad))
+
+
+def test_each_scheme_defaults_to_its_papers_hash():
+    """XBOX and its QNF form reduce MIPS to Euclidean search (l2); the others use signs."""
+    hashes = {name: make(name).hash for name in LSH}
+    assert hashes == {
+        "sign_alsh": "sign", "xbox": "l2", "xbox_qnf": "l2", "simple_lsh": "sign",
+        "simple_alsh": "sign",
+    }  # fmt: skip
 
 
 @pytest.mark.parametrize("name", LSH)

@@ -174,16 +174,23 @@ def test_a_crafted_pickle_is_refused_and_never_runs(saved, tmp_path, crafted_tor
         assert "export_upstream" in message
 
 
-@pytest.mark.parametrize("version", [1, 2])
-def test_version_1_files_keep_the_attention_definition_they_were_trained_with(tmp_path, version):
-    """An LSH upstream written before its definition changed (format 1, options unstated)
-    loads with the first runs' raw-vector scores and position tie-break, not today's
-    defaults; a version 2 file gets today's."""
+@pytest.mark.parametrize("version", [1, 2, 3])
+def test_older_files_keep_the_attention_definition_they_were_trained_with(tmp_path, version):
+    """An LSH upstream written before its definition changed (options unstated) loads with
+    the definition of its format version, not today's defaults: version 1 with the first
+    runs' raw-vector scores and position tie-break, versions 1 and 2 with sign codes of the
+    raw shared vectors; a version 3 file gets today's (XBOX: l2 codes of the scored keys)."""
     model = aalbert(feature_dim=8, dim=32, num_layers=1, num_heads=4, ffn_dim=64, attention="xbox")
     meta = {"steps": 1, "corpus": "embedded", "seed": 0, "code_version": speechattn.code_version()}
     state = upstream_state(model, Normalizer(torch.zeros(8), torch.ones(8)), {"n_mels": 8}, meta)
     state = {**state, "version": version}
+    if version < 3:  # sign codes: no bucket offsets then
+        state["state_dict"] = {k: v for k, v in state["state_dict"].items() if "offsets" not in k}
     up = load_upstream(save_upstream(tmp_path / "upstream.pt", state))
     attn = up.model.encoder.layers[0].attention
-    want = (False, "position") if version == 1 else (True, "score")
-    assert (attn.normalize_keys, attn.tie_break) == want
+    want = {
+        1: (False, "position", "sign", "shared"),
+        2: (True, "score", "sign", "shared"),
+        3: (True, "score", "l2", "scored"),
+    }[version]
+    assert (attn.normalize_keys, attn.tie_break, attn.hash, attn.hash_keys) == want

@@ -241,7 +241,8 @@ def topk_by_match(
     the nearer key, then the earlier one; without q and keys (the `tie_break="position"`
     option) straight to the nearer, then the earlier key.
 
-    cq, ck (N, T, K) bool codes (N = B h), kv (N, T) allowed keys, q, keys (N, T, d) or None.
+    cq, ck (N, T, K) codes (N = B h): bool sign bits, or integer l2 buckets (a match is an
+    equal bucket); kv (N, T) allowed keys, q, keys (N, T, d) or None.
     Returns (N, T, min(k, T)) key positions, increasing along the last dimension.
 
     On the CPU the compiled kernel (`topk_cpu.py`). Elsewhere rows go in chunks so the
@@ -257,12 +258,21 @@ def topk_by_match(
             q = keys = cq.new_empty(N, T, 0, dtype=torch.float32)
         return lsh_topk_cpu(cq, ck, kv, k, widen(q), widen(keys))
     top, ldtype = _top_level(K), _level_dtype(K)
-    a, bT, own = _match_operands(cq, ck, kv, _match_dtype(K, cq.device))
-    chunk = max(1, _MATCH_CHUNK // max(1, N * T))
+    if cq.dtype == torch.bool:  # sign bits: levels as one matmul per chunk
+        a, bT, own = _match_operands(cq, ck, kv, _match_dtype(K, cq.device))
+        chunk = max(1, _MATCH_CHUNK // max(1, N * T))
+    else:  # l2 buckets: levels by comparing hash by hash, (N, C, T, K) per chunk
+        offset = torch.where(kv, K + 4, 2).to(ldtype)[:, None, :]  # (N, 1, T)
+        own = torch.where(kv, K + 3, 1).to(ldtype)
+        chunk = max(1, _MATCH_CHUNK // max(1, N * T * K))
     out = []
     for s in range(0, T, chunk):
         e = min(s + chunk, T)
-        lvl = _levels(a, bT, own, s, e, ldtype)  # (N, C, T)
+        if cq.dtype == torch.bool:
+            lvl = _levels(a, bT, own, s, e, ldtype)  # (N, C, T)
+        else:
+            lvl = (cq[:, s:e, None] == ck[:, None]).sum(-1, dtype=ldtype) + offset
+            lvl.diagonal(offset=s, dim1=-2, dim2=-1).copy_(own[:, s:e])
         above, at = _split(lvl, _threshold(lvl, kk, top))
         need = kk - _count(above).long()  # (N, C, 1) in [1, kk]: slots for tied keys
         if by_score:

@@ -1,8 +1,9 @@
 """LSH's selection on the CPU: the top-k keys of each query by code match, ties in the match
 count broken by the score, then by position (`lsh.py`), one compiled kernel per layer.
 
-Per query row, in one thread and in cache: the match levels of all T keys (XOR and popcount of
-the packed codes; the levels of `topk._match_operands`), their maximum, the threshold c* (the
+Per query row, in one thread and in cache: the match levels of all T keys (sign codes: XOR and
+popcount of the packed bits; l2 codes: equal buckets, hash by hash; the levels of
+`topk._match_operands`), their maximum, the threshold c* (the
 largest level with at least k keys at or above it, counted four levels per pass down from the
 maximum), the keys above c* (all in) and the keys at c* (tied); the tied keys get their scores,
 float64 sums of the exact products rounded to float32 (`topk.tie_scores`), only when they
@@ -24,7 +25,7 @@ import numba
 import numpy as np
 import torch
 from numba import njit, prange, types
-from numba.extending import intrinsic
+from numba.extending import intrinsic, overload
 from torch import Tensor
 
 
@@ -36,6 +37,17 @@ def _popcount(typingctx, x):
         return builder.ctpop(args[0])
 
     return types.uint64(types.uint64), codegen
+
+
+def _mismatches(a, b):
+    """Hashes on which two words of codes differ (numba only, typed below)."""
+
+
+@overload(_mismatches)
+def _mismatches_typed(a, b):
+    if a == types.uint64:  # 64 sign bits
+        return lambda a, b: _popcount(a ^ b)
+    return lambda a, b: np.uint64(a != b)  # one l2 bucket
 
 
 @njit(cache=True)
@@ -56,10 +68,11 @@ def _pack(codes):
 # float64, so only the float64 rounding of the sum depends on the order, which survives the
 # rounding to float32 about once in 2^29 scores (as between any two float64 products).
 @njit(cache=True, fastmath={"reassoc", "contract"})
-def _dot(a, b):
+def _dot(q, n, i, keys, j):
+    """q[n, i] . keys[n, j] as a float64 sum of float64 products."""
     s = 0.0
-    for e in range(a.shape[0]):
-        s += np.float64(a[e]) * np.float64(b[e])
+    for e in range(q.shape[2]):
+        s += np.float64(q[n, i, e]) * np.float64(keys[n, j, e])
     return s
 
 
@@ -110,12 +123,11 @@ def _threshold(lv, kk):
 
 
 @njit(parallel=True, cache=True)
-def _select(cq, ck, allowed, kk, q, keys, by_score, out):
-    """cq, ck (N, T, K) bool codes, allowed (N, T) bool, q, keys (N, T, d) float32/64 (scores,
-    when by_score), out (N, T, kk) int64: the selected keys of every row, increasing."""
-    N, T, K = cq.shape
-    pq, pk = _pack(cq), _pack(ck)
-    W = pq.shape[0]
+def _select(pq, pk, K, allowed, kk, q, keys, by_score, out):
+    """pq, pk (W, N, T) words of the codes: packed sign bits (uint64, `_pack`) or l2 buckets
+    (int32, W = K); allowed (N, T) bool; q, keys (N, T, d) float32/64 (scores, when
+    by_score); out (N, T, kk) int64: the selected keys of every row, increasing."""
+    W, N, T = pq.shape
     rows = 16  # rows per task: the per-task buffers are made once per 16 rows
     tasks = (T + rows - 1) // rows
     for task in prange(N * tasks):
@@ -133,11 +145,11 @@ def _select(cq, ck, allowed, kk, q, keys, by_score, out):
         for i in range((task % tasks) * rows, min((task % tasks + 1) * rows, T)):
             code, keys_w = pq[0, n, i], pk[0, n]
             for j in range(T):
-                lv[j] = top[j] - np.int16(_popcount(code ^ keys_w[j]))
+                lv[j] = top[j] - np.int16(_mismatches(code, keys_w[j]))
             for w in range(1, W):
                 code, keys_w = pq[w, n, i], pk[w, n]
                 for j in range(T):
-                    lv[j] -= np.int16(_popcount(code ^ keys_w[j]))
+                    lv[j] -= np.int16(_mismatches(code, keys_w[j]))
             lv[i] = K + 3 if allowed[n, i] else 1  # the own key: below the other allowed keys
             c = _threshold(lv, kk)
             members = 0  # keys at or above c*, increasing (a branch-free compaction)
@@ -160,7 +172,7 @@ def _select(cq, ck, allowed, kk, q, keys, by_score, out):
                     order[m] = 2 * T - (2 * abs(j - i) + (1 if j > i else 0))  # in [1, 2T]
                 if by_score:
                     for m in range(tied_n):  # + 0.0: -0.0 counts as +0.0
-                        score[m] = np.float32(_dot(q[n, i], keys[n, tied[m]])) + np.float32(0)
+                        score[m] = np.float32(_dot(q, n, i, keys, tied[m])) + np.float32(0)
                     for m in range(tied_n):  # the float32 order as integers (`ordered_bits`)
                         b = np.int64(score_bits[m])
                         b = (b ^ 0x7FFFFFFF if b < 0 else b) + (1 << 31)
@@ -192,16 +204,20 @@ def follow_torch_threads() -> None:
 
 @torch.library.custom_op("speechattn::lsh_topk_cpu", mutates_args=())
 def lsh_topk_cpu(cq: Tensor, ck: Tensor, kv: Tensor, k: int, q: Tensor, keys: Tensor) -> Tensor:
-    """cq, ck (N, T, K) bool codes, kv (N, T) allowed keys, q, keys (N, T, d) float32/64, or
-    (N, T, 0) to break ties by position alone. Returns (N, T, min(k, T)) int64 key positions,
-    increasing along the last dimension."""
-    N, T, _ = cq.shape
+    """cq, ck (N, T, K) codes, bool (sign) or int32 (l2 buckets), kv (N, T) allowed keys,
+    q, keys (N, T, d) float32/64, or (N, T, 0) to break ties by position alone. Returns
+    (N, T, min(k, T)) int64 key positions, increasing along the last dimension."""
+    N, T, K = cq.shape
     out = torch.empty(N, T, min(k, T), dtype=torch.long)
     if N * T == 0:
         return out
     follow_torch_threads()
-    arrays = [t.contiguous().numpy() for t in (cq, ck, kv, q, keys)]
-    _select(*arrays[:3], min(k, T), *arrays[3:], q.shape[-1] > 0, out.numpy())
+    if cq.dtype == torch.bool:
+        words = [_pack(c.contiguous().numpy()) for c in (cq, ck)]
+    else:  # one word per hash, hash-major
+        words = [c.to(torch.int32).permute(2, 0, 1).contiguous().numpy() for c in (cq, ck)]
+    kv, q, keys = (t.contiguous().numpy() for t in (kv, q, keys))
+    _select(*words, K, kv, min(k, T), q, keys, q.shape[-1] > 0, out.numpy())
     return out
 
 
