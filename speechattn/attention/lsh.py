@@ -376,6 +376,29 @@ class _LSHAttention(Attention):
         return self.drop(weights) @ v, weights
 
 
+def same_model(a: Attention, b: Attention, T: int = 256, seed: int = 0) -> bool:
+    """Whether two LSH modules are one model: the same options apart from the scheme, and the
+    same match counts on every pair of T random shared vectors of spread norms (the selection,
+    and so everything, depends on the codes only through the match counts). Schemes that
+    differ do so on most such pairs; equal ones (e.g. xbox, xbox_qnf and simple_lsh under sign
+    hashes: their transforms differ by positive scalings) agree on all."""
+    if not (isinstance(a, _LSHAttention) and isinstance(b, _LSHAttention)):
+        return a is b
+    if vars(a.config) != vars(b.config):
+        return False
+    g = torch.Generator().manual_seed(seed)
+    shape = (1, a.num_heads, T, a.head_dim)
+    q = torch.randn(shape, generator=g) * torch.randn(shape[:-1] + (1,), generator=g).exp()
+    valid = torch.ones(1, T, dtype=torch.bool)
+    k = F.normalize(q, dim=-1) if a.normalize_keys else q
+
+    def matches(m: _LSHAttention) -> Tensor:
+        cq, ck = m.codes(q, m.hashed_keys(q, k), valid)
+        return (cq[..., :, None, :] == ck[..., None, :, :]).sum(-1)
+
+    return torch.equal(matches(a), matches(b))
+
+
 @register("sign_alsh")
 class SignALSHAttention(_LSHAttention):
     """Sign-ALSH (m = 2, U = 0.75)."""

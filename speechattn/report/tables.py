@@ -72,22 +72,61 @@ def _mark_best(rows: list[list[Any]], columns: range) -> set[tuple[int, int]]:
 
 
 def accuracy_table(results: ResultSet, tasks: list[str], variants: list[str]) -> Table:
-    """Test accuracy per variant (rows) and task (columns); best per column in bold."""
+    """Test accuracy per variant (rows) and task (columns); best per column in bold. A row
+    that is the same model as an earlier one (`same_models`) says so."""
+    options = {v: _trained_options(results, v) for v in variants}
+    same = same_models(variants, options)
     header = ["variant", *[TASK_TITLES.get(t, t) for t in tasks]]
-    rows = [[_label(v), *[results.accuracy(v, t) for t in tasks]] for v in variants]
+    rows = [[_label(v, same), *[results.accuracy(v, t) for t in tasks]] for v in variants]
     return Table(header, rows, _mark_best(rows, range(1, len(header))))
+
+
+def _trained_options(results: ResultSet, variant: str) -> dict[str, Any]:
+    """The attention options the variant's upstream was pretrained with (from its results)."""
+    found = (results.get(variant, t) for t in results.tasks())
+    config = next((r.model_config for r in found if r is not None and r.model_config), {})
+    return config.get("attention_options") or {}
+
+
+def same_models(
+    variants: list[str], options: dict[str, dict[str, Any]] | None = None
+) -> dict[str, str]:
+    """Rows that are mathematically the same model as an earlier row, mapped to that row:
+    LSH schemes whose codes give equal match counts under the chosen hashes
+    (`attention.lsh.same_model`), built at the study's size with `options` (default: the
+    registry's)."""
+    from speechattn.attention import build
+    from speechattn.attention.lsh import same_model
+
+    built = {}
+    for v in variants:
+        try:
+            built[v] = build(v, STUDY_DIM, STUDY_HEADS, **(options or {}).get(v, {}))
+        except Exception:  # not an attention variant (mel), or absent from this checkout
+            continue
+    same: dict[str, str] = {}
+    names = list(built)
+    for i, v in enumerate(names):
+        first = next(
+            (u for u in names[:i] if u not in same and same_model(built[u], built[v])), None
+        )
+        if first is not None:
+            same[v] = first
+    return same
 
 
 def reference_table(tasks: list[str], variants: list[str]) -> Table:
     """The study's LibriSpeech accuracies (its Table 2) for the same rows, best per column in bold."""
     names = [v for v in variants if v in REFERENCE] + [v for v in REFERENCE if v not in variants]
     header = ["variant", *[TASK_TITLES.get(t, t) for t in tasks]]
-    rows = [[_label(v), *[reference_accuracy(v, t) for t in tasks]] for v in names]
+    rows = [[_label(v, {}), *[reference_accuracy(v, t) for t in tasks]] for v in names]
     return Table(header, rows, _mark_best(rows, range(1, len(header))))
 
 
-def _label(variant: str) -> str:
-    return "mel (no pretraining)" if variant == MEL else variant
+def _label(variant: str, same: dict[str, str]) -> str:
+    if variant == MEL:
+        return "mel (no pretraining)"
+    return f"{variant} (same model as {same[variant]})" if variant in same else variant
 
 
 # ----------------------------------------------------------------------------- table 1
@@ -135,6 +174,7 @@ def cost_table(
         step = (len(lengths) - 1) / (max_lengths - 1)
         lengths = sorted({lengths[round(i * step)] for i in range(max_lengths)})
     by_key = {(r.variant, r.seq_len): r for r in bench}
+    same = same_models(variants)
     header = [
         "variant",
         "time complexity (training)",
@@ -151,7 +191,7 @@ def cost_table(
             (r.upstream_parameters for t in results.tasks() if (r := results.get(v, t))), None
         )
         row: list[Any] = [
-            v,
+            _label(v, same),
             facts.get("complexity_training"),
             facts.get("complexity_inference"),
             facts.get("keys_attended"),

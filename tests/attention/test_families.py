@@ -160,12 +160,19 @@ def test_sign_alsh_with_and_without_qnf_identical():
 
 
 def test_equivalent_lsh_variants_give_identical_outputs():
+    """Under sign hashes xbox, xbox_qnf and simple_lsh are one model (`lsh.same_model` says
+    so); under each scheme's own hash the five schemes are five models."""
     x, pad = batch([20, 12])
-    ref = make("xbox")
+    ref = make("xbox", hash="sign")
     for name in ("xbox_qnf", "simple_lsh"):
-        other = make(name)
+        other = make(name, hash="sign")
         other.load_state_dict(ref.state_dict())
         torch.testing.assert_close(other(x, pad), ref(x, pad), rtol=0, atol=0)
+        assert lsh.same_model(ref, other)
+    defaults = [make(name) for name in LSH]
+    for i, a in enumerate(defaults):
+        assert [lsh.same_model(a, b) for b in defaults] == [j == i for j in range(len(LSH))]
+    assert not lsh.same_model(ref, make("simple_lsh", hash="sign", k=7))  # options differ
 
 
 @pytest.mark.parametrize("name", LSH)

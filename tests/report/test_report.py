@@ -264,3 +264,16 @@ def test_attention_maps_sit_under_the_utterances_spectrogram_in_seconds(
     shape, kwargs = drawn[0]
     assert shape == (8, 30) and (kwargs["sr"], kwargs["hop_length"]) == (16000, 160)
     assert kwargs["x_axis"] == "time" and kwargs["ax"].get_xlim() == pytest.approx((0.0, 0.3))
+
+
+def test_rows_that_are_the_same_model_are_marked():
+    """Under sign hashes xbox, xbox_qnf and simple_lsh are one model: the later rows say so.
+    Under each scheme's own hash (the defaults) the five LSH rows are five models."""
+    from speechattn.report.tables import _label, same_models
+
+    names = ["full", "sign_alsh", "xbox", "xbox_qnf", "simple_lsh", "simple_alsh"]
+    sign = {n: {"hash": "sign"} for n in names[1:]}
+    same = same_models(names, sign)
+    assert same == {"xbox_qnf": "xbox", "simple_lsh": "xbox"}
+    assert _label("simple_lsh", same) == "simple_lsh (same model as xbox)"
+    assert same_models(names) == {}
