@@ -1,4 +1,4 @@
-"""`python -m speechattn.bench [--debug] {features,attention,pretrain,pruning,loader,scale} [options]`.
+"""`python -m speechattn.bench [--debug] {features,attention,pretrain,...,lsh_recall} [options]`.
 
 Each benchmark lives in its own module and measures the compared variants side by side in
 one run, printing ratios rather than absolute targets (machines are noisy). `loader` times
@@ -22,6 +22,7 @@ BENCHMARKS = {
     "scale": "speechattn.bench.scale",
     "corpus": "speechattn.bench.corpus",
     "lease": "speechattn.bench.lease",
+    "lsh_recall": "speechattn.bench.lsh_recall",
 }
 
 

@@ -81,3 +81,10 @@ def test_missed_targets_say_why(monkeypatch, capsys):
     assert missed["linear"]["why"] == "one kernel only"
     bench.print_table(out)
     assert "      why: one kernel only" in capsys.readouterr().out
+
+
+def test_lsh_recall_is_one_when_every_other_key_is_kept_and_above_chance_otherwise():
+    from speechattn.bench.lsh_recall import recall
+
+    assert recall("xbox", "l2", T=20, k=19, bits=8, batch=1, raw=False) == 1.0
+    assert recall("simple_lsh", "sign", T=200, k=16, bits=16, batch=1, raw=False) > 2 * 16 / 199
