@@ -11,38 +11,41 @@
   Product Search", ICML 2015.
 
 Common scheme (the study, section 2.2): one shared projection gives the shared vectors q (as
-in `shared_qk`) and v. Hashing: per sequence and head, M = max ||q_j|| over valid frames; the
-shared vectors are transformed with P as keys and with Q as queries (the MIPS transforms need
-their norms, so they hash q_j itself) and hashed by K sign random projections (one fixed
-seeded matrix per module, a registered buffer, identical at train and inference, seeded from
-the `seed` option and the layer index so that unshared layers hash differently). match_ij =
-number of equal bits. Each query keeps its top-k other keys by match. Ties in the match count
-(frequent: at k = 32 and 16 bits about 40 % of the selected keys are chosen among ties) go to
-the larger score q_i k_j (float64 sums rounded to float32, so that every kernel computes it
-alike: `kernels/topk.py: tie_scores`), and only among exactly equal scores to the nearer key,
-then the earlier one (`tie_break="score"`; "position" sends every tie to the nearer key, the
-study's first runs, which gave LSH a hidden local window: mean |i - j| of the selected keys 80
-instead of 100 at T = 300 on random inputs). The softmax runs over those k only, on
-`shared_qk`'s scores q_i k_j / sqrt(d_k) with the L2-normalised keys k_j = q_j / ||q_j||
-(`normalize_keys=True`; False scores the raw q_i q_j, the study's first runs), so LSH with
-k >= T is `shared_qk` exactly. As in `shared_qk`, a query attends to itself only when it has
-no other valid key: it is ranked below every other valid key and its score carries the -5e4
-self penalty, so a query with n valid keys gives nonzero weight to exactly min(k, n - 1) of
-them (to itself when n = 1).
+in `shared_qk`) and v. The scores are `shared_qk`'s, q_i k_j / sqrt(d_k) with the L2-normalised
+keys k_j = q_j / ||q_j|| (`normalize_keys=True`; False scores the raw q_i q_j, the study's first
+runs), so LSH with k >= T is `shared_qk` exactly. Hashing searches that score: per sequence and
+head, M = max ||k_j|| over valid keys; the keys k_j (`hash_keys="scored"`; "shared" hashes the
+raw q_j, formats 1 and 2) are transformed with P and the queries q_i with Q, and hashed by K
+functions of one fixed seeded matrix per module (a registered buffer, identical at train and
+inference, seeded from the `seed` option and the layer index so that unshared layers hash
+differently): sign random projections (`hash="sign"`, one bit each) or E2LSH buckets
+(`hash="l2"`, floor((a.z / s + b) / w), s = M where the transform keeps the keys' scale, else
+1). Each scheme's default hash is its paper's: l2 for the XBOX transforms, sign for the others.
+match_ij = number of equal hashes. Each query keeps its top-k other keys by match. Ties in the
+match count (frequent: at k = 32 and 16 bits about 40 % of the selected keys are chosen among
+ties) go to the larger score q_i k_j (float64 sums rounded to float32, so that every kernel
+computes it alike: `kernels/topk.py: tie_scores`), and only among exactly equal scores to the
+nearer key, then the earlier one (`tie_break="score"`; "position" sends every tie to the nearer
+key, the study's first runs, which gave LSH a hidden local window: mean |i - j| of the selected
+keys 80 instead of 100 at T = 300 on random inputs). The softmax runs over those k only. As in
+`shared_qk`, a query attends to itself only when it has no other valid key: it is ranked below
+every other valid key and its score carries the -5e4 self penalty, so a query with n valid
+keys gives nonzero weight to exactly min(k, n - 1) of them (to itself when n = 1).
 
 Under sign projections the bits are invariant to positive scaling, so xbox, xbox_qnf and
-simple_lsh give identical codes, as do Sign-ALSH with and without QNF (tested; they would
-differ only under an L2 / E2LSH hash, which is not implemented).
+simple_lsh give identical codes, as do Sign-ALSH with and without QNF; under l2 measured in
+units of M, xbox_qnf is simple_lsh's transform. `same_model` tells two modules apart by their
+match counts on random vectors; the report marks rows that are one model.
 
-Cost: hashing O(T K D); matching O(T^2 K h) as one matmul of 0/1 codes (exact small
-integers), then per query a threshold on the match counts found by counting, not sorting:
-the keys above it are in, only the keys tied at it contest for the rest (`kernels/topk.py`).
-Scores break ties among the contested keys only: on CPU one sampled product over those pairs,
-O(T c D) for c contested keys per query (about k on random inputs); with static shapes (CUDA,
-torch.compile) the chunk's dense product, O(T^2 D), cheap on a GPU. Chunked over queries so
-memory stays O(chunk T). Attention on the selected keys: up to `short_path_max_t` frames one
-all-pairs SDPA call masked to them, above that O(T k D) as sparse (CSR) products (float32
-under autocast; a custom op, so torch.compile keeps it in its graph).
+Cost: hashing O(T K D); matching O(T^2 K h) bit operations (sign: XOR and popcount of packed
+words) or comparisons (l2), then per query a threshold on the match counts found by counting,
+not sorting: the keys above it are in, only the keys tied at it contest for the rest, and only
+they are scored, O(T c D) for c contested keys per query (about k on random inputs). On the CPU
+one compiled kernel per layer (`kernels/topk_cpu.py`); on GPUs the tensor version
+(`kernels/topk.py`: a matmul of 0/1 codes and, for static shapes, the chunk's dense scores).
+Attention on the selected keys: up to `short_path_max_t` frames one all-pairs SDPA call masked
+to them, above that O(T k D) gathered products (`kernels/sparse_topk_cpu.py` on the CPU, CSR
+products on GPUs; a custom op, so torch.compile keeps it in its graph).
 """
 
 from __future__ import annotations
