@@ -71,6 +71,30 @@ def test_kernel_equals_the_definition(T, K, k, by_score, path):
     assert torch.equal(got, got.sort(dim=-1).values)  # increasing key order
 
 
+@pytest.mark.parametrize("by_score", [True, False], ids=["score", "position"])
+@pytest.mark.parametrize(
+    ("T", "K", "buckets"),
+    [(60, 3, 3), (300, 12, 5), (257, 16, 2), (300, 5, 10_000)],
+    ids=["3-hashes", "12-hashes", "16-hashes", "over-255-buckets"],
+)
+def test_l2_bucket_codes_equal_the_definition(T, K, buckets, by_score, path):
+    """Integer (l2) codes: a match is an equal bucket. The CPU kernel packs bucket ids 8 to a
+    word (with padding bytes when K is not a multiple of 8), or, past 255 distinct buckets of
+    one hash, compares one bucket per word."""
+    g = torch.Generator().manual_seed(T + K)
+    cq, ck = (
+        torch.randint(-buckets // 2, buckets - buckets // 2, (3, T, K), generator=g)
+        for _ in range(2)
+    )
+    cq[0, :5] = 10**6  # query buckets that no key has
+    kv = torch.rand(3, T, generator=g) < 0.8
+    kv[1, 3:] = False
+    q, keys = (torch.randn(3, T, 5, generator=g, dtype=torch.float64) for _ in range(2))
+    args = (q, keys) if by_score else ()
+    got = topk.topk_by_match(cq, ck, kv, 9, *args)
+    assert torch.equal(as_sets(got, T), definition(cq, ck, kv, 9, *args))
+
+
 @pytest.mark.parametrize("groups", [2, 3, 6])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_score_ties_go_to_the_nearer_then_earlier_key(dtype, groups, path):
