@@ -75,12 +75,10 @@ def test_kernel_equals_the_definition(T, K, k, by_score, path):
 @pytest.mark.parametrize(
     ("T", "K", "buckets"),
     [(60, 3, 3), (300, 12, 5), (257, 16, 2), (300, 5, 10_000)],
-    ids=["3-hashes", "12-hashes", "16-hashes", "over-255-buckets"],
+    ids=["3-hashes", "12-hashes", "16-hashes", "many-buckets"],
 )
 def test_l2_bucket_codes_equal_the_definition(T, K, buckets, by_score, path):
-    """Integer (l2) codes: a match is an equal bucket. The CPU kernel packs bucket ids 8 to a
-    word (with padding bytes when K is not a multiple of 8), or, past 255 distinct buckets of
-    one hash, compares one bucket per word."""
+    """Integer (l2) codes: a match is an equal bucket, few or many buckets per hash."""
     g = torch.Generator().manual_seed(T + K)
     cq, ck = (
         torch.randint(-buckets // 2, buckets - buckets // 2, (3, T, K), generator=g)

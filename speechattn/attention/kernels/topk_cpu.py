@@ -43,21 +43,10 @@ def _mismatches(a, b):
     """Hashes on which two words of codes differ (numba only, typed below)."""
 
 
-_LOW7 = np.uint64(0x7F7F7F7F7F7F7F7F)
-
-
 @overload(_mismatches)
 def _mismatches_typed(a, b):
     if a == types.uint64:  # 64 sign bits
         return lambda a, b: _popcount(a ^ b)
-    if a == types.int64:  # 8 bucket ids of one byte each: the bytes that differ
-
-        def differing_bytes(a, b):
-            x = np.uint64(a ^ b)
-            zero = ~(((x & _LOW7) + _LOW7) | x | _LOW7)  # the high bit of each zero byte
-            return np.uint64(8) - _popcount(zero)
-
-        return differing_bytes
     return lambda a, b: np.uint64(a != b)  # one l2 bucket
 
 
@@ -73,34 +62,6 @@ def _pack(codes):
                 if codes[n, t, b]:
                     out[b >> 6, n, t] |= np.uint64(1) << np.uint64(b & 63)
     return out
-
-
-@njit(cache=True)
-def _pack_buckets(cq, ck):
-    """l2 codes (N, T, K) int32 -> (ceil(K / 8), N, T) int64 words of one-byte bucket ids, 8
-    hashes to a word, and whether every (head, hash) has at most 255 distinct key buckets (else
-    the words are unusable). Per (head, hash) the keys' buckets are numbered in order; a query
-    bucket that no key has gets 255, which matches nothing. Padding bytes are 0 on the query
-    side and 1 on the key side: a mismatch every pair has (`_select`'s pad)."""
-    N, T, K = ck.shape
-    W = (K + 7) // 8
-    wq = np.zeros((W, N, T), np.int64)
-    wk = np.zeros((W, N, T), np.int64)
-    for n in range(N):
-        for b in range(K):
-            known = np.unique(ck[n, :, b])
-            if known.shape[0] > 255:
-                return wq, wk, False
-            shift = 8 * (b % 8)
-            for t in range(T):
-                wk[b // 8, n, t] |= np.searchsorted(known, ck[n, t, b]) << shift
-                v = cq[n, t, b]
-                at = np.searchsorted(known, v)
-                wq[b // 8, n, t] |= (at if at < known.shape[0] and known[at] == v else 255) << shift
-        for b in range(K, 8 * W):
-            for t in range(T):
-                wk[b // 8, n, t] |= 1 << (8 * (b % 8))
-    return wq, wk, True
 
 
 # Reassociation lets the sum run in vector lanes; the products of float32 values are exact in
@@ -141,12 +102,22 @@ def _kth_largest(a, n, k):
 
 
 @njit(cache=True)
-def _threshold(lv, kk, c):
-    """c*: the largest level <= c with at least kk of the levels lv (T,) at or above it."""
-    while True:  # the counts at c, c - 1, c - 2, c - 3 in one vectorised pass
+def _members(lv, kk, found):
+    """c* (the largest level with at least kk keys at or above it) and the number m of those
+    keys, written to found[:m] in increasing order.
+
+    From the row's best level down, the keys at or above four levels are counted in one
+    vectorised pass until one count reaches kk. Then a compaction: a branch per key when the
+    members are few (rarely taken, so well predicted), else a store per key without one."""
+    T = lv.shape[0]
+    c = lv[0]
+    for j in range(T):
+        c = max(c, lv[j])
+    m = 0
+    while m < kk:  # the counts at c, c - 1, c - 2, c - 3
         c1, c2, c3 = np.int16(c - 1), np.int16(c - 2), np.int16(c - 3)
         n0 = n1 = n2 = n3 = 0
-        for j in range(lv.shape[0]):
+        for j in range(T):
             level = lv[j]
             n0 += level >= c
             n1 += level >= c1
@@ -154,53 +125,27 @@ def _threshold(lv, kk, c):
             n3 += level >= c3
         for drop, n in enumerate((n0, n1, n2, n3)):
             if n >= kk:
-                return np.int16(c - drop)
-        c = np.int16(c - 4)
-
-
-@njit(cache=True)
-def _members(lv, kk, found, hist):
-    """c* (the largest level with at least kk keys at or above it) and the number m of those
-    keys, written to found[:m] in increasing order. c* is nearly always within 3 levels of the
-    row's best, so one pass collects the keys there (rare: a predictable branch) and their
-    histogram gives c*; otherwise counting passes from below them, then a compaction."""
-    T = lv.shape[0]
-    best = lv[0]
-    for j in range(T):
-        best = max(best, lv[j])
-    low = np.int16(max(best - 3, 1))
-    m = 0
-    for j in range(T):
-        if lv[j] >= low:
-            found[m] = j
-            m += 1
-    if m >= kk:
-        hist[low : best + 1] = 0
-        for t in range(m):
-            hist[lv[found[t]]] += 1
-        c, count = best, hist[best]
-        while count < kk:
-            c -= 1
-            count += hist[c]
-        kept = 0
-        for t in range(m):
-            j = found[t]
+                c, m = np.int16(c - drop), n
+                break
+        else:
+            c = np.int16(c - 4)
+    kept = 0
+    if 16 * m < T:
+        for j in range(T):
+            if lv[j] >= c:
+                found[kept] = j
+                kept += 1
+    else:
+        for j in range(T):
             found[kept] = j
             kept += lv[j] >= c
-        return c, kept
-    c = _threshold(lv, kk, np.int16(low - 1))
-    m = 0
-    for j in range(T):  # a branch-free compaction: here many keys are in
-        found[m] = j
-        m += lv[j] >= c
-    return c, m
+    return c, kept
 
 
 @njit(parallel=True, cache=True)
-def _select(pq, pk, K, pad, allowed, kk, q, keys, by_score, out):
-    """pq, pk (W, N, T) words of the codes (`_mismatches`): packed sign bits (uint64), bucket
-    ids packed 8 to a word (int64, `_pack_buckets`), or one l2 bucket per word (int32, W = K);
-    pad: mismatches every pair has (padding bytes); allowed (N, T) bool; q, keys (N, T, d)
+def _select(pq, pk, K, allowed, kk, q, keys, by_score, out):
+    """pq, pk (W, N, T) words of the codes (`_mismatches`): packed sign bits (uint64, `_pack`)
+    or one l2 bucket per word (int32, W = K); allowed (N, T) bool; q, keys (N, T, d)
     float32/64 (scores, when by_score); out (N, T, kk) int64: the selected keys of every row,
     increasing."""
     W, N, T = pq.shape
@@ -216,9 +161,8 @@ def _select(pq, pk, K, pad, allowed, kk, q, keys, by_score, out):
         score = np.empty(T, np.float32)
         score_bits = score.view(np.int32)
         chosen = np.empty(kk, np.int64)
-        hist = np.empty(2 * K + 5 + pad, np.int64)
         for j in range(T):  # the levels of `topk._match_operands`, less the mismatches
-            top[j] = (2 * K + 4 if allowed[n, j] else K + 2) + pad
+            top[j] = 2 * K + 4 if allowed[n, j] else K + 2
         for i in range((task % tasks) * rows, min((task % tasks + 1) * rows, T)):
             code, keys_w = pq[0, n, i], pk[0, n]
             for j in range(T):
@@ -228,7 +172,7 @@ def _select(pq, pk, K, pad, allowed, kk, q, keys, by_score, out):
                 for j in range(T):
                     lv[j] -= np.int16(_mismatches(code, keys_w[j]))
             lv[i] = K + 3 if allowed[n, i] else 1  # the own key: below the other allowed keys
-            c, members = _members(lv, kk, tied, hist)  # keys at or above c*, increasing
+            c, members = _members(lv, kk, tied)  # keys at or above c*, increasing
             above = tied_n = 0
             for m in range(members):
                 j = tied[m]
@@ -285,17 +229,12 @@ def lsh_topk_cpu(cq: Tensor, ck: Tensor, kv: Tensor, k: int, q: Tensor, keys: Te
     if N * T == 0:
         return out
     follow_torch_threads()
-    pad = 0
     if cq.dtype == torch.bool:
         words = [_pack(c.contiguous().numpy()) for c in (cq, ck)]
-    else:
-        codes = [c.to(torch.int32).contiguous().numpy() for c in (cq, ck)]
-        *words, packed = _pack_buckets(*codes)
-        pad = 8 * words[0].shape[0] - K
-        if not packed:  # over 255 buckets for one hash: one word per hash, hash-major
-            words, pad = [c.transpose(2, 0, 1).copy() for c in codes], 0
+    else:  # one word per hash, hash-major (int32 comparisons run 16 to a vector)
+        words = [c.to(torch.int32).permute(2, 0, 1).contiguous().numpy() for c in (cq, ck)]
     kv, q, keys = (t.contiguous().numpy() for t in (kv, q, keys))
-    _select(*words, K, pad, kv, min(k, T), q, keys, q.shape[-1] > 0, out.numpy())
+    _select(*words, K, kv, min(k, T), q, keys, q.shape[-1] > 0, out.numpy())
     return out
 
 
