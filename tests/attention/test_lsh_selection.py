@@ -155,3 +155,36 @@ def test_k_at_least_T_selects_everything(path):
     got = topk.topk_by_match(cq, ck, kv, 50, q, keys)
     assert torch.equal(got, torch.arange(9).expand(2, 9, 9))
     assert HEADS > 0
+
+
+@pytest.mark.parametrize("name", LSH)
+def test_select_equals_selection_dense_on_built_in_corpus_batches(name, tiny_corpus, path):
+    """Real inputs: three utterances of the built-in corpus as log-mel features, normalised,
+    through a small AALBERT with each scheme at its defaults (16 hashes, k = 32): at every
+    layer the fast selection is the all-pairs one, key set for key set, padding included."""
+    import soundfile as sf
+
+    from speechattn.data.features import cmvn, log_mel_batch
+    from speechattn.model import aalbert
+
+    waves = [sf.read(f, dtype="float32")[0] for f in sorted(tiny_corpus.rglob("*.flac"))[:3]]
+    lengths = torch.tensor([len(w) for w in waves])
+    wavs = torch.zeros(3, int(lengths.max()))
+    for b, w in enumerate(waves):
+        wavs[b, : len(w)] = torch.from_numpy(w)
+    feats, frames = log_mel_batch(wavs, lengths)
+    torch.manual_seed(0)
+    model = aalbert(feature_dim=80, dim=64, num_layers=2, num_heads=4, ffn_dim=128, attention=name)
+    checked = []
+
+    def check(attn, q, k, valid):  # the layer's own select, compared before it is used
+        idx = type(attn).select(attn, q, k, valid)
+        assert torch.equal(as_sets(idx, q.shape[-2]), attn.selection_dense(q, k, valid))
+        checked.append(valid.sum().item())
+        return idx
+
+    for layer in model.encoder.layers:
+        layer.attention.select = lambda q, k, valid, attn=layer.attention: check(attn, q, k, valid)
+    with torch.no_grad():
+        model(cmvn(feats, frames), frames)
+    assert len(checked) == 2
