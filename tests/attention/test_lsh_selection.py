@@ -93,6 +93,16 @@ def test_l2_bucket_codes_equal_the_definition(T, K, buckets, by_score, path):
     assert torch.equal(as_sets(got, T), definition(cq, ck, kv, 9, *args))
 
 
+@pytest.mark.parametrize("k", [32, 100])
+def test_long_rows_with_few_keys_near_the_best(k, path):
+    """T = 2048, 16 bits: a few percent of a row's keys lie within 3 levels of its best, so
+    the CPU kernel collects them in one pass; with k = 100 they are too few, and it counts on
+    from below them."""
+    cq, ck, kv, q, keys = random_case(1, 2048, 16, 4, seed=k, dtype=torch.float32, valid_frac=1)
+    got = topk.topk_by_match(cq, ck, kv, k, q, keys)
+    assert torch.equal(as_sets(got, 2048), definition(cq, ck, kv, k, q, keys))
+
+
 @pytest.mark.parametrize("groups", [2, 3, 6])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_score_ties_go_to_the_nearer_then_earlier_key(dtype, groups, path):

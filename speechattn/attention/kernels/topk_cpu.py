@@ -102,18 +102,44 @@ def _kth_largest(a, n, k):
 
 
 @njit(cache=True)
-def _members(lv, kk, found):
-    """c* (the largest level with at least kk keys at or above it) and the number m of those
-    keys, written to found[:m] in increasing order.
+def _members(lv, kk, found, hist, few):
+    """c* (the largest level with at least kk keys at or above it), the number m of those
+    keys, written to found[:m] in increasing order, and the number of keys within 3 levels of
+    the row's best (`few` for the next row: whether that is under T / 16).
 
-    From the row's best level down, the keys at or above four levels are counted in one
-    vectorised pass until one count reaches kk. Then a compaction: a branch per key when the
-    members are few (rarely taken, so well predicted), else a store per key without one."""
+    c* is nearly always within 3 levels of the best. Where those keys are few (`few`, from the
+    previous row of the head), one pass collects them (a rarely taken branch, well predicted)
+    and their histogram gives c*. Otherwise, or when they are under kk, the keys at or above
+    four levels are counted per vectorised pass, down from the best, until a count reaches kk;
+    then a compaction (a branch per key when the members are few, else a store per key)."""
     T = lv.shape[0]
-    c = lv[0]
+    best = lv[0]
     for j in range(T):
-        c = max(c, lv[j])
-    m = 0
+        best = max(best, lv[j])
+    low = np.int16(max(best - 3, 1))
+    c = best
+    if few:
+        window = 0
+        for j in range(T):
+            if lv[j] >= low:
+                found[window] = j
+                window += 1
+        if window >= kk:
+            hist[low : best + 1] = 0
+            for t in range(window):
+                hist[lv[found[t]]] += 1
+            count = hist[best]
+            while count < kk:
+                c -= 1
+                count += hist[c]
+            kept = 0
+            for t in range(window):
+                j = found[t]
+                found[kept] = j
+                kept += lv[j] >= c
+            return c, kept, window
+        c = np.int16(low - 1)  # fewer than kk within 3 levels: count on from below them
+    window, m = T, 0
     while m < kk:  # the counts at c, c - 1, c - 2, c - 3
         c1, c2, c3 = np.int16(c - 1), np.int16(c - 2), np.int16(c - 3)
         n0 = n1 = n2 = n3 = 0
@@ -123,6 +149,8 @@ def _members(lv, kk, found):
             n1 += level >= c1
             n2 += level >= c2
             n3 += level >= c3
+        if c == best:
+            window = n3
         for drop, n in enumerate((n0, n1, n2, n3)):
             if n >= kk:
                 c, m = np.int16(c - drop), n
@@ -139,7 +167,7 @@ def _members(lv, kk, found):
         for j in range(T):
             found[kept] = j
             kept += lv[j] >= c
-    return c, kept
+    return c, kept, window
 
 
 @njit(parallel=True, cache=True)
@@ -161,6 +189,8 @@ def _select(pq, pk, K, allowed, kk, q, keys, by_score, out):
         score = np.empty(T, np.float32)
         score_bits = score.view(np.int32)
         chosen = np.empty(kk, np.int64)
+        hist = np.empty(2 * K + 5, np.int64)
+        few = False  # the previous row had few keys near its best (`_members`)
         for j in range(T):  # the levels of `topk._match_operands`, less the mismatches
             top[j] = 2 * K + 4 if allowed[n, j] else K + 2
         for i in range((task % tasks) * rows, min((task % tasks + 1) * rows, T)):
@@ -172,7 +202,8 @@ def _select(pq, pk, K, allowed, kk, q, keys, by_score, out):
                 for j in range(T):
                     lv[j] -= np.int16(_mismatches(code, keys_w[j]))
             lv[i] = K + 3 if allowed[n, i] else 1  # the own key: below the other allowed keys
-            c, members = _members(lv, kk, tied)  # keys at or above c*, increasing
+            c, members, window = _members(lv, kk, tied, hist, few)  # keys >= c*, increasing
+            few = 16 * window < T
             above = tied_n = 0
             for m in range(members):
                 j = tied[m]
