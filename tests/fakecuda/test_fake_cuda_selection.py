@@ -49,14 +49,21 @@ def test_long_kernel_without_dropout_on_fake_cuda(name, padded, train, monkeypat
 
 
 @pytest.mark.parametrize("by_score", [True, False], ids=["score", "position"])
-@pytest.mark.parametrize("bits", [8, 62], ids=["uint8-levels", "int16-levels"])
-def test_lsh_selection_kernel_reads_nothing_on_fake_cuda(by_score, bits, monkeypatch):
+@pytest.mark.parametrize(
+    ("bits", "hash"),
+    [(8, "sign"), (62, "sign"), (8, "l2")],
+    ids=["uint8-levels", "int16-levels", "l2-buckets"],
+)
+def test_lsh_selection_kernel_reads_nothing_on_fake_cuda(by_score, bits, hash, monkeypatch):
     """LSH's static-shape selection (the threshold's bisection, dense tie scores, ties by
-    nearest key, positions by binary search), in several chunks: no host read (fake data
-    cannot be read) and no copy from the host."""
-    monkeypatch.setattr(topk, "_MATCH_CHUNK", 4 * T * 10)  # chunks of 10 queries
+    nearest key, positions by binary search), in several chunks, for sign bits and l2 buckets:
+    no host read (fake data cannot be read) and no copy from the host."""
+    monkeypatch.setattr(topk, "_MATCH_CHUNK", 4 * T * 10 * (bits if hash == "l2" else 1))
     with fake_cuda():
-        cq, ck = (torch.rand(4, T, bits, device=CUDA) > 0.5 for _ in range(2))
+        if hash == "sign":
+            cq, ck = (torch.rand(4, T, bits, device=CUDA) > 0.5 for _ in range(2))
+        else:
+            cq, ck = (torch.randint(0, 5, (4, T, bits), device=CUDA) for _ in range(2))
         kv = torch.rand(4, T, device=CUDA) > 0.2
         q, keys = (torch.randn(4, T, 16, device=CUDA) for _ in range(2))
         args = (q, keys) if by_score else ()
