@@ -205,14 +205,12 @@ def _select(pq, pk, K, allowed, kk, q, keys, by_score, out):
             c, members, window = _members(lv, kk, tied, hist, few)  # keys >= c*, increasing
             few = 16 * window < T
             above = tied_n = 0
-            for m in range(members):
+            for m in range(members):  # split, without branches (above < kk, tied_n <= m)
                 j = tied[m]
-                if lv[j] > c:
-                    out[n, i, above] = j
-                    above += 1
-                else:
-                    tied[tied_n] = j
-                    tied_n += 1
+                out[n, i, above] = j
+                above += lv[j] > c
+                tied[tied_n] = j
+                tied_n += lv[j] == c
             need = kk - above  # slots for tied keys, >= 1
             if tied_n > need:  # the best `need` by (score, nearer, earlier); all distinct
                 for m in range(tied_n):
