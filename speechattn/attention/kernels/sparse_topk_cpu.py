@@ -13,15 +13,15 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-from numba import njit, prange
+from numba import prange
 from torch import Tensor
 
-from speechattn.attention.kernels.topk_cpu import follow_torch_threads
+from speechattn.attention.kernels.topk_cpu import cpu_kernel
 
 _FAST = {"reassoc", "contract"}  # vectorised sums; no assumption about infinities or NaN
 
 
-@njit(parallel=True, cache=True, fastmath=_FAST)
+@cpu_kernel(fastmath=_FAST)
 def _forward(q, k, v, col, allowed, scale, penalty, lowest, out, p):
     """q, k, v (R, d), col (R, kk) key rows (n T + j), allowed (R, kk), out (R, d) and the
     weights p (R, kk) written. Disallowed entries weigh 0; a row without any allowed entry
@@ -58,7 +58,7 @@ def _forward(q, k, v, col, allowed, scale, penalty, lowest, out, p):
                 out[r, e] += w * v[c, e]
 
 
-@njit(parallel=True, cache=True, fastmath=_FAST)
+@cpu_kernel(fastmath=_FAST)
 def _backward(grad, q, k, v, out, p, col, scale, T, g_q, g_k, g_v):
     """dL/dq, dL/dk, dL/dv (R, d) written from dL/dout grad (R, d); one head (T rows, whose
     keys are its own T rows) per task. scale is a scalar of q's dtype."""
@@ -98,7 +98,6 @@ def topk_attention_cpu(
     col = (idx + torch.arange(N).view(N, 1, 1) * T).reshape(N * T, kk).contiguous()
     out, p = q.new_empty(N * T, d), q.new_empty(N * T, kk)
     if N * T:
-        follow_torch_threads()
         rows = [t.reshape(N * T, -1).contiguous().numpy() for t in (q, k, v, allowed)]
         dtype = rows[0].dtype.type
         scalars = dtype(scale), dtype(penalty), dtype(np.finfo(dtype).min)
@@ -114,7 +113,6 @@ def topk_attention_backward_cpu(
     N, T, d = q.shape
     grads = [q.new_empty(N * T, d) for _ in range(3)]
     if N * T:
-        follow_torch_threads()
         rows = [t.reshape(N * T, d).contiguous().numpy() for t in (grad, q, k, v, out)]
         kk = col.shape[0] // (N * T)
         _backward(

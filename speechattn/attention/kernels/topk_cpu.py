@@ -21,12 +21,40 @@ torch.compile keeps it as one opaque call. GPUs run the tensor version (`topk.py
 
 from __future__ import annotations
 
+import types as pytypes
+from collections.abc import Callable
+
 import numba
 import numpy as np
 import torch
 from numba import njit, prange, types
 from numba.extending import intrinsic, overload
 from torch import Tensor
+
+
+class CPUKernel:
+    """A numba kernel compiled two ways: threaded (its `prange` loop split across numba's
+    threads, as many as torch uses) and serial (`prange` as `range`), for a process that runs
+    one thread. The serial one starts no thread pool: single-threaded jobs side by side (the
+    tiny study's) were 6x slower with idle pool threads waiting on both cores."""
+
+    def __init__(self, fn: Callable, **options: object) -> None:
+        self.threaded = njit(parallel=True, cache=True, **options)(fn)
+        serial = pytypes.FunctionType(fn.__code__, fn.__globals__, fn.__name__ + "_serial")
+        serial.__qualname__ = fn.__qualname__ + "_serial"  # its own cache entry
+        self.serial = njit(cache=True, **options)(serial)
+
+    def __call__(self, *args: object) -> object:
+        threads = min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS)
+        if threads <= 1:
+            return self.serial(*args)
+        numba.set_num_threads(threads)
+        return self.threaded(*args)
+
+
+def cpu_kernel(**options: object) -> Callable[[Callable], CPUKernel]:
+    """Decorator: `CPUKernel(fn, **options)` (numba options, e.g. fastmath)."""
+    return lambda fn: CPUKernel(fn, **options)
 
 
 @intrinsic
@@ -170,7 +198,7 @@ def _members(lv, kk, found, hist, few):
     return c, kept, window
 
 
-@njit(parallel=True, cache=True)
+@cpu_kernel()
 def _select(pq, pk, K, allowed, kk, q, keys, by_score, out):
     """pq, pk (W, N, T) words of the codes (`_mismatches`): packed sign bits (uint64, `_pack`)
     or one l2 bucket per word (int32, W = K); allowed (N, T) bool; q, keys (N, T, d)
@@ -243,11 +271,6 @@ def _select(pq, pk, K, allowed, kk, q, keys, by_score, out):
                     b -= 1
 
 
-def follow_torch_threads() -> None:
-    """numba's threads follow torch's setting (`torch.set_num_threads`, the bench's --threads)."""
-    numba.set_num_threads(max(1, min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS)))
-
-
 @torch.library.custom_op("speechattn::lsh_topk_cpu", mutates_args=())
 def lsh_topk_cpu(cq: Tensor, ck: Tensor, kv: Tensor, k: int, q: Tensor, keys: Tensor) -> Tensor:
     """cq, ck (N, T, K) codes, bool (sign) or int32 (l2 buckets), kv (N, T) allowed keys,
@@ -257,7 +280,6 @@ def lsh_topk_cpu(cq: Tensor, ck: Tensor, kv: Tensor, k: int, q: Tensor, keys: Te
     out = torch.empty(N, T, min(k, T), dtype=torch.long)
     if N * T == 0:
         return out
-    follow_torch_threads()
     if cq.dtype == torch.bool:
         words = [_pack(c.contiguous().numpy()) for c in (cq, ck)]
     else:  # one word per hash, hash-major (int32 comparisons run 16 to a vector)
