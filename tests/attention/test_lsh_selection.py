@@ -94,9 +94,9 @@ def test_l2_bucket_codes_equal_the_definition(T, K, buckets, by_score, path):
 
 
 @pytest.mark.parametrize("k", [32, 100])
-def test_long_rows_with_few_keys_near_the_best(k, path):
-    """T = 2048, 16 bits: a few percent of a row's keys lie within 3 levels of its best, so
-    the CPU kernel collects them in one pass; with k = 100 they are too few, and it counts on
+def test_long_rows_with_few_keys_near_the_best(k):
+    """The CPU kernel at T = 2048, 16 bits: where few of a row's keys lie within 3 levels of
+    its best, it collects them in one pass; with k = 100 they are too few, and it counts on
     from below them."""
     cq, ck, kv, q, keys = random_case(1, 2048, 16, 4, seed=k, dtype=torch.float32, valid_frac=1)
     got = topk.topk_by_match(cq, ck, kv, k, q, keys)
