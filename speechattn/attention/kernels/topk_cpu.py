@@ -3,19 +3,21 @@ count broken by the score, then by position (`lsh.py`), one compiled kernel per 
 
 Per query row, in one thread and in cache: the match levels of all T keys (sign codes: XOR and
 popcount of the packed bits; l2 codes: equal buckets, hash by hash; the levels of
-`topk._match_operands`), their maximum, the threshold c* (the
-largest level with at least k keys at or above it, counted four levels per pass down from the
-maximum), the keys above c* (all in) and the keys at c* (tied); the tied keys get their scores,
+`topk._match_operands`), their maximum, and the threshold c* (the largest level with at least
+k keys at or above it: counted four levels per pass down from the maximum, or, where the
+previous row had few keys near its best, from the histogram of those keys, collected in one
+pass; `_members`); the keys above c* are in, and the keys at c* (tied) get their scores,
 float64 sums of the exact products rounded to float32 (`topk.tie_scores`), only when they
-outnumber the free slots, and a quickselect on (score, nearness) fills the slots. The row's
-keys come out in increasing order. Nothing of size T x T is ever stored, so memory is
+outnumber the free slots; a quickselect on (score, nearness) fills the slots. The row's keys
+come out in increasing order. Nothing of size T x T is ever stored, so memory is
 O(T (threads + k)) and the work O(T^2 K / 64) bit operations plus O(T c d) for c tied keys.
 
 Why numba: the selection is a few data-dependent passes over each row; as tensor operations
 every pass is a separate sweep over a T x T block in memory (the matmul, the conversion, a
 bisection of counts, a nonzero, a sampled product), which on a CPU costs 5-6x this kernel
 (`python -m speechattn.bench attention`; docs/benchmarks.md). numba is already installed with
-librosa; the kernel compiles once per machine (`cache=True`, about 15 s) and is a custom op, so
+librosa; a kernel compiles on first use and is cached beside the module (`cache=True`, about
+15 s once per machine for each of its two builds, `CPUKernel`); it is a custom op, so
 torch.compile keeps it as one opaque call. GPUs run the tensor version (`topk.py`).
 """
 
