@@ -55,9 +55,12 @@ def test_register_refuses_duplicates_and_non_subclasses():
 
 def test_options_lists_defaults():
     assert registry.options("ldsa") == {"context": 15}
-    assert registry.options("sign_alsh") == {
-        "k": 32, "bits": 16, "seed": 0, "normalize_keys": True, "tie_break": "score"
+    lsh = {
+        "k": 32, "bits": 16, "seed": 0, "normalize_keys": True, "tie_break": "score",
+        "hash": "sign", "bucket_width": 2.5, "hash_keys": "scored",
     }  # fmt: skip
+    assert registry.options("sign_alsh") == lsh
+    assert registry.options("xbox") == {**lsh, "hash": "l2"}  # its paper's hash
 
 
 @pytest.mark.parametrize("name", available())
