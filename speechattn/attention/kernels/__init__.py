@@ -14,9 +14,12 @@ the kernels here are tested against those dense references.
 * `cluster`: routing's cluster kernel and the sizes of its tables (`cluster_kernel`,
   `num_clusters`, `capacity_bound`, `blocks_bound`).
 * `topk`: LSH's exact top-k by code match (`topk_by_match`: a threshold on the match
-  counts, scores for the tied keys only).
-* `sparse_topk`: attention over each query's selected keys as CSR products
-  (`sparse_topk_attention`, the custom ops `speechattn::topk_attention[_backward]`).
+  counts, scores for the tied keys only), the tensor version GPUs run.
+* `topk_cpu`: the same on the CPU, one numba kernel per layer (the custom op
+  `speechattn::lsh_topk_cpu`; `CPUKernel`, the threaded and serial builds).
+* `sparse_topk`: attention over each query's selected keys (`sparse_topk_attention`, the
+  custom ops `speechattn::topk_attention[_backward]`): CSR products on GPUs, and
+* `sparse_topk_cpu`: its numba kernels on the CPU.
 * `table`: the random synthesizers' table kernels (`TableWindows`, `TableAttention`,
   `GradientMemory`).
 
