@@ -6,7 +6,7 @@ version for GPUs (static shapes: no host read, the same code under torch.compile
 pieces both share.
 
 Per query row the order is a composite key: a small integer *level* (the match count, with
-self and disallowed keys moved below, see `_match_operands`), then the score, then the
+self and disallowed keys moved below, see `_chunk_levels`), then the score, then the
 position. Levels take at most 2K + 4 values, so the k-th largest level c* of a row is found by
 counting, not sorting (`_threshold`: a bisection over the level values, each step one pass
 that counts the keys at or above a value). Keys above c* are in; only the keys *at* c*
@@ -27,6 +27,8 @@ Indices come back in increasing key order from both kernels, so they give equal 
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -92,37 +94,50 @@ def tie_scores(q: Tensor, keys: Tensor) -> Tensor:
     return ieee_matmul(q.double(), keys.double().transpose(-1, -2)).float()
 
 
-def _match_operands(
-    cq: Tensor, ck: Tensor, kv: Tensor, mdtype: torch.dtype
-) -> tuple[Tensor, Tensor, Tensor]:
-    """Factors of the level matmul and the levels of the query's own key.
+def _chunk_levels(cq: Tensor, ck: Tensor, kv: Tensor) -> tuple[Callable[[int, int], Tensor], int]:
+    """levels(s, e): the levels (N, e - s, T) of query rows s..e-1 against every key, and the
+    elements a query row takes to compute (which sizes the chunks).
 
-    cq, ck (N, T, K) bool codes, kv (N, T) allowed keys. Returns a (N, T, 2K + 1),
-    bT (N, 2K + 1, T) with a_i . b_j = match_ij + offset_j (the query side [c; ~c; 1], the
-    key side [c; ~c; offset]), and own (N, T), the level that replaces the diagonal. Levels,
-    highest first, in the order of the definition (`lsh.py: selection_dense`):
+    cq, ck (N, T, K) codes, kv (N, T) allowed keys. Levels, highest first, in the order of the
+    definition (`lsh.py: selection_dense`):
 
         allowed other key   K + 4 + match   in [K + 4, 2K + 4]
         own key, allowed    K + 3
         disallowed key      2 + match       in [2, K + 2]
         own key, disallowed 1
 
-    Only the own key's place within the order matters (one key per row), not its match.
+    Only the own key's place within the order matters (one key per row), not its match. Sign
+    bits: one matmul a_i . b_j = match_ij + offset_j (the query side [c; ~c; 1], the key side
+    [c; ~c; offset]). l2 buckets: compared hash by hash, (N, C, T, K) at once.
     """
-    K = cq.shape[-1]
-    ones = torch.ones_like(cq[..., :1])
-    a = torch.cat([cq, ~cq, ones], dim=-1).to(mdtype)
-    offset = torch.where(kv, K + 4, 2).unsqueeze(-1).to(mdtype)  # (N, T, 1)
-    b = torch.cat([ck.to(mdtype), (~ck).to(mdtype), offset], dim=-1)
-    own = torch.where(kv, K + 3, 1).to(_level_dtype(K))
-    return a, b.transpose(-1, -2).contiguous(), own
+    N, T, K = cq.shape
+    ldtype = _level_dtype(K)
+    offset = torch.where(kv, K + 4, 2)  # (N, T): a key's level less its match
+    own = torch.where(kv, K + 3, 1).to(ldtype)  # (N, T): the levels of the diagonal
+    if cq.dtype == torch.bool:
+        mdtype = _match_dtype(K, cq.device)
+        a = torch.cat([cq, ~cq, torch.ones_like(cq[..., :1])], dim=-1).to(mdtype)
+        b = torch.cat([ck.to(mdtype), (~ck).to(mdtype), offset[..., None].to(mdtype)], dim=-1)
+        bT = b.transpose(-1, -2).contiguous()
 
+        def match(s: int, e: int) -> Tensor:
+            return ieee_matmul(a[:, s:e], bT).to(ldtype)
 
-def _levels(a: Tensor, bT: Tensor, own: Tensor, s: int, e: int, ldtype: torch.dtype) -> Tensor:
-    """Levels of query rows s..e-1 against every key: (N, e - s, T), one matmul."""
-    lvl = ieee_matmul(a[:, s:e], bT).to(ldtype)
-    lvl.diagonal(offset=s, dim1=-2, dim2=-1).copy_(own[:, s:e])  # (N, e - s): keys s..e-1
-    return lvl
+        width = T
+    else:
+        key_offset = offset.to(ldtype)[:, None, :]  # (N, 1, T)
+
+        def match(s: int, e: int) -> Tensor:
+            return (cq[:, s:e, None] == ck[:, None]).sum(-1, dtype=ldtype) + key_offset
+
+        width = T * K
+
+    def levels(s: int, e: int) -> Tensor:
+        lvl = match(s, e)
+        lvl.diagonal(offset=s, dim1=-2, dim2=-1).copy_(own[:, s:e])  # (N, e - s): keys s..e-1
+        return lvl
+
+    return levels, width
 
 
 def _at_least(lvl: Tensor, c: Tensor) -> Tensor:
@@ -156,12 +171,6 @@ def _threshold(lvl: Tensor, kk: int, top: int) -> Tensor:
         cand = (lo + (1 << b)).clamp_max(top + 1)  # above the top: counts 0, never taken
         lo = torch.where(_count(_at_least(lvl, cand.to(lvl.dtype))) >= kk, cand, lo)
     return lo.to(lvl.dtype)
-
-
-def _tie_values(rows: Tensor, keys: Tensor, T: int) -> Tensor:
-    """2T - rank of key j for query i, rank = 2|i - j| + [j > i]: in [1, 2T], larger for the
-    nearer key, then for the earlier of two equidistant ones. rows, keys broadcast."""
-    return 2 * T - (2 * (keys - rows).abs() + (keys > rows).long())
 
 
 def _split(lvl: Tensor, cstar: Tensor) -> tuple[Tensor, Tensor]:
@@ -246,7 +255,7 @@ def topk_by_match(
     Returns (N, T, min(k, T)) key positions, increasing along the last dimension.
 
     On the CPU the compiled kernel (`topk_cpu.py`). Elsewhere rows go in chunks so the
-    (N, chunk, T) levels stay within a memory bound; per chunk one matmul gives the levels, a
+    (N, chunk, T) levels stay within a memory bound; per chunk `_chunk_levels` gives the levels, a
     bisection their threshold (`_threshold`), the keys above it are in, and the tied ones are
     chosen by `_finish_dense` (score) or `_nearest` (position). Chunks depend on shapes only.
     """
@@ -257,23 +266,13 @@ def topk_by_match(
         if not by_score:
             q = keys = cq.new_empty(N, T, 0, dtype=torch.float32)
         return lsh_topk_cpu(cq, ck, kv, k, widen(q), widen(keys))
-    top, ldtype = _top_level(K), _level_dtype(K)
-    if cq.dtype == torch.bool:  # sign bits: levels as one matmul per chunk
-        a, bT, own = _match_operands(cq, ck, kv, _match_dtype(K, cq.device))
-        chunk = max(1, _MATCH_CHUNK // max(1, N * T))
-    else:  # l2 buckets: levels by comparing hash by hash, (N, C, T, K) per chunk
-        offset = torch.where(kv, K + 4, 2).to(ldtype)[:, None, :]  # (N, 1, T)
-        own = torch.where(kv, K + 3, 1).to(ldtype)
-        chunk = max(1, _MATCH_CHUNK // max(1, N * T * K))
+    levels, width = _chunk_levels(cq, ck, kv)
+    chunk = max(1, _MATCH_CHUNK // max(1, N * width))
     out = []
     for s in range(0, T, chunk):
         e = min(s + chunk, T)
-        if cq.dtype == torch.bool:
-            lvl = _levels(a, bT, own, s, e, ldtype)  # (N, C, T)
-        else:
-            lvl = (cq[:, s:e, None] == ck[:, None]).sum(-1, dtype=ldtype) + offset
-            lvl.diagonal(offset=s, dim1=-2, dim2=-1).copy_(own[:, s:e])
-        above, at = _split(lvl, _threshold(lvl, kk, top))
+        lvl = levels(s, e)  # (N, C, T)
+        above, at = _split(lvl, _threshold(lvl, kk, _top_level(K)))
         need = kk - _count(above).long()  # (N, C, 1) in [1, kk]: slots for tied keys
         if by_score:
             chosen = _finish_dense(above, at, need, kk, s, tie_scores(q[:, s:e], keys))

@@ -3,7 +3,7 @@ count broken by the score, then by position (`lsh.py`), one compiled kernel per 
 
 Per query row, in one thread and in cache: the match levels of all T keys (sign codes: XOR and
 popcount of the packed bits; l2 codes: equal buckets, hash by hash; the levels of
-`topk._match_operands`), their maximum, and the threshold c* (the largest level with at least
+`topk._chunk_levels`), their maximum, and the threshold c* (the largest level with at least
 k keys at or above it: counted four levels per pass down from the maximum, or, where the
 previous row had few keys near its best, from the histogram of those keys, collected in one
 pass; `_members`); the keys above c* are in, and the keys at c* (tied) get their scores,
@@ -221,7 +221,7 @@ def _select(pq, pk, K, allowed, kk, q, keys, by_score, out):
         chosen = np.empty(kk, np.int64)
         hist = np.empty(2 * K + 5, np.int64)
         few = False  # the previous row had few keys near its best (`_members`)
-        for j in range(T):  # the levels of `topk._match_operands`, less the mismatches
+        for j in range(T):  # the levels of `topk._chunk_levels`, less the mismatches
             top[j] = 2 * K + 4 if allowed[n, j] else K + 2
         for i in range((task % tasks) * rows, min((task % tasks + 1) * rows, T)):
             code, keys_w = pq[0, n, i], pk[0, n]
