@@ -160,8 +160,9 @@ class LSHConfig(AttentionConfig):
     # study's first runs: a hidden local window, since ties are frequent).
     tie_break: str = "score"
     # "sign": sign random projections (SimHash), one bit per hash; "l2": E2LSH buckets
-    # floor((a . z / M + b) / w), z the transformed vector, M the largest key norm, b uniform
-    # in [0, w), w = `bucket_width`. Each scheme's default is its paper's (`default_hash`).
+    # floor((a . z / s + b) / w), z the transformed vector, s = M (the largest key norm) where
+    # the transform keeps the keys' scale, else 1, b uniform in [0, w), w = `bucket_width`.
+    # Each scheme's default is its paper's (`L2HashConfig` for the XBOX transforms).
     hash: str = "sign"
     bucket_width: float = 2.5  # w of the l2 hash, in units of M (the ALSH paper's r = 2.5)
     # The key side hashes "scored", the keys the scores use (normalised with normalize_keys),
@@ -284,6 +285,12 @@ class _LSHAttention(Attention):
         return k if self.hash_keys == "scored" else q
 
     @torch.no_grad()
+    def match_counts(self, q: Tensor, k: Tensor, valid: Tensor) -> Tensor:
+        """Equal hashes of every query-key pair (B, h, T, T), written out (references)."""
+        cq, ck = self.codes(q, self.hashed_keys(q, k), valid)
+        return (cq[:, :, :, None, :] == ck[:, :, None, :, :]).sum(-1)
+
+    @torch.no_grad()
     def select(self, q: Tensor, k: Tensor, valid: Tensor) -> Tensor:
         """Top-k key indices (B, h, T, min(k, T)) (fast path; no gradient).
 
@@ -305,8 +312,7 @@ class _LSHAttention(Attention):
     def selection_dense(self, q: Tensor, k: Tensor, valid: Tensor) -> Tensor:
         """Reference selection (B, h, T, T) bool from explicit match counts and a sort."""
         B, h, T, _ = q.shape
-        cq, ck = self.codes(q, self.hashed_keys(q, k), valid)
-        match = (cq[:, :, :, None, :] == ck[:, :, None, :, :]).sum(-1)  # (B, h, T, T)
+        match = self.match_counts(q, k, valid)  # (B, h, T, T)
         i = torch.arange(T, device=q.device)
         rank = 2 * (i[:, None] - i[None, :]).abs() + (i[None, :] > i[:, None]).long()  # (T, T)
         # The match count first: self sits below the other valid keys, every disallowed key
@@ -394,12 +400,7 @@ def same_model(a: Attention, b: Attention, T: int = 256, seed: int = 0) -> bool:
     q = torch.randn(shape, generator=g) * torch.randn(shape[:-1] + (1,), generator=g).exp()
     valid = torch.ones(1, T, dtype=torch.bool)
     k = F.normalize(q, dim=-1) if a.normalize_keys else q
-
-    def matches(m: _LSHAttention) -> Tensor:
-        cq, ck = m.codes(q, m.hashed_keys(q, k), valid)
-        return (cq[..., :, None, :] == ck[..., None, :, :]).sum(-1)
-
-    return torch.equal(matches(a), matches(b))
+    return torch.equal(a.match_counts(q, k, valid), b.match_counts(q, k, valid))
 
 
 @register("sign_alsh")
