@@ -390,7 +390,10 @@ def test_pruned_topk_equals_exact_sort(T, k):
     assert torch.equal(got, want)
 
 
-def test_sparse_topk_attention_gradcheck():
+@pytest.mark.parametrize("kernel", ["cpu", "csr"])
+def test_sparse_topk_attention_gradcheck(kernel, monkeypatch):
+    """Both kernels: the CPU's numba one and the CSR products GPUs run."""
+    monkeypatch.setattr(sparse_topk, "_use_cpu_kernel", lambda t: kernel == "cpu")
     g = torch.Generator().manual_seed(0)
     q, k, v = (
         torch.randn(2, 7, 3, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(3)

@@ -1,12 +1,12 @@
-"""Softmax attention of each query over its own selected keys as sparse (CSR) products, a
-custom op with its own backward (`lsh.py`)."""
+"""Softmax attention of each query over its own selected keys, a custom op with its own
+backward (`lsh.py`): sparse (CSR) products on GPUs, numba kernels on the CPU
+(`sparse_topk_cpu.py`)."""
 
 from __future__ import annotations
 
 import warnings
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from speechattn.attention.base import SELF_PENALTY, masked_softmax, widen
@@ -14,6 +14,11 @@ from speechattn.attention.kernels.sparse_topk_cpu import (
     topk_attention_backward_cpu,
     topk_attention_cpu,
 )
+
+
+def _use_cpu_kernel(t: Tensor) -> bool:
+    """Whether the CPU kernels run (tests replace this to run the CSR version on the CPU)."""
+    return t.device.type == "cpu"
 
 
 def _csr(crow: Tensor, col: Tensor, values: Tensor) -> Tensor:
@@ -33,7 +38,7 @@ def _topk_attention(
 ) -> tuple[Tensor, Tensor, Tensor]:
     """q, k, v (N, T, d) float32/64, idx (N, T, kk), allowed (N, T, kk) -> out (N, T, d),
     weights p (N T kk,) and CSR columns col (N T kk,) (saved for the backward)."""
-    if q.device.type == "cpu":
+    if _use_cpu_kernel(q):
         return topk_attention_cpu(q, k, v, idx, allowed, scale, SELF_PENALTY)
     N, T, d = q.shape
     kk = idx.shape[-1]
@@ -58,14 +63,12 @@ def _(q: Tensor, k: Tensor, v: Tensor, idx: Tensor, allowed: Tensor, scale: floa
     return torch.empty_like(q), q.new_empty(n), idx.new_empty(n, dtype=torch.long)
 
 
-def key_pointers(col: Tensor, by_key: Tensor, n: int, count: bool) -> Tensor:
+def key_pointers(col: Tensor, by_key: Tensor, n: int) -> Tensor:
     """Row pointers (n + 1,) of the transposed pattern: entries with key < j, for j = 0..n.
 
-    col (nnz,) keys of the entries, by_key (nnz,) their stable order by key. count=True
-    (CPU, fastest there): a bincount; its output size depends on the largest key, which a GPU
-    must read back (a sync), so elsewhere a binary search of the sorted keys, sized by n."""
-    if count:
-        return F.pad(torch.bincount(col, minlength=n).cumsum(0), (1, 0))
+    col (nnz,) keys of the entries, by_key (nnz,) their stable order by key: a binary search
+    of the sorted keys, sized by n (a bincount's size would depend on the largest key, which
+    a GPU must read back)."""
     return torch.searchsorted(col[by_key], torch.arange(n + 1, device=col.device))
 
 
@@ -75,7 +78,7 @@ def _topk_attention_backward(
     scale: float,
 ) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
     """dL/dq, dL/dk, dL/dv (N, T, d) of `_topk_attention` from dL/dout (N, T, d)."""
-    if q.device.type == "cpu":
+    if _use_cpu_kernel(q):
         return topk_attention_backward_cpu(grad, q, k, v, out, p, col, scale)
     shape = q.shape
     N, T, d = shape
@@ -89,7 +92,7 @@ def _topk_attention_backward(
         g_s = ((g_p - delta) * p.view(-1, kk) * scale).view(-1)  # dL/dscores
         # the transpose: entries by key, a key's queries in increasing order (stable sort)
         by_key = col.to(torch.int32).argsort(stable=True)  # int32 sorts faster than int64
-        crow_t = key_pointers(col, by_key, N * T, count=q.device.type == "cpu")
+        crow_t = key_pointers(col, by_key, N * T)
         query = by_key // kk  # the row (query) of each entry, in key order
         g_q = _csr(crow, col, g_s) @ k
         g_k = _csr(crow_t, query, g_s[by_key]) @ q
