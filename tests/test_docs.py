@@ -6,6 +6,8 @@
 - No file users get cites a document they do not have: the design notes the project was
   written from ("SPEC 2.1", "seeds/002", "seed 002") are not in the repository, so code,
   configs and docs say what they mean or link a page in docs/ instead.
+- Nothing speaks of how the project was made: no issue numbers ("issue 12", "#24 item 7"),
+  "round 3" or the like; a cited upstream project's issue names the project ("s3prl issue").
 - docs/attention.md documents every registered variant and each of its options.
 """
 
@@ -26,6 +28,10 @@ CODE_BLOCK = re.compile(r"^```.*?^```", re.S | re.M)
 # "SPEC 2.1", "(SPEC)", "seeds/000", "seed 002": references to the documents the project was
 # built from. A random seed ("seed=1", "the seed option", "seeds CUDA generators") is not one.
 OUTSIDE_REFERENCE = re.compile(r"\bSPEC\b|\bseeds?/\d|\bseeds? \d{3}\b")
+# "issue 12", "issue #24", "issues 3 and 4", "round 3"; not another project's tracker, which
+# is named on the line ("s3prl issue #22", a github.com link)
+PROCESS_WORDS = re.compile(r"\bissues? #?\d+|\bround \d+\b", re.I)
+ELSEWHERE = re.compile(r"github\.com|\bs3prl\b|\blhotse\b|\btorch\b|\bpytorch\b", re.I)
 SCANNED = [
     *sorted((ROOT / "speechattn").rglob("*.py")),
     *sorted((ROOT / "conf").rglob("*.yaml")),
@@ -112,6 +118,20 @@ def test_no_references_to_documents_users_do_not_have() -> None:
     assert not found, (
         "these cite documents that are not in the repository; say what is meant, or link "
         "the docs/ page that defines it:\n" + "\n".join(found)
+    )
+
+
+def test_no_process_words() -> None:
+    found = []
+    for path in SCANNED:
+        if not path.is_file():
+            continue
+        for n, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
+            if PROCESS_WORDS.search(line) and not ELSEWHERE.search(line):
+                found.append(f"{path.relative_to(ROOT)}:{n}: {line.strip()}")
+    assert not found, (
+        "these speak of how the project was made (issue numbers, rounds); say what the code "
+        "does and why instead:\n" + "\n".join(found)
     )
 
 

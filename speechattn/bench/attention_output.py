@@ -38,6 +38,8 @@ def print_table(out: dict) -> None:
     table("FLOP bound: flops(full) / flops(variant)", "flop_bound")
     table("achieved / bound (speed-up over FLOP bound)", "achieved_of_bound")
     table("MFU (achieved FLOP/s over the measured matmul peak)", "mfu")
+    table("kernels per step (CUDA launches; on the CPU operator calls from Python/autograd)",
+          "kernels", "{:10d}")  # fmt: skip
     if any("attention_ms" in r for r in allrows.values()):
         print("\nLSH: hashing+matching (select) / attention part (ms)")
         for n, r in allrows.items():

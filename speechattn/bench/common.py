@@ -108,6 +108,39 @@ def _time_products(
     return max(clock() - t, 1e-9)
 
 
+# the CUDA runtime calls the profiler records for a kernel launch
+CUDA_LAUNCHES = {"cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx"}
+
+
+def count_kernels(fn: Callable[[], object], device: str | torch.device) -> int:
+    """Kernels one call of `fn` starts, from the profiler: CUDA kernel launches on CUDA; on
+    the CPU the operator calls made from Python or autograd (an operator's own inner calls, as
+    `aten::matmul`'s `aten::mm`, are part of it), which counts small steps the same way."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = torch.device(device).type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as prof:
+        fn()
+        sync(device)
+    events = prof.events()
+    if cuda:
+        return sum(e.name in CUDA_LAUNCHES for e in events)
+
+    def is_op(e) -> bool:  # a dispatched operator, not an autograd node or a user range
+        return "::" in e.name and not e.name.startswith(("autograd::", "profiler::"))
+
+    def outermost(e) -> bool:
+        parent = e.cpu_parent
+        while parent is not None:
+            if is_op(parent):
+                return False
+            parent = parent.cpu_parent
+        return True
+
+    return sum(is_op(e) and outermost(e) for e in events)
+
+
 def peak_dtype(precision: str) -> torch.dtype:
     """The matmul dtype a precision runs its products in."""
     return PRECISIONS[precision] or torch.float32

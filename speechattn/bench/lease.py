@@ -54,7 +54,7 @@ from typing import Any
 import torch
 
 from speechattn.attention import available, registry
-from speechattn.bench.common import device_name, matmul_peak, sync
+from speechattn.bench.common import CUDA_LAUNCHES, device_name, matmul_peak, sync
 from speechattn.errors import UsageExit
 
 FEATURE_DIM = 80
@@ -64,8 +64,7 @@ TINY = [
 ]  # fmt: skip
 # first guesses of a case's seconds on a GPU, before one of its kind has run
 FIRST_GUESS = {"step": 20.0, "flex": 60.0, "compiled": 120.0, "lightning": 90.0}
-# the CUDA runtime calls the profiler records: kernel launches, host waits
-LAUNCHES = {"cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx"}
+# the CUDA runtime calls the profiler records for host waits
 RUNTIME_SYNCS = {"cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize"}
 # (backend, substrings of its CUDA kernels' names), the first match wins
 ATTENTION_KERNELS = (
@@ -228,7 +227,7 @@ def profile_step(step: Step) -> dict[str, Any]:
     names = Counter(e.name for e in events)
     kernels = sorted({e.name for e in events if e.device_type.name == "CUDA"})
     return {
-        "launches": sum(v for k, v in names.items() if k in LAUNCHES),
+        "launches": sum(v for k, v in names.items() if k in CUDA_LAUNCHES),
         "runtime_syncs": sum(v for k, v in names.items() if k in RUNTIME_SYNCS),
         "memcpy_calls": sum(v for k, v in names.items() if k.startswith("cudaMemcpy")),
         "backend": attention_backend(kernels) if step.device.type == "cuda" else "cpu",

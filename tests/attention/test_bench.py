@@ -24,6 +24,7 @@ def test_bench_writes_json_and_png(tmp_path, capsys):
         and out["variants"]["xbox"]["keys_attended"]["16"] == 16
     )
     assert "attention_ms" in out["variants"]["xbox"] and ldsa["params"] > 0
+    assert out["variants"]["full"]["kernels"]["32"] > 0
     assert out["targets"] and (tmp_path / "bench.png").exists()
     assert "speed-up vs full" in capsys.readouterr().out
 
@@ -88,3 +89,16 @@ def test_lsh_recall_is_one_when_every_other_key_is_kept_and_above_chance_otherwi
 
     assert recall("xbox", "l2", T=20, k=19, bits=8, batch=1, raw=False) == 1.0
     assert recall("simple_lsh", "sign", T=200, k=16, bits=16, batch=1, raw=False) > 2 * 16 / 199
+
+
+def test_kernels_counted_per_step_are_the_operator_calls_made_from_python_or_autograd():
+    import torch
+
+    from speechattn.bench.common import count_kernels
+
+    a = torch.randn(8, 8)
+    assert count_kernels(lambda: (a @ a) @ a, "cpu") == 2  # matmul's own mm is part of it
+    assert count_kernels(lambda: [a @ a for _ in range(5)], "cpu") == 5
+    w = torch.randn(8, 8, requires_grad=True)
+    backward = count_kernels(lambda: (a @ w).sum().backward(), "cpu")
+    assert backward > 2  # the backward's calls, made by autograd, count too

@@ -1,4 +1,4 @@
-"""The branches that CUDA and torch.compile take in sparse_*, longformer and ldsa (issue 23):
+"""The branches that CUDA and torch.compile take in sparse_*, longformer and ldsa:
 shapes fixed by T and the options, no host read of device data, exact against the dense
 reference, and one graph under torch.compile."""
 

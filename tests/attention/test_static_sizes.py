@@ -1,4 +1,4 @@
-"""LSH and routing with the sizes a GPU or torch.compile uses (issue 23): fixed per length,
+"""LSH and routing with the sizes a GPU or torch.compile uses: fixed per length,
 from shapes and options only, never read from device data. Forced here on CPU, they must give
 what the CPU eager path's data-dependent sizes give, and compile without graph breaks."""
 

@@ -1,6 +1,6 @@
 """Open descriptors stay bounded whatever the corpus size: a process limited to 128 files
 reads every utterance of a cache of more than 128 shards, directly and through a DataLoader
-with 2 workers (issue #24: 1563 shards stopped at batch 31 under `ulimit -n 1024`)."""
+with 2 workers (1563 shards stopped at batch 31 under `ulimit -n 1024`)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Several processes extract into one feature cache at once (issue #24 item 7): processes with
+"""Several processes extract into one feature cache at once: processes with
 distinct fake host names (`SPEECHATTN_HOST`) extract every shard exactly once between them and
 end with the same complete store; a dead holder's shard is taken over; a live holder's shard
 is waited for (its temporary files kept), and the wait times out naming it; DDP ranks share

@@ -32,7 +32,7 @@ def test_plan_projects_step_time_gpu_hours_and_loader_rate(tmp_path, capsys):
         assert r["gpu_hours"] == pytest.approx(500_000 * step_s / 3600)
         assert r["frames_per_step"] == 50 * 1500
         assert r["loader_frames_per_s"] == pytest.approx(r["frames_per_step"] / step_s)
-    # full at B 50 x T' 500: about 7.2 TFLOP, 18 ms at 40 % of an H100 (issue 23's estimate)
+    # full at B 50 x T' 500: about 7.2 TFLOP, 18 ms at 40 % of an H100
     assert 7.0 < rows["full"]["step_tflop"] < 7.4 and 17 < rows["full"]["step_ms"] < 19
     assert "PROJECTION, not a measurement" in capsys.readouterr().out
 
