@@ -42,7 +42,8 @@ from torch.utils.data import ConcatDataset, Dataset
 
 import speechattn
 from speechattn.attention import available, get, registry
-from speechattn.bench.lease import LAUNCHES, RUNTIME_SYNCS  # the profiler's CUDA calls
+from speechattn.bench.common import CUDA_LAUNCHES  # the profiler's CUDA calls
+from speechattn.bench.lease import RUNTIME_SYNCS
 from speechattn.pretrain import run
 from speechattn.tasks.common import read_metrics
 from speechattn.tasks.pretrain import PretrainTask
@@ -228,7 +229,7 @@ class MeasureStep(CountSteps):
         if batch_idx == 2:
             self._profiler.__exit__(None, None, None)
             names = [e.name for e in self._profiler.events()]
-            self.counts["launches"] = sum(n in LAUNCHES for n in names)
+            self.counts["launches"] = sum(n in CUDA_LAUNCHES for n in names)
             self.counts["runtime_syncs"] = sum(n in RUNTIME_SYNCS for n in names)
             self.counts["copies"] = sum(n.startswith("cudaMemcpy") for n in names)
             self.counts["aten_ops"] = sum(n.startswith("aten::") for n in names)
