@@ -21,7 +21,8 @@ downstream probes, and every `logger/` option for both jobs.
 
 `compose(name, overrides)` is what the entry points' `@hydra.main` does, for tests and
 notebooks; `CONFIG_DIR` is `conf/`, shipped inside the package by a plain `pip install .`;
-`run_cli` is the error handling every entry point shares.
+`run_cli` is the error handling every entry point shares; `RunFolderGuard` (a Hydra callback
+every entry point's config lists) refuses a run folder with a link planted where Hydra writes.
 """
 
 from __future__ import annotations
@@ -30,19 +31,22 @@ import logging
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
+from hydra.experimental.callback import Callback
 from omegaconf import MISSING, DictConfig
 
 from speechattn import CONFIG_DIR
 from speechattn.data.config import DataConfig
-from speechattn.errors import SpeechattnError, one_line, traceback_requested
+from speechattn.errors import SpeechattnError, command_line_errors, one_line, traceback_requested
 from speechattn.model.aalbert import ModelConfig
 from speechattn.model.masking import MaskingConfig
 from speechattn.model.optim import OptimConfig
 from speechattn.tasks.analysis.prune import PruneConfig
 from speechattn.tasks.analysis.sources import HeadsRunConfig
 from speechattn.tasks.downstream.probe import TaskConfig
+from speechattn.utils import link_error
 
 # ----------------------------------------------------------------------------- pretrain
 
@@ -207,6 +211,31 @@ def run_cli(run: Callable[[DictConfig], dict[str, Any]], cfg: DictConfig) -> dic
         if _in_multirun() or traceback_requested():
             raise
         sys.exit(1)
+
+
+class RunFolderGuard(Callback):
+    """Refuses, before Hydra writes anything, a run folder in which a file that Hydra or the
+    job writes is a symbolic link: Hydra saves `.hydra/*.yaml` and its log by opening them,
+    through any link planted there (an overwrite outside the folder). A multirun checks the
+    existing job folders of its sweep folder. The job's own writes never follow links either
+    (`speechattn.utils`: atomic renames, `append_text`)."""
+
+    WRITTEN = (".hydra", ".hydra/config.yaml", ".hydra/hydra.yaml", ".hydra/overrides.yaml",
+               "config.yaml", "metrics.csv")  # fmt: skip
+
+    def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
+        self._check([Path(config.hydra.run.dir)], config.hydra.job.name)
+
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        sweep = Path(config.hydra.sweep.dir)
+        self._check(sorted(sweep.iterdir()) if sweep.is_dir() else [], config.hydra.job.name)
+
+    def _check(self, folders: list[Path], job: str) -> None:
+        with command_line_errors(prog=f"speechattn.{job}"):
+            for folder in folders:
+                for name in (*self.WRITTEN, f"{job}.log"):
+                    if (folder / name).is_symlink():
+                        raise link_error(folder / name)
 
 
 def _in_multirun() -> bool:

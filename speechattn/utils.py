@@ -20,7 +20,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from speechattn.errors import DiskFullError
+from speechattn.errors import DiskFullError, OutputExistsError
 
 if TYPE_CHECKING:
     import torch
@@ -210,6 +210,29 @@ def atomic_write_bytes(path: str | Path, data: bytes) -> None:
 
 def atomic_write_text(path: str | Path, text: str) -> None:
     atomic_write_bytes(path, text.encode("utf-8"))
+
+
+def link_error(path: Path) -> OutputExistsError:
+    """The error for a symbolic link where a run writes a file of its own."""
+    return OutputExistsError(
+        f"{path} is a symbolic link (to {os.readlink(path)}): a run writes its own files "
+        "and never through a link, which could overwrite a file outside the run folder; "
+        "remove the link or choose another folder"
+    )
+
+
+def append_text(path: str | Path, text: str) -> None:
+    """Append `text` to `path` (created if missing), never through a symbolic link: the rows a
+    run adds to a file it owns (an atomic rewrite per row would cost a sync each)."""
+    path = Path(path)
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o666)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise link_error(path) from None
+        raise
+    with os.fdopen(fd, "a", newline="") as f:
+        f.write(text)
 
 
 # ----------------------------------------------------------------------------- progress

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import io
 import math
 import os
 import time
@@ -16,6 +17,7 @@ from lightning.pytorch.callbacks import Callback, ProgressBar, RichProgressBar, 
 from torch import Tensor
 
 from speechattn.errors import ConfigError
+from speechattn.utils import append_text, atomic_write_text, link_error
 
 
 def host_value(value: float) -> Tensor:
@@ -52,17 +54,23 @@ class MetricsCSV(Callback):
             return
         step = trainer.global_step
         rows = []
+        if self.path.is_symlink():  # a link planted in the run folder: never read or written
+            raise link_error(self.path)
         if self.path.is_file():  # keep the history up to this point (resume, or step-0 validation)
             with self.path.open(newline="") as f:
                 rows = [r for r in csv.DictReader(f) if r.get("step") and int(r["step"]) <= step]
             if rows and rows[-1].get("elapsed_s"):
                 self._elapsed_before = float(rows[-1]["elapsed_s"])
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        with self.path.open("w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=self.COLUMNS, extrasaction="ignore")
-            writer.writeheader()
-            writer.writerows(rows)
+        atomic_write_text(self.path, self._csv(rows, header=True))  # replaces, never follows
         self._start = time.perf_counter()
+
+    def _csv(self, rows: list[dict[str, Any]], header: bool = False) -> str:
+        text = io.StringIO(newline="")
+        writer = csv.DictWriter(text, fieldnames=self.COLUMNS, extrasaction="ignore")
+        if header:
+            writer.writeheader()
+        writer.writerows(rows)
+        return text.getvalue()
 
     def _write(self, trainer: L.Trainer, keys: tuple[str, ...]) -> None:
         metrics = trainer.callback_metrics
@@ -72,8 +80,7 @@ class MetricsCSV(Callback):
             if key in metrics:
                 row[key] = f"{float(metrics[key]):.6g}"
         row["elapsed_s"] = f"{self._elapsed_before + time.perf_counter() - self._start:.2f}"
-        with self.path.open("a", newline="") as f:
-            csv.DictWriter(f, fieldnames=self.COLUMNS, extrasaction="ignore").writerow(row)
+        append_text(self.path, self._csv([row]))
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args) -> None:
         step = trainer.global_step
@@ -85,10 +92,10 @@ class MetricsCSV(Callback):
     def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if not trainer.is_global_zero or trainer.sanity_checking:
             return
+        if self.path.is_symlink():
+            raise link_error(self.path)
         if not self.path.is_file():  # validation before training: start the file
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            with self.path.open("w", newline="") as f:
-                csv.DictWriter(f, fieldnames=self.COLUMNS).writeheader()
+            atomic_write_text(self.path, self._csv([], header=True))
         self._write(trainer, ("val_loss",))
 
 

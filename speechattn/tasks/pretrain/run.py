@@ -62,7 +62,7 @@ from speechattn.tasks.pretrain.resume import (
     override,
     resume_differences,
 )
-from speechattn.utils import plain
+from speechattn.utils import atomic_write_text, plain
 
 log = logging.getLogger("speechattn.pretrain")
 
@@ -141,7 +141,7 @@ def run_locked(cfg: DictConfig, datamodule: Any, output_dir: Path) -> dict[str, 
     # the launcher's environment, so it is right before the processes are connected.
     hint = resume_hint(output_dir)
     if rank_zero_only.rank == 0:
-        OmegaConf.save(cfg, output_dir / "config.yaml", resolve=True)
+        atomic_write_text(output_dir / "config.yaml", OmegaConf.to_yaml(cfg, resolve=True))
         log.info("run directory: %s", output_dir)
         remove_partial_checkpoints(output_dir / "checkpoints")
         if resume is None:
