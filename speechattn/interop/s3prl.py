@@ -16,9 +16,9 @@ model gives fewer, its last frame is repeated; when it gives more, the extra one
 past that count, frames are zero (T' = the batch's largest count). Frames up to the smaller
 of the two counts are `load_upstream`'s hidden states unchanged.
 
-Input checks: waveforms must be finite floats at 16 kHz scale; a peak above
-`MAX_ABS_AMPLITUDE` (int16-range samples, or garbage such as 1e30) is refused with a
-`WaveformError` instead of producing NaN or meaningless hidden states.
+Input checks (`speechattn.model.upstream.pad_waveforms`): waveforms must be finite floats at
+16 kHz scale; a peak above `MAX_ABS_AMPLITUDE` (int16-range samples, or garbage such as 1e30) is
+refused with a `WaveformError` instead of producing NaN or meaningless hidden states.
 
 With s3prl installed (`pip install 'speechattn[s3prl]'`) the expert subclasses s3prl's
 `UpstreamBase`, so s3prl's forward hooks and its `Featurizer` (the weighted layer sum used by
@@ -36,9 +36,15 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from speechattn.data.features import SAMPLE_RATE, WIN_LENGTH
-from speechattn.errors import ConfigError, SpeechattnError
-from speechattn.model.upstream import Upstream, load_upstream
+from speechattn.data.features import SAMPLE_RATE
+from speechattn.errors import ConfigError
+from speechattn.model.upstream import (
+    MAX_ABS_AMPLITUDE,
+    Upstream,
+    WaveformError,
+    load_upstream,
+    pad_waveforms,
+)
 
 try:  # optional: the expert only needs s3prl for its hooks; its interface module is light
     from s3prl.upstream.interfaces import UpstreamBase as _ExpertBase
@@ -47,17 +53,6 @@ try:  # optional: the expert only needs s3prl for its hooks; its interface modul
 except ImportError:
     _ExpertBase = nn.Module
     S3PRL_AVAILABLE = False
-
-
-# Largest |sample| accepted. Float audio lives in [-1, 1]; s3prl's Featurizer probes every
-# upstream with unit-variance noise (peaks of about 4.5), so a few units must pass, while
-# int16-range samples (peaks in the hundreds or thousands) must not.
-MAX_ABS_AMPLITUDE = 32.0
-
-
-class WaveformError(SpeechattnError, ValueError):
-    """A waveform the expert cannot use (wrong type, shape, length, rate or values); the
-    message names the utterance (`wavs[i]`) and the fix."""
 
 
 def s3prl_frames(num_samples: int, samples_per_frame: int = 480) -> int:
@@ -158,7 +153,7 @@ class UpstreamExpert(_ExpertBase):
                 f"{self.name} got {sample_rate} Hz audio; the upstream was trained on "
                 f"{SAMPLE_RATE} Hz log-mel: resample to {SAMPLE_RATE} Hz first"
             )
-        padded, lengths = self._pad(wavs)
+        padded, lengths = pad_waveforms(wavs, self.upstream.mean.device)
         features, frames = self.upstream.features_from_waveforms(padded, lengths)
         hidden = self.upstream(features, frames)
         if getattr(self, "hooks", None):
@@ -166,54 +161,6 @@ class UpstreamExpert(_ExpertBase):
         model_frames = self.upstream.output_lengths(frames)  # (B,)
         hidden = match_s3prl_lengths(hidden, model_frames, lengths, self.upstream.samples_per_frame)
         return {"hidden_states": hidden, "last_hidden_state": hidden[-1]}
-
-    def _pad(self, wavs: list[Tensor]) -> tuple[Tensor, Tensor]:
-        """B waveforms -> zero-padded (B, S_max) on the model's device, sample counts (B,)."""
-        if isinstance(wavs, Tensor) or not isinstance(wavs, list | tuple) or not wavs:
-            found = f"a tensor of shape {tuple(wavs.shape)}" if isinstance(wavs, Tensor) else wavs
-            raise WaveformError(
-                f"{self.name} expects a non-empty list of 1-D {SAMPLE_RATE} Hz waveforms, "
-                f"got {found!r}"
-            )
-        for i, wav in enumerate(wavs):
-            if not isinstance(wav, Tensor) or not wav.is_floating_point():
-                kind = wav.dtype if isinstance(wav, Tensor) else type(wav).__name__
-                raise WaveformError(f"wavs[{i}]: expected a float waveform tensor, got {kind}")
-            if wav.dim() != 1:
-                raise WaveformError(
-                    f"wavs[{i}]: expected a 1-D {SAMPLE_RATE} Hz waveform (samples,), got shape "
-                    f"{tuple(wav.shape)} (mix channels to mono, one tensor per utterance)"
-                )
-            if wav.numel() < WIN_LENGTH:
-                raise WaveformError(
-                    f"wavs[{i}]: {wav.numel()} samples is shorter than one {WIN_LENGTH}-sample "
-                    f"analysis window ({1000 * WIN_LENGTH // SAMPLE_RATE} ms at {SAMPLE_RATE} Hz)"
-                )
-        self._check_values(wavs)
-        device = self.upstream.mean.device
-        lengths = torch.tensor([w.numel() for w in wavs], device=device)
-        padded = torch.nn.utils.rnn.pad_sequence(
-            [w.to(device=device, dtype=torch.float32) for w in wavs], batch_first=True
-        )  # (B, S_max)
-        return padded, lengths
-
-    @staticmethod
-    def _check_values(wavs: list[Tensor]) -> None:
-        """Refuse non-finite samples and int16-range amplitudes, naming the utterance; one
-        host read for the whole batch."""
-        peaks = torch.stack([w.detach().abs().max().float() for w in wavs]).cpu()  # (B,)
-        for i, peak in enumerate(peaks.tolist()):
-            if peak != peak or peak == float("inf"):  # NaN or inf somewhere in wavs[i]
-                raise WaveformError(
-                    f"wavs[{i}]: the waveform holds NaN or infinite samples; check the audio "
-                    f"file or the preprocessing that produced it"
-                )
-            if peak > MAX_ABS_AMPLITUDE:
-                raise WaveformError(
-                    f"wavs[{i}]: peak amplitude {peak:.4g} is far outside the float range "
-                    f"[-1, 1] ({MAX_ABS_AMPLITUDE:g} at most); int16 samples must be divided "
-                    f"by 32768 first"
-                )
 
 
 def speechattn_local(ckpt: str | Path, *args: Any, **kwargs: Any) -> UpstreamExpert:

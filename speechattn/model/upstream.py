@@ -22,6 +22,7 @@ in `transformers`' `Wav2Vec2BaseModelOutput`, so code written for HF speech mode
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -29,7 +30,13 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from speechattn.data.features import FeatureConfig, Normalizer, log_mel_batch
+from speechattn.data.features import (
+    SAMPLE_RATE,
+    WIN_LENGTH,
+    FeatureConfig,
+    Normalizer,
+    log_mel_batch,
+)
 from speechattn.errors import ConfigError, SpeechattnError
 from speechattn.model.aalbert import AALBERT, ModelConfig
 from speechattn.model.serialization import (
@@ -171,9 +178,20 @@ class Upstream(nn.Module):
         """Raw log-mel (B, T, F) -> normalised as during pretraining; padding stays 0."""
         return self.normalizer(features, lengths)
 
-    def features_from_waveforms(self, wavs: Tensor, lengths: Tensor) -> tuple[Tensor, Tensor]:
-        """16 kHz waveforms (B, S) zero-padded, sample counts (B,) -> normalised features
-        (B, T, F) and frame counts (B,), computed exactly as the data layer does."""
+    def features_from_waveforms(
+        self, wavs: Tensor | Sequence[Tensor], lengths: Tensor | None = None
+    ) -> tuple[Tensor, Tensor]:
+        """16 kHz waveforms -> normalised features (B, T, F) and frame counts (B,), computed
+        exactly as the data layer does. `wavs` is a list of B 1-D waveforms (what s3prl passes;
+        checked and padded by `pad_waveforms`), or (B, S) zero-padded with sample counts
+        `lengths` (B,)."""
+        if lengths is None:
+            if isinstance(wavs, Tensor):
+                raise WaveformError(
+                    f"a padded waveform batch of shape {tuple(wavs.shape)} needs its sample "
+                    "counts (lengths); or pass a list of 1-D waveforms"
+                )
+            wavs, lengths = pad_waveforms(wavs, self.mean.device)
         config = FeatureConfig(**self.feature_config)
         feats, frame_lengths = log_mel_batch(wavs, lengths, config)
         return self.normalize(feats, frame_lengths), frame_lengths
@@ -184,6 +202,65 @@ class Upstream(nn.Module):
         """Attention weights (B, h, T', T') of depth `layer` (1..L), via the variant's dense
         reference (`need_weights=True`)."""
         return self.model.attention_weights(features, lengths, layer, head_mask)
+
+
+# Largest |sample| accepted. Float audio lives in [-1, 1]; s3prl's Featurizer probes every
+# upstream with unit-variance noise (peaks of about 4.5), so a few units must pass, while
+# int16-range samples (peaks in the hundreds or thousands) must not.
+MAX_ABS_AMPLITUDE = 32.0
+
+
+class WaveformError(SpeechattnError, ValueError):
+    """A waveform that cannot be used (wrong type, shape, length, rate or values); the
+    message names the utterance (`wavs[i]`) and the fix."""
+
+
+def pad_waveforms(wavs: Sequence[Tensor], device: torch.device) -> tuple[Tensor, Tensor]:
+    """B 16 kHz waveforms (a list of 1-D float tensors) -> zero-padded (B, S_max) float32 on
+    `device` and sample counts (B,), after checking each (`WaveformError` names `wavs[i]`)."""
+    if isinstance(wavs, Tensor) or not isinstance(wavs, list | tuple) or not wavs:
+        found = f"a tensor of shape {tuple(wavs.shape)}" if isinstance(wavs, Tensor) else wavs
+        raise WaveformError(
+            f"expected a non-empty list of 1-D {SAMPLE_RATE} Hz waveforms, got {found!r}"
+        )
+    for i, wav in enumerate(wavs):
+        if not isinstance(wav, Tensor) or not wav.is_floating_point():
+            kind = wav.dtype if isinstance(wav, Tensor) else type(wav).__name__
+            raise WaveformError(f"wavs[{i}]: expected a float waveform tensor, got {kind}")
+        if wav.dim() != 1:
+            raise WaveformError(
+                f"wavs[{i}]: expected a 1-D {SAMPLE_RATE} Hz waveform (samples,), got shape "
+                f"{tuple(wav.shape)} (mix channels to mono, one tensor per utterance)"
+            )
+        if wav.numel() < WIN_LENGTH:
+            raise WaveformError(
+                f"wavs[{i}]: {wav.numel()} samples is shorter than one {WIN_LENGTH}-sample "
+                f"analysis window ({1000 * WIN_LENGTH // SAMPLE_RATE} ms at {SAMPLE_RATE} Hz)"
+            )
+    _check_values(wavs)
+    lengths = torch.tensor([w.numel() for w in wavs], device=device)
+    padded = torch.nn.utils.rnn.pad_sequence(
+        [w.to(device=device, dtype=torch.float32) for w in wavs], batch_first=True
+    )  # (B, S_max)
+    return padded, lengths
+
+
+def _check_values(wavs: Sequence[Tensor]) -> None:
+    """Refuse non-finite samples and int16-range amplitudes, naming the utterance; one
+    host read for the whole batch."""
+    peaks = torch.stack([w.detach().abs().max().float() for w in wavs]).cpu()  # (B,)
+    for i, peak in enumerate(peaks.tolist()):
+        if peak != peak or peak == float("inf"):  # NaN or inf somewhere in wavs[i]
+            raise WaveformError(
+                f"wavs[{i}]: the waveform holds NaN or infinite samples; check the audio "
+                f"file or the preprocessing that produced it"
+            )
+        if peak > MAX_ABS_AMPLITUDE:
+            raise WaveformError(
+                f"wavs[{i}]: peak amplitude {peak:.4g} is far outside the float range "
+                f"[-1, 1] ({MAX_ABS_AMPLITUDE:g} at most); int16 samples must be divided "
+                f"by 32768 first"
+            )
 
 
 class NonFiniteWeightsError(SpeechattnError, ValueError):

@@ -194,3 +194,19 @@ def test_older_files_keep_the_attention_definition_they_were_trained_with(tmp_pa
         3: (True, "score", "l2", "scored"),
     }[version]
     assert (attn.normalize_keys, attn.tie_break, attn.hash, attn.hash_keys) == want
+
+
+def test_features_from_waveforms_takes_a_list_as_s3prl_passes_it(saved):
+    _, path, _, _ = saved
+    from speechattn.model.upstream import WaveformError
+
+    up = load_upstream(path)
+    wavs = [0.1 * torch.randn(8000), 0.1 * torch.randn(5000)]
+    padded = torch.stack([wavs[0], torch.cat([wavs[1], torch.zeros(3000)])])
+    feats, frames = up.features_from_waveforms(wavs)
+    ref, ref_frames = up.features_from_waveforms(padded, torch.tensor([8000, 5000]))
+    assert torch.equal(frames, ref_frames) and torch.equal(feats, ref)
+    with pytest.raises(WaveformError, match="needs its sample counts"):
+        up.features_from_waveforms(padded)
+    with pytest.raises(WaveformError, match=r"wavs\[1\]: .*NaN"):
+        up.features_from_waveforms([wavs[0], torch.full((5000,), float("nan"))])
