@@ -180,3 +180,15 @@ def test_a_run_says_how_much_cache_no_corpus_uses(cache_with_garbage, caplog, mo
     with caplog.at_level(logging.WARNING):
         _open(a, cache)
     assert "not used by any corpus" not in caplog.text
+
+
+@pytest.mark.parametrize("command", ["ls", "gc"])
+def test_a_missing_or_non_folder_cache_dir_is_refused(tmp_path, command, capsys):
+    plain_file = tmp_path / "file"
+    plain_file.write_text("x")
+    for root, what in ((tmp_path / "nowhere", "does not exist"), (plain_file, "is not a folder")):
+        with pytest.raises(SystemExit) as exit_:
+            main([command, "--cache-dir", str(root)])
+        assert exit_.value.code == 1
+        assert f"{root} (--cache-dir) {what}: no feature cache there" in capsys.readouterr().err
+    assert plain_file.read_text() == "x"

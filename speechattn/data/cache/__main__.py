@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 
 from speechattn.data.cache.gc import GRACE_S, collect, stale_bytes, survey
-from speechattn.errors import add_debug_flag, command_line_errors
+from speechattn.errors import MissingFileError, add_debug_flag, command_line_errors
 from speechattn.utils import default_cache_root
 
 
@@ -77,6 +77,13 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     root = (args.cache_dir or default_cache_root()).expanduser()
     with command_line_errors(args.debug, p.prog):
+        if not root.is_dir():
+            what = "is not a folder" if root.exists() else "does not exist"
+            given = "--cache-dir" if args.cache_dir else "the default cache root"
+            raise MissingFileError(
+                f"{root} ({given}) {what}: no feature cache there; --cache-dir names the "
+                "folder data.cache_dir (or $SPEECHATTN_CACHE) points to"
+            )
         if args.command == "ls":
             ls(root)
         else:
