@@ -58,6 +58,7 @@ import torch
 from torch import Tensor, nn
 
 from speechattn.attention.base import Attention, compute_dtype
+from speechattn.errors import is_int, is_number
 from speechattn.utils import (
     atomic_write_text,
     crop_lengths,
@@ -198,6 +199,8 @@ def choose(module: Attention, t: Tensor, T: int) -> str:
         key = digest(parts)
         path = cache_path()
         entry = _entries(path).get(key)
+        if entry is not None and entry["kernel"] not in kernels:  # renamed since: measure
+            entry = None
         if entry is None:
             ms, failed = measure(module, t, B_t, T_b, kernels)
             entry = {
@@ -349,20 +352,39 @@ def _read(path: Path, warn: bool = True) -> dict[str, dict[str, Any]]:
             )
         return {}
     entries = data.get("entries") if isinstance(data, dict) else None
-    ok = (
+    if not (
         isinstance(data, dict)
         and data.get("version") == CACHE_VERSION
         and isinstance(entries, dict)
-        and all(isinstance(e, dict) and isinstance(e.get("kernel"), str) for e in entries.values())
-    )
-    if not ok:
+    ):
         if warn:
             warnings.warn(
                 f"ignoring the kernel cache {path} (unexpected content); it will be rewritten",
                 stacklevel=2,
             )
         return {}
-    return entries
+    good = {key: e for key, e in entries.items() if _valid_entry(e)}
+    if len(good) < len(entries) and warn:
+        warnings.warn(
+            f"ignoring {len(entries) - len(good)} malformed entries of the kernel cache {path} "
+            f"(kept {len(good)}); they will be measured again",
+            stacklevel=2,
+        )
+    return good
+
+
+def _valid_entry(entry: object) -> bool:
+    """An entry as `choose` writes it, field by field: the kernel's name, the times in ms by
+    kernel (finite, non-negative), the length measured at; anything else is dropped alone, so
+    that nothing malformed reaches a model card or upstream.pt."""
+    if not isinstance(entry, dict) or not isinstance(entry.get("kernel"), str):
+        return False
+    ms = entry.get("ms", {})
+    if not isinstance(ms, dict) or not all(
+        isinstance(k, str) and is_number(v) and 0 <= v < float("inf") for k, v in ms.items()
+    ):
+        return False
+    return is_int(entry.get("measured_at", 0)) and isinstance(entry.get("failed", {}), dict)
 
 
 def _entries(path: Path) -> dict[str, dict[str, Any]]:

@@ -307,3 +307,30 @@ def test_bucket():
     assert tops == [32, 32, 48, 48, 64, 64, 96, 96, 128, 128, 192, 256]
     crossovers = {get(n).short_path_max_t for n in TWO_KERNELS}
     assert all(autotune.bucket(c) == c for c in crossovers)  # the rule and the buckets agree
+
+
+def test_a_malformed_entry_is_dropped_alone(cache, monkeypatch):
+    """Entries are checked field by field: a bad one is measured again, the good ones stay,
+    and nothing malformed reaches the choices a model card and upstream.pt record."""
+    attn, _ = tuned("xbox", monkeypatch, {"short": 300.0, "long": 100.0})
+    attn.use_short_path(x_of(40))
+    ((key, good),) = json.loads(cache.read_text())["entries"].items()
+    entries = {
+        key: good,
+        "bad_ms": {**good, "ms": "zzz"},
+        "bad_kernel": {**good, "kernel": 3},
+        "negative": {**good, "ms": {"short": -1.0}},
+    }
+    cache.write_text(json.dumps({"version": autotune.CACHE_VERSION, "entries": entries}))
+    autotune.clear_memory()
+    with pytest.warns(UserWarning, match=r"ignoring 3 malformed entries .* \(kept 1\)"):
+        assert set(autotune._entries(cache)) == {key}
+
+    # a kernel name the variant no longer has is measured again, not run
+    autotune.clear_memory()
+    cache.write_text(json.dumps({"version": autotune.CACHE_VERSION,
+                                 "entries": {key: {**good, "kernel": "gone"}}}))  # fmt: skip
+    again, timer = tuned("xbox", monkeypatch, {"short": 300.0, "long": 100.0})
+    assert not again.use_short_path(x_of(40)) and timer.calls
+    (choice,) = autotune.choices(again)["choices"].values()
+    assert choice["kernel"] == "long" and choice["by"] == "measured"
