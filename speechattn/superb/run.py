@@ -33,7 +33,7 @@ from typing import Any
 
 import yaml
 
-from speechattn.errors import ConfigError
+from speechattn.errors import ConfigError, SpeechattnError
 from speechattn.superb import compat
 from speechattn.superb.configs import METRIC, PAPER, task_config
 from speechattn.tasks.records import SuperbResult
@@ -112,6 +112,8 @@ def build_argv(argv: list[str], quick: bool, data: str | None) -> tuple[list[str
         )
     if args.mode is None:
         raise ConfigError("-m/--mode is required: train, evaluate or inference")
+    if args.past_exp and Path(args.past_exp).is_file():
+        check_runner_checkpoint(Path(args.past_exp))
     if args.upstream in UPSTREAM_NAMES and not args.past_exp:
         if not args.upstream_ckpt:
             raise ConfigError(f"-u {args.upstream} needs -k RUN/upstream.pt")
@@ -152,6 +154,26 @@ def build_argv(argv: list[str], quick: bool, data: str | None) -> tuple[list[str
             Path(args.past_exp).parent if Path(args.past_exp).is_file() else Path(args.past_exp)
         )
     return out, {"expdir": expdir, "args": args, "quick": quick}
+
+
+def check_runner_checkpoint(path: Path) -> None:
+    """Refuse, with one line naming `path`, a `-e` checkpoint that weights-only loading cannot
+    read (a crafted pickle, a damaged file) or that the runner did not write (no `Args`),
+    before s3prl loads it. Nothing in the file is executed either way."""
+    from speechattn.model.serialization import load_torch_file
+
+    compat.install_checkpoints()  # the runner's Args (argparse.Namespace) is allowed
+    try:
+        state = load_torch_file(path, what="-e checkpoint")
+    except SpeechattnError as err:
+        raise ConfigError(
+            f"{err} (a checkpoint of s3prl's runner, states-*.ckpt, is needed)"
+        ) from err
+    if not isinstance(state, dict) or "Args" not in state:
+        raise ConfigError(
+            f"-e checkpoint {path}: not a checkpoint of s3prl's runner (no Args in it); give "
+            "EXPDIR/states-*.ckpt or dev-best.ckpt of a training run"
+        )
 
 
 def register_upstreams() -> None:

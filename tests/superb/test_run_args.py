@@ -61,3 +61,23 @@ def test_mistakes_are_named(tmp_path, monkeypatch):
         build_argv(["-m", "train", "-u", "fbank", "-d", "speech_commands"], False, str(tmp_path))
     with pytest.raises(ConfigError, match="-d asr: speechattn ships SUPERB configs"):
         build_argv(["-m", "train", "-u", "fbank", "-d", "asr"], False, None)
+
+
+class _Crafted:
+    """An object whose unpickling would run code (os.system): must never be loaded."""
+
+    def __reduce__(self):
+        import os
+
+        return (os.system, ("echo pwned > /dev/null",))
+
+
+def test_evaluate_refuses_a_crafted_or_foreign_checkpoint_naming_it(tmp_path):
+    crafted = tmp_path / "states-100.ckpt"
+    torch.save({"Args": _Crafted()}, crafted)
+    with pytest.raises(ConfigError, match=rf"-e checkpoint {crafted}: .*states-\*\.ckpt"):
+        build_argv(["-m", "evaluate", "-e", str(crafted)], quick=False, data=None)
+    foreign = tmp_path / "weights.ckpt"
+    torch.save({"model": torch.zeros(2)}, foreign)
+    with pytest.raises(ConfigError, match="not a checkpoint of s3prl's runner"):
+        build_argv(["-m", "evaluate", "-e", str(foreign)], quick=False, data=None)
