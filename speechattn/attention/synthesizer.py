@@ -12,9 +12,11 @@ Tay et al., "Synthesizer: Rethinking Self-Attention in Transformer Models", ICML
   patterns of Raganato, Scherrer, Tiedemann, "Fixed Encoder Self-Attention Patterns in
   Transformer-Based Machine Translation", Findings of EMNLP 2020 (current, previous, next,
   left context, right context, start, end) as logits log(pattern + eps), the rest random.
-  eps is set from l_max so that at initialisation every pattern row holds `init_mass` (0.99)
-  of its weight at T = l_max, and more at shorter T (`pattern_eps`): "the patterns dominate
-  at the start" holds at every length. A fixed eps (the study's first runs: 1e-4) held 0.95
+  eps is set from l_max so that at initialisation every pattern row whose targets lie inside
+  the utterance holds `init_mass` (0.99) of its weight at T = l_max, and more at shorter T
+  (`pattern_eps`): "the patterns dominate at the start" holds at every length. Rows whose
+  targets run past the end of a shorter utterance (next, right context) hold less or have no
+  pattern; docs/attention.md gives the exact figures. A fixed eps (the study's first runs: 1e-4) held 0.95
   at T = 512 but 0.91 at 1024 and 0.55 at 8192.
   The "end" head is read from the bottom-right corner of its matrix, aligned with each
   utterance's own last valid frame, and "start" from its own first valid frame.

@@ -650,8 +650,10 @@ def test_longformer_rejects_bad_options(options, message):
 
 @pytest.mark.parametrize("max_len", [64, 1024])
 def test_syn_fixed_patterns_hold_their_mass_at_every_length(max_len):
-    """At initialisation each pattern row holds init_mass (0.99) of its weight at T = max_len
-    and more at shorter T (eps from max_len); a fixed eps = 1e-4 held 0.91 at T = 1024."""
+    """At initialisation each pattern row whose targets lie inside the utterance holds
+    init_mass (0.99) of its weight at T = max_len and more at shorter T (eps from max_len); a
+    fixed eps = 1e-4 held 0.91 at T = 1024. Rows whose targets run past a shorter utterance's
+    end hold exactly what docs/attention.md states."""
     from speechattn.attention import synthesizer
 
     def masses(attn, T: int) -> torch.Tensor:  # (h_pat, rows with a target) pattern mass
@@ -668,6 +670,18 @@ def test_syn_fixed_patterns_hold_their_mass_at_every_length(max_len):
     assert at_max.min() >= 0.99 - 1e-9 and at_max.min() < 0.99 + 1e-6  # one-key rows: 0.99
     assert masses(attn, max_len // 4).min() > 0.99
     assert attn.eps == pytest.approx(synthesizer.pattern_eps(0.99, max_len))
-    if max_len == 1024:
+    if max_len == 1024:  # right context near the end of a shorter utterance (T = 1000): a
+        # row with j of its 3 targets inside holds (j/3 + j eps) / (j/3 + T eps), as documented
+        T, eps = 1000, attn.eps
+        seven = build("syn_fixed", DIM, 8, max_len=max_len).double().eval()  # every pattern
+        _, w = seven(torch.zeros(1, T, DIM, dtype=torch.float64), need_weights=True)
+        right = w[0, seven.pattern_names.index("right")]  # (T, T)
+        for j, row in ((1, T - 2), (2, T - 3)):
+            held = float(right[row, row + 1 :].sum())
+            assert held == pytest.approx(
+                (j / 3 + j * eps) / (j / 3 + T * eps), rel=1e-6
+            )  # f32 logits
+        assert float(right[T - 2, T - 1 :].sum()) == pytest.approx(0.971, abs=5e-4)
+        torch.testing.assert_close(right[T - 1], torch.full_like(right[T - 1], 1 / T))
         fixed = make("syn_fixed", max_len=max_len, eps=1e-4)
         assert float(masses(fixed, max_len).min()) == pytest.approx(1.0001 / 1.1024, rel=1e-6)
