@@ -207,6 +207,7 @@ def test_real_inputs_at_the_argparse_entry_points(tmp_path: Path, capsys) -> Non
     assert exited.value.code == 2
 
 
+@pytest.mark.slow
 def test_the_command_line_shows_one_line_and_no_traceback(random_upstream: Path) -> None:
     """As a user sees it (Hydra's own logging, a real process): one error line, status 1;
     with HYDRA_FULL_ERROR=1 the traceback."""

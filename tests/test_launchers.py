@@ -63,6 +63,7 @@ def test_analyze_takes_the_presets_too() -> None:
     assert cfg.hydra.runtime.choices["hydra/launcher"] == "slurm"
 
 
+@pytest.mark.slow
 def test_slurm_multirun_submits_one_array_with_the_presets_resources(tmp_path: Path) -> None:
     """`python -m speechattn.pretrain -m attention=full,ldsa hydra/launcher=slurm` up to the
     submission: a fake `sbatch` keeps the job script it is given and refuses it (submitit

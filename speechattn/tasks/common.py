@@ -8,6 +8,7 @@ import math
 import os
 import time
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -108,15 +109,16 @@ class DataWait(Callback):
     validation or a checkpoint save are not measured (those pauses are not the loader's).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, clock: Callable[[], float] = time.perf_counter) -> None:
+        self.clock = clock  # seconds (tests give a clock they advance themselves)
         self._end: float | None = None  # previous batch's end
         self._wait: float | None = None
 
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, *args) -> None:
-        self._wait = None if self._end is None else time.perf_counter() - self._end
+        self._wait = None if self._end is None else self.clock() - self._end
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args) -> None:
-        now = time.perf_counter()
+        now = self.clock()
         if self._wait is not None and self._end is not None and now > self._end:
             share = self._wait / (now - self._end)
             pl_module.log("data_wait", host_value(share), on_step=True, batch_size=1)

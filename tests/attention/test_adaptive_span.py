@@ -261,6 +261,7 @@ def test_static_branch_equals_dense_reference_without_host_reads(limit, lengths,
     _assert_equals_dense_reference(attn, lengths)
 
 
+@pytest.mark.slow
 def test_compiles_in_one_graph_without_recompiling_as_spans_learn():
     """torch.compile (AOTAutograd, forward and backward) traces the whole module in one graph,
     padded or not, matches eager, and a change of the spans (a parameter, not a constant)

@@ -53,13 +53,16 @@ def test_cases_that_would_not_fit_in_memory_are_skipped_and_recorded(monkeypatch
 def test_short_steps_are_timed_more_often(monkeypatch):
     """Each length's cases get --reps steps at least, more when `full`'s step is short enough
     that --reps of them take less than --min-time; the counts are recorded."""
+    from speechattn.bench.attention_cases import Case
+
     monkeypatch.setattr(bench, "matmul_peak", lambda **kwargs: 1e11)  # not under test here
+    monkeypatch.setattr(Case, "time_step", lambda self, clock: 10.0)  # every step 10 ms
     argv = ["--lengths", "16", "--dim", "32", "--heads", "4", "--threads", "1"]
     args = ["--variants", "ldsa", "--no-memory", "--no-baselines", "--reps", "2"]
     quick = bench.run(bench.parse([*argv, *args, "--min-time", "0"]))
     timed = bench.run(bench.parse([*argv, *args, "--min-time", "0.2"]))
     assert quick["meta"]["reps"] == {16: 2}
-    assert timed["meta"]["reps"][16] > 2  # a step at T = 16, D = 32 takes well under 0.1 s
+    assert timed["meta"]["reps"][16] == 20  # 0.2 s of 10 ms steps
 
 
 def test_missed_targets_say_why(monkeypatch, capsys):

@@ -69,6 +69,7 @@ def test_flex_block_mask_is_built_once_per_pattern_and_bucket(monkeypatch):
     assert len(built) == 2 and built[1][3] == 256
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["sparse_strided", "sparse_fixed"])
 def test_compiled_flex_compiles_once_per_bucket_whatever_the_strides(name):
     """The strides are tensors the score_mod captures, not constants: batches of one bucket

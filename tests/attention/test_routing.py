@@ -136,6 +136,7 @@ def _ema_on_one_rank(rank: int, rendezvous: str, out_dir: str, max_clusters: int
         torch.distributed.destroy_process_group()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("max_clusters", [3, None])
 def test_ema_under_data_parallel_steps_every_rank_by_the_whole_batch(tmp_path, max_clusters):
     """Two ranks, each with half of the batch and its own padded length, end with the

@@ -100,6 +100,7 @@ COMPILED = [("sparse_strided", None), ("sparse_fixed", None), ("ldsa", None)] + 
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name,path", COMPILED)
 def test_one_graph_under_compile_with_eager_gradients(name, path, monkeypatch):
     """fullgraph=True (any graph break raises), padded and unpadded, through AOTAutograd (the

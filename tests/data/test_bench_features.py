@@ -15,5 +15,5 @@ def test_features_benchmark_smoke(tiny_corpus, tmp_path, capsys):
     printed = capsys.readouterr().out
     assert "real time" in printed and "assumes a tiny model" in printed
     r = json.loads(out.read_text())
-    assert r["utterances"] == 24 and r["extraction"]["x_real_time"] > 1
+    assert r["utterances"] == 24 and r["extraction"]["x_real_time"] > 0  # a figure, not a target
     assert r["load_batches"]["frames_per_s"] > 0 and r["load_vs_consumer"] > 0

@@ -222,6 +222,7 @@ def _rank(rank, cfg, log_file, results) -> None:
     results.put((rank, dm.datasets["train"].utt_ids, dm.normalizer.mean.tolist()))
 
 
+@pytest.mark.slow
 def test_ddp_ranks_extract_together_in_setup(corpus, tmp_path):
     cfg = DataConfig(
         corpus="librispeech", root=str(corpus), cache_dir=str(tmp_path / "cache"),

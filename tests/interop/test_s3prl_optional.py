@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 import speechattn
@@ -33,6 +34,7 @@ print("ok", expert.get_downsample_rates("hidden_states"))
 """
 
 
+@pytest.mark.slow
 def test_expert_works_without_s3prl(pretrained_tiny_run: Path, tmp_path: Path):
     upstream = pretrained_tiny_run / "upstream.pt"
     wav = 0.1 * torch.randn(9000, generator=torch.Generator().manual_seed(2))

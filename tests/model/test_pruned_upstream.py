@@ -155,6 +155,7 @@ def test_prune_from_heads_json_point(tmp_path):
         prune_from_heads(heads, 0.4, tmp_path / "other.pt")
 
 
+@pytest.mark.slow
 def test_prune_command_writes_the_pruned_upstream(tmp_path):
     """`python -m speechattn.prune heads=... fraction=... out=...` on a minimal heads.json."""
     import subprocess

@@ -146,6 +146,7 @@ def test_head_analyses_per_variant(study, tmp_path: Path, capsys) -> None:
         study.main([*args, "--heads", "pretrain,nope"])
 
 
+@pytest.mark.slow
 def test_study_through_submitit_local_resumes_and_reports_failures(
     study, tmp_path: Path, tiny_corpus: Path, tiny_feature_cache: Path, capsys
 ) -> None:

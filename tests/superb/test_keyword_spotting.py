@@ -50,6 +50,7 @@ def commands(upstream_pt: Path, data: Path, out: Path) -> list[list[str]]:
     return runs
 
 
+@pytest.mark.slow
 def test_keyword_spotting_train_and_evaluate(tiny_corpus, pretrained_tiny_run, tmp_path):
     upstream_pt = pretrained_tiny_run / "upstream.pt"
     data = prepare("speech_commands", tiny_corpus, tmp_path / "ks", repeats=1)

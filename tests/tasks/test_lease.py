@@ -44,6 +44,7 @@ def _final(lines: list[dict]) -> dict[str, dict]:
     return {e["case"]: e for e in lines if "case" in e}
 
 
+@pytest.mark.slow
 def test_cpu_dry_run_writes_a_line_per_variant_and_a_summary(tmp_path):
     code, out = _script(tmp_path, "--device", "cpu", "--tiny")
     assert code == 0, out[-3000:]
@@ -73,6 +74,7 @@ def lease_order() -> list[str]:
     return [case for case, *_ in lease.cases(args)]
 
 
+@pytest.mark.slow
 def test_a_failing_case_and_a_crash_keep_every_other_line(tmp_path):
     """A case that raises is recorded with its error and the next one runs; a case that kills
     the process is recorded as crashed by the script's rerun, which skips the finished ones."""

@@ -192,6 +192,7 @@ def with_callback(monkeypatch, callback: L.Callback) -> None:
 # ----------------------------------------------------------------------------- signals
 
 
+@pytest.mark.slow
 def test_sigterm_mid_run_stops_after_the_step_and_the_logged_command_resumes(tmp_path, reference):
     run_dir = tmp_path / "run"
     status, out = signal_after(
@@ -221,6 +222,7 @@ def test_sigterm_mid_run_stops_after_the_step_and_the_logged_command_resumes(tmp
     assert_same_run(run_dir, reference)
 
 
+@pytest.mark.slow
 def test_sigusr1_under_slurm_saves_requeues_and_the_requeued_job_resumes(tmp_path, reference):
     """The documented sbatch line: a run directory from SLURM_JOB_ID and ckpt_path=last, so the
     requeued job (the same command, SLURM_RESTART_COUNT=1) picks up last.ckpt by itself."""
@@ -259,6 +261,7 @@ def test_sigusr1_under_slurm_saves_requeues_and_the_requeued_job_resumes(tmp_pat
     assert_same_run(run_dir, reference)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("hook", "at", "stops_at"),
     [
@@ -281,6 +284,7 @@ def test_sigterm_at_a_validation_step_keeps_the_validation_curve(
     assert_same_run(tmp_path, reference)
 
 
+@pytest.mark.slow
 def test_sigterm_during_a_checkpoint_write_completes_it_then_stops(
     tmp_path, reference, monkeypatch
 ):
@@ -296,6 +300,7 @@ def test_sigterm_during_a_checkpoint_write_completes_it_then_stops(
     assert_same_run(tmp_path, reference)
 
 
+@pytest.mark.slow
 def test_sigkill_during_a_checkpoint_write_leaves_the_previous_last_ckpt(tmp_path, reference):
     code = (
         "import signal, torch\n"

@@ -64,6 +64,7 @@ def finish(proc: subprocess.Popen, timeout: float = 240) -> str:
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("attention", ["full", "routing"])  # routing: a collective in forward
 def test_ddp_with_two_cpu_processes(tmp_path, attention):
     out = finish(
