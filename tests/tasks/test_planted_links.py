@@ -61,6 +61,7 @@ def test_a_clean_folder_passes(tmp_path):
     RunFolderGuard().on_run_start(config=config)  # nothing there yet: no error
 
 
+@pytest.mark.slow
 def test_the_command_line_refuses_before_hydra_writes(tmp_path, victim):
     run = tmp_path / "run"
     _plant(run / ".hydra" / "hydra.yaml", victim)

@@ -166,6 +166,7 @@ def test_weights_that_do_not_fit_and_plain_dicts_name_the_file(finished, tmp_pat
 # ------------------------------------------------------------------------ 12: one run per run dir
 
 
+@pytest.mark.slow
 def test_a_run_dir_in_use_is_refused_and_a_dead_runs_lock_is_taken_over(tmp_path, caplog):
     out = tmp_path / "run"
     out.mkdir()

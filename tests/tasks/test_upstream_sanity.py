@@ -161,6 +161,7 @@ def no_extraction(monkeypatch) -> None:
     monkeypatch.setattr(LabelledDataModule, "prepare_data", extract)
 
 
+@pytest.mark.slow
 def test_a_misspelt_upstream_fails_before_extraction(tmp_path: Path, no_extraction) -> None:
     cfg = compose("downstream", [f"upstream={tmp_path / 'upstreem.pt'}", f"output_dir={tmp_path}"])
     with pytest.raises(MissingFileError, match="upstreem.pt does not exist"):
