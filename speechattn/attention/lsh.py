@@ -454,3 +454,7 @@ class SimpleALSHAttention(_LSHAttention):
     )
     transform = staticmethod(simple_alsh)
     extra_dims = 2
+
+
+# the registry names of the five schemes above
+SCHEMES = ("sign_alsh", "xbox", "xbox_qnf", "simple_lsh", "simple_alsh")

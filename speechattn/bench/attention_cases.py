@@ -14,10 +14,11 @@ from torch import Tensor, nn
 
 from speechattn.attention import Attention, autotune, build, registry
 from speechattn.attention.base import linear_flops
+from speechattn.attention.lsh import SCHEMES
 from speechattn.bench.common import PeakRSS, autocast, peak_memory, sync
 
 BASELINES = ["sdpa_mha", "sdpa_kernel"]
-LSH = {"sign_alsh", "xbox", "xbox_qnf", "simple_lsh", "simple_alsh"}
+LSH = set(SCHEMES)
 FLEX = "+flex"  # row suffix: the variant with kernel="flex" (CUDA runs add these rows)
 
 
