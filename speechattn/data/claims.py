@@ -61,7 +61,8 @@ def _machine() -> str:
         return ""
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether process `pid` of this machine exists."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -226,7 +227,7 @@ class Claims:
         if self.now() - info.mtime > self.config.expiry_s:
             return True
         same_machine = info.host == self.host and info.machine and info.machine == self.machine
-        return bool(same_machine and info.pid != os.getpid() and not _pid_alive(info.pid))
+        return bool(same_machine and info.pid != os.getpid() and not pid_alive(info.pid))
 
     def live_holder(self, unit: str) -> ClaimInfo | None:
         """Who is working on `unit` now: its claim's holder, None when the claim is absent or

@@ -63,13 +63,14 @@ def test_ls_lists_corpora_unreferenced_shards_and_old_entries(cache_with_garbage
     cache, a, live, gone, old = cache_with_garbage
     main(["ls", "--cache-dir", str(cache)])
     out = capsys.readouterr().out
-    rows = [ln.split() for ln in out.splitlines() if ln.startswith(("live", "stale"))]
+    rows = [ln.split() for ln in out.splitlines() if ln.startswith(("live", "missing"))]
     assert sorted((r[0], r[1], r[2], r[-1]) for r in rows if r[-1] != "(missing)") == [
         ("live", "24", str(live.num_shards), str(a / SPLIT))
     ]
-    stale = [r for r in rows if r[0] == "stale"]
-    assert len(stale) == 2 and all(r[-1] == "(missing)" for r in stale)
-    assert f"unreferenced shards: {gone.num_shards}," in out  # b's; c's are a's too
+    missing = [r for r in rows if r[0] == "missing"]
+    assert len(missing) == 2 and all(r[-1] == "(missing)" for r in missing)
+    assert "unreferenced shards: 0," in out  # b's and c's folders may come back
+    assert "2 corpora whose folder is missing keep" in out and "gc --forget-missing" in out
     assert f"old layout (v2): {old}, 1.0 kB" in out
     assert "gc would free" in out
 
@@ -78,17 +79,19 @@ def test_gc_removes_what_no_live_corpus_uses_and_nothing_else(cache_with_garbage
     cache, a, live, gone, old = cache_with_garbage
     reference = {u: live.raw(u) for u in live.utt_ids}
     before = _files(cache)
-    main(["gc", "--cache-dir", str(cache), "--dry-run", "--grace-hours", "0"])
-    out = capsys.readouterr().out
-    assert _files(cache) == before
-    assert f"would remove 2 stale manifests, {gone.num_shards} unreferenced shards, 1 old" in out
-    main(["gc", "--cache-dir", str(cache)])  # default grace period: only the old entry is old
+    main(["gc", "--cache-dir", str(cache), "--grace-hours", "0"])  # b and c may come back
     out = capsys.readouterr().out
     assert before - _files(cache) == {old / "shard-00000.npy"} and not old.exists()
-    assert f"kept {gone.num_shards} unused shards" in out
-
+    assert "removed 0 stale manifests, 0 unreferenced shards, 1 old-layout" in out
+    main(["gc", "--cache-dir", str(cache), "--dry-run", "--grace-hours", "0", "--forget-missing"])
+    out = capsys.readouterr().out
+    assert f"would remove 2 stale manifests, {gone.num_shards} unreferenced shards, 0 old" in out
     before = _files(cache)
-    main(["gc", "--cache-dir", str(cache), "--grace-hours", "0"])
+    main(["gc", "--cache-dir", str(cache), "--forget-missing"])  # default grace: all too young
+    out = capsys.readouterr().out
+    assert before == _files(cache) and f"kept {gone.num_shards} unused shards" in out
+
+    main(["gc", "--cache-dir", str(cache), "--grace-hours", "0", "--forget-missing"])
     out = capsys.readouterr().out
     assert f"removed 2 stale manifests, {gone.num_shards} unreferenced shards, 0 old-layout" in out
     removed = before - _files(cache)
@@ -159,8 +162,8 @@ def test_gc_asks_the_claims_module_who_is_still_working(tiny_corpus, tmp_path):
         assert live.try_claim(keys[0])
         removed = gc_module.collect(cache, grace_s=0, claim_config=fast)  # corpus b is live
         assert removed["temp_files"] == [temps[1]] and temps[0].is_file()
-        shutil.rmtree(b)  # now every shard is unused
-        removed = gc_module.collect(cache, grace_s=0, claim_config=fast)
+        shutil.rmtree(b)  # now every shard is unused, once the gone folder is forgotten
+        removed = gc_module.collect(cache, grace_s=0, claim_config=fast, forget_missing=True)
         assert removed["kept"] == 1 and keys[0] not in removed["shards"]
         assert set(removed["shards"]) == set(keys[1:]) and not dead.exists()
         assert store.paths(0).npy.exists() and temps[0].is_file()
@@ -174,7 +177,8 @@ def test_a_run_says_how_much_cache_no_corpus_uses(cache_with_garbage, caplog, mo
         _open(a, cache)  # once per process
     lines = [r.getMessage() for r in caplog.records if "not used by any corpus" in r.getMessage()]
     assert len(lines) == 1 and "python -m speechattn.data.cache gc" in lines[0]
-    gc_module.collect(cache, grace_s=0)
+    assert "--forget-missing" in lines[0]  # the unused cache is that of folders now gone
+    gc_module.collect(cache, grace_s=0, forget_missing=True)
     monkeypatch.setattr(gc_module, "_WARNED", set())
     caplog.clear()
     with caplog.at_level(logging.WARNING):
@@ -192,3 +196,40 @@ def test_a_missing_or_non_folder_cache_dir_is_refused(tmp_path, command, capsys)
         assert exit_.value.code == 1
         assert f"{root} (--cache-dir) {what}: no feature cache there" in capsys.readouterr().err
     assert plain_file.read_text() == "x"
+
+
+def test_a_running_extractions_plan_protects_its_shards_whatever_the_grace(tiny_corpus, tmp_path):
+    """A plan written on this host is alive exactly while its process runs: with no grace
+    period at all, gc keeps what a running extraction needs and forgets a dead one's plan."""
+    import subprocess
+    import sys
+
+    from speechattn.data.cache.layout import plan_path
+    from speechattn.data.claims import host_name
+
+    cache = tmp_path / "cache"
+    b = _copy(tiny_corpus, tmp_path / "b")
+    store = _open(b, cache)
+    shutil.rmtree(b)
+    keys = store.shard_keys
+    dead_pid = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                              capture_output=True, text=True).stdout  # fmt: skip
+    running = plan_path(store.manifest, host_name(), os.getpid())
+    ended = plan_path(store.manifest, host_name(), int(dead_pid))
+    running.write_text(json.dumps({"shards": [keys[0]]}))
+    ended.write_text(json.dumps({"shards": [keys[1]]}))
+    for f in _files(cache):
+        os.utime(f, (0, 0))  # every file old, the plans included
+    removed = gc_module.collect(cache, grace_s=0, forget_missing=True)
+    assert keys[0] not in removed["shards"] and keys[1] in removed["shards"]
+    assert running.is_file() and not ended.exists() and store.paths(0).npy.is_file()
+
+
+def test_an_extraction_whose_plan_was_removed_writes_it_again(tmp_path, caplog):
+    from speechattn.data.cache.extract import _touch_plan
+
+    plan = tmp_path / "m.host-1.plan.json"
+    with caplog.at_level(logging.WARNING):
+        _touch_plan(plan, tmp_path, F16, ["k0", "k1"])
+    assert json.loads(plan.read_text())["shards"] == ["k0", "k1"]
+    assert "was removed while its extraction ran" in caplog.text

@@ -47,10 +47,14 @@ def ls(cache_root: Path) -> None:
     for folder, size, newest in s.old_entries:
         print(f"old layout (v2): {folder}, {_size(size)}, written {_ago(newest)}")
     print(f"gc would free about {_size(stale_bytes(s))}: python -m speechattn.data.cache gc")
+    missing = [m for m in s.manifests if m.status == "missing"]
+    if missing:
+        size = _size(s.shard_bytes({k for m in missing for k in m.shards}))
+        print(f"{len(missing)} corpora whose folder is missing keep {size}: gc --forget-missing")
 
 
-def gc(cache_root: Path, dry_run: bool, grace_s: float) -> None:
-    r = collect(cache_root, dry_run, grace_s)
+def gc(cache_root: Path, dry_run: bool, grace_s: float, forget_missing: bool = False) -> None:
+    r = collect(cache_root, dry_run, grace_s, forget_missing=forget_missing)
     verb = "would remove" if dry_run else "removed"
     print(
         f"{verb} {len(r['manifests'])} stale manifests, {len(r['shards'])} unreferenced shards, "
@@ -73,6 +77,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--dry-run", action="store_true", help="gc: only list what would go")
     p.add_argument("--grace-hours", type=float, default=GRACE_S / 3600,
                    help="gc keeps unused files younger than this (an extraction may be running)")  # fmt: skip
+    p.add_argument("--forget-missing", action="store_true",
+                   help="gc: also remove corpora whose folder is not there (by default kept: a "
+                   "renamed folder or an unmounted drive may come back)")  # fmt: skip
     add_debug_flag(p)
     args = p.parse_args(argv)
     root = (args.cache_dir or default_cache_root()).expanduser()
@@ -87,7 +94,7 @@ def main(argv: list[str] | None = None) -> None:
         if args.command == "ls":
             ls(root)
         else:
-            gc(root, args.dry_run, args.grace_hours * 3600)
+            gc(root, args.dry_run, args.grace_hours * 3600, args.forget_missing)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -169,6 +169,15 @@ def _intact(paths: ShardPaths, verify: bool) -> dict[str, Any] | None:
     return marker
 
 
+def _touch_plan(plan: Path, folder: Path, settings: ExtractionSettings, keys: list[str]) -> None:
+    """Mark the plan as alive; written again if something removed it (a `gc` run by hand)."""
+    try:
+        os.utime(plan)
+    except FileNotFoundError:
+        log.warning("%s was removed while its extraction ran: written again", plan)
+        _write_plan(plan, folder, settings, keys)
+
+
 def _write_plan(plan: Path, folder: Path, settings: ExtractionSettings, keys: list[str]) -> None:
     """What an extraction in progress needs: `gc` keeps these shards while the plan is fresh
     (it is touched after every committed shard)."""
@@ -294,7 +303,7 @@ def extract_features(
                         OPEN_SHARDS.forget(str(ShardPaths(directory, key).npy))  # replaced file
                         markers[result.index] = result.marker
                         _check_failures(result.marker, issues, path_of)
-                        os.utime(plan)  # still alive: gc keeps what the plan names
+                        _touch_plan(plan, folder, settings, keys)  # alive: gc keeps its shards
                         if on_shard_done is not None:
                             on_shard_done(result.index)
             for key, task in list(pending.items()):

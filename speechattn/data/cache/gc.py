@@ -1,14 +1,18 @@
 """What in the feature cache is still used, and removing what is not (`ls` / `gc`).
 
 A manifest is *live* while its corpus folder exists and every audio file it recorded still
-has the recorded size and mtime; a folder that is gone makes it *stale*; some files changed
-makes it *changed*: only the shards whose files all still match stay in use (the next run
-re-extracts the others anyway). `gc` removes stale manifests and every shard no live or
-changed manifest uses, and version-2 entries (`features/<key>/`). It never removes a shard
-with a file younger than the grace period, one with a live claim (`claims.live_claim`: the
-claims module decides who is still working, here as in the extraction), or one named by the
-plan of an extraction in progress (`splits/*.plan.json`, touched after every shard), so it is
-safe beside a running extraction; nor a temporary file under a live claim, however old.
+has the recorded size and mtime; some files changed makes it *changed*: only the shards whose
+files all still match stay in use (the next run re-extracts the others anyway). A folder that
+is not there makes it *missing*: a renamed folder or an unmounted network drive may come back,
+so its shards stay in use unless `forget_missing` (`gc --forget-missing`) makes it *stale*.
+`gc` removes stale manifests and every shard no live, changed or missing manifest uses, and
+version-2 entries (`features/<key>/`). It never removes a shard with a file younger than the
+grace period, one with a live claim (`claims.live_claim`: the claims module decides who is
+still working, here as in the extraction), or one named by the plan of an extraction in
+progress (`splits/*.plan.json`: its process still runs, on this host; or, written on another
+host, it was touched, after every shard, within the grace period or the claims' expiry,
+whichever is longer), so it is safe beside a running extraction whatever `--grace-hours`
+says; nor a temporary file under a live claim, however old.
 """
 
 from __future__ import annotations
@@ -23,9 +27,9 @@ from pathlib import Path
 
 import numpy as np
 
-from speechattn.data.cache.layout import OLD_ENTRY_RE, features_root
+from speechattn.data.cache.layout import OLD_ENTRY_RE, features_root, file_host, plan_owner
 from speechattn.data.cache.store import load_manifest
-from speechattn.data.claims import CLAIM_SUFFIX, ClaimConfig, live_claim
+from speechattn.data.claims import CLAIM_SUFFIX, ClaimConfig, host_name, live_claim, pid_alive
 from speechattn.data.errors import DataError
 from speechattn.utils import TEMP_MARK
 
@@ -57,7 +61,7 @@ class ManifestInfo:
     shards: list[str]  # keys, in order
     in_use: set[str]  # the keys still worth keeping
     last_used: float
-    status: str  # live | changed | stale | unreadable
+    status: str  # live | changed | missing | stale | unreadable
 
 
 @dataclass
@@ -129,18 +133,35 @@ def _files_in_use(meta: dict, z, folder: Path) -> set[str]:
     return {key for key, bad in zip(keys, broken) if not bad}
 
 
-def survey(cache_root: str | Path, grace_s: float = GRACE_S, check_files: bool = True) -> Survey:
+def plan_running(plan: Path, grace_s: float, claim_config: ClaimConfig | None = None) -> bool:
+    """Whether the extraction that wrote `plan` may still run: its process is alive (a plan
+    written on this host), or (another host's, or a name without an owner) the plan was
+    touched within `grace_s` or the claims' expiry, whichever is longer."""
+    owner = plan_owner(plan)
+    if owner is not None and owner[0] == file_host(host_name()):
+        return pid_alive(owner[1])
+    expiry = (claim_config or ClaimConfig()).expiry_s
+    return time.time() - plan.stat().st_mtime < max(grace_s, expiry)
+
+
+def survey(
+    cache_root: str | Path,
+    grace_s: float = GRACE_S,
+    check_files: bool = True,
+    forget_missing: bool = False,
+    claim_config: ClaimConfig | None = None,
+) -> Survey:
     """Sort the cache into used and unused. `check_files=False` (the start-up hint) only asks
-    whether each manifest's folder exists, without a stat per audio file."""
+    whether each manifest's folder exists, without a stat per audio file; `forget_missing`
+    counts a manifest whose folder is not there as stale, not missing."""
     features = features_root(cache_root)
     shards, settings_of = _shard_files(features)
     manifests, protected = [], set()
     splits = features / "splits"
-    now = time.time()
     fresh_plans, stale_plans = [], []
     for plan in sorted(splits.glob("*.plan.json")):
         try:
-            if now - plan.stat().st_mtime < grace_s:
+            if plan_running(plan, grace_s, claim_config):
                 protected.update(json.loads(plan.read_text())["shards"])
                 fresh_plans.append(plan)
             else:
@@ -158,12 +179,15 @@ def survey(cache_root: str | Path, grace_s: float = GRACE_S, check_files: bool =
         exists = folder.is_dir()
         with z:
             if not exists:
-                in_use: set[str] = set()
+                in_use: set[str] = set() if forget_missing else set(meta["shards"])
             elif check_files:
                 in_use = _files_in_use(meta, z, folder)
             else:
                 in_use = set(meta["shards"])
-        status = "live" if in_use == set(meta["shards"]) else "changed" if in_use else "stale"
+        if not exists:
+            status = "stale" if forget_missing else "missing"
+        else:
+            status = "live" if in_use == set(meta["shards"]) else "changed" if in_use else "stale"
         manifests.append(ManifestInfo(path, meta["folder"], exists, meta["utterances"],
                                       meta["shards"], in_use, path.stat().st_mtime, status))  # fmt: skip
         protected |= in_use
@@ -200,12 +224,14 @@ def collect(
     dry_run: bool = False,
     grace_s: float = GRACE_S,
     claim_config: ClaimConfig | None = None,
+    forget_missing: bool = False,
 ) -> dict:
     """Remove what no manifest uses (see the module docstring). Returns what was (or, with
     `dry_run`, would be) removed: {"manifests", "shards", "old_entries", "temp_files", "bytes",
     "kept" (unused shards or entries too young or claimed to remove)}. `claim_config`: the
-    claims' timing the extractions run with (`data.claim_expiry_s`; None: the defaults)."""
-    s = survey(cache_root, grace_s)
+    claims' timing the extractions run with (`data.claim_expiry_s`; None: the defaults);
+    `forget_missing`: manifests whose corpus folder is not there go too."""
+    s = survey(cache_root, grace_s, forget_missing=forget_missing, claim_config=claim_config)
     now = time.time()
     removed = {"manifests": [], "shards": [], "old_entries": [], "temp_files": [], "bytes": 0,
                "kept": 0}  # fmt: skip
@@ -260,14 +286,16 @@ def warn_if_stale(cache_root: str | Path) -> None:
     if root in _WARNED:
         return
     _WARNED.add(root)
-    try:
-        s = survey(root, check_files=False)
+    try:  # counted as if gone folders were forgotten: a deleted corpus's cache is news
+        s = survey(root, check_files=False, forget_missing=True)
     except OSError:
         return
     stale, total = stale_bytes(s), s.total_bytes
     if stale and (stale >= STALE_WARN_BYTES or stale >= STALE_WARN_SHARE * total):
+        missing = any(not m.exists for m in s.manifests)
         log.warning(
             "%.1f GB of feature cache (%.0f %% of %s) is not used by any corpus: "
-            "python -m speechattn.data.cache gc --cache-dir %s",
+            "python -m speechattn.data.cache gc --cache-dir %s%s",
             stale / 1e9, 100 * stale / max(total, 1), s.root, root,
+            " --forget-missing (corpus folders that are gone: see ls)" if missing else "",
         )  # fmt: skip

@@ -125,5 +125,16 @@ def manifest_of(name: str) -> str | None:
 def plan_path(manifest: Path, host: str, pid: int) -> Path:
     """The plan of one process's extraction for a manifest (one per process: each touches and
     removes its own, so `gc` keeps a shard while any extraction that needs it runs)."""
-    host = re.sub(r"[^A-Za-z0-9_.-]", "_", host)  # a file name, whatever $SPEECHATTN_HOST holds
-    return manifest.with_name(f"{manifest.stem}.{host}-{pid}.plan.json")
+    return manifest.with_name(f"{manifest.stem}.{file_host(host)}-{pid}.plan.json")
+
+
+def file_host(host: str) -> str:
+    """A host name as it appears in a file name, whatever $SPEECHATTN_HOST holds."""
+    return re.sub(r"[^A-Za-z0-9_.-]", "_", host)
+
+
+def plan_owner(plan: Path) -> tuple[str, int] | None:
+    """(host as in file names, pid) of the process that wrote `plan`, or None for a name
+    `plan_path` did not make."""
+    found = re.fullmatch(r"[^.]+\.(.+)-(\d+)\.plan\.json", plan.name)
+    return (found.group(1), int(found.group(2))) if found else None
