@@ -18,17 +18,23 @@ import queue
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping
+from concurrent.futures import Future, ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from contextlib import closing
-from multiprocessing.pool import Pool
 from pathlib import Path
 from typing import Any, TypeVar
 
 from speechattn.data.claims import ClaimConfig, Claims, ClaimTimeout
+from speechattn.errors import SpeechattnError
 
 log = logging.getLogger("speechattn.data.claims")  # one logger for the claims' progress lines
 
 T = TypeVar("T")
 R = TypeVar("R")
+
+
+class WorkerDied(SpeechattnError, RuntimeError):
+    """A pool's worker process ended without a result (a signal, the out-of-memory killer)."""
 
 
 class WorkShare:
@@ -186,7 +192,7 @@ def claim_map(
     items: Mapping[str, T],
     claims_dir: str | Path,
     is_done: Callable[[str], bool],
-    pool: Pool | None = None,
+    pool: ProcessPoolExecutor | None = None,
     workers: int = 1,
     config: ClaimConfig | None = None,
     what: str = "units",
@@ -205,30 +211,41 @@ def claim_map(
     """
     if workers < 1:
         raise ValueError(f"workers must be >= 1, found {workers}")
-    arrived: queue.SimpleQueue[tuple[str, bool, Any]] = queue.SimpleQueue()
+    # (unit, its future from the pool, or None and the result computed here)
+    arrived: queue.SimpleQueue[tuple[str, Future | None, Any]] = queue.SimpleQueue()
     running = 0
     with WorkShare(items, claims_dir, is_done, config, what, host) as share:
         while True:
             for unit in share.claim((workers if pool is not None else 1) - running):
                 running += 1
                 if pool is None:
-                    arrived.put((unit, True, fn(items[unit])))
+                    arrived.put((unit, None, fn(items[unit])))
                     continue
-                pool.apply_async(
-                    fn,
-                    (items[unit],),
-                    callback=lambda result, unit=unit: arrived.put((unit, True, result)),
-                    error_callback=lambda error, unit=unit: arrived.put((unit, False, error)),
-                )
+                future = pool.submit(fn, items[unit])
+                future.add_done_callback(lambda f, unit=unit: arrived.put((unit, f, None)))
             if running:
-                unit, ok, value = arrived.get()  # the pool's result thread puts them
+                unit, future, value = arrived.get()  # the pool's callbacks put them
                 running -= 1
-                if not ok:
-                    raise value
+                if future is not None:
+                    if future.exception() is not None:
+                        raise _worker_error(future.exception(), unit, what)
+                    value = future.result()
                 share.finished(unit)
                 yield unit, value
             elif not share.wait():
                 return
+
+
+def _worker_error(error: BaseException, unit: str, what: str) -> BaseException:
+    """A worker's own exception as it is; a worker process that died (SIGKILL, out of memory,
+    a stop signal) as a `WorkerDied` naming the unit, its claims being released on the way
+    out, so that a run again resumes."""
+    if isinstance(error, BrokenProcessPool):
+        return WorkerDied(
+            f"a worker process died while working on {what} ({unit} among them), killed by a "
+            "signal or out of memory; nothing it left half-done is used: run again to resume"
+        )
+    return error
 
 
 def _by_holder(claims: Claims, units: list[str], shown: int = 5) -> str:

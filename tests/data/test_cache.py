@@ -217,3 +217,29 @@ def test_store_pickles_without_open_files(utts, tmp_path):
         meta["folder"] == str(utts[0].path.parents[2])
         and os.path.getsize(store.manifest.with_suffix(".npz")) == meta["npz"]["size"]
     )
+
+
+def test_a_killed_extraction_worker_ends_the_run_promptly_and_a_rerun_finishes(utts, tmp_path):
+    """SIGKILL to one of two pool workers once a shard is committed (the out-of-memory
+    killer): the extraction ends with an error naming what happened instead of waiting
+    forever, leaves no claim behind, and a second run extracts only what is missing."""
+    import multiprocessing as mp
+    import time
+
+    from speechattn.data.workshare import WorkerDied
+
+    def kill_a_worker(index: int) -> None:
+        workers = mp.active_children()
+        if workers:
+            os.kill(workers[0].pid, signal.SIGKILL)
+
+    start = time.monotonic()
+    with pytest.raises(WorkerDied, match="a worker process died"):
+        extract_features(utts, SETTINGS, tmp_path, shard_size=4, workers=2, progress=False,
+                         on_shard_done=kill_a_worker)  # fmt: skip
+    assert time.monotonic() - start < 60
+    assert not list(_shards(tmp_path).glob("*.claim"))
+    redone = []
+    store = extract_features(utts, SETTINGS, tmp_path, shard_size=4, workers=1, progress=False,
+                             on_shard_done=redone.append)  # fmt: skip
+    assert 0 < len(redone) < len(_plan(utts, 4)) and len(store.utt_ids) == len(utts)

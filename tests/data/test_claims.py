@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from speechattn.data.cache.shards import process_pool
 from speechattn.data.claims import (
     HOST_ENV,
     ClaimConfig,
@@ -22,7 +23,7 @@ from speechattn.data.claims import (
     read_claim,
     remove_stale_temps,
 )
-from speechattn.data.workshare import claim_batches, claim_map, claim_pending
+from speechattn.data.workshare import WorkerDied, claim_batches, claim_map, claim_pending
 from speechattn.utils import atomic_write_text, temp_name
 
 FAST = ClaimConfig(heartbeat_s=0.05, expiry_s=0.4, wait_timeout_s=20, log_every_s=0.1, poll_s=0.02)
@@ -225,16 +226,38 @@ def _work_in_pool(job: tuple[Path, str]) -> str:
 def test_claim_map_runs_claimed_units_in_a_pool_and_a_failure_releases_the_claims(tmp_path):
     jobs = {f"u{i}": (tmp_path, f"u{i}") for i in range(6)}
     _work(tmp_path, "u1", "earlier")
-    with CTX.Pool(2) as pool:  # before claim_map: forked before the heartbeat thread
+    with process_pool(2) as pool:  # before claim_map: forked before the heartbeat thread
         ran = dict(claim_map(_work_in_pool, dict(list(jobs.items())[:4]), tmp_path,
                              _done(tmp_path), pool, workers=2, config=FAST))  # fmt: skip
     assert ran == {"u0": "U0", "u2": "U2", "u3": "U3"}  # u1 was done already
-    with CTX.Pool(2) as pool, pytest.raises(OSError, match="disk full"):
+    with pytest.raises(OSError, match="disk full"), process_pool(2) as pool:
         for _ in claim_map(_work_in_pool, jobs, tmp_path, _done(tmp_path), pool, 2, FAST):
             pass
     assert not list(tmp_path.glob("*.claim"))  # released at once, not after the expiry
     inline = claim_map(_work_in_pool, {"u9": (tmp_path, "u9")}, tmp_path, _done(tmp_path))
     assert list(inline) == [("u9", "U9")]  # no pool: run here
+
+
+def _die_on_u1(job: tuple[Path, str]) -> str:
+    folder, unit = job
+    if unit == "u1":
+        os.kill(os.getpid(), signal.SIGKILL)  # what the out-of-memory killer does
+    time.sleep(0.2)
+    _work(folder, unit, "pool")
+    return unit
+
+
+def test_a_worker_that_dies_ends_the_work_at_once_and_releases_its_claims(tmp_path):
+    """A killed pool worker fails every pending unit at once (no wait for a result that will
+    never come), with an error naming what happened; no claim outlives it."""
+    jobs = {f"u{i}": (tmp_path, f"u{i}") for i in range(6)}
+    start = time.monotonic()
+    with pytest.raises(WorkerDied, match=r"a worker process died .*run again to resume"):
+        with process_pool(2) as pool:
+            for _ in claim_map(_die_on_u1, jobs, tmp_path, _done(tmp_path), pool, 2, FAST):
+                pass
+    assert time.monotonic() - start < 30  # promptly: multiprocessing.Pool waited forever
+    assert not list(tmp_path.glob("*.claim"))
 
 
 def test_done_units_are_skipped_and_undone_work_is_an_error(tmp_path):

@@ -10,9 +10,9 @@ import multiprocessing as mp
 import shutil
 import sys
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ProcessPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
-from multiprocessing.pool import Pool
 from pathlib import Path
 from typing import Any
 
@@ -151,18 +151,39 @@ def extract_shard(task: ShardTask) -> ShardResult:
 
 
 @contextmanager
-def process_pool(workers: int) -> Iterator[Pool | None]:
-    """`workers` processes (one thread each), ended on leaving; None for one worker (inline)."""
+def process_pool(workers: int) -> Iterator[ProcessPoolExecutor | None]:
+    """`workers` processes (one thread each), ended on leaving; None for one worker (inline).
+
+    concurrent.futures' pool, not multiprocessing's: when a worker dies (killed, out of
+    memory, a stop signal to the process group) every pending task fails at once with
+    `BrokenProcessPool`, where `multiprocessing.Pool` would wait for its result forever."""
     if workers <= 1:
         yield None
         return
     method = "fork" if sys.platform.startswith("linux") else "spawn"
-    with mp.get_context(method).Pool(workers, initializer=init_pool_worker) as pool:
+    context = mp.get_context(method)
+    pool = ProcessPoolExecutor(workers, mp_context=context, initializer=init_pool_worker)
+    try:
         yield pool
+    except BaseException:  # an error, or the caller stopped early: busy workers end now
+        _terminate_workers(pool)
+        raise
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _terminate_workers(pool: ProcessPoolExecutor) -> None:
+    """SIGTERM to every worker (Python 3.14's `terminate_workers`; before it, the executor's
+    process table), so that leaving the pool never waits for a task nobody wants."""
+    if hasattr(pool, "terminate_workers"):
+        pool.terminate_workers()
+        return
+    for process in list((getattr(pool, "_processes", None) or {}).values()):
+        process.terminate()
 
 
 def map_in_processes(fn: Callable[[Any], Any], items: list[Any], workers: int) -> Iterator[Any]:
     """`fn` over `items`, in `workers` processes or inline; results in the order of `items`
     (`fingerprints` pairs them with their files by position)."""
     with process_pool(min(workers, len(items))) as pool:
-        yield from map(fn, items) if pool is None else pool.imap(fn, items)
+        yield from map(fn, items) if pool is None else pool.map(fn, items)
