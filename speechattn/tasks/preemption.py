@@ -57,6 +57,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
+from speechattn.data.workshare import WorkerDied
 from speechattn.utils import TEMP_MARK, atomic_path
 
 log = logging.getLogger("speechattn.preemption")
@@ -145,7 +146,8 @@ class StopOnSignal(Callback):
     @contextmanager
     def handling_signals(self, trainer: L.Trainer, resume_hint: str) -> Iterator[None]:
         """Stop signals set the stop; `SIGTERMException` from the block becomes `TrainingStopped`
-        with the log line saying where the run stopped and how to resume it."""
+        with the log line saying where the run stopped and how to resume it, as does the end
+        of a feature extraction whose workers the same signal stopped (`WorkerDied`)."""
         previous: dict[signal.Signals, Any] = {}
         if threading.current_thread() is threading.main_thread():
             previous = {s: signal.getsignal(s) for s in STOP_SIGNALS}
@@ -154,6 +156,10 @@ class StopOnSignal(Callback):
             self.check()
             yield
         except SIGTERMException:
+            raise self._stopped(trainer, resume_hint) from None
+        except WorkerDied:  # a signal to the process group also ends the extraction's workers
+            if self.received is None:
+                raise
             raise self._stopped(trainer, resume_hint) from None
         finally:
             for signum, handler in previous.items():

@@ -14,6 +14,7 @@ import logging
 import os
 import re
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -439,3 +440,26 @@ def test_sigterm_to_every_ddp_rank_stops_all_at_one_step(tmp_path):
     out, _ = resumed.communicate(timeout=300)
     assert resumed.returncode == 0, out[-3000:]
     assert_same_run(run_dir, tmp_path / "reference")
+
+
+@pytest.mark.slow
+def test_a_signal_to_the_process_group_during_extraction_stops_the_run(tiny_corpus, tmp_path):
+    """SIGTERM to the whole group (what `timeout`, `scancel` and SLURM's --signal do) while two
+    pool workers extract: the workers die, and the run stops promptly as a stop, not a hang
+    (multiprocessing.Pool waited forever for the dead workers' results) nor a crash."""
+    corpus = Path(shutil.copytree(tiny_corpus, tmp_path / "corpus"))
+    cache = tmp_path / "cache"
+    args = [f"data.root={corpus}", f"data.cache_dir={cache}", "data.extract_workers=2",
+            "trainer.max_steps=2"]  # fmt: skip
+    proc = cli(args, tmp_path / "run", own_group=True)
+    deadline = time.time() + 180
+    while not list(cache.glob("features/splits/*.plan.json")) and time.time() < deadline:
+        assert proc.poll() is None, proc.communicate()[0][-3000:]
+        time.sleep(0.02)
+    os.killpg(proc.pid, signal.SIGTERM)
+    start = time.time()
+    out, _ = proc.communicate(timeout=120)
+    assert time.time() - start < 60, out[-3000:]
+    assert proc.returncode == 128 + signal.SIGTERM, out[-3000:]
+    assert "stopped by SIGTERM at step 0" in out and "resume with:" in out
+    assert not list(cache.glob("features/shards/*/*.claim"))
