@@ -227,7 +227,7 @@ def test_ddp_ranks_extract_together_in_setup(corpus, tmp_path):
     cfg = DataConfig(
         corpus="librispeech", root=str(corpus), cache_dir=str(tmp_path / "cache"),
         pretrain_splits=[SPLIT], labelled_splits=[SPLIT], shard_size=SHARD_SIZE,
-        extract_workers=1, progress=False, claim_heartbeat_s=0.05, claim_expiry_s=0.4,
+        extract_workers=1, progress=False, claim_heartbeat_s=0.2, claim_expiry_s=3.0,
         cache_wait_log_s=0.1,
     )  # fmt: skip
     log_file, results = tmp_path / "extracted.log", CTX.Queue()
