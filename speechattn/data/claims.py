@@ -157,9 +157,17 @@ class Claims:
     """
 
     def __init__(
-        self, claims_dir: str | Path, config: ClaimConfig | None = None, host: str | None = None
+        self,
+        claims_dir: str | Path,
+        config: ClaimConfig | None = None,
+        host: str | None = None,
+        pid_holds: bool = False,
     ) -> None:
+        """`pid_holds`: a holder on this machine keeps its claims while its process exists,
+        however long it is silent (a stopped process, `kill -STOP`, is not dead): for a lock
+        that must never pass to a second writer while the first can still wake up."""
         self.dir = Path(claims_dir)
+        self.pid_holds = pid_holds
         self.dir.mkdir(parents=True, exist_ok=True)
         self.config = config or ClaimConfig()
         self.host = host or host_name()
@@ -223,11 +231,20 @@ class Claims:
 
     def is_dead(self, info: ClaimInfo) -> bool:
         """True when the claim's holder cannot be working any more: silent for `expiry_s`
-        (any host), or a process of this very host, kernel and pid namespace that is gone."""
+        (any host; with `pid_holds` another host only), or a process of this very host, kernel
+        and pid namespace that is gone."""
+        same_machine = info.host == self.host and info.machine and info.machine == self.machine
+        if self.pid_holds and same_machine and info.pid != os.getpid():
+            return not pid_alive(info.pid)
         if self.now() - info.mtime > self.config.expiry_s:
             return True
-        same_machine = info.host == self.host and info.machine and info.machine == self.machine
         return bool(same_machine and info.pid != os.getpid() and not pid_alive(info.pid))
+
+    def token(self, unit: str) -> str | None:
+        """The token of this process's claim of `unit`, None when it holds none."""
+        with self._lock:
+            held = self._held.get(unit)
+        return held[1] if held else None
 
     def live_holder(self, unit: str) -> ClaimInfo | None:
         """Who is working on `unit` now: its claim's holder, None when the claim is absent or

@@ -187,7 +187,9 @@ class SignalAt(L.Callback):
 
 def with_callback(monkeypatch, callback: L.Callback) -> None:
     build_trainer = RUN_MODULE.build_trainer
-    monkeypatch.setattr(RUN_MODULE, "build_trainer", lambda *args: build_trainer(*args, callback))
+    monkeypatch.setattr(
+        RUN_MODULE, "build_trainer", lambda *args, **kw: build_trainer(*args, callback, **kw)
+    )
 
 
 # ----------------------------------------------------------------------------- signals

@@ -199,6 +199,58 @@ def test_a_run_dir_in_use_is_refused_and_a_dead_runs_lock_is_taken_over(tmp_path
     assert upstream_metadata(out)["steps"] == 4 and not (out / "run.claim").exists()
 
 
+def test_a_stopped_run_keeps_its_lock_however_long_it_is_silent(tmp_path):
+    """A run of this machine stopped (kill -STOP) for longer than the lock's expiry is still
+    alive: a second run in its folder is refused, never handed the lock (two runs would then
+    write one folder)."""
+    import json
+    import os
+
+    from speechattn.data.claims import _machine
+
+    out = tmp_path / "run"
+    out.mkdir()
+    stopped = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    try:
+        claim = out / "run.claim"
+        claim.write_text(json.dumps({"host": host_name(), "pid": stopped.pid, "started": 0,
+                                     "token": "theirs", "machine": _machine()}))  # fmt: skip
+        os.utime(claim, (0, 0))  # silent for decades
+        with pytest.raises(RunInUseError, match=f"pid {stopped.pid}"):
+            pretrain(out, "trainer.max_steps=4")
+        assert json.loads(claim.read_text())["token"] == "theirs"
+    finally:
+        stopped.kill()
+        stopped.wait()
+
+
+def test_a_run_whose_lock_was_taken_over_writes_nothing_more(tmp_path, monkeypatch):
+    """Fencing: a run whose lock another host's run took over (it was silent past the expiry)
+    finds out at its next write, by the claim's token, and stops there naming the holder: no
+    metrics row, checkpoint or upstream.pt after the takeover."""
+    import json
+
+    import lightning as L
+
+    from speechattn.tasks.pretrain.resume import RunLockLost
+
+    out = tmp_path / "run"
+
+    class TakeOver(L.Callback):
+        def on_train_batch_end(self, trainer, *args):
+            if trainer.global_step == 3:
+                (out / "run.claim").write_text(json.dumps(
+                    {"host": "node9", "pid": 7, "started": 0, "token": "theirs", "machine": "m9"}
+                ))  # fmt: skip
+
+    with_callback(monkeypatch, TakeOver())
+    with pytest.raises(RunLockLost, match=r"lock .* was by node9 pid 7 while this run was silent"):
+        pretrain(out, "trainer.max_steps=8", "trainer.log_every_n_steps=1")
+    steps = [int(line.split(",")[0]) for line in (out / "metrics.csv").read_text().splitlines()[1:]]
+    assert max(steps) == 3 and not (out / "upstream.pt").exists()
+    assert json.loads((out / "run.claim").read_text())["token"] == "theirs"  # theirs, kept
+
+
 # --------------------------------------------------------------------------- 25: hints that paste
 
 

@@ -27,9 +27,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+import lightning as L
 import torch
 
-from speechattn.data.claims import ClaimConfig, Claims
+from speechattn.data.claims import ClaimConfig, Claims, read_claim
 from speechattn.errors import ConfigError, SpeechattnError
 from speechattn.model.serialization import TorchFileError
 
@@ -223,13 +224,20 @@ class RunInUseError(SpeechattnError):
     """Another live run writes the same run directory."""
 
 
+class RunLockLost(SpeechattnError, RuntimeError):
+    """This run's lock passed to another run while this one was silent: it writes no more."""
+
+
 class RunLock:
     """`<run dir>/run.claim` held for a whole run (`with RunLock(dir): ...`).
 
-    A claim of a dead process of this machine is taken over at once (logged); one of another
-    host is dead once it has missed its heartbeats for `config.expiry_s`: a requeued job that
-    lands on another node within that time waits for it (logged), a live run keeps it fresh and
-    the second run is refused with `RunInUseError` naming the holder.
+    A claim of a process of this machine holds while that process exists, however long it is
+    silent (a stopped run is not dead), and is taken over at once when it is gone (logged);
+    one of another host is dead once it has missed its heartbeats for `config.expiry_s`: a
+    requeued job that lands on another node within that time waits for it (logged), a live run
+    keeps it fresh and the second run is refused with `RunInUseError` naming the holder. A run
+    of another host that was silent that long and lost its lock finds out at its next write
+    (`check`, fencing by the claim's token) and stops with `RunLockLost`.
     """
 
     UNIT = "run"
@@ -237,7 +245,21 @@ class RunLock:
     def __init__(self, run_dir: Path, config: ClaimConfig | None = None) -> None:
         self.run_dir = run_dir
         self.config = config or ClaimConfig()
-        self.claims = Claims(run_dir, self.config)
+        self.claims = Claims(run_dir, self.config, pid_holds=True)
+
+    def check(self) -> None:
+        """Raise `RunLockLost` naming the new holder unless the run directory's claim is still
+        this run's (read now, by token: the heartbeat may not have run since a long pause)."""
+        path = self.claims.path(self.UNIT)
+        info, token = read_claim(path), self.claims.token(self.UNIT)
+        if info is not None and token is not None and info.token == token:
+            return
+        other = f"by {info}" if info is not None else "removed"
+        raise RunLockLost(
+            f"run directory {self.run_dir}: this run's lock ({path}) was {other} while this "
+            f"run was silent for over {self.config.expiry_s:.0f} s (stopped or frozen); it "
+            "stops without writing more there, so that two runs never write one folder"
+        )
 
     def __enter__(self) -> RunLock:
         self.claims.__enter__()
@@ -276,3 +298,16 @@ class RunLock:
                     holder.path,
                 )
             time.sleep(self.config.poll_s)
+
+
+class RunLockGuard(L.Callback):
+    """`RunLock.check` before the run writes into its folder: a metrics row, a validation's
+    row, a checkpoint (Lightning calls `on_save_checkpoint` before the file is written)."""
+
+    def __init__(self, lock: RunLock) -> None:
+        self.lock = lock
+
+    def _check(self, *args: Any) -> None:
+        self.lock.check()
+
+    on_train_batch_end = on_validation_end = on_save_checkpoint = _check

@@ -55,6 +55,7 @@ from speechattn.tasks.pretrain.model_card import (
 from speechattn.tasks.pretrain.module import NonFiniteLossError, PretrainTask
 from speechattn.tasks.pretrain.resume import (
     RunLock,
+    RunLockGuard,
     check_resume_settings,
     check_state_dict,
     checkpoint_step,
@@ -79,12 +80,15 @@ def run(cfg: DictConfig, datamodule: Any = None) -> dict[str, Any]:
     output_dir.mkdir(parents=True, exist_ok=True)
     # one run per run directory; under DDP the launched ranks run this too: rank 0 holds it
     # (rank_zero_only.rank is read from the launcher's environment, right before connecting)
-    with RunLock(output_dir) if rank_zero_only.rank == 0 else nullcontext():
-        return run_locked(cfg, datamodule, output_dir)
+    with RunLock(output_dir) if rank_zero_only.rank == 0 else nullcontext() as lock:
+        return run_locked(cfg, datamodule, output_dir, lock)
 
 
-def run_locked(cfg: DictConfig, datamodule: Any, output_dir: Path) -> dict[str, Any]:
-    """`run`, in the run directory `output_dir` that this process holds."""
+def run_locked(
+    cfg: DictConfig, datamodule: Any, output_dir: Path, lock: RunLock | None = None
+) -> dict[str, Any]:
+    """`run`, in the run directory `output_dir` that this process holds (`lock`; None on the
+    other DDP ranks, which write nothing there)."""
     resume = resolve_ckpt_path(cfg.get("ckpt_path"), output_dir)
     checkpoint = check_resume_checkpoint(resume) if resume is not None else None
     resume_step = int(checkpoint["global_step"]) if checkpoint is not None else 0
@@ -136,7 +140,7 @@ def run_locked(cfg: DictConfig, datamodule: Any, output_dir: Path) -> dict[str, 
     # trainer
     preemption = cfg.get("preemption") or {}  # config.PreemptionConfig
     stop = StopOnSignal(output_dir / "checkpoints", requeue=bool(preemption.get("requeue", True)))
-    trainer = build_trainer(cfg, output_dir, stop)
+    trainer = build_trainer(cfg, output_dir, stop, guard=RunLockGuard(lock) if lock else None)
     # Under DDP the launched processes run this function too; rank_zero_only.rank is read from
     # the launcher's environment, so it is right before the processes are connected.
     hint = resume_hint(output_dir)
@@ -179,6 +183,8 @@ def run_locked(cfg: DictConfig, datamodule: Any, output_dir: Path) -> dict[str, 
                 # the curve in metrics.csv and upstream.pt's val_loss describe the final weights
                 trainer.validate(task, datamodule=data, verbose=False)
         # results
+        if lock is not None:
+            lock.check()  # upstream.pt and its card: this run's folder still
         return write_results(trainer, task, output_dir, license=str(cfg.get("license") or "mit"))
     except BaseException as error:  # a stop, a divergence, a crash
         if earlier is not None:  # never let the earlier run's file pass for this one's
@@ -247,9 +253,12 @@ def check_settings(cfg: DictConfig) -> None:
     require(bar in ("rich", "tqdm", "none", None), "progress_bar", bar, "rich, tqdm or none")
 
 
-def build_trainer(cfg: DictConfig, output_dir: Path, *extra_callbacks: L.Callback) -> L.Trainer:
+def build_trainer(
+    cfg: DictConfig, output_dir: Path, *extra_callbacks: L.Callback, guard: L.Callback | None = None
+) -> L.Trainer:
     """`cfg.trainer` instantiated with the run's checkpoints (written atomically), metrics.csv,
-    bar, loggers and `extra_callbacks`."""
+    bar, loggers and `extra_callbacks`; `guard` runs before every other callback (the run
+    lock's check before any write)."""
     keep = int(cfg.checkpoint.keep)
     periodic = ModelCheckpoint(
         dirpath=output_dir / "checkpoints",
@@ -269,7 +278,7 @@ def build_trainer(cfg: DictConfig, output_dir: Path, *extra_callbacks: L.Callbac
     # a bar refresh reads train_loss from the device: once per log interval off the CPU
     refresh = 1 if cfg.trainer.accelerator == "cpu" else int(cfg.trainer.log_every_n_steps)
     metrics = MetricsCSV(output_dir / "metrics.csv", cfg.trainer.log_every_n_steps)
-    callbacks = [periodic, metrics, DataWait(), *extra_callbacks]
+    callbacks = [*([guard] if guard else []), periodic, metrics, DataWait(), *extra_callbacks]
     loggers = configured_loggers(cfg)
     return instantiate(
         cfg.trainer,
