@@ -28,9 +28,10 @@ CODE_BLOCK = re.compile(r"^```.*?^```", re.S | re.M)
 # "SPEC 2.1", "(SPEC)", "seeds/000", "seed 002": references to the documents the project was
 # built from. A random seed ("seed=1", "the seed option", "seeds CUDA generators") is not one.
 OUTSIDE_REFERENCE = re.compile(r"\bSPEC\b|\bseeds?/\d|\bseeds? \d{3}\b")
-# "issue 12", "issue #24", "issues 3 and 4", "round 3"; not another project's tracker, which
+# "issue 12", "issue #24", "issues 3 and 4", "round 3", a section rule numbered after an issue
+# ("# ---- 12: one run"); not another project's tracker, which
 # is named on the line ("s3prl issue #22", a github.com link)
-PROCESS_WORDS = re.compile(r"\bissues? #?\d+|\bround \d+\b", re.I)
+PROCESS_WORDS = re.compile(r"\bissues? #?\d+|\bround \d+\b|^# -+ \d+: ", re.I)
 ELSEWHERE = re.compile(r"github\.com|\bs3prl\b|\blhotse\b|\btorch\b|\bpytorch\b", re.I)
 SCANNED = [
     *sorted((ROOT / "speechattn").rglob("*.py")),

@@ -39,7 +39,7 @@ def upstream_metadata(out: Path) -> dict:
     return torch.load(out / "upstream.pt", weights_only=True)["metadata"]
 
 
-# ------------------------------------------------------------------------- 9: a stopped extension
+# ------------------------------------------------------------------------- a stopped extension
 
 
 def test_sigterm_while_extending_a_finished_run_says_the_upstream_is_the_earlier_one(
@@ -58,7 +58,7 @@ def test_sigterm_while_extending_a_finished_run_says_the_upstream_is_the_earlier
     assert step_of(tmp_path / "checkpoints" / "last.ckpt") == 13
 
 
-# ---------------------------------------------------------------------- 10: the newest checkpoint
+# ---------------------------------------------------------------------- the newest checkpoint
 
 
 def test_ckpt_path_last_finds_the_newest_checkpoint_in_a_copied_run_dir(tmp_path):
@@ -163,7 +163,7 @@ def test_weights_that_do_not_fit_and_plain_dicts_name_the_file(finished, tmp_pat
     )
 
 
-# ------------------------------------------------------------------------ 12: one run per run dir
+# ------------------------------------------------------------------------ one run per run dir
 
 
 @pytest.mark.slow
@@ -251,7 +251,7 @@ def test_a_run_whose_lock_was_taken_over_writes_nothing_more(tmp_path, monkeypat
     assert json.loads((out / "run.claim").read_text())["token"] == "theirs"  # theirs, kept
 
 
-# --------------------------------------------------------------------------- 25: hints that paste
+# --------------------------------------------------------------------------- hints that paste
 
 
 def test_overrides_in_hints_survive_the_shell_and_hydras_parser(tmp_path):
