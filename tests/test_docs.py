@@ -31,7 +31,7 @@ OUTSIDE_REFERENCE = re.compile(r"\bSPEC\b|\bseeds?/\d|\bseeds? \d{3}\b")
 # "issue 12", "issue #24", "issues 3 and 4", "round 3", a section rule numbered after an issue
 # ("# ---- 12: one run"); not another project's tracker, which
 # is named on the line ("s3prl issue #22", a github.com link)
-PROCESS_WORDS = re.compile(r"\bissues? #?\d+|\bround \d+\b|^# -+ \d+: ", re.I)
+PROCESS_WORDS = re.compile(r"\bissues? #?\d+|\bround \d+\b|^# -+ \d+[:,]", re.I)
 ELSEWHERE = re.compile(r"github\.com|\bs3prl\b|\blhotse\b|\btorch\b|\bpytorch\b", re.I)
 SCANNED = [
     *sorted((ROOT / "speechattn").rglob("*.py")),

@@ -81,7 +81,7 @@ def test_ckpt_path_last_finds_the_newest_checkpoint_in_a_copied_run_dir(tmp_path
     assert step_of(checkpoints / "step=0000012.ckpt") == 12  # resumed at 12, not at 4
 
 
-# ------------------------------------------------------------------------ 11, 20: what may change
+# ------------------------------------------------------------------------ what may change
 
 
 @pytest.fixture(scope="module")
