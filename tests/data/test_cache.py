@@ -243,3 +243,37 @@ def test_a_killed_extraction_worker_ends_the_run_promptly_and_a_rerun_finishes(u
     store = extract_features(utts, SETTINGS, tmp_path, shard_size=4, workers=1, progress=False,
                              on_shard_done=redone.append)  # fmt: skip
     assert 0 < len(redone) < len(_plan(utts, 4)) and len(store.utt_ids) == len(utts)
+
+
+def test_a_worker_that_wakes_after_its_shard_was_taken_over_uses_the_other_commit(
+    utts, tmp_path, monkeypatch, caplog
+):
+    """A worker stopped past the claims' expiry while writing: another process took the shard
+    over, removed the sleeper's temporary file and committed. The sleeper, woken, finds its
+    temporary file gone (or the commit there) and takes that commit, instead of crashing."""
+    import logging
+
+    from speechattn.data.cache import shards as shards_module
+    from speechattn.data.cache.integrity import read_marker
+
+    directory = _shards(tmp_path)
+    directory.mkdir(parents=True)
+    task = shards_module.ShardTask(
+        str(directory), "k" * 16, 0, [(u.utt_id, str(u.path)) for u in utts[:3]], SETTINGS, 3
+    )
+    real_save = shards_module.save_npy
+
+    def taken_over_meanwhile(path, array):
+        if not (directory / f"{task.key}.json").exists():
+            monkeypatch.setattr(shards_module, "save_npy", real_save)
+            shards_module.extract_shard(task)  # the other process, start to commit
+        raise FileNotFoundError(2, "No such file or directory", str(path) + ".tmp-1-abc")
+
+    monkeypatch.setattr(shards_module, "save_npy", taken_over_meanwhile)
+    committed_by_other = None
+    with caplog.at_level(logging.WARNING):
+        result = shards_module.extract_shard(task)
+        committed_by_other = read_marker(directory / f"{task.key}.json")
+        again = shards_module.extract_shard(task)  # woken before writing: the commit is there
+    assert result.marker == committed_by_other == again.marker
+    assert "was finished by another process while this one was stopped" in caplog.text

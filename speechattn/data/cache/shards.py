@@ -6,6 +6,7 @@ extraction of one shard into its three files (`extract_shard`, run in a process 
 from __future__ import annotations
 
 import hashlib
+import logging
 import multiprocessing as mp
 import shutil
 import sys
@@ -19,11 +20,13 @@ from typing import Any
 import numpy as np
 
 from speechattn.data.audio import load_audio
-from speechattn.data.cache.integrity import save_npy, write_marker
+from speechattn.data.cache.integrity import read_marker, save_npy, write_marker
 from speechattn.data.cache.layout import DATA_KINDS, ExtractionSettings, ShardPaths
 from speechattn.data.errors import DataError
 from speechattn.data.features import FeatureConfig, LogMel, min_samples_for
 from speechattn.utils import init_pool_worker, out_of_space
+
+log = logging.getLogger(__name__)
 
 MAX_SHARD_FACTOR = 3  # a shard holds at most this many times `shard_size` utterances
 
@@ -131,8 +134,17 @@ def extract_shard(task: ShardTask) -> ShardResult:
     paths = ShardPaths(Path(task.directory), task.key)
     arrays, marker = _featurise(task)
     try:
+        if (done := read_marker(paths.marker)) is not None:  # taken over while this one slept
+            return _finished_elsewhere(task, done)
         marker["files"] = {kind: save_npy(paths.data(kind), arrays[kind]) for kind in DATA_KINDS}
         write_marker(paths.marker, marker)  # commit
+    except FileNotFoundError:
+        # our temporary file went: another process took the claim over (this one was stopped
+        # past the claims' expiry) and cleaned up; its commit stands, ours is not needed
+        done = read_marker(paths.marker)
+        if done is None:
+            raise
+        return _finished_elsewhere(task, done)
     except OSError as e:
         if not out_of_space(e):
             raise
@@ -147,6 +159,16 @@ def extract_shard(task: ShardTask) -> ShardResult:
             f"{need / 2**20:.0f} MiB. Free space there or set data.cache_dir to another "
             f"disk; finished shards are kept and nothing half-written is used",
         ) from None
+    return ShardResult(task.index, marker)
+
+
+def _finished_elsewhere(task: ShardTask, marker: dict[str, Any]) -> ShardResult:
+    """The result of a shard another process committed while this one was stopped."""
+    log.warning(
+        "shard %s was finished by another process while this one was stopped (its claim "
+        "expired and was taken over); this process uses that result and writes nothing",
+        task.key,
+    )
     return ShardResult(task.index, marker)
 
 
