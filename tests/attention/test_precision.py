@@ -7,11 +7,12 @@ several kernels (a short- and a long-sequence one, `short_path_max_t`, or other 
 `kernel_names`) is run on each, but Flex (no backward on CPU).
 
 Stated tolerance, relative (Frobenius) error against the same float32 module: outputs 1e-2
-(bf16) / 2e-3 (fp16); gradients of inputs and parameters 8e-2 / 3e-3. Worst measured over the
-registry and both kernels: outputs 4.3e-3 / 5.4e-4, input gradients 1.7e-2 / 6.8e-4, parameter
-gradients 4.9e-2 (ldsa's W_1 bias, a sum over all frames) / 7.7e-4. LSH variants are compared
-with their float32 top-k selection held fixed: a sign bit of a half-precision query may flip,
-which changes the keys, not the kernels' accuracy.
+(bf16) / 2e-3 (fp16); gradients of inputs and parameters 8e-2 / 3e-3, except for the variants
+whose logits are learned projections of each frame (`LEARNED_LOGITS`), whose fp16 gradients
+reach 2e-2 as T grows (measured 1.6e-2 at D 768, T 300-500: docs/attention.md); at T = 20
+and T = 512. LSH variants are compared with their float32 top-k
+selection held fixed: a sign bit of a half-precision query may flip, which changes the keys,
+not the kernels' accuracy.
 """
 
 from __future__ import annotations
@@ -38,27 +39,35 @@ NAMES = available()
 TOLERANCE = OUTPUT_TOLERANCE
 DTYPES = list(TOLERANCE)
 LENGTHS = [20, 13, 1]
+# the variants whose logits are learned per frame: their fp16 gradients grow with T
+LEARNED_LOGITS = {"syn_dense", "syn_dense_mh", "ldsa"}
+LEARNED_GRAD_TOLERANCE = {torch.bfloat16: 8e-2, torch.float16: 2e-2}
 
 
+@pytest.mark.parametrize("T", [20, 512])
 @pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
 @pytest.mark.parametrize(("name", "path"), [c for c in device_kernels() if c[1] != "flex"])
-def test_trains_under_autocast_close_to_float32(name, path, dtype, monkeypatch):
+def test_trains_under_autocast_close_to_float32(name, path, dtype, T, monkeypatch):
     torch.manual_seed(0)
-    attn = build(name, DIM, HEADS, **SMALL_OPTIONS.get(name, {}))
+    options = SMALL_OPTIONS.get(name, {})
+    if "max_len" in options:
+        options = {**options, "max_len": max(options["max_len"], T)}
+    attn = build(name, DIM, HEADS, **options)
     use_kernel(attn, path, monkeypatch)
     hold_selection(attn, monkeypatch)  # the float32 top-k (module docstring)
-    x, pad = batch(LENGTHS)
+    grad_tolerance = (LEARNED_GRAD_TOLERANCE if name in LEARNED_LOGITS else GRAD_TOLERANCE)[dtype]
+    x, pad = batch([T, T * 2 // 3, 1])
     x = x.float()
     w = torch.randn(x.shape, generator=torch.Generator().manual_seed(5))
     y32, gx32, gp32 = train_pass(attn, x, pad, w)
     y, gx, gp = train_pass(attn, x, pad, w, dtype)
     assert y.dtype == dtype and torch.isfinite(y).all() and (y[pad] == 0).all()
     assert rel_error(y, y32) < TOLERANCE[dtype]
-    assert rel_error(gx, gx32) < GRAD_TOLERANCE[dtype]
+    assert rel_error(gx, gx32) < grad_tolerance
     assert gp.keys() == gp32.keys() and gp
     for n in gp:
         assert torch.isfinite(gp[n]).all() and gp[n].dtype == gp32[n].dtype, n
-        assert rel_error(gp[n], gp32[n]) < GRAD_TOLERANCE[dtype], n
+        assert rel_error(gp[n], gp32[n]) < grad_tolerance, n
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
