@@ -14,7 +14,7 @@ from pathlib import Path
 from speechattn.errors import SpeechattnError
 from speechattn.report.figures import SPEAKER_TASK, accuracy_vs_keys, attention_maps
 from speechattn.report.results import BenchRecord, ResultSet, collect, find_bench, read_bench
-from speechattn.report.superb import superb_report
+from speechattn.report.superb import has_superb_results, superb_report
 from speechattn.report.tables import Table, accuracy_table, cost_table, reference_table
 from speechattn.tasks.records import EXAMPLE_FILE, MEL, TASKS
 
@@ -47,6 +47,13 @@ def make_report(
     results = collect(results_dir)
     report.notes += results.problems
     variants, tasks = results.variants(), results.tasks()
+    if not variants and has_superb_results(results_dir):  # a SUPERB folder: its tables only
+        files, problems, superb = superb_report(results_dir, report.out)
+        report.files += files
+        report.notes += problems
+        (report.out / "README.md").write_text(_superb_readme(superb))
+        report.files.append(report.out / "README.md")
+        return report
     expected = [MEL, *[v for v in _registry_or(variants) if v != MEL]]
     report.missing = [(v, t) for v in expected for t in TASKS if results.get(v, t) is None]
     rows = list(dict.fromkeys([*expected, *variants]))
@@ -182,6 +189,16 @@ def _maps(results: ResultSet, variant: str, layer: int | None, report: Report) -
         "fig_attention_maps.png: no pretrained run with its upstream.pt and example utterance"
     )
     return None
+
+
+def _superb_readme(superb: Table) -> str:
+    return "\n".join([
+        "# SUPERB results", "",
+        "`superb_result.json` files under this folder (`python -m speechattn.superb -m evaluate`); "
+        "regenerate with `python -m speechattn.report RESULTS_DIR`. Every file: "
+        "[superb.md](superb.md) / `superb.csv`.", "",
+        superb.markdown(),
+    ])  # fmt: skip
 
 
 def _readme(report: Report, results: ResultSet, tables: tuple, superb: Table | None = None) -> str:

@@ -1,10 +1,12 @@
 """The SUPERB table: `superb_result.json` files (`python -m speechattn.superb -m evaluate`) under
 a results folder, upstream (rows) x task (columns), speechattn variants beside the baselines.
 
-Rows are the attention variant of a speechattn upstream, or the s3prl upstream name of a
-baseline (`fbank_no_cmvn`, the fair one: see docs/superb.md); `--quick` runs get their own rows,
-marked "(quick)", as their numbers are not comparable with full runs. When a cell has several
-results, the newest counts.
+A row is one upstream with one feature selection: a speechattn upstream by its attention
+variant and the run folder of its `upstream.pt` (two runs of one variant, another seed or step
+count, are two rows), or a baseline by its s3prl name (`fbank_no_cmvn`, the fair one: see
+docs/superb.md); the selection is s3prl's weighted layer sum, or "layer N" (`-l N`); `--quick`
+runs get their own rows, marked "(quick)", as their numbers are not comparable with full runs.
+When one cell has several results (the same row and task evaluated again), the newest counts.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from speechattn.report.tables import Table
-from speechattn.tasks.records import SUPERB_FILE, SuperbResult, read_superb
+from speechattn.tasks.records import SUPERB_FILE, WEIGHTED_SUM, SuperbResult, read_superb
 
 # s3prl downstream -> column title
 COLUMNS = {"speech_commands": "KS acc ↑", "voxceleb1": "SID acc ↑", "ctc": "PR PER ↓"}
@@ -28,10 +30,26 @@ def collect_superb(root: str | Path) -> tuple[dict[tuple[str, str], SuperbResult
         except ValueError as e:
             problems.append(str(e))
             continue
-        key = (result.attention + (" (quick)" if result.quick else ""), result.task)
+        key = (row_label(result), result.task)
         if key not in found or result.created >= found[key].created:
             found[key] = result
     return found, problems
+
+
+def row_label(result: SuperbResult) -> str:
+    """'ldsa (run 2026-11-28_10-00-00, layer 3) (quick)': variant, upstream run folder,
+    feature selection (unless the weighted sum), quick."""
+    parts = []
+    if result.upstream_ckpt:
+        parts.append(f"run {Path(result.upstream_ckpt).parent.name}")
+    if result.selection != WEIGHTED_SUM:
+        parts.append(result.selection)
+    label = result.attention + (f" ({', '.join(parts)})" if parts else "")
+    return label + (" (quick)" if result.quick else "")
+
+
+def has_superb_results(root: str | Path) -> bool:
+    return next(Path(root).rglob(SUPERB_FILE), None) is not None
 
 
 def superb_table(found: dict[tuple[str, str], SuperbResult]) -> Table:

@@ -7,7 +7,8 @@
 Modules: `compat` (in-process shims for what torch/torchaudio 2.11 removed from under s3prl
 0.4.18), `configs` (SUPERB task configs: paper hyper-parameters and `--quick`), `prepare` (the
 built-in corpus in each task's layout), `libriphone` (the ctc corpus reader missing from the
-s3prl wheel), `run` (the command).
+s3prl wheel), `run` (the command), `weights` (the Featurizer's learned layer weights:
+`python -m speechattn.superb.weights EXPDIR`).
 """
 
 from __future__ import annotations

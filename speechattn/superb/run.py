@@ -33,10 +33,11 @@ from typing import Any
 
 import yaml
 
+from speechattn.data.cache.integrity import file_sha256
 from speechattn.errors import ConfigError, SpeechattnError
 from speechattn.superb import compat
 from speechattn.superb.configs import METRIC, PAPER, task_config
-from speechattn.tasks.records import SuperbResult
+from speechattn.tasks.records import WEIGHTED_SUM, SuperbResult
 from speechattn.utils import atomic_write_text
 
 log = logging.getLogger(__name__)
@@ -58,16 +59,33 @@ def _inspect(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("-k", "--upstream_ckpt")
     parser.add_argument("-n", "--expname")
     parser.add_argument("-p", "--expdir")
+    parser.add_argument("-s", "--upstream_feature_selection", default="hidden_states")
+    parser.add_argument("-l", "--upstream_layer_selection", type=int)
     parser.add_argument("--device")
     parser.add_argument("--hub", default="torch")
     parser.add_argument("--push_to_hf_hub", default=False)
     return parser.parse_known_args(argv)[0]
 
 
-def default_expdir(task: str, upstream: str, ckpt: str | None, quick: bool) -> Path:
-    """result/superb/<task>[-quick]/<upstream>[-<folder of the checkpoint>]."""
+RESULTS = Path("result") / "superb"  # default results folder (docs/superb.md; .gitignore'd)
+
+
+def selection(args: argparse.Namespace) -> str:
+    """The features the downstream reads, as results record it: "weighted sum" (s3prl's
+    Featurizer over every layer) or "layer N" (`-l N`), with a non-default `-s` before it."""
+    layer = getattr(args, "upstream_layer_selection", None)
+    chosen = WEIGHTED_SUM if layer is None else f"layer {layer}"
+    feature = getattr(args, "upstream_feature_selection", "hidden_states")
+    return chosen if feature == "hidden_states" else f"{feature} {chosen}"
+
+
+def default_expdir(
+    task: str, upstream: str, ckpt: str | None, quick: bool, layer: int | None = None
+) -> Path:
+    """result/superb/<task>[-quick]/<upstream>[-<folder of the checkpoint>][-layer<N>]."""
     name = upstream + (f"-{Path(ckpt).resolve().parent.name}" if ckpt else "")
-    return Path("result") / "superb" / (task + ("-quick" if quick else "")) / name
+    name += f"-layer{layer}" if layer is not None else ""
+    return RESULTS / (task + ("-quick" if quick else "")) / name
 
 
 def latest_checkpoint(expdir: Path) -> Path:
@@ -133,7 +151,9 @@ def build_argv(argv: list[str], quick: bool, data: str | None) -> tuple[list[str
     if expdir is None and not args.past_exp:
         if not (args.downstream and args.upstream):
             raise ConfigError("-d TASK and -u UPSTREAM are needed (or -e CHECKPOINT, -p EXPDIR)")
-        expdir = default_expdir(args.downstream, args.upstream, args.upstream_ckpt, quick)
+        expdir = default_expdir(
+            args.downstream, args.upstream, args.upstream_ckpt, quick, args.upstream_layer_selection
+        )
         out += ["-p", str(expdir)]
     if args.mode == "evaluate" and not args.past_exp:
         out += ["-e", str(latest_checkpoint(expdir))]
@@ -256,6 +276,9 @@ def write_result(decided: dict[str, Any]) -> SuperbResult:
         checkpoint=str(checkpoint),
         code_version=speechattn.code_version(),
         created=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        selection=selection(ckpt_args),
+        upstream_sha256=file_sha256(ckpt_args.upstream_ckpt) if ckpt_args.upstream_ckpt else None,
+        expdir=str(expdir),
     )
     result.write(expdir)
     return result

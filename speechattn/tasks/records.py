@@ -300,8 +300,13 @@ def find_heads(results_dir: str | Path) -> list[Path]:
 #     checkpoint        the runner checkpoint that was evaluated
 #     code_version      `speechattn.code_version()`
 #     created           ISO-8601 UTC time stamp
+#     selection         the features the downstream read: "weighted sum" (s3prl's Featurizer
+#                       over every layer) or "layer N" (`-l N`)
+#     upstream_sha256   sha256 of the upstream file (-k), null for baselines
+#     expdir            the experiment folder the result belongs to
 SUPERB_FILE = "superb_result.json"
 SUPERB_KIND = "speechattn-superb"
+WEIGHTED_SUM = "weighted sum"
 
 
 @dataclass
@@ -321,6 +326,9 @@ class SuperbResult:
     checkpoint: str
     code_version: str = ""
     created: str = ""
+    selection: str = WEIGHTED_SUM
+    upstream_sha256: str | None = None
+    expdir: str = ""
     kind: str = SUPERB_KIND
     schema_version: int = SCHEMA_VERSION
 

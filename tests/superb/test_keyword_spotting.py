@@ -9,6 +9,7 @@ sharing strategy process-wide, which must not leak into the test session.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 import subprocess
@@ -85,6 +86,8 @@ def test_keyword_spotting_train_and_evaluate(tiny_corpus, pretrained_tiny_run, t
         assert 0.0 <= result.value <= 1.0
     ours = read_superb(tmp_path / "ours" / "superb_result.json")
     assert ours.upstream == "speechattn" and ours.upstream_ckpt == str(upstream_pt)
+    assert ours.selection == "weighted sum" and ours.expdir == str(tmp_path / "ours")
+    assert ours.upstream_sha256 == hashlib.sha256(upstream_pt.read_bytes()).hexdigest()
     assert ours.attention == speechattn.load_upstream(upstream_pt).attention_name
     assert read_superb(tmp_path / "fbank" / "superb_result.json").attention == "fbank_no_cmvn"
     # the runner's checkpoint, read weights-only with the allow-list
@@ -92,6 +95,12 @@ def test_keyword_spotting_train_and_evaluate(tiny_corpus, pretrained_tiny_run, t
     state = torch.load(tmp_path / "ours" / f"states-{STEPS}.ckpt", weights_only=True)
     assert state["Args"].upstream == "speechattn" and state["Step"] == STEPS
     check_featurizer(upstream_pt, state["Featurizer"], test_clips[:6])
+    # the command that prints them: the softmax of the trained weights, one per hidden state
+    from speechattn.superb.weights import layer_weights
+
+    shown = layer_weights(tmp_path / "ours")  # the folder: its dev-best or latest checkpoint
+    expected = torch.softmax(state["Featurizer"]["weights"].float(), 0).tolist()
+    assert shown == pytest.approx(expected) and sum(shown) == pytest.approx(1.0)
 
 
 def check_featurizer(upstream_pt: Path, featurizer_state: dict, clips: list[Path]) -> None:

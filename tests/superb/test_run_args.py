@@ -81,3 +81,21 @@ def test_evaluate_refuses_a_crafted_or_foreign_checkpoint_naming_it(tmp_path):
     torch.save({"model": torch.zeros(2)}, foreign)
     with pytest.raises(ConfigError, match="not a checkpoint of s3prl's runner"):
         build_argv(["-m", "evaluate", "-e", str(foreign)], quick=False, data=None)
+
+
+def test_featurizer_weights_are_read_weights_only_and_shown_as_softmax(tmp_path, capsys):
+    import argparse
+
+    from speechattn.superb.weights import layer_weights, main
+
+    ckpt = tmp_path / "states-300.ckpt"
+    raw = torch.tensor([0.0, 1.0, 2.0])
+    torch.save({"Args": argparse.Namespace(upstream="speechattn"), "Featurizer": {"weights": raw}},
+               ckpt)  # fmt: skip
+    assert layer_weights(tmp_path) == pytest.approx(torch.softmax(raw, 0).tolist())
+    main([str(ckpt)])
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "layer  weight" and lines[3].startswith("    2  0.6652")
+    torch.save({"Args": argparse.Namespace(upstream="speechattn")}, ckpt)
+    with pytest.raises(ConfigError, match="no Featurizer layer weights"):
+        layer_weights(ckpt)
