@@ -197,3 +197,27 @@ def test_full_disk_names_the_cache_and_the_space_needed(utts, tmp_path, monkeypa
     assert not list((tmp_path / "features" / "splits").glob("*[0-9a-f].json"))  # no manifest
     monkeypatch.setattr(integrity_module._HashingWriter, "write", original)
     _assert_serves(_extract(utts, tmp_path), _reference(_extract(utts, tmp_path / "clean")))
+
+
+def test_nan_written_under_the_recorded_size_and_mtime_is_named_when_read(utts, tmp_path):
+    """NaN planted in a shard with its size and mtime kept passes the start-up stat; reading
+    the utterance refuses it, naming the file and the utterance, instead of a diverged run
+    that blames the learning rate."""
+    store = _extract(utts, tmp_path)
+    utt = _first_of_shard(store, 1)
+    shard = store.paths(1).npy
+    before = shard.stat()
+    with shard.open("rb") as f:  # where the array's data starts, past the .npy header
+        assert np.lib.format.read_magic(f) == (1, 0)
+        np.lib.format.read_array_header_1_0(f)
+        header = f.tell()
+    data = bytearray(shard.read_bytes())
+    nan16 = np.array([np.nan], dtype=np.float16).tobytes()
+    data[header : header + 2] = nan16  # the shard's first value: its first utterance's
+    shard.write_bytes(bytes(data))
+    os.utime(shard, ns=(before.st_atime_ns, before.st_mtime_ns))
+    fresh = FeatureStore(store.manifest)
+    OPEN_SHARDS.forget(str(shard))
+    with pytest.raises(DataError, match=rf"utterance {utt} holds NaN or inf values") as info:
+        fresh.features(utt)
+    assert str(shard) in str(info.value) and not store.paths(1).marker.exists()

@@ -184,6 +184,9 @@ class FeatureStore:
         if got != out.nbytes:  # the file shrank after it was opened and checked
             OPEN_SHARDS.forget(path)
             self._refuse(k, Path(path), f"{got} of {out.nbytes} bytes read at {start}: truncated")
+        if not np.isfinite(out).all():  # extraction never writes one: the file was changed
+            OPEN_SHARDS.forget(path)
+            self._refuse(k, Path(path), f"utterance {self.utt_ids[i]} holds NaN or inf values")
         return out
 
     def features(self, i: int | str) -> np.ndarray:
