@@ -11,7 +11,7 @@ downstream runs: `pretrain` and `downstream` import no other job, `analysis` onl
 repository's `hubconf.py` may use `model` and `interop` only. `superb` (s3prl's SUPERB runner
 with our upstreams) sits beside `interop` and `report`: it uses the built-in corpus (`data`),
 the expert (`interop`) and the record it writes for the report (`tasks.records`), and no layer
-imports it.
+imports it. No two modules import each other, directly or through others (`test_no_import_circles`).
 """
 
 import ast
@@ -128,3 +128,36 @@ def test_jobs_are_independent(job):
 def test_hubconf_uses_only_the_upstream_api():
     used = project_imports(PACKAGE.parent / "hubconf.py")
     assert used and used - EVERYWHERE <= {"model", "interop"}, sorted(used)
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def test_no_import_circles():
+    """No module imports, directly or through others, a module that imports it back (lazy
+    imports inside functions included): every dependency runs one way."""
+    files = {_module_name(p): p for p in PACKAGE.rglob("*.py")}
+    graph = {
+        name: {m for m in imported_modules(path) if m in files and m != name}
+        for name, path in files.items()
+    }
+    # a package's __init__ re-exporting its modules is not a circle: skip edges to parents
+    for name in graph:
+        graph[name] = {m for m in graph[name] if not name.startswith(m + ".")}
+    circles, state = [], {}
+
+    def visit(node: str, stack: list[str]) -> None:
+        state[node] = "open"
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == "open":
+                circles.append(" -> ".join([*stack[stack.index(nxt) :], nxt]))
+            elif nxt not in state:
+                visit(nxt, [*stack, nxt])
+        state[node] = "done"
+
+    for name in sorted(graph):
+        if name not in state:
+            visit(name, [name])
+    assert not circles, "import circles:\n" + "\n".join(circles)

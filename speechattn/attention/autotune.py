@@ -91,7 +91,7 @@ def enable(model: nn.Module, on: bool = True) -> int:
     n = 0
     for m in model.modules():
         if isinstance(m, Attention):
-            m.autotune = on
+            m.kernel_chooser = choose if on else None
             n += len(m.kernel_names) > 1
     return n
 

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -159,9 +159,11 @@ class Attention(nn.Module, ABC):
     # earlier values where it does not state the option (`model.upstream`).
     earlier_options: ClassVar[dict[int, dict[str, object]]] = {}
     max_len: int | None = None  # longest sequence (T) the variant accepts; None: any
-    # Kernel choice by measurement (`attention.autotune`, see `autotune.py`): off by default
-    # so that a module built here keeps the `short_path_max_t` rule (tests, `force_path`).
-    autotune: bool = False
+    # Kernel choice by measurement: `attention.autotune.enable` sets this to its `choose`
+    # (module, t, T) -> kernel name; None (the default) keeps the `short_path_max_t` rule for
+    # a module built here (tests, `force_path`). Set from outside, so this file needs no
+    # import of the tuner, which builds on it.
+    kernel_chooser: Callable[[Attention, Tensor, int], str] | None = None
     _forced_kernel: str | None = None  # the kernel the tuner is timing (`autotune.forced`)
 
     def __init__(self, config: AttentionConfig) -> None:
@@ -253,11 +255,15 @@ class Attention(nn.Module, ABC):
         T = t.shape[-2] if t.dim() == 4 else t.shape[1]
         if self._forced_kernel is not None:  # the tuner is timing one kernel
             return self._forced_kernel
-        if self.autotune and not torch.compiler.is_compiling() and self.kernel_candidates(t):
-            from speechattn.attention import autotune  # imports this module
-
-            return autotune.choose(self, t, T)
+        chooser = self.kernel_chooser
+        if chooser is not None and not torch.compiler.is_compiling() and self.kernel_candidates(t):
+            return chooser(self, t, T)
         return self.rule_kernel(T, t.device)
+
+    @property
+    def autotune(self) -> bool:
+        """Whether the kernel is chosen by measurement (`attention.autotune.enable`)."""
+        return self.kernel_chooser is not None
 
     def use_short_path(self, t: Tensor) -> bool:
         """Whether a two-kernel variant runs its short-sequence kernel for t (`pick_kernel`)."""

@@ -24,7 +24,7 @@ from speechattn.data.librispeech import Utterance, find_splits, scan_split
 _LAZY = {
     "LabelledDataModule": "speechattn.data.labelled",
     "PretrainDataModule": "speechattn.data.datamodules",
-    "build_datamodule": "speechattn.data.datamodules",
+    "build_datamodule": "speechattn.data.build",
     "resolve_root": "speechattn.data.datamodules",
     "build_corpus": "speechattn.data.synth",
     "ensure_embedded_corpus": "speechattn.data.synth",

@@ -35,7 +35,7 @@ from speechattn.data.errors import DataError, Issues, Skip
 from speechattn.data.features import HOP_LENGTH, SAMPLE_RATE, FeatureConfig, Normalizer
 from speechattn.data.librispeech import LabelFiles, read_split_list
 from speechattn.errors import ConfigError
-from speechattn.utils import derive_seed, plain
+from speechattn.utils import derive_seed
 
 log = logging.getLogger(__name__)
 
@@ -55,26 +55,6 @@ def resolve_root(cfg: DataConfig) -> Path:
         cfg.cache_root(), cfg.synth_speakers, cfg.synth_utterances_per_speaker, cfg.synth_seed,
         workers=cfg.extract_workers, progress=cfg.progress,
     )  # fmt: skip
-
-
-def build_datamodule(config: Any, kind: str = "pretrain") -> L.LightningDataModule:
-    """The data module of a job from its `data` config (a DataConfig, dict or config node):
-    `PretrainDataModule` (kind "pretrain") or `LabelledDataModule` (kind "labelled"). A
-    `_target_` instantiates any other DataModule that follows the batch contract of
-    docs/ARCHITECTURE.md instead (bring your own data; the tests use synthetic speech)."""
-    if not isinstance(config, DataConfig) and "_target_" in config:
-        from hydra.utils import instantiate
-
-        return instantiate(config)
-    if kind not in ("pretrain", "labelled"):
-        raise ValueError(f"kind must be pretrain or labelled, not {kind!r}")
-    if not isinstance(config, DataConfig):
-        config = DataConfig(**plain(config))
-    if kind == "pretrain":
-        return PretrainDataModule(config)
-    from speechattn.data.labelled import LabelledDataModule  # it builds on this module
-
-    return LabelledDataModule(config)
 
 
 def extraction_settings(cfg: DataConfig) -> ExtractionSettings:
