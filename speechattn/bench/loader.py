@@ -119,9 +119,8 @@ def measure(cfg: Any, batches: int = 50, warmup: int = 5, cold: bool = False) ->
             optimizer=plain(cfg.model.optimizer), total_steps=int(cfg.trainer.max_steps),
             seed=int(cfg.seed),
         )  # fmt: skip
-        loader = ResumableData(inner, seed=int(cfg.seed)).step_loader(
-            total_batches=1 + warmup + batches, batch_masker=task.batch_masker
-        )
+        resumable = ResumableData(inner, seed=int(cfg.seed), batch_masker=task.batch_masker)
+        loader = resumable.step_loader(total_batches=1 + warmup + batches)
         timing = _time_loader(loader, warmup, batches)
         summary = inner.describe()
     finally:

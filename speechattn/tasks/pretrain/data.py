@@ -259,10 +259,14 @@ class ResumableData(L.LightningDataModule):
         batch_size: int | None = None,
         bucket_size: int | None = None,
         pad_to_multiple: int | None = None,
+        batch_masker: Callable[[int], BatchMasker] | None = None,
     ) -> None:
         super().__init__()
         self.inner = inner
         self.seed = seed
+        # the task's host side of a step (`PretrainTask.batch_masker`), given at construction:
+        # the loader stacks and masks with it; None: batches as the wrapped module collates them
+        self.batch_masker = batch_masker
         self.batch_size = batch_size  # None: the wrapped loader's
         self.bucket_size = bucket_size  # None: the wrapped batch sampler's, else 1
         # model frames per length bucket; None: the wrapped module's `cfg.pad_to_multiple`, else 1
@@ -295,14 +299,12 @@ class ResumableData(L.LightningDataModule):
         if trainer.max_steps is None or trainer.max_steps < 0:
             raise ConfigError("pretraining is defined in steps: set trainer.max_steps")
         accumulate = trainer.accumulate_grad_batches
-        batch_masker = getattr(trainer.lightning_module, "batch_masker", None)
         return self.step_loader(
             total_batches=trainer.max_steps * accumulate,
             # a checkpoint is written after an optimizer step: the batches before it are done
             start=trainer.global_step * accumulate,
             rank=trainer.global_rank,
             world_size=trainer.world_size,
-            batch_masker=batch_masker if callable(batch_masker) else None,
         )
 
     def step_loader(
@@ -311,12 +313,12 @@ class ResumableData(L.LightningDataModule):
         start: int = 0,
         rank: int = 0,
         world_size: int = 1,
-        batch_masker: Callable[[int], BatchMasker] | None = None,
     ) -> DataLoader:
         """The training loader of a run of `total_batches` batches from batch `start`: the
         wrapped module's dataset, collate, workers, pinning and prefetch with the order of
         `StepBatchSampler`, and with `batch_masker` (the task's, given the length bucket)
         stacking and masking in the loader. `bench loader` times this very loader."""
+        batch_masker = self.batch_masker
         loader = self.inner.train_dataloader()
         batch_size = self.batch_size or loader.batch_size
         if batch_size is None:

@@ -108,7 +108,6 @@ def run_locked(
 
     # data
     inner = datamodule if datamodule is not None else build_datamodule(cfg.data, "pretrain")
-    data = ResumableData(inner, seed=cfg.seed)
     # task: the model gets the data's feature dim; the saved config.yaml records it
     cfg.model.net.feature_dim = int(inner.feature_dim)
     task = PretrainTask(
@@ -121,6 +120,8 @@ def run_locked(
         compile=bool(cfg.model.get("compile", False)),
         compile_mode=str(cfg.model.get("compile_mode", "default")),
     )
+    # the training loader stacks and masks as the task defines it (settings flow down)
+    data = ResumableData(inner, seed=cfg.seed, batch_masker=task.batch_masker)
     if checkpoint is not None:  # weights that do not fit: say so before Lightning loads them
         check_state_dict(checkpoint, resume, task)
         task.resume_changes = changes
