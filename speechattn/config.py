@@ -184,6 +184,12 @@ def register() -> None:
     for name in available():
         node = {"name": name, "options": options(name)}
         store.store(group="schema/attention", name=name, node=node)
+    # the model presets' networks (`model.aalbert.PRESETS`): experiment files take them from
+    # here, so that Python and the command line build one model
+    from speechattn.model.aalbert import PRESETS
+
+    for name, net in PRESETS.items():
+        store.store(group="schema/preset", name=name, node=net)
 
 
 def compose(config_name: str, overrides: list[str] | None = None) -> DictConfig:
