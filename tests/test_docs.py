@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -108,14 +109,19 @@ def test_relative_links_resolve(page: Path) -> None:
     assert not broken, f"{page.relative_to(ROOT)}: broken links:\n" + "\n".join(broken)
 
 
-def test_no_references_to_documents_users_do_not_have() -> None:
+def _scanned_lines(matches: Callable[[str], bool]) -> list[str]:
+    """`path:line: text` of every line of the scanned files that `matches`."""
     found = []
     for path in SCANNED:
-        if not path.is_file():
-            continue
-        for n, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
-            if OUTSIDE_REFERENCE.search(line):
-                found.append(f"{path.relative_to(ROOT)}:{n}: {line.strip()}")
+        if path.is_file():
+            for n, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
+                if matches(line):
+                    found.append(f"{path.relative_to(ROOT)}:{n}: {line.strip()}")
+    return found
+
+
+def test_no_references_to_documents_users_do_not_have() -> None:
+    found = _scanned_lines(lambda line: bool(OUTSIDE_REFERENCE.search(line)))
     assert not found, (
         "these cite documents that are not in the repository; say what is meant, or link "
         "the docs/ page that defines it:\n" + "\n".join(found)
@@ -123,13 +129,9 @@ def test_no_references_to_documents_users_do_not_have() -> None:
 
 
 def test_no_process_words() -> None:
-    found = []
-    for path in SCANNED:
-        if not path.is_file():
-            continue
-        for n, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
-            if PROCESS_WORDS.search(line) and not ELSEWHERE.search(line):
-                found.append(f"{path.relative_to(ROOT)}:{n}: {line.strip()}")
+    found = _scanned_lines(
+        lambda line: bool(PROCESS_WORDS.search(line)) and not ELSEWHERE.search(line)
+    )
     assert not found, (
         "these speak of how the project was made (issue numbers, rounds); say what the code "
         "does and why instead:\n" + "\n".join(found)
