@@ -3,7 +3,7 @@
 Measures, on the built-in corpus (or `--root`):
 - extraction: decode FLAC + log-mel + cache write, into a fresh temporary cache, as a multiple
   of real time (seconds of audio per second of wall clock), with `--workers` processes;
-- cached loading: utterances/s and frames/s read back from the memory-mapped cache, both raw
+- cached loading: utterances/s and frames/s read back from the cache (preads), both raw
   (`FeatureStore.features`) and through the training path (dataset + normalisation + padded
   batches), compared with an *assumed* consumer: a tiny model training at ~20k mel frames/s;
 - cache verification: the first raw pass over a fresh store (each shard's size, mtime and

@@ -60,7 +60,7 @@ class FeatureDataset(Dataset):
 
     def __getitem__(self, item: int) -> dict[str, Any]:
         i = self.indices[item]
-        x = self.store.raw(i)  # (T, F) memory-mapped, cache dtype
+        x = self.store.raw(i)  # (T, F) read from its shard (pread), cache dtype
         T = x.shape[0]
         start = 0
         if self.max_frames and T > self.max_frames:
