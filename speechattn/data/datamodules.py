@@ -29,6 +29,7 @@ import torch
 from torch.utils.data import ConcatDataset, DataLoader, RandomSampler, SequentialSampler
 
 from speechattn.data.cache import ExtractionSettings, FeatureStore, open_split
+from speechattn.data.cache.store import register_reader
 from speechattn.data.config import DataConfig, local_rank
 from speechattn.data.datasets import FeatureDataset, LengthBucketBatchSampler, collate
 from speechattn.data.errors import DataError, Issues, Skip
@@ -145,6 +146,7 @@ class _CorpusDataModule(L.LightningDataModule):
                 progress=c.progress and local_rank() == 0, verify=c.verify_cache,
                 max_open_shards=c.max_open_shards, claim_config=c.claim_config(),
             )  # fmt: skip
+            register_reader(self._splits[split].manifest)  # gc keeps it while this job runs
         return self._splits[split]
 
     def _splits_needed(self) -> list[str]:

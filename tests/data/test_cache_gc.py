@@ -233,3 +233,35 @@ def test_an_extraction_whose_plan_was_removed_writes_it_again(tmp_path, caplog):
         _touch_plan(plan, tmp_path, F16, ["k0", "k1"])
     assert json.loads(plan.read_text())["shards"] == ["k0", "k1"]
     assert "was removed while its extraction ran" in caplog.text
+
+
+def test_a_running_job_keeps_every_shard_it_reads(tiny_corpus, tmp_path):
+    """A job reading a corpus (its data module marks the manifest as read) keeps all of its
+    shards, even one whose audio changed after the job started; once the job is gone, gc
+    removes that shard and the job's mark."""
+    import subprocess
+    import sys
+
+    from speechattn.data.cache.layout import reader_path
+    from speechattn.data.cache.store import register_reader
+    from speechattn.data.claims import host_name
+
+    cache = tmp_path / "cache"
+    a = _copy(tiny_corpus, tmp_path / "a")
+    store = _open(a, cache)
+    changed = store.shard_keys[int(store.shard[7])]
+    flac = next((a / SPLIT).glob(f"*/*/{store.utt_ids[7]}.flac"))
+    flac.write_bytes(next((a / SPLIT).glob(f"*/*/{store.utt_ids[20]}.flac")).read_bytes())
+    gone = int(subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                              capture_output=True, text=True).stdout)  # fmt: skip
+    ended = reader_path(store.manifest, host_name(), gone)
+    ended.touch()  # a job that has ended without removing its mark (SIGKILL)
+    register_reader(store.manifest)  # this process reads the corpus, as a training run does
+    mine = reader_path(store.manifest, host_name(), os.getpid())
+    assert mine.is_file()
+    removed = gc_module.collect(cache, grace_s=0)
+    assert removed["shards"] == [] and store.paths(int(store.shard[7])).npy.is_file()
+    assert not ended.exists() and mine.is_file()
+    mine.unlink()  # the job ends
+    removed = gc_module.collect(cache, grace_s=0)
+    assert removed["shards"] == [changed]

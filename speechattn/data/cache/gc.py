@@ -12,7 +12,9 @@ still working, here as in the extraction), or one named by the plan of an extrac
 progress (`splits/*.plan.json`: its process still runs, on this host; or, written on another
 host, it was touched, after every shard, within the grace period or the claims' expiry,
 whichever is longer), so it is safe beside a running extraction whatever `--grace-hours`
-says; nor a temporary file under a live claim, however old.
+says; nor a temporary file under a live claim, however old; nor any shard of a manifest a
+running job reads (its reader mark, `layout.reader_path`: the process alive on this host, or
+the mark younger than a day from another host).
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
-from speechattn.data.cache.layout import OLD_ENTRY_RE, features_root, file_host, plan_owner
+from speechattn.data.cache.layout import OLD_ENTRY_RE, features_root, file_host, owner
 from speechattn.data.cache.store import load_manifest
 from speechattn.data.claims import CLAIM_SUFFIX, ClaimConfig, host_name, live_claim, pid_alive
 from speechattn.data.errors import DataError
@@ -74,6 +76,7 @@ class Survey:
     settings_of: dict[str, str]  # shard key -> settings key (a key is unique in practice)
     fresh_plans: list[Path]
     stale_plans: list[Path]
+    dead_readers: list[Path]  # reader marks of processes that are gone (`layout.reader_path`)
     old_entries: list[tuple[Path, int, float]]  # (folder, bytes, newest mtime)
     protected: set[str]  # shard keys in use by a live/changed manifest or a fresh plan
 
@@ -133,15 +136,17 @@ def _files_in_use(meta: dict, z, folder: Path) -> set[str]:
     return {key for key, bad in zip(keys, broken) if not bad}
 
 
-def plan_running(plan: Path, grace_s: float, claim_config: ClaimConfig | None = None) -> bool:
-    """Whether the extraction that wrote `plan` may still run: its process is alive (a plan
-    written on this host), or (another host's, or a name without an owner) the plan was
-    touched within `grace_s` or the claims' expiry, whichever is longer."""
-    owner = plan_owner(plan)
-    if owner is not None and owner[0] == file_host(host_name()):
-        return pid_alive(owner[1])
-    expiry = (claim_config or ClaimConfig()).expiry_s
-    return time.time() - plan.stat().st_mtime < max(grace_s, expiry)
+FOREIGN_READER_S = 24 * 3600.0  # a reader mark of another host counts as live this long
+
+
+def owner_running(path: Path, younger_than: float) -> bool:
+    """Whether the process a plan or reader file names may still run: alive (a file of this
+    host), or (another host's, or a name without an owner) the file is younger than
+    `younger_than` seconds."""
+    found = owner(path)
+    if found is not None and found[0] == file_host(host_name()):
+        return pid_alive(found[1])
+    return time.time() - path.stat().st_mtime < younger_than
 
 
 def survey(
@@ -161,7 +166,8 @@ def survey(
     fresh_plans, stale_plans = [], []
     for plan in sorted(splits.glob("*.plan.json")):
         try:
-            if plan_running(plan, grace_s, claim_config):
+            expiry = (claim_config or ClaimConfig()).expiry_s
+            if owner_running(plan, max(grace_s, expiry)):  # touched after every shard
                 protected.update(json.loads(plan.read_text())["shards"])
                 fresh_plans.append(plan)
             else:
@@ -191,8 +197,19 @@ def survey(
         manifests.append(ManifestInfo(path, meta["folder"], exists, meta["utterances"],
                                       meta["shards"], in_use, path.stat().st_mtime, status))  # fmt: skip
         protected |= in_use
+    # a running job reading a manifest keeps all of its shards, changed or missing corpus alike
+    shards_of = {m.path.stem: m.shards for m in manifests}
+    dead_readers = []
+    for mark in sorted(splits.glob("*.reader")):
+        try:
+            if owner_running(mark, max(grace_s, FOREIGN_READER_S)):
+                protected.update(shards_of.get(mark.name.split(".", 1)[0], []))
+            else:
+                dead_readers.append(mark)
+        except OSError:
+            continue
     return Survey(features, manifests, shards, settings_of, fresh_plans, stale_plans,
-                  _old_entries(features), protected)  # fmt: skip
+                  dead_readers, _old_entries(features), protected)  # fmt: skip
 
 
 def _claimed(shard: ShardFiles, claim_config: ClaimConfig | None) -> bool:
@@ -241,9 +258,9 @@ def collect(
             if not dry_run:
                 m.path.unlink(missing_ok=True)  # the json (commit marker) first
                 m.path.with_suffix(".npz").unlink(missing_ok=True)
-    for plan in s.stale_plans:
+    for mark in s.stale_plans + s.dead_readers:
         if not dry_run:
-            plan.unlink(missing_ok=True)
+            mark.unlink(missing_ok=True)
     for shard in s.shards.values():  # debris of killed writers, even beside a used shard
         old = [f for f in shard.files if TEMP_MARK in f.name and _older(f, grace_s, now)]
         if not old or shard.key not in s.protected or _claimed(shard, claim_config):

@@ -10,6 +10,7 @@
     splits/<manifest key>.npz                 per-utterance index of one corpus folder
     splits/<manifest key>.json                its commit marker: folder, listing digest, shard
                                               keys' records, failures, notes
+    splits/<manifest key>.<host>-<pid>.reader     while a process (a training run) reads it
     splits/<manifest key>.<host>-<pid>.plan.json  written while a process extracts for the
                                               folder: the shards it needs
     <16 hex digits>/                          a version-2 entry (old layout; `gc` removes it)
@@ -133,8 +134,14 @@ def file_host(host: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]", "_", host)
 
 
-def plan_owner(plan: Path) -> tuple[str, int] | None:
-    """(host as in file names, pid) of the process that wrote `plan`, or None for a name
-    `plan_path` did not make."""
-    found = re.fullmatch(r"[^.]+\.(.+)-(\d+)\.plan\.json", plan.name)
+def reader_path(manifest: Path, host: str, pid: int) -> Path:
+    """The mark of one process reading a manifest's shards (a training run): `gc` keeps every
+    shard of the manifest while the process lives."""
+    return manifest.with_name(f"{manifest.stem}.{file_host(host)}-{pid}.reader")
+
+
+def owner(path: Path) -> tuple[str, int] | None:
+    """(host as in file names, pid) of the process a plan or reader file belongs to, or None
+    for a name `plan_path` / `reader_path` did not make."""
+    found = re.fullmatch(r"[^.]+\.(.+)-(\d+)\.(?:plan\.json|reader)", path.name)
     return (found.group(1), int(found.group(2))) if found else None

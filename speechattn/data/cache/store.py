@@ -8,6 +8,7 @@ array never pins a file open.
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import threading
@@ -28,7 +29,8 @@ from speechattn.data.cache.integrity import (
     reconcile,
     same_stat,
 )
-from speechattn.data.cache.layout import DATA_KINDS, ShardPaths
+from speechattn.data.cache.layout import DATA_KINDS, ShardPaths, owner, reader_path
+from speechattn.data.claims import host_name
 from speechattn.data.config import DataConfig
 from speechattn.data.errors import DataError, Skip
 from speechattn.utils import atomic_write_text
@@ -77,6 +79,32 @@ class _OpenShards:
 
 
 OPEN_SHARDS = _OpenShards()
+_READING: set[Path] = set()  # the reader marks this process made (`register_reader`)
+
+
+def register_reader(manifest: Path) -> None:
+    """Mark `manifest` as read by this process until it exits: `gc` keeps every shard of it
+    while the process lives, whatever changed in the corpus meanwhile (`layout.reader_path`;
+    removed at exit, and by `gc` once the process is gone)."""
+    path = reader_path(manifest, host_name(), os.getpid())
+    if path in _READING:
+        return
+    try:
+        path.touch()
+    except OSError:  # a read-only cache: nobody can gc it from here either
+        return
+    if not _READING:
+        atexit.register(_unregister_readers)
+    _READING.add(path)
+
+
+def _unregister_readers() -> None:
+    for path in _READING:
+        if (owner(path) or ("", 0))[1] == os.getpid():  # not a forked child's inherited set
+            path.unlink(missing_ok=True)
+    _READING.clear()
+
+
 os.register_at_fork(after_in_child=OPEN_SHARDS._after_fork)
 
 
