@@ -226,8 +226,9 @@ class RunFolderGuard(Callback):
     existing job folders of its sweep folder. The job's own writes never follow links either
     (`speechattn.utils`: atomic renames, `append_text`)."""
 
+    # Hydra's files; pretraining's config.yaml and metrics.csv; the probes' CSV logger's
     WRITTEN = (".hydra", ".hydra/config.yaml", ".hydra/hydra.yaml", ".hydra/overrides.yaml",
-               "config.yaml", "metrics.csv")  # fmt: skip
+               "config.yaml", "metrics.csv", "logs", "logs/metrics.csv", "logs/hparams.yaml")  # fmt: skip
 
     def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
         self._check([Path(config.hydra.run.dir)], config.hydra.job.name)

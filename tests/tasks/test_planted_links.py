@@ -29,7 +29,9 @@ def _plant(link, target):
     link.symlink_to(target)
 
 
-@pytest.mark.parametrize("name", [".hydra/config.yaml", ".hydra", "pretrain.log", "config.yaml"])
+@pytest.mark.parametrize(
+    "name", [".hydra/config.yaml", ".hydra", "pretrain.log", "config.yaml", "logs/metrics.csv"]
+)
 def test_the_guard_refuses_a_link_where_hydra_or_the_run_writes(tmp_path, victim, name, capsys):
     run = tmp_path / "run"
     _plant(run / name, victim)
