@@ -16,6 +16,7 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+import torch
 
 from speechattn.bench.corpus import make_scale_corpus
 from speechattn.data import DataConfig, PretrainDataModule
@@ -92,6 +93,7 @@ def _leftovers(cache: Path) -> list[str]:
 
 
 def _node(host, root, cache, log_file, workers, start, results) -> None:
+    _one_thread()
     os.environ[HOST_ENV] = host
     _count_extractions(log_file, host, seconds=0.05)
     start.wait(10)
@@ -211,8 +213,16 @@ def test_the_wait_times_out_naming_the_shard_its_holder_and_claim_file(corpus, a
     assert [p.name for p in shard_dir(cache, SETTINGS).glob("*.claim")] == [claim.name]
 
 
+def _one_thread() -> None:
+    """What a forked child of the test process needs before any torch op: the parent's OpenMP
+    team (MKL's vector maths use it) does not survive a fork, and a child using it waits on
+    it forever. Real ranks are fresh processes; the extraction pool's workers do this too."""
+    torch.set_num_threads(1)
+
+
 def _rank(rank, cfg, log_file, results) -> None:
     """A DDP rank as Lightning runs it: prepare_data on local rank 0 only, setup on each."""
+    _one_thread()
     os.environ.update(LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2")
     _count_extractions(log_file, f"rank{rank}", seconds=0.05)
     dm = PretrainDataModule(cfg)
