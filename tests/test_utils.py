@@ -67,6 +67,7 @@ def test_digest_is_canonical_json_then_lines():
     assert digest({"a": 1}, ["x\n"], length=20) == expected.hexdigest()[:20]
 
 
+@pytest.mark.slow
 def test_a_pool_ends_while_the_training_stop_handler_is_installed():
     """Forked pool workers inherit the parent's signal handlers; the training's stop handler
     only sets a flag, so without `init_pool_worker` resetting it `Pool.terminate()` (SIGTERM)

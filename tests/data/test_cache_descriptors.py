@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 import soundfile as sf
 
 SPLIT = "train-clean-360"
@@ -69,6 +70,7 @@ def write_corpus(root: Path, speakers: int, chapters: int, per_chapter: int) -> 
     return root
 
 
+@pytest.mark.slow
 def test_a_cache_of_more_shards_than_the_descriptor_limit_is_served(tmp_path):
     root = write_corpus(tmp_path / "corpus", speakers=5, chapters=3, per_chapter=12)  # 180
     proc = subprocess.run(
