@@ -164,10 +164,10 @@ def survey(
     manifests, protected = [], set()
     splits = features / "splits"
     fresh_plans, stale_plans = [], []
+    plan_live_s = max(grace_s, (claim_config or ClaimConfig()).expiry_s)  # touched every shard
     for plan in sorted(splits.glob("*.plan.json")):
         try:
-            expiry = (claim_config or ClaimConfig()).expiry_s
-            if owner_running(plan, max(grace_s, expiry)):  # touched after every shard
+            if owner_running(plan, plan_live_s):
                 protected.update(json.loads(plan.read_text())["shards"])
                 fresh_plans.append(plan)
             else:
@@ -184,16 +184,14 @@ def survey(
         folder = Path(meta["folder"])
         exists = folder.is_dir()
         with z:
-            if not exists:
+            if not exists:  # a folder that may come back keeps its shards unless forgotten
                 in_use: set[str] = set() if forget_missing else set(meta["shards"])
-            elif check_files:
-                in_use = _files_in_use(meta, z, folder)
+                status = "stale" if forget_missing else "missing"
             else:
-                in_use = set(meta["shards"])
-        if not exists:
-            status = "stale" if forget_missing else "missing"
-        else:
-            status = "live" if in_use == set(meta["shards"]) else "changed" if in_use else "stale"
+                in_use = _files_in_use(meta, z, folder) if check_files else set(meta["shards"])
+                status = (
+                    "live" if in_use == set(meta["shards"]) else "changed" if in_use else "stale"
+                )
         manifests.append(ManifestInfo(path, meta["folder"], exists, meta["utterances"],
                                       meta["shards"], in_use, path.stat().st_mtime, status))  # fmt: skip
         protected |= in_use
