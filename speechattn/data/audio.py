@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from speechattn.data.errors import DataError
+from speechattn.data.utterances import Segment
 
 SAMPLE_RATE = 16000
 # Float audio is nominally within +-1 (integer formats always are, once decoded); a little over
@@ -22,6 +23,9 @@ SAMPLE_RATE = 16000
 # another scale (integer values stored as floats) or garbage, and its log-mel features would
 # dwarf every other utterance's in the corpus statistics.
 MAX_PEAK = 100.0
+# A segment may end this much past its file (lhotse's default tolerance for a duration
+# mismatch between a manifest and the audio): what is there is read.
+SEGMENT_SLACK_S = 0.025
 
 
 @dataclass
@@ -36,14 +40,16 @@ def load_audio(
     sample_rate_policy: str = "resample",
     min_samples: int = 1,
     utt_id: str | None = None,
+    segment: Segment | None = None,
 ) -> AudioResult:
-    """Decode `path` into float32 mono at 16 kHz.
+    """Decode `path` (or the `segment` of it) into float32 mono at 16 kHz.
 
     Args:
-        path: audio file (FLAC, WAV, ... anything libsndfile reads).
+        path: audio file (FLAC, WAV, OGG, MP3, ... anything the installed libsndfile reads).
         sample_rate_policy: "resample" (convert, noted) or "error" for non-16 kHz audio.
         min_samples: fewer samples than this (after resampling) is a "too short" error.
         utt_id: utterance id to name in errors.
+        segment: read only this part of the file (and this channel); None: all of it.
     """
     import soundfile as sf
 
@@ -58,8 +64,13 @@ def load_audio(
         info = sf.info(str(path))
     except (RuntimeError, OSError) as e:  # LibsndfileError is a RuntimeError
         raise DataError(path, "unreadable audio", _short(e), utt_id) from None
+    start, frames = 0, -1
+    if segment is not None:
+        start, frames = _segment_samples(segment, info, path, utt_id)
     try:
-        audio, rate = sf.read(str(path), dtype="float32", always_2d=True)  # (N, C)
+        audio, rate = sf.read(
+            str(path), frames=frames, start=start, dtype="float32", always_2d=True
+        )  # (N, C)
     except (RuntimeError, OSError) as e:
         if flac_audio_bytes(path) == 0:
             # libsndfile reports an unknown length as 2**63 - 1 samples; say what is there
@@ -72,16 +83,19 @@ def load_audio(
             f"header says {info.frames} samples; {_short(e)}",
             utt_id,
         ) from None
-    if info.frames > 0 and audio.shape[0] < info.frames:
+    expected = info.frames - start if frames < 0 else frames
+    if info.frames > 0 and audio.shape[0] < expected:
         raise DataError(
             path,
             "truncated or corrupt audio",
-            f"header says {info.frames} samples, decoded {audio.shape[0]}",
+            f"header says {expected} samples from sample {start}, decoded {audio.shape[0]}",
             utt_id,
         )
     if audio.shape[0] == 0:
         raise DataError(path, "empty audio", "0 samples", utt_id)
     _check_values(audio, path, utt_id)
+    if segment is not None and segment.channel is not None:
+        audio = audio[:, segment.channel : segment.channel + 1]
     notes = []
     if audio.shape[1] > 1:
         notes.append(f"averaged {audio.shape[1]} channels")
@@ -100,6 +114,26 @@ def load_audio(
             f"{audio.shape[0]} samples ({audio.shape[0] / SAMPLE_RATE:.3f} s), need at least {min_samples}", utt_id,
         )  # fmt: skip
     return AudioResult(np.ascontiguousarray(audio, dtype=np.float32), int(rate), notes)
+
+
+def _segment_samples(segment: Segment, info, path: Path, utt_id: str | None) -> tuple[int, int]:
+    """(first sample, sample count) of `segment` in the file `info` describes; a segment that
+    ends past the file (beyond `SEGMENT_SLACK_S`) or names a channel it lacks is bad input."""
+    rate = info.samplerate
+    start, frames = round(segment.start * rate), round(segment.duration * rate)
+    if segment.channel is not None and not 0 <= segment.channel < info.channels:
+        raise DataError(
+            path, "no such channel",
+            f"the segment reads channel {segment.channel}; the file has {info.channels}", utt_id,
+        )  # fmt: skip
+    missing = start + frames - info.frames
+    if segment.start < 0 or missing > SEGMENT_SLACK_S * rate:
+        raise DataError(
+            path, "segment outside the audio",
+            f"{segment.start:g} s + {segment.duration:g} s, the file holds "
+            f"{info.frames / rate:g} s: the manifest does not match this file", utt_id,
+        )  # fmt: skip
+    return start, min(frames, info.frames - start)
 
 
 def _check_values(audio: np.ndarray, path: Path, utt_id: str | None) -> None:

@@ -16,7 +16,7 @@ from speechattn.data.claims import ClaimConfig
 from speechattn.errors import ConfigError, is_int, is_number, require
 from speechattn.utils import default_cache_root
 
-CORPUS_CHOICES = ("embedded", "librispeech")
+CORPUS_CHOICES = ("embedded", "librispeech", "folder", "lhotse")
 NORMALIZATION_CHOICES = ("global", "utterance", "none")
 SAMPLE_RATE_POLICIES = ("resample", "error")
 CACHE_DTYPES = ("float16", "float32")
@@ -61,10 +61,16 @@ class DataConfig:
     """Data-layer configuration (flat, so Hydra overrides read `data.batch_size=8`)."""
 
     # ---- corpus ----
-    corpus: str = "embedded"  # embedded (built-in eSpeak corpus) | librispeech
-    root: str | None = (
-        None  # corpus root; embedded + None: build/reuse the default corpus in the cache
-    )
+    # embedded (built-in eSpeak corpus) | librispeech | folder (any audio) | lhotse (manifests)
+    corpus: str = "embedded"
+    # corpus root (lhotse: the manifests' folder); embedded + None: build/reuse the default
+    # corpus in the cache
+    root: str | None = None
+    # lhotse: a CutSet file; root defaults to its folder, empty pretrain/labelled splits to it
+    cuts: str | None = None
+    # folder: the path level naming the speaker (0: the first folder under root, -1: the one
+    # holding the file); None: no speakers (pretraining needs none)
+    speaker_level: int | None = None
     alignments_dir: str | None = None  # folder with the label/split files below; None: the root
     cache_dir: str | None = None  # None: $SPEECHATTN_CACHE or ~/.cache/speechattn
     # Built-in corpus size when `root` is None (changing them builds another corpus).
@@ -78,7 +84,8 @@ class DataConfig:
     train_list: str | None = "train_split.txt"  # None: every labelled utterance not in test
     test_list: str | None = "test_split.txt"  # None: test = all utterances of `test_splits`
     test_splits: list[str] = field(default_factory=list)
-    alignments: str | None = "converted_aligned_phones.txt"  # None: no phone labels
+    # None: no phone labels; lhotse: the supervisions' alignment kind ("phone")
+    alignments: str | None = "converted_aligned_phones.txt"
     phone_set: str | None = "phone_set.txt"  # missing file: classes are "0".."num_phones-1"
     num_phones: int | None = None  # without phone_set.txt (CPC LibriSpeech labels: 41)
     dev_fraction: float = 0.1  # seeded, per speaker, taken from train
@@ -158,10 +165,14 @@ class DataConfig:
         ):
             value = getattr(self, name)
             require(value in choices, f"data.{name}", value, f"one of {', '.join(choices)}")
-        if self.corpus == "librispeech" and not self.root:
-            raise ConfigError(
-                "data.root is required for corpus=librispeech (the LibriSpeech folder)"
-            )
+        if self.corpus == "lhotse":
+            self._lhotse_defaults()
+        if self.corpus in ("librispeech", "folder") and not self.root:
+            raise ConfigError(f"data.root is required for corpus={self.corpus} (the corpus folder)")
+        ok = self.speaker_level is None or is_int(self.speaker_level)
+        require(
+            ok, "data.speaker_level", self.speaker_level, "an integer (a folder level), or null"
+        )
         for name in (
             "batch_size", "max_frames", "min_frames", "shard_size", "bucket_size",
             "prefetch_factor", "pad_to_multiple", "max_open_shards", "n_mels",
@@ -200,6 +211,20 @@ class DataConfig:
                 f"data.cache_wait_timeout_s={self.cache_wait_timeout_s}, "
                 f"data.cache_wait_log_s={self.cache_wait_log_s}: {e}"
             ) from None
+
+    def _lhotse_defaults(self) -> None:
+        """`cuts` stands for root (its folder) and for the splits left empty (its file)."""
+        if self.cuts:
+            cuts = Path(self.cuts).expanduser()
+            self.root = self.root or str(cuts.parent)
+            for name in ("pretrain_splits", "labelled_splits"):
+                if not getattr(self, name):
+                    setattr(self, name, [cuts.name])
+        if not self.root or not self.pretrain_splits:
+            raise ConfigError(
+                "corpus=lhotse needs data.cuts=CUTSET_FILE, or data.root=MANIFEST_FOLDER with "
+                "data.pretrain_splits (and data.labelled_splits) naming its splits"
+            )
 
     @property
     def loader_workers(self) -> int:

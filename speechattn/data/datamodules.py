@@ -28,9 +28,10 @@ import numpy as np
 import torch
 from torch.utils.data import ConcatDataset, DataLoader, RandomSampler, SequentialSampler
 
-from speechattn.data.cache import ExtractionSettings, FeatureStore, open_split
+from speechattn.data.cache import ExtractionSettings, FeatureStore, open_source
 from speechattn.data.cache.store import register_reader
 from speechattn.data.config import DataConfig, local_rank
+from speechattn.data.corpora import Corpus, FolderCorpus
 from speechattn.data.datasets import FeatureDataset, LengthBucketBatchSampler, collate
 from speechattn.data.errors import DataError, Issues, Skip
 from speechattn.data.features import HOP_LENGTH, SAMPLE_RATE, FeatureConfig, Normalizer
@@ -94,6 +95,7 @@ class _CorpusDataModule(L.LightningDataModule):
         self._given_normalizer = normalizer
         self._normalizer: Normalizer | None = None
         self._root: Path | None = None
+        self._corpus: Corpus | None = None
         self._splits: dict[str, FeatureStore] = {}
         self._ready = False
         self.datasets: dict[str, _Items] = {}
@@ -133,6 +135,25 @@ class _CorpusDataModule(L.LightningDataModule):
         folder = Path(c.alignments_dir).expanduser().resolve() if c.alignments_dir else self.root
         return LabelFiles(folder, c.alignments, c.phone_set, c.train_list, c.test_list)
 
+    @property
+    def corpus(self) -> Corpus:
+        """The corpus reader (`speechattn.data.corpora`): splits, speakers, phone labels."""
+        if self._corpus is None:
+            c = self.cfg
+            if c.corpus == "folder":
+                self._corpus = FolderCorpus(
+                    self.root, self.label_files, c.num_phones, c.speaker_level
+                )
+            elif c.corpus == "lhotse":
+                from speechattn.data.lhotse_corpus import LhotseCorpus
+
+                self._corpus = LhotseCorpus(
+                    self.root, self.label_files, c.num_phones, c.label_tolerance
+                )
+            else:
+                self._corpus = Corpus(self.root, self.label_files, c.num_phones)
+        return self._corpus
+
     # ---- corpus and cache ----
     def _split(self, split: str) -> FeatureStore:
         """Cached features of one split folder (extracted once, shard by shard, by whichever
@@ -140,8 +161,8 @@ class _CorpusDataModule(L.LightningDataModule):
         file). Progress bars on each node's local rank 0 only; every rank logs its waits."""
         if split not in self._splits:
             c = self.cfg
-            self._splits[split] = open_split(
-                self.root, split, extraction_settings(c), c.cache_root(), self.issues,
+            self._splits[split] = open_source(
+                self.corpus.source(split), extraction_settings(c), c.cache_root(), self.issues,
                 workers=c.extraction_workers, shard_size=c.shard_size,
                 progress=c.progress and local_rank() == 0, verify=c.verify_cache,
                 max_open_shards=c.max_open_shards, claim_config=c.claim_config(),

@@ -19,7 +19,7 @@ from speechattn.data.datamodules import _CorpusDataModule, _Items
 from speechattn.data.datasets import FeatureDataset
 from speechattn.data.errors import DataError
 from speechattn.data.features import Normalizer
-from speechattn.data.librispeech import read_alignments, read_split_list, speaker_of
+from speechattn.data.librispeech import read_split_list
 from speechattn.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -110,17 +110,11 @@ class LabelledDataModule(_CorpusDataModule):
 
     def _phones(self, ids: list[str], lengths: dict[str, int]) -> dict[str, np.ndarray]:
         """Checked phone labels of `ids` (reports missing / mismatched / unknown symbols)."""
-        c, files = self.cfg, self.label_files
-        path = files.path(c.alignments)
-        if path is None:
+        c = self.cfg
+        if c.alignments is None:
             self.phone_set = []
             return {}
-        phone_set = files.load_phone_set(c.num_phones)
-        labels = read_alignments(path, phone_set, self.issues, wanted=set(ids))
-        if phone_set is None:
-            top = max((int(v.max()) for v in labels.values()), default=-1)
-            phone_set = [str(i) for i in range(top + 1)]
-        self.phone_set = phone_set
+        labels, self.phone_set, path = self.corpus.phone_labels(ids, self.issues)
         skipped = self.issues.skipped_ids
         out = {}
         for u in ids:
@@ -152,10 +146,11 @@ class LabelledDataModule(_CorpusDataModule):
             available.update((u, (split, i)) for i, u in enumerate(store.utt_ids))
         roles, lengths, phones = self._roles(available)
         self.speakers = sorted(
-            {speaker_of(u) for ids in roles.values() for u in ids}, key=_numeric_first
+            {self.corpus.speaker_of(u) for ids in roles.values() for u in ids}, key=_numeric_first
         )
         unseen = sorted(
-            {speaker_of(u) for u in roles["test"]} - {speaker_of(u) for u in roles["train"]}
+            {self.corpus.speaker_of(u) for u in roles["test"]}
+            - {self.corpus.speaker_of(u) for u in roles["train"]}
         )
         if unseen:
             log.warning(
@@ -220,7 +215,7 @@ class LabelledDataModule(_CorpusDataModule):
             for split, us in grouped.items():
                 store = self._splits[split]
                 out.append((
-                    store, [available[u][1] for u in us], [speaker_class[speaker_of(u)] for u in us],
+                    store, [available[u][1] for u in us], [speaker_class[self.corpus.speaker_of(u)] for u in us],
                     [phones.get(u, np.zeros(0, np.int16)) for u in us],
                 ))  # fmt: skip
             return out
@@ -245,7 +240,7 @@ class LabelledDataModule(_CorpusDataModule):
     def _dev_split(self, train: list[str]) -> tuple[list[str], list[str]]:
         by_speaker: dict[str, list[str]] = defaultdict(list)
         for u in train:
-            by_speaker[speaker_of(u)].append(u)
+            by_speaker[self.corpus.speaker_of(u)].append(u)
         dev: set[str] = set()
         for k, speaker in enumerate(sorted(by_speaker, key=_numeric_first)):
             _, held = _holdout(

@@ -28,36 +28,11 @@ from pathlib import Path
 import numpy as np
 
 from speechattn.data.errors import DataError, Issues
+from speechattn.data.utterances import Utterance
 
 AUDIO_SUFFIX = ".flac"
 BROKEN_LINK = -1  # size, mtime and ctime `walk_split` lists for a link it cannot follow
 UTT_RE = re.compile(r"^(\d+)-(\d+)-(\d+)$")
-
-
-@dataclass(frozen=True)
-class Utterance:
-    """One utterance of a LibriSpeech-layout corpus."""
-
-    utt_id: str  # "<speaker>-<chapter>-<utt:04d>"
-    speaker: str
-    chapter: str
-    path: Path  # absolute path of the audio file
-    transcript: str
-    split: str  # the split folder, e.g. "train-clean-100" or "synth-clean"
-    num_samples: int | None = None  # filled by `with_info=True` (header read)
-    sample_rate: int | None = None
-    # bytes on disk, mtime and ctime: while all three are as recorded, the file's content
-    # fingerprint (sha256) stands. The ctime moves on every write and on every change of the
-    # mtime, and nobody can set it back, so an edit under a restored mtime is seen too.
-    size: int = 0
-    mtime_ns: int = 0
-    ctime_ns: int = 0
-
-    @property
-    def duration(self) -> float | None:
-        if self.num_samples is None or not self.sample_rate:
-            return None
-        return self.num_samples / self.sample_rate
 
 
 def speaker_of(utt_id: str) -> str:
@@ -242,7 +217,7 @@ def _scan_chapter(
     reported: set[str | None] = set()  # utterance ids of broken audio links, reported here
     for name, size, mtime, ctime in files:
         if size == BROKEN_LINK:
-            error = _broken_link(chapter_dir / name)
+            error = broken_link(chapter_dir / name)
             issues.report(error, "scan")
             reported.add(error.utt_id)
         elif name.endswith(AUDIO_SUFFIX):
@@ -293,9 +268,9 @@ def _scan_chapter(
     return out
 
 
-def _broken_link(link: Path) -> DataError:
+def broken_link(link: Path, utt_id: str | None = None) -> DataError:
     """The error for a symbolic link that cannot be followed: its target is missing, or it is
-    a loop (named with its utterance id when it is an audio file)."""
+    a loop (named with `utt_id`, or the LibriSpeech id of its file name)."""
     try:
         target = os.readlink(link)
     except OSError:
@@ -310,7 +285,7 @@ def _broken_link(link: Path) -> DataError:
         link,
         "broken symlink",
         f"it points to {target} ({why}): restore the target or remove the link",
-        stem if stem and UTT_RE.match(stem) else None,
+        utt_id or (stem if stem and UTT_RE.match(stem) else None),
     )
 
 

@@ -14,6 +14,7 @@ import pytest
 
 from speechattn.data.cache import ExtractionSettings, FeatureStore, open_split, shard_dir
 from speechattn.data.cache import extract as extract_module
+from speechattn.data import corpora as corpora_module
 from speechattn.data.errors import Issues
 from speechattn.data.features import FeatureConfig
 from speechattn.data.librispeech import scan_split
@@ -32,12 +33,12 @@ def corpus(tiny_corpus, tmp_path) -> Path:
 def counted(monkeypatch) -> dict[str, list]:
     """Files fingerprinted (sha256) and scans run, by the cache's own calls."""
     seen: dict[str, list] = {"hashed": [], "scans": []}
-    hash_file, scan = extract_module.file_sha256, extract_module.scan_split
+    hash_file, scan = extract_module.file_sha256, corpora_module.scan_split
     monkeypatch.setattr(
         extract_module, "file_sha256", lambda p: seen["hashed"].append(Path(p).name) or hash_file(p)
     )
     monkeypatch.setattr(
-        extract_module, "scan_split", lambda *a, **k: seen["scans"].append(a[1]) or scan(*a, **k)
+        corpora_module, "scan_split", lambda *a, **k: seen["scans"].append(a[1]) or scan(*a, **k)
     )
     return seen
 

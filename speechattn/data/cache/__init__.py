@@ -36,13 +36,14 @@ the file ("rerun the same command").
 Descriptors. Reads go through a process-wide LRU of at most `max_open_shards` open files
 (`store.py`), whatever the corpus size.
 
-Start-up (`open_split`): one `os.scandir` walk with a stat per file compared with the listing
-digest the manifest recorded, then the manifest's arrays; statistics in one pass over the
+Start-up (`open_source`, for any corpus reader's split; `open_split` for a LibriSpeech-layout
+folder): the source's listing (a folder: one `os.scandir` walk with a stat per file) compared
+with the digest the manifest recorded, then the manifest's arrays; statistics in one pass over the
 shards' `.stats.npy` (`FeatureStore.sums`). `python -m speechattn.data.cache ls|gc` lists and
 removes what no corpus uses (`gc.py`).
 """
 
-from speechattn.data.cache.extract import extract_features, open_split
+from speechattn.data.cache.extract import extract_features, open_source, open_split
 from speechattn.data.cache.integrity import file_sha256
 from speechattn.data.cache.layout import (
     CACHE_VERSION,
@@ -63,6 +64,7 @@ __all__ = [
     "extract_features",
     "file_sha256",
     "manifest_key",
+    "open_source",
     "open_split",
     "plan_shards",
     "shard_dir",

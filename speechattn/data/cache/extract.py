@@ -57,8 +57,9 @@ from speechattn.data.cache.store import (
     touch,
 )
 from speechattn.data.claims import ClaimConfig, host_name, remove_stale_temps
+from speechattn.data.corpora import Source, SplitSource
 from speechattn.data.errors import DataError, Issues, Skip
-from speechattn.data.librispeech import Utterance, scan_split, walk_split
+from speechattn.data.utterances import Utterance
 from speechattn.data.workshare import claim_map, claim_pending
 from speechattn.utils import atomic_write_text, progress_bar
 
@@ -78,11 +79,12 @@ def _relative(path: Path, folder: Path) -> str:
 
 def _known_fingerprints(
     manifests: Iterable[Path],
-    wanted: dict[tuple[str, int, int, int], int],
+    wanted: dict[tuple[str, int, int, int], list[int]],
     found: list[str | None],
 ) -> None:
-    """Fill `found[i]` for each (relative path, size, mtime_ns, ctime_ns) -> i of `wanted`
-    that a manifest has hashed before (manifests are read in order until nothing is missing)."""
+    """Fill `found[i]` for each (relative path, size, mtime_ns, ctime_ns) -> [i, ...] of
+    `wanted` that a manifest has hashed before (manifests are read in order until nothing is
+    missing)."""
     for manifest in manifests:
         if not wanted:
             return
@@ -93,8 +95,7 @@ def _known_fingerprints(
                 size, mtime, ctime = z["files_size"], z["files_mtime"], z["files_ctime"]
                 stamps = zip(rel, size.tolist(), mtime.tolist(), ctime.tolist())
                 for stamp, h in zip(stamps, z["files_sha"].tolist()):
-                    i = wanted.pop(stamp, None)
-                    if i is not None:
+                    for i in wanted.pop(stamp, ()):
                         found[i] = h.decode()
         except (DataError, KeyError, ValueError, OSError):
             continue  # an unreadable manifest (or one without ctimes) is only a lost memo
@@ -114,17 +115,17 @@ def fingerprints(
     """sha256 of each utterance's file; memoised by (relative path, size, mtime_ns, ctime_ns)
     in the manifests, so an unchanged corpus, or one renamed within its filesystem, reads
     nothing. A file written since (even with its size and mtime put back) has a new ctime
-    and is hashed again; so is every file of a copied corpus (new ctimes)."""
+    and is hashed again; so is every file of a copied corpus (new ctimes). A file several
+    utterances are segments of is hashed once."""
     found: list[str | None] = [None] * len(utterances)
-    wanted = {
-        (_relative(u.path, folder), u.size, u.mtime_ns, u.ctime_ns): i
-        for i, u in enumerate(utterances)
-    }
+    wanted: dict[tuple[str, int, int, int], list[int]] = {}
+    for i, u in enumerate(utterances):
+        wanted.setdefault((_relative(u.path, folder), u.size, u.mtime_ns, u.ctime_ns), []).append(i)
     _known_fingerprints(manifests, wanted, found)
     missing = sorted(wanted.values())
     if missing:
         log.info("fingerprinting %d audio files (sha256)", len(missing))
-        paths = [str(utterances[i].path) for i in missing]
+        paths = [str(utterances[group[0]].path) for group in missing]
         batches = [paths[j : j + HASH_BATCH] for j in range(0, len(paths), HASH_BATCH)]
         with progress_bar(len(paths), "fingerprinting audio", progress) as advance:
             hashes = []
@@ -132,8 +133,9 @@ def fingerprints(
                 for batch in results:
                     hashes += batch
                     advance(len(batch))
-        for i, h in zip(missing, hashes):
-            found[i] = h
+        for group, h in zip(missing, hashes):
+            for i in group:
+                found[i] = h
     return found  # type: ignore[return-value]
 
 
@@ -200,6 +202,7 @@ def extract_features(
     verify: bool = False,
     *,
     folder: str | Path | None = None,
+    name: str | None = None,
     listing: str | None = None,
     scan_skips: Sequence[Skip] = (),
     max_open_shards: int = DEFAULT_MAX_OPEN_SHARDS,
@@ -222,8 +225,9 @@ def extract_features(
     `ClaimTimeout` when shards others hold make no progress), and each writes the same
     manifest. Temporary files are removed only where no live claim covers them.
 
-    `folder` (default: the split folder(s) the files are in) names the manifest; `listing` is
-    the digest of `walk_split` that `open_split` compares at the next start; `scan_skips` are
+    `folder` (default: the split folder(s) the files are in) is where the audio lies (paths
+    are recorded relative to it); `name` (default: the folder) names the manifest; `listing`
+    is the source's digest that `open_source` compares at the next start; `scan_skips` are
     the scan's problems, recorded so that a start without scanning reports them again.
     """
     issues = issues or Issues()
@@ -242,7 +246,7 @@ def extract_features(
     manifests = splits_dir(cache_root)
     manifests.mkdir(parents=True, exist_ok=True)
     remove_stale_temps(manifests, manifest_of, claim_config)  # plans': untouched for the expiry
-    manifest = manifests / f"{manifest_key(folder, settings)}.json"
+    manifest = manifests / f"{manifest_key(name or folder, settings)}.json"
     n_workers = workers or min(os.cpu_count() or 1, 8)
 
     # 1. identity: content fingerprints (memoised), content-defined shards
@@ -251,7 +255,10 @@ def extract_features(
     shas = fingerprints(utterances, folder, memo, n_workers, progress)
     ranges = plan_shards([u.utt_id for u in utterances], shard_size)
     keys = [
-        shard_key(settings, [(u.utt_id, u.size, h) for u, h in zip(utterances[a:b], shas[a:b])])
+        shard_key(
+            settings,
+            [(u.utt_id, u.size, u.content_key(h)) for u, h in zip(utterances[a:b], shas[a:b])],
+        )
         for a, b in ranges
     ]
     plan = plan_path(manifest, host_name(), os.getpid())
@@ -264,8 +271,9 @@ def extract_features(
         if marker is not None:
             _check_failures(marker, issues, path_of)
     pending = {
-        key: ShardTask(str(directory), key, i, [(u.utt_id, str(u.path)) for u in utterances[a:b]],
-                        settings, len(utterances))
+        key: ShardTask(str(directory), key, i,
+                       [(u.utt_id, str(u.path), u.segment) for u in utterances[a:b]],
+                       settings, len(utterances))
         for i, (key, (a, b), marker) in enumerate(zip(keys, ranges, markers))
         if marker is None
     }  # fmt: skip
@@ -434,8 +442,16 @@ def report(store: FeatureStore, issues: Issues, scan: bool) -> None:
 
 
 def open_split(
-    root: str | Path,
-    split: str,
+    root: str | Path, split: str, settings: ExtractionSettings, cache_root: str | Path,
+    issues: Issues | None = None, **options: Any,
+) -> FeatureStore:  # fmt: skip
+    """The cached features of the LibriSpeech-layout split folder `root/split` (`open_source`
+    of its `SplitSource`; `options` as there)."""
+    return open_source(SplitSource(Path(root), split), settings, cache_root, issues, **options)
+
+
+def open_source(
+    source: Source,
     settings: ExtractionSettings,
     cache_root: str | Path,
     issues: Issues | None = None,
@@ -448,33 +464,32 @@ def open_split(
     on_shard_done: Callable[[int], None] | None = None,
     claim_config: ClaimConfig | None = None,
 ) -> FeatureStore:
-    """The cached features of the split folder `root/split`, extracting what is missing.
+    """The cached features of one corpus split (`source`), extracting what is missing.
 
-    Warm start (the folder is as the cache last saw it): one walk with a stat per file, then
-    the manifest's arrays and a stat per shard file. Otherwise (or with `verify`, which trusts
-    nothing recorded: every audio file hashed, every cache file checksummed): a full scan
-    (transcripts checked), fingerprints where size, mtime or ctime changed, and extraction of
-    the shards whose content is not cached (`extract_features`, shared through claims with
-    any other process doing the same; `claim_config`: their timing).
+    Warm start (the source is as the cache last saw it): its listing (for a folder, one walk
+    with a stat per file), then the manifest's arrays and a stat per shard file. Otherwise (or
+    with `verify`, which trusts nothing recorded: every audio file hashed, every cache file
+    checksummed): a full scan (transcripts checked), fingerprints where size, mtime or ctime
+    changed, and extraction of the shards whose content is not cached (`extract_features`,
+    shared through claims with any other process doing the same; `claim_config`: their
+    timing).
     """
     issues = issues or Issues()
-    listing = walk_split(root, split)
-    manifest = splits_dir(cache_root) / f"{manifest_key(listing.folder, settings)}.json"
+    listing = source.listing()
+    manifest = splits_dir(cache_root) / f"{manifest_key(listing.name, settings)}.json"
     # verify: nothing recorded is trusted; every audio file is hashed, every shard checksummed
     store = None if verify else _warm_store(manifest, listing.digest, max_open_shards)
     if store is not None:
         report(store, issues, scan=True)
     else:
         before = len(issues.skips)
-        utts = scan_split(root, split, issues, listing=listing)
+        utts = source.scan(issues)
         if not utts:
-            raise DataError(
-                listing.folder, "no usable utterances", "the split folder holds no valid audio"
-            )
+            raise DataError(listing.folder, "no usable utterances", source.empty_detail)
         store = extract_features(
             utts, settings, cache_root, issues, workers, shard_size, progress,
-            f"features {split}", on_shard_done, verify, folder=listing.folder,
-            listing=listing.digest, scan_skips=issues.skips[before:],
+            f"features {source.split}", on_shard_done, verify, folder=listing.folder,
+            name=listing.name, listing=listing.digest, scan_skips=issues.skips[before:],
             max_open_shards=max_open_shards, claim_config=claim_config,
         )  # fmt: skip
     from speechattn.data.cache.gc import warn_if_stale

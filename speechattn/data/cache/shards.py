@@ -24,6 +24,7 @@ from speechattn.data.cache.integrity import read_marker, save_npy, write_marker
 from speechattn.data.cache.layout import DATA_KINDS, ExtractionSettings, ShardPaths
 from speechattn.data.errors import DataError
 from speechattn.data.features import FeatureConfig, LogMel, min_samples_for
+from speechattn.data.utterances import Segment
 from speechattn.utils import init_pool_worker, out_of_space
 
 log = logging.getLogger(__name__)
@@ -65,7 +66,7 @@ class ShardTask:
     directory: str
     key: str
     index: int  # position in this extraction's plan (what `on_shard_done` receives)
-    items: list[tuple[str, str]]  # (utt_id, path)
+    items: list[tuple[str, str, Segment | None]]  # (utt_id, path, the part of it read)
     settings: ExtractionSettings
     total_utterances: int  # of the whole extraction, to estimate the space it needs
 
@@ -101,9 +102,9 @@ def _featurise(task: ShardTask) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # one utterance is small; parallelism comes from processes
     try:
-        for utt_id, path in task.items:
+        for utt_id, path, segment in task.items:
             try:
-                audio = load_audio(path, s.sample_rate_policy, min_samples, utt_id)
+                audio = load_audio(path, s.sample_rate_policy, min_samples, utt_id, segment)
             except DataError as e:
                 failures.append({"utt_id": utt_id, "problem": e.problem, "detail": e.detail})
                 continue
