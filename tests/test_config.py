@@ -45,8 +45,10 @@ def own_keys(cfg, schema) -> dict:
 
 @pytest.mark.parametrize("name", options("data"))
 def test_every_data_option_builds(name):
-    cfg = compose("pretrain", [f"data={name}", "data.root=/corpus"])
-    assert isinstance(OmegaConf.to_object(cfg.data), DataConfig)
+    required = {"lhotse": ["data.cuts=/corpus/cuts.jsonl.gz"]}.get(name, ["data.root=/corpus"])
+    cfg = compose("pretrain", [f"data={name}", *required])
+    data = OmegaConf.to_object(cfg.data)
+    assert isinstance(data, DataConfig) and data.root == "/corpus" and data.pretrain_splits
 
 
 @pytest.mark.parametrize("name", options("attention"))
