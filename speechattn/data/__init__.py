@@ -1,5 +1,6 @@
-"""Data layer: the built-in eSpeak corpus, LibriSpeech + CPC label readers, the feature cache
-and the Lightning data modules (contracts in docs/ARCHITECTURE.md).
+"""Data layer: the built-in eSpeak corpus, corpus readers (LibriSpeech + CPC labels, any audio
+folder, lhotse manifests), the feature cache and the Lightning data modules (contracts in
+docs/ARCHITECTURE.md).
 
     from speechattn.data import DataConfig, PretrainDataModule, LabelledDataModule
     dm = LabelledDataModule(DataConfig(batch_size=8))   # built-in corpus, built on first use
