@@ -12,9 +12,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from speechattn.data import corpora as corpora_module
 from speechattn.data.cache import ExtractionSettings, FeatureStore, open_split, shard_dir
 from speechattn.data.cache import extract as extract_module
-from speechattn.data import corpora as corpora_module
 from speechattn.data.errors import Issues
 from speechattn.data.features import FeatureConfig
 from speechattn.data.librispeech import scan_split

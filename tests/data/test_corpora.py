@@ -39,7 +39,9 @@ def _setup(module):
 
 def _items(module, role: str) -> dict[str, dict]:
     """utt_id -> item (features, speaker, phones) of one role, in a deterministic read."""
-    dataset = module.extraction_dataloader(role).dataset if role != "val" else module.datasets["val"]
+    dataset = (
+        module.extraction_dataloader(role).dataset if role != "val" else module.datasets["val"]
+    )
     return {item["utt_id"]: item for item in (dataset[i] for i in range(len(dataset)))}
 
 
@@ -66,7 +68,9 @@ def audio_folder(tiny_corpus: Path, tmp_path: Path) -> Path:
     return root
 
 
-def test_a_folder_of_audio_is_a_corpus(audio_folder: Path, tiny_data_config: DataConfig, monkeypatch):
+def test_a_folder_of_audio_is_a_corpus(
+    audio_folder: Path, tiny_data_config: DataConfig, monkeypatch
+):
     cfg = _config(tiny_data_config, corpus="folder", root=str(audio_folder),
                   pretrain_splits=["."], speaker_level=0, pretrain_exclude_test=False)  # fmt: skip
     dm = _setup(PretrainDataModule(cfg))
@@ -77,7 +81,9 @@ def test_a_folder_of_audio_is_a_corpus(audio_folder: Path, tiny_data_config: Dat
     # same samples, same features: WAV (16-bit) and FLAC hold the same integers
     native = FeatureStore(next(iter(_native_stores(tiny_data_config).values())).manifest)
     wav = next(u for u in store.utt_ids if (audio_folder / f"{u}.wav").exists())
-    speaker, chapter, number = wav.replace("spk", "").replace("session", "").replace("take", "").split("/")
+    speaker, chapter, number = (
+        wav.replace("spk", "").replace("session", "").replace("take", "").split("/")
+    )
     np.testing.assert_array_equal(store.raw(wav), native.raw(f"{speaker}-{chapter}-{number}"))
     # a second start reads nothing but the listing: the same manifest, no scan
     monkeypatch.setattr(FolderSource, "scan", lambda *a: pytest.fail("scanned a warm folder"))
@@ -100,13 +106,17 @@ def test_folder_speaker_levels():
 def test_a_folder_without_audio_is_refused_naming_it(tmp_path: Path, tiny_data_config):
     (tmp_path / "empty" / "sub").mkdir(parents=True)
     (tmp_path / "empty" / "sub" / "readme.txt").write_text("no audio here")
-    cfg = _config(tiny_data_config, corpus="folder", root=str(tmp_path / "empty"), pretrain_splits=["."])
+    cfg = _config(
+        tiny_data_config, corpus="folder", root=str(tmp_path / "empty"), pretrain_splits=["."]
+    )
     with pytest.raises(DataError, match=r"empty.*no usable utterances.*no audio files"):
         _setup(PretrainDataModule(cfg))
 
 
 @pytest.mark.parametrize("on_error", ["error", "skip"])
-def test_unreadable_files_in_a_folder_follow_on_error(audio_folder: Path, tiny_data_config, on_error):
+def test_unreadable_files_in_a_folder_follow_on_error(
+    audio_folder: Path, tiny_data_config, on_error
+):
     bad = audio_folder / "spk9" / "broken.wav"
     bad.parent.mkdir()
     bad.write_bytes(b"RIFF....WAVEfmt garbage")
@@ -127,7 +137,9 @@ def test_unreadable_files_in_a_folder_follow_on_error(audio_folder: Path, tiny_d
     assert len(dm.datasets["train"]) + len(dm.datasets["val"]) == 24
 
 
-def test_the_folder_corpus_needs_a_root_and_a_speaker_level_for_speakers(tiny_data_config, audio_folder):
+def test_the_folder_corpus_needs_a_root_and_a_speaker_level_for_speakers(
+    tiny_data_config, audio_folder
+):
     with pytest.raises(ConfigError, match="data.root is required for corpus=folder"):
         DataConfig(corpus="folder")
     cfg = _config(tiny_data_config, corpus="folder", root=str(audio_folder), pretrain_splits=["."])
@@ -151,7 +163,12 @@ def lhotse_copy(tiny_corpus: Path, tmp_path_factory) -> tuple[Path, Path]:
     copy, manifests = base / "LibriSpeech", base / "manifests"
     copy.mkdir()
     (copy / "dev-clean").symlink_to(tiny_corpus / SPLIT)  # a split name the recipe knows
-    for name in ("converted_aligned_phones.txt", "train_split.txt", "test_split.txt", "phone_set.txt"):
+    for name in (
+        "converted_aligned_phones.txt",
+        "train_split.txt",
+        "test_split.txt",
+        "phone_set.txt",
+    ):
         shutil.copy2(tiny_corpus / name, copy / name)
     prepare_librispeech(copy, dataset_parts=["dev-clean"], output_dir=manifests)
     for name in ("train_split.txt", "test_split.txt", "phone_set.txt"):
@@ -160,7 +177,10 @@ def lhotse_copy(tiny_corpus: Path, tmp_path_factory) -> tuple[Path, Path]:
     labels = read_alignments(tiny_corpus / "converted_aligned_phones.txt", phone_set)
     path = next(manifests.glob("*_supervisions_dev-clean.jsonl.gz"))
     supervisions = lhotse.load_manifest(path)
-    aligned = [s.with_alignment("phone", _items_of(labels[s.id], phone_set, AlignmentItem)) for s in supervisions]
+    aligned = [
+        s.with_alignment("phone", _items_of(labels[s.id], phone_set, AlignmentItem))
+        for s in supervisions
+    ]
     lhotse.SupervisionSet.from_segments(aligned).to_file(path)
     return copy, manifests
 
@@ -169,10 +189,15 @@ def _items_of(frames: np.ndarray, phone_set: list[str], item) -> list:
     """10 ms frame labels -> one alignment item per run (times in seconds)."""
     cut = np.flatnonzero(np.diff(frames)) + 1
     starts, ends = np.r_[0, cut], np.r_[cut, len(frames)]
-    return [item(phone_set[frames[a]], round(a * 0.01, 4), round((b - a) * 0.01, 4)) for a, b in zip(starts, ends)]
+    return [
+        item(phone_set[frames[a]], round(a * 0.01, 4), round((b - a) * 0.01, 4))
+        for a, b in zip(starts, ends)
+    ]
 
 
-def test_lhotse_manifests_give_the_native_readers_features_and_labels(lhotse_copy, tiny_data_config):
+def test_lhotse_manifests_give_the_native_readers_features_and_labels(
+    lhotse_copy, tiny_data_config
+):
     copy, manifests = lhotse_copy
     native_cfg = _config(tiny_data_config, corpus="librispeech", root=str(copy),
                          pretrain_splits=["dev-clean"], labelled_splits=["dev-clean"])  # fmt: skip
@@ -191,17 +216,23 @@ def test_lhotse_manifests_give_the_native_readers_features_and_labels(lhotse_cop
     for role in ("train", "val"):
         assert sorted(native.datasets[role].utt_ids) == sorted(ours.datasets[role].utt_ids)
     a, b = native._splits["dev-clean"], ours._splits["dev-clean"]
-    assert a.shard_keys == b.shard_keys and len(a.shard_keys)  # whole files: the very shards the native reader made
+    assert a.shard_keys == b.shard_keys and len(
+        a.shard_keys
+    )  # whole files: the very shards the native reader made
 
 
-def test_a_cutset_of_segments_reads_each_segment_and_its_labels(lhotse_copy, tiny_data_config, tmp_path):
+def test_a_cutset_of_segments_reads_each_segment_and_its_labels(
+    lhotse_copy, tiny_data_config, tmp_path
+):
     lhotse = pytest.importorskip("lhotse")
     _, manifests = lhotse_copy
     recordings = lhotse.load_manifest(next(manifests.glob("*_recordings_dev-clean.jsonl.gz")))
     supervisions = lhotse.load_manifest(next(manifests.glob("*_supervisions_dev-clean.jsonl.gz")))
     cuts = lhotse.CutSet.from_manifests(recordings, supervisions)
     segments = lhotse.CutSet.from_cuts(
-        c.truncate(offset=0.5, duration=1.2, keep_excessive_supervisions=True).with_id(c.supervisions[0].id)
+        c.truncate(offset=0.5, duration=1.2, keep_excessive_supervisions=True).with_id(
+            c.supervisions[0].id
+        )
         for c in cuts
     )
     path = tmp_path / "segments.jsonl.gz"
@@ -291,3 +322,30 @@ def test_lhotse_config_needs_cuts_or_root_and_splits():
         from speechattn.data.lhotse_corpus import manifests_of
 
         manifests_of(Path("."), "dev-other")
+
+
+@pytest.mark.slow
+def test_the_command_line_pretrains_on_a_folder_and_probes_from_lhotse(
+    audio_folder, lhotse_copy, tmp_path
+):
+    """As a user runs it: pretraining on an audio folder, then a phone probe of that upstream
+    on the lhotse manifests."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+
+    def run(*args: str) -> None:
+        done = subprocess.run([sys.executable, "-m", *args], capture_output=True, text=True,
+                              env=env, timeout=600, cwd=tmp_path)  # fmt: skip
+        assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+
+    run("speechattn.pretrain", "data=folder", f"data.root={audio_folder}", "data.speaker_level=0",
+        "trainer.max_steps=2", "trainer.val_check_interval=2", f"hydra.run.dir={tmp_path / 'up'}")  # fmt: skip
+    splits = ["data.pretrain_splits=[dev-clean]", "data.labelled_splits=[dev-clean]"]
+    run("speechattn.downstream", "task=phone_1hidden", "data=lhotse", f"data.root={lhotse_copy[1]}",
+        *splits, f"upstream={tmp_path / 'up' / 'upstream.pt'}", "trainer.max_epochs=1",
+        f"hydra.run.dir={tmp_path / 'down'}")  # fmt: skip
+    result = json.loads((tmp_path / "down" / "result.json").read_text())
+    assert 0 < result["test_accuracy"] <= 1 and result["corpus"]["corpus"] == "lhotse"
