@@ -71,6 +71,9 @@ MEL_FRAME_RATE = 100.0  # 10 ms hop of the data layer's log-mel features
 CONFIG_FILE = "config.json"  # an upstream folder's settings (Hugging Face's name)
 WEIGHTS_FILE = "model.safetensors"  # its tensors (Hugging Face's name)
 NORMALIZER_PREFIX = "normalizer."  # model.safetensors' keys of the normaliser's mean and std
+# what speechattn writes into an upstream folder (the model card, its loss curve): an earlier
+# folder holding only these is replaced by a new export, a folder holding anything else never
+FOLDER_FILES = (CONFIG_FILE, WEIGHTS_FILE, "README.md", "loss_curve.png")
 
 
 class UpstreamFileError(TorchFileError):
@@ -553,15 +556,15 @@ def save_upstream_folder(
     (`atomic_folder`): config.json, model.safetensors, and `files` (name -> bytes: the model
     card). `source` ({"file", "sha256"}: the upstream.pt it comes from) goes into config.json.
 
-    Replaces an earlier upstream folder at `out`; refuses (`OutputExistsError`) a file there
-    or a folder holding anything else, which it would delete. Raises `NonFiniteWeightsError`
+    Replaces an earlier upstream folder at `out` (one holding `FOLDER_FILES` only); refuses
+    (`OutputExistsError`) a file there or a folder holding anything else, which it would delete. Raises `NonFiniteWeightsError`
     (nothing written) for NaN/inf or implausible weights.
     """
     from safetensors.torch import save
 
     out = Path(out)
     _check_finite(state, f"not writing {out}")
-    ours = {CONFIG_FILE, WEIGHTS_FILE, *(files or {})}
+    ours = {*FOLDER_FILES, *(files or {})}
     if out.is_file() or (out.is_dir() and not out.is_symlink()):
         others = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
         others = [n for n in others if n not in ours]
@@ -571,7 +574,11 @@ def save_upstream_folder(
                 f"{out} is {what}: an upstream folder replaces the whole folder, so it is "
                 f"written only where nothing or an earlier upstream folder is; choose another"
             )
-    tensors = {k: v.detach().cpu().contiguous() for k, v in state["state_dict"].items()}
+    # own contiguous copies: safetensors refuses tensors that share memory (tied weights)
+    tensors = {
+        k: v.detach().cpu().clone(memory_format=torch.contiguous_format)
+        for k, v in state["state_dict"].items()
+    }
     norm = state["normalizer"]
     tensors.update({NORMALIZER_PREFIX + n: norm[n].detach().cpu().float() for n in ("mean", "std")})
     config = {
