@@ -188,3 +188,30 @@ def test_init_from_with_a_checkpoint_resumes_only_the_run_it_started(parent_run,
     )
     with pytest.raises(ConfigError, match="started from scratch, not from this upstream"):
         run(cfg, datamodule=SyntheticPretrainData())
+
+
+@pytest.mark.slow
+def test_python_m_speechattn_export(pretrained_tiny_run: Path, tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, "-m", "speechattn.export"]
+    done = subprocess.run(
+        [*command, str(pretrained_tiny_run / "upstream.pt"), str(tmp_path / "out")],
+        capture_output=True,
+        text=True,
+        env=env,
+    )
+    assert done.returncode == 0, done.stderr
+    assert speechattn.load_upstream(tmp_path / "out").num_layers == 2
+    done = subprocess.run(
+        [*command, str(tmp_path / "missing.pt"), str(tmp_path / "out2")],
+        capture_output=True,
+        text=True,
+        env=env,
+    )
+    assert done.returncode == 1 and "Traceback" not in done.stderr
+    assert done.stderr.strip().count("\n") == 0 and "missing.pt" in done.stderr
