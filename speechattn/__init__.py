@@ -22,7 +22,8 @@ CONFIG_DIR = _config_dir()  # Hydra configs; their schemas are in speechattn.con
 
 
 def load_upstream(path: str | Path, map_location: str = "cpu"):
-    """Load a pretrained upstream saved by `python -m speechattn.pretrain` (`upstream.pt`).
+    """Load a pretrained upstream: an `upstream.pt` saved by `python -m speechattn.pretrain`,
+    or an upstream folder (config.json + model.safetensors, `python -m speechattn.export`).
 
     See `speechattn.model.upstream.load_upstream` for the returned module's interface.
     """

@@ -109,6 +109,9 @@ class PretrainConfig:
     logger: Any = field(default_factory=dict)  # name -> logger `_target_`; {} = metrics.csv only
     seed: int = 1234  # model init, data order, masks and dropout all derive from it
     ckpt_path: str | None = None  # null | last (the run dir's newest checkpoint) | PATH.ckpt
+    # continued pretraining: a new run (step 0, new optimiser) from the weights of this
+    # upstream.pt or upstream folder; same architecture and features (docs/upstream.md)
+    init_from: str | None = None
     # settings a resume may change against its checkpoint, e.g. [model.optimizer.lr]; others
     # that differ are refused. Each change is logged and recorded in upstream.pt's metadata
     # (resume_changes); model.optimizer.name never changes (docs/preemption.md)

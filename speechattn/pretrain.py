@@ -4,6 +4,7 @@ Pretrains AALBERT by masked reconstruction (docs/pretraining.md) and writes a ru
 
     checkpoints/last.ckpt, checkpoints/step=NNNNNNN.ckpt   resumable Lightning checkpoints
     upstream.pt      weights + model/attention/feature config + normaliser + metadata
+    upstream/        the same as a folder to share: config.json, model.safetensors, README.md
     README.md        model card (YAML header + how to load), loss_curve.png beside it
     metrics.csv      step, train_loss, val_loss, lr, frames_per_s, data_wait, elapsed_s
     tensorboard/     TensorBoard event files

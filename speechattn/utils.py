@@ -212,6 +212,41 @@ def atomic_write_text(path: str | Path, text: str) -> None:
     atomic_write_bytes(path, text.encode("utf-8"))
 
 
+@contextmanager
+def atomic_folder(path: str | Path) -> Iterator[Path]:
+    """`with atomic_folder(d) as tmp: write files into tmp`: the new folder replaces `d` whole
+    when the block succeeds and is removed when it fails, so readers see the old folder or the
+    whole new one, never a mix or half of it (write the files with `atomic_write_bytes`, which
+    syncs each). A folder cannot be renamed over a non-empty one, so the old folder first moves
+    to a temporary name: a crash between the two renames leaves no folder at `d` (and the old
+    one under that name), never a partial one. Refuses a symbolic link at `d` (`link_error`)."""
+    path = Path(path)
+    if path.is_symlink():
+        raise link_error(path)
+    tmp = temp_name(path)
+    old: Path | None = None
+    try:
+        tmp.mkdir(parents=True)
+        yield tmp
+        _fsync(tmp, folder=True)
+        if path.exists():
+            old = temp_name(path)
+            os.replace(path, old)
+            try:
+                os.replace(tmp, path)
+            except BaseException:
+                os.replace(old, path)  # the old folder back under its name
+                old = None
+                raise
+        else:
+            os.replace(tmp, path)
+        _fsync(path.parent, folder=True)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+
+
 def link_error(path: Path) -> OutputExistsError:
     """The error for a symbolic link where a run writes a file of its own."""
     return OutputExistsError(
@@ -295,6 +330,7 @@ def track(
 
 __all__ = [
     "IGNORE_INDEX",
+    "atomic_folder",
     "atomic_path",
     "atomic_write_bytes",
     "atomic_write_text",

@@ -69,6 +69,7 @@ ENTRY_POINTS = {
     "report": _argparse("speechattn.report.__main__", "make_report", ["."]),
     "bench": _argparse("speechattn.bench.__main__", "", ["attention"]),
     "cache": _argparse("speechattn.data.cache.__main__", "ls", ["ls"]),
+    "export": _argparse("speechattn.export", "write_upstream_folder", ["upstream.pt", "out"]),
     "study": ("attention_study", "run_study", None),
 }
 

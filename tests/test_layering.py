@@ -5,7 +5,7 @@ Every import counts, including the lazy ones inside functions and relative ones.
 layers: `speechattn.utils` (shared helpers) and `speechattn.errors` (the error base) import
 nothing from the project and any layer may use them; the root package (`speechattn/__init__.py`)
 imports nothing eagerly; `config` sits on data, model and tasks; the entry modules (`pretrain`, `downstream`, `analyze`) may use every
-layer but `bench`. Inside `tasks` the jobs are independent, except that the head analysis reads
+layer but `bench`; `export` uses `tasks` only. Inside `tasks` the jobs are independent, except that the head analysis reads
 downstream runs: `pretrain` and `downstream` import no other job, `analysis` only `downstream`.
 `interop` (s3prl expert) reads upstreams through `model` and is imported by no layer; the
 repository's `hubconf.py` may use `model` and `interop` only. `superb` (s3prl's SUPERB runner
@@ -40,6 +40,7 @@ ROOT_MODULES = {
     "downstream": {"config", "data", "attention", "model", "tasks"},
     "analyze": {"config", "data", "attention", "model", "tasks", "report"},
     "prune": {"config", "tasks"},
+    "export": {"tasks"},
 }
 JOBS = {"pretrain": set(), "downstream": set(), "analysis": {"downstream"}}
 # "" is the root package itself (version, CONFIG_DIR, load_upstream); `errors` holds the base

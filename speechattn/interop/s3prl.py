@@ -1,4 +1,5 @@
-"""A speechattn `upstream.pt` as an s3prl upstream ("expert"), for SUPERB and s3prl's tools.
+"""A speechattn upstream (`upstream.pt` or upstream folder) as an s3prl upstream ("expert"),
+for SUPERB and s3prl's tools.
 
 s3prl (0.4.x) drives every upstream through one contract, which `UpstreamExpert` follows:
 
@@ -23,7 +24,8 @@ refused with a `WaveformError` instead of producing NaN or meaningless hidden st
 With s3prl installed (`pip install 'speechattn[s3prl]'`) the expert subclasses s3prl's
 `UpstreamBase`, so s3prl's forward hooks and its `Featurizer` (the weighted layer sum used by
 `run_downstream.py`) work on it unchanged; without s3prl it is a plain `nn.Module` with the
-same forward. Weights are read by `load_upstream` (`weights_only=True`), never unpickled.
+same forward. Weights are read by `load_upstream` (`weights_only=True` for a file, safetensors
+for a folder), never unpickled.
 
 Shapes: B utterances, S samples at 16 kHz, T' model frames (30 ms), D model dim, L layers.
 """
@@ -94,8 +96,8 @@ class UpstreamExpert(_ExpertBase):
     """s3prl upstream over a speechattn `upstream.pt` (any attention variant).
 
     Args:
-        ckpt: path of an `upstream.pt` written by `python -m speechattn.pretrain`
-            (s3prl's `-k/--upstream_ckpt`).
+        ckpt: path of an `upstream.pt` written by `python -m speechattn.pretrain`, or of an
+            upstream folder (`python -m speechattn.export`) (s3prl's `-k/--upstream_ckpt`).
         model_config: s3prl's `-g`; must stay unset, as `upstream.pt` holds its own config.
         refresh: s3prl's re-download flag; nothing is downloaded, so it has no effect.
         map_location: device to load the weights on (s3prl moves the expert afterwards).
@@ -118,7 +120,7 @@ class UpstreamExpert(_ExpertBase):
         super().__init__(**kwargs)
         if ckpt is None or str(ckpt) == "":
             raise ConfigError(
-                "UpstreamExpert needs ckpt=PATH of a speechattn upstream.pt "
+                "UpstreamExpert needs ckpt=PATH of a speechattn upstream.pt or upstream folder "
                 "(run_downstream.py -k PATH)"
             )
         if model_config:

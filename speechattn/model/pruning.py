@@ -24,9 +24,13 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from speechattn.data.cache import file_sha256
 from speechattn.errors import ConfigError, MissingFileError
-from speechattn.model.upstream import load_upstream, save_upstream, upstream_state
+from speechattn.model.upstream import (
+    load_upstream,
+    save_upstream,
+    upstream_sha256,
+    upstream_state,
+)
 
 Heads = Mapping[int, Sequence[int]] | Tensor | Sequence[Sequence[float]]
 
@@ -50,7 +54,7 @@ def prune_upstream(
     c = model.config
     record = {
         "source": str(src.resolve()),
-        "source_sha256": file_sha256(src),
+        "source_sha256": upstream_sha256(src),
         "params_before": before,
         "params_after": model.get_num_params(),
         "pruned_heads": {int(j): list(k) for j, k in c.pruned_heads.items()},
@@ -89,14 +93,14 @@ def prune_from_heads(
     point nearest to `fraction`; `upstream` defaults to the file the analysis ran on and must
     have the sha256 the analysis recorded. Returns the written path."""
     src = Path(upstream or heads["upstream"]).expanduser()
-    if not src.is_file():
+    if not src.exists():
         given = "upstream=" if upstream else "the heads.json's upstream "
         raise MissingFileError(
             f"{given}{src} does not exist; pass upstream=PATH to the upstream.pt the head "
             f"analysis ran on"
         )
     recorded = heads.get("upstream_sha256")
-    if recorded and file_sha256(src) != recorded:
+    if recorded and upstream_sha256(src) != recorded:
         raise ConfigError(
             f"{src} is not the upstream this head analysis ran on (sha256 differs from "
             f"{recorded[:12]}... recorded for {heads['upstream']})"

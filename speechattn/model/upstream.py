@@ -14,6 +14,17 @@
 Only tensors and plain Python values are stored, so it is read with `weights_only=True`
 (no unpickling of arbitrary objects).
 
+The same state also travels as an upstream folder (`save_upstream_folder`, `python -m
+speechattn.export`), the layout of a Hugging Face model repository, read without any pickle:
+
+    config.json        format, version, model_config, feature_config, normalizer mode,
+                       metadata, source (the upstream.pt and its sha256)
+    model.safetensors  the AALBERT weights under their state_dict names, plus the normaliser's
+                       `normalizer.mean` / `normalizer.std` (F,)
+    README.md          the model card (written by the caller, like any other extra file)
+
+`load_upstream` reads either; both give the same module, bit for bit.
+
 Downstream code sees the contract of docs/ARCHITECTURE.md: `forward(features, lengths)`
 returns every layer's hidden states (B, T', D), hidden[0] being the input embedding. With
 `return_dict=True` or `output_attentions=True` it returns an `UpstreamOutput` instead, named as
@@ -22,7 +33,9 @@ in `transformers`' `Wav2Vec2BaseModelOutput`, so code written for HF speech mode
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import hashlib
+import json
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -30,6 +43,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from speechattn.data.cache import file_sha256
 from speechattn.data.features import (
     SAMPLE_RATE,
     WIN_LENGTH,
@@ -37,7 +51,7 @@ from speechattn.data.features import (
     Normalizer,
     log_mel_batch,
 )
-from speechattn.errors import ConfigError, SpeechattnError
+from speechattn.errors import ConfigError, OutputExistsError, SpeechattnError
 from speechattn.model.aalbert import AALBERT, ModelConfig
 from speechattn.model.serialization import (
     TorchFileError,
@@ -45,7 +59,7 @@ from speechattn.model.serialization import (
     describe_load_error,
     load_torch_file,
 )
-from speechattn.utils import atomic_path
+from speechattn.utils import atomic_folder, atomic_path, atomic_write_bytes, plain
 
 UPSTREAM_FORMAT = "speechattn-upstream"
 # 2: LSH's normalised keys and score tie-break, routing's uncapped clusters; 3: LSH hashes
@@ -54,6 +68,12 @@ UPSTREAM_FORMAT = "speechattn-upstream"
 UPSTREAM_VERSION = 3
 READABLE_VERSIONS = (1, 2, 3)
 MEL_FRAME_RATE = 100.0  # 10 ms hop of the data layer's log-mel features
+CONFIG_FILE = "config.json"  # an upstream folder's settings (Hugging Face's name)
+WEIGHTS_FILE = "model.safetensors"  # its tensors (Hugging Face's name)
+NORMALIZER_PREFIX = "normalizer."  # model.safetensors' keys of the normaliser's mean and std
+# what speechattn writes into an upstream folder (the model card, its loss curve): an earlier
+# folder holding only these is replaced by a new export, a folder holding anything else never
+FOLDER_FILES = (CONFIG_FILE, WEIGHTS_FILE, "README.md", "loss_curve.png")
 
 
 class UpstreamFileError(TorchFileError):
@@ -375,16 +395,63 @@ def _earlier_options(model_config: dict[str, Any], version: int) -> dict[str, An
 
 
 def load_upstream(path: str | Path, map_location: str | torch.device = "cpu") -> Upstream:
-    """Load an `upstream.pt` written by `python -m speechattn.pretrain`, in eval mode.
+    """Load an upstream written by `python -m speechattn.pretrain` or `python -m
+    speechattn.export`, in eval mode: an `upstream.pt` file or an upstream folder
+    (config.json + model.safetensors; nothing in it is unpickled).
 
-    Raises `MissingFileError` (a FileNotFoundError) for a missing file and `UpstreamFileError`
-    (a ValueError) naming the file when it is a folder, corrupt, truncated, or not a speechattn
-    upstream.
+    Raises `MissingFileError` (a FileNotFoundError) for a missing path and `UpstreamFileError`
+    (a ValueError) naming the file and the problem when it is a folder of something else,
+    corrupt, truncated, not a speechattn upstream, of an unknown version, or holds tensors
+    the model config does not build (missing, unexpected, or of another shape);
+    `NonFiniteWeightsError` for NaN/inf or implausibly large weights.
     """
     path = Path(path).expanduser()
+    if path.is_dir():
+        state = _read_folder(path)
+        config_where, weights_where = path / CONFIG_FILE, path / WEIGHTS_FILE
+    else:
+        state = _read_file(path)
+        config_where = weights_where = path
+    if not isinstance(state, dict) or state.get("format") != UPSTREAM_FORMAT:
+        found = state.get("format") if isinstance(state, dict) else type(state).__name__
+        raise UpstreamFileError(
+            f"{config_where} is not a speechattn upstream file: expected format "
+            f"{UPSTREAM_FORMAT!r}, found {found!r}"
+        )
+    if state.get("version") not in READABLE_VERSIONS:
+        raise UpstreamFileError(
+            f"{config_where} has upstream format version {state.get('version')!r}; this "
+            f"speechattn reads versions {', '.join(map(str, READABLE_VERSIONS))}"
+        )
+    missing = {"model_config", "state_dict", "normalizer", "feature_config", "metadata"} - set(
+        state
+    )
+    if missing:
+        raise UpstreamFileError(f"{config_where} is incomplete: missing {sorted(missing)}")
+    _check_finite(state, str(weights_where))
+    if state["version"] < UPSTREAM_VERSION:
+        state["model_config"] = _earlier_options(state["model_config"], state["version"])
+    try:
+        model = AALBERT(ModelConfig(**state["model_config"]))
+    except Exception as e:  # unknown attention name or option, a bad setting
+        raise UpstreamFileError(
+            f"{config_where}: cannot rebuild the model: {type(e).__name__}: {e}"
+        ) from e
+    _check_tensors(model.state_dict(), state["state_dict"], weights_where)
+    model.load_state_dict(state["state_dict"])
+    try:
+        normalizer = Normalizer.from_state_dict(state["normalizer"])
+    except Exception as e:
+        raise UpstreamFileError(f"{weights_where}: bad normalizer statistics: {e}") from e
+    upstream = Upstream(model, normalizer, state["feature_config"], state["metadata"], str(path))
+    return upstream.to(map_location).eval()
+
+
+def _read_file(path: Path) -> Any:
+    """The object in the torch file `path` (`weights_only=True`); errors name the file."""
     check_is_file(path, "upstream file", UpstreamFileError)
     try:
-        state = load_torch_file(path, map_location, "upstream file")
+        return load_torch_file(path, "cpu", "upstream file")
     except TorchFileError as e:  # truncated zip, random bytes, pickled objects we refuse to run
         hint = ""
         if path.suffix == ".ckpt":
@@ -396,33 +463,137 @@ def load_upstream(path: str | Path, map_location: str | torch.device = "cpu") ->
             f"{path} is not a readable speechattn upstream file{hint}: "
             f"{describe_load_error(e.__cause__ or e, path)}"
         ) from e
-    if not isinstance(state, dict) or state.get("format") != UPSTREAM_FORMAT:
-        found = state.get("format") if isinstance(state, dict) else type(state).__name__
+
+
+def _check_tensors(expected: Mapping[str, Tensor], found: Mapping[str, Any], where: Path) -> None:
+    """`UpstreamFileError` naming the first tensor the model config does not build exactly:
+    missing, unexpected, not a tensor, or of another shape."""
+    problems = [f"tensor {k!r} is missing" for k in expected if k not in found]
+    problems += [f"unexpected tensor {k!r}" for k in found if k not in expected]
+    for k, want in expected.items():
+        got = found.get(k)
+        if k in found and not (isinstance(got, Tensor) and got.shape == want.shape):
+            shape = tuple(got.shape) if isinstance(got, Tensor) else type(got).__name__
+            problems.append(
+                f"tensor {k!r} has shape {shape}, the model config needs {tuple(want.shape)}"
+            )
+    if problems:
+        more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
         raise UpstreamFileError(
-            f"{path} is not a speechattn upstream file: expected format {UPSTREAM_FORMAT!r}, "
-            f"found {found!r}"
+            f"{where}: cannot rebuild the model: {problems[0]}{more}; the weights do not "
+            f"belong to this model config"
         )
-    if state.get("version") not in READABLE_VERSIONS:
+
+
+# ----------------------------------------------------------------------------- folders
+
+
+def _read_folder(path: Path) -> dict[str, Any]:
+    """An upstream folder as the dictionary `upstream.pt` holds: config.json parsed as JSON,
+    model.safetensors read by safetensors (no pickle anywhere)."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    config_file, weights_file = path / CONFIG_FILE, path / WEIGHTS_FILE
+    if not config_file.exists() and not weights_file.exists():
+        inside = sorted(p.name for p in path.glob("*.pt"))[:5]
+        hint = f"; it holds {', '.join(inside)}: give that file" if inside else ""
         raise UpstreamFileError(
-            f"{path} has upstream format version {state.get('version')!r}; this speechattn "
-            f"reads versions {', '.join(map(str, READABLE_VERSIONS))}"
+            f"upstream file {path} is a folder, not a file, and not an upstream folder (no "
+            f"{CONFIG_FILE} or {WEIGHTS_FILE}){hint}"
         )
-    missing = {"model_config", "state_dict", "normalizer", "feature_config", "metadata"} - set(
-        state
-    )
-    if missing:
-        raise UpstreamFileError(f"{path} is incomplete: missing {sorted(missing)}")
-    _check_finite(state, str(path))
-    if state["version"] < UPSTREAM_VERSION:
-        state["model_config"] = _earlier_options(state["model_config"], state["version"])
+    for file in (config_file, weights_file):
+        if not file.is_file():
+            raise UpstreamFileError(
+                f"upstream folder {path} is incomplete: {file.name} is missing (an upstream "
+                f"folder holds {CONFIG_FILE} and {WEIGHTS_FILE}; export it again with "
+                f"python -m speechattn.export)"
+            )
     try:
-        model = AALBERT(ModelConfig(**state["model_config"]))
-        model.load_state_dict(state["state_dict"])
-    except Exception as e:  # unknown attention name, shape mismatch, unexpected keys
-        raise UpstreamFileError(f"{path}: cannot rebuild the model: {type(e).__name__}: {e}") from e
+        config = json.loads(config_file.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise UpstreamFileError(f"{config_file} is not valid JSON: {e}") from e
+    if not isinstance(config, dict):
+        raise UpstreamFileError(
+            f"{config_file}: expected a JSON object, found {type(config).__name__}"
+        )
     try:
-        normalizer = Normalizer.from_state_dict(state["normalizer"])
-    except Exception as e:
-        raise UpstreamFileError(f"{path}: bad normalizer statistics: {e}") from e
-    upstream = Upstream(model, normalizer, state["feature_config"], state["metadata"], str(path))
-    return upstream.to(map_location).eval()
+        tensors = load_file(weights_file, device="cpu")
+    except (SafetensorError, OSError, ValueError) as e:  # header or data cut off or damaged
+        raise UpstreamFileError(
+            f"{weights_file} is not a readable safetensors file (truncated or corrupt): {e}"
+        ) from e
+    names = ("mean", "std")
+    normalizer = {n: tensors.pop(NORMALIZER_PREFIX + n, None) for n in names}
+    for n, t in normalizer.items():
+        if t is None:
+            raise UpstreamFileError(
+                f"{weights_file}: cannot rebuild the model: tensor "
+                f"{NORMALIZER_PREFIX + n!r} is missing"
+            )
+    mode = (config.get("normalizer") or {}).get("mode", "global")
+    return {**config, "state_dict": tensors, "normalizer": {**normalizer, "mode": mode}}
+
+
+def upstream_sha256(path: str | Path) -> str:
+    """The identity of an upstream's contents, as result.json, heads.json and caches record it:
+    a file's sha256, or for a folder the sha256 of its config.json's and model.safetensors'
+    sha256 (the model card and anything else in it do not change the upstream)."""
+    path = Path(path)
+    if not path.is_dir():
+        return file_sha256(path)
+    parts = [file_sha256(path / name) for name in (CONFIG_FILE, WEIGHTS_FILE)]
+    return hashlib.sha256(" ".join(parts).encode()).hexdigest()
+
+
+def save_upstream_folder(
+    out: str | Path,
+    state: dict[str, Any],
+    source: dict[str, Any] | None = None,
+    files: Mapping[str, bytes] | None = None,
+) -> Path:
+    """Write `state` (`upstream_state`) as an upstream folder at `out`, atomically
+    (`atomic_folder`): config.json, model.safetensors, and `files` (name -> bytes: the model
+    card). `source` ({"file", "sha256"}: the upstream.pt it comes from) goes into config.json.
+
+    Replaces an earlier upstream folder at `out` (one holding `FOLDER_FILES` only); refuses
+    (`OutputExistsError`) a file there or a folder holding anything else, which it would delete. Raises `NonFiniteWeightsError`
+    (nothing written) for NaN/inf or implausible weights.
+    """
+    from safetensors.torch import save
+
+    out = Path(out)
+    _check_finite(state, f"not writing {out}")
+    ours = {*FOLDER_FILES, *(files or {})}
+    if out.is_file() or (out.is_dir() and not out.is_symlink()):
+        others = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
+        others = [n for n in others if n not in ours]
+        if out.is_file() or others:
+            what = "a file" if out.is_file() else f"a folder holding {', '.join(others[:5])}"
+            raise OutputExistsError(
+                f"{out} is {what}: an upstream folder replaces the whole folder, so it is "
+                f"written only where nothing or an earlier upstream folder is; choose another"
+            )
+    # own contiguous copies: safetensors refuses tensors that share memory (tied weights)
+    tensors = {
+        k: v.detach().cpu().clone(memory_format=torch.contiguous_format)
+        for k, v in state["state_dict"].items()
+    }
+    norm = state["normalizer"]
+    tensors.update({NORMALIZER_PREFIX + n: norm[n].detach().cpu().float() for n in ("mean", "std")})
+    config = {
+        "format": state["format"],
+        "version": state["version"],
+        "model_config": plain(state["model_config"]),
+        "feature_config": plain(state["feature_config"]),
+        "normalizer": {"mode": str(norm["mode"])},
+        "metadata": plain(state["metadata"]),
+        "source": plain(source),
+    }
+    with atomic_folder(out) as tmp:
+        # "format": "pt" is the metadata Hugging Face's loaders expect of a PyTorch file
+        atomic_write_bytes(tmp / WEIGHTS_FILE, save(tensors, metadata={"format": "pt"}))
+        atomic_write_bytes(tmp / CONFIG_FILE, (json.dumps(config, indent=2) + "\n").encode())
+        for name, data in (files or {}).items():
+            atomic_write_bytes(tmp / name, data)
+    return out

@@ -44,6 +44,21 @@ def test_hub_upstream_equals_load_upstream(pretrained_tiny_run: Path):
         assert torch.equal(a[1, 14], b[1, 13]) and (a[1, 15:] == 0).all()
 
 
+def test_hub_loads_the_runs_upstream_folder_as_its_upstream_pt(pretrained_tiny_run: Path):
+    folder = str(pretrained_tiny_run / "upstream")  # the safetensors folder beside upstream.pt
+    up = torch.hub.load(REPO_DIR, "speechattn_upstream", source="local", ckpt=folder)
+    ref = speechattn.load_upstream(pretrained_tiny_run / "upstream.pt")
+    for (k, a), (_, b) in zip(up.state_dict().items(), ref.state_dict().items(), strict=True):
+        assert torch.equal(a, b), k
+    expert = torch.hub.load(REPO_DIR, "speechattn_s3prl", source="local", ckpt=folder)
+    wav = 0.1 * torch.randn(9000, generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        feats, frames = ref.features_from_waveforms([wav])
+        got, want = expert([wav])["hidden_states"], ref(feats, frames)
+    for a, b in zip(got, want, strict=True):
+        assert torch.equal(a[:, : b.shape[1]], b)
+
+
 def test_hub_without_ckpt_says_what_is_needed(tmp_path):
     with pytest.raises(ValueError, match="need ckpt=PATH"):
         torch.hub.load(REPO_DIR, "speechattn_upstream", source="local")

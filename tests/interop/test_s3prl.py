@@ -206,3 +206,14 @@ def test_nonfinite_or_int16_range_waveforms_are_refused(expert):
 def test_expert_starts_in_eval_mode(upstream_pt):
     expert = UpstreamExpert(upstream_pt)
     assert not expert.training and not any(m.training for m in expert.modules())
+
+
+def test_an_upstream_folder_gives_the_same_expert(expert, upstream_pt):
+    # the run's safetensors folder (upstream/), beside its upstream.pt
+    folder = UpstreamExpert(upstream_pt.parent / "upstream")
+    assert isinstance(folder, interfaces.UpstreamBase)
+    wavs = waveforms()
+    with torch.no_grad():
+        got, want = folder(wavs)["hidden_states"], expert(wavs)["hidden_states"]
+    for a, b in zip(got, want, strict=True):
+        assert torch.equal(a, b)

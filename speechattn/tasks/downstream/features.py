@@ -36,6 +36,7 @@ from torch import Tensor, nn
 from speechattn.data.cache import file_sha256
 from speechattn.errors import ConfigError, MissingFileError, SpeechattnError
 from speechattn.model.serialization import TorchFileError, load_torch_file
+from speechattn.model.upstream import upstream_sha256
 from speechattn.tasks.records import MEL  # the no-pretraining baseline's name
 from speechattn.utils import atomic_path, atomic_write_bytes, digest, lengths_to_padding_mask
 from speechattn.utils import progress_bar as progress
@@ -74,9 +75,10 @@ class MelUpstream(nn.Module):
 def open_upstream(
     spec: str | Path, feature_dim: int | None = None, data: Any = None
 ) -> tuple[nn.Module, str | None]:
-    """Load the upstream named by `spec` (a path to `upstream.pt`, or `mel`), frozen, in eval mode.
+    """Load the upstream named by `spec` (a path to an `upstream.pt` or an upstream folder, or
+    `mel`), frozen, in eval mode.
 
-    Returns the upstream and the sha256 of its file (None for `mel`). Raises a SpeechattnError
+    Returns the upstream and the sha256 of its file (`upstream_sha256`; None for `mel`). Raises a SpeechattnError
     naming the file when it is missing, a folder, corrupt, not ours, or expects other input
     features than the corpus provides (`feature_dim`; None: not checked, e.g. the head
     analysis, which reads the corpus recorded with the upstream; with `data`, a DataConfig,
@@ -90,7 +92,7 @@ def open_upstream(
     if not path.exists():  # a folder is refused by the loader, which names what it holds
         raise MissingFileError(
             f"upstream file {path} does not exist; pass upstream=PATH to an upstream.pt written "
-            f"by `python -m speechattn.pretrain`, or upstream=mel"
+            f"by `python -m speechattn.pretrain` (or its upstream folder), or upstream=mel"
         )
     from speechattn import load_upstream
 
@@ -104,7 +106,7 @@ def open_upstream(
     upstream.eval()
     for p in upstream.parameters():
         p.requires_grad_(False)
-    return upstream, file_sha256(path)
+    return upstream, upstream_sha256(path)
 
 
 def _feature_settings_differ(upstream: nn.Module, data: Any) -> str:

@@ -8,11 +8,14 @@ loss curve and how to load the upstream with speechattn, torch.hub and s3prl.
 Every fact is read back from the written `upstream.pt` (through `load_upstream`) and the run's
 `metrics.csv`, so the card describes exactly the file beside it. Both files are written
 atomically (temporary name + rename).
+
+`write_upstream_folder` writes the same upstream as a folder ready for the Hugging Face Hub
+(config.json, model.safetensors, this card as README.md, the loss curve): `python -m
+speechattn.export` and every pretraining run (`upstream/` in the run folder) use it.
 """
 
 from __future__ import annotations
 
-import hashlib
 import io
 import math
 import platform
@@ -24,7 +27,13 @@ import torch
 import yaml
 
 from speechattn.data.features import SAMPLE_RATE, FeatureConfig
-from speechattn.model.upstream import load_upstream
+from speechattn.model.upstream import (
+    Upstream,
+    load_upstream,
+    save_upstream_folder,
+    upstream_sha256,
+    upstream_state,
+)
 from speechattn.utils import atomic_write_bytes, atomic_write_text
 
 CARD_FILE = "README.md"
@@ -65,6 +74,12 @@ def median_metric(rows: list[dict[str, float]], key: str) -> float | None:
 
 def plot_loss_curve(rows: list[dict[str, float]], path: Path, title: str) -> Path:
     """Train and validation L1 against the optimizer step, as a PNG at `path`."""
+    atomic_write_bytes(path, loss_curve_png(rows, title))
+    return path
+
+
+def loss_curve_png(rows: list[dict[str, float]], title: str) -> bytes:
+    """`plot_loss_curve`'s PNG, as bytes."""
     import matplotlib
 
     matplotlib.use("Agg")  # files only, no display
@@ -88,13 +103,15 @@ def plot_loss_curve(rows: list[dict[str, float]], path: Path, title: str) -> Pat
     buffer = io.BytesIO()
     fig.savefig(buffer, format="png")
     plt.close(fig)
-    atomic_write_bytes(path, buffer.getvalue())
-    return path
+    return buffer.getvalue()
 
 
-def card_header(upstream_path: Path, rows: list[dict[str, float]], license: str) -> dict[str, Any]:
-    """The YAML header's facts, from `upstream.pt` and the rows of `metrics.csv`."""
-    up = load_upstream(upstream_path)
+def card_header(
+    upstream_path: Path, rows: list[dict[str, float]], license: str, up: Upstream | None = None
+) -> dict[str, Any]:
+    """The YAML header's facts, from `upstream.pt` (`up`: it, loaded already) and the rows of
+    `metrics.csv`."""
+    up = up or load_upstream(upstream_path)
     meta, config = up.metadata, up.config
     summary = meta.get("data_summary") or {}
     train_s = summary.get("train_seconds")
@@ -104,6 +121,7 @@ def card_header(upstream_path: Path, rows: list[dict[str, float]], license: str)
     return {
         "library_name": "speechattn",
         "license": license,
+        "pipeline_tag": "feature-extraction",  # the Hub's task for models giving hidden states
         "tags": ["speech", "self-supervised-learning", "aalbert", f"attention-{up.attention_name}"],
         "attention": up.attention_name,
         "attention_options": dict(meta.get("attention_options") or config.attention_options),
@@ -138,8 +156,10 @@ def card_header(upstream_path: Path, rows: list[dict[str, float]], license: str)
         "device": meta.get("device"),
         "seed": meta.get("seed"),
         "code_version": meta.get("code_version"),
+        # continued pretraining: the upstream it started from, {"path", "sha256"}
+        "init_from": meta.get("init_from"),
         "upstream": upstream_path.name,
-        "upstream_sha256": hashlib.sha256(upstream_path.read_bytes()).hexdigest(),
+        "upstream_sha256": upstream_sha256(upstream_path),
     }
 
 
@@ -152,6 +172,8 @@ def card_body(header: dict[str, Any], upstream_name: str) -> str:
     h = header
     hours = f", {h['train_hours'] * 60:.1f} min of training audio" if h["train_hours"] else ""
     losses = f"final train L1 {h['final_train_loss']}, validation L1 {h['final_val_loss']}"
+    if h.get("init_from"):
+        losses += f"; continued from the upstream {h['init_from']['path']}"
     return f"""
 # speechattn upstream: AALBERT with `{h["attention"]}` attention
 
@@ -204,21 +226,58 @@ def write_model_card(
     """
     upstream_path = Path(upstream_path)
     header = card_header(upstream_path, rows, license)
-    title = f"AALBERT, {header['attention']} attention"
-    plot_loss_curve(rows, upstream_path.parent / LOSS_CURVE_FILE, title)
-    text = "---\n" + yaml.safe_dump(header, sort_keys=False) + "---\n"
-    text += card_body(header, upstream_path.name)
+    plot_loss_curve(rows, upstream_path.parent / LOSS_CURVE_FILE, _title(header))
     path = upstream_path.parent / CARD_FILE
-    atomic_write_text(path, text)
+    atomic_write_text(path, card_text(header, upstream_path.name))
     return path
+
+
+def _title(header: dict[str, Any]) -> str:
+    return f"AALBERT, {header['attention']} attention"
+
+
+def card_text(header: dict[str, Any], upstream_name: str) -> str:
+    """The card: YAML front matter (Hugging Face's model-card metadata) + Markdown body."""
+    return (
+        "---\n"
+        + yaml.safe_dump(header, sort_keys=False)
+        + "---\n"
+        + card_body(header, upstream_name)
+    )
+
+
+def write_upstream_folder(
+    upstream_path: str | Path, out: str | Path, rows: list[dict[str, float]], license: str = "mit"
+) -> Path:
+    """Export `upstream_path` (an upstream.pt) as an upstream folder at `out`, written
+    atomically: config.json, model.safetensors, README.md (this card; the folder loads as
+    `load_upstream(".")` from inside it) and loss_curve.png, ready to upload as a Hugging Face
+    model repository. `rows`: the run's metrics.csv rows ([] when there are none).
+
+    The weights are those `load_upstream(upstream_path)` gives (an older file's attention
+    options stated explicitly), so the folder loads to the same module, bit for bit. Raises
+    `OutputExistsError` when `out` holds anything but an earlier upstream folder.
+    """
+    upstream_path = Path(upstream_path)
+    up = load_upstream(upstream_path)
+    header = card_header(upstream_path, rows, license, up)
+    state = upstream_state(up.model, up.normalizer, up.feature_config, up.metadata)
+    source = {"file": upstream_path.name, "sha256": header["upstream_sha256"]}
+    files = {
+        CARD_FILE: card_text(header, ".").encode("utf-8"),
+        LOSS_CURVE_FILE: loss_curve_png(rows, _title(header)),
+    }
+    return save_upstream_folder(out, state, source, files)
 
 
 __all__ = [
     "CARD_FILE",
     "LOSS_CURVE_FILE",
     "card_header",
+    "card_text",
     "median_metric",
     "plot_loss_curve",
     "training_device",
     "write_model_card",
+    "write_upstream_folder",
 ]

@@ -47,10 +47,13 @@ from speechattn.tasks.preemption import (
     remove_partial_checkpoints,
 )
 from speechattn.tasks.pretrain.data import ResumableData
+from speechattn.tasks.pretrain.init_from import check_resume as check_init_resume
+from speechattn.tasks.pretrain.init_from import init_from_upstream
 from speechattn.tasks.pretrain.model_card import (
     median_metric,
     training_device,
     write_model_card,
+    write_upstream_folder,
 )
 from speechattn.tasks.pretrain.module import NonFiniteLossError, PretrainTask
 from speechattn.tasks.pretrain.resume import (
@@ -66,6 +69,8 @@ from speechattn.tasks.pretrain.resume import (
 from speechattn.utils import atomic_write_text, plain
 
 log = logging.getLogger("speechattn.pretrain")
+
+UPSTREAM_FOLDER = "upstream"  # the run folder's upstream folder, beside upstream.pt
 
 
 def run(cfg: DictConfig, datamodule: Any = None) -> dict[str, Any]:
@@ -93,6 +98,9 @@ def run_locked(
     checkpoint = check_resume_checkpoint(resume) if resume is not None else None
     resume_step = int(checkpoint["global_step"]) if checkpoint is not None else 0
     changes: list[dict[str, Any]] = []
+    init_from = cfg.get("init_from") or None
+    if init_from is not None and checkpoint is not None:  # resume only the run it started
+        check_init_resume(init_from, checkpoint, resume)
     if checkpoint is not None:
         today = {
             "model": plain(cfg.model.net),
@@ -132,8 +140,14 @@ def run_locked(
     data_config = plain(cfg.get("data")) or {}
     if "max_frames" in data_config:  # the data layer crops to it; fail now, not at a long batch
         task.model.check_input_frames(data_config["max_frames"], "data.max_frames")
+    features = feature_config(inner, data_config)
+    if init_from is not None and checkpoint is None:  # continued pretraining: a new run
+        normalization = data_config.get("normalization")  # None: a datamodule of the caller's
+        parent = init_from_upstream(task.model, init_from, features, normalization)
+        task.set_data_info(init_from=parent)
+        log.info("starting from the weights of %s (sha256 %s)", parent["path"], parent["sha256"])
     task.set_data_info(
-        feature_config=feature_config(inner, data_config),
+        feature_config=features,
         corpus=str(data_config.get("corpus", type(inner).__name__)),
         data_config=data_config,
         model_name=str(cfg.model.get("name", "")),
@@ -321,6 +335,7 @@ def write_results(
         "val_loss": metrics.get("val_loss"),
         "upstream": None,
         "model_card": None,
+        "upstream_folder": None,
     }
     task.check_converged()
     val_loss = result["val_loss"]
@@ -342,8 +357,14 @@ def write_results(
         }
         upstream = task.export_upstream(output_dir / "upstream.pt", run_facts)
         card = write_model_card(upstream, rows, license=license)
-        result.update(upstream=str(upstream), model_card=str(card))
-        print(f"upstream.pt written to {upstream} (model card: {card})", flush=True)
+        # the same upstream as a folder to upload (safetensors, no pickle), docs/upstream.md
+        folder = write_upstream_folder(upstream, output_dir / UPSTREAM_FOLDER, rows, license)
+        result.update(upstream=str(upstream), model_card=str(card), upstream_folder=str(folder))
+        print(
+            f"upstream.pt written to {upstream} (model card: {card}; as a safetensors folder: "
+            f"{folder})",
+            flush=True,
+        )
     return result
 
 
