@@ -181,3 +181,53 @@ def test_a_span_keeps_the_frames_whose_middle_label_frame_it_holds():
     assert list(zip(first, stop, strict=True)) == [(0, 1), (1, 2), (2, 2), (0, 3), (1, 3)]
     first, stop = frame_span(start, end, 1, np.full(5, 20))
     assert (first == start).all() and (stop == end).all()
+
+
+# ----------------------------------------------------------------------------- the job
+
+
+def abx_config(data, out, *overrides):
+    from omegaconf import open_dict
+
+    from speechattn.config import compose
+
+    cfg = compose("abx", [
+        f"data.root={data.root}", f"data.cache_dir={data.cache_dir}", "data.batch_size=4",
+        "data.extract_workers=1", "data.shard_size=8", "data.progress=false", *overrides,
+    ])  # fmt: skip
+    with open_dict(cfg):
+        cfg.output_dir = str(out)
+    return cfg
+
+
+def test_the_job_scores_mel_on_the_built_in_corpus(tiny_data_config, tmp_path):
+    from speechattn.tasks.abx import run
+    from speechattn.tasks.records import read_abx
+
+    returned = run(abx_config(tiny_data_config, tmp_path, "upstream=mel", "split=dev"))
+    record = read_abx(tmp_path / "abx.json")
+    assert json.loads((tmp_path / "abx.json").read_text()) == returned
+    assert record.attention == "mel" and record.frame_ms == 10 and record.split == "dev"
+    assert [row["layer"] for row in record.layers] == [0]
+    assert record.items["scored"] == record.items["total"] > 0
+    across = record.errors("across")[0]
+    assert 0 <= across < 0.5  # the log-mel features tell phones apart better than chance
+    assert record.layers[0]["triplets"]["across"] > 0
+
+
+@pytest.mark.parametrize("override,error,message", [
+    ("data.alignments=missing_alignments.txt", "MissingFileError", "missing_alignments.txt does not exist"),
+    ("data.alignments=null", "ConfigError", "data.alignments is null"),
+    ("layer=1", "ConfigError", "layer=1 is out of range"),
+    ("layer=weighted", "ConfigError", "layer=weighted"),
+    ("distance=euclid", "ConfigError", "distance"),
+])  # fmt: skip
+def test_bad_settings_are_refused_before_any_extraction(
+    tiny_data_config, tmp_path, override, error, message
+):
+    from speechattn.tasks.abx import run
+
+    with pytest.raises(Exception, match=message) as caught:
+        run(abx_config(tiny_data_config, tmp_path, "upstream=mel", override))
+    assert type(caught.value).__name__ == error
+    assert not (tmp_path / "abx.json").exists()
