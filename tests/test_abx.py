@@ -231,3 +231,30 @@ def test_bad_settings_are_refused_before_any_extraction(
         run(abx_config(tiny_data_config, tmp_path, "upstream=mel", override))
     assert type(caught.value).__name__ == error
     assert not (tmp_path / "abx.json").exists()
+
+
+# ----------------------------------------------------------------------------- the report
+
+
+def test_the_report_tables_and_plots_every_layer(tmp_path):
+    from speechattn.report.build import make_report
+    from speechattn.tasks.records import AbxRecord
+
+    def record(attention, errors, created):
+        layers = [{"layer": k, "within": w, "across": a} for k, (w, a) in enumerate(errors)]
+        return AbxRecord(attention, None, attention, "test", "angular", 30.0, layers,
+                         created=created)  # fmt: skip
+
+    record("mel", [(0.114, 0.22)], "2026-01-01").write(tmp_path / "mel")
+    record("full", [(0.5, 0.5)], "2026-01-01").write(tmp_path / "old")  # superseded below
+    record("full", [(0.085, 0.196), (0.095, None)], "2026-01-02").write(tmp_path / "full")
+    (tmp_path / "broken").mkdir()
+    (tmp_path / "broken" / "abx.json").write_text("{}")
+    report = make_report(tmp_path)
+    table = (tmp_path / "abx.md").read_text()
+    assert "| L0 within | L0 across | L1 within | L1 across |" in table
+    assert "| mel (no pretraining) | 11.40 | 22.00 | – | – |" in table
+    assert "| full | **8.50** | **19.60** | **9.50** | – |" in table
+    assert (tmp_path / "fig_abx_layers.png").stat().st_size > 0
+    assert "fig_abx_layers.png" in (tmp_path / "README.md").read_text()
+    assert any("broken" in note for note in report.notes)

@@ -62,7 +62,9 @@ def abx_layers(layer: Any, num_layers: int) -> list[int]:
     if layer == "all":
         return list(range(num_layers + 1))
     if layer == "weighted":
-        raise ConfigError("layer=weighted is a learned mix of the probes; ABX takes all, last or an index")
+        raise ConfigError(
+            "layer=weighted is a learned mix of the probes; ABX takes all, last or an index"
+        )
     return resolve_layers(layer, num_layers)
 
 
