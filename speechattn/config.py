@@ -9,6 +9,7 @@ mistyped override fails at composition. The schemas:
     schema/downstream DownstreamConfig     conf/downstream.yaml
     schema/analyze    HeadsRunConfig       conf/analyze.yaml
     schema/prune      PruneConfig          conf/prune.yaml
+    schema/abx        AbxConfig            conf/abx.yaml
     schema/data       DataConfig           conf/data/*.yaml (`embedded` is the defaults)
     schema/model      PretrainModelConfig  conf/model/aalbert_base.yaml (the defaults)
     schema/task       TaskConfig           conf/task/*.yaml (`speaker_utterance` is the defaults)
@@ -43,6 +44,7 @@ from speechattn.errors import SpeechattnError, command_line_errors, one_line, tr
 from speechattn.model.aalbert import ModelConfig
 from speechattn.model.masking import MaskingConfig
 from speechattn.model.optim import OptimConfig
+from speechattn.tasks.abx.run import AbxConfig
 from speechattn.tasks.analysis.prune import PruneConfig
 from speechattn.tasks.analysis.sources import HeadsRunConfig
 from speechattn.tasks.downstream.probe import TaskConfig
@@ -165,6 +167,7 @@ SCHEMAS: dict[str, Any] = {
     "downstream": DownstreamConfig,
     "analyze": HeadsRunConfig,
     "prune": PruneConfig,
+    "abx": AbxConfig,
     "data": DataConfig,
     "model": PretrainModelConfig,
     "task": TaskConfig,

@@ -23,6 +23,7 @@ from speechattn.config import (
 from speechattn.data import DataConfig
 from speechattn.model import ModelConfig
 from speechattn.model.aalbert import aalbert, preset_config
+from speechattn.tasks.abx import AbxConfig
 from speechattn.tasks.analysis.prune import PruneConfig
 from speechattn.tasks.analysis.sources import HeadsRunConfig
 from speechattn.tasks.downstream import TaskConfig
@@ -149,6 +150,10 @@ def test_code_defaults_are_the_command_lines():
 
     assert OmegaConf.to_object(compose("analyze", ANALYZE)) == HeadsRunConfig()
 
+    abx = compose("abx")
+    assert OmegaConf.to_object(abx.data) == DataConfig()
+    assert own_keys(abx, AbxConfig) == own_keys(OmegaConf.structured(AbxConfig), AbxConfig)
+
 
 def test_the_default_run_is_the_tiny_experiment_and_python_presets_match_it():
     cli = compose("pretrain").model
@@ -237,6 +242,7 @@ def test_yaml_states_only_what_differs_from_the_schema():
         ("downstream", DownstreamConfig()),
         ("analyze", HeadsRunConfig()),
         ("prune", PruneConfig()),
+        ("abx", AbxConfig()),
     ):
         checked[f"{name}.yaml"] = restated(yaml(CONFIG_DIR / f"{name}.yaml"), schema)
     checked["trainer/ddp.yaml"] = restated(yaml(CONFIG_DIR / "trainer" / "ddp.yaml"), cpu)

@@ -6,7 +6,8 @@ layers: `speechattn.utils` (shared helpers) and `speechattn.errors` (the error b
 nothing from the project and any layer may use them; the root package (`speechattn/__init__.py`)
 imports nothing eagerly; `config` sits on data, model and tasks; the entry modules (`pretrain`, `downstream`, `analyze`) may use every
 layer but `bench`; `export` uses `tasks` only. Inside `tasks` the jobs are independent, except that the head analysis reads
-downstream runs: `pretrain` and `downstream` import no other job, `analysis` only `downstream`.
+downstream runs: `pretrain` and `downstream` import no other job, `analysis` only `downstream`,
+`abx` only `downstream` (its feature extraction).
 `interop` (s3prl expert) reads upstreams through `model` and is imported by no layer; the
 repository's `hubconf.py` may use `model` and `interop` only. `superb` (s3prl's SUPERB runner
 with our upstreams) sits beside `interop` and `report`: it uses the built-in corpus (`data`),
@@ -41,8 +42,9 @@ ROOT_MODULES = {
     "analyze": {"config", "data", "attention", "model", "tasks", "report"},
     "prune": {"config", "tasks"},
     "export": {"tasks"},
+    "abx": {"config", "tasks"},
 }
-JOBS = {"pretrain": set(), "downstream": set(), "analysis": {"downstream"}}
+JOBS = {"pretrain": set(), "downstream": set(), "analysis": {"downstream"}, "abx": {"downstream"}}
 # "" is the root package itself (version, CONFIG_DIR, load_upstream); `errors` holds the base
 # of every error raised on purpose, so any layer may raise one.
 EVERYWHERE = {"utils", "errors", ""}

@@ -12,14 +12,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from speechattn.errors import SpeechattnError
-from speechattn.report.figures import SPEAKER_TASK, accuracy_vs_keys, attention_maps
+from speechattn.report.figures import SPEAKER_TASK, abx_by_layer, accuracy_vs_keys, attention_maps
 from speechattn.report.results import BenchRecord, ResultSet, collect, find_bench, read_bench
 from speechattn.report.superb import has_superb_results, superb_report
-from speechattn.report.tables import Table, accuracy_table, cost_table, reference_table
+from speechattn.report.tables import Table, abx_table, accuracy_table, cost_table, reference_table
 from speechattn.tasks.records import EXAMPLE_FILE, MEL, TASKS
 
 log = logging.getLogger(__name__)
 DEFAULT_SEQ_LEN = 500  # ~15 s at 30 ms per frame: a typical LibriSpeech utterance
+ABX_NOTE = (
+    "Triphone ABX error in % (lower is better; 50 = chance) of each layer's frozen features, "
+    "within and across speakers (`python -m speechattn.abx`, docs/abx.md); lowest per column "
+    "in **bold**; layer 0 is the input embedding, `mel` the log-mel features."
+)
 
 
 @dataclass
@@ -74,6 +79,16 @@ def make_report(
     reference.write_csv(report.out / "table2_reference.csv")
     report.files += [report.out / n for n in ("table2.md", "table2.csv", "table2_reference.csv")]
 
+    # ABX error per layer, beside the probes' accuracy.
+    abx = abx_table(results) if results.abx else None
+    if abx is not None:
+        (report.out / "abx.md").write_text(
+            "# ABX error per layer\n\n" + ABX_NOTE + "\n\n" + abx.markdown(digits=2)
+        )
+        abx.write_csv(report.out / "abx.csv")
+        report.files += [report.out / "abx.md", report.out / "abx.csv"]
+        report.files.append(abx_by_layer(results, report.out / "fig_abx_layers.png"))
+
     # Table 1: cost.
     seq_len = seq_len or _typical_length(results)
     records: list[BenchRecord] = []
@@ -120,7 +135,7 @@ def make_report(
     report.notes += problems
 
     (report.out / "README.md").write_text(
-        _readme(report, results, tables=(table2, table1_md), superb=superb)
+        _readme(report, results, tables=(table2, table1_md), superb=superb, abx=abx)
     )
     report.files.append(report.out / "README.md")
     return report
@@ -201,7 +216,13 @@ def _superb_readme(superb: Table) -> str:
     ])  # fmt: skip
 
 
-def _readme(report: Report, results: ResultSet, tables: tuple, superb: Table | None = None) -> str:
+def _readme(
+    report: Report,
+    results: ResultSet,
+    tables: tuple,
+    superb: Table | None = None,
+    abx: Table | None = None,
+) -> str:
     table2, table1 = tables
     found = sum(len(runs) for runs in results.results.values())
     lines = [
@@ -235,6 +256,12 @@ def _readme(report: Report, results: ResultSet, tables: tuple, superb: Table | N
             "heat-maps, single-head ablations and pruning curves (`python -m speechattn.analyze "
             "heads`) |"
         )
+    if abx is not None:
+        lines.append(
+            "| [abx.md](abx.md) / `abx.csv`, [fig_abx_layers.png](fig_abx_layers.png) | ABX "
+            "error per variant and layer, within and across speakers (`python -m "
+            "speechattn.abx`) |"
+        )
     if superb is not None:
         lines.append(
             "| [superb.md](superb.md) / `superb.csv` | SUPERB tasks through s3prl's runner: "
@@ -250,6 +277,9 @@ def _readme(report: Report, results: ResultSet, tables: tuple, superb: Table | N
         shown = ", ".join(f"{v}/{t}" for v, t in report.missing[:20])
         more = f" and {len(report.missing) - 20} more" if len(report.missing) > 20 else ""
         lines += [f"Missing runs ({len(report.missing)}): {shown}{more}.", ""]
+    if abx is not None:
+        lines += ["## ABX error per layer", "", ABX_NOTE, "", abx.markdown(digits=2)]
+        lines += ["![ABX per layer](fig_abx_layers.png)", ""]
     if superb is not None:
         lines += ["## SUPERB ([superb.md](superb.md))", "", superb.markdown()]
     lines += ["## Cost (Table 1)", "", table1.markdown(digits=1)]

@@ -1,6 +1,6 @@
 """Figures of the report: attention maps of every head under the utterance's log-mel
-spectrogram (study Fig. 2; `librosa.display.specshow`, time in seconds on both) and
-utterance-level speaker accuracy vs keys attended (study Fig. 4)."""
+spectrogram (study Fig. 2; `librosa.display.specshow`, time in seconds on both),
+utterance-level speaker accuracy vs keys attended (study Fig. 4) and ABX error per layer."""
 
 from __future__ import annotations
 
@@ -49,6 +49,32 @@ def accuracy_vs_keys(results: ResultSet, seq_len: int, path: Path) -> Path | Non
     ax.set_ylabel("utterance-level speaker accuracy (test)")
     ax.set_title("Speaker accuracy vs keys attended")
     ax.grid(True, which="both", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=130)
+    plt.close(fig)
+    return path
+
+
+def abx_by_layer(results: ResultSet, path: Path) -> Path | None:
+    """ABX error (%) against layer, within (left) and across speakers (right), one line per
+    variant; mel, which has no layers, as a dashed line. None when nothing to plot."""
+    if not results.abx:
+        return None
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4), sharey=True)
+    for ax, mode in zip(axes, ("within", "across"), strict=True):
+        for variant in results.abx_variants():
+            errors = results.abx[variant][1].errors(mode)
+            points = sorted((k, 100 * e) for k, e in errors.items() if e is not None)
+            if variant == MEL and points:
+                ax.axhline(points[0][1], color="grey", linestyle="--", linewidth=1, label=MEL)
+            elif points:
+                ax.plot(*zip(*points, strict=True), marker="o", label=variant)
+        ax.set_xlabel("layer (0 = input embedding)")
+        ax.xaxis.get_major_locator().set_params(integer=True)
+        ax.set_title(f"ABX {mode} speaker" + ("s" if mode == "across" else ""))
+        ax.grid(True, alpha=0.3)
+    axes[0].set_ylabel("ABX error (%)")
+    axes[1].legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=130)
     plt.close(fig)

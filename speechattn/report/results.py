@@ -1,4 +1,5 @@
-"""Collect downstream results (`result.json`) and attention benchmarks from a results folder.
+"""Collect downstream results (`result.json`), ABX evaluations (`abx.json`) and attention
+benchmarks from a results folder.
 
 A results folder is any tree: every `result.json` below it is one run. Runs are grouped by
 variant (the upstream's attention name, `mel` for the baseline) and task; when a (variant, task)
@@ -15,10 +16,13 @@ from pathlib import Path
 from typing import Any
 
 from speechattn.tasks.records import (
+    ABX_FILE,
     MEL,
     RESULT_FILE,
     TASKS,
+    AbxRecord,
     DownstreamResult,
+    read_abx,
     read_result,
 )
 
@@ -30,6 +34,7 @@ class ResultSet:
     """results[variant][task] -> the run that counts; problems are human-readable notes."""
 
     results: dict[str, dict[str, tuple[Path, DownstreamResult]]] = field(default_factory=dict)
+    abx: dict[str, tuple[Path, AbxRecord]] = field(default_factory=dict)  # variant -> newest
     problems: list[str] = field(default_factory=list)
     superseded: list[Path] = field(default_factory=list)
 
@@ -56,6 +61,11 @@ class ResultSet:
         found = set(self.results)
         ordered = [MEL] + [v for v in order if v != MEL]
         return [v for v in ordered if v in found] + sorted(found - set(ordered))
+
+    def abx_variants(self) -> list[str]:
+        """The variants with an `abx.json`: `mel`, the registry's order, any others."""
+        ordered = [MEL, *registry_order()]
+        return [v for v in ordered if v in self.abx] + sorted(set(self.abx) - set(ordered))
 
 
 def registry_order() -> list[str]:
@@ -88,6 +98,15 @@ def collect(root: str | Path) -> ResultSet:
             runs[result.task] = (path, result)
         else:
             found.superseded.append(path)
+    for path in sorted(root.rglob(ABX_FILE)):
+        try:
+            record = read_abx(path)
+        except ValueError as e:
+            found.problems.append(str(e))
+            continue
+        previous = found.abx.get(record.attention)
+        if previous is None or record.created >= previous[1].created:
+            found.abx[record.attention] = (path, record)
     return found
 
 

@@ -1,4 +1,5 @@
-"""Table 1 (cost per variant) and Table 2 (accuracy per variant x task), as Markdown and CSV.
+"""Table 1 (cost per variant), Table 2 (accuracy per variant x task) and the ABX error rates
+per variant x layer, as Markdown and CSV.
 
 Missing entries are gaps (`–` in Markdown, empty in CSV), never errors.
 """
@@ -59,15 +60,15 @@ class Table:
                 writer.writerow(["" if v is None else v for v in row])
 
 
-def _mark_best(rows: list[list[Any]], columns: range) -> set[tuple[int, int]]:
-    """(row, column) of the maximum of each column (ties all marked)."""
+def _mark_best(rows: list[list[Any]], columns: range, best: Any = max) -> set[tuple[int, int]]:
+    """(row, column) of the maximum (`best=min`: minimum) of each column (ties all marked)."""
     bold = set()
     for c in columns:
         values = [row[c] for row in rows if isinstance(row[c], float)]
         if not values:
             continue
-        best = max(values)
-        bold |= {(r, c) for r, row in enumerate(rows) if row[c] == best}
+        top = best(values)
+        bold |= {(r, c) for r, row in enumerate(rows) if row[c] == top}
     return bold
 
 
@@ -110,6 +111,21 @@ def same_models(
         if first is not None:
             same[v] = first
     return same
+
+
+def abx_table(results: ResultSet) -> Table:
+    """ABX error rates in % per variant (rows) and layer, within and across speakers
+    (columns); lowest per column in bold."""
+    found = results.abx_variants()
+    layers = sorted({k for v in found for k in results.abx[v][1].errors("within")})
+    header = ["variant", *[f"L{k} {mode}" for k in layers for mode in ("within", "across")]]
+    rows = []
+    for v in found:
+        record = results.abx[v][1]
+        errors = {mode: record.errors(mode) for mode in ("within", "across")}
+        cells = [errors[mode].get(k) for k in layers for mode in ("within", "across")]
+        rows.append([_label(v, {}), *[None if e is None else 100 * e for e in cells]])
+    return Table(header, rows, _mark_best(rows, range(1, len(header)), best=min))
 
 
 def reference_table(tasks: list[str], variants: list[str]) -> Table:

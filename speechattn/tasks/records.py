@@ -1,6 +1,6 @@
 """The records the jobs write and `report/` reads: `result.json` (one per downstream run, the
-typed `DownstreamResult`) and `heads.json` (one per head analysis, the typed `HeadsRecord`),
-with their readers and schema checks.
+typed `DownstreamResult`), `heads.json` (one per head analysis, the typed `HeadsRecord`) and
+`abx.json` (one per ABX evaluation, `AbxRecord`), with their readers and schema checks.
 
 Kept free of torch/Lightning imports so the report can read them cheaply.
 
@@ -359,3 +359,87 @@ def read_superb(path: str | Path) -> SuperbResult:
     if not isinstance(result.value, int | float) or result.value != result.value:
         raise ValueError(f"{path}: value must be a number, found {result.value!r}")
     return result
+
+
+# ----------------------------------------------------------------------------- abx.json
+
+# `abx.json` (schema version 1; `python -m speechattn.abx`, docs/abx.md), one JSON object:
+#     kind              "speechattn-abx"
+#     upstream          path of the upstream.pt scored, or "mel"
+#     upstream_sha256   sha256 of that file (null for mel)
+#     attention         attention variant of the upstream ("mel" for the log-mel features)
+#     split             the labelled corpus's split (train | dev | test)
+#     distance          frame distance: angular | cosine
+#     frame_ms          the representation's frame shift (10 for mel, 30 for the model)
+#     layers            [{"layer": 0 = input embedding .. L, "within", "across": error rates
+#                       in [0, 1] (null: no cell), "cells", "triplets", "phone_pairs":
+#                       {"within": n, "across": n}}, ...]
+#     items             {"total": triphones, "scored", "no_frames": items whose span holds no
+#                       frame at frame_ms (skipped), "utterances", "speakers"}
+#     settings          the job's config (`AbxConfig`, data resolved)
+#     normalization     how the input features were normalised (as in result.json's corpus)
+#     code_version, runtime_s {"features", "score", "total"}, created
+ABX_FILE = "abx.json"
+ABX_KIND = "speechattn-abx"
+
+
+@dataclass
+class AbxRecord:
+    """One ABX evaluation (fields: the comment above)."""
+
+    upstream: str
+    upstream_sha256: str | None
+    attention: str
+    split: str
+    distance: str
+    frame_ms: float
+    layers: list[dict[str, Any]]
+    items: dict[str, int] = field(default_factory=dict)
+    settings: dict[str, Any] = field(default_factory=dict)
+    normalization: dict[str, Any] = field(default_factory=dict)
+    code_version: str = ""
+    runtime_s: dict[str, float] = field(default_factory=dict)
+    created: str = ""
+    kind: str = ABX_KIND
+    schema_version: int = SCHEMA_VERSION
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def write(self, directory: str | Path) -> Path:
+        """Write `directory/abx.json` atomically; returns its path."""
+        path = Path(directory) / ABX_FILE
+        atomic_write_text(path, json.dumps(self.to_dict(), indent=2, default=str) + "\n")
+        return path
+
+    def errors(self, mode: str) -> dict[int, float | None]:
+        """Layer -> error rate of `mode` (within | across)."""
+        return {int(row["layer"]): row.get(mode) for row in self.layers}
+
+
+def read_abx(path: str | Path) -> AbxRecord:
+    """Read and check one `abx.json`; a `DataError` naming the file when it is not one."""
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise DataError(path, f"not a readable {ABX_FILE}", str(e)) from e
+    if not isinstance(data, dict) or data.get("kind") != ABX_KIND:
+        raise DataError(path, f"not an {ABX_FILE}", f"kind must be {ABX_KIND!r}")
+    if data.get("schema_version") != SCHEMA_VERSION:
+        raise DataError(path, f"{ABX_FILE} schema version {data.get('schema_version')}, expected 1")
+    required = [
+        f.name for f in fields(AbxRecord) if f.default is MISSING and f.default_factory is MISSING
+    ]
+    missing = [name for name in required if name not in data]
+    if missing:
+        raise DataError(path, f"{ABX_FILE} lacks required field(s) {', '.join(missing)}")
+    known = {f.name for f in fields(AbxRecord)}
+    record = AbxRecord(**{k: v for k, v in data.items() if k in known})
+    for row in record.layers:
+        for mode in ("within", "across"):
+            value = row.get(mode) if isinstance(row, dict) else None
+            if value is not None and not (isinstance(value, int | float) and 0 <= value <= 1):
+                problem = f"layers: {mode} must be a number in [0, 1] or null"
+                raise DataError(path, problem, repr(value))
+    return record

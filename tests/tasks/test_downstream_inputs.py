@@ -121,7 +121,7 @@ def test_utterances_beyond_the_upstream_limit_fail_before_extraction() -> None:
     import numpy as np
 
     from speechattn.model.aalbert import aalbert
-    from speechattn.tasks.downstream.run import _check_input_frames
+    from speechattn.tasks.downstream.run import check_input_frames
 
     model = aalbert(
         feature_dim=8, dim=16, num_layers=1, num_heads=2, ffn_dim=32,
@@ -138,9 +138,9 @@ def test_utterances_beyond_the_upstream_limit_fail_before_extraction() -> None:
             },
         )
 
-    _check_input_frames(upstream, data(3000, 5000))  # cropped below 3072: fine
+    check_input_frames(upstream, data(3000, 5000))  # cropped below 3072: fine
     with pytest.raises(ValueError, match="data.labelled_max_frames=4000.*3072 input frames"):
-        _check_input_frames(upstream, data(4000, 100))
+        check_input_frames(upstream, data(4000, 100))
     with pytest.raises(ValueError, match="=null lets a 5000-frame utterance through.*3072"):
-        _check_input_frames(upstream, data(None, 5000))
-    _check_input_frames(SimpleNamespace(), data(None, 5000))  # mel: no limit
+        check_input_frames(upstream, data(None, 5000))
+    check_input_frames(SimpleNamespace(), data(None, 5000))  # mel: no limit

@@ -108,7 +108,7 @@ def cached_features(
                 continue
             except DamagedSplit as e:
                 log.warning("%s; extracting it again", e)
-        loader = _split_loader(datamodule, name)
+        loader = split_loader(datamodule, name)
         total = len(loader) if hasattr(loader, "__len__") else None
         splits[name] = extract_split(
             upstream,
@@ -125,7 +125,8 @@ def cached_features(
     return splits
 
 
-def _split_loader(datamodule: Any, split: str) -> Any:
+def split_loader(datamodule: Any, split: str) -> Any:
+    """The deterministic loader of `split` (train | dev | test), for extraction."""
     if hasattr(datamodule, "extraction_dataloader"):
         return datamodule.extraction_dataloader(split)
     return {
@@ -258,7 +259,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     datamodule = labelled_data(data_config)
     labels = task.labels(datamodule)
     num_classes = labels.check_classes(task.name)
-    _check_input_frames(upstream, datamodule)
+    check_input_frames(upstream, datamodule)
     normalization = feature_normalization(datamodule.normalizer, upstream, cfg.normalization)
     t_features = time.perf_counter()
     splits = cached_features(
@@ -396,7 +397,7 @@ def labelled_data_config(task: TaskConfig, data_config: Any) -> Any:
     return replace(data_config, alignments=None)
 
 
-def _check_input_frames(upstream: Any, datamodule: Any) -> None:
+def check_input_frames(upstream: Any, datamodule: Any) -> None:
     """Fail before extraction when the corpus's (cropped) utterances exceed the upstream's
     attention limit (synthesizers: max_len model frames)."""
     model = getattr(upstream, "model", None)
@@ -438,7 +439,7 @@ def _code_version() -> str:
 def _save_example(datamodule: Any, out: Path) -> None:
     """Keep one normalised test utterance beside the result, for the report's attention maps."""
     try:
-        batch = next(iter(_split_loader(datamodule, "test")))
+        batch = next(iter(split_loader(datamodule, "test")))
     except (StopIteration, AttributeError):
         return
     n = int(batch["lengths"][0])

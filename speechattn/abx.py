@@ -1,0 +1,28 @@
+"""`python -m speechattn.abx upstream=PATH|mel [layer=all|last|N] [split=test] [overrides]`.
+
+ABX discriminability of an upstream's layers without training (docs/abx.md): within- and
+across-speaker error rates on the triphones of a labelled corpus, written to `abx.json` in the
+Hydra run dir. The work is `speechattn.tasks.abx.run(cfg)`, which tests call directly; `main`
+is the Hydra wrapper (every entry point has this shape).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import hydra
+from omegaconf import DictConfig
+
+from speechattn.config import CONFIG_DIR, run_cli
+from speechattn.tasks.abx import run
+
+
+@hydra.main(version_base="1.3", config_path=str(CONFIG_DIR), config_name="abx")
+def main(cfg: DictConfig) -> Any:
+    return run_cli(run, cfg)
+
+
+__all__ = ["main", "run"]
+
+if __name__ == "__main__":
+    main()
