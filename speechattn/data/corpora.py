@@ -200,6 +200,12 @@ class Corpus:
     def speaker_of(self, utt_id: str) -> str:
         return speaker_of(utt_id)
 
+    def missing_labels(self) -> Path | None:
+        """The phone-label file the probes would read, when it does not exist (None: it does,
+        or `data.alignments` is null)."""
+        path = self.label_files.path(self.label_files.alignments)
+        return path if path is not None and not path.is_file() else None
+
     def phone_labels(
         self, ids: list[str], issues: Issues
     ) -> tuple[dict[str, np.ndarray], list[str], Path]:

@@ -71,15 +71,15 @@ def abx_layers(layer: Any, num_layers: int) -> list[int]:
 def check_alignments(datamodule: Any) -> None:
     """Fail before extracting anything when the corpus has no phone alignments to make items of."""
     cfg = getattr(datamodule, "cfg", None)
-    if cfg is None or not hasattr(datamodule, "label_files"):
+    if cfg is None or not hasattr(datamodule, "corpus"):
         return  # a DataModule of its own: checked on its batches
     if cfg.alignments is None:
         raise ConfigError(
             "ABX needs frame-level phone labels, but data.alignments is null; set it to the "
             "CPC-format file (converted_aligned_phones.txt)"
         )
-    path = datamodule.label_files.path(cfg.alignments)
-    if path is None or not path.is_file():
+    path = datamodule.corpus.missing_labels()
+    if path is not None:
         raise MissingFileError(
             f"ABX needs frame-level phone labels: {path} does not exist. For real LibriSpeech "
             f"put the CPC alignments there (converted_aligned_phones.txt with train_split.txt / "

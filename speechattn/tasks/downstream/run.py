@@ -384,11 +384,9 @@ def labelled_data_config(task: TaskConfig, data_config: Any) -> Any:
     tasks refuse to run; the others run without phone labels (`alignments=None`).
     """
     path = None
-    if data_config.alignments is not None and data_config.corpus == "lhotse":
-        return data_config  # the labels are in the manifests, checked utterance by utterance
     if data_config.alignments is not None:
-        path = LabelledDataModule(data_config).label_files.path(data_config.alignments)
-        if path is not None and path.is_file():
+        path = LabelledDataModule(data_config).corpus.missing_labels()
+        if path is None:
             return data_config
     task.labels().missing_alignments(task.name, data_config.alignments, path)
     if data_config.alignments is None:
