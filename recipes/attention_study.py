@@ -15,6 +15,8 @@ output folder they fill:
     OUT/downstream/<variant>/<task>/result.json python -m speechattn.downstream -m +variant=a,b,...
                                                 task=t1,t2,... (upstream OUT/pretrain/<variant>)
     OUT/downstream/mel/<task>/result.json       the no-pretraining baseline (upstream=mel)
+    OUT/abx/<variant>/abx.json                  python -m speechattn.abx -m +variant=a,b,... (every
+                                                layer, no training; and mel)
     OUT/heads/<variant>/<analysis>/heads.json   python -m speechattn.analyze -m analysis=heads
                                                 +variant=a,b,... (pretraining loss, and the
                                                 phone_1hidden probe by default)
@@ -52,7 +54,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from speechattn.errors import ConfigError, add_debug_flag, command_line_errors, usage_error
-from speechattn.tasks.records import MEL, RESULT_FILE, TASKS
+from speechattn.tasks.records import ABX_FILE, MEL, RESULT_FILE, TASKS
 
 LAUNCHERS = ("basic", "local", "slurm")  # hydra/launcher options (conf/hydra/launcher/)
 HEADS_FILE = "heads.json"
@@ -76,6 +78,7 @@ class Scale:
 
     pretrain: list[str] = field(default_factory=list)
     downstream: list[str] = field(default_factory=list)
+    abx: list[str] = field(default_factory=list)
     bench: list[str] = field(default_factory=list)
     heads: list[str] = field(default_factory=list)
     analyses: tuple[str, ...] = ("pretrain", "phone_1hidden")  # head analyses per variant
@@ -92,6 +95,7 @@ def scale_overrides(scale: str, librispeech: str | None, launcher: str = "basic"
         return Scale(
             pretrain=["experiment=tiny", "trainer.accelerator=cpu", "trainer.max_steps=800"],
             downstream=["trainer.accelerator=cpu", "device=cpu"],
+            abx=["device=cpu"],
             bench=["--quick", "--device", "cpu"],
             heads=["device=cpu", "num_batches=4"],
             analyses=("pretrain",),
@@ -107,6 +111,7 @@ def scale_overrides(scale: str, librispeech: str | None, launcher: str = "basic"
         return Scale(
             pretrain=["experiment=paper", *data],
             downstream=[*data, "trainer.max_epochs=100", "early_stopping.patience=10"],
+            abx=data,
             bench=[],
         )
     raise ConfigError(f"unknown scale {scale!r}: tiny or paper")
@@ -172,6 +177,9 @@ class Study:
 
     def result_path(self, unit: str, task: str) -> Path:
         return self.out / "downstream" / unit / task / RESULT_FILE
+
+    def abx_path(self, unit: str) -> Path:
+        return self.out / "abx" / unit / ABX_FILE
 
     def heads_path(self, variant: str, analysis: str) -> Path:
         return self.out / "heads" / variant / analysis / HEADS_FILE
@@ -303,6 +311,29 @@ class Study:
                         log = logs[sweep.name, unit]
                         self.missing(f"downstream {unit} {task}", path, path.parent, log)
 
+    def abx(self, units: list[str]) -> None:
+        """ABX of every layer of each unit (a pretrained variant or `mel`) without an abx.json:
+        one multirun for the variants, one for `mel` (no training: a minute or so each on the
+        built-in corpus)."""
+        todo = [u for u in units if not self.abx_path(u).is_file()]
+        sweeps = []
+        for name, group in (("abx_mel", [u for u in todo if u == MEL]),
+                            ("abx", [u for u in todo if u != MEL])):  # fmt: skip
+            upstream = (
+                MEL if name == "abx_mel" else f"{self.out / 'pretrain'}/${{variant}}/upstream.pt"
+            )
+            if group:
+                sweeps.append(Sweep(name, "speechattn.abx", "+variant", group, [
+                    f"upstream={hydra_value(upstream)}",
+                    f"hydra.sweep.dir={hydra_value(self.out / 'abx')}",
+                    "hydra.sweep.subdir=${variant}", *self.scale.abx,
+                ]))  # fmt: skip
+        logs = self.run_sweeps(sweeps, ())
+        for sweep in [] if self.dry_run else sweeps:
+            for unit in sweep.values:
+                if not (path := self.abx_path(unit)).is_file():
+                    self.missing(f"abx {unit}", path, path.parent, logs[sweep.name, unit])
+
     def heads(
         self, variants: list[str], analyses: tuple[str, ...], extra: Sequence[str] = ()
     ) -> None:
@@ -391,6 +422,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tasks", default=",".join(TASKS), help="comma-separated subset")
     parser.add_argument("--no-mel", action="store_true", help="skip the mel baseline")
     parser.add_argument("--no-bench", action="store_true", help="skip the attention benchmark")
+    parser.add_argument("--no-abx", action="store_true", help="skip ABX of every layer")
     parser.add_argument(
         "--heads",
         default=None,
@@ -504,6 +536,8 @@ def run_study(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     pretrained = study.pretrain(variants, args.pretrain_arg)
     units = ([] if args.no_mel else [MEL]) + pretrained
     study.downstream(units, tasks, args.downstream_arg)
+    if not args.no_abx:
+        study.abx(units)
     study.heads(pretrained, analyses, args.heads_arg)
     if superb:
         study.superb(pretrained, superb, quick=args.scale == "tiny")

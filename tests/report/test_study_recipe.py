@@ -65,7 +65,11 @@ def test_launcher_and_its_settings_reach_every_multirun(study, tmp_path: Path, c
     args += ["--pretrain-arg", "hydra.launcher.timeout_min=4320", "--heads", "phone_1hidden"]
     assert study.main(args) == 0
     runs = [line for line in capsys.readouterr().out.splitlines() if "--multirun" in line]
-    assert len(runs) == 4  # pretrain, mel, downstream, heads: SLURM runs the jobs side by side
+    # pretrain, mel, downstream, ABX of mel and of the variants, heads: SLURM runs the jobs
+    # side by side
+    assert len(runs) == 6
+    abx = next(r for r in runs if "speechattn.abx --multirun +variant=full" in r)
+    assert f"{tmp_path}/a,b/pretrain/${{variant}}/upstream.pt" in abx
     for run in runs:
         assert "hydra/launcher=slurm hydra.launcher.partition=gpu" in run
     assert runs[0].endswith("hydra.launcher.timeout_min=4320")  # the stage's own wins: last
