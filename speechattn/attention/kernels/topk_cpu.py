@@ -8,7 +8,8 @@ k keys at or above it: counted four levels per pass down from the maximum, or, w
 previous row had few keys near its best, from the histogram of those keys, collected in one
 pass; `_members`); the keys above c* are in, and the keys at c* (tied) get their scores,
 float64 sums of the exact products rounded to float32 (`topk.tie_scores`), only when they
-outnumber the free slots; a quickselect on (score, nearness) fills the slots. The row's keys
+outnumber the free slots; the best of them by (score, nearness) fill the slots (each
+counted against the others, without branches, or, past `RANK_MAX` of them, a quickselect). The row's keys
 come out in increasing order. Nothing of size T x T is ever stored, so memory is
 O(T (threads + k)) and the work O(T^2 K / 64) bit operations plus O(T c d) for c tied keys.
 
@@ -80,29 +81,29 @@ def _mismatches_typed(a, b):
     return lambda a, b: np.uint64(a != b)  # one l2 bucket
 
 
-@njit(cache=True)
-def _pack(codes):
+def _pack(codes: Tensor) -> np.ndarray:
     """Bool codes (N, T, K) -> (ceil(K / 64), N, T) uint64: bit b of a code in word b // 64
-    (words first, so that a head's codes of one word are contiguous)."""
-    N, T, K = codes.shape
-    out = np.zeros(((K + 63) // 64, N, T), np.uint64)
-    for n in range(N):
-        for t in range(T):
-            for b in range(K):
-                if codes[n, t, b]:
-                    out[b >> 6, n, t] |= np.uint64(1) << np.uint64(b & 63)
-    return out
+    (words first, so that a head's codes of one word are contiguous). Shifted int64 sums:
+    bit 63 wraps to the sign, which the uint64 view reads back as the bit."""
+    K = codes.shape[-1]
+    words = []
+    for start in range(0, K, 64):
+        bits = codes[..., start : start + 64].to(torch.int64)
+        shifts = torch.arange(bits.shape[-1], dtype=torch.int64)
+        words.append((bits << shifts).sum(-1))
+    return torch.stack(words).contiguous().numpy().view(np.uint64)
 
 
-# Reassociation lets the sum run in vector lanes; the products of float32 values are exact in
-# float64, so only the float64 rounding of the sum depends on the order, which survives the
-# rounding to float32 about once in 2^29 scores (as between any two float64 products).
+# Reassociation lets the sum run in vector lanes; the products of float32 values (widened to
+# float64 before the kernel) are exact in float64, so only the float64 rounding of the sum
+# depends on the order, which survives the rounding to float32 about once in 2^29 scores (as
+# between any two float64 products).
 @njit(cache=True, fastmath={"reassoc", "contract"})
 def _dot(q, n, i, keys, j):
-    """q[n, i] . keys[n, j] as a float64 sum of float64 products."""
+    """q[n, i] . keys[n, j] (float64 rows) as a float64 sum."""
     s = 0.0
     for e in range(q.shape[2]):
-        s += np.float64(q[n, i, e]) * np.float64(keys[n, j, e])
+        s += q[n, i, e] * keys[n, j, e]
     return s
 
 
@@ -200,11 +201,17 @@ def _members(lv, kk, found, hist, few):
     return c, kept, window
 
 
+# Up to this many tied keys, the chosen ones are found by counting, for each, the keys that beat
+# it (n^2 comparisons in vector lanes); above, by a quickselect (n log n, but a mispredicted
+# branch for most comparisons of random scores).
+RANK_MAX = 128
+
+
 @cpu_kernel()
 def _select(pq, pk, K, allowed, kk, q, keys, by_score, out):
     """pq, pk (W, N, T) words of the codes (`_mismatches`): packed sign bits (uint64, `_pack`)
-    or one l2 bucket per word (int32, W = K); allowed (N, T) bool; q, keys (N, T, d)
-    float32/64 (scores, when by_score); out (N, T, kk) int64: the selected keys of every row,
+    or one l2 bucket per word (int32, W = K); allowed (N, T) bool; q, keys (N, T, d) float64
+    (float32 values widened; scores, when by_score); out (N, T, kk) int64: the selected keys of every row,
     increasing."""
     W, N, T = pq.shape
     rows = 16  # rows per task: the per-task buffers are made once per 16 rows
@@ -250,16 +257,25 @@ def _select(pq, pk, K, allowed, kk, q, keys, by_score, out):
                     for m in range(tied_n):  # + 0.0: -0.0 counts as +0.0
                         score[m] = np.float32(_dot(q, n, i, keys, tied[m])) + np.float32(0)
                     for m in range(tied_n):  # the float32 order as integers (`ordered_bits`)
-                        b = np.int64(score_bits[m])
-                        b = (b ^ 0x7FFFFFFF if b < 0 else b) + (1 << 31)
+                        b = np.int64(score_bits[m])  # branch-free: the signs are random
+                        b = (b ^ ((b >> 63) & 0x7FFFFFFF)) + (1 << 31)
                         order[m] += b * (2 * T + 1)
-                for m in range(tied_n):
-                    scratch[m] = order[m]
-                cut = _kth_largest(scratch, tied_n, need)
-                kept = 0
-                for m in range(tied_n):
-                    chosen[kept] = tied[m]
-                    kept += order[m] >= cut
+                if tied_n <= RANK_MAX:  # a key is in when fewer than `need` keys beat it
+                    kept = 0
+                    for m in range(tied_n):
+                        beaten = 0
+                        for o in range(tied_n):
+                            beaten += order[o] > order[m]
+                        chosen[kept] = tied[m]
+                        kept += beaten < need
+                else:
+                    for m in range(tied_n):
+                        scratch[m] = order[m]
+                    cut = _kth_largest(scratch, tied_n, need)
+                    kept = 0
+                    for m in range(tied_n):
+                        chosen[kept] = tied[m]
+                        kept += order[m] >= cut
             else:
                 for m in range(tied_n):
                     chosen[m] = tied[m]
@@ -283,10 +299,12 @@ def lsh_topk_cpu(cq: Tensor, ck: Tensor, kv: Tensor, k: int, q: Tensor, keys: Te
     if N * T == 0:
         return out
     if cq.dtype == torch.bool:
-        words = [_pack(c.contiguous().numpy()) for c in (cq, ck)]
+        words = [_pack(c) for c in (cq, ck)]
     else:  # one word per hash, hash-major (int32 comparisons run 16 to a vector)
         words = [c.to(torch.int32).permute(2, 0, 1).contiguous().numpy() for c in (cq, ck)]
-    kv, q, keys = (t.contiguous().numpy() for t in (kv, q, keys))
+    kv = kv.contiguous().numpy()
+    # float32 values widened once here, so the kernel's products are float64 loads alone
+    q, keys = (t.to(torch.float64).contiguous().numpy() for t in (q, keys))
     _select(*words, K, kv, min(k, T), q, keys, q.shape[-1] > 0, out.numpy())
     return out
 
