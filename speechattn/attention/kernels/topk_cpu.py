@@ -210,7 +210,7 @@ RANK_MAX = 128
 @cpu_kernel()
 def _select(pq, pk, K, allowed, kk, q, keys, by_score, out):
     """pq, pk (W, N, T) words of the codes (`_mismatches`): packed sign bits (uint64, `_pack`)
-    or one l2 bucket per word (int32, W = K); allowed (N, T) bool; q, keys (N, T, d) float64
+    or one l2 bucket per word (int16 or int32, W = K); allowed (N, T) bool; q, keys (N, T, d) float64
     (float32 values widened; scores, when by_score); out (N, T, kk) int64: the selected keys of every row,
     increasing."""
     W, N, T = pq.shape
@@ -300,8 +300,11 @@ def lsh_topk_cpu(cq: Tensor, ck: Tensor, kv: Tensor, k: int, q: Tensor, keys: Te
         return out
     if cq.dtype == torch.bool:
         words = [_pack(c) for c in (cq, ck)]
-    else:  # one word per hash, hash-major (int32 comparisons run 16 to a vector)
-        words = [c.to(torch.int32).permute(2, 0, 1).contiguous().numpy() for c in (cq, ck)]
+    else:  # one word per hash, hash-major, as narrow as the buckets allow (int16: twice as
+        # many comparisons per vector as int32; bucket ids are small, |a . z| / (M w) + 1)
+        fits = all(-(2**15) <= int(c.min()) and int(c.max()) < 2**15 for c in (cq, ck))
+        narrow = torch.int16 if fits else torch.int32
+        words = [c.to(narrow).permute(2, 0, 1).contiguous().numpy() for c in (cq, ck)]
     kv = kv.contiguous().numpy()
     # float32 values widened once here, so the kernel's products are float64 loads alone
     q, keys = (t.to(torch.float64).contiguous().numpy() for t in (q, keys))
