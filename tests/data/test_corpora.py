@@ -51,7 +51,7 @@ def _items(module, role: str) -> dict[str, dict]:
 @pytest.fixture
 def audio_folder(tiny_corpus: Path, tmp_path: Path) -> Path:
     """The tiny corpus's audio as a researcher's folder: <speaker>/<session>/<name>.<ext>, with
-    WAV, FLAC and OGG files, one at 8 kHz, and a linked file."""
+    WAV, FLAC, OGG and MP3 files, one at 8 kHz."""
     root = tmp_path / "my_audio"
     for k, utt in enumerate(scan_split(tiny_corpus, SPLIT)):
         speaker, chapter, number = utt.utt_id.split("-")
@@ -62,6 +62,10 @@ def audio_folder(tiny_corpus: Path, tmp_path: Path) -> Path:
             sf.write(target / f"take{number}.wav", audio, rate, subtype="PCM_16")
         elif k == 1:
             sf.write(target / f"take{number}.ogg", audio, rate)
+        elif k == 2:
+            sf.write(target / f"take{number}.mp3", audio, rate)
+        elif k == 4:  # 8 kHz: resampled, with a note
+            sf.write(target / f"take{number}.flac", audio[::2], rate // 2)
         else:
             shutil.copy2(utt.path, target / f"take{number}.flac")
     (root / "notes.txt").write_text("not audio")
@@ -85,6 +89,9 @@ def test_a_folder_of_audio_is_a_corpus(
         wav.replace("spk", "").replace("session", "").replace("take", "").split("/")
     )
     np.testing.assert_array_equal(store.raw(wav), native.raw(f"{speaker}-{chapter}-{number}"))
+    assert [n for _, n in store.notes if "resampled from 8000 Hz" in n]
+    assert {Path(u).suffix for u in store.utt_ids} == {""}  # ids carry no suffix
+    assert sum(1 for p in audio_folder.rglob("*.mp3")) == 1 and len(store.utt_ids) == 24
     # a second start reads nothing but the listing: the same manifest, no scan
     monkeypatch.setattr(FolderSource, "scan", lambda *a: pytest.fail("scanned a warm folder"))
     again = open_source(FolderSource(audio_folder.resolve(), ".", 0), extraction_settings(cfg),
