@@ -311,7 +311,7 @@ class Study:
                         log = logs[sweep.name, unit]
                         self.missing(f"downstream {unit} {task}", path, path.parent, log)
 
-    def abx(self, units: list[str]) -> None:
+    def abx(self, units: list[str], extra: Sequence[str] = ()) -> None:
         """ABX of every layer of each unit (a pretrained variant or `mel`) without an abx.json:
         one multirun for the variants, one for `mel` (no training: a minute or so each on the
         built-in corpus)."""
@@ -328,7 +328,7 @@ class Study:
                     f"hydra.sweep.dir={hydra_value(self.out / 'abx')}",
                     "hydra.sweep.subdir=${variant}", *self.scale.abx,
                 ]))  # fmt: skip
-        logs = self.run_sweeps(sweeps, ())
+        logs = self.run_sweeps(sweeps, extra)
         for sweep in [] if self.dry_run else sweeps:
             for unit in sweep.values:
                 if not (path := self.abx_path(unit)).is_file():
@@ -477,6 +477,13 @@ def main(argv: list[str] | None = None) -> int:
         help="extra Hydra override for the downstream runs (repeatable), e.g. layer=weighted",
     )
     parser.add_argument(
+        "--abx-arg",
+        action="append",
+        default=[],
+        metavar="OVERRIDE",
+        help="extra Hydra override for the ABX runs (repeatable), e.g. split=dev",
+    )
+    parser.add_argument(
         "--heads-arg",
         action="append",
         default=[],
@@ -537,7 +544,7 @@ def run_study(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     units = ([] if args.no_mel else [MEL]) + pretrained
     study.downstream(units, tasks, args.downstream_arg)
     if not args.no_abx:
-        study.abx(units)
+        study.abx(units, args.abx_arg)
     study.heads(pretrained, analyses, args.heads_arg)
     if superb:
         study.superb(pretrained, superb, quick=args.scale == "tiny")

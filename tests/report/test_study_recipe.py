@@ -155,9 +155,10 @@ def test_study_through_submitit_local_resumes_and_reports_failures(
     study, tmp_path: Path, tiny_corpus: Path, tiny_feature_cache: Path, capsys
 ) -> None:
     """Two tiny variants through `hydra/launcher=local` (submitit: every job its own process).
-    ldsa's upstream.pt is damaged at first: its probe fails, is reported and the exit status is
-    1 while full's jobs finish; rerun after removing it (and with the head analyses), only
-    ldsa's pretraining and probe run, and full's result is left as it was."""
+    ldsa's upstream.pt is damaged at first: its probe and its ABX fail, are reported and the
+    exit status is 1 while full's jobs finish; rerun after removing it (and with the head
+    analyses), only ldsa's pretraining, probe and ABX run, and full's result is left as it
+    was."""
     out = tmp_path / "study"
     data = [
         f"data.root={tiny_corpus}",
@@ -174,6 +175,7 @@ def test_study_through_submitit_local_resumes_and_reports_failures(
     args += ["--no-mel", "--no-bench", "--launcher", "local"]
     args += [f"--pretrain-arg={a}" for a in [*data, *shrink, *steps, "logger=none"]]
     args += [f"--downstream-arg={a}" for a in [*data, "trainer.max_epochs=1"]]
+    args += [f"--abx-arg={a}" for a in data]
     heads = ["--heads-arg=num_batches=2", "--heads"]
     damaged = out / "pretrain" / "ldsa" / "upstream.pt"
     damaged.parent.mkdir(parents=True)
@@ -188,7 +190,9 @@ def test_study_through_submitit_local_resumes_and_reports_failures(
     full_result = out / "downstream" / "full" / "phone_1hidden" / "result.json"
     assert (out / "pretrain" / "full" / "upstream.pt").is_file() and full_result.is_file()
     assert "[study] failed: downstream ldsa phone_1hidden: no result.json" in printed.err
-    assert printed.err.count("[study] failed:") == 1
+    assert "[study] failed: abx ldsa: no abx.json" in printed.err
+    assert printed.err.count("[study] failed:") == 2
+    assert (out / "abx" / "full" / "abx.json").is_file()
     assert (out / "README.md").is_file()  # the report of what there is
 
     damaged.unlink()
@@ -196,7 +200,7 @@ def test_study_through_submitit_local_resumes_and_reports_failures(
     assert study.main([*args, *heads, "pretrain"]) == 0
     printed = capsys.readouterr()
     assert "pretrain full: done, skipping" in printed.out and "[study] failed" not in printed.err
-    for log in ("pretrain", "downstream"):
+    for log in ("pretrain", "downstream", "abx"):
         command = (out / "logs" / f"{log}.log").read_text().splitlines()[0]
         assert " attention=ldsa " in command or " +variant=ldsa " in command
     assert (out / "downstream" / "ldsa" / "phone_1hidden" / "result.json").is_file()
