@@ -9,7 +9,7 @@
 set -euo pipefail
 PY=${PYTHON:-python3}
 # the packages the image lacks, each with the version installed here
-NEEDED="hydra-core omegaconf antlr4-python3-runtime pytorch-optimizer espeakng-loader soundfile cffi pycparser"
+NEEDED="hydra-core omegaconf antlr4-python3-runtime pytorch-optimizer espeakng-loader soundfile cffi pycparser safetensors"
 pins=$("$PY" - $NEEDED <<'PY'
 import sys
 from importlib.metadata import PackageNotFoundError, version

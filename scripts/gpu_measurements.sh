@@ -22,10 +22,10 @@ shift || true
 export PYTHONUNBUFFERED=1
 
 # The packages the GPU image lacks travel as wheels (.whl, scripts/device_wheels.sh).
-check="import hydra, omegaconf, pytorch_optimizer, soundfile, espeakng_loader"
+check="import hydra, omegaconf, pytorch_optimizer, soundfile, espeakng_loader, safetensors"
 if ! python3 -c "$check" 2>/dev/null; then
   if ! compgen -G ".whl/*.whl" >/dev/null; then
-    echo "gpu_measurements.sh: hydra, omegaconf, pytorch_optimizer, soundfile or espeakng_loader" \
+    echo "gpu_measurements.sh: hydra, omegaconf, pytorch_optimizer, soundfile, espeakng_loader or safetensors" \
       "is missing and no wheels were carried: run scripts/device_wheels.sh on the development" \
       "machine and carry .whl" >&2
     exit 1
