@@ -32,6 +32,7 @@ from speechattn.data.librispeech import (
     LabelFiles,
     SplitListing,
     broken_link,
+    file_stamp,
     read_alignments,
     scan_split,
     speaker_of,
@@ -155,18 +156,14 @@ def walk_audio(folder: Path) -> list[tuple[str, int, int, int]]:
             for entry in sorted(entries, key=lambda e: e.name):
                 name = rel + entry.name
                 try:
-                    if entry.is_dir():
-                        walk(entry.path, name + "/")
-                        continue
-                    audio = entry.name.lower().endswith(AUDIO_SUFFIXES)
-                    if audio and entry.is_file():
-                        st = entry.stat()
-                        found.append((name, st.st_size, st.st_mtime_ns, st.st_ctime_ns))
-                    elif audio and entry.is_symlink():  # its target is gone
-                        found.append((name, BROKEN_LINK, BROKEN_LINK, BROKEN_LINK))
-                except OSError:  # a link loop (ELOOP)
-                    if entry.name.lower().endswith(AUDIO_SUFFIXES):
-                        found.append((name, BROKEN_LINK, BROKEN_LINK, BROKEN_LINK))
+                    is_dir = entry.is_dir()
+                except OSError:  # a link loop (ELOOP): `file_stamp` calls it broken
+                    is_dir = False
+                if is_dir:
+                    walk(entry.path, name + "/")
+                elif entry.name.lower().endswith(AUDIO_SUFFIXES):
+                    if (stamp := file_stamp(entry)) is not None:
+                        found.append((name, *stamp))
 
     walk(str(folder), "")
     return sorted(found)

@@ -110,8 +110,9 @@ class LhotseSource:
             st = m.stat()
             h.update(f"{m}\t{st.st_size}\t{st.st_mtime_ns}\t{st.st_ctime_ns}\n".encode())
         for u in self._utterances:
+            part = u.segment.key if u.segment else "whole"
             h.update(
-                f"{u.utt_id}\t{u.path}\t{u.content_key('')}\t{u.size}\t{u.mtime_ns}\t{u.ctime_ns}\n".encode()
+                f"{u.utt_id}\t{u.path}\t{part}\t{u.size}\t{u.mtime_ns}\t{u.ctime_ns}\n".encode()
             )
         for e in self._problems:
             h.update(f"{e}\n".encode())

@@ -155,21 +155,28 @@ def walk_split(root: str | Path, split: str) -> SplitListing:
             files = []
             with os.scandir(os.path.join(folder, speaker, chapter)) as entries:
                 for entry in entries:
-                    try:
-                        is_file, broken = entry.is_file(), False
-                        broken = not is_file and entry.is_symlink() and not entry.is_dir()
-                    except OSError:  # a link loop (ELOOP)
-                        is_file, broken = False, True
-                    if is_file:
-                        st = entry.stat()
-                        files.append((entry.name, st.st_size, st.st_mtime_ns, st.st_ctime_ns))
-                    elif broken:  # its target is gone: the scan reports it
-                        files.append((entry.name, BROKEN_LINK, BROKEN_LINK, BROKEN_LINK))
+                    if (stamp := file_stamp(entry)) is not None:
+                        files.append((entry.name, *stamp))
             files.sort()
             for name, size, mtime, ctime in files:
                 h.update(f"{speaker}/{chapter}/{name}\t{size}\t{mtime}\t{ctime}\n".encode())
             chapters.append((speaker, chapter, tuple(files)))
     return SplitListing(folder, tuple(chapters), h.hexdigest()[:32])
+
+
+def file_stamp(entry: os.DirEntry) -> tuple[int, int, int] | None:
+    """(size, mtime_ns, ctime_ns) of a directory entry that is a file (through links), or
+    `BROKEN_LINK` three times for a link that cannot be followed (its target is gone, or a
+    loop: the scan reports it); None for anything else (a folder)."""
+    try:
+        is_file, broken = entry.is_file(), False
+        broken = not is_file and entry.is_symlink() and not entry.is_dir()
+    except OSError:  # a link loop (ELOOP)
+        is_file, broken = False, True
+    if is_file:
+        st = entry.stat()
+        return st.st_size, st.st_mtime_ns, st.st_ctime_ns
+    return (BROKEN_LINK, BROKEN_LINK, BROKEN_LINK) if broken else None
 
 
 def _subfolders(path: str) -> list[str]:
