@@ -156,10 +156,15 @@ class LhotseSource:
         else:
             raise DataError(manifest, "not a CutSet", f"it holds a {type(loaded[0]).__name__}; "
                             "give a CutSet, or the split name of a recordings + supervisions pair")  # fmt: skip
-        utterances, problems, stats = [], [], {}
+        utterances, problems, stats, seen = [], [], {}, set()
         for row in rows:
             try:
                 utt_id, recording, start, duration, channel, sups = unpack(row)
+                if utt_id in seen:  # the first one is read, as in an audio folder
+                    raise DataError(
+                        where, "duplicate utterance", f"id {utt_id} appears twice", utt_id
+                    )
+                seen.add(utt_id)
                 path, segment = _audio_segment(recording, start, duration, channel, where, utt_id)
                 if path not in stats:
                     try:

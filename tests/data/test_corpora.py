@@ -307,6 +307,15 @@ def test_bad_lhotse_manifests_are_named(lhotse_bad, tiny_data_config, on_error):
         return row
 
     _rewrite(supervisions, late_alignment)  # an alignment that does not cover the audio
+    twice: list[dict] = []
+
+    def repeat_last(row):
+        twice[:] = [row]
+        return row
+
+    _rewrite(supervisions, repeat_last)
+    with gzip.open(supervisions, "at") as f:  # the last supervision's id once more
+        f.write(json.dumps(twice[0]) + "\n")
     cfg = _config(tiny_data_config, corpus="lhotse", root=str(lhotse_bad), alignments="phone",
                   pretrain_splits=["dev-clean"], labelled_splits=["dev-clean"], on_error=on_error)  # fmt: skip
     if on_error == "error":
@@ -318,6 +327,7 @@ def test_bad_lhotse_manifests_are_named(lhotse_bad, tiny_data_config, on_error):
     assert problems[victims[0]] == "missing recording"
     assert problems[victims[1]] == "missing audio file"
     assert problems[victims[2]] == "alignment does not cover the audio"
+    assert problems[twice[0]["id"]] == "duplicate utterance"
     kept = {u for role in ("train", "dev", "test") for u in dm.datasets[role].utt_ids}
     assert not kept & set(victims)
 
