@@ -137,6 +137,8 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         scores.append({"layer": layer, **asdict(score)})
         log.info("ABX layer %d: within %s, across %s", layer, _percent(score.within),
                  _percent(score.across))  # fmt: skip
+    from speechattn import code_version  # the package root, imported lazily (no cycle)
+
     runtime = {"features": t_features, "score": time.perf_counter() - t_score}
     runtime["total"] = time.perf_counter() - t_start
     record = AbxRecord(
@@ -157,7 +159,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         settings={**plain(cfg), "data": plain(data_config) if data_config else plain(cfg.data)},
         normalization=normalization.record,
         runtime_s={k: round(v, 2) for k, v in runtime.items()},
-        code_version=_code_version(),
+        code_version=code_version(),
         created=datetime.now(UTC).isoformat(timespec="seconds"),
     )
     path = record.write(out)
@@ -167,9 +169,3 @@ def run(cfg: DictConfig) -> dict[str, Any]:
 
 def _percent(error: float | None) -> str:
     return "–" if error is None else f"{100 * error:.2f} %"
-
-
-def _code_version() -> str:
-    from speechattn import code_version  # the package root, imported lazily (no cycle)
-
-    return code_version()
