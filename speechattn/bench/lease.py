@@ -1,7 +1,7 @@
 """One command that measures everything a short GPU lease can: every variant's training step.
 
     python -m speechattn.bench lease [--device cuda|cpu] [--tiny] [--out DIR] [--deadline S]
-        [--variants full,ldsa,...] [--flex all|none|A,B] [--compiled full,ldsa]
+        [--variants full,ldsa,...] [--flex all|none|A,B] [--compiled full,xbox,...]
         [--steps 8] [--warmup 3] [--lightning-steps 30] [--resume]
 
 `scripts/gpu_measurements.sh lease` runs it on a GPU machine (docs/gpu.md). In order:
@@ -495,8 +495,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument(
         "--compiled",
         default=None,
-        help="variants to run with model.compile=true ('' none; default full,ldsa on cuda, "
-        "none on cpu, where each compiles for minutes)",
+        help="variants to run with model.compile=true ('' none; default full,xbox,sign_alsh,ldsa "
+        "on cuda, none on cpu, where each compiles for minutes)",
     )
     p.add_argument("--steps", type=int, default=8, help="timed steps per case")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps first (autotuning)")
@@ -511,7 +511,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
         raise UsageExit(f"unknown attention {unknown}; choose from {', '.join(available())}")
     args.variants = names
     if args.compiled is None:
-        args.compiled = "full,ldsa" if args.device == "cuda" else ""
+        # LSH's selection is many memory passes eagerly; compiled, inductor fuses them
+        args.compiled = "full,xbox,sign_alsh,ldsa" if args.device == "cuda" else ""
     args.compiled = [n for n in args.compiled.split(",") if n]
     if args.device == "cuda" and not torch.cuda.is_available():
         raise UsageExit(

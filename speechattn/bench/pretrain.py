@@ -133,7 +133,7 @@ class ReferenceAALBERT(nn.Module):
     def reconstruct(self, x: Tensor, lengths: Tensor, head_mask: None = None) -> Tensor:
         """x (B, T', 3F) corrupted, lengths' (B,) -> reconstruction (B, T', 3F)."""
         B, T, _ = x.shape
-        pad = lengths_to_padding_mask(lengths, T)
+        pad = lengths_to_padding_mask(lengths.to(x.device), T)  # lengths stay on the host
         h = self.norm(self.proj(x) + sinusoidal_positions(T, self.c.dim, x.device, x.dtype))
         for depth in range(self.c.num_layers):
             h = self.layers[depth % len(self.layers)](h, pad)

@@ -66,10 +66,10 @@ def _match_dtype(K: int, device: torch.device) -> torch.dtype:
 
 
 def _level_dtype(K: int) -> torch.dtype:
-    """uint8 levels while 2^7 exceeds the top (`_at_least` adds up to 2^7 - 1), else int16."""
-    if _top_level(K) < (1 << 7):
+    """uint8 levels while the top fits, else int16."""
+    if _top_level(K) < (1 << 8):
         return torch.uint8
-    if _top_level(K) < (1 << 14):
+    if _top_level(K) < (1 << 15):
         return torch.int16
     raise ValueError(f"LSH: bits={K} is too many for the int16 match levels")
 
@@ -94,9 +94,8 @@ def tie_scores(q: Tensor, keys: Tensor) -> Tensor:
     return ieee_matmul(q.double(), keys.double().transpose(-1, -2)).float()
 
 
-def _chunk_levels(cq: Tensor, ck: Tensor, kv: Tensor) -> tuple[Callable[[int, int], Tensor], int]:
-    """levels(s, e): the levels (N, e - s, T) of query rows s..e-1 against every key, and the
-    elements a query row takes to compute (which sizes the chunks).
+def _chunk_levels(cq: Tensor, ck: Tensor, kv: Tensor) -> Callable[[int, int], Tensor]:
+    """levels(s, e): the levels (N, e - s, T) of query rows s..e-1 against every key.
 
     cq, ck (N, T, K) codes, kv (N, T) allowed keys. Levels, highest first, in the order of the
     definition (`lsh.py: selection_dense`):
@@ -108,7 +107,8 @@ def _chunk_levels(cq: Tensor, ck: Tensor, kv: Tensor) -> tuple[Callable[[int, in
 
     Only the own key's place within the order matters (one key per row), not its match. Sign
     bits: one matmul a_i . b_j = match_ij + offset_j (the query side [c; ~c; 1], the key side
-    [c; ~c; offset]). l2 buckets: compared hash by hash, (N, C, T, K) at once.
+    [c; ~c; offset]). l2 buckets: one comparison per hash, added into the (N, C, T) levels
+    (a chunk as many rows as the sign case's, not K times fewer).
     """
     N, T, K = cq.shape
     ldtype = _level_dtype(K)
@@ -122,43 +122,27 @@ def _chunk_levels(cq: Tensor, ck: Tensor, kv: Tensor) -> tuple[Callable[[int, in
 
         def match(s: int, e: int) -> Tensor:
             return ieee_matmul(a[:, s:e], bT).to(ldtype)
-
-        width = T
     else:
         key_offset = offset.to(ldtype)[:, None, :]  # (N, 1, T)
+        cqT, ckT = cq.transpose(1, 2).contiguous(), ck.transpose(1, 2).contiguous()  # (N, K, T)
 
         def match(s: int, e: int) -> Tensor:
-            return (cq[:, s:e, None] == ck[:, None]).sum(-1, dtype=ldtype) + key_offset
-
-        width = T * K
+            lvl = key_offset.expand(N, e - s, T).clone()
+            for j in range(K):
+                lvl += cqT[:, j, s:e, None] == ckT[:, j, None, :]
+            return lvl
 
     def levels(s: int, e: int) -> Tensor:
         lvl = match(s, e)
         lvl.diagonal(offset=s, dim1=-2, dim2=-1).copy_(own[:, s:e])  # (N, e - s): keys s..e-1
         return lvl
 
-    return levels, width
+    return levels
 
 
-def _at_least(lvl: Tensor, c: Tensor) -> Tensor:
-    """[lvl >= c] as 0/1 in lvl's dtype, c in [1, 2^s] broadcast per row, lvl < 2^s (s = 7
-    for uint8, 14 for int16): bit s of lvl + 2^s - c, which cannot overflow. Two integer
-    ops, which vectorise on CPU (comparisons to bool do not)."""
-    s = 7 if lvl.dtype == torch.uint8 else 14
-    return (lvl + ((1 << s) - c)) >> s
-
-
-def _count(ones: Tensor) -> Tensor:
-    """Row sums (N, C, 1) of 0/1 ones (N, C, T) in `_count_dtype`: sums of 128-wide groups in
-    ones' own dtype first (exact: at most 128), so the whole is never widened."""
-    cdt = _count_dtype(ones.shape[-1])
-    T = ones.shape[-1]
-    whole = T - T % 128
-    groups = ones[..., :whole].unflatten(-1, (whole // 128, 128)).sum(-1, dtype=ones.dtype)
-    n = groups.sum(-1, keepdim=True, dtype=cdt)
-    if whole < T:
-        n += ones[..., whole:].sum(-1, keepdim=True, dtype=cdt)
-    return n
+def _count(mask: Tensor) -> Tensor:
+    """Row sums (N, C, 1) of a bool mask (N, C, T) in `_count_dtype`."""
+    return mask.sum(-1, keepdim=True, dtype=_count_dtype(mask.shape[-1]))
 
 
 def _threshold(lvl: Tensor, kk: int, top: int) -> Tensor:
@@ -169,21 +153,19 @@ def _threshold(lvl: Tensor, kk: int, top: int) -> Tensor:
     lo = torch.ones(lvl.shape[:-1] + (1,), dtype=torch.int16, device=lvl.device)
     for b in reversed(range(top.bit_length())):
         cand = (lo + (1 << b)).clamp_max(top + 1)  # above the top: counts 0, never taken
-        lo = torch.where(_count(_at_least(lvl, cand.to(lvl.dtype))) >= kk, cand, lo)
+        lo = torch.where(_count(lvl >= cand) >= kk, cand, lo)
     return lo.to(lvl.dtype)
 
 
 def _split(lvl: Tensor, cstar: Tensor) -> tuple[Tensor, Tensor]:
-    """0/1 uint8 masks (N, C, T) of the keys above c* (all selected) and at c* (tied)."""
-    above = _at_least(lvl, cstar + 1)  # c* + 1 <= top + 1: within `_at_least`'s range
-    at = _at_least(lvl, cstar) - above
-    return above.to(torch.uint8), at.to(torch.uint8)
+    """bool masks (N, C, T) of the keys above c* (all selected) and at c* (tied)."""
+    return lvl > cstar, lvl == cstar
 
 
 def _nearest(mask: Tensor, m: Tensor, s: int) -> Tensor:
-    """The m (N, C, 1) keys of each row of mask (N, C, T) 0/1 uint8 nearest to the row's
+    """The m (N, C, 1) keys of each row of the bool mask (N, C, T) nearest to the row's
     query i = s + c, the earlier of two equidistant ones first; m <= the row's count.
-    Returns a 0/1 uint8 mask (N, C, T). Static shapes, no host read.
+    Returns a bool mask (N, C, T). Static shapes, no host read.
 
     With prefix counts, the keys within distance d of i are counted per row in O(1); a
     bisection over d finds d*, the distance at which m is reached. Keys nearer than d* are
@@ -206,14 +188,14 @@ def _nearest(mask: Tensor, m: Tensor, s: int) -> Tensor:
     d = d + 1
     rows = torch.arange(s, s + C, dtype=torch.int32, device=dev)[:, None]
     dist = (torch.arange(T, dtype=torch.int32, device=dev) - rows).abs()  # (C, T), all heads
-    chosen = mask & (dist < d).to(torch.uint8)
+    chosen = mask & (dist < d)
     left, right = (i - d).clamp(0, T - 1), (i + d).clamp(0, T - 1)
-    take_left = (rest > 0) & (i - d >= 0) & (mask.gather(-1, left) > 0)
+    take_left = (rest > 0) & (i - d >= 0) & mask.gather(-1, left)
     take_right = ((rest > 1) | ((rest > 0) & ~take_left)) & (i + d < T) & (d > 0)
-    take_right &= mask.gather(-1, right) > 0
+    take_right &= mask.gather(-1, right)
     # one key per row on each side: plain writes of the OR (no atomics on a GPU)
-    chosen.scatter_(-1, left, chosen.gather(-1, left) | take_left.to(torch.uint8))
-    return chosen.scatter_(-1, right, chosen.gather(-1, right) | take_right.to(torch.uint8))
+    chosen.scatter_(-1, left, chosen.gather(-1, left) | take_left)
+    return chosen.scatter_(-1, right, chosen.gather(-1, right) | take_right)
 
 
 def _positions(chosen: Tensor, kk: int) -> Tensor:
@@ -231,12 +213,11 @@ def _finish_dense(
     """Keys chosen by score among the tied ones, static shapes (CUDA, torch.compile):
     at most T keys tie, so their scores are the chunk's dense (N, C, T) float32 `scores`. The
     need-th best tied score is a top-k over the masked scores; better ones are in, equal
-    ones go to the nearest (`_nearest`). Returns the selection, 0/1 uint8 (N, C, T)."""
-    tied = at.view(torch.bool)
-    best = scores.masked_fill(~tied, float("-inf")).topk(kk, dim=-1).values
-    cut = best.gather(-1, need - 1)  # (N, C, 1)
-    better = (tied & (scores > cut)).to(torch.uint8)
-    equal = (tied & (scores == cut)).to(torch.uint8)
+    ones go to the nearest (`_nearest`). above, at bool (N, C, T). Returns the selection, a
+    bool mask (N, C, T)."""
+    tied = scores.masked_fill(~at, float("-inf"))  # the tied keys' scores, -inf elsewhere
+    cut = tied.topk(kk, dim=-1).values.gather(-1, need - 1)  # (N, C, 1): a tied key's, finite
+    better, equal = tied > cut, tied == cut
     m = need - _count(better)
     return above | better | _nearest(equal, m, s)
 
@@ -266,8 +247,8 @@ def topk_by_match(
         if not by_score:
             q = keys = cq.new_empty(N, T, 0, dtype=torch.float32)
         return lsh_topk_cpu(cq, ck, kv, k, widen(q), widen(keys))
-    levels, width = _chunk_levels(cq, ck, kv)
-    chunk = max(1, _MATCH_CHUNK // max(1, N * width))
+    levels = _chunk_levels(cq, ck, kv)
+    chunk = max(1, _MATCH_CHUNK // max(1, N * T))
     out = []
     for s in range(0, T, chunk):
         e = min(s + chunk, T)
