@@ -122,13 +122,33 @@ def test_score_ties_go_to_the_nearer_then_earlier_key(dtype, groups, T, path):
         assert torch.equal(as_sets(got, T), definition(cq, cq, kv, k, q, keys))
 
 
-def test_many_chunks_and_chunk_offsets(path, monkeypatch):
+@pytest.mark.parametrize("codes", ["sign", "l2"])
+def test_many_chunks_and_chunk_offsets(codes, path, monkeypatch):
     """Chunks of a few rows: each chunk's own-key diagonal and positions are offset."""
     monkeypatch.setattr(topk, "_MATCH_CHUNK", 3 * 200)
     cq, ck, kv, q, keys = random_case(3, 200, 5, 4, seed=5)
+    if codes == "l2":
+        cq, ck = cq.int() + (cq.roll(1, -1).int() << 1), ck.int() + (ck.roll(1, -1).int() << 1)
     for args in ((q, keys), ()):
         got = topk.topk_by_match(cq, ck, kv, 11, *args)
         assert torch.equal(as_sets(got, 200), definition(cq, ck, kv, 11, *args))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("codes", ["sign", "l2"])
+def test_tensor_path_compiles_to_the_same_keys(codes, monkeypatch):
+    """The selection a GPU runs (the tensor path) compiles whole (`fullgraph`: no graph break,
+    no host read) and inductor's kernels select the eager path's keys, score ties included."""
+    monkeypatch.setattr(topk, "_use_cpu_kernel", lambda t: False)
+    torch._dynamo.reset()
+    cq, ck, kv, q, keys = random_case(3, 150, 6, 4, seed=7, dtype=torch.float32)
+    keys[:, 1::2] = keys[:, ::2]  # equal keys: score ties for the position to break
+    if codes == "l2":
+        cq, ck = cq.int() + (cq.roll(1, -1).int() << 1), ck.int() + (ck.roll(1, -1).int() << 1)
+    compiled = torch.compile(topk.topk_by_match, backend="inductor", fullgraph=True)
+    for args in ((q, keys), ()):
+        assert torch.equal(compiled(cq, ck, kv, 11, *args), topk.topk_by_match(cq, ck, kv, 11, *args))
+    torch._dynamo.reset()
 
 
 def test_float32_scores_and_near_ties(path):
