@@ -147,7 +147,9 @@ def test_tensor_path_compiles_to_the_same_keys(codes, monkeypatch):
         cq, ck = cq.int() + (cq.roll(1, -1).int() << 1), ck.int() + (ck.roll(1, -1).int() << 1)
     compiled = torch.compile(topk.topk_by_match, backend="inductor", fullgraph=True)
     for args in ((q, keys), ()):
-        assert torch.equal(compiled(cq, ck, kv, 11, *args), topk.topk_by_match(cq, ck, kv, 11, *args))
+        assert torch.equal(
+            compiled(cq, ck, kv, 11, *args), topk.topk_by_match(cq, ck, kv, 11, *args)
+        )
     torch._dynamo.reset()
 
 
