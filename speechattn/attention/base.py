@@ -145,10 +145,6 @@ class Attention(nn.Module, ABC):
     all_pairs_kernels: ClassVar[tuple[str, ...]] = ("short",)
     no_weight_decay: ClassVar[tuple[str, ...]] = ()
     end_padded_only: ClassVar[bool] = False
-    # Options whose default changed with the definition: {upstream format version that
-    # changed them: their earlier values}; an upstream file of an older version gets the
-    # earlier values where it does not state the option (`model.upstream`).
-    earlier_options: ClassVar[dict[int, dict[str, object]]] = {}
     max_len: int | None = None  # longest sequence (T) the variant accepts; None: any
     # Kernel choice by measurement (`attention.autotune.enable` sets it per module); off, the
     # default for a module built in code (tests, `force_path`), keeps the rule (`rule_kernel`).

@@ -213,10 +213,6 @@ class _LSHAttention(Attention):
     # All-pairs SDPA masked to the selection up to here, CSR products above: the measured
     # crossover (`python -m speechattn.bench attention`; figures: docs/benchmarks.md).
     short_path_max_t = 256
-    earlier_options = {
-        2: {"normalize_keys": False, "tie_break": "position"},
-        3: {"hash": "sign", "hash_keys": "shared"},
-    }
 
     def __init__(self, config: LSHConfig) -> None:
         super().__init__(config)

@@ -151,7 +151,6 @@ class RoutingAttention(SharedQKBase):
     # "masked": the long kernel with the local heads' band as one masked SDPA call
     kernel_names = ("short", "long", "masked")
     all_pairs_kernels = ("short", "masked")
-    earlier_options = {2: {"max_clusters": 32}}
 
     def __init__(self, config: RoutingConfig) -> None:
         super().__init__(config)
