@@ -58,6 +58,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from speechattn.attention import patterns
+from speechattn.attention.autotune import use_short_path
 from speechattn.attention.base import (
     Attention,
     AttentionConfig,
@@ -68,9 +69,9 @@ from speechattn.attention.base import (
     masked_softmax,
     needs_static_shapes,
     scale,
-    select_,
 )
 from speechattn.attention.kernels.span import FlashThenUnfused, UnfusedSavedWeights, flash_cpu
+from speechattn.attention.pruning import remove_projection_heads, select_
 from speechattn.attention.registry import register
 from speechattn.errors import ConfigError
 
@@ -211,7 +212,7 @@ class AdaptiveSpanAttention(Attention):
         return Flops(linear_flops(T, D, 3 * E) + attention + self.output_flops(T))
 
     def _remove_heads(self, index: Tensor) -> None:
-        self._remove_projection_heads(self.qkv, index, blocks=3)
+        remove_projection_heads(self, self.qkv, index, blocks=3)
         select_(self, "span_fraction", index)
 
     # ----------------------------------------------------------------- kernels
@@ -230,7 +231,7 @@ class AdaptiveSpanAttention(Attention):
         X = self.reach(static)
         if not static and valid is not None and bool(valid.all()):
             valid = None  # CPU: a free read, and an unpadded batch keeps its masks strided views
-        if self.use_short_path(q) or 3 * X >= T:  # the band would cover (nearly) all pairs
+        if use_short_path(self, q) or 3 * X >= T:  # the band would cover (nearly) all pairs
             if self._uses_cpu_kernels(q):
                 return self._attend_all_pairs_cpu(q, k, v, valid, X)
             return self._attend_all_pairs(q, k, v, valid)

@@ -1,10 +1,11 @@
 """Kernel choice by measurement on the machine that runs it.
 
-Variants with several exact kernels ask `Attention.pick_kernel(t)` which one to run: the
-two-kernel variants a short-sequence one over all T x T pairs (one fused or batched call) and
-a long-sequence one (bands, blocks, sparse products, chunks), "short" and "long"; sparse_* a
-blocked, a masked and (CUDA) a Flex kernel; routing also its long kernel with the local heads
-masked (`kernel_names`, `kernel_candidates`). Two ways to answer:
+Variants with several exact kernels ask `pick_kernel(module, t)` (or `use_short_path`) which
+one to run: the two-kernel variants a short-sequence one over all T x T pairs (one fused or
+batched call) and a long-sequence one (bands, blocks, sparse products, chunks), "short" and
+"long"; sparse_* a blocked, a masked and (CUDA) a Flex kernel; routing also its long kernel
+with the local heads masked (the variants' hooks `Attention.kernel_names`,
+`kernel_candidates`). Two ways to answer:
 
 * the rule (default): `Attention.rule_kernel`, e.g. T <= `short_path_max_t`, crossovers
   measured once on one machine. Always used under torch.compile / jit / fx tracing, on fake,
@@ -83,6 +84,25 @@ IGNORED_OPTIONS = ("dim", "num_heads", "layer", "dropout")
 _memory: dict[Path, dict[str, dict[str, Any]]] = {}  # cache file -> its entries, as read
 
 
+# ----------------------------------------------------------------------------- asking
+def pick_kernel(module: Attention, t: Tensor) -> str:
+    """The kernel `module` runs for t: x (B, T, D) or q (B, h, T, d_k). The rule
+    (`Attention.rule_kernel`), or with measurement on (`enable`) the kernel measured fastest
+    for T's length bucket on this machine (`choose`; never while compiling, where the rule
+    keeps the branch static)."""
+    T = t.shape[-2] if t.dim() == 4 else t.shape[1]
+    if module._forced_kernel is not None:  # the tuner is timing one kernel
+        return module._forced_kernel
+    if module.autotune and not torch.compiler.is_compiling() and module.kernel_candidates(t):
+        return choose(module, t, T)
+    return module.rule_kernel(T, t.device)
+
+
+def use_short_path(module: Attention, t: Tensor) -> bool:
+    """Whether a two-kernel variant runs its short-sequence kernel for t (`pick_kernel`)."""
+    return pick_kernel(module, t) == "short"
+
+
 # ----------------------------------------------------------------------------- switching on
 def enable(model: nn.Module, on: bool = True) -> int:
     """Switch measurement on (or off) for every attention module of `model` (itself
@@ -91,7 +111,7 @@ def enable(model: nn.Module, on: bool = True) -> int:
     n = 0
     for m in model.modules():
         if isinstance(m, Attention):
-            m.kernel_chooser = choose if on else None
+            m.autotune = on
             n += len(m.kernel_names) > 1
     return n
 
@@ -309,7 +329,7 @@ def measure(
 
 @contextlib.contextmanager
 def forced(module: Attention, kernel: str | None) -> Iterator[None]:
-    """Make `module.pick_kernel` answer `kernel` (one of its `kernel_names`; None: as
+    """Make `pick_kernel(module, ...)` answer `kernel` (one of its `kernel_names`; None: as
     usual)."""
     previous, module._forced_kernel = module._forced_kernel, kernel
     try:

@@ -1,4 +1,4 @@
-"""Shared pieces of every attention variant: config, abstract class, padding/head logic.
+"""The attention contract: config, the abstract class `Attention`, and helpers for variants.
 
 Shape letters (used in every docstring and shape comment of `speechattn.attention`):
 
@@ -21,20 +21,17 @@ implements two methods on the per-head level:
 input frames, the head mask xi (Michel et al. 2019: each head's output is multiplied by xi_h before the
 output projection, differentiably), the output projection and zeroing padded outputs.
 
-Pruning: `prune_heads(keep)` removes the parameters of every head not in `keep`, in place.
-The model dim D stays; the heads' inner size becomes h' d_k (the output projection reads
-h' d_k columns). A variant removes its own per-head parameters in `_remove_heads` (helpers:
-`head_index`, `select_`, `select_linear_`); kept heads keep their original order, so heads
-with a role by position (sparse first/second half, longformer window/dilated, routing
-local/routing) remain a prefix and a suffix, and the module then equals the unpruned one
-with xi = 0 on the removed heads exactly.
+Built on the contract, each in its own module that this one does not import: head pruning
+(`pruning.prune_heads`, through each variant's `_remove_heads` hook) and the kernel choice
+(`autotune.pick_kernel`, through the `kernel_names` / `kernel_candidates` / `rule_kernel`
+hooks). The padding policy of the variants placed by position (`end_padded_only`) is in
+`padding`, which `forward` applies.
 """
 
 from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -44,14 +41,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from speechattn.attention.kernels.memory import lazy_zeros
-from speechattn.errors import ConfigError, SpeechattnError
-
-
-class PaddingMaskError(SpeechattnError, ValueError):
-    """A padding mask a variant cannot use: padded frames before an utterance's first valid
-    frame, given to a variant whose pattern is placed by frame position
-    (`Attention.end_padded_only`)."""
-
+from speechattn.attention.padding import check_no_leading_padding
+from speechattn.errors import ConfigError
 
 # Additive score on the diagonal for shared-QK attention (Reformer): a query attends to
 # itself only when it has no other valid key. Finite, unlike -inf, so such rows stay defined.
@@ -130,7 +121,7 @@ class Attention(nn.Module, ABC):
             their long-sequence one (blocks, sparse products, chunks) above; None: one kernel,
             or kernels of other names (`kernel_names`, e.g. sparse's blocked / masked / flex).
             Crossovers are measured with `python -m speechattn.bench attention`; with
-            `autotune` on, `pick_kernel` times the kernels on this machine instead.
+            `autotune` on, `autotune.pick_kernel` times the kernels on this machine instead.
         all_pairs_kernels: the kernels that form (B, h, T, T) scores or masks: the tuner
             times them only while those fit its memory budget.
         no_weight_decay: names of this module's parameters that are biases stored as matrices
@@ -139,9 +130,9 @@ class Attention(nn.Module, ABC):
         end_padded_only: whether the variant places its pattern by frame position (blocks,
             strides, global frames, synthesised columns), so that frame 0 must be each
             utterance's first frame: a padding mask with padded frames before an utterance's
-            first valid frame is refused (`PaddingMaskError`; padded frames after it are
-            masked keys at their positions). The other variants see only which keys are
-            valid and their distances, and give the same outputs for any padding.
+            first valid frame is refused (`padding.PaddingMaskError`; padded frames after
+            it are masked keys at their positions). The other variants see only which keys
+            are valid and their distances, and give the same outputs for any padding.
     """
 
     Config: ClassVar[type[AttentionConfig]] = AttentionConfig
@@ -154,16 +145,10 @@ class Attention(nn.Module, ABC):
     all_pairs_kernels: ClassVar[tuple[str, ...]] = ("short",)
     no_weight_decay: ClassVar[tuple[str, ...]] = ()
     end_padded_only: ClassVar[bool] = False
-    # Options whose default changed with the definition: {upstream format version that
-    # changed them: their earlier values}; an upstream file of an older version gets the
-    # earlier values where it does not state the option (`model.upstream`).
-    earlier_options: ClassVar[dict[int, dict[str, object]]] = {}
     max_len: int | None = None  # longest sequence (T) the variant accepts; None: any
-    # Kernel choice by measurement: `attention.autotune.enable` sets this to its `choose`
-    # (module, t, T) -> kernel name; None (the default) keeps the `short_path_max_t` rule for
-    # a module built here (tests, `force_path`). Set from outside, so this file needs no
-    # import of the tuner, which builds on it.
-    kernel_chooser: Callable[[Attention, Tensor, int], str] | None = None
+    # Kernel choice by measurement (`attention.autotune.enable` sets it per module); off, the
+    # default for a module built in code (tests, `force_path`), keeps the rule (`rule_kernel`).
+    autotune: bool = False
     _forced_kernel: str | None = None  # the kernel the tuner is timing (`autotune.forced`)
 
     def __init__(self, config: AttentionConfig) -> None:
@@ -174,7 +159,7 @@ class Attention(nn.Module, ABC):
         self.head_dim = config.head_dim
         self.dropout = config.dropout
         self.out_proj = nn.Linear(config.dim, config.dim, bias=config.bias)  # W^O
-        # Original indices of the heads this module still has (all, until `prune_heads`).
+        # Original indices of the heads this module still has (all, until pruning).
         self.kept_heads: list[int] = list(range(config.num_heads))
         self._kernel_memo: dict[tuple, str] = {}  # measured choices: key -> kernel name
         self.kernel_choices: dict[str, dict] = {}  # the same, readable, for run metadata
@@ -209,7 +194,7 @@ class Attention(nn.Module, ABC):
 
     @property
     def inner_dim(self) -> int:
-        """h d_k, the width of all heads together: D, or less after `prune_heads`."""
+        """h d_k, the width of all heads together: D, or less after `pruning.prune_heads`."""
         return self.num_heads * self.head_dim
 
     def output_flops(self, T: int) -> float:
@@ -225,7 +210,8 @@ class Attention(nn.Module, ABC):
         """Called by the pretraining task after each optimiser step to put parameters back
         into their valid range (adaptive_span: its spans); nothing for the others."""
 
-    # ----------------------------------------------------------------- kernel choice
+    # ----------------------------------------------------------------- kernel choice hooks
+    # Asked by `autotune.pick_kernel`, which answers a variant's call for the kernel to run.
     @property
     def kernel_names(self) -> tuple[str, ...]:
         """Every kernel this module may run: ("short", "long") for the variants with a
@@ -247,28 +233,6 @@ class Attention(nn.Module, ABC):
             return self.kernel_names[0]
         return "short" if T <= self.short_path_max_t else "long"
 
-    def pick_kernel(self, t: Tensor) -> str:
-        """The kernel to run for t: x (B, T, D) or q (B, h, T, d_k). The rule
-        (`rule_kernel`), or with `autotune` on the kernel measured fastest for T's length
-        bucket on this machine (`autotune.choose`; never while compiling, where the rule keeps
-        the branch static)."""
-        T = t.shape[-2] if t.dim() == 4 else t.shape[1]
-        if self._forced_kernel is not None:  # the tuner is timing one kernel
-            return self._forced_kernel
-        chooser = self.kernel_chooser
-        if chooser is not None and not torch.compiler.is_compiling() and self.kernel_candidates(t):
-            return chooser(self, t, T)
-        return self.rule_kernel(T, t.device)
-
-    @property
-    def autotune(self) -> bool:
-        """Whether the kernel is chosen by measurement (`attention.autotune.enable`)."""
-        return self.kernel_chooser is not None
-
-    def use_short_path(self, t: Tensor) -> bool:
-        """Whether a two-kernel variant runs its short-sequence kernel for t (`pick_kernel`)."""
-        return self.pick_kernel(t) == "short"
-
     # ----------------------------------------------------------------- variant hooks
     @abstractmethod
     def attend(self, x: Tensor, valid: Tensor | None) -> Tensor:
@@ -284,43 +248,14 @@ class Attention(nn.Module, ABC):
     def attend_dense(self, x: Tensor, valid: Tensor) -> tuple[Tensor, Tensor]:
         """Reference path with explicit weights: (heads (B, h, T, d_k), weights (B, h, T, T))."""
 
-    # ----------------------------------------------------------------- pruning
-    def prune_heads(self, keep: Sequence[int]) -> None:
-        """Remove the parameters of every head not in `keep` (indices of the current heads).
-
-        Afterwards `num_heads` = len(keep), the kept heads in increasing index order, and the
-        module computes exactly what it computed before with head_mask xi = 0 on the removed
-        heads (the head mask then has h' entries). `kept_heads` maps the remaining heads to
-        the original ones, also across repeated pruning.
-        """
-        kept = sorted(set(int(k) for k in keep))
-        if len(kept) != len(keep) or not kept or kept[0] < 0 or kept[-1] >= self.num_heads:
-            raise ValueError(
-                f"{self.name}: keep must list distinct head indices in [0, {self.num_heads}) "
-                f"and at least one, got {list(keep)}"
-            )
-        if len(kept) == self.num_heads:
-            return
-        index = torch.tensor(kept, dtype=torch.long)
-        self._remove_heads(index)  # the variant's own per-head parameters, h still the old one
-        select_linear_(self.out_proj, head_index(index, self.head_dim, self.num_heads), dim=1)
-        self.kept_heads = [self.kept_heads[k] for k in kept]
-        self.num_heads = len(kept)
-
     def _remove_heads(self, index: Tensor) -> None:
-        """Keep only heads `index` (sorted, long) of the variant's per-head parameters.
+        """Keep only heads `index` (sorted, long) of the variant's per-head parameters
+        (helpers: `pruning.remove_projection_heads`, `pruning.select_`).
 
-        Called by `prune_heads` before `num_heads` changes; the output projection is done there.
+        Called by `pruning.prune_heads` before `num_heads` changes; the output projection
+        is pruned there.
         """
         raise NotImplementedError(f"attention {self.name!r} does not implement prune_heads")
-
-    def _remove_projection_heads(
-        self, linear: nn.Linear, index: Tensor, blocks: int = 1, size: int | None = None
-    ) -> None:
-        """Keep heads `index` of a projection whose outputs are `blocks` x h x `size` (default
-        d_k), e.g. blocks = 3 for a fused W^Q | W^K | W^V."""
-        rows = head_index(index, size or self.head_dim, self.num_heads, blocks)
-        select_linear_(linear, rows, dim=0)
 
     # ----------------------------------------------------------------- public API
     def forward(
@@ -413,27 +348,6 @@ class Attention(nn.Module, ABC):
 
 
 # --------------------------------------------------------------------- helpers for variants
-def check_no_leading_padding(padding_mask: Tensor, name: str) -> None:
-    """Refuse a padding mask (B, T) bool with padded frames before an utterance's first valid
-    frame (padded frames after it, at the end or between valid ones, are masked keys at their
-    positions).
-
-    A host read of the mask, made where it is free (CPU, eager): on a GPU and under
-    torch.compile, where the kernels never read device data on the host, the mask is trusted
-    (the model's masks come from lengths and are end-padded by construction,
-    `lengths_to_padding_mask`)."""
-    leading = padding_mask[:, 0] & ~padding_mask.all(-1)  # (B,): padded first, valid later
-    if bool(leading.any()):
-        b = int(leading.nonzero()[0])
-        first = int((~padding_mask[b]).nonzero()[0])
-        raise PaddingMaskError(
-            f"{name}: padding_mask row {b} starts with {first} padded frames before its first "
-            f"valid frame; {name} places its pattern by frame position, counted from frame 0, "
-            "so padding must come after each utterance's first frame (pad at the end, e.g. "
-            "speechattn.utils.lengths_to_padding_mask), or use a variant that takes any padding"
-        )
-
-
 def all_valid(x: Tensor) -> Tensor:
     """valid (B, T) all True for x (B, T, ...): for kernels that need the mask as a tensor
     when the caller said there is no padding (valid None)."""
@@ -501,34 +415,3 @@ def layer_seed(seed: int, layer: int, *more: int) -> int:
 
 def scale(d: int) -> float:
     return 1.0 / math.sqrt(d)
-
-
-# --------------------------------------------------------------------- helpers for pruning
-def head_index(keep: Tensor, size: int, num_heads: int, blocks: int = 1) -> Tensor:
-    """Positions of heads `keep` along an axis of `blocks` x h x `size` entries (e.g. the rows
-    of a fused W^Q | W^K | W^V, blocks = 3, size = d_k): (blocks h' size,) long."""
-    per_head = (keep[:, None] * size + torch.arange(size)).reshape(-1)  # (h' size,)
-    return torch.cat([b * num_heads * size + per_head for b in range(blocks)])
-
-
-def select_(module: nn.Module, name: str, index: Tensor, dim: int = 0) -> None:
-    """Replace parameter or buffer `name` of `module` by its entries `index` along `dim`
-    (same dtype, device, requires_grad and buffer persistence)."""
-    old = getattr(module, name)
-    new = old.detach().index_select(dim, index.to(old.device))
-    if isinstance(old, nn.Parameter):
-        setattr(module, name, nn.Parameter(new, requires_grad=old.requires_grad))
-    else:
-        module._buffers[name] = new
-
-
-def select_linear_(linear: nn.Linear, index: Tensor, dim: int) -> None:
-    """Keep outputs (dim = 0: weight rows and bias) or inputs (dim = 1: weight columns)
-    `index` of a Linear layer."""
-    select_(linear, "weight", index, dim)
-    if dim == 0:
-        if linear.bias is not None:
-            select_(linear, "bias", index)
-        linear.out_features = len(index)
-    else:
-        linear.in_features = len(index)

@@ -34,6 +34,7 @@ from speechattn.attention.base import (
     scale,
     self_penalty,
 )
+from speechattn.attention.pruning import remove_projection_heads
 from speechattn.attention.registry import register
 
 
@@ -64,7 +65,7 @@ class FullAttention(Attention):
         return Flops(linear_flops(T, D, 3 * E) + attention + self.output_flops(T))
 
     def _remove_heads(self, index: Tensor) -> None:
-        self._remove_projection_heads(self.qkv, index, blocks=3)
+        remove_projection_heads(self, self.qkv, index, blocks=3)
 
     def _qkv(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         q, k, v = self.qkv(x).chunk(3, dim=-1)  # 3 x (B, T, D)
@@ -102,7 +103,7 @@ class SharedQKBase(Attention):
         return Flops(linear_flops(T, D, 2 * E) + attention + self.output_flops(T))
 
     def _remove_heads(self, index: Tensor) -> None:
-        self._remove_projection_heads(self.qv, index, blocks=2)
+        remove_projection_heads(self, self.qv, index, blocks=2)
 
     def shared_qkv(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """x (B, T, D) -> q, k, v (B, h, T, d_k); k = q / ||q|| per head."""

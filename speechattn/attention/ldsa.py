@@ -32,9 +32,9 @@ from speechattn.attention.base import (
     key_mask,
     linear_flops,
     masked_softmax,
-    select_,
 )
 from speechattn.attention.kernels.local import LocalWeightedSum
+from speechattn.attention.pruning import remove_projection_heads, select_
 from speechattn.attention.registry import register
 from speechattn.errors import ConfigError
 
@@ -85,9 +85,9 @@ class LDSAttention(Attention):
         return Flops(projections + window + self.output_flops(T))
 
     def _remove_heads(self, index: Tensor) -> None:
-        self._remove_projection_heads(self.w1, index)
+        remove_projection_heads(self, self.w1, index)
         select_(self, "w2", index)
-        self._remove_projection_heads(self.w3, index)
+        remove_projection_heads(self, self.w3, index)
 
     def window_weights(self, x: Tensor, valid: Tensor) -> Tensor:
         """B^i renormalised over in-range valid positions: (B, h, T, c)."""

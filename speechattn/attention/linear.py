@@ -40,6 +40,7 @@ from speechattn.attention.base import (
     widen,
 )
 from speechattn.attention.kernels.linear import LinearKernel, phi
+from speechattn.attention.pruning import remove_projection_heads
 from speechattn.attention.registry import register
 
 
@@ -74,7 +75,7 @@ class LinearAttention(Attention):
         return Flops(linear_flops(T, D, 3 * E) + state + normaliser + self.output_flops(T))
 
     def _remove_heads(self, index: Tensor) -> None:
-        self._remove_projection_heads(self.qkv, index, blocks=3)
+        remove_projection_heads(self, self.qkv, index, blocks=3)
 
     def projections(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """x (B, T, D) -> q, k, v (B, h, T, d_k), in the caller's (autocast) precision."""

@@ -39,6 +39,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from speechattn.attention import patterns
+from speechattn.attention.autotune import use_short_path
 from speechattn.attention.base import (
     Attention,
     AttentionConfig,
@@ -57,6 +58,7 @@ from speechattn.attention.kernels.blocks import (
     block_windows,
     window_offsets,
 )
+from speechattn.attention.pruning import remove_projection_heads
 from speechattn.attention.registry import register
 from speechattn.errors import ConfigError
 
@@ -193,7 +195,7 @@ class LongformerAttention(Attention):
         # window heads stay a prefix and dilated heads a suffix (index is sorted)
         first_dilated = self.num_heads - self.num_dilated
         self.num_dilated = int((index >= first_dilated).sum())
-        self._remove_projection_heads(self.qkv, index, blocks=3)
+        remove_projection_heads(self, self.qkv, index, blocks=3)
 
     # ----------------------------------------------------------------- kernels
     def _qkv(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -256,7 +258,7 @@ class LongformerAttention(Attention):
     def attend(self, x: Tensor, valid: Tensor | None) -> Tensor:
         q, k, v = self._qkv(x)  # (B, h, T, d_k)
         p = self.dropout if self.training else 0.0
-        if self.use_short_path(x):
+        if use_short_path(self, x):
             mask = self.pattern_bias(valid, x.shape[1], q.dtype, q.device)  # (1 or B, h, T, T)
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p)
         kv = all_valid(x) if valid is None else key_mask(valid)  # (B, T)

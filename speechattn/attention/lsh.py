@@ -58,6 +58,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from speechattn.attention.autotune import use_short_path
 from speechattn.attention.base import (
     SELF_PENALTY,
     Attention,
@@ -75,6 +76,7 @@ from speechattn.attention.base import (
 from speechattn.attention.fp32 import ieee_matmul
 from speechattn.attention.kernels.sparse_topk import sparse_topk_attention
 from speechattn.attention.kernels.topk import ordered_bits, tie_scores, topk_by_match
+from speechattn.attention.pruning import remove_projection_heads
 from speechattn.attention.registry import register
 from speechattn.errors import ConfigError
 
@@ -211,10 +213,6 @@ class _LSHAttention(Attention):
     # All-pairs SDPA masked to the selection up to here, CSR products above: the measured
     # crossover (`python -m speechattn.bench attention`; figures: docs/benchmarks.md).
     short_path_max_t = 256
-    earlier_options = {
-        2: {"normalize_keys": False, "tie_break": "position"},
-        3: {"hash": "sign", "hash_keys": "shared"},
-    }
 
     def __init__(self, config: LSHConfig) -> None:
         super().__init__(config)
@@ -250,7 +248,7 @@ class _LSHAttention(Attention):
 
     def _remove_heads(self, index: Tensor) -> None:
         # the projection matrix is per layer, the same for every head: it stays
-        self._remove_projection_heads(self.qv, index, blocks=2)
+        remove_projection_heads(self, self.qv, index, blocks=2)
 
     def _qkv(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """x (B, T, D) -> q, k, v (B, h, T, d_k): k = q / ||q|| (`normalize_keys`) or q."""
@@ -332,7 +330,7 @@ class _LSHAttention(Attention):
         q, k, v = self._qkv(x)  # (B, h, T, d_k)
         B, h, T, d = q.shape
         idx = self.select(q, k, valid)  # (B, h, T, kk)
-        if self.use_short_path(q):
+        if use_short_path(self, q):
             return self._attend_short(q, k, v, idx, valid if padded else None)
         allowed = key_mask(valid).gather(1, idx.reshape(B, -1)).view(idx.shape)
         if self.dropout and self.training:  # dropout needs the weights: unfused path

@@ -39,8 +39,8 @@ from speechattn.attention.base import (
     linear_flops,
     masked_softmax,
     scale,
-    select_,
 )
+from speechattn.attention.pruning import remove_projection_heads, select_
 from speechattn.attention.registry import register
 
 
@@ -111,8 +111,8 @@ class RelPosAttention(Attention):
         return Flops(projections + content + position + self.output_flops(T))
 
     def _remove_heads(self, index: Tensor) -> None:
-        self._remove_projection_heads(self.qkv, index, blocks=3)
-        self._remove_projection_heads(self.pos_proj, index)  # W_R r is split into heads too
+        remove_projection_heads(self, self.qkv, index, blocks=3)
+        remove_projection_heads(self, self.pos_proj, index)  # W_R r is split into heads too
         select_(self, "pos_bias_u", index)
         select_(self, "pos_bias_v", index)
 

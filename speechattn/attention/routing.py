@@ -65,6 +65,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from speechattn.attention import patterns
+from speechattn.attention.autotune import pick_kernel
 from speechattn.attention.base import (
     SELF_PENALTY,
     AttentionConfig,
@@ -74,7 +75,6 @@ from speechattn.attention.base import (
     layer_seed,
     masked_softmax,
     needs_static_shapes,
-    select_,
     widen,
 )
 from speechattn.attention.dot_product import SharedQKBase
@@ -89,6 +89,7 @@ from speechattn.attention.kernels.cluster import (  # noqa: F401 (routing's size
     num_clusters_tensor,
 )
 from speechattn.attention.kernels.masked import masked_heads
+from speechattn.attention.pruning import select_
 from speechattn.attention.registry import register
 from speechattn.errors import ConfigError
 
@@ -150,7 +151,6 @@ class RoutingAttention(SharedQKBase):
     # "masked": the long kernel with the local heads' band as one masked SDPA call
     kernel_names = ("short", "long", "masked")
     all_pairs_kernels = ("short", "masked")
-    earlier_options = {2: {"max_clusters": 32}}
 
     def __init__(self, config: RoutingConfig) -> None:
         super().__init__(config)
@@ -397,7 +397,7 @@ class RoutingAttention(SharedQKBase):
         valid = all_valid(x) if valid is None else valid
         q, k, v = self.shared_qkv(x)  # (B, h, T, d_k)
         hl, p = self.heads_local, (self.dropout if self.training else 0.0)
-        kernel = self.pick_kernel(q)
+        kernel = pick_kernel(self, q)
         # Select with the centroids as they were before this pass moves them.
         if kernel == "short":
             idx = self.select(q, k, valid)  # (B, h, T, kk)

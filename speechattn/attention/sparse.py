@@ -54,6 +54,7 @@ import torch
 from torch import Tensor
 
 from speechattn.attention import flex, patterns
+from speechattn.attention.autotune import pick_kernel
 from speechattn.attention.base import (
     AttentionConfig,
     Flops,
@@ -210,7 +211,7 @@ class _SparseBase(SharedQKBase):
 
     def attend(self, x: Tensor, valid: Tensor | None) -> Tensor:
         q, k, v = self.shared_qkv(x)  # (B, h, T, d_k)
-        kernel = self.pick_kernel(q)
+        kernel = pick_kernel(self, q)
         if kernel == "masked":
             return self.attend_masked(q, k, v, valid)
         fixed = self._fixed_stride()

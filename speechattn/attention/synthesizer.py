@@ -52,6 +52,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from speechattn.attention import patterns
+from speechattn.attention.autotune import use_short_path
 from speechattn.attention.base import (
     Attention,
     AttentionConfig,
@@ -61,7 +62,6 @@ from speechattn.attention.base import (
     linear_flops,
     masked_softmax,
     needs_static_shapes,
-    select_,
 )
 from speechattn.attention.kernels.table import (
     GradientMemory,
@@ -69,6 +69,7 @@ from speechattn.attention.kernels.table import (
     TableWindows,
     weighted_values,
 )
+from speechattn.attention.pruning import remove_projection_heads, select_
 from speechattn.attention.registry import register
 from speechattn.errors import ConfigError
 
@@ -174,7 +175,7 @@ class _SynthesizerBase(Attention):
         return linear_flops(T, self.dim, E) + 2.0 * T * T * E + self.output_flops(T)
 
     def _remove_heads(self, index: Tensor) -> None:
-        self._remove_projection_heads(self.v_proj, index)
+        remove_projection_heads(self, self.v_proj, index)
 
 
 @register("syn_dense")
@@ -255,7 +256,7 @@ class SynDenseMHAttention(_SynthesizerBase):
 
     def _remove_heads(self, index: Tensor) -> None:
         super()._remove_heads(index)
-        self._remove_projection_heads(self.w1, index, size=self.hidden)
+        remove_projection_heads(self, self.w1, index, size=self.hidden)
         select_(self, "w2", index)
         if self.b2 is not None:
             select_(self, "b2", index)
@@ -350,7 +351,7 @@ class SynRandomAttention(_SynthesizerBase):
         # Short sequences (and dropout, which needs the weights), and every T on CUDA or under
         # torch.compile: explicit (G, h, T, T) weights in one batched product. Long ones on
         # the CPU: the row-chunked table kernel.
-        if needs_static_shapes(x) or self.use_short_path(x) or (self.dropout and self.training):
+        if needs_static_shapes(x) or use_short_path(self, x) or (self.dropout and self.training):
             return weighted_values(self.drop(self.weights(valid, T)), v)
         _check_len(self.name, T, self.max_len)
         valid = all_valid(x) if valid is None else valid

@@ -28,6 +28,7 @@ import torch.nn.functional as F_
 from torch import Tensor, nn
 
 from speechattn.attention.base import Attention
+from speechattn.attention.pruning import prune_heads
 from speechattn.data.features import stack_frames
 from speechattn.errors import ConfigError, is_int, is_number, require
 from speechattn.utils import lengths_to_padding_mask
@@ -442,7 +443,7 @@ class AALBERT(nn.Module):
         self.head = ReconstructionHead(c.dim, c.input_dim, c.layer_norm_eps)
         self._init_own_weights()
         for j, kept in c.pruned_heads.items():  # rebuild a pruned model's structure
-            self.encoder.layers[j].attention.prune_heads(kept)
+            prune_heads(self.encoder.layers[j].attention, kept)
         self._set_residual(c.residual_head_mask)
 
     def _init_own_weights(self) -> None:
@@ -536,7 +537,7 @@ class AALBERT(nn.Module):
             # heads already removed stay removed; keep one if nothing else is left (the mask
             # path's residual head mask masks it)
             local = [current.index(k) for k in kept if k in current] or [0]
-            attention.prune_heads(local)
+            prune_heads(attention, local)
             if attention.num_heads < self.num_heads:
                 self.config.pruned_heads[j] = list(attention.kept_heads)
 

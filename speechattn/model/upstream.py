@@ -64,9 +64,20 @@ from speechattn.utils import atomic_folder, atomic_path, atomic_write_bytes, pla
 UPSTREAM_FORMAT = "speechattn-upstream"
 # 2: LSH's normalised keys and score tie-break, routing's uncapped clusters; 3: LSH hashes
 # the keys it scores, with each scheme's own hash. An older file keeps the definitions it was
-# trained with (`Attention.earlier_options`, `_earlier_options`).
+# trained with (`EARLIER_OPTIONS`, `_earlier_options`).
 UPSTREAM_VERSION = 3
 READABLE_VERSIONS = (1, 2, 3)
+_LSH = ("sign_alsh", "xbox", "xbox_qnf", "simple_lsh", "simple_alsh")
+# Attention options whose default changed with a format version: {version that changed them:
+# {variant: their earlier values}}; a file of an older version gets the earlier values where
+# it does not state the option.
+EARLIER_OPTIONS: dict[int, dict[str, dict[str, object]]] = {
+    2: {
+        **dict.fromkeys(_LSH, {"normalize_keys": False, "tie_break": "position"}),
+        "routing": {"max_clusters": 32},
+    },
+    3: dict.fromkeys(_LSH, {"hash": "sign", "hash_keys": "shared"}),
+}
 MEL_FRAME_RATE = 100.0  # 10 ms hop of the data layer's log-mel features
 CONFIG_FILE = "config.json"  # an upstream folder's settings (Hugging Face's name)
 WEIGHTS_FILE = "model.safetensors"  # its tensors (Hugging Face's name)
@@ -379,17 +390,17 @@ def save_upstream(path: str | Path, state: dict[str, Any]) -> Path:
 
 def _earlier_options(model_config: dict[str, Any], version: int) -> dict[str, Any]:
     """An older file's model config with the attention options it does not state set to the
-    values of the definition it was trained with (`Attention.earlier_options`), not to today's
+    values of the definition it was trained with (`EARLIER_OPTIONS`), not to today's
     defaults: e.g. in version 1 LSH scored raw shared vectors and broke ties by position."""
-    from speechattn.attention import available, get
+    from speechattn.attention import available
 
     name = model_config.get("attention")
     if name not in available():
         return model_config  # refused, naming the variant, when the model is rebuilt
     earlier: dict[str, object] = {}
-    for changed, values in sorted(get(name).earlier_options.items(), reverse=True):
+    for changed, by_variant in sorted(EARLIER_OPTIONS.items(), reverse=True):
         if version < changed:  # the oldest change's values win: the file predates it
-            earlier.update(values)
+            earlier.update(by_variant.get(name, {}))
     options = {**earlier, **(model_config.get("attention_options") or {})}
     return {**model_config, "attention_options": options}
 

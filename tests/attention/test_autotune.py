@@ -15,6 +15,7 @@ from _attention_testing import DIM, HEADS, batch, make
 from torch import nn
 
 from speechattn.attention import autotune, available, get
+from speechattn.attention.pruning import prune_heads
 from speechattn.config import compose
 
 TWO_KERNELS = [n for n in available() if get(n).short_path_max_t is not None]
@@ -63,7 +64,7 @@ def test_the_choice_follows_the_timer(name, winner, monkeypatch):
     attn, timer = tuned(name, monkeypatch, {winner: 100.0, loser: 500.0})
     T = 40  # the rule says short here: a long winner must overrule it
     y = attn(x_of(T))
-    assert attn.use_short_path(x_of(T)) == (winner == "short")
+    assert autotune.use_short_path(attn, x_of(T)) == (winner == "short")
     assert autotune.used(attn, T) == winner + "*"
     assert timer.calls and all(forced == kernel for forced, kernel in timer.calls)
     assert {k for _, k in timer.calls} == set(attn.kernel_names) >= {"short", "long"}
@@ -111,7 +112,7 @@ def test_routing_may_run_its_local_heads_masked(monkeypatch):
 def test_a_kernel_option_is_never_timed(monkeypatch):
     attn, timer = tuned("sparse_strided", monkeypatch, {"masked": 100.0}, kernel="blocked")
     assert attn.kernel_names == ("blocked",) and autotune.enable(attn) == 0
-    assert attn.pick_kernel(x_of(40)) == "blocked" and not timer.calls
+    assert autotune.pick_kernel(attn, x_of(40)) == "blocked" and not timer.calls
     assert autotune.used(attn, 40) == "one"
 
 
@@ -123,7 +124,7 @@ def test_a_kernel_that_fails_while_timed_is_left_out(cache, monkeypatch):
 
     monkeypatch.setattr(attn, "attend_masked", broken)
     with pytest.warns(UserWarning, match="the masked kernel failed while timed"):
-        assert attn.pick_kernel(x_of(40)) == "blocked"
+        assert autotune.pick_kernel(attn, x_of(40)) == "blocked"
     (entry,) = json.loads(cache.read_text())["entries"].values()
     assert entry["failed"] == {"masked": "RuntimeError: no kernel image"}
     assert entry["ms"] == {"blocked": 200.0} and entry["kernel"] == "blocked"
@@ -157,7 +158,7 @@ def test_a_short_winner_overrules_the_rule_above_the_crossover(monkeypatch):
 
 def test_near_ties_keep_the_rule(monkeypatch):
     attn, _ = tuned("longformer", monkeypatch, {"short": 100.0, "long": 99.0})  # 1 %: noise
-    assert attn.use_short_path(x_of(40))  # the rule's short kernel stays
+    assert autotune.use_short_path(attn, x_of(40))  # the rule's short kernel stays
 
 
 def test_measuring_leaves_the_run_untouched(monkeypatch):
@@ -167,7 +168,7 @@ def test_measuring_leaves_the_run_untouched(monkeypatch):
     x = x_of(40)
     state = torch.get_rng_state()
     centroids = {k: b.clone() for k, b in attn.named_buffers()}
-    assert attn.use_short_path(x)
+    assert autotune.use_short_path(attn, x)
     assert timer.calls
     assert attn.training and all(m.training for m in attn.modules())
     assert all(p.grad is None for p in attn.parameters())
@@ -177,7 +178,7 @@ def test_measuring_leaves_the_run_untouched(monkeypatch):
 
 def test_the_disk_cache_round_trips(cache, monkeypatch):
     attn, timer = tuned("xbox", monkeypatch, {"short": 300.0, "long": 100.0})
-    assert not attn.use_short_path(x_of(40))
+    assert not autotune.use_short_path(attn, x_of(40))
     (entry,) = json.loads(cache.read_text())["entries"].values()
     assert entry["kernel"] == "long" and entry["variant"] == "xbox" and entry["bucket"] == 48
     assert entry["heads"] == HEADS and entry["dtype"] == "float64"
@@ -185,7 +186,7 @@ def test_the_disk_cache_round_trips(cache, monkeypatch):
     # a new process: nothing in memory, a new module; the file answers, nothing is timed
     autotune.clear_memory()
     again, timer = tuned("xbox", monkeypatch, {"short": 100.0, "long": 300.0})
-    assert not again.use_short_path(x_of(33))  # T = 33 shares bucket 48 with T = 40
+    assert not autotune.use_short_path(again, x_of(33))  # T = 33 shares bucket 48 with T = 40
     assert not timer.calls
     (choice,) = autotune.choices(again)["choices"].values()
     assert choice["by"] == "cache" and choice["kernel"] == "long"
@@ -199,7 +200,7 @@ def test_keys_are_separate(change, cache, monkeypatch):
     """A choice is reused only for the same device, dtype, variant, heads, options, length
     bucket and batch bucket: change any one and it is measured again."""
     attn, _ = tuned("xbox", monkeypatch, {"short": 300.0, "long": 100.0})
-    attn.use_short_path(x_of(40))
+    autotune.use_short_path(attn, x_of(40))
     autotune.clear_memory()
     name, options, T, B = "xbox", {}, 40, 2
     if change == "variant":
@@ -217,10 +218,10 @@ def test_keys_are_separate(change, cache, monkeypatch):
     if change == "dtype":
         other, x = other.float(), x.float()
     elif change == "heads":
-        other.prune_heads([0, 1])
+        prune_heads(other, [0, 1])
     elif change == "device":
         monkeypatch.setattr(autotune, "_cpu_model", lambda: "Intel Xeon (AMX)")
-    assert other.use_short_path(x)  # measured again, and the fake timer now favours short
+    assert autotune.use_short_path(other, x)  # measured again, and the fake timer now favours short
     assert timer.calls
     assert len(json.loads(cache.read_text())["entries"]) == 2
 
@@ -230,9 +231,9 @@ def test_the_off_switch_keeps_the_rule(cache, monkeypatch):
     timer = FakeTimer(attn, {"short": 500.0, "long": 100.0})
     monkeypatch.setattr(autotune, "time_once", timer)
     assert attn.autotune is False  # a module built in code: the rule
-    assert attn.use_short_path(x_of(40)) and not attn.use_short_path(x_of(300))
+    assert autotune.use_short_path(attn, x_of(40)) and not autotune.use_short_path(attn, x_of(300))
     autotune.enable(attn, False)
-    assert attn.use_short_path(x_of(40))
+    assert autotune.use_short_path(attn, x_of(40))
     assert not timer.calls and not cache.exists()
     assert autotune.choices(attn) == {
         "autotune": False,
@@ -254,14 +255,14 @@ def test_compiling_fake_tensors_and_a_small_budget_keep_the_rule(monkeypatch):
 
     attn, timer = tuned("longformer", monkeypatch, {"short": 500.0, "long": 100.0})
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
-    assert attn.use_short_path(x_of(40))
+    assert autotune.use_short_path(attn, x_of(40))
     monkeypatch.undo()
 
     attn, timer = tuned("longformer", monkeypatch, {"short": 500.0, "long": 100.0})
     with FakeTensorMode():
-        assert attn.use_short_path(torch.empty(2, 40, DIM, dtype=torch.float64))
+        assert autotune.use_short_path(attn, torch.empty(2, 40, DIM, dtype=torch.float64))
     monkeypatch.setattr(autotune, "SCORE_BUDGET", 1000)  # not even one sequence's scores fit
-    assert attn.use_short_path(x_of(40))
+    assert autotune.use_short_path(attn, x_of(40))
     assert not timer.calls
     (choice,) = autotune.choices(attn)["choices"].values()
     assert choice == {"bucket": 48, "kernel": "short", "by": "rule (scores over budget)"}
@@ -273,7 +274,7 @@ def test_a_corrupt_cache_file_is_ignored_and_rewritten(content, cache, monkeypat
     cache.write_text(content)
     attn, timer = tuned("xbox", monkeypatch, {"short": 300.0, "long": 100.0})
     with pytest.warns(UserWarning, match="kernel cache"):
-        assert not attn.use_short_path(x_of(40))
+        assert not autotune.use_short_path(attn, x_of(40))
     assert timer.calls
     data = json.loads(cache.read_text())
     assert data["version"] == autotune.CACHE_VERSION
@@ -313,7 +314,7 @@ def test_a_malformed_entry_is_dropped_alone(cache, monkeypatch):
     """Entries are checked field by field: a bad one is measured again, the good ones stay,
     and nothing malformed reaches the choices a model card and upstream.pt record."""
     attn, _ = tuned("xbox", monkeypatch, {"short": 300.0, "long": 100.0})
-    attn.use_short_path(x_of(40))
+    autotune.use_short_path(attn, x_of(40))
     ((key, good),) = json.loads(cache.read_text())["entries"].items()
     entries = {
         key: good,
@@ -331,6 +332,6 @@ def test_a_malformed_entry_is_dropped_alone(cache, monkeypatch):
     cache.write_text(json.dumps({"version": autotune.CACHE_VERSION,
                                  "entries": {key: {**good, "kernel": "gone"}}}))  # fmt: skip
     again, timer = tuned("xbox", monkeypatch, {"short": 300.0, "long": 100.0})
-    assert not again.use_short_path(x_of(40)) and timer.calls
+    assert not autotune.use_short_path(again, x_of(40)) and timer.calls
     (choice,) = autotune.choices(again)["choices"].values()
     assert choice["kernel"] == "long" and choice["by"] == "measured"

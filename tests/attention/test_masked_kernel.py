@@ -12,6 +12,7 @@ from _attention_testing import HEADS, SMALL_OPTIONS, batch, make, rel_error
 from speechattn.attention import autotune, build, patterns
 from speechattn.attention.base import SELF_PENALTY
 from speechattn.attention.kernels.masked import MASK_ALIGN, masked_heads, pattern_bias
+from speechattn.attention.pruning import prune_heads
 from speechattn.bench.syncs import SyncCounter
 
 SPARSE = [
@@ -55,7 +56,7 @@ def test_sparse_masked_kernel_equals_dense_reference(name, options, lengths, T, 
     attn = make(name, kernel="masked", **options).to(dtype)
     x, pad = batch(lengths, T)
     x = x.to(dtype)
-    assert attn.pick_kernel(x) == "masked"
+    assert autotune.pick_kernel(attn, x) == "masked"
     _assert_exact(attn, x, pad if padded else None, dtype)
 
 
@@ -75,7 +76,7 @@ def test_masked_kernel_with_pruned_heads_and_odd_head_counts():
     x, pad = batch([20, 11])
     x = x[..., :30]
     torch.testing.assert_close(attn(x, pad), attn.dense_reference(x, pad)[0])
-    attn.prune_heads([0, 2])  # both of the first half
+    prune_heads(attn, [0, 2])  # both of the first half
     assert attn.heads_first == 2
     torch.testing.assert_close(attn(x, pad), attn.dense_reference(x, pad)[0])
 
@@ -107,7 +108,7 @@ def test_masked_kernel_reads_nothing_on_the_host(name, options, monkeypatch):
     device (`SyncCounter`), the kernel makes no host read, padded or not."""
     attn = make(name, **{**SMALL_OPTIONS.get(name, {}), **options})
     if name == "routing":  # its local heads only (the cluster heads' CPU tables read sizes)
-        attn.prune_heads(list(range(attn.heads_local)))
+        prune_heads(attn, list(range(attn.heads_local)))
     monkeypatch.setattr(attn, "_forced_kernel", "masked")
     x, pad = batch([40, 33, 2], 43)
     for valid in (None, ~pad):

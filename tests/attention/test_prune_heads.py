@@ -1,5 +1,6 @@
-"""`Attention.prune_heads` on every registered variant (a new variant is tested on registration):
-the pruned module equals the unpruned one with xi = 0 on the removed heads, on every kernel."""
+"""`prune_heads` (`speechattn.attention.pruning`) on every registered variant (a new variant
+is tested on registration): the pruned module equals the unpruned one with xi = 0 on the
+removed heads, on every kernel."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import torch
 from _attention_testing import HEADS, batch, force_path, kernels, make
 
 from speechattn.attention import available, build
+from speechattn.attention.pruning import prune_heads
 
 LENGTHS = [17, 9, 1, 13]  # mixed lengths, one utterance of a single frame
 KEEPS = ([0, 2], [1, 3], [3], [0, 1, 3])  # a mixed set, one without head 0, one head, a gap
@@ -23,7 +25,7 @@ def test_pruned_module_equals_head_masked_module(name, kernel, keep, monkeypatch
     force_path(monkeypatch, kernel)
     full = make(name)
     pruned = make(name)
-    pruned.prune_heads(keep)
+    prune_heads(pruned, keep)
     assert pruned.num_heads == len(keep) and pruned.kept_heads == keep
     assert _params(pruned) < _params(full)
     x, pad = batch(LENGTHS)
@@ -50,7 +52,7 @@ def test_pruned_module_equals_head_masked_module(name, kernel, keep, monkeypatch
 def test_pruned_weights_are_the_kept_heads_weights(name):
     full, pruned = make(name), make(name)
     keep = [1, 3]
-    pruned.prune_heads(keep)
+    prune_heads(pruned, keep)
     x, pad = batch(LENGTHS)
     y_full, w_full = full(x, pad, need_weights=True)
     y, w = pruned(x, pad, need_weights=True)
@@ -61,9 +63,9 @@ def test_pruned_weights_are_the_kept_heads_weights(name):
 @pytest.mark.parametrize("name", available())
 def test_pruning_twice_composes_and_keeps_flops_consistent(name):
     once, twice = make(name), make(name)
-    once.prune_heads([1, 3])
-    twice.prune_heads([1, 2, 3])
-    twice.prune_heads([0, 2])  # heads 1 and 3 of the original
+    prune_heads(once, [1, 3])
+    prune_heads(twice, [1, 2, 3])
+    prune_heads(twice, [0, 2])  # heads 1 and 3 of the original
     assert twice.kept_heads == [1, 3]
     x, pad = batch(LENGTHS)
     torch.testing.assert_close(twice(x, pad), once(x, pad), rtol=1e-10, atol=1e-12)
@@ -76,7 +78,7 @@ def test_pruning_twice_composes_and_keeps_flops_consistent(name):
 def test_bad_keep_lists_are_refused(keep):
     attn = make("full")
     with pytest.raises(ValueError, match="distinct head indices"):
-        attn.prune_heads(keep)
+        prune_heads(attn, keep)
 
 
 def test_pruned_sparse_and_longformer_heads_keep_their_pattern():
@@ -84,13 +86,13 @@ def test_pruned_sparse_and_longformer_heads_keep_their_pattern():
     both remaining heads are residue heads; longformer keeping only window heads has none
     dilated."""
     attn = make("sparse_strided")
-    attn.prune_heads([2, 3])
+    prune_heads(attn, [2, 3])
     assert attn.heads_first == 0
     attn = make("longformer")
-    attn.prune_heads([0, 1])
+    prune_heads(attn, [0, 1])
     assert attn.num_dilated == 0
     attn = make("routing")
-    attn.prune_heads([3])
+    prune_heads(attn, [3])
     assert attn.heads_local == 0 and attn.centroids.shape[0] == 1
 
 
@@ -101,7 +103,7 @@ def test_pruned_syn_fixed_end_head_follows_its_pattern():
     full = build("syn_fixed", 32, 8, max_len=64).double().eval()
     torch.manual_seed(0)
     pruned = build("syn_fixed", 32, 8, max_len=64).double().eval()
-    pruned.prune_heads([0, 6, 7])
+    prune_heads(pruned, [0, 6, 7])
     assert pruned.head_patterns == ["current", "end", None]
     x, pad = batch(LENGTHS)
     xi = torch.zeros(8, dtype=torch.float64)

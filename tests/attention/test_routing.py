@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from _attention_testing import HEADS, batch, make
 
 from speechattn.attention import build, routing
+from speechattn.attention.pruning import prune_heads
 
 LOCAL = (HEADS + 1) // 2  # heads [0, LOCAL) are local, the others route
 
@@ -231,7 +232,7 @@ def test_cluster_kernel_equals_reference_with_overfull_clusters(keep, monkeypatc
     monkeypatch.setattr(type(make("routing")), "short_path_max_t", 0)
     attn = make("routing", window=3, max_clusters=4)
     if keep is not None:
-        attn.prune_heads(keep)  # one local head and two routing heads left
+        prune_heads(attn, keep)  # one local head and two routing heads left
     x, pad = batch([90, 57, 3])
     q, k, _ = attn._qkv(x)
     members = attn.members(k, ~pad)
@@ -253,7 +254,7 @@ def test_cluster_kernel_dropout_in_training(monkeypatch):
     held): training outputs depend on the seed only, stay finite and are zero at padding."""
     monkeypatch.setattr(type(make("routing")), "short_path_max_t", 0)
     attn = make("routing", dropout=0.5)
-    attn.prune_heads([2, 3])
+    prune_heads(attn, [2, 3])
     assert attn.heads_local == 0
     monkeypatch.setattr(attn, "update_centroids", lambda k, valid: None)
     x, pad = batch([40, 25])

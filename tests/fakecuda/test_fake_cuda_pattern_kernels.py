@@ -92,7 +92,7 @@ def test_cuda_rule_is_the_masked_kernel_up_to_its_crossover():
     with fake_cuda():
         q = torch.empty(2, HEADS, T, DIM // HEADS, device=CUDA)
         assert attn.kernel_candidates(q) == ("blocked", "masked")  # flex only when named
-        assert attn.pick_kernel(q) == "masked"  # fake tensors: the rule, never a timing
+        assert autotune.pick_kernel(attn, q) == "masked"  # fake tensors: the rule, never a timing
 
 
 def test_full_padded_batch_passes_its_key_mask_to_sdpa_on_fake_cuda(monkeypatch):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -194,6 +196,24 @@ def test_older_files_keep_the_attention_definition_they_were_trained_with(tmp_pa
         3: (True, "score", "l2", "scored"),
     }[version]
     assert (attn.normalize_keys, attn.tie_break, attn.hash, attn.hash_keys) == want
+
+
+def test_earlier_options_name_registered_variants_and_their_options():
+    """The table of changed defaults (`EARLIER_OPTIONS`) names variants by registry name: each
+    one exists and has the options it sets, and a change of LSH's definition lists every LSH
+    variant."""
+    from speechattn.attention import available, get
+    from speechattn.attention.lsh import _LSHAttention
+    from speechattn.model.upstream import EARLIER_OPTIONS, UPSTREAM_VERSION
+
+    lsh = {n for n in available() if issubclass(get(n), _LSHAttention)}
+    for version, by_variant in EARLIER_OPTIONS.items():
+        assert 1 < version <= UPSTREAM_VERSION
+        if lsh & set(by_variant):
+            assert lsh <= set(by_variant), f"version {version}: {sorted(lsh - set(by_variant))}"
+        for name, values in by_variant.items():
+            fields = {f.name for f in dataclasses.fields(get(name).Config)}
+            assert set(values) <= fields, f"{name}: {sorted(set(values) - fields)}"
 
 
 def test_features_from_waveforms_takes_a_list_as_s3prl_passes_it(saved):
