@@ -1,7 +1,7 @@
 """torch.hub entry points for speechattn upstreams (any attention variant).
 
     up = torch.hub.load(REPO_DIR, "speechattn_upstream", source="local", ckpt="run/upstream.pt")
-    hidden = up(features, lengths)                       # L+1 hidden states (B, T', D)
+    hidden = up(features, lengths).hidden_states         # L+1 hidden states (B, T', D)
     expert = torch.hub.load(REPO_DIR, "speechattn_s3prl", source="local", ckpt=PATH)
     expert([wav])["hidden_states"]                       # s3prl's upstream interface
 

@@ -157,11 +157,12 @@ class UpstreamExpert(_ExpertBase):
             )
         padded, lengths = pad_waveforms(wavs, self.upstream.mean.device)
         features, frames = self.upstream.features_from_waveforms(padded, lengths)
-        hidden = self.upstream(features, frames)
+        out = self.upstream(features, frames)  # s3prl's hooks, if any, fire in this call
         if getattr(self, "hooks", None):
             return {}
-        model_frames = self.upstream.output_lengths(frames)  # (B,)
-        hidden = match_s3prl_lengths(hidden, model_frames, lengths, self.upstream.samples_per_frame)
+        hidden = match_s3prl_lengths(
+            list(out.hidden_states), out.output_lengths, lengths, self.upstream.samples_per_frame
+        )  # L+1 tensors (B, T_s, D)
         return {"hidden_states": hidden, "last_hidden_state": hidden[-1]}
 
 

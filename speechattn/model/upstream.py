@@ -26,9 +26,10 @@ speechattn.export`), the layout of a Hugging Face model repository, read without
 `load_upstream` reads either; both give the same module, bit for bit.
 
 Downstream code sees the contract of docs/ARCHITECTURE.md: `forward(features, lengths)`
-returns every layer's hidden states (B, T', D), hidden[0] being the input embedding. With
-`return_dict=True` or `output_attentions=True` it returns an `UpstreamOutput` instead, named as
-in `transformers`' `Wav2Vec2BaseModelOutput`, so code written for HF speech models reads it.
+returns an `UpstreamOutput` whose `hidden_states` are every layer's hidden states (B, T', D),
+hidden_states[0] being the input embedding; `output_attentions=True` adds every layer's attention
+weights. Its fields are named as in `transformers`' `Wav2Vec2BaseModelOutput`, so code written for
+HF speech models reads it.
 """
 
 from __future__ import annotations
@@ -93,11 +94,12 @@ class UpstreamFileError(TorchFileError):
 
 @dataclass
 class UpstreamOutput:
-    """HF-style output of `Upstream.forward(..., return_dict=True)`.
+    """What `Upstream.forward` returns (HF-style).
 
     Field names and order follow `transformers`' `Wav2Vec2BaseModelOutput`; `output_lengths`
     is ours (HF models return an attention mask instead). Unlike HF, `hidden_states` is always
-    filled: every layer is what the study probes.
+    filled: every layer is what the study probes. Layer i's hidden state is
+    `out.hidden_states[i]`; the output itself is indexed by field name only.
 
         last_hidden_state: (B, T', D), equal to hidden_states[-1]
         extract_features:  (B, T', stack*F) stacked normalised log-mel, the encoder's input
@@ -115,7 +117,8 @@ class UpstreamOutput:
     def __getitem__(self, key: str) -> Any:
         """`out["hidden_states"]`, as HF's ModelOutput allows."""
         if not isinstance(key, str) or key not in self.keys():
-            raise KeyError(f"UpstreamOutput has no field {key!r}; fields: {self.keys()}")
+            hint = f"; index the layers as out.hidden_states[{key}]" if isinstance(key, int) else ""
+            raise KeyError(f"UpstreamOutput has no field {key!r}; fields: {self.keys()}{hint}")
         return getattr(self, key)
 
     def keys(self) -> list[str]:
@@ -168,23 +171,22 @@ class Upstream(nn.Module):
         head_mask: Tensor | None = None,
         *,
         output_attentions: bool = False,
-        return_dict: bool = False,
-    ) -> list[Tensor] | UpstreamOutput:
+    ) -> UpstreamOutput:
         """features (B, T, F) normalised log-mel, lengths (B,), head_mask (L, h) or None ->
-        L+1 hidden states (B, T', D), T' = ceil(T / downsample), zero at padded positions.
+        `UpstreamOutput`: hidden_states, L+1 tensors (B, T', D) with T' = ceil(T / downsample),
+        the input embedding first, zero at padded positions; last_hidden_state (B, T', D);
+        extract_features (B, T', stack*F); output_lengths (B,).
 
-        With `return_dict=True` or `output_attentions=True`: an `UpstreamOutput`. Attention
-        weights come from each variant's dense reference (explicit T'xT' weights), so the hidden
-        states then equal the list call's to rounding, and cost O(T'^2) memory per layer.
+        With `output_attentions=True` also attentions, L tensors (B, h, T', T'). They come from
+        each variant's dense reference (explicit T'xT' weights), so the hidden states then
+        equal the plain call's to rounding, and cost O(T'^2) memory per layer.
         """
-        if not (return_dict or output_attentions):
-            return self.model(features, lengths, head_mask)
+        stacked, out_lengths = self.model.stack(features, lengths)  # (B, T', stack*F), (B,)
         if output_attentions:
             self._check_weights_available()
             hidden, weights = self.model.forward_with_weights(features, lengths, head_mask)
-        else:
-            hidden, weights = self.model(features, lengths, head_mask), None
-        stacked, out_lengths = self.model.stack(features, lengths)  # (B, T', stack*F), (B,)
+        else:  # what AALBERT.forward runs, without stacking the frames twice
+            hidden, weights = self.model.embed_and_encode(stacked, out_lengths, head_mask), None
         return UpstreamOutput(
             last_hidden_state=hidden[-1],
             extract_features=stacked,

@@ -31,14 +31,14 @@ def waveforms(lengths=LENGTHS, seed: int = 0) -> list[Tensor]:
     return [0.1 * torch.randn(n, generator=g) for n in lengths]
 
 
-def reference(path: Path, wavs: list[Tensor]) -> tuple[list[Tensor], Tensor]:
+def reference(path: Path, wavs: list[Tensor]) -> tuple[tuple[Tensor, ...], Tensor]:
     """`load_upstream`'s hidden states on the same audio, zero-padded as a batch."""
     up = speechattn.load_upstream(path)
     lengths = torch.tensor([w.numel() for w in wavs])
     padded = torch.nn.utils.rnn.pad_sequence(wavs, batch_first=True)
     with torch.no_grad():
         features, frames = up.features_from_waveforms(padded, lengths)
-        return up(features, frames), up.output_lengths(frames)
+        return up(features, frames).hidden_states, up.output_lengths(frames)
 
 
 @pytest.fixture(scope="module")

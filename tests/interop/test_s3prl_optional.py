@@ -61,7 +61,7 @@ def test_expert_works_without_s3prl(pretrained_tiny_run: Path, tmp_path: Path):
     up = speechattn.load_upstream(upstream)
     with torch.no_grad():
         feats, frames = up.features_from_waveforms(wav[None], torch.tensor([9000]))
-        ref = up(feats, frames)
+        ref = up(feats, frames).hidden_states
     assert len(hidden) == len(ref) == 3
     # 9000 samples: 18 model frames, s3prl counts round(9000 / 480) = 19: the last repeats
     for a, b in zip(hidden, ref, strict=True):

@@ -9,7 +9,7 @@ import torch
 
 import speechattn
 from speechattn.data.features import FeatureConfig, Normalizer
-from speechattn.model import UpstreamFileError, aalbert, load_upstream
+from speechattn.model import UpstreamFileError, UpstreamOutput, aalbert, load_upstream
 from speechattn.model.upstream import save_upstream, upstream_state
 
 
@@ -29,7 +29,7 @@ def test_round_trip_gives_identical_hidden_states(saved):
     x = torch.randn(2, 20, 8)
     lengths = torch.tensor([20, 7])
     with torch.no_grad():
-        ref, got = model(x, lengths), up(x, lengths)
+        ref, got = model(x, lengths), up(x, lengths).hidden_states
     assert len(got) == 3
     for a, b in zip(ref, got):
         assert torch.equal(a, b)
@@ -97,20 +97,24 @@ def test_features_from_waveforms_match_the_data_layer(saved):
     assert frames.tolist() == raw_frames.tolist() == [48, 29]
     torch.testing.assert_close(feats[0], (raw[0] - mean) / std)
     assert (feats[1, 29:] == 0).all()
-    assert len(up(feats, frames)) == 3
+    assert len(up(feats, frames).hidden_states) == 3
 
 
-def list_and_object(saved, **flags):
-    """The loaded upstream, its inputs, and its list call and object call on them."""
+def plain_and_with_weights(saved):
+    """The loaded upstream, its inputs, and its plain call and `output_attentions=True` call."""
     up = load_upstream(saved[1])
     x, lengths = torch.randn(2, 20, 8), torch.tensor([20, 7])
     with torch.no_grad():
-        return up, x, lengths, up(x, lengths), up(x, lengths, **flags)
+        return up, x, lengths, up(x, lengths), up(x, lengths, output_attentions=True)
 
 
-def test_hf_style_output_matches_the_list_call(saved):
-    up, x, lengths, listed, out = list_and_object(saved, return_dict=True)
-    assert isinstance(listed, list) and len(listed) == 3  # the old call is unchanged
+def test_output_is_hf_style_with_every_layer(saved):
+    model, path, _, _ = saved
+    up = load_upstream(path)
+    x, lengths = torch.randn(2, 20, 8), torch.tensor([20, 7])
+    with torch.no_grad():
+        ref, out = model(x, lengths), up(x, lengths)
+    assert isinstance(out, UpstreamOutput)
     assert out.keys() == [
         "last_hidden_state",
         "extract_features",
@@ -118,10 +122,10 @@ def test_hf_style_output_matches_the_list_call(saved):
         "output_lengths",
     ]
     assert out.attentions is None
-    assert len(out.hidden_states) == 3
-    for a, b in zip(listed, out.hidden_states):
-        assert torch.equal(a, b)
-    assert torch.equal(out.last_hidden_state, listed[-1])
+    assert isinstance(out.hidden_states, tuple) and len(out.hidden_states) == 3
+    for a, b in zip(ref, out.hidden_states, strict=True):
+        assert a.shape[:2] == (2, 7) and torch.equal(a, b)
+    assert out.last_hidden_state is out.hidden_states[-1]
     assert out["last_hidden_state"] is out.last_hidden_state
     assert out.output_lengths.tolist() == [7, 3]
     stacked, _ = up.model.stack(x, lengths)
@@ -130,10 +134,14 @@ def test_hf_style_output_matches_the_list_call(saved):
     assert len(out.to_tuple()) == 4 and out.to_tuple()[0] is out.last_hidden_state
     with pytest.raises(KeyError, match="attentions"):
         out["attentions"]  # not requested: absent, as in HF's ModelOutput
+    with pytest.raises(KeyError, match=r"out\.hidden_states\[-1\]"):
+        out[-1]  # a layer is out.hidden_states[i], and the message says so
+    with pytest.raises(TypeError, match="return_dict"):
+        up(x, lengths, return_dict=True)  # one return type: there is no flag to choose it
 
 
-def test_hf_style_output_attentions_are_each_layers_weights(saved):
-    up, x, lengths, listed, out = list_and_object(saved, output_attentions=True)
+def test_output_attentions_are_each_layers_weights(saved):
+    up, x, lengths, plain, out = plain_and_with_weights(saved)
     with torch.no_grad():
         per_layer = [up.attention_weights(x, lengths, layer=k) for k in (1, 2)]
     assert len(out.attentions) == 2 and out.keys()[-2:] == ["attentions", "output_lengths"]
@@ -142,8 +150,11 @@ def test_hf_style_output_attentions_are_each_layers_weights(saved):
         torch.testing.assert_close(w, per_layer[k])
         torch.testing.assert_close(w[0].sum(-1), torch.ones(4, 7))  # rows are distributions
         assert (w[1, :, 3:] == 0).all() and (w[1, :, :3, 3:] == 0).all()  # padding gets none
-    for a, b in zip(listed, out.hidden_states):  # dense reference path: equal to rounding
+    # dense reference path: equal to rounding
+    for a, b in zip(plain.hidden_states, out.hidden_states, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    assert torch.equal(out.extract_features, plain.extract_features)
+    assert torch.equal(out.output_lengths, plain.output_lengths)
 
 
 def test_output_attentions_for_a_variant_without_weights_says_so(saved, monkeypatch):
@@ -153,7 +164,8 @@ def test_output_attentions_for_a_variant_without_weights_says_so(saved, monkeypa
     monkeypatch.setattr(type(attention), "supports_weights", False)
     with pytest.raises(ValueError, match="'ldsa' cannot return attention weights"):
         up(torch.randn(1, 9, 8), torch.tensor([9]), output_attentions=True)
-    assert len(up(torch.randn(1, 9, 8), torch.tensor([9]), return_dict=True).hidden_states) == 3
+    out = up(torch.randn(1, 9, 8), torch.tensor([9]))
+    assert len(out.hidden_states) == 3 and out.attentions is None
 
 
 def test_samples_per_frame_comes_from_the_feature_hop_and_stacking(saved):

@@ -120,7 +120,7 @@ def check_featurizer(upstream_pt: Path, featurizer_state: dict, clips: list[Path
     for wav, feature in zip(wavs, features, strict=True):
         with torch.no_grad():
             feats, frames = up.features_from_waveforms(wav[None], torch.tensor([wav.numel()]))
-            hidden = up(feats, frames)
+            hidden = up(feats, frames).hidden_states
         mixed = sum(w * h[0] for w, h in zip(weights, hidden, strict=True))
         assert feature.shape == mixed.shape == (round(wav.numel() / 480), up.hidden_dim)
         torch.testing.assert_close(feature, mixed, rtol=1e-5, atol=1e-6)

@@ -63,7 +63,7 @@ def test_upstream_is_frozen_and_hashed(tmp_path: Path) -> None:
     upstream, sha = open_upstream(path, 8)
     assert len(sha) == 64 and not upstream.training
     assert not any(p.requires_grad for p in upstream.parameters())
-    hidden = upstream(torch.randn(2, 10, 8), torch.tensor([10, 4]))
+    hidden = upstream(torch.randn(2, 10, 8), torch.tensor([10, 4])).hidden_states
     assert len(hidden) == 3 and hidden[-1].shape == (2, 4, 16)
 
 

@@ -67,8 +67,12 @@ def test_mel_upstream_is_the_input_with_padding_zeroed() -> None:
     up = MelUpstream(3)
     x = torch.ones(2, 4, 3)
     lengths = torch.tensor([4, 2])
-    (h,) = up(x, lengths)
+    out = up(x, lengths)
+    (h,) = out.hidden_states
     assert h.shape == (2, 4, 3) and h[1, 2:].abs().sum() == 0 and h[0].sum() == 12
+    assert out.last_hidden_state is h and out.attentions is None
+    assert torch.equal(out.output_lengths, lengths)
+    assert up(x, lengths, output_attentions=True).attentions == ()  # no layers, no weights
     assert torch.equal(up.output_lengths(lengths), lengths)
     assert up.downsample == 1 and up.num_layers == 0 and up.attention_name == "mel"
 

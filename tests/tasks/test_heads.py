@@ -293,7 +293,7 @@ def test_probe_objective_gradient_and_accuracy() -> None:
     correct = total = 0
     with torch.no_grad():
         for b in data:
-            hidden = upstream(b["features"].double(), b["lengths"])
+            hidden = upstream(b["features"].double(), b["lengths"]).hidden_states
             n = upstream.output_lengths(b["lengths"])
             h = torch.stack([hidden[i] for i in (0, 1, 2)], dim=1)
             pad = torch.arange(h.shape[2])[None] >= n[:, None]

@@ -156,7 +156,7 @@ def test_checkpoint_to_upstream_round_trip_is_exact(tmp_path):
     batch = next(iter(SyntheticPretrainData().val_dataloader()))
     with torch.no_grad():
         ref = task.model(batch["features"], batch["lengths"])
-        got = up(batch["features"], batch["lengths"])
+        got = up(batch["features"], batch["lengths"]).hidden_states
     for a, b in zip(ref, got):
         assert torch.equal(a, b)
     # the run's final upstream.pt holds the weights of last.ckpt

@@ -211,8 +211,8 @@ class ProbeObjective(Objective[LabelledBatch]):
 
     def logits(self, unit: LabelledBatch, head_mask: Tensor | None) -> tuple[Tensor, Tensor]:
         """Flat logits (M, C) and labels (M,): M utterances, or label frames for frame tasks."""
-        hidden = self.upstream(unit.features, unit.lengths, head_mask)  # L+1 x (B, T', D)
-        out_lengths = self.upstream.output_lengths(unit.lengths)  # (B,)
+        out = self.upstream(unit.features, unit.lengths, head_mask)
+        hidden, out_lengths = out.hidden_states, out.output_lengths  # L+1 x (B, T', D), (B,)
         T = int(out_lengths.max())
         stacked = torch.stack([hidden[i][:, :T] for i in self.layers], dim=1)  # (B, N, T', D)
         batch: dict[str, Any] = {

@@ -1,9 +1,10 @@
 """Frozen upstream features for downstream probes: the `mel` upstream, loading, extraction, cache.
 
 An upstream is anything with the contract of `speechattn.load_upstream` (docs/ARCHITECTURE.md):
-`forward(features (B, T, F), lengths (B,)) -> list[(B, T', D)]`, `output_lengths`, `downsample`,
-`hidden_dim`, `num_layers`, `attention_name`, `metadata`. `MelUpstream` wraps the normalised input
-features in that contract, so the no-pretraining baseline goes through the same code path.
+`forward(features (B, T, F), lengths (B,)) -> UpstreamOutput` (`hidden_states`: tensors
+(B, T', D)), `output_lengths`, `downsample`, `hidden_dim`, `num_layers`, `attention_name`,
+`metadata`. `MelUpstream` wraps the normalised input features in that contract, so the
+no-pretraining baseline goes through the same code path.
 
 Extraction runs the upstream once over train/dev/test and stores the chosen hidden layers per
 split in `cache_dir/<key>/<split>.pt`, the key hashing the upstream file, the layers, the data
@@ -36,7 +37,7 @@ from torch import Tensor, nn
 from speechattn.data.cache import file_sha256
 from speechattn.errors import ConfigError, MissingFileError, SpeechattnError
 from speechattn.model.serialization import TorchFileError, load_torch_file
-from speechattn.model.upstream import upstream_sha256
+from speechattn.model.upstream import UpstreamOutput, upstream_sha256
 from speechattn.tasks.records import MEL  # the no-pretraining baseline's name
 from speechattn.utils import atomic_path, atomic_write_bytes, digest, lengths_to_padding_mask
 from speechattn.utils import progress_bar as progress
@@ -61,12 +62,27 @@ class MelUpstream(nn.Module):
         self.metadata: dict[str, Any] = {}
 
     def forward(
-        self, features: Tensor, lengths: Tensor, head_mask: Tensor | None = None
-    ) -> list[Tensor]:
-        """features (B, T, F), lengths (B,) -> [features (B, T, F)] with padding zeroed."""
+        self,
+        features: Tensor,
+        lengths: Tensor,
+        head_mask: Tensor | None = None,
+        *,
+        output_attentions: bool = False,
+    ) -> UpstreamOutput:
+        """features (B, T, F), lengths (B,) -> `UpstreamOutput` whose one hidden state (and
+        last_hidden_state, extract_features) is the features (B, T, F) with padding zeroed;
+        output_lengths (B,) = lengths; attentions, with `output_attentions=True`, is empty
+        (no layers)."""
         T = features.size(1)
         valid = ~lengths_to_padding_mask(lengths, T)  # (B, T)
-        return [features * valid.unsqueeze(-1).to(features.dtype)]
+        masked = features * valid.unsqueeze(-1).to(features.dtype)  # (B, T, F)
+        return UpstreamOutput(
+            last_hidden_state=masked,
+            extract_features=masked,
+            hidden_states=(masked,),
+            attentions=() if output_attentions else None,
+            output_lengths=lengths.clone(),
+        )
 
     def output_lengths(self, lengths: Tensor) -> Tensor:
         return lengths.clone()
@@ -436,8 +452,9 @@ def extract_split(
             n = batch["lengths"].to(device)  # (B,)
             if transform is not None:
                 x = transform(x, batch["padding_mask"].to(device))
-            hidden = upstream(x, n)
-            out_len = upstream.output_lengths(n).cpu()  # (B,)
+            out = upstream(x, n)
+            hidden = out.hidden_states  # tensors (B, T', D)
+            out_len = out.output_lengths.cpu()  # (B,)
             stacked = torch.stack([hidden[i] for i in layers], dim=2).cpu()  # (B, T', N, D)
             cached = stacked.to(torch.float16)  # what the cache keeps: checked after the cast
             _check_features(cached, stacked, upstream, layers, batch["utt_ids"], description)

@@ -194,8 +194,8 @@ Paths are relative to this folder. speechattn:
 import speechattn
 up = speechattn.load_upstream("{upstream_name}")
 feats, frames = up.features_from_waveforms(wavs, sample_counts)   # (B, S) 16 kHz, (B,)
-hidden = up(feats, frames)                                       # L+1 x (B, T', D)
-out = up(feats, frames, output_attentions=True)                  # HF-style output object
+hidden = up(feats, frames).hidden_states                         # L+1 x (B, T', D)
+out = up(feats, frames, output_attentions=True)                  # + attentions, L x (B, h, T', T')
 ```
 
 torch.hub, from a checkout of speechattn:
