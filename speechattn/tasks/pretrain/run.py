@@ -49,13 +49,8 @@ from speechattn.tasks.preemption import (
 from speechattn.tasks.pretrain.data import ResumableData
 from speechattn.tasks.pretrain.init_from import check_resume as check_init_resume
 from speechattn.tasks.pretrain.init_from import init_from_upstream
-from speechattn.tasks.pretrain.model_card import (
-    median_metric,
-    training_device,
-    write_model_card,
-    write_upstream_folder,
-)
-from speechattn.tasks.pretrain.module import NonFiniteLossError, PretrainTask
+from speechattn.tasks.pretrain.model_card import write_run_upstream
+from speechattn.tasks.pretrain.module import PretrainTask
 from speechattn.tasks.pretrain.resume import (
     RunLock,
     RunLockGuard,
@@ -69,8 +64,6 @@ from speechattn.tasks.pretrain.resume import (
 from speechattn.utils import atomic_write_text, plain
 
 log = logging.getLogger("speechattn.pretrain")
-
-UPSTREAM_FOLDER = "upstream"  # the run folder's upstream folder, beside upstream.pt
 
 
 def run(cfg: DictConfig, datamodule: Any = None) -> dict[str, Any]:
@@ -326,45 +319,21 @@ def metrics_csv(trainer: L.Trainer) -> MetricsCSV:
 def write_results(
     trainer: L.Trainer, task: PretrainTask, output_dir: Path, license: str
 ) -> dict[str, Any]:
-    """Check the run converged, then write upstream.pt and its model card (rank zero)."""
-    metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if v.numel() == 1}
+    """Check the run converged, then write upstream.pt, its model card and the upstream folder
+    (rank zero); returns the final metrics and the paths (None on the other ranks)."""
+    val_loss = trainer.callback_metrics.get("val_loss")
     result: dict[str, Any] = {
         "output_dir": str(output_dir),
         "steps": int(trainer.global_step),
         "train_loss": task.last_train_loss,
-        "val_loss": metrics.get("val_loss"),
+        "val_loss": None if val_loss is None else float(val_loss),
         "upstream": None,
         "model_card": None,
         "upstream_folder": None,
     }
-    task.check_converged()
-    val_loss = result["val_loss"]
-    if val_loss is not None and not math.isfinite(val_loss):
-        raise NonFiniteLossError(
-            f"the final validation loss is {val_loss} at step {result['steps']}: the model "
-            f"diverged or the validation features hold NaN/inf; no upstream.pt is written. "
-            f"{task.divergence_advice()}"
-        )
+    task.check_converged(result["val_loss"])
     if trainer.is_global_zero:
-        metrics_csv = output_dir / "metrics.csv"
-        rows = read_metrics(metrics_csv) if metrics_csv.is_file() else []
-        run_facts = {
-            "val_loss": result["val_loss"],
-            "frames_per_s": median_metric(rows, "frames_per_s"),
-            "data_wait": median_metric(rows, "data_wait"),
-            "precision": str(trainer.precision),
-            "device": training_device(trainer),
-        }
-        upstream = task.export_upstream(output_dir / "upstream.pt", run_facts)
-        card = write_model_card(upstream, rows, license=license)
-        # the same upstream as a folder to upload (safetensors, no pickle), docs/upstream.md
-        folder = write_upstream_folder(upstream, output_dir / UPSTREAM_FOLDER, rows, license)
-        result.update(upstream=str(upstream), model_card=str(card), upstream_folder=str(folder))
-        print(
-            f"upstream.pt written to {upstream} (model card: {card}; as a safetensors folder: "
-            f"{folder})",
-            flush=True,
-        )
+        result.update(write_run_upstream(trainer, task, output_dir, result["val_loss"], license))
     return result
 
 
