@@ -99,6 +99,11 @@ class MetricsCSV(Callback):
             atomic_write_text(self.path, self._csv([], header=True))
         self._write(trainer, ("val_loss",))
 
+    def has_validation(self, step: int) -> bool:
+        """Whether the file holds the validation of `step` (a finite `val_loss` row)."""
+        rows = read_metrics(self.path) if self.path.is_file() else []
+        return any(r["step"] == step and math.isfinite(r["val_loss"]) for r in rows)
+
 
 class DataWait(Callback):
     """Logs `data_wait`: the share of each training batch's wall time spent waiting for it

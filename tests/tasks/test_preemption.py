@@ -35,6 +35,7 @@ from speechattn.tasks.preemption import (
     requeue_slurm_job,
     slurm_job_id,
 )
+from speechattn.tasks.pretrain.resume import warn_if_requeued_from_scratch
 from speechattn.utils import TEMP_MARK
 
 HERE = Path(__file__).resolve().parent
@@ -186,10 +187,13 @@ class SignalAt(L.Callback):
 
 
 def with_callback(monkeypatch, callback: L.Callback) -> None:
+    """`callback` after the run's own callbacks (before the progress bar)."""
     build_trainer = RUN_MODULE.build_trainer
-    monkeypatch.setattr(
-        RUN_MODULE, "build_trainer", lambda *args, **kw: build_trainer(*args, callback, **kw)
-    )
+
+    def with_it(cfg, output_dir, callbacks, loggers) -> L.Trainer:
+        return build_trainer(cfg, output_dir, [*callbacks, callback], loggers)
+
+    monkeypatch.setattr(RUN_MODULE, "build_trainer", with_it)
 
 
 # ----------------------------------------------------------------------------- signals
@@ -406,7 +410,7 @@ def test_requeue_failures_are_reported_not_raised(tmp_path, monkeypatch, caplog)
 
 
 def test_a_requeued_job_that_would_start_from_scratch_says_so(tmp_path, monkeypatch):
-    warn = RUN_MODULE.warn_if_requeued_from_scratch
+    warn = warn_if_requeued_from_scratch
     monkeypatch.setenv("SLURM_RESTART_COUNT", "2")
     with pytest.warns(UserWarning, match=r"requeued \(SLURM_RESTART_COUNT=2\).*ckpt_path=last"):
         warn(None, tmp_path)

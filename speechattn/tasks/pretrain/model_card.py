@@ -12,6 +12,7 @@ atomically (temporary name + rename).
 `write_upstream_folder` writes the same upstream as a folder ready for the Hugging Face Hub
 (config.json, model.safetensors, this card as README.md, the loss curve): `python -m
 speechattn.export` and every pretraining run (`upstream/` in the run folder) use it.
+`write_run_upstream` writes all three at the end of a pretraining run.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import io
 import math
 import platform
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import lightning as L
 import torch
@@ -34,10 +35,15 @@ from speechattn.model.upstream import (
     upstream_sha256,
     upstream_state,
 )
+from speechattn.tasks.common import read_metrics
 from speechattn.utils import atomic_write_bytes, atomic_write_text
+
+if TYPE_CHECKING:
+    from speechattn.tasks.pretrain.module import PretrainTask
 
 CARD_FILE = "README.md"
 LOSS_CURVE_FILE = "loss_curve.png"
+UPSTREAM_FOLDER = "upstream"  # the run folder's upstream folder, beside upstream.pt
 
 
 def training_device(trainer: L.Trainer) -> str:
@@ -270,14 +276,48 @@ def write_upstream_folder(
     return save_upstream_folder(out, state, source, files)
 
 
+def write_run_upstream(
+    trainer: L.Trainer,
+    task: PretrainTask,
+    output_dir: Path,
+    val_loss: float | None,
+    license: str = "mit",
+) -> dict[str, str]:
+    """The results of a pretraining run that finished in `output_dir` (rank zero's to write):
+    `upstream.pt` with the facts of the run (`val_loss`, the final validation loss; throughput,
+    precision, device), its model card and the upstream folder. Returns their paths as
+    `upstream`, `model_card` and `upstream_folder`."""
+    metrics = output_dir / "metrics.csv"
+    rows = read_metrics(metrics) if metrics.is_file() else []
+    run_facts = {
+        "val_loss": val_loss,
+        "frames_per_s": median_metric(rows, "frames_per_s"),
+        "data_wait": median_metric(rows, "data_wait"),
+        "precision": str(trainer.precision),
+        "device": training_device(trainer),
+    }
+    upstream = task.export_upstream(output_dir / "upstream.pt", run_facts)
+    card = write_model_card(upstream, rows, license=license)
+    # the same upstream as a folder to upload (safetensors, no pickle), docs/upstream.md
+    folder = write_upstream_folder(upstream, output_dir / UPSTREAM_FOLDER, rows, license)
+    print(
+        f"upstream.pt written to {upstream} (model card: {card}; as a safetensors folder: "
+        f"{folder})",
+        flush=True,
+    )
+    return {"upstream": str(upstream), "model_card": str(card), "upstream_folder": str(folder)}
+
+
 __all__ = [
     "CARD_FILE",
     "LOSS_CURVE_FILE",
+    "UPSTREAM_FOLDER",
     "card_header",
     "card_text",
     "median_metric",
     "plot_loss_curve",
     "training_device",
     "write_model_card",
+    "write_run_upstream",
     "write_upstream_folder",
 ]

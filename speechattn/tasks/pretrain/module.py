@@ -21,6 +21,7 @@ Lightning owns the loop; this module owns one step: stack frames, corrupt spans
 
 from __future__ import annotations
 
+import math
 import time
 import warnings
 from dataclasses import asdict
@@ -403,16 +404,23 @@ class PretrainTask(L.LightningModule):
             )
         return advice
 
-    def check_converged(self) -> None:
-        """Raise `NonFiniteLossError` when the last update made the weights NaN/inf, or when
-        training ended inside a run of skipped non-finite steps: the weights never recovered,
-        whatever the step budget cut short."""
+    def check_converged(self, val_loss: float | None = None) -> None:
+        """Raise `NonFiniteLossError` when the last update made the weights NaN/inf, when
+        training ended inside a run of skipped non-finite steps (the weights never recovered,
+        whatever the step budget cut short), or when the final validation loss `val_loss` is
+        NaN/inf."""
         self.check_parameters()
         if self._nonfinite_in_row:
             raise NonFiniteLossError(
                 f"training diverged: its last {self._nonfinite_in_row} step(s), up to step "
                 f"{self.global_step}, had non-finite losses/gradients and were skipped; no "
                 f"upstream.pt is written. {self.divergence_advice()}"
+            )
+        if val_loss is not None and not math.isfinite(val_loss):
+            raise NonFiniteLossError(
+                f"the final validation loss is {val_loss} at step {self.global_step}: the model "
+                f"diverged or the validation features hold NaN/inf; no upstream.pt is written. "
+                f"{self.divergence_advice()}"
             )
 
     def validation_step(self, batch: dict[str, Any], batch_idx: int) -> Tensor:

@@ -1,11 +1,12 @@
 """Resuming a pretraining run: which checkpoint `ckpt_path=last` means, whether it may continue
-under today's settings, and the lock that keeps one run per run directory.
+under today's settings, and the lock that keeps one run per run directory. `resume_from` is
+what `run(cfg)` asks before it reads any data.
 
 - `newest_checkpoint`: Lightning names a checkpoint `last-v1.ckpt` (`step=...-v1.ckpt`) when
   the name is taken by a file it does not think is its own, e.g. in a copied or moved run
   directory (the checkpoint remembers the old folder). `last.ckpt` then stays behind while
   training goes on, so `ckpt_path=last` means the checkpoint with the highest step, whatever
-  its name (the trainer also writes without the version counter, `build_trainer`).
+  its name (the run also writes without the version counter, `periodic_checkpoints`).
 - `resume_differences`: a checkpoint continues only the run it came from. Lightning would load
   its weights into another architecture wherever the shapes allow (`num_heads=4` against 8
   heads), keep its optimiser state under another optimiser's settings, and the metadata would
@@ -13,6 +14,8 @@ under today's settings, and the lock that keeps one run per run directory.
   in `allow_resume_changes`: then it is recorded (`resume_changes` in the checkpoints and in
   upstream.pt's metadata) and takes effect from the resume on (`PretrainTask.on_load_checkpoint`
   puts new optimiser values into the restored optimiser state).
+- `earlier_result_noted`: a resumed run that stops or fails leaves the upstream.pt of an
+  earlier finish of its run directory in place; the error says it is not this run's result.
 - `RunLock`: two runs writing one run directory interleave metrics.csv, checkpoints and
   config.yaml. A claim file (`speechattn.data.claims`, heartbeat and take-over of dead holders)
   held for the whole run refuses a second run while the first lives.
@@ -21,18 +24,32 @@ under today's settings, and the lock that keeps one run per run directory.
 from __future__ import annotations
 
 import logging
+import os
 import re
 import shlex
 import time
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import lightning as L
 import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.utilities import rank_zero_only
+from omegaconf import DictConfig
 
 from speechattn.data.claims import ClaimConfig, Claims, read_claim
-from speechattn.errors import ConfigError, SpeechattnError
-from speechattn.model.serialization import TorchFileError
+from speechattn.errors import ConfigError, MissingFileError, SpeechattnError
+from speechattn.model.serialization import TorchFileError, load_torch_file
+from speechattn.tasks.preemption import TrainingStopped
+from speechattn.tasks.pretrain.init_from import check_resume as check_init_resume
+from speechattn.utils import plain
+
+if TYPE_CHECKING:
+    from speechattn.tasks.pretrain.module import PretrainTask
 
 log = logging.getLogger("speechattn.pretrain")
 
@@ -68,7 +85,108 @@ def newest_checkpoint(checkpoint_dir: Path) -> Path | None:
     return max(readable, key=lambda p: (steps[p], p.name == "last.ckpt", p.stat().st_mtime))
 
 
+def periodic_checkpoints(checkpoint_dir: Path, every_n_steps: int, keep: int) -> ModelCheckpoint:
+    """The run's resumable checkpoints: `step=NNNNNNN.ckpt` every `every_n_steps` steps (the
+    newest `keep`, -1 all) and `last.ckpt`."""
+    return ModelCheckpoint(
+        dirpath=checkpoint_dir,
+        filename="step={step:07d}",
+        auto_insert_metric_name=False,
+        every_n_train_steps=every_n_steps,
+        save_top_k=keep,
+        monitor="step" if keep != -1 else None,
+        mode="max",
+        save_last=True,
+        save_on_train_epoch_end=False,
+        # overwrite, never `last-v1.ckpt`: in a copied or moved run directory Lightning would
+        # not take last.ckpt for its own and write beside it (newest_checkpoint finds either)
+        enable_version_counter=False,
+    )
+
+
+def resolve_ckpt_path(ckpt_path: str | None, output_dir: Path) -> Path | None:
+    """`null` -> fresh run; `last` -> the newest checkpoint of <run dir>/checkpoints (highest
+    step, whatever Lightning named it: `newest_checkpoint`), else a fresh run with a warning
+    naming earlier runs that could be resumed; a path -> that file."""
+    if ckpt_path in (None, "", "null"):
+        return None
+    if ckpt_path == "last":
+        newest = newest_checkpoint(output_dir / "checkpoints")
+        if newest is not None:
+            if newest.name != "last.ckpt":
+                log.info("ckpt_path=last: the newest checkpoint is %s", newest)
+            return newest
+        hint = ""
+        candidates = sorted(
+            output_dir.parent.glob("*/checkpoints/last*.ckpt"), key=lambda p: p.stat().st_mtime
+        )
+        if candidates:
+            earlier = candidates[-1].parent.parent
+            hint = (
+                f"; to resume the latest earlier run add {override('hydra.run.dir', str(earlier))}"
+            )
+        warnings.warn(
+            f"ckpt_path=last: no checkpoint in {output_dir / 'checkpoints'}, starting from "
+            f"scratch{hint}",
+            stacklevel=2,
+        )
+        return None
+    path = Path(ckpt_path).expanduser()
+    if not path.is_file():
+        raise MissingFileError(f"ckpt_path={ckpt_path}: no such checkpoint file")
+    return path
+
+
+def warn_if_requeued_from_scratch(resume: Path | None, output_dir: Path) -> None:
+    """A requeued SLURM job reruns its command: without `ckpt_path=last` in a fixed run
+    directory it starts over and the hours before the requeue are lost. Say so."""
+    restarts = os.environ.get("SLURM_RESTART_COUNT", "0")
+    if resume is None and restarts not in ("", "0"):
+        warnings.warn(
+            f"this SLURM job was requeued (SLURM_RESTART_COUNT={restarts}) but training starts "
+            f"from scratch in {output_dir}: submit it with hydra.run.dir=<a fixed directory, "
+            f"e.g. outputs/pretrain/slurm-$SLURM_JOB_ID> ckpt_path=last (docs/preemption.md)",
+            stacklevel=2,
+        )
+
+
 # ----------------------------------------------------------------------------- may it continue
+
+
+def check_resume_checkpoint(path: Path) -> dict[str, Any]:
+    """Read `path` safely (`weights_only=True`) before Lightning does and return it. Raises
+    `TorchFileError` naming it: when it is truncated, corrupt or refused (with the newest
+    intact checkpoint beside it, as an override to paste), or when it is not a checkpoint of
+    `python -m speechattn.pretrain` (a plain dict of weights, another program's file)."""
+    try:
+        checkpoint = load_torch_file(path, "cpu", "checkpoint to resume")
+    except TorchFileError as e:
+        steps = {p: checkpoint_step(p) for p in path.parent.glob("*.ckpt") if p != path}
+        intact = [p for p, step in steps.items() if step is not None]
+        if intact:
+            newest = max(intact, key=lambda p: (steps[p], p.name))
+            hint = (
+                f"resume from the newest intact checkpoint instead (step {steps[newest]}): "
+                f"{override('ckpt_path', str(newest))}"
+            )
+        else:
+            hint = f"no intact checkpoint in {path.parent}: start afresh without ckpt_path"
+        raise TorchFileError(f"{e}; {hint}") from e
+    expected = ("global_step", "state_dict", "hyper_parameters", "optimizer_states")
+    missing = [k for k in expected if not isinstance(checkpoint, dict) or k not in checkpoint]
+    if missing or "model" not in (checkpoint.get("hyper_parameters") or {}):
+        if isinstance(checkpoint, dict) and all(torch.is_tensor(v) for v in checkpoint.values()):
+            kind = f"a plain dict of {len(checkpoint)} tensors"  # a bare state_dict
+        else:
+            kind = f"a {type(checkpoint).__name__}"
+        found = sorted(map(str, checkpoint))[:4] if isinstance(checkpoint, dict) else []
+        raise TorchFileError(
+            f"ckpt_path={path}: not a checkpoint of `python -m speechattn.pretrain` ({kind}, "
+            f"keys {found}, lacking {missing or ['hyper_parameters.model']}): resume from a "
+            f"run's checkpoints/*.ckpt, or start afresh without ckpt_path"
+        )
+    return checkpoint
+
 
 # the settings a checkpoint must agree with: (setting as on the command line, where the
 # checkpoint keeps it). The model's feature_dim follows the data's n_mels and deltas.
@@ -198,6 +316,50 @@ def check_state_dict(checkpoint: dict[str, Any], path: Path, model: torch.nn.Mod
         )
 
 
+@dataclass
+class Resume:
+    """The checkpoint a run continues (`resume_from`): its file, its step, and the changes of
+    settings against it that `allow_resume_changes` allows (recorded in what the run writes)."""
+
+    path: Path
+    step: int
+    changes: list[dict[str, Any]]
+    checkpoint: dict[str, Any] | None  # as read for the checks; dropped by `check_fits`
+
+    def check_fits(self, task: PretrainTask) -> None:
+        """Weights that do not fit `task`: say so before Lightning loads them
+        (`check_state_dict`). Then hand `task` the changes to record, and let go of the
+        checkpoint (Lightning reads the file again in fit)."""
+        assert self.checkpoint is not None, "check_fits runs once"
+        check_state_dict(self.checkpoint, self.path, task)
+        task.resume_changes = self.changes
+        self.checkpoint = None
+
+
+def resume_from(cfg: DictConfig, output_dir: Path) -> Resume | None:
+    """The checkpoint `cfg.ckpt_path` names for the run in `output_dir`, read and checked
+    against `cfg` (and against `cfg.init_from`, `init_from.check_resume`); None for a fresh
+    run. Raises the errors that refuse the resume, before any data is read."""
+    path = resolve_ckpt_path(cfg.get("ckpt_path"), output_dir)
+    warn_if_requeued_from_scratch(path, output_dir)
+    if path is None:
+        return None
+    checkpoint = check_resume_checkpoint(path)
+    step = int(checkpoint["global_step"])
+    if cfg.get("init_from"):  # resume only the run it started
+        check_init_resume(cfg.init_from, checkpoint, path)
+    today = {
+        "model": plain(cfg.model.net),
+        "masking": plain(cfg.model.masking),
+        "optimizer": plain(cfg.model.optimizer),
+        "seed": cfg.seed,
+    }
+    differences = resume_differences(checkpoint, path, today, plain(cfg.get("data")) or {})
+    allowed = [str(s) for s in cfg.get("allow_resume_changes") or []]
+    changes = check_resume_settings(differences, allowed, path, step)
+    return Resume(path, step, changes, checkpoint)
+
+
 # ----------------------------------------------------------------------------- hints
 
 
@@ -217,6 +379,54 @@ def override(key: str, value: str) -> str:
     return shlex.quote(word)
 
 
+def resume_hint(output_dir: Path) -> str:
+    """The command that resumes the run in `output_dir`: this process's own command line
+    (its Hydra overrides, when run through Hydra) with the run directory and `ckpt_path=last`."""
+    overrides: list[str] = []
+    try:
+        from hydra.core.hydra_config import HydraConfig
+
+        task = HydraConfig.get().overrides.task
+        overrides = [o for o in task if not o.startswith("ckpt_path=")]
+    except (ImportError, ValueError):  # run(cfg) called outside Hydra
+        pass
+    words = [*(shlex.quote(o) for o in overrides), override("hydra.run.dir", str(output_dir))]
+    return " ".join(["python -m speechattn.pretrain", *words, "ckpt_path=last"])
+
+
+# ----------------------------------------------------------------------------- an earlier result
+
+
+@contextmanager
+def earlier_result_noted(output_dir: Path, resume: Resume | None) -> Iterator[None]:
+    """Around a resumed run's work: the upstream.pt (and model card) an earlier finish of
+    `output_dir` left stays until this run replaces it, so any error that ends the run first
+    says that file is not this run's result (in a `TrainingStopped`'s message too). Rank zero
+    tells; a fresh run and a run directory without upstream.pt have nothing to say."""
+    upstream = output_dir / "upstream.pt"
+    if resume is None or rank_zero_only.rank != 0 or not upstream.is_file():
+        yield
+        return
+    try:  # memory-mapped: reads the metadata, not the weights
+        meta = torch.load(upstream, map_location="cpu", weights_only=True, mmap=True)["metadata"]
+        step = f"at step {int(meta['steps'])}"
+    except Exception:  # unreadable: it is still not this run's result
+        step = "of unknown step"
+    earlier = (
+        f"{upstream} (and README.md, its model card) is an earlier result of this run "
+        f"directory, {step}"
+    )
+    log.warning("%s: it stays until this run finishes and replaces it", earlier)
+    try:
+        yield
+    except BaseException as error:  # a stop, a divergence, a crash
+        note = f"{earlier}; this run has no result until it is resumed and finishes"
+        log.warning("%s", note)
+        if isinstance(error, TrainingStopped):
+            error.message += f". {note}"
+        raise
+
+
 # ----------------------------------------------------------------------------- the run's lock
 
 
@@ -228,8 +438,11 @@ class RunLockLost(SpeechattnError, RuntimeError):
     """This run's lock passed to another run while this one was silent: it writes no more."""
 
 
-class RunLock:
-    """`<run dir>/run.claim` held for a whole run (`with RunLock(dir): ...`).
+class RunLock(L.Callback):
+    """`<run dir>/run.claim` held for a whole run (`with RunLock(dir): ...`), and checked, as
+    one of the run's callbacks, before the run writes into its folder: a metrics row, a
+    validation's row, a checkpoint (Lightning calls `on_save_checkpoint` before the file is
+    written). Put it first among the callbacks, so that its check runs before their writes.
 
     A claim of a process of this machine holds while that process exists, however long it is
     silent (a stopped run is not dead), and is taken over at once when it is gone (logged);
@@ -238,18 +451,23 @@ class RunLock:
     keeps it fresh and the second run is refused with `RunInUseError` naming the holder. A run
     of another host that was silent that long and lost its lock finds out at its next write
     (`check`, fencing by the claim's token) and stops with `RunLockLost`.
+
+    `hold=False` claims and checks nothing: the DDP ranks other than rank zero run the run too,
+    and write nothing into its folder.
     """
 
     UNIT = "run"
 
-    def __init__(self, run_dir: Path, config: ClaimConfig | None = None) -> None:
+    def __init__(self, run_dir: Path, config: ClaimConfig | None = None, hold: bool = True) -> None:
         self.run_dir = run_dir
         self.config = config or ClaimConfig()
-        self.claims = Claims(run_dir, self.config, pid_holds=True)
+        self.claims = Claims(run_dir, self.config, pid_holds=True) if hold else None
 
     def check(self) -> None:
         """Raise `RunLockLost` naming the new holder unless the run directory's claim is still
         this run's (read now, by token: the heartbeat may not have run since a long pause)."""
+        if self.claims is None:
+            return
         path = self.claims.path(self.UNIT)
         info, token = read_claim(path), self.claims.token(self.UNIT)
         if info is not None and token is not None and info.token == token:
@@ -261,7 +479,14 @@ class RunLock:
             "stops without writing more there, so that two runs never write one folder"
         )
 
+    def _check(self, *args: Any) -> None:
+        self.check()
+
+    on_train_batch_end = on_validation_end = on_save_checkpoint = _check
+
     def __enter__(self) -> RunLock:
+        if self.claims is None:
+            return self
         self.claims.__enter__()
         try:
             self._acquire()
@@ -271,9 +496,11 @@ class RunLock:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.claims.close()
+        if self.claims is not None:
+            self.claims.close()
 
     def _acquire(self) -> None:
+        assert self.claims is not None
         deadline = None
         while not self.claims.try_claim(self.UNIT):
             holder = self.claims.holder(self.UNIT)
@@ -298,16 +525,3 @@ class RunLock:
                     holder.path,
                 )
             time.sleep(self.config.poll_s)
-
-
-class RunLockGuard(L.Callback):
-    """`RunLock.check` before the run writes into its folder: a metrics row, a validation's
-    row, a checkpoint (Lightning calls `on_save_checkpoint` before the file is written)."""
-
-    def __init__(self, lock: RunLock) -> None:
-        self.lock = lock
-
-    def _check(self, *args: Any) -> None:
-        self.lock.check()
-
-    on_train_batch_end = on_validation_end = on_save_checkpoint = _check
