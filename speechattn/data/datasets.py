@@ -17,7 +17,7 @@ from torch.utils.data import BatchSampler, Dataset, Sampler
 
 from speechattn.data.cache import FeatureStore
 from speechattn.data.features import Normalizer
-from speechattn.utils import IGNORE_INDEX, lengths_to_padding_mask
+from speechattn.utils import IGNORE_INDEX, derive_seed, lengths_to_padding_mask
 
 
 class FeatureDataset(Dataset):
@@ -109,22 +109,50 @@ def collate(items: list[dict[str, Any]]) -> dict[str, Any]:
     return batch
 
 
-class LengthBucketBatchSampler(BatchSampler):
-    """Batches of similar length: sort pools of `bucket_size` batches, shuffle the batch order.
+def length_buckets(
+    pool: Sequence[int], lengths: Sequence[int], batch_size: int, seed: int | None
+) -> list[list[int]]:
+    """One pool cut into batches of similar length: the length-bucketing of both samplers.
 
-    Takes its indices from `sampler` (a RandomSampler, or the DistributedSampler Lightning
-    injects under DDP -- Lightning re-creates this class with that sampler, so each rank buckets
-    its own shard). With `shuffle=False` the whole index set is sorted by length, which gives
-    the least padding for evaluation.
+    The pool is sorted by length (equal lengths keep their pool order), cut into batches of
+    `batch_size` (the last one shorter where the pool is no multiple of it) and the batches
+    put in a random order drawn from `seed`, so consecutive batches do not grow in length.
+
+    Args:
+        pool: (W,) items: dataset indices, or the pretraining stream's positions.
+        lengths: (W,) frames of each pool item.
+        batch_size: items per batch.
+        seed: seed of the batch order (`torch.randperm`); None keeps the sorted order.
+
+    Returns:
+        ceil(W / batch_size) batches, lists of `pool`'s items (Python ints).
+    """
+    items = np.asarray(pool, dtype=np.int64)[np.argsort(np.asarray(lengths), kind="stable")]
+    batches = [items[k : k + batch_size].tolist() for k in range(0, len(items), batch_size)]
+    if seed is None:
+        return batches
+    order = torch.randperm(len(batches), generator=torch.Generator().manual_seed(seed))
+    return [batches[j] for j in order.tolist()]
+
+
+class LengthBucketBatchSampler(BatchSampler):
+    """Epoch-wise batches of similar length: `length_buckets` on every pool of `bucket_size`
+    batches' worth of the indices `sampler` yields.
+
+    `sampler` is a RandomSampler, or the DistributedSampler Lightning injects under DDP:
+    Lightning re-creates this class with that sampler, so each rank buckets its own shard.
+    Every pass shuffles its batches anew (seeded by `seed`, the pass and the pool). With
+    `shuffle=False` the whole index set is one pool, sorted by length and left in that order:
+    the least padding, for evaluation.
 
     Args:
         sampler: yields dataset indices.
         batch_size: utterances per batch.
-        drop_last: drop a final smaller batch.
+        drop_last: drop the smaller batches (at most one per pool).
         lengths: frames of every dataset item (indexed by what `sampler` yields).
         bucket_size: batches per sorting pool.
-        shuffle: shuffle the batch order (seeded by `seed` and an epoch counter).
-        seed: base seed of the batch-order shuffle.
+        shuffle: pools of `bucket_size` batches in a shuffled order, else one sorted pool.
+        seed: base seed of the batch order.
     """
 
     def __init__(
@@ -140,38 +168,25 @@ class LengthBucketBatchSampler(BatchSampler):
         super().__init__(sampler, batch_size, drop_last)
         self.lengths = np.asarray(lengths)
         self.bucket_size, self.shuffle, self.seed = bucket_size, shuffle, seed
-        self.epoch = 0
+        self.epoch = 0  # passes begun: each draws its own batch order
 
-    def set_epoch(self, epoch: int) -> None:
-        self.epoch = epoch
-
-    def _batches(self) -> list[list[int]]:
-        indices = list(iter(self.sampler))
-        pool = len(indices) if not self.shuffle else self.batch_size * self.bucket_size
-        batches: list[list[int]] = []
-        for start in range(0, len(indices), max(pool, 1)):
-            chunk = sorted(indices[start : start + pool], key=lambda i: (self.lengths[i], i))
-            batches += [
-                chunk[k : k + self.batch_size] for k in range(0, len(chunk), self.batch_size)
-            ]
-        if self.drop_last:
-            batches = [b for b in batches if len(b) == self.batch_size]
-        if self.shuffle:
-            order = np.random.default_rng([self.seed, self.epoch]).permutation(len(batches))
-            batches = [batches[i] for i in order]
-            self.epoch += 1
-        return batches
+    def _pool(self, n: int) -> int:
+        """Indices per sorting pool, of `n` in a pass."""
+        return self.batch_size * self.bucket_size if self.shuffle else max(n, 1)
 
     def __iter__(self) -> Iterator[list[int]]:
-        yield from self._batches()
+        indices = list(self.sampler)
+        pool, epoch = self._pool(len(indices)), self.epoch
+        self.epoch += 1
+        for k, start in enumerate(range(0, len(indices), pool)):
+            chunk = indices[start : start + pool]
+            seed = derive_seed(self.seed, "bucket-order", epoch, k) if self.shuffle else None
+            for batch in length_buckets(chunk, self.lengths[chunk], self.batch_size, seed):
+                if len(batch) == self.batch_size or not self.drop_last:
+                    yield batch
 
     def __len__(self) -> int:
         n = len(self.sampler)  # type: ignore[arg-type]
-        if self.shuffle:  # pools are cut independently, so count per pool
-            pool = self.batch_size * self.bucket_size
-            full, rest = divmod(n, pool)
-            per_pool = pool // self.batch_size
-            if self.drop_last:
-                return full * per_pool + rest // self.batch_size
-            return full * per_pool + -(-rest // self.batch_size)
-        return n // self.batch_size if self.drop_last else -(-n // self.batch_size)
+        pool, b = self._pool(n), self.batch_size
+        sizes = (pool,) * (n // pool) + (n % pool,)  # pools are cut independently
+        return sum(m // b if self.drop_last else -(-m // b) for m in sizes)

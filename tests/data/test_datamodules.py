@@ -10,7 +10,7 @@ import torch
 from torch.utils.data import DistributedSampler, SequentialSampler
 
 from speechattn.data import DataConfig, LabelledDataModule, PretrainDataModule
-from speechattn.data.datasets import LengthBucketBatchSampler
+from speechattn.data.datasets import LengthBucketBatchSampler, length_buckets
 from speechattn.utils import IGNORE_INDEX
 
 
@@ -174,6 +174,14 @@ def test_loader_workers_reopen_the_memory_maps(tiny_data_config):
     dm.setup("fit")
     ids = [u for batch in dm.train_dataloader() for u in batch["utt_ids"]]
     assert sorted(ids) == sorted(dm.datasets["train"].utt_ids)
+
+
+def test_length_buckets_sort_cut_and_shuffle_one_pool():
+    pool, lengths = [9, 4, 7, 1, 3], [30, 10, 10, 50, 20]
+    assert length_buckets(pool, lengths, 2, None) == [[4, 7], [3, 9], [1]]  # ties: pool order
+    shuffled = length_buckets(pool, lengths, 2, seed=5)
+    assert sorted(shuffled) == [[1], [3, 9], [4, 7]] == sorted(length_buckets(pool, lengths, 2, 6))
+    assert shuffled == length_buckets(pool, lengths, 2, seed=5)  # the seed alone decides
 
 
 def test_bucketing_reduces_padding():

@@ -27,6 +27,7 @@ import torch
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset, Sampler
 
+from speechattn.data.datasets import length_buckets
 from speechattn.errors import ConfigError
 from speechattn.model.masking import MaskedBatch, MaskingConfig, mask_batch
 from speechattn.utils import derive_seed
@@ -39,7 +40,8 @@ class StepBatchSampler(Sampler[list[tuple[int, int]]]):
 
     The index stream is the concatenation of seeded permutations of the dataset, one per
     pass. With `lengths`, every pool of `bucket_size` consecutive global batches is sorted by
-    length, cut into batches and put in a seeded random order (less padding, same items).
+    length, cut into batches and put in a seeded random order (less padding, same items):
+    `length_buckets`, which the downstream loaders' `LengthBucketBatchSampler` uses too.
     Global batch i has G = batch_size * world_size items and rank r takes its r-th slice.
 
     No utterance appears twice in a pool, so none twice in a batch. A pool holds at most half
@@ -140,13 +142,12 @@ class StepBatchSampler(Sampler[list[tuple[int, int]]]):
         if self._pool[0] != pool:
             G, P, W = self.batch_size * self.world_size, self.bucket_size, self.pool_items
             positions = list(range(pool * W, (pool + 1) * W))
+            # a lone global batch stays unsorted: sorting would hand rank 0 the short items
+            batches = [positions]
             if self.lengths is not None and P > 1:
-                lengths = self.lengths
-                positions.sort(key=lambda q: (lengths[self._item(q)], q))
-            batches = [positions[k * G : (k + 1) * G] for k in range(P)]
-            if P > 1:
-                g = torch.Generator().manual_seed(derive_seed(self.seed, "bucket-order", pool))
-                batches = [batches[j] for j in torch.randperm(P, generator=g).tolist()]
+                lengths = [self.lengths[self._item(q)] for q in positions]
+                seed = derive_seed(self.seed, "bucket-order", pool)
+                batches = length_buckets(positions, lengths, G, seed)
             self._pool = (pool, batches)
         return self._pool[1]
 
