@@ -126,3 +126,18 @@ def test_the_counter_sees_copies_between_host_and_device_on_fake_cuda():
     assert syncs.uploads == {"h2d_pageable": 3, "h2d_blocking": 1}, syncs.summary()
     assert syncs.reasons == {"to_cpu": 1}, syncs.summary()
     assert any("test_fake_cuda.py:" in where for where in syncs.where), syncs.where
+
+
+def test_bench_reference_model_reconstructs_on_fake_cuda():
+    """`bench pretrain`'s hand-written BERT (its `reference` row) on the device, lengths on the
+    host as the loader keeps them: the padding mask goes to the scores' device."""
+    from speechattn.bench.pretrain import ReferenceAALBERT
+
+    config = preset_config("aalbert_tiny", num_layers=2)
+    model = ReferenceAALBERT(config)
+    lengths = torch.tensor([T, T - 9])
+    with fake_cuda() as mode:
+        to_fake_cuda(model, mode)
+        x = torch.randn(2, T, config.input_dim, device=CUDA)
+        out = model.reconstruct(x, lengths)
+        assert out.device.type == "cuda" and out.shape == (2, T, config.input_dim)
