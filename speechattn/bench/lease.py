@@ -277,6 +277,9 @@ def run_step_case(args: argparse.Namespace, name: str, extra: list[str], compile
     if device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
+    # every case compiles afresh: a forced Flex case failed in a process where another
+    # variant's Flex kernels had compiled (dynamo's per-process compile count; docs/gpu.md)
+    torch._dynamo.reset()
     step = Step(cfg, device, compiled=compiled)
     t0 = time.perf_counter()
     for _ in range(args.warmup):  # the autotuner measures here, and compilation happens
