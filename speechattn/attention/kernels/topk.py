@@ -212,14 +212,17 @@ def _finish_dense(
 ) -> Tensor:
     """Keys chosen by score among the tied ones, static shapes (CUDA, torch.compile):
     at most T keys tie, so their scores are the chunk's dense (N, C, T) float32 `scores`. The
-    need-th best tied score is a top-k over the masked scores; better ones are in, equal
-    ones go to the nearest (`_nearest`). above, at bool (N, C, T). Returns the selection, a
-    bool mask (N, C, T)."""
+    need-th best tied score (the cut) comes from a top-k over the masked scores; the tied keys
+    better than the cut are fewer than need <= kk, so they are among the top-k's entries
+    (no pass over the row for them); the equal ones go to the nearest (`_nearest`).
+    above, at bool (N, C, T). Returns the selection, a bool mask (N, C, T)."""
     tied = scores.masked_fill(~at, float("-inf"))  # the tied keys' scores, -inf elsewhere
-    cut = tied.topk(kk, dim=-1).values.gather(-1, need - 1)  # (N, C, 1): a tied key's, finite
-    better, equal = tied > cut, tied == cut
+    best, where = tied.topk(kk, dim=-1)  # (N, C, kk)
+    cut = best.gather(-1, need - 1)  # (N, C, 1): a tied key's, finite
+    better = best > cut  # (N, C, kk); the -inf of untied keys never is
+    chosen = above.scatter(-1, where, above.gather(-1, where) | better)
     m = need - _count(better)
-    return above | better | _nearest(equal, m, s)
+    return chosen | _nearest(tied == cut, m, s)
 
 
 def topk_by_match(
