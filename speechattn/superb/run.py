@@ -33,8 +33,8 @@ from typing import Any
 
 import yaml
 
-from speechattn.data.cache.integrity import file_sha256
 from speechattn.errors import ConfigError, SpeechattnError
+from speechattn.model.upstream import upstream_sha256
 from speechattn.superb import compat
 from speechattn.superb.configs import METRIC, PAPER, task_config
 from speechattn.tasks.records import WEIGHTED_SUM, SuperbResult
@@ -82,8 +82,12 @@ def selection(args: argparse.Namespace) -> str:
 def default_expdir(
     task: str, upstream: str, ckpt: str | None, quick: bool, layer: int | None = None
 ) -> Path:
-    """result/superb/<task>[-quick]/<upstream>[-<folder of the checkpoint>][-layer<N>]."""
-    name = upstream + (f"-{Path(ckpt).resolve().parent.name}" if ckpt else "")
+    """result/superb/<task>[-quick]/<upstream>[-<run>][-layer<N>]: the run is the folder
+    holding the upstream.pt or the run's `upstream/` folder, else the upstream folder itself."""
+    if ckpt:
+        path = Path(ckpt).resolve()
+        run = path.parent if path.is_file() or path.name == "upstream" else path
+    name = upstream + (f"-{run.name}" if ckpt else "")
     name += f"-layer{layer}" if layer is not None else ""
     return RESULTS / (task + ("-quick" if quick else "")) / name
 
@@ -134,11 +138,13 @@ def build_argv(argv: list[str], quick: bool, data: str | None) -> tuple[list[str
         check_runner_checkpoint(Path(args.past_exp))
     if args.upstream in UPSTREAM_NAMES and not args.past_exp:
         if not args.upstream_ckpt:
-            raise ConfigError(f"-u {args.upstream} needs -k RUN/upstream.pt")
-        if not Path(args.upstream_ckpt).is_file():
             raise ConfigError(
-                f"-k {args.upstream_ckpt}: no such file; give the upstream.pt of a "
-                f"python -m speechattn.pretrain run"
+                f"-u {args.upstream} needs -k RUN/upstream.pt (or an upstream folder)"
+            )
+        if not Path(args.upstream_ckpt).exists():
+            raise ConfigError(
+                f"-k {args.upstream_ckpt}: no such file or folder; give the upstream.pt of a "
+                f"python -m speechattn.pretrain run, or an upstream folder (RUN/upstream)"
             )
     out = list(argv)
     if args.device is None:
@@ -262,6 +268,7 @@ def write_result(decided: dict[str, Any]) -> SuperbResult:
     attention = ckpt_args.upstream
     if ckpt_args.upstream in UPSTREAM_NAMES:
         attention = speechattn.load_upstream(ckpt_args.upstream_ckpt).attention_name
+    sha = upstream_sha256(ckpt_args.upstream_ckpt) if ckpt_args.upstream_ckpt else None
     result = SuperbResult(
         task=task,
         metric=metric,
@@ -277,7 +284,7 @@ def write_result(decided: dict[str, Any]) -> SuperbResult:
         code_version=speechattn.code_version(),
         created=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         selection=selection(ckpt_args),
-        upstream_sha256=file_sha256(ckpt_args.upstream_ckpt) if ckpt_args.upstream_ckpt else None,
+        upstream_sha256=sha,
         expdir=str(expdir),
     )
     result.write(expdir)

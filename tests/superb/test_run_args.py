@@ -43,9 +43,24 @@ def test_train_gets_device_expdir_and_the_task_config(tmp_path, monkeypatch):
     assert yaml.safe_load(Path("x/superb_config.yaml").read_text())["optimizer"]["lr"] == 1e-4
 
 
+@pytest.mark.parametrize(
+    ("ckpt", "name"),
+    [("run/upstream", "speechattn-run"), ("shared/my_model", "speechattn-my_model")],
+)
+def test_an_upstream_folder_is_an_upstream(ckpt, name, tmp_path, monkeypatch):
+    """-k takes an upstream folder too: a run's `upstream/` names the experiment after the
+    run, as its upstream.pt does; an exported folder after itself."""
+    monkeypatch.chdir(tmp_path)
+    Path(ckpt).mkdir(parents=True)
+    data = fake_prepared(tmp_path / "ks")
+    argv = ["-m", "train", "-u", "speechattn", "-k", ckpt, "-d", "speech_commands"]
+    out, _ = build_argv(argv, quick=True, data=str(data))
+    assert out[out.index("-p") + 1] == str(Path("result/superb/speech_commands-quick") / name)
+
+
 def test_mistakes_are_named(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    with pytest.raises(ConfigError, match="-k missing.pt: no such file"):
+    with pytest.raises(ConfigError, match="-k missing.pt: no such file or folder"):
         build_argv(
             ["-m", "train", "-u", "speechattn", "-k", "missing.pt", "-d", "ctc"], False, None
         )
