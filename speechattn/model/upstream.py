@@ -82,6 +82,7 @@ EARLIER_OPTIONS: dict[int, dict[str, dict[str, object]]] = {
 MEL_FRAME_RATE = 100.0  # 10 ms hop of the data layer's log-mel features
 CONFIG_FILE = "config.json"  # an upstream folder's settings (Hugging Face's name)
 WEIGHTS_FILE = "model.safetensors"  # its tensors (Hugging Face's name)
+UPSTREAM_FOLDER = "upstream"  # a pretraining run's upstream folder, beside its upstream.pt
 NORMALIZER_PREFIX = "normalizer."  # model.safetensors' keys of the normaliser's mean and std
 # what speechattn writes into an upstream folder (the model card, its loss curve): an earlier
 # folder holding only these is replaced by a new export, a folder holding anything else never

@@ -34,7 +34,7 @@ from typing import Any
 import yaml
 
 from speechattn.errors import ConfigError, SpeechattnError
-from speechattn.model.upstream import upstream_sha256
+from speechattn.model.upstream import UPSTREAM_FOLDER, upstream_sha256
 from speechattn.superb import compat
 from speechattn.superb.configs import METRIC, PAPER, task_config
 from speechattn.tasks.records import WEIGHTED_SUM, SuperbResult
@@ -83,11 +83,12 @@ def default_expdir(
     task: str, upstream: str, ckpt: str | None, quick: bool, layer: int | None = None
 ) -> Path:
     """result/superb/<task>[-quick]/<upstream>[-<run>][-layer<N>]: the run is the folder
-    holding the upstream.pt or the run's `upstream/` folder, else the upstream folder itself."""
+    holding the upstream.pt or the run's upstream folder, else the upstream folder itself."""
+    name = upstream
     if ckpt:
         path = Path(ckpt).resolve()
-        run = path.parent if path.is_file() or path.name == "upstream" else path
-    name = upstream + (f"-{run.name}" if ckpt else "")
+        in_run = path.is_file() or path.name == UPSTREAM_FOLDER
+        name += f"-{(path.parent if in_run else path).name}"
     name += f"-layer{layer}" if layer is not None else ""
     return RESULTS / (task + ("-quick" if quick else "")) / name
 

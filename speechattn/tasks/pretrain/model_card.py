@@ -29,6 +29,7 @@ import yaml
 
 from speechattn.data.features import SAMPLE_RATE, FeatureConfig
 from speechattn.model.upstream import (
+    UPSTREAM_FOLDER,
     Upstream,
     load_upstream,
     save_upstream_folder,
@@ -43,7 +44,6 @@ if TYPE_CHECKING:
 
 CARD_FILE = "README.md"
 LOSS_CURVE_FILE = "loss_curve.png"
-UPSTREAM_FOLDER = "upstream"  # the run folder's upstream folder, beside upstream.pt
 
 
 def training_device(trainer: L.Trainer) -> str:
@@ -311,7 +311,6 @@ def write_run_upstream(
 __all__ = [
     "CARD_FILE",
     "LOSS_CURVE_FILE",
-    "UPSTREAM_FOLDER",
     "card_header",
     "card_text",
     "median_metric",
