@@ -29,6 +29,7 @@ from collections.abc import Callable
 
 import numba
 import numpy as np
+from llvmlite import ir
 import torch
 from numba import njit, prange, types
 from numba.extending import intrinsic, overload
@@ -62,12 +63,41 @@ def cpu_kernel(**options: object) -> Callable[[Callable], CPUKernel]:
 
 @intrinsic
 def _popcount(typingctx, x):
-    """Bits set in a uint64 (LLVM's ctpop: one instruction where the CPU has it)."""
+    """Bits set in an unsigned integer (LLVM's ctpop: one instruction, or one per vector
+    lane, where the CPU has it)."""
 
     def codegen(context, builder, signature, args):
         return builder.ctpop(args[0])
 
+    return x(x), codegen
+
+
+@intrinsic
+def _trailing_zeros(typingctx, x):
+    """Trailing zero bits of a non-zero uint64 (LLVM's cttz: one tzcnt)."""
+
+    def codegen(context, builder, signature, args):
+        return builder.cttz(args[0], ir.Constant(ir.IntType(1), 1))
+
     return types.uint64(types.uint64), codegen
+
+
+@intrinsic
+def _at_least(typingctx, row, start, c):
+    """Bit l set where row[start + l] >= c, for l < 64 (row int16, start + 64 <= its size):
+    one vector comparison read back as a mask (vpcmpw and kmov on AVX-512). numba cannot
+    express it; a loop building the bits one by one took 3x as long."""
+
+    def codegen(context, builder, signature, args):
+        data = context.make_array(signature.args[0])(context, builder, value=args[0]).data
+        lanes = ir.VectorType(ir.IntType(16), 64)
+        block = builder.load(builder.bitcast(builder.gep(data, [args[1]]), lanes.as_pointer()))
+        first = builder.insert_element(ir.Constant(lanes, ir.Undefined), args[2], ir.IntType(32)(0))
+        zeros = ir.Constant(ir.VectorType(ir.IntType(32), 64), [0] * 64)
+        bound = builder.shuffle_vector(first, ir.Constant(lanes, ir.Undefined), zeros)
+        return builder.bitcast(builder.icmp_signed(">=", block, bound), ir.IntType(64))
+
+    return types.uint64(row, types.intp, types.int16), codegen
 
 
 def _mismatches(a, b):
@@ -76,8 +106,18 @@ def _mismatches(a, b):
 
 @overload(_mismatches)
 def _mismatches_typed(a, b):
-    if a == types.uint64:  # 64 sign bits
+    if a in (types.uint16, types.uint64):  # 16 or 64 sign bits
         return lambda a, b: _popcount(a ^ b)
+    if a == types.int64:  # 16 l2 buckets of 4 bits: the fields that differ
+        low = np.uint64(0x1111111111111111)
+
+        def fields(a, b):
+            x = np.uint64(a ^ b)
+            x |= x >> np.uint64(2)
+            x |= x >> np.uint64(1)
+            return _popcount(x & low)
+
+        return fields
     return lambda a, b: np.uint64(a != b)  # one l2 bucket
 
 
@@ -96,16 +136,54 @@ def _pack(codes):
     return out
 
 
+def _sign_words(codes: Tensor) -> np.ndarray:
+    """Bool codes (N, T, K) -> words (W, N, T): uint16 for K <= 16 (four times as many
+    popcounts per vector as uint64), else uint64 (`_pack`)."""
+    words = _pack(codes.contiguous().numpy())
+    return words.astype(np.uint16) if codes.shape[-1] <= 16 else words
+
+
+@njit(cache=True)
+def _pack_fields(codes, low, high):
+    """Integer codes (N, T, K) -> (ceil(K / 16), N, T) int64: hash b's bucket minus low[b] in
+    bits 4 (b % 16) of word b // 16, or 15 where it lies outside [low[b], high[b]]."""
+    N, T, K = codes.shape
+    out = np.zeros(((K + 15) // 16, N, T), np.int64)
+    for n in range(N):
+        for t in range(T):
+            for b in range(K):
+                c = codes[n, t, b]
+                field = c - low[b] if low[b] <= c <= high[b] else 15
+                out[b // 16, n, t] |= np.int64(field) << np.int64(b % 16 * 4)
+    return out
+
+
+def _bucket_words(cq: Tensor, ck: Tensor) -> list[np.ndarray]:
+    """Integer l2 codes (N, T, K) of queries and keys -> words (W, N, T) with equal
+    mismatches: 4-bit fields, 16 hashes per int64 word, where each hash's key buckets span at
+    most 15 values (the usual case: about 4 at the default bucket width), so that one pass
+    compares 16 hashes; else one hash per word, as narrow as the buckets allow (int16 or
+    int32). A field holds a bucket minus the keys' lowest; a query bucket outside the keys'
+    span matches no key, so it becomes 15, which no key holds."""
+    low, high = ck.amin(dim=(0, 1)), ck.amax(dim=(0, 1))  # (K,) over every key
+    if bool((high - low < 15).all()):
+        low, high = low.numpy(), high.numpy()
+        return [_pack_fields(c.contiguous().numpy(), low, high) for c in (cq, ck)]
+    fits = all(-(2**15) <= int(c.min()) and int(c.max()) < 2**15 for c in (cq, ck))
+    narrow = torch.int16 if fits else torch.int32
+    return [c.to(narrow).permute(2, 0, 1).contiguous().numpy() for c in (cq, ck)]
+
+
 # Reassociation lets the sum run in vector lanes; the products of float32 values (widened to
 # float64 before the kernel) are exact in float64, so only the float64 rounding of the sum
 # depends on the order, which survives the rounding to float32 about once in 2^29 scores (as
 # between any two float64 products).
 @njit(cache=True, fastmath={"reassoc", "contract"})
-def _dot(q, n, i, keys, j):
-    """q[n, i] . keys[n, j] (float64 rows) as a float64 sum."""
+def _dot(query, keys, n, j):
+    """query (d,) float64 . keys[n, j] (float32 or float64, widened) as a float64 sum."""
     s = 0.0
-    for e in range(q.shape[2]):
-        s += q[n, i, e] * keys[n, j, e]
+    for e in range(query.shape[0]):
+        s += query[e] * np.float64(keys[n, j, e])
     return s
 
 
@@ -134,73 +212,69 @@ def _kth_largest(a, n, k):
     return a[target]
 
 
-@njit(cache=True)
-def _members(lv, kk, found, hist, few):
-    """c* (the largest level with at least kk keys at or above it), the number m of those
-    keys, written to found[:m] in increasing order, and the number of keys within 3 levels of
-    the row's best (`few` for the next row: whether that is under T / 16).
+# Four counters of 64 int16 lanes: a count of int64s widens every comparison 4x.
+_LANES = 64
 
-    c* is nearly always within 3 levels of the best. Where those keys are few (`few`, from the
-    previous row of the head), one pass collects them (a rarely taken branch, well predicted)
-    and their histogram gives c*. Otherwise, or when they are under kk, the keys at or above
-    four levels are counted per vectorised pass, down from the best, until a count reaches kk;
-    then a compaction (a branch per key when the members are few, else a store per key)."""
+
+@njit(cache=True)
+def _count4(lv, c, lanes):
+    """The keys at or above each of the levels c, c - 1, c - 2, c - 3 of a row lv (T,) int16;
+    lanes (4, _LANES) int16 scratch (each lane counts at most T / 64 keys)."""
+    T = lv.shape[0]
+    c1, c2, c3 = np.int16(c - 1), np.int16(c - 2), np.int16(c - 3)
+    lanes[:] = 0
+    whole = T - T % _LANES
+    for start in range(0, whole, _LANES):
+        for lane in range(_LANES):
+            level = lv[start + lane]
+            lanes[0, lane] += level >= c
+            lanes[1, lane] += level >= c1
+            lanes[2, lane] += level >= c2
+            lanes[3, lane] += level >= c3
+    counts = np.zeros(4, np.int64)
+    for lane in range(_LANES):
+        for drop in range(4):
+            counts[drop] += lanes[drop, lane]
+    for j in range(whole, T):
+        for drop in range(4):
+            counts[drop] += lv[j] >= c - drop
+    return counts
+
+
+@njit(cache=True)
+def _members(lv, kk, found, lanes):
+    """c* (the largest level with at least kk keys at or above it) of a row lv (T,) int16 and
+    the number m of those keys, written to found[:m] in increasing order.
+
+    Counted four levels per pass down from the row's best (`_count4`; c* is nearly always
+    within 3 levels of it, so one pass); the members are read from masks of 64 keys
+    (`_at_least`), a trailing-zero count per member."""
     T = lv.shape[0]
     best = lv[0]
     for j in range(T):
-        best = max(best, lv[j])
-    low = np.int16(max(best - 3, 1))
-    c = best
-    if few:
-        window = 0
-        for j in range(T):
-            if lv[j] >= low:
-                found[window] = j
-                window += 1
-        if window >= kk:
-            hist[low : best + 1] = 0
-            for t in range(window):
-                hist[lv[found[t]]] += 1
-            count = hist[best]
-            while count < kk:
-                c -= 1
-                count += hist[c]
-            kept = 0
-            for t in range(window):
-                j = found[t]
-                found[kept] = j
-                kept += lv[j] >= c
-            return c, kept, window
-        c = np.int16(low - 1)  # fewer than kk within 3 levels: count on from below them
-    window, m = T, 0
-    while m < kk:  # the counts at c, c - 1, c - 2, c - 3
-        c1, c2, c3 = np.int16(c - 1), np.int16(c - 2), np.int16(c - 3)
-        n0 = n1 = n2 = n3 = 0
-        for j in range(T):
-            level = lv[j]
-            n0 += level >= c
-            n1 += level >= c1
-            n2 += level >= c2
-            n3 += level >= c3
-        if c == best:
-            window = n3
-        for drop, n in enumerate((n0, n1, n2, n3)):
-            if n >= kk:
-                c, m = np.int16(c - drop), n
+        if lv[j] > best:  # not max(): numba's max widens int16 to int64 lanes
+            best = lv[j]
+    c, m = best, 0
+    while m < kk:
+        counts = _count4(lv, c, lanes)
+        for drop in range(4):
+            if counts[drop] >= kk:
+                c, m = np.int16(c - drop), counts[drop]
                 break
         else:
             c = np.int16(c - 4)
     kept = 0
-    if 16 * m < T:
-        for j in range(T):
-            if lv[j] >= c:
-                found[kept] = j
-                kept += 1
-    else:
-        for j in range(T):
-            found[kept] = j
-            kept += lv[j] >= c
-    return c, kept, window
+    whole = T - T % 64
+    for start in range(0, whole, 64):
+        bits = _at_least(lv, start, c)
+        while bits:
+            found[kept] = start + _trailing_zeros(bits)
+            kept += 1
+            bits &= bits - np.uint64(1)
+    for j in range(whole, T):
+        found[kept] = j
+        kept += lv[j] >= c
+    return c, kept
 
 
 # Up to this many tied keys, the chosen ones are found by counting, for each, the keys that beat
@@ -211,10 +285,9 @@ RANK_MAX = 128
 
 @cpu_kernel()
 def _select(pq, pk, K, allowed, kk, q, keys, by_score, out):
-    """pq, pk (W, N, T) words of the codes (`_mismatches`): packed sign bits (uint64, `_pack`)
-    or one l2 bucket per word (int16 or int32, W = K); allowed (N, T) bool; q, keys (N, T, d) float64
-    (float32 values widened; scores, when by_score); out (N, T, kk) int64: the selected keys of every row,
-    increasing."""
+    """pq, pk (W, N, T) words of the codes (`_mismatches`: `_sign_words`, `_bucket_words`);
+    allowed (N, T) bool; q, keys (N, T, d) float32 or float64 (scores, when by_score); out
+    (N, T, kk) int64: the selected keys of every row, increasing."""
     W, N, T = pq.shape
     rows = 16  # rows per task: the per-task buffers are made once per 16 rows
     tasks = (T + rows - 1) // rows
@@ -228,8 +301,8 @@ def _select(pq, pk, K, allowed, kk, q, keys, by_score, out):
         score = np.empty(T, np.float32)
         score_bits = score.view(np.int32)
         chosen = np.empty(kk, np.int64)
-        hist = np.empty(2 * K + 5, np.int64)
-        few = False  # the previous row had few keys near its best (`_members`)
+        lanes = np.empty((4, _LANES), np.int16)
+        query = np.empty(q.shape[2], np.float64)
         for j in range(T):  # the levels of `topk._chunk_levels`, less the mismatches
             top[j] = 2 * K + 4 if allowed[n, j] else K + 2
         for i in range((task % tasks) * rows, min((task % tasks + 1) * rows, T)):
@@ -241,8 +314,7 @@ def _select(pq, pk, K, allowed, kk, q, keys, by_score, out):
                 for j in range(T):
                     lv[j] -= np.int16(_mismatches(code, keys_w[j]))
             lv[i] = K + 3 if allowed[n, i] else 1  # the own key: below the other allowed keys
-            c, members, window = _members(lv, kk, tied, hist, few)  # keys >= c*, increasing
-            few = 16 * window < T
+            c, members = _members(lv, kk, tied, lanes)  # keys >= c*, increasing
             above = tied_n = 0
             for m in range(members):  # split, without branches (above < kk, tied_n <= m)
                 j = tied[m]
@@ -256,8 +328,10 @@ def _select(pq, pk, K, allowed, kk, q, keys, by_score, out):
                     j = tied[m]
                     order[m] = 2 * T - (2 * abs(j - i) + (1 if j > i else 0))  # in [1, 2T]
                 if by_score:
+                    for e in range(q.shape[2]):
+                        query[e] = q[n, i, e]
                     for m in range(tied_n):  # + 0.0: -0.0 counts as +0.0
-                        score[m] = np.float32(_dot(q, n, i, keys, tied[m])) + np.float32(0)
+                        score[m] = np.float32(_dot(query, keys, n, tied[m])) + np.float32(0)
                     for m in range(tied_n):  # the float32 order as integers (`ordered_bits`)
                         b = np.int64(score_bits[m])  # branch-free: the signs are random
                         b = (b ^ ((b >> 63) & 0x7FFFFFFF)) + (1 << 31)
@@ -300,17 +374,14 @@ def lsh_topk_cpu(cq: Tensor, ck: Tensor, kv: Tensor, k: int, q: Tensor, keys: Te
     out = torch.empty(N, T, min(k, T), dtype=torch.long)
     if N * T == 0:
         return out
+    if T >= 64 * 2**15:  # `_count4`'s int16 lanes
+        raise ValueError(f"LSH selection on the CPU takes T < {64 * 2**15} frames, got {T}")
     if cq.dtype == torch.bool:
-        words = [_pack(c.contiguous().numpy()) for c in (cq, ck)]
-    else:  # one word per hash, hash-major, as narrow as the buckets allow (int16: twice as
-        # many comparisons per vector as int32; bucket ids are small, |a . z| / (M w) + 1)
-        fits = all(-(2**15) <= int(c.min()) and int(c.max()) < 2**15 for c in (cq, ck))
-        narrow = torch.int16 if fits else torch.int32
-        words = [c.to(narrow).permute(2, 0, 1).contiguous().numpy() for c in (cq, ck)]
-    kv = kv.contiguous().numpy()
-    # float32 values widened once here, so the kernel's products are float64 loads alone
-    q, keys = (t.to(torch.float64).contiguous().numpy() for t in (q, keys))
-    _select(*words, K, kv, min(k, T), q, keys, q.shape[-1] > 0, out.numpy())
+        words = [_sign_words(c) for c in (cq, ck)]
+    else:
+        words = _bucket_words(cq, ck)
+    q, keys = (t.contiguous().numpy() for t in (q, keys))
+    _select(*words, K, kv.contiguous().numpy(), min(k, T), q, keys, q.shape[-1] > 0, out.numpy())
     return out
 
 
