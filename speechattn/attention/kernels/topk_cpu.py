@@ -29,8 +29,8 @@ from collections.abc import Callable
 
 import numba
 import numpy as np
-from llvmlite import ir
 import torch
+from llvmlite import ir
 from numba import njit, prange, types
 from numba.extending import intrinsic, overload
 from torch import Tensor
