@@ -93,14 +93,40 @@ def test_l2_bucket_codes_equal_the_definition(T, K, buckets, by_score, path):
     assert torch.equal(as_sets(got, T), definition(cq, ck, kv, 9, *args))
 
 
-@pytest.mark.parametrize("k", [32, 100])
-def test_long_rows_with_few_keys_near_the_best(k):
-    """The CPU kernel at T = 2048, 16 bits: where few of a row's keys lie within 3 levels of
-    its best, it collects them in one pass; with k = 100 they are too few, and it counts on
-    from below them."""
+@pytest.mark.parametrize("k", [32, 100, 700])
+def test_long_rows_where_the_threshold_lies_far_below_the_best(k):
+    """The CPU kernel at T = 2048, 16 bits: with k = 32 the threshold lies within 3 levels of
+    a row's best (one counting pass), with k = 100 and 700 below that (more passes)."""
     cq, ck, kv, q, keys = random_case(1, 2048, 16, 4, seed=k, dtype=torch.float32, valid_frac=1)
     got = topk.topk_by_match(cq, ck, kv, k, q, keys)
     assert torch.equal(as_sets(got, 2048), definition(cq, ck, kv, k, q, keys))
+
+
+@pytest.mark.parametrize(
+    ("codes", "K", "T"),
+    [("sign", 16, 200), ("sign", 100, 131), ("l2", 20, 200), ("l2-wide", 7, 131)],
+    ids=["16-bit-words", "64-bit-words", "4-bit-fields-two-words", "one-bucket-per-word"],
+)
+def test_cpu_kernel_threaded_and_serial_and_each_word_format(codes, K, T):
+    """The CPU kernel's two builds (threaded, and serial for one thread) and each way it
+    stores codes: sign bits in 16-bit words (K <= 16) or 64-bit words; l2 buckets as 4-bit
+    fields, 16 hashes per word, or one bucket per word when a hash's buckets span more than
+    15 values; T not a multiple of the 64-key masks."""
+    cq, ck, kv, q, keys = random_case(2, T, K, 8, seed=K, dtype=torch.float32)
+    if codes != "sign":
+        g = torch.Generator().manual_seed(T)
+        span = 3 if codes == "l2" else 40
+        cq, ck = (torch.randint(-1, span - 1, (2, T, K), generator=g) for _ in range(2))
+        cq[0, :4] = 1000  # query buckets that no key has (outside the keys' span)
+    expected = definition(cq, ck, kv, 10, q, keys)
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            got = topk.topk_by_match(cq, ck, kv, 10, q, keys)
+            assert torch.equal(as_sets(got, T), expected), f"{n} thread(s)"
+    finally:
+        torch.set_num_threads(threads)
 
 
 @pytest.mark.parametrize("T", [120, 300])

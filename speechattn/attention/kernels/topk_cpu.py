@@ -91,7 +91,8 @@ def _at_least(typingctx, row, start, c):
     def codegen(context, builder, signature, args):
         data = context.make_array(signature.args[0])(context, builder, value=args[0]).data
         lanes = ir.VectorType(ir.IntType(16), 64)
-        block = builder.load(builder.bitcast(builder.gep(data, [args[1]]), lanes.as_pointer()))
+        at = builder.bitcast(builder.gep(data, [args[1]]), lanes.as_pointer())
+        block = builder.load(at, align=2)  # int16 alignment: a vector load assumes its own
         first = builder.insert_element(ir.Constant(lanes, ir.Undefined), args[2], ir.IntType(32)(0))
         zeros = ir.Constant(ir.VectorType(ir.IntType(32), 64), [0] * 64)
         bound = builder.shuffle_vector(first, ir.Constant(lanes, ir.Undefined), zeros)
@@ -212,37 +213,28 @@ def _kth_largest(a, n, k):
     return a[target]
 
 
-# Four counters of 64 int16 lanes: a count of int64s widens every comparison 4x.
-_LANES = 64
-
-
 @njit(cache=True)
-def _count4(lv, c, lanes):
-    """The keys at or above each of the levels c, c - 1, c - 2, c - 3 of a row lv (T,) int16;
-    lanes (4, _LANES) int16 scratch (each lane counts at most T / 64 keys)."""
+def _count4(lv, c):
+    """The keys at or above each of the levels c, c - 1, c - 2, c - 3 of a row lv (T,) int16:
+    the bits of four masks per 64 keys (`_at_least`)."""
     T = lv.shape[0]
-    c1, c2, c3 = np.int16(c - 1), np.int16(c - 2), np.int16(c - 3)
-    lanes[:] = 0
-    whole = T - T % _LANES
-    for start in range(0, whole, _LANES):
-        for lane in range(_LANES):
-            level = lv[start + lane]
-            lanes[0, lane] += level >= c
-            lanes[1, lane] += level >= c1
-            lanes[2, lane] += level >= c2
-            lanes[3, lane] += level >= c3
-    counts = np.zeros(4, np.int64)
-    for lane in range(_LANES):
-        for drop in range(4):
-            counts[drop] += lanes[drop, lane]
+    n0 = n1 = n2 = n3 = 0
+    whole = T - T % 64
+    for start in range(0, whole, 64):
+        n0 += _popcount(_at_least(lv, start, c))
+        n1 += _popcount(_at_least(lv, start, np.int16(c - 1)))
+        n2 += _popcount(_at_least(lv, start, np.int16(c - 2)))
+        n3 += _popcount(_at_least(lv, start, np.int16(c - 3)))
     for j in range(whole, T):
-        for drop in range(4):
-            counts[drop] += lv[j] >= c - drop
-    return counts
+        n0 += lv[j] >= c
+        n1 += lv[j] >= c - 1
+        n2 += lv[j] >= c - 2
+        n3 += lv[j] >= c - 3
+    return n0, n1, n2, n3
 
 
 @njit(cache=True)
-def _members(lv, kk, found, lanes):
+def _members(lv, kk, found):
     """c* (the largest level with at least kk keys at or above it) of a row lv (T,) int16 and
     the number m of those keys, written to found[:m] in increasing order.
 
@@ -256,7 +248,7 @@ def _members(lv, kk, found, lanes):
             best = lv[j]
     c, m = best, 0
     while m < kk:
-        counts = _count4(lv, c, lanes)
+        counts = _count4(lv, c)
         for drop in range(4):
             if counts[drop] >= kk:
                 c, m = np.int16(c - drop), counts[drop]
@@ -301,7 +293,6 @@ def _select(pq, pk, K, allowed, kk, q, keys, by_score, out):
         score = np.empty(T, np.float32)
         score_bits = score.view(np.int32)
         chosen = np.empty(kk, np.int64)
-        lanes = np.empty((4, _LANES), np.int16)
         query = np.empty(q.shape[2], np.float64)
         for j in range(T):  # the levels of `topk._chunk_levels`, less the mismatches
             top[j] = 2 * K + 4 if allowed[n, j] else K + 2
@@ -314,7 +305,7 @@ def _select(pq, pk, K, allowed, kk, q, keys, by_score, out):
                 for j in range(T):
                     lv[j] -= np.int16(_mismatches(code, keys_w[j]))
             lv[i] = K + 3 if allowed[n, i] else 1  # the own key: below the other allowed keys
-            c, members = _members(lv, kk, tied, lanes)  # keys >= c*, increasing
+            c, members = _members(lv, kk, tied)  # keys >= c*, increasing
             above = tied_n = 0
             for m in range(members):  # split, without branches (above < kk, tied_n <= m)
                 j = tied[m]
@@ -374,8 +365,6 @@ def lsh_topk_cpu(cq: Tensor, ck: Tensor, kv: Tensor, k: int, q: Tensor, keys: Te
     out = torch.empty(N, T, min(k, T), dtype=torch.long)
     if N * T == 0:
         return out
-    if T >= 64 * 2**15:  # `_count4`'s int16 lanes
-        raise ValueError(f"LSH selection on the CPU takes T < {64 * 2**15} frames, got {T}")
     if cq.dtype == torch.bool:
         words = [_sign_words(c) for c in (cq, ck)]
     else:
