@@ -145,31 +145,44 @@ def _sign_words(codes: Tensor) -> np.ndarray:
 
 
 @njit(cache=True)
-def _pack_fields(codes, low, high):
-    """Integer codes (N, T, K) -> (ceil(K / 16), N, T) int64: hash b's bucket minus low[b] in
-    bits 4 (b % 16) of word b // 16, or 15 where it lies outside [low[b], high[b]]."""
-    N, T, K = codes.shape
-    out = np.zeros(((K + 15) // 16, N, T), np.int64)
+def _pack_fields(cq, ck):
+    """Integer codes (N, T, K) of queries and keys -> (ceil(K / 16), N, T) int64 words each:
+    hash b's bucket, less the keys' lowest bucket of that hash, in bits 4 (b % 16) of word
+    b // 16; a query bucket outside the keys' span matches no key, so it becomes 15, which no
+    key holds. Returns whether every hash's key buckets span at most 15 values (else the
+    words are not filled)."""
+    N, T, K = ck.shape
+    low, high = ck[0, 0].copy(), ck[0, 0].copy()
     for n in range(N):
         for t in range(T):
             for b in range(K):
-                c = codes[n, t, b]
-                field = c - low[b] if low[b] <= c <= high[b] else 15
-                out[b // 16, n, t] |= np.int64(field) << np.int64(b % 16 * 4)
-    return out
+                low[b] = min(low[b], ck[n, t, b])
+                high[b] = max(high[b], ck[n, t, b])
+    words = np.zeros((2, (K + 15) // 16, N, T), np.int64)
+    if np.any(high - low >= 15):
+        return False, words[0], words[1]
+    for side, codes in enumerate((cq, ck)):
+        for n in range(N):
+            for t in range(T):
+                for w in range(words.shape[1]):
+                    word = np.int64(0)  # built in a register, stored once
+                    for b in range(16 * w, min(16 * w + 16, K)):
+                        c = codes[n, t, b]
+                        field = c - low[b] if low[b] <= c <= high[b] else 15
+                        word |= np.int64(field) << np.int64(b % 16 * 4)
+                    words[side, w, n, t] = word
+    return True, words[0], words[1]
 
 
 def _bucket_words(cq: Tensor, ck: Tensor) -> list[np.ndarray]:
     """Integer l2 codes (N, T, K) of queries and keys -> words (W, N, T) with equal
-    mismatches: 4-bit fields, 16 hashes per int64 word, where each hash's key buckets span at
-    most 15 values (the usual case: about 4 at the default bucket width), so that one pass
-    compares 16 hashes; else one hash per word, as narrow as the buckets allow (int16 or
-    int32). A field holds a bucket minus the keys' lowest; a query bucket outside the keys'
-    span matches no key, so it becomes 15, which no key holds."""
-    low, high = ck.amin(dim=(0, 1)), ck.amax(dim=(0, 1))  # (K,) over every key
-    if bool((high - low < 15).all()):
-        low, high = low.numpy(), high.numpy()
-        return [_pack_fields(c.contiguous().numpy(), low, high) for c in (cq, ck)]
+    mismatches: 4-bit fields, 16 hashes per int64 word (`_pack_fields`), where each hash's key
+    buckets span at most 15 values (the usual case: about 4 at the default bucket width), so
+    that one pass compares 16 hashes; else one hash per word, as narrow as the buckets allow
+    (int16 or int32)."""
+    packed, wq, wk = _pack_fields(cq.contiguous().numpy(), ck.contiguous().numpy())
+    if packed:
+        return [wq, wk]
     fits = all(-(2**15) <= int(c.min()) and int(c.max()) < 2**15 for c in (cq, ck))
     narrow = torch.int16 if fits else torch.int32
     return [c.to(narrow).permute(2, 0, 1).contiguous().numpy() for c in (cq, ck)]
