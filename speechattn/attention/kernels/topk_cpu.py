@@ -1,17 +1,21 @@
 """LSH's selection on the CPU: the top-k keys of each query by code match, ties in the match
 count broken by the score, then by position (`lsh.py`), one compiled kernel per layer.
 
-Per query row, in one thread and in cache: the match levels of all T keys (sign codes: XOR and
-popcount of the packed bits; l2 codes: equal buckets, hash by hash; the levels of
-`topk._chunk_levels`), their maximum, and the threshold c* (the largest level with at least
-k keys at or above it: counted four levels per pass down from the maximum, or, where the
-previous row had few keys near its best, from the histogram of those keys, collected in one
-pass; `_members`); the keys above c* are in, and the keys at c* (tied) get their scores,
-float64 sums of the exact products rounded to float32 (`topk.tie_scores`), only when they
-outnumber the free slots; the best of them by (score, nearness) fill the slots (each
-counted against the others, without branches, or, past `RANK_MAX` of them, a quickselect). The row's keys
-come out in increasing order. Nothing of size T x T is ever stored, so memory is
-O(T (threads + k)) and the work O(T^2 K / 64) bit operations plus O(T c d) for c tied keys.
+Per query row, in one thread and in cache:
+* the match levels of all T keys (the levels of `topk._chunk_levels`): sign codes as 16-bit
+  words (K <= 16) or 64-bit ones, XOR and popcount; l2 buckets as 4-bit fields, 16 hashes
+  per word, the fields that differ counted alike (`_mismatches`, `_bucket_words`);
+* the threshold c* (the largest level with at least k keys at or above it): counted four
+  levels per pass down from the row's best, from the bits of 64-key comparison masks
+  (`_count4`, `_at_least`), and the keys at or above it read from the same masks
+  (`_members`);
+* the keys above c* are in; the keys at c* (tied) get their scores, float64 sums of the
+  exact products rounded to float32 (`topk.tie_scores`), only when they outnumber the free
+  slots, and the best of them by (score, nearness) fill the slots (each counted against the
+  others, without branches, or, past `RANK_MAX` of them, a quickselect).
+The row's keys come out in increasing order. Nothing of size T x T is ever stored, so memory
+is O(T (threads + k)) and the work O(T^2 ceil(K / 16)) word operations plus O(T c d) for c
+tied keys.
 
 Why numba: the selection is a few data-dependent passes over each row; as tensor operations
 every pass is a separate sweep over a T x T block in memory (the matmul, the conversion, a
@@ -234,10 +238,10 @@ def _count4(lv, c):
     n0 = n1 = n2 = n3 = 0
     whole = T - T % 64
     for start in range(0, whole, 64):
-        n0 += _popcount(_at_least(lv, start, c))
-        n1 += _popcount(_at_least(lv, start, np.int16(c - 1)))
-        n2 += _popcount(_at_least(lv, start, np.int16(c - 2)))
-        n3 += _popcount(_at_least(lv, start, np.int16(c - 3)))
+        n0 += np.int64(_popcount(_at_least(lv, start, c)))
+        n1 += np.int64(_popcount(_at_least(lv, start, np.int16(c - 1))))
+        n2 += np.int64(_popcount(_at_least(lv, start, np.int16(c - 2))))
+        n3 += np.int64(_popcount(_at_least(lv, start, np.int16(c - 3))))
     for j in range(whole, T):
         n0 += lv[j] >= c
         n1 += lv[j] >= c - 1
