@@ -193,7 +193,7 @@ def _bucket_words(cq: Tensor, ck: Tensor) -> list[np.ndarray]:
 
 
 # Reassociation lets the sum run in vector lanes; the products of float32 values (widened to
-# float64 before the kernel) are exact in float64, so only the float64 rounding of the sum
+# float64 in the kernel) are exact in float64, so only the float64 rounding of the sum
 # depends on the order, which survives the rounding to float32 about once in 2^29 scores (as
 # between any two float64 products).
 @njit(cache=True, fastmath={"reassoc", "contract"})
