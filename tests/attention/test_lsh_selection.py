@@ -102,6 +102,7 @@ def test_long_rows_where_the_threshold_lies_far_below_the_best(k):
     assert torch.equal(as_sets(got, 2048), definition(cq, ck, kv, k, q, keys))
 
 
+@pytest.mark.slow  # compiles the threaded build for each word format (about 25 s)
 @pytest.mark.parametrize(
     ("codes", "K", "T"),
     [("sign", 16, 200), ("sign", 100, 131), ("l2", 20, 200), ("l2-wide", 7, 131)],
