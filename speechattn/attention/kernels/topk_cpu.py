@@ -88,9 +88,9 @@ def _trailing_zeros(typingctx, x):
 
 @intrinsic
 def _at_least(typingctx, row, start, c):
-    """Bit l set where row[start + l] >= c, for l < 64 (row int16, start + 64 <= its size):
-    one vector comparison read back as a mask (vpcmpw and kmov on AVX-512). numba cannot
-    express it; a loop building the bits one by one took 3x as long."""
+    """Bit l set where row[start + l] >= c, for l < 64 (row contiguous int16, start + 64 <= its
+    size): one vector comparison read back as a mask (vpcmpw and kmov on AVX-512). numba
+    cannot express it; a loop building the bits one by one took 3x as long."""
 
     def codegen(context, builder, signature, args):
         data = context.make_array(signature.args[0])(context, builder, value=args[0]).data
