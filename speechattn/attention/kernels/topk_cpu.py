@@ -7,13 +7,13 @@ Per query row, in one thread and in cache:
   per word, the fields that differ counted alike (`_mismatches`, `_bucket_words`);
 * the threshold c* (the largest level with at least k keys at or above it): counted four
   levels per pass down from the row's best, from the bits of 64-key comparison masks
-  (`_count4`, `_at_least`), and the keys at or above it read from the same masks
-  (`_members`);
-* the keys above c* are in; the keys at c* (tied) get their scores, float64 sums of the
-  exact products rounded to float32 (`topk.tie_scores`), only when they outnumber the free
-  slots, and the best of them by (score, nearness) fill the slots (each counted against the
-  others, without branches, or, past `RANK_MAX` of them, a quickselect).
-The row's keys come out in increasing order. Nothing of size T x T is ever stored, so memory
+  (`_threshold`, `_count4`, `_at_least`);
+* the keys above c* are in, as bits of a mask per 64 keys; the keys at c* (tied), read from
+  the masks, get their scores, float64 sums of the exact products rounded to float32
+  (`topk.tie_scores`), only when they outnumber the free slots, and the best of them by
+  (score, nearness) fill the slots (each counted against the others, without branches, or,
+  past `RANK_MAX` of them, a quickselect) and set their bits.
+The row's keys come out of the masks in increasing order, a trailing-zero count each. Nothing of size T x T is ever stored, so memory
 is O(T (threads + k)) and the work O(T^2 ceil(K / 16)) word operations plus O(T c d) for c
 tied keys.
 
@@ -230,58 +230,33 @@ def _kth_largest(a, n, k):
 
 @njit(cache=True)
 def _count4(lv, c):
-    """The keys at or above each of the levels c, c - 1, c - 2, c - 3 of a row lv (T,) int16:
-    the bits of four masks per 64 keys (`_at_least`)."""
-    T = lv.shape[0]
+    """The keys at or above each of the levels c, c - 1, c - 2, c - 3 of a row lv (64 m,)
+    int16: the bits of four masks per 64 keys (`_at_least`)."""
     n0 = n1 = n2 = n3 = 0
-    whole = T - T % 64
-    for start in range(0, whole, 64):
+    for start in range(0, lv.shape[0], 64):
         n0 += np.int64(_popcount(_at_least(lv, start, c)))
         n1 += np.int64(_popcount(_at_least(lv, start, np.int16(c - 1))))
         n2 += np.int64(_popcount(_at_least(lv, start, np.int16(c - 2))))
         n3 += np.int64(_popcount(_at_least(lv, start, np.int16(c - 3))))
-    for j in range(whole, T):
-        n0 += lv[j] >= c
-        n1 += lv[j] >= c - 1
-        n2 += lv[j] >= c - 2
-        n3 += lv[j] >= c - 3
     return n0, n1, n2, n3
 
 
 @njit(cache=True)
-def _members(lv, kk, found):
-    """c* (the largest level with at least kk keys at or above it) of a row lv (T,) int16 and
-    the number m of those keys, written to found[:m] in increasing order.
-
-    Counted four levels per pass down from the row's best (`_count4`; c* is nearly always
-    within 3 levels of it, so one pass); the members are read from masks of 64 keys
-    (`_at_least`), a trailing-zero count per member."""
-    T = lv.shape[0]
+def _threshold(lv, kk):
+    """c*, the largest level with at least kk keys at or above it, of a row lv (64 m,) int16
+    whose keys have levels >= 1 (padding 0): counted four levels per pass down from the row's
+    best (`_count4`; c* is nearly always within 3 levels of it, so one pass)."""
     best = lv[0]
-    for j in range(T):
+    for j in range(lv.shape[0]):
         if lv[j] > best:  # not max(): numba's max widens int16 to int64 lanes
             best = lv[j]
-    c, m = best, 0
-    while m < kk:
+    c = best
+    while True:
         counts = _count4(lv, c)
         for drop in range(4):
             if counts[drop] >= kk:
-                c, m = np.int16(c - drop), counts[drop]
-                break
-        else:
-            c = np.int16(c - 4)
-    kept = 0
-    whole = T - T % 64
-    for start in range(0, whole, 64):
-        bits = _at_least(lv, start, c)
-        while bits:
-            found[kept] = start + _trailing_zeros(bits)
-            kept += 1
-            bits &= bits - np.uint64(1)
-    for j in range(whole, T):
-        found[kept] = j
-        kept += lv[j] >= c
-    return c, kept
+                return np.int16(c - drop)
+        c = np.int16(c - 4)
 
 
 # Up to this many tied keys, the chosen ones are found by counting, for each, the keys that beat
@@ -298,9 +273,11 @@ def _select(pq, pk, K, allowed, kk, q, keys, by_score, out):
     W, N, T = pq.shape
     rows = 16  # rows per task: the per-task buffers are made once per 16 rows
     tasks = (T + rows - 1) // rows
+    blocks = (T + 63) // 64
     for task in prange(N * tasks):
         n = task // tasks
-        lv = np.empty(T, np.int16)  # the row's levels
+        lv = np.zeros(64 * blocks, np.int16)  # the row's levels; padding 0, below every key
+        selected = np.empty(blocks, np.uint64)  # the row's selected keys, a bit each
         top = np.empty(T, np.int16)  # a key's level when it matches in every bit
         tied = np.empty(T, np.int64)
         order = np.empty(T, np.int64)
@@ -320,15 +297,18 @@ def _select(pq, pk, K, allowed, kk, q, keys, by_score, out):
                 for j in range(T):
                     lv[j] -= np.int16(_mismatches(code, keys_w[j]))
             lv[i] = K + 3 if allowed[n, i] else 1  # the own key: below the other allowed keys
-            c, members = _members(lv, kk, tied)  # keys >= c*, increasing
-            above = tied_n = 0
-            for m in range(members):  # split, without branches (above < kk, tied_n <= m)
-                j = tied[m]
-                out[n, i, above] = j
-                above += lv[j] > c
-                tied[tied_n] = j
-                tied_n += lv[j] == c
-            need = kk - above  # slots for tied keys, >= 1
+            c = _threshold(lv, kk)
+            above = tied_n = 0  # the keys above c* are in; those at c* (tied), increasing
+            for block in range(blocks):
+                higher = _at_least(lv, 64 * block, np.int16(c + 1))
+                at = _at_least(lv, 64 * block, c) & ~higher
+                selected[block] = higher
+                above += np.int64(_popcount(higher))
+                while at:
+                    tied[tied_n] = 64 * block + _trailing_zeros(at)
+                    tied_n += 1
+                    at &= at - np.uint64(1)
+            need = kk - above  # slots for tied keys, in [1, tied_n]
             if tied_n > need:  # the best `need` by (score, nearer, earlier); all distinct
                 for m in range(tied_n):
                     j = tied[m]
@@ -361,14 +341,15 @@ def _select(pq, pk, K, allowed, kk, q, keys, by_score, out):
             else:
                 for m in range(tied_n):
                     chosen[m] = tied[m]
-            a, b = above - 1, need - 1  # merge the two increasing lists from the back
-            for p in range(kk - 1, -1, -1):
-                if b < 0 or (a >= 0 and out[n, i, a] > chosen[b]):
-                    out[n, i, p] = out[n, i, a]
-                    a -= 1
-                else:
-                    out[n, i, p] = chosen[b]
-                    b -= 1
+            for m in range(need):
+                selected[chosen[m] >> 6] |= np.uint64(1) << np.uint64(chosen[m] & 63)
+            p = 0  # the selected keys in increasing order, from their bits
+            for block in range(blocks):
+                bits = selected[block]
+                while bits:
+                    out[n, i, p] = 64 * block + _trailing_zeros(bits)
+                    p += 1
+                    bits &= bits - np.uint64(1)
 
 
 @torch.library.custom_op("speechattn::lsh_topk_cpu", mutates_args=())
