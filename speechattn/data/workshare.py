@@ -221,7 +221,10 @@ def claim_map(
                 if pool is None:
                     arrived.put((unit, None, fn(items[unit])))
                     continue
-                future = pool.submit(fn, items[unit])
+                try:
+                    future = pool.submit(fn, items[unit])
+                except BrokenProcessPool as error:  # a worker died since the last result
+                    raise _worker_error(error, unit, what) from error
                 future.add_done_callback(lambda f, unit=unit: arrived.put((unit, f, None)))
             if running:
                 unit, future, value = arrived.get()  # the pool's callbacks put them

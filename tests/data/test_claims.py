@@ -260,6 +260,20 @@ def test_a_worker_that_dies_ends_the_work_at_once_and_releases_its_claims(tmp_pa
     assert not list(tmp_path.glob("*.claim"))
 
 
+def test_a_pool_broken_before_the_next_unit_is_submitted_is_a_worker_death(tmp_path):
+    """A worker that dies between two results (the pool already broken when the next unit is
+    submitted) is reported as the dead worker it is, and no claim outlives it."""
+    jobs = {f"u{i}": (tmp_path, f"u{i}") for i in range(6)}
+    with pytest.raises(WorkerDied, match=r"a worker process died .*\(u\d among them\)"):
+        with process_pool(2) as pool:
+            for _ in claim_map(_work_in_pool, jobs, tmp_path, _done(tmp_path), pool, 1, FAST):
+                for worker in mp.active_children():  # the out-of-memory killer
+                    os.kill(worker.pid, signal.SIGKILL)
+                    worker.join()
+                time.sleep(0.5)  # the pool's manager thread marks it broken
+    assert not list(tmp_path.glob("*.claim"))
+
+
 def test_done_units_are_skipped_and_undone_work_is_an_error(tmp_path):
     _work(tmp_path, "u1", "earlier")
     assert list(claim_pending(["u1"], tmp_path, _done(tmp_path), FAST)) == []
