@@ -102,21 +102,21 @@ def test_long_rows_where_the_threshold_lies_far_below_the_best(k):
     assert torch.equal(as_sets(got, 2048), definition(cq, ck, kv, k, q, keys))
 
 
-@pytest.mark.slow  # compiles the threaded build for each word format (about 25 s)
+@pytest.mark.slow  # compiles the threaded build for each code format (about 30 s)
 @pytest.mark.parametrize(
-    ("codes", "K", "T"),
-    [("sign", 16, 200), ("sign", 100, 131), ("l2", 20, 200), ("l2-wide", 7, 131)],
-    ids=["16-bit-words", "64-bit-words", "4-bit-fields-two-words", "one-bucket-per-word"],
-)
-def test_cpu_kernel_threaded_and_serial_and_each_word_format(codes, K, T):
+    ("codes", "K", "T", "span"),
+    [("sign", 16, 200, 0), ("sign", 100, 131, 0), ("l2", 5, 131, 2), ("l2", 20, 200, 4),
+     ("l2", 7, 131, 40)],
+    ids=["16-bit-words", "64-bit-words", "2-planes", "3-planes-two-groups", "6-planes"],
+)  # fmt: skip
+def test_cpu_kernel_threaded_and_serial_and_each_code_format(codes, K, T, span):
     """The CPU kernel's two builds (threaded, and serial for one thread) and each way it
-    stores codes: sign bits in 16-bit words (K <= 16) or 64-bit words; l2 buckets as 4-bit
-    fields, 16 hashes per word, or one bucket per word when a hash's buckets span more than
-    15 values; T not a multiple of the 64-key masks."""
+    stores codes: sign bits in 16-bit words (K <= 16) or 64-bit words; l2 buckets as bit
+    planes of 16 hashes, as many planes as the buckets' span needs (2 and 3 in one vector
+    pass, 6 ORed in passes); T not a multiple of the 64-key masks."""
     cq, ck, kv, q, keys = random_case(2, T, K, 8, seed=K, dtype=torch.float32)
-    if codes != "sign":
+    if codes == "l2":
         g = torch.Generator().manual_seed(T)
-        span = 3 if codes == "l2" else 40
         cq, ck = (torch.randint(-1, span - 1, (2, T, K), generator=g) for _ in range(2))
         cq[0, :4] = 1000  # query buckets that no key has (outside the keys' span)
     expected = definition(cq, ck, kv, 10, q, keys)

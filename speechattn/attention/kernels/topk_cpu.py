@@ -2,9 +2,10 @@
 count broken by the score, then by position (`lsh.py`), one compiled kernel per layer.
 
 Per query row, in one thread and in cache:
-* the match levels of all T keys (the levels of `topk._chunk_levels`): sign codes as 16-bit
-  words (K <= 16) or 64-bit ones, XOR and popcount; l2 buckets as 4-bit fields, 16 hashes
-  per word, the fields that differ counted alike (`_mismatches`, `_bucket_words`);
+* the match levels of all T keys (the levels of `topk._chunk_levels`), one vector pass per
+  group of codes (`_group_levels`): sign codes as 16-bit words (K <= 16) or 64-bit ones, XOR
+  and popcount; l2 buckets as bit planes, 16 hashes per 16-bit word, where an OR of the
+  planes' XORs marks the hashes that differ (`_pack_planes`);
 * the threshold c* (the largest level with at least k keys at or above it): counted four
   levels per pass down from the row's best, from the bits of 64-key comparison masks
   (`_threshold`, `_count4`, `_at_least`);
@@ -36,7 +37,7 @@ import numpy as np
 import torch
 from llvmlite import ir
 from numba import njit, prange, types
-from numba.extending import intrinsic, overload
+from numba.extending import intrinsic
 from torch import Tensor
 
 
@@ -105,27 +106,6 @@ def _at_least(typingctx, row, start, c):
     return types.uint64(row, types.intp, types.int16), codegen
 
 
-def _mismatches(a, b):
-    """Hashes on which two words of codes differ (numba only, typed below)."""
-
-
-@overload(_mismatches)
-def _mismatches_typed(a, b):
-    if a in (types.uint16, types.uint64):  # 16 or 64 sign bits
-        return lambda a, b: _popcount(a ^ b)
-    if a == types.int64:  # 16 l2 buckets of 4 bits: the fields that differ
-        low = np.uint64(0x1111111111111111)
-
-        def fields(a, b):
-            x = np.uint64(a ^ b)
-            x |= x >> np.uint64(2)
-            x |= x >> np.uint64(1)
-            return _popcount(x & low)
-
-        return fields
-    return lambda a, b: np.uint64(a != b)  # one l2 bucket
-
-
 @njit(cache=True)
 def _pack(codes):
     """Bool codes (N, T, K) -> (ceil(K / 64), N, T) uint64: bit b of a code in word b // 64
@@ -141,53 +121,96 @@ def _pack(codes):
     return out
 
 
-def _sign_words(codes: Tensor) -> np.ndarray:
-    """Bool codes (N, T, K) -> words (W, N, T): uint16 for K <= 16 (four times as many
-    popcounts per vector as uint64), else uint64 (`_pack`)."""
-    words = _pack(codes.contiguous().numpy())
+def _sign_planes(codes: Tensor) -> np.ndarray:
+    """Bool codes (N, T, K) -> (W, 1, N, T) words, one plane: uint16 for K <= 16 (four times as
+    many popcounts per vector as uint64), else uint64 (`_pack`)."""
+    words = _pack(codes.contiguous().numpy())[:, None]
     return words.astype(np.uint16) if codes.shape[-1] <= 16 else words
 
 
 @njit(cache=True)
-def _pack_fields(cq, ck):
-    """Integer codes (N, T, K) of queries and keys -> (ceil(K / 16), N, T) int64 words each:
-    hash b's bucket, less the keys' lowest bucket of that hash, in bits 4 (b % 16) of word
-    b // 16; a query bucket outside the keys' span matches no key, so it becomes 15, which no
-    key holds. Returns whether every hash's key buckets span at most 15 values (else the
-    words are not filled)."""
+def _every_fourth_bit(x):
+    """Bits 0, 4, ..., 60 of a uint64 gathered into the low 16 bits (shifts and masks)."""
+    x &= np.uint64(0x1111111111111111)
+    x = (x | x >> np.uint64(3)) & np.uint64(0x0303030303030303)
+    x = (x | x >> np.uint64(6)) & np.uint64(0x000F000F000F000F)
+    x = (x | x >> np.uint64(12)) & np.uint64(0x000000FF000000FF)
+    return np.uint16((x | x >> np.uint64(24)) & np.uint64(0xFFFF))
+
+
+@njit(cache=True)
+def _pack_planes(cq, ck):
+    """Integer codes (N, T, K) of queries and keys -> (ceil(K / 16), P, N, T) uint16 bit planes
+    each: hash b's field (its bucket less the keys' lowest bucket of that hash) is P bits, bit
+    p in bit b % 16 of plane p of group b // 16. Two fields differ where any plane's XOR has
+    the bit, so one OR of P XORs and one popcount compare 16 hashes in 16-bit lanes. P is the
+    fewest bits that hold every key's field and one value more, the field of a query bucket
+    outside the keys' span (which so matches no key): 3 at the default bucket width, where a
+    hash's key buckets span about 5 values."""
     N, T, K = ck.shape
-    low, high = ck[0, 0].copy(), ck[0, 0].copy()
+    low = np.empty(K, np.int64)
+    high = np.empty(K, np.int64)
+    for b in range(K):
+        low[b] = high[b] = ck[0, 0, b]
     for n in range(N):
         for t in range(T):
             for b in range(K):
                 low[b] = min(low[b], ck[n, t, b])
                 high[b] = max(high[b], ck[n, t, b])
-    words = np.zeros((2, (K + 15) // 16, N, T), np.int64)
-    if np.any(high - low >= 15):
-        return False, words[0], words[1]
+    span = np.max(high - low)
+    P = 1
+    while (1 << P) - 1 <= span:
+        P += 1
+    outside = np.int64((1 << P) - 1)
+    planes = np.empty((2, (K + 15) // 16, P, N, T), np.uint16)
+    word = np.empty(P, np.uint16)  # one key's planes of a group, built before they are stored
     for side, codes in enumerate((cq, ck)):
         for n in range(N):
             for t in range(T):
-                for w in range(words.shape[1]):
-                    word = np.int64(0)  # built in a register, stored once
-                    for b in range(16 * w, min(16 * w + 16, K)):
-                        c = codes[n, t, b]
-                        field = c - low[b] if low[b] <= c <= high[b] else 15
-                        word |= np.int64(field) << np.int64(b % 16 * 4)
-                    words[side, w, n, t] = word
-    return True, words[0], words[1]
+                for g in range(planes.shape[1]):
+                    fields = np.uint64(0)  # up to 4 planes: 16 fields of 4 bits, then split
+                    word[:] = 0
+                    for b in range(16 * g, min(16 * g + 16, K)):
+                        c = np.int64(codes[n, t, b])
+                        field = c - low[b] if low[b] <= c <= high[b] else outside
+                        if P <= 4:
+                            fields |= np.uint64(field) << np.uint64(4 * (b % 16))
+                        else:
+                            for p in range(P):
+                                word[p] |= np.uint16((field >> p & 1) << (b % 16))
+                    if P <= 4:
+                        for p in range(P):
+                            word[p] = _every_fourth_bit(fields >> np.uint64(p))
+                    planes[side, g, :, n, t] = word
+    return planes[0], planes[1]
 
 
-def _bucket_words(cq: Tensor, ck: Tensor) -> list[np.ndarray]:
-    """Integer l2 codes (N, T, K) of queries and keys -> words (W, N, T) with equal
-    mismatches: 4-bit fields, 16 hashes per int64 word (`_pack_fields`), where each hash's key
-    buckets span at most 15 values (the usual case: about 4 at the default bucket width), so
-    that one pass compares 16 hashes; else one int32 bucket per word (rare, so one compiled
-    specialisation serves it)."""
-    packed, wq, wk = _pack_fields(cq.contiguous().numpy(), ck.contiguous().numpy())
-    if packed:
-        return [wq, wk]
-    return [c.to(torch.int32).permute(2, 0, 1).contiguous().numpy() for c in (cq, ck)]
+@njit(cache=True)
+def _group_levels(lv, start, pq, pk, g, n, i, differ):
+    """lv = start less the hashes of group g on which query i and each key differ: one pass,
+    an OR of the P planes' XORs and a popcount per key (up to 4 planes, a repeated plane
+    standing in for an absent one; more, rare, are ORed into `differ` first)."""
+    P, T = pq.shape[1], pq.shape[3]
+    if P == 1:
+        c0, k0 = pq[g, 0, n, i], pk[g, 0, n]
+        for j in range(T):
+            lv[j] = start[j] - np.int16(_popcount(c0 ^ k0[j]))
+    elif P <= 4:
+        p1, p2, p3 = 1, min(2, P - 1), min(3, P - 1)
+        c0, c1, c2, c3 = pq[g, 0, n, i], pq[g, p1, n, i], pq[g, p2, n, i], pq[g, p3, n, i]
+        k0, k1, k2, k3 = pk[g, 0, n], pk[g, p1, n], pk[g, p2, n], pk[g, p3, n]
+        for j in range(T):
+            x = (c0 ^ k0[j]) | (c1 ^ k1[j]) | (c2 ^ k2[j]) | (c3 ^ k3[j])
+            lv[j] = start[j] - np.int16(_popcount(x))
+    else:
+        for j in range(T):
+            differ[j] = 0
+        for b in range(P):
+            code, keys_b = pq[g, b, n, i], pk[g, b, n]
+            for j in range(T):
+                differ[j] |= code ^ keys_b[j]
+        for j in range(T):
+            lv[j] = start[j] - np.int16(_popcount(differ[j]))
 
 
 # Reassociation lets the sum run in vector lanes; the products of float32 values (widened to
@@ -267,10 +290,10 @@ RANK_MAX = 128
 
 @cpu_kernel()
 def _select(pq, pk, K, allowed, kk, q, keys, by_score, out):
-    """pq, pk (W, N, T) words of the codes (`_mismatches`: `_sign_words`, `_bucket_words`);
-    allowed (N, T) bool; q, keys (N, T, d) float32 or float64 (scores, when by_score); out
-    (N, T, kk) int64: the selected keys of every row, increasing."""
-    W, N, T = pq.shape
+    """pq, pk (G, P, N, T) words of the codes, groups of P bit planes (`_sign_planes`,
+    `_pack_planes`); allowed (N, T) bool; q, keys (N, T, d) float32 or float64 (scores, when
+    by_score); out (N, T, kk) int64: the selected keys of every row, increasing."""
+    G, P, N, T = pq.shape
     rows = 16  # rows per task: the per-task buffers are made once per 16 rows
     tasks = (T + rows - 1) // rows
     blocks = (T + 63) // 64
@@ -286,16 +309,12 @@ def _select(pq, pk, K, allowed, kk, q, keys, by_score, out):
         score_bits = score.view(np.int32)
         chosen = np.empty(kk, np.int64)
         query = np.empty(q.shape[2], np.float64)
+        differ = np.empty(T, pq.dtype)  # a group's hashes on which a key differs, a bit each
         for j in range(T):  # the levels of `topk._chunk_levels`, less the mismatches
             top[j] = 2 * K + 4 if allowed[n, j] else K + 2
         for i in range((task % tasks) * rows, min((task % tasks + 1) * rows, T)):
-            code, keys_w = pq[0, n, i], pk[0, n]
-            for j in range(T):
-                lv[j] = top[j] - np.int16(_mismatches(code, keys_w[j]))
-            for w in range(1, W):
-                code, keys_w = pq[w, n, i], pk[w, n]
-                for j in range(T):
-                    lv[j] -= np.int16(_mismatches(code, keys_w[j]))
+            for g in range(G):
+                _group_levels(lv, top if g == 0 else lv, pq, pk, g, n, i, differ)
             lv[i] = K + 3 if allowed[n, i] else 1  # the own key: below the other allowed keys
             c = _threshold(lv, kk)
             above = tied_n = 0  # the keys above c* are in; those at c* (tied), increasing
@@ -362,13 +381,13 @@ def lsh_topk_cpu(cq: Tensor, ck: Tensor, kv: Tensor, k: int, q: Tensor, keys: Te
     if N * T == 0:
         return out
     if cq.dtype == torch.bool:
-        words = [_sign_words(c) for c in (cq, ck)]
+        planes = [_sign_planes(c) for c in (cq, ck)]
     else:
-        words = _bucket_words(cq, ck)
+        planes = _pack_planes(cq.contiguous().numpy(), ck.contiguous().numpy())
     # float32 rows widened in the kernel: 0.85-0.9x the time of rows widened here (half the
     # bytes gathered), at the price of a compiled specialisation per dtype
     q, keys = (t.contiguous().numpy() for t in (q, keys))
-    _select(*words, K, kv.contiguous().numpy(), min(k, T), q, keys, q.shape[-1] > 0, out.numpy())
+    _select(*planes, K, kv.contiguous().numpy(), min(k, T), q, keys, q.shape[-1] > 0, out.numpy())
     return out
 
 
