@@ -190,6 +190,17 @@ def test_float32_scores_and_near_ties(path):
     assert torch.equal(as_sets(got, T), definition(cq, ck, kv, 17, q, keys))
 
 
+@pytest.mark.parametrize(("q_scale", "key_scale"), [(1e20, 1.0), (1e-25, 1e-20), (1e10, 1e-10)])
+def test_scores_beyond_float32_range(q_scale, key_scale, path):
+    """float64 scores that float32 cannot hold (overflow, underflow) or holds only in part:
+    the CPU kernel's float32 estimates of the tied keys' scores must not drop a key the
+    float64 scores keep."""
+    cq, ck, kv, q, keys = random_case(2, 200, 3, 6, seed=3, valid_frac=1)
+    q, keys = q * q_scale, keys * key_scale
+    got = topk.topk_by_match(cq, ck, kv, 13, q, keys)
+    assert torch.equal(as_sets(got, 200), definition(cq, ck, kv, 13, q, keys))
+
+
 @pytest.mark.parametrize("tie_break", ["score", "position"])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 @pytest.mark.parametrize("name", LSH)

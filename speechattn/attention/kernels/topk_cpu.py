@@ -10,13 +10,15 @@ Per query row, in one thread and in cache:
   levels per pass down from the row's best, from the bits of 64-key comparison masks
   (`_threshold`, `_count4`, `_at_least`);
 * the keys above c* are in, as bits of a mask per 64 keys; the keys at c* (tied), read from
-  the masks, get their scores, float64 sums of the exact products rounded to float32
-  (`topk.tie_scores`), only when they outnumber the free slots, and the best of them by
-  (score, nearness) fill the slots (each counted against the others, without branches, or,
-  past `RANK_MAX` of them, a quickselect) and set their bits.
-The row's keys come out of the masks in increasing order, a trailing-zero count each. Nothing of size T x T is ever stored, so memory
-is O(T (threads + k)) and the work O(T^2 ceil(K / 16)) word operations plus O(T c d) for c
-tied keys.
+  the masks, contest for the free slots only when they outnumber them: float32 estimates of
+  their scores, within a proven error bound, leave the contenders (`_contenders`), most
+  often exactly as many as the slots; when more remain, their scores (float64 sums of the
+  exact products rounded to float32, `topk.tie_scores`) and (score, nearness) pick the best
+  (each counted against the others, without branches, or, past `RANK_MAX` of them, a
+  quickselect), which set their bits.
+The row's keys come out of the masks in increasing order, a trailing-zero count each. Nothing
+of size T x T is ever stored, so memory is O(T (threads + k)) and the work
+O(T^2 ceil(K / 16) P) word operations (P bit planes) plus O(T c d) for c tied keys.
 
 Why numba: the selection is a few data-dependent passes over each row; as tensor operations
 every pass is a separate sweep over a T x T block in memory (the matmul, the conversion, a
@@ -282,6 +284,47 @@ def _threshold(lv, kk):
         c = np.int16(c - 4)
 
 
+@njit(cache=True, fastmath={"reassoc", "contract"})
+def _dot32(query, keys, n, j):
+    """query (d,) float32 . keys[n, j] as a float32 sum: an estimate (`_contenders`)."""
+    s = np.float32(0)
+    for e in range(query.shape[0]):
+        s += query[e] * np.float32(keys[n, j, e])
+    return s
+
+
+@njit(cache=True)
+def _contenders(query, keys, n, tied, tied_n, need, error, estimate):
+    """Narrow the tied keys tied[:tied_n] (increasing) to those whose exact score can still
+    place them among the best `need`, in place, in order; returns their number (>= need).
+
+    Each key's score is estimated in float32 (`_dot32`), within `error` of its exact score.
+    A bisection over the estimates finds x with at least `need` estimates >= x: those keys
+    score at least x - error, so a key whose estimate is below x - 2 error scores less than
+    `need` others and is out. About `need` keys stay, often exactly `need` (no exact score
+    needed); the float64 scores and their ranking run on these alone."""
+    lo = hi = estimate[0] = _dot32(query, keys, n, tied[0])
+    for m in range(1, tied_n):
+        estimate[m] = _dot32(query, keys, n, tied[m])
+        lo, hi = min(lo, estimate[m]), max(hi, estimate[m])
+    for _ in range(12):  # count(estimate >= lo) >= need holds throughout
+        mid = lo + (hi - lo) / np.float32(2)
+        count = 0
+        for m in range(tied_n):
+            count += estimate[m] >= mid
+        if count >= need:
+            lo = mid
+            if count == need:  # x found: exactly `need` estimates at or above it
+                break
+        else:
+            hi = mid
+    cut, kept = lo - np.float32(2 * error), 0
+    for m in range(tied_n):
+        tied[kept] = tied[m]
+        kept += estimate[m] >= cut
+    return kept
+
+
 # Up to this many tied keys, the chosen ones are found by counting, for each, the keys that beat
 # it (n^2 comparisons in vector lanes); above, by a quickselect (n log n, but a mispredicted
 # branch for most comparisons of random scores).
@@ -297,6 +340,14 @@ def _select(pq, pk, K, allowed, kk, q, keys, by_score, out):
     rows = 16  # rows per task: the per-task buffers are made once per 16 rows
     tasks = (T + rows - 1) // rows
     blocks = (T + 63) // 64
+    longest = np.zeros(N)  # each head's largest key norm, which bounds the estimates' error
+    if by_score:
+        for n in prange(N):
+            for j in range(T):
+                norm = 0.0
+                for e in range(keys.shape[2]):
+                    norm += np.float64(keys[n, j, e]) ** 2
+                longest[n] = max(longest[n], np.sqrt(norm))
     for task in prange(N * tasks):
         n = task // tasks
         lv = np.zeros(64 * blocks, np.int16)  # the row's levels; padding 0, below every key
@@ -309,6 +360,7 @@ def _select(pq, pk, K, allowed, kk, q, keys, by_score, out):
         score_bits = score.view(np.int32)
         chosen = np.empty(kk, np.int64)
         query = np.empty(q.shape[2], np.float64)
+        query32 = np.empty(q.shape[2], np.float32)
         differ = np.empty(T, pq.dtype)  # a group's hashes on which a key differs, a bit each
         for j in range(T):  # the levels of `topk._chunk_levels`, less the mismatches
             top[j] = 2 * K + 4 if allowed[n, j] else K + 2
@@ -328,13 +380,23 @@ def _select(pq, pk, K, allowed, kk, q, keys, by_score, out):
                     tied_n += 1
                     at &= at - np.uint64(1)
             need = kk - above  # slots for tied keys, in [1, tied_n]
+            if tied_n > need and by_score:  # only the contenders need exact scores
+                norm = 0.0
+                for e in range(q.shape[2]):
+                    query[e] = q[n, i, e]
+                    query32[e] = np.float32(query[e])
+                    norm += query[e] ** 2
+                size = np.sqrt(norm) + longest[n]
+                bound = np.sqrt(norm) * longest[n]  # >= the sum of |products|
+                if size < 1e15:  # (no float32 overflow) the estimate's and the rounding's
+                    error = 2 * (q.shape[2] + 4) * 2.0**-24 * bound  # error bound, doubled,
+                    error += q.shape[2] * 2.0**-100 * (1 + size) ** 2  # and float32 underflow
+                    tied_n = _contenders(query32, keys, n, tied, tied_n, need, error, score)
             if tied_n > need:  # the best `need` by (score, nearer, earlier); all distinct
                 for m in range(tied_n):
                     j = tied[m]
                     order[m] = 2 * T - (2 * abs(j - i) + (1 if j > i else 0))  # in [1, 2T]
                 if by_score:
-                    for e in range(q.shape[2]):
-                        query[e] = q[n, i, e]
                     for m in range(tied_n):  # + 0.0: -0.0 counts as +0.0
                         score[m] = np.float32(_dot(query, keys, n, tied[m])) + np.float32(0)
                     for m in range(tied_n):  # the float32 order as integers (`ordered_bits`)
