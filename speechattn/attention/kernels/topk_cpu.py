@@ -131,16 +131,6 @@ def _sign_planes(codes: Tensor) -> np.ndarray:
 
 
 @njit(cache=True)
-def _every_fourth_bit(x):
-    """Bits 0, 4, ..., 60 of a uint64 gathered into the low 16 bits (shifts and masks)."""
-    x &= np.uint64(0x1111111111111111)
-    x = (x | x >> np.uint64(3)) & np.uint64(0x0303030303030303)
-    x = (x | x >> np.uint64(6)) & np.uint64(0x000F000F000F000F)
-    x = (x | x >> np.uint64(12)) & np.uint64(0x000000FF000000FF)
-    return np.uint16((x | x >> np.uint64(24)) & np.uint64(0xFFFF))
-
-
-@njit(cache=True)
 def _pack_planes(cq, ck):
     """Integer codes (N, T, K) of queries and keys -> (ceil(K / 16), P, N, T) uint16 bit planes
     each: hash b's field (its bucket less the keys' lowest bucket of that hash) is P bits, bit
@@ -164,26 +154,23 @@ def _pack_planes(cq, ck):
     while (1 << P) - 1 <= span:
         P += 1
     outside = np.int64((1 << P) - 1)
-    planes = np.empty((2, (K + 15) // 16, P, N, T), np.uint16)
-    word = np.empty(P, np.uint16)  # one key's planes of a group, built before they are stored
+    G = (K + 15) // 16
+    planes = np.empty((2, G, P, N, T), np.uint16)
+    fields = np.empty(16, np.int64)  # a key's fields of one group
     for side, codes in enumerate((cq, ck)):
         for n in range(N):
             for t in range(T):
-                for g in range(planes.shape[1]):
-                    fields = np.uint64(0)  # up to 4 planes: 16 fields of 4 bits, then split
-                    word[:] = 0
-                    for b in range(16 * g, min(16 * g + 16, K)):
-                        c = np.int64(codes[n, t, b])
-                        field = c - low[b] if low[b] <= c <= high[b] else outside
-                        if P <= 4:
-                            fields |= np.uint64(field) << np.uint64(4 * (b % 16))
-                        else:
-                            for p in range(P):
-                                word[p] |= np.uint16((field >> p & 1) << (b % 16))
-                    if P <= 4:
-                        for p in range(P):
-                            word[p] = _every_fourth_bit(fields >> np.uint64(p))
-                    planes[side, g, :, n, t] = word
+                for g in range(G):
+                    hashes = min(16, K - 16 * g)
+                    for h in range(hashes):
+                        c = np.int64(codes[n, t, 16 * g + h])
+                        lo, hi = low[16 * g + h], high[16 * g + h]
+                        fields[h] = c - lo if lo <= c <= hi else outside
+                    for p in range(P):
+                        word = 0
+                        for h in range(hashes):
+                            word |= (fields[h] >> p & 1) << h
+                        planes[side, g, p, n, t] = word
     return planes[0], planes[1]
 
 
