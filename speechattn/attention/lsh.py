@@ -270,13 +270,14 @@ class _LSHAttention(Attention):
     def _codes(self, q: Tensor, k: Tensor, valid: Tensor) -> tuple[Tensor, Tensor]:
         kv = key_mask(valid)[:, None, :, None]  # (B, 1, T, 1)
         M = (k.norm(dim=-1, keepdim=True) * kv).amax(dim=-2, keepdim=True).clamp_min(_TINY)
-        Qq, Pk = type(self).transform(q, k, M)  # (B, h, T, d_k + m)
+        # both sides in one product and one rounding (about 20 us a tensor operation at T=128)
+        z = torch.stack(type(self).transform(q, k, M))  # (2, B, h, T, d_k + m): Q(q), P(k)
         if self.hash == "sign":
-            return sign_codes(Qq, self.projection), sign_codes(Pk, self.projection)
-        scale = (1.0 if self.unit_ball else M) * self.bucket_width
-        return l2_codes(Qq, self.projection, self.offsets, scale), l2_codes(
-            Pk, self.projection, self.offsets, scale
-        )
+            codes = sign_codes(z, self.projection)
+        else:
+            scale = (1.0 if self.unit_ball else M) * self.bucket_width
+            codes = l2_codes(z, self.projection, self.offsets, scale)
+        return codes[0], codes[1]
 
     def hashed_keys(self, q: Tensor, k: Tensor) -> Tensor:
         """The vectors the key side hashes: the scored keys k, or the raw shared vectors q."""
