@@ -3,7 +3,7 @@ count broken by the score, then by position (`lsh.py`), one compiled kernel per 
 
 Per query row, in one thread and in cache:
 * the match levels of all T keys (the levels of `topk._chunk_levels`), one vector pass per
-  group of codes (`_group_levels`): sign codes as 16-bit words (K <= 16) or 64-bit ones, XOR
+  group of codes (`_one_plane`, `_up_to_four_planes`): sign codes as 16-bit words (K <= 16) or 64-bit ones, XOR
   and popcount; l2 buckets as bit planes, 16 hashes per 16-bit word, where an OR of the
   planes' XORs marks the hashes that differ (`_pack_planes`);
 * the threshold c* (the largest level with at least k keys at or above it): counted four
@@ -174,32 +174,40 @@ def _pack_planes(cq, ck):
     return planes[0], planes[1]
 
 
+# lv = start less the hashes of group g on which query i and each key differ, one pass per
+# plane count: an OR of the planes' XORs and a popcount per key. Three functions, not one with
+# three branches: numba's single function ran 5x slower at T = 128.
 @njit(cache=True)
-def _group_levels(lv, start, pq, pk, g, n, i, differ):
-    """lv = start less the hashes of group g on which query i and each key differ: one pass,
-    an OR of the P planes' XORs and a popcount per key (up to 4 planes, a repeated plane
-    standing in for an absent one; more, rare, are ORed into `differ` first)."""
-    P, T = pq.shape[1], pq.shape[3]
-    if P == 1:
-        c0, k0 = pq[g, 0, n, i], pk[g, 0, n]
-        for j in range(T):
-            lv[j] = start[j] - np.int16(_popcount(c0 ^ k0[j]))
-    elif P <= 4:
-        p1, p2, p3 = 1, min(2, P - 1), min(3, P - 1)
-        c0, c1, c2, c3 = pq[g, 0, n, i], pq[g, p1, n, i], pq[g, p2, n, i], pq[g, p3, n, i]
-        k0, k1, k2, k3 = pk[g, 0, n], pk[g, p1, n], pk[g, p2, n], pk[g, p3, n]
-        for j in range(T):
-            x = (c0 ^ k0[j]) | (c1 ^ k1[j]) | (c2 ^ k2[j]) | (c3 ^ k3[j])
-            lv[j] = start[j] - np.int16(_popcount(x))
-    else:
-        for j in range(T):
-            differ[j] = 0
-        for b in range(P):
-            code, keys_b = pq[g, b, n, i], pk[g, b, n]
-            for j in range(T):
-                differ[j] |= code ^ keys_b[j]
-        for j in range(T):
-            lv[j] = start[j] - np.int16(_popcount(differ[j]))
+def _one_plane(lv, start, pq, pk, g, n, i):
+    """Sign codes: one plane, XOR and popcount."""
+    c0, k0 = pq[g, 0, n, i], pk[g, 0, n]
+    for j in range(k0.shape[0]):
+        lv[j] = start[j] - np.int16(_popcount(c0 ^ k0[j]))
+
+
+@njit(cache=True)
+def _up_to_four_planes(lv, start, pq, pk, g, n, i):
+    """2-4 planes in one pass (a repeated plane standing in for an absent one)."""
+    P = pq.shape[1]
+    p1, p2, p3 = 1, min(2, P - 1), min(3, P - 1)
+    c0, c1, c2, c3 = pq[g, 0, n, i], pq[g, p1, n, i], pq[g, p2, n, i], pq[g, p3, n, i]
+    k0, k1, k2, k3 = pk[g, 0, n], pk[g, p1, n], pk[g, p2, n], pk[g, p3, n]
+    for j in range(k0.shape[0]):
+        x = (c0 ^ k0[j]) | (c1 ^ k1[j]) | (c2 ^ k2[j]) | (c3 ^ k3[j])
+        lv[j] = start[j] - np.int16(_popcount(x))
+
+
+@njit(cache=True)
+def _many_planes(lv, start, pq, pk, g, n, i, differ):
+    """More than 4 planes (l2 buckets spanning more than 14 values, rare): ORed into `differ`
+    plane by plane, then counted."""
+    differ[:] = 0
+    for b in range(pq.shape[1]):
+        code, keys_b = pq[g, b, n, i], pk[g, b, n]
+        for j in range(keys_b.shape[0]):
+            differ[j] |= code ^ keys_b[j]
+    for j in range(differ.shape[0]):
+        lv[j] = start[j] - np.int16(_popcount(differ[j]))
 
 
 # Reassociation lets the sum run in vector lanes; the products of float32 values (widened to
@@ -353,7 +361,13 @@ def _select(pq, pk, K, allowed, kk, q, keys, by_score, out):
             top[j] = 2 * K + 4 if allowed[n, j] else K + 2
         for i in range((task % tasks) * rows, min((task % tasks + 1) * rows, T)):
             for g in range(G):
-                _group_levels(lv, top if g == 0 else lv, pq, pk, g, n, i, differ)
+                start = top if g == 0 else lv
+                if P == 1:
+                    _one_plane(lv, start, pq, pk, g, n, i)
+                elif P <= 4:
+                    _up_to_four_planes(lv, start, pq, pk, g, n, i)
+                else:
+                    _many_planes(lv, start, pq, pk, g, n, i, differ)
             lv[i] = K + 3 if allowed[n, i] else 1  # the own key: below the other allowed keys
             c = _threshold(lv, kk)
             above = tied_n = 0  # the keys above c* are in; those at c* (tied), increasing
