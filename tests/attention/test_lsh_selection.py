@@ -107,13 +107,14 @@ def test_long_rows_where_the_threshold_lies_far_below_the_best(k):
     ("codes", "K", "T", "span"),
     [("sign", 16, 200, 0), ("sign", 100, 131, 0), ("l2", 5, 131, 2), ("l2", 20, 200, 4),
      ("l2", 7, 131, 40)],
-    ids=["16-bit-words", "64-bit-words", "2-planes", "3-planes-two-groups", "6-planes"],
+    ids=["one-word", "seven-words", "2-planes", "3-planes-two-groups", "6-planes"],
 )  # fmt: skip
 def test_cpu_kernel_threaded_and_serial_and_each_code_format(codes, K, T, span):
     """The CPU kernel's two builds (threaded, and serial for one thread) and each way it
-    stores codes: sign bits in 16-bit words (K <= 16) or 64-bit words; l2 buckets as bit
-    planes of 16 hashes, as many planes as the buckets' span needs (2 and 3 in one vector
-    pass, 6 ORed in passes); T not a multiple of the 64-key masks."""
+    stores codes, 16 hashes per 16-bit word: sign bits in one word or several (each group
+    of hashes adding to the levels of the ones before); l2 buckets as bit planes, as many
+    as the buckets' span needs (2 and 3 in one vector pass, 6 ORed in passes); T not a
+    multiple of the 64-key masks."""
     cq, ck, kv, q, keys = random_case(2, T, K, 8, seed=K, dtype=torch.float32)
     if codes == "l2":
         g = torch.Generator().manual_seed(T)

@@ -3,8 +3,8 @@ count broken by the score, then by position (`lsh.py`), one compiled kernel per 
 
 Per query row, in one thread and in cache:
 * the match levels of all T keys (the levels of `topk._chunk_levels`), one vector pass per
-  group of codes (`_one_plane`, `_up_to_four_planes`): sign codes as 16-bit words (K <= 16) or 64-bit ones, XOR
-  and popcount; l2 buckets as bit planes, 16 hashes per 16-bit word, where an OR of the
+  group of 16 hashes (`_one_plane`, `_up_to_four_planes`): sign codes as 16-bit words, XOR
+  and popcount (`_sign_words`); l2 buckets as bit planes of 16-bit words, where an OR of the
   planes' XORs marks the hashes that differ (`_pack_planes`);
 * the threshold c* (the largest level with at least k keys at or above it): counted four
   levels per pass down from the row's best, from the bits of 64-key comparison masks
@@ -109,25 +109,18 @@ def _at_least(typingctx, row, start, c):
 
 
 @njit(cache=True)
-def _pack(codes):
-    """Bool codes (N, T, K) -> (ceil(K / 64), N, T) uint64: bit b of a code in word b // 64
-    (words first, so that a head's codes of one word are contiguous). Compiled: as tensor
-    operations (a widening copy, shifts, a sum, a stack) it took 1.5x as long at K = 16 and 3x
-    at K = 100, T = 2048."""
+def _sign_words(codes):
+    """Bool codes (N, T, K) -> (ceil(K / 16), 1, N, T) uint16, one plane: bit b of a code in
+    word b // 16 (words first, so that a head's codes of one word are contiguous). 16-bit
+    words put 32 keys in a vector (one popcount each), 64-bit ones 8; compiled, since as
+    tensor operations (a widening copy, shifts, a sum, a stack) it took 1.5-3x as long."""
     N, T, K = codes.shape
-    out = np.zeros(((K + 63) // 64, N, T), np.uint64)
+    out = np.zeros(((K + 15) // 16, 1, N, T), np.uint16)
     for n in range(N):
         for t in range(T):
             for b in range(K):
-                out[b // 64, n, t] |= np.uint64(codes[n, t, b]) << np.uint64(b % 64)
+                out[b // 16, 0, n, t] |= np.uint16(codes[n, t, b]) << np.uint16(b % 16)
     return out
-
-
-def _sign_planes(codes: Tensor) -> np.ndarray:
-    """Bool codes (N, T, K) -> (W, 1, N, T) words, one plane: uint16 for K <= 16 (four times as
-    many popcounts per vector as uint64), else uint64 (`_pack`)."""
-    words = _pack(codes.contiguous().numpy())[:, None]
-    return words.astype(np.uint16) if codes.shape[-1] <= 16 else words
 
 
 @njit(cache=True)
@@ -328,7 +321,7 @@ RANK_MAX = 128
 
 @cpu_kernel()
 def _select(pq, pk, K, allowed, kk, q, keys, by_score, out):
-    """pq, pk (G, P, N, T) words of the codes, groups of P bit planes (`_sign_planes`,
+    """pq, pk (G, P, N, T) words of the codes, groups of P bit planes (`_sign_words`,
     `_pack_planes`); allowed (N, T) bool; q, keys (N, T, d) float32 or float64 (scores, when
     by_score); out (N, T, kk) int64: the selected keys of every row, increasing."""
     G, P, N, T = pq.shape
@@ -346,6 +339,7 @@ def _select(pq, pk, K, allowed, kk, q, keys, by_score, out):
     for task in prange(N * tasks):
         n = task // tasks
         lv = np.zeros(64 * blocks, np.int16)  # the row's levels; padding 0, below every key
+        partial = np.zeros(64 * blocks, np.int16)  # the levels after a group, when G > 1
         selected = np.empty(blocks, np.uint64)  # the row's selected keys, a bit each
         top = np.empty(T, np.int16)  # a key's level when it matches in every bit
         tied = np.empty(T, np.int64)
@@ -360,14 +354,16 @@ def _select(pq, pk, K, allowed, kk, q, keys, by_score, out):
         for j in range(T):  # the levels of `topk._chunk_levels`, less the mismatches
             top[j] = 2 * K + 4 if allowed[n, j] else K + 2
         for i in range((task % tasks) * rows, min((task % tasks + 1) * rows, T)):
-            for g in range(G):
-                start = top if g == 0 else lv
+            start = top
+            for g in range(G):  # the last group writes lv; none reads the array it writes
+                end = lv if (G - g) % 2 == 1 else partial  # (so its loop runs in vector lanes)
                 if P == 1:
-                    _one_plane(lv, start, pq, pk, g, n, i)
+                    _one_plane(end, start, pq, pk, g, n, i)
                 elif P <= 4:
-                    _up_to_four_planes(lv, start, pq, pk, g, n, i)
+                    _up_to_four_planes(end, start, pq, pk, g, n, i)
                 else:
-                    _many_planes(lv, start, pq, pk, g, n, i, differ)
+                    _many_planes(end, start, pq, pk, g, n, i, differ)
+                start = end
             lv[i] = K + 3 if allowed[n, i] else 1  # the own key: below the other allowed keys
             c = _threshold(lv, kk)
             above = tied_n = 0  # the keys above c* are in; those at c* (tied), increasing
@@ -444,7 +440,7 @@ def lsh_topk_cpu(cq: Tensor, ck: Tensor, kv: Tensor, k: int, q: Tensor, keys: Te
     if N * T == 0:
         return out
     if cq.dtype == torch.bool:
-        planes = [_sign_planes(c) for c in (cq, ck)]
+        planes = [_sign_words(c.contiguous().numpy()) for c in (cq, ck)]
     else:
         planes = _pack_planes(cq.contiguous().numpy(), ck.contiguous().numpy())
     # float32 rows widened in the kernel: 0.85-0.9x the time of rows widened here (half the
