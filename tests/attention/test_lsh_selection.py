@@ -202,6 +202,18 @@ def test_scores_beyond_float32_range(q_scale, key_scale, path):
     assert torch.equal(as_sets(got, 200), definition(cq, ck, kv, 13, q, keys))
 
 
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_non_finite_scores_still_select_k_distinct_keys(bad):
+    """Keys holding NaN or infinity (a diverged model): the CPU kernel's float32 estimates
+    bound nothing there, so it must not narrow on them (it once kept fewer keys than slots
+    and wrote out of bounds): every row still gets k distinct keys, in increasing order."""
+    cq, ck, kv, q, keys = random_case(2, 120, 3, 6, seed=0, dtype=torch.float32, valid_frac=1)
+    keys[:, 5::7] = bad
+    got = topk.topk_by_match(cq, ck, kv, 13, q, keys)
+    assert got.shape == (2, 120, 13) and bool((got[..., 1:] > got[..., :-1]).all())
+    assert bool(((got >= 0) & (got < 120)).all())
+
+
 @pytest.mark.parametrize("tie_break", ["score", "position"])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 @pytest.mark.parametrize("name", LSH)

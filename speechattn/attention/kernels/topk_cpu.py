@@ -290,11 +290,16 @@ def _contenders(query, keys, n, tied, tied_n, need, error, estimate):
     A bisection over the estimates finds x with at least `need` estimates >= x: those keys
     score at least x - error, so a key whose estimate is below x - 2 error scores less than
     `need` others and is out. About `need` keys stay, often exactly `need` (no exact score
-    needed); the float64 scores and their ranking run on these alone."""
+    needed); the float64 scores and their ranking run on these alone. A NaN or infinite
+    estimate (from such inputs) has no bound: all tied keys stay."""
     lo = hi = estimate[0] = _dot32(query, keys, n, tied[0])
+    total = np.float32(0)
     for m in range(1, tied_n):
         estimate[m] = _dot32(query, keys, n, tied[m])
         lo, hi = min(lo, estimate[m]), max(hi, estimate[m])
+        total += estimate[m]
+    if not np.isfinite(total + estimate[0]):  # finite estimates sum to a finite total
+        return tied_n
     for _ in range(12):  # count(estimate >= lo) >= need holds throughout
         mid = lo + (hi - lo) / np.float32(2)
         count = 0
