@@ -10,6 +10,10 @@
   never appears (a checkpoint must never run code).
 - `gpu_device` (function): the device of the `gpu` suite (`pytest -m gpu`): CUDA, skipping
   without it; `SPEECHATTN_GPU_SUITE_DEVICE=cpu` runs the suite on CPU to check the suite itself.
+- `one_torch_thread` (function): torch (and so the compiled CPU kernels) on one thread for
+  the test: tiny tensors gain nothing from threads, and the suite then compiles only the
+  kernels' serial builds (their threaded builds, about 17 s to compile, are tested in the slow
+  tier).
 - `tiny_data_config` (function): `DataConfig` for that corpus -- batch size 4, no workers, no
   progress bars, a session-wide feature cache (features are extracted once per session; keys are
   content hashes, so sharing is safe). Tests may `dataclasses.replace` it; use `tmp_path` as
@@ -155,3 +159,12 @@ def gpu_device() -> torch.device:
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
     return torch.device("cuda")
+
+
+@pytest.fixture
+def one_torch_thread():
+    """torch on one thread for the test, the previous count restored after it."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

@@ -91,11 +91,6 @@ def _device(width: Width, device: torch.device | None) -> torch.device | None:
     return width.device if isinstance(width, Tensor) and device is None else device
 
 
-def _full(pattern: Tensor, T: int) -> Tensor:
-    """A predicate's result broadcast to (..., T, T) (a view)."""
-    return pattern.expand(*pattern.shape[:-2], T, T)
-
-
 def band_pattern(T: int, width: Width, device: torch.device | None = None) -> Tensor:
     """Local band |i - j| <= width, (T, T) bool, or (B, T, T) for per-utterance widths
     (strided pattern, first half of the heads)."""
@@ -108,22 +103,6 @@ def strided_pattern(T: int, stride: Width, device: torch.device | None = None) -
     half)."""
     i, j = grid(T, _device(stride, device))
     return same_residue(i, j, per_utterance(stride))
-
-
-def block_pattern(T: int, block: Width, device: torch.device | None = None) -> Tensor:
-    """Own block floor(i / l) = floor(j / l), (T, T) or (B, T, T) bool (fixed pattern, first
-    half)."""
-    i, j = grid(T, _device(block, device))
-    return same_block(i, j, per_utterance(block))
-
-
-def summary_pattern(
-    T: int, block: Width, summary: Width, device: torch.device | None = None
-) -> Tensor:
-    """Summary columns j mod l >= l - c, (T, T) or (B, T, T) bool (fixed pattern, second
-    half); c <= l."""
-    _, j = grid(T, _device(block, device))
-    return _full(summary_key(j, per_utterance(block), per_utterance(summary)), T)
 
 
 def hankel(values: Tensor, L: int, Lk: int) -> Tensor:

@@ -134,10 +134,6 @@ class SplitListing:
     # `BROKEN_LINK` (the scan reports it)
     digest: str  # 32 hex digits over the relative paths, sizes, mtimes and ctimes
 
-    @property
-    def num_files(self) -> int:
-        return sum(len(files) for _, _, files in self.chapters)
-
 
 def walk_split(root: str | Path, split: str) -> SplitListing:
     """One `os.scandir` walk of `root/split` with a stat per file (no file is opened).

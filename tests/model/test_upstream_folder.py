@@ -58,6 +58,7 @@ def assert_same_upstream(a: torch.nn.Module, b: torch.nn.Module) -> None:
 
 
 @pytest.mark.parametrize("attention", ["full", "xbox", "ldsa"])
+@pytest.mark.usefixtures("one_torch_thread")
 def test_a_folder_loads_to_the_same_module_bit_for_bit(tmp_path, attention):
     pt = tiny_upstream(tmp_path / "upstream.pt", attention)
     folder = export(pt, tmp_path / "upstream")

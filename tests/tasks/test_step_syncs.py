@@ -55,6 +55,7 @@ def step_syncs(name: str) -> SyncCounter:
 
 
 @pytest.mark.parametrize("name", available())
+@pytest.mark.usefixtures("one_torch_thread")
 def test_at_most_one_sync_per_step(name):
     last = step_syncs(name)
     reason, allowed = ALLOWED.get(name, ("", 1))

@@ -83,14 +83,6 @@ class HeadsConfig:
     ablation: AblationConfig = field(default_factory=AblationConfig)
     pruning: PruningConfig = field(default_factory=PruningConfig)
 
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> HeadsConfig:
-        return cls(
-            ImportanceConfig(**d.get("importance", {})),
-            AblationConfig(**d.get("ablation", {})),
-            PruningConfig(**d.get("pruning", {})),
-        )
-
 
 # ----------------------------------------------------------------------------- analyses
 
