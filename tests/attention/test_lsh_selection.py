@@ -203,10 +203,11 @@ def test_scores_beyond_float32_range(q_scale, key_scale, path):
 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
-def test_non_finite_scores_still_select_k_distinct_keys(bad):
+def test_non_finite_scores_still_select_k_distinct_keys(bad, path):
     """Keys holding NaN or infinity (a diverged model): the CPU kernel's float32 estimates
     bound nothing there, so it must not narrow on them (it once kept fewer keys than slots
-    and wrote out of bounds): every row still gets k distinct keys, in increasing order."""
+    and wrote out of bounds), and the tensor path must order such scores (it once picked
+    the out-of-range key T): every row still gets k distinct keys, in increasing order."""
     cq, ck, kv, q, keys = random_case(2, 120, 3, 6, seed=0, dtype=torch.float32, valid_frac=1)
     keys[:, 5::7] = bad
     got = topk.topk_by_match(cq, ck, kv, 13, q, keys)

@@ -214,12 +214,14 @@ def _finish_dense(
     at most T keys tie, so their scores are the chunk's dense (N, C, T) float32 `scores`. The
     need-th best tied score (the cut) comes from a top-k over the masked scores; the tied keys
     better than the cut are fewer than need <= kk, so they are among the top-k's entries
-    (no pass over the row for them); the equal ones go to the nearest (`_nearest`).
+    (no pass over the row for them); the equal ones go to the nearest (`_nearest`). Scores
+    are compared as `ordered_bits`, the CPU kernel's order, so that infinite and NaN scores
+    (a diverged model) are ordered too and never equal an untied key's mark.
     above, at bool (N, C, T). Returns the selection, a bool mask (N, C, T)."""
-    tied = scores.masked_fill(~at, float("-inf"))  # the tied keys' scores, -inf elsewhere
+    tied = ordered_bits(scores).masked_fill(~at, -1)  # the tied keys' order, -1 elsewhere
     best, where = tied.topk(kk, dim=-1)  # (N, C, kk)
-    cut = best.gather(-1, need - 1)  # (N, C, 1): a tied key's, finite
-    better = best > cut  # (N, C, kk); the -inf of untied keys never is
+    cut = best.gather(-1, need - 1)  # (N, C, 1): a tied key's, >= 0
+    better = best > cut  # (N, C, kk); the -1 of untied keys never is
     chosen = above.scatter(-1, where, above.gather(-1, where) | better)
     m = need - _count(better)
     return chosen | _nearest(tied == cut, m, s)
