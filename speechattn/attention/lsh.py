@@ -90,6 +90,27 @@ def _unit(q: Tensor) -> Tensor:
     return q / q.norm(dim=-1, keepdim=True).clamp_min(_TINY)
 
 
+class _UnitKeys(torch.autograd.Function):
+    """k = q / max(||q||, 1e-12) along the last dimension, F.normalize's forward, with a
+    backward of seven tensor operations where autograd's of F.normalize takes fifteen (each
+    is a pass over (B, h, T, d_k): a few per cent of the layer at T = 128)."""
+
+    @staticmethod
+    def forward(ctx, q: Tensor) -> Tensor:
+        norm = q.norm(dim=-1, keepdim=True)
+        n = norm.clamp_min(_TINY)
+        k = q / n
+        ctx.save_for_backward(k, n, norm)
+        return k
+
+    @staticmethod
+    def backward(ctx, g: Tensor) -> Tensor:
+        k, n, norm = ctx.saved_tensors
+        # d(q/n)/dq = (I - k k^T) / n; where the norm is clamped, n is a constant: I / n
+        along = (g * k).sum(-1, keepdim=True) * (norm >= _TINY)
+        return (g - k * along) / n
+
+
 def _sq_norm(x: Tensor) -> Tensor:
     return x.pow(2).sum(-1, keepdim=True)
 
@@ -104,7 +125,7 @@ def sign_alsh(
     x = k * (U / M)
     n2 = _sq_norm(x)
     P = torch.cat([x, 0.5 - n2, 0.5 - n2.pow(2)], dim=-1)
-    return F.pad(_unit(q) * (M if qnf else 1.0), (0, 2)), P
+    return F.pad(_unit(q) * M if qnf else _unit(q), (0, 2)), P
 
 
 def xbox(q: Tensor, k: Tensor, M: Tensor) -> tuple[Tensor, Tensor]:
@@ -254,12 +275,13 @@ class _LSHAttention(Attention):
         """x (B, T, D) -> q, k, v (B, h, T, d_k): k = q / ||q|| (`normalize_keys`) or q."""
         q, v = self.qv(x).chunk(2, dim=-1)  # 2 x (B, T, D)
         q = self.split_heads(q)  # (B, h, T, d_k)
-        return q, F.normalize(q, dim=-1) if self.normalize_keys else q, self.split_heads(v)
+        return q, _UnitKeys.apply(q) if self.normalize_keys else q, self.split_heads(v)
 
     @torch.no_grad()
-    def codes(self, q: Tensor, k: Tensor, valid: Tensor) -> tuple[Tensor, Tensor]:
+    def codes(self, q: Tensor, k: Tensor, valid: Tensor | None) -> tuple[Tensor, Tensor]:
         """Query and key codes (B, h, T, K): bool (sign) or int32 buckets (l2); q the queries,
-        k the vectors the key side hashes; M over the valid keys of each sequence/head.
+        k the vectors the key side hashes; M over the valid keys of each sequence/head (valid
+        (B, T), or None: nothing padded).
 
         Always computed in float32 with autocast off: a sign bit is a hard decision, and half
         precision transforms (norms, sqrt(M^2 - ||x||^2)) would flip bits of the fp32 model.
@@ -267,9 +289,11 @@ class _LSHAttention(Attention):
         with torch.autocast(q.device.type, enabled=False):
             return self._codes(widen(q), widen(k), valid)
 
-    def _codes(self, q: Tensor, k: Tensor, valid: Tensor) -> tuple[Tensor, Tensor]:
-        kv = key_mask(valid)[:, None, :, None]  # (B, 1, T, 1)
-        M = (k.norm(dim=-1, keepdim=True) * kv).amax(dim=-2, keepdim=True).clamp_min(_TINY)
+    def _codes(self, q: Tensor, k: Tensor, valid: Tensor | None) -> tuple[Tensor, Tensor]:
+        norms = k.norm(dim=-1, keepdim=True)  # (B, h, T, 1)
+        if valid is not None:
+            norms = norms * key_mask(valid)[:, None, :, None]
+        M = norms.amax(dim=-2, keepdim=True).clamp_min(_TINY)  # (B, h, 1, 1)
         # both sides in one product and one rounding (about 20 us a tensor operation at T=128)
         z = torch.stack(type(self).transform(q, k, M))  # (2, B, h, T, d_k + m): Q(q), P(k)
         if self.hash == "sign":
@@ -290,14 +314,18 @@ class _LSHAttention(Attention):
         return (cq[:, :, :, None, :] == ck[:, :, None, :, :]).sum(-1)
 
     @torch.no_grad()
-    def select(self, q: Tensor, k: Tensor, valid: Tensor) -> Tensor:
+    def select(self, q: Tensor, k: Tensor, valid: Tensor | None) -> Tensor:
         """Top-k key indices (B, h, T, min(k, T)) (fast path; no gradient).
 
         q, k (B, h, T, d_k) as `_qkv` gives them: the queries hash q and the keys k (or q,
-        `hash_keys`), each through the scheme's transform; ties are broken by the scores q . k."""
+        `hash_keys`), each through the scheme's transform; ties are broken by the scores q . k.
+        valid (B, T), or None: nothing padded (a few tensor operations fewer)."""
         B, h, T, d = q.shape
         cq, ck = self.codes(q, self.hashed_keys(q, k), valid)
-        kv = key_mask(valid)[:, None].expand(B, h, T).reshape(B * h, T)
+        if valid is None:
+            kv = torch.ones(B * h, T, dtype=torch.bool, device=q.device)
+        else:
+            kv = key_mask(valid)[:, None].expand(B, h, T).reshape(B * h, T)
         scores = (
             (q.reshape(B * h, T, d), k.reshape(B * h, T, d)) if self.tie_break == "score" else ()
         )
@@ -326,13 +354,12 @@ class _LSHAttention(Attention):
         return torch.zeros_like(match, dtype=torch.bool).scatter(-1, order, True)
 
     def attend(self, x: Tensor, valid: Tensor | None) -> Tensor:
-        padded = valid is not None
-        valid = all_valid(x) if valid is None else valid
         q, k, v = self._qkv(x)  # (B, h, T, d_k)
         B, h, T, d = q.shape
         idx = self.select(q, k, valid)  # (B, h, T, kk)
         if use_short_path(self, q):
-            return self._attend_short(q, k, v, idx, valid if padded else None)
+            return self._attend_short(q, k, v, idx, valid)
+        valid = all_valid(x) if valid is None else valid
         allowed = key_mask(valid).gather(1, idx.reshape(B, -1)).view(idx.shape)
         if self.dropout and self.training:  # dropout needs the weights: unfused path
             return self._attend_unfused(q, k, v, idx, allowed)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _attention_testing import DIM, HEADS, batch, make
+from _attention_testing import DIM, HEADS, batch, force_path, make
 
 from speechattn.attention import lsh
 from speechattn.attention.kernels import topk
@@ -176,3 +176,32 @@ def test_score_tie_break_adds_no_locality():
     """Random keys at T = 300 are on average ~100 frames away; the position tie-break
     pulled the selected ones nearer (~82), the score tie-break does not."""
     assert selected_distance("position") < 90 < selected_distance("score")
+
+
+def test_unit_keys_are_f_normalize_with_its_gradient():
+    """LSH's key normalisation has its own short backward: the same keys bit for bit and
+    the same gradient as F.normalize's, rows of zero and of clamped norm included."""
+    q = torch.randn(2, 3, 7, 5, dtype=torch.float64)
+    q[0, 0, 0], q[0, 1, 2] = 0.0, 1e-14  # a zero row, a row under the 1e-12 clamp
+    q.requires_grad_()
+    g = torch.randn_like(q)
+    want = torch.nn.functional.normalize(q, dim=-1)
+    got = lsh._UnitKeys.apply(q)
+    assert torch.equal(got, want)
+    (want_grad,) = torch.autograd.grad(want, q, g)
+    (got_grad,) = torch.autograd.grad(got, q, g)
+    torch.testing.assert_close(got_grad, want_grad, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("path", ["short", "long"])
+@pytest.mark.parametrize("hash", ["sign", "l2"])
+@pytest.mark.parametrize("name", LSH)
+def test_no_padding_selects_as_an_all_valid_mask(name, hash, path, monkeypatch):
+    """valid=None (nothing padded) skips the mask's operations, not its meaning."""
+    force_path(monkeypatch, path)
+    attn = make(name, k=6, bits=5, hash=hash)
+    x, _ = batch([40, 40])
+    q, k, _ = attn._qkv(x)
+    everything = torch.ones(2, 40, dtype=torch.bool)
+    assert torch.equal(attn.select(q, k, None), attn.select(q, k, everything))
+    torch.testing.assert_close(attn(x), attn(x, ~everything), rtol=0, atol=0)
