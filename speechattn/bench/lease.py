@@ -53,8 +53,14 @@ from typing import Any
 
 import torch
 
-from speechattn.attention import available, registry
-from speechattn.bench.common import CUDA_LAUNCHES, device_name, matmul_peak, sync
+from speechattn.attention import registry
+from speechattn.bench.common import (
+    CUDA_LAUNCHES,
+    attention_names,
+    device_name,
+    matmul_peak,
+    sync,
+)
 from speechattn.errors import UsageExit
 
 FEATURE_DIM = 80
@@ -508,11 +514,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--inject-failure", default=None, help=argparse.SUPPRESS)
     p.add_argument("--inject-crash", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    names = available() if args.variants == "all" else args.variants.split(",")
-    unknown = [n for n in names if n not in available()]
-    if unknown:
-        raise UsageExit(f"unknown attention {unknown}; choose from {', '.join(available())}")
-    args.variants = names
+    args.variants = attention_names(args.variants)
     if args.compiled is None:
         # LSH's selection is many memory passes eagerly; compiled, inductor fuses them
         args.compiled = "full,xbox,sign_alsh,ldsa" if args.device == "cuda" else ""

@@ -25,7 +25,6 @@ Printed:
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import tempfile
@@ -33,6 +32,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from speechattn.bench.common import check_mfu, write_json
 from speechattn.bench.pretrain import GPU_PEAKS, project_step
 from speechattn.errors import UsageExit
 
@@ -199,8 +199,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from speechattn.config import compose
 
-    if not 0 < args.mfu <= 1:
-        raise UsageExit(f"--mfu must be in (0, 1], got {args.mfu}")
+    check_mfu(args.mfu)
     cfg = compose("pretrain", args.overrides)
     setting, need = project_step(cfg, args.gpu, args.mfu)
     result = {
@@ -233,9 +232,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         f"  ratio measured / needed: {r['ratio']:.2f}"
         + ("" if r["ratio"] >= 1 else "  (the GPU would wait for data)")
     )
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=2))
+    write_json(args.json, result)
     return result
 
 

@@ -26,7 +26,6 @@ import argparse
 import copy
 import json
 import statistics
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -34,7 +33,6 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from speechattn.attention.registry import options as attention_options
 from speechattn.bench.common import (
     PeakRSS,
     add_precision_argument,
@@ -42,7 +40,9 @@ from speechattn.bench.common import (
     default_precision,
     device_name,
     peak_memory,
-    sync,
+    sized_options,
+    time_call,
+    write_json,
 )
 from speechattn.model.aalbert import AALBERT, PRESETS, preset_config
 from speechattn.model.pruning import pruning_point
@@ -71,13 +71,9 @@ def models(args: argparse.Namespace) -> tuple[AALBERT, AALBERT, Tensor, str]:
     if args.upstream:
         full = load_upstream(args.upstream).model
     else:
-        needs_len = "max_len" in attention_options(args.attention)  # synthesizers: l_max >= T'
-        opts = {"max_len": max(1024, args.frames)} if needs_len else {}
+        opts = sized_options(args.attention, args.frames)
         config = preset_config(
-            args.model,
-            feature_dim=FEATURE_DIM,
-            attention=args.attention,
-            attention_options=opts,
+            args.model, feature_dim=FEATURE_DIM, attention=args.attention, attention_options=opts
         )
         torch.manual_seed(0)
         full = AALBERT(config)
@@ -116,11 +112,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     times: dict[str, list[float]] = {name: [] for name in cases}
     for _ in range(args.reps):
         for name, fn in cases.items():  # interleaved: drifting load affects both alike
-            sync(device)
-            t0 = time.perf_counter()
-            fn()
-            sync(device)
-            times[name].append(time.perf_counter() - t0)
+            times[name].append(time_call(fn, device))
     rss = PeakRSS()
     rows = {}
     for name, model in (("masked", full), ("pruned", pruned)):
@@ -180,9 +172,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "speedup": speedup,
         "peak_mem_ratio": mem_ratio,
     }
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=2))
+    write_json(args.json, result)
     return result
 
 

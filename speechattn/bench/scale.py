@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from speechattn.bench.common import write_json
 from speechattn.bench.corpus import DEFAULT_SECONDS, make_scale_corpus
 
 SPLIT = "train-clean-360"
@@ -126,6 +127,4 @@ def main(argv: list[str]) -> None:
     if rows:
         need = rows[-1]["need_frames_per_s"]
         print(f"  GPU need (projection, bench loader): {need / 1e6:.3f} M frames/s")
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({"benchmark": "scale", "rows": rows}, indent=2))
+    write_json(args.json, {"benchmark": "scale", "rows": rows})
