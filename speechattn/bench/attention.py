@@ -130,13 +130,10 @@ def growth_exponent(times: dict[int, float]) -> float | None:
     if len(pts) < 2:
         return None
     top = max(T for T, _ in pts)
-    pts = [(math.log(T), math.log(t)) for T, t in pts if T >= top / 8] or pts
+    pts = [(math.log(T), math.log(t)) for T, t in pts if T >= top / 8]
     if len(pts) < 2:
         return None
-    mx = statistics.fmean(x for x, _ in pts)
-    my = statistics.fmean(y for _, y in pts)
-    sxx = sum((x - mx) ** 2 for x, _ in pts)
-    return sum((x - mx) * (y - my) for x, y in pts) / sxx if sxx else None
+    return statistics.linear_regression(*zip(*pts)).slope
 
 
 def row_names(args: argparse.Namespace, device: torch.device) -> tuple[list[str], list[str]]:

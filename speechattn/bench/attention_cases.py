@@ -53,7 +53,6 @@ class KernelOnly(nn.Module):
         return F.scaled_dot_product_attention(*qkv)
 
 
-# --------------------------------------------------------------------------- memory probes
 def saved_bytes(fn: Callable[[], Tensor], params: list[Tensor]) -> tuple[Tensor, float]:
     """Run fn under saved_tensors_hooks; returns (output, MiB of distinct saved storages),
     not counting storages of `params` (saving a parameter costs no memory)."""
@@ -71,7 +70,6 @@ def saved_bytes(fn: Callable[[], Tensor], params: list[Tensor]) -> tuple[Tensor,
     return out, sum(seen.values()) / 2**20
 
 
-# --------------------------------------------------------------------------- measuring
 class Case:
     """One benchmarked module at one length: builds inputs and runs one training step."""
 

@@ -61,16 +61,6 @@ def source_audio(seconds: float, seed: int) -> np.ndarray:
     return np.clip(audio, -1.0, 1.0 - 1 / 32768).astype(np.float32)
 
 
-def corpus_params(
-    utterances: int, speakers: int, chapters: int, split: str, seconds: Sequence[float],
-    seed: int, copy: bool,
-) -> dict[str, Any]:  # fmt: skip
-    """What `corpus.json` records (an existing corpus is reused only when all of it matches)."""
-    return {"generator": "speechattn.bench.corpus", "version": GENERATOR_VERSION,
-            "utterances": utterances, "speakers": speakers, "chapters": chapters, "split": split,
-            "seconds": [float(s) for s in seconds], "seed": seed, "copy": copy}  # fmt: skip
-
-
 def make_scale_corpus(
     out: str | Path,
     utterances: int,
@@ -112,7 +102,11 @@ def make_scale_corpus(
             f"{per_chapter} utterances per chapter: LibriSpeech ids allow 9999; add speakers"
         )
     out = Path(out)
-    params = corpus_params(utterances, speakers, chapters, split, seconds, seed, copy)
+    # what corpus.json records: an existing corpus is reused only when all of it matches
+    params = {"generator": "speechattn.bench.corpus", "version": GENERATOR_VERSION,
+              "utterances": utterances, "speakers": speakers, "chapters": chapters,
+              "split": split, "seconds": [float(s) for s in seconds], "seed": seed,
+              "copy": copy}  # fmt: skip
     if out.exists():
         try:
             found = json.loads((out / "corpus.json").read_text())

@@ -5,21 +5,15 @@
     e.g. python -m speechattn.bench loader experiment=paper data.root=/data/LibriSpeech
 
 The overrides compose the pretraining config as `python -m speechattn.pretrain OVERRIDES`
-would. The loader is the one training iterates (`ResumableData.step_loader`): the data
-module's dataset, `data.num_workers` worker processes, `pin_memory`, prefetch, the
-`StepBatchSampler` order and the task's masking collate (stack, length bucket, masks).
-Printed:
-
-* start-up: seconds (wall and CPU, this process and its finished children: extraction
-  workers) of `prepare_data()` + `setup()`; `--cold` runs it on an empty temporary feature
-  cache (extraction included), otherwise on the cache as it is (warm when features exist);
-* the first batch (worker start-up) and `--warmup` batches, untimed beyond that;
-* over `--batches` batches: 10 ms frames/s (valid frames, `lengths`), batches/s, padding,
-  and CPU seconds per batch of the main process and its workers;
-* open file descriptors of the main process and of each worker after the timed batches;
-* what the GPU needs: `bench pretrain --plan`'s loader rate for the same config (step FLOPs
-  at every utterance's full crop, at `--mfu` of `--gpu`'s vendor bf16/fp16/tf32 dense peak),
-  and the ratio measured / needed (>= 1: the loader keeps up; a projection on one side).
+would; the loader is the one training iterates (`ResumableData.step_loader`: the data module's
+dataset, `data.num_workers` workers, `pin_memory`, prefetch, the `StepBatchSampler` order and
+the task's masking collate). Printed: start-up (`prepare_data()` + `setup()`, wall and CPU
+seconds of this process and its finished children, the extraction workers; `--cold`: on an
+empty temporary feature cache, else on the cache as found); the first batch (worker start-up);
+over `--batches` batches after `--warmup`: 10 ms frames/s (valid frames), batches/s, padding,
+CPU seconds per batch (main + workers) and open descriptors; what the GPU needs (`bench
+pretrain --plan`'s loader rate at `--mfu` of `--gpu`'s dense peak, every utterance at the full
+crop: a projection) and the ratio measured / needed (>= 1: the loader keeps up).
 """
 
 from __future__ import annotations
@@ -37,9 +31,6 @@ from speechattn.bench.pretrain import GPU_PEAKS, project_step
 from speechattn.errors import UsageExit
 
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
-
-
-# ----------------------------------------------------------------------------- processes
 
 
 def open_descriptors(pid: int | str = "self") -> int | None:
@@ -77,9 +68,6 @@ def finished_children_cpu() -> float:
 
     usage = resource.getrusage(resource.RUSAGE_CHILDREN)
     return usage.ru_utime + usage.ru_stime
-
-
-# ----------------------------------------------------------------------------- measuring
 
 
 def measure(cfg: Any, batches: int = 50, warmup: int = 5, cold: bool = False) -> dict[str, Any]:
@@ -177,9 +165,6 @@ def _time_loader(loader: Any, warmup: int, batches: int) -> dict[str, Any]:
         "cpu_s_per_batch": cpu / batches,
         "descriptors": descriptors,
     }
-
-
-# ----------------------------------------------------------------------------- CLI
 
 
 def parse(argv: list[str]) -> argparse.Namespace:

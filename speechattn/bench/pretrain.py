@@ -75,9 +75,6 @@ from speechattn.utils import crop_lengths, lengths_to_padding_mask
 FEATURE_DIM = 80
 
 
-# ----------------------------------------------------------------------------- reference
-
-
 class ReferenceLayer(nn.Module):
     """BERT layer written out by hand: explicit attention matrix, post-LN, GELU FFN."""
 
@@ -132,17 +129,10 @@ class ReferenceAALBERT(nn.Module):
         return self.head(h)
 
 
-# ----------------------------------------------------------------------------- measuring
-
-
-def _sdpa_cpu_flops(q, k, v, *args, **kwargs) -> int:
+def _sdpa_cpu_flops(q, k, *args, **kwargs) -> int:
+    """Forward of SDPA on shapes q (B, h, T, d_k), k (B, h, S, d_k): 4 B h T S d_k."""
     B, h, T, d = q
     return 4 * B * h * T * k[2] * d
-
-
-def _sdpa_cpu_backward_flops(grad_out, q, k, v, *args, **kwargs) -> int:
-    B, h, T, d = q
-    return 8 * B * h * T * k[2] * d
 
 
 def _conv_backward_flops(grad_out, x, w, _bias, _stride, _padding, _dilation, transposed,
@@ -157,7 +147,9 @@ def _conv_backward_flops(grad_out, x, w, _bias, _stride, _padding, _dilation, tr
 
 SDPA_CPU = {  # the counter's additions and corrections
     torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: _sdpa_cpu_flops,
-    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward: _sdpa_cpu_backward_flops,
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward: (
+        lambda grad_out, q, k, *args, **kwargs: 2 * _sdpa_cpu_flops(q, k)
+    ),
     torch.ops.aten.convolution_backward: _conv_backward_flops,
 }
 
@@ -193,10 +185,9 @@ def make_step(
 
 
 def bench_batch(args: argparse.Namespace, config: ModelConfig) -> dict[str, Any]:
-    """The timed batch: `--lengths training` (default) draws lengths as the loader's crops
-    (`utils.crop_lengths`) and pads to `--pad-to-multiple` model frames as `experiment=paper`
-    does, so padded batches take the masked kernels that training takes; `--lengths full`
-    times every utterance at `--frames` (no padding, no masks). Lengths stay on the host."""
+    """The timed batch: `--lengths training` draws crops as the loader does and pads to
+    `--pad-to-multiple` model frames, so it takes the masked kernels training takes; `--lengths
+    full` has every utterance at `--frames` (no padding, no masks). Lengths stay on the host."""
     T, generator = args.frames * config.stack, torch.Generator().manual_seed(0)
     if args.lengths == "full":
         features = torch.randn(args.batch, T, FEATURE_DIM, generator=generator)
@@ -209,7 +200,7 @@ def bench_batch(args: argparse.Namespace, config: ModelConfig) -> dict[str, Any]
 
 def crop_batch(batch: int, crop: int, generator: torch.Generator) -> tuple[Tensor, Tensor]:
     """Random features (batch, crop, 80), zero past lengths (batch,) drawn as the loader's
-    crops give them (`utils.crop_lengths`), on the host."""
+    crops (`utils.crop_lengths`), on the host."""
     lengths = crop_lengths(batch, crop, generator)
     features = torch.randn(batch, crop, FEATURE_DIM, generator=generator)
     features *= (torch.arange(crop)[None, :] < lengths[:, None])[..., None]
@@ -238,9 +229,8 @@ def attention_flops(name: str, config: ModelConfig, batch: int, frames: int) -> 
 
 
 def step_syncs(name: str, config: ModelConfig, args: argparse.Namespace) -> tuple[int, int]:
-    """Host-device syncs of one `PretrainTask` training step of variant `name` at the bench's
-    batch and length: (reads of device data, blocking uploads of host memory) (fp32; on a CPU
-    the CPU stands in for the device: `bench/syncs.py`)."""
+    """(reads of device data, blocking uploads) of one fp32 `PretrainTask` training step of
+    variant `name` at the bench's batch and length (`bench/syncs.py`)."""
     from speechattn.bench.syncs import pretrain_step_syncs
 
     opts = sized_options(name, args.frames)
@@ -257,8 +247,6 @@ def build(name: str, config: ModelConfig, frames: int, device: str) -> nn.Module
     c = ModelConfig(**{**config.to_dict(), "attention": name, "attention_options": opts})
     return AALBERT(c).to(device).train()
 
-
-# ----------------------------------------------------------------------------- plan
 
 # Vendor dense peaks of the tensor cores, FLOP/s (no 2:4 structured sparsity: the datasheets'
 # headline figures "with sparsity" halved). NVIDIA H100 SXM5 datasheet: BF16/FP16 1,979 and TF32
@@ -302,12 +290,11 @@ def step_flops(config: ModelConfig, batch: int, frames: int) -> float:
 
 
 def project_step(cfg: Any, gpu: str, mfu: float) -> tuple[dict[str, Any], dict[str, Any]]:
-    """One training step of the composed pretraining config `cfg` on `gpu` (a `GPU_PEAKS`
-    key) at `mfu`: (setting, projection). The setting: model sizes, batch, crop (10 ms) and
+    """(setting, projection) of one training step of the composed pretraining config `cfg`
+    on `gpu` (a `GPU_PEAKS` key) at `mfu`. The setting: model sizes, batch, crop (10 ms) and
     model frames, steps, precision and its tensor-core dtype. The projection: TFLOP per step
     (`step_flops`, every utterance at the full crop), step ms = FLOPs / (MFU x vendor dense
-    peak), GPU-hours for `trainer.max_steps`, and the 10 ms frames per step and per second
-    the loader must deliver to keep up."""
+    peak), GPU-hours for `trainer.max_steps`, the 10 ms frames/step and /s the loader owes."""
     from omegaconf import OmegaConf
 
     peaks = GPU_PEAKS[gpu][1]
@@ -330,13 +317,8 @@ def project_step(cfg: Any, gpu: str, mfu: float) -> tuple[dict[str, Any], dict[s
 
 
 def plan(args: argparse.Namespace) -> dict[str, Any]:
-    """`--plan OVERRIDES`: per variant, the FLOPs of one training step of the pretraining
-    config those overrides compose (model, `data.batch_size`, `data.max_frames`,
-    `trainer.max_steps`, `trainer.precision`), and what they project to on `--gpu` at `--mfu`:
-    step time = FLOPs / (MFU x vendor dense peak), GPU-hours = steps x step time / 3600, and
-    the loader's frames/s = 10 ms frames per step / step time. Every utterance is taken at the
-    full crop, so these are the upper bounds on work per step. A projection, nothing timed."""
-
+    """`--plan OVERRIDES`: per variant, `project_step` of the pretraining config those
+    overrides compose (every utterance at the full crop: upper bounds). Nothing is timed."""
     from speechattn.config import compose
 
     check_mfu(args.mfu)
@@ -367,9 +349,6 @@ def plan(args: argparse.Namespace) -> dict[str, Any]:
               "peak_tflops": peaks[s["dtype"]] / 1e12, "mfu": args.mfu, **s, "rows": rows}  # fmt: skip
     write_json(args.json, result)
     return result
-
-
-# ----------------------------------------------------------------------------- CLI
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
@@ -517,9 +496,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     }
     write_json(args.json, result)
     return result
-
-
-# ----------------------------------------------------------------------------- compile
 
 
 def explain(model: nn.Module, batch: dict[str, Tensor], masking: MaskingConfig, precision: str):

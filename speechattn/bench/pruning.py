@@ -4,20 +4,14 @@
         [--heads HEADS_JSON] [--fraction 0.5] [--batch 4] [--frames 500] [--reps 10]
         [--device cpu|cuda] [--precision fp32|bf16|fp16] [--json out.json]
 
-Both models run the same inference forward pass (no gradient, as a frozen upstream does
-downstream) on the same batch of `--frames` stacked 30 ms frames, side by side in interleaved
-order after one warm-up each:
-
-* `masked`: the full upstream with the head mask (xi = 0 on the pruned heads);
-* `pruned`: the same upstream after `AALBERT.prune_heads(mask)` (exactly the same outputs;
-  the largest difference is printed).
-
-The mask is the heads.json pruning point nearest to `--fraction` (`--heads`), else a seeded
-random choice of round(fraction h) heads per layer, the same heads at every depth of a shared
-layer (so that it loses them too). Without `--upstream` the model is a `--model` preset with
-random weights. Time: minimum over `--reps` (the most robust statistic on a shared machine),
-the median is stored too. Peak memory as `bench attention` measures it: the rise of
-`torch.cuda.max_memory_allocated` on CUDA, of the peak resident set size on CPU (Linux).
+Both models run the same inference forward (no gradient, as a frozen upstream downstream) on
+one batch of `--frames` stacked 30 ms frames, interleaved after one warm-up each: `masked`, the
+upstream with the head mask (xi = 0 on the pruned heads), and `pruned`, the same upstream after
+`AALBERT.prune_heads(mask)` (the same outputs; the largest difference is printed). The mask is
+the heads.json pruning point nearest to `--fraction` (`--heads`), else a seeded random choice
+of round(fraction h) heads per layer object (`random_mask`). Without `--upstream` the model is a
+`--model` preset with random weights. Time: minimum over `--reps` (median stored too); peak
+memory as `bench attention` measures it.
 """
 
 from __future__ import annotations

@@ -4,15 +4,13 @@ utterances, each measured cold (empty feature cache) then warm, in fresh process
     python -m speechattn.bench scale --work DIR [--sizes 1000,10000,100000] [--batches 50]
         [--warmup 5] [--seconds 3,8,12,14,16,20] [--json out.json] [OVERRIDES ...]
 
-For each size: `bench corpus` writes (or reuses) DIR/corpus-<n> (hard links, LibriSpeech
-layout, split train-clean-360); the feature cache DIR/cache-<n> is emptied; then
-`python -m speechattn.bench loader experiment=paper OVERRIDES data.root=... data.cache_dir=...`
-runs twice, each in a new process: the first start-up extracts every feature (cold), the
-second finds them (warm: what every later run and every DDP rank pays). Printed per size:
-corpus build seconds; cold start-up wall and CPU seconds (this process + extraction workers);
-warm start-up wall and CPU seconds; the warm run's loader frames/s, CPU per batch and open
-descriptors (main process, the most in one worker). Run it on a quiet machine: the figures
-in docs/benchmarks.md come from it.
+For each size: `bench corpus` writes (or reuses) DIR/corpus-<n> (hard links, split
+train-clean-360), DIR/cache-<n> is emptied, then `bench loader experiment=paper OVERRIDES
+data.root=... data.cache_dir=...` runs twice, each in a new process: cold (the start-up
+extracts every feature), then warm (what every later run and DDP rank pays). Printed per size:
+corpus build seconds, cold and warm start-up wall and CPU seconds (this process + extraction
+workers), the warm run's loader frames/s, CPU per batch and open descriptors (main, the most in
+one worker). The figures in docs/benchmarks.md come from it, on a quiet machine.
 """
 
 from __future__ import annotations

@@ -1,30 +1,24 @@
-"""Count host-device synchronisations: reads of device data by the host, and uploads of
-pageable host memory to the device.
+"""Count host-device synchronisations: reads of device data by the host, and uploads of host
+memory that block it (docs/gpu.md, "One host read and no blocking upload per training step").
 
-On a GPU every read of device data (`.item()`, `int(t)`, `bool(t)`, `float(t)`, `.tolist()`,
-`.cpu()`, `.numpy()`, and ops whose output size depends on the data: `nonzero`, boolean
-indexing, `masked_select`, `unique`, `bincount`, `repeat_interleave` without `output_size`,
-`torch.equal`) makes the host wait until the device has run everything queued before it; the
-launch queue drains, and neither CUDA graphs nor a full-graph `torch.compile` can hold the
-step. A copy of pageable (not pinned) host memory to the device (`x.to("cuda")` of a CPU
-tensor, `torch.tensor(0.5, device="cuda")`, `dst.copy_(cpu_tensor)`) is staged by the driver
-and blocks the host too, as does a blocking copy from pinned memory; only a copy from pinned
-memory with `non_blocking=True` (the batch the loader pins) overlaps with the device's work.
-`SyncCounter` is a `TorchDispatchMode` that counts both, each with its reason: reads in
-`reasons` (`count`), uploads in `uploads` (`upload_count`).
+A read (`.item()`, `int(t)`, `bool(t)`, `float(t)`, `.tolist()`, `.cpu()`, `.numpy()`, and ops
+whose output size depends on the data: `nonzero`, boolean indexing, `masked_select`, `unique`,
+`bincount`, `repeat_interleave` without `output_size`, `torch.equal`) makes the host wait for
+everything queued before it: the launch queue drains, and neither CUDA graphs nor a full-graph
+`torch.compile` can hold the step. A copy of pageable host memory to the device (`x.to("cuda")`
+of a CPU tensor, `torch.tensor(0.5, device="cuda")`, `dst.copy_(cpu_tensor)`) blocks the host
+too, as does a blocking copy from pinned memory; only a pinned copy with `non_blocking=True`
+(the batch the loader pins) overlaps with the device's work.
 
-On a GPU, the device data is whatever lives off the CPU. On a CPU-only machine
-(`cpu_is_device=True`) every CPU tensor counts as device data except the ones declared host
-data (`host=`: the batch's lengths, which stay on the host on a GPU too), tensors made from
-Python data (`torch.tensor(...)`) and whatever is computed from host data only, so one CPU run
-shows the syncs a GPU step would make, as far as the step takes the same branches on both
-(kernels chosen for the CPU may read lengths that the CUDA branch bounds statically: count
-those on fake CUDA, `tests/fakecuda`). There a copy's devices are all the CPU, so the
-stand-in counts as uploads only what plainly makes device data of host data: `torch.tensor`
-/ `torch.as_tensor` with a `device=` other than the string "cpu" (Lightning's `self.log` of
-a float), `.to(t)` for a device tensor t, and `.copy_` of host data into device data; a
-`.to(device)` of host data cannot be told from a host-to-host `.to(torch.device("cpu"))`
-there and is counted on a GPU and on fake CUDA only, where the copies themselves are seen.
+With `cpu_is_device=True` (a CPU-only machine) every CPU tensor counts as device data except
+declared host data (`host=`: the batch's lengths), tensors made from Python data and what is
+computed from host data only, so one CPU run shows the syncs a GPU step would make as far as
+both take the same branches (CPU kernels may read lengths that the CUDA branch bounds
+statically: count those on fake CUDA, `tests/fakecuda`). A copy's devices are all the CPU
+there, so only what plainly makes device data of host data counts as an upload:
+`torch.tensor` / `torch.as_tensor` with a `device=` other than the string "cpu", `.to(t)` for
+a device tensor t, `.copy_` of host data into device data (a `.to(device)` of host data cannot
+be told from a host-to-host `.to("cpu")` there: a GPU and fake CUDA count it).
 
     with SyncCounter(host=[lengths]) as syncs:
         step()
