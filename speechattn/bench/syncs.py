@@ -29,8 +29,9 @@ be told from a host-to-host `.to("cpu")` there: a GPU and fake CUDA count it).
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -210,63 +211,45 @@ class SyncCounter(TorchDispatchMode):
 
     # Python-level entries: reads without an aten op (or no-ops on the CPU), and, in the
     # stand-in, uploads whose copy is a no-op on the CPU
-    def _patch(self, owner: Any, name: str, make: Any) -> None:
+    def _patch(self, owner: Any, name: str, wrapper: Callable[..., Any]) -> None:
+        """Replace `owner.name` by `wrapper(original, *args, **kwargs)` until `__exit__`."""
         original = getattr(owner, name)
         self._patched.append((owner, name, original))
-        setattr(owner, name, make(original))
+        setattr(owner, name, lambda *args, **kwargs: wrapper(original, *args, **kwargs))
 
-    def _read(self, name: str) -> Any:
-        counter = self
-
-        def make(original: Any) -> Any:
-            def method(t: Tensor, *args: Any, **kwargs: Any) -> Any:
-                # .cpu() of a GPU tensor is counted as its _to_copy
-                copied = name == "cpu" and t.device.type != "cpu"
-                counted = counter._active() and counter.is_device(t) and not copied
-                if counted:
-                    counter._count(name)
-                counter._reading += counted
-                try:
-                    return original(t, *args, **kwargs)
-                finally:
-                    counter._reading -= counted
-
-            return method
-
-        return make
-
-    def _stand_in_to(self, original: Any) -> Any:
-        counter = self
-
-        def to(t: Tensor, *args: Any, **kwargs: Any) -> Any:
-            other = kwargs.get("other", args[0] if args else None)  # `t.to(other)`
-            moved = isinstance(other, Tensor) and counter.is_device(other)
-            if moved and counter._active() and not counter.is_device(t):
-                counter._upload(t, bool(kwargs.get("non_blocking", False)))
-                out = original(t, *args, **kwargs)
-                counter._host.pop(out, None)  # device data from here on
-                return out
+    def _read(self, name: str, original: Any, t: Tensor, *args: Any, **kwargs: Any) -> Any:
+        # .cpu() of a GPU tensor is counted as its _to_copy
+        copied = name == "cpu" and t.device.type != "cpu"
+        counted = self._active() and self.is_device(t) and not copied
+        if counted:
+            self._count(name)
+        self._reading += counted
+        try:
             return original(t, *args, **kwargs)
+        finally:
+            self._reading -= counted
 
-        return to
-
-    def _stand_in_factory(self, original: Any) -> Any:
-        counter = self
-
-        def factory(data: Any, *args: Any, **kwargs: Any) -> Tensor:
-            out = original(data, *args, **kwargs)
-            if counter._active() and _names_device(kwargs.get("device")):
-                host = not isinstance(data, Tensor) or not counter.is_device(data)
-                if host:
-                    counter._count(PAGEABLE, upload=True)  # Python data is never pinned
-                counter._host.pop(out, None)  # device data from here on
+    def _stand_in_to(self, original: Any, t: Tensor, *args: Any, **kwargs: Any) -> Any:
+        other = kwargs.get("other", args[0] if args else None)  # `t.to(other)`
+        moved = isinstance(other, Tensor) and self.is_device(other)
+        if moved and self._active() and not self.is_device(t):
+            self._upload(t, bool(kwargs.get("non_blocking", False)))
+            out = original(t, *args, **kwargs)
+            self._host.pop(out, None)  # device data from here on
             return out
+        return original(t, *args, **kwargs)
 
-        return factory
+    def _stand_in_factory(self, original: Any, data: Any, *args: Any, **kwargs: Any) -> Tensor:
+        out = original(data, *args, **kwargs)
+        if self._active() and _names_device(kwargs.get("device")):
+            if not isinstance(data, Tensor) or not self.is_device(data):
+                self._count(PAGEABLE, upload=True)  # Python data is never pinned
+            self._host.pop(out, None)  # device data from here on
+        return out
 
     def __enter__(self) -> SyncCounter:
         for name in ("tolist", "numpy", "cpu"):
-            self._patch(Tensor, name, self._read(name))
+            self._patch(Tensor, name, functools.partial(self._read, name))
         if self.cpu_is_device:
             self._patch(Tensor, "to", self._stand_in_to)
             for name in ("tensor", "as_tensor"):
