@@ -158,10 +158,8 @@ def _time_products(
 CUDA_LAUNCHES = {"cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx"}
 
 
-def count_kernels(fn: Callable[[], object], device: str | torch.device) -> int:
-    """Kernels one call of `fn` starts, from the profiler: CUDA kernel launches on CUDA; on
-    the CPU the operator calls made from Python or autograd (an operator's own inner calls, as
-    `aten::matmul`'s `aten::mm`, are part of it), which counts small steps the same way."""
+def profiled(fn: Callable[[], object], device: str | torch.device) -> list:
+    """The profiler's events of one call of `fn` (CPU activity, and CUDA's on CUDA)."""
     from torch.profiler import ProfilerActivity, profile
 
     cuda = torch.device(device).type == "cuda"
@@ -169,8 +167,15 @@ def count_kernels(fn: Callable[[], object], device: str | torch.device) -> int:
     with profile(activities=activities) as prof:
         fn()
         sync(device)
-    events = prof.events()
-    if cuda:
+    return list(prof.events())
+
+
+def count_kernels(fn: Callable[[], object], device: str | torch.device) -> int:
+    """Kernels one call of `fn` starts, from the profiler: CUDA kernel launches on CUDA; on
+    the CPU the operator calls made from Python or autograd (an operator's own inner calls, as
+    `aten::matmul`'s `aten::mm`, are part of it), which counts small steps the same way."""
+    events = profiled(fn, device)
+    if torch.device(device).type == "cuda":
         return sum(e.name in CUDA_LAUNCHES for e in events)
 
     def is_op(e) -> bool:  # a dispatched operator, not an autograd node or a user range

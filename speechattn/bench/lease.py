@@ -50,6 +50,7 @@ from speechattn.bench.common import (
     attention_names,
     device_name,
     matmul_peak,
+    profiled,
     sync,
 )
 from speechattn.errors import UsageExit
@@ -211,15 +212,7 @@ def attention_backend(kernel_names: list[str]) -> str:
 
 def profile_step(step: Step) -> dict[str, Any]:
     """Kernel launches, CUDA runtime syncs and copies, and the attention backend of one step."""
-    from torch.profiler import ProfilerActivity, profile
-
-    activities = [ProfilerActivity.CPU]
-    if step.device.type == "cuda":
-        activities.append(ProfilerActivity.CUDA)
-    with profile(activities=activities) as prof:
-        step()
-        sync(step.device)
-    events = list(prof.events())
+    events = profiled(step, step.device)
     names = Counter(e.name for e in events)
     kernels = sorted({e.name for e in events if e.device_type.name == "CUDA"})
     return {
