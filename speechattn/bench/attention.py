@@ -126,14 +126,9 @@ def why_missed(r: dict, T: int, full_ms: float) -> str:
 
 def growth_exponent(times: dict[int, float]) -> float | None:
     """Slope of log(time) vs log(T) over T >= max(T) / 8 (least squares)."""
-    pts = [(T, t) for T, t in times.items() if t and t > 0]
-    if len(pts) < 2:
-        return None
-    top = max(T for T, _ in pts)
-    pts = [(math.log(T), math.log(t)) for T, t in pts if T >= top / 8]
-    if len(pts) < 2:
-        return None
-    return statistics.linear_regression(*zip(*pts)).slope
+    top = max((T for T, t in times.items() if t and t > 0), default=0)
+    pts = [(math.log(T), math.log(t)) for T, t in times.items() if t and t > 0 and T >= top / 8]
+    return statistics.linear_regression(*zip(*pts)).slope if len(pts) >= 2 else None
 
 
 def row_names(args: argparse.Namespace, device: torch.device) -> tuple[list[str], list[str]]:

@@ -53,9 +53,9 @@ class KernelOnly(nn.Module):
         return F.scaled_dot_product_attention(*qkv)
 
 
-def saved_bytes(fn: Callable[[], Tensor], params: list[Tensor]) -> tuple[Tensor, float]:
-    """Run fn under saved_tensors_hooks; returns (output, MiB of distinct saved storages),
-    not counting storages of `params` (saving a parameter costs no memory)."""
+def saved_bytes(fn: Callable[[], Tensor], params: list[Tensor]) -> float:
+    """MiB of distinct storages `fn()` saves for backward (`saved_tensors_hooks`), not counting
+    storages of `params` (saving a parameter costs no memory)."""
     seen: dict[int, int] = {}
     skip = {p.untyped_storage().data_ptr() for p in params}
 
@@ -66,8 +66,8 @@ def saved_bytes(fn: Callable[[], Tensor], params: list[Tensor]) -> tuple[Tensor,
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = fn()
-    return out, sum(seen.values()) / 2**20
+        fn()
+    return sum(seen.values()) / 2**20
 
 
 class Case:
@@ -131,10 +131,8 @@ class Case:
         self._zero()  # free gradients (large for synthesizer tables) before the next case
         return ms
 
-    def time_select(self, clock: Callable[[], float]) -> float | None:
+    def time_select(self, clock: Callable[[], float]) -> float:
         """LSH only: hashing + matching + top-k on this input, no gradient (ms)."""
-        if self.name not in LSH:
-            return None
         attn: Attention = self.module
         with torch.no_grad(), autocast(self.device.type, self.precision):
             valid = torch.ones(self.inputs.shape[:2], dtype=torch.bool, device=self.device)
@@ -142,11 +140,9 @@ class Case:
             return 1000 * time_call(lambda: attn.select(q, k, valid), self.device, clock)
 
     def memory(self, rss: PeakRSS) -> tuple[float | None, float]:
-        self._zero()
+        """(peak MiB of one step, MiB saved for backward)."""
         peak = peak_memory(self.step, self.device, rss)
-        self._zero()
-        _, saved = saved_bytes(self.forward, list(self.module.parameters()))
-        return peak, saved
+        return peak, saved_bytes(self.forward, list(self.module.parameters()))
 
     def params(self) -> int:
         return sum(p.numel() for p in self.module.parameters())

@@ -184,6 +184,20 @@ def _copy(source: Path, target: Path) -> Any:
     return _copy
 
 
+def add_seconds_argument(p: argparse.ArgumentParser, help: str) -> None:
+    """`--seconds 3,8,...`: the source files' durations, parsed to a list of floats."""
+
+    def seconds(text: str) -> list[float]:
+        return [float(s) for s in text.split(",") if s]
+
+    p.add_argument(
+        "--seconds",
+        type=seconds,
+        default=",".join(f"{s:g}" for s in DEFAULT_SECONDS),
+        help=help,
+    )
+
+
 def main(argv: list[str]) -> None:
     p = argparse.ArgumentParser(
         prog="python -m speechattn.bench corpus", description=__doc__.split("\n\n")[0]
@@ -193,18 +207,13 @@ def main(argv: list[str]) -> None:
     p.add_argument("--speakers", type=int, default=None, help=f"default: utterances / {UTTERANCES_PER_SPEAKER}")  # fmt: skip
     p.add_argument("--chapters", type=int, default=2, help="per speaker")
     p.add_argument("--split", default="train-clean-360")
-    p.add_argument(
-        "--seconds",
-        default=",".join(f"{s:g}" for s in DEFAULT_SECONDS),
-        help="durations of the source files, comma-separated",
-    )
+    add_seconds_argument(p, "durations of the source files, comma-separated")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--copy", action="store_true", help="copies instead of hard links")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    seconds = [float(s) for s in args.seconds.split(",") if s]
     root = make_scale_corpus(
-        args.out, args.utterances, args.speakers, args.chapters, args.split, seconds, args.seed,
+        args.out, args.utterances, args.speakers, args.chapters, args.split, args.seconds, args.seed,
         args.copy, progress=True,
     )  # fmt: skip
     print(root)

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from speechattn.bench.common import write_json
-from speechattn.bench.corpus import DEFAULT_SECONDS, make_scale_corpus
+from speechattn.bench.corpus import add_seconds_argument, make_scale_corpus
 
 SPLIT = "train-clean-360"
 
@@ -90,11 +90,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--sizes", default="1000,10000,100000", help="utterances, comma-separated")
     p.add_argument("--batches", type=int, default=50, help="timed loader batches per run")
     p.add_argument("--warmup", type=int, default=5, help="untimed loader batches per run")
-    p.add_argument(
-        "--seconds",
-        default=",".join(f"{s:g}" for s in DEFAULT_SECONDS),
-        help="durations of the corpus's source files, comma-separated",
-    )
+    add_seconds_argument(p, "durations of the corpus's source files, comma-separated")
     p.add_argument("--json", type=Path, default=None, help="also write the results here")
     return p.parse_intermixed_args(argv)
 
@@ -102,10 +98,9 @@ def parse(argv: list[str]) -> argparse.Namespace:
 def main(argv: list[str]) -> None:
     args = parse(argv)
     sizes = [int(s) for s in args.sizes.split(",") if s]
-    seconds = [float(s) for s in args.seconds.split(",") if s]
     args.work.mkdir(parents=True, exist_ok=True)
     print(
-        f"scale: sizes {sizes}, sources {seconds} s, {os.cpu_count()} CPUs, work folder "
+        f"scale: sizes {sizes}, sources {args.seconds} s, {os.cpu_count()} CPUs, work folder "
         f"{args.work}; experiment=paper {' '.join(args.overrides)}"
     )
     print(f"  {'utterances':>10s} {'corpus s':>8s} {'cold s':>7s} {'cold CPU':>8s} "
@@ -113,7 +108,7 @@ def main(argv: list[str]) -> None:
           f"{'fds main/worker':>15s}")  # fmt: skip
     rows = []
     for size in sizes:
-        r = measure_size(args.work, size, args.overrides, args.batches, args.warmup, seconds)
+        r = measure_size(args.work, size, args.overrides, args.batches, args.warmup, args.seconds)
         rows.append(r)
         print(
             f"  {size:10d} {r['corpus_s']:8.1f} {r['cold_wall_s']:7.1f} {r['cold_cpu_s']:8.1f} "
