@@ -65,6 +65,21 @@ def time_call(
     return clock() - t
 
 
+def round_robin(
+    steps: dict[str, Callable[[], object]],
+    repeat: int,
+    device: str | torch.device,
+    clock: Callable[[], float] = time.perf_counter,
+) -> dict[str, list[float]]:
+    """Seconds of `repeat` calls of each step (`time_call`), the steps taking turns so that
+    drifting machine load (shared CPUs) affects all of them alike."""
+    times: dict[str, list[float]] = {name: [] for name in steps}
+    for _ in range(repeat):
+        for name, step in steps.items():
+            times[name].append(time_call(step, device, clock))
+    return times
+
+
 def attention_names(spec: str) -> list[str]:
     """`--attention`'s comma-separated variant names, or every registered one for "all"."""
     names = available() if spec == "all" else spec.split(",")

@@ -52,6 +52,7 @@ from speechattn.bench.common import (
     device_name,
     matmul_peak,
     peak_dtype,
+    round_robin,
     sized_options,
     time_call,
     write_json,
@@ -426,8 +427,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         f"{str(dtype).removeprefix('torch.')} matmul peak "
         f"{peak / 1e9:.1f} GFLOP/s"
     )
-    # Round-robin timing: every variant gets one step per round, so drifting machine load
-    # (shared CPUs) affects all of them alike; the peak is re-measured at the end.
+    # timed round-robin (`round_robin`); the peak is re-measured at the end
     steps = {}
     for name in ["reference", "full", *[n for n in names if n != "full"]]:
         model = build(name, config, args.frames, args.device)
@@ -446,10 +446,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         if name != "reference"
     }
     flops["reference"] = count_flops(steps["reference"])
-    times: dict[str, list[float]] = {name: [] for name in steps}
-    for _ in range(args.repeat):
-        for name, step in steps.items():
-            times[name].append(time_call(step, args.device, clock))
+    times = round_robin(steps, args.repeat, args.device, clock)
     peak = max(peak, matmul_peak(device=args.device, dtype=dtype, clock=clock))
     print(f"  (peak re-measured after the steps: {peak / 1e9:.1f} GFLOP/s, the best is used)")
     rows = []
@@ -540,10 +537,7 @@ def run_compile(args: argparse.Namespace) -> dict[str, Any]:
         first = time_call(compiled, args.device)  # compiles
         for _ in range(max(args.warmup - 1, 0)):
             compiled()
-        times: dict[str, list[float]] = {"eager": [], "compiled": []}
-        for _ in range(args.repeat):  # round-robin: drifting load hits both alike
-            times["eager"].append(time_call(eager, args.device))
-            times["compiled"].append(time_call(compiled, args.device))
+        times = round_robin({"eager": eager, "compiled": compiled}, args.repeat, args.device)
         e, c = (statistics.median(times[k]) for k in ("eager", "compiled"))
         rows.append({"attention": name, "graphs": info["graphs"], "graph_breaks": info["breaks"],
                      "break_reasons": info["reasons"], "compile_s": first, "eager_s": e,

@@ -34,8 +34,8 @@ from speechattn.bench.common import (
     default_precision,
     device_name,
     peak_memory,
+    round_robin,
     sized_options,
-    time_call,
     write_json,
 )
 from speechattn.model.aalbert import AALBERT, PRESETS, preset_config
@@ -103,10 +103,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     cases = {"masked": forward(full, mask.to(torch.float32)), "pruned": forward(pruned, None)}
     outputs = {name: fn()[-1].float() for name, fn in cases.items()}  # warm-up
     diff = float((outputs["masked"] - outputs["pruned"]).abs().max())
-    times: dict[str, list[float]] = {name: [] for name in cases}
-    for _ in range(args.reps):
-        for name, fn in cases.items():  # interleaved: drifting load affects both alike
-            times[name].append(time_call(fn, device))
+    times = round_robin(cases, args.reps, device)
     rss = PeakRSS()
     rows = {}
     for name, model in (("masked", full), ("pruned", pruned)):
