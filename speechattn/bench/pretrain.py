@@ -57,7 +57,6 @@ from speechattn.bench.common import (
     time_call,
     write_json,
 )
-from speechattn.data.features import stack_frames
 from speechattn.errors import UsageExit
 from speechattn.model.aalbert import (
     AALBERT,
@@ -115,10 +114,6 @@ class ReferenceAALBERT(nn.Module):
         self.head = nn.Sequential(
             nn.Linear(c.dim, c.dim), nn.GELU(), nn.LayerNorm(c.dim), nn.Linear(c.dim, c.input_dim)
         )
-
-    def stack(self, features: Tensor, lengths: Tensor) -> tuple[Tensor, Tensor]:
-        """features (B, T, F), lengths (B,) -> (B, T', 3F), lengths' (B,), as AALBERT."""
-        return stack_frames(features, lengths, self.c.stack)
 
     def reconstruct(self, x: Tensor, lengths: Tensor, head_mask: None = None) -> Tensor:
         """x (B, T', 3F) corrupted, lengths' (B,) -> reconstruction (B, T', 3F)."""
