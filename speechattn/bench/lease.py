@@ -21,10 +21,11 @@
 Each case is a JSON line appended to `DIR/lease.jsonl` as it ends (flushed and synced), with
 the error when it failed; a "started" line precedes it, so `--resume` records a case that
 killed the process as "crashed" and skips what is done (the shell script reruns the command
-after a crash). No case starts after `--deadline` seconds from `$SPEECHATTN_LEASE_T0` (else
-this process's start) minus what the longest case of its kind took so far. A summary line
-and a one-screen table (`DIR/lease.md`) end the run. `--device cpu --tiny` (a 2-layer D 64
-model, 2 utterances of up to 300 frames) checks the command itself; its figures mean nothing.
+after a crash). No case starts after `--deadline` seconds from `$SPEECHATTN_LEASE_T0` (the
+script's start, wheels installed; else this process's) minus what the longest case of its
+kind took so far. A summary line and a one-screen table (`DIR/lease.md`) end the run.
+`--device cpu --tiny` (a 2-layer D 64 model, 2 utterances of up to 300 frames) checks the
+command itself; its figures mean nothing.
 """
 
 from __future__ import annotations

@@ -99,7 +99,7 @@ class SyncCounter(TorchDispatchMode):
             speechattn package, else of the caller outside torch, e.g. Lightning).
     """
 
-    # flex_attention & co. come through `__torch_dispatch__` (see `_higher_order`)
+    # flex_attention & co. come through `__torch_dispatch__`, run uncounted there
     supports_higher_order_operators = True
 
     def __init__(
@@ -116,7 +116,7 @@ class SyncCounter(TorchDispatchMode):
         self._host: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
         self._pinned: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
         for t in host:
-            self.mark_host(t)
+            self._host[t] = True
         for t in pinned:
             self._pinned[t] = True
         self.reasons: Counter[str] = Counter()  # reads of device data
@@ -140,10 +140,6 @@ class SyncCounter(TorchDispatchMode):
     def upload_count(self) -> int:
         """Copies of host memory to the device that block the host."""
         return sum(self.uploads.values())
-
-    def mark_host(self, t: Tensor) -> None:
-        """Declare `t` host data."""
-        self._host[t] = True
 
     def _active(self) -> bool:
         """Whether this mode is on the dispatch stack (not popped inside a higher-order op):
@@ -184,7 +180,12 @@ class SyncCounter(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Any = None):
         kwargs = kwargs or {}
         if isinstance(func, HigherOrderOperator):
-            return self._higher_order(func, args, kwargs)
+            # run as the modes below run it (`HigherOrderOperator.dispatch` popped this one),
+            # its inside not counted: a dispatch mode keeps `torch.compile` off, so Flex runs
+            # torch's eager math here (which uploads its -inf fill), not the fused kernel a
+            # training step runs; our score and mask functions are traced into that kernel,
+            # where a host read cannot hide
+            return func(*args, **kwargs)
         tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, Tensor)]
         on_device = [t for t in tensors if self.is_device(t)]
         if on_device:
@@ -200,14 +201,6 @@ class SyncCounter(TorchDispatchMode):
                 if isinstance(t, Tensor):
                     self._host[t] = True
         return out
-
-    def _higher_order(self, func: HigherOrderOperator, args: tuple, kwargs: dict) -> Any:
-        """Run a higher-order operator (flex_attention, its backward) as the modes below run
-        it, its inside not counted: a dispatch mode keeps `torch.compile` off, so Flex runs
-        torch's eager math here (which uploads its -inf fill), not the fused kernel a
-        training step runs; our score and mask functions are traced into that kernel, where a
-        host read cannot hide."""
-        return func(*args, **kwargs)  # `HigherOrderOperator.dispatch` popped this mode
 
     # Python-level entries: reads without an aten op (or no-ops on the CPU), and, in the
     # stand-in, uploads whose copy is a no-op on the CPU
