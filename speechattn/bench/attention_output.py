@@ -38,20 +38,14 @@ def print_table(out: dict) -> None:
     table("MFU (achieved FLOP/s over the measured matmul peak)", "mfu")
     table("kernels per step (CUDA launches; on the CPU operator calls from Python/autograd)",
           "kernels", "{:10d}")  # fmt: skip
-    if any("attention_ms" in r for r in allrows.values()):
+    lsh = {n: r for n, r in allrows.items() if "attention_ms" in r}
+    if lsh:
         print("\nLSH: hashing+matching (select) / attention part (ms)")
-        for n, r in allrows.items():
-            if "attention_ms" in r:
-                cells = "".join(
-                    f"{r['select_ms'][T]:7.0f}/{r['attention_ms'][T]:<7.0f}"
-                    for T in Ts
-                    if T in r["select_ms"]
-                )
-                print(
-                    n.ljust(w)
-                    + cells
-                    + f"  attention exp {r['attention_growth_exponent'] or float('nan'):.2f}"
-                )
+        for n, r in lsh.items():
+            sel, att = r["select_ms"], r["attention_ms"]
+            cells = "".join(f"{sel[T]:7.0f}/{att[T]:<7.0f}" for T in Ts if T in sel)
+            exp = r["attention_growth_exponent"] or float("nan")
+            print(f"{n.ljust(w)}{cells}  attention exp {exp:.2f}")
     two = {n: r for n, r in allrows.items() if set(r.get("kernel", {}).values()) - {"one"}}
     if two:
         how = "measured (*: here or cached)" if m.get("autotune") == "on" else "rule"

@@ -18,9 +18,9 @@ from __future__ import annotations
 
 import argparse
 import copy
+import functools
 import json
 import statistics
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -93,14 +93,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     features = torch.randn(args.batch, T, full.config.feature_dim, generator=g).to(device)
     lengths = torch.full((args.batch,), T, dtype=torch.long, device=device)
 
-    def forward(model: AALBERT, head_mask: Tensor | None) -> Callable[[], list[Tensor]]:
-        def call() -> list[Tensor]:
-            with torch.no_grad(), autocast(device.type, args.precision):
-                return model(features, lengths, head_mask)
+    def forward(model: AALBERT, head_mask: Tensor | None) -> list[Tensor]:
+        with torch.no_grad(), autocast(device.type, args.precision):
+            return model(features, lengths, head_mask)
 
-        return call
-
-    cases = {"masked": forward(full, mask.to(torch.float32)), "pruned": forward(pruned, None)}
+    cases = {
+        "masked": functools.partial(forward, full, mask.to(torch.float32)),
+        "pruned": functools.partial(forward, pruned, None),
+    }
     outputs = {name: fn()[-1].float() for name, fn in cases.items()}  # warm-up
     diff = float((outputs["masked"] - outputs["pruned"]).abs().max())
     times = round_robin(cases, args.reps, device)
