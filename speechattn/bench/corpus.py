@@ -213,7 +213,7 @@ def main(argv: list[str]) -> None:
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     root = make_scale_corpus(
-        args.out, args.utterances, args.speakers, args.chapters, args.split, args.seconds, args.seed,
-        args.copy, progress=True,
+        args.out, args.utterances, args.speakers, args.chapters, args.split, args.seconds,
+        args.seed, args.copy, progress=True,
     )  # fmt: skip
     print(root)
