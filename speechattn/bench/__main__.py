@@ -13,17 +13,11 @@ import sys
 
 from speechattn.errors import command_line_errors
 
-BENCHMARKS = {
-    "features": "speechattn.bench.features",
-    "attention": "speechattn.bench.attention",
-    "pretrain": "speechattn.bench.pretrain",
-    "pruning": "speechattn.bench.pruning",
-    "loader": "speechattn.bench.loader",
-    "scale": "speechattn.bench.scale",
-    "corpus": "speechattn.bench.corpus",
-    "lease": "speechattn.bench.lease",
-    "lsh_recall": "speechattn.bench.lsh_recall",
-}
+# each is the module speechattn.bench.<name>
+BENCHMARKS = (
+    "features", "attention", "pretrain", "pruning", "loader", "scale", "corpus", "lease",
+    "lsh_recall",
+)  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -42,7 +36,7 @@ def main(argv: list[str] | None = None) -> None:
             file=sys.stderr,
         )
         raise SystemExit(2)
-    module = importlib.import_module(BENCHMARKS[name])
+    module = importlib.import_module(f"speechattn.bench.{name}")
     with command_line_errors(debug, f"python -m speechattn.bench {name}"):
         module.main(rest)
 

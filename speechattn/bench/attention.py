@@ -4,70 +4,42 @@
         [--device cpu|cuda] [--lengths 256 512 ...] [--variants full ldsa ...]
 
 For each T, every variant runs forward + backward on x (B, T, D) (B = 1, D = 768, h = 12 by
-default) in the same process and in interleaved order, together with two baselines:
-`sdpa_mha` (bare qkv Linear -> scaled_dot_product_attention -> out Linear, i.e. `full` without
-speechattn's wrapper) and `sdpa_kernel` (the SDPA call alone on ready (B, h, T, d_k) tensors).
+default) in one process, the cases taking turns, beside two baselines: `sdpa_mha` (qkv Linear
+-> scaled_dot_product_attention -> out Linear: `full` without speechattn's wrapper) and
+`sdpa_kernel` (the SDPA call alone on ready (B, h, T, d_k) tensors). Synthesizers whose
+max_len < T are built with max_len = T; `--precision` autocasts every step (default: bf16 on
+CUDA, fp32 on CPU); on CUDA, variants with a FlexAttention kernel get a `NAME+flex` row.
 
-* time: minimum over `--reps` timed steps after one warm-up step (min is the most robust
-  statistic on a shared machine); the median is stored too. Short lengths get more steps, so
-  that each case is timed for about `--min-time` seconds (`full`'s step time decides the count
-  for the length): their steps are cheap and the noisiest (at T = 128, one run's min of 5 had
-  the same computation, `sdpa_mha`, at 0.96x `full`). Parameter gradients are reset
-  to None around each step, as `optimizer.zero_grad()` does. `--clock wall` (default) times
-  wall-clock; `--clock cpu` times the process's CPU time, which with `--threads 1` is immune
-  to other processes competing for the cores (it sums all threads otherwise).
-* peak memory: on CUDA, `torch.cuda.max_memory_allocated` minus the memory allocated
-  before the step. On CPU (Linux), the rise of the process's peak resident set size during
-  one step: the kernel's high-water mark is reset through /proc/self/clear_refs (after
-  malloc_trim) and VmHWM - VmRSS is read afterwards. It therefore counts every byte the step
-  touches (activations, workspaces, parameter gradients), not just tensors. Also stored:
-  `saved_mb`, the bytes of tensors saved for backward (storages counted once, parameters
-  excluded), collected with `torch.autograd.graph.saved_tensors_hooks`; deterministic but
-  blind to transients.
-* kernels: the kernels one step starts, counted with the profiler (`count_kernels`: CUDA
-  launches, or on the CPU the operator calls made from Python or autograd), so that a
-  variant cut into thousands of small steps shows it.
-* LSH variants: `select_ms` times hashing + code matching + top-k alone (no gradient), and
-  `attention_ms` = time - select_ms is their attention part.
-* Synthesizers whose max_len < T are built with max_len = T.
-* Memory guard: a case is skipped (and its error recorded) when its predicted peak would not
-  fit in the memory still available (`MEMORY_SHARE` of MemAvailable on CPU, of free CUDA
-  memory): the prediction is its measured peak rise at the previous length times the length
-  ratio squared, checked before it is built, and its measured warm-up peak, checked again
-  once every case of the length is built. On CPU the OOM killer would otherwise end the run
-  (an O(T^2)-memory variant such as `relpos` needs tens of GB at T = 8192).
-* growth exponent: least-squares slope of log time vs log T over the largest lengths
-  (T >= max T / 8).
-* FLOPs: each variant's own count as it is defined (`Attention.flops`: projections, scores
-  and weighted sums over the keys it really attends; backward twice the differentiable
-  forward), so `bound` = flops(full) / flops(variant) is the speed-up a variant would reach
-  at full's FLOP/s, and `achieved/bound` how much of it the kernels deliver. MFU is the
-  achieved FLOP/s over the matmul peak measured in the same run, in the precision's dtype.
-* `--precision bf16|fp16` runs every step under autocast (default: bf16 on CUDA, fp32 on CPU).
-* On CUDA, variants with a FlexAttention kernel get a second row, `NAME+flex`.
-* Kernels: variants with two exact kernels choose by measurement on this machine
-  (`speechattn.attention.autotune`, cached on disk; `--autotune off`: the `short_path_max_t`
-  rule). The choice is made before the warm-up, so neither timing nor memory includes it;
-  the "kernel used" table shows it per case (`*`: measured here or read from the cache).
+* time: minimum over at least `--reps` steps after one warm-up (the most robust statistic on
+  a shared machine; the median is stored too), more while `full`'s steps add up to less than
+  `--min-time` (short steps are the noisiest). Gradients are reset to None around each step,
+  as `optimizer.zero_grad()` does. `--clock cpu` times the process's CPU time, which with
+  `--threads 1` other processes cannot inflate.
+* peak memory: the rise of `torch.cuda.max_memory_allocated` on CUDA; on CPU (Linux) the rise
+  of the peak resident set size (VmHWM reset through /proc/self/clear_refs), so every byte the
+  step touches. `saved_mb`: distinct non-parameter storages saved for backward.
+* memory guard: a case is skipped, its reason recorded, when its peak (the last length's
+  times the length ratio squared, then its own warm-up's) would not fit in `MEMORY_SHARE` of
+  the memory available: on CPU the OOM killer would end the run otherwise.
+* kernels per step (`count_kernels`), so a variant cut into many small steps shows it; LSH
+  variants also time their selection alone (`select_ms`, `attention_ms` the rest).
+* growth exponent: least-squares slope of log time vs log T over T >= max T / 8.
+* FLOPs as each variant defines them (`Attention.flops`), so `bound` = flops(full) /
+  flops(variant) is the speed-up it would reach at full's FLOP/s, `achieved/bound` what the
+  kernels deliver; MFU is achieved FLOP/s over the matmul peak measured in the run.
+* two-kernel variants choose by measurement (`speechattn.attention.autotune`, cached on disk;
+  `--autotune off`: the `short_path_max_t` rule) before the warm-up, outside every figure.
 
-Prints times, speed-ups over `full`, FLOP bounds, achieved/bound, MFU, growth exponents and
-the targets (no variant with fewer FLOPs than `full` above 1.1x its time for T in 128..8192;
-`ldsa`/`sparse_*` at >= 70 % and the LSH variants at >= 60 % of their bound for T >= 4096),
-writes JSON (for the report's Table 1) and a log-log PNG. A missed slowdown target says why,
-from what the run measured: a two-kernel variant's other kernel is timed too (so the line says
-whether any of its kernels meets the limit), LSH variants give their hashing/matching share,
-one-kernel variants say so.
-
-`run` measures (each step its own function: `build_cases`, `time_cases`, `record_case`,
-`derive`, `describe`, `run_meta`, `targets`); one module at one length is a `Case`
-(`attention_cases.py`); the tables and the plot are in `attention_output.py`.
+Prints the tables and the targets (`targets`); a missed slowdown target says why, from what
+the run measured (`why_missed`). Writes JSON (the report's Table 1) and a log-log PNG. One
+module at one length is a `Case` (`attention_cases.py`); the tables and the plot are in
+`attention_output.py`.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import math
 import statistics
 import sys
@@ -90,6 +62,7 @@ from speechattn.bench.common import (
     matmul_peak,
     peak_dtype,
     peak_memory,
+    write_json,
 )
 
 DEFAULT_LENGTHS = [256, 512, 1024, 2048, 4096, 8192]
@@ -153,17 +126,9 @@ def why_missed(r: dict, T: int, full_ms: float) -> str:
 
 def growth_exponent(times: dict[int, float]) -> float | None:
     """Slope of log(time) vs log(T) over T >= max(T) / 8 (least squares)."""
-    pts = [(T, t) for T, t in times.items() if t and t > 0]
-    if len(pts) < 2:
-        return None
-    top = max(T for T, _ in pts)
-    pts = [(math.log(T), math.log(t)) for T, t in pts if T >= top / 8] or pts
-    if len(pts) < 2:
-        return None
-    mx = statistics.fmean(x for x, _ in pts)
-    my = statistics.fmean(y for _, y in pts)
-    sxx = sum((x - mx) ** 2 for x, _ in pts)
-    return sum((x - mx) * (y - my) for x, y in pts) / sxx if sxx else None
+    top = max((T for T, t in times.items() if t and t > 0), default=0)
+    pts = [(math.log(T), math.log(t)) for T, t in times.items() if t and t > 0 and T >= top / 8]
+    return statistics.linear_regression(*zip(*pts)).slope if len(pts) >= 2 else None
 
 
 def row_names(args: argparse.Namespace, device: torch.device) -> tuple[list[str], list[str]]:
@@ -177,18 +142,6 @@ def row_names(args: argparse.Namespace, device: torch.device) -> tuple[list[str]
     return names, names + ([] if args.no_baselines else BASELINES)
 
 
-class Skips:
-    """Cases left out (memory guard, build or warm-up failure): recorded in the row's `errors`
-    and said on stderr."""
-
-    def __init__(self, res: dict[str, dict]) -> None:
-        self.res = res
-
-    def __call__(self, n: str, T: int, why: str) -> None:
-        self.res[n].setdefault("errors", {})[T] = why
-        print(f"  T={T} {n}: skipped ({why})", file=sys.stderr, flush=True)
-
-
 def build_cases(
     T: int,
     rows: list[str],
@@ -196,11 +149,17 @@ def build_cases(
     device: torch.device,
     rss: PeakRSS,
     warmup_peak: dict[str, tuple[int, float]],
-    skip: Skips,
+    res: dict[str, dict],
 ) -> dict[str, Case]:
     """Every row's case at length T, built and warmed up once, unless its peak memory,
     predicted from its last warm-up (x length ratio squared) or measured at this warm-up,
-    would not fit in MEMORY_SHARE of the memory available. Updates `warmup_peak`."""
+    would not fit in MEMORY_SHARE of the memory available. Updates `warmup_peak`; a case
+    left out (memory guard, build or warm-up failure) is recorded in its row's `errors`."""
+
+    def skip(n: str, T: int, why: str) -> None:
+        res[n].setdefault("errors", {})[T] = why
+        print(f"  T={T} {n}: skipped ({why})", file=sys.stderr, flush=True)
+
     cases = {}
     for n in rows:
         if n in warmup_peak:
@@ -356,9 +315,8 @@ def run(args: argparse.Namespace) -> dict:
     torch.manual_seed(0)
     warmup_peak: dict[str, tuple[int, float]] = {}  # name -> (T, MiB) of its last warm-up
     reps_at: dict[int, int] = {}
-    skip = Skips(res)
     for T in args.lengths:
-        cases = build_cases(T, rows, args, device, rss, warmup_peak, skip)
+        cases = build_cases(T, rows, args, device, rss, warmup_peak, res)
         samples, reps_at[T] = time_cases(cases, args, clock)
         full_ms = min(samples["full"]) if "full" in cases else None
         for n, case in cases.items():
@@ -478,8 +436,7 @@ def main(argv: list[str] | None = None) -> dict:
     out = run(args)
     print_table(out)
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(out, indent=1))
+        write_json(args.json, out, indent=1)
         print(f"\nwrote {args.json}")
     png = args.png or (args.json.with_suffix(".png") if args.json else None)
     if png:

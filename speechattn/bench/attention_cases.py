@@ -6,6 +6,7 @@ the cases and explains the results; how each figure is taken is described there.
 from __future__ import annotations
 
 import argparse
+import time
 from collections.abc import Callable
 
 import torch
@@ -15,7 +16,7 @@ from torch import Tensor, nn
 from speechattn.attention import Attention, autotune, build, registry
 from speechattn.attention.base import linear_flops
 from speechattn.attention.lsh import SCHEMES
-from speechattn.bench.common import PeakRSS, autocast, peak_memory, sync
+from speechattn.bench.common import PeakRSS, autocast, peak_memory, time_call
 
 BASELINES = ["sdpa_mha", "sdpa_kernel"]
 LSH = set(SCHEMES)
@@ -48,18 +49,13 @@ class BareMHA(nn.Module):
 class KernelOnly(nn.Module):
     """The SDPA call alone on (B, h, T, d_k) leaf tensors."""
 
-    def __init__(self, num_heads: int) -> None:
-        super().__init__()
-        self.h = num_heads
-
     def forward(self, qkv: tuple[Tensor, Tensor, Tensor]) -> Tensor:
         return F.scaled_dot_product_attention(*qkv)
 
 
-# --------------------------------------------------------------------------- memory probes
-def saved_bytes(fn: Callable[[], Tensor], params: list[Tensor]) -> tuple[Tensor, float]:
-    """Run fn under saved_tensors_hooks; returns (output, MiB of distinct saved storages),
-    not counting storages of `params` (saving a parameter costs no memory)."""
+def saved_bytes(fn: Callable[[], Tensor], params: list[Tensor]) -> float:
+    """MiB of distinct storages `fn()` saves for backward (`saved_tensors_hooks`), not counting
+    storages of `params` (saving a parameter costs no memory)."""
     seen: dict[int, int] = {}
     skip = {p.untyped_storage().data_ptr() for p in params}
 
@@ -70,11 +66,10 @@ def saved_bytes(fn: Callable[[], Tensor], params: list[Tensor]) -> tuple[Tensor,
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = fn()
-    return out, sum(seen.values()) / 2**20
+        fn()
+    return sum(seen.values()) / 2**20
 
 
-# --------------------------------------------------------------------------- measuring
 class Case:
     """One benchmarked module at one length: builds inputs and runs one training step."""
 
@@ -87,7 +82,7 @@ class Case:
         if name == "sdpa_mha":
             self.module: nn.Module = BareMHA(D, h)
         elif name == "sdpa_kernel":
-            self.module = KernelOnly(h)
+            self.module = KernelOnly()
         else:
             variant, self.options = variant_of(name)
             defaults = registry.options(variant)
@@ -127,40 +122,27 @@ class Case:
             t.grad = None
 
     def step(self) -> None:
-        self._zero()
-        self.forward().float().sum().backward()
-        self._zero()  # free gradients (large for synthesizer tables) before the next case
+        self.time_step(time.perf_counter)
 
     def time_step(self, clock: Callable[[], float]) -> float:
+        """Milliseconds of one training step (forward + backward) by `clock`."""
         self._zero()
-        sync(self.device)
-        t0 = clock()
-        self.forward().float().sum().backward()
-        sync(self.device)
-        dt = (clock() - t0) * 1000
+        ms = 1000 * time_call(lambda: self.forward().float().sum().backward(), self.device, clock)
         self._zero()  # free gradients (large for synthesizer tables) before the next case
-        return dt
+        return ms
 
-    def time_select(self, clock: Callable[[], float]) -> float | None:
+    def time_select(self, clock: Callable[[], float]) -> float:
         """LSH only: hashing + matching + top-k on this input, no gradient (ms)."""
-        if self.name not in LSH:
-            return None
         attn: Attention = self.module
         with torch.no_grad(), autocast(self.device.type, self.precision):
             valid = torch.ones(self.inputs.shape[:2], dtype=torch.bool, device=self.device)
             q, k, _ = attn._qkv(self.inputs)
-            sync(self.device)
-            t0 = clock()
-            attn.select(q, k, valid)
-            sync(self.device)
-        return (clock() - t0) * 1000
+            return 1000 * time_call(lambda: attn.select(q, k, valid), self.device, clock)
 
     def memory(self, rss: PeakRSS) -> tuple[float | None, float]:
-        self._zero()
+        """(peak MiB of one step, MiB saved for backward)."""
         peak = peak_memory(self.step, self.device, rss)
-        self._zero()
-        _, saved = saved_bytes(self.forward, list(self.module.parameters()))
-        return peak, saved
+        return peak, saved_bytes(self.forward, list(self.module.parameters()))
 
     def params(self) -> int:
         return sum(p.numel() for p in self.module.parameters())

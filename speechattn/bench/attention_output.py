@@ -13,23 +13,21 @@ def print_table(out: dict) -> None:
     Ts = m["lengths"]
     allrows = {**out["variants"], **out["baselines"]}
     w = max(len(n) for n in allrows) + 2
+    header = "variant".ljust(w) + "".join(f"T={T}".rjust(10) for T in Ts)
 
-    def table(title: str, key: str, fmt: str = "{:10.2f}") -> None:
-        print(f"\n{title}")
-        print("variant".ljust(w) + "".join(f"T={T}".rjust(10) for T in Ts))
-        for n, r in allrows.items():
+    def table(title: str, key: str, fmt: str = "{:10.2f}", rows: dict = allrows,
+              missing: str = f"{'-':>10}") -> None:  # fmt: skip
+        print(f"\n{title}\n{header}")
+        for n, r in rows.items():
             cells = (r.get(key, {}).get(T) for T in Ts)
-            print(
-                n.ljust(w)
-                + "".join(fmt.format(c) if c is not None else f"{'-':>10}" for c in cells)
-            )
+            print(n.ljust(w) + "".join(missing if c is None else fmt.format(c) for c in cells))
 
     print(
         f"\n{m['device_name']}; {m['precision']}; matmul peak {m['matmul_peak_gflops']:.1f} GFLOP/s"
     )
     print(f"forward+backward {m['timing'].split()[1]} time (ms), B={m['batch']} D={m['dim']} "
           f"h={m['heads']} on {m['device']} ({m['threads']} threads)")  # fmt: skip
-    print("variant".ljust(w) + "".join(f"T={T}".rjust(10) for T in Ts) + "   exp")
+    print(header + "   exp")
     for n, r in allrows.items():
         cells = "".join(f"{r['time_ms'].get(T, float('nan')):10.1f}" for T in Ts)
         exp = r.get("growth_exponent")
@@ -40,32 +38,21 @@ def print_table(out: dict) -> None:
     table("MFU (achieved FLOP/s over the measured matmul peak)", "mfu")
     table("kernels per step (CUDA launches; on the CPU operator calls from Python/autograd)",
           "kernels", "{:10d}")  # fmt: skip
-    if any("attention_ms" in r for r in allrows.values()):
+    lsh = {n: r for n, r in allrows.items() if "attention_ms" in r}
+    if lsh:
         print("\nLSH: hashing+matching (select) / attention part (ms)")
-        for n, r in allrows.items():
-            if "attention_ms" in r:
-                cells = "".join(
-                    f"{r['select_ms'][T]:7.0f}/{r['attention_ms'][T]:<7.0f}"
-                    for T in Ts
-                    if T in r["select_ms"]
-                )
-                print(
-                    n.ljust(w)
-                    + cells
-                    + f"  attention exp {r['attention_growth_exponent'] or float('nan'):.2f}"
-                )
+        for n, r in lsh.items():
+            sel, att = r["select_ms"], r["attention_ms"]
+            cells = "".join(f"{sel[T]:7.0f}/{att[T]:<7.0f}" for T in Ts if T in sel)
+            exp = r["attention_growth_exponent"] or float("nan")
+            print(f"{n.ljust(w)}{cells}  attention exp {exp:.2f}")
     two = {n: r for n, r in allrows.items() if set(r.get("kernel", {}).values()) - {"one"}}
     if two:
         how = "measured (*: here or cached)" if m.get("autotune") == "on" else "rule"
-        print(f"\nkernel used (short: all T x T pairs, long: the sparse/band one; {how})")
-        print("variant".ljust(w) + "".join(f"T={T}".rjust(10) for T in Ts))
-        for n, r in two.items():
-            print(n.ljust(w) + "".join(f"{r['kernel'].get(T, '-'):>10}" for T in Ts))
+        table(f"kernel used (short: all T x T pairs, long: the sparse/band one; {how})",
+              "kernel", "{:>10}", two)  # fmt: skip
     if any(r["peak_mem_mb"] for r in allrows.values()):
-        print(f"\npeak memory (MiB; {m['memory']})")
-        print("variant".ljust(w) + "".join(f"T={T}".rjust(10) for T in Ts))
-        for n, r in allrows.items():
-            print(n.ljust(w) + "".join(_fmt(r["peak_mem_mb"].get(T)) for T in Ts))
+        table(f"peak memory (MiB; {m['memory']})", "peak_mem_mb", "{:10.1f}", missing="       n/a")
     print("\ntargets")
     missed = [c for c in out["targets"] if not c["met"]]
     for c in out["targets"]:
@@ -75,10 +62,6 @@ def print_table(out: dict) -> None:
             if c.get("why"):
                 print(f"      why: {c['why']}")
     print(f"  {len(out['targets']) - len(missed)} of {len(out['targets'])} met")
-
-
-def _fmt(x: float | None) -> str:
-    return f"{x:10.1f}" if x is not None else "       n/a"
 
 
 def plot(out: dict, path: Path) -> None:

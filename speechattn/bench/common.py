@@ -1,18 +1,25 @@
-"""Pieces shared by the benchmarks: device sync, measured matmul peak, precision contexts."""
+"""Pieces shared by the benchmarks: device sync and timing, measured matmul peak, precision
+contexts, memory probes, the variants chosen on the command line, JSON output."""
 
 from __future__ import annotations
 
 import argparse
 import contextlib
 import ctypes
+import json
 import os
 import re
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import Tensor
+
+from speechattn.attention import available
+from speechattn.attention.registry import options as attention_options
+from speechattn.errors import UsageExit
 
 PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -43,6 +50,60 @@ def autocast(device: str, precision: str) -> contextlib.AbstractContextManager:
 def sync(device: str | torch.device) -> None:
     if torch.device(device).type == "cuda":
         torch.cuda.synchronize()
+
+
+def time_call(
+    fn: Callable[[], object],
+    device: str | torch.device,
+    clock: Callable[[], float] = time.perf_counter,
+) -> float:
+    """Seconds of one call of `fn` by `clock`, between two syncs of `device`."""
+    sync(device)
+    t = clock()
+    fn()
+    sync(device)
+    return clock() - t
+
+
+def round_robin(
+    steps: dict[str, Callable[[], object]],
+    repeat: int,
+    device: str | torch.device,
+    clock: Callable[[], float] = time.perf_counter,
+) -> dict[str, list[float]]:
+    """Seconds of `repeat` calls of each step (`time_call`), the steps taking turns so that
+    drifting machine load (shared CPUs) affects all of them alike."""
+    times: dict[str, list[float]] = {name: [] for name in steps}
+    for _ in range(repeat):
+        for name, step in steps.items():
+            times[name].append(time_call(step, device, clock))
+    return times
+
+
+def attention_names(spec: str) -> list[str]:
+    """`--attention`'s comma-separated variant names, or every registered one for "all"."""
+    names = available() if spec == "all" else spec.split(",")
+    unknown = [n for n in names if n not in available()]
+    if unknown:
+        raise UsageExit(f"unknown attention {unknown}; choose from {', '.join(available())}")
+    return names
+
+
+def sized_options(name: str, frames: int) -> dict[str, int]:
+    """Variant `name`'s options for `frames` model frames: synthesizers need max_len >= T'."""
+    return {"max_len": max(1024, frames)} if "max_len" in attention_options(name) else {}
+
+
+def check_mfu(mfu: float) -> None:
+    if not 0 < mfu <= 1:
+        raise UsageExit(f"--mfu must be in (0, 1], got {mfu}")
+
+
+def write_json(path: Path | None, data: Any, indent: int = 2) -> None:
+    """Write `data` to `path` (its folder created), if a path is given."""
+    if path:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(data, indent=indent))
 
 
 def matmul_peak(
@@ -89,7 +150,7 @@ def matmul_series(
         b = torch.randn(n, n, device=device, dtype=dtype)
         out = torch.empty(n, n, device=device, dtype=dtype)
         elapsed = _time_products(a, b, out, 1, device, clock)  # warm-up, timed to size a series
-        count = max(1, min(10_000, round(seconds / max(elapsed, 1e-9))))
+        count = max(1, min(10_000, round(seconds / elapsed)))
         rates[n] = max(
             count * flop / _time_products(a, b, out, count, device, clock) for _ in range(repeat)
         )
@@ -112,10 +173,8 @@ def _time_products(
 CUDA_LAUNCHES = {"cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx"}
 
 
-def count_kernels(fn: Callable[[], object], device: str | torch.device) -> int:
-    """Kernels one call of `fn` starts, from the profiler: CUDA kernel launches on CUDA; on
-    the CPU the operator calls made from Python or autograd (an operator's own inner calls, as
-    `aten::matmul`'s `aten::mm`, are part of it), which counts small steps the same way."""
+def profiled(fn: Callable[[], object], device: str | torch.device) -> list:
+    """The profiler's events of one call of `fn` (CPU activity, and CUDA's on CUDA)."""
     from torch.profiler import ProfilerActivity, profile
 
     cuda = torch.device(device).type == "cuda"
@@ -123,8 +182,15 @@ def count_kernels(fn: Callable[[], object], device: str | torch.device) -> int:
     with profile(activities=activities) as prof:
         fn()
         sync(device)
-    events = prof.events()
-    if cuda:
+    return list(prof.events())
+
+
+def count_kernels(fn: Callable[[], object], device: str | torch.device) -> int:
+    """Kernels one call of `fn` starts, from the profiler: CUDA kernel launches on CUDA; on
+    the CPU the operator calls made from Python or autograd (an operator's own inner calls, as
+    `aten::matmul`'s `aten::mm`, are part of it), which counts small steps the same way."""
+    events = profiled(fn, device)
+    if torch.device(device).type == "cuda":
         return sum(e.name in CUDA_LAUNCHES for e in events)
 
     def is_op(e) -> bool:  # a dispatched operator, not an autograd node or a user range

@@ -61,16 +61,6 @@ def source_audio(seconds: float, seed: int) -> np.ndarray:
     return np.clip(audio, -1.0, 1.0 - 1 / 32768).astype(np.float32)
 
 
-def corpus_params(
-    utterances: int, speakers: int, chapters: int, split: str, seconds: Sequence[float],
-    seed: int, copy: bool,
-) -> dict[str, Any]:  # fmt: skip
-    """What `corpus.json` records (an existing corpus is reused only when all of it matches)."""
-    return {"generator": "speechattn.bench.corpus", "version": GENERATOR_VERSION,
-            "utterances": utterances, "speakers": speakers, "chapters": chapters, "split": split,
-            "seconds": [float(s) for s in seconds], "seed": seed, "copy": copy}  # fmt: skip
-
-
 def make_scale_corpus(
     out: str | Path,
     utterances: int,
@@ -112,7 +102,11 @@ def make_scale_corpus(
             f"{per_chapter} utterances per chapter: LibriSpeech ids allow 9999; add speakers"
         )
     out = Path(out)
-    params = corpus_params(utterances, speakers, chapters, split, seconds, seed, copy)
+    # what corpus.json records: an existing corpus is reused only when all of it matches
+    params = {"generator": "speechattn.bench.corpus", "version": GENERATOR_VERSION,
+              "utterances": utterances, "speakers": speakers, "chapters": chapters,
+              "split": split, "seconds": [float(s) for s in seconds], "seed": seed,
+              "copy": copy}  # fmt: skip
     if out.exists():
         try:
             found = json.loads((out / "corpus.json").read_text())
@@ -190,6 +184,20 @@ def _copy(source: Path, target: Path) -> Any:
     return _copy
 
 
+def add_seconds_argument(p: argparse.ArgumentParser, help: str) -> None:
+    """`--seconds 3,8,...`: the source files' durations, parsed to a list of floats."""
+
+    def seconds(text: str) -> list[float]:
+        return [float(s) for s in text.split(",") if s]
+
+    p.add_argument(
+        "--seconds",
+        type=seconds,
+        default=",".join(f"{s:g}" for s in DEFAULT_SECONDS),
+        help=help,
+    )
+
+
 def main(argv: list[str]) -> None:
     p = argparse.ArgumentParser(
         prog="python -m speechattn.bench corpus", description=__doc__.split("\n\n")[0]
@@ -199,18 +207,13 @@ def main(argv: list[str]) -> None:
     p.add_argument("--speakers", type=int, default=None, help=f"default: utterances / {UTTERANCES_PER_SPEAKER}")  # fmt: skip
     p.add_argument("--chapters", type=int, default=2, help="per speaker")
     p.add_argument("--split", default="train-clean-360")
-    p.add_argument(
-        "--seconds",
-        default=",".join(f"{s:g}" for s in DEFAULT_SECONDS),
-        help="durations of the source files, comma-separated",
-    )
+    add_seconds_argument(p, "durations of the source files, comma-separated")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--copy", action="store_true", help="copies instead of hard links")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    seconds = [float(s) for s in args.seconds.split(",") if s]
     root = make_scale_corpus(
-        args.out, args.utterances, args.speakers, args.chapters, args.split, seconds, args.seed,
-        args.copy, progress=True,
+        args.out, args.utterances, args.speakers, args.chapters, args.split, args.seconds,
+        args.seed, args.copy, progress=True,
     )  # fmt: skip
     print(root)

@@ -17,11 +17,13 @@ import json
 import os
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 from torch.utils.data import DataLoader
 
+from speechattn.bench.common import time_call
 from speechattn.data.cache import OPEN_SHARDS, ExtractionSettings, FeatureStore, extract_features
 from speechattn.data.config import default_cache_root
 from speechattn.data.datasets import FeatureDataset, LengthBucketBatchSampler, collate
@@ -53,16 +55,15 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def _timed_passes(fn, min_seconds: float) -> tuple[float, int]:
-    """Run `fn` (one pass) until `min_seconds` elapse; returns (seconds, passes)."""
+def _rates(fn: Callable[[], None], min_seconds: float, utts: int, frames: int) -> dict:
+    """Utterances/s and frames/s of passes of `fn` (each `utts` utterances, `frames` frames),
+    repeated after a warm-up until `min_seconds` elapse."""
     fn()  # warm-up: page cache, memory maps, allocator
     passes, start = 0, time.perf_counter()
-    while True:
+    while (elapsed := time.perf_counter() - start) < min_seconds or not passes:
         fn()
         passes += 1
-        elapsed = time.perf_counter() - start
-        if elapsed >= min_seconds:
-            return elapsed, passes
+    return {"utt_per_s": utts * passes / elapsed, "frames_per_s": frames * passes / elapsed}
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -103,23 +104,14 @@ def run(args: argparse.Namespace) -> dict:
             for i in range(n):
                 fresh.features(i)
 
-        start = time.perf_counter()
-        raw_pass()
-        first = time.perf_counter() - start
-        results["load_first_pass"] = {
-            "seconds": first,
-            "frames_per_s": frames / first,
-        }
+        first = time_call(raw_pass, "cpu")
+        results["load_first_pass"] = {"seconds": first, "frames_per_s": frames / first}
         start = time.perf_counter()
         if damaged := fresh.check(verify=True):
             raise RuntimeError(f"the cache just written does not verify: {damaged[:3]}")
         results["verify_all_seconds"] = time.perf_counter() - start
 
-        seconds, passes = _timed_passes(raw_pass, args.min_seconds)
-        results["load_raw"] = {
-            "utt_per_s": n * passes / seconds,
-            "frames_per_s": frames * passes / seconds,
-        }
+        results["load_raw"] = _rates(raw_pass, args.min_seconds, n, frames)
 
         count, total, total_sq = fresh.sums(range(n))
         dataset = FeatureDataset(fresh, range(n), Normalizer.from_sums(count, total, total_sq))
@@ -132,11 +124,7 @@ def run(args: argparse.Namespace) -> dict:
             for _ in loader:
                 pass
 
-        seconds, passes = _timed_passes(batch_pass, args.min_seconds)
-        results["load_batches"] = {
-            "utt_per_s": n * passes / seconds,
-            "frames_per_s": frames * passes / seconds,
-        }
+        results["load_batches"] = _rates(batch_pass, args.min_seconds, n, frames)
     results["assumed_consumer_fps"] = args.consumer_fps
     results["load_vs_consumer"] = results["load_batches"]["frames_per_s"] / args.consumer_fps
     return results

@@ -7,33 +7,25 @@
 `scripts/gpu_measurements.sh lease` runs it on a GPU machine (docs/gpu.md). In order:
 
 1. the machine: device, torch / CUDA / cuDNN versions, the bf16 (CPU: fp32) matmul peak;
-2. every registered variant (`full` first) trains at the paper's shapes, as pretraining
-   does: `experiment=paper` composed (aalbert_base, LAMB, bf16 autocast on CUDA), batches of
-   50 utterances of 2/3 to all of 1500 10 ms frames (one in five at the crop) masked and
-   padded by the loader's own `BatchMasker` to multiples of `data.pad_to_multiple` model
-   frames, copied from pinned memory, kernels chosen by the autotuner as in training. Per
-   case: ms/step (CUDA events, median of `--steps` after `--warmup`), the ratio to `full`,
-   MFU (the step's useful FLOPs, each utterance at its own length, over the measured peak),
-   peak memory, whether the loss is finite, host syncs both ways (`SyncCounter` over one
-   step; on CUDA also `torch.cuda.set_sync_debug_mode` warnings and the profiler's
-   `cudaMemcpy*` / `cuda*Synchronize` calls), kernel launches, and which attention kernel
-   ran (profiler kernel names: cuDNN, flash, efficient, Flex, or none of them);
+2. every variant (`full` first) trains as pretraining does at `experiment=paper`'s shapes
+   (aalbert_base, LAMB, bf16 autocast on CUDA; 50 utterances of 2/3 to all of 1500 frames,
+   masked and padded by the loader's own `BatchMasker`, copied from pinned memory, kernels
+   chosen by the autotuner). Per case: ms/step (CUDA events, median of `--steps` after
+   `--warmup`), the ratio to `full`, MFU (useful FLOPs, each utterance at its own length),
+   peak memory, a finite loss, host syncs both ways (`count_syncs`), kernel launches and the
+   attention kernel that ran (`profile_step`);
 3. the variants with a Flex kernel forced to it;
-4. a `--lightning-steps` run of `full` through `speechattn.pretrain.run` on the built-in
-   corpus (frames/s, data_wait as metrics.csv has them);
-5. `model.compile=true` steps (`--compiled`), last: each compiles for a minute or more, so
-   they are the first cases a short lease drops.
+4. `--lightning-steps` steps of `full` through `speechattn.pretrain.run` (`run_lightning`);
+5. `model.compile=true` steps (`--compiled`), last: each compiles for a minute or more.
 
-Every case is a JSON line appended to `DIR/lease.jsonl` as soon as it ends (flushed and
-synced), with the error when it failed; a line "started" precedes each case, so a case that
-killed the process is recorded as "crashed" by `--resume`, which skips what is done (the
-shell script reruns the command after a crash). No case starts after `--deadline` seconds
-from `$SPEECHATTN_LEASE_T0` (the shell script's start, wheel installation included; else
-this process's start) minus what the longest case of its kind took so far. The summary line
-and a one-screen table (`DIR/lease.md`) end the run.
-
+Each case is a JSON line appended to `DIR/lease.jsonl` as it ends (flushed and synced), with
+the error when it failed; a "started" line precedes it, so `--resume` records a case that
+killed the process as "crashed" and skips what is done (the shell script reruns the command
+after a crash). No case starts after `--deadline` seconds from `$SPEECHATTN_LEASE_T0` (the
+script's start, wheels installed; else this process's) minus what the longest case of its
+kind took so far. A summary line and a one-screen table (`DIR/lease.md`) end the run.
 `--device cpu --tiny` (a 2-layer D 64 model, 2 utterances of up to 300 frames) checks the
-command itself in the test suite; its figures mean nothing.
+command itself; its figures mean nothing.
 """
 
 from __future__ import annotations
@@ -53,8 +45,15 @@ from typing import Any
 
 import torch
 
-from speechattn.attention import available, registry
-from speechattn.bench.common import CUDA_LAUNCHES, device_name, matmul_peak, sync
+from speechattn.attention import registry
+from speechattn.bench.common import (
+    CUDA_LAUNCHES,
+    attention_names,
+    device_name,
+    matmul_peak,
+    profiled,
+    sync,
+)
 from speechattn.errors import UsageExit
 
 FEATURE_DIM = 80
@@ -62,6 +61,7 @@ TINY = [
     "model.net.dim=64", "model.net.num_layers=2", "model.net.num_heads=4",
     "model.net.ffn_dim=128", "data.batch_size=2", "data.max_frames=300",
 ]  # fmt: skip
+TINY_SHAPES = "tiny (2 layers, D 64, batch 2 x 300)"
 # first guesses of a case's seconds on a GPU, before one of its kind has run
 FIRST_GUESS = {"step": 20.0, "flex": 60.0, "compiled": 120.0, "lightning": 90.0}
 # the CUDA runtime calls the profiler records for host waits
@@ -79,7 +79,6 @@ class InjectedFailure(RuntimeError):
     """`--inject-failure`: the harness's own test of a failing case."""
 
 
-# ----------------------------------------------------------------------------- results file
 class Results:
     """`lease.jsonl`: one line per case, appended, flushed and synced as it ends."""
 
@@ -112,7 +111,6 @@ class Results:
             os.fsync(f.fileno())
 
 
-# ----------------------------------------------------------------------------- one step
 def compose_case(args: argparse.Namespace, name: str, *extra: str):  # noqa: ANN201 - DictConfig
     """The pretraining config of variant `name` as `experiment=paper` has it (or --tiny)."""
     from speechattn.config import compose
@@ -215,15 +213,7 @@ def attention_backend(kernel_names: list[str]) -> str:
 
 def profile_step(step: Step) -> dict[str, Any]:
     """Kernel launches, CUDA runtime syncs and copies, and the attention backend of one step."""
-    from torch.profiler import ProfilerActivity, profile
-
-    activities = [ProfilerActivity.CPU]
-    if step.device.type == "cuda":
-        activities.append(ProfilerActivity.CUDA)
-    with profile(activities=activities) as prof:
-        step()
-        sync(step.device)
-    events = list(prof.events())
+    events = profiled(step, step.device)
     names = Counter(e.name for e in events)
     kernels = sorted({e.name for e in events if e.device_type.name == "CUDA"})
     return {
@@ -339,7 +329,6 @@ def run_lightning(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-# ----------------------------------------------------------------------------- the plan
 def cases(args: argparse.Namespace) -> list[tuple[str, str, list[str], bool]]:
     """(case name, kind, config overrides, compiled): `full` first, the other variants, then
     Flex kernels forced, the Lightning run, and compiled steps."""
@@ -367,9 +356,7 @@ def machine(args: argparse.Namespace) -> dict[str, Any]:
         "cudnn": torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None,
         "peak_dtype": str(dtype).removeprefix("torch."),
         "peak_tflops": peak / 1e12,
-        "shapes": "tiny (2 layers, D 64, batch 2 x 300)"
-        if args.tiny
-        else "paper (aalbert_base, 50 x 1500 frames)",  # noqa: E501
+        "shapes": TINY_SHAPES if args.tiny else "paper (aalbert_base, 50 x 1500 frames)",
     }
     if args.device == "cuda":
         info["gpu_memory_gib"] = torch.cuda.get_device_properties(0).total_memory / 2**30
@@ -429,7 +416,6 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     return list(results.done.values())
 
 
-# ----------------------------------------------------------------------------- the verdict
 def summarise(done: dict[str, dict[str, Any]], elapsed: float) -> dict[str, Any]:
     """The summary line: counts by status, the ratio of each step case to `full`."""
     steps = {k: v for k, v in done.items() if v.get("kind") in ("step", "flex", "compiled")}
@@ -483,7 +469,6 @@ def verdict(done: dict[str, dict[str, Any]], summary: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-# ----------------------------------------------------------------------------- CLI
 def parse(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="python -m speechattn.bench lease", description=__doc__.split("\n")[0]
@@ -508,11 +493,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--inject-failure", default=None, help=argparse.SUPPRESS)
     p.add_argument("--inject-crash", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    names = available() if args.variants == "all" else args.variants.split(",")
-    unknown = [n for n in names if n not in available()]
-    if unknown:
-        raise UsageExit(f"unknown attention {unknown}; choose from {', '.join(available())}")
-    args.variants = names
+    args.variants = attention_names(args.variants)
     if args.compiled is None:
         # LSH's selection is many memory passes eagerly; compiled, inductor fuses them
         args.compiled = "full,xbox,sign_alsh,ldsa" if args.device == "cuda" else ""

@@ -5,27 +5,20 @@
     e.g. python -m speechattn.bench loader experiment=paper data.root=/data/LibriSpeech
 
 The overrides compose the pretraining config as `python -m speechattn.pretrain OVERRIDES`
-would. The loader is the one training iterates (`ResumableData.step_loader`): the data
-module's dataset, `data.num_workers` worker processes, `pin_memory`, prefetch, the
-`StepBatchSampler` order and the task's masking collate (stack, length bucket, masks).
-Printed:
-
-* start-up: seconds (wall and CPU, this process and its finished children: extraction
-  workers) of `prepare_data()` + `setup()`; `--cold` runs it on an empty temporary feature
-  cache (extraction included), otherwise on the cache as it is (warm when features exist);
-* the first batch (worker start-up) and `--warmup` batches, untimed beyond that;
-* over `--batches` batches: 10 ms frames/s (valid frames, `lengths`), batches/s, padding,
-  and CPU seconds per batch of the main process and its workers;
-* open file descriptors of the main process and of each worker after the timed batches;
-* what the GPU needs: `bench pretrain --plan`'s loader rate for the same config (step FLOPs
-  at every utterance's full crop, at `--mfu` of `--gpu`'s vendor bf16/fp16/tf32 dense peak),
-  and the ratio measured / needed (>= 1: the loader keeps up; a projection on one side).
+would; the loader is the one training iterates (`ResumableData.step_loader`: the data module's
+dataset, `data.num_workers` workers, `pin_memory`, prefetch, the `StepBatchSampler` order and
+the task's masking collate). Printed: start-up (`prepare_data()` + `setup()`, wall and CPU
+seconds of this process and its finished children, the extraction workers; `--cold`: on an
+empty temporary feature cache, else on the cache as found); the first batch (worker start-up);
+over `--batches` batches after `--warmup`: 10 ms frames/s (valid frames), batches/s, padding,
+CPU seconds per batch (main + workers) and open descriptors; what the GPU needs (`bench
+pretrain --plan`'s loader rate at `--mfu` of `--gpu`'s dense peak, every utterance at the full
+crop: a projection) and the ratio measured / needed (>= 1: the loader keeps up).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import tempfile
@@ -33,13 +26,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+from speechattn.bench.common import check_mfu, write_json
 from speechattn.bench.pretrain import GPU_PEAKS, project_step
 from speechattn.errors import UsageExit
 
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
-
-
-# ----------------------------------------------------------------------------- processes
 
 
 def open_descriptors(pid: int | str = "self") -> int | None:
@@ -77,9 +68,6 @@ def finished_children_cpu() -> float:
 
     usage = resource.getrusage(resource.RUSAGE_CHILDREN)
     return usage.ru_utime + usage.ru_stime
-
-
-# ----------------------------------------------------------------------------- measuring
 
 
 def measure(cfg: Any, batches: int = 50, warmup: int = 5, cold: bool = False) -> dict[str, Any]:
@@ -179,9 +167,6 @@ def _time_loader(loader: Any, warmup: int, batches: int) -> dict[str, Any]:
     }
 
 
-# ----------------------------------------------------------------------------- CLI
-
-
 def parse(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="python -m speechattn.bench loader", description=__doc__.split("\n")[0]
@@ -199,8 +184,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from speechattn.config import compose
 
-    if not 0 < args.mfu <= 1:
-        raise UsageExit(f"--mfu must be in (0, 1], got {args.mfu}")
+    check_mfu(args.mfu)
     cfg = compose("pretrain", args.overrides)
     setting, need = project_step(cfg, args.gpu, args.mfu)
     result = {
@@ -233,9 +217,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         f"  ratio measured / needed: {r['ratio']:.2f}"
         + ("" if r["ratio"] >= 1 else "  (the GPU would wait for data)")
     )
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=2))
+    write_json(args.json, result)
     return result
 
 

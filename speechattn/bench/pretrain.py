@@ -5,45 +5,33 @@
         [--precision fp32|bf16|fp16] [--json out.json] [--compile]
     python -m speechattn.bench pretrain --plan experiment=paper [--gpu h100|a100] [--mfu 0.4]
 
-`--plan OVERRIDES` times nothing: it composes the pretraining config as
-`python -m speechattn.pretrain OVERRIDES` would and prints per variant the FLOPs of one training
-step (`step_flops`), the step time and GPU-hours they project to at `--mfu` of the GPU's
-vendor dense peak, and the frames/s the loader must deliver: a projection, not a measurement.
+A step is what `PretrainTask.training_step` does (stack frames, span masking, forward, masked
+L1, backward, LAMB update) under autocast for `--precision` (default: bf16 on CUDA, as
+`trainer=gpu` trains; fp32 on CPU); `--frames` counts stacked (30 ms) model frames. Every
+variant is timed round-robin in one process beside `reference` (a hand-written BERT-style
+AALBERT: explicit softmax(QK^T)V, no SDPA, no registry; what the plumbing costs) and the matmul
+peak in the precision's dtype (`common.matmul_series`, before and after the steps; the best is
+used). `--clock cpu --threads 1` times one thread's CPU time, which other processes cannot inflate.
 
-`--compile` prints per variant the graph breaks of what `model.compile=true` compiles and the
-compiled vs the eager step, side by side (`speechattn/bench/compiled.py`).
+FLOPs are counted as each variant is defined: `full`'s step by `torch.utils.flop_counter` (plus
+the CPU flash-attention kernel, which it does not know: 4 B h T S d_k forward, twice that
+backward); a variant's is that count with `full`'s attention FLOPs replaced by its own
+(`Attention.flops`, per layer application). So `bound` = flops(full) / flops(variant) is the
+speed-up it would reach at full's FLOP/s, `achieved/bound` how much of it it delivers, and MFU
+is defined FLOP/s over the peak.
 
-Longer than 500 lines on purpose: the timed step, the plan and the compile comparison share
-one config composition and one model set-up, and read best beside them.
-
-`--clock cpu --threads 1` times CPU time of one thread, which other processes on a shared
-machine cannot inflate. A step is what `PretrainTask.training_step` does: stack frames, span
-masking, forward, masked L1, backward, LAMB update, under autocast for `--precision bf16|fp16`
-(default: bf16 on CUDA, as `trainer=gpu` trains; fp32 on CPU). Each variant is timed in the
-same process as
-
-* `reference`: a hand-written BERT-style AALBERT (explicit softmax(QK^T)V, no SDPA, no
-  registry), the same sizes; it shows what the registry/model plumbing costs;
-* the machine's matmul peak in the precision's dtype, the best sustained rate of series of
-  `torch.mm`s of several sizes (`common.matmul_series`) in the same run (before and after the
-  steps; the best is used).
-
-FLOPs are counted as each variant is defined: the `full` model's step is counted with
-`torch.utils.flop_counter` (plus the CPU flash-attention kernel, which it does not know: 4 B h
-T S d_k forward, twice that backward); a variant's step is that count with `full`'s attention
-FLOPs replaced by the variant's own (`Attention.flops`, per layer application). So `bound` =
-flops(full) / flops(variant) is the speed-up the variant would reach at full's FLOP/s,
-`achieved/bound` how much of it it delivers, and MFU is defined FLOP/s over the peak.
-`--frames` counts stacked (30 ms) model frames.
+`--plan OVERRIDES` times nothing: it composes the pretraining config as `python -m
+speechattn.pretrain OVERRIDES` would and projects each variant's step to a GPU (`plan`).
+`--compile` compares the compiled and the eager step per variant (`run_compile`).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import statistics
 import time
+from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -53,37 +41,38 @@ import torch.nn.functional as F_
 from torch import Tensor, nn
 from torch.utils.flop_counter import FlopCounterMode
 
-from speechattn.attention import available
 from speechattn.attention import build as build_attention
 from speechattn.attention.base import linear_flops
-from speechattn.attention.registry import options as attention_options
 from speechattn.bench.common import (
     add_precision_argument,
+    attention_names,
     autocast,
+    check_mfu,
     default_precision,
     device_name,
     matmul_peak,
     peak_dtype,
-    sync,
+    round_robin,
+    sized_options,
+    time_call,
+    write_json,
 )
-from speechattn.data.features import stack_frames
 from speechattn.errors import UsageExit
 from speechattn.model.aalbert import (
     AALBERT,
     PRESETS,
     ModelConfig,
+    padding_mask_for,
     preset_config,
     registry_attention,
     sinusoidal_positions,
 )
 from speechattn.model.masking import MaskedBatch, MaskingConfig, mask_batch, reconstruction_loss
 from speechattn.model.optim import OptimConfig, build_optimizer
+from speechattn.tasks.pretrain.compiled import compile_objective, graph_breaks
 from speechattn.utils import crop_lengths, lengths_to_padding_mask
 
 FEATURE_DIM = 80
-
-
-# ----------------------------------------------------------------------------- reference
 
 
 class ReferenceLayer(nn.Module):
@@ -126,10 +115,6 @@ class ReferenceAALBERT(nn.Module):
             nn.Linear(c.dim, c.dim), nn.GELU(), nn.LayerNorm(c.dim), nn.Linear(c.dim, c.input_dim)
         )
 
-    def stack(self, features: Tensor, lengths: Tensor) -> tuple[Tensor, Tensor]:
-        """features (B, T, F), lengths (B,) -> (B, T', 3F), lengths' (B,), as AALBERT."""
-        return stack_frames(features, lengths, self.c.stack)
-
     def reconstruct(self, x: Tensor, lengths: Tensor, head_mask: None = None) -> Tensor:
         """x (B, T', 3F) corrupted, lengths' (B,) -> reconstruction (B, T', 3F)."""
         B, T, _ = x.shape
@@ -140,17 +125,10 @@ class ReferenceAALBERT(nn.Module):
         return self.head(h)
 
 
-# ----------------------------------------------------------------------------- measuring
-
-
-def _sdpa_cpu_flops(q, k, v, *args, **kwargs) -> int:
+def _sdpa_cpu_flops(q, k, *args, **kwargs) -> int:
+    """Forward of SDPA on shapes q (B, h, T, d_k), k (B, h, S, d_k): 4 B h T S d_k."""
     B, h, T, d = q
     return 4 * B * h * T * k[2] * d
-
-
-def _sdpa_cpu_backward_flops(grad_out, q, k, v, *args, **kwargs) -> int:
-    B, h, T, d = q
-    return 8 * B * h * T * k[2] * d
 
 
 def _conv_backward_flops(grad_out, x, w, _bias, _stride, _padding, _dilation, transposed,
@@ -165,7 +143,9 @@ def _conv_backward_flops(grad_out, x, w, _bias, _stride, _padding, _dilation, tr
 
 SDPA_CPU = {  # the counter's additions and corrections
     torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: _sdpa_cpu_flops,
-    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward: _sdpa_cpu_backward_flops,
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward: (
+        lambda grad_out, q, k, *args, **kwargs: 2 * _sdpa_cpu_flops(q, k)
+    ),
     torch.ops.aten.convolution_backward: _conv_backward_flops,
 }
 
@@ -201,10 +181,9 @@ def make_step(
 
 
 def bench_batch(args: argparse.Namespace, config: ModelConfig) -> dict[str, Any]:
-    """The timed batch: `--lengths training` (default) draws lengths as the loader's crops
-    (`utils.crop_lengths`) and pads to `--pad-to-multiple` model frames as `experiment=paper`
-    does, so padded batches take the masked kernels that training takes; `--lengths full`
-    times every utterance at `--frames` (no padding, no masks). Lengths stay on the host."""
+    """The timed batch: `--lengths training` draws crops as the loader does and pads to
+    `--pad-to-multiple` model frames, so it takes the masked kernels training takes; `--lengths
+    full` has every utterance at `--frames` (no padding, no masks). Lengths stay on the host."""
     T, generator = args.frames * config.stack, torch.Generator().manual_seed(0)
     if args.lengths == "full":
         features = torch.randn(args.batch, T, FEATURE_DIM, generator=generator)
@@ -217,7 +196,7 @@ def bench_batch(args: argparse.Namespace, config: ModelConfig) -> dict[str, Any]
 
 def crop_batch(batch: int, crop: int, generator: torch.Generator) -> tuple[Tensor, Tensor]:
     """Random features (batch, crop, 80), zero past lengths (batch,) drawn as the loader's
-    crops give them (`utils.crop_lengths`), on the host."""
+    crops (`utils.crop_lengths`), on the host."""
     lengths = crop_lengths(batch, crop, generator)
     features = torch.randn(batch, crop, FEATURE_DIM, generator=generator)
     features *= (torch.arange(crop)[None, :] < lengths[:, None])[..., None]
@@ -239,31 +218,18 @@ def count_flops(step: Callable[[], float]) -> int:
     return int(counter.get_total_flops())
 
 
-def time_step(
-    step: Callable[[], float], device: str, clock: Callable[[], float] = time.perf_counter
-) -> float:
-    """Seconds of one step by `clock`."""
-    sync(device)
-    t = clock()
-    step()
-    sync(device)
-    return clock() - t
-
-
 def attention_flops(name: str, config: ModelConfig, batch: int, frames: int) -> float:
     """Training FLOPs of variant `name`'s attention in one step, every layer application."""
-    opts = {"max_len": max(1024, frames)} if "max_len" in attention_options(name) else {}
-    module = build_attention(name, config.dim, config.num_heads, **opts)
+    module = build_attention(name, config.dim, config.num_heads, **sized_options(name, frames))
     return module.flops(frames).training * batch * config.num_layers
 
 
 def step_syncs(name: str, config: ModelConfig, args: argparse.Namespace) -> tuple[int, int]:
-    """Host-device syncs of one `PretrainTask` training step of variant `name` at the bench's
-    batch and length: (reads of device data, blocking uploads of host memory) (fp32; on a CPU
-    the CPU stands in for the device: `bench/syncs.py`)."""
+    """(reads of device data, blocking uploads) of one fp32 `PretrainTask` training step of
+    variant `name` at the bench's batch and length (`bench/syncs.py`)."""
     from speechattn.bench.syncs import pretrain_step_syncs
 
-    opts = {"max_len": max(1024, args.frames)} if "max_len" in attention_options(name) else {}
+    opts = sized_options(name, args.frames)
     net = {**config.to_dict(), "attention": name, "attention_options": opts}
     counter = pretrain_step_syncs(net, args.batch, args.frames, args.device)
     return counter.count, counter.upload_count
@@ -273,14 +239,10 @@ def build(name: str, config: ModelConfig, frames: int, device: str) -> nn.Module
     torch.manual_seed(0)
     if name == "reference":
         return ReferenceAALBERT(config).to(device).train()
-    opts = {}
-    if "max_len" in attention_options(name):
-        opts["max_len"] = max(1024, frames)  # synthesizers need l_max >= T'
+    opts = sized_options(name, frames)
     c = ModelConfig(**{**config.to_dict(), "attention": name, "attention_options": opts})
     return AALBERT(c).to(device).train()
 
-
-# ----------------------------------------------------------------------------- plan
 
 # Vendor dense peaks of the tensor cores, FLOP/s (no 2:4 structured sparsity: the datasheets'
 # headline figures "with sparsity" halved). NVIDIA H100 SXM5 datasheet: BF16/FP16 1,979 and TF32
@@ -324,12 +286,11 @@ def step_flops(config: ModelConfig, batch: int, frames: int) -> float:
 
 
 def project_step(cfg: Any, gpu: str, mfu: float) -> tuple[dict[str, Any], dict[str, Any]]:
-    """One training step of the composed pretraining config `cfg` on `gpu` (a `GPU_PEAKS`
-    key) at `mfu`: (setting, projection). The setting: model sizes, batch, crop (10 ms) and
+    """(setting, projection) of one training step of the composed pretraining config `cfg`
+    on `gpu` (a `GPU_PEAKS` key) at `mfu`. The setting: model sizes, batch, crop (10 ms) and
     model frames, steps, precision and its tensor-core dtype. The projection: TFLOP per step
     (`step_flops`, every utterance at the full crop), step ms = FLOPs / (MFU x vendor dense
-    peak), GPU-hours for `trainer.max_steps`, and the 10 ms frames per step and per second
-    the loader must deliver to keep up."""
+    peak), GPU-hours for `trainer.max_steps`, the 10 ms frames/step and /s the loader owes."""
     from omegaconf import OmegaConf
 
     peaks = GPU_PEAKS[gpu][1]
@@ -352,21 +313,12 @@ def project_step(cfg: Any, gpu: str, mfu: float) -> tuple[dict[str, Any], dict[s
 
 
 def plan(args: argparse.Namespace) -> dict[str, Any]:
-    """`--plan OVERRIDES`: per variant, the FLOPs of one training step of the pretraining
-    config those overrides compose (model, `data.batch_size`, `data.max_frames`,
-    `trainer.max_steps`, `trainer.precision`), and what they project to on `--gpu` at `--mfu`:
-    step time = FLOPs / (MFU x vendor dense peak), GPU-hours = steps x step time / 3600, and
-    the loader's frames/s = 10 ms frames per step / step time. Every utterance is taken at the
-    full crop, so these are the upper bounds on work per step. A projection, nothing timed."""
-
+    """`--plan OVERRIDES`: per variant, `project_step` of the pretraining config those
+    overrides compose (every utterance at the full crop: upper bounds). Nothing is timed."""
     from speechattn.config import compose
 
-    if not 0 < args.mfu <= 1:
-        raise UsageExit(f"--mfu must be in (0, 1], got {args.mfu}")
-    names = available() if args.attention == "all" else args.attention.split(",")
-    unknown = [n for n in names if n not in available()]
-    if unknown:
-        raise UsageExit(f"unknown attention {unknown}; choose from {', '.join(available())}")
+    check_mfu(args.mfu)
+    names = attention_names(args.attention)
     gpu, peaks = GPU_PEAKS[args.gpu]
     rows, setting = [], {}
     for name in names:
@@ -391,13 +343,8 @@ def plan(args: argparse.Namespace) -> dict[str, Any]:
         )
     result = {"benchmark": "pretrain_plan", "overrides": list(args.plan), "gpu": gpu,
               "peak_tflops": peaks[s["dtype"]] / 1e12, "mfu": args.mfu, **s, "rows": rows}  # fmt: skip
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=2))
+    write_json(args.json, result)
     return result
-
-
-# ----------------------------------------------------------------------------- CLI
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
@@ -451,15 +398,17 @@ def parse(argv: list[str]) -> argparse.Namespace:
     return args
 
 
-def run(args: argparse.Namespace) -> dict[str, Any]:
+def setup(args: argparse.Namespace) -> tuple[list[str], ModelConfig, dict[str, Any]]:
+    """The variants to run, the model's config and the timed batch (`--threads` applied)."""
     if args.threads:
         torch.set_num_threads(args.threads)
-    names = available() if args.attention == "all" else args.attention.split(",")
-    unknown = [n for n in names if n not in available()]
-    if unknown:
-        raise UsageExit(f"unknown attention {unknown}; choose from {', '.join(available())}")
+    names = attention_names(args.attention)
     config = preset_config(args.model, feature_dim=FEATURE_DIM, dropout=args.dropout)
-    batch = bench_batch(args, config)
+    return names, config, bench_batch(args, config)
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    names, config, batch = setup(args)
     masking = MaskingConfig()
     if args.clock == "cpu" and (args.device != "cpu" or torch.get_num_threads() != 1):
         raise UsageExit("--clock cpu needs --device cpu --threads 1 (CPU time of one thread)")
@@ -473,10 +422,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         f"{str(dtype).removeprefix('torch.')} matmul peak "
         f"{peak / 1e9:.1f} GFLOP/s"
     )
-    # Round-robin timing: every variant gets one step per round, so drifting machine load
-    # (shared CPUs) affects all of them alike; the peak is re-measured at the end.
-    counted_full = None
-    steps, flops = {}, {}
+    # timed round-robin (`round_robin`); the peak is re-measured at the end
+    steps = {}
     for name in ["reference", "full", *[n for n in names if n != "full"]]:
         model = build(name, config, args.frames, args.device)
         steps[name] = make_step(model, batch, masking, precision=args.precision)
@@ -488,18 +435,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         del steps["full"]
     # a variant's step as it is defined: full's counted step with full's attention swapped out
     full_attention = attention_flops("full", config, args.batch, args.frames)
-    for name in steps:
-        if name != "reference":
-            flops[name] = (
-                counted_full
-                - full_attention
-                + attention_flops(name, config, args.batch, args.frames)
-            )
+    flops = {
+        name: counted_full - full_attention + attention_flops(name, config, args.batch, args.frames)
+        for name in steps
+        if name != "reference"
+    }
     flops["reference"] = count_flops(steps["reference"])
-    times: dict[str, list[float]] = {name: [] for name in steps}
-    for _ in range(args.repeat):
-        for name, step in steps.items():
-            times[name].append(time_step(step, args.device, clock))
+    times = round_robin(steps, args.repeat, args.device, clock)
     peak = max(peak, matmul_peak(device=args.device, dtype=dtype, clock=clock))
     print(f"  (peak re-measured after the steps: {peak / 1e9:.1f} GFLOP/s, the best is used)")
     rows = []
@@ -544,42 +486,70 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "peak_gflops": peak / 1e9,
         "rows": rows,
     }
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=2))
+    write_json(args.json, result)
     return result
 
 
-def run_compile(args: argparse.Namespace) -> dict[str, Any]:
-    """`--compile`: graph breaks, compile time, eager and compiled step (`bench/compiled.py`)."""
-    from speechattn.bench.compiled import run_compiled
+def explain(model: nn.Module, batch: dict[str, Tensor], masking: MaskingConfig, precision: str):
+    """Graph breaks of the compile unit on one masked batch -> {graphs, breaks, reasons}."""
+    masked = mask_batch(
+        batch["features"], batch["lengths"], batch["stack"], masking, torch.Generator(),
+        batch.get("pad_to_multiple", 1),
+    )  # fmt: skip
+    pad = padding_mask_for(masked.lengths, masked.inputs)
+    with autocast(batch["features"].device.type, precision):
+        return graph_breaks(model, masked.inputs, masked.target, masked.chosen, pad)
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    names = available() if args.attention == "all" else args.attention.split(",")
-    config = preset_config(args.model, feature_dim=FEATURE_DIM, dropout=args.dropout)
-    batch = bench_batch(args, config)
+
+def run_compile(args: argparse.Namespace) -> dict[str, Any]:
+    """`--compile`, per variant: the graph breaks of pretraining's compile unit
+    (`tasks/pretrain/compiled.py`, what `model.compile=true` compiles: embedding, encoder,
+    head, masked L1) from `torch._dynamo.explain` with their reasons, the first compiled step's
+    time (compilation included), then the eager and the compiled step timed round-robin
+    (medians) and their ratio. The backward has no graph breaks of its own to count:
+    AOTAutograd derives it from the forward graphs, and a custom autograd Function that dynamo
+    cannot trace breaks the forward where it is applied."""
+    names, config, batch = setup(args)
     print(
         f"{args.model}, batch {args.batch} x {args.frames} stacked frames, {args.device} "
         f"({device_name(args.device)}), {args.precision}, {torch.get_num_threads()} threads"
     )
-    rows = run_compiled(
-        args,
-        names,
-        build=lambda name: build(name, config, args.frames, args.device),
-        make_step=lambda model, objective=None: make_step(
-            model, batch, MaskingConfig(), precision=args.precision, objective=objective
-        ),
-        batch=batch,
-        time_step=lambda step: time_step(step, args.device),
-    )
+    masking = MaskingConfig()
+    rows = []
+    print("graph breaks (torch._dynamo.explain of the compile unit), eager vs compiled step:")
+    for name in names:
+        info = explain(
+            build(name, config, args.frames, args.device), batch, masking, args.precision
+        )
+        eager = make_step(build(name, config, args.frames, args.device), batch, masking,
+                          precision=args.precision)  # fmt: skip
+        model = build(name, config, args.frames, args.device)
+        compiled = make_step(
+            model, batch, masking, precision=args.precision, objective=compile_objective(model)
+        )
+        for _ in range(args.warmup):
+            eager()
+        first = time_call(compiled, args.device)  # compiles
+        for _ in range(max(args.warmup - 1, 0)):
+            compiled()
+        times = round_robin({"eager": eager, "compiled": compiled}, args.repeat, args.device)
+        e, c = (statistics.median(times[k]) for k in ("eager", "compiled"))
+        rows.append({"attention": name, "graphs": info["graphs"], "graph_breaks": info["breaks"],
+                     "break_reasons": info["reasons"], "compile_s": first, "eager_s": e,
+                     "compiled_s": c, "compiled_vs_eager": c / e})  # fmt: skip
+        print(
+            f"  {name:15s} breaks {info['breaks']:3d} ({info['graphs']} graphs)  first compiled "
+            f"step {first:7.1f} s  eager {e * 1e3:8.1f} ms  compiled {c * 1e3:8.1f} ms  "
+            f"compiled/eager {c / e:.2f}"
+        )
+        for reason, n in Counter(info["reasons"]).most_common(4):
+            print(f"      {n:3d} x {reason}")
+        torch._dynamo.reset()  # each variant compiles from scratch, within the recompile limit
     result = {"benchmark": "pretrain_compile", "model": args.model, "batch": args.batch,
               "frames": args.frames, "device": args.device, "precision": args.precision,
               "device_name": device_name(args.device), "threads": torch.get_num_threads(),
               "torch": torch.__version__, "rows": rows}  # fmt: skip
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=2))
+    write_json(args.json, result)
     return result
 
 

@@ -4,37 +4,29 @@
         [--heads HEADS_JSON] [--fraction 0.5] [--batch 4] [--frames 500] [--reps 10]
         [--device cpu|cuda] [--precision fp32|bf16|fp16] [--json out.json]
 
-Both models run the same inference forward pass (no gradient, as a frozen upstream does
-downstream) on the same batch of `--frames` stacked 30 ms frames, side by side in interleaved
-order after one warm-up each:
-
-* `masked`: the full upstream with the head mask (xi = 0 on the pruned heads);
-* `pruned`: the same upstream after `AALBERT.prune_heads(mask)` (exactly the same outputs;
-  the largest difference is printed).
-
-The mask is the heads.json pruning point nearest to `--fraction` (`--heads`), else a seeded
-random choice of round(fraction h) heads per layer, the same heads at every depth of a shared
-layer (so that it loses them too). Without `--upstream` the model is a `--model` preset with
-random weights. Time: minimum over `--reps` (the most robust statistic on a shared machine),
-the median is stored too. Peak memory as `bench attention` measures it: the rise of
-`torch.cuda.max_memory_allocated` on CUDA, of the peak resident set size on CPU (Linux).
+Both models run the same inference forward (no gradient, as a frozen upstream downstream) on
+one batch of `--frames` stacked 30 ms frames, interleaved after one warm-up each: `masked`, the
+upstream with the head mask (xi = 0 on the pruned heads), and `pruned`, the same upstream after
+`AALBERT.prune_heads(mask)` (the same outputs; the largest difference is printed). The mask is
+the heads.json pruning point nearest to `--fraction` (`--heads`), else a seeded random choice
+of round(fraction h) heads per layer object (`random_mask`). Without `--upstream` the model is a
+`--model` preset with random weights. Time: minimum over `--reps` (median stored too); peak
+memory as `bench attention` measures it.
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import functools
 import json
 import statistics
-import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from speechattn.attention.registry import options as attention_options
 from speechattn.bench.common import (
     PeakRSS,
     add_precision_argument,
@@ -42,7 +34,9 @@ from speechattn.bench.common import (
     default_precision,
     device_name,
     peak_memory,
-    sync,
+    round_robin,
+    sized_options,
+    write_json,
 )
 from speechattn.model.aalbert import AALBERT, PRESETS, preset_config
 from speechattn.model.pruning import pruning_point
@@ -71,13 +65,9 @@ def models(args: argparse.Namespace) -> tuple[AALBERT, AALBERT, Tensor, str]:
     if args.upstream:
         full = load_upstream(args.upstream).model
     else:
-        needs_len = "max_len" in attention_options(args.attention)  # synthesizers: l_max >= T'
-        opts = {"max_len": max(1024, args.frames)} if needs_len else {}
+        opts = sized_options(args.attention, args.frames)
         config = preset_config(
-            args.model,
-            feature_dim=FEATURE_DIM,
-            attention=args.attention,
-            attention_options=opts,
+            args.model, feature_dim=FEATURE_DIM, attention=args.attention, attention_options=opts
         )
         torch.manual_seed(0)
         full = AALBERT(config)
@@ -103,24 +93,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     features = torch.randn(args.batch, T, full.config.feature_dim, generator=g).to(device)
     lengths = torch.full((args.batch,), T, dtype=torch.long, device=device)
 
-    def forward(model: AALBERT, head_mask: Tensor | None) -> Callable[[], list[Tensor]]:
-        def call() -> list[Tensor]:
-            with torch.no_grad(), autocast(device.type, args.precision):
-                return model(features, lengths, head_mask)
+    def forward(model: AALBERT, head_mask: Tensor | None) -> list[Tensor]:
+        with torch.no_grad(), autocast(device.type, args.precision):
+            return model(features, lengths, head_mask)
 
-        return call
-
-    cases = {"masked": forward(full, mask.to(torch.float32)), "pruned": forward(pruned, None)}
+    cases = {
+        "masked": functools.partial(forward, full, mask.to(torch.float32)),
+        "pruned": functools.partial(forward, pruned, None),
+    }
     outputs = {name: fn()[-1].float() for name, fn in cases.items()}  # warm-up
     diff = float((outputs["masked"] - outputs["pruned"]).abs().max())
-    times: dict[str, list[float]] = {name: [] for name in cases}
-    for _ in range(args.reps):
-        for name, fn in cases.items():  # interleaved: drifting load affects both alike
-            sync(device)
-            t0 = time.perf_counter()
-            fn()
-            sync(device)
-            times[name].append(time.perf_counter() - t0)
+    times = round_robin(cases, args.reps, device)
     rss = PeakRSS()
     rows = {}
     for name, model in (("masked", full), ("pruned", pruned)):
@@ -180,9 +163,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "speedup": speedup,
         "peak_mem_ratio": mem_ratio,
     }
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=2))
+    write_json(args.json, result)
     return result
 
 

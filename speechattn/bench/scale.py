@@ -4,15 +4,13 @@ utterances, each measured cold (empty feature cache) then warm, in fresh process
     python -m speechattn.bench scale --work DIR [--sizes 1000,10000,100000] [--batches 50]
         [--warmup 5] [--seconds 3,8,12,14,16,20] [--json out.json] [OVERRIDES ...]
 
-For each size: `bench corpus` writes (or reuses) DIR/corpus-<n> (hard links, LibriSpeech
-layout, split train-clean-360); the feature cache DIR/cache-<n> is emptied; then
-`python -m speechattn.bench loader experiment=paper OVERRIDES data.root=... data.cache_dir=...`
-runs twice, each in a new process: the first start-up extracts every feature (cold), the
-second finds them (warm: what every later run and every DDP rank pays). Printed per size:
-corpus build seconds; cold start-up wall and CPU seconds (this process + extraction workers);
-warm start-up wall and CPU seconds; the warm run's loader frames/s, CPU per batch and open
-descriptors (main process, the most in one worker). Run it on a quiet machine: the figures
-in docs/benchmarks.md come from it.
+For each size: `bench corpus` writes (or reuses) DIR/corpus-<n> (hard links, split
+train-clean-360), DIR/cache-<n> is emptied, then `bench loader experiment=paper OVERRIDES
+data.root=... data.cache_dir=...` runs twice, each in a new process: cold (the start-up
+extracts every feature), then warm (what every later run and DDP rank pays). Printed per size:
+corpus build seconds, cold and warm start-up wall and CPU seconds (this process + extraction
+workers), the warm run's loader frames/s, CPU per batch and open descriptors (main, the most in
+one worker). The figures in docs/benchmarks.md come from it, on a quiet machine.
 """
 
 from __future__ import annotations
@@ -28,7 +26,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from speechattn.bench.corpus import DEFAULT_SECONDS, make_scale_corpus
+from speechattn.bench.common import write_json
+from speechattn.bench.corpus import add_seconds_argument, make_scale_corpus
 
 SPLIT = "train-clean-360"
 
@@ -91,11 +90,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--sizes", default="1000,10000,100000", help="utterances, comma-separated")
     p.add_argument("--batches", type=int, default=50, help="timed loader batches per run")
     p.add_argument("--warmup", type=int, default=5, help="untimed loader batches per run")
-    p.add_argument(
-        "--seconds",
-        default=",".join(f"{s:g}" for s in DEFAULT_SECONDS),
-        help="durations of the corpus's source files, comma-separated",
-    )
+    add_seconds_argument(p, "durations of the corpus's source files, comma-separated")
     p.add_argument("--json", type=Path, default=None, help="also write the results here")
     return p.parse_intermixed_args(argv)
 
@@ -103,10 +98,9 @@ def parse(argv: list[str]) -> argparse.Namespace:
 def main(argv: list[str]) -> None:
     args = parse(argv)
     sizes = [int(s) for s in args.sizes.split(",") if s]
-    seconds = [float(s) for s in args.seconds.split(",") if s]
     args.work.mkdir(parents=True, exist_ok=True)
     print(
-        f"scale: sizes {sizes}, sources {seconds} s, {os.cpu_count()} CPUs, work folder "
+        f"scale: sizes {sizes}, sources {args.seconds} s, {os.cpu_count()} CPUs, work folder "
         f"{args.work}; experiment=paper {' '.join(args.overrides)}"
     )
     print(f"  {'utterances':>10s} {'corpus s':>8s} {'cold s':>7s} {'cold CPU':>8s} "
@@ -114,7 +108,7 @@ def main(argv: list[str]) -> None:
           f"{'fds main/worker':>15s}")  # fmt: skip
     rows = []
     for size in sizes:
-        r = measure_size(args.work, size, args.overrides, args.batches, args.warmup, seconds)
+        r = measure_size(args.work, size, args.overrides, args.batches, args.warmup, args.seconds)
         rows.append(r)
         print(
             f"  {size:10d} {r['corpus_s']:8.1f} {r['cold_wall_s']:7.1f} {r['cold_cpu_s']:8.1f} "
@@ -126,6 +120,4 @@ def main(argv: list[str]) -> None:
     if rows:
         need = rows[-1]["need_frames_per_s"]
         print(f"  GPU need (projection, bench loader): {need / 1e6:.3f} M frames/s")
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({"benchmark": "scale", "rows": rows}, indent=2))
+    write_json(args.json, {"benchmark": "scale", "rows": rows})

@@ -1,30 +1,24 @@
-"""Count host-device synchronisations: reads of device data by the host, and uploads of
-pageable host memory to the device.
+"""Count host-device synchronisations: reads of device data by the host, and uploads of host
+memory that block it (docs/gpu.md, "One host read and no blocking upload per training step").
 
-On a GPU every read of device data (`.item()`, `int(t)`, `bool(t)`, `float(t)`, `.tolist()`,
-`.cpu()`, `.numpy()`, and ops whose output size depends on the data: `nonzero`, boolean
-indexing, `masked_select`, `unique`, `bincount`, `repeat_interleave` without `output_size`,
-`torch.equal`) makes the host wait until the device has run everything queued before it; the
-launch queue drains, and neither CUDA graphs nor a full-graph `torch.compile` can hold the
-step. A copy of pageable (not pinned) host memory to the device (`x.to("cuda")` of a CPU
-tensor, `torch.tensor(0.5, device="cuda")`, `dst.copy_(cpu_tensor)`) is staged by the driver
-and blocks the host too, as does a blocking copy from pinned memory; only a copy from pinned
-memory with `non_blocking=True` (the batch the loader pins) overlaps with the device's work.
-`SyncCounter` is a `TorchDispatchMode` that counts both, each with its reason: reads in
-`reasons` (`count`), uploads in `uploads` (`upload_count`).
+A read (`.item()`, `int(t)`, `bool(t)`, `float(t)`, `.tolist()`, `.cpu()`, `.numpy()`, and ops
+whose output size depends on the data: `nonzero`, boolean indexing, `masked_select`, `unique`,
+`bincount`, `repeat_interleave` without `output_size`, `torch.equal`) makes the host wait for
+everything queued before it: the launch queue drains, and neither CUDA graphs nor a full-graph
+`torch.compile` can hold the step. A copy of pageable host memory to the device (`x.to("cuda")`
+of a CPU tensor, `torch.tensor(0.5, device="cuda")`, `dst.copy_(cpu_tensor)`) blocks the host
+too, as does a blocking copy from pinned memory; only a pinned copy with `non_blocking=True`
+(the batch the loader pins) overlaps with the device's work.
 
-On a GPU, the device data is whatever lives off the CPU. On a CPU-only machine
-(`cpu_is_device=True`) every CPU tensor counts as device data except the ones declared host
-data (`host=`: the batch's lengths, which stay on the host on a GPU too), tensors made from
-Python data (`torch.tensor(...)`) and whatever is computed from host data only, so one CPU run
-shows the syncs a GPU step would make, as far as the step takes the same branches on both
-(kernels chosen for the CPU may read lengths that the CUDA branch bounds statically: count
-those on fake CUDA, `tests/fakecuda`). There a copy's devices are all the CPU, so the
-stand-in counts as uploads only what plainly makes device data of host data: `torch.tensor`
-/ `torch.as_tensor` with a `device=` other than the string "cpu" (Lightning's `self.log` of
-a float), `.to(t)` for a device tensor t, and `.copy_` of host data into device data; a
-`.to(device)` of host data cannot be told from a host-to-host `.to(torch.device("cpu"))`
-there and is counted on a GPU and on fake CUDA only, where the copies themselves are seen.
+With `cpu_is_device=True` (a CPU-only machine) every CPU tensor counts as device data except
+declared host data (`host=`: the batch's lengths), tensors made from Python data and what is
+computed from host data only, so one CPU run shows the syncs a GPU step would make as far as
+both take the same branches (CPU kernels may read lengths that the CUDA branch bounds
+statically: count those on fake CUDA, `tests/fakecuda`). A copy's devices are all the CPU
+there, so only what plainly makes device data of host data counts as an upload:
+`torch.tensor` / `torch.as_tensor` with a `device=` other than the string "cpu", `.to(t)` for
+a device tensor t, `.copy_` of host data into device data (a `.to(device)` of host data cannot
+be told from a host-to-host `.to("cpu")` there: a GPU and fake CUDA count it).
 
     with SyncCounter(host=[lengths]) as syncs:
         step()
@@ -35,8 +29,9 @@ there and is counted on a GPU and on fake CUDA only, where the copies themselves
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -104,7 +99,7 @@ class SyncCounter(TorchDispatchMode):
             speechattn package, else of the caller outside torch, e.g. Lightning).
     """
 
-    # flex_attention & co. come through `__torch_dispatch__` (see `_higher_order`)
+    # flex_attention & co. come through `__torch_dispatch__`, run uncounted there
     supports_higher_order_operators = True
 
     def __init__(
@@ -121,7 +116,7 @@ class SyncCounter(TorchDispatchMode):
         self._host: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
         self._pinned: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
         for t in host:
-            self.mark_host(t)
+            self._host[t] = True
         for t in pinned:
             self._pinned[t] = True
         self.reasons: Counter[str] = Counter()  # reads of device data
@@ -145,10 +140,6 @@ class SyncCounter(TorchDispatchMode):
     def upload_count(self) -> int:
         """Copies of host memory to the device that block the host."""
         return sum(self.uploads.values())
-
-    def mark_host(self, t: Tensor) -> None:
-        """Declare `t` host data."""
-        self._host[t] = True
 
     def _active(self) -> bool:
         """Whether this mode is on the dispatch stack (not popped inside a higher-order op):
@@ -189,7 +180,12 @@ class SyncCounter(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Any = None):
         kwargs = kwargs or {}
         if isinstance(func, HigherOrderOperator):
-            return self._higher_order(func, args, kwargs)
+            # run as the modes below run it (`HigherOrderOperator.dispatch` popped this one),
+            # its inside not counted: a dispatch mode keeps `torch.compile` off, so Flex runs
+            # torch's eager math here (which uploads its -inf fill), not the fused kernel a
+            # training step runs; our score and mask functions are traced into that kernel,
+            # where a host read cannot hide
+            return func(*args, **kwargs)
         tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, Tensor)]
         on_device = [t for t in tensors if self.is_device(t)]
         if on_device:
@@ -206,73 +202,47 @@ class SyncCounter(TorchDispatchMode):
                     self._host[t] = True
         return out
 
-    def _higher_order(self, func: HigherOrderOperator, args: tuple, kwargs: dict) -> Any:
-        """Run a higher-order operator (flex_attention, its backward) as the modes below run
-        it, its inside not counted: a dispatch mode keeps `torch.compile` off, so Flex runs
-        torch's eager math here (which uploads its -inf fill), not the fused kernel a
-        training step runs; our score and mask functions are traced into that kernel, where a
-        host read cannot hide."""
-        return func(*args, **kwargs)  # `HigherOrderOperator.dispatch` popped this mode
-
     # Python-level entries: reads without an aten op (or no-ops on the CPU), and, in the
     # stand-in, uploads whose copy is a no-op on the CPU
-    def _patch(self, owner: Any, name: str, make: Any) -> None:
+    def _patch(self, owner: Any, name: str, wrapper: Callable[..., Any]) -> None:
+        """Replace `owner.name` by `wrapper(original, *args, **kwargs)` until `__exit__`."""
         original = getattr(owner, name)
         self._patched.append((owner, name, original))
-        setattr(owner, name, make(original))
+        setattr(owner, name, lambda *args, **kwargs: wrapper(original, *args, **kwargs))
 
-    def _read(self, name: str) -> Any:
-        counter = self
-
-        def make(original: Any) -> Any:
-            def method(t: Tensor, *args: Any, **kwargs: Any) -> Any:
-                # .cpu() of a GPU tensor is counted as its _to_copy
-                copied = name == "cpu" and t.device.type != "cpu"
-                counted = counter._active() and counter.is_device(t) and not copied
-                if counted:
-                    counter._count(name)
-                counter._reading += counted
-                try:
-                    return original(t, *args, **kwargs)
-                finally:
-                    counter._reading -= counted
-
-            return method
-
-        return make
-
-    def _stand_in_to(self, original: Any) -> Any:
-        counter = self
-
-        def to(t: Tensor, *args: Any, **kwargs: Any) -> Any:
-            other = kwargs.get("other", args[0] if args else None)  # `t.to(other)`
-            moved = isinstance(other, Tensor) and counter.is_device(other)
-            if moved and counter._active() and not counter.is_device(t):
-                counter._upload(t, bool(kwargs.get("non_blocking", False)))
-                out = original(t, *args, **kwargs)
-                counter._host.pop(out, None)  # device data from here on
-                return out
+    def _read(self, name: str, original: Any, t: Tensor, *args: Any, **kwargs: Any) -> Any:
+        # .cpu() of a GPU tensor is counted as its _to_copy
+        copied = name == "cpu" and t.device.type != "cpu"
+        counted = self._active() and self.is_device(t) and not copied
+        if counted:
+            self._count(name)
+        self._reading += counted
+        try:
             return original(t, *args, **kwargs)
+        finally:
+            self._reading -= counted
 
-        return to
-
-    def _stand_in_factory(self, original: Any) -> Any:
-        counter = self
-
-        def factory(data: Any, *args: Any, **kwargs: Any) -> Tensor:
-            out = original(data, *args, **kwargs)
-            if counter._active() and _names_device(kwargs.get("device")):
-                host = not isinstance(data, Tensor) or not counter.is_device(data)
-                if host:
-                    counter._count(PAGEABLE, upload=True)  # Python data is never pinned
-                counter._host.pop(out, None)  # device data from here on
+    def _stand_in_to(self, original: Any, t: Tensor, *args: Any, **kwargs: Any) -> Any:
+        other = kwargs.get("other", args[0] if args else None)  # `t.to(other)`
+        moved = isinstance(other, Tensor) and self.is_device(other)
+        if moved and self._active() and not self.is_device(t):
+            self._upload(t, bool(kwargs.get("non_blocking", False)))
+            out = original(t, *args, **kwargs)
+            self._host.pop(out, None)  # device data from here on
             return out
+        return original(t, *args, **kwargs)
 
-        return factory
+    def _stand_in_factory(self, original: Any, data: Any, *args: Any, **kwargs: Any) -> Tensor:
+        out = original(data, *args, **kwargs)
+        if self._active() and _names_device(kwargs.get("device")):
+            if not isinstance(data, Tensor) or not self.is_device(data):
+                self._count(PAGEABLE, upload=True)  # Python data is never pinned
+            self._host.pop(out, None)  # device data from here on
+        return out
 
     def __enter__(self) -> SyncCounter:
         for name in ("tolist", "numpy", "cpu"):
-            self._patch(Tensor, name, self._read(name))
+            self._patch(Tensor, name, functools.partial(self._read, name))
         if self.cpu_is_device:
             self._patch(Tensor, "to", self._stand_in_to)
             for name in ("tensor", "as_tensor"):
