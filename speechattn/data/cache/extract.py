@@ -210,7 +210,7 @@ def extract_features(
 ) -> FeatureStore:
     """Cached features of `utterances`; extracts the shards not in the cache first.
 
-    Shards are content-addressed (see the package docstring): a shard extracted for any corpus
+    Shards are content-addressed (docs/cache.md): a shard extracted for any corpus
     folder with the same settings and the same audio under the same ids is reused. Bad audio
     goes to `issues` (raise on the first under `on_error=error`, else recorded as skips);
     resampled or down-mixed files are logged as warnings. `on_shard_done(i)` is called after
