@@ -1,20 +1,14 @@
 """What in the feature cache is still used, and removing what is not (`ls` / `gc`).
 
-A manifest is *live* while its corpus folder exists and every audio file it recorded still
-has the recorded size and mtime; some files changed makes it *changed*: only the shards whose
-files all still match stay in use (the next run re-extracts the others anyway). A folder that
-is not there makes it *missing*: a renamed folder or an unmounted network drive may come back,
-so its shards stay in use unless `forget_missing` (`gc --forget-missing`) makes it *stale*.
-`gc` removes stale manifests and every shard no live, changed or missing manifest uses, and
-version-2 entries (`features/<key>/`). It never removes a shard with a file younger than the
-grace period, one with a live claim (`claims.live_claim`: the claims module decides who is
-still working, here as in the extraction), or one named by the plan of an extraction in
-progress (`splits/*.plan.json`: its process still runs, on this host; or, written on another
-host, it was touched, after every shard, within the grace period or the claims' expiry,
-whichever is longer), so it is safe beside a running extraction whatever `--grace-hours`
-says; nor a temporary file under a live claim, however old; nor any shard of a manifest a
-running job reads (its reader mark, `layout.reader_path`: the process alive on this host, or
-the mark younger than a day from another host).
+A manifest is *live* while its corpus folder exists and every audio file it recorded has the
+recorded size and mtime; *changed* when some do not (only the shards whose files all match
+stay in use); *missing* when its folder is not there (it may come back: its shards stay in use,
+unless `forget_missing` makes it *stale*). `gc` removes stale manifests, every shard none of
+the others uses, and version-2 entries. It never removes a shard with a file younger than the
+grace period, with a live claim (`claims.live_claim`), named by the plan of an extraction in
+progress (its process alive on this host, or the plan touched within the grace period or the
+claims' expiry), or of a manifest a running job reads (`layout.reader_path`); nor a temporary
+file under a live claim.
 """
 
 from __future__ import annotations
@@ -216,17 +210,6 @@ def _claimed(shard: ShardFiles, claim_config: ClaimConfig | None) -> bool:
     return claim in shard.files and live_claim(shard.directory, shard.key, claim_config) is not None
 
 
-def _kept(
-    shard: ShardFiles, grace_s: float, now: float, claim_config: ClaimConfig | None
-) -> str | None:
-    """Why an unreferenced shard must stay for now, or None."""
-    if now - shard.newest < grace_s:
-        return "younger than the grace period"
-    if _claimed(shard, claim_config):
-        return "claimed"
-    return None
-
-
 def _older(path: Path, grace_s: float, now: float) -> bool:
     try:
         return now - path.stat().st_mtime >= grace_s
@@ -244,8 +227,7 @@ def collect(
     """Remove what no manifest uses (see the module docstring). Returns what was (or, with
     `dry_run`, would be) removed: {"manifests", "shards", "old_entries", "temp_files", "bytes",
     "kept" (unused shards or entries too young or claimed to remove)}. `claim_config`: the
-    claims' timing the extractions run with (`data.claim_expiry_s`; None: the defaults);
-    `forget_missing`: manifests whose corpus folder is not there go too."""
+    extractions' claim timing (None: the defaults)."""
     s = survey(cache_root, grace_s, forget_missing=forget_missing, claim_config=claim_config)
     now = time.time()
     removed = {"manifests": [], "shards": [], "old_entries": [], "temp_files": [], "bytes": 0,
@@ -268,7 +250,7 @@ def collect(
             if not dry_run:
                 f.unlink(missing_ok=True)
     for shard in s.unreferenced:
-        if _kept(shard, grace_s, now, claim_config):
+        if now - shard.newest < grace_s or _claimed(shard, claim_config):
             removed["kept"] += 1
             continue
         removed["shards"].append(shard.key)

@@ -1,9 +1,8 @@
 """Reading a corpus folder's cached features: `FeatureStore` over one manifest.
 
-Descriptors stay bounded whatever the corpus size: a read is one `os.preadv` into a fresh
-array from a process-wide LRU of open shard files (`max_open_shards`, 32 by default, per
-process: DataLoader workers each have their own). Nothing stays memory-mapped, so a returned
-array never pins a file open.
+A read is one `os.preadv` into a fresh array from a per-process LRU of open shard files
+(`max_open_shards`): descriptors stay bounded whatever the corpus size, and nothing stays
+memory-mapped.
 """
 
 from __future__ import annotations
@@ -41,9 +40,8 @@ DEFAULT_MAX_OPEN_SHARDS = DataConfig.max_open_shards  # documented there
 class _OpenShards:
     """LRU of open shard files, path -> (fd, offset of the array data); one per process.
 
-    The lock makes a read and an eviction exclusive (a pin-memory thread and the loop may
-    share it). After a fork the child keeps usable copies of the descriptors (`pread` has no
-    shared file position), so DataLoader workers start warm.
+    The lock makes a read and an eviction exclusive. A forked child keeps usable copies of the
+    descriptors (`pread` has no shared file position), so DataLoader workers start warm.
     """
 
     def __init__(self, limit: int = DEFAULT_MAX_OPEN_SHARDS) -> None:
@@ -83,9 +81,8 @@ _READING: set[Path] = set()  # the reader marks this process made (`register_rea
 
 
 def register_reader(manifest: Path) -> None:
-    """Mark `manifest` as read by this process until it exits: `gc` keeps every shard of it
-    while the process lives, whatever changed in the corpus meanwhile (`layout.reader_path`;
-    removed at exit, and by `gc` once the process is gone)."""
+    """Mark `manifest` as read by this process until it exits: `gc` keeps all its shards while
+    the process lives (`layout.reader_path`)."""
     path = reader_path(manifest, host_name(), os.getpid())
     if path in _READING:
         return
@@ -135,11 +132,9 @@ class FeatureStore:
     """Read access to the cached features of one corpus folder (one manifest).
 
     `lengths[i]` frames for `utt_ids[i]`; `features(i)` -> float32 (T, F), `raw(i)` the same in
-    the cache dtype, both fresh arrays. Picklable (DataLoader workers open files themselves).
-    A shard file is checked when a process opens it (size and mtime against its record, and the
-    .npy header; a checksum only when size or mtime moved); a damaged one is marked for
-    re-extraction and raises `DataError` naming the file. `check()` does the same for every file
-    at start-up.
+    the cache dtype, both fresh arrays. Picklable. A shard file is checked when a process opens
+    it (size, mtime and .npy header; a checksum only when size or mtime moved); a damaged one
+    is marked for re-extraction and raises `DataError` naming the file (`check()`: every file).
 
     Arrays (N utterances, in manifest order; each shard's utterances are consecutive):
         shard (N,) int32 index into `shard_keys`; row (N,) its row in the shard's statistics;
@@ -178,7 +173,6 @@ class FeatureStore:
                 f"{problem}; rerun the same command: the index is rebuilt from the shards",
             )  # fmt: skip
 
-    # ---- the reading API ----
     def __len__(self) -> int:
         return len(self.utt_ids)
 
@@ -187,7 +181,7 @@ class FeatureStore:
 
     @property
     def position(self) -> dict[str, int]:
-        """utterance id -> index (built on first use)."""
+        """utterance id -> index."""
         if self._position is None:
             self._position = dict(zip(self.utt_ids, range(len(self.utt_ids))))
         return self._position
@@ -228,9 +222,7 @@ class FeatureStore:
         weight = weight.astype(np.float64)  # (N,)
         total = np.zeros(self.feature_dim)
         total_sq = np.zeros(self.feature_dim)
-        bounds = np.searchsorted(
-            self.shard, np.arange(self.num_shards + 1)
-        )  # shard k: [b_k, b_k+1)
+        bounds = np.searchsorted(self.shard, np.arange(self.num_shards + 1))  # k: [b_k, b_k+1)
         for k in np.unique(self.shard[weight > 0]):
             lo, hi = int(bounds[k]), int(bounds[k + 1])
             stats = self._statistics(int(k))[self.row[lo:hi]]  # (n, 2, F)
@@ -245,12 +237,10 @@ class FeatureStore:
     def __getstate__(self) -> dict:
         return {**self.__dict__, "_position": None}
 
-    # ---- integrity ----
     def _index_problem(self) -> str | None:
-        """What makes the index unfit to read with, or None. Each shard's slice of the index
-        must be its commit marker's utterances and lengths, with consecutive rows and offsets
-        that add the lengths up to the frames its features file holds: otherwise a read would
-        return another utterance's frames (or statistics). One small json per shard."""
+        """What makes the index unfit to read with (a read would return another utterance's
+        frames), or None: each shard's slice must be its marker's utterances and lengths, with
+        consecutive rows and offsets adding up to the frames its features file holds."""
         N, K = len(self.utt_ids), len(self.shard_keys)
         if any(len(a) != N for a in (self.shard, self.row, self.offset, self.lengths)):
             return f"its arrays do not all have {N} entries"
