@@ -47,9 +47,7 @@ class FeatureDataset(Dataset):
         self.normalizer, self.max_frames, self.random_crop = normalizer, max_frames, random_crop
         self.speakers, self.phones = speakers, phones
         full = store.lengths[self.indices] if self.indices else np.zeros(0, np.int64)
-        self.lengths = (
-            np.minimum(full, max_frames) if max_frames else full
-        )  # frames per item after cropping
+        self.lengths = np.minimum(full, max_frames) if max_frames else full  # after cropping
 
     def __len__(self) -> int:
         return len(self.indices)
@@ -82,11 +80,8 @@ class FeatureDataset(Dataset):
 def collate(items: list[dict[str, Any]]) -> dict[str, Any]:
     """Pad a list of dataset items into a batch dict (see the module docstring)."""
     lengths = torch.tensor([it["features"].shape[0] for it in items], dtype=torch.long)
-    B, T, F = (
-        len(items),
-        int(lengths.max()) if items else 0,
-        items[0]["features"].shape[1] if items else 0,
-    )
+    B, T = len(items), int(lengths.max()) if items else 0
+    F = items[0]["features"].shape[1] if items else 0
     features = np.zeros((B, T, F), dtype=np.float32)  # NumPy: single-threaded, no thread wake-ups
     for b, it in enumerate(items):
         features[b, : it["features"].shape[0]] = it["features"].numpy()
@@ -114,9 +109,8 @@ def length_buckets(
 ) -> list[list[int]]:
     """One pool cut into batches of similar length: the length-bucketing of both samplers.
 
-    The pool is sorted by length (equal lengths keep their pool order), cut into batches of
-    `batch_size` (the last one shorter where the pool is no multiple of it) and the batches
-    put in a random order drawn from `seed`, so consecutive batches do not grow in length.
+    The pool is sorted by length (stable), cut into batches of `batch_size` (the last one
+    shorter) and the batches put in a random order drawn from `seed`.
 
     Args:
         pool: (W,) items: dataset indices, or the pretraining stream's positions.
@@ -139,11 +133,9 @@ class LengthBucketBatchSampler(BatchSampler):
     """Epoch-wise batches of similar length: `length_buckets` on every pool of `bucket_size`
     batches' worth of the indices `sampler` yields.
 
-    `sampler` is a RandomSampler, or the DistributedSampler Lightning injects under DDP:
-    Lightning re-creates this class with that sampler, so each rank buckets its own shard.
-    Every pass shuffles its batches anew (seeded by `seed`, the pass and the pool). With
-    `shuffle=False` the whole index set is one pool, sorted by length and left in that order:
-    the least padding, for evaluation.
+    Under DDP Lightning re-creates this class with its DistributedSampler, so each rank
+    buckets its own shard. Every pass shuffles its batches anew (seeded by `seed`, the pass
+    and the pool). With `shuffle=False` the whole index set is one sorted pool (evaluation).
 
     Args:
         sampler: yields dataset indices.

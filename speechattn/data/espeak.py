@@ -73,11 +73,8 @@ class Espeak:
 
         self.lib = ctypes.CDLL(espeakng_loader.get_library_path())
         self.lib.espeak_Initialize.argtypes = [
-            ctypes.c_int,
-            ctypes.c_int,
-            ctypes.c_char_p,
-            ctypes.c_int,
-        ]
+            ctypes.c_int, ctypes.c_int, ctypes.c_char_p, ctypes.c_int,
+        ]  # fmt: skip
         self.lib.espeak_Initialize.restype = ctypes.c_int
         self.lib.espeak_SetVoiceByName.argtypes = [ctypes.c_char_p]
         self.lib.espeak_SetVoiceByName.restype = ctypes.c_int

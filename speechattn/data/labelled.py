@@ -1,8 +1,5 @@
-"""`LabelledDataModule`: speaker and phone labels for the downstream probes (train/dev/test).
-
-Built on the corpus machinery of `speechattn.data.datamodules` (corpus resolution, scanning,
-feature cache, loaders); bad input follows `cfg.on_error` as there.
-"""
+"""`LabelledDataModule`: speaker and phone labels for the downstream probes (train/dev/test),
+built on the corpus machinery of `speechattn.data.datamodules`."""
 
 from __future__ import annotations
 
@@ -70,15 +67,9 @@ class LabelledDataModule(_CorpusDataModule):
                 if u in available:
                     ids.append(u)
                 elif u not in skipped:  # skipped ones were already reported
-                    self.issues.report(
-                        DataError(
-                            path,
-                            "utterance not in the corpus",
-                            f"not found in {c.labelled_splits}",
-                            u,
-                        ),
-                        "lists",
-                    )
+                    detail = f"not found in {c.labelled_splits}"
+                    error = DataError(path, "utterance not in the corpus", detail, u)
+                    self.issues.report(error, "lists")
             return ids
 
         if c.test_list is not None:
@@ -88,14 +79,9 @@ class LabelledDataModule(_CorpusDataModule):
         test_set = set(test)
         if c.train_list is not None:
             train = from_list(c.train_list)
-            overlap = [u for u in train if u in test_set]
-            for u in overlap:
-                self.issues.report(
-                    DataError(
-                        files.path(c.train_list), "utterance in both train and test lists", "", u
-                    ),
-                    "lists",
-                )
+            both = "utterance in both train and test lists"
+            for u in [u for u in train if u in test_set]:
+                self.issues.report(DataError(files.path(c.train_list), both, "", u), "lists")
             train = [u for u in train if u not in test_set]
         else:
             train = sorted(u for u in labelled if u not in test_set)
@@ -121,10 +107,8 @@ class LabelledDataModule(_CorpusDataModule):
             lab = labels.get(u)
             if lab is None:
                 if u not in skipped:
-                    self.issues.report(
-                        DataError(path, "missing alignment", "no line for this utterance", u),
-                        "labels",
-                    )
+                    error = DataError(path, "missing alignment", "no line for this utterance", u)
+                    self.issues.report(error, "labels")
                 continue
             if abs(len(lab) - lengths[u]) > c.label_tolerance:
                 self.issues.report(
@@ -188,11 +172,8 @@ class LabelledDataModule(_CorpusDataModule):
             train, test = [u for u in train if u in phones], [u for u in test if u in phones]
         train, dev = self._dev_split(train)
         if not train or not test:
-            raise DataError(
-                self.label_files.folder,
-                "empty train or test set",
-                f"train {len(train)}, test {len(test)} utterances",
-            )
+            detail = f"train {len(train)}, test {len(test)} utterances"
+            raise DataError(self.label_files.folder, "empty train or test set", detail)
         return {"train": train, "dev": dev, "test": test}, lengths, phones
 
     def _build_datasets(

@@ -48,11 +48,8 @@ def find_splits(root: str | Path) -> list[str]:
     """
     root = Path(root).expanduser()
     if not root.is_dir():
-        raise DataError(
-            root,
-            "corpus root not found",
-            "expected a LibriSpeech folder: ROOT/<split>/<speaker>/<chapter>/*.flac",
-        )
+        detail = "expected a LibriSpeech folder: ROOT/<split>/<speaker>/<chapter>/*.flac"
+        raise DataError(root, "corpus root not found", detail)
     splits = [p.name for p in sorted(root.iterdir()) if p.is_dir() and _looks_like_split(p)]
     if not splits:
         found = sorted(p.name + ("/" if p.is_dir() else "") for p in root.iterdir())[:12]
@@ -235,14 +232,8 @@ def _scan_chapter(
         path = chapter_dir / f"{utt_id}{AUDIO_SUFFIX}"
         m = UTT_RE.match(utt_id)
         if not m or m.group(1) != speaker or m.group(2) != chapter:
-            issues.report(
-                DataError(
-                    path,
-                    "unexpected file name",
-                    f"expected {speaker}-{chapter}-NNNN{AUDIO_SUFFIX}",
-                ),
-                "scan",
-            )
+            detail = f"expected {speaker}-{chapter}-NNNN{AUDIO_SUFFIX}"
+            issues.report(DataError(path, "unexpected file name", detail), "scan")
             continue
         if transcripts.get(utt_id, "") is None:
             continue  # a duplicated transcript line, reported already
@@ -424,11 +415,8 @@ class LabelFiles:
         if path is not None and path.is_file():
             symbols = read_phone_set(path)
             if num_phones is not None and num_phones != len(symbols):
-                raise DataError(
-                    path,
-                    "phone set size mismatch",
-                    f"{len(symbols)} symbols, data.num_phones={num_phones}",
-                )
+                detail = f"{len(symbols)} symbols, data.num_phones={num_phones}"
+                raise DataError(path, "phone set size mismatch", detail)
             return symbols
         if num_phones is not None:
             return [str(i) for i in range(num_phones)]

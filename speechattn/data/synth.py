@@ -39,6 +39,7 @@ from pathlib import Path
 import numpy as np
 
 from speechattn.data import text as textgen
+from speechattn.data.features import HOP_LENGTH, SAMPLE_RATE, WIN_LENGTH, num_frames
 from speechattn.data.phones import PHONE_SET, phone_id
 from speechattn.errors import ConfigError
 from speechattn.utils import init_pool_worker, progress_bar
@@ -46,8 +47,6 @@ from speechattn.utils import init_pool_worker, progress_bar
 log = logging.getLogger(__name__)
 
 GENERATOR_VERSION = 2  # bump whenever the output changes: cached corpora then rebuild
-SAMPLE_RATE = 16000
-WIN, HOP = 400, 160  # 25 ms / 10 ms at 16 kHz (Kaldi snip-edges framing)
 SPLIT_MAIN, SPLIT_HELDOUT = "synth-clean", "synth-heldout"
 MIN_SECONDS, MAX_SECONDS = 2.0, 8.0
 TEST_SHARE = 0.2
@@ -123,22 +122,17 @@ def make_speakers(count: int, seed: int = 0, heldout: bool = False) -> list[Spea
     return speakers
 
 
-def frame_count(num_samples: int) -> int:
-    """Kaldi snip-edges frames of 25 ms every 10 ms: `(num_samples - 400) // 160 + 1`."""
-    return max(0, (num_samples - WIN) // HOP + 1)
-
-
 def frame_labels(starts: np.ndarray, classes: np.ndarray, num_samples: int) -> np.ndarray:
     """Phone id per 10 ms frame: the phone active at each frame's centre.
 
     Args:
         starts: (P,) start sample of each phone segment (non-decreasing).
         classes: (P,) phone id of each segment; a segment lasts until the next start.
-        num_samples: audio length; frames follow `frame_count`.
+        num_samples: audio length; frames follow `features.num_frames` (Kaldi snip-edges).
     Returns:
-        (frame_count(num_samples),) int64; frames before the first segment are silence (0).
+        (num_frames(num_samples),) int64; frames before the first segment are silence (0).
     """
-    centres = np.arange(frame_count(num_samples)) * HOP + WIN // 2
+    centres = np.arange(num_frames(num_samples)) * HOP_LENGTH + WIN_LENGTH // 2
     idx = np.searchsorted(starts, centres, side="right") - 1
     return np.where(idx >= 0, classes[np.clip(idx, 0, None)], 0).astype(np.int64)
 
