@@ -334,24 +334,21 @@ class Claims:
         for unit, (path, token) in held:
             try:
                 fd = os.open(path, os.O_RDONLY)
+                try:
+                    try:
+                        ours = json.loads(os.read(fd, 4096)).get("token") == token
+                    except ValueError:
+                        ours = False
+                    if ours:
+                        os.utime(fd)
+                finally:
+                    os.close(fd)
             except FileNotFoundError:
                 self._lost(unit, token, "its claim file was removed")
                 continue
             except OSError as e:  # a filesystem hiccup: try again at the next beat
                 log.warning("%s: heartbeat failed (%s)", path, e)
                 continue
-            try:
-                try:
-                    ours = json.loads(os.read(fd, 4096)).get("token") == token
-                except ValueError:
-                    ours = False
-                if ours:
-                    os.utime(fd)
-            except OSError as e:
-                log.warning("%s: heartbeat failed (%s)", path, e)
-                continue
-            finally:
-                os.close(fd)
             if not ours:
                 self._lost(unit, token, "another process took its claim over")
 

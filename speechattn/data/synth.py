@@ -33,6 +33,7 @@ import shutil
 import sys
 import tempfile
 import time
+from collections import Counter
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -283,14 +284,8 @@ def build_corpus(
                     results.append(result)
                     advance()
     results.sort(key=lambda r: r["utt_id"])
-    _write_metadata(
-        out,
-        split,
-        table,
-        results,
-        seed,
-        corpus_params(speakers, utterances_per_speaker, seed, heldout),
-    )
+    params = corpus_params(speakers, utterances_per_speaker, seed, heldout)
+    _write_metadata(out, split, table, results, seed, params)
     seconds = sum(r["num_samples"] for r in results) / SAMPLE_RATE
     log.info(
         "built %s: %d speakers, %d utterances, %.1f min of speech in %.1f s",
@@ -328,26 +323,19 @@ def _write_metadata(
     (out / "train_split.txt").write_text("\n".join(sorted(train)) + "\n")
     (out / "test_split.txt").write_text("\n".join(sorted(test)) + "\n")
 
-    counts = {spk.speaker_id: 0 for spk in table}
-    for r in results:
-        counts[r["utt_id"].split("-")[0]] += 1
+    counts = Counter(r["utt_id"].split("-")[0] for r in results)
     speakers = {
-        spk.speaker_id: {
-            **asdict(spk),
-            "voice": spk.voice,
+        s.speaker_id: {
+            **asdict(s),
+            "voice": s.voice,
             "split": split,
-            "utterances": counts[spk.speaker_id],
+            "utterances": counts[s.speaker_id],
         }
-        for spk in table
+        for s in table
     }
     (out / "speakers.json").write_text(json.dumps(speakers, indent=2) + "\n")
-    total = sum(r["num_samples"] for r in results)
-    info = {
-        **params,
-        "split": split,
-        "utterances": len(results),
-        "hours": round(total / SAMPLE_RATE / 3600, 4),
-    }
+    hours = round(sum(r["num_samples"] for r in results) / SAMPLE_RATE / 3600, 4)
+    info = {**params, "split": split, "utterances": len(results), "hours": hours}
     (out / "corpus.json").write_text(json.dumps(info, indent=2) + "\n")
 
 

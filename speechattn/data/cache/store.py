@@ -321,25 +321,25 @@ class FeatureStore:
         except FileNotFoundError:  # other errors (EMFILE, EACCES) say nothing about the file
             self._refuse(k, Path(path), "missing")
         try:
-            record = self._checked(k, "npy", os.fstat(fd))
-            data_offset, problem = parse_header(os.pread(fd, HEADER_BYTES, 0), record)
-            if problem:
-                self._refuse(k, Path(path), problem)
+            return fd, self._header(k, "npy", fd)[1]
         except BaseException:
             os.close(fd)
             raise
-        return fd, data_offset
+
+    def _header(self, k: int, kind: str, fd: int) -> tuple[Record, int]:
+        """The record of shard k's `kind` file open at `fd`, and its data offset (both checked)."""
+        record = self._checked(k, kind, os.fstat(fd))
+        data_offset, problem = parse_header(os.pread(fd, HEADER_BYTES, 0), record)
+        if problem:
+            self._refuse(k, self.paths(k).data(kind), problem)
+        return record, data_offset
 
     def _statistics(self, k: int) -> np.ndarray:
         """Shard k's (utterances, 2, F) float64 statistics, checked against their record."""
         path = self.paths(k).stats
         try:
             with open(path, "rb") as f:
-                record = self._checked(k, "stats", os.fstat(f.fileno()))
-                head = f.read(HEADER_BYTES)
-                data_offset, problem = parse_header(head, record)
-                if problem:
-                    self._refuse(k, path, problem)
+                record, data_offset = self._header(k, "stats", f.fileno())
                 f.seek(data_offset)
                 stats = np.fromfile(f, dtype=np.dtype(record["dtype"]))
         except FileNotFoundError:
