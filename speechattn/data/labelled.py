@@ -10,7 +10,6 @@ from typing import Any
 import numpy as np
 from torch.utils.data import DataLoader
 
-from speechattn.data.cache import FeatureStore
 from speechattn.data.config import DataConfig
 from speechattn.data.datamodules import _CorpusDataModule, _Items
 from speechattn.data.datasets import FeatureDataset
@@ -89,9 +88,8 @@ class LabelledDataModule(_CorpusDataModule):
         if unused:
             log.info(
                 "%d utterances of %s are in neither the train nor the test list (unused)",
-                unused,
-                c.labelled_splits,
-            )
+                unused, c.labelled_splits,
+            )  # fmt: skip
         return train, test
 
     def _phones(self, ids: list[str], lengths: dict[str, int]) -> dict[str, np.ndarray]:
@@ -139,18 +137,16 @@ class LabelledDataModule(_CorpusDataModule):
         if unseen:
             log.warning(
                 "%d test speakers never occur in train (speaker tasks cannot get them right): %s",
-                len(unseen),
-                unseen[:10],
-            )
+                len(unseen), unseen[:10],
+            )  # fmt: skip
         self._build_datasets(roles, available, phones)
         mf = self.cfg.labelled_max_frames
         cropped = sum(1 for ids in roles.values() for u in ids if mf and lengths[u] > mf)
         if cropped:
             log.warning(
                 "%d labelled utterances are longer than labelled_max_frames=%d and are cropped",
-                cropped,
-                mf,
-            )
+                cropped, mf,
+            )  # fmt: skip
         log.info(
             "labelled data: %d train / %d dev / %d test utterances, %d speakers, %d phone classes",
             len(roles["train"]), len(roles["dev"]), len(roles["test"]), self.num_speakers,
@@ -186,31 +182,27 @@ class LabelledDataModule(_CorpusDataModule):
         feature extraction, normalised with the train split's statistics."""
         speaker_class = {s: i for i, s in enumerate(self.speakers)}
 
-        def parts(
-            ids: list[str],
-        ) -> list[tuple[FeatureStore, list[int], list[int], list[np.ndarray]]]:
+        def by_split(ids: list[str]) -> dict[str, list[str]]:
             grouped: dict[str, list[str]] = defaultdict(list)
             for u in ids:
                 grouped[available[u][0]].append(u)
-            out = []
-            for split, us in grouped.items():
-                store = self._splits[split]
-                out.append((
-                    store, [available[u][1] for u in us], [speaker_class[self.corpus.speaker_of(u)] for u in us],
-                    [phones.get(u, np.zeros(0, np.int16)) for u in us],
-                ))  # fmt: skip
-            return out
+            return grouped
 
         def items(ids: list[str], random_crop: bool) -> _Items:
-            mf = self.cfg.labelled_max_frames
-            return _Items(
-                [
-                    FeatureDataset(s, i, self._normalizer, mf, random_crop, spk, ph)
-                    for s, i, spk, ph in parts(ids)
-                ]
-            )
+            return _Items([
+                FeatureDataset(
+                    self._splits[split], [available[u][1] for u in us], self._normalizer,
+                    self.cfg.labelled_max_frames, random_crop,
+                    [speaker_class[self.corpus.speaker_of(u)] for u in us],
+                    [phones.get(u, np.zeros(0, np.int16)) for u in us],
+                )
+                for split, us in by_split(ids).items()
+            ])  # fmt: skip
 
-        self._normalizer = self._normalizer_from([(s, i) for s, i, _, _ in parts(roles["train"])])
+        train = by_split(roles["train"]).items()
+        self._normalizer = self._normalizer_from(
+            [(self._splits[split], [available[u][1] for u in us]) for split, us in train]
+        )
         self.datasets = {
             "train": items(roles["train"], True),
             "dev": items(roles["dev"], False),

@@ -67,7 +67,6 @@ class Survey:
     root: Path
     manifests: list[ManifestInfo]
     shards: dict[tuple[str, str], ShardFiles]  # (settings key, shard key) -> files
-    settings_of: dict[str, str]  # shard key -> settings key (a key is unique in practice)
     fresh_plans: list[Path]
     stale_plans: list[Path]
     dead_readers: list[Path]  # reader marks of processes that are gone (`layout.reader_path`)
@@ -86,9 +85,8 @@ class Survey:
         return sum(s.bytes for s in self.shards.values()) + sum(b for _, b, _ in self.old_entries)
 
 
-def _shard_files(features: Path) -> tuple[dict[tuple[str, str], ShardFiles], dict[str, str]]:
+def _shard_files(features: Path) -> dict[tuple[str, str], ShardFiles]:
     shards: dict[tuple[str, str], ShardFiles] = {}
-    settings_of: dict[str, str] = {}
     for settings_dir in sorted((features / "shards").glob("*")):
         if not settings_dir.is_dir():
             continue
@@ -102,8 +100,7 @@ def _shard_files(features: Path) -> tuple[dict[tuple[str, str], ShardFiles], dic
                 item.files.append(Path(entry.path))
                 item.bytes += st.st_size
                 item.newest = max(item.newest, st.st_mtime)
-                settings_of[key] = settings_dir.name
-    return shards, settings_of
+    return shards
 
 
 def _old_entries(features: Path) -> list[tuple[Path, int, float]]:
@@ -154,7 +151,7 @@ def survey(
     whether each manifest's folder exists, without a stat per audio file; `forget_missing`
     counts a manifest whose folder is not there as stale, not missing."""
     features = features_root(cache_root)
-    shards, settings_of = _shard_files(features)
+    shards = _shard_files(features)
     manifests, protected = [], set()
     splits = features / "splits"
     fresh_plans, stale_plans = [], []
@@ -200,7 +197,7 @@ def survey(
                 dead_readers.append(mark)
         except OSError:
             continue
-    return Survey(features, manifests, shards, settings_of, fresh_plans, stale_plans,
+    return Survey(features, manifests, shards, fresh_plans, stale_plans,
                   dead_readers, _old_entries(features), protected)  # fmt: skip
 
 
