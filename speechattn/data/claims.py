@@ -257,11 +257,8 @@ class Claims:
         if info is not None and info.token == token:
             path.unlink(missing_ok=True)
         else:
-            log.warning(
-                "%s: no longer ours at release (%s)",
-                path,
-                f"now claimed by {info}" if info else "removed",
-            )
+            state = f"now claimed by {info}" if info else "removed"
+            log.warning("%s: no longer ours at release (%s)", path, state)
 
     def _create(self, unit: str, path: Path) -> bool:
         try:
@@ -304,11 +301,8 @@ class Claims:
             started = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(dead.started))
             log.warning(
                 "%s: took over the claim of %s (started %s, silent for %.0f s)",
-                path,
-                dead,
-                started,
-                self.now() - dead.mtime,
-            )
+                path, dead, started, self.now() - dead.mtime,
+            )  # fmt: skip
             return self._create(unit, path)
         try:  # a live claim: put it back, unless a new claim filled the name meanwhile
             os.link(grave, path)

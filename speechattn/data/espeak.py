@@ -1,8 +1,7 @@
 """Minimal ctypes binding to eSpeak NG (shipped by the `espeakng-loader` wheel).
 
-eSpeak NG keeps global state and is not thread-safe: use one `Espeak` per process (the class
-is a per-process singleton) and parallelise with processes. Synthesis runs in synchronous mode
-with phoneme events, so every call returns the waveform and the start sample of each phoneme:
+eSpeak NG keeps global state and is not thread-safe: one `Espeak` per process (`Espeak.get()`);
+parallelise with processes. Each call returns the waveform and each phoneme's start sample:
 
     audio, phonemes = Espeak.get().synthesize("Hello there.", voice="en-us+m3")
     # audio: int16 (N,) at Espeak.get().sample_rate (22050 Hz)

@@ -96,8 +96,8 @@ class LhotseSource:
         self._problems: list[DataError] = []
 
     def listing(self) -> Listing:
-        """Parse the manifests, stat every audio file: the digest covers the manifests'
-        stats, each utterance's file, segment and stats, and the problems found."""
+        """Parse the manifests and stat every audio file; the digest covers the manifests' and
+        audio files' stats, each utterance's segment, and the problems found."""
         self._utterances, self._problems = self._parse()
         h = hashlib.sha256()
         for m in self.manifests:

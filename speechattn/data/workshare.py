@@ -122,13 +122,9 @@ class WorkShare:
         if now - self._last_log >= config.log_every_s:
             log.info(
                 "waiting for %d %s claimed by other processes: %s; none finished for "
-                "%.0f s (gives up after %.0f s)",
-                len(still),
-                self.what,
-                _by_holder(self.claims, still),
-                now - self._last_progress,
-                config.wait_timeout_s,
-            )
+                "%.0f s (gives up after %.0f s)", len(still), self.what,
+                _by_holder(self.claims, still), now - self._last_progress, config.wait_timeout_s,
+            )  # fmt: skip
             self._last_log = now
         time.sleep(config.poll_s)
         self._queue.extend(still)

@@ -408,9 +408,8 @@ def report(store: FeatureStore, issues: Issues, scan: bool) -> None:
     if len(store.notes) > limit:
         log.warning(
             "audio converted: %d more files (listed in %s)",
-            len(store.notes) - limit,
-            store.manifest,
-        )
+            len(store.notes) - limit, store.manifest,
+        )  # fmt: skip
 
 
 def open_split(
