@@ -123,12 +123,9 @@ class Espeak:
         with self._lock:
             if self.lib.espeak_SetVoiceByName(settings.voice.encode()) != 0:
                 raise ConfigError(f"eSpeak NG has no voice {settings.voice!r}")
-            for param, value in (
-                (PARAM_RATE, settings.rate),
-                (PARAM_PITCH, settings.pitch),
-                (PARAM_RANGE, settings.pitch_range),
-                (PARAM_VOLUME, settings.volume),
-            ):
+            params = {PARAM_RATE: settings.rate, PARAM_PITCH: settings.pitch,
+                      PARAM_RANGE: settings.pitch_range, PARAM_VOLUME: settings.volume}  # fmt: skip
+            for param, value in params.items():
                 self.lib.espeak_SetParameter(param, int(value), 0)
             self._chunks, self._events = [], []
             data = text.encode("utf-8") + b"\x00"
