@@ -216,10 +216,8 @@ class LabelledDataModule(_CorpusDataModule):
             by_speaker[self.corpus.speaker_of(u)].append(u)
         dev: set[str] = set()
         for k, speaker in enumerate(sorted(by_speaker, key=_numeric_first)):
-            _, held = _holdout(
-                sorted(by_speaker[speaker]), self.cfg.dev_fraction, self.cfg.seed * 100003 + k
-            )
-            dev.update(held)
+            ids = sorted(by_speaker[speaker])
+            dev |= _held_out(ids, self.cfg.dev_fraction, self.cfg.seed * 100003 + k)
         return [u for u in train if u not in dev], [u for u in train if u in dev]
 
     def train_dataloader(self) -> DataLoader:
@@ -245,11 +243,10 @@ def _numeric_first(speaker: str) -> tuple[int, str]:
     return (int(speaker), speaker) if speaker.isdigit() else (1 << 62, speaker)
 
 
-def _holdout(ids: list[str], fraction: float, seed: int) -> tuple[list[str], list[str]]:
-    """Seeded split of `ids` into (kept, held out), held out ~ `fraction` (>= 1 when possible)."""
+def _held_out(ids: list[str], fraction: float, seed: int) -> set[str]:
+    """A seeded ~`fraction` of `ids` (at least one where two or more are given, never all)."""
     if fraction <= 0 or len(ids) < 2:
-        return ids, []
+        return set()
     order = np.random.default_rng(seed).permutation(len(ids))
     n = min(len(ids) - 1, max(1, round(fraction * len(ids))))
-    held = {ids[i] for i in order[:n]}
-    return [u for u in ids if u not in held], [u for u in ids if u in held]
+    return {ids[i] for i in order[:n]}
