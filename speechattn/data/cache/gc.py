@@ -1,14 +1,9 @@
 """What in the feature cache is still used, and removing what is not (`ls` / `gc`).
 
-A manifest is *live* while its corpus folder exists and every audio file it recorded has the
-recorded size and mtime; *changed* when some do not (only the shards whose files all match
-stay in use); *missing* when its folder is not there (it may come back: its shards stay in use,
-unless `forget_missing` makes it *stale*). `gc` removes stale manifests, every shard none of
-the others uses, and version-2 entries. It never removes a shard with a file younger than the
-grace period, with a live claim (`claims.live_claim`), named by the plan of an extraction in
-progress (its process alive on this host, or the plan touched within the grace period or the
-claims' expiry), or of a manifest a running job reads (`layout.reader_path`); nor a temporary
-file under a live claim.
+A manifest is live, changed, missing or stale; `gc` removes stale manifests and the shards
+only they used, never a file younger than the grace period, a shard with a live claim
+(`claims.live_claim`), one an extraction in progress plans for, or one a running job reads.
+The rules in full: docs/cache.md, "Listing and cleaning".
 """
 
 from __future__ import annotations

@@ -1,20 +1,5 @@
-"""Where the feature cache keeps what, and what names it: settings and keys, paths.
-
-<cache_root>/features/
-    shards/<settings key>/settings.json       the extraction settings, for `ls`
-    shards/<settings key>/<shard key>.npy        (frames, F) float16/32 features
-    shards/<settings key>/<shard key>.stats.npy  (utterances, 2, F) float64 sums, sums of squares
-    shards/<settings key>/<shard key>.json       commit marker: ids, lengths, failures, records
-    shards/<settings key>/<shard key>.claim      held while a process extracts the shard
-                                              (`speechattn.data.claims`; docs/multinode.md)
-    splits/<manifest key>.npz                 per-utterance index of one corpus folder
-    splits/<manifest key>.json                its commit marker: folder, listing digest, shard
-                                              keys' records, failures, notes
-    splits/<manifest key>.<host>-<pid>.reader     while a process (a training run) reads it
-    splits/<manifest key>.<host>-<pid>.plan.json  written while a process extracts for the
-                                              folder: the shards it needs
-    <16 hex digits>/                          a version-2 entry (old layout; `gc` removes it)
-"""
+"""Where the feature cache keeps what, and what names it: settings and keys, paths (the
+layout under `<cache_root>/features/`: docs/cache.md, "Layout")."""
 
 from __future__ import annotations
 
