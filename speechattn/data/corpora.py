@@ -1,13 +1,8 @@
-"""Corpus readers: which utterances a corpus holds, where their audio is, who speaks and which
-phones are said (`data.corpus`, docs/data.md):
-
-- `librispeech` (and the built-in corpus, `embedded`): ROOT/<split>/<speaker>/<chapter>/*.flac
-  with transcripts; phone labels and split lists in CPC files (`speechattn.data.librispeech`).
-- `folder`: every audio file under ROOT/<split> (split "." is ROOT itself), at any depth; the
-  utterance id is the file's path under ROOT without its suffix, the speaker a folder level of
-  it (`data.speaker_level`). Phone labels and split lists, when wanted, come from CPC files
-  keyed by those ids, as for LibriSpeech.
-- `lhotse`: lhotse manifests (`speechattn.data.lhotse_corpus`).
+"""Corpus readers (`data.corpus`, docs/data.md): `librispeech` and `embedded` (LibriSpeech
+layout, `speechattn.data.librispeech`), `folder` (every audio file under ROOT/<split>, the id
+its path under ROOT without suffix, the speaker a folder level of it) and `lhotse`
+(`speechattn.data.lhotse_corpus`). Phone labels and split lists come from CPC files, as for
+LibriSpeech, except for lhotse.
 
 A reader's split is a `Source` for the feature cache: `listing()` is cheap and gives a digest
 that changes whenever the audio might have; `scan(issues)` lists the utterances.

@@ -1,17 +1,11 @@
-"""lhotse manifests as a corpus (`data.corpus=lhotse`; lhotse is the optional extra `[lhotse]`).
+"""lhotse manifests as a corpus (`data.corpus=lhotse`; the optional extra `[lhotse]`; docs/data.md,
+"lhotse manifests").
 
-A split is a set of manifests in `data.root`: a CutSet file (the split's name is its file
-name, e.g. `cuts_train.jsonl.gz`), or, as lhotse's recipes write them, `*_cuts_<split>.jsonl*`
-or the pair `*_recordings_<split>.jsonl*` + `*_supervisions_<split>.jsonl*`. One utterance per
-cut (its id, its segment of the recording), or per supervision of a recording + supervision
-pair. Audio paths are as in the manifests (a relative one is relative to the working folder,
-as lhotse reads it); only file sources are read.
-
-For the probes: the speaker is the supervisions' `speaker`; frame i of an utterance starting
-at s gets the `alignment["phone"]` item covering s + (i + 0.5) * 10 ms (recording time), so
-CPC-style frame labels written as items come back unchanged; frames no item covers are not
-scored (-100). An alignment off by more than `label_tolerance` frames at either end is bad
-input. The phone set is the `phone_set` file's, else every symbol of the splits read, sorted.
+A split is a CutSet file in `data.root` (named by its file name), or `*_cuts_<split>.jsonl*`,
+or the pair `*_recordings_<split>.jsonl*` + `*_supervisions_<split>.jsonl*`: one utterance per
+cut (its segment of the recording), or per supervision. For the probes, the speaker is the
+supervisions' `speaker`; frame i of an utterance starting at s gets the `alignment["phone"]`
+item covering s + (i + 0.5) * 10 ms (recording time); frames no item covers are -100.
 """
 
 from __future__ import annotations

@@ -1,18 +1,9 @@
-"""Read a LibriSpeech-layout corpus (real LibriSpeech or the built-in one) and its labels.
-
-Layout (docs/data.md):
+"""Read a LibriSpeech-layout corpus (real LibriSpeech or the built-in one) and its CPC labels
+(docs/data.md, "Formats" and "LibriSpeech"):
 
     ROOT/<split>/<speaker>/<chapter>/<speaker>-<chapter>-<utt:04d>.flac
     ROOT/<split>/<speaker>/<chapter>/<speaker>-<chapter>.trans.txt     lines "<utt-id> TEXT"
-
-Label files (CPC format, docs/data.md) live in `alignments_dir` (default: ROOT):
-
-    converted_aligned_phones.txt   "<utt-id> <p0> <p1> ..." one phone per 10 ms frame
-    train_split.txt, test_split.txt   one utterance id per line
-    phone_set.txt                  optional; one symbol per line, line number = class id
-
-For real LibriSpeech, put the CPC files (covering train-clean-100) in ROOT, or point
-`alignments_dir` at them; without `phone_set.txt` the classes are 0..num_phones-1 (CPC: 41).
+    <alignments_dir>/converted_aligned_phones.txt, train_split.txt, test_split.txt, phone_set.txt
 """
 
 from __future__ import annotations

@@ -3,22 +3,11 @@
     python -m speechattn.data.synth --out DIR [--speakers 24] [--utterances-per-speaker 25]
                                     [--seed 0] [--heldout] [--workers N]
 
-writes a LibriSpeech-layout corpus with CPC labels (docs/data.md):
-
-    DIR/synth-clean/<spk>/<chapter>/<spk>-<chapter>-<utt:04d>.flac   16 kHz mono FLAC
-    DIR/synth-clean/<spk>/<chapter>/<spk>-<chapter>.trans.txt
-    DIR/converted_aligned_phones.txt   CPC format, one phone id per 10 ms frame (snip-edges)
-    DIR/phone_set.txt                  40 classes, line number = id (0 = sil)
-    DIR/train_split.txt, test_split.txt   utterance-level ~80/20, every speaker in both
-    DIR/speakers.json                  each speaker's eSpeak voice and prosody parameters
-    DIR/corpus.json                    generator version + parameters (stale corpora rebuild)
-
-A speaker is an eSpeak voice variant x English accent x pitch x pitch range x rate, plus a fixed
-"channel" (spectral tilt, gain, noise level); every utterance jitters pitch, rate, gain and SNR,
-so speaker identity is learnable but not trivial. `--heldout` writes `synth-heldout/` with
-speakers (voice/accent pairs) and sentences that the main corpus of the same seed never uses.
-eSpeak audio is not bit-identical between calls: the text, labels and parameters are
-deterministic, the samples only nearly so.
+writes a LibriSpeech-layout corpus (16 kHz FLAC) with CPC labels, split lists, `speakers.json`
+and `corpus.json` (the layout: docs/data.md, "Built-in corpus"). A speaker is an eSpeak voice
+variant x English accent x pitch x pitch range x rate, plus a fixed "channel" (spectral tilt,
+gain, noise level); every utterance jitters pitch, rate, gain and SNR. `--heldout` writes
+`synth-heldout/` with speakers and sentences the main corpus of the same seed never uses.
 """
 
 from __future__ import annotations
