@@ -21,16 +21,9 @@ from speechattn.utils import IGNORE_INDEX, derive_seed, lengths_to_padding_mask
 
 
 class FeatureDataset(Dataset):
-    """Normalised features of chosen utterances, optionally cropped, with optional labels.
-
-    Args:
-        store: the feature cache.
-        indices: positions in `store` of this dataset's utterances.
-        normalizer: applied to every utterance.
-        max_frames: crop longer utterances to this many frames (None: never).
-        random_crop: random window (training) or the first window (evaluation).
-        speakers: class index per item (labelled data), or None.
-        phones: per item, (T_lab,) int phone ids aligned to the features, or None.
+    """Normalised features of the utterances at `indices` of `store`, cropped to `max_frames`
+    (None: never; a random window with `random_crop`, else the first), with optional labels:
+    `speakers` a class per item, `phones` per item (T_lab,) phone ids aligned to the features.
     """
 
     def __init__(
@@ -137,14 +130,8 @@ class LengthBucketBatchSampler(BatchSampler):
     buckets its own shard. Every pass shuffles its batches anew (seeded by `seed`, the pass
     and the pool). With `shuffle=False` the whole index set is one sorted pool (evaluation).
 
-    Args:
-        sampler: yields dataset indices.
-        batch_size: utterances per batch.
-        drop_last: drop the smaller batches (at most one per pool).
-        lengths: frames of every dataset item (indexed by what `sampler` yields).
-        bucket_size: batches per sorting pool.
-        shuffle: pools of `bucket_size` batches in a shuffled order, else one sorted pool.
-        seed: base seed of the batch order.
+    `lengths`: frames of every dataset item (indexed by what `sampler` yields); `drop_last`
+    drops the smaller batches (at most one per pool); `seed`: base seed of the batch order.
     """
 
     def __init__(

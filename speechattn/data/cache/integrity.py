@@ -106,7 +106,7 @@ def read_marker(path: Path) -> dict[str, Any] | None:
 
 
 def _marker_problem(marker: Any) -> str | None:
-    """What is wrong with a parsed commit marker (`_extract_shard` writes it), or None."""
+    """What is wrong with a parsed commit marker (`shards.extract_shard` writes it), or None."""
     try:
         files, ids, lengths = marker["files"], marker["utt_ids"], marker["lengths"]
         records = [files[kind] for kind in ("npy", "stats")]
