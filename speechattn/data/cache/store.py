@@ -14,6 +14,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -165,7 +166,6 @@ class FeatureStore:
         self.dtype = np.dtype(meta["dtype"])
         self.audio_seconds = float(meta["audio_seconds"])
         self.max_open_shards = max_open_shards
-        self._position: dict[str, int] | None = None
         problem = self._index_problem()
         if problem:
             raise DataError(
@@ -179,12 +179,10 @@ class FeatureStore:
     def __contains__(self, utt_id: str) -> bool:
         return utt_id in self.position
 
-    @property
+    @cached_property
     def position(self) -> dict[str, int]:
         """utterance id -> index."""
-        if self._position is None:
-            self._position = dict(zip(self.utt_ids, range(len(self.utt_ids))))
-        return self._position
+        return dict(zip(self.utt_ids, range(len(self.utt_ids))))
 
     @property
     def num_shards(self) -> int:
@@ -235,7 +233,7 @@ class FeatureStore:
         return sum(r["size"] for rec in self.records.values() for r in rec.values())
 
     def __getstate__(self) -> dict:
-        return {**self.__dict__, "_position": None}
+        return {k: v for k, v in self.__dict__.items() if k != "position"}
 
     def _index_problem(self) -> str | None:
         """What makes the index unfit to read with (a read would return another utterance's
