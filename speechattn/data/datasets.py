@@ -102,17 +102,10 @@ def length_buckets(
 ) -> list[list[int]]:
     """One pool cut into batches of similar length: the length-bucketing of both samplers.
 
-    The pool is sorted by length (stable), cut into batches of `batch_size` (the last one
-    shorter) and the batches put in a random order drawn from `seed`.
-
-    Args:
-        pool: (W,) items: dataset indices, or the pretraining stream's positions.
-        lengths: (W,) frames of each pool item.
-        batch_size: items per batch.
-        seed: seed of the batch order (`torch.randperm`); None keeps the sorted order.
-
-    Returns:
-        ceil(W / batch_size) batches, lists of `pool`'s items (Python ints).
+    `pool` (W,) items (dataset indices, or the pretraining stream's positions), with `lengths`
+    (W,) frames, sorted by length (stable) and cut into ceil(W / batch_size) batches (lists of
+    Python ints, the last one shorter), put in a random order drawn from `seed`
+    (`torch.randperm`; None keeps the sorted order).
     """
     items = np.asarray(pool, dtype=np.int64)[np.argsort(np.asarray(lengths), kind="stable")]
     batches = [items[k : k + batch_size].tolist() for k in range(0, len(items), batch_size)]
