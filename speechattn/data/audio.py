@@ -1,11 +1,6 @@
-"""Decode one audio file with every check of docs/data.md, "Bad input".
-
-`load_audio` returns float32 mono samples at 16 kHz or raises `DataError` naming the file:
-unreadable (not audio / bad header), truncated or corrupt (header fine, data not), empty, too
-short, invalid samples (NaN, inf or a peak over `MAX_PEAK` in a float file), wrong sample rate (under `sample_rate_policy="error"`). Non-16 kHz audio is otherwise
-resampled and multi-channel audio averaged; both are reported in `AudioResult.notes` so the
-caller can warn about them.
-"""
+"""Decode one audio file with every check of docs/data.md, "Bad input": `load_audio` returns
+float32 mono at 16 kHz (resampling and channel averaging noted in `AudioResult.notes`) or
+raises `DataError` naming the file."""
 
 from __future__ import annotations
 
@@ -18,13 +13,10 @@ from speechattn.data.errors import DataError
 from speechattn.data.utterances import Segment
 
 SAMPLE_RATE = 16000
-# Float audio is nominally within +-1 (integer formats always are, once decoded); a little over
-# is clipping headroom, but a peak 100 times (40 dB) over full scale is a file written at
-# another scale (integer values stored as floats) or garbage, and its log-mel features would
-# dwarf every other utterance's in the corpus statistics.
+# Float audio is nominally within +-1; a peak 40 dB over full scale is a file written at another
+# scale (or garbage), whose features would dwarf every other utterance's in the statistics.
 MAX_PEAK = 100.0
-# A segment may end this much past its file (lhotse's default tolerance for a duration
-# mismatch between a manifest and the audio): what is there is read.
+# A segment may end this much past its file (lhotse's tolerance for a duration mismatch).
 SEGMENT_SLACK_S = 0.025
 
 
@@ -77,20 +69,12 @@ def load_audio(
             raise DataError(
                 path, "empty audio", "a FLAC header with no audio frames after it", utt_id
             ) from None
-        raise DataError(
-            path,
-            "truncated or corrupt audio",
-            f"header says {info.frames} samples; {_short(e)}",
-            utt_id,
-        ) from None
+        detail = f"header says {info.frames} samples; {_short(e)}"
+        raise DataError(path, "truncated or corrupt audio", detail, utt_id) from None
     expected = info.frames - start if frames < 0 else frames
     if info.frames > 0 and audio.shape[0] < expected:
-        raise DataError(
-            path,
-            "truncated or corrupt audio",
-            f"header says {expected} samples from sample {start}, decoded {audio.shape[0]}",
-            utt_id,
-        )
+        detail = f"header says {expected} samples from sample {start}, decoded {audio.shape[0]}"
+        raise DataError(path, "truncated or corrupt audio", detail, utt_id)
     if audio.shape[0] == 0:
         raise DataError(path, "empty audio", "0 samples", utt_id)
     _check_values(audio, path, utt_id)
@@ -137,9 +121,8 @@ def _segment_samples(segment: Segment, info, path: Path, utt_id: str | None) -> 
 
 
 def _check_values(audio: np.ndarray, path: Path, utt_id: str | None) -> None:
-    """Refuse NaN, infinite or absurdly large samples (float files only can hold them): one
-    such sample makes every feature of the file, and the corpus statistics, NaN or inf.
-    `audio`: (N, C) float32 as decoded."""
+    """Refuse NaN, infinite or absurdly large samples in `audio` (N, C) as decoded: one makes
+    the file's features, and the corpus statistics, NaN or inf."""
     finite = np.isfinite(audio)
     if not finite.all():
         bad = audio[~finite]

@@ -1,23 +1,13 @@
-"""Claims: processes on several hosts share out units of work (cache shards) in one folder.
-
-Under DDP every rank may run the same extraction into a cache on a shared filesystem; claims
-make each unit get done once, by whoever is free, and let the others wait for the rest. This
-module holds the claims themselves (`Claims`: take, heartbeat, judge dead, take over) and the
-clean-up of temporary files they cover; `speechattn.data.workshare` drives them over a job
-(`claim_pending`, `claim_map`, `claim_batches`).
+"""Claims: processes on several hosts share out units of work (cache shards) in one folder;
+`speechattn.data.workshare` drives them over a job. Settings and DDP use: docs/multinode.md.
 
 A claim is `<claims_dir>/<unit>.claim`, created with O_CREAT|O_EXCL (atomic on local disks and
-NFSv3+) and holding the holder's host, pid, start time and a random token. A daemon thread in
-the holding process touches (mtime) every claim it holds every `heartbeat_s`. A claim untouched
-for `expiry_s` is a dead (or frozen) holder's and exactly one other process takes it over: it
-renames the claim to a unique name, checks that it moved the very file it judged dead (inode,
-token, age), and creates a fresh claim with O_EXCL. A claim of this same host, kernel and pid
-namespace whose process no longer exists is dead at once (a crashed run restarts without
-waiting). Ages are measured on the filesystem's own clock (the mtime of a file this process
-just touched), so skewed node clocks do not expire live claims.
-
-`remove_stale_temps` deletes temporary files (`utils.TEMP_MARK`) only when no live claim covers
-them, whatever host wrote them. Settings and DDP use: docs/multinode.md.
+NFSv3+), holding the holder's host, pid, start time and a random token. A heartbeat thread
+touches every claim its process holds each `heartbeat_s`. A claim untouched for `expiry_s`
+(measured on the filesystem's clock, so node clock skew cannot expire live claims), or whose
+process on this same host, kernel and pid namespace is gone, is dead, and exactly one other
+process takes it over (`Claims._take_over`). `remove_stale_temps` deletes temporary files
+(`utils.TEMP_MARK`) only where no live claim covers them, whatever host wrote them.
 """
 
 from __future__ import annotations
@@ -51,9 +41,8 @@ def host_name() -> str:
 
 
 def _machine() -> str:
-    """This kernel's boot id and pid namespace ("" where unknown). Processes that share both see
-    each other's pids, so there a missing pid is a dead holder (containers on one kernel differ
-    in pid namespace; machines sharing a host name differ in boot id)."""
+    """This kernel's boot id and pid namespace ("" where unknown): processes sharing both see
+    each other's pids, so there a missing pid is a dead holder."""
     try:
         boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
         return f"{boot}/{os.readlink('/proc/self/ns/pid')}"
@@ -97,7 +86,7 @@ class ClaimConfig:
 
 @dataclass(frozen=True)
 class ClaimInfo:
-    """A claim file as read: its holder (what it wrote) and the file's own state."""
+    """A claim file as read: what its holder wrote and the file's own state."""
 
     path: Path
     host: str  # "?" while the claim is being written (or when a crash left it empty)
@@ -113,8 +102,8 @@ class ClaimInfo:
 
 
 def read_claim(path: Path) -> ClaimInfo | None:
-    """The claim at `path`, None when there is none. Opening (not stat) makes NFS fetch fresh
-    attributes (close-to-open), so `mtime` is the server's current one."""
+    """The claim at `path` (None: none). Opening, not stat, makes NFS fetch fresh attributes
+    (close-to-open), so `mtime` is the server's current one."""
     try:
         with open(path, "rb") as f:
             st = os.fstat(f.fileno())
@@ -140,7 +129,7 @@ def read_claim(path: Path) -> ClaimInfo | None:
 class ClaimTimeout(DataError):
     """Units claimed by other, live processes made no progress within the wait timeout."""
 
-    def __reduce__(self):  # keep the type across processes (DataError's rebuilds a DataError)
+    def __reduce__(self):  # keep the type across processes
         return (ClaimTimeout, (self.path, self.problem, self.detail, self.utt_id))
 
 
@@ -152,8 +141,7 @@ class Claims:
                 ...                                  # do it
                 claims.release("shard-00003")
 
-    Leaving the block releases every claim still held. Not thread-safe, apart from the
-    heartbeat thread it runs itself.
+    Leaving the block releases every claim still held. Not thread-safe (bar its heartbeat).
     """
 
     def __init__(
@@ -164,8 +152,7 @@ class Claims:
         pid_holds: bool = False,
     ) -> None:
         """`pid_holds`: a holder on this machine keeps its claims while its process exists,
-        however long it is silent (a stopped process, `kill -STOP`, is not dead): for a lock
-        that must never pass to a second writer while the first can still wake up."""
+        however long silent (`kill -STOP`): a lock never passed on while its holder may wake."""
         self.dir = Path(claims_dir)
         self.pid_holds = pid_holds
         self.dir.mkdir(parents=True, exist_ok=True)
@@ -178,7 +165,6 @@ class Claims:
         self._thread: threading.Thread | None = None
         self._clock: tuple[Path, int] | None = None  # (file, open descriptor), see now()
 
-    # ---- lifetime
     def __enter__(self) -> Claims:
         self._thread = threading.Thread(
             target=self._heartbeat_loop, name="claims-heartbeat", daemon=True
@@ -203,9 +189,7 @@ class Claims:
             path.unlink(missing_ok=True)
             self._clock = None
 
-    # ---- reading
     def path(self, unit: str) -> Path:
-        """The claim file of `unit`."""
         if not unit or "/" in unit or unit in (".", ".."):
             raise ValueError(f"a unit name must be a plain file name, found {unit!r}")
         return self.dir / f"{unit}{CLAIM_SUFFIX}"
@@ -220,8 +204,7 @@ class Claims:
             return unit in self._held
 
     def now(self) -> float:
-        """The shared filesystem's current time: the mtime of a file this process just touched
-        (claim mtimes are set by the file server, not by the holders' clocks)."""
+        """The shared filesystem's clock: the mtime of a file this process just touched."""
         if self._clock is None:
             path = temp_name(self.dir / ".clock")
             self._clock = (path, os.open(path, os.O_CREAT | os.O_WRONLY, 0o666))
@@ -230,9 +213,8 @@ class Claims:
         return os.fstat(fd).st_mtime
 
     def is_dead(self, info: ClaimInfo) -> bool:
-        """True when the claim's holder cannot be working any more: silent for `expiry_s`
-        (any host; with `pid_holds` another host only), or a process of this very host, kernel
-        and pid namespace that is gone."""
+        """Whether the holder cannot be working any more: silent for `expiry_s` (with
+        `pid_holds`: on another host only), or a process of this machine that is gone."""
         same_machine = info.host == self.host and info.machine and info.machine == self.machine
         if self.pid_holds and same_machine and info.pid != os.getpid():
             return not pid_alive(info.pid)
@@ -247,15 +229,13 @@ class Claims:
         return held[1] if held else None
 
     def live_holder(self, unit: str) -> ClaimInfo | None:
-        """Who is working on `unit` now: its claim's holder, None when the claim is absent or
-        dead (what `remove_stale_temps` and the cache's `gc` ask before deleting anything)."""
+        """Who is working on `unit` now: None when its claim is absent or dead."""
         info = self.holder(unit)
         return None if info is None or self.is_dead(info) else info
 
-    # ---- claiming
     def try_claim(self, unit: str) -> bool:
-        """Claim `unit`: True when it is now ours (it was free, or its holder was dead and this
-        process took it over), False when a live process holds it."""
+        """Claim `unit`: True when it is now ours (free, or taken over from a dead holder),
+        False when a live process holds it."""
         if self._thread is None:
             raise RuntimeError("claim inside `with Claims(...)`, which runs the heartbeat")
         path = self.path(unit)
@@ -267,7 +247,7 @@ class Claims:
         return self.is_dead(info) and self._take_over(unit, path, info)
 
     def release(self, unit: str) -> None:
-        """Give `unit` up: its claim file is removed if it is still ours (never someone else's)."""
+        """Give `unit` up: its claim file is removed only if it is still ours."""
         with self._lock:
             entry = self._held.pop(unit, None)
         if entry is None:
@@ -277,11 +257,8 @@ class Claims:
         if info is not None and info.token == token:
             path.unlink(missing_ok=True)
         else:
-            log.warning(
-                "%s: no longer ours at release (%s)",
-                path,
-                f"now claimed by {info}" if info else "removed",
-            )
+            state = f"now claimed by {info}" if info else "removed"
+            log.warning("%s: no longer ours at release (%s)", path, state)
 
     def _create(self, unit: str, path: Path) -> bool:
         try:
@@ -308,12 +285,9 @@ class Claims:
         return True
 
     def _take_over(self, unit: str, path: Path, dead: ClaimInfo) -> bool:
-        """Replace the dead claim `dead` at `path`; exactly one of several racing processes wins.
-
-        Moving the file away first is what decides: a rename moves one inode once. A process
-        that judged the same claim dead but comes second moves the winner's fresh claim instead,
-        sees that it is not the dead one (inode, token or age differ) and puts it back.
-        """
+        """Replace the dead claim `dead` at `path`; exactly one of several racing processes wins:
+        a rename moves one inode once. A later taker moves the winner's fresh claim instead,
+        sees it is not the dead one (inode, token or age differ) and puts it back."""
         grave = temp_name(path)
         try:
             os.rename(path, grave)
@@ -327,11 +301,8 @@ class Claims:
             started = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(dead.started))
             log.warning(
                 "%s: took over the claim of %s (started %s, silent for %.0f s)",
-                path,
-                dead,
-                started,
-                self.now() - dead.mtime,
-            )
+                path, dead, started, self.now() - dead.mtime,
+            )  # fmt: skip
             return self._create(unit, path)
         try:  # a live claim: put it back, unless a new claim filled the name meanwhile
             os.link(grave, path)
@@ -346,7 +317,6 @@ class Claims:
             grave.unlink(missing_ok=True)
         return False
 
-    # ---- heartbeat
     def _heartbeat_loop(self) -> None:
         while not self._stop.wait(self.config.heartbeat_s):
             self._beat()
@@ -358,24 +328,21 @@ class Claims:
         for unit, (path, token) in held:
             try:
                 fd = os.open(path, os.O_RDONLY)
+                try:
+                    try:
+                        ours = json.loads(os.read(fd, 4096)).get("token") == token
+                    except ValueError:
+                        ours = False
+                    if ours:
+                        os.utime(fd)
+                finally:
+                    os.close(fd)
             except FileNotFoundError:
                 self._lost(unit, token, "its claim file was removed")
                 continue
             except OSError as e:  # a filesystem hiccup: try again at the next beat
                 log.warning("%s: heartbeat failed (%s)", path, e)
                 continue
-            try:
-                try:
-                    ours = json.loads(os.read(fd, 4096)).get("token") == token
-                except ValueError:
-                    ours = False
-                if ours:
-                    os.utime(fd)
-            except OSError as e:
-                log.warning("%s: heartbeat failed (%s)", path, e)
-                continue
-            finally:
-                os.close(fd)
             if not ours:
                 self._lost(unit, token, "another process took its claim over")
 
@@ -390,9 +357,6 @@ class Claims:
             why,
             self.config.expiry_s,
         )
-
-
-# ----------------------------------------------------------------------------- temporary files
 
 
 def live_claim(
@@ -412,14 +376,11 @@ def remove_stale_temps(
     config: ClaimConfig | None = None,
     claims_dir: str | Path | None = None,
 ) -> list[Path]:
-    """Delete the temporary files (`<target>.tmp-<pid>-<random>`, see `utils.atomic_path`) in
-    `directory` that no live process can still be writing, whatever host wrote them.
-
-    `unit_of(target)` names the unit a target file belongs to (`shard-00003.npy` ->
-    `shard-00003`), or None for files of no unit (an index written by whoever finishes last).
-    A unit's temporary files go when its claim (in `claims_dir`, default `directory`) is absent
-    or dead, however fresh they are, and stay while it is live, however old; the others go when
-    untouched for `expiry_s`. Returns the removed paths.
+    """Delete the temporary files (`utils.atomic_path`) in `directory` that no live process can
+    still be writing; returns their paths. `unit_of(target)` names a target file's unit, or
+    None. A unit's files go when its claim (in `claims_dir`, default `directory`) is absent or
+    dead, however fresh, and stay while it is live, however old; files of no unit go when
+    untouched for `expiry_s`.
     """
     directory = Path(directory)
     claims = Claims(claims_dir if claims_dir is not None else directory, config)

@@ -1,8 +1,6 @@
 """`DataConfig`: every data-layer setting and its default (the `data` group's Hydra schema:
-`conf/data/embedded.yaml` is these defaults, `librispeech.yaml` states what differs).
-
-Tasks build it with `DataConfig(**cfg.data)`; lists coming from Hydra (`ListConfig`) are turned
-into plain lists and every choice is validated here, so a typo fails at start-up, not mid-run.
+`conf/data/embedded.yaml` is these defaults). Every choice is validated here, so a typo fails
+at start-up, not mid-run.
 """
 
 from __future__ import annotations
@@ -36,11 +34,9 @@ def _env_count(name: str) -> int | None:
 
 
 def rank_cpus() -> int:
-    """CPU cores for this process's own work when every DDP rank works at once: torchrun
-    (`LOCAL_WORLD_SIZE`) starts a node's ranks on the same cores, so they share them; a SLURM
-    task has `SLURM_CPUS_PER_TASK` of its own; otherwise the cores are shared among
-    `SLURM_NTASKS_PER_NODE` tasks, or `WORLD_SIZE` ranks (Lightning's own launcher: exact on
-    one node, too many on several, which errs towards fewer workers)."""
+    """CPU cores for this process's own work when every DDP rank works at once: the usable cores
+    shared by torchrun's `LOCAL_WORLD_SIZE` ranks; a SLURM task's `SLURM_CPUS_PER_TASK`; else
+    shared by `SLURM_NTASKS_PER_NODE` tasks or `WORLD_SIZE` ranks (erring towards fewer)."""
     cpus = usable_cpus()
     if ranks := _env_count("LOCAL_WORLD_SIZE"):
         return cpus // ranks
@@ -63,8 +59,7 @@ class DataConfig:
     # ---- corpus ----
     # embedded (built-in eSpeak corpus) | librispeech | folder (any audio) | lhotse (manifests)
     corpus: str = "embedded"
-    # corpus root (lhotse: the manifests' folder); embedded + None: build/reuse the default
-    # corpus in the cache
+    # corpus root (lhotse: the manifests' folder); embedded + None: the built-in corpus
     root: str | None = None
     # lhotse: a CutSet file; root defaults to its folder, empty pretrain/labelled splits to it
     cuts: str | None = None
@@ -124,31 +119,25 @@ class DataConfig:
     # utterances per cache shard on average (unit of resume, of parallel work and of what a
     # changed file re-extracts); shards hold at most 3x as many
     shard_size: int = 64
-    # hash every audio file and checksum every cached file at start-up (re-extracting what
-    # changed or is damaged); otherwise a file is hashed or checksummed only when its size or
-    # mtime (for audio also its ctime) no longer match what was recorded
+    # hash every audio file and checksum every cached file at start-up; otherwise only files
+    # whose size or mtime (audio: or ctime) moved are
     verify_cache: bool = False
-    # open shard files per process (each DataLoader worker too): reads go through an LRU of
-    # this many descriptors, so `ulimit -n` need not grow with the corpus
+    # open shard files per process (each DataLoader worker too): `ulimit -n` need not grow
     max_open_shards: int = 32
     progress: bool = True
 
     # ---- pretraining validation (beside pretrain_val_fraction above) ----
-    # at most this many utterances held out (null: no cap): 5 % of LibriSpeech 960 h would be
-    # 14k utterances read before the first step and at every validation; 1000 are 20 batches
-    # of 50. Chosen by a seeded hash of the utterance id: the same set for the same corpus
-    # and seed, and a grown corpus changes it little (`datamodules.validation_ids`)
+    # at most this many utterances held out (null: no cap; 5 % of LibriSpeech 960 h would be
+    # 14k), chosen by a seeded hash of the id (`datamodules.validation_ids`)
     max_val_utterances: int | None = 1000
 
     # ---- several processes extracting into one cache (DDP ranks, nodes; docs/multinode.md) ----
-    # Every process claims the shards nobody holds (a claim file beside the shard) and waits for
-    # the others'. Defaults live in `speechattn.data.claims.ClaimConfig`.
+    # (defaults: `speechattn.data.claims.ClaimConfig`)
     claim_heartbeat_s: float = ClaimConfig.heartbeat_s  # a process touches its claims this often
     # a claim untouched this long is a dead (or frozen) holder's and another process takes its
     # shard over; at least 3 x claim_heartbeat_s
     claim_expiry_s: float = ClaimConfig.expiry_s
-    # give up (`ClaimTimeout`, naming the shards, their holders and claim files) when none of
-    # the shards other processes hold finishes for this long
+    # give up (`ClaimTimeout`) when none of the shards others hold finishes for this long
     cache_wait_timeout_s: float = ClaimConfig.wait_timeout_s
     cache_wait_log_s: float = ClaimConfig.log_every_s  # a waiting process logs progress this often
 
@@ -192,12 +181,8 @@ class DataConfig:
         require(ok, "data.dev_fraction", self.dev_fraction, "in (0, 1), e.g. 0.1")
         ok = is_number(self.pretrain_val_fraction) and 0 <= self.pretrain_val_fraction < 1
         require(ok, "data.pretrain_val_fraction", self.pretrain_val_fraction, "in [0, 1)")
-        require(
-            self.max_frames >= self.min_frames,
-            "data.max_frames",
-            self.max_frames,
-            f">= data.min_frames={self.min_frames}",
-        )
+        ok = self.max_frames >= self.min_frames
+        require(ok, "data.max_frames", self.max_frames, f">= data.min_frames={self.min_frames}")
         if self.test_list is None and not self.test_splits:
             raise ConfigError(
                 "data.test_list is null, so data.test_splits must name the test folders"

@@ -1,19 +1,11 @@
-"""Corpus readers: which utterances a corpus holds, where their audio is, who speaks and which
-phones are said (`data.corpus`, docs/data.md):
+"""Corpus readers (`data.corpus`, docs/data.md): `librispeech` and `embedded` (LibriSpeech
+layout, `speechattn.data.librispeech`), `folder` (every audio file under ROOT/<split>, the id
+its path under ROOT without suffix, the speaker a folder level of it) and `lhotse`
+(`speechattn.data.lhotse_corpus`). Phone labels and split lists come from CPC files, as for
+LibriSpeech, except for lhotse.
 
-- `librispeech` (and the built-in corpus, `embedded`): ROOT/<split>/<speaker>/<chapter>/*.flac
-  with transcripts; phone labels and split lists in CPC files (`speechattn.data.librispeech`).
-- `folder`: every audio file under ROOT/<split> (split "." is ROOT itself), at any depth; the
-  utterance id is the file's path under ROOT without its suffix, the speaker a folder level of
-  it (`data.speaker_level`). Phone labels and split lists, when wanted, come from CPC files
-  keyed by those ids, as for LibriSpeech.
-- `lhotse`: lhotse manifests (`speechattn.data.lhotse_corpus`).
-
-A reader's split is a `Source`: `listing()` is cheap (for a folder, a walk with a stat per file)
-and says what names the split's cache manifest and a digest that changes whenever the audio
-might have; `scan(issues)` lists the utterances, reporting bad input. The feature cache takes a
-Source (`speechattn.data.cache.open_source`); the data modules ask the reader for speakers and
-phone labels.
+A reader's split is a `Source` for the feature cache: `listing()` is cheap and gives a digest
+that changes whenever the audio might have; `scan(issues)` lists the utterances.
 """
 
 from __future__ import annotations
@@ -48,9 +40,8 @@ AUDIO_SUFFIXES = (".wav", ".flac", ".ogg", ".opus", ".mp3")
 
 @dataclass(frozen=True)
 class Listing:
-    """What a source's cache manifest is for: `folder` (the audio lies under it: paths are
-    recorded relative to it, and `gc` keeps the manifest while it exists), `name` (names the
-    manifest) and `digest` (32 hex digits; another digest: the audio may have changed)."""
+    """What a source's cache manifest is for: `folder` (the audio lies under it), `name` (names
+    the manifest) and `digest` (32 hex digits; another digest: the audio may have changed)."""
 
     folder: Path
     name: str
@@ -99,11 +90,8 @@ class FolderSource:
 
     def listing(self) -> Listing:
         if not self.folder.is_dir():
-            raise DataError(
-                self.folder,
-                "corpus folder not found",
-                f"data.root={self.root}, split {self.split!r}",
-            )
+            where = f"data.root={self.root}, split {self.split!r}"
+            raise DataError(self.folder, "corpus folder not found", where)
         self._files = walk_audio(self.folder)
         h = hashlib.sha256()
         for rel, size, mtime, ctime in self._files:
@@ -143,8 +131,8 @@ class FolderSource:
 
 def walk_audio(folder: Path) -> list[tuple[str, int, int, int]]:
     """(path relative to `folder` with "/", size, mtime_ns, ctime_ns) of every audio file under
-    it, sorted; a link that cannot be followed has size `BROKEN_LINK`. Linked folders are
-    followed once each (a link back up the tree is not walked again)."""
+    it, sorted; a link that cannot be followed has size `BROKEN_LINK`; each linked folder is
+    walked once."""
     found, seen = [], set()
 
     def walk(path: str, rel: str) -> None:
@@ -206,9 +194,8 @@ class Corpus:
     def phone_labels(
         self, ids: list[str], issues: Issues
     ) -> tuple[dict[str, np.ndarray], list[str], Path]:
-        """Phone labels of `ids` ({utt_id: (T_lab,) int16 class ids at 10 ms}; problems
-        reported, those utterances left out), the phone set (class id -> symbol), and the file
-        errors about them name."""
+        """Phone labels of `ids` ({utt_id: (T_lab,) int16 class ids at 10 ms}; problems reported,
+        those left out), the phone set (class id -> symbol), and the file errors name."""
         path = self.label_files.path(self.label_files.alignments)
         assert path is not None
         phone_set = self.label_files.load_phone_set(self.num_phones)

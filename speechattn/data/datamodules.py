@@ -1,19 +1,12 @@
-"""Lightning data modules: the shared corpus machinery, `PretrainDataModule` (unlabelled crops)
-and `build_datamodule`; `LabelledDataModule` (speaker per utterance, phone per 10 ms frame,
-train/dev/test) builds on them in `speechattn.data.labelled`.
+"""Lightning data modules: the shared corpus machinery and `PretrainDataModule` (unlabelled
+crops); `LabelledDataModule` builds on them in `speechattn.data.labelled`.
 
-Both resolve the corpus (building the built-in one on first use when `corpus=embedded` and no
-`root` is given), scan the split folders, extract features into the cache (one entry per split
-folder, shared by both modules), compute normalisation statistics on their training utterances,
-and serve padded, length-bucketed batches (see `speechattn.data.datasets`).
-
-Under DDP, `prepare_data` (local rank 0 of each node) only builds the built-in corpus; every
-rank extracts in `setup`, the ranks of every node sharing the shards through claims, and each
-waits for the shards others hold with progress lines (docs/multinode.md): no rank sits idle in
-a barrier while another extracts.
-
-Bad input follows `cfg.on_error`: "error" raises `DataError` naming the file; "skip" drops the
-utterance, and the skips are logged at the end of `setup` and kept in `.skipped`.
+Both resolve the corpus (the built-in one is built on first use), extract features into the
+cache in `setup` (every DDP rank, sharing the shards through claims: docs/multinode.md),
+compute normalisation statistics on their training utterances and serve padded,
+length-bucketed batches (`speechattn.data.datasets`). Bad input follows `cfg.on_error`:
+"error" raises `DataError` naming the file; "skip" drops the utterance (logged at the end of
+`setup`, kept in `.skipped`).
 """
 
 from __future__ import annotations
@@ -100,7 +93,6 @@ class _CorpusDataModule(L.LightningDataModule):
         self._ready = False
         self.datasets: dict[str, _Items] = {}
 
-    # ---- contract properties ----
     @property
     def feature_dim(self) -> int:
         return self.cfg.feature_dim
@@ -154,11 +146,9 @@ class _CorpusDataModule(L.LightningDataModule):
                 self._corpus = Corpus(self.root, self.label_files, c.num_phones)
         return self._corpus
 
-    # ---- corpus and cache ----
     def _split(self, split: str) -> FeatureStore:
-        """Cached features of one split folder (extracted once, shard by shard, by whichever
-        process claims each shard first; a warm start reads the manifest after one stat per
-        file). Progress bars on each node's local rank 0 only; every rank logs its waits."""
+        """Cached features of one split (extracted on first use); progress bars on each node's
+        local rank 0 only."""
         if split not in self._splits:
             c = self.cfg
             self._splits[split] = open_source(
@@ -170,13 +160,9 @@ class _CorpusDataModule(L.LightningDataModule):
             register_reader(self._splits[split].manifest)  # gc keeps it while this job runs
         return self._splits[split]
 
-    def _splits_needed(self) -> list[str]:
-        raise NotImplementedError
-
     def prepare_data(self) -> None:
-        """Build the built-in corpus on first use (`corpus=embedded` without a root). Lightning
-        runs this on each node's local rank 0 before a barrier; the features are extracted in
-        `setup` by every rank, cooperating through claims."""
+        """Build the built-in corpus on first use (each node's local rank 0, before a barrier);
+        features are extracted in `setup` by every rank."""
         self._root = resolve_root(self.cfg)
 
     def _normalizer_from(self, parts: list[tuple[FeatureStore, list[int]]]) -> Normalizer:
@@ -195,7 +181,6 @@ class _CorpusDataModule(L.LightningDataModule):
         self._ready = True
         self.issues.log_summary(log)
 
-    # ---- loaders ----
     def _loader(self, dataset: _Items, shuffle: bool) -> DataLoader:
         c = self.cfg
         if shuffle:
@@ -203,13 +188,7 @@ class _CorpusDataModule(L.LightningDataModule):
         else:
             sampler = SequentialSampler(dataset)
         batches = LengthBucketBatchSampler(
-            sampler,
-            c.batch_size,
-            False,
-            dataset.lengths,
-            c.bucket_size,
-            shuffle=shuffle,
-            seed=c.seed,
+            sampler, c.batch_size, False, dataset.lengths, c.bucket_size, shuffle, c.seed
         )
         workers = c.loader_workers
         return DataLoader(
@@ -242,9 +221,8 @@ class _CorpusDataModule(L.LightningDataModule):
 def validation_ids(ids: Sequence[str], fraction: float, cap: int | None, seed: int) -> set[str]:
     """Pretraining's validation utterances among `ids`: the `fraction` of them (at least one
     where two or more are given, never all), at most `cap` (None: no cap), chosen by the
-    smallest seeded hash of their id. The set depends on the ids and the seed alone (not on
-    their order, the splits' order, workers or ranks), and adding utterances to a corpus
-    changes it little: under the cap, only new ids that rank first displace old ones."""
+    smallest seeded hash of their id: the set depends on the ids and the seed alone, and a
+    grown corpus changes it little."""
     if fraction <= 0 or len(ids) < 2:
         return set()
     n = min(len(ids) - 1, max(1, round(fraction * len(ids))))
@@ -263,9 +241,6 @@ class PretrainDataModule(_CorpusDataModule):
     utterances are used whole (padded in the batch; `padding_mask` marks the padding).
     """
 
-    def _splits_needed(self) -> list[str]:
-        return self.cfg.pretrain_splits
-
     def _excluded(self) -> set[str]:
         """Labelled test utterances kept out of pretraining (`pretrain_exclude_test`)."""
         path = self.label_files.path(self.cfg.test_list)
@@ -276,15 +251,13 @@ class PretrainDataModule(_CorpusDataModule):
     def setup(self, stage: str | None = None) -> None:
         if self._ready:
             return
-        excluded = self._excluded()
-        train_parts, val_parts, stats_parts = [], [], []
+        c, excluded = self.cfg, self._excluded()
         n_excluded = 0
         usable = {}  # split -> its utterance ids not excluded
-        for split in self.cfg.pretrain_splits:
+        for split in c.pretrain_splits:
             store = self._split(split)
             usable[split] = [u for u in store.utt_ids if u not in excluded]
             n_excluded += len(store) - len(usable[split])
-        c = self.cfg
         everything = [u for ids in usable.values() for u in ids]
         held = validation_ids(everything, c.pretrain_val_fraction, c.max_val_utterances, c.seed)
         if len(held) < round(c.pretrain_val_fraction * len(everything)):
@@ -293,35 +266,20 @@ class PretrainDataModule(_CorpusDataModule):
                 "would hold out %d)", len(held), c.max_val_utterances, c.pretrain_val_fraction,
                 round(c.pretrain_val_fraction * len(everything)),
             )  # fmt: skip
+        parts: dict[str, list[tuple[FeatureStore, list[int]]]] = {"train": [], "val": []}
         for split, ids in usable.items():
             store = self._split(split)
-            train_ids, val_ids = [u for u in ids if u not in held], [u for u in ids if u in held]
-            train_idx = [store.position[u] for u in train_ids]
-            val_idx = [store.position[u] for u in val_ids]
-            stats_parts.append((store, train_idx))
-            train_parts.append((store, train_idx))
-            val_parts.append((store, val_idx))
-        if not any(idx for _, idx in train_parts):
+            parts["train"].append((store, [store.position[u] for u in ids if u not in held]))
+            parts["val"].append((store, [store.position[u] for u in ids if u in held]))
+        if not any(idx for _, idx in parts["train"]):
             raise DataError(
-                self.root,
-                "no pretraining utterances",
-                f"splits {self.cfg.pretrain_splits} are empty",
+                self.root, "no pretraining utterances", f"splits {c.pretrain_splits} are empty"
             )
-        self._normalizer = self._normalizer_from(stats_parts)
-        mf = self.cfg.max_frames
+        self._normalizer = self._normalizer_from(parts["train"])
+        norm, mf = self._normalizer, c.max_frames
         self.datasets = {
-            "train": _Items(
-                [
-                    FeatureDataset(s, i, self._normalizer, mf, random_crop=True)
-                    for s, i in train_parts
-                ]
-            ),
-            "val": _Items(
-                [
-                    FeatureDataset(s, i, self._normalizer, mf, random_crop=False)
-                    for s, i in val_parts
-                ]
-            ),
+            role: _Items([FeatureDataset(s, i, norm, mf, role == "train") for s, i in ps])
+            for role, ps in parts.items()
         }
         log.info(
             "pretraining data: %d train / %d val utterances from %s (%d labelled-test utterances excluded)",

@@ -21,16 +21,9 @@ from speechattn.utils import IGNORE_INDEX, derive_seed, lengths_to_padding_mask
 
 
 class FeatureDataset(Dataset):
-    """Normalised features of chosen utterances, optionally cropped, with optional labels.
-
-    Args:
-        store: the feature cache.
-        indices: positions in `store` of this dataset's utterances.
-        normalizer: applied to every utterance.
-        max_frames: crop longer utterances to this many frames (None: never).
-        random_crop: random window (training) or the first window (evaluation).
-        speakers: class index per item (labelled data), or None.
-        phones: per item, (T_lab,) int phone ids aligned to the features, or None.
+    """Normalised features of the utterances at `indices` of `store`, cropped to `max_frames`
+    (None: never; a random window with `random_crop`, else the first), with optional labels:
+    `speakers` a class per item, `phones` per item (T_lab,) phone ids aligned to the features.
     """
 
     def __init__(
@@ -47,9 +40,7 @@ class FeatureDataset(Dataset):
         self.normalizer, self.max_frames, self.random_crop = normalizer, max_frames, random_crop
         self.speakers, self.phones = speakers, phones
         full = store.lengths[self.indices] if self.indices else np.zeros(0, np.int64)
-        self.lengths = (
-            np.minimum(full, max_frames) if max_frames else full
-        )  # frames per item after cropping
+        self.lengths = np.minimum(full, max_frames) if max_frames else full  # after cropping
 
     def __len__(self) -> int:
         return len(self.indices)
@@ -82,11 +73,8 @@ class FeatureDataset(Dataset):
 def collate(items: list[dict[str, Any]]) -> dict[str, Any]:
     """Pad a list of dataset items into a batch dict (see the module docstring)."""
     lengths = torch.tensor([it["features"].shape[0] for it in items], dtype=torch.long)
-    B, T, F = (
-        len(items),
-        int(lengths.max()) if items else 0,
-        items[0]["features"].shape[1] if items else 0,
-    )
+    B, T = len(items), int(lengths.max()) if items else 0
+    F = items[0]["features"].shape[1] if items else 0
     features = np.zeros((B, T, F), dtype=np.float32)  # NumPy: single-threaded, no thread wake-ups
     for b, it in enumerate(items):
         features[b, : it["features"].shape[0]] = it["features"].numpy()
@@ -114,18 +102,10 @@ def length_buckets(
 ) -> list[list[int]]:
     """One pool cut into batches of similar length: the length-bucketing of both samplers.
 
-    The pool is sorted by length (equal lengths keep their pool order), cut into batches of
-    `batch_size` (the last one shorter where the pool is no multiple of it) and the batches
-    put in a random order drawn from `seed`, so consecutive batches do not grow in length.
-
-    Args:
-        pool: (W,) items: dataset indices, or the pretraining stream's positions.
-        lengths: (W,) frames of each pool item.
-        batch_size: items per batch.
-        seed: seed of the batch order (`torch.randperm`); None keeps the sorted order.
-
-    Returns:
-        ceil(W / batch_size) batches, lists of `pool`'s items (Python ints).
+    `pool` (W,) items (dataset indices, or the pretraining stream's positions), with `lengths`
+    (W,) frames, sorted by length (stable) and cut into ceil(W / batch_size) batches (lists of
+    Python ints, the last one shorter), put in a random order drawn from `seed`
+    (`torch.randperm`; None keeps the sorted order).
     """
     items = np.asarray(pool, dtype=np.int64)[np.argsort(np.asarray(lengths), kind="stable")]
     batches = [items[k : k + batch_size].tolist() for k in range(0, len(items), batch_size)]
@@ -139,20 +119,12 @@ class LengthBucketBatchSampler(BatchSampler):
     """Epoch-wise batches of similar length: `length_buckets` on every pool of `bucket_size`
     batches' worth of the indices `sampler` yields.
 
-    `sampler` is a RandomSampler, or the DistributedSampler Lightning injects under DDP:
-    Lightning re-creates this class with that sampler, so each rank buckets its own shard.
-    Every pass shuffles its batches anew (seeded by `seed`, the pass and the pool). With
-    `shuffle=False` the whole index set is one pool, sorted by length and left in that order:
-    the least padding, for evaluation.
+    Under DDP Lightning re-creates this class with its DistributedSampler, so each rank
+    buckets its own shard. Every pass shuffles its batches anew (seeded by `seed`, the pass
+    and the pool). With `shuffle=False` the whole index set is one sorted pool (evaluation).
 
-    Args:
-        sampler: yields dataset indices.
-        batch_size: utterances per batch.
-        drop_last: drop the smaller batches (at most one per pool).
-        lengths: frames of every dataset item (indexed by what `sampler` yields).
-        bucket_size: batches per sorting pool.
-        shuffle: pools of `bucket_size` batches in a shuffled order, else one sorted pool.
-        seed: base seed of the batch order.
+    `lengths`: frames of every dataset item (indexed by what `sampler` yields); `drop_last`
+    drops the smaller batches (at most one per pool); `seed`: base seed of the batch order.
     """
 
     def __init__(

@@ -1,9 +1,7 @@
-"""Bad input: one error type that names the file and the problem, and a skip ledger.
-
-Every check in the data layer reports through an `Issues` ledger. With `on_error="error"` the
-first problem raises `DataError`; with `on_error="skip"` the utterance is dropped, counted and
-listed, and `Issues.log_summary` reports the total at the end (docs/data.md, "Bad input": nothing is dropped
-silently).
+"""Bad input: one error type that names the file and the problem, and a skip ledger (`Issues`)
+every check in the data layer reports through: under `on_error="error"` the first problem
+raises `DataError`; under "skip" the utterance is dropped, counted and listed, never silently
+(docs/data.md, "Bad input").
 """
 
 from __future__ import annotations
@@ -56,8 +54,7 @@ class Skip:
         return cls(error.utt_id, error.path, error.problem, error.detail, stage)
 
     def __str__(self) -> str:
-        where = self.path + (f" [{self.utt_id}]" if self.utt_id else "")
-        return f"{where}: {self.problem}" + (f" ({self.detail})" if self.detail else "")
+        return str(DataError(self.path, self.problem, self.detail, self.utt_id))
 
 
 @dataclass
@@ -78,9 +75,6 @@ class Issues:
         if self.on_error == "error":
             raise error
         self.skips.append(Skip.from_error(error, stage))
-
-    def extend(self, skips: list[Skip]) -> None:
-        self.skips.extend(skips)
 
     @property
     def skipped_ids(self) -> set[str]:

@@ -1,8 +1,7 @@
 """Minimal ctypes binding to eSpeak NG (shipped by the `espeakng-loader` wheel).
 
-eSpeak NG keeps global state and is not thread-safe: use one `Espeak` per process (the class
-is a per-process singleton) and parallelise with processes. Synthesis runs in synchronous mode
-with phoneme events, so every call returns the waveform and the start sample of each phoneme:
+eSpeak NG keeps global state and is not thread-safe: one `Espeak` per process (`Espeak.get()`);
+parallelise with processes. Each call returns the waveform and each phoneme's start sample:
 
     audio, phonemes = Espeak.get().synthesize("Hello there.", voice="en-us+m3")
     # audio: int16 (N,) at Espeak.get().sample_rate (22050 Hz)
@@ -73,11 +72,8 @@ class Espeak:
 
         self.lib = ctypes.CDLL(espeakng_loader.get_library_path())
         self.lib.espeak_Initialize.argtypes = [
-            ctypes.c_int,
-            ctypes.c_int,
-            ctypes.c_char_p,
-            ctypes.c_int,
-        ]
+            ctypes.c_int, ctypes.c_int, ctypes.c_char_p, ctypes.c_int,
+        ]  # fmt: skip
         self.lib.espeak_Initialize.restype = ctypes.c_int
         self.lib.espeak_SetVoiceByName.argtypes = [ctypes.c_char_p]
         self.lib.espeak_SetVoiceByName.restype = ctypes.c_int
@@ -127,12 +123,9 @@ class Espeak:
         with self._lock:
             if self.lib.espeak_SetVoiceByName(settings.voice.encode()) != 0:
                 raise ConfigError(f"eSpeak NG has no voice {settings.voice!r}")
-            for param, value in (
-                (PARAM_RATE, settings.rate),
-                (PARAM_PITCH, settings.pitch),
-                (PARAM_RANGE, settings.pitch_range),
-                (PARAM_VOLUME, settings.volume),
-            ):
+            params = {PARAM_RATE: settings.rate, PARAM_PITCH: settings.pitch,
+                      PARAM_RANGE: settings.pitch_range, PARAM_VOLUME: settings.volume}  # fmt: skip
+            for param, value in params.items():
                 self.lib.espeak_SetParameter(param, int(value), 0)
             self._chunks, self._events = [], []
             data = text.encode("utf-8") + b"\x00"

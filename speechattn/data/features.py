@@ -36,8 +36,7 @@ def min_samples_for(frames: int) -> int:
 
 
 class LabelMismatchError(SpeechattnError, ValueError):
-    """An utterance whose frame labels do not fit its frames (beyond data.label_tolerance):
-    alignments of other audio, or of another frame rate."""
+    """An utterance's frame labels do not fit its frames (beyond data.label_tolerance)."""
 
 
 @dataclass(frozen=True)
@@ -115,9 +114,8 @@ def log_mel_batch(
         wavs: (B, S) 16 kHz waveforms, zero-padded past `lengths`.
         lengths: (B,) valid samples.
     Returns:
-        features (B, T, F) zero-padded past each utterance's frames, and frames (B,) with
-        frames = num_frames(samples). (The cache stores float16 by default, so cached features
-        differ from these by float16 rounding only.)
+        features (B, T, F) zero-padded past each utterance's frames, and frames (B,) =
+        num_frames(samples). Cached features differ from these by float16 rounding only.
     """
     mel = _LOGMELS.get(cfg) or _LOGMELS.setdefault(cfg, LogMel(cfg))
     frames = torch.tensor([num_frames(int(n)) for n in lengths], dtype=torch.long)
@@ -145,9 +143,8 @@ class Normalizer:
         self.mean = torch.as_tensor(mean, dtype=torch.float32).reshape(-1)  # (F,)
         self.std = torch.as_tensor(std, dtype=torch.float32).reshape(-1)  # (F,)
         if self.mean.shape != self.std.shape:
-            raise ValueError(
-                f"mean {tuple(self.mean.shape)} and std {tuple(self.std.shape)} differ"
-            )
+            shapes = f"mean {tuple(self.mean.shape)} and std {tuple(self.std.shape)}"
+            raise ValueError(f"{shapes} differ")
         self.mode = mode
         self._np: tuple[np.ndarray, np.ndarray] | None = None
 
@@ -184,16 +181,11 @@ class Normalizer:
         return out if valid is None else out.masked_fill(~valid, 0.0)
 
     def numpy(self, x: np.ndarray) -> np.ndarray:
-        """Normalise one utterance (T, F) of any float dtype -> new float32 array.
-
-        The data loaders use this single-threaded NumPy path: per-utterance tensors are too
-        small for torch's intra-op threads to pay off (they cost 10x on a busy CPU).
-        """
+        """Normalise one utterance (T, F) of any float dtype -> new float32 array (the loaders'
+        path: single-threaded NumPy, as torch's intra-op threads cost 10x on a busy CPU)."""
         if self._np is None:
-            self._np = (
-                self.mean.numpy().astype(np.float32),
-                (1.0 / self.std).numpy().astype(np.float32),
-            )
+            inv_std = (1.0 / self.std).numpy().astype(np.float32)
+            self._np = (self.mean.numpy().astype(np.float32), inv_std)
         mean, inv_std = self._np
         if self.mode == "global":
             out = np.subtract(x, mean, dtype=np.float32)  # cast and centre in one pass

@@ -1,8 +1,5 @@
-"""`LabelledDataModule`: speaker and phone labels for the downstream probes (train/dev/test).
-
-Built on the corpus machinery of `speechattn.data.datamodules` (corpus resolution, scanning,
-feature cache, loaders); bad input follows `cfg.on_error` as there.
-"""
+"""`LabelledDataModule`: speaker and phone labels for the downstream probes (train/dev/test),
+built on the corpus machinery of `speechattn.data.datamodules`."""
 
 from __future__ import annotations
 
@@ -13,7 +10,6 @@ from typing import Any
 import numpy as np
 from torch.utils.data import DataLoader
 
-from speechattn.data.cache import FeatureStore
 from speechattn.data.config import DataConfig
 from speechattn.data.datamodules import _CorpusDataModule, _Items
 from speechattn.data.datasets import FeatureDataset
@@ -70,15 +66,9 @@ class LabelledDataModule(_CorpusDataModule):
                 if u in available:
                     ids.append(u)
                 elif u not in skipped:  # skipped ones were already reported
-                    self.issues.report(
-                        DataError(
-                            path,
-                            "utterance not in the corpus",
-                            f"not found in {c.labelled_splits}",
-                            u,
-                        ),
-                        "lists",
-                    )
+                    detail = f"not found in {c.labelled_splits}"
+                    error = DataError(path, "utterance not in the corpus", detail, u)
+                    self.issues.report(error, "lists")
             return ids
 
         if c.test_list is not None:
@@ -88,14 +78,9 @@ class LabelledDataModule(_CorpusDataModule):
         test_set = set(test)
         if c.train_list is not None:
             train = from_list(c.train_list)
-            overlap = [u for u in train if u in test_set]
-            for u in overlap:
-                self.issues.report(
-                    DataError(
-                        files.path(c.train_list), "utterance in both train and test lists", "", u
-                    ),
-                    "lists",
-                )
+            both = "utterance in both train and test lists"
+            for u in [u for u in train if u in test_set]:
+                self.issues.report(DataError(files.path(c.train_list), both, "", u), "lists")
             train = [u for u in train if u not in test_set]
         else:
             train = sorted(u for u in labelled if u not in test_set)
@@ -103,9 +88,8 @@ class LabelledDataModule(_CorpusDataModule):
         if unused:
             log.info(
                 "%d utterances of %s are in neither the train nor the test list (unused)",
-                unused,
-                c.labelled_splits,
-            )
+                unused, c.labelled_splits,
+            )  # fmt: skip
         return train, test
 
     def _phones(self, ids: list[str], lengths: dict[str, int]) -> dict[str, np.ndarray]:
@@ -121,10 +105,8 @@ class LabelledDataModule(_CorpusDataModule):
             lab = labels.get(u)
             if lab is None:
                 if u not in skipped:
-                    self.issues.report(
-                        DataError(path, "missing alignment", "no line for this utterance", u),
-                        "labels",
-                    )
+                    error = DataError(path, "missing alignment", "no line for this utterance", u)
+                    self.issues.report(error, "labels")
                 continue
             if abs(len(lab) - lengths[u]) > c.label_tolerance:
                 self.issues.report(
@@ -155,18 +137,16 @@ class LabelledDataModule(_CorpusDataModule):
         if unseen:
             log.warning(
                 "%d test speakers never occur in train (speaker tasks cannot get them right): %s",
-                len(unseen),
-                unseen[:10],
-            )
+                len(unseen), unseen[:10],
+            )  # fmt: skip
         self._build_datasets(roles, available, phones)
         mf = self.cfg.labelled_max_frames
         cropped = sum(1 for ids in roles.values() for u in ids if mf and lengths[u] > mf)
         if cropped:
             log.warning(
                 "%d labelled utterances are longer than labelled_max_frames=%d and are cropped",
-                cropped,
-                mf,
-            )
+                cropped, mf,
+            )  # fmt: skip
         log.info(
             "labelled data: %d train / %d dev / %d test utterances, %d speakers, %d phone classes",
             len(roles["train"]), len(roles["dev"]), len(roles["test"]), self.num_speakers,
@@ -188,11 +168,8 @@ class LabelledDataModule(_CorpusDataModule):
             train, test = [u for u in train if u in phones], [u for u in test if u in phones]
         train, dev = self._dev_split(train)
         if not train or not test:
-            raise DataError(
-                self.label_files.folder,
-                "empty train or test set",
-                f"train {len(train)}, test {len(test)} utterances",
-            )
+            detail = f"train {len(train)}, test {len(test)} utterances"
+            raise DataError(self.label_files.folder, "empty train or test set", detail)
         return {"train": train, "dev": dev, "test": test}, lengths, phones
 
     def _build_datasets(
@@ -205,31 +182,27 @@ class LabelledDataModule(_CorpusDataModule):
         feature extraction, normalised with the train split's statistics."""
         speaker_class = {s: i for i, s in enumerate(self.speakers)}
 
-        def parts(
-            ids: list[str],
-        ) -> list[tuple[FeatureStore, list[int], list[int], list[np.ndarray]]]:
+        def by_split(ids: list[str]) -> dict[str, list[str]]:
             grouped: dict[str, list[str]] = defaultdict(list)
             for u in ids:
                 grouped[available[u][0]].append(u)
-            out = []
-            for split, us in grouped.items():
-                store = self._splits[split]
-                out.append((
-                    store, [available[u][1] for u in us], [speaker_class[self.corpus.speaker_of(u)] for u in us],
-                    [phones.get(u, np.zeros(0, np.int16)) for u in us],
-                ))  # fmt: skip
-            return out
+            return grouped
 
         def items(ids: list[str], random_crop: bool) -> _Items:
-            mf = self.cfg.labelled_max_frames
-            return _Items(
-                [
-                    FeatureDataset(s, i, self._normalizer, mf, random_crop, spk, ph)
-                    for s, i, spk, ph in parts(ids)
-                ]
-            )
+            return _Items([
+                FeatureDataset(
+                    self._splits[split], [available[u][1] for u in us], self._normalizer,
+                    self.cfg.labelled_max_frames, random_crop,
+                    [speaker_class[self.corpus.speaker_of(u)] for u in us],
+                    [phones.get(u, np.zeros(0, np.int16)) for u in us],
+                )
+                for split, us in by_split(ids).items()
+            ])  # fmt: skip
 
-        self._normalizer = self._normalizer_from([(s, i) for s, i, _, _ in parts(roles["train"])])
+        train = by_split(roles["train"]).items()
+        self._normalizer = self._normalizer_from(
+            [(self._splits[split], [available[u][1] for u in us]) for split, us in train]
+        )
         self.datasets = {
             "train": items(roles["train"], True),
             "dev": items(roles["dev"], False),
@@ -243,10 +216,8 @@ class LabelledDataModule(_CorpusDataModule):
             by_speaker[self.corpus.speaker_of(u)].append(u)
         dev: set[str] = set()
         for k, speaker in enumerate(sorted(by_speaker, key=_numeric_first)):
-            _, held = _holdout(
-                sorted(by_speaker[speaker]), self.cfg.dev_fraction, self.cfg.seed * 100003 + k
-            )
-            dev.update(held)
+            ids = sorted(by_speaker[speaker])
+            dev |= _held_out(ids, self.cfg.dev_fraction, self.cfg.seed * 100003 + k)
         return [u for u in train if u not in dev], [u for u in train if u in dev]
 
     def train_dataloader(self) -> DataLoader:
@@ -272,11 +243,10 @@ def _numeric_first(speaker: str) -> tuple[int, str]:
     return (int(speaker), speaker) if speaker.isdigit() else (1 << 62, speaker)
 
 
-def _holdout(ids: list[str], fraction: float, seed: int) -> tuple[list[str], list[str]]:
-    """Seeded split of `ids` into (kept, held out), held out ~ `fraction` (>= 1 when possible)."""
+def _held_out(ids: list[str], fraction: float, seed: int) -> set[str]:
+    """A seeded ~`fraction` of `ids` (at least one where two or more are given, never all)."""
     if fraction <= 0 or len(ids) < 2:
-        return ids, []
+        return set()
     order = np.random.default_rng(seed).permutation(len(ids))
     n = min(len(ids) - 1, max(1, round(fraction * len(ids))))
-    held = {ids[i] for i in order[:n]}
-    return [u for u in ids if u not in held], [u for u in ids if u in held]
+    return {ids[i] for i in order[:n]}

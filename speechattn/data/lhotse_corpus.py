@@ -1,20 +1,11 @@
-"""lhotse manifests as a corpus (`data.corpus=lhotse`; lhotse is the optional extra `[lhotse]`).
+"""lhotse manifests as a corpus (`data.corpus=lhotse`; the optional extra `[lhotse]`; docs/data.md,
+"lhotse manifests").
 
-A split is a set of manifests in `data.root`: a CutSet file (the split's name is its file
-name, e.g. `cuts_train.jsonl.gz`), or, as lhotse's recipes write them, `*_cuts_<split>.jsonl*`
-or the pair `*_recordings_<split>.jsonl*` + `*_supervisions_<split>.jsonl*`. One utterance per
-cut (its id, its segment of the recording), or per supervision of a recording + supervision
-pair. Audio paths are as in the manifests (a relative one is relative to the working folder,
-as lhotse reads it); only file sources are read.
-
-For the probes: the speaker is the supervisions' `speaker`; 10 ms phone labels come from their
-`alignment["phone"]` items (times from the recording's start, lhotse's convention): frame i
-of an utterance starting at s gets the item covering s + (i + 0.5) * 10 ms, the middle of its
-hop, so CPC-style frame labels written as items come back unchanged. Frames no item covers
-are not scored (-100); an alignment that starts more than `label_tolerance` frames into the
-audio, or whose end differs from the audio's by more than that (the rule every corpus
-follows), is bad input naming the manifest and the utterance. The phone set is the data's
-(every symbol of the splits read, sorted), or the `phone_set` file's when there is one.
+A split is a CutSet file in `data.root` (named by its file name), or `*_cuts_<split>.jsonl*`,
+or the pair `*_recordings_<split>.jsonl*` + `*_supervisions_<split>.jsonl*`: one utterance per
+cut (its segment of the recording), or per supervision. For the probes, the speaker is the
+supervisions' `speaker`; frame i of an utterance starting at s gets the `alignment["phone"]`
+item covering s + (i + 0.5) * 10 ms (recording time); frames no item covers are -100.
 """
 
 from __future__ import annotations
@@ -69,11 +60,8 @@ def manifests_of(root: Path, split: str) -> list[Path]:
     def one(kind: str) -> Path | None:
         found = sorted(p for p in root.glob(f"*{kind}_{split}.json*") if p.is_file())
         if len(found) > 1:
-            raise DataError(
-                root,
-                "ambiguous lhotse manifests",
-                f"{[p.name for p in found]} all name split {split!r}",
-            )
+            detail = f"{[p.name for p in found]} all name split {split!r}"
+            raise DataError(root, "ambiguous lhotse manifests", detail)
         return found[0] if found else None
 
     if cuts := one("cuts"):
@@ -102,8 +90,8 @@ class LhotseSource:
         self._problems: list[DataError] = []
 
     def listing(self) -> Listing:
-        """Parse the manifests, stat every audio file: the digest covers the manifests'
-        stats, each utterance's file, segment and stats, and the problems found."""
+        """Parse the manifests and stat every audio file; the digest covers the manifests' and
+        audio files' stats, each utterance's segment, and the problems found."""
         self._utterances, self._problems = self._parse()
         h = hashlib.sha256()
         for m in self.manifests:
@@ -141,12 +129,8 @@ class LhotseSource:
 
             def unpack(s: Any) -> tuple:
                 if s.recording_id not in recordings:
-                    raise DataError(
-                        where,
-                        "missing recording",
-                        f"recording {s.recording_id!r} is not in {manifest.name}",
-                        s.id,
-                    )
+                    detail = f"recording {s.recording_id!r} is not in {manifest.name}"
+                    raise DataError(where, "missing recording", detail, s.id)
                 return s.id, recordings[s.recording_id], s.start, s.duration, s.channel, [s]
         elif isinstance(loaded[0], lhotse.CutSet):
             rows, where = list(loaded[0]), manifest
@@ -270,21 +254,13 @@ class LhotseCorpus(Corpus):
         """(T_lab,) int16 phone ids of one utterance (-100 where no item covers a frame)."""
         if not entry.phones:
             kind = self.label_files.alignments
-            raise DataError(
-                entry.manifest,
-                "missing alignment",
-                f"no alignment[{kind!r}] in its supervisions",
-                utt_id,
-            )
+            detail = f"no alignment[{kind!r}] in its supervisions"
+            raise DataError(entry.manifest, "missing alignment", detail, utt_id)
         items = sorted(entry.phones, key=lambda p: p[1])
         unknown = [p[0] for p in items if p[0] not in index]
         if unknown:
-            raise DataError(
-                entry.manifest,
-                "unknown phone symbol",
-                f"{unknown[0]!r} is not in the phone set ({len(index)} symbols)",
-                utt_id,
-            )
+            detail = f"{unknown[0]!r} is not in the phone set ({len(index)} symbols)"
+            raise DataError(entry.manifest, "unknown phone symbol", detail, utt_id)
         begin, end = entry.start, entry.start + entry.duration
         last = min(max(p[2] for p in items), end)
         n = round((last - begin) / HOP_S)

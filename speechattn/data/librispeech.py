@@ -1,19 +1,9 @@
-"""Read a LibriSpeech-layout corpus (real LibriSpeech or the built-in one) and its labels.
-
-Layout (docs/data.md):
+"""Read a LibriSpeech-layout corpus (real LibriSpeech or the built-in one) and its CPC labels
+(docs/data.md, "Formats" and "LibriSpeech"):
 
     ROOT/<split>/<speaker>/<chapter>/<speaker>-<chapter>-<utt:04d>.flac
     ROOT/<split>/<speaker>/<chapter>/<speaker>-<chapter>.trans.txt     lines "<utt-id> TEXT"
-
-Label files (CPC format, docs/data.md) live in `alignments_dir` (default: ROOT):
-
-    converted_aligned_phones.txt   "<utt-id> <p0> <p1> ..." one phone per 10 ms frame
-    train_split.txt, test_split.txt   one utterance id per line
-    phone_set.txt                  optional; one symbol per line, line number = class id
-
-For real LibriSpeech, put the CPC files (`converted_aligned_phones.txt`, `train_split.txt`,
-`test_split.txt`, covering train-clean-100) in ROOT, or point `alignments_dir` at their folder.
-Without `phone_set.txt` the classes are the integers 0..num_phones-1 (41 for CPC labels).
+    <alignments_dir>/converted_aligned_phones.txt, train_split.txt, test_split.txt, phone_set.txt
 """
 
 from __future__ import annotations
@@ -36,23 +26,17 @@ UTT_RE = re.compile(r"^(\d+)-(\d+)-(\d+)$")
 
 
 def speaker_of(utt_id: str) -> str:
-    """The speaker of a LibriSpeech id "<speaker>-<chapter>-<utt>" (`UTT_RE`; the scan checks
-    every id against it)."""
+    """The speaker of a LibriSpeech id "<speaker>-<chapter>-<utt>" (`UTT_RE`)."""
     return utt_id.split("-", 1)[0]
 
 
 def find_splits(root: str | Path) -> list[str]:
-    """Names of the split folders under `root` (folders holding <speaker>/<chapter>/*.flac).
-
-    Raises `DataError` naming the root when it does not exist or holds no such folder.
-    """
+    """Names of the split folders under `root` (folders holding <speaker>/<chapter>/*.flac);
+    `DataError` naming the root when it does not exist or holds no such folder."""
     root = Path(root).expanduser()
     if not root.is_dir():
-        raise DataError(
-            root,
-            "corpus root not found",
-            "expected a LibriSpeech folder: ROOT/<split>/<speaker>/<chapter>/*.flac",
-        )
+        detail = "expected a LibriSpeech folder: ROOT/<split>/<speaker>/<chapter>/*.flac"
+        raise DataError(root, "corpus root not found", detail)
     splits = [p.name for p in sorted(root.iterdir()) if p.is_dir() and _looks_like_split(p)]
     if not splits:
         found = sorted(p.name + ("/" if p.is_dir() else "") for p in root.iterdir())[:12]
@@ -92,7 +76,7 @@ def _duplicate(path: Path, kind: str, n: int, first: int, utt_id: str) -> DataEr
 
 def read_transcripts(path: Path, issues: Issues) -> dict[str, str | None]:
     """`{utt_id: text}` from one `*.trans.txt`; malformed lines are reported, and so is an id on
-    two lines (its value is then None: reported, to be left out)."""
+    two lines (its value is then None)."""
     out: dict[str, str | None] = {}
     first_line: dict[str, int] = {}
     try:
@@ -124,22 +108,17 @@ def read_transcripts(path: Path, issues: Issues) -> dict[str, str | None]:
 @dataclass(frozen=True)
 class SplitListing:
     """What `walk_split` saw of one split folder: every file of every <speaker>/<chapter>/
-    folder with its size, mtime and ctime, in sorted order. Comparing `digest` with the one recorded
-    in the feature cache tells, with one stat per file, whether the folder changed since."""
+    folder with its size, mtime and ctime, sorted; `digest` tells whether the folder changed."""
 
     folder: Path  # absolute
     chapters: tuple[tuple[str, str, tuple[tuple[str, int, int, int], ...]], ...]
     # (speaker, chapter, ((file name, size, mtime_ns, ctime_ns), ...)) per chapter folder; a
-    # symbolic link whose target is missing (or a link loop) has size, mtime and ctime
-    # `BROKEN_LINK` (the scan reports it)
+    # link that cannot be followed has `BROKEN_LINK` for all three
     digest: str  # 32 hex digits over the relative paths, sizes, mtimes and ctimes
 
 
 def walk_split(root: str | Path, split: str) -> SplitListing:
-    """One `os.scandir` walk of `root/split` with a stat per file (no file is opened).
-
-    Raises `DataError` naming the folder when it does not exist.
-    """
+    """One `os.scandir` walk of `root/split` with a stat per file (`DataError`: no folder)."""
     root = Path(root).expanduser().resolve()
     folder = root / split
     if not folder.is_dir():
@@ -161,9 +140,8 @@ def walk_split(root: str | Path, split: str) -> SplitListing:
 
 
 def file_stamp(entry: os.DirEntry) -> tuple[int, int, int] | None:
-    """(size, mtime_ns, ctime_ns) of a directory entry that is a file (through links), or
-    `BROKEN_LINK` three times for a link that cannot be followed (its target is gone, or a
-    loop: the scan reports it); None for anything else (a folder)."""
+    """(size, mtime_ns, ctime_ns) of a directory entry that is a file (through links),
+    `BROKEN_LINK` three times for a link that cannot be followed, None for anything else."""
     try:
         is_file, broken = entry.is_file(), False
         broken = not is_file and entry.is_symlink() and not entry.is_dir()
@@ -187,12 +165,10 @@ def scan_split(
     with_info: bool = False,
     listing: SplitListing | None = None,
 ) -> list[Utterance]:
-    """All utterances of `root/split`, sorted by id.
-
-    Audio without a transcript line, transcript lines without audio and badly named files are
-    reported to `issues` (raise or skip). `with_info=True` reads each header for
-    `num_samples`/`sample_rate` (slower; decoding problems surface later, at extraction).
-    `listing` (from `walk_split` of the same folder) saves walking it again.
+    """All utterances of `root/split`, sorted by id; audio without a transcript line,
+    transcript lines without audio and badly named files are reported to `issues`.
+    `with_info=True` reads each header for `num_samples`/`sample_rate`; `listing` (`walk_split`
+    of the same folder) saves walking it again.
     """
     issues = issues or Issues()
     listing = listing or walk_split(root, split)
@@ -235,14 +211,8 @@ def _scan_chapter(
         path = chapter_dir / f"{utt_id}{AUDIO_SUFFIX}"
         m = UTT_RE.match(utt_id)
         if not m or m.group(1) != speaker or m.group(2) != chapter:
-            issues.report(
-                DataError(
-                    path,
-                    "unexpected file name",
-                    f"expected {speaker}-{chapter}-NNNN{AUDIO_SUFFIX}",
-                ),
-                "scan",
-            )
+            detail = f"expected {speaker}-{chapter}-NNNN{AUDIO_SUFFIX}"
+            issues.report(DataError(path, "unexpected file name", detail), "scan")
             continue
         if transcripts.get(utt_id, "") is None:
             continue  # a duplicated transcript line, reported already
@@ -272,8 +242,8 @@ def _scan_chapter(
 
 
 def broken_link(link: Path, utt_id: str | None = None) -> DataError:
-    """The error for a symbolic link that cannot be followed: its target is missing, or it is
-    a loop (named with `utt_id`, or the LibriSpeech id of its file name)."""
+    """The error for a symbolic link that cannot be followed (named with `utt_id`, or the
+    LibriSpeech id of its file name)."""
     try:
         target = os.readlink(link)
     except OSError:
@@ -333,10 +303,9 @@ def read_alignments(
 ) -> dict[str, np.ndarray]:
     """`{utt_id: (T,) int16 phone ids}` from a CPC-format file.
 
-    Tokens are class ids (integers) or symbols of `phone_set`. A token outside the phone set
-    is reported ("unknown phone symbol", naming file, line and utterance) and that utterance
-    gets no labels. `phone_set=None` accepts any non-negative integer class id (the phone set
-    is then inferred by the caller). `wanted` limits parsing to those utterance ids.
+    Tokens are class ids or symbols of `phone_set` (None: any non-negative class id). A token
+    outside the phone set is reported and that utterance gets no labels. `wanted` limits
+    parsing to those utterance ids.
     """
     issues = issues or Issues()
     path = Path(path)
@@ -424,11 +393,8 @@ class LabelFiles:
         if path is not None and path.is_file():
             symbols = read_phone_set(path)
             if num_phones is not None and num_phones != len(symbols):
-                raise DataError(
-                    path,
-                    "phone set size mismatch",
-                    f"{len(symbols)} symbols, data.num_phones={num_phones}",
-                )
+                detail = f"{len(symbols)} symbols, data.num_phones={num_phones}"
+                raise DataError(path, "phone set size mismatch", detail)
             return symbols
         if num_phones is not None:
             return [str(i) for i in range(num_phones)]

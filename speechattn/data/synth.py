@@ -3,22 +3,11 @@
     python -m speechattn.data.synth --out DIR [--speakers 24] [--utterances-per-speaker 25]
                                     [--seed 0] [--heldout] [--workers N]
 
-writes a LibriSpeech-layout corpus with CPC labels (docs/data.md):
-
-    DIR/synth-clean/<spk>/<chapter>/<spk>-<chapter>-<utt:04d>.flac   16 kHz mono FLAC
-    DIR/synth-clean/<spk>/<chapter>/<spk>-<chapter>.trans.txt
-    DIR/converted_aligned_phones.txt   CPC format, one phone id per 10 ms frame (snip-edges)
-    DIR/phone_set.txt                  40 classes, line number = id (0 = sil)
-    DIR/train_split.txt, test_split.txt   utterance-level ~80/20, every speaker in both
-    DIR/speakers.json                  each speaker's eSpeak voice and prosody parameters
-    DIR/corpus.json                    generator version + parameters (stale corpora rebuild)
-
-A speaker is an eSpeak voice variant x English accent x pitch x pitch range x rate, plus a fixed
-"channel" (spectral tilt, gain, noise level); every utterance jitters pitch, rate, gain and SNR,
-so speaker identity is learnable but not trivial. `--heldout` writes `synth-heldout/` with
-speakers (voice/accent pairs) and sentences that the main corpus of the same seed never uses.
-eSpeak audio is not bit-identical between calls: the text, labels and parameters are
-deterministic, the samples only nearly so.
+writes a LibriSpeech-layout corpus (16 kHz FLAC) with CPC labels, split lists, `speakers.json`
+and `corpus.json` (the layout: docs/data.md, "Built-in corpus"). A speaker is an eSpeak voice
+variant x English accent x pitch x pitch range x rate, plus a fixed "channel" (spectral tilt,
+gain, noise level); every utterance jitters pitch, rate, gain and SNR. `--heldout` writes
+`synth-heldout/` with speakers and sentences the main corpus of the same seed never uses.
 """
 
 from __future__ import annotations
@@ -33,12 +22,14 @@ import shutil
 import sys
 import tempfile
 import time
+from collections import Counter
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
 
 from speechattn.data import text as textgen
+from speechattn.data.features import HOP_LENGTH, SAMPLE_RATE, WIN_LENGTH, num_frames
 from speechattn.data.phones import PHONE_SET, phone_id
 from speechattn.errors import ConfigError
 from speechattn.utils import init_pool_worker, progress_bar
@@ -46,8 +37,6 @@ from speechattn.utils import init_pool_worker, progress_bar
 log = logging.getLogger(__name__)
 
 GENERATOR_VERSION = 2  # bump whenever the output changes: cached corpora then rebuild
-SAMPLE_RATE = 16000
-WIN, HOP = 400, 160  # 25 ms / 10 ms at 16 kHz (Kaldi snip-edges framing)
 SPLIT_MAIN, SPLIT_HELDOUT = "synth-clean", "synth-heldout"
 MIN_SECONDS, MAX_SECONDS = 2.0, 8.0
 TEST_SHARE = 0.2
@@ -123,22 +112,17 @@ def make_speakers(count: int, seed: int = 0, heldout: bool = False) -> list[Spea
     return speakers
 
 
-def frame_count(num_samples: int) -> int:
-    """Kaldi snip-edges frames of 25 ms every 10 ms: `(num_samples - 400) // 160 + 1`."""
-    return max(0, (num_samples - WIN) // HOP + 1)
-
-
 def frame_labels(starts: np.ndarray, classes: np.ndarray, num_samples: int) -> np.ndarray:
     """Phone id per 10 ms frame: the phone active at each frame's centre.
 
     Args:
         starts: (P,) start sample of each phone segment (non-decreasing).
         classes: (P,) phone id of each segment; a segment lasts until the next start.
-        num_samples: audio length; frames follow `frame_count`.
+        num_samples: audio length; frames follow `features.num_frames` (Kaldi snip-edges).
     Returns:
-        (frame_count(num_samples),) int64; frames before the first segment are silence (0).
+        (num_frames(num_samples),) int64; frames before the first segment are silence (0).
     """
-    centres = np.arange(frame_count(num_samples)) * HOP + WIN // 2
+    centres = np.arange(num_frames(num_samples)) * HOP_LENGTH + WIN_LENGTH // 2
     idx = np.searchsorted(starts, centres, side="right") - 1
     return np.where(idx >= 0, classes[np.clip(idx, 0, None)], 0).astype(np.int64)
 
@@ -289,14 +273,8 @@ def build_corpus(
                     results.append(result)
                     advance()
     results.sort(key=lambda r: r["utt_id"])
-    _write_metadata(
-        out,
-        split,
-        table,
-        results,
-        seed,
-        corpus_params(speakers, utterances_per_speaker, seed, heldout),
-    )
+    params = corpus_params(speakers, utterances_per_speaker, seed, heldout)
+    _write_metadata(out, split, table, results, seed, params)
     seconds = sum(r["num_samples"] for r in results) / SAMPLE_RATE
     log.info(
         "built %s: %d speakers, %d utterances, %.1f min of speech in %.1f s",
@@ -334,26 +312,19 @@ def _write_metadata(
     (out / "train_split.txt").write_text("\n".join(sorted(train)) + "\n")
     (out / "test_split.txt").write_text("\n".join(sorted(test)) + "\n")
 
-    counts = {spk.speaker_id: 0 for spk in table}
-    for r in results:
-        counts[r["utt_id"].split("-")[0]] += 1
+    counts = Counter(r["utt_id"].split("-")[0] for r in results)
     speakers = {
-        spk.speaker_id: {
-            **asdict(spk),
-            "voice": spk.voice,
+        s.speaker_id: {
+            **asdict(s),
+            "voice": s.voice,
             "split": split,
-            "utterances": counts[spk.speaker_id],
+            "utterances": counts[s.speaker_id],
         }
-        for spk in table
+        for s in table
     }
     (out / "speakers.json").write_text(json.dumps(speakers, indent=2) + "\n")
-    total = sum(r["num_samples"] for r in results)
-    info = {
-        **params,
-        "split": split,
-        "utterances": len(results),
-        "hours": round(total / SAMPLE_RATE / 3600, 4),
-    }
+    hours = round(sum(r["num_samples"] for r in results) / SAMPLE_RATE / 3600, 4)
+    info = {**params, "split": split, "utterances": len(results), "hours": hours}
     (out / "corpus.json").write_text(json.dumps(info, indent=2) + "\n")
 
 

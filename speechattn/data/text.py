@@ -1,9 +1,7 @@
-"""A small English sentence generator for the built-in corpus (no downloads).
-
-Sentences come from hand-written templates filled from word lists in `speechattn/data/text/`
-(written for this project). The combinations run into the billions, so utterances rarely repeat;
-`pool_of(text)` deterministically assigns every sentence to the "main" or the "heldout" pool,
-which is how held-out corpora get sentences never seen in the main corpus.
+"""A small English sentence generator for the built-in corpus: hand-written templates filled
+from the word lists in `speechattn/data/text/` (billions of combinations). `pool_of(text)`
+assigns every sentence to the "main" or the "heldout" pool, so held-out corpora get sentences
+the main corpus never uses.
 """
 
 from __future__ import annotations

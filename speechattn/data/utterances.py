@@ -33,9 +33,8 @@ class Utterance:
     split: str  # the split folder, e.g. "train-clean-100" or "synth-clean"
     num_samples: int | None = None  # filled by `with_info=True` (header read)
     sample_rate: int | None = None
-    # bytes on disk, mtime and ctime: while all three are as recorded, the file's content
-    # fingerprint (sha256) stands. The ctime moves on every write and on every change of the
-    # mtime, and nobody can set it back, so an edit under a restored mtime is seen too.
+    # bytes on disk, mtime and ctime: while all three are as recorded, the file's sha256 stands
+    # (the ctime moves on every write and mtime change, and cannot be set back)
     size: int = 0
     mtime_ns: int = 0
     ctime_ns: int = 0

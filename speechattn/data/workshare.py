@@ -1,14 +1,11 @@
-"""Sharing a job's units of work (cache shards, manifests) between processes through claims
-(`speechattn.data.claims`): each unit gets done once, by whoever is free, and the others wait
-for the rest.
+"""Sharing a job's units of work between processes through claims (`speechattn.data.claims`):
+each unit gets done once, by whoever is free, and the others wait for the rest.
 
     done = lambda shard: (entry / f"{shard}.json").is_file()     # the unit's commit marker
     for shard in claim_pending(names, entry, done, what="shards"):
         extract(shard)                       # atomic writes, the marker last
 
-`claim_map` does the same with a process pool, keeping every worker busy (the feature cache's
-extraction, `cache/extract.py`); `claim_batches` hands out lists of units. Settings and DDP
-use: docs/multinode.md.
+`claim_map` keeps a process pool busy the same way; `claim_batches` hands out lists of units.
 """
 
 from __future__ import annotations
@@ -38,9 +35,8 @@ class WorkerDied(SpeechattnError, RuntimeError):
 
 
 class WorkShare:
-    """One process's view of a job shared over `claims_dir`: which of `units` it may do next
-    and, once it has nothing left to do, the wait for the units others hold. `claim_batches`
-    and `claim_map` drive it; a context manager (it runs the claims' heartbeat).
+    """One process's share of a job over `claims_dir`: which of `units` it may do next, then
+    the wait for the units others hold; a context manager (it runs the claims' heartbeat).
 
         with WorkShare(units, folder, is_done, config) as share:
             while True:
@@ -51,7 +47,7 @@ class WorkShare:
                 if not batch and not share.wait():
                     break                     # every unit is done, by someone
 
-    Not thread-safe: use it from one thread (the heartbeat thread is its own business).
+    Not thread-safe.
     """
 
     def __init__(
@@ -82,8 +78,8 @@ class WorkShare:
         self.claims.close()  # releases what is still held: the next process may take it
 
     def claim(self, n: int) -> list[str]:
-        """Up to `n` units claimed for this process, in order: those neither done nor held by
-        a live process (a dead holder's claim is taken over). [] when none is free now."""
+        """Up to `n` units claimed for this process, in order, neither done nor held by a live
+        process ([] when none is free now)."""
         batch: list[str] = []
         while self._queue and len(batch) < n:
             unit = self._queue.popleft()
@@ -98,8 +94,8 @@ class WorkShare:
         return batch
 
     def finished(self, unit: str) -> None:
-        """`unit`, claimed here, is done: release its claim (RuntimeError when `is_done` says
-        it is not: work that claims success without its commit would be lost silently)."""
+        """Release `unit`, done here (RuntimeError when `is_done` says it is not: work that
+        ends without its commit would be lost silently)."""
         if not self.is_done(unit):
             raise RuntimeError(
                 f"{unit} ({self.what}) was handed out, but is_done({unit!r}) is still False "
@@ -110,10 +106,9 @@ class WorkShare:
 
     def wait(self) -> bool:
         """Call when this process holds nothing and `claim` found nothing: False when every
-        unit is done; else sleeps `poll_s` and queues the units others held for another look
-        (done, released undone, or their holder died), True. Logs a progress line naming the
-        holders every `log_every_s`; `ClaimTimeout` when none of them finished for
-        `wait_timeout_s`."""
+        unit is done; else sleeps `poll_s`, queues the units others held for another look and
+        returns True. Logs the holders every `log_every_s`; `ClaimTimeout` when none of their
+        units finished for `wait_timeout_s`."""
         still = [unit for unit in self._waiting if not self.is_done(unit)]
         if not still and not self._queue:
             return False
@@ -127,13 +122,9 @@ class WorkShare:
         if now - self._last_log >= config.log_every_s:
             log.info(
                 "waiting for %d %s claimed by other processes: %s; none finished for "
-                "%.0f s (gives up after %.0f s)",
-                len(still),
-                self.what,
-                _by_holder(self.claims, still),
-                now - self._last_progress,
-                config.wait_timeout_s,
-            )
+                "%.0f s (gives up after %.0f s)", len(still), self.what,
+                _by_holder(self.claims, still), now - self._last_progress, config.wait_timeout_s,
+            )  # fmt: skip
             self._last_log = now
         time.sleep(config.poll_s)
         self._queue.extend(still)
@@ -151,14 +142,11 @@ def claim_batches(
 ) -> Iterator[list[str]]:
     """Share `units` with every other process running this over the same `claims_dir`.
 
-    Yields lists of up to `size` units claimed for this process, in the order of `units`,
-    skipping those `is_done` and those others hold. The caller does a list's units (a pool of
-    `size` workers may) before asking for the next list; then each must be done (else
-    RuntimeError) and its claim is released. When nothing is left to claim, waits until every
-    unit is done (`WorkShare.wait`: a unit whose claim expires or is released undone is
-    claimed and yielded here; progress lines; `ClaimTimeout` naming the units, their holders
-    and claim files). Claims still held when the caller stops (an exception, `break`) are
-    released.
+    Yields lists of up to `size` units claimed here, in order, skipping those `is_done` or held
+    by others. Each must be done (else RuntimeError) before the next list is asked for; then
+    its claim is released. With nothing left to claim, waits until every unit is done
+    (`WorkShare.wait`); a unit released undone, or whose holder died, is yielded here. Claims
+    still held when the caller stops are released.
     """
     if size < 1:
         raise ValueError(f"size must be >= 1, found {size}")
@@ -202,12 +190,10 @@ def claim_map(
     this over `claims_dir` did or does, yielding `(unit, result)` in completion order; then
     waits for the units others hold, as `claim_batches` does.
 
-    `fn` must make `is_done(unit)` true (its commit) before it returns; the unit's claim is
-    released when its result arrives. With a `pool`, `workers` units are claimed and running
-    at a time, a new one claimed as each finishes; without, `fn` runs here, one at a time.
-    Create the pool before calling this (its processes fork before the heartbeat thread
-    starts) and consume this generator in one thread. A failure of `fn` is raised here after
-    the claims still held are released (the pool's other tasks run on: end the pool).
+    `fn` must make `is_done(unit)` true before it returns. With a `pool`, `workers` units run
+    at a time, a new one claimed as each finishes; without, `fn` runs here. Create the pool
+    first (it forks before the heartbeat thread starts) and consume this in one thread. A
+    failure of `fn` is raised after the claims still held are released (end the pool).
     """
     if workers < 1:
         raise ValueError(f"workers must be >= 1, found {workers}")
@@ -240,9 +226,7 @@ def claim_map(
 
 
 def _worker_error(error: BaseException, unit: str, what: str) -> BaseException:
-    """A worker's own exception as it is; a worker process that died (SIGKILL, out of memory,
-    a stop signal) as a `WorkerDied` naming the unit, its claims being released on the way
-    out, so that a run again resumes."""
+    """A worker's own exception as it is; a dead worker process as a `WorkerDied`."""
     if isinstance(error, BrokenProcessPool):
         return WorkerDied(
             f"a worker process died while working on {what} ({unit} among them), killed by a "

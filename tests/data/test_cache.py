@@ -208,8 +208,9 @@ def test_store_pickles_without_open_files(utts, tmp_path):
     store = extract_features(utts, SETTINGS, tmp_path, shard_size=8, workers=1, progress=False)
     store.features(0)
     assert str(store.paths(int(store.shard[0])).npy) in OPEN_SHARDS.files
+    assert store.position[store.utt_ids[3]] == 3
     clone = pickle.loads(pickle.dumps(store))
-    assert clone._position is None  # rebuilt on demand in each worker
+    assert "position" not in clone.__dict__  # rebuilt on demand in each worker
     assert np.array_equal(clone.features(3), store.features(3)) and clone.utt_ids == store.utt_ids
     meta = json.loads(store.manifest.read_text())
     assert meta["shards"] == store.shard_keys and meta["settings"]["dtype"] == "float32"

@@ -1,46 +1,13 @@
-"""On-disk feature cache: extract once, in parallel, resumable, shared by content (docs/cache.md).
-
-Layout (`layout.py`; user guide: docs/cache.md):
+"""On-disk feature cache: extract once, in parallel, resumable, shared by content.
 
     <cache_root>/features/shards/<settings key>/<shard key>.{npy,stats.npy,json}
     <cache_root>/features/splits/<manifest key>.{npz,json}
 
-Identity. A shard is a run of a corpus folder's utterances (in id order); its key hashes the
-settings and its utterances' (id, size, sha256 of the audio bytes). Shard boundaries fall
-after each utterance whose hash(id) % shard_size == 0 (at most 3 x shard_size utterances), so
-adding, removing or changing a file changes its shard (or two neighbours) and no other. A
-manifest, keyed by (absolute folder, settings), holds the folder's per-utterance index as
-arrays, its shard keys and their files' records, and every audio file's (relative path, size,
-mtime_ns, ctime_ns, sha256): the fingerprint memo. An unchanged corpus, or one renamed within
-its file system, is never re-read; a file whose size, mtime or ctime moved is re-hashed (the
-ctime catches an edit under a restored mtime) and re-extracted only when its bytes changed.
-
-Writes are atomic and durable (temporary name, fsync, rename, fsync of the folder). A shard
-counts as done once its json commit marker exists, written last, and is consistent (a damaged
-one is removed and the shard re-extracted); a manifest once its json exists, written after its
-npz, and its index fits the shards' markers and files (else it is rebuilt). A killed
-extraction leaves at most temporary files (removed on the next run) and a rerun extracts only
-the shards without a marker. Processes extracting into one cache at the same time (DDP ranks,
-nodes) claim each shard through `speechattn.data.claims` and wait for the others' shards: each
-shard is extracted once, and one of them writes the manifest (docs/multinode.md). Bad audio is recorded in the shard's marker and the manifest, so
-a rerun reports it again without decoding.
-
-Integrity ("checksums once"). Each data file's size, shape, dtype, sha256 and mtime_ns are
-recorded as it is written. Start-up stats every shard file against the manifest's records; a
-file whose size or mtime moved is checksummed against its marker, kept (its mtime recorded)
-when the bytes match, else re-extracted with a warning naming it. `verify` (`data.verify_cache`)
-checksums every file and re-hashes every audio file at start-up. A reader checks size, mtime and .npy header whenever it opens
-a shard; one changed since start-up is marked for re-extraction and raises `DataError` naming
-the file ("rerun the same command").
-
-Descriptors. Reads go through a process-wide LRU of at most `max_open_shards` open files
-(`store.py`), whatever the corpus size.
-
-Start-up (`open_source`, for any corpus reader's split; `open_split` for a LibriSpeech-layout
-folder): the source's listing (a folder: one `os.scandir` walk with a stat per file) compared
-with the digest the manifest recorded, then the manifest's arrays; statistics in one pass over the
-shards' `.stats.npy` (`FeatureStore.sums`). `python -m speechattn.data.cache ls|gc` lists and
-removes what no corpus uses (`gc.py`).
+Shards are content-defined runs of a corpus folder's utterances, keyed by the settings and
+their audio's sha256; a manifest indexes one folder's shards. Writes are atomic, a json commit
+marker is written last, several processes share the work through claims, and `python -m
+speechattn.data.cache ls|gc` lists and removes what no corpus uses. Identity, integrity, layout
+and start-up cost: docs/cache.md; several processes: docs/multinode.md.
 """
 
 from speechattn.data.cache.extract import extract_features, open_source, open_split

@@ -1,12 +1,8 @@
 """Extraction: fingerprint the audio, plan content-defined shards, extract the missing ones in
-parallel (one shard's extraction: `shards.py`), and commit the corpus folder's manifest
-(`extract_features`); and the start-up path that skips all of it when the folder did not
-change (`open_split`).
-
-Several processes (DDP ranks, nodes sharing the cache, jobs side by side) may extract into one
-cache at once: each pending shard is claimed through `speechattn.data.claims` (its claim file
-beside the shard's files), extracted by the one process holding the claim and released once
-its commit marker is written; the others wait for it (docs/multinode.md).
+parallel (one shard: `shards.py`) and commit the folder's manifest (`extract_features`); and
+the start-up that skips all of it when the source did not change (`open_source`). Processes
+sharing a cache claim each pending shard (`speechattn.data.workshare`): it is extracted once,
+and the others wait for it (docs/multinode.md).
 """
 
 from __future__ import annotations
@@ -68,11 +64,8 @@ log = logging.getLogger(__name__)
 HASH_BATCH = 32  # files per fingerprinting task handed to a worker process
 
 
-# ----------------------------------------------------------------------------- fingerprints
-
-
 def _relative(path: Path, folder: Path) -> str:
-    """`path` relative to `folder` (the key the fingerprint memo survives a move with)."""
+    """`path` relative to `folder` (so the fingerprint memo survives a move)."""
     text, prefix = str(path), str(folder) + os.sep
     return text[len(prefix) :] if text.startswith(prefix) else os.path.relpath(text, folder)
 
@@ -82,9 +75,8 @@ def _known_fingerprints(
     wanted: dict[tuple[str, int, int, int], list[int]],
     found: list[str | None],
 ) -> None:
-    """Fill `found[i]` for each (relative path, size, mtime_ns, ctime_ns) -> [i, ...] of
-    `wanted` that a manifest has hashed before (manifests are read in order until nothing is
-    missing)."""
+    """Fill `found[i]` for each stamp -> [i, ...] of `wanted` that a manifest hashed before,
+    reading the manifests in order until nothing is missing."""
     for manifest in manifests:
         if not wanted:
             return
@@ -112,10 +104,9 @@ def fingerprints(
     workers: int,
     progress: bool,
 ) -> list[str]:
-    """sha256 of each utterance's file; memoised by (relative path, size, mtime_ns, ctime_ns)
-    in the manifests, so an unchanged corpus, or one renamed within its filesystem, reads
-    nothing. A file written since (even with its size and mtime put back) has a new ctime
-    and is hashed again; so is every file of a copied corpus (new ctimes). A file several
+    """sha256 of each utterance's file, memoised in the manifests by (relative path, size,
+    mtime_ns, ctime_ns): an unchanged corpus, or one renamed within its filesystem, reads
+    nothing; a file written since has a new ctime and is hashed again. A file several
     utterances are segments of is hashed once."""
     found: list[str | None] = [None] * len(utterances)
     wanted: dict[tuple[str, int, int, int], list[int]] = {}
@@ -139,24 +130,17 @@ def fingerprints(
     return found  # type: ignore[return-value]
 
 
-# ----------------------------------------------------------------------------- one folder
-
-
-def _first_failure(marker: dict[str, Any], path_of: dict[str, str]) -> DataError:
-    f = marker["failures"][0]
-    return DataError(path_of[f["utt_id"]], f["problem"], f["detail"], f["utt_id"])
-
-
 def _check_failures(marker: dict[str, Any], issues: Issues, path_of: dict[str, str]) -> None:
     """Under `on_error=error`, raise the first bad file a shard recorded (skips are reported
     from the manifest)."""
     if marker["failures"] and issues.on_error == "error":
-        raise _first_failure(marker, path_of)
+        f = marker["failures"][0]
+        raise DataError(path_of[f["utt_id"]], f["problem"], f["detail"], f["utt_id"])
 
 
 def _intact(paths: ShardPaths, verify: bool) -> dict[str, Any] | None:
-    """A committed shard's marker when both data files are what it records, else None (after
-    a warning naming the damaged file and marking the shard for re-extraction)."""
+    """A committed shard's marker when both data files are what it records, else None (the
+    damaged file named in a warning, the shard marked for re-extraction)."""
     marker = read_marker(paths.marker)
     if marker is None:
         return None
@@ -181,8 +165,7 @@ def _touch_plan(plan: Path, folder: Path, settings: ExtractionSettings, keys: li
 
 
 def _write_plan(plan: Path, folder: Path, settings: ExtractionSettings, keys: list[str]) -> None:
-    """What an extraction in progress needs: `gc` keeps these shards while the plan is fresh
-    (it is touched after every committed shard)."""
+    """The shards an extraction in progress needs: `gc` keeps them while the plan is fresh."""
     atomic_write_text(plan, json.dumps({
         "folder": str(folder), "settings_key": settings.key, "shards": keys,
         "host": host_name(), "pid": os.getpid(), "started": time.time(),
@@ -210,20 +193,12 @@ def extract_features(
 ) -> FeatureStore:
     """Cached features of `utterances`; extracts the shards not in the cache first.
 
-    Shards are content-addressed (see the package docstring): a shard extracted for any corpus
-    folder with the same settings and the same audio under the same ids is reused. Bad audio
-    goes to `issues` (raise on the first under `on_error=error`, else recorded as skips);
-    resampled or down-mixed files are logged as warnings. `on_shard_done(i)` is called after
-    this process committed the i-th shard of its plan (tests use it to interrupt and count). A
-    cache file that does not match its record is re-extracted with a warning naming it
-    (`verify`: hash every audio file, ignoring the fingerprints recorded, and checksum every
-    cache file first).
-
-    Other processes may run this on the same cache at the same time (the same corpus or
-    another sharing shards): each missing shard is claimed and extracted by one of them, the
-    others wait for it (`claim_config`: heartbeat, expiry, wait timeout and progress lines;
-    `ClaimTimeout` when shards others hold make no progress), and each writes the same
-    manifest. Temporary files are removed only where no live claim covers them.
+    Shards are content-addressed (docs/cache.md). Bad audio goes to `issues`; resampled or
+    down-mixed files are logged. `on_shard_done(i)` is called after this process committed the
+    i-th shard of its plan. A cache file that does not match its record is re-extracted with a
+    warning (`verify`: hash every audio file and checksum every cache file first). Processes
+    running this on one cache at once share the missing shards through claims
+    (`claim_config`; `ClaimTimeout` when shards others hold make no progress).
 
     `folder` (default: the split folder(s) the files are in) is where the audio lies (paths
     are recorded relative to it); `name` (default: the folder) names the manifest; `listing`
@@ -433,12 +408,8 @@ def report(store: FeatureStore, issues: Issues, scan: bool) -> None:
     if len(store.notes) > limit:
         log.warning(
             "audio converted: %d more files (listed in %s)",
-            len(store.notes) - limit,
-            store.manifest,
-        )
-
-
-# ----------------------------------------------------------------------------- start-up
+            len(store.notes) - limit, store.manifest,
+        )  # fmt: skip
 
 
 def open_split(
@@ -466,18 +437,13 @@ def open_source(
 ) -> FeatureStore:
     """The cached features of one corpus split (`source`), extracting what is missing.
 
-    Warm start (the source is as the cache last saw it): its listing (for a folder, one walk
-    with a stat per file), then the manifest's arrays and a stat per shard file. Otherwise (or
-    with `verify`, which trusts nothing recorded: every audio file hashed, every cache file
-    checksummed): a full scan (transcripts checked), fingerprints where size, mtime or ctime
-    changed, and extraction of the shards whose content is not cached (`extract_features`,
-    shared through claims with any other process doing the same; `claim_config`: their
-    timing).
+    Warm start (the source's listing digest is as recorded): the manifest's arrays and a stat
+    per shard file. Otherwise, or with `verify` (nothing recorded trusted): a full scan, then
+    `extract_features`.
     """
     issues = issues or Issues()
     listing = source.listing()
     manifest = splits_dir(cache_root) / f"{manifest_key(listing.name, settings)}.json"
-    # verify: nothing recorded is trusted; every audio file is hashed, every shard checksummed
     store = None if verify else _warm_store(manifest, listing.digest, max_open_shards)
     if store is not None:
         report(store, issues, scan=True)

@@ -1,20 +1,9 @@
 """What in the feature cache is still used, and removing what is not (`ls` / `gc`).
 
-A manifest is *live* while its corpus folder exists and every audio file it recorded still
-has the recorded size and mtime; some files changed makes it *changed*: only the shards whose
-files all still match stay in use (the next run re-extracts the others anyway). A folder that
-is not there makes it *missing*: a renamed folder or an unmounted network drive may come back,
-so its shards stay in use unless `forget_missing` (`gc --forget-missing`) makes it *stale*.
-`gc` removes stale manifests and every shard no live, changed or missing manifest uses, and
-version-2 entries (`features/<key>/`). It never removes a shard with a file younger than the
-grace period, one with a live claim (`claims.live_claim`: the claims module decides who is
-still working, here as in the extraction), or one named by the plan of an extraction in
-progress (`splits/*.plan.json`: its process still runs, on this host; or, written on another
-host, it was touched, after every shard, within the grace period or the claims' expiry,
-whichever is longer), so it is safe beside a running extraction whatever `--grace-hours`
-says; nor a temporary file under a live claim, however old; nor any shard of a manifest a
-running job reads (its reader mark, `layout.reader_path`: the process alive on this host, or
-the mark younger than a day from another host).
+A manifest is live, changed, missing or stale; `gc` removes stale manifests and the shards
+only they used, never a file younger than the grace period, a shard with a live claim
+(`claims.live_claim`), one an extraction in progress plans for, or one a running job reads.
+The rules in full: docs/cache.md, "Listing and cleaning".
 """
 
 from __future__ import annotations
@@ -73,7 +62,6 @@ class Survey:
     root: Path
     manifests: list[ManifestInfo]
     shards: dict[tuple[str, str], ShardFiles]  # (settings key, shard key) -> files
-    settings_of: dict[str, str]  # shard key -> settings key (a key is unique in practice)
     fresh_plans: list[Path]
     stale_plans: list[Path]
     dead_readers: list[Path]  # reader marks of processes that are gone (`layout.reader_path`)
@@ -92,9 +80,8 @@ class Survey:
         return sum(s.bytes for s in self.shards.values()) + sum(b for _, b, _ in self.old_entries)
 
 
-def _shard_files(features: Path) -> tuple[dict[tuple[str, str], ShardFiles], dict[str, str]]:
+def _shard_files(features: Path) -> dict[tuple[str, str], ShardFiles]:
     shards: dict[tuple[str, str], ShardFiles] = {}
-    settings_of: dict[str, str] = {}
     for settings_dir in sorted((features / "shards").glob("*")):
         if not settings_dir.is_dir():
             continue
@@ -108,8 +95,7 @@ def _shard_files(features: Path) -> tuple[dict[tuple[str, str], ShardFiles], dic
                 item.files.append(Path(entry.path))
                 item.bytes += st.st_size
                 item.newest = max(item.newest, st.st_mtime)
-                settings_of[key] = settings_dir.name
-    return shards, settings_of
+    return shards
 
 
 def _old_entries(features: Path) -> list[tuple[Path, int, float]]:
@@ -160,7 +146,7 @@ def survey(
     whether each manifest's folder exists, without a stat per audio file; `forget_missing`
     counts a manifest whose folder is not there as stale, not missing."""
     features = features_root(cache_root)
-    shards, settings_of = _shard_files(features)
+    shards = _shard_files(features)
     manifests, protected = [], set()
     splits = features / "splits"
     fresh_plans, stale_plans = [], []
@@ -206,7 +192,7 @@ def survey(
                 dead_readers.append(mark)
         except OSError:
             continue
-    return Survey(features, manifests, shards, settings_of, fresh_plans, stale_plans,
+    return Survey(features, manifests, shards, fresh_plans, stale_plans,
                   dead_readers, _old_entries(features), protected)  # fmt: skip
 
 
@@ -214,17 +200,6 @@ def _claimed(shard: ShardFiles, claim_config: ClaimConfig | None) -> bool:
     """Whether a live process holds the shard's claim (someone is extracting it)."""
     claim = shard.directory / f"{shard.key}{CLAIM_SUFFIX}"
     return claim in shard.files and live_claim(shard.directory, shard.key, claim_config) is not None
-
-
-def _kept(
-    shard: ShardFiles, grace_s: float, now: float, claim_config: ClaimConfig | None
-) -> str | None:
-    """Why an unreferenced shard must stay for now, or None."""
-    if now - shard.newest < grace_s:
-        return "younger than the grace period"
-    if _claimed(shard, claim_config):
-        return "claimed"
-    return None
 
 
 def _older(path: Path, grace_s: float, now: float) -> bool:
@@ -244,8 +219,7 @@ def collect(
     """Remove what no manifest uses (see the module docstring). Returns what was (or, with
     `dry_run`, would be) removed: {"manifests", "shards", "old_entries", "temp_files", "bytes",
     "kept" (unused shards or entries too young or claimed to remove)}. `claim_config`: the
-    claims' timing the extractions run with (`data.claim_expiry_s`; None: the defaults);
-    `forget_missing`: manifests whose corpus folder is not there go too."""
+    extractions' claim timing (None: the defaults)."""
     s = survey(cache_root, grace_s, forget_missing=forget_missing, claim_config=claim_config)
     now = time.time()
     removed = {"manifests": [], "shards": [], "old_entries": [], "temp_files": [], "bytes": 0,
@@ -268,7 +242,7 @@ def collect(
             if not dry_run:
                 f.unlink(missing_ok=True)
     for shard in s.unreferenced:
-        if _kept(shard, grace_s, now, claim_config):
+        if now - shard.newest < grace_s or _claimed(shard, claim_config):
             removed["kept"] += 1
             continue
         removed["shards"].append(shard.key)

@@ -1,9 +1,7 @@
-"""Checksums once: every cache file's record (size, shape, dtype, sha256, mtime_ns) is taken
-while it is written; later a size + mtime match is trusted, and only a file whose size or
-mtime moved is checksummed (then kept when its bytes still match, refused otherwise).
-
-A record lives in its shard's commit marker (`<shard key>.json`, the source of truth) and is
-copied into every manifest that uses the shard, so start-up reads one file per corpus folder.
+"""Checksums once: each cache file's record (size, shape, dtype, sha256, mtime_ns) is taken as
+it is written; later a size + mtime match is trusted, and only a file whose size or mtime
+moved is checksummed. Records live in the shard's commit marker (the source of truth) and are
+copied into every manifest that uses the shard.
 """
 
 from __future__ import annotations
@@ -23,9 +21,8 @@ from speechattn.utils import atomic_path, atomic_write_text
 log = logging.getLogger(__name__)
 
 Record = dict[str, Any]  # size, shape, dtype, sha256, mtime_ns
-HEADER_BYTES = (
-    4096  # enough for any .npy header this cache writes (NumPy pads them to 64-byte units)
-)
+# enough for any .npy header this cache writes (NumPy pads them to 64-byte units)
+HEADER_BYTES = 4096
 
 
 def file_sha256(path: str | Path, chunk: int = 1 << 20) -> str:
@@ -50,8 +47,8 @@ class _HashingWriter:
 
 
 def save_npy(path: Path, array: np.ndarray) -> Record:
-    """Write `array` as `path` (temp file + rename); returns its record, checksum included
-    (computed from the bytes as they are written: the file is never read back)."""
+    """Write `array` as `path` atomically; returns its record, the checksum computed from the
+    bytes as they are written."""
     with atomic_path(path) as tmp:
         with open(tmp, "wb") as f:
             out = _HashingWriter(f)
@@ -83,18 +80,15 @@ def parse_header(head: bytes, record: Record) -> tuple[int, str | None]:
     except Exception as e:  # ValueError, SyntaxError, tokenize.TokenError, ... from a bad header
         return 0, f"damaged .npy header ({type(e).__name__}: {str(e)[:80]})"
     if list(shape) != list(record["shape"]) or dtype.str != record["dtype"] or fortran:
-        return (
-            0,
-            f"header says {dtype.str} {list(shape)}, expected {record['dtype']} {record['shape']}",
-        )
+        expected = f"{record['dtype']} {record['shape']}"
+        return 0, f"header says {dtype.str} {list(shape)}, expected {expected}"
     return f.tell(), None
 
 
 def read_marker(path: Path) -> dict[str, Any] | None:
     """A shard's commit marker, or None when the shard is not committed: no marker, or a
-    damaged one (empty, garbled or inconsistent, as a crash before the data reached the disk
-    or a hand edit leaves it), which is removed with a warning so the shard is re-extracted.
-    Other errors (EMFILE, EACCES, EIO) are raised: they say nothing about the shard."""
+    damaged one (empty, garbled or inconsistent), removed with a warning so the shard is
+    re-extracted. Other errors (EMFILE, EACCES, EIO) are raised."""
     try:
         raw = path.read_bytes()
     except FileNotFoundError:
@@ -112,7 +106,7 @@ def read_marker(path: Path) -> dict[str, Any] | None:
 
 
 def _marker_problem(marker: Any) -> str | None:
-    """What is wrong with a parsed commit marker (`_extract_shard` writes it), or None."""
+    """What is wrong with a parsed commit marker (`shards.extract_shard` writes it), or None."""
     try:
         files, ids, lengths = marker["files"], marker["utt_ids"], marker["lengths"]
         records = [files[kind] for kind in ("npy", "stats")]
@@ -139,10 +133,9 @@ def reconcile(
     """Is the data file `path` (`kind` "npy" or "stats" of the shard whose commit marker is
     `marker_path`) what was written? Returns (its current record, None) or (None, problem).
 
-    Cheap when nothing moved: a stat compared with `cached` (a manifest's copy). Otherwise the
-    commit marker decides: a size + mtime match with it is trusted; a size match with another
-    mtime (a copy, a `touch`) is checksummed, and when the bytes match the marker's mtime is
-    updated so the next reader is cheap again. `verify` checksums in every case.
+    A stat matching `cached` (a manifest's copy) or the marker is trusted; a size match under
+    another mtime is checksummed, and when the bytes match the marker records the new mtime.
+    `verify` checksums in every case.
     """
     try:
         st = os.stat(path)
@@ -179,8 +172,7 @@ def invalidate(marker_path: Path, damaged: Path | None = None) -> None:
 
 
 def save_npz(path: Path, arrays: dict[str, np.ndarray]) -> dict[str, int]:
-    """Write `arrays` as an uncompressed `path` (temp file + rename); returns its size and
-    mtime_ns, which the manifest's json records."""
+    """Write `arrays` as an uncompressed `path` atomically; returns its size and mtime_ns."""
     with atomic_path(path) as tmp:
         with open(tmp, "wb") as f:
             np.savez(f, **arrays)

@@ -1,20 +1,5 @@
-"""Where the feature cache keeps what, and what names it: settings and keys, paths.
-
-<cache_root>/features/
-    shards/<settings key>/settings.json       the extraction settings, for `ls`
-    shards/<settings key>/<shard key>.npy        (frames, F) float16/32 features
-    shards/<settings key>/<shard key>.stats.npy  (utterances, 2, F) float64 sums, sums of squares
-    shards/<settings key>/<shard key>.json       commit marker: ids, lengths, failures, records
-    shards/<settings key>/<shard key>.claim      held while a process extracts the shard
-                                              (`speechattn.data.claims`; docs/multinode.md)
-    splits/<manifest key>.npz                 per-utterance index of one corpus folder
-    splits/<manifest key>.json                its commit marker: folder, listing digest, shard
-                                              keys' records, failures, notes
-    splits/<manifest key>.<host>-<pid>.reader     while a process (a training run) reads it
-    splits/<manifest key>.<host>-<pid>.plan.json  written while a process extracts for the
-                                              folder: the shards it needs
-    <16 hex digits>/                          a version-2 entry (old layout; `gc` removes it)
-"""
+"""Where the feature cache keeps what, and what names it: settings and keys, paths (the
+layout under `<cache_root>/features/`: docs/cache.md, "Layout")."""
 
 from __future__ import annotations
 
@@ -109,23 +94,21 @@ DATA_KINDS = ("npy", "stats")  # a shard's two data files, as named in the recor
 
 
 def shard_of(name: str) -> str | None:
-    """The shard a file of a settings folder belongs to: `<key>.npy`, `<key>.stats.npy`,
-    `<key>.json`, `<key>.claim` (and their temporary names) -> key; None for the others
-    (`settings.json`, a claims clock file)."""
+    """The shard key of a settings folder's file (`<key>.npy`, `.stats.npy`, `.json`, `.claim`,
+    their temporary names); None for the others (`settings.json`, a claims clock file)."""
     key = name.split(".", 1)[0]
     return key if _SHARD_KEY_RE.match(key) else None
 
 
 def manifest_of(name: str) -> str | None:
-    """The manifest a file of the splits folder belongs to: `<key>.json`, `<key>.npz` (and
-    their temporary names) -> key; None for the others (plans, a claims clock file)."""
+    """The manifest key of a splits folder's file (`<key>.json`, `<key>.npz`, their temporary
+    names); None for the others (plans, a claims clock file)."""
     key, _, rest = name.partition(".")
     return key if _MANIFEST_KEY_RE.match(key) and rest in ("json", "npz") else None
 
 
 def plan_path(manifest: Path, host: str, pid: int) -> Path:
-    """The plan of one process's extraction for a manifest (one per process: each touches and
-    removes its own, so `gc` keeps a shard while any extraction that needs it runs)."""
+    """The plan of one process's extraction for a manifest (`gc` keeps its shards)."""
     return manifest.with_name(f"{manifest.stem}.{file_host(host)}-{pid}.plan.json")
 
 
@@ -135,8 +118,7 @@ def file_host(host: str) -> str:
 
 
 def reader_path(manifest: Path, host: str, pid: int) -> Path:
-    """The mark of one process reading a manifest's shards (a training run): `gc` keeps every
-    shard of the manifest while the process lives."""
+    """The mark of one process reading a manifest's shards (`gc` keeps them)."""
     return manifest.with_name(f"{manifest.stem}.{file_host(host)}-{pid}.reader")
 
 

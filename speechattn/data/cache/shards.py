@@ -1,7 +1,5 @@
-"""Shards: where a corpus folder's utterances are cut into shards (`plan_shards`), and the
-extraction of one shard into its three files (`extract_shard`, run in a process pool by
-`extract.py`, which decides what is missing and who does it).
-"""
+"""Shards: cutting a folder's utterances into shards (`plan_shards`), and extracting one shard
+into its three files (`extract_shard`, in the process pool of `extract.py`)."""
 
 from __future__ import annotations
 
@@ -32,9 +30,6 @@ log = logging.getLogger(__name__)
 MAX_SHARD_FACTOR = 3  # a shard holds at most this many times `shard_size` utterances
 
 
-# ----------------------------------------------------------------------------- shard plan
-
-
 def _boundary(utt_id: str, shard_size: int) -> bool:
     """Whether a shard ends after `utt_id`: 1 in `shard_size` ids, chosen by a hash of the id
     alone, so adding, removing or changing one file moves no other boundary."""
@@ -54,9 +49,6 @@ def plan_shards(utt_ids: Sequence[str], shard_size: int) -> list[tuple[int, int]
     if start < len(utt_ids):
         ranges.append((start, len(utt_ids)))
     return ranges
-
-
-# ----------------------------------------------------------------------------- one shard
 
 
 @dataclass
@@ -176,10 +168,8 @@ def _finished_elsewhere(task: ShardTask, marker: dict[str, Any]) -> ShardResult:
 @contextmanager
 def process_pool(workers: int) -> Iterator[ProcessPoolExecutor | None]:
     """`workers` processes (one thread each), ended on leaving; None for one worker (inline).
-
-    concurrent.futures' pool, not multiprocessing's: when a worker dies (killed, out of
-    memory, a stop signal to the process group) every pending task fails at once with
-    `BrokenProcessPool`, where `multiprocessing.Pool` would wait for its result forever."""
+    concurrent.futures' pool: when a worker dies, pending tasks fail with `BrokenProcessPool`
+    (`multiprocessing.Pool` would wait forever)."""
     if workers <= 1:
         yield None
         return
@@ -196,8 +186,7 @@ def process_pool(workers: int) -> Iterator[ProcessPoolExecutor | None]:
 
 
 def _terminate_workers(pool: ProcessPoolExecutor) -> None:
-    """SIGTERM to every worker (Python 3.14's `terminate_workers`; before it, the executor's
-    process table), so that leaving the pool never waits for a task nobody wants."""
+    """SIGTERM to every worker (Python 3.14's `terminate_workers`, else the process table)."""
     if hasattr(pool, "terminate_workers"):
         pool.terminate_workers()
         return
@@ -206,7 +195,6 @@ def _terminate_workers(pool: ProcessPoolExecutor) -> None:
 
 
 def map_in_processes(fn: Callable[[Any], Any], items: list[Any], workers: int) -> Iterator[Any]:
-    """`fn` over `items`, in `workers` processes or inline; results in the order of `items`
-    (`fingerprints` pairs them with their files by position)."""
+    """`fn` over `items`, in `workers` processes or inline; results in the order of `items`."""
     with process_pool(min(workers, len(items))) as pool:
         yield from map(fn, items) if pool is None else pool.map(fn, items)

@@ -1,9 +1,8 @@
 """Reading a corpus folder's cached features: `FeatureStore` over one manifest.
 
-Descriptors stay bounded whatever the corpus size: a read is one `os.preadv` into a fresh
-array from a process-wide LRU of open shard files (`max_open_shards`, 32 by default, per
-process: DataLoader workers each have their own). Nothing stays memory-mapped, so a returned
-array never pins a file open.
+A read is one `os.preadv` into a fresh array from a per-process LRU of open shard files
+(`max_open_shards`): descriptors stay bounded whatever the corpus size, and nothing stays
+memory-mapped.
 """
 
 from __future__ import annotations
@@ -15,6 +14,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -41,9 +41,8 @@ DEFAULT_MAX_OPEN_SHARDS = DataConfig.max_open_shards  # documented there
 class _OpenShards:
     """LRU of open shard files, path -> (fd, offset of the array data); one per process.
 
-    The lock makes a read and an eviction exclusive (a pin-memory thread and the loop may
-    share it). After a fork the child keeps usable copies of the descriptors (`pread` has no
-    shared file position), so DataLoader workers start warm.
+    The lock makes a read and an eviction exclusive. A forked child keeps usable copies of the
+    descriptors (`pread` has no shared file position), so DataLoader workers start warm.
     """
 
     def __init__(self, limit: int = DEFAULT_MAX_OPEN_SHARDS) -> None:
@@ -83,9 +82,8 @@ _READING: set[Path] = set()  # the reader marks this process made (`register_rea
 
 
 def register_reader(manifest: Path) -> None:
-    """Mark `manifest` as read by this process until it exits: `gc` keeps every shard of it
-    while the process lives, whatever changed in the corpus meanwhile (`layout.reader_path`;
-    removed at exit, and by `gc` once the process is gone)."""
+    """Mark `manifest` as read by this process until it exits: `gc` keeps all its shards while
+    the process lives (`layout.reader_path`)."""
     path = reader_path(manifest, host_name(), os.getpid())
     if path in _READING:
         return
@@ -135,11 +133,9 @@ class FeatureStore:
     """Read access to the cached features of one corpus folder (one manifest).
 
     `lengths[i]` frames for `utt_ids[i]`; `features(i)` -> float32 (T, F), `raw(i)` the same in
-    the cache dtype, both fresh arrays. Picklable (DataLoader workers open files themselves).
-    A shard file is checked when a process opens it (size and mtime against its record, and the
-    .npy header; a checksum only when size or mtime moved); a damaged one is marked for
-    re-extraction and raises `DataError` naming the file. `check()` does the same for every file
-    at start-up.
+    the cache dtype, both fresh arrays. Picklable. A shard file is checked when a process opens
+    it (size, mtime and .npy header; a checksum only when size or mtime moved); a damaged one
+    is marked for re-extraction and raises `DataError` naming the file (`check()`: every file).
 
     Arrays (N utterances, in manifest order; each shard's utterances are consecutive):
         shard (N,) int32 index into `shard_keys`; row (N,) its row in the shard's statistics;
@@ -170,7 +166,6 @@ class FeatureStore:
         self.dtype = np.dtype(meta["dtype"])
         self.audio_seconds = float(meta["audio_seconds"])
         self.max_open_shards = max_open_shards
-        self._position: dict[str, int] | None = None
         problem = self._index_problem()
         if problem:
             raise DataError(
@@ -178,19 +173,16 @@ class FeatureStore:
                 f"{problem}; rerun the same command: the index is rebuilt from the shards",
             )  # fmt: skip
 
-    # ---- the reading API ----
     def __len__(self) -> int:
         return len(self.utt_ids)
 
     def __contains__(self, utt_id: str) -> bool:
         return utt_id in self.position
 
-    @property
+    @cached_property
     def position(self) -> dict[str, int]:
-        """utterance id -> index (built on first use)."""
-        if self._position is None:
-            self._position = dict(zip(self.utt_ids, range(len(self.utt_ids))))
-        return self._position
+        """utterance id -> index."""
+        return dict(zip(self.utt_ids, range(len(self.utt_ids))))
 
     @property
     def num_shards(self) -> int:
@@ -228,9 +220,7 @@ class FeatureStore:
         weight = weight.astype(np.float64)  # (N,)
         total = np.zeros(self.feature_dim)
         total_sq = np.zeros(self.feature_dim)
-        bounds = np.searchsorted(
-            self.shard, np.arange(self.num_shards + 1)
-        )  # shard k: [b_k, b_k+1)
+        bounds = np.searchsorted(self.shard, np.arange(self.num_shards + 1))  # k: [b_k, b_k+1)
         for k in np.unique(self.shard[weight > 0]):
             lo, hi = int(bounds[k]), int(bounds[k + 1])
             stats = self._statistics(int(k))[self.row[lo:hi]]  # (n, 2, F)
@@ -243,14 +233,12 @@ class FeatureStore:
         return sum(r["size"] for rec in self.records.values() for r in rec.values())
 
     def __getstate__(self) -> dict:
-        return {**self.__dict__, "_position": None}
+        return {k: v for k, v in self.__dict__.items() if k != "position"}
 
-    # ---- integrity ----
     def _index_problem(self) -> str | None:
-        """What makes the index unfit to read with, or None. Each shard's slice of the index
-        must be its commit marker's utterances and lengths, with consecutive rows and offsets
-        that add the lengths up to the frames its features file holds: otherwise a read would
-        return another utterance's frames (or statistics). One small json per shard."""
+        """What makes the index unfit to read with (a read would return another utterance's
+        frames), or None: each shard's slice must be its marker's utterances and lengths, with
+        consecutive rows and offsets adding up to the frames its features file holds."""
         N, K = len(self.utt_ids), len(self.shard_keys)
         if any(len(a) != N for a in (self.shard, self.row, self.offset, self.lengths)):
             return f"its arrays do not all have {N} entries"
@@ -331,25 +319,25 @@ class FeatureStore:
         except FileNotFoundError:  # other errors (EMFILE, EACCES) say nothing about the file
             self._refuse(k, Path(path), "missing")
         try:
-            record = self._checked(k, "npy", os.fstat(fd))
-            data_offset, problem = parse_header(os.pread(fd, HEADER_BYTES, 0), record)
-            if problem:
-                self._refuse(k, Path(path), problem)
+            return fd, self._header(k, "npy", fd)[1]
         except BaseException:
             os.close(fd)
             raise
-        return fd, data_offset
+
+    def _header(self, k: int, kind: str, fd: int) -> tuple[Record, int]:
+        """The record of shard k's `kind` file open at `fd`, and its data offset (both checked)."""
+        record = self._checked(k, kind, os.fstat(fd))
+        data_offset, problem = parse_header(os.pread(fd, HEADER_BYTES, 0), record)
+        if problem:
+            self._refuse(k, self.paths(k).data(kind), problem)
+        return record, data_offset
 
     def _statistics(self, k: int) -> np.ndarray:
         """Shard k's (utterances, 2, F) float64 statistics, checked against their record."""
         path = self.paths(k).stats
         try:
             with open(path, "rb") as f:
-                record = self._checked(k, "stats", os.fstat(f.fileno()))
-                head = f.read(HEADER_BYTES)
-                data_offset, problem = parse_header(head, record)
-                if problem:
-                    self._refuse(k, path, problem)
+                record, data_offset = self._header(k, "stats", f.fileno())
                 f.seek(data_offset)
                 stats = np.fromfile(f, dtype=np.dtype(record["dtype"]))
         except FileNotFoundError:
