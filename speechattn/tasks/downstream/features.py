@@ -1,24 +1,14 @@
 """Frozen upstream features for downstream probes: the `mel` upstream, loading, extraction, cache.
 
-An upstream is anything with the contract of `speechattn.load_upstream` (docs/ARCHITECTURE.md):
-`forward(features (B, T, F), lengths (B,)) -> UpstreamOutput` (`hidden_states`: tensors
-(B, T', D)), `output_lengths`, `downsample`, `hidden_dim`, `num_layers`, `attention_name`,
-`metadata`. `MelUpstream` wraps the normalised input features in that contract, so the
-no-pretraining baseline goes through the same code path.
-
-Extraction runs the upstream once over train/dev/test and stores the chosen hidden layers per
-split in `cache_dir/<key>/<split>.pt`, the key hashing the upstream file, the layers, the data
-config and the normalisation statistics. Writes are atomic, so an interrupted run never leaves a
-half-written split behind; finished splits are reused. Each split's file is followed by its
-record `<split>.pt.sha256` (size and sha256, written last: the commit marker), and a split is
-read only when the file matches its record and its fields agree with each other; otherwise
-`load_split` raises `DamagedSplit` and the run extracts that split again.
+An upstream has the contract of `speechattn.load_upstream` (docs/ARCHITECTURE.md); `MelUpstream`
+gives the normalised input features that contract, so the baseline takes the same path. Each
+split's chosen layers are cached atomically in `cache_dir/<key>/<split>.pt` (the key hashes the
+upstream, layers, data config and normalisation statistics), committed by its record
+`<split>.pt.sha256`; a split that does not match its record raises `DamagedSplit` and is
+extracted again.
 
 Shape letters: B batch, T 10 ms frames, T' upstream frames (T' = ceil(T / downsample)),
 F input features, N cached layers, D hidden dim, U utterances in a split.
-
-Just over 500 lines on purpose: opening an upstream, its sanity checks and the cache of its
-features are one contract (what a cached split holds is decided by what was checked on load).
 """
 
 from __future__ import annotations
