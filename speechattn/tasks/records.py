@@ -75,7 +75,7 @@ from __future__ import annotations
 import json
 from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Any, TypedDict
+from typing import Any, TypedDict, TypeVar
 
 from speechattn.data.errors import DataError
 from speechattn.errors import MissingFileError
@@ -89,6 +89,7 @@ EXAMPLE_FILE = "example_utterance.pt"
 # The four downstream tasks (docs/downstream.md), in the column order of the study's Table 2.
 TASKS: tuple[str, ...] = ("speaker_utterance", "speaker_frame", "phone_1hidden", "phone_2hidden")
 MEL = "mel"  # the no-pretraining baseline: upstream=mel probes the input features
+T = TypeVar("T")
 
 
 @dataclass
@@ -131,32 +132,36 @@ class DownstreamResult:
         return path
 
 
-def _required_fields() -> list[str]:
-    return [
-        f.name
-        for f in fields(DownstreamResult)
-        if f.default is MISSING and f.default_factory is MISSING
+def _read_json(path: Path, what: str) -> Any:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise DataError(path, f"not a readable {what}", str(e)) from e
+
+
+def _from_dict(cls: type[T], data: dict[str, Any], path: Path, what: str) -> T:
+    """`cls` built from `data` once no required field is missing; fields added by newer
+    writers are ignored, never fatal."""
+    required = [
+        f.name for f in fields(cls) if f.default is MISSING and f.default_factory is MISSING
     ]
+    missing = [name for name in required if name not in data]
+    if missing:
+        raise DataError(path, f"{what} lacks required field(s) {', '.join(missing)}")
+    known = {f.name for f in fields(cls)}
+    return cls(**{k: v for k, v in data.items() if k in known})
 
 
 def read_result(path: str | Path) -> DownstreamResult:
     """Read and check one `result.json`; a clear `DataError` naming the file when it is not one."""
     path = Path(path)
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise DataError(path, "not a readable result.json", str(e)) from e
+    data = _read_json(path, RESULT_FILE)
     if not isinstance(data, dict):
         raise DataError(path, f"expected a JSON object, found {type(data).__name__}")
     version = data.get("schema_version", SCHEMA_VERSION)
     if version != SCHEMA_VERSION:
         raise DataError(path, f"result schema version {version}, expected {SCHEMA_VERSION}")
-    missing = [name for name in _required_fields() if name not in data]
-    if missing:
-        raise DataError(path, f"result.json lacks required field(s) {', '.join(missing)}")
-    known = {f.name for f in fields(DownstreamResult)}
-    # Fields added by newer writers are ignored, never fatal.
-    result = DownstreamResult(**{k: v for k, v in data.items() if k in known})
+    result = _from_dict(DownstreamResult, data, path, RESULT_FILE)
     for name in ("dev_accuracy", "test_accuracy"):
         value = getattr(result, name)
         if not isinstance(value, int | float) or not 0.0 <= value <= 1.0:
@@ -227,10 +232,7 @@ def read_heads(path: str | Path) -> HeadsRecord:
             f"head analysis {path} does not exist: give the heads.json (or its "
             "folder) that `python -m speechattn.analyze heads` wrote"
         )
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise DataError(path, "not a readable heads.json", str(e)) from e
+    data = _read_json(path, HEADS_FILE)
     check_heads(data, path)
     return data
 
@@ -420,22 +422,12 @@ class AbxRecord:
 def read_abx(path: str | Path) -> AbxRecord:
     """Read and check one `abx.json`; a `DataError` naming the file when it is not one."""
     path = Path(path)
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise DataError(path, f"not a readable {ABX_FILE}", str(e)) from e
+    data = _read_json(path, ABX_FILE)
     if not isinstance(data, dict) or data.get("kind") != ABX_KIND:
         raise DataError(path, f"not an {ABX_FILE}", f"kind must be {ABX_KIND!r}")
     if data.get("schema_version") != SCHEMA_VERSION:
         raise DataError(path, f"{ABX_FILE} schema version {data.get('schema_version')}, expected 1")
-    required = [
-        f.name for f in fields(AbxRecord) if f.default is MISSING and f.default_factory is MISSING
-    ]
-    missing = [name for name in required if name not in data]
-    if missing:
-        raise DataError(path, f"{ABX_FILE} lacks required field(s) {', '.join(missing)}")
-    known = {f.name for f in fields(AbxRecord)}
-    record = AbxRecord(**{k: v for k, v in data.items() if k in known})
+    record = _from_dict(AbxRecord, data, path, ABX_FILE)
     for row in record.layers:
         for mode in ("within", "across"):
             value = row.get(mode) if isinstance(row, dict) else None

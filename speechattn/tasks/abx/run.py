@@ -1,14 +1,9 @@
 """The ABX job: `run(cfg)`, what `python -m speechattn.abx` does (docs/abx.md).
 
-1. build the labelled corpus (`build_datamodule(cfg.data, "labelled")`), checking first that it
-   has phone alignments, and open the upstream (`upstream.pt` or `mel`);
-2. extract the chosen hidden states of one split, normalised as the upstream was pretrained
-   (the downstream probes' extraction, `tasks/downstream/features.py`);
-3. cut the utterances into triphone items (`items.py`), map them to the upstream's frames and
-   score every layer (`score.py`);
-4. write `abx.json` (`tasks/records.py`, `AbxRecord`) to the run folder.
-
-Shape letters: T' upstream frames of all utterances together, N layers, D hidden dim.
+Build the labelled corpus (with phone alignments) and open the upstream, extract one split's
+chosen hidden states as the downstream probes do (`tasks/downstream/features.py`), cut the
+utterances into triphone items (`items.py`), score every layer (`score.py`) and write
+`abx.json` (`AbxRecord`). Shape letters: T' upstream frames of all utterances, N layers, D dim.
 """
 
 from __future__ import annotations
