@@ -17,7 +17,7 @@ import hashlib
 import json
 import logging
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -313,15 +313,7 @@ class SplitFeatures:
         return self.phones[a:b]
 
     def state(self) -> dict[str, Any]:
-        return {
-            "utt_ids": self.utt_ids,
-            "features": self.features,
-            "lengths": self.lengths,
-            "input_lengths": self.input_lengths,
-            "speakers": self.speakers,
-            "phones": self.phones,
-            "phone_lengths": self.phone_lengths,
-        }
+        return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
 def _offsets(lengths: Tensor) -> list[int]:
@@ -406,7 +398,10 @@ def extract_split(
     progress_bar: bool = True,
 ) -> SplitFeatures:
     """Run the frozen upstream over `batches` (data-layer batch dicts) and keep `layers`;
-    `transform(features, padding_mask) -> features` may adapt the normalisation first."""
+    `transform(features, padding_mask) -> features` may adapt the normalisation first.
+    `total`: batches, for the progress bar (None: `len(batches)` where it has one)."""
+    if total is None and hasattr(batches, "__len__"):
+        total = len(batches)  # type: ignore[arg-type]
     utt_ids: list[str] = []
     feats: list[Tensor] = []
     lengths: list[Tensor] = []

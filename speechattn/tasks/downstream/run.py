@@ -88,13 +88,10 @@ def cached_features(
                 continue
             except DamagedSplit as e:
                 log.warning("%s; extracting it again", e)
-        loader = split_loader(datamodule, name)
-        total = len(loader) if hasattr(loader, "__len__") else None
         splits[name] = extract_split(
             upstream,
-            loader,
+            split_loader(datamodule, name),
             layers,
-            total=total,
             description=f"features {name}",
             device=device,
             transform=normalization.transform,
