@@ -1,15 +1,9 @@
-"""Where a head analysis gets its model, probe and data, and how its `heads.json` is assembled.
-
-`run_heads(config)` is the whole of `python -m speechattn.analyze heads` except the figures
-(the report layer draws them):
-
-    task=pretrain      upstream.pt (weights + reconstruction head) and the pretraining
-                       validation split of the corpus recorded in the upstream's metadata;
-    task=<downstream>  the probe checkpoint of a `python -m speechattn.downstream` run dir
-                       (`result.json` + `checkpoints/best-*.ckpt`), the upstream it was trained
-                       on, and the dev (or test) split of the corpus recorded in `result.json`.
-
-Every missing or mismatched input is an error naming the file and what is expected.
+"""Where a head analysis gets its model, probe and data, and how its `heads.json` is assembled:
+`run_heads(config)` is `python -m speechattn.analyze heads` but the figures. task=pretrain reads
+upstream.pt and the pretraining validation split of the corpus in its metadata; a downstream
+task reads a `python -m speechattn.downstream` run dir (`result.json`, `checkpoints/best-*.ckpt`),
+its upstream, and the dev (or test) split of its corpus. A missing or mismatched input is an
+error naming the file and what is expected.
 """
 
 from __future__ import annotations
