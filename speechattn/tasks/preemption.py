@@ -1,40 +1,30 @@
 """Preemption: SIGTERM, SIGUSR1 and SIGUSR2 end training at a step boundary with a resumable
-checkpoint.
+checkpoint (docs/preemption.md is the user's view).
 
 A cluster ends a job with SIGTERM (preemption, time limit, `scancel`; SIGKILL follows after
-SLURM's KillWait, 30 s by default), and `sbatch --signal=USR1@90` warns it 90 s early with
-SIGUSR1 (SIGUSR2 in jobs of Hydra's submitit launcher, `conf/hydra/launcher/slurm.yaml`).
-docs/preemption.md is the user's view. What Lightning 2.6 does by itself, read from
-its source (`trainer/connectors/signal_connector.py`, `loops/training_epoch_loop.py`,
-`loops/evaluation_loop.py`, `fabric/utilities/cloud_io.py`) and tried here, and why this
-module replaces the first two:
+SLURM's KillWait, 30 s by default); `sbatch --signal=USR1@90` warns it 90 s early with SIGUSR1
+(SIGUSR2 in jobs of Hydra's submitit launcher). What Lightning 2.6 does by itself, read from
+`trainer/connectors/signal_connector.py`, `loops/training_epoch_loop.py`,
+`loops/evaluation_loop.py` and `fabric/utilities/cloud_io.py`, and tried here:
 
-- SIGTERM: the trainer's signal connector sets `trainer.received_sigterm`; the training loop
-  raises `SIGTERMException` (a `SystemExit` with status 0, so a killed job looks finished)
-  after the step's validation, and saves nothing; the validation loop raises it after any
-  batch, so a validation is cut short. Under DDP the handler also runs `dist.broadcast` inside
-  the signal handler, at whatever point each rank is at: with 2 CPU ranks (gloo) and SIGTERM
-  sent to both, as SLURM does, the ranks deadlocked in mismatched collectives (backward's
-  all-reduce against the broadcast) until killed.
-- SIGUSR1 under SLURM (`SLURMEnvironment(auto_requeue=True)`, what Lightning picks by itself
-  in a batch job): its handler writes `hpc_ckpt_N.ckpt` *inside the signal handler*, in the
-  middle of whatever the step is doing (between two parameter updates; under DDP a barrier
-  that each rank enters at a different point), runs `scontrol requeue`, and trains on until
-  SLURM kills the job; the requeued job finds the file only with `ckpt_path=None` and the
-  same `default_root_dir`.
-- Checkpoint writes: `_atomic_save` commits through an fsspec transaction: the bytes go to a
-  `tempfile.mkstemp()` file in $TMPDIR, then `shutil.move` puts it in place. On a cluster
-  $TMPDIR is node-local and the run directory is not, so the move is a copy into the final
-  name (a SIGKILL during it leaves a truncated `last.ckpt`), and a full $TMPDIR fails the save.
+- SIGTERM: the training loop raises `SIGTERMException` (a `SystemExit` with status 0, so a
+  killed job looks finished) after the step's validation and saves nothing; the validation
+  loop raises it after any batch. Under DDP the handler runs `dist.broadcast` inside the
+  signal handler: with 2 CPU ranks (gloo) both signalled, as SLURM does, the ranks deadlocked
+  in mismatched collectives (backward's all-reduce against the broadcast).
+- SIGUSR1 under SLURM (`SLURMEnvironment(auto_requeue=True)`): its handler writes
+  `hpc_ckpt_N.ckpt` *inside the signal handler*, mid-step (under DDP a barrier each rank enters
+  at a different point), runs `scontrol requeue` and trains on until SLURM kills the job.
+- Checkpoint writes go to a `tempfile.mkstemp()` file in $TMPDIR, then `shutil.move`: on a
+  cluster $TMPDIR is node-local, so the move is a copy into the final name (a SIGKILL during it
+  truncates `last.ckpt`), and a full $TMPDIR fails the save.
 
-So `StopOnSignal`'s handler takes both signals over from the connector once `fit` (or
-`validate`) has installed its own, and only records the signal. After each optimizer step
-(`on_train_batch_end`, the point periodic checkpoints are written at) the ranks agree whether
-any of them got one (one all-reduce under DDP; a single process reads its flag), and if so
-all write `last.ckpt` and stop at that same step; `run(cfg)` exits with `TrainingStopped`
-(status 128 + signal number) after `scontrol requeue` for SIGUSR1/SIGUSR2 under SLURM. A validation
-in progress finishes first. `AtomicCheckpointIO` writes checkpoints beside the target,
-fsyncs, and renames.
+So `StopOnSignal`'s handler takes the signals over once `fit` (or `validate`) has installed the
+connector's, and only records the signal. After each optimizer step the ranks agree whether any
+got one (one all-reduce under DDP); if so all write `last.ckpt` and stop at that same step, and
+`run(cfg)` exits with `TrainingStopped` (status 128 + signal number), after `scontrol requeue`
+for SIGUSR1/SIGUSR2 under SLURM. A validation in progress finishes first.
+`AtomicCheckpointIO` writes checkpoints beside the target, fsyncs, and renames.
 """
 
 from __future__ import annotations

@@ -3,71 +3,6 @@ typed `DownstreamResult`), `heads.json` (one per head analysis, the typed `Heads
 `abx.json` (one per ABX evaluation, `AbxRecord`), with their readers and schema checks.
 
 Kept free of torch/Lightning imports so the report can read them cheaply.
-
-`result.json` (schema version 1), one JSON object:
-
-    schema_version    1
-    task              a task of conf/task/ (the study's: speaker_utterance | speaker_frame |
-                      phone_1hidden | phone_2hidden)
-    upstream          path of the upstream.pt that was probed, or "mel"
-    upstream_sha256   sha256 of that file (null for mel)
-    attention         attention variant of the upstream ("mel" for the baseline)
-    attention_config  {"name": ..., "options": {...}} as saved by pretraining ({} for mel)
-    model_config      upstream model config ({} for mel)
-    pretraining_steps optimiser steps of the upstream (null for mel or when unknown)
-    upstream_parameters  parameter count of the upstream (0 for mel)
-    layer             "last", "weighted" or an integer index into the hidden states
-    pooling           utterance pooling ("mean" | "fused"), null for frame tasks
-    probe             the task config used (head sizes, optimiser, batch size)
-    corpus            the data config (DataConfig fields)
-    split_sizes       utterances per split {"train", "dev", "test"}
-    eval_frames       frames (or utterances) scored per split {"dev", "test"}
-    frames_per_utterance  mean upstream frames per test utterance (T' at the upstream rate)
-    num_classes       classes of the probe
-    dev_accuracy      best dev accuracy (model selection)
-    test_accuracy     test accuracy of the best-dev checkpoint
-    best_epoch        epoch of the best-dev checkpoint (0-based)
-    epochs_trained    epochs run before early stopping / max_epochs
-    seed              global seed
-    code_version      `speechattn.code_version()`
-    runtime_s         {"features": ..., "train": ..., "total": ...}
-    created           ISO-8601 UTC time stamp
-
-`heads.json` (schema version 1), one JSON object; matrices are nested lists, rows = depths
-0..L-1, columns = heads 0..h-1:
-
-    schema_version    1
-    kind              "speechattn-heads"
-    task              pretrain | a downstream task of conf/task/
-    metric            "l1_loss" (pretrain, lower is better) | "accuracy" (downstream)
-    higher_is_better  bool
-    base_metric       metric of the unmasked model on the subset
-    num_layers        L (depths, one xi row each, also with shared weights)
-    num_heads         h
-    attention         attention variant of the upstream
-    attention_options its options as saved by pretraining
-    model_config      the upstream's model config
-    upstream          absolute path of upstream.pt
-    upstream_sha256   sha256 of that file
-    downstream        null (pretrain) or {"dir", "checkpoint", "layers", "dev_accuracy",
-                      "test_accuracy"} of the probe's run
-    split             data split the subset comes from ("val" for pretrain, "dev"/"test")
-    subset            {"batches", "utterances", "frames" (10 ms), "scored" (chosen model
-                      frames / labels), "importance_units" (units averaged for importance)}
-    seed              seed of the fixed reconstruction masks
-    importance        {"per": "utterance"|"batch", "raw": (L, h) E|dL/dxi|, "normalized": (L, h)
-                      raw / per-depth L2 norm, "signed": (L, h) E[dL/dxi],
-                      "order": [[depth, head], ...] increasing normalised importance}
-    ablation          {"single" | "keep_only": {"metric": (L, h), "delta": (L, h)} or null,
-                       "layer": {"metric": (L,), "delta": (L,)} or null}; delta = metric - base
-    pruning           null or {"step", "recompute", "keep_one_per_layer", "points": [{"num_masked",
-                      "fraction", "metric", "newly_masked": [[depth, head], ...],
-                      "mask": (L, h) 1 kept / 0 masked}, ...]}
-    config            {"num_batches", "batch_size", "dtype", "heads": {"importance", "ablation",
-                      "pruning"}} the options the analysis ran with
-    code_version      `speechattn.code_version()`
-    runtime_s         {"load", "importance", "ablation", "pruning", "total"}
-    created           ISO-8601 UTC time stamp
 """
 
 from __future__ import annotations
@@ -75,7 +10,7 @@ from __future__ import annotations
 import json
 from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Any, TypedDict
+from typing import Any, TypedDict, TypeVar
 
 from speechattn.data.errors import DataError
 from speechattn.errors import MissingFileError
@@ -89,36 +24,38 @@ EXAMPLE_FILE = "example_utterance.pt"
 # The four downstream tasks (docs/downstream.md), in the column order of the study's Table 2.
 TASKS: tuple[str, ...] = ("speaker_utterance", "speaker_frame", "phone_1hidden", "phone_2hidden")
 MEL = "mel"  # the no-pretraining baseline: upstream=mel probes the input features
+T = TypeVar("T")
 
 
 @dataclass
 class DownstreamResult:
-    """One downstream run (see the module docstring for each field's meaning)."""
+    """One downstream run: `result.json` (schema version 1), one JSON object."""
 
-    task: str
-    upstream: str
-    upstream_sha256: str | None
-    attention: str
-    layer: str | int
-    dev_accuracy: float
-    test_accuracy: float
-    seed: int
-    code_version: str
-    split_sizes: dict[str, int]
-    corpus: dict[str, Any] = field(default_factory=dict)
+    task: str  # a task of conf/task/ (the study's: TASKS)
+    upstream: str  # path of the upstream.pt that was probed, or "mel"
+    upstream_sha256: str | None  # sha256 of that file (null for mel)
+    attention: str  # attention variant of the upstream ("mel" for the baseline)
+    layer: str | int  # "last", "weighted" or an integer index into the hidden states
+    dev_accuracy: float  # best dev accuracy (model selection)
+    test_accuracy: float  # test accuracy of the best-dev checkpoint
+    seed: int  # global seed
+    code_version: str  # `speechattn.code_version()`
+    split_sizes: dict[str, int]  # utterances per split {"train", "dev", "test"}
+    corpus: dict[str, Any] = field(default_factory=dict)  # the data config (DataConfig fields)
+    # {"name": ..., "options": {...}} as saved by pretraining ({} for mel)
     attention_config: dict[str, Any] = field(default_factory=dict)
-    model_config: dict[str, Any] = field(default_factory=dict)
-    pretraining_steps: int | None = None
-    upstream_parameters: int = 0
-    pooling: str | None = None
-    probe: dict[str, Any] = field(default_factory=dict)
-    eval_frames: dict[str, int] = field(default_factory=dict)
-    frames_per_utterance: float = 0.0
-    num_classes: int = 0
-    best_epoch: int = 0
-    epochs_trained: int = 0
-    runtime_s: dict[str, float] = field(default_factory=dict)
-    created: str = ""
+    model_config: dict[str, Any] = field(default_factory=dict)  # the upstream's ({} for mel)
+    pretraining_steps: int | None = None  # optimiser steps of the upstream (null: mel, unknown)
+    upstream_parameters: int = 0  # parameter count of the upstream (0 for mel)
+    pooling: str | None = None  # utterance pooling ("mean" | "fused"), null for frame tasks
+    probe: dict[str, Any] = field(default_factory=dict)  # the task config (head, optimiser, ...)
+    eval_frames: dict[str, int] = field(default_factory=dict)  # scored per split {"dev", "test"}
+    frames_per_utterance: float = 0.0  # mean upstream frames per test utterance
+    num_classes: int = 0  # classes of the probe
+    best_epoch: int = 0  # epoch of the best-dev checkpoint (0-based)
+    epochs_trained: int = 0  # epochs run before early stopping / max_epochs
+    runtime_s: dict[str, float] = field(default_factory=dict)  # {"features", "train", "total"}
+    created: str = ""  # ISO-8601 UTC time stamp
     schema_version: int = SCHEMA_VERSION
 
     def to_dict(self) -> dict[str, Any]:
@@ -131,32 +68,36 @@ class DownstreamResult:
         return path
 
 
-def _required_fields() -> list[str]:
-    return [
-        f.name
-        for f in fields(DownstreamResult)
-        if f.default is MISSING and f.default_factory is MISSING
+def _read_json(path: Path, what: str) -> Any:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise DataError(path, f"not a readable {what}", str(e)) from e
+
+
+def _from_dict(cls: type[T], data: dict[str, Any], path: Path, what: str) -> T:
+    """`cls` built from `data` once no required field is missing; fields added by newer
+    writers are ignored, never fatal."""
+    required = [
+        f.name for f in fields(cls) if f.default is MISSING and f.default_factory is MISSING
     ]
+    missing = [name for name in required if name not in data]
+    if missing:
+        raise DataError(path, f"{what} lacks required field(s) {', '.join(missing)}")
+    known = {f.name for f in fields(cls)}
+    return cls(**{k: v for k, v in data.items() if k in known})
 
 
 def read_result(path: str | Path) -> DownstreamResult:
     """Read and check one `result.json`; a clear `DataError` naming the file when it is not one."""
     path = Path(path)
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise DataError(path, "not a readable result.json", str(e)) from e
+    data = _read_json(path, RESULT_FILE)
     if not isinstance(data, dict):
         raise DataError(path, f"expected a JSON object, found {type(data).__name__}")
     version = data.get("schema_version", SCHEMA_VERSION)
     if version != SCHEMA_VERSION:
         raise DataError(path, f"result schema version {version}, expected {SCHEMA_VERSION}")
-    missing = [name for name in _required_fields() if name not in data]
-    if missing:
-        raise DataError(path, f"result.json lacks required field(s) {', '.join(missing)}")
-    known = {f.name for f in fields(DownstreamResult)}
-    # Fields added by newer writers are ignored, never fatal.
-    result = DownstreamResult(**{k: v for k, v in data.items() if k in known})
+    result = _from_dict(DownstreamResult, data, path, RESULT_FILE)
     for name in ("dev_accuracy", "test_accuracy"):
         value = getattr(result, name)
         if not isinstance(value, int | float) or not 0.0 <= value <= 1.0:
@@ -174,35 +115,48 @@ PRETRAIN = "pretrain"
 
 
 class _HeadsRequired(TypedDict):
-    task: str
-    metric: str
+    task: str  # pretrain | a downstream task of conf/task/
+    metric: str  # "l1_loss" (pretrain, lower is better) | "accuracy" (downstream)
     higher_is_better: bool
-    base_metric: float
-    num_layers: int
-    num_heads: int
-    attention: str
-    upstream: str
+    base_metric: float  # metric of the unmasked model on the subset
+    num_layers: int  # L (depths, one xi row each, also with shared weights)
+    num_heads: int  # h
+    attention: str  # attention variant of the upstream
+    upstream: str  # absolute path of upstream.pt
+    # {"per": "utterance"|"batch", "raw": (L, h) E|dL/dxi|, "normalized": (L, h) raw / per-depth
+    # L2 norm, "signed": (L, h) E[dL/dxi], "order": [[depth, head], ...] increasing normalised}
     importance: dict[str, Any]
+    # {"single" | "keep_only": {"metric": (L, h), "delta": (L, h)} or null,
+    #  "layer": {"metric": (L,), "delta": (L,)} or null}; delta = metric - base
     ablation: dict[str, Any]
+    # null or {"step", "recompute", "keep_one_per_layer", "points": [{"num_masked", "fraction",
+    # "metric", "newly_masked": [[depth, head], ...], "mask": (L, h) 1 kept / 0 masked}, ...]}
     pruning: dict[str, Any] | None
-    seed: int
-    code_version: str
+    seed: int  # seed of the fixed reconstruction masks
+    code_version: str  # `speechattn.code_version()`
 
 
 class HeadsRecord(_HeadsRequired, total=False):
-    """One `heads.json` (the schema above); JSON-shaped, so the report indexes it as a dict."""
+    """One `heads.json` (schema version 1), one JSON object; matrices are nested lists, rows =
+    depths 0..L-1, columns = heads 0..h-1. JSON-shaped, so the report indexes it as a dict."""
 
-    schema_version: int
-    kind: str
-    attention_options: dict[str, Any]
-    model_config: dict[str, Any]
-    upstream_sha256: str | None
+    schema_version: int  # 1
+    kind: str  # "speechattn-heads"
+    attention_options: dict[str, Any]  # as saved by pretraining
+    model_config: dict[str, Any]  # the upstream's model config
+    upstream_sha256: str | None  # sha256 of upstream.pt
+    # null (pretrain) or {"dir", "checkpoint", "layers", "dev_accuracy", "test_accuracy"} of
+    # the probe's run
     downstream: dict[str, Any] | None
-    split: str
+    split: str  # data split the subset comes from ("val" for pretrain, "dev"/"test")
+    # {"batches", "utterances", "frames" (10 ms), "scored" (chosen model frames / labels),
+    # "importance_units" (units averaged for importance)}
     subset: dict[str, int]
+    # {"num_batches", "batch_size", "dtype", "heads": {"importance", "ablation", "pruning"}}:
+    # the options the analysis ran with
     config: dict[str, Any]
-    runtime_s: dict[str, float]
-    created: str
+    runtime_s: dict[str, float]  # {"load", "importance", "ablation", "pruning", "total"}
+    created: str  # ISO-8601 UTC time stamp
 
 
 REQUIRED = tuple(_HeadsRequired.__annotations__)  # checked on every read and write
@@ -227,10 +181,7 @@ def read_heads(path: str | Path) -> HeadsRecord:
             f"head analysis {path} does not exist: give the heads.json (or its "
             "folder) that `python -m speechattn.analyze heads` wrote"
         )
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise DataError(path, "not a readable heads.json", str(e)) from e
+    data = _read_json(path, HEADS_FILE)
     check_heads(data, path)
     return data
 
@@ -281,29 +232,6 @@ def find_heads(results_dir: str | Path) -> list[Path]:
 
 # ----------------------------------------------------------------------------- superb_result.json
 
-# One SUPERB evaluation through s3prl's run_downstream.py (`python -m speechattn.superb -m
-# evaluate`), written into the experiment folder beside s3prl's own files:
-#
-#     schema_version    1
-#     kind              "speechattn-superb"
-#     task              s3prl downstream: speech_commands | voxceleb1 | ctc
-#     metric            "accuracy" | "per" (phone error rate), computed from s3prl's own
-#                       prediction files of the evaluated split
-#     value             the metric on `split`
-#     higher_is_better  bool
-#     split             evaluated split ("test")
-#     upstream          s3prl upstream name (-u): "speechattn" or a baseline such as fbank_no_cmvn
-#     upstream_ckpt     -k path (null for baselines)
-#     attention         attention variant of a speechattn upstream, else the upstream name
-#     quick             whether the --quick config was used
-#     steps             downstream training steps of the evaluated checkpoint
-#     checkpoint        the runner checkpoint that was evaluated
-#     code_version      `speechattn.code_version()`
-#     created           ISO-8601 UTC time stamp
-#     selection         the features the downstream read: "weighted sum" (s3prl's Featurizer
-#                       over every layer) or "layer N" (`-l N`)
-#     upstream_sha256   sha256 of the upstream file (-k), null for baselines
-#     expdir            the experiment folder the result belongs to
 SUPERB_FILE = "superb_result.json"
 SUPERB_KIND = "speechattn-superb"
 WEIGHTED_SUM = "weighted sum"
@@ -311,24 +239,29 @@ WEIGHTED_SUM = "weighted sum"
 
 @dataclass
 class SuperbResult:
-    """One SUPERB evaluation (fields: the comment above)."""
+    """One SUPERB evaluation through s3prl's run_downstream.py (`python -m speechattn.superb -m
+    evaluate`): `superb_result.json` (schema version 1), in the experiment folder beside s3prl's
+    own files."""
 
-    task: str
+    task: str  # s3prl downstream: speech_commands | voxceleb1 | ctc
+    # "accuracy" | "per" (phone error rate), from s3prl's prediction files of the split
     metric: str
-    value: float
+    value: float  # the metric on `split`
     higher_is_better: bool
-    split: str
-    upstream: str
-    upstream_ckpt: str | None
-    attention: str
-    quick: bool
-    steps: int
-    checkpoint: str
-    code_version: str = ""
-    created: str = ""
+    split: str  # evaluated split ("test")
+    upstream: str  # s3prl upstream name (-u): "speechattn" or a baseline such as fbank_no_cmvn
+    upstream_ckpt: str | None  # -k path (null for baselines)
+    attention: str  # attention variant of a speechattn upstream, else the upstream name
+    quick: bool  # whether the --quick config was used
+    steps: int  # downstream training steps of the evaluated checkpoint
+    checkpoint: str  # the runner checkpoint that was evaluated
+    code_version: str = ""  # `speechattn.code_version()`
+    created: str = ""  # ISO-8601 UTC time stamp
+    # the features the downstream read: "weighted sum" (s3prl's Featurizer over every layer)
+    # or "layer N" (`-l N`)
     selection: str = WEIGHTED_SUM
-    upstream_sha256: str | None = None
-    expdir: str = ""
+    upstream_sha256: str | None = None  # of the upstream file (-k), null for baselines
+    expdir: str = ""  # the experiment folder the result belongs to
     kind: str = SUPERB_KIND
     schema_version: int = SCHEMA_VERSION
 
@@ -363,42 +296,32 @@ def read_superb(path: str | Path) -> SuperbResult:
 
 # ----------------------------------------------------------------------------- abx.json
 
-# `abx.json` (schema version 1; `python -m speechattn.abx`, docs/abx.md), one JSON object:
-#     kind              "speechattn-abx"
-#     upstream          path of the upstream.pt scored, or "mel"
-#     upstream_sha256   sha256 of that file (null for mel)
-#     attention         attention variant of the upstream ("mel" for the log-mel features)
-#     split             the labelled corpus's split (train | dev | test)
-#     distance          frame distance: angular | cosine
-#     frame_ms          the representation's frame shift (10 for mel, 30 for the model)
-#     layers            [{"layer": 0 = input embedding .. L, "within", "across": error rates
-#                       in [0, 1] (null: no cell), "cells", "triplets", "phone_pairs":
-#                       {"within": n, "across": n}}, ...]
-#     items             {"total": triphones, "scored", "no_frames": items whose span holds no
-#                       frame at frame_ms (skipped), "utterances", "speakers"}
-#     settings          the job's config (`AbxConfig`, data resolved)
-#     normalization     how the input features were normalised (as in result.json's corpus)
-#     code_version, runtime_s {"features", "score", "total"}, created
 ABX_FILE = "abx.json"
 ABX_KIND = "speechattn-abx"
 
 
 @dataclass
 class AbxRecord:
-    """One ABX evaluation (fields: the comment above)."""
+    """One ABX evaluation: `abx.json` (schema version 1; `python -m speechattn.abx`,
+    docs/abx.md), one JSON object."""
 
-    upstream: str
-    upstream_sha256: str | None
-    attention: str
-    split: str
-    distance: str
-    frame_ms: float
+    upstream: str  # path of the upstream.pt scored, or "mel"
+    upstream_sha256: str | None  # sha256 of that file (null for mel)
+    attention: str  # attention variant of the upstream ("mel" for the log-mel features)
+    split: str  # the labelled corpus's split (train | dev | test)
+    distance: str  # frame distance: angular | cosine
+    frame_ms: float  # the representation's frame shift (10 for mel, 30 for the model)
+    # [{"layer": 0 = input embedding .. L, "within", "across": error rates in [0, 1] (null: no
+    # cell), "cells", "triplets", "phone_pairs": {"within": n, "across": n}}, ...]
     layers: list[dict[str, Any]]
+    # {"total": triphones, "scored", "no_frames": items whose span holds no frame at frame_ms
+    # (skipped), "utterances", "speakers"}
     items: dict[str, int] = field(default_factory=dict)
-    settings: dict[str, Any] = field(default_factory=dict)
+    settings: dict[str, Any] = field(default_factory=dict)  # the job's `AbxConfig`, data resolved
+    # how the input features were normalised (as in result.json's corpus)
     normalization: dict[str, Any] = field(default_factory=dict)
     code_version: str = ""
-    runtime_s: dict[str, float] = field(default_factory=dict)
+    runtime_s: dict[str, float] = field(default_factory=dict)  # {"features", "score", "total"}
     created: str = ""
     kind: str = ABX_KIND
     schema_version: int = SCHEMA_VERSION
@@ -420,22 +343,12 @@ class AbxRecord:
 def read_abx(path: str | Path) -> AbxRecord:
     """Read and check one `abx.json`; a `DataError` naming the file when it is not one."""
     path = Path(path)
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise DataError(path, f"not a readable {ABX_FILE}", str(e)) from e
+    data = _read_json(path, ABX_FILE)
     if not isinstance(data, dict) or data.get("kind") != ABX_KIND:
         raise DataError(path, f"not an {ABX_FILE}", f"kind must be {ABX_KIND!r}")
     if data.get("schema_version") != SCHEMA_VERSION:
         raise DataError(path, f"{ABX_FILE} schema version {data.get('schema_version')}, expected 1")
-    required = [
-        f.name for f in fields(AbxRecord) if f.default is MISSING and f.default_factory is MISSING
-    ]
-    missing = [name for name in required if name not in data]
-    if missing:
-        raise DataError(path, f"{ABX_FILE} lacks required field(s) {', '.join(missing)}")
-    known = {f.name for f in fields(AbxRecord)}
-    record = AbxRecord(**{k: v for k, v in data.items() if k in known})
+    record = _from_dict(AbxRecord, data, path, ABX_FILE)
     for row in record.layers:
         for mode in ("within", "across"):
             value = row.get(mode) if isinstance(row, dict) else None

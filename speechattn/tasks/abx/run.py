@@ -1,14 +1,9 @@
 """The ABX job: `run(cfg)`, what `python -m speechattn.abx` does (docs/abx.md).
 
-1. build the labelled corpus (`build_datamodule(cfg.data, "labelled")`), checking first that it
-   has phone alignments, and open the upstream (`upstream.pt` or `mel`);
-2. extract the chosen hidden states of one split, normalised as the upstream was pretrained
-   (the downstream probes' extraction, `tasks/downstream/features.py`);
-3. cut the utterances into triphone items (`items.py`), map them to the upstream's frames and
-   score every layer (`score.py`);
-4. write `abx.json` (`tasks/records.py`, `AbxRecord`) to the run folder.
-
-Shape letters: T' upstream frames of all utterances together, N layers, D hidden dim.
+Build the labelled corpus (with phone alignments) and open the upstream, extract one split's
+chosen hidden states as the downstream probes do (`tasks/downstream/features.py`), cut the
+utterances into triphone items (`items.py`), score every layer (`score.py`) and write
+`abx.json` (`AbxRecord`). Shape letters: T' upstream frames of all utterances, N layers, D dim.
 """
 
 from __future__ import annotations
@@ -36,6 +31,7 @@ from speechattn.tasks.downstream.features import (
     open_upstream,
     resolve_layers,
 )
+from speechattn.tasks.downstream.labels.phones import missing_alignments
 from speechattn.tasks.downstream.run import check_input_frames, split_loader
 from speechattn.tasks.records import MEL, AbxRecord
 from speechattn.utils import choose_device, plain
@@ -73,18 +69,9 @@ def check_alignments(datamodule: Any) -> None:
     cfg = getattr(datamodule, "cfg", None)
     if cfg is None or not hasattr(datamodule, "corpus"):
         return  # a DataModule of its own: checked on its batches
-    if cfg.alignments is None:
-        raise ConfigError(
-            "ABX needs frame-level phone labels, but data.alignments is null; set it to the "
-            "CPC-format file (converted_aligned_phones.txt)"
-        )
-    path = datamodule.corpus.missing_labels()
-    if path is not None:
-        raise MissingFileError(
-            f"ABX needs frame-level phone labels: {path} does not exist. For real LibriSpeech "
-            f"put the CPC alignments there (converted_aligned_phones.txt with train_split.txt / "
-            f"test_split.txt) or point data.alignments_dir at them"
-        )
+    path = None if cfg.alignments is None else datamodule.corpus.missing_labels()
+    if cfg.alignments is None or path is not None:
+        missing_alignments("ABX", cfg.alignments, path, MissingFileError)
 
 
 def run(cfg: DictConfig) -> dict[str, Any]:
@@ -104,12 +91,10 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     check_input_frames(upstream, datamodule)
     normalization = feature_normalization(datamodule.normalizer, upstream, cfg.normalization)
     t_features = time.perf_counter()
-    loader = split_loader(datamodule, cfg.split)
     features = extract_split(
         upstream.to(choose_device(cfg.device)),
-        loader,
+        split_loader(datamodule, cfg.split),
         layers,
-        total=len(loader) if hasattr(loader, "__len__") else None,
         description=f"features {cfg.split}",
         device=choose_device(cfg.device),
         transform=normalization.transform,

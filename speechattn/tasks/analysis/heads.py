@@ -1,28 +1,15 @@
-"""Head importance, ablation and pruning (Michel et al., 2019, "Are Sixteen Heads Really Better than One?") for any attention variant.
+"""Head importance, ablation and pruning (Michel et al., 2019, "Are Sixteen Heads Really Better
+than One?") for any attention variant (docs/analysis.md).
 
-Every registered attention multiplies head h's output by xi_h before its output projection
-(docs/analysis.md): MHAtt(x) = sum_h xi_h Att_h(x). The model takes xi as a (L, h) tensor, one row per
-depth even when the layer's weights are shared (ALBERT), and everything below is computed from
-that one differentiable input:
-
-* importance  I_{l,h} = E_x |dL(x)/dxi_{l,h}|, the gradient taken at xi = 1 (or at the current
-  pruning mask). The absolute value is taken per *unit* before averaging: per utterance by
-  default (Michel et al.'s expectation over examples of the absolute value), or per batch
-  (`per="batch"`, one backward pass per batch: cheaper, but gradients of opposite sign within a
-  batch cancel before the abs). Each depth's row is then divided by its L2 norm.
-* ablation    the metric with one head masked (xi_{l,h} = 0), with only head h of depth l kept
-  (the rest of that depth masked), and with a whole depth masked.
-* pruning     heads masked in increasing order of normalised importance, `step` of all heads at a
-  time, the metric after each step, up to all heads (or all but one per depth when guarded);
-  importance optionally re-estimated at the current mask after each step.
-
-What L and the metric are is an `Objective` (`speechattn.tasks.analysis.objectives`: the
-pretraining loss, or a trained downstream probe's accuracy).
-
-The model runs in eval mode (no dropout), so every number here is deterministic.
-
-Shape letters: B batch, T 10 ms frames, T' model frames, F' stacked features (3F), D model dim,
-L depths, h heads per depth, N hidden layers the probe reads, C classes.
+Every attention multiplies head h's output by xi_h before its output projection,
+MHAtt(x) = sum_h xi_h Att_h(x), with xi a (L, h) tensor (one row per depth, also with shared
+weights). Importance I_{l,h} = E_x |dL(x)/dxi_{l,h}| at xi = 1 (or the current pruning mask),
+the absolute value taken per utterance (Michel et al.) or per batch (`per="batch"`: cheaper,
+but opposite signs within a batch cancel), each depth's row divided by its L2 norm. Ablation:
+the metric with one head masked, with only one head of a depth kept, and with a depth masked.
+Pruning: heads masked in increasing normalised importance, `step` of all heads at a time,
+importance optionally re-estimated after each step. L and the metric are an `Objective`
+(`objectives.py`); the model runs in eval mode, so every number is deterministic.
 """
 
 from __future__ import annotations

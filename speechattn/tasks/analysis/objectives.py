@@ -1,11 +1,7 @@
-"""The objectives of the head analysis (`speechattn.tasks.analysis.heads`): what L and the
-metric are, over a fixed data subset, as functions of the head mask xi (L, h).
-
-* `PretrainObjective`: masked-reconstruction L1 (the pretraining loss) under masks drawn once
-  from a fixed seed per batch, so every evaluation sees the same corruption; metric: the L1 loss
-  over all chosen frames of the subset (lower is better).
-* `ProbeObjective`: a trained downstream probe's cross-entropy on the upstream run un-cached
-  with the head mask, then the probe's layer selection/pooling/head; metric: accuracy.
+"""The objectives of the head analysis: L and the metric over a fixed data subset, as functions
+of the head mask xi (L, h). `PretrainObjective`: masked-reconstruction L1 under masks drawn once
+per batch from a fixed seed (lower is better); `ProbeObjective`: a trained downstream probe's
+cross-entropy and accuracy on the upstream run uncached with the head mask.
 
 Shape letters: B batch, T 10 ms frames, T' model frames, F' stacked features (3F), D model dim,
 L depths, h heads per depth, N hidden layers the probe reads, C classes.

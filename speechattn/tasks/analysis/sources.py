@@ -1,15 +1,9 @@
-"""Where a head analysis gets its model, probe and data, and how its `heads.json` is assembled.
-
-`run_heads(config)` is the whole of `python -m speechattn.analyze heads` except the figures
-(the report layer draws them):
-
-    task=pretrain      upstream.pt (weights + reconstruction head) and the pretraining
-                       validation split of the corpus recorded in the upstream's metadata;
-    task=<downstream>  the probe checkpoint of a `python -m speechattn.downstream` run dir
-                       (`result.json` + `checkpoints/best-*.ckpt`), the upstream it was trained
-                       on, and the dev (or test) split of the corpus recorded in `result.json`.
-
-Every missing or mismatched input is an error naming the file and what is expected.
+"""Where a head analysis gets its model, probe and data, and how its `heads.json` is assembled:
+`run_heads(config)` is `python -m speechattn.analyze heads` but the figures. task=pretrain reads
+upstream.pt and the pretraining validation split of the corpus in its metadata; a downstream
+task reads a `python -m speechattn.downstream` run dir (`result.json`, `checkpoints/best-*.ckpt`),
+its upstream, and the dev (or test) split of its corpus. A missing or mismatched input is an
+error naming the file and what is expected.
 """
 
 from __future__ import annotations
@@ -40,6 +34,7 @@ from speechattn.tasks.analysis.heads import (
     analyze_heads,
 )
 from speechattn.tasks.downstream.features import open_upstream
+from speechattn.tasks.downstream.run import split_loader
 from speechattn.tasks.records import (
     HEADS_SCHEMA_VERSION,
     KIND,
@@ -233,15 +228,15 @@ def _with_batch_size(data: dict[str, Any], batch_size: int | None) -> dict[str, 
     return data if batch_size is None else {**data, "batch_size": int(batch_size)}
 
 
-def _transform(datamodule: Any, upstream: nn.Module) -> Any:
-    """Map the corpus normalisation onto the upstream's (as downstream feature extraction does)."""
+def _renormalized(
+    batches: list[dict[str, Any]], datamodule: Any, upstream: nn.Module
+) -> list[dict[str, Any]]:
+    """`batches` with the corpus normalisation mapped onto the upstream's (as downstream
+    feature extraction does)."""
     from speechattn.tasks.downstream import renormalizer
 
     normalizer = getattr(datamodule, "normalizer", None)
-    return None if normalizer is None else renormalizer(normalizer, upstream)
-
-
-def _renormalized(batches: list[dict[str, Any]], transform: Any) -> list[dict[str, Any]]:
+    transform = None if normalizer is None else renormalizer(normalizer, upstream)
     if transform is None:
         return batches
     out = []
@@ -298,7 +293,7 @@ def prepare_pretrain(config: HeadsRunConfig, datamodule: Any = None) -> Prepared
     if config.split != "dev":
         log.info("task=pretrain: the subset is the pretraining validation split")
     batches = subset_batches(datamodule.val_dataloader(), config.num_batches)
-    batches = _renormalized(batches, _transform(datamodule, upstream))
+    batches = _renormalized(batches, datamodule, upstream)
     masking = MaskingConfig(**(upstream.metadata.get("masking") or {}))
     device, dtype = choose_device(config.device), DTYPES[config.dtype]
     objective = PretrainObjective(upstream.model, batches, masking, config.seed, device, dtype)
@@ -342,15 +337,8 @@ def prepare_probe(config: HeadsRunConfig, datamodule: Any = None) -> Prepared:
             f"the corpus has {found} {task.target} classes but the probe in {run.directory} was "
             f"trained on {classes}: use the downstream run's corpus (leave data unset)"
         )
-    if hasattr(datamodule, "extraction_dataloader"):
-        loader = datamodule.extraction_dataloader(config.split)
-    else:
-        loader = (
-            datamodule.val_dataloader() if config.split == "dev" else datamodule.test_dataloader()
-        )
-    batches = _renormalized(
-        subset_batches(loader, config.num_batches), _transform(datamodule, upstream)
-    )
+    loader = split_loader(datamodule, config.split)
+    batches = _renormalized(subset_batches(loader, config.num_batches), datamodule, upstream)
     objective = ProbeObjective(
         upstream,
         run.probe,

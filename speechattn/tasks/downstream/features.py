@@ -1,24 +1,14 @@
 """Frozen upstream features for downstream probes: the `mel` upstream, loading, extraction, cache.
 
-An upstream is anything with the contract of `speechattn.load_upstream` (docs/ARCHITECTURE.md):
-`forward(features (B, T, F), lengths (B,)) -> UpstreamOutput` (`hidden_states`: tensors
-(B, T', D)), `output_lengths`, `downsample`, `hidden_dim`, `num_layers`, `attention_name`,
-`metadata`. `MelUpstream` wraps the normalised input features in that contract, so the
-no-pretraining baseline goes through the same code path.
-
-Extraction runs the upstream once over train/dev/test and stores the chosen hidden layers per
-split in `cache_dir/<key>/<split>.pt`, the key hashing the upstream file, the layers, the data
-config and the normalisation statistics. Writes are atomic, so an interrupted run never leaves a
-half-written split behind; finished splits are reused. Each split's file is followed by its
-record `<split>.pt.sha256` (size and sha256, written last: the commit marker), and a split is
-read only when the file matches its record and its fields agree with each other; otherwise
-`load_split` raises `DamagedSplit` and the run extracts that split again.
+An upstream has the contract of `speechattn.load_upstream` (docs/ARCHITECTURE.md); `MelUpstream`
+gives the normalised input features that contract, so the baseline takes the same path. Each
+split's chosen layers are cached atomically in `cache_dir/<key>/<split>.pt` (the key hashes the
+upstream, layers, data config and normalisation statistics), committed by its record
+`<split>.pt.sha256`; a split that does not match its record raises `DamagedSplit` and is
+extracted again.
 
 Shape letters: B batch, T 10 ms frames, T' upstream frames (T' = ceil(T / downsample)),
 F input features, N cached layers, D hidden dim, U utterances in a split.
-
-Just over 500 lines on purpose: opening an upstream, its sanity checks and the cache of its
-features are one contract (what a cached split holds is decided by what was checked on load).
 """
 
 from __future__ import annotations
@@ -27,7 +17,7 @@ import hashlib
 import json
 import logging
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -91,16 +81,11 @@ class MelUpstream(nn.Module):
 def open_upstream(
     spec: str | Path, feature_dim: int | None = None, data: Any = None
 ) -> tuple[nn.Module, str | None]:
-    """Load the upstream named by `spec` (a path to an `upstream.pt` or an upstream folder, or
-    `mel`), frozen, in eval mode.
-
-    Returns the upstream and the sha256 of its file (`upstream_sha256`; None for `mel`). Raises a SpeechattnError
-    naming the file when it is missing, a folder, corrupt, not ours, or expects other input
-    features than the corpus provides (`feature_dim`; None: not checked, e.g. the head
-    analysis, which reads the corpus recorded with the upstream; with `data`, a DataConfig,
-    the differing `data.n_mels` / `data.deltas` are named). The one loader of both the
-    downstream job and the head analysis. Cheap: call it before extracting anything, so a
-    wrong `upstream=` fails at once.
+    """The upstream `spec` names (an `upstream.pt`, an upstream folder, or `mel`), frozen, in
+    eval mode, and the sha256 of its file (None for `mel`). Raises a SpeechattnError naming the
+    file when it is missing, corrupt, not ours, or expects other input features than
+    `feature_dim` (None: not checked; with `data`, a DataConfig, the differing `data.*`
+    settings are named). Cheap: call it first, so a wrong `upstream=` fails at once.
     """
     if str(spec) == MEL:
         return MelUpstream(feature_dim).eval(), None
@@ -157,22 +142,15 @@ NORMALIZATION_CHOICES = ("upstream", "corpus")
 class FeatureNormalization:
     """How the corpus's normalised features are adapted before the upstream sees them.
 
-    transform: `f(features (B, T, F), padding_mask (B, T)) -> features (B, T, F)`, or None
-        (the corpus's normalisation is what the upstream expects, or what the user chose).
+    transform: `f(features (B, T, F), padding_mask (B, T)) -> features (B, T, F)`, or None.
     record: what result.json keeps: {"used": upstream | corpus, "corpus": data.normalization,
         "upstream": the upstream's mode (None for mel), "differ": bool}.
-    cache_tag: appended to the feature cache key where the features differ from what this
-        code gave before the choice existed ("" elsewhere, so those caches stay valid).
+    cache_tag: appended to the feature cache key ("" where older caches stay valid).
     """
 
     transform: Any
     record: dict[str, Any]
     cache_tag: str = ""
-
-
-def _upstream_normalizer(upstream: nn.Module) -> Any:
-    """The upstream's own Normalizer (None for mel, which has no pretraining)."""
-    return getattr(upstream, "normalizer", None)
 
 
 def check_normalization(corpus_mode: str, upstream: nn.Module, choice: str) -> None:
@@ -184,7 +162,7 @@ def check_normalization(corpus_mode: str, upstream: nn.Module, choice: str) -> N
             f"normalization={choice!r}: choose upstream (the upstream's own normalisation, the "
             f"default) or corpus (data.normalization as given, mismatch recorded)"
         )
-    own = _upstream_normalizer(upstream)
+    own = getattr(upstream, "normalizer", None)  # None for mel
     utterance_only = corpus_mode == "utterance" and own is not None and own.mode != "utterance"
     if choice == "upstream" and utterance_only:
         raise ConfigError(
@@ -200,15 +178,12 @@ def feature_normalization(
     normalizer: Any, upstream: nn.Module, choice: str = "upstream"
 ) -> FeatureNormalization:
     """The features as the upstream was pretrained (`choice="upstream"`: its own statistics
-    and mode, whatever data.normalization says) or as the corpus normalises them
+    and mode, whatever data.normalization says) or as the corpus's `normalizer` gives them
     (`"corpus"`: a mismatch is logged and recorded). Says which in the log.
-
-    `normalizer` is the data module's (training-split statistics, `mode`); an upstream
-    pretrained on another corpus (train-clean-360 vs train-clean-100) saw its own.
     """
     corpus_mode = getattr(normalizer, "mode", None)
     check_normalization(corpus_mode or "none", upstream, choice)
-    own = _upstream_normalizer(upstream)
+    own = getattr(upstream, "normalizer", None)
     record = {"used": choice, "corpus": corpus_mode, "upstream": getattr(own, "mode", None)}
     if own is None or normalizer is None:  # mel: the corpus's normalisation defines it
         log.info("features: normalised as data.normalization=%s (no pretraining)", corpus_mode)
@@ -266,11 +241,8 @@ def renormalizer(normalizer: Any, upstream: nn.Module) -> Any:
 
 
 def resolve_layers(layer: str | int, num_layers: int) -> list[int]:
-    """Indices of the hidden states to cache for a layer choice.
-
-    `last` -> [L]; an integer i -> [i] (0 = input embedding, negative counts from the end);
-    `weighted` -> [0, ..., L] (the probe learns the mix).
-    """
+    """Indices of the hidden states to cache: `last` -> [L]; an integer i -> [i] (0 = input
+    embedding, negative counts from the end); `weighted` -> [0, ..., L] (the probe mixes)."""
     count = num_layers + 1  # hidden[0] is the input embedding
     if layer == "last":
         return [num_layers]
@@ -341,15 +313,7 @@ class SplitFeatures:
         return self.phones[a:b]
 
     def state(self) -> dict[str, Any]:
-        return {
-            "utt_ids": self.utt_ids,
-            "features": self.features,
-            "lengths": self.lengths,
-            "input_lengths": self.input_lengths,
-            "speakers": self.speakers,
-            "phones": self.phones,
-            "phone_lengths": self.phone_lengths,
-        }
+        return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
 def _offsets(lengths: Tensor) -> list[int]:
@@ -433,11 +397,11 @@ def extract_split(
     transform: Any = None,
     progress_bar: bool = True,
 ) -> SplitFeatures:
-    """Run the frozen upstream over `batches` (data-layer batch dicts) and keep `layers`.
-
-    `transform(features, padding_mask) -> features` may adapt the corpus normalisation to the
-    upstream's. Shows a progress bar.
-    """
+    """Run the frozen upstream over `batches` (data-layer batch dicts) and keep `layers`;
+    `transform(features, padding_mask) -> features` may adapt the normalisation first.
+    `total`: batches, for the progress bar (None: `len(batches)` where it has one)."""
+    if total is None and hasattr(batches, "__len__"):
+        total = len(batches)  # type: ignore[arg-type]
     utt_ids: list[str] = []
     feats: list[Tensor] = []
     lengths: list[Tensor] = []

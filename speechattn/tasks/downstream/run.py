@@ -1,31 +1,11 @@
-"""Downstream evaluation of a frozen upstream (docs/downstream.md): probe training, model selection, result.
+"""`run(cfg)`: evaluate a frozen upstream on one downstream task (docs/downstream.md).
 
-`run(cfg)` is the whole protocol; `python -m speechattn.downstream` is a thin Hydra wrapper:
-
-1. build the labelled corpus (`LabelledDataModule`) and open the upstream (`upstream.pt` or `mel`),
-2. extract the chosen layer(s) once per split into the feature cache (`features.py`),
-3. train the task's probe on train with Lightning, early-stop and checkpoint on dev accuracy,
-4. score test with the best-dev checkpoint and write `result.json` (`tasks/records.py`).
-
-Tasks (`TaskConfig`; conf/task/NAME.yaml states how each differs from speaker_utterance); what
-each predicts is its label source (`target`, speechattn/tasks/downstream/labels/), which the run
-asks for everything label-specific (number of classes, label checks, labels at the task's level):
-
-    speaker_utterance  mean (or fused attention) pooling + linear, one speaker per utterance
-    speaker_frame      linear per frame, the utterance's speaker on every frame
-    phone_1hidden      MLP, one hidden ReLU layer (768), per frame
-    phone_2hidden      MLP, two hidden ReLU layers (768), per frame
-    pitch_utterance    as speaker_utterance, the speaker's pitch half (docs/extending.md)
-
-The probe's Trainer is `conf/trainer/probe.yaml` and its loggers `conf/logger/` (as for
-pretraining); `logs/metrics.csv` (per-epoch train/dev metrics) is written whatever the logger.
-
-Frame tasks are scored at the 10 ms label rate over all valid frames: the probe runs once per
-upstream frame and its logits are repeated `downsample` times and trimmed/padded to the label
-length (`speechattn.data.features.expand_to_labels`), which equals repeating the features.
-
-Shape letters: B batch, N cached layers, T' upstream frames, T 10 ms label frames, D hidden
-dim, C classes.
+Build the labelled corpus and open the upstream, extract the chosen layers once per split into
+the feature cache (`features.py`), train the task's probe (early stopping and checkpoints on dev
+accuracy), score test with the best-dev checkpoint and write `result.json` (`tasks/records.py`).
+`python -m speechattn.downstream` is its Hydra wrapper. Frame tasks are scored at the 10 ms
+label rate: logits per upstream frame are repeated `downsample` times and trimmed/padded to the
+label length (`expand_to_labels`), which equals repeating the features.
 """
 
 from __future__ import annotations
@@ -108,13 +88,10 @@ def cached_features(
                 continue
             except DamagedSplit as e:
                 log.warning("%s; extracting it again", e)
-        loader = split_loader(datamodule, name)
-        total = len(loader) if hasattr(loader, "__len__") else None
         splits[name] = extract_split(
             upstream,
-            loader,
+            split_loader(datamodule, name),
             layers,
-            total=total,
             description=f"features {name}",
             device=device,
             transform=normalization.transform,
@@ -193,7 +170,17 @@ def fit_probe(
         filename="best-{epoch}",
     )
     stopping = L.pytorch.callbacks.EarlyStopping(monitor="dev_acc", mode="max", patience=patience)
-    trainer = probe_trainer(trainer_kwargs, out, [checkpoint, stopping], loggers)
+    # the Trainer of conf/trainer/probe.yaml (`_target_` defaults to Lightning's); per-epoch
+    # metrics always go to out/logs/metrics.csv, whatever the logger
+    trainer = instantiate(
+        {"_target_": "lightning.pytorch.Trainer", **plain(trainer_kwargs)},
+        callbacks=[checkpoint, stopping],
+        logger=[L.pytorch.loggers.CSVLogger(out, name="logs", version=""), *loggers],
+        default_root_dir=str(out),
+        # written beside the target, not staged in $TMPDIR; a full disk names the file
+        plugins=[AtomicCheckpointIO()],
+        _convert_="all",
+    )
     trainer.fit(probe, loaders["train"], loaders["dev"])
     best = checkpoint.best_model_path
     if not best:
@@ -214,24 +201,6 @@ def fit_probe(
         best_epoch=int(re.search(r"epoch=(\d+)", Path(best).name).group(1)),
         epochs_trained=epochs,
         layer_weights=weights,
-    )
-
-
-def probe_trainer(
-    trainer_kwargs: dict[str, Any], out: Path, callbacks: list[L.Callback], loggers: Any = ()
-) -> L.Trainer:
-    """The Trainer of `conf/trainer/probe.yaml` (`_target_` defaults to Lightning's), logging
-    to `out/logs/metrics.csv` (the per-epoch metrics, whatever the logger) and `loggers`."""
-    config = {"_target_": "lightning.pytorch.Trainer", **plain(trainer_kwargs)}
-    metrics = L.pytorch.loggers.CSVLogger(out, name="logs", version="")
-    return instantiate(
-        config,
-        callbacks=callbacks,
-        logger=[metrics, *loggers],
-        default_root_dir=str(out),
-        # written beside the target, not staged in $TMPDIR; a full disk names the file
-        plugins=[AtomicCheckpointIO()],
-        _convert_="all",
     )
 
 
@@ -256,7 +225,9 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     upstream, sha = open_upstream(cfg.upstream, data_config.feature_dim, data_config)
     layers = resolve_layers(cfg.layer, upstream.num_layers)
     check_normalization(data_config.normalization, upstream, cfg.normalization)
-    datamodule = labelled_data(data_config)
+    datamodule = LabelledDataModule(data_config)
+    datamodule.prepare_data()
+    datamodule.setup("fit")
     labels = task.labels(datamodule)
     num_classes = labels.check_classes(task.name)
     check_input_frames(upstream, datamodule)
@@ -315,14 +286,6 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     return result.to_dict()
 
 
-def labelled_data(data_config: DataConfig) -> LabelledDataModule:
-    """The labelled corpus of `data_config` (`labelled_data_config`'s), set up for fitting."""
-    datamodule = LabelledDataModule(data_config)
-    datamodule.prepare_data()
-    datamodule.setup("fit")
-    return datamodule
-
-
 def downstream_result(
     cfg: DictConfig,
     task: TaskConfig,
@@ -338,7 +301,10 @@ def downstream_result(
     runtime_s: dict[str, float],
 ) -> DownstreamResult:
     """What `result.json` records of one run (fields in `speechattn.tasks.records`)."""
+    from speechattn import code_version  # the package root, imported lazily (no cycle)
+
     meta = dict(getattr(upstream, "metadata", {}) or {})
+    config = getattr(upstream, "config", None)  # None for mel
     return DownstreamResult(
         task=task.name,
         upstream=str(cfg.upstream)
@@ -346,8 +312,10 @@ def downstream_result(
         else str(Path(cfg.upstream).resolve()),
         upstream_sha256=sha,
         attention=upstream.attention_name,
-        attention_config=_attention_config(upstream),
-        model_config=_model_config(upstream),
+        attention_config={}
+        if config is None
+        else {"name": config.attention, "options": plain(dict(config.attention_options))},
+        model_config={} if config is None else plain(config),
         pretraining_steps=_pretraining_steps(meta),
         upstream_parameters=int(
             meta.get("num_params") or sum(p.numel() for p in upstream.parameters())
@@ -371,7 +339,7 @@ def downstream_result(
         best_epoch=fit.best_epoch,
         epochs_trained=fit.epochs_trained,
         seed=int(cfg.seed),
-        code_version=_code_version(),
+        code_version=code_version(),
         runtime_s={k: round(v, 2) for k, v in runtime_s.items()},
         created=datetime.now(UTC).isoformat(timespec="seconds"),
     )
@@ -409,29 +377,11 @@ def check_input_frames(upstream: Any, datamodule: Any) -> None:
         model.check_input_frames(crop, "data.labelled_max_frames")
 
 
-def _model_config(upstream: Any) -> dict[str, Any]:
-    config = getattr(upstream, "config", None)
-    return plain(config) if config is not None else {}
-
-
-def _attention_config(upstream: Any) -> dict[str, Any]:
-    config = getattr(upstream, "config", None)
-    if config is None:
-        return {}
-    return {"name": config.attention, "options": plain(dict(config.attention_options))}
-
-
 def _pretraining_steps(meta: dict[str, Any]) -> int | None:
     for key in ("global_step", "steps", "step", "pretraining_steps"):
         if isinstance(meta.get(key), int):
             return int(meta[key])
     return None
-
-
-def _code_version() -> str:
-    from speechattn import code_version  # the package root, imported lazily (no cycle)
-
-    return code_version()
 
 
 def _save_example(datamodule: Any, out: Path) -> None:

@@ -1,25 +1,17 @@
 """torch.compile for pretraining: the region a training step spends its device time in.
 
-Pretraining never calls `AALBERT.forward`: a step stacks frames, corrupts spans on the host
-(`model/masking.py`), then runs embedding -> encoder -> reconstruction head -> masked L1. That
-last part is the compile unit, `masked_reconstruction(model, inputs, target, chosen,
-padding_mask)`. It takes the padding mask (or None when no frame is padded) rather than
-lengths: whether a batch is padded is decided on the host by `padding_mask_for` before the
-call, so no host read of device data and no Python branch on data sits inside the graph.
+The compile unit is `masked_reconstruction(model, inputs, target, chosen, padding_mask)`:
+embedding -> encoder -> reconstruction head -> masked L1, after stacking and masking on the
+host. It takes the padding mask (None when no frame is padded, decided on the host by
+`padding_mask_for`), so no host read and no branch on data sits inside the graph.
 
-Graphs and recompiles (`dynamic=False`): dynamo specialises on every input's shape and on
-`padding_mask is None`, so there is one graph (a set, for a variant with graph breaks) per
-(B, T', padded or not) seen in training. With the lengths bucketed by the data layer (T' a multiple of the bucket) the count is bounded by
-2 x (buckets) x (distinct batch sizes, normally 1 plus a short last batch). Nothing is marked
-dynamic: a symbolic T' would not give one graph anyway, because the variants derive static
-sizes from T' in Python (windows, blocks, chunk and cluster capacities; sparse strides), which
-dynamo either specialises on (a guard per length, i.e. the same recompiles) or cannot lower
-(LSH: "Cannot convert symbols to int"); static shapes also let inductor pick its kernels
-per length. `compile_objective` raises dynamo's per-function recompile limit (8) to the bound
-(64 unless told), so a ninth graph is compiled rather than silently run eagerly.
-
-Validation stays eager (eval mode and no_grad would each add another set of graphs for a few
-batches per epoch).
+Static shapes (`dynamic=False`): one graph per (B, T', padded or not), bounded by the data
+layer's length buckets. A symbolic T' would not give one graph anyway: the variants derive
+static sizes from T' in Python (windows, blocks, capacities, strides), which dynamo either
+specialises on or cannot lower (LSH: "Cannot convert symbols to int"). `compile_objective`
+raises dynamo's recompile limit (8) to that bound (64 unless told), so a ninth graph is
+compiled rather than silently run eagerly. Validation stays eager (eval and no_grad would each
+add a set of graphs for a few batches).
 """
 
 from __future__ import annotations

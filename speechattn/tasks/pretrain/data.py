@@ -1,18 +1,11 @@
 """The pretraining data order: every batch a function of (seed, batch number, rank).
 
-`StepBatchSampler` makes the order and `SeededItems` seeds each item's random crop, so a run
-resumed from any checkpoint sees exactly the batches of an uninterrupted one.
-`ResumableData` wraps any DataModule of the data contract (docs/ARCHITECTURE.md) and only
-replaces the order of training batches with `StepBatchSampler`: batch i is a function of
-(seed, i, rank), sharded across DDP ranks, and a resumed run starts at the batch after the
-checkpoint's step. Datasets, collation, workers and validation are the wrapped module's.
-
-The host's share of a training step runs in the loader too (in its worker processes when
-`num_workers` > 0): `MaskingCollate` stacks each collated batch into model frames, pads it to
-a multiple of `pad_to_multiple` model frames and draws its masks (`model/masking.py`,
-vectorised) from a generator seeded by (seed, batch number, rank), so masks resume exactly
-as the data order does. The step then receives `{"masked": MaskedBatch, "lengths": (B,)}`,
-everything it reads on the host already there.
+`ResumableData` wraps any DataModule of the data contract (docs/ARCHITECTURE.md) and replaces
+only the order of training batches (`StepBatchSampler`, sharded across DDP ranks, starting
+after the checkpoint's step); `SeededItems` seeds each item's random crop. In the loader's
+workers, `MaskingCollate` stacks each batch into model frames, pads it to `pad_to_multiple`
+model frames and draws its masks seeded by (seed, batch number, rank): the step receives
+`{"masked": MaskedBatch, "lengths": (B,)}`, and masks resume exactly as the order does.
 """
 
 from __future__ import annotations

@@ -1,18 +1,11 @@
 """Continued pretraining: a new run that starts from an upstream's weights (`init_from=PATH`).
 
-It is a new run in every other respect: a fresh optimiser and schedule, step 0, this run's
-data, seed and masking, and the normaliser of this run's data (its training-split statistics,
-as any run computes them: they bring the new corpus to the scale the parent's inputs had).
-Only weights that fit go in: the architecture (`ModelConfig` but dropout, a training
-setting) and everything that changes the input features (`FeatureConfig`, the normalisation
-mode) must equal the parent's, or the run is refused with every difference named.
-
-Resuming (`ckpt_path`) continues a stopped run from its own checkpoint instead. Both at once
-resume only a run that was itself started from the same upstream (same sha256, recorded in
-its checkpoints): what a requeued job running its command again needs; anything else is
-refused as ambiguous (`check_resume`).
-
-The parent, {"path", "sha256"}, is recorded as `init_from` in the checkpoints, upstream.pt's
+A new run in every other respect (fresh optimiser and schedule, step 0, this run's data, seed,
+masking and normaliser). The architecture (`ModelConfig` but dropout) and the input features
+(`FeatureConfig`, the normalisation mode) must equal the parent's, or the run is refused with
+every difference named. With `ckpt_path` too, only a run started from the same upstream (same
+sha256, recorded in its checkpoints) resumes: what a requeued job needs (`check_resume`). The
+parent, {"path", "sha256"}, is recorded as `init_from` in the checkpoints, upstream.pt's
 metadata, the model card and the exported folder's config.json.
 """
 

@@ -1,18 +1,7 @@
-"""The model card: `README.md` and `loss_curve.png` written beside every `upstream.pt`.
-
-The card follows the Hugging Face model-card layout: a YAML header of machine-readable facts
-(library, license, attention and its options, model size, steps, corpus and its duration,
-final losses, throughput, precision, device, code version) and a short Markdown body with the
-loss curve and how to load the upstream with speechattn, torch.hub and s3prl.
-
-Every fact is read back from the written `upstream.pt` (through `load_upstream`) and the run's
-`metrics.csv`, so the card describes exactly the file beside it. Both files are written
-atomically (temporary name + rename).
-
-`write_upstream_folder` writes the same upstream as a folder ready for the Hugging Face Hub
-(config.json, model.safetensors, this card as README.md, the loss curve): `python -m
-speechattn.export` and every pretraining run (`upstream/` in the run folder) use it.
-`write_run_upstream` writes all three at the end of a pretraining run.
+"""The model card (`README.md` + `loss_curve.png`, Hugging Face's layout: a YAML header of
+facts and a Markdown body saying how to load it) beside every `upstream.pt`, and the upstream
+folder for the Hub (`write_upstream_folder`). Every fact is read back from the written
+upstream.pt and the run's `metrics.csv`; all files are written atomically.
 """
 
 from __future__ import annotations
@@ -78,14 +67,8 @@ def median_metric(rows: list[dict[str, float]], key: str) -> float | None:
     return values[mid] if len(values) % 2 else (values[mid - 1] + values[mid]) / 2
 
 
-def plot_loss_curve(rows: list[dict[str, float]], path: Path, title: str) -> Path:
-    """Train and validation L1 against the optimizer step, as a PNG at `path`."""
-    atomic_write_bytes(path, loss_curve_png(rows, title))
-    return path
-
-
 def loss_curve_png(rows: list[dict[str, float]], title: str) -> bytes:
-    """`plot_loss_curve`'s PNG, as bytes."""
+    """Train and validation L1 against the optimizer step, as PNG bytes."""
     import matplotlib
 
     matplotlib.use("Agg")  # files only, no display
@@ -230,26 +213,7 @@ def write_model_card(
 
     `rows` are the run's `metrics.csv` rows (`speechattn.tasks.common.read_metrics`).
     """
-    upstream_path = Path(upstream_path)
-    header = card_header(upstream_path, rows, license)
-    plot_loss_curve(rows, upstream_path.parent / LOSS_CURVE_FILE, _title(header))
-    path = upstream_path.parent / CARD_FILE
-    atomic_write_text(path, card_text(header, upstream_path.name))
-    return path
-
-
-def _title(header: dict[str, Any]) -> str:
-    return f"AALBERT, {header['attention']} attention"
-
-
-def card_text(header: dict[str, Any], upstream_name: str) -> str:
-    """The card: YAML front matter (Hugging Face's model-card metadata) + Markdown body."""
-    return (
-        "---\n"
-        + yaml.safe_dump(header, sort_keys=False)
-        + "---\n"
-        + card_body(header, upstream_name)
-    )
+    return _write_card(Path(upstream_path), rows, license, card=True)[0]
 
 
 def write_upstream_folder(
@@ -264,16 +228,43 @@ def write_upstream_folder(
     options stated explicitly), so the folder loads to the same module, bit for bit. Raises
     `OutputExistsError` when `out` holds anything but an earlier upstream folder.
     """
-    upstream_path = Path(upstream_path)
+    folder = _write_card(Path(upstream_path), rows, license, folder=Path(out))[1]
+    assert folder is not None
+    return folder
+
+
+def _write_card(
+    upstream_path: Path,
+    rows: list[dict[str, float]],
+    license: str,
+    card: bool = False,
+    folder: Path | None = None,
+) -> tuple[Path, Path | None]:
+    """The model card beside `upstream_path` (`card`) and/or the upstream folder at `folder`,
+    from one load, hash and loss curve; returns (card, folder) paths."""
     up = load_upstream(upstream_path)
     header = card_header(upstream_path, rows, license, up)
-    state = upstream_state(up.model, up.normalizer, up.feature_config, up.metadata)
-    source = {"file": upstream_path.name, "sha256": header["upstream_sha256"]}
-    files = {
-        CARD_FILE: card_text(header, ".").encode("utf-8"),
-        LOSS_CURVE_FILE: loss_curve_png(rows, _title(header)),
-    }
-    return save_upstream_folder(out, state, source, files)
+    png = loss_curve_png(rows, f"AALBERT, {header['attention']} attention")
+    card_path = upstream_path.parent / CARD_FILE
+    if card:
+        atomic_write_bytes(upstream_path.parent / LOSS_CURVE_FILE, png)
+        atomic_write_text(card_path, card_text(header, upstream_path.name))
+    if folder is not None:
+        state = upstream_state(up.model, up.normalizer, up.feature_config, up.metadata)
+        source = {"file": upstream_path.name, "sha256": header["upstream_sha256"]}
+        files = {CARD_FILE: card_text(header, ".").encode("utf-8"), LOSS_CURVE_FILE: png}
+        folder = save_upstream_folder(folder, state, source, files)
+    return card_path, folder
+
+
+def card_text(header: dict[str, Any], upstream_name: str) -> str:
+    """The card: YAML front matter (Hugging Face's model-card metadata) + Markdown body."""
+    return (
+        "---\n"
+        + yaml.safe_dump(header, sort_keys=False)
+        + "---\n"
+        + card_body(header, upstream_name)
+    )
 
 
 def write_run_upstream(
@@ -285,8 +276,8 @@ def write_run_upstream(
 ) -> dict[str, str]:
     """The results of a pretraining run that finished in `output_dir` (rank zero's to write):
     `upstream.pt` with the facts of the run (`val_loss`, the final validation loss; throughput,
-    precision, device), its model card and the upstream folder. Returns their paths as
-    `upstream`, `model_card` and `upstream_folder`."""
+    precision, device), its model card and the upstream folder (safetensors, no pickle,
+    docs/upstream.md). Returns their paths as `upstream`, `model_card` and `upstream_folder`."""
     metrics = output_dir / "metrics.csv"
     rows = read_metrics(metrics) if metrics.is_file() else []
     run_facts = {
@@ -297,9 +288,7 @@ def write_run_upstream(
         "device": training_device(trainer),
     }
     upstream = task.export_upstream(output_dir / "upstream.pt", run_facts)
-    card = write_model_card(upstream, rows, license=license)
-    # the same upstream as a folder to upload (safetensors, no pickle), docs/upstream.md
-    folder = write_upstream_folder(upstream, output_dir / UPSTREAM_FOLDER, rows, license)
+    card, folder = _write_card(upstream, rows, license, True, output_dir / UPSTREAM_FOLDER)
     print(
         f"upstream.pt written to {upstream} (model card: {card}; as a safetensors folder: "
         f"{folder})",
@@ -314,7 +303,6 @@ __all__ = [
     "card_header",
     "card_text",
     "median_metric",
-    "plot_loss_curve",
     "training_device",
     "write_model_card",
     "write_run_upstream",

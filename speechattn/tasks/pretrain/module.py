@@ -1,22 +1,14 @@
-"""Masked-reconstruction pretraining of AALBERT as a LightningModule.
+"""Masked-reconstruction pretraining of AALBERT as a LightningModule: one step is stack frames,
+corrupt spans (`model/masking.py`), encode, reconstruct, L1 on the chosen frames.
 
-Lightning owns the loop; this module owns one step: stack frames, corrupt spans
-(`model/masking.py`), encode, reconstruct, L1 on the chosen frames. Around it:
-
-* the host prepares, the device computes: training batches arrive stacked and masked by the
-  loader (`MaskingCollate` in `tasks/pretrain/data.py`, in its worker processes), their
-  lengths and counts on the host, their tensors copied from pinned memory without blocking.
-* reproducibility: `StepBatchSampler` makes the data order and the masks a function of (seed,
-  batch number, rank), and every micro-batch reseeds the global RNG (dropout) from (seed,
-  optimizer step, micro-batch, rank). A run resumed from any checkpoint therefore sees exactly
-  the batches, masks and dropout of an uninterrupted run.
-* one host-device sync per step: the finite checks of the loss, of the gradient norm and of
-  the parameters after the previous update are computed on the device and read together
-  once, in `on_before_optimizer_step`, after backward was launched (the parameters of the
-  last update are also checked before every checkpoint and at the end). A non-finite loss or
-  gradient skips the update with a `NonFiniteWarning`; after `max_nonfinite` in a row training
-  stops with `NonFiniteLossError` explaining what to try; non-finite parameters stop it at once.
-* `upstream.pt` export from the live module or from any Lightning checkpoint of a run.
+* Training batches arrive stacked and masked by the loader (`MaskingCollate`, in its workers).
+* Resumable: the data order and masks are a function of (seed, batch, rank) and every
+  micro-batch reseeds dropout from (seed, step, micro-batch, rank), so a resumed run sees
+  exactly the batches, masks and dropout of an uninterrupted one.
+* One host-device sync per step (`check_step`): the finite checks of the loss, the gradient
+  norm and the previous update's parameters are read together. A non-finite loss or gradient
+  skips the update (`NonFiniteWarning`); `max_nonfinite` in a row, or non-finite parameters,
+  stop training with `NonFiniteLossError`.
 """
 
 from __future__ import annotations
@@ -44,9 +36,6 @@ from speechattn.tasks.common import host_value
 from speechattn.tasks.pretrain.compiled import compile_objective
 from speechattn.tasks.pretrain.data import BatchMasker
 from speechattn.utils import derive_seed
-
-# ----------------------------------------------------------------------------- config
-
 
 # ----------------------------------------------------------------------------- faults
 
@@ -113,10 +102,6 @@ class PretrainTask(L.LightningModule):
         """Loss of the last step that trained (metadata), read from the device when asked."""
         return None if self._train_loss is None else float(self._train_loss)
 
-    @last_train_loss.setter
-    def last_train_loss(self, value: float | None) -> None:
-        self._train_loss = value
-
     # ------------------------------------------------------------------ data info
     def set_data_info(
         self,
@@ -167,7 +152,7 @@ class PretrainTask(L.LightningModule):
         self.data_info = {**saved, **self.data_info}
         if history:
             self.data_info["resume_changes"] = history
-        self.last_train_loss = checkpoint.get("speechattn_train_loss", self.last_train_loss)
+        self._train_loss = checkpoint.get("speechattn_train_loss", self._train_loss)
         if any(c["setting"].startswith("model.optimizer.") for c in self.resume_changes):
             self._apply_optimizer_settings(checkpoint)
 

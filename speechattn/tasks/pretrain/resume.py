@@ -1,24 +1,13 @@
-"""Resuming a pretraining run: which checkpoint `ckpt_path=last` means, whether it may continue
-under today's settings, and the lock that keeps one run per run directory. `resume_from` is
-what `run(cfg)` asks before it reads any data.
+"""Resuming a pretraining run: which checkpoint `ckpt_path=last` means (`newest_checkpoint`),
+whether it may continue under today's settings (`resume_from`, asked before any data is read),
+and the lock that keeps one run per run directory (`RunLock`).
 
-- `newest_checkpoint`: Lightning names a checkpoint `last-v1.ckpt` (`step=...-v1.ckpt`) when
-  the name is taken by a file it does not think is its own, e.g. in a copied or moved run
-  directory (the checkpoint remembers the old folder). `last.ckpt` then stays behind while
-  training goes on, so `ckpt_path=last` means the checkpoint with the highest step, whatever
-  its name (the run also writes without the version counter, `periodic_checkpoints`).
-- `resume_differences`: a checkpoint continues only the run it came from. Lightning would load
-  its weights into another architecture wherever the shapes allow (`num_heads=4` against 8
-  heads), keep its optimiser state under another optimiser's settings, and the metadata would
-  state the new settings as what trained. Differences are refused, listed, unless each is named
-  in `allow_resume_changes`: then it is recorded (`resume_changes` in the checkpoints and in
-  upstream.pt's metadata) and takes effect from the resume on (`PretrainTask.on_load_checkpoint`
-  puts new optimiser values into the restored optimiser state).
-- `earlier_result_noted`: a resumed run that stops or fails leaves the upstream.pt of an
-  earlier finish of its run directory in place; the error says it is not this run's result.
-- `RunLock`: two runs writing one run directory interleave metrics.csv, checkpoints and
-  config.yaml. A claim file (`speechattn.data.claims`, heartbeat and take-over of dead holders)
-  held for the whole run refuses a second run while the first lives.
+A checkpoint continues only the run it came from: Lightning would load its weights into
+another architecture wherever the shapes allow (`num_heads=4` against 8 heads) and keep its
+optimiser state under another optimiser's settings, and the metadata would state the new
+settings as what trained. Differences are refused, listed, unless each is named in
+`allow_resume_changes`: then it is recorded (`resume_changes` in the checkpoints and in
+upstream.pt's metadata) and takes effect from the resume on.
 """
 
 from __future__ import annotations
@@ -70,7 +59,8 @@ def checkpoint_step(path: Path) -> int | None:
 def newest_checkpoint(checkpoint_dir: Path) -> Path | None:
     """The checkpoint of `checkpoint_dir` with the highest step (`last.ckpt`, `last-vN.ckpt`,
     `step=NNNNNNN[-vN].ckpt`; on a tie `last.ckpt`, then the newest file), None when there is
-    none. An unreadable `last*.ckpt` is returned as it stands: the resume then stops with an
+    none. Lightning writes `last-v1.ckpt` when `last.ckpt` is a file it does not think its own
+    (a copied or moved run directory), and `last.ckpt` then stays behind. An unreadable `last*.ckpt` is returned as it stands: the resume then stops with an
     error naming it and the newest intact checkpoint, rather than quietly going back further."""
     files = sorted(p for p in checkpoint_dir.glob("*.ckpt") if p.is_file())
     if not files:
@@ -399,10 +389,9 @@ def resume_hint(output_dir: Path) -> str:
 
 @contextmanager
 def earlier_result_noted(output_dir: Path, resume: Resume | None) -> Iterator[None]:
-    """Around a resumed run's work: the upstream.pt (and model card) an earlier finish of
-    `output_dir` left stays until this run replaces it, so any error that ends the run first
-    says that file is not this run's result (in a `TrainingStopped`'s message too). Rank zero
-    tells; a fresh run and a run directory without upstream.pt have nothing to say."""
+    """Around a resumed run's work: the upstream.pt an earlier finish of `output_dir` left
+    stays until this run replaces it, so any error that ends the run first (rank zero) says
+    that file is not this run's result (in a `TrainingStopped`'s message too)."""
     upstream = output_dir / "upstream.pt"
     if resume is None or rank_zero_only.rank != 0 or not upstream.is_file():
         yield

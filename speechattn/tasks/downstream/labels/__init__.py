@@ -1,27 +1,11 @@
 """Label sources of the downstream tasks: what a probe predicts and where its labels come from.
 
-A task (`conf/task/NAME.yaml`, schema `TaskConfig`) names its label source with `target` and
-says at which `level` it is scored (one label per utterance, or one per 10 ms frame) and which
-head and optimiser its probe has. The label source is one file per label type in this folder,
-named after it (s3prl keeps one folder per task): `speaker.py`, `phones.py`, and the worked
-example of docs/extending.md, `pitch.py`. A source says
-
-    per_frame          whether its labels come per 10 ms frame (frame-level tasks only) or per
-                       utterance (either level: a frame task repeats the label on every frame)
-    num_classes        how many classes the corpus gives (None: the data module does not say)
-    check_classes      refuse a corpus whose labels did not arrive, naming what is missing
-    utterance_label    the class of one utterance (per-utterance sources), or `of_split` and
-                       `of_batch` when the labels travel with the features (speaker, phones)
-    missing_alignments what a missing phone-alignments file means (phones: an error)
-    check_lengths      labels against the features before training (phones: frame counts)
-    metric             the torchmetrics metric scored on dev/test (accuracy by default)
-
-and everything that depends on the level (repeating an utterance label over its frames,
-counting what is scored) is done here once, in `LabelSource`, not in the callers.
-
-`label_source(name)` finds a source: registered already, or imported from `<name>.py` in this
-folder, which registers it with `@register("<name>")`. Shape letters: U utterances in a split,
-B batch, T 10 ms label frames.
+A task (`conf/task/NAME.yaml`, schema `TaskConfig`) names its source with `target` and its
+`level` (one label per utterance, or per 10 ms frame). Each source is one file of this folder
+named after it (`speaker.py`, `phones.py`, and docs/extending.md's example `pitch.py`), a
+`LabelSource` registered with `@register("<name>")` and imported on first use by
+`label_source(name)`; everything that depends on the level is done once, in `LabelSource`.
+Shape letters: U utterances in a split, B batch, T 10 ms label frames.
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ per utterance, its id then one phone id per 10 ms frame) and travel with the fea
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 from torch import Tensor
@@ -41,16 +41,7 @@ class PhoneLabels(LabelSource):
         return n
 
     def missing_alignments(self, task: str, setting: str | None, path: Path | None) -> None:
-        if setting is None:
-            raise ConfigError(
-                f"task {task} needs frame-level phone labels, but data.alignments is null; "
-                f"set it to the CPC-format file (converted_aligned_phones.txt)"
-            )
-        raise MissingAlignmentsError(
-            f"task {task} needs frame-level phone labels: {path} does not exist. For real "
-            f"LibriSpeech put the CPC alignments there (converted_aligned_phones.txt with "
-            f"train_split.txt / test_split.txt) or point data.alignments_dir at them"
-        )
+        missing_alignments(f"task {task}", setting, path)
 
     def check_split(self, split: SplitFeatures, task: str) -> None:
         if split.phones is None:
@@ -66,6 +57,26 @@ class PhoneLabels(LabelSource):
         if batch.get("phones") is None:
             raise ConfigError("the downstream task needs phone labels; the batches have none")
         return batch["phones"], batch["phone_lengths"]
+
+
+def missing_alignments(
+    who: str,
+    setting: str | None,
+    path: Path | None,
+    error: type[Exception] = MissingAlignmentsError,
+) -> NoReturn:
+    """Refuse a job (`who`) that needs phone labels: data.alignments (`setting`) unset
+    (ConfigError), or its file `path` absent (`error`)."""
+    if setting is None:
+        raise ConfigError(
+            f"{who} needs frame-level phone labels, but data.alignments is null; "
+            f"set it to the CPC-format file (converted_aligned_phones.txt)"
+        )
+    raise error(
+        f"{who} needs frame-level phone labels: {path} does not exist. For real "
+        f"LibriSpeech put the CPC alignments there (converted_aligned_phones.txt with "
+        f"train_split.txt / test_split.txt) or point data.alignments_dir at them"
+    )
 
 
 def check_label_lengths(split: SplitFeatures, downsample: int, tolerance: int) -> None:
