@@ -65,7 +65,6 @@ from speechattn.attention.base import (
     Flops,
     all_valid,
     key_mask,
-    linear_flops,
     masked_softmax,
     needs_static_shapes,
     scale,
@@ -207,19 +206,13 @@ class AdaptiveSpanAttention(Attention):
         return float(torch.stack(counts).mean())
 
     def flops(self, T: int) -> Flops:
-        D, E = self.dim, self.inner_dim  # E = h d_k (D unless pruned)
-        attention = 2 * 2.0 * T * self.keys_attended(T) * E  # scores, weighted sums in span
-        return Flops(linear_flops(T, D, 3 * E) + attention + self.output_flops(T))
+        return self.dot_product_flops(T, self.keys_attended(T))  # the keys within span
 
     def _remove_heads(self, index: Tensor) -> None:
         remove_projection_heads(self, self.qkv, index, blocks=3)
         select_(self, "span_fraction", index)
 
     # ----------------------------------------------------------------- kernels
-    def _qkv(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        q, k, v = self.qkv(x).chunk(3, dim=-1)  # 3 x (B, T, D)
-        return self.split_heads(q), self.split_heads(k), self.split_heads(v)  # (B, h, T, d_k)
-
     def _distance(self, rel: Tensor) -> Tensor:
         """|i - j| in the spans' dtype (a half-precision distance is inexact above 256)."""
         return rel.abs().to(self.span_fraction.dtype)

@@ -201,6 +201,13 @@ class Attention(nn.Module, ABC):
         """The output projection W^O, shared by every variant."""
         return linear_flops(T, self.inner_dim, self.dim)
 
+    def dot_product_flops(self, T: int, keys: float, projections: int = 3) -> Flops:
+        """`projections` input projections D -> h d_k, scores and weighted sums over `keys`
+        keys per query in every head, and the output projection."""
+        E = self.inner_dim
+        attention = 2 * 2.0 * T * keys * E
+        return Flops(linear_flops(T, self.dim, projections * E) + attention + self.output_flops(T))
+
     def auxiliary_loss(self) -> Tensor | None:
         """A term the variant adds to the training loss (adaptive_span: its span penalty);
         None for the others. The pretraining task adds it once per module."""
@@ -332,6 +339,11 @@ class Attention(nn.Module, ABC):
         merged = heads.transpose(1, 2).reshape(B, T, h * dk)  # (B, T, D)
         y = self.out_proj(merged)  # (B, T, D)
         return y if valid is None else y.masked_fill(~valid[..., None], 0.0)
+
+    def _qkv(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """q, k, v (B, h, T, d_k) from the variant's `qkv` projection (W^Q | W^K | W^V)."""
+        q, k, v = self.qkv(x).chunk(3, dim=-1)  # 3 x (B, T, D)
+        return self.split_heads(q), self.split_heads(k), self.split_heads(v)
 
     def split_heads(self, t: Tensor) -> Tensor:
         """(B, T, D) -> (B, h, T, d_k)."""

@@ -29,7 +29,6 @@ from speechattn.attention.base import (
     AttentionConfig,
     Flops,
     key_mask,
-    linear_flops,
     masked_softmax,
     scale,
     self_penalty,
@@ -60,16 +59,10 @@ class FullAttention(Attention):
         return float(T)
 
     def flops(self, T: int) -> Flops:
-        D, E = self.dim, self.inner_dim  # E = h d_k (D unless pruned)
-        attention = 2 * 2.0 * T * T * E  # Q K^T and weights x V, all heads
-        return Flops(linear_flops(T, D, 3 * E) + attention + self.output_flops(T))
+        return self.dot_product_flops(T, T)
 
     def _remove_heads(self, index: Tensor) -> None:
         remove_projection_heads(self, self.qkv, index, blocks=3)
-
-    def _qkv(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        q, k, v = self.qkv(x).chunk(3, dim=-1)  # 3 x (B, T, D)
-        return self.split_heads(q), self.split_heads(k), self.split_heads(v)  # (B, h, T, d_k)
 
     def attend(self, x: Tensor, valid: Tensor | None) -> Tensor:
         q, k, v = self._qkv(x)  # (B, h, T, d_k)
@@ -96,12 +89,6 @@ class SharedQKBase(Attention):
         super().__init__(config)
         self.qv = nn.Linear(config.dim, 2 * config.dim, bias=config.bias)  # W^Q | W^V
 
-    def shared_flops(self, T: int, keys: float) -> Flops:
-        """Shared-QK projections, scores and weighted sums over `keys` keys per query."""
-        D, E = self.dim, self.inner_dim  # E = h d_k (D unless pruned)
-        attention = 2 * 2.0 * T * keys * E
-        return Flops(linear_flops(T, D, 2 * E) + attention + self.output_flops(T))
-
     def _remove_heads(self, index: Tensor) -> None:
         remove_projection_heads(self, self.qv, index, blocks=2)
 
@@ -110,6 +97,8 @@ class SharedQKBase(Attention):
         q, v = self.qv(x).chunk(2, dim=-1)  # 2 x (B, T, D)
         q, v = self.split_heads(q), self.split_heads(v)  # (B, h, T, d_k)
         return q, F.normalize(q, dim=-1), v
+
+    _qkv = shared_qkv  # the name `routing`'s selection tests use
 
     def shared_scores(self, q: Tensor, k: Tensor) -> Tensor:
         """Dense shared-QK scores (B, h, T, T) with the self penalty on the diagonal."""
@@ -130,7 +119,7 @@ class SharedQKAttention(SharedQKBase):
         return float(T)
 
     def flops(self, T: int) -> Flops:
-        return self.shared_flops(T, T)
+        return self.dot_product_flops(T, T, projections=2)
 
     def attend(self, x: Tensor, valid: Tensor | None) -> Tensor:
         q, k, v = self.shared_qkv(x)  # (B, h, T, d_k)

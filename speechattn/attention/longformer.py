@@ -46,7 +46,6 @@ from speechattn.attention.base import (
     Flops,
     all_valid,
     key_mask,
-    linear_flops,
     masked_softmax,
     scale,
 )
@@ -187,9 +186,7 @@ class LongformerAttention(Attention):
         return (window + dilated) / self.num_heads
 
     def flops(self, T: int) -> Flops:
-        D, E = self.dim, self.inner_dim  # E = h d_k (D unless pruned)
-        attention = 2 * 2.0 * T * self.keys_attended(T) * E  # scores and weighted sums
-        return Flops(linear_flops(T, D, 3 * E) + attention + self.output_flops(T))
+        return self.dot_product_flops(T, self.keys_attended(T))
 
     def _remove_heads(self, index: Tensor) -> None:
         # window heads stay a prefix and dilated heads a suffix (index is sorted)
@@ -198,10 +195,6 @@ class LongformerAttention(Attention):
         remove_projection_heads(self, self.qkv, index, blocks=3)
 
     # ----------------------------------------------------------------- kernels
-    def _qkv(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        q, k, v = self.qkv(x).chunk(3, dim=-1)  # 3 x (B, T, D)
-        return self.split_heads(q), self.split_heads(k), self.split_heads(v)  # (B, h, T, d_k)
-
     def head_steps(self) -> list[tuple[slice, int]]:
         """(heads, step) of the two head groups: window heads step 1, dilated heads delta."""
         hw = self.num_heads - self.num_dilated

@@ -116,10 +116,6 @@ class RelPosAttention(Attention):
         select_(self, "pos_bias_u", index)
         select_(self, "pos_bias_v", index)
 
-    def _qkv(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        q, k, v = self.qkv(x).chunk(3, dim=-1)  # 3 x (B, T, D)
-        return self.split_heads(q), self.split_heads(k), self.split_heads(v)  # (B, h, T, d_k)
-
     def _position_scores(self, q: Tensor) -> Tensor:
         """(q + v) against every distance, unshifted: (B, h, T, 2T - 1), row n <-> T - 1 - n."""
         B, h, T, dk = q.shape

@@ -246,7 +246,7 @@ class RoutingAttention(SharedQKBase):
     def flops(self, T: int) -> Flops:
         h_r = self.num_heads - self.heads_local
         routing = 2.0 * T * num_clusters(T, self.max_clusters) * self.head_dim * h_r
-        attention = self.shared_flops(T, self.keys_attended(T))
+        attention = self.dot_product_flops(T, self.keys_attended(T), projections=2)
         return Flops(attention.differentiable, routing)  # distances to the centroids, no grad
 
     # ----------------------------------------------------------------- routing
@@ -388,10 +388,6 @@ class RoutingAttention(SharedQKBase):
         return torch.cat([local, routing], dim=1)
 
     # ----------------------------------------------------------------- attention
-    def _qkv(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """q, k, v (B, h, T, d_k) as `select` takes them (the name `lsh.py` uses)."""
-        return self.shared_qkv(x)
-
     def attend(self, x: Tensor, valid: Tensor | None) -> Tensor:
         padded = valid is not None
         valid = all_valid(x) if valid is None else valid

@@ -283,7 +283,7 @@ class _SparseBase(SharedQKBase):
         return (hA * a + (self.num_heads - hA) * b) / self.num_heads
 
     def flops(self, T: int) -> Flops:
-        return self.shared_flops(T, self.keys_attended(T))
+        return self.dot_product_flops(T, self.keys_attended(T), projections=2)
 
 
 @dataclass

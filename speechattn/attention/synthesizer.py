@@ -1,46 +1,19 @@
 """Synthesizer attention: `syn_dense`, `syn_dense_mh`, `syn_random`, `syn_fixed`.
 
 Tay et al., "Synthesizer: Rethinking Self-Attention in Transformer Models", ICML 2021
-(arXiv:2005.00743): attention weights are produced without query-key interaction.
+(arXiv:2005.00743): weights without query-key interaction. `syn_fixed` (the study's proposal)
+is `syn_random` whose first 7 heads start from the fixed patterns of Raganato, Scherrer,
+Tiedemann, Findings of EMNLP 2020, as logits log(pattern + eps) (`pattern_eps`). Definitions,
+options and kernels: docs/attention.md, "Synthesizers".
 
-* syn_dense: one logit row per frame, B_i = W_2 ReLU(W_1 x_i) in R^{l_max}, sliced to the
-  first T columns and shared by all heads; Y = softmax(B) V (V split into heads as usual).
-* syn_dense_mh: the same per head, W_1^i (D -> d_k), W_2^i (d_k -> l_max).
-* syn_random: a learned l_max x l_max logit matrix R^i per head, sliced to T x T;
-  Y^i = softmax(R^i) V^i, independent of the input.
-* syn_fixed (the study's proposal): syn_random whose first 7 heads start from the fixed
-  patterns of Raganato, Scherrer, Tiedemann, "Fixed Encoder Self-Attention Patterns in
-  Transformer-Based Machine Translation", Findings of EMNLP 2020 (current, previous, next,
-  left context, right context, start, end) as logits log(pattern + eps), the rest random.
-  eps is set from l_max so that at initialisation every pattern row whose targets lie inside
-  the utterance holds `init_mass` (0.99) of its weight at T = l_max, and more at shorter T
-  (`pattern_eps`): "the patterns dominate at the start" holds at every length. Rows whose
-  targets run past the end of a shorter utterance (next, right context) hold less or have no
-  pattern; docs/attention.md gives the exact figures. A fixed eps (the study's first runs: 1e-4) held 0.95
-  at T = 512 but 0.91 at 1024 and 0.55 at 8192.
-  The "end" head is read from the bottom-right corner of its matrix, aligned with each
-  utterance's own last valid frame, and "start" from its own first valid frame.
-
-Rows are always normalised over the T valid keys only. Columns (and syn_fixed's patterns)
-are placed by frame position, so padding must be at the end of each utterance (a mask with a
-valid frame after a padded one is refused, `Attention.end_padded_only`). An utterance longer
-than max_len raises a ValueError; a batch padded beyond max_len whose utterances all fit runs
-on its first max-length frames (`_fitting_length`), as if it had been padded to that length.
-Dense synthesizers use SDPA: logits are the inner products of [ReLU(W_1 x_i), 1] with
-[W_2 row j, b_2 j], so the fused kernel never stores the T x T weights. Random synthesizers
-form their (1 or B, h, T, T) weights explicitly up to `short_path_max_t` frames (one batched
-product, cheaper than `full` there); above it they use `TableAttention`, a row-chunked
-softmax(R) V that reads R straight from the parameter and recomputes the weights in the
-backward pass, so no (B, h, T, T) tensor is ever allocated (only the gradient of R itself,
-which has the parameter's size). Both run under autocast: softmax(R) in float32, the product
-with V in V's dtype.
-
-Those two CPU kernels read the slices' offsets and the padding on the host, which is free on a
-CPU. On CUDA and under `torch.compile` (a read would make the host wait for the device, or break
-the graph) random synthesizers take the explicit-weights path at every T instead: the windows
-are slices of R at offsets fixed by T, and syn_fixed's "end" head on a padded batch is read by
-one gather with a (B, T) index made on the device from the padding, so shapes depend on B and
-T only (memory: the (B, h, T, T) weights, bounded by B h max_len^2).
+Rows are normalised over the T valid keys only; columns are placed by frame position
+(`Attention.end_padded_only`). An utterance longer than max_len raises; a batch padded beyond
+it whose utterances all fit runs on its first frames (`_fitting_length`). Dense synthesizers
+run SDPA on [ReLU(W_1 x_i), 1] . [W_2 row j, b_2 j], never storing T x T weights. Random
+synthesizers form (1 or B, h, T, T) weights up to `short_path_max_t`, above it the row-chunked
+`TableAttention` (CPU eager: both read offsets and padding on the host); on CUDA and under
+`torch.compile` they take the explicit-weights path at every T, with windows sliced or gathered
+by device ops whose shapes depend on B and T only.
 """
 
 from __future__ import annotations
@@ -74,18 +47,6 @@ from speechattn.attention.registry import register
 from speechattn.errors import ConfigError
 
 
-def _sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, p: float) -> Tensor:
-    """softmax(q k^T) v by SDPA with scale 1, zero-padding q/k or v to one head size first:
-    the fused CPU kernel needs equal sizes (else SDPA falls back to the T x T math path)."""
-    dq, dv = q.shape[-1], v.shape[-1]
-    if dq > dv:
-        v = F.pad(v, (0, dq - dv))
-    elif dv > dq:
-        q, k = F.pad(q, (0, dv - dq)), F.pad(k, (0, dv - dq))
-    y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p, scale=1.0)
-    return y[..., :dv]
-
-
 def _pad_frames(out: Tensor | tuple[Tensor, Tensor], T: int) -> Tensor | tuple[Tensor, Tensor]:
     """Outputs of n frames padded back to T: y (B, n, D) -> (B, T, D) with zero rows, and
     weights (B, h, n, n) -> (B, h, T, T) with zero rows and columns (padded frames)."""
@@ -96,29 +57,28 @@ def _pad_frames(out: Tensor | tuple[Tensor, Tensor], T: int) -> Tensor | tuple[T
     return F.pad(y, (0, 0, 0, T - n)), F.pad(w, (0, T - n, 0, T - n))
 
 
-def _check_len(name: str, T: int, max_len: int) -> None:
-    if T > max_len:
-        raise ConfigError(
-            f"{name}: sequence length T={T} exceeds max_len={max_len}; "
-            f"set attention.options.max_len >= {T} (or crop the input)"
-        )
-
-
 @dataclass
-class SynDenseConfig(AttentionConfig):
-    max_len: int = 1024  # l_max, longest sequence; logits are sliced to T
-    hidden: int | None = None  # width of W_1; None: D (syn_dense) / d_k per head (syn_dense_mh)
+class SynRandomConfig(AttentionConfig):
+    max_len: int = 1024  # l_max, longest sequence: logits (per key, or l_max x l_max) sliced to T
 
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.max_len < 1:
             raise ConfigError(f"max_len must be >= 1, got {self.max_len}")
+
+
+@dataclass
+class SynDenseConfig(SynRandomConfig):
+    hidden: int | None = None  # width of W_1; None: D (syn_dense) / d_k per head (syn_dense_mh)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
         if self.hidden is not None and self.hidden < 1:
             raise ConfigError(f"hidden must be >= 1 or None, got {self.hidden}")
 
 
 class _SynthesizerBase(Attention):
-    """Values projection and metadata shared by the synthesizers."""
+    """Values projection, length checks, metadata and the dense synthesizers' paths."""
 
     end_padded_only = True  # positions place the pattern (see `Attention`)
 
@@ -166,8 +126,15 @@ class _SynthesizerBase(Attention):
             return None
         valid = (~padding_mask).any(0)  # (T,): frames valid in some utterance
         n = int(valid.nonzero().max()) + 1 if bool(valid.any()) else 1
-        _check_len(self.name, n, self.max_len)  # the longest utterance must fit
+        self._check_len(n)  # the longest utterance must fit
         return n
+
+    def _check_len(self, T: int) -> None:
+        if T > self.max_len:
+            raise ConfigError(
+                f"{self.name}: sequence length T={T} exceeds max_len={self.max_len}; "
+                f"set attention.options.max_len >= {T} (or crop the input)"
+            )
 
     def value_flops(self, T: int) -> float:
         """V projection, the (T x T) weights x V product of all heads, output projection."""
@@ -177,10 +144,32 @@ class _SynthesizerBase(Attention):
     def _remove_heads(self, index: Tensor) -> None:
         remove_projection_heads(self, self.v_proj, index)
 
+    def _sdpa(self, q: Tensor, k: Tensor, v: Tensor, valid: Tensor | None) -> Tensor:
+        """softmax(q k^T) v over the valid keys by SDPA with scale 1, zero-padding q/k or v to
+        one head size first: the fused CPU kernel needs equal sizes (else SDPA falls back to
+        the T x T math path)."""
+        mask = None if valid is None else key_mask(valid)[:, None, None, :]  # (B, 1, 1, T)
+        p = self.dropout if self.training else 0.0
+        dq, dv = q.shape[-1], v.shape[-1]
+        if dq > dv:
+            v = F.pad(v, (0, dq - dv))
+        elif dv > dq:
+            q, k = F.pad(q, (0, dv - dq)), F.pad(k, (0, dv - dq))
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p, scale=1.0)
+        return y[..., :dv]
+
+    def attend_dense(self, x: Tensor, valid: Tensor) -> tuple[Tensor, Tensor]:
+        """Dense synthesizers: weights from `_qk`'s logits, (B, 1 or h, T, T)."""
+        q, k = self._qk(x)  # (B, 1 or h, T, H')
+        w = masked_softmax(q @ k.transpose(-1, -2), key_mask(valid)[:, None, None, :])
+        heads = self.drop(w) @ self.split_heads(self.v_proj(x))  # (B, h, T, d_k)
+        return heads, w.expand(-1, self.num_heads, -1, -1)
+
 
 @register("syn_dense")
 class SynDenseAttention(_SynthesizerBase):
-    """Dense Synthesizer, one weight matrix shared by all heads."""
+    """Dense Synthesizer: B_i = W_2 ReLU(W_1 x_i) in R^{l_max}, sliced to the first T
+    columns and shared by all heads; Y = softmax(B) V."""
 
     Config = SynDenseConfig
     paper = "Tay et al., Synthesizer: Rethinking Self-Attention in Transformer Models, ICML 2021 (Dense)"
@@ -201,7 +190,7 @@ class SynDenseAttention(_SynthesizerBase):
     def _qk(self, x: Tensor) -> tuple[Tensor, Tensor]:
         """Logits as inner products: q (B, 1, T, H'), k (B, 1, T, H') with H' = hidden (+1)."""
         B, T, _ = x.shape
-        _check_len(self.name, T, self.max_len)
+        self._check_len(T)
         q = F.relu(self.w1(x))  # (B, T, hidden)
         k = self.w2.weight[:T]  # (T, hidden)
         if self.w2.bias is not None:
@@ -210,20 +199,9 @@ class SynDenseAttention(_SynthesizerBase):
         return q[:, None], k.expand(B, 1, T, -1)
 
     def attend(self, x: Tensor, valid: Tensor | None) -> Tensor:
-        B, T, D = x.shape
         q, k = self._qk(x)  # (B, 1, T, H')
         v = self.v_proj(x)[:, None]  # (B, 1, T, D): all heads share the weights
-        mask = None if valid is None else key_mask(valid)[:, None, None, :]  # (B, 1, 1, T)
-        p = self.dropout if self.training else 0.0
-        return self.split_heads(_sdpa(q, k, v, mask, p)[:, 0])  # (B, h, T, d_k)
-
-    def attend_dense(self, x: Tensor, valid: Tensor) -> tuple[Tensor, Tensor]:
-        q, k = self._qk(x)  # (B, 1, T, H')
-        w = masked_softmax(
-            q @ k.transpose(-1, -2), key_mask(valid)[:, None, None, :]
-        )  # (B, 1, T, T)
-        heads = self.drop(w) @ self.split_heads(self.v_proj(x))  # (B, h, T, d_k)
-        return heads, w.expand(-1, self.num_heads, -1, -1)
+        return self.split_heads(self._sdpa(q, k, v, valid)[:, 0])  # (B, h, T, d_k)
 
 
 @register("syn_dense_mh")
@@ -264,7 +242,7 @@ class SynDenseMHAttention(_SynthesizerBase):
     def _qk(self, x: Tensor) -> tuple[Tensor, Tensor]:
         """q (B, h, T, H'), k (B, h, T, H') with H' = hidden (+1 for the bias)."""
         B, T, _ = x.shape
-        _check_len(self.name, T, self.max_len)
+        self._check_len(T)
         q = F.relu(self.w1(x)).view(B, T, self.num_heads, self.hidden).transpose(1, 2)
         k = self.w2[:, :T]  # (h, T, hidden)
         if self.b2 is not None:
@@ -274,31 +252,13 @@ class SynDenseMHAttention(_SynthesizerBase):
 
     def attend(self, x: Tensor, valid: Tensor | None) -> Tensor:
         q, k = self._qk(x)  # (B, h, T, H')
-        v = self.split_heads(self.v_proj(x))  # (B, h, T, d_k)
-        mask = None if valid is None else key_mask(valid)[:, None, None, :]  # (B, 1, 1, T)
-        return _sdpa(q, k, v, mask, self.dropout if self.training else 0.0)
-
-    def attend_dense(self, x: Tensor, valid: Tensor) -> tuple[Tensor, Tensor]:
-        q, k = self._qk(x)  # (B, h, T, H')
-        w = masked_softmax(
-            q @ k.transpose(-1, -2), key_mask(valid)[:, None, None, :]
-        )  # (B, h, T, T)
-        return self.drop(w) @ self.split_heads(self.v_proj(x)), w
-
-
-@dataclass
-class SynRandomConfig(AttentionConfig):
-    max_len: int = 1024  # l_max; each head learns an l_max x l_max logit matrix
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if self.max_len < 1:
-            raise ConfigError(f"max_len must be >= 1, got {self.max_len}")
+        return self._sdpa(q, k, self.split_heads(self.v_proj(x)), valid)  # (B, h, T, d_k)
 
 
 @register("syn_random")
 class SynRandomAttention(_SynthesizerBase):
-    """Random Synthesizer: input-independent learned logits per head."""
+    """Random Synthesizer: a learned l_max x l_max logit matrix R^i per head, sliced to
+    T x T; Y^i = softmax(R^i) V^i, independent of the input."""
 
     Config = SynRandomConfig
     paper = "Tay et al., Synthesizer: Rethinking Self-Attention in Transformer Models, ICML 2021 (Random)"
@@ -333,7 +293,7 @@ class SynRandomAttention(_SynthesizerBase):
 
     def weights(self, valid: Tensor | None, T: int) -> Tensor:
         """softmax over the valid keys (valid None: all T): (1 or B, h, T, T)."""
-        _check_len(self.name, T, self.max_len)
+        self._check_len(T)
         if needs_static_shapes(self.logits):
             logits = self.window_logits(valid, T)  # (G, h, T, T)
         else:
@@ -348,12 +308,11 @@ class SynRandomAttention(_SynthesizerBase):
     def attend(self, x: Tensor, valid: Tensor | None) -> Tensor:
         v = self.split_heads(self.v_proj(x))  # (B, h, T, d_k)
         T = x.shape[1]
-        # Short sequences (and dropout, which needs the weights), and every T on CUDA or under
-        # torch.compile: explicit (G, h, T, T) weights in one batched product. Long ones on
-        # the CPU: the row-chunked table kernel.
+        # Explicit weights for short sequences, dropout (which needs them), and every T on
+        # CUDA or under torch.compile; the row-chunked table kernel for long ones on the CPU.
         if needs_static_shapes(x) or use_short_path(self, x) or (self.dropout and self.training):
             return weighted_values(self.drop(self.weights(valid, T)), v)
-        _check_len(self.name, T, self.max_len)
+        self._check_len(T)
         valid = all_valid(x) if valid is None else valid
         return TableAttention.apply(
             self.logits, self.offsets(valid, T), v, key_mask(valid), self.gradient_memory
