@@ -130,6 +130,12 @@ def global_pattern(T: int, every: int, device: torch.device | None = None) -> Te
     return (i % every == 0) | (j % every == 0)
 
 
+def mean_band_size(T: int, width: int) -> float:
+    """Keys |i - j| <= width inside [0, T), averaged over the T queries."""
+    i = torch.arange(T, dtype=torch.float64)
+    return float((torch.clamp(i + width, max=T - 1) - torch.clamp(i - width, min=0) + 1).mean())
+
+
 def window_keys(T: int, width: int, step: int = 1) -> tuple[Tensor, Tensor]:
     """Keys of a window around each query, j = i + step * o for o in [-width, width].
 

@@ -1,48 +1,22 @@
 """Bidirectional sparse attention patterns on shared-QK scores: `sparse_strided`, `sparse_fixed`.
 
 Child, Gray, Radford, Sutskever, "Generating Long Sequences with Sparse Transformers", 2019,
-section 4.2 (strided and fixed factorised patterns), made bidirectional as in the study.
-Scores are the Reformer shared-QK scores of `shared_qk` (keys = L2-normalised queries, self
-penalised by -5e4; the self key is always allowed so that no row is empty).
+section 4.2, made bidirectional as in the study, on `shared_qk`'s scores (self penalised,
+always allowed). Options and kernels: docs/attention.md, "Sparse".
 
-* sparse_strided: heads [0, ceil(h/2)) attend to the band |i - j| <= l, the other heads to the
+* sparse_strided: heads [0, ceil(h/2)) attend to the band |i - j| <= l, the others to the
   residue class (i - j) mod l = 0.
-* sparse_fixed: heads [0, ceil(h/2)) attend within their own block floor(i/l) = floor(j/l), the
-  other heads to the c summary columns at the end of every block, j mod l >= l - c.
+* sparse_fixed: heads [0, ceil(h/2)) attend within their own block floor(i/l) = floor(j/l),
+  the others to the c summary columns at the end of every block, j mod l >= l - c.
 
-l ~ sqrt(T): with the default ``stride``/``block`` = None each utterance uses
-l = round(sqrt(T_u)) of its own extent T_u (frames up to its last valid one: its length, as
-padding comes last), so its output does not depend on what it is batched with. An int fixes l
-for all inputs. Per-utterance strides are data: on the CPU (where reading them is free) the
-utterances sharing l run together, trimmed to their extent; on CUDA and under torch.compile,
-where a host read stalls the device or breaks the graph, one call serves all strides with
-shapes fixed by T (`patterns.stride_bounds`: L = round(sqrt(T)) >= every l, M >= blocks per
-utterance): each utterance's blocks of l_b frames are gathered into (M, L) slots, attended by
-row (block) or column (residue class), and gathered back; the band kernel runs in blocks of L
-with radius l_b; the summary keys are gathered per utterance.
-
-Kernels (option ``kernel``; "auto", the default, lets the tuner or the rule choose):
-
-* "blocked" (never a T x T mask; n = ceil(T / l) blocks; l is `ls` in the code): each
-  sub-problem one fused SDPA call (flash kernels on CPU and GPU), faster than all-pairs SDPA
-  with the patterns as a mask at every T >= 128 on CPU in the benchmark, so the CPU's rule:
-      band:    each query block against [previous, own, next] key blocks   (B, H, n, l, 3l)
-      residue: reshape (n, l) -> (l, n), attend within each residue class   (B, H, l, n, n)
-      block:   attend within each block                                      (B, H, n, l, l)
-      summary: gather the n*c summary columns, plus the self column          (B, H, T, n c + 1)
-* "masked": one SDPA call per head half over all T x T pairs, the half's pattern (per
-  utterance, built on the device) as an additive mask (`kernels/masked.py`). On a GPU the
-  blocked sub-problems are too small for the flash kernels (about a thousand 23 x 69 ones per
-  layer at T = 512), where one masked call runs at nearly the speed of unmasked attention:
-  the CUDA rule up to `MASKED_MAX_T_CUDA` frames.
-* "flex": one FlexAttention call on CUDA, the per-utterance strides a tensor its score_mod
-  reads, so it compiles once per length bucket whatever the strides (flex.py; elsewhere, or
-  with attention dropout in training, the blocked kernel runs). A candidate of the tuner on
-  CUDA only.
-
-With `attention.autotune` on (pretraining) the tuner times the candidates once per device,
-dtype and shape bucket (`autotune.py`); without it, under torch.compile and on fake tensors
-the rule decides: blocked on CPU, masked on CUDA up to `MASKED_MAX_T_CUDA`, blocked above.
+l: the option, or round(sqrt(T_u)) of each utterance's extent T_u, so its output does not
+depend on its batch. On the CPU the utterances sharing l run together, trimmed to their
+extent (host reads); on CUDA and under torch.compile one call serves all strides with shapes
+fixed by T (`patterns.stride_bounds`). Kernels (option ``kernel``): "blocked" (each band,
+residue, block or summary sub-problem one fused SDPA call, never a T x T mask; n = ceil(T / l)
+blocks, l is `ls` in the code), "masked" (one SDPA call per head half, the pattern as an
+additive mask, `kernels/masked.py`), "flex" (one FlexAttention call on CUDA, `flex.py`);
+"auto": the tuner, or the rule: blocked on CPU, masked on CUDA up to `MASKED_MAX_T_CUDA`.
 """
 
 from __future__ import annotations
@@ -109,8 +83,10 @@ class _SparseBase(SharedQKBase):
         self.heads_first = int((index < self.heads_first).sum())  # still a prefix (sorted)
         super()._remove_heads(index)
 
+    stride_option: str  # the config field that fixes l (None: per utterance)
+
     def _fixed_stride(self) -> int | None:
-        raise NotImplementedError
+        return getattr(self.config, self.stride_option)
 
     def kernels(self) -> tuple[Kernel, Kernel]:
         """The blocked kernels of the first and second half of the heads."""
@@ -316,9 +292,7 @@ class SparseStridedAttention(_SparseBase):
 
     Config = SparseStridedConfig
     paper = "Child et al., Generating Long Sequences with Sparse Transformers, 2019 (strided)"
-
-    def _fixed_stride(self) -> int | None:
-        return self.config.stride
+    stride_option = "stride"
 
     def kernels(self) -> tuple[Kernel, Kernel]:
         return band_kernel, residue_kernel
@@ -336,9 +310,8 @@ class SparseStridedAttention(_SparseBase):
     def _mean_pattern_size(self, T: int) -> tuple[float, float]:
         ls = self._fixed_stride() or patterns.default_stride(T)
         i = torch.arange(T)
-        band = (torch.clamp(i + ls, max=T - 1) - torch.clamp(i - ls, min=0) + 1).double().mean()
         residue = torch.div(T - 1 - (i % ls), ls, rounding_mode="floor").double().add(1).mean()
-        return float(band), float(residue)
+        return patterns.mean_band_size(T, ls), float(residue)
 
 
 @dataclass
@@ -360,9 +333,7 @@ class SparseFixedAttention(_SparseBase):
 
     Config = SparseFixedConfig
     paper = "Child et al., Generating Long Sequences with Sparse Transformers, 2019 (fixed)"
-
-    def _fixed_stride(self) -> int | None:
-        return self.config.block
+    stride_option = "block"
 
     def kernels(self) -> tuple[Kernel, Kernel]:
         c = self.config.summary
