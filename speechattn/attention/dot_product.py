@@ -7,11 +7,8 @@
   queries; a query may attend to itself only when it has no other valid key (additive
   SELF_PENALTY = -5e4 on the diagonal).
 
-Both efficient paths call `torch.nn.functional.scaled_dot_product_attention` (flash /
-memory-efficient kernels on GPU, the fused flash kernel on CPU). A padded batch passes its key
-mask; on an H200 with torch 2.11 SDPA runs it in cuDNN's fused flash kernel, 1.27x the
-unmasked call, where compiled FlexAttention took 1.4x (padding BlockMask) to 5x (padding in a
-score_mod) and SDPA over nested jagged tensors 16x (docs/gpu.md), so the mask stays.
+Both efficient paths call SDPA with the key mask of a padded batch (on an H200, cuDNN's fused
+kernel at 1.27x the unmasked call, ahead of FlexAttention and nested tensors: docs/gpu.md).
 """
 
 from __future__ import annotations

@@ -1,39 +1,19 @@
 """FlexAttention for fixed-pattern heads: one call over every head, a cached BlockMask.
 
-`torch.nn.attention.flex_attention` computes softmax(q k^T / sqrt(d_k) + score_mod) v and
-skips the (128 x 128) query/key blocks that a `BlockMask` marks empty, so a band or block
-pattern costs about its share of T x T. Here:
+`flex_attention` skips the (128 x 128) blocks a `BlockMask` marks empty, so a band or block
+pattern costs about its share of T x T. Lengths are padded to a multiple of 128 (the bucket).
+The BlockMask comes from an `envelope` of positions and constants only, containing every
+pattern the bucket can hold, so it is built once per (pattern, heads, bucket, device), eagerly,
+and cached (inside a compiled region the cache is only read: a traced mask is not stored). The
+exact pattern, padding and the self penalty go into the `score_mod` as captured tensors
+(strides (B,), allowed keys (B, T)): inputs of the compiled kernel, so it compiles once per
+(batch size, bucket), never per stride (an int stride would be guarded on, past dynamo's
+recompile limit).
 
-* lengths are padded up to a multiple of 128 (the "bucket");
-* the BlockMask comes from an `envelope`: a mask_mod of positions and Python constants only
-  that contains the pattern of every utterance the bucket can hold (e.g. a band as wide as
-  the largest stride of the bucket), so it is built once per (pattern, heads, bucket, device)
-  and cached, whatever the batch's strides and size (it broadcasts over the batch). It is
-  built eagerly, before the compiled Flex call; inside a compiled region (the whole model
-  under torch.compile) the cache is only read, and a missing mask is built in the graph and
-  not stored (a cache written while tracing would hold traced values);
-* the exact pattern and everything else that depends on the batch go into the `score_mod`,
-  as tensors it captures (per-utterance strides (B,), allowed keys (B, T)): padded keys and
-  keys outside the utterance's pattern get -inf, the query's own key the shared-QK self
-  penalty (it is always allowed, so no row is empty). Captured tensors are inputs of the
-  compiled kernel, not constants baked into it, so the kernel compiles once per (batch size,
-  bucket) and never per stride (a stride as a Python int would be guarded on: one compile
-  per stride, past dynamo's recompile limit of 8, then eager Flex over all T x T scores).
-
-Flex kernels are compiled on CUDA (`CUDA_BACKEND`), with dynamo's recompile limit raised for
-that call to `MAX_COMPILES` (one per bucket and batch size). Torch 2.11 has no Flex backward
-on CPU, and its CPU forward is either compiled (tens of seconds per shape) or unfused (all
-T x T scores): callers use their SDPA kernels there (`use_flex`); the tests run this forward
-on CPU against the dense reference, eagerly, and compiled with the "eager" backend to count
-compilations, and check on CPU that each BlockMask covers the blocks the patterns need.
-
-On fake CUDA tensors (the fake-CUDA suite) Flex traces forward and backward with two
-stand-ins the tests set (`tests/fakecuda/_fake_cuda.py: fake_flex`): Flex's autograd
-differentiates the score_mod with the autograd engine on scalars of the query's device, and
-the engine asks the CUDA driver for a context, which a machine without a GPU lacks
-("hasPrimaryContext expects a valid device index"), so the score_mod's joint graph is traced
-on CPU scalars (it is the same graph: a score_mod is elementwise); and inductor's code
-generation needs a real device, so the compiled call uses the "eager" backend.
+Compiled on CUDA only (`CUDA_BACKEND`, up to `MAX_COMPILES`); torch 2.11 has no Flex backward
+on CPU, so callers use their SDPA kernels there (`use_flex`). On fake CUDA (the fake-CUDA
+suite) the tests trace the score_mod on CPU scalars and compile with the "eager" backend
+(`tests/fakecuda/_fake_cuda.py: fake_flex`): autograd would ask a missing driver for a context.
 """
 
 from __future__ import annotations
@@ -130,17 +110,14 @@ def pattern_attention(
     key: Hashable,
     backend: str | None = None,
 ) -> Tensor:
-    """Shared-QK pattern attention by FlexAttention.
+    """Shared-QK pattern attention by FlexAttention: q, k, v (B, h, T, d_k) -> (B, h, T, d_k)
+    in the dtype SDPA would use.
 
-    q, k, v (B, h, T, d_k); kv (B, T) keys that may be attended; pattern the keys each head
-    of each utterance may use (the query's own key is added): a mask_mod that may read
-    per-utterance tensors it captures; envelope a mask_mod of positions and constants only
-    that allows every key `pattern` allows for any utterance of at most `bucket(T)` frames;
-    key names the envelope for the BlockMask cache (e.g. (variant, largest stride)).
-    backend: torch.compile backend of the Flex call; None: "inductor" on CUDA, eager Flex
-    elsewhere (inside a torch.compile region the caller's compilation takes it).
-    Scores q k^T / sqrt(d_k), the self key penalised by -5e4 as in `shared_qk`. Returns
-    (B, h, T, d_k) in the dtype SDPA would use (the autocast dtype under autocast, else q's).
+    kv (B, T) keys that may be attended; pattern: the keys each head of each utterance may
+    use (a mask_mod that may read tensors it captures; the own key is added, penalised as in
+    `shared_qk`); envelope: a mask_mod of positions and constants allowing every key `pattern`
+    allows at up to `bucket(T)` frames, named by `key` in the BlockMask cache. backend: the
+    Flex call's torch.compile backend; None: "inductor" on CUDA, eager elsewhere.
     """
     B, h, T, d = q.shape
     Tb = bucket(T)

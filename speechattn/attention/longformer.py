@@ -1,32 +1,22 @@
 """Sliding-window, dilated-window and global attention: `longformer`.
 
 Beltagy, Peters, Cohan, "Longformer: The Long-Document Transformer", 2020 (arXiv:2004.05150),
-section 3.1, bidirectional (every query looks both ways). Scaled dot-product scores with separate Q, K, V
-projections as in `full`; query i of head h attends key j (both valid) when
+section 3.1, bidirectional. Scores as in `full`; query i of head h attends key j (both valid) when
 
     window heads (the first h - `dilated_heads`):  |i - j| <= w
     dilated heads (the last `dilated_heads`):      |i - j| <= w delta  and  (i - j) mod delta = 0
     every head:                                    i or j is a global frame
 
-Global frames: 0, g, 2g, ... (g = `global_every`; 0 = none). Speech has no [CLS] token to make
-global, and an utterance's first frames are usually silence, so a regular grid stands in for the
-paper's task-chosen tokens: at 30 ms frames and g = 64 one global frame every 1.9 s, through which
-any two frames meet within two layers. The grid is counted from the utterance's first frame, so it
-does not depend on what the utterance is batched with (padding comes last). Departure from the
-paper: the global scores reuse the Q, K, V projections (the paper trains a second set for them).
+Global frames are 0, g, 2g, ... (g = `global_every`; 0 = none), counted from the utterance's
+first frame: speech has no [CLS] token, so a regular grid stands in for the paper's chosen
+tokens. Departure from the paper: the global scores reuse the Q, K, V projections. Details:
+docs/attention.md, "longformer".
 
-keys_attended counts the pattern (as `sparse_*`): about 2w + 1 + T/g keys for an ordinary frame
-and T for a global one, averaged over frames and heads.
-
-Two kernels (`short_path_max_t`):
-* short T: one SDPA call over all T x T pairs with the pattern as an additive mask;
-* long T, O(T (w + T/g) D), no T x T tensor: the dilated heads' residue classes mod delta are
-  folded into the batch, which makes their window a plain band of radius w; each block of l = w
-  queries then attends its [previous, own, next] key blocks (kernels.blocks.block_windows) plus the G
-  global keys, in one fused SDPA call per head group, (B delta, H, n, l, 3l + G) for the dilated
-  heads; window keys that are global are masked there, since the global part holds them. The
-  global frames' own rows are then replaced by one SDPA call of their queries against all keys,
-  (B, h, G, T). Measured crossover: docs/attention.md, `longformer`.
+Short T: one SDPA call over all pairs, the pattern as an additive mask. Long T, O(T (w + T/g) D):
+the dilated heads' residue classes mod delta folded into the batch (their window becomes a
+band), each block of l = w queries against its [previous, own, next] key blocks plus the G
+global keys in one SDPA call per head group (window keys that are global masked there); then
+the global frames' rows replaced by one SDPA call against all keys, (B, h, G, T).
 """
 
 from __future__ import annotations
@@ -52,8 +42,6 @@ from speechattn.attention.base import (
 from speechattn.attention.kernels.blocks import (
     _attend,
     _blocks,
-    _pad_time,
-    _valid_blocks,
     block_windows,
     window_offsets,
 )
@@ -94,9 +82,7 @@ def _fold_classes(t: Tensor, step: int, dim: int) -> Tensor:
     """Residue classes mod `step` along `dim` into the batch (zero/False padded):
     (B, ..., T, ...) -> (B step, ..., m, ...), m = ceil(T / step); frame a step + r is entry
     a of class r, at batch index b step + r."""
-    T = t.shape[dim]
-    m = (T + step - 1) // step
-    t = _pad_time(t, 0, m * step - T, dim).unflatten(dim, (m, step))  # (B, ..., m, step, ...)
+    t = _blocks(t, step, dim)  # (B, ..., m, step, ...)
     return t.movedim(dim + 1, 1).flatten(0, 1)
 
 
@@ -129,7 +115,7 @@ def band_global_kernel(
     n, G = (m + w - 1) // w, kg.shape[2]
     rel = window_offsets(w, q.device)  # (l, 3l), l = w
     band_keys = block_windows(kv & ~glob, w, 1)[:, :, None, :]  # (B, n, 1, 3l)
-    pad_self = (rel == 0) & ~_valid_blocks(kv, w)[..., None]  # (B, n, l, 3l)
+    pad_self = (rel == 0) & ~_blocks(kv, w, 1)[..., None]  # (B, n, l, 3l)
     allowed = torch.cat(
         [(rel.abs() <= w) & band_keys | pad_self, kvg[:, None, None, :].expand(B, n, w, G)],
         dim=-1,
@@ -289,8 +275,7 @@ class LongformerAttention(Attention):
         out_g = F.scaled_dot_product_attention(q[:, :, gpos], k, v, attn_mask=mask, dropout_p=p)
         # Their rows replace the first frame of every group of g (an index_copy's backward
         # trips AOTAutograd's functionalization in torch 2.11 under torch.compile).
-        G = gpos.shape[0]
-        groups = _pad_time(out, 0, G * g - T, 2).unflatten(2, (G, g))  # (B, h, G, g, d_k)
+        groups = _blocks(out, g)  # (B, h, G, g, d_k)
         out = torch.cat([out_g[:, :, :, None], groups[:, :, :, 1:]], dim=3)
         return out.flatten(2, 3)[:, :, :T]  # (B, h, T, d_k)
 

@@ -1,26 +1,14 @@
-"""FusedAttention pooling: attention that maps L inputs to 1 output.
-
-"FusedAttention: fusing attention matrix into attention vector" (docs/attention.md):
+"""FusedAttention pooling: attention that maps L inputs to 1 output (docs/attention.md).
 
     Q = f_Q(X), K = f_K(X), V = f_V(X)            tokens (B, L, u), (B, L, u), (B, L, d)
     alpha = fuse(norm(K^T Q / sqrt(d)))           norm: softmax over keys, (B, L_k, L_q)
                                                   fuse: mean over valid queries -> (B, L)
     Y = g_V(V alpha)                              (B, d) -> g_V
 
-That definition scales by sqrt(d), d the size of V; ``scale="key"`` uses sqrt(u),
-the size of Q and K, as in ordinary scaled dot-product attention. They differ only when u != d.
-
-With the defaults (linear f_Q, f_K, f_V, softmax, mean, identity g_V), Y is exactly the mean
-over the valid queries of ordinary single-head attention outputs. In speechattn it is an
-alternative to mean pooling for utterance-level tasks: (B, T, D) + padding mask -> (B, D_out).
-
-Two input forms:
-* a collection of L same-shaped tensors: a list/tuple of L tensors (B, C, W_1..W_n) or one
-  tensor (B, L, C, W_1..W_n) (including (B, T, D) frame sequences); each element is
-  flattened to one token of C * prod(W_i) features;
-* one tensor (B, C, W_1..W_n) cut into non-overlapping patches of size `patch` =
-  (dW_1..dW_n): L = prod(W_i / dW_i) tokens of C * prod(dW_i) features. g_V may map the pooled
-  vector back to (C', dW_1..dW_n), e.g. ``g_v=lambda y: y.view(-1, C, *patch)``.
+``scale="key"`` divides by sqrt(u), the size of Q and K, instead of sqrt(d). With the defaults
+Y is the mean over the valid queries of single-head attention outputs. Inputs: L same-shaped
+tensors (a list, or one (B, L, C, W_1..W_n) tensor), each flattened to one token; or one
+(B, C, W_1..W_n) tensor cut into non-overlapping patches of size `patch` = (dW_1..dW_n).
 """
 
 from __future__ import annotations

@@ -32,28 +32,19 @@ def _pad_time(t: Tensor, left: int, right: int, dim: int) -> Tensor:
     return F.pad(t, pad)
 
 
-def _blocks(t: Tensor, ls: int) -> Tensor:
-    """(B, H, T, d) -> (B, H, n, l, d), zero-padded to n * l frames."""
-    B, H, T, d = t.shape
+def _blocks(t: Tensor, ls: int, dim: int = 2) -> Tensor:
+    """Dimension `dim` of t zero/False-padded to n * l frames and cut into (n, l), n = ceil(T / l):
+    (B, H, T, d) -> (B, H, n, l, d), or with dim = 1 (B, T) -> (B, n, l)."""
+    T = t.shape[dim]
     n = (T + ls - 1) // ls
-    return _pad_time(t, 0, n * ls - T, 2).view(B, H, n, ls, d)
-
-
-def _valid_blocks(kv: Tensor, ls: int) -> Tensor:
-    """(B, T) bool -> (B, n, l) bool, padded with False."""
-    B, T = kv.shape
-    n = (T + ls - 1) // ls
-    return _pad_time(kv, 0, n * ls - T, 1).view(B, n, ls)
+    return _pad_time(t, 0, n * ls - T, dim).unflatten(dim, (n, ls))
 
 
 def _attend(q: Tensor, k: Tensor, v: Tensor, allowed: Tensor, bias: Tensor, p: float) -> Tensor:
-    """Per-block softmax attention by one fused SDPA call.
-
-    q (B, H, m, Q, d), k and v (B, H, m, K, d) for m independent blocks; allowed (B, 1, m, Q, K)
-    bool, which must allow every query's own key (so no row is empty); bias broadcastable to
-    (Q, K), added to the scores. Returns (B, H, m, Q, d). Blocks become SDPA's batch and heads
-    its second dim, so one (B m, 1, Q, K) mask serves all heads.
-    """
+    """Per-block softmax attention by one fused SDPA call: q (B, H, m, Q, d), k and v
+    (B, H, m, K, d) for m blocks, allowed (B, 1, m, Q, K) bool allowing every query's own key,
+    bias broadcastable to (Q, K) -> (B, H, m, Q, d). Blocks become SDPA's batch, so one
+    (B m, 1, Q, K) mask serves all heads."""
     B, H, m, Q, d = q.shape
     mask = bias.to(q.dtype).masked_fill(~allowed, float("-inf")).transpose(1, 2)  # (B, m, 1, Q, K)
 
@@ -73,13 +64,10 @@ def _take_frames(t: Tensor, pos: Tensor) -> Tensor:
 
 
 def utterance_slots(ls: Tensor, T: int) -> tuple[Tensor, Tensor, Tensor]:
-    """Each utterance's blocks of l_b frames in (M, L) slots, (L, M) = stride_bounds(T).
-
-    ls (B,) strides. Returns pos (B, M, L), the frame m l_b + a of slot (m, a) (clamped into
-    [0, T)); used (B, M, L), whether that slot holds a frame (a < l_b, m l_b + a < T); slot
-    (B, T), the slot m L + a of each frame t = m l_b + a (clamped for frames past the extent,
-    which are padding). Every frame before the extent has its own slot.
-    """
+    """Each utterance's blocks of l_b frames in (M, L) slots, (L, M) = stride_bounds(T), for
+    strides ls (B,): pos (B, M, L) the frame m l_b + a of slot (m, a), clamped into [0, T);
+    used (B, M, L) whether it holds a frame; slot (B, T) the slot m L + a of frame m l_b + a
+    (clamped past the extent, padding)."""
     L, M = patterns.stride_bounds(T)
     device = ls.device
     lb = ls[:, None, None]  # (B, 1, 1)
@@ -115,17 +103,10 @@ def _slot_kernel(
     return _take_frames(out.reshape(B, H, M * L, d), slot)  # (B, H, T, d)
 
 
-def _dropout(probs: Tensor, p: float) -> Tensor:
-    return F.dropout(probs, p) if p else probs
-
-
 def block_windows(t: Tensor, ls: int, dim: int) -> Tensor:
-    """Keys of each query block in the band kernels: the previous, own and next block of l
-    frames along `dim` (zero/False outside the sequence).
-
-    (..., T, ...) -> (..., n, 3l, ...), n = ceil(T / l); window position w of block b is frame
-    (b - 1) l + w, so a query at offset a of its block is at w = a + l.
-    """
+    """Keys of each query block in the band kernels, the previous, own and next block of l
+    frames along `dim` (zero/False outside): (..., T, ...) -> (..., n, 3l, ...); window
+    position w of block b is frame (b - 1) l + w (a query at offset a is at w = a + l)."""
     T = t.shape[dim]
     n = (T + ls - 1) // ls
     tp = _pad_time(t, ls, n * ls - T + ls, dim)  # (n + 2) l frames along dim
@@ -173,7 +154,7 @@ def residue_kernel(
     def classes(t: Tensor) -> Tensor:  # (B, H, T, d) -> (B, H, l, n, d)
         return _blocks(t, ls).transpose(2, 3)
 
-    kvr = _valid_blocks(kv, ls).transpose(1, 2)  # (B, l, n)
+    kvr = _blocks(kv, ls, 1).transpose(1, 2)  # (B, l, n)
     eye = torch.eye(n, dtype=torch.bool, device=q.device)
     allowed = kvr[:, None, :, None, :] | eye  # (B, 1, l, n, n)
     bias = eye.to(q.dtype) * SELF_PENALTY  # (n, n)
@@ -187,7 +168,7 @@ def block_kernel(q: Tensor, k: Tensor, v: Tensor, kv: Tensor, ls: Stride, p: flo
         return _slot_kernel(q, k, v, kv, ls, p, by_class=False)
     B, H, T, d = q.shape
     eye = torch.eye(ls, dtype=torch.bool, device=q.device)
-    allowed = _valid_blocks(kv, ls)[:, None, :, None, :] | eye  # (B, 1, n, l, l)
+    allowed = _blocks(kv, ls, 1)[:, None, :, None, :] | eye  # (B, 1, n, l, l)
     bias = eye.to(q.dtype) * SELF_PENALTY  # (l, l)
     out = _attend(
         _blocks(q, ls), _blocks(k, ls), _blocks(v, ls), allowed, bias, p
@@ -196,9 +177,9 @@ def block_kernel(q: Tensor, k: Tensor, v: Tensor, kv: Tensor, ls: Stride, p: flo
 
 
 def summary_columns(T: int, ls: Stride, c: int, device: torch.device) -> tuple[Tensor, Tensor]:
-    """The summary keys j mod l >= l - min(c, l): positions (1, N) for one stride, (B, N) for
-    per-utterance strides (N fixed by T, `patterns.stride_bounds`), clamped into [0, T), and
-    (1 or B, N) whether each is one of its utterance's columns inside [0, T)."""
+    """The summary keys j mod l >= l - min(c, l), clamped into [0, T): positions (1, N), or
+    (B, N) for per-utterance strides (N from `patterns.stride_bounds`), and whether each is
+    a real column inside [0, T)."""
     if isinstance(ls, Tensor):
         L, n = patterns.stride_bounds(T)
         lb = ls[:, None, None]  # (B, 1, 1)
@@ -235,5 +216,5 @@ def summary_kernel(
         torch.cat([s_sum, s_self], dim=-1),
         torch.cat([ok_sum.expand(B, 1, T, -1), ok_self], dim=-1),
     )  # (B, H, T, N + 1)
-    probs = _dropout(probs, p)
+    probs = F.dropout(probs, p) if p else probs
     return probs[..., :-1] @ vs + probs[..., -1:] * v

@@ -17,11 +17,8 @@ _CHUNK = 1 << 21  # elements of one (h, rows, T) block of weights in TableAttent
 
 
 def weighted_values(w: Tensor, v: Tensor) -> Tensor:
-    """w (G, h, T, T) @ v (B, h, T, d_k) -> (B, h, T, d_k), with G = 1 or B.
-
-    G = 1 runs as one (h, T, T) x (h, T, B d_k) product rather than broadcasting w to B
-    copies. The weights are cast to v's dtype (under autocast, v is half precision).
-    """
+    """w (G, h, T, T) @ v (B, h, T, d_k) -> (B, h, T, d_k), G = 1 or B (G = 1: one
+    (h, T, T) x (h, T, B d_k) product); w is cast to v's dtype (half under autocast)."""
     B, h, T, d = v.shape
     w = w.to(v.dtype)
     if w.shape[0] == B:
@@ -31,11 +28,8 @@ def weighted_values(w: Tensor, v: Tensor) -> Tensor:
 
 
 def _window(r: Tensor, o: int, s: int, e: int, T: int) -> Tensor:
-    """Rows [o + s, o + e) and columns [o, o + T) of r (n, n), zero-padded past n: (e - s, T).
-
-    Only the "end" head of syn_fixed on a padded utterance reaches past n, and only at padded
-    rows and columns (masked keys, zeroed queries).
-    """
+    """Rows [o + s, o + e) and columns [o, o + T) of r (n, n), zero-padded past n (only
+    syn_fixed's "end" head, at padded rows and columns): (e - s, T)."""
     n = r.shape[-1]
     w = r[o + s : min(o + e, n), o : min(o + T, n)]
     if w.shape == (e - s, T):
@@ -44,18 +38,13 @@ def _window(r: Tensor, o: int, s: int, e: int, T: int) -> Tensor:
 
 
 class GradientMemory:
-    """Memory for a logit table's gradient (CPU), reused from step to step.
+    """Memory for a logit table's gradient (CPU), reused from step to step: fresh memory of
+    the table's size (0.8 GB at l_max = 4096) costs page faults and compaction every step.
 
-    The gradient has the table's size, h l_max^2 (0.8 GB at l_max = 4096), and fresh memory
-    costs page faults on first touch, plus compaction when the OS assembles 2 MiB pages: at
-    T close to l_max a step with fresh memory is markedly slower than with reused memory.
-
-    `take` hands last step's array out again, zeroed, once nothing refers to it any more
-    (numpy's reference count of the array: every tensor, view or storage on it holds one,
-    so a gradient still in `.grad`, e.g. while accumulating, is never overwritten). Steps
-    whose windows cover less than a quarter of the table take fresh lazily zeroed memory
-    instead: zeroing all of it would cost more than the pages their windows touch.
-    Copies and pickles of the module start without memory.
+    `take` hands last step's array out again, zeroed, once numpy's reference count shows
+    nothing refers to it (a gradient still in `.grad` is never overwritten). Windows covering
+    under a quarter of the table take fresh lazily zeroed memory instead. Copies and pickles
+    start without memory.
     """
 
     def __init__(self) -> None:
@@ -87,21 +76,17 @@ class GradientMemory:
 
 
 def table_gradient(table: Tensor) -> Tensor:
-    """A zero tensor of table's shape, dtype and device, for its gradient from T x T windows,
-    in lazily zeroed memory (`lazy_zeros`): a step pays for the pages of its windows only,
-    not for zeroing the whole table as torch.zeros would."""
+    """A zero tensor like table for its gradient, lazily zeroed: a step pays for the pages of
+    its windows only."""
     return lazy_zeros(tuple(table.shape), table.dtype, table.device)
 
 
 class TableWindows(torch.autograd.Function):
     """Each head's T x T window of a logit table: table (h, n, n), offsets (G, h) int ->
-    (G, h, T, T); head i of group g reads rows and columns [o, o + T), o = offsets[g, i];
-    memory (`GradientMemory`) gives the gradient's memory.
+    (G, h, T, T), head i of group g at rows and columns [o, o + T), o = offsets[g, i].
 
-    Autograd's own slicing would build one zero-filled (h, n, n) gradient per head and add
-    them up (h full-table passes per step); this backward fills one gradient and adds each
-    window into it. CPU eager only (it reads the offsets on the host): no autocast-sensitive op
-    inside, the windows keep the table's dtype.
+    Autograd's slicing would add h zero-filled (h, n, n) gradients; this backward adds each
+    window into one (from `GradientMemory`). CPU eager only (offsets read on the host).
     """
 
     @staticmethod
@@ -134,16 +119,13 @@ class TableWindows(torch.autograd.Function):
 
 
 class TableAttention(torch.autograd.Function):
-    """Y = softmax(R sliced to T x T, over valid keys) V, in row chunks.
+    """Y = softmax(R sliced to T x T, over valid keys) V, in row chunks: table (h, n, n),
+    offsets (G, h) as in `TableWindows` (G = 1 or B), v (B, h, T, d_k), kv (B, T) allowed
+    keys -> (B, h, T, d_k).
 
-    table (h, n, n) logits; offsets (G, h) int: head i of group g reads rows and columns
-    [o, o + T) with o = offsets[g, i]; G = 1 (one slice for the whole batch) or G = B (one per
-    utterance); v (B, h, T, d_k); kv (B, T) allowed keys; memory (`GradientMemory`) gives the
-    table gradient's memory. Returns (B, h, T, d_k).
-    The backward pass recomputes each chunk's weights; with G = 1 it writes the gradient of
-    each head's slice straight into the table gradient. CPU eager only (offsets and padding are
-    read on the host); autocast is handled explicitly: switched off inside, v and the gradient
-    cast to the table's dtype, the outputs back to v's.
+    The backward recomputes each chunk's weights (with G = 1 writing each head's slice
+    straight into the table gradient). CPU eager only; autocast off inside, v and the
+    gradient cast to the table's dtype, the outputs back to v's.
     """
 
     @staticmethod
