@@ -57,16 +57,13 @@ class FusedAttentionPool(nn.Module):
     """L inputs -> 1 output by fused attention (see module docstring).
 
     Args:
-        in_dim: F, features per token; needed only for the default linear f_Q/f_K/f_V.
-        out_dim: d, size of V (default in_dim).
-        qk_dim: u, size of Q and K (default in_dim).
+        in_dim: F, features per token (needed only for the default linear f_Q/f_K/f_V);
+            out_dim: d, size of V; qk_dim: u, size of Q and K (both default in_dim).
         f_q, f_k, f_v: modules/callables mapping tokens (B, L, F) to (B, L, u|u|d).
-        norm: (scores (B, Lk, Lq), key_valid (B, Lk)) -> weights; default softmax over keys.
-        fuse: (weights (B, Lk, Lq), query_valid (B, Lq)) -> alpha (B, Lk); default mean.
-        g_v: applied to the pooled V alpha (B, d); default identity.
+        norm, fuse: see `Norm`, `Fuse`; default softmax over keys, mean over queries.
+        g_v: applied to the pooled V alpha (B, d), e.g. ``lambda y: y.view(-1, C, *patch)``.
         patch: window sizes (dW_1..dW_n) for the single-tensor form; None for collections.
-        scale: "value" divides K^T Q by sqrt(d), the size of V (the definition's, the default);
-            "key" by sqrt(u), the size of Q and K.
+        scale: "value" divides K^T Q by sqrt(d) (the definition's), "key" by sqrt(u).
     """
 
     def __init__(
@@ -119,16 +116,9 @@ class FusedAttentionPool(nn.Module):
         padding_mask: Tensor | None = None,
         need_weights: bool = False,
     ) -> Tensor | tuple[Tensor, Tensor]:
-        """Pool L inputs into one.
-
-        Args:
-            x: (B, L, ...) / list of L (B, ...) tensors, or (B, C, W_1..W_n) with `patch`.
-            padding_mask: (B, L) bool, True at padded inputs (never used as keys or queries).
-            need_weights: also return alpha (B, L).
-
-        Returns:
-            g_V(V alpha) ((B, d) by default), and alpha (B, L) with need_weights.
-        """
+        """Pool x, (B, L, ...) / list of L (B, ...) tensors, or (B, C, W_1..W_n) with `patch`,
+        padding_mask (B, L) True at padded inputs -> g_V(V alpha) ((B, d) by default), and
+        alpha (B, L) with need_weights."""
         tok = self.tokens(x)  # (B, L, F)
         B, L, _ = tok.shape
         if padding_mask is None:

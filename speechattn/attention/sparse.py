@@ -140,6 +140,16 @@ class _SparseBase(SharedQKBase):
             return [fixed] * valid.shape[0]
         return [patterns.default_stride(e) for e in extents(valid).tolist()]
 
+    def device_strides(self, valid: Tensor | None, T: int) -> Stride:
+        """l without a host read: the configured one, round(sqrt(T)) when nothing is padded,
+        else each utterance's from its extent by device ops, (B,)."""
+        fixed = self._fixed_stride()
+        if fixed is not None:
+            return fixed
+        if valid is None:  # every utterance spans all T frames
+            return patterns.default_stride(T)
+        return patterns.default_strides(extents(valid))
+
     def flex_mask(self, ls: Tensor, bound: int) -> tuple[Hashable, flex.MaskMod, flex.MaskMod]:
         """The two patterns by head for FlexAttention with per-utterance strides ls (B,):
         (key, pattern, envelope). pattern(b, h, i, j) reads ls[b] (a tensor, so the compiled
@@ -190,15 +200,9 @@ class _SparseBase(SharedQKBase):
         kernel = pick_kernel(self, q)
         if kernel == "masked":
             return self.attend_masked(q, k, v, valid)
-        fixed = self._fixed_stride()
-        if valid is None:  # every utterance spans all T frames: one stride
-            ls = fixed or patterns.default_stride(x.shape[1])
-            return self._run(q, k, v, all_valid(x), ls, kernel)
-        kv = key_mask(valid)  # (B, T)
-        if fixed is not None:
-            return self._run(q, k, v, kv, fixed, kernel)
-        if needs_static_shapes(q):  # the strides stay on the device
-            return self._run(q, k, v, kv, patterns.default_strides(extents(valid)), kernel)
+        kv = all_valid(x) if valid is None else key_mask(valid)  # (B, T)
+        if valid is None or self._fixed_stride() is not None or needs_static_shapes(q):
+            return self._run(q, k, v, kv, self.device_strides(valid, x.shape[1]), kernel)
         # CPU eager: utterances sharing l run together, trimmed to their extent (host reads).
         ext = extents(valid).tolist()
         strides = [patterns.default_stride(e) for e in ext]
@@ -219,14 +223,7 @@ class _SparseBase(SharedQKBase):
         Per-utterance strides come from the extents by device ops (no host read), so one
         call serves the batch on every device."""
         T = q.shape[2]
-        fixed = self._fixed_stride()
-        if fixed is not None:
-            ls: Stride = fixed
-        elif valid is None:
-            ls = patterns.default_stride(T)
-        else:
-            ls = patterns.default_strides(extents(valid))  # (B,)
-        first, second = self.pattern_pair(T, ls, q.device)  # (T, T) or (B, T, T) each
+        first, second = self.pattern_pair(T, self.device_strides(valid, T), q.device)
         hA, p = self.heads_first, (self.dropout if self.training else 0.0)
         groups = [(hA, first), (self.num_heads - hA, second)]
         kv = None if valid is None else key_mask(valid)
