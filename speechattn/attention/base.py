@@ -142,22 +142,18 @@ class Attention(nn.Module, ABC):
         self._kernel_memo: dict[tuple, str] = {}  # measured choices: key -> kernel name
         self.kernel_choices: dict[str, dict] = {}  # the same, readable, for run metadata
 
-    @classmethod
-    def from_config(cls, config: AttentionConfig) -> Attention:
-        return cls(config)
-
     # ----------------------------------------------------------------- metadata
     @property
     def complexity(self) -> str:
         """Theoretical time complexity, e.g. ``"training O(T^2 D); inference O(T^2 D)"``."""
         return f"training {self.complexity_training}; inference {self.complexity_inference}"
 
-    @abstractmethod
     def keys_attended(self, T: int) -> float:
         """Average number of frames whose value each query weighs, for T valid frames (the x
-        axis of the study's Figure 4): the keys whose score a query computes; `ldsa` its
-        window inside the utterance; 0 for the synthesizers, whose weights do not come from
-        the keys (docs/attention.md, "Overview")."""
+        axis of the study's Figure 4): the keys whose score a query computes (all T here,
+        as in `full`, `shared_qk`, `relpos`, `linear`); `ldsa` its window inside the
+        utterance; 0 for the synthesizers, whose weights do not come from the keys."""
+        return float(T)
 
     @abstractmethod
     def flops(self, T: int) -> Flops:

@@ -52,9 +52,6 @@ class FullAttention(Attention):
         super().__init__(config)
         self.qkv = nn.Linear(config.dim, 3 * config.dim, bias=config.bias)  # W^Q | W^K | W^V
 
-    def keys_attended(self, T: int) -> float:
-        return float(T)
-
     def flops(self, T: int) -> Flops:
         return self.dot_product_flops(T, T)
 
@@ -112,9 +109,6 @@ class SharedQKAttention(SharedQKBase):
     complexity_training = "O(T^2 D)"
     complexity_inference = "O(T^2 D)"
 
-    def keys_attended(self, T: int) -> float:
-        return float(T)
-
     def flops(self, T: int) -> Flops:
         return self.dot_product_flops(T, T, projections=2)
 
@@ -123,9 +117,8 @@ class SharedQKAttention(SharedQKBase):
         T = x.shape[1]
         p = self.dropout if self.training else 0.0
         if x.device.type == "cpu" and valid is None:
-            # Keys in reverse order put the self penalty on the anti-diagonal, which a strided
-            # view of 2T - 1 numbers holds: a T x T mask's memory traffic is a visible share of
-            # the step at long T. CUDA's kernels want a dense mask, padding a per-key term.
+            # Keys reversed put the self penalty on the anti-diagonal, a strided view of 2T - 1
+            # numbers (a T x T mask costs at long T); CUDA's kernels want a dense mask.
             line = torch.zeros(2 * T - 1, dtype=q.dtype, device=x.device)
             line[T - 1] = SELF_PENALTY
             mask = patterns.hankel(line, T, T)[None, None]  # (1, 1, T, T), [i, j'] = line[i + j']

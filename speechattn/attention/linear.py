@@ -54,9 +54,6 @@ class LinearAttention(Attention):
         super().__init__(config)
         self.qkv = nn.Linear(config.dim, 3 * config.dim, bias=config.bias)  # W^Q | W^K | W^V
 
-    def keys_attended(self, T: int) -> float:
-        return float(T)  # every valid key enters S and z
-
     def flops(self, T: int) -> Flops:
         D, E, dk = self.dim, self.inner_dim, self.head_dim  # E = h d_k (D unless pruned)
         state = 2 * 2.0 * T * E * dk  # phi(K)^T V and phi(Q) S, all heads

@@ -104,13 +104,10 @@ def band_global_kernel(
     w: int,
     p: float = 0.0,
 ) -> Tensor:
-    """Band |a - b| <= w plus G global keys, in one softmax per query.
-
-    q, k, v (B, H, m, d) and kv (B, m) allowed keys; glob (B, m) marks the global frames among
-    them (left out of the band, the global part holds them); kg, vg (B, H, G, d) and kvg (B, G)
-    the global keys. A query that is not an allowed key itself (padding) may use its own key,
-    so that no softmax row is empty. Returns (B, H, m, d).
-    """
+    """Band |a - b| <= w plus G global keys, in one softmax per query: q, k, v (B, H, m, d),
+    kv (B, m) allowed keys, glob (B, m) the global frames (left out of the band), kg, vg
+    (B, H, G, d) and kvg (B, G) the global keys -> (B, H, m, d). A padded query may use its
+    own key, so that no row is empty."""
     B, H, m, d = q.shape
     n, G = (m + w - 1) // w, kg.shape[2]
     rel = window_offsets(w, q.device)  # (l, 3l), l = w
@@ -208,13 +205,9 @@ class LongformerAttention(Attention):
     def pattern_bias(
         self, valid: Tensor | None, T: int, dtype: torch.dtype, device: torch.device
     ) -> Tensor:
-        """`pattern` as SDPA's additive mask, 0 where allowed and -inf elsewhere: (1, h, T, T)
-        when valid is None (no padding), else (B, h, T, T).
-
-        A head group's window depends on i - j only: it is written once over the 2T - 1
-        offsets and laid out as a strided view, and the global rows and columns are filled in
-        place (building the boolean pattern instead is slower than `full` itself).
-        """
+        """`pattern` as SDPA's additive mask, 0 where allowed, -inf elsewhere: (1, h, T, T) when
+        valid is None, else (B, h, T, T). Each head group's window is written once over the
+        2T - 1 offsets as a strided view (the boolean pattern is slower than `full` itself)."""
         offset = torch.arange(1 - T, T, device=device)  # i - j
         groups = []
         for heads, step in self.head_steps():
@@ -228,8 +221,7 @@ class LongformerAttention(Attention):
             bias[..., :: self.global_every] = 0.0
         if valid is None:
             return bias
-        # Padded keys out; a padded query keeps its own key. Applied whenever there is a mask
-        # (the caller passes None when nothing is padded), never decided by reading it.
+        # padded keys out, a padded query keeps its own key (never decided by reading the mask)
         kv = key_mask(valid)
         own = torch.eye(T, dtype=torch.bool, device=device) & ~kv[:, None, :, None]
         return bias.masked_fill(~kv[:, None, None, :], -math.inf).masked_fill(own, 0.0)

@@ -94,9 +94,6 @@ class RelPosAttention(Attention):
         self.pos_bias_u = nn.Parameter(nn.init.xavier_uniform_(torch.empty(h, dk)))
         self.pos_bias_v = nn.Parameter(nn.init.xavier_uniform_(torch.empty(h, dk)))
 
-    def keys_attended(self, T: int) -> float:
-        return float(T)
-
     def flops(self, T: int) -> Flops:
         D, E = self.dim, self.inner_dim  # E = h d_k (D unless pruned)
         projections = linear_flops(T, D, 3 * E) + linear_flops(2 * T - 1, D, E)  # QKV, W_R r

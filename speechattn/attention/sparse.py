@@ -51,17 +51,14 @@ from speechattn.attention.kernels.masked import masked_heads
 from speechattn.attention.registry import register
 from speechattn.errors import ConfigError
 
-# The kernels the tuner chooses among (CUDA only for flex), and the options' values.
 TUNED = ("blocked", "masked", "flex")  # the kernels, each forced by its name
-KERNELS = ("auto", *TUNED)
-# What `auto` times. Not flex: on an H200 at the paper's shapes (T = 512) the tuner measured
-# masked 3.3 ms, blocked 5.6 ms, flex 9.6 ms, and compiling it costs ~20 s per length bucket.
+KERNELS = ("auto", *TUNED)  # the option's values
+# What `auto` times. Not flex: on an H200 at T = 512 masked took 3.3 ms, blocked 5.6, flex 9.6,
+# and compiling flex costs ~20 s per length bucket.
 AUTO = ("blocked", "masked")
 OLD_NAMES = {"sdpa": "blocked"}  # the blocked kernel's name in the first runs' configs
-# The rule on CUDA (no measurement): masked up to here, blocked above. The masked kernel does
-# all T x T pairs, about 1 ms forward + backward for 50 x 12 heads at T = 512 on an H200
-# (cuDNN flash with the mask), where the blocked kernel's problems are tiny; past 1024 frames
-# its T^2 cost is left to the tuner's measurement.
+# The CUDA rule: masked (all T x T pairs, ~1 ms for 50 x 12 heads at T = 512 on an H200) up to
+# here, blocked above; past it the T^2 cost is left to the tuner.
 MASKED_MAX_T_CUDA = 1024
 
 

@@ -18,7 +18,9 @@ by device ops whose shapes depend on B and T only.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -45,16 +47,6 @@ from speechattn.attention.kernels.table import (
 from speechattn.attention.pruning import remove_projection_heads, select_
 from speechattn.attention.registry import register
 from speechattn.errors import ConfigError
-
-
-def _pad_frames(out: Tensor | tuple[Tensor, Tensor], T: int) -> Tensor | tuple[Tensor, Tensor]:
-    """Outputs of n frames padded back to T: y (B, n, D) -> (B, T, D) with zero rows, and
-    weights (B, h, n, n) -> (B, h, T, T) with zero rows and columns (padded frames)."""
-    if isinstance(out, Tensor):
-        return F.pad(out, (0, 0, 0, T - out.shape[1]))
-    y, w = out
-    n = y.shape[1]
-    return F.pad(y, (0, 0, 0, T - n)), F.pad(w, (0, T - n, 0, T - n))
 
 
 @dataclass
@@ -97,30 +89,32 @@ class _SynthesizerBase(Attention):
         head_mask: Tensor | None = None,
         need_weights: bool = False,
     ) -> Tensor | tuple[Tensor, Tensor]:
-        """`Attention.forward`; a batch padded beyond max_len whose utterances all fit runs
-        on its first n = (last valid frame + 1) <= max_len frames, the rest padding."""
-        n = self._fitting_length(x, padding_mask)
-        if n is None:
-            return super().forward(x, padding_mask, head_mask, need_weights)
-        out = super().forward(x[:, :n], padding_mask[:, :n], head_mask, need_weights)
-        return _pad_frames(out, x.shape[1])
+        """`Attention.forward`, cropped (`_cropped`)."""
+        return self._cropped(super().forward, x, padding_mask, head_mask, need_weights)
 
     def dense_reference(
         self, x: Tensor, padding_mask: Tensor | None = None, head_mask: Tensor | None = None
     ) -> tuple[Tensor, Tensor]:
-        """`Attention.dense_reference`, cropped as `forward` is."""
-        n = self._fitting_length(x, padding_mask)
+        """`Attention.dense_reference`, cropped (`_cropped`)."""
+        return self._cropped(super().dense_reference, x, padding_mask, head_mask)
+
+    def _cropped(self, run: Callable[..., Any], x: Tensor, mask: Tensor | None, *args: Any) -> Any:
+        """run(x, mask, *args); a batch padded beyond max_len whose utterances all fit runs on
+        its first n = (last valid frame + 1) <= max_len frames, and y (B, n, D) and weights
+        (B, h, n, n) are padded back to T with zero rows and columns."""
+        n = self._fitting_length(x, mask)
         if n is None:
-            return super().dense_reference(x, padding_mask, head_mask)
-        return _pad_frames(
-            super().dense_reference(x[:, :n], padding_mask[:, :n], head_mask), x.shape[1]
-        )
+            return run(x, mask, *args)
+        out, T = run(x[:, :n], mask[:, :n], *args), x.shape[1]
+        if isinstance(out, Tensor):
+            return F.pad(out, (0, 0, 0, T - n))
+        y, w = out
+        return F.pad(y, (0, 0, 0, T - n)), F.pad(w, (0, T - n, 0, T - n))
 
     def _fitting_length(self, x: Tensor, padding_mask: Tensor | None) -> int | None:
-        """Frames to keep, when x (B, T, D) is longer than max_len but every utterance of the
-        batch fits: 1 + the last valid frame of any utterance (an utterance longer than
-        max_len is refused, naming its length); None when x fits as it is or has no mask. A
-        host read of the mask, only for a batch that would be refused otherwise."""
+        """Frames to keep when x (B, T, D) is longer than max_len but every utterance fits: 1 +
+        the last valid frame of any utterance (one longer than max_len is refused); None when
+        x fits or has no mask. A host read, only for a batch refused otherwise."""
         T = x.shape[1]
         if T <= self.max_len or padding_mask is None or padding_mask.shape != x.shape[:2]:
             return None
@@ -281,14 +275,13 @@ class SynRandomAttention(_SynthesizerBase):
         select_(self, "logits", index)
 
     def offsets(self, valid: Tensor | None, T: int) -> Tensor:
-        """(G, h) first row/column of each head's T x T slice of R, G = 1 or B, on the host
-        (the CPU kernels read them); valid (B, T) or None (nothing padded)."""
+        """(G, h) first row/column of each head's T x T slice of R, G = 1 or B, on the host;
+        valid (B, T) or None (nothing padded)."""
         return torch.zeros(1, self.num_heads, dtype=torch.long)
 
     def window_logits(self, valid: Tensor | None, T: int) -> Tensor:
-        """R^i sliced to T x T at the same places as `offsets`, by device ops whose shapes
-        depend on T (and B) only: (G, h, T, T), G = 1 or B. Autograd's slicing builds the
-        table's gradient (one pass over it per slice; cheap on a GPU)."""
+        """R^i sliced to T x T at `offsets`' places by device ops whose shapes depend on T and B
+        only: (G, h, T, T), G = 1 or B."""
         return self.logits[None, :, :T, :T]
 
     def weights(self, valid: Tensor | None, T: int) -> Tensor:
@@ -326,11 +319,10 @@ class SynRandomAttention(_SynthesizerBase):
 @dataclass
 class SynFixedConfig(SynRandomConfig):
     context: int = 3  # width of the left/right context patterns
-    # Share of each row's weight on its pattern at initialisation, at T = max_len (more at
-    # shorter T): sets eps (`pattern_eps`), so the patterns dominate at every length.
+    # Each row's weight on its pattern at initialisation at T = max_len (more at shorter T)
     init_mass: float = 0.99
-    # Initial logits log(pattern + eps); None: from init_mass and max_len. A fixed eps gives a
-    # mass falling with T (1e-4, the study's first runs: 0.95 at T = 512, 0.55 at 8192).
+    # Initial logits log(pattern + eps); None: `pattern_eps` from init_mass and max_len (a
+    # fixed eps, 1e-4 in the first runs, gives a mass falling with T: 0.55 at T = 8192)
     eps: float | None = None
 
     def __post_init__(self) -> None:
@@ -344,13 +336,10 @@ class SynFixedConfig(SynRandomConfig):
 
 
 def pattern_eps(init_mass: float, max_len: int) -> float:
-    """eps with which a pattern row holds `init_mass` of its weight at T = max_len valid keys.
-
-    A row whose pattern puts 1/k on k keys has logits log(1/k + eps) there and log(eps) on
-    the other T - k, so its pattern mass is (1 + k eps) / (1 + T eps): at least init_mass
-    for every k >= 1 and T <= max_len when eps = (1 - m) / (m max_len - 1) (1 when a single
-    key makes every mass 1). init_mass = 0.99, max_len = 1024: 9.9e-6 (logits -11.5 off
-    the pattern, against log(1 + eps) ~ 0 on it)."""
+    """eps with which a pattern row holds `init_mass` m of its weight at T = max_len valid keys:
+    a row putting 1/k on k keys holds (1 + k eps) / (1 + T eps) >= m for every k >= 1 and
+    T <= max_len when eps = (1 - m) / (m max_len - 1) (1 when a single key makes every mass 1);
+    m = 0.99, max_len = 1024: 9.9e-6 (logits -11.5 off the pattern)."""
     m = init_mass
     return (1 - m) / (m * max_len - 1) if m * max_len > 1 else 1.0
 
@@ -385,13 +374,9 @@ class SynFixedAttention(SynRandomAttention):
         self.head_patterns = [self.head_patterns[i] for i in index.tolist()]
 
     def offsets(self, valid: Tensor | None, T: int) -> Tensor:
-        """(G, h) on the host: the "end" head is read so that each utterance's last valid
-        frame meets the bottom-right corner of R; G = 1 when all utterances agree (e.g. B = 1,
-        or valid None), else B.
-
-        The other heads, "start" included, are read from the top-left corner: padding is at
-        the end (data contract), so frame 0 is the utterance's first valid frame.
-        """
+        """(G, h) on the host: the "end" head read so that each utterance's last valid frame
+        meets the bottom-right corner of R (G = 1 when all utterances agree, else B); the
+        others, "start" included, from the top-left corner (padding comes last)."""
         offs = super().offsets(valid, T)
         if "end" not in self.head_patterns:
             return offs
@@ -411,12 +396,8 @@ class SynFixedAttention(SynRandomAttention):
 
     def window_logits(self, valid: Tensor | None, T: int) -> Tensor:
         """`offsets`' windows by device ops: (1, h, T, T) unpadded, (B, h, T, T) padded.
-
-        Utterance b's "end" window starts d_b = T - 1 - last_b rows and columns past the
-        bottom-right T x T corner of R, i.e. it is the corner shifted up-left along the
-        diagonal by d_b, with zeros past the table's edge (padded rows and columns only): one
-        gather from the corner, zero-padded to (2T - 1, 2T - 1), with a (B, T) index.
-        """
+        Utterance b's "end" window is the bottom-right T x T corner of R shifted along the
+        diagonal by d_b = T - 1 - last_b, zeros past the edge: one gather with a (B, T) index."""
         logits = super().window_logits(valid, T)  # (1, h, T, T), top-left windows
         if "end" not in self.head_patterns:
             return logits

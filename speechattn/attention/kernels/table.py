@@ -103,9 +103,7 @@ class TableWindows(torch.autograd.Function):
         table, offsets = ctx.saved_tensors
         n, T = table.shape[-1], grad.shape[-1]
         g_table = ctx.memory.take(table, T)
-        # On CPU the windows are added by numpy, on one thread: the first write to each page of
-        # the lazily zeroed gradient faults, and faults from two threads at once were many
-        # times slower than from one.
+        # numpy adds the windows on one thread: page faults from two threads were much slower
         dst, src = (
             (g_table.numpy(), grad.numpy())
             if numpy_backed(g_table.dtype, g_table.device)
