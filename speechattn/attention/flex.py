@@ -24,6 +24,7 @@ from collections.abc import Callable, Hashable
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.nn.attention import flex_attention as flex_module
 
 from speechattn.attention.base import SELF_PENALTY, compute_dtype
 
@@ -38,24 +39,13 @@ CUDA_BACKEND = "inductor"  # torch.compile backend of the Flex call on CUDA
 
 def use_flex(q: Tensor, training: bool, dropout: float) -> bool:
     """Whether the Flex kernel can serve this call: CUDA (Flex's backward), no dropout (Flex
-    has none), and a torch that ships FlexAttention."""
-    return q.is_cuda and not (training and dropout) and _flex_module() is not None
-
-
-try:
-    from torch.nn.attention import flex_attention as _FLEX_MODULE
-except ImportError:  # a torch without FlexAttention
-    _FLEX_MODULE = None
-
-
-def _flex_module():  # noqa: ANN202 - the torch module, or None
-    # a plain function (no functools.cache): dynamo traces it inside compiled regions
-    return _FLEX_MODULE
+    has none)."""
+    return q.is_cuda and not (training and dropout)
 
 
 @functools.cache
 def _compiled_flex(backend: str) -> Callable[..., Tensor]:
-    return torch.compile(_flex_module().flex_attention, backend=backend, dynamic=False)
+    return torch.compile(flex_module.flex_attention, backend=backend, dynamic=False)
 
 
 _BLOCK_MASKS: dict[Hashable, object] = {}
@@ -69,7 +59,7 @@ def _block_mask(key: Hashable, mask_mod: MaskMod, heads: int, T: int, device: to
     full_key = (key, heads, T, str(device))
     if full_key in _BLOCK_MASKS:
         return _BLOCK_MASKS[full_key]
-    create = _flex_module().create_block_mask
+    create = flex_module.create_block_mask
     block_mask = create(mask_mod, None, heads, T, T, device=device)
     if torch.compiler.is_compiling() or _is_fake(block_mask.kv_num_blocks):
         return block_mask  # a traced or fake mask: not for later calls
@@ -139,7 +129,7 @@ def pattern_attention(
     backend = backend or (CUDA_BACKEND if q.is_cuda else None)
     args = pad(q), pad(k), pad(v)
     if backend is None or torch.compiler.is_compiling():
-        out = _flex_module().flex_attention(*args, score_mod=score_mod, block_mask=block_mask)
+        out = flex_module.flex_attention(*args, score_mod=score_mod, block_mask=block_mask)
     else:
         with torch._dynamo.config.patch(recompile_limit=MAX_COMPILES):
             flex = _compiled_flex(backend)
