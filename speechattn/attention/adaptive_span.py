@@ -191,16 +191,21 @@ class AdaptiveSpanAttention(Attention):
         mask that needs a gradient); not with attention dropout, which SDPA draws."""
         return not needs_static_shapes(q) and not (self.training and self.dropout)
 
+    @staticmethod
+    def _mask_padding(mask: Tensor, valid: Tensor | None, keys_reversed: bool = False) -> Tensor:
+        """mask (1, h, T, T) -> (B, h, T, T) with padded keys at -inf (valid None: unchanged).
+        The own key stays allowed (m(0) = 1), so that padded queries far from any valid key
+        keep a finite row (zeroed afterwards)."""
+        if valid is None:
+            return mask
+        keys, own = key_mask(valid), torch.eye(valid.shape[1], dtype=torch.bool, device=mask.device)
+        if keys_reversed:
+            keys, own = keys.flip(-1), own.flip(-1)
+        return mask.masked_fill(~(keys[:, None, None, :] | own), float("-inf"))
+
     def _attend_all_pairs(self, q: Tensor, k: Tensor, v: Tensor, valid: Tensor | None) -> Tensor:
         T = q.shape[-2]
-        i = torch.arange(T, device=q.device)
-        rel = i[:, None] - i[None, :]  # (T, T) query minus key position
-        mask = self._toeplitz(0, T, T)[None]  # (1, h, T, T)
-        if valid is not None:
-            # self always allowed (m(0) = 1), so that padded queries far from any valid key
-            # keep a finite row (their outputs are zeroed afterwards)
-            allowed = key_mask(valid)[:, None, None, :] | (rel == 0)  # (B, 1, T, T)
-            mask = mask.masked_fill(~allowed, float("-inf"))  # (B, h, T, T)
+        mask = self._mask_padding(self._toeplitz(0, T, T)[None], valid)  # (1 or B, h, T, T)
         p = self.dropout if self.training else 0.0
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask.to(q.dtype), dropout_p=p)
 
@@ -244,14 +249,8 @@ class AdaptiveSpanAttention(Attention):
         reverse = T > self.saved_weights_max_t
         layout = patterns.hankel if reverse else patterns.toeplitz
         log_m, log_m_dz = self._constant_log_mask(0, T, T, q.dtype)  # offsets 1 - T .. T - 1
-        mask, mask_dz = layout(log_m, T, T)[None], layout(log_m_dz, T, T)[None]  # (1, h, T, T)
-        if valid is not None:
-            # self always allowed, as in _attend_all_pairs
-            keys, self_key = key_mask(valid), torch.eye(T, dtype=torch.bool, device=q.device)
-            if reverse:
-                keys, self_key = keys.flip(-1), self_key.flip(-1)
-            allowed = keys[:, None, None, :] | self_key  # (B, 1, T, T)
-            mask = mask.masked_fill(~allowed, float("-inf"))  # (B, h, T, T)
+        mask = self._mask_padding(layout(log_m, T, T)[None], valid, reverse)  # (1 or B, h, T, T)
+        mask_dz = layout(log_m_dz, T, T)[None]  # (1, h, T, T)
         if reverse:
             k, v = k.flip(-2), v.flip(-2)
         return self._cpu_kernel(q, k, v, mask, mask_dz, X, reverse, save_weights=not reverse)
