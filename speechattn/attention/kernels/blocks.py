@@ -79,28 +79,43 @@ def utterance_slots(ls: Tensor, T: int) -> tuple[Tensor, Tensor, Tensor]:
     return pos.clamp_max(T - 1), used, slot.clamp_max(M * L - 1)
 
 
-def _slot_kernel(
-    q: Tensor, k: Tensor, v: Tensor, kv: Tensor, ls: Tensor, p: float, by_class: bool
+def _grid_kernel(
+    q: Tensor, k: Tensor, v: Tensor, kv: Tensor, ls: Stride, p: float, by_class: bool
 ) -> Tensor:
-    """Block (by_class False: attend along each row of slots) or residue (True: along each
-    column) pattern with per-utterance strides ls (B,). q, k, v (B, H, T, d) -> (B, H, T, d)."""
+    """Block (by_class False: attend along each row of the (blocks, offsets) grid) or residue
+    (True: along each column) pattern. q, k, v (B, H, T, d) -> (B, H, T, d). One stride: the
+    grid is (n, l); per-utterance strides ls (B,): (M, L) slots (`utterance_slots`)."""
     B, H, T, d = q.shape
-    pos, used, slot = utterance_slots(ls, T)  # (B, M, L), (B, M, L), (B, T)
-    M, L = pos.shape[1:]
-    flat = pos.flatten(1)  # (B, M L)
-    keys = kv.gather(1, flat).view(B, M, L) & used  # (B, M, L) slots holding an allowed key
+    if isinstance(ls, Tensor):
+        pos, used, slot = utterance_slots(ls, T)  # (B, M, L), (B, M, L), (B, T)
+        M, L = pos.shape[1:]
+        flat = pos.flatten(1)  # (B, M L)
+        keys = kv.gather(1, flat).view(B, M, L) & used  # (B, M, L) slots holding an allowed key
 
-    def grid(t: Tensor) -> Tensor:  # (B, H, T, d) -> (B, H, M, L, d), or (B, H, L, M, d)
-        g = _take_frames(t, flat).view(B, H, M, L, d)
-        return g.transpose(2, 3) if by_class else g
+        def cells(t: Tensor) -> Tensor:  # (B, H, T, d) -> (B, H, M, L, d)
+            return _take_frames(t, flat).view(B, H, M, L, d)
+
+        def frames(out: Tensor) -> Tensor:  # (B, H, M, L, d) -> (B, H, T, d)
+            return _take_frames(out.reshape(B, H, M * L, d), slot)
+
+    else:
+        keys = _blocks(kv, ls, 1)  # (B, n, l)
+
+        def cells(t: Tensor) -> Tensor:  # (B, H, T, d) -> (B, H, n, l, d)
+            return _blocks(t, ls)
+
+        def frames(out: Tensor) -> Tensor:  # (B, H, n, l, d) -> (B, H, T, d)
+            return out.reshape(B, H, -1, d)[:, :, :T]
+
+    def grid(t: Tensor) -> Tensor:  # rows attend within themselves
+        return cells(t).transpose(2, 3) if by_class else cells(t)
 
     keys = keys.transpose(1, 2) if by_class else keys  # (B, rows, cols)
     eye = torch.eye(keys.shape[2], dtype=torch.bool, device=q.device)
     allowed = keys[:, None, :, None, :] | eye  # (B, 1, rows, cols, cols)
     bias = eye.to(q.dtype) * SELF_PENALTY
     out = _attend(grid(q), grid(k), grid(v), allowed, bias, p)  # (B, H, rows, cols, d)
-    out = out.transpose(2, 3) if by_class else out  # (B, H, M, L, d)
-    return _take_frames(out.reshape(B, H, M * L, d), slot)  # (B, H, T, d)
+    return frames(out.transpose(2, 3) if by_class else out)
 
 
 def block_windows(t: Tensor, ls: int, dim: int) -> Tensor:
@@ -146,34 +161,12 @@ def residue_kernel(
     q: Tensor, k: Tensor, v: Tensor, kv: Tensor, ls: Stride, p: float = 0.0
 ) -> Tensor:
     """(i - j) mod l = 0. q, k, v (B, H, T, d), kv (B, T) -> (B, H, T, d)."""
-    if isinstance(ls, Tensor):
-        return _slot_kernel(q, k, v, kv, ls, p, by_class=True)
-    B, H, T, d = q.shape
-    n = (T + ls - 1) // ls
-
-    def classes(t: Tensor) -> Tensor:  # (B, H, T, d) -> (B, H, l, n, d)
-        return _blocks(t, ls).transpose(2, 3)
-
-    kvr = _blocks(kv, ls, 1).transpose(1, 2)  # (B, l, n)
-    eye = torch.eye(n, dtype=torch.bool, device=q.device)
-    allowed = kvr[:, None, :, None, :] | eye  # (B, 1, l, n, n)
-    bias = eye.to(q.dtype) * SELF_PENALTY  # (n, n)
-    out = _attend(classes(q), classes(k), classes(v), allowed, bias, p)  # (B, H, l, n, d)
-    return out.transpose(2, 3).reshape(B, H, n * ls, d)[:, :, :T]
+    return _grid_kernel(q, k, v, kv, ls, p, by_class=True)
 
 
 def block_kernel(q: Tensor, k: Tensor, v: Tensor, kv: Tensor, ls: Stride, p: float = 0.0) -> Tensor:
     """floor(i / l) = floor(j / l). q, k, v (B, H, T, d), kv (B, T) -> (B, H, T, d)."""
-    if isinstance(ls, Tensor):
-        return _slot_kernel(q, k, v, kv, ls, p, by_class=False)
-    B, H, T, d = q.shape
-    eye = torch.eye(ls, dtype=torch.bool, device=q.device)
-    allowed = _blocks(kv, ls, 1)[:, None, :, None, :] | eye  # (B, 1, n, l, l)
-    bias = eye.to(q.dtype) * SELF_PENALTY  # (l, l)
-    out = _attend(
-        _blocks(q, ls), _blocks(k, ls), _blocks(v, ls), allowed, bias, p
-    )  # (B, H, n, l, d)
-    return out.reshape(B, H, -1, d)[:, :, :T]
+    return _grid_kernel(q, k, v, kv, ls, p, by_class=False)
 
 
 def summary_columns(T: int, ls: Stride, c: int, device: torch.device) -> tuple[Tensor, Tensor]:
