@@ -4,6 +4,7 @@ with recomputed weights, and the reused memory of the table's gradient (`synthes
 from __future__ import annotations
 
 import sys
+from collections.abc import Iterator
 
 import numpy as np
 import torch
@@ -127,14 +128,20 @@ class TableAttention(torch.autograd.Function):
     """
 
     @staticmethod
-    def _groups(offsets: Tensor, B: int) -> list[tuple[slice, list[int]]]:
-        """[(batch slice, per-head offsets)]."""
+    def _chunks(table: Tensor, offsets: Tensor, kv: Tensor) -> Iterator[tuple]:
+        """(batch slice, head i, offset o, rows s:e, weights (nb | 1, C, T)) of every chunk of
+        rows of every head and group (one group for the batch when G = 1, else one each)."""
+        B, T = kv.shape
+        chunk = max(1, _CHUNK // T)  # rows per block: one head, (chunk, T) weights
         offs = offsets.tolist()
-        return (
-            [(slice(0, B), offs[0])]
-            if len(offs) == 1
-            else [(slice(b, b + 1), o) for b, o in enumerate(offs)]
-        )
+        groups = [(slice(b, b + 1), o) for b, o in enumerate(offs)]
+        if len(offs) == 1:
+            groups = [(slice(0, B), offs[0])]
+        for bs, group in groups:
+            for i, o in enumerate(group):
+                for s in range(0, T, chunk):
+                    e = min(s + chunk, T)
+                    yield bs, i, o, s, e, TableAttention._probs(table[i], o, s, e, kv[bs])
 
     @staticmethod
     def _probs(r: Tensor, o: int, s: int, e: int, kv: Tensor) -> Tensor:
@@ -158,15 +165,9 @@ class TableAttention(torch.autograd.Function):
 
     @staticmethod
     def _forward(ctx, table: Tensor, offsets: Tensor, v: Tensor, kv: Tensor) -> Tensor:
-        B, h, T, _ = v.shape
-        chunk = max(1, _CHUNK // T)  # rows per block: one head, (chunk, T) weights
         out = v.new_empty(v.shape)
-        for bs, offs in TableAttention._groups(offsets, B):
-            for i, o in enumerate(offs):
-                for s in range(0, T, chunk):
-                    e = min(s + chunk, T)
-                    p = TableAttention._probs(table[i], o, s, e, kv[bs])  # (nb | 1, C, T)
-                    out[bs, i, s:e] = p @ v[bs, i]
+        for bs, i, _, s, e, p in TableAttention._chunks(table, offsets, kv):
+            out[bs, i, s:e] = p @ v[bs, i]
         ctx.save_for_backward(table, offsets, v, kv, out)
         return out
 
@@ -180,33 +181,24 @@ class TableAttention(torch.autograd.Function):
     @staticmethod
     def _backward(ctx, grad: Tensor) -> tuple[Tensor | None, Tensor]:
         table, offsets, v, kv, out = ctx.saved_tensors
-        B, h, T, d = v.shape
-        n = table.shape[-1]
-        chunk = max(1, _CHUNK // T)
-        groups = TableAttention._groups(offsets, B)
-        write_once = len(groups) == 1  # each table entry receives one block's gradient
+        T, n = v.shape[2], table.shape[-1]
+        write_once = offsets.shape[0] == 1  # each table entry receives one block's gradient
         g_table = ctx.memory.take(table, T) if ctx.needs_input_grad[0] else None
         g_v = torch.zeros_like(v)
-        for bs, offs in groups:
-            for i, o in enumerate(offs):
-                vi, gvi = v[bs, i], g_v[bs, i]  # (nb, T, d_k)
-                for s in range(0, T, chunk):
-                    e = min(s + chunk, T)
-                    p = TableAttention._probs(table[i], o, s, e, kv[bs])  # (nb | 1, C, T)
-                    go = grad[bs, i, s:e]  # (nb, C, d_k)
-                    gvi.baddbmm_(p.transpose(-1, -2).expand(go.shape[0], -1, -1), go)
-                    if g_table is None:
-                        continue
-                    delta = (go * out[bs, i, s:e]).sum(-1, keepdim=True)  # (nb, C, 1)
-                    r, c = min(e, n - o), min(T, n - o)
-                    dst = g_table[i, o + s : o + r, o : o + c]
-                    if write_once and go.shape[0] == 1 and dst.shape == (e - s, T):
-                        # dL/dlogits = p * (go v^T - delta), written straight into the gradient
-                        torch.addmm(delta[0], go[0], vi[0].T, beta=-1, out=dst).mul_(p[0])
-                        continue
-                    g_logits = torch.baddbmm(delta, go, vi.transpose(-1, -2), beta=-1).mul_(p)
-                    g_logits = g_logits[0] if g_logits.shape[0] == 1 else g_logits.sum(0)  # (C, T)
-                    if r <= s:
-                        continue
-                    dst += g_logits[: r - s, :c]
+        for bs, i, o, s, e, p in TableAttention._chunks(table, offsets, kv):
+            vi, go = v[bs, i], grad[bs, i, s:e]  # (nb, T, d_k), (nb, C, d_k)
+            g_v[bs, i].baddbmm_(p.transpose(-1, -2).expand(go.shape[0], -1, -1), go)
+            if g_table is None:
+                continue
+            delta = (go * out[bs, i, s:e]).sum(-1, keepdim=True)  # (nb, C, 1)
+            r, c = min(e, n - o), min(T, n - o)
+            dst = g_table[i, o + s : o + r, o : o + c]
+            if write_once and go.shape[0] == 1 and dst.shape == (e - s, T):
+                # dL/dlogits = p * (go v^T - delta), written straight into the gradient
+                torch.addmm(delta[0], go[0], vi[0].T, beta=-1, out=dst).mul_(p[0])
+                continue
+            g_logits = torch.baddbmm(delta, go, vi.transpose(-1, -2), beta=-1).mul_(p)
+            g_logits = g_logits[0] if g_logits.shape[0] == 1 else g_logits.sum(0)  # (C, T)
+            if r > s:
+                dst += g_logits[: r - s, :c]
         return g_table, g_v
