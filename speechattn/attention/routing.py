@@ -234,24 +234,22 @@ class RoutingAttention(SharedQKBase):
             return
         with torch.autocast(k.device.type, enabled=False):
             k = self._routing_vectors(k)
-            self._ema_step(k, self.route(k, valid))
-
-    def _ema_step(self, k: Tensor, routes: Routes) -> None:
-        Cm = self.num_centroids(k.shape[-2])  # the centroids `route` used
-        if _data_parallel():  # ranks' batches differ in T: reduce over the largest table
-            Cm = self._centroids_of_all_ranks(Cm)
-        onehot = F.one_hot(routes.cluster.clamp_min(0), Cm).to(k.dtype)
-        onehot = onehot * (routes.cluster >= 0)[..., None]  # (B, h_r, T, Cm)
-        sums = ieee_matmul(onehot.transpose(-1, -2), k).sum(0)  # (h_r, Cm, d_k), true float32
-        counts = onehot.sum(dim=(0, 2))[..., None]  # (h_r, Cm, 1)
-        if _data_parallel():  # every rank moves its centroids by the whole batch
-            statistics = torch.cat([sums, counts], dim=-1)
-            dist.all_reduce(statistics)
-            sums, counts = statistics[..., :-1], statistics[..., -1:]
-        mean = sums / counts.clamp_min(1)
-        mu = self.centroids[:, :Cm].to(k.dtype)
-        moved = F.normalize(self.decay * mu + (1 - self.decay) * mean, dim=-1)
-        self.centroids[:, :Cm] = torch.where(counts > 0, moved, mu)
+            routes = self.route(k, valid)
+            Cm = self.num_centroids(k.shape[-2])  # the centroids `route` used
+            if _data_parallel():  # ranks' batches differ in T: reduce over the largest table
+                Cm = self._centroids_of_all_ranks(Cm)
+            onehot = F.one_hot(routes.cluster.clamp_min(0), Cm).to(k.dtype)
+            onehot = onehot * (routes.cluster >= 0)[..., None]  # (B, h_r, T, Cm)
+            sums = ieee_matmul(onehot.transpose(-1, -2), k).sum(0)  # (h_r, Cm, d_k), true float32
+            counts = onehot.sum(dim=(0, 2))[..., None]  # (h_r, Cm, 1)
+            if _data_parallel():  # every rank moves its centroids by the whole batch
+                statistics = torch.cat([sums, counts], dim=-1)
+                dist.all_reduce(statistics)
+                sums, counts = statistics[..., :-1], statistics[..., -1:]
+            mean = sums / counts.clamp_min(1)
+            mu = self.centroids[:, :Cm].to(k.dtype)
+            moved = F.normalize(self.decay * mu + (1 - self.decay) * mean, dim=-1)
+            self.centroids[:, :Cm] = torch.where(counts > 0, moved, mu)
 
     @torch.no_grad()
     def select(self, q: Tensor, k: Tensor, valid: Tensor) -> Tensor:
