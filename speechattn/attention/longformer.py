@@ -162,11 +162,8 @@ class LongformerAttention(Attention):
         return float(count.double().mean())
 
     def keys_attended(self, T: int) -> float:
-        hd = self.num_dilated
-        hw = self.num_heads - hd
-        window = hw * self._mean_keys(T, 1) if hw else 0.0
-        dilated = hd * self._mean_keys(T, self.dilation) if hd else 0.0
-        return (window + dilated) / self.num_heads
+        keys = [(h.stop - h.start) * self._mean_keys(T, step) for h, step in self.head_steps()]
+        return sum(keys) / self.num_heads  # window heads, then dilated heads
 
     def flops(self, T: int) -> Flops:
         return self.dot_product_flops(T, self.keys_attended(T))
