@@ -116,13 +116,10 @@ class _SparseBase(SharedQKBase):
     # ----------------------------------------------------------------- kernel choice
     @property
     def kernel_names(self) -> tuple[str, ...]:
+        """blocked and masked (the tuner's candidates); one when the option names it (flex
+        runs only when named: see `AUTO`)."""
         kernel = self.config.kernel
         return AUTO if kernel == "auto" else (kernel,)
-
-    def kernel_candidates(self, t: Tensor) -> tuple[str, ...]:
-        """blocked and masked; none when the option names one kernel (flex runs only when
-        named: see `AUTO`)."""
-        return AUTO if self.config.kernel == "auto" else ()
 
     def rule_kernel(self, T: int, device: torch.device) -> str:
         if self.config.kernel != "auto":
