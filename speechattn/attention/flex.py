@@ -24,6 +24,7 @@ from collections.abc import Callable, Hashable
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch._subclasses.fake_tensor import is_fake
 from torch.nn.attention import flex_attention as flex_module
 
 from speechattn.attention.base import SELF_PENALTY, compute_dtype
@@ -52,37 +53,26 @@ _BLOCK_MASKS: dict[Hashable, object] = {}
 _MAX_BLOCK_MASKS = 64
 
 
-def _block_mask(key: Hashable, mask_mod: MaskMod, heads: int, T: int, device: torch.device):  # noqa: ANN202
-    """The BlockMask of `mask_mod` over (heads, T, T), for every batch, cached under
-    (key, heads, T, device): `key` names the pattern, since mask_mod is a new closure per call.
-    Written only outside compiled regions and for real tensors (see the module docstring)."""
-    full_key = (key, heads, T, str(device))
+def block_mask_for(key: Hashable, envelope: MaskMod, heads: int, T: int, device: torch.device):  # noqa: ANN201 - a BlockMask
+    """The BlockMask of `pattern_attention` for `envelope` (plus the self key) at T frames:
+    its bucket's, over (heads, bucket(T), bucket(T)), broadcast over the batch. Cached under
+    (key, heads, bucket, device), `key` naming the pattern (the mask_mod is a new closure per
+    call); written only outside compiled regions and for real tensors (module docstring)."""
+
+    def with_self(b: Tensor, hh: Tensor, i: Tensor, j: Tensor) -> Tensor:
+        return envelope(b, hh, i, j) | (i == j)
+
+    Tb = bucket(T)
+    full_key = (key, heads, Tb, str(device))
     if full_key in _BLOCK_MASKS:
         return _BLOCK_MASKS[full_key]
-    create = flex_module.create_block_mask
-    block_mask = create(mask_mod, None, heads, T, T, device=device)
-    if torch.compiler.is_compiling() or _is_fake(block_mask.kv_num_blocks):
+    block_mask = flex_module.create_block_mask(with_self, None, heads, Tb, Tb, device=device)
+    if torch.compiler.is_compiling() or is_fake(block_mask.kv_num_blocks):
         return block_mask  # a traced or fake mask: not for later calls
     if len(_BLOCK_MASKS) >= _MAX_BLOCK_MASKS:
         _BLOCK_MASKS.pop(next(iter(_BLOCK_MASKS)))  # oldest first
     _BLOCK_MASKS[full_key] = block_mask
     return block_mask
-
-
-def _is_fake(t: Tensor) -> bool:
-    from torch._subclasses.fake_tensor import is_fake
-
-    return is_fake(t)
-
-
-def block_mask_for(key: Hashable, envelope: MaskMod, heads: int, T: int, device: torch.device):  # noqa: ANN201 - a BlockMask
-    """The cached BlockMask of `pattern_attention` for `envelope` (plus the self key) at T
-    frames: its bucket's, over (heads, bucket(T), bucket(T)), broadcast over the batch."""
-
-    def with_self(b: Tensor, hh: Tensor, i: Tensor, j: Tensor) -> Tensor:
-        return envelope(b, hh, i, j) | (i == j)
-
-    return _block_mask(key, with_self, heads, bucket(T), device)
 
 
 def bucket(T: int) -> int:

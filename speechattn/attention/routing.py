@@ -87,16 +87,11 @@ class RoutingConfig(AttentionConfig):
 
 @dataclass
 class Routes:
-    """Cluster assignment of the routing heads' vectors, h_r = routing heads.
+    """Cluster assignment of the routing heads' vectors, h_r = routing heads."""
 
-    cluster (B, h_r, T) long: nearest centroid, -1 at padded frames;
-    similarity (B, h_r, T): dot product with that centroid;
-    capacity (B,) long: members kept per cluster, ceil(T_valid / C).
-    """
-
-    cluster: Tensor
-    similarity: Tensor
-    capacity: Tensor
+    cluster: Tensor  # (B, h_r, T) long: nearest centroid, -1 at padded frames
+    similarity: Tensor  # (B, h_r, T): dot product with that centroid
+    capacity: Tensor  # (B,) long: members kept per cluster, ceil(T_valid / C)
 
 
 @register("routing")

@@ -45,22 +45,14 @@ def blocks_bound(T: int, W: int, max_clusters: int | None) -> int:
 @dataclass
 class Members:
     """Routing heads' frames sorted by (cluster, similarity descending, position), h_r heads,
-    Cm = C(T), the most clusters of any utterance, W = the largest capacity in the batch.
+    Cm = C(T), the most clusters of any utterance, W = the largest capacity in the batch."""
 
-    cluster (B, h_r, T) long: cluster of each position, -1 at padded frames;
-    order (B, h_r, T) long: positions in sorted order, padded frames last;
-    label (B, h_r, T) long: cluster of each sorted frame, Cm for padded frames;
-    rank (B, h_r, T) long: rank of each sorted frame in its cluster;
-    counts (B, h_r, Cm) long: cluster sizes;
-    table (B, h_r, Cm, W) long: kept members (the first `capacity` of each cluster), -1 empty.
-    """
-
-    cluster: Tensor
-    order: Tensor
-    label: Tensor
-    rank: Tensor
-    counts: Tensor
-    table: Tensor
+    cluster: Tensor  # (B, h_r, T) long: cluster of each position, -1 at padded frames
+    order: Tensor  # (B, h_r, T) long: positions in sorted order, padded frames last
+    label: Tensor  # (B, h_r, T) long: cluster of each sorted frame, Cm for padded frames
+    rank: Tensor  # (B, h_r, T) long: rank of each sorted frame in its cluster
+    counts: Tensor  # (B, h_r, Cm) long: cluster sizes
+    table: Tensor  # (B, h_r, Cm, W) long: kept members (the first `capacity`), -1 empty
 
 
 def cluster_kernel(q: Tensor, k: Tensor, v: Tensor, members: Members, p: float = 0.0) -> Tensor:

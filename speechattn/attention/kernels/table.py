@@ -56,7 +56,7 @@ class GradientMemory:
         G) T x T windows of each (h, n, n) head."""
         n = table.shape[-1]
         if not numpy_backed(table.dtype, table.device) or 4 * T * T < n * n:
-            return table_gradient(table)
+            return lazy_zeros(tuple(table.shape), table.dtype, table.device)  # pages on touch
         shape, dtype = tuple(table.shape), NUMPY_DTYPES[table.dtype]
         # two references: self.array and getrefcount's argument; any more are a gradient
         if (
@@ -74,12 +74,6 @@ class GradientMemory:
 
     def __getstate__(self) -> dict:
         return {"array": None}
-
-
-def table_gradient(table: Tensor) -> Tensor:
-    """A zero tensor like table for its gradient, lazily zeroed: a step pays for the pages of
-    its windows only."""
-    return lazy_zeros(tuple(table.shape), table.dtype, table.device)
 
 
 class TableWindows(torch.autograd.Function):
