@@ -1,23 +1,17 @@
 """Kernel choice by measurement on the machine that runs it (docs/gpu.md, "Kernels chosen by
 measurement").
 
-Variants with several exact kernels (`Attention.kernel_names`) ask `pick_kernel(module, t)`
-which one to run. The rule (`Attention.rule_kernel`, e.g. T <= `short_path_max_t`) answers by
-default, and always under torch.compile / jit / fx tracing, on fake, meta or subclassed
-tensors, under a dispatch mode, on CUDA tensors without a driver, and when fewer than two
-candidates are left once all-pairs kernels over `SCORE_BUDGET` are dropped. With `enable(model)`
-(pretraining, unless `attention.autotune=false`) the first call per key times every candidate's
-forward + backward on random x padded as training's batches are (`utils.crop_lengths`), in eval
-mode under the caller's autocast, interleaved, min of `REPS` or more after a warm-up, RNG
-states forked; the rule's kernel stays unless another is `MARGIN` faster. A candidate that
-raises is left out with a warning.
-
-Key: device name and threads, torch version, compute dtype, variant, heads, head dim, the
-options but `layer` and `dropout`, the candidates, the length bucket (2^k and 1.5 x 2^k,
-timed at its top, at most max_len) and the batch (cut to `SCORE_BUDGET`, bucketed to a power
-of two). Cache: per module and process, and `$SPEECHATTN_CACHE/autotune/kernels.json`,
-rewritten atomically (merged) after each measurement; a corrupt file is ignored with a warning.
-DDP ranks may choose differently: every kernel computes the same function.
+Variants with several exact kernels (`Attention.kernel_names`) ask `pick_kernel(module, t)`.
+The rule (`Attention.rule_kernel`) answers by default, and always under torch.compile, jit or fx
+tracing, on fake, meta or subclassed tensors, under a dispatch mode, on CUDA without a driver,
+and when fewer than two candidates fit `SCORE_BUDGET`. With `enable(model)` the first call per
+key times every candidate's forward + backward on random x padded as training's batches are,
+in eval mode under the caller's autocast, interleaved, RNG states forked; the rule's kernel
+stays unless another is `MARGIN` faster; one that raises is left out with a warning. Key:
+device, torch, dtype, variant, heads, head dim, options (not `layer`, `dropout`), candidates,
+length bucket (2^k and 1.5 x 2^k) and batch bucket. Cache: per module, per process and
+`$SPEECHATTN_CACHE/autotune/kernels.json` (atomic, merged; a corrupt file is ignored). DDP
+ranks may choose differently: every kernel computes the same function.
 """
 
 from __future__ import annotations

@@ -2,20 +2,13 @@
 
 Roy, Saffar, Vaswani, Grangier, "Efficient Content-Based Sparse Attention with Routing
 Transformers", TACL 2021 (arXiv:2003.05997), section 4, bidirectional, on `shared_qk`'s
-projections and scores (self penalised, always allowed). Local heads [0, ceil(h/2)) attend
-the band |i - j| <= w; routing heads send each unit vector to its nearest centroid (ties to
-the lower index), use C = ceil(sqrt(T_valid)) centroids per utterance (at most
-`max_clusters`), keep each cluster's top ceil(T_valid / C) members by similarity (ties to
-the earlier frame), and let a query attend the kept members of its own cluster plus itself.
-Padded frames join no cluster. Definition, options and kernels: docs/attention.md, "routing".
-
-Centroids (h_r, stored, d_k) are a buffer seeded from (`seed`, layer, centroid); in training
-each forward pass moves the used ones towards the mean of their members (EMA with `decay`,
-back onto the unit sphere), deterministically, summed over DDP ranks first as SyncBatchNorm
-does. Selection (`members`, `select`, `selection_dense`) routes in true float32 with autocast
-and TF32 off (`fp32.py`: a hard decision), carries no gradient and never moves the centroids.
-Above `short_path_max_t` the local heads run `band_kernel` (or "masked") and the routing
-heads `cluster_kernel`: O(T W d_k) per head, never T x T.
+projections and scores. Local heads [0, ceil(h/2)) attend the band |i - j| <= w; routing
+heads send each unit vector to its nearest centroid, use C = ceil(sqrt(T_valid)) centroids
+per utterance (at most `max_clusters`), keep each cluster's top ceil(T_valid / C) members by
+similarity, and let a query attend the kept members of its own cluster plus itself. Centroids
+are a buffer moved by an EMA of their members in training (summed over DDP ranks first).
+Selection routes in true float32 (`fp32.py`: a hard decision) without gradients. Definition,
+options and kernels: docs/attention.md, "routing".
 """
 
 from __future__ import annotations

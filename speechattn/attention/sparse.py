@@ -9,14 +9,11 @@ always allowed). Options and kernels: docs/attention.md, "Sparse".
 * sparse_fixed: heads [0, ceil(h/2)) attend within their own block floor(i/l) = floor(j/l),
   the others to the c summary columns at the end of every block, j mod l >= l - c.
 
-l: the option, or round(sqrt(T_u)) of each utterance's extent T_u, so its output does not
-depend on its batch. On the CPU the utterances sharing l run together, trimmed to their
-extent (host reads); on CUDA and under torch.compile one call serves all strides with shapes
-fixed by T (`patterns.stride_bounds`). Kernels (option ``kernel``): "blocked" (each band,
-residue, block or summary sub-problem one fused SDPA call, never a T x T mask; n = ceil(T / l)
-blocks, l is `ls` in the code), "masked" (one SDPA call per head half, the pattern as an
-additive mask, `kernels/masked.py`), "flex" (one FlexAttention call on CUDA, `flex.py`);
-"auto": the tuner, or the rule: blocked on CPU, masked on CUDA up to `MASKED_MAX_T_CUDA`.
+l (`ls` in the code): the option, or round(sqrt(T_u)) of each utterance's extent T_u, so its
+output does not depend on its batch (host reads on the CPU; on CUDA and under torch.compile
+shapes fixed by T, `patterns.stride_bounds`). Kernels (option ``kernel``): "blocked" (each
+sub-problem one fused SDPA call, never a T x T mask, `kernels/blocks.py`), "masked" (one SDPA
+call per head half, `kernels/masked.py`), "flex" (CUDA, `flex.py`), "auto" (tuner or rule).
 """
 
 from __future__ import annotations

@@ -3,17 +3,12 @@
 Tay et al., "Synthesizer: Rethinking Self-Attention in Transformer Models", ICML 2021
 (arXiv:2005.00743): weights without query-key interaction. `syn_fixed` (the study's proposal)
 is `syn_random` whose first 7 heads start from the fixed patterns of Raganato, Scherrer,
-Tiedemann, Findings of EMNLP 2020, as logits log(pattern + eps) (`pattern_eps`). Definitions,
-options and kernels: docs/attention.md, "Synthesizers".
-
-Rows are normalised over the T valid keys only; columns are placed by frame position
-(`Attention.end_padded_only`). An utterance longer than max_len raises; a batch padded beyond
-it whose utterances all fit runs on its first frames (`_fitting_length`). Dense synthesizers
-run SDPA on [ReLU(W_1 x_i), 1] . [W_2 row j, b_2 j], never storing T x T weights. Random
-synthesizers form (1 or B, h, T, T) weights up to `short_path_max_t`, above it the row-chunked
-`TableAttention` (CPU eager: both read offsets and padding on the host); on CUDA and under
-`torch.compile` they take the explicit-weights path at every T, with windows sliced or gathered
-by device ops whose shapes depend on B and T only.
+Tiedemann, Findings of EMNLP 2020, as logits log(pattern + eps) (`pattern_eps`). Rows are
+normalised over the valid keys; columns are placed by frame position (`end_padded_only`).
+Dense synthesizers run SDPA on [ReLU(W_1 x_i), 1] . [W_2 row j, b_2 j]; random ones form
+their weights up to `short_path_max_t` and run the row-chunked `TableAttention` above (CPU
+eager; on CUDA and under torch.compile the explicit weights at every T, shapes fixed by B and
+T). Options and kernels: docs/attention.md, "Synthesizers".
 """
 
 from __future__ import annotations
