@@ -8,13 +8,10 @@ here, x = |i - j| (the paper is causal); m(0) = 1, so every query keeps its own 
 learned, clamped in the forward pass and projected back into [0, 1] after every optimiser step;
 the paper's L1 penalty is `auxiliary_loss()`. Details: docs/attention.md, "adaptive_span".
 
-Both kernels compute softmax(s + log m) (log 0 = -inf), the log-mask computed once per
-distance and laid out as a strided view. On CUDA one SDPA call differentiates the mask in z;
-on CPU (SDPA would run its slow math path for a mask that needs a gradient) the spans'
-gradient is one more reduction of the scores' gradient in `UnfusedSavedWeights` (up to
-`saved_weights_max_t`) or `FlashThenUnfused`. Short T: all pairs; long T: blocks of X (the
-reach, ceil(max z + R) - 1) frames against their previous, own and next blocks, O(T X D).
-On CUDA and under torch.compile the reach is its bound S + R - 1 (no host read).
+Kernels compute softmax(s + log m) (log 0 = -inf), log m once per distance as a strided
+view: all pairs at short T, blocks of X = reach frames against their 3 neighbours above. On
+CUDA SDPA differentiates the mask in z; on CPU (SDPA's math path otherwise) the spans' gradient
+is one more reduction in `UnfusedSavedWeights` or `FlashThenUnfused` (`kernels/span.py`).
 
 At the mask's kinks (x = z, x = z + R) the kernels and the reference take the left derivative
 (log m has no finite right derivative at m = 0), so spans start half a frame off the integer

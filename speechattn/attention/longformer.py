@@ -13,10 +13,9 @@ tokens. Departure from the paper: the global scores reuse the Q, K, V projection
 docs/attention.md, "longformer".
 
 Short T: one SDPA call over all pairs, the pattern as an additive mask. Long T, O(T (w + T/g) D):
-the dilated heads' residue classes mod delta folded into the batch (their window becomes a
-band), each block of l = w queries against its [previous, own, next] key blocks plus the G
-global keys in one SDPA call per head group (window keys that are global masked there); then
-the global frames' rows replaced by one SDPA call against all keys, (B, h, G, T).
+dilated heads' residue classes mod delta folded into the batch (their window becomes a band),
+blocks of l = w queries against their 3 key blocks plus the G global keys (`band_global_kernel`),
+then the global frames' rows from one SDPA call against all keys, (B, h, G, T).
 """
 
 from __future__ import annotations
