@@ -1,51 +1,22 @@
 """Adaptive attention span: `adaptive_span`.
 
 Sukhbaatar, Grave, Bojanowski, Joulin, "Adaptive Attention Span in Transformers", ACL 2019,
-section 3 ("Adaptive attention span"). Each head h learns a span z_h in [0, S]; its attention
-weights over keys at distance x are multiplied by the soft mask
+section 3. Each head h learns a span z_h in [0, S]; its weights over keys at distance x are
+multiplied by the soft mask m_z(x) = clamp((R + z - x) / R, 0, 1) and renormalised:
+a_ij = m(x_ij) exp(s_ij) / sum_j' m(x_ij') exp(s_ij'), s = q k^T / sqrt(d_k). Bidirectional
+here, x = |i - j| (the paper is causal); m(0) = 1, so every query keeps its own key. z_h / S is
+learned, clamped in the forward pass and projected back into [0, 1] after every optimiser step;
+the paper's L1 penalty is `auxiliary_loss()`. Details: docs/attention.md, "adaptive_span".
 
-    m_z(x) = clamp((R + z - x) / R, 0, 1)
+Kernels compute softmax(s + log m) (log 0 = -inf), log m once per distance as a strided
+view: all pairs at short T, blocks of X = reach frames against their 3 neighbours above. On
+CUDA SDPA differentiates the mask in z; on CPU (SDPA's math path otherwise) the spans' gradient
+is one more reduction in `UnfusedSavedWeights` or `FlashThenUnfused` (`kernels/span.py`).
 
-and renormalised: a_ij = m(x_ij) exp(s_ij) / sum_j' m(x_ij') exp(s_ij'), s = q k^T / sqrt(d_k).
-The paper is causal (x = i - j >= 0); speech encoders are bidirectional, so here x = |i - j|:
-each head sees z_h + R frames on each side. m(0) = 1, so every query keeps its own key.
-
-The span is learned as z_h / S (the paper's parametrisation), clamped to [0, 1] in the
-forward pass and, as in the paper, projected back into [0, 1] after every optimiser step
-(`after_optimizer_step`, called by the pretraining task); `spans()` gives the current z (h,). The paper's L1 penalty on the spans is
-`auxiliary_loss()` = span_penalty * mean_h z_h (written lambda mean(z) / S with lambda =
-span_penalty * S), which the pretraining task adds to its loss and logs as `aux_loss`
-(span_penalty = 0 turns it off). A layer shared across depths (ALBERT) counts once.
-
-Both kernels compute softmax(s + log m) (log 0 = -inf), which equals the renormalised product
-above, with the log-mask as additive mask, computed once per distance and laid out as a
-strided view. On CUDA, one SDPA call whose memory-efficient kernel differentiates the mask in z
-(`_toeplitz`). On CPU the spans' gradient is one more reduction of the scores' gradient in a
-kernel of our own (SDPA would run its slower unfused math path both ways for a mask that
-needs a gradient): `UnfusedSavedWeights` up to
-`saved_weights_max_t` frames, above it `FlashThenUnfused` (CPU flash attention forward, an
-unfused backward):
-* short (T <= `short_path_max_t`): all T x T pairs (`FlashThenUnfused`'s backward takes query
-  blocks against the keys within reach only).
-* long: only keys within the reach X = ceil(max_h z_h + R) - 1 (the largest distance with a
-  non-zero mask in any head): query blocks of X frames against the previous, own and next
-  key blocks, O(T X D) time and O(T X h) memory, never T x T.
-
-On CUDA and under torch.compile (`_static`) nothing reads device data on the host: the reach
-is its bound S + R - 1 from the options (z <= S), so shapes are fixed per T whatever the spans
-learn, and padding is masked without first asking whether there is any (valid None: none).
-Keys beyond a head's reach get log m = -inf either way, so the result is the same. The CPU
-eager path reads the spans (a CPU read costs nothing) and keeps its tighter reach.
-The dense reference takes the paper's route: softmax over valid keys, times m, renormalised.
-
-The span's gradient at the mask's kinks: m is piecewise linear in z, with kinks where a key
-sits at x = z (m reaches 1) or x = z + R (m reaches 0). There the kernels and the reference
-take the left derivative (z decreasing): the key at x = z counts as on the ramp, the key at
-x = z + R as outside (log m, which the kernels add to the scores, has no finite right
-derivative at m = 0). With integer R this happens only at integer spans, so spans start half
-a frame off the integer init_span S (`initial_span`), and R >= 2: with R = 1 a span of 0
-(where the L1 penalty pushes it) has no key on the ramp, zero gradient, and never grows
-back; with R >= 2 the keys at 0 < x < R stay on the ramp.
+At the mask's kinks (x = z, x = z + R) the kernels and the reference take the left derivative
+(log m has no finite right derivative at m = 0), so spans start half a frame off the integer
+init_span S (`initial_span`), and R >= 2: with R = 1 a span of 0 has no key on the ramp, no
+gradient, and never grows back.
 """
 
 from __future__ import annotations
@@ -65,7 +36,6 @@ from speechattn.attention.base import (
     Flops,
     all_valid,
     key_mask,
-    linear_flops,
     masked_softmax,
     needs_static_shapes,
     scale,
@@ -77,13 +47,9 @@ from speechattn.errors import ConfigError
 
 
 def initial_span(init_span: float, max_span: int) -> float:
-    """z at initialisation, in frames: init_span S moved half a frame up (down at S).
-
-    With integer R, an integer span puts two keys on kinks of the mask (x = z, where m
-    reaches 1, and x = z + R, where it reaches 0), where the span's gradient is one-sided;
-    at z = 64 (S = 256, R = 32) the left and right derivatives of one head had opposite signs
-    on random inputs, so the convention chose Adam's first step. Half a frame off, every key
-    is strictly inside or outside the ramp and the gradient is the true derivative."""
+    """z at initialisation, in frames: init_span S moved half a frame up (down at S), so that
+    no key sits on a kink of the mask, where the span's gradient is one-sided (at z = 64 one
+    head's left and right derivatives had opposite signs: the convention chose Adam's step)."""
     z = init_span * max_span
     return z + 0.5 if z + 0.5 <= max_span else z - 0.5
 
@@ -122,12 +88,10 @@ class AdaptiveSpanAttention(Attention):
     paper = "Sukhbaatar et al., Adaptive Attention Span in Transformers, ACL 2019"
     complexity_training = "O(T min(T, z + R) D), z <= S the largest learned span"
     complexity_inference = "O(T min(T, z + R) D), z <= S the largest learned span"
-    # All T x T pairs up to here, the band of blocks above (crossover
-    # measured with `python -m speechattn.bench attention` (figures: docs/benchmarks.md), initial spans). All pairs never builds a T x T tensor unless the batch
-    # is padded.
+    # All T x T pairs up to here, the band of blocks above (measured crossovers at the
+    # initial spans, docs/benchmarks.md); all pairs build no T x T tensor unless padded.
     short_path_max_t = 1024
-    # On CPU, all pairs keep their weights for the backward (`UnfusedSavedWeights`) up to
-    # here, then flash forward (`FlashThenUnfused`): the measured crossover (docs/benchmarks.md).
+    # On CPU, all pairs keep their weights (`UnfusedSavedWeights`) up to here, then flash.
     saved_weights_max_t = 320
 
     def __init__(self, config: AdaptiveSpanConfig) -> None:
@@ -149,15 +113,13 @@ class AdaptiveSpanAttention(Attention):
 
     @torch.no_grad()
     def after_optimizer_step(self) -> None:
-        """The paper's projection of z / S back into [0, 1] after each step: a span pushed to
-        0 or S keeps the gradient of the mask's ramp and can move back (a parameter left
-        outside would only meet the forward clamp, whose gradient there is 0)."""
+        """The paper's projection of z / S back into [0, 1] after each step, so a span at 0 or
+        S keeps the ramp's gradient (outside, the forward clamp's gradient is 0)."""
         self.span_fraction.clamp_(0.0, 1.0)
 
     def reach(self, static: bool = False) -> int:
-        """Largest distance x with m_z(x) > 0 in any head: ceil(max z + R) - 1, read from the
-        current spans; with `static` its bound S + R - 1 (z <= S) from the options, which
-        reads nothing (CUDA, torch.compile: see `_static`)."""
+        """Largest distance x with m_z(x) > 0 in any head: ceil(max z + R) - 1 from the
+        current spans; with `static` its bound S + R - 1, which reads nothing."""
         if static:
             return self.max_span + self.ramp - 1
         # >= R - 1 >= 1 (ramp >= 2): the band kernel's blocks are never empty
@@ -171,27 +133,20 @@ class AdaptiveSpanAttention(Attention):
         return (self.ramp + z.view(-1, *([1] * distance.dim())) - distance) / self.ramp
 
     def soft_mask(self, distance: Tensor, z: Tensor | None = None) -> Tensor:
-        """m_z(x) per head: distance (...) -> (h, ...), in [0, 1].
-
-        Where m reaches 0 (x = z + R) its gradient is taken as 0, the derivative from inside
-        the masked region: log m, which the kernels use, has no other finite choice there.
-        """
+        """m_z(x) per head: distance (...) -> (h, ...), in [0, 1]; at x = z + R its gradient is
+        0, the derivative from inside the masked region (log m has no other finite choice)."""
         raw = self.ramp_position(distance, z)
         return raw.clamp(0.0, 1.0) * (raw > 0)
 
     def log_mask(self, distance: Tensor, z: Tensor | None = None) -> Tensor:
-        """log m_z(x) per head, -inf where m = 0: distance (...) -> (h, ...).
-
-        The clamp keeps log away from 0 so that masked entries get a zero gradient, not NaN.
-        """
+        """log m_z(x) per head, -inf where m = 0: distance (...) -> (h, ...); the clamp gives
+        masked entries a zero gradient, not NaN."""
         m = self.soft_mask(distance, z)
         return m.clamp_min(torch.finfo(m.dtype).tiny).log().masked_fill(m == 0, float("-inf"))
 
     def _toeplitz(self, c: int, L: int, Lk: int) -> Tensor:
         """log m over an (L, Lk) layout whose query a and key w are c + a - w frames apart:
-        (h, L, Lk), differentiable in the spans. log m is computed once per distance and the
-        layout is a strided view of it (copied once by the flip), cheaper than evaluating it
-        elementwise on L x Lk distances under autograd."""
+        (h, L, Lk), differentiable in the spans, computed once per distance (`toeplitz`)."""
         offsets = torch.arange(c - Lk + 1, c + L, device=self.span_fraction.device)
         return patterns.toeplitz(self.log_mask(self._distance(offsets)), L, Lk)
 
@@ -199,27 +154,18 @@ class AdaptiveSpanAttention(Attention):
     def keys_attended(self, T: int) -> float:
         """Keys with a non-zero mask, |i - j| <= ceil(z_h + R) - 1, averaged over queries and
         heads under the current spans."""
-        i = torch.arange(T, dtype=torch.float64)
-        counts = []
-        for z in self.spans().detach().tolist():
-            X = math.ceil(z + self.ramp) - 1
-            counts.append((torch.clamp(i + X, max=T - 1) - torch.clamp(i - X, min=0) + 1).mean())
-        return float(torch.stack(counts).mean())
+        reach = [math.ceil(z + self.ramp) - 1 for z in self.spans().detach().tolist()]
+        counts = [patterns.mean_band_size(T, X) for X in reach]
+        return float(torch.tensor(counts, dtype=torch.float64).mean())
 
     def flops(self, T: int) -> Flops:
-        D, E = self.dim, self.inner_dim  # E = h d_k (D unless pruned)
-        attention = 2 * 2.0 * T * self.keys_attended(T) * E  # scores, weighted sums in span
-        return Flops(linear_flops(T, D, 3 * E) + attention + self.output_flops(T))
+        return self.dot_product_flops(T, self.keys_attended(T))  # the keys within span
 
     def _remove_heads(self, index: Tensor) -> None:
         remove_projection_heads(self, self.qkv, index, blocks=3)
         select_(self, "span_fraction", index)
 
     # ----------------------------------------------------------------- kernels
-    def _qkv(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        q, k, v = self.qkv(x).chunk(3, dim=-1)  # 3 x (B, T, D)
-        return self.split_heads(q), self.split_heads(k), self.split_heads(v)  # (B, h, T, d_k)
-
     def _distance(self, rel: Tensor) -> Tensor:
         """|i - j| in the spans' dtype (a half-precision distance is inexact above 256)."""
         return rel.abs().to(self.span_fraction.dtype)
@@ -238,23 +184,25 @@ class AdaptiveSpanAttention(Attention):
         return self._attend_band(q, k, v, all_valid(x) if valid is None else valid, X)
 
     def _uses_cpu_kernels(self, q: Tensor) -> bool:
-        """Whether the kernels run our CPU kernels (`UnfusedSavedWeights`, `FlashThenUnfused`,
-        or flash alone for fixed spans): on CPU, where SDPA runs its math path for a mask that
-        needs a gradient (slower than these); CUDA's memory-efficient kernel
-        differentiates the mask itself. Not with attention dropout, which SDPA draws, nor
-        under torch.compile, which traces the SDPA kernels (`_static`)."""
+        """Whether our CPU kernels run (CPU eager, where SDPA would take its math path for a
+        mask that needs a gradient); not with attention dropout, which SDPA draws."""
         return not needs_static_shapes(q) and not (self.training and self.dropout)
+
+    @staticmethod
+    def _mask_padding(mask: Tensor, valid: Tensor | None, keys_reversed: bool = False) -> Tensor:
+        """mask (1, h, T, T) -> (B, h, T, T) with padded keys at -inf (valid None: unchanged).
+        The own key stays allowed (m(0) = 1), so that padded queries far from any valid key
+        keep a finite row (zeroed afterwards)."""
+        if valid is None:
+            return mask
+        keys, own = key_mask(valid), torch.eye(valid.shape[1], dtype=torch.bool, device=mask.device)
+        if keys_reversed:
+            keys, own = keys.flip(-1), own.flip(-1)
+        return mask.masked_fill(~(keys[:, None, None, :] | own), float("-inf"))
 
     def _attend_all_pairs(self, q: Tensor, k: Tensor, v: Tensor, valid: Tensor | None) -> Tensor:
         T = q.shape[-2]
-        i = torch.arange(T, device=q.device)
-        rel = i[:, None] - i[None, :]  # (T, T) query minus key position
-        mask = self._toeplitz(0, T, T)[None]  # (1, h, T, T)
-        if valid is not None:
-            # self always allowed (m(0) = 1), so that padded queries far from any valid key
-            # keep a finite row (their outputs are zeroed afterwards)
-            allowed = key_mask(valid)[:, None, None, :] | (rel == 0)  # (B, 1, T, T)
-            mask = mask.masked_fill(~allowed, float("-inf"))  # (B, h, T, T)
+        mask = self._mask_padding(self._toeplitz(0, T, T)[None], valid)  # (1 or B, h, T, T)
         p = self.dropout if self.training else 0.0
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask.to(q.dtype), dropout_p=p)
 
@@ -262,8 +210,7 @@ class AdaptiveSpanAttention(Attention):
         self, c: int, L: int, Lk: int, dtype: torch.dtype
     ) -> tuple[Tensor, Tensor]:
         """For the CPU kernels: log m and its z-derivative (1 / (R raw) on the ramp, raw in
-        (0, 1], 0 elsewhere) as constants, per head at the offsets c + a - w of an (L, Lk)
-        layout, as `_toeplitz` takes them: (h, L + Lk - 1) each, in increasing offset order."""
+        (0, 1], else 0) as constants at `_toeplitz`'s offsets: (h, L + Lk - 1) each."""
         offsets = torch.arange(c - Lk + 1, c + L, device=self.span_fraction.device)
         raw = self.ramp_position(self._distance(offsets), self.spans().detach())
         log_m = raw.clamp(0.0, 1.0).log()  # -inf where m = 0
@@ -280,9 +227,8 @@ class AdaptiveSpanAttention(Attention):
         keys_reversed: bool = False,
         save_weights: bool = False,
     ) -> Tensor:
-        """Attention of (N, h, L, d) blocks under the constant additive mask, differentiable in
-        the spans through mask_dz (same layout), on CPU: `UnfusedSavedWeights` when
-        save_weights, else `FlashThenUnfused` (see both)."""
+        """(N, h, L, d) blocks under the constant additive mask, differentiable in the spans
+        through mask_dz: `UnfusedSavedWeights` when save_weights, else `FlashThenUnfused`."""
         z = self.spans()
         if not (torch.is_grad_enabled() and z.requires_grad):  # spans fixed: flash's backward
             return flash_cpu(q, k, v, attn_mask=mask)[0]
@@ -294,30 +240,20 @@ class AdaptiveSpanAttention(Attention):
         self, q: Tensor, k: Tensor, v: Tensor, valid: Tensor | None, X: int
     ) -> Tensor:
         """All pairs (the backward within reach X). Up to `saved_weights_max_t` frames
-        `UnfusedSavedWeights`, with the keys in order (it adds the mask inside its score
-        product, so a T x T mask costs nothing extra). Above, flash with the keys in reverse
-        order: query i and reversed key j' = T - 1 - j are i + j' - (T - 1) apart, so a mask
-        over (query, reversed key) is a strided view of its 2T - 1 values (`patterns.hankel`;
-        CPU flash reads masks by stride), not a T x T tensor, unless the batch is padded."""
+        `UnfusedSavedWeights`, keys in order; above, flash with the keys reversed, so the mask
+        is a strided view of its 2T - 1 values (`patterns.hankel`), not T x T, unless padded."""
         T = q.shape[-2]
         reverse = T > self.saved_weights_max_t
         layout = patterns.hankel if reverse else patterns.toeplitz
         log_m, log_m_dz = self._constant_log_mask(0, T, T, q.dtype)  # offsets 1 - T .. T - 1
-        mask, mask_dz = layout(log_m, T, T)[None], layout(log_m_dz, T, T)[None]  # (1, h, T, T)
-        if valid is not None:
-            # self always allowed, as in _attend_all_pairs
-            keys, self_key = key_mask(valid), torch.eye(T, dtype=torch.bool, device=q.device)
-            if reverse:
-                keys, self_key = keys.flip(-1), self_key.flip(-1)
-            allowed = keys[:, None, None, :] | self_key  # (B, 1, T, T)
-            mask = mask.masked_fill(~allowed, float("-inf"))  # (B, h, T, T)
+        mask = self._mask_padding(layout(log_m, T, T)[None], valid, reverse)  # (1 or B, h, T, T)
+        mask_dz = layout(log_m_dz, T, T)[None]  # (1, h, T, T)
         if reverse:
             k, v = k.flip(-2), v.flip(-2)
         return self._cpu_kernel(q, k, v, mask, mask_dz, X, reverse, save_weights=not reverse)
 
     def _attend_band(self, q: Tensor, k: Tensor, v: Tensor, valid: Tensor, X: int) -> Tensor:
-        """Keys within distance X only: blocks of X queries against the 3X keys of the
-        previous, own and next block (every key within reach is among them)."""
+        """Keys within distance X: blocks of X queries against the previous, own and next."""
         B, h, T, d = q.shape
         n = -(-T // X)  # blocks
         right = n * X - T  # frames padding T up to n X

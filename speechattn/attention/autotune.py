@@ -1,44 +1,17 @@
-"""Kernel choice by measurement on the machine that runs it.
+"""Kernel choice by measurement on the machine that runs it (docs/gpu.md, "Kernels chosen by
+measurement").
 
-Variants with several exact kernels ask `pick_kernel(module, t)` (or `use_short_path`) which
-one to run: the two-kernel variants a short-sequence one over all T x T pairs (one fused or
-batched call) and a long-sequence one (bands, blocks, sparse products, chunks), "short" and
-"long"; sparse_* a blocked, a masked and (CUDA) a Flex kernel; routing also its long kernel
-with the local heads masked (the variants' hooks `Attention.kernel_names`,
-`kernel_candidates`). Two ways to answer:
-
-* the rule (default): `Attention.rule_kernel`, e.g. T <= `short_path_max_t`, crossovers
-  measured once on one machine. Always used under torch.compile / jit / fx tracing, on fake,
-  meta or subclassed tensors, under a dispatch mode (the fake-CUDA suite, sync counters), for
-  CUDA tensors without a driver, and when only one candidate is left after the kernels with
-  (B, h, T, T) scores (`all_pairs_kernels`) whose scores for one sequence exceed
-  `SCORE_BUDGET` are left out (they are not candidates to time there);
-* measurement (`enable(model)`; pretraining does it unless `attention.autotune=false`): on
-  the first call per key, every candidate runs forward + backward (`attend` on random
-  x (B', T_b, D), padded as training's batches are: lengths of 2/3 to all of T_b,
-  `utils.crop_lengths`, gradients of x and of the parameters through `torch.autograd.grad`, so no
-  `.grad` is touched) in eval mode under the caller's autocast, interleaved, min of `REPS`
-  or more after a warm-up each, and the fastest is kept (the rule's unless another is
-  `MARGIN` faster: noise must not flip a choice), like `cudnn.benchmark` or Triton's
-  autotune. A candidate that fails while timed (e.g. a Flex kernel that does not compile, or
-  runs out of memory) is left out with a warning. RNG states are forked, so measuring changes
-  no random stream of the run.
-
-Key: device name (CPU model and torch threads, or the CUDA device's name), torch version,
-compute dtype (the autocast dtype when autocast is on), variant, heads, head dim, the options
-that shape the kernels (the config but `layer` and `dropout`), the candidates timed, the
-length bucket T_b and the batch bucket. Length buckets are 2^k and 1.5 x 2^k frames (32, 48,
-64, 96, 128, ..., every current crossover is one), timed at their top T_b (at most the
-variant's max_len); the batch is timed as given, cut so that B' h T_b^2 score elements fit
-`SCORE_BUDGET` when an all-pairs kernel is timed, and bucketed to a power of two (GPU
-kernels' relative cost moves with occupancy).
-
-Cache: in memory per module and per process, and on disk in
-`$SPEECHATTN_CACHE/autotune/kernels.json` (the data layer's cache root; default
-`~/.cache/speechattn`), rewritten atomically (merged with what is there) after each new
-measurement; a corrupt file is ignored with a warning and rewritten. Delete it to re-measure.
-Choices are per process: DDP ranks may pick differently, which is harmless because all
-kernels compute the same function of the same parameters.
+Variants with several exact kernels (`Attention.kernel_names`) ask `pick_kernel(module, t)`.
+The rule (`Attention.rule_kernel`) answers by default, and always under torch.compile, jit or fx
+tracing, on fake, meta or subclassed tensors, under a dispatch mode, on CUDA without a driver,
+and when fewer than two candidates fit `SCORE_BUDGET`. With `enable(model)` the first call per
+key times every candidate's forward + backward on random x padded as training's batches are,
+in eval mode under the caller's autocast, interleaved, RNG states forked; the rule's kernel
+stays unless another is `MARGIN` faster; one that raises is left out with a warning. Key:
+device, torch, dtype, variant, heads, head dim, options (not `layer`, `dropout`), candidates,
+length bucket (2^k and 1.5 x 2^k) and batch bucket. Cache: per module, per process and
+`$SPEECHATTN_CACHE/autotune/kernels.json` (atomic, merged; a corrupt file is ignored). DDP
+ranks may choose differently: every kernel computes the same function.
 """
 
 from __future__ import annotations
@@ -86,10 +59,8 @@ _memory: dict[Path, dict[str, dict[str, Any]]] = {}  # cache file -> its entries
 
 # ----------------------------------------------------------------------------- asking
 def pick_kernel(module: Attention, t: Tensor) -> str:
-    """The kernel `module` runs for t: x (B, T, D) or q (B, h, T, d_k). The rule
-    (`Attention.rule_kernel`), or with measurement on (`enable`) the kernel measured fastest
-    for T's length bucket on this machine (`choose`; never while compiling, where the rule
-    keeps the branch static)."""
+    """The kernel `module` runs for t, x (B, T, D) or q (B, h, T, d_k): the rule, or with
+    measurement on (`enable`, never while compiling) the fastest for T's bucket (`choose`)."""
     T = t.shape[-2] if t.dim() == 4 else t.shape[1]
     if module._forced_kernel is not None:  # the tuner is timing one kernel
         return module._forced_kernel
@@ -106,8 +77,7 @@ def use_short_path(module: Attention, t: Tensor) -> bool:
 # ----------------------------------------------------------------------------- switching on
 def enable(model: nn.Module, on: bool = True) -> int:
     """Switch measurement on (or off) for every attention module of `model` (itself
-    included; one-kernel variants only record the setting); returns how many modules have
-    several kernels."""
+    included); returns how many modules have several kernels."""
     n = 0
     for m in model.modules():
         if isinstance(m, Attention):
@@ -152,8 +122,8 @@ def _cpu_model() -> str:
 
 
 def device_name(device: torch.device) -> str:
-    """What the timings belong to: e.g. "cuda:NVIDIA H100 80GB HBM3" or "cpu:AMD EPYC, 2
-    threads" (the thread count moves CPU crossovers as much as the model does)."""
+    """What the timings belong to, e.g. "cpu:AMD EPYC, 2 threads" (threads move CPU
+    crossovers as much as the model does)."""
     if device.type == "cuda":
         return f"cuda:{torch.cuda.get_device_name(device)}"
     if device.type == "cpu":
@@ -181,9 +151,8 @@ def key_parts(
 
 
 def timed_shape(module: Attention, t: Tensor, T: int) -> tuple[int, int, tuple[str, ...]] | None:
-    """(B', T_b, kernels) to time for a call with t at T frames: the candidates, less the
-    all-pairs kernels when their scores for one sequence of T_b frames exceed `SCORE_BUDGET`;
-    None when fewer than two are left (the rule decides there)."""
+    """(B', T_b, kernels) to time for t at T frames: the candidates, less the all-pairs ones
+    when one sequence's scores exceed `SCORE_BUDGET`; None when fewer than two are left."""
     B = t.shape[0]
     T_b = min(bucket(T), module.max_len or bucket(T))
     per_sequence = module.num_heads * T_b * T_b * compute_dtype(t).itemsize
@@ -201,8 +170,7 @@ def timed_shape(module: Attention, t: Tensor, T: int) -> tuple[int, int, tuple[s
 
 # ----------------------------------------------------------------------------- choosing
 def choose(module: Attention, t: Tensor, T: int) -> str:
-    """The kernel `module` runs for t (x (B, T, D) or q (B, h, T, d_k)) at T frames: measured
-    once per key, then from memory or disk."""
+    """The kernel for t at T frames: measured once per key, then from memory or disk."""
     if rule_only(t):
         return module.rule_kernel(T, t.device)
     shape = timed_shape(module, t, T)
@@ -250,7 +218,7 @@ def choose(module: Attention, t: Tensor, T: int) -> str:
 
 def pick(ms: dict[str, float], ruled: str) -> str:
     """The fastest kernel of `ms` (milliseconds by kernel), or the rule's unless the fastest
-    is `MARGIN` faster than it (noise must not flip a choice)."""
+    is `MARGIN` faster (noise must not flip a choice)."""
     best = min(ms, key=ms.__getitem__)
     if ruled in ms and ms[best] >= (1 - MARGIN) * ms[ruled]:
         return ruled
@@ -272,10 +240,9 @@ def time_once(step: Callable[[], None], kernel: str, device: torch.device) -> fl
 def measure(
     module: Attention, like: Tensor, B: int, T: int, kernels: tuple[str, ...] = KERNELS
 ) -> tuple[dict[str, float], dict[str, str]]:
-    """Milliseconds of forward + backward of each of `kernels` of `module` on random
-    x (B, T, D): the min over interleaved steps after one warm-up each (`REPS`, more for short
-    steps); and {kernel: error} for those that raised (left out of the timings, with a
-    warning: e.g. a Flex kernel that does not compile, or memory running out)."""
+    """Milliseconds of forward + backward of each of `kernels` on random x (B, T, D), min
+    over interleaved steps after a warm-up (`REPS`, more for short steps); and {kernel:
+    error} for those that raised (left out, with a warning)."""
     device = like.device
     dtype = module.out_proj.weight.dtype  # the module's input dtype (autocast casts inside)
     gen = torch.Generator().manual_seed(T)
@@ -329,8 +296,7 @@ def measure(
 
 @contextlib.contextmanager
 def forced(module: Attention, kernel: str | None) -> Iterator[None]:
-    """Make `pick_kernel(module, ...)` answer `kernel` (one of its `kernel_names`; None: as
-    usual)."""
+    """Make `pick_kernel(module, ...)` answer `kernel` (None: as usual)."""
     previous, module._forced_kernel = module._forced_kernel, kernel
     try:
         yield
@@ -340,8 +306,7 @@ def forced(module: Attention, kernel: str | None) -> Iterator[None]:
 
 @contextlib.contextmanager
 def _eval(module: nn.Module) -> Iterator[None]:
-    """Eval mode (no dropout, no routing centroid updates) for the block, then each
-    submodule's own mode back."""
+    """Eval mode (no dropout, no centroid updates) for the block, then each module's own."""
     modes = [(m, m.training) for m in module.modules()]
     module.eval()
     try:
@@ -358,8 +323,7 @@ def cache_path() -> Path:
 
 
 def _read(path: Path, warn: bool = True) -> dict[str, dict[str, Any]]:
-    """The file's entries; {} when it is missing, or corrupt (with a warning: the next
-    measurement rewrites it)."""
+    """The file's entries; {} when it is missing or corrupt (with a warning)."""
     try:
         data = json.loads(path.read_text())
     except FileNotFoundError:
@@ -394,9 +358,8 @@ def _read(path: Path, warn: bool = True) -> dict[str, dict[str, Any]]:
 
 
 def _valid_entry(entry: object) -> bool:
-    """An entry as `choose` writes it, field by field: the kernel's name, the times in ms by
-    kernel (finite, non-negative), the length measured at; anything else is dropped alone, so
-    that nothing malformed reaches a model card or upstream.pt."""
+    """An entry as `choose` writes it (kernel name, finite ms >= 0, length measured at);
+    others are dropped alone, so nothing malformed reaches a model card or upstream.pt."""
     if not isinstance(entry, dict) or not isinstance(entry.get("kernel"), str):
         return False
     ms = entry.get("ms", {})
@@ -414,8 +377,7 @@ def _entries(path: Path) -> dict[str, dict[str, Any]]:
 
 
 def _store(path: Path, key: str, entry: dict[str, Any]) -> None:
-    """Add `entry` in memory and on disk, merged with the file as it is now (another process
-    may have added entries since it was read)."""
+    """Add `entry` in memory and on disk, merged with the file as it is now (other processes)."""
     entries = _entries(path)
     entries[key] = entry
     merged = {**_read(path, warn=False), **entries}
@@ -434,10 +396,8 @@ def clear_memory() -> None:
 
 # ----------------------------------------------------------------------------- reporting
 def choices(model: nn.Module) -> dict[str, Any]:
-    """The kernel choices of `model`'s attention for run metadata and model cards:
-    {"autotune": on, "short_path_max_t": the rule's crossover or None (one kernel),
-    "choices": {"VARIANT T<=T_b DTYPE ...": {"bucket", "kernel", "by", "ms"}}} (the choices
-    made so far, by length)."""
+    """The kernel choices so far, for run metadata and model cards: {"autotune",
+    "short_path_max_t", "choices": {"VARIANT T<=T_b DTYPE ...": {"bucket", "kernel", "by", "ms"}}}."""
     modules = [m for m in model.modules() if isinstance(m, Attention)]
     if not modules:
         return {}
@@ -455,8 +415,7 @@ def choices(model: nn.Module) -> dict[str, Any]:
 
 def used(module: Attention, T: int) -> str:
     """The kernel `module` takes at T frames now, for tables: "one" (a single kernel), else
-    its name ("short"/"long", "blocked"/"masked"/"flex", ...) with "*" when measured (or read
-    from the cache), else by the rule."""
+    its name, with "*" when measured (or read from the cache)."""
     if len(module.kernel_names) < 2:
         return "one"
     prefix = f"{module.name} T<={bucket(T)} "

@@ -10,22 +10,12 @@ Shape letters (used in every docstring and shape comment of `speechattn.attentio
     k    keys kept per query (LSH top-k), c context width (LDSA) or summary columns (sparse)
     l    block size / stride of the sparse patterns, n = ceil(T / l) blocks
 
-A variant subclasses `Attention`, declares its `Config` dataclass and its metadata, and
-implements two methods on the per-head level:
-
-* `attend(x, valid) -> (B, h, T, d_k)`: the efficient path (SDPA, blocks, bands, top-k);
-* `attend_dense(x, valid) -> (heads (B, h, T, d_k), weights (B, h, T, T))`: the reference
-  with explicit T x T weights, sharing the same parameters.
-
-`Attention.forward` does everything else once for all variants: input checks, zeroing padded
-input frames, the head mask xi (Michel et al. 2019: each head's output is multiplied by xi_h before the
-output projection, differentiably), the output projection and zeroing padded outputs.
-
-Built on the contract, each in its own module that this one does not import: head pruning
-(`pruning.prune_heads`, through each variant's `_remove_heads` hook) and the kernel choice
-(`autotune.pick_kernel`, through the `kernel_names` / `kernel_candidates` / `rule_kernel`
-hooks). The padding policy of the variants placed by position (`end_padded_only`) is in
-`padding`, which `forward` applies.
+A variant subclasses `Attention` with its `Config` and metadata, and implements `attend`
+(efficient, (B, h, T, d_k)) and `attend_dense` (the reference with explicit (B, h, T, T)
+weights, same parameters). `Attention.forward` does the rest once for all: input checks,
+zeroed padding, the head mask xi (Michel et al. 2019: head h's output times xi_h before the
+output projection), the output projection. Head pruning (`pruning`) and the kernel choice
+(`autotune`) are built on this module's hooks, which imports neither.
 """
 
 from __future__ import annotations
@@ -51,14 +41,9 @@ SELF_PENALTY = -5e4
 
 @dataclass(frozen=True)
 class Flops:
-    """FLOPs of one forward pass over one sequence of T frames, as the variant is defined.
-
-    Counted: matrix products, 2 FLOPs per multiply-add (projections, scores and weighted
-    sums over the keys each query really attends). Not counted: elementwise work (softmax,
-    masks, normalisation), which is small beside them.
-
-    differentiable: work with a backward pass of about twice its cost.
-    no_grad: work without one (LSH hashing and code matching).
+    """FLOPs of one forward pass over one sequence of T frames, as the variant is defined:
+    matrix products only, 2 per multiply-add (elementwise work is small beside them).
+    differentiable: with a backward of about twice its cost; no_grad: without (LSH hashing).
     """
 
     differentiable: float
@@ -112,27 +97,20 @@ class Attention(nn.Module, ABC):
     """Multi-head self-attention with one fixed signature (see module docstring).
 
     Class metadata, declared by each variant:
-        name: registry name (set by `registry.register`)
-        paper: citation of the mechanism
+        name: registry name (set by `registry.register`); paper: citation of the mechanism
         complexity_training / complexity_inference: theoretical time cost (study, Table 1)
         supports_weights: whether `need_weights=True` can return (B, h, T, T) weights
-        short_path_max_t: variants with two kernels use their short-sequence one (all T x T
-            pairs in a fused or batched call, cheapest at small T) up to this many frames and
-            their long-sequence one (blocks, sparse products, chunks) above; None: one kernel,
-            or kernels of other names (`kernel_names`, e.g. sparse's blocked / masked / flex).
-            Crossovers are measured with `python -m speechattn.bench attention`; with
-            `autotune` on, `autotune.pick_kernel` times the kernels on this machine instead.
-        all_pairs_kernels: the kernels that form (B, h, T, T) scores or masks: the tuner
-            times them only while those fit its memory budget.
-        no_weight_decay: names of this module's parameters that are biases stored as matrices
-            (one vector per head): the optimiser groups leave them undecayed, like every
-            parameter of fewer than 2 dimensions.
-        end_padded_only: whether the variant places its pattern by frame position (blocks,
-            strides, global frames, synthesised columns), so that frame 0 must be each
-            utterance's first frame: a padding mask with padded frames before an utterance's
-            first valid frame is refused (`padding.PaddingMaskError`; padded frames after
-            it are masked keys at their positions). The other variants see only which keys
-            are valid and their distances, and give the same outputs for any padding.
+        short_path_max_t: two-kernel variants run their all-pairs "short" kernel up to this
+            many frames, their "long" one (blocks, sparse products, chunks) above (measured
+            with `python -m speechattn.bench attention`); None: one kernel, or kernels of
+            other names (`kernel_names`). With `autotune` on, `autotune` times them instead.
+        all_pairs_kernels: kernels forming (B, h, T, T) scores or masks: the tuner times
+            them only while those fit its memory budget.
+        no_weight_decay: parameters that are biases stored as matrices (one vector per
+            head), left undecayed like every parameter of fewer than 2 dimensions.
+        end_padded_only: the pattern is placed by frame position, so frame 0 must be each
+            utterance's first frame: a mask padding before it is refused
+            (`padding.PaddingMaskError`). The others give the same outputs for any padding.
     """
 
     Config: ClassVar[type[AttentionConfig]] = AttentionConfig
@@ -164,29 +142,18 @@ class Attention(nn.Module, ABC):
         self._kernel_memo: dict[tuple, str] = {}  # measured choices: key -> kernel name
         self.kernel_choices: dict[str, dict] = {}  # the same, readable, for run metadata
 
-    @classmethod
-    def from_config(cls, config: AttentionConfig) -> Attention:
-        return cls(config)
-
     # ----------------------------------------------------------------- metadata
     @property
     def complexity(self) -> str:
         """Theoretical time complexity, e.g. ``"training O(T^2 D); inference O(T^2 D)"``."""
         return f"training {self.complexity_training}; inference {self.complexity_inference}"
 
-    @abstractmethod
     def keys_attended(self, T: int) -> float:
-        """Average number of frames whose value each query weighs, for T valid frames.
-
-        Conventions (the x axis of the study's Figure 4):
-        * score-based variants count the keys whose score a query computes: T for `full`,
-          `shared_qk` and `linear`, the pattern's size for `sparse_*` and
-          `longformer`, min(k, T) for LSH;
-        * `ldsa` counts its window of c frames inside the utterance (c, less near the ends):
-          its weights are synthesised, but they come from and apply to that window;
-        * the synthesizers (`syn_*`) report 0, as in the study: their weights do not come from
-          the keys at all (input-independent or from the query frame alone).
-        """
+        """Average number of frames whose value each query weighs, for T valid frames (the x
+        axis of the study's Figure 4): the keys whose score a query computes (all T here,
+        as in `full`, `shared_qk`, `relpos`, `linear`); `ldsa` its window inside the
+        utterance; 0 for the synthesizers, whose weights do not come from the keys."""
+        return float(T)
 
     @abstractmethod
     def flops(self, T: int) -> Flops:
@@ -201,34 +168,36 @@ class Attention(nn.Module, ABC):
         """The output projection W^O, shared by every variant."""
         return linear_flops(T, self.inner_dim, self.dim)
 
+    def dot_product_flops(self, T: int, keys: float, projections: int = 3) -> Flops:
+        """`projections` input projections D -> h d_k, scores and weighted sums over `keys`
+        keys per query in every head, and the output projection."""
+        E = self.inner_dim
+        attention = 2 * 2.0 * T * keys * E
+        return Flops(linear_flops(T, self.dim, projections * E) + attention + self.output_flops(T))
+
     def auxiliary_loss(self) -> Tensor | None:
-        """A term the variant adds to the training loss (adaptive_span: its span penalty);
-        None for the others. The pretraining task adds it once per module."""
+        """A term the pretraining task adds to the loss once per module (adaptive_span)."""
         return None
 
     def after_optimizer_step(self) -> None:
-        """Called by the pretraining task after each optimiser step to put parameters back
-        into their valid range (adaptive_span: its spans); nothing for the others."""
+        """Puts parameters back into their range after each optimiser step (adaptive_span)."""
 
     # ----------------------------------------------------------------- kernel choice hooks
     # Asked by `autotune.pick_kernel`, which answers a variant's call for the kernel to run.
     @property
     def kernel_names(self) -> tuple[str, ...]:
-        """Every kernel this module may run: ("short", "long") for the variants with a
-        crossover (`short_path_max_t`), ("one",) for a single kernel; variants with other
-        kernels override it (several names: the tuner may choose among them)."""
+        """Every kernel this module may run: ("short", "long") with a crossover
+        (`short_path_max_t`), else ("one",); several names: the tuner may choose."""
         return ("short", "long") if self.short_path_max_t is not None else ("one",)
 
     def kernel_candidates(self, t: Tensor) -> tuple[str, ...]:
-        """The kernels the tuner may time for t (x (B, T, D) or q (B, h, T, d_k)), which
-        tells the device, and this module's mode: those of `kernel_names` that can run here,
-        or () when there is nothing to choose."""
+        """The kernels the tuner may time for t (x (B, T, D) or q (B, h, T, d_k)): those of
+        `kernel_names` that can run on its device in this mode, () when none to choose."""
         names = self.kernel_names
         return names if len(names) > 1 else ()
 
     def rule_kernel(self, T: int, device: torch.device) -> str:
-        """The kernel at T frames on `device` without measurement: the crossover rule
-        T <= `short_path_max_t` (measured once on one CPU)."""
+        """The kernel at T frames on `device` without measurement: T <= `short_path_max_t`."""
         if self.short_path_max_t is None:
             return self.kernel_names[0]
         return "short" if T <= self.short_path_max_t else "long"
@@ -236,25 +205,17 @@ class Attention(nn.Module, ABC):
     # ----------------------------------------------------------------- variant hooks
     @abstractmethod
     def attend(self, x: Tensor, valid: Tensor | None) -> Tensor:
-        """Efficient path. x (B, T, D) with padded frames zeroed, valid (B, T) bool, or None
-        when no frame is padded (the caller knows it from host-side lengths; a kernel that
-        reads the mask to find that out would make the host wait for the device).
-
-        Returns per-head outputs (B, h, T, d_k); rows of padded queries may hold anything
-        finite (they are zeroed afterwards).
-        """
+        """Efficient path: x (B, T, D) with padded frames zeroed, valid (B, T) bool or None
+        when nothing is padded (known from host-side lengths: reading the mask would make
+        the host wait for the device) -> (B, h, T, d_k), padded query rows any finite value."""
 
     @abstractmethod
     def attend_dense(self, x: Tensor, valid: Tensor) -> tuple[Tensor, Tensor]:
         """Reference path with explicit weights: (heads (B, h, T, d_k), weights (B, h, T, T))."""
 
     def _remove_heads(self, index: Tensor) -> None:
-        """Keep only heads `index` (sorted, long) of the variant's per-head parameters
-        (helpers: `pruning.remove_projection_heads`, `pruning.select_`).
-
-        Called by `pruning.prune_heads` before `num_heads` changes; the output projection
-        is pruned there.
-        """
+        """Keep only heads `index` (sorted, long) of the variant's per-head parameters;
+        called by `pruning.prune_heads` (which prunes W^O) before `num_heads` changes."""
         raise NotImplementedError(f"attention {self.name!r} does not implement prune_heads")
 
     # ----------------------------------------------------------------- public API
@@ -333,6 +294,11 @@ class Attention(nn.Module, ABC):
         y = self.out_proj(merged)  # (B, T, D)
         return y if valid is None else y.masked_fill(~valid[..., None], 0.0)
 
+    def _qkv(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """q, k, v (B, h, T, d_k) from the variant's `qkv` projection (W^Q | W^K | W^V)."""
+        q, k, v = self.qkv(x).chunk(3, dim=-1)  # 3 x (B, T, D)
+        return self.split_heads(q), self.split_heads(k), self.split_heads(v)
+
     def split_heads(self, t: Tensor) -> Tensor:
         """(B, T, D) -> (B, h, T, d_k)."""
         B, T, _ = t.shape
@@ -349,37 +315,26 @@ class Attention(nn.Module, ABC):
 
 # --------------------------------------------------------------------- helpers for variants
 def all_valid(x: Tensor) -> Tensor:
-    """valid (B, T) all True for x (B, T, ...): for kernels that need the mask as a tensor
-    when the caller said there is no padding (valid None)."""
+    """valid (B, T) all True for x (B, T, ...), for kernels that need a mask when valid is None."""
     return torch.ones(x.shape[:2], dtype=torch.bool, device=x.device)
 
 
 def key_mask(valid: Tensor) -> Tensor:
-    """Keys a query may use: valid (B, T) -> (B, T) bool.
-
-    A sequence without any valid frame lets its (padded, later zeroed) queries use every key
-    so that no softmax row is empty and nothing turns NaN.
-    """
+    """Keys a query may use: valid (B, T) -> (B, T) bool; a sequence without any valid frame
+    lets its (zeroed) queries use every key, so that no softmax row is empty (NaN)."""
     return valid | ~valid.any(dim=-1, keepdim=True)
 
 
 def masked_softmax(scores: Tensor, allowed: Tensor, dim: int = -1) -> Tensor:
-    """Softmax over `allowed` entries only; disallowed entries get exactly 0.
-
-    A row without any allowed entry becomes uniform instead of NaN (only padded queries can
-    have such rows, and their outputs are zeroed).
-    """
+    """Softmax over `allowed` entries only, exactly 0 elsewhere; a row without any allowed
+    entry (only padded queries, zeroed later) becomes uniform instead of NaN."""
     scores = scores.masked_fill(~allowed, torch.finfo(scores.dtype).min)
     return torch.softmax(scores, dim=dim)
 
 
 def self_penalty(T: int, device: torch.device, dtype: torch.dtype) -> Tensor:
-    """(T, T) additive matrix with SELF_PENALTY on the diagonal.
-
-    Built in lazily zeroed memory (`lazy_zeros`): only the diagonal's pages are written here,
-    where torch.eye times the penalty would write all T^2 entries (a visible share of a
-    `shared_qk` step at long T).
-    """
+    """(T, T) additive matrix with SELF_PENALTY on the diagonal, in lazily zeroed memory:
+    only the diagonal's pages are written (torch.eye would write all T^2, visible at long T)."""
     penalty = lazy_zeros((T, T), dtype, device)
     penalty.diagonal().fill_(SELF_PENALTY)
     return penalty

@@ -7,11 +7,8 @@
   queries; a query may attend to itself only when it has no other valid key (additive
   SELF_PENALTY = -5e4 on the diagonal).
 
-Both efficient paths call `torch.nn.functional.scaled_dot_product_attention` (flash /
-memory-efficient kernels on GPU, the fused flash kernel on CPU). A padded batch passes its key
-mask; on an H200 with torch 2.11 SDPA runs it in cuDNN's fused flash kernel, 1.27x the
-unmasked call, where compiled FlexAttention took 1.4x (padding BlockMask) to 5x (padding in a
-score_mod) and SDPA over nested jagged tensors 16x (docs/gpu.md), so the mask stays.
+Both efficient paths call SDPA with the key mask of a padded batch (on an H200, cuDNN's fused
+kernel at 1.27x the unmasked call, ahead of FlexAttention and nested tensors: docs/gpu.md).
 """
 
 from __future__ import annotations
@@ -29,7 +26,6 @@ from speechattn.attention.base import (
     AttentionConfig,
     Flops,
     key_mask,
-    linear_flops,
     masked_softmax,
     scale,
     self_penalty,
@@ -56,20 +52,11 @@ class FullAttention(Attention):
         super().__init__(config)
         self.qkv = nn.Linear(config.dim, 3 * config.dim, bias=config.bias)  # W^Q | W^K | W^V
 
-    def keys_attended(self, T: int) -> float:
-        return float(T)
-
     def flops(self, T: int) -> Flops:
-        D, E = self.dim, self.inner_dim  # E = h d_k (D unless pruned)
-        attention = 2 * 2.0 * T * T * E  # Q K^T and weights x V, all heads
-        return Flops(linear_flops(T, D, 3 * E) + attention + self.output_flops(T))
+        return self.dot_product_flops(T, T)
 
     def _remove_heads(self, index: Tensor) -> None:
         remove_projection_heads(self, self.qkv, index, blocks=3)
-
-    def _qkv(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        q, k, v = self.qkv(x).chunk(3, dim=-1)  # 3 x (B, T, D)
-        return self.split_heads(q), self.split_heads(k), self.split_heads(v)  # (B, h, T, d_k)
 
     def attend(self, x: Tensor, valid: Tensor | None) -> Tensor:
         q, k, v = self._qkv(x)  # (B, h, T, d_k)
@@ -96,12 +83,6 @@ class SharedQKBase(Attention):
         super().__init__(config)
         self.qv = nn.Linear(config.dim, 2 * config.dim, bias=config.bias)  # W^Q | W^V
 
-    def shared_flops(self, T: int, keys: float) -> Flops:
-        """Shared-QK projections, scores and weighted sums over `keys` keys per query."""
-        D, E = self.dim, self.inner_dim  # E = h d_k (D unless pruned)
-        attention = 2 * 2.0 * T * keys * E
-        return Flops(linear_flops(T, D, 2 * E) + attention + self.output_flops(T))
-
     def _remove_heads(self, index: Tensor) -> None:
         remove_projection_heads(self, self.qv, index, blocks=2)
 
@@ -110,6 +91,8 @@ class SharedQKBase(Attention):
         q, v = self.qv(x).chunk(2, dim=-1)  # 2 x (B, T, D)
         q, v = self.split_heads(q), self.split_heads(v)  # (B, h, T, d_k)
         return q, F.normalize(q, dim=-1), v
+
+    _qkv = shared_qkv  # the name `routing`'s selection tests use
 
     def shared_scores(self, q: Tensor, k: Tensor) -> Tensor:
         """Dense shared-QK scores (B, h, T, T) with the self penalty on the diagonal."""
@@ -126,20 +109,16 @@ class SharedQKAttention(SharedQKBase):
     complexity_training = "O(T^2 D)"
     complexity_inference = "O(T^2 D)"
 
-    def keys_attended(self, T: int) -> float:
-        return float(T)
-
     def flops(self, T: int) -> Flops:
-        return self.shared_flops(T, T)
+        return self.dot_product_flops(T, T, projections=2)
 
     def attend(self, x: Tensor, valid: Tensor | None) -> Tensor:
         q, k, v = self.shared_qkv(x)  # (B, h, T, d_k)
         T = x.shape[1]
         p = self.dropout if self.training else 0.0
         if x.device.type == "cpu" and valid is None:
-            # Keys in reverse order put the self penalty on the anti-diagonal, which a strided
-            # view of 2T - 1 numbers holds: a T x T mask's memory traffic is a visible share of
-            # the step at long T. CUDA's kernels want a dense mask, padding a per-key term.
+            # Keys reversed put the self penalty on the anti-diagonal, a strided view of 2T - 1
+            # numbers (a T x T mask costs at long T); CUDA's kernels want a dense mask.
             line = torch.zeros(2 * T - 1, dtype=q.dtype, device=x.device)
             line[T - 1] = SELF_PENALTY
             mask = patterns.hankel(line, T, T)[None, None]  # (1, 1, T, T), [i, j'] = line[i + j']

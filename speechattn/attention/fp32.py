@@ -1,24 +1,12 @@
 """True float32 for the code that selects keys, whatever the global TF32 setting.
 
-On CUDA, pretraining lets float32 matmuls use TF32 (10-bit mantissa products;
-`tasks/pretrain/module.py`). The weighted sums over the kept keys tolerate that; a selection
-does not: an LSH sign bit, a match count's tie-break score and a nearest centroid are hard
-decisions, defined in float32 (docs/attention.md), and TF32 would change buckets, keys and
-clusters against the CPU study. The selection code (LSH hashing, match counting, tie-break
-scores; routing's assignments and centroid updates) therefore does its products with
-`ieee_matmul`.
-
-`true_float32()` sets torch's float32 matmul precision to "highest" (IEEE float32 on cuBLAS and
-oneDNN) for a block and restores the previous one, through `torch.set_float32_matmul_precision`.
-It keeps to that one API, as `PretrainTask.setup` does: setting torch 2.11's per-backend
-`fp32_precision` attributes directly leaves the legacy state behind, after which
-`torch.get_float32_matmul_precision()` raises, and inductor calls it whenever it compiles (a
-compiled step, Flex kernels).
-
-Under torch.compile the switch cannot be traced: dynamo graph-breaks on the precision getter,
-and inductor fixes one precision per graph when it compiles. So a compiled graph calls the
-product as a custom op (`speechattn::ieee_matmul`), an opaque call that runs the same eager
-code at run time, with the switch around it; eager code calls that code directly.
+An LSH sign bit, a match count's tie-break score and a nearest centroid are hard decisions,
+defined in float32 (docs/attention.md); TF32 (which pretraining allows on CUDA) would change
+buckets, keys and clusters, so the selection code multiplies with `ieee_matmul`.
+`true_float32()` switches through `torch.set_float32_matmul_precision` only (setting torch
+2.11's per-backend `fp32_precision` directly breaks the getter inductor calls). Dynamo cannot
+trace the switch, so a compiled graph calls the product as the custom op
+`speechattn::ieee_matmul`, which runs the eager code with the switch around it.
 """
 
 from __future__ import annotations

@@ -1,18 +1,16 @@
 """Multi-head local dense synthesizer attention: `ldsa`.
 
 Xu, Li, Zhang, "Transformer-based End-to-End Speech Recognition with Local Dense Synthesizer
-Attention", ICASSP 2021 (arXiv:2010.12155), with the multi-head formulation of the authors'
-supplement ("multi-head LDSA", 2021; docs/attention.md):
+Attention", ICASSP 2021 (arXiv:2010.12155), in the multi-head form of the authors' supplement
+(docs/attention.md):
 
     B^i   = softmax(ReLU(X W_1^i) W_2^i)      W_1^i (D, d_k), W_2^i (d_k, c)   -> (T, c)
     V^i   = X W_3^i                           W_3^i (D, d_k)                   -> (T, d_k)
     Y_t^i = sum_{j<c} B^i_{t,j} V^i_{t + j - floor(c/2)}
     Y     = concat_i(Y^i) W^O
 
-Window positions outside [0, T) or on padded frames are excluded and the softmax is taken over
-the remaining ones (renormalised). The efficient path never forms a T x T matrix: c shifted
-multiply-adds over the zero-padded values (`LocalWeightedSum`, a small autograd function that
-accumulates in place in both directions), O(T c D) time and O(T (c h + D)) memory.
+The softmax runs over the window positions inside [0, T) and not padded. The efficient path is
+c shifted multiply-adds over the zero-padded values (`LocalWeightedSum`): O(T c D), no T x T.
 """
 
 from __future__ import annotations
@@ -108,14 +106,8 @@ class LDSAttention(Attention):
 
     def attend_dense(self, x: Tensor, valid: Tensor) -> tuple[Tensor, Tensor]:
         B, T, _ = x.shape
-        r = self.context // 2
         w = self.window_weights(x, valid)  # (B, h, T, c)
-        cols = (
-            torch.arange(T, device=x.device)[:, None]
-            + torch.arange(self.context, device=x.device)
-            - r
-        )
-        inside = (cols >= 0) & (cols < T)  # (T, c)
+        cols, inside = patterns.window_keys(T, self.context // 2, device=x.device)  # (T, c)
         idx = cols.clamp(0, T - 1).expand(B, self.num_heads, T, self.context)
         weights = torch.zeros(B, self.num_heads, T, T, dtype=w.dtype, device=x.device)
         weights = weights.scatter_add(-1, idx, w * inside)  # (B, h, T, T), band of width c

@@ -2,26 +2,15 @@
 
 Katharopoulos, Vyas, Pappas, Fleuret, "Transformers are RNNs: Fast Autoregressive Transformers
 with Linear Attention", ICML 2020 (arXiv:2006.16236), section 3.2, non-causal form. Per head,
-with the feature map phi(x) = elu(x) + 1 (positive, so each query's weights are a distribution)
-and separate Q, K, V projections as in `full`:
+with phi(x) = elu(x) + 1 and separate Q, K, V projections as in `full` (no 1/sqrt(d_k): phi
+replaces the softmax's exponential, eq. 6):
 
     y_i = phi(q_i)^T (sum_j phi(k_j) v_j^T) / (phi(q_i)^T sum_j phi(k_j))      over valid keys j
 
-There is no 1/sqrt(d_k): the feature map replaces the softmax's exponential (the paper's eq. 6).
-
-Efficient path (`LinearKernel`): the state S = phi(K)^T V (B, h, d_k, d_k) and the normaliser
-z = sum_j phi(k_j) (B, h, d_k) once per sequence, then one product per query: O(T d_k^2 h) =
-O(T D d_k) time and no T x T tensor. The dense reference forms the weights A = phi(Q) phi(K)^T,
-each row divided by its sum, (B, h, T, T) explicitly.
-
-Precision: S and z are sums of T positive terms (at T = 8192 they reach ~1e4, near float16's
-6.5e4, and bfloat16 keeps 3 significant digits of them), so both paths switch autocast off and
-run in float32 (float64 stays float64); the heads return in the caller's dtype.
-
-Dropout: the efficient path has no weights to drop, so attention dropout drops key columns:
-each valid key of each head leaves the numerator with probability p (survivors scaled by
-1 / (1 - p)), the same key for every query, while the denominator keeps every key, as dropout
-after a softmax does. The dense reference applies the same column mask to its weights.
+`LinearKernel` forms S = phi(K)^T V (B, h, d_k, d_k) and z = sum_j phi(k_j) once per sequence:
+O(T D d_k), no T x T tensor. S and z are sums of T positive terms (~1e4 at T = 8192), so both
+paths run in float32 with autocast off. Attention dropout drops key columns of the numerator
+(the same key for every query), the denominator keeping every key, as dropout after a softmax.
 """
 
 from __future__ import annotations
@@ -65,9 +54,6 @@ class LinearAttention(Attention):
         super().__init__(config)
         self.qkv = nn.Linear(config.dim, 3 * config.dim, bias=config.bias)  # W^Q | W^K | W^V
 
-    def keys_attended(self, T: int) -> float:
-        return float(T)  # every valid key enters S and z
-
     def flops(self, T: int) -> Flops:
         D, E, dk = self.dim, self.inner_dim, self.head_dim  # E = h d_k (D unless pruned)
         state = 2 * 2.0 * T * E * dk  # phi(K)^T V and phi(Q) S, all heads
@@ -77,10 +63,7 @@ class LinearAttention(Attention):
     def _remove_heads(self, index: Tensor) -> None:
         remove_projection_heads(self, self.qkv, index, blocks=3)
 
-    def projections(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """x (B, T, D) -> q, k, v (B, h, T, d_k), in the caller's (autocast) precision."""
-        q, k, v = self.qkv(x).chunk(3, dim=-1)  # 3 x (B, T, D)
-        return self.split_heads(q), self.split_heads(k), self.split_heads(v)
+    projections = Attention._qkv  # x (B, T, D) -> q, k, v (B, h, T, d_k), autocast's dtype
 
     def features(
         self, q: Tensor, k: Tensor, v: Tensor, valid: Tensor

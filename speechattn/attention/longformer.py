@@ -1,32 +1,21 @@
 """Sliding-window, dilated-window and global attention: `longformer`.
 
 Beltagy, Peters, Cohan, "Longformer: The Long-Document Transformer", 2020 (arXiv:2004.05150),
-section 3.1, bidirectional (every query looks both ways). Scaled dot-product scores with separate Q, K, V
-projections as in `full`; query i of head h attends key j (both valid) when
+section 3.1, bidirectional. Scores as in `full`; query i of head h attends key j (both valid) when
 
     window heads (the first h - `dilated_heads`):  |i - j| <= w
     dilated heads (the last `dilated_heads`):      |i - j| <= w delta  and  (i - j) mod delta = 0
     every head:                                    i or j is a global frame
 
-Global frames: 0, g, 2g, ... (g = `global_every`; 0 = none). Speech has no [CLS] token to make
-global, and an utterance's first frames are usually silence, so a regular grid stands in for the
-paper's task-chosen tokens: at 30 ms frames and g = 64 one global frame every 1.9 s, through which
-any two frames meet within two layers. The grid is counted from the utterance's first frame, so it
-does not depend on what the utterance is batched with (padding comes last). Departure from the
-paper: the global scores reuse the Q, K, V projections (the paper trains a second set for them).
+Global frames are 0, g, 2g, ... (g = `global_every`; 0 = none), counted from the utterance's
+first frame: speech has no [CLS] token, so a regular grid stands in for the paper's chosen
+tokens. Departure from the paper: the global scores reuse the Q, K, V projections. Details:
+docs/attention.md, "longformer".
 
-keys_attended counts the pattern (as `sparse_*`): about 2w + 1 + T/g keys for an ordinary frame
-and T for a global one, averaged over frames and heads.
-
-Two kernels (`short_path_max_t`):
-* short T: one SDPA call over all T x T pairs with the pattern as an additive mask;
-* long T, O(T (w + T/g) D), no T x T tensor: the dilated heads' residue classes mod delta are
-  folded into the batch, which makes their window a plain band of radius w; each block of l = w
-  queries then attends its [previous, own, next] key blocks (kernels.blocks.block_windows) plus the G
-  global keys, in one fused SDPA call per head group, (B delta, H, n, l, 3l + G) for the dilated
-  heads; window keys that are global are masked there, since the global part holds them. The
-  global frames' own rows are then replaced by one SDPA call of their queries against all keys,
-  (B, h, G, T). Measured crossover: docs/attention.md, `longformer`.
+Short T: one SDPA call over all pairs, the pattern as an additive mask. Long T, O(T (w + T/g) D):
+dilated heads' residue classes mod delta folded into the batch (their window becomes a band),
+blocks of l = w queries against their 3 key blocks plus the G global keys (`band_global_kernel`),
+then the global frames' rows from one SDPA call against all keys, (B, h, G, T).
 """
 
 from __future__ import annotations
@@ -46,15 +35,12 @@ from speechattn.attention.base import (
     Flops,
     all_valid,
     key_mask,
-    linear_flops,
     masked_softmax,
     scale,
 )
 from speechattn.attention.kernels.blocks import (
     _attend,
     _blocks,
-    _pad_time,
-    _valid_blocks,
     block_windows,
     window_offsets,
 )
@@ -95,9 +81,7 @@ def _fold_classes(t: Tensor, step: int, dim: int) -> Tensor:
     """Residue classes mod `step` along `dim` into the batch (zero/False padded):
     (B, ..., T, ...) -> (B step, ..., m, ...), m = ceil(T / step); frame a step + r is entry
     a of class r, at batch index b step + r."""
-    T = t.shape[dim]
-    m = (T + step - 1) // step
-    t = _pad_time(t, 0, m * step - T, dim).unflatten(dim, (m, step))  # (B, ..., m, step, ...)
+    t = _blocks(t, step, dim)  # (B, ..., m, step, ...)
     return t.movedim(dim + 1, 1).flatten(0, 1)
 
 
@@ -119,18 +103,15 @@ def band_global_kernel(
     w: int,
     p: float = 0.0,
 ) -> Tensor:
-    """Band |a - b| <= w plus G global keys, in one softmax per query.
-
-    q, k, v (B, H, m, d) and kv (B, m) allowed keys; glob (B, m) marks the global frames among
-    them (left out of the band, the global part holds them); kg, vg (B, H, G, d) and kvg (B, G)
-    the global keys. A query that is not an allowed key itself (padding) may use its own key,
-    so that no softmax row is empty. Returns (B, H, m, d).
-    """
+    """Band |a - b| <= w plus G global keys, in one softmax per query: q, k, v (B, H, m, d),
+    kv (B, m) allowed keys, glob (B, m) the global frames (left out of the band), kg, vg
+    (B, H, G, d) and kvg (B, G) the global keys -> (B, H, m, d). A padded query may use its
+    own key, so that no row is empty."""
     B, H, m, d = q.shape
     n, G = (m + w - 1) // w, kg.shape[2]
     rel = window_offsets(w, q.device)  # (l, 3l), l = w
     band_keys = block_windows(kv & ~glob, w, 1)[:, :, None, :]  # (B, n, 1, 3l)
-    pad_self = (rel == 0) & ~_valid_blocks(kv, w)[..., None]  # (B, n, l, 3l)
+    pad_self = (rel == 0) & ~_blocks(kv, w, 1)[..., None]  # (B, n, l, 3l)
     allowed = torch.cat(
         [(rel.abs() <= w) & band_keys | pad_self, kvg[:, None, None, :].expand(B, n, w, G)],
         dim=-1,
@@ -180,16 +161,11 @@ class LongformerAttention(Attention):
         return float(count.double().mean())
 
     def keys_attended(self, T: int) -> float:
-        hd = self.num_dilated
-        hw = self.num_heads - hd
-        window = hw * self._mean_keys(T, 1) if hw else 0.0
-        dilated = hd * self._mean_keys(T, self.dilation) if hd else 0.0
-        return (window + dilated) / self.num_heads
+        keys = [(h.stop - h.start) * self._mean_keys(T, step) for h, step in self.head_steps()]
+        return sum(keys) / self.num_heads  # window heads, then dilated heads
 
     def flops(self, T: int) -> Flops:
-        D, E = self.dim, self.inner_dim  # E = h d_k (D unless pruned)
-        attention = 2 * 2.0 * T * self.keys_attended(T) * E  # scores and weighted sums
-        return Flops(linear_flops(T, D, 3 * E) + attention + self.output_flops(T))
+        return self.dot_product_flops(T, self.keys_attended(T))
 
     def _remove_heads(self, index: Tensor) -> None:
         # window heads stay a prefix and dilated heads a suffix (index is sorted)
@@ -198,10 +174,6 @@ class LongformerAttention(Attention):
         remove_projection_heads(self, self.qkv, index, blocks=3)
 
     # ----------------------------------------------------------------- kernels
-    def _qkv(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        q, k, v = self.qkv(x).chunk(3, dim=-1)  # 3 x (B, T, D)
-        return self.split_heads(q), self.split_heads(k), self.split_heads(v)  # (B, h, T, d_k)
-
     def head_steps(self) -> list[tuple[slice, int]]:
         """(heads, step) of the two head groups: window heads step 1, dilated heads delta."""
         hw = self.num_heads - self.num_dilated
@@ -229,13 +201,9 @@ class LongformerAttention(Attention):
     def pattern_bias(
         self, valid: Tensor | None, T: int, dtype: torch.dtype, device: torch.device
     ) -> Tensor:
-        """`pattern` as SDPA's additive mask, 0 where allowed and -inf elsewhere: (1, h, T, T)
-        when valid is None (no padding), else (B, h, T, T).
-
-        A head group's window depends on i - j only: it is written once over the 2T - 1
-        offsets and laid out as a strided view, and the global rows and columns are filled in
-        place (building the boolean pattern instead is slower than `full` itself).
-        """
+        """`pattern` as SDPA's additive mask, 0 where allowed, -inf elsewhere: (1, h, T, T) when
+        valid is None, else (B, h, T, T). Each head group's window is written once over the
+        2T - 1 offsets as a strided view (the boolean pattern is slower than `full` itself)."""
         offset = torch.arange(1 - T, T, device=device)  # i - j
         groups = []
         for heads, step in self.head_steps():
@@ -249,8 +217,7 @@ class LongformerAttention(Attention):
             bias[..., :: self.global_every] = 0.0
         if valid is None:
             return bias
-        # Padded keys out; a padded query keeps its own key. Applied whenever there is a mask
-        # (the caller passes None when nothing is padded), never decided by reading it.
+        # padded keys out, a padded query keeps its own key (never decided by reading the mask)
         kv = key_mask(valid)
         own = torch.eye(T, dtype=torch.bool, device=device) & ~kv[:, None, :, None]
         return bias.masked_fill(~kv[:, None, None, :], -math.inf).masked_fill(own, 0.0)
@@ -296,8 +263,7 @@ class LongformerAttention(Attention):
         out_g = F.scaled_dot_product_attention(q[:, :, gpos], k, v, attn_mask=mask, dropout_p=p)
         # Their rows replace the first frame of every group of g (an index_copy's backward
         # trips AOTAutograd's functionalization in torch 2.11 under torch.compile).
-        G = gpos.shape[0]
-        groups = _pad_time(out, 0, G * g - T, 2).unflatten(2, (G, g))  # (B, h, G, g, d_k)
+        groups = _blocks(out, g)  # (B, h, G, g, d_k)
         out = torch.cat([out_g[:, :, :, None], groups[:, :, :, 1:]], dim=3)
         return out.flatten(2, 3)[:, :, :T]  # (B, h, T, d_k)
 

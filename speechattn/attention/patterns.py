@@ -1,10 +1,7 @@
-"""Pure pattern builders (no parameters, no compute kernels).
-
-Boolean (T, T) masks are True where query i (row) may attend key j (column); they are used by
-the dense references, by tests, by the visualiser and, as (B, T, T) masks with per-utterance
-strides, by the sparse variants' "masked" kernel (`kernels/masked.py`); the same elementwise
-predicates are their FlexAttention mask_mods. Also the fixed attention patterns of Raganato et
-al. (2020) used to initialise `syn_fixed`.
+"""Pure pattern builders (no parameters, no compute kernels): boolean (T, T) masks, True where
+query i (row) may attend key j (column), for the dense references, tests, the visualiser and
+the sparse variants' masked and Flex kernels (from the same elementwise predicates); and the
+fixed patterns of Raganato et al. (2020) that initialise `syn_fixed`.
 """
 
 from __future__ import annotations
@@ -26,23 +23,15 @@ def default_stride(num_valid: int) -> int:
 
 
 def default_strides(num_valid: Tensor) -> Tensor:
-    """`default_stride` of each entry of an int tensor, on its device (no host read).
-
-    sqrt(n) is never a tie x + 1/2 for an integer n, and float64 resolves the gap to the
-    nearest tie (about 1 / (8 sqrt(n))) far beyond any sequence length, so floor(sqrt + 1/2)
-    equals Python's round.
-    """
+    """`default_stride` of each entry of an int tensor, on its device (no host read):
+    sqrt(n) is never a tie x + 1/2, and float64 resolves the gap far beyond any length."""
     return (num_valid.double().sqrt() + 0.5).floor().long().clamp_min(1)
 
 
 def stride_bounds(T: int) -> tuple[int, int]:
     """Static bounds on the default strides of utterances of at most T frames: (L, M) with
-    L = default_stride(T) >= every l (it grows with the length) and M >= ceil(e / l), the
-    blocks of l frames in any e <= T frames at l = default_stride(e).
-
-    Why M: round(sqrt(e)) = l means l^2 - l < e <= l^2 + l, so ceil(e / l) <= l + 1 <= L for
-    l < L, and ceil(e / L) <= ceil(T / L) for l = L.
-    """
+    L = default_stride(T) >= every l and M >= ceil(e / l) for any e <= T, l = default_stride(e)
+    (round(sqrt(e)) = l gives e <= l^2 + l, so ceil(e / l) <= l + 1 <= L for l < L)."""
     L = default_stride(T)
     return L, max(-(-T // L), L)
 
@@ -51,10 +40,8 @@ def stride_bounds(T: int) -> tuple[int, int]:
 Width = int | Tensor
 
 
-# Elementwise predicates of query positions i and key positions j (broadcastable tensors) and
-# a width (an int or a tensor broadcastable with them). The (T, T) builders below, the sparse
-# variants' per-utterance masks and their FlexAttention mask_mods all call these, so each
-# pattern is written once.
+# Elementwise predicates of positions i, j (broadcastable tensors) and a width (int or tensor),
+# called by the builders below, the per-utterance masks and the FlexAttention mask_mods.
 def in_band(i: Tensor, j: Tensor, width: Width) -> Tensor:
     """|i - j| <= width."""
     return (i - j).abs() <= width
@@ -106,20 +93,17 @@ def strided_pattern(T: int, stride: Width, device: torch.device | None = None) -
 
 
 def hankel(values: Tensor, L: int, Lk: int) -> Tensor:
-    """A function of a + w laid out over (L, Lk): values (..., L + Lk - 1) holds it at
-    a + w = 0 .. L + Lk - 2; returns the strided view (..., L, Lk) with [a, w] = values[a + w]
-    (no copy). With the keys in reverse order, w = Lk - 1 - j, it lays a function of the offset
+    """The strided view (..., L, Lk) with [a, w] = values[..., a + w] of values
+    (..., L + Lk - 1), no copy. With the keys reversed (w = Lk - 1 - j) it lays a function of
     a - j over (query, key) without a flip: CPU flash attention reads such a mask by stride."""
     values = values.contiguous()
     return values.as_strided((*values.shape[:-1], L, Lk), (*values.stride()[:-1], 1, 1))
 
 
 def toeplitz(values: Tensor, L: int, Lk: int) -> Tensor:
-    """A function of the offset a - w laid out over (L, Lk): values (..., L + Lk - 1) holds it
-    at offsets -(Lk - 1) .. L - 1 in increasing order; returns (..., L, Lk) with [a, w] =
-    values[..., a - w + Lk - 1]. The Hankel view, copied once by the flip, so the function is
-    evaluated (and differentiated) once per offset, not once per pair."""
-    # [a, w] of the Hankel view is values[a + w], after the flip values[a + Lk - 1 - w]
+    """(..., L, Lk) with [a, w] = values[..., a - w + Lk - 1] of values (..., L + Lk - 1) at
+    offsets -(Lk - 1) .. L - 1: the Hankel view flipped (one copy), so a function of the offset
+    is evaluated (and differentiated) once per offset, not once per pair."""
     return hankel(values, L, Lk).flip(-1)
 
 
@@ -130,27 +114,27 @@ def global_pattern(T: int, every: int, device: torch.device | None = None) -> Te
     return (i % every == 0) | (j % every == 0)
 
 
-def window_keys(T: int, width: int, step: int = 1) -> tuple[Tensor, Tensor]:
-    """Keys of a window around each query, j = i + step * o for o in [-width, width].
+def mean_band_size(T: int, width: int) -> float:
+    """Keys |i - j| <= width inside [0, T), averaged over the T queries."""
+    i = torch.arange(T, dtype=torch.float64)
+    return float((torch.clamp(i + width, max=T - 1) - torch.clamp(i - width, min=0) + 1).mean())
 
-    Returns positions (T, 2 width + 1) int64 and in_range (T, 2 width + 1) bool (0 <= j < T):
-    O(T width) memory, so keys can be counted at any T without a T x T pattern (LDSA's window,
-    Longformer's sliding and dilated windows).
-    """
-    i = torch.arange(T)[:, None]
-    j = i + step * torch.arange(-width, width + 1)  # (T, 2 width + 1)
+
+def window_keys(
+    T: int, width: int, step: int = 1, device: torch.device | None = None
+) -> tuple[Tensor, Tensor]:
+    """Keys j = i + step * o, o in [-width, width], of each query: positions and in_range
+    (0 <= j < T), (T, 2 width + 1) each, O(T width) memory (LDSA's and Longformer's windows)."""
+    i = torch.arange(T, device=device)[:, None]
+    j = i + step * torch.arange(-width, width + 1, device=device)  # (T, 2 width + 1)
     return j, (j >= 0) & (j < T)
 
 
 def fixed_pattern(name: str, n: int, context: int = 3) -> Tensor:
-    """One fixed pattern of Raganato et al. (2020) on an n x n grid: (n, n) float32.
-
-    Rows sum to 1 where the pattern has a target and are all-zero otherwise (e.g. "previous"
-    of the first frame). current: j = i; previous: j = i - 1; next: j = i + 1; left: the
-    `context` frames before i (uniform); right: the `context` frames after i; start: j = 0;
-    end: j = n - 1. Built with float32 band operations (no n x n index tensors), so
-    n = 8192 costs one 256 MiB matrix.
-    """
+    """One fixed pattern of Raganato et al. (2020) on an n x n grid: (n, n) float32, rows
+    summing to 1 where the pattern has a target, else 0. current: j = i; previous: j = i - 1;
+    next: j = i + 1; left / right: the `context` frames before / after i (uniform); start:
+    j = 0; end: j = n - 1. Band operations only (n = 8192: one 256 MiB matrix)."""
     ones = torch.ones(n, n)
     if name == "current":
         return torch.eye(n)

@@ -1,26 +1,14 @@
-"""FusedAttention pooling: attention that maps L inputs to 1 output.
-
-"FusedAttention: fusing attention matrix into attention vector" (docs/attention.md):
+"""FusedAttention pooling: attention that maps L inputs to 1 output (docs/attention.md).
 
     Q = f_Q(X), K = f_K(X), V = f_V(X)            tokens (B, L, u), (B, L, u), (B, L, d)
     alpha = fuse(norm(K^T Q / sqrt(d)))           norm: softmax over keys, (B, L_k, L_q)
                                                   fuse: mean over valid queries -> (B, L)
     Y = g_V(V alpha)                              (B, d) -> g_V
 
-That definition scales by sqrt(d), d the size of V; ``scale="key"`` uses sqrt(u),
-the size of Q and K, as in ordinary scaled dot-product attention. They differ only when u != d.
-
-With the defaults (linear f_Q, f_K, f_V, softmax, mean, identity g_V), Y is exactly the mean
-over the valid queries of ordinary single-head attention outputs. In speechattn it is an
-alternative to mean pooling for utterance-level tasks: (B, T, D) + padding mask -> (B, D_out).
-
-Two input forms:
-* a collection of L same-shaped tensors: a list/tuple of L tensors (B, C, W_1..W_n) or one
-  tensor (B, L, C, W_1..W_n) (including (B, T, D) frame sequences); each element is
-  flattened to one token of C * prod(W_i) features;
-* one tensor (B, C, W_1..W_n) cut into non-overlapping patches of size `patch` =
-  (dW_1..dW_n): L = prod(W_i / dW_i) tokens of C * prod(dW_i) features. g_V may map the pooled
-  vector back to (C', dW_1..dW_n), e.g. ``g_v=lambda y: y.view(-1, C, *patch)``.
+``scale="key"`` divides by sqrt(u), the size of Q and K, instead of sqrt(d). With the defaults
+Y is the mean over the valid queries of single-head attention outputs. Inputs: L same-shaped
+tensors (a list, or one (B, L, C, W_1..W_n) tensor), each flattened to one token; or one
+(B, C, W_1..W_n) tensor cut into non-overlapping patches of size `patch` = (dW_1..dW_n).
 """
 
 from __future__ import annotations
@@ -69,16 +57,13 @@ class FusedAttentionPool(nn.Module):
     """L inputs -> 1 output by fused attention (see module docstring).
 
     Args:
-        in_dim: F, features per token; needed only for the default linear f_Q/f_K/f_V.
-        out_dim: d, size of V (default in_dim).
-        qk_dim: u, size of Q and K (default in_dim).
+        in_dim: F, features per token (needed only for the default linear f_Q/f_K/f_V);
+            out_dim: d, size of V; qk_dim: u, size of Q and K (both default in_dim).
         f_q, f_k, f_v: modules/callables mapping tokens (B, L, F) to (B, L, u|u|d).
-        norm: (scores (B, Lk, Lq), key_valid (B, Lk)) -> weights; default softmax over keys.
-        fuse: (weights (B, Lk, Lq), query_valid (B, Lq)) -> alpha (B, Lk); default mean.
-        g_v: applied to the pooled V alpha (B, d); default identity.
+        norm, fuse: see `Norm`, `Fuse`; default softmax over keys, mean over queries.
+        g_v: applied to the pooled V alpha (B, d), e.g. ``lambda y: y.view(-1, C, *patch)``.
         patch: window sizes (dW_1..dW_n) for the single-tensor form; None for collections.
-        scale: "value" divides K^T Q by sqrt(d), the size of V (the definition's, the default);
-            "key" by sqrt(u), the size of Q and K.
+        scale: "value" divides K^T Q by sqrt(d) (the definition's), "key" by sqrt(u).
     """
 
     def __init__(
@@ -131,16 +116,9 @@ class FusedAttentionPool(nn.Module):
         padding_mask: Tensor | None = None,
         need_weights: bool = False,
     ) -> Tensor | tuple[Tensor, Tensor]:
-        """Pool L inputs into one.
-
-        Args:
-            x: (B, L, ...) / list of L (B, ...) tensors, or (B, C, W_1..W_n) with `patch`.
-            padding_mask: (B, L) bool, True at padded inputs (never used as keys or queries).
-            need_weights: also return alpha (B, L).
-
-        Returns:
-            g_V(V alpha) ((B, d) by default), and alpha (B, L) with need_weights.
-        """
+        """Pool x, (B, L, ...) / list of L (B, ...) tensors, or (B, C, W_1..W_n) with `patch`,
+        padding_mask (B, L) True at padded inputs -> g_V(V alpha) ((B, d) by default), and
+        alpha (B, L) with need_weights."""
         tok = self.tokens(x)  # (B, L, F)
         B, L, _ = tok.shape
         if padding_mask is None:

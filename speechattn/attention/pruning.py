@@ -1,12 +1,9 @@
 """Head pruning of an attention module: `prune_heads(module, keep)`.
 
-It removes the parameters of every head not in `keep`, in place. The model dim D stays; the
-heads' inner size becomes h' d_k (the output projection reads h' d_k columns). A variant
-removes its own per-head parameters in its `Attention._remove_heads` hook, with the helpers
-below (`remove_projection_heads`, `select_`); kept heads keep their original order, so heads
-with a role by position (sparse first/second half, longformer window/dilated, routing
-local/routing) remain a prefix and a suffix, and the module then equals the unpruned one with
-xi = 0 on the removed heads exactly.
+Removes the parameters of every head not in `keep`, in place (D stays; the heads' inner size
+becomes h' d_k). Each variant removes its own per-head parameters in its `_remove_heads` hook
+with the helpers below. Kept heads keep their order, so heads with a role by position remain a
+prefix and a suffix, and the module equals the unpruned one with xi = 0 on the removed heads.
 """
 
 from __future__ import annotations
@@ -20,14 +17,9 @@ from speechattn.attention.base import Attention
 
 
 def prune_heads(module: Attention, keep: Sequence[int]) -> None:
-    """Remove the parameters of every head of `module` not in `keep` (indices of its current
-    heads).
-
-    Afterwards `num_heads` = len(keep), the kept heads in increasing index order, and the
-    module computes exactly what it computed before with head_mask xi = 0 on the removed
-    heads (the head mask then has h' entries). `kept_heads` maps the remaining heads to the
-    original ones, also across repeated pruning.
-    """
+    """Remove every head of `module` not in `keep` (indices of its current heads): then
+    `num_heads` = len(keep), kept heads in increasing order, outputs exactly those with xi = 0
+    on the removed heads, and `kept_heads` maps them to the original ones (also repeated)."""
     kept = sorted(set(int(k) for k in keep))
     if len(kept) != len(keep) or not kept or kept[0] < 0 or kept[-1] >= module.num_heads:
         raise ValueError(

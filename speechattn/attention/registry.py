@@ -46,12 +46,11 @@ def get(name: str) -> type[Attention]:
 def options(name: str) -> dict[str, Any]:
     """The variant's own options with their defaults (shared ones such as dropout excluded)."""
     base = {f.name for f in dataclasses.fields(AttentionConfig)}
-    out = {}
-    for f in dataclasses.fields(get(name).Config):
-        if f.name in base:
-            continue
-        out[f.name] = f.default if f.default is not dataclasses.MISSING else None
-    return out
+    return {
+        f.name: None if f.default is dataclasses.MISSING else f.default
+        for f in dataclasses.fields(get(name).Config)
+        if f.name not in base
+    }
 
 
 class UnknownOptionError(ConfigError, TypeError):
@@ -74,4 +73,4 @@ def build(name: str, dim: int, num_heads: int, **options: Any) -> Attention:
             f"valid options: {', '.join(allowed)}"
         )
     config = cls.Config(dim=dim, num_heads=num_heads, **options)
-    return cls.from_config(config)
+    return cls(config)

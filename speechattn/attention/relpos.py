@@ -5,21 +5,15 @@
 * Gulati et al., "Conformer: Convolution-augmented Transformer for Speech Recognition",
   Interspeech 2020, section 2.1 (the same attention, bidirectional, in a speech encoder).
 
-Per head, with r_m the sinusoidal embedding of the relative distance m = i - j in
-[-(T-1), T-1], W_R a linear map without bias (shared by the heads, split like Q, K, V) and
-u_h, v_h learned per-head biases:
+Per head, with r_m the sinusoidal embedding of the distance m = i - j, W_R a linear map
+without bias (split into heads like Q, K, V) and u_h, v_h learned per-head biases:
 
     score_ij = ((q_i + u_h)^T k_j + (q_i + v_h)^T (W_R r_{i-j})_h) / sqrt(d_k)
 
-The first term is content (Transformer-XL's (a) + (c)), the second position ((b) + (d)).
-Non-causal: every valid key j is attended. The sinusoids depend on T only and cost O(T D)
-elementwise work, far below the O(T D^2) projection of them, so they are not cached.
-
-Efficient path: the position term is one (T, 2T - 1) product per head against the 2T - 1
-projected distances, turned into the (T, T) matrix of term (i, j) by the relative shift
-(Transformer-XL appendix B: pad one zero column, reshape, drop a row), then passed as the
-additive mask of one fused SDPA call whose queries are q + u. No (T, T, D) tensor is formed.
-The dense reference gathers the distance index T - 1 - (i - j) explicitly for every (i, j).
+Efficient path: the position term is one (T, 2T - 1) product per head against the projected
+distances, turned into (T, T) by the relative shift (Transformer-XL appendix B), then the
+additive mask of one fused SDPA call whose queries are q + u. The dense reference gathers the
+distance index T - 1 - (i - j) explicitly.
 """
 
 from __future__ import annotations
@@ -100,9 +94,6 @@ class RelPosAttention(Attention):
         self.pos_bias_u = nn.Parameter(nn.init.xavier_uniform_(torch.empty(h, dk)))
         self.pos_bias_v = nn.Parameter(nn.init.xavier_uniform_(torch.empty(h, dk)))
 
-    def keys_attended(self, T: int) -> float:
-        return float(T)
-
     def flops(self, T: int) -> Flops:
         D, E = self.dim, self.inner_dim  # E = h d_k (D unless pruned)
         projections = linear_flops(T, D, 3 * E) + linear_flops(2 * T - 1, D, E)  # QKV, W_R r
@@ -115,10 +106,6 @@ class RelPosAttention(Attention):
         remove_projection_heads(self, self.pos_proj, index)  # W_R r is split into heads too
         select_(self, "pos_bias_u", index)
         select_(self, "pos_bias_v", index)
-
-    def _qkv(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        q, k, v = self.qkv(x).chunk(3, dim=-1)  # 3 x (B, T, D)
-        return self.split_heads(q), self.split_heads(k), self.split_heads(v)  # (B, h, T, d_k)
 
     def _position_scores(self, q: Tensor) -> Tensor:
         """(q + v) against every distance, unshifted: (B, h, T, 2T - 1), row n <-> T - 1 - n."""

@@ -1,56 +1,14 @@
 """Routing attention (online k-means clustering of shared-QK vectors): `routing`.
 
 Roy, Saffar, Vaswani, Grangier, "Efficient Content-Based Sparse Attention with Routing
-Transformers", TACL 2021 (arXiv:2003.05997), section 4 ("Routing attention"), bidirectional (an
-encoder: every query looks both ways). Shared-QK projections and scores of `shared_qk` (keys = L2-normalised queries,
-self penalised by -5e4 and always allowed, so a query attends to itself only when alone).
-
-* local heads [0, ceil(h/2)): the band |i - j| <= w (w = `window`).
-* routing heads [ceil(h/2), h): each L2-normalised shared-QK vector (query and key at once)
-  goes to its nearest centroid on the unit sphere (largest dot product, ties to the lower
-  index); per utterance C = ceil(sqrt(T_valid)) centroids of the head (at most `max_clusters`
-  when that option is set; the cap is logged once when it binds) are
-  used (the first C of its stored ones) and each cluster keeps its top ceil(T_valid / C)
-  members by similarity (balanced clusters, ties to the earlier frame). A query attends to the
-  kept members of its own cluster (whether or not it was kept itself), plus itself.
-  Padded frames never join a cluster.
-
-Centroids (h - ceil(h/2), stored, d_k) are a buffer (saved and loaded with the model, never
-touched by the optimiser): `max_clusters` of them, or with no cap those of T = 1024 and more
-as longer batches need them. Each starts from a seed of (`seed`, layer index, centroid), so
-unshared layers start from different centroids, as LSH's layers hash differently. In training mode each forward pass moves every used centroid
-towards the mean of the valid vectors assigned to it over the batch (exponential moving
-average with `decay`, then back onto the unit sphere); eval mode leaves them fixed. The update
-is deterministic (one-hot matrix products, no atomics). A layer shared across depths (ALBERT)
-updates its centroids once per depth, from that depth's vectors. Under data parallelism
-(torch.distributed initialised, more than one rank) the members' sums and counts are summed
-over the ranks first, as SyncBatchNorm does its statistics, so every rank takes the same step
-from the whole batch (DDP's buffer broadcast alone would keep rank 0's step only).
-
-Selection is separate from attention, as in `lsh.py`: `members` sorts the routing heads'
-frames by cluster and builds each cluster's table of kept members (`Members`, (C(T), W)
-per utterance and head, W = ceil(T_valid / C)); `select` turns it into each query's keys as
-indices (B, h, T, kk) (column 0 = the query itself, the others its band or cluster; repeats of
-itself are fillers); `selection_dense` builds the same (B, h, T, T) set explicitly from pair
-tests for the dense reference. All route in true float32 with autocast off (a cluster
-assignment is a hard decision: no TF32 either, `fp32.py`, nor in the centroid updates), never
-carry gradients and never move the centroids: the efficient forward pass does that after
-selecting (`update_centroids`), so a selection can be held fixed in tests.
-
-Attention on the selection: up to `short_path_max_t` frames one all-pairs SDPA call masked to
-`select`'s keys. Above, the local heads run the blocked band kernel of `sparse.py` (or, as the
-tuner's third kernel "masked", one SDPA call over all T x T pairs with the band as a mask,
-`kernels/masked.py`, cheaper on a GPU at moderate T) and the routing heads `cluster_kernel`: the queries of each cluster, in sorted order, are cut into
-blocks of at most W (at most ceil(T / W) + C blocks per head), each block attends to its
-cluster's member table, and one fused SDPA call (flash kernel on CPU) runs all blocks of all
-utterances and heads as its batch, (B h_r nb, 1, W, W) scores with a mask for empty slots and
-the self penalty. Time O(T W d_k) per head (at most about twice T W d_k, when every cluster
-leaves a part-filled block), memory O(T W) for the mask and O(T d_k) for the gathered rows,
-never T x T or T x W x d_k. A query that was not kept has no key of its own there: its
-cluster has kept members, next to which its penalised self weight is exactly 0. Backward goes
-through SDPA and the row gathers (index_select).
-The crossover between the two (`short_path_max_t`) is measured with `python -m speechattn.bench
-attention`; the figures are in docs/benchmarks.md.
+Transformers", TACL 2021 (arXiv:2003.05997), section 4, bidirectional, on `shared_qk`'s
+projections and scores. Local heads [0, ceil(h/2)) attend the band |i - j| <= w; routing
+heads send each unit vector to its nearest centroid, use C = ceil(sqrt(T_valid)) centroids
+per utterance (at most `max_clusters`), keep each cluster's top ceil(T_valid / C) members by
+similarity, and let a query attend the kept members of its own cluster plus itself. Centroids
+are a buffer moved by an EMA of their members in training (summed over DDP ranks first).
+Selection routes in true float32 (`fp32.py`: a hard decision) without gradients. Definition,
+options and kernels: docs/attention.md, "routing".
 """
 
 from __future__ import annotations
@@ -122,16 +80,11 @@ class RoutingConfig(AttentionConfig):
 
 @dataclass
 class Routes:
-    """Cluster assignment of the routing heads' vectors, h_r = routing heads.
+    """Cluster assignment of the routing heads' vectors, h_r = routing heads."""
 
-    cluster (B, h_r, T) long: nearest centroid, -1 at padded frames;
-    similarity (B, h_r, T): dot product with that centroid;
-    capacity (B,) long: members kept per cluster, ceil(T_valid / C).
-    """
-
-    cluster: Tensor
-    similarity: Tensor
-    capacity: Tensor
+    cluster: Tensor  # (B, h_r, T) long: nearest centroid, -1 at padded frames
+    similarity: Tensor  # (B, h_r, T): dot product with that centroid
+    capacity: Tensor  # (B,) long: members kept per cluster, ceil(T_valid / C)
 
 
 @register("routing")
@@ -167,9 +120,8 @@ class RoutingAttention(SharedQKBase):
 
     def initial_centroids(self, start: int, stop: int) -> Tensor:
         """Initial centroids start..stop - 1 of the current routing heads: (h_r, stop - start,
-        d_k) unit vectors. Centroid c of every head comes from a seed of (`seed`, layer, c),
-        so unshared layers start from different centroids, and centroids added later are
-        the same whenever they are added."""
+        d_k) unit vectors, centroid c from a seed of (`seed`, layer, c): layers differ, and a
+        centroid added later is the same whenever it is added."""
         config = self.config
         first = (config.num_heads + 1) // 2  # routing heads' original indices start here
         heads = torch.tensor([h - first for h in self.kept_heads if h >= first], dtype=torch.long)
@@ -183,8 +135,7 @@ class RoutingAttention(SharedQKBase):
         return F.normalize(mu[heads], dim=-1)  # (h_r, stop - start, d_k)
 
     def num_centroids(self, T: int) -> int:
-        """Centroids used at T frames, C(T) (the most any utterance of the batch uses), with
-        that many stored: new ones are added from their seeds. Logs once per module when
+        """Centroids used at T frames, C(T), with that many stored; logs once per module when
         `max_clusters` holds C below ceil(sqrt(T))."""
         C = num_clusters(T, self.max_clusters)
         if C < num_clusters(T, None) and not self._cap_logged and not torch.compiler.is_compiling():
@@ -197,11 +148,8 @@ class RoutingAttention(SharedQKBase):
         return self.num_centroids_stored(C)
 
     def _centroids_of_all_ranks(self, C: int) -> int:
-        """A centroid count every rank reduces over this step (at least C, with that many
-        stored here), so that every rank's statistics have one shape and its table stays the
-        same size. With `max_clusters` that is the cap, known to every rank: no communication.
-        Without one, the ranks' batches decide it: one integer all-reduce and its host read
-        per layer and step (set `max_clusters` for a step without it)."""
+        """A centroid count (>= C, stored) every rank reduces over this step, so statistics
+        have one shape: the cap, or without one an integer all-reduce and its host read."""
         if self.max_clusters is not None:
             return self.num_centroids_stored(self.max_clusters)
         most = torch.full((1,), C, device=self.centroids.device)  # a fill: no upload
@@ -217,8 +165,7 @@ class RoutingAttention(SharedQKBase):
         return C
 
     def _load_from_state_dict(self, state_dict: dict, prefix: str, *args, **kwargs) -> None:
-        """Centroids of a checkpoint that stored more (or fewer) than this module: take its
-        count (a module with no cap grows its store with T)."""
+        """Take a checkpoint's centroid count (a module with no cap grows its store with T)."""
         saved = state_dict.get(prefix + "centroids")
         if saved is not None and saved.shape[1] != self.centroids.shape[1]:
             shape = (self.centroids.shape[0], saved.shape[1], self.centroids.shape[2])
@@ -236,9 +183,7 @@ class RoutingAttention(SharedQKBase):
     def keys_attended(self, T: int) -> float:
         """Mean over heads of: local heads, the band size; routing heads, the cluster
         capacity ceil(T / C) (an upper bound: a query of a smaller cluster sees fewer)."""
-        i = torch.arange(T, dtype=torch.float64)
-        w = self.window
-        band = float((torch.clamp(i + w, max=T - 1) - torch.clamp(i - w, min=0) + 1).mean())
+        band = patterns.mean_band_size(T, self.window)
         cluster = float(math.ceil(T / num_clusters(T, self.max_clusters)))
         h_r = self.num_heads - self.heads_local
         return (self.heads_local * band + h_r * cluster) / self.num_heads
@@ -246,7 +191,7 @@ class RoutingAttention(SharedQKBase):
     def flops(self, T: int) -> Flops:
         h_r = self.num_heads - self.heads_local
         routing = 2.0 * T * num_clusters(T, self.max_clusters) * self.head_dim * h_r
-        attention = self.shared_flops(T, self.keys_attended(T))
+        attention = self.dot_product_flops(T, self.keys_attended(T), projections=2)
         return Flops(attention.differentiable, routing)  # distances to the centroids, no grad
 
     # ----------------------------------------------------------------- routing
@@ -271,33 +216,28 @@ class RoutingAttention(SharedQKBase):
 
     @torch.no_grad()
     def update_centroids(self, k: Tensor, valid: Tensor) -> None:
-        """One EMA step of every used centroid towards the mean of its members.
-
-        k (B, h, T, d_k) shared-QK keys (unit vectors), valid (B, T). Centroids without
-        members stay where they are. Called by `attend` in training mode only.
-        """
+        """One EMA step of every used centroid with members towards their mean; k (B, h, T,
+        d_k) shared-QK keys, valid (B, T). Called by `attend` in training mode only."""
         if self.num_heads == self.heads_local:
             return
         with torch.autocast(k.device.type, enabled=False):
             k = self._routing_vectors(k)
-            self._ema_step(k, self.route(k, valid))
-
-    def _ema_step(self, k: Tensor, routes: Routes) -> None:
-        Cm = self.num_centroids(k.shape[-2])  # the centroids `route` used
-        if _data_parallel():  # ranks' batches differ in T: reduce over the largest table
-            Cm = self._centroids_of_all_ranks(Cm)
-        onehot = F.one_hot(routes.cluster.clamp_min(0), Cm).to(k.dtype)
-        onehot = onehot * (routes.cluster >= 0)[..., None]  # (B, h_r, T, Cm)
-        sums = ieee_matmul(onehot.transpose(-1, -2), k).sum(0)  # (h_r, Cm, d_k), true float32
-        counts = onehot.sum(dim=(0, 2))[..., None]  # (h_r, Cm, 1)
-        if _data_parallel():  # every rank moves its centroids by the whole batch
-            statistics = torch.cat([sums, counts], dim=-1)
-            dist.all_reduce(statistics)
-            sums, counts = statistics[..., :-1], statistics[..., -1:]
-        mean = sums / counts.clamp_min(1)
-        mu = self.centroids[:, :Cm].to(k.dtype)
-        moved = F.normalize(self.decay * mu + (1 - self.decay) * mean, dim=-1)
-        self.centroids[:, :Cm] = torch.where(counts > 0, moved, mu)
+            routes = self.route(k, valid)
+            Cm = self.num_centroids(k.shape[-2])  # the centroids `route` used
+            if _data_parallel():  # ranks' batches differ in T: reduce over the largest table
+                Cm = self._centroids_of_all_ranks(Cm)
+            onehot = F.one_hot(routes.cluster.clamp_min(0), Cm).to(k.dtype)
+            onehot = onehot * (routes.cluster >= 0)[..., None]  # (B, h_r, T, Cm)
+            sums = ieee_matmul(onehot.transpose(-1, -2), k).sum(0)  # (h_r, Cm, d_k), true float32
+            counts = onehot.sum(dim=(0, 2))[..., None]  # (h_r, Cm, 1)
+            if _data_parallel():  # every rank moves its centroids by the whole batch
+                statistics = torch.cat([sums, counts], dim=-1)
+                dist.all_reduce(statistics)
+                sums, counts = statistics[..., :-1], statistics[..., -1:]
+            mean = sums / counts.clamp_min(1)
+            mu = self.centroids[:, :Cm].to(k.dtype)
+            moved = F.normalize(self.decay * mu + (1 - self.decay) * mean, dim=-1)
+            self.centroids[:, :Cm] = torch.where(counts > 0, moved, mu)
 
     @torch.no_grad()
     def select(self, q: Tensor, k: Tensor, valid: Tensor) -> Tensor:
@@ -329,12 +269,9 @@ class RoutingAttention(SharedQKBase):
             return self._sort(self.route(self._routing_vectors(k), valid))
 
     def _sort(self, routes: Routes) -> Members:
-        """Sort by (cluster, similarity descending, position) with two stable sorts; a frame's
-        rank in its cluster is its sorted position minus the cluster's first position.
-
-        Table width W: the batch's largest capacity on CPU in eager mode; elsewhere the
-        largest any utterance of T frames can have (`capacity_bound`), so that no size
-        depends on data (extra slots are empty, -1)."""
+        """Sort by (cluster, similarity descending, position) with two stable sorts; rank =
+        sorted position minus the cluster's first. Width W: the batch's largest capacity on
+        CPU eager, else `capacity_bound` (no size depends on data; extra slots -1)."""
         cluster, similarity, capacity = routes.cluster, routes.similarity, routes.capacity
         B, h_r, T = cluster.shape
         Cm = self.num_centroids(T)
@@ -388,10 +325,6 @@ class RoutingAttention(SharedQKBase):
         return torch.cat([local, routing], dim=1)
 
     # ----------------------------------------------------------------- attention
-    def _qkv(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """q, k, v (B, h, T, d_k) as `select` takes them (the name `lsh.py` uses)."""
-        return self.shared_qkv(x)
-
     def attend(self, x: Tensor, valid: Tensor | None) -> Tensor:
         padded = valid is not None
         valid = all_valid(x) if valid is None else valid

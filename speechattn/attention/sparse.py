@@ -1,48 +1,19 @@
 """Bidirectional sparse attention patterns on shared-QK scores: `sparse_strided`, `sparse_fixed`.
 
 Child, Gray, Radford, Sutskever, "Generating Long Sequences with Sparse Transformers", 2019,
-section 4.2 (strided and fixed factorised patterns), made bidirectional as in the study.
-Scores are the Reformer shared-QK scores of `shared_qk` (keys = L2-normalised queries, self
-penalised by -5e4; the self key is always allowed so that no row is empty).
+section 4.2, made bidirectional as in the study, on `shared_qk`'s scores (self penalised,
+always allowed). Options and kernels: docs/attention.md, "Sparse".
 
-* sparse_strided: heads [0, ceil(h/2)) attend to the band |i - j| <= l, the other heads to the
+* sparse_strided: heads [0, ceil(h/2)) attend to the band |i - j| <= l, the others to the
   residue class (i - j) mod l = 0.
-* sparse_fixed: heads [0, ceil(h/2)) attend within their own block floor(i/l) = floor(j/l), the
-  other heads to the c summary columns at the end of every block, j mod l >= l - c.
+* sparse_fixed: heads [0, ceil(h/2)) attend within their own block floor(i/l) = floor(j/l),
+  the others to the c summary columns at the end of every block, j mod l >= l - c.
 
-l ~ sqrt(T): with the default ``stride``/``block`` = None each utterance uses
-l = round(sqrt(T_u)) of its own extent T_u (frames up to its last valid one: its length, as
-padding comes last), so its output does not depend on what it is batched with. An int fixes l
-for all inputs. Per-utterance strides are data: on the CPU (where reading them is free) the
-utterances sharing l run together, trimmed to their extent; on CUDA and under torch.compile,
-where a host read stalls the device or breaks the graph, one call serves all strides with
-shapes fixed by T (`patterns.stride_bounds`: L = round(sqrt(T)) >= every l, M >= blocks per
-utterance): each utterance's blocks of l_b frames are gathered into (M, L) slots, attended by
-row (block) or column (residue class), and gathered back; the band kernel runs in blocks of L
-with radius l_b; the summary keys are gathered per utterance.
-
-Kernels (option ``kernel``; "auto", the default, lets the tuner or the rule choose):
-
-* "blocked" (never a T x T mask; n = ceil(T / l) blocks; l is `ls` in the code): each
-  sub-problem one fused SDPA call (flash kernels on CPU and GPU), faster than all-pairs SDPA
-  with the patterns as a mask at every T >= 128 on CPU in the benchmark, so the CPU's rule:
-      band:    each query block against [previous, own, next] key blocks   (B, H, n, l, 3l)
-      residue: reshape (n, l) -> (l, n), attend within each residue class   (B, H, l, n, n)
-      block:   attend within each block                                      (B, H, n, l, l)
-      summary: gather the n*c summary columns, plus the self column          (B, H, T, n c + 1)
-* "masked": one SDPA call per head half over all T x T pairs, the half's pattern (per
-  utterance, built on the device) as an additive mask (`kernels/masked.py`). On a GPU the
-  blocked sub-problems are too small for the flash kernels (about a thousand 23 x 69 ones per
-  layer at T = 512), where one masked call runs at nearly the speed of unmasked attention:
-  the CUDA rule up to `MASKED_MAX_T_CUDA` frames.
-* "flex": one FlexAttention call on CUDA, the per-utterance strides a tensor its score_mod
-  reads, so it compiles once per length bucket whatever the strides (flex.py; elsewhere, or
-  with attention dropout in training, the blocked kernel runs). A candidate of the tuner on
-  CUDA only.
-
-With `attention.autotune` on (pretraining) the tuner times the candidates once per device,
-dtype and shape bucket (`autotune.py`); without it, under torch.compile and on fake tensors
-the rule decides: blocked on CPU, masked on CUDA up to `MASKED_MAX_T_CUDA`, blocked above.
+l (`ls` in the code): the option, or round(sqrt(T_u)) of each utterance's extent T_u, so its
+output does not depend on its batch (host reads on the CPU; on CUDA and under torch.compile
+shapes fixed by T, `patterns.stride_bounds`). Kernels (option ``kernel``): "blocked" (each
+sub-problem one fused SDPA call, never a T x T mask, `kernels/blocks.py`), "masked" (one SDPA
+call per head half, `kernels/masked.py`), "flex" (CUDA, `flex.py`), "auto" (tuner or rule).
 """
 
 from __future__ import annotations
@@ -77,17 +48,14 @@ from speechattn.attention.kernels.masked import masked_heads
 from speechattn.attention.registry import register
 from speechattn.errors import ConfigError
 
-# The kernels the tuner chooses among (CUDA only for flex), and the options' values.
 TUNED = ("blocked", "masked", "flex")  # the kernels, each forced by its name
-KERNELS = ("auto", *TUNED)
-# What `auto` times. Not flex: on an H200 at the paper's shapes (T = 512) the tuner measured
-# masked 3.3 ms, blocked 5.6 ms, flex 9.6 ms, and compiling it costs ~20 s per length bucket.
+KERNELS = ("auto", *TUNED)  # the option's values
+# What `auto` times. Not flex: on an H200 at T = 512 masked took 3.3 ms, blocked 5.6, flex 9.6,
+# and compiling flex costs ~20 s per length bucket.
 AUTO = ("blocked", "masked")
 OLD_NAMES = {"sdpa": "blocked"}  # the blocked kernel's name in the first runs' configs
-# The rule on CUDA (no measurement): masked up to here, blocked above. The masked kernel does
-# all T x T pairs, about 1 ms forward + backward for 50 x 12 heads at T = 512 on an H200
-# (cuDNN flash with the mask), where the blocked kernel's problems are tiny; past 1024 frames
-# its T^2 cost is left to the tuner's measurement.
+# The CUDA rule: masked (all T x T pairs, ~1 ms for 50 x 12 heads at T = 512 on an H200) up to
+# here, blocked above; past it the T^2 cost is left to the tuner.
 MASKED_MAX_T_CUDA = 1024
 
 
@@ -109,8 +77,10 @@ class _SparseBase(SharedQKBase):
         self.heads_first = int((index < self.heads_first).sum())  # still a prefix (sorted)
         super()._remove_heads(index)
 
+    stride_option: str  # the config field that fixes l (None: per utterance)
+
     def _fixed_stride(self) -> int | None:
-        raise NotImplementedError
+        return getattr(self.config, self.stride_option)
 
     def kernels(self) -> tuple[Kernel, Kernel]:
         """The blocked kernels of the first and second half of the heads."""
@@ -143,13 +113,10 @@ class _SparseBase(SharedQKBase):
     # ----------------------------------------------------------------- kernel choice
     @property
     def kernel_names(self) -> tuple[str, ...]:
+        """blocked and masked (the tuner's candidates); one when the option names it (flex
+        runs only when named: see `AUTO`)."""
         kernel = self.config.kernel
         return AUTO if kernel == "auto" else (kernel,)
-
-    def kernel_candidates(self, t: Tensor) -> tuple[str, ...]:
-        """blocked and masked; none when the option names one kernel (flex runs only when
-        named: see `AUTO`)."""
-        return AUTO if self.config.kernel == "auto" else ()
 
     def rule_kernel(self, T: int, device: torch.device) -> str:
         if self.config.kernel != "auto":
@@ -163,6 +130,16 @@ class _SparseBase(SharedQKBase):
         if fixed is not None:
             return [fixed] * valid.shape[0]
         return [patterns.default_stride(e) for e in extents(valid).tolist()]
+
+    def device_strides(self, valid: Tensor | None, T: int) -> Stride:
+        """l without a host read: the configured one, round(sqrt(T)) when nothing is padded,
+        else each utterance's from its extent by device ops, (B,)."""
+        fixed = self._fixed_stride()
+        if fixed is not None:
+            return fixed
+        if valid is None:  # every utterance spans all T frames
+            return patterns.default_stride(T)
+        return patterns.default_strides(extents(valid))
 
     def flex_mask(self, ls: Tensor, bound: int) -> tuple[Hashable, flex.MaskMod, flex.MaskMod]:
         """The two patterns by head for FlexAttention with per-utterance strides ls (B,):
@@ -214,15 +191,9 @@ class _SparseBase(SharedQKBase):
         kernel = pick_kernel(self, q)
         if kernel == "masked":
             return self.attend_masked(q, k, v, valid)
-        fixed = self._fixed_stride()
-        if valid is None:  # every utterance spans all T frames: one stride
-            ls = fixed or patterns.default_stride(x.shape[1])
-            return self._run(q, k, v, all_valid(x), ls, kernel)
-        kv = key_mask(valid)  # (B, T)
-        if fixed is not None:
-            return self._run(q, k, v, kv, fixed, kernel)
-        if needs_static_shapes(q):  # the strides stay on the device
-            return self._run(q, k, v, kv, patterns.default_strides(extents(valid)), kernel)
+        kv = all_valid(x) if valid is None else key_mask(valid)  # (B, T)
+        if valid is None or self._fixed_stride() is not None or needs_static_shapes(q):
+            return self._run(q, k, v, kv, self.device_strides(valid, x.shape[1]), kernel)
         # CPU eager: utterances sharing l run together, trimmed to their extent (host reads).
         ext = extents(valid).tolist()
         strides = [patterns.default_stride(e) for e in ext]
@@ -243,14 +214,7 @@ class _SparseBase(SharedQKBase):
         Per-utterance strides come from the extents by device ops (no host read), so one
         call serves the batch on every device."""
         T = q.shape[2]
-        fixed = self._fixed_stride()
-        if fixed is not None:
-            ls: Stride = fixed
-        elif valid is None:
-            ls = patterns.default_stride(T)
-        else:
-            ls = patterns.default_strides(extents(valid))  # (B,)
-        first, second = self.pattern_pair(T, ls, q.device)  # (T, T) or (B, T, T) each
+        first, second = self.pattern_pair(T, self.device_strides(valid, T), q.device)
         hA, p = self.heads_first, (self.dropout if self.training else 0.0)
         groups = [(hA, first), (self.num_heads - hA, second)]
         kv = None if valid is None else key_mask(valid)
@@ -283,7 +247,7 @@ class _SparseBase(SharedQKBase):
         return (hA * a + (self.num_heads - hA) * b) / self.num_heads
 
     def flops(self, T: int) -> Flops:
-        return self.shared_flops(T, self.keys_attended(T))
+        return self.dot_product_flops(T, self.keys_attended(T), projections=2)
 
 
 @dataclass
@@ -316,9 +280,7 @@ class SparseStridedAttention(_SparseBase):
 
     Config = SparseStridedConfig
     paper = "Child et al., Generating Long Sequences with Sparse Transformers, 2019 (strided)"
-
-    def _fixed_stride(self) -> int | None:
-        return self.config.stride
+    stride_option = "stride"
 
     def kernels(self) -> tuple[Kernel, Kernel]:
         return band_kernel, residue_kernel
@@ -336,9 +298,8 @@ class SparseStridedAttention(_SparseBase):
     def _mean_pattern_size(self, T: int) -> tuple[float, float]:
         ls = self._fixed_stride() or patterns.default_stride(T)
         i = torch.arange(T)
-        band = (torch.clamp(i + ls, max=T - 1) - torch.clamp(i - ls, min=0) + 1).double().mean()
         residue = torch.div(T - 1 - (i % ls), ls, rounding_mode="floor").double().add(1).mean()
-        return float(band), float(residue)
+        return patterns.mean_band_size(T, ls), float(residue)
 
 
 @dataclass
@@ -360,9 +321,7 @@ class SparseFixedAttention(_SparseBase):
 
     Config = SparseFixedConfig
     paper = "Child et al., Generating Long Sequences with Sparse Transformers, 2019 (fixed)"
-
-    def _fixed_stride(self) -> int | None:
-        return self.config.block
+    stride_option = "block"
 
     def kernels(self) -> tuple[Kernel, Kernel]:
         c = self.config.summary

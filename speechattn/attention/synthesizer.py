@@ -1,51 +1,21 @@
 """Synthesizer attention: `syn_dense`, `syn_dense_mh`, `syn_random`, `syn_fixed`.
 
 Tay et al., "Synthesizer: Rethinking Self-Attention in Transformer Models", ICML 2021
-(arXiv:2005.00743): attention weights are produced without query-key interaction.
-
-* syn_dense: one logit row per frame, B_i = W_2 ReLU(W_1 x_i) in R^{l_max}, sliced to the
-  first T columns and shared by all heads; Y = softmax(B) V (V split into heads as usual).
-* syn_dense_mh: the same per head, W_1^i (D -> d_k), W_2^i (d_k -> l_max).
-* syn_random: a learned l_max x l_max logit matrix R^i per head, sliced to T x T;
-  Y^i = softmax(R^i) V^i, independent of the input.
-* syn_fixed (the study's proposal): syn_random whose first 7 heads start from the fixed
-  patterns of Raganato, Scherrer, Tiedemann, "Fixed Encoder Self-Attention Patterns in
-  Transformer-Based Machine Translation", Findings of EMNLP 2020 (current, previous, next,
-  left context, right context, start, end) as logits log(pattern + eps), the rest random.
-  eps is set from l_max so that at initialisation every pattern row whose targets lie inside
-  the utterance holds `init_mass` (0.99) of its weight at T = l_max, and more at shorter T
-  (`pattern_eps`): "the patterns dominate at the start" holds at every length. Rows whose
-  targets run past the end of a shorter utterance (next, right context) hold less or have no
-  pattern; docs/attention.md gives the exact figures. A fixed eps (the study's first runs: 1e-4) held 0.95
-  at T = 512 but 0.91 at 1024 and 0.55 at 8192.
-  The "end" head is read from the bottom-right corner of its matrix, aligned with each
-  utterance's own last valid frame, and "start" from its own first valid frame.
-
-Rows are always normalised over the T valid keys only. Columns (and syn_fixed's patterns)
-are placed by frame position, so padding must be at the end of each utterance (a mask with a
-valid frame after a padded one is refused, `Attention.end_padded_only`). An utterance longer
-than max_len raises a ValueError; a batch padded beyond max_len whose utterances all fit runs
-on its first max-length frames (`_fitting_length`), as if it had been padded to that length.
-Dense synthesizers use SDPA: logits are the inner products of [ReLU(W_1 x_i), 1] with
-[W_2 row j, b_2 j], so the fused kernel never stores the T x T weights. Random synthesizers
-form their (1 or B, h, T, T) weights explicitly up to `short_path_max_t` frames (one batched
-product, cheaper than `full` there); above it they use `TableAttention`, a row-chunked
-softmax(R) V that reads R straight from the parameter and recomputes the weights in the
-backward pass, so no (B, h, T, T) tensor is ever allocated (only the gradient of R itself,
-which has the parameter's size). Both run under autocast: softmax(R) in float32, the product
-with V in V's dtype.
-
-Those two CPU kernels read the slices' offsets and the padding on the host, which is free on a
-CPU. On CUDA and under `torch.compile` (a read would make the host wait for the device, or break
-the graph) random synthesizers take the explicit-weights path at every T instead: the windows
-are slices of R at offsets fixed by T, and syn_fixed's "end" head on a padded batch is read by
-one gather with a (B, T) index made on the device from the padding, so shapes depend on B and
-T only (memory: the (B, h, T, T) weights, bounded by B h max_len^2).
+(arXiv:2005.00743): weights without query-key interaction. `syn_fixed` (the study's proposal)
+is `syn_random` whose first 7 heads start from the fixed patterns of Raganato, Scherrer,
+Tiedemann, Findings of EMNLP 2020, as logits log(pattern + eps) (`pattern_eps`). Rows are
+normalised over the valid keys; columns are placed by frame position (`end_padded_only`).
+Dense synthesizers run SDPA on [ReLU(W_1 x_i), 1] . [W_2 row j, b_2 j]; random ones form
+their weights up to `short_path_max_t` and run the row-chunked `TableAttention` above (CPU
+eager; on CUDA and under torch.compile the explicit weights at every T, shapes fixed by B and
+T). Options and kernels: docs/attention.md, "Synthesizers".
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -74,51 +44,28 @@ from speechattn.attention.registry import register
 from speechattn.errors import ConfigError
 
 
-def _sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, p: float) -> Tensor:
-    """softmax(q k^T) v by SDPA with scale 1, zero-padding q/k or v to one head size first:
-    the fused CPU kernel needs equal sizes (else SDPA falls back to the T x T math path)."""
-    dq, dv = q.shape[-1], v.shape[-1]
-    if dq > dv:
-        v = F.pad(v, (0, dq - dv))
-    elif dv > dq:
-        q, k = F.pad(q, (0, dv - dq)), F.pad(k, (0, dv - dq))
-    y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p, scale=1.0)
-    return y[..., :dv]
-
-
-def _pad_frames(out: Tensor | tuple[Tensor, Tensor], T: int) -> Tensor | tuple[Tensor, Tensor]:
-    """Outputs of n frames padded back to T: y (B, n, D) -> (B, T, D) with zero rows, and
-    weights (B, h, n, n) -> (B, h, T, T) with zero rows and columns (padded frames)."""
-    if isinstance(out, Tensor):
-        return F.pad(out, (0, 0, 0, T - out.shape[1]))
-    y, w = out
-    n = y.shape[1]
-    return F.pad(y, (0, 0, 0, T - n)), F.pad(w, (0, T - n, 0, T - n))
-
-
-def _check_len(name: str, T: int, max_len: int) -> None:
-    if T > max_len:
-        raise ConfigError(
-            f"{name}: sequence length T={T} exceeds max_len={max_len}; "
-            f"set attention.options.max_len >= {T} (or crop the input)"
-        )
-
-
 @dataclass
-class SynDenseConfig(AttentionConfig):
-    max_len: int = 1024  # l_max, longest sequence; logits are sliced to T
-    hidden: int | None = None  # width of W_1; None: D (syn_dense) / d_k per head (syn_dense_mh)
+class SynRandomConfig(AttentionConfig):
+    max_len: int = 1024  # l_max, longest sequence: logits (per key, or l_max x l_max) sliced to T
 
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.max_len < 1:
             raise ConfigError(f"max_len must be >= 1, got {self.max_len}")
+
+
+@dataclass
+class SynDenseConfig(SynRandomConfig):
+    hidden: int | None = None  # width of W_1; None: D (syn_dense) / d_k per head (syn_dense_mh)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
         if self.hidden is not None and self.hidden < 1:
             raise ConfigError(f"hidden must be >= 1 or None, got {self.hidden}")
 
 
 class _SynthesizerBase(Attention):
-    """Values projection and metadata shared by the synthesizers."""
+    """Values projection, length checks, metadata and the dense synthesizers' paths."""
 
     end_padded_only = True  # positions place the pattern (see `Attention`)
 
@@ -137,37 +84,46 @@ class _SynthesizerBase(Attention):
         head_mask: Tensor | None = None,
         need_weights: bool = False,
     ) -> Tensor | tuple[Tensor, Tensor]:
-        """`Attention.forward`; a batch padded beyond max_len whose utterances all fit runs
-        on its first n = (last valid frame + 1) <= max_len frames, the rest padding."""
-        n = self._fitting_length(x, padding_mask)
-        if n is None:
-            return super().forward(x, padding_mask, head_mask, need_weights)
-        out = super().forward(x[:, :n], padding_mask[:, :n], head_mask, need_weights)
-        return _pad_frames(out, x.shape[1])
+        """`Attention.forward`, cropped (`_cropped`)."""
+        return self._cropped(super().forward, x, padding_mask, head_mask, need_weights)
 
     def dense_reference(
         self, x: Tensor, padding_mask: Tensor | None = None, head_mask: Tensor | None = None
     ) -> tuple[Tensor, Tensor]:
-        """`Attention.dense_reference`, cropped as `forward` is."""
-        n = self._fitting_length(x, padding_mask)
+        """`Attention.dense_reference`, cropped (`_cropped`)."""
+        return self._cropped(super().dense_reference, x, padding_mask, head_mask)
+
+    def _cropped(self, run: Callable[..., Any], x: Tensor, mask: Tensor | None, *args: Any) -> Any:
+        """run(x, mask, *args); a batch padded beyond max_len whose utterances all fit runs on
+        its first n = (last valid frame + 1) <= max_len frames, and y (B, n, D) and weights
+        (B, h, n, n) are padded back to T with zero rows and columns."""
+        n = self._fitting_length(x, mask)
         if n is None:
-            return super().dense_reference(x, padding_mask, head_mask)
-        return _pad_frames(
-            super().dense_reference(x[:, :n], padding_mask[:, :n], head_mask), x.shape[1]
-        )
+            return run(x, mask, *args)
+        out, T = run(x[:, :n], mask[:, :n], *args), x.shape[1]
+        if isinstance(out, Tensor):
+            return F.pad(out, (0, 0, 0, T - n))
+        y, w = out
+        return F.pad(y, (0, 0, 0, T - n)), F.pad(w, (0, T - n, 0, T - n))
 
     def _fitting_length(self, x: Tensor, padding_mask: Tensor | None) -> int | None:
-        """Frames to keep, when x (B, T, D) is longer than max_len but every utterance of the
-        batch fits: 1 + the last valid frame of any utterance (an utterance longer than
-        max_len is refused, naming its length); None when x fits as it is or has no mask. A
-        host read of the mask, only for a batch that would be refused otherwise."""
+        """Frames to keep when x (B, T, D) is longer than max_len but every utterance fits: 1 +
+        the last valid frame of any utterance (one longer than max_len is refused); None when
+        x fits or has no mask. A host read, only for a batch refused otherwise."""
         T = x.shape[1]
         if T <= self.max_len or padding_mask is None or padding_mask.shape != x.shape[:2]:
             return None
         valid = (~padding_mask).any(0)  # (T,): frames valid in some utterance
         n = int(valid.nonzero().max()) + 1 if bool(valid.any()) else 1
-        _check_len(self.name, n, self.max_len)  # the longest utterance must fit
+        self._check_len(n)  # the longest utterance must fit
         return n
+
+    def _check_len(self, T: int) -> None:
+        if T > self.max_len:
+            raise ConfigError(
+                f"{self.name}: sequence length T={T} exceeds max_len={self.max_len}; "
+                f"set attention.options.max_len >= {T} (or crop the input)"
+            )
 
     def value_flops(self, T: int) -> float:
         """V projection, the (T x T) weights x V product of all heads, output projection."""
@@ -177,10 +133,32 @@ class _SynthesizerBase(Attention):
     def _remove_heads(self, index: Tensor) -> None:
         remove_projection_heads(self, self.v_proj, index)
 
+    def _sdpa(self, q: Tensor, k: Tensor, v: Tensor, valid: Tensor | None) -> Tensor:
+        """softmax(q k^T) v over the valid keys by SDPA with scale 1, zero-padding q/k or v to
+        one head size first: the fused CPU kernel needs equal sizes (else SDPA falls back to
+        the T x T math path)."""
+        mask = None if valid is None else key_mask(valid)[:, None, None, :]  # (B, 1, 1, T)
+        p = self.dropout if self.training else 0.0
+        dq, dv = q.shape[-1], v.shape[-1]
+        if dq > dv:
+            v = F.pad(v, (0, dq - dv))
+        elif dv > dq:
+            q, k = F.pad(q, (0, dv - dq)), F.pad(k, (0, dv - dq))
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p, scale=1.0)
+        return y[..., :dv]
+
+    def attend_dense(self, x: Tensor, valid: Tensor) -> tuple[Tensor, Tensor]:
+        """Dense synthesizers: weights from `_qk`'s logits, (B, 1 or h, T, T)."""
+        q, k = self._qk(x)  # (B, 1 or h, T, H')
+        w = masked_softmax(q @ k.transpose(-1, -2), key_mask(valid)[:, None, None, :])
+        heads = self.drop(w) @ self.split_heads(self.v_proj(x))  # (B, h, T, d_k)
+        return heads, w.expand(-1, self.num_heads, -1, -1)
+
 
 @register("syn_dense")
 class SynDenseAttention(_SynthesizerBase):
-    """Dense Synthesizer, one weight matrix shared by all heads."""
+    """Dense Synthesizer: B_i = W_2 ReLU(W_1 x_i) in R^{l_max}, sliced to the first T
+    columns and shared by all heads; Y = softmax(B) V."""
 
     Config = SynDenseConfig
     paper = "Tay et al., Synthesizer: Rethinking Self-Attention in Transformer Models, ICML 2021 (Dense)"
@@ -201,7 +179,7 @@ class SynDenseAttention(_SynthesizerBase):
     def _qk(self, x: Tensor) -> tuple[Tensor, Tensor]:
         """Logits as inner products: q (B, 1, T, H'), k (B, 1, T, H') with H' = hidden (+1)."""
         B, T, _ = x.shape
-        _check_len(self.name, T, self.max_len)
+        self._check_len(T)
         q = F.relu(self.w1(x))  # (B, T, hidden)
         k = self.w2.weight[:T]  # (T, hidden)
         if self.w2.bias is not None:
@@ -210,20 +188,9 @@ class SynDenseAttention(_SynthesizerBase):
         return q[:, None], k.expand(B, 1, T, -1)
 
     def attend(self, x: Tensor, valid: Tensor | None) -> Tensor:
-        B, T, D = x.shape
         q, k = self._qk(x)  # (B, 1, T, H')
         v = self.v_proj(x)[:, None]  # (B, 1, T, D): all heads share the weights
-        mask = None if valid is None else key_mask(valid)[:, None, None, :]  # (B, 1, 1, T)
-        p = self.dropout if self.training else 0.0
-        return self.split_heads(_sdpa(q, k, v, mask, p)[:, 0])  # (B, h, T, d_k)
-
-    def attend_dense(self, x: Tensor, valid: Tensor) -> tuple[Tensor, Tensor]:
-        q, k = self._qk(x)  # (B, 1, T, H')
-        w = masked_softmax(
-            q @ k.transpose(-1, -2), key_mask(valid)[:, None, None, :]
-        )  # (B, 1, T, T)
-        heads = self.drop(w) @ self.split_heads(self.v_proj(x))  # (B, h, T, d_k)
-        return heads, w.expand(-1, self.num_heads, -1, -1)
+        return self.split_heads(self._sdpa(q, k, v, valid)[:, 0])  # (B, h, T, d_k)
 
 
 @register("syn_dense_mh")
@@ -264,7 +231,7 @@ class SynDenseMHAttention(_SynthesizerBase):
     def _qk(self, x: Tensor) -> tuple[Tensor, Tensor]:
         """q (B, h, T, H'), k (B, h, T, H') with H' = hidden (+1 for the bias)."""
         B, T, _ = x.shape
-        _check_len(self.name, T, self.max_len)
+        self._check_len(T)
         q = F.relu(self.w1(x)).view(B, T, self.num_heads, self.hidden).transpose(1, 2)
         k = self.w2[:, :T]  # (h, T, hidden)
         if self.b2 is not None:
@@ -274,31 +241,13 @@ class SynDenseMHAttention(_SynthesizerBase):
 
     def attend(self, x: Tensor, valid: Tensor | None) -> Tensor:
         q, k = self._qk(x)  # (B, h, T, H')
-        v = self.split_heads(self.v_proj(x))  # (B, h, T, d_k)
-        mask = None if valid is None else key_mask(valid)[:, None, None, :]  # (B, 1, 1, T)
-        return _sdpa(q, k, v, mask, self.dropout if self.training else 0.0)
-
-    def attend_dense(self, x: Tensor, valid: Tensor) -> tuple[Tensor, Tensor]:
-        q, k = self._qk(x)  # (B, h, T, H')
-        w = masked_softmax(
-            q @ k.transpose(-1, -2), key_mask(valid)[:, None, None, :]
-        )  # (B, h, T, T)
-        return self.drop(w) @ self.split_heads(self.v_proj(x)), w
-
-
-@dataclass
-class SynRandomConfig(AttentionConfig):
-    max_len: int = 1024  # l_max; each head learns an l_max x l_max logit matrix
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if self.max_len < 1:
-            raise ConfigError(f"max_len must be >= 1, got {self.max_len}")
+        return self._sdpa(q, k, self.split_heads(self.v_proj(x)), valid)  # (B, h, T, d_k)
 
 
 @register("syn_random")
 class SynRandomAttention(_SynthesizerBase):
-    """Random Synthesizer: input-independent learned logits per head."""
+    """Random Synthesizer: a learned l_max x l_max logit matrix R^i per head, sliced to
+    T x T; Y^i = softmax(R^i) V^i, independent of the input."""
 
     Config = SynRandomConfig
     paper = "Tay et al., Synthesizer: Rethinking Self-Attention in Transformer Models, ICML 2021 (Random)"
@@ -321,19 +270,18 @@ class SynRandomAttention(_SynthesizerBase):
         select_(self, "logits", index)
 
     def offsets(self, valid: Tensor | None, T: int) -> Tensor:
-        """(G, h) first row/column of each head's T x T slice of R, G = 1 or B, on the host
-        (the CPU kernels read them); valid (B, T) or None (nothing padded)."""
+        """(G, h) first row/column of each head's T x T slice of R, G = 1 or B, on the host;
+        valid (B, T) or None (nothing padded)."""
         return torch.zeros(1, self.num_heads, dtype=torch.long)
 
     def window_logits(self, valid: Tensor | None, T: int) -> Tensor:
-        """R^i sliced to T x T at the same places as `offsets`, by device ops whose shapes
-        depend on T (and B) only: (G, h, T, T), G = 1 or B. Autograd's slicing builds the
-        table's gradient (one pass over it per slice; cheap on a GPU)."""
+        """R^i sliced to T x T at `offsets`' places by device ops whose shapes depend on T and B
+        only: (G, h, T, T), G = 1 or B."""
         return self.logits[None, :, :T, :T]
 
     def weights(self, valid: Tensor | None, T: int) -> Tensor:
         """softmax over the valid keys (valid None: all T): (1 or B, h, T, T)."""
-        _check_len(self.name, T, self.max_len)
+        self._check_len(T)
         if needs_static_shapes(self.logits):
             logits = self.window_logits(valid, T)  # (G, h, T, T)
         else:
@@ -348,12 +296,11 @@ class SynRandomAttention(_SynthesizerBase):
     def attend(self, x: Tensor, valid: Tensor | None) -> Tensor:
         v = self.split_heads(self.v_proj(x))  # (B, h, T, d_k)
         T = x.shape[1]
-        # Short sequences (and dropout, which needs the weights), and every T on CUDA or under
-        # torch.compile: explicit (G, h, T, T) weights in one batched product. Long ones on
-        # the CPU: the row-chunked table kernel.
+        # Explicit weights for short sequences, dropout (which needs them), and every T on
+        # CUDA or under torch.compile; the row-chunked table kernel for long ones on the CPU.
         if needs_static_shapes(x) or use_short_path(self, x) or (self.dropout and self.training):
             return weighted_values(self.drop(self.weights(valid, T)), v)
-        _check_len(self.name, T, self.max_len)
+        self._check_len(T)
         valid = all_valid(x) if valid is None else valid
         return TableAttention.apply(
             self.logits, self.offsets(valid, T), v, key_mask(valid), self.gradient_memory
@@ -367,11 +314,10 @@ class SynRandomAttention(_SynthesizerBase):
 @dataclass
 class SynFixedConfig(SynRandomConfig):
     context: int = 3  # width of the left/right context patterns
-    # Share of each row's weight on its pattern at initialisation, at T = max_len (more at
-    # shorter T): sets eps (`pattern_eps`), so the patterns dominate at every length.
+    # Each row's weight on its pattern at initialisation at T = max_len (more at shorter T)
     init_mass: float = 0.99
-    # Initial logits log(pattern + eps); None: from init_mass and max_len. A fixed eps gives a
-    # mass falling with T (1e-4, the study's first runs: 0.95 at T = 512, 0.55 at 8192).
+    # Initial logits log(pattern + eps); None: `pattern_eps` from init_mass and max_len (a
+    # fixed eps, 1e-4 in the first runs, gives a mass falling with T: 0.55 at T = 8192)
     eps: float | None = None
 
     def __post_init__(self) -> None:
@@ -385,13 +331,10 @@ class SynFixedConfig(SynRandomConfig):
 
 
 def pattern_eps(init_mass: float, max_len: int) -> float:
-    """eps with which a pattern row holds `init_mass` of its weight at T = max_len valid keys.
-
-    A row whose pattern puts 1/k on k keys has logits log(1/k + eps) there and log(eps) on
-    the other T - k, so its pattern mass is (1 + k eps) / (1 + T eps): at least init_mass
-    for every k >= 1 and T <= max_len when eps = (1 - m) / (m max_len - 1) (1 when a single
-    key makes every mass 1). init_mass = 0.99, max_len = 1024: 9.9e-6 (logits -11.5 off
-    the pattern, against log(1 + eps) ~ 0 on it)."""
+    """eps with which a pattern row holds `init_mass` m of its weight at T = max_len valid keys:
+    a row putting 1/k on k keys holds (1 + k eps) / (1 + T eps) >= m for every k >= 1 and
+    T <= max_len when eps = (1 - m) / (m max_len - 1) (1 when a single key makes every mass 1);
+    m = 0.99, max_len = 1024: 9.9e-6 (logits -11.5 off the pattern)."""
     m = init_mass
     return (1 - m) / (m * max_len - 1) if m * max_len > 1 else 1.0
 
@@ -426,13 +369,9 @@ class SynFixedAttention(SynRandomAttention):
         self.head_patterns = [self.head_patterns[i] for i in index.tolist()]
 
     def offsets(self, valid: Tensor | None, T: int) -> Tensor:
-        """(G, h) on the host: the "end" head is read so that each utterance's last valid
-        frame meets the bottom-right corner of R; G = 1 when all utterances agree (e.g. B = 1,
-        or valid None), else B.
-
-        The other heads, "start" included, are read from the top-left corner: padding is at
-        the end (data contract), so frame 0 is the utterance's first valid frame.
-        """
+        """(G, h) on the host: the "end" head read so that each utterance's last valid frame
+        meets the bottom-right corner of R (G = 1 when all utterances agree, else B); the
+        others, "start" included, from the top-left corner (padding comes last)."""
         offs = super().offsets(valid, T)
         if "end" not in self.head_patterns:
             return offs
@@ -452,12 +391,8 @@ class SynFixedAttention(SynRandomAttention):
 
     def window_logits(self, valid: Tensor | None, T: int) -> Tensor:
         """`offsets`' windows by device ops: (1, h, T, T) unpadded, (B, h, T, T) padded.
-
-        Utterance b's "end" window starts d_b = T - 1 - last_b rows and columns past the
-        bottom-right T x T corner of R, i.e. it is the corner shifted up-left along the
-        diagonal by d_b, with zeros past the table's edge (padded rows and columns only): one
-        gather from the corner, zero-padded to (2T - 1, 2T - 1), with a (B, T) index.
-        """
+        Utterance b's "end" window is the bottom-right T x T corner of R shifted along the
+        diagonal by d_b = T - 1 - last_b, zeros past the edge: one gather with a (B, T) index."""
         logits = super().window_logits(valid, T)  # (1, h, T, T), top-left windows
         if "end" not in self.head_patterns:
             return logits

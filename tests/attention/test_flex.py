@@ -55,9 +55,9 @@ def test_flex_block_mask_is_built_once_per_pattern_and_bucket(monkeypatch):
     attn = make("sparse_strided", kernel="flex")
     flex._BLOCK_MASKS.clear()
     built = []
-    create = flex._flex_module().create_block_mask
+    create = flex.flex_module.create_block_mask
     monkeypatch.setattr(
-        flex._flex_module(),
+        flex.flex_module,
         "create_block_mask",
         lambda *a, **kw: built.append(a) or create(*a, **kw),
     )

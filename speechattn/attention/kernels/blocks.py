@@ -32,28 +32,19 @@ def _pad_time(t: Tensor, left: int, right: int, dim: int) -> Tensor:
     return F.pad(t, pad)
 
 
-def _blocks(t: Tensor, ls: int) -> Tensor:
-    """(B, H, T, d) -> (B, H, n, l, d), zero-padded to n * l frames."""
-    B, H, T, d = t.shape
+def _blocks(t: Tensor, ls: int, dim: int = 2) -> Tensor:
+    """Dimension `dim` of t zero/False-padded to n * l frames and cut into (n, l), n = ceil(T / l):
+    (B, H, T, d) -> (B, H, n, l, d), or with dim = 1 (B, T) -> (B, n, l)."""
+    T = t.shape[dim]
     n = (T + ls - 1) // ls
-    return _pad_time(t, 0, n * ls - T, 2).view(B, H, n, ls, d)
-
-
-def _valid_blocks(kv: Tensor, ls: int) -> Tensor:
-    """(B, T) bool -> (B, n, l) bool, padded with False."""
-    B, T = kv.shape
-    n = (T + ls - 1) // ls
-    return _pad_time(kv, 0, n * ls - T, 1).view(B, n, ls)
+    return _pad_time(t, 0, n * ls - T, dim).unflatten(dim, (n, ls))
 
 
 def _attend(q: Tensor, k: Tensor, v: Tensor, allowed: Tensor, bias: Tensor, p: float) -> Tensor:
-    """Per-block softmax attention by one fused SDPA call.
-
-    q (B, H, m, Q, d), k and v (B, H, m, K, d) for m independent blocks; allowed (B, 1, m, Q, K)
-    bool, which must allow every query's own key (so no row is empty); bias broadcastable to
-    (Q, K), added to the scores. Returns (B, H, m, Q, d). Blocks become SDPA's batch and heads
-    its second dim, so one (B m, 1, Q, K) mask serves all heads.
-    """
+    """Per-block softmax attention by one fused SDPA call: q (B, H, m, Q, d), k and v
+    (B, H, m, K, d) for m blocks, allowed (B, 1, m, Q, K) bool allowing every query's own key,
+    bias broadcastable to (Q, K) -> (B, H, m, Q, d). Blocks become SDPA's batch, so one
+    (B m, 1, Q, K) mask serves all heads."""
     B, H, m, Q, d = q.shape
     mask = bias.to(q.dtype).masked_fill(~allowed, float("-inf")).transpose(1, 2)  # (B, m, 1, Q, K)
 
@@ -73,13 +64,10 @@ def _take_frames(t: Tensor, pos: Tensor) -> Tensor:
 
 
 def utterance_slots(ls: Tensor, T: int) -> tuple[Tensor, Tensor, Tensor]:
-    """Each utterance's blocks of l_b frames in (M, L) slots, (L, M) = stride_bounds(T).
-
-    ls (B,) strides. Returns pos (B, M, L), the frame m l_b + a of slot (m, a) (clamped into
-    [0, T)); used (B, M, L), whether that slot holds a frame (a < l_b, m l_b + a < T); slot
-    (B, T), the slot m L + a of each frame t = m l_b + a (clamped for frames past the extent,
-    which are padding). Every frame before the extent has its own slot.
-    """
+    """Each utterance's blocks of l_b frames in (M, L) slots, (L, M) = stride_bounds(T), for
+    strides ls (B,): pos (B, M, L) the frame m l_b + a of slot (m, a), clamped into [0, T);
+    used (B, M, L) whether it holds a frame; slot (B, T) the slot m L + a of frame m l_b + a
+    (clamped past the extent, padding)."""
     L, M = patterns.stride_bounds(T)
     device = ls.device
     lb = ls[:, None, None]  # (B, 1, 1)
@@ -91,41 +79,49 @@ def utterance_slots(ls: Tensor, T: int) -> tuple[Tensor, Tensor, Tensor]:
     return pos.clamp_max(T - 1), used, slot.clamp_max(M * L - 1)
 
 
-def _slot_kernel(
-    q: Tensor, k: Tensor, v: Tensor, kv: Tensor, ls: Tensor, p: float, by_class: bool
+def _grid_kernel(
+    q: Tensor, k: Tensor, v: Tensor, kv: Tensor, ls: Stride, p: float, by_class: bool
 ) -> Tensor:
-    """Block (by_class False: attend along each row of slots) or residue (True: along each
-    column) pattern with per-utterance strides ls (B,). q, k, v (B, H, T, d) -> (B, H, T, d)."""
+    """Block (by_class False: attend along each row of the (blocks, offsets) grid) or residue
+    (True: along each column) pattern. q, k, v (B, H, T, d) -> (B, H, T, d). One stride: the
+    grid is (n, l); per-utterance strides ls (B,): (M, L) slots (`utterance_slots`)."""
     B, H, T, d = q.shape
-    pos, used, slot = utterance_slots(ls, T)  # (B, M, L), (B, M, L), (B, T)
-    M, L = pos.shape[1:]
-    flat = pos.flatten(1)  # (B, M L)
-    keys = kv.gather(1, flat).view(B, M, L) & used  # (B, M, L) slots holding an allowed key
+    if isinstance(ls, Tensor):
+        pos, used, slot = utterance_slots(ls, T)  # (B, M, L), (B, M, L), (B, T)
+        M, L = pos.shape[1:]
+        flat = pos.flatten(1)  # (B, M L)
+        keys = kv.gather(1, flat).view(B, M, L) & used  # (B, M, L) slots holding an allowed key
 
-    def grid(t: Tensor) -> Tensor:  # (B, H, T, d) -> (B, H, M, L, d), or (B, H, L, M, d)
-        g = _take_frames(t, flat).view(B, H, M, L, d)
-        return g.transpose(2, 3) if by_class else g
+        def cells(t: Tensor) -> Tensor:  # (B, H, T, d) -> (B, H, M, L, d)
+            return _take_frames(t, flat).view(B, H, M, L, d)
+
+        def frames(out: Tensor) -> Tensor:  # (B, H, M, L, d) -> (B, H, T, d)
+            return _take_frames(out.reshape(B, H, M * L, d), slot)
+
+    else:
+        keys = _blocks(kv, ls, 1)  # (B, n, l)
+
+        def cells(t: Tensor) -> Tensor:  # (B, H, T, d) -> (B, H, n, l, d)
+            return _blocks(t, ls)
+
+        def frames(out: Tensor) -> Tensor:  # (B, H, n, l, d) -> (B, H, T, d)
+            return out.reshape(B, H, -1, d)[:, :, :T]
+
+    def grid(t: Tensor) -> Tensor:  # rows attend within themselves
+        return cells(t).transpose(2, 3) if by_class else cells(t)
 
     keys = keys.transpose(1, 2) if by_class else keys  # (B, rows, cols)
     eye = torch.eye(keys.shape[2], dtype=torch.bool, device=q.device)
     allowed = keys[:, None, :, None, :] | eye  # (B, 1, rows, cols, cols)
     bias = eye.to(q.dtype) * SELF_PENALTY
     out = _attend(grid(q), grid(k), grid(v), allowed, bias, p)  # (B, H, rows, cols, d)
-    out = out.transpose(2, 3) if by_class else out  # (B, H, M, L, d)
-    return _take_frames(out.reshape(B, H, M * L, d), slot)  # (B, H, T, d)
-
-
-def _dropout(probs: Tensor, p: float) -> Tensor:
-    return F.dropout(probs, p) if p else probs
+    return frames(out.transpose(2, 3) if by_class else out)
 
 
 def block_windows(t: Tensor, ls: int, dim: int) -> Tensor:
-    """Keys of each query block in the band kernels: the previous, own and next block of l
-    frames along `dim` (zero/False outside the sequence).
-
-    (..., T, ...) -> (..., n, 3l, ...), n = ceil(T / l); window position w of block b is frame
-    (b - 1) l + w, so a query at offset a of its block is at w = a + l.
-    """
+    """Keys of each query block in the band kernels, the previous, own and next block of l
+    frames along `dim` (zero/False outside): (..., T, ...) -> (..., n, 3l, ...); window
+    position w of block b is frame (b - 1) l + w (a query at offset a is at w = a + l)."""
     T = t.shape[dim]
     n = (T + ls - 1) // ls
     tp = _pad_time(t, ls, n * ls - T + ls, dim)  # (n + 2) l frames along dim
@@ -165,40 +161,18 @@ def residue_kernel(
     q: Tensor, k: Tensor, v: Tensor, kv: Tensor, ls: Stride, p: float = 0.0
 ) -> Tensor:
     """(i - j) mod l = 0. q, k, v (B, H, T, d), kv (B, T) -> (B, H, T, d)."""
-    if isinstance(ls, Tensor):
-        return _slot_kernel(q, k, v, kv, ls, p, by_class=True)
-    B, H, T, d = q.shape
-    n = (T + ls - 1) // ls
-
-    def classes(t: Tensor) -> Tensor:  # (B, H, T, d) -> (B, H, l, n, d)
-        return _blocks(t, ls).transpose(2, 3)
-
-    kvr = _valid_blocks(kv, ls).transpose(1, 2)  # (B, l, n)
-    eye = torch.eye(n, dtype=torch.bool, device=q.device)
-    allowed = kvr[:, None, :, None, :] | eye  # (B, 1, l, n, n)
-    bias = eye.to(q.dtype) * SELF_PENALTY  # (n, n)
-    out = _attend(classes(q), classes(k), classes(v), allowed, bias, p)  # (B, H, l, n, d)
-    return out.transpose(2, 3).reshape(B, H, n * ls, d)[:, :, :T]
+    return _grid_kernel(q, k, v, kv, ls, p, by_class=True)
 
 
 def block_kernel(q: Tensor, k: Tensor, v: Tensor, kv: Tensor, ls: Stride, p: float = 0.0) -> Tensor:
     """floor(i / l) = floor(j / l). q, k, v (B, H, T, d), kv (B, T) -> (B, H, T, d)."""
-    if isinstance(ls, Tensor):
-        return _slot_kernel(q, k, v, kv, ls, p, by_class=False)
-    B, H, T, d = q.shape
-    eye = torch.eye(ls, dtype=torch.bool, device=q.device)
-    allowed = _valid_blocks(kv, ls)[:, None, :, None, :] | eye  # (B, 1, n, l, l)
-    bias = eye.to(q.dtype) * SELF_PENALTY  # (l, l)
-    out = _attend(
-        _blocks(q, ls), _blocks(k, ls), _blocks(v, ls), allowed, bias, p
-    )  # (B, H, n, l, d)
-    return out.reshape(B, H, -1, d)[:, :, :T]
+    return _grid_kernel(q, k, v, kv, ls, p, by_class=False)
 
 
 def summary_columns(T: int, ls: Stride, c: int, device: torch.device) -> tuple[Tensor, Tensor]:
-    """The summary keys j mod l >= l - min(c, l): positions (1, N) for one stride, (B, N) for
-    per-utterance strides (N fixed by T, `patterns.stride_bounds`), clamped into [0, T), and
-    (1 or B, N) whether each is one of its utterance's columns inside [0, T)."""
+    """The summary keys j mod l >= l - min(c, l), clamped into [0, T): positions (1, N), or
+    (B, N) for per-utterance strides (N from `patterns.stride_bounds`), and whether each is
+    a real column inside [0, T)."""
     if isinstance(ls, Tensor):
         L, n = patterns.stride_bounds(T)
         lb = ls[:, None, None]  # (B, 1, 1)
@@ -235,5 +209,5 @@ def summary_kernel(
         torch.cat([s_sum, s_self], dim=-1),
         torch.cat([ok_sum.expand(B, 1, T, -1), ok_self], dim=-1),
     )  # (B, H, T, N + 1)
-    probs = _dropout(probs, p)
+    probs = F.dropout(probs, p) if p else probs
     return probs[..., :-1] @ vs + probs[..., -1:] * v

@@ -30,12 +30,9 @@ def num_clusters_tensor(num_valid: Tensor, max_clusters: int | None) -> Tensor:
 
 
 def capacity_bound(T: int, max_clusters: int | None) -> int:
-    """The largest capacity ceil(n / C(n)) of any utterance of n <= T valid frames: the
-    member tables' width W when it must not depend on data (GPU, torch.compile).
-
-    Capacity never decreases with n, so it is T's own: within C = c it grows with n, and
-    where C steps from c to c + 1 (n = c^2 + 1) it stays c, as ceil((c^2 + 1) / (c + 1)) = c.
-    """
+    """The largest capacity ceil(n / C(n)) of any utterance of n <= T valid frames (W when
+    it must not depend on data): T's own, as capacity never decreases with n (where C steps
+    from c to c + 1, at n = c^2 + 1, it stays c)."""
     return -(-T // num_clusters(T, max_clusters))
 
 
@@ -48,37 +45,24 @@ def blocks_bound(T: int, W: int, max_clusters: int | None) -> int:
 @dataclass
 class Members:
     """Routing heads' frames sorted by (cluster, similarity descending, position), h_r heads,
-    Cm = C(T), the most clusters of any utterance, W = the largest capacity in the batch.
+    Cm = C(T), the most clusters of any utterance, W = the largest capacity in the batch."""
 
-    cluster (B, h_r, T) long: cluster of each position, -1 at padded frames;
-    order (B, h_r, T) long: positions in sorted order, padded frames last;
-    label (B, h_r, T) long: cluster of each sorted frame, Cm for padded frames;
-    rank (B, h_r, T) long: rank of each sorted frame in its cluster;
-    counts (B, h_r, Cm) long: cluster sizes;
-    table (B, h_r, Cm, W) long: kept members (the first `capacity` of each cluster), -1 empty.
-    """
-
-    cluster: Tensor
-    order: Tensor
-    label: Tensor
-    rank: Tensor
-    counts: Tensor
-    table: Tensor
+    cluster: Tensor  # (B, h_r, T) long: cluster of each position, -1 at padded frames
+    order: Tensor  # (B, h_r, T) long: positions in sorted order, padded frames last
+    label: Tensor  # (B, h_r, T) long: cluster of each sorted frame, Cm for padded frames
+    rank: Tensor  # (B, h_r, T) long: rank of each sorted frame in its cluster
+    counts: Tensor  # (B, h_r, Cm) long: cluster sizes
+    table: Tensor  # (B, h_r, Cm, W) long: kept members (the first `capacity`), -1 empty
 
 
 def cluster_kernel(q: Tensor, k: Tensor, v: Tensor, members: Members, p: float = 0.0) -> Tensor:
     """Each query against the kept members of its cluster. q, k, v (B, H, T, d) -> (B, H, T, d).
 
-    The queries of each cluster (in `members` order) are cut into blocks of at most W; every
-    block attends to its cluster's key table (W slots), so one SDPA call over
-    (B H nb, 1, W, d) blocks does all heads, nb = ceil(T / W) + C blocks per head at most.
-    Self is penalised where a query is its own key (kept queries); a query that was not kept
-    has other kept members in its cluster, so its penalised self weight exp(-5e4) is exactly
-    0 and it needs no key of its own. Padded frames are in no block and get 0.
-
-    Blocks per head nb: the batch's largest count on CPU in eager mode; elsewhere
-    `blocks_bound` from T, W and Cm, so that no size depends on data (extra blocks are
-    empty and discarded).
+    Each cluster's queries (in `members` order) are cut into blocks of at most W, each against
+    its cluster's W-slot key table: one SDPA call over (B H nb, 1, W, d) blocks. Self is
+    penalised where a query is its own key; a query not kept has kept members beside it, so
+    it needs no key of its own (its self weight exp(-5e4) is 0). Padded frames get 0. nb: the
+    batch's largest count on CPU eager, else `blocks_bound` (extra blocks empty, discarded).
     """
     B, H, T, d = q.shape
     Cm, W = members.table.shape[-2:]

@@ -13,20 +13,13 @@ def phi(x: Tensor) -> Tensor:
 
 
 class LinearKernel(torch.autograd.Function):
-    """Heads phi(Q) S / (phi(Q) z) from q, k, v (B, h, T, d_k), with a hand-written backward.
+    """Heads phi(Q) S / (phi(Q) z) from q, k, v (B, h, T, d_k) -> (B, h, T, d_k); keep
+    (B, 1, T, 1) 1 at valid keys or None; drop (B, h, T, 1) the dropout column mask or None.
 
-    keep (B, 1, T, 1) 1 at valid keys, 0 at padded ones, or None (all valid); drop (B, h, T, 1)
-    the dropout column mask (numerator only) or None. Returns (B, h, T, d_k).
-
-    Why not autograd: at the study's short lengths the attention is a few small products, and
-    autograd's ~25 separate elementwise steps (elu's backward the largest) cost as much as
-    `full`'s fused SDPA step. Here S and z are one product, phi(K)^T [V, 1] (B, h, d_k, d_k + 1), so
-    phi(Q) [S, z] gives numerator and denominator together, and phi's derivative is
-    min(phi, 1) (1 where x > 0, exp(x) = phi elsewhere), read from the saved features.
-
-    Precision: float32 (or float64) only. Under CUDA autocast `custom_fwd` casts half-precision
-    inputs to float32 and runs the forward with autocast off, and `custom_bwd` runs the backward
-    the same way; the caller also switches autocast off and widens (CPU autocast too).
+    Hand-written because autograd's ~25 small elementwise steps cost as much as `full`'s
+    fused step at short T: [S, z] = phi(K)^T [V, 1] is one product, phi(Q) [S, z] gives
+    numerator and denominator together, and phi' = min(phi, 1) comes from the saved features.
+    Float32 (or float64) only: CUDA autocast casts inputs (`custom_fwd`), callers widen.
     """
 
     @staticmethod

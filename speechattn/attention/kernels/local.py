@@ -11,12 +11,9 @@ from speechattn.attention.base import widen
 class LocalWeightedSum(torch.autograd.Function):
     """out_t = sum_j w_{t,j} v_{t+j}: w (B, h, T, c), v (B, h, T + c - 1, d_k) -> (B, h, T, d_k).
 
-    Equivalent to c shifted multiply-adds under autograd, without the c zero-filled slice
-    gradients that autograd would allocate in the backward pass. The c terms (and the
-    gradients' sums) accumulate in float32 at least: in half precision the rounding of every
-    partial sum would add up over c = 15 terms. Under CUDA autocast the inputs are cast to
-    float32 (`custom_fwd`); otherwise the output takes the promoted input dtype, the gradients
-    their inputs' dtypes.
+    c shifted multiply-adds without the c zero-filled slice gradients autograd would allocate,
+    summed in float32 at least (half-precision rounding would add up over c = 15 terms): CUDA
+    autocast casts the inputs (`custom_fwd`); else the output takes the promoted input dtype.
     """
 
     @staticmethod

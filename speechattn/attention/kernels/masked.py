@@ -1,16 +1,11 @@
 """The "masked" kernel of the shared-QK pattern heads (sparse_*, routing's local heads): one
 SDPA call per head group over all T x T pairs, the group's pattern as an additive mask.
 
-Where the blocked kernels (`blocks.py`) cut a pattern into many small sub-problems (at
-T = 512 about a thousand 23 x 69 ones, too small for a GPU's flash tiles, with masks SDPA pads
-on every call), this runs each head group as one ordinary attention call, which cuDNN's and
-the flash kernels run at nearly the speed of an unmasked one at T ~ 512. Its cost is all T x T
-pairs, so the blocked kernels win at long T; the tuner measures which (`autotune.py`).
-
-A head group shares one pattern: the mask is (1 or B, 1, T, T) and broadcasts over its heads,
-so a layer builds and keeps (for the backward) one or B such masks per group, never
-(B, h, T, T). Masks are built with device ops from the variant's own pattern predicates
-(`patterns.py`): no host read, shapes fixed by T.
+Where the blocked kernels (`blocks.py`) cut a pattern into many sub-problems too small for a
+GPU's flash tiles (about a thousand 23 x 69 ones at T = 512), this runs at nearly the speed of
+unmasked attention at T ~ 512, but costs all T x T pairs; the tuner measures which wins. A head
+group shares one (1 or B, 1, T, T) mask, built on the device from the variant's pattern
+predicates (`patterns.py`): no host read, shapes fixed by T, never (B, h, T, T).
 """
 
 from __future__ import annotations
@@ -29,14 +24,10 @@ MASK_ALIGN = 8
 
 
 def pattern_bias(allowed: Tensor, kv: Tensor | None, dtype: torch.dtype) -> Tensor:
-    """A head group's pattern as SDPA's additive mask.
-
-    allowed (T, T) or (1 or B, T, T) bool: the keys each query may use; kv (B, T) the keys that
-    may be attended (None: all). Returns (1 or B, 1, T, T) in `dtype`: 0 on allowed keys that
-    kv allows, SELF_PENALTY on the diagonal (the query's own key, always allowed, so that no
-    row is empty, as in `shared_qk`), -inf elsewhere. Its rows are `MASK_ALIGN`-aligned views
-    of a wider allocation.
-    """
+    """A head group's pattern as SDPA's additive mask: allowed (T, T) or (1 or B, T, T) bool,
+    kv (B, T) keys that may be attended (None: all) -> (1 or B, 1, T, T) in `dtype`: 0 where
+    both allow, SELF_PENALTY on the diagonal (always allowed, as in `shared_qk`), -inf
+    elsewhere; rows are `MASK_ALIGN`-aligned views of a wider allocation."""
     allowed = allowed if allowed.dim() == 3 else allowed[None]
     if kv is not None:
         allowed = allowed & kv[:, None, :]  # (B, T, T)
@@ -57,14 +48,9 @@ def masked_heads(
     kv: Tensor | None,
     p: float = 0.0,
 ) -> Tensor:
-    """Shared-QK pattern attention, one SDPA call per head group.
-
-    q, k, v (B, h, T, d_k); groups: (number of heads, allowed (T, T) or (1 or B, T, T) bool)
-    for consecutive head groups, in head order, covering all h heads (empty groups are
-    skipped); kv (B, T) keys that may be attended, None when nothing is padded. Scores
-    q k^T / sqrt(d_k) with the self key penalised (`pattern_bias`), dropout p on the weights.
-    Returns (B, h, T, d_k).
-    """
+    """Shared-QK pattern attention, one SDPA call per head group: q, k, v (B, h, T, d_k) ->
+    (B, h, T, d_k). groups: (heads, allowed (T, T) or (1 or B, T, T) bool) for consecutive
+    groups covering all h heads (empty ones skipped); kv (B, T) or None (nothing padded)."""
     dtype = compute_dtype(q)  # the mask in SDPA's dtype: autocast would cast it otherwise
     outs, start = [], 0
     for n, allowed in groups:

@@ -14,16 +14,11 @@ flash_cpu = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 class FlashThenUnfused(torch.autograd.Function):
     """Attention under an additive mask that depends on the spans z, on CPU.
 
-    Forward: CPU flash attention with the mask as a constant (CPU flash has no mask gradient;
-    SDPA runs its unfused math path, forward too, for a mask that needs one). Backward:
-    unfused, from flash's log-sum-exp, so that the scores' gradient dS is at hand and the
-    spans' gradient is one more reduction, dL/dz_h = sum dS * d mask / dz_h. With a reach X
-    (every key farther than X frames masked) the backward runs query blocks of
-    `backward_block` frames against the keys within reach only.
-
-    CPU only (`_uses_cpu_kernels`), so no CUDA autocast to declare; it casts explicitly:
-    flash runs in q's dtype (the mask given in it), the backward in float32 (float64 stays)
-    with autocast off, whatever the caller's autocast state.
+    Forward: CPU flash with the mask as a constant (it has no mask gradient). Backward:
+    unfused, from flash's log-sum-exp, so the spans' gradient is one more reduction,
+    dL/dz_h = sum dS * d mask / dz_h; with a reach X, query blocks of `backward_block` frames
+    against the keys within reach only. Flash runs in q's dtype, the backward in float32
+    (float64 stays) with autocast off.
     """
 
     backward_block = 128  # queries per block of the backward (the fastest in the benchmark)
@@ -86,16 +81,9 @@ class FlashThenUnfused(torch.autograd.Function):
 
 
 class UnfusedSavedWeights(torch.autograd.Function):
-    """Attention under an additive mask that depends on the spans z, on CPU, for short
-    sequences: unfused, keeping the weights P (N, h, L, Lk) for the backward.
-
-    At short T flash's forward plus `FlashThenUnfused`'s backward (which recomputes P, five
-    products in all) cost more than SDPA's fused step; this kernel's six products with P kept
-    cost about as much as SDPA's (the mask added inside the score product, one softmax).
-    It stores N h L Lk weights, so it serves short sequences only (`saved_weights_max_t`).
-    Runs in float32 (float64 stays) with autocast off, whatever the input dtype: CPU only
-    (`_uses_cpu_kernels`), it casts explicitly rather than declaring a CUDA autocast policy.
-    """
+    """`FlashThenUnfused`'s function for short sequences: unfused, keeping the weights P
+    (N, h, L, Lk) for the backward, about as fast as SDPA's fused step where recomputing P
+    is not; in float32 (float64 stays) with autocast off."""
 
     @staticmethod
     def forward(ctx, q, k, v, z, mask, mask_dz):  # noqa: D102

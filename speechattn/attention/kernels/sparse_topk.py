@@ -64,11 +64,8 @@ def _(q: Tensor, k: Tensor, v: Tensor, idx: Tensor, allowed: Tensor, scale: floa
 
 
 def key_pointers(col: Tensor, by_key: Tensor, n: int) -> Tensor:
-    """Row pointers (n + 1,) of the transposed pattern: entries with key < j, for j = 0..n.
-
-    col (nnz,) keys of the entries, by_key (nnz,) their stable order by key: a binary search
-    of the sorted keys, sized by n (a bincount's size would depend on the largest key, which
-    a GPU must read back)."""
+    """Row pointers (n + 1,) of the transposed pattern, entries with key < j for j = 0..n, from
+    the keys col (nnz,) and their stable order by_key: a search sized by n, not by data."""
     return torch.searchsorted(col[by_key], torch.arange(n + 1, device=col.device))
 
 
@@ -124,21 +121,14 @@ _topk_attention.register_autograd(_topk_attention_grad, setup_context=_topk_atte
 def sparse_topk_attention(
     q: Tensor, k: Tensor, v: Tensor, idx: Tensor, allowed: Tensor, scale: float
 ) -> Tensor:
-    """Softmax attention of each query over its own selected keys, as sparse matrix products.
+    """Softmax attention of each query over its own selected keys, as sparse matrix products:
+    q, k, v (N, T, d_k), idx (N, T, kk) distinct key positions per row, allowed (N, T, kk)
+    bool -> (N, T, d_k) in q's dtype, computed in float32 (float64 stays) with autocast off.
 
-    q, k, v (N, T, d_k), idx (N, T, kk) selected key positions (distinct per row), allowed
-    (N, T, kk) bool, scale float -> (N, T, d_k) in q's dtype.
-
-    Runs in float32 (float64 stays float64) with autocast off, whatever the input dtype (the
-    sparse kernels have no half-precision CPU implementation; explicit casts, so CUDA
-    autocast needs no declaration); gradients come back in the inputs' dtypes through the
-    casts. The N heads' patterns lie along the diagonal of one (N T, N T) CSR matrix (no
-    batched CSR product on CPU; one matrix instead of a loop over heads). Scores q_i k_j *
-    scale (+ the self penalty where j = i) are an SDDMM (`torch.sparse.sampled_addmm`) on
-    that pattern; outputs and gradients are CSR x dense products. dK and dV take the
-    pattern's transpose, built once in the backward by a stable sort of the keys
-    (transposing each head's CSR matrix instead dominated the step); its row pointers come from the sorted keys, so no size depends on data. Nothing of
-    size T x T or T x kk x d_k is formed: memory O(T kk + T d_k), time O(T kk d_k).
+    The N heads' patterns lie along the diagonal of one (N T, N T) CSR matrix; scores (plus
+    the self penalty) are an SDDMM on it, outputs and gradients CSR x dense products; dK and
+    dV use its transpose, built by one stable sort of the keys (no size depends on data).
+    Memory O(T kk + T d_k), time O(T kk d_k), never T x T.
     """
     out, _, _ = _topk_attention(widen(q), widen(k), widen(v), idx, allowed, scale)
     return out.to(q.dtype)

@@ -1,12 +1,7 @@
 """Softmax attention of each query over its own selected keys on the CPU (`sparse_topk.py`'s
-forward and backward), compiled with numba: per query row, the kk scores are gathered dot
-products, the softmax and the weighted sum of the values run in cache, and the backward
-scatters dK and dV head by head (one thread owns a head, so no two threads add to one key).
-
-The CSR products they replace cost several passes over (N T kk) index arrays per call (a
-sort, the transposed pattern, format conversions) for what is O(T kk d) arithmetic; here it
-is one pass (`python -m speechattn.bench attention`; docs/benchmarks.md). Sums run in the
-inputs' dtype (float32 or float64), in vector lanes (reassociated, as any matrix product's).
+forward and backward), compiled with numba: one pass per query row where the CSR products
+take several over (N T kk) index arrays; the backward scatters dK and dV head by head (one
+thread per head, so no two add to one key). Sums in the inputs' dtype, reassociated in lanes.
 """
 
 from __future__ import annotations

@@ -4,6 +4,7 @@ with recomputed weights, and the reused memory of the table's gradient (`synthes
 from __future__ import annotations
 
 import sys
+from collections.abc import Iterator
 
 import numpy as np
 import torch
@@ -17,11 +18,8 @@ _CHUNK = 1 << 21  # elements of one (h, rows, T) block of weights in TableAttent
 
 
 def weighted_values(w: Tensor, v: Tensor) -> Tensor:
-    """w (G, h, T, T) @ v (B, h, T, d_k) -> (B, h, T, d_k), with G = 1 or B.
-
-    G = 1 runs as one (h, T, T) x (h, T, B d_k) product rather than broadcasting w to B
-    copies. The weights are cast to v's dtype (under autocast, v is half precision).
-    """
+    """w (G, h, T, T) @ v (B, h, T, d_k) -> (B, h, T, d_k), G = 1 or B (G = 1: one
+    (h, T, T) x (h, T, B d_k) product); w is cast to v's dtype (half under autocast)."""
     B, h, T, d = v.shape
     w = w.to(v.dtype)
     if w.shape[0] == B:
@@ -31,11 +29,8 @@ def weighted_values(w: Tensor, v: Tensor) -> Tensor:
 
 
 def _window(r: Tensor, o: int, s: int, e: int, T: int) -> Tensor:
-    """Rows [o + s, o + e) and columns [o, o + T) of r (n, n), zero-padded past n: (e - s, T).
-
-    Only the "end" head of syn_fixed on a padded utterance reaches past n, and only at padded
-    rows and columns (masked keys, zeroed queries).
-    """
+    """Rows [o + s, o + e) and columns [o, o + T) of r (n, n), zero-padded past n (only
+    syn_fixed's "end" head, at padded rows and columns): (e - s, T)."""
     n = r.shape[-1]
     w = r[o + s : min(o + e, n), o : min(o + T, n)]
     if w.shape == (e - s, T):
@@ -44,18 +39,13 @@ def _window(r: Tensor, o: int, s: int, e: int, T: int) -> Tensor:
 
 
 class GradientMemory:
-    """Memory for a logit table's gradient (CPU), reused from step to step.
+    """Memory for a logit table's gradient (CPU), reused from step to step: fresh memory of
+    the table's size (0.8 GB at l_max = 4096) costs page faults and compaction every step.
 
-    The gradient has the table's size, h l_max^2 (0.8 GB at l_max = 4096), and fresh memory
-    costs page faults on first touch, plus compaction when the OS assembles 2 MiB pages: at
-    T close to l_max a step with fresh memory is markedly slower than with reused memory.
-
-    `take` hands last step's array out again, zeroed, once nothing refers to it any more
-    (numpy's reference count of the array: every tensor, view or storage on it holds one,
-    so a gradient still in `.grad`, e.g. while accumulating, is never overwritten). Steps
-    whose windows cover less than a quarter of the table take fresh lazily zeroed memory
-    instead: zeroing all of it would cost more than the pages their windows touch.
-    Copies and pickles of the module start without memory.
+    `take` hands last step's array out again, zeroed, once numpy's reference count shows
+    nothing refers to it (a gradient still in `.grad` is never overwritten). Windows covering
+    under a quarter of the table take fresh lazily zeroed memory instead. Copies and pickles
+    start without memory.
     """
 
     def __init__(self) -> None:
@@ -66,7 +56,7 @@ class GradientMemory:
         G) T x T windows of each (h, n, n) head."""
         n = table.shape[-1]
         if not numpy_backed(table.dtype, table.device) or 4 * T * T < n * n:
-            return table_gradient(table)
+            return lazy_zeros(tuple(table.shape), table.dtype, table.device)  # pages on touch
         shape, dtype = tuple(table.shape), NUMPY_DTYPES[table.dtype]
         # two references: self.array and getrefcount's argument; any more are a gradient
         if (
@@ -86,22 +76,12 @@ class GradientMemory:
         return {"array": None}
 
 
-def table_gradient(table: Tensor) -> Tensor:
-    """A zero tensor of table's shape, dtype and device, for its gradient from T x T windows,
-    in lazily zeroed memory (`lazy_zeros`): a step pays for the pages of its windows only,
-    not for zeroing the whole table as torch.zeros would."""
-    return lazy_zeros(tuple(table.shape), table.dtype, table.device)
-
-
 class TableWindows(torch.autograd.Function):
     """Each head's T x T window of a logit table: table (h, n, n), offsets (G, h) int ->
-    (G, h, T, T); head i of group g reads rows and columns [o, o + T), o = offsets[g, i];
-    memory (`GradientMemory`) gives the gradient's memory.
+    (G, h, T, T), head i of group g at rows and columns [o, o + T), o = offsets[g, i].
 
-    Autograd's own slicing would build one zero-filled (h, n, n) gradient per head and add
-    them up (h full-table passes per step); this backward fills one gradient and adds each
-    window into it. CPU eager only (it reads the offsets on the host): no autocast-sensitive op
-    inside, the windows keep the table's dtype.
+    Autograd's slicing would add h zero-filled (h, n, n) gradients; this backward adds each
+    window into one (from `GradientMemory`). CPU eager only (offsets read on the host).
     """
 
     @staticmethod
@@ -118,9 +98,7 @@ class TableWindows(torch.autograd.Function):
         table, offsets = ctx.saved_tensors
         n, T = table.shape[-1], grad.shape[-1]
         g_table = ctx.memory.take(table, T)
-        # On CPU the windows are added by numpy, on one thread: the first write to each page of
-        # the lazily zeroed gradient faults, and faults from two threads at once were many
-        # times slower than from one.
+        # numpy adds the windows on one thread: page faults from two threads were much slower
         dst, src = (
             (g_table.numpy(), grad.numpy())
             if numpy_backed(g_table.dtype, g_table.device)
@@ -134,27 +112,30 @@ class TableWindows(torch.autograd.Function):
 
 
 class TableAttention(torch.autograd.Function):
-    """Y = softmax(R sliced to T x T, over valid keys) V, in row chunks.
+    """Y = softmax(R sliced to T x T, over valid keys) V, in row chunks: table (h, n, n),
+    offsets (G, h) as in `TableWindows` (G = 1 or B), v (B, h, T, d_k), kv (B, T) allowed
+    keys -> (B, h, T, d_k).
 
-    table (h, n, n) logits; offsets (G, h) int: head i of group g reads rows and columns
-    [o, o + T) with o = offsets[g, i]; G = 1 (one slice for the whole batch) or G = B (one per
-    utterance); v (B, h, T, d_k); kv (B, T) allowed keys; memory (`GradientMemory`) gives the
-    table gradient's memory. Returns (B, h, T, d_k).
-    The backward pass recomputes each chunk's weights; with G = 1 it writes the gradient of
-    each head's slice straight into the table gradient. CPU eager only (offsets and padding are
-    read on the host); autocast is handled explicitly: switched off inside, v and the gradient
-    cast to the table's dtype, the outputs back to v's.
+    The backward recomputes each chunk's weights (with G = 1 writing each head's slice
+    straight into the table gradient). CPU eager only; autocast off inside, v and the
+    gradient cast to the table's dtype, the outputs back to v's.
     """
 
     @staticmethod
-    def _groups(offsets: Tensor, B: int) -> list[tuple[slice, list[int]]]:
-        """[(batch slice, per-head offsets)]."""
+    def _chunks(table: Tensor, offsets: Tensor, kv: Tensor) -> Iterator[tuple]:
+        """(batch slice, head i, offset o, rows s:e, weights (nb | 1, C, T)) of every chunk of
+        rows of every head and group (one group for the batch when G = 1, else one each)."""
+        B, T = kv.shape
+        chunk = max(1, _CHUNK // T)  # rows per block: one head, (chunk, T) weights
         offs = offsets.tolist()
-        return (
-            [(slice(0, B), offs[0])]
-            if len(offs) == 1
-            else [(slice(b, b + 1), o) for b, o in enumerate(offs)]
-        )
+        groups = [(slice(b, b + 1), o) for b, o in enumerate(offs)]
+        if len(offs) == 1:
+            groups = [(slice(0, B), offs[0])]
+        for bs, group in groups:
+            for i, o in enumerate(group):
+                for s in range(0, T, chunk):
+                    e = min(s + chunk, T)
+                    yield bs, i, o, s, e, TableAttention._probs(table[i], o, s, e, kv[bs])
 
     @staticmethod
     def _probs(r: Tensor, o: int, s: int, e: int, kv: Tensor) -> Tensor:
@@ -178,15 +159,9 @@ class TableAttention(torch.autograd.Function):
 
     @staticmethod
     def _forward(ctx, table: Tensor, offsets: Tensor, v: Tensor, kv: Tensor) -> Tensor:
-        B, h, T, _ = v.shape
-        chunk = max(1, _CHUNK // T)  # rows per block: one head, (chunk, T) weights
         out = v.new_empty(v.shape)
-        for bs, offs in TableAttention._groups(offsets, B):
-            for i, o in enumerate(offs):
-                for s in range(0, T, chunk):
-                    e = min(s + chunk, T)
-                    p = TableAttention._probs(table[i], o, s, e, kv[bs])  # (nb | 1, C, T)
-                    out[bs, i, s:e] = p @ v[bs, i]
+        for bs, i, _, s, e, p in TableAttention._chunks(table, offsets, kv):
+            out[bs, i, s:e] = p @ v[bs, i]
         ctx.save_for_backward(table, offsets, v, kv, out)
         return out
 
@@ -200,33 +175,24 @@ class TableAttention(torch.autograd.Function):
     @staticmethod
     def _backward(ctx, grad: Tensor) -> tuple[Tensor | None, Tensor]:
         table, offsets, v, kv, out = ctx.saved_tensors
-        B, h, T, d = v.shape
-        n = table.shape[-1]
-        chunk = max(1, _CHUNK // T)
-        groups = TableAttention._groups(offsets, B)
-        write_once = len(groups) == 1  # each table entry receives one block's gradient
+        T, n = v.shape[2], table.shape[-1]
+        write_once = offsets.shape[0] == 1  # each table entry receives one block's gradient
         g_table = ctx.memory.take(table, T) if ctx.needs_input_grad[0] else None
         g_v = torch.zeros_like(v)
-        for bs, offs in groups:
-            for i, o in enumerate(offs):
-                vi, gvi = v[bs, i], g_v[bs, i]  # (nb, T, d_k)
-                for s in range(0, T, chunk):
-                    e = min(s + chunk, T)
-                    p = TableAttention._probs(table[i], o, s, e, kv[bs])  # (nb | 1, C, T)
-                    go = grad[bs, i, s:e]  # (nb, C, d_k)
-                    gvi.baddbmm_(p.transpose(-1, -2).expand(go.shape[0], -1, -1), go)
-                    if g_table is None:
-                        continue
-                    delta = (go * out[bs, i, s:e]).sum(-1, keepdim=True)  # (nb, C, 1)
-                    r, c = min(e, n - o), min(T, n - o)
-                    dst = g_table[i, o + s : o + r, o : o + c]
-                    if write_once and go.shape[0] == 1 and dst.shape == (e - s, T):
-                        # dL/dlogits = p * (go v^T - delta), written straight into the gradient
-                        torch.addmm(delta[0], go[0], vi[0].T, beta=-1, out=dst).mul_(p[0])
-                        continue
-                    g_logits = torch.baddbmm(delta, go, vi.transpose(-1, -2), beta=-1).mul_(p)
-                    g_logits = g_logits[0] if g_logits.shape[0] == 1 else g_logits.sum(0)  # (C, T)
-                    if r <= s:
-                        continue
-                    dst += g_logits[: r - s, :c]
+        for bs, i, o, s, e, p in TableAttention._chunks(table, offsets, kv):
+            vi, go = v[bs, i], grad[bs, i, s:e]  # (nb, T, d_k), (nb, C, d_k)
+            g_v[bs, i].baddbmm_(p.transpose(-1, -2).expand(go.shape[0], -1, -1), go)
+            if g_table is None:
+                continue
+            delta = (go * out[bs, i, s:e]).sum(-1, keepdim=True)  # (nb, C, 1)
+            r, c = min(e, n - o), min(T, n - o)
+            dst = g_table[i, o + s : o + r, o : o + c]
+            if write_once and go.shape[0] == 1 and dst.shape == (e - s, T):
+                # dL/dlogits = p * (go v^T - delta), written straight into the gradient
+                torch.addmm(delta[0], go[0], vi[0].T, beta=-1, out=dst).mul_(p[0])
+                continue
+            g_logits = torch.baddbmm(delta, go, vi.transpose(-1, -2), beta=-1).mul_(p)
+            g_logits = g_logits[0] if g_logits.shape[0] == 1 else g_logits.sum(0)  # (C, T)
+            if r > s:
+                dst += g_logits[: r - s, :c]
         return g_table, g_v
