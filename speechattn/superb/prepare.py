@@ -5,8 +5,8 @@
 
 Without `--root` the built-in corpus is used (built on first use); without `--out` each task goes
 to `<cache>/superb/<corpus folder>/<task>/`, where `python -m speechattn.superb` looks for it.
-A task folder is written into a temporary sibling and renamed into place, with `superb_data.json`
-last, so an interrupted conversion is never mistaken for a finished one.
+A task folder is written into a temporary sibling and renamed into place (`atomic_folder`), with
+`superb_data.json` last, so an interrupted conversion is never mistaken for a finished one.
 
 speech_commands (keyword spotting, 12 classes):
     train/<word>/<name>_nohash_<k>.wav   1 s clips: the 10 command words, spoken by the corpus's
@@ -45,7 +45,6 @@ import logging
 import os
 import re
 import shutil
-import tempfile
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
@@ -61,7 +60,13 @@ from speechattn.data.librispeech import (
 )
 from speechattn.data.phones import PHONE_SET, SILENCE
 from speechattn.errors import ConfigError
-from speechattn.utils import atomic_write_text, default_cache_root, progress_bar
+from speechattn.utils import (
+    atomic_folder,
+    atomic_write_text,
+    default_cache_root,
+    progress_bar,
+    track,
+)
 
 log = logging.getLogger(__name__)
 
@@ -254,7 +259,7 @@ def prepare_voxceleb1(root: Path, out: Path) -> dict:
     vox_id = {s: f"id{10001 + i}" for i, s in enumerate(speakers)}
     index = {"train": 1, "dev": 2, "test": 3}
     lines = []
-    for utt, path in progress_bar_items(utterances, "linking voxceleb1 audio"):
+    for utt, path in track(utterances.items(), "linking voxceleb1 audio"):
         if utt not in split:
             continue
         chapter = path.parent.name
@@ -270,14 +275,6 @@ def prepare_voxceleb1(root: Path, out: Path) -> dict:
         "speakers": len(speakers),
         "utterances": dict(Counter(split[u] for u in utterances if u in split)),
     }
-
-
-def progress_bar_items(items: dict, description: str):
-    """(key, value) pairs of `items` with a progress bar."""
-    with progress_bar(len(items), description) as advance:
-        for key, value in items.items():
-            yield key, value
-            advance()
 
 
 # -- ctc (phoneme recognition) ------------------------------------------------------------------
@@ -301,7 +298,7 @@ def prepare_ctc(root: Path, out: Path) -> dict:
     labels = read_alignments(root / "converted_aligned_phones.txt", phone_set, wanted=set(split))
     rows: dict[str, list[tuple[str, str]]] = {"train": [], "dev": [], "test": []}
     lexicon = []
-    for utt, path in progress_bar_items(utterances, "linking phoneme-recognition audio"):
+    for utt, path in track(utterances.items(), "linking phoneme-recognition audio"):
         if utt not in split or utt not in labels:
             continue
         phonemes = phoneme_sequence(labels[utt], phone_set)
@@ -350,9 +347,7 @@ def prepare(task: str, root: str | Path, out: str | Path, repeats: int = 3) -> P
         raise ConfigError(
             f"--out {out}: exists without a finished {DATA_FILE}; remove it or choose another folder"
         )
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    try:
+    with atomic_folder(out) as tmp:  # an empty `out` is replaced
         kwargs = {"repeats": repeats} if task == "speech_commands" else {}
         info = PREPARE[task](root, tmp, **kwargs)
         paths = {k: _moved(v, tmp, out) for k, v in info.pop("paths").items()}
@@ -363,12 +358,6 @@ def prepare(task: str, root: str | Path, out: str | Path, repeats: int = 3) -> P
                 csv_path = tmp / f"{name}.csv"
                 csv_path.write_text(csv_path.read_text().replace(str(tmp), str(out)))
         atomic_write_text(tmp / DATA_FILE, json.dumps(record, indent=2) + "\n")
-        if out.exists():
-            out.rmdir()
-        os.rename(tmp, out)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
     log.info("prepared %s in %s", task, out)
     return out
 
