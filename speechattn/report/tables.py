@@ -214,10 +214,4 @@ def cost_table(
         row += [getattr(by_key.get((v, n)), "time_ms", None) for n in lengths]
         row += [getattr(by_key.get((v, n)), "memory_mb", None) for n in lengths]
         rows.append(row)
-    # Lowest measured cost per column in bold.
-    bold = set()
-    for c in range(6, len(header)):
-        values = [row[c] for row in rows if isinstance(row[c], float)]
-        if values:
-            bold |= {(r, c) for r, row in enumerate(rows) if row[c] == min(values)}
-    return Table(header, rows, bold)
+    return Table(header, rows, _mark_best(rows, range(6, len(header)), best=min))  # lowest cost
