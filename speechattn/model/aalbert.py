@@ -4,13 +4,7 @@ Audio ALBERT (Chi et al., 2020, "Audio ALBERT: A Lite BERT for Self-supervised L
 Representation") is Mockingjay with ALBERT's cross-layer parameter sharing: one transformer layer
 applied L times. The study this toolkit reproduces swaps the layer's self-attention for each of
 the variants in `speechattn.attention`; the layer receives its attention module and never knows
-which variant it holds.
-
-Read top to bottom: positions, input embedding, feed-forward, layer, encoder, reconstruction
-head, config, the full model, then the builder and its presets. Longer than 500 lines on
-purpose: one network in dependency order in one file, as nanoGPT's `model.py`; half of it is
-`AALBERT` itself (embedding + encoder + head, head masks, actual head pruning, layer outputs),
-whose parts only make sense together.
+which variant it holds. One network in dependency order, leaves first, as nanoGPT's `model.py`.
 
 Shape letters (see `speechattn/attention/base.py`): B batch, T 10 ms mel frames, T' stacked
 30 ms model frames, F mel bins, D model dim, h heads, L layers.
@@ -194,14 +188,12 @@ class Encoder(nn.Module):
 
     def _depth_head_mask(self, head_mask: Tensor | None, depth: int) -> Tensor | None:
         """xi of depth `depth` for its layer's remaining heads: (L, h) row -> (h',) or None."""
-        residual = self.residual_head_mask
-        if residual is not None:
-            residual = residual[depth]
-            row = residual if head_mask is None else head_mask[depth] * residual.to(head_mask)
-        elif head_mask is None:
+        row = None if head_mask is None else head_mask[depth]
+        if self.residual_head_mask is not None:
+            residual = self.residual_head_mask[depth]
+            row = residual if row is None else row * residual.to(row)
+        if row is None:
             return None
-        else:
-            row = head_mask[depth]
         attention = self.layers[self.depth_to_layer[depth]].attention
         kept = getattr(attention, "kept_heads", None)
         if kept is None or len(kept) == attention.config.num_heads:
@@ -355,12 +347,8 @@ class ModelConfig:
         require(ok, "model.net.dropout", self.dropout, "in [0, 1)")
         ok = is_number(self.layer_norm_eps) and self.layer_norm_eps > 0
         require(ok, "model.net.layer_norm_eps", self.layer_norm_eps, "> 0")
-        require(
-            is_number(self.position_scale),
-            "model.net.position_scale",
-            self.position_scale,
-            "a number",
-        )
+        ok = is_number(self.position_scale)
+        require(ok, "model.net.position_scale", self.position_scale, "a number")
         kernel, groups = self.conv_position_kernel, self.conv_position_groups
         ok = is_int(kernel) and (kernel == 0 or (kernel > 0 and kernel % 2 == 1))
         require(ok, "model.net.conv_position_kernel", kernel, "0 (none) or an odd width >= 1")
@@ -485,11 +473,9 @@ class AALBERT(nn.Module):
         if limit is None or frames <= limit:
             return
         stack = self.config.stack
-        given = (
-            f"{setting}=null lets a {frames}-frame utterance through"
-            if uncropped
-            else (f"{setting}={frames}")
-        )
+        given = f"{setting}={frames}"
+        if uncropped:
+            given = f"{setting}=null lets a {frames}-frame utterance through"
         raise ConfigError(
             f"{given}, more than attention={self.config.attention} accepts: "
             f"{limit} input frames (max_len {limit // stack} model frames x {stack}); set "
@@ -526,10 +512,9 @@ class AALBERT(nn.Module):
             raise ValueError(f"prune_heads: expected a head mask (L, h) = {(self.num_layers, h)}")
         else:
             heads, residual = pruning_plan(heads, self.encoder.depth_to_layer)
-            if residual is not None and self.encoder.residual_head_mask is not None:
-                residual = residual * self.encoder.residual_head_mask.to(residual)
-            elif residual is None and self.encoder.residual_head_mask is not None:
-                residual = self.encoder.residual_head_mask
+            earlier = self.encoder.residual_head_mask
+            if earlier is not None:
+                residual = earlier if residual is None else residual * earlier.to(residual)
             self._set_residual(None if residual is None else residual.tolist())
         for j, kept in heads.items():
             attention = self.encoder.layers[j].attention
