@@ -338,7 +338,11 @@ def _check_finite(state: dict[str, Any], where: str) -> None:
             f"{', ...' if len(bad) > 3 else ''}): the pretraining run diverged, so this "
             f"upstream is unusable; pretrain again with a smaller model.optimizer.lr"
         )
-    floats = [(k, t) for k, t in state["state_dict"].items() if _is_float_tensor(t) and t.numel()]
+    floats = [
+        (k, t)
+        for k, t in state["state_dict"].items()
+        if isinstance(t, Tensor) and t.is_floating_point() and t.numel()
+    ]
     if not floats:
         return
     peaks = torch.stack([t.detach().abs().amax().float().cpu() for _, t in floats])  # (N,)
@@ -350,10 +354,6 @@ def _check_finite(state: dict[str, Any], where: str) -> None:
             f"; trained models stay within a few units): the pretraining run blew up, so this "
             f"upstream is unusable; pretrain again with a smaller model.optimizer.lr"
         )
-
-
-def _is_float_tensor(value: Any) -> bool:
-    return isinstance(value, Tensor) and value.is_floating_point()
 
 
 def upstream_state(
@@ -437,9 +437,8 @@ def load_upstream(path: str | Path, map_location: str | torch.device = "cpu") ->
             f"{config_where} has upstream format version {state.get('version')!r}; this "
             f"speechattn reads versions {', '.join(map(str, READABLE_VERSIONS))}"
         )
-    missing = {"model_config", "state_dict", "normalizer", "feature_config", "metadata"} - set(
-        state
-    )
+    required = ("model_config", "state_dict", "normalizer", "feature_config", "metadata")
+    missing = set(required) - set(state)
     if missing:
         raise UpstreamFileError(f"{config_where} is incomplete: missing {sorted(missing)}")
     _check_finite(state, str(weights_where))
@@ -537,8 +536,7 @@ def _read_folder(path: Path) -> dict[str, Any]:
         raise UpstreamFileError(
             f"{weights_file} is not a readable safetensors file (truncated or corrupt): {e}"
         ) from e
-    names = ("mean", "std")
-    normalizer = {n: tensors.pop(NORMALIZER_PREFIX + n, None) for n in names}
+    normalizer = {n: tensors.pop(NORMALIZER_PREFIX + n, None) for n in ("mean", "std")}
     for n, t in normalizer.items():
         if t is None:
             raise UpstreamFileError(

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from speechattn.report.tables import Table
+from speechattn.report.tables import Table, mark_best
 from speechattn.tasks.records import SUPERB_FILE, WEIGHTED_SUM, SuperbResult, read_superb
 
 # s3prl downstream -> column title
@@ -65,11 +65,8 @@ def superb_table(found: dict[tuple[str, str], SuperbResult]) -> Table:
         rows.append([row, kind, *[_value(found.get((row, t))) for t in tasks]])
     bold = set()
     for c, task in enumerate(tasks, start=2):
-        values = [r[c] for r in rows if r[c] is not None]
-        if values:
-            higher = next(v for (_, t), v in found.items() if t == task).higher_is_better
-            best = max(values) if higher else min(values)
-            bold |= {(i, c) for i, r in enumerate(rows) if r[c] == best}
+        higher = next(v for (_, t), v in found.items() if t == task).higher_is_better
+        bold |= mark_best(rows, range(c, c + 1), max if higher else min)
     return Table(["upstream", "kind", *[COLUMNS.get(t, t) for t in tasks]], rows, bold)
 
 
