@@ -90,11 +90,3 @@ def check_is_file(path: Path, what: str, error: type[TorchFileError] = TorchFile
         raise error(f"{what} {path} is a folder, not a file: give the .pt file{hint}")
     if not path.is_file():
         raise MissingFileError(f"{what} {path} does not exist")
-
-
-__all__ = [
-    "TorchFileError",
-    "check_is_file",
-    "describe_load_error",
-    "load_torch_file",
-]
