@@ -11,25 +11,13 @@
       "metadata":     pretraining facts: steps, corpus, seed, code version, losses, ...
     }
 
-Only tensors and plain Python values are stored, so it is read with `weights_only=True`
-(no unpickling of arbitrary objects).
-
-The same state also travels as an upstream folder (`save_upstream_folder`, `python -m
-speechattn.export`), the layout of a Hugging Face model repository, read without any pickle:
-
-    config.json        format, version, model_config, feature_config, normalizer mode,
-                       metadata, source (the upstream.pt and its sha256)
-    model.safetensors  the AALBERT weights under their state_dict names, plus the normaliser's
-                       `normalizer.mean` / `normalizer.std` (F,)
-    README.md          the model card (written by the caller, like any other extra file)
-
-`load_upstream` reads either; both give the same module, bit for bit.
-
-Downstream code sees the contract of docs/ARCHITECTURE.md: `forward(features, lengths)`
-returns an `UpstreamOutput` whose `hidden_states` are every layer's hidden states (B, T', D),
-hidden_states[0] being the input embedding; `output_attentions=True` adds every layer's attention
-weights. Its fields are named as in `transformers`' `Wav2Vec2BaseModelOutput`, so code written for
-HF speech models reads it.
+Only tensors and plain Python values are stored, so it is read with `weights_only=True`. The
+same state also travels as an upstream folder (`save_upstream_folder`, `python -m
+speechattn.export`; docs/upstream.md), read without any pickle: config.json (the values above
+and `source`, the upstream.pt it comes from) and model.safetensors (the weights, plus the
+normaliser's `normalizer.mean` / `normalizer.std`). `load_upstream` reads either; both give the
+same module, bit for bit. Its `forward` returns an `UpstreamOutput` (docs/ARCHITECTURE.md's
+contract), named as in `transformers`' `Wav2Vec2BaseModelOutput`.
 """
 
 from __future__ import annotations
@@ -577,15 +565,15 @@ def save_upstream_folder(
     out = Path(out)
     _check_finite(state, f"not writing {out}")
     ours = {*FOLDER_FILES, *(files or {})}
-    if out.is_file() or (out.is_dir() and not out.is_symlink()):
-        others = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
-        others = [n for n in others if n not in ours]
-        if out.is_file() or others:
-            what = "a file" if out.is_file() else f"a folder holding {', '.join(others[:5])}"
-            raise OutputExistsError(
-                f"{out} is {what}: an upstream folder replaces the whole folder, so it is "
-                f"written only where nothing or an earlier upstream folder is; choose another"
-            )
+    others = []  # what the folder at `out` holds besides an earlier upstream folder's files
+    if out.is_dir() and not out.is_symlink():
+        others = sorted(p.name for p in out.iterdir() if p.name not in ours)
+    if out.is_file() or others:
+        what = "a file" if out.is_file() else f"a folder holding {', '.join(others[:5])}"
+        raise OutputExistsError(
+            f"{out} is {what}: an upstream folder replaces the whole folder, so it is "
+            f"written only where nothing or an earlier upstream folder is; choose another"
+        )
     # own contiguous copies: safetensors refuses tensors that share memory (tied weights)
     tensors = {
         k: v.detach().cpu().clone(memory_format=torch.contiguous_format)
