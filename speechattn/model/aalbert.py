@@ -213,32 +213,9 @@ class Encoder(nn.Module):
         head_mask: (L, h) or None. Padded positions are zero in every hidden state so that a
         padded batch gives what each utterance gives alone.
         """
-        return self._run(x, padding_mask, head_mask, self.num_layers, weights_from=None)[0]
+        return self.run(x, padding_mask, head_mask, self.num_layers, weights_from=None)[0]
 
-    def forward_with_weights(
-        self, x: Tensor, padding_mask: Tensor | None, head_mask: Tensor | None = None
-    ) -> tuple[list[Tensor], list[Tensor]]:
-        """As `forward`, plus every depth's attention weights (B, h, T', T') in one pass.
-
-        Every depth runs its attention's dense reference (the only path with explicit
-        weights), so hidden states match `forward` to rounding, not bit for bit.
-        """
-        return self._run(x, padding_mask, head_mask, self.num_layers, weights_from=1)
-
-    def attention_weights(
-        self,
-        x: Tensor,
-        padding_mask: Tensor | None,
-        layer: int,
-        head_mask: Tensor | None = None,
-    ) -> Tensor:
-        """Attention weights (B, h, T', T') of depth `layer` (1-based, like hidden[layer])."""
-        if not 1 <= layer <= self.num_layers:
-            raise ValueError(f"layer must be in 1..{self.num_layers}, got {layer}")
-        # the depths below `layer` take their efficient path: only the last one needs weights
-        return self._run(x, padding_mask, head_mask, layer, weights_from=layer)[1][-1]
-
-    def _run(
+    def run(
         self,
         x: Tensor,
         padding_mask: Tensor | None,
@@ -247,7 +224,12 @@ class Encoder(nn.Module):
         weights_from: int | None,
     ) -> tuple[list[Tensor], list[Tensor]]:
         """The first `depths` layers; depths >= `weights_from` (1-based; None: none) also
-        return their weights. -> (hidden states [x, ...], weights of those depths)."""
+        return their weights. -> (hidden states [x, ...], weights of those depths).
+
+        Only the depths that return weights run their attention's dense reference (the only
+        path with explicit weights): their hidden states match `forward`'s to rounding, not bit
+        for bit.
+        """
         if head_mask is not None and (
             head_mask.shape[0] != self.num_layers
             or (
@@ -588,13 +570,18 @@ class AALBERT(nn.Module):
     ) -> tuple[list[Tensor], list[Tensor]]:
         """features (B, T, F), lengths (B,) -> (L+1 hidden states (B, T', D), L attention
         weights (B, h, T', T')), from the attention's dense reference at every depth."""
-        return self.encoder.forward_with_weights(*self._embed(features, lengths), head_mask)
+        x, padding_mask = self._embed(features, lengths)
+        return self.encoder.run(x, padding_mask, head_mask, self.num_layers, weights_from=1)
 
     def attention_weights(
         self, features: Tensor, lengths: Tensor, layer: int, head_mask: Tensor | None = None
     ) -> Tensor:
-        """Weights (B, h, T', T') of the attention at depth `layer` (1..L)."""
-        return self.encoder.attention_weights(*self._embed(features, lengths), layer, head_mask)
+        """Weights (B, h, T', T') of the attention at depth `layer` (1..L, like hidden[layer]);
+        the depths below it take their efficient path."""
+        if not 1 <= layer <= self.num_layers:
+            raise ValueError(f"layer must be in 1..{self.num_layers}, got {layer}")
+        x, padding_mask = self._embed(features, lengths)
+        return self.encoder.run(x, padding_mask, head_mask, layer, weights_from=layer)[1][-1]
 
     def _embed(self, features: Tensor, lengths: Tensor) -> tuple[Tensor, Tensor]:
         """features (B, T, F), lengths (B,) -> embedded input (B, T', D), padding mask (B, T')."""
