@@ -58,15 +58,16 @@ class ResultSet:
 
     def variants(self, order: list[str] | None = None) -> list[str]:
         """`mel` first, then `order` (the registry's), then any other variants found."""
-        order = order if order is not None else registry_order()
-        found = set(self.results)
-        ordered = [MEL] + [v for v in order if v != MEL]
-        return [v for v in ordered if v in found] + sorted(found - set(ordered))
+        return _in_order(set(self.results), order)
 
     def abx_variants(self) -> list[str]:
-        """The variants with an `abx.json`: `mel`, the registry's order, any others."""
-        ordered = [MEL, *registry_order()]
-        return [v for v in ordered if v in self.abx] + sorted(set(self.abx) - set(ordered))
+        """The variants with an `abx.json`, in the order of `variants`."""
+        return _in_order(set(self.abx))
+
+
+def _in_order(found: set[str], order: list[str] | None = None) -> list[str]:
+    ordered = [MEL] + [v for v in (registry_order() if order is None else order) if v != MEL]
+    return [v for v in ordered if v in found] + sorted(found - set(ordered))
 
 
 def registry_order() -> list[str]:
