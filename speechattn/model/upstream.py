@@ -172,7 +172,11 @@ class Upstream(nn.Module):
         """
         stacked, out_lengths = self.model.stack(features, lengths)  # (B, T', stack*F), (B,)
         if output_attentions:
-            self._check_weights_available()
+            if not all(layer.attention.supports_weights for layer in self.model.encoder.layers):
+                raise ConfigError(
+                    f"output_attentions=True: attention {self.attention_name!r} cannot return "
+                    f"attention weights (it has no dense reference); call without it"
+                )
             hidden, weights = self.model.forward_with_weights(features, lengths, head_mask)
         else:  # what AALBERT.forward runs, without stacking the frames twice
             hidden, weights = self.model.embed_and_encode(stacked, out_lengths, head_mask), None
@@ -183,14 +187,6 @@ class Upstream(nn.Module):
             attentions=None if weights is None else tuple(weights),
             output_lengths=out_lengths,
         )
-
-    def _check_weights_available(self) -> None:
-        for layer in self.model.encoder.layers:
-            if not layer.attention.supports_weights:
-                raise ConfigError(
-                    f"output_attentions=True: attention {self.attention_name!r} cannot return "
-                    f"attention weights (it has no dense reference); call without it"
-                )
 
     def output_lengths(self, lengths: Tensor) -> Tensor:
         """10 ms frame counts (B,) -> hidden-state counts (B,)."""
