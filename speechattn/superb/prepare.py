@@ -213,30 +213,23 @@ def prepare_speech_commands(root: Path, out: Path, repeats: int = 3, seed: int =
                 clip = _clip(audio, rng) + _noise(rng, 1.0, 0.0, -55 + rng.uniform(-5, 5))
                 k = counts[(spk, word)]
                 counts[(spk, word)] += 1
-                if word in COMMANDS:
-                    path = base / word / f"{name}_nohash_{k}.wav"
-                else:  # any word outside the 10 commands: s3prl maps its folder to _unknown_
-                    path = (
-                        base / ("_unknown_" if split == "test" else word) / f"{name}_nohash_{k}.wav"
-                    )
+                # any word outside the 10 commands: s3prl maps its folder to _unknown_
+                folder = word if word in COMMANDS or split != "test" else "_unknown_"
+                path = base / folder / f"{name}_nohash_{k}.wav"
                 path.parent.mkdir(parents=True, exist_ok=True)
                 sf.write(path, np.clip(clip, -1, 1), SAMPLE_RATE, subtype="PCM_16")
             advance()
     noise_dir = out / "train" / "_background_noise_"
     noise_dir.mkdir(parents=True, exist_ok=True)
     for i, (colour, level) in enumerate([(0.0, -30), (1.0, -25), (2.0, -28), (1.0, -40)]):
-        sf.write(
-            noise_dir / f"noise_{i}.wav", _noise(rng, NOISE_SECONDS, colour, level), SAMPLE_RATE
-        )
+        noise = _noise(rng, NOISE_SECONDS, colour, level)
+        sf.write(noise_dir / f"noise_{i}.wav", noise, SAMPLE_RATE)
     silence = out / "test" / "_silence_"
     silence.mkdir(parents=True, exist_ok=True)
     for i in range(max(2, repeats * n_held)):
         level = rng.uniform(-45, -25)
-        sf.write(
-            silence / f"silence_{i}.wav",
-            _noise(rng, 1.0, float(rng.uniform(0, 2)), level),
-            SAMPLE_RATE,
-        )
+        noise = _noise(rng, 1.0, float(rng.uniform(0, 2)), level)  # draws the colour, then noise
+        sf.write(silence / f"silence_{i}.wav", noise, SAMPLE_RATE)
     return {
         "paths": {
             "downstream_expert.datarc.speech_commands_root": str(out / "train"),
