@@ -83,11 +83,8 @@ def match_s3prl_lengths(
     steps = torch.arange(int(target.max()), device=model_frames.device)  # (T_s,)
     index = torch.minimum(steps[None, :], model_frames[:, None] - 1)  # (B, T_s) last-frame repeat
     keep = (steps[None, :] < target[:, None]).unsqueeze(-1)  # (B, T_s, 1)
-    out = []
-    for h in hidden:
-        gathered = h.gather(1, index.unsqueeze(-1).expand(-1, -1, h.shape[-1]))  # (B, T_s, D)
-        out.append(gathered * keep)
-    return out
+    gather = index.unsqueeze(-1)  # (B, T_s, 1), expanded to each hidden state's D
+    return [h.gather(1, gather.expand(-1, -1, h.shape[-1])) * keep for h in hidden]
 
 
 class UpstreamExpert(_ExpertBase):
