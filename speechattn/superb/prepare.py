@@ -107,10 +107,7 @@ def _link(source: Path, target: Path) -> None:
 
 def _corpus_utterances(root: Path) -> dict[str, Path]:
     """utt-id -> audio path of every utterance under `root/<split>/<spk>/<chapter>/`."""
-    found = {}
-    for path in sorted(root.glob("*/*/*/*.flac")):
-        if UTT_RE.match(path.stem):
-            found[path.stem] = path
+    found = {p.stem: p for p in sorted(root.glob("*/*/*/*.flac")) if UTT_RE.match(p.stem)}
     if not found:
         raise ConfigError(f"--root {root}: no <split>/<speaker>/<chapter>/*.flac utterances found")
     return found
@@ -188,9 +185,8 @@ def prepare_speech_commands(root: Path, out: Path, repeats: int = 3, seed: int =
         for line in path.read_text().splitlines()
         for w in line.split()[1:]
     )
-    unknown = [w for w, _ in words.most_common() if w not in COMMANDS and w.isalpha()][
-        :UNKNOWN_WORDS
-    ]
+    others = [w for w, _ in words.most_common() if w not in COMMANDS and w.isalpha()]
+    unknown = others[:UNKNOWN_WORDS]
     engine = Espeak.get()
     rng = np.random.default_rng([seed, 2718])
     counts: Counter = Counter()
@@ -283,11 +279,8 @@ def prepare_ctc(root: Path, out: Path) -> dict:
     """s3prl `libriphone` layout in `out` from corpus `root`."""
     utterances = _corpus_utterances(root)
     split = _splits(root)
-    phone_set = (
-        read_phone_set(root / "phone_set.txt")
-        if (root / "phone_set.txt").is_file()
-        else list(PHONE_SET)
-    )
+    phone_file = root / "phone_set.txt"
+    phone_set = read_phone_set(phone_file) if phone_file.is_file() else list(PHONE_SET)
     labels = read_alignments(root / "converted_aligned_phones.txt", phone_set, wanted=set(split))
     rows: dict[str, list[tuple[str, str]]] = {"train": [], "dev": [], "test": []}
     lexicon = []
