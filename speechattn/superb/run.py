@@ -174,9 +174,8 @@ def build_argv(argv: list[str], quick: bool, data: str | None) -> tuple[list[str
             "--quick/--data apply to a new training run; this run reads its checkpoint's config"
         )
     if expdir is None:  # -e CHECKPOINT: its experiment folder
-        expdir = (
-            Path(args.past_exp).parent if Path(args.past_exp).is_file() else Path(args.past_exp)
-        )
+        past = Path(args.past_exp)
+        expdir = past.parent if past.is_file() else past
     return out, {"expdir": expdir, "args": args, "quick": quick}
 
 
