@@ -218,14 +218,9 @@ def overlay_pruning_curves(
             x, y = _curve(r)
             if relative:
                 y = y / r["base_metric"] if r["base_metric"] else y
-            ax.plot(
-                x,
-                y,
-                color=plt.get_cmap("tab20")(k % 20),
-                marker=CURVE_MARKERS[k % len(CURVE_MARKERS)],
-                markersize=3,
-                label=_variant_label(r),
-            )
+            colour = plt.get_cmap("tab20")(k % 20)
+            marker = CURVE_MARKERS[k % len(CURVE_MARKERS)]
+            ax.plot(x, y, color=colour, marker=marker, markersize=3, label=_variant_label(r))
         label = METRIC_LABELS.get(metric, metric)
         ax.set_ylabel(f"{label} / unpruned" if relative else label)
         ax.set_xlabel("heads pruned (%)")
