@@ -259,4 +259,4 @@ def test_the_report_tables_and_plots_every_layer(tmp_path):
     assert (tmp_path / "fig_abx_layers.png").stat().st_size > 0
     assert "fig_abx_layers.png" in (tmp_path / "README.md").read_text()
     assert any("broken" in note for note in report.notes)
-    assert collect(tmp_path).superseded == [tmp_path / "old" / "abx.json"]  # listed, as result.json
+    assert collect(tmp_path).superseded == [tmp_path / "old" / "abx.json"]
