@@ -19,11 +19,6 @@ them against each variant's own config when the model is built (`speechattn.atte
 `trainer/` and `logger/` are `_target_` subtrees instantiated as they stand
 (lightning-hydra-template's way): `trainer/cpu|gpu|ddp` for pretraining, `trainer/probe` for the
 downstream probes, and every `logger/` option for both jobs.
-
-`compose(name, overrides)` is what the entry points' `@hydra.main` does, for tests and
-notebooks; `CONFIG_DIR` is `conf/`, shipped inside the package by a plain `pip install .`;
-`run_cli` is the error handling every entry point shares; `RunFolderGuard` (a Hydra callback
-every entry point's config lists) refuses a run folder with a link planted where Hydra writes.
 """
 
 from __future__ import annotations
@@ -199,7 +194,8 @@ def register() -> None:
 
 
 def compose(config_name: str, overrides: list[str] | None = None) -> DictConfig:
-    """`conf/<config_name>.yaml` composed with `overrides`, as its entry point would."""
+    """`conf/<config_name>.yaml` composed with `overrides`, as its entry point's `@hydra.main`
+    would (for tests and notebooks)."""
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
 
@@ -226,11 +222,12 @@ def run_cli(run: Callable[[DictConfig], dict[str, Any]], cfg: DictConfig) -> dic
 
 
 class RunFolderGuard(Callback):
-    """Refuses, before Hydra writes anything, a run folder in which a file that Hydra or the
-    job writes is a symbolic link: Hydra saves `.hydra/*.yaml` and its log by opening them,
-    through any link planted there (an overwrite outside the folder). A multirun checks the
-    existing job folders of its sweep folder. The job's own writes never follow links either
-    (`speechattn.utils`: atomic renames, `append_text`)."""
+    """A Hydra callback every entry point's config lists: refuses, before Hydra writes
+    anything, a run folder in which a file that Hydra or the job writes is a symbolic link:
+    Hydra saves `.hydra/*.yaml` and its log by opening them, through any link planted there
+    (an overwrite outside the folder). A multirun checks the existing job folders of its sweep
+    folder. The job's own writes never follow links either (`speechattn.utils`: atomic
+    renames, `append_text`)."""
 
     # Hydra's files; pretraining's config.yaml and metrics.csv; the probes' CSV logger's
     WRITTEN = (".hydra", ".hydra/config.yaml", ".hydra/hydra.yaml", ".hydra/overrides.yaml",

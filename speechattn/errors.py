@@ -142,23 +142,3 @@ def one_line(error: BaseException) -> str:
     """`error`'s message on one line (a multi-line message is joined with ' | ')."""
     text = str(error).strip() or type(error).__name__
     return " | ".join(line.strip() for line in text.splitlines() if line.strip())
-
-
-__all__ = [
-    "TRACEBACK_ENV",
-    "ConfigError",
-    "DependencyError",
-    "DiskFullError",
-    "MissingFileError",
-    "OutputExistsError",
-    "SpeechattnError",
-    "UsageExit",
-    "add_debug_flag",
-    "is_int",
-    "is_number",
-    "require",
-    "command_line_errors",
-    "one_line",
-    "traceback_requested",
-    "usage_error",
-]

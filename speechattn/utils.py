@@ -326,21 +326,3 @@ def track(
         for item in items:
             yield item
             advance(1)
-
-
-__all__ = [
-    "IGNORE_INDEX",
-    "atomic_folder",
-    "atomic_path",
-    "atomic_write_bytes",
-    "atomic_write_text",
-    "choose_device",
-    "derive_seed",
-    "digest",
-    "disk_full_error",
-    "lengths_to_padding_mask",
-    "out_of_space",
-    "progress_bar",
-    "temp_name",
-    "track",
-]

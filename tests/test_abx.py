@@ -238,6 +238,7 @@ def test_bad_settings_are_refused_before_any_extraction(
 
 def test_the_report_tables_and_plots_every_layer(tmp_path):
     from speechattn.report.build import make_report
+    from speechattn.report.results import collect
     from speechattn.tasks.records import AbxRecord
 
     def record(attention, errors, created):
@@ -258,3 +259,4 @@ def test_the_report_tables_and_plots_every_layer(tmp_path):
     assert (tmp_path / "fig_abx_layers.png").stat().st_size > 0
     assert "fig_abx_layers.png" in (tmp_path / "README.md").read_text()
     assert any("broken" in note for note in report.notes)
+    assert collect(tmp_path).superseded == [tmp_path / "old" / "abx.json"]

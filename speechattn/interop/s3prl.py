@@ -17,9 +17,7 @@ model gives fewer, its last frame is repeated; when it gives more, the extra one
 past that count, frames are zero (T' = the batch's largest count). Frames up to the smaller
 of the two counts are `load_upstream`'s hidden states unchanged.
 
-Input checks (`speechattn.model.upstream.pad_waveforms`): waveforms must be finite floats at
-16 kHz scale; a peak above `MAX_ABS_AMPLITUDE` (int16-range samples, or garbage such as 1e30) is
-refused with a `WaveformError` instead of producing NaN or meaningless hidden states.
+Waveforms are checked by `speechattn.model.upstream.pad_waveforms` (`WaveformError`).
 
 With s3prl installed (`pip install 'speechattn[s3prl]'`) the expert subclasses s3prl's
 `UpstreamBase`, so s3prl's forward hooks and its `Featurizer` (the weighted layer sum used by
@@ -85,11 +83,8 @@ def match_s3prl_lengths(
     steps = torch.arange(int(target.max()), device=model_frames.device)  # (T_s,)
     index = torch.minimum(steps[None, :], model_frames[:, None] - 1)  # (B, T_s) last-frame repeat
     keep = (steps[None, :] < target[:, None]).unsqueeze(-1)  # (B, T_s, 1)
-    out = []
-    for h in hidden:
-        gathered = h.gather(1, index.unsqueeze(-1).expand(-1, -1, h.shape[-1]))  # (B, T_s, D)
-        out.append(gathered * keep)
-    return out
+    gather = index.unsqueeze(-1)  # (B, T_s, 1), expanded to each hidden state's D
+    return [h.gather(1, gather.expand(-1, -1, h.shape[-1])) * keep for h in hidden]
 
 
 class UpstreamExpert(_ExpertBase):

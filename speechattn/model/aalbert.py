@@ -4,13 +4,7 @@ Audio ALBERT (Chi et al., 2020, "Audio ALBERT: A Lite BERT for Self-supervised L
 Representation") is Mockingjay with ALBERT's cross-layer parameter sharing: one transformer layer
 applied L times. The study this toolkit reproduces swaps the layer's self-attention for each of
 the variants in `speechattn.attention`; the layer receives its attention module and never knows
-which variant it holds.
-
-Read top to bottom: positions, input embedding, feed-forward, layer, encoder, reconstruction
-head, config, the full model, then the builder and its presets. Longer than 500 lines on
-purpose: one network in dependency order in one file, as nanoGPT's `model.py`; half of it is
-`AALBERT` itself (embedding + encoder + head, head masks, actual head pruning, layer outputs),
-whose parts only make sense together.
+which variant it holds. One network in dependency order, leaves first, as nanoGPT's `model.py`.
 
 Shape letters (see `speechattn/attention/base.py`): B batch, T 10 ms mel frames, T' stacked
 30 ms model frames, F mel bins, D model dim, h heads, L layers.
@@ -194,14 +188,12 @@ class Encoder(nn.Module):
 
     def _depth_head_mask(self, head_mask: Tensor | None, depth: int) -> Tensor | None:
         """xi of depth `depth` for its layer's remaining heads: (L, h) row -> (h',) or None."""
-        residual = self.residual_head_mask
-        if residual is not None:
-            residual = residual[depth]
-            row = residual if head_mask is None else head_mask[depth] * residual.to(head_mask)
-        elif head_mask is None:
+        row = None if head_mask is None else head_mask[depth]
+        if self.residual_head_mask is not None:
+            residual = self.residual_head_mask[depth]
+            row = residual if row is None else row * residual.to(row)
+        if row is None:
             return None
-        else:
-            row = head_mask[depth]
         attention = self.layers[self.depth_to_layer[depth]].attention
         kept = getattr(attention, "kept_heads", None)
         if kept is None or len(kept) == attention.config.num_heads:
@@ -221,32 +213,9 @@ class Encoder(nn.Module):
         head_mask: (L, h) or None. Padded positions are zero in every hidden state so that a
         padded batch gives what each utterance gives alone.
         """
-        return self._run(x, padding_mask, head_mask, self.num_layers, weights_from=None)[0]
+        return self.run(x, padding_mask, head_mask, self.num_layers, weights_from=None)[0]
 
-    def forward_with_weights(
-        self, x: Tensor, padding_mask: Tensor | None, head_mask: Tensor | None = None
-    ) -> tuple[list[Tensor], list[Tensor]]:
-        """As `forward`, plus every depth's attention weights (B, h, T', T') in one pass.
-
-        Every depth runs its attention's dense reference (the only path with explicit
-        weights), so hidden states match `forward` to rounding, not bit for bit.
-        """
-        return self._run(x, padding_mask, head_mask, self.num_layers, weights_from=1)
-
-    def attention_weights(
-        self,
-        x: Tensor,
-        padding_mask: Tensor | None,
-        layer: int,
-        head_mask: Tensor | None = None,
-    ) -> Tensor:
-        """Attention weights (B, h, T', T') of depth `layer` (1-based, like hidden[layer])."""
-        if not 1 <= layer <= self.num_layers:
-            raise ValueError(f"layer must be in 1..{self.num_layers}, got {layer}")
-        # the depths below `layer` take their efficient path: only the last one needs weights
-        return self._run(x, padding_mask, head_mask, layer, weights_from=layer)[1][-1]
-
-    def _run(
+    def run(
         self,
         x: Tensor,
         padding_mask: Tensor | None,
@@ -255,7 +224,12 @@ class Encoder(nn.Module):
         weights_from: int | None,
     ) -> tuple[list[Tensor], list[Tensor]]:
         """The first `depths` layers; depths >= `weights_from` (1-based; None: none) also
-        return their weights. -> (hidden states [x, ...], weights of those depths)."""
+        return their weights. -> (hidden states [x, ...], weights of those depths).
+
+        Only the depths that return weights run their attention's dense reference (the only
+        path with explicit weights): their hidden states match `forward`'s to rounding, not bit
+        for bit.
+        """
         if head_mask is not None and (
             head_mask.shape[0] != self.num_layers
             or (
@@ -355,12 +329,8 @@ class ModelConfig:
         require(ok, "model.net.dropout", self.dropout, "in [0, 1)")
         ok = is_number(self.layer_norm_eps) and self.layer_norm_eps > 0
         require(ok, "model.net.layer_norm_eps", self.layer_norm_eps, "> 0")
-        require(
-            is_number(self.position_scale),
-            "model.net.position_scale",
-            self.position_scale,
-            "a number",
-        )
+        ok = is_number(self.position_scale)
+        require(ok, "model.net.position_scale", self.position_scale, "a number")
         kernel, groups = self.conv_position_kernel, self.conv_position_groups
         ok = is_int(kernel) and (kernel == 0 or (kernel > 0 and kernel % 2 == 1))
         require(ok, "model.net.conv_position_kernel", kernel, "0 (none) or an odd width >= 1")
@@ -485,11 +455,9 @@ class AALBERT(nn.Module):
         if limit is None or frames <= limit:
             return
         stack = self.config.stack
-        given = (
-            f"{setting}=null lets a {frames}-frame utterance through"
-            if uncropped
-            else (f"{setting}={frames}")
-        )
+        given = f"{setting}={frames}"
+        if uncropped:
+            given = f"{setting}=null lets a {frames}-frame utterance through"
         raise ConfigError(
             f"{given}, more than attention={self.config.attention} accepts: "
             f"{limit} input frames (max_len {limit // stack} model frames x {stack}); set "
@@ -526,10 +494,9 @@ class AALBERT(nn.Module):
             raise ValueError(f"prune_heads: expected a head mask (L, h) = {(self.num_layers, h)}")
         else:
             heads, residual = pruning_plan(heads, self.encoder.depth_to_layer)
-            if residual is not None and self.encoder.residual_head_mask is not None:
-                residual = residual * self.encoder.residual_head_mask.to(residual)
-            elif residual is None and self.encoder.residual_head_mask is not None:
-                residual = self.encoder.residual_head_mask
+            earlier = self.encoder.residual_head_mask
+            if earlier is not None:
+                residual = earlier if residual is None else residual * earlier.to(residual)
             self._set_residual(None if residual is None else residual.tolist())
         for j, kept in heads.items():
             attention = self.encoder.layers[j].attention
@@ -603,13 +570,18 @@ class AALBERT(nn.Module):
     ) -> tuple[list[Tensor], list[Tensor]]:
         """features (B, T, F), lengths (B,) -> (L+1 hidden states (B, T', D), L attention
         weights (B, h, T', T')), from the attention's dense reference at every depth."""
-        return self.encoder.forward_with_weights(*self._embed(features, lengths), head_mask)
+        x, padding_mask = self._embed(features, lengths)
+        return self.encoder.run(x, padding_mask, head_mask, self.num_layers, weights_from=1)
 
     def attention_weights(
         self, features: Tensor, lengths: Tensor, layer: int, head_mask: Tensor | None = None
     ) -> Tensor:
-        """Weights (B, h, T', T') of the attention at depth `layer` (1..L)."""
-        return self.encoder.attention_weights(*self._embed(features, lengths), layer, head_mask)
+        """Weights (B, h, T', T') of the attention at depth `layer` (1..L, like hidden[layer]);
+        the depths below it take their efficient path."""
+        if not 1 <= layer <= self.num_layers:
+            raise ValueError(f"layer must be in 1..{self.num_layers}, got {layer}")
+        x, padding_mask = self._embed(features, lengths)
+        return self.encoder.run(x, padding_mask, head_mask, layer, weights_from=layer)[1][-1]
 
     def _embed(self, features: Tensor, lengths: Tensor) -> tuple[Tensor, Tensor]:
         """features (B, T, F), lengths (B,) -> embedded input (B, T', D), padding mask (B, T')."""

@@ -73,25 +73,16 @@ class MaskedBatch:
     def to(self, device: torch.device | str, non_blocking: bool = True) -> MaskedBatch:
         """The tensors on `device` (copies from pinned memory overlap with compute), lengths
         kept on the host. Lightning moves a batch holding a MaskedBatch through this method."""
+        moved = ("inputs", "target", "chosen", "mode")
         return replace(
-            self,
-            inputs=self.inputs.to(device, non_blocking=non_blocking),
-            target=self.target.to(device, non_blocking=non_blocking),
-            chosen=self.chosen.to(device, non_blocking=non_blocking),
-            mode=self.mode.to(device, non_blocking=non_blocking),
+            self, **{k: getattr(self, k).to(device, non_blocking=non_blocking) for k in moved}
         )
 
     def pin_memory(self) -> MaskedBatch:
         """Page-locked copies, for the DataLoader's pinning thread (lengths too: read on the
         host, they may also be copied to the device without blocking)."""
-        return replace(
-            self,
-            inputs=self.inputs.pin_memory(),
-            target=self.target.pin_memory(),
-            chosen=self.chosen.pin_memory(),
-            lengths=self.lengths.pin_memory(),
-            mode=self.mode.pin_memory(),
-        )
+        pinned = ("inputs", "target", "chosen", "lengths", "mode")
+        return replace(self, **{k: getattr(self, k).pin_memory() for k in pinned})
 
     def utterances(self) -> list[MaskedBatch]:
         """Each utterance as a batch of one, trimmed to its length."""

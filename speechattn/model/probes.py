@@ -3,17 +3,8 @@
 the head analysis' probe objective.
 
 Shape letters (see `speechattn/attention/base.py`): B batch, N cached hidden layers, T frames,
-D feature dim, C classes.
-
-- `LayerSelector`: one cached layer, or a learned softmax-weighted sum of all of them
-  (s3prl's `Featurizer` idea).
-- `MeanPool` / `FusedPool`: utterance pooling, (B, T, D) -> (B, D), padding excluded.
-- `UtteranceProbe`: pooling + linear (`speaker_utterance`).
-- `FrameProbe`: per-frame linear (`speaker_frame`) or MLP with ReLU hidden layers (`phone_*`).
-- `Probe`: a task's whole probe, batch dict -> logits, and its loss against labels padded with
-  `IGNORE_INDEX` (`aligned` cuts label-rate logits and labels to a common length).
-
-The heads are plain torch, tested on synthetic tensors.
+D feature dim, C classes. `UtteranceProbe` serves `speaker_utterance`, `FrameProbe` a linear
+`speaker_frame` or the MLPs of `phone_*`.
 """
 
 from __future__ import annotations
@@ -30,7 +21,8 @@ from speechattn.utils import IGNORE_INDEX
 
 
 class LayerSelector(nn.Module):
-    """Collapse the cached layer axis: identity for one layer, learned weighted sum for several.
+    """Collapse the cached layer axis: identity for one layer, learned weighted sum for several
+    (s3prl's `Featurizer` idea).
 
     The weights start uniform (zero logits) and are normalised with a softmax, so the probe
     can only mix layers, never scale them.

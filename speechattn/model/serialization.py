@@ -3,8 +3,8 @@
 Every `.pt` / `.ckpt` goes through `load_torch_file`, which unpickles with `weights_only=True`:
 only tensors, plain containers and numbers are rebuilt, so a crafted file whose pickle calls
 `os.system` (or anything else) is refused before any of it runs. The checkpoints our runs write
-(pretraining, downstream probes) hold nothing else (a test keeps it that way), so no extra
-global is allow-listed; `SAFE_GLOBALS` is where one would go, after checking it cannot run code.
+(pretraining, downstream probes) hold nothing else (a test keeps it that way): hyper-parameters
+are plain dicts (never OmegaConf nodes) and paths strings, so no extra global is allow-listed.
 
 Failures raise `TorchFileError` naming the file and saying what is wrong in words (refused
 pickle, truncated archive, not a torch file) instead of torch's raw reader message.
@@ -14,17 +14,12 @@ from __future__ import annotations
 
 import pickle
 import zipfile
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from speechattn.errors import MissingFileError, SpeechattnError
-
-# Globals a weights_only load may rebuild beyond torch's defaults. Empty: our checkpoints store
-# hyper-parameters as plain dicts (never OmegaConf nodes) and paths as strings.
-SAFE_GLOBALS: list[Callable[..., Any]] = []
 
 
 class TorchFileError(SpeechattnError, ValueError):
@@ -72,7 +67,7 @@ def _looks_like_torch(path: str | Path) -> bool:
 def load_torch_file(
     path: str | Path, map_location: str | torch.device = "cpu", what: str = "torch file"
 ) -> Any:
-    """`torch.load(path, weights_only=True)` with `SAFE_GLOBALS`; errors name the file.
+    """`torch.load(path, weights_only=True)`; errors name the file.
 
     Raises `MissingFileError` (a FileNotFoundError) when `path` does not exist and
     `TorchFileError` when it is a folder or cannot be read safely (refused pickle, truncated or
@@ -81,8 +76,7 @@ def load_torch_file(
     path = Path(path).expanduser()
     check_is_file(path, what)
     try:
-        with torch.serialization.safe_globals(SAFE_GLOBALS):
-            return torch.load(path, map_location=map_location, weights_only=True)
+        return torch.load(path, map_location=map_location, weights_only=True)
     except Exception as e:
         raise TorchFileError(f"{what} {path}: {describe_load_error(e, path)}") from e
 
@@ -96,12 +90,3 @@ def check_is_file(path: Path, what: str, error: type[TorchFileError] = TorchFile
         raise error(f"{what} {path} is a folder, not a file: give the .pt file{hint}")
     if not path.is_file():
         raise MissingFileError(f"{what} {path} does not exist")
-
-
-__all__ = [
-    "SAFE_GLOBALS",
-    "TorchFileError",
-    "check_is_file",
-    "describe_load_error",
-    "load_torch_file",
-]

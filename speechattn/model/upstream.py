@@ -11,25 +11,13 @@
       "metadata":     pretraining facts: steps, corpus, seed, code version, losses, ...
     }
 
-Only tensors and plain Python values are stored, so it is read with `weights_only=True`
-(no unpickling of arbitrary objects).
-
-The same state also travels as an upstream folder (`save_upstream_folder`, `python -m
-speechattn.export`), the layout of a Hugging Face model repository, read without any pickle:
-
-    config.json        format, version, model_config, feature_config, normalizer mode,
-                       metadata, source (the upstream.pt and its sha256)
-    model.safetensors  the AALBERT weights under their state_dict names, plus the normaliser's
-                       `normalizer.mean` / `normalizer.std` (F,)
-    README.md          the model card (written by the caller, like any other extra file)
-
-`load_upstream` reads either; both give the same module, bit for bit.
-
-Downstream code sees the contract of docs/ARCHITECTURE.md: `forward(features, lengths)`
-returns an `UpstreamOutput` whose `hidden_states` are every layer's hidden states (B, T', D),
-hidden_states[0] being the input embedding; `output_attentions=True` adds every layer's attention
-weights. Its fields are named as in `transformers`' `Wav2Vec2BaseModelOutput`, so code written for
-HF speech models reads it.
+Only tensors and plain Python values are stored, so it is read with `weights_only=True`. The
+same state also travels as an upstream folder (`save_upstream_folder`, `python -m
+speechattn.export`; docs/upstream.md), read without any pickle: config.json (the values above
+and `source`, the upstream.pt it comes from) and model.safetensors (the weights, plus the
+normaliser's `normalizer.mean` / `normalizer.std`). `load_upstream` reads either; both give the
+same module, bit for bit. Its `forward` returns an `UpstreamOutput` (docs/ARCHITECTURE.md's
+contract), named as in `transformers`' `Wav2Vec2BaseModelOutput`.
 """
 
 from __future__ import annotations
@@ -184,7 +172,11 @@ class Upstream(nn.Module):
         """
         stacked, out_lengths = self.model.stack(features, lengths)  # (B, T', stack*F), (B,)
         if output_attentions:
-            self._check_weights_available()
+            if not all(layer.attention.supports_weights for layer in self.model.encoder.layers):
+                raise ConfigError(
+                    f"output_attentions=True: attention {self.attention_name!r} cannot return "
+                    f"attention weights (it has no dense reference); call without it"
+                )
             hidden, weights = self.model.forward_with_weights(features, lengths, head_mask)
         else:  # what AALBERT.forward runs, without stacking the frames twice
             hidden, weights = self.model.embed_and_encode(stacked, out_lengths, head_mask), None
@@ -195,14 +187,6 @@ class Upstream(nn.Module):
             attentions=None if weights is None else tuple(weights),
             output_lengths=out_lengths,
         )
-
-    def _check_weights_available(self) -> None:
-        for layer in self.model.encoder.layers:
-            if not layer.attention.supports_weights:
-                raise ConfigError(
-                    f"output_attentions=True: attention {self.attention_name!r} cannot return "
-                    f"attention weights (it has no dense reference); call without it"
-                )
 
     def output_lengths(self, lengths: Tensor) -> Tensor:
         """10 ms frame counts (B,) -> hidden-state counts (B,)."""
@@ -338,7 +322,11 @@ def _check_finite(state: dict[str, Any], where: str) -> None:
             f"{', ...' if len(bad) > 3 else ''}): the pretraining run diverged, so this "
             f"upstream is unusable; pretrain again with a smaller model.optimizer.lr"
         )
-    floats = [(k, t) for k, t in state["state_dict"].items() if _is_float_tensor(t) and t.numel()]
+    floats = [
+        (k, t)
+        for k, t in state["state_dict"].items()
+        if isinstance(t, Tensor) and t.is_floating_point() and t.numel()
+    ]
     if not floats:
         return
     peaks = torch.stack([t.detach().abs().amax().float().cpu() for _, t in floats])  # (N,)
@@ -350,10 +338,6 @@ def _check_finite(state: dict[str, Any], where: str) -> None:
             f"; trained models stay within a few units): the pretraining run blew up, so this "
             f"upstream is unusable; pretrain again with a smaller model.optimizer.lr"
         )
-
-
-def _is_float_tensor(value: Any) -> bool:
-    return isinstance(value, Tensor) and value.is_floating_point()
 
 
 def upstream_state(
@@ -437,9 +421,8 @@ def load_upstream(path: str | Path, map_location: str | torch.device = "cpu") ->
             f"{config_where} has upstream format version {state.get('version')!r}; this "
             f"speechattn reads versions {', '.join(map(str, READABLE_VERSIONS))}"
         )
-    missing = {"model_config", "state_dict", "normalizer", "feature_config", "metadata"} - set(
-        state
-    )
+    required = ("model_config", "state_dict", "normalizer", "feature_config", "metadata")
+    missing = set(required) - set(state)
     if missing:
         raise UpstreamFileError(f"{config_where} is incomplete: missing {sorted(missing)}")
     _check_finite(state, str(weights_where))
@@ -537,8 +520,7 @@ def _read_folder(path: Path) -> dict[str, Any]:
         raise UpstreamFileError(
             f"{weights_file} is not a readable safetensors file (truncated or corrupt): {e}"
         ) from e
-    names = ("mean", "std")
-    normalizer = {n: tensors.pop(NORMALIZER_PREFIX + n, None) for n in names}
+    normalizer = {n: tensors.pop(NORMALIZER_PREFIX + n, None) for n in ("mean", "std")}
     for n, t in normalizer.items():
         if t is None:
             raise UpstreamFileError(
@@ -579,15 +561,15 @@ def save_upstream_folder(
     out = Path(out)
     _check_finite(state, f"not writing {out}")
     ours = {*FOLDER_FILES, *(files or {})}
-    if out.is_file() or (out.is_dir() and not out.is_symlink()):
-        others = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
-        others = [n for n in others if n not in ours]
-        if out.is_file() or others:
-            what = "a file" if out.is_file() else f"a folder holding {', '.join(others[:5])}"
-            raise OutputExistsError(
-                f"{out} is {what}: an upstream folder replaces the whole folder, so it is "
-                f"written only where nothing or an earlier upstream folder is; choose another"
-            )
+    others = []  # what the folder at `out` holds besides an earlier upstream folder's files
+    if out.is_dir() and not out.is_symlink():
+        others = sorted(p.name for p in out.iterdir() if p.name not in ours)
+    if out.is_file() or others:
+        what = "a file" if out.is_file() else f"a folder holding {', '.join(others[:5])}"
+        raise OutputExistsError(
+            f"{out} is {what}: an upstream folder replaces the whole folder, so it is "
+            f"written only where nothing or an earlier upstream folder is; choose another"
+        )
     # own contiguous copies: safetensors refuses tensors that share memory (tied weights)
     tensors = {
         k: v.detach().cpu().clone(memory_format=torch.contiguous_format)

@@ -8,12 +8,22 @@ from __future__ import annotations
 
 import logging
 import statistics
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from speechattn.errors import SpeechattnError
 from speechattn.report.figures import SPEAKER_TASK, abx_by_layer, accuracy_vs_keys, attention_maps
-from speechattn.report.results import BenchRecord, ResultSet, collect, find_bench, read_bench
+from speechattn.report.heads import head_report
+from speechattn.report.results import (
+    BenchRecord,
+    ResultSet,
+    collect,
+    find_bench,
+    read_bench,
+    registry_order,
+)
+from speechattn.report.spans import spans_report
 from speechattn.report.superb import has_superb_results, superb_report
 from speechattn.report.tables import Table, abx_table, accuracy_table, cost_table, reference_table
 from speechattn.tasks.records import EXAMPLE_FILE, MEL, TASKS
@@ -59,7 +69,7 @@ def make_report(
         (report.out / "README.md").write_text(_superb_readme(superb))
         report.files.append(report.out / "README.md")
         return report
-    expected = [MEL, *[v for v in _registry_or(variants) if v != MEL]]
+    expected = [MEL, *[v for v in registry_order() or variants if v != MEL]]
     report.missing = [(v, t) for v in expected for t in TASKS if results.get(v, t) is None]
     rows = list(dict.fromkeys([*expected, *variants]))
 
@@ -128,8 +138,9 @@ def make_report(
     fig = _maps(results, maps_variant, maps_layer, report)
     if fig is not None:
         report.files.append(fig)
-    report.files += _head_analyses(results_dir, report)
-    report.files += _spans(results, report)
+    # a broken heads.json or upstream must not sink the accuracy tables
+    report.files += _optional("head analyses", lambda: head_report(results_dir, report.out), report)
+    report.files += _optional("spans.md", lambda: spans_report(results, report.out), report)
     superb_files, problems, superb = superb_report(results_dir, report.out)
     report.files += superb_files
     report.notes += problems
@@ -141,32 +152,13 @@ def make_report(
     return report
 
 
-def _head_analyses(results_dir: Path, report: Report) -> list[Path]:
-    """Figures and `heads.md` of any `python -m speechattn.analyze heads` runs in the folder."""
+def _optional(what: str, write: Callable[[], list[Path]], report: Report) -> list[Path]:
+    """The files `write` writes, or none and a note when its input is broken."""
     try:
-        from speechattn.report.heads import head_report
-
-        return head_report(results_dir, report.out)
-    except SpeechattnError as e:  # a broken heads.json must not sink the accuracy tables
-        report.notes.append(f"head analyses: {type(e).__name__}: {e}")
+        return write()
+    except SpeechattnError as e:
+        report.notes.append(f"{what}: {type(e).__name__}: {e}")
         return []
-
-
-def _spans(results: ResultSet, report: Report) -> list[Path]:
-    """`spans.md` / `spans.csv`: learned spans per layer and head of adaptive_span upstreams."""
-    try:
-        from speechattn.report.spans import spans_report
-
-        return spans_report(results, report.out)
-    except SpeechattnError as e:  # a broken upstream must not sink the whole report
-        report.notes.append(f"spans.md: {type(e).__name__}: {e}")
-        return []
-
-
-def _registry_or(found: list[str]) -> list[str]:
-    from speechattn.report.results import registry_order
-
-    return registry_order() or found
 
 
 def _typical_length(results: ResultSet) -> int:

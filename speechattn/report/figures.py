@@ -16,6 +16,7 @@ import torch  # noqa: E402
 from speechattn.data.features import SAMPLE_RATE, FeatureConfig  # noqa: E402
 from speechattn.errors import ConfigError
 from speechattn.model.serialization import load_torch_file  # noqa: E402
+from speechattn.report.heads import save_figure  # noqa: E402
 from speechattn.report.results import ResultSet  # noqa: E402
 from speechattn.report.tables import attention_facts  # noqa: E402
 from speechattn.tasks.records import MEL  # noqa: E402
@@ -49,10 +50,7 @@ def accuracy_vs_keys(results: ResultSet, seq_len: int, path: Path) -> Path | Non
     ax.set_ylabel("utterance-level speaker accuracy (test)")
     ax.set_title("Speaker accuracy vs keys attended")
     ax.grid(True, which="both", alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=130)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
 
 
 def abx_by_layer(results: ResultSet, path: Path) -> Path | None:
@@ -75,10 +73,7 @@ def abx_by_layer(results: ResultSet, path: Path) -> Path | None:
         ax.grid(True, alpha=0.3)
     axes[0].set_ylabel("ABX error (%)")
     axes[1].legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=130)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
 
 
 def attention_maps(
@@ -160,7 +155,4 @@ def attention_maps(
         f"(rows: queries, cols: keys; {seconds:.2f} s)",
         fontsize=10,
     )
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path, dpi=110)

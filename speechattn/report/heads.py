@@ -27,6 +27,14 @@ METRIC_LABELS = {"l1_loss": "masked-reconstruction L1", "accuracy": "accuracy"}
 CURVE_MARKERS = "os^vDP*Xph<>"  # cycled with tab20 colours so that 14+ overlaid curves differ
 
 
+def save_figure(fig: Any, path: str | Path, dpi: int = 130) -> Path:
+    """Lay `fig` out, write it to `path` (PNG) and close it; returns the path."""
+    fig.tight_layout()
+    fig.savefig(path, dpi=dpi)
+    plt.close(fig)
+    return Path(path)
+
+
 def _load(result: dict[str, Any] | str | Path) -> dict[str, Any]:
     return result if isinstance(result, dict) else read_heads(result)
 
@@ -83,10 +91,7 @@ def importance_heatmap(result: dict[str, Any] | str | Path, path: str | Path) ->
     fig.colorbar(im, ax=ax, label="importance / per-depth L2 norm")
     per = r["importance"].get("per", "utterance")
     ax.set_title(f"{_title(r)}\nhead importance E|∂L/∂ξ| (per {per})", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=130)
-    plt.close(fig)
-    return Path(path)
+    return save_figure(fig, path)
 
 
 def ablation_heatmap(result: dict[str, Any] | str | Path, path: str | Path) -> Path | None:
@@ -121,10 +126,7 @@ def ablation_heatmap(result: dict[str, Any] | str | Path, path: str | Path) -> P
         ax.set_title(title + unit, fontsize=9)
         fig.colorbar(im, ax=ax, label=f"Δ {metric}")
     fig.suptitle(f"{_title(r)}: ablation (base {metric} {r['base_metric']:.4f})", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=130)
-    plt.close(fig)
-    return Path(path)
+    return save_figure(fig, path)
 
 
 def _curve(r: dict[str, Any]) -> tuple[np.ndarray, np.ndarray]:
@@ -157,10 +159,7 @@ def pruning_plot(result: dict[str, Any] | str | Path, path: str | Path) -> Path 
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=8)
     ax.set_title(f"{_title(r)}: pruning by importance", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=130)
-    plt.close(fig)
-    return Path(path)
+    return save_figure(fig, path)
 
 
 def head_figures(
@@ -219,14 +218,9 @@ def overlay_pruning_curves(
             x, y = _curve(r)
             if relative:
                 y = y / r["base_metric"] if r["base_metric"] else y
-            ax.plot(
-                x,
-                y,
-                color=plt.get_cmap("tab20")(k % 20),
-                marker=CURVE_MARKERS[k % len(CURVE_MARKERS)],
-                markersize=3,
-                label=_variant_label(r),
-            )
+            colour = plt.get_cmap("tab20")(k % 20)
+            marker = CURVE_MARKERS[k % len(CURVE_MARKERS)]
+            ax.plot(x, y, color=colour, marker=marker, markersize=3, label=_variant_label(r))
         label = METRIC_LABELS.get(metric, metric)
         ax.set_ylabel(f"{label} / unpruned" if relative else label)
         ax.set_xlabel("heads pruned (%)")
@@ -237,10 +231,7 @@ def overlay_pruning_curves(
     for j in range(n, rows * cols):
         axes[j // cols][j % cols].axis("off")
     fig.suptitle("Pruning heads in increasing order of importance", fontsize=11)
-    fig.tight_layout()
-    fig.savefig(out_png, dpi=130)
-    plt.close(fig)
-    return Path(out_png)
+    return save_figure(fig, out_png)
 
 
 def head_summary_markdown(heads_json_paths: list[str | Path]) -> str:

@@ -1,10 +1,11 @@
 """Collect downstream results (`result.json`), ABX evaluations (`abx.json`) and attention
 benchmarks from a results folder.
 
-A results folder is any tree: every `result.json` below it is one run. Runs are grouped by
-variant (the upstream's attention name, `mel` for the baseline) and task; when a (variant, task)
-pair has several runs the newest wins and the others are listed as superseded. Unreadable files
-are reported, never fatal, so a half-finished study still gives a report.
+A results folder is any tree: every `result.json` below it is one run, grouped by variant (the
+upstream's attention name, `mel` for the baseline) and task, and every `abx.json` one evaluation
+of a variant. When a (variant, task) pair or a variant's ABX has several files the newest wins
+and the others are listed as superseded. Unreadable files are reported, never fatal, so a
+half-finished study still gives a report.
 """
 
 from __future__ import annotations
@@ -57,15 +58,16 @@ class ResultSet:
 
     def variants(self, order: list[str] | None = None) -> list[str]:
         """`mel` first, then `order` (the registry's), then any other variants found."""
-        order = order if order is not None else registry_order()
-        found = set(self.results)
-        ordered = [MEL] + [v for v in order if v != MEL]
-        return [v for v in ordered if v in found] + sorted(found - set(ordered))
+        return _in_order(set(self.results), order)
 
     def abx_variants(self) -> list[str]:
-        """The variants with an `abx.json`: `mel`, the registry's order, any others."""
-        ordered = [MEL, *registry_order()]
-        return [v for v in ordered if v in self.abx] + sorted(set(self.abx) - set(ordered))
+        """The variants with an `abx.json`, in the order of `variants`."""
+        return _in_order(set(self.abx))
+
+
+def _in_order(found: set[str], order: list[str] | None = None) -> list[str]:
+    ordered = [MEL] + [v for v in (registry_order() if order is None else order) if v != MEL]
+    return [v for v in ordered if v in found] + sorted(found - set(ordered))
 
 
 def registry_order() -> list[str]:
@@ -78,35 +80,30 @@ def registry_order() -> list[str]:
 
 
 def collect(root: str | Path) -> ResultSet:
-    """Read every `result.json` under `root`."""
+    """Read every `result.json` and `abx.json` under `root`."""
     root = Path(root)
     found = ResultSet()
     if not root.is_dir():
         found.problems.append(f"{root}: results folder does not exist")
         return found
-    for path in sorted(root.rglob(RESULT_FILE)):
-        try:
-            result = read_result(path)
-        except ValueError as e:
-            found.problems.append(str(e))
-            continue
-        runs = found.results.setdefault(result.attention, {})
-        previous = runs.get(result.task)
-        if previous is None or result.created >= previous[1].created:
+    for name, read in ((RESULT_FILE, read_result), (ABX_FILE, read_abx)):
+        for path in sorted(root.rglob(name)):
+            try:
+                record = read(path)
+            except ValueError as e:
+                found.problems.append(str(e))
+                continue
+            if name == RESULT_FILE:
+                runs, key = found.results.setdefault(record.attention, {}), record.task
+            else:
+                runs, key = found.abx, record.attention
+            previous = runs.get(key)
+            if previous is not None and record.created < previous[1].created:
+                found.superseded.append(path)
+                continue
             if previous is not None:
                 found.superseded.append(previous[0])
-            runs[result.task] = (path, result)
-        else:
-            found.superseded.append(path)
-    for path in sorted(root.rglob(ABX_FILE)):
-        try:
-            record = read_abx(path)
-        except ValueError as e:
-            found.problems.append(str(e))
-            continue
-        previous = found.abx.get(record.attention)
-        if previous is None or record.created >= previous[1].created:
-            found.abx[record.attention] = (path, record)
+            runs[key] = (path, record)
     return found
 
 
@@ -122,6 +119,11 @@ class BenchRecord:
     time_ms: float | None = None
     memory_mb: float | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:  # JSON numbers and strings, as read
+        self.variant, self.seq_len = str(self.variant), int(self.seq_len)
+        self.time_ms = None if self.time_ms is None else float(self.time_ms)
+        self.memory_mb = None if self.memory_mb is None else float(self.memory_mb)
 
 
 _NAME_KEYS = ("attention", "variant", "name")
@@ -163,16 +165,9 @@ def read_bench(path: str | Path) -> tuple[list[BenchRecord], dict[str, Any]]:
         if name is None or seq_len is None:
             continue
         used = set(_NAME_KEYS + _LEN_KEYS + _TIME_KEYS + _MEM_KEYS)
+        extra = {k: v for k, v in row.items() if k not in used}
         time_ms, memory = _first(row, _TIME_KEYS), _first(row, _MEM_KEYS)
-        records.append(
-            BenchRecord(
-                variant=str(name),
-                seq_len=int(seq_len),
-                time_ms=None if time_ms is None else float(time_ms),
-                memory_mb=None if memory is None else float(memory),
-                extra={k: v for k, v in row.items() if k not in used},
-            )
-        )
+        records.append(BenchRecord(name, seq_len, time_ms, memory, extra))
     return records, meta
 
 
@@ -184,19 +179,11 @@ def _read_bench_by_variant(data: dict[str, Any]) -> tuple[list[BenchRecord], dic
             continue
         times = row.get("time_ms") or {}
         memory = row.get("peak_mem_mb") or {}
+        errors = row.get("errors") or {}
         for T in sorted({*times, *memory}, key=lambda t: int(t)):
-            time_ms, mem = times.get(T), memory.get(T)
-            records.append(
-                BenchRecord(
-                    variant=str(name),
-                    seq_len=int(T),
-                    time_ms=None if time_ms is None else float(time_ms),
-                    memory_mb=None if mem is None else float(mem),
-                    extra={"error": (row.get("errors") or {}).get(T)},
-                )
-            )
-    meta = dict(data.get("meta") or {})
-    return records, meta
+            extra = {"error": errors.get(T)}
+            records.append(BenchRecord(name, T, times.get(T), memory.get(T), extra))
+    return records, dict(data.get("meta") or {})
 
 
 def find_bench(root: str | Path) -> Path | None:

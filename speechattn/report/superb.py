@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from speechattn.report.tables import Table
+from speechattn.report.tables import Table, mark_best
 from speechattn.tasks.records import SUPERB_FILE, WEIGHTED_SUM, SuperbResult, read_superb
 
 # s3prl downstream -> column title
@@ -59,22 +59,16 @@ def superb_table(found: dict[tuple[str, str], SuperbResult]) -> Table:
     tasks += sorted({k[1] for k in found} - set(tasks))
     ours = sorted({row for (row, _), r in found.items() if r.upstream_ckpt})
     baselines = sorted({row for row, _ in found} - set(ours))
+    value = {key: float(result.value) for key, result in found.items()}
     rows = []
     for row in [*ours, *baselines]:
         kind = "speechattn" if row in ours else "baseline"
-        rows.append([row, kind, *[_value(found.get((row, t))) for t in tasks]])
+        rows.append([row, kind, *[value.get((row, t)) for t in tasks]])
     bold = set()
     for c, task in enumerate(tasks, start=2):
-        values = [r[c] for r in rows if r[c] is not None]
-        if values:
-            higher = next(v for (_, t), v in found.items() if t == task).higher_is_better
-            best = max(values) if higher else min(values)
-            bold |= {(i, c) for i, r in enumerate(rows) if r[c] == best}
+        higher = next(v for (_, t), v in found.items() if t == task).higher_is_better
+        bold |= mark_best(rows, range(c, c + 1), max if higher else min)
     return Table(["upstream", "kind", *[COLUMNS.get(t, t) for t in tasks]], rows, bold)
-
-
-def _value(result: SuperbResult | None) -> float | None:
-    return None if result is None else float(result.value)
 
 
 def superb_report(results_dir: str | Path, out: Path) -> tuple[list[Path], list[str], Table | None]:

@@ -60,7 +60,7 @@ class Table:
                 writer.writerow(["" if v is None else v for v in row])
 
 
-def _mark_best(rows: list[list[Any]], columns: range, best: Any = max) -> set[tuple[int, int]]:
+def mark_best(rows: list[list[Any]], columns: range, best: Any = max) -> set[tuple[int, int]]:
     """(row, column) of the maximum (`best=min`: minimum) of each column (ties all marked)."""
     bold = set()
     for c in columns:
@@ -79,7 +79,7 @@ def accuracy_table(results: ResultSet, tasks: list[str], variants: list[str]) ->
     same = same_models(variants, options)
     header = ["variant", *[TASK_TITLES.get(t, t) for t in tasks]]
     rows = [[_label(v, same), *[results.accuracy(v, t) for t in tasks]] for v in variants]
-    return Table(header, rows, _mark_best(rows, range(1, len(header))))
+    return Table(header, rows, mark_best(rows, range(1, len(header))))
 
 
 def _trained_options(results: ResultSet, variant: str) -> dict[str, Any]:
@@ -125,7 +125,7 @@ def abx_table(results: ResultSet) -> Table:
         errors = {mode: record.errors(mode) for mode in ("within", "across")}
         cells = [errors[mode].get(k) for k in layers for mode in ("within", "across")]
         rows.append([_label(v, {}), *[None if e is None else 100 * e for e in cells]])
-    return Table(header, rows, _mark_best(rows, range(1, len(header)), best=min))
+    return Table(header, rows, mark_best(rows, range(1, len(header)), best=min))
 
 
 def reference_table(tasks: list[str], variants: list[str]) -> Table:
@@ -133,7 +133,7 @@ def reference_table(tasks: list[str], variants: list[str]) -> Table:
     names = [v for v in variants if v in REFERENCE] + [v for v in REFERENCE if v not in variants]
     header = ["variant", *[TASK_TITLES.get(t, t) for t in tasks]]
     rows = [[_label(v, {}), *[reference_accuracy(v, t) for t in tasks]] for v in names]
-    return Table(header, rows, _mark_best(rows, range(1, len(header))))
+    return Table(header, rows, mark_best(rows, range(1, len(header))))
 
 
 def _label(variant: str, same: dict[str, str]) -> str:
@@ -214,10 +214,4 @@ def cost_table(
         row += [getattr(by_key.get((v, n)), "time_ms", None) for n in lengths]
         row += [getattr(by_key.get((v, n)), "memory_mb", None) for n in lengths]
         rows.append(row)
-    # Lowest measured cost per column in bold.
-    bold = set()
-    for c in range(6, len(header)):
-        values = [row[c] for row in rows if isinstance(row[c], float)]
-        if values:
-            bold |= {(r, c) for r, row in enumerate(rows) if row[c] == min(values)}
-    return Table(header, rows, bold)
+    return Table(header, rows, mark_best(rows, range(6, len(header)), best=min))  # lowest cost

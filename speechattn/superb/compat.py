@@ -1,38 +1,11 @@
 """In-process shims that let unmodified s3prl 0.4.18 `run_downstream.py` run on torch and
 torchaudio 2.11 (and current huggingface_hub, Python 3.11).
 
-s3prl 0.4.18 was written for torch 1.x. Its runner and task code call APIs that later releases
-removed; nothing in s3prl is edited, each gap is bridged in this process before s3prl is imported
-(`install()`), and each shim says which s3prl code it serves and which release removed what it
-replaces (`SHIMS`):
-
-    set_audio_backend   torchaudio.set_audio_backend, removed in torchaudio 2.9: a no-op
-                        (run_downstream.main, upstream/byol_s at import)
-    sox_effects         torchaudio.sox_effects, removed in torchaudio 2.9: apply_effects_file
-                        for the channels/rate/gain effects (speech_commands' dataset; imported
-                        by mos_prediction) via soundfile + torchaudio resampling
-    audio_io            torchaudio.load/info, which need torchcodec (+ FFmpeg) since torchaudio
-                        2.9: soundfile readers, only when torchcodec cannot be imported
-                        (voxceleb1, ctc/asr datasets)
-    hf_folder           huggingface_hub.HfFolder/Repository, removed in huggingface_hub 1.0:
-                        import-time names (runner.py, run_downstream.py); they serve only
-                        --push_to_hf_hub and --hub huggingface, which `speechattn.superb` refuses
-    catalyst            catalyst.data.sampler.DistributedSamplerWrapper (speech_commands'
-                        expert): no catalyst release both installs (pip >= 24.1 rejects the
-                        metadata of 21.12+) and imports (21.x uses collections.MutableMapping,
-                        gone in Python 3.10) here; the wrapper itself, used only under DDP
-    checkpoints         torch 2.6 made torch.load weights-only by default and the runner's
-                        states-*.ckpt hold argparse.Namespace (`Args`): that class joins the
-                        weights-only allow-list; loading stays weights-only
-    libriphone          s3prl.downstream.ctc.corpus (LibriPhoneDataset), missing from the
-                        s3prl 0.4.18 wheel: `speechattn.superb.libriphone`
-
-and one per experiment (`set_voxceleb1_cache`): s3prl 0.4.18's voxceleb1 dataset caches its file
-lists in site-packages, whatever the data folder, so a second data set would silently train on
-the first one's files; the cache moves into the experiment folder.
-
-Each shim is installed once and only where the gap exists, so a newer torchaudio that has the API
-again (or an installed torchcodec) is used as is.
+s3prl 0.4.18 was written for torch 1.x and calls APIs later releases removed. Nothing in s3prl
+is edited: `install()` bridges each gap in this process before s3prl is imported, once and only
+where the gap exists (a newer torchaudio that has the API again, or an installed torchcodec, is
+used as is). `SHIMS` says which s3prl code each shim serves and which release removed what it
+replaces. `set_voxceleb1_cache` is one more, per experiment.
 """
 
 from __future__ import annotations
@@ -68,6 +41,24 @@ class Shim:
     name: str
     bridges: str
     install: Callable[[], bool]
+
+
+def _imports(name: str, errors: type[Exception] = ImportError) -> bool:
+    """Whether module `name` imports here (`errors`: the failures that mean it does not)."""
+    try:
+        importlib.import_module(name)
+    except errors:
+        return False
+    return True
+
+
+def _register(name: str, doc: str, **attrs: Any) -> types.ModuleType:
+    """A module `name` holding `attrs`, registered in `sys.modules` (so imports find it)."""
+    module = types.ModuleType(name)
+    module.__doc__ = f"speechattn shim: {doc} (see speechattn.superb.compat)"
+    module.__dict__.update(attrs)
+    sys.modules[name] = module
+    return module
 
 
 # -- torchaudio.set_audio_backend ---------------------------------------------------------------
@@ -138,8 +129,9 @@ def apply_effects_file(
     format: str | None = None,
 ) -> tuple[Tensor, int]:
     """torchaudio.sox_effects.apply_effects_file for the effects s3prl's tasks use
-    (`_apply_effects`); samples are always float in [-1, 1] (`normalize`, `format` are
-    accepted for the signature). Returns (C, N) (or (N, C)) float32 and the sample rate."""
+    (`_apply_effects`; speech_commands' dataset); samples are always float in [-1, 1]
+    (`normalize`, `format` are accepted for the signature). Returns (C, N) (or (N, C))
+    float32 and the sample rate."""
     wav, rate = _read(path)  # (C, N)
     wav, rate = _apply_effects(wav, rate, effects, str(path))
     return (wav if channels_first else wav.T), rate
@@ -148,7 +140,8 @@ def apply_effects_file(
 def apply_effects_tensor(
     tensor: Tensor, sample_rate: int, effects: list[list[str]], channels_first: bool = True
 ) -> tuple[Tensor, int]:
-    """torchaudio.sox_effects.apply_effects_tensor for the same effects."""
+    """torchaudio.sox_effects.apply_effects_tensor for the same effects (mos_prediction's
+    upstream imports it)."""
     wav = tensor if channels_first else tensor.T
     wav, rate = _apply_effects(wav.float(), sample_rate, effects, "a tensor")
     return (wav if channels_first else wav.T), rate
@@ -157,19 +150,14 @@ def apply_effects_tensor(
 def install_sox_effects() -> bool:
     import torchaudio
 
-    try:
-        importlib.import_module("torchaudio.sox_effects")
+    if _imports("torchaudio.sox_effects"):
         return False
-    except ImportError:
-        pass
-    module = types.ModuleType("torchaudio.sox_effects")
-    module.__doc__ = (
-        "speechattn shim: torchaudio 2.9 removed sox_effects (see speechattn.superb.compat)"
+    torchaudio.sox_effects = _register(
+        "torchaudio.sox_effects",
+        "torchaudio 2.9 removed sox_effects",
+        apply_effects_file=apply_effects_file,
+        apply_effects_tensor=apply_effects_tensor,
     )
-    module.apply_effects_file = apply_effects_file
-    module.apply_effects_tensor = apply_effects_tensor
-    sys.modules["torchaudio.sox_effects"] = module
-    torchaudio.sox_effects = module
     return True
 
 
@@ -186,8 +174,9 @@ def load(
     buffer_size: int = 4096,
     backend: str | None = None,
 ) -> tuple[Tensor, int]:
-    """torchaudio.load through soundfile: float32 (C, N) (or (N, C)) in [-1, 1], sample rate.
-    `normalize=False` (integer samples) is not offered: s3prl never asks for it."""
+    """torchaudio.load through soundfile (torchaudio 2.9 needs torchcodec + FFmpeg; s3prl's
+    voxceleb1 and ctc datasets read this way): float32 (C, N) (or (N, C)) in [-1, 1], sample
+    rate. `normalize=False` (integer samples) is not offered: s3prl never asks for it."""
     if not normalize:
         raise ShimError(f"torchaudio.load({uri}, normalize=False): the soundfile shim reads floats")
     wav, rate = _read(uri, frame_offset, num_frames)
@@ -220,18 +209,12 @@ def info(uri: str | Path, format: str | None = None, backend: str | None = None)
     )
 
 
-def _torchcodec_works() -> bool:
-    try:  # torchcodec imports, then loads FFmpeg's libraries; either can fail
-        importlib.import_module("torchcodec.decoders")
-    except Exception:  # noqa: BLE001 - any failure means torchaudio.load cannot work
-        return False
-    return True
-
-
 def install_audio_io() -> bool:
     import torchaudio
 
-    if torchaudio.load is load or _torchcodec_works():
+    # torchcodec imports, then loads FFmpeg's libraries; any failure means torchaudio.load
+    # cannot work
+    if torchaudio.load is load or _imports("torchcodec.decoders", Exception):
         return False
     torchaudio.load = load
     torchaudio.info = info
@@ -242,7 +225,9 @@ def install_audio_io() -> bool:
 
 
 class _HubRemoved:
-    """Names s3prl imports from huggingface_hub < 1.0; using them is refused clearly."""
+    """Names s3prl imports from huggingface_hub < 1.0 (runner.py, run_downstream.py); they
+    serve only --push_to_hf_hub and --hub huggingface, which `speechattn.superb` refuses, so
+    using them is refused clearly."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         self._refuse()
@@ -274,7 +259,10 @@ def install_hf_folder() -> bool:
 class DistributedSamplerWrapper(torch.utils.data.DistributedSampler):
     """Each DDP rank draws its share of another sampler's indices (catalyst's class of the
     same name): the wrapped sampler is drawn once per epoch (the same on every rank, as
-    runs seed every rank alike) and rank r keeps positions r, r + world, ..."""
+    runs seed every rank alike) and rank r keeps positions r, r + world, ...
+
+    No catalyst release both installs here (pip >= 24.1 rejects the metadata of 21.12+) and
+    imports (21.x uses collections.MutableMapping, gone in Python 3.10)."""
 
     def __init__(
         self,
@@ -293,28 +281,24 @@ class DistributedSamplerWrapper(torch.utils.data.DistributedSampler):
 
 
 def install_catalyst() -> bool:
-    try:
-        importlib.import_module("catalyst.data.sampler")
+    # not installed, or installed and broken on Python 3.11
+    if _imports("catalyst.data.sampler", Exception):
         return False
-    except Exception:  # noqa: BLE001 - not installed, or installed and broken on Python 3.11
-        pass
     for name in [n for n in sys.modules if n == "catalyst" or n.startswith("catalyst.")]:
         del sys.modules[name]  # a half-imported broken catalyst
-    names = ("catalyst", "catalyst.data", "catalyst.data.sampler")
-    modules = {n: types.ModuleType(n) for n in names}
-    modules["catalyst.data.sampler"].DistributedSamplerWrapper = DistributedSamplerWrapper
-    modules["catalyst"].data = modules["catalyst.data"]
-    modules["catalyst.data"].sampler = modules["catalyst.data.sampler"]
-    for name, module in modules.items():
-        module.__doc__ = "speechattn shim for s3prl 0.4.18 (see speechattn.superb.compat)"
-        sys.modules[name] = module
+    doc = "s3prl 0.4.18's speech_commands expert imports catalyst"
+    sampler = _register(
+        "catalyst.data.sampler", doc, DistributedSamplerWrapper=DistributedSamplerWrapper
+    )
+    _register("catalyst", doc, data=_register("catalyst.data", doc, sampler=sampler))
     return True
 
 
 # -- the runner's checkpoints under weights-only loading ----------------------------------------
 
 # What a runner checkpoint (states-*.ckpt, dev-best.ckpt) holds besides tensors, dicts, lists and
-# numbers: the parsed command line (`Args`).
+# numbers: the parsed command line (`Args`). It joins torch's weights-only allow-list, so loading
+# stays weights-only.
 CHECKPOINT_GLOBALS: tuple[type, ...] = (argparse.Namespace,)
 
 
@@ -328,25 +312,21 @@ def install_checkpoints() -> bool:
 
 
 def install_libriphone() -> bool:
-    try:
-        importlib.import_module("s3prl.downstream.ctc.corpus.libriphone")
+    if _imports("s3prl.downstream.ctc.corpus.libriphone"):
         return False
-    except ImportError:
-        pass
     from speechattn.superb import libriphone
 
-    corpus = types.ModuleType("s3prl.downstream.ctc.corpus")
-    corpus.__doc__ = "speechattn shim: the s3prl 0.4.18 wheel ships no ctc/corpus package"
-    corpus.__path__ = []  # a package, so `from .corpus.libriphone import ...` resolves
-    corpus.libriphone = libriphone
-    sys.modules["s3prl.downstream.ctc.corpus"] = corpus
+    # a package (`__path__`), so `from .corpus.libriphone import ...` resolves
+    doc = "the s3prl 0.4.18 wheel ships no ctc/corpus package"
+    _register("s3prl.downstream.ctc.corpus", doc, __path__=[], libriphone=libriphone)
     sys.modules["s3prl.downstream.ctc.corpus.libriphone"] = libriphone
     return True
 
 
 def set_voxceleb1_cache(expdir: str | Path) -> Path:
     """Point s3prl 0.4.18's voxceleb1 file-list cache (`dataset.CACHE_PATH`, by default inside
-    site-packages and shared by every data set) at `expdir/.voxceleb1_cache/`; returns it."""
+    site-packages and shared by every data set, so a second data set would silently train on
+    the first one's files) at `expdir/.voxceleb1_cache/`; returns it."""
     dataset = importlib.import_module("s3prl.downstream.voxceleb1.dataset")
     folder = Path(expdir) / ".voxceleb1_cache"
     dataset.CACHE_PATH = str(folder) + "/"  # s3prl joins it with os.path.join

@@ -113,24 +113,25 @@ PAPER: dict[str, dict[str, Any]] = {
     },
 }
 
-# dotted key -> value, applied over PAPER[task]
+# dotted key -> value, applied over PAPER[task]; every quick run trains a few hundred steps
+# and is evaluated (and saved) at the end
+_QUICK_RUNNER = {
+    "runner.total_steps": 300,
+    "runner.log_step": 50,
+    "runner.eval_step": 300,
+    "runner.save_step": 300,
+}
 QUICK: dict[str, dict[str, Any]] = {
     "speech_commands": {
-        "runner.total_steps": 300,
-        "runner.log_step": 50,
-        "runner.eval_step": 300,
-        "runner.save_step": 300,
+        **_QUICK_RUNNER,
         "runner.eval_dataloaders": ["dev"],
         "optimizer.lr": 1.0e-3,
         "downstream_expert.datarc.num_workers": 0,
         "downstream_expert.datarc.batch_size": 16,
     },
     "voxceleb1": {
-        "runner.total_steps": 300,
+        **_QUICK_RUNNER,
         "runner.gradient_accumulate_steps": 1,
-        "runner.log_step": 50,
-        "runner.eval_step": 300,
-        "runner.save_step": 300,
         "runner.eval_dataloaders": ["dev"],
         "optimizer.lr": 1.0e-3,
         "downstream_expert.datarc.num_workers": 0,
@@ -139,11 +140,8 @@ QUICK: dict[str, dict[str, Any]] = {
         "downstream_expert.datarc.max_timestep": 48_000,  # 3 s training crops
     },
     "ctc": {
-        "runner.total_steps": 300,
+        **_QUICK_RUNNER,
         "runner.gradient_accumulate_steps": 1,
-        "runner.log_step": 50,
-        "runner.eval_step": 300,
-        "runner.save_step": 300,
         "downstream_expert.corpus.batch_size": 8,
         "downstream_expert.corpus.num_workers": 0,
     },

@@ -5,8 +5,8 @@
 
 Without `--root` the built-in corpus is used (built on first use); without `--out` each task goes
 to `<cache>/superb/<corpus folder>/<task>/`, where `python -m speechattn.superb` looks for it.
-A task folder is written into a temporary sibling and renamed into place, with `superb_data.json`
-last, so an interrupted conversion is never mistaken for a finished one.
+A task folder is written into a temporary sibling and renamed into place (`atomic_folder`), with
+`superb_data.json` last, so an interrupted conversion is never mistaken for a finished one.
 
 speech_commands (keyword spotting, 12 classes):
     train/<word>/<name>_nohash_<k>.wav   1 s clips: the 10 command words, spoken by the corpus's
@@ -45,7 +45,6 @@ import logging
 import os
 import re
 import shutil
-import tempfile
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
@@ -61,7 +60,13 @@ from speechattn.data.librispeech import (
 )
 from speechattn.data.phones import PHONE_SET, SILENCE
 from speechattn.errors import ConfigError
-from speechattn.utils import atomic_write_text, default_cache_root, progress_bar
+from speechattn.utils import (
+    atomic_folder,
+    atomic_write_text,
+    default_cache_root,
+    progress_bar,
+    track,
+)
 
 log = logging.getLogger(__name__)
 
@@ -102,10 +107,7 @@ def _link(source: Path, target: Path) -> None:
 
 def _corpus_utterances(root: Path) -> dict[str, Path]:
     """utt-id -> audio path of every utterance under `root/<split>/<spk>/<chapter>/`."""
-    found = {}
-    for path in sorted(root.glob("*/*/*/*.flac")):
-        if UTT_RE.match(path.stem):
-            found[path.stem] = path
+    found = {p.stem: p for p in sorted(root.glob("*/*/*/*.flac")) if UTT_RE.match(p.stem)}
     if not found:
         raise ConfigError(f"--root {root}: no <split>/<speaker>/<chapter>/*.flac utterances found")
     return found
@@ -183,9 +185,8 @@ def prepare_speech_commands(root: Path, out: Path, repeats: int = 3, seed: int =
         for line in path.read_text().splitlines()
         for w in line.split()[1:]
     )
-    unknown = [w for w, _ in words.most_common() if w not in COMMANDS and w.isalpha()][
-        :UNKNOWN_WORDS
-    ]
+    others = [w for w, _ in words.most_common() if w not in COMMANDS and w.isalpha()]
+    unknown = others[:UNKNOWN_WORDS]
     engine = Espeak.get()
     rng = np.random.default_rng([seed, 2718])
     counts: Counter = Counter()
@@ -208,30 +209,23 @@ def prepare_speech_commands(root: Path, out: Path, repeats: int = 3, seed: int =
                 clip = _clip(audio, rng) + _noise(rng, 1.0, 0.0, -55 + rng.uniform(-5, 5))
                 k = counts[(spk, word)]
                 counts[(spk, word)] += 1
-                if word in COMMANDS:
-                    path = base / word / f"{name}_nohash_{k}.wav"
-                else:  # any word outside the 10 commands: s3prl maps its folder to _unknown_
-                    path = (
-                        base / ("_unknown_" if split == "test" else word) / f"{name}_nohash_{k}.wav"
-                    )
+                # any word outside the 10 commands: s3prl maps its folder to _unknown_
+                folder = word if word in COMMANDS or split != "test" else "_unknown_"
+                path = base / folder / f"{name}_nohash_{k}.wav"
                 path.parent.mkdir(parents=True, exist_ok=True)
                 sf.write(path, np.clip(clip, -1, 1), SAMPLE_RATE, subtype="PCM_16")
             advance()
     noise_dir = out / "train" / "_background_noise_"
     noise_dir.mkdir(parents=True, exist_ok=True)
     for i, (colour, level) in enumerate([(0.0, -30), (1.0, -25), (2.0, -28), (1.0, -40)]):
-        sf.write(
-            noise_dir / f"noise_{i}.wav", _noise(rng, NOISE_SECONDS, colour, level), SAMPLE_RATE
-        )
+        noise = _noise(rng, NOISE_SECONDS, colour, level)
+        sf.write(noise_dir / f"noise_{i}.wav", noise, SAMPLE_RATE)
     silence = out / "test" / "_silence_"
     silence.mkdir(parents=True, exist_ok=True)
     for i in range(max(2, repeats * n_held)):
         level = rng.uniform(-45, -25)
-        sf.write(
-            silence / f"silence_{i}.wav",
-            _noise(rng, 1.0, float(rng.uniform(0, 2)), level),
-            SAMPLE_RATE,
-        )
+        noise = _noise(rng, 1.0, float(rng.uniform(0, 2)), level)  # draws the colour, then noise
+        sf.write(silence / f"silence_{i}.wav", noise, SAMPLE_RATE)
     return {
         "paths": {
             "downstream_expert.datarc.speech_commands_root": str(out / "train"),
@@ -254,7 +248,7 @@ def prepare_voxceleb1(root: Path, out: Path) -> dict:
     vox_id = {s: f"id{10001 + i}" for i, s in enumerate(speakers)}
     index = {"train": 1, "dev": 2, "test": 3}
     lines = []
-    for utt, path in progress_bar_items(utterances, "linking voxceleb1 audio"):
+    for utt, path in track(utterances.items(), "linking voxceleb1 audio"):
         if utt not in split:
             continue
         chapter = path.parent.name
@@ -272,14 +266,6 @@ def prepare_voxceleb1(root: Path, out: Path) -> dict:
     }
 
 
-def progress_bar_items(items: dict, description: str):
-    """(key, value) pairs of `items` with a progress bar."""
-    with progress_bar(len(items), description) as advance:
-        for key, value in items.items():
-            yield key, value
-            advance()
-
-
 # -- ctc (phoneme recognition) ------------------------------------------------------------------
 
 
@@ -293,15 +279,12 @@ def prepare_ctc(root: Path, out: Path) -> dict:
     """s3prl `libriphone` layout in `out` from corpus `root`."""
     utterances = _corpus_utterances(root)
     split = _splits(root)
-    phone_set = (
-        read_phone_set(root / "phone_set.txt")
-        if (root / "phone_set.txt").is_file()
-        else list(PHONE_SET)
-    )
+    phone_file = root / "phone_set.txt"
+    phone_set = read_phone_set(phone_file) if phone_file.is_file() else list(PHONE_SET)
     labels = read_alignments(root / "converted_aligned_phones.txt", phone_set, wanted=set(split))
     rows: dict[str, list[tuple[str, str]]] = {"train": [], "dev": [], "test": []}
     lexicon = []
-    for utt, path in progress_bar_items(utterances, "linking phoneme-recognition audio"):
+    for utt, path in track(utterances.items(), "linking phoneme-recognition audio"):
         if utt not in split or utt not in labels:
             continue
         phonemes = phoneme_sequence(labels[utt], phone_set)
@@ -350,9 +333,7 @@ def prepare(task: str, root: str | Path, out: str | Path, repeats: int = 3) -> P
         raise ConfigError(
             f"--out {out}: exists without a finished {DATA_FILE}; remove it or choose another folder"
         )
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    try:
+    with atomic_folder(out) as tmp:  # an empty `out` is replaced
         kwargs = {"repeats": repeats} if task == "speech_commands" else {}
         info = PREPARE[task](root, tmp, **kwargs)
         paths = {k: _moved(v, tmp, out) for k, v in info.pop("paths").items()}
@@ -363,12 +344,6 @@ def prepare(task: str, root: str | Path, out: str | Path, repeats: int = 3) -> P
                 csv_path = tmp / f"{name}.csv"
                 csv_path.write_text(csv_path.read_text().replace(str(tmp), str(out)))
         atomic_write_text(tmp / DATA_FILE, json.dumps(record, indent=2) + "\n")
-        if out.exists():
-            out.rmdir()
-        os.rename(tmp, out)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
     log.info("prepared %s in %s", task, out)
     return out
 

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import glob
 import logging
 import os
 import sys
@@ -98,15 +97,13 @@ def latest_checkpoint(expdir: Path) -> Path:
     best = expdir / "dev-best.ckpt"
     if best.is_file():
         return best
-    states = sorted(
-        glob.glob(str(expdir / "states-*.ckpt")), key=lambda p: int(Path(p).stem.split("-")[-1])
-    )
+    states = sorted(expdir.glob("states-*.ckpt"), key=lambda p: int(p.stem.split("-")[-1]))
     if not states:
         raise ConfigError(
             f"-m evaluate: no dev-best.ckpt or states-*.ckpt in {expdir}; train first (same "
             f"arguments with -m train) or pass the checkpoint with -e"
         )
-    return Path(states[-1])
+    return states[-1]
 
 
 def _data_paths(task: str, data: str | None) -> dict[str, Any]:
@@ -177,9 +174,8 @@ def build_argv(argv: list[str], quick: bool, data: str | None) -> tuple[list[str
             "--quick/--data apply to a new training run; this run reads its checkpoint's config"
         )
     if expdir is None:  # -e CHECKPOINT: its experiment folder
-        expdir = (
-            Path(args.past_exp).parent if Path(args.past_exp).is_file() else Path(args.past_exp)
-        )
+        past = Path(args.past_exp)
+        expdir = past.parent if past.is_file() else past
     return out, {"expdir": expdir, "args": args, "quick": quick}
 
 
