@@ -29,6 +29,7 @@ from speechattn.attention.base import (
     masked_softmax,
     scale,
     self_penalty,
+    unit_keys,
 )
 from speechattn.attention.pruning import remove_projection_heads
 from speechattn.attention.registry import register
@@ -90,7 +91,7 @@ class SharedQKBase(Attention):
         """x (B, T, D) -> q, k, v (B, h, T, d_k); k = q / ||q|| per head."""
         q, v = self.qv(x).chunk(2, dim=-1)  # 2 x (B, T, D)
         q, v = self.split_heads(q), self.split_heads(v)  # (B, h, T, d_k)
-        return q, F.normalize(q, dim=-1), v
+        return q, unit_keys(q), v
 
     _qkv = shared_qkv  # the name `routing`'s selection tests use
 

@@ -71,6 +71,7 @@ from speechattn.attention.base import (
     masked_softmax,
     needs_static_shapes,
     scale,
+    unit_keys,
     widen,
 )
 from speechattn.attention.fp32 import ieee_matmul
@@ -88,27 +89,6 @@ _TINY = 1e-12
 # q, k (..., T, d_k); M (..., 1, 1) max valid key norm. Return (Q(q), P(k)), (..., T, d_k + m).
 def _unit(q: Tensor) -> Tensor:
     return q / q.norm(dim=-1, keepdim=True).clamp_min(_TINY)
-
-
-class _UnitKeys(torch.autograd.Function):
-    """k = q / max(||q||, 1e-12) along the last dimension, F.normalize's forward, with a
-    backward of seven tensor operations where autograd's of F.normalize takes fifteen (each
-    is a pass over (B, h, T, d_k): a few per cent of the layer at T = 128)."""
-
-    @staticmethod
-    def forward(ctx, q: Tensor) -> Tensor:
-        norm = q.norm(dim=-1, keepdim=True)
-        n = norm.clamp_min(_TINY)
-        k = q / n
-        ctx.save_for_backward(k, n, norm)
-        return k
-
-    @staticmethod
-    def backward(ctx, g: Tensor) -> Tensor:
-        k, n, norm = ctx.saved_tensors
-        # d(q/n)/dq = (I - k k^T) / n; where the norm is clamped, n is a constant: I / n
-        along = (g * k).sum(-1, keepdim=True) * (norm >= _TINY)
-        return (g - k * along) / n
 
 
 def _sq_norm(x: Tensor) -> Tensor:
@@ -275,7 +255,7 @@ class _LSHAttention(Attention):
         """x (B, T, D) -> q, k, v (B, h, T, d_k): k = q / ||q|| (`normalize_keys`) or q."""
         q, v = self.qv(x).chunk(2, dim=-1)  # 2 x (B, T, D)
         q = self.split_heads(q)  # (B, h, T, d_k)
-        return q, _UnitKeys.apply(q) if self.normalize_keys else q, self.split_heads(v)
+        return q, unit_keys(q) if self.normalize_keys else q, self.split_heads(v)
 
     @torch.no_grad()
     def codes(self, q: Tensor, k: Tensor, valid: Tensor | None) -> tuple[Tensor, Tensor]:

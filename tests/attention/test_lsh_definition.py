@@ -10,6 +10,7 @@ import torch
 from _attention_testing import DIM, HEADS, batch, force_path, make
 
 from speechattn.attention import lsh
+from speechattn.attention.base import unit_keys
 from speechattn.attention.kernels import topk
 
 LSH = ["sign_alsh", "xbox", "xbox_qnf", "simple_lsh", "simple_alsh"]
@@ -179,14 +180,15 @@ def test_score_tie_break_adds_no_locality():
 
 
 def test_unit_keys_are_f_normalize_with_its_gradient():
-    """LSH's key normalisation has its own short backward: the same keys bit for bit and
-    the same gradient as F.normalize's, rows of zero and of clamped norm included."""
+    """The shared-QK keys (shared_qk, sparse, LSH) have their own short backward: the same
+    keys bit for bit and the same gradient as F.normalize's, rows of zero and of clamped
+    norm included."""
     q = torch.randn(2, 3, 7, 5, dtype=torch.float64)
     q[0, 0, 0], q[0, 1, 2] = 0.0, 1e-14  # a zero row, a row under the 1e-12 clamp
     q.requires_grad_()
     g = torch.randn_like(q)
     want = torch.nn.functional.normalize(q, dim=-1)
-    got = lsh._UnitKeys.apply(q)
+    got = unit_keys(q)
     assert torch.equal(got, want)
     (want_grad,) = torch.autograd.grad(want, q, g)
     (got_grad,) = torch.autograd.grad(got, q, g)
