@@ -63,9 +63,13 @@ class DownstreamResult:
 
     def write(self, directory: str | Path) -> Path:
         """Write `directory/result.json` atomically (temp file + rename); returns its path."""
-        path = Path(directory) / RESULT_FILE
-        atomic_write_text(path, json.dumps(self.to_dict(), indent=2, default=str) + "\n")
-        return path
+        return _write_json(self.to_dict(), directory, RESULT_FILE)
+
+
+def _write_json(data: Any, directory: str | Path, name: str, indent: int = 2) -> Path:
+    path = Path(directory) / name
+    atomic_write_text(path, json.dumps(data, indent=indent, default=str) + "\n")
+    return path
 
 
 def _read_json(path: Path, what: str) -> Any:
@@ -165,9 +169,7 @@ REQUIRED = tuple(_HeadsRequired.__annotations__)  # checked on every read and wr
 def write_heads(result: HeadsRecord, directory: str | Path) -> Path:
     """Write `directory/heads.json` atomically (temp file + rename); returns its path."""
     check_heads(result, HEADS_FILE)
-    path = Path(directory) / HEADS_FILE
-    atomic_write_text(path, json.dumps(result, indent=1, default=str) + "\n")
-    return path
+    return _write_json(result, directory, HEADS_FILE, indent=1)
 
 
 def read_heads(path: str | Path) -> HeadsRecord:
@@ -267,9 +269,7 @@ class SuperbResult:
 
     def write(self, directory: str | Path) -> Path:
         """Write `directory/superb_result.json` atomically; returns its path."""
-        path = Path(directory) / SUPERB_FILE
-        atomic_write_text(path, json.dumps(asdict(self), indent=2) + "\n")
-        return path
+        return _write_json(asdict(self), directory, SUPERB_FILE)
 
 
 def read_superb(path: str | Path) -> SuperbResult:
@@ -331,9 +331,7 @@ class AbxRecord:
 
     def write(self, directory: str | Path) -> Path:
         """Write `directory/abx.json` atomically; returns its path."""
-        path = Path(directory) / ABX_FILE
-        atomic_write_text(path, json.dumps(self.to_dict(), indent=2, default=str) + "\n")
-        return path
+        return _write_json(self.to_dict(), directory, ABX_FILE)
 
     def errors(self, mode: str) -> dict[int, float | None]:
         """Layer -> error rate of `mode` (within | across)."""

@@ -33,7 +33,7 @@ from speechattn.tasks.analysis.heads import (
     ProbeObjective,
     analyze_heads,
 )
-from speechattn.tasks.downstream.features import open_upstream
+from speechattn.tasks.downstream.features import feature_normalization, open_upstream
 from speechattn.tasks.downstream.run import split_loader
 from speechattn.tasks.records import (
     HEADS_SCHEMA_VERSION,
@@ -233,18 +233,17 @@ def _renormalized(
 ) -> list[dict[str, Any]]:
     """`batches` with the corpus normalisation mapped onto the upstream's (as downstream
     feature extraction does)."""
-    from speechattn.tasks.downstream import renormalizer
-
     normalizer = getattr(datamodule, "normalizer", None)
-    transform = None if normalizer is None else renormalizer(normalizer, upstream)
+    if normalizer is None:
+        return batches
+    transform = feature_normalization(normalizer, upstream).transform
     if transform is None:
         return batches
     out = []
     for b in batches:
         mask = b.get("padding_mask")
         if mask is None:
-            T = b["features"].shape[1]
-            mask = lengths_to_padding_mask(b["lengths"], T)
+            mask = lengths_to_padding_mask(b["lengths"], b["features"].shape[1])
         out.append({**b, "features": transform(b["features"], mask)})
     return out
 

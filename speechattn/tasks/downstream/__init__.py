@@ -6,7 +6,6 @@
 - `run`: `run(cfg)`, what `python -m speechattn.downstream` does
 """
 
-from speechattn.tasks.downstream.features import renormalizer
 from speechattn.tasks.downstream.labels.phones import check_label_lengths
 from speechattn.tasks.downstream.probe import DownstreamProbe, ProbeDataset, TaskConfig, collate
 from speechattn.tasks.downstream.run import (
@@ -23,6 +22,5 @@ __all__ = [
     "collate",
     "fit_probe",
     "labelled_data_config",
-    "renormalizer",
     "run",
 ]

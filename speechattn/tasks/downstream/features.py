@@ -234,12 +234,6 @@ def feature_normalization(
     return FeatureNormalization(remap, record, tag)
 
 
-def renormalizer(normalizer: Any, upstream: nn.Module) -> Any:
-    """`feature_normalization(normalizer, upstream).transform`: the corpus's normalised
-    features mapped onto the upstream's own normalisation, or None when nothing to do."""
-    return feature_normalization(normalizer, upstream).transform
-
-
 def resolve_layers(layer: str | int, num_layers: int) -> list[int]:
     """Indices of the hidden states to cache: `last` -> [L]; an integer i -> [i] (0 = input
     embedding, negative counts from the end); `weighted` -> [0, ..., L] (the probe mixes)."""

@@ -268,44 +268,11 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         finish_loggers(loggers)
     runtime = {"features": t_features, "train": time.perf_counter() - t_train}
     runtime["total"] = time.perf_counter() - t_start
-    result = downstream_result(
-        cfg, task, upstream, sha, layers, splits, labels, num_classes, fit, datamodule,
-        data_config, runtime,
-    )  # fmt: skip
-    result.corpus["normalization"] = normalization.record  # what the upstream saw, and why
-    path = result.write(out)
-    _save_example(datamodule, out)
-    log.info(
-        "%s on %s: dev %.4f test %.4f -> %s",
-        task.name,
-        result.attention,
-        result.dev_accuracy,
-        result.test_accuracy,
-        path,
-    )
-    return result.to_dict()
-
-
-def downstream_result(
-    cfg: DictConfig,
-    task: TaskConfig,
-    upstream: Any,
-    sha: str | None,
-    layers: list[int],
-    splits: dict[str, SplitFeatures],
-    labels: LabelSource,
-    num_classes: int,
-    fit: ProbeFit,
-    datamodule: Any,
-    data_config: DataConfig,
-    runtime_s: dict[str, float],
-) -> DownstreamResult:
-    """What `result.json` records of one run (fields in `speechattn.tasks.records`)."""
     from speechattn import code_version  # the package root, imported lazily (no cycle)
 
     meta = dict(getattr(upstream, "metadata", {}) or {})
     config = getattr(upstream, "config", None)  # None for mel
-    return DownstreamResult(
+    result = DownstreamResult(
         task=task.name,
         upstream=str(cfg.upstream)
         if str(cfg.upstream) == MEL
@@ -329,7 +296,12 @@ def downstream_result(
             "layers": layers,
             "layer_weights": fit.layer_weights,
         },
-        corpus={**plain(datamodule.describe()), "config": plain(data_config)},
+        # the normalisation: what the upstream saw, and why
+        corpus={
+            **plain(datamodule.describe()),
+            "config": plain(data_config),
+            "normalization": normalization.record,
+        },
         split_sizes={name: len(splits[name]) for name in SPLITS},
         eval_frames={name: labels.scored(splits[name], task.level) for name in ("dev", "test")},
         frames_per_utterance=round(float(splits["test"].lengths.float().mean()), 2),
@@ -340,9 +312,20 @@ def downstream_result(
         epochs_trained=fit.epochs_trained,
         seed=int(cfg.seed),
         code_version=code_version(),
-        runtime_s={k: round(v, 2) for k, v in runtime_s.items()},
+        runtime_s={k: round(v, 2) for k, v in runtime.items()},
         created=datetime.now(UTC).isoformat(timespec="seconds"),
     )
+    path = result.write(out)
+    _save_example(datamodule, out)
+    log.info(
+        "%s on %s: dev %.4f test %.4f -> %s",
+        task.name,
+        result.attention,
+        result.dev_accuracy,
+        result.test_accuracy,
+        path,
+    )
+    return result.to_dict()
 
 
 def labelled_data_config(task: TaskConfig, data_config: Any) -> Any:

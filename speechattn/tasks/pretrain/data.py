@@ -163,26 +163,19 @@ class StepBatchSampler(Sampler[list[tuple[int, int]]]):
 
 
 class BatchKeys(list):
-    """One batch's item keys, with `mask_seed`: its masks' seed (it travels to the workers
-    with the keys, so masks never depend on which worker or how far ahead it runs)."""
+    """One batch's item keys, or its items once `SeededItems` fetched them, with `mask_seed`:
+    its masks' seed (it travels to the workers with the keys, so masks never depend on which
+    worker or how far ahead it runs)."""
 
-    def __init__(self, keys: list[tuple[int, int]], mask_seed: int) -> None:
+    def __init__(self, keys: list[Any], mask_seed: int | None) -> None:
         super().__init__(keys)
-        self.mask_seed = mask_seed
-
-
-class BatchItems(list):
-    """One batch's items, with the `mask_seed` of its keys, for `MaskingCollate`."""
-
-    def __init__(self, items: list[Any], mask_seed: int | None) -> None:
-        super().__init__(items)
         self.mask_seed = mask_seed
 
 
 class SeededItems(Dataset):
     """`dataset[(seed, index)]` -> `dataset[index]` with the global RNG seeded for that item
     (the data layer's random crops draw from it) and restored afterwards. A whole batch of
-    keys (the DataLoader's `__getitems__`) gives `BatchItems`, which keep its mask seed."""
+    keys (the DataLoader's `__getitems__`) gives its items as `BatchKeys`, keeping its mask seed."""
 
     def __init__(self, dataset: Dataset) -> None:
         self.dataset = dataset
@@ -198,8 +191,8 @@ class SeededItems(Dataset):
             torch.default_generator.manual_seed(seed)
             return self.dataset[index]
 
-    def __getitems__(self, keys: list[tuple[int, int]]) -> BatchItems:
-        return BatchItems([self[key] for key in keys], getattr(keys, "mask_seed", None))
+    def __getitems__(self, keys: list[tuple[int, int]]) -> BatchKeys:
+        return BatchKeys([self[key] for key in keys], getattr(keys, "mask_seed", None))
 
 
 # ----------------------------------------------------------------------------- masking

@@ -9,6 +9,7 @@ from __future__ import annotations
 import io
 import math
 import platform
+import statistics
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -60,11 +61,8 @@ def median_metric(rows: list[dict[str, float]], key: str) -> float | None:
     """Median of a `metrics.csv` column over the rows that have it (e.g. `frames_per_s`, the
     training throughput in 10 ms frames/s, or `data_wait`, the share of time spent waiting
     for data); None if no row has it."""
-    values = sorted(r[key] for r in rows if not math.isnan(r.get(key, math.nan)))
-    if not values:
-        return None
-    mid = len(values) // 2
-    return values[mid] if len(values) % 2 else (values[mid - 1] + values[mid]) / 2
+    values = [r[key] for r in rows if not math.isnan(r.get(key, math.nan))]
+    return statistics.median(values) if values else None
 
 
 def loss_curve_png(rows: list[dict[str, float]], title: str) -> bytes:
