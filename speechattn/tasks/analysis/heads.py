@@ -14,6 +14,7 @@ importance optionally re-estimated after each step. L and the metric are an `Obj
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -173,28 +174,19 @@ def ablate(
     ones = objective.ones()
     L, h = ones.shape
     out = Ablation(evaluate(objective, ones) if base is None else base)
-    jobs: list[tuple[str, int, int]] = []
-    if single:
-        out.single = torch.empty(L, h, dtype=torch.float64)
-        jobs += [("single", d, k) for d in range(L) for k in range(h)]
-    if keep_only:
-        out.keep_only = torch.empty(L, h, dtype=torch.float64)
-        jobs += [("keep_only", d, k) for d in range(L) for k in range(h)]
-    if layer:
-        out.layer = torch.empty(L, dtype=torch.float64)
-        jobs += [("layer", d, -1) for d in range(L)]
-    for kind, d, k in track(jobs, "ablation", len(jobs), progress):
+    shapes = {"single": (L, h), "keep_only": (L, h), "layer": (L,)}
+    jobs: list[tuple[str, tuple[int, ...]]] = []
+    for kind, wanted in zip(shapes, (single, keep_only, layer), strict=True):
+        if wanted:
+            setattr(out, kind, torch.empty(shapes[kind], dtype=torch.float64))
+            jobs += [(kind, index) for index in itertools.product(*map(range, shapes[kind]))]
+    for kind, index in track(jobs, "ablation", len(jobs), progress):
         mask = ones.clone()
-        if kind == "single":
-            mask[d, k] = 0.0
-            out.single[d, k] = evaluate(objective, mask)  # type: ignore[index]
-        elif kind == "keep_only":
-            mask[d] = 0.0
-            mask[d, k] = 1.0
-            out.keep_only[d, k] = evaluate(objective, mask)  # type: ignore[index]
-        else:
-            mask[d] = 0.0
-            out.layer[d] = evaluate(objective, mask)  # type: ignore[index]
+        if kind != "single":  # keep_only, layer: depth index[0] masked
+            mask[index[0]] = 0.0
+        if kind != "layer":  # single: head index masked; keep_only: it alone kept
+            mask[index] = float(kind == "keep_only")
+        getattr(out, kind)[index] = evaluate(objective, mask)
     return out
 
 

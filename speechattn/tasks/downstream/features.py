@@ -400,10 +400,9 @@ def extract_split(
     feats: list[Tensor] = []
     lengths: list[Tensor] = []
     input_lengths: list[Tensor] = []
-    speakers: list[Tensor] = []
+    speakers: list[Tensor | None] = []  # None: a batch without (then the split has none)
     phones: list[Tensor] = []
-    phone_lengths: list[Tensor] = []
-    has_speaker = has_phones = True
+    phone_lengths: list[Tensor | None] = []
     with progress(total, description, progress_bar) as advance:
         for batch in batches:
             x = batch["features"].to(device)  # (B, T, F)
@@ -420,31 +419,26 @@ def extract_split(
                 utt_ids.append(utt)
                 feats.append(cached[b, : out_len[b]])
             lengths.append(out_len)
-            input_lengths.append(batch["lengths"].cpu())
-            if has_speaker and batch.get("speaker") is not None:
-                speakers.append(batch["speaker"].cpu())
-            else:
-                has_speaker = False
-            if has_phones and batch.get("phones") is not None:
-                pl = batch["phone_lengths"].cpu()
-                phone_lengths.append(pl)
+            input_lengths.append(batch["lengths"])
+            speakers.append(batch.get("speaker"))
+            pl = None if batch.get("phones") is None else batch["phone_lengths"].cpu()
+            phone_lengths.append(pl)
+            if pl is not None:
                 phones.extend(batch["phones"][b, : pl[b]].cpu() for b in range(len(pl)))
-            else:
-                has_phones = False
             advance(1)
     if not utt_ids:
         raise ConfigError(f"{description}: the split is empty")
     if len(set(utt_ids)) != len(utt_ids):
         raise ValueError(f"{description}: duplicate utterance ids in the split")
-    width = len(layers)
+    has_phones = all(pl is not None for pl in phone_lengths)
     return SplitFeatures(
         utt_ids=utt_ids,
-        features=torch.cat(feats) if feats else torch.zeros(0, width, 0, dtype=torch.float16),
+        features=torch.cat(feats),
         lengths=torch.cat(lengths).long(),
-        input_lengths=torch.cat(input_lengths).long(),
-        speakers=torch.cat(speakers).long() if has_speaker and speakers else None,
+        input_lengths=torch.cat(input_lengths).cpu().long(),
+        speakers=None if any(s is None for s in speakers) else torch.cat(speakers).cpu().long(),
         phones=torch.cat(phones).long() if has_phones and phones else None,
-        phone_lengths=torch.cat(phone_lengths).long() if has_phones and phone_lengths else None,
+        phone_lengths=torch.cat(phone_lengths).long() if has_phones else None,
     )
 
 
