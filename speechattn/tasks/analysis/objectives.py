@@ -188,19 +188,18 @@ class ProbeObjective(Objective[LabelledBatch]):
 
     def split(self, batch: LabelledBatch) -> list[LabelledBatch]:
         units = []
+        frames = batch.label_lengths  # (B,) for frame labels, else None
         for b, n in enumerate(batch.lengths.tolist()):
-            if batch.label_lengths is None:
-                labels, label_lengths = batch.labels[b : b + 1], None
-            else:
-                m = int(batch.label_lengths[b])
-                labels, label_lengths = batch.labels[b : b + 1, :m], batch.label_lengths[b : b + 1]
+            one = slice(b, b + 1)
+            labels = batch.labels[one] if frames is None else batch.labels[one, : int(frames[b])]
+            label_lengths = None if frames is None else frames[one]
             units.append(
                 LabelledBatch(
-                    batch.features[b : b + 1, :n],
-                    batch.lengths[b : b + 1],
+                    batch.features[one, :n],
+                    batch.lengths[one],
                     labels,
                     label_lengths,
-                    batch.utt_ids[b : b + 1],
+                    batch.utt_ids[one],
                 )
             )
         return units

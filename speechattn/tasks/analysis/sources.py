@@ -174,26 +174,19 @@ def load_probe_run(directory: str | Path) -> ProbeRun:
     checkpoint = find_probe_checkpoint(directory, result.best_epoch)
     try:
         state = load_torch_file(checkpoint, "cpu")
-    except TorchFileError as e:
-        raise TorchFileError(
-            f"{checkpoint}: not a readable downstream probe checkpoint: "
-            f"{describe_load_error(e.__cause__ or e, checkpoint)}"
-        ) from e
-    try:
         hp = state["hyper_parameters"]
         task = TaskConfig(**hp["task"])
-        probe = DownstreamProbe(
-            task,
-            int(hp["input_dim"]),
-            int(hp["num_layers"]),
-            int(hp["num_classes"]),
-            int(hp["downsample"]),
-            int(hp["tolerance"]),
-        )
+        sizes = ("input_dim", "num_layers", "num_classes", "downsample", "tolerance")
+        probe = DownstreamProbe(task, *(int(hp[k]) for k in sizes))
         probe.load_state_dict(state["state_dict"])
     except Exception as e:
+        detail = (
+            describe_load_error(e.__cause__ or e, checkpoint)
+            if isinstance(e, TorchFileError)
+            else f"{type(e).__name__}: {e}"
+        )
         raise TorchFileError(
-            f"{checkpoint}: not a readable downstream probe checkpoint: {type(e).__name__}: {e}"
+            f"{checkpoint}: not a readable downstream probe checkpoint: {detail}"
         ) from e
     layers = [int(i) for i in (result.probe or {}).get("layers", [])]
     if len(layers) != probe.select.num_layers:
