@@ -87,7 +87,7 @@ def _from_dict(cls: type[T], data: dict[str, Any], path: Path, what: str) -> T:
     ]
     missing = [name for name in required if name not in data]
     if missing:
-        raise DataError(path, f"{what} lacks required field(s) {', '.join(missing)}")
+        raise DataError(path, f"{what} lacks required field(s) {', '.join(missing)}".lstrip())
     known = {f.name for f in fields(cls)}
     return cls(**{k: v for k, v in data.items() if k in known})
 
@@ -273,24 +273,17 @@ class SuperbResult:
 
 
 def read_superb(path: str | Path) -> SuperbResult:
-    """Read and check one `superb_result.json`; a `ValueError` naming the file when it is not."""
+    """Read and check one `superb_result.json`; a `DataError` (a `ValueError`) naming the file
+    when it is not one."""
     path = Path(path)
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise ValueError(f"{path}: not a readable {SUPERB_FILE} ({e})") from e
+    data = _read_json(path, SUPERB_FILE)
     if not isinstance(data, dict) or data.get("kind") != SUPERB_KIND:
-        raise ValueError(f"{path}: not a {SUPERB_FILE} (kind must be {SUPERB_KIND!r})")
+        raise DataError(path, f"not a {SUPERB_FILE}", f"kind must be {SUPERB_KIND!r}")
     if data.get("schema_version") != SCHEMA_VERSION:
-        raise ValueError(f"{path}: schema version {data.get('schema_version')}, expected 1")
-    required = [f.name for f in fields(SuperbResult) if f.default is MISSING]
-    missing = [name for name in required if name not in data]
-    if missing:
-        raise ValueError(f"{path}: lacks required field(s) {', '.join(missing)}")
-    known = {f.name for f in fields(SuperbResult)}
-    result = SuperbResult(**{k: v for k, v in data.items() if k in known})
+        raise DataError(path, f"schema version {data.get('schema_version')}, expected 1")
+    result = _from_dict(SuperbResult, data, path, "")
     if not isinstance(result.value, int | float) or result.value != result.value:
-        raise ValueError(f"{path}: value must be a number, found {result.value!r}")
+        raise DataError(path, f"value must be a number, found {result.value!r}")
     return result
 
 

@@ -122,14 +122,12 @@ def check_settings(cfg: DictConfig) -> None:
     ModelConfig(**plain(cfg.model.net))
     MaskingConfig(**plain(cfg.model.masking))
     OptimConfig(**plain(cfg.model.optimizer))
-    every_n = cfg.checkpoint.every_n_steps
-    require(
-        is_int(every_n) and every_n >= 1, "checkpoint.every_n_steps", every_n, "an integer >= 1"
-    )
-    keep = cfg.checkpoint.keep
-    require(is_int(keep) and keep >= -1, "checkpoint.keep", keep, "an integer >= 0, or -1 (all)")
-    limit = cfg.max_nonfinite
-    require(is_int(limit) and limit >= 1, "max_nonfinite", limit, "an integer >= 1")
+    for name, value, least, rule in (
+        ("checkpoint.every_n_steps", cfg.checkpoint.every_n_steps, 1, "an integer >= 1"),
+        ("checkpoint.keep", cfg.checkpoint.keep, -1, "an integer >= 0, or -1 (all)"),
+        ("max_nonfinite", cfg.max_nonfinite, 1, "an integer >= 1"),
+    ):
+        require(is_int(value) and value >= least, name, value, rule)
     bar = cfg.get("progress_bar", "rich")
     require(bar in ("rich", "tqdm", "none", None), "progress_bar", bar, "rich, tqdm or none")
 
