@@ -14,6 +14,7 @@ from typing import Any
 import lightning as L
 import torch
 from torch import Tensor
+from torch.nn.utils.rnn import pad_sequence
 from torch.utils.data import Dataset
 from torchmetrics import Metric
 
@@ -105,11 +106,8 @@ def collate(items: list[dict[str, Any]]) -> dict[str, Any]:
     if labels[0].dim() == 0:
         batch["labels"] = torch.stack(labels)
     else:
-        label_lengths = torch.tensor([len(y) for y in labels])
-        padded = torch.full((len(items), int(label_lengths.max())), IGNORE_INDEX, dtype=torch.long)
-        for b, y in enumerate(labels):
-            padded[b, : len(y)] = y
-        batch["labels"], batch["label_lengths"] = padded, label_lengths
+        batch["labels"] = pad_sequence(labels, batch_first=True, padding_value=IGNORE_INDEX).long()
+        batch["label_lengths"] = torch.tensor([len(y) for y in labels])
     return batch
 
 

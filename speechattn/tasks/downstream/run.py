@@ -66,14 +66,13 @@ def cached_features(
     datamodule: Any,
     data_config: dict[str, Any],
     cache_dir: str | Path,
-    device: torch.device | str = "cpu",
-    progress_bar: bool = True,
-    normalization: FeatureNormalization | None = None,
+    device: torch.device | str,
+    progress_bar: bool,
+    normalization: FeatureNormalization,
 ) -> dict[str, SplitFeatures]:
     """Hidden states `layers` of every split, from the cache or extracted (then cached) once;
-    `normalization` (default: the upstream's own, `feature_normalization`) adapts the input."""
+    `normalization` (`feature_normalization`) adapts the input."""
     normalizer = getattr(datamodule, "normalizer", None)
-    normalization = normalization or feature_normalization(normalizer, upstream)
     stats = tensor_digest(getattr(normalizer, "mean", None), getattr(normalizer, "std", None))
     key = cache_key(upstream_id, layers, data_config, stats + normalization.cache_tag)
     folder = Path(cache_dir).expanduser() / key
@@ -142,7 +141,6 @@ def fit_probe(
     optional); `labels`: the task's label source bound to the corpus (None: unbound);
     `loggers`: besides `out/logs/metrics.csv`, which is always written.
     """
-    labels = labels if labels is not None else task.labels()
     loaders = {
         name: DataLoader(
             ProbeDataset(splits[name], task, labels),
@@ -241,8 +239,8 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         plain(data_config),
         cfg.get("cache_dir") or data_config.cache_root() / "downstream",
         choose_device(cfg.get("device", "auto")),
-        progress_bar=data_config.progress,
-        normalization=normalization,
+        data_config.progress,
+        normalization,
     )
     upstream.cpu()
     t_features = time.perf_counter() - t_features

@@ -261,20 +261,19 @@ def check_resume_settings(
             f"ckpt_path={path} (step {step}) was trained with other settings than this run's: "
             f"{listed}. {advice}"
         )
-    changes = [
-        {"step": step, "setting": k, "checkpoint": old, "now": new}
-        for k, (old, new) in differences.items()
-    ]
-    for change in changes:
+    for k, (old, new) in differences.items():
         log.warning(
             "resuming with %s changed from %r to %r at step %d (allow_resume_changes; recorded "
             "in upstream.pt's metadata as resume_changes)",
-            change["setting"],
-            change["checkpoint"],
-            change["now"],
+            k,
+            old,
+            new,
             step,
         )
-    return changes
+    return [
+        {"step": step, "setting": k, "checkpoint": old, "now": new}
+        for k, (old, new) in differences.items()
+    ]
 
 
 def check_state_dict(checkpoint: dict[str, Any], path: Path, model: torch.nn.Module) -> None:
