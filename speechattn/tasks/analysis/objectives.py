@@ -39,6 +39,7 @@ class Objective(ABC, Generic[U]):
     higher_is_better: bool = False
     device: torch.device = torch.device("cpu")  # where the batches and the model live
     dtype: torch.dtype = torch.float32  # float64 for finite-difference checks
+    frames: int = 0  # valid 10 ms frames in the subset
 
     def __init__(self, num_layers: int, num_heads: int, batches: list[U]) -> None:
         if not batches:
@@ -58,8 +59,17 @@ class Objective(ABC, Generic[U]):
         """(sum, count) of the metric over the unit; the metric is sum(sums) / sum(counts)."""
 
     @abstractmethod
+    def scored(self, batch: U) -> int:
+        """Items the metric counts in `batch`: chosen model frames, or (frame) labels."""
+
     def subset(self) -> dict[str, int]:
         """Size of the data subset: batches, utterances, frames (10 ms), scored items."""
+        return {
+            "batches": len(self.batches),
+            "utterances": sum(len(b.lengths) for b in self.batches),  # type: ignore[attr-defined]
+            "frames": self.frames,
+            "scored": sum(self.scored(b) for b in self.batches),
+        }
 
     def units(self, per: str) -> Iterator[U]:
         if per == "batch":
@@ -96,7 +106,7 @@ class PretrainObjective(Objective[MaskedBatch]):
         self.device, self.dtype = torch.device(device), dtype
         self.model = _frozen(model, self.device, dtype)
         masking = masking or MaskingConfig()
-        prepared, self.frames = [], 0  # frames: valid 10 ms frames in the subset
+        prepared, self.frames = [], 0
         for i, batch in enumerate(batches):
             features = batch["features"].to(self.device, dtype)  # (B, T, F)
             lengths = batch["lengths"].to(self.device)  # (B,)
@@ -121,13 +131,8 @@ class PretrainObjective(Objective[MaskedBatch]):
         weight = unit.chosen[..., None].to(error.dtype)  # (B, T', 1)
         return float((error * weight).sum()), float(weight.sum()) * error.shape[-1]
 
-    def subset(self) -> dict[str, int]:
-        return {
-            "batches": len(self.batches),
-            "utterances": sum(len(b.lengths) for b in self.batches),
-            "frames": self.frames,
-            "scored": sum(int(b.chosen.sum()) for b in self.batches),  # chosen model frames
-        }
+    def scored(self, batch: MaskedBatch) -> int:
+        return int(batch.chosen.sum())  # chosen model frames
 
 
 @dataclass
@@ -172,6 +177,7 @@ class ProbeObjective(Objective[LabelledBatch]):
         self.level = level
         labels = label_source(target)() if isinstance(target, str) else target
         prepared = [self._labelled(b, labels, level) for b in batches]
+        self.frames = sum(int(b.lengths.sum()) for b in prepared)
         super().__init__(int(upstream.num_layers), int(upstream.num_heads), prepared)
 
     def _labelled(self, batch: dict[str, Any], source: LabelSource, level: str) -> LabelledBatch:
@@ -232,16 +238,8 @@ class ProbeObjective(Objective[LabelledBatch]):
         correct = (logits.argmax(-1) == labels) & valid
         return float(correct.sum()), float(valid.sum())
 
-    def subset(self) -> dict[str, int]:
-        def scored(b: LabelledBatch) -> int:
-            return int((b.labels != IGNORE_INDEX).sum())
-
-        return {
-            "batches": len(self.batches),
-            "utterances": sum(len(b.lengths) for b in self.batches),
-            "frames": sum(int(b.lengths.sum()) for b in self.batches),
-            "scored": sum(scored(b) for b in self.batches),  # utterances or label frames
-        }
+    def scored(self, batch: LabelledBatch) -> int:
+        return int((batch.labels != IGNORE_INDEX).sum())  # utterances or label frames
 
 
 def _frozen(module: nn.Module, device: torch.device, dtype: torch.dtype) -> nn.Module:

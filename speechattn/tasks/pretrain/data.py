@@ -305,11 +305,9 @@ class ResumableData(L.LightningDataModule):
         wrapped module's dataset, collate, workers, pinning and prefetch with the order of
         `StepBatchSampler`, and with `batch_masker` (the task's, given the length bucket)
         stacking and masking in the loader. `bench loader` times this very loader."""
-        batch_masker = self.batch_masker
         loader = self.inner.train_dataloader()
-        batch_size = self.batch_size or loader.batch_size
-        if batch_size is None:
-            batch_size = getattr(loader.batch_sampler, "batch_size", None)
+        sampler_batch = getattr(loader.batch_sampler, "batch_size", None)
+        batch_size = self.batch_size or loader.batch_size or sampler_batch
         if batch_size is None:
             raise ConfigError("cannot tell the training batch size; set data.batch_size")
         dataset = loader.dataset
@@ -327,11 +325,11 @@ class ResumableData(L.LightningDataModule):
             bucket_size=int(bucket),
         )
         collate = loader.collate_fn
-        if batch_masker is not None:  # the pretraining task: stack and mask in the loader
+        if self.batch_masker is not None:  # the pretraining task: stack and mask in the loader
             pad = self.pad_to_multiple
             if pad is None:
                 pad = getattr(getattr(self.inner, "cfg", None), "pad_to_multiple", 1)
-            collate = MaskingCollate(collate, batch_masker(int(pad)))
+            collate = MaskingCollate(collate, self.batch_masker(int(pad)))
         workers = loader.num_workers
         return DataLoader(
             SeededItems(dataset),
