@@ -414,11 +414,7 @@ def result_dict(
             "signed": imp.signed.double().tolist(),
             "order": [list(x) for x in imp.order()],
         },
-        "ablation": {
-            "single": matrix("single"),
-            "keep_only": matrix("keep_only"),
-            "layer": matrix("layer"),
-        },
+        "ablation": {name: matrix(name) for name in ("single", "keep_only", "layer")},
         "pruning": pruning,
         "config": {
             "num_batches": config.num_batches,
