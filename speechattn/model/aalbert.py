@@ -475,11 +475,9 @@ class AALBERT(nn.Module):
 
     def _set_residual(self, residual: list[list[float]] | None) -> None:
         self.config.residual_head_mask = residual
-        if residual is None:
-            self.encoder.residual_head_mask = None
-            return
         like = next(self.parameters())
-        self.encoder.residual_head_mask = torch.tensor(residual, device=like.device).to(like)
+        mask = None if residual is None else torch.tensor(residual, device=like.device).to(like)
+        self.encoder.residual_head_mask = mask
 
     def get_num_params(self, include_head: bool = True) -> int:
         """Unique parameters (a shared layer counts once)."""
