@@ -236,16 +236,15 @@ class PeakRSS:
     """Peak-RSS rise of one call (Linux): reset VmHWM via /proc/self/clear_refs."""
 
     def __init__(self) -> None:
-        self.ok = Path("/proc/self/clear_refs").exists()
         try:
             self.libc = ctypes.CDLL("libc.so.6")
         except OSError:
             self.libc = None
-        if self.ok:
-            try:
-                self._reset()
-            except OSError:
-                self.ok = False
+        try:
+            self._reset()
+            self.ok = True
+        except OSError:  # not Linux, or /proc/self/clear_refs not writable
+            self.ok = False
 
     @staticmethod
     def _status(key: str) -> int:

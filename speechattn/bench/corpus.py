@@ -130,24 +130,22 @@ def make_scale_corpus(
         choice = np.random.default_rng([seed, 4099]).integers(len(paths), size=utterances)
         place = _copy if copy else _link
         with progress_bar(utterances, f"corpus of {utterances} utterances", progress) as advance:
-            n = 0
-            for s in range(speakers):
-                speaker = str(100 + s)
-                for c in range(chapters):
-                    chapter = str(10000 + s * chapters + c)
-                    count = _share(utterances, speakers, chapters, s, c)
-                    if count == 0:  # more chapters than utterances
-                        continue
-                    folder = tmp / split / speaker / chapter
-                    folder.mkdir(parents=True)
-                    lines = []
-                    for u in range(count):
-                        utt_id = f"{speaker}-{chapter}-{u:04d}"
-                        place = place(paths[choice[n]], folder / f"{utt_id}.flac")
-                        lines.append(f"{utt_id} {' '.join(WORDS[: 2 + (n % 6)])}\n")
-                        n += 1
-                    (folder / f"{speaker}-{chapter}.trans.txt").write_text("".join(lines))
-                    advance(count)
+            n, cells = 0, speakers * chapters
+            for k in range(cells):  # chapter k % chapters of speaker k // chapters
+                count = utterances // cells + int(k < utterances % cells)  # spread evenly
+                if count == 0:  # more chapters than utterances
+                    continue
+                speaker, chapter = str(100 + k // chapters), str(10000 + k)
+                folder = tmp / split / speaker / chapter
+                folder.mkdir(parents=True)
+                lines = []
+                for u in range(count):
+                    utt_id = f"{speaker}-{chapter}-{u:04d}"
+                    place = place(paths[choice[n]], folder / f"{utt_id}.flac")
+                    lines.append(f"{utt_id} {' '.join(WORDS[: 2 + (n % 6)])}\n")
+                    n += 1
+                (folder / f"{speaker}-{chapter}.trans.txt").write_text("".join(lines))
+                advance(count)
         (tmp / "corpus.json").write_text(json.dumps(params, indent=2))
         os.rename(tmp, out)
     finally:
@@ -159,13 +157,6 @@ def make_scale_corpus(
         time.perf_counter() - start,
     )  # fmt: skip
     return out
-
-
-def _share(utterances: int, speakers: int, chapters: int, s: int, c: int) -> int:
-    """Utterances of chapter c of speaker s when `utterances` are spread evenly."""
-    cells = speakers * chapters
-    k = s * chapters + c
-    return utterances // cells + (1 if k < utterances % cells else 0)
 
 
 def _link(source: Path, target: Path) -> Any:

@@ -53,6 +53,7 @@ from speechattn.bench.common import (
     matmul_peak,
     profiled,
     sync,
+    time_call,
 )
 from speechattn.errors import UsageExit
 
@@ -197,9 +198,7 @@ def timed(step: Step, n: int) -> list[float]:
             end.synchronize()
             times.append(start.elapsed_time(end))
         else:
-            t0 = time.perf_counter()
-            step()
-            times.append(1e3 * (time.perf_counter() - t0))
+            times.append(1e3 * time_call(step, step.device))
     return times
 
 

@@ -17,8 +17,7 @@ import torch
 
 from speechattn.attention import build
 from speechattn.attention.base import all_valid
-
-SCHEMES = ("sign_alsh", "xbox", "xbox_qnf", "simple_lsh", "simple_alsh")
+from speechattn.attention.lsh import SCHEMES
 
 
 def recall(name: str, hash: str, T: int, k: int, bits: int, batch: int, raw: bool) -> float:

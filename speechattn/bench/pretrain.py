@@ -33,6 +33,7 @@ import statistics
 import time
 from collections import Counter
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -239,8 +240,7 @@ def build(name: str, config: ModelConfig, frames: int, device: str) -> nn.Module
     torch.manual_seed(0)
     if name == "reference":
         return ReferenceAALBERT(config).to(device).train()
-    opts = sized_options(name, frames)
-    c = ModelConfig(**{**config.to_dict(), "attention": name, "attention_options": opts})
+    c = replace(config, attention=name, attention_options=sized_options(name, frames))
     return AALBERT(c).to(device).train()
 
 

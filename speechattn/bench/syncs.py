@@ -113,12 +113,8 @@ class SyncCounter(TorchDispatchMode):
         self.cpu_is_device = cpu_is_device
         self.trace = trace
         self.where: Counter[str] = Counter()  # with trace: "reason at file:line" of our code
-        self._host: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
-        self._pinned: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
-        for t in host:
-            self._host[t] = True
-        for t in pinned:
-            self._pinned[t] = True
+        self._host = WeakTensorKeyDictionary(dict.fromkeys(host, True))
+        self._pinned = WeakTensorKeyDictionary(dict.fromkeys(pinned, True))
         self.reasons: Counter[str] = Counter()  # reads of device data
         self.uploads: Counter[str] = Counter()  # copies of host memory that block the host
         self._patched: list[tuple[Any, str, Any]] = []

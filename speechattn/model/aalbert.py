@@ -50,11 +50,7 @@ class ConvPositions(nn.Module):
     """
 
     def __init__(self, dim: int, kernel: int, groups: int) -> None:
-        super().__init__()
-        if kernel % 2 == 0:
-            raise ConfigError(f"conv_position_kernel must be odd (centred), got {kernel}")
-        if dim % groups:
-            raise ConfigError(f"dim={dim} is not divisible by conv_position_groups={groups}")
+        super().__init__()  # kernel odd and groups dividing dim: checked by ModelConfig
         self.conv = nn.Conv1d(dim, dim, kernel, padding=kernel // 2, groups=groups)
 
     def forward(self, h: Tensor, padding_mask: Tensor | None) -> Tensor:
@@ -68,26 +64,17 @@ class InputEmbedding(nn.Module):
     """Stacked frames -> Linear -> + sinusoidal positions [-> + conv positions] -> LayerNorm
     -> dropout (Mockingjay; the convolutional positions are an option, off by default)."""
 
-    def __init__(
-        self,
-        in_dim: int,
-        dim: int,
-        dropout: float,
-        eps: float,
-        position_scale: float = 1.0,
-        conv_position_kernel: int = 0,
-        conv_position_groups: int = 16,
-    ) -> None:
+    def __init__(self, c: ModelConfig) -> None:
         super().__init__()
-        self.proj = nn.Linear(in_dim, dim)
-        self.position_scale = position_scale
+        self.proj = nn.Linear(c.input_dim, c.dim)
+        self.position_scale = c.position_scale
         self.conv_positions = (
-            ConvPositions(dim, conv_position_kernel, conv_position_groups)
-            if conv_position_kernel
+            ConvPositions(c.dim, c.conv_position_kernel, c.conv_position_groups)
+            if c.conv_position_kernel
             else None
         )
-        self.norm = nn.LayerNorm(dim, eps=eps)
-        self.dropout = nn.Dropout(dropout)
+        self.norm = nn.LayerNorm(c.dim, eps=c.layer_norm_eps)
+        self.dropout = nn.Dropout(c.dropout)
 
     def forward(self, x: Tensor, padding_mask: Tensor | None = None) -> Tensor:
         """x (B, T', stack*F), padding_mask (B, T') True at padding -> (B, T', D)."""
@@ -122,22 +109,14 @@ class EncoderLayer(nn.Module):
     and the encoder then adds a final LayerNorm.
     """
 
-    def __init__(
-        self,
-        attention: nn.Module,
-        dim: int,
-        ffn_dim: int,
-        dropout: float,
-        pre_norm: bool,
-        eps: float,
-    ) -> None:
+    def __init__(self, attention: nn.Module, c: ModelConfig) -> None:
         super().__init__()
         self.attention = attention
-        self.attn_norm = nn.LayerNorm(dim, eps=eps)
-        self.ffn = FeedForward(dim, ffn_dim, dropout)
-        self.ffn_norm = nn.LayerNorm(dim, eps=eps)
-        self.dropout = nn.Dropout(dropout)
-        self.pre_norm = pre_norm
+        self.attn_norm = nn.LayerNorm(c.dim, eps=c.layer_norm_eps)
+        self.ffn = FeedForward(c.dim, c.ffn_dim, c.dropout)
+        self.ffn_norm = nn.LayerNorm(c.dim, eps=c.layer_norm_eps)
+        self.dropout = nn.Dropout(c.dropout)
+        self.pre_norm = c.pre_norm
 
     def forward(
         self,
@@ -177,8 +156,6 @@ class Encoder(nn.Module):
 
     def __init__(self, layers: list[EncoderLayer], num_layers: int, final_norm: nn.Module) -> None:
         super().__init__()
-        if len(layers) not in (1, num_layers):
-            raise ValueError(f"expected 1 (shared) or {num_layers} layers, got {len(layers)}")
         self.layers = nn.ModuleList(layers)
         self.num_layers = num_layers
         self.depth_to_layer = [0] * num_layers if len(layers) == 1 else list(range(num_layers))
@@ -392,21 +369,9 @@ class AALBERT(nn.Module):
         self.config = config
         make_attention = make_attention or registry_attention(config)
         c = config
-        self.embedding = InputEmbedding(
-            c.input_dim,
-            c.dim,
-            c.dropout,
-            c.layer_norm_eps,
-            c.position_scale,
-            c.conv_position_kernel,
-            c.conv_position_groups,
-        )
-        n_objects = 1 if c.shared else c.num_layers
+        self.embedding = InputEmbedding(c)
         layers = [
-            EncoderLayer(
-                make_attention(i), c.dim, c.ffn_dim, c.dropout, c.pre_norm, c.layer_norm_eps
-            )
-            for i in range(n_objects)
+            EncoderLayer(make_attention(i), c) for i in range(1 if c.shared else c.num_layers)
         ]
         final_norm = nn.LayerNorm(c.dim, eps=c.layer_norm_eps) if c.pre_norm else nn.Identity()
         self.encoder = Encoder(layers, c.num_layers, final_norm)
@@ -510,11 +475,9 @@ class AALBERT(nn.Module):
 
     def _set_residual(self, residual: list[list[float]] | None) -> None:
         self.config.residual_head_mask = residual
-        if residual is None:
-            self.encoder.residual_head_mask = None
-            return
         like = next(self.parameters())
-        self.encoder.residual_head_mask = torch.tensor(residual, device=like.device).to(like)
+        mask = None if residual is None else torch.tensor(residual, device=like.device).to(like)
+        self.encoder.residual_head_mask = mask
 
     def get_num_params(self, include_head: bool = True) -> int:
         """Unique parameters (a shared layer counts once)."""
