@@ -202,6 +202,9 @@ class _CorpusDataModule(L.LightningDataModule):
             raise RuntimeError(f"{type(self).__name__}: call setup() before asking for dataloaders")
         return self.datasets[name]
 
+    def train_dataloader(self) -> DataLoader:
+        return self._loader(self._dataset("train"), shuffle=True)
+
     def describe(self) -> dict[str, Any]:
         """Corpus facts for result metadata: root, utterances and seconds of audio (10 ms
         frames) per role, skips."""
@@ -286,9 +289,6 @@ class PretrainDataModule(_CorpusDataModule):
             len(self.datasets["train"]), len(self.datasets["val"]), self.cfg.pretrain_splits, n_excluded,
         )  # fmt: skip
         self._finish_setup()
-
-    def train_dataloader(self) -> DataLoader:
-        return self._loader(self._dataset("train"), shuffle=True)
 
     def val_dataloader(self) -> DataLoader | list:
         ds = self._dataset("val")

@@ -220,9 +220,6 @@ class LabelledDataModule(_CorpusDataModule):
             dev |= _held_out(ids, self.cfg.dev_fraction, self.cfg.seed * 100003 + k)
         return [u for u in train if u not in dev], [u for u in train if u in dev]
 
-    def train_dataloader(self) -> DataLoader:
-        return self._loader(self._dataset("train"), shuffle=True)
-
     def val_dataloader(self) -> DataLoader:
         return self._loader(self._dataset("dev"), shuffle=False)
 

@@ -23,7 +23,6 @@ from speechattn.errors import ConfigError
 
 # s3prl -d names -> the SUPERB abbreviations the recipe and the report use
 ABBREVIATION = {"speech_commands": "ks", "voxceleb1": "sid", "ctc": "pr"}
-TASK_OF = {v: k for k, v in ABBREVIATION.items()}
 # the metric s3prl writes for each task, and whether higher is better
 METRIC = {"speech_commands": ("accuracy", True), "voxceleb1": ("accuracy", True),
           "ctc": ("per", False)}  # fmt: skip

@@ -357,9 +357,7 @@ def _write_manifest(
             {**f, "path": path_of[f["utt_id"]], "stage": "audio"} for f in marker["failures"]
         ]
         notes += [[u, f"{path_of[u]}: {note}"] for u, note in marker["notes"]]
-    file_shard = np.zeros(len(utterances), dtype=np.int32)
-    for k, (a, b) in enumerate(ranges):
-        file_shard[a:b] = k
+    file_shard = np.repeat(np.arange(len(ranges), dtype=np.int32), [b - a for a, b in ranges])
     arrays = {
         "utt_ids": np.array(ids, dtype=str),
         "shard": np.concatenate(shard),
