@@ -202,6 +202,9 @@ class _CorpusDataModule(L.LightningDataModule):
             raise RuntimeError(f"{type(self).__name__}: call setup() before asking for dataloaders")
         return self.datasets[name]
 
+    def train_dataloader(self) -> DataLoader:
+        return self._loader(self._dataset("train"), shuffle=True)
+
     def describe(self) -> dict[str, Any]:
         """Corpus facts for result metadata: root, utterances and seconds of audio (10 ms
         frames) per role, skips."""
@@ -241,17 +244,13 @@ class PretrainDataModule(_CorpusDataModule):
     utterances are used whole (padded in the batch; `padding_mask` marks the padding).
     """
 
-    def _excluded(self) -> set[str]:
-        """Labelled test utterances kept out of pretraining (`pretrain_exclude_test`)."""
-        path = self.label_files.path(self.cfg.test_list)
-        if not self.cfg.pretrain_exclude_test or path is None or not path.is_file():
-            return set()
-        return set(read_split_list(path))
-
     def setup(self, stage: str | None = None) -> None:
         if self._ready:
             return
-        c, excluded = self.cfg, self._excluded()
+        c, excluded = self.cfg, set()
+        test_list = self.label_files.path(c.test_list)  # kept out of pretraining
+        if c.pretrain_exclude_test and test_list is not None and test_list.is_file():
+            excluded = set(read_split_list(test_list))
         n_excluded = 0
         usable = {}  # split -> its utterance ids not excluded
         for split in c.pretrain_splits:
@@ -286,9 +285,6 @@ class PretrainDataModule(_CorpusDataModule):
             len(self.datasets["train"]), len(self.datasets["val"]), self.cfg.pretrain_splits, n_excluded,
         )  # fmt: skip
         self._finish_setup()
-
-    def train_dataloader(self) -> DataLoader:
-        return self._loader(self._dataset("train"), shuffle=True)
 
     def val_dataloader(self) -> DataLoader | list:
         ds = self._dataset("val")

@@ -49,10 +49,6 @@ class Skip:
     detail: str
     stage: str  # "scan", "audio", "labels", ...
 
-    @classmethod
-    def from_error(cls, error: DataError, stage: str) -> Skip:
-        return cls(error.utt_id, error.path, error.problem, error.detail, stage)
-
     def __str__(self) -> str:
         return str(DataError(self.path, self.problem, self.detail, self.utt_id))
 
@@ -74,7 +70,7 @@ class Issues:
         """Raise `error` or record it as a skip, depending on the policy."""
         if self.on_error == "error":
             raise error
-        self.skips.append(Skip.from_error(error, stage))
+        self.skips.append(Skip(error.utt_id, error.path, error.problem, error.detail, stage))
 
     @property
     def skipped_ids(self) -> set[str]:

@@ -71,19 +71,16 @@ class Espeak:
         import espeakng_loader
 
         self.lib = ctypes.CDLL(espeakng_loader.get_library_path())
-        self.lib.espeak_Initialize.argtypes = [
-            ctypes.c_int, ctypes.c_int, ctypes.c_char_p, ctypes.c_int,
-        ]  # fmt: skip
-        self.lib.espeak_Initialize.restype = ctypes.c_int
-        self.lib.espeak_SetVoiceByName.argtypes = [ctypes.c_char_p]
-        self.lib.espeak_SetVoiceByName.restype = ctypes.c_int
-        self.lib.espeak_SetParameter.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int]
-        self.lib.espeak_SetParameter.restype = ctypes.c_int
-        self.lib.espeak_Synth.argtypes = [
-            ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint, ctypes.c_int,
-            ctypes.c_uint, ctypes.c_uint, ctypes.c_void_p, ctypes.c_void_p,
-        ]  # fmt: skip
-        self.lib.espeak_Synth.restype = ctypes.c_int
+        c = ctypes
+        for name, argtypes in (
+            ("espeak_Initialize", [c.c_int, c.c_int, c.c_char_p, c.c_int]),
+            ("espeak_SetVoiceByName", [c.c_char_p]),
+            ("espeak_SetParameter", [c.c_int, c.c_int, c.c_int]),
+            ("espeak_Synth", [c.c_void_p, c.c_size_t, c.c_uint, c.c_int,
+                              c.c_uint, c.c_uint, c.c_void_p, c.c_void_p]),
+        ):  # fmt: skip
+            function = getattr(self.lib, name)
+            function.argtypes, function.restype = argtypes, c.c_int
         flags = INITIALIZE_PHONEME_EVENTS | INITIALIZE_PHONEME_IPA | INITIALIZE_DONT_EXIT
         data_path = espeakng_loader.get_data_path().encode()
         rate = self.lib.espeak_Initialize(AUDIO_OUTPUT_SYNCHRONOUS, 0, data_path, flags)

@@ -9,6 +9,7 @@ Framing follows Kaldi snip-edges (torchaudio `center=False`): 25 ms windows ever
 
 from __future__ import annotations
 
+import functools
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -102,7 +103,10 @@ class LogMel:
         return spec.T.contiguous()  # (T, F)
 
 
-_LOGMELS: dict[FeatureConfig, LogMel] = {}
+@functools.cache
+def cached_log_mel(cfg: FeatureConfig) -> LogMel:
+    """This process's `LogMel` of `cfg`, built once (the cache's extraction uses it too)."""
+    return LogMel(cfg)
 
 
 def log_mel_batch(
@@ -117,7 +121,7 @@ def log_mel_batch(
         features (B, T, F) zero-padded past each utterance's frames, and frames (B,) =
         num_frames(samples). Cached features differ from these by float16 rounding only.
     """
-    mel = _LOGMELS.get(cfg) or _LOGMELS.setdefault(cfg, LogMel(cfg))
+    mel = cached_log_mel(cfg)
     frames = torch.tensor([num_frames(int(n)) for n in lengths], dtype=torch.long)
     out = wavs.new_zeros(wavs.shape[0], int(frames.max()) if len(frames) else 0, cfg.dim)
     for b in range(wavs.shape[0]):

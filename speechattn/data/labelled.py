@@ -48,10 +48,6 @@ class LabelledDataModule(_CorpusDataModule):
     def num_phones(self) -> int:
         return len(self.phone_set)
 
-    def _splits_needed(self) -> list[str]:
-        extra = self.cfg.test_splits if self.cfg.test_list is None else []
-        return list(dict.fromkeys(self.cfg.labelled_splits + extra))
-
     def _role_ids(self, available: dict[str, tuple[str, int]]) -> tuple[list[str], list[str]]:
         """Train and test utterance ids per the configured lists / folders, checked."""
         c, files = self.cfg, self.label_files
@@ -123,7 +119,8 @@ class LabelledDataModule(_CorpusDataModule):
         if self._ready:
             return
         available: dict[str, tuple[str, int]] = {}  # utt_id -> (split, position in its store)
-        for split in self._splits_needed():
+        extra = self.cfg.test_splits if self.cfg.test_list is None else []
+        for split in dict.fromkeys(self.cfg.labelled_splits + extra):
             store = self._split(split)
             available.update((u, (split, i)) for i, u in enumerate(store.utt_ids))
         roles, lengths, phones = self._roles(available)
@@ -219,9 +216,6 @@ class LabelledDataModule(_CorpusDataModule):
             ids = sorted(by_speaker[speaker])
             dev |= _held_out(ids, self.cfg.dev_fraction, self.cfg.seed * 100003 + k)
         return [u for u in train if u not in dev], [u for u in train if u in dev]
-
-    def train_dataloader(self) -> DataLoader:
-        return self._loader(self._dataset("train"), shuffle=True)
 
     def val_dataloader(self) -> DataLoader:
         return self._loader(self._dataset("dev"), shuffle=False)

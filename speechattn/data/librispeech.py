@@ -175,70 +175,54 @@ def scan_split(
     utts: list[Utterance] = []
     for speaker, chapter, files in listing.chapters:
         chapter_dir = listing.folder / speaker / chapter
-        utts += _scan_chapter(chapter_dir, speaker, chapter, files, split, issues, with_info)
+        trans_name = f"{speaker}-{chapter}.trans.txt"
+        trans_path = chapter_dir / trans_name
+        audio: dict[str, tuple[int, int, int]] = {}  # utterance id -> (size, mtime_ns, ctime_ns)
+        other: dict[str, str] = {}  # utterance id -> name of a file with another extension
+        has_transcripts = False
+        reported: set[str | None] = set()  # utterance ids of broken audio links, reported here
+        for name, size, mtime, ctime in files:
+            if size == BROKEN_LINK:
+                error = broken_link(chapter_dir / name)
+                issues.report(error, "scan")
+                reported.add(error.utt_id)
+            elif name.endswith(AUDIO_SUFFIX):
+                audio[name[: -len(AUDIO_SUFFIX)]] = (size, mtime, ctime)
+            elif name == trans_name:
+                has_transcripts = True
+            elif UTT_RE.match(stem := name.partition(".")[0]):
+                other[stem] = name
+        transcripts = read_transcripts(trans_path, issues) if has_transcripts else {}
+        for utt_id in sorted(audio):
+            path = chapter_dir / f"{utt_id}{AUDIO_SUFFIX}"
+            m = UTT_RE.match(utt_id)
+            if not m or m.group(1) != speaker or m.group(2) != chapter:
+                detail = f"expected {speaker}-{chapter}-NNNN{AUDIO_SUFFIX}"
+                issues.report(DataError(path, "unexpected file name", detail), "scan")
+                continue
+            if transcripts.get(utt_id, "") is None:
+                continue  # a duplicated transcript line, reported already
+            if utt_id not in transcripts:
+                where = f"no line for it in {trans_name}"
+                if not has_transcripts:
+                    where = f"{trans_name} is missing"
+                issues.report(DataError(path, "missing transcript", where, utt_id), "scan")
+                continue
+            size, mtime, ctime = audio[utt_id]
+            num_samples, rate = _header(path) if with_info else (None, None)
+            utts.append(
+                Utterance(utt_id, speaker, chapter, path, transcripts[utt_id], split, num_samples,
+                          rate, size, mtime, ctime)
+            )  # fmt: skip
+        for utt_id in sorted(set(transcripts) - set(audio) - reported):
+            detail = f"no {utt_id}{AUDIO_SUFFIX}"
+            if utt_id in other:  # e.g. a .wav: say what was found and why it is not used
+                detail += (
+                    f"; found {other[utt_id]}, but only {AUDIO_SUFFIX} files are read "
+                    f"(convert it to {AUDIO_SUFFIX})"
+                )
+            issues.report(DataError(trans_path, "transcript without audio", detail, utt_id), "scan")
     return utts
-
-
-def _scan_chapter(
-    chapter_dir: Path,
-    speaker: str,
-    chapter: str,
-    files: tuple[tuple[str, int, int, int], ...],
-    split: str,
-    issues: Issues,
-    with_info: bool,
-) -> list[Utterance]:
-    trans_name = f"{speaker}-{chapter}.trans.txt"
-    trans_path = chapter_dir / trans_name
-    audio: dict[str, tuple[int, int, int]] = {}  # utterance id -> (size, mtime_ns, ctime_ns)
-    other: dict[str, str] = {}  # utterance id -> name of a file with another extension
-    has_transcripts = False
-    reported: set[str | None] = set()  # utterance ids of broken audio links, reported here
-    for name, size, mtime, ctime in files:
-        if size == BROKEN_LINK:
-            error = broken_link(chapter_dir / name)
-            issues.report(error, "scan")
-            reported.add(error.utt_id)
-        elif name.endswith(AUDIO_SUFFIX):
-            audio[name[: -len(AUDIO_SUFFIX)]] = (size, mtime, ctime)
-        elif name == trans_name:
-            has_transcripts = True
-        elif UTT_RE.match(stem := name.partition(".")[0]):
-            other[stem] = name
-    transcripts = read_transcripts(trans_path, issues) if has_transcripts else {}
-    out = []
-    for utt_id in sorted(audio):
-        path = chapter_dir / f"{utt_id}{AUDIO_SUFFIX}"
-        m = UTT_RE.match(utt_id)
-        if not m or m.group(1) != speaker or m.group(2) != chapter:
-            detail = f"expected {speaker}-{chapter}-NNNN{AUDIO_SUFFIX}"
-            issues.report(DataError(path, "unexpected file name", detail), "scan")
-            continue
-        if transcripts.get(utt_id, "") is None:
-            continue  # a duplicated transcript line, reported already
-        if utt_id not in transcripts:
-            where = (
-                f"no line for it in {trans_name}" if has_transcripts else f"{trans_name} is missing"
-            )
-            issues.report(DataError(path, "missing transcript", where, utt_id), "scan")
-            continue
-        size, mtime, ctime = audio[utt_id]
-        num_samples = rate = None
-        if with_info:
-            num_samples, rate = _header(path)
-        out.append(
-            Utterance(utt_id, speaker, chapter, path, transcripts[utt_id], split, num_samples,
-                      rate, size, mtime, ctime)
-        )  # fmt: skip
-    for utt_id in sorted(set(transcripts) - set(audio) - reported):
-        detail = f"no {utt_id}{AUDIO_SUFFIX}"
-        if utt_id in other:  # e.g. a .wav: say what was found and why it is not used
-            detail += (
-                f"; found {other[utt_id]}, but only {AUDIO_SUFFIX} files are read "
-                f"(convert it to {AUDIO_SUFFIX})"
-            )
-        issues.report(DataError(trans_path, "transcript without audio", detail, utt_id), "scan")
-    return out
 
 
 def broken_link(link: Path, utt_id: str | None = None) -> DataError:

@@ -216,6 +216,10 @@ def _readme(
     abx: Table | None = None,
 ) -> str:
     table2, table1 = tables
+
+    def written(name: str) -> bool:
+        return (report.out / name).is_file()
+
     found = sum(len(runs) for runs in results.results.values())
     lines = [
         "# Attention study: results",
@@ -232,38 +236,24 @@ def _readme(
         "| [table1.md](table1.md) / `table1.csv` | complexity, keys attended, parameters, measured "
         "time and peak memory per variant |",
     ]
-    if (report.out / "fig_attention_maps.png").is_file():
-        lines.append(
-            "| [fig_attention_maps.png](fig_attention_maps.png) | every head of one layer for one "
-            "test utterance under its log-mel spectrogram (study Fig. 2) |"
-        )
-    if (report.out / "fig_accuracy_vs_keys.png").is_file():
-        lines.append(
-            "| [fig_accuracy_vs_keys.png](fig_accuracy_vs_keys.png) | utterance-level speaker "
-            "accuracy vs keys attended per query (study Fig. 4) |"
-        )
-    if (report.out / "heads.md").is_file():
-        lines.append(
-            "| [heads.md](heads.md), `heads_*.png`, `fig_heads_pruning.png` | head importance "
-            "heat-maps, single-head ablations and pruning curves (`python -m speechattn.analyze "
-            "heads`) |"
-        )
-    if abx is not None:
-        lines.append(
-            "| [abx.md](abx.md) / `abx.csv`, [fig_abx_layers.png](fig_abx_layers.png) | ABX "
-            "error per variant and layer, within and across speakers (`python -m "
-            "speechattn.abx`) |"
-        )
-    if superb is not None:
-        lines.append(
-            "| [superb.md](superb.md) / `superb.csv` | SUPERB tasks through s3prl's runner: "
-            "speechattn upstreams vs baselines (`python -m speechattn.superb`) |"
-        )
-    if (report.out / "spans.md").is_file():
-        lines.append(
-            "| [spans.md](spans.md) / `spans.csv` | learned attention span of every head and "
-            "layer of the adaptive_span upstreams |"
-        )
+    optional_rows = [  # (present, the row)
+        (written("fig_attention_maps.png"), "| [fig_attention_maps.png](fig_attention_maps.png) "
+         "| every head of one layer for one test utterance under its log-mel spectrogram (study "
+         "Fig. 2) |"),
+        (written("fig_accuracy_vs_keys.png"), "| [fig_accuracy_vs_keys.png](fig_accuracy_vs_keys"
+         ".png) | utterance-level speaker accuracy vs keys attended per query (study Fig. 4) |"),
+        (written("heads.md"), "| [heads.md](heads.md), `heads_*.png`, `fig_heads_pruning.png` | "
+         "head importance heat-maps, single-head ablations and pruning curves (`python -m "
+         "speechattn.analyze heads`) |"),
+        (abx is not None, "| [abx.md](abx.md) / `abx.csv`, [fig_abx_layers.png](fig_abx_layers"
+         ".png) | ABX error per variant and layer, within and across speakers (`python -m "
+         "speechattn.abx`) |"),
+        (superb is not None, "| [superb.md](superb.md) / `superb.csv` | SUPERB tasks through "
+         "s3prl's runner: speechattn upstreams vs baselines (`python -m speechattn.superb`) |"),
+        (written("spans.md"), "| [spans.md](spans.md) / `spans.csv` | learned attention span of "
+         "every head and layer of the adaptive_span upstreams |"),
+    ]  # fmt: skip
+    lines += [row for present, row in optional_rows if present]
     lines += ["", "## Accuracy (Table 2)", "", table2.markdown()]
     if report.missing:
         shown = ", ".join(f"{v}/{t}" for v, t in report.missing[:20])
@@ -275,9 +265,9 @@ def _readme(
     if superb is not None:
         lines += ["## SUPERB ([superb.md](superb.md))", "", superb.markdown()]
     lines += ["## Cost (Table 1)", "", table1.markdown(digits=1)]
-    if (report.out / "fig_attention_maps.png").is_file():
+    if written("fig_attention_maps.png"):
         lines += ["## Attention maps", "", "![attention maps](fig_attention_maps.png)", ""]
-    if (report.out / "fig_accuracy_vs_keys.png").is_file():
+    if written("fig_accuracy_vs_keys.png"):
         lines += [
             f"## {SPEAKER_TASK} accuracy vs keys attended",
             "",

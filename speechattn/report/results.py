@@ -149,14 +149,13 @@ def read_bench(path: str | Path) -> tuple[list[BenchRecord], dict[str, Any]]:
     (`time_ms`, ...) and peak memory (`peak_memory_mb`, ...). Unknown keys are kept in `extra`.
     """
     data = json.loads(Path(path).read_text())
-    meta: dict[str, Any] = {}
     if isinstance(data, dict) and isinstance(data.get("variants"), dict):
         return _read_bench_by_variant(data)
+    rows, meta = data, {}
     if isinstance(data, dict):
         rows = data.get("results", data.get("records", []))
         meta = {k: v for k, v in data.items() if k not in ("results", "records")}
-    else:
-        rows = data
+    used = set(_NAME_KEYS + _LEN_KEYS + _TIME_KEYS + _MEM_KEYS)
     records = []
     for row in rows:
         if not isinstance(row, dict):
@@ -164,7 +163,6 @@ def read_bench(path: str | Path) -> tuple[list[BenchRecord], dict[str, Any]]:
         name, seq_len = _first(row, _NAME_KEYS), _first(row, _LEN_KEYS)
         if name is None or seq_len is None:
             continue
-        used = set(_NAME_KEYS + _LEN_KEYS + _TIME_KEYS + _MEM_KEYS)
         extra = {k: v for k, v in row.items() if k not in used}
         time_ms, memory = _first(row, _TIME_KEYS), _first(row, _MEM_KEYS)
         records.append(BenchRecord(name, seq_len, time_ms, memory, extra))

@@ -13,11 +13,11 @@ from speechattn.utils import default_cache_root
 
 
 def _size(n: float) -> str:
-    for unit in ("B", "kB", "MB", "GB", "TB"):
-        if n < 1000 or unit == "TB":
+    for unit in ("B", "kB", "MB", "GB"):
+        if n < 1000:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1000
-    raise AssertionError
+    return f"{n:.1f} TB"
 
 
 def _ago(t: float) -> str:

@@ -70,29 +70,6 @@ def _relative(path: Path, folder: Path) -> str:
     return text[len(prefix) :] if text.startswith(prefix) else os.path.relpath(text, folder)
 
 
-def _known_fingerprints(
-    manifests: Iterable[Path],
-    wanted: dict[tuple[str, int, int, int], list[int]],
-    found: list[str | None],
-) -> None:
-    """Fill `found[i]` for each stamp -> [i, ...] of `wanted` that a manifest hashed before,
-    reading the manifests in order until nothing is missing."""
-    for manifest in manifests:
-        if not wanted:
-            return
-        try:
-            _, z = load_manifest(manifest)
-            with z:
-                rel = [r.decode() for r in z["files_rel"].tolist()]
-                size, mtime, ctime = z["files_size"], z["files_mtime"], z["files_ctime"]
-                stamps = zip(rel, size.tolist(), mtime.tolist(), ctime.tolist())
-                for stamp, h in zip(stamps, z["files_sha"].tolist()):
-                    for i in wanted.pop(stamp, ()):
-                        found[i] = h.decode()
-        except (DataError, KeyError, ValueError, OSError):
-            continue  # an unreadable manifest (or one without ctimes) is only a lost memo
-
-
 def _hash_files(paths: list[str]) -> list[str]:
     return [file_sha256(p) for p in paths]
 
@@ -112,7 +89,20 @@ def fingerprints(
     wanted: dict[tuple[str, int, int, int], list[int]] = {}
     for i, u in enumerate(utterances):
         wanted.setdefault((_relative(u.path, folder), u.size, u.mtime_ns, u.ctime_ns), []).append(i)
-    _known_fingerprints(manifests, wanted, found)
+    for manifest in manifests:  # the memo: read until nothing is missing
+        if not wanted:
+            break
+        try:
+            _, z = load_manifest(manifest)
+            with z:
+                rel = [r.decode() for r in z["files_rel"].tolist()]
+                size, mtime, ctime = z["files_size"], z["files_mtime"], z["files_ctime"]
+                stamps = zip(rel, size.tolist(), mtime.tolist(), ctime.tolist())
+                for stamp, h in zip(stamps, z["files_sha"].tolist()):
+                    for i in wanted.pop(stamp, ()):
+                        found[i] = h.decode()
+        except (DataError, KeyError, ValueError, OSError):
+            continue  # an unreadable manifest (or one without ctimes) is only a lost memo
     missing = sorted(wanted.values())
     if missing:
         log.info("fingerprinting %d audio files (sha256)", len(missing))
@@ -357,9 +347,7 @@ def _write_manifest(
             {**f, "path": path_of[f["utt_id"]], "stage": "audio"} for f in marker["failures"]
         ]
         notes += [[u, f"{path_of[u]}: {note}"] for u, note in marker["notes"]]
-    file_shard = np.zeros(len(utterances), dtype=np.int32)
-    for k, (a, b) in enumerate(ranges):
-        file_shard[a:b] = k
+    file_shard = np.repeat(np.arange(len(ranges), dtype=np.int32), [b - a for a, b in ranges])
     arrays = {
         "utt_ids": np.array(ids, dtype=str),
         "shard": np.concatenate(shard),

@@ -21,7 +21,7 @@ from speechattn.data.audio import load_audio
 from speechattn.data.cache.integrity import read_marker, save_npy, write_marker
 from speechattn.data.cache.layout import DATA_KINDS, ExtractionSettings, ShardPaths
 from speechattn.data.errors import DataError
-from speechattn.data.features import FeatureConfig, LogMel, min_samples_for
+from speechattn.data.features import cached_log_mel, min_samples_for
 from speechattn.data.utterances import Segment
 from speechattn.utils import init_pool_worker, out_of_space
 
@@ -71,22 +71,12 @@ class ShardResult:
     marker: dict[str, Any]
 
 
-_LOGMEL: LogMel | None = None
-
-
-def _logmel(cfg: FeatureConfig) -> LogMel:
-    global _LOGMEL
-    if _LOGMEL is None or _LOGMEL.cfg != cfg:
-        _LOGMEL = LogMel(cfg)
-    return _LOGMEL
-
-
 def _featurise(task: ShardTask) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
     """Decode and featurise a shard's utterances: its two arrays and its marker (no files)."""
     import torch
 
     s = task.settings
-    mel = _logmel(s.features)
+    mel = cached_log_mel(s.features)
     dtype = np.float16 if s.dtype == "float16" else np.float32
     min_samples = min_samples_for(s.min_frames)
     feats, stats, ids, lengths, failures, notes = [], [], [], [], [], []

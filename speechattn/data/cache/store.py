@@ -280,16 +280,13 @@ class FeatureStore:
                     self.records[key][kind] = record
                     refreshed = refreshed or record != cached
         if refreshed:
-            self._save_records()
+            meta = json.loads(self.manifest.read_text())
+            meta["records"] = self.records
+            try:
+                atomic_write_text(self.manifest, json.dumps(meta))
+            except OSError:
+                pass  # a read-only cache: checked again next time
         return bad
-
-    def _save_records(self) -> None:
-        meta = json.loads(self.manifest.read_text())
-        meta["records"] = self.records
-        try:
-            atomic_write_text(self.manifest, json.dumps(meta))
-        except OSError:
-            pass  # a read-only cache: checked again next time
 
     def _refuse(self, k: int, path: Path, problem: str) -> None:
         invalidate(self.paths(k).marker, path)
