@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from conftest import SyntheticPretrainData, compose_pretrain
+from _pretrain_testing import SyntheticPretrainData, compose_pretrain
 
 import speechattn
 from speechattn.errors import ConfigError

@@ -17,7 +17,7 @@
 - `bench attention --device cuda` and `bench pretrain --device cuda` report MFU against the
   GPU's measured bf16 matmul peak.
 
-The data is the synthetic DataModule of conftest.py (80 smooth "log-mel" bins).
+The data is the synthetic DataModule of _pretrain_testing.py (80 smooth "log-mel" bins).
 `SPEECHATTN_GPU_SUITE_DEVICE=cpu` runs the suite on CPU to check the tests themselves: the
 paper-shape steps then shrink to a 2-layer D 64 model and batches of 2 x 100 frames.
 """
@@ -34,7 +34,7 @@ from typing import Any
 import lightning as L
 import pytest
 import torch
-from conftest import SyntheticPretrainData, SyntheticSpeech, compose_pretrain
+from _pretrain_testing import SyntheticPretrainData, SyntheticSpeech, compose_pretrain
 from omegaconf import DictConfig, open_dict
 from test_pretrain_cli import cli, finish
 from test_step_syncs import CountSteps

@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from conftest import SyntheticPretrainData, compose_pretrain
+from _pretrain_testing import SyntheticPretrainData, compose_pretrain
 from test_downstream_run import compose_downstream
 
 from speechattn.data import DataConfig

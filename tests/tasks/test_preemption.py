@@ -26,7 +26,7 @@ from typing import Any
 import lightning as L
 import pytest
 import torch
-from conftest import compose_pretrain
+from _pretrain_testing import compose_pretrain
 
 from speechattn.pretrain import run
 from speechattn.tasks.preemption import (
@@ -42,7 +42,7 @@ HERE = Path(__file__).resolve().parent
 RUN_MODULE = sys.modules["speechattn.tasks.pretrain.run"]  # the package's `run` is a function
 RUN = [
     "~data",
-    "+data._target_=conftest.SyntheticPretrainData",
+    "+data._target_=_pretrain_testing.SyntheticPretrainData",
     "+data.n_val=32",  # 4 validation batches: a signal can land inside a validation
     "model.net.dim=32",
     "model.net.num_layers=2",
@@ -108,7 +108,7 @@ def val_steps(run_dir: Path) -> list[int]:
 
 
 def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
-    """A subprocess's environment: conftest importable, one thread, `extra` on top."""
+    """A subprocess's environment: the test helpers importable, one thread, `extra` on top."""
     path = os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])
     return {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1", **(extra or {})}
 

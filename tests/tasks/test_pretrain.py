@@ -7,7 +7,7 @@ import time
 
 import pytest
 import torch
-from conftest import SyntheticPretrainData, compose_pretrain
+from _pretrain_testing import SyntheticPretrainData, compose_pretrain
 from torch.utils.data import DataLoader, Dataset
 
 import speechattn

@@ -1,6 +1,6 @@
 """`python -m speechattn.pretrain` in subprocesses: real DDP (gloo, 2 CPU processes), SIGKILL + resume.
 
-The data is the synthetic DataModule of conftest.py, plugged in through `data._target_`.
+The data is the synthetic DataModule of _pretrain_testing.py, plugged in through `data._target_`.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import SyntheticPretrainData, compose_pretrain
+from _pretrain_testing import SyntheticPretrainData, compose_pretrain
 
 import speechattn
 from speechattn.pretrain import run
@@ -22,7 +22,7 @@ from speechattn.pretrain import run
 HERE = Path(__file__).resolve().parent
 SMALL = [
     "~data",
-    "+data._target_=conftest.SyntheticPretrainData",
+    "+data._target_=_pretrain_testing.SyntheticPretrainData",
     "model.net.dim=32",
     "model.net.num_layers=2",
     "model.net.num_heads=2",

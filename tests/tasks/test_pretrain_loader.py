@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import torch
-from conftest import SyntheticPretrainData
+from _pretrain_testing import SyntheticPretrainData
 from torch.utils.data import DataLoader
 
 from speechattn.model.masking import MaskingConfig

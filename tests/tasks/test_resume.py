@@ -1,6 +1,6 @@
 """Resuming pretraining (`speechattn.tasks.pretrain.resume`): which checkpoint `ckpt_path=last`
 means, what a resume may change, one run per run directory, and what a stopped extension
-leaves. Runs are in this process on the synthetic data of conftest.py (a few steps each)."""
+leaves. Runs are in this process on the synthetic data of _pretrain_testing.py (a few steps each)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import SyntheticPretrainData, compose_pretrain
+from _pretrain_testing import SyntheticPretrainData, compose_pretrain
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from test_preemption import SignalAt, child_env, with_callback
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import lightning as L
 import pytest
 import torch
-from conftest import SyntheticPretrainData, compose_pretrain
+from _pretrain_testing import SyntheticPretrainData, compose_pretrain
 
 from speechattn.attention import available
 from speechattn.bench.syncs import SyncCounter, pretrain_step_syncs

@@ -1,11 +1,11 @@
-"""Fixtures for the task tests: a composed pretraining config and synthetic speech-like data."""
+"""Helpers for the task tests: a composed pretraining config and synthetic speech-like data
+(a module of its own name, not a conftest, so that it imports the same in any test order)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import lightning as L
-import pytest
 import torch
 from omegaconf import DictConfig, open_dict
 from torch.utils.data import DataLoader, Dataset
@@ -111,8 +111,3 @@ class SyntheticPretrainData(L.LightningDataModule):
 
     def val_dataloader(self) -> DataLoader:
         return DataLoader(self.val, batch_size=self.batch_size, collate_fn=collate)
-
-
-@pytest.fixture
-def synthetic_data() -> SyntheticPretrainData:
-    return SyntheticPretrainData()
