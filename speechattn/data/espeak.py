@@ -11,12 +11,14 @@ parallelise with processes. Each call returns the waveform and each phoneme's st
 from __future__ import annotations
 
 import ctypes
+import multiprocessing as mp
 import threading
 from dataclasses import dataclass
 
 import numpy as np
 
 from speechattn.errors import ConfigError, DependencyError
+from speechattn.utils import init_pool_worker
 
 # speak_lib.h constants
 AUDIO_OUTPUT_SYNCHRONOUS = 2
@@ -133,3 +135,23 @@ class Espeak:
                 raise DependencyError(f"espeak_Synth failed with error {err} for text {text!r}")
             audio = np.concatenate(self._chunks) if self._chunks else np.zeros(0, np.int16)
             return audio.astype(np.int16, copy=False), list(self._events)
+
+
+def fresh_engine_pool(workers: int, preload: str) -> mp.pool.Pool:
+    """A process pool whose every task runs in a new process with an unused engine.
+
+    eSpeak NG carries state from one synthesis to the next inside a process (its wave
+    generator's phase and pitch flutter: the same text and voice spoken twice in a row give
+    different samples, and neither `espeak_Terminate` + `espeak_Initialize` nor a random seed
+    resets it), so a sound depends on everything its process spoke before. A task run here
+    depends on its inputs alone, whatever the worker count or the order tasks are handed out:
+    each worker is forked from a server process that never speaks (or spawned where there is
+    no fork server) and runs one task. `preload`: the module the tasks come from, imported once
+    by the server.
+    """
+    if "forkserver" in mp.get_all_start_methods():
+        context = mp.get_context("forkserver")
+        context.set_forkserver_preload([preload])
+    else:
+        context = mp.get_context("spawn")
+    return context.Pool(workers, initializer=init_pool_worker, maxtasksperchild=1)

@@ -16,10 +16,8 @@ import argparse
 import hashlib
 import json
 import logging
-import multiprocessing as mp
 import os
 import shutil
-import sys
 import tempfile
 import time
 from collections import Counter
@@ -29,14 +27,15 @@ from pathlib import Path
 import numpy as np
 
 from speechattn.data import text as textgen
+from speechattn.data.espeak import fresh_engine_pool
 from speechattn.data.features import HOP_LENGTH, SAMPLE_RATE, WIN_LENGTH, num_frames
 from speechattn.data.phones import PHONE_SET, phone_id
 from speechattn.errors import ConfigError
-from speechattn.utils import init_pool_worker, progress_bar
+from speechattn.utils import progress_bar
 
 log = logging.getLogger(__name__)
 
-GENERATOR_VERSION = 2  # bump whenever the output changes: cached corpora then rebuild
+GENERATOR_VERSION = 3  # bump whenever the output changes: cached corpora then rebuild
 SPLIT_MAIN, SPLIT_HELDOUT = "synth-clean", "synth-heldout"
 MIN_SECONDS, MAX_SECONDS = 2.0, 8.0
 TEST_SHARE = 0.2
@@ -158,6 +157,11 @@ def _resample(audio: np.ndarray, source_rate: int) -> np.ndarray:
         return _RESAMPLER[1](torch.from_numpy(audio)[None])[0].numpy()
 
 
+def _synth_speaker(jobs: list[_Job]) -> list[dict]:
+    """One speaker's utterances, in order (run in a fresh process: `build_corpus`)."""
+    return [_synth_one(job) for job in jobs]
+
+
 def _synth_one(job: _Job) -> dict:
     """Synthesise, post-process, write one FLAC; return its id, text, labels and length."""
     import soundfile as sf
@@ -259,19 +263,18 @@ def build_corpus(
                 _Job(spk, s_idx, chapter, u // CHAPTERS_PER_SPEAKER, seed, heldout, str(split_dir))
             )
 
-    workers = min(workers or os.cpu_count() or 1, len(jobs))
+    # one task per speaker, its utterances in order, each in a fresh process: the same corpus
+    # for any number of workers (`espeak.fresh_engine_pool`)
+    by_speaker = [
+        jobs[i : i + utterances_per_speaker] for i in range(0, len(jobs), utterances_per_speaker)
+    ]
+    workers = min(workers or os.cpu_count() or 1, len(by_speaker))
     results: list[dict] = []
     with progress_bar(len(jobs), f"synthesising {split}", progress) as advance:
-        if workers <= 1:
-            for job in jobs:
-                results.append(_synth_one(job))
-                advance()
-        else:
-            method = "fork" if sys.platform.startswith("linux") else "spawn"
-            with mp.get_context(method).Pool(workers, initializer=init_pool_worker) as pool:
-                for result in pool.imap_unordered(_synth_one, jobs, chunksize=4):
-                    results.append(result)
-                    advance()
+        with fresh_engine_pool(workers, __name__) as pool:
+            for spoken in pool.imap_unordered(_synth_speaker, by_speaker):
+                results.extend(spoken)
+                advance(len(spoken))
     results.sort(key=lambda r: r["utt_id"])
     params = corpus_params(speakers, utterances_per_speaker, seed, heldout)
     _write_metadata(out, split, table, results, seed, params)

@@ -165,7 +165,16 @@ def _noise(rng: np.random.Generator, seconds: float, colour: float, level_db: fl
 
 
 def prepare_speech_commands(root: Path, out: Path, repeats: int = 3, seed: int = 0) -> dict:
-    """Keyword-spotting layout in `out` from corpus `root` (see the module docstring)."""
+    """Keyword-spotting layout in `out` from corpus `root` (see the module docstring), spoken
+    in a fresh process: the words sound the same whatever this process spoke before
+    (`espeak.fresh_engine_pool`)."""
+    from speechattn.data.espeak import fresh_engine_pool
+
+    with fresh_engine_pool(1, __name__) as pool:
+        return pool.apply(_speak_keywords, (root, out, repeats, seed))
+
+
+def _speak_keywords(root: Path, out: Path, repeats: int, seed: int) -> dict:
     import soundfile as sf
 
     from speechattn.data.audio import resample

@@ -206,3 +206,18 @@ def test_cli_writes_a_corpus(tmp_path):
     synth.main(["--out", str(tmp_path / "c"), "--speakers", "1", "--utterances-per-speaker", "2",
                 "--workers", "1", "--no-progress"])  # fmt: skip
     assert len(list((tmp_path / "c" / "synth-clean").glob("*/*/*.flac"))) == 2
+
+
+def test_the_corpus_is_the_same_for_any_worker_count_and_history(tmp_path):
+    """eSpeak NG carries state from one utterance to the next in a process: each speaker is
+    spoken in a fresh process, so neither the worker count nor what this process spoke before
+    changes a byte of the corpus."""
+    from speechattn.data.espeak import Espeak, VoiceSettings
+
+    Espeak.get().synthesize("this process has spoken before", VoiceSettings(voice="en"))
+    one = synth.build_corpus(tmp_path / "one", speakers=3, utterances_per_speaker=2, workers=1)
+    two = synth.build_corpus(tmp_path / "two", speakers=3, utterances_per_speaker=2, workers=2)
+    files = sorted(p.relative_to(one) for p in one.rglob("*") if p.is_file())
+    assert files and files == sorted(p.relative_to(two) for p in two.rglob("*") if p.is_file())
+    for name in files:
+        assert (one / name).read_bytes() == (two / name).read_bytes(), name

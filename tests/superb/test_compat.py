@@ -177,3 +177,17 @@ def test_voxceleb1_and_ctc_layouts_are_read_by_s3prl(tiny_corpus, tmp_path):
     (pr / "bad.csv").write_text("wav_path,transcription\nx.flac,no-such-word\n")
     with pytest.raises(DataError, match=r"bad.csv: line 2: words \['no-such-word'\]"):
         LibriPhoneDataset("bad.csv", tokenizer, 1, [str(pr / "lexicon.txt")], str(pr))
+
+
+def test_keywords_sound_the_same_whatever_this_process_spoke_before(tiny_corpus, tmp_path):
+    """eSpeak NG keeps state between calls in a process: the keywords are spoken in a fresh
+    one, so a second preparation after other speech writes the same files."""
+    from speechattn.data.espeak import Espeak, VoiceSettings
+
+    first = prepare("speech_commands", tiny_corpus, tmp_path / "a", repeats=1)
+    Espeak.get().synthesize("this process has spoken", VoiceSettings(voice="en"))
+    again = prepare("speech_commands", tiny_corpus, tmp_path / "b", repeats=1)
+    wavs = sorted(p.relative_to(first) for p in first.rglob("*.wav"))
+    assert wavs and wavs == sorted(p.relative_to(again) for p in again.rglob("*.wav"))
+    for name in wavs:
+        assert (first / name).read_bytes() == (again / name).read_bytes(), name
