@@ -145,11 +145,14 @@ def fresh_engine_pool(workers: int, preload: str) -> mp.pool.Pool:
     different samples, and neither `espeak_Terminate` + `espeak_Initialize` nor a random seed
     resets it), so a sound depends on everything its process spoke before. A task run here
     depends on its inputs alone, whatever the worker count or the order tasks are handed out:
-    each worker is forked from a server process that never speaks (or spawned where there is
-    no fork server) and runs one task. `preload`: the module the tasks come from, imported once
-    by the server.
+    each worker runs one task, forked from this process while it has never loaded the library
+    (the cheap case), else from a server process that never speaks (`preload`: the module the
+    tasks come from, imported once by it), or spawned where neither is available.
     """
-    if "forkserver" in mp.get_all_start_methods():
+    methods = mp.get_all_start_methods()
+    if Espeak._instance is None and "fork" in methods:
+        context = mp.get_context("fork")
+    elif "forkserver" in methods:
         context = mp.get_context("forkserver")
         context.set_forkserver_preload([preload])
     else:

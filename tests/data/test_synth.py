@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from collections import defaultdict
 
 import numpy as np
@@ -210,13 +212,19 @@ def test_cli_writes_a_corpus(tmp_path):
 
 def test_the_corpus_is_the_same_for_any_worker_count_and_history(tmp_path):
     """eSpeak NG carries state from one utterance to the next in a process: each speaker is
-    spoken in a fresh process, so neither the worker count nor what this process spoke before
-    changes a byte of the corpus."""
+    spoken in a fresh process, so neither the worker count nor what the building process spoke
+    before changes a byte of the corpus (workers forked from a process that never spoke, or
+    from a server once it has)."""
     from speechattn.data.espeak import Espeak, VoiceSettings
 
+    build = (
+        "import sys; from speechattn.data.synth import build_corpus; "
+        "build_corpus(sys.argv[1], speakers=3, utterances_per_speaker=2, workers=2)"
+    )
+    subprocess.run([sys.executable, "-c", build, str(tmp_path / "two")], check=True)
     Espeak.get().synthesize("this process has spoken before", VoiceSettings(voice="en"))
     one = synth.build_corpus(tmp_path / "one", speakers=3, utterances_per_speaker=2, workers=1)
-    two = synth.build_corpus(tmp_path / "two", speakers=3, utterances_per_speaker=2, workers=2)
+    two = tmp_path / "two"
     files = sorted(p.relative_to(one) for p in one.rglob("*") if p.is_file())
     assert files and files == sorted(p.relative_to(two) for p in two.rglob("*") if p.is_file())
     for name in files:
