@@ -87,10 +87,6 @@ _TINY = 1e-12
 
 # ------------------------------------------------------------------ transforms Q(q), P(k)
 # q, k (..., T, d_k); M (..., 1, 1) max valid key norm. Return (Q(q), P(k)), (..., T, d_k + m).
-def _unit(q: Tensor) -> Tensor:
-    return q / q.norm(dim=-1, keepdim=True).clamp_min(_TINY)
-
-
 def _sq_norm(x: Tensor) -> Tensor:
     return x.pow(2).sum(-1, keepdim=True)
 
@@ -105,7 +101,7 @@ def sign_alsh(
     x = k * (U / M)
     n2 = _sq_norm(x)
     P = torch.cat([x, 0.5 - n2, 0.5 - n2.pow(2)], dim=-1)
-    return F.pad(_unit(q) * M if qnf else _unit(q), (0, 2)), P
+    return F.pad(unit_keys(q) * M if qnf else unit_keys(q), (0, 2)), P
 
 
 def xbox(q: Tensor, k: Tensor, M: Tensor) -> tuple[Tensor, Tensor]:
@@ -117,14 +113,14 @@ def xbox(q: Tensor, k: Tensor, M: Tensor) -> tuple[Tensor, Tensor]:
 def xbox_qnf(q: Tensor, k: Tensor, M: Tensor) -> tuple[Tensor, Tensor]:
     """XBOX keys; Q(q) = [M q/||q||; 0] (query normalised first)."""
     _, P = xbox(q, k, M)
-    return F.pad(_unit(q) * M, (0, 1)), P
+    return F.pad(unit_keys(q) * M, (0, 1)), P
 
 
 def simple_lsh(q: Tensor, k: Tensor, M: Tensor) -> tuple[Tensor, Tensor]:
     """x = k / M; P(x) = [x; sqrt(1 - ||x||^2)]; Q(q) = [q/||q||; 0]."""
     x = k / M
     P = torch.cat([x, (1 - _sq_norm(x)).clamp_min(0).sqrt()], dim=-1)
-    return F.pad(_unit(q), (0, 1)), P
+    return F.pad(unit_keys(q), (0, 1)), P
 
 
 def simple_alsh(q: Tensor, k: Tensor, M: Tensor) -> tuple[Tensor, Tensor]:
@@ -405,7 +401,7 @@ def same_model(a: Attention, b: Attention, T: int = 256, seed: int = 0) -> bool:
     shape = (1, a.num_heads, T, a.head_dim)
     q = torch.randn(shape, generator=g) * torch.randn(shape[:-1] + (1,), generator=g).exp()
     valid = torch.ones(1, T, dtype=torch.bool)
-    k = F.normalize(q, dim=-1) if a.normalize_keys else q
+    k = unit_keys(q) if a.normalize_keys else q
     return torch.equal(a.match_counts(q, k, valid), b.match_counts(q, k, valid))
 
 
