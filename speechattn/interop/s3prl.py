@@ -1,29 +1,15 @@
-"""A speechattn upstream (`upstream.pt` or upstream folder) as an s3prl upstream ("expert"),
-for SUPERB and s3prl's tools.
-
-s3prl (0.4.x) drives every upstream through one contract, which `UpstreamExpert` follows:
-
-    expert = UpstreamExpert(ckpt="run/upstream.pt")      # s3prl: run_downstream.py -k PATH
-    out = expert([wav_a, wav_b])                         # 1-D 16 kHz tensors, any lengths
-    out["hidden_states"]       # L+1 tensors (B, T', D), input embedding first, zero-padded
-    out["last_hidden_state"]   # (B, T', D)
-    expert.get_downsample_rates("hidden_states")         # 480 samples per model frame
+"""A speechattn upstream (`upstream.pt` or upstream folder) as an s3prl (0.4.x) upstream
+("expert"), for SUPERB and s3prl's tools; usage in docs/upstream.md.
 
 Length rule: s3prl's `Featurizer` keeps `round(S / 480)` frames of an S-sample utterance
-(Python's round, half to even), whatever the upstream returns. The model itself gives
-ceil(((S - 400) // 160 + 1) / 3) frames, which is one fewer for some S (9000 samples: 18
-against 19). So the expert returns exactly `s3prl_frames(S)` frames per utterance: when the
-model gives fewer, its last frame is repeated; when it gives more, the extra ones are dropped;
-past that count, frames are zero (T' = the batch's largest count). Frames up to the smaller
-of the two counts are `load_upstream`'s hidden states unchanged.
-
-Waveforms are checked by `speechattn.model.upstream.pad_waveforms` (`WaveformError`).
+(half to even), whatever the upstream returns, while the model gives ceil(((S - 400) // 160 +
+1) / 3), one fewer for some S (9000 samples: 18 against 19). So the expert returns exactly
+`s3prl_frames(S)` frames: the model's last frame repeated or extra ones dropped, zero past that
+count; frames up to the smaller count are `load_upstream`'s hidden states unchanged.
 
 With s3prl installed (`pip install 'speechattn[s3prl]'`) the expert subclasses s3prl's
-`UpstreamBase`, so s3prl's forward hooks and its `Featurizer` (the weighted layer sum used by
-`run_downstream.py`) work on it unchanged; without s3prl it is a plain `nn.Module` with the
-same forward. Weights are read by `load_upstream` (`weights_only=True` for a file, safetensors
-for a folder), never unpickled.
+`UpstreamBase` (its forward hooks and `Featurizer` work unchanged); without, it is a plain
+`nn.Module` with the same forward. Weights are read by `load_upstream`, never unpickled.
 
 Shapes: B utterances, S samples at 16 kHz, T' model frames (30 ms), D model dim, L layers.
 """
@@ -64,18 +50,10 @@ def s3prl_frames(num_samples: int, samples_per_frame: int = 480) -> int:
 def match_s3prl_lengths(
     hidden: list[Tensor], model_frames: Tensor, samples: Tensor, samples_per_frame: int
 ) -> list[Tensor]:
-    """Pad or trim hidden states to the frame counts s3prl's Featurizer assumes.
-
-    Args:
-        hidden: L+1 tensors (B, T', D), zero past each utterance's `model_frames`.
-        model_frames: (B,) frames the model produced per utterance (>= 1).
-        samples: (B,) sample counts of the waveforms.
-        samples_per_frame: 16 kHz samples per frame (480).
-    Returns:
-        L+1 tensors (B, T_s, D), T_s = max_b round(S_b / rate): utterance b's first
-        min(model, s3prl) frames unchanged, its last model frame repeated up to round(S_b /
-        rate) frames, zero after.
-    """
+    """Hidden states padded or trimmed to the frame counts s3prl's `Featurizer` assumes (the
+    length rule above): hidden L+1 tensors (B, T', D), zero past each utterance's model_frames
+    (B,) (>= 1); samples (B,) sample counts -> L+1 tensors (B, T_s, D), T_s = max_b
+    round(S_b / samples_per_frame)."""
     target = torch.tensor(
         [s3prl_frames(int(n), samples_per_frame) for n in samples.tolist()],
         device=model_frames.device,
