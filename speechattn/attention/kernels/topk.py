@@ -1,29 +1,19 @@
 """LSH's selection kernel: the top-k keys of each query by code match, ties in the match count
-broken by the true score, then by position (`lsh.py`), found by a threshold on the counts.
+broken by the true score, then by position (`lsh.py`; the algorithm in docs/attention.md). On
+the CPU one compiled kernel does it row by row (`topk_cpu.py`); this is the tensor version for
+GPUs (static shapes: no host read, the same code under torch.compile).
 
-On the CPU one compiled kernel does it row by row (`topk_cpu.py`). This file is the tensor
-version for GPUs (static shapes: no host read, the same code under torch.compile), and the
-pieces both share.
-
-Per query row the order is a composite key: a small integer *level* (the match count, with
-self and disallowed keys moved below, see `_chunk_levels`), then the score, then the
-position. Levels take at most 2K + 4 values, so the k-th largest level c* of a row is found by
-counting, not sorting (`_threshold`: a bisection over the level values, each step one pass
-that counts the keys at or above a value). Keys above c* are in; only the keys *at* c*
-compete for the remaining slots. Up to T keys of a row may tie, so their scores are the
-chunk's dense product (`tie_scores`); the cut is a top-k over the masked scores
-(`_finish_dense`), exact score ties and the position tie-break go to the nearest keys by
-prefix counts and a bisection over the distance (`_nearest`), and the positions come from
-prefix counts and a binary search (`_positions`).
+Per query row the order is a composite key: a small integer *level* (the match count, self and
+disallowed keys moved below, `_chunk_levels`), then the score, then the position. Levels take
+at most 2K + 4 values, so the k-th largest level c* is found by counting (`_threshold`); keys
+above c* are in, only the keys at c* compete for the remaining slots (`_finish_dense` by
+score, `_nearest` by position), and the positions come from prefix counts (`_positions`).
 
 Scores are float64 sums of the (exact) products of the float32 values, rounded to float32
-(`tie_scores`; `lsh.py`'s reference and the CPU kernel compute them alike): float32 dot
-products of the same pair round differently in a per-pair loop and in a dense matrix product
-(their summation orders differ; most last bits disagree, which changes the keys chosen among
-near-ties), float64 sums agree once rounded to float32. Scores are still compared in float32,
-as the definition says.
-
-Indices come back in increasing key order from both kernels, so they give equal tensors.
+(`tie_scores`, like `lsh.py`'s reference and the CPU kernel), then compared in float32: float32
+dot products of the same pair round differently in a per-pair loop and in a dense product
+(their summation orders differ), float64 sums agree once rounded. Indices come back in
+increasing key order from both kernels, so they give equal tensors.
 """
 
 from __future__ import annotations
@@ -67,11 +57,9 @@ def _match_dtype(K: int, device: torch.device) -> torch.dtype:
 
 def _level_dtype(K: int) -> torch.dtype:
     """uint8 levels while the top fits, else int16."""
-    if _top_level(K) < (1 << 8):
-        return torch.uint8
-    if _top_level(K) < (1 << 15):
-        return torch.int16
-    raise ValueError(f"LSH: bits={K} is too many for the int16 match levels")
+    if _top_level(K) >= (1 << 15):
+        raise ValueError(f"LSH: bits={K} is too many for the int16 match levels")
+    return torch.uint8 if _top_level(K) < (1 << 8) else torch.int16
 
 
 def _count_dtype(T: int) -> torch.dtype:
@@ -157,11 +145,6 @@ def _threshold(lvl: Tensor, kk: int, top: int) -> Tensor:
     return lo.to(lvl.dtype)
 
 
-def _split(lvl: Tensor, cstar: Tensor) -> tuple[Tensor, Tensor]:
-    """bool masks (N, C, T) of the keys above c* (all selected) and at c* (tied)."""
-    return lvl > cstar, lvl == cstar
-
-
 def _nearest(mask: Tensor, m: Tensor, s: int) -> Tensor:
     """The m (N, C, 1) keys of each row of the bool mask (N, C, T) nearest to the row's
     query i = s + c, the earlier of two equidistant ones first; m <= the row's count.
@@ -240,10 +223,8 @@ def topk_by_match(
     equal bucket); kv (N, T) allowed keys, q, keys (N, T, d) or None.
     Returns (N, T, min(k, T)) key positions, increasing along the last dimension.
 
-    On the CPU the compiled kernel (`topk_cpu.py`). Elsewhere rows go in chunks so the
-    (N, chunk, T) levels stay within a memory bound; per chunk `_chunk_levels` gives the levels, a
-    bisection their threshold (`_threshold`), the keys above it are in, and the tied ones are
-    chosen by `_finish_dense` (score) or `_nearest` (position). Chunks depend on shapes only.
+    On the CPU the compiled kernel (`topk_cpu.py`); elsewhere rows go in chunks (depending on
+    shapes only) so that the (N, chunk, T) levels stay within a memory bound.
     """
     N, T, K = cq.shape
     kk = min(k, T)
@@ -258,7 +239,8 @@ def topk_by_match(
     for s in range(0, T, chunk):
         e = min(s + chunk, T)
         lvl = levels(s, e)  # (N, C, T)
-        above, at = _split(lvl, _threshold(lvl, kk, _top_level(K)))
+        cstar = _threshold(lvl, kk, _top_level(K))  # (N, C, 1)
+        above, at = lvl > cstar, lvl == cstar  # all selected; tied
         need = kk - _count(above).long()  # (N, C, 1) in [1, kk]: slots for tied keys
         if by_score:
             chosen = _finish_dense(above, at, need, kk, s, tie_scores(q[:, s:e], keys))

@@ -1,32 +1,15 @@
-"""LSH's selection on the CPU: the top-k keys of each query by code match, ties in the match
-count broken by the score, then by position (`lsh.py`), one compiled kernel per layer.
+"""LSH's selection on the CPU (`topk.py`'s definition), one compiled kernel per layer; the
+algorithm in docs/attention.md (LSH, Selection), why numba in docs/development.md.
 
-Per query row, in one thread and in cache:
-* the match levels of all T keys (the levels of `topk._chunk_levels`), one vector pass per
-  group of 16 hashes (`_one_plane`, `_up_to_four_planes`): sign codes as 16-bit words, XOR
-  and popcount (`_sign_words`); l2 buckets as bit planes of 16-bit words, where an OR of the
-  planes' XORs marks the hashes that differ (`_pack_planes`);
-* the threshold c* (the largest level with at least k keys at or above it): counted four
-  levels per pass down from the row's best, from the bits of 64-key comparison masks
-  (`_threshold`, `_count4`, `_at_least`);
-* the keys above c* are in, as bits of a mask per 64 keys; the keys at c* (tied), read from
-  the masks, contest for the free slots only when they outnumber them: float32 estimates of
-  their scores, within a proven error bound, leave the contenders (`_contenders`), most
-  often exactly as many as the slots; when more remain, their scores (float64 sums of the
-  exact products rounded to float32, `topk.tie_scores`) and (score, nearness) pick the best
-  (each counted against the others, without branches, or, past `RANK_MAX` of them, a
-  quickselect), which set their bits.
-The row's keys come out of the masks in increasing order, a trailing-zero count each. Nothing
-of size T x T is ever stored, so memory is O(T (threads + k)) and the work
-O(T^2 ceil(K / 16) P) word operations (P bit planes) plus O(T c d) for c tied keys.
-
-Why numba: the selection is a few data-dependent passes over each row; as tensor operations
-every pass is a separate sweep over a T x T block in memory (the matmul, the conversion, a
-bisection of counts, a nonzero, a sampled product), which on a CPU costs 5-6x this kernel
-(`python -m speechattn.bench attention`; docs/benchmarks.md). numba is already installed with
-librosa; a kernel compiles on first use and is cached beside the module (`cache=True`, about
-15 s once per machine for each of its two builds, `CPUKernel`); it is a custom op, so
-torch.compile keeps it as one opaque call. GPUs run the tensor version (`topk.py`).
+Per query row, in one thread and in cache: the match levels of all T keys by XOR and popcount
+of 16-bit words (sign codes `_sign_words`, l2 buckets as bit planes `_pack_planes`); c*
+counted four levels per pass from 64-key comparison masks (`_threshold`); the keys above c* in
+as mask bits; the keys at c* narrowed by float32 estimates within a proven error bound
+(`_contenders`), the rest ranked by exact (score, nearness). Nothing of size T x T is stored:
+memory O(T (threads + k)), work O(T^2 ceil(K / 16) P) word operations (P bit planes) plus
+O(T c d) for c tied keys. A custom op, so torch.compile keeps it as one opaque call; compiled
+on first use and cached beside the module (`cache=True`, about 15 s once per machine for each
+of its two builds, `CPUKernel`).
 """
 
 from __future__ import annotations
