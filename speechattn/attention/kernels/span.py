@@ -34,12 +34,8 @@ class FlashThenUnfused(torch.autograd.Function):
         return out
 
     @staticmethod
+    @torch.autocast("cpu", enabled=False)  # widened below: keep float32
     def backward(ctx, d_out):  # noqa: D102
-        with torch.autocast(d_out.device.type, enabled=False):  # widened below: keep float32
-            return FlashThenUnfused._backward(ctx, d_out)
-
-    @staticmethod
-    def _backward(ctx, d_out):  # noqa: ANN205 - backward's gradients
         q, k, v, out, log_sum_exp, mask, mask_dz = ctx.saved_tensors
         q_, k_, v_, out_, d_out_ = (widen(t) for t in (q, k, v, out, d_out))  # (B, h, ., d)
         wide = q_.dtype  # half precision: in float32

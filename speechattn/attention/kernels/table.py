@@ -99,11 +99,9 @@ class TableWindows(torch.autograd.Function):
         n, T = table.shape[-1], grad.shape[-1]
         g_table = ctx.memory.take(table, T)
         # numpy adds the windows on one thread: page faults from two threads were much slower
-        dst, src = (
-            (g_table.numpy(), grad.numpy())
-            if numpy_backed(g_table.dtype, g_table.device)
-            else (g_table, grad)
-        )
+        dst, src = g_table, grad
+        if numpy_backed(g_table.dtype, g_table.device):
+            dst, src = g_table.numpy(), grad.numpy()
         for g, offs in enumerate(offsets.tolist()):
             for i, o in enumerate(offs):
                 c = min(T, n - o)  # rows/columns of the window inside the table
@@ -132,19 +130,14 @@ class TableAttention(torch.autograd.Function):
         if len(offs) == 1:
             groups = [(slice(0, B), offs[0])]
         for bs, group in groups:
+            keys = kv[bs, None, :]  # (nb, 1, T)
+            every = bool(keys.all())
             for i, o in enumerate(group):
                 for s in range(0, T, chunk):
                     e = min(s + chunk, T)
-                    yield bs, i, o, s, e, TableAttention._probs(table[i], o, s, e, kv[bs])
-
-    @staticmethod
-    def _probs(r: Tensor, o: int, s: int, e: int, kv: Tensor) -> Tensor:
-        """Weights of rows [s, e) of one head's table r (n, n) read at offset o: (nb | 1, C, T)."""
-        T = kv.shape[-1]
-        logits = _window(r, o, s, e, T)[None]  # (1, C, T)
-        if bool(kv.all()):
-            return torch.softmax(logits, dim=-1)
-        return masked_softmax(logits, kv[:, None, :])
+                    logits = _window(table[i], o, s, e, T)[None]  # (1, C, T)
+                    p = torch.softmax(logits, dim=-1) if every else masked_softmax(logits, keys)
+                    yield bs, i, o, s, e, p
 
     @staticmethod
     def forward(
@@ -154,45 +147,36 @@ class TableAttention(torch.autograd.Function):
         # precision while the logits (a parameter) stay float32.
         ctx.v_dtype, ctx.memory = v.dtype, memory
         with torch.autocast(v.device.type, enabled=False):
-            out = TableAttention._forward(ctx, table, offsets, v.to(table.dtype), kv)
+            v = v.to(table.dtype)
+            out = v.new_empty(v.shape)
+            for bs, i, _, s, e, p in TableAttention._chunks(table, offsets, kv):
+                out[bs, i, s:e] = p @ v[bs, i]
+        ctx.save_for_backward(table, offsets, v, kv, out)
         return out.to(ctx.v_dtype)
 
     @staticmethod
-    def _forward(ctx, table: Tensor, offsets: Tensor, v: Tensor, kv: Tensor) -> Tensor:
-        out = v.new_empty(v.shape)
-        for bs, i, _, s, e, p in TableAttention._chunks(table, offsets, kv):
-            out[bs, i, s:e] = p @ v[bs, i]
-        ctx.save_for_backward(table, offsets, v, kv, out)
-        return out
-
-    @staticmethod
     def backward(ctx, grad: Tensor) -> tuple[Tensor | None, None, Tensor | None, None, None]:
-        table = ctx.saved_tensors[0]
-        with torch.autocast(grad.device.type, enabled=False):
-            g_table, g_v = TableAttention._backward(ctx, grad.to(table.dtype))
-        return g_table, None, g_v.to(ctx.v_dtype), None, None
-
-    @staticmethod
-    def _backward(ctx, grad: Tensor) -> tuple[Tensor | None, Tensor]:
         table, offsets, v, kv, out = ctx.saved_tensors
         T, n = v.shape[2], table.shape[-1]
         write_once = offsets.shape[0] == 1  # each table entry receives one block's gradient
         g_table = ctx.memory.take(table, T) if ctx.needs_input_grad[0] else None
         g_v = torch.zeros_like(v)
-        for bs, i, o, s, e, p in TableAttention._chunks(table, offsets, kv):
-            vi, go = v[bs, i], grad[bs, i, s:e]  # (nb, T, d_k), (nb, C, d_k)
-            g_v[bs, i].baddbmm_(p.transpose(-1, -2).expand(go.shape[0], -1, -1), go)
-            if g_table is None:
-                continue
-            delta = (go * out[bs, i, s:e]).sum(-1, keepdim=True)  # (nb, C, 1)
-            r, c = min(e, n - o), min(T, n - o)
-            dst = g_table[i, o + s : o + r, o : o + c]
-            if write_once and go.shape[0] == 1 and dst.shape == (e - s, T):
-                # dL/dlogits = p * (go v^T - delta), written straight into the gradient
-                torch.addmm(delta[0], go[0], vi[0].T, beta=-1, out=dst).mul_(p[0])
-                continue
-            g_logits = torch.baddbmm(delta, go, vi.transpose(-1, -2), beta=-1).mul_(p)
-            g_logits = g_logits[0] if g_logits.shape[0] == 1 else g_logits.sum(0)  # (C, T)
-            if r > s:
-                dst += g_logits[: r - s, :c]
-        return g_table, g_v
+        with torch.autocast(grad.device.type, enabled=False):
+            grad = grad.to(table.dtype)
+            for bs, i, o, s, e, p in TableAttention._chunks(table, offsets, kv):
+                vi, go = v[bs, i], grad[bs, i, s:e]  # (nb, T, d_k), (nb, C, d_k)
+                g_v[bs, i].baddbmm_(p.transpose(-1, -2).expand(go.shape[0], -1, -1), go)
+                if g_table is None:
+                    continue
+                delta = (go * out[bs, i, s:e]).sum(-1, keepdim=True)  # (nb, C, 1)
+                r, c = min(e, n - o), min(T, n - o)
+                dst = g_table[i, o + s : o + r, o : o + c]
+                if write_once and go.shape[0] == 1 and dst.shape == (e - s, T):
+                    # dL/dlogits = p * (go v^T - delta), written straight into the gradient
+                    torch.addmm(delta[0], go[0], vi[0].T, beta=-1, out=dst).mul_(p[0])
+                    continue
+                g_logits = torch.baddbmm(delta, go, vi.transpose(-1, -2), beta=-1).mul_(p)
+                g_logits = g_logits[0] if g_logits.shape[0] == 1 else g_logits.sum(0)  # (C, T)
+                if r > s:
+                    dst += g_logits[: r - s, :c]
+        return g_table, None, g_v.to(ctx.v_dtype), None, None
