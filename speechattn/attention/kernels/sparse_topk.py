@@ -6,14 +6,12 @@ from __future__ import annotations
 
 import warnings
 
+import numpy as np
 import torch
 from torch import Tensor
 
 from speechattn.attention.base import SELF_PENALTY, masked_softmax, widen
-from speechattn.attention.kernels.sparse_topk_cpu import (
-    topk_attention_backward_cpu,
-    topk_attention_cpu,
-)
+from speechattn.attention.kernels import sparse_topk_cpu
 
 
 def _use_cpu_kernel(t: Tensor) -> bool:
@@ -38,10 +36,19 @@ def _topk_attention(
 ) -> tuple[Tensor, Tensor, Tensor]:
     """q, k, v (N, T, d) float32/64, idx (N, T, kk), allowed (N, T, kk) -> out (N, T, d),
     weights p (N T kk,) and CSR columns col (N T kk,) (saved for the backward)."""
-    if _use_cpu_kernel(q):
-        return topk_attention_cpu(q, k, v, idx, allowed, scale, SELF_PENALTY)
     N, T, d = q.shape
     kk = idx.shape[-1]
+    if _use_cpu_kernel(q):
+        col = (idx + torch.arange(N).view(N, 1, 1) * T).reshape(N * T, kk).contiguous()
+        out, p = q.new_empty(N * T, d), q.new_empty(N * T, kk)
+        if N * T:
+            rows = [t.reshape(N * T, -1).contiguous().numpy() for t in (q, k, v, allowed)]
+            dtype = rows[0].dtype.type  # scalars of q's dtype, so that nothing widens
+            scalars = dtype(scale), dtype(SELF_PENALTY), dtype(np.finfo(dtype).min)
+            sparse_topk_cpu.forward(
+                *rows[:3], col.numpy(), rows[3], *scalars, out.numpy(), p.numpy()
+            )
+        return out.view(N, T, d), p.view(-1), col.view(-1)
     with torch.autocast(q.device.type, enabled=False):  # sparse kernels: float32/64 only
         idx, order = idx.sort(dim=-1)  # CSR columns in increasing order
         allowed = allowed.gather(-1, order)
@@ -75,11 +82,19 @@ def _topk_attention_backward(
     scale: float,
 ) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
     """dL/dq, dL/dk, dL/dv (N, T, d) of `_topk_attention` from dL/dout (N, T, d)."""
-    if _use_cpu_kernel(q):
-        return topk_attention_backward_cpu(grad, q, k, v, out, p, col, scale)
     shape = q.shape
     N, T, d = shape
-    kk = col.shape[0] // (N * T)
+    kk = col.shape[0] // max(1, N * T)
+    if _use_cpu_kernel(q):
+        grads = [q.new_empty(N * T, d) for _ in range(3)]
+        if N * T:
+            rows = [t.reshape(N * T, d).contiguous().numpy() for t in (grad, q, k, v, out)]
+            sparse_topk_cpu.backward(
+                *rows, p.view(N * T, kk).numpy(), col.view(N * T, kk).numpy(),
+                rows[0].dtype.type(scale), T,
+                *(g.numpy() for g in grads),
+            )  # fmt: skip
+        return tuple(g.view(shape) for g in grads)
     with torch.autocast(q.device.type, enabled=False):
         grad, q, k, v, out = (t.reshape(N * T, d) for t in (grad, q, k, v, out))
         crow = torch.arange(N * T + 1, device=q.device) * kk
@@ -103,10 +118,8 @@ def _(grad, q, k, v, out, p, col, scale):
 
 
 def _topk_attention_setup(ctx, inputs, output) -> None:
-    q, k, v, _, _, scale = inputs
-    out, p, col = output
-    ctx.scale = scale
-    ctx.save_for_backward(q, k, v, out, p, col)
+    ctx.scale = inputs[-1]
+    ctx.save_for_backward(*inputs[:3], *output)  # q, k, v, out, p, col
 
 
 def _topk_attention_grad(ctx, grad: Tensor, _p: Tensor | None, _col: Tensor | None):

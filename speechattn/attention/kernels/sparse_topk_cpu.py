@@ -1,15 +1,14 @@
-"""Softmax attention of each query over its own selected keys on the CPU (`sparse_topk.py`'s
-forward and backward), compiled with numba: one pass per query row where the CSR products
-take several over (N T kk) index arrays; the backward scatters dK and dV head by head (one
-thread per head, so no two add to one key). Sums in the inputs' dtype, reassociated in lanes.
+"""Softmax attention of each query over its own selected keys on the CPU (the kernels of
+`sparse_topk.py`'s custom ops), compiled with numba: one pass per query row where the CSR
+products take several over (N T kk) index arrays; the backward scatters dK and dV head by head
+(one thread per head, so no two add to one key). Sums in the inputs' dtype, reassociated in
+lanes.
 """
 
 from __future__ import annotations
 
 import numpy as np
-import torch
 from numba import prange
-from torch import Tensor
 
 from speechattn.attention.kernels.topk_cpu import cpu_kernel
 
@@ -17,7 +16,7 @@ _FAST = {"reassoc", "contract"}  # vectorised sums; no assumption about infiniti
 
 
 @cpu_kernel(fastmath=_FAST)
-def _forward(q, k, v, col, allowed, scale, penalty, lowest, out, p):
+def forward(q, k, v, col, allowed, scale, penalty, lowest, out, p):
     """q, k, v (R, d), col (R, kk) key rows (n T + j), allowed (R, kk), out (R, d) and the
     weights p (R, kk) written. Disallowed entries weigh 0; a row without any allowed entry
     weighs its kk keys alike (`base.masked_softmax`). scale, penalty and lowest (the dtype's
@@ -54,7 +53,7 @@ def _forward(q, k, v, col, allowed, scale, penalty, lowest, out, p):
 
 
 @cpu_kernel(fastmath=_FAST)
-def _backward(grad, q, k, v, out, p, col, scale, T, g_q, g_k, g_v):
+def backward(grad, q, k, v, out, p, col, scale, T, g_q, g_k, g_v):
     """dL/dq, dL/dk, dL/dv (R, d) written from dL/dout grad (R, d); one head (T rows, whose
     keys are its own T rows) per task. scale is a scalar of q's dtype."""
     R, kk = col.shape
@@ -81,38 +80,3 @@ def _backward(grad, q, k, v, out, p, col, scale, T, g_q, g_k, g_v):
                     g_q[r, e] += g_s * k[c, e]
                     g_k[c, e] += g_s * q[r, e]
                     g_v[c, e] += w * grad[r, e]
-
-
-def topk_attention_cpu(
-    q: Tensor, k: Tensor, v: Tensor, idx: Tensor, allowed: Tensor, scale: float, penalty: float
-) -> tuple[Tensor, Tensor, Tensor]:
-    """`sparse_topk._topk_attention` on the CPU: q, k, v (N, T, d) float32/64, idx, allowed
-    (N, T, kk) -> out (N, T, d), weights p (N T kk,), key rows col (N T kk,)."""
-    N, T, d = q.shape
-    kk = idx.shape[-1]
-    col = (idx + torch.arange(N).view(N, 1, 1) * T).reshape(N * T, kk).contiguous()
-    out, p = q.new_empty(N * T, d), q.new_empty(N * T, kk)
-    if N * T:
-        rows = [t.reshape(N * T, -1).contiguous().numpy() for t in (q, k, v, allowed)]
-        dtype = rows[0].dtype.type
-        scalars = dtype(scale), dtype(penalty), dtype(np.finfo(dtype).min)
-        _forward(*rows[:3], col.numpy(), rows[3], *scalars, out.numpy(), p.numpy())
-    return out.view(N, T, d), p.view(-1), col.view(-1)
-
-
-def topk_attention_backward_cpu(
-    grad: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, p: Tensor, col: Tensor,
-    scale: float,
-) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
-    """`sparse_topk._topk_attention_backward` on the CPU: dL/dq, dL/dk, dL/dv (N, T, d)."""
-    N, T, d = q.shape
-    grads = [q.new_empty(N * T, d) for _ in range(3)]
-    if N * T:
-        rows = [t.reshape(N * T, d).contiguous().numpy() for t in (grad, q, k, v, out)]
-        kk = col.shape[0] // (N * T)
-        _backward(
-            *rows, p.view(N * T, kk).numpy(), col.view(N * T, kk).numpy(),
-            rows[0].dtype.type(scale), T,
-            *(g.numpy() for g in grads),
-        )  # fmt: skip
-    return tuple(g.view(N, T, d) for g in grads)
