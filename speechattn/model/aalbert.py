@@ -124,11 +124,9 @@ class EncoderLayer(nn.Module):
         padding_mask: Tensor | None,
         head_mask: Tensor | None = None,
         need_weights: bool = False,
-    ) -> Tensor | tuple[Tensor, Tensor]:
-        """x (B, T', D), padding_mask (B, T') True at padding, head_mask (h,) -> (B, T', D).
-
-        With need_weights also returns the attention weights (B, h, T', T').
-        """
+    ) -> tuple[Tensor, Tensor | None]:
+        """x (B, T', D), padding_mask (B, T') True at padding, head_mask (h,) -> (B, T', D)
+        and, with need_weights, the attention weights (B, h, T', T') (else None)."""
         a_in = self.attn_norm(x) if self.pre_norm else x
         out = self.attention(a_in, padding_mask, head_mask=head_mask, need_weights=need_weights)
         a, weights = out if need_weights else (out, None)
@@ -139,7 +137,7 @@ class EncoderLayer(nn.Module):
         x = x + self.dropout(self.ffn(f_in))
         if not self.pre_norm:
             x = self.ffn_norm(x)
-        return (x, weights) if need_weights else x
+        return x, weights
 
 
 class Encoder(nn.Module):
@@ -169,43 +167,33 @@ class Encoder(nn.Module):
         if self.residual_head_mask is not None:
             residual = self.residual_head_mask[depth]
             row = residual if row is None else row * residual.to(row)
-        if row is None:
-            return None
         attention = self.layers[self.depth_to_layer[depth]].attention
-        kept = getattr(attention, "kept_heads", None)
-        if kept is None or len(kept) == attention.config.num_heads:
+        kept, h = getattr(attention, "kept_heads", None), attention.config.num_heads
+        if row is None or kept is None or len(kept) == h:
             return row
-        if row.shape[0] != attention.config.num_heads:
+        if row.shape[0] != h:
             raise ValueError(
-                f"head_mask must be (L={self.num_layers}, h={attention.config.num_heads}) over "
-                f"the heads before pruning, got rows of {row.shape[0]}"
+                f"head_mask must be (L={self.num_layers}, h={h}) over the heads before "
+                f"pruning, got rows of {row.shape[0]}"
             )
         return row[torch.tensor(kept, device=row.device)]  # (h',)
 
     def forward(
-        self, x: Tensor, padding_mask: Tensor | None, head_mask: Tensor | None = None
-    ) -> list[Tensor]:
-        """x (B, T', D) embedded input -> L+1 hidden states (B, T', D); hidden[0] is x.
-
-        head_mask: (L, h) or None. Padded positions are zero in every hidden state so that a
-        padded batch gives what each utterance gives alone.
-        """
-        return self.run(x, padding_mask, head_mask, self.num_layers, weights_from=None)[0]
-
-    def run(
         self,
         x: Tensor,
         padding_mask: Tensor | None,
-        head_mask: Tensor | None,
-        depths: int,
-        weights_from: int | None,
+        head_mask: Tensor | None = None,
+        depths: int | None = None,
+        weights_from: int | None = None,
     ) -> tuple[list[Tensor], list[Tensor]]:
-        """The first `depths` layers; depths >= `weights_from` (1-based; None: none) also
-        return their weights. -> (hidden states [x, ...], weights of those depths).
+        """x (B, T', D) embedded input -> (hidden states [x, ...] (B, T', D) of the first
+        `depths` layers (None: all L), weights (B, h, T', T') of the depths >= `weights_from`
+        (1-based; None: none)).
 
-        Only the depths that return weights run their attention's dense reference (the only
-        path with explicit weights): their hidden states match `forward`'s to rounding, not bit
-        for bit.
+        head_mask: (L, h) or None. Padded positions are zero in every hidden state so that a
+        padded batch gives what each utterance gives alone. Only the depths that return
+        weights run their attention's dense reference (the only path with explicit weights):
+        their hidden states match the plain call's to rounding, not bit for bit.
         """
         if head_mask is not None and (
             head_mask.shape[0] != self.num_layers
@@ -222,14 +210,11 @@ class Encoder(nn.Module):
             x = x * keep
         hidden, weights = [x], []
         for depth, index in enumerate(self.depth_to_layer[:depths]):
-            hm = self._depth_head_mask(head_mask, depth)
             need = weights_from is not None and depth + 1 >= weights_from
-            out = self.layers[index](x, padding_mask, hm, need_weights=need)
+            hm = self._depth_head_mask(head_mask, depth)
+            x, w = self.layers[index](x, padding_mask, hm, need_weights=need)
             if need:
-                x, w = out
                 weights.append(w)
-            else:
-                x = out
             if depth == self.num_layers - 1:
                 x = self.final_norm(x)
             if keep is not None:
@@ -296,25 +281,26 @@ class ModelConfig:
         for name in ("feature_dim", "stack", "dim", "num_layers", "num_heads", "ffn_dim"):
             value = getattr(self, name)
             require(is_int(value) and value >= 1, f"model.net.{name}", value, "an integer >= 1")
-        require(
-            self.dim % self.num_heads == 0,
-            "model.net.num_heads",
-            self.num_heads,
-            f"a divisor of model.net.dim={self.dim}",
-        )
-        ok = is_number(self.dropout) and 0 <= self.dropout < 1
-        require(ok, "model.net.dropout", self.dropout, "in [0, 1)")
-        ok = is_number(self.layer_norm_eps) and self.layer_norm_eps > 0
-        require(ok, "model.net.layer_norm_eps", self.layer_norm_eps, "> 0")
-        ok = is_number(self.position_scale)
-        require(ok, "model.net.position_scale", self.position_scale, "a number")
         kernel, groups = self.conv_position_kernel, self.conv_position_groups
-        ok = is_int(kernel) and (kernel == 0 or (kernel > 0 and kernel % 2 == 1))
-        require(ok, "model.net.conv_position_kernel", kernel, "0 (none) or an odd width >= 1")
-        if kernel:  # the groups split the convolution's channels
-            ok = is_int(groups) and groups >= 1 and self.dim % groups == 0
-            rule = f"a divisor of model.net.dim={self.dim}"
-            require(ok, "model.net.conv_position_groups", groups, rule)
+        divides_dim = f"a divisor of model.net.dim={self.dim}"
+        eps = self.layer_norm_eps
+        for name, ok, rule in (
+            ("num_heads", self.dim % self.num_heads == 0, divides_dim),
+            ("dropout", is_number(self.dropout) and 0 <= self.dropout < 1, "in [0, 1)"),
+            ("layer_norm_eps", is_number(eps) and eps > 0, "> 0"),
+            ("position_scale", is_number(self.position_scale), "a number"),
+            (
+                "conv_position_kernel",
+                is_int(kernel) and (kernel == 0 or (kernel > 0 and kernel % 2 == 1)),
+                "0 (none) or an odd width >= 1",
+            ),
+            (  # the groups split the convolution's channels; unused without it
+                "conv_position_groups",
+                not kernel or (is_int(groups) and groups >= 1 and self.dim % groups == 0),
+                divides_dim,
+            ),
+        ):
+            require(ok, f"model.net.{name}", getattr(self, name), rule)
         self.attention_options = dict(self.attention_options)
         # keys may come back as strings from JSON (heads.json, model cards)
         self.pruned_heads = {int(j): sorted(map(int, k)) for j, k in self.pruned_heads.items()}
@@ -512,7 +498,7 @@ class AALBERT(nn.Module):
     ) -> list[Tensor]:
         """`embed_and_encode` given the padding mask (B, T') instead of lengths (None: nothing
         padded): the form `torch.compile` takes, with the host-side decision made outside."""
-        return self.encoder(self.embedding(stacked, padding_mask), padding_mask, head_mask)
+        return self.encoder(self.embedding(stacked, padding_mask), padding_mask, head_mask)[0]
 
     def reconstruct(
         self, stacked: Tensor, lengths: Tensor, head_mask: Tensor | None = None
@@ -529,12 +515,20 @@ class AALBERT(nn.Module):
         return self.embed_and_encode(stacked, out_lengths, head_mask)
 
     def forward_with_weights(
-        self, features: Tensor, lengths: Tensor, head_mask: Tensor | None = None
+        self,
+        features: Tensor,
+        lengths: Tensor,
+        head_mask: Tensor | None = None,
+        depths: int | None = None,
+        weights_from: int = 1,
     ) -> tuple[list[Tensor], list[Tensor]]:
         """features (B, T, F), lengths (B,) -> (L+1 hidden states (B, T', D), L attention
-        weights (B, h, T', T')), from the attention's dense reference at every depth."""
-        x, padding_mask = self._embed(features, lengths)
-        return self.encoder.run(x, padding_mask, head_mask, self.num_layers, weights_from=1)
+        weights (B, h, T', T')), from the attention's dense reference at every depth (or the
+        first `depths`, with weights from depth `weights_from` on: see `Encoder.forward`)."""
+        stacked, out_lengths = self.stack(features, lengths)
+        padding_mask = padding_mask_for(out_lengths, stacked)
+        x = self.embedding(stacked, padding_mask)  # (B, T', D)
+        return self.encoder(x, padding_mask, head_mask, depths, weights_from)
 
     def attention_weights(
         self, features: Tensor, lengths: Tensor, layer: int, head_mask: Tensor | None = None
@@ -543,14 +537,7 @@ class AALBERT(nn.Module):
         the depths below it take their efficient path."""
         if not 1 <= layer <= self.num_layers:
             raise ValueError(f"layer must be in 1..{self.num_layers}, got {layer}")
-        x, padding_mask = self._embed(features, lengths)
-        return self.encoder.run(x, padding_mask, head_mask, layer, weights_from=layer)[1][-1]
-
-    def _embed(self, features: Tensor, lengths: Tensor) -> tuple[Tensor, Tensor]:
-        """features (B, T, F), lengths (B,) -> embedded input (B, T', D), padding mask (B, T')."""
-        stacked, out_lengths = self.stack(features, lengths)
-        padding_mask = padding_mask_for(out_lengths, stacked)
-        return self.embedding(stacked, padding_mask), padding_mask
+        return self.forward_with_weights(features, lengths, head_mask, layer, layer)[1][-1]
 
 
 def pruning_plan(
