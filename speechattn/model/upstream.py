@@ -482,9 +482,6 @@ def _check_tensors(expected: Mapping[str, Tensor], found: Mapping[str, Any], whe
         )
 
 
-# ----------------------------------------------------------------------------- folders
-
-
 def _read_folder(path: Path) -> dict[str, Any]:
     """An upstream folder as the dictionary `upstream.pt` holds: config.json parsed as JSON,
     model.safetensors read by safetensors (no pickle anywhere)."""

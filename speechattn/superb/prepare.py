@@ -80,9 +80,6 @@ DEV_EVERY = 8  # every 8th training utterance of a speaker is dev (voxceleb1, ct
 NOISE_SECONDS = 10.0
 
 
-# -- shared -------------------------------------------------------------------------------------
-
-
 def default_out(root: Path, task: str) -> Path:
     """Where `python -m speechattn.superb` finds `task`'s data made from corpus `root`."""
     return default_cache_root() / "superb" / f"v{LAYOUT_VERSION}-{Path(root).name}" / task
@@ -123,9 +120,6 @@ def _splits(root: Path) -> dict[str, str]:
         per_speaker[speaker_of(utt)] += 1
         split[utt] = "dev" if k % DEV_EVERY == DEV_EVERY - 1 else "train"
     return split
-
-
-# -- speech_commands ----------------------------------------------------------------------------
 
 
 def speech_commands_split(name: str, max_per_class: int = 2**27 - 1) -> str:
@@ -246,9 +240,6 @@ def _speak_keywords(root: Path, out: Path, repeats: int, seed: int) -> dict:
     }
 
 
-# -- voxceleb1 ----------------------------------------------------------------------------------
-
-
 def prepare_voxceleb1(root: Path, out: Path) -> dict:
     """Speaker-identification layout in `out` from corpus `root`."""
     utterances = _corpus_utterances(root)
@@ -273,9 +264,6 @@ def prepare_voxceleb1(root: Path, out: Path) -> dict:
         "speakers": len(speakers),
         "utterances": dict(Counter(split[u] for u in utterances if u in split)),
     }
-
-
-# -- ctc (phoneme recognition) ------------------------------------------------------------------
 
 
 def phoneme_sequence(labels: np.ndarray, phone_set: list[str]) -> list[str]:
