@@ -574,15 +574,9 @@ def save_upstream_folder(
     }
     norm = state["normalizer"]
     tensors.update({NORMALIZER_PREFIX + n: norm[n].detach().cpu().float() for n in ("mean", "std")})
-    config = {
-        "format": state["format"],
-        "version": state["version"],
-        "model_config": plain(state["model_config"]),
-        "feature_config": plain(state["feature_config"]),
-        "normalizer": {"mode": str(norm["mode"])},
-        "metadata": plain(state["metadata"]),
-        "source": plain(source),
-    }
+    config = {k: plain(state[k]) for k in ("format", "version", "model_config", "feature_config")}
+    config |= {"normalizer": {"mode": str(norm["mode"])}, "metadata": plain(state["metadata"])}
+    config["source"] = plain(source)
     with atomic_folder(out) as tmp:
         # "format": "pt" is the metadata Hugging Face's loaders expect of a PyTorch file
         atomic_write_bytes(tmp / WEIGHTS_FILE, save(tensors, metadata={"format": "pt"}))

@@ -59,7 +59,7 @@ from speechattn.data.librispeech import (
     speaker_of,
 )
 from speechattn.data.phones import PHONE_SET, SILENCE
-from speechattn.errors import ConfigError
+from speechattn.errors import ConfigError, command_line_errors
 from speechattn.utils import (
     atomic_folder,
     atomic_write_text,
@@ -386,6 +386,5 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    from speechattn.superb import run_command
-
-    run_command(main)
+    with command_line_errors(prog="python -m speechattn.superb.prepare"):
+        main()

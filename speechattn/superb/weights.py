@@ -15,8 +15,7 @@ from pathlib import Path
 
 import torch
 
-from speechattn.errors import ConfigError
-from speechattn.superb import run_command
+from speechattn.errors import ConfigError, command_line_errors
 
 
 def layer_weights(path: Path) -> list[float]:
@@ -51,4 +50,5 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    run_command(main)
+    with command_line_errors(prog="python -m speechattn.superb.weights"):
+        main()
