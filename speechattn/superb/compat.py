@@ -61,16 +61,13 @@ def _register(name: str, doc: str, **attrs: Any) -> types.ModuleType:
     return module
 
 
-def _set_audio_backend(backend: str | None = None) -> None:
-    """torchaudio < 2.9's backend switch; audio I/O has one backend now, so nothing to do."""
-
-
 def install_set_audio_backend() -> bool:
     import torchaudio
 
     if hasattr(torchaudio, "set_audio_backend"):
         return False
-    torchaudio.set_audio_backend = _set_audio_backend
+    # torchaudio < 2.9's backend switch; audio I/O has one backend now, so nothing to do
+    torchaudio.set_audio_backend = lambda backend=None: None
     return True
 
 

@@ -330,6 +330,7 @@ def prepare(task: str, root: str | Path, out: str | Path, repeats: int = 3) -> P
         raise ConfigError(
             f"--out {out}: exists without a finished {DATA_FILE}; remove it or choose another folder"
         )
+    log.info("converting %s for %s into %s", root, task, out)
     with atomic_folder(out) as tmp:  # an empty `out` is replaced
         kwargs = {"repeats": repeats} if task == "speech_commands" else {}
         info = PREPARE[task](root, tmp, **kwargs)

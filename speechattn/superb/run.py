@@ -106,19 +106,17 @@ def latest_checkpoint(expdir: Path) -> Path:
     return states[-1]
 
 
-def _data_paths(task: str, data: str | None) -> dict[str, Any]:
+def _data_paths(task: str, data: str | Path | None) -> dict[str, Any]:
+    """`task`'s data paths in the prepared folder `data`, by default the built-in corpus'
+    (converted on first use)."""
     from speechattn.superb import prepare
 
-    if data is not None:
-        return prepare.data_config(data, task)
-    from speechattn.data.synth import ensure_embedded_corpus
+    if data is None:
+        from speechattn.data.synth import ensure_embedded_corpus
 
-    root = ensure_embedded_corpus()
-    folder = prepare.default_out(root, task)
-    if not prepare.is_prepared(folder, task):
-        log.info("converting the built-in corpus for %s into %s (first use)", task, folder)
-        prepare.prepare(task, root, folder)
-    return prepare.data_config(folder, task)
+        root = ensure_embedded_corpus()
+        data = prepare.prepare(task, root, prepare.default_out(root, task))
+    return prepare.data_config(data, task)
 
 
 def build_argv(argv: list[str], quick: bool, data: str | None) -> tuple[list[str], dict[str, Any]]:
@@ -201,21 +199,16 @@ def runner_checkpoint(path: Path, what: str = "-e checkpoint") -> dict[str, Any]
     return state
 
 
-def register_upstreams() -> None:
-    """Make `-u speechattn` / `-u speechattn_local` resolve in s3prl's hub."""
+def run_downstream(argv: list[str], expdir: Path | None = None) -> None:
+    """s3prl's run_downstream.main() on `argv` (shims installed first; `expdir` holds the
+    per-experiment caches); `-u speechattn` / `-u speechattn_local` resolve in its hub."""
+    compat.install()  # before s3prl imports what the shims bridge
     from s3prl import hub
 
     from speechattn.interop.s3prl import speechattn_local
 
     for name in UPSTREAM_NAMES:
         setattr(hub, name, speechattn_local)
-
-
-def run_downstream(argv: list[str], expdir: Path | None = None) -> None:
-    """s3prl's run_downstream.main() on `argv` (shims installed first; `expdir` holds the
-    per-experiment caches)."""
-    compat.install()
-    register_upstreams()
     if expdir is not None:
         compat.set_voxceleb1_cache(expdir)
     from s3prl import run_downstream as script
