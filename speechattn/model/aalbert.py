@@ -498,7 +498,21 @@ class AALBERT(nn.Module):
     ) -> list[Tensor]:
         """`embed_and_encode` given the padding mask (B, T') instead of lengths (None: nothing
         padded): the form `torch.compile` takes, with the host-side decision made outside."""
-        return self.encoder(self.embedding(stacked, padding_mask), padding_mask, head_mask)[0]
+        return self.encode_with_weights(stacked, padding_mask, head_mask, weights_from=None)[0]
+
+    def encode_with_weights(
+        self,
+        stacked: Tensor,
+        padding_mask: Tensor | None,
+        head_mask: Tensor | None = None,
+        depths: int | None = None,
+        weights_from: int | None = 1,
+    ) -> tuple[list[Tensor], list[Tensor]]:
+        """`encode` of the first `depths` layers (None: all L), also returning the attention
+        weights (B, h, T', T') of the depths >= `weights_from` (1-based; None: none), from
+        their attention's dense reference (see `Encoder.forward`)."""
+        x = self.embedding(stacked, padding_mask)  # (B, T', D)
+        return self.encoder(x, padding_mask, head_mask, depths, weights_from)
 
     def reconstruct(
         self, stacked: Tensor, lengths: Tensor, head_mask: Tensor | None = None
@@ -514,22 +528,6 @@ class AALBERT(nn.Module):
         stacked, out_lengths = self.stack(features, lengths)
         return self.embed_and_encode(stacked, out_lengths, head_mask)
 
-    def forward_with_weights(
-        self,
-        features: Tensor,
-        lengths: Tensor,
-        head_mask: Tensor | None = None,
-        depths: int | None = None,
-        weights_from: int = 1,
-    ) -> tuple[list[Tensor], list[Tensor]]:
-        """features (B, T, F), lengths (B,) -> (L+1 hidden states (B, T', D), L attention
-        weights (B, h, T', T')), from the attention's dense reference at every depth (or the
-        first `depths`, with weights from depth `weights_from` on: see `Encoder.forward`)."""
-        stacked, out_lengths = self.stack(features, lengths)
-        padding_mask = padding_mask_for(out_lengths, stacked)
-        x = self.embedding(stacked, padding_mask)  # (B, T', D)
-        return self.encoder(x, padding_mask, head_mask, depths, weights_from)
-
     def attention_weights(
         self, features: Tensor, lengths: Tensor, layer: int, head_mask: Tensor | None = None
     ) -> Tensor:
@@ -537,7 +535,9 @@ class AALBERT(nn.Module):
         the depths below it take their efficient path."""
         if not 1 <= layer <= self.num_layers:
             raise ValueError(f"layer must be in 1..{self.num_layers}, got {layer}")
-        return self.forward_with_weights(features, lengths, head_mask, layer, layer)[1][-1]
+        stacked, out_lengths = self.stack(features, lengths)
+        padding_mask = padding_mask_for(out_lengths, stacked)
+        return self.encode_with_weights(stacked, padding_mask, head_mask, layer, layer)[1][-1]
 
 
 def pruning_plan(

@@ -41,7 +41,7 @@ from speechattn.data.features import (
     log_mel_batch,
 )
 from speechattn.errors import ConfigError, OutputExistsError, SpeechattnError
-from speechattn.model.aalbert import AALBERT, ModelConfig
+from speechattn.model.aalbert import AALBERT, ModelConfig, padding_mask_for
 from speechattn.model.serialization import (
     TorchFileError,
     check_is_file,
@@ -171,20 +171,21 @@ class Upstream(nn.Module):
         equal the plain call's to rounding, and cost O(T'^2) memory per layer.
         """
         stacked, out_lengths = self.model.stack(features, lengths)  # (B, T', stack*F), (B,)
-        if output_attentions:
-            if not all(layer.attention.supports_weights for layer in self.model.encoder.layers):
-                raise ConfigError(
-                    f"output_attentions=True: attention {self.attention_name!r} cannot return "
-                    f"attention weights (it has no dense reference); call without it"
-                )
-            hidden, weights = self.model.forward_with_weights(features, lengths, head_mask)
-        else:  # what AALBERT.forward runs, without stacking the frames twice
-            hidden, weights = self.model.embed_and_encode(stacked, out_lengths, head_mask), None
+        layers = self.model.encoder.layers
+        if output_attentions and not all(layer.attention.supports_weights for layer in layers):
+            raise ConfigError(
+                f"output_attentions=True: attention {self.attention_name!r} cannot return "
+                f"attention weights (it has no dense reference); call without it"
+            )
+        padding_mask = padding_mask_for(out_lengths, stacked)
+        hidden, weights = self.model.encode_with_weights(
+            stacked, padding_mask, head_mask, weights_from=1 if output_attentions else None
+        )  # what AALBERT.forward runs, plus the weights when asked
         return UpstreamOutput(
             last_hidden_state=hidden[-1],
             extract_features=stacked,
             hidden_states=tuple(hidden),
-            attentions=None if weights is None else tuple(weights),
+            attentions=tuple(weights) if output_attentions else None,
             output_lengths=out_lengths,
         )
 
