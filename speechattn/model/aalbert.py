@@ -336,11 +336,8 @@ def registry_attention(config: ModelConfig) -> AttentionFactory:
     for the layer at the given index (0 for the shared layer)."""
     from speechattn.attention import build
 
-    def make(layer: int) -> nn.Module:
-        c = config
-        return build(c.attention, c.dim, c.num_heads, layer=layer, **c.attention_options)
-
-    return make
+    c = config
+    return lambda layer: build(c.attention, c.dim, c.num_heads, layer=layer, **c.attention_options)
 
 
 class AALBERT(nn.Module):
