@@ -162,13 +162,10 @@ class Upstream(nn.Module):
         output_attentions: bool = False,
     ) -> UpstreamOutput:
         """features (B, T, F) normalised log-mel, lengths (B,), head_mask (L, h) or None ->
-        `UpstreamOutput`: hidden_states, L+1 tensors (B, T', D) with T' = ceil(T / downsample),
-        the input embedding first, zero at padded positions; last_hidden_state (B, T', D);
-        extract_features (B, T', stack*F); output_lengths (B,).
+        `UpstreamOutput` (shapes there), T' = ceil(T / downsample), zero at padded positions.
 
-        With `output_attentions=True` also attentions, L tensors (B, h, T', T'). They come from
-        each variant's dense reference (explicit T'xT' weights), so the hidden states then
-        equal the plain call's to rounding, and cost O(T'^2) memory per layer.
+        `output_attentions=True` takes each variant's dense reference (explicit T'xT' weights):
+        the hidden states then equal the plain call's to rounding, at O(T'^2) memory per layer.
         """
         stacked, out_lengths = self.model.stack(features, lengths)  # (B, T', stack*F), (B,)
         layers = self.model.encoder.layers
