@@ -124,9 +124,12 @@ class EncoderLayer(nn.Module):
         padding_mask: Tensor | None,
         head_mask: Tensor | None = None,
         need_weights: bool = False,
-    ) -> tuple[Tensor, Tensor | None]:
-        """x (B, T', D), padding_mask (B, T') True at padding, head_mask (h,) -> (B, T', D)
-        and, with need_weights, the attention weights (B, h, T', T') (else None)."""
+    ) -> Tensor | tuple[Tensor, Tensor]:
+        """x (B, T', D), padding_mask (B, T') True at padding, head_mask (h,) -> (B, T', D).
+
+        With need_weights also returns the attention weights (B, h, T', T'); without, one
+        tensor, which s3prl's forward hooks on a layer collect as its hidden state.
+        """
         a_in = self.attn_norm(x) if self.pre_norm else x
         out = self.attention(a_in, padding_mask, head_mask=head_mask, need_weights=need_weights)
         a, weights = out if need_weights else (out, None)
@@ -137,7 +140,7 @@ class EncoderLayer(nn.Module):
         x = x + self.dropout(self.ffn(f_in))
         if not self.pre_norm:
             x = self.ffn_norm(x)
-        return x, weights
+        return (x, weights) if need_weights else x
 
 
 class Encoder(nn.Module):
@@ -212,9 +215,12 @@ class Encoder(nn.Module):
         for depth, index in enumerate(self.depth_to_layer[:depths]):
             need = weights_from is not None and depth + 1 >= weights_from
             hm = self._depth_head_mask(head_mask, depth)
-            x, w = self.layers[index](x, padding_mask, hm, need_weights=need)
+            out = self.layers[index](x, padding_mask, hm, need_weights=need)
             if need:
+                x, w = out
                 weights.append(w)
+            else:
+                x = out
             if depth == self.num_layers - 1:
                 x = self.final_norm(x)
             if keep is not None:
