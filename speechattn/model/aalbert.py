@@ -127,7 +127,8 @@ class EncoderLayer(nn.Module):
     ) -> Tensor | tuple[Tensor, Tensor]:
         """x (B, T', D), padding_mask (B, T') True at padding, head_mask (h,) -> (B, T', D).
 
-        With need_weights also returns the attention weights (B, h, T', T').
+        With need_weights also returns the attention weights (B, h, T', T'); without, one
+        tensor, which s3prl's forward hooks on a layer collect as its hidden state.
         """
         a_in = self.attn_norm(x) if self.pre_norm else x
         out = self.attention(a_in, padding_mask, head_mask=head_mask, need_weights=need_weights)
@@ -169,43 +170,33 @@ class Encoder(nn.Module):
         if self.residual_head_mask is not None:
             residual = self.residual_head_mask[depth]
             row = residual if row is None else row * residual.to(row)
-        if row is None:
-            return None
         attention = self.layers[self.depth_to_layer[depth]].attention
-        kept = getattr(attention, "kept_heads", None)
-        if kept is None or len(kept) == attention.config.num_heads:
+        kept, h = getattr(attention, "kept_heads", None), attention.config.num_heads
+        if row is None or kept is None or len(kept) == h:
             return row
-        if row.shape[0] != attention.config.num_heads:
+        if row.shape[0] != h:
             raise ValueError(
-                f"head_mask must be (L={self.num_layers}, h={attention.config.num_heads}) over "
-                f"the heads before pruning, got rows of {row.shape[0]}"
+                f"head_mask must be (L={self.num_layers}, h={h}) over the heads before "
+                f"pruning, got rows of {row.shape[0]}"
             )
         return row[torch.tensor(kept, device=row.device)]  # (h',)
 
     def forward(
-        self, x: Tensor, padding_mask: Tensor | None, head_mask: Tensor | None = None
-    ) -> list[Tensor]:
-        """x (B, T', D) embedded input -> L+1 hidden states (B, T', D); hidden[0] is x.
-
-        head_mask: (L, h) or None. Padded positions are zero in every hidden state so that a
-        padded batch gives what each utterance gives alone.
-        """
-        return self.run(x, padding_mask, head_mask, self.num_layers, weights_from=None)[0]
-
-    def run(
         self,
         x: Tensor,
         padding_mask: Tensor | None,
-        head_mask: Tensor | None,
-        depths: int,
-        weights_from: int | None,
+        head_mask: Tensor | None = None,
+        depths: int | None = None,
+        weights_from: int | None = None,
     ) -> tuple[list[Tensor], list[Tensor]]:
-        """The first `depths` layers; depths >= `weights_from` (1-based; None: none) also
-        return their weights. -> (hidden states [x, ...], weights of those depths).
+        """x (B, T', D) embedded input -> (hidden states [x, ...] (B, T', D) of the first
+        `depths` layers (None: all L), weights (B, h, T', T') of the depths >= `weights_from`
+        (1-based; None: none)).
 
-        Only the depths that return weights run their attention's dense reference (the only
-        path with explicit weights): their hidden states match `forward`'s to rounding, not bit
-        for bit.
+        head_mask: (L, h) or None. Padded positions are zero in every hidden state so that a
+        padded batch gives what each utterance gives alone. Only the depths that return
+        weights run their attention's dense reference (the only path with explicit weights):
+        their hidden states match the plain call's to rounding, not bit for bit.
         """
         if head_mask is not None and (
             head_mask.shape[0] != self.num_layers
@@ -222,8 +213,8 @@ class Encoder(nn.Module):
             x = x * keep
         hidden, weights = [x], []
         for depth, index in enumerate(self.depth_to_layer[:depths]):
-            hm = self._depth_head_mask(head_mask, depth)
             need = weights_from is not None and depth + 1 >= weights_from
+            hm = self._depth_head_mask(head_mask, depth)
             out = self.layers[index](x, padding_mask, hm, need_weights=need)
             if need:
                 x, w = out
@@ -296,25 +287,26 @@ class ModelConfig:
         for name in ("feature_dim", "stack", "dim", "num_layers", "num_heads", "ffn_dim"):
             value = getattr(self, name)
             require(is_int(value) and value >= 1, f"model.net.{name}", value, "an integer >= 1")
-        require(
-            self.dim % self.num_heads == 0,
-            "model.net.num_heads",
-            self.num_heads,
-            f"a divisor of model.net.dim={self.dim}",
-        )
-        ok = is_number(self.dropout) and 0 <= self.dropout < 1
-        require(ok, "model.net.dropout", self.dropout, "in [0, 1)")
-        ok = is_number(self.layer_norm_eps) and self.layer_norm_eps > 0
-        require(ok, "model.net.layer_norm_eps", self.layer_norm_eps, "> 0")
-        ok = is_number(self.position_scale)
-        require(ok, "model.net.position_scale", self.position_scale, "a number")
         kernel, groups = self.conv_position_kernel, self.conv_position_groups
-        ok = is_int(kernel) and (kernel == 0 or (kernel > 0 and kernel % 2 == 1))
-        require(ok, "model.net.conv_position_kernel", kernel, "0 (none) or an odd width >= 1")
-        if kernel:  # the groups split the convolution's channels
-            ok = is_int(groups) and groups >= 1 and self.dim % groups == 0
-            rule = f"a divisor of model.net.dim={self.dim}"
-            require(ok, "model.net.conv_position_groups", groups, rule)
+        divides_dim = f"a divisor of model.net.dim={self.dim}"
+        eps = self.layer_norm_eps
+        for name, ok, rule in (
+            ("num_heads", self.dim % self.num_heads == 0, divides_dim),
+            ("dropout", is_number(self.dropout) and 0 <= self.dropout < 1, "in [0, 1)"),
+            ("layer_norm_eps", is_number(eps) and eps > 0, "> 0"),
+            ("position_scale", is_number(self.position_scale), "a number"),
+            (
+                "conv_position_kernel",
+                is_int(kernel) and (kernel == 0 or (kernel > 0 and kernel % 2 == 1)),
+                "0 (none) or an odd width >= 1",
+            ),
+            (  # the groups split the convolution's channels; unused without it
+                "conv_position_groups",
+                not kernel or (is_int(groups) and groups >= 1 and self.dim % groups == 0),
+                divides_dim,
+            ),
+        ):
+            require(ok, f"model.net.{name}", getattr(self, name), rule)
         self.attention_options = dict(self.attention_options)
         # keys may come back as strings from JSON (heads.json, model cards)
         self.pruned_heads = {int(j): sorted(map(int, k)) for j, k in self.pruned_heads.items()}
@@ -350,11 +342,8 @@ def registry_attention(config: ModelConfig) -> AttentionFactory:
     for the layer at the given index (0 for the shared layer)."""
     from speechattn.attention import build
 
-    def make(layer: int) -> nn.Module:
-        c = config
-        return build(c.attention, c.dim, c.num_heads, layer=layer, **c.attention_options)
-
-    return make
+    c = config
+    return lambda layer: build(c.attention, c.dim, c.num_heads, layer=layer, **c.attention_options)
 
 
 class AALBERT(nn.Module):
@@ -512,7 +501,21 @@ class AALBERT(nn.Module):
     ) -> list[Tensor]:
         """`embed_and_encode` given the padding mask (B, T') instead of lengths (None: nothing
         padded): the form `torch.compile` takes, with the host-side decision made outside."""
-        return self.encoder(self.embedding(stacked, padding_mask), padding_mask, head_mask)
+        return self.encode_with_weights(stacked, padding_mask, head_mask, weights_from=None)[0]
+
+    def encode_with_weights(
+        self,
+        stacked: Tensor,
+        padding_mask: Tensor | None,
+        head_mask: Tensor | None = None,
+        depths: int | None = None,
+        weights_from: int | None = 1,
+    ) -> tuple[list[Tensor], list[Tensor]]:
+        """`encode` of the first `depths` layers (None: all L), also returning the attention
+        weights (B, h, T', T') of the depths >= `weights_from` (1-based; None: none), from
+        their attention's dense reference (see `Encoder.forward`)."""
+        x = self.embedding(stacked, padding_mask)  # (B, T', D)
+        return self.encoder(x, padding_mask, head_mask, depths, weights_from)
 
     def reconstruct(
         self, stacked: Tensor, lengths: Tensor, head_mask: Tensor | None = None
@@ -528,14 +531,6 @@ class AALBERT(nn.Module):
         stacked, out_lengths = self.stack(features, lengths)
         return self.embed_and_encode(stacked, out_lengths, head_mask)
 
-    def forward_with_weights(
-        self, features: Tensor, lengths: Tensor, head_mask: Tensor | None = None
-    ) -> tuple[list[Tensor], list[Tensor]]:
-        """features (B, T, F), lengths (B,) -> (L+1 hidden states (B, T', D), L attention
-        weights (B, h, T', T')), from the attention's dense reference at every depth."""
-        x, padding_mask = self._embed(features, lengths)
-        return self.encoder.run(x, padding_mask, head_mask, self.num_layers, weights_from=1)
-
     def attention_weights(
         self, features: Tensor, lengths: Tensor, layer: int, head_mask: Tensor | None = None
     ) -> Tensor:
@@ -543,14 +538,9 @@ class AALBERT(nn.Module):
         the depths below it take their efficient path."""
         if not 1 <= layer <= self.num_layers:
             raise ValueError(f"layer must be in 1..{self.num_layers}, got {layer}")
-        x, padding_mask = self._embed(features, lengths)
-        return self.encoder.run(x, padding_mask, head_mask, layer, weights_from=layer)[1][-1]
-
-    def _embed(self, features: Tensor, lengths: Tensor) -> tuple[Tensor, Tensor]:
-        """features (B, T, F), lengths (B,) -> embedded input (B, T', D), padding mask (B, T')."""
         stacked, out_lengths = self.stack(features, lengths)
         padding_mask = padding_mask_for(out_lengths, stacked)
-        return self.embedding(stacked, padding_mask), padding_mask
+        return self.encode_with_weights(stacked, padding_mask, head_mask, layer, layer)[1][-1]
 
 
 def pruning_plan(

@@ -20,10 +20,9 @@ below one span. A batch in which nothing was chosen gives a loss of exactly 0 (w
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Protocol
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from speechattn.data.features import stack_frames
 from speechattn.errors import is_int, is_number, require
@@ -171,12 +170,6 @@ def draw_masks(
     return chosen, source, mode
 
 
-def choose_spans(length: int, cfg: MaskingConfig, generator: torch.Generator) -> Tensor:
-    """Start indices of the spans `draw_spans` places in one utterance of `length` frames."""
-    starts, _ = draw_spans(torch.tensor([length]), length, cfg, generator)
-    return torch.arange(length)[starts[0]]
-
-
 def mask_frames(
     x: Tensor, lengths: Tensor, cfg: MaskingConfig, generator: torch.Generator
 ) -> MaskedBatch:
@@ -241,18 +234,8 @@ def masked_l1(prediction: Tensor, target: Tensor, chosen: Tensor) -> Tensor:
     return total / count.clamp(min=1.0)
 
 
-class Reconstructor(Protocol):
-    """What the objective needs of a model (AALBERT has it)."""
-
-    def stack(self, features: Tensor, lengths: Tensor) -> tuple[Tensor, Tensor]: ...
-
-    def reconstruct(
-        self, inputs: Tensor, lengths: Tensor, head_mask: Tensor | None = None
-    ) -> Tensor: ...
-
-
 def corrupt(
-    model: Reconstructor,
+    model: nn.Module,
     features: Tensor,
     lengths: Tensor,
     cfg: MaskingConfig,
@@ -264,7 +247,7 @@ def corrupt(
 
 
 def reconstruction_loss(
-    model: Reconstructor, masked: MaskedBatch, head_mask: Tensor | None = None
+    model: nn.Module, masked: MaskedBatch, head_mask: Tensor | None = None
 ) -> Tensor:
     """Masked L1 of the model's reconstruction of `masked` (with head mask (L, h))."""
     prediction = model.reconstruct(masked.inputs, masked.lengths, head_mask)  # (B, T', F')

@@ -49,8 +49,7 @@ class LayerSelector(nn.Module):
             )
         if self.logits is None:
             return hidden[:, 0]
-        w = self.logits.softmax(dim=0).to(hidden.dtype)
-        return torch.einsum("bntd,n->btd", hidden, w)
+        return torch.einsum("bntd,n->btd", hidden, self.weights().to(hidden.dtype))
 
 
 class MeanPool(nn.Module):

@@ -41,7 +41,7 @@ from speechattn.data.features import (
     log_mel_batch,
 )
 from speechattn.errors import ConfigError, OutputExistsError, SpeechattnError
-from speechattn.model.aalbert import AALBERT, ModelConfig
+from speechattn.model.aalbert import AALBERT, ModelConfig, padding_mask_for
 from speechattn.model.serialization import (
     TorchFileError,
     check_is_file,
@@ -162,29 +162,27 @@ class Upstream(nn.Module):
         output_attentions: bool = False,
     ) -> UpstreamOutput:
         """features (B, T, F) normalised log-mel, lengths (B,), head_mask (L, h) or None ->
-        `UpstreamOutput`: hidden_states, L+1 tensors (B, T', D) with T' = ceil(T / downsample),
-        the input embedding first, zero at padded positions; last_hidden_state (B, T', D);
-        extract_features (B, T', stack*F); output_lengths (B,).
+        `UpstreamOutput` (shapes there), T' = ceil(T / downsample), zero at padded positions.
 
-        With `output_attentions=True` also attentions, L tensors (B, h, T', T'). They come from
-        each variant's dense reference (explicit T'xT' weights), so the hidden states then
-        equal the plain call's to rounding, and cost O(T'^2) memory per layer.
+        `output_attentions=True` takes each variant's dense reference (explicit T'xT' weights):
+        the hidden states then equal the plain call's to rounding, at O(T'^2) memory per layer.
         """
         stacked, out_lengths = self.model.stack(features, lengths)  # (B, T', stack*F), (B,)
-        if output_attentions:
-            if not all(layer.attention.supports_weights for layer in self.model.encoder.layers):
-                raise ConfigError(
-                    f"output_attentions=True: attention {self.attention_name!r} cannot return "
-                    f"attention weights (it has no dense reference); call without it"
-                )
-            hidden, weights = self.model.forward_with_weights(features, lengths, head_mask)
-        else:  # what AALBERT.forward runs, without stacking the frames twice
-            hidden, weights = self.model.embed_and_encode(stacked, out_lengths, head_mask), None
+        layers = self.model.encoder.layers
+        if output_attentions and not all(layer.attention.supports_weights for layer in layers):
+            raise ConfigError(
+                f"output_attentions=True: attention {self.attention_name!r} cannot return "
+                f"attention weights (it has no dense reference); call without it"
+            )
+        padding_mask = padding_mask_for(out_lengths, stacked)
+        hidden, weights = self.model.encode_with_weights(
+            stacked, padding_mask, head_mask, weights_from=1 if output_attentions else None
+        )  # what AALBERT.forward runs, plus the weights when asked
         return UpstreamOutput(
             last_hidden_state=hidden[-1],
             extract_features=stacked,
             hidden_states=tuple(hidden),
-            attentions=None if weights is None else tuple(weights),
+            attentions=tuple(weights) if output_attentions else None,
             output_lengths=out_lengths,
         )
 
@@ -482,9 +480,6 @@ def _check_tensors(expected: Mapping[str, Tensor], found: Mapping[str, Any], whe
         )
 
 
-# ----------------------------------------------------------------------------- folders
-
-
 def _read_folder(path: Path) -> dict[str, Any]:
     """An upstream folder as the dictionary `upstream.pt` holds: config.json parsed as JSON,
     model.safetensors read by safetensors (no pickle anywhere)."""
@@ -577,15 +572,9 @@ def save_upstream_folder(
     }
     norm = state["normalizer"]
     tensors.update({NORMALIZER_PREFIX + n: norm[n].detach().cpu().float() for n in ("mean", "std")})
-    config = {
-        "format": state["format"],
-        "version": state["version"],
-        "model_config": plain(state["model_config"]),
-        "feature_config": plain(state["feature_config"]),
-        "normalizer": {"mode": str(norm["mode"])},
-        "metadata": plain(state["metadata"]),
-        "source": plain(source),
-    }
+    config = {k: plain(state[k]) for k in ("format", "version", "model_config", "feature_config")}
+    config |= {"normalizer": {"mode": str(norm["mode"])}, "metadata": plain(state["metadata"])}
+    config["source"] = plain(source)
     with atomic_folder(out) as tmp:
         # "format": "pt" is the metadata Hugging Face's loaders expect of a PyTorch file
         atomic_write_bytes(tmp / WEIGHTS_FILE, save(tensors, metadata={"format": "pt"}))

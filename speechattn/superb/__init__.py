@@ -10,20 +10,3 @@ built-in corpus in each task's layout), `libriphone` (the ctc corpus reader miss
 s3prl wheel), `run` (the command), `weights` (the Featurizer's learned layer weights:
 `python -m speechattn.superb.weights EXPDIR`).
 """
-
-from __future__ import annotations
-
-import logging
-import sys
-from collections.abc import Callable
-
-from speechattn.errors import SpeechattnError
-
-
-def run_command(main: Callable[[], object]) -> None:
-    """`main()` for a command line: a `SpeechattnError` ends it with one line and exit 1."""
-    try:
-        main()
-    except SpeechattnError as e:
-        logging.getLogger("speechattn.superb").error("%s", e)
-        sys.exit(1)

@@ -1,7 +1,8 @@
 """`python -m speechattn.superb ...`: see `speechattn.superb.run`."""
 
-from speechattn.superb import run_command
+from speechattn.errors import command_line_errors
 from speechattn.superb.run import main
 
 if __name__ == "__main__":
-    run_command(main)
+    with command_line_errors(prog="python -m speechattn.superb"):
+        main()

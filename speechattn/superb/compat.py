@@ -61,23 +61,14 @@ def _register(name: str, doc: str, **attrs: Any) -> types.ModuleType:
     return module
 
 
-# -- torchaudio.set_audio_backend ---------------------------------------------------------------
-
-
-def _set_audio_backend(backend: str | None = None) -> None:
-    """torchaudio < 2.9's backend switch; audio I/O has one backend now, so nothing to do."""
-
-
 def install_set_audio_backend() -> bool:
     import torchaudio
 
     if hasattr(torchaudio, "set_audio_backend"):
         return False
-    torchaudio.set_audio_backend = _set_audio_backend
+    # torchaudio < 2.9's backend switch; audio I/O has one backend now, so nothing to do
+    torchaudio.set_audio_backend = lambda backend=None: None
     return True
-
-
-# -- torchaudio.sox_effects ---------------------------------------------------------------------
 
 
 def _read(path: str | Path, frame_offset: int = 0, num_frames: int = -1) -> tuple[Tensor, int]:
@@ -161,9 +152,6 @@ def install_sox_effects() -> bool:
     return True
 
 
-# -- torchaudio.load / info ---------------------------------------------------------------------
-
-
 def load(
     uri: str | Path,
     frame_offset: int = 0,
@@ -221,9 +209,6 @@ def install_audio_io() -> bool:
     return True
 
 
-# -- huggingface_hub.HfFolder / Repository ------------------------------------------------------
-
-
 class _HubRemoved:
     """Names s3prl imports from huggingface_hub < 1.0 (runner.py, run_downstream.py); they
     serve only --push_to_hf_hub and --hub huggingface, which `speechattn.superb` refuses, so
@@ -251,9 +236,6 @@ def install_hf_folder() -> bool:
             setattr(huggingface_hub, name, type(name, (_HubRemoved,), {}))
             installed = True
     return installed
-
-
-# -- catalyst.data.sampler.DistributedSamplerWrapper --------------------------------------------
 
 
 class DistributedSamplerWrapper(torch.utils.data.DistributedSampler):
@@ -294,8 +276,6 @@ def install_catalyst() -> bool:
     return True
 
 
-# -- the runner's checkpoints under weights-only loading ----------------------------------------
-
 # What a runner checkpoint (states-*.ckpt, dev-best.ckpt) holds besides tensors, dicts, lists and
 # numbers: the parsed command line (`Args`). It joins torch's weights-only allow-list, so loading
 # stays weights-only.
@@ -306,9 +286,6 @@ def install_checkpoints() -> bool:
     missing = [g for g in CHECKPOINT_GLOBALS if g not in torch.serialization.get_safe_globals()]
     torch.serialization.add_safe_globals(missing)
     return bool(missing)
-
-
-# -- s3prl.downstream.ctc.corpus ----------------------------------------------------------------
 
 
 def install_libriphone() -> bool:

@@ -16,8 +16,9 @@ compares with a baseline on the same data; they are not SUPERB scores.
 
 from __future__ import annotations
 
-import copy
 from typing import Any
+
+from omegaconf import OmegaConf
 
 from speechattn.errors import ConfigError
 
@@ -132,14 +133,6 @@ QUICK: dict[str, dict[str, Any]] = {
 }
 
 
-def set_dotted(config: dict[str, Any], key: str, value: Any) -> None:
-    """config["a"]["b"] = value for key "a.b" (intermediate dicts created)."""
-    *parents, last = key.split(".")
-    for name in parents:
-        config = config.setdefault(name, {})
-    config[last] = value
-
-
 def task_config(
     task: str, quick: bool = False, overrides: dict[str, Any] | None = None
 ) -> dict[str, Any]:
@@ -150,7 +143,7 @@ def task_config(
             f"-d {task}: speechattn ships SUPERB configs for {', '.join(PAPER)}; "
             f"for other s3prl tasks pass their config with -c"
         )
-    config = copy.deepcopy(PAPER[task])
+    config = OmegaConf.create(PAPER[task])  # a copy
     for key, value in {**(QUICK[task] if quick else {}), **(overrides or {})}.items():
-        set_dotted(config, key, copy.deepcopy(value))
-    return config
+        OmegaConf.update(config, key, value, merge=False)  # intermediate dicts created
+    return OmegaConf.to_container(config)

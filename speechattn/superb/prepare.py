@@ -59,7 +59,7 @@ from speechattn.data.librispeech import (
     speaker_of,
 )
 from speechattn.data.phones import PHONE_SET, SILENCE
-from speechattn.errors import ConfigError
+from speechattn.errors import ConfigError, command_line_errors
 from speechattn.utils import (
     atomic_folder,
     atomic_write_text,
@@ -78,9 +78,6 @@ COMMANDS = ("yes", "no", "up", "down", "left", "right", "on", "off", "stop", "go
 UNKNOWN_WORDS = 10  # distinct `_unknown_` words, the corpus's most frequent non-command words
 DEV_EVERY = 8  # every 8th training utterance of a speaker is dev (voxceleb1, ctc)
 NOISE_SECONDS = 10.0
-
-
-# -- shared -------------------------------------------------------------------------------------
 
 
 def default_out(root: Path, task: str) -> Path:
@@ -123,9 +120,6 @@ def _splits(root: Path) -> dict[str, str]:
         per_speaker[speaker_of(utt)] += 1
         split[utt] = "dev" if k % DEV_EVERY == DEV_EVERY - 1 else "train"
     return split
-
-
-# -- speech_commands ----------------------------------------------------------------------------
 
 
 def speech_commands_split(name: str, max_per_class: int = 2**27 - 1) -> str:
@@ -246,9 +240,6 @@ def _speak_keywords(root: Path, out: Path, repeats: int, seed: int) -> dict:
     }
 
 
-# -- voxceleb1 ----------------------------------------------------------------------------------
-
-
 def prepare_voxceleb1(root: Path, out: Path) -> dict:
     """Speaker-identification layout in `out` from corpus `root`."""
     utterances = _corpus_utterances(root)
@@ -273,9 +264,6 @@ def prepare_voxceleb1(root: Path, out: Path) -> dict:
         "speakers": len(speakers),
         "utterances": dict(Counter(split[u] for u in utterances if u in split)),
     }
-
-
-# -- ctc (phoneme recognition) ------------------------------------------------------------------
 
 
 def phoneme_sequence(labels: np.ndarray, phone_set: list[str]) -> list[str]:
@@ -342,6 +330,7 @@ def prepare(task: str, root: str | Path, out: str | Path, repeats: int = 3) -> P
         raise ConfigError(
             f"--out {out}: exists without a finished {DATA_FILE}; remove it or choose another folder"
         )
+    log.info("converting %s for %s into %s", root, task, out)
     with atomic_folder(out) as tmp:  # an empty `out` is replaced
         kwargs = {"repeats": repeats} if task == "speech_commands" else {}
         info = PREPARE[task](root, tmp, **kwargs)
@@ -398,6 +387,5 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    from speechattn.superb import run_command
-
-    run_command(main)
+    with command_line_errors(prog="python -m speechattn.superb.prepare"):
+        main()

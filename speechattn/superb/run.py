@@ -106,19 +106,17 @@ def latest_checkpoint(expdir: Path) -> Path:
     return states[-1]
 
 
-def _data_paths(task: str, data: str | None) -> dict[str, Any]:
+def _data_paths(task: str, data: str | Path | None) -> dict[str, Any]:
+    """`task`'s data paths in the prepared folder `data`, by default the built-in corpus'
+    (converted on first use)."""
     from speechattn.superb import prepare
 
-    if data is not None:
-        return prepare.data_config(data, task)
-    from speechattn.data.synth import ensure_embedded_corpus
+    if data is None:
+        from speechattn.data.synth import ensure_embedded_corpus
 
-    root = ensure_embedded_corpus()
-    folder = prepare.default_out(root, task)
-    if not prepare.is_prepared(folder, task):
-        log.info("converting the built-in corpus for %s into %s (first use)", task, folder)
-        prepare.prepare(task, root, folder)
-    return prepare.data_config(folder, task)
+        root = ensure_embedded_corpus()
+        data = prepare.prepare(task, root, prepare.default_out(root, task))
+    return prepare.data_config(data, task)
 
 
 def build_argv(argv: list[str], quick: bool, data: str | None) -> tuple[list[str], dict[str, Any]]:
@@ -133,7 +131,7 @@ def build_argv(argv: list[str], quick: bool, data: str | None) -> tuple[list[str
     if args.mode is None:
         raise ConfigError("-m/--mode is required: train, evaluate or inference")
     if args.past_exp and Path(args.past_exp).is_file():
-        check_runner_checkpoint(Path(args.past_exp))
+        runner_checkpoint(Path(args.past_exp))
     if args.upstream in UPSTREAM_NAMES and not args.past_exp:
         if not args.upstream_ckpt:
             raise ConfigError(
@@ -179,41 +177,38 @@ def build_argv(argv: list[str], quick: bool, data: str | None) -> tuple[list[str
     return out, {"expdir": expdir, "args": args, "quick": quick}
 
 
-def check_runner_checkpoint(path: Path) -> None:
-    """Refuse, with one line naming `path`, a `-e` checkpoint that weights-only loading cannot
-    read (a crafted pickle, a damaged file) or that the runner did not write (no `Args`),
-    before s3prl loads it. Nothing in the file is executed either way."""
+def runner_checkpoint(path: Path, what: str = "-e checkpoint") -> dict[str, Any]:
+    """The state in a checkpoint of s3prl's runner, read weights-only with its `Args` allowed.
+    Refuses, with one line naming `path`, a file that weights-only loading cannot read (a
+    crafted pickle, a damaged file) or that the runner did not write (no `Args`), before
+    s3prl loads it. Nothing in the file is executed either way."""
     from speechattn.model.serialization import load_torch_file
 
     compat.install_checkpoints()  # the runner's Args (argparse.Namespace) is allowed
     try:
-        state = load_torch_file(path, what="-e checkpoint")
+        state = load_torch_file(path, what=what)
     except SpeechattnError as err:
         raise ConfigError(
             f"{err} (a checkpoint of s3prl's runner, states-*.ckpt, is needed)"
         ) from err
     if not isinstance(state, dict) or "Args" not in state:
         raise ConfigError(
-            f"-e checkpoint {path}: not a checkpoint of s3prl's runner (no Args in it); give "
+            f"{what} {path}: not a checkpoint of s3prl's runner (no Args in it); give "
             "EXPDIR/states-*.ckpt or dev-best.ckpt of a training run"
         )
+    return state
 
 
-def register_upstreams() -> None:
-    """Make `-u speechattn` / `-u speechattn_local` resolve in s3prl's hub."""
+def run_downstream(argv: list[str], expdir: Path | None = None) -> None:
+    """s3prl's run_downstream.main() on `argv` (shims installed first; `expdir` holds the
+    per-experiment caches); `-u speechattn` / `-u speechattn_local` resolve in its hub."""
+    compat.install()  # before s3prl imports what the shims bridge
     from s3prl import hub
 
     from speechattn.interop.s3prl import speechattn_local
 
     for name in UPSTREAM_NAMES:
         setattr(hub, name, speechattn_local)
-
-
-def run_downstream(argv: list[str], expdir: Path | None = None) -> None:
-    """s3prl's run_downstream.main() on `argv` (shims installed first; `expdir` holds the
-    per-experiment caches)."""
-    compat.install()
-    register_upstreams()
     if expdir is not None:
         compat.set_voxceleb1_cache(expdir)
     from s3prl import run_downstream as script
@@ -251,13 +246,11 @@ def _ark(path: Path) -> dict[str, str]:
 
 def write_result(decided: dict[str, Any]) -> SuperbResult:
     """Score the finished evaluation and write EXPDIR/superb_result.json."""
-    import torch
-
     import speechattn
 
     args = decided["args"]
     checkpoint = Path(args.past_exp) if args.past_exp else latest_checkpoint(decided["expdir"])
-    state = torch.load(checkpoint, map_location="cpu", weights_only=True)  # allow-listed Args
+    state = runner_checkpoint(checkpoint)
     ckpt_args = state["Args"]
     expdir, task = Path(ckpt_args.expdir), ckpt_args.downstream
     metric, higher = METRIC.get(task, ("accuracy", True))

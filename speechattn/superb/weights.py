@@ -2,7 +2,7 @@
 Featurizer learned in a SUPERB run (the weighted sum of the upstream's hidden states the
 downstream read), as the softmax the Featurizer applies; layer 0 is the input embedding.
 
-The runner's checkpoint is read weights-only, with its `Args` allowed (`compat`); a folder
+The runner's checkpoint is read weights-only (`run.runner_checkpoint`); a folder
 means its `dev-best.ckpt`, else its latest `states-*.ckpt` (`run.latest_checkpoint`).
 """
 
@@ -15,19 +15,16 @@ from pathlib import Path
 
 import torch
 
-from speechattn.errors import ConfigError
-from speechattn.superb import compat, run_command
+from speechattn.errors import ConfigError, command_line_errors
 
 
 def layer_weights(path: Path) -> list[float]:
     """The Featurizer's softmax layer weights in the runner checkpoint (or folder) `path`."""
-    from speechattn.model.serialization import load_torch_file
-    from speechattn.superb.run import latest_checkpoint
+    from speechattn.superb.run import latest_checkpoint, runner_checkpoint
 
     checkpoint = latest_checkpoint(path) if path.is_dir() else path
-    compat.install_checkpoints()
-    state = load_torch_file(checkpoint, what="SUPERB checkpoint")
-    weights = (state.get("Featurizer") or {}).get("weights") if isinstance(state, dict) else None
+    weights = runner_checkpoint(checkpoint, "SUPERB checkpoint").get("Featurizer", {})
+    weights = weights.get("weights") if isinstance(weights, dict) else None
     if not isinstance(weights, torch.Tensor) or weights.dim() != 1:
         raise ConfigError(
             f"{checkpoint}: no Featurizer layer weights in it (a run with -l N reads one layer "
@@ -53,4 +50,5 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    run_command(main)
+    with command_line_errors(prog="python -m speechattn.superb.weights"):
+        main()
