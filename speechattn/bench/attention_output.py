@@ -5,13 +5,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from speechattn.bench.attention_cases import BASELINES
-
 
 def print_table(out: dict) -> None:
-    m = out["meta"]
-    Ts = m["lengths"]
-    allrows = {**out["variants"], **out["baselines"]}
+    m, Ts, allrows = out["meta"], out["meta"]["lengths"], {**out["variants"], **out["baselines"]}
     w = max(len(n) for n in allrows) + 2
     header = "variant".ljust(w) + "".join(f"T={T}".rjust(10) for T in Ts)
 
@@ -76,7 +72,9 @@ def plot(out: dict, path: Path) -> None:
     markers = "osD^v<>pPX*hH"
     fig, axes = plt.subplots(1, 2, figsize=(14, 6))
     for i, (n, r) in enumerate(allrows.items()):
-        style = dict(ls="--" if n in BASELINES else "-", marker=markers[i % len(markers)], ms=4)
+        style = dict(
+            ls="--" if n in out["baselines"] else "-", marker=markers[i % len(markers)], ms=4
+        )
         for ax, key in zip(axes, ("time_ms", "peak_mem_mb")):
             pts = sorted((int(T), t) for T, t in r.get(key, {}).items() if t)
             if pts:

@@ -28,13 +28,13 @@ import torch
 from torch import Tensor
 
 from speechattn.bench.common import (
-    PeakRSS,
-    add_precision_argument,
+    add_run_arguments,
     autocast,
-    default_precision,
-    device_name,
+    finish_run_arguments,
+    parser,
     peak_memory,
     round_robin,
+    setting,
     sized_options,
     write_json,
 )
@@ -82,8 +82,6 @@ def models(args: argparse.Namespace) -> tuple[AALBERT, AALBERT, Tensor, str]:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    if args.threads:
-        torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     full, pruned, mask, source = models(args)
     full, pruned = full.to(device), pruned.to(device)
@@ -104,23 +102,22 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     outputs = {name: fn()[-1].float() for name, fn in cases.items()}  # warm-up
     diff = float((outputs["masked"] - outputs["pruned"]).abs().max())
     times = round_robin(cases, args.reps, device)
-    rss = PeakRSS()
     rows = {}
     for name, model in (("masked", full), ("pruned", pruned)):
-        params = sum(p.numel() for p in model.parameters())
         rows[name] = {
             "time_ms": 1e3 * min(times[name]),
             "time_ms_median": 1e3 * statistics.median(times[name]),
-            "peak_mem_mb": peak_memory(cases[name], device, rss),
-            "params": params,
+            "peak_mem_mb": peak_memory(cases[name], device),
+            "params": sum(p.numel() for p in model.parameters()),
             "param_mb": sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20,
         }
     heads = [layer.attention.num_heads for layer in pruned.encoder.layers]
-    c = full.config
+    c, s = full.config, setting(args)
     print(
-        f"pruning: {args.upstream or args.model} ({c.attention}, {'shared' if c.shared else 'unshared'}"
-        f" layers, L={c.num_layers}, h={c.num_heads}), batch {args.batch} x {args.frames} frames, "
-        f"{device} ({device_name(device)}), {args.precision}, {torch.get_num_threads()} threads"
+        f"pruning: {args.upstream or args.model} ({c.attention}, "
+        f"{'shared' if c.shared else 'unshared'} layers, L={c.num_layers}, h={c.num_heads}), "
+        f"batch {args.batch} x {args.frames} frames, {s['device']} ({s['device_name']}), "
+        f"{s['precision']}, {s['threads']} threads"
     )
     print(
         f"  mask: {source}; {int((mask == 0).sum())} of {mask.numel()} head applications masked; "
@@ -154,10 +151,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "heads_left": heads,
         "batch": args.batch,
         "frames": args.frames,
-        "device": str(device),
-        "device_name": device_name(device),
-        "precision": args.precision,
-        "threads": torch.get_num_threads(),
+        **setting(args),
         "max_abs_diff": diff,
         "rows": rows,
         "speedup": speedup,
@@ -168,9 +162,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        prog="python -m speechattn.bench pruning", description=__doc__.split("\n")[0]
-    )
+    p = parser("pruning", __doc__)
     p.add_argument(
         "--upstream", default=None, help="upstream.pt (default: --model, random weights)"
     )
@@ -182,13 +174,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--frames", type=int, default=500, help="stacked 30 ms frames per utterance")
     p.add_argument("--reps", type=int, default=10)
-    p.add_argument("--device", default="cpu")
-    add_precision_argument(p)
-    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (CPU)")
-    p.add_argument("--json", type=Path, default=None, help="also write the results here")
-    args = p.parse_args(argv)
-    args.precision = args.precision or default_precision(args.device)
-    return args
+    add_run_arguments(p, clock=False)
+    return finish_run_arguments(p.parse_args(argv))
 
 
 def main(argv: list[str]) -> None:
