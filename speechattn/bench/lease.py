@@ -81,29 +81,27 @@ class InjectedFailure(RuntimeError):
 
 
 class Results:
-    """`lease.jsonl`: one line per case, appended, flushed and synced as it ends."""
+    """`lease.jsonl`: one line per case, appended, flushed and synced as it ends; `done` holds
+    each finished case's last line. On resume a case that started and never ended took the
+    process down: it is recorded as crashed, never retried."""
 
     def __init__(self, path: Path, resume: bool) -> None:
-        self.path = path
-        self.done: dict[str, dict[str, Any]] = {}
-        started: list[str] = []
-        if resume and path.is_file():
+        self.path, self.done = path, {}
+        if not resume:
+            path.unlink(missing_ok=True)
+        elif path.is_file():
             for line in path.read_text().splitlines():
                 with contextlib.suppress(ValueError):
                     entry = json.loads(line)
-                    if entry.get("status") == "started":
-                        started.append(entry["case"])
-                    elif "case" in entry:
+                    if "case" in entry:
                         self.done[entry["case"]] = entry
-        elif path.exists():
-            path.unlink()
-        for case in started:
-            if case not in self.done:  # it took the process down: record that, never retry
+        for case, entry in list(self.done.items()):
+            if entry.get("status") == "started":
                 self.write({"case": case, "status": "crashed",
                             "error": "the process died during this case"})  # fmt: skip
 
     def write(self, entry: dict[str, Any]) -> None:
-        if "case" in entry and entry.get("status") != "started":
+        if "case" in entry:
             self.done[entry["case"]] = entry
         self.path.parent.mkdir(parents=True, exist_ok=True)
         with self.path.open("a") as f:
@@ -423,48 +421,49 @@ def summarise(done: dict[str, dict[str, Any]], elapsed: float) -> dict[str, Any]
             "vs_full": {k: v.get("vs_full") for k, v in steps.items()}}  # fmt: skip
 
 
+# the table's columns: (heading, the entry's field, format); MFU is shown in percent
+COLUMNS = (
+    ("ms/step", "ms", ".1f"), ("vs full", "vs_full", ".2f"), ("MFU %", "mfu", "%"),
+    ("peak GiB", "peak_gib", ".1f"), ("finite", "finite", ""), ("reads", "reads", "d"),
+    ("uploads", "uploads", "d"), ("sync warn", "sync_debug_warnings", "d"),
+    ("memcpy", "memcpy_calls", "d"), ("rt syncs", "runtime_syncs", "d"),
+    ("launches", "launches", "d"),
+)  # fmt: skip
+
+
 def verdict(done: dict[str, dict[str, Any]], summary: dict[str, Any]) -> str:
     """A one-screen markdown table of the cases."""
     m = done.get("machine", {})
+    heads = ["case", "status", *(c[0] for c in COLUMNS), "attention kernel"]
     lines = [
         f"{m.get('device')}, torch {m.get('torch')}, CUDA {m.get('cuda')}, cuDNN "
         f"{m.get('cudnn')}; {m.get('peak_dtype')} matmul peak {m.get('peak_tflops', 0):.1f} "
         f"TFLOP/s; {m.get('shapes')}; {summary['elapsed_s']:.0f} s",
         "",
-        "| case | status | ms/step | vs full | MFU % | peak GiB | finite | reads | uploads "
-        "| sync warn | memcpy | rt syncs | launches | attention kernel |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| " + " | ".join(heads) + " |",
+        "|" + "---|" * len(heads),
     ]
 
-    def f(v: Any, fmt: str) -> str:
-        return "" if v is None else format(v, fmt) if isinstance(v, (int, float)) else str(v)
+    def f(v: Any, fmt: str) -> str:  # "%": a share shown in percent
+        if not isinstance(v, (int, float)):
+            return "" if v is None else str(v)
+        return format(100 * v, ".1f") if fmt == "%" else format(v, fmt)
 
     for case, e in done.items():
-        if case == "machine" or e.get("kind") == "lightning":
-            continue
-        ms = e.get("ms")
-        lines.append(
-            f"| {case} | {e.get('status')} | {f(ms, '.1f')} | {f(e.get('vs_full'), '.2f')} "
-            f"| {f(None if e.get('mfu') is None else 100 * e['mfu'], '.1f')} "
-            f"| {f(e.get('peak_gib'), '.1f')} | {f(e.get('finite'), '')} | {f(e.get('reads'), 'd')} "
-            f"| {f(e.get('uploads'), 'd')} | {f(e.get('sync_debug_warnings'), 'd')} "
-            f"| {f(e.get('memcpy_calls'), 'd')} | {f(e.get('runtime_syncs'), 'd')} "
-            f"| {f(e.get('launches'), 'd')} | {e.get('backend', '')} |"
-        )
+        if case != "machine" and e.get("kind") != "lightning":
+            cells = [case, e.get("status"), *(f(e.get(k), fmt) for _, k, fmt in COLUMNS)]
+            lines.append("| " + " | ".join(map(str, cells)) + f" | {e.get('backend', '')} |")
     light = done.get("full:lightning")
-    if light is not None:
-        if light.get("status") == "ok":
-            fps, wait = light.get("frames_per_s"), light.get("data_wait")
-            lines.append(
-                f"\nLightning, full, {light['steps']} steps on the built-in corpus: "
-                f"{f(fps, ',.0f')} frames/s (10 ms), data_wait {f(wait, '.3f')}, "
-                f"{light['wall_s']:.0f} s"
-            )
-        else:
-            lines.append(f"\nLightning run of full: {light.get('status')} {light.get('error', '')}")
-    failed = [(k, e) for k, e in done.items() if e.get("status") in ("failed", "crashed")]
-    for case, e in failed:
-        lines.append(f"- {case}: {e.get('status')}: {str(e.get('error'))[:200]}")
+    if light is not None and light.get("status") == "ok":
+        fps, wait = light.get("frames_per_s"), light.get("data_wait")
+        lines.append(f"\nLightning, full, {light['steps']} steps on the built-in corpus: "
+                     f"{f(fps, ',.0f')} frames/s (10 ms), data_wait {f(wait, '.3f')}, "
+                     f"{light['wall_s']:.0f} s")  # fmt: skip
+    elif light is not None:
+        lines.append(f"\nLightning run of full: {light.get('status')} {light.get('error', '')}")
+    for case, e in done.items():
+        if e.get("status") in ("failed", "crashed"):
+            lines.append(f"- {case}: {e.get('status')}: {str(e.get('error'))[:200]}")
     return "\n".join(lines)
 
 
