@@ -1,38 +1,32 @@
-"""Speed and memory of every attention variant vs sequence length (the study's Table 1).
+"""Speed and memory of every attention variant vs sequence length (the study's Table 1;
+docs/benchmarks.md, "Attention speed").
 
     python -m speechattn.bench attention [--quick] [--json PATH] [--png PATH]
         [--device cpu|cuda] [--lengths 256 512 ...] [--variants full ldsa ...]
 
-For each T, every variant runs forward + backward on x (B, T, D) (B = 1, D = 768, h = 12 by
-default) in one process, the cases taking turns, beside two baselines: `sdpa_mha` (qkv Linear
--> scaled_dot_product_attention -> out Linear: `full` without speechattn's wrapper) and
-`sdpa_kernel` (the SDPA call alone on ready (B, h, T, d_k) tensors). Synthesizers whose
-max_len < T are built with max_len = T; `--precision` autocasts every step (default: bf16 on
-CUDA, fp32 on CPU); on CUDA, variants with a FlexAttention kernel get a `NAME+flex` row.
+For each T, every row runs forward + backward of one layer on x (B, T, D) in one process, the
+cases taking turns: the variants (synthesizers built with max_len >= T; on CUDA a `NAME+flex`
+row per FlexAttention kernel) beside `sdpa_mha` (qkv Linear -> SDPA -> out Linear: `full`
+without speechattn's wrapper) and `sdpa_kernel` (the SDPA call alone on (B, h, T, d_k)).
 
-* time: minimum over at least `--reps` steps after one warm-up (the most robust statistic on
-  a shared machine; the median is stored too), more while `full`'s steps add up to less than
-  `--min-time` (short steps are the noisiest). Gradients are reset to None around each step,
-  as `optimizer.zero_grad()` does. `--clock cpu` times the process's CPU time, which with
-  `--threads 1` other processes cannot inflate.
-* peak memory: the rise of `torch.cuda.max_memory_allocated` on CUDA; on CPU (Linux) the rise
-  of the peak resident set size (VmHWM reset through /proc/self/clear_refs), so every byte the
-  step touches. `saved_mb`: distinct non-parameter storages saved for backward.
-* memory guard: a case is skipped, its reason recorded, when its peak (the last length's
-  times the length ratio squared, then its own warm-up's) would not fit in `MEMORY_SHARE` of
-  the memory available: on CPU the OOM killer would end the run otherwise.
+* time: minimum over at least `--reps` steps after one warm-up (the most robust statistic on a
+  shared machine; the median is stored too), more while `full`'s steps add up to less than
+  `--min-time` (short steps are the noisiest); gradients reset to None around each step, as
+  `optimizer.zero_grad()` does.
+* peak memory (`common.peak_memory`); `saved_mb`: distinct non-parameter storages saved for
+  backward. A case whose peak (the last length's times the length ratio squared, then its own
+  warm-up's) would not fit in `MEMORY_SHARE` of the memory available is skipped and recorded:
+  on CPU the OOM killer would end the run otherwise.
 * kernels per step (`count_kernels`), so a variant cut into many small steps shows it; LSH
   variants also time their selection alone (`select_ms`, `attention_ms` the rest).
-* growth exponent: least-squares slope of log time vs log T over T >= max T / 8.
-* FLOPs as each variant defines them (`Attention.flops`), so `bound` = flops(full) /
+* FLOPs as each variant defines them (`Attention.flops`): `bound` = flops(full) /
   flops(variant) is the speed-up it would reach at full's FLOP/s, `achieved/bound` what the
-  kernels deliver; MFU is achieved FLOP/s over the matmul peak measured in the run.
-* two-kernel variants choose by measurement (`speechattn.attention.autotune`, cached on disk;
-  `--autotune off`: the `short_path_max_t` rule) before the warm-up, outside every figure.
+  kernels deliver, MFU the achieved FLOP/s over the matmul peak measured in the run.
+* two-kernel variants choose by measurement (`attention.autotune`, cached on disk; `--autotune
+  off`: the `short_path_max_t` rule) before the warm-up, outside every figure.
 
-Prints the tables and the targets (`targets`); a missed slowdown target says why, from what
-the run measured (`why_missed`). Writes JSON (the report's Table 1) and a log-log PNG
-(`attention_output.py`). One module at one length is a `Case`.
+Prints the tables and the targets (a missed one says why: `why_missed`); writes JSON (the
+report's Table 1) and a log-log PNG.
 """
 
 from __future__ import annotations
@@ -53,7 +47,6 @@ from torch import Tensor, nn
 from speechattn.attention import Attention, autotune, available, build, registry
 from speechattn.attention.base import linear_flops
 from speechattn.attention.lsh import SCHEMES
-from speechattn.bench.attention_output import plot, print_table
 from speechattn.bench.common import (
     add_run_arguments,
     autocast,
@@ -528,6 +521,91 @@ def parse(argv: list[str]) -> argparse.Namespace:
     if args.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda requested but CUDA is not available")
     return finish_run_arguments(args)
+
+
+def print_table(out: dict) -> None:
+    m, Ts, allrows = out["meta"], out["meta"]["lengths"], {**out["variants"], **out["baselines"]}
+    w = max(len(n) for n in allrows) + 2
+    header = "variant".ljust(w) + "".join(f"T={T}".rjust(10) for T in Ts)
+
+    def table(title: str, key: str, fmt: str = "{:10.2f}", rows: dict = allrows,
+              missing: str = f"{'-':>10}") -> None:  # fmt: skip
+        print(f"\n{title}\n{header}")
+        for n, r in rows.items():
+            cells = (r.get(key, {}).get(T) for T in Ts)
+            print(n.ljust(w) + "".join(missing if c is None else fmt.format(c) for c in cells))
+
+    print(
+        f"\n{m['device_name']}; {m['precision']}; matmul peak {m['matmul_peak_gflops']:.1f} GFLOP/s"
+    )
+    print(f"forward+backward {m['timing'].split()[1]} time (ms), B={m['batch']} D={m['dim']} "
+          f"h={m['heads']} on {m['device']} ({m['threads']} threads)")  # fmt: skip
+    print(header + "   exp")
+    for n, r in allrows.items():
+        cells = "".join(f"{r['time_ms'].get(T, float('nan')):10.1f}" for T in Ts)
+        exp = r.get("growth_exponent")
+        print(n.ljust(w) + cells + (f"  {exp:4.2f}" if exp is not None else "     -"))
+    table("speed-up vs full (full time / variant time)", "ratio_to_full")
+    table("FLOP bound: flops(full) / flops(variant)", "flop_bound")
+    table("achieved / bound (speed-up over FLOP bound)", "achieved_of_bound")
+    table("MFU (achieved FLOP/s over the measured matmul peak)", "mfu")
+    table("kernels per step (CUDA launches; on the CPU operator calls from Python/autograd)",
+          "kernels", "{:10d}")  # fmt: skip
+    lsh = {n: r for n, r in allrows.items() if "attention_ms" in r}
+    if lsh:
+        print("\nLSH: hashing+matching (select) / attention part (ms)")
+        for n, r in lsh.items():
+            sel, att = r["select_ms"], r["attention_ms"]
+            cells = "".join(f"{sel[T]:7.0f}/{att[T]:<7.0f}" for T in Ts if T in sel)
+            exp = r["attention_growth_exponent"] or float("nan")
+            print(f"{n.ljust(w)}{cells}  attention exp {exp:.2f}")
+    two = {n: r for n, r in allrows.items() if set(r.get("kernel", {}).values()) - {"one"}}
+    if two:
+        how = "measured (*: here or cached)" if m.get("autotune") == "on" else "rule"
+        table(f"kernel used (short: all T x T pairs, long: the sparse/band one; {how})",
+              "kernel", "{:>10}", two)  # fmt: skip
+    if any(r["peak_mem_mb"] for r in allrows.values()):
+        table(f"peak memory (MiB; {m['memory']})", "peak_mem_mb", "{:10.1f}", missing="       n/a")
+    print("\ntargets")
+    missed = [c for c in out["targets"] if not c["met"]]
+    for c in out["targets"]:
+        if not c["met"] or len(out["targets"]) <= 40:
+            val = "n/a" if c["value"] is None else f"{c['value']:.2f}"
+            print(f"  [{'met' if c['met'] else 'MISSED'}] {c['target']}: {val}")
+            if c.get("why"):
+                print(f"      why: {c['why']}")
+    print(f"  {len(out['targets']) - len(missed)} of {len(out['targets'])} met")
+
+
+def plot(out: dict, path: Path) -> None:
+    """Log-log time and memory vs T (also works on a JSON-loaded result with str keys)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    allrows = {**out["variants"], **out["baselines"]}
+    colors = plt.get_cmap("tab20").colors
+    markers = "osD^v<>pPX*hH"
+    fig, axes = plt.subplots(1, 2, figsize=(14, 6))
+    for i, (n, r) in enumerate(allrows.items()):
+        style = dict(
+            ls="--" if n in out["baselines"] else "-", marker=markers[i % len(markers)], ms=4
+        )
+        for ax, key in zip(axes, ("time_ms", "peak_mem_mb")):
+            pts = sorted((int(T), t) for T, t in r.get(key, {}).items() if t)
+            if pts:
+                ax.plot(*zip(*pts), color=colors[i % len(colors)], label=n, **style)
+    for ax, label in zip(axes, ("forward+backward time (ms)", "peak memory rise (MiB)")):
+        ax.set(xscale="log", yscale="log", xlabel="T (frames)", ylabel=label)
+        ax.grid(True, which="both", alpha=0.3)
+    axes[1 if axes[1].lines else 0].legend(fontsize=8, ncol=2, loc="upper left")
+    m = out["meta"]
+    fig.suptitle(f"attention variants: B={m['batch']}, D={m['dim']}, h={m['heads']}, {m['device']}, "
+                 f"{m['threads']} thread(s); {m['timing']}", fontsize=10)  # fmt: skip
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from speechattn.bench.common import check_mfu, write_json
+from speechattn.bench.common import check_mfu, parser, write_json
 from speechattn.bench.pretrain import GPU_PEAKS, project_step
 from speechattn.errors import UsageExit
 
@@ -168,9 +168,7 @@ def _time_loader(loader: Any, warmup: int, batches: int) -> dict[str, Any]:
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        prog="python -m speechattn.bench loader", description=__doc__.split("\n")[0]
-    )
+    p = parser("loader", __doc__)
     p.add_argument("overrides", nargs="*", help="pretraining config overrides (Hydra)")
     p.add_argument("--batches", type=int, default=50, help="timed batches")
     p.add_argument("--warmup", type=int, default=5, help="untimed batches after the first")

@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from speechattn.bench.common import write_json
+from speechattn.bench.common import parser, write_json
 from speechattn.bench.corpus import add_seconds_argument, make_scale_corpus
 
 SPLIT = "train-clean-360"
@@ -80,9 +80,7 @@ def measure_size(
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        prog="python -m speechattn.bench scale", description=__doc__.split("\n")[0]
-    )
+    p = parser("scale", __doc__)
     p.add_argument(
         "overrides", nargs="*", help="more pretraining overrides (after experiment=paper)"
     )
