@@ -1,4 +1,5 @@
-"""Benchmark one pretraining step per attention variant, against a plain reference transformer.
+"""Benchmark one pretraining step per attention variant, against a plain reference transformer
+(docs/benchmarks.md, "Pretraining step", "GPU cost on paper", "torch.compile").
 
     python -m speechattn.bench pretrain [--model aalbert_tiny|aalbert_base] [--batch 4]
         [--frames 500] [--attention full,ldsa,...] [--repeat 5] [--device cpu|cuda]
@@ -6,23 +7,15 @@
     python -m speechattn.bench pretrain --plan experiment=paper [--gpu h100|a100] [--mfu 0.4]
 
 A step is what `PretrainTask.training_step` does (stack frames, span masking, forward, masked
-L1, backward, LAMB update) under autocast for `--precision` (default: bf16 on CUDA, as
-`trainer=gpu` trains; fp32 on CPU); `--frames` counts stacked (30 ms) model frames. Every
-variant is timed round-robin in one process beside `reference` (a hand-written BERT-style
-AALBERT: explicit softmax(QK^T)V, no SDPA, no registry; what the plumbing costs) and the matmul
-peak in the precision's dtype (`common.matmul_series`, before and after the steps; the best is
-used). `--clock cpu --threads 1` times one thread's CPU time, which other processes cannot inflate.
-
-FLOPs are counted as each variant is defined: `full`'s step by `torch.utils.flop_counter` (plus
-the CPU flash-attention kernel, which it does not know: 4 B h T S d_k forward, twice that
-backward); a variant's is that count with `full`'s attention FLOPs replaced by its own
-(`Attention.flops`, per layer application). So `bound` = flops(full) / flops(variant) is the
-speed-up it would reach at full's FLOP/s, `achieved/bound` how much of it it delivers, and MFU
-is defined FLOP/s over the peak.
-
-`--plan OVERRIDES` times nothing: it composes the pretraining config as `python -m
-speechattn.pretrain OVERRIDES` would and projects each variant's step to a GPU (`plan`).
-`--compile` compares the compiled and the eager step per variant (`run_compile`).
+L1, backward, LAMB update) under autocast for `--precision`; `--frames` counts stacked (30 ms)
+model frames. Every variant is timed round-robin in one process beside `reference` (a
+hand-written BERT-style AALBERT: explicit softmax(QK^T)V, no SDPA, no registry; what the
+plumbing costs) and the matmul peak in the precision's dtype, before and after the steps (the
+best is used). FLOPs are counted as each variant is defined: `full`'s step by
+`torch.utils.flop_counter` (plus the CPU flash-attention kernel, which it does not know: 4 B h
+T S d_k forward, twice that backward), with `full`'s attention FLOPs replaced by the variant's
+own (`Attention.flops`, per layer application). `--plan` times nothing (`plan`); `--compile`
+compares the compiled and the eager step per variant (`run_compile`).
 """
 
 from __future__ import annotations

@@ -61,7 +61,7 @@ def random_mask(model: AALBERT, fraction: float, seed: int = 0) -> Tensor:
 
 
 def models(args: argparse.Namespace) -> tuple[AALBERT, AALBERT, Tensor, str]:
-    """(full model, pruned model, mask (L, h), where the mask comes from)."""
+    """(full model, pruned model, mask (L, h), where the mask comes from), on `--device`."""
     if args.upstream:
         full = load_upstream(args.upstream).model
     else:
@@ -78,14 +78,13 @@ def models(args: argparse.Namespace) -> tuple[AALBERT, AALBERT, Tensor, str]:
         mask, source = random_mask(full, args.fraction, args.seed), f"random, seed {args.seed}"
     pruned = copy.deepcopy(full)
     pruned.prune_heads(mask)
-    return full.eval(), pruned.eval(), mask, source
+    device = torch.device(args.device)
+    return full.eval().to(device), pruned.eval().to(device), mask.to(device), source
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     device = torch.device(args.device)
     full, pruned, mask, source = models(args)
-    full, pruned = full.to(device), pruned.to(device)
-    mask = mask.to(device)
     T = args.frames * full.config.stack
     g = torch.Generator().manual_seed(args.seed)
     features = torch.randn(args.batch, T, full.config.feature_dim, generator=g).to(device)
@@ -102,15 +101,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     outputs = {name: fn()[-1].float() for name, fn in cases.items()}  # warm-up
     diff = float((outputs["masked"] - outputs["pruned"]).abs().max())
     times = round_robin(cases, args.reps, device)
-    rows = {}
-    for name, model in (("masked", full), ("pruned", pruned)):
-        rows[name] = {
-            "time_ms": 1e3 * min(times[name]),
-            "time_ms_median": 1e3 * statistics.median(times[name]),
-            "peak_mem_mb": peak_memory(cases[name], device),
-            "params": sum(p.numel() for p in model.parameters()),
-            "param_mb": sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20,
-        }
+    rows = {
+        name: {"time_ms": 1e3 * min(times[name]),
+               "time_ms_median": 1e3 * statistics.median(times[name]),
+               "peak_mem_mb": peak_memory(cases[name], device),
+               "params": sum(p.numel() for p in model.parameters()),
+               "param_mb": sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20}
+        for name, model in (("masked", full), ("pruned", pruned))
+    }  # fmt: skip
     heads = [layer.attention.num_heads for layer in pruned.encoder.layers]
     c, s = full.config, setting(args)
     print(
@@ -140,23 +138,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         f"{'-' if mem_ratio is None else f'{mem_ratio:.2f}x'} of masked; parameters "
         f"{p['params'] / m['params']:.2f}x"
     )
-    result = {
-        "benchmark": "pruning",
-        "upstream": args.upstream,
-        "model": None if args.upstream else args.model,
-        "attention": c.attention,
-        "shared": c.shared,
-        "mask_source": source,
-        "mask": mask.tolist(),
-        "heads_left": heads,
-        "batch": args.batch,
-        "frames": args.frames,
-        **setting(args),
-        "max_abs_diff": diff,
-        "rows": rows,
-        "speedup": speedup,
-        "peak_mem_ratio": mem_ratio,
-    }
+    result = {"benchmark": "pruning", "upstream": args.upstream,
+              "model": None if args.upstream else args.model, "attention": c.attention,
+              "shared": c.shared, "mask_source": source, "mask": mask.tolist(),
+              "heads_left": heads, "batch": args.batch, "frames": args.frames, **s,
+              "max_abs_diff": diff, "rows": rows, "speedup": speedup,
+              "peak_mem_ratio": mem_ratio}  # fmt: skip
     write_json(args.json, result)
     return result
 
