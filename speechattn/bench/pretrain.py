@@ -197,15 +197,6 @@ def crop_batch(batch: int, crop: int, generator: torch.Generator) -> tuple[Tenso
     return features, lengths
 
 
-def describe(batch: dict[str, Any]) -> str:
-    """How the timed batch is shaped, for the header."""
-    if batch["pad_to_multiple"] == 1:
-        return "all at the crop, unpadded"
-    lengths = batch["lengths"] // batch["stack"]
-    return (f"crops of {int(lengths.min())}-{int(lengths.max())}, padded to multiples of "
-            f"{batch['pad_to_multiple']} as training pads")  # fmt: skip
-
-
 def count_flops(step: Callable[[], float]) -> int:
     with FlopCounterMode(display=False, custom_mapping=SDPA_CPU) as counter:
         step()
@@ -383,7 +374,11 @@ def setup(args: argparse.Namespace, header: str = "") -> tuple[list[str], ModelC
     names = attention_names(args.attention)
     config = preset_config(args.model, feature_dim=FEATURE_DIM, dropout=args.dropout)
     batch, s = bench_batch(args, config), setting(args)
-    print(f"{args.model}, batch {args.batch} x {args.frames} stacked frames ({describe(batch)}), "
+    lengths = batch["lengths"] // batch["stack"]
+    shaped = (f"crops of {int(lengths.min())}-{int(lengths.max())}, padded to multiples of "
+              f"{batch['pad_to_multiple']} as training pads"
+              if batch["pad_to_multiple"] != 1 else "all at the crop, unpadded")  # fmt: skip
+    print(f"{args.model}, batch {args.batch} x {args.frames} stacked frames ({shaped}), "
           f"{s['device']} ({s['device_name']}), {s['precision']}, {s['threads']} threads"
           + header)  # fmt: skip
     return names, config, batch
