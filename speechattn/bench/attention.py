@@ -185,9 +185,6 @@ class Case:
             q, k, _ = attn._qkv(self.inputs)
             return 1000 * time_call(lambda: attn.select(q, k, valid), self.device, clock)
 
-    def params(self) -> int:
-        return sum(p.numel() for p in self.module.parameters())
-
 
 def other_kernel(case: Case, clock: Callable[[], float], reps: int) -> dict | None:
     """For a two-kernel variant: the kernel it did not use at this length, timed like the
@@ -338,7 +335,7 @@ def record_case(
         put("saved_mb", saved_bytes(case.forward, list(case.module.parameters())))
     put("gflop", case.flops() / 1e9)
     put("kernels", count_kernels(case.step, case.device))
-    put("params_at_T", case.params())
+    put("params_at_T", sum(p.numel() for p in case.module.parameters()))
     if case.options:
         put("options_at_T", case.options)
     if isinstance(case.module, Attention):
