@@ -4,10 +4,11 @@ docs/benchmarks.md, "Attention speed").
     python -m speechattn.bench attention [--quick] [--json PATH] [--png PATH]
         [--device cpu|cuda] [--lengths 256 512 ...] [--variants full ldsa ...]
 
-For each T, every row runs forward + backward of one layer on x (B, T, D) in one process, the
-cases taking turns: the variants (synthesizers built with max_len >= T; on CUDA a `NAME+flex`
-row per FlexAttention kernel) beside `sdpa_mha` (qkv Linear -> SDPA -> out Linear: `full`
-without speechattn's wrapper) and `sdpa_kernel` (the SDPA call alone on (B, h, T, d_k)).
+For each T, every row runs forward + backward of one layer on x (B, T, D) (B = 1, D = 768,
+h = 12 by default) in one process, the cases taking turns: the variants (synthesizers built
+with max_len >= T; on CUDA a `NAME+flex` row per FlexAttention kernel) beside `sdpa_mha` (qkv
+Linear -> SDPA -> out Linear: `full` without speechattn's wrapper) and `sdpa_kernel` (the
+SDPA call alone on (B, h, T, d_k)).
 
 * time: minimum over at least `--reps` steps after one warm-up (the most robust statistic on a
   shared machine; the median is stored too), more while `full`'s steps add up to less than
@@ -598,8 +599,8 @@ def plot(out: dict, path: Path) -> None:
         ax.grid(True, which="both", alpha=0.3)
     axes[1 if axes[1].lines else 0].legend(fontsize=8, ncol=2, loc="upper left")
     m = out["meta"]
-    fig.suptitle(f"attention variants: B={m['batch']}, D={m['dim']}, h={m['heads']}, {m['device']}, "
-                 f"{m['threads']} thread(s); {m['timing']}", fontsize=10)  # fmt: skip
+    fig.suptitle(f"attention variants: B={m['batch']}, D={m['dim']}, h={m['heads']}, "
+                 f"{m['device']}, {m['threads']} thread(s); {m['timing']}", fontsize=10)  # fmt: skip
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

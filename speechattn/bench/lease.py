@@ -74,7 +74,8 @@ class Results:
     process down: it is recorded as crashed, never retried."""
 
     def __init__(self, path: Path, resume: bool) -> None:
-        self.path, self.done = path, {}
+        self.path = path
+        self.done: dict[str, dict[str, Any]] = {}
         if not resume:
             path.unlink(missing_ok=True)
         elif path.is_file():
@@ -124,7 +125,8 @@ class Step:
         from speechattn.utils import plain
 
         torch.manual_seed(0)
-        self.device, self.count, self.loss = device, 0, None
+        self.device, self.count = device, 0
+        self.loss: torch.Tensor | None = None
         self.task = PretrainTask(
             model=plain(cfg.model.net),
             masking=plain(cfg.model.masking),
@@ -212,9 +214,10 @@ def count_syncs(step: Step) -> dict[str, Any]:
     host = [batch["lengths"], batch["masked"].lengths]
     with SyncCounter(host=host, cpu_is_device=step.device.type == "cpu", trace=True) as counter:
         step()
+    # sync_where: the file:line of each, in speechattn
     out = {"reads": counter.count, "uploads": counter.upload_count,
            "sync_reasons": {**counter.reasons, **counter.uploads},
-           "sync_where": dict(counter.where)}  # fmt: skip  # file:line of each, in speechattn
+           "sync_where": dict(counter.where)}  # fmt: skip
     if step.device.type == "cuda":
         # torch warns once per process unless told to warn always
         always = torch.is_warn_always_enabled()

@@ -497,7 +497,8 @@ def run_compile(args: argparse.Namespace) -> dict[str, Any]:
             print(f"      {n:3d} x {reason}")
         torch._dynamo.reset()  # each variant compiles from scratch, within the recompile limit
     result = {"benchmark": "pretrain_compile", "model": args.model, "batch": args.batch,
-              "frames": args.frames, **setting(args), "torch": torch.__version__, "rows": rows}  # fmt: skip
+              "frames": args.frames, **setting(args), "torch": torch.__version__,
+              "rows": rows}  # fmt: skip
     write_json(args.json, result)
     return result
 
