@@ -599,8 +599,9 @@ def plot(out: dict, path: Path) -> None:
         ax.grid(True, which="both", alpha=0.3)
     axes[1 if axes[1].lines else 0].legend(fontsize=8, ncol=2, loc="upper left")
     m = out["meta"]
-    fig.suptitle(f"attention variants: B={m['batch']}, D={m['dim']}, h={m['heads']}, "
-                 f"{m['device']}, {m['threads']} thread(s); {m['timing']}", fontsize=10)  # fmt: skip
+    title = (f"attention variants: B={m['batch']}, D={m['dim']}, h={m['heads']}, {m['device']}, "
+             f"{m['threads']} thread(s); {m['timing']}")  # fmt: skip
+    fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
