@@ -1,39 +1,33 @@
-"""Speed and memory of every attention variant vs sequence length (the study's Table 1).
+"""Speed and memory of every attention variant vs sequence length (the study's Table 1;
+docs/benchmarks.md, "Attention speed").
 
     python -m speechattn.bench attention [--quick] [--json PATH] [--png PATH]
         [--device cpu|cuda] [--lengths 256 512 ...] [--variants full ldsa ...]
 
-For each T, every variant runs forward + backward on x (B, T, D) (B = 1, D = 768, h = 12 by
-default) in one process, the cases taking turns, beside two baselines: `sdpa_mha` (qkv Linear
--> scaled_dot_product_attention -> out Linear: `full` without speechattn's wrapper) and
-`sdpa_kernel` (the SDPA call alone on ready (B, h, T, d_k) tensors). Synthesizers whose
-max_len < T are built with max_len = T; `--precision` autocasts every step (default: bf16 on
-CUDA, fp32 on CPU); on CUDA, variants with a FlexAttention kernel get a `NAME+flex` row.
+For each T, every row runs forward + backward of one layer on x (B, T, D) (B = 1, D = 768,
+h = 12 by default) in one process, the cases taking turns: the variants (synthesizers built
+with max_len >= T; on CUDA a `NAME+flex` row per FlexAttention kernel) beside `sdpa_mha` (qkv
+Linear -> SDPA -> out Linear: `full` without speechattn's wrapper) and `sdpa_kernel` (the
+SDPA call alone on (B, h, T, d_k)).
 
-* time: minimum over at least `--reps` steps after one warm-up (the most robust statistic on
-  a shared machine; the median is stored too), more while `full`'s steps add up to less than
-  `--min-time` (short steps are the noisiest). Gradients are reset to None around each step,
-  as `optimizer.zero_grad()` does. `--clock cpu` times the process's CPU time, which with
-  `--threads 1` other processes cannot inflate.
-* peak memory: the rise of `torch.cuda.max_memory_allocated` on CUDA; on CPU (Linux) the rise
-  of the peak resident set size (VmHWM reset through /proc/self/clear_refs), so every byte the
-  step touches. `saved_mb`: distinct non-parameter storages saved for backward.
-* memory guard: a case is skipped, its reason recorded, when its peak (the last length's
-  times the length ratio squared, then its own warm-up's) would not fit in `MEMORY_SHARE` of
-  the memory available: on CPU the OOM killer would end the run otherwise.
+* time: minimum over at least `--reps` steps after one warm-up (the most robust statistic on a
+  shared machine; the median is stored too), more while `full`'s steps add up to less than
+  `--min-time` (short steps are the noisiest); gradients reset to None around each step, as
+  `optimizer.zero_grad()` does.
+* peak memory (`common.peak_memory`); `saved_mb`: distinct non-parameter storages saved for
+  backward. A case whose peak (the last length's times the length ratio squared, then its own
+  warm-up's) would not fit in `MEMORY_SHARE` of the memory available is skipped and recorded:
+  on CPU the OOM killer would end the run otherwise.
 * kernels per step (`count_kernels`), so a variant cut into many small steps shows it; LSH
   variants also time their selection alone (`select_ms`, `attention_ms` the rest).
-* growth exponent: least-squares slope of log time vs log T over T >= max T / 8.
-* FLOPs as each variant defines them (`Attention.flops`), so `bound` = flops(full) /
+* FLOPs as each variant defines them (`Attention.flops`): `bound` = flops(full) /
   flops(variant) is the speed-up it would reach at full's FLOP/s, `achieved/bound` what the
-  kernels deliver; MFU is achieved FLOP/s over the matmul peak measured in the run.
-* two-kernel variants choose by measurement (`speechattn.attention.autotune`, cached on disk;
-  `--autotune off`: the `short_path_max_t` rule) before the warm-up, outside every figure.
+  kernels deliver, MFU the achieved FLOP/s over the matmul peak measured in the run.
+* two-kernel variants choose by measurement (`attention.autotune`, cached on disk; `--autotune
+  off`: the `short_path_max_t` rule) before the warm-up, outside every figure.
 
-Prints the tables and the targets (`targets`); a missed slowdown target says why, from what
-the run measured (`why_missed`). Writes JSON (the report's Table 1) and a log-log PNG. One
-module at one length is a `Case` (`attention_cases.py`); the tables and the plot are in
-`attention_output.py`.
+Prints the tables and the targets (a missed one says why: `why_missed`); writes JSON (the
+report's Table 1) and a log-log PNG.
 """
 
 from __future__ import annotations
@@ -48,20 +42,26 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
 
 from speechattn.attention import Attention, autotune, available, build, registry
-from speechattn.bench.attention_cases import BASELINES, FLEX, LSH, Case, variant_of
-from speechattn.bench.attention_output import plot, print_table
+from speechattn.attention.base import linear_flops
+from speechattn.attention.lsh import SCHEMES
 from speechattn.bench.common import (
-    PeakRSS,
-    add_precision_argument,
+    add_run_arguments,
+    autocast,
     available_memory,
+    clock_of,
     count_kernels,
-    default_precision,
-    device_name,
+    finish_run_arguments,
     matmul_peak,
+    parser,
     peak_dtype,
     peak_memory,
+    rss_resettable,
+    setting,
+    time_call,
     write_json,
 )
 
@@ -70,9 +70,121 @@ QUICK_LENGTHS = [128, 256, 512, 1024]
 SLOWDOWN_LIMIT = 1.1  # a variant with fewer FLOPs than full may take at most this x full's time
 # at this length and above, variants keep this share of their FLOP-bound speed-up
 BOUND_MIN_T = 4096
+LSH = set(SCHEMES)
+BASELINES = ["sdpa_mha", "sdpa_kernel"]
 BOUND_SHARE = {"ldsa": 0.7, "sparse_": 0.7, **{n: 0.6 for n in LSH}}  # by name or prefix
 TARGET_LENGTHS = (128, 8192)  # the range the slowdown limit applies to
 MEMORY_SHARE = 0.8  # a case's peak may take this share of the memory still available
+FLEX = "+flex"  # row suffix: the variant with kernel="flex" (CUDA runs add these rows)
+
+
+def variant_of(row: str) -> tuple[str, dict]:
+    """A result row's registry name and the options that distinguish it."""
+    if row.endswith(FLEX):
+        return row.removesuffix(FLEX), {"kernel": "flex"}
+    return row, {}
+
+
+class BareMHA(nn.Module):
+    """`full` without speechattn: qkv Linear -> SDPA -> out Linear (no masks, no checks)."""
+
+    def __init__(self, dim: int, num_heads: int) -> None:
+        super().__init__()
+        self.h = num_heads
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.out = nn.Linear(dim, dim)
+
+    def forward(self, x: Tensor) -> Tensor:
+        B, T, D = x.shape
+        q, k, v = self.qkv(x).view(B, T, 3, self.h, -1).permute(2, 0, 3, 1, 4)  # (B, h, T, d_k)
+        y = F.scaled_dot_product_attention(q, k, v)
+        return self.out(y.transpose(1, 2).reshape(B, T, D))
+
+
+class KernelOnly(nn.Module):
+    """The SDPA call alone on (B, h, T, d_k) leaf tensors."""
+
+    def forward(self, qkv: tuple[Tensor, Tensor, Tensor]) -> Tensor:
+        return F.scaled_dot_product_attention(*qkv)
+
+
+def saved_bytes(fn: Callable[[], Tensor], params: list[Tensor]) -> float:
+    """MiB of distinct storages `fn()` saves for backward (`saved_tensors_hooks`), not counting
+    storages of `params` (saving a parameter costs no memory)."""
+    seen: dict[int, int] = {}
+    skip = {p.untyped_storage().data_ptr() for p in params}
+
+    def pack(t: Tensor) -> Tensor:
+        if t.numel() and t.untyped_storage().data_ptr() not in skip:
+            st = t.untyped_storage()
+            seen[st.data_ptr()] = st.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn()
+    return sum(seen.values()) / 2**20
+
+
+class Case:
+    """One benchmarked row at one length T: its module, its leaf inputs (x (B, T, D), or q, k,
+    v (B, h, T, d_k) for `sdpa_kernel`) and one training step."""
+
+    def __init__(self, name: str, T: int, args: argparse.Namespace, device: torch.device) -> None:
+        self.name, self.T, self.device, self.args = name, T, device, args
+        B, D, h = args.batch, args.dim, args.heads
+        variant, self.options = variant_of(name)
+        if name == "sdpa_mha":
+            self.module: nn.Module = BareMHA(D, h)
+        elif name == "sdpa_kernel":
+            self.module = KernelOnly()
+        else:
+            if registry.options(variant).get("max_len", T) < T:
+                self.options["max_len"] = T
+            self.module = build(variant, D, h, **self.options)
+            autotune.enable(self.module, args.autotune == "on")
+        self.module.to(device)
+        gen = torch.Generator().manual_seed(T)
+        shapes = [(B, h, T, D // h)] * 3 if name == "sdpa_kernel" else [(B, T, D)]
+        self.leaves = [torch.randn(s, generator=gen).to(device).requires_grad_() for s in shapes]
+        self.inputs = tuple(self.leaves) if name == "sdpa_kernel" else self.leaves[0]
+        if getattr(self.module, "autotune", False):
+            with torch.no_grad():  # choose the kernel now: outside every timed or measured step
+                self.forward()
+
+    def forward(self) -> Tensor:
+        with autocast(self.device.type, self.args.precision):
+            return self.module(self.inputs)
+
+    def flops(self) -> float:
+        """Training FLOPs of one step (forward + backward) as the module is defined."""
+        B, T, D = self.args.batch, self.T, self.args.dim
+        if isinstance(self.module, Attention):
+            return B * self.module.flops(T).training
+        attention = 3 * 4.0 * T * T * D  # SDPA: scores and weighted sums, forward + backward
+        projections = 3 * linear_flops(T, D, 4 * D) if self.name == "sdpa_mha" else 0.0
+        return B * (attention + projections)
+
+    def _zero(self) -> None:
+        for t in [*self.module.parameters(), *self.leaves]:
+            t.grad = None
+
+    def step(self) -> None:
+        self.time_step(time.perf_counter)
+
+    def time_step(self, clock: Callable[[], float]) -> float:
+        """Milliseconds of one training step (forward + backward) by `clock`."""
+        self._zero()
+        ms = 1000 * time_call(lambda: self.forward().float().sum().backward(), self.device, clock)
+        self._zero()  # free gradients (large for synthesizer tables) before the next case
+        return ms
+
+    def time_select(self, clock: Callable[[], float]) -> float:
+        """LSH only: hashing + matching + top-k on this input, no gradient (ms)."""
+        attn: Attention = self.module
+        with torch.no_grad(), autocast(self.device.type, self.args.precision):
+            valid = torch.ones(self.inputs.shape[:2], dtype=torch.bool, device=self.device)
+            q, k, _ = attn._qkv(self.inputs)
+            return 1000 * time_call(lambda: attn.select(q, k, valid), self.device, clock)
 
 
 def other_kernel(case: Case, clock: Callable[[], float], reps: int) -> dict | None:
@@ -82,8 +194,7 @@ def other_kernel(case: Case, clock: Callable[[], float], reps: int) -> dict | No
     module = case.module
     if not isinstance(module, Attention) or module.short_path_max_t is None:
         return None
-    used = autotune.used(module, case.T).rstrip("*")
-    other = "long" if used == "short" else "short"
+    other = "long" if autotune.used(module, case.T).rstrip("*") == "short" else "short"
     if other == "short" and autotune.timed_shape(module, case.inputs, case.T) is None:
         return {"kernel": other, "skipped": "its (B, h, T, T) scores exceed the tuner's budget"}
     with autotune.forced(module, other):
@@ -147,7 +258,6 @@ def build_cases(
     rows: list[str],
     args: argparse.Namespace,
     device: torch.device,
-    rss: PeakRSS,
     warmup_peak: dict[str, tuple[int, float]],
     res: dict[str, dict],
 ) -> dict[str, Case]:
@@ -170,7 +280,7 @@ def build_cases(
                 continue
         try:
             cases[n] = Case(n, T, args, device)
-            peak = peak_memory(cases[n].step, device, rss)  # warm-up
+            peak = peak_memory(cases[n].step, device)  # warm-up
         except (RuntimeError, MemoryError) as err:  # e.g. out of memory: record and go on
             cases.pop(n, None)
             skip(n, T, str(err).splitlines()[0][:200])
@@ -201,39 +311,37 @@ def time_cases(
 
 
 def record_case(
-    r: dict,
-    case: Case,
-    times: list[float],
-    full_ms: float | None,
-    reps: int,
-    args: argparse.Namespace,
-    clock: Callable[[], float],
-    rss: PeakRSS,
+    r: dict, case: Case, times: list[float], full_ms: float | None, reps: int, clock: Callable
 ) -> None:
     """Store what was measured for `case` at its length in its row `r`: times, the other
     kernel where a target may be missed, LSH's selection time, memory, FLOPs, kernels run per
     step, parameters, options, keys attended and the kernel used."""
-    T, n = case.T, case.name
-    r["time_ms"][T] = min(times)
-    if full_ms and r["time_ms"][T] > SLOWDOWN_LIMIT * full_ms:  # a target may be missed
+    T = case.T
+
+    def put(key: str, value: object) -> None:
+        r.setdefault(key, {})[T] = value
+
+    put("time_ms", min(times))
+    if full_ms and min(times) > SLOWDOWN_LIMIT * full_ms:  # a target may be missed
         other = other_kernel(case, clock, reps)
         if other is not None:
-            r.setdefault("other_kernel", {})[T] = other
-    r["time_ms_median"][T] = statistics.median(times)
-    sel = [case.time_select(clock) for _ in range(reps)] if n in LSH else []
-    if sel:
-        r.setdefault("select_ms", {})[T] = min(sel)
-        r.setdefault("attention_ms", {})[T] = max(r["time_ms"][T] - min(sel), 1e-3)
-    if not args.no_memory:
-        r["peak_mem_mb"][T], r["saved_mb"][T] = case.memory(rss)
-    r["gflop"][T] = case.flops() / 1e9
-    r.setdefault("kernels", {})[T] = count_kernels(case.step, case.device)
-    r.setdefault("params_at_T", {})[T] = case.params()
+            put("other_kernel", other)
+    put("time_ms_median", statistics.median(times))
+    if case.name in LSH:
+        select = min(case.time_select(clock) for _ in range(reps))
+        put("select_ms", select)
+        put("attention_ms", max(min(times) - select, 1e-3))
+    if not case.args.no_memory:
+        put("peak_mem_mb", peak_memory(case.step, case.device))
+        put("saved_mb", saved_bytes(case.forward, list(case.module.parameters())))
+    put("gflop", case.flops() / 1e9)
+    put("kernels", count_kernels(case.step, case.device))
+    put("params_at_T", sum(p.numel() for p in case.module.parameters()))
     if case.options:
-        r.setdefault("options_at_T", {})[T] = case.options
+        put("options_at_T", case.options)
     if isinstance(case.module, Attention):
-        r.setdefault("keys_attended", {})[T] = case.module.keys_attended(T)
-        r.setdefault("kernel", {})[T] = autotune.used(case.module, T)
+        put("keys_attended", case.module.keys_attended(T))
+        put("kernel", autotune.used(case.module, T))
 
 
 def derive(r: dict, full: dict, peak: float) -> None:
@@ -268,18 +376,14 @@ def describe(n: str, args: argparse.Namespace) -> dict:
     )
 
 
-def run_meta(
-    args: argparse.Namespace, device: torch.device, peak: float, reps_at: dict, rss: PeakRSS
-) -> dict:
+def run_meta(args: argparse.Namespace, peak: float, reps_at: dict) -> dict:
     """How the run measured: machine, precision, sizes, steps per length, clocks."""
+    cuda = torch.device(args.device).type == "cuda"
     return {
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "torch": torch.__version__,
-        "device": str(device),
-        "device_name": device_name(device),
-        "precision": args.precision,
+        **setting(args),
         "matmul_peak_gflops": peak / 1e9,
-        "threads": torch.get_num_threads(),
         "autotune": args.autotune,
         "batch": args.batch,
         "dim": args.dim,
@@ -289,9 +393,9 @@ def run_meta(
         "timing": f"forward+backward {args.clock} time, min over reps after one warm-up",
         "memory": (
             "cuda max_memory_allocated rise"
-            if device.type == "cuda"
+            if cuda
             else "peak RSS rise (VmHWM after /proc/self/clear_refs reset)"
-            if rss.ok
+            if rss_resettable()
             else "unavailable"
         ),
         "saved_mb": "bytes of distinct non-parameter storages saved for backward (saved_tensors_hooks)",
@@ -302,25 +406,20 @@ def run(args: argparse.Namespace) -> dict:
     """The benchmark as `args` says: every row at every length, then the derived figures,
     each row's definition, the run's metadata and the targets."""
     device = torch.device(args.device)
-    if args.threads:
-        torch.set_num_threads(args.threads)
     names, rows = row_names(args, device)
-    rss = PeakRSS()
-    clock = time.process_time if args.clock == "cpu" else time.perf_counter
+    clock = clock_of(args)
     peak = matmul_peak(device=args.device, dtype=peak_dtype(args.precision), clock=clock)
-    res: dict[str, dict] = {
-        n: {"time_ms": {}, "time_ms_median": {}, "peak_mem_mb": {}, "saved_mb": {}, "gflop": {}}
-        for n in rows
-    }
+    keys = ("time_ms", "time_ms_median", "peak_mem_mb", "saved_mb", "gflop")
+    res: dict[str, dict] = {n: {k: {} for k in keys} for n in rows}
     torch.manual_seed(0)
     warmup_peak: dict[str, tuple[int, float]] = {}  # name -> (T, MiB) of its last warm-up
     reps_at: dict[int, int] = {}
     for T in args.lengths:
-        cases = build_cases(T, rows, args, device, rss, warmup_peak, res)
+        cases = build_cases(T, rows, args, device, warmup_peak, res)
         samples, reps_at[T] = time_cases(cases, args, clock)
         full_ms = min(samples["full"]) if "full" in cases else None
         for n, case in cases.items():
-            record_case(res[n], case, samples[n], full_ms, reps_at[T], args, clock, rss)
+            record_case(res[n], case, samples[n], full_ms, reps_at[T], clock)
         line = "  ".join(f"{n}={res[n]['time_ms'][T]:.0f}" for n in cases)
         print(f"T={T}: {line} (ms)", file=sys.stderr, flush=True)
         del cases
@@ -330,7 +429,7 @@ def run(args: argparse.Namespace) -> dict:
         derive(res[n], res["full"], peak)
         res[n].update(describe(n, args))
     out = {
-        "meta": run_meta(args, device, peak, reps_at, rss),
+        "meta": run_meta(args, peak, reps_at),
         "variants": {n: res[n] for n in names},
         "baselines": {n: res[n] for n in rows if n in BASELINES},
     }
@@ -381,16 +480,12 @@ def targets(out: dict) -> list[dict]:
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        prog="python -m speechattn.bench attention", description=__doc__.split("\n\n")[0]
-    )
+    p = parser("attention", __doc__)
     p.add_argument(
         "--quick", action="store_true", help=f"lengths {QUICK_LENGTHS}, 2 reps (< 2 min)"
     )
-    p.add_argument("--json", type=Path, default=None, help="write results here")
+    add_run_arguments(p, devices=["cpu", "cuda"])
     p.add_argument("--png", type=Path, default=None, help="log-log plot (default: next to --json)")
-    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    add_precision_argument(p)
     p.add_argument("--lengths", type=int, nargs="+", default=None)
     p.add_argument("--variants", nargs="+", default=None, help="default: all registered")
     p.add_argument(
@@ -406,10 +501,6 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--dim", type=int, default=768)
     p.add_argument("--heads", type=int, default=12)
-    p.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's)")
-    p.add_argument(
-        "--clock", choices=["wall", "cpu"], default="wall", help="wall or process CPU time"
-    )
     p.add_argument(
         "--autotune",
         choices=["on", "off"],
@@ -427,8 +518,93 @@ def parse(argv: list[str]) -> argparse.Namespace:
         p.error(f"unknown variant(s) {sorted(unknown)}; valid: {', '.join(available())}")
     if args.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda requested but CUDA is not available")
-    args.precision = args.precision or default_precision(args.device)
-    return args
+    return finish_run_arguments(args)
+
+
+def print_table(out: dict) -> None:
+    m, Ts, allrows = out["meta"], out["meta"]["lengths"], {**out["variants"], **out["baselines"]}
+    w = max(len(n) for n in allrows) + 2
+    header = "variant".ljust(w) + "".join(f"T={T}".rjust(10) for T in Ts)
+
+    def table(title: str, key: str, fmt: str = "{:10.2f}", rows: dict = allrows,
+              missing: str = f"{'-':>10}") -> None:  # fmt: skip
+        print(f"\n{title}\n{header}")
+        for n, r in rows.items():
+            cells = (r.get(key, {}).get(T) for T in Ts)
+            print(n.ljust(w) + "".join(missing if c is None else fmt.format(c) for c in cells))
+
+    print(
+        f"\n{m['device_name']}; {m['precision']}; matmul peak {m['matmul_peak_gflops']:.1f} GFLOP/s"
+    )
+    print(f"forward+backward {m['timing'].split()[1]} time (ms), B={m['batch']} D={m['dim']} "
+          f"h={m['heads']} on {m['device']} ({m['threads']} threads)")  # fmt: skip
+    print(header + "   exp")
+    for n, r in allrows.items():
+        cells = "".join(f"{r['time_ms'].get(T, float('nan')):10.1f}" for T in Ts)
+        exp = r.get("growth_exponent")
+        print(n.ljust(w) + cells + (f"  {exp:4.2f}" if exp is not None else "     -"))
+    table("speed-up vs full (full time / variant time)", "ratio_to_full")
+    table("FLOP bound: flops(full) / flops(variant)", "flop_bound")
+    table("achieved / bound (speed-up over FLOP bound)", "achieved_of_bound")
+    table("MFU (achieved FLOP/s over the measured matmul peak)", "mfu")
+    table("kernels per step (CUDA launches; on the CPU operator calls from Python/autograd)",
+          "kernels", "{:10d}")  # fmt: skip
+    lsh = {n: r for n, r in allrows.items() if "attention_ms" in r}
+    if lsh:
+        print("\nLSH: hashing+matching (select) / attention part (ms)")
+        for n, r in lsh.items():
+            sel, att = r["select_ms"], r["attention_ms"]
+            cells = "".join(f"{sel[T]:7.0f}/{att[T]:<7.0f}" for T in Ts if T in sel)
+            exp = r["attention_growth_exponent"] or float("nan")
+            print(f"{n.ljust(w)}{cells}  attention exp {exp:.2f}")
+    two = {n: r for n, r in allrows.items() if set(r.get("kernel", {}).values()) - {"one"}}
+    if two:
+        how = "measured (*: here or cached)" if m.get("autotune") == "on" else "rule"
+        table(f"kernel used (short: all T x T pairs, long: the sparse/band one; {how})",
+              "kernel", "{:>10}", two)  # fmt: skip
+    if any(r["peak_mem_mb"] for r in allrows.values()):
+        table(f"peak memory (MiB; {m['memory']})", "peak_mem_mb", "{:10.1f}", missing="       n/a")
+    print("\ntargets")
+    missed = [c for c in out["targets"] if not c["met"]]
+    for c in out["targets"]:
+        if not c["met"] or len(out["targets"]) <= 40:
+            val = "n/a" if c["value"] is None else f"{c['value']:.2f}"
+            print(f"  [{'met' if c['met'] else 'MISSED'}] {c['target']}: {val}")
+            if c.get("why"):
+                print(f"      why: {c['why']}")
+    print(f"  {len(out['targets']) - len(missed)} of {len(out['targets'])} met")
+
+
+def plot(out: dict, path: Path) -> None:
+    """Log-log time and memory vs T (also works on a JSON-loaded result with str keys)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    allrows = {**out["variants"], **out["baselines"]}
+    colors = plt.get_cmap("tab20").colors
+    markers = "osD^v<>pPX*hH"
+    fig, axes = plt.subplots(1, 2, figsize=(14, 6))
+    for i, (n, r) in enumerate(allrows.items()):
+        style = dict(
+            ls="--" if n in out["baselines"] else "-", marker=markers[i % len(markers)], ms=4
+        )
+        for ax, key in zip(axes, ("time_ms", "peak_mem_mb")):
+            pts = sorted((int(T), t) for T, t in r.get(key, {}).items() if t)
+            if pts:
+                ax.plot(*zip(*pts), color=colors[i % len(colors)], label=n, **style)
+    for ax, label in zip(axes, ("forward+backward time (ms)", "peak memory rise (MiB)")):
+        ax.set(xscale="log", yscale="log", xlabel="T (frames)", ylabel=label)
+        ax.grid(True, which="both", alpha=0.3)
+    axes[1 if axes[1].lines else 0].legend(fontsize=8, ncol=2, loc="upper left")
+    m = out["meta"]
+    title = (f"attention variants: B={m['batch']}, D={m['dim']}, h={m['heads']}, {m['device']}, "
+             f"{m['threads']} thread(s); {m['timing']}")  # fmt: skip
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 def main(argv: list[str] | None = None) -> dict:

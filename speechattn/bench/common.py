@@ -1,5 +1,5 @@
-"""Pieces shared by the benchmarks: device sync and timing, measured matmul peak, precision
-contexts, memory probes, the variants chosen on the command line, JSON output."""
+"""Pieces shared by the benchmarks: their command-line plumbing, device sync and timing, the
+measured matmul peak, precision contexts, memory probes, the chosen variants, JSON output."""
 
 from __future__ import annotations
 
@@ -24,19 +24,54 @@ from speechattn.errors import UsageExit
 PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def default_precision(device: str) -> str:
-    """bf16 autocast on CUDA (how the study trains there), plain fp32 on CPU (its fast dtype)."""
-    return "bf16" if device.startswith("cuda") else "fp32"
+def parser(name: str, doc: str) -> argparse.ArgumentParser:
+    """The parser of `python -m speechattn.bench NAME`, described by `doc`'s first line."""
+    return argparse.ArgumentParser(
+        prog=f"python -m speechattn.bench {name}", description=doc.split("\n")[0]
+    )
 
 
-def add_precision_argument(parser: argparse.ArgumentParser) -> None:
-    """`--precision fp32|bf16|fp16`; None until resolved with `default_precision`."""
-    parser.add_argument(
+def add_run_arguments(
+    p: argparse.ArgumentParser, devices: Sequence[str] | None = None, clock: bool = True
+) -> None:
+    """`--device`, `--precision`, `--threads`, `--clock` (with `clock`) and `--json`: how a
+    timed benchmark runs. `finish_run_arguments` applies them once parsed."""
+    p.add_argument("--device", default="cpu", choices=devices)
+    p.add_argument(
         "--precision",
         choices=sorted(PRECISIONS),
         default=None,
         help="autocast dtype (default: bf16 on cuda, fp32 on cpu)",
     )
+    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (CPU)")
+    if clock:
+        p.add_argument(
+            "--clock",
+            default="wall",
+            choices=("wall", "cpu"),
+            help="cpu: process CPU time, immune to other load with --threads 1",
+        )
+    p.add_argument("--json", type=Path, default=None, help="also write the results here")
+
+
+def finish_run_arguments(args: argparse.Namespace) -> argparse.Namespace:
+    """Set torch's threads to `--threads`; `--precision` defaults to bf16 autocast on CUDA (how
+    the study trains there), plain fp32 on CPU (its fast dtype)."""
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    args.precision = args.precision or ("bf16" if args.device.startswith("cuda") else "fp32")
+    return args
+
+
+def clock_of(args: argparse.Namespace) -> Callable[[], float]:
+    """`--clock`'s clock: the process's CPU time or the wall clock."""
+    return time.process_time if args.clock == "cpu" else time.perf_counter
+
+
+def setting(args: argparse.Namespace) -> dict[str, Any]:
+    """Where and how a run measured: device, its name, precision, torch's threads."""
+    return {"device": str(args.device), "device_name": device_name(args.device),
+            "precision": args.precision, "threads": torch.get_num_threads()}  # fmt: skip
 
 
 def autocast(device: str, precision: str) -> contextlib.AbstractContextManager:
@@ -45,6 +80,11 @@ def autocast(device: str, precision: str) -> contextlib.AbstractContextManager:
     if dtype is None:
         return contextlib.nullcontext()
     return torch.autocast(torch.device(device).type, dtype=dtype)
+
+
+def peak_dtype(precision: str) -> torch.dtype:
+    """The matmul dtype a precision runs its products in."""
+    return PRECISIONS[precision] or torch.float32
 
 
 def sync(device: str | torch.device) -> None:
@@ -103,20 +143,13 @@ def write_json(path: Path | None, data: Any, indent: int = 2) -> None:
     """Write `data` to `path` (its folder created), if a path is given."""
     if path:
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(data, indent=indent))
+        path.write_text(json.dumps(data, indent=indent, default=float) + "\n")
 
 
-def matmul_peak(
-    sizes: Sequence[int] | None = None,
-    seconds: float | None = None,
-    repeat: int = 2,
-    device: str = "cpu",
-    dtype: torch.dtype = torch.float32,
-    clock: Callable[[], float] = time.perf_counter,
-) -> float:
-    """Best sustained FLOP/s of square `torch.mm`s in `dtype` on this device (the MFU
-    denominator): the maximum of `matmul_series` over its sizes."""
-    return max(matmul_series(sizes, seconds, repeat, device, dtype, clock).values())
+def matmul_peak(**kwargs: Any) -> float:
+    """Best sustained FLOP/s of square `torch.mm`s on this device (the MFU denominator): the
+    maximum of `matmul_series(**kwargs)` over its sizes."""
+    return max(matmul_series(**kwargs).values())
 
 
 def matmul_series(
@@ -146,27 +179,20 @@ def matmul_series(
         flop = 2.0 * n**3
         if rates and flop / max(rates.values()) > 20 * seconds:
             break  # larger sizes only take longer
-        a = torch.randn(n, n, device=device, dtype=dtype)
-        b = torch.randn(n, n, device=device, dtype=dtype)
-        out = torch.empty(n, n, device=device, dtype=dtype)
-        elapsed = _time_products(a, b, out, 1, device, clock)  # warm-up, timed to size a series
+        mats = [torch.randn(n, n, device=device, dtype=dtype) for _ in range(3)]
+        elapsed = _products(*mats, 1, device, clock)  # warm-up, timed to size a series
         count = max(1, min(10_000, round(seconds / elapsed)))
-        rates[n] = max(
-            count * flop / _time_products(a, b, out, count, device, clock) for _ in range(repeat)
-        )
+        rates[n] = max(count * flop / _products(*mats, count, device, clock) for _ in range(repeat))
     return rates
 
 
-def _time_products(
+def _products(
     a: Tensor, b: Tensor, out: Tensor, count: int, device: str, clock: Callable[[], float]
 ) -> float:
     """Seconds of `count` back-to-back `torch.mm(a, b, out=out)` between two syncs."""
-    sync(device)
-    t = clock()
-    for _ in range(count):
-        torch.mm(a, b, out=out)
-    sync(device)
-    return max(clock() - t, 1e-9)
+    return max(
+        time_call(lambda: [torch.mm(a, b, out=out) for _ in range(count)], device, clock), 1e-9
+    )
 
 
 # the CUDA runtime calls the profiler records for a kernel launch
@@ -198,18 +224,11 @@ def count_kernels(fn: Callable[[], object], device: str | torch.device) -> int:
 
     def outermost(e) -> bool:
         parent = e.cpu_parent
-        while parent is not None:
-            if is_op(parent):
-                return False
+        while parent is not None and not is_op(parent):
             parent = parent.cpu_parent
-        return True
+        return parent is None
 
     return sum(is_op(e) and outermost(e) for e in events)
-
-
-def peak_dtype(precision: str) -> torch.dtype:
-    """The matmul dtype a precision runs its products in."""
-    return PRECISIONS[precision] or torch.float32
 
 
 def device_name(device: str | torch.device) -> str:
@@ -217,11 +236,8 @@ def device_name(device: str | torch.device) -> str:
     device = torch.device(device)
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
-    model = next(
-        (ln.split(":", 1)[1].strip() for ln in _read("/proc/cpuinfo").splitlines()
-         if ln.startswith("model name")),
-        "CPU",
-    )  # fmt: skip
+    found = re.search(r"^model name\s*:\s*(.*)$", _read("/proc/cpuinfo"), re.M)
+    model = found.group(1).strip() if found else "CPU"
     return f"{model}, {torch.get_num_threads()} threads of {os.cpu_count()} cores"
 
 
@@ -232,50 +248,40 @@ def _read(path: str) -> str:
         return ""
 
 
-class PeakRSS:
-    """Peak-RSS rise of one call (Linux): reset VmHWM via /proc/self/clear_refs."""
+def _kib(text: str, key: str) -> int | None:
+    """The `key:  N kB` field of a /proc file's `text`, in bytes (None where absent)."""
+    found = re.search(rf"{key}:\s+(\d+) kB", text)
+    return int(found.group(1)) * 1024 if found else None
 
-    def __init__(self) -> None:
-        try:
-            self.libc = ctypes.CDLL("libc.so.6")
-        except OSError:
-            self.libc = None
-        try:
-            self._reset()
-            self.ok = True
-        except OSError:  # not Linux, or /proc/self/clear_refs not writable
-            self.ok = False
 
-    @staticmethod
-    def _status(key: str) -> int:
-        text = Path("/proc/self/status").read_text()
-        return int(re.search(rf"{key}:\s+(\d+) kB", text).group(1)) * 1024
-
-    def _reset(self) -> None:
+def rss_resettable() -> bool:
+    """Whether the peak resident set size can be reset (Linux: VmHWM via
+    /proc/self/clear_refs), which the CPU's peak memory needs."""
+    try:
         Path("/proc/self/clear_refs").write_text("5")
-
-    def measure(self, fn: Callable[[], None]) -> float | None:
-        if not self.ok:
-            return None
-        if self.libc is not None:
-            self.libc.malloc_trim(0)
-        self._reset()
-        base = self._status("VmRSS")
-        fn()
-        return (self._status("VmHWM") - base) / 2**20
+        return True
+    except OSError:  # not Linux, or /proc/self/clear_refs not writable
+        return False
 
 
-def peak_memory(fn: Callable[[], object], device: torch.device, rss: PeakRSS) -> float | None:
+def peak_memory(fn: Callable[[], object], device: torch.device) -> float | None:
     """MiB that `fn()` adds at its peak: the CUDA allocator's peak rise on CUDA, the peak
-    resident set size's rise on CPU (None where that cannot be read)."""
-    if device.type != "cuda":
-        return rss.measure(fn)
-    sync(device)
-    torch.cuda.reset_peak_memory_stats(device)
-    base = torch.cuda.memory_allocated(device)
+    resident set size's rise on CPU (freed heap trimmed, VmHWM reset first; None where that
+    cannot be read)."""
+    if device.type == "cuda":
+        sync(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        base = torch.cuda.memory_allocated(device)
+        fn()
+        sync(device)
+        return (torch.cuda.max_memory_allocated(device) - base) / 2**20
+    with contextlib.suppress(OSError):
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    if not rss_resettable():
+        return None
+    base = _kib(_read("/proc/self/status"), "VmRSS")
     fn()
-    sync(device)
-    return (torch.cuda.max_memory_allocated(device) - base) / 2**20
+    return (_kib(_read("/proc/self/status"), "VmHWM") - base) / 2**20
 
 
 def available_memory(device: torch.device) -> float | None:
@@ -283,5 +289,5 @@ def available_memory(device: torch.device) -> float | None:
     MemAvailable on CPU (None where that cannot be read)."""
     if device.type == "cuda":
         return torch.cuda.mem_get_info(device)[0] / 2**20
-    found = re.search(r"MemAvailable:\s+(\d+) kB", _read("/proc/meminfo"))
-    return int(found.group(1)) / 1024 if found else None
+    free = _kib(_read("/proc/meminfo"), "MemAvailable")
+    return None if free is None else free / 2**20

@@ -30,7 +30,6 @@ import shutil
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
@@ -128,7 +127,7 @@ def make_scale_corpus(
             audio = source_audio(s, seed * 1000 + k)
             sf.write(paths[-1], audio, SAMPLE_RATE, subtype="PCM_16", format="FLAC")
         choice = np.random.default_rng([seed, 4099]).integers(len(paths), size=utterances)
-        place = _copy if copy else _link
+        link = not copy
         with progress_bar(utterances, f"corpus of {utterances} utterances", progress) as advance:
             n, cells = 0, speakers * chapters
             for k in range(cells):  # chapter k % chapters of speaker k // chapters
@@ -141,7 +140,7 @@ def make_scale_corpus(
                 lines = []
                 for u in range(count):
                     utt_id = f"{speaker}-{chapter}-{u:04d}"
-                    place = place(paths[choice[n]], folder / f"{utt_id}.flac")
+                    link = _place(paths[choice[n]], folder / f"{utt_id}.flac", link)
                     lines.append(f"{utt_id} {' '.join(WORDS[: 2 + (n % 6)])}\n")
                     n += 1
                 (folder / f"{speaker}-{chapter}.trans.txt").write_text("".join(lines))
@@ -159,20 +158,17 @@ def make_scale_corpus(
     return out
 
 
-def _link(source: Path, target: Path) -> Any:
-    """Hard-link `source` at `target`; returns the placer for the next file (`_copy` once the
-    filesystem has refused a link, so the refusal is logged once)."""
-    try:
-        os.link(source, target)
-        return _link
-    except OSError as e:
-        log.warning("hard links refused (%s): copying the audio instead", e)
-        return _copy(source, target)
-
-
-def _copy(source: Path, target: Path) -> Any:
+def _place(source: Path, target: Path, link: bool) -> bool:
+    """Hard-link (`link`) or copy `source` at `target`; returns whether to link the next file
+    (not once the filesystem has refused a link, so the refusal is logged once)."""
+    if link:
+        try:
+            os.link(source, target)
+            return True
+        except OSError as e:
+            log.warning("hard links refused (%s): copying the audio instead", e)
     shutil.copyfile(source, target)
-    return _copy
+    return False
 
 
 def add_seconds_argument(p: argparse.ArgumentParser, help: str) -> None:

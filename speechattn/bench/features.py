@@ -13,7 +13,6 @@ Measures, on the built-in corpus (or `--root`):
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import tempfile
 import time
@@ -23,7 +22,7 @@ from pathlib import Path
 import torch
 from torch.utils.data import DataLoader
 
-from speechattn.bench.common import time_call
+from speechattn.bench.common import parser, time_call, write_json
 from speechattn.data.cache import OPEN_SHARDS, ExtractionSettings, FeatureStore, extract_features
 from speechattn.data.config import default_cache_root
 from speechattn.data.datasets import FeatureDataset, LengthBucketBatchSampler, collate
@@ -36,9 +35,7 @@ ASSUMED_CONSUMER_FPS = 20_000
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        prog="python -m speechattn.bench features", description=__doc__.split("\n\n")[0]
-    )
+    p = parser("features", __doc__)
     p.add_argument(
         "--root", type=Path, default=None, help="corpus root (default: the built-in corpus)"
     )
@@ -71,12 +68,8 @@ def run(args: argparse.Namespace) -> dict:
     splits = args.split or find_splits(root)
     utts = [u for s in splits for u in scan_split(root, s)]
     settings = ExtractionSettings(dtype=args.dtype)
-    results: dict = {
-        "root": str(root),
-        "splits": splits,
-        "utterances": len(utts),
-        "workers": args.workers,
-    }
+    results: dict = {"root": str(root), "splits": splits, "utterances": len(utts),
+                     "workers": args.workers}  # fmt: skip
 
     with tempfile.TemporaryDirectory(prefix="speechattn-bench-") as cache:
         start = time.perf_counter()
@@ -134,49 +127,37 @@ def _print(r: dict) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    e = r["extraction"]
+    e, first = r["extraction"], r["load_first_pass"]
+    minutes = e["audio_seconds"] / 60
     table = Table(
-        title=f"features benchmark: {r['utterances']} utterances, {e['audio_seconds'] / 60:.1f} min of audio"
+        title=f"features benchmark: {r['utterances']} utterances, {minutes:.1f} min of audio"
     )
     for col in ("measurement", "throughput", "detail"):
         table.add_column(col)
-    table.add_row(
-        f"extraction ({r['workers']} workers)",
-        f"{e['x_real_time']:.0f}x real time",
-        f"{e['wall_seconds']:.2f} s wall, {e['frames']:,} frames, cache {e['cache_mb']:.1f} MB",
-    )
-    first = r["load_first_pass"]
-    table.add_row(
-        "cached load, first pass",
-        f"{first['frames_per_s']:,.0f} frames/s",
-        f"{first['seconds']:.3f} s; checking every file (data.verify_cache): "
-        f"{r['verify_all_seconds']:.3f} s",
-    )
-    for key, name in (
-        ("load_raw", "cached load, raw slices"),
-        ("load_batches", "cached load, training batches"),
-    ):
-        x = r[key]
-        table.add_row(
-            name, f"{x['frames_per_s']:,.0f} frames/s", f"{x['utt_per_s']:,.0f} utterances/s"
-        )
-    table.add_row(
-        "load / assumed consumer",
-        f"{r['load_vs_consumer']:.0f}x",
-        f"assumes a tiny model trains at {r['assumed_consumer_fps']:,.0f} mel frames/s (not measured)",
-    )
+    for row in (
+        (f"extraction ({r['workers']} workers)", f"{e['x_real_time']:.0f}x real time",
+         f"{e['wall_seconds']:.2f} s wall, {e['frames']:,} frames, cache {e['cache_mb']:.1f} MB"),
+        ("cached load, first pass", f"{first['frames_per_s']:,.0f} frames/s",
+         f"{first['seconds']:.3f} s; checking every file (data.verify_cache): "
+         f"{r['verify_all_seconds']:.3f} s"),
+        *((name, f"{r[k]['frames_per_s']:,.0f} frames/s", f"{r[k]['utt_per_s']:,.0f} utterances/s")
+          for k, name in (("load_raw", "cached load, raw slices"),
+                            ("load_batches", "cached load, training batches"))),
+        ("load / assumed consumer", f"{r['load_vs_consumer']:.0f}x",
+         f"assumes a tiny model trains at {r['assumed_consumer_fps']:,.0f} mel frames/s "
+         "(not measured)"),
+    ):  # fmt: skip
+        table.add_row(*row)
     Console().print(table)
-    print(
-        f"torch threads {torch.get_num_threads()}, cpu count {os.cpu_count()}; targets: extraction >= 300x real time, load >= 20x consumer"
-    )
+    print(f"torch threads {torch.get_num_threads()}, cpu count {os.cpu_count()}; targets: "
+          "extraction >= 300x real time, load >= 20x consumer")  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> None:
     args = _parse(list(argv or []))
     results = run(args)
     _print(results)
-    if args.json:
-        args.json.write_text(json.dumps(results, indent=2, default=float) + "\n")
+    write_json(args.json, results)
 
 
 if __name__ == "__main__":  # pragma: no cover

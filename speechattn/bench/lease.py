@@ -1,31 +1,19 @@
-"""One command that measures everything a short GPU lease can: every variant's training step.
+"""One command that measures everything a short GPU lease can: every variant's training step
+(docs/gpu.md, "One command for a GPU lease", describes each case and field).
 
     python -m speechattn.bench lease [--device cuda|cpu] [--tiny] [--out DIR] [--deadline S]
         [--variants full,ldsa,...] [--flex all|none|A,B] [--compiled full,xbox,...]
         [--steps 8] [--warmup 3] [--lightning-steps 30] [--resume]
 
-`scripts/gpu_measurements.sh lease` runs it on a GPU machine (docs/gpu.md). In order:
-
-1. the machine: device, torch / CUDA / cuDNN versions, the bf16 (CPU: fp32) matmul peak;
-2. every variant (`full` first) trains as pretraining does at `experiment=paper`'s shapes
-   (aalbert_base, LAMB, bf16 autocast on CUDA; 50 utterances of 2/3 to all of 1500 frames,
-   masked and padded by the loader's own `BatchMasker`, copied from pinned memory, kernels
-   chosen by the autotuner). Per case: ms/step (CUDA events, median of `--steps` after
-   `--warmup`), the ratio to `full`, MFU (useful FLOPs, each utterance at its own length),
-   peak memory, a finite loss, host syncs both ways (`count_syncs`), kernel launches and the
-   attention kernel that ran (`profile_step`);
-3. the variants with a Flex kernel forced to it;
-4. `--lightning-steps` steps of `full` through `speechattn.pretrain.run` (`run_lightning`);
-5. `model.compile=true` steps (`--compiled`), last: each compiles for a minute or more.
-
-Each case is a JSON line appended to `DIR/lease.jsonl` as it ends (flushed and synced), with
-the error when it failed; a "started" line precedes it, so `--resume` records a case that
-killed the process as "crashed" and skips what is done (the shell script reruns the command
-after a crash). No case starts after `--deadline` seconds from `$SPEECHATTN_LEASE_T0` (the
-script's start, wheels installed; else this process's) minus what the longest case of its
-kind took so far. A summary line and a one-screen table (`DIR/lease.md`) end the run.
-`--device cpu --tiny` (a 2-layer D 64 model, 2 utterances of up to 300 frames) checks the
-command itself; its figures mean nothing.
+In order: the machine (`machine`); every variant's step at `experiment=paper`'s shapes, `full`
+first (`run_step_case`); the variants with a Flex kernel forced to it; `--lightning-steps` of
+`full` through `speechattn.pretrain.run` (`run_lightning`); `model.compile=true` steps last
+(`--compiled`; each compiles for a minute or more). Each case is a JSON line appended to
+`DIR/lease.jsonl` as it ends, after a "started" line, so `--resume` (the shell script's rerun
+after a crash) records a case that killed the process as "crashed" and skips what is done. No
+case starts after `--deadline` seconds from `$SPEECHATTN_LEASE_T0` (else this process's start)
+minus what the longest case of its kind took so far. `--device cpu --tiny` checks the command
+itself; its figures mean nothing.
 """
 
 from __future__ import annotations
@@ -51,8 +39,8 @@ from speechattn.bench.common import (
     attention_names,
     device_name,
     matmul_peak,
+    parser,
     profiled,
-    sync,
     time_call,
 )
 from speechattn.errors import UsageExit
@@ -81,29 +69,28 @@ class InjectedFailure(RuntimeError):
 
 
 class Results:
-    """`lease.jsonl`: one line per case, appended, flushed and synced as it ends."""
+    """`lease.jsonl`: one line per case, appended, flushed and synced as it ends; `done` holds
+    each finished case's last line. On resume a case that started and never ended took the
+    process down: it is recorded as crashed, never retried."""
 
     def __init__(self, path: Path, resume: bool) -> None:
         self.path = path
         self.done: dict[str, dict[str, Any]] = {}
-        started: list[str] = []
-        if resume and path.is_file():
+        if not resume:
+            path.unlink(missing_ok=True)
+        elif path.is_file():
             for line in path.read_text().splitlines():
                 with contextlib.suppress(ValueError):
                     entry = json.loads(line)
-                    if entry.get("status") == "started":
-                        started.append(entry["case"])
-                    elif "case" in entry:
+                    if "case" in entry:
                         self.done[entry["case"]] = entry
-        elif path.exists():
-            path.unlink()
-        for case in started:
-            if case not in self.done:  # it took the process down: record that, never retry
+        for case, entry in list(self.done.items()):
+            if entry.get("status") == "started":
                 self.write({"case": case, "status": "crashed",
                             "error": "the process died during this case"})  # fmt: skip
 
     def write(self, entry: dict[str, Any]) -> None:
-        if "case" in entry and entry.get("status") != "started":
+        if "case" in entry:
             self.done[entry["case"]] = entry
         self.path.parent.mkdir(parents=True, exist_ok=True)
         with self.path.open("a") as f:
@@ -123,19 +110,49 @@ def compose_case(args: argparse.Namespace, name: str, *extra: str):  # noqa: ANN
     return cfg
 
 
-def paper_batches(cfg: Any, masker: Any, count: int, pin: bool) -> list[dict[str, Any]]:
-    """`count` training batches as the loader delivers them: `data.batch_size` utterances of
-    2/3 to all of `data.max_frames` 10 ms frames, one in five at the crop, stacked, padded to
-    the length bucket and masked by the loader's `BatchMasker`, in pinned memory on CUDA."""
-    from speechattn.bench.pretrain import crop_batch
+class Step:
+    """One training step of `PretrainTask` as Lightning's loop runs it (bf16 autocast on CUDA
+    around the forward; backward; the step's finite check; LAMB update; parameter check), on
+    two batches taken in turn as the loader delivers them: `data.batch_size` utterances of 2/3
+    to all of `data.max_frames` 10 ms frames (one in five at the crop), stacked, padded to the
+    length bucket and masked by the loader's `BatchMasker`, in pinned memory on CUDA."""
 
-    B, crop = int(cfg.data.batch_size), int(cfg.data.max_frames)
-    batches = []
-    for seed in range(count):
-        features, lengths = crop_batch(B, crop, torch.Generator().manual_seed(seed))
-        masked = masker(features, lengths, seed=seed)
-        batches.append({"masked": masked.pin_memory() if pin else masked, "lengths": lengths})
-    return batches
+    def __init__(self, cfg: Any, device: torch.device, compiled: bool = False) -> None:
+        from speechattn.attention import autotune
+        from speechattn.bench.pretrain import crop_batch
+        from speechattn.model.optim import build_optimizer
+        from speechattn.tasks.pretrain.module import PretrainTask
+        from speechattn.utils import plain
+
+        torch.manual_seed(0)
+        self.device, self.count = device, 0
+        self.loss: torch.Tensor | None = None
+        self.task = PretrainTask(
+            model=plain(cfg.model.net),
+            masking=plain(cfg.model.masking),
+            optimizer=plain(cfg.model.optimizer),
+            compile=compiled,
+        ).to(device).train()  # fmt: skip
+        autotune.enable(self.task.model, bool(cfg.attention.get("autotune", True)))
+        self.optimizer = build_optimizer(self.task, self.task.optim)
+        masker = self.task.batch_masker(pad_to_multiple=int(cfg.data.pad_to_multiple))
+        self.batches = []
+        for seed in range(2):
+            g = torch.Generator().manual_seed(seed)
+            features, lengths = crop_batch(int(cfg.data.batch_size), int(cfg.data.max_frames), g)
+            masked = masker(features, lengths, seed=seed)
+            masked = masked.pin_memory() if device.type == "cuda" else masked
+            self.batches.append({"masked": masked, "lengths": lengths})
+        self.flops = statistics.fmean(useful_flops(cfg, b["lengths"]) for b in self.batches)
+        self.frames = int(self.batches[0]["masked"].inputs.shape[1])  # padded model frames
+
+    def __call__(self) -> None:
+        from speechattn.bench.syncs import train_step
+
+        batch = self.batches[self.count % len(self.batches)]
+        self.count += 1
+        data = {"masked": batch["masked"].to(self.device), "lengths": batch["lengths"]}
+        self.loss = train_step(self.task, self.optimizer, data, bf16=self.device.type == "cuda")
 
 
 def useful_flops(cfg: Any, lengths: torch.Tensor) -> float:
@@ -148,42 +165,6 @@ def useful_flops(cfg: Any, lengths: torch.Tensor) -> float:
     config = ModelConfig(**plain(cfg.model.net))
     frames = Counter(-(-n // config.stack) for n in lengths.tolist())  # model frames: count
     return sum(step_flops(config, count, n) for n, count in frames.items())
-
-
-class Step:
-    """One training step of `PretrainTask` as Lightning's loop runs it (bf16 autocast on CUDA
-    around the forward; backward; the step's finite check; LAMB update; parameter check)."""
-
-    def __init__(self, cfg: Any, device: torch.device, compiled: bool = False) -> None:
-        from speechattn.attention import autotune
-        from speechattn.model.optim import build_optimizer
-        from speechattn.tasks.pretrain.module import PretrainTask
-        from speechattn.utils import plain
-
-        torch.manual_seed(0)
-        self.device = device
-        self.task = PretrainTask(
-            model=plain(cfg.model.net),
-            masking=plain(cfg.model.masking),
-            optimizer=plain(cfg.model.optimizer),
-            compile=compiled,
-        ).to(device).train()  # fmt: skip
-        autotune.enable(self.task.model, bool(cfg.attention.get("autotune", True)))
-        self.optimizer = build_optimizer(self.task, self.task.optim)
-        masker = self.task.batch_masker(pad_to_multiple=int(cfg.data.pad_to_multiple))
-        self.batches = paper_batches(cfg, masker, 2, pin=device.type == "cuda")
-        self.flops = statistics.fmean(useful_flops(cfg, b["lengths"]) for b in self.batches)
-        self.frames = int(self.batches[0]["masked"].inputs.shape[1])  # padded model frames
-        self.count = 0
-        self.loss: torch.Tensor | None = None
-
-    def __call__(self) -> None:
-        from speechattn.bench.syncs import train_step
-
-        batch = self.batches[self.count % len(self.batches)]
-        self.count += 1
-        data = {"masked": batch["masked"].to(self.device), "lengths": batch["lengths"]}
-        self.loss = train_step(self.task, self.optimizer, data, bf16=self.device.type == "cuda")
 
 
 def timed(step: Step, n: int) -> list[float]:
@@ -231,13 +212,12 @@ def count_syncs(step: Step) -> dict[str, Any]:
 
     batch = step.batches[step.count % len(step.batches)]
     host = [batch["lengths"], batch["masked"].lengths]
-    out: dict[str, Any] = {}
     with SyncCounter(host=host, cpu_is_device=step.device.type == "cpu", trace=True) as counter:
         step()
-    out["reads"] = counter.count
-    out["uploads"] = counter.upload_count
-    out["sync_reasons"] = {**counter.reasons, **counter.uploads}
-    out["sync_where"] = dict(counter.where)  # file:line of each, in speechattn
+    # sync_where: the file:line of each, in speechattn
+    out = {"reads": counter.count, "uploads": counter.upload_count,
+           "sync_reasons": {**counter.reasons, **counter.uploads},
+           "sync_where": dict(counter.where)}  # fmt: skip
     if step.device.type == "cuda":
         # torch warns once per process unless told to warn always
         always = torch.is_warn_always_enabled()
@@ -270,23 +250,14 @@ def run_step_case(args: argparse.Namespace, name: str, extra: list[str], compile
     # variant's Flex kernels had compiled (dynamo's per-process compile count; docs/gpu.md)
     torch._dynamo.reset()
     step = Step(cfg, device, compiled=compiled)
-    t0 = time.perf_counter()
-    for _ in range(args.warmup):  # the autotuner measures here, and compilation happens
-        step()
-    sync(device)
-    warmup_s = time.perf_counter() - t0
+    # the autotuner measures in the warm-up, and compilation happens there
+    warmup_s = time_call(lambda: [step() for _ in range(args.warmup)], device)
     times = timed(step, args.steps)
     ms = statistics.median(times)
-    row: dict[str, Any] = {
-        "ms": ms,
-        "ms_min": min(times),
-        "warmup_s": warmup_s,
-        "frames": step.frames,
-        "useful_tflop": step.flops / 1e12,
-        "mfu": step.flops / (ms / 1e3) / peak,
-        "loss": float(step.loss),
-        "finite": bool(torch.isfinite(step.loss)),
-    }
+    row: dict[str, Any] = {"ms": ms, "ms_min": min(times), "warmup_s": warmup_s,
+                           "frames": step.frames, "useful_tflop": step.flops / 1e12,
+                           "mfu": step.flops / (ms / 1e3) / peak, "loss": float(step.loss),
+                           "finite": bool(torch.isfinite(step.loss))}  # fmt: skip
     if device.type == "cuda":
         row["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
     for part in (count_syncs, profile_step):  # each may fail alone (e.g. a dispatch mode)
@@ -297,7 +268,6 @@ def run_step_case(args: argparse.Namespace, name: str, extra: list[str], compile
     from speechattn.attention import autotune
 
     row["kernels"] = autotune.choices(step.task.model).get("choices", {})
-    del step
     return row
 
 
@@ -319,13 +289,10 @@ def run_lightning(args: argparse.Namespace) -> dict[str, Any]:
         t0 = time.perf_counter()
         result = run(cfg)
         rows = read_metrics(Path(folder) / "metrics.csv")
-    return {
-        "steps": result["steps"],
-        "wall_s": time.perf_counter() - t0,
-        "frames_per_s": median_metric(rows, "frames_per_s"),
-        "data_wait": median_metric(rows, "data_wait"),
-        "val_loss": result["val_loss"],
-    }
+    return {"steps": result["steps"], "wall_s": time.perf_counter() - t0,
+            "frames_per_s": median_metric(rows, "frames_per_s"),
+            "data_wait": median_metric(rows, "data_wait"),
+            "val_loss": result["val_loss"]}  # fmt: skip
 
 
 def cases(args: argparse.Namespace) -> list[tuple[str, str, list[str], bool]]:
@@ -423,55 +390,54 @@ def summarise(done: dict[str, dict[str, Any]], elapsed: float) -> dict[str, Any]
             "vs_full": {k: v.get("vs_full") for k, v in steps.items()}}  # fmt: skip
 
 
+# the table's columns: (heading, the entry's field, format); MFU is shown in percent
+COLUMNS = (
+    ("ms/step", "ms", ".1f"), ("vs full", "vs_full", ".2f"), ("MFU %", "mfu", "%"),
+    ("peak GiB", "peak_gib", ".1f"), ("finite", "finite", ""), ("reads", "reads", "d"),
+    ("uploads", "uploads", "d"), ("sync warn", "sync_debug_warnings", "d"),
+    ("memcpy", "memcpy_calls", "d"), ("rt syncs", "runtime_syncs", "d"),
+    ("launches", "launches", "d"),
+)  # fmt: skip
+
+
 def verdict(done: dict[str, dict[str, Any]], summary: dict[str, Any]) -> str:
     """A one-screen markdown table of the cases."""
     m = done.get("machine", {})
+    heads = ["case", "status", *(c[0] for c in COLUMNS), "attention kernel"]
     lines = [
         f"{m.get('device')}, torch {m.get('torch')}, CUDA {m.get('cuda')}, cuDNN "
         f"{m.get('cudnn')}; {m.get('peak_dtype')} matmul peak {m.get('peak_tflops', 0):.1f} "
         f"TFLOP/s; {m.get('shapes')}; {summary['elapsed_s']:.0f} s",
         "",
-        "| case | status | ms/step | vs full | MFU % | peak GiB | finite | reads | uploads "
-        "| sync warn | memcpy | rt syncs | launches | attention kernel |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| " + " | ".join(heads) + " |",
+        "|" + "---|" * len(heads),
     ]
 
-    def f(v: Any, fmt: str) -> str:
-        return "" if v is None else format(v, fmt) if isinstance(v, (int, float)) else str(v)
+    def f(v: Any, fmt: str) -> str:  # "%": a share shown in percent
+        if not isinstance(v, (int, float)):
+            return "" if v is None else str(v)
+        return format(100 * v, ".1f") if fmt == "%" else format(v, fmt)
 
     for case, e in done.items():
-        if case == "machine" or e.get("kind") == "lightning":
-            continue
-        ms = e.get("ms")
-        lines.append(
-            f"| {case} | {e.get('status')} | {f(ms, '.1f')} | {f(e.get('vs_full'), '.2f')} "
-            f"| {f(None if e.get('mfu') is None else 100 * e['mfu'], '.1f')} "
-            f"| {f(e.get('peak_gib'), '.1f')} | {f(e.get('finite'), '')} | {f(e.get('reads'), 'd')} "
-            f"| {f(e.get('uploads'), 'd')} | {f(e.get('sync_debug_warnings'), 'd')} "
-            f"| {f(e.get('memcpy_calls'), 'd')} | {f(e.get('runtime_syncs'), 'd')} "
-            f"| {f(e.get('launches'), 'd')} | {e.get('backend', '')} |"
-        )
+        if case != "machine" and e.get("kind") != "lightning":
+            cells = [case, e.get("status"), *(f(e.get(k), fmt) for _, k, fmt in COLUMNS)]
+            lines.append("| " + " | ".join(map(str, cells)) + f" | {e.get('backend', '')} |")
     light = done.get("full:lightning")
-    if light is not None:
-        if light.get("status") == "ok":
-            fps, wait = light.get("frames_per_s"), light.get("data_wait")
-            lines.append(
-                f"\nLightning, full, {light['steps']} steps on the built-in corpus: "
-                f"{f(fps, ',.0f')} frames/s (10 ms), data_wait {f(wait, '.3f')}, "
-                f"{light['wall_s']:.0f} s"
-            )
-        else:
-            lines.append(f"\nLightning run of full: {light.get('status')} {light.get('error', '')}")
-    failed = [(k, e) for k, e in done.items() if e.get("status") in ("failed", "crashed")]
-    for case, e in failed:
-        lines.append(f"- {case}: {e.get('status')}: {str(e.get('error'))[:200]}")
+    if light is not None and light.get("status") == "ok":
+        fps, wait = light.get("frames_per_s"), light.get("data_wait")
+        lines.append(f"\nLightning, full, {light['steps']} steps on the built-in corpus: "
+                     f"{f(fps, ',.0f')} frames/s (10 ms), data_wait {f(wait, '.3f')}, "
+                     f"{light['wall_s']:.0f} s")  # fmt: skip
+    elif light is not None:
+        lines.append(f"\nLightning run of full: {light.get('status')} {light.get('error', '')}")
+    for case, e in done.items():
+        if e.get("status") in ("failed", "crashed"):
+            lines.append(f"- {case}: {e.get('status')}: {str(e.get('error'))[:200]}")
     return "\n".join(lines)
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        prog="python -m speechattn.bench lease", description=__doc__.split("\n")[0]
-    )
+    p = parser("lease", __doc__)
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     p.add_argument("--tiny", action="store_true", help="a tiny model and batch (harness check)")
     p.add_argument("--out", type=Path, default=Path("gpu_results"))

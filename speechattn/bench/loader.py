@@ -19,14 +19,14 @@ crop: a projection) and the ratio measured / needed (>= 1: the loader keeps up).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
-import shutil
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-from speechattn.bench.common import check_mfu, write_json
+from speechattn.bench.common import check_mfu, parser, write_json
 from speechattn.bench.pretrain import GPU_PEAKS, project_step
 from speechattn.errors import UsageExit
 
@@ -64,10 +64,8 @@ def cpu_seconds(pid: int | str = "self") -> float:
 
 def finished_children_cpu() -> float:
     """CPU seconds of the children this process has waited for (extraction pools)."""
-    import resource
-
-    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return usage.ru_utime + usage.ru_stime
+    times = os.times()
+    return times.children_user + times.children_system
 
 
 def measure(cfg: Any, batches: int = 50, warmup: int = 5, cold: bool = False) -> dict[str, Any]:
@@ -84,22 +82,18 @@ def measure(cfg: Any, batches: int = 50, warmup: int = 5, cold: bool = False) ->
     if batches < 1 or warmup < 0:
         raise UsageExit(f"--batches must be >= 1 and --warmup >= 0, got {batches}, {warmup}")
     data_cfg = DataConfig(**plain(cfg.data))
-    scratch = None
-    if cold:  # an empty feature cache; the corpus itself (built-in or given) is resolved first
-        scratch = tempfile.mkdtemp(prefix="speechattn-bench-loader-")
-        data_cfg = replace(data_cfg, root=str(resolve_root(data_cfg)), cache_dir=scratch)
-    try:
+    # --cold: an empty feature cache, removed after the run
+    scratch = {"prefix": "speechattn-bench-loader-", "ignore_cleanup_errors": True}
+    with tempfile.TemporaryDirectory(**scratch) if cold else contextlib.nullcontext() as cache:
+        if cold:  # the corpus itself (built-in or given) is resolved first
+            data_cfg = replace(data_cfg, root=str(resolve_root(data_cfg)), cache_dir=cache)
         fds_before = open_descriptors()
         wall, cpu, children = time.perf_counter(), cpu_seconds(), finished_children_cpu()
         inner = PretrainDataModule(data_cfg)
         inner.prepare_data()
         inner.setup("fit")
-        startup = {
-            "wall_s": time.perf_counter() - wall,
-            "cpu_s": cpu_seconds() - cpu,
-            "children_cpu_s": finished_children_cpu() - children,
-            "cold": cold,
-        }
+        startup = {"wall_s": time.perf_counter() - wall, "cpu_s": cpu_seconds() - cpu,
+                   "children_cpu_s": finished_children_cpu() - children, "cold": cold}  # fmt: skip
         with open_dict(cfg):
             cfg.model.net.feature_dim = int(inner.feature_dim)
         task = PretrainTask(
@@ -111,25 +105,12 @@ def measure(cfg: Any, batches: int = 50, warmup: int = 5, cold: bool = False) ->
         loader = resumable.step_loader(total_batches=1 + warmup + batches)
         timing = _time_loader(loader, warmup, batches)
         summary = inner.describe()
-    finally:
-        if scratch is not None:
-            shutil.rmtree(scratch, ignore_errors=True)
-    stack = task.model_config.stack
-    return {
-        "benchmark": "loader",
-        "train_utterances": summary.get("train_utterances"),
-        "val_utterances": summary.get("val_utterances"),
-        "batch_size": data_cfg.batch_size,
-        "max_frames": data_cfg.max_frames,
-        "num_workers": data_cfg.loader_workers,
-        "pin_memory": data_cfg.pin_memory,
-        "prefetch_factor": data_cfg.prefetch_factor,
-        "pad_to_multiple": data_cfg.pad_to_multiple,
-        "stack": stack,
-        "startup": startup,
-        "descriptors_before_setup": fds_before,
-        **timing,
-    }
+    loading = ("batch_size", "max_frames", "pin_memory", "prefetch_factor", "pad_to_multiple")
+    return {"benchmark": "loader", "train_utterances": summary.get("train_utterances"),
+            "val_utterances": summary.get("val_utterances"),
+            **{k: getattr(data_cfg, k) for k in loading}, "num_workers": data_cfg.loader_workers,
+            "stack": task.model_config.stack, "startup": startup,
+            "descriptors_before_setup": fds_before, **timing}  # fmt: skip
 
 
 def _time_loader(loader: Any, warmup: int, batches: int) -> dict[str, Any]:
@@ -154,23 +135,14 @@ def _time_loader(loader: Any, warmup: int, batches: int) -> dict[str, Any]:
     cpu = cpu_seconds() + sum(cpu_seconds(p) for p in workers) - cpu_before
     descriptors = {"main": open_descriptors(), "workers": [open_descriptors(p) for p in workers]}
     del iterator  # stops the workers
-    return {
-        "first_batch_s": first,
-        "batches": batches,
-        "seconds": seconds,
-        "frames": frames,
-        "frames_per_s": frames / seconds,
-        "batches_per_s": batches / seconds,
-        "padded_model_frames": padded,
-        "cpu_s_per_batch": cpu / batches,
-        "descriptors": descriptors,
-    }
+    return {"first_batch_s": first, "batches": batches, "seconds": seconds, "frames": frames,
+            "frames_per_s": frames / seconds, "batches_per_s": batches / seconds,
+            "padded_model_frames": padded, "cpu_s_per_batch": cpu / batches,
+            "descriptors": descriptors}  # fmt: skip
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        prog="python -m speechattn.bench loader", description=__doc__.split("\n")[0]
-    )
+    p = parser("loader", __doc__)
     p.add_argument("overrides", nargs="*", help="pretraining config overrides (Hydra)")
     p.add_argument("--batches", type=int, default=50, help="timed batches")
     p.add_argument("--warmup", type=int, default=5, help="untimed batches after the first")

@@ -11,13 +11,12 @@ the XBOX transforms and Simple-LSH are one model (`attention.lsh.same_model`).
 
 from __future__ import annotations
 
-import argparse
-
 import torch
 
 from speechattn.attention import build
 from speechattn.attention.base import all_valid
 from speechattn.attention.lsh import SCHEMES
+from speechattn.bench.common import parser
 
 
 def recall(name: str, hash: str, T: int, k: int, bits: int, batch: int, raw: bool) -> float:
@@ -37,7 +36,7 @@ def recall(name: str, hash: str, T: int, k: int, bits: int, batch: int, raw: boo
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m speechattn.bench lsh_recall", description=__doc__)
+    p = parser("lsh_recall", __doc__)
     p.add_argument("--lengths", type=int, nargs="+", default=[300, 1500])
     p.add_argument("--k", type=int, default=32)
     p.add_argument("--bits", type=int, default=16)

@@ -1,4 +1,5 @@
-"""Benchmark one pretraining step per attention variant, against a plain reference transformer.
+"""Benchmark one pretraining step per attention variant, against a plain reference transformer
+(docs/benchmarks.md, "Pretraining step", "GPU cost on paper", "torch.compile").
 
     python -m speechattn.bench pretrain [--model aalbert_tiny|aalbert_base] [--batch 4]
         [--frames 500] [--attention full,ldsa,...] [--repeat 5] [--device cpu|cuda]
@@ -6,23 +7,15 @@
     python -m speechattn.bench pretrain --plan experiment=paper [--gpu h100|a100] [--mfu 0.4]
 
 A step is what `PretrainTask.training_step` does (stack frames, span masking, forward, masked
-L1, backward, LAMB update) under autocast for `--precision` (default: bf16 on CUDA, as
-`trainer=gpu` trains; fp32 on CPU); `--frames` counts stacked (30 ms) model frames. Every
-variant is timed round-robin in one process beside `reference` (a hand-written BERT-style
-AALBERT: explicit softmax(QK^T)V, no SDPA, no registry; what the plumbing costs) and the matmul
-peak in the precision's dtype (`common.matmul_series`, before and after the steps; the best is
-used). `--clock cpu --threads 1` times one thread's CPU time, which other processes cannot inflate.
-
-FLOPs are counted as each variant is defined: `full`'s step by `torch.utils.flop_counter` (plus
-the CPU flash-attention kernel, which it does not know: 4 B h T S d_k forward, twice that
-backward); a variant's is that count with `full`'s attention FLOPs replaced by its own
-(`Attention.flops`, per layer application). So `bound` = flops(full) / flops(variant) is the
-speed-up it would reach at full's FLOP/s, `achieved/bound` how much of it it delivers, and MFU
-is defined FLOP/s over the peak.
-
-`--plan OVERRIDES` times nothing: it composes the pretraining config as `python -m
-speechattn.pretrain OVERRIDES` would and projects each variant's step to a GPU (`plan`).
-`--compile` compares the compiled and the eager step per variant (`run_compile`).
+L1, backward, LAMB update) under autocast for `--precision`; `--frames` counts stacked (30 ms)
+model frames. Every variant is timed round-robin in one process beside `reference` (a
+hand-written BERT-style AALBERT: explicit softmax(QK^T)V, no SDPA, no registry; what the
+plumbing costs) and the matmul peak in the precision's dtype, before and after the steps (the
+best is used). FLOPs are counted as each variant is defined: `full`'s step by
+`torch.utils.flop_counter` (plus the CPU flash-attention kernel, which it does not know: 4 B h
+T S d_k forward, twice that backward), with `full`'s attention FLOPs replaced by the variant's
+own (`Attention.flops`, per layer application). `--plan` times nothing (`plan`); `--compile`
+compares the compiled and the eager step per variant (`run_compile`).
 """
 
 from __future__ import annotations
@@ -30,11 +23,9 @@ from __future__ import annotations
 import argparse
 import math
 import statistics
-import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import replace
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -45,15 +36,17 @@ from torch.utils.flop_counter import FlopCounterMode
 from speechattn.attention import build as build_attention
 from speechattn.attention.base import linear_flops
 from speechattn.bench.common import (
-    add_precision_argument,
+    add_run_arguments,
     attention_names,
     autocast,
     check_mfu,
-    default_precision,
-    device_name,
+    clock_of,
+    finish_run_arguments,
     matmul_peak,
+    parser,
     peak_dtype,
     round_robin,
+    setting,
     sized_options,
     time_call,
     write_json,
@@ -204,15 +197,6 @@ def crop_batch(batch: int, crop: int, generator: torch.Generator) -> tuple[Tenso
     return features, lengths
 
 
-def describe(batch: dict[str, Any]) -> str:
-    """How the timed batch is shaped, for the header."""
-    if batch["pad_to_multiple"] == 1:
-        return "all at the crop, unpadded"
-    lengths = batch["lengths"] // batch["stack"]
-    return (f"crops of {int(lengths.min())}-{int(lengths.max())}, padded to multiples of "
-            f"{batch['pad_to_multiple']} as training pads")  # fmt: skip
-
-
 def count_flops(step: Callable[[], float]) -> int:
     with FlopCounterMode(display=False, custom_mapping=SDPA_CPU) as counter:
         step()
@@ -348,9 +332,7 @@ def plan(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        prog="python -m speechattn.bench pretrain", description=__doc__.split("\n")[0]
-    )
+    p = parser("pretrain", __doc__)
     p.add_argument("--model", default="aalbert_base", choices=sorted(PRESETS))
     p.add_argument("--batch", type=int, default=4)
     p.add_argument(
@@ -367,17 +349,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--pad-to-multiple", type=int, default=64, help="model frames (training)")
     p.add_argument("--repeat", type=int, default=5)
     p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--device", default="cpu")
-    add_precision_argument(p)
-    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (CPU)")
-    p.add_argument(
-        "--clock",
-        default="wall",
-        choices=("wall", "cpu"),
-        help="cpu: process CPU time, immune to other load (needs --threads 1)",
-    )
+    add_run_arguments(p)
     p.add_argument("--dropout", type=float, default=0.0, help="0 keeps the step matmul-bound")
-    p.add_argument("--json", type=Path, default=None, help="also write the results here")
     p.add_argument(
         "--compile",
         action="store_true",
@@ -393,40 +366,36 @@ def parse(argv: list[str]) -> argparse.Namespace:
     )
     p.add_argument("--gpu", default="h100", choices=sorted(GPU_PEAKS), help="--plan's GPU")
     p.add_argument("--mfu", type=float, default=0.4, help="--plan's model FLOPs utilisation")
-    args = p.parse_args(argv)
-    args.precision = args.precision or default_precision(args.device)
-    return args
+    return finish_run_arguments(p.parse_args(argv))
 
 
-def setup(args: argparse.Namespace) -> tuple[list[str], ModelConfig, dict[str, Any]]:
-    """The variants to run, the model's config and the timed batch (`--threads` applied)."""
-    if args.threads:
-        torch.set_num_threads(args.threads)
+def setup(args: argparse.Namespace, header: str = "") -> tuple[list[str], ModelConfig, dict]:
+    """The variants to run, the model's config and the timed batch, with the run's header."""
     names = attention_names(args.attention)
     config = preset_config(args.model, feature_dim=FEATURE_DIM, dropout=args.dropout)
-    return names, config, bench_batch(args, config)
+    batch, s = bench_batch(args, config), setting(args)
+    lengths = batch["lengths"] // batch["stack"]
+    shaped = (f"crops of {int(lengths.min())}-{int(lengths.max())}, padded to multiples of "
+              f"{batch['pad_to_multiple']} as training pads"
+              if batch["pad_to_multiple"] != 1 else "all at the crop, unpadded")  # fmt: skip
+    print(f"{args.model}, batch {args.batch} x {args.frames} stacked frames ({shaped}), "
+          f"{s['device']} ({s['device_name']}), {s['precision']}, {s['threads']} threads"
+          + header)  # fmt: skip
+    return names, config, batch
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    names, config, batch = setup(args)
-    masking = MaskingConfig()
     if args.clock == "cpu" and (args.device != "cpu" or torch.get_num_threads() != 1):
         raise UsageExit("--clock cpu needs --device cpu --threads 1 (CPU time of one thread)")
-    clock = time.process_time if args.clock == "cpu" else time.perf_counter
-    dtype = peak_dtype(args.precision)
+    clock, dtype = clock_of(args), peak_dtype(args.precision)
     peak = matmul_peak(device=args.device, dtype=dtype, clock=clock)
-    print(
-        f"{args.model}, batch {args.batch} x {args.frames} stacked frames ({describe(batch)}), "
-        f"{args.device} ({device_name(args.device)}), {args.precision}, "
-        f"{torch.get_num_threads()} threads, {args.clock} clock; "
-        f"{str(dtype).removeprefix('torch.')} matmul peak "
-        f"{peak / 1e9:.1f} GFLOP/s"
-    )
+    names, config, batch = setup(args, f", {args.clock} clock; {str(dtype).removeprefix('torch.')}"
+                                 f" matmul peak {peak / 1e9:.1f} GFLOP/s")  # fmt: skip
     # timed round-robin (`round_robin`); the peak is re-measured at the end
     steps = {}
     for name in ["reference", "full", *[n for n in names if n != "full"]]:
         model = build(name, config, args.frames, args.device)
-        steps[name] = make_step(model, batch, masking, precision=args.precision)
+        steps[name] = make_step(model, batch, MaskingConfig(), precision=args.precision)
         if name == "full":
             counted_full = count_flops(steps[name])
         for _ in range(args.warmup):
@@ -435,36 +404,33 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         del steps["full"]
     # a variant's step as it is defined: full's counted step with full's attention swapped out
     full_attention = attention_flops("full", config, args.batch, args.frames)
-    flops = {
-        name: counted_full - full_attention + attention_flops(name, config, args.batch, args.frames)
-        for name in steps
-        if name != "reference"
-    }
-    flops["reference"] = count_flops(steps["reference"])
+    flops = {"reference": count_flops(steps["reference"])}
+    for name in [n for n in steps if n != "reference"]:
+        flops[name] = counted_full - full_attention
+        flops[name] += attention_flops(name, config, args.batch, args.frames)
     times = round_robin(steps, args.repeat, args.device, clock)
     peak = max(peak, matmul_peak(device=args.device, dtype=dtype, clock=clock))
     print(f"  (peak re-measured after the steps: {peak / 1e9:.1f} GFLOP/s, the best is used)")
     rows = []
     for name in steps:
         seconds = statistics.median(times[name])
-        rows.append({"attention": name, "step_s": seconds, "gflop": flops[name] / 1e9,
-                     "gflops": flops[name] / seconds / 1e9, "of_peak": flops[name] / seconds / peak,
-                     "flop_bound": None if name == "reference" else counted_full / flops[name]})  # fmt: skip
-        r = rows[-1]
         reads, uploads = (None, None) if name == "reference" else step_syncs(name, config, args)
-        r["syncs_per_step"], r["uploads_per_step"] = reads, uploads
+        rate = flops[name] / seconds
+        bound = None if name == "reference" else counted_full / flops[name]
+        rows.append(r := {"attention": name, "step_s": seconds, "gflop": flops[name] / 1e9,
+                          "gflops": rate / 1e9, "of_peak": rate / peak, "flop_bound": bound,
+                          "syncs_per_step": reads, "uploads_per_step": uploads})  # fmt: skip
         syncs = "" if reads is None else f"  {reads} syncs/step"
-        if uploads:
-            syncs += f", {uploads} uploads/step"
+        syncs += f", {uploads} uploads/step" if uploads else ""
         print(
             f"  {name:15s} {seconds * 1e3:9.1f} ms  {r['gflop']:8.2f} GFLOP  "
             f"{r['gflops']:7.1f} GFLOP/s  MFU {100 * r['of_peak']:5.1f} %{syncs}"
         )
-    full = next((r for r in rows if r["attention"] == "full"), None)
-    if full:
+    if "full" in steps:
+        full_s = statistics.median(times["full"])
         print("step time relative to full, speed-up FLOP bound, achieved / bound:")
         for r in rows:
-            r["vs_full"] = r["step_s"] / full["step_s"]
+            r["vs_full"] = r["step_s"] / full_s
             line = f"  {r['attention']:15s} {r['vs_full']:.2f}x"
             if r["flop_bound"] is not None:  # the reference counts its own FLOPs
                 r["achieved_of_bound"] = 1 / r["vs_full"] / r["flop_bound"]
@@ -472,20 +438,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     f"  bound {r['flop_bound']:.2f}  achieved/bound {r['achieved_of_bound']:.2f}"
                 )
             print(line)
-    result = {
-        "benchmark": "pretrain_step",
-        "model": args.model,
-        "batch": args.batch,
-        "frames": args.frames,
-        "lengths": args.lengths,
-        "device": args.device,
-        "device_name": device_name(args.device),
-        "precision": args.precision,
-        "threads": torch.get_num_threads(),
-        "clock": args.clock,
-        "peak_gflops": peak / 1e9,
-        "rows": rows,
-    }
+    result = {"benchmark": "pretrain_step", "model": args.model, "batch": args.batch,
+              "frames": args.frames, "lengths": args.lengths, **setting(args),
+              "clock": args.clock, "peak_gflops": peak / 1e9, "rows": rows}  # fmt: skip
     write_json(args.json, result)
     return result
 
@@ -510,10 +465,6 @@ def run_compile(args: argparse.Namespace) -> dict[str, Any]:
     AOTAutograd derives it from the forward graphs, and a custom autograd Function that dynamo
     cannot trace breaks the forward where it is applied."""
     names, config, batch = setup(args)
-    print(
-        f"{args.model}, batch {args.batch} x {args.frames} stacked frames, {args.device} "
-        f"({device_name(args.device)}), {args.precision}, {torch.get_num_threads()} threads"
-    )
     masking = MaskingConfig()
     rows = []
     print("graph breaks (torch._dynamo.explain of the compile unit), eager vs compiled step:")
@@ -546,9 +497,8 @@ def run_compile(args: argparse.Namespace) -> dict[str, Any]:
             print(f"      {n:3d} x {reason}")
         torch._dynamo.reset()  # each variant compiles from scratch, within the recompile limit
     result = {"benchmark": "pretrain_compile", "model": args.model, "batch": args.batch,
-              "frames": args.frames, "device": args.device, "precision": args.precision,
-              "device_name": device_name(args.device), "threads": torch.get_num_threads(),
-              "torch": torch.__version__, "rows": rows}  # fmt: skip
+              "frames": args.frames, **setting(args), "torch": torch.__version__,
+              "rows": rows}  # fmt: skip
     write_json(args.json, result)
     return result
 

@@ -28,13 +28,13 @@ import torch
 from torch import Tensor
 
 from speechattn.bench.common import (
-    PeakRSS,
-    add_precision_argument,
+    add_run_arguments,
     autocast,
-    default_precision,
-    device_name,
+    finish_run_arguments,
+    parser,
     peak_memory,
     round_robin,
+    setting,
     sized_options,
     write_json,
 )
@@ -61,7 +61,7 @@ def random_mask(model: AALBERT, fraction: float, seed: int = 0) -> Tensor:
 
 
 def models(args: argparse.Namespace) -> tuple[AALBERT, AALBERT, Tensor, str]:
-    """(full model, pruned model, mask (L, h), where the mask comes from)."""
+    """(full model, pruned model, mask (L, h), where the mask comes from), on `--device`."""
     if args.upstream:
         full = load_upstream(args.upstream).model
     else:
@@ -78,16 +78,13 @@ def models(args: argparse.Namespace) -> tuple[AALBERT, AALBERT, Tensor, str]:
         mask, source = random_mask(full, args.fraction, args.seed), f"random, seed {args.seed}"
     pruned = copy.deepcopy(full)
     pruned.prune_heads(mask)
-    return full.eval(), pruned.eval(), mask, source
+    device = torch.device(args.device)
+    return full.eval().to(device), pruned.eval().to(device), mask.to(device), source
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    if args.threads:
-        torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     full, pruned, mask, source = models(args)
-    full, pruned = full.to(device), pruned.to(device)
-    mask = mask.to(device)
     T = args.frames * full.config.stack
     g = torch.Generator().manual_seed(args.seed)
     features = torch.randn(args.batch, T, full.config.feature_dim, generator=g).to(device)
@@ -104,23 +101,21 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     outputs = {name: fn()[-1].float() for name, fn in cases.items()}  # warm-up
     diff = float((outputs["masked"] - outputs["pruned"]).abs().max())
     times = round_robin(cases, args.reps, device)
-    rss = PeakRSS()
-    rows = {}
-    for name, model in (("masked", full), ("pruned", pruned)):
-        params = sum(p.numel() for p in model.parameters())
-        rows[name] = {
-            "time_ms": 1e3 * min(times[name]),
-            "time_ms_median": 1e3 * statistics.median(times[name]),
-            "peak_mem_mb": peak_memory(cases[name], device, rss),
-            "params": params,
-            "param_mb": sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20,
-        }
+    rows = {
+        name: {"time_ms": 1e3 * min(times[name]),
+               "time_ms_median": 1e3 * statistics.median(times[name]),
+               "peak_mem_mb": peak_memory(cases[name], device),
+               "params": sum(p.numel() for p in model.parameters()),
+               "param_mb": sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20}
+        for name, model in (("masked", full), ("pruned", pruned))
+    }  # fmt: skip
     heads = [layer.attention.num_heads for layer in pruned.encoder.layers]
-    c = full.config
+    c, s = full.config, setting(args)
     print(
-        f"pruning: {args.upstream or args.model} ({c.attention}, {'shared' if c.shared else 'unshared'}"
-        f" layers, L={c.num_layers}, h={c.num_heads}), batch {args.batch} x {args.frames} frames, "
-        f"{device} ({device_name(device)}), {args.precision}, {torch.get_num_threads()} threads"
+        f"pruning: {args.upstream or args.model} ({c.attention}, "
+        f"{'shared' if c.shared else 'unshared'} layers, L={c.num_layers}, h={c.num_heads}), "
+        f"batch {args.batch} x {args.frames} frames, {s['device']} ({s['device_name']}), "
+        f"{s['precision']}, {s['threads']} threads"
     )
     print(
         f"  mask: {source}; {int((mask == 0).sum())} of {mask.numel()} head applications masked; "
@@ -143,34 +138,18 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         f"{'-' if mem_ratio is None else f'{mem_ratio:.2f}x'} of masked; parameters "
         f"{p['params'] / m['params']:.2f}x"
     )
-    result = {
-        "benchmark": "pruning",
-        "upstream": args.upstream,
-        "model": None if args.upstream else args.model,
-        "attention": c.attention,
-        "shared": c.shared,
-        "mask_source": source,
-        "mask": mask.tolist(),
-        "heads_left": heads,
-        "batch": args.batch,
-        "frames": args.frames,
-        "device": str(device),
-        "device_name": device_name(device),
-        "precision": args.precision,
-        "threads": torch.get_num_threads(),
-        "max_abs_diff": diff,
-        "rows": rows,
-        "speedup": speedup,
-        "peak_mem_ratio": mem_ratio,
-    }
+    result = {"benchmark": "pruning", "upstream": args.upstream,
+              "model": None if args.upstream else args.model, "attention": c.attention,
+              "shared": c.shared, "mask_source": source, "mask": mask.tolist(),
+              "heads_left": heads, "batch": args.batch, "frames": args.frames, **s,
+              "max_abs_diff": diff, "rows": rows, "speedup": speedup,
+              "peak_mem_ratio": mem_ratio}  # fmt: skip
     write_json(args.json, result)
     return result
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        prog="python -m speechattn.bench pruning", description=__doc__.split("\n")[0]
-    )
+    p = parser("pruning", __doc__)
     p.add_argument(
         "--upstream", default=None, help="upstream.pt (default: --model, random weights)"
     )
@@ -182,13 +161,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--frames", type=int, default=500, help="stacked 30 ms frames per utterance")
     p.add_argument("--reps", type=int, default=10)
-    p.add_argument("--device", default="cpu")
-    add_precision_argument(p)
-    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (CPU)")
-    p.add_argument("--json", type=Path, default=None, help="also write the results here")
-    args = p.parse_args(argv)
-    args.precision = args.precision or default_precision(args.device)
-    return args
+    add_run_arguments(p, clock=False)
+    return finish_run_arguments(p.parse_args(argv))
 
 
 def main(argv: list[str]) -> None:

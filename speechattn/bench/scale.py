@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from speechattn.bench.common import write_json
+from speechattn.bench.common import parser, write_json
 from speechattn.bench.corpus import add_seconds_argument, make_scale_corpus
 
 SPLIT = "train-clean-360"
@@ -62,27 +62,20 @@ def measure_size(
     warm = loader_run(every, batches, warmup)
     workers = [n for n in warm["descriptors"]["workers"] if n is not None]
     return {
-        "utterances": size,
-        "corpus_s": built,
+        "utterances": size, "corpus_s": built,
         "cold_wall_s": cold["startup"]["wall_s"],
         "cold_cpu_s": cold["startup"]["cpu_s"] + cold["startup"]["children_cpu_s"],
         "warm_wall_s": warm["startup"]["wall_s"],
         "warm_cpu_s": warm["startup"]["cpu_s"] + warm["startup"]["children_cpu_s"],
-        "frames_per_s": warm["frames_per_s"],
-        "cpu_ms_per_batch": warm["cpu_s_per_batch"] * 1e3,
-        "num_workers": warm["num_workers"],
-        "descriptors_main": warm["descriptors"]["main"],
+        "frames_per_s": warm["frames_per_s"], "cpu_ms_per_batch": warm["cpu_s_per_batch"] * 1e3,
+        "num_workers": warm["num_workers"], "descriptors_main": warm["descriptors"]["main"],
         "descriptors_worker_max": max(workers, default=None),
-        "need_frames_per_s": warm["need"]["loader_frames_per_s"],
-        "cold": cold,
-        "warm": warm,
-    }
+        "need_frames_per_s": warm["need"]["loader_frames_per_s"], "cold": cold, "warm": warm,
+    }  # fmt: skip
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        prog="python -m speechattn.bench scale", description=__doc__.split("\n")[0]
-    )
+    p = parser("scale", __doc__)
     p.add_argument(
         "overrides", nargs="*", help="more pretraining overrides (after experiment=paper)"
     )

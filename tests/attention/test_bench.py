@@ -33,7 +33,7 @@ def test_cases_that_would_not_fit_in_memory_are_skipped_and_recorded(monkeypatch
     """A case whose peak at the previous length, times the length ratio squared, exceeds the
     memory available is never built; the others still run."""
 
-    def fake_peak(fn, device, rss):  # syn_random's warm-up peaks at 100 MiB, the rest at 1
+    def fake_peak(fn, device):  # syn_random's warm-up peaks at 100 MiB, the rest at 1
         fn()
         return 100.0 if fn.__self__.name == "syn_random" else 1.0  # fn: a Case's step
 
@@ -53,7 +53,7 @@ def test_cases_that_would_not_fit_in_memory_are_skipped_and_recorded(monkeypatch
 def test_short_steps_are_timed_more_often(monkeypatch):
     """Each length's cases get --reps steps at least, more when `full`'s step is short enough
     that --reps of them take less than --min-time; the counts are recorded."""
-    from speechattn.bench.attention_cases import Case
+    from speechattn.bench.attention import Case
 
     monkeypatch.setattr(bench, "matmul_peak", lambda **kwargs: 1e11)  # not under test here
     monkeypatch.setattr(Case, "time_step", lambda self, clock: 10.0)  # every step 10 ms
