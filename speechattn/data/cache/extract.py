@@ -18,31 +18,28 @@ from typing import Any
 
 import numpy as np
 
-from speechattn.data.cache.integrity import (
-    file_sha256,
-    invalidate,
-    read_marker,
-    reconcile,
-    save_npz,
-)
-from speechattn.data.cache.layout import (
+from speechattn.data.cache.shards import (
     DATA_KINDS,
     ExtractionSettings,
     ShardPaths,
+    ShardTask,
+    extract_shard,
+    file_sha256,
+    invalidate,
     manifest_key,
     manifest_of,
+    map_in_processes,
     plan_path,
+    plan_shards,
+    process_pool,
+    read_marker,
+    reconcile,
+    save_npz,
     shard_dir,
     shard_key,
     shard_of,
+    shard_paths,
     splits_dir,
-)
-from speechattn.data.cache.shards import (
-    ShardTask,
-    extract_shard,
-    map_in_processes,
-    plan_shards,
-    process_pool,
 )
 from speechattn.data.cache.store import (
     DEFAULT_MAX_OPEN_SHARDS,
@@ -135,11 +132,11 @@ def _intact(paths: ShardPaths, verify: bool) -> dict[str, Any] | None:
     if marker is None:
         return None
     for kind in DATA_KINDS:
-        path = paths.data(kind)
-        record, problem = reconcile(path, marker["files"][kind], paths.marker, kind, verify)
+        record, problem = reconcile(paths, kind, marker["files"][kind], verify)
         if problem:
+            path = getattr(paths, kind)
             log.warning("feature cache: %s: %s; re-extracting its shard", path, problem)
-            invalidate(paths.marker, path)
+            invalidate(paths, path)
             return None
         marker["files"][kind] = record
     return marker
@@ -231,16 +228,16 @@ def extract_features(
 
     # 2. what is there already (intact), what needs extracting
     path_of = {u.utt_id: str(u.path) for u in utterances}
-    markers: list[dict[str, Any] | None] = [_intact(ShardPaths(directory, k), verify) for k in keys]
-    for marker in markers:  # a shard done earlier may already hold a bad file: fail now
+    markers = {key: _intact(shard_paths(directory, key), verify) for key in keys}
+    for marker in markers.values():  # a shard done earlier may already hold a bad file: fail now
         if marker is not None:
             _check_failures(marker, issues, path_of)
     pending = {
-        key: ShardTask(str(directory), key, i,
+        key: ShardTask(str(directory), key,
                        [(u.utt_id, str(u.path), u.segment) for u in utterances[a:b]],
                        settings, len(utterances))
-        for i, (key, (a, b), marker) in enumerate(zip(keys, ranges, markers))
-        if marker is None
+        for key, (a, b) in zip(keys, ranges)
+        if markers[key] is None
     }  # fmt: skip
     if pending:
         log.info(
@@ -258,7 +255,7 @@ def extract_features(
 
         def committed(key: str) -> bool:
             """Whether shard `key` is done (by anyone); the bar counts each shard once."""
-            done = read_marker(ShardPaths(directory, key).marker) is not None
+            done = read_marker(shard_paths(directory, key).marker) is not None
             if done and key not in counted:
                 counted.add(key)
                 advance(len(pending[key].items))
@@ -272,27 +269,27 @@ def extract_features(
                     claim_config, "shards",
                 )  # fmt: skip
                 with closing(shards):  # closed: claims released, then the pool ends
-                    for key, result in shards:
-                        OPEN_SHARDS.forget(str(ShardPaths(directory, key).npy))  # replaced file
-                        markers[result.index] = result.marker
-                        _check_failures(result.marker, issues, path_of)
+                    for key, marker in shards:
+                        OPEN_SHARDS.forget(str(shard_paths(directory, key).npy))  # replaced file
+                        markers[key] = marker
+                        _check_failures(marker, issues, path_of)
                         _touch_plan(plan, folder, settings, keys)  # alive: gc keeps its shards
                         if on_shard_done is not None:
-                            on_shard_done(result.index)
-            for key, task in list(pending.items()):
-                if markers[task.index] is None:  # committed by another process
-                    paths = ShardPaths(directory, key)
+                            on_shard_done(keys.index(key))
+            for key in list(pending):
+                if markers[key] is None:  # committed by another process
+                    paths = shard_paths(directory, key)
                     OPEN_SHARDS.forget(str(paths.npy))
-                    markers[task.index] = _intact(paths, verify=False)
-                if markers[task.index] is not None:
-                    _check_failures(markers[task.index], issues, path_of)
+                    markers[key] = _intact(paths, verify=False)
+                if markers[key] is not None:
+                    _check_failures(markers[key], issues, path_of)
                     del pending[key]
     if left:
         log.info("%s: done in %.1f s", description, time.perf_counter() - start)
 
     # 4. the folder's manifest (npz, then its json: the commit), then the plan goes. One process
     # writes it, the others wait (a json and an npz of two writers would not match).
-    records = json.loads(json.dumps({k: m["files"] for k, m in zip(keys, markers) if m}))
+    records = json.loads(json.dumps({key: markers[key]["files"] for key in keys}))
 
     def written(unit: str) -> bool:
         """Whether the manifest committed is this one: shards, their files, the listing."""
@@ -323,7 +320,7 @@ def _write_manifest(
     shas: list[str],
     ranges: list[tuple[int, int]],
     keys: list[str],
-    markers: list[dict[str, Any] | None],
+    markers: dict[str, dict[str, Any]],
     listing: str | None,
     scan_skips: Sequence[Skip],
 ) -> None:
@@ -332,8 +329,8 @@ def _write_manifest(
     ids, shard, row, offset, length = [], [], [], [], []
     failures, notes, records = [], [], {}
     seconds = 0.0
-    for k, marker in enumerate(markers):
-        assert marker is not None
+    for k, key in enumerate(keys):
+        marker = markers[key]
         n = len(marker["utt_ids"])
         lengths = np.asarray(marker["lengths"], dtype=np.int64)
         ids += marker["utt_ids"]
@@ -341,7 +338,7 @@ def _write_manifest(
         row.append(np.arange(n, dtype=np.int32))
         offset.append(np.cumsum(lengths) - lengths)  # first frame of each utterance
         length.append(lengths)
-        records[keys[k]] = marker["files"]
+        records[key] = marker["files"]
         seconds += marker["seconds"]
         failures += [
             {**f, "path": path_of[f["utt_id"]], "stage": "audio"} for f in marker["failures"]
@@ -468,7 +465,7 @@ def _warm_store(manifest: Path, listing: str, max_open_shards: int) -> FeatureSt
     damaged = store.check()
     for k, path, problem in damaged:
         log.warning("feature cache: %s: %s; re-extracting its shard", path, problem)
-        invalidate(store.paths(k).marker, path)
+        invalidate(store.paths(k), path)
         OPEN_SHARDS.forget(str(store.paths(k).npy))
     if damaged:
         return None

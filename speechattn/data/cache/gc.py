@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from speechattn.data.cache.layout import OLD_ENTRY_RE, features_root, file_host, owner
+from speechattn.data.cache.shards import OLD_ENTRY_RE, features_root, file_host, owner
 from speechattn.data.cache.store import load_manifest
 from speechattn.data.claims import CLAIM_SUFFIX, ClaimConfig, host_name, live_claim, pid_alive
 from speechattn.data.errors import DataError
@@ -64,7 +64,7 @@ class Survey:
     shards: dict[tuple[str, str], ShardFiles]  # (settings key, shard key) -> files
     fresh_plans: list[Path]
     stale_plans: list[Path]
-    dead_readers: list[Path]  # reader marks of processes that are gone (`layout.reader_path`)
+    dead_readers: list[Path]  # reader marks of processes that are gone (`shards.reader_path`)
     old_entries: list[tuple[Path, int, float]]  # (folder, bytes, newest mtime)
     protected: set[str]  # shard keys in use by a live/changed manifest or a fresh plan
 
