@@ -227,7 +227,7 @@ def test_a_killed_extraction_worker_ends_the_run_promptly_and_a_rerun_finishes(u
     import multiprocessing as mp
     import time
 
-    from speechattn.data.workshare import WorkerDied
+    from speechattn.data.claims import WorkerDied
 
     killed: list[int] = []
 

@@ -20,10 +20,13 @@ from speechattn.data.claims import (
     ClaimConfig,
     Claims,
     ClaimTimeout,
+    WorkerDied,
+    claim_batches,
+    claim_map,
+    claim_pending,
     read_claim,
     remove_stale_temps,
 )
-from speechattn.data.workshare import WorkerDied, claim_batches, claim_map, claim_pending
 from speechattn.utils import atomic_write_text, temp_name
 
 FAST = ClaimConfig(heartbeat_s=0.05, expiry_s=0.4, wait_timeout_s=20, log_every_s=0.1, poll_s=0.02)

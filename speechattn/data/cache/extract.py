@@ -1,7 +1,7 @@
 """Extraction: fingerprint the audio, plan content-defined shards, extract the missing ones in
 parallel (one shard: `shards.py`) and commit the folder's manifest (`extract_features`); and
 the start-up that skips all of it when the source did not change (`open_source`). Processes
-sharing a cache claim each pending shard (`speechattn.data.workshare`): it is extracted once,
+sharing a cache claim each pending shard (`speechattn.data.claims`): it is extracted once,
 and the others wait for it (docs/multinode.md).
 """
 
@@ -49,11 +49,16 @@ from speechattn.data.cache.store import (
     manifest_meta,
     touch,
 )
-from speechattn.data.claims import ClaimConfig, host_name, remove_stale_temps
+from speechattn.data.claims import (
+    ClaimConfig,
+    claim_map,
+    claim_pending,
+    host_name,
+    remove_stale_temps,
+)
 from speechattn.data.corpora import Source, SplitSource
 from speechattn.data.errors import DataError, Issues, Skip
 from speechattn.data.utterances import Utterance
-from speechattn.data.workshare import claim_map, claim_pending
 from speechattn.utils import atomic_write_text, progress_bar
 
 log = logging.getLogger(__name__)

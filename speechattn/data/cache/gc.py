@@ -2,7 +2,7 @@
 
 A manifest is live, changed, missing or stale; `gc` removes stale manifests and the shards
 only they used, never a file younger than the grace period, a shard with a live claim
-(`claims.live_claim`), one an extraction in progress plans for, or one a running job reads.
+(`Claims.live_holder`), one an extraction in progress plans for, or one a running job reads.
 The rules in full: docs/cache.md, "Listing and cleaning".
 """
 
@@ -13,6 +13,7 @@ import logging
 import os
 import shutil
 import time
+from contextlib import closing
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -20,7 +21,7 @@ import numpy as np
 
 from speechattn.data.cache.shards import OLD_ENTRY_RE, features_root, file_host, owner
 from speechattn.data.cache.store import load_manifest
-from speechattn.data.claims import CLAIM_SUFFIX, ClaimConfig, host_name, live_claim, pid_alive
+from speechattn.data.claims import CLAIM_SUFFIX, ClaimConfig, Claims, host_name, pid_alive
 from speechattn.data.errors import DataError
 from speechattn.utils import TEMP_MARK
 
@@ -199,7 +200,10 @@ def survey(
 def _claimed(shard: ShardFiles, claim_config: ClaimConfig | None) -> bool:
     """Whether a live process holds the shard's claim (someone is extracting it)."""
     claim = shard.directory / f"{shard.key}{CLAIM_SUFFIX}"
-    return claim in shard.files and live_claim(shard.directory, shard.key, claim_config) is not None
+    if claim not in shard.files:
+        return False
+    with closing(Claims(shard.directory, claim_config)) as claims:  # no heartbeat: claims nothing
+        return claims.live_holder(shard.key) is not None
 
 
 def _older(path: Path, grace_s: float, now: float) -> bool:
