@@ -112,6 +112,14 @@ class ClaimInfo:
         return f"{self.host} pid {self.pid}"
 
 
+def _record(raw: bytes) -> dict[str, Any]:
+    """What a claim file holds; {} while it is being written (or its writer died meanwhile)."""
+    try:
+        return json.loads(raw)
+    except ValueError:
+        return {}
+
+
 def read_claim(path: Path) -> ClaimInfo | None:
     """The claim at `path` (None: none). Opening, not stat, makes NFS fetch fresh attributes
     (close-to-open), so `mtime` is the server's current one."""
@@ -121,10 +129,7 @@ def read_claim(path: Path) -> ClaimInfo | None:
             raw = f.read(4096)
     except FileNotFoundError:
         return None
-    try:
-        data: dict[str, Any] = json.loads(raw)
-    except ValueError:  # created but not yet written, or its writer died in between
-        data = {}
+    data = _record(raw)
     return ClaimInfo(
         path=Path(path),
         host=str(data.get("host", "?")),
@@ -211,8 +216,7 @@ class Claims:
 
     def holds(self, unit: str) -> bool:
         """Whether this process holds `unit` (False once the heartbeat found it taken over)."""
-        with self._lock:
-            return unit in self._held
+        return self.token(unit) is not None
 
     def now(self) -> float:
         """The shared filesystem's clock: the mtime of a file this process just touched."""
@@ -338,24 +342,17 @@ class Claims:
             held = list(self._held.items())
         for unit, (path, token) in held:
             try:
-                fd = os.open(path, os.O_RDONLY)
-                try:
-                    try:
-                        ours = json.loads(os.read(fd, 4096)).get("token") == token
-                    except ValueError:
-                        ours = False
+                with open(path, "rb") as f:  # the file read is the one touched
+                    ours = _record(f.read(4096)).get("token") == token
                     if ours:
-                        os.utime(fd)
-                finally:
-                    os.close(fd)
+                        os.utime(f.fileno())
             except FileNotFoundError:
                 self._lost(unit, token, "its claim file was removed")
-                continue
             except OSError as e:  # a filesystem hiccup: try again at the next beat
                 log.warning("%s: heartbeat failed (%s)", path, e)
-                continue
-            if not ours:
-                self._lost(unit, token, "another process took its claim over")
+            else:
+                if not ours:
+                    self._lost(unit, token, "another process took its claim over")
 
     def _lost(self, unit: str, token: str, why: str) -> None:
         with self._lock:
@@ -374,18 +371,15 @@ def remove_stale_temps(
     directory: str | Path,
     unit_of: Callable[[str], str | None],
     config: ClaimConfig | None = None,
-    claims_dir: str | Path | None = None,
 ) -> list[Path]:
     """Delete the temporary files (`utils.atomic_path`) in `directory` that no live process can
     still be writing; returns their paths. `unit_of(target)` names a target file's unit, or
-    None. A unit's files go when its claim (in `claims_dir`, default `directory`) is absent or
-    dead, however fresh, and stay while it is live, however old; files of no unit go when
-    untouched for `expiry_s`.
+    None. A unit's files go when its claim (in `directory`) is absent or dead, however fresh,
+    and stay while it is live, however old; files of no unit go when untouched for `expiry_s`.
     """
     directory = Path(directory)
-    claims = Claims(claims_dir if claims_dir is not None else directory, config)
     removed = []
-    try:  # listed before this process's own clock file exists
+    with closing(Claims(directory, config)) as claims:  # listed before its clock file exists
         for tmp in sorted(directory.glob(f"*{TEMP_MARK}*")):
             unit = unit_of(tmp.name.partition(TEMP_MARK)[0])
             if unit is None:
@@ -398,8 +392,6 @@ def remove_stale_temps(
             if stale:
                 tmp.unlink(missing_ok=True)
                 removed.append(tmp)
-    finally:
-        claims.close()
     if removed:
         log.info("removed %d stale temporary files in %s", len(removed), directory)
     return removed
@@ -414,19 +406,9 @@ class WorkerDied(SpeechattnError, RuntimeError):
 
 
 class WorkShare:
-    """One process's share of a job over `claims_dir`: which of `units` it may do next, then
-    the wait for the units others hold; a context manager (it runs the claims' heartbeat).
-
-        with WorkShare(units, folder, is_done, config) as share:
-            while True:
-                batch = share.claim(n)        # up to n units: nobody finished or holds them
-                for unit in batch:
-                    do(unit)
-                    share.finished(unit)      # is_done(unit) must now be True: released
-                if not batch and not share.wait():
-                    break                     # every unit is done, by someone
-
-    Not thread-safe.
+    """One process's share of a job over `claims_dir`: which of `units` it may do next
+    (`claim`, then `finished` for each), then the wait for the units others hold (`wait`); a
+    context manager (it runs the claims' heartbeat). Not thread-safe.
     """
 
     def __init__(
