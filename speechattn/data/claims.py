@@ -405,11 +405,10 @@ class WorkerDied(SpeechattnError, RuntimeError):
     """A pool's worker process ended without a result (a signal, the out-of-memory killer)."""
 
 
-class WorkShare:
+class WorkShare(Claims):
     """One process's share of a job over `claims_dir`: which of `units` it may do next
-    (`claim`, then `finished` for each), then the wait for the units others hold (`wait`); a
-    context manager (it runs the claims' heartbeat). Not thread-safe.
-    """
+    (`claim`, then `finished` for each), then the wait for the units others hold (`wait`).
+    Leaving the `with` block releases what is still held: the next process may take it."""
 
     def __init__(
         self,
@@ -423,20 +422,12 @@ class WorkShare:
         units = list(units)
         if len(set(units)) != len(units):
             raise ValueError(f"{what}: unit names must be unique")
-        self.claims = Claims(claims_dir, config, host)
-        self.config = self.claims.config
+        super().__init__(claims_dir, config, host)
         self.is_done = is_done
         self.what = what
         self._queue = deque(units)  # still to look at, in order
         self._waiting: list[str] = []  # others held them when last looked at
         self._last_progress = self._last_log = time.monotonic()
-
-    def __enter__(self) -> WorkShare:
-        self.claims.__enter__()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.claims.close()  # releases what is still held: the next process may take it
 
     def claim(self, n: int) -> list[str]:
         """Up to `n` units claimed for this process, in order, neither done nor held by a live
@@ -446,10 +437,10 @@ class WorkShare:
             unit = self._queue.popleft()
             if self.is_done(unit):
                 continue
-            if not self.claims.try_claim(unit):
+            if not self.try_claim(unit):
                 self._waiting.append(unit)
             elif self.is_done(unit):  # its previous holder finished it just before we claimed
-                self.claims.release(unit)
+                self.release(unit)
             else:
                 batch.append(unit)
         return batch
@@ -462,7 +453,7 @@ class WorkShare:
                 f"{unit} ({self.what}) was handed out, but is_done({unit!r}) is still False "
                 "when the next ones are asked for: the work must finish it"
             )
-        self.claims.release(unit)
+        self.release(unit)
         self._last_progress = time.monotonic()
 
     def wait(self) -> bool:
@@ -495,7 +486,7 @@ class WorkShare:
         """'node7 pid 1234 (shard-00005, shard-00007), node3 pid 99 (shard-00010)'."""
         groups: dict[str, list[str]] = {}
         for unit in units:
-            info = self.claims.holder(unit)
+            info = self.holder(unit)
             groups.setdefault(str(info) if info else "released, not done", []).append(unit)
         parts = []
         for holder, names in groups.items():
@@ -506,19 +497,19 @@ class WorkShare:
     def _timeout(self, units: list[str], waited: float) -> ClaimTimeout:
         lines = []
         for unit in units[:10]:
-            info = self.claims.holder(unit)
+            info = self.holder(unit)
             if info is None:
                 lines.append(f"{unit} (claim released, not done)")
                 continue
             started = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(info.started))
             lines.append(
                 f"{unit} (claimed by {info} since {started}, last heartbeat "
-                f"{self.claims.now() - info.mtime:.0f} s ago; claim file {info.path})"
+                f"{self.now() - info.mtime:.0f} s ago; claim file {info.path})"
             )
         if len(units) > 10:
             lines.append(f"... {len(units) - 10} more")
         return ClaimTimeout(
-            self.claims.path(units[0]),
+            self.path(units[0]),
             f"timed out waiting for {self.what} claimed by other processes",
             f"{len(units)} {self.what} unfinished and none done for {waited:.0f} s: "
             + "; ".join(lines)
