@@ -19,12 +19,11 @@ from typing import Any
 import numpy as np
 
 from speechattn.data.cache.shards import (
-    DATA_KINDS,
     ExtractionSettings,
-    ShardPaths,
     ShardTask,
     extract_shard,
     file_sha256,
+    intact,
     invalidate,
     manifest_key,
     manifest_of,
@@ -33,7 +32,6 @@ from speechattn.data.cache.shards import (
     plan_shards,
     process_pool,
     read_marker,
-    reconcile,
     save_npz,
     shard_dir,
     shard_key,
@@ -87,39 +85,35 @@ def fingerprints(
     mtime_ns, ctime_ns): an unchanged corpus, or one renamed within its filesystem, reads
     nothing; a file written since has a new ctime and is hashed again. A file several
     utterances are segments of is hashed once."""
-    found: list[str | None] = [None] * len(utterances)
-    wanted: dict[tuple[str, int, int, int], list[int]] = {}
-    for i, u in enumerate(utterances):
-        wanted.setdefault((_relative(u.path, folder), u.size, u.mtime_ns, u.ctime_ns), []).append(i)
+    stamps = [(_relative(u.path, folder), u.size, u.mtime_ns, u.ctime_ns) for u in utterances]
+    missing = {stamp: str(u.path) for stamp, u in zip(stamps, utterances)}  # stamp -> its file
+    found: dict[tuple[str, int, int, int], str] = {}
     for manifest in manifests:  # the memo: read until nothing is missing
-        if not wanted:
+        if not missing:
             break
         try:
             _, z = load_manifest(manifest)
             with z:
                 rel = [r.decode() for r in z["files_rel"].tolist()]
                 size, mtime, ctime = z["files_size"], z["files_mtime"], z["files_ctime"]
-                stamps = zip(rel, size.tolist(), mtime.tolist(), ctime.tolist())
-                for stamp, h in zip(stamps, z["files_sha"].tolist()):
-                    for i in wanted.pop(stamp, ()):
-                        found[i] = h.decode()
+                memo = zip(rel, size.tolist(), mtime.tolist(), ctime.tolist())
+                for stamp, h in zip(memo, z["files_sha"].tolist()):
+                    if missing.pop(stamp, None) is not None:
+                        found[stamp] = h.decode()
         except (DataError, KeyError, ValueError, OSError):
             continue  # an unreadable manifest (or one without ctimes) is only a lost memo
-    missing = sorted(wanted.values())
     if missing:
         log.info("fingerprinting %d audio files (sha256)", len(missing))
-        paths = [str(utterances[group[0]].path) for group in missing]
+        paths = list(missing.values())
         batches = [paths[j : j + HASH_BATCH] for j in range(0, len(paths), HASH_BATCH)]
+        hashes = []
         with progress_bar(len(paths), "fingerprinting audio", progress) as advance:
-            hashes = []
             with closing(map_in_processes(_hash_files, batches, workers)) as results:
                 for batch in results:
                     hashes += batch
                     advance(len(batch))
-        for group, h in zip(missing, hashes):
-            for i in group:
-                found[i] = h
-    return found  # type: ignore[return-value]
+        found.update(zip(missing, hashes))
+    return [found[stamp] for stamp in stamps]
 
 
 def _check_failures(marker: dict[str, Any], issues: Issues, path_of: dict[str, str]) -> None:
@@ -128,23 +122,6 @@ def _check_failures(marker: dict[str, Any], issues: Issues, path_of: dict[str, s
     if marker["failures"] and issues.on_error == "error":
         f = marker["failures"][0]
         raise DataError(path_of[f["utt_id"]], f["problem"], f["detail"], f["utt_id"])
-
-
-def _intact(paths: ShardPaths, verify: bool) -> dict[str, Any] | None:
-    """A committed shard's marker when both data files are what it records, else None (the
-    damaged file named in a warning, the shard marked for re-extraction)."""
-    marker = read_marker(paths.marker)
-    if marker is None:
-        return None
-    for kind in DATA_KINDS:
-        record, problem = reconcile(paths, kind, marker["files"][kind], verify)
-        if problem:
-            path = getattr(paths, kind)
-            log.warning("feature cache: %s: %s; re-extracting its shard", path, problem)
-            invalidate(paths, path)
-            return None
-        marker["files"][kind] = record
-    return marker
 
 
 def _touch_plan(plan: Path, folder: Path, settings: ExtractionSettings, keys: list[str]) -> None:
@@ -233,7 +210,7 @@ def extract_features(
 
     # 2. what is there already (intact), what needs extracting
     path_of = {u.utt_id: str(u.path) for u in utterances}
-    markers = {key: _intact(shard_paths(directory, key), verify) for key in keys}
+    markers = {key: intact(shard_paths(directory, key), verify) for key in keys}
     for marker in markers.values():  # a shard done earlier may already hold a bad file: fail now
         if marker is not None:
             _check_failures(marker, issues, path_of)
@@ -285,7 +262,7 @@ def extract_features(
                 if markers[key] is None:  # committed by another process
                     paths = shard_paths(directory, key)
                     OPEN_SHARDS.forget(str(paths.npy))
-                    markers[key] = _intact(paths, verify=False)
+                    markers[key] = intact(paths, verify=False)
                 if markers[key] is not None:
                     _check_failures(markers[key], issues, path_of)
                     del pending[key]
@@ -305,10 +282,8 @@ def extract_features(
         return (meta["shards"], meta["records"], meta["listing"]) == (keys, records, listing)
 
     for _ in claim_pending([manifest.stem], manifests, written, claim_config, "manifests"):
-        _write_manifest(
-            manifest, folder, settings, utterances, path_of, shas, ranges, keys, markers,
-            listing, scan_skips,
-        )  # fmt: skip
+        _write_manifest(manifest, folder, settings, utterances, shas, ranges, keys, markers,
+                        listing, scan_skips)  # fmt: skip
     touch(manifest)  # used now (`ls`), whoever wrote it
     plan.unlink(missing_ok=True)
     store = FeatureStore(manifest, max_open_shards)
@@ -321,7 +296,6 @@ def _write_manifest(
     folder: Path,
     settings: ExtractionSettings,
     utterances: Sequence[Utterance],
-    path_of: dict[str, str],
     shas: list[str],
     ranges: list[tuple[int, int]],
     keys: list[str],
@@ -329,40 +303,26 @@ def _write_manifest(
     listing: str | None,
     scan_skips: Sequence[Skip],
 ) -> None:
-    """The folder's manifest: per-utterance index arrays from the shards' `markers`, the
-    audio files' fingerprints (`shas`, `path_of`: utterance id -> its audio file)."""
-    ids, shard, row, offset, length = [], [], [], [], []
-    failures, notes, records = [], [], {}
-    seconds = 0.0
-    for k, key in enumerate(keys):
-        marker = markers[key]
-        n = len(marker["utt_ids"])
-        lengths = np.asarray(marker["lengths"], dtype=np.int64)
-        ids += marker["utt_ids"]
-        shard.append(np.full(n, k, dtype=np.int32))
-        row.append(np.arange(n, dtype=np.int32))
-        offset.append(np.cumsum(lengths) - lengths)  # first frame of each utterance
-        length.append(lengths)
-        records[key] = marker["files"]
-        seconds += marker["seconds"]
-        failures += [
-            {**f, "path": path_of[f["utt_id"]], "stage": "audio"} for f in marker["failures"]
-        ]
-        notes += [[u, f"{path_of[u]}: {note}"] for u, note in marker["notes"]]
-    file_shard = np.repeat(np.arange(len(ranges), dtype=np.int32), [b - a for a, b in ranges])
+    """The folder's manifest: per-utterance index arrays from the commit `markers` of its
+    shards (`keys`), the audio files' fingerprints (`shas`)."""
+    path_of = {u.utt_id: str(u.path) for u in utterances}
+    shards = [markers[key] for key in keys]
+    lengths = [np.asarray(m["lengths"], dtype=np.int64) for m in shards]  # per shard: (n,)
     arrays = {
-        "utt_ids": np.array(ids, dtype=str),
-        "shard": np.concatenate(shard),
-        "row": np.concatenate(row),
-        "offset": np.concatenate(offset),
-        "length": np.concatenate(length),
+        "utt_ids": np.array([u for m in shards for u in m["utt_ids"]], dtype=str),
+        "shard": np.repeat(np.arange(len(shards), dtype=np.int32), [len(x) for x in lengths]),
+        "row": np.concatenate([np.arange(len(x), dtype=np.int32) for x in lengths]),
+        "offset": np.concatenate([np.cumsum(x) - x for x in lengths]),  # its first frame
+        "length": np.concatenate(lengths),
         # every audio file (bad ones too): the fingerprint memo, and what `gc` checks
         "files_rel": np.array([_relative(u.path, folder).encode() for u in utterances]),
         "files_size": np.array([u.size for u in utterances], dtype=np.int64),
         "files_mtime": np.array([u.mtime_ns for u in utterances], dtype=np.int64),
         "files_ctime": np.array([u.ctime_ns for u in utterances], dtype=np.int64),
         "files_sha": np.array([h.encode() for h in shas]),
-        "files_shard": file_shard,
+        "files_shard": np.repeat(
+            np.arange(len(ranges), dtype=np.int32), [b - a for a, b in ranges]
+        ),
     }
     meta = {
         "version": 3,
@@ -370,17 +330,21 @@ def _write_manifest(
         "settings_key": settings.key,
         "settings": settings.fingerprint(),
         "listing": listing,
-        "utterances": len(ids),
+        "utterances": len(arrays["utt_ids"]),
         "audio_files": len(utterances),
-        "frames": int(sum(int(a.sum()) for a in length)),
-        "audio_seconds": seconds,
+        "frames": int(arrays["length"].sum()),
+        "audio_seconds": sum(m["seconds"] for m in shards),
         "feature_dim": settings.features.dim,
         "dtype": settings.dtype,
         "shards": keys,
-        "records": records,
-        "failures": failures,
+        "records": {key: markers[key]["files"] for key in keys},
+        "failures": [
+            {**f, "path": path_of[f["utt_id"]], "stage": "audio"}
+            for m in shards
+            for f in m["failures"]
+        ],
         "scan_skips": [vars(s) for s in scan_skips],
-        "notes": notes,
+        "notes": [[u, f"{path_of[u]}: {note}"] for m in shards for u, note in m["notes"]],
         "npz": save_npz(manifest.with_suffix(".npz"), arrays),
         "created": time.time(),
     }

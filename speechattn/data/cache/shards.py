@@ -297,6 +297,23 @@ def invalidate(paths: ShardPaths, damaged: Path | None = None) -> None:
         damaged.unlink(missing_ok=True)
 
 
+def intact(paths: ShardPaths, verify: bool) -> dict[str, Any] | None:
+    """A committed shard's marker when both data files are what it records, else None (the
+    damaged file named in a warning, the shard marked for re-extraction)."""
+    marker = read_marker(paths.marker)
+    if marker is None:
+        return None
+    for kind in DATA_KINDS:
+        record, problem = reconcile(paths, kind, marker["files"][kind], verify)
+        if problem:
+            path = getattr(paths, kind)
+            log.warning("feature cache: %s: %s; re-extracting its shard", path, problem)
+            invalidate(paths, path)
+            return None
+        marker["files"][kind] = record
+    return marker
+
+
 def _boundary(utt_id: str, shard_size: int) -> bool:
     """Whether a shard ends after `utt_id`: 1 in `shard_size` ids, chosen by a hash of the id
     alone, so adding, removing or changing one file moves no other boundary."""
