@@ -175,7 +175,7 @@ class Claims:
         self.config = config or ClaimConfig()
         self.host = host or host_name()
         self.machine = _machine()
-        self._held: dict[str, tuple[Path, str]] = {}  # unit -> (claim file, our token)
+        self._held: dict[str, str] = {}  # unit -> the token of our claim
         self._lock = threading.Lock()  # guards _held against the heartbeat thread
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -183,7 +183,7 @@ class Claims:
 
     def __enter__(self) -> Claims:
         self._thread = threading.Thread(
-            target=self._heartbeat_loop, name="claims-heartbeat", daemon=True
+            target=self._heartbeat, name="claims-heartbeat", daemon=True
         )
         self._thread.start()
         return self
@@ -240,8 +240,7 @@ class Claims:
     def token(self, unit: str) -> str | None:
         """The token of this process's claim of `unit`, None when it holds none."""
         with self._lock:
-            held = self._held.get(unit)
-        return held[1] if held else None
+            return self._held.get(unit)
 
     def live_holder(self, unit: str) -> ClaimInfo | None:
         """Who is working on `unit` now: None when its claim is absent or dead."""
@@ -264,10 +263,10 @@ class Claims:
     def release(self, unit: str) -> None:
         """Give `unit` up: its claim file is removed only if it is still ours."""
         with self._lock:
-            entry = self._held.pop(unit, None)
-        if entry is None:
+            token = self._held.pop(unit, None)
+        if token is None:
             return
-        path, token = entry
+        path = self.path(unit)
         info = read_claim(path)
         if info is not None and info.token == token:
             path.unlink(missing_ok=True)
@@ -296,7 +295,7 @@ class Claims:
         finally:
             os.close(fd)
         with self._lock:
-            self._held[unit] = (path, token)
+            self._held[unit] = token
         return True
 
     def _take_over(self, unit: str, path: Path, dead: ClaimInfo) -> bool:
@@ -332,39 +331,36 @@ class Claims:
             grave.unlink(missing_ok=True)
         return False
 
-    def _heartbeat_loop(self) -> None:
+    def _heartbeat(self) -> None:
+        """Every `heartbeat_s`, touch each claim still ours; drop (with a warning) the others."""
         while not self._stop.wait(self.config.heartbeat_s):
-            self._beat()
+            with self._lock:
+                held = list(self._held.items())
+            for unit, token in held:
+                self._beat(unit, token)
 
-    def _beat(self) -> None:
-        """Touch every claim still ours; drop (with a warning) the ones that are not."""
+    def _beat(self, unit: str, token: str) -> None:
+        """Touch our claim of `unit`; forget it (with a warning) when it is ours no more."""
+        path = self.path(unit)
+        try:
+            with open(path, "rb") as f:  # the file read is the one touched
+                if _record(f.read(4096)).get("token") == token:
+                    os.utime(f.fileno())
+                    return
+            why = "another process took its claim over"
+        except FileNotFoundError:
+            why = "its claim file was removed"
+        except OSError as e:  # a filesystem hiccup: try again at the next beat
+            log.warning("%s: heartbeat failed (%s)", path, e)
+            return
         with self._lock:
-            held = list(self._held.items())
-        for unit, (path, token) in held:
-            try:
-                with open(path, "rb") as f:  # the file read is the one touched
-                    ours = _record(f.read(4096)).get("token") == token
-                    if ours:
-                        os.utime(f.fileno())
-            except FileNotFoundError:
-                self._lost(unit, token, "its claim file was removed")
-            except OSError as e:  # a filesystem hiccup: try again at the next beat
-                log.warning("%s: heartbeat failed (%s)", path, e)
-            else:
-                if not ours:
-                    self._lost(unit, token, "another process took its claim over")
-
-    def _lost(self, unit: str, token: str, why: str) -> None:
-        with self._lock:
-            if self._held.get(unit, (None, None))[1] != token:
+            if self._held.get(unit) != token:
                 return  # released meanwhile: nothing was lost
             del self._held[unit]
         log.warning(
             "%s: %s (this process was silent for over %.0f s?); it may be done twice",
-            self.path(unit),
-            why,
-            self.config.expiry_s,
-        )
+            path, why, self.config.expiry_s,
+        )  # fmt: skip
 
 
 def remove_stale_temps(
