@@ -336,3 +336,21 @@ def test_expiry_must_leave_room_for_missed_heartbeats():
         ClaimConfig(heartbeat_s=10, expiry_s=20)
     with pytest.raises(ValueError, match="poll_s must be > 0"):
         ClaimConfig(poll_s=0)
+
+
+def test_the_heartbeat_touches_its_claims_and_gives_up_those_no_longer_ours(tmp_path, caplog):
+    with Claims(tmp_path, FAST, host="nodeA") as claims:
+        assert claims.try_claim("u0") and claims.try_claim("u1") and claims.try_claim("u2")
+        taken = temp_name(claims.path("u0"))
+        taken.write_text('{"host": "nodeB", "pid": 7, "token": "theirs"}')
+        os.replace(taken, claims.path("u0"))  # what a takeover leaves behind
+        claims.path("u1").unlink()
+        for unit in ("u0", "u2"):
+            os.utime(claims.path(unit), (1000, 1000))
+        time.sleep(5 * FAST.heartbeat_s)
+        assert not claims.holds("u0") and not claims.holds("u1") and claims.holds("u2")
+        assert claims.path("u0").stat().st_mtime == 1000  # not ours: never touched
+        assert claims.path("u2").stat().st_mtime > 1000
+    assert "u0.claim: another process took its claim over" in caplog.text
+    assert "u1.claim: its claim file was removed" in caplog.text
+    assert read_claim(tmp_path / "u0.claim").host == "nodeB"
