@@ -150,13 +150,10 @@ def owner(path: Path) -> tuple[str, int] | None:
     return (found.group(1), int(found.group(2))) if found else None
 
 
-def file_sha256(path: str | Path, chunk: int = 1 << 20) -> str:
+def file_sha256(path: str | Path) -> str:
     """Hex sha256 of a file's bytes."""
-    h = hashlib.sha256()
     with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 class _HashingWriter:
