@@ -6,7 +6,7 @@ use: docs/multinode.md.
     for shard in claim_pending(names, entry, done, what="shards"):
         extract(shard)                       # atomic writes, the marker last
 
-`claim_map` keeps a process pool busy the same way; `claim_batches` hands out lists of units.
+`claim_map` keeps a process pool busy the same way.
 
 A claim is `<claims_dir>/<unit>.claim`, created with O_CREAT|O_EXCL (atomic on local disks and
 NFSv3+), holding the holder's host, pid, start time and a random token. A heartbeat thread
@@ -515,36 +515,6 @@ class WorkShare(Claims):
         )
 
 
-def claim_batches(
-    units: Iterable[str],
-    claims_dir: str | Path,
-    is_done: Callable[[str], bool],
-    size: int,
-    config: ClaimConfig | None = None,
-    what: str = "units",
-    host: str | None = None,
-) -> Iterator[list[str]]:
-    """Share `units` with every other process running this over the same `claims_dir`.
-
-    Yields lists of up to `size` units claimed here, in order, skipping those `is_done` or held
-    by others. Each must be done (else RuntimeError) before the next list is asked for; then
-    its claim is released. With nothing left to claim, waits until every unit is done
-    (`WorkShare.wait`); a unit released undone, or whose holder died, is yielded here. Claims
-    still held when the caller stops are released.
-    """
-    if size < 1:
-        raise ValueError(f"size must be >= 1, found {size}")
-    with WorkShare(units, claims_dir, is_done, config, what, host) as share:
-        while True:
-            batch = share.claim(size)
-            if batch:
-                yield list(batch)
-                for unit in batch:
-                    share.finished(unit)
-            elif not share.wait():
-                return
-
-
 def claim_pending(
     units: Iterable[str],
     claims_dir: str | Path,
@@ -553,10 +523,20 @@ def claim_pending(
     what: str = "units",
     host: str | None = None,
 ) -> Iterator[str]:
-    """`claim_batches` one unit at a time: `for unit in claim_pending(...): do(unit)`."""
-    with closing(claim_batches(units, claims_dir, is_done, 1, config, what, host)) as batches:
-        for (unit,) in batches:
-            yield unit
+    """Share `units` with every other process running this over the same `claims_dir`:
+    `for unit in claim_pending(...): do(unit)`.
+
+    Yields the units claimed here, in order, skipping those `is_done` or held by others. Each
+    must be done (else RuntimeError) before the next is asked for; then its claim is released.
+    With nothing left to claim, waits until every unit is done (`WorkShare.wait`); a unit
+    released undone, or whose holder died, is yielded here. Claims still held when the caller
+    stops are released.
+    """
+    with WorkShare(units, claims_dir, is_done, config, what, host) as share:
+        while (claimed := share.claim(1)) or share.wait():
+            for unit in claimed:
+                yield unit
+                share.finished(unit)
 
 
 def claim_map(
@@ -572,7 +552,7 @@ def claim_map(
 ) -> Iterator[tuple[str, R]]:
     """`fn(items[unit])` for each unit (`items`' keys, in order) that no other process running
     this over `claims_dir` did or does, yielding `(unit, result)` in completion order; then
-    waits for the units others hold, as `claim_batches` does.
+    waits for the units others hold, as `claim_pending` does.
 
     `fn` must make `is_done(unit)` true before it returns. With a `pool`, `workers` units run
     at a time, a new one claimed as each finishes; without, `fn` runs here. Create the pool
@@ -582,20 +562,16 @@ def claim_map(
     """
     if workers < 1:
         raise ValueError(f"workers must be >= 1, found {workers}")
-    submit = _run_here if pool is None else pool.submit
+    submit, slots = (_run_here, 1) if pool is None else (pool.submit, workers)
     running: dict[Future, str] = {}  # unit of each future
     with WorkShare(items, claims_dir, is_done, config, what, host) as share:
-        while True:
-            for unit in share.claim((1 if pool is None else workers) - len(running)):
+        while (claimed := share.claim(slots - len(running))) or running or share.wait():
+            for unit in claimed:
                 try:
                     running[submit(fn, items[unit])] = unit
                 except BrokenProcessPool as error:  # a worker died since the last result
                     raise _worker_died(unit, what) from error
-            if not running:
-                if share.wait():
-                    continue
-                return
-            done, _ = wait(running, return_when=FIRST_COMPLETED)
+            done, _ = wait(running, return_when=FIRST_COMPLETED)  # none after a wait
             for future in done:
                 unit = running.pop(future)
                 try:

@@ -21,7 +21,6 @@ from speechattn.data.claims import (
     Claims,
     ClaimTimeout,
     WorkerDied,
-    claim_batches,
     claim_map,
     claim_pending,
     read_claim,
@@ -206,15 +205,14 @@ def test_the_wait_logs_progress_then_times_out_naming_units_holders_and_claim_fi
     assert _leftovers(tmp_path) == []  # ours released, node9's released by its own exit
 
 
-def test_batches_hold_their_claims_until_done(tmp_path):
+def test_a_unit_holds_its_claim_until_done(tmp_path):
     units = [f"u{i}" for i in range(7)]
-    batches = []
-    for batch in claim_batches(units, tmp_path, _done(tmp_path), 3, FAST):
-        assert sorted(p.name for p in tmp_path.glob("*.claim")) == [f"{u}.claim" for u in batch]
-        batches.append(batch)
-        for unit in batch:
-            _work(tmp_path, unit, "nodeA")
-    assert batches == [units[:3], units[3:6], units[6:]]
+    mine = []
+    for unit in claim_pending(units, tmp_path, _done(tmp_path), FAST):
+        assert sorted(p.name for p in tmp_path.glob("*.claim")) == [f"{unit}.claim"]
+        mine.append(unit)
+        _work(tmp_path, unit, "nodeA")
+    assert mine == units
     assert _leftovers(tmp_path) == []
 
 
