@@ -252,13 +252,12 @@ class Claims:
         False when a live process holds it."""
         if self._thread is None:
             raise RuntimeError("claim inside `with Claims(...)`, which runs the heartbeat")
-        path = self.path(unit)
-        if self._create(unit, path):
+        if self._create(unit):
             return True
-        info = read_claim(path)
+        info = self.holder(unit)
         if info is None:  # released between our attempt and the read: compete once more
-            return self._create(unit, path)
-        return self.is_dead(info) and self._take_over(unit, path, info)
+            return self._create(unit)
+        return self.is_dead(info) and self._take_over(unit, info)
 
     def release(self, unit: str) -> None:
         """Give `unit` up: its claim file is removed only if it is still ours."""
@@ -274,7 +273,8 @@ class Claims:
             state = f"now claimed by {info}" if info else "removed"
             log.warning("%s: no longer ours at release (%s)", path, state)
 
-    def _create(self, unit: str, path: Path) -> bool:
+    def _create(self, unit: str) -> bool:
+        path = self.path(unit)
         try:
             fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666)
         except FileExistsError:
@@ -298,18 +298,19 @@ class Claims:
             self._held[unit] = token
         return True
 
-    def _take_over(self, unit: str, path: Path, dead: ClaimInfo) -> bool:
-        """Replace the dead claim `dead` at `path`; exactly one of several racing processes wins:
+    def _take_over(self, unit: str, dead: ClaimInfo) -> bool:
+        """Replace the dead claim `dead` of `unit`; exactly one of several racing processes wins:
         a rename moves one inode once. A later taker moves the winner's fresh claim instead,
         sees it is not the dead one (inode, token or age differ) and puts it back."""
+        path = dead.path
         grave = temp_name(path)
         try:
             os.rename(path, grave)
         except FileNotFoundError:  # released, or moved by a faster taker: compete for it
-            return self._create(unit, path)
+            return self._create(unit)
         moved = read_claim(grave)
         if moved is None:  # our moved file was swept away meanwhile: compete for the free name
-            return self._create(unit, path)
+            return self._create(unit)
         if moved.inode == dead.inode and moved.token == dead.token and self.is_dead(moved):
             grave.unlink(missing_ok=True)
             started = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(dead.started))
@@ -317,7 +318,7 @@ class Claims:
                 "%s: took over the claim of %s (started %s, silent for %.0f s)",
                 path, dead, started, self.now() - dead.mtime,
             )  # fmt: skip
-            return self._create(unit, path)
+            return self._create(unit)
         try:  # a live claim: put it back, unless a new claim filled the name meanwhile
             os.link(grave, path)
         except FileExistsError:

@@ -171,7 +171,7 @@ def test_of_two_processes_that_found_one_dead_claim_only_the_first_takes_it(tmp_
         dead = b.holder("u0")
         assert dead is not None and b.is_dead(dead)  # b's judgement, just before a acts
         assert a.try_claim("u0")
-        assert not b._take_over("u0", b.path("u0"), dead)  # moves a's fresh claim: puts it back
+        assert not b._take_over("u0", dead)  # moves a's fresh claim: puts it back
         assert a.holds("u0") and not b.holds("u0")
         assert read_claim(a.path("u0")).host == "nodeA"
         names = [p.name for p in tmp_path.iterdir() if not p.name.startswith(".clock")]
