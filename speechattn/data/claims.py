@@ -100,16 +100,19 @@ class ClaimInfo:
     """A claim file as read: what its holder wrote and the file's own state."""
 
     path: Path
-    host: str  # "?" while the claim is being written (or when a crash left it empty)
-    pid: int
-    started: float  # Unix time the claim was made (holder's clock)
-    token: str  # random, unique to one claim: tells "still ours" apart from "taken over"
-    machine: str  # boot id / pid namespace of the holder ("" unknown)
     mtime: float  # last heartbeat (filesystem clock)
     inode: int
+    host: str = "?"  # "?" while the claim is being written (or when a crash left it empty)
+    pid: int = 0
+    started: float = 0.0  # Unix time the claim was made (holder's clock)
+    token: str = ""  # random, unique to one claim: tells "still ours" apart from "taken over"
+    machine: str = ""  # boot id / pid namespace of the holder ("" unknown)
 
     def __str__(self) -> str:
         return f"{self.host} pid {self.pid}"
+
+
+_WRITTEN = {"host": str, "pid": int, "started": float, "token": str, "machine": str}
 
 
 def _record(raw: bytes) -> dict[str, Any]:
@@ -130,16 +133,8 @@ def read_claim(path: Path) -> ClaimInfo | None:
     except FileNotFoundError:
         return None
     data = _record(raw)
-    return ClaimInfo(
-        path=Path(path),
-        host=str(data.get("host", "?")),
-        pid=int(data.get("pid", 0)),
-        started=float(data.get("started", 0.0)),
-        token=str(data.get("token", "")),
-        machine=str(data.get("machine", "")),
-        mtime=st.st_mtime,
-        inode=st.st_ino,
-    )
+    written = {name: kind(data[name]) for name, kind in _WRITTEN.items() if name in data}
+    return ClaimInfo(Path(path), st.st_mtime, st.st_ino, **written)
 
 
 class ClaimTimeout(DataError):

@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from speechattn.data.cache.gc import warn_if_stale
 from speechattn.data.cache.shards import (
     ExtractionSettings,
     ShardTask,
@@ -412,8 +413,6 @@ def open_source(
             name=listing.name, listing=listing.digest, scan_skips=issues.skips[before:],
             max_open_shards=max_open_shards, claim_config=claim_config,
         )  # fmt: skip
-    from speechattn.data.cache.gc import warn_if_stale
-
     warn_if_stale(cache_root)
     return store
 
