@@ -36,13 +36,7 @@ from speechattn.data.audio import load_audio
 from speechattn.data.errors import DataError
 from speechattn.data.features import FeatureConfig, cached_log_mel, min_samples_for
 from speechattn.data.utterances import Segment
-from speechattn.utils import (
-    atomic_path,
-    atomic_write_text,
-    digest,
-    init_pool_worker,
-    out_of_space,
-)
+from speechattn.utils import atomic_path, atomic_write_text, digest, init_pool_worker, out_of_space
 
 log = logging.getLogger(__name__)
 

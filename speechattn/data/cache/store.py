@@ -223,8 +223,7 @@ class FeatureStore:
         index given twice counts twice). One pass: each shard's statistics are read once."""
         weight = np.bincount(np.asarray(indices, dtype=np.int64), minlength=len(self))
         weight = weight.astype(np.float64)  # (N,)
-        total = np.zeros(self.feature_dim)
-        total_sq = np.zeros(self.feature_dim)
+        total, total_sq = np.zeros(self.feature_dim), np.zeros(self.feature_dim)
         bounds = np.searchsorted(self.shard, np.arange(self.num_shards + 1))  # k: [b_k, b_k+1)
         for k in np.unique(self.shard[weight > 0]):
             lo, hi = int(bounds[k]), int(bounds[k + 1])
@@ -262,11 +261,9 @@ class FeatureStore:
                 return f"shard {key}: statistics rows out of order"
             if not np.array_equal(self.offset[lo:hi], np.cumsum(lengths) - lengths):
                 return f"shard {key}: offsets do not follow the lengths"
-            shape = [int(lengths.sum()), self.feature_dim]
-            if self.records[key]["npy"]["shape"] != shape:
-                return f"shard {key}: {shape} frames indexed, its features file holds " + str(
-                    self.records[key]["npy"]["shape"]
-                )
+            shape, held = [int(lengths.sum()), self.feature_dim], self.records[key]["npy"]["shape"]
+            if held != shape:
+                return f"shard {key}: {shape} frames indexed, its features file holds {held}"
         return None
 
     def check(self, verify: bool = False) -> list[tuple[int, Path, str]]:
