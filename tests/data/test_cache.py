@@ -264,7 +264,7 @@ def test_a_worker_that_wakes_after_its_shard_was_taken_over_uses_the_other_commi
     directory = _shards(tmp_path)
     directory.mkdir(parents=True)
     task = shards_module.ShardTask(
-        str(directory), "k" * 16, [(u.utt_id, str(u.path), None) for u in utts[:3]], SETTINGS, 3
+        directory, "k" * 16, [(u.utt_id, str(u.path), None) for u in utts[:3]], SETTINGS, 3
     )
     real_save = shards_module.save_npy
 

@@ -182,15 +182,14 @@ def extract_features(
         folder = Path(os.path.commonpath([str(u.path.parents[2]) for u in utterances]))
     folder = Path(folder)
     claim_config = claim_config or ClaimConfig()
-    directory = shard_dir(cache_root, settings)
-    directory.mkdir(parents=True, exist_ok=True)
-    remove_stale_temps(directory, shard_of, claim_config)  # a shard's: when its claim is dead
+    directory, manifests = shard_dir(cache_root, settings), splits_dir(cache_root)
+    # stale temporary files: a shard's or manifest's once its claim is dead, a plan's once old
+    for where, unit_of in ((directory, shard_of), (manifests, manifest_of)):
+        where.mkdir(parents=True, exist_ok=True)
+        remove_stale_temps(where, unit_of, claim_config)
     settings_file = directory / "settings.json"
     if not settings_file.is_file():
         atomic_write_text(settings_file, json.dumps(settings.fingerprint(), indent=2))
-    manifests = splits_dir(cache_root)
-    manifests.mkdir(parents=True, exist_ok=True)
-    remove_stale_temps(manifests, manifest_of, claim_config)  # plans': untouched for the expiry
     manifest = manifests / f"{manifest_key(name or folder, settings)}.json"
     n_workers = workers or min(os.cpu_count() or 1, 8)
 
@@ -216,7 +215,7 @@ def extract_features(
         if marker is not None:
             _check_failures(marker, issues, path_of)
     pending = {
-        key: ShardTask(str(directory), key,
+        key: ShardTask(directory, key,
                        [(u.utt_id, str(u.path), u.segment) for u in utterances[a:b]],
                        settings, len(utterances))
         for key, (a, b) in zip(keys, ranges)

@@ -330,7 +330,7 @@ def plan_shards(utt_ids: Sequence[str], shard_size: int) -> list[tuple[int, int]
 class ShardTask:
     """One shard to extract (picklable: handed to a worker process)."""
 
-    directory: str
+    directory: Path
     key: str
     items: list[tuple[str, str, Segment | None]]  # (utt_id, path, the part of it read)
     settings: ExtractionSettings
@@ -380,8 +380,7 @@ def _featurise(task: ShardTask) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
 def extract_shard(task: ShardTask) -> dict[str, Any]:
     """Extract one shard and write its three files, the commit marker last (the caller holds
     the shard's claim); returns the marker."""
-    directory = Path(task.directory)
-    paths = shard_paths(directory, task.key)
+    paths = shard_paths(task.directory, task.key)
     arrays, marker = _featurise(task)
     try:
         if (done := read_marker(paths.marker)) is not None:  # taken over while this one slept
@@ -402,9 +401,9 @@ def extract_shard(task: ShardTask) -> dict[str, Any]:
             raise
         shard_bytes = sum(a.nbytes for a in arrays.values())
         need = shard_bytes / max(len(task.items), 1) * task.total_utterances
-        free = shutil.disk_usage(directory).free
+        free = shutil.disk_usage(task.directory).free
         raise DataError(
-            directory,
+            task.directory,
             "feature cache device is full",
             f"writing shard {task.key} failed ({e}); {free / 2**20:.0f} MiB free, and "
             f"extracting all {task.total_utterances} utterances needs about "
