@@ -1,8 +1,5 @@
 """Shards on disk: their names, their files' records and commit markers, and extracting one.
 
-    <cache_root>/features/shards/<settings key>/<shard key>.{npy,stats.npy,json}
-    <cache_root>/features/splits/<manifest key>.{npz,json}   (+ .plan.json, .reader marks)
-
 A shard is a content-defined run of a folder's utterances (`plan_shards`), named by the
 settings and its audio's sha256 (`shard_key`). Checksums once: each data file's record (size,
 shape, dtype, sha256, mtime_ns) is taken as it is written, and the json commit marker holding
