@@ -567,7 +567,7 @@ def claim_map(
                     running[submit(fn, items[unit])] = unit
                 except BrokenProcessPool as error:  # a worker died since the last result
                     raise _worker_died(unit, what) from error
-            done, _ = wait(running, return_when=FIRST_COMPLETED)  # none after a wait
+            done, _ = wait(running, return_when=FIRST_COMPLETED)  # at once if none runs
             for future in done:
                 unit = running.pop(future)
                 try:
