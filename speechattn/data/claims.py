@@ -1,5 +1,12 @@
-"""Claims: processes on several hosts share out units of work (cache shards) in one folder;
-`speechattn.data.workshare` drives them over a job. Settings and DDP use: docs/multinode.md.
+"""Claims: processes on several hosts share out units of work (cache shards) in one folder,
+each unit done once, by whoever is free, the others waiting for the rest. Settings and DDP
+use: docs/multinode.md.
+
+    done = lambda shard: (entry / f"{shard}.json").is_file()     # the unit's commit marker
+    for shard in claim_pending(names, entry, done, what="shards"):
+        extract(shard)                       # atomic writes, the marker last
+
+`claim_map` keeps a process pool busy the same way.
 
 A claim is `<claims_dir>/<unit>.claim`, created with O_CREAT|O_EXCL (atomic on local disks and
 NFSv3+), holding the holder's host, pid, start time and a random token. A heartbeat thread
@@ -19,13 +26,17 @@ import secrets
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
+from concurrent.futures.process import BrokenProcessPool
+from contextlib import closing
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from speechattn.data.errors import DataError
-from speechattn.errors import ConfigError
+from speechattn.errors import ConfigError, SpeechattnError
 from speechattn.utils import TEMP_MARK, temp_name
 
 log = logging.getLogger(__name__)
@@ -89,16 +100,27 @@ class ClaimInfo:
     """A claim file as read: what its holder wrote and the file's own state."""
 
     path: Path
-    host: str  # "?" while the claim is being written (or when a crash left it empty)
-    pid: int
-    started: float  # Unix time the claim was made (holder's clock)
-    token: str  # random, unique to one claim: tells "still ours" apart from "taken over"
-    machine: str  # boot id / pid namespace of the holder ("" unknown)
     mtime: float  # last heartbeat (filesystem clock)
     inode: int
+    host: str = "?"  # "?" while the claim is being written (or when a crash left it empty)
+    pid: int = 0
+    started: float = 0.0  # Unix time the claim was made (holder's clock)
+    token: str = ""  # random, unique to one claim: tells "still ours" apart from "taken over"
+    machine: str = ""  # boot id / pid namespace of the holder ("" unknown)
 
     def __str__(self) -> str:
         return f"{self.host} pid {self.pid}"
+
+
+_WRITTEN = {"host": str, "pid": int, "started": float, "token": str, "machine": str}
+
+
+def _record(raw: bytes) -> dict[str, Any]:
+    """What a claim file holds; {} while it is being written (or its writer died meanwhile)."""
+    try:
+        return json.loads(raw)
+    except ValueError:
+        return {}
 
 
 def read_claim(path: Path) -> ClaimInfo | None:
@@ -110,20 +132,9 @@ def read_claim(path: Path) -> ClaimInfo | None:
             raw = f.read(4096)
     except FileNotFoundError:
         return None
-    try:
-        data: dict[str, Any] = json.loads(raw)
-    except ValueError:  # created but not yet written, or its writer died in between
-        data = {}
-    return ClaimInfo(
-        path=Path(path),
-        host=str(data.get("host", "?")),
-        pid=int(data.get("pid", 0)),
-        started=float(data.get("started", 0.0)),
-        token=str(data.get("token", "")),
-        machine=str(data.get("machine", "")),
-        mtime=st.st_mtime,
-        inode=st.st_ino,
-    )
+    data = _record(raw)
+    written = {name: kind(data[name]) for name, kind in _WRITTEN.items() if name in data}
+    return ClaimInfo(Path(path), st.st_mtime, st.st_ino, **written)
 
 
 class ClaimTimeout(DataError):
@@ -159,7 +170,7 @@ class Claims:
         self.config = config or ClaimConfig()
         self.host = host or host_name()
         self.machine = _machine()
-        self._held: dict[str, tuple[Path, str]] = {}  # unit -> (claim file, our token)
+        self._held: dict[str, str] = {}  # unit -> the token of our claim
         self._lock = threading.Lock()  # guards _held against the heartbeat thread
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -167,7 +178,7 @@ class Claims:
 
     def __enter__(self) -> Claims:
         self._thread = threading.Thread(
-            target=self._heartbeat_loop, name="claims-heartbeat", daemon=True
+            target=self._heartbeat, name="claims-heartbeat", daemon=True
         )
         self._thread.start()
         return self
@@ -200,8 +211,7 @@ class Claims:
 
     def holds(self, unit: str) -> bool:
         """Whether this process holds `unit` (False once the heartbeat found it taken over)."""
-        with self._lock:
-            return unit in self._held
+        return self.token(unit) is not None
 
     def now(self) -> float:
         """The shared filesystem's clock: the mtime of a file this process just touched."""
@@ -225,8 +235,7 @@ class Claims:
     def token(self, unit: str) -> str | None:
         """The token of this process's claim of `unit`, None when it holds none."""
         with self._lock:
-            held = self._held.get(unit)
-        return held[1] if held else None
+            return self._held.get(unit)
 
     def live_holder(self, unit: str) -> ClaimInfo | None:
         """Who is working on `unit` now: None when its claim is absent or dead."""
@@ -238,21 +247,20 @@ class Claims:
         False when a live process holds it."""
         if self._thread is None:
             raise RuntimeError("claim inside `with Claims(...)`, which runs the heartbeat")
-        path = self.path(unit)
-        if self._create(unit, path):
+        if self._create(unit):
             return True
-        info = read_claim(path)
+        info = self.holder(unit)
         if info is None:  # released between our attempt and the read: compete once more
-            return self._create(unit, path)
-        return self.is_dead(info) and self._take_over(unit, path, info)
+            return self._create(unit)
+        return self.is_dead(info) and self._take_over(unit, info)
 
     def release(self, unit: str) -> None:
         """Give `unit` up: its claim file is removed only if it is still ours."""
         with self._lock:
-            entry = self._held.pop(unit, None)
-        if entry is None:
+            token = self._held.pop(unit, None)
+        if token is None:
             return
-        path, token = entry
+        path = self.path(unit)
         info = read_claim(path)
         if info is not None and info.token == token:
             path.unlink(missing_ok=True)
@@ -260,7 +268,8 @@ class Claims:
             state = f"now claimed by {info}" if info else "removed"
             log.warning("%s: no longer ours at release (%s)", path, state)
 
-    def _create(self, unit: str, path: Path) -> bool:
+    def _create(self, unit: str) -> bool:
+        path = self.path(unit)
         try:
             fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666)
         except FileExistsError:
@@ -281,21 +290,22 @@ class Claims:
         finally:
             os.close(fd)
         with self._lock:
-            self._held[unit] = (path, token)
+            self._held[unit] = token
         return True
 
-    def _take_over(self, unit: str, path: Path, dead: ClaimInfo) -> bool:
-        """Replace the dead claim `dead` at `path`; exactly one of several racing processes wins:
+    def _take_over(self, unit: str, dead: ClaimInfo) -> bool:
+        """Replace the dead claim `dead` of `unit`; exactly one of several racing processes wins:
         a rename moves one inode once. A later taker moves the winner's fresh claim instead,
         sees it is not the dead one (inode, token or age differ) and puts it back."""
+        path = dead.path
         grave = temp_name(path)
         try:
             os.rename(path, grave)
         except FileNotFoundError:  # released, or moved by a faster taker: compete for it
-            return self._create(unit, path)
+            return self._create(unit)
         moved = read_claim(grave)
         if moved is None:  # our moved file was swept away meanwhile: compete for the free name
-            return self._create(unit, path)
+            return self._create(unit)
         if moved.inode == dead.inode and moved.token == dead.token and self.is_dead(moved):
             grave.unlink(missing_ok=True)
             started = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(dead.started))
@@ -303,7 +313,7 @@ class Claims:
                 "%s: took over the claim of %s (started %s, silent for %.0f s)",
                 path, dead, started, self.now() - dead.mtime,
             )  # fmt: skip
-            return self._create(unit, path)
+            return self._create(unit)
         try:  # a live claim: put it back, unless a new claim filled the name meanwhile
             os.link(grave, path)
         except FileExistsError:
@@ -317,75 +327,51 @@ class Claims:
             grave.unlink(missing_ok=True)
         return False
 
-    def _heartbeat_loop(self) -> None:
+    def _heartbeat(self) -> None:
+        """Every `heartbeat_s`, touch each claim still ours; drop (with a warning) the others."""
         while not self._stop.wait(self.config.heartbeat_s):
-            self._beat()
+            with self._lock:
+                held = list(self._held.items())
+            for unit, token in held:
+                self._beat(unit, token)
 
-    def _beat(self) -> None:
-        """Touch every claim still ours; drop (with a warning) the ones that are not."""
+    def _beat(self, unit: str, token: str) -> None:
+        """Touch our claim of `unit`; forget it (with a warning) when it is ours no more."""
+        path = self.path(unit)
+        try:
+            with open(path, "rb") as f:  # the file read is the one touched
+                if _record(f.read(4096)).get("token") == token:
+                    os.utime(f.fileno())
+                    return
+            why = "another process took its claim over"
+        except FileNotFoundError:
+            why = "its claim file was removed"
+        except OSError as e:  # a filesystem hiccup: try again at the next beat
+            log.warning("%s: heartbeat failed (%s)", path, e)
+            return
         with self._lock:
-            held = list(self._held.items())
-        for unit, (path, token) in held:
-            try:
-                fd = os.open(path, os.O_RDONLY)
-                try:
-                    try:
-                        ours = json.loads(os.read(fd, 4096)).get("token") == token
-                    except ValueError:
-                        ours = False
-                    if ours:
-                        os.utime(fd)
-                finally:
-                    os.close(fd)
-            except FileNotFoundError:
-                self._lost(unit, token, "its claim file was removed")
-                continue
-            except OSError as e:  # a filesystem hiccup: try again at the next beat
-                log.warning("%s: heartbeat failed (%s)", path, e)
-                continue
-            if not ours:
-                self._lost(unit, token, "another process took its claim over")
-
-    def _lost(self, unit: str, token: str, why: str) -> None:
-        with self._lock:
-            if self._held.get(unit, (None, None))[1] != token:
+            if self._held.get(unit) != token:
                 return  # released meanwhile: nothing was lost
             del self._held[unit]
         log.warning(
             "%s: %s (this process was silent for over %.0f s?); it may be done twice",
-            self.path(unit),
-            why,
-            self.config.expiry_s,
-        )
-
-
-def live_claim(
-    claims_dir: str | Path, unit: str, config: ClaimConfig | None = None
-) -> ClaimInfo | None:
-    """`Claims.live_holder` for a process that claims nothing itself (`gc`)."""
-    claims = Claims(claims_dir, config)
-    try:
-        return claims.live_holder(unit)
-    finally:
-        claims.close()
+            path, why, self.config.expiry_s,
+        )  # fmt: skip
 
 
 def remove_stale_temps(
     directory: str | Path,
     unit_of: Callable[[str], str | None],
     config: ClaimConfig | None = None,
-    claims_dir: str | Path | None = None,
 ) -> list[Path]:
     """Delete the temporary files (`utils.atomic_path`) in `directory` that no live process can
     still be writing; returns their paths. `unit_of(target)` names a target file's unit, or
-    None. A unit's files go when its claim (in `claims_dir`, default `directory`) is absent or
-    dead, however fresh, and stay while it is live, however old; files of no unit go when
-    untouched for `expiry_s`.
+    None. A unit's files go when its claim (in `directory`) is absent or dead, however fresh,
+    and stay while it is live, however old; files of no unit go when untouched for `expiry_s`.
     """
     directory = Path(directory)
-    claims = Claims(claims_dir if claims_dir is not None else directory, config)
     removed = []
-    try:  # listed before this process's own clock file exists
+    with closing(Claims(directory, config)) as claims:  # listed before its clock file exists
         for tmp in sorted(directory.glob(f"*{TEMP_MARK}*")):
             unit = unit_of(tmp.name.partition(TEMP_MARK)[0])
             if unit is None:
@@ -398,21 +384,209 @@ def remove_stale_temps(
             if stale:
                 tmp.unlink(missing_ok=True)
                 removed.append(tmp)
-    finally:
-        claims.close()
     if removed:
         log.info("removed %d stale temporary files in %s", len(removed), directory)
     return removed
 
 
-__all__ = [
-    "HOST_ENV",
-    "ClaimConfig",
-    "ClaimInfo",
-    "ClaimTimeout",
-    "Claims",
-    "host_name",
-    "live_claim",
-    "read_claim",
-    "remove_stale_temps",
-]
+T = TypeVar("T")
+R = TypeVar("R")
+
+
+class WorkerDied(SpeechattnError, RuntimeError):
+    """A pool's worker process ended without a result (a signal, the out-of-memory killer)."""
+
+
+class WorkShare(Claims):
+    """One process's share of a job over `claims_dir`: which of `units` it may do next
+    (`claim`, then `finished` for each), then the wait for the units others hold (`wait`).
+    Leaving the `with` block releases what is still held: the next process may take it."""
+
+    def __init__(
+        self,
+        units: Iterable[str],
+        claims_dir: str | Path,
+        is_done: Callable[[str], bool],
+        config: ClaimConfig | None = None,
+        what: str = "units",
+        host: str | None = None,
+    ) -> None:
+        units = list(units)
+        if len(set(units)) != len(units):
+            raise ValueError(f"{what}: unit names must be unique")
+        super().__init__(claims_dir, config, host)
+        self.is_done = is_done
+        self.what = what
+        self._queue = deque(units)  # still to look at, in order
+        self._waiting: list[str] = []  # others held them when last looked at
+        self._last_progress = self._last_log = time.monotonic()
+
+    def claim(self, n: int) -> list[str]:
+        """Up to `n` units claimed for this process, in order, neither done nor held by a live
+        process ([] when none is free now)."""
+        batch: list[str] = []
+        while self._queue and len(batch) < n:
+            unit = self._queue.popleft()
+            if self.is_done(unit):
+                continue
+            if not self.try_claim(unit):
+                self._waiting.append(unit)
+            elif self.is_done(unit):  # its previous holder finished it just before we claimed
+                self.release(unit)
+            else:
+                batch.append(unit)
+        return batch
+
+    def finished(self, unit: str) -> None:
+        """Release `unit`, done here (RuntimeError when `is_done` says it is not: work that
+        ends without its commit would be lost silently)."""
+        if not self.is_done(unit):
+            raise RuntimeError(
+                f"{unit} ({self.what}) was handed out, but is_done({unit!r}) is still False "
+                "when the next ones are asked for: the work must finish it"
+            )
+        self.release(unit)
+        self._last_progress = time.monotonic()
+
+    def wait(self) -> bool:
+        """Call when this process holds nothing and `claim` found nothing: False when every
+        unit is done; else sleeps `poll_s`, queues the units others held for another look and
+        returns True. Logs the holders every `log_every_s`; `ClaimTimeout` when none of their
+        units finished for `wait_timeout_s`."""
+        still = [unit for unit in self._waiting if not self.is_done(unit)]
+        if not still and not self._queue:
+            return False
+        now = time.monotonic()
+        if len(still) < len(self._waiting):
+            self._last_progress = now
+        self._waiting = []
+        config, idle = self.config, now - self._last_progress
+        if idle > config.wait_timeout_s:
+            raise self._timeout(still, idle)
+        if now - self._last_log >= config.log_every_s:
+            log.info(
+                "waiting for %d %s claimed by other processes: %s; none finished for "
+                "%.0f s (gives up after %.0f s)", len(still), self.what, self._by_holder(still),
+                idle, config.wait_timeout_s,
+            )  # fmt: skip
+            self._last_log = now
+        time.sleep(config.poll_s)
+        self._queue.extend(still)
+        return True
+
+    def _by_holder(self, units: list[str], shown: int = 5) -> str:
+        """'node7 pid 1234 (shard-00005, shard-00007), node3 pid 99 (shard-00010)'."""
+        groups: dict[str, list[str]] = {}
+        for unit in units:
+            info = self.holder(unit)
+            groups.setdefault(str(info) if info else "released, not done", []).append(unit)
+        parts = []
+        for holder, names in groups.items():
+            more = f", ... {len(names) - shown} more" if len(names) > shown else ""
+            parts.append(f"{holder} ({', '.join(names[:shown])}{more})")
+        return ", ".join(parts)
+
+    def _timeout(self, units: list[str], waited: float) -> ClaimTimeout:
+        lines = []
+        for unit in units[:10]:
+            info = self.holder(unit)
+            if info is None:
+                lines.append(f"{unit} (claim released, not done)")
+                continue
+            started = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(info.started))
+            lines.append(
+                f"{unit} (claimed by {info} since {started}, last heartbeat "
+                f"{self.now() - info.mtime:.0f} s ago; claim file {info.path})"
+            )
+        if len(units) > 10:
+            lines.append(f"... {len(units) - 10} more")
+        return ClaimTimeout(
+            self.path(units[0]),
+            f"timed out waiting for {self.what} claimed by other processes",
+            f"{len(units)} {self.what} unfinished and none done for {waited:.0f} s: "
+            + "; ".join(lines)
+            + ". Their holders still heartbeat but finish nothing: check those processes, or "
+            "raise data.cache_wait_timeout_s; deleting a claim file frees its unit for the next "
+            "process that looks",
+        )
+
+
+def claim_pending(
+    units: Iterable[str],
+    claims_dir: str | Path,
+    is_done: Callable[[str], bool],
+    config: ClaimConfig | None = None,
+    what: str = "units",
+    host: str | None = None,
+) -> Iterator[str]:
+    """Share `units` with every other process running this over the same `claims_dir`:
+    `for unit in claim_pending(...): do(unit)`.
+
+    Yields the units claimed here, in order, skipping those `is_done` or held by others. Each
+    must be done (else RuntimeError) before the next is asked for; then its claim is released.
+    With nothing left to claim, waits until every unit is done (`WorkShare.wait`); a unit
+    released undone, or whose holder died, is yielded here. Claims still held when the caller
+    stops are released.
+    """
+    with WorkShare(units, claims_dir, is_done, config, what, host) as share:
+        while (claimed := share.claim(1)) or share.wait():
+            for unit in claimed:
+                yield unit
+                share.finished(unit)
+
+
+def claim_map(
+    fn: Callable[[T], R],
+    items: Mapping[str, T],
+    claims_dir: str | Path,
+    is_done: Callable[[str], bool],
+    pool: ProcessPoolExecutor | None = None,
+    workers: int = 1,
+    config: ClaimConfig | None = None,
+    what: str = "units",
+    host: str | None = None,
+) -> Iterator[tuple[str, R]]:
+    """`fn(items[unit])` for each unit (`items`' keys, in order) that no other process running
+    this over `claims_dir` did or does, yielding `(unit, result)` in completion order; then
+    waits for the units others hold, as `claim_pending` does.
+
+    `fn` must make `is_done(unit)` true before it returns. With a `pool`, `workers` units run
+    at a time, a new one claimed as each finishes; without, `fn` runs here. Create the pool
+    first (it forks before the heartbeat thread starts) and consume this in one thread. A
+    failure of `fn` is raised after the claims still held are released (end the pool); a
+    worker process that died, as `WorkerDied`.
+    """
+    if workers < 1:
+        raise ValueError(f"workers must be >= 1, found {workers}")
+    submit, slots = (_run_here, 1) if pool is None else (pool.submit, workers)
+    running: dict[Future, str] = {}  # unit of each future
+    with WorkShare(items, claims_dir, is_done, config, what, host) as share:
+        while (claimed := share.claim(slots - len(running))) or running or share.wait():
+            for unit in claimed:
+                try:
+                    running[submit(fn, items[unit])] = unit
+                except BrokenProcessPool as error:  # a worker died since the last result
+                    raise _worker_died(unit, what) from error
+            done, _ = wait(running, return_when=FIRST_COMPLETED)  # at once if none runs
+            for future in done:
+                unit = running.pop(future)
+                try:
+                    value = future.result()
+                except BrokenProcessPool as error:
+                    raise _worker_died(unit, what) from error
+                share.finished(unit)
+                yield unit, value
+
+
+def _run_here(fn: Callable[[T], R], item: T) -> Future:
+    """`fn(item)` run in this process, as a finished future (its failure raised at once)."""
+    future: Future = Future()
+    future.set_result(fn(item))
+    return future
+
+
+def _worker_died(unit: str, what: str) -> WorkerDied:
+    return WorkerDied(
+        f"a worker process died while working on {what} ({unit} among them), killed by a "
+        "signal or out of memory; nothing it left half-done is used: run again to resume"
+    )

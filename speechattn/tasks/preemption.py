@@ -47,7 +47,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-from speechattn.data.workshare import WorkerDied
+from speechattn.data.claims import WorkerDied
 from speechattn.utils import TEMP_MARK, atomic_path
 
 log = logging.getLogger("speechattn.preemption")

@@ -227,7 +227,7 @@ def test_a_killed_extraction_worker_ends_the_run_promptly_and_a_rerun_finishes(u
     import multiprocessing as mp
     import time
 
-    from speechattn.data.workshare import WorkerDied
+    from speechattn.data.claims import WorkerDied
 
     killed: list[int] = []
 
@@ -260,12 +260,11 @@ def test_a_worker_that_wakes_after_its_shard_was_taken_over_uses_the_other_commi
     import logging
 
     from speechattn.data.cache import shards as shards_module
-    from speechattn.data.cache.integrity import read_marker
 
     directory = _shards(tmp_path)
     directory.mkdir(parents=True)
     task = shards_module.ShardTask(
-        str(directory), "k" * 16, 0, [(u.utt_id, str(u.path), None) for u in utts[:3]], SETTINGS, 3
+        directory, "k" * 16, [(u.utt_id, str(u.path), None) for u in utts[:3]], SETTINGS, 3
     )
     real_save = shards_module.save_npy
 
@@ -279,7 +278,7 @@ def test_a_worker_that_wakes_after_its_shard_was_taken_over_uses_the_other_commi
     committed_by_other = None
     with caplog.at_level(logging.WARNING):
         result = shards_module.extract_shard(task)
-        committed_by_other = read_marker(directory / f"{task.key}.json")
+        committed_by_other = shards_module.read_marker(directory / f"{task.key}.json")
         again = shards_module.extract_shard(task)  # woken before writing: the commit is there
-    assert result.marker == committed_by_other == again.marker
+    assert result == committed_by_other == again
     assert "was finished by another process while this one was stopped" in caplog.text

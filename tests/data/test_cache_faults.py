@@ -17,7 +17,7 @@ import pytest
 import soundfile as sf
 
 from speechattn.data.cache import ExtractionSettings, FeatureStore, open_split
-from speechattn.data.cache.integrity import save_npz
+from speechattn.data.cache.shards import save_npz
 from speechattn.data.errors import DataError
 from speechattn.errors import SpeechattnError
 from speechattn.utils import TEMP_MARK

@@ -204,7 +204,7 @@ def test_a_running_extractions_plan_protects_its_shards_whatever_the_grace(tiny_
     import subprocess
     import sys
 
-    from speechattn.data.cache.layout import plan_path
+    from speechattn.data.cache.shards import plan_path
     from speechattn.data.claims import host_name
 
     cache = tmp_path / "cache"
@@ -242,7 +242,7 @@ def test_a_running_job_keeps_every_shard_it_reads(tiny_corpus, tmp_path):
     import subprocess
     import sys
 
-    from speechattn.data.cache.layout import reader_path
+    from speechattn.data.cache.shards import reader_path
     from speechattn.data.cache.store import register_reader
     from speechattn.data.claims import host_name
 

@@ -24,7 +24,7 @@ from speechattn.data.cache import (
     extract_features,
     open_split,
 )
-from speechattn.data.cache import integrity as integrity_module
+from speechattn.data.cache import shards as shards_module
 from speechattn.data.librispeech import scan_split
 
 SETTINGS = ExtractionSettings()  # float16, as the data modules store features
@@ -126,8 +126,8 @@ def test_a_touched_shard_is_checksummed_once_and_kept(utts, tiny_corpus, tmp_pat
     store = open_split(tiny_corpus, "synth-clean", SETTINGS, tmp_path, progress=False)
     reference = _reference(store)
     hashed = []
-    original = integrity_module.file_sha256
-    monkeypatch.setattr(integrity_module, "file_sha256", lambda p: hashed.append(p) or original(p))
+    original = shards_module.file_sha256
+    monkeypatch.setattr(shards_module, "file_sha256", lambda p: hashed.append(p) or original(p))
     again = open_split(tiny_corpus, "synth-clean", SETTINGS, tmp_path, progress=False)
     _assert_serves(again, reference)
     assert hashed == []  # size + mtime as recorded: no checksum at start-up or on reads
@@ -174,7 +174,7 @@ def test_an_unreadable_manifest_is_rebuilt(utts, tiny_corpus, tmp_path, caplog):
     ],
 )
 def test_full_disk_names_the_cache_and_the_space_needed(utts, tmp_path, monkeypatch, error):
-    original = integrity_module._HashingWriter.write
+    original = shards_module._HashingWriter.write
     written = []
 
     def write(self, data):
@@ -185,7 +185,7 @@ def test_full_disk_names_the_cache_and_the_space_needed(utts, tmp_path, monkeypa
             raise error
         return original(self, data)
 
-    monkeypatch.setattr(integrity_module._HashingWriter, "write", write)
+    monkeypatch.setattr(shards_module._HashingWriter, "write", write)
     with pytest.raises(DataError, match="feature cache device is full") as info:
         _extract(utts, tmp_path)
     directory = next((tmp_path / "features" / "shards").iterdir())
@@ -195,7 +195,7 @@ def test_full_disk_names_the_cache_and_the_space_needed(utts, tmp_path, monkeypa
     done = sorted(p.name for p in directory.glob("*.json") if p.name != "settings.json")
     assert done == sorted(f"{key}.json" for key in written[:2])
     assert not list((tmp_path / "features" / "splits").glob("*[0-9a-f].json"))  # no manifest
-    monkeypatch.setattr(integrity_module._HashingWriter, "write", original)
+    monkeypatch.setattr(shards_module._HashingWriter, "write", original)
     _assert_serves(_extract(utts, tmp_path), _reference(_extract(utts, tmp_path / "clean")))
 
 

@@ -20,10 +20,12 @@ from speechattn.data.claims import (
     ClaimConfig,
     Claims,
     ClaimTimeout,
+    WorkerDied,
+    claim_map,
+    claim_pending,
     read_claim,
     remove_stale_temps,
 )
-from speechattn.data.workshare import WorkerDied, claim_batches, claim_map, claim_pending
 from speechattn.utils import atomic_write_text, temp_name
 
 FAST = ClaimConfig(heartbeat_s=0.05, expiry_s=0.4, wait_timeout_s=20, log_every_s=0.1, poll_s=0.02)
@@ -169,7 +171,7 @@ def test_of_two_processes_that_found_one_dead_claim_only_the_first_takes_it(tmp_
         dead = b.holder("u0")
         assert dead is not None and b.is_dead(dead)  # b's judgement, just before a acts
         assert a.try_claim("u0")
-        assert not b._take_over("u0", b.path("u0"), dead)  # moves a's fresh claim: puts it back
+        assert not b._take_over("u0", dead)  # moves a's fresh claim: puts it back
         assert a.holds("u0") and not b.holds("u0")
         assert read_claim(a.path("u0")).host == "nodeA"
         names = [p.name for p in tmp_path.iterdir() if not p.name.startswith(".clock")]
@@ -203,15 +205,14 @@ def test_the_wait_logs_progress_then_times_out_naming_units_holders_and_claim_fi
     assert _leftovers(tmp_path) == []  # ours released, node9's released by its own exit
 
 
-def test_batches_hold_their_claims_until_done(tmp_path):
+def test_a_unit_holds_its_claim_until_done(tmp_path):
     units = [f"u{i}" for i in range(7)]
-    batches = []
-    for batch in claim_batches(units, tmp_path, _done(tmp_path), 3, FAST):
-        assert sorted(p.name for p in tmp_path.glob("*.claim")) == [f"{u}.claim" for u in batch]
-        batches.append(batch)
-        for unit in batch:
-            _work(tmp_path, unit, "nodeA")
-    assert batches == [units[:3], units[3:6], units[6:]]
+    mine = []
+    for unit in claim_pending(units, tmp_path, _done(tmp_path), FAST):
+        assert sorted(p.name for p in tmp_path.glob("*.claim")) == [f"{unit}.claim"]
+        mine.append(unit)
+        _work(tmp_path, unit, "nodeA")
+    assert mine == units
     assert _leftovers(tmp_path) == []
 
 
@@ -333,3 +334,21 @@ def test_expiry_must_leave_room_for_missed_heartbeats():
         ClaimConfig(heartbeat_s=10, expiry_s=20)
     with pytest.raises(ValueError, match="poll_s must be > 0"):
         ClaimConfig(poll_s=0)
+
+
+def test_the_heartbeat_touches_its_claims_and_gives_up_those_no_longer_ours(tmp_path, caplog):
+    with Claims(tmp_path, FAST, host="nodeA") as claims:
+        assert claims.try_claim("u0") and claims.try_claim("u1") and claims.try_claim("u2")
+        taken = temp_name(claims.path("u0"))
+        taken.write_text('{"host": "nodeB", "pid": 7, "token": "theirs"}')
+        os.replace(taken, claims.path("u0"))  # what a takeover leaves behind
+        claims.path("u1").unlink()
+        for unit in ("u0", "u2"):
+            os.utime(claims.path(unit), (1000, 1000))
+        time.sleep(5 * FAST.heartbeat_s)
+        assert not claims.holds("u0") and not claims.holds("u1") and claims.holds("u2")
+        assert claims.path("u0").stat().st_mtime == 1000  # not ours: never touched
+        assert claims.path("u2").stat().st_mtime > 1000
+    assert "u0.claim: another process took its claim over" in caplog.text
+    assert "u1.claim: its claim file was removed" in caplog.text
+    assert read_claim(tmp_path / "u0.claim").host == "nodeB"

@@ -11,15 +11,15 @@ and start-up cost: docs/cache.md; several processes: docs/multinode.md.
 """
 
 from speechattn.data.cache.extract import extract_features, open_source, open_split
-from speechattn.data.cache.integrity import file_sha256
-from speechattn.data.cache.layout import (
+from speechattn.data.cache.shards import (
     CACHE_VERSION,
     ExtractionSettings,
+    file_sha256,
     manifest_key,
+    plan_shards,
     shard_dir,
     splits_dir,
 )
-from speechattn.data.cache.shards import plan_shards
 from speechattn.data.cache.store import DEFAULT_MAX_OPEN_SHARDS, OPEN_SHARDS, FeatureStore
 
 __all__ = [

@@ -7,7 +7,7 @@ import argparse
 import time
 from pathlib import Path
 
-from speechattn.data.cache.gc import GRACE_S, collect, stale_bytes, survey
+from speechattn.data.cache.gc import GRACE_S, collect, survey
 from speechattn.errors import MissingFileError, add_debug_flag, command_line_errors
 from speechattn.utils import default_cache_root
 
@@ -40,13 +40,13 @@ def ls(cache_root: Path) -> None:
         )
         if m.status == "changed":
             print(f"{'':<10} {len(m.in_use)} of {len(m.shards)} shards still match their files")
-    for plan in s.fresh_plans:
+    for plan in s.plans:
         print(f"extracting: {plan.name} (updated {_ago(plan.stat().st_mtime)})")
     unused = s.unreferenced
     print(f"unreferenced shards: {len(unused)}, {_size(sum(x.bytes for x in unused))}")
     for folder, size, newest in s.old_entries:
         print(f"old layout (v2): {folder}, {_size(size)}, written {_ago(newest)}")
-    print(f"gc would free about {_size(stale_bytes(s))}: python -m speechattn.data.cache gc")
+    print(f"gc would free about {_size(s.stale_bytes)}: python -m speechattn.data.cache gc")
     missing = [m for m in s.manifests if m.status == "missing"]
     if missing:
         size = _size(s.shard_bytes({k for m in missing for k in m.shards}))

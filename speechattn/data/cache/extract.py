@@ -1,7 +1,7 @@
 """Extraction: fingerprint the audio, plan content-defined shards, extract the missing ones in
 parallel (one shard: `shards.py`) and commit the folder's manifest (`extract_features`); and
 the start-up that skips all of it when the source did not change (`open_source`). Processes
-sharing a cache claim each pending shard (`speechattn.data.workshare`): it is extracted once,
+sharing a cache claim each pending shard (`speechattn.data.claims`): it is extracted once,
 and the others wait for it (docs/multinode.md).
 """
 
@@ -18,31 +18,27 @@ from typing import Any
 
 import numpy as np
 
-from speechattn.data.cache.integrity import (
-    file_sha256,
-    invalidate,
-    read_marker,
-    reconcile,
-    save_npz,
-)
-from speechattn.data.cache.layout import (
-    DATA_KINDS,
+from speechattn.data.cache.gc import warn_if_stale
+from speechattn.data.cache.shards import (
     ExtractionSettings,
-    ShardPaths,
+    ShardTask,
+    extract_shard,
+    file_sha256,
+    intact,
+    invalidate,
     manifest_key,
     manifest_of,
+    map_in_processes,
     plan_path,
+    plan_shards,
+    process_pool,
+    read_marker,
+    save_npz,
     shard_dir,
     shard_key,
     shard_of,
+    shard_paths,
     splits_dir,
-)
-from speechattn.data.cache.shards import (
-    ShardTask,
-    extract_shard,
-    map_in_processes,
-    plan_shards,
-    process_pool,
 )
 from speechattn.data.cache.store import (
     DEFAULT_MAX_OPEN_SHARDS,
@@ -52,11 +48,16 @@ from speechattn.data.cache.store import (
     manifest_meta,
     touch,
 )
-from speechattn.data.claims import ClaimConfig, host_name, remove_stale_temps
+from speechattn.data.claims import (
+    ClaimConfig,
+    claim_map,
+    claim_pending,
+    host_name,
+    remove_stale_temps,
+)
 from speechattn.data.corpora import Source, SplitSource
 from speechattn.data.errors import DataError, Issues, Skip
 from speechattn.data.utterances import Utterance
-from speechattn.data.workshare import claim_map, claim_pending
 from speechattn.utils import atomic_write_text, progress_bar
 
 log = logging.getLogger(__name__)
@@ -85,39 +86,35 @@ def fingerprints(
     mtime_ns, ctime_ns): an unchanged corpus, or one renamed within its filesystem, reads
     nothing; a file written since has a new ctime and is hashed again. A file several
     utterances are segments of is hashed once."""
-    found: list[str | None] = [None] * len(utterances)
-    wanted: dict[tuple[str, int, int, int], list[int]] = {}
-    for i, u in enumerate(utterances):
-        wanted.setdefault((_relative(u.path, folder), u.size, u.mtime_ns, u.ctime_ns), []).append(i)
+    stamps = [(_relative(u.path, folder), u.size, u.mtime_ns, u.ctime_ns) for u in utterances]
+    missing = {stamp: str(u.path) for stamp, u in zip(stamps, utterances)}  # stamp -> its file
+    found: dict[tuple[str, int, int, int], str] = {}
     for manifest in manifests:  # the memo: read until nothing is missing
-        if not wanted:
+        if not missing:
             break
         try:
             _, z = load_manifest(manifest)
             with z:
                 rel = [r.decode() for r in z["files_rel"].tolist()]
                 size, mtime, ctime = z["files_size"], z["files_mtime"], z["files_ctime"]
-                stamps = zip(rel, size.tolist(), mtime.tolist(), ctime.tolist())
-                for stamp, h in zip(stamps, z["files_sha"].tolist()):
-                    for i in wanted.pop(stamp, ()):
-                        found[i] = h.decode()
+                memo = zip(rel, size.tolist(), mtime.tolist(), ctime.tolist())
+                for stamp, h in zip(memo, z["files_sha"].tolist()):
+                    if missing.pop(stamp, None) is not None:
+                        found[stamp] = h.decode()
         except (DataError, KeyError, ValueError, OSError):
             continue  # an unreadable manifest (or one without ctimes) is only a lost memo
-    missing = sorted(wanted.values())
     if missing:
         log.info("fingerprinting %d audio files (sha256)", len(missing))
-        paths = [str(utterances[group[0]].path) for group in missing]
+        paths = list(missing.values())
         batches = [paths[j : j + HASH_BATCH] for j in range(0, len(paths), HASH_BATCH)]
+        hashes = []
         with progress_bar(len(paths), "fingerprinting audio", progress) as advance:
-            hashes = []
             with closing(map_in_processes(_hash_files, batches, workers)) as results:
                 for batch in results:
                     hashes += batch
                     advance(len(batch))
-        for group, h in zip(missing, hashes):
-            for i in group:
-                found[i] = h
-    return found  # type: ignore[return-value]
+        found.update(zip(missing, hashes))
+    return [found[stamp] for stamp in stamps]
 
 
 def _check_failures(marker: dict[str, Any], issues: Issues, path_of: dict[str, str]) -> None:
@@ -126,23 +123,6 @@ def _check_failures(marker: dict[str, Any], issues: Issues, path_of: dict[str, s
     if marker["failures"] and issues.on_error == "error":
         f = marker["failures"][0]
         raise DataError(path_of[f["utt_id"]], f["problem"], f["detail"], f["utt_id"])
-
-
-def _intact(paths: ShardPaths, verify: bool) -> dict[str, Any] | None:
-    """A committed shard's marker when both data files are what it records, else None (the
-    damaged file named in a warning, the shard marked for re-extraction)."""
-    marker = read_marker(paths.marker)
-    if marker is None:
-        return None
-    for kind in DATA_KINDS:
-        path = paths.data(kind)
-        record, problem = reconcile(path, marker["files"][kind], paths.marker, kind, verify)
-        if problem:
-            log.warning("feature cache: %s: %s; re-extracting its shard", path, problem)
-            invalidate(paths.marker, path)
-            return None
-        marker["files"][kind] = record
-    return marker
 
 
 def _touch_plan(plan: Path, folder: Path, settings: ExtractionSettings, keys: list[str]) -> None:
@@ -202,15 +182,14 @@ def extract_features(
         folder = Path(os.path.commonpath([str(u.path.parents[2]) for u in utterances]))
     folder = Path(folder)
     claim_config = claim_config or ClaimConfig()
-    directory = shard_dir(cache_root, settings)
-    directory.mkdir(parents=True, exist_ok=True)
-    remove_stale_temps(directory, shard_of, claim_config)  # a shard's: when its claim is dead
+    directory, manifests = shard_dir(cache_root, settings), splits_dir(cache_root)
+    # stale temporary files: a shard's or manifest's once its claim is dead, a plan's once old
+    for where, unit_of in ((directory, shard_of), (manifests, manifest_of)):
+        where.mkdir(parents=True, exist_ok=True)
+        remove_stale_temps(where, unit_of, claim_config)
     settings_file = directory / "settings.json"
     if not settings_file.is_file():
         atomic_write_text(settings_file, json.dumps(settings.fingerprint(), indent=2))
-    manifests = splits_dir(cache_root)
-    manifests.mkdir(parents=True, exist_ok=True)
-    remove_stale_temps(manifests, manifest_of, claim_config)  # plans': untouched for the expiry
     manifest = manifests / f"{manifest_key(name or folder, settings)}.json"
     n_workers = workers or min(os.cpu_count() or 1, 8)
 
@@ -231,16 +210,16 @@ def extract_features(
 
     # 2. what is there already (intact), what needs extracting
     path_of = {u.utt_id: str(u.path) for u in utterances}
-    markers: list[dict[str, Any] | None] = [_intact(ShardPaths(directory, k), verify) for k in keys]
-    for marker in markers:  # a shard done earlier may already hold a bad file: fail now
+    markers = {key: intact(shard_paths(directory, key), verify) for key in keys}
+    for marker in markers.values():  # a shard done earlier may already hold a bad file: fail now
         if marker is not None:
             _check_failures(marker, issues, path_of)
     pending = {
-        key: ShardTask(str(directory), key, i,
+        key: ShardTask(directory, key,
                        [(u.utt_id, str(u.path), u.segment) for u in utterances[a:b]],
                        settings, len(utterances))
-        for i, (key, (a, b), marker) in enumerate(zip(keys, ranges, markers))
-        if marker is None
+        for key, (a, b) in zip(keys, ranges)
+        if markers[key] is None
     }  # fmt: skip
     if pending:
         log.info(
@@ -258,7 +237,7 @@ def extract_features(
 
         def committed(key: str) -> bool:
             """Whether shard `key` is done (by anyone); the bar counts each shard once."""
-            done = read_marker(ShardPaths(directory, key).marker) is not None
+            done = read_marker(shard_paths(directory, key).marker) is not None
             if done and key not in counted:
                 counted.add(key)
                 advance(len(pending[key].items))
@@ -272,27 +251,27 @@ def extract_features(
                     claim_config, "shards",
                 )  # fmt: skip
                 with closing(shards):  # closed: claims released, then the pool ends
-                    for key, result in shards:
-                        OPEN_SHARDS.forget(str(ShardPaths(directory, key).npy))  # replaced file
-                        markers[result.index] = result.marker
-                        _check_failures(result.marker, issues, path_of)
+                    for key, marker in shards:
+                        OPEN_SHARDS.forget(str(shard_paths(directory, key).npy))  # replaced file
+                        markers[key] = marker
+                        _check_failures(marker, issues, path_of)
                         _touch_plan(plan, folder, settings, keys)  # alive: gc keeps its shards
                         if on_shard_done is not None:
-                            on_shard_done(result.index)
-            for key, task in list(pending.items()):
-                if markers[task.index] is None:  # committed by another process
-                    paths = ShardPaths(directory, key)
+                            on_shard_done(keys.index(key))
+            for key in list(pending):
+                if markers[key] is None:  # committed by another process
+                    paths = shard_paths(directory, key)
                     OPEN_SHARDS.forget(str(paths.npy))
-                    markers[task.index] = _intact(paths, verify=False)
-                if markers[task.index] is not None:
-                    _check_failures(markers[task.index], issues, path_of)
+                    markers[key] = intact(paths, verify=False)
+                if markers[key] is not None:
+                    _check_failures(markers[key], issues, path_of)
                     del pending[key]
     if left:
         log.info("%s: done in %.1f s", description, time.perf_counter() - start)
 
     # 4. the folder's manifest (npz, then its json: the commit), then the plan goes. One process
     # writes it, the others wait (a json and an npz of two writers would not match).
-    records = json.loads(json.dumps({k: m["files"] for k, m in zip(keys, markers) if m}))
+    records = json.loads(json.dumps({key: markers[key]["files"] for key in keys}))
 
     def written(unit: str) -> bool:
         """Whether the manifest committed is this one: shards, their files, the listing."""
@@ -303,10 +282,8 @@ def extract_features(
         return (meta["shards"], meta["records"], meta["listing"]) == (keys, records, listing)
 
     for _ in claim_pending([manifest.stem], manifests, written, claim_config, "manifests"):
-        _write_manifest(
-            manifest, folder, settings, utterances, path_of, shas, ranges, keys, markers,
-            listing, scan_skips,
-        )  # fmt: skip
+        _write_manifest(manifest, folder, settings, utterances, shas, ranges, keys, markers,
+                        listing, scan_skips)  # fmt: skip
     touch(manifest)  # used now (`ls`), whoever wrote it
     plan.unlink(missing_ok=True)
     store = FeatureStore(manifest, max_open_shards)
@@ -319,48 +296,33 @@ def _write_manifest(
     folder: Path,
     settings: ExtractionSettings,
     utterances: Sequence[Utterance],
-    path_of: dict[str, str],
     shas: list[str],
     ranges: list[tuple[int, int]],
     keys: list[str],
-    markers: list[dict[str, Any] | None],
+    markers: dict[str, dict[str, Any]],
     listing: str | None,
     scan_skips: Sequence[Skip],
 ) -> None:
-    """The folder's manifest: per-utterance index arrays from the shards' `markers`, the
-    audio files' fingerprints (`shas`, `path_of`: utterance id -> its audio file)."""
-    ids, shard, row, offset, length = [], [], [], [], []
-    failures, notes, records = [], [], {}
-    seconds = 0.0
-    for k, marker in enumerate(markers):
-        assert marker is not None
-        n = len(marker["utt_ids"])
-        lengths = np.asarray(marker["lengths"], dtype=np.int64)
-        ids += marker["utt_ids"]
-        shard.append(np.full(n, k, dtype=np.int32))
-        row.append(np.arange(n, dtype=np.int32))
-        offset.append(np.cumsum(lengths) - lengths)  # first frame of each utterance
-        length.append(lengths)
-        records[keys[k]] = marker["files"]
-        seconds += marker["seconds"]
-        failures += [
-            {**f, "path": path_of[f["utt_id"]], "stage": "audio"} for f in marker["failures"]
-        ]
-        notes += [[u, f"{path_of[u]}: {note}"] for u, note in marker["notes"]]
-    file_shard = np.repeat(np.arange(len(ranges), dtype=np.int32), [b - a for a, b in ranges])
+    """The folder's manifest: per-utterance index arrays from the commit `markers` of its
+    shards (`keys`), the audio files' fingerprints (`shas`)."""
+    path_of = {u.utt_id: str(u.path) for u in utterances}
+    shards = [markers[key] for key in keys]
+    lengths = [np.asarray(m["lengths"], dtype=np.int64) for m in shards]  # per shard: (n,)
     arrays = {
-        "utt_ids": np.array(ids, dtype=str),
-        "shard": np.concatenate(shard),
-        "row": np.concatenate(row),
-        "offset": np.concatenate(offset),
-        "length": np.concatenate(length),
+        "utt_ids": np.array([u for m in shards for u in m["utt_ids"]], dtype=str),
+        "shard": np.repeat(np.arange(len(shards), dtype=np.int32), [len(x) for x in lengths]),
+        "row": np.concatenate([np.arange(len(x), dtype=np.int32) for x in lengths]),
+        "offset": np.concatenate([np.cumsum(x) - x for x in lengths]),  # its first frame
+        "length": np.concatenate(lengths),
         # every audio file (bad ones too): the fingerprint memo, and what `gc` checks
         "files_rel": np.array([_relative(u.path, folder).encode() for u in utterances]),
         "files_size": np.array([u.size for u in utterances], dtype=np.int64),
         "files_mtime": np.array([u.mtime_ns for u in utterances], dtype=np.int64),
         "files_ctime": np.array([u.ctime_ns for u in utterances], dtype=np.int64),
         "files_sha": np.array([h.encode() for h in shas]),
-        "files_shard": file_shard,
+        "files_shard": np.repeat(
+            np.arange(len(ranges), dtype=np.int32), [b - a for a, b in ranges]
+        ),
     }
     meta = {
         "version": 3,
@@ -368,17 +330,21 @@ def _write_manifest(
         "settings_key": settings.key,
         "settings": settings.fingerprint(),
         "listing": listing,
-        "utterances": len(ids),
+        "utterances": len(arrays["utt_ids"]),
         "audio_files": len(utterances),
-        "frames": int(sum(int(a.sum()) for a in length)),
-        "audio_seconds": seconds,
+        "frames": int(arrays["length"].sum()),
+        "audio_seconds": sum(m["seconds"] for m in shards),
         "feature_dim": settings.features.dim,
         "dtype": settings.dtype,
         "shards": keys,
-        "records": records,
-        "failures": failures,
+        "records": {key: markers[key]["files"] for key in keys},
+        "failures": [
+            {**f, "path": path_of[f["utt_id"]], "stage": "audio"}
+            for m in shards
+            for f in m["failures"]
+        ],
         "scan_skips": [vars(s) for s in scan_skips],
-        "notes": notes,
+        "notes": [[u, f"{path_of[u]}: {note}"] for m in shards for u, note in m["notes"]],
         "npz": save_npz(manifest.with_suffix(".npz"), arrays),
         "created": time.time(),
     }
@@ -446,8 +412,6 @@ def open_source(
             name=listing.name, listing=listing.digest, scan_skips=issues.skips[before:],
             max_open_shards=max_open_shards, claim_config=claim_config,
         )  # fmt: skip
-    from speechattn.data.cache.gc import warn_if_stale
-
     warn_if_stale(cache_root)
     return store
 
@@ -468,7 +432,7 @@ def _warm_store(manifest: Path, listing: str, max_open_shards: int) -> FeatureSt
     damaged = store.check()
     for k, path, problem in damaged:
         log.warning("feature cache: %s: %s; re-extracting its shard", path, problem)
-        invalidate(store.paths(k).marker, path)
+        invalidate(store.paths(k), path)
         OPEN_SHARDS.forget(str(store.paths(k).npy))
     if damaged:
         return None

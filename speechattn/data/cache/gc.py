@@ -2,7 +2,7 @@
 
 A manifest is live, changed, missing or stale; `gc` removes stale manifests and the shards
 only they used, never a file younger than the grace period, a shard with a live claim
-(`claims.live_claim`), one an extraction in progress plans for, or one a running job reads.
+(`Claims.live_holder`), one an extraction in progress plans for, or one a running job reads.
 The rules in full: docs/cache.md, "Listing and cleaning".
 """
 
@@ -13,20 +13,22 @@ import logging
 import os
 import shutil
 import time
+from contextlib import closing
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
-from speechattn.data.cache.layout import OLD_ENTRY_RE, features_root, file_host, owner
+from speechattn.data.cache.shards import OLD_ENTRY_RE, features_root, file_host, owner
 from speechattn.data.cache.store import load_manifest
-from speechattn.data.claims import CLAIM_SUFFIX, ClaimConfig, host_name, live_claim, pid_alive
+from speechattn.data.claims import CLAIM_SUFFIX, ClaimConfig, Claims, host_name, pid_alive
 from speechattn.data.errors import DataError
 from speechattn.utils import TEMP_MARK
 
 log = logging.getLogger(__name__)
 
 GRACE_S = 6 * 3600.0  # younger files may belong to an extraction in progress: never removed
+FOREIGN_READER_S = 24 * 3600.0  # a reader mark of another host counts as live this long
 STALE_WARN_BYTES = 1 << 30  # log a hint when unused cache exceeds 1 GiB ...
 STALE_WARN_SHARE = 0.10  # ... or 10 % of the feature cache
 _WARNED: set[str] = set()  # cache roots already looked at by this process
@@ -62,11 +64,10 @@ class Survey:
     root: Path
     manifests: list[ManifestInfo]
     shards: dict[tuple[str, str], ShardFiles]  # (settings key, shard key) -> files
-    fresh_plans: list[Path]
-    stale_plans: list[Path]
-    dead_readers: list[Path]  # reader marks of processes that are gone (`layout.reader_path`)
+    plans: list[Path]  # of extractions in progress
+    dead_marks: list[Path]  # plans and reader marks of processes that are gone
     old_entries: list[tuple[Path, int, float]]  # (folder, bytes, newest mtime)
-    protected: set[str]  # shard keys in use by a live/changed manifest or a fresh plan
+    protected: set[str]  # shard keys in use by a live/changed manifest, a plan or a reader
 
     def shard_bytes(self, keys: set[str]) -> int:
         return sum(s.bytes for (_, k), s in self.shards.items() if k in keys)
@@ -76,21 +77,23 @@ class Survey:
         return [s for (_, k), s in self.shards.items() if k not in self.protected]
 
     @property
+    def stale_bytes(self) -> int:
+        """Bytes that `gc` could free (ignoring the grace period)."""
+        return sum(s.bytes for s in self.unreferenced) + sum(b for _, b, _ in self.old_entries)
+
+    @property
     def total_bytes(self) -> int:
         return sum(s.bytes for s in self.shards.values()) + sum(b for _, b, _ in self.old_entries)
 
 
 def _shard_files(features: Path) -> dict[tuple[str, str], ShardFiles]:
     shards: dict[tuple[str, str], ShardFiles] = {}
-    for settings_dir in sorted((features / "shards").glob("*")):
-        if not settings_dir.is_dir():
-            continue
+    for settings_dir in sorted(p for p in (features / "shards").glob("*") if p.is_dir()):
         with os.scandir(settings_dir) as entries:
             for entry in entries:
-                key = entry.name.split(".", 1)[0]
                 if entry.name == "settings.json" or not entry.is_file():
                     continue
-                st = entry.stat()
+                st, key = entry.stat(), entry.name.split(".", 1)[0]
                 item = shards.setdefault((settings_dir.name, key), ShardFiles(settings_dir, key))
                 item.files.append(Path(entry.path))
                 item.bytes += st.st_size
@@ -103,7 +106,8 @@ def _old_entries(features: Path) -> list[tuple[Path, int, float]]:
     for entry in sorted(features.glob("*")):
         if entry.is_dir() and OLD_ENTRY_RE.match(entry.name):
             stats = [p.stat() for p in entry.rglob("*") if p.is_file()]
-            out.append((entry, sum(s.st_size for s in stats), max((s.st_mtime for s in stats), default=0)))  # fmt: skip
+            newest = max((s.st_mtime for s in stats), default=0)
+            out.append((entry, sum(s.st_size for s in stats), newest))
     return out
 
 
@@ -122,7 +126,22 @@ def _files_in_use(meta: dict, z, folder: Path) -> set[str]:
     return {key for key, bad in zip(keys, broken) if not bad}
 
 
-FOREIGN_READER_S = 24 * 3600.0  # a reader mark of another host counts as live this long
+def _manifest_info(path: Path, check_files: bool, forget_missing: bool) -> ManifestInfo:
+    try:
+        meta, z = load_manifest(path)
+    except DataError:
+        return ManifestInfo(path, "?", False, 0, [], set(), path.stat().st_mtime, "unreadable")
+    folder, keys = Path(meta["folder"]), meta["shards"]
+    exists = folder.is_dir()
+    with z:
+        if not exists:  # a folder that may come back keeps its shards unless forgotten
+            in_use: set[str] = set() if forget_missing else set(keys)
+            status = "stale" if forget_missing else "missing"
+        else:
+            in_use = _files_in_use(meta, z, folder) if check_files else set(keys)
+            status = "live" if in_use == set(keys) else "changed" if in_use else "stale"
+    return ManifestInfo(path, meta["folder"], exists, meta["utterances"], keys, in_use,
+                        path.stat().st_mtime, status)  # fmt: skip
 
 
 def owner_running(path: Path, younger_than: float) -> bool:
@@ -146,60 +165,40 @@ def survey(
     whether each manifest's folder exists, without a stat per audio file; `forget_missing`
     counts a manifest whose folder is not there as stale, not missing."""
     features = features_root(cache_root)
-    shards = _shard_files(features)
-    manifests, protected = [], set()
     splits = features / "splits"
-    fresh_plans, stale_plans = [], []
+    manifests = [
+        _manifest_info(path, check_files, forget_missing)
+        for path in sorted(splits.glob("*.json"))
+        if not path.name.endswith(".plan.json")
+    ]
+    protected = set().union(*(m.in_use for m in manifests))
+    shards_of = {m.path.stem: m.shards for m in manifests}
+    plans, dead_marks = [], []
     plan_live_s = max(grace_s, (claim_config or ClaimConfig()).expiry_s)  # touched every shard
-    for plan in sorted(splits.glob("*.plan.json")):
+    # a running job reading a manifest keeps all of its shards, changed or missing corpus alike
+    reader_live_s = max(grace_s, FOREIGN_READER_S)
+    for mark in sorted([*splits.glob("*.plan.json"), *splits.glob("*.reader")]):
+        plan = mark.name.endswith(".plan.json")
         try:
-            if owner_running(plan, plan_live_s):
-                protected.update(json.loads(plan.read_text())["shards"])
-                fresh_plans.append(plan)
+            if not owner_running(mark, plan_live_s if plan else reader_live_s):
+                dead_marks.append(mark)
+            elif plan:
+                protected.update(json.loads(mark.read_text())["shards"])
+                plans.append(mark)
             else:
-                stale_plans.append(plan)
+                protected.update(shards_of.get(mark.name.split(".", 1)[0], []))
         except (OSError, ValueError, KeyError):
             continue
-    for path in sorted(p for p in splits.glob("*.json") if not p.name.endswith(".plan.json")):
-        try:
-            meta, z = load_manifest(path)
-        except DataError:
-            last = path.stat().st_mtime
-            manifests.append(ManifestInfo(path, "?", False, 0, [], set(), last, "unreadable"))
-            continue
-        folder = Path(meta["folder"])
-        exists = folder.is_dir()
-        with z:
-            if not exists:  # a folder that may come back keeps its shards unless forgotten
-                in_use: set[str] = set() if forget_missing else set(meta["shards"])
-                status = "stale" if forget_missing else "missing"
-            else:
-                in_use = _files_in_use(meta, z, folder) if check_files else set(meta["shards"])
-                status = (
-                    "live" if in_use == set(meta["shards"]) else "changed" if in_use else "stale"
-                )
-        manifests.append(ManifestInfo(path, meta["folder"], exists, meta["utterances"],
-                                      meta["shards"], in_use, path.stat().st_mtime, status))  # fmt: skip
-        protected |= in_use
-    # a running job reading a manifest keeps all of its shards, changed or missing corpus alike
-    shards_of = {m.path.stem: m.shards for m in manifests}
-    dead_readers = []
-    for mark in sorted(splits.glob("*.reader")):
-        try:
-            if owner_running(mark, max(grace_s, FOREIGN_READER_S)):
-                protected.update(shards_of.get(mark.name.split(".", 1)[0], []))
-            else:
-                dead_readers.append(mark)
-        except OSError:
-            continue
-    return Survey(features, manifests, shards, fresh_plans, stale_plans,
-                  dead_readers, _old_entries(features), protected)  # fmt: skip
+    return Survey(features, manifests, _shard_files(features), plans, dead_marks,
+                  _old_entries(features), protected)  # fmt: skip
 
 
 def _claimed(shard: ShardFiles, claim_config: ClaimConfig | None) -> bool:
     """Whether a live process holds the shard's claim (someone is extracting it)."""
-    claim = shard.directory / f"{shard.key}{CLAIM_SUFFIX}"
-    return claim in shard.files and live_claim(shard.directory, shard.key, claim_config) is not None
+    if shard.directory / f"{shard.key}{CLAIM_SUFFIX}" not in shard.files:
+        return False
+    with closing(Claims(shard.directory, claim_config)) as claims:  # no heartbeat: claims nothing
+        return claims.live_holder(shard.key) is not None
 
 
 def _older(path: Path, grace_s: float, now: float) -> bool:
@@ -224,34 +223,30 @@ def collect(
     now = time.time()
     removed = {"manifests": [], "shards": [], "old_entries": [], "temp_files": [], "bytes": 0,
                "kept": 0}  # fmt: skip
+
+    def remove(*paths: Path) -> None:
+        if not dry_run:
+            for path in paths:
+                path.unlink(missing_ok=True)
+
     for m in s.manifests:
         if m.status in ("stale", "unreadable") and now - m.last_used >= grace_s:
             removed["manifests"].append(m.path)
-            if not dry_run:
-                m.path.unlink(missing_ok=True)  # the json (commit marker) first
-                m.path.with_suffix(".npz").unlink(missing_ok=True)
-    for mark in s.stale_plans + s.dead_readers:
-        if not dry_run:
-            mark.unlink(missing_ok=True)
+            remove(m.path, m.path.with_suffix(".npz"))  # the json (commit marker) first
+    remove(*s.dead_marks)
     for shard in s.shards.values():  # debris of killed writers, even beside a used shard
         old = [f for f in shard.files if TEMP_MARK in f.name and _older(f, grace_s, now)]
-        if not old or shard.key not in s.protected or _claimed(shard, claim_config):
-            continue
-        for f in old:
-            removed["temp_files"].append(f)
-            if not dry_run:
-                f.unlink(missing_ok=True)
+        if old and shard.key in s.protected and not _claimed(shard, claim_config):
+            removed["temp_files"] += old
+            remove(*old)
     for shard in s.unreferenced:
         if now - shard.newest < grace_s or _claimed(shard, claim_config):
             removed["kept"] += 1
             continue
         removed["shards"].append(shard.key)
         removed["bytes"] += shard.bytes
-        if not dry_run:
-            marker = shard.directory / f"{shard.key}.json"
-            marker.unlink(missing_ok=True)  # uncommitted first: never a marker without data
-            for f in shard.files:
-                f.unlink(missing_ok=True)
+        # uncommitted first: never a marker without data
+        remove(shard.directory / f"{shard.key}.json", *shard.files)
     for folder, size, newest in s.old_entries:
         if now - newest < grace_s:
             removed["kept"] += 1
@@ -261,11 +256,6 @@ def collect(
         if not dry_run:
             shutil.rmtree(folder, ignore_errors=True)
     return removed
-
-
-def stale_bytes(s: Survey) -> int:
-    """Bytes that `gc` could free (ignoring the grace period)."""
-    return sum(x.bytes for x in s.unreferenced) + sum(b for _, b, _ in s.old_entries)
 
 
 def warn_if_stale(cache_root: str | Path) -> None:
@@ -279,7 +269,7 @@ def warn_if_stale(cache_root: str | Path) -> None:
         s = survey(root, check_files=False, forget_missing=True)
     except OSError:
         return
-    stale, total = stale_bytes(s), s.total_bytes
+    stale, total = s.stale_bytes, s.total_bytes
     if stale and (stale >= STALE_WARN_BYTES or stale >= STALE_WARN_SHARE * total):
         missing = any(not m.exists for m in s.manifests)
         log.warning(

@@ -1,11 +1,23 @@
-"""Shards: cutting a folder's utterances into shards (`plan_shards`), and extracting one shard
-into its three files (`extract_shard`, in the process pool of `extract.py`)."""
+"""Shards on disk: their names, their files' records and commit markers, and extracting one.
+
+A shard is a content-defined run of a folder's utterances (`plan_shards`), named by the
+settings and its audio's sha256 (`shard_key`). Checksums once: each data file's record (size,
+shape, dtype, sha256, mtime_ns) is taken as it is written, and the json commit marker holding
+the records is written last (`extract_shard`, in the process pool of `extract.py`). Later a
+size + mtime match is trusted; only a file whose size or mtime moved is checksummed
+(`reconcile`). The marker is the source of truth; every manifest that uses the shard holds a
+copy of its records. Layout: docs/cache.md, "Layout".
+"""
 
 from __future__ import annotations
 
 import hashlib
+import io
+import json
 import logging
 import multiprocessing as mp
+import os
+import re
 import shutil
 import sys
 from collections.abc import Callable, Iterator, Sequence
@@ -13,21 +25,281 @@ from concurrent.futures import ProcessPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
 from speechattn.data.audio import load_audio
-from speechattn.data.cache.integrity import read_marker, save_npy, write_marker
-from speechattn.data.cache.layout import DATA_KINDS, ExtractionSettings, ShardPaths
 from speechattn.data.errors import DataError
-from speechattn.data.features import cached_log_mel, min_samples_for
+from speechattn.data.features import FeatureConfig, cached_log_mel, min_samples_for
 from speechattn.data.utterances import Segment
-from speechattn.utils import init_pool_worker, out_of_space
+from speechattn.utils import atomic_path, atomic_write_text, digest, init_pool_worker, out_of_space
 
 log = logging.getLogger(__name__)
 
+# 3: content-addressed shards shared by every corpus folder, per-folder manifests
+CACHE_VERSION = 3
 MAX_SHARD_FACTOR = 3  # a shard holds at most this many times `shard_size` utterances
+OLD_ENTRY_RE = re.compile(r"^[0-9a-f]{16}$")  # a version-2 entry: features/<key>/
+DATA_KINDS = ("npy", "stats")  # a shard's two data files, as named in the records
+Record = dict[str, Any]  # size, shape, dtype, sha256, mtime_ns
+
+
+@dataclass(frozen=True)
+class ExtractionSettings:
+    """Everything that changes what gets cached."""
+
+    features: FeatureConfig = FeatureConfig()
+    sample_rate_policy: str = "resample"
+    min_frames: int = 1
+    dtype: str = "float16"
+
+    def fingerprint(self) -> dict[str, Any]:
+        return {
+            "cache_version": CACHE_VERSION,
+            **self.features.fingerprint(),
+            "sample_rate_policy": self.sample_rate_policy,
+            "min_frames": self.min_frames,
+            "dtype": self.dtype,
+        }
+
+    @property
+    def key(self) -> str:
+        """16 hex digits naming the folder of every shard extracted with these settings."""
+        return digest(self.fingerprint())
+
+
+def features_root(cache_root: str | Path) -> Path:
+    return Path(cache_root).expanduser() / "features"
+
+
+def shard_dir(cache_root: str | Path, settings: ExtractionSettings) -> Path:
+    return features_root(cache_root) / "shards" / settings.key
+
+
+def splits_dir(cache_root: str | Path) -> Path:
+    return features_root(cache_root) / "splits"
+
+
+def manifest_key(folder: str | Path, settings: ExtractionSettings) -> str:
+    """A corpus folder's manifest name: its absolute path and the settings (16 hex digits)."""
+    return digest({"folder": str(folder), "settings": settings.key})
+
+
+def shard_key(settings: ExtractionSettings, members: list[tuple[str, int, str]]) -> str:
+    """A shard's name: the settings and its utterances' (id, size, sha256) -- 32 hex digits.
+    The same audio under the same ids gives the same shard wherever the corpus lives."""
+    lines = (f"{utt_id}\t{size}\t{sha}\n" for utt_id, size, sha in members)
+    return digest(settings.fingerprint(), lines, length=32)
+
+
+class ShardPaths(NamedTuple):
+    """The three files of one shard; the data files are named as in `DATA_KINDS`."""
+
+    npy: Path  # (frames, F) features
+    stats: Path  # (utterances, 2, F) sums and sums of squares
+    marker: Path  # the json commit marker
+
+
+def shard_paths(directory: Path, key: str) -> ShardPaths:
+    return ShardPaths(*(directory / f"{key}.{end}" for end in ("npy", "stats.npy", "json")))
+
+
+def shard_of(name: str) -> str | None:
+    """The shard key of a settings folder's file (`<key>.npy`, `.stats.npy`, `.json`, `.claim`,
+    their temporary names); None for the others (`settings.json`, a claims clock file)."""
+    key = name.split(".", 1)[0]
+    return key if re.fullmatch(r"[0-9a-f]{32}", key) else None
+
+
+def manifest_of(name: str) -> str | None:
+    """The manifest key of a splits folder's file (`<key>.json`, `<key>.npz`, their temporary
+    names); None for the others (plans, a claims clock file)."""
+    key, _, rest = name.partition(".")
+    return key if re.fullmatch(r"[0-9a-f]{16}", key) and rest in ("json", "npz") else None
+
+
+def file_host(host: str) -> str:
+    """A host name as it appears in a file name, whatever $SPEECHATTN_HOST holds."""
+    return re.sub(r"[^A-Za-z0-9_.-]", "_", host)
+
+
+def plan_path(manifest: Path, host: str, pid: int) -> Path:
+    """The plan of one process's extraction for a manifest (`gc` keeps its shards)."""
+    return manifest.with_name(f"{manifest.stem}.{file_host(host)}-{pid}.plan.json")
+
+
+def reader_path(manifest: Path, host: str, pid: int) -> Path:
+    """The mark of one process reading a manifest's shards (`gc` keeps them)."""
+    return manifest.with_name(f"{manifest.stem}.{file_host(host)}-{pid}.reader")
+
+
+def owner(path: Path) -> tuple[str, int] | None:
+    """(host as in file names, pid) of the process a plan or reader file belongs to, or None
+    for a name `plan_path` / `reader_path` did not make."""
+    found = re.fullmatch(r"[^.]+\.(.+)-(\d+)\.(?:plan\.json|reader)", path.name)
+    return (found.group(1), int(found.group(2))) if found else None
+
+
+def file_sha256(path: str | Path) -> str:
+    """Hex sha256 of a file's bytes."""
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+class _HashingWriter:
+    """A binary file that hashes what is written (np.save then streams through `write`)."""
+
+    def __init__(self, f: Any) -> None:
+        self.f, self.sha256, self.size = f, hashlib.sha256(), 0
+
+    def write(self, data: bytes) -> int:
+        self.sha256.update(data)
+        self.size += len(data)
+        return self.f.write(data)
+
+
+def save_npy(path: Path, array: np.ndarray) -> Record:
+    """Write `array` as `path` atomically; returns its record, the checksum computed from the
+    bytes as they are written."""
+    with atomic_path(path) as tmp:
+        with open(tmp, "wb") as f:
+            out = _HashingWriter(f)
+            np.save(out, array)
+        mtime_ns = os.stat(tmp).st_mtime_ns  # a rename keeps it
+    return {"size": out.size, "shape": list(array.shape), "dtype": array.dtype.str,
+            "sha256": out.sha256.hexdigest(), "mtime_ns": mtime_ns}  # fmt: skip
+
+
+def save_npz(path: Path, arrays: dict[str, np.ndarray]) -> dict[str, int]:
+    """Write `arrays` as an uncompressed `path` atomically; returns its size and mtime_ns."""
+    with atomic_path(path) as tmp:
+        with open(tmp, "wb") as f:
+            np.savez(f, **arrays)
+        st = os.stat(tmp)
+    return {"size": st.st_size, "mtime_ns": st.st_mtime_ns}
+
+
+def same_stat(st: os.stat_result, record: Record) -> bool:
+    return st.st_size == record["size"] and st.st_mtime_ns == record["mtime_ns"]
+
+
+def parse_header(head: bytes, record: Record) -> tuple[int, str | None]:
+    """(offset of the array data, None) when `head` (a .npy file's first bytes) describes the
+    recorded shape and dtype, else (0, what is wrong)."""
+    f = io.BytesIO(head)
+    try:
+        version = np.lib.format.read_magic(f)
+        read = np.lib.format.read_array_header_1_0
+        if version != (1, 0):
+            read = np.lib.format.read_array_header_2_0
+        shape, fortran, dtype = read(f)
+    except Exception as e:  # ValueError, SyntaxError, tokenize.TokenError, ... from a bad header
+        return 0, f"damaged .npy header ({type(e).__name__}: {str(e)[:80]})"
+    if list(shape) != list(record["shape"]) or dtype.str != record["dtype"] or fortran:
+        expected = f"{record['dtype']} {record['shape']}"
+        return 0, f"header says {dtype.str} {list(shape)}, expected {expected}"
+    return f.tell(), None
+
+
+def read_marker(path: Path) -> dict[str, Any] | None:
+    """A shard's commit marker, or None when the shard is not committed: no marker, or a
+    damaged one (empty, garbled or inconsistent), removed with a warning so the shard is
+    re-extracted. Other errors (EMFILE, EACCES, EIO) are raised."""
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        return None
+    try:
+        marker = json.loads(raw)
+        problem = _marker_problem(marker)
+    except ValueError as e:  # UnicodeDecodeError too
+        problem = f"not JSON: {str(e)[:80]}"
+    if problem is None:
+        return marker
+    log.warning("%s: damaged commit record (%s); re-extracting its shard", path, problem)
+    path.unlink(missing_ok=True)
+    return None
+
+
+def _marker_problem(marker: Any) -> str | None:
+    """What is wrong with a parsed commit marker (`extract_shard` writes it), or None."""
+    try:
+        files, ids, lengths = marker["files"], marker["utt_ids"], marker["lengths"]
+        records = [files[kind] for kind in DATA_KINDS]
+        for record in records:
+            for field in ("size", "mtime_ns", "sha256", "dtype", "shape"):
+                record[field]
+        list(marker["failures"]), list(marker["notes"]), float(marker["seconds"])
+        if not (isinstance(ids, list) and isinstance(lengths, list) and len(ids) == len(lengths)):
+            return "utterance ids and lengths do not pair up"
+        if records[1]["shape"][:1] != [len(ids)] or records[0]["shape"][:1] != [sum(lengths)]:
+            return f"{len(ids)} utterances of {sum(lengths)} frames, files of other shapes"
+    except (KeyError, TypeError, IndexError, ValueError) as e:
+        return f"{type(e).__name__}: {str(e)[:80]}"
+    return None
+
+
+def reconcile(
+    paths: ShardPaths, kind: str, cached: Record | None, verify: bool
+) -> tuple[Record | None, str | None]:
+    """Is the shard's data file `kind` ("npy" or "stats") what was written? Returns (its
+    current record, None) or (None, problem).
+
+    A stat matching `cached` (a manifest's copy) or the marker is trusted; a size match under
+    another mtime is checksummed, and when the bytes match the marker records the new mtime.
+    `verify` checksums in every case.
+    """
+    path = getattr(paths, kind)
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:  # other errors (EACCES, EIO) say nothing about the bytes: raised
+        return None, "missing"
+    if not verify and cached is not None and same_stat(st, cached):
+        return cached, None
+    marker = read_marker(paths.marker)
+    if marker is None:
+        return None, f"its commit marker {paths.marker.name} is missing (not fully extracted)"
+    record = marker["files"][kind]
+    if not verify and same_stat(st, record):
+        return record, None
+    if st.st_size != record["size"]:
+        return None, f"{st.st_size} bytes instead of {record['size']} (truncated or overwritten)"
+    if file_sha256(path) != record["sha256"]:
+        return None, "checksum mismatch: its bytes changed after extraction"
+    if st.st_mtime_ns != record["mtime_ns"]:  # same bytes, new mtime: remember it
+        record = {**record, "mtime_ns": st.st_mtime_ns}
+        marker["files"][kind] = record
+        try:
+            atomic_write_text(paths.marker, json.dumps(marker))
+        except OSError:
+            pass  # a read-only cache: this file is checksummed again next time, nothing worse
+    return record, None
+
+
+def invalidate(paths: ShardPaths, damaged: Path | None = None) -> None:
+    """Mark a shard as not extracted (its commit marker goes first) and delete a damaged file,
+    so every manifest that uses the shard finds it missing and has it re-extracted."""
+    paths.marker.unlink(missing_ok=True)
+    if damaged is not None:
+        damaged.unlink(missing_ok=True)
+
+
+def intact(paths: ShardPaths, verify: bool) -> dict[str, Any] | None:
+    """A committed shard's marker when both data files are what it records, else None (the
+    damaged file named in a warning, the shard marked for re-extraction)."""
+    marker = read_marker(paths.marker)
+    if marker is None:
+        return None
+    for kind in DATA_KINDS:
+        record, problem = reconcile(paths, kind, marker["files"][kind], verify)
+        if problem:
+            path = getattr(paths, kind)
+            log.warning("feature cache: %s: %s; re-extracting its shard", path, problem)
+            invalidate(paths, path)
+            return None
+        marker["files"][kind] = record
+    return marker
 
 
 def _boundary(utt_id: str, shard_size: int) -> bool:
@@ -55,20 +327,11 @@ def plan_shards(utt_ids: Sequence[str], shard_size: int) -> list[tuple[int, int]
 class ShardTask:
     """One shard to extract (picklable: handed to a worker process)."""
 
-    directory: str
+    directory: Path
     key: str
-    index: int  # position in this extraction's plan (what `on_shard_done` receives)
     items: list[tuple[str, str, Segment | None]]  # (utt_id, path, the part of it read)
     settings: ExtractionSettings
     total_utterances: int  # of the whole extraction, to estimate the space it needs
-
-
-@dataclass
-class ShardResult:
-    """A committed shard: its position in the plan and the commit marker written."""
-
-    index: int
-    marker: dict[str, Any]
 
 
 def _featurise(task: ShardTask) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
@@ -111,16 +374,18 @@ def _featurise(task: ShardTask) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
     return arrays, marker
 
 
-def extract_shard(task: ShardTask) -> ShardResult:
+def extract_shard(task: ShardTask) -> dict[str, Any]:
     """Extract one shard and write its three files, the commit marker last (the caller holds
-    the shard's claim)."""
-    paths = ShardPaths(Path(task.directory), task.key)
+    the shard's claim); returns the marker."""
+    paths = shard_paths(task.directory, task.key)
     arrays, marker = _featurise(task)
     try:
         if (done := read_marker(paths.marker)) is not None:  # taken over while this one slept
             return _finished_elsewhere(task, done)
-        marker["files"] = {kind: save_npy(paths.data(kind), arrays[kind]) for kind in DATA_KINDS}
-        write_marker(paths.marker, marker)  # commit
+        marker["files"] = {
+            kind: save_npy(getattr(paths, kind), arrays[kind]) for kind in DATA_KINDS
+        }
+        atomic_write_text(paths.marker, json.dumps(marker))  # commit
     except FileNotFoundError:
         # our temporary file went: another process took the claim over (this one was stopped
         # past the claims' expiry) and cleaned up; its commit stands, ours is not needed
@@ -133,26 +398,26 @@ def extract_shard(task: ShardTask) -> ShardResult:
             raise
         shard_bytes = sum(a.nbytes for a in arrays.values())
         need = shard_bytes / max(len(task.items), 1) * task.total_utterances
-        free = shutil.disk_usage(paths.directory).free
+        free = shutil.disk_usage(task.directory).free
         raise DataError(
-            paths.directory,
+            task.directory,
             "feature cache device is full",
             f"writing shard {task.key} failed ({e}); {free / 2**20:.0f} MiB free, and "
             f"extracting all {task.total_utterances} utterances needs about "
             f"{need / 2**20:.0f} MiB. Free space there or set data.cache_dir to another "
             f"disk; finished shards are kept and nothing half-written is used",
         ) from None
-    return ShardResult(task.index, marker)
+    return marker
 
 
-def _finished_elsewhere(task: ShardTask, marker: dict[str, Any]) -> ShardResult:
-    """The result of a shard another process committed while this one was stopped."""
+def _finished_elsewhere(task: ShardTask, marker: dict[str, Any]) -> dict[str, Any]:
+    """The marker of a shard another process committed while this one was stopped."""
     log.warning(
         "shard %s was finished by another process while this one was stopped (its claim "
         "expired and was taken over); this process uses that result and writes nothing",
         task.key,
     )
-    return ShardResult(task.index, marker)
+    return marker
 
 
 @contextmanager
@@ -169,19 +434,14 @@ def process_pool(workers: int) -> Iterator[ProcessPoolExecutor | None]:
     try:
         yield pool
     except BaseException:  # an error, or the caller stopped early: busy workers end now
-        _terminate_workers(pool)
+        if hasattr(pool, "terminate_workers"):  # Python 3.14
+            pool.terminate_workers()
+        else:
+            for process in list((getattr(pool, "_processes", None) or {}).values()):
+                process.terminate()  # SIGTERM
         raise
     finally:
         pool.shutdown(wait=True, cancel_futures=True)
-
-
-def _terminate_workers(pool: ProcessPoolExecutor) -> None:
-    """SIGTERM to every worker (Python 3.14's `terminate_workers`, else the process table)."""
-    if hasattr(pool, "terminate_workers"):
-        pool.terminate_workers()
-        return
-    for process in list((getattr(pool, "_processes", None) or {}).values()):
-        process.terminate()
 
 
 def map_in_processes(fn: Callable[[Any], Any], items: list[Any], workers: int) -> Iterator[Any]:

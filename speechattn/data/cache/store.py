@@ -20,22 +20,27 @@ from typing import Any
 
 import numpy as np
 
-from speechattn.data.cache.integrity import (
-    HEADER_BYTES,
+from speechattn.data.cache.shards import (
+    DATA_KINDS,
     Record,
+    ShardPaths,
     invalidate,
+    owner,
     parse_header,
     read_marker,
+    reader_path,
     reconcile,
     same_stat,
+    shard_paths,
 )
-from speechattn.data.cache.layout import DATA_KINDS, ShardPaths, owner, reader_path
 from speechattn.data.claims import host_name
 from speechattn.data.config import DataConfig
 from speechattn.data.errors import DataError, Skip
 from speechattn.utils import atomic_write_text
 
 DEFAULT_MAX_OPEN_SHARDS = DataConfig.max_open_shards  # documented there
+# enough for any .npy header this cache writes (NumPy pads them to 64-byte units)
+HEADER_BYTES = 4096
 
 
 class _OpenShards:
@@ -83,7 +88,7 @@ _READING: set[Path] = set()  # the reader marks this process made (`register_rea
 
 def register_reader(manifest: Path) -> None:
     """Mark `manifest` as read by this process until it exits: `gc` keeps all its shards while
-    the process lives (`layout.reader_path`)."""
+    the process lives (`shards.reader_path`)."""
     path = reader_path(manifest, host_name(), os.getpid())
     if path in _READING:
         return
@@ -189,7 +194,7 @@ class FeatureStore:
         return len(self.shard_keys)
 
     def paths(self, k: int) -> ShardPaths:
-        return ShardPaths(self.directory, self.shard_keys[k])
+        return shard_paths(self.directory, self.shard_keys[k])
 
     def raw(self, i: int | str) -> np.ndarray:
         """(T, F) features of utterance `i` (index or id) in the cache dtype (float16 by
@@ -218,8 +223,7 @@ class FeatureStore:
         index given twice counts twice). One pass: each shard's statistics are read once."""
         weight = np.bincount(np.asarray(indices, dtype=np.int64), minlength=len(self))
         weight = weight.astype(np.float64)  # (N,)
-        total = np.zeros(self.feature_dim)
-        total_sq = np.zeros(self.feature_dim)
+        total, total_sq = np.zeros(self.feature_dim), np.zeros(self.feature_dim)
         bounds = np.searchsorted(self.shard, np.arange(self.num_shards + 1))  # k: [b_k, b_k+1)
         for k in np.unique(self.shard[weight > 0]):
             lo, hi = int(bounds[k]), int(bounds[k + 1])
@@ -257,11 +261,9 @@ class FeatureStore:
                 return f"shard {key}: statistics rows out of order"
             if not np.array_equal(self.offset[lo:hi], np.cumsum(lengths) - lengths):
                 return f"shard {key}: offsets do not follow the lengths"
-            shape = [int(lengths.sum()), self.feature_dim]
-            if self.records[key]["npy"]["shape"] != shape:
-                return f"shard {key}: {shape} frames indexed, its features file holds " + str(
-                    self.records[key]["npy"]["shape"]
-                )
+            shape, held = [int(lengths.sum()), self.feature_dim], self.records[key]["npy"]["shape"]
+            if held != shape:
+                return f"shard {key}: {shape} frames indexed, its features file holds {held}"
         return None
 
     def check(self, verify: bool = False) -> list[tuple[int, Path, str]]:
@@ -273,9 +275,9 @@ class FeatureStore:
             paths = self.paths(k)
             for kind in DATA_KINDS:
                 cached = self.records[key][kind]
-                record, problem = reconcile(paths.data(kind), cached, paths.marker, kind, verify)
+                record, problem = reconcile(paths, kind, cached, verify)
                 if problem:
-                    bad.append((k, paths.data(kind), problem))
+                    bad.append((k, getattr(paths, kind), problem))
                 elif record is not cached:
                     self.records[key][kind] = record
                     refreshed = refreshed or record != cached
@@ -289,25 +291,13 @@ class FeatureStore:
         return bad
 
     def _refuse(self, k: int, path: Path, problem: str) -> None:
-        invalidate(self.paths(k).marker, path)
+        invalidate(self.paths(k), path)
         raise DataError(
             path,
             "corrupt feature cache",
             f"{problem}; shard {self.shard_keys[k]} is marked for re-extraction: rerun the same "
             f"command (add data.verify_cache=true to checksum every shard before training starts)",
         )
-
-    def _checked(self, k: int, kind: str, st: os.stat_result) -> Record:
-        """The record a file with stat `st` must match; refuses the file when it does not."""
-        paths, key = self.paths(k), self.shard_keys[k]
-        cached = self.records[key][kind]
-        if same_stat(st, cached):
-            return cached
-        record, problem = reconcile(paths.data(kind), cached, paths.marker, kind, False)
-        if problem:
-            self._refuse(k, paths.data(kind), problem)
-        self.records[key][kind] = record
-        return record
 
     def _open(self, k: int, path: str) -> tuple[int, int]:
         """Open shard k's features for the LRU: (fd, data offset), checked against its record."""
@@ -322,11 +312,18 @@ class FeatureStore:
             raise
 
     def _header(self, k: int, kind: str, fd: int) -> tuple[Record, int]:
-        """The record of shard k's `kind` file open at `fd`, and its data offset (both checked)."""
-        record = self._checked(k, kind, os.fstat(fd))
+        """The record of shard k's `kind` file open at `fd`, and its data offset, both checked
+        (the file refused when they do not match)."""
+        paths, key = self.paths(k), self.shard_keys[k]
+        record = self.records[key][kind]
+        if not same_stat(os.fstat(fd), record):
+            record, problem = reconcile(paths, kind, record, False)
+            if problem:
+                self._refuse(k, getattr(paths, kind), problem)
+            self.records[key][kind] = record
         data_offset, problem = parse_header(os.pread(fd, HEADER_BYTES, 0), record)
         if problem:
-            self._refuse(k, self.paths(k).data(kind), problem)
+            self._refuse(k, getattr(paths, kind), problem)
         return record, data_offset
 
     def _statistics(self, k: int) -> np.ndarray:
