@@ -41,7 +41,6 @@ from speechattn.attention.base import (
     scale,
 )
 from speechattn.attention.kernels.span import FlashThenUnfused, UnfusedSavedWeights, flash_cpu
-from speechattn.attention.pruning import remove_projection_heads, select_
 from speechattn.attention.registry import register
 from speechattn.errors import ConfigError
 
@@ -93,6 +92,8 @@ class AdaptiveSpanAttention(Attention):
     short_path_max_t = 1024
     # On CPU, all pairs keep their weights (`UnfusedSavedWeights`) up to here, then flash.
     saved_weights_max_t = 320
+    head_projections = {"qkv": 3}
+    head_tensors = ("span_fraction",)
 
     def __init__(self, config: AdaptiveSpanConfig) -> None:
         super().__init__(config)
@@ -160,10 +161,6 @@ class AdaptiveSpanAttention(Attention):
 
     def flops(self, T: int) -> Flops:
         return self.dot_product_flops(T, self.keys_attended(T))  # the keys within span
-
-    def _remove_heads(self, index: Tensor) -> None:
-        remove_projection_heads(self, self.qkv, index, blocks=3)
-        select_(self, "span_fraction", index)
 
     # ----------------------------------------------------------------- kernels
     def _distance(self, rel: Tensor) -> Tensor:

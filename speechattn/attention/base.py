@@ -64,6 +64,12 @@ def linear_flops(T: int, d_in: int, d_out: int) -> float:
     return 2.0 * T * d_in * d_out
 
 
+def require(ok: bool, message: str) -> None:
+    """Raise a ConfigError with `message` unless `ok` (the configs' option checks)."""
+    if not ok:
+        raise ConfigError(message)
+
+
 @dataclass
 class AttentionConfig:
     """Options shared by every variant; each variant's config extends this one."""
@@ -77,16 +83,11 @@ class AttentionConfig:
     layer: int = 0
 
     def __post_init__(self) -> None:
-        if self.dim <= 0 or self.num_heads <= 0:
-            raise ConfigError(
-                f"dim and num_heads must be positive, got {self.dim}, {self.num_heads}"
-            )
-        if self.dim % self.num_heads:
-            raise ConfigError(f"dim={self.dim} is not divisible by num_heads={self.num_heads}")
-        if self.layer < 0:
-            raise ConfigError(f"layer must be >= 0, got {self.layer}")
-        if not 0.0 <= self.dropout < 1.0:
-            raise ConfigError(f"dropout must be in [0, 1), got {self.dropout}")
+        D, h = self.dim, self.num_heads
+        require(D > 0 and h > 0, f"dim and num_heads must be positive, got {D}, {h}")
+        require(D % h == 0, f"dim={D} is not divisible by num_heads={h}")
+        require(self.layer >= 0, f"layer must be >= 0, got {self.layer}")
+        require(0.0 <= self.dropout < 1.0, f"dropout must be in [0, 1), got {self.dropout}")
 
     @property
     def head_dim(self) -> int:
@@ -108,6 +109,9 @@ class Attention(nn.Module, ABC):
             them only while those fit its memory budget.
         no_weight_decay: parameters that are biases stored as matrices (one vector per
             head), left undecayed like every parameter of fewer than 2 dimensions.
+        head_projections, head_tensors: what `pruning.prune_heads` cuts per head: Linear
+            layers {name: blocks} with outputs blocks x h x d_k (3: a fused W^Q | W^K | W^V),
+            and parameters or buffers with one entry per head along dim 0 (None: absent).
         end_padded_only: the pattern is placed by frame position, so frame 0 must be each
             utterance's first frame: a mask padding before it is refused
             (`padding.PaddingMaskError`). The others give the same outputs for any padding.
@@ -122,6 +126,8 @@ class Attention(nn.Module, ABC):
     short_path_max_t: ClassVar[int | None] = None
     all_pairs_kernels: ClassVar[tuple[str, ...]] = ("short",)
     no_weight_decay: ClassVar[tuple[str, ...]] = ()
+    head_projections: ClassVar[dict[str, int]] = {}
+    head_tensors: ClassVar[tuple[str, ...]] = ()
     end_padded_only: ClassVar[bool] = False
     max_len: int | None = None  # longest sequence (T) the variant accepts; None: any
     # Kernel choice by measurement (`attention.autotune.enable` sets it per module); off, the
@@ -214,9 +220,9 @@ class Attention(nn.Module, ABC):
         """Reference path with explicit weights: (heads (B, h, T, d_k), weights (B, h, T, T))."""
 
     def _remove_heads(self, index: Tensor) -> None:
-        """Keep only heads `index` (sorted, long) of the variant's per-head parameters;
-        called by `pruning.prune_heads` (which prunes W^O) before `num_heads` changes."""
-        raise NotImplementedError(f"attention {self.name!r} does not implement prune_heads")
+        """Keep only heads `index` (sorted, long) of the variant's other per-head state (beyond
+        `head_projections` and `head_tensors`); called by `pruning.prune_heads` (which prunes
+        those and W^O) before `num_heads` changes."""
 
     # ----------------------------------------------------------------- public API
     def forward(
@@ -304,9 +310,24 @@ class Attention(nn.Module, ABC):
         B, T, _ = t.shape
         return t.view(B, T, self.num_heads, -1).transpose(1, 2)
 
+    @property
+    def dropout_p(self) -> float:
+        """The attention dropout probability of this pass: 0 in eval mode."""
+        return self.dropout if self.training else 0.0
+
     def drop(self, probs: Tensor) -> Tensor:
         """Dropout on attention probabilities (identity in eval mode or when p = 0)."""
         return F.dropout(probs, self.dropout, self.training) if self.dropout else probs
+
+    def weigh(self, scores: Tensor, allowed: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """The dense references' last step: weights = softmax of scores (B, h, T, T) over
+        `allowed` -> (dropped weights @ v (B, h, T, d_k), weights)."""
+        weights = masked_softmax(scores, allowed)
+        return self.drop(weights) @ v, weights
+
+    def sdpa(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None) -> Tensor:
+        """Fused SDPA with this pass's dropout: q (B, h, T, d), mask bool/additive or None."""
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=self.dropout_p)
 
     def extra_repr(self) -> str:
         pruned = "" if self.num_heads == self.config.num_heads else f", kept={self.kept_heads}"

@@ -29,7 +29,6 @@ from speechattn.attention.base import (
     widen,
 )
 from speechattn.attention.kernels.linear import LinearKernel, phi
-from speechattn.attention.pruning import remove_projection_heads
 from speechattn.attention.registry import register
 
 
@@ -49,6 +48,7 @@ class LinearAttention(Attention):
     )
     complexity_training = "O(T D d_k)"
     complexity_inference = "O(T D d_k)"
+    head_projections = {"qkv": 3}
 
     def __init__(self, config: LinearConfig) -> None:
         super().__init__(config)
@@ -59,9 +59,6 @@ class LinearAttention(Attention):
         state = 2 * 2.0 * T * E * dk  # phi(K)^T V and phi(Q) S, all heads
         normaliser = 2 * 2.0 * T * E  # z = sum_j phi(k_j) and phi(Q) z
         return Flops(linear_flops(T, D, 3 * E) + state + normaliser + self.output_flops(T))
-
-    def _remove_heads(self, index: Tensor) -> None:
-        remove_projection_heads(self, self.qkv, index, blocks=3)
 
     projections = Attention._qkv  # x (B, T, D) -> q, k, v (B, h, T, d_k), autocast's dtype
 

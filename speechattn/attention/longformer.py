@@ -44,7 +44,6 @@ from speechattn.attention.kernels.blocks import (
     block_windows,
     window_offsets,
 )
-from speechattn.attention.pruning import remove_projection_heads
 from speechattn.attention.registry import register
 from speechattn.errors import ConfigError
 
@@ -139,6 +138,7 @@ class LongformerAttention(Attention):
     complexity_inference = "O(T (w + T/g) D)"
     # All-pairs SDPA with the pattern as a mask up to here, the blocked kernel above (docs/attention.md).
     short_path_max_t = 256
+    head_projections = {"qkv": 3}
 
     def __init__(self, config: LongformerConfig) -> None:
         super().__init__(config)
@@ -171,7 +171,6 @@ class LongformerAttention(Attention):
         # window heads stay a prefix and dilated heads a suffix (index is sorted)
         first_dilated = self.num_heads - self.num_dilated
         self.num_dilated = int((index >= first_dilated).sum())
-        remove_projection_heads(self, self.qkv, index, blocks=3)
 
     # ----------------------------------------------------------------- kernels
     def head_steps(self) -> list[tuple[slice, int]]:

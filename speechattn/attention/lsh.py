@@ -77,7 +77,6 @@ from speechattn.attention.base import (
 from speechattn.attention.fp32 import ieee_matmul
 from speechattn.attention.kernels.sparse_topk import sparse_topk_attention
 from speechattn.attention.kernels.topk import ordered_bits, tie_scores, topk_by_match
-from speechattn.attention.pruning import remove_projection_heads
 from speechattn.attention.registry import register
 from speechattn.errors import ConfigError
 
@@ -210,6 +209,7 @@ class _LSHAttention(Attention):
     # All-pairs SDPA masked to the selection up to here, CSR products above: the measured
     # crossover (`python -m speechattn.bench attention`; figures: docs/benchmarks.md).
     short_path_max_t = 256
+    head_projections = {"qv": 2}  # the hashes' projection matrix is one for every head
 
     def __init__(self, config: LSHConfig) -> None:
         super().__init__(config)
@@ -242,10 +242,6 @@ class _LSHAttention(Attention):
         return Flops(
             linear_flops(T, D, 2 * E) + attention + self.output_flops(T), hashing + matching
         )
-
-    def _remove_heads(self, index: Tensor) -> None:
-        # the projection matrix is per layer, the same for every head: it stays
-        remove_projection_heads(self, self.qv, index, blocks=2)
 
     def _qkv(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """x (B, T, D) -> q, k, v (B, h, T, d_k): k = q / ||q|| (`normalize_keys`) or q."""

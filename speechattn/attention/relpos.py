@@ -34,7 +34,6 @@ from speechattn.attention.base import (
     masked_softmax,
     scale,
 )
-from speechattn.attention.pruning import remove_projection_heads, select_
 from speechattn.attention.registry import register
 
 
@@ -83,6 +82,8 @@ class RelPosAttention(Attention):
     complexity_inference = "O(T^2 D)"
 
     no_weight_decay = ("pos_bias_u", "pos_bias_v")  # per-head biases
+    head_projections = {"qkv": 3, "pos_proj": 1}  # W_R r is split into heads too
+    head_tensors = no_weight_decay
 
     def __init__(self, config: RelPosConfig) -> None:
         super().__init__(config)
@@ -100,12 +101,6 @@ class RelPosAttention(Attention):
         content = 2 * 2.0 * T * T * E  # (q + u) k^T and weights x V, all heads
         position = 2.0 * T * (2 * T - 1) * E  # (q + v) against the 2T - 1 distances
         return Flops(projections + content + position + self.output_flops(T))
-
-    def _remove_heads(self, index: Tensor) -> None:
-        remove_projection_heads(self, self.qkv, index, blocks=3)
-        remove_projection_heads(self, self.pos_proj, index)  # W_R r is split into heads too
-        select_(self, "pos_bias_u", index)
-        select_(self, "pos_bias_v", index)
 
     def _position_scores(self, q: Tensor) -> Tensor:
         """(q + v) against every distance, unshifted: (B, h, T, 2T - 1), row n <-> T - 1 - n."""

@@ -177,7 +177,6 @@ class RoutingAttention(SharedQKBase):
         routing = index[index >= self.heads_local] - self.heads_local
         self.heads_local = int((index < self.heads_local).sum())
         select_(self, "centroids", routing)
-        super()._remove_heads(index)
 
     # ----------------------------------------------------------------- metadata
     def keys_attended(self, T: int) -> float:

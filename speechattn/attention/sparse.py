@@ -75,7 +75,6 @@ class _SparseBase(SharedQKBase):
 
     def _remove_heads(self, index: Tensor) -> None:
         self.heads_first = int((index < self.heads_first).sum())  # still a prefix (sorted)
-        super()._remove_heads(index)
 
     stride_option: str  # the config field that fixes l (None: per utterance)
 

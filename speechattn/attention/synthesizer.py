@@ -39,7 +39,7 @@ from speechattn.attention.kernels.table import (
     TableWindows,
     weighted_values,
 )
-from speechattn.attention.pruning import remove_projection_heads, select_
+from speechattn.attention.pruning import remove_projection_heads
 from speechattn.attention.registry import register
 from speechattn.errors import ConfigError
 
@@ -68,6 +68,7 @@ class _SynthesizerBase(Attention):
     """Values projection, length checks, metadata and the dense synthesizers' paths."""
 
     end_padded_only = True  # positions place the pattern (see `Attention`)
+    head_projections = {"v_proj": 1}
 
     def __init__(self, config: AttentionConfig) -> None:
         super().__init__(config)
@@ -129,9 +130,6 @@ class _SynthesizerBase(Attention):
         """V projection, the (T x T) weights x V product of all heads, output projection."""
         E = self.inner_dim  # h d_k, D unless pruned
         return linear_flops(T, self.dim, E) + 2.0 * T * T * E + self.output_flops(T)
-
-    def _remove_heads(self, index: Tensor) -> None:
-        remove_projection_heads(self, self.v_proj, index)
 
     def _sdpa(self, q: Tensor, k: Tensor, v: Tensor, valid: Tensor | None) -> Tensor:
         """softmax(q k^T) v over the valid keys by SDPA with scale 1, zero-padding q/k or v to
@@ -206,6 +204,7 @@ class SynDenseMHAttention(_SynthesizerBase):
     complexity_inference = "O(T^2 D)"
 
     no_weight_decay = ("b2",)  # the per-head bias of W_2
+    head_tensors = ("w2", "b2")
 
     def __init__(self, config: SynDenseConfig) -> None:
         super().__init__(config)
@@ -222,11 +221,7 @@ class SynDenseMHAttention(_SynthesizerBase):
         return Flops(linear_flops(T, self.dim, h * hidden) + logits + self.value_flops(T))
 
     def _remove_heads(self, index: Tensor) -> None:
-        super()._remove_heads(index)
         remove_projection_heads(self, self.w1, index, size=self.hidden)
-        select_(self, "w2", index)
-        if self.b2 is not None:
-            select_(self, "b2", index)
 
     def _qk(self, x: Tensor) -> tuple[Tensor, Tensor]:
         """q (B, h, T, H'), k (B, h, T, H') with H' = hidden (+1 for the bias)."""
@@ -255,6 +250,7 @@ class SynRandomAttention(_SynthesizerBase):
     complexity_inference = "O(T^2 D) (softmax(R) input-independent, cacheable)"
     # Explicit (G, h, T, T) weights up to here, the row-chunked TableAttention above.
     short_path_max_t = 768
+    head_tensors = ("logits",)
 
     def __init__(self, config: SynRandomConfig) -> None:
         super().__init__(config)
@@ -264,10 +260,6 @@ class SynRandomAttention(_SynthesizerBase):
 
     def flops(self, T: int) -> Flops:
         return Flops(self.value_flops(T))  # the logits are a parameter: no product at all
-
-    def _remove_heads(self, index: Tensor) -> None:
-        super()._remove_heads(index)
-        select_(self, "logits", index)
 
     def offsets(self, valid: Tensor | None, T: int) -> Tensor:
         """(G, h) first row/column of each head's T x T slice of R, G = 1 or B, on the host;
@@ -365,7 +357,6 @@ class SynFixedAttention(SynRandomAttention):
                 self.logits[i] = pat.add_(self.eps).log_()
 
     def _remove_heads(self, index: Tensor) -> None:
-        super()._remove_heads(index)
         self.head_patterns = [self.head_patterns[i] for i in index.tolist()]
 
     def offsets(self, valid: Tensor | None, T: int) -> Tensor:
