@@ -200,8 +200,7 @@ class AdaptiveSpanAttention(Attention):
     def _attend_all_pairs(self, q: Tensor, k: Tensor, v: Tensor, valid: Tensor | None) -> Tensor:
         T = q.shape[-2]
         mask = self._mask_padding(self._toeplitz(0, T, T)[None], valid)  # (1 or B, h, T, T)
-        p = self.dropout if self.training else 0.0
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask.to(q.dtype), dropout_p=p)
+        return self.sdpa(q, k, v, mask.to(q.dtype))
 
     def _constant_log_mask(
         self, c: int, L: int, Lk: int, dtype: torch.dtype
@@ -277,9 +276,7 @@ class AdaptiveSpanAttention(Attention):
                 qb, kb, vb, block_mask(patterns.toeplitz(log_m, X, 3 * X)), mask_dz
             )
         else:
-            mask = block_mask(self._toeplitz(X, X, 3 * X)).to(q.dtype)
-            p = self.dropout if self.training else 0.0
-            out = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask, dropout_p=p)
+            out = self.sdpa(qb, kb, vb, block_mask(self._toeplitz(X, X, 3 * X)).to(q.dtype))
         return out.view(B, n, h, X, d).transpose(1, 2).reshape(B, h, n * X, d)[:, :, :T]
 
     def attend_dense(self, x: Tensor, valid: Tensor) -> tuple[Tensor, Tensor]:

@@ -24,7 +24,6 @@ import math
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from speechattn.attention import patterns
@@ -35,7 +34,6 @@ from speechattn.attention.base import (
     Flops,
     all_valid,
     key_mask,
-    masked_softmax,
     scale,
 )
 from speechattn.attention.kernels.blocks import (
@@ -223,14 +221,13 @@ class LongformerAttention(Attention):
 
     def attend(self, x: Tensor, valid: Tensor | None) -> Tensor:
         q, k, v = self._qkv(x)  # (B, h, T, d_k)
-        p = self.dropout if self.training else 0.0
         if use_short_path(self, x):
             mask = self.pattern_bias(valid, x.shape[1], q.dtype, q.device)  # (1 or B, h, T, T)
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p)
+            return self.sdpa(q, k, v, mask)
         kv = all_valid(x) if valid is None else key_mask(valid)  # (B, T)
-        return self.attend_long(q, k, v, kv, p)
+        return self.attend_long(q, k, v, kv)
 
-    def attend_long(self, q: Tensor, k: Tensor, v: Tensor, kv: Tensor, p: float) -> Tensor:
+    def attend_long(self, q: Tensor, k: Tensor, v: Tensor, kv: Tensor) -> Tensor:
         """The long-sequence kernel (module docstring): q, k, v (B, h, T, d_k), kv (B, T)."""
         B, h, T, _ = q.shape
         g = self.global_every
@@ -252,14 +249,16 @@ class LongformerAttention(Attention):
                     _fold_classes(t, step, 2) for t in (qh, kh, vh)
                 )  # (B step, H, m, d_k)
                 kvh, globh = _fold_classes(kv, step, 1), _fold_classes(glob, step, 1)  # (B step, m)
-            out = band_global_kernel(qh, kh, vh, kvh, globh, kg, vg, kvg, self.window, p)
+            out = band_global_kernel(
+                qh, kh, vh, kvh, globh, kg, vg, kvg, self.window, self.dropout_p
+            )
             outs.append(_unfold_classes(out, step, T) if step > 1 else out)  # (B, H, T, d_k)
         out = torch.cat(outs, dim=1)  # (B, h, T, d_k)
         if not g:
             return out
         # Global frames attend to every allowed key, in every head.
         mask = kv[:, None, None, :]  # (B, 1, 1, T)
-        out_g = F.scaled_dot_product_attention(q[:, :, gpos], k, v, attn_mask=mask, dropout_p=p)
+        out_g = self.sdpa(q[:, :, gpos], k, v, mask)
         # Their rows replace the first frame of every group of g (an index_copy's backward
         # trips AOTAutograd's functionalization in torch 2.11 under torch.compile).
         groups = _blocks(out, g)  # (B, h, G, g, d_k)
@@ -269,5 +268,4 @@ class LongformerAttention(Attention):
     def attend_dense(self, x: Tensor, valid: Tensor) -> tuple[Tensor, Tensor]:
         q, k, v = self._qkv(x)  # (B, h, T, d_k)
         scores = q @ k.transpose(-1, -2) * scale(self.head_dim)  # (B, h, T, T)
-        weights = masked_softmax(scores, self.pattern(valid))  # (B, h, T, T)
-        return self.drop(weights) @ v, weights
+        return self.weigh(scores, self.pattern(valid), v)

@@ -70,6 +70,7 @@ from speechattn.attention.base import (
     linear_flops,
     masked_softmax,
     needs_static_shapes,
+    require,
     scale,
     unit_keys,
     widen,
@@ -78,7 +79,6 @@ from speechattn.attention.fp32 import ieee_matmul
 from speechattn.attention.kernels.sparse_topk import sparse_topk_attention
 from speechattn.attention.kernels.topk import ordered_bits, tie_scores, topk_by_match
 from speechattn.attention.registry import register
-from speechattn.errors import ConfigError
 
 Transform = Callable[[Tensor, Tensor, Tensor], tuple[Tensor, Tensor]]
 _TINY = 1e-12
@@ -170,20 +170,20 @@ class LSHConfig(AttentionConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.k < 1 or self.bits < 1:
-            raise ConfigError(f"need k >= 1 and bits >= 1, got k={self.k}, bits={self.bits}")
+        k, bits = self.k, self.bits
+        require(k >= 1 and bits >= 1, f"need k >= 1 and bits >= 1, got k={k}, bits={bits}")
         for option, allowed in (
             ("tie_break", ("score", "position")),
             ("hash", ("sign", "l2")),
             ("hash_keys", ("scored", "shared")),
         ):
-            if getattr(self, option) not in allowed:
-                raise ConfigError(
-                    f"LSH {option} must be one of {', '.join(map(repr, allowed))}, "
-                    f"got {getattr(self, option)!r}"
-                )
-        if not self.bucket_width > 0:
-            raise ConfigError(f"LSH bucket_width must be > 0, got {self.bucket_width}")
+            value = getattr(self, option)
+            require(
+                value in allowed,
+                f"LSH {option} must be one of {', '.join(map(repr, allowed))}, got {value!r}",
+            )
+        width = self.bucket_width
+        require(width > 0, f"LSH bucket_width must be > 0, got {width}")
 
 
 @dataclass
@@ -213,13 +213,10 @@ class _LSHAttention(Attention):
 
     def __init__(self, config: LSHConfig) -> None:
         super().__init__(config)
-        self.k, self.bits = config.k, config.bits
-        self.normalize_keys, self.tie_break = config.normalize_keys, config.tie_break
-        self.hash, self.bucket_width, self.hash_keys = (
-            config.hash,
-            config.bucket_width,
-            config.hash_keys,
-        )
+        c = config
+        self.k, self.bits, self.hash, self.hash_keys = c.k, c.bits, c.hash, c.hash_keys
+        self.normalize_keys, self.tie_break = c.normalize_keys, c.tie_break
+        self.bucket_width = c.bucket_width
         self.qv = nn.Linear(config.dim, 2 * config.dim, bias=config.bias)  # W^Q (= W^K) | W^V
         gen = torch.Generator().manual_seed(layer_seed(config.seed, config.layer))
         proj = torch.randn(config.head_dim + self.extra_dims, config.bits, generator=gen)
@@ -356,8 +353,7 @@ class _LSHAttention(Attention):
         if valid is not None and (needs_static_shapes(valid) or not bool(valid.all())):
             bias.masked_fill_(~key_mask(valid)[:, None, None, :], float("-inf"))
         bias.diagonal(dim1=-2, dim2=-1).add_(SELF_PENALTY)
-        p = self.dropout if self.training else 0.0
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=p)
+        return self.sdpa(q, k, v, bias)
 
     def _attend_unfused(
         self, q: Tensor, k: Tensor, v: Tensor, idx: Tensor, allowed: Tensor
@@ -379,8 +375,7 @@ class _LSHAttention(Attention):
         s = q @ k.transpose(-1, -2) * scale(self.head_dim)  # (B, h, T, T)
         s = s + torch.eye(T, device=x.device, dtype=s.dtype) * SELF_PENALTY
         allowed = self.selection_dense(q, k, valid) & key_mask(valid)[:, None, None, :]
-        weights = masked_softmax(s, allowed)  # (B, h, T, T), at most k non-zeros per row
-        return self.drop(weights) @ v, weights
+        return self.weigh(s, allowed, v)  # weights: at most k non-zeros per row
 
 
 def same_model(a: Attention, b: Attention, T: int = 256, seed: int = 0) -> bool:
@@ -401,13 +396,17 @@ def same_model(a: Attention, b: Attention, T: int = 256, seed: int = 0) -> bool:
     return torch.equal(a.match_counts(q, k, valid), b.match_counts(q, k, valid))
 
 
+NEYSHABUR = (
+    "Neyshabur & Srebro, On Symmetric and Asymmetric LSHs for Inner Product Search, ICML 2015"
+)
+
+
 @register("sign_alsh")
 class SignALSHAttention(_LSHAttention):
     """Sign-ALSH (m = 2, U = 0.75)."""
 
     paper = "Shrivastava & Li, Improved Asymmetric LSH (ALSH) for MIPS, UAI 2015"
-    transform = staticmethod(sign_alsh)
-    extra_dims = 2
+    transform, extra_dims = staticmethod(sign_alsh), 2
 
 
 @register("xbox")
@@ -415,10 +414,7 @@ class XBOXAttention(_LSHAttention):
     """XBOX Euclidean transformation."""
 
     paper = "Bachrach et al., Speeding Up the Xbox Recommender System, RecSys 2014"
-    Config = L2HashConfig
-    transform = staticmethod(xbox)
-    unit_ball = False
-    extra_dims = 1
+    Config, transform, unit_ball, extra_dims = L2HashConfig, staticmethod(xbox), False, 1
 
 
 @register("xbox_qnf")
@@ -426,32 +422,21 @@ class XBOXQNFAttention(_LSHAttention):
     """XBOX with query-normalised-first queries."""
 
     paper = "Huang et al., Accurate and Fast ALSH for MIPS (QNF), KDD 2018"
-    Config = L2HashConfig
-    transform = staticmethod(xbox_qnf)
-    unit_ball = False
-    extra_dims = 1
+    Config, transform, unit_ball, extra_dims = L2HashConfig, staticmethod(xbox_qnf), False, 1
 
 
 @register("simple_lsh")
 class SimpleLSHAttention(_LSHAttention):
     """Simple-LSH (symmetric after scaling keys into the unit ball)."""
 
-    paper = (
-        "Neyshabur & Srebro, On Symmetric and Asymmetric LSHs for Inner Product Search, ICML 2015"
-    )
-    transform = staticmethod(simple_lsh)
-    extra_dims = 1
+    paper, transform, extra_dims = NEYSHABUR, staticmethod(simple_lsh), 1
 
 
 @register("simple_alsh")
 class SimpleALSHAttention(_LSHAttention):
     """Simple-ALSH (asymmetric, queries and keys scaled into the unit ball)."""
 
-    paper = (
-        "Neyshabur & Srebro, On Symmetric and Asymmetric LSHs for Inner Product Search, ICML 2015"
-    )
-    transform = staticmethod(simple_alsh)
-    extra_dims = 2
+    paper, transform, extra_dims = NEYSHABUR, staticmethod(simple_alsh), 2
 
 
 # the registry names of the five schemes above

@@ -31,7 +31,6 @@ from speechattn.attention.base import (
     Flops,
     key_mask,
     linear_flops,
-    masked_softmax,
     scale,
 )
 from speechattn.attention.registry import register
@@ -116,8 +115,7 @@ class RelPosAttention(Attention):
         if valid is not None:
             bias = bias.masked_fill(~key_mask(valid)[:, None, None, :], float("-inf"))
         qu = q + self.pos_bias_u.to(q.dtype)[:, None, :]  # (B, h, T, d_k)
-        p = self.dropout if self.training else 0.0
-        return F.scaled_dot_product_attention(qu, k, v, attn_mask=bias.to(qu.dtype), dropout_p=p)
+        return self.sdpa(qu, k, v, bias.to(qu.dtype))
 
     def attend_dense(self, x: Tensor, valid: Tensor) -> tuple[Tensor, Tensor]:
         q, k, v = self._qkv(x)  # (B, h, T, d_k)
@@ -127,5 +125,4 @@ class RelPosAttention(Attention):
         column = (T - 1 - (i[:, None] - i[None, :])).expand(B, h, T, T)  # distance i - j's row
         position = self._position_scores(q).gather(-1, column)  # (B, h, T, T)
         scores = (content + position) * scale(self.head_dim)  # (B, h, T, T)
-        weights = masked_softmax(scores, key_mask(valid)[:, None, None, :])
-        return self.drop(weights) @ v, weights
+        return self.weigh(scores, key_mask(valid)[:, None, None, :], v)

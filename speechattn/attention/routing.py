@@ -31,7 +31,6 @@ from speechattn.attention.base import (
     all_valid,
     key_mask,
     layer_seed,
-    masked_softmax,
     needs_static_shapes,
     widen,
 )
@@ -328,7 +327,7 @@ class RoutingAttention(SharedQKBase):
         padded = valid is not None
         valid = all_valid(x) if valid is None else valid
         q, k, v = self.shared_qkv(x)  # (B, h, T, d_k)
-        hl, p = self.heads_local, (self.dropout if self.training else 0.0)
+        hl, p = self.heads_local, self.dropout_p
         kernel = pick_kernel(self, q)
         # Select with the centroids as they were before this pass moves them.
         if kernel == "short":
@@ -360,13 +359,11 @@ class RoutingAttention(SharedQKBase):
         chosen = chosen.scatter(-1, idx, True) & key_mask(valid)[:, None, None, :] | eye
         bias = torch.zeros(chosen.shape, dtype=q.dtype, device=q.device)
         bias = bias.masked_fill(~chosen, float("-inf")) + eye * SELF_PENALTY  # (B, h, T, T)
-        p = self.dropout if self.training else 0.0
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=p)
+        return self.sdpa(q, k, v, bias)
 
     def attend_dense(self, x: Tensor, valid: Tensor) -> tuple[Tensor, Tensor]:
         q, k, v = self.shared_qkv(x)  # (B, h, T, d_k)
         T = q.shape[-2]
         eye = torch.eye(T, dtype=torch.bool, device=x.device)
         allowed = self.selection_dense(q, k, valid) & key_mask(valid)[:, None, None, :] | eye
-        weights = masked_softmax(self.shared_scores(q, k), allowed)  # (B, h, T, T)
-        return self.drop(weights) @ v, weights
+        return self.weigh(self.shared_scores(q, k), allowed, v)

@@ -31,7 +31,6 @@ from speechattn.attention.base import (
     Flops,
     all_valid,
     key_mask,
-    masked_softmax,
     needs_static_shapes,
 )
 from speechattn.attention.dot_product import SharedQKBase
@@ -179,7 +178,7 @@ class _SparseBase(SharedQKBase):
             key, pattern, envelope = self.flex_mask(*self.flex_strides(ls, B, T, q.device))
             return flex.pattern_attention(q, k, v, kv, pattern, envelope, key)
         first, second = self.kernels()
-        hA, p = self.heads_first, (self.dropout if self.training else 0.0)
+        hA, p = self.heads_first, self.dropout_p
         outs = [first(q[:, :hA], k[:, :hA], v[:, :hA], kv, ls, p)] if hA else []
         if hA < self.num_heads:
             outs.append(second(q[:, hA:], k[:, hA:], v[:, hA:], kv, ls, p))
@@ -214,10 +213,9 @@ class _SparseBase(SharedQKBase):
         call serves the batch on every device."""
         T = q.shape[2]
         first, second = self.pattern_pair(T, self.device_strides(valid, T), q.device)
-        hA, p = self.heads_first, (self.dropout if self.training else 0.0)
-        groups = [(hA, first), (self.num_heads - hA, second)]
+        groups = [(self.heads_first, first), (self.num_heads - self.heads_first, second)]
         kv = None if valid is None else key_mask(valid)
-        return masked_heads(q, k, v, groups, kv, p)
+        return masked_heads(q, k, v, groups, kv, self.dropout_p)
 
     def allowed_dense(self, valid: Tensor) -> Tensor:
         """(B, h, T, T) bool: the pattern of each head, plus self, restricted to allowed keys."""
@@ -234,8 +232,7 @@ class _SparseBase(SharedQKBase):
 
     def attend_dense(self, x: Tensor, valid: Tensor) -> tuple[Tensor, Tensor]:
         q, k, v = self.shared_qkv(x)  # (B, h, T, d_k)
-        weights = masked_softmax(self.shared_scores(q, k), self.allowed_dense(valid))
-        return self.drop(weights) @ v, weights  # (B, h, T, d_k), (B, h, T, T)
+        return self.weigh(self.shared_scores(q, k), self.allowed_dense(valid), v)
 
     def _mean_pattern_size(self, T: int) -> tuple[float, float]:
         raise NotImplementedError
