@@ -38,11 +38,11 @@ from speechattn.attention.base import (
     key_mask,
     masked_softmax,
     needs_static_shapes,
+    require,
     scale,
 )
 from speechattn.attention.kernels.span import FlashThenUnfused, UnfusedSavedWeights, flash_cpu
 from speechattn.attention.registry import register
-from speechattn.errors import ConfigError
 
 
 def initial_span(init_span: float, max_span: int) -> float:
@@ -64,19 +64,16 @@ class AdaptiveSpanConfig(AttentionConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.max_span < 1 or self.ramp < 2:
-            raise ConfigError(
-                f"adaptive_span needs max_span >= 1 and ramp >= 2, got max_span={self.max_span}, "
-                f"ramp={self.ramp}: with ramp = 1 a span pushed to 0 (where the L1 penalty takes "
-                "it) has no key on the mask's ramp, so no gradient, and never grows back; set "
-                "attention.options.ramp >= 2"
-            )
-        if not 0.0 <= self.init_span <= 1.0:
-            raise ConfigError(
-                f"init_span is a fraction of max_span in [0, 1], got {self.init_span}"
-            )
-        if self.span_penalty < 0:
-            raise ConfigError(f"span_penalty must be >= 0, got {self.span_penalty}")
+        require(
+            self.max_span >= 1 and self.ramp >= 2,
+            f"adaptive_span needs max_span >= 1 and ramp >= 2, got max_span={self.max_span}, "
+            f"ramp={self.ramp}: with ramp = 1 a span pushed to 0 (where the L1 penalty takes "
+            "it) has no key on the mask's ramp, so no gradient, and never grows back; set "
+            "attention.options.ramp >= 2",
+        )
+        z, penalty = self.init_span, self.span_penalty
+        require(0.0 <= z <= 1.0, f"init_span is a fraction of max_span in [0, 1], got {z}")
+        require(penalty >= 0, f"span_penalty must be >= 0, got {penalty}")
 
 
 @register("adaptive_span")

@@ -30,10 +30,10 @@ from speechattn.attention.base import (
     key_mask,
     linear_flops,
     masked_softmax,
+    require,
 )
 from speechattn.attention.kernels.local import LocalWeightedSum
 from speechattn.attention.registry import register
-from speechattn.errors import ConfigError
 
 
 @dataclass
@@ -42,10 +42,10 @@ class LDSAConfig(AttentionConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.context < 1 or self.context % 2 == 0:
-            raise ConfigError(
-                f"ldsa context width c must be a positive odd number, got {self.context}"
-            )
+        c = self.context
+        require(
+            c >= 1 and c % 2 == 1, f"ldsa context width c must be a positive odd number, got {c}"
+        )
 
 
 @register("ldsa")

@@ -34,6 +34,7 @@ from speechattn.attention.base import (
     Flops,
     all_valid,
     key_mask,
+    require,
     scale,
 )
 from speechattn.attention.kernels.blocks import (
@@ -43,7 +44,6 @@ from speechattn.attention.kernels.blocks import (
     window_offsets,
 )
 from speechattn.attention.registry import register
-from speechattn.errors import ConfigError
 
 
 @dataclass
@@ -55,19 +55,14 @@ class LongformerConfig(AttentionConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.window < 1:
-            raise ConfigError(f"longformer window w must be >= 1, got {self.window}")
-        if self.dilation < 1:
-            raise ConfigError(f"longformer dilation must be >= 1 (1: no gaps), got {self.dilation}")
-        if self.dilated_heads is not None and not 0 <= self.dilated_heads <= self.num_heads:
-            raise ConfigError(
-                f"longformer dilated_heads must be in [0, num_heads={self.num_heads}] or None, "
-                f"got {self.dilated_heads}"
-            )
-        if self.global_every < 0:
-            raise ConfigError(
-                f"longformer global_every must be >= 0 (0: no global frames), got {self.global_every}"
-            )
+        w, delta, hd, g = self.window, self.dilation, self.dilated_heads, self.global_every
+        require(w >= 1, f"longformer window w must be >= 1, got {w}")
+        require(delta >= 1, f"longformer dilation must be >= 1 (1: no gaps), got {delta}")
+        require(
+            hd is None or 0 <= hd <= self.num_heads,
+            f"longformer dilated_heads must be in [0, num_heads={self.num_heads}] or None, got {hd}",
+        )
+        require(g >= 0, f"longformer global_every must be >= 0 (0: no global frames), got {g}")
 
     @property
     def num_dilated(self) -> int:

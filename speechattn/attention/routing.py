@@ -32,6 +32,7 @@ from speechattn.attention.base import (
     key_mask,
     layer_seed,
     needs_static_shapes,
+    require,
     widen,
 )
 from speechattn.attention.dot_product import SharedQKBase
@@ -48,7 +49,6 @@ from speechattn.attention.kernels.cluster import (  # noqa: F401 (routing's size
 from speechattn.attention.kernels.masked import masked_heads
 from speechattn.attention.pruning import select_
 from speechattn.attention.registry import register
-from speechattn.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -68,13 +68,12 @@ class RoutingConfig(AttentionConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.window < 1 or (self.max_clusters is not None and self.max_clusters < 1):
-            raise ConfigError(
-                f"routing needs window >= 1 and max_clusters >= 1, got window={self.window}, "
-                f"max_clusters={self.max_clusters}"
-            )
-        if not 0.0 <= self.decay < 1.0:
-            raise ConfigError(f"routing decay must be in [0, 1), got {self.decay}")
+        w, C = self.window, self.max_clusters
+        require(
+            w >= 1 and (C is None or C >= 1),
+            f"routing needs window >= 1 and max_clusters >= 1, got window={w}, max_clusters={C}",
+        )
+        require(0.0 <= self.decay < 1.0, f"routing decay must be in [0, 1), got {self.decay}")
 
 
 @dataclass

@@ -32,6 +32,7 @@ from speechattn.attention.base import (
     linear_flops,
     masked_softmax,
     needs_static_shapes,
+    require,
 )
 from speechattn.attention.kernels.table import (
     GradientMemory,
@@ -50,8 +51,7 @@ class SynRandomConfig(AttentionConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.max_len < 1:
-            raise ConfigError(f"max_len must be >= 1, got {self.max_len}")
+        require(self.max_len >= 1, f"max_len must be >= 1, got {self.max_len}")
 
 
 @dataclass
@@ -60,8 +60,8 @@ class SynDenseConfig(SynRandomConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.hidden is not None and self.hidden < 1:
-            raise ConfigError(f"hidden must be >= 1 or None, got {self.hidden}")
+        H = self.hidden
+        require(H is None or H >= 1, f"hidden must be >= 1 or None, got {H}")
 
 
 class _SynthesizerBase(Attention):
@@ -314,12 +314,9 @@ class SynFixedConfig(SynRandomConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.context < 1 or not 0 < self.init_mass < 1:
-            raise ConfigError(
-                f"need context >= 1 and 0 < init_mass < 1, got {self.context}, {self.init_mass}"
-            )
-        if self.eps is not None and not 0 < self.eps < 1:
-            raise ConfigError(f"need 0 < eps < 1 (or None), got {self.eps}")
+        c, m, eps = self.context, self.init_mass, self.eps
+        require(c >= 1 and 0 < m < 1, f"need context >= 1 and 0 < init_mass < 1, got {c}, {m}")
+        require(eps is None or 0 < eps < 1, f"need 0 < eps < 1 (or None), got {eps}")
 
 
 def pattern_eps(init_mass: float, max_len: int) -> float:
