@@ -10,32 +10,21 @@
 * simple_lsh / simple_alsh: Neyshabur & Srebro, "On Symmetric and Asymmetric LSHs for Inner
   Product Search", ICML 2015.
 
-Common scheme (the study, section 2.2): one shared projection gives the shared vectors q (as
-in `shared_qk`) and v. The scores are `shared_qk`'s, q_i k_j / sqrt(d_k) with the L2-normalised
-keys k_j = q_j / ||q_j|| (`normalize_keys=True`; False scores the raw q_i q_j, the study's first
-runs), so LSH with k >= T is `shared_qk` exactly. Hashing searches that score: per sequence and
-head, M = max ||k_j|| over valid keys; the keys k_j (`hash_keys="scored"`; "shared" hashes the
-raw q_j, formats 1 and 2) are transformed with P and the queries q_i with Q, and hashed by K
-functions of one fixed seeded matrix per module (a registered buffer, identical at train and
-inference, seeded from the `seed` option and the layer index so that unshared layers hash
-differently): sign random projections (`hash="sign"`, one bit each) or E2LSH buckets
-(`hash="l2"`, floor((a.z / s + b) / w), s = M where the transform keeps the keys' scale, else
-1). Each scheme's default hash is its paper's: l2 for the XBOX transforms, sign for the others.
-match_ij = number of equal hashes. Each query keeps its top-k other keys by match. Ties in the
-match count (frequent: at k = 32 and 16 bits about 40 % of the selected keys are chosen among
-ties) go to the larger score q_i k_j (float64 sums rounded to float32, so that every kernel
-computes it alike: `kernels/topk.py: tie_scores`), and only among exactly equal scores to the
-nearer key, then the earlier one (`tie_break="score"`; "position" sends every tie to the nearer
-key, the study's first runs, which gave LSH a hidden local window: mean |i - j| of the selected
-keys 80 instead of 100 at T = 300 on random inputs). The softmax runs over those k only. As in
-`shared_qk`, a query attends to itself only when it has no other valid key: it is ranked below
-every other valid key and its score carries the -5e4 self penalty, so a query with n valid
-keys gives nonzero weight to exactly min(k, n - 1) of them (to itself when n = 1).
-
-Under sign projections the bits are invariant to positive scaling, so xbox, xbox_qnf and
-simple_lsh give identical codes, as do Sign-ALSH with and without QNF; under l2 measured in
-units of M, xbox_qnf is simple_lsh's transform. `same_model` tells two modules apart by their
-match counts on random vectors; the report marks rows that are one model.
+Common scheme (the study, section 2.2; definition, options and the first runs' variants:
+docs/attention.md, "LSH"): one shared projection gives q and v as in `shared_qk`, and the
+scores are its q_i k_j / sqrt(d_k) with k_j = q_j / ||q_j|| (`normalize_keys`), so LSH with
+k >= T is `shared_qk` exactly. Queries go through the scheme's transform Q, the hashed keys
+(`hash_keys`) through P, with M = max ||k_j|| over the valid keys of each sequence and head,
+then through K hash functions of one fixed seeded matrix per module (a buffer, seeded from
+`seed` and the layer index): sign bits or E2LSH buckets (`hash`, each scheme's paper's by
+default). match_ij = number of equal hashes; each query keeps its top-k other keys by match,
+ties to the larger score q_i k_j (float64 sums rounded to float32, so that every kernel
+computes it alike: `kernels/topk.py: tie_scores`), then the nearer, then the earlier key
+(`tie_break`). The softmax runs over those k only. Its own key ranks below every other valid
+key and carries the -5e4 self penalty, so a query with n valid keys weighs exactly
+min(k, n - 1) of them (itself when n = 1). Under sign hashes xbox, xbox_qnf and simple_lsh
+give identical codes (their transforms differ by positive scalings): `same_model` tells which
+modules are one model, and the report marks such rows.
 
 Cost: hashing O(T K D); matching O(T^2 K h) bit operations (sign: XOR and popcount of packed
 words) or comparisons (l2), then per query a threshold on the match counts found by counting,

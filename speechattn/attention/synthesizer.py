@@ -13,6 +13,7 @@ T). Options and kernels: docs/attention.md, "Synthesizers".
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -64,6 +65,32 @@ class SynDenseConfig(SynRandomConfig):
         require(H is None or H >= 1, f"hidden must be >= 1 or None, got {H}")
 
 
+def _cropped(run: Callable[..., Any]) -> Callable[..., Any]:
+    """`run` (`Attention.forward` or `dense_reference`) for the synthesizers: a batch padded
+    beyond max_len whose utterances all fit runs on its first n = (last valid frame + 1) <=
+    max_len frames, and y (B, n, D) and weights (B, h, n, n) are padded back to T with zero
+    rows and columns."""
+
+    @functools.wraps(run)
+    def cropped(
+        self: _SynthesizerBase,
+        x: Tensor,
+        padding_mask: Tensor | None = None,
+        *args: Any,
+        **kwargs: Any,
+    ) -> Any:
+        n = self._fitting_length(x, padding_mask)
+        if n is None:
+            return run(self, x, padding_mask, *args, **kwargs)
+        out, T = run(self, x[:, :n], padding_mask[:, :n], *args, **kwargs), x.shape[1]
+        if isinstance(out, Tensor):
+            return F.pad(out, (0, 0, 0, T - n))
+        y, w = out
+        return F.pad(y, (0, 0, 0, T - n)), F.pad(w, (0, T - n, 0, T - n))
+
+    return cropped
+
+
 class _SynthesizerBase(Attention):
     """Values projection, length checks, metadata and the dense synthesizers' paths."""
 
@@ -78,34 +105,8 @@ class _SynthesizerBase(Attention):
     def keys_attended(self, T: int) -> float:
         return 0.0  # weights are synthesised, no query-key scores (study, Figure 4)
 
-    def forward(
-        self,
-        x: Tensor,
-        padding_mask: Tensor | None = None,
-        head_mask: Tensor | None = None,
-        need_weights: bool = False,
-    ) -> Tensor | tuple[Tensor, Tensor]:
-        """`Attention.forward`, cropped (`_cropped`)."""
-        return self._cropped(super().forward, x, padding_mask, head_mask, need_weights)
-
-    def dense_reference(
-        self, x: Tensor, padding_mask: Tensor | None = None, head_mask: Tensor | None = None
-    ) -> tuple[Tensor, Tensor]:
-        """`Attention.dense_reference`, cropped (`_cropped`)."""
-        return self._cropped(super().dense_reference, x, padding_mask, head_mask)
-
-    def _cropped(self, run: Callable[..., Any], x: Tensor, mask: Tensor | None, *args: Any) -> Any:
-        """run(x, mask, *args); a batch padded beyond max_len whose utterances all fit runs on
-        its first n = (last valid frame + 1) <= max_len frames, and y (B, n, D) and weights
-        (B, h, n, n) are padded back to T with zero rows and columns."""
-        n = self._fitting_length(x, mask)
-        if n is None:
-            return run(x, mask, *args)
-        out, T = run(x[:, :n], mask[:, :n], *args), x.shape[1]
-        if isinstance(out, Tensor):
-            return F.pad(out, (0, 0, 0, T - n))
-        y, w = out
-        return F.pad(y, (0, 0, 0, T - n)), F.pad(w, (0, T - n, 0, T - n))
+    forward = _cropped(Attention.forward)
+    dense_reference = _cropped(Attention.dense_reference)
 
     def _fitting_length(self, x: Tensor, padding_mask: Tensor | None) -> int | None:
         """Frames to keep when x (B, T, D) is longer than max_len but every utterance fits: 1 +
@@ -145,6 +146,32 @@ class _SynthesizerBase(Attention):
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p, scale=1.0)
         return y[..., :dv]
 
+    def flops(self, T: int) -> Flops:
+        """Dense synthesizers: W_1 and one (T, T) logit matrix per logit group, then values."""
+        W2, _ = self.logit_table()  # (G, l_max, hidden)
+        G, hidden = W2.shape[0], W2.shape[-1]
+        logits = G * linear_flops(T, hidden, T)
+        return Flops(linear_flops(T, self.dim, G * hidden) + logits + self.value_flops(T))
+
+    def logit_table(self) -> tuple[Tensor, Tensor | None]:
+        """Dense synthesizers: W_2 (G, l_max, hidden) and b_2 (G, l_max) or None, G = 1 (one
+        logit matrix for all heads) or h."""
+        raise NotImplementedError
+
+    def _qk(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        """Dense synthesizers' logits as inner products: q (B, G, T, H'), k (B, G, T, H') with
+        H' = hidden (+1 for the bias)."""
+        B, T, _ = x.shape
+        self._check_len(T)
+        W2, b2 = self.logit_table()
+        G = W2.shape[0]
+        q = F.relu(self.w1(x)).view(B, T, G, -1).transpose(1, 2)  # (B, G, T, hidden)
+        k = W2[:, :T]  # (G, T, hidden)
+        if b2 is not None:
+            q = torch.cat([q, q.new_ones(B, G, T, 1)], dim=-1)
+            k = torch.cat([k, b2[:, :T, None]], dim=-1)
+        return q, k.expand(B, -1, -1, -1)
+
     def attend_dense(self, x: Tensor, valid: Tensor) -> tuple[Tensor, Tensor]:
         """Dense synthesizers: weights from `_qk`'s logits, (B, 1 or h, T, T)."""
         q, k = self._qk(x)  # (B, 1 or h, T, H')
@@ -169,21 +196,9 @@ class SynDenseAttention(_SynthesizerBase):
         self.w1 = nn.Linear(config.dim, hidden, bias=config.bias)  # W_1
         self.w2 = nn.Linear(hidden, config.max_len, bias=config.bias)  # W_2, one row per key
 
-    def flops(self, T: int) -> Flops:
-        hidden = self.w1.out_features
-        logits = linear_flops(T, hidden, T)  # one shared (T, T) logit matrix
-        return Flops(linear_flops(T, self.dim, hidden) + logits + self.value_flops(T))
-
-    def _qk(self, x: Tensor) -> tuple[Tensor, Tensor]:
-        """Logits as inner products: q (B, 1, T, H'), k (B, 1, T, H') with H' = hidden (+1)."""
-        B, T, _ = x.shape
-        self._check_len(T)
-        q = F.relu(self.w1(x))  # (B, T, hidden)
-        k = self.w2.weight[:T]  # (T, hidden)
-        if self.w2.bias is not None:
-            q = torch.cat([q, q.new_ones(B, T, 1)], dim=-1)
-            k = torch.cat([k, self.w2.bias[:T, None]], dim=-1)
-        return q[:, None], k.expand(B, 1, T, -1)
+    def logit_table(self) -> tuple[Tensor, Tensor | None]:
+        bias = self.w2.bias
+        return self.w2.weight[None], None if bias is None else bias[None]
 
     def attend(self, x: Tensor, valid: Tensor | None) -> Tensor:
         q, k = self._qk(x)  # (B, 1, T, H')
@@ -215,24 +230,11 @@ class SynDenseMHAttention(_SynthesizerBase):
         nn.init.uniform_(self.w2, -(self.hidden**-0.5), self.hidden**-0.5)
         self.b2 = nn.Parameter(torch.zeros(h, config.max_len)) if config.bias else None
 
-    def flops(self, T: int) -> Flops:
-        h, hidden = self.num_heads, self.hidden
-        logits = h * linear_flops(T, hidden, T)  # one (T, T) logit matrix per head
-        return Flops(linear_flops(T, self.dim, h * hidden) + logits + self.value_flops(T))
-
     def _remove_heads(self, index: Tensor) -> None:
         remove_projection_heads(self, self.w1, index, size=self.hidden)
 
-    def _qk(self, x: Tensor) -> tuple[Tensor, Tensor]:
-        """q (B, h, T, H'), k (B, h, T, H') with H' = hidden (+1 for the bias)."""
-        B, T, _ = x.shape
-        self._check_len(T)
-        q = F.relu(self.w1(x)).view(B, T, self.num_heads, self.hidden).transpose(1, 2)
-        k = self.w2[:, :T]  # (h, T, hidden)
-        if self.b2 is not None:
-            q = torch.cat([q, q.new_ones(B, self.num_heads, T, 1)], dim=-1)
-            k = torch.cat([k, self.b2[:, :T, None]], dim=-1)
-        return q, k.expand(B, -1, -1, -1)
+    def logit_table(self) -> tuple[Tensor, Tensor | None]:
+        return self.w2, self.b2
 
     def attend(self, x: Tensor, valid: Tensor | None) -> Tensor:
         q, k = self._qk(x)  # (B, h, T, H')
