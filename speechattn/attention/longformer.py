@@ -60,7 +60,8 @@ class LongformerConfig(AttentionConfig):
         require(delta >= 1, f"longformer dilation must be >= 1 (1: no gaps), got {delta}")
         require(
             hd is None or 0 <= hd <= self.num_heads,
-            f"longformer dilated_heads must be in [0, num_heads={self.num_heads}] or None, got {hd}",
+            f"longformer dilated_heads must be in [0, num_heads={self.num_heads}] or None, "
+            f"got {hd}",
         )
         require(g >= 0, f"longformer global_every must be >= 0 (0: no global frames), got {g}")
 

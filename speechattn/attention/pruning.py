@@ -2,8 +2,9 @@
 
 Removes the parameters of every head not in `keep`, in place (D stays; the heads' inner size
 becomes h' d_k): those a variant declares (`Attention.head_projections`, `head_tensors`), and
-other per-head state in its `_remove_heads` hook, with the helpers below. Kept heads keep their order, so heads with a role by position remain a
-prefix and a suffix, and the module equals the unpruned one with xi = 0 on the removed heads.
+other per-head state in its `_remove_heads` hook, with the helpers below. Kept heads keep
+their order, so heads with a role by position remain a prefix and a suffix, and the module
+equals the unpruned one with xi = 0 on the removed heads.
 """
 
 from __future__ import annotations
