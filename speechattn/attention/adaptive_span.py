@@ -130,23 +130,24 @@ class AdaptiveSpanAttention(Attention):
         z = self.spans() if z is None else z
         return (self.ramp + z.view(-1, *([1] * distance.dim())) - distance) / self.ramp
 
-    def soft_mask(self, distance: Tensor, z: Tensor | None = None) -> Tensor:
+    def soft_mask(self, distance: Tensor) -> Tensor:
         """m_z(x) per head: distance (...) -> (h, ...), in [0, 1]; at x = z + R its gradient is
         0, the derivative from inside the masked region (log m has no other finite choice)."""
-        raw = self.ramp_position(distance, z)
+        raw = self.ramp_position(distance)
         return raw.clamp(0.0, 1.0) * (raw > 0)
 
-    def log_mask(self, distance: Tensor, z: Tensor | None = None) -> Tensor:
-        """log m_z(x) per head, -inf where m = 0: distance (...) -> (h, ...); the clamp gives
-        masked entries a zero gradient, not NaN."""
-        m = self.soft_mask(distance, z)
-        return m.clamp_min(torch.finfo(m.dtype).tiny).log().masked_fill(m == 0, float("-inf"))
+    def _offsets(self, c: int, L: int, Lk: int) -> Tensor:
+        """The distances of an (L, Lk) layout whose query a and key w are c + a - w frames
+        apart, once per offset -(Lk - 1) + c .. L - 1 + c (`patterns.toeplitz`' order)."""
+        return self._distance(torch.arange(c - Lk + 1, c + L, device=self.span_fraction.device))
 
     def _toeplitz(self, c: int, L: int, Lk: int) -> Tensor:
-        """log m over an (L, Lk) layout whose query a and key w are c + a - w frames apart:
-        (h, L, Lk), differentiable in the spans, computed once per distance (`toeplitz`)."""
-        offsets = torch.arange(c - Lk + 1, c + L, device=self.span_fraction.device)
-        return patterns.toeplitz(self.log_mask(self._distance(offsets)), L, Lk)
+        """log m (-inf where m = 0; the clamp gives masked entries a zero gradient, not NaN)
+        over `_offsets`' (L, Lk) layout: (h, L, Lk), differentiable in the spans, computed
+        once per distance (`toeplitz`)."""
+        m = self.soft_mask(self._offsets(c, L, Lk))
+        log_m = m.clamp_min(torch.finfo(m.dtype).tiny).log().masked_fill(m == 0, float("-inf"))
+        return patterns.toeplitz(log_m, L, Lk)
 
     # ----------------------------------------------------------------- metadata
     def keys_attended(self, T: int) -> float:
@@ -204,8 +205,7 @@ class AdaptiveSpanAttention(Attention):
     ) -> tuple[Tensor, Tensor]:
         """For the CPU kernels: log m and its z-derivative (1 / (R raw) on the ramp, raw in
         (0, 1], else 0) as constants at `_toeplitz`'s offsets: (h, L + Lk - 1) each."""
-        offsets = torch.arange(c - Lk + 1, c + L, device=self.span_fraction.device)
-        raw = self.ramp_position(self._distance(offsets), self.spans().detach())
+        raw = self.ramp_position(self._offsets(c, L, Lk), self.spans().detach())
         log_m = raw.clamp(0.0, 1.0).log()  # -inf where m = 0
         return log_m.to(dtype), torch.where(raw.ceil() == 1, 1.0 / (self.ramp * raw), 0.0)
 

@@ -123,13 +123,10 @@ class RoutingAttention(SharedQKBase):
         config = self.config
         first = (config.num_heads + 1) // 2  # routing heads' original indices start here
         heads = torch.tensor([h - first for h in self.kept_heads if h >= first], dtype=torch.long)
-        gens = [torch.Generator().manual_seed(layer_seed(config.seed, config.layer, c)) for c in range(start, stop)]  # fmt: skip
-        mu = [torch.randn(config.num_heads - first, config.head_dim, generator=g) for g in gens]
-        mu = (
-            torch.stack(mu, dim=1)
-            if mu
-            else torch.empty(config.num_heads - first, 0, config.head_dim)
-        )
+        mu = torch.empty(config.num_heads - first, stop - start, config.head_dim)
+        for c in range(start, stop):
+            g = torch.Generator().manual_seed(layer_seed(config.seed, config.layer, c))
+            mu[:, c - start] = torch.randn(config.num_heads - first, config.head_dim, generator=g)
         return F.normalize(mu[heads], dim=-1)  # (h_r, stop - start, d_k)
 
     def num_centroids(self, T: int) -> int:
