@@ -31,12 +31,34 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from speechattn.attention.kernels.memory import lazy_zeros
-from speechattn.attention.padding import check_no_leading_padding
-from speechattn.errors import ConfigError
+from speechattn.errors import ConfigError, SpeechattnError
 
 # Additive score on the diagonal for shared-QK attention (Reformer): a query attends to
 # itself only when it has no other valid key. Finite, unlike -inf, so such rows stay defined.
 SELF_PENALTY = -5e4
+
+
+class PaddingMaskError(SpeechattnError, ValueError):
+    """A padding mask a variant cannot use: padded frames before an utterance's first valid
+    frame, given to a variant whose pattern is placed by frame position
+    (`Attention.end_padded_only`)."""
+
+
+def check_no_leading_padding(padding_mask: Tensor, name: str) -> None:
+    """Refuse a padding mask (B, T) bool with padded frames before an utterance's first valid
+    frame (later padded frames are masked keys at their positions); `name`: the variant's.
+    A host read, made only where it is free (CPU, eager): elsewhere the mask is trusted (the
+    model's masks come from lengths, end-padded by construction)."""
+    leading = padding_mask[:, 0] & ~padding_mask.all(-1)  # (B,): padded first, valid later
+    if bool(leading.any()):
+        b = int(leading.nonzero()[0])
+        first = int((~padding_mask[b]).nonzero()[0])
+        raise PaddingMaskError(
+            f"{name}: padding_mask row {b} starts with {first} padded frames before its first "
+            f"valid frame; {name} places its pattern by frame position, counted from frame 0, "
+            "so padding must come after each utterance's first frame (pad at the end, e.g. "
+            "speechattn.utils.lengths_to_padding_mask), or use a variant that takes any padding"
+        )
 
 
 @dataclass(frozen=True)
@@ -114,7 +136,7 @@ class Attention(nn.Module, ABC):
             and parameters or buffers with one entry per head along dim 0 (None: absent).
         end_padded_only: the pattern is placed by frame position, so frame 0 must be each
             utterance's first frame: a mask padding before it is refused
-            (`padding.PaddingMaskError`). The others give the same outputs for any padding.
+            (`PaddingMaskError`). The others give the same outputs for any padding.
     """
 
     Config: ClassVar[type[AttentionConfig]] = AttentionConfig
