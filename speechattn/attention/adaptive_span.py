@@ -33,7 +33,6 @@ from speechattn.attention.autotune import use_short_path
 from speechattn.attention.base import (
     Attention,
     AttentionConfig,
-    Flops,
     all_valid,
     key_mask,
     masked_softmax,
@@ -156,9 +155,6 @@ class AdaptiveSpanAttention(Attention):
         reach = [math.ceil(z + self.ramp) - 1 for z in self.spans().detach().tolist()]
         counts = [patterns.mean_band_size(T, X) for X in reach]
         return float(torch.tensor(counts, dtype=torch.float64).mean())
-
-    def flops(self, T: int) -> Flops:
-        return self.dot_product_flops(T, self.keys_attended(T))  # the keys within span
 
     # ----------------------------------------------------------------- kernels
     def _distance(self, rel: Tensor) -> Tensor:

@@ -150,6 +150,7 @@ class Attention(nn.Module, ABC):
     no_weight_decay: ClassVar[tuple[str, ...]] = ()
     head_projections: ClassVar[dict[str, int]] = {}
     head_tensors: ClassVar[tuple[str, ...]] = ()
+    input_projections: ClassVar[int] = 3  # W^Q, W^K, W^V (2 with shared QK), for `flops`
     end_padded_only: ClassVar[bool] = False
     max_len: int | None = None  # longest sequence (T) the variant accepts; None: any
     # Kernel choice by measurement (`attention.autotune.enable` sets it per module); off, the
@@ -183,9 +184,10 @@ class Attention(nn.Module, ABC):
         utterance; 0 for the synthesizers, whose weights do not come from the keys."""
         return float(T)
 
-    @abstractmethod
     def flops(self, T: int) -> Flops:
-        """FLOPs of one sequence of T valid frames, output projection included (see `Flops`)."""
+        """FLOPs of one sequence of T valid frames, output projection included (see `Flops`):
+        here the dot-product attention of `keys_attended(T)` keys per query."""
+        return self.dot_product_flops(T, self.keys_attended(T))
 
     @property
     def inner_dim(self) -> int:
@@ -196,10 +198,10 @@ class Attention(nn.Module, ABC):
         """The output projection W^O, shared by every variant."""
         return linear_flops(T, self.inner_dim, self.dim)
 
-    def dot_product_flops(self, T: int, keys: float, projections: int = 3) -> Flops:
-        """`projections` input projections D -> h d_k, scores and weighted sums over `keys`
+    def dot_product_flops(self, T: int, keys: float) -> Flops:
+        """`input_projections` projections D -> h d_k, scores and weighted sums over `keys`
         keys per query in every head, and the output projection."""
-        E = self.inner_dim
+        E, projections = self.inner_dim, self.input_projections
         attention = 2 * 2.0 * T * keys * E
         return Flops(linear_flops(T, self.dim, projections * E) + attention + self.output_flops(T))
 

@@ -21,7 +21,6 @@ from speechattn.attention.base import (
     SELF_PENALTY,
     Attention,
     AttentionConfig,
-    Flops,
     key_mask,
     scale,
     self_penalty,
@@ -46,9 +45,6 @@ class FullAttention(Attention):
         super().__init__(config)
         self.qkv = nn.Linear(config.dim, 3 * config.dim, bias=config.bias)  # W^Q | W^K | W^V
 
-    def flops(self, T: int) -> Flops:
-        return self.dot_product_flops(T, T)
-
     def attend(self, x: Tensor, valid: Tensor | None) -> Tensor:
         q, k, v = self._qkv(x)  # (B, h, T, d_k)
         mask = None if valid is None else key_mask(valid)[:, None, None, :]  # (B, 1, 1, T)
@@ -67,6 +63,7 @@ class SharedQKBase(Attention):
     """Shared-QK projections and scores; reused by the sparse variants."""
 
     head_projections = {"qv": 2}
+    input_projections = 2
 
     def __init__(self, config: AttentionConfig) -> None:
         super().__init__(config)
@@ -94,9 +91,6 @@ class SharedQKAttention(SharedQKBase):
     paper = "Kitaev et al., Reformer: The Efficient Transformer, ICLR 2020"
     complexity_training = "O(T^2 D)"
     complexity_inference = "O(T^2 D)"
-
-    def flops(self, T: int) -> Flops:
-        return self.dot_product_flops(T, T, projections=2)
 
     def attend(self, x: Tensor, valid: Tensor | None) -> Tensor:
         q, k, v = self.shared_qkv(x)  # (B, h, T, d_k)

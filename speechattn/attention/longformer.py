@@ -31,7 +31,6 @@ from speechattn.attention.autotune import use_short_path
 from speechattn.attention.base import (
     Attention,
     AttentionConfig,
-    Flops,
     all_valid,
     key_mask,
     require,
@@ -157,9 +156,6 @@ class LongformerAttention(Attention):
     def keys_attended(self, T: int) -> float:
         keys = [(h.stop - h.start) * self._mean_keys(T, step) for h, step in self.head_steps()]
         return sum(keys) / self.num_heads  # window heads, then dilated heads
-
-    def flops(self, T: int) -> Flops:
-        return self.dot_product_flops(T, self.keys_attended(T))
 
     def _remove_heads(self, index: Tensor) -> None:
         # window heads stay a prefix and dilated heads a suffix (index is sorted)

@@ -185,7 +185,7 @@ class RoutingAttention(SharedQKBase):
     def flops(self, T: int) -> Flops:
         h_r = self.num_heads - self.heads_local
         routing = 2.0 * T * num_clusters(T, self.max_clusters) * self.head_dim * h_r
-        attention = self.dot_product_flops(T, self.keys_attended(T), projections=2)
+        attention = self.dot_product_flops(T, self.keys_attended(T))
         return Flops(attention.differentiable, routing)  # distances to the centroids, no grad
 
     # ----------------------------------------------------------------- routing

@@ -28,7 +28,6 @@ from speechattn.attention import flex, patterns
 from speechattn.attention.autotune import pick_kernel
 from speechattn.attention.base import (
     AttentionConfig,
-    Flops,
     all_valid,
     key_mask,
     needs_static_shapes,
@@ -225,9 +224,6 @@ class _SparseBase(SharedQKBase):
         a, b = self._mean_pattern_size(T)
         hA = self.heads_first
         return (hA * a + (self.num_heads - hA) * b) / self.num_heads
-
-    def flops(self, T: int) -> Flops:
-        return self.dot_product_flops(T, self.keys_attended(T), projections=2)
 
 
 @dataclass
