@@ -31,7 +31,6 @@ from torch import Tensor, nn
 from speechattn.attention import patterns
 from speechattn.attention.autotune import use_short_path
 from speechattn.attention.base import (
-    Attention,
     AttentionConfig,
     all_valid,
     key_mask,
@@ -40,6 +39,7 @@ from speechattn.attention.base import (
     require,
     scale,
 )
+from speechattn.attention.dot_product import FullAttention
 from speechattn.attention.kernels.span import FlashThenUnfused, UnfusedSavedWeights, flash_cpu
 from speechattn.attention.registry import register
 
@@ -76,7 +76,7 @@ class AdaptiveSpanConfig(AttentionConfig):
 
 
 @register("adaptive_span")
-class AdaptiveSpanAttention(Attention):
+class AdaptiveSpanAttention(FullAttention):
     """Scaled dot-product attention whose weights each head masks to its learned span."""
 
     Config = AdaptiveSpanConfig
@@ -88,13 +88,11 @@ class AdaptiveSpanAttention(Attention):
     short_path_max_t = 1024
     # On CPU, all pairs keep their weights (`UnfusedSavedWeights`) up to here, then flash.
     saved_weights_max_t = 320
-    head_projections = {"qkv": 3}
     head_tensors = ("span_fraction",)
 
     def __init__(self, config: AdaptiveSpanConfig) -> None:
         super().__init__(config)
         self.max_span, self.ramp = config.max_span, config.ramp
-        self.qkv = nn.Linear(config.dim, 3 * config.dim, bias=config.bias)  # W^Q | W^K | W^V
         # z_h / S per head; learned, clamped to [0, 1] where used
         z0 = initial_span(config.init_span, config.max_span)
         self.span_fraction = nn.Parameter(torch.full((config.num_heads,), z0 / config.max_span))

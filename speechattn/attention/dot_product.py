@@ -33,7 +33,8 @@ FullConfig = AttentionConfig  # no options beyond the shared ones
 
 @register("full")
 class FullAttention(Attention):
-    """Multi-head scaled dot-product attention with separate Q, K, V projections."""
+    """Multi-head scaled dot-product attention with separate Q, K, V projections; the base of
+    the variants with the same projections (`linear`, `relpos`, `longformer`, `adaptive_span`)."""
 
     Config = FullConfig
     paper = "Vaswani et al., Attention Is All You Need, NeurIPS 2017"

@@ -18,16 +18,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from speechattn.attention.base import (
-    Attention,
     AttentionConfig,
     Flops,
     key_mask,
     linear_flops,
     widen,
 )
+from speechattn.attention.dot_product import FullAttention
 from speechattn.attention.kernels.linear import LinearKernel, phi
 from speechattn.attention.registry import register
 
@@ -38,7 +38,7 @@ class LinearConfig(AttentionConfig):
 
 
 @register("linear")
-class LinearAttention(Attention):
+class LinearAttention(FullAttention):
     """Non-causal linear attention with the feature map elu(x) + 1."""
 
     Config = LinearConfig
@@ -48,11 +48,6 @@ class LinearAttention(Attention):
     )
     complexity_training = "O(T D d_k)"
     complexity_inference = "O(T D d_k)"
-    head_projections = {"qkv": 3}
-
-    def __init__(self, config: LinearConfig) -> None:
-        super().__init__(config)
-        self.qkv = nn.Linear(config.dim, 3 * config.dim, bias=config.bias)  # W^Q | W^K | W^V
 
     def flops(self, T: int) -> Flops:
         D, E, dk = self.dim, self.inner_dim, self.head_dim  # E = h d_k (D unless pruned)
@@ -60,7 +55,7 @@ class LinearAttention(Attention):
         normaliser = 2 * 2.0 * T * E  # z = sum_j phi(k_j) and phi(Q) z
         return Flops(linear_flops(T, D, 3 * E) + state + normaliser + self.output_flops(T))
 
-    projections = Attention._qkv  # x (B, T, D) -> q, k, v (B, h, T, d_k), autocast's dtype
+    projections = FullAttention._qkv  # x (B, T, D) -> q, k, v (B, h, T, d_k), autocast's dtype
 
     def features(
         self, q: Tensor, k: Tensor, v: Tensor, valid: Tensor

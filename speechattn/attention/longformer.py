@@ -24,18 +24,18 @@ import math
 from dataclasses import dataclass
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from speechattn.attention import patterns
 from speechattn.attention.autotune import use_short_path
 from speechattn.attention.base import (
-    Attention,
     AttentionConfig,
     all_valid,
     key_mask,
     require,
     scale,
 )
+from speechattn.attention.dot_product import FullAttention
 from speechattn.attention.kernels.blocks import (
     _attend,
     _blocks,
@@ -120,7 +120,7 @@ def band_global_kernel(
 
 
 @register("longformer")
-class LongformerAttention(Attention):
+class LongformerAttention(FullAttention):
     """Window and dilated-window heads plus global frames (see module docstring)."""
 
     end_padded_only = True  # positions place the pattern (see `Attention`)
@@ -131,14 +131,12 @@ class LongformerAttention(Attention):
     complexity_inference = "O(T (w + T/g) D)"
     # All-pairs SDPA with the pattern as a mask up to here, the blocked kernel above (docs/attention.md).
     short_path_max_t = 256
-    head_projections = {"qkv": 3}
 
     def __init__(self, config: LongformerConfig) -> None:
         super().__init__(config)
         self.window, self.dilation = config.window, config.dilation
         self.global_every = config.global_every
         self.num_dilated = config.num_dilated
-        self.qkv = nn.Linear(config.dim, 3 * config.dim, bias=config.bias)  # W^Q | W^K | W^V
 
     # ----------------------------------------------------------------- metadata
     def _mean_keys(self, T: int, step: int) -> float:

@@ -26,13 +26,13 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from speechattn.attention.base import (
-    Attention,
     AttentionConfig,
     Flops,
     key_mask,
     linear_flops,
     scale,
 )
+from speechattn.attention.dot_product import FullAttention
 from speechattn.attention.registry import register
 
 
@@ -69,7 +69,7 @@ class RelPosConfig(AttentionConfig):
 
 
 @register("relpos")
-class RelPosAttention(Attention):
+class RelPosAttention(FullAttention):
     """Transformer-XL relative positional self-attention with content and position biases."""
 
     Config = RelPosConfig
@@ -87,7 +87,6 @@ class RelPosAttention(Attention):
     def __init__(self, config: RelPosConfig) -> None:
         super().__init__(config)
         h, dk = config.num_heads, config.head_dim
-        self.qkv = nn.Linear(config.dim, 3 * config.dim, bias=config.bias)  # W^Q | W^K | W^V
         self.pos_proj = nn.Linear(config.dim, config.dim, bias=False)  # W_R, no bias
         # u (content bias) and v (position bias), one d_k vector per head; Xavier-uniform as
         # in Conformer implementations, so that both terms matter from the first step.
