@@ -117,40 +117,34 @@ class AttentionConfig:
 
 
 class Attention(nn.Module, ABC):
-    """Multi-head self-attention with one fixed signature (see module docstring).
-
-    Class metadata, declared by each variant:
-        name: registry name (set by `registry.register`); paper: citation of the mechanism
-        complexity_training / complexity_inference: theoretical time cost (study, Table 1)
-        supports_weights: whether `need_weights=True` can return (B, h, T, T) weights
-        short_path_max_t: two-kernel variants run their all-pairs "short" kernel up to this
-            many frames, their "long" one (blocks, sparse products, chunks) above (measured
-            with `python -m speechattn.bench attention`); None: one kernel, or kernels of
-            other names (`kernel_names`). With `autotune` on, `autotune` times them instead.
-        all_pairs_kernels: kernels forming (B, h, T, T) scores or masks: the tuner times
-            them only while those fit its memory budget.
-        no_weight_decay: parameters that are biases stored as matrices (one vector per
-            head), left undecayed like every parameter of fewer than 2 dimensions.
-        head_projections, head_tensors: what `pruning.prune_heads` cuts per head: Linear
-            layers {name: blocks} with outputs blocks x h x d_k (3: a fused W^Q | W^K | W^V),
-            and parameters or buffers with one entry per head along dim 0 (None: absent).
-        end_padded_only: the pattern is placed by frame position, so frame 0 must be each
-            utterance's first frame: a mask padding before it is refused
-            (`PaddingMaskError`). The others give the same outputs for any padding.
-    """
+    """Multi-head self-attention with one fixed signature (see module docstring), and the
+    class metadata each variant declares."""
 
     Config: ClassVar[type[AttentionConfig]] = AttentionConfig
-    name: ClassVar[str] = ""
-    paper: ClassVar[str] = ""
-    complexity_training: ClassVar[str] = ""
+    name: ClassVar[str] = ""  # registry name (set by `registry.register`)
+    paper: ClassVar[str] = ""  # citation of the mechanism
+    complexity_training: ClassVar[str] = ""  # theoretical time cost (study, Table 1)
     complexity_inference: ClassVar[str] = ""
-    supports_weights: ClassVar[bool] = True
+    supports_weights: ClassVar[bool] = True  # `need_weights=True` returns (B, h, T, T) weights
+    # Two-kernel variants run their all-pairs "short" kernel up to this many frames, their
+    # "long" one (blocks, sparse products, chunks) above (measured with `python -m
+    # speechattn.bench attention`); None: one kernel, or kernels of other names
+    # (`kernel_names`). With `autotune` on, `autotune` times them instead.
     short_path_max_t: ClassVar[int | None] = None
+    # Kernels forming (B, h, T, T) scores or masks: timed only while those fit the budget.
     all_pairs_kernels: ClassVar[tuple[str, ...]] = ("short",)
+    # Parameters that are biases stored as matrices (one vector per head), left undecayed
+    # like every parameter of fewer than 2 dimensions.
     no_weight_decay: ClassVar[tuple[str, ...]] = ()
+    # What `pruning.prune_heads` cuts per head: Linear layers {name: blocks} with outputs
+    # blocks x h x d_k (3: a fused W^Q | W^K | W^V), and parameters or buffers with one entry
+    # per head along dim 0 (None: absent).
     head_projections: ClassVar[dict[str, int]] = {}
     head_tensors: ClassVar[tuple[str, ...]] = ()
     input_projections: ClassVar[int] = 3  # W^Q, W^K, W^V (2 with shared QK), for `flops`
+    # The pattern is placed by frame position, so frame 0 must be each utterance's first
+    # frame: a mask padding before it is refused (`PaddingMaskError`). The others give the
+    # same outputs for any padding.
     end_padded_only: ClassVar[bool] = False
     max_len: int | None = None  # longest sequence (T) the variant accepts; None: any
     # Kernel choice by measurement (`attention.autotune.enable` sets it per module); off, the
@@ -323,11 +317,6 @@ class Attention(nn.Module, ABC):
         merged = heads.transpose(1, 2).reshape(B, T, h * dk)  # (B, T, D)
         y = self.out_proj(merged)  # (B, T, D)
         return y if valid is None else y.masked_fill(~valid[..., None], 0.0)
-
-    def _qkv(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """q, k, v (B, h, T, d_k) from the variant's `qkv` projection (W^Q | W^K | W^V)."""
-        q, k, v = self.qkv(x).chunk(3, dim=-1)  # 3 x (B, T, D)
-        return self.split_heads(q), self.split_heads(k), self.split_heads(v)
 
     def split_heads(self, t: Tensor) -> Tensor:
         """(B, T, D) -> (B, h, T, d_k)."""

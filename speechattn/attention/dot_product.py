@@ -46,6 +46,11 @@ class FullAttention(Attention):
         super().__init__(config)
         self.qkv = nn.Linear(config.dim, 3 * config.dim, bias=config.bias)  # W^Q | W^K | W^V
 
+    def _qkv(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """q, k, v (B, h, T, d_k) from the fused projection W^Q | W^K | W^V."""
+        q, k, v = self.qkv(x).chunk(3, dim=-1)  # 3 x (B, T, D)
+        return self.split_heads(q), self.split_heads(k), self.split_heads(v)
+
     def attend(self, x: Tensor, valid: Tensor | None) -> Tensor:
         q, k, v = self._qkv(x)  # (B, h, T, d_k)
         mask = None if valid is None else key_mask(valid)[:, None, None, :]  # (B, 1, 1, T)
@@ -70,13 +75,11 @@ class SharedQKBase(Attention):
         super().__init__(config)
         self.qv = nn.Linear(config.dim, 2 * config.dim, bias=config.bias)  # W^Q | W^V
 
-    def shared_qkv(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    def _qkv(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """x (B, T, D) -> q, k, v (B, h, T, d_k); k = q / ||q|| per head."""
         q, v = self.qv(x).chunk(2, dim=-1)  # 2 x (B, T, D)
         q, v = self.split_heads(q), self.split_heads(v)  # (B, h, T, d_k)
         return q, unit_keys(q), v
-
-    _qkv = shared_qkv  # the name `routing`'s selection tests use
 
     def shared_scores(self, q: Tensor, k: Tensor) -> Tensor:
         """Dense shared-QK scores (B, h, T, T) with the self penalty on the diagonal."""
@@ -94,7 +97,7 @@ class SharedQKAttention(SharedQKBase):
     complexity_inference = "O(T^2 D)"
 
     def attend(self, x: Tensor, valid: Tensor | None) -> Tensor:
-        q, k, v = self.shared_qkv(x)  # (B, h, T, d_k)
+        q, k, v = self._qkv(x)  # (B, h, T, d_k)
         T = x.shape[1]
         if x.device.type == "cpu" and valid is None:
             # Keys reversed put the self penalty on the anti-diagonal, a strided view of 2T - 1
@@ -111,5 +114,5 @@ class SharedQKAttention(SharedQKBase):
         return self.sdpa(q, k, v, mask)
 
     def attend_dense(self, x: Tensor, valid: Tensor) -> tuple[Tensor, Tensor]:
-        q, k, v = self.shared_qkv(x)  # (B, h, T, d_k)
+        q, k, v = self._qkv(x)  # (B, h, T, d_k)
         return self.weigh(self.shared_scores(q, k), key_mask(valid)[:, None, None, :], v)

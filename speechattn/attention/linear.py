@@ -55,8 +55,6 @@ class LinearAttention(FullAttention):
         normaliser = 2 * 2.0 * T * E  # z = sum_j phi(k_j) and phi(Q) z
         return Flops(linear_flops(T, D, 3 * E) + state + normaliser + self.output_flops(T))
 
-    projections = FullAttention._qkv  # x (B, T, D) -> q, k, v (B, h, T, d_k), autocast's dtype
-
     def features(
         self, q: Tensor, k: Tensor, v: Tensor, valid: Tensor
     ) -> tuple[Tensor, Tensor, Tensor]:
@@ -70,7 +68,7 @@ class LinearAttention(FullAttention):
         return self.drop(fk.new_ones(fk.shape[:-1] + (1,)))
 
     def attend(self, x: Tensor, valid: Tensor | None) -> Tensor:
-        q, k, v = self.projections(x)  # (B, h, T, d_k)
+        q, k, v = self._qkv(x)  # (B, h, T, d_k)
         with torch.autocast(x.device.type, enabled=False):
             q32, k32, v32 = widen(q), widen(k), widen(v)
             keep = None if valid is None else key_mask(valid)[:, None, :, None].to(q32)
@@ -79,7 +77,7 @@ class LinearAttention(FullAttention):
         return out.to(v.dtype)
 
     def attend_dense(self, x: Tensor, valid: Tensor) -> tuple[Tensor, Tensor]:
-        q, k, v = self.projections(x)  # (B, h, T, d_k)
+        q, k, v = self._qkv(x)  # (B, h, T, d_k)
         with torch.autocast(x.device.type, enabled=False):
             fq, fk, v32 = self.features(q, k, v, valid)  # (B, h, T, d_k)
             scores = fq @ fk.transpose(-1, -2)  # (B, h, T, T), zero at padded keys

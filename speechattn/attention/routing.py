@@ -322,7 +322,7 @@ class RoutingAttention(SharedQKBase):
     def attend(self, x: Tensor, valid: Tensor | None) -> Tensor:
         padded = valid is not None
         valid = all_valid(x) if valid is None else valid
-        q, k, v = self.shared_qkv(x)  # (B, h, T, d_k)
+        q, k, v = self._qkv(x)  # (B, h, T, d_k)
         hl, p = self.heads_local, self.dropout_p
         kernel = pick_kernel(self, q)
         # Select with the centroids as they were before this pass moves them.
@@ -358,7 +358,7 @@ class RoutingAttention(SharedQKBase):
         return self.sdpa(q, k, v, bias)
 
     def attend_dense(self, x: Tensor, valid: Tensor) -> tuple[Tensor, Tensor]:
-        q, k, v = self.shared_qkv(x)  # (B, h, T, d_k)
+        q, k, v = self._qkv(x)  # (B, h, T, d_k)
         T = q.shape[-2]
         eye = torch.eye(T, dtype=torch.bool, device=x.device)
         allowed = self.selection_dense(q, k, valid) & key_mask(valid)[:, None, None, :] | eye

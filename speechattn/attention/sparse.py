@@ -171,7 +171,7 @@ class _SparseBase(SharedQKBase):
         return torch.cat(outs, dim=1)  # (B, h, T, d_k)
 
     def attend(self, x: Tensor, valid: Tensor | None) -> Tensor:
-        q, k, v = self.shared_qkv(x)  # (B, h, T, d_k)
+        q, k, v = self._qkv(x)  # (B, h, T, d_k)
         kernel = pick_kernel(self, q)
         if kernel == "masked":
             return self.attend_masked(q, k, v, valid)
@@ -217,7 +217,7 @@ class _SparseBase(SharedQKBase):
         return (heads | eye) & key_mask(valid)[:, None, None, :]
 
     def attend_dense(self, x: Tensor, valid: Tensor) -> tuple[Tensor, Tensor]:
-        q, k, v = self.shared_qkv(x)  # (B, h, T, d_k)
+        q, k, v = self._qkv(x)  # (B, h, T, d_k)
         return self.weigh(self.shared_scores(q, k), self.allowed_dense(valid), v)
 
     def keys_attended(self, T: int) -> float:

@@ -21,7 +21,7 @@ def _flex_heads(attn, x, pad, backend=None):
     utterance's own l, as CUDA runs it."""
     valid = ~pad
     B, T = valid.shape
-    q, k, v = attn.shared_qkv(x.masked_fill(pad[..., None], 0))
+    q, k, v = attn._qkv(x.masked_fill(pad[..., None], 0))
     ls = torch.tensor(attn.strides(valid))  # (B,)
     key, pattern, envelope = attn.flex_mask(ls, B, T, q.device)
     return flex.pattern_attention(q, k, v, key_mask(valid), pattern, envelope, key, backend)
