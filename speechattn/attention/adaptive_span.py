@@ -14,9 +14,7 @@ CUDA SDPA differentiates the mask in z; on CPU (SDPA's math path otherwise) the 
 is one more reduction in `UnfusedSavedWeights` or `FlashThenUnfused` (`kernels/span.py`).
 
 At the mask's kinks (x = z, x = z + R) the kernels and the reference take the left derivative
-(log m has no finite right derivative at m = 0), so spans start half a frame off the integer
-init_span S (`initial_span`), and R >= 2: with R = 1 a span of 0 has no key on the ramp, no
-gradient, and never grows back.
+(log m has no finite right derivative at m = 0): see `initial_span` and the ramp check.
 """
 
 from __future__ import annotations
