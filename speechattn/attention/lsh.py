@@ -245,21 +245,19 @@ class _LSHAttention(Attention):
         precision transforms (norms, sqrt(M^2 - ||x||^2)) would flip bits of the fp32 model.
         """
         with torch.autocast(q.device.type, enabled=False):
-            return self._codes(widen(q), widen(k), valid)
-
-    def _codes(self, q: Tensor, k: Tensor, valid: Tensor | None) -> tuple[Tensor, Tensor]:
-        norms = k.norm(dim=-1, keepdim=True)  # (B, h, T, 1)
-        if valid is not None:
-            norms = norms * key_mask(valid)[:, None, :, None]
-        M = norms.amax(dim=-2, keepdim=True).clamp_min(_TINY)  # (B, h, 1, 1)
-        # both sides in one product and one rounding (about 20 us a tensor operation at T=128)
-        z = torch.stack(type(self).transform(q, k, M))  # (2, B, h, T, d_k + m): Q(q), P(k)
-        if self.hash == "sign":
-            codes = sign_codes(z, self.projection)
-        else:
-            scale = (1.0 if self.unit_ball else M) * self.bucket_width
-            codes = l2_codes(z, self.projection, self.offsets, scale)
-        return codes[0], codes[1]
+            q, k = widen(q), widen(k)
+            norms = k.norm(dim=-1, keepdim=True)  # (B, h, T, 1)
+            if valid is not None:
+                norms = norms * key_mask(valid)[:, None, :, None]
+            M = norms.amax(dim=-2, keepdim=True).clamp_min(_TINY)  # (B, h, 1, 1)
+            # both sides in one product and one rounding (about 20 us a tensor operation at T=128)
+            z = torch.stack(type(self).transform(q, k, M))  # (2, B, h, T, d_k + m): Q(q), P(k)
+            if self.hash == "sign":
+                codes = sign_codes(z, self.projection)
+            else:
+                scale = (1.0 if self.unit_ball else M) * self.bucket_width
+                codes = l2_codes(z, self.projection, self.offsets, scale)
+            return codes[0], codes[1]
 
     def hashed_keys(self, q: Tensor, k: Tensor) -> Tensor:
         """The vectors the key side hashes: the scored keys k, or the raw shared vectors q."""
