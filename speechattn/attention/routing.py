@@ -245,8 +245,12 @@ class RoutingAttention(SharedQKBase):
         band = i[:, None] + offsets + (offsets >= 0).long()  # (T, 2w)
         band = torch.where((band >= 0) & (band < T), band, i[:, None])  # out of range: filler
         parts = [band.expand(B, self.heads_local, T, -1)]
-        if h > self.heads_local:
-            parts.append(self._cluster_members(self.members(k, valid)))
+        if h > self.heads_local:  # kept members of each query's cluster, fillers = the query
+            members = self.members(k, valid)
+            cluster, table = members.cluster, members.table  # (B, h_r, T), (B, h_r, Cm, W)
+            own = cluster.clamp_min(0)[..., None].expand(*cluster.shape, table.shape[-1])
+            found = table.gather(2, own)  # (B, h_r, T, W)
+            parts.append(torch.where((found >= 0) & (cluster >= 0)[..., None], found, i[:, None]))
         width = max(p.shape[-1] for p in parts)
         parts = [  # the narrower part padded with fillers (the query itself)
             torch.cat([p, i[:, None].expand(*p.shape[:-1], width - p.shape[-1])], dim=-1)
@@ -257,43 +261,34 @@ class RoutingAttention(SharedQKBase):
 
     @torch.no_grad()
     def members(self, k: Tensor, valid: Tensor) -> Members:
-        """Route the routing heads' keys k (B, h, T, d_k) in float32 and sort them into
-        clusters (`Members`), with the current centroids."""
+        """Route the routing heads' keys k (B, h, T, d_k) in float32 with the current centroids
+        and sort them into clusters (`Members`) by (cluster, similarity descending, position)
+        with two stable sorts; rank = sorted position minus the cluster's first. Width W: the
+        batch's largest capacity on CPU eager, else `capacity_bound` (no size depends on data;
+        extra slots -1)."""
         with torch.autocast(k.device.type, enabled=False):
-            return self._sort(self.route(self._routing_vectors(k), valid))
-
-    def _sort(self, routes: Routes) -> Members:
-        """Sort by (cluster, similarity descending, position) with two stable sorts; rank =
-        sorted position minus the cluster's first. Width W: the batch's largest capacity on
-        CPU eager, else `capacity_bound` (no size depends on data; extra slots -1)."""
-        cluster, similarity, capacity = routes.cluster, routes.similarity, routes.capacity
-        B, h_r, T = cluster.shape
-        Cm = self.num_centroids(T)
-        W = capacity_bound(T, Cm) if needs_static_shapes(capacity) else int(capacity.max())
-        label = torch.where(cluster >= 0, cluster, Cm)  # padded frames sort last
-        order = similarity.masked_fill(cluster < 0, 0).sort(dim=-1, descending=True, stable=True)[1]
-        order = order.gather(
-            -1, label.gather(-1, order).sort(dim=-1, stable=True)[1]
-        )  # (B, h_r, T)
-        sorted_label = label.gather(-1, order)
-        counts = F.one_hot(label, Cm + 1).sum(2)  # (B, h_r, Cm + 1)
-        first = counts.cumsum(-1) - counts  # position of each cluster's first member
-        rank = torch.arange(T, device=cluster.device) - first.gather(-1, sorted_label)
-        kept = (rank < capacity[:, None, None]) & (sorted_label < Cm)
-        slot = torch.where(kept, sorted_label * W + rank, Cm * W)  # Cm * W: discarded
-        table = torch.full((B, h_r, Cm * W + 1), -1, dtype=torch.long, device=cluster.device)
-        table.scatter_(-1, slot, order)
-        table = table[..., :-1].view(B, h_r, Cm, W)
-        return Members(cluster, order, sorted_label, rank, counts[..., :Cm], table)
-
-    def _cluster_members(self, members: Members) -> Tensor:
-        """Kept members of each query's cluster (B, h_r, T, W), fillers = the query."""
-        cluster, table = members.cluster, members.table
-        B, h_r, T = cluster.shape
-        own = cluster.clamp_min(0)[..., None].expand(B, h_r, T, table.shape[-1])
-        found = table.gather(2, own)  # (B, h_r, T, W)
-        i = torch.arange(T, device=cluster.device)[:, None]
-        return torch.where((found >= 0) & (cluster >= 0)[..., None], found, i)
+            routes = self.route(self._routing_vectors(k), valid)
+            cluster, similarity, capacity = routes.cluster, routes.similarity, routes.capacity
+            B, h_r, T = cluster.shape
+            Cm = self.num_centroids(T)
+            W = capacity_bound(T, Cm) if needs_static_shapes(capacity) else int(capacity.max())
+            label = torch.where(cluster >= 0, cluster, Cm)  # padded frames sort last
+            order = similarity.masked_fill(cluster < 0, 0).sort(
+                dim=-1, descending=True, stable=True
+            )[1]
+            order = order.gather(
+                -1, label.gather(-1, order).sort(dim=-1, stable=True)[1]
+            )  # (B, h_r, T)
+            sorted_label = label.gather(-1, order)
+            counts = F.one_hot(label, Cm + 1).sum(2)  # (B, h_r, Cm + 1)
+            first = counts.cumsum(-1) - counts  # position of each cluster's first member
+            rank = torch.arange(T, device=cluster.device) - first.gather(-1, sorted_label)
+            kept = (rank < capacity[:, None, None]) & (sorted_label < Cm)
+            slot = torch.where(kept, sorted_label * W + rank, Cm * W)  # Cm * W: discarded
+            table = torch.full((B, h_r, Cm * W + 1), -1, dtype=torch.long, device=cluster.device)
+            table.scatter_(-1, slot, order)
+            table = table[..., :-1].view(B, h_r, Cm, W)
+            return Members(cluster, order, sorted_label, rank, counts[..., :Cm], table)
 
     @torch.no_grad()
     def selection_dense(self, q: Tensor, k: Tensor, valid: Tensor) -> Tensor:
