@@ -91,8 +91,11 @@ def _cropped(run: Callable[..., Any]) -> Callable[..., Any]:
     return cropped
 
 
+TAY = "Tay et al., Synthesizer: Rethinking Self-Attention in Transformer Models, ICML 2021"
+
+
 class _SynthesizerBase(Attention):
-    """Values projection, length checks, metadata and the dense synthesizers' paths."""
+    """Values projection, length checks and metadata of every synthesizer."""
 
     end_padded_only = True  # positions place the pattern (see `Attention`)
     head_projections = {"v_proj": 1}
@@ -132,35 +135,40 @@ class _SynthesizerBase(Attention):
         E = self.inner_dim  # h d_k, D unless pruned
         return linear_flops(T, self.dim, E) + 2.0 * T * T * E + self.output_flops(T)
 
+
+class _DenseSynthesizer(_SynthesizerBase):
+    """Dense synthesizers: logits [ReLU(W_1 x_i), 1] . [W_2 row j, b_2 j] with the subclass's
+    `logit_table()`, W_2 (G, l_max, hidden) and b_2 (G, l_max) or None, G = 1 (one logit
+    matrix for all heads) or h."""
+
+    Config = SynDenseConfig
+    complexity_training = "O(T^2 D)"
+    complexity_inference = "O(T^2 D)"
+
     def _sdpa(self, q: Tensor, k: Tensor, v: Tensor, valid: Tensor | None) -> Tensor:
         """softmax(q k^T) v over the valid keys by SDPA with scale 1, zero-padding q/k or v to
         one head size first: the fused CPU kernel needs equal sizes (else SDPA falls back to
         the T x T math path)."""
         mask = None if valid is None else key_mask(valid)[:, None, None, :]  # (B, 1, 1, T)
-        p = self.dropout if self.training else 0.0
         dq, dv = q.shape[-1], v.shape[-1]
         if dq > dv:
             v = F.pad(v, (0, dq - dv))
         elif dv > dq:
             q, k = F.pad(q, (0, dv - dq)), F.pad(k, (0, dv - dq))
+        p = self.dropout_p
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p, scale=1.0)
         return y[..., :dv]
 
     def flops(self, T: int) -> Flops:
-        """Dense synthesizers: W_1 and one (T, T) logit matrix per logit group, then values."""
+        """W_1 and one (T, T) logit matrix per logit group, then the values."""
         W2, _ = self.logit_table()  # (G, l_max, hidden)
         G, hidden = W2.shape[0], W2.shape[-1]
         logits = G * linear_flops(T, hidden, T)
         return Flops(linear_flops(T, self.dim, G * hidden) + logits + self.value_flops(T))
 
-    def logit_table(self) -> tuple[Tensor, Tensor | None]:
-        """Dense synthesizers: W_2 (G, l_max, hidden) and b_2 (G, l_max) or None, G = 1 (one
-        logit matrix for all heads) or h."""
-        raise NotImplementedError
-
     def _qk(self, x: Tensor) -> tuple[Tensor, Tensor]:
-        """Dense synthesizers' logits as inner products: q (B, G, T, H'), k (B, G, T, H') with
-        H' = hidden (+1 for the bias)."""
+        """Logits as inner products: q (B, G, T, H'), k (B, G, T, H') with H' = hidden (+1
+        for the bias)."""
         B, T, _ = x.shape
         self._check_len(T)
         W2, b2 = self.logit_table()
@@ -173,7 +181,7 @@ class _SynthesizerBase(Attention):
         return q, k.expand(B, -1, -1, -1)
 
     def attend_dense(self, x: Tensor, valid: Tensor) -> tuple[Tensor, Tensor]:
-        """Dense synthesizers: weights from `_qk`'s logits, (B, 1 or h, T, T)."""
+        """Weights from `_qk`'s logits, (B, G, T, T) expanded to (B, h, T, T)."""
         q, k = self._qk(x)  # (B, 1 or h, T, H')
         w = masked_softmax(q @ k.transpose(-1, -2), key_mask(valid)[:, None, None, :])
         heads = self.drop(w) @ self.split_heads(self.v_proj(x))  # (B, h, T, d_k)
@@ -181,14 +189,11 @@ class _SynthesizerBase(Attention):
 
 
 @register("syn_dense")
-class SynDenseAttention(_SynthesizerBase):
+class SynDenseAttention(_DenseSynthesizer):
     """Dense Synthesizer: B_i = W_2 ReLU(W_1 x_i) in R^{l_max}, sliced to the first T
     columns and shared by all heads; Y = softmax(B) V."""
 
-    Config = SynDenseConfig
-    paper = "Tay et al., Synthesizer: Rethinking Self-Attention in Transformer Models, ICML 2021 (Dense)"
-    complexity_training = "O(T^2 D)"
-    complexity_inference = "O(T^2 D)"
+    paper = f"{TAY} (Dense)"
 
     def __init__(self, config: SynDenseConfig) -> None:
         super().__init__(config)
@@ -207,17 +212,10 @@ class SynDenseAttention(_SynthesizerBase):
 
 
 @register("syn_dense_mh")
-class SynDenseMHAttention(_SynthesizerBase):
+class SynDenseMHAttention(_DenseSynthesizer):
     """Multi-head Dense Synthesizer: W_1^i (D -> d_k), W_2^i (d_k -> l_max) per head."""
 
-    Config = SynDenseConfig
-    paper = (
-        "Tay et al., Synthesizer: Rethinking Self-Attention in Transformer Models, "
-        "ICML 2021 (Dense, multi-head)"
-    )
-    complexity_training = "O(T^2 D)"
-    complexity_inference = "O(T^2 D)"
-
+    paper = f"{TAY} (Dense, multi-head)"
     no_weight_decay = ("b2",)  # the per-head bias of W_2
     head_tensors = ("w2", "b2")
 
@@ -247,7 +245,7 @@ class SynRandomAttention(_SynthesizerBase):
     T x T; Y^i = softmax(R^i) V^i, independent of the input."""
 
     Config = SynRandomConfig
-    paper = "Tay et al., Synthesizer: Rethinking Self-Attention in Transformer Models, ICML 2021 (Random)"
+    paper = f"{TAY} (Random)"
     complexity_training = "O(T^2 D)"
     complexity_inference = "O(T^2 D) (softmax(R) input-independent, cacheable)"
     # Explicit (G, h, T, T) weights up to here, the row-chunked TableAttention above.
