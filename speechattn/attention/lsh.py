@@ -45,7 +45,7 @@ from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor, nn
+from torch import Tensor
 
 from speechattn.attention.autotune import use_short_path
 from speechattn.attention.base import (
@@ -64,6 +64,7 @@ from speechattn.attention.base import (
     unit_keys,
     widen,
 )
+from speechattn.attention.dot_product import SharedQKBase
 from speechattn.attention.fp32 import ieee_matmul
 from speechattn.attention.kernels.sparse_topk import sparse_topk_attention
 from speechattn.attention.kernels.topk import ordered_bits, tie_scores, topk_by_match
@@ -182,8 +183,9 @@ class L2HashConfig(LSHConfig):
     hash: str = "l2"
 
 
-class _LSHAttention(Attention):
-    """Shared-QK attention restricted to the top-k keys of an (A)LSH code match."""
+class _LSHAttention(SharedQKBase):
+    """Shared-QK attention restricted to the top-k keys of an (A)LSH code match (the hashes'
+    projection matrix is one for every head: pruning keeps it)."""
 
     Config = LSHConfig
     transform: ClassVar[Transform]
@@ -198,7 +200,6 @@ class _LSHAttention(Attention):
     # All-pairs SDPA masked to the selection up to here, CSR products above: the measured
     # crossover (`python -m speechattn.bench attention`; figures: docs/benchmarks.md).
     short_path_max_t = 256
-    head_projections = {"qv": 2}  # the hashes' projection matrix is one for every head
 
     def __init__(self, config: LSHConfig) -> None:
         super().__init__(config)
@@ -206,7 +207,6 @@ class _LSHAttention(Attention):
         self.k, self.bits, self.hash, self.hash_keys = c.k, c.bits, c.hash, c.hash_keys
         self.normalize_keys, self.tie_break = c.normalize_keys, c.tie_break
         self.bucket_width = c.bucket_width
-        self.qv = nn.Linear(config.dim, 2 * config.dim, bias=config.bias)  # W^Q (= W^K) | W^V
         gen = torch.Generator().manual_seed(layer_seed(config.seed, config.layer))
         proj = torch.randn(config.head_dim + self.extra_dims, config.bits, generator=gen)
         self.register_buffer("projection", proj)  # (d_k + m, K), fixed, saved with the model
