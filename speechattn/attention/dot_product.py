@@ -66,7 +66,7 @@ SharedQKConfig = AttentionConfig  # no options beyond the shared ones
 
 
 class SharedQKBase(Attention):
-    """Shared-QK projections and scores; reused by the sparse variants."""
+    """Shared-QK projections and scores; the base of `shared_qk`, `sparse_*`, `routing` and LSH."""
 
     head_projections = {"qv": 2}
     input_projections = 2
