@@ -14,9 +14,7 @@ CUDA SDPA differentiates the mask in z; on CPU (SDPA's math path otherwise) the 
 is one more reduction in `UnfusedSavedWeights` or `FlashThenUnfused` (`kernels/span.py`).
 
 At the mask's kinks (x = z, x = z + R) the kernels and the reference take the left derivative
-(log m has no finite right derivative at m = 0), so spans start half a frame off the integer
-init_span S (`initial_span`), and R >= 2: with R = 1 a span of 0 has no key on the ramp, no
-gradient, and never grows back.
+(log m has no finite right derivative at m = 0): see `initial_span` and the ramp check.
 """
 
 from __future__ import annotations
@@ -31,19 +29,17 @@ from torch import Tensor, nn
 from speechattn.attention import patterns
 from speechattn.attention.autotune import use_short_path
 from speechattn.attention.base import (
-    Attention,
     AttentionConfig,
-    Flops,
     all_valid,
     key_mask,
     masked_softmax,
     needs_static_shapes,
+    require,
     scale,
 )
+from speechattn.attention.dot_product import FullAttention
 from speechattn.attention.kernels.span import FlashThenUnfused, UnfusedSavedWeights, flash_cpu
-from speechattn.attention.pruning import remove_projection_heads, select_
 from speechattn.attention.registry import register
-from speechattn.errors import ConfigError
 
 
 def initial_span(init_span: float, max_span: int) -> float:
@@ -65,23 +61,20 @@ class AdaptiveSpanConfig(AttentionConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.max_span < 1 or self.ramp < 2:
-            raise ConfigError(
-                f"adaptive_span needs max_span >= 1 and ramp >= 2, got max_span={self.max_span}, "
-                f"ramp={self.ramp}: with ramp = 1 a span pushed to 0 (where the L1 penalty takes "
-                "it) has no key on the mask's ramp, so no gradient, and never grows back; set "
-                "attention.options.ramp >= 2"
-            )
-        if not 0.0 <= self.init_span <= 1.0:
-            raise ConfigError(
-                f"init_span is a fraction of max_span in [0, 1], got {self.init_span}"
-            )
-        if self.span_penalty < 0:
-            raise ConfigError(f"span_penalty must be >= 0, got {self.span_penalty}")
+        require(
+            self.max_span >= 1 and self.ramp >= 2,
+            f"adaptive_span needs max_span >= 1 and ramp >= 2, got max_span={self.max_span}, "
+            f"ramp={self.ramp}: with ramp = 1 a span pushed to 0 (where the L1 penalty takes "
+            "it) has no key on the mask's ramp, so no gradient, and never grows back; set "
+            "attention.options.ramp >= 2",
+        )
+        z, penalty = self.init_span, self.span_penalty
+        require(0.0 <= z <= 1.0, f"init_span is a fraction of max_span in [0, 1], got {z}")
+        require(penalty >= 0, f"span_penalty must be >= 0, got {penalty}")
 
 
 @register("adaptive_span")
-class AdaptiveSpanAttention(Attention):
+class AdaptiveSpanAttention(FullAttention):
     """Scaled dot-product attention whose weights each head masks to its learned span."""
 
     Config = AdaptiveSpanConfig
@@ -93,11 +86,11 @@ class AdaptiveSpanAttention(Attention):
     short_path_max_t = 1024
     # On CPU, all pairs keep their weights (`UnfusedSavedWeights`) up to here, then flash.
     saved_weights_max_t = 320
+    head_tensors = ("span_fraction",)
 
     def __init__(self, config: AdaptiveSpanConfig) -> None:
         super().__init__(config)
         self.max_span, self.ramp = config.max_span, config.ramp
-        self.qkv = nn.Linear(config.dim, 3 * config.dim, bias=config.bias)  # W^Q | W^K | W^V
         # z_h / S per head; learned, clamped to [0, 1] where used
         z0 = initial_span(config.init_span, config.max_span)
         self.span_fraction = nn.Parameter(torch.full((config.num_heads,), z0 / config.max_span))
@@ -132,23 +125,24 @@ class AdaptiveSpanAttention(Attention):
         z = self.spans() if z is None else z
         return (self.ramp + z.view(-1, *([1] * distance.dim())) - distance) / self.ramp
 
-    def soft_mask(self, distance: Tensor, z: Tensor | None = None) -> Tensor:
+    def soft_mask(self, distance: Tensor) -> Tensor:
         """m_z(x) per head: distance (...) -> (h, ...), in [0, 1]; at x = z + R its gradient is
         0, the derivative from inside the masked region (log m has no other finite choice)."""
-        raw = self.ramp_position(distance, z)
+        raw = self.ramp_position(distance)
         return raw.clamp(0.0, 1.0) * (raw > 0)
 
-    def log_mask(self, distance: Tensor, z: Tensor | None = None) -> Tensor:
-        """log m_z(x) per head, -inf where m = 0: distance (...) -> (h, ...); the clamp gives
-        masked entries a zero gradient, not NaN."""
-        m = self.soft_mask(distance, z)
-        return m.clamp_min(torch.finfo(m.dtype).tiny).log().masked_fill(m == 0, float("-inf"))
+    def _offsets(self, c: int, L: int, Lk: int) -> Tensor:
+        """The distances of an (L, Lk) layout whose query a and key w are c + a - w frames
+        apart, once per offset -(Lk - 1) + c .. L - 1 + c (`patterns.toeplitz`' order)."""
+        return self._distance(torch.arange(c - Lk + 1, c + L, device=self.span_fraction.device))
 
     def _toeplitz(self, c: int, L: int, Lk: int) -> Tensor:
-        """log m over an (L, Lk) layout whose query a and key w are c + a - w frames apart:
-        (h, L, Lk), differentiable in the spans, computed once per distance (`toeplitz`)."""
-        offsets = torch.arange(c - Lk + 1, c + L, device=self.span_fraction.device)
-        return patterns.toeplitz(self.log_mask(self._distance(offsets)), L, Lk)
+        """log m (-inf where m = 0; the clamp gives masked entries a zero gradient, not NaN)
+        over `_offsets`' (L, Lk) layout: (h, L, Lk), differentiable in the spans, computed
+        once per distance (`toeplitz`)."""
+        m = self.soft_mask(self._offsets(c, L, Lk))
+        log_m = m.clamp_min(torch.finfo(m.dtype).tiny).log().masked_fill(m == 0, float("-inf"))
+        return patterns.toeplitz(log_m, L, Lk)
 
     # ----------------------------------------------------------------- metadata
     def keys_attended(self, T: int) -> float:
@@ -157,13 +151,6 @@ class AdaptiveSpanAttention(Attention):
         reach = [math.ceil(z + self.ramp) - 1 for z in self.spans().detach().tolist()]
         counts = [patterns.mean_band_size(T, X) for X in reach]
         return float(torch.tensor(counts, dtype=torch.float64).mean())
-
-    def flops(self, T: int) -> Flops:
-        return self.dot_product_flops(T, self.keys_attended(T))  # the keys within span
-
-    def _remove_heads(self, index: Tensor) -> None:
-        remove_projection_heads(self, self.qkv, index, blocks=3)
-        select_(self, "span_fraction", index)
 
     # ----------------------------------------------------------------- kernels
     def _distance(self, rel: Tensor) -> Tensor:
@@ -203,16 +190,14 @@ class AdaptiveSpanAttention(Attention):
     def _attend_all_pairs(self, q: Tensor, k: Tensor, v: Tensor, valid: Tensor | None) -> Tensor:
         T = q.shape[-2]
         mask = self._mask_padding(self._toeplitz(0, T, T)[None], valid)  # (1 or B, h, T, T)
-        p = self.dropout if self.training else 0.0
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask.to(q.dtype), dropout_p=p)
+        return self.sdpa(q, k, v, mask.to(q.dtype))
 
     def _constant_log_mask(
         self, c: int, L: int, Lk: int, dtype: torch.dtype
     ) -> tuple[Tensor, Tensor]:
         """For the CPU kernels: log m and its z-derivative (1 / (R raw) on the ramp, raw in
         (0, 1], else 0) as constants at `_toeplitz`'s offsets: (h, L + Lk - 1) each."""
-        offsets = torch.arange(c - Lk + 1, c + L, device=self.span_fraction.device)
-        raw = self.ramp_position(self._distance(offsets), self.spans().detach())
+        raw = self.ramp_position(self._offsets(c, L, Lk), self.spans().detach())
         log_m = raw.clamp(0.0, 1.0).log()  # -inf where m = 0
         return log_m.to(dtype), torch.where(raw.ceil() == 1, 1.0 / (self.ramp * raw), 0.0)
 
@@ -280,9 +265,7 @@ class AdaptiveSpanAttention(Attention):
                 qb, kb, vb, block_mask(patterns.toeplitz(log_m, X, 3 * X)), mask_dz
             )
         else:
-            mask = block_mask(self._toeplitz(X, X, 3 * X)).to(q.dtype)
-            p = self.dropout if self.training else 0.0
-            out = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask, dropout_p=p)
+            out = self.sdpa(qb, kb, vb, block_mask(self._toeplitz(X, X, 3 * X)).to(q.dtype))
         return out.view(B, n, h, X, d).transpose(1, 2).reshape(B, h, n * X, d)[:, :, :T]
 
     def attend_dense(self, x: Tensor, valid: Tensor) -> tuple[Tensor, Tensor]:

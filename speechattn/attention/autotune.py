@@ -41,7 +41,6 @@ from speechattn.utils import (
     lengths_to_padding_mask,
 )
 
-KERNELS = ("short", "long")  # the two-kernel variants' names (others: `kernel_names`)
 CACHE_VERSION = 3  # 2: timed on padded batches; 3: LSH kernels compiled on the CPU
 REPS = 3  # timed steps per kernel after one warm-up each; the min counts
 MIN_SECONDS = 0.05  # ... and more (up to MAX_REPS) until each kernel ran this long: short
@@ -54,16 +53,14 @@ SCORE_BUDGET = 256 * 2**20
 # Config fields that do not change which kernel is faster (timing runs in eval mode).
 IGNORED_OPTIONS = ("dim", "num_heads", "layer", "dropout")
 
-_memory: dict[Path, dict[str, dict[str, Any]]] = {}  # cache file -> its entries, as read
-
 
 # ----------------------------------------------------------------------------- asking
 def pick_kernel(module: Attention, t: Tensor) -> str:
     """The kernel `module` runs for t, x (B, T, D) or q (B, h, T, d_k): the rule, or with
     measurement on (`enable`, never while compiling) the fastest for T's bucket (`choose`)."""
-    T = t.shape[-2] if t.dim() == 4 else t.shape[1]
     if module._forced_kernel is not None:  # the tuner is timing one kernel
         return module._forced_kernel
+    T = t.shape[-2] if t.dim() == 4 else t.shape[1]
     if module.autotune and not torch.compiler.is_compiling() and module.kernel_candidates(t):
         return choose(module, t, T)
     return module.rule_kernel(T, t.device)
@@ -131,25 +128,6 @@ def device_name(device: torch.device) -> str:
     return device.type
 
 
-def key_parts(
-    module: Attention, t: Tensor, T: int, batch: int, kernels: tuple[str, ...]
-) -> dict[str, Any]:
-    """Everything the measured choice depends on (see the module docstring)."""
-    options = {k: v for k, v in asdict(module.config).items() if k not in IGNORED_OPTIONS}
-    return {
-        "device": device_name(t.device),
-        "torch": torch.__version__,
-        "dtype": str(compute_dtype(t)).removeprefix("torch."),
-        "variant": module.name,
-        "heads": module.num_heads,
-        "head_dim": module.head_dim,
-        "options": options,
-        "kernels": list(kernels),
-        "bucket": bucket(T),
-        "batch": batch,
-    }
-
-
 def timed_shape(module: Attention, t: Tensor, T: int) -> tuple[int, int, tuple[str, ...]] | None:
     """(B', T_b, kernels) to time for t at T frames: the candidates, less the all-pairs ones
     when one sequence's scores exceed `SCORE_BUDGET`; None when fewer than two are left."""
@@ -180,16 +158,27 @@ def choose(module: Attention, t: Tensor, T: int) -> str:
         return memo[memo_key]
     if shape is None:
         entry = {"kernel": module.rule_kernel(T, t.device), "by": "rule (scores over budget)"}
-        parts = {"variant": module.name, "bucket": bucket(T), "dtype": str(compute_dtype(t))}
+        label = f"{module.name} T<={bucket(T)} {compute_dtype(t)}"
     else:
         B_t, T_b, kernels = shape
-        parts = key_parts(module, t, T, B_t, kernels)
-        key = digest(parts)
-        path = cache_path()
+        # everything the measured choice depends on (see the module docstring)
+        parts = {
+            "device": device_name(t.device),
+            "torch": torch.__version__,
+            "dtype": str(compute_dtype(t)).removeprefix("torch."),
+            "variant": module.name,
+            "heads": module.num_heads,
+            "head_dim": module.head_dim,
+            "options": {k: v for k, v in asdict(module.config).items() if k not in IGNORED_OPTIONS},
+            "kernels": list(kernels),
+            "bucket": bucket(T),
+            "batch": B_t,
+        }
+        key, path = digest(parts), cache_path()
         entry = _entries(path).get(key)
-        if entry is not None and entry["kernel"] not in kernels:  # renamed since: measure
-            entry = None
-        if entry is None:
+        if entry is not None and entry["kernel"] in kernels:  # else renamed since: measure
+            entry = {**entry, "by": "cache"}
+        else:
             ms, failed = measure(module, t, B_t, T_b, kernels)
             entry = {
                 **parts,
@@ -200,15 +189,11 @@ def choose(module: Attention, t: Tensor, T: int) -> str:
             }
             _store(path, key, entry)
             entry = {**entry, "by": "measured"}
-        else:
-            entry = {**entry, "by": "cache"}
+        label = f"{module.name} T<={bucket(T)} {parts['dtype']} B'={B_t} {parts['device']}"
     kernel = entry["kernel"]
     memo[memo_key] = kernel
-    label = f"{parts['variant']} T<={parts['bucket']} {parts['dtype']}"
-    if shape is not None:
-        label += f" B'={shape[0]} {parts['device']}"
     module.kernel_choices[label] = {
-        "bucket": parts["bucket"],
+        "bucket": bucket(T),
         "kernel": kernel,
         "by": entry["by"],
         **({"ms": entry["ms"]} if "ms" in entry else {}),
@@ -238,7 +223,7 @@ def time_once(step: Callable[[], None], kernel: str, device: torch.device) -> fl
 
 
 def measure(
-    module: Attention, like: Tensor, B: int, T: int, kernels: tuple[str, ...] = KERNELS
+    module: Attention, like: Tensor, B: int, T: int, kernels: tuple[str, ...]
 ) -> tuple[dict[str, float], dict[str, str]]:
     """Milliseconds of forward + backward of each of `kernels` on random x (B, T, D), min
     over interleaved steps after a warm-up (`REPS`, more for short steps); and {kernel:
@@ -326,15 +311,11 @@ def _read(path: Path, warn: bool = True) -> dict[str, dict[str, Any]]:
     """The file's entries; {} when it is missing or corrupt (with a warning)."""
     try:
         data = json.loads(path.read_text())
+        problem = f"the kernel cache {path} (unexpected content)"
     except FileNotFoundError:
         return {}
     except (OSError, ValueError) as err:
-        if warn:
-            warnings.warn(
-                f"ignoring the corrupt kernel cache {path} ({err}); it will be rewritten",
-                stacklevel=2,
-            )
-        return {}
+        data, problem = None, f"the corrupt kernel cache {path} ({err})"
     entries = data.get("entries") if isinstance(data, dict) else None
     if not (
         isinstance(data, dict)
@@ -342,10 +323,7 @@ def _read(path: Path, warn: bool = True) -> dict[str, dict[str, Any]]:
         and isinstance(entries, dict)
     ):
         if warn:
-            warnings.warn(
-                f"ignoring the kernel cache {path} (unexpected content); it will be rewritten",
-                stacklevel=2,
-            )
+            warnings.warn(f"ignoring {problem}; it will be rewritten", stacklevel=2)
         return {}
     good = {key: e for key, e in entries.items() if _valid_entry(e)}
     if len(good) < len(entries) and warn:
@@ -370,10 +348,10 @@ def _valid_entry(entry: object) -> bool:
     return is_int(entry.get("measured_at", 0)) and isinstance(entry.get("failed", {}), dict)
 
 
+@functools.cache
 def _entries(path: Path) -> dict[str, dict[str, Any]]:
-    if path not in _memory:
-        _memory[path] = _read(path)
-    return _memory[path]
+    """The cache file's entries, read once per process (`clear_memory`), then kept in memory."""
+    return _read(path)
 
 
 def _store(path: Path, key: str, entry: dict[str, Any]) -> None:
@@ -391,7 +369,7 @@ def _store(path: Path, key: str, entry: dict[str, Any]) -> None:
 
 def clear_memory() -> None:
     """Forget the files read in this process (tests; the disk and module memos stay)."""
-    _memory.clear()
+    _entries.cache_clear()
 
 
 # ----------------------------------------------------------------------------- reporting

@@ -31,12 +31,34 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from speechattn.attention.kernels.memory import lazy_zeros
-from speechattn.attention.padding import check_no_leading_padding
-from speechattn.errors import ConfigError
+from speechattn.errors import ConfigError, SpeechattnError
 
 # Additive score on the diagonal for shared-QK attention (Reformer): a query attends to
 # itself only when it has no other valid key. Finite, unlike -inf, so such rows stay defined.
 SELF_PENALTY = -5e4
+
+
+class PaddingMaskError(SpeechattnError, ValueError):
+    """A padding mask a variant cannot use: padded frames before an utterance's first valid
+    frame, given to a variant whose pattern is placed by frame position
+    (`Attention.end_padded_only`)."""
+
+
+def check_no_leading_padding(padding_mask: Tensor, name: str) -> None:
+    """Refuse a padding mask (B, T) bool with padded frames before an utterance's first valid
+    frame (later padded frames are masked keys at their positions); `name`: the variant's.
+    A host read, made only where it is free (CPU, eager): elsewhere the mask is trusted (the
+    model's masks come from lengths, end-padded by construction)."""
+    leading = padding_mask[:, 0] & ~padding_mask.all(-1)  # (B,): padded first, valid later
+    if bool(leading.any()):
+        b = int(leading.nonzero()[0])
+        first = int((~padding_mask[b]).nonzero()[0])
+        raise PaddingMaskError(
+            f"{name}: padding_mask row {b} starts with {first} padded frames before its first "
+            f"valid frame; {name} places its pattern by frame position, counted from frame 0, "
+            "so padding must come after each utterance's first frame (pad at the end, e.g. "
+            "speechattn.utils.lengths_to_padding_mask), or use a variant that takes any padding"
+        )
 
 
 @dataclass(frozen=True)
@@ -64,6 +86,12 @@ def linear_flops(T: int, d_in: int, d_out: int) -> float:
     return 2.0 * T * d_in * d_out
 
 
+def require(ok: bool, message: str) -> None:
+    """Raise a ConfigError with `message` unless `ok` (the configs' option checks)."""
+    if not ok:
+        raise ConfigError(message)
+
+
 @dataclass
 class AttentionConfig:
     """Options shared by every variant; each variant's config extends this one."""
@@ -77,16 +105,11 @@ class AttentionConfig:
     layer: int = 0
 
     def __post_init__(self) -> None:
-        if self.dim <= 0 or self.num_heads <= 0:
-            raise ConfigError(
-                f"dim and num_heads must be positive, got {self.dim}, {self.num_heads}"
-            )
-        if self.dim % self.num_heads:
-            raise ConfigError(f"dim={self.dim} is not divisible by num_heads={self.num_heads}")
-        if self.layer < 0:
-            raise ConfigError(f"layer must be >= 0, got {self.layer}")
-        if not 0.0 <= self.dropout < 1.0:
-            raise ConfigError(f"dropout must be in [0, 1), got {self.dropout}")
+        D, h = self.dim, self.num_heads
+        require(D > 0 and h > 0, f"dim and num_heads must be positive, got {D}, {h}")
+        require(D % h == 0, f"dim={D} is not divisible by num_heads={h}")
+        require(self.layer >= 0, f"layer must be >= 0, got {self.layer}")
+        require(0.0 <= self.dropout < 1.0, f"dropout must be in [0, 1), got {self.dropout}")
 
     @property
     def head_dim(self) -> int:
@@ -94,34 +117,34 @@ class AttentionConfig:
 
 
 class Attention(nn.Module, ABC):
-    """Multi-head self-attention with one fixed signature (see module docstring).
-
-    Class metadata, declared by each variant:
-        name: registry name (set by `registry.register`); paper: citation of the mechanism
-        complexity_training / complexity_inference: theoretical time cost (study, Table 1)
-        supports_weights: whether `need_weights=True` can return (B, h, T, T) weights
-        short_path_max_t: two-kernel variants run their all-pairs "short" kernel up to this
-            many frames, their "long" one (blocks, sparse products, chunks) above (measured
-            with `python -m speechattn.bench attention`); None: one kernel, or kernels of
-            other names (`kernel_names`). With `autotune` on, `autotune` times them instead.
-        all_pairs_kernels: kernels forming (B, h, T, T) scores or masks: the tuner times
-            them only while those fit its memory budget.
-        no_weight_decay: parameters that are biases stored as matrices (one vector per
-            head), left undecayed like every parameter of fewer than 2 dimensions.
-        end_padded_only: the pattern is placed by frame position, so frame 0 must be each
-            utterance's first frame: a mask padding before it is refused
-            (`padding.PaddingMaskError`). The others give the same outputs for any padding.
-    """
+    """Multi-head self-attention with one fixed signature (see module docstring), and the
+    class metadata each variant declares."""
 
     Config: ClassVar[type[AttentionConfig]] = AttentionConfig
-    name: ClassVar[str] = ""
-    paper: ClassVar[str] = ""
-    complexity_training: ClassVar[str] = ""
+    name: ClassVar[str] = ""  # registry name (set by `registry.register`)
+    paper: ClassVar[str] = ""  # citation of the mechanism
+    complexity_training: ClassVar[str] = ""  # theoretical time cost (study, Table 1)
     complexity_inference: ClassVar[str] = ""
-    supports_weights: ClassVar[bool] = True
+    supports_weights: ClassVar[bool] = True  # `need_weights=True` returns (B, h, T, T) weights
+    # Two-kernel variants run their all-pairs "short" kernel up to this many frames, their
+    # "long" one (blocks, sparse products, chunks) above (measured with `python -m
+    # speechattn.bench attention`); None: one kernel, or kernels of other names
+    # (`kernel_names`). With `autotune` on, `autotune` times them instead.
     short_path_max_t: ClassVar[int | None] = None
+    # Kernels forming (B, h, T, T) scores or masks: timed only while those fit the budget.
     all_pairs_kernels: ClassVar[tuple[str, ...]] = ("short",)
+    # Parameters that are biases stored as matrices (one vector per head), left undecayed
+    # like every parameter of fewer than 2 dimensions.
     no_weight_decay: ClassVar[tuple[str, ...]] = ()
+    # What `pruning.prune_heads` cuts per head: Linear layers {name: blocks} with outputs
+    # blocks x h x d_k (3: a fused W^Q | W^K | W^V), and parameters or buffers with one entry
+    # per head along dim 0 (None: absent).
+    head_projections: ClassVar[dict[str, int]] = {}
+    head_tensors: ClassVar[tuple[str, ...]] = ()
+    input_projections: ClassVar[int] = 3  # W^Q, W^K, W^V (2 with shared QK), for `flops`
+    # The pattern is placed by frame position, so frame 0 must be each utterance's first
+    # frame: a mask padding before it is refused (`PaddingMaskError`). The others give the
+    # same outputs for any padding.
     end_padded_only: ClassVar[bool] = False
     max_len: int | None = None  # longest sequence (T) the variant accepts; None: any
     # Kernel choice by measurement (`attention.autotune.enable` sets it per module); off, the
@@ -155,9 +178,10 @@ class Attention(nn.Module, ABC):
         utterance; 0 for the synthesizers, whose weights do not come from the keys."""
         return float(T)
 
-    @abstractmethod
     def flops(self, T: int) -> Flops:
-        """FLOPs of one sequence of T valid frames, output projection included (see `Flops`)."""
+        """FLOPs of one sequence of T valid frames, output projection included (see `Flops`):
+        here the dot-product attention of `keys_attended(T)` keys per query."""
+        return self.dot_product_flops(T, self.keys_attended(T))
 
     @property
     def inner_dim(self) -> int:
@@ -168,10 +192,10 @@ class Attention(nn.Module, ABC):
         """The output projection W^O, shared by every variant."""
         return linear_flops(T, self.inner_dim, self.dim)
 
-    def dot_product_flops(self, T: int, keys: float, projections: int = 3) -> Flops:
-        """`projections` input projections D -> h d_k, scores and weighted sums over `keys`
+    def dot_product_flops(self, T: int, keys: float) -> Flops:
+        """`input_projections` projections D -> h d_k, scores and weighted sums over `keys`
         keys per query in every head, and the output projection."""
-        E = self.inner_dim
+        E, projections = self.inner_dim, self.input_projections
         attention = 2 * 2.0 * T * keys * E
         return Flops(linear_flops(T, self.dim, projections * E) + attention + self.output_flops(T))
 
@@ -214,9 +238,9 @@ class Attention(nn.Module, ABC):
         """Reference path with explicit weights: (heads (B, h, T, d_k), weights (B, h, T, T))."""
 
     def _remove_heads(self, index: Tensor) -> None:
-        """Keep only heads `index` (sorted, long) of the variant's per-head parameters;
-        called by `pruning.prune_heads` (which prunes W^O) before `num_heads` changes."""
-        raise NotImplementedError(f"attention {self.name!r} does not implement prune_heads")
+        """Keep only heads `index` (sorted, long) of the variant's other per-head state (beyond
+        `head_projections` and `head_tensors`); called by `pruning.prune_heads` (which prunes
+        those and W^O) before `num_heads` changes."""
 
     # ----------------------------------------------------------------- public API
     def forward(
@@ -294,19 +318,29 @@ class Attention(nn.Module, ABC):
         y = self.out_proj(merged)  # (B, T, D)
         return y if valid is None else y.masked_fill(~valid[..., None], 0.0)
 
-    def _qkv(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """q, k, v (B, h, T, d_k) from the variant's `qkv` projection (W^Q | W^K | W^V)."""
-        q, k, v = self.qkv(x).chunk(3, dim=-1)  # 3 x (B, T, D)
-        return self.split_heads(q), self.split_heads(k), self.split_heads(v)
-
     def split_heads(self, t: Tensor) -> Tensor:
         """(B, T, D) -> (B, h, T, d_k)."""
         B, T, _ = t.shape
         return t.view(B, T, self.num_heads, -1).transpose(1, 2)
 
+    @property
+    def dropout_p(self) -> float:
+        """The attention dropout probability of this pass: 0 in eval mode."""
+        return self.dropout if self.training else 0.0
+
     def drop(self, probs: Tensor) -> Tensor:
         """Dropout on attention probabilities (identity in eval mode or when p = 0)."""
         return F.dropout(probs, self.dropout, self.training) if self.dropout else probs
+
+    def weigh(self, scores: Tensor, allowed: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """The dense references' last step: weights = softmax of scores (B, h, T, T) over
+        `allowed` -> (dropped weights @ v (B, h, T, d_k), weights)."""
+        weights = masked_softmax(scores, allowed)
+        return self.drop(weights) @ v, weights
+
+    def sdpa(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None) -> Tensor:
+        """Fused SDPA with this pass's dropout: q (B, h, T, d), mask bool/additive or None."""
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=self.dropout_p)
 
     def extra_repr(self) -> str:
         pruned = "" if self.num_heads == self.config.num_heads else f", kept={self.kept_heads}"

@@ -13,10 +13,7 @@ kernel at 1.27x the unmasked call, ahead of FlexAttention and nested tensors: do
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from speechattn.attention import patterns
@@ -24,76 +21,65 @@ from speechattn.attention.base import (
     SELF_PENALTY,
     Attention,
     AttentionConfig,
-    Flops,
     key_mask,
-    masked_softmax,
     scale,
     self_penalty,
     unit_keys,
 )
-from speechattn.attention.pruning import remove_projection_heads
 from speechattn.attention.registry import register
 
-
-@dataclass
-class FullConfig(AttentionConfig):
-    """No options beyond the shared ones."""
+FullConfig = AttentionConfig  # no options beyond the shared ones
 
 
 @register("full")
 class FullAttention(Attention):
-    """Multi-head scaled dot-product attention with separate Q, K, V projections."""
+    """Multi-head scaled dot-product attention with separate Q, K, V projections; the base of
+    the variants with the same projections (`linear`, `relpos`, `longformer`, `adaptive_span`)."""
 
     Config = FullConfig
     paper = "Vaswani et al., Attention Is All You Need, NeurIPS 2017"
     complexity_training = "O(T^2 D)"
     complexity_inference = "O(T^2 D)"
+    head_projections = {"qkv": 3}
 
     def __init__(self, config: FullConfig) -> None:
         super().__init__(config)
         self.qkv = nn.Linear(config.dim, 3 * config.dim, bias=config.bias)  # W^Q | W^K | W^V
 
-    def flops(self, T: int) -> Flops:
-        return self.dot_product_flops(T, T)
-
-    def _remove_heads(self, index: Tensor) -> None:
-        remove_projection_heads(self, self.qkv, index, blocks=3)
+    def _qkv(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """q, k, v (B, h, T, d_k) from the fused projection W^Q | W^K | W^V."""
+        q, k, v = self.qkv(x).chunk(3, dim=-1)  # 3 x (B, T, D)
+        return self.split_heads(q), self.split_heads(k), self.split_heads(v)
 
     def attend(self, x: Tensor, valid: Tensor | None) -> Tensor:
         q, k, v = self._qkv(x)  # (B, h, T, d_k)
         mask = None if valid is None else key_mask(valid)[:, None, None, :]  # (B, 1, 1, T)
-        p = self.dropout if self.training else 0.0
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p)
+        return self.sdpa(q, k, v, mask)
 
     def attend_dense(self, x: Tensor, valid: Tensor) -> tuple[Tensor, Tensor]:
         q, k, v = self._qkv(x)  # (B, h, T, d_k)
         scores = q @ k.transpose(-1, -2) * scale(self.head_dim)  # (B, h, T, T)
-        weights = masked_softmax(scores, key_mask(valid)[:, None, None, :])  # (B, h, T, T)
-        return self.drop(weights) @ v, weights
+        return self.weigh(scores, key_mask(valid)[:, None, None, :], v)
 
 
-@dataclass
-class SharedQKConfig(AttentionConfig):
-    """No options beyond the shared ones."""
+SharedQKConfig = AttentionConfig  # no options beyond the shared ones
 
 
 class SharedQKBase(Attention):
-    """Shared-QK projections and scores; reused by the sparse variants."""
+    """Shared-QK projections and scores; the base of `shared_qk`, `sparse_*`, `routing` and LSH."""
+
+    head_projections = {"qv": 2}
+    input_projections = 2
 
     def __init__(self, config: AttentionConfig) -> None:
         super().__init__(config)
         self.qv = nn.Linear(config.dim, 2 * config.dim, bias=config.bias)  # W^Q | W^V
 
-    def _remove_heads(self, index: Tensor) -> None:
-        remove_projection_heads(self, self.qv, index, blocks=2)
-
-    def shared_qkv(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    def _qkv(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """x (B, T, D) -> q, k, v (B, h, T, d_k); k = q / ||q|| per head."""
         q, v = self.qv(x).chunk(2, dim=-1)  # 2 x (B, T, D)
         q, v = self.split_heads(q), self.split_heads(v)  # (B, h, T, d_k)
         return q, unit_keys(q), v
-
-    _qkv = shared_qkv  # the name `routing`'s selection tests use
 
     def shared_scores(self, q: Tensor, k: Tensor) -> Tensor:
         """Dense shared-QK scores (B, h, T, T) with the self penalty on the diagonal."""
@@ -110,30 +96,23 @@ class SharedQKAttention(SharedQKBase):
     complexity_training = "O(T^2 D)"
     complexity_inference = "O(T^2 D)"
 
-    def flops(self, T: int) -> Flops:
-        return self.dot_product_flops(T, T, projections=2)
-
     def attend(self, x: Tensor, valid: Tensor | None) -> Tensor:
-        q, k, v = self.shared_qkv(x)  # (B, h, T, d_k)
+        q, k, v = self._qkv(x)  # (B, h, T, d_k)
         T = x.shape[1]
-        p = self.dropout if self.training else 0.0
         if x.device.type == "cpu" and valid is None:
             # Keys reversed put the self penalty on the anti-diagonal, a strided view of 2T - 1
             # numbers (a T x T mask costs at long T); CUDA's kernels want a dense mask.
             line = torch.zeros(2 * T - 1, dtype=q.dtype, device=x.device)
             line[T - 1] = SELF_PENALTY
             mask = patterns.hankel(line, T, T)[None, None]  # (1, 1, T, T), [i, j'] = line[i + j']
-            return F.scaled_dot_product_attention(
-                q, k.flip(-2), v.flip(-2), attn_mask=mask, dropout_p=p
-            )
+            return self.sdpa(q, k.flip(-2), v.flip(-2), mask)
         mask = self_penalty(T, x.device, q.dtype)[None, None]  # (1, 1, T, T)
         if valid is not None:
             pad = torch.zeros(valid.shape, dtype=q.dtype, device=x.device)
             pad = pad.masked_fill(~key_mask(valid), float("-inf"))  # (B, T)
             mask = mask + pad[:, None, None, :]  # (B, 1, T, T)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p)
+        return self.sdpa(q, k, v, mask)
 
     def attend_dense(self, x: Tensor, valid: Tensor) -> tuple[Tensor, Tensor]:
-        q, k, v = self.shared_qkv(x)  # (B, h, T, d_k)
-        weights = masked_softmax(self.shared_scores(q, k), key_mask(valid)[:, None, None, :])
-        return self.drop(weights) @ v, weights  # (B, h, T, d_k), (B, h, T, T)
+        q, k, v = self._qkv(x)  # (B, h, T, d_k)
+        return self.weigh(self.shared_scores(q, k), key_mask(valid)[:, None, None, :], v)

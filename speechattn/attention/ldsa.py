@@ -30,11 +30,10 @@ from speechattn.attention.base import (
     key_mask,
     linear_flops,
     masked_softmax,
+    require,
 )
 from speechattn.attention.kernels.local import LocalWeightedSum
-from speechattn.attention.pruning import remove_projection_heads, select_
 from speechattn.attention.registry import register
-from speechattn.errors import ConfigError
 
 
 @dataclass
@@ -43,10 +42,10 @@ class LDSAConfig(AttentionConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.context < 1 or self.context % 2 == 0:
-            raise ConfigError(
-                f"ldsa context width c must be a positive odd number, got {self.context}"
-            )
+        c = self.context
+        require(
+            c >= 1 and c % 2 == 1, f"ldsa context width c must be a positive odd number, got {c}"
+        )
 
 
 @register("ldsa")
@@ -60,6 +59,8 @@ class LDSAttention(Attention):
     )
     complexity_training = "O(T c D)"
     complexity_inference = "O(T c D)"
+    head_projections = {"w1": 1, "w3": 1}
+    head_tensors = ("w2",)
 
     def __init__(self, config: LDSAConfig) -> None:
         super().__init__(config)
@@ -81,11 +82,6 @@ class LDSAttention(Attention):
         projections = 2 * linear_flops(T, D, E)  # W_1 and W_3 (values), all heads
         window = 2 * 2.0 * T * E * c  # ReLU(X W_1^i) W_2^i and the c-frame weighted sums
         return Flops(projections + window + self.output_flops(T))
-
-    def _remove_heads(self, index: Tensor) -> None:
-        remove_projection_heads(self, self.w1, index)
-        select_(self, "w2", index)
-        remove_projection_heads(self, self.w3, index)
 
     def window_weights(self, x: Tensor, valid: Tensor) -> Tensor:
         """B^i renormalised over in-range valid positions: (B, h, T, c)."""

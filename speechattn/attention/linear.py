@@ -18,18 +18,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from speechattn.attention.base import (
-    Attention,
     AttentionConfig,
     Flops,
     key_mask,
     linear_flops,
     widen,
 )
+from speechattn.attention.dot_product import FullAttention
 from speechattn.attention.kernels.linear import LinearKernel, phi
-from speechattn.attention.pruning import remove_projection_heads
 from speechattn.attention.registry import register
 
 
@@ -39,7 +38,7 @@ class LinearConfig(AttentionConfig):
 
 
 @register("linear")
-class LinearAttention(Attention):
+class LinearAttention(FullAttention):
     """Non-causal linear attention with the feature map elu(x) + 1."""
 
     Config = LinearConfig
@@ -50,20 +49,11 @@ class LinearAttention(Attention):
     complexity_training = "O(T D d_k)"
     complexity_inference = "O(T D d_k)"
 
-    def __init__(self, config: LinearConfig) -> None:
-        super().__init__(config)
-        self.qkv = nn.Linear(config.dim, 3 * config.dim, bias=config.bias)  # W^Q | W^K | W^V
-
     def flops(self, T: int) -> Flops:
         D, E, dk = self.dim, self.inner_dim, self.head_dim  # E = h d_k (D unless pruned)
         state = 2 * 2.0 * T * E * dk  # phi(K)^T V and phi(Q) S, all heads
         normaliser = 2 * 2.0 * T * E  # z = sum_j phi(k_j) and phi(Q) z
         return Flops(linear_flops(T, D, 3 * E) + state + normaliser + self.output_flops(T))
-
-    def _remove_heads(self, index: Tensor) -> None:
-        remove_projection_heads(self, self.qkv, index, blocks=3)
-
-    projections = Attention._qkv  # x (B, T, D) -> q, k, v (B, h, T, d_k), autocast's dtype
 
     def features(
         self, q: Tensor, k: Tensor, v: Tensor, valid: Tensor
@@ -78,7 +68,7 @@ class LinearAttention(Attention):
         return self.drop(fk.new_ones(fk.shape[:-1] + (1,)))
 
     def attend(self, x: Tensor, valid: Tensor | None) -> Tensor:
-        q, k, v = self.projections(x)  # (B, h, T, d_k)
+        q, k, v = self._qkv(x)  # (B, h, T, d_k)
         with torch.autocast(x.device.type, enabled=False):
             q32, k32, v32 = widen(q), widen(k), widen(v)
             keep = None if valid is None else key_mask(valid)[:, None, :, None].to(q32)
@@ -87,7 +77,7 @@ class LinearAttention(Attention):
         return out.to(v.dtype)
 
     def attend_dense(self, x: Tensor, valid: Tensor) -> tuple[Tensor, Tensor]:
-        q, k, v = self.projections(x)  # (B, h, T, d_k)
+        q, k, v = self._qkv(x)  # (B, h, T, d_k)
         with torch.autocast(x.device.type, enabled=False):
             fq, fk, v32 = self.features(q, k, v, valid)  # (B, h, T, d_k)
             scores = fq @ fk.transpose(-1, -2)  # (B, h, T, T), zero at padded keys

@@ -24,29 +24,25 @@ import math
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
-from torch import Tensor, nn
+from torch import Tensor
 
 from speechattn.attention import patterns
 from speechattn.attention.autotune import use_short_path
 from speechattn.attention.base import (
-    Attention,
     AttentionConfig,
-    Flops,
     all_valid,
     key_mask,
-    masked_softmax,
+    require,
     scale,
 )
+from speechattn.attention.dot_product import FullAttention
 from speechattn.attention.kernels.blocks import (
     _attend,
     _blocks,
     block_windows,
     window_offsets,
 )
-from speechattn.attention.pruning import remove_projection_heads
 from speechattn.attention.registry import register
-from speechattn.errors import ConfigError
 
 
 @dataclass
@@ -58,19 +54,15 @@ class LongformerConfig(AttentionConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.window < 1:
-            raise ConfigError(f"longformer window w must be >= 1, got {self.window}")
-        if self.dilation < 1:
-            raise ConfigError(f"longformer dilation must be >= 1 (1: no gaps), got {self.dilation}")
-        if self.dilated_heads is not None and not 0 <= self.dilated_heads <= self.num_heads:
-            raise ConfigError(
-                f"longformer dilated_heads must be in [0, num_heads={self.num_heads}] or None, "
-                f"got {self.dilated_heads}"
-            )
-        if self.global_every < 0:
-            raise ConfigError(
-                f"longformer global_every must be >= 0 (0: no global frames), got {self.global_every}"
-            )
+        w, delta, hd, g = self.window, self.dilation, self.dilated_heads, self.global_every
+        require(w >= 1, f"longformer window w must be >= 1, got {w}")
+        require(delta >= 1, f"longformer dilation must be >= 1 (1: no gaps), got {delta}")
+        require(
+            hd is None or 0 <= hd <= self.num_heads,
+            f"longformer dilated_heads must be in [0, num_heads={self.num_heads}] or None, "
+            f"got {hd}",
+        )
+        require(g >= 0, f"longformer global_every must be >= 0 (0: no global frames), got {g}")
 
     @property
     def num_dilated(self) -> int:
@@ -128,7 +120,7 @@ def band_global_kernel(
 
 
 @register("longformer")
-class LongformerAttention(Attention):
+class LongformerAttention(FullAttention):
     """Window and dilated-window heads plus global frames (see module docstring)."""
 
     end_padded_only = True  # positions place the pattern (see `Attention`)
@@ -145,7 +137,6 @@ class LongformerAttention(Attention):
         self.window, self.dilation = config.window, config.dilation
         self.global_every = config.global_every
         self.num_dilated = config.num_dilated
-        self.qkv = nn.Linear(config.dim, 3 * config.dim, bias=config.bias)  # W^Q | W^K | W^V
 
     # ----------------------------------------------------------------- metadata
     def _mean_keys(self, T: int, step: int) -> float:
@@ -164,14 +155,10 @@ class LongformerAttention(Attention):
         keys = [(h.stop - h.start) * self._mean_keys(T, step) for h, step in self.head_steps()]
         return sum(keys) / self.num_heads  # window heads, then dilated heads
 
-    def flops(self, T: int) -> Flops:
-        return self.dot_product_flops(T, self.keys_attended(T))
-
     def _remove_heads(self, index: Tensor) -> None:
         # window heads stay a prefix and dilated heads a suffix (index is sorted)
         first_dilated = self.num_heads - self.num_dilated
         self.num_dilated = int((index >= first_dilated).sum())
-        remove_projection_heads(self, self.qkv, index, blocks=3)
 
     # ----------------------------------------------------------------- kernels
     def head_steps(self) -> list[tuple[slice, int]]:
@@ -224,14 +211,13 @@ class LongformerAttention(Attention):
 
     def attend(self, x: Tensor, valid: Tensor | None) -> Tensor:
         q, k, v = self._qkv(x)  # (B, h, T, d_k)
-        p = self.dropout if self.training else 0.0
         if use_short_path(self, x):
             mask = self.pattern_bias(valid, x.shape[1], q.dtype, q.device)  # (1 or B, h, T, T)
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p)
+            return self.sdpa(q, k, v, mask)
         kv = all_valid(x) if valid is None else key_mask(valid)  # (B, T)
-        return self.attend_long(q, k, v, kv, p)
+        return self.attend_long(q, k, v, kv)
 
-    def attend_long(self, q: Tensor, k: Tensor, v: Tensor, kv: Tensor, p: float) -> Tensor:
+    def attend_long(self, q: Tensor, k: Tensor, v: Tensor, kv: Tensor) -> Tensor:
         """The long-sequence kernel (module docstring): q, k, v (B, h, T, d_k), kv (B, T)."""
         B, h, T, _ = q.shape
         g = self.global_every
@@ -253,14 +239,16 @@ class LongformerAttention(Attention):
                     _fold_classes(t, step, 2) for t in (qh, kh, vh)
                 )  # (B step, H, m, d_k)
                 kvh, globh = _fold_classes(kv, step, 1), _fold_classes(glob, step, 1)  # (B step, m)
-            out = band_global_kernel(qh, kh, vh, kvh, globh, kg, vg, kvg, self.window, p)
+            out = band_global_kernel(
+                qh, kh, vh, kvh, globh, kg, vg, kvg, self.window, self.dropout_p
+            )
             outs.append(_unfold_classes(out, step, T) if step > 1 else out)  # (B, H, T, d_k)
         out = torch.cat(outs, dim=1)  # (B, h, T, d_k)
         if not g:
             return out
         # Global frames attend to every allowed key, in every head.
         mask = kv[:, None, None, :]  # (B, 1, 1, T)
-        out_g = F.scaled_dot_product_attention(q[:, :, gpos], k, v, attn_mask=mask, dropout_p=p)
+        out_g = self.sdpa(q[:, :, gpos], k, v, mask)
         # Their rows replace the first frame of every group of g (an index_copy's backward
         # trips AOTAutograd's functionalization in torch 2.11 under torch.compile).
         groups = _blocks(out, g)  # (B, h, G, g, d_k)
@@ -270,5 +258,4 @@ class LongformerAttention(Attention):
     def attend_dense(self, x: Tensor, valid: Tensor) -> tuple[Tensor, Tensor]:
         q, k, v = self._qkv(x)  # (B, h, T, d_k)
         scores = q @ k.transpose(-1, -2) * scale(self.head_dim)  # (B, h, T, T)
-        weights = masked_softmax(scores, self.pattern(valid))  # (B, h, T, T)
-        return self.drop(weights) @ v, weights
+        return self.weigh(scores, self.pattern(valid), v)

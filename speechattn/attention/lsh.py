@@ -10,32 +10,21 @@
 * simple_lsh / simple_alsh: Neyshabur & Srebro, "On Symmetric and Asymmetric LSHs for Inner
   Product Search", ICML 2015.
 
-Common scheme (the study, section 2.2): one shared projection gives the shared vectors q (as
-in `shared_qk`) and v. The scores are `shared_qk`'s, q_i k_j / sqrt(d_k) with the L2-normalised
-keys k_j = q_j / ||q_j|| (`normalize_keys=True`; False scores the raw q_i q_j, the study's first
-runs), so LSH with k >= T is `shared_qk` exactly. Hashing searches that score: per sequence and
-head, M = max ||k_j|| over valid keys; the keys k_j (`hash_keys="scored"`; "shared" hashes the
-raw q_j, formats 1 and 2) are transformed with P and the queries q_i with Q, and hashed by K
-functions of one fixed seeded matrix per module (a registered buffer, identical at train and
-inference, seeded from the `seed` option and the layer index so that unshared layers hash
-differently): sign random projections (`hash="sign"`, one bit each) or E2LSH buckets
-(`hash="l2"`, floor((a.z / s + b) / w), s = M where the transform keeps the keys' scale, else
-1). Each scheme's default hash is its paper's: l2 for the XBOX transforms, sign for the others.
-match_ij = number of equal hashes. Each query keeps its top-k other keys by match. Ties in the
-match count (frequent: at k = 32 and 16 bits about 40 % of the selected keys are chosen among
-ties) go to the larger score q_i k_j (float64 sums rounded to float32, so that every kernel
-computes it alike: `kernels/topk.py: tie_scores`), and only among exactly equal scores to the
-nearer key, then the earlier one (`tie_break="score"`; "position" sends every tie to the nearer
-key, the study's first runs, which gave LSH a hidden local window: mean |i - j| of the selected
-keys 80 instead of 100 at T = 300 on random inputs). The softmax runs over those k only. As in
-`shared_qk`, a query attends to itself only when it has no other valid key: it is ranked below
-every other valid key and its score carries the -5e4 self penalty, so a query with n valid
-keys gives nonzero weight to exactly min(k, n - 1) of them (to itself when n = 1).
-
-Under sign projections the bits are invariant to positive scaling, so xbox, xbox_qnf and
-simple_lsh give identical codes, as do Sign-ALSH with and without QNF; under l2 measured in
-units of M, xbox_qnf is simple_lsh's transform. `same_model` tells two modules apart by their
-match counts on random vectors; the report marks rows that are one model.
+Common scheme (the study, section 2.2; definition, options and the first runs' variants:
+docs/attention.md, "LSH"): one shared projection gives q and v as in `shared_qk`, and the
+scores are its q_i k_j / sqrt(d_k) with k_j = q_j / ||q_j|| (`normalize_keys`), so LSH with
+k >= T is `shared_qk` exactly. Queries go through the scheme's transform Q, the hashed keys
+(`hash_keys`) through P, with M = max ||k_j|| over the valid keys of each sequence and head,
+then through K hash functions of one fixed seeded matrix per module (a buffer, seeded from
+`seed` and the layer index): sign bits or E2LSH buckets (`hash`, each scheme's paper's by
+default). match_ij = number of equal hashes; each query keeps its top-k other keys by match,
+ties to the larger score q_i k_j (float64 sums rounded to float32, so that every kernel
+computes it alike: `kernels/topk.py: tie_scores`), then the nearer, then the earlier key
+(`tie_break`). The softmax runs over those k only. Its own key ranks below every other valid
+key and carries the -5e4 self penalty, so a query with n valid keys weighs exactly
+min(k, n - 1) of them (itself when n = 1). Under sign hashes xbox, xbox_qnf and simple_lsh
+give identical codes (their transforms differ by positive scalings): `same_model` tells which
+modules are one model, and the report marks such rows.
 
 Cost: hashing O(T K D); matching O(T^2 K h) bit operations (sign: XOR and popcount of packed
 words) or comparisons (l2), then per query a threshold on the match counts found by counting,
@@ -56,7 +45,7 @@ from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor, nn
+from torch import Tensor
 
 from speechattn.attention.autotune import use_short_path
 from speechattn.attention.base import (
@@ -70,16 +59,16 @@ from speechattn.attention.base import (
     linear_flops,
     masked_softmax,
     needs_static_shapes,
+    require,
     scale,
     unit_keys,
     widen,
 )
+from speechattn.attention.dot_product import SharedQKBase
 from speechattn.attention.fp32 import ieee_matmul
 from speechattn.attention.kernels.sparse_topk import sparse_topk_attention
 from speechattn.attention.kernels.topk import ordered_bits, tie_scores, topk_by_match
-from speechattn.attention.pruning import remove_projection_heads
 from speechattn.attention.registry import register
-from speechattn.errors import ConfigError
 
 Transform = Callable[[Tensor, Tensor, Tensor], tuple[Tensor, Tensor]]
 _TINY = 1e-12
@@ -171,20 +160,20 @@ class LSHConfig(AttentionConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.k < 1 or self.bits < 1:
-            raise ConfigError(f"need k >= 1 and bits >= 1, got k={self.k}, bits={self.bits}")
+        k, bits = self.k, self.bits
+        require(k >= 1 and bits >= 1, f"need k >= 1 and bits >= 1, got k={k}, bits={bits}")
         for option, allowed in (
             ("tie_break", ("score", "position")),
             ("hash", ("sign", "l2")),
             ("hash_keys", ("scored", "shared")),
         ):
-            if getattr(self, option) not in allowed:
-                raise ConfigError(
-                    f"LSH {option} must be one of {', '.join(map(repr, allowed))}, "
-                    f"got {getattr(self, option)!r}"
-                )
-        if not self.bucket_width > 0:
-            raise ConfigError(f"LSH bucket_width must be > 0, got {self.bucket_width}")
+            value = getattr(self, option)
+            require(
+                value in allowed,
+                f"LSH {option} must be one of {', '.join(map(repr, allowed))}, got {value!r}",
+            )
+        width = self.bucket_width
+        require(width > 0, f"LSH bucket_width must be > 0, got {width}")
 
 
 @dataclass
@@ -194,8 +183,9 @@ class L2HashConfig(LSHConfig):
     hash: str = "l2"
 
 
-class _LSHAttention(Attention):
-    """Shared-QK attention restricted to the top-k keys of an (A)LSH code match."""
+class _LSHAttention(SharedQKBase):
+    """Shared-QK attention restricted to the top-k keys of an (A)LSH code match (the hashes'
+    projection matrix is one for every head: pruning keeps it)."""
 
     Config = LSHConfig
     transform: ClassVar[Transform]
@@ -213,14 +203,10 @@ class _LSHAttention(Attention):
 
     def __init__(self, config: LSHConfig) -> None:
         super().__init__(config)
-        self.k, self.bits = config.k, config.bits
-        self.normalize_keys, self.tie_break = config.normalize_keys, config.tie_break
-        self.hash, self.bucket_width, self.hash_keys = (
-            config.hash,
-            config.bucket_width,
-            config.hash_keys,
-        )
-        self.qv = nn.Linear(config.dim, 2 * config.dim, bias=config.bias)  # W^Q (= W^K) | W^V
+        c = config
+        self.k, self.bits, self.hash, self.hash_keys = c.k, c.bits, c.hash, c.hash_keys
+        self.normalize_keys, self.tie_break = c.normalize_keys, c.tie_break
+        self.bucket_width = c.bucket_width
         gen = torch.Generator().manual_seed(layer_seed(config.seed, config.layer))
         proj = torch.randn(config.head_dim + self.extra_dims, config.bits, generator=gen)
         self.register_buffer("projection", proj)  # (d_k + m, K), fixed, saved with the model
@@ -243,10 +229,6 @@ class _LSHAttention(Attention):
             linear_flops(T, D, 2 * E) + attention + self.output_flops(T), hashing + matching
         )
 
-    def _remove_heads(self, index: Tensor) -> None:
-        # the projection matrix is per layer, the same for every head: it stays
-        remove_projection_heads(self, self.qv, index, blocks=2)
-
     def _qkv(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """x (B, T, D) -> q, k, v (B, h, T, d_k): k = q / ||q|| (`normalize_keys`) or q."""
         q, v = self.qv(x).chunk(2, dim=-1)  # 2 x (B, T, D)
@@ -263,21 +245,19 @@ class _LSHAttention(Attention):
         precision transforms (norms, sqrt(M^2 - ||x||^2)) would flip bits of the fp32 model.
         """
         with torch.autocast(q.device.type, enabled=False):
-            return self._codes(widen(q), widen(k), valid)
-
-    def _codes(self, q: Tensor, k: Tensor, valid: Tensor | None) -> tuple[Tensor, Tensor]:
-        norms = k.norm(dim=-1, keepdim=True)  # (B, h, T, 1)
-        if valid is not None:
-            norms = norms * key_mask(valid)[:, None, :, None]
-        M = norms.amax(dim=-2, keepdim=True).clamp_min(_TINY)  # (B, h, 1, 1)
-        # both sides in one product and one rounding (about 20 us a tensor operation at T=128)
-        z = torch.stack(type(self).transform(q, k, M))  # (2, B, h, T, d_k + m): Q(q), P(k)
-        if self.hash == "sign":
-            codes = sign_codes(z, self.projection)
-        else:
-            scale = (1.0 if self.unit_ball else M) * self.bucket_width
-            codes = l2_codes(z, self.projection, self.offsets, scale)
-        return codes[0], codes[1]
+            q, k = widen(q), widen(k)
+            norms = k.norm(dim=-1, keepdim=True)  # (B, h, T, 1)
+            if valid is not None:
+                norms = norms * key_mask(valid)[:, None, :, None]
+            M = norms.amax(dim=-2, keepdim=True).clamp_min(_TINY)  # (B, h, 1, 1)
+            # both sides in one product and one rounding (about 20 us a tensor operation at T=128)
+            z = torch.stack(type(self).transform(q, k, M))  # (2, B, h, T, d_k + m): Q(q), P(k)
+            if self.hash == "sign":
+                codes = sign_codes(z, self.projection)
+            else:
+                scale = (1.0 if self.unit_ball else M) * self.bucket_width
+                codes = l2_codes(z, self.projection, self.offsets, scale)
+            return codes[0], codes[1]
 
     def hashed_keys(self, q: Tensor, k: Tensor) -> Tensor:
         """The vectors the key side hashes: the scored keys k, or the raw shared vectors q."""
@@ -360,8 +340,7 @@ class _LSHAttention(Attention):
         if valid is not None and (needs_static_shapes(valid) or not bool(valid.all())):
             bias.masked_fill_(~key_mask(valid)[:, None, None, :], float("-inf"))
         bias.diagonal(dim1=-2, dim2=-1).add_(SELF_PENALTY)
-        p = self.dropout if self.training else 0.0
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=p)
+        return self.sdpa(q, k, v, bias)
 
     def _attend_unfused(
         self, q: Tensor, k: Tensor, v: Tensor, idx: Tensor, allowed: Tensor
@@ -383,8 +362,7 @@ class _LSHAttention(Attention):
         s = q @ k.transpose(-1, -2) * scale(self.head_dim)  # (B, h, T, T)
         s = s + torch.eye(T, device=x.device, dtype=s.dtype) * SELF_PENALTY
         allowed = self.selection_dense(q, k, valid) & key_mask(valid)[:, None, None, :]
-        weights = masked_softmax(s, allowed)  # (B, h, T, T), at most k non-zeros per row
-        return self.drop(weights) @ v, weights
+        return self.weigh(s, allowed, v)  # weights: at most k non-zeros per row
 
 
 def same_model(a: Attention, b: Attention, T: int = 256, seed: int = 0) -> bool:
@@ -405,13 +383,17 @@ def same_model(a: Attention, b: Attention, T: int = 256, seed: int = 0) -> bool:
     return torch.equal(a.match_counts(q, k, valid), b.match_counts(q, k, valid))
 
 
+NEYSHABUR = (
+    "Neyshabur & Srebro, On Symmetric and Asymmetric LSHs for Inner Product Search, ICML 2015"
+)
+
+
 @register("sign_alsh")
 class SignALSHAttention(_LSHAttention):
     """Sign-ALSH (m = 2, U = 0.75)."""
 
     paper = "Shrivastava & Li, Improved Asymmetric LSH (ALSH) for MIPS, UAI 2015"
-    transform = staticmethod(sign_alsh)
-    extra_dims = 2
+    transform, extra_dims = staticmethod(sign_alsh), 2
 
 
 @register("xbox")
@@ -419,10 +401,7 @@ class XBOXAttention(_LSHAttention):
     """XBOX Euclidean transformation."""
 
     paper = "Bachrach et al., Speeding Up the Xbox Recommender System, RecSys 2014"
-    Config = L2HashConfig
-    transform = staticmethod(xbox)
-    unit_ball = False
-    extra_dims = 1
+    Config, transform, unit_ball, extra_dims = L2HashConfig, staticmethod(xbox), False, 1
 
 
 @register("xbox_qnf")
@@ -430,32 +409,21 @@ class XBOXQNFAttention(_LSHAttention):
     """XBOX with query-normalised-first queries."""
 
     paper = "Huang et al., Accurate and Fast ALSH for MIPS (QNF), KDD 2018"
-    Config = L2HashConfig
-    transform = staticmethod(xbox_qnf)
-    unit_ball = False
-    extra_dims = 1
+    Config, transform, unit_ball, extra_dims = L2HashConfig, staticmethod(xbox_qnf), False, 1
 
 
 @register("simple_lsh")
 class SimpleLSHAttention(_LSHAttention):
     """Simple-LSH (symmetric after scaling keys into the unit ball)."""
 
-    paper = (
-        "Neyshabur & Srebro, On Symmetric and Asymmetric LSHs for Inner Product Search, ICML 2015"
-    )
-    transform = staticmethod(simple_lsh)
-    extra_dims = 1
+    paper, transform, extra_dims = NEYSHABUR, staticmethod(simple_lsh), 1
 
 
 @register("simple_alsh")
 class SimpleALSHAttention(_LSHAttention):
     """Simple-ALSH (asymmetric, queries and keys scaled into the unit ball)."""
 
-    paper = (
-        "Neyshabur & Srebro, On Symmetric and Asymmetric LSHs for Inner Product Search, ICML 2015"
-    )
-    transform = staticmethod(simple_alsh)
-    extra_dims = 2
+    paper, transform, extra_dims = NEYSHABUR, staticmethod(simple_alsh), 2
 
 
 # the registry names of the five schemes above

@@ -1,9 +1,10 @@
 """Head pruning of an attention module: `prune_heads(module, keep)`.
 
 Removes the parameters of every head not in `keep`, in place (D stays; the heads' inner size
-becomes h' d_k). Each variant removes its own per-head parameters in its `_remove_heads` hook
-with the helpers below. Kept heads keep their order, so heads with a role by position remain a
-prefix and a suffix, and the module equals the unpruned one with xi = 0 on the removed heads.
+becomes h' d_k): those a variant declares (`Attention.head_projections`, `head_tensors`), and
+other per-head state in its `_remove_heads` hook, with the helpers below. Kept heads keep
+their order, so heads with a role by position remain a prefix and a suffix, and the module
+equals the unpruned one with xi = 0 on the removed heads.
 """
 
 from __future__ import annotations
@@ -28,8 +29,15 @@ def prune_heads(module: Attention, keep: Sequence[int]) -> None:
         )
     if len(kept) == module.num_heads:
         return
+    if not (module.head_projections or module.head_tensors):
+        raise NotImplementedError(f"attention {module.name!r} does not implement prune_heads")
     index = torch.tensor(kept, dtype=torch.long)
-    module._remove_heads(index)  # the variant's own per-head parameters, h still the old one
+    module._remove_heads(index)  # the variant's own per-head state, h still the old one
+    for name, blocks in module.head_projections.items():
+        remove_projection_heads(module, getattr(module, name), index, blocks)
+    for name in module.head_tensors:
+        if getattr(module, name) is not None:
+            select_(module, name, index)
     select_linear_(module.out_proj, head_index(index, module.head_dim, module.num_heads), dim=1)
     module.kept_heads = [module.kept_heads[k] for k in kept]
     module.num_heads = len(kept)

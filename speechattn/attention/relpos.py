@@ -26,15 +26,13 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from speechattn.attention.base import (
-    Attention,
     AttentionConfig,
     Flops,
     key_mask,
     linear_flops,
-    masked_softmax,
     scale,
 )
-from speechattn.attention.pruning import remove_projection_heads, select_
+from speechattn.attention.dot_product import FullAttention
 from speechattn.attention.registry import register
 
 
@@ -71,7 +69,7 @@ class RelPosConfig(AttentionConfig):
 
 
 @register("relpos")
-class RelPosAttention(Attention):
+class RelPosAttention(FullAttention):
     """Transformer-XL relative positional self-attention with content and position biases."""
 
     Config = RelPosConfig
@@ -83,11 +81,12 @@ class RelPosAttention(Attention):
     complexity_inference = "O(T^2 D)"
 
     no_weight_decay = ("pos_bias_u", "pos_bias_v")  # per-head biases
+    head_projections = {"qkv": 3, "pos_proj": 1}  # W_R r is split into heads too
+    head_tensors = no_weight_decay
 
     def __init__(self, config: RelPosConfig) -> None:
         super().__init__(config)
         h, dk = config.num_heads, config.head_dim
-        self.qkv = nn.Linear(config.dim, 3 * config.dim, bias=config.bias)  # W^Q | W^K | W^V
         self.pos_proj = nn.Linear(config.dim, config.dim, bias=False)  # W_R, no bias
         # u (content bias) and v (position bias), one d_k vector per head; Xavier-uniform as
         # in Conformer implementations, so that both terms matter from the first step.
@@ -100,12 +99,6 @@ class RelPosAttention(Attention):
         content = 2 * 2.0 * T * T * E  # (q + u) k^T and weights x V, all heads
         position = 2.0 * T * (2 * T - 1) * E  # (q + v) against the 2T - 1 distances
         return Flops(projections + content + position + self.output_flops(T))
-
-    def _remove_heads(self, index: Tensor) -> None:
-        remove_projection_heads(self, self.qkv, index, blocks=3)
-        remove_projection_heads(self, self.pos_proj, index)  # W_R r is split into heads too
-        select_(self, "pos_bias_u", index)
-        select_(self, "pos_bias_v", index)
 
     def _position_scores(self, q: Tensor) -> Tensor:
         """(q + v) against every distance, unshifted: (B, h, T, 2T - 1), row n <-> T - 1 - n."""
@@ -121,8 +114,7 @@ class RelPosAttention(Attention):
         if valid is not None:
             bias = bias.masked_fill(~key_mask(valid)[:, None, None, :], float("-inf"))
         qu = q + self.pos_bias_u.to(q.dtype)[:, None, :]  # (B, h, T, d_k)
-        p = self.dropout if self.training else 0.0
-        return F.scaled_dot_product_attention(qu, k, v, attn_mask=bias.to(qu.dtype), dropout_p=p)
+        return self.sdpa(qu, k, v, bias.to(qu.dtype))
 
     def attend_dense(self, x: Tensor, valid: Tensor) -> tuple[Tensor, Tensor]:
         q, k, v = self._qkv(x)  # (B, h, T, d_k)
@@ -132,5 +124,4 @@ class RelPosAttention(Attention):
         column = (T - 1 - (i[:, None] - i[None, :])).expand(B, h, T, T)  # distance i - j's row
         position = self._position_scores(q).gather(-1, column)  # (B, h, T, T)
         scores = (content + position) * scale(self.head_dim)  # (B, h, T, T)
-        weights = masked_softmax(scores, key_mask(valid)[:, None, None, :])
-        return self.drop(weights) @ v, weights
+        return self.weigh(scores, key_mask(valid)[:, None, None, :], v)

@@ -31,8 +31,8 @@ from speechattn.attention.base import (
     all_valid,
     key_mask,
     layer_seed,
-    masked_softmax,
     needs_static_shapes,
+    require,
     widen,
 )
 from speechattn.attention.dot_product import SharedQKBase
@@ -49,7 +49,6 @@ from speechattn.attention.kernels.cluster import (  # noqa: F401 (routing's size
 from speechattn.attention.kernels.masked import masked_heads
 from speechattn.attention.pruning import select_
 from speechattn.attention.registry import register
-from speechattn.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -69,13 +68,12 @@ class RoutingConfig(AttentionConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.window < 1 or (self.max_clusters is not None and self.max_clusters < 1):
-            raise ConfigError(
-                f"routing needs window >= 1 and max_clusters >= 1, got window={self.window}, "
-                f"max_clusters={self.max_clusters}"
-            )
-        if not 0.0 <= self.decay < 1.0:
-            raise ConfigError(f"routing decay must be in [0, 1), got {self.decay}")
+        w, C = self.window, self.max_clusters
+        require(
+            w >= 1 and (C is None or C >= 1),
+            f"routing needs window >= 1 and max_clusters >= 1, got window={w}, max_clusters={C}",
+        )
+        require(0.0 <= self.decay < 1.0, f"routing decay must be in [0, 1), got {self.decay}")
 
 
 @dataclass
@@ -125,13 +123,10 @@ class RoutingAttention(SharedQKBase):
         config = self.config
         first = (config.num_heads + 1) // 2  # routing heads' original indices start here
         heads = torch.tensor([h - first for h in self.kept_heads if h >= first], dtype=torch.long)
-        gens = [torch.Generator().manual_seed(layer_seed(config.seed, config.layer, c)) for c in range(start, stop)]  # fmt: skip
-        mu = [torch.randn(config.num_heads - first, config.head_dim, generator=g) for g in gens]
-        mu = (
-            torch.stack(mu, dim=1)
-            if mu
-            else torch.empty(config.num_heads - first, 0, config.head_dim)
-        )
+        mu = torch.empty(config.num_heads - first, stop - start, config.head_dim)
+        for c in range(start, stop):
+            g = torch.Generator().manual_seed(layer_seed(config.seed, config.layer, c))
+            mu[:, c - start] = torch.randn(config.num_heads - first, config.head_dim, generator=g)
         return F.normalize(mu[heads], dim=-1)  # (h_r, stop - start, d_k)
 
     def num_centroids(self, T: int) -> int:
@@ -177,7 +172,6 @@ class RoutingAttention(SharedQKBase):
         routing = index[index >= self.heads_local] - self.heads_local
         self.heads_local = int((index < self.heads_local).sum())
         select_(self, "centroids", routing)
-        super()._remove_heads(index)
 
     # ----------------------------------------------------------------- metadata
     def keys_attended(self, T: int) -> float:
@@ -191,7 +185,7 @@ class RoutingAttention(SharedQKBase):
     def flops(self, T: int) -> Flops:
         h_r = self.num_heads - self.heads_local
         routing = 2.0 * T * num_clusters(T, self.max_clusters) * self.head_dim * h_r
-        attention = self.dot_product_flops(T, self.keys_attended(T), projections=2)
+        attention = self.dot_product_flops(T, self.keys_attended(T))
         return Flops(attention.differentiable, routing)  # distances to the centroids, no grad
 
     # ----------------------------------------------------------------- routing
@@ -251,8 +245,12 @@ class RoutingAttention(SharedQKBase):
         band = i[:, None] + offsets + (offsets >= 0).long()  # (T, 2w)
         band = torch.where((band >= 0) & (band < T), band, i[:, None])  # out of range: filler
         parts = [band.expand(B, self.heads_local, T, -1)]
-        if h > self.heads_local:
-            parts.append(self._cluster_members(self.members(k, valid)))
+        if h > self.heads_local:  # kept members of each query's cluster, fillers = the query
+            members = self.members(k, valid)
+            cluster, table = members.cluster, members.table  # (B, h_r, T), (B, h_r, Cm, W)
+            own = cluster.clamp_min(0)[..., None].expand(*cluster.shape, table.shape[-1])
+            found = table.gather(2, own)  # (B, h_r, T, W)
+            parts.append(torch.where((found >= 0) & (cluster >= 0)[..., None], found, i[:, None]))
         width = max(p.shape[-1] for p in parts)
         parts = [  # the narrower part padded with fillers (the query itself)
             torch.cat([p, i[:, None].expand(*p.shape[:-1], width - p.shape[-1])], dim=-1)
@@ -263,43 +261,34 @@ class RoutingAttention(SharedQKBase):
 
     @torch.no_grad()
     def members(self, k: Tensor, valid: Tensor) -> Members:
-        """Route the routing heads' keys k (B, h, T, d_k) in float32 and sort them into
-        clusters (`Members`), with the current centroids."""
+        """Route the routing heads' keys k (B, h, T, d_k) in float32 with the current centroids
+        and sort them into clusters (`Members`) by (cluster, similarity descending, position)
+        with two stable sorts; rank = sorted position minus the cluster's first. Width W: the
+        batch's largest capacity on CPU eager, else `capacity_bound` (no size depends on data;
+        extra slots -1)."""
         with torch.autocast(k.device.type, enabled=False):
-            return self._sort(self.route(self._routing_vectors(k), valid))
-
-    def _sort(self, routes: Routes) -> Members:
-        """Sort by (cluster, similarity descending, position) with two stable sorts; rank =
-        sorted position minus the cluster's first. Width W: the batch's largest capacity on
-        CPU eager, else `capacity_bound` (no size depends on data; extra slots -1)."""
-        cluster, similarity, capacity = routes.cluster, routes.similarity, routes.capacity
-        B, h_r, T = cluster.shape
-        Cm = self.num_centroids(T)
-        W = capacity_bound(T, Cm) if needs_static_shapes(capacity) else int(capacity.max())
-        label = torch.where(cluster >= 0, cluster, Cm)  # padded frames sort last
-        order = similarity.masked_fill(cluster < 0, 0).sort(dim=-1, descending=True, stable=True)[1]
-        order = order.gather(
-            -1, label.gather(-1, order).sort(dim=-1, stable=True)[1]
-        )  # (B, h_r, T)
-        sorted_label = label.gather(-1, order)
-        counts = F.one_hot(label, Cm + 1).sum(2)  # (B, h_r, Cm + 1)
-        first = counts.cumsum(-1) - counts  # position of each cluster's first member
-        rank = torch.arange(T, device=cluster.device) - first.gather(-1, sorted_label)
-        kept = (rank < capacity[:, None, None]) & (sorted_label < Cm)
-        slot = torch.where(kept, sorted_label * W + rank, Cm * W)  # Cm * W: discarded
-        table = torch.full((B, h_r, Cm * W + 1), -1, dtype=torch.long, device=cluster.device)
-        table.scatter_(-1, slot, order)
-        table = table[..., :-1].view(B, h_r, Cm, W)
-        return Members(cluster, order, sorted_label, rank, counts[..., :Cm], table)
-
-    def _cluster_members(self, members: Members) -> Tensor:
-        """Kept members of each query's cluster (B, h_r, T, W), fillers = the query."""
-        cluster, table = members.cluster, members.table
-        B, h_r, T = cluster.shape
-        own = cluster.clamp_min(0)[..., None].expand(B, h_r, T, table.shape[-1])
-        found = table.gather(2, own)  # (B, h_r, T, W)
-        i = torch.arange(T, device=cluster.device)[:, None]
-        return torch.where((found >= 0) & (cluster >= 0)[..., None], found, i)
+            routes = self.route(self._routing_vectors(k), valid)
+            cluster, similarity, capacity = routes.cluster, routes.similarity, routes.capacity
+            B, h_r, T = cluster.shape
+            Cm = self.num_centroids(T)
+            W = capacity_bound(T, Cm) if needs_static_shapes(capacity) else int(capacity.max())
+            label = torch.where(cluster >= 0, cluster, Cm)  # padded frames sort last
+            order = similarity.masked_fill(cluster < 0, 0).sort(
+                dim=-1, descending=True, stable=True
+            )[1]
+            order = order.gather(
+                -1, label.gather(-1, order).sort(dim=-1, stable=True)[1]
+            )  # (B, h_r, T)
+            sorted_label = label.gather(-1, order)
+            counts = F.one_hot(label, Cm + 1).sum(2)  # (B, h_r, Cm + 1)
+            first = counts.cumsum(-1) - counts  # position of each cluster's first member
+            rank = torch.arange(T, device=cluster.device) - first.gather(-1, sorted_label)
+            kept = (rank < capacity[:, None, None]) & (sorted_label < Cm)
+            slot = torch.where(kept, sorted_label * W + rank, Cm * W)  # Cm * W: discarded
+            table = torch.full((B, h_r, Cm * W + 1), -1, dtype=torch.long, device=cluster.device)
+            table.scatter_(-1, slot, order)
+            table = table[..., :-1].view(B, h_r, Cm, W)
+            return Members(cluster, order, sorted_label, rank, counts[..., :Cm], table)
 
     @torch.no_grad()
     def selection_dense(self, q: Tensor, k: Tensor, valid: Tensor) -> Tensor:
@@ -328,8 +317,8 @@ class RoutingAttention(SharedQKBase):
     def attend(self, x: Tensor, valid: Tensor | None) -> Tensor:
         padded = valid is not None
         valid = all_valid(x) if valid is None else valid
-        q, k, v = self.shared_qkv(x)  # (B, h, T, d_k)
-        hl, p = self.heads_local, (self.dropout if self.training else 0.0)
+        q, k, v = self._qkv(x)  # (B, h, T, d_k)
+        hl, p = self.heads_local, self.dropout_p
         kernel = pick_kernel(self, q)
         # Select with the centroids as they were before this pass moves them.
         if kernel == "short":
@@ -361,13 +350,11 @@ class RoutingAttention(SharedQKBase):
         chosen = chosen.scatter(-1, idx, True) & key_mask(valid)[:, None, None, :] | eye
         bias = torch.zeros(chosen.shape, dtype=q.dtype, device=q.device)
         bias = bias.masked_fill(~chosen, float("-inf")) + eye * SELF_PENALTY  # (B, h, T, T)
-        p = self.dropout if self.training else 0.0
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=p)
+        return self.sdpa(q, k, v, bias)
 
     def attend_dense(self, x: Tensor, valid: Tensor) -> tuple[Tensor, Tensor]:
-        q, k, v = self.shared_qkv(x)  # (B, h, T, d_k)
+        q, k, v = self._qkv(x)  # (B, h, T, d_k)
         T = q.shape[-2]
         eye = torch.eye(T, dtype=torch.bool, device=x.device)
         allowed = self.selection_dense(q, k, valid) & key_mask(valid)[:, None, None, :] | eye
-        weights = masked_softmax(self.shared_scores(q, k), allowed)  # (B, h, T, T)
-        return self.drop(weights) @ v, weights
+        return self.weigh(self.shared_scores(q, k), allowed, v)

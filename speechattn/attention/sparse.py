@@ -28,11 +28,10 @@ from speechattn.attention import flex, patterns
 from speechattn.attention.autotune import pick_kernel
 from speechattn.attention.base import (
     AttentionConfig,
-    Flops,
     all_valid,
     key_mask,
-    masked_softmax,
     needs_static_shapes,
+    require,
 )
 from speechattn.attention.dot_product import SharedQKBase
 from speechattn.attention.kernels.blocks import (
@@ -46,7 +45,6 @@ from speechattn.attention.kernels.blocks import (
 )
 from speechattn.attention.kernels.masked import masked_heads
 from speechattn.attention.registry import register
-from speechattn.errors import ConfigError
 
 TUNED = ("blocked", "masked", "flex")  # the kernels, each forced by its name
 KERNELS = ("auto", *TUNED)  # the option's values
@@ -60,40 +58,34 @@ MASKED_MAX_T_CUDA = 1024
 
 
 class _SparseBase(SharedQKBase):
-    """Shared-QK sparse attention; subclasses give the blocked kernels and the two patterns."""
+    """Shared-QK sparse attention. Heads [0, heads_first) use the first pattern, the others the
+    second. A subclass gives `stride_option` (the config field that fixes l; None: per
+    utterance) and:
+
+        kernels() -> (first, second): the blocked kernels of the two halves of the heads
+        first_pattern(i, j, ls), second_pattern(i, j, ls) -> bool: whether query i may use
+            key j in that half, with stride ls (broadcastable tensors, an int or a tensor)
+        envelope_at(h, i, j, bound) -> bool: positions only, every key head h's query i may
+            use for any stride <= bound (the Flex BlockMask)
+        _mean_pattern_size(T) -> (first, second): keys per query of each half
+    """
 
     end_padded_only = True  # positions place the pattern (see `Attention`)
     all_pairs_kernels = ("masked",)
+    stride_option: str
 
     complexity_training = "O(T sqrt(T) D)"
     complexity_inference = "O(T sqrt(T) D)"
 
     def __init__(self, config: AttentionConfig) -> None:
         super().__init__(config)
-        # heads [0, heads_first) use the first pattern, the others the second
         self.heads_first = (config.num_heads + 1) // 2
 
     def _remove_heads(self, index: Tensor) -> None:
         self.heads_first = int((index < self.heads_first).sum())  # still a prefix (sorted)
-        super()._remove_heads(index)
-
-    stride_option: str  # the config field that fixes l (None: per utterance)
 
     def _fixed_stride(self) -> int | None:
         return getattr(self.config, self.stride_option)
-
-    def kernels(self) -> tuple[Kernel, Kernel]:
-        """The blocked kernels of the first and second half of the heads."""
-        raise NotImplementedError
-
-    def first_pattern(self, i: Tensor, j: Tensor, ls: patterns.Width) -> Tensor:
-        """Whether query i may use key j in the first half of the heads, with stride ls
-        (broadcastable tensors and an int or a tensor)."""
-        raise NotImplementedError
-
-    def second_pattern(self, i: Tensor, j: Tensor, ls: patterns.Width) -> Tensor:
-        """The same for the second half of the heads."""
-        raise NotImplementedError
 
     def pattern_pair(
         self, T: int, ls: patterns.Width, device: torch.device
@@ -124,16 +116,13 @@ class _SparseBase(SharedQKBase):
         return "masked" if device.type == "cuda" and T <= MASKED_MAX_T_CUDA else "blocked"
 
     def strides(self, valid: Tensor) -> list[int]:
-        """l per utterance, read on the host: the configured one, or round(sqrt(T_u)) of its
-        extent T_u (`extents`)."""
-        fixed = self._fixed_stride()
-        if fixed is not None:
-            return [fixed] * valid.shape[0]
-        return [patterns.default_stride(e) for e in extents(valid).tolist()]
+        """l per utterance, read on the host: `device_strides`' values."""
+        ls = self.device_strides(valid, valid.shape[1])
+        return ls.tolist() if isinstance(ls, Tensor) else [ls] * valid.shape[0]
 
     def device_strides(self, valid: Tensor | None, T: int) -> Stride:
         """l without a host read: the configured one, round(sqrt(T)) when nothing is padded,
-        else each utterance's from its extent by device ops, (B,)."""
+        else round(sqrt(T_u)) of each utterance's extent T_u (`extents`) by device ops, (B,)."""
         fixed = self._fixed_stride()
         if fixed is not None:
             return fixed
@@ -141,13 +130,19 @@ class _SparseBase(SharedQKBase):
             return patterns.default_stride(T)
         return patterns.default_strides(extents(valid))
 
-    def flex_mask(self, ls: Tensor, bound: int) -> tuple[Hashable, flex.MaskMod, flex.MaskMod]:
-        """The two patterns by head for FlexAttention with per-utterance strides ls (B,):
-        (key, pattern, envelope). pattern(b, h, i, j) reads ls[b] (a tensor, so the compiled
-        kernel serves every stride); envelope, named by key for the BlockMask cache, allows
-        every key the pattern allows for any stride up to `bound`: the pattern itself for a
-        configured stride, else `envelope_at`."""
+    def flex_mask(
+        self, ls: Stride, B: int, T: int, device: torch.device
+    ) -> tuple[Hashable, flex.MaskMod, flex.MaskMod]:
+        """The two patterns by head for FlexAttention with strides ls (int, or (B,) per
+        utterance): (key, pattern, envelope). pattern(b, h, i, j) reads ls[b] from a (B,)
+        tensor on the device (an int filled in, no host copy), so the compiled kernel serves
+        every stride. envelope, named by key for the BlockMask cache, allows every key the
+        pattern allows for any stride up to a bound, the configured stride (the pattern
+        itself) or the largest default one of T's Flex bucket (`envelope_at`), so one
+        BlockMask serves the bucket."""
         fixed = self._fixed_stride()
+        ls = ls if isinstance(ls, Tensor) else torch.full((B,), ls, device=device)
+        bound = fixed or patterns.stride_bounds(flex.bucket(T))[0]
 
         def pattern(b: Tensor, h: Tensor, i: Tensor, j: Tensor) -> Tensor:
             return self.pattern_at(h, i, j, ls[b])
@@ -161,33 +156,22 @@ class _SparseBase(SharedQKBase):
         key = (self.name, bound, self.heads_first, fixed, getattr(self.config, "summary", None))
         return key, pattern, envelope
 
-    def envelope_at(self, h: Tensor, i: Tensor, j: Tensor, bound: int) -> Tensor:
-        """Positions only: every key head h's query i may use for any stride <= bound."""
-        raise NotImplementedError
-
-    def flex_strides(self, ls: Stride, B: int, T: int, device: torch.device) -> tuple[Tensor, int]:
-        """Strides for `flex_mask`: (B,) on the device (an int filled in, no host copy) and
-        their bound, the configured stride or the largest default one of T's Flex bucket (so
-        one BlockMask serves the bucket)."""
-        strides = ls if isinstance(ls, Tensor) else torch.full((B,), ls, device=device)
-        return strides, self._fixed_stride() or patterns.stride_bounds(flex.bucket(T))[0]
-
     def _run(self, q: Tensor, k: Tensor, v: Tensor, kv: Tensor, ls: Stride, kernel: str) -> Tensor:
         """All heads with stride ls (int, or (B,) per utterance) by the blocked or (where it
         can run) the Flex kernel -> (B, h, T, d_k)."""
         if kernel == "flex" and flex.use_flex(q, self.training, self.dropout):
             B, _, T, _ = q.shape
-            key, pattern, envelope = self.flex_mask(*self.flex_strides(ls, B, T, q.device))
+            key, pattern, envelope = self.flex_mask(ls, B, T, q.device)
             return flex.pattern_attention(q, k, v, kv, pattern, envelope, key)
         first, second = self.kernels()
-        hA, p = self.heads_first, (self.dropout if self.training else 0.0)
+        hA, p = self.heads_first, self.dropout_p
         outs = [first(q[:, :hA], k[:, :hA], v[:, :hA], kv, ls, p)] if hA else []
         if hA < self.num_heads:
             outs.append(second(q[:, hA:], k[:, hA:], v[:, hA:], kv, ls, p))
         return torch.cat(outs, dim=1)  # (B, h, T, d_k)
 
     def attend(self, x: Tensor, valid: Tensor | None) -> Tensor:
-        q, k, v = self.shared_qkv(x)  # (B, h, T, d_k)
+        q, k, v = self._qkv(x)  # (B, h, T, d_k)
         kernel = pick_kernel(self, q)
         if kernel == "masked":
             return self.attend_masked(q, k, v, valid)
@@ -215,10 +199,9 @@ class _SparseBase(SharedQKBase):
         call serves the batch on every device."""
         T = q.shape[2]
         first, second = self.pattern_pair(T, self.device_strides(valid, T), q.device)
-        hA, p = self.heads_first, (self.dropout if self.training else 0.0)
-        groups = [(hA, first), (self.num_heads - hA, second)]
+        groups = [(self.heads_first, first), (self.num_heads - self.heads_first, second)]
         kv = None if valid is None else key_mask(valid)
-        return masked_heads(q, k, v, groups, kv, p)
+        return masked_heads(q, k, v, groups, kv, self.dropout_p)
 
     def allowed_dense(self, valid: Tensor) -> Tensor:
         """(B, h, T, T) bool: the pattern of each head, plus self, restricted to allowed keys."""
@@ -234,20 +217,13 @@ class _SparseBase(SharedQKBase):
         return (heads | eye) & key_mask(valid)[:, None, None, :]
 
     def attend_dense(self, x: Tensor, valid: Tensor) -> tuple[Tensor, Tensor]:
-        q, k, v = self.shared_qkv(x)  # (B, h, T, d_k)
-        weights = masked_softmax(self.shared_scores(q, k), self.allowed_dense(valid))
-        return self.drop(weights) @ v, weights  # (B, h, T, d_k), (B, h, T, T)
-
-    def _mean_pattern_size(self, T: int) -> tuple[float, float]:
-        raise NotImplementedError
+        q, k, v = self._qkv(x)  # (B, h, T, d_k)
+        return self.weigh(self.shared_scores(q, k), self.allowed_dense(valid), v)
 
     def keys_attended(self, T: int) -> float:
         a, b = self._mean_pattern_size(T)
         hA = self.heads_first
         return (hA * a + (self.num_heads - hA) * b) / self.num_heads
-
-    def flops(self, T: int) -> Flops:
-        return self.dot_product_flops(T, self.keys_attended(T), projections=2)
 
 
 @dataclass
@@ -260,8 +236,7 @@ class SparseConfig(AttentionConfig):
     def __post_init__(self) -> None:
         super().__post_init__()
         self.kernel = OLD_NAMES.get(self.kernel, self.kernel)
-        if self.kernel not in KERNELS:
-            raise ConfigError(f"kernel must be one of {KERNELS}, got {self.kernel!r}")
+        require(self.kernel in KERNELS, f"kernel must be one of {KERNELS}, got {self.kernel!r}")
 
 
 @dataclass
@@ -270,8 +245,8 @@ class SparseStridedConfig(SparseConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.stride is not None and self.stride < 1:
-            raise ConfigError(f"stride must be >= 1 or None, got {self.stride}")
+        ls = self.stride
+        require(ls is None or ls >= 1, f"stride must be >= 1 or None, got {ls}")
 
 
 @register("sparse_strided")
@@ -285,11 +260,8 @@ class SparseStridedAttention(_SparseBase):
     def kernels(self) -> tuple[Kernel, Kernel]:
         return band_kernel, residue_kernel
 
-    def first_pattern(self, i: Tensor, j: Tensor, ls: patterns.Width) -> Tensor:
-        return patterns.in_band(i, j, ls)
-
-    def second_pattern(self, i: Tensor, j: Tensor, ls: patterns.Width) -> Tensor:
-        return patterns.same_residue(i, j, ls)
+    first_pattern = staticmethod(patterns.in_band)
+    second_pattern = staticmethod(patterns.same_residue)
 
     def envelope_at(self, h: Tensor, i: Tensor, j: Tensor, bound: int) -> Tensor:
         # residue classes: every key (a block of 128 keys holds every class of l <= 128)
@@ -309,10 +281,9 @@ class SparseFixedConfig(SparseConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.block is not None and self.block < 1:
-            raise ConfigError(f"block must be >= 1 or None, got {self.block}")
-        if self.summary < 1:
-            raise ConfigError(f"summary must be >= 1, got {self.summary}")
+        ls = self.block
+        require(ls is None or ls >= 1, f"block must be >= 1 or None, got {ls}")
+        require(self.summary >= 1, f"summary must be >= 1, got {self.summary}")
 
 
 @register("sparse_fixed")
@@ -331,8 +302,7 @@ class SparseFixedAttention(_SparseBase):
 
         return block_kernel, summary
 
-    def first_pattern(self, i: Tensor, j: Tensor, ls: patterns.Width) -> Tensor:
-        return patterns.same_block(i, j, ls)
+    first_pattern = staticmethod(patterns.same_block)
 
     def second_pattern(self, i: Tensor, j: Tensor, ls: patterns.Width) -> Tensor:
         c = self.config.summary

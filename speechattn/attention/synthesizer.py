@@ -13,6 +13,7 @@ T). Options and kernels: docs/attention.md, "Synthesizers".
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -32,6 +33,7 @@ from speechattn.attention.base import (
     linear_flops,
     masked_softmax,
     needs_static_shapes,
+    require,
 )
 from speechattn.attention.kernels.table import (
     GradientMemory,
@@ -39,7 +41,7 @@ from speechattn.attention.kernels.table import (
     TableWindows,
     weighted_values,
 )
-from speechattn.attention.pruning import remove_projection_heads, select_
+from speechattn.attention.pruning import remove_projection_heads
 from speechattn.attention.registry import register
 from speechattn.errors import ConfigError
 
@@ -50,8 +52,7 @@ class SynRandomConfig(AttentionConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.max_len < 1:
-            raise ConfigError(f"max_len must be >= 1, got {self.max_len}")
+        require(self.max_len >= 1, f"max_len must be >= 1, got {self.max_len}")
 
 
 @dataclass
@@ -60,14 +61,44 @@ class SynDenseConfig(SynRandomConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.hidden is not None and self.hidden < 1:
-            raise ConfigError(f"hidden must be >= 1 or None, got {self.hidden}")
+        H = self.hidden
+        require(H is None or H >= 1, f"hidden must be >= 1 or None, got {H}")
+
+
+def _cropped(run: Callable[..., Any]) -> Callable[..., Any]:
+    """`run` (`Attention.forward` or `dense_reference`) for the synthesizers: a batch padded
+    beyond max_len whose utterances all fit runs on its first n = (last valid frame + 1) <=
+    max_len frames, and y (B, n, D) and weights (B, h, n, n) are padded back to T with zero
+    rows and columns."""
+
+    @functools.wraps(run)
+    def cropped(
+        self: _SynthesizerBase,
+        x: Tensor,
+        padding_mask: Tensor | None = None,
+        *args: Any,
+        **kwargs: Any,
+    ) -> Any:
+        n = self._fitting_length(x, padding_mask)
+        if n is None:
+            return run(self, x, padding_mask, *args, **kwargs)
+        out, T = run(self, x[:, :n], padding_mask[:, :n], *args, **kwargs), x.shape[1]
+        if isinstance(out, Tensor):
+            return F.pad(out, (0, 0, 0, T - n))
+        y, w = out
+        return F.pad(y, (0, 0, 0, T - n)), F.pad(w, (0, T - n, 0, T - n))
+
+    return cropped
+
+
+TAY = "Tay et al., Synthesizer: Rethinking Self-Attention in Transformer Models, ICML 2021"
 
 
 class _SynthesizerBase(Attention):
-    """Values projection, length checks, metadata and the dense synthesizers' paths."""
+    """Values projection, length checks and metadata of every synthesizer."""
 
     end_padded_only = True  # positions place the pattern (see `Attention`)
+    head_projections = {"v_proj": 1}
 
     def __init__(self, config: AttentionConfig) -> None:
         super().__init__(config)
@@ -77,34 +108,8 @@ class _SynthesizerBase(Attention):
     def keys_attended(self, T: int) -> float:
         return 0.0  # weights are synthesised, no query-key scores (study, Figure 4)
 
-    def forward(
-        self,
-        x: Tensor,
-        padding_mask: Tensor | None = None,
-        head_mask: Tensor | None = None,
-        need_weights: bool = False,
-    ) -> Tensor | tuple[Tensor, Tensor]:
-        """`Attention.forward`, cropped (`_cropped`)."""
-        return self._cropped(super().forward, x, padding_mask, head_mask, need_weights)
-
-    def dense_reference(
-        self, x: Tensor, padding_mask: Tensor | None = None, head_mask: Tensor | None = None
-    ) -> tuple[Tensor, Tensor]:
-        """`Attention.dense_reference`, cropped (`_cropped`)."""
-        return self._cropped(super().dense_reference, x, padding_mask, head_mask)
-
-    def _cropped(self, run: Callable[..., Any], x: Tensor, mask: Tensor | None, *args: Any) -> Any:
-        """run(x, mask, *args); a batch padded beyond max_len whose utterances all fit runs on
-        its first n = (last valid frame + 1) <= max_len frames, and y (B, n, D) and weights
-        (B, h, n, n) are padded back to T with zero rows and columns."""
-        n = self._fitting_length(x, mask)
-        if n is None:
-            return run(x, mask, *args)
-        out, T = run(x[:, :n], mask[:, :n], *args), x.shape[1]
-        if isinstance(out, Tensor):
-            return F.pad(out, (0, 0, 0, T - n))
-        y, w = out
-        return F.pad(y, (0, 0, 0, T - n)), F.pad(w, (0, T - n, 0, T - n))
+    forward = _cropped(Attention.forward)
+    dense_reference = _cropped(Attention.dense_reference)
 
     def _fitting_length(self, x: Tensor, padding_mask: Tensor | None) -> int | None:
         """Frames to keep when x (B, T, D) is longer than max_len but every utterance fits: 1 +
@@ -130,25 +135,53 @@ class _SynthesizerBase(Attention):
         E = self.inner_dim  # h d_k, D unless pruned
         return linear_flops(T, self.dim, E) + 2.0 * T * T * E + self.output_flops(T)
 
-    def _remove_heads(self, index: Tensor) -> None:
-        remove_projection_heads(self, self.v_proj, index)
+
+class _DenseSynthesizer(_SynthesizerBase):
+    """Dense synthesizers: logits [ReLU(W_1 x_i), 1] . [W_2 row j, b_2 j] with the subclass's
+    `logit_table()`, W_2 (G, l_max, hidden) and b_2 (G, l_max) or None, G = 1 (one logit
+    matrix for all heads) or h."""
+
+    Config = SynDenseConfig
+    complexity_training = "O(T^2 D)"
+    complexity_inference = "O(T^2 D)"
 
     def _sdpa(self, q: Tensor, k: Tensor, v: Tensor, valid: Tensor | None) -> Tensor:
         """softmax(q k^T) v over the valid keys by SDPA with scale 1, zero-padding q/k or v to
         one head size first: the fused CPU kernel needs equal sizes (else SDPA falls back to
         the T x T math path)."""
         mask = None if valid is None else key_mask(valid)[:, None, None, :]  # (B, 1, 1, T)
-        p = self.dropout if self.training else 0.0
         dq, dv = q.shape[-1], v.shape[-1]
         if dq > dv:
             v = F.pad(v, (0, dq - dv))
         elif dv > dq:
             q, k = F.pad(q, (0, dv - dq)), F.pad(k, (0, dv - dq))
+        p = self.dropout_p
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p, scale=1.0)
         return y[..., :dv]
 
+    def flops(self, T: int) -> Flops:
+        """W_1 and one (T, T) logit matrix per logit group, then the values."""
+        W2, _ = self.logit_table()  # (G, l_max, hidden)
+        G, hidden = W2.shape[0], W2.shape[-1]
+        logits = G * linear_flops(T, hidden, T)
+        return Flops(linear_flops(T, self.dim, G * hidden) + logits + self.value_flops(T))
+
+    def _qk(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        """Logits as inner products: q (B, G, T, H'), k (B, G, T, H') with H' = hidden (+1
+        for the bias)."""
+        B, T, _ = x.shape
+        self._check_len(T)
+        W2, b2 = self.logit_table()
+        G = W2.shape[0]
+        q = F.relu(self.w1(x)).view(B, T, G, -1).transpose(1, 2)  # (B, G, T, hidden)
+        k = W2[:, :T]  # (G, T, hidden)
+        if b2 is not None:
+            q = torch.cat([q, q.new_ones(B, G, T, 1)], dim=-1)
+            k = torch.cat([k, b2[:, :T, None]], dim=-1)
+        return q, k.expand(B, -1, -1, -1)
+
     def attend_dense(self, x: Tensor, valid: Tensor) -> tuple[Tensor, Tensor]:
-        """Dense synthesizers: weights from `_qk`'s logits, (B, 1 or h, T, T)."""
+        """Weights from `_qk`'s logits, (B, G, T, T) expanded to (B, h, T, T)."""
         q, k = self._qk(x)  # (B, 1 or h, T, H')
         w = masked_softmax(q @ k.transpose(-1, -2), key_mask(valid)[:, None, None, :])
         heads = self.drop(w) @ self.split_heads(self.v_proj(x))  # (B, h, T, d_k)
@@ -156,14 +189,11 @@ class _SynthesizerBase(Attention):
 
 
 @register("syn_dense")
-class SynDenseAttention(_SynthesizerBase):
+class SynDenseAttention(_DenseSynthesizer):
     """Dense Synthesizer: B_i = W_2 ReLU(W_1 x_i) in R^{l_max}, sliced to the first T
     columns and shared by all heads; Y = softmax(B) V."""
 
-    Config = SynDenseConfig
-    paper = "Tay et al., Synthesizer: Rethinking Self-Attention in Transformer Models, ICML 2021 (Dense)"
-    complexity_training = "O(T^2 D)"
-    complexity_inference = "O(T^2 D)"
+    paper = f"{TAY} (Dense)"
 
     def __init__(self, config: SynDenseConfig) -> None:
         super().__init__(config)
@@ -171,21 +201,9 @@ class SynDenseAttention(_SynthesizerBase):
         self.w1 = nn.Linear(config.dim, hidden, bias=config.bias)  # W_1
         self.w2 = nn.Linear(hidden, config.max_len, bias=config.bias)  # W_2, one row per key
 
-    def flops(self, T: int) -> Flops:
-        hidden = self.w1.out_features
-        logits = linear_flops(T, hidden, T)  # one shared (T, T) logit matrix
-        return Flops(linear_flops(T, self.dim, hidden) + logits + self.value_flops(T))
-
-    def _qk(self, x: Tensor) -> tuple[Tensor, Tensor]:
-        """Logits as inner products: q (B, 1, T, H'), k (B, 1, T, H') with H' = hidden (+1)."""
-        B, T, _ = x.shape
-        self._check_len(T)
-        q = F.relu(self.w1(x))  # (B, T, hidden)
-        k = self.w2.weight[:T]  # (T, hidden)
-        if self.w2.bias is not None:
-            q = torch.cat([q, q.new_ones(B, T, 1)], dim=-1)
-            k = torch.cat([k, self.w2.bias[:T, None]], dim=-1)
-        return q[:, None], k.expand(B, 1, T, -1)
+    def logit_table(self) -> tuple[Tensor, Tensor | None]:
+        bias = self.w2.bias
+        return self.w2.weight[None], None if bias is None else bias[None]
 
     def attend(self, x: Tensor, valid: Tensor | None) -> Tensor:
         q, k = self._qk(x)  # (B, 1, T, H')
@@ -194,18 +212,12 @@ class SynDenseAttention(_SynthesizerBase):
 
 
 @register("syn_dense_mh")
-class SynDenseMHAttention(_SynthesizerBase):
+class SynDenseMHAttention(_DenseSynthesizer):
     """Multi-head Dense Synthesizer: W_1^i (D -> d_k), W_2^i (d_k -> l_max) per head."""
 
-    Config = SynDenseConfig
-    paper = (
-        "Tay et al., Synthesizer: Rethinking Self-Attention in Transformer Models, "
-        "ICML 2021 (Dense, multi-head)"
-    )
-    complexity_training = "O(T^2 D)"
-    complexity_inference = "O(T^2 D)"
-
+    paper = f"{TAY} (Dense, multi-head)"
     no_weight_decay = ("b2",)  # the per-head bias of W_2
+    head_tensors = ("w2", "b2")
 
     def __init__(self, config: SynDenseConfig) -> None:
         super().__init__(config)
@@ -216,28 +228,11 @@ class SynDenseMHAttention(_SynthesizerBase):
         nn.init.uniform_(self.w2, -(self.hidden**-0.5), self.hidden**-0.5)
         self.b2 = nn.Parameter(torch.zeros(h, config.max_len)) if config.bias else None
 
-    def flops(self, T: int) -> Flops:
-        h, hidden = self.num_heads, self.hidden
-        logits = h * linear_flops(T, hidden, T)  # one (T, T) logit matrix per head
-        return Flops(linear_flops(T, self.dim, h * hidden) + logits + self.value_flops(T))
-
     def _remove_heads(self, index: Tensor) -> None:
-        super()._remove_heads(index)
         remove_projection_heads(self, self.w1, index, size=self.hidden)
-        select_(self, "w2", index)
-        if self.b2 is not None:
-            select_(self, "b2", index)
 
-    def _qk(self, x: Tensor) -> tuple[Tensor, Tensor]:
-        """q (B, h, T, H'), k (B, h, T, H') with H' = hidden (+1 for the bias)."""
-        B, T, _ = x.shape
-        self._check_len(T)
-        q = F.relu(self.w1(x)).view(B, T, self.num_heads, self.hidden).transpose(1, 2)
-        k = self.w2[:, :T]  # (h, T, hidden)
-        if self.b2 is not None:
-            q = torch.cat([q, q.new_ones(B, self.num_heads, T, 1)], dim=-1)
-            k = torch.cat([k, self.b2[:, :T, None]], dim=-1)
-        return q, k.expand(B, -1, -1, -1)
+    def logit_table(self) -> tuple[Tensor, Tensor | None]:
+        return self.w2, self.b2
 
     def attend(self, x: Tensor, valid: Tensor | None) -> Tensor:
         q, k = self._qk(x)  # (B, h, T, H')
@@ -250,11 +245,12 @@ class SynRandomAttention(_SynthesizerBase):
     T x T; Y^i = softmax(R^i) V^i, independent of the input."""
 
     Config = SynRandomConfig
-    paper = "Tay et al., Synthesizer: Rethinking Self-Attention in Transformer Models, ICML 2021 (Random)"
+    paper = f"{TAY} (Random)"
     complexity_training = "O(T^2 D)"
     complexity_inference = "O(T^2 D) (softmax(R) input-independent, cacheable)"
     # Explicit (G, h, T, T) weights up to here, the row-chunked TableAttention above.
     short_path_max_t = 768
+    head_tensors = ("logits",)
 
     def __init__(self, config: SynRandomConfig) -> None:
         super().__init__(config)
@@ -264,10 +260,6 @@ class SynRandomAttention(_SynthesizerBase):
 
     def flops(self, T: int) -> Flops:
         return Flops(self.value_flops(T))  # the logits are a parameter: no product at all
-
-    def _remove_heads(self, index: Tensor) -> None:
-        super()._remove_heads(index)
-        select_(self, "logits", index)
 
     def offsets(self, valid: Tensor | None, T: int) -> Tensor:
         """(G, h) first row/column of each head's T x T slice of R, G = 1 or B, on the host;
@@ -322,12 +314,9 @@ class SynFixedConfig(SynRandomConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.context < 1 or not 0 < self.init_mass < 1:
-            raise ConfigError(
-                f"need context >= 1 and 0 < init_mass < 1, got {self.context}, {self.init_mass}"
-            )
-        if self.eps is not None and not 0 < self.eps < 1:
-            raise ConfigError(f"need 0 < eps < 1 (or None), got {self.eps}")
+        c, m, eps = self.context, self.init_mass, self.eps
+        require(c >= 1 and 0 < m < 1, f"need context >= 1 and 0 < init_mass < 1, got {c}, {m}")
+        require(eps is None or 0 < eps < 1, f"need 0 < eps < 1 (or None), got {eps}")
 
 
 def pattern_eps(init_mass: float, max_len: int) -> float:
@@ -365,7 +354,6 @@ class SynFixedAttention(SynRandomAttention):
                 self.logits[i] = pat.add_(self.eps).log_()
 
     def _remove_heads(self, index: Tensor) -> None:
-        super()._remove_heads(index)
         self.head_patterns = [self.head_patterns[i] for i in index.tolist()]
 
     def offsets(self, valid: Tensor | None, T: int) -> Tensor:

@@ -549,7 +549,7 @@ def test_linear_long_sums_stay_in_float32_under_autocast(dtype):
     x = torch.randn(1, 100_000, DIM, generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         ref = attn(x)
-        _, k, _ = attn.projections(x)
+        _, k, _ = attn._qkv(x)
         assert (torch.nn.functional.elu(k) + 1).sum(-2).max() > 7e4  # z overflows float16
         with torch.autocast("cpu", dtype=dtype):
             y = attn(x)

@@ -21,9 +21,9 @@ def _flex_heads(attn, x, pad, backend=None):
     utterance's own l, as CUDA runs it."""
     valid = ~pad
     B, T = valid.shape
-    q, k, v = attn.shared_qkv(x.masked_fill(pad[..., None], 0))
+    q, k, v = attn._qkv(x.masked_fill(pad[..., None], 0))
     ls = torch.tensor(attn.strides(valid))  # (B,)
-    key, pattern, envelope = attn.flex_mask(*attn.flex_strides(ls, B, T, q.device))
+    key, pattern, envelope = attn.flex_mask(ls, B, T, q.device)
     return flex.pattern_attention(q, k, v, key_mask(valid), pattern, envelope, key, backend)
 
 
@@ -148,7 +148,7 @@ def test_block_mask_covers_exactly_the_blocks_the_patterns_need(name, options, T
     valid = torch.arange(T)[None] < torch.tensor(lengths)[:, None]
     needed = _needed_blocks(attn.allowed_dense(valid))  # (h, n, n)
     ls = torch.tensor(attn.strides(valid))
-    key, _, envelope = attn.flex_mask(*attn.flex_strides(ls, len(lengths), T, ls.device))
+    key, _, envelope = attn.flex_mask(ls, len(lengths), T, ls.device)
     present = flex.block_mask_for(key, envelope, HEADS, T, ls.device).to_dense()[0].bool()
     assert not (needed & ~present).any(), "a block the pattern needs is missing"
     assert torch.equal(present, needed), "the envelope adds blocks"

@@ -10,7 +10,7 @@ import torch
 from _attention_testing import DIM, batch, make
 
 from speechattn.attention import available, get
-from speechattn.attention.padding import PaddingMaskError
+from speechattn.attention.base import PaddingMaskError
 from speechattn.errors import SpeechattnError
 
 POSITIONAL = [n for n in available() if get(n).end_padded_only]
