@@ -10,9 +10,8 @@ that changes whenever the audio might have; `scan(issues)` lists the utterances.
 
 from __future__ import annotations
 
-import hashlib
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
@@ -28,6 +27,7 @@ from speechattn.data.librispeech import (
     read_alignments,
     scan_split,
     speaker_of,
+    stamp_digest,
     walk_split,
 )
 from speechattn.data.utterances import Utterance
@@ -62,14 +62,14 @@ class Source(Protocol):
 # ----------------------------------------------------------------------------- sources
 
 
+@dataclass
 class SplitSource:
     """A LibriSpeech-layout split folder, ROOT/<split>."""
 
+    root: Path
+    split: str
+    _walk: SplitListing | None = field(default=None, init=False)
     empty_detail = "the split folder holds no valid audio"
-
-    def __init__(self, root: Path, split: str) -> None:
-        self.root, self.split = root, split
-        self._walk: SplitListing | None = None
 
     def listing(self) -> Listing:
         self._walk = walk_split(self.root, self.split)
@@ -93,11 +93,11 @@ class FolderSource:
             where = f"data.root={self.root}, split {self.split!r}"
             raise DataError(self.folder, "corpus folder not found", where)
         self._files = walk_audio(self.folder)
-        h = hashlib.sha256()
-        for rel, size, mtime, ctime in self._files:
-            h.update(f"{rel}\t{size}\t{mtime}\t{ctime}\n".encode())
+        digest = stamp_digest(
+            f"{rel}\t{size}\t{mtime}\t{ctime}\n" for rel, size, mtime, ctime in self._files
+        )
         # "folder:": a LibriSpeech reading of the same folder has other ids, so another manifest
-        return Listing(self.folder, f"folder:{self.folder}", h.hexdigest()[:32])
+        return Listing(self.folder, f"folder:{self.folder}", digest)
 
     def scan(self, issues: Issues) -> list[Utterance]:
         prefix = os.path.relpath(self.folder, self.root.resolve())
@@ -172,12 +172,14 @@ def folder_speaker(utt_id: str, level: int) -> str:
 # ----------------------------------------------------------------------------- readers
 
 
+@dataclass
 class Corpus:
     """A LibriSpeech-layout corpus (the built-in one too): its splits, speakers (from the ids)
     and phone labels (CPC files, `LabelFiles`)."""
 
-    def __init__(self, root: Path, label_files: LabelFiles, num_phones: int | None) -> None:
-        self.root, self.label_files, self.num_phones = root, label_files, num_phones
+    root: Path
+    label_files: LabelFiles
+    num_phones: int | None
 
     def source(self, split: str) -> Source:
         return SplitSource(self.root, split)
@@ -206,14 +208,11 @@ class Corpus:
         return labels, phone_set, path
 
 
+@dataclass
 class FolderCorpus(Corpus):
     """Any folder of audio (see the module docstring)."""
 
-    def __init__(
-        self, root: Path, label_files: LabelFiles, num_phones: int | None, speaker_level: int | None
-    ) -> None:
-        super().__init__(root, label_files, num_phones)
-        self.speaker_level = speaker_level
+    speaker_level: int | None
 
     def source(self, split: str) -> Source:
         return FolderSource(self.root, split, self.speaker_level)

@@ -12,6 +12,7 @@ import hashlib
 import os
 import re
 import warnings
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -49,14 +50,10 @@ def find_splits(root: str | Path) -> list[str]:
 
 
 def _looks_like_split(folder: Path) -> bool:
-    for speaker in sorted(folder.iterdir()):
-        if not speaker.is_dir():
-            continue
-        for chapter in sorted(speaker.iterdir()):
-            if chapter.is_dir() and any(chapter.glob(f"*{AUDIO_SUFFIX}")):
-                return True
-        return False
-    return False
+    """Whether the first <speaker> folder holds a <chapter> folder with audio."""
+    speaker = next((p for p in sorted(folder.iterdir()) if p.is_dir()), None)
+    chapters = sorted(speaker.iterdir()) if speaker else []
+    return any(c.is_dir() and any(c.glob(f"*{AUDIO_SUFFIX}")) for c in chapters)
 
 
 def _first_word(line: str) -> tuple[str, str]:
@@ -85,23 +82,20 @@ def read_transcripts(path: Path, issues: Issues) -> dict[str, str | None]:
         issues.report(DataError(path, "unreadable transcript file", str(e)), "scan")
         return out
     for n, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
         utt_id, text = _first_word(line)
+        if not utt_id:
+            continue
         if not UTT_RE.match(utt_id):
             issues.report(
                 DataError(path, "malformed transcript line", f"line {n}: {line[:60]!r}"), "scan"
             )
-            continue
-        if utt_id in first_line:
-            if out[utt_id] is not None:  # report each utterance once
-                out[utt_id] = None
-                issues.report(
-                    _duplicate(path, "transcript line", n, first_line[utt_id], utt_id), "scan"
-                )
-            continue
-        first_line[utt_id] = n
-        out[utt_id] = text.strip()
+        elif utt_id not in first_line:
+            first_line[utt_id], out[utt_id] = n, text.strip()
+        elif out[utt_id] is not None:  # report each utterance once
+            out[utt_id] = None
+            issues.report(
+                _duplicate(path, "transcript line", n, first_line[utt_id], utt_id), "scan"
+            )
     return out
 
 
@@ -123,7 +117,6 @@ def walk_split(root: str | Path, split: str) -> SplitListing:
     folder = root / split
     if not folder.is_dir():
         raise DataError(folder, "split folder not found", f"available splits: {find_splits(root)}")
-    h = hashlib.sha256()
     chapters = []
     for speaker in _subfolders(str(folder)):
         for chapter in _subfolders(os.path.join(folder, speaker)):
@@ -132,11 +125,18 @@ def walk_split(root: str | Path, split: str) -> SplitListing:
                 for entry in entries:
                     if (stamp := file_stamp(entry)) is not None:
                         files.append((entry.name, *stamp))
-            files.sort()
-            for name, size, mtime, ctime in files:
-                h.update(f"{speaker}/{chapter}/{name}\t{size}\t{mtime}\t{ctime}\n".encode())
-            chapters.append((speaker, chapter, tuple(files)))
-    return SplitListing(folder, tuple(chapters), h.hexdigest()[:32])
+            chapters.append((speaker, chapter, tuple(sorted(files))))
+    digest = stamp_digest(
+        f"{speaker}/{chapter}/{name}\t{size}\t{mtime}\t{ctime}\n"
+        for speaker, chapter, files in chapters
+        for name, size, mtime, ctime in files
+    )
+    return SplitListing(folder, tuple(chapters), digest)
+
+
+def stamp_digest(lines: Iterable[str]) -> str:
+    """32 hex digits of sha256 over `lines`: a listing's digest (each line a file's stamp)."""
+    return hashlib.sha256("".join(lines).encode()).hexdigest()[:32]
 
 
 def file_stamp(entry: os.DirEntry) -> tuple[int, int, int] | None:
@@ -263,11 +263,7 @@ def read_split_list(path: str | Path) -> list[str]:
         raise DataError(
             path, "split list not found", "set data.alignments_dir or data.train_list/test_list"
         )
-    seen: dict[str, None] = {}
-    for line in path.read_text().splitlines():
-        if line.strip():
-            seen.setdefault(line.strip(), None)
-    return list(seen)
+    return list(dict.fromkeys(ln.strip() for ln in path.read_text().splitlines() if ln.strip()))
 
 
 def read_phone_set(path: str | Path) -> list[str]:
