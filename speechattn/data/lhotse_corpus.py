@@ -10,9 +10,8 @@ item covering s + (i + 0.5) * 10 ms (recording time); frames no item covers are 
 
 from __future__ import annotations
 
-import hashlib
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +21,7 @@ from speechattn.data.audio import SAMPLE_RATE
 from speechattn.data.corpora import Corpus, Listing
 from speechattn.data.errors import DataError, Issues
 from speechattn.data.features import HOP_LENGTH
-from speechattn.data.librispeech import LabelFiles
+from speechattn.data.librispeech import stamp_digest
 from speechattn.data.utterances import Segment, Utterance
 from speechattn.errors import ConfigError
 from speechattn.utils import IGNORE_INDEX
@@ -93,21 +92,17 @@ class LhotseSource:
         """Parse the manifests and stat every audio file; the digest covers the manifests' and
         audio files' stats, each utterance's segment, and the problems found."""
         self._utterances, self._problems = self._parse()
-        h = hashlib.sha256()
-        for m in self.manifests:
-            st = m.stat()
-            h.update(f"{m}\t{st.st_size}\t{st.st_mtime_ns}\t{st.st_ctime_ns}\n".encode())
-        for u in self._utterances:
-            part = u.segment.key if u.segment else "whole"
-            h.update(
-                f"{u.utt_id}\t{u.path}\t{part}\t{u.size}\t{u.mtime_ns}\t{u.ctime_ns}\n".encode()
-            )
-        for e in self._problems:
-            h.update(f"{e}\n".encode())
+        digest = stamp_digest([
+            *(f"{m}\t{st.st_size}\t{st.st_mtime_ns}\t{st.st_ctime_ns}\n"
+              for m in self.manifests for st in [m.stat()]),
+            *(f"{u.utt_id}\t{u.path}\t{u.segment.key if u.segment else 'whole'}\t{u.size}\t"
+              f"{u.mtime_ns}\t{u.ctime_ns}\n" for u in self._utterances),
+            *(f"{e}\n" for e in self._problems),
+        ])  # fmt: skip
         paths = [str(u.path.parent) for u in self._utterances]
         folder = Path(os.path.commonpath(paths)) if paths else self.manifests[0].parent
         name = "lhotse:" + "|".join(str(m) for m in self.manifests)
-        return Listing(folder, name, h.hexdigest()[:32])
+        return Listing(folder, name, digest)
 
     def scan(self, issues: Issues) -> list[Utterance]:
         for error in self._problems:
@@ -207,15 +202,12 @@ def _audio_segment(recording: Any, start: float, duration: float, channel: Any, 
     return path, Segment(float(start), float(duration), in_file)
 
 
+@dataclass
 class LhotseCorpus(Corpus):
     """lhotse manifests (see the module docstring)."""
 
-    def __init__(
-        self, root: Path, label_files: LabelFiles, num_phones: int | None, label_tolerance: int
-    ) -> None:
-        super().__init__(root, label_files, num_phones)
-        self.label_tolerance = label_tolerance
-        self.entries: dict[str, _Entry] = {}  # filled as each split's manifests are read
+    label_tolerance: int
+    entries: dict[str, _Entry] = field(default_factory=dict)  # filled as splits are read
 
     def source(self, split: str) -> LhotseSource:
         return LhotseSource(self, split)
