@@ -68,14 +68,11 @@ class _Items(ConcatDataset):
 
     def __init__(self, parts: list[FeatureDataset]) -> None:
         super().__init__(parts)
-        self.parts = parts
-        self.lengths = (
-            np.concatenate([p.lengths for p in parts]) if parts else np.zeros(0, np.int64)
-        )
+        self.lengths = np.concatenate([p.lengths for p in parts] or [np.zeros(0, np.int64)])
 
     @property
     def utt_ids(self) -> list[str]:
-        return [u for p in self.parts for u in p.utt_ids]
+        return [u for p in self.datasets for u in p.utt_ids]
 
 
 class _CorpusDataModule(L.LightningDataModule):
@@ -194,17 +191,11 @@ class _CorpusDataModule(L.LightningDataModule):
     def describe(self) -> dict[str, Any]:
         """Corpus facts for result metadata: root, utterances and seconds of audio (10 ms
         frames) per role, skips."""
-        frame_s = HOP_LENGTH / SAMPLE_RATE
-        return {
-            "corpus": self.cfg.corpus,
-            "root": str(self.root),
-            **{f"{k}_utterances": len(v) for k, v in self.datasets.items()},
-            **{
-                f"{k}_seconds": round(float(v.lengths.sum()) * frame_s, 1)
-                for k, v in self.datasets.items()
-            },
-            "skipped": len(self.issues.skips),
-        }
+        out = {"corpus": self.cfg.corpus, "root": str(self.root)}
+        out |= {f"{k}_utterances": len(v) for k, v in self.datasets.items()}
+        for k, v in self.datasets.items():
+            out[f"{k}_seconds"] = round(float(v.lengths.sum()) * (HOP_LENGTH / SAMPLE_RATE), 1)
+        return out | {"skipped": len(self.issues.skips)}
 
 
 def _held_out_count(n: int, fraction: float, cap: int | None = None) -> int:
@@ -242,12 +233,9 @@ class PretrainDataModule(_CorpusDataModule):
         test_list = self.label_files.path(c.test_list)  # kept out of pretraining
         if c.pretrain_exclude_test and test_list is not None and test_list.is_file():
             excluded = set(read_split_list(test_list))
-        n_excluded = 0
-        usable = {}  # split -> its utterance ids not excluded
-        for split in c.pretrain_splits:
-            store = self._split(split)
-            usable[split] = [u for u in store.utt_ids if u not in excluded]
-            n_excluded += len(store) - len(usable[split])
+        stores = {split: self._split(split) for split in c.pretrain_splits}
+        usable = {k: [u for u in s.utt_ids if u not in excluded] for k, s in stores.items()}
+        n_excluded = sum(len(s) - len(usable[k]) for k, s in stores.items())
         everything = [u for ids in usable.values() for u in ids]
         held = validation_ids(everything, c.pretrain_val_fraction, c.max_val_utterances, c.seed)
         if len(held) < round(c.pretrain_val_fraction * len(everything)):
@@ -258,7 +246,7 @@ class PretrainDataModule(_CorpusDataModule):
             )  # fmt: skip
         parts: dict[str, list[tuple[FeatureStore, list[int]]]] = {"train": [], "val": []}
         for split, ids in usable.items():
-            store = self._split(split)
+            store = stores[split]
             parts["train"].append((store, [store.position[u] for u in ids if u not in held]))
             parts["val"].append((store, [store.position[u] for u in ids if u in held]))
         if not any(idx for _, idx in parts["train"]):
@@ -341,8 +329,7 @@ class LabelledDataModule(_CorpusDataModule):
             train = [u for u in train if u not in test_set]
         else:
             train = sorted(u for u in labelled if u not in test_set)
-        unused = len(set(labelled) - set(train) - test_set)
-        if unused:
+        if unused := len(set(labelled) - set(train) - test_set):
             log.info(
                 "%d utterances of %s are in neither the train nor the test list (unused)",
                 unused, c.labelled_splits,
