@@ -23,7 +23,6 @@ SEGMENT_SLACK_S = 0.025
 @dataclass
 class AudioResult:
     audio: np.ndarray  # float32 (N,) at SAMPLE_RATE
-    source_rate: int
     notes: list[str] = field(default_factory=list)  # e.g. "resampled from 8000 Hz"
 
 
@@ -97,7 +96,7 @@ def load_audio(
             path, "too short",
             f"{audio.shape[0]} samples ({audio.shape[0] / SAMPLE_RATE:.3f} s), need at least {min_samples}", utt_id,
         )  # fmt: skip
-    return AudioResult(np.ascontiguousarray(audio, dtype=np.float32), int(rate), notes)
+    return AudioResult(np.ascontiguousarray(audio, dtype=np.float32), notes)
 
 
 def _segment_samples(segment: Segment, info, path: Path, utt_id: str | None) -> tuple[int, int]:

@@ -203,9 +203,8 @@ def scan_split(
             if transcripts.get(utt_id, "") is None:
                 continue  # a duplicated transcript line, reported already
             if utt_id not in transcripts:
-                where = f"no line for it in {trans_name}"
-                if not has_transcripts:
-                    where = f"{trans_name} is missing"
+                missing = f"{trans_name} is missing"
+                where = f"no line for it in {trans_name}" if has_transcripts else missing
                 issues.report(DataError(path, "missing transcript", where, utt_id), "scan")
                 continue
             size, mtime, ctime = audio[utt_id]
@@ -313,35 +312,32 @@ def read_alignments(
                 continue
             first_line[utt_id] = n
             try:
-                ids = _parse_ints(rest)
-            except ValueError:  # symbols rather than class ids (or junk)
-                tokens = rest.split()
-                bad = [t for t in tokens if t not in symbol_id and not t.lstrip("-").isdigit()]
-                if bad:
-                    issues.report(
-                        DataError(path, "unknown phone symbol",
-                                  f"line {n}: {bad[0]!r} is not in the phone set ({len(symbol_id)} symbols)", utt_id),
-                        "labels",
-                    )  # fmt: skip
-                    continue
-                ids = np.array(
-                    [int(t) if t not in symbol_id else symbol_id[t] for t in tokens], dtype=np.int64
-                )
-            if ids.size and (ids.min() < 0 or ids.max() >= n_classes):
-                bad_id = int(ids[(ids < 0) | (ids >= n_classes)][0])
-                issues.report(
-                    DataError(path, "unknown phone symbol",
-                              f"line {n}: class {bad_id} outside 0..{n_classes - 1}", utt_id),
-                    "labels",
-                )  # fmt: skip
-                continue
-            if ids.size == 0:
-                issues.report(
-                    DataError(path, "empty alignment", f"line {n} has no labels", utt_id), "labels"
-                )
-                continue
-            out[utt_id] = ids.astype(np.int16)
+                out[utt_id] = _label_ids(rest, symbol_id, n_classes, path, n, utt_id)
+            except DataError as e:
+                issues.report(e, "labels")
     return out
+
+
+def _label_ids(
+    text: str, symbol_id: dict[str, int], n_classes: int, path: Path, n: int, utt_id: str
+) -> np.ndarray:
+    """(T,) int16 class ids of line `n`'s labels `text` (class ids, or symbols of `symbol_id`);
+    `DataError` when one is not a class or there are none."""
+    try:
+        ids = _parse_ints(text)
+    except ValueError:  # symbols rather than class ids (or junk)
+        tokens = text.split()
+        if bad := [t for t in tokens if t not in symbol_id and not t.lstrip("-").isdigit()]:
+            detail = f"line {n}: {bad[0]!r} is not in the phone set ({len(symbol_id)} symbols)"
+            raise DataError(path, "unknown phone symbol", detail, utt_id) from None
+        ids = np.array([symbol_id[t] if t in symbol_id else int(t) for t in tokens], np.int64)
+    if ids.size and (ids.min() < 0 or ids.max() >= n_classes):
+        bad_id = int(ids[(ids < 0) | (ids >= n_classes)][0])
+        detail = f"line {n}: class {bad_id} outside 0..{n_classes - 1}"
+        raise DataError(path, "unknown phone symbol", detail, utt_id)
+    if ids.size == 0:
+        raise DataError(path, "empty alignment", f"line {n} has no labels", utt_id)
+    return ids.astype(np.int16)
 
 
 def _parse_ints(text: str) -> np.ndarray:

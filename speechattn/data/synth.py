@@ -84,18 +84,13 @@ def make_speakers(count: int, seed: int = 0, heldout: bool = False) -> list[Spea
         variant, accent = pairs[int(k)]
         rng = np.random.default_rng([seed, int(heldout), i, 104729])
         speakers.append(
-            Speaker(
-                speaker_id=str((7001 if heldout else 1001) + i),
-                accent=accent,
-                variant=variant,
-                pitch=int(rng.integers(30, 71)),
-                pitch_range=int(rng.integers(30, 81)),
-                rate=int(rng.integers(140, 201)),
-                tilt=round(float(rng.uniform(-0.45, 0.45)), 3),
-                gain_db=round(float(rng.uniform(-6.0, 0.0)), 2),
-                snr_db=round(float(rng.uniform(28.0, 42.0)), 1),
-            )
-        )
+            Speaker(str((7001 if heldout else 1001) + i), accent, variant,
+                    pitch=int(rng.integers(30, 71)), pitch_range=int(rng.integers(30, 81)),
+                    rate=int(rng.integers(140, 201)),
+                    tilt=round(float(rng.uniform(-0.45, 0.45)), 3),
+                    gain_db=round(float(rng.uniform(-6.0, 0.0)), 2),
+                    snr_db=round(float(rng.uniform(28.0, 42.0)), 1))
+        )  # fmt: skip
     return speakers
 
 
@@ -303,15 +298,9 @@ def _write_metadata(
     (out / "test_split.txt").write_text("\n".join(sorted(test)) + "\n")
 
     counts = Counter(r["utt_id"].split("-")[0] for r in results)
-    speakers = {
-        s.speaker_id: {
-            **asdict(s),
-            "voice": s.voice,
-            "split": split,
-            "utterances": counts[s.speaker_id],
-        }
-        for s in table
-    }
+    speakers = {s.speaker_id: {**asdict(s), "voice": s.voice, "split": split} for s in table}
+    for speaker_id, record in speakers.items():
+        record["utterances"] = counts[speaker_id]
     (out / "speakers.json").write_text(json.dumps(speakers, indent=2) + "\n")
     hours = round(sum(r["num_samples"] for r in results) / SAMPLE_RATE / 3600, 4)
     info = {**params, "split": split, "utterances": len(results), "hours": hours}
