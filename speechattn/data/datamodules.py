@@ -26,7 +26,7 @@ from torch.utils.data import ConcatDataset, DataLoader, RandomSampler, Sequentia
 from speechattn.data.cache import ExtractionSettings, FeatureStore, open_source
 from speechattn.data.cache.store import register_reader
 from speechattn.data.config import DataConfig, local_rank
-from speechattn.data.corpora import Corpus, FolderCorpus
+from speechattn.data.corpora import Corpus, FolderCorpus, LhotseCorpus
 from speechattn.data.datasets import FeatureDataset, LengthBucketBatchSampler, collate
 from speechattn.data.errors import DataError, Issues, Skip
 from speechattn.data.features import HOP_LENGTH, SAMPLE_RATE, FeatureConfig, Normalizer
@@ -128,8 +128,6 @@ class _CorpusDataModule(L.LightningDataModule):
         if c.corpus == "folder":
             return FolderCorpus(*common, c.speaker_level)
         if c.corpus == "lhotse":
-            from speechattn.data.lhotse_corpus import LhotseCorpus
-
             return LhotseCorpus(*common, c.label_tolerance)
         return Corpus(*common)
 
