@@ -302,17 +302,14 @@ class LabelledDataModule(_CorpusDataModule):
         labelled = [u for u, (split, _) in available.items() if split in c.labelled_splits]
 
         def from_list(name: str) -> list[str]:
-            path = files.path(name)
-            assert path is not None
-            ids = []
-            for u in read_split_list(path):
-                if u in available:
-                    ids.append(u)
-                elif u not in skipped:  # skipped ones were already reported
+            listed = read_split_list(path := files.folder / name)
+            for u in listed:
+                if u not in available and u not in skipped:  # skipped ones were reported
                     detail = f"not found in {c.labelled_splits}"
-                    error = DataError(path, "utterance not in the corpus", detail, u)
-                    self.issues.report(error, "lists")
-            return ids
+                    self.issues.report(
+                        DataError(path, "utterance not in the corpus", detail, u), "lists"
+                    )
+            return [u for u in listed if u in available]
 
         if c.test_list is not None:
             test = from_list(c.test_list)
@@ -344,21 +341,17 @@ class LabelledDataModule(_CorpusDataModule):
         skipped = self.issues.skipped_ids
         out = {}
         for u in ids:
-            lab = labels.get(u)
-            if lab is None:
+            if (lab := labels.get(u)) is None:
                 if u not in skipped:
                     error = DataError(path, "missing alignment", "no line for this utterance", u)
                     self.issues.report(error, "labels")
-                continue
-            if abs(len(lab) - lengths[u]) > c.label_tolerance:
-                self.issues.report(
-                    DataError(path, "alignment length mismatch",
-                              f"{len(lab)} label frames, the audio gives {lengths[u]} frames "
-                              f"(snip-edges), tolerance {c.label_tolerance}", u),
-                    "labels",
-                )  # fmt: skip
-                continue
-            out[u] = lab
+            elif abs(len(lab) - lengths[u]) <= c.label_tolerance:
+                out[u] = lab
+            else:
+                detail = f"{len(lab)} label frames, the audio gives {lengths[u]} frames"
+                detail += f" (snip-edges), tolerance {c.label_tolerance}"
+                error = DataError(path, "alignment length mismatch", detail, u)
+                self.issues.report(error, "labels")
         return out
 
     def setup(self, stage: str | None = None) -> None:
