@@ -30,7 +30,7 @@ from speechattn.data.espeak import fresh_engine_pool
 from speechattn.data.features import HOP_LENGTH, SAMPLE_RATE, WIN_LENGTH, num_frames
 from speechattn.data.phones import PHONE_SET, phone_id
 from speechattn.errors import ConfigError
-from speechattn.utils import digest, progress_bar
+from speechattn.utils import default_cache_root, digest, progress_bar
 
 log = logging.getLogger(__name__)
 
@@ -330,11 +330,8 @@ def ensure_embedded_corpus(
     corpus is built in a temporary sibling folder and renamed into place, so an interrupted
     build leaves nothing half-written behind.
     """
-    if cache_root is None:
-        from speechattn.data.config import default_cache_root
-
-        cache_root = default_cache_root()
     params = corpus_params(speakers, utterances_per_speaker, seed, False)
+    cache_root = default_cache_root() if cache_root is None else cache_root
     parent = Path(cache_root).expanduser() / "corpus"
     final = parent / f"embedded-v{GENERATOR_VERSION}-{digest(params, length=10)}"
     if _params_match(final, params):
@@ -357,8 +354,7 @@ def ensure_embedded_corpus(
             if not _params_match(final, params):  # lost a race to a broken build: should not happen
                 raise
     finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(tmp, ignore_errors=True)  # gone where it was renamed
     return final
 
 
