@@ -417,7 +417,8 @@ class LhotseCorpus(Corpus):
     """lhotse manifests (see the module docstring)."""
 
     label_tolerance: int
-    entries: dict[str, _Entry] = field(default_factory=dict)  # filled as splits are read
+    # what the probes need of each utterance, filled as its split's manifests are read
+    entries: dict[str, _Entry] = field(default_factory=dict, repr=False)
 
     def source(self, split: str) -> LhotseSource:
         return LhotseSource(self, split)
