@@ -202,9 +202,8 @@ class DataConfig:
         if self.cuts:
             cuts = Path(self.cuts).expanduser()
             self.root = self.root or str(cuts.parent)
-            for name in ("pretrain_splits", "labelled_splits"):
-                if not getattr(self, name):
-                    setattr(self, name, [cuts.name])
+            self.pretrain_splits = self.pretrain_splits or [cuts.name]
+            self.labelled_splits = self.labelled_splits or [cuts.name]
         if not self.root or not self.pretrain_splits:
             raise ConfigError(
                 "corpus=lhotse needs data.cuts=CUTSET_FILE, or data.root=MANIFEST_FOLDER with "

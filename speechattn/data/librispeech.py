@@ -237,12 +237,9 @@ def broken_link(link: Path, utt_id: str | None = None) -> DataError:
     except OSError as e:  # "No such file or directory", "Too many levels of symbolic links"
         why = e.strerror or str(e)
     stem = link.name[: -len(AUDIO_SUFFIX)] if link.name.endswith(AUDIO_SUFFIX) else None
-    return DataError(
-        link,
-        "broken symlink",
-        f"it points to {target} ({why}): restore the target or remove the link",
-        utt_id or (stem if stem and UTT_RE.match(stem) else None),
-    )
+    utt_id = utt_id or (stem if stem and UTT_RE.match(stem) else None)
+    detail = f"it points to {target} ({why}): restore the target or remove the link"
+    return DataError(link, "broken symlink", detail, utt_id)
 
 
 def _header(path: Path) -> tuple[int | None, int | None]:
