@@ -11,11 +11,13 @@ from pathlib import Path
 from typing import Any
 
 from speechattn.data.claims import ClaimConfig
+from speechattn.data.errors import ON_ERROR_CHOICES
+from speechattn.data.features import Normalizer
 from speechattn.errors import ConfigError, is_int, is_number, require
 from speechattn.utils import default_cache_root
 
 CORPUS_CHOICES = ("embedded", "librispeech", "folder", "lhotse")
-NORMALIZATION_CHOICES = ("global", "utterance", "none")
+NORMALIZATION_CHOICES = Normalizer.MODES
 SAMPLE_RATE_POLICIES = ("resample", "error")
 CACHE_DTYPES = ("float16", "float32")
 
@@ -150,7 +152,7 @@ class DataConfig:
             ("normalization", NORMALIZATION_CHOICES),
             ("sample_rate_policy", SAMPLE_RATE_POLICIES),
             ("cache_dtype", CACHE_DTYPES),
-            ("on_error", ("error", "skip")),
+            ("on_error", ON_ERROR_CHOICES),
         ):
             value = getattr(self, name)
             require(value in choices, f"data.{name}", value, f"one of {', '.join(choices)}")
