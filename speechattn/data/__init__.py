@@ -23,9 +23,9 @@ from speechattn.data.librispeech import Utterance, find_splits, scan_split
 # Imported on first use: Lightning is slow to import, and `python -m speechattn.data.synth`
 # must not find its own module already imported by the package.
 _LAZY = {
-    "LabelledDataModule": "speechattn.data.labelled",
+    "LabelledDataModule": "speechattn.data.datamodules",
     "PretrainDataModule": "speechattn.data.datamodules",
-    "build_datamodule": "speechattn.data.build",
+    "build_datamodule": "speechattn.data.datamodules",
     "resolve_root": "speechattn.data.datamodules",
     "build_corpus": "speechattn.data.synth",
     "ensure_embedded_corpus": "speechattn.data.synth",

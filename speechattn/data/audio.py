@@ -4,7 +4,9 @@ raises `DataError` naming the file."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -23,7 +25,6 @@ SEGMENT_SLACK_S = 0.025
 @dataclass
 class AudioResult:
     audio: np.ndarray  # float32 (N,) at SAMPLE_RATE
-    source_rate: int
     notes: list[str] = field(default_factory=list)  # e.g. "resampled from 8000 Hz"
 
 
@@ -46,19 +47,18 @@ def load_audio(
     import soundfile as sf
 
     path = Path(path)
+    bad = partial(DataError, path, utt_id=utt_id)  # bad(problem, detail): the error to raise
     try:
         size = path.stat().st_size
     except OSError as e:
-        raise DataError(path, "missing audio file", str(e), utt_id) from None
+        raise bad("missing audio file", str(e)) from None
     if size == 0:
-        raise DataError(path, "empty audio", "the file has 0 bytes", utt_id)
+        raise bad("empty audio", "the file has 0 bytes")
     try:
         info = sf.info(str(path))
     except (RuntimeError, OSError) as e:  # LibsndfileError is a RuntimeError
-        raise DataError(path, "unreadable audio", _short(e), utt_id) from None
-    start, frames = 0, -1
-    if segment is not None:
-        start, frames = _segment_samples(segment, info, path, utt_id)
+        raise bad("unreadable audio", _short(e)) from None
+    start, frames = (0, -1) if segment is None else _segment_samples(segment, info, bad)
     try:
         audio, rate = sf.read(
             str(path), frames=frames, start=start, dtype="float32", always_2d=True
@@ -66,18 +66,16 @@ def load_audio(
     except (RuntimeError, OSError) as e:
         if flac_audio_bytes(path) == 0:
             # libsndfile reports an unknown length as 2**63 - 1 samples; say what is there
-            raise DataError(
-                path, "empty audio", "a FLAC header with no audio frames after it", utt_id
-            ) from None
+            raise bad("empty audio", "a FLAC header with no audio frames after it") from None
         detail = f"header says {info.frames} samples; {_short(e)}"
-        raise DataError(path, "truncated or corrupt audio", detail, utt_id) from None
+        raise bad("truncated or corrupt audio", detail) from None
     expected = info.frames - start if frames < 0 else frames
     if info.frames > 0 and audio.shape[0] < expected:
         detail = f"header says {expected} samples from sample {start}, decoded {audio.shape[0]}"
-        raise DataError(path, "truncated or corrupt audio", detail, utt_id)
+        raise bad("truncated or corrupt audio", detail)
     if audio.shape[0] == 0:
-        raise DataError(path, "empty audio", "0 samples", utt_id)
-    _check_values(audio, path, utt_id)
+        raise bad("empty audio", "0 samples")
+    _check_values(audio, bad)
     if segment is not None and segment.channel is not None:
         audio = audio[:, segment.channel : segment.channel + 1]
     notes = []
@@ -86,59 +84,43 @@ def load_audio(
     audio = audio.mean(axis=1) if audio.shape[1] > 1 else audio[:, 0]
     if rate != SAMPLE_RATE:
         if sample_rate_policy == "error":
-            raise DataError(
-                path, "wrong sample rate",
-                f"{rate} Hz, expected {SAMPLE_RATE} Hz (data.sample_rate_policy=resample converts it)", utt_id,
-            )  # fmt: skip
+            fix = "data.sample_rate_policy=resample converts it"
+            raise bad("wrong sample rate", f"{rate} Hz, expected {SAMPLE_RATE} Hz ({fix})")
         audio = resample(audio, rate)
         notes.append(f"resampled from {rate} Hz")
-    if audio.shape[0] < min_samples:
-        raise DataError(
-            path, "too short",
-            f"{audio.shape[0]} samples ({audio.shape[0] / SAMPLE_RATE:.3f} s), need at least {min_samples}", utt_id,
-        )  # fmt: skip
-    return AudioResult(np.ascontiguousarray(audio, dtype=np.float32), int(rate), notes)
+    if (n := audio.shape[0]) < min_samples:
+        detail = f"{n} samples ({n / SAMPLE_RATE:.3f} s), need at least {min_samples}"
+        raise bad("too short", detail)
+    return AudioResult(np.ascontiguousarray(audio, dtype=np.float32), notes)
 
 
-def _segment_samples(segment: Segment, info, path: Path, utt_id: str | None) -> tuple[int, int]:
+def _segment_samples(segment: Segment, info, bad: Callable[..., DataError]) -> tuple[int, int]:
     """(first sample, sample count) of `segment` in the file `info` describes; a segment that
     ends past the file (beyond `SEGMENT_SLACK_S`) or names a channel it lacks is bad input."""
     rate = info.samplerate
     start, frames = round(segment.start * rate), round(segment.duration * rate)
     if segment.channel is not None and not 0 <= segment.channel < info.channels:
-        raise DataError(
-            path, "no such channel",
-            f"the segment reads channel {segment.channel}; the file has {info.channels}", utt_id,
-        )  # fmt: skip
+        detail = f"the segment reads channel {segment.channel}; the file has {info.channels}"
+        raise bad("no such channel", detail)
     missing = start + frames - info.frames
     if segment.start < 0 or missing > SEGMENT_SLACK_S * rate:
-        raise DataError(
-            path, "segment outside the audio",
-            f"{segment.start:g} s + {segment.duration:g} s, the file holds "
-            f"{info.frames / rate:g} s: the manifest does not match this file", utt_id,
-        )  # fmt: skip
+        detail = f"{segment.start:g} s + {segment.duration:g} s, the file holds"
+        detail += f" {info.frames / rate:g} s: the manifest does not match this file"
+        raise bad("segment outside the audio", detail)
     return start, min(frames, info.frames - start)
 
 
-def _check_values(audio: np.ndarray, path: Path, utt_id: str | None) -> None:
+def _check_values(audio: np.ndarray, bad: Callable[..., DataError]) -> None:
     """Refuse NaN, infinite or absurdly large samples in `audio` (N, C) as decoded: one makes
     the file's features, and the corpus statistics, NaN or inf."""
     finite = np.isfinite(audio)
     if not finite.all():
-        bad = audio[~finite]
-        n_nan = int(np.isnan(bad).sum())
-        raise DataError(
-            path, "invalid samples",
-            f"{n_nan} NaN and {bad.size - n_nan} infinite sample(s), the first at sample "
-            f"{int(np.argmin(finite.all(axis=1)))}: re-export the audio", utt_id,
-        )  # fmt: skip
-    peak = float(np.abs(audio).max())
-    if peak > MAX_PEAK:
-        raise DataError(
-            path, "invalid samples",
-            f"peak {peak:.3g}, float audio must lie within +-{MAX_PEAK:g} (nominally +-1): "
-            f"rescale it to +-1 or re-export it", utt_id,
-        )  # fmt: skip
+        n_nan, first = int(np.isnan(audio).sum()), int(np.argmin(finite.all(axis=1)))
+        detail = f"{n_nan} NaN and {int((~finite).sum()) - n_nan} infinite sample(s), the first"
+        raise bad("invalid samples", f"{detail} at sample {first}: re-export the audio")
+    if (peak := float(np.abs(audio).max())) > MAX_PEAK:
+        detail = f"peak {peak:.3g}, float audio must lie within +-{MAX_PEAK:g} (nominally +-1)"
+        raise bad("invalid samples", f"{detail}: rescale it to +-1 or re-export it")
 
 
 def flac_audio_bytes(path: Path) -> int | None:

@@ -11,11 +11,13 @@ from pathlib import Path
 from typing import Any
 
 from speechattn.data.claims import ClaimConfig
+from speechattn.data.errors import ON_ERROR_CHOICES
+from speechattn.data.features import Normalizer
 from speechattn.errors import ConfigError, is_int, is_number, require
 from speechattn.utils import default_cache_root
 
 CORPUS_CHOICES = ("embedded", "librispeech", "folder", "lhotse")
-NORMALIZATION_CHOICES = ("global", "utterance", "none")
+NORMALIZATION_CHOICES = Normalizer.MODES
 SAMPLE_RATE_POLICIES = ("resample", "error")
 CACHE_DTYPES = ("float16", "float32")
 
@@ -150,7 +152,7 @@ class DataConfig:
             ("normalization", NORMALIZATION_CHOICES),
             ("sample_rate_policy", SAMPLE_RATE_POLICIES),
             ("cache_dtype", CACHE_DTYPES),
-            ("on_error", ("error", "skip")),
+            ("on_error", ON_ERROR_CHOICES),
         ):
             value = getattr(self, name)
             require(value in choices, f"data.{name}", value, f"one of {', '.join(choices)}")
@@ -202,9 +204,8 @@ class DataConfig:
         if self.cuts:
             cuts = Path(self.cuts).expanduser()
             self.root = self.root or str(cuts.parent)
-            for name in ("pretrain_splits", "labelled_splits"):
-                if not getattr(self, name):
-                    setattr(self, name, [cuts.name])
+            self.pretrain_splits = self.pretrain_splits or [cuts.name]
+            self.labelled_splits = self.labelled_splits or [cuts.name]
         if not self.root or not self.pretrain_splits:
             raise ConfigError(
                 "corpus=lhotse needs data.cuts=CUTSET_FILE, or data.root=MANIFEST_FOLDER with "

@@ -1,5 +1,5 @@
-"""Lightning data modules: the shared corpus machinery and `PretrainDataModule` (unlabelled
-crops); `LabelledDataModule` builds on them in `speechattn.data.labelled`.
+"""Lightning data modules: `PretrainDataModule` (unlabelled crops) and `LabelledDataModule`
+(speaker and phone labels for the probes) on shared corpus machinery, and `build_datamodule`.
 
 Both resolve the corpus (the built-in one is built on first use), extract features into the
 cache in `setup` (every DDP rank, sharing the shards through claims: docs/multinode.md),
@@ -12,7 +12,9 @@ length-bucketed batches (`speechattn.data.datasets`). Bad input follows `cfg.on_
 from __future__ import annotations
 
 import logging
+from collections import defaultdict
 from collections.abc import Sequence
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -24,13 +26,13 @@ from torch.utils.data import ConcatDataset, DataLoader, RandomSampler, Sequentia
 from speechattn.data.cache import ExtractionSettings, FeatureStore, open_source
 from speechattn.data.cache.store import register_reader
 from speechattn.data.config import DataConfig, local_rank
-from speechattn.data.corpora import Corpus, FolderCorpus
+from speechattn.data.corpora import Corpus, FolderCorpus, LhotseCorpus
 from speechattn.data.datasets import FeatureDataset, LengthBucketBatchSampler, collate
 from speechattn.data.errors import DataError, Issues, Skip
 from speechattn.data.features import HOP_LENGTH, SAMPLE_RATE, FeatureConfig, Normalizer
 from speechattn.data.librispeech import LabelFiles, read_split_list
 from speechattn.errors import ConfigError
-from speechattn.utils import derive_seed
+from speechattn.utils import derive_seed, plain
 
 log = logging.getLogger(__name__)
 
@@ -66,14 +68,11 @@ class _Items(ConcatDataset):
 
     def __init__(self, parts: list[FeatureDataset]) -> None:
         super().__init__(parts)
-        self.parts = parts
-        self.lengths = (
-            np.concatenate([p.lengths for p in parts]) if parts else np.zeros(0, np.int64)
-        )
+        self.lengths = np.concatenate([p.lengths for p in parts] or [np.zeros(0, np.int64)])
 
     @property
     def utt_ids(self) -> list[str]:
-        return [u for p in self.parts for u in p.utt_ids]
+        return [u for p in self.datasets for u in p.utt_ids]
 
 
 class _CorpusDataModule(L.LightningDataModule):
@@ -87,11 +86,8 @@ class _CorpusDataModule(L.LightningDataModule):
         self.issues = Issues(self.cfg.on_error)
         self._given_normalizer = normalizer
         self._normalizer: Normalizer | None = None
-        self._root: Path | None = None
-        self._corpus: Corpus | None = None
         self._splits: dict[str, FeatureStore] = {}
-        self._ready = False
-        self.datasets: dict[str, _Items] = {}
+        self.datasets: dict[str, _Items] = {}  # set last by `setup`
 
     @property
     def feature_dim(self) -> int:
@@ -115,11 +111,9 @@ class _CorpusDataModule(L.LightningDataModule):
         """Every utterance left out under `on_error=skip`, with file and reason."""
         return list(self.issues.skips)
 
-    @property
+    @cached_property
     def root(self) -> Path:
-        if self._root is None:
-            self._root = resolve_root(self.cfg)
-        return self._root
+        return resolve_root(self.cfg)
 
     @property
     def label_files(self) -> LabelFiles:
@@ -127,24 +121,15 @@ class _CorpusDataModule(L.LightningDataModule):
         folder = Path(c.alignments_dir).expanduser().resolve() if c.alignments_dir else self.root
         return LabelFiles(folder, c.alignments, c.phone_set, c.train_list, c.test_list)
 
-    @property
+    @cached_property
     def corpus(self) -> Corpus:
         """The corpus reader (`speechattn.data.corpora`): splits, speakers, phone labels."""
-        if self._corpus is None:
-            c = self.cfg
-            if c.corpus == "folder":
-                self._corpus = FolderCorpus(
-                    self.root, self.label_files, c.num_phones, c.speaker_level
-                )
-            elif c.corpus == "lhotse":
-                from speechattn.data.lhotse_corpus import LhotseCorpus
-
-                self._corpus = LhotseCorpus(
-                    self.root, self.label_files, c.num_phones, c.label_tolerance
-                )
-            else:
-                self._corpus = Corpus(self.root, self.label_files, c.num_phones)
-        return self._corpus
+        c, common = self.cfg, (self.root, self.label_files, self.cfg.num_phones)
+        if c.corpus == "folder":
+            return FolderCorpus(*common, c.speaker_level)
+        if c.corpus == "lhotse":
+            return LhotseCorpus(*common, c.label_tolerance)
+        return Corpus(*common)
 
     def _split(self, split: str) -> FeatureStore:
         """Cached features of one split (extracted on first use); progress bars on each node's
@@ -163,7 +148,7 @@ class _CorpusDataModule(L.LightningDataModule):
     def prepare_data(self) -> None:
         """Build the built-in corpus on first use (each node's local rank 0, before a barrier);
         features are extracted in `setup` by every rank."""
-        self._root = resolve_root(self.cfg)
+        _ = self.root
 
     def _normalizer_from(self, parts: list[tuple[FeatureStore, list[int]]]) -> Normalizer:
         if self._given_normalizer is not None:
@@ -176,10 +161,6 @@ class _CorpusDataModule(L.LightningDataModule):
         if self.cfg.normalization == "none":
             return Normalizer.identity(self.feature_dim)
         return Normalizer.from_sums(count, total, total_sq, self.cfg.normalization)
-
-    def _finish_setup(self) -> None:
-        self._ready = True
-        self.issues.log_summary(log)
 
     def _loader(self, dataset: _Items, shuffle: bool) -> DataLoader:
         c = self.cfg
@@ -198,7 +179,7 @@ class _CorpusDataModule(L.LightningDataModule):
         )  # fmt: skip
 
     def _dataset(self, name: str) -> _Items:
-        if not self._ready:
+        if not self.datasets:
             raise RuntimeError(f"{type(self).__name__}: call setup() before asking for dataloaders")
         return self.datasets[name]
 
@@ -208,29 +189,28 @@ class _CorpusDataModule(L.LightningDataModule):
     def describe(self) -> dict[str, Any]:
         """Corpus facts for result metadata: root, utterances and seconds of audio (10 ms
         frames) per role, skips."""
-        frame_s = HOP_LENGTH / SAMPLE_RATE
-        return {
-            "corpus": self.cfg.corpus,
-            "root": str(self.root),
-            **{f"{k}_utterances": len(v) for k, v in self.datasets.items()},
-            **{
-                f"{k}_seconds": round(float(v.lengths.sum()) * frame_s, 1)
-                for k, v in self.datasets.items()
-            },
-            "skipped": len(self.issues.skips),
-        }
+        out = {"corpus": self.cfg.corpus, "root": str(self.root)}
+        out |= {f"{k}_utterances": len(v) for k, v in self.datasets.items()}
+        for k, v in self.datasets.items():
+            out[f"{k}_seconds"] = round(float(v.lengths.sum()) * (HOP_LENGTH / SAMPLE_RATE), 1)
+        return out | {"skipped": len(self.issues.skips)}
+
+
+def _held_out_count(n: int, fraction: float, cap: int | None = None) -> int:
+    """How many of `n` items a held-out `fraction` takes: at least one where two or more are
+    given, never all, at most `cap` (None: no cap)."""
+    if fraction <= 0 or n < 2:
+        return 0
+    k = min(n - 1, max(1, round(fraction * n)))
+    return k if cap is None else min(k, cap)
 
 
 def validation_ids(ids: Sequence[str], fraction: float, cap: int | None, seed: int) -> set[str]:
-    """Pretraining's validation utterances among `ids`: the `fraction` of them (at least one
-    where two or more are given, never all), at most `cap` (None: no cap), chosen by the
-    smallest seeded hash of their id: the set depends on the ids and the seed alone, and a
+    """Pretraining's validation utterances among `ids` (`_held_out_count` of them), chosen by
+    the smallest seeded hash of their id: the set depends on the ids and the seed alone, and a
     grown corpus changes it little."""
-    if fraction <= 0 or len(ids) < 2:
+    if not (n := _held_out_count(len(ids), fraction, cap)):
         return set()
-    n = min(len(ids) - 1, max(1, round(fraction * len(ids))))
-    if cap is not None:
-        n = min(n, cap)
     ranks = np.fromiter((derive_seed(seed, "validation", u) for u in ids), np.uint64, len(ids))
     return {ids[i] for i in np.argsort(ranks, kind="stable")[:n]}
 
@@ -245,18 +225,15 @@ class PretrainDataModule(_CorpusDataModule):
     """
 
     def setup(self, stage: str | None = None) -> None:
-        if self._ready:
+        if self.datasets:
             return
         c, excluded = self.cfg, set()
         test_list = self.label_files.path(c.test_list)  # kept out of pretraining
         if c.pretrain_exclude_test and test_list is not None and test_list.is_file():
             excluded = set(read_split_list(test_list))
-        n_excluded = 0
-        usable = {}  # split -> its utterance ids not excluded
-        for split in c.pretrain_splits:
-            store = self._split(split)
-            usable[split] = [u for u in store.utt_ids if u not in excluded]
-            n_excluded += len(store) - len(usable[split])
+        stores = {split: self._split(split) for split in c.pretrain_splits}
+        usable = {k: [u for u in s.utt_ids if u not in excluded] for k, s in stores.items()}
+        n_excluded = sum(len(s) - len(usable[k]) for k, s in stores.items())
         everything = [u for ids in usable.values() for u in ids]
         held = validation_ids(everything, c.pretrain_val_fraction, c.max_val_utterances, c.seed)
         if len(held) < round(c.pretrain_val_fraction * len(everything)):
@@ -267,7 +244,7 @@ class PretrainDataModule(_CorpusDataModule):
             )  # fmt: skip
         parts: dict[str, list[tuple[FeatureStore, list[int]]]] = {"train": [], "val": []}
         for split, ids in usable.items():
-            store = self._split(split)
+            store = stores[split]
             parts["train"].append((store, [store.position[u] for u in ids if u not in held]))
             parts["val"].append((store, [store.position[u] for u in ids if u in held]))
         if not any(idx for _, idx in parts["train"]):
@@ -284,8 +261,211 @@ class PretrainDataModule(_CorpusDataModule):
             "pretraining data: %d train / %d val utterances from %s (%d labelled-test utterances excluded)",
             len(self.datasets["train"]), len(self.datasets["val"]), self.cfg.pretrain_splits, n_excluded,
         )  # fmt: skip
-        self._finish_setup()
+        self.issues.log_summary(log)
 
     def val_dataloader(self) -> DataLoader | list:
         ds = self._dataset("val")
         return self._loader(ds, shuffle=False) if len(ds) else []
+
+
+class LabelledDataModule(_CorpusDataModule):
+    """Speaker and phone labels for downstream probes.
+
+    train/test come from the split lists in `alignments_dir` (or, with `test_list: null`, test is
+    every utterance of `test_splits`); dev is a seeded `dev_fraction` of train, per speaker.
+    Phone labels (10 ms frames) are checked against the feature length: a difference above
+    `label_tolerance` is bad input; within it, labels are trimmed or padded with -100.
+
+    Attributes after `setup`: `num_speakers`, `speakers` (class -> speaker id), `num_phones`,
+    `phone_set`, `normalizer`, `datasets` ("train", "dev", "test"), `skipped`.
+    """
+
+    def __init__(
+        self, cfg: DataConfig | dict[str, Any] | None = None, normalizer: Normalizer | None = None
+    ) -> None:
+        super().__init__(cfg, normalizer)
+        self.speakers: list[str] = []
+        self.phone_set: list[str] = []
+
+    @property
+    def num_speakers(self) -> int:
+        return len(self.speakers)
+
+    @property
+    def num_phones(self) -> int:
+        return len(self.phone_set)
+
+    def _role_ids(self, available: dict[str, tuple[str, int]]) -> tuple[list[str], list[str]]:
+        """Train and test utterance ids per the configured lists / folders, checked."""
+        c, files = self.cfg, self.label_files
+        skipped = self.issues.skipped_ids
+        labelled = [u for u, (split, _) in available.items() if split in c.labelled_splits]
+
+        def from_list(name: str) -> list[str]:
+            listed = read_split_list(path := files.folder / name)
+            for u in listed:
+                if u not in available and u not in skipped:  # skipped ones were reported
+                    detail = f"not found in {c.labelled_splits}"
+                    self.issues.report(
+                        DataError(path, "utterance not in the corpus", detail, u), "lists"
+                    )
+            return [u for u in listed if u in available]
+
+        if c.test_list is not None:
+            test = from_list(c.test_list)
+        else:
+            test = sorted(u for u, (split, _) in available.items() if split in c.test_splits)
+        test_set = set(test)
+        if c.train_list is not None:
+            train = from_list(c.train_list)
+            both = "utterance in both train and test lists"
+            for u in [u for u in train if u in test_set]:
+                self.issues.report(DataError(files.path(c.train_list), both, "", u), "lists")
+            train = [u for u in train if u not in test_set]
+        else:
+            train = sorted(u for u in labelled if u not in test_set)
+        if unused := len(set(labelled) - set(train) - test_set):
+            log.info(
+                "%d utterances of %s are in neither the train nor the test list (unused)",
+                unused, c.labelled_splits,
+            )  # fmt: skip
+        return train, test
+
+    def _phones(self, ids: list[str], lengths: dict[str, int]) -> dict[str, np.ndarray]:
+        """Checked phone labels of `ids` (reports missing / mismatched / unknown symbols)."""
+        c = self.cfg
+        if c.alignments is None:
+            self.phone_set = []
+            return {}
+        labels, self.phone_set, path = self.corpus.phone_labels(ids, self.issues)
+        skipped = self.issues.skipped_ids
+        out = {}
+        for u in ids:
+            if (lab := labels.get(u)) is None:
+                if u not in skipped:
+                    error = DataError(path, "missing alignment", "no line for this utterance", u)
+                    self.issues.report(error, "labels")
+            elif abs(len(lab) - lengths[u]) <= c.label_tolerance:
+                out[u] = lab
+            else:
+                detail = f"{len(lab)} label frames, the audio gives {lengths[u]} frames"
+                detail += f" (snip-edges), tolerance {c.label_tolerance}"
+                error = DataError(path, "alignment length mismatch", detail, u)
+                self.issues.report(error, "labels")
+        return out
+
+    def setup(self, stage: str | None = None) -> None:
+        if self.datasets:
+            return
+        c = self.cfg
+        available: dict[str, tuple[str, int]] = {}  # utt_id -> (split, position in its store)
+        for split in dict.fromkeys(
+            c.labelled_splits + (c.test_splits if c.test_list is None else [])
+        ):
+            store = self._split(split)
+            available.update((u, (split, i)) for i, u in enumerate(store.utt_ids))
+        train, test = self._role_ids(available)
+        lengths = {
+            u: int(self._splits[s].lengths[i]) for u in train + test for s, i in [available[u]]
+        }
+        phones = self._phones(train + test, lengths)
+        if c.alignments is not None:
+            train, test = [u for u in train if u in phones], [u for u in test if u in phones]
+        train, dev = self._dev_split(train)
+        if not train or not test:
+            detail = f"train {len(train)}, test {len(test)} utterances"
+            raise DataError(self.label_files.folder, "empty train or test set", detail)
+        speaker = {u: self.corpus.speaker_of(u) for u in train + dev + test}
+        self.speakers = sorted(set(speaker.values()), key=_numeric_first)
+        if unseen := sorted({speaker[u] for u in test} - {speaker[u] for u in train}):
+            log.warning(
+                "%d test speakers never occur in train (speaker tasks cannot get them right): %s",
+                len(unseen), unseen[:10],
+            )  # fmt: skip
+        classes = {s: i for i, s in enumerate(self.speakers)}
+
+        def by_split(ids: list[str]) -> list[tuple[FeatureStore, list[int], list[str]]]:
+            grouped: dict[str, list[str]] = defaultdict(list)
+            for u in ids:
+                grouped[available[u][0]].append(u)
+            return [
+                (self._splits[k], [available[u][1] for u in us], us) for k, us in grouped.items()
+            ]
+
+        def items(ids: list[str], random_crop: bool) -> _Items:
+            return _Items([
+                FeatureDataset(store, indices, self._normalizer, c.labelled_max_frames, random_crop,
+                               [classes[speaker[u]] for u in us],
+                               [phones.get(u, np.zeros(0, np.int16)) for u in us])
+                for store, indices, us in by_split(ids)
+            ])  # fmt: skip
+
+        self._normalizer = self._normalizer_from([p[:2] for p in by_split(train)])
+        self._eval_train = items(train, False)  # uncropped, for feature extraction
+        self.datasets = {
+            "train": items(train, True),
+            "dev": items(dev, False),
+            "test": items(test, False),
+        }
+        mf = c.labelled_max_frames
+        if cropped := sum(1 for u in train + dev + test if mf and lengths[u] > mf):
+            log.warning(
+                "%d labelled utterances are longer than labelled_max_frames=%d and are cropped",
+                cropped, mf,
+            )  # fmt: skip
+        log.info(
+            "labelled data: %d train / %d dev / %d test utterances, %d speakers, %d phone classes",
+            len(train), len(dev), len(test), self.num_speakers, self.num_phones,
+        )  # fmt: skip
+        self.issues.log_summary(log)
+
+    def _dev_split(self, train: list[str]) -> tuple[list[str], list[str]]:
+        by_speaker: dict[str, list[str]] = defaultdict(list)
+        for u in train:
+            by_speaker[self.corpus.speaker_of(u)].append(u)
+        dev: set[str] = set()
+        for k, speaker in enumerate(sorted(by_speaker, key=_numeric_first)):
+            ids = sorted(by_speaker[speaker])
+            dev |= _held_out(ids, self.cfg.dev_fraction, self.cfg.seed * 100003 + k)
+        return [u for u in train if u not in dev], [u for u in train if u in dev]
+
+    def val_dataloader(self) -> DataLoader:
+        return self._loader(self._dataset("dev"), shuffle=False)
+
+    def test_dataloader(self) -> DataLoader:
+        return self._loader(self._dataset("test"), shuffle=False)
+
+    def extraction_dataloader(self, split: str) -> DataLoader:
+        """Deterministic loader (no shuffling, no random crops) of "train", "dev" or "test"."""
+        if split not in ("train", "dev", "test"):
+            raise ConfigError(f"split must be train, dev or test, found {split!r}")
+        self._dataset(split)
+        return self._loader(
+            self._eval_train if split == "train" else self.datasets[split], shuffle=False
+        )
+
+
+def _numeric_first(speaker: str) -> tuple[int, str]:
+    return (int(speaker), speaker) if speaker.isdigit() else (1 << 62, speaker)
+
+
+def _held_out(ids: list[str], fraction: float, seed: int) -> set[str]:
+    """A seeded ~`fraction` of `ids` (`_held_out_count` of them)."""
+    order = np.random.default_rng(seed).permutation(len(ids))
+    return {ids[i] for i in order[: _held_out_count(len(ids), fraction)]}
+
+
+def build_datamodule(config: Any, kind: str = "pretrain") -> L.LightningDataModule:
+    """The data module of a job from its `data` config (a DataConfig, dict or config node):
+    `PretrainDataModule` (kind "pretrain") or `LabelledDataModule` (kind "labelled"). A
+    `_target_` instantiates any other DataModule that follows the batch contract of
+    docs/ARCHITECTURE.md instead (bring your own data; the tests use synthetic speech)."""
+    if not isinstance(config, DataConfig) and "_target_" in config:
+        from hydra.utils import instantiate
+
+        return instantiate(config)
+    if kind not in ("pretrain", "labelled"):
+        raise ValueError(f"kind must be pretrain or labelled, not {kind!r}")
+    if not isinstance(config, DataConfig):
+        config = DataConfig(**plain(config))
+    return PretrainDataModule(config) if kind == "pretrain" else LabelledDataModule(config)

@@ -91,9 +91,7 @@ def collate(items: list[dict[str, Any]]) -> dict[str, Any]:
         for b, it in enumerate(items):
             phones[b, : it["phones"].numel()] = it["phones"].numpy()
         batch["phones"] = torch.from_numpy(phones)  # (B, T)
-        batch["phone_lengths"] = torch.tensor(
-            [it["phones"].numel() for it in items], dtype=torch.long
-        )
+        batch["phone_lengths"] = torch.tensor([it["phones"].numel() for it in items])  # int64
     return batch
 
 

@@ -80,17 +80,13 @@ class Issues:
         """Number of skips per problem."""
         return Counter(s.problem for s in self.skips)
 
-    def summary(self, max_examples: int = 5) -> str:
-        """Multi-line human summary; empty string when nothing was skipped."""
+    def log_summary(self, logger: logging.Logger = log, max_examples: int = 5) -> None:
+        """Warn of the skips, if any: their count per problem, then the first `max_examples`."""
         if not self.skips:
-            return ""
+            return
         parts = ", ".join(f"{n} {problem}" for problem, n in self.counts().most_common())
         lines = [f"skipped {len(self.skips)} bad input(s): {parts}"]
         lines += [f"  {s}" for s in self.skips[:max_examples]]
         if len(self.skips) > max_examples:
             lines.append(f"  ... and {len(self.skips) - max_examples} more")
-        return "\n".join(lines)
-
-    def log_summary(self, logger: logging.Logger = log) -> None:
-        if self.skips:
-            logger.warning(self.summary())
+        logger.warning("\n".join(lines))

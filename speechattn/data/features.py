@@ -150,7 +150,8 @@ class Normalizer:
             shapes = f"mean {tuple(self.mean.shape)} and std {tuple(self.std.shape)}"
             raise ValueError(f"{shapes} differ")
         self.mode = mode
-        self._np: tuple[np.ndarray, np.ndarray] | None = None
+        # (F,) float32 copies on the host, for `numpy`
+        self._np = (self.mean.cpu().numpy().copy(), (1.0 / self.std).cpu().numpy())
 
     @classmethod
     def from_sums(
@@ -187,9 +188,6 @@ class Normalizer:
     def numpy(self, x: np.ndarray) -> np.ndarray:
         """Normalise one utterance (T, F) of any float dtype -> new float32 array (the loaders'
         path: single-threaded NumPy, as torch's intra-op threads cost 10x on a busy CPU)."""
-        if self._np is None:
-            inv_std = (1.0 / self.std).numpy().astype(np.float32)
-            self._np = (self.mean.numpy().astype(np.float32), inv_std)
         mean, inv_std = self._np
         if self.mode == "global":
             out = np.subtract(x, mean, dtype=np.float32)  # cast and centre in one pass

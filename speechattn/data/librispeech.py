@@ -12,6 +12,7 @@ import hashlib
 import os
 import re
 import warnings
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -49,14 +50,10 @@ def find_splits(root: str | Path) -> list[str]:
 
 
 def _looks_like_split(folder: Path) -> bool:
-    for speaker in sorted(folder.iterdir()):
-        if not speaker.is_dir():
-            continue
-        for chapter in sorted(speaker.iterdir()):
-            if chapter.is_dir() and any(chapter.glob(f"*{AUDIO_SUFFIX}")):
-                return True
-        return False
-    return False
+    """Whether the first <speaker> folder holds a <chapter> folder with audio."""
+    speaker = next((p for p in sorted(folder.iterdir()) if p.is_dir()), None)
+    chapters = sorted(speaker.iterdir()) if speaker else []
+    return any(c.is_dir() and any(c.glob(f"*{AUDIO_SUFFIX}")) for c in chapters)
 
 
 def _first_word(line: str) -> tuple[str, str]:
@@ -85,23 +82,20 @@ def read_transcripts(path: Path, issues: Issues) -> dict[str, str | None]:
         issues.report(DataError(path, "unreadable transcript file", str(e)), "scan")
         return out
     for n, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
         utt_id, text = _first_word(line)
+        if not utt_id:
+            continue
         if not UTT_RE.match(utt_id):
             issues.report(
                 DataError(path, "malformed transcript line", f"line {n}: {line[:60]!r}"), "scan"
             )
-            continue
-        if utt_id in first_line:
-            if out[utt_id] is not None:  # report each utterance once
-                out[utt_id] = None
-                issues.report(
-                    _duplicate(path, "transcript line", n, first_line[utt_id], utt_id), "scan"
-                )
-            continue
-        first_line[utt_id] = n
-        out[utt_id] = text.strip()
+        elif utt_id not in first_line:
+            first_line[utt_id], out[utt_id] = n, text.strip()
+        elif out[utt_id] is not None:  # report each utterance once
+            out[utt_id] = None
+            issues.report(
+                _duplicate(path, "transcript line", n, first_line[utt_id], utt_id), "scan"
+            )
     return out
 
 
@@ -123,7 +117,6 @@ def walk_split(root: str | Path, split: str) -> SplitListing:
     folder = root / split
     if not folder.is_dir():
         raise DataError(folder, "split folder not found", f"available splits: {find_splits(root)}")
-    h = hashlib.sha256()
     chapters = []
     for speaker in _subfolders(str(folder)):
         for chapter in _subfolders(os.path.join(folder, speaker)):
@@ -132,11 +125,18 @@ def walk_split(root: str | Path, split: str) -> SplitListing:
                 for entry in entries:
                     if (stamp := file_stamp(entry)) is not None:
                         files.append((entry.name, *stamp))
-            files.sort()
-            for name, size, mtime, ctime in files:
-                h.update(f"{speaker}/{chapter}/{name}\t{size}\t{mtime}\t{ctime}\n".encode())
-            chapters.append((speaker, chapter, tuple(files)))
-    return SplitListing(folder, tuple(chapters), h.hexdigest()[:32])
+            chapters.append((speaker, chapter, tuple(sorted(files))))
+    digest = stamp_digest(
+        f"{speaker}/{chapter}/{name}\t{size}\t{mtime}\t{ctime}\n"
+        for speaker, chapter, files in chapters
+        for name, size, mtime, ctime in files
+    )
+    return SplitListing(folder, tuple(chapters), digest)
+
+
+def stamp_digest(lines: Iterable[str]) -> str:
+    """32 hex digits of sha256 over `lines`: a listing's digest (each line a file's stamp)."""
+    return hashlib.sha256("".join(lines).encode()).hexdigest()[:32]
 
 
 def file_stamp(entry: os.DirEntry) -> tuple[int, int, int] | None:
@@ -203,9 +203,8 @@ def scan_split(
             if transcripts.get(utt_id, "") is None:
                 continue  # a duplicated transcript line, reported already
             if utt_id not in transcripts:
-                where = f"no line for it in {trans_name}"
-                if not has_transcripts:
-                    where = f"{trans_name} is missing"
+                missing = f"{trans_name} is missing"
+                where = f"no line for it in {trans_name}" if has_transcripts else missing
                 issues.report(DataError(path, "missing transcript", where, utt_id), "scan")
                 continue
             size, mtime, ctime = audio[utt_id]
@@ -238,12 +237,9 @@ def broken_link(link: Path, utt_id: str | None = None) -> DataError:
     except OSError as e:  # "No such file or directory", "Too many levels of symbolic links"
         why = e.strerror or str(e)
     stem = link.name[: -len(AUDIO_SUFFIX)] if link.name.endswith(AUDIO_SUFFIX) else None
-    return DataError(
-        link,
-        "broken symlink",
-        f"it points to {target} ({why}): restore the target or remove the link",
-        utt_id or (stem if stem and UTT_RE.match(stem) else None),
-    )
+    utt_id = utt_id or (stem if stem and UTT_RE.match(stem) else None)
+    detail = f"it points to {target} ({why}): restore the target or remove the link"
+    return DataError(link, "broken symlink", detail, utt_id)
 
 
 def _header(path: Path) -> tuple[int | None, int | None]:
@@ -263,11 +259,7 @@ def read_split_list(path: str | Path) -> list[str]:
         raise DataError(
             path, "split list not found", "set data.alignments_dir or data.train_list/test_list"
         )
-    seen: dict[str, None] = {}
-    for line in path.read_text().splitlines():
-        if line.strip():
-            seen.setdefault(line.strip(), None)
-    return list(seen)
+    return list(dict.fromkeys(ln.strip() for ln in path.read_text().splitlines() if ln.strip()))
 
 
 def read_phone_set(path: str | Path) -> list[str]:
@@ -317,35 +309,32 @@ def read_alignments(
                 continue
             first_line[utt_id] = n
             try:
-                ids = _parse_ints(rest)
-            except ValueError:  # symbols rather than class ids (or junk)
-                tokens = rest.split()
-                bad = [t for t in tokens if t not in symbol_id and not t.lstrip("-").isdigit()]
-                if bad:
-                    issues.report(
-                        DataError(path, "unknown phone symbol",
-                                  f"line {n}: {bad[0]!r} is not in the phone set ({len(symbol_id)} symbols)", utt_id),
-                        "labels",
-                    )  # fmt: skip
-                    continue
-                ids = np.array(
-                    [int(t) if t not in symbol_id else symbol_id[t] for t in tokens], dtype=np.int64
-                )
-            if ids.size and (ids.min() < 0 or ids.max() >= n_classes):
-                bad_id = int(ids[(ids < 0) | (ids >= n_classes)][0])
-                issues.report(
-                    DataError(path, "unknown phone symbol",
-                              f"line {n}: class {bad_id} outside 0..{n_classes - 1}", utt_id),
-                    "labels",
-                )  # fmt: skip
-                continue
-            if ids.size == 0:
-                issues.report(
-                    DataError(path, "empty alignment", f"line {n} has no labels", utt_id), "labels"
-                )
-                continue
-            out[utt_id] = ids.astype(np.int16)
+                out[utt_id] = _label_ids(rest, symbol_id, n_classes, path, n, utt_id)
+            except DataError as e:
+                issues.report(e, "labels")
     return out
+
+
+def _label_ids(
+    text: str, symbol_id: dict[str, int], n_classes: int, path: Path, n: int, utt_id: str
+) -> np.ndarray:
+    """(T,) int16 class ids of line `n`'s labels `text` (class ids, or symbols of `symbol_id`);
+    `DataError` when one is not a class or there are none."""
+    try:
+        ids = _parse_ints(text)
+    except ValueError:  # symbols rather than class ids (or junk)
+        tokens = text.split()
+        if bad := [t for t in tokens if t not in symbol_id and not t.lstrip("-").isdigit()]:
+            detail = f"line {n}: {bad[0]!r} is not in the phone set ({len(symbol_id)} symbols)"
+            raise DataError(path, "unknown phone symbol", detail, utt_id) from None
+        ids = np.array([symbol_id[t] if t in symbol_id else int(t) for t in tokens], np.int64)
+    if ids.size and (ids.min() < 0 or ids.max() >= n_classes):
+        bad_id = int(ids[(ids < 0) | (ids >= n_classes)][0])
+        detail = f"line {n}: class {bad_id} outside 0..{n_classes - 1}"
+        raise DataError(path, "unknown phone symbol", detail, utt_id)
+    if ids.size == 0:
+        raise DataError(path, "empty alignment", f"line {n} has no labels", utt_id)
+    return ids.astype(np.int16)
 
 
 def _parse_ints(text: str) -> np.ndarray:

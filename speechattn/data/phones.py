@@ -60,14 +60,10 @@ def ipa_to_phone(name: str) -> str:
     longest known prefix. Raises `KeyError` naming the symbol when nothing matches.
     """
     name = name.translate(STRESS).strip()
-    if name in IPA_TO_PHONE:
-        return IPA_TO_PHONE[name]
     simple = _simplify(name)
-    if simple in IPA_TO_PHONE:
-        return IPA_TO_PHONE[simple]
-    for end in range(len(simple) - 1, 0, -1):
-        if simple[:end] in IPA_TO_PHONE:
-            return IPA_TO_PHONE[simple[:end]]
+    for key in (name, simple, *(simple[:end] for end in range(len(simple) - 1, 0, -1))):
+        if key in IPA_TO_PHONE:
+            return IPA_TO_PHONE[key]
     raise KeyError(f"eSpeak phoneme {name!r} has no class in the phone set; add it to IPA_TO_PHONE")
 
 

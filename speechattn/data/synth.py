@@ -13,7 +13,6 @@ gain, noise level); every utterance jitters pitch, rate, gain and SNR. `--heldou
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import logging
 import os
@@ -31,7 +30,7 @@ from speechattn.data.espeak import fresh_engine_pool
 from speechattn.data.features import HOP_LENGTH, SAMPLE_RATE, WIN_LENGTH, num_frames
 from speechattn.data.phones import PHONE_SET, phone_id
 from speechattn.errors import ConfigError
-from speechattn.utils import progress_bar
+from speechattn.utils import default_cache_root, digest, progress_bar
 
 log = logging.getLogger(__name__)
 
@@ -72,17 +71,6 @@ class Speaker:
         return f"{self.accent}+{self.variant}"
 
 
-@dataclass(frozen=True)
-class _Job:
-    speaker: Speaker
-    speaker_index: int
-    chapter: str
-    index: int  # utterance number within the chapter
-    seed: int
-    heldout: bool
-    split_dir: str
-
-
 def make_speakers(count: int, seed: int = 0, heldout: bool = False) -> list[Speaker]:
     """`count` speakers; main corpora take voice/accent pairs from the front of a seeded
     permutation, held-out corpora from the back, so the two never share a pair."""
@@ -96,18 +84,13 @@ def make_speakers(count: int, seed: int = 0, heldout: bool = False) -> list[Spea
         variant, accent = pairs[int(k)]
         rng = np.random.default_rng([seed, int(heldout), i, 104729])
         speakers.append(
-            Speaker(
-                speaker_id=str((7001 if heldout else 1001) + i),
-                accent=accent,
-                variant=variant,
-                pitch=int(rng.integers(30, 71)),
-                pitch_range=int(rng.integers(30, 81)),
-                rate=int(rng.integers(140, 201)),
-                tilt=round(float(rng.uniform(-0.45, 0.45)), 3),
-                gain_db=round(float(rng.uniform(-6.0, 0.0)), 2),
-                snr_db=round(float(rng.uniform(28.0, 42.0)), 1),
-            )
-        )
+            Speaker(str((7001 if heldout else 1001) + i), accent, variant,
+                    pitch=int(rng.integers(30, 71)), pitch_range=int(rng.integers(30, 81)),
+                    rate=int(rng.integers(140, 201)),
+                    tilt=round(float(rng.uniform(-0.45, 0.45)), 3),
+                    gain_db=round(float(rng.uniform(-6.0, 0.0)), 2),
+                    snr_db=round(float(rng.uniform(28.0, 42.0)), 1))
+        )  # fmt: skip
     return speakers
 
 
@@ -157,24 +140,32 @@ def _resample(audio: np.ndarray, source_rate: int) -> np.ndarray:
         return _RESAMPLER[1](torch.from_numpy(audio)[None])[0].numpy()
 
 
-def _synth_speaker(jobs: list[_Job]) -> list[dict]:
-    """One speaker's utterances, in order (run in a fresh process: `build_corpus`)."""
-    return [_synth_one(job) for job in jobs]
+def _synth_speaker(task: tuple[Speaker, int, int, int, bool, Path]) -> list[dict]:
+    """The utterances of (speaker, its index, their count, seed, held out, split folder), in
+    order, their chapters alternating (run in a fresh process: `build_corpus`)."""
+    spk, speaker_index, count, seed, heldout, split_dir = task
+    out = []
+    for u in range(count):
+        chapter = int(spk.speaker_id) * 10 + 1 + u % CHAPTERS_PER_SPEAKER
+        rng = np.random.default_rng(
+            [seed, int(heldout), speaker_index, chapter, u // CHAPTERS_PER_SPEAKER]
+        )
+        utt_id = f"{spk.speaker_id}-{chapter}-{u // CHAPTERS_PER_SPEAKER:04d}"
+        out.append(_synth_one(spk, utt_id, rng, heldout, split_dir / spk.speaker_id / str(chapter)))
+    return out
 
 
-def _synth_one(job: _Job) -> dict:
-    """Synthesise, post-process, write one FLAC; return its id, text, labels and length."""
+def _synth_one(
+    spk: Speaker, utt_id: str, rng: np.random.Generator, heldout: bool, folder: Path
+) -> dict:
+    """Synthesise, post-process, write one FLAC into `folder`; return its id, text, labels and
+    length."""
     import soundfile as sf
 
     from speechattn.data.espeak import Espeak, VoiceSettings
 
     engine = Espeak.get()
-    spk = job.speaker
-    rng = np.random.default_rng(
-        [job.seed, int(job.heldout), job.speaker_index, int(job.chapter), job.index]
-    )
-    utt_id = f"{spk.speaker_id}-{job.chapter}-{job.index:04d}"
-    pool = "heldout" if job.heldout else "main"
+    pool = "heldout" if heldout else "main"
     for _attempt in range(40):
         rate = int(spk.rate * rng.uniform(0.92, 1.08))
         target = rng.uniform(MIN_SECONDS + 0.5, MAX_SECONDS - 1.0)
@@ -218,7 +209,6 @@ def _synth_one(job: _Job) -> dict:
     order = np.argsort(starts, kind="stable")
     labels = frame_labels(starts[order], classes[order], n)
 
-    folder = Path(job.split_dir) / spk.speaker_id / job.chapter
     folder.mkdir(parents=True, exist_ok=True)
     sf.write(folder / f"{utt_id}.flac", audio, SAMPLE_RATE, subtype="PCM_16", format="FLAC")
     return {"utt_id": utt_id, "text": text, "labels": labels, "num_samples": n}
@@ -255,24 +245,16 @@ def build_corpus(
     split_dir = out / split
     split_dir.mkdir(parents=True, exist_ok=True)
     table = make_speakers(speakers, seed, heldout)
-    jobs = []
-    for s_idx, spk in enumerate(table):
-        for u in range(utterances_per_speaker):
-            chapter = str(int(spk.speaker_id) * 10 + 1 + u % CHAPTERS_PER_SPEAKER)
-            jobs.append(
-                _Job(spk, s_idx, chapter, u // CHAPTERS_PER_SPEAKER, seed, heldout, str(split_dir))
-            )
-
     # one task per speaker, its utterances in order, each in a fresh process: the same corpus
     # for any number of workers (`espeak.fresh_engine_pool`)
-    by_speaker = [
-        jobs[i : i + utterances_per_speaker] for i in range(0, len(jobs), utterances_per_speaker)
-    ]
-    workers = min(workers or os.cpu_count() or 1, len(by_speaker))
+    tasks = [(s, i, utterances_per_speaker, seed, heldout, split_dir) for i, s in enumerate(table)]
+    workers = min(workers or os.cpu_count() or 1, len(tasks))
     results: list[dict] = []
-    with progress_bar(len(jobs), f"synthesising {split}", progress) as advance:
+    with progress_bar(
+        len(tasks) * utterances_per_speaker, f"synthesising {split}", progress
+    ) as advance:
         with fresh_engine_pool(workers, __name__) as pool:
-            for spoken in pool.imap_unordered(_synth_speaker, by_speaker):
+            for spoken in pool.imap_unordered(_synth_speaker, tasks):
                 results.extend(spoken)
                 advance(len(spoken))
     results.sort(key=lambda r: r["utt_id"])
@@ -316,15 +298,9 @@ def _write_metadata(
     (out / "test_split.txt").write_text("\n".join(sorted(test)) + "\n")
 
     counts = Counter(r["utt_id"].split("-")[0] for r in results)
-    speakers = {
-        s.speaker_id: {
-            **asdict(s),
-            "voice": s.voice,
-            "split": split,
-            "utterances": counts[s.speaker_id],
-        }
-        for s in table
-    }
+    speakers = {s.speaker_id: {**asdict(s), "voice": s.voice, "split": split} for s in table}
+    for speaker_id, record in speakers.items():
+        record["utterances"] = counts[speaker_id]
     (out / "speakers.json").write_text(json.dumps(speakers, indent=2) + "\n")
     hours = round(sum(r["num_samples"] for r in results) / SAMPLE_RATE / 3600, 4)
     info = {**params, "split": split, "utterances": len(results), "hours": hours}
@@ -354,14 +330,10 @@ def ensure_embedded_corpus(
     corpus is built in a temporary sibling folder and renamed into place, so an interrupted
     build leaves nothing half-written behind.
     """
-    if cache_root is None:
-        from speechattn.data.config import default_cache_root
-
-        cache_root = default_cache_root()
     params = corpus_params(speakers, utterances_per_speaker, seed, False)
-    digest = hashlib.sha256(json.dumps(params, sort_keys=True).encode()).hexdigest()[:10]
+    cache_root = default_cache_root() if cache_root is None else cache_root
     parent = Path(cache_root).expanduser() / "corpus"
-    final = parent / f"embedded-v{GENERATOR_VERSION}-{digest}"
+    final = parent / f"embedded-v{GENERATOR_VERSION}-{digest(params, length=10)}"
     if _params_match(final, params):
         return final
     parent.mkdir(parents=True, exist_ok=True)
@@ -382,8 +354,7 @@ def ensure_embedded_corpus(
             if not _params_match(final, params):  # lost a race to a broken build: should not happen
                 raise
     finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(tmp, ignore_errors=True)  # gone where it was renamed
     return final
 
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import re
 import zlib
-from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 
@@ -50,47 +49,24 @@ PREPOSITIONS = ("near", "behind", "beside", "under", "across", "inside", "outsid
 HELDOUT_SHARE = 5  # one sentence in 5 belongs to the held-out pool
 
 
-@dataclass(frozen=True)
-class Lexicon:
-    nouns: tuple[tuple[str, str], ...]  # (singular, plural)
-    verbs: tuple[tuple[str, str, str], ...]  # (base, third person, past)
-    intransitive: tuple[tuple[str, str, str], ...]
-    adjectives: tuple[str, ...]
-    adverbs: tuple[str, ...]
-    names: tuple[str, ...]
-    places: tuple[str, ...]
-    times: tuple[str, ...]
-
-
-def _read_list(name: str) -> list[str]:
-    path = TEXT_DIR / name
-    lines = [ln.strip() for ln in path.read_text(encoding="utf-8").splitlines()]
-    return [ln for ln in lines if ln and not ln.startswith("#")]
-
-
-def _columns(name: str, n: int) -> tuple[tuple[str, ...], ...]:
-    rows = []
-    for line in _read_list(name):
-        cols = tuple(line.split())
-        if len(cols) != n:
-            raise ValueError(f"{TEXT_DIR / name}: expected {n} words per line, found {line!r}")
-        rows.append(cols)
-    return tuple(rows)
+# word list -> words per line: (singular, plural) nouns, (base, third person, past) verbs
+LISTS = {"nouns": 2, "verbs": 3, "intransitive": 3, "adjectives": 1, "adverbs": 1, "names": 1,
+         "places": 1, "times": 1}  # fmt: skip
 
 
 @cache
-def lexicon() -> Lexicon:
-    """The word lists shipped in `speechattn/data/text/` (read once per process)."""
-    return Lexicon(
-        nouns=_columns("nouns.txt", 2),
-        verbs=_columns("verbs.txt", 3),
-        intransitive=_columns("intransitive.txt", 3),
-        adjectives=tuple(_read_list("adjectives.txt")),
-        adverbs=tuple(_read_list("adverbs.txt")),
-        names=tuple(_read_list("names.txt")),
-        places=tuple(_read_list("places.txt")),
-        times=tuple(_read_list("times.txt")),
-    )
+def lexicon() -> dict[str, tuple]:
+    """The word lists shipped in `speechattn/data/text/` by name (read once per process): a
+    tuple of words per line where `LISTS` gives several, else the line itself."""
+    out = {}
+    for name, n in LISTS.items():
+        path = TEXT_DIR / f"{name}.txt"
+        lines = [ln.strip() for ln in path.read_text(encoding="utf-8").splitlines()]
+        lines = [ln for ln in lines if ln and not ln.startswith("#")]
+        if n > 1 and (bad := [ln for ln in lines if len(ln.split()) != n]):
+            raise ValueError(f"{path}: expected {n} words per line, found {bad[0]!r}")
+        out[name] = tuple(tuple(ln.split()) if n > 1 else ln for ln in lines)
+    return out
 
 
 def _pick(rng: np.random.Generator, items: tuple, k: int = 1) -> list:
@@ -100,18 +76,18 @@ def _pick(rng: np.random.Generator, items: tuple, k: int = 1) -> list:
 
 def _fill(template: str, rng: np.random.Generator) -> str:
     lx = lexicon()
-    (n1, n2) = _pick(rng, lx.nouns, 2)
-    (v,) = _pick(rng, lx.verbs)
-    (i1, i2) = _pick(rng, lx.intransitive, 2)
-    (a1, a2) = _pick(rng, lx.adjectives, 2)
-    (name1, name2) = _pick(rng, lx.names, 2)
+    (n1, n2) = _pick(rng, lx["nouns"], 2)
+    (v,) = _pick(rng, lx["verbs"])
+    (i1, i2) = _pick(rng, lx["intransitive"], 2)
+    (a1, a2) = _pick(rng, lx["adjectives"], 2)
+    (name1, name2) = _pick(rng, lx["names"], 2)
     slots = {
         "N": n1[0], "N2": n2[0], "Ns": n1[1], "Ns2": n2[1],
         "A": a1, "A2": a2,
         "V": v[2], "Vb": v[0], "Vz": v[1],
         "I": i1[2], "I2": i2[2], "Ib": i1[0], "Iz": i1[1],
-        "D": _pick(rng, lx.adverbs)[0], "P": _pick(rng, lx.places)[0],
-        "T": _pick(rng, lx.times)[0], "Name": name1, "Name2": name2,
+        "D": _pick(rng, lx["adverbs"])[0], "P": _pick(rng, lx["places"])[0],
+        "T": _pick(rng, lx["times"])[0], "Name": name1, "Name2": name2,
         "Num": _pick(rng, NUMBERS)[0], "Prep": _pick(rng, PREPOSITIONS)[0],
     }  # fmt: skip
     text = template.format(**slots)

@@ -336,7 +336,7 @@ def test_lhotse_config_needs_cuts_or_root_and_splits():
     with pytest.raises(ConfigError, match="corpus=lhotse needs data.cuts"):
         DataConfig(corpus="lhotse", pretrain_splits=[], labelled_splits=[])
     with pytest.raises(DataError, match="lhotse manifests not found.*dev-other"):
-        from speechattn.data.lhotse_corpus import manifests_of
+        from speechattn.data.corpora import manifests_of
 
         manifests_of(Path("."), "dev-other")
 

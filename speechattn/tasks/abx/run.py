@@ -19,7 +19,7 @@ import numpy as np
 import torch
 from omegaconf import DictConfig
 
-from speechattn.data.build import build_datamodule
+from speechattn.data.datamodules import build_datamodule
 from speechattn.errors import ConfigError, MissingFileError, require
 from speechattn.tasks.abx.items import frame_span, triphone_items
 from speechattn.tasks.abx.score import DISTANCES, abx_score
