@@ -36,7 +36,7 @@ from speechattn.tasks.common import (
 )
 from speechattn.tasks.preemption import AtomicCheckpointIO, StopOnSignal, remove_partial_checkpoints
 from speechattn.tasks.pretrain.data import ResumableData
-from speechattn.tasks.pretrain.init_from import init_from_upstream
+from speechattn.tasks.pretrain.resume import init_from_upstream
 from speechattn.tasks.pretrain.model_card import write_run_upstream
 from speechattn.tasks.pretrain.module import PretrainTask
 from speechattn.tasks.pretrain.resume import (
