@@ -36,13 +36,13 @@ from speechattn.tasks.common import (
 )
 from speechattn.tasks.preemption import AtomicCheckpointIO, StopOnSignal, remove_partial_checkpoints
 from speechattn.tasks.pretrain.data import ResumableData
-from speechattn.tasks.pretrain.resume import init_from_upstream
 from speechattn.tasks.pretrain.model_card import write_run_upstream
 from speechattn.tasks.pretrain.module import PretrainTask
 from speechattn.tasks.pretrain.resume import (
     Resume,
     RunLock,
     earlier_result_noted,
+    init_from_upstream,
     periodic_checkpoints,
     resume_from,
     resume_hint,
@@ -161,9 +161,9 @@ def build_task(cfg: DictConfig, datamodule: Any, resume: Resume | None) -> Pretr
     if init_from is not None and resume is None:
         normalization = data_config.get("normalization")  # None: a datamodule of the caller's
         parent = init_from_upstream(task.model, init_from, features, normalization)
-        task.set_data_info(init_from=parent)
+        task.data_info["init_from"] = parent
         log.info("starting from the weights of %s (sha256 %s)", parent["path"], parent["sha256"])
-    task.set_data_info(
+    task.data_info.update(
         feature_config=features,
         corpus=str(data_config.get("corpus", type(datamodule).__name__)),
         data_config=data_config,
