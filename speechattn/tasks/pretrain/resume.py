@@ -74,8 +74,9 @@ def _newest(steps: dict[Path, int | None]) -> Path | None:
     """The readable checkpoint of `steps` (file -> `checkpoint_step`) with the highest step; on
     a tie `last.ckpt`, then the newest file."""
     readable = [p for p, s in steps.items() if s is not None]
-    key = lambda p: (steps[p], p.name == "last.ckpt", p.stat().st_mtime)  # noqa: E731
-    return max(readable, key=key, default=None)
+    return max(
+        readable, key=lambda p: (steps[p], p.name == "last.ckpt", p.stat().st_mtime), default=None
+    )
 
 
 def newest_checkpoint(checkpoint_dir: Path) -> Path | None:
