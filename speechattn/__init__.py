@@ -10,15 +10,11 @@ from pathlib import Path
 __version__ = "0.1.0"
 
 
-def _config_dir() -> Path:
-    """`conf/`: shipped inside the package by `pip install .` (setup.py maps it to
-    `speechattn/conf`); in a checkout or an editable install, the repository's top-level one."""
-    here = Path(__file__).resolve().parent
-    shipped = here / "conf"
-    return shipped if shipped.is_dir() else here.parent / "conf"
-
-
-CONFIG_DIR = _config_dir()  # Hydra configs; their schemas are in speechattn.config
+# Hydra's configs (their schemas are in speechattn.config): `conf/`, shipped inside the package
+# by `pip install .` (setup.py maps it to `speechattn/conf`); in a checkout or an editable
+# install, the repository's top-level one
+_HERE = Path(__file__).resolve().parent
+CONFIG_DIR = _HERE / "conf" if (_HERE / "conf").is_dir() else _HERE.parent / "conf"
 
 
 def load_upstream(path: str | Path, map_location: str = "cpu"):

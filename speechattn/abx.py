@@ -22,7 +22,5 @@ def main(cfg: DictConfig) -> Any:
     return run_cli(run, cfg)
 
 
-__all__ = ["main", "run"]
-
 if __name__ == "__main__":
     main()

@@ -1,24 +1,12 @@
 """The one source of configuration: typed dataclasses registered as Hydra structured configs.
 
 Every setting has its default in exactly one dataclass. The YAML files in `conf/` select one
-of them as their schema (`defaults: [/schema/<name>@_here_, _self_]`) and state only what
-differs, so code defaults, YAML and the command line cannot disagree and a misspelt or
-mistyped override fails at composition. The schemas:
-
-    schema/pretrain   PretrainConfig       conf/pretrain.yaml (entry point's own keys)
-    schema/downstream DownstreamConfig     conf/downstream.yaml
-    schema/analyze    HeadsRunConfig       conf/analyze.yaml
-    schema/prune      PruneConfig          conf/prune.yaml
-    schema/abx        AbxConfig            conf/abx.yaml
-    schema/data       DataConfig           conf/data/*.yaml (`embedded` is the defaults)
-    schema/model      PretrainModelConfig  conf/model/aalbert_base.yaml (the defaults)
-    schema/task       TaskConfig           conf/task/*.yaml (`speaker_utterance` is the defaults)
-
-`attention/` options stay untyped here (`AttentionGroupConfig.options`): the registry checks
-them against each variant's own config when the model is built (`speechattn.attention.build`).
-`trainer/` and `logger/` are `_target_` subtrees instantiated as they stand
-(lightning-hydra-template's way): `trainer/cpu|gpu|ddp` for pretraining, `trainer/probe` for the
-downstream probes, and every `logger/` option for both jobs.
+of them as their schema (`defaults: [/schema/<name>@_here_, _self_]`, the names of `SCHEMAS`)
+and state only what differs, so code defaults, YAML and the command line cannot disagree and a
+misspelt or mistyped override fails at composition. `attention/` options stay untyped here
+(`AttentionGroupConfig.options`): the registry checks them against each variant's own config
+when the model is built (`speechattn.attention.build`). `trainer/` and `logger/` are
+`_target_` subtrees instantiated as they stand (lightning-hydra-template's way).
 """
 
 from __future__ import annotations
@@ -149,9 +137,8 @@ class DownstreamConfig:
     cache_dir: str | None = None  # null: <data cache root>/downstream
     output_dir: str | None = None  # null: the Hydra run dir
     trainer: Any = None  # lightning.pytorch.Trainer arguments (`_target_`, conf/trainer/probe.yaml)
-    logger: Any = field(
-        default_factory=dict
-    )  # name -> logger `_target_`; {} = logs/metrics.csv only
+    # name -> logger `_target_`; {} = logs/metrics.csv only
+    logger: Any = field(default_factory=dict)
     early_stopping: EarlyStoppingConfig = field(default_factory=EarlyStoppingConfig)
 
 

@@ -49,8 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     with command_line_errors(args.debug, PROG):
         upstream = args.upstream.expanduser()
-        metrics = upstream.parent / "metrics.csv"
-        rows = read_metrics(metrics) if metrics.is_file() else []
+        rows = read_metrics(upstream.parent / "metrics.csv")
         license = args.license or card_license(upstream) or DEFAULT_LICENSE
         out = write_upstream_folder(upstream, args.out.expanduser(), rows, license)
     print(f"upstream folder written to {out}")

@@ -59,7 +59,5 @@ def main(cfg: DictConfig) -> Any:
     return result.get("val_loss") or result.get("train_loss")  # what Hydra sweepers optimise
 
 
-__all__ = ["main", "run", "tiny_experiment_warning"]
-
 if __name__ == "__main__":
     main()

@@ -101,7 +101,7 @@ class MetricsCSV(Callback):
 
     def has_validation(self, step: int) -> bool:
         """Whether the file holds the validation of `step` (a finite `val_loss` row)."""
-        rows = read_metrics(self.path) if self.path.is_file() else []
+        rows = read_metrics(self.path)
         return any(r["step"] == step and math.isfinite(r["val_loss"]) for r in rows)
 
 
@@ -163,7 +163,9 @@ def quiet_library_notices() -> None:
 
 
 def read_metrics(path: str | Path) -> list[dict[str, float]]:
-    """Rows of a `metrics.csv` as floats (NaN for empty cells)."""
+    """Rows of a `metrics.csv` as floats (NaN for empty cells); [] when there is no such file."""
+    if not Path(path).is_file():
+        return []
     with Path(path).open(newline="") as f:
         return [
             {k: float(v) if v not in ("", None) else math.nan for k, v in r.items()}

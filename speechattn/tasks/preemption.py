@@ -3,19 +3,18 @@ checkpoint (docs/preemption.md is the user's view).
 
 A cluster ends a job with SIGTERM (preemption, time limit, `scancel`; SIGKILL follows after
 SLURM's KillWait, 30 s by default); `sbatch --signal=USR1@90` warns it 90 s early with SIGUSR1
-(SIGUSR2 in jobs of Hydra's submitit launcher). What Lightning 2.6 does by itself, read from
+(SIGUSR2 in jobs of Hydra's submitit launcher). Lightning 2.6 by itself (read from
 `trainer/connectors/signal_connector.py`, `loops/training_epoch_loop.py`,
-`loops/evaluation_loop.py` and `fabric/utilities/cloud_io.py`, and tried here:
+`loops/evaluation_loop.py` and `fabric/utilities/cloud_io.py`, and tried here):
 
-- SIGTERM: the training loop raises `SIGTERMException` (a `SystemExit` with status 0, so a
-  killed job looks finished) after the step's validation and saves nothing; the validation
-  loop raises it after any batch. Under DDP the handler runs `dist.broadcast` inside the
-  signal handler: with 2 CPU ranks (gloo) both signalled, as SLURM does, the ranks deadlocked
-  in mismatched collectives (backward's all-reduce against the broadcast).
-- SIGUSR1 under SLURM (`SLURMEnvironment(auto_requeue=True)`): its handler writes
-  `hpc_ckpt_N.ckpt` *inside the signal handler*, mid-step (under DDP a barrier each rank enters
-  at a different point), runs `scontrol requeue` and trains on until SLURM kills the job.
-- Checkpoint writes go to a `tempfile.mkstemp()` file in $TMPDIR, then `shutil.move`: on a
+- SIGTERM: the loops raise `SIGTERMException` (a `SystemExit` with status 0, so a killed job
+  looks finished) after the step's validation, or after any validation batch, and save
+  nothing. Under DDP the handler runs `dist.broadcast` inside the signal handler: 2 CPU ranks
+  (gloo) both signalled, as SLURM does, deadlocked in mismatched collectives.
+- SIGUSR1 under SLURM (`auto_requeue=True`): its handler writes `hpc_ckpt_N.ckpt` *inside the
+  signal handler*, mid-step (under DDP a barrier each rank enters at a different point), runs
+  `scontrol requeue` and trains on until SLURM kills the job.
+- Checkpoints are written to a `tempfile.mkstemp()` file in $TMPDIR, then `shutil.move`d: on a
   cluster $TMPDIR is node-local, so the move is a copy into the final name (a SIGKILL during it
   truncates `last.ckpt`), and a full $TMPDIR fails the save.
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Any, TypedDict, TypeVar
+from typing import Any, ClassVar, TypedDict, TypeVar
 
 from speechattn.data.errors import DataError
 from speechattn.errors import MissingFileError
@@ -27,9 +27,24 @@ MEL = "mel"  # the no-pretraining baseline: upstream=mel probes the input featur
 T = TypeVar("T")
 
 
+class _Record:
+    """A dataclass written as one JSON object, `FILE` in its folder."""
+
+    FILE: ClassVar[str]
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)  # type: ignore[call-overload]
+
+    def write(self, directory: str | Path) -> Path:
+        """Write `directory/FILE` atomically (temp file + rename); returns its path."""
+        return _write_json(self.to_dict(), directory, self.FILE)
+
+
 @dataclass
-class DownstreamResult:
+class DownstreamResult(_Record):
     """One downstream run: `result.json` (schema version 1), one JSON object."""
+
+    FILE: ClassVar[str] = RESULT_FILE
 
     task: str  # a task of conf/task/ (the study's: TASKS)
     upstream: str  # path of the upstream.pt that was probed, or "mel"
@@ -58,13 +73,6 @@ class DownstreamResult:
     created: str = ""  # ISO-8601 UTC time stamp
     schema_version: int = SCHEMA_VERSION
 
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    def write(self, directory: str | Path) -> Path:
-        """Write `directory/result.json` atomically (temp file + rename); returns its path."""
-        return _write_json(self.to_dict(), directory, RESULT_FILE)
-
 
 def _write_json(data: Any, directory: str | Path, name: str, indent: int = 2) -> Path:
     path = Path(directory) / name
@@ -79,29 +87,33 @@ def _read_json(path: Path, what: str) -> Any:
         raise DataError(path, f"not a readable {what}", str(e)) from e
 
 
-def _from_dict(cls: type[T], data: dict[str, Any], path: Path, what: str) -> T:
-    """`cls` built from `data` once no required field is missing; fields added by newer
-    writers are ignored, never fatal."""
+def _read_record(cls: type[T], path: str | Path, name: str, kind: str | None = None) -> T:
+    """`cls` read from the JSON file `path` (a `name` of `kind`), after the checks every
+    record shares: an object, its `kind` (where it has one), the schema version (a record
+    without a kind may omit it), no required field missing. Fields added by newer writers
+    are ignored, never fatal. `DataError` naming the file otherwise."""
+    path = Path(path)
+    data = _read_json(path, name)
+    if not isinstance(data, dict):
+        raise DataError(path, f"expected a JSON object, found {type(data).__name__}")
+    if kind is not None and data.get("kind") != kind:
+        raise DataError(path, f"not {name}", f"kind {data.get('kind')!r}, expected {kind!r}")
+    version = data.get("schema_version", None if kind else SCHEMA_VERSION)
+    if version != SCHEMA_VERSION:
+        raise DataError(path, f"{name} schema version {version}, expected {SCHEMA_VERSION}")
     required = [
         f.name for f in fields(cls) if f.default is MISSING and f.default_factory is MISSING
     ]
-    missing = [name for name in required if name not in data]
+    missing = [f for f in required if f not in data]
     if missing:
-        raise DataError(path, f"{what} lacks required field(s) {', '.join(missing)}".lstrip())
+        raise DataError(path, f"{name} lacks required field(s) {', '.join(missing)}")
     known = {f.name for f in fields(cls)}
     return cls(**{k: v for k, v in data.items() if k in known})
 
 
 def read_result(path: str | Path) -> DownstreamResult:
     """Read and check one `result.json`; a clear `DataError` naming the file when it is not one."""
-    path = Path(path)
-    data = _read_json(path, RESULT_FILE)
-    if not isinstance(data, dict):
-        raise DataError(path, f"expected a JSON object, found {type(data).__name__}")
-    version = data.get("schema_version", SCHEMA_VERSION)
-    if version != SCHEMA_VERSION:
-        raise DataError(path, f"result schema version {version}, expected {SCHEMA_VERSION}")
-    result = _from_dict(DownstreamResult, data, path, RESULT_FILE)
+    result = _read_record(DownstreamResult, path, RESULT_FILE)
     for name in ("dev_accuracy", "test_accuracy"):
         value = getattr(result, name)
         if not isinstance(value, int | float) or not 0.0 <= value <= 1.0:
@@ -240,10 +252,12 @@ WEIGHTED_SUM = "weighted sum"
 
 
 @dataclass
-class SuperbResult:
+class SuperbResult(_Record):
     """One SUPERB evaluation through s3prl's run_downstream.py (`python -m speechattn.superb -m
     evaluate`): `superb_result.json` (schema version 1), in the experiment folder beside s3prl's
     own files."""
+
+    FILE: ClassVar[str] = SUPERB_FILE
 
     task: str  # s3prl downstream: speech_commands | voxceleb1 | ctc
     # "accuracy" | "per" (phone error rate), from s3prl's prediction files of the split
@@ -267,21 +281,11 @@ class SuperbResult:
     kind: str = SUPERB_KIND
     schema_version: int = SCHEMA_VERSION
 
-    def write(self, directory: str | Path) -> Path:
-        """Write `directory/superb_result.json` atomically; returns its path."""
-        return _write_json(asdict(self), directory, SUPERB_FILE)
-
 
 def read_superb(path: str | Path) -> SuperbResult:
     """Read and check one `superb_result.json`; a `DataError` (a `ValueError`) naming the file
     when it is not one."""
-    path = Path(path)
-    data = _read_json(path, SUPERB_FILE)
-    if not isinstance(data, dict) or data.get("kind") != SUPERB_KIND:
-        raise DataError(path, f"not a {SUPERB_FILE}", f"kind must be {SUPERB_KIND!r}")
-    if data.get("schema_version") != SCHEMA_VERSION:
-        raise DataError(path, f"schema version {data.get('schema_version')}, expected 1")
-    result = _from_dict(SuperbResult, data, path, "")
+    result = _read_record(SuperbResult, path, SUPERB_FILE, SUPERB_KIND)
     if not isinstance(result.value, int | float) or result.value != result.value:
         raise DataError(path, f"value must be a number, found {result.value!r}")
     return result
@@ -294,9 +298,11 @@ ABX_KIND = "speechattn-abx"
 
 
 @dataclass
-class AbxRecord:
+class AbxRecord(_Record):
     """One ABX evaluation: `abx.json` (schema version 1; `python -m speechattn.abx`,
     docs/abx.md), one JSON object."""
+
+    FILE: ClassVar[str] = ABX_FILE
 
     upstream: str  # path of the upstream.pt scored, or "mel"
     upstream_sha256: str | None  # sha256 of that file (null for mel)
@@ -319,13 +325,6 @@ class AbxRecord:
     kind: str = ABX_KIND
     schema_version: int = SCHEMA_VERSION
 
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    def write(self, directory: str | Path) -> Path:
-        """Write `directory/abx.json` atomically; returns its path."""
-        return _write_json(self.to_dict(), directory, ABX_FILE)
-
     def errors(self, mode: str) -> dict[int, float | None]:
         """Layer -> error rate of `mode` (within | across)."""
         return {int(row["layer"]): row.get(mode) for row in self.layers}
@@ -333,13 +332,7 @@ class AbxRecord:
 
 def read_abx(path: str | Path) -> AbxRecord:
     """Read and check one `abx.json`; a `DataError` naming the file when it is not one."""
-    path = Path(path)
-    data = _read_json(path, ABX_FILE)
-    if not isinstance(data, dict) or data.get("kind") != ABX_KIND:
-        raise DataError(path, f"not an {ABX_FILE}", f"kind must be {ABX_KIND!r}")
-    if data.get("schema_version") != SCHEMA_VERSION:
-        raise DataError(path, f"{ABX_FILE} schema version {data.get('schema_version')}, expected 1")
-    record = _from_dict(AbxRecord, data, path, ABX_FILE)
+    record = _read_record(AbxRecord, path, ABX_FILE, ABX_KIND)
     for row in record.layers:
         for mode in ("within", "across"):
             value = row.get(mode) if isinstance(row, dict) else None

@@ -18,7 +18,7 @@ from speechattn.model.upstream import upstream_sha256
 from speechattn.pretrain import run
 from speechattn.tasks.downstream.features import open_upstream
 from speechattn.tasks.pretrain import PretrainTask
-from speechattn.tasks.pretrain.init_from import check_resume, differences
+from speechattn.tasks.pretrain.resume import check_init_resume, differences
 
 SYNTH = ("~data",)  # SyntheticPretrainData goes to run() directly
 
@@ -176,11 +176,11 @@ def test_init_from_refuses_other_input_features(parent_run):
 def test_init_from_with_a_checkpoint_resumes_only_the_run_it_started(parent_run, tmp_path):
     parent = parent_run / "upstream.pt"
     record = {"path": str(parent), "sha256": upstream_sha256(parent)}
-    check_resume(parent, {"speechattn_data": {"init_from": record}}, Path("last.ckpt"))
+    check_init_resume(parent, {"speechattn_data": {"init_from": record}}, Path("last.ckpt"))
     other = {"path": "/x/upstream.pt", "sha256": "0" * 64}
     for data in ({}, {"init_from": other}):
         with pytest.raises(ConfigError, match="ambiguous"):
-            check_resume(parent, {"speechattn_data": data}, Path("last.ckpt"))
+            check_init_resume(parent, {"speechattn_data": data}, Path("last.ckpt"))
     # through run(): the parent's own checkpoint was trained from scratch
     ckpt = parent_run / "checkpoints" / "last.ckpt"
     cfg = compose_pretrain(

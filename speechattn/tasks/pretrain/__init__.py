@@ -2,8 +2,8 @@
 
 - `module`: `PretrainTask` (LightningModule: one step, non-finite handling, upstream.pt export)
 - `data`: the resumable data order (`StepBatchSampler`, `SeededItems`, `ResumableData`)
-- `resume`: which checkpoint `ckpt_path` means, whether it may continue, the run lock
-- `init_from`: continued pretraining from an upstream's weights
+- `resume`: which checkpoint `ckpt_path` means, whether it may continue, `init_from`'s
+  weights (continued pretraining), the run lock
 - `model_card`: README.md + loss_curve.png beside upstream.pt
 - `run`: `run(cfg)`, what `python -m speechattn.pretrain` does
 """

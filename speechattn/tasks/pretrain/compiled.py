@@ -111,6 +111,3 @@ def graph_breaks(
         where = f" at {Path(ours[-1].filename).name}:{ours[-1].lineno}" if ours else ""
         reasons.append(what + where)
     return {"graphs": out.graph_count, "breaks": out.graph_break_count, "reasons": reasons}
-
-
-__all__ = ["COMPILE_MODES", "compile_objective", "graph_breaks", "masked_reconstruction"]

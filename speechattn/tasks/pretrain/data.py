@@ -243,22 +243,14 @@ class ResumableData(L.LightningDataModule):
         self,
         inner: L.LightningDataModule,
         seed: int,
-        batch_size: int | None = None,
-        bucket_size: int | None = None,
-        pad_to_multiple: int | None = None,
         batch_masker: Callable[[int], BatchMasker] | None = None,
     ) -> None:
         super().__init__()
         self.inner = inner
         self.seed = seed
-        # the task's host side of a step (`PretrainTask.batch_masker`), given at construction:
-        # the loader stacks and masks with it; None: batches as the wrapped module collates them
+        # the task's host side of a step (`PretrainTask.batch_masker`): the loader stacks and
+        # masks with it; None: batches as the wrapped module collates them
         self.batch_masker = batch_masker
-        self.batch_size = batch_size  # None: the wrapped loader's
-        self.bucket_size = bucket_size  # None: the wrapped batch sampler's, else 1
-        # model frames per length bucket; None: the wrapped module's `cfg.pad_to_multiple`, else 1
-        self.pad_to_multiple = pad_to_multiple
-        self.sampler: StepBatchSampler | None = None
 
     @property
     def normalizer(self) -> Any:
@@ -306,14 +298,11 @@ class ResumableData(L.LightningDataModule):
         `StepBatchSampler`, and with `batch_masker` (the task's, given the length bucket)
         stacking and masking in the loader. `bench loader` times this very loader."""
         loader = self.inner.train_dataloader()
-        sampler_batch = getattr(loader.batch_sampler, "batch_size", None)
-        batch_size = self.batch_size or loader.batch_size or sampler_batch
+        batch_size = loader.batch_size or getattr(loader.batch_sampler, "batch_size", None)
         if batch_size is None:
             raise ConfigError("cannot tell the training batch size; set data.batch_size")
         dataset = loader.dataset
-        lengths = getattr(dataset, "lengths", None)  # frames per item: enables length buckets
-        bucket = self.bucket_size or getattr(loader.batch_sampler, "bucket_size", None) or 1
-        self.sampler = StepBatchSampler(
+        sampler = StepBatchSampler(
             num_items=len(dataset),  # type: ignore[arg-type]
             batch_size=int(batch_size),
             total_batches=total_batches,
@@ -321,19 +310,18 @@ class ResumableData(L.LightningDataModule):
             rank=rank,
             world_size=world_size,
             start=start,
-            lengths=lengths,
-            bucket_size=int(bucket),
+            lengths=getattr(dataset, "lengths", None),  # frames per item: length buckets
+            bucket_size=int(getattr(loader.batch_sampler, "bucket_size", None) or 1),
         )
         collate = loader.collate_fn
         if self.batch_masker is not None:  # the pretraining task: stack and mask in the loader
-            pad = self.pad_to_multiple
-            if pad is None:
-                pad = getattr(getattr(self.inner, "cfg", None), "pad_to_multiple", 1)
+            # model frames per length bucket: the wrapped module's `cfg.pad_to_multiple`, else 1
+            pad = getattr(getattr(self.inner, "cfg", None), "pad_to_multiple", 1)
             collate = MaskingCollate(collate, self.batch_masker(int(pad)))
         workers = loader.num_workers
         return DataLoader(
             SeededItems(dataset),
-            batch_sampler=self.sampler,
+            batch_sampler=sampler,
             collate_fn=collate,
             num_workers=workers,
             pin_memory=loader.pin_memory,

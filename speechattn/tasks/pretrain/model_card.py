@@ -211,7 +211,7 @@ def write_model_card(
 
     `rows` are the run's `metrics.csv` rows (`speechattn.tasks.common.read_metrics`).
     """
-    return _write_card(Path(upstream_path), rows, license, card=True)[0]
+    return _write_card(Path(upstream_path), rows, license, beside=True)
 
 
 def write_upstream_folder(
@@ -226,33 +226,31 @@ def write_upstream_folder(
     options stated explicitly), so the folder loads to the same module, bit for bit. Raises
     `OutputExistsError` when `out` holds anything but an earlier upstream folder.
     """
-    folder = _write_card(Path(upstream_path), rows, license, folder=Path(out))[1]
-    assert folder is not None
-    return folder
+    _write_card(Path(upstream_path), rows, license, beside=False, folder=Path(out))
+    return Path(out)
 
 
 def _write_card(
     upstream_path: Path,
     rows: list[dict[str, float]],
     license: str,
-    card: bool = False,
+    beside: bool,
     folder: Path | None = None,
-) -> tuple[Path, Path | None]:
-    """The model card beside `upstream_path` (`card`) and/or the upstream folder at `folder`,
-    from one load, hash and loss curve; returns (card, folder) paths."""
+) -> Path:
+    """The model card beside `upstream_path` (`beside`) and/or the upstream folder at `folder`,
+    from one load, hash and loss curve; returns the path of the card beside upstream.pt."""
     up = load_upstream(upstream_path)
     header = card_header(upstream_path, rows, license, up)
     png = loss_curve_png(rows, f"AALBERT, {header['attention']} attention")
-    card_path = upstream_path.parent / CARD_FILE
-    if card:
+    if beside:
         atomic_write_bytes(upstream_path.parent / LOSS_CURVE_FILE, png)
-        atomic_write_text(card_path, card_text(header, upstream_path.name))
+        atomic_write_text(upstream_path.parent / CARD_FILE, card_text(header, upstream_path.name))
     if folder is not None:
         state = upstream_state(up.model, up.normalizer, up.feature_config, up.metadata)
         source = {"file": upstream_path.name, "sha256": header["upstream_sha256"]}
         files = {CARD_FILE: card_text(header, ".").encode("utf-8"), LOSS_CURVE_FILE: png}
-        folder = save_upstream_folder(folder, state, source, files)
-    return card_path, folder
+        save_upstream_folder(folder, state, source, files)
+    return upstream_path.parent / CARD_FILE
 
 
 def card_text(header: dict[str, Any], upstream_name: str) -> str:
@@ -276,8 +274,7 @@ def write_run_upstream(
     `upstream.pt` with the facts of the run (`val_loss`, the final validation loss; throughput,
     precision, device), its model card and the upstream folder (safetensors, no pickle,
     docs/upstream.md). Returns their paths as `upstream`, `model_card` and `upstream_folder`."""
-    metrics = output_dir / "metrics.csv"
-    rows = read_metrics(metrics) if metrics.is_file() else []
+    rows = read_metrics(output_dir / "metrics.csv")
     run_facts = {
         "val_loss": val_loss,
         "frames_per_s": median_metric(rows, "frames_per_s"),
@@ -286,23 +283,11 @@ def write_run_upstream(
         "device": training_device(trainer),
     }
     upstream = task.export_upstream(output_dir / "upstream.pt", run_facts)
-    card, folder = _write_card(upstream, rows, license, True, output_dir / UPSTREAM_FOLDER)
+    folder = output_dir / UPSTREAM_FOLDER
+    card = _write_card(upstream, rows, license, beside=True, folder=folder)
     print(
         f"upstream.pt written to {upstream} (model card: {card}; as a safetensors folder: "
         f"{folder})",
         flush=True,
     )
     return {"upstream": str(upstream), "model_card": str(card), "upstream_folder": str(folder)}
-
-
-__all__ = [
-    "CARD_FILE",
-    "LOSS_CURVE_FILE",
-    "card_header",
-    "card_text",
-    "median_metric",
-    "training_device",
-    "write_model_card",
-    "write_run_upstream",
-    "write_upstream_folder",
-]

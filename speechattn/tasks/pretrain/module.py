@@ -56,7 +56,7 @@ class PretrainTask(L.LightningModule):
 
     Batches follow the data contract: `features` (B, T, F) normalised log-mel at 10 ms,
     `lengths` (B,). Everything needed to export `upstream.pt` (feature settings, normaliser
-    statistics, corpus) is given by `set_data_info` and travels in every checkpoint.
+    statistics, corpus) is held in `data_info` and travels in every checkpoint.
     """
 
     def __init__(
@@ -79,10 +79,13 @@ class PretrainTask(L.LightningModule):
         self.seed = int(seed)
         self.max_nonfinite = int(max_nonfinite)
         self.model = AALBERT(self.model_config)
+        # what upstream.pt needs of the data (the training split's normaliser, the feature
+        # settings) and facts for its metadata (corpus, data config, ...): set by `run` and
+        # `setup`, kept in every checkpoint
+        self.data_info: dict[str, Any] = {}
         # model.compile: training's masked reconstruction under torch.compile (static shapes,
         # a graph per length bucket; `tasks/pretrain/compiled.py`), compiled at its first call
         self._compiled = compile_objective(self.model, compile_mode) if compile else None
-        self.data_info: dict[str, Any] = {}
         # settings a resume changed against its checkpoint (`allow_resume_changes`), each
         # {"step", "setting", "checkpoint", "now"}: set before fit, recorded in data_info
         self.resume_changes: list[dict[str, Any]] = []
@@ -102,21 +105,6 @@ class PretrainTask(L.LightningModule):
         """Loss of the last step that trained (metadata), read from the device when asked."""
         return None if self._train_loss is None else float(self._train_loss)
 
-    # ------------------------------------------------------------------ data info
-    def set_data_info(
-        self,
-        normalizer: Normalizer | None = None,
-        feature_config: dict[str, Any] | None = None,
-        **extra: Any,
-    ) -> None:
-        """Record what `upstream.pt` needs from the data layer: the training-split normaliser,
-        the feature settings, and facts for the metadata (corpus, data config, ...)."""
-        if normalizer is not None:
-            self.data_info["normalizer"] = normalizer.state_dict()
-        if feature_config is not None:
-            self.data_info["feature_config"] = dict(feature_config)
-        self.data_info.update(extra)
-
     def setup(self, stage: str) -> None:
         if self.trainer.strategy.root_device.type == "cuda":
             # fp32 regions (linear attention, LSH CSR, tables, the optimiser's norms) use TF32
@@ -128,12 +116,12 @@ class PretrainTask(L.LightningModule):
             torch.backends.cudnn.allow_tf32 = True
         # the normaliser is computed by the data module's setup, which Lightning runs first
         dm = self.trainer.datamodule if self._trainer is not None else None
-        norm = getattr(dm, "normalizer", None) if dm is not None else None
+        norm = getattr(dm, "normalizer", None)
         if norm is not None:
-            self.set_data_info(normalizer=norm)
+            self.data_info["normalizer"] = norm.state_dict()
         describe = getattr(dm, "describe", None)
-        if callable(describe):
-            self.set_data_info(data_summary=describe())  # corpus root, utterance counts, skips
+        if callable(describe):  # corpus root, utterance counts, skips
+            self.data_info["data_summary"] = describe()
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         self.check_parameters()  # never keep weights the last update made NaN/inf
@@ -223,7 +211,17 @@ class PretrainTask(L.LightningModule):
 
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> Tensor:
         loss, frames = self.step_loss(batch)
-        self._log_throughput(frames)
+        # frames_per_s: valid 10 ms frames of the previous step over the time between the
+        # steps' starts, all ranks; logged as host values (`host_value`: no copy to the device)
+        now = time.perf_counter()
+        if self._last_time is not None and now > self._last_time:
+            fps = self._last_frames / (now - self._last_time) * self.trainer.world_size
+            self.log("frames_per_s", host_value(fps), prog_bar=True, on_step=True, batch_size=1)
+        self._last_time, self._last_frames = now, frames
+        scheduler = self.lr_schedulers()
+        if scheduler is not None:
+            lr = host_value(scheduler.get_last_lr()[0])
+            self.log("lr", lr, on_step=True, batch_size=1)
         return loss  # backward runs even when it is not finite; the update is then skipped
 
     def step_loss(self, batch: dict[str, Any]) -> tuple[Tensor, int]:
@@ -231,16 +229,7 @@ class PretrainTask(L.LightningModule):
         loss), whose finite check is queued on the device, and its valid 10 ms frames."""
         generator = self._seed_micro_batch()
         loss, frames, chosen = self.reconstruction_loss(batch, generator)
-        self.record_loss(loss, chosen)
-        aux = self.auxiliary_loss()
-        if aux is not None:  # adaptive_span's span penalty; train_loss stays reconstruction
-            self.log("aux_loss", aux, on_step=True, batch_size=1)
-            loss = loss + aux
-        return loss, frames
-
-    def record_loss(self, loss: Tensor, chosen: int) -> None:
-        """Keep a micro-batch's finite check on the device, for `check_step` to read."""
-        finite = torch.isfinite(loss.detach())  # () bool, stays on the device
+        finite = torch.isfinite(loss.detach())  # () bool, stays on the device for check_step
         if self._micro[1] == 0 or self._loss_finite is None:
             self._skipped_this_step = False
             self._loss_finite = finite
@@ -248,6 +237,11 @@ class PretrainTask(L.LightningModule):
             self._loss_finite = self._loss_finite & finite
         # a batch of very short utterances may have nothing to reconstruct (loss 0): not logged
         self._step_loss = (loss.detach(), chosen) if chosen else None
+        aux = self.auxiliary_loss()
+        if aux is not None:  # adaptive_span's span penalty; train_loss stays reconstruction
+            self.log("aux_loss", aux, on_step=True, batch_size=1)
+            loss = loss + aux
+        return loss, frames
 
     def check_step(self) -> bool:
         """The step's one host read: whether the losses, the gradient norm and the parameters
@@ -289,10 +283,21 @@ class PretrainTask(L.LightningModule):
         for p in self.parameters():  # gradients are all-reduced: every rank skips together
             p.grad = None
         self._skipped_this_step = True
-        step_loss = loss_value if self._step_loss is not None else float("nan")
-        self._register_nonfinite(
-            f"loss {step_loss}" if not loss_ok else f"gradient norm {norm_value}"
+        self._nonfinite_in_row += 1
+        loss_text = loss_value if self._step_loss is not None else float("nan")
+        what = f"loss {loss_text}" if not loss_ok else f"gradient norm {norm_value}"
+        warnings.warn(
+            f"step {self.global_step}: non-finite {what}; "
+            f"skipping this update ({self._nonfinite_in_row}/{self.max_nonfinite} in a row)",
+            NonFiniteWarning,
+            stacklevel=2,
         )
+        if self._nonfinite_in_row >= self.max_nonfinite:
+            raise NonFiniteLossError(
+                f"training stopped at step {self.global_step}: {self._nonfinite_in_row} "
+                f"non-finite losses/gradients in a row (limit max_nonfinite="
+                f"{self.max_nonfinite}). {self.divergence_advice()}"
+            )
         return False
 
     def check_parameters(self) -> None:
@@ -319,39 +324,9 @@ class PretrainTask(L.LightningModule):
         terms = [t for t in terms if t is not None]
         return torch.stack(terms).sum() if terms else None
 
-    def _log_throughput(self, frames: int) -> None:
-        """Log `frames_per_s` (valid 10 ms frames of the previous step over the time between
-        the steps' starts, all ranks) and `lr`, as host values (`host_value`: no copy to the
-        device)."""
-        now = time.perf_counter()
-        if self._last_time is not None and now > self._last_time:
-            fps = self._last_frames / (now - self._last_time) * self.trainer.world_size
-            self.log("frames_per_s", host_value(fps), prog_bar=True, on_step=True, batch_size=1)
-        self._last_time, self._last_frames = now, frames
-        scheduler = self.lr_schedulers()
-        if scheduler is not None:
-            lr = host_value(scheduler.get_last_lr()[0])
-            self.log("lr", lr, on_step=True, batch_size=1)
-
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         # after backward was launched, before clipping and the update
         self.check_step()
-
-    def _register_nonfinite(self, what: str) -> None:
-        self._nonfinite_in_row += 1
-        step = self.global_step
-        warnings.warn(
-            f"step {step}: non-finite {what}; skipping this update "
-            f"({self._nonfinite_in_row}/{self.max_nonfinite} in a row)",
-            NonFiniteWarning,
-            stacklevel=2,
-        )
-        if self._nonfinite_in_row >= self.max_nonfinite:
-            raise NonFiniteLossError(
-                f"training stopped at step {step}: {self._nonfinite_in_row} non-finite "
-                f"losses/gradients in a row (limit max_nonfinite={self.max_nonfinite}). "
-                f"{self.divergence_advice()}"
-            )
 
     def optimizer_step(self, *args: Any, **kwargs: Any) -> None:
         super().optimizer_step(*args, **kwargs)
@@ -487,11 +462,3 @@ def export_upstream(checkpoint: str | Path, out: str | Path) -> Path:
     # a checkpoint has no trainer, so global_step comes from the file
     extra = {"steps": int(ckpt.get("global_step", 0)), "checkpoint": str(checkpoint)}
     return task.export_upstream(out, extra)
-
-
-__all__ = [
-    "NonFiniteLossError",
-    "NonFiniteWarning",
-    "PretrainTask",
-    "export_upstream",
-]

@@ -1,6 +1,7 @@
-"""Resuming a pretraining run: which checkpoint `ckpt_path=last` means (`newest_checkpoint`),
-whether it may continue under today's settings (`resume_from`, asked before any data is read),
-and the lock that keeps one run per run directory (`RunLock`).
+"""Where a pretraining run starts from: which checkpoint `ckpt_path=last` means
+(`newest_checkpoint`), whether it may continue under today's settings (`resume_from`, asked
+before any data is read), the weights of an upstream for a new run (`init_from_upstream`), and
+the lock that keeps one run per run directory (`RunLock`).
 
 A checkpoint continues only the run it came from: Lightning would load its weights into
 another architecture wherever the shapes allow (`num_heads=4` against 8 heads) and keep its
@@ -8,6 +9,15 @@ optimiser state under another optimiser's settings, and the metadata would state
 settings as what trained. Differences are refused, listed, unless each is named in
 `allow_resume_changes`: then it is recorded (`resume_changes` in the checkpoints and in
 upstream.pt's metadata) and takes effect from the resume on.
+
+Continued pretraining (`init_from=PATH`) is a new run in every other respect (fresh optimiser
+and schedule, step 0, this run's data, seed, masking and normaliser). The architecture
+(`ModelConfig` but dropout) and the input features (`FeatureConfig`, the normalisation mode)
+must equal the parent's, or the run is refused with every difference named. With `ckpt_path`
+too, only a run started from the same upstream (same sha256, recorded in its checkpoints)
+resumes: what a requeued job needs (`check_init_resume`). The parent, {"path", "sha256"}, is
+recorded as `init_from` in the checkpoints, upstream.pt's metadata, the model card and the
+exported folder's config.json.
 """
 
 from __future__ import annotations
@@ -20,7 +30,7 @@ import time
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -28,13 +38,17 @@ import lightning as L
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities import rank_zero_only
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from speechattn.data.claims import ClaimConfig, Claims, read_claim
+from speechattn.data.features import FeatureConfig
 from speechattn.errors import ConfigError, MissingFileError, SpeechattnError
+from speechattn.model.aalbert import AALBERT, ModelConfig
+from speechattn.model.masking import MaskingConfig
+from speechattn.model.optim import OptimConfig
 from speechattn.model.serialization import TorchFileError, load_torch_file
+from speechattn.model.upstream import Upstream, load_upstream, upstream_sha256
 from speechattn.tasks.preemption import TrainingStopped
-from speechattn.tasks.pretrain.init_from import check_resume as check_init_resume
 from speechattn.utils import plain
 
 if TYPE_CHECKING:
@@ -56,23 +70,25 @@ def checkpoint_step(path: Path) -> int | None:
         return None
 
 
+def _newest(steps: dict[Path, int | None]) -> Path | None:
+    """The readable checkpoint of `steps` (file -> `checkpoint_step`) with the highest step; on
+    a tie `last.ckpt`, then the newest file."""
+    readable = [p for p, s in steps.items() if s is not None]
+    return max(
+        readable, key=lambda p: (steps[p], p.name == "last.ckpt", p.stat().st_mtime), default=None
+    )
+
+
 def newest_checkpoint(checkpoint_dir: Path) -> Path | None:
     """The checkpoint of `checkpoint_dir` with the highest step (`last.ckpt`, `last-vN.ckpt`,
-    `step=NNNNNNN[-vN].ckpt`; on a tie `last.ckpt`, then the newest file), None when there is
-    none. Lightning writes `last-v1.ckpt` when `last.ckpt` is a file it does not think its own
-    (a copied or moved run directory), and `last.ckpt` then stays behind. An unreadable `last*.ckpt` is returned as it stands: the resume then stops with an
-    error naming it and the newest intact checkpoint, rather than quietly going back further."""
-    files = sorted(p for p in checkpoint_dir.glob("*.ckpt") if p.is_file())
-    if not files:
-        return None
-    steps = {p: checkpoint_step(p) for p in files}
+    `step=NNNNNNN[-vN].ckpt`), None when there is none. Lightning writes `last-v1.ckpt` when
+    `last.ckpt` is a file it does not think its own (a copied or moved run directory), and
+    `last.ckpt` then stays behind. An unreadable `last*.ckpt` is returned as it stands: the
+    resume then stops with an error naming it and the newest intact checkpoint, rather than
+    quietly going back further."""
+    steps = {p: checkpoint_step(p) for p in sorted(checkpoint_dir.glob("*.ckpt")) if p.is_file()}
     damaged = [p for p, s in steps.items() if s is None and p.name.startswith("last")]
-    if damaged:
-        return damaged[0]
-    readable = [p for p, s in steps.items() if s is not None]
-    if not readable:
-        return None
-    return max(readable, key=lambda p: (steps[p], p.name == "last.ckpt", p.stat().st_mtime))
+    return damaged[0] if damaged else _newest(steps)
 
 
 def periodic_checkpoints(checkpoint_dir: Path, every_n_steps: int, keep: int) -> ModelCheckpoint:
@@ -100,31 +116,27 @@ def resolve_ckpt_path(ckpt_path: str | None, output_dir: Path) -> Path | None:
     naming earlier runs that could be resumed; a path -> that file."""
     if ckpt_path in (None, "", "null"):
         return None
-    if ckpt_path == "last":
-        newest = newest_checkpoint(output_dir / "checkpoints")
-        if newest is not None:
-            if newest.name != "last.ckpt":
-                log.info("ckpt_path=last: the newest checkpoint is %s", newest)
-            return newest
-        hint = ""
-        candidates = sorted(
-            output_dir.parent.glob("*/checkpoints/last*.ckpt"), key=lambda p: p.stat().st_mtime
-        )
-        if candidates:
-            earlier = candidates[-1].parent.parent
-            hint = (
-                f"; to resume the latest earlier run add {override('hydra.run.dir', str(earlier))}"
-            )
-        warnings.warn(
-            f"ckpt_path=last: no checkpoint in {output_dir / 'checkpoints'}, starting from "
-            f"scratch{hint}",
-            stacklevel=2,
-        )
-        return None
-    path = Path(ckpt_path).expanduser()
-    if not path.is_file():
-        raise MissingFileError(f"ckpt_path={ckpt_path}: no such checkpoint file")
-    return path
+    if ckpt_path != "last":
+        path = Path(ckpt_path).expanduser()
+        if not path.is_file():
+            raise MissingFileError(f"ckpt_path={ckpt_path}: no such checkpoint file")
+        return path
+    newest = newest_checkpoint(output_dir / "checkpoints")
+    if newest is not None:
+        if newest.name != "last.ckpt":
+            log.info("ckpt_path=last: the newest checkpoint is %s", newest)
+        return newest
+    earlier = sorted(output_dir.parent.glob("*/checkpoints/last*.ckpt"), key=os.path.getmtime)
+    hint = ""
+    if earlier:
+        run_dir = str(earlier[-1].parent.parent)
+        hint = f"; to resume the latest earlier run add {override('hydra.run.dir', run_dir)}"
+    warnings.warn(
+        f"ckpt_path=last: no checkpoint in {output_dir / 'checkpoints'}, starting from "
+        f"scratch{hint}",
+        stacklevel=2,
+    )
+    return None
 
 
 def warn_if_requeued_from_scratch(resume: Path | None, output_dir: Path) -> None:
@@ -140,10 +152,85 @@ def warn_if_requeued_from_scratch(resume: Path | None, output_dir: Path) -> None
         )
 
 
+# ----------------------------------------------------------------------------- init_from
+
+
+# ModelConfig fields a continued run may change: they do not change the weights' meaning
+TRAINING_ONLY = ("dropout",)
+
+
+def differences(
+    parent: Upstream, model: ModelConfig, features: dict[str, Any], normalization: str | None
+) -> list[str]:
+    """Each setting of this run (`model`, `features`: FeatureConfig arguments, `normalization`:
+    data.normalization or None when unknown) that differs from the upstream `parent`, as
+    "SETTING: upstream VALUE, this run VALUE"."""
+    out = []
+    mine, theirs = asdict(model), parent.config.to_dict()
+    for name in (f.name for f in fields(ModelConfig)):
+        if name in TRAINING_ONLY:
+            continue
+        if name == "attention_options":  # one line per option, named as on the command line
+            a, b = theirs[name] or {}, mine[name] or {}
+            for key in sorted(set(a) | set(b), key=str):
+                if a.get(key) != b.get(key):
+                    out.append(_line(f"attention.options.{key}", a.get(key), b.get(key)))
+        elif theirs[name] != mine[name]:
+            setting = "attention" if name == "attention" else f"model.net.{name}"
+            out.append(_line(setting, theirs[name], mine[name]))
+    a, b = asdict(FeatureConfig(**parent.feature_config)), asdict(FeatureConfig(**features))
+    out += [_line(f"data.{k}", a[k], b[k]) for k in a if a[k] != b[k]]
+    if normalization is not None and parent.normalizer.mode != normalization:
+        out.append(_line("data.normalization", parent.normalizer.mode, normalization))
+    return out
+
+
+def _line(setting: str, parent: Any, mine: Any) -> str:
+    return f"{setting}: upstream {parent!r}, this run {mine!r}"
+
+
+def init_from_upstream(
+    model: AALBERT, path: str | Path, features: dict[str, Any], normalization: str | None
+) -> dict[str, str]:
+    """Copy the weights of the upstream at `path` (an upstream.pt or an upstream folder) into
+    `model`, after checking that they fit (`ConfigError` listing every difference). Returns
+    the record of the parent, {"path": resolved path, "sha256": `upstream_sha256`}."""
+    path = Path(path).expanduser()
+    parent = load_upstream(path)  # its errors name the file and the problem
+    found = differences(parent, model.config, features, normalization)
+    if found:
+        raise ConfigError(
+            f"init_from={path}: this run's model or input features differ from the upstream's, "
+            f"so its weights do not fit: {'; '.join(found)}. Continued pretraining keeps the "
+            f"architecture and the features: set these to the upstream's values"
+        )
+    model.load_state_dict(parent.model.state_dict())
+    return {"path": str(path.resolve()), "sha256": upstream_sha256(path)}
+
+
+def check_init_resume(init_from: str | Path, checkpoint: dict[str, Any], resume: Path) -> None:
+    """`init_from` together with a checkpoint to resume: allowed only when the checkpoint's run
+    started from that same upstream (then it resumes, the checkpoint's weights winning);
+    otherwise `ConfigError`, since it is unclear which weights the run should start from."""
+    path = Path(init_from).expanduser()
+    if not path.exists():
+        raise MissingFileError(f"init_from={init_from}: no such upstream file or folder")
+    recorded = (checkpoint.get("speechattn_data") or {}).get("init_from")
+    if recorded and recorded.get("sha256") == upstream_sha256(path):
+        return
+    started = f"from the upstream {recorded['path']}" if recorded else "from scratch"
+    raise ConfigError(
+        f"init_from={init_from} with ckpt_path={resume}: that checkpoint's run started "
+        f"{started}, not from this upstream, so which weights to start from is ambiguous. "
+        f"To resume that run drop init_from; to start a new run from the upstream drop "
+        f"ckpt_path (a new run folder keeps the other run's checkpoints)"
+    )
+
+
 # ----------------------------------------------------------------------------- may it continue
 
 
-def check_resume_checkpoint(path: Path) -> dict[str, Any]:
+def read_checkpoint(path: Path) -> dict[str, Any]:
     """Read `path` safely (`weights_only=True`) before Lightning does and return it. Raises
     `TorchFileError` naming it: when it is truncated, corrupt or refused (with the newest
     intact checkpoint beside it, as an override to paste), or when it is not a checkpoint of
@@ -152,9 +239,8 @@ def check_resume_checkpoint(path: Path) -> dict[str, Any]:
         checkpoint = load_torch_file(path, "cpu", "checkpoint to resume")
     except TorchFileError as e:
         steps = {p: checkpoint_step(p) for p in path.parent.glob("*.ckpt") if p != path}
-        intact = [p for p, step in steps.items() if step is not None]
-        if intact:
-            newest = max(intact, key=lambda p: (steps[p], p.name))
+        newest = _newest(steps)
+        if newest is not None:
             hint = (
                 f"resume from the newest intact checkpoint instead (step {steps[newest]}): "
                 f"{override('ckpt_path', str(newest))}"
@@ -179,13 +265,16 @@ def check_resume_checkpoint(path: Path) -> dict[str, Any]:
 
 
 # the settings a checkpoint must agree with: (setting as on the command line, where the
-# checkpoint keeps it). The model's feature_dim follows the data's n_mels and deltas.
-MODEL_GROUPS = (
-    ("model.net", "model"),
-    ("model.masking", "masking"),
-    ("model.optimizer", "optimizer"),
+# checkpoint's hyper_parameters keep it, its schema). The model's feature_dim follows the
+# data's n_mels and deltas, which are compared themselves (DATA_KEYS).
+GROUPS = (
+    ("model.net", "model", ModelConfig),
+    ("model.masking", "masking", MaskingConfig),
+    ("model.optimizer", "optimizer", OptimConfig),
 )
 DATA_KEYS = ("n_mels", "deltas", "normalization")
+# settings a recorded override cannot make work: the optimiser's state is another optimiser's
+NEVER_CHANGED = ("model.optimizer.name",)
 
 
 def settings_of(hyper_parameters: dict[str, Any], data_config: dict[str, Any]) -> dict[str, Any]:
@@ -193,53 +282,35 @@ def settings_of(hyper_parameters: dict[str, Any], data_config: dict[str, Any]) -
     `hyper_parameters` and data config or from today's (the same shapes: `PretrainTask`'s
     arguments and `plain(cfg.data)`). Values are normalised by the dataclasses, so a tuple
     and a list of the same betas compare equal."""
-    from speechattn.model.aalbert import ModelConfig
-    from speechattn.model.masking import MaskingConfig
-    from speechattn.model.optim import OptimConfig
-
-    schemas = {"model": ModelConfig, "masking": MaskingConfig, "optimizer": OptimConfig}
-    flat: dict[str, Any] = {}
-    for setting, key in MODEL_GROUPS:
-        config = schemas[key](**(hyper_parameters.get(key) or {}))
-        for name, value in vars(config).items():
+    flat: dict[str, Any] = {"seed": hyper_parameters.get("seed")}
+    for setting, key, schema in GROUPS:
+        for name, value in vars(schema(**(hyper_parameters.get(key) or {}))).items():
             if name != "feature_dim":
                 flat[f"{setting}.{name}"] = list(value) if isinstance(value, tuple) else value
-    flat["seed"] = hyper_parameters.get("seed")
-    for name in DATA_KEYS:
-        if name in data_config:
-            flat[f"data.{name}"] = data_config[name]
+    flat.update({f"data.{k}": data_config[k] for k in DATA_KEYS if k in data_config})
     return flat
 
 
-def resume_differences(
-    checkpoint: dict[str, Any], path: Path, hyper_parameters: dict[str, Any], data_config: dict
-) -> dict[str, tuple[Any, Any]]:
-    """Setting -> (checkpoint's value, today's value) for every setting the run would change by
-    resuming `checkpoint` (a pretraining checkpoint read from `path`). Raises `TorchFileError`
-    naming the file when its settings are not this speechattn's."""
-    saved = checkpoint["hyper_parameters"]
+def allowed_changes(
+    cfg: DictConfig, checkpoint: dict[str, Any], path: Path, step: int
+) -> list[dict[str, Any]]:
+    """The settings of `cfg` that differ from the checkpoint's (read from `path`, at `step`):
+    refused (`ConfigError` listing them and what to do) unless every one is named in
+    `allow_resume_changes`; returns the allowed changes to record, one {"step", "setting",
+    "checkpoint", "now"} per setting. `TorchFileError` naming the file when its settings are
+    not this speechattn's."""
     old_data = (checkpoint.get("speechattn_data") or {}).get("data_config") or {}
     try:
-        before = settings_of(saved, old_data)
+        before = settings_of(checkpoint["hyper_parameters"], old_data)
     except (TypeError, ValueError) as e:  # written by another version of the model's settings
         raise TorchFileError(
             f"ckpt_path={path}: its settings do not describe a model of this speechattn "
             f"({type(e).__name__}: {e}); start afresh without ckpt_path"
         ) from e
-    now = settings_of(hyper_parameters, data_config)
-    return {k: (before[k], now[k]) for k in before if k in now and before[k] != now[k]}
-
-
-# settings a recorded override cannot make work: the optimiser's state is another optimiser's
-NEVER_CHANGED = ("model.optimizer.name",)
-
-
-def check_resume_settings(
-    differences: dict[str, tuple[Any, Any]], allowed: list[str], path: Path, step: int
-) -> list[dict[str, Any]]:
-    """Refuse `differences` (ConfigError listing them and what to do) unless every one is named
-    in `allowed` (the `allow_resume_changes` setting); returns the allowed changes to record,
-    one {"step", "setting", "checkpoint", "now"} per setting."""
+    today = {key: plain(OmegaConf.select(cfg, setting)) for setting, key, _ in GROUPS}
+    now = settings_of({**today, "seed": cfg.seed}, plain(cfg.get("data")) or {})
+    differences = {k: (v, now[k]) for k, v in before.items() if k in now and v != now[k]}
+    allowed = [str(s) for s in cfg.get("allow_resume_changes") or []]
     unknown = [a for a in allowed if a not in differences]
     if unknown:
         log.warning("allow_resume_changes names %s, which the checkpoint agrees with", unknown)
@@ -261,6 +332,7 @@ def check_resume_settings(
             f"ckpt_path={path} (step {step}) was trained with other settings than this run's: "
             f"{listed}. {advice}"
         )
+    changes = []
     for k, (old, new) in differences.items():
         log.warning(
             "resuming with %s changed from %r to %r at step %d (allow_resume_changes; recorded "
@@ -270,83 +342,64 @@ def check_resume_settings(
             new,
             step,
         )
-    return [
-        {"step": step, "setting": k, "checkpoint": old, "now": new}
-        for k, (old, new) in differences.items()
-    ]
-
-
-def check_state_dict(checkpoint: dict[str, Any], path: Path, model: torch.nn.Module) -> None:
-    """Raise `ConfigError` naming `path` when the checkpoint's weights do not fit `model` (keys
-    or shapes), instead of Lightning's `Error(s) in loading state_dict` naming neither."""
-    saved = {k: tuple(v.shape) for k, v in checkpoint["state_dict"].items()}
-    wanted = {k: tuple(v.shape) for k, v in model.state_dict().items()}
-    missing = sorted(set(wanted) - set(saved))
-    extra = sorted(set(saved) - set(wanted))
-    shapes = [
-        f"{k} {saved[k]} vs {wanted[k]}"
-        for k in sorted(set(saved) & set(wanted))
-        if saved[k] != wanted[k]
-    ]
-    if missing or extra or shapes:
-        parts = [
-            f"{what}: {', '.join(items[:3])}{', ...' if len(items) > 3 else ''}"
-            for what, items in (
-                ("missing", missing),
-                ("unexpected", extra),
-                ("shapes (checkpoint vs now)", shapes),
-            )
-            if items
-        ]
-        raise ConfigError(
-            f"ckpt_path={path}: its weights do not fit the model configured now "
-            f"({'; '.join(parts)}): "
-            f"resume with the checkpoint's model settings or start a fresh run"
-        )
+        changes.append({"step": step, "setting": k, "checkpoint": old, "now": new})
+    return changes
 
 
 @dataclass
 class Resume:
-    """The checkpoint a run continues (`resume_from`): its file, its step, and the changes of
-    settings against it that `allow_resume_changes` allows (recorded in what the run writes)."""
+    """The checkpoint a run continues (`resume_from`): its file, its step, the changes of
+    settings against it that `allow_resume_changes` allows (recorded in what the run writes)
+    and the shapes of its weights."""
 
     path: Path
     step: int
     changes: list[dict[str, Any]]
-    checkpoint: dict[str, Any] | None  # as read for the checks; dropped by `check_fits`
+    shapes: dict[str, tuple[int, ...]]
 
     def check_fits(self, task: PretrainTask) -> None:
-        """Weights that do not fit `task`: say so before Lightning loads them
-        (`check_state_dict`). Then hand `task` the changes to record, and let go of the
-        checkpoint (Lightning reads the file again in fit)."""
-        assert self.checkpoint is not None, "check_fits runs once"
-        check_state_dict(self.checkpoint, self.path, task)
+        """Raise `ConfigError` naming the file when the checkpoint's weights do not fit `task`
+        (keys or shapes), instead of Lightning's `Error(s) in loading state_dict` naming
+        neither; then hand `task` the changes to record."""
+        saved, wanted = self.shapes, {k: tuple(v.shape) for k, v in task.state_dict().items()}
+        problems = {
+            "missing": sorted(set(wanted) - set(saved)),
+            "unexpected": sorted(set(saved) - set(wanted)),
+            "shapes (checkpoint vs now)": [
+                f"{k} {saved[k]} vs {wanted[k]}"
+                for k in sorted(set(saved) & set(wanted))
+                if saved[k] != wanted[k]
+            ],
+        }
+        parts = [
+            f"{what}: {', '.join(items[:3])}{', ...' if len(items) > 3 else ''}"
+            for what, items in problems.items()
+            if items
+        ]
+        if parts:
+            raise ConfigError(
+                f"ckpt_path={self.path}: its weights do not fit the model configured now "
+                f"({'; '.join(parts)}): resume with the checkpoint's model settings or start "
+                "a fresh run"
+            )
         task.resume_changes = self.changes
-        self.checkpoint = None
 
 
 def resume_from(cfg: DictConfig, output_dir: Path) -> Resume | None:
     """The checkpoint `cfg.ckpt_path` names for the run in `output_dir`, read and checked
-    against `cfg` (and against `cfg.init_from`, `init_from.check_resume`); None for a fresh
+    against `cfg` (and against `cfg.init_from`, `check_init_resume`); None for a fresh
     run. Raises the errors that refuse the resume, before any data is read."""
     path = resolve_ckpt_path(cfg.get("ckpt_path"), output_dir)
     warn_if_requeued_from_scratch(path, output_dir)
     if path is None:
         return None
-    checkpoint = check_resume_checkpoint(path)
+    checkpoint = read_checkpoint(path)
     step = int(checkpoint["global_step"])
     if cfg.get("init_from"):  # resume only the run it started
         check_init_resume(cfg.init_from, checkpoint, path)
-    today = {
-        "model": plain(cfg.model.net),
-        "masking": plain(cfg.model.masking),
-        "optimizer": plain(cfg.model.optimizer),
-        "seed": cfg.seed,
-    }
-    differences = resume_differences(checkpoint, path, today, plain(cfg.get("data")) or {})
-    allowed = [str(s) for s in cfg.get("allow_resume_changes") or []]
-    changes = check_resume_settings(differences, allowed, path, step)
-    return Resume(path, step, changes, checkpoint)
+    changes = allowed_changes(cfg, checkpoint, path, step)
+    shapes = {k: tuple(v.shape) for k, v in checkpoint["state_dict"].items()}
+    return Resume(path, step, changes, shapes)
 
 
 # ----------------------------------------------------------------------------- hints
@@ -473,28 +526,26 @@ class RunLock(L.Callback):
     on_train_batch_end = on_validation_end = on_save_checkpoint = _check
 
     def __enter__(self) -> RunLock:
-        if self.claims is None:
-            return self
-        self.claims.__enter__()
-        try:
-            self._acquire()
-        except BaseException:
-            self.claims.close()
-            raise
+        if self.claims is not None:
+            self.claims.__enter__()
+            try:
+                self._acquire(self.claims)
+            except BaseException:
+                self.claims.close()
+                raise
         return self
 
     def __exit__(self, *exc: object) -> None:
         if self.claims is not None:
             self.claims.close()
 
-    def _acquire(self) -> None:
-        assert self.claims is not None
+    def _acquire(self, claims: Claims) -> None:
         deadline = None
-        while not self.claims.try_claim(self.UNIT):
-            holder = self.claims.holder(self.UNIT)
+        while not claims.try_claim(self.UNIT):
+            holder = claims.holder(self.UNIT)
             if holder is None:
                 continue  # released meanwhile: try again
-            same_machine = holder.host == self.claims.host and holder.machine == self.claims.machine
+            same_machine = holder.host == claims.host and holder.machine == claims.machine
             if same_machine or (deadline is not None and time.monotonic() > deadline):
                 started = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(holder.started))
                 raise RunInUseError(
@@ -503,13 +554,14 @@ class RunLock(L.Callback):
                     f"lock {holder.path}): wait for it to end, or choose another hydra.run.dir"
                 )
             if deadline is None:  # another host: alive, or dead and not yet silent long enough
-                deadline = time.monotonic() + self.config.expiry_s + self.config.heartbeat_s
+                wait = self.config.expiry_s + self.config.heartbeat_s
+                deadline = time.monotonic() + wait
                 log.warning(
                     "run directory %s is locked by %s on another host; waiting up to %.0f s to "
                     "see whether that run is dead (%s)",
                     self.run_dir,
                     holder,
-                    self.config.expiry_s + self.config.heartbeat_s,
+                    wait,
                     holder.path,
                 )
             time.sleep(self.config.poll_s)

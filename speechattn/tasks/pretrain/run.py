@@ -36,13 +36,13 @@ from speechattn.tasks.common import (
 )
 from speechattn.tasks.preemption import AtomicCheckpointIO, StopOnSignal, remove_partial_checkpoints
 from speechattn.tasks.pretrain.data import ResumableData
-from speechattn.tasks.pretrain.init_from import init_from_upstream
 from speechattn.tasks.pretrain.model_card import write_run_upstream
 from speechattn.tasks.pretrain.module import PretrainTask
 from speechattn.tasks.pretrain.resume import (
     Resume,
     RunLock,
     earlier_result_noted,
+    init_from_upstream,
     periodic_checkpoints,
     resume_from,
     resume_hint,
@@ -156,31 +156,28 @@ def build_task(cfg: DictConfig, datamodule: Any, resume: Resume | None) -> Pretr
     data_config = plain(cfg.get("data")) or {}
     if "max_frames" in data_config:  # the data layer crops to it; fail now, not at a long batch
         task.model.check_input_frames(data_config["max_frames"], "data.max_frames")
-    features = feature_config(datamodule, data_config)
+    # the feature settings upstream.pt stores (what `features_from_waveforms` recomputes): the
+    # data module's, else FeatureConfig's own settings of the data config (the normalisation
+    # travels as the normaliser's mode)
+    fc = getattr(datamodule, "feature_config", None)
+    if fc is not None:
+        features = dict(fc.to_dict() if hasattr(fc, "to_dict") else vars(fc))
+    else:
+        names = {f.name for f in fields(FeatureConfig)}
+        features = {k: v for k, v in data_config.items() if k in names}
     init_from = cfg.get("init_from") or None
     if init_from is not None and resume is None:
         normalization = data_config.get("normalization")  # None: a datamodule of the caller's
         parent = init_from_upstream(task.model, init_from, features, normalization)
-        task.set_data_info(init_from=parent)
+        task.data_info["init_from"] = parent
         log.info("starting from the weights of %s (sha256 %s)", parent["path"], parent["sha256"])
-    task.set_data_info(
+    task.data_info.update(
         feature_config=features,
         corpus=str(data_config.get("corpus", type(datamodule).__name__)),
         data_config=data_config,
         model_name=str(cfg.model.get("name", "")),
     )
     return task
-
-
-def feature_config(datamodule: Any, data_config: dict[str, Any]) -> dict[str, Any]:
-    """Feature settings to store in upstream.pt (what `features_from_waveforms` recomputes)."""
-    fc = getattr(datamodule, "feature_config", None)
-    if fc is not None:
-        return dict(fc.to_dict() if hasattr(fc, "to_dict") else vars(fc))
-    # FeatureConfig's own settings only: upstream.pt rebuilds a FeatureConfig from them (the
-    # normalisation travels as the normaliser's mode)
-    names = {f.name for f in fields(FeatureConfig)}
-    return {k: v for k, v in data_config.items() if k in names}
 
 
 def build_trainer(
