@@ -33,8 +33,7 @@ from speechattn.tasks.analysis.heads import (
     ProbeObjective,
     analyze_heads,
 )
-from speechattn.tasks.downstream.features import feature_normalization, open_upstream
-from speechattn.tasks.downstream.run import split_loader
+from speechattn.tasks.downstream.features import feature_normalization, open_upstream, split_loader
 from speechattn.tasks.records import (
     HEADS_SCHEMA_VERSION,
     KIND,

@@ -7,7 +7,6 @@ dim, C classes.
 
 from __future__ import annotations
 
-import logging
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -22,8 +21,6 @@ from speechattn.model.probes import Probe
 from speechattn.tasks.downstream.features import SplitFeatures
 from speechattn.tasks.downstream.labels import LabelSource, check_level, label_source
 from speechattn.utils import IGNORE_INDEX, lengths_to_padding_mask
-
-log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -80,11 +77,8 @@ class ProbeDataset(Dataset):
         return len(self.split)
 
     def __getitem__(self, i: int) -> dict[str, Any]:
-        return {
-            "hidden": self.hidden[i],
-            "utt_id": self.split.utt_ids[i],
-            "labels": self.labels.item(self.split, i, self.task.level),  # () or (T,)
-        }
+        labels = self.labels.item(self.split, i, self.task.level)  # () or (T,)
+        return {"hidden": self.hidden[i], "utt_id": self.split.utt_ids[i], "labels": labels}
 
 
 def collate(items: list[dict[str, Any]]) -> dict[str, Any]:
@@ -96,12 +90,8 @@ def collate(items: list[dict[str, Any]]) -> dict[str, Any]:
     for b, it in enumerate(items):
         hidden[b, :, : lengths[b]] = it["hidden"]
     padding_mask = lengths_to_padding_mask(lengths, hidden.size(2))  # (B, T')
-    batch: dict[str, Any] = {
-        "hidden": hidden,
-        "lengths": lengths,
-        "padding_mask": padding_mask,
-        "utt_ids": [it["utt_id"] for it in items],
-    }
+    utt_ids = [it["utt_id"] for it in items]
+    batch = {"hidden": hidden, "lengths": lengths, "padding_mask": padding_mask, "utt_ids": utt_ids}
     labels = [it["labels"] for it in items]
     if labels[0].dim() == 0:
         batch["labels"] = torch.stack(labels)
@@ -126,29 +116,23 @@ class DownstreamProbe(Probe, L.LightningModule):
         downsample: int,
         tolerance: int,
     ) -> None:
+        sizes = {
+            "input_dim": input_dim,
+            "num_layers": num_layers,
+            "num_classes": num_classes,
+            "downsample": downsample,
+            "tolerance": tolerance,
+        }
         super().__init__(
             task.level,
-            input_dim,
-            num_layers,
-            num_classes,
-            downsample,
-            tolerance,
+            *sizes.values(),
             pooling=task.pooling,
             pooling_scale=task.pooling_scale,
             hidden_layers=task.hidden_layers,
             hidden_dim=task.hidden_dim,
             dropout=task.dropout,
         )
-        self.save_hyperparameters(
-            {
-                "task": asdict(task),
-                "input_dim": input_dim,
-                "num_layers": num_layers,
-                "num_classes": num_classes,
-                "downsample": downsample,
-                "tolerance": tolerance,
-            }
-        )
+        self.save_hyperparameters({"task": asdict(task), **sizes})
         self.task = task
         metric = task.labels().metric(num_classes)
         self.train_acc, self.dev_acc, self.test_acc = metric.clone(), metric.clone(), metric.clone()

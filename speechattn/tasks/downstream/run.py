@@ -34,18 +34,13 @@ from speechattn.tasks.common import (
 )
 from speechattn.tasks.downstream.features import (
     SPLITS,
-    DamagedSplit,
-    FeatureNormalization,
     SplitFeatures,
-    cache_key,
+    cached_features,
     check_normalization,
-    extract_split,
     feature_normalization,
-    load_split,
     open_upstream,
     resolve_layers,
-    save_split,
-    tensor_digest,
+    split_loader,
 )
 from speechattn.tasks.downstream.labels import LabelSource
 from speechattn.tasks.downstream.probe import DownstreamProbe, ProbeDataset, TaskConfig, collate
@@ -54,62 +49,6 @@ from speechattn.tasks.records import EXAMPLE_FILE, MEL, PRETRAIN, DownstreamResu
 from speechattn.utils import atomic_path, choose_device, plain
 
 log = logging.getLogger(__name__)
-
-
-# ----------------------------------------------------------------------------- features
-
-
-def cached_features(
-    upstream: torch.nn.Module,
-    upstream_id: str,
-    layers: list[int],
-    datamodule: Any,
-    data_config: dict[str, Any],
-    cache_dir: str | Path,
-    device: torch.device | str,
-    progress_bar: bool,
-    normalization: FeatureNormalization,
-) -> dict[str, SplitFeatures]:
-    """Hidden states `layers` of every split, from the cache or extracted (then cached) once;
-    `normalization` (`feature_normalization`) adapts the input."""
-    normalizer = getattr(datamodule, "normalizer", None)
-    stats = tensor_digest(getattr(normalizer, "mean", None), getattr(normalizer, "std", None))
-    key = cache_key(upstream_id, layers, data_config, stats + normalization.cache_tag)
-    folder = Path(cache_dir).expanduser() / key
-    splits: dict[str, SplitFeatures] = {}
-    upstream = upstream.to(device)
-    for name in SPLITS:
-        path = folder / f"{name}.pt"
-        if path.is_file():
-            try:
-                splits[name] = load_split(path)
-                log.info("features %s: cached %s", name, path)
-                continue
-            except DamagedSplit as e:
-                log.warning("%s; extracting it again", e)
-        splits[name] = extract_split(
-            upstream,
-            split_loader(datamodule, name),
-            layers,
-            description=f"features {name}",
-            device=device,
-            transform=normalization.transform,
-            progress_bar=progress_bar,
-        )
-        save_split(splits[name], path)
-        log.info("features %s: %d utterances -> %s", name, len(splits[name]), path)
-    return splits
-
-
-def split_loader(datamodule: Any, split: str) -> Any:
-    """The deterministic loader of `split` (train | dev | test), for extraction."""
-    if hasattr(datamodule, "extraction_dataloader"):
-        return datamodule.extraction_dataloader(split)
-    return {
-        "train": datamodule.train_dataloader,
-        "dev": datamodule.val_dataloader,
-        "test": datamodule.test_dataloader,
-    }[split]()
 
 
 @dataclass
@@ -151,13 +90,9 @@ def fit_probe(
         )
         for name in SPLITS
     }
+    features = splits["train"].features  # (ΣT', N, D)
     probe = DownstreamProbe(
-        task,
-        input_dim=splits["train"].features.size(-1),
-        num_layers=splits["train"].features.size(1),
-        num_classes=num_classes,
-        downsample=downsample,
-        tolerance=tolerance,
+        task, features.size(-1), features.size(1), num_classes, downsample, tolerance
     )
     checkpoint = L.pytorch.callbacks.ModelCheckpoint(
         dirpath=out / "checkpoints",
@@ -186,23 +121,16 @@ def fit_probe(
             f"task {task.name}: no dev evaluation ran, so there is no best checkpoint "
             f"(trainer.max_epochs={trainer.max_epochs}: train at least one epoch)"
         )
-    dev_accuracy = float(checkpoint.best_model_score)
     epochs = int(trainer.current_epoch)
     # trainer.test loads the best checkpoint's weights into `probe`.
-    test_metrics = trainer.test(
-        probe, loaders["test"], ckpt_path=best, verbose=False, weights_only=True
-    )
-    weights = probe.select.weights().tolist() if probe.select.num_layers > 1 else None
+    tested = trainer.test(probe, loaders["test"], ckpt_path=best, verbose=False, weights_only=True)
     return ProbeFit(
-        dev_accuracy=dev_accuracy,
-        test_accuracy=float(test_metrics[0]["test_acc"]),
+        dev_accuracy=float(checkpoint.best_model_score),
+        test_accuracy=float(tested[0]["test_acc"]),
         best_epoch=int(re.search(r"epoch=(\d+)", Path(best).name).group(1)),
         epochs_trained=epochs,
-        layer_weights=weights,
+        layer_weights=probe.select.weights().tolist() if probe.select.num_layers > 1 else None,
     )
-
-
-# ----------------------------------------------------------------------------- run
 
 
 def run(cfg: DictConfig) -> dict[str, Any]:
@@ -243,7 +171,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         normalization,
     )
     upstream.cpu()
-    t_features = time.perf_counter() - t_features
+    runtime = {"features": time.perf_counter() - t_features}
     for name in SPLITS:
         labels.check_lengths(splits[name], upstream.downsample, cfg.tolerance)
 
@@ -264,24 +192,23 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         )
     finally:
         finish_loggers(loggers)
-    runtime = {"features": t_features, "train": time.perf_counter() - t_train}
+    runtime["train"] = time.perf_counter() - t_train
     runtime["total"] = time.perf_counter() - t_start
     from speechattn import code_version  # the package root, imported lazily (no cycle)
 
     meta = dict(getattr(upstream, "metadata", {}) or {})
     config = getattr(upstream, "config", None)  # None for mel
+    steps = [meta[k] for k in ("global_step", "steps", "step", "pretraining_steps") if k in meta]
     result = DownstreamResult(
         task=task.name,
-        upstream=str(cfg.upstream)
-        if str(cfg.upstream) == MEL
-        else str(Path(cfg.upstream).resolve()),
+        upstream=upstream_name(cfg.upstream),
         upstream_sha256=sha,
         attention=upstream.attention_name,
         attention_config={}
         if config is None
         else {"name": config.attention, "options": plain(dict(config.attention_options))},
         model_config={} if config is None else plain(config),
-        pretraining_steps=_pretraining_steps(meta),
+        pretraining_steps=next((int(s) for s in steps if isinstance(s, int)), None),
         upstream_parameters=int(
             meta.get("num_params") or sum(p.numel() for p in upstream.parameters())
         ),
@@ -326,6 +253,11 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     return result.to_dict()
 
 
+def upstream_name(spec: Any) -> str:
+    """What a record names the upstream by: `mel`, or the upstream file's absolute path."""
+    return str(spec) if str(spec) == MEL else str(Path(spec).resolve())
+
+
 def labelled_data_config(task: TaskConfig, data_config: Any) -> Any:
     """The data config for `task`, failing early (naming the file) when labels are missing.
 
@@ -356,13 +288,6 @@ def check_input_frames(upstream: Any, datamodule: Any) -> None:
         model.check_input_frames(max(lengths, default=0), "data.labelled_max_frames", True)
     else:
         model.check_input_frames(crop, "data.labelled_max_frames")
-
-
-def _pretraining_steps(meta: dict[str, Any]) -> int | None:
-    for key in ("global_step", "steps", "step", "pretraining_steps"):
-        if isinstance(meta.get(key), int):
-            return int(meta[key])
-    return None
 
 
 def _save_example(datamodule: Any, out: Path) -> None:
