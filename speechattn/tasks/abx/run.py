@@ -2,7 +2,7 @@
 
 Build the labelled corpus (with phone alignments) and open the upstream, extract one split's
 chosen hidden states as the downstream probes do (`tasks/downstream/features.py`), cut the
-utterances into triphone items (`items.py`), score every layer (`score.py`) and write
+utterances into triphone items, score every layer (`score.py`) and write
 `abx.json` (`AbxRecord`). Shape letters: T' upstream frames of all utterances, N layers, D dim.
 """
 
@@ -20,8 +20,7 @@ from omegaconf import DictConfig
 
 from speechattn.data.build import build_datamodule
 from speechattn.errors import ConfigError, MissingFileError, require
-from speechattn.tasks.abx.items import frame_span, triphone_items
-from speechattn.tasks.abx.score import DISTANCES, abx_score
+from speechattn.tasks.abx.score import DISTANCES, abx_score, frame_span, triphone_items
 from speechattn.tasks.common import run_output_dir
 from speechattn.tasks.downstream.features import (
     SPLITS,
