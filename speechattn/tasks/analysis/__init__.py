@@ -7,6 +7,6 @@
 """
 
 from speechattn.tasks.analysis.heads import HeadsConfig, analyze_heads
-from speechattn.tasks.analysis.sources import HeadsRunConfig, run, run_heads
+from speechattn.tasks.analysis.sources import HeadsRunConfig, run
 
-__all__ = ["HeadsConfig", "HeadsRunConfig", "analyze_heads", "run", "run_heads"]
+__all__ = ["HeadsConfig", "HeadsRunConfig", "analyze_heads", "run"]

@@ -410,13 +410,23 @@ def result_dict(
     }
 
 
-def run_heads(
-    config: HeadsRunConfig, output_dir: str | Path, datamodule: Any = None
-) -> tuple[HeadsRecord, Path]:
-    """Prepare, analyse, write `output_dir/heads.json`; returns (the object, its path)."""
+FigureWriter = Callable[[HeadsRecord, Path], list[Path]]  # (heads.json content, folder) -> PNGs
+
+
+def run(
+    cfg: DictConfig, datamodule: Any = None, figures: FigureWriter | None = None
+) -> dict[str, Any]:
+    """`python -m speechattn.analyze heads`: prepare, analyse, write heads.json (+ the figures
+    of `figures`, when `cfg.figures`: the report layer's, which tasks do not import, so the
+    entry point passes them); returns its content plus `output_dir`, `heads_json` and
+    `figures` (paths). `datamodule` replaces the data module built from the recorded data
+    config (tests pass synthetic data)."""
+    quiet_library_notices()
+    config: HeadsRunConfig = OmegaConf.to_object(cfg)  # type: ignore[assignment]
+    out = run_output_dir(cfg).resolve()
     t0 = time.perf_counter()
     prepared = prepare(config, datamodule)
-    t_load = time.perf_counter() - t0
+    runtime = {"load": round(time.perf_counter() - t0, 3)}
     log.info(
         "heads: %s on %s (%d x %d heads), subset %s",
         prepared.task,
@@ -429,27 +439,9 @@ def run_heads(
         analysis = analyze_heads(prepared.objective, config.heads, progress=config.progress)
     except NonFiniteMetricError as e:
         raise NonFiniteMetricError(f"upstream {prepared.upstream_path}: {e}") from e
-    runtime = {"load": round(t_load, 3), **analysis.runtime_s}
-    runtime["total"] = round(time.perf_counter() - t0, 3)
+    runtime.update(analysis.runtime_s, total=round(time.perf_counter() - t0, 3))
     result = result_dict(analysis, prepared, config, runtime)
-    return result, write_heads(result, output_dir)
-
-
-FigureWriter = Callable[[HeadsRecord, Path], list[Path]]  # (heads.json content, folder) -> PNGs
-
-
-def run(
-    cfg: DictConfig, datamodule: Any = None, figures: FigureWriter | None = None
-) -> dict[str, Any]:
-    """`python -m speechattn.analyze heads`: analyse the heads as configured; writes heads.json
-    (+ the figures of `figures`, when `cfg.figures`: the report layer's, which tasks do not
-    import, so the entry point passes them) and returns its content plus `output_dir`,
-    `heads_json` and `figures` (paths). `datamodule` replaces the data module built from the
-    recorded data config (tests pass synthetic data)."""
-    quiet_library_notices()
-    config: HeadsRunConfig = OmegaConf.to_object(cfg)  # type: ignore[assignment]
-    out = run_output_dir(cfg).resolve()
-    result, path = run_heads(config, out, datamodule)
+    path = write_heads(result, out)
     drawn = figures(result, out) if config.figures and figures is not None else []
     logging.getLogger("speechattn.analyze").info(
         "heads: %s on %s, base %s %.4f -> %s",

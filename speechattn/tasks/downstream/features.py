@@ -473,23 +473,19 @@ class DamagedSplit(SpeechattnError, ValueError):
     """A cached split that does not match its checksum record or whose fields disagree."""
 
 
-def _record_path(path: Path) -> Path:
-    return path.with_name(path.name + ".sha256")
-
-
 def save_split(split: SplitFeatures, path: Path) -> None:
     """Atomic writes (temp file in the same folder, then rename): the split, then its record
     (size and sha256), which commits it."""
     with atomic_path(path) as tmp:
         torch.save(split.state(), tmp)
     record = {"size": path.stat().st_size, "sha256": file_sha256(path)}
-    atomic_write_bytes(_record_path(path), json.dumps(record).encode())
+    atomic_write_bytes(path.with_name(path.name + ".sha256"), json.dumps(record).encode())
 
 
 def load_split(path: Path) -> SplitFeatures:
     """The split at `path` after checking it against its record; `DamagedSplit` (naming the
     file and what is wrong) when there is no record, the bytes differ or the fields disagree."""
-    record_path = _record_path(path)
+    record_path = path.with_name(path.name + ".sha256")
     if not record_path.is_file():
         raise DamagedSplit(f"cached features {path}: no checksum record {record_path.name}")
     try:
