@@ -13,8 +13,13 @@ from pathlib import Path
 from typing import TypeVar
 
 from speechattn.errors import SpeechattnError
-from speechattn.report.figures import SPEAKER_TASK, abx_by_layer, accuracy_vs_keys, attention_maps
-from speechattn.report.heads import head_report
+from speechattn.report.figures import (
+    SPEAKER_TASK,
+    abx_by_layer,
+    accuracy_vs_keys,
+    attention_maps,
+    head_report,
+)
 from speechattn.report.results import (
     BenchRecord,
     ResultSet,
