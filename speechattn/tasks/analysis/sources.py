@@ -138,20 +138,6 @@ class ProbeRun:
     layers: list[int]
 
 
-def find_probe_checkpoint(directory: Path, best_epoch: int | None) -> Path:
-    folder = directory / "checkpoints"
-    candidates = sorted(folder.glob("best-*.ckpt"))
-    if not candidates:
-        raise MissingFileError(
-            f"downstream run {directory} has no probe checkpoint: expected "
-            f"{folder}/best-epoch=N.ckpt (written by `python -m speechattn.downstream`)"
-        )
-    exact = folder / f"best-epoch={best_epoch}.ckpt"
-    if exact in candidates:
-        return exact
-    return max(candidates, key=lambda p: p.stat().st_mtime)
-
-
 def load_probe_run(directory: str | Path) -> ProbeRun:
     """Read `result.json` and rebuild the best probe of a downstream run directory."""
     from speechattn.tasks.downstream import DownstreamProbe, TaskConfig
@@ -173,7 +159,16 @@ def load_probe_run(directory: str | Path) -> ProbeRun:
         raise ConfigError(
             f"{result_path}: that probe was trained on upstream=mel, which has no attention heads"
         )
-    checkpoint = find_probe_checkpoint(directory, result.best_epoch)
+    folder = directory / "checkpoints"
+    candidates = sorted(folder.glob("best-*.ckpt"))
+    if not candidates:
+        raise MissingFileError(
+            f"downstream run {directory} has no probe checkpoint: expected "
+            f"{folder}/best-epoch=N.ckpt (written by `python -m speechattn.downstream`)"
+        )
+    checkpoint = folder / f"best-epoch={result.best_epoch}.ckpt"  # else the newest
+    if checkpoint not in candidates:
+        checkpoint = max(candidates, key=lambda p: p.stat().st_mtime)
     try:
         state = load_torch_file(checkpoint, "cpu")
         hp = state["hyper_parameters"]

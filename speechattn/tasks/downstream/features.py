@@ -61,7 +61,8 @@ class MelUpstream(nn.Module):
     ) -> UpstreamOutput:
         """features (B, T, F), lengths (B,) -> `UpstreamOutput` whose one hidden state (and
         last_hidden_state, extract_features) is the features (B, T, F) with padding zeroed;
-        attentions, with `output_attentions=True`, is empty (no layers)."""
+        output_lengths (B,) = lengths; attentions, with `output_attentions=True`, is empty
+        (no layers)."""
         valid = ~lengths_to_padding_mask(lengths, features.size(1))  # (B, T)
         masked = features * valid.unsqueeze(-1).to(features.dtype)  # (B, T, F)
         return UpstreamOutput(
