@@ -253,22 +253,15 @@ class Prepared:
     downstream: dict[str, Any] | None
 
 
-def prepare(config: HeadsRunConfig, datamodule: Any = None) -> Prepared:
-    """Resolve task, upstream, probe and data; build the objective. `datamodule` replaces the
-    data module built from the recorded data config (tests pass synthetic data)."""
-    if config.downstream is None:
-        if config.task not in (None, PRETRAIN):
-            raise ConfigError(
-                f"task={config.task} needs downstream=RESULT_DIR: the run dir of "
-                f"`python -m speechattn.downstream task={config.task} upstream=...` (it holds "
-                f"{RESULT_FILE} and checkpoints/best-epoch=N.ckpt with the trained probe)"
-            )
-        return prepare_pretrain(config, datamodule)
-    return prepare_probe(config, datamodule)
-
-
 def prepare_pretrain(config: HeadsRunConfig, datamodule: Any = None) -> Prepared:
-    """task=pretrain: the upstream's reconstruction loss on its pretraining validation split."""
+    """task=pretrain: the upstream's reconstruction loss on its pretraining validation split.
+    `datamodule` replaces the data module built from the recorded data config."""
+    if config.task not in (None, PRETRAIN):
+        raise ConfigError(
+            f"task={config.task} needs downstream=RESULT_DIR: the run dir of "
+            f"`python -m speechattn.downstream task={config.task} upstream=...` (it holds "
+            f"{RESULT_FILE} and checkpoints/best-epoch=N.ckpt with the trained probe)"
+        )
     upstream, sha, path = analysed_upstream(config.upstream)
     data = config.data or dict(upstream.metadata.get("data_config") or {})
     if datamodule is None and not data:
@@ -420,6 +413,7 @@ def run(
     config: HeadsRunConfig = OmegaConf.to_object(cfg)  # type: ignore[assignment]
     out = run_output_dir(cfg).resolve()
     t0 = time.perf_counter()
+    prepare = prepare_pretrain if config.downstream is None else prepare_probe
     prepared = prepare(config, datamodule)
     runtime = {"load": round(time.perf_counter() - t0, 3)}
     log.info(
