@@ -30,7 +30,7 @@ from speechattn.model.optim import OptimConfig
 from speechattn.tasks.abx.run import AbxConfig
 from speechattn.tasks.analysis.prune import PruneConfig
 from speechattn.tasks.analysis.sources import HeadsRunConfig
-from speechattn.tasks.downstream.probe import TaskConfig
+from speechattn.tasks.downstream.run import TaskConfig
 from speechattn.utils import link_error
 
 # ----------------------------------------------------------------------------- pretrain

@@ -6,15 +6,20 @@ one `upstream.pt` (through `speechattn.load_upstream`) with the utterance saved 
 
 from __future__ import annotations
 
-import logging
 import statistics
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypeVar
 
 from speechattn.errors import SpeechattnError
-from speechattn.report.figures import SPEAKER_TASK, abx_by_layer, accuracy_vs_keys, attention_maps
-from speechattn.report.heads import head_report
+from speechattn.report.figures import (
+    SPEAKER_TASK,
+    abx_by_layer,
+    accuracy_vs_keys,
+    attention_maps,
+    head_report,
+)
 from speechattn.report.results import (
     BenchRecord,
     ResultSet,
@@ -23,12 +28,20 @@ from speechattn.report.results import (
     read_bench,
     registry_order,
 )
-from speechattn.report.spans import spans_report
-from speechattn.report.superb import has_superb_results, superb_report
-from speechattn.report.tables import Table, abx_table, accuracy_table, cost_table, reference_table
+from speechattn.report.tables import (
+    Table,
+    abx_table,
+    accuracy_table,
+    collect_superb,
+    cost_table,
+    has_superb_results,
+    reference_table,
+    span_table,
+    superb_table,
+)
 from speechattn.tasks.records import EXAMPLE_FILE, MEL, TASKS
 
-log = logging.getLogger(__name__)
+T = TypeVar("T")
 DEFAULT_SEQ_LEN = 500  # ~15 s at 30 ms per frame: a typical LibriSpeech utterance
 ABX_NOTE = (
     "Triphone ABX error in % (lower is better; 50 = chance) of each layer's frozen features, "
@@ -45,6 +58,16 @@ class Report:
     files: list[Path] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     missing: list[tuple[str, str]] = field(default_factory=list)  # (variant, task)
+
+    def write(self, name: str, text: str) -> None:
+        (self.out / name).write_text(text)
+        self.files.append(self.out / name)
+
+    def write_table(self, stem: str, markdown: str, table: Table) -> None:
+        """`<stem>.md` (the text) and `<stem>.csv` (`table`)."""
+        self.write(f"{stem}.md", markdown)
+        table.write_csv(self.out / f"{stem}.csv")
+        self.files.append(self.out / f"{stem}.csv")
 
 
 def make_report(
@@ -63,11 +86,7 @@ def make_report(
     report.notes += results.problems
     variants, tasks = results.variants(), results.tasks()
     if not variants and has_superb_results(results_dir):  # a SUPERB folder: its tables only
-        files, problems, superb = superb_report(results_dir, report.out)
-        report.files += files
-        report.notes += problems
-        (report.out / "README.md").write_text(_superb_readme(superb))
-        report.files.append(report.out / "README.md")
+        report.write("README.md", _superb_readme(_superb(results_dir, report)))
         return report
     expected = [MEL, *[v for v in registry_order() or variants if v != MEL]]
     report.missing = [(v, t) for v in expected for t in TASKS if results.get(v, t) is None]
@@ -76,27 +95,25 @@ def make_report(
     # Table 2: accuracy, with the study's LibriSpeech numbers for comparison.
     table2 = accuracy_table(results, tasks, rows)
     reference = reference_table(list(TASKS), rows)
-    (report.out / "table2.md").write_text(
+    report.write_table(
+        "table2",
         "# Table 2: downstream test accuracy\n\n"
         "Test accuracy at the best dev checkpoint; best per column in **bold**; – = not run.\n\n"
         + table2.markdown()
         + "\n## Reference: the study on LibriSpeech (its Table 2)\n\n"
         "6-layer AALBERT, 500k pretraining steps on train-clean-360. Different corpus and scale:\n"
         "compare the ranking and the gaps to `mel`, not the absolute numbers.\n\n"
-        + reference.markdown()
+        + reference.markdown(),
+        table2,
     )
-    table2.write_csv(report.out / "table2.csv")
     reference.write_csv(report.out / "table2_reference.csv")
-    report.files += [report.out / n for n in ("table2.md", "table2.csv", "table2_reference.csv")]
+    report.files.append(report.out / "table2_reference.csv")
 
     # ABX error per layer, beside the probes' accuracy.
     abx = abx_table(results) if results.abx else None
     if abx is not None:
-        (report.out / "abx.md").write_text(
-            "# ABX error per layer\n\n" + ABX_NOTE + "\n\n" + abx.markdown(digits=2)
-        )
-        abx.write_csv(report.out / "abx.csv")
-        report.files += [report.out / "abx.md", report.out / "abx.csv"]
+        text = "# ABX error per layer\n\n" + ABX_NOTE + "\n\n" + abx.markdown(digits=2)
+        report.write_table("abx", text, abx)
         report.files.append(abx_by_layer(results, report.out / "fig_abx_layers.png"))
 
     # Table 1: cost.
@@ -109,8 +126,7 @@ def make_report(
     if bench_path is not None and bench_path.is_file():
         try:
             records, meta = read_bench(bench_path)
-            device = meta.get("device", "unknown device")
-            bench_note = f"measured by `{bench_path}` on {device}"
+            bench_note = f"measured by `{bench_path}` on {meta.get('device', 'unknown device')}"
         except (OSError, ValueError) as e:
             bench_note = f"benchmark {bench_path} unreadable: {e}"
             report.notes.append(bench_note)
@@ -118,16 +134,16 @@ def make_report(
         report.notes.append(f"benchmark {bench} does not exist")
     table1 = cost_table(results, records, seq_len)  # every benchmarked length (CSV)
     table1_md = cost_table(results, records, seq_len, max_lengths=3)
-    (report.out / "table1.md").write_text(
+    report.write_table(
+        "table1",
         "# Table 1: cost per attention variant\n\n"
         f"Complexity and keys attended from the attention registry (T = {seq_len} frames); "
         f"attention parameters of one layer at the study's size; upstream parameters from the "
         f"results; time (forward + backward) and peak memory {bench_note}. Lowest measured cost "
         "per column in **bold**; every measured length is in table1.csv.\n\n"
-        + table1_md.markdown(digits=1)
+        + table1_md.markdown(digits=1),
+        table1,
     )
-    table1.write_csv(report.out / "table1.csv")
-    report.files += [report.out / "table1.md", report.out / "table1.csv"]
 
     # Figures.
     fig = accuracy_vs_keys(results, seq_len, report.out / "fig_accuracy_vs_keys.png")
@@ -139,26 +155,48 @@ def make_report(
     if fig is not None:
         report.files.append(fig)
     # a broken heads.json or upstream must not sink the accuracy tables
-    report.files += _optional("head analyses", lambda: head_report(results_dir, report.out), report)
-    report.files += _optional("spans.md", lambda: spans_report(results, report.out), report)
-    superb_files, problems, superb = superb_report(results_dir, report.out)
-    report.files += superb_files
-    report.notes += problems
-
-    (report.out / "README.md").write_text(
-        _readme(report, results, tables=(table2, table1_md), superb=superb, abx=abx)
-    )
-    report.files.append(report.out / "README.md")
+    heads = _optional("head analyses", lambda: head_report(results_dir, report.out), report)
+    report.files += heads or []
+    spans = _optional("spans.md", lambda: span_table(results), report)
+    if spans is not None:
+        report.write_table(
+            "spans",
+            "# Learned attention spans (adaptive_span)\n\n"
+            "Span z of each head in model frames (the soft mask reaches z + R frames on each "
+            "side); last column: the mean span in milliseconds.\n\n" + spans.markdown(digits=1),
+            spans,
+        )
+    superb = _superb(results_dir, report)
+    report.write("README.md", _readme(report, results, table2, table1_md, superb, abx))
     return report
 
 
-def _optional(what: str, write: Callable[[], list[Path]], report: Report) -> list[Path]:
-    """The files `write` writes, or none and a note when its input is broken."""
+def _optional(what: str, build: Callable[[], T], report: Report) -> T | None:
+    """What `build` returns, or None and a note when its input is broken."""
     try:
-        return write()
+        return build()
     except SpeechattnError as e:
         report.notes.append(f"{what}: {type(e).__name__}: {e}")
-        return []
+        return None
+
+
+def _superb(results_dir: Path, report: Report) -> Table | None:
+    """superb.md / superb.csv when `results_dir` holds SUPERB results; their table."""
+    found, problems = collect_superb(results_dir)
+    report.notes += problems
+    if not found:
+        return None
+    table = superb_table(found)
+    steps = ", ".join(map(str, sorted({r.steps for r in found.values()})))
+    report.write_table(
+        "superb",
+        "# SUPERB through s3prl's run_downstream.py\n\n"
+        "Test split, best dev checkpoint; s3prl's Featurizer (weighted layer sum) on the frozen "
+        "upstream; best per column in **bold**; – = not run. Downstream training steps: "
+        f"{steps}. (quick) rows used `--quick` and are not SUPERB scores.\n\n" + table.markdown(),
+        table,
+    )
+    return table
 
 
 def _typical_length(results: ResultSet) -> int:
@@ -211,12 +249,11 @@ def _superb_readme(superb: Table) -> str:
 def _readme(
     report: Report,
     results: ResultSet,
-    tables: tuple,
-    superb: Table | None = None,
-    abx: Table | None = None,
+    table2: Table,
+    table1: Table,
+    superb: Table | None,
+    abx: Table | None,
 ) -> str:
-    table2, table1 = tables
-
     def written(name: str) -> bool:
         return (report.out / name).is_file()
 

@@ -11,10 +11,10 @@ half-finished study still gives a report.
 from __future__ import annotations
 
 import json
-import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from speechattn.tasks.records import (
     ABX_FILE,
@@ -27,7 +27,7 @@ from speechattn.tasks.records import (
     read_result,
 )
 
-log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 @dataclass
@@ -40,16 +40,13 @@ class ResultSet:
     superseded: list[Path] = field(default_factory=list)
 
     def get(self, variant: str, task: str) -> DownstreamResult | None:
-        entry = self.results.get(variant, {}).get(task)
-        return None if entry is None else entry[1]
+        return self.results.get(variant, {}).get(task, (None, None))[1]
 
     def path(self, variant: str, task: str) -> Path | None:
-        entry = self.results.get(variant, {}).get(task)
-        return None if entry is None else entry[0]
+        return self.results.get(variant, {}).get(task, (None, None))[0]
 
     def accuracy(self, variant: str, task: str) -> float | None:
-        result = self.get(variant, task)
-        return None if result is None else result.test_accuracy
+        return getattr(self.get(variant, task), "test_accuracy", None)
 
     def tasks(self) -> list[str]:
         """The study's four tasks in order, then any others found."""
@@ -81,30 +78,47 @@ def registry_order() -> list[str]:
 
 def collect(root: str | Path) -> ResultSet:
     """Read every `result.json` and `abx.json` under `root`."""
-    root = Path(root)
     found = ResultSet()
-    if not root.is_dir():
+    if not Path(root).is_dir():
         found.problems.append(f"{root}: results folder does not exist")
         return found
-    for name, read in ((RESULT_FILE, read_result), (ABX_FILE, read_abx)):
-        for path in sorted(root.rglob(name)):
-            try:
-                record = read(path)
-            except ValueError as e:
-                found.problems.append(str(e))
-                continue
-            if name == RESULT_FILE:
-                runs, key = found.results.setdefault(record.attention, {}), record.task
-            else:
-                runs, key = found.abx, record.attention
-            previous = runs.get(key)
-            if previous is not None and record.created < previous[1].created:
-                found.superseded.append(path)
-                continue
-            if previous is not None:
-                found.superseded.append(previous[0])
-            runs[key] = (path, record)
+    runs, found.superseded = read_newest(
+        root, RESULT_FILE, read_result, lambda r: (r.attention, r.task), found.problems
+    )
+    for (variant, task), entry in runs.items():
+        found.results.setdefault(variant, {})[task] = entry
+    found.abx, abx_superseded = read_newest(
+        root, ABX_FILE, read_abx, lambda r: r.attention, found.problems
+    )
+    found.superseded += abx_superseded
     return found
+
+
+def read_newest(
+    root: str | Path,
+    name: str,
+    read: Callable[[Path], T],
+    key: Callable[[T], Any],
+    problems: list[str],
+) -> tuple[dict[Any, tuple[Path, T]], list[Path]]:
+    """Every file `name` under `root` read by `read`, the newest (`created`) per `key(record)`
+    (ties: the later path), and the paths of the others; unreadable files go to `problems`."""
+    found: dict[Any, tuple[Path, T]] = {}
+    superseded: list[Path] = []
+    for path in sorted(Path(root).rglob(name)):
+        try:
+            record = read(path)
+        except ValueError as e:
+            problems.append(str(e))
+            continue
+        previous = found.get(key(record))
+        if previous is not None:
+            older = record.created < previous[1].created  # type: ignore[attr-defined]
+            superseded.append(path if older else previous[0])
+            if older:
+                continue
+        found[key(record)] = (path, record)
+    return found, superseded
 
 
 # ----------------------------------------------------------------------------- benchmark

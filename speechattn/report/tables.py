@@ -1,5 +1,6 @@
-"""Table 1 (cost per variant), Table 2 (accuracy per variant x task) and the ABX error rates
-per variant x layer, as Markdown and CSV.
+"""The report's tables, as Markdown and CSV: Table 1 (cost per variant), Table 2 (accuracy per
+variant x task, with the study's own numbers for reference), the ABX error rates per variant x
+layer, the SUPERB results and the learned spans of adaptive_span upstreams.
 
 Missing entries are gaps (`–` in Markdown, empty in CSV), never errors.
 """
@@ -12,9 +13,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from speechattn.report.reference import REFERENCE, reference_accuracy
-from speechattn.report.results import BenchRecord, ResultSet, registry_order
-from speechattn.tasks.records import MEL
+from speechattn.report.results import BenchRecord, ResultSet, read_newest, registry_order
+from speechattn.tasks.records import (
+    MEL,
+    SUPERB_FILE,
+    TASKS,
+    WEIGHTED_SUM,
+    SuperbResult,
+    read_superb,
+)
 
 log = logging.getLogger(__name__)
 
@@ -27,6 +34,26 @@ TASK_TITLES = {
 }
 # Dimensions at which Table 1 counts attention parameters: the study's AALBERT (aalbert_base).
 STUDY_DIM, STUDY_HEADS = 768, 12
+# The study's test accuracies (Table 2 of the source paper, docs/report.md), columns in TASKS'
+# order: LibriSpeech, 6-layer AALBERT pretrained 500k steps on train-clean-360; speaker tasks on
+# train-clean-100, phoneme tasks on train-clean-360 with CPC alignments. `ldsa` was not part of
+# the study, so it has no reference row.
+REFERENCE: dict[str, tuple[float, float, float, float]] = {
+    "mel": (0.0060, 0.0033, 0.5246, 0.5768),
+    "full": (0.9926, 0.9824, 0.6460, 0.6887),
+    "shared_qk": (0.9898, 0.9622, 0.5893, 0.6345),
+    "sparse_strided": (0.9786, 0.9039, 0.6048, 0.6450),
+    "sparse_fixed": (0.9597, 0.7960, 0.6069, 0.6846),
+    "sign_alsh": (0.9716, 0.8237, 0.5863, 0.6393),
+    "xbox": (0.9639, 0.7994, 0.5860, 0.6262),
+    "xbox_qnf": (0.9667, 0.7958, 0.5819, 0.6241),
+    "simple_lsh": (0.9628, 0.7370, 0.5771, 0.6189),
+    "simple_alsh": (0.9678, 0.7999, 0.5783, 0.6214),
+    "syn_dense": (0.9660, 0.9027, 0.6180, 0.6287),
+    "syn_dense_mh": (0.9509, 0.9135, 0.6073, 0.6471),
+    "syn_random": (0.9803, 0.8868, 0.5820, 0.6237),
+    "syn_fixed": (0.9842, 0.9855, 0.6157, 0.6492),
+}
 
 
 @dataclass
@@ -75,18 +102,33 @@ def mark_best(rows: list[list[Any]], columns: range, best: Any = max) -> set[tup
 def accuracy_table(results: ResultSet, tasks: list[str], variants: list[str]) -> Table:
     """Test accuracy per variant (rows) and task (columns); best per column in bold. A row
     that is the same model as an earlier one (`same_models`) says so."""
-    options = {v: _trained_options(results, v) for v in variants}
-    same = same_models(variants, options)
+    options = {}
+    for v in variants:  # the attention options each upstream was pretrained with
+        found = (results.get(v, t) for t in results.tasks())
+        config = next((r.model_config for r in found if r is not None and r.model_config), {})
+        options[v] = config.get("attention_options") or {}
+    return _task_table(tasks, variants, results.accuracy, same_models(variants, options))
+
+
+def reference_table(tasks: list[str], variants: list[str]) -> Table:
+    """The study's LibriSpeech accuracies (its Table 2) for the same rows, best per column in bold."""
+    names = [v for v in variants if v in REFERENCE] + [v for v in REFERENCE if v not in variants]
+    return _task_table(tasks, names, _reference_accuracy)
+
+
+def _reference_accuracy(variant: str, task: str) -> float | None:
+    """The study's accuracy for `variant` on `task`, or None when it has none."""
+    row = REFERENCE.get(variant)
+    return None if row is None or task not in TASKS else row[TASKS.index(task)]
+
+
+def _task_table(
+    tasks: list[str], variants: list[str], value: Any, same: dict[str, str] | None = None
+) -> Table:
+    """`value(variant, task)` per variant (rows) and task (columns), highest per column bold."""
     header = ["variant", *[TASK_TITLES.get(t, t) for t in tasks]]
-    rows = [[_label(v, same), *[results.accuracy(v, t) for t in tasks]] for v in variants]
+    rows = [[_label(v, same or {}), *[value(v, t) for t in tasks]] for v in variants]
     return Table(header, rows, mark_best(rows, range(1, len(header))))
-
-
-def _trained_options(results: ResultSet, variant: str) -> dict[str, Any]:
-    """The attention options the variant's upstream was pretrained with (from its results)."""
-    found = (results.get(variant, t) for t in results.tasks())
-    config = next((r.model_config for r in found if r is not None and r.model_config), {})
-    return config.get("attention_options") or {}
 
 
 def same_models(
@@ -126,14 +168,6 @@ def abx_table(results: ResultSet) -> Table:
         cells = [errors[mode].get(k) for k in layers for mode in ("within", "across")]
         rows.append([_label(v, {}), *[None if e is None else 100 * e for e in cells]])
     return Table(header, rows, mark_best(rows, range(1, len(header)), best=min))
-
-
-def reference_table(tasks: list[str], variants: list[str]) -> Table:
-    """The study's LibriSpeech accuracies (its Table 2) for the same rows, best per column in bold."""
-    names = [v for v in variants if v in REFERENCE] + [v for v in REFERENCE if v not in variants]
-    header = ["variant", *[TASK_TITLES.get(t, t) for t in tasks]]
-    rows = [[_label(v, {}), *[reference_accuracy(v, t) for t in tasks]] for v in names]
-    return Table(header, rows, mark_best(rows, range(1, len(header))))
 
 
 def _label(variant: str, same: dict[str, str]) -> str:
@@ -215,3 +249,108 @@ def cost_table(
         row += [getattr(by_key.get((v, n)), "memory_mb", None) for n in lengths]
         rows.append(row)
     return Table(header, rows, mark_best(rows, range(6, len(header)), best=min))  # lowest cost
+
+
+# ----------------------------------------------------------------------------- SUPERB
+# `superb_result.json` files (`python -m speechattn.superb -m evaluate`), upstream (rows) x task
+# (columns), speechattn variants beside the baselines. A row is one upstream with one feature
+# selection: a speechattn upstream by its attention variant and the run folder of its
+# `upstream.pt` (two runs of one variant, another seed or step count, are two rows), or a
+# baseline by its s3prl name (`fbank_no_cmvn`, the fair one: see docs/superb.md); the selection
+# is s3prl's weighted layer sum, or "layer N" (`-l N`); `--quick` runs get their own rows,
+# marked "(quick)", as their numbers are not comparable with full runs. When one cell has
+# several results (the same row and task evaluated again), the newest counts.
+
+# s3prl downstream -> column title
+COLUMNS = {"speech_commands": "KS acc ↑", "voxceleb1": "SID acc ↑", "ctc": "PR PER ↓"}
+
+
+def collect_superb(root: str | Path) -> tuple[dict[tuple[str, str], SuperbResult], list[str]]:
+    """{(row, task): newest result} of every superb_result.json under `root`, and problems."""
+    problems: list[str] = []
+    found, _ = read_newest(
+        root, SUPERB_FILE, read_superb, lambda r: (row_label(r), r.task), problems
+    )
+    return {key: result for key, (_, result) in found.items()}, problems
+
+
+def row_label(result: SuperbResult) -> str:
+    """'ldsa (run 2026-11-28_10-00-00, layer 3) (quick)': variant, upstream run folder,
+    feature selection (unless the weighted sum), quick."""
+    parts = []
+    if result.upstream_ckpt:
+        parts.append(f"run {Path(result.upstream_ckpt).parent.name}")
+    if result.selection != WEIGHTED_SUM:
+        parts.append(result.selection)
+    label = result.attention + (f" ({', '.join(parts)})" if parts else "")
+    return label + (" (quick)" if result.quick else "")
+
+
+def has_superb_results(root: str | Path) -> bool:
+    return next(Path(root).rglob(SUPERB_FILE), None) is not None
+
+
+def superb_table(found: dict[tuple[str, str], SuperbResult]) -> Table:
+    """Metric per upstream and task; speechattn variants first, then baselines; best per
+    column (highest accuracy, lowest PER) in bold."""
+    tasks = [t for t in COLUMNS if any(k[1] == t for k in found)]
+    tasks += sorted({k[1] for k in found} - set(tasks))
+    ours = sorted({row for (row, _), r in found.items() if r.upstream_ckpt})
+    baselines = sorted({row for row, _ in found} - set(ours))
+    value = {key: float(result.value) for key, result in found.items()}
+    rows = []
+    for row in [*ours, *baselines]:
+        kind = "speechattn" if row in ours else "baseline"
+        rows.append([row, kind, *[value.get((row, t)) for t in tasks]])
+    bold = set()
+    for c, task in enumerate(tasks, start=2):
+        higher = next(v for (_, t), v in found.items() if t == task).higher_is_better
+        bold |= mark_best(rows, range(c, c + 1), max if higher else min)
+    return Table(["upstream", "kind", *[COLUMNS.get(t, t) for t in tasks]], rows, bold)
+
+
+# ----------------------------------------------------------------------------- spans
+# Sukhbaatar et al. (2019) show the spans each head learns (their Figure 3); this is the table
+# of it for every adaptive_span upstream a results folder probed. Reads the `upstream.pt` files
+# (through `speechattn.load_upstream`) and asks each depth's attention module for `spans()`;
+# with ALBERT sharing every depth shows the same (one) layer.
+
+VARIANT = "adaptive_span"
+
+
+def learned_spans(upstream_path: str | Path) -> tuple[list[list[float]], float]:
+    """Spans z (frames) per depth and head of one upstream, and its frame rate (frames/s)."""
+    from speechattn import load_upstream
+
+    upstream = load_upstream(upstream_path)
+    encoder = upstream.model.encoder
+    spans = [
+        encoder.layers[encoder.depth_to_layer[d]].attention.spans().detach().tolist()
+        for d in range(encoder.num_layers)
+    ]
+    return spans, upstream.frame_rate
+
+
+def span_table(results: ResultSet) -> Table | None:
+    """One row per (upstream, layer): spans of each head in frames and their mean in ms.
+
+    None when no adaptive_span result has its upstream file.
+    """
+    upstreams = []
+    for task in results.tasks():
+        result = results.get(VARIANT, task)
+        if result is not None and Path(result.upstream).is_file():
+            upstreams.append(result.upstream)
+    rows: list[list] = []
+    heads = 0
+    for path in dict.fromkeys(upstreams):  # each upstream once, in task order
+        spans, frame_rate = learned_spans(path)
+        for depth, z in enumerate(spans, start=1):
+            heads = max(heads, len(z))
+            rows.append([path, depth, *z, 1000 * sum(z) / len(z) / frame_rate])
+    if not rows:
+        return None
+    # upstreams with fewer heads: gaps before their mean column
+    rows = [r[:-1] + [None] * (heads + 3 - len(r)) + r[-1:] for r in rows]
+    header = ["upstream", "layer", *[f"head {h}" for h in range(heads)], "mean (ms)"]
+    return Table(header, rows, set())

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from speechattn.report.heads import (
+from speechattn.report.figures import (
     head_figures,
     head_report,
     head_summary_markdown,

@@ -12,7 +12,7 @@ from speechattn.model.aalbert import aalbert
 from speechattn.model.upstream import save_upstream, upstream_state
 from speechattn.report.build import make_report
 from speechattn.report.results import collect
-from speechattn.report.spans import span_table
+from speechattn.report.tables import span_table
 
 
 def _adaptive_span_results(tmp_path: Path, shared: bool) -> Path:

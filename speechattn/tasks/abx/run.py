@@ -2,7 +2,7 @@
 
 Build the labelled corpus (with phone alignments) and open the upstream, extract one split's
 chosen hidden states as the downstream probes do (`tasks/downstream/features.py`), cut the
-utterances into triphone items (`items.py`), score every layer (`score.py`) and write
+utterances into triphone items, score every layer (`score.py`) and write
 `abx.json` (`AbxRecord`). Shape letters: T' upstream frames of all utterances, N layers, D dim.
 """
 
@@ -12,7 +12,6 @@ import logging
 import time
 from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -21,19 +20,18 @@ from omegaconf import DictConfig
 
 from speechattn.data.datamodules import build_datamodule
 from speechattn.errors import ConfigError, MissingFileError, require
-from speechattn.tasks.abx.items import frame_span, triphone_items
-from speechattn.tasks.abx.score import DISTANCES, abx_score
+from speechattn.tasks.abx.score import DISTANCES, abx_score, frame_span, triphone_items
 from speechattn.tasks.common import run_output_dir
 from speechattn.tasks.downstream.features import (
     SPLITS,
-    extract_split,
+    extract,
     feature_normalization,
     open_upstream,
     resolve_layers,
 )
 from speechattn.tasks.downstream.labels.phones import missing_alignments
-from speechattn.tasks.downstream.run import check_input_frames, split_loader
-from speechattn.tasks.records import MEL, AbxRecord
+from speechattn.tasks.downstream.run import check_input_frames, upstream_name
+from speechattn.tasks.records import AbxRecord
 from speechattn.utils import choose_device, plain
 
 log = logging.getLogger(__name__)
@@ -91,15 +89,8 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     check_input_frames(upstream, datamodule)
     normalization = feature_normalization(datamodule.normalizer, upstream, cfg.normalization)
     t_features = time.perf_counter()
-    features = extract_split(
-        upstream.to(choose_device(cfg.device)),
-        split_loader(datamodule, cfg.split),
-        layers,
-        description=f"features {cfg.split}",
-        device=choose_device(cfg.device),
-        transform=normalization.transform,
-        progress_bar=bool(getattr(data_config, "progress", False)),
-    )
+    device, progress = choose_device(cfg.device), bool(getattr(data_config, "progress", False))
+    features = extract(upstream, datamodule, cfg.split, layers, normalization, device, progress)
     upstream.cpu()
     t_features = time.perf_counter() - t_features
     if features.phones is None:
@@ -127,7 +118,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     runtime = {"features": t_features, "score": time.perf_counter() - t_score}
     runtime["total"] = time.perf_counter() - t_start
     record = AbxRecord(
-        upstream=cfg.upstream if cfg.upstream == MEL else str(Path(cfg.upstream).resolve()),
+        upstream=upstream_name(cfg.upstream),
         upstream_sha256=sha,
         attention=upstream.attention_name,
         split=cfg.split,

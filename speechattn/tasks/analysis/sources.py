@@ -1,5 +1,5 @@
-"""Where a head analysis gets its model, probe and data, and how its `heads.json` is assembled:
-`run_heads(config)` is `python -m speechattn.analyze heads` but the figures. task=pretrain reads
+"""The head analysis job: where it gets its model, probe and data, and how its `heads.json` is
+assembled; `run(cfg)` is `python -m speechattn.analyze heads`. task=pretrain reads
 upstream.pt and the pretraining validation split of the corpus in its metadata; a downstream
 task reads a `python -m speechattn.downstream` run dir (`result.json`, `checkpoints/best-*.ckpt`),
 its upstream, and the dev (or test) split of its corpus. A missing or mismatched input is an
@@ -11,12 +11,14 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, is_dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 import torch
+from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
 from speechattn import CONFIG_DIR
@@ -33,8 +35,8 @@ from speechattn.tasks.analysis.heads import (
     ProbeObjective,
     analyze_heads,
 )
-from speechattn.tasks.downstream.features import feature_normalization, open_upstream
-from speechattn.tasks.downstream.run import split_loader
+from speechattn.tasks.common import quiet_library_notices, run_output_dir
+from speechattn.tasks.downstream.features import feature_normalization, open_upstream, split_loader
 from speechattn.tasks.records import (
     HEADS_SCHEMA_VERSION,
     KIND,
@@ -136,20 +138,6 @@ class ProbeRun:
     layers: list[int]
 
 
-def find_probe_checkpoint(directory: Path, best_epoch: int | None) -> Path:
-    folder = directory / "checkpoints"
-    candidates = sorted(folder.glob("best-*.ckpt"))
-    if not candidates:
-        raise MissingFileError(
-            f"downstream run {directory} has no probe checkpoint: expected "
-            f"{folder}/best-epoch=N.ckpt (written by `python -m speechattn.downstream`)"
-        )
-    exact = folder / f"best-epoch={best_epoch}.ckpt"
-    if exact in candidates:
-        return exact
-    return max(candidates, key=lambda p: p.stat().st_mtime)
-
-
 def load_probe_run(directory: str | Path) -> ProbeRun:
     """Read `result.json` and rebuild the best probe of a downstream run directory."""
     from speechattn.tasks.downstream import DownstreamProbe, TaskConfig
@@ -171,7 +159,16 @@ def load_probe_run(directory: str | Path) -> ProbeRun:
         raise ConfigError(
             f"{result_path}: that probe was trained on upstream=mel, which has no attention heads"
         )
-    checkpoint = find_probe_checkpoint(directory, result.best_epoch)
+    folder = directory / "checkpoints"
+    candidates = sorted(folder.glob("best-*.ckpt"))
+    if not candidates:
+        raise MissingFileError(
+            f"downstream run {directory} has no probe checkpoint: expected "
+            f"{folder}/best-epoch=N.ckpt (written by `python -m speechattn.downstream`)"
+        )
+    checkpoint = folder / f"best-epoch={result.best_epoch}.ckpt"  # else the newest
+    if checkpoint not in candidates:
+        checkpoint = max(candidates, key=lambda p: p.stat().st_mtime)
     try:
         state = load_torch_file(checkpoint, "cpu")
         hp = state["hyper_parameters"]
@@ -201,12 +198,27 @@ def load_probe_run(directory: str | Path) -> ProbeRun:
     return ProbeRun(directory, result, checkpoint, probe.eval(), layers)
 
 
-def subset_batches(loader: Any, num_batches: int | None) -> list[dict[str, Any]]:
-    """The first `num_batches` batches of a deterministic loader (all with None)."""
+def subset_batches(
+    loader: Any, num_batches: int | None, datamodule: Any, upstream: nn.Module
+) -> list[dict[str, Any]]:
+    """The first `num_batches` batches of a deterministic loader (all with None), the corpus
+    normalisation mapped onto the upstream's (as downstream feature extraction does)."""
     batches = list(itertools.islice(iter(loader), num_batches))
     if not batches:
         raise ConfigError("the data split is empty: no batches to analyse")
-    return batches
+    normalizer = getattr(datamodule, "normalizer", None)
+    transform = (
+        None if normalizer is None else feature_normalization(normalizer, upstream).transform
+    )
+    if transform is None:
+        return batches
+    out = []
+    for b in batches:
+        mask = b.get("padding_mask")
+        if mask is None:
+            mask = lengths_to_padding_mask(b["lengths"], b["features"].shape[1])
+        out.append({**b, "features": transform(b["features"], mask)})
+    return out
 
 
 def recorded_data_config(corpus: dict[str, Any] | None) -> dict[str, Any]:
@@ -217,28 +229,14 @@ def recorded_data_config(corpus: dict[str, Any] | None) -> dict[str, Any]:
     return dict(config) if isinstance(config, dict) else corpus
 
 
-def _with_batch_size(data: dict[str, Any], batch_size: int | None) -> dict[str, Any]:
-    return data if batch_size is None else {**data, "batch_size": int(batch_size)}
-
-
-def _renormalized(
-    batches: list[dict[str, Any]], datamodule: Any, upstream: nn.Module
-) -> list[dict[str, Any]]:
-    """`batches` with the corpus normalisation mapped onto the upstream's (as downstream
-    feature extraction does)."""
-    normalizer = getattr(datamodule, "normalizer", None)
-    if normalizer is None:
-        return batches
-    transform = feature_normalization(normalizer, upstream).transform
-    if transform is None:
-        return batches
-    out = []
-    for b in batches:
-        mask = b.get("padding_mask")
-        if mask is None:
-            mask = lengths_to_padding_mask(b["lengths"], b["features"].shape[1])
-        out.append({**b, "features": transform(b["features"], mask)})
-    return out
+def _datamodule(datamodule: Any, data: dict[str, Any], batch_size: int | None, kind: str) -> Any:
+    """`datamodule` (tests pass synthetic data), or the one `data` describes, set up to fit."""
+    if datamodule is None:
+        data = data if batch_size is None else {**data, "batch_size": int(batch_size)}
+        datamodule = build_datamodule(data, kind)
+        datamodule.prepare_data()
+    datamodule.setup("fit")
+    return datamodule
 
 
 # ----------------------------------------------------------------------------- run
@@ -255,37 +253,27 @@ class Prepared:
     downstream: dict[str, Any] | None
 
 
-def prepare(config: HeadsRunConfig, datamodule: Any = None) -> Prepared:
-    """Resolve task, upstream, probe and data; build the objective. `datamodule` replaces the
-    data module built from the recorded data config (tests pass synthetic data)."""
-    if config.downstream is None:
-        if config.task not in (None, PRETRAIN):
-            raise ConfigError(
-                f"task={config.task} needs downstream=RESULT_DIR: the run dir of "
-                f"`python -m speechattn.downstream task={config.task} upstream=...` (it holds "
-                f"{RESULT_FILE} and checkpoints/best-epoch=N.ckpt with the trained probe)"
-            )
-        return prepare_pretrain(config, datamodule)
-    return prepare_probe(config, datamodule)
-
-
 def prepare_pretrain(config: HeadsRunConfig, datamodule: Any = None) -> Prepared:
-    """task=pretrain: the upstream's reconstruction loss on its pretraining validation split."""
+    """task=pretrain: the upstream's reconstruction loss on its pretraining validation split.
+    `datamodule` replaces the data module built from the recorded data config."""
+    if config.task not in (None, PRETRAIN):
+        raise ConfigError(
+            f"task={config.task} needs downstream=RESULT_DIR: the run dir of "
+            f"`python -m speechattn.downstream task={config.task} upstream=...` (it holds "
+            f"{RESULT_FILE} and checkpoints/best-epoch=N.ckpt with the trained probe)"
+        )
     upstream, sha, path = analysed_upstream(config.upstream)
     data = config.data or dict(upstream.metadata.get("data_config") or {})
-    if datamodule is None:
-        if not data:
-            raise ConfigError(
-                f"{path} does not record its pretraining data (metadata.data_config); "
-                f"choose it with data=embedded or data=librispeech data.root=DIR"
-            )
-        datamodule = build_datamodule(_with_batch_size(data, config.batch_size), "pretrain")
-        datamodule.prepare_data()
-    datamodule.setup("fit")
+    if datamodule is None and not data:
+        raise ConfigError(
+            f"{path} does not record its pretraining data (metadata.data_config); "
+            f"choose it with data=embedded or data=librispeech data.root=DIR"
+        )
+    datamodule = _datamodule(datamodule, data, config.batch_size, "pretrain")
     if config.split != "dev":
         log.info("task=pretrain: the subset is the pretraining validation split")
-    batches = subset_batches(datamodule.val_dataloader(), config.num_batches)
-    batches = _renormalized(batches, datamodule, upstream)
+    loader = datamodule.val_dataloader()
+    batches = subset_batches(loader, config.num_batches, datamodule, upstream)
     masking = MaskingConfig(**(upstream.metadata.get("masking") or {}))
     device, dtype = choose_device(config.device), DTYPES[config.dtype]
     objective = PretrainObjective(upstream.model, batches, masking, config.seed, device, dtype)
@@ -296,10 +284,11 @@ def prepare_probe(config: HeadsRunConfig, datamodule: Any = None) -> Prepared:
     """A downstream task: the trained probe's accuracy on the dev (or test) split of the
     downstream run's corpus, its labels from the task's label source."""
     run = load_probe_run(config.downstream)
+    result_path = run.directory / RESULT_FILE
     if config.task not in (None, run.result.task):
         raise ConfigError(
             f"task={config.task} but downstream={run.directory} is a {run.result.task} run "
-            f"({run.directory / RESULT_FILE})"
+            f"({result_path})"
         )
     upstream, sha, path = analysed_upstream(config.upstream or run.result.upstream)
     if run.result.upstream_sha256 and run.result.upstream_sha256 != sha:
@@ -308,38 +297,30 @@ def prepare_probe(config: HeadsRunConfig, datamodule: Any = None) -> Prepared:
             f"(sha256 {sha[:12]}..., {RESULT_FILE} records {run.result.upstream_sha256[:12]}... "
             f"for {run.result.upstream})"
         )
-    if run.probe.hparams["input_dim"] != upstream.hidden_dim:
+    hp = run.probe.hparams
+    if hp["input_dim"] != upstream.hidden_dim:
         raise ConfigError(
-            f"{run.checkpoint}: the probe reads {run.probe.hparams['input_dim']}-dim features, "
+            f"{run.checkpoint}: the probe reads {hp['input_dim']}-dim features, "
             f"the upstream {path} gives {upstream.hidden_dim}"
         )
-    if datamodule is None:
-        data = config.data or recorded_data_config(run.result.corpus)
-        if not data:
-            raise ConfigError(f"{run.directory / RESULT_FILE} records no corpus; pass data=...")
-        datamodule = build_datamodule(_with_batch_size(data, config.batch_size), "labelled")
-        datamodule.prepare_data()
-    datamodule.setup("fit")
+    data = config.data or recorded_data_config(run.result.corpus)
+    if datamodule is None and not data:
+        raise ConfigError(f"{result_path} records no corpus; pass data=...")
+    datamodule = _datamodule(datamodule, data, config.batch_size, "labelled")
     datamodule.setup("test")
     task = run.probe.task
     labels = task.labels(datamodule)
-    classes, found = run.probe.hparams["num_classes"], labels.num_classes()
-    if found is not None and int(found) != int(classes):
+    found = labels.num_classes()
+    if found is not None and int(found) != int(hp["num_classes"]):
         raise ConfigError(
             f"the corpus has {found} {task.target} classes but the probe in {run.directory} was "
-            f"trained on {classes}: use the downstream run's corpus (leave data unset)"
+            f"trained on {hp['num_classes']}: use the downstream run's corpus (leave data unset)"
         )
     loader = split_loader(datamodule, config.split)
-    batches = _renormalized(subset_batches(loader, config.num_batches), datamodule, upstream)
+    batches = subset_batches(loader, config.num_batches, datamodule, upstream)
+    device, dtype = choose_device(config.device), DTYPES[config.dtype]
     objective = ProbeObjective(
-        upstream,
-        run.probe,
-        run.layers,
-        batches,
-        target=labels,
-        level=task.level,
-        device=choose_device(config.device),
-        dtype=DTYPES[config.dtype],
+        upstream, run.probe, run.layers, batches, labels, task.level, device, dtype
     )
     downstream = {
         "dir": str(run.directory),
@@ -364,31 +345,17 @@ def result_dict(
     model_config = up.config.to_dict() if hasattr(up, "config") else {}
     imp = analysis.importance
     ab = analysis.ablation
-
-    def matrix(name: str) -> dict[str, Any] | None:
-        value = getattr(ab, name)
-        if value is None:
-            return None
-        return {"metric": value.tolist(), "delta": ab.delta(name).tolist()}
-
     pruning = None
     if analysis.pruning:
-        p = config.heads.pruning
-        pruning = {
-            "step": p.step,
-            "recompute": p.recompute,
-            "keep_one_per_layer": p.keep_one_per_layer,
-            "points": [
-                {
-                    "num_masked": pt.num_masked,
-                    "fraction": pt.fraction,
-                    "metric": pt.metric,
-                    "newly_masked": [list(x) for x in pt.newly_masked],
-                    "mask": pt.mask.int().tolist(),
-                }
-                for pt in analysis.pruning
-            ],
-        }
+        pruning = {k: v for k, v in asdict(config.heads.pruning).items() if k != "enabled"}
+        pruning["points"] = [
+            {
+                **vars(pt),
+                "newly_masked": [list(x) for x in pt.newly_masked],
+                "mask": pt.mask.int().tolist(),
+            }
+            for pt in analysis.pruning
+        ]
     return {
         "schema_version": HEADS_SCHEMA_VERSION,
         "kind": KIND,
@@ -409,12 +376,15 @@ def result_dict(
         "seed": config.seed,
         "importance": {
             "per": imp.per,
-            "raw": imp.raw.double().tolist(),
-            "normalized": imp.normalized.double().tolist(),
-            "signed": imp.signed.double().tolist(),
+            **{k: getattr(imp, k).double().tolist() for k in ("raw", "normalized", "signed")},
             "order": [list(x) for x in imp.order()],
         },
-        "ablation": {name: matrix(name) for name in ("single", "keep_only", "layer")},
+        "ablation": {
+            name: None
+            if getattr(ab, name) is None
+            else {"metric": getattr(ab, name).tolist(), "delta": ab.delta(name).tolist()}
+            for name in ("single", "keep_only", "layer")
+        },
         "pruning": pruning,
         "config": {
             "num_batches": config.num_batches,
@@ -428,13 +398,24 @@ def result_dict(
     }
 
 
-def run_heads(
-    config: HeadsRunConfig, output_dir: str | Path, datamodule: Any = None
-) -> tuple[HeadsRecord, Path]:
-    """Prepare, analyse, write `output_dir/heads.json`; returns (the object, its path)."""
+FigureWriter = Callable[[HeadsRecord, Path], list[Path]]  # (heads.json content, folder) -> PNGs
+
+
+def run(
+    cfg: DictConfig, datamodule: Any = None, figures: FigureWriter | None = None
+) -> dict[str, Any]:
+    """`python -m speechattn.analyze heads`: prepare, analyse, write heads.json (+ the figures
+    of `figures`, when `cfg.figures`: the report layer's, which tasks do not import, so the
+    entry point passes them); returns its content plus `output_dir`, `heads_json` and
+    `figures` (paths). `datamodule` replaces the data module built from the recorded data
+    config (tests pass synthetic data)."""
+    quiet_library_notices()
+    config: HeadsRunConfig = OmegaConf.to_object(cfg)  # type: ignore[assignment]
+    out = run_output_dir(cfg).resolve()
     t0 = time.perf_counter()
+    prepare = prepare_pretrain if config.downstream is None else prepare_probe
     prepared = prepare(config, datamodule)
-    t_load = time.perf_counter() - t0
+    runtime = {"load": round(time.perf_counter() - t0, 3)}
     log.info(
         "heads: %s on %s (%d x %d heads), subset %s",
         prepared.task,
@@ -447,7 +428,22 @@ def run_heads(
         analysis = analyze_heads(prepared.objective, config.heads, progress=config.progress)
     except NonFiniteMetricError as e:
         raise NonFiniteMetricError(f"upstream {prepared.upstream_path}: {e}") from e
-    runtime = {"load": round(t_load, 3), **analysis.runtime_s}
-    runtime["total"] = round(time.perf_counter() - t0, 3)
+    runtime.update(analysis.runtime_s, total=round(time.perf_counter() - t0, 3))
     result = result_dict(analysis, prepared, config, runtime)
-    return result, write_heads(result, output_dir)
+    path = write_heads(result, out)
+    drawn = figures(result, out) if config.figures and figures is not None else []
+    logging.getLogger("speechattn.analyze").info(
+        "heads: %s on %s, base %s %.4f -> %s",
+        result["task"],
+        result["attention"],
+        result["metric"],
+        result["base_metric"],
+        path,
+    )
+    print(f"heads.json written to {path}", flush=True)
+    return {
+        **result,
+        "output_dir": str(out),
+        "heads_json": str(path),
+        "figures": [str(p) for p in drawn],
+    }

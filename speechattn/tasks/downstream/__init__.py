@@ -1,14 +1,17 @@
 """Downstream job: probes on a frozen upstream (docs/downstream.md).
 
 - `labels`: the label sources (`target` of a task: speaker, phones, pitch, ...), one file each
-- `probe`: `TaskConfig`, the cached features as a dataset, `DownstreamProbe`
 - `features`: frozen-upstream features, extracted once per split and cached
-- `run`: `run(cfg)`, what `python -m speechattn.downstream` does
+- `run`: `TaskConfig`, the cached features as a dataset, `DownstreamProbe`, and `run(cfg)`,
+  what `python -m speechattn.downstream` does
 """
 
 from speechattn.tasks.downstream.labels.phones import check_label_lengths
-from speechattn.tasks.downstream.probe import DownstreamProbe, ProbeDataset, TaskConfig, collate
 from speechattn.tasks.downstream.run import (
+    DownstreamProbe,
+    ProbeDataset,
+    TaskConfig,
+    collate,
     fit_probe,
     labelled_data_config,
     run,

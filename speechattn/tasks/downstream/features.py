@@ -1,4 +1,5 @@
-"""Frozen upstream features for downstream probes: the `mel` upstream, loading, extraction, cache.
+"""Frozen upstream features for downstream probes and ABX: the `mel` upstream, loading,
+normalisation, extraction and the cache.
 
 An upstream has the contract of `speechattn.load_upstream` (docs/ARCHITECTURE.md); `MelUpstream`
 gives the normalised input features that contract, so the baseline takes the same path. Each
@@ -29,8 +30,7 @@ from speechattn.errors import ConfigError, MissingFileError, SpeechattnError
 from speechattn.model.serialization import TorchFileError, load_torch_file
 from speechattn.model.upstream import UpstreamOutput, upstream_sha256
 from speechattn.tasks.records import MEL  # the no-pretraining baseline's name
-from speechattn.utils import atomic_path, atomic_write_bytes, digest, lengths_to_padding_mask
-from speechattn.utils import progress_bar as progress
+from speechattn.utils import atomic_path, atomic_write_bytes, digest, lengths_to_padding_mask, track
 
 log = logging.getLogger(__name__)
 CACHE_VERSION = 1
@@ -63,8 +63,7 @@ class MelUpstream(nn.Module):
         last_hidden_state, extract_features) is the features (B, T, F) with padding zeroed;
         output_lengths (B,) = lengths; attentions, with `output_attentions=True`, is empty
         (no layers)."""
-        T = features.size(1)
-        valid = ~lengths_to_padding_mask(lengths, T)  # (B, T)
+        valid = ~lengths_to_padding_mask(lengths, features.size(1))  # (B, T)
         masked = features * valid.unsqueeze(-1).to(features.dtype)  # (B, T, F)
         return UpstreamOutput(
             last_hidden_state=masked,
@@ -97,16 +96,15 @@ def open_upstream(
         )
     from speechattn import load_upstream
 
-    upstream = load_upstream(path)  # its errors name the file and the problem
-    expected = _upstream_feature_dim(upstream)
+    upstream = load_upstream(path).eval()  # its errors name the file and the problem
+    dims = [getattr(upstream, name, None) for name in ("feature_dim", "input_dim")]
+    expected = next((d for d in dims if isinstance(d, int)), None)
     if expected is not None and feature_dim is not None and expected != feature_dim:
         raise ConfigError(
             f"{path} expects {expected}-dim input features but the corpus provides "
             f"{feature_dim}{_feature_settings_differ(upstream, data)}"
         )
-    upstream.eval()
-    for p in upstream.parameters():
-        p.requires_grad_(False)
+    upstream.requires_grad_(False)
     return upstream, upstream_sha256(path)
 
 
@@ -124,14 +122,6 @@ def _feature_settings_differ(upstream: nn.Module, data: Any) -> str:
         if getattr(data, name) != (want := getattr(pretrained, name))
     ]
     return f": it was pretrained on other features; set {', '.join(fixes) or 'the same data.*'}"
-
-
-def _upstream_feature_dim(upstream: nn.Module) -> int | None:
-    for name in ("feature_dim", "input_dim"):
-        value = getattr(upstream, name, None)
-        if isinstance(value, int):
-            return value
-    return None
 
 
 # `normalization=`: whose normalisation the features get before the upstream sees them
@@ -212,8 +202,7 @@ def feature_normalization(
             corpus_mode,
             pretrained,
         )
-        tag = "|norm=corpus" if remapped_before else ""
-        return FeatureNormalization(None, record, tag)
+        return FeatureNormalization(None, record, "|norm=corpus" if remapped_before else "")
     log.info(
         "features: data.normalization=%s mapped onto the upstream's own %s (set "
         "normalization=corpus to keep the corpus's)",
@@ -296,15 +285,13 @@ class SplitFeatures:
 
     def hidden(self, i: int) -> Tensor:
         """Utterance i's hidden states, (N, T'_i, D) float32."""
-        a, b = self._offsets[i], self._offsets[i + 1]
-        return self.features[a:b].transpose(0, 1).float()
+        return self.features[self._offsets[i] : self._offsets[i + 1]].transpose(0, 1).float()
 
     def phones_of(self, i: int) -> Tensor:
         """Utterance i's 10 ms phone ids, (T_lab_i,)."""
         if self.phones is None or self._phone_offsets is None:
             raise ValueError("this split has no phone labels")
-        a, b = self._phone_offsets[i], self._phone_offsets[i + 1]
-        return self.phones[a:b]
+        return self.phones[self._phone_offsets[i] : self._phone_offsets[i + 1]]
 
     def state(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
@@ -312,29 +299,6 @@ class SplitFeatures:
 
 def _offsets(lengths: Tensor) -> list[int]:
     return [0, *torch.cumsum(lengths.long(), 0).tolist()]
-
-
-def cache_key(upstream_id: str, layers: Sequence[int], data: dict[str, Any], stats: str) -> str:
-    """Hash of everything the cached features depend on."""
-    return digest(
-        {
-            "version": CACHE_VERSION,
-            "upstream": upstream_id,
-            "layers": list(layers),
-            "data": data,
-            "stats": stats,
-        },
-        length=20,
-    )
-
-
-def tensor_digest(*tensors: Tensor | None) -> str:
-    """Short digest of tensor values (normalisation statistics go into the cache key)."""
-    h = hashlib.sha256()
-    for t in tensors:
-        if t is not None:
-            h.update(t.detach().cpu().float().contiguous().numpy().tobytes())
-    return h.hexdigest()[:16]
 
 
 class NonFiniteFeaturesError(SpeechattnError, ValueError):
@@ -394,8 +358,6 @@ def extract_split(
     """Run the frozen upstream over `batches` (data-layer batch dicts) and keep `layers`;
     `transform(features, padding_mask) -> features` may adapt the normalisation first.
     `total`: batches, for the progress bar (None: `len(batches)` where it has one)."""
-    if total is None and hasattr(batches, "__len__"):
-        total = len(batches)  # type: ignore[arg-type]
     utt_ids: list[str] = []
     feats: list[Tensor] = []
     lengths: list[Tensor] = []
@@ -403,29 +365,24 @@ def extract_split(
     speakers: list[Tensor | None] = []  # None: a batch without (then the split has none)
     phones: list[Tensor] = []
     phone_lengths: list[Tensor | None] = []
-    with progress(total, description, progress_bar) as advance:
-        for batch in batches:
-            x = batch["features"].to(device)  # (B, T, F)
-            n = batch["lengths"].to(device)  # (B,)
-            if transform is not None:
-                x = transform(x, batch["padding_mask"].to(device))
-            out = upstream(x, n)
-            hidden = out.hidden_states  # tensors (B, T', D)
-            out_len = out.output_lengths.cpu()  # (B,)
-            stacked = torch.stack([hidden[i] for i in layers], dim=2).cpu()  # (B, T', N, D)
-            cached = stacked.to(torch.float16)  # what the cache keeps: checked after the cast
-            _check_features(cached, stacked, upstream, layers, batch["utt_ids"], description)
-            for b, utt in enumerate(batch["utt_ids"]):
-                utt_ids.append(utt)
-                feats.append(cached[b, : out_len[b]])
-            lengths.append(out_len)
-            input_lengths.append(batch["lengths"])
-            speakers.append(batch.get("speaker"))
-            pl = None if batch.get("phones") is None else batch["phone_lengths"].cpu()
-            phone_lengths.append(pl)
-            if pl is not None:
-                phones.extend(batch["phones"][b, : pl[b]].cpu() for b in range(len(pl)))
-            advance(1)
+    for batch in track(batches, description, total, progress_bar):
+        x = batch["features"].to(device)  # (B, T, F)
+        if transform is not None:
+            x = transform(x, batch["padding_mask"].to(device))
+        out = upstream(x, batch["lengths"].to(device))
+        stacked = torch.stack([out.hidden_states[i] for i in layers], dim=2).cpu()  # (B, T', N, D)
+        cached = stacked.to(torch.float16)  # what the cache keeps: checked after the cast
+        _check_features(cached, stacked, upstream, layers, batch["utt_ids"], description)
+        out_len = out.output_lengths.cpu()  # (B,)
+        utt_ids += batch["utt_ids"]
+        feats += [cached[b, :n] for b, n in enumerate(out_len)]
+        lengths.append(out_len)
+        input_lengths.append(batch["lengths"].cpu())
+        speakers.append(batch.get("speaker"))
+        pl = None if batch.get("phones") is None else batch["phone_lengths"].cpu()
+        phone_lengths.append(pl)
+        if pl is not None:
+            phones += [batch["phones"][b, :n].cpu() for b, n in enumerate(pl)]
     if not utt_ids:
         raise ConfigError(f"{description}: the split is empty")
     if len(set(utt_ids)) != len(utt_ids):
@@ -435,19 +392,86 @@ def extract_split(
         utt_ids=utt_ids,
         features=torch.cat(feats),
         lengths=torch.cat(lengths).long(),
-        input_lengths=torch.cat(input_lengths).cpu().long(),
+        input_lengths=torch.cat(input_lengths).long(),
         speakers=None if any(s is None for s in speakers) else torch.cat(speakers).cpu().long(),
         phones=torch.cat(phones).long() if has_phones and phones else None,
         phone_lengths=torch.cat(phone_lengths).long() if has_phones else None,
     )
 
 
+def split_loader(datamodule: Any, split: str) -> Any:
+    """The deterministic loader of `split` (train | dev | test), for extraction."""
+    if hasattr(datamodule, "extraction_dataloader"):
+        return datamodule.extraction_dataloader(split)
+    loaders = {"train": "train_dataloader", "dev": "val_dataloader", "test": "test_dataloader"}
+    return getattr(datamodule, loaders[split])()
+
+
+def extract(
+    upstream: nn.Module,
+    datamodule: Any,
+    split: str,
+    layers: Sequence[int],
+    normalization: FeatureNormalization,
+    device: torch.device | str,
+    progress_bar: bool,
+) -> SplitFeatures:
+    """`extract_split` of one split of `datamodule`, the upstream on `device`, the input
+    normalised as `normalization` says (the downstream probes and ABX both read this)."""
+    return extract_split(
+        upstream.to(device),
+        split_loader(datamodule, split),
+        layers,
+        description=f"features {split}",
+        device=device,
+        transform=normalization.transform,
+        progress_bar=progress_bar,
+    )
+
+
+def cached_features(
+    upstream: nn.Module,
+    upstream_id: str,
+    layers: list[int],
+    datamodule: Any,
+    data_config: dict[str, Any],
+    cache_dir: str | Path,
+    device: torch.device | str,
+    progress_bar: bool,
+    normalization: FeatureNormalization,
+) -> dict[str, SplitFeatures]:
+    """Hidden states `layers` of every split, from the cache or extracted (then cached) once.
+    The cache key hashes everything they depend on, the normalisation statistics included."""
+    normalizer = getattr(datamodule, "normalizer", None)
+    h = hashlib.sha256()
+    for t in (getattr(normalizer, "mean", None), getattr(normalizer, "std", None)):
+        if t is not None:
+            h.update(t.detach().cpu().float().contiguous().numpy().tobytes())
+    stats = h.hexdigest()[:16] + normalization.cache_tag
+    key = {"version": CACHE_VERSION, "upstream": upstream_id, "layers": list(layers)}
+    folder = Path(cache_dir).expanduser() / digest(
+        {**key, "data": data_config, "stats": stats}, length=20
+    )
+    splits: dict[str, SplitFeatures] = {}
+    for name in SPLITS:
+        path = folder / f"{name}.pt"
+        if path.is_file():
+            try:
+                splits[name] = load_split(path)
+                log.info("features %s: cached %s", name, path)
+                continue
+            except DamagedSplit as e:
+                log.warning("%s; extracting it again", e)
+        splits[name] = extract(
+            upstream, datamodule, name, layers, normalization, device, progress_bar
+        )
+        save_split(splits[name], path)
+        log.info("features %s: %d utterances -> %s", name, len(splits[name]), path)
+    return splits
+
+
 class DamagedSplit(SpeechattnError, ValueError):
     """A cached split that does not match its checksum record or whose fields disagree."""
-
-
-def _record_path(path: Path) -> Path:
-    return path.with_name(path.name + ".sha256")
 
 
 def save_split(split: SplitFeatures, path: Path) -> None:
@@ -456,13 +480,13 @@ def save_split(split: SplitFeatures, path: Path) -> None:
     with atomic_path(path) as tmp:
         torch.save(split.state(), tmp)
     record = {"size": path.stat().st_size, "sha256": file_sha256(path)}
-    atomic_write_bytes(_record_path(path), json.dumps(record).encode())
+    atomic_write_bytes(path.with_name(path.name + ".sha256"), json.dumps(record).encode())
 
 
 def load_split(path: Path) -> SplitFeatures:
     """The split at `path` after checking it against its record; `DamagedSplit` (naming the
     file and what is wrong) when there is no record, the bytes differ or the fields disagree."""
-    record_path = _record_path(path)
+    record_path = path.with_name(path.name + ".sha256")
     if not record_path.is_file():
         raise DamagedSplit(f"cached features {path}: no checksum record {record_path.name}")
     try:

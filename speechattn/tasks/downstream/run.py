@@ -1,4 +1,6 @@
-"""`run(cfg)`: evaluate a frozen upstream on one downstream task (docs/downstream.md).
+"""The downstream task, its probe and `run(cfg)`: evaluate a frozen upstream on one downstream
+task (docs/downstream.md). `TaskConfig` is the `task` group's schema, `ProbeDataset` the cached
+features as a dataset, `DownstreamProbe` the model's `Probe` trained by Lightning.
 
 Build the labelled corpus and open the upstream, extract the chosen layers once per split into
 the feature cache (`features.py`), train the task's probe (early stopping and checkpoints on dev
@@ -6,6 +8,9 @@ accuracy), score test with the best-dev checkpoint and write `result.json` (`tas
 `python -m speechattn.downstream` is its Hydra wrapper. Frame tasks are scored at the 10 ms
 label rate: logits per upstream frame are repeated `downsample` times and trimmed/padded to the
 label length (`expand_to_labels`), which equals repeating the features.
+
+Shape letters: B batch, N cached layers, T' upstream frames, T 10 ms label frames, D hidden
+dim, C classes.
 """
 
 from __future__ import annotations
@@ -22,10 +27,14 @@ import lightning as L
 import torch
 from hydra.utils import instantiate
 from omegaconf import DictConfig, open_dict
-from torch.utils.data import DataLoader
+from torch import Tensor
+from torch.nn.utils.rnn import pad_sequence
+from torch.utils.data import DataLoader, Dataset
+from torchmetrics import Metric
 
 from speechattn.data import DataConfig, LabelledDataModule
 from speechattn.errors import ConfigError
+from speechattn.model.probes import Probe
 from speechattn.tasks.common import (
     configured_loggers,
     finish_loggers,
@@ -34,82 +43,170 @@ from speechattn.tasks.common import (
 )
 from speechattn.tasks.downstream.features import (
     SPLITS,
-    DamagedSplit,
-    FeatureNormalization,
     SplitFeatures,
-    cache_key,
+    cached_features,
     check_normalization,
-    extract_split,
     feature_normalization,
-    load_split,
     open_upstream,
     resolve_layers,
-    save_split,
-    tensor_digest,
+    split_loader,
 )
-from speechattn.tasks.downstream.labels import LabelSource
-from speechattn.tasks.downstream.probe import DownstreamProbe, ProbeDataset, TaskConfig, collate
+from speechattn.tasks.downstream.labels import LabelSource, check_level, label_source
 from speechattn.tasks.preemption import AtomicCheckpointIO
 from speechattn.tasks.records import EXAMPLE_FILE, MEL, PRETRAIN, DownstreamResult
-from speechattn.utils import atomic_path, choose_device, plain
+from speechattn.utils import (
+    IGNORE_INDEX,
+    atomic_path,
+    choose_device,
+    lengths_to_padding_mask,
+    plain,
+)
 
 log = logging.getLogger(__name__)
 
 
-# ----------------------------------------------------------------------------- features
+@dataclass
+class TaskConfig:
+    """One downstream task (the `task` group's Hydra schema). The defaults are the default
+    task, `speaker_utterance`; the other `conf/task/NAME.yaml` state what differs."""
+
+    name: str = "speaker_utterance"
+    # what the probe predicts: a label source of speechattn/tasks/downstream/labels/
+    # (speaker | phones | pitch | a file you add there, docs/extending.md)
+    target: str = "speaker"
+    level: str = "utterance"  # utterance (one label per utterance) | frame (one per 10 ms frame)
+    pooling: str = "mean"  # utterance level only: mean | fused (FusedAttentionPool)
+    pooling_scale: str = "value"  # fused: scores / sqrt(size of V) | key: of Q, K
+    hidden_layers: int = 0  # 0 = linear probe
+    hidden_dim: int = 768  # the study's phoneme MLP width
+    dropout: float = 0.0
+    batch_size: int = 8  # utterances (~3k frames at 10 ms): more updates per epoch
+    lr: float = 1e-2  # linear on mean-pooled features: few updates per epoch (~54)
+    weight_decay: float = 0.0
+    # conf/trainer/probe.yaml and conf/downstream.yaml feed these to the trainer and early
+    # stopping. Utterance-level epochs are cheap (one vector per utterance) and the dev split
+    # small and noisy.
+    max_epochs: int = 40
+    patience: int = 10  # epochs without a better dev accuracy before stopping
+
+    def __post_init__(self) -> None:
+        check_level(self.name, self.target, self.level)
+
+    def labels(self, datamodule: Any = None) -> LabelSource:
+        """This task's label source, bound to the data module that provides the labels."""
+        return label_source(self.target)(datamodule)
 
 
-def cached_features(
-    upstream: torch.nn.Module,
-    upstream_id: str,
-    layers: list[int],
-    datamodule: Any,
-    data_config: dict[str, Any],
-    cache_dir: str | Path,
-    device: torch.device | str,
-    progress_bar: bool,
-    normalization: FeatureNormalization,
-) -> dict[str, SplitFeatures]:
-    """Hidden states `layers` of every split, from the cache or extracted (then cached) once;
-    `normalization` (`feature_normalization`) adapts the input."""
-    normalizer = getattr(datamodule, "normalizer", None)
-    stats = tensor_digest(getattr(normalizer, "mean", None), getattr(normalizer, "std", None))
-    key = cache_key(upstream_id, layers, data_config, stats + normalization.cache_tag)
-    folder = Path(cache_dir).expanduser() / key
-    splits: dict[str, SplitFeatures] = {}
-    upstream = upstream.to(device)
-    for name in SPLITS:
-        path = folder / f"{name}.pt"
-        if path.is_file():
-            try:
-                splits[name] = load_split(path)
-                log.info("features %s: cached %s", name, path)
-                continue
-            except DamagedSplit as e:
-                log.warning("%s; extracting it again", e)
-        splits[name] = extract_split(
-            upstream,
-            split_loader(datamodule, name),
-            layers,
-            description=f"features {name}",
-            device=device,
-            transform=normalization.transform,
-            progress_bar=progress_bar,
+# ----------------------------------------------------------------------------- data
+
+
+class ProbeDataset(Dataset):
+    """Items of one cached split: hidden (N, T', D) plus the task's labels at its level.
+
+    `labels` is the task's label source bound to the corpus (`TaskConfig.labels(datamodule)`);
+    None binds it to nothing, which serves the sources whose labels travel with the features.
+    """
+
+    def __init__(
+        self, split: SplitFeatures, task: TaskConfig, labels: LabelSource | None = None
+    ) -> None:
+        self.labels = labels if labels is not None else task.labels()
+        self.labels.check_split(split, task.name)
+        self.split, self.task = split, task
+        self.hidden = [split.hidden(i) for i in range(len(split))]  # float32 once, not per epoch
+
+    def __len__(self) -> int:
+        return len(self.split)
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        labels = self.labels.item(self.split, i, self.task.level)  # () or (T,)
+        return {"hidden": self.hidden[i], "utt_id": self.split.utt_ids[i], "labels": labels}
+
+
+def collate(items: list[dict[str, Any]]) -> dict[str, Any]:
+    """Pad a list of items: hidden (B, N, T', D), lengths (B,), padding_mask (B, T'),
+    labels (B,) or (B, T) padded with -100, label_lengths (B,), utt_ids."""
+    N, _, D = items[0]["hidden"].shape
+    lengths = torch.tensor([it["hidden"].size(1) for it in items])
+    hidden = torch.zeros(len(items), N, int(lengths.max()), D)
+    for b, it in enumerate(items):
+        hidden[b, :, : lengths[b]] = it["hidden"]
+    padding_mask = lengths_to_padding_mask(lengths, hidden.size(2))  # (B, T')
+    utt_ids = [it["utt_id"] for it in items]
+    batch = {"hidden": hidden, "lengths": lengths, "padding_mask": padding_mask, "utt_ids": utt_ids}
+    labels = [it["labels"] for it in items]
+    if labels[0].dim() == 0:
+        batch["labels"] = torch.stack(labels)
+    else:
+        batch["labels"] = pad_sequence(labels, batch_first=True, padding_value=IGNORE_INDEX).long()
+        batch["label_lengths"] = torch.tensor([len(y) for y in labels])
+    return batch
+
+
+# ----------------------------------------------------------------------------- model
+
+
+class DownstreamProbe(Probe, L.LightningModule):
+    """The task's `Probe`, trained with cross-entropy on frozen features (Lightning)."""
+
+    def __init__(
+        self,
+        task: TaskConfig,
+        input_dim: int,
+        num_layers: int,
+        num_classes: int,
+        downsample: int,
+        tolerance: int,
+    ) -> None:
+        sizes = {
+            "input_dim": input_dim,
+            "num_layers": num_layers,
+            "num_classes": num_classes,
+            "downsample": downsample,
+            "tolerance": tolerance,
+        }
+        super().__init__(
+            task.level,
+            *sizes.values(),
+            pooling=task.pooling,
+            pooling_scale=task.pooling_scale,
+            hidden_layers=task.hidden_layers,
+            hidden_dim=task.hidden_dim,
+            dropout=task.dropout,
         )
-        save_split(splits[name], path)
-        log.info("features %s: %d utterances -> %s", name, len(splits[name]), path)
-    return splits
+        self.save_hyperparameters({"task": asdict(task), **sizes})
+        self.task = task
+        metric = task.labels().metric(num_classes)
+        self.train_acc, self.dev_acc, self.test_acc = metric.clone(), metric.clone(), metric.clone()
+
+    def _step(self, batch: dict[str, Any], metric: Metric) -> Tensor:
+        flat_logits, flat_labels = self.aligned(self(batch), batch["labels"])
+        metric.update(flat_logits.detach(), flat_labels)
+        return self.loss(flat_logits, flat_labels)
+
+    def training_step(self, batch: dict[str, Any], batch_idx: int) -> Tensor:
+        loss = self._step(batch, self.train_acc)
+        B = len(batch["utt_ids"])
+        self.log("train_loss", loss, prog_bar=True, batch_size=B)
+        self.log("train_acc", self.train_acc, on_step=False, on_epoch=True, batch_size=B)
+        return loss
+
+    def validation_step(self, batch: dict[str, Any], batch_idx: int) -> None:
+        loss = self._step(batch, self.dev_acc)
+        B = len(batch["utt_ids"])
+        self.log("dev_loss", loss, batch_size=B)
+        self.log("dev_acc", self.dev_acc, prog_bar=True, batch_size=B)
+
+    def test_step(self, batch: dict[str, Any], batch_idx: int) -> None:
+        self._step(batch, self.test_acc)
+        self.log("test_acc", self.test_acc, batch_size=len(batch["utt_ids"]))
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        params = [p for p in self.parameters() if p.requires_grad]
+        return torch.optim.AdamW(params, lr=self.task.lr, weight_decay=self.task.weight_decay)
 
 
-def split_loader(datamodule: Any, split: str) -> Any:
-    """The deterministic loader of `split` (train | dev | test), for extraction."""
-    if hasattr(datamodule, "extraction_dataloader"):
-        return datamodule.extraction_dataloader(split)
-    return {
-        "train": datamodule.train_dataloader,
-        "dev": datamodule.val_dataloader,
-        "test": datamodule.test_dataloader,
-    }[split]()
+# ----------------------------------------------------------------------------- run
 
 
 @dataclass
@@ -151,13 +248,9 @@ def fit_probe(
         )
         for name in SPLITS
     }
+    features = splits["train"].features  # (ΣT', N, D)
     probe = DownstreamProbe(
-        task,
-        input_dim=splits["train"].features.size(-1),
-        num_layers=splits["train"].features.size(1),
-        num_classes=num_classes,
-        downsample=downsample,
-        tolerance=tolerance,
+        task, features.size(-1), features.size(1), num_classes, downsample, tolerance
     )
     checkpoint = L.pytorch.callbacks.ModelCheckpoint(
         dirpath=out / "checkpoints",
@@ -186,23 +279,16 @@ def fit_probe(
             f"task {task.name}: no dev evaluation ran, so there is no best checkpoint "
             f"(trainer.max_epochs={trainer.max_epochs}: train at least one epoch)"
         )
-    dev_accuracy = float(checkpoint.best_model_score)
     epochs = int(trainer.current_epoch)
     # trainer.test loads the best checkpoint's weights into `probe`.
-    test_metrics = trainer.test(
-        probe, loaders["test"], ckpt_path=best, verbose=False, weights_only=True
-    )
-    weights = probe.select.weights().tolist() if probe.select.num_layers > 1 else None
+    tested = trainer.test(probe, loaders["test"], ckpt_path=best, verbose=False, weights_only=True)
     return ProbeFit(
-        dev_accuracy=dev_accuracy,
-        test_accuracy=float(test_metrics[0]["test_acc"]),
+        dev_accuracy=float(checkpoint.best_model_score),
+        test_accuracy=float(tested[0]["test_acc"]),
         best_epoch=int(re.search(r"epoch=(\d+)", Path(best).name).group(1)),
         epochs_trained=epochs,
-        layer_weights=weights,
+        layer_weights=probe.select.weights().tolist() if probe.select.num_layers > 1 else None,
     )
-
-
-# ----------------------------------------------------------------------------- run
 
 
 def run(cfg: DictConfig) -> dict[str, Any]:
@@ -243,7 +329,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         normalization,
     )
     upstream.cpu()
-    t_features = time.perf_counter() - t_features
+    runtime = {"features": time.perf_counter() - t_features}
     for name in SPLITS:
         labels.check_lengths(splits[name], upstream.downsample, cfg.tolerance)
 
@@ -264,24 +350,23 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         )
     finally:
         finish_loggers(loggers)
-    runtime = {"features": t_features, "train": time.perf_counter() - t_train}
+    runtime["train"] = time.perf_counter() - t_train
     runtime["total"] = time.perf_counter() - t_start
     from speechattn import code_version  # the package root, imported lazily (no cycle)
 
     meta = dict(getattr(upstream, "metadata", {}) or {})
     config = getattr(upstream, "config", None)  # None for mel
+    steps = [meta[k] for k in ("global_step", "steps", "step", "pretraining_steps") if k in meta]
     result = DownstreamResult(
         task=task.name,
-        upstream=str(cfg.upstream)
-        if str(cfg.upstream) == MEL
-        else str(Path(cfg.upstream).resolve()),
+        upstream=upstream_name(cfg.upstream),
         upstream_sha256=sha,
         attention=upstream.attention_name,
         attention_config={}
         if config is None
         else {"name": config.attention, "options": plain(dict(config.attention_options))},
         model_config={} if config is None else plain(config),
-        pretraining_steps=_pretraining_steps(meta),
+        pretraining_steps=next((int(s) for s in steps if isinstance(s, int)), None),
         upstream_parameters=int(
             meta.get("num_params") or sum(p.numel() for p in upstream.parameters())
         ),
@@ -326,6 +411,11 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     return result.to_dict()
 
 
+def upstream_name(spec: Any) -> str:
+    """What a record names the upstream by: `mel`, or the upstream file's absolute path."""
+    return str(spec) if str(spec) == MEL else str(Path(spec).resolve())
+
+
 def labelled_data_config(task: TaskConfig, data_config: Any) -> Any:
     """The data config for `task`, failing early (naming the file) when labels are missing.
 
@@ -356,13 +446,6 @@ def check_input_frames(upstream: Any, datamodule: Any) -> None:
         model.check_input_frames(max(lengths, default=0), "data.labelled_max_frames", True)
     else:
         model.check_input_frames(crop, "data.labelled_max_frames")
-
-
-def _pretraining_steps(meta: dict[str, Any]) -> int | None:
-    for key in ("global_step", "steps", "step", "pretraining_steps"):
-        if isinstance(meta.get(key), int):
-            return int(meta[key])
-    return None
 
 
 def _save_example(datamodule: Any, out: Path) -> None:
