@@ -168,3 +168,10 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # pytest-xdist workers share the cores: one torch thread each, or two workers on two cores
+    # would run four threads that wait for each other
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        torch.set_num_threads(1)
