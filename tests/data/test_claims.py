@@ -4,6 +4,7 @@ temporary files are removed only when no live claim covers them."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import multiprocessing as mp
 import os
@@ -29,6 +30,12 @@ from speechattn.data.claims import (
 from speechattn.utils import atomic_write_text, temp_name
 
 FAST = ClaimConfig(heartbeat_s=0.05, expiry_s=0.4, wait_timeout_s=20, log_every_s=0.1, poll_s=0.02)
+# where a live holder must keep its claim: a loaded machine can leave a process unscheduled for
+# longer than FAST's expiry, and its claim would then be taken over by right
+LIVE = ClaimConfig(heartbeat_s=0.05, expiry_s=2.0, wait_timeout_s=60, log_every_s=0.1, poll_s=0.02)
+# where expiry plays no part (every claim is live or long dead)
+STEADY = dataclasses.replace(LIVE, expiry_s=120.0)
+DEADLINE_S = 60  # for what takes milliseconds: only a hang comes near it
 CTX = mp.get_context("fork")  # test functions are not importable by a spawned child
 
 
@@ -50,8 +57,8 @@ def _work(folder: Path, unit: str, host: str) -> None:
 
 def _node(host: str, folder: Path, units: list[str], start, seconds: float) -> None:
     os.environ[HOST_ENV] = host
-    start.wait(10)
-    for unit in claim_pending(units, folder, _done(folder), FAST, "units"):
+    start.wait(DEADLINE_S)
+    for unit in claim_pending(units, folder, _done(folder), STEADY, "units"):
         time.sleep(seconds)
         _work(folder, unit, host)
 
@@ -75,14 +82,15 @@ def test_processes_on_distinct_hosts_do_every_unit_exactly_once(tmp_path):
     for unit in units[::5]:  # a crashed run's claims: every node finds them dead at once
         _ghost_claim(tmp_path / f"{unit}.claim")
     start = CTX.Event()
+    # 0.1 s a unit: one node alone would take 2.4 s, while the others sat unscheduled
     nodes = [
-        CTX.Process(target=_node, args=(f"node{i}", tmp_path, units, start, 0.03)) for i in range(4)
+        CTX.Process(target=_node, args=(f"node{i}", tmp_path, units, start, 0.1)) for i in range(4)
     ]
     for p in nodes:
         p.start()
     start.set()
     for p in nodes:
-        p.join(30)
+        p.join(DEADLINE_S)
     assert [p.exitcode for p in nodes] == [0, 0, 0, 0]  # all returned, none raised
     log = _log(tmp_path)
     assert Counter(unit for unit, _, _ in log) == Counter(units)  # each once
@@ -92,10 +100,10 @@ def test_processes_on_distinct_hosts_do_every_unit_exactly_once(tmp_path):
     assert _leftovers(tmp_path) == []  # claims released, clock files removed
 
 
-def _hold(host, folder, unit, ready, finish_after, report) -> None:
+def _hold(host, folder, unit, ready, finish_after, report, config=FAST) -> None:
     """A node that claims `unit`, starts writing its file, and (finish_after: None) never ends."""
     os.environ[HOST_ENV] = host
-    with Claims(folder, FAST) as claims:
+    with Claims(folder, config) as claims:
         assert claims.try_claim(unit)
         tmp = temp_name(folder / f"{unit}.txt")
         tmp.write_text("half")
@@ -112,17 +120,18 @@ def _hold(host, folder, unit, ready, finish_after, report) -> None:
 
 def test_a_live_foreign_claim_is_never_taken_over_nor_its_temp_files_removed(tmp_path):
     ready, report = CTX.Event(), CTX.Queue()
-    node9 = CTX.Process(target=_hold, args=("node9", tmp_path, "u1", ready, 1.5, report))
+    hold = 3 * LIVE.expiry_s + 0.5
+    node9 = CTX.Process(target=_hold, args=("node9", tmp_path, "u1", ready, hold, report, LIVE))
     node9.start()
-    assert ready.wait(10)
+    assert ready.wait(DEADLINE_S)
     temp = next(tmp_path.glob("u1.txt.tmp-*"))
-    assert remove_stale_temps(tmp_path, _unit_of, FAST) == []
+    assert remove_stale_temps(tmp_path, _unit_of, LIVE) == []
     assert temp.is_file()
     mine = []
-    for unit in claim_pending(["u0", "u1", "u2"], tmp_path, _done(tmp_path), FAST, host="nodeA"):
+    for unit in claim_pending(["u0", "u1", "u2"], tmp_path, _done(tmp_path), LIVE, host="nodeA"):
         mine.append(unit)
         _work(tmp_path, unit, "nodeA")
-    node9.join(10)
+    node9.join(DEADLINE_S)
     assert mine == ["u0", "u2"]  # u1 waited for over 3 expiry periods, never taken
     assert report.get(timeout=5) is True  # node9 still held its claim when it finished
     assert node9.exitcode == 0
@@ -133,11 +142,12 @@ def test_a_crashed_holder_is_taken_over_and_its_temp_files_removed(tmp_path, cap
     ready, report = CTX.Event(), CTX.Queue()
     dead = CTX.Process(target=_hold, args=("node-dead", tmp_path, "u1", ready, None, report))
     dead.start()
-    assert ready.wait(10)
+    assert ready.wait(DEADLINE_S)
     os.kill(dead.pid, signal.SIGKILL)  # no release: the claim file stays behind
-    dead.join(10)
+    dead.join(DEADLINE_S)
     temp = next(tmp_path.glob("u1.txt.tmp-*"))
-    assert remove_stale_temps(tmp_path, _unit_of, FAST) == []  # not yet expired
+    # not yet expired (STEADY's expiry: FAST's could pass before this look on a loaded machine)
+    assert remove_stale_temps(tmp_path, _unit_of, STEADY) == []
     time.sleep(FAST.expiry_s + 0.1)
     assert remove_stale_temps(tmp_path, _unit_of, FAST) == [temp]
     caplog.set_level(logging.WARNING, "speechattn.data.claims")
@@ -156,9 +166,9 @@ def test_a_dead_process_of_this_host_is_taken_over_at_once(tmp_path, monkeypatch
     ready, report = CTX.Event(), CTX.Queue()
     dead = CTX.Process(target=_hold, args=("nodeA", tmp_path, "u1", ready, None, report))
     dead.start()
-    assert ready.wait(10)
+    assert ready.wait(DEADLINE_S)
     os.kill(dead.pid, signal.SIGKILL)
-    dead.join(10)
+    dead.join(DEADLINE_S)
     with Claims(tmp_path, patient, host="nodeB") as other_host:
         assert not other_host.try_claim("u1")  # cannot see nodeA's pids: waits for expiry
     with Claims(tmp_path, patient) as same_host:
@@ -182,9 +192,8 @@ def test_the_wait_logs_progress_then_times_out_naming_units_holders_and_claim_fi
     tmp_path, caplog
 ):
     caplog.set_level(logging.INFO, "speechattn.data.claims")
-    config = ClaimConfig(
-        heartbeat_s=0.05, expiry_s=0.4, wait_timeout_s=0.6, log_every_s=0.2, poll_s=0.02
-    )
+    # the wait outlasts the expiry, which outlasts any pause of node9's heartbeat
+    config = dataclasses.replace(LIVE, wait_timeout_s=1.5 * LIVE.expiry_s, log_every_s=0.2)
     mine = []
     with Claims(tmp_path, config, host="node9") as node9:  # live: its heartbeat runs
         assert node9.try_claim("u1")
@@ -192,7 +201,7 @@ def test_the_wait_logs_progress_then_times_out_naming_units_holders_and_claim_fi
             for unit in claim_pending(["u0", "u1"], tmp_path, _done(tmp_path), config, "shards"):
                 mine.append(unit)
                 _work(tmp_path, unit, "nodeA")
-        assert node9.holds("u1")  # waited three expiry periods: never taken over
+        assert node9.holds("u1")  # waited past the expiry: never taken over
     message = str(error.value)
     claim = tmp_path / "u1.claim"
     assert message.startswith(f"{claim}: timed out waiting for shards claimed by other processes")
@@ -268,10 +277,16 @@ def test_a_pool_broken_before_the_next_unit_is_submitted_is_a_worker_death(tmp_p
     with pytest.raises(WorkerDied, match=r"a worker process died .*\(u\d among them\)"):
         with process_pool(2) as pool:
             for _ in claim_map(_work_in_pool, jobs, tmp_path, _done(tmp_path), pool, 1, FAST):
-                for worker in mp.active_children():  # the out-of-memory killer
-                    os.kill(worker.pid, signal.SIGKILL)
+                # the out-of-memory killer. Process.kill, not os.kill(pid): once the first
+                # worker is dead the pool's manager thread ends and reaps the other one, whose
+                # pid may then be gone (ProcessLookupError) or another process's
+                for worker in mp.active_children():
+                    worker.kill()
                     worker.join()
-                time.sleep(0.5)  # the pool's manager thread marks it broken
+                deadline = time.monotonic() + DEADLINE_S
+                while not pool._broken and time.monotonic() < deadline:
+                    time.sleep(0.01)  # the manager thread marks the pool broken
+                assert pool._broken  # so the next unit's submit finds it broken
     assert not list(tmp_path.glob("*.claim"))
 
 
@@ -322,10 +337,11 @@ def test_temp_files_of_no_unit_go_only_once_untouched_for_the_expiry(tmp_path):
     fresh, old = (temp_name(tmp_path / name) for name in ("index.json", "index.npz"))
     fresh.write_text("x")
     old.write_text("x")
-    os.utime(old, (time.time() - 10,) * 2)
+    os.utime(old, (time.time() - 1000,) * 2)
     orphan = temp_name(tmp_path / "u3.npy")  # a unit nobody claims
     orphan.write_text("x")
-    assert remove_stale_temps(tmp_path, _unit_of, FAST) == sorted([old, orphan])
+    # STEADY's expiry: FAST's could pass between writing `fresh` and this look
+    assert remove_stale_temps(tmp_path, _unit_of, STEADY) == sorted([old, orphan])
     assert fresh.is_file()
 
 
@@ -345,7 +361,11 @@ def test_the_heartbeat_touches_its_claims_and_gives_up_those_no_longer_ours(tmp_
         claims.path("u1").unlink()
         for unit in ("u0", "u2"):
             os.utime(claims.path(unit), (1000, 1000))
-        time.sleep(5 * FAST.heartbeat_s)
+        deadline = time.monotonic() + DEADLINE_S  # the heartbeat thread's next beats
+        while time.monotonic() < deadline and (
+            claims.holds("u0") or claims.holds("u1") or claims.path("u2").stat().st_mtime == 1000
+        ):
+            time.sleep(FAST.heartbeat_s)
         assert not claims.holds("u0") and not claims.holds("u1") and claims.holds("u2")
         assert claims.path("u0").stat().st_mtime == 1000  # not ours: never touched
         assert claims.path("u2").stat().st_mtime > 1000
