@@ -30,6 +30,11 @@ SPLIT = "train-clean-360"
 SETTINGS = ExtractionSettings()
 SHARD_SIZE = 4
 FAST = ClaimConfig(heartbeat_s=0.05, expiry_s=0.4, wait_timeout_s=30, log_every_s=0.1, poll_s=0.02)
+# where a live holder must keep its claim: a loaded machine can leave a process unscheduled for
+# longer than FAST's expiry, and its claim would then be taken over by right
+LIVE = ClaimConfig(heartbeat_s=0.05, expiry_s=2.0, wait_timeout_s=60, log_every_s=0.1, poll_s=0.02)
+STEADY = dataclasses.replace(LIVE, expiry_s=120.0)  # where expiry plays no part
+DEADLINE_S = 120  # for what takes seconds: only a hang comes near it
 CTX = mp.get_context("fork")  # test functions are not importable by a spawned child
 
 
@@ -96,8 +101,8 @@ def _node(host, root, cache, log_file, workers, start, results) -> None:
     _one_thread()
     os.environ[HOST_ENV] = host
     _count_extractions(log_file, host, seconds=0.05)
-    start.wait(10)
-    store = _open(root, cache, workers)
+    start.wait(DEADLINE_S)
+    store = _open(root, cache, workers, claim_config=STEADY)
     results.put((host, store.shard_keys, _digests(store)))
 
 
@@ -111,9 +116,9 @@ def test_nodes_extract_each_shard_once_and_end_with_the_same_store(corpus, refer
     for p in nodes:
         p.start()
     start.set()
-    ended = [results.get(timeout=120) for _ in nodes]
+    ended = [results.get(timeout=DEADLINE_S) for _ in nodes]
     for p in nodes:
-        p.join(30)
+        p.join(DEADLINE_S)
     assert [p.exitcode for p in nodes] == [0, 0, 0]
     keys = ended[0][1]
     assert len(keys) > 12
@@ -149,41 +154,53 @@ def test_a_dead_holders_shard_is_taken_over_and_its_temp_files_removed(
     assert _leftovers(cache) == []
 
 
-def _hold(cache, key, ready, report, seconds) -> None:
+def _hold(cache, key, others, ready, report, seconds) -> None:
     """Node9: claims shard `key`, starts writing it (a temporary file, old: only the live claim
-    protects it), stays alive `seconds` (heartbeats), then gives up without finishing."""
+    protects it), stays alive (heartbeats) until the shards `others` are committed, then
+    `seconds` more, then gives up without finishing."""
     os.environ[HOST_ENV] = "node9"
-    with Claims(shard_dir(cache, SETTINGS), FAST) as claims:
+    directory = shard_dir(cache, SETTINGS)
+    with Claims(directory, LIVE) as claims:
         assert claims.try_claim(key)
-        temp = temp_name(shard_dir(cache, SETTINGS) / f"{key}.npy")
+        temp = temp_name(directory / f"{key}.npy")
         temp.write_bytes(b"half a shard")
         os.utime(temp, (time.time() - 1000,) * 2)
         ready.set()
+        deadline = time.monotonic() + DEADLINE_S
+        while time.monotonic() < deadline and not all(
+            shards_module.shard_paths(directory, other).marker.is_file() for other in others
+        ):
+            time.sleep(0.02)
         time.sleep(seconds)
         report.put(temp.is_file() and claims.holds(key))
         temp.unlink()
         claims.release(key)  # undone: the waiting process takes the shard
 
 
-def _held_shard(keys: list[str], tmp_path: Path, seconds: float):
-    """A cache in which node9 (`_hold`) holds shard 1 for `seconds` (1.5: over 3 expiries)."""
+def _held_shard(keys: list[str], tmp_path: Path, seconds: float, others: list[str] | None = None):
+    """A cache in which node9 (`_hold`) holds shard 1 until the shards `others` are committed,
+    then `seconds` more."""
     cache = tmp_path / "cache"
     shard_dir(cache, SETTINGS).mkdir(parents=True)
     ready, report = CTX.Event(), CTX.Queue()
-    holder = CTX.Process(target=_hold, args=(cache, keys[1], ready, report, seconds))
+    holder = CTX.Process(target=_hold, args=(cache, keys[1], others or [], ready, report, seconds))
     holder.start()
-    assert ready.wait(10)
+    assert ready.wait(DEADLINE_S)
     return cache, keys, holder, report
 
 
 def test_a_live_holders_shard_is_waited_for_and_its_temp_files_kept(
     corpus, alone, reference, tmp_path, caplog
 ):
-    cache, keys, holder, report = _held_shard(alone.shard_keys, tmp_path, seconds=1.5)
+    # held until we have extracted every other shard, then over 3 expiries more: we wait for
+    # it (and say so) while it is still held, however long our own shards took
+    keys = alone.shard_keys
+    others = [key for key in keys if key != keys[1]]
+    cache, keys, holder, report = _held_shard(keys, tmp_path, 3 * LIVE.expiry_s + 0.5, others)
     extracted = []
     with caplog.at_level(logging.INFO, "speechattn.data.claims"):
-        store = _open(corpus, cache, on_shard_done=extracted.append)
-    holder.join(10)
+        store = _open(corpus, cache, on_shard_done=extracted.append, claim_config=LIVE)
+    holder.join(DEADLINE_S)
     assert holder.exitcode == 0
     assert report.get(timeout=5) is True  # its temp file survived our clean-up, its claim ours
     assert f"waiting for 1 shards claimed by other processes: node9 pid {holder.pid} " in (
@@ -196,14 +213,15 @@ def test_a_live_holders_shard_is_waited_for_and_its_temp_files_kept(
 
 
 def test_the_wait_times_out_naming_the_shard_its_holder_and_claim_file(corpus, alone, tmp_path):
-    cache, keys, holder, _ = _held_shard(alone.shard_keys, tmp_path, seconds=60)
-    patience = dataclasses.replace(FAST, wait_timeout_s=0.5)
+    cache, keys, holder, _ = _held_shard(alone.shard_keys, tmp_path, seconds=DEADLINE_S)
+    # node9's claim stays live (STEADY's expiry) however long a loaded machine pauses it
+    patience = dataclasses.replace(STEADY, wait_timeout_s=0.5)
     try:
         with pytest.raises(ClaimTimeout) as error:
             _open(corpus, cache, claim_config=patience)
     finally:
         holder.kill()
-        holder.join(10)
+        holder.join(DEADLINE_S)
     claim = shard_dir(cache, SETTINGS) / f"{keys[1]}.claim"
     message = str(error.value)
     assert message.startswith(f"{claim}: timed out waiting for shards claimed by other processes")
