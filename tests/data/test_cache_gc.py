@@ -147,7 +147,8 @@ def test_gc_keeps_claimed_shards_and_a_running_extraction(tiny_corpus, tmp_path)
 def test_gc_asks_the_claims_module_who_is_still_working(tiny_corpus, tmp_path):
     """Without a grace period only claims protect: a live claim (heartbeat) keeps its shard and
     its temporary files however old; a dead holder's claim protects nothing."""
-    cache, fast = tmp_path / "cache", ClaimConfig(heartbeat_s=0.05, expiry_s=0.4)
+    # an expiry no pause of this process on a loaded machine reaches: the live claim stays live
+    cache, claims = tmp_path / "cache", ClaimConfig(heartbeat_s=0.05, expiry_s=120)
     b = _copy(tiny_corpus, tmp_path / "b")
     store = _open(b, cache)
     keys = store.shard_keys
@@ -158,12 +159,12 @@ def test_gc_asks_the_claims_module_who_is_still_working(tiny_corpus, tmp_path):
     dead = store.directory / f"{keys[1]}.claim"
     dead.write_text('{"host": "ghost", "pid": 4242, "started": 0, "token": "ghost"}')
     os.utime(dead, (0, 0))
-    with Claims(store.directory, fast, host="node9") as live:
+    with Claims(store.directory, claims, host="node9") as live:
         assert live.try_claim(keys[0])
-        removed = gc_module.collect(cache, grace_s=0, claim_config=fast)  # corpus b is live
+        removed = gc_module.collect(cache, grace_s=0, claim_config=claims)  # corpus b is live
         assert removed["temp_files"] == [temps[1]] and temps[0].is_file()
         shutil.rmtree(b)  # now every shard is unused, once the gone folder is forgotten
-        removed = gc_module.collect(cache, grace_s=0, claim_config=fast, forget_missing=True)
+        removed = gc_module.collect(cache, grace_s=0, claim_config=claims, forget_missing=True)
         assert removed["kept"] == 1 and keys[0] not in removed["shards"]
         assert set(removed["shards"]) == set(keys[1:]) and not dead.exists()
         assert store.paths(0).npy.exists() and temps[0].is_file()
