@@ -216,7 +216,10 @@ def test_multiruns_that_only_wait_run_at_once(study, tmp_path: Path, elsewhere: 
     import threading
 
     runner = study.Study(tmp_path, study.Scale(jobs=1), jobs_elsewhere=elsewhere)
-    both_running = threading.Barrier(2, timeout=2)
+    # side by side, the second arrives at once: a generous timeout costs nothing, where a
+    # tight one would break the barrier when a loaded machine starts the second thread late;
+    # one at a time, the first waits out the timeout alone
+    both_running = threading.Barrier(2, timeout=60 if elsewhere else 2)
 
     def command(name: str, argv: list[str], record_failure: bool = True) -> bool:
         try:
