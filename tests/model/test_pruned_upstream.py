@@ -188,6 +188,7 @@ def test_prune_command_writes_the_pruned_upstream(tmp_path):
     assert json.loads(json.dumps(up.metadata["pruning"]))["heads_num_masked"] == 7
 
 
+@pytest.mark.usefixtures("one_torch_thread")  # `--threads 1` sets torch's threads: restored after
 def test_pruning_benchmark_runs_and_reports(tmp_path, capsys):
     from speechattn.bench import pruning as bench
 
