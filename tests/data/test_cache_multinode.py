@@ -242,7 +242,7 @@ def _rank(rank, cfg, log_file, results) -> None:
     """A DDP rank as Lightning runs it: prepare_data on local rank 0 only, setup on each."""
     _one_thread()
     os.environ.update(LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2")
-    _count_extractions(log_file, f"rank{rank}", seconds=0.05)
+    _count_extractions(log_file, f"rank{rank}", seconds=0.1)  # one rank alone: over 2 s
     dm = PretrainDataModule(cfg)
     if rank == 0:
         dm.prepare_data()
@@ -255,16 +255,16 @@ def test_ddp_ranks_extract_together_in_setup(corpus, tmp_path):
     cfg = DataConfig(
         corpus="librispeech", root=str(corpus), cache_dir=str(tmp_path / "cache"),
         pretrain_splits=[SPLIT], labelled_splits=[SPLIT], shard_size=SHARD_SIZE,
-        extract_workers=1, progress=False, claim_heartbeat_s=0.2, claim_expiry_s=3.0,
+        extract_workers=1, progress=False, claim_heartbeat_s=0.2, claim_expiry_s=STEADY.expiry_s,
         cache_wait_log_s=0.1,
     )  # fmt: skip
     log_file, results = tmp_path / "extracted.log", CTX.Queue()
     ranks = [CTX.Process(target=_rank, args=(r, cfg, log_file, results)) for r in (0, 1)]
     for p in ranks:
         p.start()
-    ended = sorted(results.get(timeout=120) for _ in ranks)
+    ended = sorted(results.get(timeout=DEADLINE_S) for _ in ranks)
     for p in ranks:
-        p.join(30)
+        p.join(DEADLINE_S)
     assert [p.exitcode for p in ranks] == [0, 0]
     (_, train0, mean0), (_, train1, mean1) = ended
     assert train0 == train1 and mean0 == mean1 and len(train0) > 80
