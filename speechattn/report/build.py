@@ -34,7 +34,6 @@ from speechattn.report.tables import (
     accuracy_table,
     collect_superb,
     cost_table,
-    has_superb_results,
     reference_table,
     span_table,
     superb_table,
@@ -85,8 +84,9 @@ def make_report(
     results = collect(results_dir)
     report.notes += results.problems
     variants, tasks = results.variants(), results.tasks()
-    if not variants and has_superb_results(results_dir):  # a SUPERB folder: its tables only
-        report.write("README.md", _superb_readme(_superb(results_dir, report)))
+    superb = _superb(results_dir, report)
+    if not variants and superb is not None:  # a SUPERB folder: its tables only
+        report.write("README.md", _superb_readme(superb))
         return report
     expected = [MEL, *[v for v in registry_order() or variants if v != MEL]]
     report.missing = [(v, t) for v in expected for t in TASKS if results.get(v, t) is None]
@@ -166,7 +166,6 @@ def make_report(
             "side); last column: the mean span in milliseconds.\n\n" + spans.markdown(digits=1),
             spans,
         )
-    superb = _superb(results_dir, report)
     report.write("README.md", _readme(report, results, table2, table1_md, superb, abx))
     return report
 

@@ -286,10 +286,6 @@ def row_label(result: SuperbResult) -> str:
     return label + (" (quick)" if result.quick else "")
 
 
-def has_superb_results(root: str | Path) -> bool:
-    return next(Path(root).rglob(SUPERB_FILE), None) is not None
-
-
 def superb_table(found: dict[tuple[str, str], SuperbResult]) -> Table:
     """Metric per upstream and task; speechattn variants first, then baselines; best per
     column (highest accuracy, lowest PER) in bold."""

@@ -67,3 +67,14 @@ def test_each_upstream_run_and_layer_choice_is_its_own_row(tmp_path):
 def test_no_superb_results_no_table(tmp_path):
     make_report(tmp_path, out=tmp_path / "report")
     assert not (tmp_path / "report" / "superb.md").exists()
+
+
+def test_a_folder_of_unreadable_superb_results_gets_a_report_naming_them(tmp_path):
+    """No result.json and no readable superb_result.json: the report is written, with the
+    broken files named, instead of failing on the SUPERB table it cannot build."""
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "superb_result.json").write_text("{}")
+    report = make_report(tmp_path, out=tmp_path / "report")
+    assert any("bad/superb_result.json" in n for n in report.notes)
+    assert "bad/superb_result.json" in (tmp_path / "report" / "README.md").read_text()
+    assert not (tmp_path / "report" / "superb.md").exists()
