@@ -1,20 +1,8 @@
 """Claims: processes on several hosts share out units of work (cache shards) in one folder,
-each unit done once, by whoever is free, the others waiting for the rest. Settings and DDP
-use: docs/multinode.md.
-
-    done = lambda shard: (entry / f"{shard}.json").is_file()     # the unit's commit marker
-    for shard in claim_pending(names, entry, done, what="shards"):
-        extract(shard)                       # atomic writes, the marker last
-
-`claim_map` keeps a process pool busy the same way.
-
-A claim is `<claims_dir>/<unit>.claim`, created with O_CREAT|O_EXCL (atomic on local disks and
-NFSv3+), holding the holder's host, pid, start time and a random token. A heartbeat thread
-touches every claim its process holds each `heartbeat_s`. A claim untouched for `expiry_s`
-(measured on the filesystem's clock, so node clock skew cannot expire live claims), or whose
-process on this same host, kernel and pid namespace is gone, is dead, and exactly one other
-process takes it over (`Claims._take_over`). `remove_stale_temps` deletes temporary files
-(`utils.TEMP_MARK`) only where no live claim covers them, whatever host wrote them.
+each unit done once, by whoever is free, the others waiting for the rest (`claim_pending`,
+`claim_map`). A claim is `<unit>.claim`, created with O_CREAT|O_EXCL (atomic on local disks
+and NFSv3+) and touched by its holder's heartbeat; a dead holder's claim is taken over by
+exactly one other process. Design, settings and DDP use: docs/multinode.md.
 """
 
 from __future__ import annotations
@@ -145,15 +133,9 @@ class ClaimTimeout(DataError):
 
 
 class Claims:
-    """This process's claims in one folder; a context manager that runs the heartbeat.
-
-        with Claims(folder, config) as claims:
-            if claims.try_claim("shard-00003"):
-                ...                                  # do it
-                claims.release("shard-00003")
-
-    Leaving the block releases every claim still held. Not thread-safe (bar its heartbeat).
-    """
+    """This process's claims in one folder (`try_claim`, `release`); a context manager that
+    runs the heartbeat, and on leaving releases every claim still held. Not thread-safe (bar
+    its heartbeat)."""
 
     def __init__(
         self,
@@ -226,11 +208,10 @@ class Claims:
         """Whether the holder cannot be working any more: silent for `expiry_s` (with
         `pid_holds`: on another host only), or a process of this machine that is gone."""
         same_machine = info.host == self.host and info.machine and info.machine == self.machine
-        if self.pid_holds and same_machine and info.pid != os.getpid():
+        other = bool(same_machine and info.pid != os.getpid())  # another process we can see
+        if self.pid_holds and other:
             return not pid_alive(info.pid)
-        if self.now() - info.mtime > self.config.expiry_s:
-            return True
-        return bool(same_machine and info.pid != os.getpid() and not pid_alive(info.pid))
+        return (other and not pid_alive(info.pid)) or self.now() - info.mtime > self.config.expiry_s
 
     def token(self, unit: str) -> str | None:
         """The token of this process's claim of `unit`, None when it holds none."""
@@ -275,13 +256,8 @@ class Claims:
         except FileExistsError:
             return False
         token = secrets.token_hex(8)
-        record = {
-            "host": self.host,
-            "pid": os.getpid(),
-            "started": time.time(),
-            "token": token,
-            "machine": self.machine,
-        }
+        record = {"host": self.host, "pid": os.getpid(), "started": time.time(), "token": token,
+                  "machine": self.machine}  # fmt: skip
         try:
             os.write(fd, json.dumps(record).encode())
         except BaseException:
@@ -364,11 +340,9 @@ def remove_stale_temps(
     unit_of: Callable[[str], str | None],
     config: ClaimConfig | None = None,
 ) -> list[Path]:
-    """Delete the temporary files (`utils.atomic_path`) in `directory` that no live process can
-    still be writing; returns their paths. `unit_of(target)` names a target file's unit, or
-    None. A unit's files go when its claim (in `directory`) is absent or dead, however fresh,
-    and stay while it is live, however old; files of no unit go when untouched for `expiry_s`.
-    """
+    """Delete (and return) the temporary files in `directory` no live process can still be
+    writing: a unit's (`unit_of(target)`, None for none) when its claim is absent or dead,
+    however fresh; those of no unit when untouched for `expiry_s`."""
     directory = Path(directory)
     removed = []
     with closing(Claims(directory, config)) as claims:  # listed before its clock file exists
@@ -399,8 +373,7 @@ class WorkerDied(SpeechattnError, RuntimeError):
 
 class WorkShare(Claims):
     """One process's share of a job over `claims_dir`: which of `units` it may do next
-    (`claim`, then `finished` for each), then the wait for the units others hold (`wait`).
-    Leaving the `with` block releases what is still held: the next process may take it."""
+    (`claim`, then `finished` for each), then the wait for the units others hold (`wait`)."""
 
     def __init__(
         self,
@@ -415,15 +388,13 @@ class WorkShare(Claims):
         if len(set(units)) != len(units):
             raise ValueError(f"{what}: unit names must be unique")
         super().__init__(claims_dir, config, host)
-        self.is_done = is_done
-        self.what = what
+        self.is_done, self.what = is_done, what
         self._queue = deque(units)  # still to look at, in order
         self._waiting: list[str] = []  # others held them when last looked at
         self._last_progress = self._last_log = time.monotonic()
 
     def claim(self, n: int) -> list[str]:
-        """Up to `n` units claimed for this process, in order, neither done nor held by a live
-        process ([] when none is free now)."""
+        """Up to `n` units claimed for this process, in order ([] when none is free now)."""
         batch: list[str] = []
         while self._queue and len(batch) < n:
             unit = self._queue.popleft()
@@ -451,8 +422,7 @@ class WorkShare(Claims):
     def wait(self) -> bool:
         """Call when this process holds nothing and `claim` found nothing: False when every
         unit is done; else sleeps `poll_s`, queues the units others held for another look and
-        returns True. Logs the holders every `log_every_s`; `ClaimTimeout` when none of their
-        units finished for `wait_timeout_s`."""
+        returns True (`ClaimTimeout` when none of them finished for `wait_timeout_s`)."""
         still = [unit for unit in self._waiting if not self.is_done(unit)]
         if not still and not self._queue:
             return False
@@ -489,8 +459,7 @@ class WorkShare(Claims):
     def _timeout(self, units: list[str], waited: float) -> ClaimTimeout:
         lines = []
         for unit in units[:10]:
-            info = self.holder(unit)
-            if info is None:
+            if (info := self.holder(unit)) is None:
                 lines.append(f"{unit} (claim released, not done)")
                 continue
             started = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(info.started))
@@ -520,14 +489,10 @@ def claim_pending(
     host: str | None = None,
 ) -> Iterator[str]:
     """Share `units` with every other process running this over the same `claims_dir`:
-    `for unit in claim_pending(...): do(unit)`.
-
-    Yields the units claimed here, in order, skipping those `is_done` or held by others. Each
-    must be done (else RuntimeError) before the next is asked for; then its claim is released.
-    With nothing left to claim, waits until every unit is done (`WorkShare.wait`); a unit
-    released undone, or whose holder died, is yielded here. Claims still held when the caller
-    stops are released.
-    """
+    `for unit in claim_pending(...): do(unit)` yields the units claimed here, in order, skipping
+    those `is_done` or held by others; each must be done (else RuntimeError) before the next is
+    asked for. Then waits until every unit is done (`WorkShare.wait`), yielding a unit released
+    undone or whose holder died."""
     with WorkShare(units, claims_dir, is_done, config, what, host) as share:
         while (claimed := share.claim(1)) or share.wait():
             for unit in claimed:
@@ -546,16 +511,11 @@ def claim_map(
     what: str = "units",
     host: str | None = None,
 ) -> Iterator[tuple[str, R]]:
-    """`fn(items[unit])` for each unit (`items`' keys, in order) that no other process running
-    this over `claims_dir` did or does, yielding `(unit, result)` in completion order; then
-    waits for the units others hold, as `claim_pending` does.
-
-    `fn` must make `is_done(unit)` true before it returns. With a `pool`, `workers` units run
-    at a time, a new one claimed as each finishes; without, `fn` runs here. Create the pool
-    first (it forks before the heartbeat thread starts) and consume this in one thread. A
-    failure of `fn` is raised after the claims still held are released (end the pool); a
-    worker process that died, as `WorkerDied`.
-    """
+    """`claim_pending` over `items`' keys, running `fn(items[unit])` (which must make
+    `is_done(unit)` true), yielding `(unit, result)` in completion order. With a `pool` (made
+    first: it forks before the heartbeat thread starts) `workers` units run at a time, else `fn`
+    runs here. Consume in one thread. A failure of `fn` is raised once the claims still held
+    are released (end the pool); a worker process that died, as `WorkerDied`."""
     if workers < 1:
         raise ValueError(f"workers must be >= 1, found {workers}")
     submit, slots = (_run_here, 1) if pool is None else (pool.submit, workers)

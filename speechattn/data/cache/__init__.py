@@ -1,13 +1,7 @@
-"""On-disk feature cache: extract once, in parallel, resumable, shared by content.
-
-    <cache_root>/features/shards/<settings key>/<shard key>.{npy,stats.npy,json}
-    <cache_root>/features/splits/<manifest key>.{npz,json}
-
-Shards are content-defined runs of a corpus folder's utterances, keyed by the settings and
-their audio's sha256; a manifest indexes one folder's shards. Writes are atomic, a json commit
-marker is written last, several processes share the work through claims, and `python -m
-speechattn.data.cache ls|gc` lists and removes what no corpus uses. Identity, integrity, layout
-and start-up cost: docs/cache.md; several processes: docs/multinode.md.
+"""On-disk feature cache: extract once, in parallel, resumable, shared by content: shards
+keyed by the settings and their audio's sha256, one manifest per corpus folder, atomic writes
+with a commit marker last, `python -m speechattn.data.cache ls|gc`. Identity, integrity,
+layout and start-up cost: docs/cache.md; several processes: docs/multinode.md.
 """
 
 from speechattn.data.cache.extract import extract_features, open_source, open_split

@@ -1,8 +1,7 @@
 """Extraction: fingerprint the audio, plan content-defined shards, extract the missing ones in
-parallel (one shard: `shards.py`) and commit the folder's manifest (`extract_features`); and
-the start-up that skips all of it when the source did not change (`open_source`). Processes
-sharing a cache claim each pending shard (`speechattn.data.claims`): it is extracted once,
-and the others wait for it (docs/multinode.md).
+parallel, shared with other processes through claims, and commit the folder's manifest
+(`extract_features`); the start-up that skips it all when the source did not change
+(`open_source`). Several processes: docs/multinode.md.
 """
 
 from __future__ import annotations
@@ -163,17 +162,11 @@ def extract_features(
 ) -> FeatureStore:
     """Cached features of `utterances`; extracts the shards not in the cache first.
 
-    Shards are content-addressed (docs/cache.md). Bad audio goes to `issues`; resampled or
-    down-mixed files are logged. `on_shard_done(i)` is called after this process committed the
-    i-th shard of its plan. A cache file that does not match its record is re-extracted with a
-    warning (`verify`: hash every audio file and checksum every cache file first). Processes
-    running this on one cache at once share the missing shards through claims
-    (`claim_config`; `ClaimTimeout` when shards others hold make no progress).
-
-    `folder` (default: the split folder(s) the files are in) is where the audio lies (paths
-    are recorded relative to it); `name` (default: the folder) names the manifest; `listing`
-    is the source's digest that `open_source` compares at the next start; `scan_skips` are
-    the scan's problems, recorded so that a start without scanning reports them again.
+    Bad audio goes to `issues`. `on_shard_done(i)`: this process committed the i-th shard of
+    its plan. `verify`: hash every audio file and checksum every cache file first. `folder`
+    (default: the split folder(s) the files are in) holds the audio, paths recorded relative
+    to it; `name` (default: the folder) names the manifest; `listing` is the source's digest
+    `open_source` compares at the next start; `scan_skips` are recorded to be reported again.
     """
     issues = issues or Issues()
     if not utterances:
@@ -198,13 +191,8 @@ def extract_features(
     memo = [] if verify else [manifest, *(p for p in others if p != manifest)]
     shas = fingerprints(utterances, folder, memo, n_workers, progress)
     ranges = plan_shards([u.utt_id for u in utterances], shard_size)
-    keys = [
-        shard_key(
-            settings,
-            [(u.utt_id, u.size, u.content_key(h)) for u, h in zip(utterances[a:b], shas[a:b])],
-        )
-        for a, b in ranges
-    ]
+    members = [(u.utt_id, u.size, u.content_key(h)) for u, h in zip(utterances, shas)]
+    keys = [shard_key(settings, members[a:b]) for a, b in ranges]
     plan = plan_path(manifest, host_name(), os.getpid())
     _write_plan(plan, folder, settings, keys)
 
@@ -221,16 +209,15 @@ def extract_features(
         for key, (a, b) in zip(keys, ranges)
         if markers[key] is None
     }  # fmt: skip
+    left = sum(len(t.items) for t in pending.values())  # utterances
     if pending:
         log.info(
             "%s: %d of %d shards (%d utterances) to extract -> %s",
-            description, len(pending), len(keys), sum(len(t.items) for t in pending.values()),
-            directory,
+            description, len(pending), len(keys), left, directory,
         )  # fmt: skip
 
     # 3. extract: every pending shard claimed, written and committed here, or by another process
     start = time.perf_counter()
-    left = sum(len(t.items) for t in pending.values())
     with progress_bar(len(utterances), description, progress and bool(pending)) as advance:
         advance(len(utterances) - left)
         counted: set[str] = set()
@@ -389,12 +376,10 @@ def open_source(
     on_shard_done: Callable[[int], None] | None = None,
     claim_config: ClaimConfig | None = None,
 ) -> FeatureStore:
-    """The cached features of one corpus split (`source`), extracting what is missing.
-
-    Warm start (the source's listing digest is as recorded): the manifest's arrays and a stat
-    per shard file. Otherwise, or with `verify` (nothing recorded trusted): a full scan, then
-    `extract_features`.
-    """
+    """The cached features of one corpus split (`source`), extracting what is missing. Warm
+    start (the source's listing digest is as recorded): the manifest's arrays and a stat per
+    shard file; otherwise, or with `verify` (nothing recorded trusted), a full scan, then
+    `extract_features`."""
     issues = issues or Issues()
     listing = source.listing()
     manifest = splits_dir(cache_root) / f"{manifest_key(listing.name, settings)}.json"

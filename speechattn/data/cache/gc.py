@@ -1,9 +1,6 @@
-"""What in the feature cache is still used, and removing what is not (`ls` / `gc`).
-
-A manifest is live, changed, missing or stale; `gc` removes stale manifests and the shards
-only they used, never a file younger than the grace period, a shard with a live claim
-(`Claims.live_holder`), one an extraction in progress plans for, or one a running job reads.
-The rules in full: docs/cache.md, "Listing and cleaning".
+"""What in the feature cache is still used, and removing what is not (`ls` / `gc`): never a
+file younger than the grace period, a shard with a live claim, one an extraction in progress
+plans for, or one a running job reads. Rules: docs/cache.md, "Listing and cleaning".
 """
 
 from __future__ import annotations
@@ -146,8 +143,7 @@ def _manifest_info(path: Path, check_files: bool, forget_missing: bool) -> Manif
 
 def owner_running(path: Path, younger_than: float) -> bool:
     """Whether the process a plan or reader file names may still run: alive (a file of this
-    host), or (another host's, or a name without an owner) the file is younger than
-    `younger_than` seconds."""
+    host), else the file is younger than `younger_than` seconds."""
     found = owner(path)
     if found is not None and found[0] == file_host(host_name()):
         return pid_alive(found[1])
@@ -215,10 +211,9 @@ def collect(
     claim_config: ClaimConfig | None = None,
     forget_missing: bool = False,
 ) -> dict:
-    """Remove what no manifest uses (see the module docstring). Returns what was (or, with
-    `dry_run`, would be) removed: {"manifests", "shards", "old_entries", "temp_files", "bytes",
-    "kept" (unused shards or entries too young or claimed to remove)}. `claim_config`: the
-    extractions' claim timing (None: the defaults)."""
+    """Remove what no manifest uses. Returns what was (or, with `dry_run`, would be) removed:
+    {"manifests", "shards", "old_entries", "temp_files", "bytes", "kept" (unused shards or
+    entries too young or claimed to remove)}."""
     s = survey(cache_root, grace_s, forget_missing=forget_missing, claim_config=claim_config)
     now = time.time()
     removed = {"manifests": [], "shards": [], "old_entries": [], "temp_files": [], "bytes": 0,

@@ -1,12 +1,8 @@
 """Shards on disk: their names, their files' records and commit markers, and extracting one.
 
-A shard is a content-defined run of a folder's utterances (`plan_shards`), named by the
-settings and its audio's sha256 (`shard_key`). Checksums once: each data file's record (size,
-shape, dtype, sha256, mtime_ns) is taken as it is written, and the json commit marker holding
-the records is written last (`extract_shard`, in the process pool of `extract.py`). Later a
-size + mtime match is trusted; only a file whose size or mtime moved is checksummed
-(`reconcile`). The marker is the source of truth; every manifest that uses the shard holds a
-copy of its records. Layout: docs/cache.md, "Layout".
+Each data file's record (size, shape, dtype, sha256, mtime_ns) is taken as it is written; the
+commit marker holding the records, written last, is the source of truth (every manifest using
+the shard holds a copy). Layout and integrity rules: docs/cache.md.
 """
 
 from __future__ import annotations
@@ -22,12 +18,13 @@ import shutil
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ProcessPoolExecutor
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
 
 import numpy as np
+from numpy.lib import format as npy_format
 
 from speechattn.data.audio import load_audio
 from speechattn.data.errors import DataError
@@ -160,8 +157,7 @@ class _HashingWriter:
 
 
 def save_npy(path: Path, array: np.ndarray) -> Record:
-    """Write `array` as `path` atomically; returns its record, the checksum computed from the
-    bytes as they are written."""
+    """Write `array` as `path` atomically; returns its record (sha256 of the bytes written)."""
     with atomic_path(path) as tmp:
         with open(tmp, "wb") as f:
             out = _HashingWriter(f)
@@ -189,10 +185,8 @@ def parse_header(head: bytes, record: Record) -> tuple[int, str | None]:
     recorded shape and dtype, else (0, what is wrong)."""
     f = io.BytesIO(head)
     try:
-        version = np.lib.format.read_magic(f)
-        read = np.lib.format.read_array_header_1_0
-        if version != (1, 0):
-            read = np.lib.format.read_array_header_2_0
+        v1 = npy_format.read_magic(f) == (1, 0)
+        read = npy_format.read_array_header_1_0 if v1 else npy_format.read_array_header_2_0
         shape, fortran, dtype = read(f)
     except Exception as e:  # ValueError, SyntaxError, tokenize.TokenError, ... from a bad header
         return 0, f"damaged .npy header ({type(e).__name__}: {str(e)[:80]})"
@@ -243,13 +237,10 @@ def _marker_problem(marker: Any) -> str | None:
 def reconcile(
     paths: ShardPaths, kind: str, cached: Record | None, verify: bool
 ) -> tuple[Record | None, str | None]:
-    """Is the shard's data file `kind` ("npy" or "stats") what was written? Returns (its
-    current record, None) or (None, problem).
-
-    A stat matching `cached` (a manifest's copy) or the marker is trusted; a size match under
-    another mtime is checksummed, and when the bytes match the marker records the new mtime.
-    `verify` checksums in every case.
-    """
+    """(its current record, None) when the shard's data file `kind` is what was written, else
+    (None, problem). A stat matching `cached` (a manifest's copy) or the marker is trusted; a
+    size match under another mtime is checksummed (the marker then records the new mtime);
+    `verify` checksums in every case."""
     path = getattr(paths, kind)
     try:
         st = os.stat(path)
@@ -270,10 +261,8 @@ def reconcile(
     if st.st_mtime_ns != record["mtime_ns"]:  # same bytes, new mtime: remember it
         record = {**record, "mtime_ns": st.st_mtime_ns}
         marker["files"][kind] = record
-        try:
+        with suppress(OSError):  # a read-only cache: this file is checksummed again next time
             atomic_write_text(paths.marker, json.dumps(marker))
-        except OSError:
-            pass  # a read-only cache: this file is checksummed again next time, nothing worse
     return record, None
 
 
@@ -302,20 +291,16 @@ def intact(paths: ShardPaths, verify: bool) -> dict[str, Any] | None:
     return marker
 
 
-def _boundary(utt_id: str, shard_size: int) -> bool:
-    """Whether a shard ends after `utt_id`: 1 in `shard_size` ids, chosen by a hash of the id
-    alone, so adding, removing or changing one file moves no other boundary."""
-    h = hashlib.blake2b(utt_id.encode(), digest_size=8).digest()
-    return int.from_bytes(h, "little") % shard_size == 0
-
-
 def plan_shards(utt_ids: Sequence[str], shard_size: int) -> list[tuple[int, int]]:
     """Content-defined shards of `utt_ids` (in the given order) as (start, end) index ranges:
-    `shard_size` utterances on average, at most `MAX_SHARD_FACTOR * shard_size`."""
+    `shard_size` utterances on average, at most `MAX_SHARD_FACTOR * shard_size`. A shard ends
+    after 1 in `shard_size` ids, chosen by a hash of the id alone: adding, removing or changing
+    one file moves no other boundary."""
     cap = MAX_SHARD_FACTOR * shard_size
     ranges, start = [], 0
     for i, utt_id in enumerate(utt_ids):
-        if _boundary(utt_id, shard_size) or i + 1 - start >= cap:
+        h = hashlib.blake2b(utt_id.encode(), digest_size=8).digest()
+        if int.from_bytes(h, "little") % shard_size == 0 or i + 1 - start >= cap:
             ranges.append((start, i + 1))
             start = i + 1
     if start < len(utt_ids):
@@ -380,19 +365,17 @@ def extract_shard(task: ShardTask) -> dict[str, Any]:
     paths = shard_paths(task.directory, task.key)
     arrays, marker = _featurise(task)
     try:
-        if (done := read_marker(paths.marker)) is not None:  # taken over while this one slept
-            return _finished_elsewhere(task, done)
-        marker["files"] = {
-            kind: save_npy(getattr(paths, kind), arrays[kind]) for kind in DATA_KINDS
-        }
-        atomic_write_text(paths.marker, json.dumps(marker))  # commit
+        if (done := read_marker(paths.marker)) is None:  # else: taken over while this one slept
+            marker["files"] = {
+                kind: save_npy(getattr(paths, kind), arrays[kind]) for kind in DATA_KINDS
+            }
+            atomic_write_text(paths.marker, json.dumps(marker))  # commit
+            return marker
     except FileNotFoundError:
         # our temporary file went: another process took the claim over (this one was stopped
         # past the claims' expiry) and cleaned up; its commit stands, ours is not needed
-        done = read_marker(paths.marker)
-        if done is None:
+        if (done := read_marker(paths.marker)) is None:
             raise
-        return _finished_elsewhere(task, done)
     except OSError as e:
         if not out_of_space(e):
             raise
@@ -407,17 +390,12 @@ def extract_shard(task: ShardTask) -> dict[str, Any]:
             f"{need / 2**20:.0f} MiB. Free space there or set data.cache_dir to another "
             f"disk; finished shards are kept and nothing half-written is used",
         ) from None
-    return marker
-
-
-def _finished_elsewhere(task: ShardTask, marker: dict[str, Any]) -> dict[str, Any]:
-    """The marker of a shard another process committed while this one was stopped."""
     log.warning(
         "shard %s was finished by another process while this one was stopped (its claim "
         "expired and was taken over); this process uses that result and writes nothing",
         task.key,
     )
-    return marker
+    return done
 
 
 @contextmanager
@@ -428,8 +406,7 @@ def process_pool(workers: int) -> Iterator[ProcessPoolExecutor | None]:
     if workers <= 1:
         yield None
         return
-    method = "fork" if sys.platform.startswith("linux") else "spawn"
-    context = mp.get_context(method)
+    context = mp.get_context("fork" if sys.platform.startswith("linux") else "spawn")
     pool = ProcessPoolExecutor(workers, mp_context=context, initializer=init_pool_worker)
     try:
         yield pool

@@ -1,8 +1,6 @@
-"""Reading a corpus folder's cached features: `FeatureStore` over one manifest.
-
-A read is one `os.preadv` into a fresh array from a per-process LRU of open shard files
-(`max_open_shards`): descriptors stay bounded whatever the corpus size, and nothing stays
-memory-mapped.
+"""Reading a corpus folder's cached features: `FeatureStore` over one manifest. A read is one
+`os.preadv` into a fresh array from a per-process LRU of open shard files: descriptors stay
+bounded whatever the corpus size, and nothing stays memory-mapped.
 """
 
 from __future__ import annotations
@@ -14,6 +12,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
+from contextlib import suppress
 from functools import cached_property
 from pathlib import Path
 from typing import Any
@@ -39,16 +38,13 @@ from speechattn.data.errors import DataError, Skip
 from speechattn.utils import atomic_write_text
 
 DEFAULT_MAX_OPEN_SHARDS = DataConfig.max_open_shards  # documented there
-# enough for any .npy header this cache writes (NumPy pads them to 64-byte units)
-HEADER_BYTES = 4096
+HEADER_BYTES = 4096  # enough for any .npy header this cache writes (NumPy pads to 64 bytes)
 
 
 class _OpenShards:
-    """LRU of open shard files, path -> (fd, offset of the array data); one per process.
-
-    The lock makes a read and an eviction exclusive. A forked child keeps usable copies of the
-    descriptors (`pread` has no shared file position), so DataLoader workers start warm.
-    """
+    """LRU of open shard files, path -> (fd, offset of the array data); one per process. A
+    forked child keeps usable copies of the descriptors (`pread` has no shared file position),
+    so DataLoader workers start warm."""
 
     def __init__(self, limit: int = DEFAULT_MAX_OPEN_SHARDS) -> None:
         self.limit = limit
@@ -58,8 +54,8 @@ class _OpenShards:
     def read(
         self, path: str, opener: Callable[[str], tuple[int, int]], start: int, out: np.ndarray
     ) -> int:
-        """Read `out.nbytes` bytes at `start` bytes past the data offset of `path` into `out`;
-        `opener(path)` opens and checks a file not open yet. Returns the bytes read."""
+        """Read `out.nbytes` bytes at `start` past the data offset of `path` into `out` (the
+        bytes read); `opener(path)` opens and checks a file not open yet."""
         with self.lock:
             entry = self.files.pop(path, None)
             while len(self.files) >= max(1, self.limit):  # the limit may have shrunk
@@ -92,13 +88,11 @@ def register_reader(manifest: Path) -> None:
     path = reader_path(manifest, host_name(), os.getpid())
     if path in _READING:
         return
-    try:
+    with suppress(OSError):  # a read-only cache: nobody can gc it from here either
         path.touch()
-    except OSError:  # a read-only cache: nobody can gc it from here either
-        return
-    if not _READING:
-        atexit.register(_unregister_readers)
-    _READING.add(path)
+        if not _READING:
+            atexit.register(_unregister_readers)
+        _READING.add(path)
 
 
 def _unregister_readers() -> None:
@@ -135,12 +129,10 @@ def load_manifest(path: Path) -> tuple[dict[str, Any], Any]:
 
 
 class FeatureStore:
-    """Read access to the cached features of one corpus folder (one manifest).
-
-    `lengths[i]` frames for `utt_ids[i]`; `features(i)` -> float32 (T, F), `raw(i)` the same in
-    the cache dtype, both fresh arrays. Picklable. A shard file is checked when a process opens
-    it (size, mtime and .npy header; a checksum only when size or mtime moved); a damaged one
-    is marked for re-extraction and raises `DataError` naming the file (`check()`: every file).
+    """Read access to the cached features of one corpus folder (one manifest); picklable.
+    `features(i)` -> float32 (T, F), `raw(i)` the same in the cache dtype, both fresh arrays.
+    A shard file is checked when a process opens it (size, mtime, .npy header); a damaged one
+    is marked for re-extraction and raises `DataError` naming the file.
 
     Arrays (N utterances, in manifest order; each shard's utterances are consecutive):
         shard (N,) int32 index into `shard_keys`; row (N,) its row in the shard's statistics;
@@ -171,8 +163,7 @@ class FeatureStore:
         self.dtype = np.dtype(meta["dtype"])
         self.audio_seconds = float(meta["audio_seconds"])
         self.max_open_shards = max_open_shards
-        problem = self._index_problem()
-        if problem:
+        if problem := self._index_problem():
             raise DataError(
                 self.manifest, "feature cache index does not match its shards",
                 f"{problem}; rerun the same command: the index is rebuilt from the shards",
@@ -267,9 +258,8 @@ class FeatureStore:
         return None
 
     def check(self, verify: bool = False) -> list[tuple[int, Path, str]]:
-        """(shard, file, problem) for every data file that is not what was written: a stat of
-        each (size, mtime); a checksum where they moved, or of everything with `verify`. Files
-        found intact under a new mtime get their records refreshed (here and in the manifest)."""
+        """(shard, file, problem) for every data file that is not what was written (`reconcile`);
+        records of files found intact under a new mtime are refreshed, here and in the manifest."""
         bad, refreshed = [], False
         for k, key in enumerate(self.shard_keys):
             paths = self.paths(k)
@@ -284,10 +274,8 @@ class FeatureStore:
         if refreshed:
             meta = json.loads(self.manifest.read_text())
             meta["records"] = self.records
-            try:
+            with suppress(OSError):  # a read-only cache: checked again next time
                 atomic_write_text(self.manifest, json.dumps(meta))
-            except OSError:
-                pass  # a read-only cache: checked again next time
         return bad
 
     def _refuse(self, k: int, path: Path, problem: str) -> None:
@@ -349,8 +337,6 @@ class FeatureStore:
 
 def touch(manifest: Path) -> None:
     """Note that a manifest was used now (its json's mtime is the `last used` of `ls`)."""
-    try:
-        now = time.time()
+    now = time.time()
+    with suppress(OSError):
         os.utime(manifest, (now, now))
-    except OSError:
-        pass
