@@ -52,9 +52,13 @@ class ExtractionSettings:
     dtype: str = "float16"
 
     def fingerprint(self) -> dict[str, Any]:
-        return {"cache_version": CACHE_VERSION, **self.features.fingerprint(),
-                "sample_rate_policy": self.sample_rate_policy, "min_frames": self.min_frames,
-                "dtype": self.dtype}  # fmt: skip
+        return {
+            "cache_version": CACHE_VERSION,
+            **self.features.fingerprint(),
+            "sample_rate_policy": self.sample_rate_policy,
+            "min_frames": self.min_frames,
+            "dtype": self.dtype,
+        }
 
     @property
     def key(self) -> str:
