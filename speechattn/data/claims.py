@@ -138,9 +138,12 @@ class Claims:
     its heartbeat)."""
 
     def __init__(
-        self, claims_dir: str | Path, config: ClaimConfig | None = None, host: str | None = None,
+        self,
+        claims_dir: str | Path,
+        config: ClaimConfig | None = None,
+        host: str | None = None,
         pid_holds: bool = False,
-    ) -> None:  # fmt: skip
+    ) -> None:
         """`pid_holds`: a holder on this machine keeps its claims while its process exists,
         however long silent (`kill -STOP`): a lock never passed on while its holder may wake."""
         self.dir = Path(claims_dir)
@@ -333,7 +336,9 @@ class Claims:
 
 
 def remove_stale_temps(
-    directory: str | Path, unit_of: Callable[[str], str | None], config: ClaimConfig | None = None
+    directory: str | Path,
+    unit_of: Callable[[str], str | None],
+    config: ClaimConfig | None = None,
 ) -> list[Path]:
     """Delete (and return) the temporary files in `directory` no live process can still be
     writing: a unit's (`unit_of(target)`, None for none) when its claim is absent or dead,
@@ -371,9 +376,14 @@ class WorkShare(Claims):
     (`claim`, then `finished` for each), then the wait for the units others hold (`wait`)."""
 
     def __init__(
-        self, units: Iterable[str], claims_dir: str | Path, is_done: Callable[[str], bool],
-        config: ClaimConfig | None = None, what: str = "units", host: str | None = None,
-    ) -> None:  # fmt: skip
+        self,
+        units: Iterable[str],
+        claims_dir: str | Path,
+        is_done: Callable[[str], bool],
+        config: ClaimConfig | None = None,
+        what: str = "units",
+        host: str | None = None,
+    ) -> None:
         units = list(units)
         if len(set(units)) != len(units):
             raise ValueError(f"{what}: unit names must be unique")
@@ -471,9 +481,13 @@ class WorkShare(Claims):
 
 
 def claim_pending(
-    units: Iterable[str], claims_dir: str | Path, is_done: Callable[[str], bool],
-    config: ClaimConfig | None = None, what: str = "units", host: str | None = None,
-) -> Iterator[str]:  # fmt: skip
+    units: Iterable[str],
+    claims_dir: str | Path,
+    is_done: Callable[[str], bool],
+    config: ClaimConfig | None = None,
+    what: str = "units",
+    host: str | None = None,
+) -> Iterator[str]:
     """Share `units` with every other process running this over the same `claims_dir`:
     `for unit in claim_pending(...): do(unit)` yields the units claimed here, in order, skipping
     those `is_done` or held by others; each must be done (else RuntimeError) before the next is
@@ -487,10 +501,16 @@ def claim_pending(
 
 
 def claim_map(
-    fn: Callable[[T], R], items: Mapping[str, T], claims_dir: str | Path,
-    is_done: Callable[[str], bool], pool: ProcessPoolExecutor | None = None, workers: int = 1,
-    config: ClaimConfig | None = None, what: str = "units", host: str | None = None,
-) -> Iterator[tuple[str, R]]:  # fmt: skip
+    fn: Callable[[T], R],
+    items: Mapping[str, T],
+    claims_dir: str | Path,
+    is_done: Callable[[str], bool],
+    pool: ProcessPoolExecutor | None = None,
+    workers: int = 1,
+    config: ClaimConfig | None = None,
+    what: str = "units",
+    host: str | None = None,
+) -> Iterator[tuple[str, R]]:
     """`claim_pending` over `items`' keys, running `fn(items[unit])` (which must make
     `is_done(unit)` true), yielding `(unit, result)` in completion order. With a `pool` (made
     first: it forks before the heartbeat thread starts) `workers` units run at a time, else `fn`

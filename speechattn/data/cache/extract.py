@@ -75,9 +75,12 @@ def _hash_files(paths: list[str]) -> list[str]:
 
 
 def fingerprints(
-    utterances: Sequence[Utterance], folder: Path, manifests: Iterable[Path], workers: int,
+    utterances: Sequence[Utterance],
+    folder: Path,
+    manifests: Iterable[Path],
+    workers: int,
     progress: bool,
-) -> list[str]:  # fmt: skip
+) -> list[str]:
     """sha256 of each utterance's file, memoised in the manifests by (relative path, size,
     mtime_ns, ctime_ns): an unchanged corpus, or one renamed within its filesystem, reads
     nothing; a file written since has a new ctime and is hashed again. A file several
@@ -276,10 +279,17 @@ def extract_features(
 
 
 def _write_manifest(
-    manifest: Path, folder: Path, settings: ExtractionSettings, utterances: Sequence[Utterance],
-    shas: list[str], ranges: list[tuple[int, int]], keys: list[str],
-    markers: dict[str, dict[str, Any]], listing: str | None, scan_skips: Sequence[Skip],
-) -> None:  # fmt: skip
+    manifest: Path,
+    folder: Path,
+    settings: ExtractionSettings,
+    utterances: Sequence[Utterance],
+    shas: list[str],
+    ranges: list[tuple[int, int]],
+    keys: list[str],
+    markers: dict[str, dict[str, Any]],
+    listing: str | None,
+    scan_skips: Sequence[Skip],
+) -> None:
     """The folder's manifest: per-utterance index arrays from the commit `markers` of its
     shards (`keys`), the audio files' fingerprints (`shas`)."""
     path_of = {u.utt_id: str(u.path) for u in utterances}

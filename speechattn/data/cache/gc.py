@@ -151,9 +151,12 @@ def owner_running(path: Path, younger_than: float) -> bool:
 
 
 def survey(
-    cache_root: str | Path, grace_s: float = GRACE_S, check_files: bool = True,
-    forget_missing: bool = False, claim_config: ClaimConfig | None = None,
-) -> Survey:  # fmt: skip
+    cache_root: str | Path,
+    grace_s: float = GRACE_S,
+    check_files: bool = True,
+    forget_missing: bool = False,
+    claim_config: ClaimConfig | None = None,
+) -> Survey:
     """Sort the cache into used and unused. `check_files=False` (the start-up hint) only asks
     whether each manifest's folder exists, without a stat per audio file; `forget_missing`
     counts a manifest whose folder is not there as stale, not missing."""
@@ -202,9 +205,12 @@ def _older(path: Path, grace_s: float, now: float) -> bool:
 
 
 def collect(
-    cache_root: str | Path, dry_run: bool = False, grace_s: float = GRACE_S,
-    claim_config: ClaimConfig | None = None, forget_missing: bool = False,
-) -> dict:  # fmt: skip
+    cache_root: str | Path,
+    dry_run: bool = False,
+    grace_s: float = GRACE_S,
+    claim_config: ClaimConfig | None = None,
+    forget_missing: bool = False,
+) -> dict:
     """Remove what no manifest uses. Returns what was (or, with `dry_run`, would be) removed:
     {"manifests", "shards", "old_entries", "temp_files", "bytes", "kept" (unused shards or
     entries too young or claimed to remove)}."""
