@@ -1,18 +1,10 @@
-"""Corpus readers (`data.corpus`, docs/data.md): `librispeech` and `embedded` (LibriSpeech
-layout, `speechattn.data.librispeech`), `folder` (every audio file under ROOT/<split>, the id
-its path under ROOT without suffix, the speaker a folder level of it) and `lhotse` (below).
-Phone labels and split lists come from CPC files, as for LibriSpeech, except for lhotse.
+"""Corpus readers (`data.corpus`; formats: docs/data.md): `librispeech` and `embedded`
+(LibriSpeech layout, `speechattn.data.librispeech`), `folder` (every audio file under
+ROOT/<split>) and `lhotse` (manifests, with their own speakers and phone alignments; the
+others read CPC label and split files).
 
 A reader's split is a `Source` for the feature cache: `listing()` is cheap and gives a digest
 that changes whenever the audio might have; `scan(issues)` lists the utterances.
-
-lhotse manifests (`data.corpus=lhotse`; the optional extra `[lhotse]`; docs/data.md, "lhotse
-manifests"): a split is a CutSet file in `data.root` (named by its file name), or
-`*_cuts_<split>.jsonl*`, or the pair `*_recordings_<split>.jsonl*` +
-`*_supervisions_<split>.jsonl*`: one utterance per cut (its segment of the recording), or per
-supervision. For the probes, the speaker is the supervisions' `speaker`; frame i of an
-utterance starting at s gets the `alignment["phone"]` item covering s + (i + 0.5) * 10 ms
-(recording time); frames no item covers are -100.
 """
 
 from __future__ import annotations
@@ -67,9 +59,6 @@ class Source(Protocol):
     def listing(self) -> Listing: ...
 
     def scan(self, issues: Issues) -> list[Utterance]: ...
-
-
-# ----------------------------------------------------------------------------- sources
 
 
 @dataclass
@@ -179,9 +168,6 @@ def folder_speaker(utt_id: str, level: int) -> str:
     return folders[level]
 
 
-# ----------------------------------------------------------------------------- readers
-
-
 @dataclass
 class Corpus:
     """A LibriSpeech-layout corpus (the built-in one too): its splits, speakers (from the ids)
@@ -220,7 +206,7 @@ class Corpus:
 
 @dataclass
 class FolderCorpus(Corpus):
-    """Any folder of audio (see the module docstring)."""
+    """Any folder of audio (docs/data.md, "Your own audio folder")."""
 
     speaker_level: int | None
 
@@ -237,8 +223,6 @@ class FolderCorpus(Corpus):
         return folder_speaker(utt_id, self.speaker_level)
 
 
-# ----------------------------------------------------------------------------- lhotse
-
 HOP_S = HOP_LENGTH / SAMPLE_RATE  # one label frame, 10 ms
 
 
@@ -253,19 +237,10 @@ class _Entry:
     duration: float
 
 
-def _lhotse() -> Any:
-    try:
-        import lhotse
-    except ImportError:
-        raise ConfigError(
-            "data.corpus=lhotse needs lhotse: pip install 'speechattn[lhotse]'"
-        ) from None
-    return lhotse
-
-
 def manifests_of(root: Path, split: str) -> list[Path]:
-    """The manifest files of `split` in `root` (see the module docstring): [cuts] or
-    [recordings, supervisions]. DataError naming the folder and what it holds when none fit."""
+    """The manifest files of `split` in `root`: [CutSet file named `split`], [*_cuts_<split>.json*]
+    or [*_recordings_<split>.json*, *_supervisions_<split>.json*]; DataError naming the folder
+    and what it holds when none fit."""
     if (root / split).is_file():
         return [root / split]
 
@@ -323,7 +298,11 @@ class LhotseSource:
         return self._utterances
 
     def _parse(self) -> tuple[list[Utterance], list[DataError]]:
-        lhotse = _lhotse()
+        try:
+            import lhotse
+        except ImportError:
+            msg = "data.corpus=lhotse needs lhotse: pip install 'speechattn[lhotse]'"
+            raise ConfigError(msg) from None
         manifest = self.manifests[0]
         try:
             loaded = [lhotse.load_manifest(m) for m in self.manifests]
@@ -414,7 +393,8 @@ def _audio_segment(recording: Any, start: float, duration: float, channel: Any, 
 
 @dataclass
 class LhotseCorpus(Corpus):
-    """lhotse manifests (see the module docstring)."""
+    """lhotse manifests (docs/data.md, "lhotse manifests"): one utterance per cut, or per
+    supervision of a recordings + supervisions pair."""
 
     label_tolerance: int
     # what the probes need of each utterance, filled as its split's manifests are read
