@@ -1,11 +1,7 @@
 """Minimal ctypes binding to eSpeak NG (shipped by the `espeakng-loader` wheel).
 
 eSpeak NG keeps global state and is not thread-safe: one `Espeak` per process (`Espeak.get()`);
-parallelise with processes. Each call returns the waveform and each phoneme's start sample:
-
-    audio, phonemes = Espeak.get().synthesize("Hello there.", voice="en-us+m3")
-    # audio: int16 (N,) at Espeak.get().sample_rate (22050 Hz)
-    # phonemes: [(start_sample, "h"), (..., "ə"), ...]; "" marks a pause
+parallelise with processes (`fresh_engine_pool`).
 """
 
 from __future__ import annotations
@@ -30,16 +26,10 @@ PARAM_RATE, PARAM_VOLUME, PARAM_PITCH, PARAM_RANGE = 1, 2, 3, 4
 class _Event(ctypes.Structure):
     """`espeak_EVENT`; `id` is a union whose 8-byte `string` member holds the phoneme name."""
 
-    _fields_ = [
-        ("type", ctypes.c_int),
-        ("unique_identifier", ctypes.c_uint),
-        ("text_position", ctypes.c_int),
-        ("length", ctypes.c_int),
-        ("audio_position", ctypes.c_int),
-        ("sample", ctypes.c_int),
-        ("user_data", ctypes.c_void_p),
-        ("id", ctypes.c_char * 8),
-    ]
+    _fields_ = [("type", ctypes.c_int), ("unique_identifier", ctypes.c_uint),
+                ("text_position", ctypes.c_int), ("length", ctypes.c_int),
+                ("audio_position", ctypes.c_int), ("sample", ctypes.c_int),
+                ("user_data", ctypes.c_void_p), ("id", ctypes.c_char * 8)]  # fmt: skip
 
 
 _Callback = ctypes.CFUNCTYPE(
@@ -113,7 +103,8 @@ class Espeak:
     def synthesize(
         self, text: str, settings: VoiceSettings
     ) -> tuple[np.ndarray, list[tuple[int, str]]]:
-        """Speak `text`; returns int16 audio (N,) at `sample_rate` and [(start sample, IPA name)]."""
+        """Speak `text` -> int16 audio (N,) at `sample_rate` (22050 Hz) and [(start sample, IPA
+        phoneme name)], "" marking a pause."""
         with self._lock:
             if self.lib.espeak_SetVoiceByName(settings.voice.encode()) != 0:
                 raise ConfigError(f"eSpeak NG has no voice {settings.voice!r}")
@@ -136,14 +127,12 @@ def fresh_engine_pool(workers: int, preload: str) -> mp.pool.Pool:
     """A process pool whose every task runs in a new process with an unused engine.
 
     eSpeak NG carries state from one synthesis to the next inside a process (its wave
-    generator's phase and pitch flutter: the same text and voice spoken twice in a row give
-    different samples, and neither `espeak_Terminate` + `espeak_Initialize` nor a random seed
-    resets it), so a sound depends on everything its process spoke before. A task run here
-    depends on its inputs alone, whatever the worker count or the order tasks are handed out:
-    each worker runs one task, forked from this process while it has never loaded the library
-    (the cheap case), else from a server process that never speaks (`preload`: the module the
-    tasks come from, imported once by it), or spawned where neither is available.
+    generator's phase and pitch flutter; neither `espeak_Terminate` + `espeak_Initialize` nor a
+    random seed resets it), so a task must not share its process. Each worker runs one task,
+    forked from this process while it has never loaded the library, else from a server process
+    that never speaks (`preload`: the tasks' module), or spawned where neither is available.
     """
+
     methods = mp.get_all_start_methods()
     if Espeak._instance is None and "fork" in methods:
         context = mp.get_context("fork")
