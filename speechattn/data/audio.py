@@ -74,7 +74,6 @@ def load_audio(
         audio = audio[:, segment.channel : segment.channel + 1]
     notes = [f"averaged {audio.shape[1]} channels"] if audio.shape[1] > 1 else []
     audio = audio.mean(axis=1) if audio.shape[1] > 1 else audio[:, 0]
-
     if rate != SAMPLE_RATE:
         if sample_rate_policy == "error":
             fix = "data.sample_rate_policy=resample converts it"

@@ -157,11 +157,8 @@ class _CorpusDataModule(L.LightningDataModule):
 
     def _loader(self, dataset: _Items, shuffle: bool) -> DataLoader:
         c = self.cfg
-        seeded = torch.Generator().manual_seed(c.seed)
-        sampler = (
-            RandomSampler(dataset, generator=seeded) if shuffle else SequentialSampler(dataset)
-        )
-
+        rng = torch.Generator().manual_seed(c.seed)
+        sampler = RandomSampler(dataset, generator=rng) if shuffle else SequentialSampler(dataset)
         batches = LengthBucketBatchSampler(
             sampler, c.batch_size, False, dataset.lengths, c.bucket_size, shuffle, c.seed
         )
@@ -390,7 +387,6 @@ class LabelledDataModule(_CorpusDataModule):
         self._eval_train = items(train, False)  # uncropped, for feature extraction
         roles = {"train": train, "dev": dev, "test": test}
         self.datasets = {role: items(ids, role == "train") for role, ids in roles.items()}
-
         mf = c.labelled_max_frames
         if cropped := sum(1 for u in train + dev + test if mf and lengths[u] > mf):
             log.warning(

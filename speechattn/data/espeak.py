@@ -132,7 +132,6 @@ def fresh_engine_pool(workers: int, preload: str) -> mp.pool.Pool:
     forked from this process while it has never loaded the library, else from a server process
     that never speaks (`preload`: the tasks' module), or spawned where neither is available.
     """
-
     methods = mp.get_all_start_methods()
     if Espeak._instance is None and "fork" in methods:
         context = mp.get_context("fork")

@@ -267,7 +267,6 @@ def expand_to_labels(
     label_lengths = label_lengths.to(h.device).long()
     given = lengths is not None
     lengths = (lengths if given else torch.full((B,), T_model)).to(h.device).long()
-
     expanded = lengths * factor  # (B,) 10 ms frames covered by the model frames
     bad = label_lengths > expanded + tolerance
     if given:

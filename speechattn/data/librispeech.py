@@ -206,7 +206,6 @@ def scan_split(
             if utt_id in other:  # e.g. a .wav: say what was found and why it is not used
                 read = f"only {AUDIO_SUFFIX} files are read (convert it to {AUDIO_SUFFIX})"
                 detail += f"; found {other[utt_id]}, but {read}"
-
             issues.report(DataError(trans_path, "transcript without audio", detail, utt_id), "scan")
     return utts
 

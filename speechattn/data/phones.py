@@ -47,20 +47,13 @@ IPA_TO_PHONE: dict[str, str] = {
 STRESS = str.maketrans("", "", "ˈˌ")
 
 
-def _simplify(name: str) -> str:
-    """Drop length marks, tie bars and combining diacritics."""
-    name = unicodedata.normalize("NFD", name)
-    return "".join(c for c in name if not unicodedata.combining(c) and c not in "ːˑ͡‿")
-
-
 def ipa_to_phone(name: str) -> str:
-    """ARPAbet class for one eSpeak phoneme name (IPA, stress marks allowed).
-
-    Unknown names fall back to the name without length marks or diacritics, then to its
-    longest known prefix. Raises `KeyError` naming the symbol when nothing matches.
-    """
+    """ARPAbet class for one eSpeak phoneme name (IPA, stress marks allowed): unknown names
+    fall back to the name without length marks, tie bars or diacritics, then to its longest
+    known prefix; `KeyError` naming the symbol when nothing matches."""
     name = name.translate(STRESS).strip()
-    simple = _simplify(name)
+    decomposed = unicodedata.normalize("NFD", name)
+    simple = "".join(c for c in decomposed if not unicodedata.combining(c) and c not in "ːˑ͡‿")
     for key in (name, simple, *(simple[:end] for end in range(len(simple) - 1, 0, -1))):
         if key in IPA_TO_PHONE:
             return IPA_TO_PHONE[key]

@@ -104,11 +104,8 @@ def utterance_text(rng: np.random.Generator, min_words: int, max_words: int) -> 
     """One or more sentences with `min_words` to `max_words` words in total (best effort)."""
     for _ in range(50):
         parts: list[str] = []
-        words = 0
-        while words < min_words:
-            s = sentence(rng)
-            parts.append(s)
-            words += len(s.split())
+        while (words := sum(len(p.split()) for p in parts)) < min_words:
+            parts.append(sentence(rng))
         if words <= max_words:
             return " ".join(parts)
     return " ".join(parts)
