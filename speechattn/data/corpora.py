@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from functools import partial
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -108,11 +107,8 @@ class FolderSource:
             if size == BROKEN_LINK:
                 issues.report(broken_link(path, utt_id), "scan")
             elif utt_id in out:
-                issues.report(
-                    DataError(path, "duplicate utterance",
-                              f"{out[utt_id].path.name} is utterance {utt_id} too: keep one of the two", utt_id),
-                    "scan",
-                )  # fmt: skip
+                detail = f"{out[utt_id].path.name} is utterance {utt_id} too: keep one of the two"
+                issues.report(DataError(path, "duplicate utterance", detail, utt_id), "scan")
             elif (speaker := self._speaker(path, utt_id, issues)) is not None:
                 out[utt_id] = Utterance(utt_id, speaker, "", path, "", self.split,
                                         size=size, mtime_ns=mtime, ctime_ns=ctime)  # fmt: skip
@@ -307,9 +303,8 @@ class LhotseSource:
         try:
             loaded = [lhotse.load_manifest(m) for m in self.manifests]
         except Exception as e:  # lhotse raises plain exceptions for a malformed file
-            raise DataError(
-                manifest, "unreadable lhotse manifest", f"{type(e).__name__}: {e}"
-            ) from None
+            detail = f"{type(e).__name__}: {e}"
+            raise DataError(manifest, "unreadable lhotse manifest", detail) from None
         if len(loaded) == 2:
             recordings, supervisions = loaded
             rows, where = list(supervisions), self.manifests[1]
@@ -320,7 +315,15 @@ class LhotseSource:
                     raise DataError(where, "missing recording", detail, s.id)
                 return s.id, recordings[s.recording_id], s.start, s.duration, s.channel, [s]
         elif isinstance(loaded[0], lhotse.CutSet):
-            rows, where, unpack = list(loaded[0]), manifest, partial(_cut_item, manifest=manifest)
+            rows, where = list(loaded[0]), manifest
+
+            def unpack(cut: Any) -> tuple:  # (id, recording, start, duration, channel, sups)
+                if type(cut).__name__ != "MonoCut":
+                    raise DataError(manifest, "unsupported cut", f"a {type(cut).__name__}; only "
+                                    "MonoCut (one recording, one channel or all) is read", cut.id)  # fmt: skip
+                if getattr(cut, "recording", None) is None:
+                    raise DataError(manifest, "cut without a recording", "it has no audio", cut.id)
+                return cut.id, cut.recording, cut.start, cut.duration, cut.channel, cut.supervisions
         else:
             raise DataError(manifest, "not a CutSet", f"it holds a {type(loaded[0]).__name__}; "
                             "give a CutSet, or the split name of a recordings + supervisions pair")  # fmt: skip
@@ -329,18 +332,16 @@ class LhotseSource:
             try:
                 utt_id, recording, start, duration, channel, sups = unpack(row)
                 if utt_id in seen:  # the first one is read, as in an audio folder
-                    raise DataError(
-                        where, "duplicate utterance", f"id {utt_id} appears twice", utt_id
-                    )
+                    detail = f"id {utt_id} appears twice"
+                    raise DataError(where, "duplicate utterance", detail, utt_id)
                 seen.add(utt_id)
                 path, segment = _audio_segment(recording, start, duration, channel, where, utt_id)
                 if path not in stats:
                     try:
                         stats[path] = os.stat(path)
                     except OSError as e:
-                        raise DataError(
-                            path, "missing audio file", f"{e.strerror}; named by {where}", utt_id
-                        ) from None
+                        detail = f"{e.strerror}; named by {where}"
+                        raise DataError(path, "missing audio file", detail, utt_id) from None
             except DataError as e:
                 problems.append(e)
                 continue
@@ -356,16 +357,6 @@ class LhotseSource:
                                         size=st.st_size, mtime_ns=st.st_mtime_ns,
                                         ctime_ns=st.st_ctime_ns, segment=segment))  # fmt: skip
         return sorted(utterances, key=lambda u: u.utt_id), problems
-
-
-def _cut_item(cut: Any, manifest: Path) -> tuple:
-    """(id, recording, start, duration, channel, supervisions) of a cut."""
-    if type(cut).__name__ != "MonoCut":
-        raise DataError(manifest, "unsupported cut", f"a {type(cut).__name__}; only MonoCut "
-                        "(one recording, one channel or all) is read", cut.id)  # fmt: skip
-    if getattr(cut, "recording", None) is None:
-        raise DataError(manifest, "cut without a recording", "it has no audio", cut.id)
-    return cut.id, cut.recording, cut.start, cut.duration, cut.channel, cut.supervisions
 
 
 def _audio_segment(recording: Any, start: float, duration: float, channel: Any, where: Path,
@@ -425,23 +416,22 @@ class LhotseCorpus(Corpus):
         index = {s: i for i, s in enumerate(phone_set)}
         labels = {}
         for u in ids:
-            entry = self.entries[u]
             try:
-                labels[u] = self._frames(u, entry, index)
+                labels[u] = self._frames(u, self.entries[u], index)
             except DataError as e:
                 issues.report(e, "labels")
         where = next(iter(self.entries.values())).manifest if self.entries else self.root
         return labels, phone_set, where
 
     def _frames(self, utt_id: str, entry: _Entry, index: dict[str, int]) -> np.ndarray:
-        """(T_lab,) int16 phone ids of one utterance (-100 where no item covers a frame)."""
+        """(T_lab,) int16 phone ids of one utterance: frame i of a segment starting at s takes
+        the item covering s + (i + 0.5) * 10 ms (recording time), -100 where none does."""
         if not entry.phones:
             kind = self.label_files.alignments
             detail = f"no alignment[{kind!r}] in its supervisions"
             raise DataError(entry.manifest, "missing alignment", detail, utt_id)
         items = sorted(entry.phones, key=lambda p: p[1])
-        unknown = [p[0] for p in items if p[0] not in index]
-        if unknown:
+        if unknown := [p[0] for p in items if p[0] not in index]:
             detail = f"{unknown[0]!r} is not in the phone set ({len(index)} symbols)"
             raise DataError(entry.manifest, "unknown phone symbol", detail, utt_id)
         begin, end = entry.start, entry.start + entry.duration

@@ -38,8 +38,6 @@ def resolve_root(cfg: DataConfig) -> Path:
         if not root.is_dir():  # before anything looks for label files inside it
             raise DataError(root, "corpus root not found", f"data.root={cfg.root} is not a folder")
         return root
-    if cfg.corpus != "embedded":
-        raise ConfigError(f"data.root is required for corpus={cfg.corpus}")
     from speechattn.data.synth import ensure_embedded_corpus
 
     return ensure_embedded_corpus(
@@ -95,9 +93,8 @@ class _CorpusDataModule(L.LightningDataModule):
     @property
     def normalizer(self) -> Normalizer:
         if self._normalizer is None:
-            raise RuntimeError(
-                f"{type(self).__name__}.normalizer is set by setup(); call setup() first"
-            )
+            msg = f"{type(self).__name__}.normalizer is set by setup(); call setup() first"
+            raise RuntimeError(msg)
         return self._normalizer
 
     @property
@@ -235,9 +232,8 @@ class PretrainDataModule(_CorpusDataModule):
             parts["train"].append((store, [store.position[u] for u in ids if u not in held]))
             parts["val"].append((store, [store.position[u] for u in ids if u in held]))
         if not any(idx for _, idx in parts["train"]):
-            raise DataError(
-                self.root, "no pretraining utterances", f"splits {c.pretrain_splits} are empty"
-            )
+            detail = f"splits {c.pretrain_splits} are empty"
+            raise DataError(self.root, "no pretraining utterances", detail)
         self._normalizer = self._normalizer_from(parts["train"])
         norm, mf = self._normalizer, c.max_frames
         self.datasets = {
@@ -290,9 +286,8 @@ class LabelledDataModule(_CorpusDataModule):
             for u in listed:
                 if u not in available and u not in skipped:  # skipped ones were reported
                     detail = f"not found in {c.labelled_splits}"
-                    self.issues.report(
-                        DataError(path, "utterance not in the corpus", detail, u), "lists"
-                    )
+                    error = DataError(path, "utterance not in the corpus", detail, u)
+                    self.issues.report(error, "lists")
             return [u for u in listed if u in available]
 
         if c.test_list is not None:

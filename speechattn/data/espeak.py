@@ -72,9 +72,8 @@ class Espeak:
         data_path = espeakng_loader.get_data_path().encode()
         rate = self.lib.espeak_Initialize(AUDIO_OUTPUT_SYNCHRONOUS, 0, data_path, flags)
         if rate <= 0:
-            raise DependencyError(
-                f"espeak_Initialize failed (returned {rate}); data path {data_path!r}"
-            )
+            msg = f"espeak_Initialize failed (returned {rate}); data path {data_path!r}"
+            raise DependencyError(msg)
         self.sample_rate = int(rate)
         self._chunks: list[np.ndarray] = []
         self._events: list[tuple[int, str]] = []

@@ -103,10 +103,7 @@ class LogMel:
         return spec.T.contiguous()  # (T, F)
 
 
-@functools.cache
-def cached_log_mel(cfg: FeatureConfig) -> LogMel:
-    """This process's `LogMel` of `cfg`, built once (the cache's extraction uses it too)."""
-    return LogMel(cfg)
+cached_log_mel = functools.cache(LogMel)  # this process's `LogMel` of a config, built once
 
 
 def log_mel_batch(
@@ -232,11 +229,8 @@ def stack_frames(
     B, T, F = x.shape
     T_pad = max(-(-T // factor), frames or 0) * factor
     x = torch.nn.functional.pad(x, (0, 0, 0, T_pad - T)) if T_pad != T else x.clone()
-    if (
-        x.device.type == "cpu"
-        and lengths.device.type == "cpu"
-        and not torch.compiler.is_compiling()
-    ):
+    on_host = x.device.type == lengths.device.type == "cpu"
+    if on_host and not torch.compiler.is_compiling():
         for b, n in enumerate(lengths.tolist()):  # the loader's case: touch the padding only
             x[b, n:] = 0.0
     else:  # lengths on a GPU are not read on the host

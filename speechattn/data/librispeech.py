@@ -82,16 +82,14 @@ def read_transcripts(path: Path, issues: Issues) -> dict[str, str | None]:
         if not utt_id:
             continue
         if not UTT_RE.match(utt_id):
-            issues.report(
-                DataError(path, "malformed transcript line", f"line {n}: {line[:60]!r}"), "scan"
-            )
+            error = DataError(path, "malformed transcript line", f"line {n}: {line[:60]!r}")
+            issues.report(error, "scan")
         elif utt_id not in first_line:
             first_line[utt_id], out[utt_id] = n, text.strip()
         elif out[utt_id] is not None:  # report each utterance once
             out[utt_id] = None
-            issues.report(
-                _duplicate(path, "transcript line", n, first_line[utt_id], utt_id), "scan"
-            )
+            error = _duplicate(path, "transcript line", n, first_line[utt_id], utt_id)
+            issues.report(error, "scan")
     return out
 
 
@@ -242,9 +240,8 @@ def read_split_list(path: str | Path) -> list[str]:
     """Utterance ids, one per line (CPC `train_split.txt` / `test_split.txt`), order kept."""
     path = Path(path)
     if not path.is_file():
-        raise DataError(
-            path, "split list not found", "set data.alignments_dir or data.train_list/test_list"
-        )
+        detail = "set data.alignments_dir or data.train_list/test_list"
+        raise DataError(path, "split list not found", detail)
     return list(dict.fromkeys(ln.strip() for ln in path.read_text().splitlines() if ln.strip()))
 
 
@@ -269,9 +266,8 @@ def read_alignments(
     issues = issues or Issues()
     path = Path(path)
     if not path.is_file():
-        raise DataError(
-            path, "alignment file not found", "set data.alignments_dir, or data.alignments=null"
-        )
+        detail = "set data.alignments_dir, or data.alignments=null"
+        raise DataError(path, "alignment file not found", detail)
     symbol_id = {s: i for i, s in enumerate(phone_set or [])}
     n_classes = len(phone_set) if phone_set is not None else np.iinfo(np.int16).max
     out: dict[str, np.ndarray] = {}
@@ -286,9 +282,8 @@ def read_alignments(
                 if utt_id not in duplicated:
                     duplicated.add(utt_id)
                     out.pop(utt_id, None)
-                    issues.report(
-                        _duplicate(path, "alignment", n, first_line[utt_id], utt_id), "labels"
-                    )
+                    error = _duplicate(path, "alignment", n, first_line[utt_id], utt_id)
+                    issues.report(error, "labels")
                 continue
             first_line[utt_id] = n
             try:
@@ -346,6 +341,4 @@ class LabelFiles:
                 detail = f"{len(symbols)} symbols, data.num_phones={num_phones}"
                 raise DataError(path, "phone set size mismatch", detail)
             return symbols
-        if num_phones is not None:
-            return [str(i) for i in range(num_phones)]
-        return None
+        return None if num_phones is None else [str(i) for i in range(num_phones)]

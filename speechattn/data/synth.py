@@ -138,11 +138,10 @@ def _synth_speaker(task: tuple[Speaker, int, int, int, bool, Path]) -> list[dict
     spk, speaker_index, count, seed, heldout, split_dir = task
     out = []
     for u in range(count):
-        chapter = int(spk.speaker_id) * 10 + 1 + u % CHAPTERS_PER_SPEAKER
-        rng = np.random.default_rng(
-            [seed, int(heldout), speaker_index, chapter, u // CHAPTERS_PER_SPEAKER]
-        )
-        utt_id = f"{spk.speaker_id}-{chapter}-{u // CHAPTERS_PER_SPEAKER:04d}"
+        k, which = divmod(u, CHAPTERS_PER_SPEAKER)  # utterance k of chapter `which`
+        chapter = int(spk.speaker_id) * 10 + 1 + which
+        rng = np.random.default_rng([seed, int(heldout), speaker_index, chapter, k])
+        utt_id = f"{spk.speaker_id}-{chapter}-{k:04d}"
         out.append(_synth_one(spk, utt_id, rng, heldout, split_dir / spk.speaker_id / str(chapter)))
     return out
 
@@ -164,13 +163,9 @@ def _synth_one(
         text = textgen.utterance_text(rng, max(3, words - 2), words + 2)
         while textgen.pool_of(text) != pool:  # main and held-out corpora never share a sentence
             text = textgen.utterance_text(rng, max(3, words - 2), words + 2)
-        settings = VoiceSettings(
-            voice=spk.voice,
-            rate=rate,
-            pitch=int(np.clip(spk.pitch + rng.integers(-4, 5), 0, 100)),
-            pitch_range=int(np.clip(spk.pitch_range + rng.integers(-6, 7), 0, 100)),
-        )
-        raw, events = engine.synthesize(text, settings)
+        pitch = int(np.clip(spk.pitch + rng.integers(-4, 5), 0, 100))
+        pitch_range = int(np.clip(spk.pitch_range + rng.integers(-6, 7), 0, 100))
+        raw, events = engine.synthesize(text, VoiceSettings(spk.voice, rate, pitch, pitch_range))
         lead = int(rng.uniform(0.08, 0.35) * SAMPLE_RATE)
         tail = int(rng.uniform(0.05, 0.25) * SAMPLE_RATE)
         speech = _resample(raw.astype(np.float32) / 32768.0, engine.sample_rate)
@@ -178,9 +173,8 @@ def _synth_one(
         if MIN_SECONDS <= n / SAMPLE_RATE <= MAX_SECONDS:
             break
     else:
-        raise RuntimeError(
-            f"{utt_id}: could not synthesise a {MIN_SECONDS}-{MAX_SECONDS} s utterance"
-        )
+        msg = f"{utt_id}: could not synthesise a {MIN_SECONDS}-{MAX_SECONDS} s utterance"
+        raise RuntimeError(msg)
     # channel: the speaker's tilt (jittered), a random per-utterance EQ and gain, then noise
     tilt = spk.tilt + rng.uniform(-UTT_TILT_JITTER, UTT_TILT_JITTER)
     speech = speech + tilt * np.concatenate([[0.0], speech[:-1]]).astype(np.float32)
@@ -262,9 +256,8 @@ def _write_metadata(
     for r in results:
         spk, chapter, _ = r["utt_id"].split("-")
         line = f"{r['utt_id']} {textgen.normalise_transcript(r['text'])}"
-        by_chapter.setdefault(
-            out / split / spk / chapter / f"{spk}-{chapter}.trans.txt", []
-        ).append(line)
+        path = out / split / spk / chapter / f"{spk}-{chapter}.trans.txt"
+        by_chapter.setdefault(path, []).append(line)
     for path, lines in by_chapter.items():
         path.write_text("\n".join(sorted(lines)) + "\n")
     with open(out / "converted_aligned_phones.txt", "w") as f:
