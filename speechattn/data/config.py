@@ -22,9 +22,7 @@ CACHE_DTYPES = ("float16", "float32")
 
 def usable_cpus() -> int:
     """CPU cores this process may run on (its affinity mask: a SLURM or taskset share)."""
-    if hasattr(os, "sched_getaffinity"):
-        return len(os.sched_getaffinity(0))
-    return os.cpu_count() or 1
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def _env_count(name: str) -> int | None:
@@ -212,9 +210,7 @@ class DataConfig:
     @property
     def extraction_workers(self) -> int:
         """`extract_workers`, with null resolved (see the field)."""
-        if self.extract_workers is not None:
-            return self.extract_workers
-        return max(1, min(8, rank_cpus()))
+        return max(1, min(8, rank_cpus())) if self.extract_workers is None else self.extract_workers
 
     def claim_config(self) -> ClaimConfig:
         """The claims' timing (`speechattn.data.claims`) from the settings above."""

@@ -49,10 +49,8 @@ def resolve_root(cfg: DataConfig) -> Path:
 def extraction_settings(cfg: DataConfig) -> ExtractionSettings:
     return ExtractionSettings(
         features=FeatureConfig(n_mels=cfg.n_mels, deltas=cfg.deltas),
-        sample_rate_policy=cfg.sample_rate_policy,
-        min_frames=cfg.min_frames,
-        dtype=cfg.cache_dtype,
-    )
+        sample_rate_policy=cfg.sample_rate_policy, min_frames=cfg.min_frames, dtype=cfg.cache_dtype,
+    )  # fmt: skip
 
 
 class _Items(ConcatDataset):
@@ -220,11 +218,10 @@ class PretrainDataModule(_CorpusDataModule):
         n_excluded = sum(len(s) - len(usable[k]) for k, s in stores.items())
         everything = [u for ids in usable.values() for u in ids]
         held = validation_ids(everything, c.pretrain_val_fraction, c.max_val_utterances, c.seed)
-        if len(held) < round(c.pretrain_val_fraction * len(everything)):
+        if len(held) < (wanted := round(c.pretrain_val_fraction * len(everything))):
             log.info(
                 "validation: %d utterances (data.max_val_utterances=%s; pretrain_val_fraction=%s "
-                "would hold out %d)", len(held), c.max_val_utterances, c.pretrain_val_fraction,
-                round(c.pretrain_val_fraction * len(everything)),
+                "would hold out %d)", len(held), c.max_val_utterances, c.pretrain_val_fraction, wanted,
             )  # fmt: skip
         parts: dict[str, list[tuple[FeatureStore, list[int]]]] = {"train": [], "val": []}
         for split, ids in usable.items():

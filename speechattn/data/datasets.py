@@ -1,10 +1,5 @@
-"""Datasets over the feature cache, the padding collate, and a length-bucketing batch sampler.
-
-Batches (docs/ARCHITECTURE.md): `features` float32 (B, T, F) normalised, zero past `lengths`;
-`lengths` int64 (B,); `padding_mask` bool (B, T), True at padding; `utt_ids` list[str];
-labelled data adds `speaker` int64 (B,), `phones` int64 (B, T) padded with -100 and
-`phone_lengths` int64 (B,).
-"""
+"""Datasets over the feature cache, the padding collate (the batch contract:
+docs/ARCHITECTURE.md), and a length-bucketing batch sampler."""
 
 from __future__ import annotations
 
@@ -26,16 +21,10 @@ class FeatureDataset(Dataset):
     `speakers` a class per item, `phones` per item (T_lab,) phone ids aligned to the features.
     """
 
-    def __init__(
-        self,
-        store: FeatureStore,
-        indices: Sequence[int],
-        normalizer: Normalizer,
-        max_frames: int | None = None,
-        random_crop: bool = False,
-        speakers: Sequence[int] | None = None,
-        phones: Sequence[np.ndarray] | None = None,
-    ) -> None:
+    def __init__(self, store: FeatureStore, indices: Sequence[int], normalizer: Normalizer,
+                 max_frames: int | None = None, random_crop: bool = False,
+                 speakers: Sequence[int] | None = None,
+                 phones: Sequence[np.ndarray] | None = None) -> None:  # fmt: skip
         self.store, self.indices = store, list(indices)
         self.normalizer, self.max_frames, self.random_crop = normalizer, max_frames, random_crop
         self.speakers, self.phones = speakers, phones
@@ -70,7 +59,8 @@ class FeatureDataset(Dataset):
 
 
 def collate(items: list[dict[str, Any]]) -> dict[str, Any]:
-    """Pad dataset items into a batch (see the module docstring)."""
+    """Pad dataset items into a batch: features (B, T, F) zero past `lengths`, padding_mask (B, T)
+    True at padding, phones (B, T) padded with -100."""
     lengths = torch.tensor([it["features"].shape[0] for it in items], dtype=torch.long)
     B, T = len(items), int(lengths.max()) if items else 0
     F = items[0]["features"].shape[1] if items else 0
@@ -116,16 +106,9 @@ class LengthBucketBatchSampler(BatchSampler):
     DistributedSampler, so each rank buckets its own shard.
     """
 
-    def __init__(
-        self,
-        sampler: Sampler[int] | Sequence[int],
-        batch_size: int,
-        drop_last: bool,
-        lengths: Sequence[int],
-        bucket_size: int = 50,
-        shuffle: bool = True,
-        seed: int = 0,
-    ) -> None:
+    def __init__(self, sampler: Sampler[int] | Sequence[int], batch_size: int, drop_last: bool,
+                 lengths: Sequence[int], bucket_size: int = 50, shuffle: bool = True,
+                 seed: int = 0) -> None:  # fmt: skip
         super().__init__(sampler, batch_size, drop_last)
         self.lengths = np.asarray(lengths)
         self.bucket_size, self.shuffle, self.seed = bucket_size, shuffle, seed

@@ -91,8 +91,7 @@ class Espeak:
         if num_samples > 0:
             self._chunks.append(np.ctypeslib.as_array(wav, shape=(num_samples,)).copy())
         i = 0
-        while events[i].type != EVENT_LIST_TERMINATED:
-            event = events[i]
+        while (event := events[i]).type != EVENT_LIST_TERMINATED:
             if event.type == EVENT_PHONEME:
                 name = event.id.decode("utf-8", errors="replace").rstrip("\x00")
                 self._events.append((int(event.sample), name))
@@ -112,10 +111,8 @@ class Espeak:
             for param, value in params.items():
                 self.lib.espeak_SetParameter(param, int(value), 0)
             self._chunks, self._events = [], []
-            data = text.encode("utf-8") + b"\x00"
-            err = self.lib.espeak_Synth(
-                data, len(data), 0, POS_CHARACTER, 0, CHARS_UTF8, None, None
-            )
+            buf = text.encode("utf-8") + b"\x00"
+            err = self.lib.espeak_Synth(buf, len(buf), 0, POS_CHARACTER, 0, CHARS_UTF8, None, None)
             if err != 0:
                 raise DependencyError(f"espeak_Synth failed with error {err} for text {text!r}")
             audio = np.concatenate(self._chunks) if self._chunks else np.zeros(0, np.int16)

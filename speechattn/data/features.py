@@ -72,17 +72,12 @@ class LogMel:
         import torchaudio
 
         self.cfg = cfg
+        # center=False: snip-edges, so the frame count matches the 10 ms labels
         self.mel = torchaudio.transforms.MelSpectrogram(
-            sample_rate=SAMPLE_RATE,
-            n_fft=cfg.n_fft,
-            win_length=cfg.win_length,
-            hop_length=cfg.hop_length,
-            f_min=cfg.f_min,
-            f_max=cfg.f_max,
-            n_mels=cfg.n_mels,
-            center=False,  # snip-edges: frame count matches the 10 ms labels
-            power=2.0,
-        )
+            sample_rate=SAMPLE_RATE, n_fft=cfg.n_fft, win_length=cfg.win_length,
+            hop_length=cfg.hop_length, f_min=cfg.f_min, f_max=cfg.f_max, n_mels=cfg.n_mels,
+            center=False, power=2.0,
+        )  # fmt: skip
 
     @torch.no_grad()
     def __call__(self, wav: Tensor | np.ndarray) -> Tensor:
@@ -239,23 +234,14 @@ def stack_frames(
     return stacked, torch.div(lengths + factor - 1, factor, rounding_mode="floor")
 
 
-def expand_to_labels(
-    h: Tensor,
-    factor: int,
-    label_lengths: Tensor,
-    utt_ids: list[str],
-    tolerance: int = 2,
-    lengths: Tensor | None = None,
-) -> Tensor:
+def expand_to_labels(h: Tensor, factor: int, label_lengths: Tensor, utt_ids: list[str],
+                     tolerance: int = 2, lengths: Tensor | None = None) -> Tensor:  # fmt: skip
     """Repeat each model frame `factor` times and trim/pad to each utterance's label length:
-    h (B, T', D), label_lengths (B,) 10 ms labels -> (B, max(label_lengths), D), zero past each
-    label length. Label frame t of utterance b takes model frame min(t // factor,
-    lengths[b] - 1), so a slightly longer label sequence reuses the last frame.
-
-    `lengths` (B,) valid model frames (None: all T'). `LabelMismatchError` naming the utterance
-    when the labels outrun the repeated frames by more than `tolerance`, or (with `lengths`)
-    fall short by more than `factor - 1 + tolerance` (`stack_frames`' ceil adds up to
-    `factor - 1`).
+    h (B, T', D), label_lengths (B,), lengths (B,) valid model frames (None: all T') ->
+    (B, max(label_lengths), D), zero past each label length. Label frame t of utterance b takes
+    model frame min(t // factor, lengths[b] - 1). `LabelMismatchError` when the labels outrun
+    the repeated frames by more than `tolerance`, or (with `lengths`) fall short by more than
+    `factor - 1 + tolerance` (`stack_frames`' ceil adds up to `factor - 1`).
     """
     B, T_model, D = h.shape
     label_lengths = label_lengths.to(h.device).long()

@@ -1,10 +1,5 @@
 """Read a LibriSpeech-layout corpus (real LibriSpeech or the built-in one) and its CPC labels
-(docs/data.md, "Formats" and "LibriSpeech"):
-
-    ROOT/<split>/<speaker>/<chapter>/<speaker>-<chapter>-<utt:04d>.flac
-    ROOT/<split>/<speaker>/<chapter>/<speaker>-<chapter>.trans.txt     lines "<utt-id> TEXT"
-    <alignments_dir>/converted_aligned_phones.txt, train_split.txt, test_split.txt, phone_set.txt
-"""
+(the layout and formats: docs/data.md, "Formats")."""
 
 from __future__ import annotations
 
@@ -148,13 +143,8 @@ def _subfolders(path: str) -> list[str]:
         return sorted(e.name for e in entries if e.is_dir())
 
 
-def scan_split(
-    root: str | Path,
-    split: str,
-    issues: Issues | None = None,
-    with_info: bool = False,
-    listing: SplitListing | None = None,
-) -> list[Utterance]:
+def scan_split(root: str | Path, split: str, issues: Issues | None = None,
+               with_info: bool = False, listing: SplitListing | None = None) -> list[Utterance]:  # fmt: skip
     """All utterances of `root/split`, sorted by id; audio without a transcript line,
     transcript lines without audio and badly named files are reported to `issues`.
     `with_info=True` reads each header for `num_samples`/`sample_rate`."""
@@ -254,12 +244,8 @@ def read_phone_set(path: str | Path) -> list[str]:
     return symbols
 
 
-def read_alignments(
-    path: str | Path,
-    phone_set: list[str] | None,
-    issues: Issues | None = None,
-    wanted: set[str] | None = None,
-) -> dict[str, np.ndarray]:
+def read_alignments(path: str | Path, phone_set: list[str] | None, issues: Issues | None = None,
+                    wanted: set[str] | None = None) -> dict[str, np.ndarray]:  # fmt: skip
     """`{utt_id: (T,) int16 phone ids}` of the `wanted` ids (None: all) in a CPC-format file.
     Tokens are class ids or symbols of `phone_set` (None: any non-negative class id); a line
     with a token outside it is reported and gets no labels."""

@@ -1,10 +1,6 @@
-"""The built-in corpus's phone set and the map from eSpeak NG's IPA phonemes onto it.
-
-40 classes: silence (`sil`, id 0) plus the 39 ARPAbet phonemes of the CMU dictionary, the
-inventory most English phone-recognition work uses. eSpeak's accents (en, en-us, en-gb-x-rp,
-en-029, en-gb-scotland, ...) produce more IPA symbols than that; each maps to the ARPAbet
-phoneme it realises (`ɒ` and `ɑː` -> AA, flap `ɾ` -> T, Scottish `ʍ` -> W, ...).
-"""
+"""The built-in corpus's phone set, silence (`sil`, id 0) plus the 39 ARPAbet phonemes of the
+CMU dictionary, and the map onto it of the IPA phonemes eSpeak NG's English accents produce
+(each to the phoneme it realises: `ɒ` and `ɑː` -> AA, flap `ɾ` -> T, Scottish `ʍ` -> W, ...)."""
 
 from __future__ import annotations
 
