@@ -8,6 +8,8 @@ docs/ARCHITECTURE.md).
     batch = next(iter(dm.train_dataloader()))         # features (B, T, 80), phones (B, T), ...
 """
 
+import importlib
+
 from speechattn.data.config import DataConfig, default_cache_root
 from speechattn.data.errors import DataError, Issues, Skip
 from speechattn.data.features import (
@@ -34,31 +36,12 @@ _LAZY = {
 
 def __getattr__(name: str):
     if name in _LAZY:
-        import importlib
-
         return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module 'speechattn.data' has no attribute {name!r}")
 
 
-__all__ = [
-    "DataConfig",
-    "DataError",
-    "FeatureConfig",
-    "Issues",
-    "LabelledDataModule",
-    "LogMel",
-    "Normalizer",
-    "PretrainDataModule",
-    "Skip",
-    "Utterance",
-    "build_corpus",
-    "build_datamodule",
-    "default_cache_root",
-    "ensure_embedded_corpus",
-    "expand_to_labels",
-    "find_splits",
-    "num_frames",
-    "resolve_root",
-    "scan_split",
-    "stack_frames",
-]
+__all__ = ["DataConfig", "DataError", "FeatureConfig", "Issues", "LabelledDataModule", "LogMel",
+           "Normalizer", "PretrainDataModule", "Skip", "Utterance", "build_corpus",
+           "build_datamodule", "default_cache_root", "ensure_embedded_corpus",
+           "expand_to_labels", "find_splits", "num_frames", "resolve_root", "scan_split",
+           "stack_frames"]  # fmt: skip

@@ -28,22 +28,11 @@ class AudioResult:
     notes: list[str] = field(default_factory=list)  # e.g. "resampled from 8000 Hz"
 
 
-def load_audio(
-    path: str | Path,
-    sample_rate_policy: str = "resample",
-    min_samples: int = 1,
-    utt_id: str | None = None,
-    segment: Segment | None = None,
-) -> AudioResult:
-    """Decode `path` (or the `segment` of it) into float32 mono at 16 kHz.
-
-    Args:
-        path: audio file (FLAC, WAV, OGG, MP3, ... anything the installed libsndfile reads).
-        sample_rate_policy: "resample" (convert, noted) or "error" for non-16 kHz audio.
-        min_samples: fewer samples than this (after resampling) is a "too short" error.
-        utt_id: utterance id to name in errors.
-        segment: read only this part of the file (and this channel); None: all of it.
-    """
+def load_audio(path: str | Path, sample_rate_policy: str = "resample", min_samples: int = 1,
+               utt_id: str | None = None, segment: Segment | None = None) -> AudioResult:  # fmt: skip
+    """Decode `path` (anything libsndfile reads), or its `segment`, into float32 mono at 16 kHz;
+    other rates are resampled (noted) or, with `sample_rate_policy="error"`, refused. Fewer
+    than `min_samples` samples is "too short"; errors name `utt_id`."""
     import soundfile as sf
 
     path = Path(path)
@@ -78,9 +67,7 @@ def load_audio(
     _check_values(audio, bad)
     if segment is not None and segment.channel is not None:
         audio = audio[:, segment.channel : segment.channel + 1]
-    notes = []
-    if audio.shape[1] > 1:
-        notes.append(f"averaged {audio.shape[1]} channels")
+    notes = [f"averaged {audio.shape[1]} channels"] if audio.shape[1] > 1 else []
     audio = audio.mean(axis=1) if audio.shape[1] > 1 else audio[:, 0]
     if rate != SAMPLE_RATE:
         if sample_rate_policy == "error":

@@ -1,7 +1,5 @@
-"""`DataConfig`: every data-layer setting and its default (the `data` group's Hydra schema:
-`conf/data/embedded.yaml` is these defaults). Every choice is validated here, so a typo fails
-at start-up, not mid-run.
-"""
+"""`DataConfig`: every data-layer setting and its default (the `data` group's Hydra schema),
+validated at start-up."""
 
 from __future__ import annotations
 
@@ -24,9 +22,7 @@ CACHE_DTYPES = ("float16", "float32")
 
 def usable_cpus() -> int:
     """CPU cores this process may run on (its affinity mask: a SLURM or taskset share)."""
-    if hasattr(os, "sched_getaffinity"):
-        return len(os.sched_getaffinity(0))
-    return os.cpu_count() or 1
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def _env_count(name: str) -> int | None:
@@ -58,9 +54,8 @@ def local_rank() -> int:
 class DataConfig:
     """Data-layer configuration (flat, so Hydra overrides read `data.batch_size=8`)."""
 
-    # ---- corpus ----
-    # embedded (built-in eSpeak corpus) | librispeech | folder (any audio) | lhotse (manifests)
-    corpus: str = "embedded"
+    # ---- corpus (docs/data.md) ----
+    corpus: str = "embedded"  # embedded (built-in eSpeak corpus) | librispeech | folder | lhotse
     # corpus root (lhotse: the manifests' folder); embedded + None: the built-in corpus
     root: str | None = None
     # lhotse: a CutSet file; root defaults to its folder, empty pretrain/labelled splits to it
@@ -128,13 +123,11 @@ class DataConfig:
     max_open_shards: int = 32
     progress: bool = True
 
-    # ---- pretraining validation (beside pretrain_val_fraction above) ----
-    # at most this many utterances held out (null: no cap; 5 % of LibriSpeech 960 h would be
-    # 14k), chosen by a seeded hash of the id (`datamodules.validation_ids`)
+    # pretraining validation: at most this many utterances held out (null: no cap; 5 % of
+    # LibriSpeech 960 h would be 14k), chosen by a seeded hash of the id
     max_val_utterances: int | None = 1000
 
-    # ---- several processes extracting into one cache (DDP ranks, nodes; docs/multinode.md) ----
-    # (defaults: `speechattn.data.claims.ClaimConfig`)
+    # ---- several processes extracting into one cache (docs/multinode.md) ----
     claim_heartbeat_s: float = ClaimConfig.heartbeat_s  # a process touches its claims this often
     # a claim untouched this long is a dead (or frozen) holder's and another process takes its
     # shard over; at least 3 x claim_heartbeat_s
@@ -161,21 +154,17 @@ class DataConfig:
         if self.corpus in ("librispeech", "folder") and not self.root:
             raise ConfigError(f"data.root is required for corpus={self.corpus} (the corpus folder)")
         ok = self.speaker_level is None or is_int(self.speaker_level)
-        require(
-            ok, "data.speaker_level", self.speaker_level, "an integer (a folder level), or null"
-        )
-        for name in (
-            "batch_size", "max_frames", "min_frames", "shard_size", "bucket_size",
-            "prefetch_factor", "pad_to_multiple", "max_open_shards", "n_mels",
-        ):  # fmt: skip
-            value = getattr(self, name)
-            require(is_int(value) and value >= 1, f"data.{name}", value, "an integer >= 1")
-        for name in ("max_val_utterances", "labelled_max_frames", "extract_workers"):
-            value = getattr(self, name)
-            ok = value is None or (is_int(value) and value >= 1)
-            require(ok, f"data.{name}", value, "an integer >= 1, or null")
-        ok = self.num_workers is None or (is_int(self.num_workers) and self.num_workers >= 0)
-        require(ok, "data.num_workers", self.num_workers, "an integer >= 0, or null")
+        rule = "an integer (a folder level), or null"
+        require(ok, "data.speaker_level", self.speaker_level, rule)
+        nullable = {"max_val_utterances": 1, "labelled_max_frames": 1, "extract_workers": 1,
+                    "num_workers": 0}  # fmt: skip
+        for name in ("batch_size", "max_frames", "min_frames", "shard_size", "bucket_size",
+                     "prefetch_factor", "pad_to_multiple", "max_open_shards", "n_mels",
+                     *nullable):  # fmt: skip
+            value, low = getattr(self, name), nullable.get(name, 1)
+            ok = (value is None and name in nullable) or (is_int(value) and value >= low)
+            rule = f"an integer >= {low}" + (", or null" if name in nullable else "")
+            require(ok, f"data.{name}", value, rule)
         ok = is_int(self.label_tolerance) and self.label_tolerance >= 0
         require(ok, "data.label_tolerance", self.label_tolerance, "an integer >= 0 (10 ms frames)")
         # downstream's early stopping needs a dev set: 0 would leave it empty
@@ -186,9 +175,8 @@ class DataConfig:
         ok = self.max_frames >= self.min_frames
         require(ok, "data.max_frames", self.max_frames, f">= data.min_frames={self.min_frames}")
         if self.test_list is None and not self.test_splits:
-            raise ConfigError(
-                "data.test_list is null, so data.test_splits must name the test folders"
-            )
+            msg = "data.test_list is null, so data.test_splits must name the test folders"
+            raise ConfigError(msg)
         try:
             self.claim_config()
         except ValueError as e:
@@ -221,11 +209,8 @@ class DataConfig:
 
     @property
     def extraction_workers(self) -> int:
-        """`extract_workers`, with null resolved: this rank's share of the node's cores (every
-        rank extracts at the same time), at most 8."""
-        if self.extract_workers is not None:
-            return self.extract_workers
-        return max(1, min(8, rank_cpus()))
+        """`extract_workers`, with null resolved (see the field)."""
+        return max(1, min(8, rank_cpus())) if self.extract_workers is None else self.extract_workers
 
     def claim_config(self) -> ClaimConfig:
         """The claims' timing (`speechattn.data.claims`) from the settings above."""

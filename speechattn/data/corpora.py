@@ -1,25 +1,16 @@
-"""Corpus readers (`data.corpus`, docs/data.md): `librispeech` and `embedded` (LibriSpeech
-layout, `speechattn.data.librispeech`), `folder` (every audio file under ROOT/<split>, the id
-its path under ROOT without suffix, the speaker a folder level of it) and `lhotse` (below).
-Phone labels and split lists come from CPC files, as for LibriSpeech, except for lhotse.
+"""Corpus readers (`data.corpus`; formats: docs/data.md): `librispeech` and `embedded`
+(LibriSpeech layout, `speechattn.data.librispeech`), `folder` (every audio file under
+ROOT/<split>) and `lhotse` (manifests, with their own speakers and phone alignments; the
+others read CPC label and split files).
 
 A reader's split is a `Source` for the feature cache: `listing()` is cheap and gives a digest
 that changes whenever the audio might have; `scan(issues)` lists the utterances.
-
-lhotse manifests (`data.corpus=lhotse`; the optional extra `[lhotse]`; docs/data.md, "lhotse
-manifests"): a split is a CutSet file in `data.root` (named by its file name), or
-`*_cuts_<split>.jsonl*`, or the pair `*_recordings_<split>.jsonl*` +
-`*_supervisions_<split>.jsonl*`: one utterance per cut (its segment of the recording), or per
-supervision. For the probes, the speaker is the supervisions' `speaker`; frame i of an
-utterance starting at s gets the `alignment["phone"]` item covering s + (i + 0.5) * 10 ms
-(recording time); frames no item covers are -100.
 """
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from functools import partial
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -69,9 +60,6 @@ class Source(Protocol):
     def scan(self, issues: Issues) -> list[Utterance]: ...
 
 
-# ----------------------------------------------------------------------------- sources
-
-
 @dataclass
 class SplitSource:
     """A LibriSpeech-layout split folder, ROOT/<split>."""
@@ -119,11 +107,8 @@ class FolderSource:
             if size == BROKEN_LINK:
                 issues.report(broken_link(path, utt_id), "scan")
             elif utt_id in out:
-                issues.report(
-                    DataError(path, "duplicate utterance",
-                              f"{out[utt_id].path.name} is utterance {utt_id} too: keep one of the two", utt_id),
-                    "scan",
-                )  # fmt: skip
+                detail = f"{out[utt_id].path.name} is utterance {utt_id} too: keep one of the two"
+                issues.report(DataError(path, "duplicate utterance", detail, utt_id), "scan")
             elif (speaker := self._speaker(path, utt_id, issues)) is not None:
                 out[utt_id] = Utterance(utt_id, speaker, "", path, "", self.split,
                                         size=size, mtime_ns=mtime, ctime_ns=ctime)  # fmt: skip
@@ -179,9 +164,6 @@ def folder_speaker(utt_id: str, level: int) -> str:
     return folders[level]
 
 
-# ----------------------------------------------------------------------------- readers
-
-
 @dataclass
 class Corpus:
     """A LibriSpeech-layout corpus (the built-in one too): its splits, speakers (from the ids)
@@ -220,7 +202,7 @@ class Corpus:
 
 @dataclass
 class FolderCorpus(Corpus):
-    """Any folder of audio (see the module docstring)."""
+    """Any folder of audio (docs/data.md, "Your own audio folder")."""
 
     speaker_level: int | None
 
@@ -237,8 +219,6 @@ class FolderCorpus(Corpus):
         return folder_speaker(utt_id, self.speaker_level)
 
 
-# ----------------------------------------------------------------------------- lhotse
-
 HOP_S = HOP_LENGTH / SAMPLE_RATE  # one label frame, 10 ms
 
 
@@ -253,19 +233,10 @@ class _Entry:
     duration: float
 
 
-def _lhotse() -> Any:
-    try:
-        import lhotse
-    except ImportError:
-        raise ConfigError(
-            "data.corpus=lhotse needs lhotse: pip install 'speechattn[lhotse]'"
-        ) from None
-    return lhotse
-
-
 def manifests_of(root: Path, split: str) -> list[Path]:
-    """The manifest files of `split` in `root` (see the module docstring): [cuts] or
-    [recordings, supervisions]. DataError naming the folder and what it holds when none fit."""
+    """The manifest files of `split` in `root`: [CutSet file named `split`], [*_cuts_<split>.json*]
+    or [*_recordings_<split>.json*, *_supervisions_<split>.json*]; DataError naming the folder
+    and what it holds when none fit."""
     if (root / split).is_file():
         return [root / split]
 
@@ -323,14 +294,17 @@ class LhotseSource:
         return self._utterances
 
     def _parse(self) -> tuple[list[Utterance], list[DataError]]:
-        lhotse = _lhotse()
+        try:
+            import lhotse
+        except ImportError:
+            msg = "data.corpus=lhotse needs lhotse: pip install 'speechattn[lhotse]'"
+            raise ConfigError(msg) from None
         manifest = self.manifests[0]
         try:
             loaded = [lhotse.load_manifest(m) for m in self.manifests]
         except Exception as e:  # lhotse raises plain exceptions for a malformed file
-            raise DataError(
-                manifest, "unreadable lhotse manifest", f"{type(e).__name__}: {e}"
-            ) from None
+            detail = f"{type(e).__name__}: {e}"
+            raise DataError(manifest, "unreadable lhotse manifest", detail) from None
         if len(loaded) == 2:
             recordings, supervisions = loaded
             rows, where = list(supervisions), self.manifests[1]
@@ -341,7 +315,15 @@ class LhotseSource:
                     raise DataError(where, "missing recording", detail, s.id)
                 return s.id, recordings[s.recording_id], s.start, s.duration, s.channel, [s]
         elif isinstance(loaded[0], lhotse.CutSet):
-            rows, where, unpack = list(loaded[0]), manifest, partial(_cut_item, manifest=manifest)
+            rows, where = list(loaded[0]), manifest
+
+            def unpack(cut: Any) -> tuple:  # (id, recording, start, duration, channel, sups)
+                if type(cut).__name__ != "MonoCut":
+                    raise DataError(manifest, "unsupported cut", f"a {type(cut).__name__}; only "
+                                    "MonoCut (one recording, one channel or all) is read", cut.id)  # fmt: skip
+                if getattr(cut, "recording", None) is None:
+                    raise DataError(manifest, "cut without a recording", "it has no audio", cut.id)
+                return cut.id, cut.recording, cut.start, cut.duration, cut.channel, cut.supervisions
         else:
             raise DataError(manifest, "not a CutSet", f"it holds a {type(loaded[0]).__name__}; "
                             "give a CutSet, or the split name of a recordings + supervisions pair")  # fmt: skip
@@ -350,18 +332,16 @@ class LhotseSource:
             try:
                 utt_id, recording, start, duration, channel, sups = unpack(row)
                 if utt_id in seen:  # the first one is read, as in an audio folder
-                    raise DataError(
-                        where, "duplicate utterance", f"id {utt_id} appears twice", utt_id
-                    )
+                    detail = f"id {utt_id} appears twice"
+                    raise DataError(where, "duplicate utterance", detail, utt_id)
                 seen.add(utt_id)
                 path, segment = _audio_segment(recording, start, duration, channel, where, utt_id)
                 if path not in stats:
                     try:
                         stats[path] = os.stat(path)
                     except OSError as e:
-                        raise DataError(
-                            path, "missing audio file", f"{e.strerror}; named by {where}", utt_id
-                        ) from None
+                        detail = f"{e.strerror}; named by {where}"
+                        raise DataError(path, "missing audio file", detail, utt_id) from None
             except DataError as e:
                 problems.append(e)
                 continue
@@ -377,16 +357,6 @@ class LhotseSource:
                                         size=st.st_size, mtime_ns=st.st_mtime_ns,
                                         ctime_ns=st.st_ctime_ns, segment=segment))  # fmt: skip
         return sorted(utterances, key=lambda u: u.utt_id), problems
-
-
-def _cut_item(cut: Any, manifest: Path) -> tuple:
-    """(id, recording, start, duration, channel, supervisions) of a cut."""
-    if type(cut).__name__ != "MonoCut":
-        raise DataError(manifest, "unsupported cut", f"a {type(cut).__name__}; only MonoCut "
-                        "(one recording, one channel or all) is read", cut.id)  # fmt: skip
-    if getattr(cut, "recording", None) is None:
-        raise DataError(manifest, "cut without a recording", "it has no audio", cut.id)
-    return cut.id, cut.recording, cut.start, cut.duration, cut.channel, cut.supervisions
 
 
 def _audio_segment(recording: Any, start: float, duration: float, channel: Any, where: Path,
@@ -414,7 +384,8 @@ def _audio_segment(recording: Any, start: float, duration: float, channel: Any, 
 
 @dataclass
 class LhotseCorpus(Corpus):
-    """lhotse manifests (see the module docstring)."""
+    """lhotse manifests (docs/data.md, "lhotse manifests"): one utterance per cut, or per
+    supervision of a recordings + supervisions pair."""
 
     label_tolerance: int
     # what the probes need of each utterance, filled as its split's manifests are read
@@ -445,23 +416,22 @@ class LhotseCorpus(Corpus):
         index = {s: i for i, s in enumerate(phone_set)}
         labels = {}
         for u in ids:
-            entry = self.entries[u]
             try:
-                labels[u] = self._frames(u, entry, index)
+                labels[u] = self._frames(u, self.entries[u], index)
             except DataError as e:
                 issues.report(e, "labels")
         where = next(iter(self.entries.values())).manifest if self.entries else self.root
         return labels, phone_set, where
 
     def _frames(self, utt_id: str, entry: _Entry, index: dict[str, int]) -> np.ndarray:
-        """(T_lab,) int16 phone ids of one utterance (-100 where no item covers a frame)."""
+        """(T_lab,) int16 phone ids of one utterance: frame i of a segment starting at s takes
+        the item covering s + (i + 0.5) * 10 ms (recording time), -100 where none does."""
         if not entry.phones:
             kind = self.label_files.alignments
             detail = f"no alignment[{kind!r}] in its supervisions"
             raise DataError(entry.manifest, "missing alignment", detail, utt_id)
         items = sorted(entry.phones, key=lambda p: p[1])
-        unknown = [p[0] for p in items if p[0] not in index]
-        if unknown:
+        if unknown := [p[0] for p in items if p[0] not in index]:
             detail = f"{unknown[0]!r} is not in the phone set ({len(index)} symbols)"
             raise DataError(entry.manifest, "unknown phone symbol", detail, utt_id)
         begin, end = entry.start, entry.start + entry.duration

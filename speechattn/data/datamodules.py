@@ -1,13 +1,7 @@
 """Lightning data modules: `PretrainDataModule` (unlabelled crops) and `LabelledDataModule`
-(speaker and phone labels for the probes) on shared corpus machinery, and `build_datamodule`.
-
-Both resolve the corpus (the built-in one is built on first use), extract features into the
-cache in `setup` (every DDP rank, sharing the shards through claims: docs/multinode.md),
-compute normalisation statistics on their training utterances and serve padded,
-length-bucketed batches (`speechattn.data.datasets`). Bad input follows `cfg.on_error`:
-"error" raises `DataError` naming the file; "skip" drops the utterance (logged at the end of
-`setup`, kept in `.skipped`).
-"""
+(speaker and phone labels for the probes), and `build_datamodule`. `setup` extracts features
+on every DDP rank (the shards shared through claims: docs/multinode.md); bad input follows
+`cfg.on_error` (docs/data.md, "Bad input")."""
 
 from __future__ import annotations
 
@@ -44,8 +38,6 @@ def resolve_root(cfg: DataConfig) -> Path:
         if not root.is_dir():  # before anything looks for label files inside it
             raise DataError(root, "corpus root not found", f"data.root={cfg.root} is not a folder")
         return root
-    if cfg.corpus != "embedded":
-        raise ConfigError(f"data.root is required for corpus={cfg.corpus}")
     from speechattn.data.synth import ensure_embedded_corpus
 
     return ensure_embedded_corpus(
@@ -57,14 +49,12 @@ def resolve_root(cfg: DataConfig) -> Path:
 def extraction_settings(cfg: DataConfig) -> ExtractionSettings:
     return ExtractionSettings(
         features=FeatureConfig(n_mels=cfg.n_mels, deltas=cfg.deltas),
-        sample_rate_policy=cfg.sample_rate_policy,
-        min_frames=cfg.min_frames,
-        dtype=cfg.cache_dtype,
-    )
+        sample_rate_policy=cfg.sample_rate_policy, min_frames=cfg.min_frames, dtype=cfg.cache_dtype,
+    )  # fmt: skip
 
 
 class _Items(ConcatDataset):
-    """Concatenation of per-split `FeatureDataset`s with their `lengths` and `utt_ids`."""
+    """Per-split `FeatureDataset`s concatenated, with their `lengths` and `utt_ids`."""
 
     def __init__(self, parts: list[FeatureDataset]) -> None:
         super().__init__(parts)
@@ -76,7 +66,7 @@ class _Items(ConcatDataset):
 
 
 class _CorpusDataModule(L.LightningDataModule):
-    """Shared machinery: corpus resolution, scanning, feature cache, loaders."""
+    """Corpus resolution, scanning, feature cache and loaders."""
 
     def __init__(
         self, cfg: DataConfig | dict[str, Any] | None = None, normalizer: Normalizer | None = None
@@ -101,9 +91,8 @@ class _CorpusDataModule(L.LightningDataModule):
     @property
     def normalizer(self) -> Normalizer:
         if self._normalizer is None:
-            raise RuntimeError(
-                f"{type(self).__name__}.normalizer is set by setup(); call setup() first"
-            )
+            msg = f"{type(self).__name__}.normalizer is set by setup(); call setup() first"
+            raise RuntimeError(msg)
         return self._normalizer
 
     @property
@@ -132,8 +121,7 @@ class _CorpusDataModule(L.LightningDataModule):
         return Corpus(*common)
 
     def _split(self, split: str) -> FeatureStore:
-        """Cached features of one split (extracted on first use); progress bars on each node's
-        local rank 0 only."""
+        """Cached features of one split (extracted on first use)."""
         if split not in self._splits:
             c = self.cfg
             self._splits[split] = open_source(
@@ -164,10 +152,8 @@ class _CorpusDataModule(L.LightningDataModule):
 
     def _loader(self, dataset: _Items, shuffle: bool) -> DataLoader:
         c = self.cfg
-        if shuffle:
-            sampler = RandomSampler(dataset, generator=torch.Generator().manual_seed(c.seed))
-        else:
-            sampler = SequentialSampler(dataset)
+        rng = torch.Generator().manual_seed(c.seed)
+        sampler = RandomSampler(dataset, generator=rng) if shuffle else SequentialSampler(dataset)
         batches = LengthBucketBatchSampler(
             sampler, c.batch_size, False, dataset.lengths, c.bucket_size, shuffle, c.seed
         )
@@ -216,13 +202,9 @@ def validation_ids(ids: Sequence[str], fraction: float, cap: int | None, seed: i
 
 
 class PretrainDataModule(_CorpusDataModule):
-    """Unlabelled batches for masked acoustic modelling.
-
-    Training items are random crops of at most `max_frames` frames; validation items the first
-    `max_frames` frames of a seeded `pretrain_val_fraction` of the utterances, at most
-    `max_val_utterances` of them (`validation_ids`: stable as the corpus grows). Shorter
-    utterances are used whole (padded in the batch; `padding_mask` marks the padding).
-    """
+    """Unlabelled batches for masked acoustic modelling: training items are random crops of at
+    most `max_frames` frames, validation items the first `max_frames` of `validation_ids`;
+    shorter utterances are used whole (padded in the batch)."""
 
     def setup(self, stage: str | None = None) -> None:
         if self.datasets:
@@ -236,11 +218,10 @@ class PretrainDataModule(_CorpusDataModule):
         n_excluded = sum(len(s) - len(usable[k]) for k, s in stores.items())
         everything = [u for ids in usable.values() for u in ids]
         held = validation_ids(everything, c.pretrain_val_fraction, c.max_val_utterances, c.seed)
-        if len(held) < round(c.pretrain_val_fraction * len(everything)):
+        if len(held) < (wanted := round(c.pretrain_val_fraction * len(everything))):
             log.info(
                 "validation: %d utterances (data.max_val_utterances=%s; pretrain_val_fraction=%s "
-                "would hold out %d)", len(held), c.max_val_utterances, c.pretrain_val_fraction,
-                round(c.pretrain_val_fraction * len(everything)),
+                "would hold out %d)", len(held), c.max_val_utterances, c.pretrain_val_fraction, wanted,
             )  # fmt: skip
         parts: dict[str, list[tuple[FeatureStore, list[int]]]] = {"train": [], "val": []}
         for split, ids in usable.items():
@@ -248,9 +229,8 @@ class PretrainDataModule(_CorpusDataModule):
             parts["train"].append((store, [store.position[u] for u in ids if u not in held]))
             parts["val"].append((store, [store.position[u] for u in ids if u in held]))
         if not any(idx for _, idx in parts["train"]):
-            raise DataError(
-                self.root, "no pretraining utterances", f"splits {c.pretrain_splits} are empty"
-            )
+            detail = f"splits {c.pretrain_splits} are empty"
+            raise DataError(self.root, "no pretraining utterances", detail)
         self._normalizer = self._normalizer_from(parts["train"])
         norm, mf = self._normalizer, c.max_frames
         self.datasets = {
@@ -269,15 +249,12 @@ class PretrainDataModule(_CorpusDataModule):
 
 
 class LabelledDataModule(_CorpusDataModule):
-    """Speaker and phone labels for downstream probes.
+    """Speaker and phone labels for downstream probes (train/dev/test: docs/data.md,
+    "Formats"). Phone labels more than `label_tolerance` frames off the features are bad input;
+    within it they are trimmed or padded with -100.
 
-    train/test come from the split lists in `alignments_dir` (or, with `test_list: null`, test is
-    every utterance of `test_splits`); dev is a seeded `dev_fraction` of train, per speaker.
-    Phone labels (10 ms frames) are checked against the feature length: a difference above
-    `label_tolerance` is bad input; within it, labels are trimmed or padded with -100.
-
-    Attributes after `setup`: `num_speakers`, `speakers` (class -> speaker id), `num_phones`,
-    `phone_set`, `normalizer`, `datasets` ("train", "dev", "test"), `skipped`.
+    After `setup`: `speakers` (class -> speaker id), `phone_set`, `normalizer`, `datasets`
+    ("train", "dev", "test").
     """
 
     def __init__(
@@ -306,9 +283,8 @@ class LabelledDataModule(_CorpusDataModule):
             for u in listed:
                 if u not in available and u not in skipped:  # skipped ones were reported
                     detail = f"not found in {c.labelled_splits}"
-                    self.issues.report(
-                        DataError(path, "utterance not in the corpus", detail, u), "lists"
-                    )
+                    error = DataError(path, "utterance not in the corpus", detail, u)
+                    self.issues.report(error, "lists")
             return [u for u in listed if u in available]
 
         if c.test_list is not None:
@@ -359,9 +335,8 @@ class LabelledDataModule(_CorpusDataModule):
             return
         c = self.cfg
         available: dict[str, tuple[str, int]] = {}  # utt_id -> (split, position in its store)
-        for split in dict.fromkeys(
-            c.labelled_splits + (c.test_splits if c.test_list is None else [])
-        ):
+        splits = c.labelled_splits + (c.test_splits if c.test_list is None else [])
+        for split in dict.fromkeys(splits):
             store = self._split(split)
             available.update((u, (split, i)) for i, u in enumerate(store.utt_ids))
         train, test = self._role_ids(available)
@@ -402,11 +377,8 @@ class LabelledDataModule(_CorpusDataModule):
 
         self._normalizer = self._normalizer_from([p[:2] for p in by_split(train)])
         self._eval_train = items(train, False)  # uncropped, for feature extraction
-        self.datasets = {
-            "train": items(train, True),
-            "dev": items(dev, False),
-            "test": items(test, False),
-        }
+        roles = {"train": train, "dev": dev, "test": test}
+        self.datasets = {role: items(ids, role == "train") for role, ids in roles.items()}
         mf = c.labelled_max_frames
         if cropped := sum(1 for u in train + dev + test if mf and lengths[u] > mf):
             log.warning(
@@ -420,13 +392,15 @@ class LabelledDataModule(_CorpusDataModule):
         self.issues.log_summary(log)
 
     def _dev_split(self, train: list[str]) -> tuple[list[str], list[str]]:
+        """(train, dev): dev a seeded `dev_fraction` of each speaker's utterances."""
         by_speaker: dict[str, list[str]] = defaultdict(list)
         for u in train:
             by_speaker[self.corpus.speaker_of(u)].append(u)
         dev: set[str] = set()
         for k, speaker in enumerate(sorted(by_speaker, key=_numeric_first)):
             ids = sorted(by_speaker[speaker])
-            dev |= _held_out(ids, self.cfg.dev_fraction, self.cfg.seed * 100003 + k)
+            order = np.random.default_rng(self.cfg.seed * 100003 + k).permutation(len(ids))
+            dev.update(ids[i] for i in order[: _held_out_count(len(ids), self.cfg.dev_fraction)])
         return [u for u in train if u not in dev], [u for u in train if u in dev]
 
     def val_dataloader(self) -> DataLoader:
@@ -439,20 +413,12 @@ class LabelledDataModule(_CorpusDataModule):
         """Deterministic loader (no shuffling, no random crops) of "train", "dev" or "test"."""
         if split not in ("train", "dev", "test"):
             raise ConfigError(f"split must be train, dev or test, found {split!r}")
-        self._dataset(split)
-        return self._loader(
-            self._eval_train if split == "train" else self.datasets[split], shuffle=False
-        )
+        dataset = self._dataset(split)
+        return self._loader(self._eval_train if split == "train" else dataset, shuffle=False)
 
 
 def _numeric_first(speaker: str) -> tuple[int, str]:
     return (int(speaker), speaker) if speaker.isdigit() else (1 << 62, speaker)
-
-
-def _held_out(ids: list[str], fraction: float, seed: int) -> set[str]:
-    """A seeded ~`fraction` of `ids` (`_held_out_count` of them)."""
-    order = np.random.default_rng(seed).permutation(len(ids))
-    return {ids[i] for i in order[: _held_out_count(len(ids), fraction)]}
 
 
 def build_datamodule(config: Any, kind: str = "pretrain") -> L.LightningDataModule:

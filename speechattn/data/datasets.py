@@ -1,10 +1,5 @@
-"""Datasets over the feature cache, the padding collate, and a length-bucketing batch sampler.
-
-Batches (docs/ARCHITECTURE.md): `features` float32 (B, T, F) normalised, zero past `lengths`;
-`lengths` int64 (B,); `padding_mask` bool (B, T), True at padding; `utt_ids` list[str];
-labelled data adds `speaker` int64 (B,), `phones` int64 (B, T) padded with -100 and
-`phone_lengths` int64 (B,).
-"""
+"""Datasets over the feature cache, the padding collate (the batch contract:
+docs/ARCHITECTURE.md), and a length-bucketing batch sampler."""
 
 from __future__ import annotations
 
@@ -26,16 +21,10 @@ class FeatureDataset(Dataset):
     `speakers` a class per item, `phones` per item (T_lab,) phone ids aligned to the features.
     """
 
-    def __init__(
-        self,
-        store: FeatureStore,
-        indices: Sequence[int],
-        normalizer: Normalizer,
-        max_frames: int | None = None,
-        random_crop: bool = False,
-        speakers: Sequence[int] | None = None,
-        phones: Sequence[np.ndarray] | None = None,
-    ) -> None:
+    def __init__(self, store: FeatureStore, indices: Sequence[int], normalizer: Normalizer,
+                 max_frames: int | None = None, random_crop: bool = False,
+                 speakers: Sequence[int] | None = None,
+                 phones: Sequence[np.ndarray] | None = None) -> None:  # fmt: skip
         self.store, self.indices = store, list(indices)
         self.normalizer, self.max_frames, self.random_crop = normalizer, max_frames, random_crop
         self.speakers, self.phones = speakers, phones
@@ -52,8 +41,7 @@ class FeatureDataset(Dataset):
     def __getitem__(self, item: int) -> dict[str, Any]:
         i = self.indices[item]
         x = self.store.raw(i)  # (T, F) read from its shard (pread), cache dtype
-        T = x.shape[0]
-        start = 0
+        T, start = x.shape[0], 0
         if self.max_frames and T > self.max_frames:
             if self.random_crop:
                 start = int(torch.randint(0, T - self.max_frames + 1, ()))
@@ -71,7 +59,8 @@ class FeatureDataset(Dataset):
 
 
 def collate(items: list[dict[str, Any]]) -> dict[str, Any]:
-    """Pad a list of dataset items into a batch dict (see the module docstring)."""
+    """Pad dataset items into a batch: features (B, T, F) zero past `lengths`, padding_mask (B, T)
+    True at padding, phones (B, T) padded with -100."""
     lengths = torch.tensor([it["features"].shape[0] for it in items], dtype=torch.long)
     B, T = len(items), int(lengths.max()) if items else 0
     F = items[0]["features"].shape[1] if items else 0
@@ -98,13 +87,9 @@ def collate(items: list[dict[str, Any]]) -> dict[str, Any]:
 def length_buckets(
     pool: Sequence[int], lengths: Sequence[int], batch_size: int, seed: int | None
 ) -> list[list[int]]:
-    """One pool cut into batches of similar length: the length-bucketing of both samplers.
-
-    `pool` (W,) items (dataset indices, or the pretraining stream's positions), with `lengths`
-    (W,) frames, sorted by length (stable) and cut into ceil(W / batch_size) batches (lists of
-    Python ints, the last one shorter), put in a random order drawn from `seed`
-    (`torch.randperm`; None keeps the sorted order).
-    """
+    """One pool cut into batches of similar length (both samplers' bucketing): `pool` (W,)
+    items with `lengths` (W,) frames, sorted by length (stable), cut into ceil(W / batch_size)
+    lists of ints and shuffled by `torch.randperm` seeded with `seed` (None: sorted order)."""
     items = np.asarray(pool, dtype=np.int64)[np.argsort(np.asarray(lengths), kind="stable")]
     batches = [items[k : k + batch_size].tolist() for k in range(0, len(items), batch_size)]
     if seed is None:
@@ -115,33 +100,21 @@ def length_buckets(
 
 class LengthBucketBatchSampler(BatchSampler):
     """Epoch-wise batches of similar length: `length_buckets` on every pool of `bucket_size`
-    batches' worth of the indices `sampler` yields.
-
-    Under DDP Lightning re-creates this class with its DistributedSampler, so each rank
-    buckets its own shard. Every pass shuffles its batches anew (seeded by `seed`, the pass
-    and the pool). With `shuffle=False` the whole index set is one sorted pool (evaluation).
-
-    `lengths`: frames of every dataset item (indexed by what `sampler` yields); `drop_last`
-    drops the smaller batches (at most one per pool); `seed`: base seed of the batch order.
+    batches' worth of the indices `sampler` yields (`lengths`: frames per dataset item), each
+    pass in a new order seeded by `seed`, the pass and the pool; with `shuffle=False` all of
+    them are one sorted pool (evaluation). Under DDP Lightning re-creates it with its
+    DistributedSampler, so each rank buckets its own shard.
     """
 
-    def __init__(
-        self,
-        sampler: Sampler[int] | Sequence[int],
-        batch_size: int,
-        drop_last: bool,
-        lengths: Sequence[int],
-        bucket_size: int = 50,
-        shuffle: bool = True,
-        seed: int = 0,
-    ) -> None:
+    def __init__(self, sampler: Sampler[int] | Sequence[int], batch_size: int, drop_last: bool,
+                 lengths: Sequence[int], bucket_size: int = 50, shuffle: bool = True,
+                 seed: int = 0) -> None:  # fmt: skip
         super().__init__(sampler, batch_size, drop_last)
         self.lengths = np.asarray(lengths)
         self.bucket_size, self.shuffle, self.seed = bucket_size, shuffle, seed
         self.epoch = 0  # passes begun: each draws its own batch order
 
-    def _pool(self, n: int) -> int:
-        """Indices per sorting pool, of `n` in a pass."""
+    def _pool(self, n: int) -> int:  # indices per sorting pool, of `n` in a pass
         return self.batch_size * self.bucket_size if self.shuffle else max(n, 1)
 
     def __iter__(self) -> Iterator[list[int]]:

@@ -1,8 +1,6 @@
-"""Bad input: one error type that names the file and the problem, and a skip ledger (`Issues`)
-every check in the data layer reports through: under `on_error="error"` the first problem
-raises `DataError`; under "skip" the utterance is dropped, counted and listed, never silently
-(docs/data.md, "Bad input").
-"""
+"""Bad input (docs/data.md, "Bad input"): `DataError` names the file and the problem, and every
+check of the data layer reports through `Issues`: raised under `on_error="error"`; under
+"skip" the utterance is dropped, counted and listed, never silently."""
 
 from __future__ import annotations
 
@@ -19,14 +17,9 @@ ON_ERROR_CHOICES = ("error", "skip")
 
 
 class DataError(SpeechattnError, ValueError):
-    """A problem with one input file, e.g. `/x/19-198-0001.flac: truncated audio (...)`.
-
-    Attributes:
-        path: the offending file (audio, transcript, alignment or split list).
-        problem: a short, fixed category such as `"unreadable audio"` (used to group skips).
-        detail: free text with the numbers that show what is wrong.
-        utt_id: the utterance concerned, when there is one.
-    """
+    """A problem with one input file, e.g. `/x/19-198-0001.flac: truncated audio (...)`:
+    `problem` is a short, fixed category such as `"unreadable audio"` (skips are grouped by it),
+    `detail` free text with the numbers that show what is wrong."""
 
     def __init__(
         self, path: str | Path, problem: str, detail: str = "", utt_id: str | None = None
@@ -62,12 +55,10 @@ class Issues:
 
     def __post_init__(self) -> None:
         if self.on_error not in ON_ERROR_CHOICES:
-            raise ConfigError(
-                f"on_error must be one of {ON_ERROR_CHOICES}, found {self.on_error!r}"
-            )
+            msg = f"on_error must be one of {ON_ERROR_CHOICES}, found {self.on_error!r}"
+            raise ConfigError(msg)
 
     def report(self, error: DataError, stage: str) -> None:
-        """Raise `error` or record it as a skip, depending on the policy."""
         if self.on_error == "error":
             raise error
         self.skips.append(Skip(error.utt_id, error.path, error.problem, error.detail, stage))
@@ -76,8 +67,7 @@ class Issues:
     def skipped_ids(self) -> set[str]:
         return {s.utt_id for s in self.skips if s.utt_id}
 
-    def counts(self) -> Counter[str]:
-        """Number of skips per problem."""
+    def counts(self) -> Counter[str]:  # skips per problem
         return Counter(s.problem for s in self.skips)
 
     def log_summary(self, logger: logging.Logger = log, max_examples: int = 5) -> None:

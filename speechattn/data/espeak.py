@@ -1,11 +1,7 @@
 """Minimal ctypes binding to eSpeak NG (shipped by the `espeakng-loader` wheel).
 
 eSpeak NG keeps global state and is not thread-safe: one `Espeak` per process (`Espeak.get()`);
-parallelise with processes. Each call returns the waveform and each phoneme's start sample:
-
-    audio, phonemes = Espeak.get().synthesize("Hello there.", voice="en-us+m3")
-    # audio: int16 (N,) at Espeak.get().sample_rate (22050 Hz)
-    # phonemes: [(start_sample, "h"), (..., "ə"), ...]; "" marks a pause
+parallelise with processes (`fresh_engine_pool`).
 """
 
 from __future__ import annotations
@@ -30,16 +26,10 @@ PARAM_RATE, PARAM_VOLUME, PARAM_PITCH, PARAM_RANGE = 1, 2, 3, 4
 class _Event(ctypes.Structure):
     """`espeak_EVENT`; `id` is a union whose 8-byte `string` member holds the phoneme name."""
 
-    _fields_ = [
-        ("type", ctypes.c_int),
-        ("unique_identifier", ctypes.c_uint),
-        ("text_position", ctypes.c_int),
-        ("length", ctypes.c_int),
-        ("audio_position", ctypes.c_int),
-        ("sample", ctypes.c_int),
-        ("user_data", ctypes.c_void_p),
-        ("id", ctypes.c_char * 8),
-    ]
+    _fields_ = [("type", ctypes.c_int), ("unique_identifier", ctypes.c_uint),
+                ("text_position", ctypes.c_int), ("length", ctypes.c_int),
+                ("audio_position", ctypes.c_int), ("sample", ctypes.c_int),
+                ("user_data", ctypes.c_void_p), ("id", ctypes.c_char * 8)]  # fmt: skip
 
 
 _Callback = ctypes.CFUNCTYPE(
@@ -82,9 +72,8 @@ class Espeak:
         data_path = espeakng_loader.get_data_path().encode()
         rate = self.lib.espeak_Initialize(AUDIO_OUTPUT_SYNCHRONOUS, 0, data_path, flags)
         if rate <= 0:
-            raise DependencyError(
-                f"espeak_Initialize failed (returned {rate}); data path {data_path!r}"
-            )
+            msg = f"espeak_Initialize failed (returned {rate}); data path {data_path!r}"
+            raise DependencyError(msg)
         self.sample_rate = int(rate)
         self._chunks: list[np.ndarray] = []
         self._events: list[tuple[int, str]] = []
@@ -102,8 +91,7 @@ class Espeak:
         if num_samples > 0:
             self._chunks.append(np.ctypeslib.as_array(wav, shape=(num_samples,)).copy())
         i = 0
-        while events[i].type != EVENT_LIST_TERMINATED:
-            event = events[i]
+        while (event := events[i]).type != EVENT_LIST_TERMINATED:
             if event.type == EVENT_PHONEME:
                 name = event.id.decode("utf-8", errors="replace").rstrip("\x00")
                 self._events.append((int(event.sample), name))
@@ -113,7 +101,8 @@ class Espeak:
     def synthesize(
         self, text: str, settings: VoiceSettings
     ) -> tuple[np.ndarray, list[tuple[int, str]]]:
-        """Speak `text`; returns int16 audio (N,) at `sample_rate` and [(start sample, IPA name)]."""
+        """Speak `text` -> int16 audio (N,) at `sample_rate` (22050 Hz) and [(start sample, IPA
+        phoneme name)], "" marking a pause."""
         with self._lock:
             if self.lib.espeak_SetVoiceByName(settings.voice.encode()) != 0:
                 raise ConfigError(f"eSpeak NG has no voice {settings.voice!r}")
@@ -122,10 +111,8 @@ class Espeak:
             for param, value in params.items():
                 self.lib.espeak_SetParameter(param, int(value), 0)
             self._chunks, self._events = [], []
-            data = text.encode("utf-8") + b"\x00"
-            err = self.lib.espeak_Synth(
-                data, len(data), 0, POS_CHARACTER, 0, CHARS_UTF8, None, None
-            )
+            buf = text.encode("utf-8") + b"\x00"
+            err = self.lib.espeak_Synth(buf, len(buf), 0, POS_CHARACTER, 0, CHARS_UTF8, None, None)
             if err != 0:
                 raise DependencyError(f"espeak_Synth failed with error {err} for text {text!r}")
             audio = np.concatenate(self._chunks) if self._chunks else np.zeros(0, np.int16)
@@ -136,13 +123,10 @@ def fresh_engine_pool(workers: int, preload: str) -> mp.pool.Pool:
     """A process pool whose every task runs in a new process with an unused engine.
 
     eSpeak NG carries state from one synthesis to the next inside a process (its wave
-    generator's phase and pitch flutter: the same text and voice spoken twice in a row give
-    different samples, and neither `espeak_Terminate` + `espeak_Initialize` nor a random seed
-    resets it), so a sound depends on everything its process spoke before. A task run here
-    depends on its inputs alone, whatever the worker count or the order tasks are handed out:
-    each worker runs one task, forked from this process while it has never loaded the library
-    (the cheap case), else from a server process that never speaks (`preload`: the module the
-    tasks come from, imported once by it), or spawned where neither is available.
+    generator's phase and pitch flutter; neither `espeak_Terminate` + `espeak_Initialize` nor a
+    random seed resets it), so a task must not share its process. Each worker runs one task,
+    forked from this process while it has never loaded the library, else from a server process
+    that never speaks (`preload`: the tasks' module), or spawned where neither is available.
     """
     methods = mp.get_all_start_methods()
     if Espeak._instance is None and "fork" in methods:

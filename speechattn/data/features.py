@@ -72,17 +72,12 @@ class LogMel:
         import torchaudio
 
         self.cfg = cfg
+        # center=False: snip-edges, so the frame count matches the 10 ms labels
         self.mel = torchaudio.transforms.MelSpectrogram(
-            sample_rate=SAMPLE_RATE,
-            n_fft=cfg.n_fft,
-            win_length=cfg.win_length,
-            hop_length=cfg.hop_length,
-            f_min=cfg.f_min,
-            f_max=cfg.f_max,
-            n_mels=cfg.n_mels,
-            center=False,  # snip-edges: frame count matches the 10 ms labels
-            power=2.0,
-        )
+            sample_rate=SAMPLE_RATE, n_fft=cfg.n_fft, win_length=cfg.win_length,
+            hop_length=cfg.hop_length, f_min=cfg.f_min, f_max=cfg.f_max, n_mels=cfg.n_mels,
+            center=False, power=2.0,
+        )  # fmt: skip
 
     @torch.no_grad()
     def __call__(self, wav: Tensor | np.ndarray) -> Tensor:
@@ -103,24 +98,15 @@ class LogMel:
         return spec.T.contiguous()  # (T, F)
 
 
-@functools.cache
-def cached_log_mel(cfg: FeatureConfig) -> LogMel:
-    """This process's `LogMel` of `cfg`, built once (the cache's extraction uses it too)."""
-    return LogMel(cfg)
+cached_log_mel = functools.cache(LogMel)  # this process's `LogMel` of a config, built once
 
 
 def log_mel_batch(
     wavs: Tensor, lengths: Tensor, cfg: FeatureConfig = FeatureConfig()
 ) -> tuple[Tensor, Tensor]:
-    """Log-mel of a padded batch, computed exactly as the feature cache does (unnormalised).
-
-    Args:
-        wavs: (B, S) 16 kHz waveforms, zero-padded past `lengths`.
-        lengths: (B,) valid samples.
-    Returns:
-        features (B, T, F) zero-padded past each utterance's frames, and frames (B,) =
-        num_frames(samples). Cached features differ from these by float16 rounding only.
-    """
+    """Unnormalised log-mel of a padded batch, as the feature cache computes it (theirs differ
+    by float16 rounding only): wavs (B, S) 16 kHz, lengths (B,) samples -> features (B, T, F)
+    zero past each utterance's frames, frames (B,) = num_frames(lengths)."""
     mel = cached_log_mel(cfg)
     frames = torch.tensor([num_frames(int(n)) for n in lengths], dtype=torch.long)
     out = wavs.new_zeros(wavs.shape[0], int(frames.max()) if len(frames) else 0, cfg.dim)
@@ -131,12 +117,9 @@ def log_mel_batch(
 
 
 class Normalizer:
-    """Feature normalisation with statistics from the training split.
-
-    mode "global" (default): (x - mean) / std with `mean`, `std` (F,) from the training split.
-    mode "utterance": per-utterance CMVN over the valid frames (erases speaker information).
-    mode "none": identity.
-    `__call__(features (..., T, F), lengths (B,) | None)`; frames past `lengths` come out zero.
+    """Feature normalisation: "global" (x - mean) / std with `mean`, `std` (F,) from the
+    training split, "utterance" CMVN over the valid frames (erases speaker information), or
+    "none". `__call__(features (..., T, F), lengths (B,) | None)`: zero past `lengths`.
     """
 
     MODES = ("global", "utterance", "none")
@@ -150,8 +133,7 @@ class Normalizer:
             shapes = f"mean {tuple(self.mean.shape)} and std {tuple(self.std.shape)}"
             raise ValueError(f"{shapes} differ")
         self.mode = mode
-        # (F,) float32 copies on the host, for `numpy`
-        self._np = (self.mean.cpu().numpy().copy(), (1.0 / self.std).cpu().numpy())
+        self._np = (self.mean.cpu().numpy().copy(), (1.0 / self.std).cpu().numpy())  # for `numpy`
 
     @classmethod
     def from_sums(
@@ -234,26 +216,16 @@ def cmvn(features: Tensor, lengths: Tensor | None = None, eps: float = 1e-5) -> 
 def stack_frames(
     x: Tensor, lengths: Tensor, factor: int = 3, frames: int | None = None
 ) -> tuple[Tensor, Tensor]:
-    """Stack `factor` consecutive 10 ms frames into one model frame (AALBERT input).
-
-    Args:
-        x: (B, T, F) features, padded past `lengths`.
-        lengths: (B,) valid frames.
-        frames: model frames T' to return (>= ceil(T / factor); default that), so a caller
-            that pads to a length bucket gets it in the same copy.
-    Returns:
-        (B, T', factor * F) stacked features, zero past each length (a partial last model
-        frame is zero-filled), and lengths ceil(lengths / factor).
+    """Stack `factor` consecutive 10 ms frames into one model frame (AALBERT input): x (B, T, F),
+    lengths (B,) -> (B, T', factor * F) zero past each length (a partial last model frame
+    zero-filled), lengths ceil(lengths / factor). `frames`: T' (>= ceil(T / factor), the
+    default), so a caller that pads to a length bucket gets it in the same copy.
     """
     B, T, F = x.shape
     T_pad = max(-(-T // factor), frames or 0) * factor
-    # one copy: padded (or cloned), then zeroed past the lengths in place
     x = torch.nn.functional.pad(x, (0, 0, 0, T_pad - T)) if T_pad != T else x.clone()
-    if (
-        x.device.type == "cpu"
-        and lengths.device.type == "cpu"
-        and not torch.compiler.is_compiling()
-    ):
+    on_host = x.device.type == lengths.device.type == "cpu"
+    if on_host and not torch.compiler.is_compiling():
         for b, n in enumerate(lengths.tolist()):  # the loader's case: touch the padding only
             x[b, n:] = 0.0
     else:  # lengths on a GPU are not read on the host
@@ -262,40 +234,19 @@ def stack_frames(
     return stacked, torch.div(lengths + factor - 1, factor, rounding_mode="floor")
 
 
-def expand_to_labels(
-    h: Tensor,
-    factor: int,
-    label_lengths: Tensor,
-    utt_ids: list[str],
-    tolerance: int = 2,
-    lengths: Tensor | None = None,
-) -> Tensor:
-    """Repeat each model frame `factor` times and trim/pad to each utterance's label length.
-
-    Label frame t of utterance b takes model frame min(t // factor, lengths[b] - 1), so a label
-    sequence slightly longer than the repeated features reuses the last frame.
-
-    Args:
-        h: (B, T', D) model-rate features or logits.
-        factor: 10 ms frames per model frame (3).
-        label_lengths: (B,) number of 10 ms labels per utterance.
-        utt_ids: B utterance ids (named in errors).
-        tolerance: allowed mismatch in 10 ms frames.
-        lengths: (B,) valid model frames; None: every row has T' valid frames (only the
-            "too many labels" direction can then be checked).
-    Returns:
-        (B, max(label_lengths), D); positions past each label length are zero.
-    Raises:
-        ValueError naming the utterance when the labels outrun the repeated frames by more than
-        `tolerance`, or (with `lengths`) fall short of them by more than `factor - 1 + tolerance`
-        (the ceil in `stack_frames` adds up to `factor - 1` frames).
+def expand_to_labels(h: Tensor, factor: int, label_lengths: Tensor, utt_ids: list[str],
+                     tolerance: int = 2, lengths: Tensor | None = None) -> Tensor:  # fmt: skip
+    """Repeat each model frame `factor` times and trim/pad to each utterance's label length:
+    h (B, T', D), label_lengths (B,), lengths (B,) valid model frames (None: all T') ->
+    (B, max(label_lengths), D), zero past each label length. Label frame t of utterance b takes
+    model frame min(t // factor, lengths[b] - 1). `LabelMismatchError` when the labels outrun
+    the repeated frames by more than `tolerance`, or (with `lengths`) fall short by more than
+    `factor - 1 + tolerance` (`stack_frames`' ceil adds up to `factor - 1`).
     """
     B, T_model, D = h.shape
     label_lengths = label_lengths.to(h.device).long()
     given = lengths is not None
-    if lengths is None:
-        lengths = torch.full((B,), T_model, dtype=torch.long, device=h.device)
-    lengths = lengths.to(h.device).long()
+    lengths = (lengths if given else torch.full((B,), T_model)).to(h.device).long()
     expanded = lengths * factor  # (B,) 10 ms frames covered by the model frames
     bad = label_lengths > expanded + tolerance
     if given:

@@ -1,10 +1,6 @@
-"""The built-in corpus's phone set and the map from eSpeak NG's IPA phonemes onto it.
-
-40 classes: silence (`sil`, id 0) plus the 39 ARPAbet phonemes of the CMU dictionary, the
-inventory most English phone-recognition work uses. eSpeak's accents (en, en-us, en-gb-x-rp,
-en-029, en-gb-scotland, ...) produce more IPA symbols than that; each maps to the ARPAbet
-phoneme it realises (`ɒ` and `ɑː` -> AA, flap `ɾ` -> T, Scottish `ʍ` -> W, ...).
-"""
+"""The built-in corpus's phone set, silence (`sil`, id 0) plus the 39 ARPAbet phonemes of the
+CMU dictionary, and the map onto it of the IPA phonemes eSpeak NG's English accents produce
+(each to the phoneme it realises: `ɒ` and `ɑː` -> AA, flap `ɾ` -> T, Scottish `ʍ` -> W, ...)."""
 
 from __future__ import annotations
 
@@ -47,20 +43,13 @@ IPA_TO_PHONE: dict[str, str] = {
 STRESS = str.maketrans("", "", "ˈˌ")
 
 
-def _simplify(name: str) -> str:
-    """Drop length marks, tie bars and combining diacritics."""
-    name = unicodedata.normalize("NFD", name)
-    return "".join(c for c in name if not unicodedata.combining(c) and c not in "ːˑ͡‿")
-
-
 def ipa_to_phone(name: str) -> str:
-    """ARPAbet class for one eSpeak phoneme name (IPA, stress marks allowed).
-
-    Unknown names fall back to the name without length marks or diacritics, then to its
-    longest known prefix. Raises `KeyError` naming the symbol when nothing matches.
-    """
+    """ARPAbet class for one eSpeak phoneme name (IPA, stress marks allowed): unknown names
+    fall back to the name without length marks, tie bars or diacritics, then to its longest
+    known prefix; `KeyError` naming the symbol when nothing matches."""
     name = name.translate(STRESS).strip()
-    simple = _simplify(name)
+    decomposed = unicodedata.normalize("NFD", name)
+    simple = "".join(c for c in decomposed if not unicodedata.combining(c) and c not in "ːˑ͡‿")
     for key in (name, simple, *(simple[:end] for end in range(len(simple) - 1, 0, -1))):
         if key in IPA_TO_PHONE:
             return IPA_TO_PHONE[key]

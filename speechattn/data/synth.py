@@ -3,11 +3,9 @@
     python -m speechattn.data.synth --out DIR [--speakers 24] [--utterances-per-speaker 25]
                                     [--seed 0] [--heldout] [--workers N]
 
-writes a LibriSpeech-layout corpus (16 kHz FLAC) with CPC labels, split lists, `speakers.json`
-and `corpus.json` (the layout: docs/data.md, "Built-in corpus"). A speaker is an eSpeak voice
-variant x English accent x pitch x pitch range x rate, plus a fixed "channel" (spectral tilt,
-gain, noise level); every utterance jitters pitch, rate, gain and SNR. `--heldout` writes
-`synth-heldout/` with speakers and sentences the main corpus of the same seed never uses.
+writes a LibriSpeech-layout corpus with CPC labels (docs/data.md, "Built-in corpus"). A speaker
+is an eSpeak voice variant x accent x prosody plus a fixed "channel" (tilt, gain, noise);
+every utterance jitters pitch, rate, gain and SNR.
 """
 
 from __future__ import annotations
@@ -95,15 +93,9 @@ def make_speakers(count: int, seed: int = 0, heldout: bool = False) -> list[Spea
 
 
 def frame_labels(starts: np.ndarray, classes: np.ndarray, num_samples: int) -> np.ndarray:
-    """Phone id per 10 ms frame: the phone active at each frame's centre.
-
-    Args:
-        starts: (P,) start sample of each phone segment (non-decreasing).
-        classes: (P,) phone id of each segment; a segment lasts until the next start.
-        num_samples: audio length; frames follow `features.num_frames` (Kaldi snip-edges).
-    Returns:
-        (num_frames(num_samples),) int64; frames before the first segment are silence (0).
-    """
+    """Phone id per 10 ms frame, the one active at the frame's centre: starts (P,) start
+    samples (non-decreasing), classes (P,) each lasting until the next start ->
+    (num_frames(num_samples),) int64, silence (0) before the first start."""
     centres = np.arange(num_frames(num_samples)) * HOP_LENGTH + WIN_LENGTH // 2
     idx = np.searchsorted(starts, centres, side="right") - 1
     return np.where(idx >= 0, classes[np.clip(idx, 0, None)], 0).astype(np.int64)
@@ -146,11 +138,10 @@ def _synth_speaker(task: tuple[Speaker, int, int, int, bool, Path]) -> list[dict
     spk, speaker_index, count, seed, heldout, split_dir = task
     out = []
     for u in range(count):
-        chapter = int(spk.speaker_id) * 10 + 1 + u % CHAPTERS_PER_SPEAKER
-        rng = np.random.default_rng(
-            [seed, int(heldout), speaker_index, chapter, u // CHAPTERS_PER_SPEAKER]
-        )
-        utt_id = f"{spk.speaker_id}-{chapter}-{u // CHAPTERS_PER_SPEAKER:04d}"
+        k, which = divmod(u, CHAPTERS_PER_SPEAKER)  # utterance k of chapter `which`
+        chapter = int(spk.speaker_id) * 10 + 1 + which
+        rng = np.random.default_rng([seed, int(heldout), speaker_index, chapter, k])
+        utt_id = f"{spk.speaker_id}-{chapter}-{k:04d}"
         out.append(_synth_one(spk, utt_id, rng, heldout, split_dir / spk.speaker_id / str(chapter)))
     return out
 
@@ -158,8 +149,7 @@ def _synth_speaker(task: tuple[Speaker, int, int, int, bool, Path]) -> list[dict
 def _synth_one(
     spk: Speaker, utt_id: str, rng: np.random.Generator, heldout: bool, folder: Path
 ) -> dict:
-    """Synthesise, post-process, write one FLAC into `folder`; return its id, text, labels and
-    length."""
+    """Synthesise, post-process and write one FLAC into `folder`: its id, text, labels, length."""
     import soundfile as sf
 
     from speechattn.data.espeak import Espeak, VoiceSettings
@@ -173,13 +163,9 @@ def _synth_one(
         text = textgen.utterance_text(rng, max(3, words - 2), words + 2)
         while textgen.pool_of(text) != pool:  # main and held-out corpora never share a sentence
             text = textgen.utterance_text(rng, max(3, words - 2), words + 2)
-        settings = VoiceSettings(
-            voice=spk.voice,
-            rate=rate,
-            pitch=int(np.clip(spk.pitch + rng.integers(-4, 5), 0, 100)),
-            pitch_range=int(np.clip(spk.pitch_range + rng.integers(-6, 7), 0, 100)),
-        )
-        raw, events = engine.synthesize(text, settings)
+        pitch = int(np.clip(spk.pitch + rng.integers(-4, 5), 0, 100))
+        pitch_range = int(np.clip(spk.pitch_range + rng.integers(-6, 7), 0, 100))
+        raw, events = engine.synthesize(text, VoiceSettings(spk.voice, rate, pitch, pitch_range))
         lead = int(rng.uniform(0.08, 0.35) * SAMPLE_RATE)
         tail = int(rng.uniform(0.05, 0.25) * SAMPLE_RATE)
         speech = _resample(raw.astype(np.float32) / 32768.0, engine.sample_rate)
@@ -187,10 +173,8 @@ def _synth_one(
         if MIN_SECONDS <= n / SAMPLE_RATE <= MAX_SECONDS:
             break
     else:
-        raise RuntimeError(
-            f"{utt_id}: could not synthesise a {MIN_SECONDS}-{MAX_SECONDS} s utterance"
-        )
-
+        msg = f"{utt_id}: could not synthesise a {MIN_SECONDS}-{MAX_SECONDS} s utterance"
+        raise RuntimeError(msg)
     # channel: the speaker's tilt (jittered), a random per-utterance EQ and gain, then noise
     tilt = spk.tilt + rng.uniform(-UTT_TILT_JITTER, UTT_TILT_JITTER)
     speech = speech + tilt * np.concatenate([[0.0], speech[:-1]]).astype(np.float32)
@@ -202,13 +186,11 @@ def _synth_one(
     snr = spk.snr_db + rng.uniform(-UTT_SNR_DB, UTT_SNR_DB)
     audio += rng.standard_normal(n).astype(np.float32) * rms * 10 ** (-snr / 20)
     audio = np.clip(audio, -1.0, 1.0 - 1 / 32768)
-
     scale = SAMPLE_RATE / engine.sample_rate
     starts = np.array([lead + round(s * scale) for s, _ in events], dtype=np.int64)
     classes = np.array([phone_id(name) for _, name in events], dtype=np.int64)
     order = np.argsort(starts, kind="stable")
     labels = frame_labels(starts[order], classes[order], n)
-
     folder.mkdir(parents=True, exist_ok=True)
     sf.write(folder / f"{utt_id}.flac", audio, SAMPLE_RATE, subtype="PCM_16", format="FLAC")
     return {"utt_id": utt_id, "text": text, "labels": labels, "num_samples": n}
@@ -216,26 +198,14 @@ def _synth_one(
 
 def corpus_params(speakers: int, utterances_per_speaker: int, seed: int, heldout: bool) -> dict:
     """The parameters recorded in `corpus.json` (a corpus is reused only if they match)."""
-    return {
-        "generator_version": GENERATOR_VERSION,
-        "speakers": speakers,
-        "utterances_per_speaker": utterances_per_speaker,
-        "seed": seed,
-        "heldout": heldout,
-        "sample_rate": SAMPLE_RATE,
-        "num_phones": len(PHONE_SET),
-    }
+    return {"generator_version": GENERATOR_VERSION, "speakers": speakers,
+            "utterances_per_speaker": utterances_per_speaker, "seed": seed, "heldout": heldout,
+            "sample_rate": SAMPLE_RATE, "num_phones": len(PHONE_SET)}  # fmt: skip
 
 
-def build_corpus(
-    out: str | Path,
-    speakers: int = 24,
-    utterances_per_speaker: int = 25,
-    seed: int = 0,
-    heldout: bool = False,
-    workers: int | None = None,
-    progress: bool = False,
-) -> Path:
+def build_corpus(out: str | Path, speakers: int = 24, utterances_per_speaker: int = 25,
+                 seed: int = 0, heldout: bool = False, workers: int | None = None,
+                 progress: bool = False) -> Path:  # fmt: skip
     """Write a corpus into `out` (created; existing corpus files are overwritten). Returns `out`."""
     if speakers < 1 or utterances_per_speaker < 2:
         raise ConfigError("need at least 1 speaker and 2 utterances per speaker (train and test)")
@@ -250,9 +220,8 @@ def build_corpus(
     tasks = [(s, i, utterances_per_speaker, seed, heldout, split_dir) for i, s in enumerate(table)]
     workers = min(workers or os.cpu_count() or 1, len(tasks))
     results: list[dict] = []
-    with progress_bar(
-        len(tasks) * utterances_per_speaker, f"synthesising {split}", progress
-    ) as advance:
+    total = len(tasks) * utterances_per_speaker
+    with progress_bar(total, f"synthesising {split}", progress) as advance:
         with fresh_engine_pool(workers, __name__) as pool:
             for spoken in pool.imap_unordered(_synth_speaker, tasks):
                 results.extend(spoken)
@@ -275,17 +244,14 @@ def _write_metadata(
     for r in results:
         spk, chapter, _ = r["utt_id"].split("-")
         line = f"{r['utt_id']} {textgen.normalise_transcript(r['text'])}"
-        by_chapter.setdefault(
-            out / split / spk / chapter / f"{spk}-{chapter}.trans.txt", []
-        ).append(line)
+        path = out / split / spk / chapter / f"{spk}-{chapter}.trans.txt"
+        by_chapter.setdefault(path, []).append(line)
     for path, lines in by_chapter.items():
         path.write_text("\n".join(sorted(lines)) + "\n")
-
     with open(out / "converted_aligned_phones.txt", "w") as f:
         for r in results:
             f.write(r["utt_id"] + " " + " ".join(map(str, r["labels"].tolist())) + "\n")
     (out / "phone_set.txt").write_text("\n".join(PHONE_SET) + "\n")
-
     rng = np.random.default_rng([seed, 15485863])
     train, test = [], []
     for spk in table:
@@ -296,7 +262,6 @@ def _write_metadata(
         train += ids[n_test:]
     (out / "train_split.txt").write_text("\n".join(sorted(train)) + "\n")
     (out / "test_split.txt").write_text("\n".join(sorted(test)) + "\n")
-
     counts = Counter(r["utt_id"].split("-")[0] for r in results)
     speakers = {s.speaker_id: {**asdict(s), "voice": s.voice, "split": split} for s in table}
     for speaker_id, record in speakers.items():
@@ -315,21 +280,13 @@ def _params_match(folder: Path, params: dict) -> bool:
     return all(info.get(k) == v for k, v in params.items())
 
 
-def ensure_embedded_corpus(
-    cache_root: str | Path | None = None,
-    speakers: int = 24,
-    utterances_per_speaker: int = 25,
-    seed: int = 0,
-    workers: int | None = None,
-    progress: bool = True,
-) -> Path:
-    """Path of the built-in corpus in `cache_root/corpus/`, built on first use.
+def ensure_embedded_corpus(cache_root: str | Path | None = None, speakers: int = 24,
+                           utterances_per_speaker: int = 25, seed: int = 0,
+                           workers: int | None = None, progress: bool = True) -> Path:  # fmt: skip
+    """Path of the built-in corpus in `cache_root/corpus/`, built on first use: in a temporary
+    sibling folder renamed into place, so an interrupted build leaves nothing half-written; its
+    name hashes the parameters, and `corpus.json` is checked again before reuse."""
 
-    The folder name carries a hash of the generator version and parameters, and `corpus.json`
-    is checked again before reuse, so a new generator version never reuses stale audio. The
-    corpus is built in a temporary sibling folder and renamed into place, so an interrupted
-    build leaves nothing half-written behind.
-    """
     params = corpus_params(speakers, utterances_per_speaker, seed, False)
     cache_root = default_cache_root() if cache_root is None else cache_root
     parent = Path(cache_root).expanduser() / "corpus"

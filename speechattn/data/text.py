@@ -1,8 +1,6 @@
 """A small English sentence generator for the built-in corpus: hand-written templates filled
-from the word lists in `speechattn/data/text/` (billions of combinations). `pool_of(text)`
-assigns every sentence to the "main" or the "heldout" pool, so held-out corpora get sentences
-the main corpus never uses.
-"""
+from the word lists in `speechattn/data/text/`. `pool_of(text)` assigns every sentence to the
+"main" or the "heldout" pool, so held-out corpora get sentences the main corpus never uses."""
 
 from __future__ import annotations
 
@@ -70,11 +68,12 @@ def lexicon() -> dict[str, tuple]:
 
 
 def _pick(rng: np.random.Generator, items: tuple, k: int = 1) -> list:
-    idx = rng.choice(len(items), size=k, replace=False)
-    return [items[i] for i in idx]
+    return [items[i] for i in rng.choice(len(items), size=k, replace=False)]
 
 
-def _fill(template: str, rng: np.random.Generator) -> str:
+def sentence(rng: np.random.Generator) -> str:
+    """One sentence from a random template."""
+    template = TEMPLATES[int(rng.integers(len(TEMPLATES)))]
     lx = lexicon()
     (n1, n2) = _pick(rng, lx["nouns"], 2)
     (v,) = _pick(rng, lx["verbs"])
@@ -95,20 +94,12 @@ def _fill(template: str, rng: np.random.Generator) -> str:
     return text[0].upper() + text[1:]
 
 
-def sentence(rng: np.random.Generator) -> str:
-    """One sentence from a random template."""
-    return _fill(TEMPLATES[int(rng.integers(len(TEMPLATES)))], rng)
-
-
 def utterance_text(rng: np.random.Generator, min_words: int, max_words: int) -> str:
     """One or more sentences with `min_words` to `max_words` words in total (best effort)."""
     for _ in range(50):
         parts: list[str] = []
-        words = 0
-        while words < min_words:
-            s = sentence(rng)
-            parts.append(s)
-            words += len(s.split())
+        while (words := sum(len(p.split()) for p in parts)) < min_words:
+            parts.append(sentence(rng))
         if words <= max_words:
             return " ".join(parts)
     return " ".join(parts)

@@ -1,5 +1,5 @@
-"""What every corpus reader yields: `Utterance` (one audio file, or a `Segment` of one, with
-what the reader knows of it). The feature cache keys, extracts and fingerprints these."""
+"""`Utterance`: what every corpus reader yields and the feature cache keys, extracts and
+fingerprints (one audio file, or a `Segment` of one)."""
 
 from __future__ import annotations
 
@@ -33,17 +33,15 @@ class Utterance:
     split: str  # the split folder, e.g. "train-clean-100" or "synth-clean"
     num_samples: int | None = None  # filled by `with_info=True` (header read)
     sample_rate: int | None = None
-    # bytes on disk, mtime and ctime: while all three are as recorded, the file's sha256 stands
-    # (the ctime moves on every write and mtime change, and cannot be set back)
+    # while size, mtime and ctime are as recorded, the file's sha256 stands (the ctime moves on
+    # every write and mtime change, and cannot be set back)
     size: int = 0
     mtime_ns: int = 0
     ctime_ns: int = 0
-    # the part of the file this utterance is (lhotse cuts of long recordings); None: all of it
-    segment: Segment | None = None
+    segment: Segment | None = None  # the part of the file read (lhotse cuts); None: all of it
 
     def content_key(self, sha: str) -> str:
-        """What identifies this utterance's audio in a shard's key: the file's sha256, and the
-        segment of it when only part of the file is read."""
+        """This utterance's audio in a shard's key: the file's sha256 (and segment)."""
         return sha if self.segment is None else f"{sha}@{self.segment.key}"
 
     @property
