@@ -79,8 +79,7 @@ def lr_factor(step: int, warmup: int, total: int, final: float = 0.0) -> float:
     """Multiplier of the peak LR at optimizer step `step`: linear warm-up, then linear decay."""
     if warmup > 0 and step < warmup:
         return (step + 1) / warmup
-    span = max(1, total - warmup)
-    progress = min(1.0, (step - warmup) / span)
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
     return 1.0 - (1.0 - final) * progress
 
 

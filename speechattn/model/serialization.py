@@ -27,8 +27,7 @@ def describe_load_error(error: BaseException, path: str | Path | None = None) ->
     raw = str(error).strip().splitlines()
     first = raw[0][:200] if raw else type(error).__name__
     # A refused pickle names the class it would have built ("Unsupported global: GLOBAL x.Y");
-    # random bytes fail with other unpickler messages ("Unsupported operand 69") and are a
-    # damaged or foreign file, not a dangerous one.
+    # random bytes fail otherwise ("Unsupported operand 69"): damaged, not dangerous.
     refused = next((ln.strip() for ln in raw if "GLOBAL" in ln), None)
     if isinstance(error, pickle.UnpicklingError) and refused is not None:
         return (

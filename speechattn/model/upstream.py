@@ -57,8 +57,7 @@ CONFIG_FILE = "config.json"  # an upstream folder's settings (Hugging Face's nam
 WEIGHTS_FILE = "model.safetensors"  # its tensors (Hugging Face's name)
 UPSTREAM_FOLDER = "upstream"  # a pretraining run's upstream folder, beside its upstream.pt
 NORMALIZER_PREFIX = "normalizer."  # model.safetensors' keys of the normaliser's mean and std
-# what speechattn writes into an upstream folder (the model card, its loss curve): an earlier
-# folder holding only these is replaced by a new export, a folder holding anything else never
+# what speechattn writes into an upstream folder: a folder holding only these may be replaced
 FOLDER_FILES = (CONFIG_FILE, WEIGHTS_FILE, "README.md", "loss_curve.png")
 
 
@@ -195,9 +194,8 @@ class Upstream(nn.Module):
         return self.model.attention_weights(features, lengths, layer, head_mask)
 
 
-# Largest |sample| accepted. Float audio lives in [-1, 1]; s3prl's Featurizer probes every
-# upstream with unit-variance noise (peaks of about 4.5), so a few units must pass, while
-# int16-range samples (peaks in the hundreds or thousands) must not.
+# Largest |sample| accepted: s3prl's Featurizer probes with unit-variance noise (peaks about
+# 4.5), which must pass, int16-range samples (hundreds or thousands) must not.
 MAX_ABS_AMPLITUDE = 32.0
 
 

@@ -135,9 +135,8 @@ def _pack_planes(cq, ck):
     return planes[0], planes[1]
 
 
-# lv = start less the hashes of group g on which query i and each key differ, one pass per
-# plane count: an OR of the planes' XORs and a popcount per key. Three functions, not one with
-# three branches: numba's single function ran 5x slower at T = 128.
+# lv = start less the hashes of group g on which query i and each key differ (an OR of the
+# planes' XORs, a popcount): three functions, as one with three branches ran 5x slower.
 @njit(cache=True)
 def _one_plane(lv, start, pq, pk, g, n, i):
     """Sign codes: one plane, XOR and popcount."""
@@ -171,10 +170,9 @@ def _many_planes(lv, start, pq, pk, g, n, i, differ):
         lv[j] = start[j] - np.int16(_popcount(differ[j]))
 
 
-# Reassociation lets the sum run in vector lanes; the products of float32 values (widened to
-# float64 in the kernel) are exact in float64, so only the float64 rounding of the sum
-# depends on the order, which survives the rounding to float32 about once in 2^29 scores (as
-# between any two float64 products).
+# Reassociation lets the sum run in vector lanes: the float64 products of float32 values are
+# exact, so the order changes only the sum's float64 rounding, which survives the rounding to
+# float32 about once in 2^29 scores.
 @njit(cache=True, fastmath={"reassoc", "contract"})
 def _dot(query, keys, n, j):
     """query (d,) float64 . keys[n, j] (widened) as a float64 sum."""
@@ -410,8 +408,7 @@ def lsh_topk_cpu(cq: Tensor, ck: Tensor, kv: Tensor, k: int, q: Tensor, keys: Te
         planes = [_sign_words(c.contiguous().numpy()) for c in (cq, ck)]
     else:
         planes = _pack_planes(cq.contiguous().numpy(), ck.contiguous().numpy())
-    # float32 rows widened in the kernel: 0.85-0.9x the time of rows widened here (half the
-    # bytes gathered), at the price of a compiled specialisation per dtype
+    # float32 rows widened in the kernel (0.85-0.9x the time: half the bytes), one build per dtype
     q, keys = (t.contiguous().numpy() for t in (q, keys))
     _select(*planes, K, kv.contiguous().numpy(), min(k, T), q, keys, q.shape[-1] > 0, out.numpy())
     return out
