@@ -25,7 +25,8 @@ from speechattn.utils import lengths_to_padding_mask
 
 
 def sinusoidal_positions(length: int, dim: int, device=None, dtype=None) -> Tensor:
-    """Vaswani et al. sine/cosine positions, (length, dim); odd dim has one more sine column."""
+    """Vaswani et al. sine/cosine positions (length, dim), computed on the fly (no max length);
+    odd dim has one more sine column."""
     position = torch.arange(length, device=device, dtype=torch.float32)[:, None]  # (T', 1)
     freq = torch.exp(
         torch.arange(0, dim, 2, device=device, dtype=torch.float32) * (-math.log(10000.0) / dim)
@@ -93,8 +94,8 @@ class FeedForward(nn.Module):
 
 class EncoderLayer(nn.Module):
     """One transformer layer around a given attention module: post-LN (BERT, AALBERT's)
-    x = LN(x + attn(x)); x = LN(x + ffn(x)), or pre-LN x = x + attn(LN(x)); x = x + ffn(LN(x))
-    (the encoder then adds a final LayerNorm)."""
+    x = LN(x + attn(x)); x = LN(x + ffn(x)), or pre-LN (stabler when deep) x = x + attn(LN(x));
+    x = x + ffn(LN(x)) (the encoder then adds a final LayerNorm)."""
 
     def __init__(self, attention: nn.Module, c: ModelConfig) -> None:
         super().__init__()

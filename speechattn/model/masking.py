@@ -2,10 +2,11 @@
 (the objective: docs/pretraining.md).
 
 About `fraction` of each utterance's valid model frames are chosen in spans of `span` frames,
-and one action is drawn per utterance (not per frame, as in Mockingjay): zero them, replace
-them by random frames of the same utterance, or leave them. The loss is L1 on chosen frames
-only; a batch in which nothing was chosen gives exactly 0 (with a graph). `corrupt` and
-`reconstruction_loss` serve any model with AALBERT's `stack` and `reconstruct`.
+and one action is drawn per utterance (not per frame, as in Mockingjay): zero them (the
+normalised mean), replace them by random frames of the same utterance, or leave them (so the
+model cannot tell which frames are scored). The loss is L1 on chosen frames only; a batch in
+which nothing was chosen gives exactly 0 (with a graph). `corrupt` and `reconstruction_loss`
+serve any model with AALBERT's `stack` and `reconstruct`.
 """
 
 from __future__ import annotations
