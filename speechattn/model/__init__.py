@@ -1,5 +1,4 @@
-"""AALBERT model, its objective (masked acoustic modelling) and optimiser, and the
-pretrained-upstream file format.
+"""AALBERT, its objective (masked acoustic modelling) and optimiser, and the upstream files.
 
 from speechattn.model import aalbert_tiny, load_upstream
 model = aalbert_tiny(attention="ldsa")           # ModelConfig + registry attention

@@ -1,13 +1,9 @@
 """AALBERT: an ALBERT-style transformer encoder over stacked log-mel frames.
 
-Audio ALBERT (Chi et al., 2020, "Audio ALBERT: A Lite BERT for Self-supervised Learning of Audio
-Representation") is Mockingjay with ALBERT's cross-layer parameter sharing: one transformer layer
-applied L times. The study this toolkit reproduces swaps the layer's self-attention for each of
-the variants in `speechattn.attention`; the layer receives its attention module and never knows
-which variant it holds. One network in dependency order, leaves first, as nanoGPT's `model.py`.
-
-Shape letters (see `speechattn/attention/base.py`): B batch, T 10 ms mel frames, T' stacked
-30 ms model frames, F mel bins, D model dim, h heads, L layers.
+Audio ALBERT (Chi et al., 2020) is Mockingjay with ALBERT's cross-layer parameter sharing: one
+transformer layer applied L times, here around any attention variant of `speechattn.attention`.
+Shape letters: B batch, T 10 ms mel frames, T' stacked 30 ms model frames, F mel bins, D model
+dim, h heads, L layers.
 """
 
 from __future__ import annotations
@@ -29,9 +25,9 @@ from speechattn.utils import lengths_to_padding_mask
 
 
 def sinusoidal_positions(length: int, dim: int, device=None, dtype=None) -> Tensor:
-    """Vaswani et al. sine/cosine positions, (length, dim). Computed on the fly: no max length."""
+    """Vaswani et al. sine/cosine positions (length, dim), computed on the fly (no max length);
+    odd dim has one more sine column."""
     position = torch.arange(length, device=device, dtype=torch.float32)[:, None]  # (T', 1)
-    # 10000^(-2i/D) for i < D/2; odd D gets one more sine column than cosine columns
     freq = torch.exp(
         torch.arange(0, dim, 2, device=device, dtype=torch.float32) * (-math.log(10000.0) / dim)
     )  # (ceil(D/2),)
@@ -42,12 +38,8 @@ def sinusoidal_positions(length: int, dim: int, device=None, dtype=None) -> Tens
 
 
 class ConvPositions(nn.Module):
-    """Relative positions from a grouped convolution over time (wav2vec 2.0's positional conv).
-
-    Adds GELU(conv(h)) to h: every frame sees its `kernel` neighbours through fixed offsets, so
-    the encoder gets local order without having to learn it from absolute sinusoids (which a
-    short run does not manage: see docs/tiny_study.md).
-    """
+    """h + GELU(conv(h)), a grouped convolution over time (wav2vec 2.0's positional conv): local
+    order that short runs fail to learn from absolute sinusoids (docs/tiny_study.md)."""
 
     def __init__(self, dim: int, kernel: int, groups: int) -> None:
         super().__init__()  # kernel odd and groups dividing dim: checked by ModelConfig
@@ -78,9 +70,8 @@ class InputEmbedding(nn.Module):
 
     def forward(self, x: Tensor, padding_mask: Tensor | None = None) -> Tensor:
         """x (B, T', stack*F), padding_mask (B, T') True at padding -> (B, T', D)."""
-        _, T, _ = x.shape
         h = self.proj(x)
-        positions = sinusoidal_positions(T, h.shape[-1], device=h.device, dtype=h.dtype)
+        positions = sinusoidal_positions(x.shape[1], h.shape[-1], device=h.device, dtype=h.dtype)
         h = h + self.position_scale * positions
         if self.conv_positions is not None:
             h = self.conv_positions(h, padding_mask)
@@ -102,12 +93,9 @@ class FeedForward(nn.Module):
 
 
 class EncoderLayer(nn.Module):
-    """One transformer layer around a given attention module.
-
-    Post-LN (BERT, the AALBERT default): x = LN(x + attn(x)); x = LN(x + ffn(x)).
-    Pre-LN (option): x = x + attn(LN(x)); x = x + ffn(LN(x)); trains more stably when deep,
-    and the encoder then adds a final LayerNorm.
-    """
+    """One transformer layer around a given attention module: post-LN (BERT, AALBERT's)
+    x = LN(x + attn(x)); x = LN(x + ffn(x)), or pre-LN (stabler when deep) x = x + attn(LN(x));
+    x = x + ffn(LN(x)) (the encoder then adds a final LayerNorm)."""
 
     def __init__(self, attention: nn.Module, c: ModelConfig) -> None:
         super().__init__()
@@ -125,11 +113,9 @@ class EncoderLayer(nn.Module):
         head_mask: Tensor | None = None,
         need_weights: bool = False,
     ) -> Tensor | tuple[Tensor, Tensor]:
-        """x (B, T', D), padding_mask (B, T') True at padding, head_mask (h,) -> (B, T', D).
-
-        With need_weights also returns the attention weights (B, h, T', T'); without, one
-        tensor, which s3prl's forward hooks on a layer collect as its hidden state.
-        """
+        """x (B, T', D), padding_mask (B, T') True at padding, head_mask (h,) -> (B, T', D), and
+        with need_weights the weights (B, h, T', T') (without, one tensor: s3prl's hooks
+        collect it as the layer's hidden state)."""
         a_in = self.attn_norm(x) if self.pre_norm else x
         out = self.attention(a_in, padding_mask, head_mask=head_mask, need_weights=need_weights)
         a, weights = out if need_weights else (out, None)
@@ -144,15 +130,11 @@ class EncoderLayer(nn.Module):
 
 
 class Encoder(nn.Module):
-    """L applications of transformer layers; ALBERT shares one layer object across all depths.
+    """L applications of one shared layer or of L layers (`depth_to_layer[i]` runs at depth i),
+    each depth with its own row xi of the (L, h) head mask (Michel et al., 2019).
 
-    `layers` holds one layer (shared) or L layers; `depth_to_layer[i]` says which one runs at
-    depth i. Each depth still has its own row of the head mask (Michel et al. 2019's gates: one xi per depth).
-
-    After pruning (`AALBERT.prune_heads`) the head mask keeps its (L, h) shape over the
-    original heads: each depth's attention receives the entries of the heads it still has
-    (`kept_heads`), times `residual_head_mask` (L, h) when the pruning left one (a shared
-    layer's heads masked at some depths only).
+    After pruning (`AALBERT.prune_heads`) the head mask keeps its shape over the original
+    heads: each depth's attention gets its `kept_heads`' entries, times `residual_head_mask`.
     """
 
     def __init__(self, layers: list[EncoderLayer], num_layers: int, final_norm: nn.Module) -> None:
@@ -189,15 +171,11 @@ class Encoder(nn.Module):
         depths: int | None = None,
         weights_from: int | None = None,
     ) -> tuple[list[Tensor], list[Tensor]]:
-        """x (B, T', D) embedded input -> (hidden states [x, ...] (B, T', D) of the first
-        `depths` layers (None: all L), weights (B, h, T', T') of the depths >= `weights_from`
-        (1-based; None: none)).
-
-        head_mask: (L, h) or None. Padded positions are zero in every hidden state so that a
-        padded batch gives what each utterance gives alone. Only the depths that return
-        weights run their attention's dense reference (the only path with explicit weights):
-        their hidden states match the plain call's to rounding, not bit for bit.
-        """
+        """x (B, T', D) embedded, head_mask (L, h) -> (hidden states [x, ...] (B, T', D) of the
+        first `depths` layers (None: all L), weights (B, h, T', T') of the depths >=
+        `weights_from` (1-based; None: none)). Padded positions are zero in every hidden state,
+        so a padded batch gives what each utterance gives alone. The depths returning weights
+        run their dense reference: their hidden states match the plain call's to rounding."""
         if head_mask is not None and (
             head_mask.shape[0] != self.num_layers
             or (
@@ -231,11 +209,8 @@ class Encoder(nn.Module):
 
 def padding_mask_for(lengths: Tensor, x: Tensor) -> Tensor | None:
     """(B, T') True at padded frames of x (B, T', ...) for valid lengths (B,); None when no
-    frame is padded, which lets every layer take its unmasked kernel.
-
-    Host-side lengths (CPU) are read without a sync; lengths already on x's GPU are not read
-    (that would make the host wait for the device): the mask is built there, padded or not.
-    """
+    frame is padded (every layer then takes its unmasked kernel). Only host-side lengths are
+    read: lengths on x's GPU always give a mask, built there without a sync."""
     T = x.shape[1]
     if lengths.device.type == "cpu" and min(lengths.tolist(), default=T) >= T:
         return None
@@ -275,12 +250,10 @@ class ModelConfig:
     conv_position_groups: int = 16  # groups of that convolution (dim must be divisible by it)
     attention: str = "full"  # a name from speechattn.attention.available()
     attention_options: dict[str, Any] = field(default_factory=dict)  # passed to attention.build
-    # Actual pruning (`AALBERT.prune_heads`): layer -> original indices of the heads it keeps
-    # (layer = depth when unshared, 0 for the shared layer; unlisted layers keep all heads).
-    # Empty in unpruned models and in files written before pruning existed.
+    # `AALBERT.prune_heads`: layer (0 when shared) -> original indices of the heads it keeps
     pruned_heads: dict[int, list[int]] = field(default_factory=dict)
-    # (L, h) xi applied under every run-time head mask: the heads of a pruned shared layer
-    # that were masked at some depths only (None: nothing left to mask).
+    # (L, h) xi under every run-time head mask: a pruned shared layer's heads masked at some
+    # depths only (None: nothing left to mask)
     residual_head_mask: list[list[float]] | None = None
 
     def __post_init__(self) -> None:
@@ -347,17 +320,13 @@ def registry_attention(config: ModelConfig) -> AttentionFactory:
 
 
 class AALBERT(nn.Module):
-    """Input embedding -> (shared) encoder -> reconstruction head.
-
-    `forward` takes 10 ms features and returns hidden states; pretraining uses the pieces
-    (`stack`, `embed_and_encode`, `head`) because it masks stacked frames in between.
-    """
+    """Input embedding -> (shared) encoder -> reconstruction head; pretraining calls the pieces
+    (`stack`, `reconstruct`), masking stacked frames in between."""
 
     def __init__(self, config: ModelConfig, make_attention: AttentionFactory | None = None) -> None:
         super().__init__()
-        self.config = config
+        self.config = c = config
         make_attention = make_attention or registry_attention(config)
-        c = config
         self.embedding = InputEmbedding(c)
         layers = [
             EncoderLayer(make_attention(i), c) for i in range(1 if c.shared else c.num_layers)
@@ -371,8 +340,8 @@ class AALBERT(nn.Module):
         self._set_residual(c.residual_head_mask)
 
     def _init_own_weights(self) -> None:
-        """BERT init (normal, std 0.02) for our Linear/LayerNorm; attention modules keep theirs
-        (e.g. `syn_fixed` initialises its logits from patterns that must not be overwritten)."""
+        """BERT init (normal, std 0.02) for our Linear layers; attention modules keep theirs
+        (e.g. `syn_fixed`'s logits from patterns)."""
         attention_params = {
             id(p) for layer in self.encoder.layers for p in layer.attention.parameters()
         }
@@ -381,10 +350,8 @@ class AALBERT(nn.Module):
                 nn.init.normal_(module.weight, std=0.02)
                 if module.bias is not None:
                     nn.init.zeros_(module.bias)
-        # Normalised features (unit variance per bin) must reach the encoder at the scale of the
-        # sinusoidal positions (entries in [-1, 1]): with std 0.02 the 3F -> D projection gives
-        # content ~0.3, the positions dominate after the LayerNorm and short runs learn features
-        # that lose to raw log-mel in the probes. std 1/sqrt(3F) keeps content at unit scale.
+        # std 1/sqrt(3F) keeps unit-variance features at the sinusoids' scale: with 0.02 the
+        # positions dominate after the LayerNorm, and short runs lose to raw log-mel in probes.
         nn.init.normal_(self.embedding.proj.weight, std=self.config.input_dim**-0.5)
 
     @property
@@ -402,9 +369,9 @@ class AALBERT(nn.Module):
         return min(limits) * self.config.stack if limits else None
 
     def check_input_frames(self, frames: int, setting: str, uncropped: bool = False) -> None:
-        """Raise ValueError, before any batch runs, when inputs of up to `frames` 10 ms frames
-        (the value of `setting`, or with `uncropped` the longest utterance it lets through)
-        exceed what the attention accepts."""
+        """`ConfigError` (a ValueError), before any batch runs, when `frames` 10 ms frames (the
+        value of `setting`, or with `uncropped` the longest utterance it lets through) exceed
+        what the attention accepts."""
         limit = self.max_input_frames
         if limit is None or frames <= limit:
             return
@@ -419,21 +386,13 @@ class AALBERT(nn.Module):
             f"{-(-frames // stack)}"
         )
 
-    # ----------------------------------------------------------------- pruning
     def prune_heads(self, heads: Mapping[int, Sequence[int]] | Tensor) -> None:
         """Remove attention heads' parameters (actual pruning), recorded in the config.
 
-        heads: either {layer: original indices of the heads to keep} (layer = index into
-        `encoder.layers`: the depth when unshared, 0 for a shared layer), or an (L, h) head
-        mask xi (0 = masked), whose pruned model equals this model run with that head mask:
-        * an unshared layer loses the heads masked at its depth;
-        * a shared layer only loses the heads masked at every depth; the heads masked at some
-          depths only stay, masked there by `config.residual_head_mask`, applied under every
-          later head mask (so a shared model gains less);
-        * a layer whose every head is masked keeps its first head, masked likewise (an
-          attention module has at least one head).
-        Non-binary xi values of the kept heads also go into the residual mask. The run-time
-        head mask keeps its (L, h) shape over the original heads.
+        heads: {layer (index into `encoder.layers`): original indices of the heads to keep},
+        or an (L, h) head mask xi (0 = masked), whose pruned model equals this model run with
+        it (rules: docs/analysis.md, Actual pruning); non-binary xi of kept heads go into
+        `config.residual_head_mask`.
         """
         layers, h = len(self.encoder.layers), self.num_heads
         if not isinstance(heads, Tensor):
@@ -455,8 +414,7 @@ class AALBERT(nn.Module):
         for j, kept in heads.items():
             attention = self.encoder.layers[j].attention
             current = list(attention.kept_heads)
-            # heads already removed stay removed; keep one if nothing else is left (the mask
-            # path's residual head mask masks it)
+            # removed heads stay removed; with none left the first stays, residual-masked
             local = [current.index(k) for k in kept if k in current] or [0]
             prune_heads(attention, local)
             if attention.num_heads < self.num_heads:
@@ -490,17 +448,15 @@ class AALBERT(nn.Module):
     def embed_and_encode(
         self, stacked: Tensor, lengths: Tensor, head_mask: Tensor | None = None
     ) -> list[Tensor]:
-        """stacked (B, T', stack*F), lengths' (B,) -> L+1 hidden states (B, T', D).
-
-        `lengths` on the host (CPU) while `stacked` is on a GPU costs no sync: whether the batch
-        is padded at all is read there (see `padding_mask_for`)."""
+        """stacked (B, T', stack*F), lengths' (B,) (best on the host: `padding_mask_for`) -> L+1
+        hidden states (B, T', D)."""
         return self.encode(stacked, padding_mask_for(lengths, stacked), head_mask)
 
     def encode(
         self, stacked: Tensor, padding_mask: Tensor | None, head_mask: Tensor | None = None
     ) -> list[Tensor]:
-        """`embed_and_encode` given the padding mask (B, T') instead of lengths (None: nothing
-        padded): the form `torch.compile` takes, with the host-side decision made outside."""
+        """`embed_and_encode` given the padding mask (B, T') (None: nothing padded), the form
+        `torch.compile` takes."""
         return self.encode_with_weights(stacked, padding_mask, head_mask, weights_from=None)[0]
 
     def encode_with_weights(
@@ -511,17 +467,15 @@ class AALBERT(nn.Module):
         depths: int | None = None,
         weights_from: int | None = 1,
     ) -> tuple[list[Tensor], list[Tensor]]:
-        """`encode` of the first `depths` layers (None: all L), also returning the attention
-        weights (B, h, T', T') of the depths >= `weights_from` (1-based; None: none), from
-        their attention's dense reference (see `Encoder.forward`)."""
+        """`encode` of the first `depths` layers, also returning weights (`Encoder.forward`)."""
         x = self.embedding(stacked, padding_mask)  # (B, T', D)
         return self.encoder(x, padding_mask, head_mask, depths, weights_from)
 
     def reconstruct(
         self, stacked: Tensor, lengths: Tensor, head_mask: Tensor | None = None
     ) -> Tensor:
-        """Masked-reconstruction prediction: stacked (B, T', stack*F) (corrupted), lengths' (B,)
-        -> (B, T', stack*F). Its loss is `speechattn.model.masking.reconstruction_loss`."""
+        """Masked-reconstruction prediction (`masking.reconstruction_loss`): stacked (B, T',
+        stack*F) corrupted, lengths' (B,) -> (B, T', stack*F)."""
         return self.head(self.embed_and_encode(stacked, lengths, head_mask)[-1])
 
     def forward(
@@ -534,8 +488,8 @@ class AALBERT(nn.Module):
     def attention_weights(
         self, features: Tensor, lengths: Tensor, layer: int, head_mask: Tensor | None = None
     ) -> Tensor:
-        """Weights (B, h, T', T') of the attention at depth `layer` (1..L, like hidden[layer]);
-        the depths below it take their efficient path."""
+        """Weights (B, h, T', T') of the attention at depth `layer` (1..L, like hidden[layer]),
+        the depths below it on their efficient path."""
         if not 1 <= layer <= self.num_layers:
             raise ValueError(f"layer must be in 1..{self.num_layers}, got {layer}")
         stacked, out_lengths = self.stack(features, lengths)
@@ -546,11 +500,8 @@ class AALBERT(nn.Module):
 def pruning_plan(
     head_mask: Tensor, depth_to_layer: Sequence[int]
 ) -> tuple[dict[int, list[int]], Tensor | None]:
-    """Heads to keep per layer for an (L, h) head mask (see `AALBERT.prune_heads`).
-
-    Returns ({layer: kept heads}, residual (L, h) float head mask, or None when every kept
-    head has xi = 1 at every depth).
-    """
+    """Heads to keep per layer for an (L, h) head mask (`AALBERT.prune_heads`), and the residual
+    (L, h) float head mask (None when every kept head has xi = 1 at every depth)."""
     L, h = head_mask.shape
     if L != len(depth_to_layer):
         raise ValueError(f"head mask must be (L={len(depth_to_layer)}, h), got {(L, h)}")
@@ -565,20 +516,14 @@ def pruning_plan(
 
 
 def aalbert(make_attention: AttentionFactory | None = None, **config: Any) -> AALBERT:
-    """`AALBERT(ModelConfig(**config), make_attention)`: an AALBERT from keyword arguments.
-
-    `config` takes the fields of `ModelConfig`, where each one's default and meaning (with the
-    name AALBERT's own config gives it) is written once; `make_attention` (a factory returning
-    a fresh attention module per layer index) overrides the registry, for tests that plug in a
-    stand-in. E.g. `aalbert(dim=256, num_heads=8, attention="ldsa")`.
-    """
+    """`AALBERT(ModelConfig(**config), make_attention)`, e.g. `aalbert(attention="ldsa")`;
+    `make_attention` (layer index -> a fresh attention module) overrides the registry."""
     return AALBERT(ModelConfig(**config), make_attention)
 
 
-# What each preset changes of `ModelConfig` (the study's AALBERT, `aalbert_base`): the one
-# source for Python (`preset_config`) and the command line (`conf/experiment/tiny.yaml` takes
-# `aalbert_tiny` from the schema `speechattn.config` registers from this table; that file says
-# why the CPU quick start differs from AALBERT).
+# What each preset changes of `ModelConfig` (the study's AALBERT): the one source for Python
+# and the command line (`speechattn.config` registers its schema from it; conf/experiment/tiny.yaml
+# says why the CPU quick start differs).
 PRESETS: dict[str, dict[str, Any]] = {
     "aalbert_base": {},
     "aalbert_tiny": {

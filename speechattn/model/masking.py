@@ -1,20 +1,12 @@
-"""Masked acoustic modelling (Mockingjay / AALBERT): corrupt spans of frames, reconstruct them.
+"""Masked acoustic modelling (Mockingjay / AALBERT): corrupt spans of frames, reconstruct them
+(the objective: docs/pretraining.md).
 
-For every utterance, about `fraction` of its valid model frames are chosen in consecutive spans
-of `span` frames. Per utterance (not per frame, as in Mockingjay) one action is drawn: with
-probability `p_zero` the chosen frames are zeroed (the mean of normalised features), with
-`p_random` they are replaced by other frames of the same utterance drawn at random, otherwise
-they are left unchanged (so the model cannot tell which frames it will be scored on). The loss
-is L1 between the prediction and the clean frames, on chosen frames only.
-
-The objective is written once, here: `corrupt(model, features, lengths, ...)` draws the masks
-and `reconstruction_loss(model, masked, head_mask)` scores a reconstruction, for any model with
-AALBERT's `stack` and `reconstruct` (pretraining, the head analysis and the benchmark's
-hand-written reference all use them).
-
-Short utterances never break a batch: the span shrinks to the utterance, and the number of spans
-is drawn by stochastic rounding so that the expected fraction stays `fraction` even when it is
-below one span. A batch in which nothing was chosen gives a loss of exactly 0 (with a graph).
+About `fraction` of each utterance's valid model frames are chosen in spans of `span` frames,
+and one action is drawn per utterance (not per frame, as in Mockingjay): zero them (the
+normalised mean), replace them by random frames of the same utterance, or leave them (so the
+model cannot tell which frames are scored). The loss is L1 on chosen frames only; a batch in
+which nothing was chosen gives exactly 0 (with a graph). `corrupt` and `reconstruction_loss`
+serve any model with AALBERT's `stack` and `reconstruct`.
 """
 
 from __future__ import annotations
@@ -45,22 +37,15 @@ class MaskingConfig:
         for name in ("p_zero", "p_random"):
             value = getattr(self, name)
             require(is_number(value) and value >= 0, f"model.masking.{name}", value, ">= 0")
-        require(
-            self.p_zero + self.p_random <= 1.0 + 1e-9,
-            "model.masking.p_random",
-            self.p_random,
-            f"<= 1 - model.masking.p_zero={self.p_zero}",
-        )
+        ok = self.p_zero + self.p_random <= 1.0 + 1e-9
+        rule = f"<= 1 - model.masking.p_zero={self.p_zero}"
+        require(ok, "model.masking.p_random", self.p_random, rule)
 
 
 @dataclass
 class MaskedBatch:
-    """A batch corrupted for masked reconstruction, its masks drawn once (on the host).
-
-    `lengths` stay on the host wherever the tensors go (`to`), so the model decides from them
-    whether anything is padded without reading device memory; `num_chosen` is counted when
-    the masks are drawn, so the step never reads `chosen` back from the device either.
-    """
+    """A batch corrupted for masked reconstruction, its masks drawn on the host; `lengths` and
+    `num_chosen` stay there, so that a step never reads device memory for them."""
 
     inputs: Tensor  # (B, T', F') corrupted model input
     target: Tensor  # (B, T', F') clean stacked frames
@@ -70,16 +55,14 @@ class MaskedBatch:
     num_chosen: int = 0  # chosen.sum(), counted on the host
 
     def to(self, device: torch.device | str, non_blocking: bool = True) -> MaskedBatch:
-        """The tensors on `device` (copies from pinned memory overlap with compute), lengths
-        kept on the host. Lightning moves a batch holding a MaskedBatch through this method."""
+        """The tensors on `device`, lengths kept on the host (how Lightning moves the batch)."""
         moved = ("inputs", "target", "chosen", "mode")
         return replace(
             self, **{k: getattr(self, k).to(device, non_blocking=non_blocking) for k in moved}
         )
 
     def pin_memory(self) -> MaskedBatch:
-        """Page-locked copies, for the DataLoader's pinning thread (lengths too: read on the
-        host, they may also be copied to the device without blocking)."""
+        """Page-locked copies (lengths too), for the DataLoader's pinning thread."""
         pinned = ("inputs", "target", "chosen", "lengths", "mode")
         return replace(self, **{k: getattr(self, k).pin_memory() for k in pinned})
 
@@ -101,16 +84,13 @@ class MaskedBatch:
 def draw_spans(
     lengths: Tensor, T: int, cfg: MaskingConfig, generator: torch.Generator
 ) -> tuple[Tensor, Tensor]:
-    """Span starts for utterances of `lengths` (B,) valid frames, all utterances at once.
+    """Span starts (B, T) bool and span lengths s (B,), on the host, for utterances of
+    `lengths` (B,) valid frames, all at once.
 
-    Per utterance of n frames: span s = min(span, n); k spans, the expected count
-    fraction * n / s rounded stochastically (E[chosen frames] = fraction * n even below one
-    span) and capped at n // s; the k spans placed uniformly among non-overlapping placements:
-    k distinct slots out of n - k(s-1) (the k smallest of i.i.d. keys), the i-th shifted by
-    i(s-1). Adjacent spans may touch.
-
-    Returns starts (B, T) bool (True where a span starts; spans never reach past n) and the
-    spans' length s (B,), on the host.
+    Per utterance of n frames: s = min(span, n); k spans, fraction * n / s rounded
+    stochastically (E[chosen frames] = fraction * n even below one span), at most n // s,
+    placed uniformly without overlap: k distinct slots of n - k(s-1) (the k smallest of i.i.d.
+    keys), the i-th shifted by i(s-1). Adjacent spans may touch; none reaches past n.
     """
     n = lengths.to("cpu", torch.long)
     B = n.shape[0]
@@ -137,21 +117,10 @@ def draw_spans(
 def draw_masks(
     lengths: Tensor, T: int, cfg: MaskingConfig, generator: torch.Generator
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """Masks for utterances of `lengths` (B,) valid frames in a batch padded to T, drawn for
-    all utterances at once with batched tensor ops (no per-utterance Python loop).
-
-    Spans as `draw_spans`; then one mode per utterance with probabilities p_zero / p_random /
-    rest; RANDOM rows copy into each chosen frame a frame of the same utterance drawn
-    uniformly.
-
-    Args:
-        lengths: (B,) int, on the host.
-        T: padded length (>= lengths.max()).
-        generator: CPU generator; every draw comes from it, in a fixed order.
-    Returns:
-        chosen (B, T) bool, source (B, T) int64 (the frame copied into each position: itself
-        except at RANDOM rows' chosen frames), mode (B,) int64. All on the host.
-    """
+    """Masks for utterances of `lengths` (B,) valid frames (on the host) padded to T, all drawn
+    at once from `generator` in a fixed order: spans as `draw_spans`, one mode per utterance,
+    and for RANDOM rows a frame of the utterance drawn uniformly for each chosen frame ->
+    chosen (B, T) bool, source (B, T) int64 (the frame copied into each position), mode (B,)."""
     n = lengths.to("cpu", torch.long)
     B = n.shape[0]
     starts, s = draw_spans(n, T, cfg, generator)  # (B, T), (B,)
@@ -173,17 +142,11 @@ def draw_masks(
 def mask_frames(
     x: Tensor, lengths: Tensor, cfg: MaskingConfig, generator: torch.Generator
 ) -> MaskedBatch:
-    """Corrupt x (B, T', F') with valid lengths (B,) for masked reconstruction.
-
-    The masks are drawn on the host (`draw_masks`, from `generator`, a CPU generator: the
-    corruption is reproducible from its seed, independently of the device and of dropout's
-    global RNG) and applied on x's device after non-blocking copies. Give `lengths` on the
-    host: lengths on a GPU are read back (a sync).
-    """
-    B, T, _ = x.shape
+    """Corrupt x (B, T', F') with valid lengths (B,) (best on the host: else a sync) for masked
+    reconstruction, the masks drawn from `generator`, a CPU generator (`draw_masks`): the
+    corruption depends on its seed alone, not on the device or dropout's RNG."""
     lengths_cpu = lengths.detach().to("cpu", torch.long)
-    chosen, source, mode = draw_masks(lengths_cpu, T, cfg, generator)
-    num_chosen = int(chosen.sum())  # host data: free
+    chosen, source, mode = draw_masks(lengths_cpu, x.shape[1], cfg, generator)
 
     def on_device(*index: Tensor) -> tuple[Tensor, ...]:
         return tuple(i.to(x.device, non_blocking=True) for i in index)
@@ -198,7 +161,7 @@ def mask_frames(
     if len(rows):  # RANDOM rows' chosen frames copied in (a few % of the frames)
         inputs[on_device(rows, cols)] = x[on_device(rows, source[rows, cols])]
     chosen_dev = chosen.to(x.device, non_blocking=True)
-    return MaskedBatch(inputs, x, chosen_dev, lengths_cpu, mode, num_chosen)
+    return MaskedBatch(inputs, x, chosen_dev, lengths_cpu, mode, int(chosen.sum()))
 
 
 def mask_batch(
@@ -211,17 +174,13 @@ def mask_batch(
     max_model_frames: int | None = None,
 ) -> MaskedBatch:
     """Host side of a pretraining step, for the data loader: stack 10 ms features (B, T, F)
-    with lengths (B,) into model frames, pad them to a multiple of `pad_to_multiple` model
-    frames (at most `max_model_frames`, the model's limit), and corrupt them (`mask_frames`).
-
-    Padding to a multiple gives a compiled step few shapes (one per bucket) and lets SDPA
-    take masks without padding them to its alignment itself.
-    """
+    with lengths (B,) into model frames padded to a multiple of `pad_to_multiple` (at most
+    `max_model_frames`), and corrupt them. The multiple gives a compiled step few shapes and
+    SDPA masks it need not pad to its alignment."""
     T = -(-features.shape[1] // stack)  # model frames
     padded = -(-T // pad_to_multiple) * pad_to_multiple
     if max_model_frames is not None:
         padded = max(T, min(padded, max_model_frames))
-    # (B, padded, stack*F): stacked and padded to the bucket in one copy
     stacked, stacked_lengths = stack_frames(features, lengths, stack, frames=padded)
     return mask_frames(stacked, stacked_lengths, cfg, generator)
 

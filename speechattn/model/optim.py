@@ -1,8 +1,6 @@
-"""The model's optimiser: parameter groups, LAMB / AdamW and the learning-rate schedule.
-
-As in nanoGPT's `configure_optimizers`, weight decay applies to matrices only (parameters of
-two or more dimensions); biases and LayerNorm gains are never decayed. Pretraining, the head
-analysis and the benchmark all build their optimiser here, so they cannot drift apart.
+"""The model's optimiser: parameter groups, LAMB / AdamW and the learning-rate schedule, for
+pretraining, the head analysis and the benchmark alike. Weight decay applies to matrices only
+(parameters of two or more dimensions), as in nanoGPT's `configure_optimizers`.
 """
 
 from __future__ import annotations
@@ -49,9 +47,8 @@ class OptimConfig:
 
 
 def parameter_groups(module: nn.Module, weight_decay: float) -> list[dict]:
-    """Trainable parameters in two groups: matrices decayed; vectors (biases, norms) and the
-    parameters a submodule lists in `no_weight_decay` (per-head biases stored as matrices,
-    e.g. relpos's u and v) not."""
+    """Trainable parameters in two groups: matrices decayed; vectors (biases, norms) and those
+    a submodule lists in `no_weight_decay` (matrices of per-head biases: relpos's u, v) not."""
     exempt = {
         id(getattr(sub, name))
         for sub in module.modules()
@@ -82,8 +79,7 @@ def lr_factor(step: int, warmup: int, total: int, final: float = 0.0) -> float:
     """Multiplier of the peak LR at optimizer step `step`: linear warm-up, then linear decay."""
     if warmup > 0 and step < warmup:
         return (step + 1) / warmup
-    span = max(1, total - warmup)
-    progress = min(1.0, (step - warmup) / span)
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
     return 1.0 - (1.0 - final) * progress
 
 

@@ -1,10 +1,6 @@
-"""Downstream probes: small trainable modules on top of frozen upstream features, and the one
-`Probe` (layer selection + head + label alignment + loss) behind both the downstream task and
-the head analysis' probe objective.
-
-Shape letters (see `speechattn/attention/base.py`): B batch, N cached hidden layers, T frames,
-D feature dim, C classes. `UtteranceProbe` serves `speaker_utterance`, `FrameProbe` a linear
-`speaker_frame` or the MLPs of `phone_*`.
+"""Downstream probes on frozen upstream features, and `Probe` (layer selection + head + label
+alignment + loss), behind both the downstream task and the head analysis' probe objective.
+Shape letters: B batch, N cached hidden layers, T frames, D feature dim, C classes.
 """
 
 from __future__ import annotations
@@ -21,12 +17,8 @@ from speechattn.utils import IGNORE_INDEX
 
 
 class LayerSelector(nn.Module):
-    """Collapse the cached layer axis: identity for one layer, learned weighted sum for several
-    (s3prl's `Featurizer` idea).
-
-    The weights start uniform (zero logits) and are normalised with a softmax, so the probe
-    can only mix layers, never scale them.
-    """
+    """Collapse the cached layer axis: identity for one layer, else a softmax-weighted sum
+    (s3prl's `Featurizer`), uniform at first, that can mix layers but never scale them."""
 
     def __init__(self, num_layers: int) -> None:
         super().__init__()
@@ -37,9 +29,7 @@ class LayerSelector(nn.Module):
 
     def weights(self) -> Tensor:
         """Mixing weights (N,), summing to one."""
-        if self.logits is None:
-            return torch.ones(1)
-        return self.logits.softmax(dim=0)
+        return torch.ones(1) if self.logits is None else self.logits.softmax(dim=0)
 
     def forward(self, hidden: Tensor) -> Tensor:
         """hidden (B, N, T, D) -> (B, T, D)."""
@@ -62,11 +52,8 @@ class MeanPool(nn.Module):
 
 
 class FusedPool(nn.Module):
-    """FusedAttention pooling (docs/attention.md) from the attention library, behind MeanPool's signature.
-
-    `scale`: "value" (sqrt(d), d the size of V) or "key" (sqrt(u)); here u = d = D, so both give the
-    same scores, but the option is passed through so a config states what it asked for.
-    """
+    """FusedAttention pooling (docs/attention.md) behind MeanPool's signature; `scale` "value"
+    and "key" give the same scores here (u = d = D), passed on as the config states it."""
 
     def __init__(self, dim: int, scale: str = "value") -> None:
         super().__init__()
@@ -102,11 +89,8 @@ class UtteranceProbe(nn.Module):
 
 
 class FrameProbe(nn.Module):
-    """Per-frame classifier, (B, T, D) -> (B, T, C).
-
-    `hidden_layers=0` is a linear probe; otherwise each hidden layer is Linear -> ReLU
-    (-> dropout) with `hidden_dim` units, as in the study's phoneme heads.
-    """
+    """Per-frame classifier, (B, T, D) -> (B, T, C): linear, or `hidden_layers` of Linear ->
+    ReLU (-> dropout) with `hidden_dim` units first (the study's phoneme heads)."""
 
     def __init__(
         self,
@@ -165,8 +149,7 @@ class Probe(nn.Module):
         if self.level == "utterance":
             return self.head(x, batch["padding_mask"])
         valid = ~batch["padding_mask"]  # (B, T')
-        # The head runs on valid frames only (padding would cost a third of the compute).
-        frames = self.head(x[valid])  # (V, C), V valid frames in the batch
+        frames = self.head(x[valid])  # (V, C): valid frames only, padding would cost a third
         logits = frames.new_zeros(*valid.shape, frames.size(-1))  # (B, T', C)
         logits[valid] = frames
         return expand_to_labels(

@@ -1,18 +1,8 @@
-"""Actual pruning: an `upstream.pt` whose masked heads' parameters are removed.
+"""Actual pruning: an `upstream.pt` whose masked heads' parameters are removed, equal to the
+source run with that head mask (rules and file records: docs/analysis.md, Actual pruning).
 
-Head analysis (`python -m speechattn.analyze heads`) finds heads to mask (xi = 0); this writes
-an upstream without them that `load_upstream` reads like any other and that equals the source
-upstream run with that head mask (`AALBERT.prune_heads` gives the rules: a shared layer loses
-only the heads masked at every depth, the rest stays masked by a residual head mask).
-
-    from speechattn.model.pruning import prune_upstream
     prune_upstream("upstream.pt", mask, "pruned.pt")       # mask (L, h), 0 = masked
     prune_upstream("upstream.pt", {0: [1, 3]}, "pruned.pt")  # layer -> heads kept
-
-The file records the kept heads in `model_config["pruned_heads"]` (and the residual mask in
-`model_config["residual_head_mask"]`), so `load_upstream` builds the full model, prunes it and
-loads the smaller weights; files without them are unpruned. `metadata["pruning"]` says where
-the upstream comes from and what was removed.
 """
 
 from __future__ import annotations
@@ -25,12 +15,7 @@ import torch
 from torch import Tensor
 
 from speechattn.errors import ConfigError, MissingFileError
-from speechattn.model.upstream import (
-    load_upstream,
-    save_upstream,
-    upstream_sha256,
-    upstream_state,
-)
+from speechattn.model.upstream import load_upstream, save_upstream, upstream_sha256, upstream_state
 
 Heads = Mapping[int, Sequence[int]] | Tensor | Sequence[Sequence[float]]
 
@@ -38,12 +23,9 @@ Heads = Mapping[int, Sequence[int]] | Tensor | Sequence[Sequence[float]]
 def prune_upstream(
     src: str | Path, heads: Heads, dst: str | Path, extra: dict[str, Any] | None = None
 ) -> Path:
-    """Write to `dst` the upstream `src` without the heads that `heads` removes.
-
-    heads: an (L, h) head mask (tensor or nested lists, 0 = masked, e.g. a heads.json pruning
-    point) or {layer: heads to keep} (see `AALBERT.prune_heads`). `extra` goes into
-    `metadata["pruning"]`. Returns `dst`, written atomically.
-    """
+    """Write to `dst`, atomically, the upstream `src` without the heads `heads` removes: an
+    (L, h) head mask (tensor or nested lists, 0 = masked) or {layer: heads to keep}
+    (`AALBERT.prune_heads`). `extra` goes into `metadata["pruning"]`."""
     src = Path(src)
     upstream = load_upstream(src)
     model = upstream.model
@@ -84,10 +66,7 @@ def pruning_point(heads: Mapping[str, Any], fraction: float) -> dict[str, Any]:
 
 
 def prune_from_heads(
-    heads: Mapping[str, Any],
-    fraction: float,
-    dst: str | Path,
-    upstream: str | Path | None = None,
+    heads: Mapping[str, Any], fraction: float, dst: str | Path, upstream: str | Path | None = None
 ) -> Path:
     """Prune the upstream of a head analysis (`heads`, a read heads.json) at its pruning
     point nearest to `fraction`; `upstream` defaults to the file the analysis ran on and must

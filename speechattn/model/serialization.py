@@ -1,13 +1,9 @@
 """Reading torch files we did not necessarily write: upstreams, Lightning checkpoints, probes.
 
-Every `.pt` / `.ckpt` goes through `load_torch_file`, which unpickles with `weights_only=True`:
-only tensors, plain containers and numbers are rebuilt, so a crafted file whose pickle calls
-`os.system` (or anything else) is refused before any of it runs. The checkpoints our runs write
-(pretraining, downstream probes) hold nothing else (a test keeps it that way): hyper-parameters
-are plain dicts (never OmegaConf nodes) and paths strings, so no extra global is allow-listed.
-
-Failures raise `TorchFileError` naming the file and saying what is wrong in words (refused
-pickle, truncated archive, not a torch file) instead of torch's raw reader message.
+Every `.pt` / `.ckpt` goes through `load_torch_file` (`weights_only=True`: a pickle that would
+build anything but tensors, containers and numbers is refused before any of it runs; our own
+checkpoints hold nothing else, a test keeps it so), and failures raise `TorchFileError` saying
+in words what is wrong with the file.
 """
 
 from __future__ import annotations
@@ -31,8 +27,7 @@ def describe_load_error(error: BaseException, path: str | Path | None = None) ->
     raw = str(error).strip().splitlines()
     first = raw[0][:200] if raw else type(error).__name__
     # A refused pickle names the class it would have built ("Unsupported global: GLOBAL x.Y");
-    # random bytes fail with other unpickler messages ("Unsupported operand 69") and are a
-    # damaged or foreign file, not a dangerous one.
+    # random bytes fail otherwise ("Unsupported operand 69"): damaged, not dangerous.
     refused = next((ln.strip() for ln in raw if "GLOBAL" in ln), None)
     if isinstance(error, pickle.UnpicklingError) and refused is not None:
         return (
@@ -67,12 +62,8 @@ def _looks_like_torch(path: str | Path) -> bool:
 def load_torch_file(
     path: str | Path, map_location: str | torch.device = "cpu", what: str = "torch file"
 ) -> Any:
-    """`torch.load(path, weights_only=True)`; errors name the file.
-
-    Raises `MissingFileError` (a FileNotFoundError) when `path` does not exist and
-    `TorchFileError` when it is a folder or cannot be read safely (refused pickle, truncated or
-    corrupt archive, not a torch file).
-    """
+    """`torch.load(path, weights_only=True)`; `MissingFileError` (a FileNotFoundError) or
+    `TorchFileError` (a folder, a refused pickle, not a complete torch file) name the file."""
     path = Path(path).expanduser()
     check_is_file(path, what)
     try:

@@ -1,23 +1,10 @@
-"""The pretrained upstream: `upstream.pt` file format, saving and `load_upstream`.
+"""The pretrained upstream: `upstream.pt` and upstream folder formats, saving and
+`load_upstream` (format, versions, errors and outputs: docs/upstream.md).
 
-`upstream.pt` is self-contained and loads without Hydra, Lightning or the run directory:
-
-    {
-      "format": "speechattn-upstream", "version": 3 (1 and 2 are read too: see UPSTREAM_VERSION),
-      "model_config": ModelConfig as a dict (attention name and options included),
-      "state_dict":   AALBERT weights (encoder and reconstruction head),
-      "normalizer":   {"mean": (F,), "std": (F,), "mode": str} (data layer `Normalizer` state),
-      "feature_config": the data layer's feature settings (mel bins, window, hop, ...),
-      "metadata":     pretraining facts: steps, corpus, seed, code version, losses, ...
-    }
-
-Only tensors and plain Python values are stored, so it is read with `weights_only=True`. The
-same state also travels as an upstream folder (`save_upstream_folder`, `python -m
-speechattn.export`; docs/upstream.md), read without any pickle: config.json (the values above
-and `source`, the upstream.pt it comes from) and model.safetensors (the weights, plus the
-normaliser's `normalizer.mean` / `normalizer.std`). `load_upstream` reads either; both give the
-same module, bit for bit. Its `forward` returns an `UpstreamOutput` (docs/ARCHITECTURE.md's
-contract), named as in `transformers`' `Wav2Vec2BaseModelOutput`.
+`upstream.pt` is a dict of tensors and plain values (format, version, model_config, state_dict,
+normalizer {mean, std, mode}, feature_config, metadata), read with `weights_only=True`; an
+upstream folder holds the same as config.json + model.safetensors (no pickle). Both load to the
+same module, bit for bit.
 """
 
 from __future__ import annotations
@@ -51,15 +38,13 @@ from speechattn.model.serialization import (
 from speechattn.utils import atomic_folder, atomic_path, atomic_write_bytes, plain
 
 UPSTREAM_FORMAT = "speechattn-upstream"
-# 2: LSH's normalised keys and score tie-break, routing's uncapped clusters; 3: LSH hashes
-# the keys it scores, with each scheme's own hash. An older file keeps the definitions it was
-# trained with (`EARLIER_OPTIONS`, `_earlier_options`).
 UPSTREAM_VERSION = 3
 READABLE_VERSIONS = (1, 2, 3)
 _LSH = ("sign_alsh", "xbox", "xbox_qnf", "simple_lsh", "simple_alsh")
-# Attention options whose default changed with a format version: {version that changed them:
-# {variant: their earlier values}}; a file of an older version gets the earlier values where
-# it does not state the option.
+# Attention options whose default changed with a format version (2: LSH's normalised keys and
+# score tie-break, routing's uncapped clusters; 3: LSH hashes the keys it scores, with each
+# scheme's own hash): {version: {variant: earlier values}}, which an older file gets where it
+# does not state them, so that it keeps the definitions it was trained with.
 EARLIER_OPTIONS: dict[int, dict[str, dict[str, object]]] = {
     2: {
         **dict.fromkeys(_LSH, {"normalize_keys": False, "tie_break": "position"}),
@@ -72,8 +57,7 @@ CONFIG_FILE = "config.json"  # an upstream folder's settings (Hugging Face's nam
 WEIGHTS_FILE = "model.safetensors"  # its tensors (Hugging Face's name)
 UPSTREAM_FOLDER = "upstream"  # a pretraining run's upstream folder, beside its upstream.pt
 NORMALIZER_PREFIX = "normalizer."  # model.safetensors' keys of the normaliser's mean and std
-# what speechattn writes into an upstream folder (the model card, its loss curve): an earlier
-# folder holding only these is replaced by a new export, a folder holding anything else never
+# what speechattn writes into an upstream folder: a folder holding only these may be replaced
 FOLDER_FILES = (CONFIG_FILE, WEIGHTS_FILE, "README.md", "loss_curve.png")
 
 
@@ -83,12 +67,8 @@ class UpstreamFileError(TorchFileError):
 
 @dataclass
 class UpstreamOutput:
-    """What `Upstream.forward` returns (HF-style).
-
-    Field names and order follow `transformers`' `Wav2Vec2BaseModelOutput`; `output_lengths`
-    is ours (HF models return an attention mask instead). Unlike HF, `hidden_states` is always
-    filled: every layer is what the study probes. Layer i's hidden state is
-    `out.hidden_states[i]`; the output itself is indexed by field name only.
+    """What `Upstream.forward` returns, named and ordered as `transformers`'
+    `Wav2Vec2BaseModelOutput` (plus our `output_lengths`), indexed by field name only:
 
         last_hidden_state: (B, T', D), equal to hidden_states[-1]
         extract_features:  (B, T', stack*F) stacked normalised log-mel, the encoder's input
@@ -104,7 +84,6 @@ class UpstreamOutput:
     output_lengths: Tensor
 
     def __getitem__(self, key: str) -> Any:
-        """`out["hidden_states"]`, as HF's ModelOutput allows."""
         if not isinstance(key, str) or key not in self.keys():
             hint = f"; index the layers as out.hidden_states[{key}]" if isinstance(key, int) else ""
             raise KeyError(f"UpstreamOutput has no field {key!r}; fields: {self.keys()}{hint}")
@@ -163,10 +142,8 @@ class Upstream(nn.Module):
     ) -> UpstreamOutput:
         """features (B, T, F) normalised log-mel, lengths (B,), head_mask (L, h) or None ->
         `UpstreamOutput` (shapes there), T' = ceil(T / downsample), zero at padded positions.
-
-        `output_attentions=True` takes each variant's dense reference (explicit T'xT' weights):
-        the hidden states then equal the plain call's to rounding, at O(T'^2) memory per layer.
-        """
+        `output_attentions=True` runs each variant's dense reference (hidden states then equal
+        the plain call's to rounding, at O(T'^2) memory per layer)."""
         stacked, out_lengths = self.model.stack(features, lengths)  # (B, T', stack*F), (B,)
         layers = self.model.encoder.layers
         if output_attentions and not all(layer.attention.supports_weights for layer in layers):
@@ -177,7 +154,7 @@ class Upstream(nn.Module):
         padding_mask = padding_mask_for(out_lengths, stacked)
         hidden, weights = self.model.encode_with_weights(
             stacked, padding_mask, head_mask, weights_from=1 if output_attentions else None
-        )  # what AALBERT.forward runs, plus the weights when asked
+        )
         return UpstreamOutput(
             last_hidden_state=hidden[-1],
             extract_features=stacked,
@@ -197,10 +174,9 @@ class Upstream(nn.Module):
     def features_from_waveforms(
         self, wavs: Tensor | Sequence[Tensor], lengths: Tensor | None = None
     ) -> tuple[Tensor, Tensor]:
-        """16 kHz waveforms -> normalised features (B, T, F) and frame counts (B,), computed
-        exactly as the data layer does. `wavs` is a list of B 1-D waveforms (what s3prl passes;
-        checked and padded by `pad_waveforms`), or (B, S) zero-padded with sample counts
-        `lengths` (B,)."""
+        """16 kHz waveforms -> normalised features (B, T, F) and frame counts (B,), as the data
+        layer computes them: a list of B 1-D waveforms (what s3prl passes, `pad_waveforms`), or
+        (B, S) zero-padded with sample counts `lengths` (B,)."""
         if lengths is None:
             if isinstance(wavs, Tensor):
                 raise WaveformError(
@@ -208,32 +184,28 @@ class Upstream(nn.Module):
                     "counts (lengths); or pass a list of 1-D waveforms"
                 )
             wavs, lengths = pad_waveforms(wavs, self.mean.device)
-        config = FeatureConfig(**self.feature_config)
-        feats, frame_lengths = log_mel_batch(wavs, lengths, config)
+        feats, frame_lengths = log_mel_batch(wavs, lengths, FeatureConfig(**self.feature_config))
         return self.normalize(feats, frame_lengths), frame_lengths
 
     def attention_weights(
         self, features: Tensor, lengths: Tensor, layer: int, head_mask: Tensor | None = None
     ) -> Tensor:
-        """Attention weights (B, h, T', T') of depth `layer` (1..L), via the variant's dense
-        reference (`need_weights=True`)."""
+        """Attention weights (B, h, T', T') of depth `layer` (1..L), from its dense reference."""
         return self.model.attention_weights(features, lengths, layer, head_mask)
 
 
-# Largest |sample| accepted. Float audio lives in [-1, 1]; s3prl's Featurizer probes every
-# upstream with unit-variance noise (peaks of about 4.5), so a few units must pass, while
-# int16-range samples (peaks in the hundreds or thousands) must not.
+# Largest |sample| accepted: s3prl's Featurizer probes with unit-variance noise (peaks about
+# 4.5), which must pass, int16-range samples (hundreds or thousands) must not.
 MAX_ABS_AMPLITUDE = 32.0
 
 
 class WaveformError(SpeechattnError, ValueError):
-    """A waveform that cannot be used (wrong type, shape, length, rate or values); the
-    message names the utterance (`wavs[i]`) and the fix."""
+    """A waveform that cannot be used (type, shape, length, rate or values), named `wavs[i]`."""
 
 
 def pad_waveforms(wavs: Sequence[Tensor], device: torch.device) -> tuple[Tensor, Tensor]:
     """B 16 kHz waveforms (a list of 1-D float tensors) -> zero-padded (B, S_max) float32 on
-    `device` and sample counts (B,), after checking each (`WaveformError` names `wavs[i]`)."""
+    `device` and sample counts (B,), each checked (`WaveformError`)."""
     if isinstance(wavs, Tensor) or not isinstance(wavs, list | tuple) or not wavs:
         found = f"a tensor of shape {tuple(wavs.shape)}" if isinstance(wavs, Tensor) else wavs
         raise WaveformError(
@@ -253,18 +225,7 @@ def pad_waveforms(wavs: Sequence[Tensor], device: torch.device) -> tuple[Tensor,
                 f"wavs[{i}]: {wav.numel()} samples is shorter than one {WIN_LENGTH}-sample "
                 f"analysis window ({1000 * WIN_LENGTH // SAMPLE_RATE} ms at {SAMPLE_RATE} Hz)"
             )
-    _check_values(wavs)
-    lengths = torch.tensor([w.numel() for w in wavs], device=device)
-    padded = torch.nn.utils.rnn.pad_sequence(
-        [w.to(device=device, dtype=torch.float32) for w in wavs], batch_first=True
-    )  # (B, S_max)
-    return padded, lengths
-
-
-def _check_values(wavs: Sequence[Tensor]) -> None:
-    """Refuse non-finite samples and int16-range amplitudes, naming the utterance; one
-    host read for the whole batch."""
-    peaks = torch.stack([w.detach().abs().max().float() for w in wavs]).cpu()  # (B,)
+    peaks = torch.stack([w.detach().abs().max().float() for w in wavs]).cpu()  # one host read
     for i, peak in enumerate(peaks.tolist()):
         if peak != peak or peak == float("inf"):  # NaN or inf somewhere in wavs[i]
             raise WaveformError(
@@ -277,6 +238,11 @@ def _check_values(wavs: Sequence[Tensor]) -> None:
                 f"[-1, 1] ({MAX_ABS_AMPLITUDE:g} at most); int16 samples must be divided "
                 f"by 32768 first"
             )
+    lengths = torch.tensor([w.numel() for w in wavs], device=device)
+    padded = torch.nn.utils.rnn.pad_sequence(
+        [w.to(device=device, dtype=torch.float32) for w in wavs], batch_first=True
+    )  # (B, S_max)
+    return padded, lengths
 
 
 class NonFiniteWeightsError(SpeechattnError, ValueError):
@@ -284,16 +250,12 @@ class NonFiniteWeightsError(SpeechattnError, ValueError):
 
 
 def nonfinite_tensors(tensors: dict[str, Tensor]) -> list[str]:
-    """Names of the floating-point tensors in `tensors` holding any NaN or inf.
-
-    One device sync in total (not one per tensor), so it is cheap enough to run every step.
-    """
+    """Names of the floating-point tensors in `tensors` holding any NaN or inf, with one device
+    sync in all (cheap enough to run every step)."""
     named = [(k, t) for k, t in tensors.items() if isinstance(t, Tensor) and t.is_floating_point()]
     if not named:
         return []
     finite = torch.stack([torch.isfinite(t).all() for _, t in named])  # (N,) on their device
-    if bool(finite.all()):
-        return []
     return [k for (k, _), ok in zip(named, finite.tolist()) if not ok]
 
 
@@ -339,10 +301,7 @@ def _check_finite(state: dict[str, Any], where: str) -> None:
 
 
 def upstream_state(
-    model: AALBERT,
-    normalizer: Normalizer,
-    feature_config: dict[str, Any],
-    metadata: dict[str, Any],
+    model: AALBERT, normalizer: Normalizer, feature_config: dict[str, Any], metadata: dict[str, Any]
 ) -> dict[str, Any]:
     """The dictionary stored in `upstream.pt` (tensors on CPU, plain values only)."""
     norm = normalizer.state_dict()
@@ -362,10 +321,8 @@ def upstream_state(
 
 
 def save_upstream(path: str | Path, state: dict[str, Any]) -> Path:
-    """Write `state` atomically (temp file + rename): a crash never leaves half a file.
-
-    Raises `NonFiniteWeightsError` (nothing written) when a weight or statistic is NaN/inf.
-    """
+    """Write `state` atomically (temp file + rename); `NonFiniteWeightsError` (nothing
+    written) for NaN/inf or implausible weights."""
     path = Path(path)
     _check_finite(state, f"not writing {path}")
     with atomic_path(path) as tmp:
@@ -375,8 +332,7 @@ def save_upstream(path: str | Path, state: dict[str, Any]) -> Path:
 
 def _earlier_options(model_config: dict[str, Any], version: int) -> dict[str, Any]:
     """An older file's model config with the attention options it does not state set to the
-    values of the definition it was trained with (`EARLIER_OPTIONS`), not to today's
-    defaults: e.g. in version 1 LSH scored raw shared vectors and broke ties by position."""
+    values it was trained with (`EARLIER_OPTIONS`), not to today's defaults."""
     from speechattn.attention import available
 
     name = model_config.get("attention")
@@ -391,14 +347,11 @@ def _earlier_options(model_config: dict[str, Any], version: int) -> dict[str, An
 
 
 def load_upstream(path: str | Path, map_location: str | torch.device = "cpu") -> Upstream:
-    """Load an upstream written by `python -m speechattn.pretrain` or `python -m
-    speechattn.export`, in eval mode: an `upstream.pt` file or an upstream folder
-    (config.json + model.safetensors; nothing in it is unpickled).
+    """An `upstream.pt` file or an upstream folder, in eval mode.
 
-    Raises `MissingFileError` (a FileNotFoundError) for a missing path and `UpstreamFileError`
-    (a ValueError) naming the file and the problem when it is a folder of something else,
-    corrupt, truncated, not a speechattn upstream, of an unknown version, or holds tensors
-    the model config does not build (missing, unexpected, or of another shape);
+    Raises `MissingFileError` (a FileNotFoundError) for a missing path, `UpstreamFileError` (a
+    ValueError) naming the file and the problem for anything else that is not a readable
+    upstream of a known version whose tensors its model config builds, and
     `NonFiniteWeightsError` for NaN/inf or implausibly large weights.
     """
     path = Path(path).expanduser()
@@ -543,13 +496,11 @@ def save_upstream_folder(
     source: dict[str, Any] | None = None,
     files: Mapping[str, bytes] | None = None,
 ) -> Path:
-    """Write `state` (`upstream_state`) as an upstream folder at `out`, atomically
-    (`atomic_folder`): config.json, model.safetensors, and `files` (name -> bytes: the model
-    card). `source` ({"file", "sha256"}: the upstream.pt it comes from) goes into config.json.
-
-    Replaces an earlier upstream folder at `out` (one holding `FOLDER_FILES` only); refuses
-    (`OutputExistsError`) a file there or a folder holding anything else, which it would delete. Raises `NonFiniteWeightsError`
-    (nothing written) for NaN/inf or implausible weights.
+    """Write `state` (`upstream_state`) as an upstream folder at `out`, atomically:
+    config.json (with `source`, {"file", "sha256"} of its upstream.pt), model.safetensors and
+    `files` (name -> bytes: the model card). Replaces an earlier upstream folder (one holding
+    `FOLDER_FILES` only) but refuses (`OutputExistsError`) a file or any other folder there,
+    which it would delete; `NonFiniteWeightsError` (nothing written) as `save_upstream`.
     """
     from safetensors.torch import save
 

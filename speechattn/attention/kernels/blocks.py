@@ -19,32 +19,29 @@ Kernel = Callable[[Tensor, Tensor, Tensor, Tensor, Stride, float], Tensor]
 
 
 def extents(valid: Tensor) -> Tensor:
-    """(B, T) bool -> (B,) long: frames up to each utterance's last valid one (its length when
-    padding comes last; 0 when no frame is valid)."""
+    """(B, T) bool -> (B,) long: frames up to each utterance's last valid one (0: none valid)."""
     T = valid.shape[1]
     frames = torch.arange(1, T + 1, device=valid.device)
     return torch.where(valid, frames, 0).amax(-1)
 
 
 def _pad_time(t: Tensor, left: int, right: int, dim: int) -> Tensor:
-    """Zero/False-pad dimension `dim` of t by (left, right)."""
     pad = [0, 0] * (t.dim() - 1 - dim) + [left, right]
     return F.pad(t, pad)
 
 
 def _blocks(t: Tensor, ls: int, dim: int = 2) -> Tensor:
-    """Dimension `dim` of t zero/False-padded to n * l frames and cut into (n, l), n = ceil(T / l):
-    (B, H, T, d) -> (B, H, n, l, d), or with dim = 1 (B, T) -> (B, n, l)."""
+    """Dimension `dim` zero-padded and cut into (n, l), n = ceil(T / l): (B, H, T, d) ->
+    (B, H, n, l, d), or with dim = 1 (B, T) -> (B, n, l)."""
     T = t.shape[dim]
     n = (T + ls - 1) // ls
     return _pad_time(t, 0, n * ls - T, dim).unflatten(dim, (n, ls))
 
 
 def _attend(q: Tensor, k: Tensor, v: Tensor, allowed: Tensor, bias: Tensor, p: float) -> Tensor:
-    """Per-block softmax attention by one fused SDPA call: q (B, H, m, Q, d), k and v
-    (B, H, m, K, d) for m blocks, allowed (B, 1, m, Q, K) bool allowing every query's own key,
-    bias broadcastable to (Q, K) -> (B, H, m, Q, d). Blocks become SDPA's batch, so one
-    (B m, 1, Q, K) mask serves all heads."""
+    """Per-block softmax attention, one SDPA call with the m blocks as its batch: q (B, H, m, Q,
+    d), k and v (B, H, m, K, d), allowed (B, 1, m, Q, K) bool (every query's own key
+    allowed), bias broadcastable to (Q, K) -> (B, H, m, Q, d)."""
     B, H, m, Q, d = q.shape
     mask = bias.to(q.dtype).masked_fill(~allowed, float("-inf")).transpose(1, 2)  # (B, m, 1, Q, K)
 
@@ -65,9 +62,8 @@ def _take_frames(t: Tensor, pos: Tensor) -> Tensor:
 
 def utterance_slots(ls: Tensor, T: int) -> tuple[Tensor, Tensor, Tensor]:
     """Each utterance's blocks of l_b frames in (M, L) slots, (L, M) = stride_bounds(T), for
-    strides ls (B,): pos (B, M, L) the frame m l_b + a of slot (m, a), clamped into [0, T);
-    used (B, M, L) whether it holds a frame; slot (B, T) the slot m L + a of frame m l_b + a
-    (clamped past the extent, padding)."""
+    strides ls (B,): pos (B, M, L) the frame m l_b + a of slot (m, a) (clamped into [0, T)),
+    used (B, M, L) whether it holds one, slot (B, T) the slot m L + a of each frame."""
     L, M = patterns.stride_bounds(T)
     device = ls.device
     lb = ls[:, None, None]  # (B, 1, 1)
@@ -82,9 +78,9 @@ def utterance_slots(ls: Tensor, T: int) -> tuple[Tensor, Tensor, Tensor]:
 def _grid_kernel(
     q: Tensor, k: Tensor, v: Tensor, kv: Tensor, ls: Stride, p: float, by_class: bool
 ) -> Tensor:
-    """Block (by_class False: attend along each row of the (blocks, offsets) grid) or residue
-    (True: along each column) pattern. q, k, v (B, H, T, d) -> (B, H, T, d). One stride: the
-    grid is (n, l); per-utterance strides ls (B,): (M, L) slots (`utterance_slots`)."""
+    """Block (by_class False: along each row of the (blocks, offsets) grid) or residue (True:
+    along each column) pattern, q, k, v (B, H, T, d) -> (B, H, T, d); the grid (n, l), or for
+    per-utterance strides ls (B,) the (M, L) slots of `utterance_slots`."""
     B, H, T, d = q.shape
     if isinstance(ls, Tensor):
         pos, used, slot = utterance_slots(ls, T)  # (B, M, L), (B, M, L), (B, T)
@@ -119,9 +115,9 @@ def _grid_kernel(
 
 
 def block_windows(t: Tensor, ls: int, dim: int) -> Tensor:
-    """Keys of each query block in the band kernels, the previous, own and next block of l
-    frames along `dim` (zero/False outside): (..., T, ...) -> (..., n, 3l, ...); window
-    position w of block b is frame (b - 1) l + w (a query at offset a is at w = a + l)."""
+    """Keys of each query block in the band kernels, its previous, own and next l frames along
+    `dim` (zero outside): (..., T, ...) -> (..., n, 3l, ...); position w of block b is frame
+    (b - 1) l + w."""
     T = t.shape[dim]
     n = (T + ls - 1) // ls
     tp = _pad_time(t, ls, n * ls - T + ls, dim)  # (n + 2) l frames along dim
@@ -137,10 +133,8 @@ def window_offsets(ls: int, device: torch.device) -> Tensor:
 
 
 def band_kernel(q: Tensor, k: Tensor, v: Tensor, kv: Tensor, ls: Stride, p: float = 0.0) -> Tensor:
-    """|i - j| <= l. q, k, v (B, H, T, d), kv (B, T) allowed keys -> (B, H, T, d).
-
-    Per-utterance strides ls (B,): blocks of L >= every l (`patterns.stride_bounds`), each
-    utterance's radius masked inside them."""
+    """|i - j| <= l. q, k, v (B, H, T, d), kv (B, T) allowed keys -> (B, H, T, d); strides ls
+    (B,): blocks of L >= every l (`patterns.stride_bounds`), each radius masked inside."""
     B, H, T, d = q.shape
     if isinstance(ls, Tensor):
         width, radius = patterns.stride_bounds(T)[0], ls.view(B, 1, 1, 1, 1)
@@ -170,9 +164,8 @@ def block_kernel(q: Tensor, k: Tensor, v: Tensor, kv: Tensor, ls: Stride, p: flo
 
 
 def summary_columns(T: int, ls: Stride, c: int, device: torch.device) -> tuple[Tensor, Tensor]:
-    """The summary keys j mod l >= l - min(c, l), clamped into [0, T): positions (1, N), or
-    (B, N) for per-utterance strides (N from `patterns.stride_bounds`), and whether each is
-    a real column inside [0, T)."""
+    """The summary keys j mod l >= l - min(c, l), clamped into [0, T): positions (1 or B, N)
+    (B: per-utterance strides, N from `patterns.stride_bounds`), and whether each is real."""
     if isinstance(ls, Tensor):
         L, n = patterns.stride_bounds(T)
         lb = ls[:, None, None]  # (B, 1, 1)

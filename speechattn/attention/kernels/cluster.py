@@ -14,8 +14,7 @@ from speechattn.attention.base import SELF_PENALTY, needs_static_shapes
 
 
 def num_clusters(num_valid: int, max_clusters: int | None) -> int:
-    """C = ceil(sqrt(T_valid)) (Roy et al.: sqrt(n) clusters), at most `max_clusters` (None:
-    no cap)."""
+    """C = ceil(sqrt(T_valid)) (Roy et al.), at most `max_clusters` (None: no cap)."""
     c = max(1, math.isqrt(max(0, num_valid - 1)) + 1)
     return c if max_clusters is None else min(c, max_clusters)
 
@@ -30,9 +29,9 @@ def num_clusters_tensor(num_valid: Tensor, max_clusters: int | None) -> Tensor:
 
 
 def capacity_bound(T: int, max_clusters: int | None) -> int:
-    """The largest capacity ceil(n / C(n)) of any utterance of n <= T valid frames (W when
-    it must not depend on data): T's own, as capacity never decreases with n (where C steps
-    from c to c + 1, at n = c^2 + 1, it stays c)."""
+    """The largest capacity ceil(n / C(n)) of any n <= T valid frames (W independent of data):
+    T's own, as capacity never decreases with n (at n = c^2 + 1, where C becomes c + 1, it
+    stays c)."""
     return -(-T // num_clusters(T, max_clusters))
 
 
@@ -58,11 +57,10 @@ class Members:
 def cluster_kernel(q: Tensor, k: Tensor, v: Tensor, members: Members, p: float = 0.0) -> Tensor:
     """Each query against the kept members of its cluster. q, k, v (B, H, T, d) -> (B, H, T, d).
 
-    Each cluster's queries (in `members` order) are cut into blocks of at most W, each against
-    its cluster's W-slot key table: one SDPA call over (B H nb, 1, W, d) blocks. Self is
-    penalised where a query is its own key; a query not kept has kept members beside it, so
-    it needs no key of its own (its self weight exp(-5e4) is 0). Padded frames get 0. nb: the
-    batch's largest count on CPU eager, else `blocks_bound` (extra blocks empty, discarded).
+    Each cluster's queries (in `members` order) in blocks of at most W against its W-slot key
+    table: one SDPA call over (B H nb, 1, W, d) blocks, self penalised (a query not kept has
+    kept members beside it, so needs no key of its own). Padded frames get 0. nb: the batch's
+    largest count on CPU eager, else `blocks_bound` (extra blocks empty, discarded).
     """
     B, H, T, d = q.shape
     Cm, W = members.table.shape[-2:]

@@ -15,11 +15,9 @@ def phi(x: Tensor) -> Tensor:
 class LinearKernel(torch.autograd.Function):
     """Heads phi(Q) S / (phi(Q) z) from q, k, v (B, h, T, d_k) -> (B, h, T, d_k); keep
     (B, 1, T, 1) 1 at valid keys or None; drop (B, h, T, 1) the dropout column mask or None.
-
-    Hand-written because autograd's ~25 small elementwise steps cost as much as `full`'s
-    fused step at short T: [S, z] = phi(K)^T [V, 1] is one product, phi(Q) [S, z] gives
-    numerator and denominator together, and phi' = min(phi, 1) comes from the saved features.
-    Float32 (or float64) only: CUDA autocast casts inputs (`custom_fwd`), callers widen.
+    Hand-written (autograd's ~25 small steps cost as much as `full` at short T): [S, z] =
+    phi(K)^T [V, 1] in one product, phi' = min(phi, 1) from the saved features. Float32/64
+    only: CUDA autocast casts inputs (`custom_fwd`), callers widen.
     """
 
     @staticmethod

@@ -9,11 +9,10 @@ from speechattn.attention.base import widen
 
 
 class LocalWeightedSum(torch.autograd.Function):
-    """out_t = sum_j w_{t,j} v_{t+j}: w (B, h, T, c), v (B, h, T + c - 1, d_k) -> (B, h, T, d_k).
-
-    c shifted multiply-adds without the c zero-filled slice gradients autograd would allocate,
-    summed in float32 at least (half-precision rounding would add up over c = 15 terms): CUDA
-    autocast casts the inputs (`custom_fwd`); else the output takes the promoted input dtype.
+    """out_t = sum_j w_{t,j} v_{t+j}: w (B, h, T, c), v (B, h, T + c - 1, d_k) -> (B, h, T, d_k),
+    c shifted multiply-adds without autograd's c zero-filled slice gradients, summed in
+    float32 at least (half precision would round over c = 15 terms); the output in the
+    promoted input dtype (CUDA autocast casts the inputs, `custom_fwd`).
     """
 
     @staticmethod

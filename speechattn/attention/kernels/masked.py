@@ -1,11 +1,8 @@
 """The "masked" kernel of the shared-QK pattern heads (sparse_*, routing's local heads): one
-SDPA call per head group over all T x T pairs, the group's pattern as an additive mask.
-
-Where the blocked kernels (`blocks.py`) cut a pattern into many sub-problems too small for a
-GPU's flash tiles (about a thousand 23 x 69 ones at T = 512), this runs at nearly the speed of
-unmasked attention at T ~ 512, but costs all T x T pairs; the tuner measures which wins. A head
-group shares one (1 or B, 1, T, T) mask, built on the device from the variant's pattern
-predicates (`patterns.py`): no host read, shapes fixed by T, never (B, h, T, T).
+SDPA call per head group over all T x T pairs, the group's pattern predicates (`patterns.py`)
+as one (1 or B, 1, T, T) additive mask built on the device. Near unmasked attention's speed at
+T ~ 512, where the blocked kernels (`blocks.py`) cut a pattern into sub-problems too small for
+a GPU's flash tiles, but all T x T pairs; the tuner measures which wins.
 """
 
 from __future__ import annotations
@@ -24,10 +21,9 @@ MASK_ALIGN = 8
 
 
 def pattern_bias(allowed: Tensor, kv: Tensor | None, dtype: torch.dtype) -> Tensor:
-    """A head group's pattern as SDPA's additive mask: allowed (T, T) or (1 or B, T, T) bool,
-    kv (B, T) keys that may be attended (None: all) -> (1 or B, 1, T, T) in `dtype`: 0 where
-    both allow, SELF_PENALTY on the diagonal (always allowed, as in `shared_qk`), -inf
-    elsewhere; rows are `MASK_ALIGN`-aligned views of a wider allocation."""
+    """A head group's pattern as SDPA's additive mask: allowed (T, T) or (1 or B, T, T) bool, kv
+    (B, T) allowed keys (None: all) -> (1 or B, 1, T, T) in `dtype`, 0 where both allow,
+    SELF_PENALTY on the diagonal (as in `shared_qk`), -inf elsewhere; rows `MASK_ALIGN`-aligned."""
     allowed = allowed if allowed.dim() == 3 else allowed[None]
     if kv is not None:
         allowed = allowed & kv[:, None, :]  # (B, T, T)
@@ -48,9 +44,8 @@ def masked_heads(
     kv: Tensor | None,
     p: float = 0.0,
 ) -> Tensor:
-    """Shared-QK pattern attention, one SDPA call per head group: q, k, v (B, h, T, d_k) ->
-    (B, h, T, d_k). groups: (heads, allowed (T, T) or (1 or B, T, T) bool) for consecutive
-    groups covering all h heads (empty ones skipped); kv (B, T) or None (nothing padded)."""
+    """q, k, v (B, h, T, d_k) -> (B, h, T, d_k); groups: (heads, allowed (T, T) or (1 or B, T,
+    T) bool) of consecutive groups covering all h heads; kv (B, T) or None (nothing padded)."""
     dtype = compute_dtype(q)  # the mask in SDPA's dtype: autocast would cast it otherwise
     outs, start = [], 0
     for n, allowed in groups:

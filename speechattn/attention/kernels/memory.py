@@ -10,15 +10,14 @@ NUMPY_DTYPES = {torch.float32: np.float32, torch.float64: np.float64}  # lazy_ze
 
 
 def numpy_backed(dtype: torch.dtype, device: torch.device | str) -> bool:
-    """Whether tensors of this dtype and device can share memory with numpy (CPU float32 or
-    float64)."""
+    """Whether tensors of this dtype and device can share memory with numpy (CPU float32/64)."""
     return torch.device(device).type == "cpu" and dtype in NUMPY_DTYPES
 
 
 def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> Tensor:
-    """A zero tensor whose pages the OS zeroes on first touch (CPU float32/float64: numpy's
-    calloc'ed zeros, marked for transparent huge pages), so a caller writing a small part pays
-    for those pages only; elsewhere plain torch.zeros."""
+    """A zero tensor whose pages the OS zeroes on first touch (CPU float32/64: numpy's calloc'ed
+    zeros, on transparent huge pages), so a caller writing a small part pays for those pages
+    only; else torch.zeros."""
     if not numpy_backed(dtype, device):
         return torch.zeros(shape, dtype=dtype, device=device)
     return torch.from_numpy(np.zeros(shape, dtype=NUMPY_DTYPES[dtype]))

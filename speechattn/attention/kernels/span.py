@@ -12,13 +12,10 @@ flash_cpu = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 
 
 class FlashThenUnfused(torch.autograd.Function):
-    """Attention under an additive mask that depends on the spans z, on CPU.
-
-    Forward: CPU flash with the mask as a constant (it has no mask gradient). Backward:
-    unfused, from flash's log-sum-exp, so the spans' gradient is one more reduction,
-    dL/dz_h = sum dS * d mask / dz_h; with a reach X, query blocks of `backward_block` frames
-    against the keys within reach only. Flash runs in q's dtype, the backward in float32
-    (float64 stays) with autocast off.
+    """Attention under an additive mask that depends on the spans z, on CPU: CPU flash forward
+    (in q's dtype, the mask a constant: it has no mask gradient), unfused backward from its
+    log-sum-exp (float32 or float64, autocast off) with dL/dz_h = sum dS * d mask / dz_h; with
+    a reach X, query blocks of `backward_block` frames against the keys within reach only.
     """
 
     backward_block = 128  # queries per block of the backward (the fastest in the benchmark)
@@ -26,7 +23,7 @@ class FlashThenUnfused(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, z, mask, mask_dz, reach, keys_reversed):  # noqa: D102
-        """q, k, v (B, h, L, d); z (h,); mask and its z-derivative mask_dz (B or 1, h, L, Lk);
+        """q, k, v (B, h, L, d); z (h,); mask, mask_dz (its z-derivative) (B or 1, h, L, Lk);
         reach: X or None (all pairs); keys_reversed: key j stored at Lk - 1 - j."""
         out, log_sum_exp = flash_cpu(q, k, v, attn_mask=mask)
         ctx.save_for_backward(q, k, v, out, log_sum_exp, mask, mask_dz)
@@ -46,8 +43,8 @@ class FlashThenUnfused(torch.autograd.Function):
         N, h, L, d = q.shape
         Lk, X, scale_ = k.shape[-2], ctx.reach, d**-0.5
         step = L if X is None else FlashThenUnfused.backward_block
-        # batch entries per pass: about `backward_scores` scores, so that the temporaries stay
-        # small and their memory is reused (fresh memory costs page faults here)
+        # about `backward_scores` scores per pass: small temporaries, their memory reused (fresh
+        # memory costs page faults)
         per_pass = max(
             1, FlashThenUnfused.backward_scores // (h * step * min(Lk, step + 2 * (X or Lk)))
         )
@@ -77,14 +74,12 @@ class FlashThenUnfused(torch.autograd.Function):
 
 
 class UnfusedSavedWeights(torch.autograd.Function):
-    """`FlashThenUnfused`'s function for short sequences: unfused, keeping the weights P
-    (N, h, L, Lk) for the backward, about as fast as SDPA's fused step where recomputing P
-    is not; in float32 (float64 stays) with autocast off."""
+    """`FlashThenUnfused` for short sequences: unfused, keeping the weights P (N, h, L, Lk) for
+    the backward (as fast as SDPA there, recomputing P is not); float32/64, autocast off."""
 
     @staticmethod
     def forward(ctx, q, k, v, z, mask, mask_dz):  # noqa: D102
-        """q, k, v (N, h, L | Lk, d); z (h,); mask and its z-derivative mask_dz
-        (N or 1, h, L, Lk)."""
+        """q, k, v (N, h, L | Lk, d); z (h,); mask, mask_dz (N or 1, h, L, Lk)."""
         N, h, L, d = q.shape
         Lk = k.shape[-2]
         q_, k_, v_ = (widen(t).reshape(N * h, -1, d) for t in (q, k, v))

@@ -27,9 +27,8 @@ def _csr(crow: Tensor, col: Tensor, values: Tensor) -> Tensor:
         return torch.sparse_csr_tensor(crow, col, values, (n, n))
 
 
-# Softmax attention over each query's selected keys as sparse (CSR) products, a custom op:
-# torch.compile keeps it in the graph as one opaque call (sparse tensors cannot be traced),
-# and its fake implementations give shapes on fake/meta tensors.
+# A custom op: torch.compile keeps it as one opaque call (sparse tensors cannot be traced), its
+# fake implementations give shapes on fake/meta tensors.
 @torch.library.custom_op("speechattn::topk_attention", mutates_args=())
 def _topk_attention(
     q: Tensor, k: Tensor, v: Tensor, idx: Tensor, allowed: Tensor, scale: float
@@ -71,8 +70,8 @@ def _(q: Tensor, k: Tensor, v: Tensor, idx: Tensor, allowed: Tensor, scale: floa
 
 
 def key_pointers(col: Tensor, by_key: Tensor, n: int) -> Tensor:
-    """Row pointers (n + 1,) of the transposed pattern, entries with key < j for j = 0..n, from
-    the keys col (nnz,) and their stable order by_key: a search sized by n, not by data."""
+    """Row pointers (n + 1,) of the transposed pattern (entries with key < j, j = 0..n) from the
+    keys col (nnz,) and their stable order by_key, sized by n, not by data."""
     return torch.searchsorted(col[by_key], torch.arange(n + 1, device=col.device))
 
 
@@ -134,14 +133,10 @@ _topk_attention.register_autograd(_topk_attention_grad, setup_context=_topk_atte
 def sparse_topk_attention(
     q: Tensor, k: Tensor, v: Tensor, idx: Tensor, allowed: Tensor, scale: float
 ) -> Tensor:
-    """Softmax attention of each query over its own selected keys, as sparse matrix products:
-    q, k, v (N, T, d_k), idx (N, T, kk) distinct key positions per row, allowed (N, T, kk)
-    bool -> (N, T, d_k) in q's dtype, computed in float32 (float64 stays) with autocast off.
-
-    The N heads' patterns lie along the diagonal of one (N T, N T) CSR matrix; scores (plus
-    the self penalty) are an SDDMM on it, outputs and gradients CSR x dense products; dK and
-    dV use its transpose, built by one stable sort of the keys (no size depends on data).
-    Memory O(T kk + T d_k), time O(T kk d_k), never T x T.
+    """Softmax attention of each query over its own selected keys: q, k, v (N, T, d_k), idx
+    (N, T, kk) distinct key positions per row, allowed (N, T, kk) bool -> (N, T, d_k) in q's
+    dtype, computed in float32/64 with autocast off. The heads' patterns lie along the diagonal
+    of one (N T, N T) CSR matrix (docs/attention.md, LSH): memory O(T kk + T d_k), never T x T.
     """
     out, _, _ = _topk_attention(widen(q), widen(k), widen(v), idx, allowed, scale)
     return out.to(q.dtype)

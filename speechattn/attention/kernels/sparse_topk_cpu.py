@@ -1,8 +1,6 @@
-"""Softmax attention of each query over its own selected keys on the CPU (the kernels of
-`sparse_topk.py`'s custom ops), compiled with numba: one pass per query row where the CSR
-products take several over (N T kk) index arrays; the backward scatters dK and dV head by head
-(one thread per head, so no two add to one key). Sums in the inputs' dtype, reassociated in
-lanes.
+"""Softmax attention of each query over its own selected keys on the CPU (`sparse_topk.py`'s
+custom ops), compiled with numba: one pass per query row; the backward scatters dK and dV one
+head per thread, so no two threads add to one key. Sums in the inputs' dtype, in lanes.
 """
 
 from __future__ import annotations
@@ -17,10 +15,9 @@ _FAST = {"reassoc", "contract"}  # vectorised sums; no assumption about infiniti
 
 @cpu_kernel(fastmath=_FAST)
 def forward(q, k, v, col, allowed, scale, penalty, lowest, out, p):
-    """q, k, v (R, d), col (R, kk) key rows (n T + j), allowed (R, kk), out (R, d) and the
-    weights p (R, kk) written. Disallowed entries weigh 0; a row without any allowed entry
-    weighs its kk keys alike (`base.masked_softmax`). scale, penalty and lowest (the dtype's
-    most negative value) are scalars of q's dtype, so that nothing widens."""
+    """q, k, v (R, d), col (R, kk) key rows (n T + j), allowed (R, kk) -> out (R, d) and weights
+    p (R, kk) written, as `base.masked_softmax` (a row with no allowed entry weighs its keys
+    alike); scale, penalty and lowest (the dtype's minimum) are scalars of q's dtype."""
     R, kk = col.shape
     d = q.shape[1]
     zero = lowest - lowest
@@ -54,8 +51,8 @@ def forward(q, k, v, col, allowed, scale, penalty, lowest, out, p):
 
 @cpu_kernel(fastmath=_FAST)
 def backward(grad, q, k, v, out, p, col, scale, T, g_q, g_k, g_v):
-    """dL/dq, dL/dk, dL/dv (R, d) written from dL/dout grad (R, d); one head (T rows, whose
-    keys are its own T rows) per task. scale is a scalar of q's dtype."""
+    """dL/dq, dL/dk, dL/dv (R, d) written from dL/dout grad (R, d), one head (T rows, keys among
+    them) per task; scale a scalar of q's dtype."""
     R, kk = col.shape
     d = q.shape[1]
     zero = scale - scale

@@ -14,12 +14,12 @@ from torch import Tensor
 from speechattn.attention.base import masked_softmax
 from speechattn.attention.kernels.memory import NUMPY_DTYPES, lazy_zeros, numpy_backed
 
-_CHUNK = 1 << 21  # elements of one (h, rows, T) block of weights in TableAttention
+_CHUNK = 1 << 21  # elements of one (rows, T) block of weights in TableAttention
 
 
 def weighted_values(w: Tensor, v: Tensor) -> Tensor:
-    """w (G, h, T, T) @ v (B, h, T, d_k) -> (B, h, T, d_k), G = 1 or B (G = 1: one
-    (h, T, T) x (h, T, B d_k) product); w is cast to v's dtype (half under autocast)."""
+    """w (G, h, T, T) @ v (B, h, T, d_k) -> (B, h, T, d_k) in v's dtype; G = 1 or B (1: one
+    (h, T, T) x (h, T, B d_k) product)."""
     B, h, T, d = v.shape
     w = w.to(v.dtype)
     if w.shape[0] == B:
@@ -29,8 +29,8 @@ def weighted_values(w: Tensor, v: Tensor) -> Tensor:
 
 
 def _window(r: Tensor, o: int, s: int, e: int, T: int) -> Tensor:
-    """Rows [o + s, o + e) and columns [o, o + T) of r (n, n), zero-padded past n (only
-    syn_fixed's "end" head, at padded rows and columns): (e - s, T)."""
+    """Rows [o + s, o + e) and columns [o, o + T) of r (n, n), zero-padded past n (syn_fixed's
+    "end" head): (e - s, T)."""
     n = r.shape[-1]
     w = r[o + s : min(o + e, n), o : min(o + T, n)]
     if w.shape == (e - s, T):
@@ -39,21 +39,18 @@ def _window(r: Tensor, o: int, s: int, e: int, T: int) -> Tensor:
 
 
 class GradientMemory:
-    """Memory for a logit table's gradient (CPU), reused from step to step: fresh memory of
-    the table's size (0.8 GB at l_max = 4096) costs page faults and compaction every step.
-
-    `take` hands last step's array out again, zeroed, once numpy's reference count shows
-    nothing refers to it (a gradient still in `.grad` is never overwritten). Windows covering
-    under a quarter of the table take fresh lazily zeroed memory instead. Copies and pickles
-    start without memory.
+    """Memory for a logit table's gradient (CPU), reused from step to step: fresh memory of the
+    table's size (0.8 GB at l_max = 4096) costs page faults and compaction every step. Last
+    step's array is handed out again, zeroed, once numpy's reference count shows nothing (no
+    `.grad`) refers to it; windows under a quarter of the table take lazily zeroed memory.
+    Copies and pickles start without memory.
     """
 
     def __init__(self) -> None:
         self.array: np.ndarray | None = None
 
     def take(self, table: Tensor, T: int) -> Tensor:
-        """A zero tensor of table's shape, dtype and device, for its gradient from (up to
-        G) T x T windows of each (h, n, n) head."""
+        """A zero tensor like table (h, n, n), for its gradient from T x T windows."""
         n = table.shape[-1]
         if not numpy_backed(table.dtype, table.device) or 4 * T * T < n * n:
             return lazy_zeros(tuple(table.shape), table.dtype, table.device)  # pages on touch
@@ -78,10 +75,9 @@ class GradientMemory:
 
 class TableWindows(torch.autograd.Function):
     """Each head's T x T window of a logit table: table (h, n, n), offsets (G, h) int ->
-    (G, h, T, T), head i of group g at rows and columns [o, o + T), o = offsets[g, i].
-
-    Autograd's slicing would add h zero-filled (h, n, n) gradients; this backward adds each
-    window into one (from `GradientMemory`). CPU eager only (offsets read on the host).
+    (G, h, T, T), head i of group g at rows and columns [o, o + T), o = offsets[g, i]. The
+    backward adds each window into one gradient (`GradientMemory`), not h zero-filled ones as
+    autograd's slicing would. CPU eager only (offsets read on the host).
     """
 
     @staticmethod
@@ -110,19 +106,17 @@ class TableWindows(torch.autograd.Function):
 
 
 class TableAttention(torch.autograd.Function):
-    """Y = softmax(R sliced to T x T, over valid keys) V, in row chunks: table (h, n, n),
-    offsets (G, h) as in `TableWindows` (G = 1 or B), v (B, h, T, d_k), kv (B, T) allowed
-    keys -> (B, h, T, d_k).
-
-    The backward recomputes each chunk's weights (with G = 1 writing each head's slice
-    straight into the table gradient). CPU eager only; autocast off inside, v and the
-    gradient cast to the table's dtype, the outputs back to v's.
+    """Y = softmax(R sliced to T x T, over valid keys) V in row chunks: table (h, n, n), offsets
+    (G, h) as in `TableWindows`, v (B, h, T, d_k), kv (B, T) allowed keys -> (B, h, T, d_k).
+    The backward recomputes each chunk's weights (G = 1: written straight into the table
+    gradient). CPU eager only, in the table's dtype with autocast off (under autocast v
+    arrives in half precision, the logits stay float32); outputs in v's dtype.
     """
 
     @staticmethod
     def _chunks(table: Tensor, offsets: Tensor, kv: Tensor) -> Iterator[tuple]:
         """(batch slice, head i, offset o, rows s:e, weights (nb | 1, C, T)) of every chunk of
-        rows of every head and group (one group for the batch when G = 1, else one each)."""
+        rows of every head and group (G = 1: one group for the batch)."""
         B, T = kv.shape
         chunk = max(1, _CHUNK // T)  # rows per block: one head, (chunk, T) weights
         offs = offsets.tolist()
@@ -143,8 +137,6 @@ class TableAttention(torch.autograd.Function):
     def forward(
         ctx, table: Tensor, offsets: Tensor, v: Tensor, kv: Tensor, memory: GradientMemory
     ) -> Tensor:
-        # Computed in the table's dtype with autocast off: under autocast v arrives in half
-        # precision while the logits (a parameter) stay float32.
         ctx.v_dtype, ctx.memory = v.dtype, memory
         with torch.autocast(v.device.type, enabled=False):
             v = v.to(table.dtype)

@@ -1,19 +1,10 @@
-"""LSH's selection kernel: the top-k keys of each query by code match, ties in the match count
-broken by the true score, then by position (`lsh.py`; the algorithm in docs/attention.md). On
-the CPU one compiled kernel does it row by row (`topk_cpu.py`); this is the tensor version for
-GPUs (static shapes: no host read, the same code under torch.compile).
+"""LSH's selection kernel for GPUs, static shapes (no host read, the same code under
+torch.compile): the top-k keys of each query by code match, ties broken by the true score, then
+by position (`lsh.py`; on the CPU `topk_cpu.py`; the algorithm in docs/attention.md, LSH).
 
-Per query row the order is a composite key: a small integer *level* (the match count, self and
-disallowed keys moved below, `_chunk_levels`), then the score, then the position. Levels take
-at most 2K + 4 values, so the k-th largest level c* is found by counting (`_threshold`); keys
-above c* are in, only the keys at c* compete for the remaining slots (`_finish_dense` by
-score, `_nearest` by position), and the positions come from prefix counts (`_positions`).
-
-Scores are float64 sums of the (exact) products of the float32 values, rounded to float32
-(`tie_scores`, like `lsh.py`'s reference and the CPU kernel), then compared in float32: float32
-dot products of the same pair round differently in a per-pair loop and in a dense product
-(their summation orders differ), float64 sums agree once rounded. Indices come back in
-increasing key order from both kernels, so they give equal tensors.
+Per query row each key gets a small integer level (`_chunk_levels`); the k-th largest level c*
+is found by counting (`_threshold`); keys above c* are in, and those at c* compete for the
+remaining slots (`_finish_dense` by score, `_nearest` by position).
 """
 
 from __future__ import annotations
@@ -28,15 +19,13 @@ from speechattn.attention.base import widen
 from speechattn.attention.fp32 import ieee_matmul
 from speechattn.attention.kernels.topk_cpu import lsh_topk_cpu
 
-# Elements of one (B h, chunk, T) block of match levels: as large as memory allows (its
-# dense float64 scores take 1 GiB at this size), so that a layer is a few chunks, not
-# thousands of small launches.
+# Elements of one (B h, chunk, T) block of match levels: as large as memory allows (its dense
+# float64 scores take 1 GiB), so that a layer is a few chunks, not thousands of launches.
 _MATCH_CHUNK = 1 << 27
 
 
 def _use_cpu_kernel(t: Tensor) -> bool:
-    """Whether the compiled CPU kernel selects (tests replace this to run the tensor version
-    on the CPU)."""
+    """Whether the CPU kernel selects (tests replace this to run this version on the CPU)."""
     return t.device.type == "cpu"
 
 
@@ -46,10 +35,8 @@ def _top_level(K: int) -> int:
 
 
 def _match_dtype(K: int, device: torch.device) -> torch.dtype:
-    """dtype of the code matmul, exact for its integers: every term is 0 or 1 or a
-    non-negative offset, so every partial sum lies in [0, 2K + 4], whatever the order of
-    accumulation. On GPUs float16 (exact to 2048; tensor cores), else float32 (true float32
-    through `ieee_matmul`)."""
+    """dtype of the code matmul, exact as every partial sum lies in [0, 2K + 4]: float16 on GPUs
+    (exact to 2048; tensor cores), else float32 (true float32 through `ieee_matmul`)."""
     if device.type != "cpu" and _top_level(K) <= 2048:
         return torch.float16
     return torch.float32
@@ -68,35 +55,30 @@ def _count_dtype(T: int) -> torch.dtype:
 
 
 def ordered_bits(score: Tensor) -> Tensor:
-    """Float scores as int64 in [0, 2^32) with the same order: the float32 value's bits,
-    negative values' magnitude bits flipped (-0.0 counts as +0.0). Two scores map to the
-    same integer only when they are equal in float32."""
+    """Float scores as int64 in [0, 2^32) in the same order, equal only when equal in float32:
+    the float32 bits, negative values' magnitude bits flipped (-0.0 counts as +0.0)."""
     bits = (widen(score).float() + 0.0).view(torch.int32)  # + 0.0 turns -0.0 into +0.0
     return torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits).long() + (1 << 31)
 
 
 def tie_scores(q: Tensor, keys: Tensor) -> Tensor:
     """All-pairs tie-break scores q_i . keys_j, (..., Tq, d) x (..., Tk, d) -> (..., Tq, Tk)
-    float32: float64 sums of the (exact) float64 products, rounded to float32, so that they
-    equal the CPU kernel's per-pair sums (see the module docstring)."""
+    float32: float64 sums of the exact products, rounded, so that they equal the CPU kernel's
+    per-pair sums (float32 sums of one pair round differently in a loop and a matmul)."""
     return ieee_matmul(q.double(), keys.double().transpose(-1, -2)).float()
 
 
 def _chunk_levels(cq: Tensor, ck: Tensor, kv: Tensor) -> Callable[[int, int], Tensor]:
-    """levels(s, e): the levels (N, e - s, T) of query rows s..e-1 against every key.
-
-    cq, ck (N, T, K) codes, kv (N, T) allowed keys. Levels, highest first, in the order of the
-    definition (`lsh.py: selection_dense`):
+    """levels(s, e): the levels (N, e - s, T) of query rows s..e-1 against every key, from cq, ck
+    (N, T, K) codes and kv (N, T) allowed keys; highest first (`lsh.py: selection_dense`):
 
         allowed other key   K + 4 + match   in [K + 4, 2K + 4]
         own key, allowed    K + 3
         disallowed key      2 + match       in [2, K + 2]
         own key, disallowed 1
 
-    Only the own key's place within the order matters (one key per row), not its match. Sign
-    bits: one matmul a_i . b_j = match_ij + offset_j (the query side [c; ~c; 1], the key side
-    [c; ~c; offset]). l2 buckets: one comparison per hash, added into the (N, C, T) levels
-    (a chunk as many rows as the sign case's, not K times fewer).
+    Sign bits: one matmul a_i . b_j = match_ij + offset_j (a = [c; ~c; 1], b = [c; ~c;
+    offset]); l2 buckets: one comparison per hash, added into the levels.
     """
     N, T, K = cq.shape
     ldtype = _level_dtype(K)
@@ -134,10 +116,8 @@ def _count(mask: Tensor) -> Tensor:
 
 
 def _threshold(lvl: Tensor, kk: int, top: int) -> Tensor:
-    """c* (N, C, 1): the largest level c with at least kk keys at level >= c, per row.
-
-    A bisection over the bits of c (binary lifting from c = 1, where all T >= kk keys count):
-    one counting pass per bit of `top`, static in number and shape."""
+    """c* (N, C, 1): the largest level c with at least kk keys at level >= c, per row, by binary
+    lifting from c = 1 (where all T >= kk keys count): one counting pass per bit of `top`."""
     lo = torch.ones(lvl.shape[:-1] + (1,), dtype=torch.int16, device=lvl.device)
     for b in reversed(range(top.bit_length())):
         cand = (lo + (1 << b)).clamp_max(top + 1)  # above the top: counts 0, never taken
@@ -146,13 +126,10 @@ def _threshold(lvl: Tensor, kk: int, top: int) -> Tensor:
 
 
 def _nearest(mask: Tensor, m: Tensor, s: int) -> Tensor:
-    """The m (N, C, 1) keys of each row of the bool mask (N, C, T) nearest to the row's
-    query i = s + c, the earlier of two equidistant ones first; m <= the row's count.
-    Returns a bool mask (N, C, T). Static shapes, no host read.
-
-    With prefix counts, the keys within distance d of i are counted per row in O(1); a
-    bisection over d finds d*, the distance at which m is reached. Keys nearer than d* are
-    in; of the (at most two) keys at d*, the earlier one comes first."""
+    """Bool mask (N, C, T) of the m (N, C, 1) keys of each row of mask (N, C, T) nearest to the
+    row's query i = s + c, the earlier of two equidistant ones first; m <= the row's count.
+    Prefix counts give the keys within d of i in O(1), a bisection over d the distance d* at
+    which m is reached: keys nearer are in, of the (at most two) at d* the earlier first."""
     N, C, T = mask.shape
     dev = mask.device
     cdt = _count_dtype(T)
@@ -182,8 +159,8 @@ def _nearest(mask: Tensor, m: Tensor, s: int) -> Tensor:
 
 
 def _positions(chosen: Tensor, kk: int) -> Tensor:
-    """Positions (N, C, kk) of the kk set entries of each row of chosen (N, C, T), in
-    increasing order: a prefix count, then a binary search for counts 1..kk (static shapes)."""
+    """Positions (N, C, kk) of the kk set entries of each row of chosen (N, C, T), increasing:
+    a prefix count, then a binary search for counts 1..kk."""
     cdt = _count_dtype(chosen.shape[-1])
     cum = chosen.cumsum(-1, dtype=cdt)
     want = torch.arange(1, kk + 1, dtype=cdt, device=chosen.device).expand(cum.shape[:-1] + (kk,))
@@ -193,14 +170,11 @@ def _positions(chosen: Tensor, kk: int) -> Tensor:
 def _finish_dense(
     above: Tensor, at: Tensor, need: Tensor, kk: int, s: int, scores: Tensor
 ) -> Tensor:
-    """Keys chosen by score among the tied ones, static shapes (CUDA, torch.compile):
-    at most T keys tie, so their scores are the chunk's dense (N, C, T) float32 `scores`. The
-    need-th best tied score (the cut) comes from a top-k over the masked scores; the tied keys
-    better than the cut are fewer than need <= kk, so they are among the top-k's entries
-    (no pass over the row for them); the equal ones go to the nearest (`_nearest`). Scores
-    are compared as `ordered_bits`, the CPU kernel's order, so that infinite and NaN scores
-    (a diverged model) are ordered too and never equal an untied key's mark.
-    above, at bool (N, C, T). Returns the selection, a bool mask (N, C, T)."""
+    """The selection (N, C, T) bool: `above` and `need` of the tied keys `at` (N, C, T) by the
+    chunk's dense float32 `scores`. The need-th best tied score (the cut) comes from a top-k,
+    whose entries hold every better tied key; the equal ones go to the nearest (`_nearest`).
+    Scores compare as `ordered_bits`, the CPU kernel's order, so that infinite and NaN scores
+    are ordered too and never equal an untied key's mark."""
     tied = ordered_bits(scores).masked_fill(~at, -1)  # the tied keys' order, -1 elsewhere
     best, where = tied.topk(kk, dim=-1)  # (N, C, kk)
     cut = best.gather(-1, need - 1)  # (N, C, 1): a tied key's, >= 0
@@ -213,18 +187,14 @@ def _finish_dense(
 def topk_by_match(
     cq: Tensor, ck: Tensor, kv: Tensor, k: int, q: Tensor | None = None, keys: Tensor | None = None
 ) -> Tensor:
-    """Top-k keys per query by number of equal bits; the query's own key ranks below every
-    other allowed key and above the disallowed ones. Ties in the match count go to the larger
-    score q_i . keys_j (compared in float32, `tie_scores`), and only among equal scores to
-    the nearer key, then the earlier one; without q and keys (the `tie_break="position"`
-    option) straight to the nearer, then the earlier key.
+    """Top-k keys per query by number of equal bits, the own key below every other allowed key
+    and above the disallowed ones; ties go to the larger score q_i . keys_j (`tie_scores`),
+    then the nearer key, then the earlier one (without q and keys, `tie_break="position"`,
+    straight to the nearer).
 
-    cq, ck (N, T, K) codes (N = B h): bool sign bits, or integer l2 buckets (a match is an
-    equal bucket); kv (N, T) allowed keys, q, keys (N, T, d) or None.
-    Returns (N, T, min(k, T)) key positions, increasing along the last dimension.
-
-    On the CPU the compiled kernel (`topk_cpu.py`); elsewhere rows go in chunks (depending on
-    shapes only) so that the (N, chunk, T) levels stay within a memory bound.
+    cq, ck (N, T, K) codes (N = B h): bool sign bits, or integer l2 buckets; kv (N, T) allowed
+    keys, q, keys (N, T, d) or None -> (N, T, min(k, T)) key positions, increasing. Off the CPU
+    rows go in chunks (by shapes only) that keep the (N, chunk, T) levels within memory.
     """
     N, T, K = cq.shape
     kk = min(k, T)

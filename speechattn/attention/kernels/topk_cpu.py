@@ -1,15 +1,7 @@
-"""LSH's selection on the CPU (`topk.py`'s definition), one compiled kernel per layer; the
-algorithm in docs/attention.md (LSH, Selection), why numba in docs/development.md.
-
-Per query row, in one thread and in cache: the match levels of all T keys by XOR and popcount
-of 16-bit words (sign codes `_sign_words`, l2 buckets as bit planes `_pack_planes`); c*
-counted four levels per pass from 64-key comparison masks (`_threshold`); the keys above c* in
-as mask bits; the keys at c* narrowed by float32 estimates within a proven error bound
-(`_contenders`), the rest ranked by exact (score, nearness). Nothing of size T x T is stored:
-memory O(T (threads + k)), work O(T^2 ceil(K / 16) P) word operations (P bit planes) plus
-O(T c d) for c tied keys. A custom op, so torch.compile keeps it as one opaque call; compiled
-on first use and cached beside the module (`cache=True`, about 15 s once per machine for each
-of its two builds, `CPUKernel`).
+"""LSH's selection on the CPU (`topk.py`'s definition), one compiled kernel per layer and a
+custom op (torch.compile keeps it as one opaque call); the algorithm in docs/attention.md (LSH),
+why numba in docs/development.md. Compiled on first use and cached beside the module (about
+15 s once per machine for each of its two builds, `CPUKernel`).
 """
 
 from __future__ import annotations
@@ -27,10 +19,9 @@ from torch import Tensor
 
 
 class CPUKernel:
-    """A numba kernel compiled two ways: threaded (its `prange` loop split across numba's
-    threads, as many as torch uses) and serial (`prange` as `range`), for a process that runs
-    one thread. The serial one starts no thread pool: single-threaded jobs side by side (the
-    tiny study's) were 6x slower with idle pool threads waiting on both cores."""
+    """A numba kernel compiled threaded (`prange` over as many threads as torch uses) and serial,
+    for one-thread processes: single-threaded jobs side by side (the tiny study's) were 6x
+    slower with idle pool threads waiting on both cores."""
 
     def __init__(self, fn: Callable, **options: object) -> None:
         self.threaded = njit(parallel=True, cache=True, **options)(fn)
@@ -53,8 +44,7 @@ def cpu_kernel(**options: object) -> Callable[[Callable], CPUKernel]:
 
 @intrinsic
 def _popcount(typingctx, x):
-    """Bits set in an unsigned integer (LLVM's ctpop: one instruction, or one per vector
-    lane, where the CPU has it)."""
+    """Bits set in an unsigned integer (LLVM's ctpop)."""
 
     def codegen(context, builder, signature, args):
         return builder.ctpop(args[0])
@@ -64,7 +54,7 @@ def _popcount(typingctx, x):
 
 @intrinsic
 def _trailing_zeros(typingctx, x):
-    """Trailing zero bits of a non-zero uint64 (LLVM's cttz: one tzcnt)."""
+    """Trailing zero bits of a non-zero uint64 (LLVM's cttz)."""
 
     def codegen(context, builder, signature, args):
         return builder.cttz(args[0], ir.Constant(ir.IntType(1), 1))
@@ -74,9 +64,8 @@ def _trailing_zeros(typingctx, x):
 
 @intrinsic
 def _at_least(typingctx, row, start, c):
-    """Bit l set where row[start + l] >= c, for l < 64 (row contiguous int16, start + 64 <= its
-    size): one vector comparison read back as a mask (vpcmpw and kmov on AVX-512). numba
-    cannot express it; a loop building the bits one by one took 3x as long."""
+    """Bit l set where row[start + l] >= c, l < 64 (row contiguous int16, start + 64 <= its
+    size): one vector comparison read back as a mask, 3x faster than numba's bit loop."""
 
     def codegen(context, builder, signature, args):
         data = context.make_array(signature.args[0])(context, builder, value=args[0]).data
@@ -94,9 +83,7 @@ def _at_least(typingctx, row, start, c):
 @njit(cache=True)
 def _sign_words(codes):
     """Bool codes (N, T, K) -> (ceil(K / 16), 1, N, T) uint16, one plane: bit b of a code in
-    word b // 16 (words first, so that a head's codes of one word are contiguous). 16-bit
-    words put 32 keys in a vector (one popcount each), 64-bit ones 8; compiled, since as
-    tensor operations (a widening copy, shifts, a sum, a stack) it took 1.5-3x as long."""
+    word b // 16 (16-bit words: 32 keys per vector; compiled: 1.5-3x faster than tensor ops)."""
     N, T, K = codes.shape
     out = np.zeros(((K + 15) // 16, 1, N, T), np.uint16)
     for n in range(N):
@@ -109,12 +96,10 @@ def _sign_words(codes):
 @njit(cache=True)
 def _pack_planes(cq, ck):
     """Integer codes (N, T, K) of queries and keys -> (ceil(K / 16), P, N, T) uint16 bit planes
-    each: hash b's field (its bucket less the keys' lowest bucket of that hash) is P bits, bit
-    p in bit b % 16 of plane p of group b // 16. Two fields differ where any plane's XOR has
-    the bit, so one OR of P XORs and one popcount compare 16 hashes in 16-bit lanes. P is the
-    fewest bits that hold every key's field and one value more, the field of a query bucket
-    outside the keys' span (which so matches no key): 3 at the default bucket width, where a
-    hash's key buckets span about 5 values."""
+    each: hash b's field (its bucket less the keys' lowest) is P bits, bit p in bit b % 16 of
+    plane p of group b // 16, so one OR of P XORs and a popcount compare 16 hashes. P holds
+    every key's field and one value more, for query buckets outside the keys' span (3 at the
+    default bucket width)."""
     N, T, K = ck.shape
     low = np.empty(K, np.int64)
     high = np.empty(K, np.int64)
@@ -150,9 +135,8 @@ def _pack_planes(cq, ck):
     return planes[0], planes[1]
 
 
-# lv = start less the hashes of group g on which query i and each key differ, one pass per
-# plane count: an OR of the planes' XORs and a popcount per key. Three functions, not one with
-# three branches: numba's single function ran 5x slower at T = 128.
+# lv = start less the hashes of group g on which query i and each key differ (an OR of the
+# planes' XORs, a popcount): three functions, as one with three branches ran 5x slower.
 @njit(cache=True)
 def _one_plane(lv, start, pq, pk, g, n, i):
     """Sign codes: one plane, XOR and popcount."""
@@ -186,13 +170,12 @@ def _many_planes(lv, start, pq, pk, g, n, i, differ):
         lv[j] = start[j] - np.int16(_popcount(differ[j]))
 
 
-# Reassociation lets the sum run in vector lanes; the products of float32 values (widened to
-# float64 in the kernel) are exact in float64, so only the float64 rounding of the sum
-# depends on the order, which survives the rounding to float32 about once in 2^29 scores (as
-# between any two float64 products).
+# Reassociation lets the sum run in vector lanes: the float64 products of float32 values are
+# exact, so the order changes only the sum's float64 rounding, which survives the rounding to
+# float32 about once in 2^29 scores.
 @njit(cache=True, fastmath={"reassoc", "contract"})
 def _dot(query, keys, n, j):
-    """query (d,) float64 . keys[n, j] (float32 or float64, widened) as a float64 sum."""
+    """query (d,) float64 . keys[n, j] (widened) as a float64 sum."""
     s = 0.0
     for e in range(query.shape[0]):
         s += query[e] * np.float64(keys[n, j, e])
@@ -226,8 +209,7 @@ def _kth_largest(a, n, k):
 
 @njit(cache=True)
 def _count4(lv, c):
-    """The keys at or above each of the levels c, c - 1, c - 2, c - 3 of a row lv (64 m,)
-    int16: the bits of four masks per 64 keys (`_at_least`)."""
+    """The keys at or above each of the levels c, c - 1, c - 2, c - 3 of a row lv (64 m,) int16."""
     n0 = n1 = n2 = n3 = 0
     for start in range(0, lv.shape[0], 64):
         n0 += np.int64(_popcount(_at_least(lv, start, c)))
@@ -240,8 +222,7 @@ def _count4(lv, c):
 @njit(cache=True)
 def _threshold(lv, kk):
     """c*, the largest level with at least kk keys at or above it, of a row lv (64 m,) int16
-    whose keys have levels >= 1 (padding 0): counted four levels per pass down from the row's
-    best (`_count4`; c* is nearly always within 3 levels of it, so one pass)."""
+    (keys >= 1, padding 0), four levels per pass down from the row's best (nearly always one)."""
     best = lv[0]
     for j in range(lv.shape[0]):
         if lv[j] > best:  # not max(): numba's max widens int16 to int64 lanes
@@ -266,15 +247,12 @@ def _dot32(query, keys, n, j):
 
 @njit(cache=True)
 def _contenders(query, keys, n, tied, tied_n, need, error, estimate):
-    """Narrow the tied keys tied[:tied_n] (increasing) to those whose exact score can still
-    place them among the best `need`, in place, in order; returns their number (>= need).
+    """Narrow the tied keys tied[:tied_n] (increasing), in place, to those whose exact score can
+    still place them among the best `need`; returns their number (>= need).
 
-    Each key's score is estimated in float32 (`_dot32`), within `error` of its exact score.
-    A bisection over the estimates finds x with at least `need` estimates >= x: those keys
-    score at least x - error, so a key whose estimate is below x - 2 error scores less than
-    `need` others and is out. About `need` keys stay, often exactly `need` (no exact score
-    needed); the float64 scores and their ranking run on these alone. A NaN or infinite
-    estimate (from such inputs) has no bound: all tied keys stay."""
+    Estimates (`_dot32`) are within `error` of the exact scores: with `need` estimates >= x
+    (bisection), a key estimated below x - 2 error is out. Often exactly `need` stay; a NaN or
+    infinite estimate has no bound, and all stay."""
     lo = hi = estimate[0] = _dot32(query, keys, n, tied[0])
     total = np.float32(0)
     for m in range(1, tied_n):
@@ -301,9 +279,8 @@ def _contenders(query, keys, n, tied, tied_n, need, error, estimate):
     return kept
 
 
-# Up to this many tied keys, the chosen ones are found by counting, for each, the keys that beat
-# it (n^2 comparisons in vector lanes); above, by a quickselect (n log n, but a mispredicted
-# branch for most comparisons of random scores).
+# Up to this many tied keys, each is ranked by counting the keys that beat it (n^2 comparisons
+# in vector lanes); above, by a quickselect (n log n, but mostly mispredicted branches).
 RANK_MAX = 128
 
 
@@ -420,9 +397,9 @@ def _select(pq, pk, K, allowed, kk, q, keys, by_score, out):
 
 @torch.library.custom_op("speechattn::lsh_topk_cpu", mutates_args=())
 def lsh_topk_cpu(cq: Tensor, ck: Tensor, kv: Tensor, k: int, q: Tensor, keys: Tensor) -> Tensor:
-    """cq, ck (N, T, K) codes, bool (sign) or int32 (l2 buckets), kv (N, T) allowed keys,
-    q, keys (N, T, d) float32/64, or (N, T, 0) to break ties by position alone. Returns
-    (N, T, min(k, T)) int64 key positions, increasing along the last dimension."""
+    """cq, ck (N, T, K) codes, bool (sign) or int32 (l2 buckets), kv (N, T) allowed keys, q, keys
+    (N, T, d) float32/64, or (N, T, 0) for ties by position -> (N, T, min(k, T)) int64 keys,
+    increasing."""
     N, T, K = cq.shape
     out = torch.empty(N, T, min(k, T), dtype=torch.long)
     if N * T == 0:
@@ -431,8 +408,7 @@ def lsh_topk_cpu(cq: Tensor, ck: Tensor, kv: Tensor, k: int, q: Tensor, keys: Te
         planes = [_sign_words(c.contiguous().numpy()) for c in (cq, ck)]
     else:
         planes = _pack_planes(cq.contiguous().numpy(), ck.contiguous().numpy())
-    # float32 rows widened in the kernel: 0.85-0.9x the time of rows widened here (half the
-    # bytes gathered), at the price of a compiled specialisation per dtype
+    # float32 rows widened in the kernel (0.85-0.9x the time: half the bytes), one build per dtype
     q, keys = (t.contiguous().numpy() for t in (q, keys))
     _select(*planes, K, kv.contiguous().numpy(), min(k, T), q, keys, q.shape[-1] > 0, out.numpy())
     return out
