@@ -40,8 +40,25 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'speechattn.data' has no attribute {name!r}")
 
 
-__all__ = ["DataConfig", "DataError", "FeatureConfig", "Issues", "LabelledDataModule", "LogMel",
-           "Normalizer", "PretrainDataModule", "Skip", "Utterance", "build_corpus",
-           "build_datamodule", "default_cache_root", "ensure_embedded_corpus",
-           "expand_to_labels", "find_splits", "num_frames", "resolve_root", "scan_split",
-           "stack_frames"]  # fmt: skip
+__all__ = [
+    "DataConfig",
+    "DataError",
+    "FeatureConfig",
+    "Issues",
+    "LabelledDataModule",
+    "LogMel",
+    "Normalizer",
+    "PretrainDataModule",
+    "Skip",
+    "Utterance",
+    "build_corpus",
+    "build_datamodule",
+    "default_cache_root",
+    "ensure_embedded_corpus",
+    "expand_to_labels",
+    "find_splits",
+    "num_frames",
+    "resolve_root",
+    "scan_split",
+    "stack_frames",
+]

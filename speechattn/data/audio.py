@@ -28,8 +28,13 @@ class AudioResult:
     notes: list[str] = field(default_factory=list)  # e.g. "resampled from 8000 Hz"
 
 
-def load_audio(path: str | Path, sample_rate_policy: str = "resample", min_samples: int = 1,
-               utt_id: str | None = None, segment: Segment | None = None) -> AudioResult:  # fmt: skip
+def load_audio(
+    path: str | Path,
+    sample_rate_policy: str = "resample",
+    min_samples: int = 1,
+    utt_id: str | None = None,
+    segment: Segment | None = None,
+) -> AudioResult:
     """Decode `path` (anything libsndfile reads), or its `segment`, into float32 mono at 16 kHz;
     other rates are resampled (noted) or, with `sample_rate_policy="error"`, refused. Fewer
     than `min_samples` samples is "too short"; errors name `utt_id`."""

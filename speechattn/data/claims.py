@@ -256,8 +256,13 @@ class Claims:
         except FileExistsError:
             return False
         token = secrets.token_hex(8)
-        record = {"host": self.host, "pid": os.getpid(), "started": time.time(), "token": token,
-                  "machine": self.machine}  # fmt: skip
+        record = {
+            "host": self.host,
+            "pid": os.getpid(),
+            "started": time.time(),
+            "token": token,
+            "machine": self.machine,
+        }
         try:
             os.write(fd, json.dumps(record).encode())
         except BaseException:

@@ -156,11 +156,24 @@ class DataConfig:
         ok = self.speaker_level is None or is_int(self.speaker_level)
         rule = "an integer (a folder level), or null"
         require(ok, "data.speaker_level", self.speaker_level, rule)
-        nullable = {"max_val_utterances": 1, "labelled_max_frames": 1, "extract_workers": 1,
-                    "num_workers": 0}  # fmt: skip
-        for name in ("batch_size", "max_frames", "min_frames", "shard_size", "bucket_size",
-                     "prefetch_factor", "pad_to_multiple", "max_open_shards", "n_mels",
-                     *nullable):  # fmt: skip
+        nullable = {
+            "max_val_utterances": 1,
+            "labelled_max_frames": 1,
+            "extract_workers": 1,
+            "num_workers": 0,
+        }
+        for name in (
+            "batch_size",
+            "max_frames",
+            "min_frames",
+            "shard_size",
+            "bucket_size",
+            "prefetch_factor",
+            "pad_to_multiple",
+            "max_open_shards",
+            "n_mels",
+            *nullable,
+        ):
             value, low = getattr(self, name), nullable.get(name, 1)
             ok = (value is None and name in nullable) or (is_int(value) and value >= low)
             rule = f"an integer >= {low}" + (", or null" if name in nullable else "")

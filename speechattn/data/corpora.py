@@ -319,8 +319,13 @@ class LhotseSource:
 
             def unpack(cut: Any) -> tuple:  # (id, recording, start, duration, channel, sups)
                 if type(cut).__name__ != "MonoCut":
-                    raise DataError(manifest, "unsupported cut", f"a {type(cut).__name__}; only "
-                                    "MonoCut (one recording, one channel or all) is read", cut.id)  # fmt: skip
+                    raise DataError(
+                        manifest,
+                        "unsupported cut",
+                        f"a {type(cut).__name__}; only "
+                        "MonoCut (one recording, one channel or all) is read",
+                        cut.id,
+                    )
                 if getattr(cut, "recording", None) is None:
                     raise DataError(manifest, "cut without a recording", "it has no audio", cut.id)
                 return cut.id, cut.recording, cut.start, cut.duration, cut.channel, cut.supervisions

@@ -41,16 +41,22 @@ def resolve_root(cfg: DataConfig) -> Path:
     from speechattn.data.synth import ensure_embedded_corpus
 
     return ensure_embedded_corpus(
-        cfg.cache_root(), cfg.synth_speakers, cfg.synth_utterances_per_speaker, cfg.synth_seed,
-        workers=cfg.extract_workers, progress=cfg.progress,
-    )  # fmt: skip
+        cfg.cache_root(),
+        cfg.synth_speakers,
+        cfg.synth_utterances_per_speaker,
+        cfg.synth_seed,
+        workers=cfg.extract_workers,
+        progress=cfg.progress,
+    )
 
 
 def extraction_settings(cfg: DataConfig) -> ExtractionSettings:
     return ExtractionSettings(
         features=FeatureConfig(n_mels=cfg.n_mels, deltas=cfg.deltas),
-        sample_rate_policy=cfg.sample_rate_policy, min_frames=cfg.min_frames, dtype=cfg.cache_dtype,
-    )  # fmt: skip
+        sample_rate_policy=cfg.sample_rate_policy,
+        min_frames=cfg.min_frames,
+        dtype=cfg.cache_dtype,
+    )
 
 
 class _Items(ConcatDataset):

@@ -21,10 +21,16 @@ class FeatureDataset(Dataset):
     `speakers` a class per item, `phones` per item (T_lab,) phone ids aligned to the features.
     """
 
-    def __init__(self, store: FeatureStore, indices: Sequence[int], normalizer: Normalizer,
-                 max_frames: int | None = None, random_crop: bool = False,
-                 speakers: Sequence[int] | None = None,
-                 phones: Sequence[np.ndarray] | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        store: FeatureStore,
+        indices: Sequence[int],
+        normalizer: Normalizer,
+        max_frames: int | None = None,
+        random_crop: bool = False,
+        speakers: Sequence[int] | None = None,
+        phones: Sequence[np.ndarray] | None = None,
+    ) -> None:
         self.store, self.indices = store, list(indices)
         self.normalizer, self.max_frames, self.random_crop = normalizer, max_frames, random_crop
         self.speakers, self.phones = speakers, phones
@@ -106,9 +112,16 @@ class LengthBucketBatchSampler(BatchSampler):
     DistributedSampler, so each rank buckets its own shard.
     """
 
-    def __init__(self, sampler: Sampler[int] | Sequence[int], batch_size: int, drop_last: bool,
-                 lengths: Sequence[int], bucket_size: int = 50, shuffle: bool = True,
-                 seed: int = 0) -> None:  # fmt: skip
+    def __init__(
+        self,
+        sampler: Sampler[int] | Sequence[int],
+        batch_size: int,
+        drop_last: bool,
+        lengths: Sequence[int],
+        bucket_size: int = 50,
+        shuffle: bool = True,
+        seed: int = 0,
+    ) -> None:
         super().__init__(sampler, batch_size, drop_last)
         self.lengths = np.asarray(lengths)
         self.bucket_size, self.shuffle, self.seed = bucket_size, shuffle, seed

@@ -26,10 +26,16 @@ PARAM_RATE, PARAM_VOLUME, PARAM_PITCH, PARAM_RANGE = 1, 2, 3, 4
 class _Event(ctypes.Structure):
     """`espeak_EVENT`; `id` is a union whose 8-byte `string` member holds the phoneme name."""
 
-    _fields_ = [("type", ctypes.c_int), ("unique_identifier", ctypes.c_uint),
-                ("text_position", ctypes.c_int), ("length", ctypes.c_int),
-                ("audio_position", ctypes.c_int), ("sample", ctypes.c_int),
-                ("user_data", ctypes.c_void_p), ("id", ctypes.c_char * 8)]  # fmt: skip
+    _fields_ = [
+        ("type", ctypes.c_int),
+        ("unique_identifier", ctypes.c_uint),
+        ("text_position", ctypes.c_int),
+        ("length", ctypes.c_int),
+        ("audio_position", ctypes.c_int),
+        ("sample", ctypes.c_int),
+        ("user_data", ctypes.c_void_p),
+        ("id", ctypes.c_char * 8),
+    ]
 
 
 _Callback = ctypes.CFUNCTYPE(

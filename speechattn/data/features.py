@@ -74,10 +74,16 @@ class LogMel:
         self.cfg = cfg
         # center=False: snip-edges, so the frame count matches the 10 ms labels
         self.mel = torchaudio.transforms.MelSpectrogram(
-            sample_rate=SAMPLE_RATE, n_fft=cfg.n_fft, win_length=cfg.win_length,
-            hop_length=cfg.hop_length, f_min=cfg.f_min, f_max=cfg.f_max, n_mels=cfg.n_mels,
-            center=False, power=2.0,
-        )  # fmt: skip
+            sample_rate=SAMPLE_RATE,
+            n_fft=cfg.n_fft,
+            win_length=cfg.win_length,
+            hop_length=cfg.hop_length,
+            f_min=cfg.f_min,
+            f_max=cfg.f_max,
+            n_mels=cfg.n_mels,
+            center=False,
+            power=2.0,
+        )
 
     @torch.no_grad()
     def __call__(self, wav: Tensor | np.ndarray) -> Tensor:
@@ -234,8 +240,14 @@ def stack_frames(
     return stacked, torch.div(lengths + factor - 1, factor, rounding_mode="floor")
 
 
-def expand_to_labels(h: Tensor, factor: int, label_lengths: Tensor, utt_ids: list[str],
-                     tolerance: int = 2, lengths: Tensor | None = None) -> Tensor:  # fmt: skip
+def expand_to_labels(
+    h: Tensor,
+    factor: int,
+    label_lengths: Tensor,
+    utt_ids: list[str],
+    tolerance: int = 2,
+    lengths: Tensor | None = None,
+) -> Tensor:
     """Repeat each model frame `factor` times and trim/pad to each utterance's label length:
     h (B, T', D), label_lengths (B,), lengths (B,) valid model frames (None: all T') ->
     (B, max(label_lengths), D), zero past each label length. Label frame t of utterance b takes

@@ -143,8 +143,13 @@ def _subfolders(path: str) -> list[str]:
         return sorted(e.name for e in entries if e.is_dir())
 
 
-def scan_split(root: str | Path, split: str, issues: Issues | None = None,
-               with_info: bool = False, listing: SplitListing | None = None) -> list[Utterance]:  # fmt: skip
+def scan_split(
+    root: str | Path,
+    split: str,
+    issues: Issues | None = None,
+    with_info: bool = False,
+    listing: SplitListing | None = None,
+) -> list[Utterance]:
     """All utterances of `root/split`, sorted by id; audio without a transcript line,
     transcript lines without audio and badly named files are reported to `issues`.
     `with_info=True` reads each header for `num_samples`/`sample_rate`."""
@@ -187,8 +192,21 @@ def scan_split(root: str | Path, split: str, issues: Issues | None = None,
                 continue
             size, mtime, ctime = audio[utt_id]
             num_samples, rate = _header(path) if with_info else (None, None)
-            utts.append(Utterance(utt_id, speaker, chapter, path, transcripts[utt_id], split,
-                                  num_samples, rate, size, mtime, ctime))  # fmt: skip
+            utts.append(
+                Utterance(
+                    utt_id,
+                    speaker,
+                    chapter,
+                    path,
+                    transcripts[utt_id],
+                    split,
+                    num_samples,
+                    rate,
+                    size,
+                    mtime,
+                    ctime,
+                )
+            )
         for utt_id in sorted(set(transcripts) - set(audio) - reported):
             detail = f"no {utt_id}{AUDIO_SUFFIX}"
             if utt_id in other:  # e.g. a .wav: say what was found and why it is not used
@@ -244,8 +262,12 @@ def read_phone_set(path: str | Path) -> list[str]:
     return symbols
 
 
-def read_alignments(path: str | Path, phone_set: list[str] | None, issues: Issues | None = None,
-                    wanted: set[str] | None = None) -> dict[str, np.ndarray]:  # fmt: skip
+def read_alignments(
+    path: str | Path,
+    phone_set: list[str] | None,
+    issues: Issues | None = None,
+    wanted: set[str] | None = None,
+) -> dict[str, np.ndarray]:
     """`{utt_id: (T,) int16 phone ids}` of the `wanted` ids (None: all) in a CPC-format file.
     Tokens are class ids or symbols of `phone_set` (None: any non-negative class id); a line
     with a token outside it is reported and gets no labels."""

@@ -198,14 +198,26 @@ def _synth_one(
 
 def corpus_params(speakers: int, utterances_per_speaker: int, seed: int, heldout: bool) -> dict:
     """The parameters recorded in `corpus.json` (a corpus is reused only if they match)."""
-    return {"generator_version": GENERATOR_VERSION, "speakers": speakers,
-            "utterances_per_speaker": utterances_per_speaker, "seed": seed, "heldout": heldout,
-            "sample_rate": SAMPLE_RATE, "num_phones": len(PHONE_SET)}  # fmt: skip
+    return {
+        "generator_version": GENERATOR_VERSION,
+        "speakers": speakers,
+        "utterances_per_speaker": utterances_per_speaker,
+        "seed": seed,
+        "heldout": heldout,
+        "sample_rate": SAMPLE_RATE,
+        "num_phones": len(PHONE_SET),
+    }
 
 
-def build_corpus(out: str | Path, speakers: int = 24, utterances_per_speaker: int = 25,
-                 seed: int = 0, heldout: bool = False, workers: int | None = None,
-                 progress: bool = False) -> Path:  # fmt: skip
+def build_corpus(
+    out: str | Path,
+    speakers: int = 24,
+    utterances_per_speaker: int = 25,
+    seed: int = 0,
+    heldout: bool = False,
+    workers: int | None = None,
+    progress: bool = False,
+) -> Path:
     """Write a corpus into `out` (created; existing corpus files are overwritten). Returns `out`."""
     if speakers < 1 or utterances_per_speaker < 2:
         raise ConfigError("need at least 1 speaker and 2 utterances per speaker (train and test)")
@@ -280,9 +292,14 @@ def _params_match(folder: Path, params: dict) -> bool:
     return all(info.get(k) == v for k, v in params.items())
 
 
-def ensure_embedded_corpus(cache_root: str | Path | None = None, speakers: int = 24,
-                           utterances_per_speaker: int = 25, seed: int = 0,
-                           workers: int | None = None, progress: bool = True) -> Path:  # fmt: skip
+def ensure_embedded_corpus(
+    cache_root: str | Path | None = None,
+    speakers: int = 24,
+    utterances_per_speaker: int = 25,
+    seed: int = 0,
+    workers: int | None = None,
+    progress: bool = True,
+) -> Path:
     """Path of the built-in corpus in `cache_root/corpus/`, built on first use: in a temporary
     sibling folder renamed into place, so an interrupted build leaves nothing half-written; its
     name hashes the parameters, and `corpus.json` is checked again before reuse."""
