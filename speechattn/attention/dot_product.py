@@ -6,9 +6,6 @@
   ("Shared-QK Transformer"). One projection gives Q; keys are the per-head L2-normalised
   queries; a query may attend to itself only when it has no other valid key (additive
   SELF_PENALTY = -5e4 on the diagonal).
-
-Both efficient paths call SDPA with the key mask of a padded batch (on an H200, cuDNN's fused
-kernel at 1.27x the unmasked call, ahead of FlexAttention and nested tensors: docs/gpu.md).
 """
 
 from __future__ import annotations
@@ -33,8 +30,7 @@ FullConfig = AttentionConfig  # no options beyond the shared ones
 
 @register("full")
 class FullAttention(Attention):
-    """Multi-head scaled dot-product attention with separate Q, K, V projections; the base of
-    the variants with the same projections (`linear`, `relpos`, `longformer`, `adaptive_span`)."""
+    """Multi-head scaled dot-product attention with separate Q, K, V projections."""
 
     Config = FullConfig
     paper = "Vaswani et al., Attention Is All You Need, NeurIPS 2017"
@@ -47,9 +43,8 @@ class FullAttention(Attention):
         self.qkv = nn.Linear(config.dim, 3 * config.dim, bias=config.bias)  # W^Q | W^K | W^V
 
     def _qkv(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """q, k, v (B, h, T, d_k) from the fused projection W^Q | W^K | W^V."""
-        q, k, v = self.qkv(x).chunk(3, dim=-1)  # 3 x (B, T, D)
-        return self.split_heads(q), self.split_heads(k), self.split_heads(v)
+        """x (B, T, D) -> q, k, v (B, h, T, d_k)."""
+        return tuple(self.split_heads(t) for t in self.qkv(x).chunk(3, dim=-1))
 
     def attend(self, x: Tensor, valid: Tensor | None) -> Tensor:
         q, k, v = self._qkv(x)  # (B, h, T, d_k)
@@ -66,7 +61,7 @@ SharedQKConfig = AttentionConfig  # no options beyond the shared ones
 
 
 class SharedQKBase(Attention):
-    """Shared-QK projections and scores; the base of `shared_qk`, `sparse_*`, `routing` and LSH."""
+    """Shared-QK projections and scores."""
 
     head_projections = {"qv": 2}
     input_projections = 2
@@ -82,7 +77,7 @@ class SharedQKBase(Attention):
         return q, unit_keys(q), v
 
     def shared_scores(self, q: Tensor, k: Tensor) -> Tensor:
-        """Dense shared-QK scores (B, h, T, T) with the self penalty on the diagonal."""
+        """Dense scores (B, h, T, T) with the self penalty on the diagonal."""
         T = q.shape[-2]
         return q @ k.transpose(-1, -2) * scale(self.head_dim) + self_penalty(T, q.device, q.dtype)
 
