@@ -301,11 +301,7 @@ def _read(path: Path, warn: bool = True) -> dict[str, dict[str, Any]]:
     except (OSError, ValueError) as err:
         data, problem = None, f"the corrupt kernel cache {path} ({err})"
     entries = data.get("entries") if isinstance(data, dict) else None
-    if not (
-        isinstance(data, dict)
-        and data.get("version") == CACHE_VERSION
-        and isinstance(entries, dict)
-    ):
+    if not (isinstance(entries, dict) and data.get("version") == CACHE_VERSION):
         if warn:
             warnings.warn(f"ignoring {problem}; it will be rewritten", stacklevel=2)
         return {}

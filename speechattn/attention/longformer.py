@@ -22,20 +22,9 @@ from torch import Tensor
 
 from speechattn.attention import patterns
 from speechattn.attention.autotune import use_short_path
-from speechattn.attention.base import (
-    AttentionConfig,
-    all_valid,
-    key_mask,
-    require,
-    scale,
-)
+from speechattn.attention.base import AttentionConfig, all_valid, key_mask, require, scale
 from speechattn.attention.dot_product import FullAttention
-from speechattn.attention.kernels.blocks import (
-    _attend,
-    _blocks,
-    block_windows,
-    window_offsets,
-)
+from speechattn.attention.kernels.blocks import _attend, _blocks, block_windows, window_offsets
 from speechattn.attention.registry import register
 
 
@@ -130,13 +119,10 @@ class LongformerAttention(FullAttention):
     def _mean_keys(self, T: int, step: int) -> float:
         """Keys of one head's pattern per query, averaged over T frames (O(T w), no T x T)."""
         j, inside = patterns.window_keys(T, self.window, step)  # (T, 2w + 1)
-        count = inside.sum(-1)
-        g = self.global_every
-        if g:
-            global_in_window = (inside & (j % g == 0)).sum(-1)
-            num_global = -(-T // g)
-            count = count + num_global - global_in_window
-            count = torch.where(torch.arange(T) % g == 0, T, count)  # global rows: all frames
+        count, g = inside.sum(-1), self.global_every
+        if g:  # plus the global frames outside the window; a global row has every frame
+            count = count + -(-T // g) - (inside & (j % g == 0)).sum(-1)
+            count = torch.where(torch.arange(T) % g == 0, T, count)
         return float(count.double().mean())
 
     def keys_attended(self, T: int) -> float:

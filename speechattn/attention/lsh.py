@@ -187,15 +187,12 @@ class _LSHAttention(SharedQKBase):
         return float(min(self.k, T))
 
     def flops(self, T: int) -> Flops:
-        D, E, h, K = self.dim, self.inner_dim, self.num_heads, self.bits
-        attention = 2 * 2.0 * T * min(self.k, T) * E  # scores and weighted sums, top-k keys
+        h, K, keys = self.num_heads, self.bits, min(self.k, T)
         hashing = 2 * linear_flops(T, self.head_dim + self.extra_dims, K) * h  # Q(q), P(k)
         matching = 2.0 * T * T * (K + 1) * h  # +-1 codes and a validity column, as defined
         if self.tie_break == "score":  # scores of the contested keys, about k per query
-            matching += 2.0 * T * min(self.k, T) * E
-        return Flops(
-            linear_flops(T, D, 2 * E) + attention + self.output_flops(T), hashing + matching
-        )
+            matching += 2.0 * T * keys * self.inner_dim
+        return Flops(self.dot_product_flops(T, keys).differentiable, hashing + matching)
 
     def _qkv(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """x (B, T, D) -> q, k, v (B, h, T, d_k): k = q / ||q|| (`normalize_keys`) or q."""

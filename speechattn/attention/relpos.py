@@ -10,9 +10,8 @@ without bias (split into heads like Q, K, V) and u_h, v_h learned per-head biase
 
     score_ij = ((q_i + u_h)^T k_j + (q_i + v_h)^T (W_R r_{i-j})_h) / sqrt(d_k)
 
-Efficient path: the position term is one (T, 2T - 1) product per head, turned into (T, T) by
-the relative shift (Transformer-XL appendix B), then the additive mask of one SDPA call whose
-queries are q + u.
+The position term is one (T, 2T - 1) product per head, turned into (T, T) by the relative
+shift (Transformer-XL appendix B): the additive mask of one SDPA call on queries q + u.
 """
 
 from __future__ import annotations

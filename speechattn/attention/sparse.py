@@ -10,8 +10,7 @@ always allowed). Options and kernels: docs/attention.md, "Sparse".
   the others to the c summary columns at the end of every block, j mod l >= l - c.
 
 l (`ls` in the code): the option, or round(sqrt(T_u)) of each utterance's extent T_u, so its
-output does not depend on its batch. Kernels (option ``kernel``): "blocked"
-(`kernels/blocks.py`), "masked" (`kernels/masked.py`), "flex" (CUDA, `flex.py`), "auto".
+output does not depend on its batch.
 """
 
 from __future__ import annotations
