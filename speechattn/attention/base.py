@@ -193,9 +193,8 @@ class Attention(nn.Module, ABC):
 
     @abstractmethod
     def attend(self, x: Tensor, valid: Tensor | None) -> Tensor:
-        """Efficient path: x (B, T, D) with padded frames zeroed, valid (B, T) bool or None
-        when nothing is padded (known from host-side lengths: reading the mask would make
-        the host wait for the device) -> (B, h, T, d_k), padded query rows any finite value."""
+        """Efficient path: x (B, T, D) with padded frames zeroed, valid (B, T) bool or None when
+        nothing is padded (known on the host) -> (B, h, T, d_k), padded rows any finite value."""
 
     @abstractmethod
     def attend_dense(self, x: Tensor, valid: Tensor) -> tuple[Tensor, Tensor]:
@@ -243,9 +242,8 @@ class Attention(nn.Module, ABC):
         B, T, _ = x.shape
         if T < 1:
             raise ValueError(f"{self.name}: expected T >= 1 frames, got {T}")
-        if padding_mask is None:
-            valid = None
-        else:
+        valid = None
+        if padding_mask is not None:
             if padding_mask.shape != (B, T) or padding_mask.dtype != torch.bool:
                 raise ValueError(
                     f"{self.name}: expected padding_mask bool (B, T) = ({B}, {T}), "
@@ -266,8 +264,7 @@ class Attention(nn.Module, ABC):
         B, h, T, dk = heads.shape
         if head_mask is not None:
             heads = heads * head_mask.to(heads.dtype).view(1, h, 1, 1)
-        merged = heads.transpose(1, 2).reshape(B, T, h * dk)  # (B, T, D)
-        y = self.out_proj(merged)  # (B, T, D)
+        y = self.out_proj(heads.transpose(1, 2).reshape(B, T, h * dk))  # (B, T, D)
         return y if valid is None else y.masked_fill(~valid[..., None], 0.0)
 
     def split_heads(self, t: Tensor) -> Tensor:

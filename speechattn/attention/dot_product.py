@@ -65,16 +65,17 @@ class SharedQKBase(Attention):
 
     head_projections = {"qv": 2}
     input_projections = 2
+    normalize_keys = True  # k = q / ||q|| per head; LSH's option may score q itself
 
     def __init__(self, config: AttentionConfig) -> None:
         super().__init__(config)
         self.qv = nn.Linear(config.dim, 2 * config.dim, bias=config.bias)  # W^Q | W^V
 
     def _qkv(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """x (B, T, D) -> q, k, v (B, h, T, d_k); k = q / ||q|| per head."""
+        """x (B, T, D) -> q, k, v (B, h, T, d_k)."""
         q, v = self.qv(x).chunk(2, dim=-1)  # 2 x (B, T, D)
         q, v = self.split_heads(q), self.split_heads(v)  # (B, h, T, d_k)
-        return q, unit_keys(q), v
+        return q, unit_keys(q) if self.normalize_keys else q, v
 
     def shared_scores(self, q: Tensor, k: Tensor) -> Tensor:
         """Dense scores (B, h, T, T) with the self penalty on the diagonal."""

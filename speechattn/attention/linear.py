@@ -7,9 +7,9 @@ replaces the softmax's exponential, eq. 6):
 
     y_i = phi(q_i)^T (sum_j phi(k_j) v_j^T) / (phi(q_i)^T sum_j phi(k_j))      over valid keys j
 
-`LinearKernel` forms S = phi(K)^T V (B, h, d_k, d_k) and z = sum_j phi(k_j) once per sequence:
-O(T D d_k). S and z are sums of T positive terms, so both paths run in float32, autocast off.
-Attention dropout drops key columns of the numerator only, as dropout after a softmax.
+`LinearKernel` forms S = phi(K)^T V (B, h, d_k, d_k) and z = sum_j phi(k_j) once per sequence,
+sums of T positive terms: both paths run in float32, autocast off. Attention dropout drops key
+columns of the numerator only, as dropout after a softmax.
 """
 
 from __future__ import annotations

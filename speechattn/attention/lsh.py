@@ -194,12 +194,6 @@ class _LSHAttention(SharedQKBase):
             matching += 2.0 * T * keys * self.inner_dim
         return Flops(self.dot_product_flops(T, keys).differentiable, hashing + matching)
 
-    def _qkv(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """x (B, T, D) -> q, k, v (B, h, T, d_k): k = q / ||q|| (`normalize_keys`) or q."""
-        q, v = self.qv(x).chunk(2, dim=-1)  # 2 x (B, T, D)
-        q = self.split_heads(q)  # (B, h, T, d_k)
-        return q, unit_keys(q) if self.normalize_keys else q, self.split_heads(v)
-
     @torch.no_grad()
     def codes(self, q: Tensor, k: Tensor, valid: Tensor | None) -> tuple[Tensor, Tensor]:
         """Query and key codes (B, h, T, K): bool (sign) or int32 buckets (l2); k the vectors the
@@ -313,11 +307,8 @@ class _LSHAttention(SharedQKBase):
 
     def attend_dense(self, x: Tensor, valid: Tensor) -> tuple[Tensor, Tensor]:
         q, k, v = self._qkv(x)  # (B, h, T, d_k)
-        T = q.shape[-2]
-        s = q @ k.transpose(-1, -2) * scale(self.head_dim)  # (B, h, T, T)
-        s = s + torch.eye(T, device=x.device, dtype=s.dtype) * SELF_PENALTY
         allowed = self.selection_dense(q, k, valid) & key_mask(valid)[:, None, None, :]
-        return self.weigh(s, allowed, v)  # weights: at most k non-zeros per row
+        return self.weigh(self.shared_scores(q, k), allowed, v)  # at most k non-zeros per row
 
 
 def same_model(a: Attention, b: Attention, T: int = 256, seed: int = 0) -> bool:
