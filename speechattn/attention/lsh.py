@@ -224,8 +224,7 @@ class _LSHAttention(SharedQKBase):
 
     @torch.no_grad()
     def select(self, q: Tensor, k: Tensor, valid: Tensor | None) -> Tensor:
-        """Top-k key indices (B, h, T, min(k, T)) for q, k (B, h, T, d_k) from `_qkv`, valid
-        (B, T) or None (nothing padded)."""
+        """Top-k key indices (B, h, T, min(k, T)) for q, k (B, h, T, d_k), valid (B, T) or None."""
         B, h, T, d = q.shape
         cq, ck = self.codes(q, self.hashed_keys(q, k), valid)
         if valid is None:
@@ -279,8 +278,7 @@ class _LSHAttention(SharedQKBase):
     def _attend_short(
         self, q: Tensor, k: Tensor, v: Tensor, idx: Tensor, valid: Tensor | None
     ) -> Tensor:
-        """One SDPA call over all T x T pairs, the mask keeping the selected keys and penalising
-        self; valid (B, T) or None."""
+        """One SDPA call over all T x T pairs masked to the selection, self penalised."""
         T = q.shape[-2]
         bias = torch.full(q.shape[:-1] + (T,), float("-inf"), dtype=q.dtype, device=q.device)
         bias.scatter_(-1, idx, 0.0)  # (B, h, T, T)

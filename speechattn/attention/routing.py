@@ -195,8 +195,7 @@ class RoutingAttention(SharedQKBase):
 
     @torch.no_grad()
     def update_centroids(self, k: Tensor, valid: Tensor) -> None:
-        """One EMA step of every used centroid towards its members' mean; k (B, h, T, d_k),
-        valid (B, T)."""
+        """EMA step of each used centroid towards its members: k (B, h, T, d_k), valid (B, T)."""
         if self.num_heads == self.heads_local:
             return
         with torch.autocast(k.device.type, enabled=False):

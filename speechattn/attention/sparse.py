@@ -139,7 +139,7 @@ class _SparseBase(SharedQKBase):
         return key, pattern, envelope
 
     def _run(self, q: Tensor, k: Tensor, v: Tensor, kv: Tensor, ls: Stride, kernel: str) -> Tensor:
-        """All heads with stride ls (int or (B,)) by the blocked or Flex kernel -> (B, h, T, d_k)."""
+        """All heads with stride ls (int or (B,)), blocked or Flex kernel -> (B, h, T, d_k)."""
         if kernel == "flex" and flex.use_flex(q, self.training, self.dropout):
             B, _, T, _ = q.shape
             key, pattern, envelope = self.flex_mask(ls, B, T, q.device)
@@ -175,8 +175,7 @@ class _SparseBase(SharedQKBase):
         return out
 
     def attend_masked(self, q: Tensor, k: Tensor, v: Tensor, valid: Tensor | None) -> Tensor:
-        """The masked kernel: q, k, v (B, h, T, d_k), valid (B, T) or None -> (B, h, T, d_k);
-        strides from the extents by device ops (no host read)."""
+        """q, k, v (B, h, T, d_k), valid (B, T) or None -> (B, h, T, d_k), without a host read."""
         T = q.shape[2]
         first, second = self.pattern_pair(T, self.device_strides(valid, T), q.device)
         groups = [(self.heads_first, first), (self.num_heads - self.heads_first, second)]
