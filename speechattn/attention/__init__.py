@@ -5,10 +5,10 @@
     y = attn(x, padding_mask=pad)                    # (B, T, D)
     y, w = attn(x, padding_mask=pad, need_weights=True)  # w (B, h, T, T)
 
-Each family lives in its own file and registers itself on import (explicit imports below).
+The variants and their contract: docs/attention.md.
 """
 
-# Registration order = the order of `available()` (as in the study's tables).
+# Each family registers itself on import; this order is `available()`'s (the study's tables).
 # isort: off
 from speechattn.attention import dot_product  # noqa: F401  full, shared_qk
 from speechattn.attention import sparse  # noqa: F401  sparse_strided, sparse_fixed

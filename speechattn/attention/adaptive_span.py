@@ -6,15 +6,9 @@ multiplied by the soft mask m_z(x) = clamp((R + z - x) / R, 0, 1) and renormalis
 a_ij = m(x_ij) exp(s_ij) / sum_j' m(x_ij') exp(s_ij'), s = q k^T / sqrt(d_k). Bidirectional
 here, x = |i - j| (the paper is causal); m(0) = 1, so every query keeps its own key. z_h / S is
 learned, clamped in the forward pass and projected back into [0, 1] after every optimiser step;
-the paper's L1 penalty is `auxiliary_loss()`. Details: docs/attention.md, "adaptive_span".
-
-Kernels compute softmax(s + log m) (log 0 = -inf), log m once per distance as a strided
-view: all pairs at short T, blocks of X = reach frames against their 3 neighbours above. On
-CUDA SDPA differentiates the mask in z; on CPU (SDPA's math path otherwise) the spans' gradient
-is one more reduction in `UnfusedSavedWeights` or `FlashThenUnfused` (`kernels/span.py`).
-
-At the mask's kinks (x = z, x = z + R) the kernels and the reference take the left derivative
-(log m has no finite right derivative at m = 0): see `initial_span` and the ramp check.
+the paper's L1 penalty is `auxiliary_loss()`. Kernels compute softmax(s + log m), log m once per
+distance; at the mask's kinks everything takes the left derivative. Details, kernels and the
+kinks: docs/attention.md, "adaptive_span".
 """
 
 from __future__ import annotations
@@ -44,8 +38,7 @@ from speechattn.attention.registry import register
 
 def initial_span(init_span: float, max_span: int) -> float:
     """z at initialisation, in frames: init_span S moved half a frame up (down at S), so that
-    no key sits on a kink of the mask, where the span's gradient is one-sided (at z = 64 one
-    head's left and right derivatives had opposite signs: the convention chose Adam's step)."""
+    no key sits on a kink of the mask, where the span's gradient is one-sided."""
     z = init_span * max_span
     return z + 0.5 if z + 0.5 <= max_span else z - 0.5
 
@@ -54,9 +47,7 @@ def initial_span(init_span: float, max_span: int) -> float:
 class AdaptiveSpanConfig(AttentionConfig):
     max_span: int = 256  # S, longest learnable span in frames (7.7 s of 30 ms frames)
     ramp: int = 32  # R, width of the soft mask's linear ramp (frames)
-    # z / S at initialisation (the study: z = S / 4); the spans start half a frame above
-    # (below, at S) so that no key sits on a kink of the mask at step 1 (`initial_span`)
-    init_span: float = 0.25
+    init_span: float = 0.25  # z / S at initialisation (the study: S / 4), see `initial_span`
     span_penalty: float = 2e-6  # the paper's L1 coefficient per frame of mean span
 
     def __post_init__(self) -> None:
@@ -81,9 +72,7 @@ class AdaptiveSpanAttention(FullAttention):
     paper = "Sukhbaatar et al., Adaptive Attention Span in Transformers, ACL 2019"
     complexity_training = "O(T min(T, z + R) D), z <= S the largest learned span"
     complexity_inference = "O(T min(T, z + R) D), z <= S the largest learned span"
-    # All T x T pairs up to here, the band of blocks above (measured crossovers at the
-    # initial spans, docs/benchmarks.md); all pairs build no T x T tensor unless padded.
-    short_path_max_t = 1024
+    short_path_max_t = 1024  # all T x T pairs up to here, the band of blocks above
     # On CPU, all pairs keep their weights (`UnfusedSavedWeights`) up to here, then flash.
     saved_weights_max_t = 320
     head_tensors = ("span_fraction",)
@@ -91,11 +80,9 @@ class AdaptiveSpanAttention(FullAttention):
     def __init__(self, config: AdaptiveSpanConfig) -> None:
         super().__init__(config)
         self.max_span, self.ramp = config.max_span, config.ramp
-        # z_h / S per head; learned, clamped to [0, 1] where used
-        z0 = initial_span(config.init_span, config.max_span)
+        z0 = initial_span(config.init_span, config.max_span)  # z_h / S per head, learned
         self.span_fraction = nn.Parameter(torch.full((config.num_heads,), z0 / config.max_span))
 
-    # ----------------------------------------------------------------- spans
     def spans(self) -> Tensor:
         """Current spans z (h,) in frames, in [0, S] (differentiable)."""
         return self.span_fraction.clamp(0.0, 1.0) * self.max_span
@@ -106,8 +93,7 @@ class AdaptiveSpanAttention(FullAttention):
 
     @torch.no_grad()
     def after_optimizer_step(self) -> None:
-        """The paper's projection of z / S back into [0, 1] after each step, so a span at 0 or
-        S keeps the ramp's gradient (outside, the forward clamp's gradient is 0)."""
+        """The paper's projection of z / S back into [0, 1] (outside, the clamp's gradient is 0)."""
         self.span_fraction.clamp_(0.0, 1.0)
 
     def reach(self, static: bool = False) -> int:
@@ -119,40 +105,33 @@ class AdaptiveSpanAttention(FullAttention):
         return math.ceil(float(self.spans().detach().max()) + self.ramp) - 1
 
     def ramp_position(self, distance: Tensor, z: Tensor | None = None) -> Tensor:
-        """(R + z - x) / R per head, distance (...) -> (h, ...): m_z(x) is this clamped to
-        [0, 1], and x lies on the ramp (m's z-derivative is not 0) where it is in (0, 1].
-        z (h,) defaults to the current spans."""
+        """(R + z - x) / R per head, distance (...) -> (h, ...): m_z(x) clamped to [0, 1]; x is
+        on the ramp where it is in (0, 1]. z (h,) defaults to the current spans."""
         z = self.spans() if z is None else z
         return (self.ramp + z.view(-1, *([1] * distance.dim())) - distance) / self.ramp
 
     def soft_mask(self, distance: Tensor) -> Tensor:
-        """m_z(x) per head: distance (...) -> (h, ...), in [0, 1]; at x = z + R its gradient is
-        0, the derivative from inside the masked region (log m has no other finite choice)."""
+        """m_z(x) per head: distance (...) -> (h, ...); its gradient at x = z + R is 0 (left)."""
         raw = self.ramp_position(distance)
         return raw.clamp(0.0, 1.0) * (raw > 0)
 
     def _offsets(self, c: int, L: int, Lk: int) -> Tensor:
-        """The distances of an (L, Lk) layout whose query a and key w are c + a - w frames
-        apart, once per offset -(Lk - 1) + c .. L - 1 + c (`patterns.toeplitz`' order)."""
+        """Distances c + a - w of an (L, Lk) layout, once per offset (`patterns.toeplitz`)."""
         return self._distance(torch.arange(c - Lk + 1, c + L, device=self.span_fraction.device))
 
     def _toeplitz(self, c: int, L: int, Lk: int) -> Tensor:
-        """log m (-inf where m = 0; the clamp gives masked entries a zero gradient, not NaN)
-        over `_offsets`' (L, Lk) layout: (h, L, Lk), differentiable in the spans, computed
-        once per distance (`toeplitz`)."""
+        """log m over `_offsets`' layout: (h, L, Lk), differentiable in the spans; -inf where
+        m = 0 (the clamp gives those a zero gradient, not NaN)."""
         m = self.soft_mask(self._offsets(c, L, Lk))
         log_m = m.clamp_min(torch.finfo(m.dtype).tiny).log().masked_fill(m == 0, float("-inf"))
         return patterns.toeplitz(log_m, L, Lk)
 
-    # ----------------------------------------------------------------- metadata
     def keys_attended(self, T: int) -> float:
-        """Keys with a non-zero mask, |i - j| <= ceil(z_h + R) - 1, averaged over queries and
-        heads under the current spans."""
+        """Keys with a non-zero mask, |i - j| <= ceil(z_h + R) - 1, under the current spans."""
         reach = [math.ceil(z + self.ramp) - 1 for z in self.spans().detach().tolist()]
         counts = [patterns.mean_band_size(T, X) for X in reach]
         return float(torch.tensor(counts, dtype=torch.float64).mean())
 
-    # ----------------------------------------------------------------- kernels
     def _distance(self, rel: Tensor) -> Tensor:
         """|i - j| in the spans' dtype (a half-precision distance is inexact above 256)."""
         return rel.abs().to(self.span_fraction.dtype)
@@ -171,15 +150,13 @@ class AdaptiveSpanAttention(FullAttention):
         return self._attend_band(q, k, v, all_valid(x) if valid is None else valid, X)
 
     def _uses_cpu_kernels(self, q: Tensor) -> bool:
-        """Whether our CPU kernels run (CPU eager, where SDPA would take its math path for a
-        mask that needs a gradient); not with attention dropout, which SDPA draws."""
+        """CPU eager (SDPA's math path otherwise), not with attention dropout (SDPA draws it)."""
         return not needs_static_shapes(q) and not (self.training and self.dropout)
 
     @staticmethod
     def _mask_padding(mask: Tensor, valid: Tensor | None, keys_reversed: bool = False) -> Tensor:
-        """mask (1, h, T, T) -> (B, h, T, T) with padded keys at -inf (valid None: unchanged).
-        The own key stays allowed (m(0) = 1), so that padded queries far from any valid key
-        keep a finite row (zeroed afterwards)."""
+        """mask (1, h, T, T) -> (B, h, T, T) with padded keys at -inf (valid None: unchanged);
+        the own key stays, so a padded query's row stays finite."""
         if valid is None:
             return mask
         keys, own = key_mask(valid), torch.eye(valid.shape[1], dtype=torch.bool, device=mask.device)
@@ -195,8 +172,8 @@ class AdaptiveSpanAttention(FullAttention):
     def _constant_log_mask(
         self, c: int, L: int, Lk: int, dtype: torch.dtype
     ) -> tuple[Tensor, Tensor]:
-        """For the CPU kernels: log m and its z-derivative (1 / (R raw) on the ramp, raw in
-        (0, 1], else 0) as constants at `_toeplitz`'s offsets: (h, L + Lk - 1) each."""
+        """log m and its z-derivative (1 / (R raw) on the ramp, else 0) as constants at
+        `_toeplitz`'s offsets: (h, L + Lk - 1) each, for the CPU kernels."""
         raw = self.ramp_position(self._offsets(c, L, Lk), self.spans().detach())
         log_m = raw.clamp(0.0, 1.0).log()  # -inf where m = 0
         return log_m.to(dtype), torch.where(raw.ceil() == 1, 1.0 / (self.ramp * raw), 0.0)
@@ -212,10 +189,9 @@ class AdaptiveSpanAttention(FullAttention):
         keys_reversed: bool = False,
         save_weights: bool = False,
     ) -> Tensor:
-        """(N, h, L, d) blocks under the constant additive mask, differentiable in the spans
-        through mask_dz: `UnfusedSavedWeights` when save_weights, else `FlashThenUnfused`."""
+        """(N, h, L, d) blocks under the constant mask, differentiable in z through mask_dz."""
         z = self.spans()
-        if not (torch.is_grad_enabled() and z.requires_grad):  # spans fixed: flash's backward
+        if not (torch.is_grad_enabled() and z.requires_grad):
             return flash_cpu(q, k, v, attn_mask=mask)[0]
         if save_weights:
             return UnfusedSavedWeights.apply(q, k, v, z, mask, mask_dz)
@@ -224,9 +200,8 @@ class AdaptiveSpanAttention(FullAttention):
     def _attend_all_pairs_cpu(
         self, q: Tensor, k: Tensor, v: Tensor, valid: Tensor | None, X: int
     ) -> Tensor:
-        """All pairs (the backward within reach X). Up to `saved_weights_max_t` frames
-        `UnfusedSavedWeights`, keys in order; above, flash with the keys reversed, so the mask
-        is a strided view of its 2T - 1 values (`patterns.hankel`), not T x T, unless padded."""
+        """All pairs (the backward within reach X); above `saved_weights_max_t` flash with the
+        keys reversed, so the mask is a strided view of 2T - 1 values (`patterns.hankel`)."""
         T = q.shape[-2]
         reverse = T > self.saved_weights_max_t
         layout = patterns.hankel if reverse else patterns.toeplitz

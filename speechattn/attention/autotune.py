@@ -1,17 +1,11 @@
-"""Kernel choice by measurement on the machine that runs it (docs/gpu.md, "Kernels chosen by
-measurement").
+"""Kernel choice by measurement on the machine that runs it (design: docs/gpu.md, "Kernels
+chosen by measurement").
 
-Variants with several exact kernels (`Attention.kernel_names`) ask `pick_kernel(module, t)`.
-The rule (`Attention.rule_kernel`) answers by default, and always under torch.compile, jit or fx
-tracing, on fake, meta or subclassed tensors, under a dispatch mode, on CUDA without a driver,
-and when fewer than two candidates fit `SCORE_BUDGET`. With `enable(model)` the first call per
-key times every candidate's forward + backward on random x padded as training's batches are,
-in eval mode under the caller's autocast, interleaved, RNG states forked; the rule's kernel
-stays unless another is `MARGIN` faster; one that raises is left out with a warning. Key:
-device, torch, dtype, variant, heads, head dim, options (not `layer`, `dropout`), candidates,
-length bucket (2^k and 1.5 x 2^k) and batch bucket. Cache: per module, per process and
-`$SPEECHATTN_CACHE/autotune/kernels.json` (atomic, merged; a corrupt file is ignored). DDP
-ranks may choose differently: every kernel computes the same function.
+Variants with several exact kernels ask `pick_kernel(module, t)`: the rule by default; with
+`enable(model)` the first call per key times every candidate (interleaved, eval mode, RNG
+states forked) unless `rule_only`. Cache: per module, per process and
+`$SPEECHATTN_CACHE/autotune/kernels.json` (atomic, merged). DDP ranks may choose differently:
+every kernel computes the same function.
 """
 
 from __future__ import annotations
@@ -43,21 +37,18 @@ from speechattn.utils import (
 
 CACHE_VERSION = 3  # 2: timed on padded batches; 3: LSH kernels compiled on the CPU
 REPS = 3  # timed steps per kernel after one warm-up each; the min counts
-MIN_SECONDS = 0.05  # ... and more (up to MAX_REPS) until each kernel ran this long: short
-MAX_REPS = 20  # steps are the noisiest
+MIN_SECONDS = 0.05  # ... and more (up to MAX_REPS) until each ran this long (short steps are noisy)
+MAX_REPS = 20
 MARGIN = 0.03  # the rule's kernel stays unless the other is this much faster (noise)
 MIN_BUCKET = 32
-# Bytes of one (B', h, T, T) score tensor at the compute dtype that the short kernel may take
-# while it is timed (it allocates a few such tensors); longer T keep the rule.
-SCORE_BUDGET = 256 * 2**20
+SCORE_BUDGET = 256 * 2**20  # bytes of one timed (B', h, T, T) score tensor; above: the rule
 # Config fields that do not change which kernel is faster (timing runs in eval mode).
 IGNORED_OPTIONS = ("dim", "num_heads", "layer", "dropout")
 
 
-# ----------------------------------------------------------------------------- asking
 def pick_kernel(module: Attention, t: Tensor) -> str:
     """The kernel `module` runs for t, x (B, T, D) or q (B, h, T, d_k): the rule, or with
-    measurement on (`enable`, never while compiling) the fastest for T's bucket (`choose`)."""
+    `enable` (never while compiling) the fastest for T's bucket."""
     if module._forced_kernel is not None:  # the tuner is timing one kernel
         return module._forced_kernel
     T = t.shape[-2] if t.dim() == 4 else t.shape[1]
@@ -67,14 +58,12 @@ def pick_kernel(module: Attention, t: Tensor) -> str:
 
 
 def use_short_path(module: Attention, t: Tensor) -> bool:
-    """Whether a two-kernel variant runs its short-sequence kernel for t (`pick_kernel`)."""
     return pick_kernel(module, t) == "short"
 
 
-# ----------------------------------------------------------------------------- switching on
 def enable(model: nn.Module, on: bool = True) -> int:
-    """Switch measurement on (or off) for every attention module of `model` (itself
-    included); returns how many modules have several kernels."""
+    """Switch measurement on (or off) for every attention module of `model`; returns how many
+    have several kernels."""
     n = 0
     for m in model.modules():
         if isinstance(m, Attention):
@@ -84,7 +73,8 @@ def enable(model: nn.Module, on: bool = True) -> int:
 
 
 def rule_only(t: Tensor) -> bool:
-    """Whether t's context rules measurement out (see the module docstring)."""
+    """Whether t's context rules measurement out: compiling, tracing, fake, meta or subclassed
+    tensors, a dispatch mode, CUDA without a driver."""
     from torch._subclasses.fake_tensor import is_fake
     from torch.utils._python_dispatch import _get_current_dispatch_mode
 
@@ -100,12 +90,11 @@ def rule_only(t: Tensor) -> bool:
     )
 
 
-# ----------------------------------------------------------------------------- keys
 def bucket(T: int) -> int:
     """The smallest of 32, 48, 64, 96, ..., 2^k, 1.5 x 2^k that is >= T."""
     if T <= MIN_BUCKET:
         return MIN_BUCKET
-    p = 1 << (T - 1).bit_length()  # next power of two >= T
+    p = 1 << (T - 1).bit_length()
     return p * 3 // 4 if T <= p * 3 // 4 else p
 
 
@@ -146,7 +135,6 @@ def timed_shape(module: Attention, t: Tensor, T: int) -> tuple[int, int, tuple[s
     return 1 << (B_t.bit_length() - 1), T_b, kernels  # a power of two <= B'
 
 
-# ----------------------------------------------------------------------------- choosing
 def choose(module: Attention, t: Tensor, T: int) -> str:
     """The kernel for t at T frames: measured once per key, then from memory or disk."""
     if rule_only(t):
@@ -161,8 +149,7 @@ def choose(module: Attention, t: Tensor, T: int) -> str:
         label = f"{module.name} T<={bucket(T)} {compute_dtype(t)}"
     else:
         B_t, T_b, kernels = shape
-        # everything the measured choice depends on (see the module docstring)
-        parts = {
+        parts = {  # everything the measured choice depends on
             "device": device_name(t.device),
             "torch": torch.__version__,
             "dtype": str(compute_dtype(t)).removeprefix("torch."),
@@ -212,7 +199,7 @@ def pick(ms: dict[str, float], ruled: str) -> str:
 
 def time_once(step: Callable[[], None], kernel: str, device: torch.device) -> float:
     """Seconds of one `step` (the forward + backward of `kernel`); tests replace it."""
-    del kernel  # the real clock does not need it
+    del kernel
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     t0 = time.perf_counter()
@@ -226,8 +213,7 @@ def measure(
     module: Attention, like: Tensor, B: int, T: int, kernels: tuple[str, ...]
 ) -> tuple[dict[str, float], dict[str, str]]:
     """Milliseconds of forward + backward of each of `kernels` on random x (B, T, D), min
-    over interleaved steps after a warm-up (`REPS`, more for short steps); and {kernel:
-    error} for those that raised (left out, with a warning)."""
+    over interleaved steps after a warm-up; and {kernel: error} for those that raised."""
     device = like.device
     dtype = module.out_proj.weight.dtype  # the module's input dtype (autocast casts inside)
     gen = torch.Generator().manual_seed(T)
@@ -281,7 +267,7 @@ def measure(
 
 @contextlib.contextmanager
 def forced(module: Attention, kernel: str | None) -> Iterator[None]:
-    """Make `pick_kernel(module, ...)` answer `kernel` (None: as usual)."""
+    """Make `pick_kernel(module, ...)` answer `kernel` (None: as usual) in the block."""
     previous, module._forced_kernel = module._forced_kernel, kernel
     try:
         yield
@@ -301,9 +287,7 @@ def _eval(module: nn.Module) -> Iterator[None]:
             m.training = mode
 
 
-# ----------------------------------------------------------------------------- disk cache
 def cache_path() -> Path:
-    """`$SPEECHATTN_CACHE/autotune/kernels.json`."""
     return default_cache_root() / "autotune" / "kernels.json"
 
 
@@ -317,11 +301,7 @@ def _read(path: Path, warn: bool = True) -> dict[str, dict[str, Any]]:
     except (OSError, ValueError) as err:
         data, problem = None, f"the corrupt kernel cache {path} ({err})"
     entries = data.get("entries") if isinstance(data, dict) else None
-    if not (
-        isinstance(data, dict)
-        and data.get("version") == CACHE_VERSION
-        and isinstance(entries, dict)
-    ):
+    if not (isinstance(entries, dict) and data.get("version") == CACHE_VERSION):
         if warn:
             warnings.warn(f"ignoring {problem}; it will be rewritten", stacklevel=2)
         return {}
@@ -336,8 +316,8 @@ def _read(path: Path, warn: bool = True) -> dict[str, dict[str, Any]]:
 
 
 def _valid_entry(entry: object) -> bool:
-    """An entry as `choose` writes it (kernel name, finite ms >= 0, length measured at);
-    others are dropped alone, so nothing malformed reaches a model card or upstream.pt."""
+    """An entry as `choose` writes it; others are dropped alone, so nothing malformed reaches a
+    model card or upstream.pt."""
     if not isinstance(entry, dict) or not isinstance(entry.get("kernel"), str):
         return False
     ms = entry.get("ms", {})
@@ -350,7 +330,7 @@ def _valid_entry(entry: object) -> bool:
 
 @functools.cache
 def _entries(path: Path) -> dict[str, dict[str, Any]]:
-    """The cache file's entries, read once per process (`clear_memory`), then kept in memory."""
+    """The cache file's entries, read once per process (`clear_memory`)."""
     return _read(path)
 
 
@@ -372,7 +352,6 @@ def clear_memory() -> None:
     _entries.cache_clear()
 
 
-# ----------------------------------------------------------------------------- reporting
 def choices(model: nn.Module) -> dict[str, Any]:
     """The kernel choices so far, for run metadata and model cards: {"autotune",
     "short_path_max_t", "choices": {"VARIANT T<=T_b DTYPE ...": {"bucket", "kernel", "by", "ms"}}}."""

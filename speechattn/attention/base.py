@@ -10,12 +10,9 @@ Shape letters (used in every docstring and shape comment of `speechattn.attentio
     k    keys kept per query (LSH top-k), c context width (LDSA) or summary columns (sparse)
     l    block size / stride of the sparse patterns, n = ceil(T / l) blocks
 
-A variant subclasses `Attention` with its `Config` and metadata, and implements `attend`
-(efficient, (B, h, T, d_k)) and `attend_dense` (the reference with explicit (B, h, T, T)
-weights, same parameters). `Attention.forward` does the rest once for all: input checks,
-zeroed padding, the head mask xi (Michel et al. 2019: head h's output times xi_h before the
-output projection), the output projection. Head pruning (`pruning`) and the kernel choice
-(`autotune`) are built on this module's hooks, which imports neither.
+A variant implements `attend` (efficient, -> (B, h, T, d_k)) and `attend_dense` (the reference,
+explicit (B, h, T, T) weights); `Attention.forward` does the rest: checks, zeroed padding, the
+head mask xi (Michel et al. 2019: head h's output times xi_h before W^O), the output projection.
 """
 
 from __future__ import annotations
@@ -39,16 +36,12 @@ SELF_PENALTY = -5e4
 
 
 class PaddingMaskError(SpeechattnError, ValueError):
-    """A padding mask a variant cannot use: padded frames before an utterance's first valid
-    frame, given to a variant whose pattern is placed by frame position
-    (`Attention.end_padded_only`)."""
+    """Padded frames before an utterance's first valid frame, for an `end_padded_only` variant."""
 
 
 def check_no_leading_padding(padding_mask: Tensor, name: str) -> None:
-    """Refuse a padding mask (B, T) bool with padded frames before an utterance's first valid
-    frame (later padded frames are masked keys at their positions); `name`: the variant's.
-    A host read, made only where it is free (CPU, eager): elsewhere the mask is trusted (the
-    model's masks come from lengths, end-padded by construction)."""
+    """Refuse a padding mask (B, T) with padded frames before an utterance's first valid frame
+    (a host read: callers skip it off CPU eager, where masks come from lengths)."""
     leading = padding_mask[:, 0] & ~padding_mask.all(-1)  # (B,): padded first, valid later
     if bool(leading.any()):
         b = int(leading.nonzero()[0])
@@ -63,17 +56,14 @@ def check_no_leading_padding(padding_mask: Tensor, name: str) -> None:
 
 @dataclass(frozen=True)
 class Flops:
-    """FLOPs of one forward pass over one sequence of T frames, as the variant is defined:
-    matrix products only, 2 per multiply-add (elementwise work is small beside them).
-    differentiable: with a backward of about twice its cost; no_grad: without (LSH hashing).
-    """
+    """FLOPs of one forward pass over T frames, matrix products only, 2 per multiply-add:
+    differentiable (a backward of about twice its cost) and no_grad (LSH hashing)."""
 
     differentiable: float
     no_grad: float = 0.0
 
     @property
     def training(self) -> float:
-        """One forward + backward pass."""
         return 3 * self.differentiable + self.no_grad
 
     @property
@@ -82,12 +72,10 @@ class Flops:
 
 
 def linear_flops(T: int, d_in: int, d_out: int) -> float:
-    """A (T, d_in) x (d_in, d_out) product."""
     return 2.0 * T * d_in * d_out
 
 
 def require(ok: bool, message: str) -> None:
-    """Raise a ConfigError with `message` unless `ok` (the configs' option checks)."""
     if not ok:
         raise ConfigError(message)
 
@@ -96,13 +84,11 @@ def require(ok: bool, message: str) -> None:
 class AttentionConfig:
     """Options shared by every variant; each variant's config extends this one."""
 
-    dim: int  # D, model dim
-    num_heads: int  # h; D must be divisible by h
-    dropout: float = 0.0  # dropout on attention probabilities (training only)
-    bias: bool = True  # biases in the input/output projections
-    # Depth of this module in the encoder (0 for a layer shared across depths), set by the
-    # model; variants with fixed random parameters (LSH projections) derive their seed from it.
-    layer: int = 0
+    dim: int  # D
+    num_heads: int  # h, dividing D
+    dropout: float = 0.0  # on attention probabilities (training only)
+    bias: bool = True  # in the input/output projections
+    layer: int = 0  # depth in the encoder (0: shared layer); seeds fixed random parameters
 
     def __post_init__(self) -> None:
         D, h = self.dim, self.num_heads
@@ -117,8 +103,7 @@ class AttentionConfig:
 
 
 class Attention(nn.Module, ABC):
-    """Multi-head self-attention with one fixed signature (see module docstring), and the
-    class metadata each variant declares."""
+    """Multi-head self-attention with one fixed signature, and each variant's metadata."""
 
     Config: ClassVar[type[AttentionConfig]] = AttentionConfig
     name: ClassVar[str] = ""  # registry name (set by `registry.register`)
@@ -126,30 +111,21 @@ class Attention(nn.Module, ABC):
     complexity_training: ClassVar[str] = ""  # theoretical time cost (study, Table 1)
     complexity_inference: ClassVar[str] = ""
     supports_weights: ClassVar[bool] = True  # `need_weights=True` returns (B, h, T, T) weights
-    # Two-kernel variants run their all-pairs "short" kernel up to this many frames, their
-    # "long" one (blocks, sparse products, chunks) above (measured with `python -m
-    # speechattn.bench attention`); None: one kernel, or kernels of other names
-    # (`kernel_names`). With `autotune` on, `autotune` times them instead.
+    # Two-kernel variants: the all-pairs "short" kernel up to this T, the "long" one above
+    # (measured crossover); None: one kernel, or other names (`kernel_names`).
     short_path_max_t: ClassVar[int | None] = None
     # Kernels forming (B, h, T, T) scores or masks: timed only while those fit the budget.
     all_pairs_kernels: ClassVar[tuple[str, ...]] = ("short",)
-    # Parameters that are biases stored as matrices (one vector per head), left undecayed
-    # like every parameter of fewer than 2 dimensions.
-    no_weight_decay: ClassVar[tuple[str, ...]] = ()
+    no_weight_decay: ClassVar[tuple[str, ...]] = ()  # per-head bias matrices, left undecayed
     # What `pruning.prune_heads` cuts per head: Linear layers {name: blocks} with outputs
-    # blocks x h x d_k (3: a fused W^Q | W^K | W^V), and parameters or buffers with one entry
-    # per head along dim 0 (None: absent).
+    # blocks x h x d_k (3: a fused W^Q | W^K | W^V), and tensors with one entry per head in dim 0.
     head_projections: ClassVar[dict[str, int]] = {}
     head_tensors: ClassVar[tuple[str, ...]] = ()
     input_projections: ClassVar[int] = 3  # W^Q, W^K, W^V (2 with shared QK), for `flops`
-    # The pattern is placed by frame position, so frame 0 must be each utterance's first
-    # frame: a mask padding before it is refused (`PaddingMaskError`). The others give the
-    # same outputs for any padding.
+    # The pattern is placed by frame position: a mask padding before frame 0 is refused.
     end_padded_only: ClassVar[bool] = False
-    max_len: int | None = None  # longest sequence (T) the variant accepts; None: any
-    # Kernel choice by measurement (`attention.autotune.enable` sets it per module); off, the
-    # default for a module built in code (tests, `force_path`), keeps the rule (`rule_kernel`).
-    autotune: bool = False
+    max_len: int | None = None  # longest T accepted; None: any
+    autotune: bool = False  # kernel choice by measurement (`autotune.enable`); off: the rule
     _forced_kernel: str | None = None  # the kernel the tuner is timing (`autotune.forced`)
 
     def __init__(self, config: AttentionConfig) -> None:
@@ -160,27 +136,21 @@ class Attention(nn.Module, ABC):
         self.head_dim = config.head_dim
         self.dropout = config.dropout
         self.out_proj = nn.Linear(config.dim, config.dim, bias=config.bias)  # W^O
-        # Original indices of the heads this module still has (all, until pruning).
-        self.kept_heads: list[int] = list(range(config.num_heads))
+        self.kept_heads: list[int] = list(range(config.num_heads))  # original indices
         self._kernel_memo: dict[tuple, str] = {}  # measured choices: key -> kernel name
         self.kernel_choices: dict[str, dict] = {}  # the same, readable, for run metadata
 
-    # ----------------------------------------------------------------- metadata
     @property
     def complexity(self) -> str:
-        """Theoretical time complexity, e.g. ``"training O(T^2 D); inference O(T^2 D)"``."""
         return f"training {self.complexity_training}; inference {self.complexity_inference}"
 
     def keys_attended(self, T: int) -> float:
-        """Average number of frames whose value each query weighs, for T valid frames (the x
-        axis of the study's Figure 4): the keys whose score a query computes (all T here,
-        as in `full`, `shared_qk`, `relpos`, `linear`); `ldsa` its window inside the
-        utterance; 0 for the synthesizers, whose weights do not come from the keys."""
+        """Average number of frames whose value each query weighs at T valid frames (the study's
+        Figure 4): here all T keys it scores."""
         return float(T)
 
     def flops(self, T: int) -> Flops:
-        """FLOPs of one sequence of T valid frames, output projection included (see `Flops`):
-        here the dot-product attention of `keys_attended(T)` keys per query."""
+        """FLOPs at T valid frames, W^O included: here dot products with `keys_attended(T)` keys."""
         return self.dot_product_flops(T, self.keys_attended(T))
 
     @property
@@ -189,60 +159,51 @@ class Attention(nn.Module, ABC):
         return self.num_heads * self.head_dim
 
     def output_flops(self, T: int) -> float:
-        """The output projection W^O, shared by every variant."""
         return linear_flops(T, self.inner_dim, self.dim)
 
     def dot_product_flops(self, T: int, keys: float) -> Flops:
-        """`input_projections` projections D -> h d_k, scores and weighted sums over `keys`
-        keys per query in every head, and the output projection."""
+        """Input projections, scores and weighted sums over `keys` keys per query, and W^O."""
         E, projections = self.inner_dim, self.input_projections
         attention = 2 * 2.0 * T * keys * E
         return Flops(linear_flops(T, self.dim, projections * E) + attention + self.output_flops(T))
 
     def auxiliary_loss(self) -> Tensor | None:
-        """A term the pretraining task adds to the loss once per module (adaptive_span)."""
+        """A term pretraining adds to the loss once per module (adaptive_span)."""
         return None
 
     def after_optimizer_step(self) -> None:
         """Puts parameters back into their range after each optimiser step (adaptive_span)."""
 
-    # ----------------------------------------------------------------- kernel choice hooks
-    # Asked by `autotune.pick_kernel`, which answers a variant's call for the kernel to run.
+    # Kernel choice hooks, asked by `autotune.pick_kernel`.
     @property
     def kernel_names(self) -> tuple[str, ...]:
-        """Every kernel this module may run: ("short", "long") with a crossover
-        (`short_path_max_t`), else ("one",); several names: the tuner may choose."""
+        """Every kernel this module may run: ("short", "long") with a crossover, else ("one",)."""
         return ("short", "long") if self.short_path_max_t is not None else ("one",)
 
     def kernel_candidates(self, t: Tensor) -> tuple[str, ...]:
-        """The kernels the tuner may time for t (x (B, T, D) or q (B, h, T, d_k)): those of
-        `kernel_names` that can run on its device in this mode, () when none to choose."""
+        """Kernels the tuner may time for t (x (B, T, D) or q (B, h, T, d_k)); () when no choice."""
         names = self.kernel_names
         return names if len(names) > 1 else ()
 
     def rule_kernel(self, T: int, device: torch.device) -> str:
-        """The kernel at T frames on `device` without measurement: T <= `short_path_max_t`."""
+        """The kernel at T frames on `device` without measurement."""
         if self.short_path_max_t is None:
             return self.kernel_names[0]
         return "short" if T <= self.short_path_max_t else "long"
 
-    # ----------------------------------------------------------------- variant hooks
     @abstractmethod
     def attend(self, x: Tensor, valid: Tensor | None) -> Tensor:
-        """Efficient path: x (B, T, D) with padded frames zeroed, valid (B, T) bool or None
-        when nothing is padded (known from host-side lengths: reading the mask would make
-        the host wait for the device) -> (B, h, T, d_k), padded query rows any finite value."""
+        """Efficient path: x (B, T, D) with padded frames zeroed, valid (B, T) bool or None when
+        nothing is padded (known on the host) -> (B, h, T, d_k), padded rows any finite value."""
 
     @abstractmethod
     def attend_dense(self, x: Tensor, valid: Tensor) -> tuple[Tensor, Tensor]:
         """Reference path with explicit weights: (heads (B, h, T, d_k), weights (B, h, T, T))."""
 
     def _remove_heads(self, index: Tensor) -> None:
-        """Keep only heads `index` (sorted, long) of the variant's other per-head state (beyond
-        `head_projections` and `head_tensors`); called by `pruning.prune_heads` (which prunes
-        those and W^O) before `num_heads` changes."""
+        """Keep only heads `index` (sorted, long) of per-head state beyond `head_projections`
+        and `head_tensors`; called by `pruning.prune_heads` before `num_heads` changes."""
 
-    # ----------------------------------------------------------------- public API
     def forward(
         self,
         x: Tensor,
@@ -250,18 +211,9 @@ class Attention(nn.Module, ABC):
         head_mask: Tensor | None = None,
         need_weights: bool = False,
     ) -> Tensor | tuple[Tensor, Tensor]:
-        """Self-attention over x.
-
-        Args:
-            x: (B, T, D) input frames.
-            padding_mask: (B, T) bool, True at padded frames; None means no padding.
-            head_mask: (h,) float xi; head h's output is multiplied by xi_h before the
-                output projection. Differentiable (head importance uses dL/dxi).
-            need_weights: also return the attention weights, computed by the dense reference.
-
-        Returns:
-            y (B, T, D), zero at padded frames; with need_weights, (y, weights (B, h, T, T)).
-        """
+        """x (B, T, D), padding_mask (B, T) True at padding, head_mask xi (h,) (differentiable:
+        head importance uses dL/dxi) -> y (B, T, D) zero at padding; with need_weights
+        (y, weights (B, h, T, T)) from the dense reference."""
         if need_weights:
             return self.dense_reference(x, padding_mask, head_mask)
         x, valid = self._prepare(x, padding_mask, head_mask)
@@ -279,7 +231,6 @@ class Attention(nn.Module, ABC):
         weights = weights * valid[:, None, :, None]  # padded queries: zero rows
         return self._project(heads, valid, head_mask), weights
 
-    # ----------------------------------------------------------------- shared logic
     def _prepare(
         self, x: Tensor, padding_mask: Tensor | None, head_mask: Tensor | None
     ) -> tuple[Tensor, Tensor | None]:
@@ -291,9 +242,8 @@ class Attention(nn.Module, ABC):
         B, T, _ = x.shape
         if T < 1:
             raise ValueError(f"{self.name}: expected T >= 1 frames, got {T}")
-        if padding_mask is None:
-            valid = None
-        else:
+        valid = None
+        if padding_mask is not None:
             if padding_mask.shape != (B, T) or padding_mask.dtype != torch.bool:
                 raise ValueError(
                     f"{self.name}: expected padding_mask bool (B, T) = ({B}, {T}), "
@@ -314,8 +264,7 @@ class Attention(nn.Module, ABC):
         B, h, T, dk = heads.shape
         if head_mask is not None:
             heads = heads * head_mask.to(heads.dtype).view(1, h, 1, 1)
-        merged = heads.transpose(1, 2).reshape(B, T, h * dk)  # (B, T, D)
-        y = self.out_proj(merged)  # (B, T, D)
+        y = self.out_proj(heads.transpose(1, 2).reshape(B, T, h * dk))  # (B, T, D)
         return y if valid is None else y.masked_fill(~valid[..., None], 0.0)
 
     def split_heads(self, t: Tensor) -> Tensor:
@@ -325,11 +274,9 @@ class Attention(nn.Module, ABC):
 
     @property
     def dropout_p(self) -> float:
-        """The attention dropout probability of this pass: 0 in eval mode."""
         return self.dropout if self.training else 0.0
 
     def drop(self, probs: Tensor) -> Tensor:
-        """Dropout on attention probabilities (identity in eval mode or when p = 0)."""
         return F.dropout(probs, self.dropout, self.training) if self.dropout else probs
 
     def weigh(self, scores: Tensor, allowed: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
@@ -347,7 +294,6 @@ class Attention(nn.Module, ABC):
         return f"name={self.name!r}, dim={self.dim}, num_heads={self.num_heads}{pruned}"
 
 
-# --------------------------------------------------------------------- helpers for variants
 class _UnitKeys(torch.autograd.Function):
     """F.normalize's forward with a backward of seven tensor operations (autograd's of
     F.normalize takes fifteen, each a pass over (B, h, T, d_k): a few per cent of a layer at
@@ -370,8 +316,7 @@ class _UnitKeys(torch.autograd.Function):
 
 
 def unit_keys(q: Tensor) -> Tensor:
-    """Shared-QK keys q / max(||q||, 1e-12) along the last dimension: F.normalize's values
-    bit for bit and its gradient, in fewer operations."""
+    """Shared-QK keys q / max(||q||, 1e-12): F.normalize's values bit for bit, cheaper."""
     return _UnitKeys.apply(q)
 
 
@@ -394,8 +339,7 @@ def masked_softmax(scores: Tensor, allowed: Tensor, dim: int = -1) -> Tensor:
 
 
 def self_penalty(T: int, device: torch.device, dtype: torch.dtype) -> Tensor:
-    """(T, T) additive matrix with SELF_PENALTY on the diagonal, in lazily zeroed memory:
-    only the diagonal's pages are written (torch.eye would write all T^2, visible at long T)."""
+    """(T, T) with SELF_PENALTY on the diagonal, lazily zeroed (torch.eye writes all T^2)."""
     penalty = lazy_zeros((T, T), dtype, device)
     penalty.diagonal().fill_(SELF_PENALTY)
     return penalty
@@ -403,8 +347,7 @@ def self_penalty(T: int, device: torch.device, dtype: torch.dtype) -> Tensor:
 
 def needs_static_shapes(t: Tensor) -> bool:
     """Whether shapes and control flow must not depend on t's data: off the CPU (a host read
-    of device data makes the host wait for the device) and under torch.compile (it breaks the
-    graph). On CPU eager a read is free, so kernels may size themselves from the batch."""
+    waits for the device) and under torch.compile (a graph break); on CPU eager a read is free."""
     return t.device.type != "cpu" or torch.compiler.is_compiling()
 
 
@@ -417,15 +360,12 @@ def compute_dtype(t: Tensor) -> torch.dtype:
 
 
 def widen(t: Tensor) -> Tensor:
-    """Half-precision tensors to float32; float32 and float64 unchanged (sums and kernels
-    that must not run in half precision under autocast)."""
+    """Half-precision tensors to float32; float32 and float64 unchanged."""
     return t.to(torch.promote_types(t.dtype, torch.float32))
 
 
 def layer_seed(seed: int, layer: int, *more: int) -> int:
-    """Seed of a module's fixed random parameters (LSH projections, routing centroids) in one
-    encoder layer: distinct layers (and distinct `seed` options, and `more` keys) get
-    unrelated values, the same layer always the same ones."""
+    """Seed of a module's fixed random parameters: unrelated across layers, `seed` and `more`."""
     return int(np.random.SeedSequence([seed, layer, *more]).generate_state(1, np.uint64)[0] >> 1)
 
 

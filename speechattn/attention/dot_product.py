@@ -7,8 +7,7 @@
   queries; a query may attend to itself only when it has no other valid key (additive
   SELF_PENALTY = -5e4 on the diagonal).
 
-Both efficient paths call SDPA with the key mask of a padded batch (on an H200, cuDNN's fused
-kernel at 1.27x the unmasked call, ahead of FlexAttention and nested tensors: docs/gpu.md).
+Both call SDPA with a padded batch's key mask (measured against the alternatives: docs/gpu.md).
 """
 
 from __future__ import annotations
@@ -33,8 +32,7 @@ FullConfig = AttentionConfig  # no options beyond the shared ones
 
 @register("full")
 class FullAttention(Attention):
-    """Multi-head scaled dot-product attention with separate Q, K, V projections; the base of
-    the variants with the same projections (`linear`, `relpos`, `longformer`, `adaptive_span`)."""
+    """Multi-head scaled dot-product attention with separate Q, K, V projections."""
 
     Config = FullConfig
     paper = "Vaswani et al., Attention Is All You Need, NeurIPS 2017"
@@ -47,9 +45,8 @@ class FullAttention(Attention):
         self.qkv = nn.Linear(config.dim, 3 * config.dim, bias=config.bias)  # W^Q | W^K | W^V
 
     def _qkv(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """q, k, v (B, h, T, d_k) from the fused projection W^Q | W^K | W^V."""
-        q, k, v = self.qkv(x).chunk(3, dim=-1)  # 3 x (B, T, D)
-        return self.split_heads(q), self.split_heads(k), self.split_heads(v)
+        """x (B, T, D) -> q, k, v (B, h, T, d_k)."""
+        return tuple(self.split_heads(t) for t in self.qkv(x).chunk(3, dim=-1))
 
     def attend(self, x: Tensor, valid: Tensor | None) -> Tensor:
         q, k, v = self._qkv(x)  # (B, h, T, d_k)
@@ -66,23 +63,24 @@ SharedQKConfig = AttentionConfig  # no options beyond the shared ones
 
 
 class SharedQKBase(Attention):
-    """Shared-QK projections and scores; the base of `shared_qk`, `sparse_*`, `routing` and LSH."""
+    """Shared-QK projections and scores."""
 
     head_projections = {"qv": 2}
     input_projections = 2
+    normalize_keys = True  # k = q / ||q|| per head; LSH's option may score q itself
 
     def __init__(self, config: AttentionConfig) -> None:
         super().__init__(config)
         self.qv = nn.Linear(config.dim, 2 * config.dim, bias=config.bias)  # W^Q | W^V
 
     def _qkv(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """x (B, T, D) -> q, k, v (B, h, T, d_k); k = q / ||q|| per head."""
+        """x (B, T, D) -> q, k, v (B, h, T, d_k)."""
         q, v = self.qv(x).chunk(2, dim=-1)  # 2 x (B, T, D)
         q, v = self.split_heads(q), self.split_heads(v)  # (B, h, T, d_k)
-        return q, unit_keys(q), v
+        return q, unit_keys(q) if self.normalize_keys else q, v
 
     def shared_scores(self, q: Tensor, k: Tensor) -> Tensor:
-        """Dense shared-QK scores (B, h, T, T) with the self penalty on the diagonal."""
+        """Dense scores (B, h, T, T) with the self penalty on the diagonal."""
         T = q.shape[-2]
         return q @ k.transpose(-1, -2) * scale(self.head_dim) + self_penalty(T, q.device, q.dtype)
 

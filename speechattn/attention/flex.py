@@ -1,19 +1,12 @@
-"""FlexAttention for fixed-pattern heads: one call over every head, a cached BlockMask.
+"""FlexAttention for fixed-pattern heads: one call over every head, a cached BlockMask
+(design: docs/attention.md, "CUDA kernels of the pattern variants"; fake CUDA: docs/gpu.md).
 
-`flex_attention` skips the (128 x 128) blocks a `BlockMask` marks empty, so a band or block
-pattern costs about its share of T x T. Lengths are padded to a multiple of 128 (the bucket).
-The BlockMask comes from an `envelope` of positions and constants only, containing every
-pattern the bucket can hold, so it is built once per (pattern, heads, bucket, device), eagerly,
-and cached (inside a compiled region the cache is only read: a traced mask is not stored). The
-exact pattern, padding and the self penalty go into the `score_mod` as captured tensors
-(strides (B,), allowed keys (B, T)): inputs of the compiled kernel, so it compiles once per
-(batch size, bucket), never per stride (an int stride would be guarded on, past dynamo's
-recompile limit).
-
-Compiled on CUDA only (`CUDA_BACKEND`, up to `MAX_COMPILES`); torch 2.11 has no Flex backward
-on CPU, so callers use their SDPA kernels there (`use_flex`). On fake CUDA (the fake-CUDA
-suite) the tests trace the score_mod on CPU scalars and compile with the "eager" backend
-(`tests/fakecuda/_fake_cuda.py: fake_flex`): autograd would ask a missing driver for a context.
+Lengths are padded to a multiple of 128 (the bucket). The BlockMask comes from an `envelope` of
+positions only, so it is built once per (pattern, heads, bucket, device). The exact pattern,
+padding and self penalty go into the `score_mod` as captured tensors: inputs of the compiled
+kernel, so it compiles once per (batch size, bucket), never per stride (an int stride would be
+guarded on, past dynamo's recompile limit). Compiled on CUDA only: torch 2.11 has no Flex
+backward on CPU (`use_flex`).
 """
 
 from __future__ import annotations
@@ -32,15 +25,12 @@ from speechattn.attention.base import SELF_PENALTY, compute_dtype
 # (batch, head, query index, key index) -> bool: whether the head may use that key.
 MaskMod = Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
 BUCKET = 128  # Flex's default block size
-# compiled Flex kernels allowed per process: a bucket each (16 buckets: T up to 2048) for a
-# couple of batch sizes (the last batch of an epoch is often smaller)
-MAX_COMPILES = 32
+MAX_COMPILES = 32  # compiled kernels per process: 16 buckets (T <= 2048) x 2 batch sizes
 CUDA_BACKEND = "inductor"  # torch.compile backend of the Flex call on CUDA
 
 
 def use_flex(q: Tensor, training: bool, dropout: float) -> bool:
-    """Whether the Flex kernel can serve this call: CUDA (Flex's backward), no dropout (Flex
-    has none)."""
+    """Whether the Flex kernel can serve this call: CUDA, no dropout (Flex has none)."""
     return q.is_cuda and not (training and dropout)
 
 
@@ -54,10 +44,8 @@ _MAX_BLOCK_MASKS = 64
 
 
 def block_mask_for(key: Hashable, envelope: MaskMod, heads: int, T: int, device: torch.device):  # noqa: ANN201 - a BlockMask
-    """The BlockMask of `pattern_attention` for `envelope` (plus the self key) at T frames:
-    its bucket's, over (heads, bucket(T), bucket(T)), broadcast over the batch. Cached under
-    (key, heads, bucket, device), `key` naming the pattern (the mask_mod is a new closure per
-    call); written only outside compiled regions and for real tensors (module docstring)."""
+    """The BlockMask for `envelope` plus the self key over (heads, bucket(T), bucket(T)), cached
+    under (key, heads, bucket, device) outside compiled regions, for real tensors."""
 
     def with_self(b: Tensor, hh: Tensor, i: Tensor, j: Tensor) -> Tensor:
         return envelope(b, hh, i, j) | (i == j)
@@ -76,7 +64,6 @@ def block_mask_for(key: Hashable, envelope: MaskMod, heads: int, T: int, device:
 
 
 def bucket(T: int) -> int:
-    """T rounded up to a multiple of `BUCKET`."""
     return -(-T // BUCKET) * BUCKET
 
 
@@ -90,19 +77,13 @@ def pattern_attention(
     key: Hashable,
     backend: str | None = None,
 ) -> Tensor:
-    """Shared-QK pattern attention by FlexAttention: q, k, v (B, h, T, d_k) -> (B, h, T, d_k)
-    in the dtype SDPA would use.
-
-    kv (B, T) keys that may be attended; pattern: the keys each head of each utterance may
-    use (a mask_mod that may read tensors it captures; the own key is added, penalised as in
-    `shared_qk`); envelope: a mask_mod of positions and constants allowing every key `pattern`
-    allows at up to `bucket(T)` frames, named by `key` in the BlockMask cache. backend: the
-    Flex call's torch.compile backend; None: "inductor" on CUDA, eager elsewhere.
-    """
+    """Shared-QK pattern attention: q, k, v (B, h, T, d_k), kv (B, T) allowed keys ->
+    (B, h, T, d_k) in SDPA's dtype. pattern: each head's keys per utterance (the own key added,
+    penalised); envelope: positions only, allowing every key `pattern` may allow in the bucket,
+    named by `key`; backend: None is "inductor" on CUDA, eager elsewhere."""
     B, h, T, d = q.shape
     Tb = bucket(T)
-    # Flex is not an autocast op: give it the dtype SDPA would run in.
-    dtype = compute_dtype(q)
+    dtype = compute_dtype(q)  # Flex is not an autocast op
     q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
 
     def pad(t: Tensor) -> Tensor:  # contiguous: a length of whole buckets (no padding)

@@ -1,12 +1,9 @@
 """True float32 for the code that selects keys, whatever the global TF32 setting.
 
-An LSH sign bit, a match count's tie-break score and a nearest centroid are hard decisions,
-defined in float32 (docs/attention.md); TF32 (which pretraining allows on CUDA) would change
-buckets, keys and clusters, so the selection code multiplies with `ieee_matmul`.
-`true_float32()` switches through `torch.set_float32_matmul_precision` only (setting torch
-2.11's per-backend `fp32_precision` directly breaks the getter inductor calls). Dynamo cannot
-trace the switch, so a compiled graph calls the product as the custom op
-`speechattn::ieee_matmul`, which runs the eager code with the switch around it.
+LSH bits, tie-break scores and nearest centroids are hard decisions defined in float32
+(docs/attention.md); TF32 would change them. `true_float32()` uses only
+`torch.set_float32_matmul_precision` (setting torch 2.11's `fp32_precision` directly breaks the
+getter inductor calls); dynamo cannot trace the switch, hence the custom op under compile.
 """
 
 from __future__ import annotations
@@ -20,8 +17,7 @@ from torch import Tensor
 
 @contextlib.contextmanager
 def true_float32() -> Iterator[None]:
-    """Float32 matmuls in IEEE float32 (no TF32, no bf16 passes) inside the block, on CUDA and
-    CPU; the previous setting comes back on exit."""
+    """Float32 matmuls in IEEE float32 (no TF32, no bf16 passes) inside the block."""
     previous = torch.get_float32_matmul_precision()
     torch.set_float32_matmul_precision("highest")
     try:
@@ -51,10 +47,8 @@ def _(a: Tensor, b: Tensor) -> Tensor:
 
 
 def ieee_matmul(a: Tensor, b: Tensor) -> Tensor:
-    """a @ b (`torch.matmul` broadcasting) for selection: float32 inputs multiply in IEEE
-    float32 whatever the global TF32 setting, with autocast off; other dtypes multiply as they
-    are (callers widen what must be float32; LSH's +-1 codes may stay half precision, exact).
-    No gradient flows through it."""
+    """a @ b for selection, no gradient: float32 in IEEE float32 whatever the TF32 setting,
+    autocast off; other dtypes as they are (LSH's +-1 codes may stay half precision, exact)."""
     a, b = a.detach(), b.detach()
     if torch.compiler.is_compiling():
         return _ieee_matmul_op(a, b)

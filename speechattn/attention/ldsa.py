@@ -10,7 +10,7 @@ Attention", ICASSP 2021 (arXiv:2010.12155), in the multi-head form of the author
     Y     = concat_i(Y^i) W^O
 
 The softmax runs over the window positions inside [0, T) and not padded. The efficient path is
-c shifted multiply-adds over the zero-padded values (`LocalWeightedSum`): O(T c D), no T x T.
+c shifted multiply-adds (`LocalWeightedSum`): O(T c D), no T x T.
 """
 
 from __future__ import annotations
@@ -72,8 +72,7 @@ class LDSAttention(Attention):
         self.w3 = nn.Linear(config.dim, config.dim, bias=config.bias)  # W_3^i (values)
 
     def keys_attended(self, T: int) -> float:
-        # Weights are synthesised, but each query weighs the values of its window of c
-        # frames: count those inside the utterance (c, less near its ends and when T < c).
+        # synthesised weights, but over the values of the window's frames inside the utterance
         _, inside = patterns.window_keys(T, self.context // 2)  # (T, c)
         return float(inside.sum(-1).double().mean())
 

@@ -7,10 +7,9 @@ replaces the softmax's exponential, eq. 6):
 
     y_i = phi(q_i)^T (sum_j phi(k_j) v_j^T) / (phi(q_i)^T sum_j phi(k_j))      over valid keys j
 
-`LinearKernel` forms S = phi(K)^T V (B, h, d_k, d_k) and z = sum_j phi(k_j) once per sequence:
-O(T D d_k), no T x T tensor. S and z are sums of T positive terms (~1e4 at T = 8192), so both
-paths run in float32 with autocast off. Attention dropout drops key columns of the numerator
-(the same key for every query), the denominator keeping every key, as dropout after a softmax.
+`LinearKernel` forms S = phi(K)^T V (B, h, d_k, d_k) and z = sum_j phi(k_j) once per sequence,
+sums of T positive terms: both paths run in float32, autocast off. Attention dropout drops key
+columns of the numerator only, as dropout after a softmax.
 """
 
 from __future__ import annotations
@@ -20,13 +19,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from speechattn.attention.base import (
-    AttentionConfig,
-    Flops,
-    key_mask,
-    linear_flops,
-    widen,
-)
+from speechattn.attention.base import AttentionConfig, Flops, key_mask, linear_flops, widen
 from speechattn.attention.dot_product import FullAttention
 from speechattn.attention.kernels.linear import LinearKernel, phi
 from speechattn.attention.registry import register
@@ -58,8 +51,7 @@ class LinearAttention(FullAttention):
     def features(
         self, q: Tensor, k: Tensor, v: Tensor, valid: Tensor
     ) -> tuple[Tensor, Tensor, Tensor]:
-        """phi(Q), phi(K) zeroed at padded keys, and V: (B, h, T, d_k) each, float32 or wider
-        (call with autocast off, see module docstring)."""
+        """phi(Q), phi(K) zeroed at padded keys, and V: (B, h, T, d_k) each, float32 or wider."""
         kv = key_mask(valid)[:, None, :, None]  # (B, 1, T, 1)
         return phi(widen(q)), phi(widen(k)) * kv, widen(v)
 

@@ -7,15 +7,9 @@ section 3.1, bidirectional. Scores as in `full`; query i of head h attends key j
     dilated heads (the last `dilated_heads`):      |i - j| <= w delta  and  (i - j) mod delta = 0
     every head:                                    i or j is a global frame
 
-Global frames are 0, g, 2g, ... (g = `global_every`; 0 = none), counted from the utterance's
-first frame: speech has no [CLS] token, so a regular grid stands in for the paper's chosen
-tokens. Departure from the paper: the global scores reuse the Q, K, V projections. Details:
-docs/attention.md, "longformer".
-
-Short T: one SDPA call over all pairs, the pattern as an additive mask. Long T, O(T (w + T/g) D):
-dilated heads' residue classes mod delta folded into the batch (their window becomes a band),
-blocks of l = w queries against their 3 key blocks plus the G global keys (`band_global_kernel`),
-then the global frames' rows from one SDPA call against all keys, (B, h, G, T).
+Global frames are 0, g, 2g, ... (g = `global_every`; 0 = none): speech has no [CLS] token, so
+a regular grid stands in for the paper's chosen tokens, whose scores reuse the Q, K, V
+projections. Details and kernels: docs/attention.md, "longformer".
 """
 
 from __future__ import annotations
@@ -28,29 +22,18 @@ from torch import Tensor
 
 from speechattn.attention import patterns
 from speechattn.attention.autotune import use_short_path
-from speechattn.attention.base import (
-    AttentionConfig,
-    all_valid,
-    key_mask,
-    require,
-    scale,
-)
+from speechattn.attention.base import AttentionConfig, all_valid, key_mask, require, scale
 from speechattn.attention.dot_product import FullAttention
-from speechattn.attention.kernels.blocks import (
-    _attend,
-    _blocks,
-    block_windows,
-    window_offsets,
-)
+from speechattn.attention.kernels.blocks import _attend, _blocks, block_windows, window_offsets
 from speechattn.attention.registry import register
 
 
 @dataclass
 class LongformerConfig(AttentionConfig):
-    window: int = 16  # w: window heads attend |i - j| <= w (16 frames = 480 ms each side)
-    dilation: int = 4  # delta: dilated heads see |i - j| <= w delta in steps of delta (1.9 s)
+    window: int = 16  # w (480 ms each side)
+    dilation: int = 4  # delta (1.9 s)
     dilated_heads: int | None = None  # the last heads use the dilated window; None: floor(h / 2)
-    global_every: int = 64  # g: frames 0, g, 2g, ... are global (1.9 s apart); 0: none
+    global_every: int = 64  # g (1.9 s); 0: no global frames
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -71,8 +54,8 @@ class LongformerConfig(AttentionConfig):
 
 def _fold_classes(t: Tensor, step: int, dim: int) -> Tensor:
     """Residue classes mod `step` along `dim` into the batch (zero/False padded):
-    (B, ..., T, ...) -> (B step, ..., m, ...), m = ceil(T / step); frame a step + r is entry
-    a of class r, at batch index b step + r."""
+    (B, ..., T, ...) -> (B step, ..., m, ...), m = ceil(T / step); frame a step + r is entry a of
+    batch index b step + r."""
     t = _blocks(t, step, dim)  # (B, ..., m, step, ...)
     return t.movedim(dim + 1, 1).flatten(0, 1)
 
@@ -95,10 +78,9 @@ def band_global_kernel(
     w: int,
     p: float = 0.0,
 ) -> Tensor:
-    """Band |a - b| <= w plus G global keys, in one softmax per query: q, k, v (B, H, m, d),
-    kv (B, m) allowed keys, glob (B, m) the global frames (left out of the band), kg, vg
-    (B, H, G, d) and kvg (B, G) the global keys -> (B, H, m, d). A padded query may use its
-    own key, so that no row is empty."""
+    """Band |a - b| <= w plus G global keys, one softmax per query: q, k, v (B, H, m, d), kv
+    (B, m) allowed keys, glob (B, m) global frames (out of the band), kg, vg (B, H, G, d), kvg
+    (B, G) -> (B, H, m, d). A padded query may use its own key, so that no row is empty."""
     B, H, m, d = q.shape
     n, G = (m + w - 1) // w, kg.shape[2]
     rel = window_offsets(w, q.device)  # (l, 3l), l = w
@@ -112,10 +94,8 @@ def band_global_kernel(
     def with_globals(t: Tensor, tg: Tensor) -> Tensor:  # -> (B, H, n, 3l + G, d)
         return torch.cat([block_windows(t, w, 2), tg[:, :, None].expand(B, H, n, G, d)], dim=3)
 
-    bias = q.new_zeros(())
-    out = _attend(
-        _blocks(q, w), with_globals(k, kg), with_globals(v, vg), allowed[:, None], bias, p
-    )
+    kb, vb = with_globals(k, kg), with_globals(v, vg)
+    out = _attend(_blocks(q, w), kb, vb, allowed[:, None], q.new_zeros(()), p)
     return out.reshape(B, H, n * w, d)[:, :, :m]  # (B, H, m, d)
 
 
@@ -123,14 +103,12 @@ def band_global_kernel(
 class LongformerAttention(FullAttention):
     """Window and dilated-window heads plus global frames (see module docstring)."""
 
-    end_padded_only = True  # positions place the pattern (see `Attention`)
-
+    end_padded_only = True
     Config = LongformerConfig
     paper = "Beltagy et al., Longformer: The Long-Document Transformer, 2020"
     complexity_training = "O(T (w + T/g) D)"
     complexity_inference = "O(T (w + T/g) D)"
-    # All-pairs SDPA with the pattern as a mask up to here, the blocked kernel above (docs/attention.md).
-    short_path_max_t = 256
+    short_path_max_t = 256  # all-pairs SDPA with the pattern as a mask up to here
 
     def __init__(self, config: LongformerConfig) -> None:
         super().__init__(config)
@@ -138,17 +116,13 @@ class LongformerAttention(FullAttention):
         self.global_every = config.global_every
         self.num_dilated = config.num_dilated
 
-    # ----------------------------------------------------------------- metadata
     def _mean_keys(self, T: int, step: int) -> float:
         """Keys of one head's pattern per query, averaged over T frames (O(T w), no T x T)."""
         j, inside = patterns.window_keys(T, self.window, step)  # (T, 2w + 1)
-        count = inside.sum(-1)
-        g = self.global_every
-        if g:
-            global_in_window = (inside & (j % g == 0)).sum(-1)
-            num_global = -(-T // g)
-            count = count + num_global - global_in_window
-            count = torch.where(torch.arange(T) % g == 0, T, count)  # global rows: all frames
+        count, g = inside.sum(-1), self.global_every
+        if g:  # plus the global frames outside the window; a global row has every frame
+            count = count + -(-T // g) - (inside & (j % g == 0)).sum(-1)
+            count = torch.where(torch.arange(T) % g == 0, T, count)
         return float(count.double().mean())
 
     def keys_attended(self, T: int) -> float:
@@ -160,7 +134,6 @@ class LongformerAttention(FullAttention):
         first_dilated = self.num_heads - self.num_dilated
         self.num_dilated = int((index >= first_dilated).sum())
 
-    # ----------------------------------------------------------------- kernels
     def head_steps(self) -> list[tuple[slice, int]]:
         """(heads, step) of the two head groups: window heads step 1, dilated heads delta."""
         hw = self.num_heads - self.num_dilated
@@ -168,29 +141,24 @@ class LongformerAttention(FullAttention):
         return [(heads, step) for heads, step in groups if heads.stop > heads.start]
 
     def pattern(self, valid: Tensor) -> Tensor:
-        """(B, h, T, T) bool: each head's pattern restricted to allowed keys, plus the own key
-        of queries that are not allowed keys (padding), so no row is empty."""
-        T = valid.shape[1]
-        device = valid.device
+        """(B, h, T, T) bool: each head's pattern on allowed keys, plus a padded query's own key."""
+        T, g = valid.shape[1], self.global_every
+        i, j = patterns.grid(T, valid.device)
         heads = []
         for group, step in self.head_steps():
-            local = patterns.band_pattern(T, self.window * step, device)
-            if step > 1:
-                local = local & patterns.strided_pattern(T, step, device)
+            local = patterns.in_band(i, j, self.window * step) & patterns.same_residue(i, j, step)
             heads += [local] * (group.stop - group.start)
         pat = torch.stack(heads)  # (h, T, T)
-        if self.global_every:
-            pat = pat | patterns.global_pattern(T, self.global_every, device)
+        if g:
+            pat = pat | (i % g == 0) | (j % g == 0)  # global frames' rows and columns
         kv = key_mask(valid)
-        eye = torch.eye(T, dtype=torch.bool, device=device)
-        return pat & kv[:, None, None, :] | eye & ~kv[:, None, :, None]
+        return pat & kv[:, None, None, :] | (i == j) & ~kv[:, None, :, None]
 
     def pattern_bias(
         self, valid: Tensor | None, T: int, dtype: torch.dtype, device: torch.device
     ) -> Tensor:
-        """`pattern` as SDPA's additive mask, 0 where allowed, -inf elsewhere: (1, h, T, T) when
-        valid is None, else (B, h, T, T). Each head group's window is written once over the
-        2T - 1 offsets as a strided view (the boolean pattern is slower than `full` itself)."""
+        """`pattern` as an additive mask, (1 or B, h, T, T); each head group's window a strided
+        view of 2T - 1 offsets (the boolean pattern is slower than `full` itself)."""
         offset = torch.arange(1 - T, T, device=device)  # i - j
         groups = []
         for heads, step in self.head_steps():
@@ -218,7 +186,9 @@ class LongformerAttention(FullAttention):
         return self.attend_long(q, k, v, kv)
 
     def attend_long(self, q: Tensor, k: Tensor, v: Tensor, kv: Tensor) -> Tensor:
-        """The long-sequence kernel (module docstring): q, k, v (B, h, T, d_k), kv (B, T)."""
+        """q, k, v (B, h, T, d_k), kv (B, T) -> (B, h, T, d_k): dilated heads' residue classes
+        folded into the batch (a band), blocks of w queries against 3 key blocks plus the global
+        keys, then the global frames' rows against all keys."""
         B, h, T, _ = q.shape
         g = self.global_every
         frames = torch.arange(T, device=q.device)
@@ -226,7 +196,7 @@ class LongformerAttention(FullAttention):
         # (G,) their positions, G = ceil(T / g) known from T (no nonzero: no host read)
         gpos = torch.arange(0, T, g, device=q.device) if g else frames[:0]
         glob = glob.expand(B, T)
-        outs = []
+        outs, p = [], self.dropout_p
         for heads, step in self.head_steps():
             qh, kh, vh = q[:, heads], k[:, heads], v[:, heads]  # (B, H, T, d_k)
             # the global keys and values, repeated for each of the `step` residue classes
@@ -235,13 +205,9 @@ class LongformerAttention(FullAttention):
             kvg = kv[:, gpos].repeat_interleave(step, 0)  # (B step, G)
             kvh, globh = kv, glob
             if step > 1:  # residue classes mod delta into the batch: the window becomes a band
-                qh, kh, vh = (
-                    _fold_classes(t, step, 2) for t in (qh, kh, vh)
-                )  # (B step, H, m, d_k)
+                qh, kh, vh = (_fold_classes(t, step, 2) for t in (qh, kh, vh))  # (B step, H, m, d)
                 kvh, globh = _fold_classes(kv, step, 1), _fold_classes(glob, step, 1)  # (B step, m)
-            out = band_global_kernel(
-                qh, kh, vh, kvh, globh, kg, vg, kvg, self.window, self.dropout_p
-            )
+            out = band_global_kernel(qh, kh, vh, kvh, globh, kg, vg, kvg, self.window, p)
             outs.append(_unfold_classes(out, step, T) if step > 1 else out)  # (B, H, T, d_k)
         out = torch.cat(outs, dim=1)  # (B, h, T, d_k)
         if not g:

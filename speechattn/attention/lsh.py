@@ -10,31 +10,18 @@
 * simple_lsh / simple_alsh: Neyshabur & Srebro, "On Symmetric and Asymmetric LSHs for Inner
   Product Search", ICML 2015.
 
-Common scheme (the study, section 2.2; definition, options and the first runs' variants:
-docs/attention.md, "LSH"): one shared projection gives q and v as in `shared_qk`, and the
-scores are its q_i k_j / sqrt(d_k) with k_j = q_j / ||q_j|| (`normalize_keys`), so LSH with
-k >= T is `shared_qk` exactly. Queries go through the scheme's transform Q, the hashed keys
-(`hash_keys`) through P, with M = max ||k_j|| over the valid keys of each sequence and head,
-then through K hash functions of one fixed seeded matrix per module (a buffer, seeded from
-`seed` and the layer index): sign bits or E2LSH buckets (`hash`, each scheme's paper's by
-default). match_ij = number of equal hashes; each query keeps its top-k other keys by match,
-ties to the larger score q_i k_j (float64 sums rounded to float32, so that every kernel
-computes it alike: `kernels/topk.py: tie_scores`), then the nearer, then the earlier key
-(`tie_break`). The softmax runs over those k only. Its own key ranks below every other valid
-key and carries the -5e4 self penalty, so a query with n valid keys weighs exactly
-min(k, n - 1) of them (itself when n = 1). Under sign hashes xbox, xbox_qnf and simple_lsh
-give identical codes (their transforms differ by positive scalings): `same_model` tells which
-modules are one model, and the report marks such rows.
+`shared_qk`'s scores (so LSH with k >= T is `shared_qk` exactly), restricted per query to its
+top-k other keys by the number of equal hashes of Q(q_i) and P(k_j) under one fixed seeded
+projection per module; ties to the larger score (float64 sums rounded to float32, so every
+kernel computes it alike: `kernels/topk.py: tie_scores`), then the nearer, then the earlier key.
+Definition, options, the first runs' variants and `same_model`: docs/attention.md, "LSH".
 
-Cost: hashing O(T K D); matching O(T^2 K h) bit operations (sign: XOR and popcount of packed
-words) or comparisons (l2), then per query a threshold on the match counts found by counting,
-not sorting: the keys above it are in, only the keys tied at it contest for the rest, and only
-they are scored, O(T c D) for c contested keys per query (about k on random inputs). On the CPU
-one compiled kernel per layer (`kernels/topk_cpu.py`); on GPUs the tensor version
-(`kernels/topk.py`: a matmul of 0/1 codes and, for static shapes, the chunk's dense scores).
-Attention on the selected keys: up to `short_path_max_t` frames one all-pairs SDPA call masked
-to them, above that O(T k D) gathered products (`kernels/sparse_topk_cpu.py` on the CPU, CSR
-products on GPUs; a custom op, so torch.compile keeps it in its graph).
+Cost: hashing O(T K D); matching O(T^2 K h) bit operations or comparisons, then a threshold on
+the match counts found by counting, not sorting (only the keys tied at it are scored: O(T c D),
+c about k); on the CPU one compiled kernel per layer (`kernels/topk_cpu.py`), on GPUs the tensor
+version (`kernels/topk.py`). Attention on the selected keys: up to `short_path_max_t` frames one
+all-pairs SDPA call masked to them, above O(T k D) gathered products (`kernels/sparse_topk*.py`;
+a custom op, so torch.compile keeps it in its graph).
 """
 
 from __future__ import annotations
@@ -122,14 +109,13 @@ def simple_alsh(q: Tensor, k: Tensor, M: Tensor) -> tuple[Tensor, Tensor]:
 
 def sign_codes(z: Tensor, projection: Tensor) -> Tensor:
     """Sign random projection bits: z (..., T, d) @ projection (d, K) > 0 -> (..., T, K) bool,
-    the product in z's dtype (float32: true float32, never TF32)."""
+    in true float32 for float32 z."""
     return ieee_matmul(z, projection.to(z.dtype)) > 0
 
 
 def l2_codes(z: Tensor, projection: Tensor, offsets: Tensor, scale: Tensor) -> Tensor:
     """E2LSH buckets floor(z @ projection / scale + offsets): z (..., T, d), projection (d, K),
-    offsets (K,) in [0, 1), scale (..., 1, 1) = M w -> (..., T, K) int32 (products as in
-    `sign_codes`)."""
+    offsets (K,) in [0, 1), scale (..., 1, 1) = M w -> (..., T, K) int32."""
     u = ieee_matmul(z, projection.to(z.dtype)) / scale + offsets.to(z.dtype)
     return u.floor().to(torch.int32)
 
@@ -139,24 +125,12 @@ class LSHConfig(AttentionConfig):
     k: int = 32  # keys kept per query (top-k by matching hashes)
     bits: int = 16  # K, hash functions per code (sign: one bit each; l2: one bucket each)
     seed: int = 0  # with the layer index, seeds the fixed projection matrix
-    # Scores q_i . k_j / sqrt(d_k) with shared_qk's keys k_j = q_j / ||q_j|| (True), so that
-    # k >= T is `shared_qk` exactly; False scores the raw shared vectors q_i . q_j (the
-    # definition of the study's first runs).
-    normalize_keys: bool = True
-    # Among keys with equal match counts: "score", the larger score (then the nearer, then the
-    # earlier key, on exactly equal scores); "position", the nearer, then the earlier key (the
-    # study's first runs: a hidden local window, since ties are frequent).
-    tie_break: str = "score"
-    # "sign": sign random projections (SimHash), one bit per hash; "l2": E2LSH buckets
-    # floor((a . z / s + b) / w), z the transformed vector, s = M (the largest key norm) where
-    # the transform keeps the keys' scale, else 1, b uniform in [0, w), w = `bucket_width`.
-    # Each scheme's default is its paper's (`L2HashConfig` for the XBOX transforms).
-    hash: str = "sign"
+    # Options below: docs/attention.md, "LSH" (the non-defaults give the first runs' variants).
+    normalize_keys: bool = True  # score with shared_qk's keys q / ||q||; False: raw q_i . q_j
+    tie_break: str = "score"  # equal match counts: larger score first, or "position" (nearer)
+    hash: str = "sign"  # SimHash bits, or "l2": E2LSH buckets (`L2HashConfig`)
     bucket_width: float = 2.5  # w of the l2 hash, in units of M (the ALSH paper's r = 2.5)
-    # The key side hashes "scored", the keys the scores use (normalised with normalize_keys),
-    # so that selection searches the score it weighs with; "shared", the raw shared vectors
-    # (the definition of upstream format versions 1 and 2).
-    hash_keys: str = "scored"
+    hash_keys: str = "scored"  # the key side hashes the scored keys, or "shared": raw q
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -190,16 +164,12 @@ class _LSHAttention(SharedQKBase):
     Config = LSHConfig
     transform: ClassVar[Transform]
     extra_dims: ClassVar[int]  # m, dimensions added by the transforms
-    # The transforms map into the unit ball (the l2 hash measures them as they are), or keep
-    # the keys' scale (the l2 hash measures them in units of M).
-    unit_ball: ClassVar[bool] = True
+    unit_ball: ClassVar[bool] = True  # transforms map into the unit ball; False: l2 hash / M
     complexity_training = (
         "O(T k D) attention + O(T K D) hashing + O(T^2 K h) code matching + O(T k D) tie-break"
     )
     complexity_inference = complexity_training
-    # All-pairs SDPA masked to the selection up to here, CSR products above: the measured
-    # crossover (`python -m speechattn.bench attention`; figures: docs/benchmarks.md).
-    short_path_max_t = 256
+    short_path_max_t = 256  # all-pairs SDPA masked to the selection up to here, CSR above
 
     def __init__(self, config: LSHConfig) -> None:
         super().__init__(config)
@@ -217,40 +187,24 @@ class _LSHAttention(SharedQKBase):
         return float(min(self.k, T))
 
     def flops(self, T: int) -> Flops:
-        D, E, h, K = self.dim, self.inner_dim, self.num_heads, self.bits
-        attention = 2 * 2.0 * T * min(self.k, T) * E  # scores and weighted sums, top-k keys
+        h, K, keys = self.num_heads, self.bits, min(self.k, T)
         hashing = 2 * linear_flops(T, self.head_dim + self.extra_dims, K) * h  # Q(q), P(k)
-        # one product of +-1 codes (and a validity column); the kernel's 0/1 codes with their
-        # complements double it, an implementation choice (non-negative levels), not counted
-        matching = 2.0 * T * T * (K + 1) * h
+        matching = 2.0 * T * T * (K + 1) * h  # +-1 codes and a validity column, as defined
         if self.tie_break == "score":  # scores of the contested keys, about k per query
-            matching += 2.0 * T * min(self.k, T) * E
-        return Flops(
-            linear_flops(T, D, 2 * E) + attention + self.output_flops(T), hashing + matching
-        )
-
-    def _qkv(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """x (B, T, D) -> q, k, v (B, h, T, d_k): k = q / ||q|| (`normalize_keys`) or q."""
-        q, v = self.qv(x).chunk(2, dim=-1)  # 2 x (B, T, D)
-        q = self.split_heads(q)  # (B, h, T, d_k)
-        return q, unit_keys(q) if self.normalize_keys else q, self.split_heads(v)
+            matching += 2.0 * T * keys * self.inner_dim
+        return Flops(self.dot_product_flops(T, keys).differentiable, hashing + matching)
 
     @torch.no_grad()
     def codes(self, q: Tensor, k: Tensor, valid: Tensor | None) -> tuple[Tensor, Tensor]:
-        """Query and key codes (B, h, T, K): bool (sign) or int32 buckets (l2); q the queries,
-        k the vectors the key side hashes; M over the valid keys of each sequence/head (valid
-        (B, T), or None: nothing padded).
-
-        Always computed in float32 with autocast off: a sign bit is a hard decision, and half
-        precision transforms (norms, sqrt(M^2 - ||x||^2)) would flip bits of the fp32 model.
-        """
+        """Query and key codes (B, h, T, K): bool (sign) or int32 buckets (l2); k the vectors the
+        key side hashes, M over the valid keys (valid (B, T) or None). In float32, autocast off:
+        half-precision transforms would flip bits of the fp32 model."""
         with torch.autocast(q.device.type, enabled=False):
             q, k = widen(q), widen(k)
             norms = k.norm(dim=-1, keepdim=True)  # (B, h, T, 1)
             if valid is not None:
                 norms = norms * key_mask(valid)[:, None, :, None]
             M = norms.amax(dim=-2, keepdim=True).clamp_min(_TINY)  # (B, h, 1, 1)
-            # both sides in one product and one rounding (about 20 us a tensor operation at T=128)
             z = torch.stack(type(self).transform(q, k, M))  # (2, B, h, T, d_k + m): Q(q), P(k)
             if self.hash == "sign":
                 codes = sign_codes(z, self.projection)
@@ -260,7 +214,6 @@ class _LSHAttention(SharedQKBase):
             return codes[0], codes[1]
 
     def hashed_keys(self, q: Tensor, k: Tensor) -> Tensor:
-        """The vectors the key side hashes: the scored keys k, or the raw shared vectors q."""
         return k if self.hash_keys == "scored" else q
 
     @torch.no_grad()
@@ -271,11 +224,7 @@ class _LSHAttention(SharedQKBase):
 
     @torch.no_grad()
     def select(self, q: Tensor, k: Tensor, valid: Tensor | None) -> Tensor:
-        """Top-k key indices (B, h, T, min(k, T)) (fast path; no gradient).
-
-        q, k (B, h, T, d_k) as `_qkv` gives them: the queries hash q and the keys k (or q,
-        `hash_keys`), each through the scheme's transform; ties are broken by the scores q . k.
-        valid (B, T), or None: nothing padded (a few tensor operations fewer)."""
+        """Top-k key indices (B, h, T, min(k, T)) for q, k (B, h, T, d_k), valid (B, T) or None."""
         B, h, T, d = q.shape
         cq, ck = self.codes(q, self.hashed_keys(q, k), valid)
         if valid is None:
@@ -329,9 +278,7 @@ class _LSHAttention(SharedQKBase):
     def _attend_short(
         self, q: Tensor, k: Tensor, v: Tensor, idx: Tensor, valid: Tensor | None
     ) -> Tensor:
-        """Short sequences: one fused SDPA call over all T x T pairs whose additive mask keeps
-        the selected keys (0), drops the others (-inf) and penalises self (same result as the
-        sparse path, cheaper up to `short_path_max_t`). valid (B, T) or None (no padding)."""
+        """One SDPA call over all T x T pairs masked to the selection, self penalised."""
         T = q.shape[-2]
         bias = torch.full(q.shape[:-1] + (T,), float("-inf"), dtype=q.dtype, device=q.device)
         bias.scatter_(-1, idx, 0.0)  # (B, h, T, T)
@@ -358,19 +305,13 @@ class _LSHAttention(SharedQKBase):
 
     def attend_dense(self, x: Tensor, valid: Tensor) -> tuple[Tensor, Tensor]:
         q, k, v = self._qkv(x)  # (B, h, T, d_k)
-        T = q.shape[-2]
-        s = q @ k.transpose(-1, -2) * scale(self.head_dim)  # (B, h, T, T)
-        s = s + torch.eye(T, device=x.device, dtype=s.dtype) * SELF_PENALTY
         allowed = self.selection_dense(q, k, valid) & key_mask(valid)[:, None, None, :]
-        return self.weigh(s, allowed, v)  # weights: at most k non-zeros per row
+        return self.weigh(self.shared_scores(q, k), allowed, v)  # at most k non-zeros per row
 
 
 def same_model(a: Attention, b: Attention, T: int = 256, seed: int = 0) -> bool:
-    """Whether two LSH modules are one model: the same options apart from the scheme, and the
-    same match counts on every pair of T random shared vectors of spread norms (the selection,
-    and so everything, depends on the codes only through the match counts). Schemes that
-    differ do so on most such pairs; equal ones (e.g. xbox, xbox_qnf and simple_lsh under sign
-    hashes: their transforms differ by positive scalings) agree on all."""
+    """Whether two LSH modules are one model: the same options and the same match counts on
+    T random shared vectors of spread norms (everything depends on the codes only through them)."""
     if not (isinstance(a, _LSHAttention) and isinstance(b, _LSHAttention)):
         return a is b
     if vars(a.config) != vars(b.config):
@@ -426,5 +367,4 @@ class SimpleALSHAttention(_LSHAttention):
     paper, transform, extra_dims = NEYSHABUR, staticmethod(simple_alsh), 2
 
 
-# the registry names of the five schemes above
 SCHEMES = ("sign_alsh", "xbox", "xbox_qnf", "simple_lsh", "simple_alsh")

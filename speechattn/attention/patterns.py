@@ -1,7 +1,6 @@
-"""Pure pattern builders (no parameters, no compute kernels): boolean (T, T) masks, True where
-query i (row) may attend key j (column), for the dense references, tests, the visualiser and
-the sparse variants' masked and Flex kernels (from the same elementwise predicates); and the
-fixed patterns of Raganato et al. (2020) that initialise `syn_fixed`.
+"""Pattern builders: elementwise predicates of query i and key j (True: i may attend j) for the
+dense references and the masked and Flex kernels alike, strided layouts, and the fixed patterns
+of Raganato et al. (2020) that initialise `syn_fixed`.
 """
 
 from __future__ import annotations
@@ -31,7 +30,7 @@ def default_strides(num_valid: Tensor) -> Tensor:
 def stride_bounds(T: int) -> tuple[int, int]:
     """Static bounds on the default strides of utterances of at most T frames: (L, M) with
     L = default_stride(T) >= every l and M >= ceil(e / l) for any e <= T, l = default_stride(e)
-    (round(sqrt(e)) = l gives e <= l^2 + l, so ceil(e / l) <= l + 1 <= L for l < L)."""
+    (e <= l^2 + l, so ceil(e / l) <= l + 1 <= L for l < L)."""
     L = default_stride(T)
     return L, max(-(-T // L), L)
 
@@ -40,25 +39,21 @@ def stride_bounds(T: int) -> tuple[int, int]:
 Width = int | Tensor
 
 
-# Elementwise predicates of positions i, j (broadcastable tensors) and a width (int or tensor),
-# called by the builders below, the per-utterance masks and the FlexAttention mask_mods.
+# Elementwise predicates of positions i, j (broadcastable tensors) and a width (int or tensor).
 def in_band(i: Tensor, j: Tensor, width: Width) -> Tensor:
-    """|i - j| <= width."""
     return (i - j).abs() <= width
 
 
 def same_residue(i: Tensor, j: Tensor, stride: Width) -> Tensor:
-    """(i - j) mod l = 0."""
     return (i - j) % stride == 0
 
 
 def same_block(i: Tensor, j: Tensor, block: Width) -> Tensor:
-    """floor(i / l) = floor(j / l)."""
     return i // block == j // block
 
 
 def summary_key(j: Tensor, block: Width, summary: Width) -> Tensor:
-    """j mod l >= l - c: the last c keys of every block of l (c <= l, clipped by the caller)."""
+    """The last c keys of every block of l (c <= l, clipped by the caller)."""
     return j % block >= block - summary
 
 
@@ -69,49 +64,27 @@ def grid(T: int, device: torch.device | None = None) -> tuple[Tensor, Tensor]:
 
 
 def per_utterance(width: Width) -> Width:
-    """An int as is; a (B,) tensor as (B, 1, 1), so that a predicate on `grid` positions
-    gives one (T, T) pattern per utterance, (B, T, T)."""
+    """An int as is; a (B,) tensor as (B, 1, 1): one (T, T) pattern per utterance on `grid`."""
     return width.view(-1, 1, 1) if isinstance(width, Tensor) else width
 
 
-def _device(width: Width, device: torch.device | None) -> torch.device | None:
-    return width.device if isinstance(width, Tensor) and device is None else device
-
-
-def band_pattern(T: int, width: Width, device: torch.device | None = None) -> Tensor:
-    """Local band |i - j| <= width, (T, T) bool, or (B, T, T) for per-utterance widths
-    (strided pattern, first half of the heads)."""
-    i, j = grid(T, _device(width, device))
-    return in_band(i, j, per_utterance(width))
-
-
-def strided_pattern(T: int, stride: Width, device: torch.device | None = None) -> Tensor:
-    """Residue classes (i - j) mod l = 0, (T, T) or (B, T, T) bool (strided pattern, second
-    half)."""
-    i, j = grid(T, _device(stride, device))
-    return same_residue(i, j, per_utterance(stride))
+def band_pattern(T: int, width: int, device: torch.device | None = None) -> Tensor:
+    """Local band |i - j| <= width, (T, T) bool."""
+    return in_band(*grid(T, device), width)
 
 
 def hankel(values: Tensor, L: int, Lk: int) -> Tensor:
     """The strided view (..., L, Lk) with [a, w] = values[..., a + w] of values
-    (..., L + Lk - 1), no copy. With the keys reversed (w = Lk - 1 - j) it lays a function of
-    a - j over (query, key) without a flip: CPU flash attention reads such a mask by stride."""
+    (..., L + Lk - 1), no copy: with the keys reversed, a function of a - j that CPU flash
+    attention reads by stride."""
     values = values.contiguous()
     return values.as_strided((*values.shape[:-1], L, Lk), (*values.stride()[:-1], 1, 1))
 
 
 def toeplitz(values: Tensor, L: int, Lk: int) -> Tensor:
-    """(..., L, Lk) with [a, w] = values[..., a - w + Lk - 1] of values (..., L + Lk - 1) at
-    offsets -(Lk - 1) .. L - 1: the Hankel view flipped (one copy), so a function of the offset
-    is evaluated (and differentiated) once per offset, not once per pair."""
+    """(..., L, Lk) with [a, w] = values[..., a - w + Lk - 1] of values (..., L + Lk - 1): the
+    Hankel view flipped (one copy), so a function of the offset is computed once per offset."""
     return hankel(values, L, Lk).flip(-1)
-
-
-def global_pattern(T: int, every: int, device: torch.device | None = None) -> Tensor:
-    """Rows and columns of the global frames i mod g = 0, (T, T) bool: a global frame attends to
-    every frame and every frame attends to it (Longformer)."""
-    i, j = grid(T, device)
-    return (i % every == 0) | (j % every == 0)
 
 
 def mean_band_size(T: int, width: int) -> float:
@@ -123,18 +96,17 @@ def mean_band_size(T: int, width: int) -> float:
 def window_keys(
     T: int, width: int, step: int = 1, device: torch.device | None = None
 ) -> tuple[Tensor, Tensor]:
-    """Keys j = i + step * o, o in [-width, width], of each query: positions and in_range
-    (0 <= j < T), (T, 2 width + 1) each, O(T width) memory (LDSA's and Longformer's windows)."""
+    """Keys j = i + step * o, o in [-width, width], of each query: positions and whether
+    0 <= j < T, (T, 2 width + 1) each."""
     i = torch.arange(T, device=device)[:, None]
     j = i + step * torch.arange(-width, width + 1, device=device)  # (T, 2 width + 1)
     return j, (j >= 0) & (j < T)
 
 
 def fixed_pattern(name: str, n: int, context: int = 3) -> Tensor:
-    """One fixed pattern of Raganato et al. (2020) on an n x n grid: (n, n) float32, rows
-    summing to 1 where the pattern has a target, else 0. current: j = i; previous: j = i - 1;
-    next: j = i + 1; left / right: the `context` frames before / after i (uniform); start:
-    j = 0; end: j = n - 1. Band operations only (n = 8192: one 256 MiB matrix)."""
+    """One fixed pattern of Raganato et al. (2020): (n, n) float32, rows summing to 1 where
+    the pattern has a target, else 0; left / right: the `context` frames before / after i
+    (uniform). Band operations only (n = 8192: one 256 MiB matrix)."""
     ones = torch.ones(n, n)
     if name == "current":
         return torch.eye(n)
@@ -153,5 +125,5 @@ def fixed_pattern(name: str, n: int, context: int = 3) -> Tensor:
 
 
 def fixed_patterns(n: int, context: int = 3) -> Tensor:
-    """All 7 fixed patterns in FIXED_PATTERN_NAMES order: (7, n, n) float32."""
+    """(7, n, n) float32, FIXED_PATTERN_NAMES order."""
     return torch.stack([fixed_pattern(name, n, context) for name in FIXED_PATTERN_NAMES])

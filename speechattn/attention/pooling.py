@@ -1,14 +1,11 @@
-"""FusedAttention pooling: attention that maps L inputs to 1 output (docs/attention.md).
+"""FusedAttention pooling: attention that maps L inputs to 1 output.
 
     Q = f_Q(X), K = f_K(X), V = f_V(X)            tokens (B, L, u), (B, L, u), (B, L, d)
     alpha = fuse(norm(K^T Q / sqrt(d)))           norm: softmax over keys, (B, L_k, L_q)
                                                   fuse: mean over valid queries -> (B, L)
     Y = g_V(V alpha)                              (B, d) -> g_V
 
-``scale="key"`` divides by sqrt(u), the size of Q and K, instead of sqrt(d). With the defaults
-Y is the mean over the valid queries of single-head attention outputs. Inputs: L same-shaped
-tensors (a list, or one (B, L, C, W_1..W_n) tensor), each flattened to one token; or one
-(B, C, W_1..W_n) tensor cut into non-overlapping patches of size `patch` = (dW_1..dW_n).
+Scales and input forms: docs/attention.md, "FusedAttention pooling".
 """
 
 from __future__ import annotations
@@ -54,17 +51,9 @@ def to_patches(x: Tensor, patch: Sequence[int]) -> Tensor:
 
 
 class FusedAttentionPool(nn.Module):
-    """L inputs -> 1 output by fused attention (see module docstring).
-
-    Args:
-        in_dim: F, features per token (needed only for the default linear f_Q/f_K/f_V);
-            out_dim: d, size of V; qk_dim: u, size of Q and K (both default in_dim).
-        f_q, f_k, f_v: modules/callables mapping tokens (B, L, F) to (B, L, u|u|d).
-        norm, fuse: see `Norm`, `Fuse`; default softmax over keys, mean over queries.
-        g_v: applied to the pooled V alpha (B, d), e.g. ``lambda y: y.view(-1, C, *patch)``.
-        patch: window sizes (dW_1..dW_n) for the single-tensor form; None for collections.
-        scale: "value" divides K^T Q by sqrt(d) (the definition's), "key" by sqrt(u).
-    """
+    """L inputs -> 1 output by fused attention. in_dim F (features per token, for the default
+    linear f_q, f_k, f_v: (B, L, F) -> (B, L, u | u | d)), out_dim d and qk_dim u default to F;
+    g_v maps the pooled (B, d); patch (dW_1..dW_n): the single-tensor form's patches."""
 
     def __init__(
         self,
@@ -99,7 +88,8 @@ class FusedAttentionPool(nn.Module):
         self.scale = scale
 
     def tokens(self, x: Tensor | Sequence[Tensor]) -> Tensor:
-        """Either input form -> tokens (B, L, F)."""
+        """A list of L (B, ...) tensors, (B, L, ...), or (B, C, W_1..W_n) with `patch` -> tokens
+        (B, L, F), each input (or patch) flattened."""
         if isinstance(x, (list, tuple)):
             x = torch.stack(list(x), dim=1)  # (B, L, C, W_1..W_n)
         if self.patch is not None:
@@ -116,9 +106,8 @@ class FusedAttentionPool(nn.Module):
         padding_mask: Tensor | None = None,
         need_weights: bool = False,
     ) -> Tensor | tuple[Tensor, Tensor]:
-        """Pool x, (B, L, ...) / list of L (B, ...) tensors, or (B, C, W_1..W_n) with `patch`,
-        padding_mask (B, L) True at padded inputs -> g_V(V alpha) ((B, d) by default), and
-        alpha (B, L) with need_weights."""
+        """Pool x (`tokens`), padding_mask (B, L) True at padded inputs -> g_V(V alpha) ((B, d)
+        by default), and alpha (B, L) with need_weights."""
         tok = self.tokens(x)  # (B, L, F)
         B, L, _ = tok.shape
         if padding_mask is None:

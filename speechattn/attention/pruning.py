@@ -1,11 +1,5 @@
-"""Head pruning of an attention module: `prune_heads(module, keep)`.
-
-Removes the parameters of every head not in `keep`, in place (D stays; the heads' inner size
-becomes h' d_k): those a variant declares (`Attention.head_projections`, `head_tensors`), and
-other per-head state in its `_remove_heads` hook, with the helpers below. Kept heads keep
-their order, so heads with a role by position remain a prefix and a suffix, and the module
-equals the unpruned one with xi = 0 on the removed heads.
-"""
+"""Head pruning of an attention module in place: `prune_heads(module, keep)` (D stays; the
+heads' inner size becomes h' d_k)."""
 
 from __future__ import annotations
 
@@ -18,9 +12,9 @@ from speechattn.attention.base import Attention
 
 
 def prune_heads(module: Attention, keep: Sequence[int]) -> None:
-    """Remove every head of `module` not in `keep` (indices of its current heads): then
-    `num_heads` = len(keep), kept heads in increasing order, outputs exactly those with xi = 0
-    on the removed heads, and `kept_heads` maps them to the original ones (also repeated)."""
+    """Remove every head of `module` not in `keep` (current indices): kept heads stay in order
+    (so heads with a role by position remain a prefix and a suffix), outputs are exactly those
+    with xi = 0 on the removed heads, and `kept_heads` maps them to the original ones."""
     kept = sorted(set(int(k) for k in keep))
     if len(kept) != len(keep) or not kept or kept[0] < 0 or kept[-1] >= module.num_heads:
         raise ValueError(
@@ -60,8 +54,7 @@ def head_index(keep: Tensor, size: int, num_heads: int, blocks: int = 1) -> Tens
 
 
 def select_(module: nn.Module, name: str, index: Tensor, dim: int = 0) -> None:
-    """Replace parameter or buffer `name` of `module` by its entries `index` along `dim`
-    (same dtype, device, requires_grad and buffer persistence)."""
+    """Replace parameter or buffer `name` of `module` by its entries `index` along `dim`."""
     old = getattr(module, name)
     new = old.detach().index_select(dim, index.to(old.device))
     if isinstance(old, nn.Parameter):
@@ -71,8 +64,7 @@ def select_(module: nn.Module, name: str, index: Tensor, dim: int = 0) -> None:
 
 
 def select_linear_(linear: nn.Linear, index: Tensor, dim: int) -> None:
-    """Keep outputs (dim = 0: weight rows and bias) or inputs (dim = 1: weight columns)
-    `index` of a Linear layer."""
+    """Keep outputs (dim = 0) or inputs (dim = 1) `index` of a Linear layer."""
     select_(linear, "weight", index, dim)
     if dim == 0:
         if linear.bias is not None:

@@ -54,16 +54,11 @@ def options(name: str) -> dict[str, Any]:
 
 
 class UnknownOptionError(ConfigError, TypeError):
-    """An option the variant does not have (`attention.options.strde=4`); a TypeError too, as
-    for a misspelt keyword argument."""
+    """An option the variant does not have (`attention.options.strde=4`); a TypeError too."""
 
 
 def build(name: str, dim: int, num_heads: int, **options: Any) -> Attention:
-    """Build variant `name` with model dim D = `dim`, h = `num_heads` and its own options.
-
-    Unknown names raise a ConfigError listing the valid names; unknown options raise
-    `UnknownOptionError` (a TypeError) naming them and listing the options the variant accepts.
-    """
+    """Variant `name` with D = `dim`, h = `num_heads` and its own options."""
     cls = get(name)
     allowed = [f.name for f in dataclasses.fields(cls.Config) if f.name not in ("dim", "num_heads")]
     unknown = sorted(set(options) - set(allowed))
@@ -72,5 +67,4 @@ def build(name: str, dim: int, num_heads: int, **options: Any) -> Attention:
             f"unknown option(s) {', '.join(map(repr, unknown))} for attention {name!r}; "
             f"valid options: {', '.join(allowed)}"
         )
-    config = cls.Config(dim=dim, num_heads=num_heads, **options)
-    return cls(config)
+    return cls(cls.Config(dim=dim, num_heads=num_heads, **options))

@@ -10,10 +10,8 @@ without bias (split into heads like Q, K, V) and u_h, v_h learned per-head biase
 
     score_ij = ((q_i + u_h)^T k_j + (q_i + v_h)^T (W_R r_{i-j})_h) / sqrt(d_k)
 
-Efficient path: the position term is one (T, 2T - 1) product per head against the projected
-distances, turned into (T, T) by the relative shift (Transformer-XL appendix B), then the
-additive mask of one fused SDPA call whose queries are q + u. The dense reference gathers the
-distance index T - 1 - (i - j) explicitly.
+The position term is one (T, 2T - 1) product per head, turned into (T, T) by the relative
+shift (Transformer-XL appendix B): the additive mask of one SDPA call on queries q + u.
 """
 
 from __future__ import annotations
@@ -25,24 +23,15 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from speechattn.attention.base import (
-    AttentionConfig,
-    Flops,
-    key_mask,
-    linear_flops,
-    scale,
-)
+from speechattn.attention.base import AttentionConfig, Flops, key_mask, linear_flops, scale
 from speechattn.attention.dot_product import FullAttention
 from speechattn.attention.registry import register
 
 
 def relative_sinusoids(T: int, dim: int, device: torch.device, dtype: torch.dtype) -> Tensor:
-    """Sinusoidal embeddings of the distances m = T-1, T-2, ..., -(T-1): (2T - 1, dim).
-
-    Row n holds distance m = T - 1 - n (largest first, the order the relative shift expects);
-    columns alternate sin, cos of m / 10000^(2c / dim) (Vaswani et al. 2017, section 3.5).
-    Computed in float64 so that long sequences keep exact angles, then cast to `dtype`.
-    """
+    """Sinusoidal embeddings of the distances m = T-1, ..., -(T-1): (2T - 1, dim), columns
+    alternating sin, cos of m / 10000^(2c / dim) (Vaswani et al. 2017, section 3.5); float64
+    angles (exact at long T), cast to `dtype`."""
     m = torch.arange(T - 1, -T, -1, device=device, dtype=torch.float64)  # (2T - 1,)
     c = torch.arange(0, dim, 2, device=device, dtype=torch.float64)
     angles = m[:, None] * torch.exp(c * (-math.log(10000.0) / dim))  # (2T - 1, ceil(dim / 2))
@@ -51,12 +40,9 @@ def relative_sinusoids(T: int, dim: int, device: torch.device, dtype: torch.dtyp
 
 
 def relative_shift(scores: Tensor) -> Tensor:
-    """(..., T, 2T - 1) scores against the distances T-1..-(T-1) -> (..., T, T) with
-    out[..., i, j] = scores[..., i, T - 1 - i + j], the score of distance i - j.
-
-    Transformer-XL's trick: with a zero column in front, the flat (T, 2T) rows read as
-    (2T, T); dropping the first of those rows shifts row i left by T - i positions.
-    """
+    """(..., T, 2T - 1) scores against the distances T-1..-(T-1) -> (..., T, T), out[..., i, j]
+    = scores[..., i, T - 1 - i + j]: with a zero column in front, the flat (T, 2T) rows read
+    as (2T, T), and dropping the first row shifts row i left by T - i."""
     *lead, T, W = scores.shape
     padded = F.pad(scores, (1, 0))  # (..., T, 2T)
     shifted = padded.reshape(*lead, W + 1, T)[..., 1:, :]  # (..., 2T - 1, T)
@@ -79,7 +65,6 @@ class RelPosAttention(FullAttention):
     )
     complexity_training = "O(T^2 D)"
     complexity_inference = "O(T^2 D)"
-
     no_weight_decay = ("pos_bias_u", "pos_bias_v")  # per-head biases
     head_projections = {"qkv": 3, "pos_proj": 1}  # W_R r is split into heads too
     head_tensors = no_weight_decay
@@ -88,8 +73,7 @@ class RelPosAttention(FullAttention):
         super().__init__(config)
         h, dk = config.num_heads, config.head_dim
         self.pos_proj = nn.Linear(config.dim, config.dim, bias=False)  # W_R, no bias
-        # u (content bias) and v (position bias), one d_k vector per head; Xavier-uniform as
-        # in Conformer implementations, so that both terms matter from the first step.
+        # u (content bias) and v (position bias) per head, Xavier-uniform as in Conformer code
         self.pos_bias_u = nn.Parameter(nn.init.xavier_uniform_(torch.empty(h, dk)))
         self.pos_bias_v = nn.Parameter(nn.init.xavier_uniform_(torch.empty(h, dk)))
 

@@ -3,12 +3,9 @@
 Roy, Saffar, Vaswani, Grangier, "Efficient Content-Based Sparse Attention with Routing
 Transformers", TACL 2021 (arXiv:2003.05997), section 4, bidirectional, on `shared_qk`'s
 projections and scores. Local heads [0, ceil(h/2)) attend the band |i - j| <= w; routing
-heads send each unit vector to its nearest centroid, use C = ceil(sqrt(T_valid)) centroids
-per utterance (at most `max_clusters`), keep each cluster's top ceil(T_valid / C) members by
-similarity, and let a query attend the kept members of its own cluster plus itself. Centroids
-are a buffer moved by an EMA of their members in training (summed over DDP ranks first).
-Selection routes in true float32 (`fp32.py`: a hard decision) without gradients. Definition,
-options and kernels: docs/attention.md, "routing".
+heads send each unit vector to its nearest of C = ceil(sqrt(T_valid)) centroids, keep each
+cluster's top ceil(T_valid / C) members by similarity, and let a query attend the kept members
+of its own cluster plus itself. Definition, options and kernels: docs/attention.md, "routing".
 """
 
 from __future__ import annotations
@@ -54,7 +51,6 @@ log = logging.getLogger(__name__)
 
 
 def _data_parallel() -> bool:
-    """Whether this process is one of several ranks of an initialised process group."""
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
@@ -93,14 +89,10 @@ class RoutingAttention(SharedQKBase):
     paper = (
         "Roy et al., Efficient Content-Based Sparse Attention with Routing Transformers, TACL 2021"
     )
-    # C = ceil(sqrt(T)), so T / C = sqrt(T); with a max_clusters cap, T / C above max_clusters^2
     complexity_training = "O(T (w + T / C) D) attention + O(T C D) routing"
     complexity_inference = "O(T (w + T / C) D) attention + O(T C D) routing"
-    # All-pairs SDPA masked to the selection up to here, band and cluster kernels above
-    # (measured crossover, docs/benchmarks.md).
-    short_path_max_t = 128
-    # "masked": the long kernel with the local heads' band as one masked SDPA call
-    kernel_names = ("short", "long", "masked")
+    short_path_max_t = 128  # all-pairs SDPA masked to the selection up to here
+    kernel_names = ("short", "long", "masked")  # masked: the local heads' band as a mask
     all_pairs_kernels = ("short", "masked")
 
     def __init__(self, config: RoutingConfig) -> None:
@@ -109,17 +101,15 @@ class RoutingAttention(SharedQKBase):
         self.max_clusters = config.max_clusters
         self.decay = config.decay
         self.heads_local = (config.num_heads + 1) // 2
-        # (h_r, stored, d_k) unit vectors: the first C serve an utterance with C clusters.
-        # Stored: max_clusters, or with no cap those of T = 1024 (32), more added (from
-        # their own seeds) when a longer batch first needs them.
+        # (h_r, stored, d_k) unit vectors, the first C for C clusters: max_clusters, or those
+        # of T = 1024, more added when a longer batch needs them.
         stored = num_clusters(1024, None) if self.max_clusters is None else self.max_clusters
         self.register_buffer("centroids", self.initial_centroids(0, stored))
         self._cap_logged = False
 
     def initial_centroids(self, start: int, stop: int) -> Tensor:
         """Initial centroids start..stop - 1 of the current routing heads: (h_r, stop - start,
-        d_k) unit vectors, centroid c from a seed of (`seed`, layer, c): layers differ, and a
-        centroid added later is the same whenever it is added."""
+        d_k) unit vectors, centroid c seeded by (`seed`, layer, c), whenever it is added."""
         config = self.config
         first = (config.num_heads + 1) // 2  # routing heads' original indices start here
         heads = torch.tensor([h - first for h in self.kept_heads if h >= first], dtype=torch.long)
@@ -130,8 +120,7 @@ class RoutingAttention(SharedQKBase):
         return F.normalize(mu[heads], dim=-1)  # (h_r, stop - start, d_k)
 
     def num_centroids(self, T: int) -> int:
-        """Centroids used at T frames, C(T), with that many stored; logs once per module when
-        `max_clusters` holds C below ceil(sqrt(T))."""
+        """Centroids used at T frames, with that many stored; logs once when the cap binds."""
         C = num_clusters(T, self.max_clusters)
         if C < num_clusters(T, None) and not self._cap_logged and not torch.compiler.is_compiling():
             self._cap_logged = True
@@ -143,8 +132,8 @@ class RoutingAttention(SharedQKBase):
         return self.num_centroids_stored(C)
 
     def _centroids_of_all_ranks(self, C: int) -> int:
-        """A centroid count (>= C, stored) every rank reduces over this step, so statistics
-        have one shape: the cap, or without one an integer all-reduce and its host read."""
+        """A centroid count (>= C, stored) every rank reduces over this step: the cap, or an
+        integer all-reduce and its host read."""
         if self.max_clusters is not None:
             return self.num_centroids_stored(self.max_clusters)
         most = torch.full((1,), C, device=self.centroids.device)  # a fill: no upload
@@ -173,10 +162,8 @@ class RoutingAttention(SharedQKBase):
         self.heads_local = int((index < self.heads_local).sum())
         select_(self, "centroids", routing)
 
-    # ----------------------------------------------------------------- metadata
     def keys_attended(self, T: int) -> float:
-        """Mean over heads of: local heads, the band size; routing heads, the cluster
-        capacity ceil(T / C) (an upper bound: a query of a smaller cluster sees fewer)."""
+        """Mean over heads of the band size and the cluster capacity ceil(T / C) (a bound)."""
         band = patterns.mean_band_size(T, self.window)
         cluster = float(math.ceil(T / num_clusters(T, self.max_clusters)))
         h_r = self.num_heads - self.heads_local
@@ -188,7 +175,6 @@ class RoutingAttention(SharedQKBase):
         attention = self.dot_product_flops(T, self.keys_attended(T))
         return Flops(attention.differentiable, routing)  # distances to the centroids, no grad
 
-    # ----------------------------------------------------------------- routing
     def route(self, k: Tensor, valid: Tensor) -> Routes:
         """Nearest centroid of every valid routing-head vector. k (B, h_r, T, d_k) unit vectors."""
         B, h_r, T, _ = k.shape
@@ -205,13 +191,11 @@ class RoutingAttention(SharedQKBase):
         return Routes(cluster, similarity, capacity)
 
     def _routing_vectors(self, k: Tensor) -> Tensor:
-        """The routing heads' keys in float32 (float64 stays): (B, h_r, T, d_k)."""
         return widen(k[:, self.heads_local :])
 
     @torch.no_grad()
     def update_centroids(self, k: Tensor, valid: Tensor) -> None:
-        """One EMA step of every used centroid with members towards their mean; k (B, h, T,
-        d_k) shared-QK keys, valid (B, T). Called by `attend` in training mode only."""
+        """EMA step of each used centroid towards its members: k (B, h, T, d_k), valid (B, T)."""
         if self.num_heads == self.heads_local:
             return
         with torch.autocast(k.device.type, enabled=False):
@@ -235,9 +219,8 @@ class RoutingAttention(SharedQKBase):
 
     @torch.no_grad()
     def select(self, q: Tensor, k: Tensor, valid: Tensor) -> Tensor:
-        """Keys of every query (B, h, T, kk): column 0 the query itself, then its band (local
-        heads) or the kept members of its cluster (routing heads); columns equal to the query
-        are fillers."""
+        """Keys of every query (B, h, T, kk): itself, then its band or the kept members of its
+        cluster; further columns equal to the query are fillers."""
         B, h, T, _ = q.shape
         i = torch.arange(T, device=q.device)
         # -w..-1, 1..w, made on the device (a host-made table would be copied every call)
@@ -261,11 +244,9 @@ class RoutingAttention(SharedQKBase):
 
     @torch.no_grad()
     def members(self, k: Tensor, valid: Tensor) -> Members:
-        """Route the routing heads' keys k (B, h, T, d_k) in float32 with the current centroids
-        and sort them into clusters (`Members`) by (cluster, similarity descending, position)
-        with two stable sorts; rank = sorted position minus the cluster's first. Width W: the
-        batch's largest capacity on CPU eager, else `capacity_bound` (no size depends on data;
-        extra slots -1)."""
+        """Route the routing heads' keys k (B, h, T, d_k) and sort them into clusters by
+        (cluster, similarity descending, position); width W: the batch's largest capacity on
+        CPU eager, else `capacity_bound` (extra slots -1)."""
         with torch.autocast(k.device.type, enabled=False):
             routes = self.route(self._routing_vectors(k), valid)
             cluster, similarity, capacity = routes.cluster, routes.similarity, routes.capacity
@@ -273,12 +254,9 @@ class RoutingAttention(SharedQKBase):
             Cm = self.num_centroids(T)
             W = capacity_bound(T, Cm) if needs_static_shapes(capacity) else int(capacity.max())
             label = torch.where(cluster >= 0, cluster, Cm)  # padded frames sort last
-            order = similarity.masked_fill(cluster < 0, 0).sort(
-                dim=-1, descending=True, stable=True
-            )[1]
-            order = order.gather(
-                -1, label.gather(-1, order).sort(dim=-1, stable=True)[1]
-            )  # (B, h_r, T)
+            ranked = similarity.masked_fill(cluster < 0, 0)  # (B, h_r, T)
+            order = ranked.argsort(dim=-1, descending=True, stable=True)
+            order = order.gather(-1, label.gather(-1, order).argsort(dim=-1, stable=True))
             sorted_label = label.gather(-1, order)
             counts = F.one_hot(label, Cm + 1).sum(2)  # (B, h_r, Cm + 1)
             first = counts.cumsum(-1) - counts  # position of each cluster's first member
@@ -292,9 +270,7 @@ class RoutingAttention(SharedQKBase):
 
     @torch.no_grad()
     def selection_dense(self, q: Tensor, k: Tensor, valid: Tensor) -> Tensor:
-        """Reference selection (B, h, T, T) bool, self included, from explicit pair tests:
-        local |i - j| <= w; routing: same cluster and j ranks below the capacity among its
-        cluster (counting members with a larger similarity, or equal and earlier)."""
+        """Reference selection (B, h, T, T) bool, self included, from explicit pair tests."""
         B, h, T, _ = q.shape
         i = torch.arange(T, device=q.device)
         eye = i[:, None] == i[None, :]
@@ -313,7 +289,6 @@ class RoutingAttention(SharedQKBase):
         routing = (same & kept[..., None, :]) | eye
         return torch.cat([local, routing], dim=1)
 
-    # ----------------------------------------------------------------- attention
     def attend(self, x: Tensor, valid: Tensor | None) -> Tensor:
         padded = valid is not None
         valid = all_valid(x) if valid is None else valid
@@ -342,8 +317,7 @@ class RoutingAttention(SharedQKBase):
         return torch.cat(outs, dim=1)  # (B, h, T, d_k)
 
     def _attend_short(self, q: Tensor, k: Tensor, v: Tensor, idx: Tensor, valid: Tensor) -> Tensor:
-        """One fused SDPA call over all T x T pairs: 0 on the selected valid keys and on self
-        (penalised), -inf elsewhere."""
+        """One SDPA call over all T x T pairs masked to the selection, self penalised."""
         T = q.shape[-2]
         eye = torch.eye(T, dtype=torch.bool, device=q.device)
         chosen = torch.zeros(idx.shape[:-1] + (T,), dtype=torch.bool, device=q.device)

@@ -10,10 +10,7 @@ always allowed). Options and kernels: docs/attention.md, "Sparse".
   the others to the c summary columns at the end of every block, j mod l >= l - c.
 
 l (`ls` in the code): the option, or round(sqrt(T_u)) of each utterance's extent T_u, so its
-output does not depend on its batch (host reads on the CPU; on CUDA and under torch.compile
-shapes fixed by T, `patterns.stride_bounds`). Kernels (option ``kernel``): "blocked" (each
-sub-problem one fused SDPA call, never a T x T mask, `kernels/blocks.py`), "masked" (one SDPA
-call per head half, `kernels/masked.py`), "flex" (CUDA, `flex.py`), "auto" (tuner or rule).
+output does not depend on its batch.
 """
 
 from __future__ import annotations
@@ -48,27 +45,18 @@ from speechattn.attention.registry import register
 
 TUNED = ("blocked", "masked", "flex")  # the kernels, each forced by its name
 KERNELS = ("auto", *TUNED)  # the option's values
-# What `auto` times. Not flex: on an H200 at T = 512 masked took 3.3 ms, blocked 5.6, flex 9.6,
-# and compiling flex costs ~20 s per length bucket.
+# What `auto` times. Not flex: slowest on an H200 (docs/attention.md), ~20 s to compile a bucket.
 AUTO = ("blocked", "masked")
 OLD_NAMES = {"sdpa": "blocked"}  # the blocked kernel's name in the first runs' configs
-# The CUDA rule: masked (all T x T pairs, ~1 ms for 50 x 12 heads at T = 512 on an H200) up to
-# here, blocked above; past it the T^2 cost is left to the tuner.
-MASKED_MAX_T_CUDA = 1024
+MASKED_MAX_T_CUDA = 1024  # the CUDA rule: masked (all T x T pairs) up to here, blocked above
 
 
 class _SparseBase(SharedQKBase):
-    """Shared-QK sparse attention. Heads [0, heads_first) use the first pattern, the others the
-    second. A subclass gives `stride_option` (the config field that fixes l; None: per
-    utterance) and:
-
-        kernels() -> (first, second): the blocked kernels of the two halves of the heads
-        first_pattern(i, j, ls), second_pattern(i, j, ls) -> bool: whether query i may use
-            key j in that half, with stride ls (broadcastable tensors, an int or a tensor)
-        envelope_at(h, i, j, bound) -> bool: positions only, every key head h's query i may
-            use for any stride <= bound (the Flex BlockMask)
-        _mean_pattern_size(T) -> (first, second): keys per query of each half
-    """
+    """Shared-QK sparse attention: heads [0, heads_first) use the first pattern, the others the
+    second. A subclass gives `stride_option` (the config field fixing l), `kernels()` (the
+    halves' blocked kernels), `first_pattern` / `second_pattern(i, j, ls)` (bool, broadcast),
+    `envelope_at(h, i, j, bound)` (every key for any stride <= bound: the Flex BlockMask) and
+    `_mean_pattern_size(T)` (keys per query of each half)."""
 
     end_padded_only = True  # positions place the pattern (see `Attention`)
     all_pairs_kernels = ("masked",)
@@ -90,8 +78,7 @@ class _SparseBase(SharedQKBase):
     def pattern_pair(
         self, T: int, ls: patterns.Width, device: torch.device
     ) -> tuple[Tensor, Tensor]:
-        """The bool patterns of the first and second half of the heads: (T, T) for one stride
-        ls, (B, T, T) for per-utterance strides ls (B,)."""
+        """The halves' bool patterns: (T, T) for one stride ls, (B, T, T) for ls (B,)."""
         i, j = patterns.grid(T, device)
         lb = patterns.per_utterance(ls)
         first, second = self.first_pattern(i, j, lb), self.second_pattern(i, j, lb)
@@ -102,11 +89,9 @@ class _SparseBase(SharedQKBase):
         first = h < self.heads_first
         return torch.where(first, self.first_pattern(i, j, ls), self.second_pattern(i, j, ls))
 
-    # ----------------------------------------------------------------- kernel choice
     @property
     def kernel_names(self) -> tuple[str, ...]:
-        """blocked and masked (the tuner's candidates); one when the option names it (flex
-        runs only when named: see `AUTO`)."""
+        """`AUTO`, or the one the option names."""
         kernel = self.config.kernel
         return AUTO if kernel == "auto" else (kernel,)
 
@@ -133,13 +118,10 @@ class _SparseBase(SharedQKBase):
     def flex_mask(
         self, ls: Stride, B: int, T: int, device: torch.device
     ) -> tuple[Hashable, flex.MaskMod, flex.MaskMod]:
-        """The two patterns by head for FlexAttention with strides ls (int, or (B,) per
-        utterance): (key, pattern, envelope). pattern(b, h, i, j) reads ls[b] from a (B,)
-        tensor on the device (an int filled in, no host copy), so the compiled kernel serves
-        every stride. envelope, named by key for the BlockMask cache, allows every key the
-        pattern allows for any stride up to a bound, the configured stride (the pattern
-        itself) or the largest default one of T's Flex bucket (`envelope_at`), so one
-        BlockMask serves the bucket."""
+        """(key, pattern, envelope) for FlexAttention with strides ls (int or (B,)): pattern
+        reads ls[b] from a device tensor, so one compiled kernel serves every stride; envelope
+        (named by key) allows every key for any stride up to the configured one or the largest
+        default of T's Flex bucket, so one BlockMask serves the bucket."""
         fixed = self._fixed_stride()
         ls = ls if isinstance(ls, Tensor) else torch.full((B,), ls, device=device)
         bound = fixed or patterns.stride_bounds(flex.bucket(T))[0]
@@ -157,8 +139,7 @@ class _SparseBase(SharedQKBase):
         return key, pattern, envelope
 
     def _run(self, q: Tensor, k: Tensor, v: Tensor, kv: Tensor, ls: Stride, kernel: str) -> Tensor:
-        """All heads with stride ls (int, or (B,) per utterance) by the blocked or (where it
-        can run) the Flex kernel -> (B, h, T, d_k)."""
+        """All heads with stride ls (int or (B,)), blocked or Flex kernel -> (B, h, T, d_k)."""
         if kernel == "flex" and flex.use_flex(q, self.training, self.dropout):
             B, _, T, _ = q.shape
             key, pattern, envelope = self.flex_mask(ls, B, T, q.device)
@@ -194,9 +175,7 @@ class _SparseBase(SharedQKBase):
         return out
 
     def attend_masked(self, q: Tensor, k: Tensor, v: Tensor, valid: Tensor | None) -> Tensor:
-        """The masked kernel: q, k, v (B, h, T, d_k), valid (B, T) or None -> (B, h, T, d_k).
-        Per-utterance strides come from the extents by device ops (no host read), so one
-        call serves the batch on every device."""
+        """q, k, v (B, h, T, d_k), valid (B, T) or None -> (B, h, T, d_k), without a host read."""
         T = q.shape[2]
         first, second = self.pattern_pair(T, self.device_strides(valid, T), q.device)
         groups = [(self.heads_first, first), (self.num_heads - self.heads_first, second)]
@@ -228,10 +207,7 @@ class _SparseBase(SharedQKBase):
 
 @dataclass
 class SparseConfig(AttentionConfig):
-    # "auto": the tuner's (or the rule's) choice; "blocked": one SDPA call per sub-problem
-    # ("sdpa" in the first runs); "masked": one SDPA call per head half, the pattern as a
-    # mask; "flex": one FlexAttention call on CUDA (flex.py), blocked elsewhere
-    kernel: str = "auto"
+    kernel: str = "auto"  # or "blocked" ("sdpa" in the first runs), "masked", "flex"
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -5,10 +5,7 @@ Tay et al., "Synthesizer: Rethinking Self-Attention in Transformer Models", ICML
 is `syn_random` whose first 7 heads start from the fixed patterns of Raganato, Scherrer,
 Tiedemann, Findings of EMNLP 2020, as logits log(pattern + eps) (`pattern_eps`). Rows are
 normalised over the valid keys; columns are placed by frame position (`end_padded_only`).
-Dense synthesizers run SDPA on [ReLU(W_1 x_i), 1] . [W_2 row j, b_2 j]; random ones form
-their weights up to `short_path_max_t` and run the row-chunked `TableAttention` above (CPU
-eager; on CUDA and under torch.compile the explicit weights at every T, shapes fixed by B and
-T). Options and kernels: docs/attention.md, "Synthesizers".
+Options and kernels: docs/attention.md, "Synthesizers".
 """
 
 from __future__ import annotations
@@ -66,10 +63,8 @@ class SynDenseConfig(SynRandomConfig):
 
 
 def _cropped(run: Callable[..., Any]) -> Callable[..., Any]:
-    """`run` (`Attention.forward` or `dense_reference`) for the synthesizers: a batch padded
-    beyond max_len whose utterances all fit runs on its first n = (last valid frame + 1) <=
-    max_len frames, and y (B, n, D) and weights (B, h, n, n) are padded back to T with zero
-    rows and columns."""
+    """`run` (`forward` or `dense_reference`) on a batch padded beyond max_len whose utterances
+    fit: on its first n <= max_len frames, y (B, n, D) and weights (B, h, n, n) zero-padded to T."""
 
     @functools.wraps(run)
     def cropped(
@@ -95,7 +90,7 @@ TAY = "Tay et al., Synthesizer: Rethinking Self-Attention in Transformer Models,
 
 
 class _SynthesizerBase(Attention):
-    """Values projection, length checks and metadata of every synthesizer."""
+    """Values projection, length checks and metadata."""
 
     end_padded_only = True  # positions place the pattern (see `Attention`)
     head_projections = {"v_proj": 1}
@@ -112,9 +107,8 @@ class _SynthesizerBase(Attention):
     dense_reference = _cropped(Attention.dense_reference)
 
     def _fitting_length(self, x: Tensor, padding_mask: Tensor | None) -> int | None:
-        """Frames to keep when x (B, T, D) is longer than max_len but every utterance fits: 1 +
-        the last valid frame of any utterance (one longer than max_len is refused); None when
-        x fits or has no mask. A host read, only for a batch refused otherwise."""
+        """1 + the last valid frame when x (B, T, D) exceeds max_len (a longer utterance is
+        refused); None when x fits or has no mask. A host read, for a batch refused otherwise."""
         T = x.shape[1]
         if T <= self.max_len or padding_mask is None or padding_mask.shape != x.shape[:2]:
             return None
@@ -147,8 +141,7 @@ class _DenseSynthesizer(_SynthesizerBase):
 
     def _sdpa(self, q: Tensor, k: Tensor, v: Tensor, valid: Tensor | None) -> Tensor:
         """softmax(q k^T) v over the valid keys by SDPA with scale 1, zero-padding q/k or v to
-        one head size first: the fused CPU kernel needs equal sizes (else SDPA falls back to
-        the T x T math path)."""
+        one head size (else the CPU takes the T x T math path)."""
         mask = None if valid is None else key_mask(valid)[:, None, None, :]  # (B, 1, 1, T)
         dq, dv = q.shape[-1], v.shape[-1]
         if dq > dv:
@@ -167,8 +160,7 @@ class _DenseSynthesizer(_SynthesizerBase):
         return Flops(linear_flops(T, self.dim, G * hidden) + logits + self.value_flops(T))
 
     def _qk(self, x: Tensor) -> tuple[Tensor, Tensor]:
-        """Logits as inner products: q (B, G, T, H'), k (B, G, T, H') with H' = hidden (+1
-        for the bias)."""
+        """Logits as inner products: q, k (B, G, T, H'), H' = hidden (+1 for the bias)."""
         B, T, _ = x.shape
         self._check_len(T)
         W2, b2 = self.logit_table()
@@ -248,8 +240,7 @@ class SynRandomAttention(_SynthesizerBase):
     paper = f"{TAY} (Random)"
     complexity_training = "O(T^2 D)"
     complexity_inference = "O(T^2 D) (softmax(R) input-independent, cacheable)"
-    # Explicit (G, h, T, T) weights up to here, the row-chunked TableAttention above.
-    short_path_max_t = 768
+    short_path_max_t = 768  # explicit (G, h, T, T) weights up to here, TableAttention above
     head_tensors = ("logits",)
 
     def __init__(self, config: SynRandomConfig) -> None:
@@ -262,13 +253,11 @@ class SynRandomAttention(_SynthesizerBase):
         return Flops(self.value_flops(T))  # the logits are a parameter: no product at all
 
     def offsets(self, valid: Tensor | None, T: int) -> Tensor:
-        """(G, h) first row/column of each head's T x T slice of R, G = 1 or B, on the host;
-        valid (B, T) or None (nothing padded)."""
+        """(G, h) first row/column of each head's T x T slice of R, G = 1 or B, on the host."""
         return torch.zeros(1, self.num_heads, dtype=torch.long)
 
     def window_logits(self, valid: Tensor | None, T: int) -> Tensor:
-        """R^i sliced to T x T at `offsets`' places by device ops whose shapes depend on T and B
-        only: (G, h, T, T), G = 1 or B."""
+        """R^i sliced to T x T at `offsets`' places by device ops: (G, h, T, T), G = 1 or B."""
         return self.logits[None, :, :T, :T]
 
     def weights(self, valid: Tensor | None, T: int) -> Tensor:
@@ -288,8 +277,7 @@ class SynRandomAttention(_SynthesizerBase):
     def attend(self, x: Tensor, valid: Tensor | None) -> Tensor:
         v = self.split_heads(self.v_proj(x))  # (B, h, T, d_k)
         T = x.shape[1]
-        # Explicit weights for short sequences, dropout (which needs them), and every T on
-        # CUDA or under torch.compile; the row-chunked table kernel for long ones on the CPU.
+        # the row-chunked table kernel for long sequences on CPU eager without dropout
         if needs_static_shapes(x) or use_short_path(self, x) or (self.dropout and self.training):
             return weighted_values(self.drop(self.weights(valid, T)), v)
         self._check_len(T)
@@ -306,10 +294,9 @@ class SynRandomAttention(_SynthesizerBase):
 @dataclass
 class SynFixedConfig(SynRandomConfig):
     context: int = 3  # width of the left/right context patterns
-    # Each row's weight on its pattern at initialisation at T = max_len (more at shorter T)
-    init_mass: float = 0.99
-    # Initial logits log(pattern + eps); None: `pattern_eps` from init_mass and max_len (a
-    # fixed eps, 1e-4 in the first runs, gives a mass falling with T: 0.55 at T = 8192)
+    init_mass: float = 0.99  # each row's initial weight on its pattern at T = max_len (or less)
+    # Initial logits log(pattern + eps); None: `pattern_eps` (the first runs' fixed 1e-4 gave a
+    # mass falling with T: 0.55 at T = 8192)
     eps: float | None = None
 
     def __post_init__(self) -> None:
@@ -340,14 +327,12 @@ class SynFixedAttention(SynRandomAttention):
 
     def __init__(self, config: SynFixedConfig) -> None:
         super().__init__(config)
-        self.eps = (
-            pattern_eps(config.init_mass, config.max_len) if config.eps is None else config.eps
-        )
-        n_pat = min(len(patterns.FIXED_PATTERN_NAMES), config.num_heads)
-        self.pattern_names = patterns.FIXED_PATTERN_NAMES[:n_pat]
+        eps = config.eps
+        self.eps = pattern_eps(config.init_mass, config.max_len) if eps is None else eps
+        self.pattern_names = patterns.FIXED_PATTERN_NAMES[: config.num_heads]
         # the pattern each head started from (None: random), by current head index
         self.head_patterns: list[str | None] = [*self.pattern_names]
-        self.head_patterns += [None] * (config.num_heads - n_pat)
+        self.head_patterns += [None] * (config.num_heads - len(self.pattern_names))
         with torch.no_grad():  # one head at a time: l_max = 8192 stays affordable
             for i, name in enumerate(self.pattern_names):
                 pat = patterns.fixed_pattern(name, config.max_len, config.context)
@@ -357,9 +342,8 @@ class SynFixedAttention(SynRandomAttention):
         self.head_patterns = [self.head_patterns[i] for i in index.tolist()]
 
     def offsets(self, valid: Tensor | None, T: int) -> Tensor:
-        """(G, h) on the host: the "end" head read so that each utterance's last valid frame
-        meets the bottom-right corner of R (G = 1 when all utterances agree, else B); the
-        others, "start" included, from the top-left corner (padding comes last)."""
+        """(G, h) on the host: the "end" head's window puts each utterance's last valid frame at
+        R's bottom-right corner (G = 1 when all agree, else B); the others start top-left."""
         offs = super().offsets(valid, T)
         if "end" not in self.head_patterns:
             return offs
@@ -378,9 +362,8 @@ class SynFixedAttention(SynRandomAttention):
         return torch.where(valid, torch.arange(T, device=valid.device), -1).amax(-1) % T
 
     def window_logits(self, valid: Tensor | None, T: int) -> Tensor:
-        """`offsets`' windows by device ops: (1, h, T, T) unpadded, (B, h, T, T) padded.
-        Utterance b's "end" window is the bottom-right T x T corner of R shifted along the
-        diagonal by d_b = T - 1 - last_b, zeros past the edge: one gather with a (B, T) index."""
+        """`offsets`' windows by device ops: (1, h, T, T) unpadded, (B, h, T, T) padded; the "end"
+        window is R's bottom-right corner shifted by T - 1 - last_b, zeros past the edge."""
         logits = super().window_logits(valid, T)  # (1, h, T, T), top-left windows
         if "end" not in self.head_patterns:
             return logits
