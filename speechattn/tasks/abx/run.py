@@ -1,10 +1,5 @@
-"""The ABX job: `run(cfg)`, what `python -m speechattn.abx` does (docs/abx.md).
-
-Build the labelled corpus (with phone alignments) and open the upstream, extract one split's
-chosen hidden states as the downstream probes do (`tasks/downstream/features.py`), cut the
-utterances into triphone items, score every layer (`score.py`) and write
-`abx.json` (`AbxRecord`). Shape letters: T' upstream frames of all utterances, N layers, D dim.
-"""
+"""The ABX job: `run(cfg)`, what `python -m speechattn.abx` does (docs/abx.md): one split's
+hidden states, extracted as for the downstream probes, scored layer by layer into `abx.json`."""
 
 from __future__ import annotations
 
