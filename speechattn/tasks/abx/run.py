@@ -13,6 +13,7 @@ import numpy as np
 import torch
 from omegaconf import DictConfig
 
+from speechattn import code_version
 from speechattn.data.datamodules import build_datamodule
 from speechattn.errors import ConfigError, MissingFileError, require
 from speechattn.tasks.abx.score import DISTANCES, abx_score, frame_span, triphone_items
@@ -90,7 +91,6 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     t_features = time.perf_counter() - t_features
     if features.phones is None:
         raise ConfigError(f"ABX needs phone labels: the {cfg.split} split has none")
-
     t_score = time.perf_counter()
     phones = [features.phones_of(i).numpy() for i in range(len(features))]
     speakers = features.speakers if features.speakers is not None else torch.zeros(len(phones))
@@ -108,8 +108,6 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         scores.append({"layer": layer, **asdict(score)})
         log.info("ABX layer %d: within %s, across %s", layer, _percent(score.within),
                  _percent(score.across))  # fmt: skip
-    from speechattn import code_version  # the package root, imported lazily (no cycle)
-
     runtime = {"features": t_features, "score": time.perf_counter() - t_score}
     runtime["total"] = time.perf_counter() - t_start
     record = AbxRecord(

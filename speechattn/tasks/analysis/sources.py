@@ -17,7 +17,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
-from speechattn import CONFIG_DIR
+from speechattn import CONFIG_DIR, code_version
 from speechattn.data import build_datamodule
 from speechattn.errors import ConfigError, MissingFileError
 from speechattn.model.masking import MaskingConfig
@@ -326,8 +326,6 @@ def result_dict(
     runtime_s: dict[str, float],
 ) -> HeadsRecord:
     """The `heads.json` object (schema in `speechattn.tasks.records`)."""
-    from speechattn import code_version
-
     up = prepared.upstream
     model_config = up.config.to_dict() if hasattr(up, "config") else {}
     imp, ab, pruning = analysis.importance, analysis.ablation, None

@@ -25,6 +25,7 @@ from torch.nn.utils.rnn import pad_sequence
 from torch.utils.data import DataLoader, Dataset
 from torchmetrics import Metric
 
+from speechattn import code_version
 from speechattn.data import DataConfig, LabelledDataModule
 from speechattn.errors import ConfigError
 from speechattn.model.probes import Probe
@@ -267,7 +268,6 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     with open_dict(cfg):
         cfg.output_dir = str(out)  # where conf/logger/ writes (`${output_dir}`)
     L.seed_everything(cfg.seed, workers=True)
-
     data_config = labelled_data_config(task, DataConfig(**plain(cfg.data)))
     # the upstream first: a wrong upstream= or feature setting fails before any extraction
     upstream, sha = open_upstream(cfg.upstream, data_config.feature_dim, data_config)
@@ -296,7 +296,6 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     runtime = {"features": time.perf_counter() - t_features}
     for name in SPLITS:
         labels.check_lengths(splits[name], upstream.downsample, cfg.tolerance)
-
     t_train = time.perf_counter()
     loggers = configured_loggers(cfg)
     try:
@@ -315,8 +314,6 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     finally:
         finish_loggers(loggers)
     runtime.update(train=time.perf_counter() - t_train, total=time.perf_counter() - t_start)
-    from speechattn import code_version  # the package root, imported lazily (no cycle)
-
     meta = dict(getattr(upstream, "metadata", {}) or {})
     config = getattr(upstream, "config", None)  # None for mel
     steps = [meta[k] for k in ("global_step", "steps", "step", "pretraining_steps") if k in meta]
