@@ -107,9 +107,10 @@ def frame_span(
 
 def frame_distances(x: Tensor, y: Tensor, distance: str = "angular") -> np.ndarray:
     """x (R, D), y (C, D) unit rows (float64) -> (R, C) float32 distances: angular,
-    arccos(cos) / pi in [0, 1] (Libri-light's), or cosine, 1 - cos in [0, 2]. Equal frames must be at distance exactly 0: float64 leaves up to ~1e-15 on the cosine of
-    two equal unit rows, which arccos turns into 1e-8, so a cosine within 1e-12 of 1 counts as
-    1; and float32 rounding makes two frames' distance independent of the sums' order."""
+    arccos(cos) / pi in [0, 1] (Libri-light's), or cosine, 1 - cos in [0, 2]. Equal frames
+    must be at distance exactly 0: float64 leaves up to ~1e-15 on the cosine of two equal unit
+    rows, which arccos turns into 1e-8, so a cosine within 1e-12 of 1 counts as 1; and float32
+    rounding makes two frames' distance independent of the order of the product's sums."""
     cos = (x @ y.T).clamp_(-1.0, 1.0)
     cos[cos > 1.0 - 1e-12] = 1.0
     d = torch.arccos(cos).div_(math.pi) if distance == "angular" else 1.0 - cos
@@ -256,9 +257,9 @@ def abx_score(
     stop: np.ndarray,
     distance: str = "angular",
 ) -> AbxScore:
-    """Within- and across-speaker ABX error of one representation: features (T, D): every utterance's frames, utterance u at rows offsets[u]:offsets[u+1];
-    items (I,) with their frames [first, stop) in their utterance (non-empty, `frame_span`).
-    """
+    """Within- and across-speaker ABX error of one representation. features (T, D): every
+    utterance's frames, utterance u at rows offsets[u]:offsets[u+1]; items (I,) with their
+    frames [first, stop) in their utterance (non-empty, `frame_span`)."""
     require(distance in DISTANCES, "distance", distance, f"one of {', '.join(DISTANCES)}")
     unit = unit_rows(features)
     context = items.prev * (items.next.max(initial=0) + 1) + items.next
