@@ -320,10 +320,7 @@ def prepare_probe(config: HeadsRunConfig, datamodule: Any = None) -> Prepared:
 
 
 def result_dict(
-    analysis: HeadAnalysis,
-    prepared: Prepared,
-    config: HeadsRunConfig,
-    runtime_s: dict[str, float],
+    analysis: HeadAnalysis, prepared: Prepared, config: HeadsRunConfig, runtime_s: dict[str, float]
 ) -> HeadsRecord:
     """The `heads.json` object (schema in `speechattn.tasks.records`)."""
     up = prepared.upstream
