@@ -1,9 +1,5 @@
-"""ABX discriminability of frozen representations, without training (docs/abx.md).
-
-- `score`: triphone items from frame-level phone labels and their frames at any frame rate,
-  frame distances, DTW, triplet errors and their averaging (numba kernels)
-- `run`: `AbxConfig`, `run(cfg)`, what `python -m speechattn.abx` does
-"""
+"""ABX discriminability of frozen representations, without training (docs/abx.md): `score`
+(items, distances, DTW, triplets, averaging) and `run` (`python -m speechattn.abx`)."""
 
 from speechattn.tasks.abx.run import AbxConfig, run
 from speechattn.tasks.abx.score import AbxScore, Items, abx_score, frame_span, triphone_items

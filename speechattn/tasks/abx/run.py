@@ -1,10 +1,5 @@
-"""The ABX job: `run(cfg)`, what `python -m speechattn.abx` does (docs/abx.md).
-
-Build the labelled corpus (with phone alignments) and open the upstream, extract one split's
-chosen hidden states as the downstream probes do (`tasks/downstream/features.py`), cut the
-utterances into triphone items, score every layer (`score.py`) and write
-`abx.json` (`AbxRecord`). Shape letters: T' upstream frames of all utterances, N layers, D dim.
-"""
+"""The ABX job: `run(cfg)`, what `python -m speechattn.abx` does (docs/abx.md): one split's
+hidden states, extracted as for the downstream probes, scored layer by layer into `abx.json`."""
 
 from __future__ import annotations
 
@@ -18,6 +13,7 @@ import numpy as np
 import torch
 from omegaconf import DictConfig
 
+from speechattn import code_version
 from speechattn.data.datamodules import build_datamodule
 from speechattn.errors import ConfigError, MissingFileError, require
 from speechattn.tasks.abx.score import DISTANCES, abx_score, frame_span, triphone_items
@@ -95,7 +91,6 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     t_features = time.perf_counter() - t_features
     if features.phones is None:
         raise ConfigError(f"ABX needs phone labels: the {cfg.split} split has none")
-
     t_score = time.perf_counter()
     phones = [features.phones_of(i).numpy() for i in range(len(features))]
     speakers = features.speakers if features.speakers is not None else torch.zeros(len(phones))
@@ -113,8 +108,6 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         scores.append({"layer": layer, **asdict(score)})
         log.info("ABX layer %d: within %s, across %s", layer, _percent(score.within),
                  _percent(score.across))  # fmt: skip
-    from speechattn import code_version  # the package root, imported lazily (no cycle)
-
     runtime = {"features": t_features, "score": time.perf_counter() - t_score}
     runtime["total"] = time.perf_counter() - t_start
     record = AbxRecord(

@@ -1,23 +1,8 @@
 """ABX error rates of one representation: items, frame distances, DTW, triplets, averaging.
 
-An item is a maximal run of one phone label in an utterance together with the run before it
-and the run after it (ZeroSpeech 2017 and Libri-light item files: onset, offset, phone,
-previous phone, next phone, speaker). It spans the three runs' 10 ms frames; its context is
-(previous phone, next phone) and its center the middle run's phone. Runs of unlabelled frames
-(-100, padding) are never part of an item.
-
-The definition (docs/abx.md, after Libri-light's `eval_ABX`): a triplet (A, B, X) has A and X of one center phone and context, B of the same
-context and another center. Within speaker A, B and X share a speaker; across speakers A and B
-share one and X has another. The triplet's error is 1 when d(A, X) > d(B, X), 1/2 when equal,
-0 otherwise; d is the frame distance averaged along the DTW path. Errors are averaged over the
-triplets of a cell, then over contexts (across: contexts and X speakers), then speakers, then
-(center, other center) pairs.
-
-How it is computed: items are sorted by (context, speaker, center), so that every group of
-items sharing all three is a contiguous range; one context at a time, the frame distances of
-all its items' frames come from one matrix product (in row blocks when large), a numba kernel
-runs the DTW of every item pair in the context, and a second one counts every triplet of
-every cell. Contexts with a single center have no triplet and are skipped.
+The definition and how it is computed: docs/abx.md (after Libri-light's `eval_ABX`). Items
+are sorted by (context, speaker, center), so that every group of items sharing all three is
+a contiguous range; contexts are scored one at a time.
 
 Shape letters: I items, U utterances, N 10 ms label frames of all utterances together,
 G groups, C cells, F frames of a context's items, D feature dim.
@@ -56,16 +41,12 @@ class AbxScore:
 
 @dataclass
 class Items:
-    """Triphone items, one row per item (arrays of shape (I,), int64).
+    """Triphone items, one row per item (arrays of shape (I,), int64)."""
 
-    utt: the utterance's index; start, end: the span [start, end) in 10 ms label frames of
-    the utterance; prev, center, next: phone ids; speaker: the utterance's speaker id.
-    """
-
-    utt: np.ndarray
-    start: np.ndarray
+    utt: np.ndarray  # the utterance's index
+    start: np.ndarray  # [start, end): the span in the utterance's 10 ms label frames
     end: np.ndarray
-    prev: np.ndarray
+    prev: np.ndarray  # prev, center, next: phone ids
     center: np.ndarray
     next: np.ndarray
     speaker: np.ndarray
@@ -114,15 +95,10 @@ def triphone_items(phones: Sequence[np.ndarray], speakers: Sequence[int]) -> Ite
 def frame_span(
     start: np.ndarray, end: np.ndarray, factor: int, num_frames: np.ndarray
 ) -> tuple[np.ndarray, np.ndarray]:
-    """The representation frames [first, stop) of label spans [start, end) (10 ms frames).
-
-    Frame j of a representation at `factor` x 10 ms covers label frames factor j ..
-    factor j + factor - 1 (the model stacks 3 mel frames: factor 3); it belongs to a span when
-    its middle label frame, factor j + (factor - 1) // 2, lies in the span, i.e. when its
-    centre in time lies between the span's onset and offset. factor 1 (mel) keeps the span
-    as it is. `num_frames` (I,): each item's utterance length in representation frames, which
-    caps `stop`. An empty span (stop <= first) is an item too short for the frame rate.
-    """
+    """The representation frames [first, stop) of label spans [start, end) (10 ms frames):
+    frame j at `factor` x 10 ms belongs to a span when its middle label frame,
+    factor j + (factor - 1) // 2, lies in it. `num_frames` (I,): each item's utterance length
+    in representation frames, which caps `stop`; stop <= first: an item too short for the rate."""
     middle = (factor - 1) // 2
     first = -((middle - start) // factor)  # ceil((start - middle) / factor), >= 0
     stop = (end - 1 - middle) // factor + 1
@@ -131,13 +107,10 @@ def frame_span(
 
 def frame_distances(x: Tensor, y: Tensor, distance: str = "angular") -> np.ndarray:
     """x (R, D), y (C, D) unit rows (float64) -> (R, C) float32 distances: angular,
-    arccos(cos) / pi in [0, 1] (Libri-light's), or cosine, 1 - cos in [0, 2].
-
-    Equal frames are at distance exactly 0 and equal items tie exactly: a cosine within
-    1e-12 of 1 (an angle under 1.5e-6 rad) counts as 1, since float64 rounding leaves up to
-    about 1e-15 on that of two equal unit rows, which arccos would turn into 1e-8; and the
-    result is rounded to float32, so that the same two frames give the same distance
-    whatever the order of the product's sums."""
+    arccos(cos) / pi in [0, 1] (Libri-light's), or cosine, 1 - cos in [0, 2]. Equal frames
+    must be at distance exactly 0: float64 leaves up to ~1e-15 on the cosine of two equal unit
+    rows, which arccos turns into 1e-8, so a cosine within 1e-12 of 1 counts as 1; and float32
+    rounding makes two frames' distance independent of the order of the product's sums."""
     cos = (x @ y.T).clamp_(-1.0, 1.0)
     cos[cos > 1.0 - 1e-12] = 1.0
     d = torch.arccos(cos).div_(math.pi) if distance == "angular" else 1.0 - cos
@@ -151,6 +124,12 @@ def unit_rows(h: Tensor) -> Tensor:
 
 
 @njit(cache=True)
+def _better(cost, steps, best, k):
+    """Whether a predecessor (cost, steps) beats (best, k): cheaper, or as cheap and shorter."""
+    return cost < best or (cost == best and steps < k)
+
+
+@njit(cache=True)
 def _dtw(dist, r0, c0, n, m, cost, steps):
     """DTW of frames r0..r0+n-1 (rows of `dist`) against c0..c0+m-1 (columns): the path's
     summed distance divided by its length. Steps (1, 0), (0, 1), (1, 1); among the optimal
@@ -160,28 +139,15 @@ def _dtw(dist, r0, c0, n, m, cost, steps):
         cur = a & 1
         prv = 1 - cur
         for b in range(m):
-            best = 0.0
-            k = 0
+            best, k = 0.0, 0
             if a > 0 or b > 0:
                 best = np.inf
                 if a > 0:
-                    best = cost[prv, b]
-                    k = steps[prv, b]
-                if b > 0 and (
-                    cost[cur, b - 1] < best or (cost[cur, b - 1] == best and steps[cur, b - 1] < k)
-                ):
-                    best = cost[cur, b - 1]
-                    k = steps[cur, b - 1]
-                if (
-                    a > 0
-                    and b > 0
-                    and (
-                        cost[prv, b - 1] < best
-                        or (cost[prv, b - 1] == best and steps[prv, b - 1] < k)
-                    )
-                ):
-                    best = cost[prv, b - 1]
-                    k = steps[prv, b - 1]
+                    best, k = cost[prv, b], steps[prv, b]
+                if b > 0 and _better(cost[cur, b - 1], steps[cur, b - 1], best, k):
+                    best, k = cost[cur, b - 1], steps[cur, b - 1]
+                if a > 0 and b > 0 and _better(cost[prv, b - 1], steps[prv, b - 1], best, k):
+                    best, k = cost[prv, b - 1], steps[prv, b - 1]
             cost[cur, b] = best + dist[r0 + a, c0 + b]
             steps[cur, b] = k + 1
     last = (n - 1) & 1
@@ -273,10 +239,8 @@ def _mean_by(keys: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, np.ndarr
 
 
 def average(cells: np.ndarray) -> tuple[float | None, int]:
-    """Libri-light's averaging of cell errors: cells (C, 6) rows (context, speaker, center,
-    other center, X speaker, error). Mean over contexts (across: over contexts and X speakers
-    together) per (speaker, center pair), then over speakers per center pair, then over
-    center pairs. Returns the error and the number of center pairs (None, 0 without cells)."""
+    """Libri-light's averaging (docs/abx.md) of cells (C, 6) rows (context, speaker, center,
+    other center, X speaker, error) -> (error, center pairs); (None, 0) without cells."""
     if len(cells) == 0:
         return None, 0
     keys = cells[:, :5].astype(np.int64)
@@ -293,11 +257,9 @@ def abx_score(
     stop: np.ndarray,
     distance: str = "angular",
 ) -> AbxScore:
-    """Within- and across-speaker ABX error of one representation.
-
-    features (T, D): every utterance's frames, utterance u at rows offsets[u]:offsets[u+1];
-    items (I,) with their frames [first, stop) in their utterance (non-empty, `frame_span`).
-    """
+    """Within- and across-speaker ABX error of one representation. features (T, D): every
+    utterance's frames, utterance u at rows offsets[u]:offsets[u+1]; items (I,) with their
+    frames [first, stop) in their utterance (non-empty, `frame_span`)."""
     require(distance in DISTANCES, "distance", distance, f"one of {', '.join(DISTANCES)}")
     unit = unit_rows(features)
     context = items.prev * (items.next.max(initial=0) + 1) + items.next

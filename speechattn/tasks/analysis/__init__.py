@@ -1,10 +1,5 @@
-"""Analysis job: head importance, ablation and pruning of a pretrained upstream (docs/analysis.md).
-
-- `heads`: the objectives (pretraining loss, a trained probe) and the analyses over xi
-- `sources`: where the model, probe and data come from; `HeadsRunConfig`; heads.json's content;
-  `run(cfg)`, what `python -m speechattn.analyze heads` does (the figures aside)
-- `prune`: `PruneConfig` and `run(cfg)` of `python -m speechattn.prune`
-"""
+"""Analysis job: head importance, ablation and pruning of a pretrained upstream (docs/analysis.md):
+`heads` (objectives, analyses), `sources` (inputs, heads.json, `run`), `prune` (actual pruning)."""
 
 from speechattn.tasks.analysis.heads import HeadsConfig, analyze_heads
 from speechattn.tasks.analysis.sources import HeadsRunConfig, run

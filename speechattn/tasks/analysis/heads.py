@@ -1,20 +1,9 @@
 """Head importance, ablation and pruning (Michel et al., 2019, "Are Sixteen Heads Really Better
-than One?") for any attention variant (docs/analysis.md).
-
-Every attention multiplies head h's output by xi_h before its output projection,
-MHAtt(x) = sum_h xi_h Att_h(x), with xi a (L, h) tensor (one row per depth, also with shared
-weights). Importance I_{l,h} = E_x |dL(x)/dxi_{l,h}| at xi = 1 (or the current pruning mask),
-the absolute value taken per utterance (Michel et al.) or per batch (`per="batch"`: cheaper,
-but opposite signs within a batch cancel), each depth's row divided by its L2 norm. Ablation:
-the metric with one head masked, with only one head of a depth kept, and with a depth masked.
-Pruning: heads masked in increasing normalised importance, `step` of all heads at a time,
-importance optionally re-estimated after each step. The model runs in eval mode, so every
-number is deterministic.
-
-L and the metric are an `Objective` over a fixed data subset, as functions of xi:
-`PretrainObjective`, masked-reconstruction L1 under masks drawn once per batch from a fixed
-seed (lower is better); `ProbeObjective`, a trained downstream probe's cross-entropy and
-accuracy on the upstream run uncached with the head mask.
+than One?") for any attention variant (docs/analysis.md): MHAtt(x) = sum_h xi_h Att_h(x) with
+xi (L, h), importance I_{l,h} = E_x |dL(x)/dxi_{l,h}| normalised per depth. Per batch
+(`per="batch"`) is cheaper, but opposite signs within a batch cancel. The model runs in eval
+mode, so every number is deterministic. L and the metric are an `Objective` of xi over a fixed
+data subset.
 
 Shape letters: B batch, T 10 ms frames, T' model frames, F' stacked features (3F), D model dim,
 L depths, h heads per depth, N hidden layers the probe reads, C classes.
@@ -45,11 +34,8 @@ U = TypeVar("U")
 
 
 class Objective(ABC, Generic[U]):
-    """A loss L(unit, xi) to differentiate and a metric to ablate, over a fixed data subset.
-
-    `batches` are prepared once (features on the device, fixed masks); a unit is a batch or
-    one utterance cut out of one (`split`), trimmed to its own length.
-    """
+    """A loss L(unit, xi) to differentiate and a metric to ablate, over `batches` prepared once
+    (features on the device, fixed masks); a unit is a batch or one utterance of one."""
 
     metric_name: str = ""
     higher_is_better: bool = False
@@ -96,19 +82,15 @@ class Objective(ABC, Generic[U]):
         else:
             raise ConfigError(f"per must be one of {PER_CHOICES}, got {per!r}")
 
-    def num_units(self, per: str) -> int:
-        return sum(1 for _ in self.units(per))
-
     def ones(self) -> Tensor:
         """xi = 1 everywhere: (L, h) in the model's dtype and device."""
         return torch.ones(self.num_layers, self.num_heads, dtype=self.dtype, device=self.device)
 
 
 class PretrainObjective(Objective[MaskedBatch]):
-    """Masked-reconstruction L1 of an AALBERT (encoder + reconstruction head)."""
+    """Masked-reconstruction L1 of an AALBERT under masks drawn once per batch from `seed`."""
 
     metric_name = "l1_loss"
-    higher_is_better = False
 
     def __init__(
         self,
@@ -153,8 +135,6 @@ class PretrainObjective(Objective[MaskedBatch]):
 
 @dataclass
 class LabelledBatch:
-    """A labelled batch in the downstream task's label layout."""
-
     features: Tensor  # (B, T, F) normalised log-mel
     lengths: Tensor  # (B,) 10 ms frames
     labels: Tensor  # (B,) utterance labels, or (B, T_lab) frame labels padded with -100
@@ -163,12 +143,9 @@ class LabelledBatch:
 
 
 class ProbeObjective(Objective[LabelledBatch]):
-    """Cross-entropy / accuracy of a trained downstream probe on the head-masked upstream.
-
-    `probe` is a `speechattn.model.probes.Probe` (the downstream run's `DownstreamProbe` is
-    one): a batch dict with hidden (B, N, T', D), padding_mask, label_lengths, utt_ids ->
-    logits (B, C) or (B, T_lab, C); `layers` are the hidden-state indices it was trained on.
-    """
+    """Cross-entropy / accuracy of a trained downstream `Probe` on `layers` of the head-masked
+    upstream, run uncached; `target`: the task's label source (bound to the corpus), or its
+    name for sources whose labels travel with the batches (speaker, phones)."""
 
     metric_name = "accuracy"
     higher_is_better = True
@@ -184,13 +161,10 @@ class ProbeObjective(Objective[LabelledBatch]):
         device: torch.device | str = "cpu",
         dtype: torch.dtype = torch.float32,
     ) -> None:
-        """`target`: the task's label source (bound to the corpus), or its name for sources
-        whose labels travel with the batches (speaker, phones)."""
         self.device, self.dtype = torch.device(device), dtype
         self.upstream = _frozen(upstream, self.device, dtype)
         self.probe = _frozen(probe, self.device, dtype)
-        self.layers = list(layers)
-        self.level = level
+        self.layers, self.level = list(layers), level
         labels = label_source(target)() if isinstance(target, str) else target
         prepared = [self._labelled(b, labels, level) for b in batches]
         self.frames = sum(int(b.lengths.sum()) for b in prepared)
@@ -215,15 +189,8 @@ class ProbeObjective(Objective[LabelledBatch]):
             one = slice(b, b + 1)
             labels = batch.labels[one] if frames is None else batch.labels[one, : int(frames[b])]
             label_lengths = None if frames is None else frames[one]
-            units.append(
-                LabelledBatch(
-                    batch.features[one, :n],
-                    batch.lengths[one],
-                    labels,
-                    label_lengths,
-                    batch.utt_ids[one],
-                )
-            )
+            features, ids = batch.features[one, :n], batch.utt_ids[one]
+            units.append(LabelledBatch(features, batch.lengths[one], labels, label_lengths, ids))
         return units
 
     def logits(self, unit: LabelledBatch, head_mask: Tensor | None) -> tuple[Tensor, Tensor]:
@@ -260,13 +227,7 @@ class ProbeObjective(Objective[LabelledBatch]):
 
 def _frozen(module: nn.Module, device: torch.device, dtype: torch.dtype) -> nn.Module:
     """Eval mode (no dropout), on device/dtype, parameters without gradients (only xi gets one)."""
-    module = module.to(device=device, dtype=dtype).eval()
-    for p in module.parameters():
-        p.requires_grad_(False)
-    return module
-
-
-# ----------------------------------------------------------------------------- config
+    return module.to(device=device, dtype=dtype).eval().requires_grad_(False)
 
 
 @dataclass
@@ -306,17 +267,11 @@ class HeadsConfig:
     pruning: PruningConfig = field(default_factory=PruningConfig)
 
 
-# ----------------------------------------------------------------------------- analyses
-
-
 def head_gradient(objective: Objective, unit: Any, head_mask: Tensor) -> Tensor | None:
     """Signed dL/dxi (L, h) of one unit at `head_mask`; None when the unit scores nothing."""
     xi = head_mask.detach().clone().requires_grad_(True)
     loss = objective.loss(unit, xi)
-    if loss is None:
-        return None
-    (grad,) = torch.autograd.grad(loss, xi)
-    return grad
+    return None if loss is None else torch.autograd.grad(loss, xi)[0]
 
 
 @torch.no_grad()
@@ -350,10 +305,8 @@ class Importance:
 
     def order(self) -> list[tuple[int, int]]:
         """(depth, head) in increasing normalised importance (ties: depth, then head)."""
-        flat = self.normalized.flatten().cpu()
-        idx = torch.argsort(flat, stable=True).tolist()
-        h = self.normalized.shape[1]
-        return [(i // h, i % h) for i in idx]
+        idx = torch.argsort(self.normalized.flatten().cpu(), stable=True).tolist()
+        return [divmod(i, self.normalized.shape[1]) for i in idx]
 
 
 def head_importance(
@@ -362,15 +315,13 @@ def head_importance(
     head_mask: Tensor | None = None,
     progress: bool = False,
 ) -> Importance:
-    """I = E_unit |dL/dxi| at `head_mask` (default all ones), normalised per depth.
-
-    Heads masked in `head_mask` get importance 0 in `normalized` (they are already pruned).
-    """
+    """I = E_unit |dL/dxi| at `head_mask` (default all ones), normalised per depth; heads
+    masked in `head_mask` get 0 in `normalized` (they are already pruned)."""
     head_mask = objective.ones() if head_mask is None else head_mask.to(objective.ones())
     acc_abs = torch.zeros_like(head_mask)
     acc = torch.zeros_like(head_mask)
     n = 0
-    total = objective.num_units(per) if progress else None
+    total = sum(1 for _ in objective.units(per)) if progress else None
     for unit in track(objective.units(per), f"importance (per {per})", total, progress):
         grad = head_gradient(objective, unit, head_mask)
         if grad is None:
@@ -430,8 +381,7 @@ def prune_schedule(total: int, step: float, cap: int | None = None) -> list[int]
     cap = total if cap is None else min(cap, total)
     steps = math.ceil(1.0 / step - 1e-9)
     counts = [min(cap, math.floor(k * step * total + 0.5)) for k in range(steps + 1)]
-    counts.append(cap)
-    return sorted(set(counts))
+    return sorted({*counts, cap})
 
 
 def next_heads(
@@ -471,12 +421,9 @@ def pruning_curve(
     base: float | None = None,
     progress: bool = False,
 ) -> list[PruningPoint]:
-    """Mask heads in increasing order of normalised importance, `step` of all heads at a time.
-
-    The first point is the unpruned model; the last has every head masked, or one head left
-    per depth with `keep_one_per_layer`. With `recompute`, importance is re-estimated (same
-    `per`) at the current mask before choosing each step's heads.
-    """
+    """Mask heads in increasing order of normalised importance, `step` of all heads at a time,
+    from the unpruned model to every head masked (one left per depth with `keep_one_per_layer`);
+    `recompute` re-estimates importance at the current mask before each step."""
     mask = objective.ones()
     L, h = mask.shape
     cap = L * h - L if keep_one_per_layer else L * h

@@ -1,9 +1,5 @@
-"""Actual pruning job: an upstream without the heads that a head analysis masks.
-
-`run(cfg)` reads the heads.json `cfg.heads`, takes its pruning point nearest to `cfg.fraction`
-and writes the pruned upstream (`speechattn.model.pruning` does the pruning itself). Its
-settings are `PruneConfig`, the schema of conf/prune.yaml.
-"""
+"""Actual pruning job: an upstream without the heads that a head analysis masks, at the
+heads.json pruning point nearest to `fraction` (`speechattn.model.pruning` prunes)."""
 
 from __future__ import annotations
 

@@ -1,10 +1,6 @@
-"""The head analysis job: where it gets its model, probe and data, and how its `heads.json` is
-assembled; `run(cfg)` is `python -m speechattn.analyze heads`. task=pretrain reads
-upstream.pt and the pretraining validation split of the corpus in its metadata; a downstream
-task reads a `python -m speechattn.downstream` run dir (`result.json`, `checkpoints/best-*.ckpt`),
-its upstream, and the dev (or test) split of its corpus. A missing or mismatched input is an
-error naming the file and what is expected.
-"""
+"""The head analysis job: where it gets its model, probe and data (docs/analysis.md), and how
+its `heads.json` is assembled; `run(cfg)` is `python -m speechattn.analyze heads`. A missing or
+mismatched input is an error naming the file and what is expected."""
 
 from __future__ import annotations
 
@@ -21,7 +17,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
-from speechattn import CONFIG_DIR
+from speechattn import CONFIG_DIR, code_version
 from speechattn.data import build_datamodule
 from speechattn.errors import ConfigError, MissingFileError
 from speechattn.model.masking import MaskingConfig
@@ -108,12 +104,9 @@ def head_tasks() -> list[str]:
     return [PRETRAIN, *TASKS, *sorted(others)]
 
 
-# ----------------------------------------------------------------------------- inputs
-
-
 def analysed_upstream(spec: str | Path | None) -> tuple[nn.Module, str, Path]:
-    """`upstream.pt` (path) opened as downstream opens it (`open_upstream`) -> (upstream,
-    sha256, resolved path); refuses `mel` and upstreams without attention heads."""
+    """(upstream, sha256, resolved path) of an `upstream.pt`, opened as downstream opens it;
+    refuses `mel` and upstreams without attention heads."""
     if spec in (None, ""):
         raise ConfigError(
             "upstream=PATH is required: an upstream.pt written by `python -m speechattn.pretrain`"
@@ -129,8 +122,6 @@ def analysed_upstream(spec: str | Path | None) -> tuple[nn.Module, str, Path]:
 
 @dataclass
 class ProbeRun:
-    """A finished downstream run: its result, best probe checkpoint and the probe itself."""
-
     directory: Path
     result: Any  # DownstreamResult
     checkpoint: Path
@@ -141,6 +132,7 @@ class ProbeRun:
 def load_probe_run(directory: str | Path) -> ProbeRun:
     """Read `result.json` and rebuild the best probe of a downstream run directory."""
     from speechattn.tasks.downstream import DownstreamProbe, TaskConfig
+    from speechattn.tasks.downstream.run import PROBE_SIZES
 
     directory = Path(directory).expanduser().resolve()
     if not directory.is_dir():
@@ -173,8 +165,7 @@ def load_probe_run(directory: str | Path) -> ProbeRun:
         state = load_torch_file(checkpoint, "cpu")
         hp = state["hyper_parameters"]
         task = TaskConfig(**hp["task"])
-        sizes = ("input_dim", "num_layers", "num_classes", "downsample", "tolerance")
-        probe = DownstreamProbe(task, *(int(hp[k]) for k in sizes))
+        probe = DownstreamProbe(task, *(int(hp[k]) for k in PROBE_SIZES))
         probe.load_state_dict(state["state_dict"])
     except Exception as e:
         detail = (
@@ -201,8 +192,8 @@ def load_probe_run(directory: str | Path) -> ProbeRun:
 def subset_batches(
     loader: Any, num_batches: int | None, datamodule: Any, upstream: nn.Module
 ) -> list[dict[str, Any]]:
-    """The first `num_batches` batches of a deterministic loader (all with None), the corpus
-    normalisation mapped onto the upstream's (as downstream feature extraction does)."""
+    """The first `num_batches` batches of a deterministic loader (all with None), normalised as
+    downstream feature extraction does."""
     batches = list(itertools.islice(iter(loader), num_batches))
     if not batches:
         raise ConfigError("the data split is empty: no batches to analyse")
@@ -222,8 +213,8 @@ def subset_batches(
 
 
 def recorded_data_config(corpus: dict[str, Any] | None) -> dict[str, Any]:
-    """The data config a downstream run recorded in result.json: `corpus["config"]` (corpus
-    facts + config), or `corpus` itself when it is the bare data config."""
+    """The data config a downstream run recorded in result.json: `corpus["config"]`, or
+    `corpus` itself when it is the bare data config."""
     corpus = dict(corpus or {})
     config = corpus.get("config")
     return dict(config) if isinstance(config, dict) else corpus
@@ -239,9 +230,6 @@ def _datamodule(datamodule: Any, data: dict[str, Any], batch_size: int | None, k
     return datamodule
 
 
-# ----------------------------------------------------------------------------- run
-
-
 @dataclass
 class Prepared:
     objective: Objective
@@ -254,8 +242,8 @@ class Prepared:
 
 
 def prepare_pretrain(config: HeadsRunConfig, datamodule: Any = None) -> Prepared:
-    """task=pretrain: the upstream's reconstruction loss on its pretraining validation split.
-    `datamodule` replaces the data module built from the recorded data config."""
+    """task=pretrain: the upstream's reconstruction loss on its pretraining validation split
+    (`datamodule`: instead of the one the recorded data config builds)."""
     if config.task not in (None, PRETRAIN):
         raise ConfigError(
             f"task={config.task} needs downstream=RESULT_DIR: the run dir of "
@@ -272,8 +260,7 @@ def prepare_pretrain(config: HeadsRunConfig, datamodule: Any = None) -> Prepared
     datamodule = _datamodule(datamodule, data, config.batch_size, "pretrain")
     if config.split != "dev":
         log.info("task=pretrain: the subset is the pretraining validation split")
-    loader = datamodule.val_dataloader()
-    batches = subset_batches(loader, config.num_batches, datamodule, upstream)
+    batches = subset_batches(datamodule.val_dataloader(), config.num_batches, datamodule, upstream)
     masking = MaskingConfig(**(upstream.metadata.get("masking") or {}))
     device, dtype = choose_device(config.device), DTYPES[config.dtype]
     objective = PretrainObjective(upstream.model, batches, masking, config.seed, device, dtype)
@@ -282,7 +269,7 @@ def prepare_pretrain(config: HeadsRunConfig, datamodule: Any = None) -> Prepared
 
 def prepare_probe(config: HeadsRunConfig, datamodule: Any = None) -> Prepared:
     """A downstream task: the trained probe's accuracy on the dev (or test) split of the
-    downstream run's corpus, its labels from the task's label source."""
+    downstream run's corpus."""
     run = load_probe_run(config.downstream)
     result_path = run.directory / RESULT_FILE
     if config.task not in (None, run.result.task):
@@ -333,19 +320,12 @@ def prepare_probe(config: HeadsRunConfig, datamodule: Any = None) -> Prepared:
 
 
 def result_dict(
-    analysis: HeadAnalysis,
-    prepared: Prepared,
-    config: HeadsRunConfig,
-    runtime_s: dict[str, float],
+    analysis: HeadAnalysis, prepared: Prepared, config: HeadsRunConfig, runtime_s: dict[str, float]
 ) -> HeadsRecord:
     """The `heads.json` object (schema in `speechattn.tasks.records`)."""
-    from speechattn import code_version
-
     up = prepared.upstream
     model_config = up.config.to_dict() if hasattr(up, "config") else {}
-    imp = analysis.importance
-    ab = analysis.ablation
-    pruning = None
+    imp, ab, pruning = analysis.importance, analysis.ablation, None
     if analysis.pruning:
         pruning = {k: v for k, v in asdict(config.heads.pruning).items() if k != "enabled"}
         pruning["points"] = [
@@ -404,11 +384,9 @@ FigureWriter = Callable[[HeadsRecord, Path], list[Path]]  # (heads.json content,
 def run(
     cfg: DictConfig, datamodule: Any = None, figures: FigureWriter | None = None
 ) -> dict[str, Any]:
-    """`python -m speechattn.analyze heads`: prepare, analyse, write heads.json (+ the figures
-    of `figures`, when `cfg.figures`: the report layer's, which tasks do not import, so the
-    entry point passes them); returns its content plus `output_dir`, `heads_json` and
-    `figures` (paths). `datamodule` replaces the data module built from the recorded data
-    config (tests pass synthetic data)."""
+    """`python -m speechattn.analyze heads`: write heads.json and, with `cfg.figures`, the PNGs
+    of `figures` (the report layer's, passed in by the entry point); returns its content plus
+    `output_dir`, `heads_json` and `figures`. `datamodule`: instead of the recorded one."""
     quiet_library_notices()
     config: HeadsRunConfig = OmegaConf.to_object(cfg)  # type: ignore[assignment]
     out = run_output_dir(cfg).resolve()

@@ -1,12 +1,5 @@
 """Frozen upstream features for downstream probes and ABX: the `mel` upstream, loading,
-normalisation, extraction and the cache.
-
-An upstream has the contract of `speechattn.load_upstream` (docs/ARCHITECTURE.md); `MelUpstream`
-gives the normalised input features that contract, so the baseline takes the same path. Each
-split's chosen layers are cached atomically in `cache_dir/<key>/<split>.pt` (the key hashes the
-upstream, layers, data config and normalisation statistics), committed by its record
-`<split>.pt.sha256`; a split that does not match its record raises `DamagedSplit` and is
-extracted again.
+normalisation, extraction and the cache (design: docs/downstream.md).
 
 Shape letters: B batch, T 10 ms frames, T' upstream frames (T' = ceil(T / downsample)),
 F input features, N cached layers, D hidden dim, U utterances in a split.
@@ -59,10 +52,8 @@ class MelUpstream(nn.Module):
         *,
         output_attentions: bool = False,
     ) -> UpstreamOutput:
-        """features (B, T, F), lengths (B,) -> `UpstreamOutput` whose one hidden state (and
-        last_hidden_state, extract_features) is the features (B, T, F) with padding zeroed;
-        output_lengths (B,) = lengths; attentions, with `output_attentions=True`, is empty
-        (no layers)."""
+        """features (B, T, F), lengths (B,) -> `UpstreamOutput`: the features with padding
+        zeroed as its one hidden state, output_lengths = lengths, no attentions."""
         valid = ~lengths_to_padding_mask(lengths, features.size(1))  # (B, T)
         masked = features * valid.unsqueeze(-1).to(features.dtype)  # (B, T, F)
         return UpstreamOutput(
@@ -80,12 +71,9 @@ class MelUpstream(nn.Module):
 def open_upstream(
     spec: str | Path, feature_dim: int | None = None, data: Any = None
 ) -> tuple[nn.Module, str | None]:
-    """The upstream `spec` names (an `upstream.pt`, an upstream folder, or `mel`), frozen, in
-    eval mode, and the sha256 of its file (None for `mel`). Raises a SpeechattnError naming the
-    file when it is missing, corrupt, not ours, or expects other input features than
-    `feature_dim` (None: not checked; with `data`, a DataConfig, the differing `data.*`
-    settings are named). Cheap: call it first, so a wrong `upstream=` fails at once.
-    """
+    """The upstream `spec` names (`upstream.pt`, an upstream folder, or `mel`), frozen, and its
+    file's sha256 (None for `mel`); raises naming the file when it is missing, unreadable or
+    expects other features than `feature_dim` (`data`: names the data.* settings to change)."""
     if str(spec) == MEL:
         return MelUpstream(feature_dim).eval(), None
     path = Path(spec).expanduser()
@@ -109,7 +97,6 @@ def open_upstream(
 
 
 def _feature_settings_differ(upstream: nn.Module, data: Any) -> str:
-    """The end of the feature-mismatch message: the data.* settings to change, by name."""
     recorded = getattr(upstream, "feature_config", None)
     if data is None or not isinstance(recorded, dict):
         return "; use the same data.* feature settings as for pretraining"
@@ -130,23 +117,15 @@ NORMALIZATION_CHOICES = ("upstream", "corpus")
 
 @dataclass
 class FeatureNormalization:
-    """How the corpus's normalised features are adapted before the upstream sees them.
+    """How the corpus's normalised features are adapted before the upstream sees them."""
 
-    transform: `f(features (B, T, F), padding_mask (B, T)) -> features (B, T, F)`, or None.
-    record: what result.json keeps: {"used": upstream | corpus, "corpus": data.normalization,
-        "upstream": the upstream's mode (None for mel), "differ": bool}.
-    cache_tag: appended to the feature cache key ("" where older caches stay valid).
-    """
-
-    transform: Any
-    record: dict[str, Any]
-    cache_tag: str = ""
+    transform: Any  # f(features (B, T, F), padding_mask (B, T)) -> (B, T, F), or None
+    record: dict[str, Any]  # result.json's: used, corpus, upstream (modes), differ
+    cache_tag: str = ""  # appended to the feature cache key ("" where older caches stay valid)
 
 
 def check_normalization(corpus_mode: str, upstream: nn.Module, choice: str) -> None:
-    """Fail before any extraction when `normalization=choice` cannot be honoured: an unknown
-    choice, or per-utterance corpus features (not invertible) for an upstream pretrained
-    otherwise."""
+    """Fail before any extraction when `normalization=choice` cannot be honoured."""
     if choice not in NORMALIZATION_CHOICES:
         raise ConfigError(
             f"normalization={choice!r}: choose upstream (the upstream's own normalisation, the "
@@ -168,9 +147,7 @@ def feature_normalization(
     normalizer: Any, upstream: nn.Module, choice: str = "upstream"
 ) -> FeatureNormalization:
     """The features as the upstream was pretrained (`choice="upstream"`: its own statistics
-    and mode, whatever data.normalization says) or as the corpus's `normalizer` gives them
-    (`"corpus"`: a mismatch is logged and recorded). Says which in the log.
-    """
+    and mode) or as the corpus's `normalizer` gives them (`"corpus"`: a mismatch is recorded)."""
     corpus_mode = getattr(normalizer, "mode", None)
     check_normalization(corpus_mode or "none", upstream, choice)
     own = getattr(upstream, "normalizer", None)
@@ -212,11 +189,10 @@ def feature_normalization(
     src_mean, src_std = normalizer.mean, normalizer.std
 
     def remap(features: Tensor, padding_mask: Tensor) -> Tensor:
-        d = features.device
         raw = features  # (B, T, F) log-mel, as the corpus gives it without normalisation
         if corpus_mode == "global":
-            raw = features * src_std.to(d) + src_mean.to(d)
-        out = own(raw, (~padding_mask).sum(1))  # the upstream's mode and statistics
+            raw = features * src_std.to(features.device) + src_mean.to(features.device)
+        out = own(raw, (~padding_mask).sum(1))
         return out.masked_fill(padding_mask.unsqueeze(-1), 0.0)
 
     tag = "" if remapped_before else f"|norm=upstream:{own.mode}"
@@ -226,11 +202,9 @@ def feature_normalization(
 def resolve_layers(layer: str | int, num_layers: int) -> list[int]:
     """Indices of the hidden states to cache: `last` -> [L]; an integer i -> [i] (0 = input
     embedding, negative counts from the end); `weighted` -> [0, ..., L] (the probe mixes)."""
-    count = num_layers + 1  # hidden[0] is the input embedding
-    if layer == "last":
-        return [num_layers]
-    if layer == "weighted":
-        return list(range(count))
+    count = num_layers + 1
+    if layer in ("last", "weighted"):
+        return [num_layers] if layer == "last" else list(range(count))
     try:
         index = int(layer)
     except (TypeError, ValueError):
@@ -248,19 +222,15 @@ def resolve_layers(layer: str | int, num_layers: int) -> list[int]:
 
 @dataclass
 class SplitFeatures:
-    """Cached hidden states and labels of one split, utterances concatenated along time.
-
-    features (ΣT', N, D) float16; lengths (U,) upstream frames per utterance; input_lengths (U,)
-    10 ms frames; speakers (U,) or None; phones (ΣT_lab,) or None with phone_lengths (U,).
-    """
+    """Cached hidden states and labels of one split, utterances concatenated along time."""
 
     utt_ids: list[str]
-    features: Tensor
-    lengths: Tensor
-    input_lengths: Tensor
-    speakers: Tensor | None = None
-    phones: Tensor | None = None
-    phone_lengths: Tensor | None = None
+    features: Tensor  # (ΣT', N, D) float16
+    lengths: Tensor  # (U,) upstream frames per utterance
+    input_lengths: Tensor  # (U,) 10 ms frames
+    speakers: Tensor | None = None  # (U,)
+    phones: Tensor | None = None  # (ΣT_lab,)
+    phone_lengths: Tensor | None = None  # (U,)
 
     def __post_init__(self) -> None:
         U = len(self.utt_ids)
@@ -289,7 +259,7 @@ class SplitFeatures:
 
     def phones_of(self, i: int) -> Tensor:
         """Utterance i's 10 ms phone ids, (T_lab_i,)."""
-        if self.phones is None or self._phone_offsets is None:
+        if self._phone_offsets is None:
             raise ValueError("this split has no phone labels")
         return self.phones[self._phone_offsets[i] : self._phone_offsets[i + 1]]
 
@@ -306,11 +276,10 @@ class NonFiniteFeaturesError(SpeechattnError, ValueError):
 
 
 class ImplausibleFeaturesError(NonFiniteFeaturesError):
-    """The upstream's hidden states are finite but far larger than any trained model gives
-    (|h| > FEATURE_LIMIT): a run that blew up without reaching inf, refused as well."""
+    """Finite hidden states beyond FEATURE_LIMIT: a run that blew up without reaching inf."""
 
 
-# Largest |hidden state| accepted. A trained AALBERT's (layer-normed) hidden states and the
+# Largest |hidden state| accepted: a trained AALBERT's (layer-normed) hidden states and the
 # normalised log-mel stay within about 10-20; float16, the cache's dtype, overflows at 65504.
 FEATURE_LIMIT = 1e4
 
@@ -323,9 +292,8 @@ def _check_features(
     utt_ids: Sequence[str],
     description: str,
 ) -> None:
-    """Refuse hidden states that are not finite once cast to float16 (`cached`, as stored;
-    `computed` is the float32 original) or whose magnitude exceeds FEATURE_LIMIT. Padding is
-    0, so only real frames can fail."""
+    """Refuse hidden states not finite as `computed` (float32) or `cached` (float16), or beyond
+    FEATURE_LIMIT. Padding is 0, so only real frames can fail."""
     source = getattr(upstream, "source", None) or upstream
     where = f"{description}: upstream {source} gives"
     whom = f"(layers {list(layers)}) for {', '.join(utt_ids[:3])}"
@@ -357,7 +325,7 @@ def extract_split(
 ) -> SplitFeatures:
     """Run the frozen upstream over `batches` (data-layer batch dicts) and keep `layers`;
     `transform(features, padding_mask) -> features` may adapt the normalisation first.
-    `total`: batches, for the progress bar (None: `len(batches)` where it has one)."""
+    `total`: batches, for the progress bar."""
     utt_ids: list[str] = []
     feats: list[Tensor] = []
     lengths: list[Tensor] = []
@@ -371,9 +339,9 @@ def extract_split(
             x = transform(x, batch["padding_mask"].to(device))
         out = upstream(x, batch["lengths"].to(device))
         stacked = torch.stack([out.hidden_states[i] for i in layers], dim=2).cpu()  # (B, T', N, D)
-        cached = stacked.to(torch.float16)  # what the cache keeps: checked after the cast
+        cached = stacked.to(torch.float16)
         _check_features(cached, stacked, upstream, layers, batch["utt_ids"], description)
-        out_len = out.output_lengths.cpu()  # (B,)
+        out_len = out.output_lengths.cpu()
         utt_ids += batch["utt_ids"]
         feats += [cached[b, :n] for b, n in enumerate(out_len)]
         lengths.append(out_len)
@@ -416,8 +384,7 @@ def extract(
     device: torch.device | str,
     progress_bar: bool,
 ) -> SplitFeatures:
-    """`extract_split` of one split of `datamodule`, the upstream on `device`, the input
-    normalised as `normalization` says (the downstream probes and ABX both read this)."""
+    """`extract_split` of one split of `datamodule` (what the probes and ABX both read)."""
     return extract_split(
         upstream.to(device),
         split_loader(datamodule, split),
@@ -440,8 +407,7 @@ def cached_features(
     progress_bar: bool,
     normalization: FeatureNormalization,
 ) -> dict[str, SplitFeatures]:
-    """Hidden states `layers` of every split, from the cache or extracted (then cached) once.
-    The cache key hashes everything they depend on, the normalisation statistics included."""
+    """Hidden states `layers` of every split, from the cache or extracted (then cached) once."""
     normalizer = getattr(datamodule, "normalizer", None)
     h = hashlib.sha256()
     for t in (getattr(normalizer, "mean", None), getattr(normalizer, "std", None)):
@@ -475,8 +441,7 @@ class DamagedSplit(SpeechattnError, ValueError):
 
 
 def save_split(split: SplitFeatures, path: Path) -> None:
-    """Atomic writes (temp file in the same folder, then rename): the split, then its record
-    (size and sha256), which commits it."""
+    """Write the split, then its record (size and sha256), which commits it, each atomically."""
     with atomic_path(path) as tmp:
         torch.save(split.state(), tmp)
     record = {"size": path.stat().st_size, "sha256": file_sha256(path)}
@@ -484,8 +449,7 @@ def save_split(split: SplitFeatures, path: Path) -> None:
 
 
 def load_split(path: Path) -> SplitFeatures:
-    """The split at `path` after checking it against its record; `DamagedSplit` (naming the
-    file and what is wrong) when there is no record, the bytes differ or the fields disagree."""
+    """The split at `path`, checked against its record; else `DamagedSplit` naming the file."""
     record_path = path.with_name(path.name + ".sha256")
     if not record_path.is_file():
         raise DamagedSplit(f"cached features {path}: no checksum record {record_path.name}")

@@ -1,13 +1,6 @@
 """The downstream task, its probe and `run(cfg)`: evaluate a frozen upstream on one downstream
-task (docs/downstream.md). `TaskConfig` is the `task` group's schema, `ProbeDataset` the cached
-features as a dataset, `DownstreamProbe` the model's `Probe` trained by Lightning.
-
-Build the labelled corpus and open the upstream, extract the chosen layers once per split into
-the feature cache (`features.py`), train the task's probe (early stopping and checkpoints on dev
-accuracy), score test with the best-dev checkpoint and write `result.json` (`tasks/records.py`).
-`python -m speechattn.downstream` is its Hydra wrapper. Frame tasks are scored at the 10 ms
-label rate: logits per upstream frame are repeated `downsample` times and trimmed/padded to the
-label length (`expand_to_labels`), which equals repeating the features.
+task (docs/downstream.md); `python -m speechattn.downstream` is its Hydra wrapper. Frame tasks
+are scored at the 10 ms label rate (`expand_to_labels`).
 
 Shape letters: B batch, N cached layers, T' upstream frames, T 10 ms label frames, D hidden
 dim, C classes.
@@ -32,6 +25,7 @@ from torch.nn.utils.rnn import pad_sequence
 from torch.utils.data import DataLoader, Dataset
 from torchmetrics import Metric
 
+from speechattn import code_version
 from speechattn.data import DataConfig, LabelledDataModule
 from speechattn.errors import ConfigError
 from speechattn.model.probes import Probe
@@ -97,15 +91,9 @@ class TaskConfig:
         return label_source(self.target)(datamodule)
 
 
-# ----------------------------------------------------------------------------- data
-
-
 class ProbeDataset(Dataset):
-    """Items of one cached split: hidden (N, T', D) plus the task's labels at its level.
-
-    `labels` is the task's label source bound to the corpus (`TaskConfig.labels(datamodule)`);
-    None binds it to nothing, which serves the sources whose labels travel with the features.
-    """
+    """Items of one cached split: hidden (N, T', D) plus the task's labels at its level;
+    `labels`: the task's label source bound to the corpus (None: unbound)."""
 
     def __init__(
         self, split: SplitFeatures, task: TaskConfig, labels: LabelSource | None = None
@@ -143,7 +131,8 @@ def collate(items: list[dict[str, Any]]) -> dict[str, Any]:
     return batch
 
 
-# ----------------------------------------------------------------------------- model
+# the probe's sizes, as its constructor takes them and its checkpoint's hyper_parameters keep them
+PROBE_SIZES = ("input_dim", "num_layers", "num_classes", "downsample", "tolerance")
 
 
 class DownstreamProbe(Probe, L.LightningModule):
@@ -158,13 +147,7 @@ class DownstreamProbe(Probe, L.LightningModule):
         downsample: int,
         tolerance: int,
     ) -> None:
-        sizes = {
-            "input_dim": input_dim,
-            "num_layers": num_layers,
-            "num_classes": num_classes,
-            "downsample": downsample,
-            "tolerance": tolerance,
-        }
+        sizes = dict(zip(PROBE_SIZES, (input_dim, num_layers, num_classes, downsample, tolerance)))
         super().__init__(
             task.level,
             *sizes.values(),
@@ -206,9 +189,6 @@ class DownstreamProbe(Probe, L.LightningModule):
         return torch.optim.AdamW(params, lr=self.task.lr, weight_decay=self.task.weight_decay)
 
 
-# ----------------------------------------------------------------------------- run
-
-
 @dataclass
 class ProbeFit:
     """Outcome of training one probe: accuracies at the best dev checkpoint."""
@@ -233,36 +213,21 @@ def fit_probe(
     loggers: list[Any] | tuple[Any, ...] = (),
 ) -> ProbeFit:
     """Train on `splits["train"]`, early-stop and checkpoint on dev accuracy, test the best.
-
-    `trainer_kwargs`: the Trainer's arguments (`conf/trainer/probe.yaml`, its `_target_`
-    optional); `labels`: the task's label source bound to the corpus (None: unbound);
-    `loggers`: besides `out/logs/metrics.csv`, which is always written.
-    """
+    `trainer_kwargs`: conf/trainer/probe.yaml (its `_target_` optional); `loggers`: besides
+    `out/logs/metrics.csv`, which is always written."""
+    datasets = {name: ProbeDataset(splits[name], task, labels) for name in SPLITS}
     loaders = {
-        name: DataLoader(
-            ProbeDataset(splits[name], task, labels),
-            batch_size=task.batch_size,
-            shuffle=name == "train",
-            collate_fn=collate,
-            num_workers=0,
-        )
-        for name in SPLITS
+        name: DataLoader(data, task.batch_size, shuffle=name == "train", collate_fn=collate)
+        for name, data in datasets.items()
     }
     features = splits["train"].features  # (ΣT', N, D)
     probe = DownstreamProbe(
         task, features.size(-1), features.size(1), num_classes, downsample, tolerance
     )
     checkpoint = L.pytorch.callbacks.ModelCheckpoint(
-        dirpath=out / "checkpoints",
-        monitor="dev_acc",
-        mode="max",
-        save_top_k=1,
-        save_weights_only=True,
-        filename="best-{epoch}",
+        out / "checkpoints", "best-{epoch}", "dev_acc", mode="max", save_weights_only=True
     )
     stopping = L.pytorch.callbacks.EarlyStopping(monitor="dev_acc", mode="max", patience=patience)
-    # the Trainer of conf/trainer/probe.yaml (`_target_` defaults to Lightning's); per-epoch
-    # metrics always go to out/logs/metrics.csv, whatever the logger
     trainer = instantiate(
         {"_target_": "lightning.pytorch.Trainer", **plain(trainer_kwargs)},
         callbacks=[checkpoint, stopping],
@@ -280,7 +245,7 @@ def fit_probe(
             f"(trainer.max_epochs={trainer.max_epochs}: train at least one epoch)"
         )
     epochs = int(trainer.current_epoch)
-    # trainer.test loads the best checkpoint's weights into `probe`.
+    # trainer.test loads the best checkpoint's weights into `probe`
     tested = trainer.test(probe, loaders["test"], ckpt_path=best, verbose=False, weights_only=True)
     return ProbeFit(
         dev_accuracy=float(checkpoint.best_model_score),
@@ -303,7 +268,6 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     with open_dict(cfg):
         cfg.output_dir = str(out)  # where conf/logger/ writes (`${output_dir}`)
     L.seed_everything(cfg.seed, workers=True)
-
     data_config = labelled_data_config(task, DataConfig(**plain(cfg.data)))
     # the upstream first: a wrong upstream= or feature setting fails before any extraction
     upstream, sha = open_upstream(cfg.upstream, data_config.feature_dim, data_config)
@@ -332,7 +296,6 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     runtime = {"features": time.perf_counter() - t_features}
     for name in SPLITS:
         labels.check_lengths(splits[name], upstream.downsample, cfg.tolerance)
-
     t_train = time.perf_counter()
     loggers = configured_loggers(cfg)
     try:
@@ -350,10 +313,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         )
     finally:
         finish_loggers(loggers)
-    runtime["train"] = time.perf_counter() - t_train
-    runtime["total"] = time.perf_counter() - t_start
-    from speechattn import code_version  # the package root, imported lazily (no cycle)
-
+    runtime.update(train=time.perf_counter() - t_train, total=time.perf_counter() - t_start)
     meta = dict(getattr(upstream, "metadata", {}) or {})
     config = getattr(upstream, "config", None)  # None for mel
     steps = [meta[k] for k in ("global_step", "steps", "step", "pretraining_steps") if k in meta]
@@ -417,11 +377,8 @@ def upstream_name(spec: Any) -> str:
 
 
 def labelled_data_config(task: TaskConfig, data_config: Any) -> Any:
-    """The data config for `task`, failing early (naming the file) when labels are missing.
-
-    Where the phone-alignments file is unset or absent, the task's label source decides: phone
-    tasks refuse to run; the others run without phone labels (`alignments=None`).
-    """
+    """The data config for `task`; where the phone-alignments file is unset or absent, phone
+    tasks fail naming the file and the others run without phone labels (`alignments=None`)."""
     path = None
     if data_config.alignments is not None:
         path = LabelledDataModule(data_config).corpus.missing_labels()

@@ -1,10 +1,8 @@
 """Label sources of the downstream tasks: what a probe predicts and where its labels come from.
 
-A task (`conf/task/NAME.yaml`, schema `TaskConfig`) names its source with `target` and its
-`level` (one label per utterance, or per 10 ms frame). Each source is one file of this folder
-named after it (`speaker.py`, `phones.py`, and docs/extending.md's example `pitch.py`), a
-`LabelSource` registered with `@register("<name>")` and imported on first use by
-`label_source(name)`; everything that depends on the level is done once, in `LabelSource`.
+A task's `target` names its source: the file of this folder named after it, a `LabelSource`
+registered with `@register("<name>")`, imported on first use by `label_source(name)`
+(docs/extending.md). What depends on the task's level is done once, in `LabelSource`.
 Shape letters: U utterances in a split, B batch, T 10 ms label frames.
 """
 
@@ -38,8 +36,6 @@ class LabelSource:
     def __init__(self, datamodule: Any = None) -> None:
         self.datamodule = datamodule
 
-    # ---- what the corpus must provide
-
     def num_classes(self) -> int | None:
         """Classes the corpus gives; None when the data module does not say."""
         raise NotImplementedError(f"label source {self.name} does not count its classes")
@@ -54,8 +50,7 @@ class LabelSource:
         return n
 
     def missing_alignments(self, task: str, setting: str | None, path: Path | None) -> None:
-        """Called when the phone-alignments file is unset (`path` None) or absent. Sources
-        that need it raise; the others run without phone labels."""
+        """The phone-alignments file is unset or absent: sources that need it raise."""
 
     def check_split(self, split: SplitFeatures, task: str) -> None:
         """Raise (naming the task) when the cached `split` lacks this source's labels."""
@@ -66,8 +61,6 @@ class LabelSource:
     def metric(self, num_classes: int) -> Metric:
         """What dev/test are scored with (and model selection maximises)."""
         return MulticlassAccuracy(num_classes, average="micro", ignore_index=IGNORE_INDEX)
-
-    # ---- the labels themselves
 
     def utterance_label(self, utt_id: str) -> int:
         """The class of one utterance (per-utterance sources that read corpus metadata)."""
@@ -82,24 +75,21 @@ class LabelSource:
         their lengths (B,)."""
         return torch.tensor([self.utterance_label(u) for u in batch["utt_ids"]]), None
 
-    # ---- at a task's level (the same for every source)
-
     def item(self, split: SplitFeatures, i: int, level: str) -> Tensor:
-        """Utterance i's labels at `level`: () for utterance tasks, (T,) for frame tasks (an
-        utterance label on each of its 10 ms frames)."""
+        """Utterance i's labels at `level`: () for utterance tasks, (T,) for frame tasks."""
         labels = self.of_split(split, i)
         if level == "frame" and labels.dim() == 0:
             return labels.repeat(int(split.input_lengths[i]))
         return labels
 
     def batch(self, batch: dict[str, Any], level: str) -> tuple[Tensor, Tensor | None]:
-        """`of_batch` at `level`: frame tasks of per-utterance sources repeat each label on the
-        utterance's valid frames, (B, T) with IGNORE_INDEX on padding, and lengths (B,)."""
+        """`of_batch` at `level`: frame tasks of per-utterance sources get each label on every
+        valid frame, (B, T) with IGNORE_INDEX on padding, and lengths (B,)."""
         labels, lengths = self.of_batch(batch)
         if level == "frame" and lengths is None:
             T = int(batch["lengths"].max())
-            valid = ~lengths_to_padding_mask(batch["lengths"], T)  # (B, T)
-            labels = labels[:, None].expand(-1, T).masked_fill(~valid, IGNORE_INDEX)
+            padding = lengths_to_padding_mask(batch["lengths"], T)  # (B, T)
+            labels = labels[:, None].expand(-1, T).masked_fill(padding, IGNORE_INDEX)
             lengths = batch["lengths"]
         return labels, lengths
 
@@ -136,11 +126,10 @@ def available() -> list[str]:
 def label_source(name: str) -> type[LabelSource]:
     """The source registered as `name`, importing `<name>.py` of this folder on first use."""
     if name not in _SOURCES and str(name).isidentifier():
-        module = f"{__name__}.{name}"
         try:
-            importlib.import_module(module)
+            importlib.import_module(f"{__name__}.{name}")
         except ModuleNotFoundError as e:
-            if e.name != module:
+            if e.name != f"{__name__}.{name}":
                 raise
     if name not in _SOURCES:
         raise ConfigError(

@@ -1,9 +1,5 @@
-"""`target: phones`: the phone of every 10 ms frame (the study's phone tasks).
-
-The labels come from the frame-level alignments file (`data.alignments`, CPC format: one line
-per utterance, its id then one phone id per 10 ms frame) and travel with the features
-(`SplitFeatures.phones`). A frame-level source only: an utterance has many phones.
-"""
+"""`target: phones`: the phone of every 10 ms frame (the study's phone tasks), from the
+alignments file (`data.alignments`, CPC format), travelling with the features."""
 
 from __future__ import annotations
 
@@ -65,8 +61,7 @@ def missing_alignments(
     path: Path | None,
     error: type[Exception] = MissingAlignmentsError,
 ) -> NoReturn:
-    """Refuse a job (`who`) that needs phone labels: data.alignments (`setting`) unset
-    (ConfigError), or its file `path` absent (`error`)."""
+    """Refuse a job (`who`) that needs phone labels: data.alignments unset, or `path` absent."""
     if setting is None:
         raise ConfigError(
             f"{who} needs frame-level phone labels, but data.alignments is null; "
@@ -80,22 +75,13 @@ def missing_alignments(
 
 
 def check_label_lengths(split: SplitFeatures, downsample: int, tolerance: int) -> None:
-    """Raise (naming the utterance) when phone labels and features disagree beyond `tolerance`.
-
-    Runs `expand_to_labels` on zero-width stand-ins, so every utterance is checked before any
-    training starts.
-    """
+    """Raise (naming the utterance) when phone labels and features disagree beyond `tolerance`,
+    before any training: `expand_to_labels` on zero-width stand-ins."""
     if split.phone_lengths is None:
         return
     for start in range(0, len(split), 256):
         stop = min(start + 256, len(split))
         lengths = split.lengths[start:stop]
         dummy = torch.zeros(stop - start, int(lengths.max()), 1)  # (B, T', 1)
-        expand_to_labels(
-            dummy,
-            downsample,
-            split.phone_lengths[start:stop],
-            split.utt_ids[start:stop],
-            tolerance,
-            lengths=lengths,
-        )
+        ids, label_lengths = split.utt_ids[start:stop], split.phone_lengths[start:stop]
+        expand_to_labels(dummy, downsample, label_lengths, ids, tolerance, lengths=lengths)

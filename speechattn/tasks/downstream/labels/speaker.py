@@ -1,9 +1,5 @@
-"""`target: speaker`: who speaks, one label per utterance (the study's speaker tasks).
-
-The labels travel with the features: the data layer gives each batch its `speaker` classes
-(`LabelledDataModule.speakers`, one class per speaker of train/dev/test) and the feature cache
-keeps them (`SplitFeatures.speakers`). `speaker_frame` scores the same label on every frame.
-"""
+"""`target: speaker`: who speaks, one label per utterance (the study's speaker tasks); the
+labels travel with the batches and the feature cache (`SplitFeatures.speakers`)."""
 
 from __future__ import annotations
 
