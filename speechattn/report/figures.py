@@ -1,12 +1,7 @@
-"""Figures of the report: attention maps of every head under the utterance's log-mel
-spectrogram (study Fig. 2; `librosa.display.specshow`, time in seconds on both),
-utterance-level speaker accuracy vs keys attended (study Fig. 4), ABX error per layer, and the
-figures of head analyses (`heads.json` from `python -m speechattn.analyze heads`).
-
-Per head analysis: the normalised importance heat-map (depth x head), the ablation heat-maps
-(change of the metric when masking one head / keeping only one head of a depth), and the
-pruning curve. For the report: the same for every `heads.json` under a results folder, plus an
-overlay of the pruning curves of several attention variants (one panel per task).
+"""Figures of the report: attention maps (study Fig. 2), speaker accuracy vs keys attended
+(study Fig. 4), ABX error per layer, and per head analysis (`heads.json` of `python -m
+speechattn.analyze heads`) its importance and ablation heat-maps and pruning curve, with an
+overlay of the pruning curves of several variants.
 """
 
 from __future__ import annotations
@@ -35,7 +30,7 @@ SPEAKER_TASK = "speaker_utterance"
 
 def accuracy_vs_keys(results: ResultSet, seq_len: int, path: Path) -> Path | None:
     """Scatter of `speaker_utterance` test accuracy against keys attended per query at
-    `seq_len` (symmetric log scale, so 0 keys fits); the mel baseline as a dashed line. None when nothing to plot."""
+    `seq_len`, the mel baseline as a dashed line; None when nothing to plot."""
     points = []
     for variant in results.variants():
         acc = results.accuracy(variant, SPEAKER_TASK)
@@ -92,13 +87,9 @@ def attention_maps(
     layer: int = 1,
     max_frames: int = 200,
 ) -> Path:
-    """Every head's attention weights in `layer` (1-based) for one utterance, as a grid, each
-    column under the utterance's log-mel spectrogram on the same time axis (seconds).
-
-    The utterance is the normalised test utterance a downstream run saved beside its result
-    (`example_utterance.pt`); the weights come from the upstream's `attention_weights`, i.e. the
-    variant's dense reference. At most `max_frames` model frames are drawn.
-    """
+    """Every head's attention weights (the variant's dense reference) in `layer` (1-based) for
+    the test utterance a downstream run saved (`example_utterance.pt`), each column under its
+    log-mel spectrogram on one time axis in seconds; at most `max_frames` model frames."""
     from librosa.display import specshow
 
     from speechattn import load_upstream
@@ -170,6 +161,7 @@ def attention_maps(
 # ----------------------------------------------------------------------------- heads
 
 METRIC_LABELS = {"l1_loss": "masked-reconstruction L1", "accuracy": "accuracy"}
+ABLATIONS = {"single": "head masked (ξ_lh = 0)", "keep_only": "only this head kept in its depth"}
 CURVE_MARKERS = "os^vDP*Xph<>"  # cycled with tab20 colours so that 14+ overlaid curves differ
 
 
@@ -241,19 +233,10 @@ def importance_heatmap(result: dict[str, Any] | str | Path, path: str | Path) ->
 
 
 def ablation_heatmap(result: dict[str, Any] | str | Path, path: str | Path) -> Path | None:
-    """Δ metric (ablated - unmasked) per head: one head masked, and only one head kept per depth.
-
-    Red always means worse (higher loss or lower accuracy). None when no ablation was run.
-    """
+    """Δ metric (ablated - unmasked) per head with one head masked, and with only one head
+    kept per depth; red always means worse. None when no ablation was run."""
     r = _load(result)
-    panels = [
-        (key, title)
-        for key, title in (
-            ("single", "head masked (ξ_lh = 0)"),
-            ("keep_only", "only this head kept in its depth"),
-        )
-        if r["ablation"].get(key) is not None
-    ]
+    panels = [key for key in ABLATIONS if r["ablation"].get(key) is not None]
     if not panels:
         return None
     L, h = r["num_layers"], r["num_heads"]
@@ -262,14 +245,14 @@ def ablation_heatmap(result: dict[str, Any] | str | Path, path: str | Path) -> P
         1, len(panels), figsize=(len(panels) * (1.6 + 0.55 * h), 1.4 + 0.45 * L), squeeze=False
     )
     metric = METRIC_LABELS.get(r["metric"], r["metric"])
-    for ax, (key, title) in zip(axes[0], panels):
+    for ax, key in zip(axes[0], panels):
         delta = np.asarray(r["ablation"][key]["delta"], dtype=float)
         limit = max(1e-12, float(np.abs(delta).max()))
         im = ax.imshow(delta, cmap=cmap, aspect="auto", vmin=-limit, vmax=limit)
         shown, fmt, unit = _delta_scale(delta)
         _annotate(ax, shown, fmt, diverging=True)
         _axes_labels(ax, L, h)
-        ax.set_title(title + unit, fontsize=9)
+        ax.set_title(ABLATIONS[key] + unit, fontsize=9)
         fig.colorbar(im, ax=ax, label=f"Δ {metric}")
     fig.suptitle(f"{_title(r)}: ablation (base {metric} {r['base_metric']:.4f})", fontsize=10)
     return save_figure(fig, path)
@@ -311,8 +294,7 @@ def pruning_plot(result: dict[str, Any] | str | Path, path: str | Path) -> Path 
 def head_figures(
     result: dict[str, Any] | str | Path, out_dir: str | Path, prefix: str = "heads"
 ) -> list[Path]:
-    """`<prefix>_importance.png`, `<prefix>_ablation.png`, `<prefix>_pruning.png` in out_dir
-    (the last two only when that analysis was run)."""
+    """`<prefix>_{importance,ablation,pruning}.png` in out_dir (the last two when run)."""
     r = _load(result)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -323,8 +305,8 @@ def head_figures(
 
 
 def write_head_figures(run_dirs: list[str | Path], out_dir: str | Path) -> list[Path]:
-    """The three figures of each head analysis (run dirs or heads.json paths) into out_dir,
-    named `heads_<attention>_<task>_*.png` (a counter is added when a name repeats)."""
+    """The figures of each head analysis (run dirs or heads.json paths) into out_dir as
+    `heads_<attention>_<task>[_<k>]_*.png`, k counting repeated names."""
     out = Path(out_dir)
     written: list[Path] = []
     seen: dict[str, int] = defaultdict(int)
@@ -342,11 +324,8 @@ def write_head_figures(run_dirs: list[str | Path], out_dir: str | Path) -> list[
 def overlay_pruning_curves(
     heads_json_paths: list[str | Path], out_png: str | Path, relative: bool = False
 ) -> Path | None:
-    """Pruning curves of several analyses on shared axes, one panel per (task, metric).
-
-    With `relative`, each curve is divided by its own unpruned metric. None when no input has a
-    pruning curve.
-    """
+    """Pruning curves of several analyses, one panel per (task, metric), with `relative` each
+    divided by its unpruned metric; None when no input has a pruning curve."""
     groups: dict[tuple[str, str], list[dict[str, Any]]] = defaultdict(list)
     for p in heads_json_paths:
         r = read_heads(p)
@@ -381,8 +360,8 @@ def overlay_pruning_curves(
 
 
 def head_summary_markdown(heads_json_paths: list[str | Path]) -> str:
-    """A markdown table: variant, task, metric, unpruned value, value at ~50 % pruned, heads
-    whose single ablation changes the metric most."""
+    """A markdown table of the analyses' metric unpruned, ~50 % and fully pruned, and most
+    important head."""
     lines = [
         "| variant | task | metric | unpruned | ~50 % pruned | 100 % / last | most important (depth, head) |",
         "|---|---|---|---|---|---|---|",
@@ -405,8 +384,8 @@ def head_summary_markdown(heads_json_paths: list[str | Path]) -> str:
 
 
 def head_report(results_dir: str | Path, out_dir: str | Path) -> list[Path]:
-    """Everything the report needs from the head analyses under `results_dir`: per-analysis
-    figures, `fig_heads_pruning.png` (overlay) and `heads.md`; [] when there are none."""
+    """Per-analysis figures, `fig_heads_pruning.png` and `heads.md` of the head analyses under
+    `results_dir`; [] when there are none."""
     paths = find_heads(results_dir)
     if not paths:
         return []
