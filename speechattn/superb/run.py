@@ -1,23 +1,7 @@
-"""`python -m speechattn.superb [--quick] [--data DIR] RUN_DOWNSTREAM_ARGS...`
-
-Runs s3prl 0.4.18's own, unmodified `run_downstream.py` (train, evaluate or inference, with its
-arguments) in this process, after:
-
-- installing the compatibility shims of `speechattn.superb.compat`;
-- registering speechattn upstreams in s3prl's hub: `-u speechattn -k RUN/upstream.pt`
-  (also `speechattn_local`);
-- `--device`: the runner's default is cuda; here it is cuda when available, else cpu;
-- `-d speech_commands|voxceleb1|ctc` without `-c`: the SUPERB config of `configs.py` (paper, or
-  `--quick`), its data paths pointing at `--data` (a folder of `python -m
-  speechattn.superb.prepare`), by default the built-in corpus converted on first use; the
-  resolved config is written to EXPDIR/superb_config.yaml and passed as `-c`;
-- no `-p`/`-n`: EXPDIR = result/superb/<task>[-quick]/<upstream>[-<run folder>];
-- `-m evaluate` without `-e`: the experiment's dev-best.ckpt (else its latest states-*.ckpt).
-
-After an evaluation it scores s3prl's prediction files of the split (accuracy for
-speech_commands/voxceleb1, phone error rate for ctc), prints the metric and writes
-EXPDIR/superb_result.json (`speechattn.tasks.records.SuperbResult`) for `python -m
-speechattn.report`.
+"""`python -m speechattn.superb [--quick] [--data DIR] RUN_DOWNSTREAM_ARGS...`: s3prl 0.4.18's
+unmodified `run_downstream.py` in this process, with the `compat` shims, speechattn upstreams in
+its hub and the defaults docs/superb.md lists; an evaluation also writes
+EXPDIR/superb_result.json (`tasks.records.SuperbResult`) for `python -m speechattn.report`.
 """
 
 from __future__ import annotations
