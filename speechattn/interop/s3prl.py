@@ -34,8 +34,7 @@ except ImportError:
 
 
 def s3prl_frames(num_samples: int, samples_per_frame: int = 480) -> int:
-    """Frames s3prl's `Featurizer` keeps of a `num_samples` utterance, as `Featurizer.tolist`
-    computes it (Python's round: half to even)."""
+    """Frames s3prl's `Featurizer.tolist` keeps of a `num_samples` utterance (half to even)."""
     return round(num_samples / samples_per_frame)
 
 
@@ -91,8 +90,7 @@ class UpstreamExpert(_ExpertBase):
         self.eval()  # like load_upstream: a frozen feature extractor until asked to train
 
     def get_downsample_rates(self, key: str) -> int:
-        """16 kHz samples per output frame, the same for every key: the 10 ms feature hop times
-        the model's frame stacking (160 x 3 = 480)."""
+        """16 kHz samples per output frame for every key: 10 ms hop x 3 stacked frames = 480."""
         return self.upstream.samples_per_frame
 
     def forward(

@@ -51,12 +51,7 @@ def main(argv: list[str] | None = None) -> int:
                 "folder (the one holding downstream/<variant>/<task>/result.json)"
             )
         report = make_report(
-            args.results_dir,
-            out=args.out,
-            bench=args.bench,
-            maps_variant=args.maps_variant,
-            maps_layer=args.maps_layer,
-            seq_len=args.seq_len,
+            args.results_dir, args.out, args.bench, args.maps_variant, args.maps_layer, args.seq_len
         )
     for path in report.files:
         print(f"wrote {path}")

@@ -18,19 +18,19 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
+from speechattn import load_upstream  # noqa: E402
 from speechattn.data.features import SAMPLE_RATE, FeatureConfig  # noqa: E402
 from speechattn.errors import ConfigError  # noqa: E402
 from speechattn.model.serialization import load_torch_file  # noqa: E402
 from speechattn.report.results import ResultSet  # noqa: E402
 from speechattn.report.tables import attention_facts  # noqa: E402
-from speechattn.tasks.records import HEADS_FILE, MEL, find_heads, read_heads  # noqa: E402
+from speechattn.tasks.records import MEL, find_heads, read_heads  # noqa: E402
 
 SPEAKER_TASK = "speaker_utterance"
 
 
 def accuracy_vs_keys(results: ResultSet, seq_len: int, path: Path) -> Path | None:
-    """Scatter of `speaker_utterance` test accuracy against keys attended per query at
-    `seq_len`, the mel baseline as a dashed line; None when nothing to plot."""
+    """Speaker accuracy vs keys attended per query at `seq_len`; None when nothing to plot."""
     points = []
     for variant in results.variants():
         acc = results.accuracy(variant, SPEAKER_TASK)
@@ -58,8 +58,8 @@ def accuracy_vs_keys(results: ResultSet, seq_len: int, path: Path) -> Path | Non
 
 
 def abx_by_layer(results: ResultSet, path: Path) -> Path | None:
-    """ABX error (%) against layer, within (left) and across speakers (right), one line per
-    variant; mel, which has no layers, as a dashed line. None when nothing to plot."""
+    """ABX error (%) per layer, within and across speakers, mel (no layers) dashed; None
+    without ABX results."""
     if not results.abx:
         return None
     fig, axes = plt.subplots(1, 2, figsize=(10, 4), sharey=True)
@@ -92,17 +92,14 @@ def attention_maps(
     log-mel spectrogram on one time axis in seconds; at most `max_frames` model frames."""
     from librosa.display import specshow
 
-    from speechattn import load_upstream
-
     upstream = load_upstream(upstream_path).eval()
     example = load_torch_file(example_path, "cpu", "attention-map example")
     features = example["features"][None]  # (1, T, F)
-    lengths = torch.tensor([features.size(1)])
     if not 1 <= layer <= upstream.num_layers:
         raise ConfigError(f"layer {layer} out of range: the upstream has {upstream.num_layers}")
     with torch.no_grad():
-        weights = upstream.attention_weights(features, lengths, layer)  # (1, h, T', T')
-    weights = weights[0, :, :max_frames, :max_frames].float()  # (h, T', T')
+        weights = upstream.attention_weights(features, torch.tensor([features.size(1)]), layer)
+    weights = weights[0, :, :max_frames, :max_frames].float()  # (h, T', T') of (1, h, T', T')
     heads, shown = weights.size(0), weights.size(-1)
     fc = FeatureConfig(**upstream.feature_config)
     seconds = shown / upstream.frame_rate  # the maps' time span
@@ -199,8 +196,7 @@ def _annotate(ax: Any, values: np.ndarray, fmt: str, diverging: bool = False) ->
 
 
 def _delta_scale(values: np.ndarray) -> tuple[np.ndarray, str, str]:
-    """(values to print, their format, unit note): deltas below 0.01 are printed in units of
-    10^e so that every cell stays short."""
+    """(values to print, format, unit note): deltas below 0.01 in units of 10^e, to stay short."""
     finite = np.abs(values[np.isfinite(values)])
     top = float(finite.max()) if finite.size else 0.0
     if top == 0.0 or top >= 0.01:
@@ -305,14 +301,12 @@ def head_figures(
 
 
 def write_head_figures(run_dirs: list[str | Path], out_dir: str | Path) -> list[Path]:
-    """The figures of each head analysis (run dirs or heads.json paths) into out_dir as
-    `heads_<attention>_<task>[_<k>]_*.png`, k counting repeated names."""
+    """Each head analysis' figures (run dirs or heads.json) as `heads_<attention>_<task>[_k]_*`."""
     out = Path(out_dir)
     written: list[Path] = []
     seen: dict[str, int] = defaultdict(int)
     for item in run_dirs:
-        path = Path(item)
-        r = read_heads(path / HEADS_FILE if path.is_dir() else path)
+        r = read_heads(item)
         stem = f"heads_{r['attention']}_{r['task']}"
         seen[stem] += 1
         if seen[stem] > 1:
@@ -360,8 +354,7 @@ def overlay_pruning_curves(
 
 
 def head_summary_markdown(heads_json_paths: list[str | Path]) -> str:
-    """A markdown table of the analyses' metric unpruned, ~50 % and fully pruned, and most
-    important head."""
+    """Markdown table: each analysis' metric unpruned, ~50 % and fully pruned, top head."""
     lines = [
         "| variant | task | metric | unpruned | ~50 % pruned | 100 % / last | most important (depth, head) |",
         "|---|---|---|---|---|---|---|",
@@ -384,8 +377,7 @@ def head_summary_markdown(heads_json_paths: list[str | Path]) -> str:
 
 
 def head_report(results_dir: str | Path, out_dir: str | Path) -> list[Path]:
-    """Per-analysis figures, `fig_heads_pruning.png` and `heads.md` of the head analyses under
-    `results_dir`; [] when there are none."""
+    """The head analyses under `results_dir`: their figures, the pruning overlay, `heads.md`."""
     paths = find_heads(results_dir)
     if not paths:
         return []

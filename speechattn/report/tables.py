@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from speechattn import load_upstream
 from speechattn.report.results import BenchRecord, ResultSet, read_newest, registry_order
 from speechattn.tasks.records import (
     MEL,
@@ -61,12 +62,9 @@ class Table:
     def markdown(self, digits: int = 4) -> str:
         def cell(value: Any, r: int, c: int) -> str:
             if value is None:
-                text = GAP
-            elif isinstance(value, float):
-                text = f"{value:.{digits}f}"
-            else:
-                text = str(value)
-            return f"**{text}**" if (r, c) in self.bold and value is not None else text
+                return GAP
+            text = f"{value:.{digits}f}" if isinstance(value, float) else str(value)
+            return f"**{text}**" if (r, c) in self.bold else text
 
         lines = ["| " + " | ".join(self.header) + " |", "|" + "---|" * len(self.header)]
         for r, row in enumerate(self.rows):
@@ -92,8 +90,7 @@ def mark_best(rows: list[list[Any]], columns: range, best: Any = max) -> set[tup
 
 
 def accuracy_table(results: ResultSet, tasks: list[str], variants: list[str]) -> Table:
-    """Test accuracy per variant (rows) and task (columns); best per column in bold. A row
-    that is the same model as an earlier one (`same_models`) says so."""
+    """Test accuracy per variant (rows) and task; best in bold; rows of one model say so."""
     options = {}
     for v in variants:  # the attention options each upstream was pretrained with
         found = (results.get(v, t) for t in results.tasks())
@@ -103,7 +100,7 @@ def accuracy_table(results: ResultSet, tasks: list[str], variants: list[str]) ->
 
 
 def reference_table(tasks: list[str], variants: list[str]) -> Table:
-    """The study's LibriSpeech accuracies (its Table 2) for the same rows, best per column in bold."""
+    """The study's LibriSpeech accuracies (its Table 2) for the same rows, best in bold."""
     names = [v for v in variants if v in REFERENCE] + [v for v in REFERENCE if v not in variants]
     return _task_table(tasks, names, _reference_accuracy)
 
@@ -151,8 +148,7 @@ def abx_table(results: ResultSet) -> Table:
     header = ["variant", *[f"L{k} {mode}" for k in layers for mode in ("within", "across")]]
     rows = []
     for v in found:
-        record = results.abx[v][1]
-        errors = {mode: record.errors(mode) for mode in ("within", "across")}
+        errors = {mode: results.abx[v][1].errors(mode) for mode in ("within", "across")}
         cells = [errors[mode].get(k) for k in layers for mode in ("within", "across")]
         rows.append([_label(v, {}), *[None if e is None else 100 * e for e in cells]])
     return Table(header, rows, mark_best(rows, range(1, len(header)), best=min))
@@ -259,10 +255,8 @@ def superb_table(found: dict[tuple[str, str], SuperbResult]) -> Table:
     ours = sorted({row for (row, _), r in found.items() if r.upstream_ckpt})
     baselines = sorted({row for row, _ in found} - set(ours))
     value = {key: float(result.value) for key, result in found.items()}
-    rows = []
-    for row in [*ours, *baselines]:
-        kind = "speechattn" if row in ours else "baseline"
-        rows.append([row, kind, *[value.get((row, t)) for t in tasks]])
+    rows = [[row, "speechattn", *[value.get((row, t)) for t in tasks]] for row in ours]
+    rows += [[row, "baseline", *[value.get((row, t)) for t in tasks]] for row in baselines]
     bold = set()
     for c, task in enumerate(tasks, start=2):
         higher = next(v for (_, t), v in found.items() if t == task).higher_is_better
@@ -277,22 +271,8 @@ def superb_table(found: dict[tuple[str, str], SuperbResult]) -> Table:
 VARIANT = "adaptive_span"
 
 
-def learned_spans(upstream_path: str | Path) -> tuple[list[list[float]], float]:
-    """Spans z (frames) per depth and head of one upstream, and its frame rate (frames/s)."""
-    from speechattn import load_upstream
-
-    upstream = load_upstream(upstream_path)
-    encoder = upstream.model.encoder
-    spans = [
-        encoder.layers[encoder.depth_to_layer[d]].attention.spans().detach().tolist()
-        for d in range(encoder.num_layers)
-    ]
-    return spans, upstream.frame_rate
-
-
 def span_table(results: ResultSet) -> Table | None:
-    """One row per (upstream, layer): spans of each head in frames and their mean in ms; None
-    when no adaptive_span result has its upstream file."""
+    """Per (upstream, layer): each head's span in frames, their mean in ms; None if no upstream."""
     upstreams = [
         r.upstream
         for t in results.tasks()
@@ -301,10 +281,12 @@ def span_table(results: ResultSet) -> Table | None:
     rows: list[list] = []
     heads = 0
     for path in dict.fromkeys(upstreams):  # each upstream once, in task order
-        spans, frame_rate = learned_spans(path)
-        for depth, z in enumerate(spans, start=1):
+        upstream = load_upstream(path)
+        encoder = upstream.model.encoder
+        for depth in range(encoder.num_layers):
+            z = encoder.layers[encoder.depth_to_layer[depth]].attention.spans().detach().tolist()
             heads = max(heads, len(z))
-            rows.append([path, depth, *z, 1000 * sum(z) / len(z) / frame_rate])
+            rows.append([path, depth + 1, *z, 1000 * sum(z) / len(z) / upstream.frame_rate])
     if not rows:
         return None
     # upstreams with fewer heads: gaps before their mean column

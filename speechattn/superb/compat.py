@@ -16,7 +16,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import soundfile as sf
 import torch
+import torchaudio
 from torch import Tensor
 
 from speechattn.data.errors import DataError
@@ -31,8 +33,7 @@ class ShimError(SpeechattnError, NotImplementedError):
 
 @dataclass(frozen=True)
 class Shim:
-    """One bridge: what it bridges (s3prl caller, the release that removed the API) and its
-    installer (True when it installed something)."""
+    """One bridge: what it bridges (s3prl caller, the release that removed the API), installer."""
 
     name: str
     bridges: str
@@ -58,8 +59,6 @@ def _register(name: str, doc: str, **attrs: Any) -> types.ModuleType:
 
 
 def install_set_audio_backend() -> bool:
-    import torchaudio
-
     if hasattr(torchaudio, "set_audio_backend"):
         return False
     # torchaudio < 2.9's backend switch; audio I/O has one backend now, so nothing to do
@@ -69,8 +68,6 @@ def install_set_audio_backend() -> bool:
 
 def _read(path: str | Path, frame_offset: int = 0, num_frames: int = -1) -> tuple[Tensor, int]:
     """Audio file -> float32 (C, N) in [-1, 1] and its sample rate, read by soundfile."""
-    import soundfile as sf
-
     try:
         data, rate = sf.read(
             str(path), start=frame_offset, frames=num_frames, dtype="float32", always_2d=True
@@ -85,8 +82,6 @@ def _apply_effects(
 ) -> tuple[Tensor, int]:
     """sox effects on (C, N) float audio: ["channels", "1"] (mean of the channels, as sox mixes
     down), ["rate", R] (torchaudio's band-limited resampling), ["gain", dB]; others raise."""
-    import torchaudio
-
     for effect in effects:
         name, *values = [str(v) for v in effect]
         if name == "channels" and values == ["1"]:
@@ -129,8 +124,6 @@ def apply_effects_tensor(
 
 
 def install_sox_effects() -> bool:
-    import torchaudio
-
     if _imports("torchaudio.sox_effects"):
         return False
     torchaudio.sox_effects = _register(
@@ -173,8 +166,6 @@ class AudioMetaData:
 
 def info(uri: str | Path, format: str | None = None, backend: str | None = None) -> AudioMetaData:
     """torchaudio.info through soundfile's header read."""
-    import soundfile as sf
-
     header = sf.info(str(uri))
     bits = {"PCM_16": 16, "PCM_24": 24, "PCM_32": 32, "PCM_U8": 8, "FLOAT": 32, "DOUBLE": 64}
     return AudioMetaData(
@@ -187,8 +178,6 @@ def info(uri: str | Path, format: str | None = None, backend: str | None = None)
 
 
 def install_audio_io() -> bool:
-    import torchaudio
-
     # torchcodec imports, then loads FFmpeg: any failure means torchaudio.load cannot work
     if torchaudio.load is load or _imports("torchcodec.decoders", Exception):
         return False

@@ -112,8 +112,6 @@ QUICK: dict[str, dict[str, Any]] = {
         "runner.eval_dataloaders": ["dev"],
         "optimizer.lr": 1.0e-3,
         "downstream_expert.datarc.num_workers": 0,
-        "downstream_expert.datarc.train_batch_size": 8,
-        "downstream_expert.datarc.eval_batch_size": 1,
         "downstream_expert.datarc.max_timestep": 48_000,  # 3 s training crops
     },
     "ctc": {
@@ -128,8 +126,7 @@ QUICK: dict[str, dict[str, Any]] = {
 def task_config(
     task: str, quick: bool = False, overrides: dict[str, Any] | None = None
 ) -> dict[str, Any]:
-    """The s3prl config of `task` (PAPER, or with QUICK applied), with `overrides` (dotted keys,
-    e.g. the data paths) set last. Raises `ConfigError` for an unknown task."""
+    """The s3prl config of `task` (PAPER, QUICK applied if `quick`), dotted `overrides` last."""
     if task not in PAPER:
         raise ConfigError(
             f"-d {task}: speechattn ships SUPERB configs for {', '.join(PAPER)}; "

@@ -26,7 +26,10 @@ from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
+import soundfile as sf
 
+from speechattn.data.audio import resample
+from speechattn.data.espeak import Espeak, VoiceSettings, fresh_engine_pool
 from speechattn.data.librispeech import (
     UTT_RE,
     read_alignments,
@@ -35,6 +38,7 @@ from speechattn.data.librispeech import (
     speaker_of,
 )
 from speechattn.data.phones import PHONE_SET, SILENCE
+from speechattn.data.synth import ensure_embedded_corpus
 from speechattn.errors import ConfigError, command_line_errors
 from speechattn.utils import (
     atomic_folder,
@@ -139,18 +143,11 @@ def prepare_speech_commands(root: Path, out: Path, repeats: int = 3, seed: int =
     1 s clips of the commands and `_unknown_` words in the corpus speakers' eSpeak voices,
     `train/_background_noise_/`, and `test/<class>/` of held-out speakers. Spoken in a fresh
     process, so the words sound the same whatever this process spoke before."""
-    from speechattn.data.espeak import fresh_engine_pool
-
     with fresh_engine_pool(1, __name__) as pool:
         return pool.apply(_speak_keywords, (root, out, repeats, seed))
 
 
 def _speak_keywords(root: Path, out: Path, repeats: int, seed: int) -> dict:
-    import soundfile as sf
-
-    from speechattn.data.audio import resample
-    from speechattn.data.espeak import Espeak, VoiceSettings
-
     speakers = json.loads((root / "speakers.json").read_text())
     ids = sorted(speakers)
     if len(ids) < 3:
@@ -328,8 +325,7 @@ def _moved(value, tmp: Path, out: Path):
 
 
 def data_config(folder: str | Path, task: str) -> dict[str, object]:
-    """The dotted config keys -> paths that point `task`'s s3prl config at a prepared folder.
-    Raises `ConfigError` when `folder` holds no finished conversion for `task`."""
+    """Dotted config keys -> paths that point `task`'s s3prl config at the prepared `folder`."""
     folder = Path(folder).expanduser()
     if not is_prepared(folder, task):
         raise ConfigError(
@@ -340,8 +336,6 @@ def data_config(folder: str | Path, task: str) -> dict[str, object]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from speechattn.data.synth import ensure_embedded_corpus
-
     parser = argparse.ArgumentParser(
         prog="python -m speechattn.superb.prepare", description=__doc__.split("\n\n")[0]
     )

@@ -14,11 +14,15 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import torch
 import yaml
 
+import speechattn
+from speechattn.data.synth import ensure_embedded_corpus
 from speechattn.errors import ConfigError, SpeechattnError
+from speechattn.model.serialization import load_torch_file
 from speechattn.model.upstream import UPSTREAM_FOLDER, upstream_sha256
-from speechattn.superb import compat
+from speechattn.superb import compat, prepare
 from speechattn.superb.configs import METRIC, PAPER, task_config
 from speechattn.tasks.records import WEIGHTED_SUM, SuperbResult
 from speechattn.utils import atomic_write_text
@@ -91,13 +95,8 @@ def latest_checkpoint(expdir: Path) -> Path:
 
 
 def _data_paths(task: str, data: str | Path | None) -> dict[str, Any]:
-    """`task`'s data paths in the prepared folder `data`, by default the built-in corpus'
-    (converted on first use)."""
-    from speechattn.superb import prepare
-
+    """`task`'s data paths in the prepared folder `data` (default: the built-in corpus')."""
     if data is None:
-        from speechattn.data.synth import ensure_embedded_corpus
-
         root = ensure_embedded_corpus()
         data = prepare.prepare(task, root, prepare.default_out(root, task))
     return prepare.data_config(data, task)
@@ -128,8 +127,6 @@ def build_argv(argv: list[str], quick: bool, data: str | None) -> tuple[list[str
             )
     out = list(argv)
     if args.device is None:
-        import torch
-
         out += ["--device", "cuda" if torch.cuda.is_available() else "cpu"]
     expdir = Path(args.expdir) if args.expdir else None
     if expdir is None and args.expname:
@@ -162,12 +159,8 @@ def build_argv(argv: list[str], quick: bool, data: str | None) -> tuple[list[str
 
 
 def runner_checkpoint(path: Path, what: str = "-e checkpoint") -> dict[str, Any]:
-    """The state in a checkpoint of s3prl's runner, read weights-only with its `Args` allowed.
-    Refuses, with one line naming `path`, a file that weights-only loading cannot read (a
-    crafted pickle, a damaged file) or that the runner did not write (no `Args`), before
-    s3prl loads it. Nothing in the file is executed either way."""
-    from speechattn.model.serialization import load_torch_file
-
+    """The state in a runner checkpoint, read weights-only with its `Args` allowed; a file that
+    loading refuses or the runner did not write (no `Args`) is refused in one line naming it."""
     compat.install_checkpoints()  # the runner's Args (argparse.Namespace) is allowed
     try:
         state = load_torch_file(path, what=what)
@@ -210,11 +203,9 @@ def score(task: str, expdir: Path, split: str) -> float:
     if task == "ctc":
         from s3prl.downstream.ctc.metric import per
 
-        hyp = _ark(expdir / f"{split}-hyp.ark")
-        ref = _ark(expdir / f"{split}-ref.ark")
+        hyp, ref = _ark(expdir / f"{split}-hyp.ark"), _ark(expdir / f"{split}-ref.ark")
         return float(per([hyp[k] for k in ref], [ref[k] for k in ref]))
-    predicted = _ark(expdir / f"{split}_predict.txt")
-    truth = _ark(expdir / f"{split}_truth.txt")
+    predicted, truth = _ark(expdir / f"{split}_predict.txt"), _ark(expdir / f"{split}_truth.txt")
     if not truth:
         raise ConfigError(f"{expdir}/{split}_truth.txt is empty: the {split} split has no data")
     return sum(predicted.get(k) == v for k, v in truth.items()) / len(truth)
@@ -230,8 +221,6 @@ def _ark(path: Path) -> dict[str, str]:
 
 def write_result(decided: dict[str, Any]) -> SuperbResult:
     """Score the finished evaluation and write EXPDIR/superb_result.json."""
-    import speechattn
-
     args = decided["args"]
     checkpoint = Path(args.past_exp) if args.past_exp else latest_checkpoint(decided["expdir"])
     state = runner_checkpoint(checkpoint)
