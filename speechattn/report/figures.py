@@ -170,10 +170,6 @@ def save_figure(fig: Any, path: str | Path, dpi: int = 130) -> Path:
     return Path(path)
 
 
-def _load(result: dict[str, Any] | str | Path) -> dict[str, Any]:
-    return result if isinstance(result, dict) else read_heads(result)
-
-
 def _title(r: dict[str, Any]) -> str:
     return f"{r['attention']} · {r['task']}"
 
@@ -207,15 +203,13 @@ def _delta_scale(values: np.ndarray) -> tuple[np.ndarray, str, str]:
 
 def _axes_labels(ax: Any, L: int, h: int) -> None:
     ax.set_xticks(range(h))
-    ax.set_yticks(range(L))
-    ax.set_yticklabels([str(i + 1) for i in range(L)])
+    ax.set_yticks(range(L), [str(i + 1) for i in range(L)])
     ax.set_xlabel("head")
     ax.set_ylabel("depth (layer application)")
 
 
-def importance_heatmap(result: dict[str, Any] | str | Path, path: str | Path) -> Path:
+def importance_heatmap(r: dict[str, Any], path: Path) -> Path:
     """Normalised importance (depth x head): each depth's row has unit L2 norm."""
-    r = _load(result)
     values = np.asarray(r["importance"]["normalized"], dtype=float)  # (L, h)
     L, h = values.shape
     fig, ax = plt.subplots(figsize=(1.2 + 0.55 * h, 1.2 + 0.45 * L))
@@ -228,10 +222,9 @@ def importance_heatmap(result: dict[str, Any] | str | Path, path: str | Path) ->
     return save_figure(fig, path)
 
 
-def ablation_heatmap(result: dict[str, Any] | str | Path, path: str | Path) -> Path | None:
+def ablation_heatmap(r: dict[str, Any], path: Path) -> Path | None:
     """Δ metric (ablated - unmasked) per head with one head masked, and with only one head
     kept per depth; red always means worse. None when no ablation was run."""
-    r = _load(result)
     panels = [key for key in ABLATIONS if r["ablation"].get(key) is not None]
     if not panels:
         return None
@@ -269,9 +262,8 @@ def _variant_label(r: dict[str, Any]) -> str:
     return r["attention"] + (f" ({', '.join(flags)})" if flags else "")
 
 
-def pruning_plot(result: dict[str, Any] | str | Path, path: str | Path) -> Path | None:
+def pruning_plot(r: dict[str, Any], path: Path) -> Path | None:
     """Metric vs % of heads pruned in increasing order of importance. None without a curve."""
-    r = _load(result)
     if not r.get("pruning"):
         return None
     x, y = _curve(r)
@@ -291,7 +283,7 @@ def head_figures(
     result: dict[str, Any] | str | Path, out_dir: str | Path, prefix: str = "heads"
 ) -> list[Path]:
     """`<prefix>_{importance,ablation,pruning}.png` in out_dir (the last two when run)."""
-    r = _load(result)
+    r = result if isinstance(result, dict) else read_heads(result)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     written = [importance_heatmap(r, out / f"{prefix}_importance.png")]

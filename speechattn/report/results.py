@@ -48,17 +48,17 @@ class ResultSet:
         found = {t for runs in self.results.values() for t in runs}
         return [*TASKS, *sorted(found - set(TASKS))]
 
-    def variants(self, order: list[str] | None = None) -> list[str]:
-        """`mel` first, then `order` (the registry's), then any other variants found."""
-        return _in_order(set(self.results), order)
+    def variants(self) -> list[str]:
+        """`mel` first, then the registry's order, then any other variants found."""
+        return _in_order(set(self.results))
 
     def abx_variants(self) -> list[str]:
         """The variants with an `abx.json`, in the order of `variants`."""
         return _in_order(set(self.abx))
 
 
-def _in_order(found: set[str], order: list[str] | None = None) -> list[str]:
-    ordered = [MEL] + [v for v in (registry_order() if order is None else order) if v != MEL]
+def _in_order(found: set[str]) -> list[str]:
+    ordered = [MEL] + [v for v in registry_order() if v != MEL]
     return [v for v in ordered if v in found] + sorted(found - set(ordered))
 
 

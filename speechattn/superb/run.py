@@ -262,9 +262,7 @@ def main(argv: list[str] | None = None) -> None:
         add_help=False,
     )
     parser.add_argument("--quick", action="store_true", help="the quick config (minutes on CPU)")
-    parser.add_argument(
-        "--data", default=None, help="prepared task folder (default: built-in corpus)"
-    )
+    parser.add_argument("--data", help="prepared task folder (default: built-in corpus)")
     parser.add_argument("--superb-help", action="help", help="this help")
     ours, rest = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
     if any(a in ("-h", "--help") for a in rest):
