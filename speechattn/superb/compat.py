@@ -51,8 +51,7 @@ def _imports(name: str, errors: type[Exception] = ImportError) -> bool:
 
 def _register(name: str, doc: str, **attrs: Any) -> types.ModuleType:
     """A module `name` holding `attrs`, registered in `sys.modules` (so imports find it)."""
-    module = types.ModuleType(name)
-    module.__doc__ = f"speechattn shim: {doc} (see speechattn.superb.compat)"
+    module = types.ModuleType(name, f"speechattn shim: {doc} (see speechattn.superb.compat)")
     module.__dict__.update(attrs)
     sys.modules[name] = module
     return module

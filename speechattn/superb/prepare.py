@@ -3,8 +3,6 @@
     python -m speechattn.superb.prepare --task speech_commands|voxceleb1|ctc|all
                                         [--root CORPUS] [--out DIR] [--repeats 3]
 
-Without `--root` the built-in corpus is used (built on first use); without `--out` each task goes
-to `<cache>/superb/<corpus folder>/<task>/`, where `python -m speechattn.superb` looks for it.
 A task folder is written into a temporary sibling and renamed into place (`atomic_folder`), with
 `superb_data.json` last, so an interrupted conversion is never mistaken for a finished one.
 Layouts and splits: docs/superb.md#data; audio is hard-linked from the corpus where possible.

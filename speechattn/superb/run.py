@@ -23,7 +23,7 @@ from speechattn.errors import ConfigError, SpeechattnError
 from speechattn.model.serialization import load_torch_file
 from speechattn.model.upstream import UPSTREAM_FOLDER, upstream_sha256
 from speechattn.superb import compat, prepare
-from speechattn.superb.configs import METRIC, PAPER, task_config
+from speechattn.superb.configs import METRIC, task_config
 from speechattn.tasks.records import WEIGHTED_SUM, SuperbResult
 from speechattn.utils import atomic_write_text
 
@@ -141,8 +141,7 @@ def build_argv(argv: list[str], quick: bool, data: str | None) -> tuple[list[str
     if args.mode == "evaluate" and not args.past_exp:
         out += ["-e", str(latest_checkpoint(expdir))]
     elif args.mode == "train" and not args.past_exp and not args.config:
-        if args.downstream not in PAPER:
-            task_config(args.downstream or "")  # raises the ConfigError naming the tasks
+        task_config(args.downstream or "")  # an unknown task fails before data is prepared
         config = task_config(args.downstream, quick, _data_paths(args.downstream, data))
         expdir.mkdir(parents=True, exist_ok=True)
         path = expdir / (QUICK_CONFIG_FILE if quick else CONFIG_FILE)
