@@ -1,15 +1,7 @@
 """A speechattn upstream (`upstream.pt` or upstream folder) as an s3prl (0.4.x) upstream
-("expert"), for SUPERB and s3prl's tools; usage in docs/upstream.md.
-
-Length rule: s3prl's `Featurizer` keeps `round(S / 480)` frames of an S-sample utterance
-(half to even), whatever the upstream returns, while the model gives ceil(((S - 400) // 160 +
-1) / 3), one fewer for some S (9000 samples: 18 against 19). So the expert returns exactly
-`s3prl_frames(S)` frames: the model's last frame repeated or extra ones dropped, zero past that
-count; frames up to the smaller count are `load_upstream`'s hidden states unchanged.
-
-With s3prl installed (`pip install 'speechattn[s3prl]'`) the expert subclasses s3prl's
-`UpstreamBase` (its forward hooks and `Featurizer` work unchanged); without, it is a plain
-`nn.Module` with the same forward. Weights are read by `load_upstream`, never unpickled.
+("expert"); usage in docs/upstream.md, the frame-length rule in docs/superb.md. With s3prl
+installed it subclasses s3prl's `UpstreamBase` (hooks, `Featurizer`), else it is a plain
+`nn.Module` with the same forward.
 
 Shapes: B utterances, S samples at 16 kHz, T' model frames (30 ms), D model dim, L layers.
 """
@@ -42,18 +34,16 @@ except ImportError:
 
 
 def s3prl_frames(num_samples: int, samples_per_frame: int = 480) -> int:
-    """Frames s3prl's `Featurizer` keeps of a `num_samples` utterance: `round(S / rate)`,
-    with Python's round (half to even), exactly as `Featurizer.tolist` computes it."""
+    """Frames s3prl's `Featurizer.tolist` keeps of a `num_samples` utterance (half to even)."""
     return round(num_samples / samples_per_frame)
 
 
 def match_s3prl_lengths(
     hidden: list[Tensor], model_frames: Tensor, samples: Tensor, samples_per_frame: int
 ) -> list[Tensor]:
-    """Hidden states padded or trimmed to the frame counts s3prl's `Featurizer` assumes (the
-    length rule above): hidden L+1 tensors (B, T', D), zero past each utterance's model_frames
-    (B,) (>= 1); samples (B,) sample counts -> L+1 tensors (B, T_s, D), T_s = max_b
-    round(S_b / samples_per_frame)."""
+    """Hidden states padded (last frame repeated) or trimmed to the frame counts s3prl's
+    `Featurizer` assumes, zero past them: hidden L+1 tensors (B, T', D), model_frames (B,) >= 1,
+    samples (B,) -> L+1 tensors (B, T_s, D), T_s = max_b round(S_b / samples_per_frame)."""
     target = torch.tensor(
         [s3prl_frames(int(n), samples_per_frame) for n in samples.tolist()],
         device=model_frames.device,
@@ -66,16 +56,9 @@ def match_s3prl_lengths(
 
 
 class UpstreamExpert(_ExpertBase):
-    """s3prl upstream over a speechattn `upstream.pt` (any attention variant).
-
-    Args:
-        ckpt: path of an `upstream.pt` written by `python -m speechattn.pretrain`, or of an
-            upstream folder (`python -m speechattn.export`) (s3prl's `-k/--upstream_ckpt`).
-        model_config: s3prl's `-g`; must stay unset, as `upstream.pt` holds its own config.
-        refresh: s3prl's re-download flag; nothing is downloaded, so it has no effect.
-        map_location: device to load the weights on (s3prl moves the expert afterwards).
-        **kwargs: s3prl `UpstreamBase` arguments (`hooks`, `hook_postprocess`).
-    """
+    """s3prl upstream over a speechattn `upstream.pt` or upstream folder (s3prl's `-k`); s3prl's
+    `-g` (model_config) must stay unset and `refresh` has no effect, as nothing is downloaded;
+    **kwargs go to s3prl's `UpstreamBase` (`hooks`, `hook_postprocess`)."""
 
     def __init__(
         self,
@@ -107,22 +90,15 @@ class UpstreamExpert(_ExpertBase):
         self.eval()  # like load_upstream: a frozen feature extractor until asked to train
 
     def get_downsample_rates(self, key: str) -> int:
-        """16 kHz samples per output frame, the same for every key: the 10 ms feature hop times
-        the model's frame stacking (160 x 3 = 480)."""
+        """16 kHz samples per output frame for every key: 10 ms hop x 3 stacked frames = 480."""
         return self.upstream.samples_per_frame
 
     def forward(
         self, wavs: list[Tensor], sample_rate: int = SAMPLE_RATE
     ) -> dict[str, Tensor | list[Tensor]]:
         """wavs: B 1-D 16 kHz waveforms (S_b,) -> {"hidden_states": L+1 tensors (B, T', D),
-        "last_hidden_state": (B, T', D)}: round(S_b / 480) frames per utterance (the module
-        docstring's length rule), zero after.
-
-        s3prl always feeds 16 kHz; `sample_rate` lets other callers have that checked.
-
-        When s3prl hooks are registered, s3prl builds those keys from the hooks, so the
-        expert returns an empty dict (s3prl refuses both at once).
-        """
+        "last_hidden_state": (B, T', D)}, round(S_b / 480) frames per utterance, zero after;
+        {} when s3prl hooks are registered (s3prl builds those keys from them)."""
         if sample_rate != SAMPLE_RATE:
             raise WaveformError(
                 f"{self.name} got {sample_rate} Hz audio; the upstream was trained on "

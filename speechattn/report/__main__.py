@@ -21,24 +21,17 @@ PROG = "python -m speechattn.report"
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n")[2])
     parser.add_argument("results_dir", help="folder searched recursively for result.json files")
+    parser.add_argument("--out", help="where to write the report (default: RESULTS_DIR)")
     parser.add_argument(
-        "--out", default=None, help="where to write the report (default: RESULTS_DIR)"
-    )
-    parser.add_argument(
-        "--bench",
-        default=None,
-        help="attention benchmark JSON (default: RESULTS_DIR/bench/attention.json)",
+        "--bench", help="attention benchmark JSON (default: RESULTS_DIR/bench/attention.json)"
     )
     parser.add_argument(
         "--maps-variant", default="full", help="variant whose attention maps to draw"
     )
-    parser.add_argument(
-        "--maps-layer", type=int, default=None, help="1-based layer (default: last)"
-    )
+    parser.add_argument("--maps-layer", type=int, help="1-based layer (default: last)")
     parser.add_argument(
         "--seq-len",
         type=int,
-        default=None,
         help="frames at which keys attended are counted (default: median test utterance length)",
     )
     add_debug_flag(parser)
@@ -51,12 +44,7 @@ def main(argv: list[str] | None = None) -> int:
                 "folder (the one holding downstream/<variant>/<task>/result.json)"
             )
         report = make_report(
-            args.results_dir,
-            out=args.out,
-            bench=args.bench,
-            maps_variant=args.maps_variant,
-            maps_layer=args.maps_layer,
-            seq_len=args.seq_len,
+            args.results_dir, args.out, args.bench, args.maps_variant, args.maps_layer, args.seq_len
         )
     for path in report.files:
         print(f"wrote {path}")

@@ -1,8 +1,4 @@
-"""Assemble the report of a results folder: tables, figures and a README tying them together.
-
-Reads files only: `result.json` files, the attention benchmark JSON and, for the attention maps,
-one `upstream.pt` (through `speechattn.load_upstream`) with the utterance saved beside a result.
-"""
+"""Assemble the report of a results folder: tables, figures and a README tying them together."""
 
 from __future__ import annotations
 
@@ -91,8 +87,6 @@ def make_report(
     expected = [MEL, *[v for v in registry_order() or variants if v != MEL]]
     report.missing = [(v, t) for v in expected for t in TASKS if results.get(v, t) is None]
     rows = list(dict.fromkeys([*expected, *variants]))
-
-    # Table 2: accuracy, with the study's LibriSpeech numbers for comparison.
     table2 = accuracy_table(results, tasks, rows)
     reference = reference_table(list(TASKS), rows)
     report.write_table(
@@ -108,15 +102,11 @@ def make_report(
     )
     reference.write_csv(report.out / "table2_reference.csv")
     report.files.append(report.out / "table2_reference.csv")
-
-    # ABX error per layer, beside the probes' accuracy.
     abx = abx_table(results) if results.abx else None
     if abx is not None:
         text = "# ABX error per layer\n\n" + ABX_NOTE + "\n\n" + abx.markdown(digits=2)
         report.write_table("abx", text, abx)
         report.files.append(abx_by_layer(results, report.out / "fig_abx_layers.png"))
-
-    # Table 1: cost.
     seq_len = seq_len or _typical_length(results)
     records: list[BenchRecord] = []
     bench_path = Path(bench) if bench is not None else find_bench(results_dir)
@@ -144,16 +134,12 @@ def make_report(
         + table1_md.markdown(digits=1),
         table1,
     )
-
-    # Figures.
     fig = accuracy_vs_keys(results, seq_len, report.out / "fig_accuracy_vs_keys.png")
     if fig is None:
         report.notes.append("fig_accuracy_vs_keys.png: no speaker_utterance results yet")
     else:
         report.files.append(fig)
-    fig = _maps(results, maps_variant, maps_layer, report)
-    if fig is not None:
-        report.files.append(fig)
+    _maps(results, maps_variant, maps_layer, report)
     # a broken heads.json or upstream must not sink the accuracy tables
     heads = _optional("head analyses", lambda: head_report(results_dir, report.out), report)
     report.files += heads or []
@@ -209,7 +195,7 @@ def _typical_length(results: ResultSet) -> int:
     return int(round(statistics.median(lengths))) if lengths else DEFAULT_SEQ_LEN
 
 
-def _maps(results: ResultSet, variant: str, layer: int | None, report: Report) -> Path | None:
+def _maps(results: ResultSet, variant: str, layer: int | None, report: Report) -> None:
     """Attention maps of `variant` (fallback: any pretrained variant with an upstream file)."""
     candidates = [variant] + [v for v in results.variants() if v not in (variant, MEL)]
     for name in candidates:
@@ -220,19 +206,19 @@ def _maps(results: ResultSet, variant: str, layer: int | None, report: Report) -
             example = path.parent / EXAMPLE_FILE
             if not Path(result.upstream).is_file() or not example.is_file():
                 continue
-            num_layers = int(result.model_config.get("num_layers", 0) or 0)
-            chosen = layer or max(num_layers, 1)
+            chosen = layer or max(int(result.model_config.get("num_layers", 0) or 0), 1)
             try:
-                return attention_maps(
+                fig = attention_maps(
                     result.upstream, example, report.out / "fig_attention_maps.png", chosen
                 )
+                report.files.append(fig)
+                return
             except SpeechattnError as e:  # a broken upstream must not sink the whole report
                 report.notes.append(f"fig_attention_maps.png: {name}: {type(e).__name__}: {e}")
                 break
     report.notes.append(
         "fig_attention_maps.png: no pretrained run with its upstream.pt and example utterance"
     )
-    return None
 
 
 def _superb_readme(superb: Table) -> str:
@@ -304,12 +290,8 @@ def _readme(
     if written("fig_attention_maps.png"):
         lines += ["## Attention maps", "", "![attention maps](fig_attention_maps.png)", ""]
     if written("fig_accuracy_vs_keys.png"):
-        lines += [
-            f"## {SPEAKER_TASK} accuracy vs keys attended",
-            "",
-            "![accuracy vs keys](fig_accuracy_vs_keys.png)",
-            "",
-        ]
+        lines += [f"## {SPEAKER_TASK} accuracy vs keys attended", ""]
+        lines += ["![accuracy vs keys](fig_accuracy_vs_keys.png)", ""]
     if report.notes:
         lines += ["## Notes", "", *[f"- {n}" for n in report.notes], ""]
     return "\n".join(lines)

@@ -1,12 +1,7 @@
-"""Figures of the report: attention maps of every head under the utterance's log-mel
-spectrogram (study Fig. 2; `librosa.display.specshow`, time in seconds on both),
-utterance-level speaker accuracy vs keys attended (study Fig. 4), ABX error per layer, and the
-figures of head analyses (`heads.json` from `python -m speechattn.analyze heads`).
-
-Per head analysis: the normalised importance heat-map (depth x head), the ablation heat-maps
-(change of the metric when masking one head / keeping only one head of a depth), and the
-pruning curve. For the report: the same for every `heads.json` under a results folder, plus an
-overlay of the pruning curves of several attention variants (one panel per task).
+"""Figures of the report: attention maps (study Fig. 2), speaker accuracy vs keys attended
+(study Fig. 4), ABX error per layer, and per head analysis (`heads.json` of `python -m
+speechattn.analyze heads`) its importance and ablation heat-maps and pruning curve, with an
+overlay of the pruning curves of several variants.
 """
 
 from __future__ import annotations
@@ -23,19 +18,19 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
+from speechattn import load_upstream  # noqa: E402
 from speechattn.data.features import SAMPLE_RATE, FeatureConfig  # noqa: E402
 from speechattn.errors import ConfigError  # noqa: E402
 from speechattn.model.serialization import load_torch_file  # noqa: E402
 from speechattn.report.results import ResultSet  # noqa: E402
 from speechattn.report.tables import attention_facts  # noqa: E402
-from speechattn.tasks.records import HEADS_FILE, MEL, find_heads, read_heads  # noqa: E402
+from speechattn.tasks.records import MEL, find_heads, read_heads  # noqa: E402
 
 SPEAKER_TASK = "speaker_utterance"
 
 
 def accuracy_vs_keys(results: ResultSet, seq_len: int, path: Path) -> Path | None:
-    """Scatter of `speaker_utterance` test accuracy against keys attended per query at
-    `seq_len` (symmetric log scale, so 0 keys fits); the mel baseline as a dashed line. None when nothing to plot."""
+    """Speaker accuracy vs keys attended per query at `seq_len`; None when nothing to plot."""
     points = []
     for variant in results.variants():
         acc = results.accuracy(variant, SPEAKER_TASK)
@@ -63,8 +58,8 @@ def accuracy_vs_keys(results: ResultSet, seq_len: int, path: Path) -> Path | Non
 
 
 def abx_by_layer(results: ResultSet, path: Path) -> Path | None:
-    """ABX error (%) against layer, within (left) and across speakers (right), one line per
-    variant; mel, which has no layers, as a dashed line. None when nothing to plot."""
+    """ABX error (%) per layer, within and across speakers, mel (no layers) dashed; None
+    without ABX results."""
     if not results.abx:
         return None
     fig, axes = plt.subplots(1, 2, figsize=(10, 4), sharey=True)
@@ -92,26 +87,19 @@ def attention_maps(
     layer: int = 1,
     max_frames: int = 200,
 ) -> Path:
-    """Every head's attention weights in `layer` (1-based) for one utterance, as a grid, each
-    column under the utterance's log-mel spectrogram on the same time axis (seconds).
-
-    The utterance is the normalised test utterance a downstream run saved beside its result
-    (`example_utterance.pt`); the weights come from the upstream's `attention_weights`, i.e. the
-    variant's dense reference. At most `max_frames` model frames are drawn.
-    """
+    """Every head's attention weights (the variant's dense reference) in `layer` (1-based) for
+    the test utterance a downstream run saved (`example_utterance.pt`), each column under its
+    log-mel spectrogram on one time axis in seconds; at most `max_frames` model frames."""
     from librosa.display import specshow
-
-    from speechattn import load_upstream
 
     upstream = load_upstream(upstream_path).eval()
     example = load_torch_file(example_path, "cpu", "attention-map example")
     features = example["features"][None]  # (1, T, F)
-    lengths = torch.tensor([features.size(1)])
     if not 1 <= layer <= upstream.num_layers:
         raise ConfigError(f"layer {layer} out of range: the upstream has {upstream.num_layers}")
     with torch.no_grad():
-        weights = upstream.attention_weights(features, lengths, layer)  # (1, h, T', T')
-    weights = weights[0, :, :max_frames, :max_frames].float()  # (h, T', T')
+        weights = upstream.attention_weights(features, torch.tensor([features.size(1)]), layer)
+    weights = weights[0, :, :max_frames, :max_frames].float()  # (h, T', T') of (1, h, T', T')
     heads, shown = weights.size(0), weights.size(-1)
     fc = FeatureConfig(**upstream.feature_config)
     seconds = shown / upstream.frame_rate  # the maps' time span
@@ -170,6 +158,7 @@ def attention_maps(
 # ----------------------------------------------------------------------------- heads
 
 METRIC_LABELS = {"l1_loss": "masked-reconstruction L1", "accuracy": "accuracy"}
+ABLATIONS = {"single": "head masked (ξ_lh = 0)", "keep_only": "only this head kept in its depth"}
 CURVE_MARKERS = "os^vDP*Xph<>"  # cycled with tab20 colours so that 14+ overlaid curves differ
 
 
@@ -179,10 +168,6 @@ def save_figure(fig: Any, path: str | Path, dpi: int = 130) -> Path:
     fig.savefig(path, dpi=dpi)
     plt.close(fig)
     return Path(path)
-
-
-def _load(result: dict[str, Any] | str | Path) -> dict[str, Any]:
-    return result if isinstance(result, dict) else read_heads(result)
 
 
 def _title(r: dict[str, Any]) -> str:
@@ -207,8 +192,7 @@ def _annotate(ax: Any, values: np.ndarray, fmt: str, diverging: bool = False) ->
 
 
 def _delta_scale(values: np.ndarray) -> tuple[np.ndarray, str, str]:
-    """(values to print, their format, unit note): deltas below 0.01 are printed in units of
-    10^e so that every cell stays short."""
+    """(values to print, format, unit note): deltas below 0.01 in units of 10^e, to stay short."""
     finite = np.abs(values[np.isfinite(values)])
     top = float(finite.max()) if finite.size else 0.0
     if top == 0.0 or top >= 0.01:
@@ -219,15 +203,13 @@ def _delta_scale(values: np.ndarray) -> tuple[np.ndarray, str, str]:
 
 def _axes_labels(ax: Any, L: int, h: int) -> None:
     ax.set_xticks(range(h))
-    ax.set_yticks(range(L))
-    ax.set_yticklabels([str(i + 1) for i in range(L)])
+    ax.set_yticks(range(L), [str(i + 1) for i in range(L)])
     ax.set_xlabel("head")
     ax.set_ylabel("depth (layer application)")
 
 
-def importance_heatmap(result: dict[str, Any] | str | Path, path: str | Path) -> Path:
+def importance_heatmap(r: dict[str, Any], path: Path) -> Path:
     """Normalised importance (depth x head): each depth's row has unit L2 norm."""
-    r = _load(result)
     values = np.asarray(r["importance"]["normalized"], dtype=float)  # (L, h)
     L, h = values.shape
     fig, ax = plt.subplots(figsize=(1.2 + 0.55 * h, 1.2 + 0.45 * L))
@@ -240,20 +222,10 @@ def importance_heatmap(result: dict[str, Any] | str | Path, path: str | Path) ->
     return save_figure(fig, path)
 
 
-def ablation_heatmap(result: dict[str, Any] | str | Path, path: str | Path) -> Path | None:
-    """Δ metric (ablated - unmasked) per head: one head masked, and only one head kept per depth.
-
-    Red always means worse (higher loss or lower accuracy). None when no ablation was run.
-    """
-    r = _load(result)
-    panels = [
-        (key, title)
-        for key, title in (
-            ("single", "head masked (ξ_lh = 0)"),
-            ("keep_only", "only this head kept in its depth"),
-        )
-        if r["ablation"].get(key) is not None
-    ]
+def ablation_heatmap(r: dict[str, Any], path: Path) -> Path | None:
+    """Δ metric (ablated - unmasked) per head with one head masked, and with only one head
+    kept per depth; red always means worse. None when no ablation was run."""
+    panels = [key for key in ABLATIONS if r["ablation"].get(key) is not None]
     if not panels:
         return None
     L, h = r["num_layers"], r["num_heads"]
@@ -262,14 +234,14 @@ def ablation_heatmap(result: dict[str, Any] | str | Path, path: str | Path) -> P
         1, len(panels), figsize=(len(panels) * (1.6 + 0.55 * h), 1.4 + 0.45 * L), squeeze=False
     )
     metric = METRIC_LABELS.get(r["metric"], r["metric"])
-    for ax, (key, title) in zip(axes[0], panels):
+    for ax, key in zip(axes[0], panels):
         delta = np.asarray(r["ablation"][key]["delta"], dtype=float)
         limit = max(1e-12, float(np.abs(delta).max()))
         im = ax.imshow(delta, cmap=cmap, aspect="auto", vmin=-limit, vmax=limit)
         shown, fmt, unit = _delta_scale(delta)
         _annotate(ax, shown, fmt, diverging=True)
         _axes_labels(ax, L, h)
-        ax.set_title(title + unit, fontsize=9)
+        ax.set_title(ABLATIONS[key] + unit, fontsize=9)
         fig.colorbar(im, ax=ax, label=f"Δ {metric}")
     fig.suptitle(f"{_title(r)}: ablation (base {metric} {r['base_metric']:.4f})", fontsize=10)
     return save_figure(fig, path)
@@ -290,9 +262,8 @@ def _variant_label(r: dict[str, Any]) -> str:
     return r["attention"] + (f" ({', '.join(flags)})" if flags else "")
 
 
-def pruning_plot(result: dict[str, Any] | str | Path, path: str | Path) -> Path | None:
+def pruning_plot(r: dict[str, Any], path: Path) -> Path | None:
     """Metric vs % of heads pruned in increasing order of importance. None without a curve."""
-    r = _load(result)
     if not r.get("pruning"):
         return None
     x, y = _curve(r)
@@ -311,9 +282,8 @@ def pruning_plot(result: dict[str, Any] | str | Path, path: str | Path) -> Path 
 def head_figures(
     result: dict[str, Any] | str | Path, out_dir: str | Path, prefix: str = "heads"
 ) -> list[Path]:
-    """`<prefix>_importance.png`, `<prefix>_ablation.png`, `<prefix>_pruning.png` in out_dir
-    (the last two only when that analysis was run)."""
-    r = _load(result)
+    """`<prefix>_{importance,ablation,pruning}.png` in out_dir (the last two when run)."""
+    r = result if isinstance(result, dict) else read_heads(result)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     written = [importance_heatmap(r, out / f"{prefix}_importance.png")]
@@ -323,14 +293,12 @@ def head_figures(
 
 
 def write_head_figures(run_dirs: list[str | Path], out_dir: str | Path) -> list[Path]:
-    """The three figures of each head analysis (run dirs or heads.json paths) into out_dir,
-    named `heads_<attention>_<task>_*.png` (a counter is added when a name repeats)."""
+    """Each head analysis' figures (run dirs or heads.json) as `heads_<attention>_<task>[_k]_*`."""
     out = Path(out_dir)
     written: list[Path] = []
     seen: dict[str, int] = defaultdict(int)
     for item in run_dirs:
-        path = Path(item)
-        r = read_heads(path / HEADS_FILE if path.is_dir() else path)
+        r = read_heads(item)
         stem = f"heads_{r['attention']}_{r['task']}"
         seen[stem] += 1
         if seen[stem] > 1:
@@ -342,11 +310,8 @@ def write_head_figures(run_dirs: list[str | Path], out_dir: str | Path) -> list[
 def overlay_pruning_curves(
     heads_json_paths: list[str | Path], out_png: str | Path, relative: bool = False
 ) -> Path | None:
-    """Pruning curves of several analyses on shared axes, one panel per (task, metric).
-
-    With `relative`, each curve is divided by its own unpruned metric. None when no input has a
-    pruning curve.
-    """
+    """Pruning curves of several analyses, one panel per (task, metric), with `relative` each
+    divided by its unpruned metric; None when no input has a pruning curve."""
     groups: dict[tuple[str, str], list[dict[str, Any]]] = defaultdict(list)
     for p in heads_json_paths:
         r = read_heads(p)
@@ -381,8 +346,7 @@ def overlay_pruning_curves(
 
 
 def head_summary_markdown(heads_json_paths: list[str | Path]) -> str:
-    """A markdown table: variant, task, metric, unpruned value, value at ~50 % pruned, heads
-    whose single ablation changes the metric most."""
+    """Markdown table: each analysis' metric unpruned, ~50 % and fully pruned, top head."""
     lines = [
         "| variant | task | metric | unpruned | ~50 % pruned | 100 % / last | most important (depth, head) |",
         "|---|---|---|---|---|---|---|",
@@ -405,8 +369,7 @@ def head_summary_markdown(heads_json_paths: list[str | Path]) -> str:
 
 
 def head_report(results_dir: str | Path, out_dir: str | Path) -> list[Path]:
-    """Everything the report needs from the head analyses under `results_dir`: per-analysis
-    figures, `fig_heads_pruning.png` (overlay) and `heads.md`; [] when there are none."""
+    """The head analyses under `results_dir`: their figures, the pruning overlay, `heads.md`."""
     paths = find_heads(results_dir)
     if not paths:
         return []

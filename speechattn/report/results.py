@@ -1,11 +1,6 @@
 """Collect downstream results (`result.json`), ABX evaluations (`abx.json`) and attention
-benchmarks from a results folder.
-
-A results folder is any tree: every `result.json` below it is one run, grouped by variant (the
-upstream's attention name, `mel` for the baseline) and task, and every `abx.json` one evaluation
-of a variant. When a (variant, task) pair or a variant's ABX has several files the newest wins
-and the others are listed as superseded. Unreadable files are reported, never fatal, so a
-half-finished study still gives a report.
+benchmarks from a results folder: any tree, the newest file per (variant, task) or variant wins,
+unreadable files are noted, never fatal, so a half-finished study still gives a report.
 """
 
 from __future__ import annotations
@@ -53,17 +48,17 @@ class ResultSet:
         found = {t for runs in self.results.values() for t in runs}
         return [*TASKS, *sorted(found - set(TASKS))]
 
-    def variants(self, order: list[str] | None = None) -> list[str]:
-        """`mel` first, then `order` (the registry's), then any other variants found."""
-        return _in_order(set(self.results), order)
+    def variants(self) -> list[str]:
+        """`mel` first, then the registry's order, then any other variants found."""
+        return _in_order(set(self.results))
 
     def abx_variants(self) -> list[str]:
         """The variants with an `abx.json`, in the order of `variants`."""
         return _in_order(set(self.abx))
 
 
-def _in_order(found: set[str], order: list[str] | None = None) -> list[str]:
-    ordered = [MEL] + [v for v in (registry_order() if order is None else order) if v != MEL]
+def _in_order(found: set[str]) -> list[str]:
+    ordered = [MEL] + [v for v in registry_order() if v != MEL]
     return [v for v in ordered if v in found] + sorted(found - set(ordered))
 
 
@@ -147,20 +142,16 @@ _MEM_KEYS = ("peak_memory_mb", "peak_mem_mb", "memory_mb", "peak_mb", "mem_mb")
 
 
 def _first(record: dict[str, Any], keys: tuple[str, ...]) -> Any:
-    for key in keys:
-        if record.get(key) is not None:
-            return record[key]
-    return None
+    return next((record[key] for key in keys if record.get(key) is not None), None)
 
 
 def read_bench(path: str | Path) -> tuple[list[BenchRecord], dict[str, Any]]:
-    """Read `python -m speechattn.bench attention --json PATH` output.
+    """Records and metadata of `python -m speechattn.bench attention --json PATH` output.
 
-    Accepted shapes: the benchmark's own `{"meta": {...}, "variants": {name: {"time_ms": {T: ms},
-    "peak_mem_mb": {T: MiB}, ...}}}`; a list of records, or an object with a `results` (or `records`) list and
-    any other top-level keys kept as metadata (device, dtype, ...). A record names its variant
-    (`attention`/`variant`/`name`), its sequence length (`seq_len`/`T`) and the measured time
-    (`time_ms`, ...) and peak memory (`peak_memory_mb`, ...). Unknown keys are kept in `extra`.
+    Besides the benchmark's own `{"meta": {...}, "variants": {name: {"time_ms": {T: ms},
+    "peak_mem_mb": {T: MiB}}}}`: a list of records, or an object with a `results` (or `records`)
+    list whose other keys are metadata; a record names its variant, length, time and memory
+    under any of the keys above (the first present counts), other keys go to `extra`.
     """
     data = json.loads(Path(path).read_text())
     if isinstance(data, dict) and isinstance(data.get("variants"), dict):
@@ -171,15 +162,12 @@ def read_bench(path: str | Path) -> tuple[list[BenchRecord], dict[str, Any]]:
         meta = {k: v for k, v in data.items() if k not in ("results", "records")}
     used = set(_NAME_KEYS + _LEN_KEYS + _TIME_KEYS + _MEM_KEYS)
     records = []
-    for row in rows:
-        if not isinstance(row, dict):
-            continue
+    for row in (r for r in rows if isinstance(r, dict)):
         name, seq_len = _first(row, _NAME_KEYS), _first(row, _LEN_KEYS)
-        if name is None or seq_len is None:
-            continue
-        extra = {k: v for k, v in row.items() if k not in used}
-        time_ms, memory = _first(row, _TIME_KEYS), _first(row, _MEM_KEYS)
-        records.append(BenchRecord(name, seq_len, time_ms, memory, extra))
+        if name is not None and seq_len is not None:
+            extra = {k: v for k, v in row.items() if k not in used}
+            time_ms, memory = _first(row, _TIME_KEYS), _first(row, _MEM_KEYS)
+            records.append(BenchRecord(name, seq_len, time_ms, memory, extra))
     return records, meta
 
 
@@ -189,12 +177,12 @@ def _read_bench_by_variant(data: dict[str, Any]) -> tuple[list[BenchRecord], dic
     for name, row in data["variants"].items():
         if not isinstance(row, dict):
             continue
-        times = row.get("time_ms") or {}
-        memory = row.get("peak_mem_mb") or {}
+        times, memory = row.get("time_ms") or {}, row.get("peak_mem_mb") or {}
         errors = row.get("errors") or {}
-        for T in sorted({*times, *memory}, key=lambda t: int(t)):
-            extra = {"error": errors.get(T)}
-            records.append(BenchRecord(name, T, times.get(T), memory.get(T), extra))
+        for T in sorted({*times, *memory}, key=int):
+            records.append(
+                BenchRecord(name, T, times.get(T), memory.get(T), {"error": errors.get(T)})
+            )
     return records, dict(data.get("meta") or {})
 
 

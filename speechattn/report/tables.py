@@ -1,9 +1,5 @@
-"""The report's tables, as Markdown and CSV: Table 1 (cost per variant), Table 2 (accuracy per
-variant x task, with the study's own numbers for reference), the ABX error rates per variant x
-layer, the SUPERB results and the learned spans of adaptive_span upstreams.
-
-Missing entries are gaps (`–` in Markdown, empty in CSV), never errors.
-"""
+"""The report's tables as Markdown and CSV: cost (Table 1), accuracy (Table 2, with the study's
+numbers), ABX per layer, SUPERB and learned spans. Missing entries are gaps, never errors."""
 
 from __future__ import annotations
 
@@ -13,6 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from speechattn import load_upstream
 from speechattn.report.results import BenchRecord, ResultSet, read_newest, registry_order
 from speechattn.tasks.records import (
     MEL,
@@ -34,10 +31,8 @@ TASK_TITLES = {
 }
 # Dimensions at which Table 1 counts attention parameters: the study's AALBERT (aalbert_base).
 STUDY_DIM, STUDY_HEADS = 768, 12
-# The study's test accuracies (Table 2 of the source paper, docs/report.md), columns in TASKS'
-# order: LibriSpeech, 6-layer AALBERT pretrained 500k steps on train-clean-360; speaker tasks on
-# train-clean-100, phoneme tasks on train-clean-360 with CPC alignments. `ldsa` was not part of
-# the study, so it has no reference row.
+# The study's LibriSpeech test accuracies (its Table 2; setting in docs/report.md), columns in
+# TASKS' order; variants it did not include have no row.
 REFERENCE: dict[str, tuple[float, float, float, float]] = {
     "mel": (0.0060, 0.0033, 0.5246, 0.5768),
     "full": (0.9926, 0.9824, 0.6460, 0.6887),
@@ -67,12 +62,9 @@ class Table:
     def markdown(self, digits: int = 4) -> str:
         def cell(value: Any, r: int, c: int) -> str:
             if value is None:
-                text = GAP
-            elif isinstance(value, float):
-                text = f"{value:.{digits}f}"
-            else:
-                text = str(value)
-            return f"**{text}**" if (r, c) in self.bold and value is not None else text
+                return GAP
+            text = f"{value:.{digits}f}" if isinstance(value, float) else str(value)
+            return f"**{text}**" if (r, c) in self.bold else text
 
         lines = ["| " + " | ".join(self.header) + " |", "|" + "---|" * len(self.header)]
         for r, row in enumerate(self.rows):
@@ -83,8 +75,7 @@ class Table:
         with open(path, "w", newline="") as f:
             writer = csv.writer(f)
             writer.writerow(self.header)
-            for row in self.rows:
-                writer.writerow(["" if v is None else v for v in row])
+            writer.writerows(["" if v is None else v for v in row] for row in self.rows)
 
 
 def mark_best(rows: list[list[Any]], columns: range, best: Any = max) -> set[tuple[int, int]]:
@@ -92,16 +83,14 @@ def mark_best(rows: list[list[Any]], columns: range, best: Any = max) -> set[tup
     bold = set()
     for c in columns:
         values = [row[c] for row in rows if isinstance(row[c], float)]
-        if not values:
-            continue
-        top = best(values)
-        bold |= {(r, c) for r, row in enumerate(rows) if row[c] == top}
+        if values:
+            top = best(values)
+            bold |= {(r, c) for r, row in enumerate(rows) if row[c] == top}
     return bold
 
 
 def accuracy_table(results: ResultSet, tasks: list[str], variants: list[str]) -> Table:
-    """Test accuracy per variant (rows) and task (columns); best per column in bold. A row
-    that is the same model as an earlier one (`same_models`) says so."""
+    """Test accuracy per variant (rows) and task; best in bold; rows of one model say so."""
     options = {}
     for v in variants:  # the attention options each upstream was pretrained with
         found = (results.get(v, t) for t in results.tasks())
@@ -111,13 +100,12 @@ def accuracy_table(results: ResultSet, tasks: list[str], variants: list[str]) ->
 
 
 def reference_table(tasks: list[str], variants: list[str]) -> Table:
-    """The study's LibriSpeech accuracies (its Table 2) for the same rows, best per column in bold."""
+    """The study's LibriSpeech accuracies (its Table 2) for the same rows, best in bold."""
     names = [v for v in variants if v in REFERENCE] + [v for v in REFERENCE if v not in variants]
     return _task_table(tasks, names, _reference_accuracy)
 
 
 def _reference_accuracy(variant: str, task: str) -> float | None:
-    """The study's accuracy for `variant` on `task`, or None when it has none."""
     row = REFERENCE.get(variant)
     return None if row is None or task not in TASKS else row[TASKS.index(task)]
 
@@ -134,11 +122,9 @@ def _task_table(
 def same_models(
     variants: list[str], options: dict[str, dict[str, Any]] | None = None
 ) -> dict[str, str]:
-    """Rows that are mathematically the same model as an earlier row, mapped to that row:
-    LSH schemes whose codes give equal match counts under the chosen hashes
-    (`attention.lsh.same_model`), with `options` (default: the registry's). Each is built with
-    one head of the study's head size: every head hashes with the layer's one projection, so
-    one head decides, at a twelfth of the cost."""
+    """Rows that are the same model as an earlier row (LSH schemes with equal match counts,
+    `attention.lsh.same_model`), mapped to it; `options` default to the registry's. One head of
+    the study's head size decides: every head hashes with the layer's one projection."""
     from speechattn.attention import build
     from speechattn.attention.lsh import SCHEMES, same_model
 
@@ -156,15 +142,13 @@ def same_models(
 
 
 def abx_table(results: ResultSet) -> Table:
-    """ABX error rates in % per variant (rows) and layer, within and across speakers
-    (columns); lowest per column in bold."""
+    """ABX error in % per variant (rows), layer and within/across (columns); lowest in bold."""
     found = results.abx_variants()
     layers = sorted({k for v in found for k in results.abx[v][1].errors("within")})
     header = ["variant", *[f"L{k} {mode}" for k in layers for mode in ("within", "across")]]
     rows = []
     for v in found:
-        record = results.abx[v][1]
-        errors = {mode: record.errors(mode) for mode in ("within", "across")}
+        errors = {mode: results.abx[v][1].errors(mode) for mode in ("within", "across")}
         cells = [errors[mode].get(k) for k in layers for mode in ("within", "across")]
         rows.append([_label(v, {}), *[None if e is None else 100 * e for e in cells]])
     return Table(header, rows, mark_best(rows, range(1, len(header)), best=min))
@@ -177,6 +161,8 @@ def _label(variant: str, same: dict[str, str]) -> str:
 
 
 # ----------------------------------------------------------------------------- table 1
+
+FACTS = ("complexity_training", "complexity_inference", "keys_attended", "attention_params")
 
 
 def attention_facts(variant: str, seq_len: int) -> dict[str, Any]:
@@ -198,38 +184,22 @@ def attention_facts(variant: str, seq_len: int) -> dict[str, Any]:
 
 
 def cost_table(
-    results: ResultSet,
-    bench: list[BenchRecord],
-    seq_len: int,
-    variants: list[str] | None = None,
-    max_lengths: int | None = None,
+    results: ResultSet, bench: list[BenchRecord], seq_len: int, max_lengths: int | None = None
 ) -> Table:
-    """Per variant: complexity, keys attended at `seq_len`, parameters, measured time/memory.
-
-    Measured columns come from the benchmark records, one pair per benchmarked length (at most
-    `max_lengths`, spread from the shortest to the longest); absent without a benchmark.
-    """
-    if variants is None:
-        names = registry_order() or [v for v in results.variants() if v != MEL]
-        variants = names + [
-            v
-            for v in results.variants() + sorted({r.variant for r in bench})
-            if v not in names and v != MEL
-        ]
+    """Per variant: complexity, keys attended at `seq_len`, parameters, and measured time and
+    memory per benchmarked length (at most `max_lengths`, spread from shortest to longest)."""
+    names = registry_order() or [v for v in results.variants() if v != MEL]
+    found = results.variants() + sorted({r.variant for r in bench})
+    variants = names + [v for v in found if v not in names and v != MEL]
     lengths = sorted({r.seq_len for r in bench})
     if max_lengths is not None and len(lengths) > max_lengths:  # smallest, ..., largest
         step = (len(lengths) - 1) / (max_lengths - 1)
         lengths = sorted({lengths[round(i * step)] for i in range(max_lengths)})
     by_key = {(r.variant, r.seq_len): r for r in bench}
     same = same_models(variants)
-    header = [
-        "variant",
-        "time complexity (training)",
-        "time complexity (inference)",
-        f"keys attended (T={seq_len})",
-        f"attention params/layer (D={STUDY_DIM}, h={STUDY_HEADS})",
-        "upstream params",
-    ]
+    header = ["variant", "time complexity (training)", "time complexity (inference)"]
+    header += [f"keys attended (T={seq_len})"]
+    header += [f"attention params/layer (D={STUDY_DIM}, h={STUDY_HEADS})", "upstream params"]
     header += [f"time ms (T={n})" for n in lengths] + [f"peak MiB (T={n})" for n in lengths]
     rows = []
     for v in variants:
@@ -237,14 +207,7 @@ def cost_table(
         upstream_params = next(
             (r.upstream_parameters for t in results.tasks() if (r := results.get(v, t))), None
         )
-        row: list[Any] = [
-            _label(v, same),
-            facts.get("complexity_training"),
-            facts.get("complexity_inference"),
-            facts.get("keys_attended"),
-            facts.get("attention_params"),
-            upstream_params or None,
-        ]
+        row = [_label(v, same), *(facts.get(k) for k in FACTS), upstream_params or None]
         row += [getattr(by_key.get((v, n)), "time_ms", None) for n in lengths]
         row += [getattr(by_key.get((v, n)), "memory_mb", None) for n in lengths]
         rows.append(row)
@@ -252,14 +215,8 @@ def cost_table(
 
 
 # ----------------------------------------------------------------------------- SUPERB
-# `superb_result.json` files (`python -m speechattn.superb -m evaluate`), upstream (rows) x task
-# (columns), speechattn variants beside the baselines. A row is one upstream with one feature
-# selection: a speechattn upstream by its attention variant and the run folder of its
-# `upstream.pt` (two runs of one variant, another seed or step count, are two rows), or a
-# baseline by its s3prl name (`fbank_no_cmvn`, the fair one: see docs/superb.md); the selection
-# is s3prl's weighted layer sum, or "layer N" (`-l N`); `--quick` runs get their own rows,
-# marked "(quick)", as their numbers are not comparable with full runs. When one cell has
-# several results (the same row and task evaluated again), the newest counts.
+# `superb_result.json` files, upstream (rows) x task (columns): a row is one upstream run (or
+# s3prl baseline), feature selection and --quick or not (docs/superb.md); newest per cell.
 
 # s3prl downstream -> column title
 COLUMNS = {"speech_commands": "KS acc ↑", "voxceleb1": "SID acc ↑", "ctc": "PR PER ↓"}
@@ -276,7 +233,7 @@ def collect_superb(root: str | Path) -> tuple[dict[tuple[str, str], SuperbResult
 
 def row_label(result: SuperbResult) -> str:
     """'ldsa (run 2026-11-28_10-00-00, layer 3) (quick)': variant, upstream run folder,
-    feature selection (unless the weighted sum), quick."""
+    selection unless the weighted sum, quick."""
     parts = []
     if result.upstream_ckpt:
         parts.append(f"run {Path(result.upstream_ckpt).parent.name}")
@@ -287,17 +244,14 @@ def row_label(result: SuperbResult) -> str:
 
 
 def superb_table(found: dict[tuple[str, str], SuperbResult]) -> Table:
-    """Metric per upstream and task; speechattn variants first, then baselines; best per
-    column (highest accuracy, lowest PER) in bold."""
+    """Metric per upstream and task, speechattn variants before baselines; best in bold."""
     tasks = [t for t in COLUMNS if any(k[1] == t for k in found)]
     tasks += sorted({k[1] for k in found} - set(tasks))
     ours = sorted({row for (row, _), r in found.items() if r.upstream_ckpt})
     baselines = sorted({row for row, _ in found} - set(ours))
     value = {key: float(result.value) for key, result in found.items()}
-    rows = []
-    for row in [*ours, *baselines]:
-        kind = "speechattn" if row in ours else "baseline"
-        rows.append([row, kind, *[value.get((row, t)) for t in tasks]])
+    rows = [[row, "speechattn", *[value.get((row, t)) for t in tasks]] for row in ours]
+    rows += [[row, "baseline", *[value.get((row, t)) for t in tasks]] for row in baselines]
     bold = set()
     for c, task in enumerate(tasks, start=2):
         higher = next(v for (_, t), v in found.items() if t == task).higher_is_better
@@ -306,44 +260,28 @@ def superb_table(found: dict[tuple[str, str], SuperbResult]) -> Table:
 
 
 # ----------------------------------------------------------------------------- spans
-# Sukhbaatar et al. (2019) show the spans each head learns (their Figure 3); this is the table
-# of it for every adaptive_span upstream a results folder probed. Reads the `upstream.pt` files
-# (through `speechattn.load_upstream`) and asks each depth's attention module for `spans()`;
-# with ALBERT sharing every depth shows the same (one) layer.
+# The spans each head learns (Sukhbaatar et al. 2019, their Figure 3) for every adaptive_span
+# upstream probed; with ALBERT sharing every depth shows the same layer.
 
 VARIANT = "adaptive_span"
 
 
-def learned_spans(upstream_path: str | Path) -> tuple[list[list[float]], float]:
-    """Spans z (frames) per depth and head of one upstream, and its frame rate (frames/s)."""
-    from speechattn import load_upstream
-
-    upstream = load_upstream(upstream_path)
-    encoder = upstream.model.encoder
-    spans = [
-        encoder.layers[encoder.depth_to_layer[d]].attention.spans().detach().tolist()
-        for d in range(encoder.num_layers)
-    ]
-    return spans, upstream.frame_rate
-
-
 def span_table(results: ResultSet) -> Table | None:
-    """One row per (upstream, layer): spans of each head in frames and their mean in ms.
-
-    None when no adaptive_span result has its upstream file.
-    """
-    upstreams = []
-    for task in results.tasks():
-        result = results.get(VARIANT, task)
-        if result is not None and Path(result.upstream).is_file():
-            upstreams.append(result.upstream)
+    """Per (upstream, layer): each head's span in frames, their mean in ms; None if no upstream."""
+    upstreams = [
+        r.upstream
+        for t in results.tasks()
+        if (r := results.get(VARIANT, t)) is not None and Path(r.upstream).is_file()
+    ]
     rows: list[list] = []
     heads = 0
     for path in dict.fromkeys(upstreams):  # each upstream once, in task order
-        spans, frame_rate = learned_spans(path)
-        for depth, z in enumerate(spans, start=1):
+        upstream = load_upstream(path)
+        encoder = upstream.model.encoder
+        for depth in range(encoder.num_layers):
+            z = encoder.layers[encoder.depth_to_layer[depth]].attention.spans().detach().tolist()
             heads = max(heads, len(z))
-            rows.append([path, depth, *z, 1000 * sum(z) / len(z) / frame_rate])
+            rows.append([path, depth + 1, *z, 1000 * sum(z) / len(z) / upstream.frame_rate])
     if not rows:
         return None
     # upstreams with fewer heads: gaps before their mean column

@@ -1,11 +1,7 @@
 """In-process shims that let unmodified s3prl 0.4.18 `run_downstream.py` run on torch and
-torchaudio 2.11 (and current huggingface_hub, Python 3.11).
-
-s3prl 0.4.18 was written for torch 1.x and calls APIs later releases removed. Nothing in s3prl
-is edited: `install()` bridges each gap in this process before s3prl is imported, once and only
-where the gap exists (a newer torchaudio that has the API again, or an installed torchcodec, is
-used as is). `SHIMS` says which s3prl code each shim serves and which release removed what it
-replaces. `set_voxceleb1_cache` is one more, per experiment.
+torchaudio 2.11, current huggingface_hub and Python 3.11 (docs/superb.md#compatibility-shims).
+`install()` bridges each gap of `SHIMS` only where it exists; `set_voxceleb1_cache` is one more,
+per experiment.
 """
 
 from __future__ import annotations
@@ -20,23 +16,24 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import soundfile as sf
 import torch
+import torchaudio
 from torch import Tensor
 
+from speechattn.data.errors import DataError
 from speechattn.errors import SpeechattnError
 
 log = logging.getLogger(__name__)
 
 
 class ShimError(SpeechattnError, NotImplementedError):
-    """s3prl asked a shim for something it does not bridge (an unsupported sox effect, pushing
-    to the Hugging Face Hub); the message names it and the way out."""
+    """s3prl asked a shim for something it does not bridge; the message names the way out."""
 
 
 @dataclass(frozen=True)
 class Shim:
-    """One bridge: its name, what it bridges (s3prl caller, the release that removed the
-    API), and its installer (returns True when it installed something)."""
+    """One bridge: what it bridges (s3prl caller, the release that removed the API), installer."""
 
     name: str
     bridges: str
@@ -54,16 +51,13 @@ def _imports(name: str, errors: type[Exception] = ImportError) -> bool:
 
 def _register(name: str, doc: str, **attrs: Any) -> types.ModuleType:
     """A module `name` holding `attrs`, registered in `sys.modules` (so imports find it)."""
-    module = types.ModuleType(name)
-    module.__doc__ = f"speechattn shim: {doc} (see speechattn.superb.compat)"
+    module = types.ModuleType(name, f"speechattn shim: {doc} (see speechattn.superb.compat)")
     module.__dict__.update(attrs)
     sys.modules[name] = module
     return module
 
 
 def install_set_audio_backend() -> bool:
-    import torchaudio
-
     if hasattr(torchaudio, "set_audio_backend"):
         return False
     # torchaudio < 2.9's backend switch; audio I/O has one backend now, so nothing to do
@@ -73,15 +67,11 @@ def install_set_audio_backend() -> bool:
 
 def _read(path: str | Path, frame_offset: int = 0, num_frames: int = -1) -> tuple[Tensor, int]:
     """Audio file -> float32 (C, N) in [-1, 1] and its sample rate, read by soundfile."""
-    import soundfile as sf
-
     try:
         data, rate = sf.read(
             str(path), start=frame_offset, frames=num_frames, dtype="float32", always_2d=True
         )
     except (sf.LibsndfileError, RuntimeError) as e:
-        from speechattn.data.errors import DataError
-
         raise DataError(Path(path), "unreadable audio", str(e)) from e
     return torch.from_numpy(data.T.copy()), int(rate)
 
@@ -91,8 +81,6 @@ def _apply_effects(
 ) -> tuple[Tensor, int]:
     """sox effects on (C, N) float audio: ["channels", "1"] (mean of the channels, as sox mixes
     down), ["rate", R] (torchaudio's band-limited resampling), ["gain", dB]; others raise."""
-    import torchaudio
-
     for effect in effects:
         name, *values = [str(v) for v in effect]
         if name == "channels" and values == ["1"]:
@@ -119,28 +107,22 @@ def apply_effects_file(
     channels_first: bool = True,
     format: str | None = None,
 ) -> tuple[Tensor, int]:
-    """torchaudio.sox_effects.apply_effects_file for the effects s3prl's tasks use
-    (`_apply_effects`; speech_commands' dataset); samples are always float in [-1, 1]
-    (`normalize`, `format` are accepted for the signature). Returns (C, N) (or (N, C))
-    float32 and the sample rate."""
-    wav, rate = _read(path)  # (C, N)
-    wav, rate = _apply_effects(wav, rate, effects, str(path))
+    """torchaudio.sox_effects.apply_effects_file for the effects of `_apply_effects`: float32
+    (C, N) (or (N, C)) in [-1, 1] whatever `normalize`, and the sample rate."""
+    wav, rate = _apply_effects(*_read(path), effects, str(path))
     return (wav if channels_first else wav.T), rate
 
 
 def apply_effects_tensor(
     tensor: Tensor, sample_rate: int, effects: list[list[str]], channels_first: bool = True
 ) -> tuple[Tensor, int]:
-    """torchaudio.sox_effects.apply_effects_tensor for the same effects (mos_prediction's
-    upstream imports it)."""
+    """torchaudio.sox_effects.apply_effects_tensor for the same effects."""
     wav = tensor if channels_first else tensor.T
     wav, rate = _apply_effects(wav.float(), sample_rate, effects, "a tensor")
     return (wav if channels_first else wav.T), rate
 
 
 def install_sox_effects() -> bool:
-    import torchaudio
-
     if _imports("torchaudio.sox_effects"):
         return False
     torchaudio.sox_effects = _register(
@@ -162,9 +144,8 @@ def load(
     buffer_size: int = 4096,
     backend: str | None = None,
 ) -> tuple[Tensor, int]:
-    """torchaudio.load through soundfile (torchaudio 2.9 needs torchcodec + FFmpeg; s3prl's
-    voxceleb1 and ctc datasets read this way): float32 (C, N) (or (N, C)) in [-1, 1], sample
-    rate. `normalize=False` (integer samples) is not offered: s3prl never asks for it."""
+    """torchaudio.load through soundfile: float32 (C, N) (or (N, C)) in [-1, 1], sample rate;
+    `normalize=False` (integer samples) is not offered: s3prl never asks for it."""
     if not normalize:
         raise ShimError(f"torchaudio.load({uri}, normalize=False): the soundfile shim reads floats")
     wav, rate = _read(uri, frame_offset, num_frames)
@@ -184,8 +165,6 @@ class AudioMetaData:
 
 def info(uri: str | Path, format: str | None = None, backend: str | None = None) -> AudioMetaData:
     """torchaudio.info through soundfile's header read."""
-    import soundfile as sf
-
     header = sf.info(str(uri))
     bits = {"PCM_16": 16, "PCM_24": 24, "PCM_32": 32, "PCM_U8": 8, "FLOAT": 32, "DOUBLE": 64}
     return AudioMetaData(
@@ -198,10 +177,7 @@ def info(uri: str | Path, format: str | None = None, backend: str | None = None)
 
 
 def install_audio_io() -> bool:
-    import torchaudio
-
-    # torchcodec imports, then loads FFmpeg's libraries; any failure means torchaudio.load
-    # cannot work
+    # torchcodec imports, then loads FFmpeg: any failure means torchaudio.load cannot work
     if torchaudio.load is load or _imports("torchcodec.decoders", Exception):
         return False
     torchaudio.load = load
@@ -210,9 +186,8 @@ def install_audio_io() -> bool:
 
 
 class _HubRemoved:
-    """Names s3prl imports from huggingface_hub < 1.0 (runner.py, run_downstream.py); they
-    serve only --push_to_hf_hub and --hub huggingface, which `speechattn.superb` refuses, so
-    using them is refused clearly."""
+    """Names s3prl imports from huggingface_hub < 1.0 for --push_to_hf_hub and --hub
+    huggingface only, which `speechattn.superb` refuses; using them raises."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         self._refuse()
@@ -230,21 +205,15 @@ class _HubRemoved:
 def install_hf_folder() -> bool:
     import huggingface_hub
 
-    installed = False
-    for name in ("HfFolder", "Repository"):
-        if not hasattr(huggingface_hub, name):
-            setattr(huggingface_hub, name, type(name, (_HubRemoved,), {}))
-            installed = True
-    return installed
+    missing = [name for name in ("HfFolder", "Repository") if not hasattr(huggingface_hub, name)]
+    for name in missing:
+        setattr(huggingface_hub, name, type(name, (_HubRemoved,), {}))
+    return bool(missing)
 
 
 class DistributedSamplerWrapper(torch.utils.data.DistributedSampler):
-    """Each DDP rank draws its share of another sampler's indices (catalyst's class of the
-    same name): the wrapped sampler is drawn once per epoch (the same on every rank, as
-    runs seed every rank alike) and rank r keeps positions r, r + world, ...
-
-    No catalyst release both installs here (pip >= 24.1 rejects the metadata of 21.12+) and
-    imports (21.x uses collections.MutableMapping, gone in Python 3.10)."""
+    """catalyst's class of this name: the wrapped sampler is drawn once per epoch (alike on
+    every rank, as runs seed every rank alike) and rank r keeps positions r, r + world, ..."""
 
     def __init__(
         self,
@@ -258,8 +227,7 @@ class DistributedSamplerWrapper(torch.utils.data.DistributedSampler):
 
     def __iter__(self):
         drawn = list(iter(self.sampler))
-        positions = super().__iter__()  # this rank's positions into `drawn`, padded evenly
-        return iter([drawn[p] for p in positions])
+        return iter([drawn[p] for p in super().__iter__()])  # this rank's share, padded evenly
 
 
 def install_catalyst() -> bool:
@@ -276,16 +244,12 @@ def install_catalyst() -> bool:
     return True
 
 
-# What a runner checkpoint (states-*.ckpt, dev-best.ckpt) holds besides tensors, dicts, lists and
-# numbers: the parsed command line (`Args`). It joins torch's weights-only allow-list, so loading
-# stays weights-only.
-CHECKPOINT_GLOBALS: tuple[type, ...] = (argparse.Namespace,)
-
-
 def install_checkpoints() -> bool:
-    missing = [g for g in CHECKPOINT_GLOBALS if g not in torch.serialization.get_safe_globals()]
-    torch.serialization.add_safe_globals(missing)
-    return bool(missing)
+    # a runner checkpoint's parsed command line (`Args`), allowed in weights-only loading
+    if argparse.Namespace in torch.serialization.get_safe_globals():
+        return False
+    torch.serialization.add_safe_globals([argparse.Namespace])
+    return True
 
 
 def install_libriphone() -> bool:
@@ -301,9 +265,8 @@ def install_libriphone() -> bool:
 
 
 def set_voxceleb1_cache(expdir: str | Path) -> Path:
-    """Point s3prl 0.4.18's voxceleb1 file-list cache (`dataset.CACHE_PATH`, by default inside
-    site-packages and shared by every data set, so a second data set would silently train on
-    the first one's files) at `expdir/.voxceleb1_cache/`; returns it."""
+    """Point s3prl's voxceleb1 file-list cache (inside site-packages by default, shared by every
+    data set: a second one would train on the first one's files) at `expdir/.voxceleb1_cache/`."""
     dataset = importlib.import_module("s3prl.downstream.voxceleb1.dataset")
     folder = Path(expdir) / ".voxceleb1_cache"
     dataset.CACHE_PATH = str(folder) + "/"  # s3prl joins it with os.path.join

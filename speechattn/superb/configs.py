@@ -1,17 +1,9 @@
-"""SUPERB task configs for s3prl's `run_downstream.py`: the paper's hyper-parameters, and `--quick`.
+"""SUPERB task configs for s3prl's `run_downstream.py` (docs/superb.md).
 
-`PAPER[task]` is the config s3prl ships for that task on GitHub (its PyPI wheel ships none):
-`downstream/speech_commands/config.yaml` (keyword spotting), `downstream/voxceleb1/config.yaml`
-(speaker identification) and `downstream/ctc/libriphone.yaml` (phoneme recognition), the
-settings of the SUPERB paper (Yang et al., 2021): a weighted sum of the frozen upstream's layers
-(s3prl's Featurizer), a 256-d projection, then mean pooling + linear (KS, SID) or a linear CTC
-head (PR); Adam at 1e-4 (KS, SID) or 1e-2 (PR), 200k / 200k / 100k steps. Data paths are left
-out: `speechattn.superb` fills them from a prepared folder (`prepare.data_config`).
-
-`QUICK[task]` changes what makes a run finish in minutes on a CPU: a few hundred steps, a higher
-learning rate so that they learn something, evaluation at the end, no data-loading processes,
-shorter training crops. Quick numbers show that the route works and roughly how an upstream
-compares with a baseline on the same data; they are not SUPERB scores.
+`PAPER[task]`: the config s3prl publishes on GitHub for the task (`downstream/speech_commands/
+config.yaml`, `downstream/voxceleb1/config.yaml`, `downstream/ctc/libriphone.yaml`; its wheel
+ships none), the SUPERB paper's settings (Yang et al., 2021), data paths left out. `QUICK[task]`:
+what makes a run finish in minutes on a CPU; its numbers are not SUPERB scores.
 """
 
 from __future__ import annotations
@@ -120,8 +112,6 @@ QUICK: dict[str, dict[str, Any]] = {
         "runner.eval_dataloaders": ["dev"],
         "optimizer.lr": 1.0e-3,
         "downstream_expert.datarc.num_workers": 0,
-        "downstream_expert.datarc.train_batch_size": 8,
-        "downstream_expert.datarc.eval_batch_size": 1,
         "downstream_expert.datarc.max_timestep": 48_000,  # 3 s training crops
     },
     "ctc": {
@@ -136,8 +126,7 @@ QUICK: dict[str, dict[str, Any]] = {
 def task_config(
     task: str, quick: bool = False, overrides: dict[str, Any] | None = None
 ) -> dict[str, Any]:
-    """The s3prl config of `task` (PAPER, or with QUICK applied), with `overrides` (dotted keys,
-    e.g. the data paths) set last. Raises `ConfigError` for an unknown task."""
+    """The s3prl config of `task` (PAPER, QUICK applied if `quick`), dotted `overrides` last."""
     if task not in PAPER:
         raise ConfigError(
             f"-d {task}: speechattn ships SUPERB configs for {', '.join(PAPER)}; "

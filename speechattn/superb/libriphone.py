@@ -1,18 +1,9 @@
-"""The phoneme-recognition corpus reader s3prl's ctc task imports and its 0.4.18 wheel lacks.
-
-s3prl's `downstream/ctc/data.py` does `from .corpus.libriphone import LibriPhoneDataset` for
-`corpus.name: libriphone`, but the PyPI wheel ships no `downstream/ctc/corpus/` package, so
-`speechattn.superb.compat` registers this module under that name. It reads the layout SUPERB's
-phoneme recognition uses:
+"""The phoneme-recognition corpus reader s3prl's ctc task imports (`corpus.name: libriphone`)
+and its 0.4.18 wheel lacks; `compat` registers it under s3prl's name. The layout SUPERB uses:
 
     CSV_DIR/<split>.csv    columns wav_path, transcription (words separated by spaces)
-    lexicon files          lines "WORD P1 P2 ...": a word's phonemes (the first entry of a
-                           word wins when several are listed, for a deterministic result)
+    lexicon files          lines "WORD P1 P2 ...": a word's phonemes
     vocab file             one phoneme per line (s3prl's `text.vocab_file`, `mode: word`)
-
-Each utterance's target is its words' phonemes in order, encoded by s3prl's tokenizer (which
-appends <eos>). Utterances are sorted by target length, longest first; with bucketing
-(`bucket_size` > 1) an item is a list of `bucket_size` neighbouring utterances.
 """
 
 from __future__ import annotations
@@ -30,10 +21,8 @@ log = logging.getLogger(__name__)
 
 
 def read_lexicon(paths: list[str | Path], vocabulary: set[str]) -> dict[str, list[str]]:
-    """Word -> phonemes from lexicon files; the first pronunciation of a word wins.
-
-    Raises `DataError` naming the file and line when a phoneme is not in `vocabulary`.
-    """
+    """Word -> phonemes from lexicon files, the first pronunciation of a word winning (a
+    deterministic result); `DataError` names the line of a phoneme not in `vocabulary`."""
     lexicon: dict[str, list[str]] = {}
     for path in paths:
         with open(path, encoding="utf-8") as file:
@@ -52,17 +41,10 @@ def read_lexicon(paths: list[str | Path], vocabulary: set[str]) -> dict[str, lis
 
 
 class LibriPhoneDataset(Dataset):
-    """(wav_path, phoneme ids) pairs of one split, for s3prl's ctc `collect_audio_batch`.
-
-    Args:
-        split_csv: file name of the split inside `csv_dir` (train.csv, dev.csv, test.csv).
-        tokenizer: s3prl's text encoder (`_vocab2idx`, `encode`).
-        bucket_size: utterances per item (1 without bucketing).
-        lexicon: lexicon files.
-        csv_dir: folder of the split files.
-        ascending: shortest targets first instead of longest.
-        **kwargs: the rest of s3prl's corpus config (ignored).
-    """
+    """(wav_path, phoneme ids) pairs of the split `csv_dir/split_csv`, for s3prl's ctc
+    `collect_audio_batch`: targets encoded by s3prl's tokenizer, longest first (`ascending`:
+    shortest); with `bucket_size` > 1 an item is that many neighbouring utterances. The rest of
+    s3prl's corpus config (**kwargs) is ignored."""
 
     def __init__(
         self,
@@ -98,8 +80,7 @@ class LibriPhoneDataset(Dataset):
                 path, f"no column {e}", "expected columns wav_path,transcription"
             ) from e
         rows.sort(key=lambda r: len(r[1]), reverse=not ascending)
-        self.file_list = [r[0] for r in rows]
-        self.text = [r[1] for r in rows]
+        self.file_list, self.text = [r[0] for r in rows], [r[1] for r in rows]
         log.info("%s: %d utterances", path, len(rows))
 
     def __getitem__(self, index: int) -> tuple[str, list[int]] | list[tuple[str, list[int]]]:

@@ -3,35 +3,9 @@
     python -m speechattn.superb.prepare --task speech_commands|voxceleb1|ctc|all
                                         [--root CORPUS] [--out DIR] [--repeats 3]
 
-Without `--root` the built-in corpus is used (built on first use); without `--out` each task goes
-to `<cache>/superb/<corpus folder>/<task>/`, where `python -m speechattn.superb` looks for it.
 A task folder is written into a temporary sibling and renamed into place (`atomic_folder`), with
 `superb_data.json` last, so an interrupted conversion is never mistaken for a finished one.
-
-speech_commands (keyword spotting, 12 classes):
-    train/<word>/<name>_nohash_<k>.wav   1 s clips: the 10 command words, spoken by the corpus's
-                                         own speakers (their eSpeak voices from speakers.json),
-                                         and `_unknown_` words taken from its transcripts
-    train/_background_noise_/*.wav       noise recordings, cut into 1 s `_silence_` clips
-    test/<class>/*.wav                   held-out speakers, all 12 classes
-  Speech Commands has no word-level recordings in a sentence corpus, so the words are spoken
-  anew by the corpus's speakers; s3prl's split (hash of the name before `_nohash_`: < 10 %
-  dev, < 20 % dropped) is honoured by choosing each speaker's name in the right hash range.
-
-voxceleb1 (speaker identification):
-    <root>/vox1/wav/id1XXXX/<chapter>/<utt>.flac   speaker i (sorted) -> id(10001 + i)
-    veri_test_class.txt                            "1|2|3 id1XXXX/<chapter>/<utt>.flac"
-  test = the corpus's test_split.txt; every 8th training utterance of a speaker is dev.
-
-ctc (phoneme recognition, s3prl's `libriphone` corpus):
-    train.csv, dev.csv, test.csv         wav_path, transcription
-    lexicon.txt                          "<utt-id> P1 P2 ..." one entry per utterance
-    phoneme.txt                          the 39 ARPAbet phonemes (the vocabulary)
-  The phonemes are the corpus's frame alignment with repeats merged and silence dropped, so the
-  "word" of an utterance is its id and the lexicon holds its exact phoneme sequence. Splits as
-  for voxceleb1.
-
-Audio files are hard-linked from the corpus where the file system allows, else copied.
+Layouts and splits: docs/superb.md#data; audio is hard-linked from the corpus where possible.
 """
 
 from __future__ import annotations
@@ -50,7 +24,10 @@ from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
+import soundfile as sf
 
+from speechattn.data.audio import resample
+from speechattn.data.espeak import Espeak, VoiceSettings, fresh_engine_pool
 from speechattn.data.librispeech import (
     UTT_RE,
     read_alignments,
@@ -59,6 +36,7 @@ from speechattn.data.librispeech import (
     speaker_of,
 )
 from speechattn.data.phones import PHONE_SET, SILENCE
+from speechattn.data.synth import ensure_embedded_corpus
 from speechattn.errors import ConfigError, command_line_errors
 from speechattn.utils import (
     atomic_folder,
@@ -131,7 +109,7 @@ def speech_commands_split(name: str, max_per_class: int = 2**27 - 1) -> str:
 
 
 def _speaker_name(speaker_id: str, split: str) -> str:
-    """A file-name speaker prefix for `speaker_id` that the hash puts in `split`."""
+    """A file-name speaker prefix for `speaker_id` that s3prl's hash split puts in `split`."""
     for k in range(10_000):
         name = f"{int(speaker_id):04x}{k:04x}"
         if speech_commands_split(name) == split:
@@ -159,21 +137,15 @@ def _noise(rng: np.random.Generator, seconds: float, colour: float, level_db: fl
 
 
 def prepare_speech_commands(root: Path, out: Path, repeats: int = 3, seed: int = 0) -> dict:
-    """Keyword-spotting layout in `out` from corpus `root` (see the module docstring), spoken
-    in a fresh process: the words sound the same whatever this process spoke before
-    (`espeak.fresh_engine_pool`)."""
-    from speechattn.data.espeak import fresh_engine_pool
-
+    """Keyword-spotting layout in `out` from corpus `root`: `train/<word>/<name>_nohash_<k>.wav`
+    1 s clips of the commands and `_unknown_` words in the corpus speakers' eSpeak voices,
+    `train/_background_noise_/`, and `test/<class>/` of held-out speakers. Spoken in a fresh
+    process, so the words sound the same whatever this process spoke before."""
     with fresh_engine_pool(1, __name__) as pool:
         return pool.apply(_speak_keywords, (root, out, repeats, seed))
 
 
 def _speak_keywords(root: Path, out: Path, repeats: int, seed: int) -> dict:
-    import soundfile as sf
-
-    from speechattn.data.audio import resample
-    from speechattn.data.espeak import Espeak, VoiceSettings
-
     speakers = json.loads((root / "speakers.json").read_text())
     ids = sorted(speakers)
     if len(ids) < 3:
@@ -241,7 +213,8 @@ def _speak_keywords(root: Path, out: Path, repeats: int, seed: int) -> dict:
 
 
 def prepare_voxceleb1(root: Path, out: Path) -> dict:
-    """Speaker-identification layout in `out` from corpus `root`."""
+    """Speaker-identification layout in `out` from corpus `root`: `vox1/wav/id1XXXX/<chapter>/
+    <utt>.flac` (the i-th speaker is id(10001 + i)) and `veri_test_class.txt` ("1|2|3 path")."""
     utterances = _corpus_utterances(root)
     split = _splits(root)
     speakers = sorted({speaker_of(u) for u in utterances})
@@ -251,8 +224,7 @@ def prepare_voxceleb1(root: Path, out: Path) -> dict:
     for utt, path in track(utterances.items(), "linking voxceleb1 audio"):
         if utt not in split:
             continue
-        chapter = path.parent.name
-        relative = f"{vox_id[speaker_of(utt)]}/{chapter}/{path.name}"
+        relative = f"{vox_id[speaker_of(utt)]}/{path.parent.name}/{path.name}"
         _link(path, out / "vox1" / "wav" / relative)
         lines.append(f"{index[split[utt]]} {relative}")
     atomic_write_text(out / "veri_test_class.txt", "\n".join(lines) + "\n")
@@ -273,7 +245,8 @@ def phoneme_sequence(labels: np.ndarray, phone_set: list[str]) -> list[str]:
 
 
 def prepare_ctc(root: Path, out: Path) -> dict:
-    """s3prl `libriphone` layout in `out` from corpus `root`."""
+    """s3prl `libriphone` layout in `out` from corpus `root`: `<split>.csv`, `lexicon.txt` whose
+    "word" is an utterance id spelled as its alignment's phonemes, `phoneme.txt`."""
     utterances = _corpus_utterances(root)
     split = _splits(root)
     phone_file = root / "phone_set.txt"
@@ -293,9 +266,7 @@ def prepare_ctc(root: Path, out: Path) -> dict:
         lexicon.append(f"{utt} {' '.join(phonemes)}")
     for name, items in rows.items():
         buffer = io.StringIO()
-        writer = csv.writer(buffer, lineterminator="\n")
-        writer.writerow(["wav_path", "transcription"])
-        writer.writerows(items)
+        csv.writer(buffer, lineterminator="\n").writerows([("wav_path", "transcription"), *items])
         atomic_write_text(out / f"{name}.csv", buffer.getvalue())
     atomic_write_text(out / "lexicon.txt", "\n".join(lexicon) + "\n")
     vocabulary = [p for p in phone_set if p != SILENCE]
@@ -319,8 +290,7 @@ PREPARE: dict[str, Callable[..., dict]] = {
 
 
 def prepare(task: str, root: str | Path, out: str | Path, repeats: int = 3) -> Path:
-    """Convert corpus `root` into `task`'s layout at `out` (reused when already finished).
-    Returns `out`."""
+    """Convert corpus `root` into `task`'s layout at `out`, reused when finished; returns `out`."""
     if task not in PREPARE:
         raise ConfigError(f"task {task!r}: expected one of {', '.join(TASKS)}")
     root, out = Path(root).expanduser().resolve(), Path(out).expanduser().resolve()
@@ -353,8 +323,7 @@ def _moved(value, tmp: Path, out: Path):
 
 
 def data_config(folder: str | Path, task: str) -> dict[str, object]:
-    """The dotted config keys -> paths that point `task`'s s3prl config at a prepared folder.
-    Raises `ConfigError` when `folder` holds no finished conversion for `task`."""
+    """Dotted config keys -> paths that point `task`'s s3prl config at the prepared `folder`."""
     folder = Path(folder).expanduser()
     if not is_prepared(folder, task):
         raise ConfigError(
@@ -365,8 +334,6 @@ def data_config(folder: str | Path, task: str) -> dict[str, object]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from speechattn.data.synth import ensure_embedded_corpus
-
     parser = argparse.ArgumentParser(
         prog="python -m speechattn.superb.prepare", description=__doc__.split("\n\n")[0]
     )

@@ -1,23 +1,7 @@
-"""`python -m speechattn.superb [--quick] [--data DIR] RUN_DOWNSTREAM_ARGS...`
-
-Runs s3prl 0.4.18's own, unmodified `run_downstream.py` (train, evaluate or inference, with its
-arguments) in this process, after:
-
-- installing the compatibility shims of `speechattn.superb.compat`;
-- registering speechattn upstreams in s3prl's hub: `-u speechattn -k RUN/upstream.pt`
-  (also `speechattn_local`);
-- `--device`: the runner's default is cuda; here it is cuda when available, else cpu;
-- `-d speech_commands|voxceleb1|ctc` without `-c`: the SUPERB config of `configs.py` (paper, or
-  `--quick`), its data paths pointing at `--data` (a folder of `python -m
-  speechattn.superb.prepare`), by default the built-in corpus converted on first use; the
-  resolved config is written to EXPDIR/superb_config.yaml and passed as `-c`;
-- no `-p`/`-n`: EXPDIR = result/superb/<task>[-quick]/<upstream>[-<run folder>];
-- `-m evaluate` without `-e`: the experiment's dev-best.ckpt (else its latest states-*.ckpt).
-
-After an evaluation it scores s3prl's prediction files of the split (accuracy for
-speech_commands/voxceleb1, phone error rate for ctc), prints the metric and writes
-EXPDIR/superb_result.json (`speechattn.tasks.records.SuperbResult`) for `python -m
-speechattn.report`.
+"""`python -m speechattn.superb [--quick] [--data DIR] RUN_DOWNSTREAM_ARGS...`: s3prl 0.4.18's
+unmodified `run_downstream.py` in this process, with the `compat` shims, speechattn upstreams in
+its hub and the defaults docs/superb.md lists; an evaluation also writes
+EXPDIR/superb_result.json (`tasks.records.SuperbResult`) for `python -m speechattn.report`.
 """
 
 from __future__ import annotations
@@ -30,12 +14,16 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import torch
 import yaml
 
+import speechattn
+from speechattn.data.synth import ensure_embedded_corpus
 from speechattn.errors import ConfigError, SpeechattnError
+from speechattn.model.serialization import load_torch_file
 from speechattn.model.upstream import UPSTREAM_FOLDER, upstream_sha256
-from speechattn.superb import compat
-from speechattn.superb.configs import METRIC, PAPER, task_config
+from speechattn.superb import compat, prepare
+from speechattn.superb.configs import METRIC, task_config
 from speechattn.tasks.records import WEIGHTED_SUM, SuperbResult
 from speechattn.utils import atomic_write_text
 
@@ -107,13 +95,8 @@ def latest_checkpoint(expdir: Path) -> Path:
 
 
 def _data_paths(task: str, data: str | Path | None) -> dict[str, Any]:
-    """`task`'s data paths in the prepared folder `data`, by default the built-in corpus'
-    (converted on first use)."""
-    from speechattn.superb import prepare
-
+    """`task`'s data paths in the prepared folder `data` (default: the built-in corpus')."""
     if data is None:
-        from speechattn.data.synth import ensure_embedded_corpus
-
         root = ensure_embedded_corpus()
         data = prepare.prepare(task, root, prepare.default_out(root, task))
     return prepare.data_config(data, task)
@@ -144,8 +127,6 @@ def build_argv(argv: list[str], quick: bool, data: str | None) -> tuple[list[str
             )
     out = list(argv)
     if args.device is None:
-        import torch
-
         out += ["--device", "cuda" if torch.cuda.is_available() else "cpu"]
     expdir = Path(args.expdir) if args.expdir else None
     if expdir is None and args.expname:
@@ -160,8 +141,7 @@ def build_argv(argv: list[str], quick: bool, data: str | None) -> tuple[list[str
     if args.mode == "evaluate" and not args.past_exp:
         out += ["-e", str(latest_checkpoint(expdir))]
     elif args.mode == "train" and not args.past_exp and not args.config:
-        if args.downstream not in PAPER:
-            task_config(args.downstream or "")  # raises the ConfigError naming the tasks
+        task_config(args.downstream or "")  # an unknown task fails before data is prepared
         config = task_config(args.downstream, quick, _data_paths(args.downstream, data))
         expdir.mkdir(parents=True, exist_ok=True)
         path = expdir / (QUICK_CONFIG_FILE if quick else CONFIG_FILE)
@@ -178,12 +158,8 @@ def build_argv(argv: list[str], quick: bool, data: str | None) -> tuple[list[str
 
 
 def runner_checkpoint(path: Path, what: str = "-e checkpoint") -> dict[str, Any]:
-    """The state in a checkpoint of s3prl's runner, read weights-only with its `Args` allowed.
-    Refuses, with one line naming `path`, a file that weights-only loading cannot read (a
-    crafted pickle, a damaged file) or that the runner did not write (no `Args`), before
-    s3prl loads it. Nothing in the file is executed either way."""
-    from speechattn.model.serialization import load_torch_file
-
+    """The state in a runner checkpoint, read weights-only with its `Args` allowed; a file that
+    loading refuses or the runner did not write (no `Args`) is refused in one line naming it."""
     compat.install_checkpoints()  # the runner's Args (argparse.Namespace) is allowed
     try:
         state = load_torch_file(path, what=what)
@@ -226,11 +202,9 @@ def score(task: str, expdir: Path, split: str) -> float:
     if task == "ctc":
         from s3prl.downstream.ctc.metric import per
 
-        hyp = _ark(expdir / f"{split}-hyp.ark")
-        ref = _ark(expdir / f"{split}-ref.ark")
+        hyp, ref = _ark(expdir / f"{split}-hyp.ark"), _ark(expdir / f"{split}-ref.ark")
         return float(per([hyp[k] for k in ref], [ref[k] for k in ref]))
-    predicted = _ark(expdir / f"{split}_predict.txt")
-    truth = _ark(expdir / f"{split}_truth.txt")
+    predicted, truth = _ark(expdir / f"{split}_predict.txt"), _ark(expdir / f"{split}_truth.txt")
     if not truth:
         raise ConfigError(f"{expdir}/{split}_truth.txt is empty: the {split} split has no data")
     return sum(predicted.get(k) == v for k, v in truth.items()) / len(truth)
@@ -246,8 +220,6 @@ def _ark(path: Path) -> dict[str, str]:
 
 def write_result(decided: dict[str, Any]) -> SuperbResult:
     """Score the finished evaluation and write EXPDIR/superb_result.json."""
-    import speechattn
-
     args = decided["args"]
     checkpoint = Path(args.past_exp) if args.past_exp else latest_checkpoint(decided["expdir"])
     state = runner_checkpoint(checkpoint)
@@ -289,9 +261,7 @@ def main(argv: list[str] | None = None) -> None:
         add_help=False,
     )
     parser.add_argument("--quick", action="store_true", help="the quick config (minutes on CPU)")
-    parser.add_argument(
-        "--data", default=None, help="prepared task folder (default: built-in corpus)"
-    )
+    parser.add_argument("--data", help="prepared task folder (default: built-in corpus)")
     parser.add_argument("--superb-help", action="help", help="this help")
     ours, rest = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
     if any(a in ("-h", "--help") for a in rest):
