@@ -36,17 +36,13 @@ ASSUMED_CONSUMER_FPS = 20_000
 
 def _parse(argv: list[str]) -> argparse.Namespace:
     p = parser("features", __doc__)
-    p.add_argument(
-        "--root", type=Path, default=None, help="corpus root (default: the built-in corpus)"
-    )
+    p.add_argument("--root", type=Path, default=None, help="corpus root (default: built-in)")
     p.add_argument("--split", action="append", default=None, help="split folder(s) (default: all)")
     p.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="extraction processes")
     p.add_argument("--shard-size", type=int, default=64)
     p.add_argument("--dtype", choices=("float16", "float32"), default="float16")
     p.add_argument("--batch-size", type=int, default=16)
-    p.add_argument(
-        "--min-seconds", type=float, default=2.0, help="minimum duration of each load measurement"
-    )
+    p.add_argument("--min-seconds", type=float, default=2.0, help="min seconds of each load test")
     p.add_argument("--consumer-fps", type=float, default=ASSUMED_CONSUMER_FPS)
     p.add_argument("--json", type=Path, default=None, help="also write the numbers here")
     return p.parse_args(argv)

@@ -5,15 +5,11 @@
         [--variants full,ldsa,...] [--flex all|none|A,B] [--compiled full,xbox,...]
         [--steps 8] [--warmup 3] [--lightning-steps 30] [--resume]
 
-In order: the machine (`machine`); every variant's step at `experiment=paper`'s shapes, `full`
-first (`run_step_case`); the variants with a Flex kernel forced to it; `--lightning-steps` of
-`full` through `speechattn.pretrain.run` (`run_lightning`); `model.compile=true` steps last
-(`--compiled`; each compiles for a minute or more). Each case is a JSON line appended to
-`DIR/lease.jsonl` as it ends, after a "started" line, so `--resume` (the shell script's rerun
-after a crash) records a case that killed the process as "crashed" and skips what is done. No
-case starts after `--deadline` seconds from `$SPEECHATTN_LEASE_T0` (else this process's start)
-minus what the longest case of its kind took so far. `--device cpu --tiny` checks the command
-itself; its figures mean nothing.
+Each case is a JSON line appended to `DIR/lease.jsonl` as it ends, after a "started" line, so
+`--resume` (the shell script's rerun after a crash) records a case that killed the process as
+"crashed" and skips what is done. No case starts after `--deadline` seconds from
+`$SPEECHATTN_LEASE_T0` (else this process's start) minus what the longest case of its kind took
+so far. `--device cpu --tiny` checks the command itself; its figures mean nothing.
 """
 
 from __future__ import annotations
@@ -69,9 +65,8 @@ class InjectedFailure(RuntimeError):
 
 
 class Results:
-    """`lease.jsonl`: one line per case, appended, flushed and synced as it ends; `done` holds
-    each finished case's last line. On resume a case that started and never ended took the
-    process down: it is recorded as crashed, never retried."""
+    """`lease.jsonl`, one line per case, appended and synced as it ends; `done`: each case's
+    last line. On resume a case that started and never ended is recorded as crashed."""
 
     def __init__(self, path: Path, resume: bool) -> None:
         self.path = path
@@ -111,11 +106,8 @@ def compose_case(args: argparse.Namespace, name: str, *extra: str):  # noqa: ANN
 
 
 class Step:
-    """One training step of `PretrainTask` as Lightning's loop runs it (bf16 autocast on CUDA
-    around the forward; backward; the step's finite check; LAMB update; parameter check), on
-    two batches taken in turn as the loader delivers them: `data.batch_size` utterances of 2/3
-    to all of `data.max_frames` 10 ms frames (one in five at the crop), stacked, padded to the
-    length bucket and masked by the loader's `BatchMasker`, in pinned memory on CUDA."""
+    """One training step of `PretrainTask` as Lightning's loop runs it (`syncs.train_step`), on
+    two batches taken in turn, cropped, padded and masked as the loader delivers them."""
 
     def __init__(self, cfg: Any, device: torch.device, compiled: bool = False) -> None:
         from speechattn.attention import autotune
@@ -156,8 +148,8 @@ class Step:
 
 
 def useful_flops(cfg: Any, lengths: torch.Tensor) -> float:
-    """Training FLOPs of one step, each utterance at its own length in model frames (padding
-    is not useful work; `bench.pretrain.step_flops` per length)."""
+    """Training FLOPs of one step, each utterance at its own length (padding is not useful
+    work)."""
     from speechattn.bench.pretrain import step_flops
     from speechattn.model.aalbert import ModelConfig
     from speechattn.utils import plain
@@ -184,8 +176,7 @@ def timed(step: Step, n: int) -> list[float]:
 
 
 def attention_backend(kernel_names: list[str]) -> str:
-    """Which fused attention kernels a step ran ("cudnn", "flash", "efficient", "flex", joined
-    by "+"), "none" when none of them (math SDPA, or a variant that does not use one)."""
+    """Which `ATTENTION_KERNELS` a step ran, joined by "+", or "none"."""
     found = [name for name, marks in ATTENTION_KERNELS
              if any(m in k for k in kernel_names for m in marks)]  # fmt: skip
     return "+".join(found) or "none"
@@ -205,16 +196,14 @@ def profile_step(step: Step) -> dict[str, Any]:
 
 
 def count_syncs(step: Step) -> dict[str, Any]:
-    """Host reads of device data and blocking uploads of host memory over one step, with
-    where each comes from; on CUDA also the synchronising calls
-    `torch.cuda.set_sync_debug_mode` warns about."""
+    """Host reads and blocking uploads over one step, with where each comes from; on CUDA
+    also the calls `torch.cuda.set_sync_debug_mode` warns about."""
     from speechattn.bench.syncs import SyncCounter
 
     batch = step.batches[step.count % len(step.batches)]
     host = [batch["lengths"], batch["masked"].lengths]
     with SyncCounter(host=host, cpu_is_device=step.device.type == "cpu", trace=True) as counter:
         step()
-    # sync_where: the file:line of each, in speechattn
     out = {"reads": counter.count, "uploads": counter.upload_count,
            "sync_reasons": {**counter.reasons, **counter.uploads},
            "sync_where": dict(counter.where)}  # fmt: skip
@@ -246,9 +235,7 @@ def run_step_case(args: argparse.Namespace, name: str, extra: list[str], compile
     if device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
-    # every case compiles afresh: a forced Flex case failed in a process where another
-    # variant's Flex kernels had compiled (dynamo's per-process compile count; docs/gpu.md)
-    torch._dynamo.reset()
+    torch._dynamo.reset()  # dynamo's per-process compile count failed a Flex case (docs/gpu.md)
     step = Step(cfg, device, compiled=compiled)
     # the autotuner measures in the warm-up, and compilation happens there
     warmup_s = time_call(lambda: [step() for _ in range(args.warmup)], device)
@@ -296,8 +283,7 @@ def run_lightning(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def cases(args: argparse.Namespace) -> list[tuple[str, str, list[str], bool]]:
-    """(case name, kind, config overrides, compiled): `full` first, the other variants, then
-    Flex kernels forced, the Lightning run, and compiled steps."""
+    """(case name, kind, config overrides, compiled) in the order they run."""
     names = ["full", *[n for n in args.variants if n != "full"]]
     plan = [(n, "step", [], False) for n in names]
     flex = names if args.flex == "all" else [] if args.flex == "none" else args.flex.split(",")
@@ -330,7 +316,7 @@ def machine(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def start_time() -> float:
-    """The lease's clock: `$SPEECHATTN_LEASE_T0` (epoch seconds) when set, else now."""
+    """`$SPEECHATTN_LEASE_T0` (epoch seconds) when set, else now."""
     with contextlib.suppress(KeyError, ValueError):
         return float(os.environ["SPEECHATTN_LEASE_T0"])
     return time.time()

@@ -5,15 +5,12 @@
     e.g. python -m speechattn.bench loader experiment=paper data.root=/data/LibriSpeech
 
 The overrides compose the pretraining config as `python -m speechattn.pretrain OVERRIDES`
-would; the loader is the one training iterates (`ResumableData.step_loader`: the data module's
-dataset, `data.num_workers` workers, `pin_memory`, prefetch, the `StepBatchSampler` order and
-the task's masking collate). Printed: start-up (`prepare_data()` + `setup()`, wall and CPU
-seconds of this process and its finished children, the extraction workers; `--cold`: on an
-empty temporary feature cache, else on the cache as found); the first batch (worker start-up);
-over `--batches` batches after `--warmup`: 10 ms frames/s (valid frames), batches/s, padding,
-CPU seconds per batch (main + workers) and open descriptors; what the GPU needs (`bench
-pretrain --plan`'s loader rate at `--mfu` of `--gpu`'s dense peak, every utterance at the full
-crop: a projection) and the ratio measured / needed (>= 1: the loader keeps up).
+would; the loader is the one training iterates (`ResumableData.step_loader`). Printed: start-up
+(`prepare_data()` + `setup()`, wall and CPU seconds, extraction workers included; `--cold`: on an
+empty temporary feature cache); the first batch (worker start-up); over `--batches` batches
+after `--warmup`: frames/s, batches/s, padding, CPU seconds per batch (main + workers), open
+descriptors; what the GPU needs (`bench pretrain --plan`'s projection at `--mfu` of `--gpu`'s
+dense peak) and the ratio measured / needed (>= 1: the loader keeps up).
 """
 
 from __future__ import annotations

@@ -6,16 +6,13 @@
         [--precision fp32|bf16|fp16] [--json out.json] [--compile]
     python -m speechattn.bench pretrain --plan experiment=paper [--gpu h100|a100] [--mfu 0.4]
 
-A step is what `PretrainTask.training_step` does (stack frames, span masking, forward, masked
-L1, backward, LAMB update) under autocast for `--precision`; `--frames` counts stacked (30 ms)
-model frames. Every variant is timed round-robin in one process beside `reference` (a
-hand-written BERT-style AALBERT: explicit softmax(QK^T)V, no SDPA, no registry; what the
-plumbing costs) and the matmul peak in the precision's dtype, before and after the steps (the
-best is used). FLOPs are counted as each variant is defined: `full`'s step by
-`torch.utils.flop_counter` (plus the CPU flash-attention kernel, which it does not know: 4 B h
-T S d_k forward, twice that backward), with `full`'s attention FLOPs replaced by the variant's
-own (`Attention.flops`, per layer application). `--plan` times nothing (`plan`); `--compile`
-compares the compiled and the eager step per variant (`run_compile`).
+A step is what `PretrainTask.training_step` does (masking on the host, forward, masked L1,
+backward, LAMB update) under autocast for `--precision`; `--frames` counts stacked (30 ms) model
+frames. Every variant is timed round-robin beside `reference` (a hand-written BERT-style AALBERT:
+explicit softmax(QK^T)V, no SDPA, no registry: what the plumbing costs). FLOPs: `full`'s step
+by `torch.utils.flop_counter` (with `SDPA_CPU`'s corrections), `full`'s attention FLOPs replaced
+by the variant's own (`Attention.flops`). `--plan` times nothing (`plan`); `--compile` compares
+the compiled and the eager step per variant (`run_compile`).
 """
 
 from __future__ import annotations
@@ -51,6 +48,7 @@ from speechattn.bench.common import (
     time_call,
     write_json,
 )
+from speechattn.bench.syncs import pretrain_step_syncs
 from speechattn.errors import UsageExit
 from speechattn.model.aalbert import (
     AALBERT,
@@ -144,18 +142,13 @@ SDPA_CPU = {  # the counter's additions and corrections
 }
 
 
-def make_step(
-    model: nn.Module,
-    batch: dict[str, Tensor],
-    masking: MaskingConfig,
-    lr: float = 1e-3,
-    precision: str = "fp32",
-    objective: Callable[[MaskedBatch], Tensor] | None = None,
-) -> Callable[[], float]:
-    """A closure doing one full training step (masking on the host, then forward and loss
-    under `precision`'s autocast); returns the loss. `objective` scores a masked batch:
-    pretraining's `reconstruction_loss` by default, or what `model.compile=true` compiles."""
-    opt = build_optimizer(model, OptimConfig(lr=lr))  # LAMB with pretraining's decay groups
+def make_step(model: nn.Module, batch: dict[str, Tensor], masking: MaskingConfig,
+              precision: str = "fp32", objective: Callable[[MaskedBatch], Tensor] | None = None
+              ) -> Callable[[], float]:  # fmt: skip
+    """A closure doing one training step, returning the loss. `objective` scores a masked
+    batch: pretraining's `reconstruction_loss` by default, or what `model.compile=true`
+    compiles."""
+    opt = build_optimizer(model, OptimConfig(lr=1e-3))  # LAMB with pretraining's decay groups
     g = torch.Generator().manual_seed(0)
     features, lengths = batch["features"], batch["lengths"]
     stack, pad = batch["stack"], batch.get("pad_to_multiple", 1)
@@ -209,17 +202,6 @@ def attention_flops(name: str, config: ModelConfig, batch: int, frames: int) -> 
     return module.flops(frames).training * batch * config.num_layers
 
 
-def step_syncs(name: str, config: ModelConfig, args: argparse.Namespace) -> tuple[int, int]:
-    """(reads of device data, blocking uploads) of one fp32 `PretrainTask` training step of
-    variant `name` at the bench's batch and length (`bench/syncs.py`)."""
-    from speechattn.bench.syncs import pretrain_step_syncs
-
-    opts = sized_options(name, args.frames)
-    net = {**config.to_dict(), "attention": name, "attention_options": opts}
-    counter = pretrain_step_syncs(net, args.batch, args.frames, args.device)
-    return counter.count, counter.upload_count
-
-
 def build(name: str, config: ModelConfig, frames: int, device: str) -> nn.Module:
     torch.manual_seed(0)
     if name == "reference":
@@ -235,13 +217,6 @@ GPU_PEAKS: dict[str, tuple[str, dict[str, float]]] = {
     "h100": ("NVIDIA H100 SXM", {"bf16": 989.4e12, "fp16": 989.4e12, "tf32": 494.7e12}),
     "a100": ("NVIDIA A100", {"bf16": 312e12, "fp16": 312e12, "tf32": 156e12}),
 }
-
-
-def tensor_core_dtype(precision: Any) -> str:
-    """Lightning's `trainer.precision` -> the dtype its products run in on tensor cores
-    (bf16-mixed -> bf16, 16-mixed -> fp16, 32-true -> tf32, which assumes TF32 is enabled)."""
-    p = str(precision)
-    return "bf16" if p.startswith("bf16") else "fp16" if p.startswith("16") else "tf32"
 
 
 def model_flops(config: ModelConfig, frames: int) -> float:
@@ -271,20 +246,20 @@ def step_flops(config: ModelConfig, batch: int, frames: int) -> float:
 
 def project_step(cfg: Any, gpu: str, mfu: float) -> tuple[dict[str, Any], dict[str, Any]]:
     """(setting, projection) of one training step of the composed pretraining config `cfg`
-    on `gpu` (a `GPU_PEAKS` key) at `mfu`. The setting: model sizes, batch, crop (10 ms) and
-    model frames, steps, precision and its tensor-core dtype. The projection: TFLOP per step
-    (`step_flops`, every utterance at the full crop), step ms = FLOPs / (MFU x vendor dense
-    peak), GPU-hours for `trainer.max_steps`, the 10 ms frames/step and /s the loader owes."""
+    on `gpu` (a `GPU_PEAKS` key) at `mfu`: `step_flops` with every utterance at the full crop,
+    step ms = FLOPs / (MFU x vendor dense peak), GPU-hours for `trainer.max_steps`, the 10 ms
+    frames per step and per second the loader owes."""
     from omegaconf import OmegaConf
 
     peaks = GPU_PEAKS[gpu][1]
     config = ModelConfig(**OmegaConf.to_container(cfg.model.net, resolve=True))
     crop, batch = int(cfg.data.max_frames), int(cfg.data.batch_size)
     frames, steps = crop // config.stack, int(cfg.trainer.max_steps)
-    dtype = tensor_core_dtype(cfg.trainer.precision)
+    p = str(cfg.trainer.precision)  # -> its products' dtype on tensor cores (TF32 assumed on)
+    dtype = "bf16" if p.startswith("bf16") else "fp16" if p.startswith("16") else "tf32"
     setting = {"model": str(cfg.model.name), "dim": config.dim, "layers": config.num_layers,
                "heads": config.num_heads, "batch": batch, "frames": frames, "crop": crop,
-               "steps": steps, "precision": str(cfg.trainer.precision), "dtype": dtype}  # fmt: skip
+               "steps": steps, "precision": p, "dtype": dtype}  # fmt: skip
     flops = step_flops(config, batch, frames)
     step_s = flops / (mfu * peaks[dtype])
     return setting, {
@@ -326,7 +301,8 @@ def plan(args: argparse.Namespace) -> dict[str, Any]:
             f"{r['loader_frames_per_s'] / 1e6:26.2f}"
         )
     result = {"benchmark": "pretrain_plan", "overrides": list(args.plan), "gpu": gpu,
-              "peak_tflops": peaks[s["dtype"]] / 1e12, "mfu": args.mfu, **s, "rows": rows}  # fmt: skip
+              "peak_tflops": peaks[s["dtype"]] / 1e12, "mfu": args.mfu, **s,
+              "rows": rows}  # fmt: skip
     write_json(args.json, result)
     return result
 
@@ -335,35 +311,21 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p = parser("pretrain", __doc__)
     p.add_argument("--model", default="aalbert_base", choices=sorted(PRESETS))
     p.add_argument("--batch", type=int, default=4)
-    p.add_argument(
-        "--frames", type=int, default=500, help="stacked 30 ms model frames per utterance"
-    )
+    p.add_argument("--frames", type=int, default=500, help="stacked 30 ms frames per utterance")
     p.add_argument("--attention", default="all", help="comma-separated names, or all")
-    p.add_argument(
-        "--lengths",
-        default="training",
-        choices=("training", "full"),
-        help="training: crops of 2/3 to all of --frames, padded as training pads (default); "
-        "full: every utterance at --frames, unpadded",
-    )
+    p.add_argument("--lengths", default="training", choices=("training", "full"),
+                   help="training: crops of 2/3 to all of --frames, padded as training pads "
+                   "(default); full: every utterance at --frames, unpadded")  # fmt: skip
     p.add_argument("--pad-to-multiple", type=int, default=64, help="model frames (training)")
     p.add_argument("--repeat", type=int, default=5)
     p.add_argument("--warmup", type=int, default=2)
     add_run_arguments(p)
     p.add_argument("--dropout", type=float, default=0.0, help="0 keeps the step matmul-bound")
-    p.add_argument(
-        "--compile",
-        action="store_true",
-        help="per variant: graph breaks of model.compile's unit, compiled vs eager step",
-    )
-    p.add_argument(
-        "--plan",
-        nargs="*",
-        default=None,
-        metavar="OVERRIDE",
-        help="project instead of timing: FLOPs, GPU time and loader rate per step of the "
-        "pretraining config these overrides compose (e.g. --plan experiment=paper)",
-    )
+    p.add_argument("--compile", action="store_true", help="per variant: graph breaks of "
+                   "model.compile's unit, compiled vs eager step")  # fmt: skip
+    p.add_argument("--plan", nargs="*", default=None, metavar="OVERRIDE",
+                   help="project instead of timing: FLOPs, GPU time and loader rate per "
+                   "step of the config the overrides compose (e.g. experiment=paper)")  # fmt: skip
     p.add_argument("--gpu", default="h100", choices=sorted(GPU_PEAKS), help="--plan's GPU")
     p.add_argument("--mfu", type=float, default=0.4, help="--plan's model FLOPs utilisation")
     return finish_run_arguments(p.parse_args(argv))
@@ -414,7 +376,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     rows = []
     for name in steps:
         seconds = statistics.median(times[name])
-        reads, uploads = (None, None) if name == "reference" else step_syncs(name, config, args)
+        reads = uploads = None
+        if name != "reference":  # one fp32 `PretrainTask` step's syncs at this batch and length
+            opts = sized_options(name, args.frames)
+            net = {**config.to_dict(), "attention": name, "attention_options": opts}
+            syncs = pretrain_step_syncs(net, args.batch, args.frames, args.device)
+            reads, uploads = syncs.count, syncs.upload_count
         rate = flops[name] / seconds
         bound = None if name == "reference" else counted_full / flops[name]
         rows.append(r := {"attention": name, "step_s": seconds, "gflop": flops[name] / 1e9,
@@ -433,10 +400,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             r["vs_full"] = r["step_s"] / full_s
             line = f"  {r['attention']:15s} {r['vs_full']:.2f}x"
             if r["flop_bound"] is not None:  # the reference counts its own FLOPs
-                r["achieved_of_bound"] = 1 / r["vs_full"] / r["flop_bound"]
-                line += (
-                    f"  bound {r['flop_bound']:.2f}  achieved/bound {r['achieved_of_bound']:.2f}"
-                )
+                r["achieved_of_bound"] = share = 1 / r["vs_full"] / r["flop_bound"]
+                line += f"  bound {r['flop_bound']:.2f}  achieved/bound {share:.2f}"
             print(line)
     result = {"benchmark": "pretrain_step", "model": args.model, "batch": args.batch,
               "frames": args.frames, "lengths": args.lengths, **setting(args),
@@ -457,13 +422,10 @@ def explain(model: nn.Module, batch: dict[str, Tensor], masking: MaskingConfig, 
 
 
 def run_compile(args: argparse.Namespace) -> dict[str, Any]:
-    """`--compile`, per variant: the graph breaks of pretraining's compile unit
-    (`tasks/pretrain/compiled.py`, what `model.compile=true` compiles: embedding, encoder,
-    head, masked L1) from `torch._dynamo.explain` with their reasons, the first compiled step's
-    time (compilation included), then the eager and the compiled step timed round-robin
-    (medians) and their ratio. The backward has no graph breaks of its own to count:
-    AOTAutograd derives it from the forward graphs, and a custom autograd Function that dynamo
-    cannot trace breaks the forward where it is applied."""
+    """`--compile`, per variant: the graph breaks of what `model.compile=true` compiles, with
+    their reasons, the first compiled step's time (compilation included), then the eager and
+    the compiled step timed round-robin (medians). The backward has no graph breaks of its own:
+    AOTAutograd derives it from the forward graphs."""
     names, config, batch = setup(args)
     masking = MaskingConfig()
     rows = []
