@@ -1,20 +1,9 @@
 """Speed and memory of every attention variant vs sequence length (the study's Table 1;
-docs/benchmarks.md, "Attention speed").
+docs/benchmarks.md, "Attention speed", says what each row and figure is).
 
-    python -m speechattn.bench attention [--quick] [--json PATH] [--png PATH]
-        [--device cpu|cuda] [--lengths 256 512 ...] [--variants full ldsa ...]
-
-For each T, every row trains one layer on x (B, T, D) (forward + backward; B = 1, D = 768,
-h = 12 by default), the cases taking turns: the variants (synthesizers built with max_len >= T;
-on CUDA a `NAME+flex` row per FlexAttention kernel) beside `sdpa_mha` (`full` without
-speechattn's wrapper) and `sdpa_kernel` (the SDPA call alone). Time: minimum over at least
-`--reps` steps after one warm-up (the median is stored too), more while `full`'s steps add up
-to less than `--min-time` (short steps are the noisiest); gradients reset to None around each
-step, as `optimizer.zero_grad()` does. Two-kernel variants choose by measurement
-(`attention.autotune`) before the warm-up, outside every figure. A case whose predicted peak
-would not fit in `MEMORY_SHARE` of the memory available is skipped and recorded: on CPU the
-OOM killer would end the run otherwise. FLOPs are as each variant defines them
-(`Attention.flops`); MFU is over the matmul peak measured in the run.
+Every case trains one layer on x (B, T, D), the cases at one T taking turns; gradients are
+reset to None around each step, as `optimizer.zero_grad()` does, and two-kernel variants
+choose their kernel (`attention.autotune`) before the warm-up, outside every figure.
 """
 
 from __future__ import annotations
@@ -535,13 +524,12 @@ def plot(out: dict, path: Path) -> None:
     markers = "osD^v<>pPX*hH"
     fig, axes = plt.subplots(1, 2, figsize=(14, 6))
     for i, (n, r) in enumerate(allrows.items()):
-        style = dict(
-            ls="--" if n in out["baselines"] else "-", marker=markers[i % len(markers)], ms=4
-        )
+        ls = "--" if n in out["baselines"] else "-"
+        style = dict(ls=ls, marker=markers[i % len(markers)], ms=4, color=colors[i % len(colors)])
         for ax, key in zip(axes, ("time_ms", "peak_mem_mb")):
             pts = sorted((int(T), t) for T, t in r.get(key, {}).items() if t)
             if pts:
-                ax.plot(*zip(*pts), color=colors[i % len(colors)], label=n, **style)
+                ax.plot(*zip(*pts), label=n, **style)
     for ax, label in zip(axes, ("forward+backward time (ms)", "peak memory rise (MiB)")):
         ax.set(xscale="log", yscale="log", xlabel="T (frames)", ylabel=label)
         ax.grid(True, which="both", alpha=0.3)

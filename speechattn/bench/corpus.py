@@ -1,9 +1,6 @@
 """A LibriSpeech-layout corpus of any size, made of hard links, for tests and measurements.
 
-    python -m speechattn.bench corpus --out DIR --utterances 100000 [--speakers S]
-        [--chapters 2] [--split train-clean-360] [--seconds 3,8,12,14,16,20] [--seed 0] [--copy]
-
-writes
+`python -m speechattn.bench corpus --out DIR --utterances N` writes
 
     DIR/<split>/<speaker>/<chapter>/<speaker>-<chapter>-<utt:04d>.flac   hard links (or copies)
     DIR/<split>/<speaker>/<chapter>/<speaker>-<chapter>.trans.txt

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -72,16 +73,11 @@ def run(args: argparse.Namespace) -> dict:
         store = extract_features(
             utts, settings, cache, workers=args.workers, shard_size=args.shard_size, progress=False
         )
-        extract_s = time.perf_counter() - start
-        audio_s = store.audio_seconds
+        extract_s, audio_s = time.perf_counter() - start, store.audio_seconds
         frames = int(store.lengths.sum())
-        results["extraction"] = {
-            "audio_seconds": audio_s,
-            "wall_seconds": extract_s,
-            "x_real_time": audio_s / extract_s,
-            "frames": frames,
-            "cache_mb": store.nbytes() / 2**20,
-        }
+        results["extraction"] = {"audio_seconds": audio_s, "wall_seconds": extract_s,
+                                 "x_real_time": audio_s / extract_s, "frames": frames,
+                                 "cache_mb": store.nbytes() / 2**20}  # fmt: skip
 
         # new object, shard files closed: opened (and checked) on first use
         for k in range(store.num_shards):
@@ -102,8 +98,7 @@ def run(args: argparse.Namespace) -> dict:
 
         results["load_raw"] = _rates(raw_pass, args.min_seconds, n, frames)
 
-        count, total, total_sq = fresh.sums(range(n))
-        dataset = FeatureDataset(fresh, range(n), Normalizer.from_sums(count, total, total_sq))
+        dataset = FeatureDataset(fresh, range(n), Normalizer.from_sums(*fresh.sums(range(n))))
         sampler = LengthBucketBatchSampler(
             range(n), args.batch_size, False, dataset.lengths, shuffle=True
         )
@@ -125,11 +120,8 @@ def _print(r: dict) -> None:
 
     e, first = r["extraction"], r["load_first_pass"]
     minutes = e["audio_seconds"] / 60
-    table = Table(
-        title=f"features benchmark: {r['utterances']} utterances, {minutes:.1f} min of audio"
-    )
-    for col in ("measurement", "throughput", "detail"):
-        table.add_column(col)
+    title = f"features benchmark: {r['utterances']} utterances, {minutes:.1f} min of audio"
+    table = Table("measurement", "throughput", "detail", title=title)
     for row in (
         (f"extraction ({r['workers']} workers)", f"{e['x_real_time']:.0f}x real time",
          f"{e['wall_seconds']:.2f} s wall, {e['frames']:,} frames, cache {e['cache_mb']:.1f} MB"),
@@ -157,6 +149,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":  # pragma: no cover
-    import sys
-
     main(sys.argv[1:])

@@ -1,10 +1,6 @@
 """One command that measures everything a short GPU lease can: every variant's training step
 (docs/gpu.md, "One command for a GPU lease", describes each case and field).
 
-    python -m speechattn.bench lease [--device cuda|cpu] [--tiny] [--out DIR] [--deadline S]
-        [--variants full,ldsa,...] [--flex all|none|A,B] [--compiled full,xbox,...]
-        [--steps 8] [--warmup 3] [--lightning-steps 30] [--resume]
-
 Each case is a JSON line appended to `DIR/lease.jsonl` as it ends, after a "started" line, so
 `--resume` (the shell script's rerun after a crash) records a case that killed the process as
 "crashed" and skips what is done. No case starts after `--deadline` seconds from
@@ -120,10 +116,8 @@ class Step:
         self.device, self.count = device, 0
         self.loss: torch.Tensor | None = None
         self.task = PretrainTask(
-            model=plain(cfg.model.net),
-            masking=plain(cfg.model.masking),
-            optimizer=plain(cfg.model.optimizer),
-            compile=compiled,
+            model=plain(cfg.model.net), masking=plain(cfg.model.masking),
+            optimizer=plain(cfg.model.optimizer), compile=compiled,
         ).to(device).train()  # fmt: skip
         autotune.enable(self.task.model, bool(cfg.attention.get("autotune", True)))
         self.optimizer = build_optimizer(self.task, self.task.optim)
@@ -431,12 +425,9 @@ def parse(argv: list[str]) -> argparse.Namespace:
                    help="seconds from the lease's start after which no case starts")  # fmt: skip
     p.add_argument("--variants", default="all", help="comma-separated names, or all")
     p.add_argument("--flex", default="all", help="variants to run with kernel=flex: all|none|A,B")
-    p.add_argument(
-        "--compiled",
-        default=None,
-        help="variants to run with model.compile=true ('' none; default full,xbox,sign_alsh,ldsa "
-        "on cuda, none on cpu, where each compiles for minutes)",
-    )
+    p.add_argument("--compiled", default=None, help="variants to run with model.compile=true "
+                   "('' none; default full,xbox,sign_alsh,ldsa on cuda, none on cpu, where each "
+                   "compiles for minutes)")  # fmt: skip
     p.add_argument("--steps", type=int, default=8, help="timed steps per case")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps first (autotuning)")
     p.add_argument("--lightning-steps", type=int, default=30, help="0: no Lightning run")

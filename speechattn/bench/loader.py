@@ -1,10 +1,6 @@
 """Time the pretraining train loader alone, beside what a GPU step needs from it.
 
-    python -m speechattn.bench loader [OVERRIDES ...] [--batches 50] [--warmup 5]
-        [--gpu h100|a100] [--mfu 0.4] [--cold] [--json out.json]
-    e.g. python -m speechattn.bench loader experiment=paper data.root=/data/LibriSpeech
-
-The overrides compose the pretraining config as `python -m speechattn.pretrain OVERRIDES`
+`bench loader OVERRIDES` composes the pretraining config as `python -m speechattn.pretrain`
 would; the loader is the one training iterates (`ResumableData.step_loader`). Printed: start-up
 (`prepare_data()` + `setup()`, wall and CPU seconds, extraction workers included; `--cold`: on an
 empty temporary feature cache); the first batch (worker start-up); over `--batches` batches

@@ -1,11 +1,6 @@
 """Benchmark one pretraining step per attention variant, against a plain reference transformer
 (docs/benchmarks.md, "Pretraining step", "GPU cost on paper", "torch.compile").
 
-    python -m speechattn.bench pretrain [--model aalbert_tiny|aalbert_base] [--batch 4]
-        [--frames 500] [--attention full,ldsa,...] [--repeat 5] [--device cpu|cuda]
-        [--precision fp32|bf16|fp16] [--json out.json] [--compile]
-    python -m speechattn.bench pretrain --plan experiment=paper [--gpu h100|a100] [--mfu 0.4]
-
 A step is what `PretrainTask.training_step` does (masking on the host, forward, masked L1,
 backward, LAMB update) under autocast for `--precision`; `--frames` counts stacked (30 ms) model
 frames. Every variant is timed round-robin beside `reference` (a hand-written BERT-style AALBERT:
@@ -18,6 +13,7 @@ the compiled and the eager step per variant (`run_compile`).
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import statistics
 from collections import Counter
@@ -146,8 +142,7 @@ def make_step(model: nn.Module, batch: dict[str, Tensor], masking: MaskingConfig
               precision: str = "fp32", objective: Callable[[MaskedBatch], Tensor] | None = None
               ) -> Callable[[], float]:  # fmt: skip
     """A closure doing one training step, returning the loss. `objective` scores a masked
-    batch: pretraining's `reconstruction_loss` by default, or what `model.compile=true`
-    compiles."""
+    batch: `reconstruction_loss` by default, or what `model.compile=true` compiles."""
     opt = build_optimizer(model, OptimConfig(lr=1e-3))  # LAMB with pretraining's decay groups
     g = torch.Generator().manual_seed(0)
     features, lengths = batch["features"], batch["lengths"]
@@ -236,12 +231,10 @@ def model_flops(config: ModelConfig, frames: int) -> float:
 
 def step_flops(config: ModelConfig, batch: int, frames: int) -> float:
     """Training FLOPs of one step of `batch` utterances of `frames` model frames: the model's
-    own products plus `config.attention`'s `Attention.flops(frames).training` per layer
-    application. The masked-L1 loss and the optimiser add elementwise work only."""
-    attention = registry_attention(config)(0)
-    per_utterance = model_flops(config, frames)
-    per_utterance += config.num_layers * attention.flops(frames).training
-    return batch * per_utterance
+    own products plus `config.attention`'s per layer application (the masked-L1 loss and the
+    optimiser add elementwise work only)."""
+    attention = registry_attention(config)(0).flops(frames).training
+    return batch * (model_flops(config, frames) + config.num_layers * attention)
 
 
 def project_step(cfg: Any, gpu: str, mfu: float) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -277,14 +270,12 @@ def plan(args: argparse.Namespace) -> dict[str, Any]:
     from speechattn.config import compose
 
     check_mfu(args.mfu)
-    names = attention_names(args.attention)
     gpu, peaks = GPU_PEAKS[args.gpu]
-    rows, setting = [], {}
-    for name in names:
+    rows = []
+    for name in attention_names(args.attention):
         cfg = compose("pretrain", [*args.plan, f"attention={name}"])
-        setting, row = project_step(cfg, args.gpu, args.mfu)
+        s, row = project_step(cfg, args.gpu, args.mfu)  # s: the setting, the same for every row
         rows.append({"attention": name, **row})
-    s = setting
     print(
         f"plan for {' '.join(args.plan) or 'the default config'}: {s['model']} (D {s['dim']}, "
         f"{s['layers']} layers, {s['heads']} heads), batch {s['batch']} x {s['frames']} model "
@@ -431,15 +422,11 @@ def run_compile(args: argparse.Namespace) -> dict[str, Any]:
     rows = []
     print("graph breaks (torch._dynamo.explain of the compile unit), eager vs compiled step:")
     for name in names:
-        info = explain(
-            build(name, config, args.frames, args.device), batch, masking, args.precision
-        )
-        eager = make_step(build(name, config, args.frames, args.device), batch, masking,
-                          precision=args.precision)  # fmt: skip
-        model = build(name, config, args.frames, args.device)
-        compiled = make_step(
-            model, batch, masking, precision=args.precision, objective=compile_objective(model)
-        )
+        fresh = functools.partial(build, name, config, args.frames, args.device)  # seeded
+        info = explain(fresh(), batch, masking, args.precision)
+        eager = make_step(fresh(), batch, masking, args.precision)
+        model = fresh()
+        compiled = make_step(model, batch, masking, args.precision, compile_objective(model))
         for _ in range(args.warmup):
             eager()
         first = time_call(compiled, args.device)  # compiles

@@ -1,9 +1,5 @@
 """Speed and memory gained by actual pruning: the head-masked model against the pruned one.
 
-    python -m speechattn.bench pruning [--upstream PATH | --model aalbert_base --attention full]
-        [--heads HEADS_JSON] [--fraction 0.5] [--batch 4] [--frames 500] [--reps 10]
-        [--device cpu|cuda] [--precision fp32|bf16|fp16] [--json out.json]
-
 Both run the same inference forward on one batch, interleaved after one warm-up each:
 `masked`, the upstream with the head mask (xi = 0 on the pruned heads), and `pruned`, the same
 upstream after `AALBERT.prune_heads(mask)` (the same outputs; the largest difference is
@@ -125,9 +121,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         )
     m, p = rows["masked"], rows["pruned"]
     speedup = m["time_ms"] / p["time_ms"]
-    mem_ratio = (
-        p["peak_mem_mb"] / m["peak_mem_mb"] if p["peak_mem_mb"] and m["peak_mem_mb"] else None
-    )
+    measured = p["peak_mem_mb"] and m["peak_mem_mb"]
+    mem_ratio = p["peak_mem_mb"] / m["peak_mem_mb"] if measured else None
     print(
         f"  speed-up (masked / pruned time) {speedup:.2f}x; pruned peak memory "
         f"{'-' if mem_ratio is None else f'{mem_ratio:.2f}x'} of masked; parameters "

@@ -1,9 +1,6 @@
 """How start-up and the train loader grow with the corpus: generated corpora of 1k / 10k / 100k
 utterances, each measured cold (empty feature cache) then warm, in fresh processes.
 
-    python -m speechattn.bench scale --work DIR [--sizes 1000,10000,100000] [--batches 50]
-        [--warmup 5] [--seconds 3,8,12,14,16,20] [--json out.json] [OVERRIDES ...]
-
 For each size: `bench corpus` writes (or reuses) DIR/corpus-<n>, DIR/cache-<n> is emptied,
 then `bench loader experiment=paper OVERRIDES data.root=... data.cache_dir=...` runs twice:
 cold (the start-up extracts every feature), then warm (what every later run and DDP rank pays).

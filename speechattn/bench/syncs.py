@@ -1,18 +1,12 @@
 """Count host-device synchronisations: reads of device data by the host, and uploads of host
 memory that block it (docs/gpu.md, "One host read and no blocking upload per training step").
 
-A read (`.item()`, `int(t)`, `.tolist()`, `.cpu()`, `.numpy()`, ops whose output size depends
-on the data: `nonzero`, boolean indexing, `unique`, `repeat_interleave` without `output_size`,
-`torch.equal`) drains the launch queue. An upload of pageable host memory, or a blocking copy
-from pinned memory, blocks the host too; a pinned copy with `non_blocking=True` does not.
-
 With `cpu_is_device=True` (a CPU-only machine) every CPU tensor counts as device data except
 declared host data (`host=`), tensors made from Python data and what is computed from host data
-only, so a CPU run shows the syncs a GPU step would make as far as both take the same branches
-(what the CUDA branch bounds statically is counted on fake CUDA, `tests/fakecuda`). All copies
-are CPU to CPU there, so only what plainly makes device data of host data counts as an upload:
-`torch.tensor` / `torch.as_tensor` with a `device=` other than "cpu", `.to(t)` for a device
-tensor t, `.copy_` of host data into device data.
+only, so a CPU run shows the syncs a GPU step would make as far as both take the same branches.
+All copies are CPU to CPU there, so only what plainly makes device data of host data counts as
+an upload: `torch.tensor` / `torch.as_tensor` with a `device=` other than "cpu", `.to(t)` for a
+device tensor t, `.copy_` of host data into device data.
 
     with SyncCounter(host=[lengths]) as syncs:
         step()
