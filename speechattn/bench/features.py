@@ -67,7 +67,6 @@ def run(args: argparse.Namespace) -> dict:
     settings = ExtractionSettings(dtype=args.dtype)
     results: dict = {"root": str(root), "splits": splits, "utterances": len(utts),
                      "workers": args.workers}  # fmt: skip
-
     with tempfile.TemporaryDirectory(prefix="speechattn-bench-") as cache:
         start = time.perf_counter()
         store = extract_features(
@@ -78,7 +77,6 @@ def run(args: argparse.Namespace) -> dict:
         results["extraction"] = {"audio_seconds": audio_s, "wall_seconds": extract_s,
                                  "x_real_time": audio_s / extract_s, "frames": frames,
                                  "cache_mb": store.nbytes() / 2**20}  # fmt: skip
-
         # new object, shard files closed: opened (and checked) on first use
         for k in range(store.num_shards):
             OPEN_SHARDS.forget(str(store.paths(k).npy))
@@ -95,9 +93,7 @@ def run(args: argparse.Namespace) -> dict:
         if damaged := fresh.check(verify=True):
             raise RuntimeError(f"the cache just written does not verify: {damaged[:3]}")
         results["verify_all_seconds"] = time.perf_counter() - start
-
         results["load_raw"] = _rates(raw_pass, args.min_seconds, n, frames)
-
         dataset = FeatureDataset(fresh, range(n), Normalizer.from_sums(*fresh.sums(range(n))))
         sampler = LengthBucketBatchSampler(
             range(n), args.batch_size, False, dataset.lengths, shuffle=True

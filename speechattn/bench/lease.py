@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from speechattn.attention import registry
+from speechattn.attention import autotune, registry
 from speechattn.bench.common import (
     CUDA_LAUNCHES,
     attention_names,
@@ -106,7 +106,6 @@ class Step:
     two batches taken in turn, cropped, padded and masked as the loader delivers them."""
 
     def __init__(self, cfg: Any, device: torch.device, compiled: bool = False) -> None:
-        from speechattn.attention import autotune
         from speechattn.bench.pretrain import crop_batch
         from speechattn.model.optim import build_optimizer
         from speechattn.tasks.pretrain.module import PretrainTask
@@ -246,8 +245,6 @@ def run_step_case(args: argparse.Namespace, name: str, extra: list[str], compile
             row.update(part(step))
         except Exception as err:  # noqa: BLE001 - recorded, the timing stands
             row[f"{part.__name__}_error"] = f"{type(err).__name__}: {err}"[:500]
-    from speechattn.attention import autotune
-
     row["kernels"] = autotune.choices(step.task.model).get("choices", {})
     return row
 

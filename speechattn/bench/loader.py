@@ -16,6 +16,7 @@ import contextlib
 import os
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -63,8 +64,6 @@ def finished_children_cpu() -> float:
 
 def measure(cfg: Any, batches: int = 50, warmup: int = 5, cold: bool = False) -> dict[str, Any]:
     """Start-up and train-loader figures of the composed pretraining config `cfg`."""
-    from dataclasses import replace
-
     from omegaconf import open_dict
 
     from speechattn.data import DataConfig, PretrainDataModule

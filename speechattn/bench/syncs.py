@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import traceback
+import warnings
 from collections import Counter
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -230,8 +232,6 @@ class SyncCounter(TorchDispatchMode):
 def _caller() -> str:
     """Where a sync comes from: `file:line` of the innermost frame in speechattn (not this
     module), else of the innermost one outside torch (e.g. Lightning's, or a test's)."""
-    import traceback
-
     package = str(Path(__file__).parents[1]) + "/"
     frames = [f for f in traceback.extract_stack() if f.filename != __file__]
     ours = [f for f in frames if f.filename.startswith(package)]
@@ -248,8 +248,6 @@ def train_step(task: Any, optimizer: torch.optim.Optimizer, data: dict[str, Any]
     """One training step of `task` (a `PretrainTask`) as Lightning's loop runs it, without a
     Trainer (`bf16`: CUDA bf16 autocast, as `trainer.precision=bf16-mixed`); the update always
     runs, as Lightning's does (a skipped step has no gradients). Returns the loss, detached."""
-    import warnings
-
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # self.log without a Trainer
         with torch.autocast("cuda", torch.bfloat16, enabled=bf16):
