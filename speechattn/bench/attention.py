@@ -183,8 +183,7 @@ def other_kernel(case: Case, clock: Clock, reps: int) -> dict | None:
 
 
 def why_missed(r: dict, T: int, full_ms: float) -> str:
-    """Why a variant is slower than the limit at T, from what the run measured: its other
-    kernel's time, or LSH's selection overhead, or that it has one kernel only."""
+    """Why a variant is slower than the limit at T, from what the run measured."""
     used = r.get("kernel", {}).get(T, "one").rstrip("*")
     reasons = []
     other = r.get("other_kernel", {}).get(T)
@@ -313,8 +312,7 @@ def record_case(
 
 
 def derive(r: dict, full: dict, peak: float) -> None:
-    """A row's figures relative to `full`'s row and to the matmul peak (FLOP/s): speed-up,
-    FLOP bound, achieved share of it, MFU and growth exponents."""
+    """A row's figures relative to `full`'s row and to the matmul `peak` (FLOP/s)."""
     full_ms, full_gflop = full["time_ms"], full["gflop"]
     r["ratio_to_full"] = {T: full_ms[T] / t for T, t in r["time_ms"].items() if T in full_ms}
     r["flop_bound"] = {T: full_gflop[T] / g for T, g in r["gflop"].items() if T in full_gflop}
@@ -328,8 +326,7 @@ def derive(r: dict, full: dict, peak: float) -> None:
 
 
 def describe(n: str, args: argparse.Namespace) -> dict:
-    """A row's definition: complexity for the baselines; for a variant also its paper,
-    parameters and options (from a module built at the benchmark's size)."""
+    """A row's definition: complexity, and for a variant its paper, parameters and options."""
     if n in BASELINES:
         return {"complexity": "O(T^2 D)" if n == "sdpa_mha" else "O(T^2 d_k h)"}
     variant, options = variant_of(n)
@@ -358,8 +355,7 @@ def run_meta(args: argparse.Namespace, peak: float, reps_at: dict) -> dict:
 
 
 def run(args: argparse.Namespace) -> dict:
-    """The benchmark as `args` says: every row at every length, then the derived figures,
-    each row's definition, the run's metadata and the targets."""
+    """Every row at every length, then the derived figures, definitions, metadata, targets."""
     device = torch.device(args.device)
     names, rows = row_names(args, device)
     clock = clock_of(args)
@@ -414,7 +410,7 @@ def targets(out: dict) -> list[dict]:
                 slowdown, slowdown <= SLOWDOWN_LIMIT)  # fmt: skip
             if slowdown > SLOWDOWN_LIMIT:
                 checks[-1]["why"] = why_missed(r, T, v["full"]["time_ms"][T])
-        need = next((v for k, v in BOUND_SHARE.items() if n.startswith(k)), None)
+        need = next((s for k, s in BOUND_SHARE.items() if n.startswith(k)), None)
         if need is not None:
             for T, share in r["achieved_of_bound"].items():
                 if T >= BOUND_MIN_T:

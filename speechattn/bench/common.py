@@ -35,8 +35,7 @@ def parser(name: str, doc: str) -> argparse.ArgumentParser:
 def add_run_arguments(
     p: argparse.ArgumentParser, devices: Sequence[str] | None = None, clock: bool = True
 ) -> None:
-    """`--device`, `--precision`, `--threads`, `--clock` (with `clock`) and `--json`: how a
-    timed benchmark runs. `finish_run_arguments` applies them once parsed."""
+    """How a timed benchmark runs (`finish_run_arguments` applies them once parsed)."""
     p.add_argument("--device", default="cpu", choices=devices)
     p.add_argument("--precision", choices=sorted(PRECISIONS), default=None,
                    help="autocast dtype (default: bf16 on cuda, fp32 on cpu)")  # fmt: skip
@@ -98,8 +97,7 @@ def time_call(
 
 def round_robin(steps: dict[str, Callable[[], object]], repeat: int, device: str | torch.device,
                 clock: Clock = time.perf_counter) -> dict[str, list[float]]:  # fmt: skip
-    """Seconds of `repeat` calls of each step, taking turns so that drifting machine load
-    affects all of them alike."""
+    """Seconds of `repeat` calls of each step, in turns: drifting load affects all alike."""
     times: dict[str, list[float]] = {name: [] for name in steps}
     for _ in range(repeat):
         for name, step in steps.items():

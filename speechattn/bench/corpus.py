@@ -16,6 +16,7 @@ where that matters). Training never reads it; tests, `bench loader` and `bench s
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
@@ -84,10 +85,9 @@ def make_scale_corpus(out: str | Path, utterances: int, speakers: int | None = N
               "split": split, "seconds": [float(s) for s in seconds], "seed": seed,
               "copy": copy}  # fmt: skip
     if out.exists():
-        try:
+        found = None
+        with contextlib.suppress(OSError, ValueError):
             found = json.loads((out / "corpus.json").read_text())
-        except (OSError, ValueError):
-            found = None
         if found == params:
             return out
         raise OutputExistsError(

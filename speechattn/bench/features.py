@@ -50,8 +50,7 @@ def _parse(argv: list[str]) -> argparse.Namespace:
 
 
 def _rates(fn: Callable[[], None], min_seconds: float, utts: int, frames: int) -> dict:
-    """Utterances/s and frames/s of passes of `fn` (each `utts` utterances, `frames` frames),
-    repeated after a warm-up until `min_seconds` elapse."""
+    """Utterances/s and frames/s of passes of `fn`, repeated after a warm-up for `min_seconds`."""
     fn()  # warm-up: page cache, memory maps, allocator
     passes, start = 0, time.perf_counter()
     while (elapsed := time.perf_counter() - start) < min_seconds or not passes:

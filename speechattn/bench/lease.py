@@ -141,8 +141,7 @@ class Step:
 
 
 def useful_flops(cfg: Any, lengths: torch.Tensor) -> float:
-    """Training FLOPs of one step, each utterance at its own length (padding is not useful
-    work)."""
+    """Training FLOPs of one step, each utterance at its own length (padding is no work)."""
     from speechattn.bench.pretrain import step_flops
     from speechattn.model.aalbert import ModelConfig
     from speechattn.utils import plain
@@ -250,8 +249,7 @@ def run_step_case(args: argparse.Namespace, name: str, extra: list[str], compile
 
 
 def run_lightning(args: argparse.Namespace) -> dict[str, Any]:
-    """`--lightning-steps` steps of `full` through `speechattn.pretrain.run` on the built-in
-    corpus: frames/s and data_wait as its metrics.csv has them (medians)."""
+    """`--lightning-steps` of `full` by `speechattn.pretrain.run`: its frames/s and data_wait."""
     from speechattn.tasks.common import read_metrics
     from speechattn.tasks.pretrain import run
     from speechattn.tasks.pretrain.model_card import median_metric

@@ -177,8 +177,7 @@ def bench_batch(args: argparse.Namespace, config: ModelConfig) -> dict[str, Any]
 
 
 def crop_batch(batch: int, crop: int, generator: torch.Generator) -> tuple[Tensor, Tensor]:
-    """Random features (batch, crop, 80), zero past lengths (batch,) drawn as the loader's
-    crops (`utils.crop_lengths`), on the host."""
+    """Random features (batch, crop, 80), zero past lengths (batch,) cropped as the loader does."""
     lengths = crop_lengths(batch, crop, generator)
     features = torch.randn(batch, crop, FEATURE_DIM, generator=generator)
     features *= (torch.arange(crop)[None, :] < lengths[:, None])[..., None]
@@ -230,9 +229,8 @@ def model_flops(config: ModelConfig, frames: int) -> float:
 
 
 def step_flops(config: ModelConfig, batch: int, frames: int) -> float:
-    """Training FLOPs of one step of `batch` utterances of `frames` model frames: the model's
-    own products plus `config.attention`'s per layer application (the masked-L1 loss and the
-    optimiser add elementwise work only)."""
+    """Training FLOPs of one step of `batch` utterances of `frames` model frames (the masked-L1
+    loss and the optimiser add elementwise work only)."""
     attention = registry_attention(config)(0).flops(frames).training
     return batch * (model_flops(config, frames) + config.num_layers * attention)
 
@@ -265,8 +263,7 @@ def project_step(cfg: Any, gpu: str, mfu: float) -> tuple[dict[str, Any], dict[s
 
 
 def plan(args: argparse.Namespace) -> dict[str, Any]:
-    """`--plan OVERRIDES`: per variant, `project_step` of the pretraining config those
-    overrides compose (every utterance at the full crop: upper bounds). Nothing is timed."""
+    """`--plan OVERRIDES`: `project_step` per variant (upper bounds). Nothing is timed."""
     from speechattn.config import compose
 
     check_mfu(args.mfu)
@@ -356,11 +353,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if "full" not in names:
         del steps["full"]
     # a variant's step as it is defined: full's counted step with full's attention swapped out
-    full_attention = attention_flops("full", config, args.batch, args.frames)
+    base = counted_full - attention_flops("full", config, args.batch, args.frames)
     flops = {"reference": count_flops(steps["reference"])}
     for name in [n for n in steps if n != "reference"]:
-        flops[name] = counted_full - full_attention
-        flops[name] += attention_flops(name, config, args.batch, args.frames)
+        flops[name] = base + attention_flops(name, config, args.batch, args.frames)
     times = round_robin(steps, args.repeat, args.device, clock)
     peak = max(peak, matmul_peak(device=args.device, dtype=dtype, clock=clock))
     print(f"  (peak re-measured after the steps: {peak / 1e9:.1f} GFLOP/s, the best is used)")

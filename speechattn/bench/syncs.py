@@ -260,14 +260,13 @@ def train_step(task: Any, optimizer: torch.optim.Optimizer, data: dict[str, Any]
     return loss.detach()
 
 
-def pretrain_step_syncs(model: dict[str, Any], batch: int, frames: int, device: str = "cpu",
-                        steps: int = 1, trace: bool = False) -> SyncCounter:  # fmt: skip
-    """Syncs of the last of `steps` pretraining steps of a `PretrainTask` with `model`'s
-    `ModelConfig` fields: the loader's host side (`batch_masker`) uncounted, then `train_step`
-    counted; `batch` utterances of `frames` model frames, the second 10 frames shorter (the
-    padded path). From the second step on, the previous update's check is read too, in the same
-    read. Lightning's work around the step is not run (`tests/tasks/test_step_syncs.py` counts
-    a `Trainer`'s)."""
+def pretrain_step_syncs(
+    model: dict[str, Any], batch: int, frames: int, device: str = "cpu", steps: int = 1
+) -> SyncCounter:
+    """Syncs of the last of `steps` `train_step`s of a `PretrainTask` with `model`'s
+    `ModelConfig` fields on `batch` utterances of `frames` model frames, the second 10 frames
+    shorter (the padded path); the loader's host side (`batch_masker`) is not counted. From the
+    second step on, the previous update's check is read too, in the same read."""
     from speechattn.model.optim import build_optimizer
     from speechattn.tasks.pretrain.module import PretrainTask
 
@@ -285,9 +284,8 @@ def pretrain_step_syncs(model: dict[str, Any], batch: int, frames: int, device: 
         if device != "cpu":
             masked = masked.pin_memory()  # as the loader does on a GPU
         masked = masked.to(device)  # non-blocking; its lengths stay on the host
-        # masked.lengths: pinned by the loader (a CPU cannot pin)
-        counter = SyncCounter(host=[lengths, masked.lengths], pinned=[masked.lengths],
-                              cpu_is_device=device == "cpu", trace=trace)  # fmt: skip
+        host = [lengths, masked.lengths]  # masked.lengths: pinned by the loader (a CPU cannot)
+        counter = SyncCounter(host=host, pinned=[masked.lengths], cpu_is_device=device == "cpu")
         with counter if step == steps - 1 else contextlib.nullcontext():
             train_step(task, optimizer, {"masked": masked, "lengths": lengths})
     return counter
