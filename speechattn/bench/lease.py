@@ -1,11 +1,9 @@
 """One command that measures everything a short GPU lease can: every variant's training step
 (docs/gpu.md, "One command for a GPU lease", describes each case and field).
 
-Each case is a JSON line appended to `DIR/lease.jsonl` as it ends, after a "started" line, so
-`--resume` (the shell script's rerun after a crash) records a case that killed the process as
-"crashed" and skips what is done. No case starts after `--deadline` seconds from
-`$SPEECHATTN_LEASE_T0` (else this process's start) minus what the longest case of its kind took
-so far. `--device cpu --tiny` checks the command itself; its figures mean nothing.
+No case starts after `--deadline` seconds from `$SPEECHATTN_LEASE_T0` (else this process's
+start) minus what the longest case of its kind took so far. `--device cpu --tiny` checks the
+command itself; its figures mean nothing.
 """
 
 from __future__ import annotations

@@ -1,13 +1,10 @@
 """Benchmark one pretraining step per attention variant, against a plain reference transformer
 (docs/benchmarks.md, "Pretraining step", "GPU cost on paper", "torch.compile").
 
-A step is what `PretrainTask.training_step` does (masking on the host, forward, masked L1,
-backward, LAMB update) under autocast for `--precision`; `--frames` counts stacked (30 ms) model
-frames. Every variant is timed round-robin beside `reference` (a hand-written BERT-style AALBERT:
-explicit softmax(QK^T)V, no SDPA, no registry: what the plumbing costs). FLOPs: `full`'s step
-by `torch.utils.flop_counter` (with `SDPA_CPU`'s corrections), `full`'s attention FLOPs replaced
-by the variant's own (`Attention.flops`). `--plan` times nothing (`plan`); `--compile` compares
-the compiled and the eager step per variant (`run_compile`).
+Every variant's step is timed round-robin beside `reference` (a hand-written BERT-style
+AALBERT: explicit softmax(QK^T)V, no SDPA, no registry: what the plumbing costs). FLOPs:
+`full`'s step by `torch.utils.flop_counter` (with `SDPA_CPU`'s corrections), `full`'s attention
+FLOPs replaced by the variant's own (`Attention.flops`).
 """
 
 from __future__ import annotations
