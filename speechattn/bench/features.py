@@ -1,13 +1,9 @@
 """`python -m speechattn.bench features`: feature extraction and cached-loading throughput.
 
-Measures, on the built-in corpus (or `--root`):
-- extraction: decode FLAC + log-mel + cache write, into a fresh temporary cache, as a multiple
-  of real time (seconds of audio per second of wall clock), with `--workers` processes;
-- cached loading: utterances/s and frames/s read back from the cache (preads), both raw
-  (`FeatureStore.features`) and through the training path (dataset + normalisation + padded
-  batches), compared with an *assumed* consumer: a tiny model training at ~20k mel frames/s;
-- cache verification: the first raw pass over a fresh store (each shard's size, mtime and
-  header checked as it is opened) and a full check as `data.verify_cache=true` does at start-up.
+On the built-in corpus (or `--root`), into a fresh temporary cache (docs/benchmarks.md,
+"Feature extraction and loading"); besides extraction and cached loading (raw and as training
+batches), the first raw pass over a fresh store (each shard checked as it is opened) and a full
+check as `data.verify_cache=true` does at start-up.
 """
 
 from __future__ import annotations

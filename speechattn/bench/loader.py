@@ -1,12 +1,9 @@
 """Time the pretraining train loader alone, beside what a GPU step needs from it.
 
 `bench loader OVERRIDES` composes the pretraining config as `python -m speechattn.pretrain`
-would; the loader is the one training iterates (`ResumableData.step_loader`). Printed: start-up
-(`prepare_data()` + `setup()`, wall and CPU seconds, extraction workers included; `--cold`: on an
-empty temporary feature cache); the first batch (worker start-up); over `--batches` batches
-after `--warmup`: frames/s, batches/s, padding, CPU seconds per batch (main + workers), open
-descriptors; what the GPU needs (`bench pretrain --plan`'s projection at `--mfu` of `--gpu`'s
-dense peak) and the ratio measured / needed (>= 1: the loader keeps up).
+would and iterates the loader training iterates (`ResumableData.step_loader`), after timing
+start-up (`prepare_data()` + `setup()`; `--cold`: on an empty temporary feature cache). The
+GPU's need is `bench pretrain --plan`'s projection at `--mfu` of `--gpu`'s dense peak.
 """
 
 from __future__ import annotations
