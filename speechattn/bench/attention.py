@@ -1,33 +1,9 @@
 """Speed and memory of every attention variant vs sequence length (the study's Table 1;
-docs/benchmarks.md, "Attention speed").
+docs/benchmarks.md, "Attention speed", says what each row and figure is).
 
-    python -m speechattn.bench attention [--quick] [--json PATH] [--png PATH]
-        [--device cpu|cuda] [--lengths 256 512 ...] [--variants full ldsa ...]
-
-For each T, every row runs forward + backward of one layer on x (B, T, D) (B = 1, D = 768,
-h = 12 by default) in one process, the cases taking turns: the variants (synthesizers built
-with max_len >= T; on CUDA a `NAME+flex` row per FlexAttention kernel) beside `sdpa_mha` (qkv
-Linear -> SDPA -> out Linear: `full` without speechattn's wrapper) and `sdpa_kernel` (the
-SDPA call alone on (B, h, T, d_k)).
-
-* time: minimum over at least `--reps` steps after one warm-up (the most robust statistic on a
-  shared machine; the median is stored too), more while `full`'s steps add up to less than
-  `--min-time` (short steps are the noisiest); gradients reset to None around each step, as
-  `optimizer.zero_grad()` does.
-* peak memory (`common.peak_memory`); `saved_mb`: distinct non-parameter storages saved for
-  backward. A case whose peak (the last length's times the length ratio squared, then its own
-  warm-up's) would not fit in `MEMORY_SHARE` of the memory available is skipped and recorded:
-  on CPU the OOM killer would end the run otherwise.
-* kernels per step (`count_kernels`), so a variant cut into many small steps shows it; LSH
-  variants also time their selection alone (`select_ms`, `attention_ms` the rest).
-* FLOPs as each variant defines them (`Attention.flops`): `bound` = flops(full) /
-  flops(variant) is the speed-up it would reach at full's FLOP/s, `achieved/bound` what the
-  kernels deliver, MFU the achieved FLOP/s over the matmul peak measured in the run.
-* two-kernel variants choose by measurement (`attention.autotune`, cached on disk; `--autotune
-  off`: the `short_path_max_t` rule) before the warm-up, outside every figure.
-
-Prints the tables and the targets (a missed one says why: `why_missed`); writes JSON (the
-report's Table 1) and a log-log PNG.
+Every case trains one layer on x (B, T, D), the cases at one T taking turns; gradients are
+reset to None around each step, as `optimizer.zero_grad()` does, and two-kernel variants
+choose their kernel (`attention.autotune`) before the warm-up, outside every figure.
 """
 
 from __future__ import annotations
@@ -49,6 +25,7 @@ from speechattn.attention import Attention, autotune, available, build, registry
 from speechattn.attention.base import linear_flops
 from speechattn.attention.lsh import SCHEMES
 from speechattn.bench.common import (
+    Clock,
     add_run_arguments,
     autocast,
     available_memory,
@@ -171,14 +148,14 @@ class Case:
     def step(self) -> None:
         self.time_step(time.perf_counter)
 
-    def time_step(self, clock: Callable[[], float]) -> float:
+    def time_step(self, clock: Clock) -> float:
         """Milliseconds of one training step (forward + backward) by `clock`."""
         self._zero()
         ms = 1000 * time_call(lambda: self.forward().float().sum().backward(), self.device, clock)
         self._zero()  # free gradients (large for synthesizer tables) before the next case
         return ms
 
-    def time_select(self, clock: Callable[[], float]) -> float:
+    def time_select(self, clock: Clock) -> float:
         """LSH only: hashing + matching + top-k on this input, no gradient (ms)."""
         attn: Attention = self.module
         with torch.no_grad(), autocast(self.device.type, self.args.precision):
@@ -187,7 +164,7 @@ class Case:
             return 1000 * time_call(lambda: attn.select(q, k, valid), self.device, clock)
 
 
-def other_kernel(case: Case, clock: Callable[[], float], reps: int) -> dict | None:
+def other_kernel(case: Case, clock: Clock, reps: int) -> dict | None:
     """For a two-kernel variant: the kernel it did not use at this length, timed like the
     one it used ({"kernel", "ms"}), or why it was not timed ({"kernel", "skipped"}); None for
     one-kernel modules. Shows whether any of its kernels can meet a target it missed."""
@@ -206,18 +183,15 @@ def other_kernel(case: Case, clock: Callable[[], float], reps: int) -> dict | No
 
 
 def why_missed(r: dict, T: int, full_ms: float) -> str:
-    """Why a variant is slower than the limit at T, from what the run measured: its other
-    kernel's time, or LSH's selection overhead, or that it has one kernel only."""
+    """Why a variant is slower than the limit at T, from what the run measured."""
     used = r.get("kernel", {}).get(T, "one").rstrip("*")
     reasons = []
     other = r.get("other_kernel", {}).get(T)
     if other and "ms" in other:
         ratio = other["ms"] / full_ms
-        verdict = (
-            "neither kernel meets the limit"
-            if ratio > SLOWDOWN_LIMIT
-            else "the other kernel would: the measured choice differs from this run"
-        )
+        verdict = "the other kernel would: the measured choice differs from this run"
+        if ratio > SLOWDOWN_LIMIT:
+            verdict = "neither kernel meets the limit"
         reasons.append(f"{used} kernel used; the {other['kernel']} kernel takes {ratio:.2f}x "
                        f"full's time: {verdict}")  # fmt: skip
     elif other:
@@ -253,14 +227,9 @@ def row_names(args: argparse.Namespace, device: torch.device) -> tuple[list[str]
     return names, names + ([] if args.no_baselines else BASELINES)
 
 
-def build_cases(
-    T: int,
-    rows: list[str],
-    args: argparse.Namespace,
-    device: torch.device,
-    warmup_peak: dict[str, tuple[int, float]],
-    res: dict[str, dict],
-) -> dict[str, Case]:
+def build_cases(T: int, rows: list[str], args: argparse.Namespace, device: torch.device,
+                warmup_peak: dict[str, tuple[int, float]],
+                res: dict[str, dict]) -> dict[str, Case]:  # fmt: skip
     """Every row's case at length T, built and warmed up once, unless its peak memory,
     predicted from its last warm-up (x length ratio squared) or measured at this warm-up,
     would not fit in MEMORY_SHARE of the memory available. Updates `warmup_peak`; a case
@@ -296,7 +265,7 @@ def build_cases(
 
 
 def time_cases(
-    cases: dict[str, Case], args: argparse.Namespace, clock: Callable[[], float]
+    cases: dict[str, Case], args: argparse.Namespace, clock: Clock
 ) -> tuple[dict[str, list[float]], int]:
     """(step times in ms per case, steps per case): `--reps` steps at least, more while
     `full`'s steps add up to less than `--min-time`; the cases take turns (interleaved)."""
@@ -311,11 +280,9 @@ def time_cases(
 
 
 def record_case(
-    r: dict, case: Case, times: list[float], full_ms: float | None, reps: int, clock: Callable
+    r: dict, case: Case, times: list[float], full_ms: float | None, reps: int, clock: Clock
 ) -> None:
-    """Store what was measured for `case` at its length in its row `r`: times, the other
-    kernel where a target may be missed, LSH's selection time, memory, FLOPs, kernels run per
-    step, parameters, options, keys attended and the kernel used."""
+    """Store what was measured for `case` at its length in its row `r`."""
     T = case.T
 
     def put(key: str, value: object) -> None:
@@ -345,8 +312,7 @@ def record_case(
 
 
 def derive(r: dict, full: dict, peak: float) -> None:
-    """A row's figures relative to `full`'s row and to the matmul peak (FLOP/s): speed-up,
-    FLOP bound, achieved share of it, MFU and growth exponents."""
+    """A row's figures relative to `full`'s row and to the matmul `peak` (FLOP/s)."""
     full_ms, full_gflop = full["time_ms"], full["gflop"]
     r["ratio_to_full"] = {T: full_ms[T] / t for T, t in r["time_ms"].items() if T in full_ms}
     r["flop_bound"] = {T: full_gflop[T] / g for T, g in r["gflop"].items() if T in full_gflop}
@@ -360,51 +326,36 @@ def derive(r: dict, full: dict, peak: float) -> None:
 
 
 def describe(n: str, args: argparse.Namespace) -> dict:
-    """A row's definition: complexity for the baselines; for a variant also its paper,
-    parameters and options (from a module built at the benchmark's size)."""
+    """A row's definition: complexity, and for a variant its paper, parameters and options."""
     if n in BASELINES:
         return {"complexity": "O(T^2 D)" if n == "sdpa_mha" else "O(T^2 d_k h)"}
     variant, options = variant_of(n)
     attn = build(variant, args.dim, args.heads, **options)
-    return dict(
-        paper=attn.paper,
-        complexity=attn.complexity,
-        complexity_training=attn.complexity_training,
-        complexity_inference=attn.complexity_inference,
-        params=sum(p.numel() for p in attn.parameters()),
-        options={**registry.options(variant), **options},
-    )
+    keys = ("paper", "complexity", "complexity_training", "complexity_inference")
+    return {**{k: getattr(attn, k) for k in keys},
+            "params": sum(p.numel() for p in attn.parameters()),
+            "options": {**registry.options(variant), **options}}  # fmt: skip
 
 
 def run_meta(args: argparse.Namespace, peak: float, reps_at: dict) -> dict:
     """How the run measured: machine, precision, sizes, steps per length, clocks."""
-    cuda = torch.device(args.device).type == "cuda"
-    return {
-        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "torch": torch.__version__,
-        **setting(args),
-        "matmul_peak_gflops": peak / 1e9,
-        "autotune": args.autotune,
-        "batch": args.batch,
-        "dim": args.dim,
-        "heads": args.heads,
-        "lengths": args.lengths,
-        "reps": reps_at,
-        "timing": f"forward+backward {args.clock} time, min over reps after one warm-up",
-        "memory": (
-            "cuda max_memory_allocated rise"
-            if cuda
-            else "peak RSS rise (VmHWM after /proc/self/clear_refs reset)"
-            if rss_resettable()
-            else "unavailable"
-        ),
-        "saved_mb": "bytes of distinct non-parameter storages saved for backward (saved_tensors_hooks)",
-    }
+    memory = "unavailable"
+    if torch.device(args.device).type == "cuda":
+        memory = "cuda max_memory_allocated rise"
+    elif rss_resettable():
+        memory = "peak RSS rise (VmHWM after /proc/self/clear_refs reset)"
+    return {"date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+            "torch": torch.__version__, **setting(args), "matmul_peak_gflops": peak / 1e9,
+            "autotune": args.autotune, "batch": args.batch, "dim": args.dim,
+            "heads": args.heads, "lengths": args.lengths, "reps": reps_at,
+            "timing": f"forward+backward {args.clock} time, min over reps after one warm-up",
+            "memory": memory,
+            "saved_mb": "bytes of distinct non-parameter storages saved for backward "
+            "(saved_tensors_hooks)"}  # fmt: skip
 
 
 def run(args: argparse.Namespace) -> dict:
-    """The benchmark as `args` says: every row at every length, then the derived figures,
-    each row's definition, the run's metadata and the targets."""
+    """Every row at every length, then the derived figures, definitions, metadata, targets."""
     device = torch.device(args.device)
     names, rows = row_names(args, device)
     clock = clock_of(args)
@@ -437,11 +388,6 @@ def run(args: argparse.Namespace) -> dict:
     return out
 
 
-def bound_share(name: str) -> float | None:
-    """The share of its FLOP-bound speed-up a variant must keep at T >= BOUND_MIN_T, if any."""
-    return next((v for k, v in BOUND_SHARE.items() if name.startswith(k)), None)
-
-
 def targets(out: dict) -> list[dict]:
     """For every measured T in TARGET_LENGTHS, each variant with fewer FLOPs than `full` takes
     at most SLOWDOWN_LIMIT x its time; the variants in BOUND_SHARE keep that share of their
@@ -464,7 +410,7 @@ def targets(out: dict) -> list[dict]:
                 slowdown, slowdown <= SLOWDOWN_LIMIT)  # fmt: skip
             if slowdown > SLOWDOWN_LIMIT:
                 checks[-1]["why"] = why_missed(r, T, v["full"]["time_ms"][T])
-        need = bound_share(n)
+        need = next((s for k, s in BOUND_SHARE.items() if n.startswith(k)), None)
         if need is not None:
             for T, share in r["achieved_of_bound"].items():
                 if T >= BOUND_MIN_T:
@@ -481,32 +427,19 @@ def targets(out: dict) -> list[dict]:
 
 def parse(argv: list[str]) -> argparse.Namespace:
     p = parser("attention", __doc__)
-    p.add_argument(
-        "--quick", action="store_true", help=f"lengths {QUICK_LENGTHS}, 2 reps (< 2 min)"
-    )
+    p.add_argument("--quick", action="store_true", help=f"T {QUICK_LENGTHS}, 2 reps (< 2 min)")
     add_run_arguments(p, devices=["cpu", "cuda"])
     p.add_argument("--png", type=Path, default=None, help="log-log plot (default: next to --json)")
     p.add_argument("--lengths", type=int, nargs="+", default=None)
     p.add_argument("--variants", nargs="+", default=None, help="default: all registered")
-    p.add_argument(
-        "--reps", type=int, default=None, help="timed steps per case (default 3; quick 2)"
-    )
-    p.add_argument(
-        "--min-time",
-        type=float,
-        default=None,
-        help="seconds of timed steps per case at least (default 0.5; quick 0.1): short "
-        "lengths get more than --reps steps",
-    )
+    p.add_argument("--reps", type=int, default=None, help="timed steps per case (3; quick 2)")
+    p.add_argument("--min-time", type=float, default=None, help="seconds of timed steps per "
+                   "case at least (0.5; quick 0.1): short lengths get more steps")  # fmt: skip
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--dim", type=int, default=768)
     p.add_argument("--heads", type=int, default=12)
-    p.add_argument(
-        "--autotune",
-        choices=["on", "off"],
-        default="on",
-        help="two-kernel variants: time both on this machine (on) or the short_path_max_t rule",
-    )
+    p.add_argument("--autotune", choices=["on", "off"], default="on", help="two-kernel "
+                   "variants: time both here (on) or the short_path_max_t rule")  # fmt: skip
     p.add_argument("--no-memory", action="store_true", help="skip the memory pass")
     p.add_argument("--no-baselines", action="store_true", help="skip sdpa_mha / sdpa_kernel")
     args = p.parse_args(argv)
@@ -587,13 +520,12 @@ def plot(out: dict, path: Path) -> None:
     markers = "osD^v<>pPX*hH"
     fig, axes = plt.subplots(1, 2, figsize=(14, 6))
     for i, (n, r) in enumerate(allrows.items()):
-        style = dict(
-            ls="--" if n in out["baselines"] else "-", marker=markers[i % len(markers)], ms=4
-        )
+        ls = "--" if n in out["baselines"] else "-"
+        style = dict(ls=ls, marker=markers[i % len(markers)], ms=4, color=colors[i % len(colors)])
         for ax, key in zip(axes, ("time_ms", "peak_mem_mb")):
             pts = sorted((int(T), t) for T, t in r.get(key, {}).items() if t)
             if pts:
-                ax.plot(*zip(*pts), color=colors[i % len(colors)], label=n, **style)
+                ax.plot(*zip(*pts), label=n, **style)
     for ax, label in zip(axes, ("forward+backward time (ms)", "peak memory rise (MiB)")):
         ax.set(xscale="log", yscale="log", xlabel="T (frames)", ylabel=label)
         ax.grid(True, which="both", alpha=0.3)

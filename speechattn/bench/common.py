@@ -22,6 +22,7 @@ from speechattn.attention.registry import options as attention_options
 from speechattn.errors import UsageExit
 
 PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+Clock = Callable[[], float]  # seconds: time.perf_counter or time.process_time
 
 
 def parser(name: str, doc: str) -> argparse.ArgumentParser:
@@ -34,23 +35,14 @@ def parser(name: str, doc: str) -> argparse.ArgumentParser:
 def add_run_arguments(
     p: argparse.ArgumentParser, devices: Sequence[str] | None = None, clock: bool = True
 ) -> None:
-    """`--device`, `--precision`, `--threads`, `--clock` (with `clock`) and `--json`: how a
-    timed benchmark runs. `finish_run_arguments` applies them once parsed."""
+    """How a timed benchmark runs (`finish_run_arguments` applies them once parsed)."""
     p.add_argument("--device", default="cpu", choices=devices)
-    p.add_argument(
-        "--precision",
-        choices=sorted(PRECISIONS),
-        default=None,
-        help="autocast dtype (default: bf16 on cuda, fp32 on cpu)",
-    )
+    p.add_argument("--precision", choices=sorted(PRECISIONS), default=None,
+                   help="autocast dtype (default: bf16 on cuda, fp32 on cpu)")  # fmt: skip
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (CPU)")
     if clock:
-        p.add_argument(
-            "--clock",
-            default="wall",
-            choices=("wall", "cpu"),
-            help="cpu: process CPU time, immune to other load with --threads 1",
-        )
+        p.add_argument("--clock", default="wall", choices=("wall", "cpu"), help="cpu: process "
+                       "CPU time, immune to other load with --threads 1")  # fmt: skip
     p.add_argument("--json", type=Path, default=None, help="also write the results here")
 
 
@@ -63,7 +55,7 @@ def finish_run_arguments(args: argparse.Namespace) -> argparse.Namespace:
     return args
 
 
-def clock_of(args: argparse.Namespace) -> Callable[[], float]:
+def clock_of(args: argparse.Namespace) -> Clock:
     """`--clock`'s clock: the process's CPU time or the wall clock."""
     return time.process_time if args.clock == "cpu" else time.perf_counter
 
@@ -93,9 +85,7 @@ def sync(device: str | torch.device) -> None:
 
 
 def time_call(
-    fn: Callable[[], object],
-    device: str | torch.device,
-    clock: Callable[[], float] = time.perf_counter,
+    fn: Callable[[], object], device: str | torch.device, clock: Clock = time.perf_counter
 ) -> float:
     """Seconds of one call of `fn` by `clock`, between two syncs of `device`."""
     sync(device)
@@ -105,14 +95,9 @@ def time_call(
     return clock() - t
 
 
-def round_robin(
-    steps: dict[str, Callable[[], object]],
-    repeat: int,
-    device: str | torch.device,
-    clock: Callable[[], float] = time.perf_counter,
-) -> dict[str, list[float]]:
-    """Seconds of `repeat` calls of each step (`time_call`), the steps taking turns so that
-    drifting machine load (shared CPUs) affects all of them alike."""
+def round_robin(steps: dict[str, Callable[[], object]], repeat: int, device: str | torch.device,
+                clock: Clock = time.perf_counter) -> dict[str, list[float]]:  # fmt: skip
+    """Seconds of `repeat` calls of each step, in turns: drifting load affects all alike."""
     times: dict[str, list[float]] = {name: [] for name in steps}
     for _ in range(repeat):
         for name, step in steps.items():
@@ -147,52 +132,37 @@ def write_json(path: Path | None, data: Any, indent: int = 2) -> None:
 
 
 def matmul_peak(**kwargs: Any) -> float:
-    """Best sustained FLOP/s of square `torch.mm`s on this device (the MFU denominator): the
-    maximum of `matmul_series(**kwargs)` over its sizes."""
+    """Best sustained FLOP/s of square `torch.mm`s (`matmul_series`): the MFU denominator."""
     return max(matmul_series(**kwargs).values())
 
 
-def matmul_series(
-    sizes: Sequence[int] | None = None,
-    seconds: float | None = None,
-    repeat: int = 2,
-    device: str = "cpu",
-    dtype: torch.dtype = torch.float32,
-    clock: Callable[[], float] = time.perf_counter,
-) -> dict[int, float]:
-    """{n: best sustained FLOP/s of n x n x n products}, each size warmed up, then timed as
-    `repeat` series of back-to-back products into one preallocated output, between two syncs.
-
-    One product is a poor peak: a GPU raises its clocks under sustained load, and a single
-    launch carries its own overhead and the first call's setup; small sizes do not fill an H100
-    and large ones do not fit a CPU's caches, hence several sizes. The timed warm-up call sizes
-    each series to last about `seconds` (default 0.2 s on CUDA, 0.05 s on CPU). Sizes default
-    to 2048, 4096, 8192 on CUDA and 512, 1024, 2048 on CPU; a size whose one product would take
-    over 20 x `seconds` at the best rate so far is skipped (bf16 on a CPU without bf16 units),
-    so the whole measurement takes about a second on a free CPU and two on a GPU.
-    """
+def matmul_series(sizes: Sequence[int] | None = None, seconds: float | None = None,
+                  repeat: int = 2, device: str = "cpu", dtype: torch.dtype = torch.float32,
+                  clock: Clock = time.perf_counter) -> dict[int, float]:  # fmt: skip
+    """{n: best sustained FLOP/s of n x n x n products}: per size a timed warm-up, then `repeat`
+    series of back-to-back products into one output, each lasting about `seconds` (default
+    0.2 s on CUDA, 0.05 s on CPU). One product is a poor peak: a GPU raises its clocks under
+    sustained load and a launch has its own overhead; small sizes do not fill an H100 and large
+    ones do not fit a CPU's caches, hence several. A size whose one product would take over
+    20 x `seconds` at the best rate so far is skipped (bf16 on a CPU without bf16 units)."""
     cuda = torch.device(device).type == "cuda"
     sizes = sizes or ((2048, 4096, 8192) if cuda else (512, 1024, 2048))
     seconds = seconds if seconds is not None else (0.2 if cuda else 0.05)
+
+    def products(a: Tensor, b: Tensor, out: Tensor, count: int) -> float:
+        """Seconds of `count` back-to-back `torch.mm(a, b, out=out)` between two syncs."""
+        elapsed = time_call(lambda: [torch.mm(a, b, out=out) for _ in range(count)], device, clock)
+        return max(elapsed, 1e-9)
+
     rates: dict[int, float] = {}
     for n in sorted(sizes):
         flop = 2.0 * n**3
         if rates and flop / max(rates.values()) > 20 * seconds:
             break  # larger sizes only take longer
         mats = [torch.randn(n, n, device=device, dtype=dtype) for _ in range(3)]
-        elapsed = _products(*mats, 1, device, clock)  # warm-up, timed to size a series
-        count = max(1, min(10_000, round(seconds / elapsed)))
-        rates[n] = max(count * flop / _products(*mats, count, device, clock) for _ in range(repeat))
+        count = max(1, min(10_000, round(seconds / products(*mats, 1))))  # warm-up, sizes a series
+        rates[n] = max(count * flop / products(*mats, count) for _ in range(repeat))
     return rates
-
-
-def _products(
-    a: Tensor, b: Tensor, out: Tensor, count: int, device: str, clock: Callable[[], float]
-) -> float:
-    """Seconds of `count` back-to-back `torch.mm(a, b, out=out)` between two syncs."""
-    return max(
-        time_call(lambda: [torch.mm(a, b, out=out) for _ in range(count)], device, clock), 1e-9
-    )
 
 
 # the CUDA runtime calls the profiler records for a kernel launch
@@ -213,8 +183,8 @@ def profiled(fn: Callable[[], object], device: str | torch.device) -> list:
 
 def count_kernels(fn: Callable[[], object], device: str | torch.device) -> int:
     """Kernels one call of `fn` starts, from the profiler: CUDA kernel launches on CUDA; on
-    the CPU the operator calls made from Python or autograd (an operator's own inner calls, as
-    `aten::matmul`'s `aten::mm`, are part of it), which counts small steps the same way."""
+    the CPU the operator calls made from Python or autograd (`aten::matmul`'s own `aten::mm`
+    is part of it)."""
     events = profiled(fn, device)
     if torch.device(device).type == "cuda":
         return sum(e.name in CUDA_LAUNCHES for e in events)
@@ -255,8 +225,7 @@ def _kib(text: str, key: str) -> int | None:
 
 
 def rss_resettable() -> bool:
-    """Whether the peak resident set size can be reset (Linux: VmHWM via
-    /proc/self/clear_refs), which the CPU's peak memory needs."""
+    """Whether the peak resident set size (VmHWM) can be reset via /proc/self/clear_refs."""
     try:
         Path("/proc/self/clear_refs").write_text("5")
         return True
@@ -265,9 +234,8 @@ def rss_resettable() -> bool:
 
 
 def peak_memory(fn: Callable[[], object], device: torch.device) -> float | None:
-    """MiB that `fn()` adds at its peak: the CUDA allocator's peak rise on CUDA, the peak
-    resident set size's rise on CPU (freed heap trimmed, VmHWM reset first; None where that
-    cannot be read)."""
+    """MiB that `fn()` adds at its peak: the CUDA allocator's peak rise, or on CPU the peak
+    resident set size's (freed heap trimmed, VmHWM reset first; None where unreadable)."""
     if device.type == "cuda":
         sync(device)
         torch.cuda.reset_peak_memory_stats(device)
@@ -285,8 +253,7 @@ def peak_memory(fn: Callable[[], object], device: torch.device) -> float | None:
 
 
 def available_memory(device: torch.device) -> float | None:
-    """MiB the next allocations can still take: free CUDA memory, or the kernel's
-    MemAvailable on CPU (None where that cannot be read)."""
+    """MiB the next allocations can still take: free CUDA memory, or MemAvailable on CPU."""
     if device.type == "cuda":
         return torch.cuda.mem_get_info(device)[0] / 2**20
     free = _kib(_read("/proc/meminfo"), "MemAvailable")

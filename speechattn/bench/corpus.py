@@ -1,28 +1,22 @@
 """A LibriSpeech-layout corpus of any size, made of hard links, for tests and measurements.
 
-    python -m speechattn.bench corpus --out DIR --utterances 100000 [--speakers S]
-        [--chapters 2] [--split train-clean-360] [--seconds 3,8,12,14,16,20] [--seed 0] [--copy]
-
-writes
+`python -m speechattn.bench corpus --out DIR --utterances N` writes
 
     DIR/<split>/<speaker>/<chapter>/<speaker>-<chapter>-<utt:04d>.flac   hard links (or copies)
     DIR/<split>/<speaker>/<chapter>/<speaker>-<chapter>.trans.txt
     DIR/sources/source-<k>.flac    the few real files: synthesised voiced sounds, 16 kHz FLAC
     DIR/corpus.json                generator version and parameters (a match is reused)
 
-Every utterance links one of the sources, drawn at random (seeded), so 100k utterances take a
-few seconds and the disk of the sources alone; speakers hold ~113 utterances each by default,
-as train-clean-360 does (104k utterances, 921 speakers). It lives with the benchmarks, not in
-`data/`: training never reads it; tests (`tests/data/test_loader_scale.py`), `bench loader`
-and `bench scale` do. Hard links share one inode: size, mtime and content repeat across
-utterances, so a cache that keys or deduplicates by content sees few distinct files (`--copy`
-writes real copies where that matters). The audio is a harmonic tone with a wandering pitch
-and syllable-rate bursts over faint noise: the pipeline's cost depends on durations, not words.
+Every utterance links one of the sources, drawn at random (seeded): 100k utterances take a
+few seconds and the disk of the sources alone. Hard links share one inode (size, mtime and
+content), so a cache that keys or deduplicates by content sees few distinct files (`--copy`
+where that matters). Training never reads it; tests, `bench loader` and `bench scale` do.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
@@ -49,7 +43,8 @@ WORDS = ("ALPHA", "BRAVO", "CHARLIE", "DELTA", "ECHO", "FOXTROT", "GOLF", "HOTEL
 
 def source_audio(seconds: float, seed: int) -> np.ndarray:
     """(round(seconds * 16 kHz),) float32 in [-1, 1): ten harmonics of a pitch that wanders
-    around 90-200 Hz, bursts at ~4 syllables per second, faint noise (seeded)."""
+    around 90-200 Hz, bursts at ~4 syllables per second, faint noise (seeded): the pipeline's
+    cost depends on durations, not words."""
     rng = np.random.default_rng([seed, 2027])
     t = np.arange(round(seconds * SAMPLE_RATE)) / SAMPLE_RATE
     f0 = rng.uniform(90, 200) * (1 + 0.08 * np.sin(2 * np.pi * rng.uniform(0.3, 1.0) * t))
@@ -60,32 +55,15 @@ def source_audio(seconds: float, seed: int) -> np.ndarray:
     return np.clip(audio, -1.0, 1.0 - 1 / 32768).astype(np.float32)
 
 
-def make_scale_corpus(
-    out: str | Path,
-    utterances: int,
-    speakers: int | None = None,
-    chapters: int = 2,
-    split: str = "train-clean-360",
-    seconds: Sequence[float] = DEFAULT_SECONDS,
-    seed: int = 0,
-    copy: bool = False,
-    progress: bool = False,
-) -> Path:
-    """Write (or reuse) a corpus of `utterances` utterances into `out`; returns `out`.
-
-    Args:
-        out: the corpus root; must not exist, unless it holds this very corpus (`corpus.json`).
-        utterances: how many, spread evenly over speakers and their chapters.
-        speakers: how many (None: one per `UTTERANCES_PER_SPEAKER` utterances, at least 1).
-        chapters: chapters per speaker.
-        split: the split folder's name.
-        seconds: one source file per duration; utterances draw among them at random.
-        seed: the audio and which source each utterance links.
-        copy: real copies instead of hard links (links fall back to copies where the
-            filesystem refuses them).
-
-    The corpus is written beside `out` under a temporary name and renamed into place, so an
-    interrupted build leaves no half corpus at `out`.
+def make_scale_corpus(out: str | Path, utterances: int, speakers: int | None = None,
+                      chapters: int = 2, split: str = "train-clean-360",
+                      seconds: Sequence[float] = DEFAULT_SECONDS, seed: int = 0,
+                      copy: bool = False, progress: bool = False) -> Path:  # fmt: skip
+    """Write (or reuse) a corpus of `utterances` utterances, spread evenly over `speakers`
+    (default: one per `UTTERANCES_PER_SPEAKER`) x `chapters`, into `out`, which must not exist
+    unless it holds this very corpus (`corpus.json`); returns `out`. One source file per
+    `seconds`; `copy`: copies instead of hard links (also where the filesystem refuses links).
+    Written under a temporary name and renamed, so an interrupted build leaves no half corpus.
     """
     import soundfile as sf
 
@@ -107,10 +85,9 @@ def make_scale_corpus(
               "split": split, "seconds": [float(s) for s in seconds], "seed": seed,
               "copy": copy}  # fmt: skip
     if out.exists():
-        try:
+        found = None
+        with contextlib.suppress(OSError, ValueError):
             found = json.loads((out / "corpus.json").read_text())
-        except (OSError, ValueError):
-            found = None
         if found == params:
             return out
         raise OutputExistsError(
@@ -124,8 +101,7 @@ def make_scale_corpus(
         paths = []
         for k, s in enumerate(seconds):
             paths.append(sources / f"source-{k}.flac")
-            audio = source_audio(s, seed * 1000 + k)
-            sf.write(paths[-1], audio, SAMPLE_RATE, subtype="PCM_16", format="FLAC")
+            sf.write(paths[-1], source_audio(s, seed * 1000 + k), SAMPLE_RATE, subtype="PCM_16")
         choice = np.random.default_rng([seed, 4099]).integers(len(paths), size=utterances)
         link = not copy
         with progress_bar(utterances, f"corpus of {utterances} utterances", progress) as advance:
@@ -177,12 +153,8 @@ def add_seconds_argument(p: argparse.ArgumentParser, help: str) -> None:
     def seconds(text: str) -> list[float]:
         return [float(s) for s in text.split(",") if s]
 
-    p.add_argument(
-        "--seconds",
-        type=seconds,
-        default=",".join(f"{s:g}" for s in DEFAULT_SECONDS),
-        help=help,
-    )
+    default = ",".join(f"{s:g}" for s in DEFAULT_SECONDS)
+    p.add_argument("--seconds", type=seconds, default=default, help=help)
 
 
 def main(argv: list[str]) -> None:
@@ -191,7 +163,8 @@ def main(argv: list[str]) -> None:
     )
     p.add_argument("--out", type=Path, required=True, help="corpus root (must not exist)")
     p.add_argument("--utterances", type=int, required=True)
-    p.add_argument("--speakers", type=int, default=None, help=f"default: utterances / {UTTERANCES_PER_SPEAKER}")  # fmt: skip
+    per_speaker = f"default: utterances / {UTTERANCES_PER_SPEAKER}"
+    p.add_argument("--speakers", type=int, default=None, help=per_speaker)
     p.add_argument("--chapters", type=int, default=2, help="per speaker")
     p.add_argument("--split", default="train-clean-360")
     add_seconds_argument(p, "durations of the source files, comma-separated")

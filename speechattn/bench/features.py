@@ -1,19 +1,16 @@
 """`python -m speechattn.bench features`: feature extraction and cached-loading throughput.
 
-Measures, on the built-in corpus (or `--root`):
-- extraction: decode FLAC + log-mel + cache write, into a fresh temporary cache, as a multiple
-  of real time (seconds of audio per second of wall clock), with `--workers` processes;
-- cached loading: utterances/s and frames/s read back from the cache (preads), both raw
-  (`FeatureStore.features`) and through the training path (dataset + normalisation + padded
-  batches), compared with an *assumed* consumer: a tiny model training at ~20k mel frames/s;
-- cache verification: the first raw pass over a fresh store (each shard's size, mtime and
-  header checked as it is opened) and a full check as `data.verify_cache=true` does at start-up.
+On the built-in corpus (or `--root`), into a fresh temporary cache (docs/benchmarks.md,
+"Feature extraction and loading"); besides extraction and cached loading (raw and as training
+batches), the first raw pass over a fresh store (each shard checked as it is opened) and a full
+check as `data.verify_cache=true` does at start-up.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -36,25 +33,20 @@ ASSUMED_CONSUMER_FPS = 20_000
 
 def _parse(argv: list[str]) -> argparse.Namespace:
     p = parser("features", __doc__)
-    p.add_argument(
-        "--root", type=Path, default=None, help="corpus root (default: the built-in corpus)"
-    )
+    p.add_argument("--root", type=Path, default=None, help="corpus root (default: built-in)")
     p.add_argument("--split", action="append", default=None, help="split folder(s) (default: all)")
     p.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="extraction processes")
     p.add_argument("--shard-size", type=int, default=64)
     p.add_argument("--dtype", choices=("float16", "float32"), default="float16")
     p.add_argument("--batch-size", type=int, default=16)
-    p.add_argument(
-        "--min-seconds", type=float, default=2.0, help="minimum duration of each load measurement"
-    )
+    p.add_argument("--min-seconds", type=float, default=2.0, help="min seconds of each load test")
     p.add_argument("--consumer-fps", type=float, default=ASSUMED_CONSUMER_FPS)
     p.add_argument("--json", type=Path, default=None, help="also write the numbers here")
     return p.parse_args(argv)
 
 
 def _rates(fn: Callable[[], None], min_seconds: float, utts: int, frames: int) -> dict:
-    """Utterances/s and frames/s of passes of `fn` (each `utts` utterances, `frames` frames),
-    repeated after a warm-up until `min_seconds` elapse."""
+    """Utterances/s and frames/s of passes of `fn`, repeated after a warm-up for `min_seconds`."""
     fn()  # warm-up: page cache, memory maps, allocator
     passes, start = 0, time.perf_counter()
     while (elapsed := time.perf_counter() - start) < min_seconds or not passes:
@@ -70,23 +62,16 @@ def run(args: argparse.Namespace) -> dict:
     settings = ExtractionSettings(dtype=args.dtype)
     results: dict = {"root": str(root), "splits": splits, "utterances": len(utts),
                      "workers": args.workers}  # fmt: skip
-
     with tempfile.TemporaryDirectory(prefix="speechattn-bench-") as cache:
         start = time.perf_counter()
         store = extract_features(
             utts, settings, cache, workers=args.workers, shard_size=args.shard_size, progress=False
         )
-        extract_s = time.perf_counter() - start
-        audio_s = store.audio_seconds
+        extract_s, audio_s = time.perf_counter() - start, store.audio_seconds
         frames = int(store.lengths.sum())
-        results["extraction"] = {
-            "audio_seconds": audio_s,
-            "wall_seconds": extract_s,
-            "x_real_time": audio_s / extract_s,
-            "frames": frames,
-            "cache_mb": store.nbytes() / 2**20,
-        }
-
+        results["extraction"] = {"audio_seconds": audio_s, "wall_seconds": extract_s,
+                                 "x_real_time": audio_s / extract_s, "frames": frames,
+                                 "cache_mb": store.nbytes() / 2**20}  # fmt: skip
         # new object, shard files closed: opened (and checked) on first use
         for k in range(store.num_shards):
             OPEN_SHARDS.forget(str(store.paths(k).npy))
@@ -103,11 +88,8 @@ def run(args: argparse.Namespace) -> dict:
         if damaged := fresh.check(verify=True):
             raise RuntimeError(f"the cache just written does not verify: {damaged[:3]}")
         results["verify_all_seconds"] = time.perf_counter() - start
-
         results["load_raw"] = _rates(raw_pass, args.min_seconds, n, frames)
-
-        count, total, total_sq = fresh.sums(range(n))
-        dataset = FeatureDataset(fresh, range(n), Normalizer.from_sums(count, total, total_sq))
+        dataset = FeatureDataset(fresh, range(n), Normalizer.from_sums(*fresh.sums(range(n))))
         sampler = LengthBucketBatchSampler(
             range(n), args.batch_size, False, dataset.lengths, shuffle=True
         )
@@ -129,11 +111,8 @@ def _print(r: dict) -> None:
 
     e, first = r["extraction"], r["load_first_pass"]
     minutes = e["audio_seconds"] / 60
-    table = Table(
-        title=f"features benchmark: {r['utterances']} utterances, {minutes:.1f} min of audio"
-    )
-    for col in ("measurement", "throughput", "detail"):
-        table.add_column(col)
+    title = f"features benchmark: {r['utterances']} utterances, {minutes:.1f} min of audio"
+    table = Table("measurement", "throughput", "detail", title=title)
     for row in (
         (f"extraction ({r['workers']} workers)", f"{e['x_real_time']:.0f}x real time",
          f"{e['wall_seconds']:.2f} s wall, {e['frames']:,} frames, cache {e['cache_mb']:.1f} MB"),
@@ -161,6 +140,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":  # pragma: no cover
-    import sys
-
     main(sys.argv[1:])

@@ -1,19 +1,9 @@
 """One command that measures everything a short GPU lease can: every variant's training step
 (docs/gpu.md, "One command for a GPU lease", describes each case and field).
 
-    python -m speechattn.bench lease [--device cuda|cpu] [--tiny] [--out DIR] [--deadline S]
-        [--variants full,ldsa,...] [--flex all|none|A,B] [--compiled full,xbox,...]
-        [--steps 8] [--warmup 3] [--lightning-steps 30] [--resume]
-
-In order: the machine (`machine`); every variant's step at `experiment=paper`'s shapes, `full`
-first (`run_step_case`); the variants with a Flex kernel forced to it; `--lightning-steps` of
-`full` through `speechattn.pretrain.run` (`run_lightning`); `model.compile=true` steps last
-(`--compiled`; each compiles for a minute or more). Each case is a JSON line appended to
-`DIR/lease.jsonl` as it ends, after a "started" line, so `--resume` (the shell script's rerun
-after a crash) records a case that killed the process as "crashed" and skips what is done. No
-case starts after `--deadline` seconds from `$SPEECHATTN_LEASE_T0` (else this process's start)
-minus what the longest case of its kind took so far. `--device cpu --tiny` checks the command
-itself; its figures mean nothing.
+No case starts after `--deadline` seconds from `$SPEECHATTN_LEASE_T0` (else this process's
+start) minus what the longest case of its kind took so far. `--device cpu --tiny` checks the
+command itself; its figures mean nothing.
 """
 
 from __future__ import annotations
@@ -33,7 +23,7 @@ from typing import Any
 
 import torch
 
-from speechattn.attention import registry
+from speechattn.attention import autotune, registry
 from speechattn.bench.common import (
     CUDA_LAUNCHES,
     attention_names,
@@ -69,9 +59,8 @@ class InjectedFailure(RuntimeError):
 
 
 class Results:
-    """`lease.jsonl`: one line per case, appended, flushed and synced as it ends; `done` holds
-    each finished case's last line. On resume a case that started and never ended took the
-    process down: it is recorded as crashed, never retried."""
+    """`lease.jsonl`, one line per case, appended and synced as it ends; `done`: each case's
+    last line. On resume a case that started and never ended is recorded as crashed."""
 
     def __init__(self, path: Path, resume: bool) -> None:
         self.path = path
@@ -111,14 +100,10 @@ def compose_case(args: argparse.Namespace, name: str, *extra: str):  # noqa: ANN
 
 
 class Step:
-    """One training step of `PretrainTask` as Lightning's loop runs it (bf16 autocast on CUDA
-    around the forward; backward; the step's finite check; LAMB update; parameter check), on
-    two batches taken in turn as the loader delivers them: `data.batch_size` utterances of 2/3
-    to all of `data.max_frames` 10 ms frames (one in five at the crop), stacked, padded to the
-    length bucket and masked by the loader's `BatchMasker`, in pinned memory on CUDA."""
+    """One training step of `PretrainTask` as Lightning's loop runs it (`syncs.train_step`), on
+    two batches taken in turn, cropped, padded and masked as the loader delivers them."""
 
     def __init__(self, cfg: Any, device: torch.device, compiled: bool = False) -> None:
-        from speechattn.attention import autotune
         from speechattn.bench.pretrain import crop_batch
         from speechattn.model.optim import build_optimizer
         from speechattn.tasks.pretrain.module import PretrainTask
@@ -128,10 +113,8 @@ class Step:
         self.device, self.count = device, 0
         self.loss: torch.Tensor | None = None
         self.task = PretrainTask(
-            model=plain(cfg.model.net),
-            masking=plain(cfg.model.masking),
-            optimizer=plain(cfg.model.optimizer),
-            compile=compiled,
+            model=plain(cfg.model.net), masking=plain(cfg.model.masking),
+            optimizer=plain(cfg.model.optimizer), compile=compiled,
         ).to(device).train()  # fmt: skip
         autotune.enable(self.task.model, bool(cfg.attention.get("autotune", True)))
         self.optimizer = build_optimizer(self.task, self.task.optim)
@@ -156,8 +139,7 @@ class Step:
 
 
 def useful_flops(cfg: Any, lengths: torch.Tensor) -> float:
-    """Training FLOPs of one step, each utterance at its own length in model frames (padding
-    is not useful work; `bench.pretrain.step_flops` per length)."""
+    """Training FLOPs of one step, each utterance at its own length (padding is no work)."""
     from speechattn.bench.pretrain import step_flops
     from speechattn.model.aalbert import ModelConfig
     from speechattn.utils import plain
@@ -184,8 +166,7 @@ def timed(step: Step, n: int) -> list[float]:
 
 
 def attention_backend(kernel_names: list[str]) -> str:
-    """Which fused attention kernels a step ran ("cudnn", "flash", "efficient", "flex", joined
-    by "+"), "none" when none of them (math SDPA, or a variant that does not use one)."""
+    """Which `ATTENTION_KERNELS` a step ran, joined by "+", or "none"."""
     found = [name for name, marks in ATTENTION_KERNELS
              if any(m in k for k in kernel_names for m in marks)]  # fmt: skip
     return "+".join(found) or "none"
@@ -205,16 +186,14 @@ def profile_step(step: Step) -> dict[str, Any]:
 
 
 def count_syncs(step: Step) -> dict[str, Any]:
-    """Host reads of device data and blocking uploads of host memory over one step, with
-    where each comes from; on CUDA also the synchronising calls
-    `torch.cuda.set_sync_debug_mode` warns about."""
+    """Host reads and blocking uploads over one step, with where each comes from; on CUDA
+    also the calls `torch.cuda.set_sync_debug_mode` warns about."""
     from speechattn.bench.syncs import SyncCounter
 
     batch = step.batches[step.count % len(step.batches)]
     host = [batch["lengths"], batch["masked"].lengths]
     with SyncCounter(host=host, cpu_is_device=step.device.type == "cpu", trace=True) as counter:
         step()
-    # sync_where: the file:line of each, in speechattn
     out = {"reads": counter.count, "uploads": counter.upload_count,
            "sync_reasons": {**counter.reasons, **counter.uploads},
            "sync_where": dict(counter.where)}  # fmt: skip
@@ -246,9 +225,7 @@ def run_step_case(args: argparse.Namespace, name: str, extra: list[str], compile
     if device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
-    # every case compiles afresh: a forced Flex case failed in a process where another
-    # variant's Flex kernels had compiled (dynamo's per-process compile count; docs/gpu.md)
-    torch._dynamo.reset()
+    torch._dynamo.reset()  # dynamo's per-process compile count failed a Flex case (docs/gpu.md)
     step = Step(cfg, device, compiled=compiled)
     # the autotuner measures in the warm-up, and compilation happens there
     warmup_s = time_call(lambda: [step() for _ in range(args.warmup)], device)
@@ -265,15 +242,12 @@ def run_step_case(args: argparse.Namespace, name: str, extra: list[str], compile
             row.update(part(step))
         except Exception as err:  # noqa: BLE001 - recorded, the timing stands
             row[f"{part.__name__}_error"] = f"{type(err).__name__}: {err}"[:500]
-    from speechattn.attention import autotune
-
     row["kernels"] = autotune.choices(step.task.model).get("choices", {})
     return row
 
 
 def run_lightning(args: argparse.Namespace) -> dict[str, Any]:
-    """`--lightning-steps` steps of `full` through `speechattn.pretrain.run` on the built-in
-    corpus: frames/s and data_wait as its metrics.csv has them (medians)."""
+    """`--lightning-steps` of `full` by `speechattn.pretrain.run`: its frames/s and data_wait."""
     from speechattn.tasks.common import read_metrics
     from speechattn.tasks.pretrain import run
     from speechattn.tasks.pretrain.model_card import median_metric
@@ -296,8 +270,7 @@ def run_lightning(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def cases(args: argparse.Namespace) -> list[tuple[str, str, list[str], bool]]:
-    """(case name, kind, config overrides, compiled): `full` first, the other variants, then
-    Flex kernels forced, the Lightning run, and compiled steps."""
+    """(case name, kind, config overrides, compiled) in the order they run."""
     names = ["full", *[n for n in args.variants if n != "full"]]
     plan = [(n, "step", [], False) for n in names]
     flex = names if args.flex == "all" else [] if args.flex == "none" else args.flex.split(",")
@@ -330,7 +303,7 @@ def machine(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def start_time() -> float:
-    """The lease's clock: `$SPEECHATTN_LEASE_T0` (epoch seconds) when set, else now."""
+    """`$SPEECHATTN_LEASE_T0` (epoch seconds) when set, else now."""
     with contextlib.suppress(KeyError, ValueError):
         return float(os.environ["SPEECHATTN_LEASE_T0"])
     return time.time()
@@ -445,12 +418,9 @@ def parse(argv: list[str]) -> argparse.Namespace:
                    help="seconds from the lease's start after which no case starts")  # fmt: skip
     p.add_argument("--variants", default="all", help="comma-separated names, or all")
     p.add_argument("--flex", default="all", help="variants to run with kernel=flex: all|none|A,B")
-    p.add_argument(
-        "--compiled",
-        default=None,
-        help="variants to run with model.compile=true ('' none; default full,xbox,sign_alsh,ldsa "
-        "on cuda, none on cpu, where each compiles for minutes)",
-    )
+    p.add_argument("--compiled", default=None, help="variants to run with model.compile=true "
+                   "('' none; default full,xbox,sign_alsh,ldsa on cuda, none on cpu, where each "
+                   "compiles for minutes)")  # fmt: skip
     p.add_argument("--steps", type=int, default=8, help="timed steps per case")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps first (autotuning)")
     p.add_argument("--lightning-steps", type=int, default=30, help="0: no Lightning run")

@@ -1,19 +1,9 @@
 """Time the pretraining train loader alone, beside what a GPU step needs from it.
 
-    python -m speechattn.bench loader [OVERRIDES ...] [--batches 50] [--warmup 5]
-        [--gpu h100|a100] [--mfu 0.4] [--cold] [--json out.json]
-    e.g. python -m speechattn.bench loader experiment=paper data.root=/data/LibriSpeech
-
-The overrides compose the pretraining config as `python -m speechattn.pretrain OVERRIDES`
-would; the loader is the one training iterates (`ResumableData.step_loader`: the data module's
-dataset, `data.num_workers` workers, `pin_memory`, prefetch, the `StepBatchSampler` order and
-the task's masking collate). Printed: start-up (`prepare_data()` + `setup()`, wall and CPU
-seconds of this process and its finished children, the extraction workers; `--cold`: on an
-empty temporary feature cache, else on the cache as found); the first batch (worker start-up);
-over `--batches` batches after `--warmup`: 10 ms frames/s (valid frames), batches/s, padding,
-CPU seconds per batch (main + workers) and open descriptors; what the GPU needs (`bench
-pretrain --plan`'s loader rate at `--mfu` of `--gpu`'s dense peak, every utterance at the full
-crop: a projection) and the ratio measured / needed (>= 1: the loader keeps up).
+`bench loader OVERRIDES` composes the pretraining config as `python -m speechattn.pretrain`
+would and iterates the loader training iterates (`ResumableData.step_loader`), after timing
+start-up (`prepare_data()` + `setup()`; `--cold`: on an empty temporary feature cache). The
+GPU's need is `bench pretrain --plan`'s projection at `--mfu` of `--gpu`'s dense peak.
 """
 
 from __future__ import annotations
@@ -23,6 +13,7 @@ import contextlib
 import os
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -70,8 +61,6 @@ def finished_children_cpu() -> float:
 
 def measure(cfg: Any, batches: int = 50, warmup: int = 5, cold: bool = False) -> dict[str, Any]:
     """Start-up and train-loader figures of the composed pretraining config `cfg`."""
-    from dataclasses import replace
-
     from omegaconf import open_dict
 
     from speechattn.data import DataConfig, PretrainDataModule

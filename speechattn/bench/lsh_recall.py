@@ -1,12 +1,9 @@
 """How well each LSH scheme searches the score it weighs with: the share of its k selected keys
 that are among the k best keys by that score (recall at k), per scheme and hash.
 
-`python -m speechattn.bench lsh_recall [--lengths 300 1500] [--k 32] [--bits 16]` builds each
-scheme at the study's size (D = 768, h = 12, seeded weights) and selects on B random inputs
-x ~ N(0, 1); the score is shared_qk's q_i . k_j (normalised keys unless
-`--raw-keys`), the query's own key excluded from both sets. A random choice of k keys scores
-k / (T - 1). Rows with the same recall under both hashes are worth a look: under sign hashes
-the XBOX transforms and Simple-LSH are one model (`attention.lsh.same_model`).
+Each scheme is built at the study's size (D = 768, h = 12, seeded weights) and selects on B
+random inputs x ~ N(0, 1); the score is shared_qk's q_i . k_j (normalised keys unless
+`--raw-keys`), the query's own key excluded from both sets (docs/attention.md, LSH).
 """
 
 from __future__ import annotations

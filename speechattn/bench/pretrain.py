@@ -1,26 +1,16 @@
 """Benchmark one pretraining step per attention variant, against a plain reference transformer
 (docs/benchmarks.md, "Pretraining step", "GPU cost on paper", "torch.compile").
 
-    python -m speechattn.bench pretrain [--model aalbert_tiny|aalbert_base] [--batch 4]
-        [--frames 500] [--attention full,ldsa,...] [--repeat 5] [--device cpu|cuda]
-        [--precision fp32|bf16|fp16] [--json out.json] [--compile]
-    python -m speechattn.bench pretrain --plan experiment=paper [--gpu h100|a100] [--mfu 0.4]
-
-A step is what `PretrainTask.training_step` does (stack frames, span masking, forward, masked
-L1, backward, LAMB update) under autocast for `--precision`; `--frames` counts stacked (30 ms)
-model frames. Every variant is timed round-robin in one process beside `reference` (a
-hand-written BERT-style AALBERT: explicit softmax(QK^T)V, no SDPA, no registry; what the
-plumbing costs) and the matmul peak in the precision's dtype, before and after the steps (the
-best is used). FLOPs are counted as each variant is defined: `full`'s step by
-`torch.utils.flop_counter` (plus the CPU flash-attention kernel, which it does not know: 4 B h
-T S d_k forward, twice that backward), with `full`'s attention FLOPs replaced by the variant's
-own (`Attention.flops`, per layer application). `--plan` times nothing (`plan`); `--compile`
-compares the compiled and the eager step per variant (`run_compile`).
+Every variant's step is timed round-robin beside `reference` (a hand-written BERT-style
+AALBERT: explicit softmax(QK^T)V, no SDPA, no registry: what the plumbing costs). FLOPs:
+`full`'s step by `torch.utils.flop_counter` (with `SDPA_CPU`'s corrections), `full`'s attention
+FLOPs replaced by the variant's own (`Attention.flops`).
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import statistics
 from collections import Counter
@@ -51,6 +41,7 @@ from speechattn.bench.common import (
     time_call,
     write_json,
 )
+from speechattn.bench.syncs import pretrain_step_syncs
 from speechattn.errors import UsageExit
 from speechattn.model.aalbert import (
     AALBERT,
@@ -144,18 +135,12 @@ SDPA_CPU = {  # the counter's additions and corrections
 }
 
 
-def make_step(
-    model: nn.Module,
-    batch: dict[str, Tensor],
-    masking: MaskingConfig,
-    lr: float = 1e-3,
-    precision: str = "fp32",
-    objective: Callable[[MaskedBatch], Tensor] | None = None,
-) -> Callable[[], float]:
-    """A closure doing one full training step (masking on the host, then forward and loss
-    under `precision`'s autocast); returns the loss. `objective` scores a masked batch:
-    pretraining's `reconstruction_loss` by default, or what `model.compile=true` compiles."""
-    opt = build_optimizer(model, OptimConfig(lr=lr))  # LAMB with pretraining's decay groups
+def make_step(model: nn.Module, batch: dict[str, Tensor], masking: MaskingConfig,
+              precision: str = "fp32", objective: Callable[[MaskedBatch], Tensor] | None = None
+              ) -> Callable[[], float]:  # fmt: skip
+    """A closure doing one training step, returning the loss. `objective` scores a masked
+    batch: `reconstruction_loss` by default, or what `model.compile=true` compiles."""
+    opt = build_optimizer(model, OptimConfig(lr=1e-3))  # LAMB with pretraining's decay groups
     g = torch.Generator().manual_seed(0)
     features, lengths = batch["features"], batch["lengths"]
     stack, pad = batch["stack"], batch.get("pad_to_multiple", 1)
@@ -189,8 +174,7 @@ def bench_batch(args: argparse.Namespace, config: ModelConfig) -> dict[str, Any]
 
 
 def crop_batch(batch: int, crop: int, generator: torch.Generator) -> tuple[Tensor, Tensor]:
-    """Random features (batch, crop, 80), zero past lengths (batch,) drawn as the loader's
-    crops (`utils.crop_lengths`), on the host."""
+    """Random features (batch, crop, 80), zero past lengths (batch,) cropped as the loader does."""
     lengths = crop_lengths(batch, crop, generator)
     features = torch.randn(batch, crop, FEATURE_DIM, generator=generator)
     features *= (torch.arange(crop)[None, :] < lengths[:, None])[..., None]
@@ -207,17 +191,6 @@ def attention_flops(name: str, config: ModelConfig, batch: int, frames: int) -> 
     """Training FLOPs of variant `name`'s attention in one step, every layer application."""
     module = build_attention(name, config.dim, config.num_heads, **sized_options(name, frames))
     return module.flops(frames).training * batch * config.num_layers
-
-
-def step_syncs(name: str, config: ModelConfig, args: argparse.Namespace) -> tuple[int, int]:
-    """(reads of device data, blocking uploads) of one fp32 `PretrainTask` training step of
-    variant `name` at the bench's batch and length (`bench/syncs.py`)."""
-    from speechattn.bench.syncs import pretrain_step_syncs
-
-    opts = sized_options(name, args.frames)
-    net = {**config.to_dict(), "attention": name, "attention_options": opts}
-    counter = pretrain_step_syncs(net, args.batch, args.frames, args.device)
-    return counter.count, counter.upload_count
 
 
 def build(name: str, config: ModelConfig, frames: int, device: str) -> nn.Module:
@@ -237,13 +210,6 @@ GPU_PEAKS: dict[str, tuple[str, dict[str, float]]] = {
 }
 
 
-def tensor_core_dtype(precision: Any) -> str:
-    """Lightning's `trainer.precision` -> the dtype its products run in on tensor cores
-    (bf16-mixed -> bf16, 16-mixed -> fp16, 32-true -> tf32, which assumes TF32 is enabled)."""
-    p = str(precision)
-    return "bf16" if p.startswith("bf16") else "fp16" if p.startswith("16") else "tf32"
-
-
 def model_flops(config: ModelConfig, frames: int) -> float:
     """Training FLOPs (forward + backward) of one utterance of `frames` model frames through
     all but the attention modules: input projection, convolutional positions, L feed-forwards
@@ -260,31 +226,28 @@ def model_flops(config: ModelConfig, frames: int) -> float:
 
 
 def step_flops(config: ModelConfig, batch: int, frames: int) -> float:
-    """Training FLOPs of one step of `batch` utterances of `frames` model frames: the model's
-    own products plus `config.attention`'s `Attention.flops(frames).training` per layer
-    application. The masked-L1 loss and the optimiser add elementwise work only."""
-    attention = registry_attention(config)(0)
-    per_utterance = model_flops(config, frames)
-    per_utterance += config.num_layers * attention.flops(frames).training
-    return batch * per_utterance
+    """Training FLOPs of one step of `batch` utterances of `frames` model frames (the masked-L1
+    loss and the optimiser add elementwise work only)."""
+    attention = registry_attention(config)(0).flops(frames).training
+    return batch * (model_flops(config, frames) + config.num_layers * attention)
 
 
 def project_step(cfg: Any, gpu: str, mfu: float) -> tuple[dict[str, Any], dict[str, Any]]:
     """(setting, projection) of one training step of the composed pretraining config `cfg`
-    on `gpu` (a `GPU_PEAKS` key) at `mfu`. The setting: model sizes, batch, crop (10 ms) and
-    model frames, steps, precision and its tensor-core dtype. The projection: TFLOP per step
-    (`step_flops`, every utterance at the full crop), step ms = FLOPs / (MFU x vendor dense
-    peak), GPU-hours for `trainer.max_steps`, the 10 ms frames/step and /s the loader owes."""
+    on `gpu` (a `GPU_PEAKS` key) at `mfu`: `step_flops` with every utterance at the full crop,
+    step ms = FLOPs / (MFU x vendor dense peak), GPU-hours for `trainer.max_steps`, the 10 ms
+    frames per step and per second the loader owes."""
     from omegaconf import OmegaConf
 
     peaks = GPU_PEAKS[gpu][1]
     config = ModelConfig(**OmegaConf.to_container(cfg.model.net, resolve=True))
     crop, batch = int(cfg.data.max_frames), int(cfg.data.batch_size)
     frames, steps = crop // config.stack, int(cfg.trainer.max_steps)
-    dtype = tensor_core_dtype(cfg.trainer.precision)
+    p = str(cfg.trainer.precision)  # -> its products' dtype on tensor cores (TF32 assumed on)
+    dtype = "bf16" if p.startswith("bf16") else "fp16" if p.startswith("16") else "tf32"
     setting = {"model": str(cfg.model.name), "dim": config.dim, "layers": config.num_layers,
                "heads": config.num_heads, "batch": batch, "frames": frames, "crop": crop,
-               "steps": steps, "precision": str(cfg.trainer.precision), "dtype": dtype}  # fmt: skip
+               "steps": steps, "precision": p, "dtype": dtype}  # fmt: skip
     flops = step_flops(config, batch, frames)
     step_s = flops / (mfu * peaks[dtype])
     return setting, {
@@ -297,19 +260,16 @@ def project_step(cfg: Any, gpu: str, mfu: float) -> tuple[dict[str, Any], dict[s
 
 
 def plan(args: argparse.Namespace) -> dict[str, Any]:
-    """`--plan OVERRIDES`: per variant, `project_step` of the pretraining config those
-    overrides compose (every utterance at the full crop: upper bounds). Nothing is timed."""
+    """`--plan OVERRIDES`: `project_step` per variant (upper bounds). Nothing is timed."""
     from speechattn.config import compose
 
     check_mfu(args.mfu)
-    names = attention_names(args.attention)
     gpu, peaks = GPU_PEAKS[args.gpu]
-    rows, setting = [], {}
-    for name in names:
+    rows = []
+    for name in attention_names(args.attention):
         cfg = compose("pretrain", [*args.plan, f"attention={name}"])
-        setting, row = project_step(cfg, args.gpu, args.mfu)
+        s, row = project_step(cfg, args.gpu, args.mfu)  # s: the setting, the same for every row
         rows.append({"attention": name, **row})
-    s = setting
     print(
         f"plan for {' '.join(args.plan) or 'the default config'}: {s['model']} (D {s['dim']}, "
         f"{s['layers']} layers, {s['heads']} heads), batch {s['batch']} x {s['frames']} model "
@@ -326,7 +286,8 @@ def plan(args: argparse.Namespace) -> dict[str, Any]:
             f"{r['loader_frames_per_s'] / 1e6:26.2f}"
         )
     result = {"benchmark": "pretrain_plan", "overrides": list(args.plan), "gpu": gpu,
-              "peak_tflops": peaks[s["dtype"]] / 1e12, "mfu": args.mfu, **s, "rows": rows}  # fmt: skip
+              "peak_tflops": peaks[s["dtype"]] / 1e12, "mfu": args.mfu, **s,
+              "rows": rows}  # fmt: skip
     write_json(args.json, result)
     return result
 
@@ -335,35 +296,21 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p = parser("pretrain", __doc__)
     p.add_argument("--model", default="aalbert_base", choices=sorted(PRESETS))
     p.add_argument("--batch", type=int, default=4)
-    p.add_argument(
-        "--frames", type=int, default=500, help="stacked 30 ms model frames per utterance"
-    )
+    p.add_argument("--frames", type=int, default=500, help="stacked 30 ms frames per utterance")
     p.add_argument("--attention", default="all", help="comma-separated names, or all")
-    p.add_argument(
-        "--lengths",
-        default="training",
-        choices=("training", "full"),
-        help="training: crops of 2/3 to all of --frames, padded as training pads (default); "
-        "full: every utterance at --frames, unpadded",
-    )
+    p.add_argument("--lengths", default="training", choices=("training", "full"),
+                   help="training: crops of 2/3 to all of --frames, padded as training pads "
+                   "(default); full: every utterance at --frames, unpadded")  # fmt: skip
     p.add_argument("--pad-to-multiple", type=int, default=64, help="model frames (training)")
     p.add_argument("--repeat", type=int, default=5)
     p.add_argument("--warmup", type=int, default=2)
     add_run_arguments(p)
     p.add_argument("--dropout", type=float, default=0.0, help="0 keeps the step matmul-bound")
-    p.add_argument(
-        "--compile",
-        action="store_true",
-        help="per variant: graph breaks of model.compile's unit, compiled vs eager step",
-    )
-    p.add_argument(
-        "--plan",
-        nargs="*",
-        default=None,
-        metavar="OVERRIDE",
-        help="project instead of timing: FLOPs, GPU time and loader rate per step of the "
-        "pretraining config these overrides compose (e.g. --plan experiment=paper)",
-    )
+    p.add_argument("--compile", action="store_true", help="per variant: graph breaks of "
+                   "model.compile's unit, compiled vs eager step")  # fmt: skip
+    p.add_argument("--plan", nargs="*", default=None, metavar="OVERRIDE",
+                   help="project instead of timing: FLOPs, GPU time and loader rate per "
+                   "step of the config the overrides compose (e.g. experiment=paper)")  # fmt: skip
     p.add_argument("--gpu", default="h100", choices=sorted(GPU_PEAKS), help="--plan's GPU")
     p.add_argument("--mfu", type=float, default=0.4, help="--plan's model FLOPs utilisation")
     return finish_run_arguments(p.parse_args(argv))
@@ -403,18 +350,22 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if "full" not in names:
         del steps["full"]
     # a variant's step as it is defined: full's counted step with full's attention swapped out
-    full_attention = attention_flops("full", config, args.batch, args.frames)
+    base = counted_full - attention_flops("full", config, args.batch, args.frames)
     flops = {"reference": count_flops(steps["reference"])}
     for name in [n for n in steps if n != "reference"]:
-        flops[name] = counted_full - full_attention
-        flops[name] += attention_flops(name, config, args.batch, args.frames)
+        flops[name] = base + attention_flops(name, config, args.batch, args.frames)
     times = round_robin(steps, args.repeat, args.device, clock)
     peak = max(peak, matmul_peak(device=args.device, dtype=dtype, clock=clock))
     print(f"  (peak re-measured after the steps: {peak / 1e9:.1f} GFLOP/s, the best is used)")
     rows = []
     for name in steps:
         seconds = statistics.median(times[name])
-        reads, uploads = (None, None) if name == "reference" else step_syncs(name, config, args)
+        reads = uploads = None
+        if name != "reference":  # one fp32 `PretrainTask` step's syncs at this batch and length
+            opts = sized_options(name, args.frames)
+            net = {**config.to_dict(), "attention": name, "attention_options": opts}
+            syncs = pretrain_step_syncs(net, args.batch, args.frames, args.device)
+            reads, uploads = syncs.count, syncs.upload_count
         rate = flops[name] / seconds
         bound = None if name == "reference" else counted_full / flops[name]
         rows.append(r := {"attention": name, "step_s": seconds, "gflop": flops[name] / 1e9,
@@ -433,10 +384,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             r["vs_full"] = r["step_s"] / full_s
             line = f"  {r['attention']:15s} {r['vs_full']:.2f}x"
             if r["flop_bound"] is not None:  # the reference counts its own FLOPs
-                r["achieved_of_bound"] = 1 / r["vs_full"] / r["flop_bound"]
-                line += (
-                    f"  bound {r['flop_bound']:.2f}  achieved/bound {r['achieved_of_bound']:.2f}"
-                )
+                r["achieved_of_bound"] = share = 1 / r["vs_full"] / r["flop_bound"]
+                line += f"  bound {r['flop_bound']:.2f}  achieved/bound {share:.2f}"
             print(line)
     result = {"benchmark": "pretrain_step", "model": args.model, "batch": args.batch,
               "frames": args.frames, "lengths": args.lengths, **setting(args),
@@ -457,27 +406,20 @@ def explain(model: nn.Module, batch: dict[str, Tensor], masking: MaskingConfig, 
 
 
 def run_compile(args: argparse.Namespace) -> dict[str, Any]:
-    """`--compile`, per variant: the graph breaks of pretraining's compile unit
-    (`tasks/pretrain/compiled.py`, what `model.compile=true` compiles: embedding, encoder,
-    head, masked L1) from `torch._dynamo.explain` with their reasons, the first compiled step's
-    time (compilation included), then the eager and the compiled step timed round-robin
-    (medians) and their ratio. The backward has no graph breaks of its own to count:
-    AOTAutograd derives it from the forward graphs, and a custom autograd Function that dynamo
-    cannot trace breaks the forward where it is applied."""
+    """`--compile`, per variant: the graph breaks of what `model.compile=true` compiles, with
+    their reasons, the first compiled step's time (compilation included), then the eager and
+    the compiled step timed round-robin (medians). The backward has no graph breaks of its own:
+    AOTAutograd derives it from the forward graphs."""
     names, config, batch = setup(args)
     masking = MaskingConfig()
     rows = []
     print("graph breaks (torch._dynamo.explain of the compile unit), eager vs compiled step:")
     for name in names:
-        info = explain(
-            build(name, config, args.frames, args.device), batch, masking, args.precision
-        )
-        eager = make_step(build(name, config, args.frames, args.device), batch, masking,
-                          precision=args.precision)  # fmt: skip
-        model = build(name, config, args.frames, args.device)
-        compiled = make_step(
-            model, batch, masking, precision=args.precision, objective=compile_objective(model)
-        )
+        fresh = functools.partial(build, name, config, args.frames, args.device)  # seeded
+        info = explain(fresh(), batch, masking, args.precision)
+        eager = make_step(fresh(), batch, masking, args.precision)
+        model = fresh()
+        compiled = make_step(model, batch, masking, args.precision, compile_objective(model))
         for _ in range(args.warmup):
             eager()
         first = time_call(compiled, args.device)  # compiles

@@ -1,17 +1,10 @@
 """Speed and memory gained by actual pruning: the head-masked model against the pruned one.
 
-    python -m speechattn.bench pruning [--upstream PATH | --model aalbert_base --attention full]
-        [--heads HEADS_JSON] [--fraction 0.5] [--batch 4] [--frames 500] [--reps 10]
-        [--device cpu|cuda] [--precision fp32|bf16|fp16] [--json out.json]
-
-Both models run the same inference forward (no gradient, as a frozen upstream downstream) on
-one batch of `--frames` stacked 30 ms frames, interleaved after one warm-up each: `masked`, the
-upstream with the head mask (xi = 0 on the pruned heads), and `pruned`, the same upstream after
-`AALBERT.prune_heads(mask)` (the same outputs; the largest difference is printed). The mask is
-the heads.json pruning point nearest to `--fraction` (`--heads`), else a seeded random choice
-of round(fraction h) heads per layer object (`random_mask`). Without `--upstream` the model is a
-`--model` preset with random weights. Time: minimum over `--reps` (median stored too); peak
-memory as `bench attention` measures it.
+Both run the same inference forward on one batch, interleaved after one warm-up each:
+`masked`, the upstream with the head mask (xi = 0 on the pruned heads), and `pruned`, the same
+upstream after `AALBERT.prune_heads(mask)` (the same outputs; the largest difference is
+printed). The mask is the heads.json pruning point nearest to `--fraction` (`--heads`), else
+`random_mask`. Without `--upstream` the model is a `--model` preset with random weights.
 """
 
 from __future__ import annotations
@@ -50,10 +43,8 @@ def random_mask(model: AALBERT, fraction: float, seed: int = 0) -> Tensor:
     heads at every depth that runs that layer."""
     L, h = model.num_layers, model.num_heads
     g = torch.Generator().manual_seed(seed)
-    drop = {
-        j: torch.randperm(h, generator=g)[: round(fraction * h)]
-        for j in range(len(model.encoder.layers))
-    }
+    layers = range(len(model.encoder.layers))
+    drop = {j: torch.randperm(h, generator=g)[: round(fraction * h)] for j in layers}
     mask = torch.ones(L, h)
     for depth, j in enumerate(model.encoder.depth_to_layer):
         mask[depth, drop[j]] = 0.0
@@ -130,9 +121,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         )
     m, p = rows["masked"], rows["pruned"]
     speedup = m["time_ms"] / p["time_ms"]
-    mem_ratio = (
-        p["peak_mem_mb"] / m["peak_mem_mb"] if p["peak_mem_mb"] and m["peak_mem_mb"] else None
-    )
+    measured = p["peak_mem_mb"] and m["peak_mem_mb"]
+    mem_ratio = p["peak_mem_mb"] / m["peak_mem_mb"] if measured else None
     print(
         f"  speed-up (masked / pruned time) {speedup:.2f}x; pruned peak memory "
         f"{'-' if mem_ratio is None else f'{mem_ratio:.2f}x'} of masked; parameters "
@@ -150,9 +140,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def parse(argv: list[str]) -> argparse.Namespace:
     p = parser("pruning", __doc__)
-    p.add_argument(
-        "--upstream", default=None, help="upstream.pt (default: --model, random weights)"
-    )
+    p.add_argument("--upstream", default=None, help="upstream.pt (default: --model, random)")
     p.add_argument("--model", default="aalbert_base", choices=sorted(PRESETS))
     p.add_argument("--attention", default="full", help="with --model: the variant")
     p.add_argument("--heads", default=None, help="heads.json whose pruning point to use")

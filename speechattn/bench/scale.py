@@ -1,16 +1,9 @@
 """How start-up and the train loader grow with the corpus: generated corpora of 1k / 10k / 100k
 utterances, each measured cold (empty feature cache) then warm, in fresh processes.
 
-    python -m speechattn.bench scale --work DIR [--sizes 1000,10000,100000] [--batches 50]
-        [--warmup 5] [--seconds 3,8,12,14,16,20] [--json out.json] [OVERRIDES ...]
-
-For each size: `bench corpus` writes (or reuses) DIR/corpus-<n> (hard links, split
-train-clean-360), DIR/cache-<n> is emptied, then `bench loader experiment=paper OVERRIDES
-data.root=... data.cache_dir=...` runs twice, each in a new process: cold (the start-up
-extracts every feature), then warm (what every later run and DDP rank pays). Printed per size:
-corpus build seconds, cold and warm start-up wall and CPU seconds (this process + extraction
-workers), the warm run's loader frames/s, CPU per batch and open descriptors (main, the most in
-one worker). The figures in docs/benchmarks.md come from it, on a quiet machine.
+For each size: `bench corpus` writes (or reuses) DIR/corpus-<n>, DIR/cache-<n> is emptied,
+then `bench loader experiment=paper OVERRIDES data.root=... data.cache_dir=...` runs twice:
+cold (the start-up extracts every feature), then warm (what every later run and DDP rank pays).
 """
 
 from __future__ import annotations
@@ -76,9 +69,7 @@ def measure_size(
 
 def parse(argv: list[str]) -> argparse.Namespace:
     p = parser("scale", __doc__)
-    p.add_argument(
-        "overrides", nargs="*", help="more pretraining overrides (after experiment=paper)"
-    )
+    p.add_argument("overrides", nargs="*", help="pretraining overrides after experiment=paper")
     p.add_argument("--work", type=Path, required=True, help="corpora and caches go here (kept)")
     p.add_argument("--sizes", default="1000,10000,100000", help="utterances, comma-separated")
     p.add_argument("--batches", type=int, default=50, help="timed loader batches per run")

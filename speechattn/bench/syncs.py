@@ -1,24 +1,12 @@
 """Count host-device synchronisations: reads of device data by the host, and uploads of host
 memory that block it (docs/gpu.md, "One host read and no blocking upload per training step").
 
-A read (`.item()`, `int(t)`, `bool(t)`, `float(t)`, `.tolist()`, `.cpu()`, `.numpy()`, and ops
-whose output size depends on the data: `nonzero`, boolean indexing, `masked_select`, `unique`,
-`bincount`, `repeat_interleave` without `output_size`, `torch.equal`) makes the host wait for
-everything queued before it: the launch queue drains, and neither CUDA graphs nor a full-graph
-`torch.compile` can hold the step. A copy of pageable host memory to the device (`x.to("cuda")`
-of a CPU tensor, `torch.tensor(0.5, device="cuda")`, `dst.copy_(cpu_tensor)`) blocks the host
-too, as does a blocking copy from pinned memory; only a pinned copy with `non_blocking=True`
-(the batch the loader pins) overlaps with the device's work.
-
 With `cpu_is_device=True` (a CPU-only machine) every CPU tensor counts as device data except
-declared host data (`host=`: the batch's lengths), tensors made from Python data and what is
-computed from host data only, so one CPU run shows the syncs a GPU step would make as far as
-both take the same branches (CPU kernels may read lengths that the CUDA branch bounds
-statically: count those on fake CUDA, `tests/fakecuda`). A copy's devices are all the CPU
-there, so only what plainly makes device data of host data counts as an upload:
-`torch.tensor` / `torch.as_tensor` with a `device=` other than the string "cpu", `.to(t)` for
-a device tensor t, `.copy_` of host data into device data (a `.to(device)` of host data cannot
-be told from a host-to-host `.to("cpu")` there: a GPU and fake CUDA count it).
+declared host data (`host=`), tensors made from Python data and what is computed from host data
+only, so a CPU run shows the syncs a GPU step would make as far as both take the same branches.
+All copies are CPU to CPU there, so only what plainly makes device data of host data counts as
+an upload: `torch.tensor` / `torch.as_tensor` with a `device=` other than "cpu", `.to(t)` for a
+device tensor t, `.copy_` of host data into device data.
 
     with SyncCounter(host=[lengths]) as syncs:
         step()
@@ -30,6 +18,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import traceback
+import warnings
 from collections import Counter
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -48,15 +38,10 @@ aten = torch.ops.aten
 _SCALAR_READS = {aten._local_scalar_dense.default, aten.equal.default, aten.is_nonzero.default}
 # ops whose output shape depends on the data: the host must learn the size
 _DATA_DEPENDENT = {
-    aten.nonzero.default,
-    aten.argwhere.default,
-    aten.masked_select.default,
-    aten._unique.default,
-    aten._unique2.default,
-    aten.unique_dim.default,
-    aten.unique_consecutive.default,
-    aten.bincount.default,
-}
+    aten.nonzero.default, aten.argwhere.default, aten.masked_select.default,
+    aten._unique.default, aten._unique2.default, aten.unique_dim.default,
+    aten.unique_consecutive.default, aten.bincount.default,
+}  # fmt: skip
 # the reasons of uploads: from pageable memory (always blocks), from pinned memory blocking
 PAGEABLE, BLOCKING = "h2d_pageable", "h2d_blocking"
 
@@ -79,48 +64,31 @@ def _is_pinned(t: Tensor) -> bool:
 
 
 def _names_device(device: Any) -> bool:
-    """Whether a `device` argument names the device in a CPU stand-in run: anything but
-    None and the string "cpu" (see the module docstring)."""
+    """Whether a `device` argument names the device in a CPU stand-in run: not None, not "cpu"."""
     return device is not None and not (isinstance(device, str) and device.startswith("cpu"))
 
 
 class SyncCounter(TorchDispatchMode):
-    """Count host reads of device data and uploads of pageable host memory while active (see
-    the module docstring).
-
-    Args:
-        host: tensors that are host data (e.g. lengths kept on the CPU); reads of them and of
-            tensors computed from them alone are free.
-        pinned: host tensors to treat as pinned where `is_pinned()` cannot tell (fake tensors,
-            a CPU-only machine): their copies with `non_blocking=True` are not uploads.
-        cpu_is_device: count CPU tensors (except host data) as device data: the CPU-only
-            stand-in for a GPU run (default). False on a GPU, where CPU tensors are host data.
-        trace: also record where each sync comes from (`where`: the innermost frame of the
-            speechattn package, else of the caller outside torch, e.g. Lightning).
-    """
+    """Count host reads of device data and blocking uploads of host memory while active.
+    `host`: host data (reads of it and of what is computed from it alone are free); `pinned`:
+    host tensors taken as pinned where `is_pinned()` cannot tell (fake tensors, a CPU-only
+    machine); `cpu_is_device=False` on a GPU, where CPU tensors are host data; `trace`: record
+    where each sync comes from in `where` (`_caller`)."""
 
     # flex_attention & co. come through `__torch_dispatch__`, run uncounted there
     supports_higher_order_operators = True
 
-    def __init__(
-        self,
-        host: Iterable[Tensor] = (),
-        pinned: Iterable[Tensor] = (),
-        cpu_is_device: bool = True,
-        trace: bool = False,
-    ) -> None:
+    def __init__(self, host: Iterable[Tensor] = (), pinned: Iterable[Tensor] = (),
+                 cpu_is_device: bool = True, trace: bool = False) -> None:  # fmt: skip
         super().__init__()
-        self.cpu_is_device = cpu_is_device
-        self.trace = trace
+        self.cpu_is_device, self.trace = cpu_is_device, trace
         self.where: Counter[str] = Counter()  # with trace: "reason at file:line" of our code
         self._host = WeakTensorKeyDictionary(dict.fromkeys(host, True))
         self._pinned = WeakTensorKeyDictionary(dict.fromkeys(pinned, True))
         self.reasons: Counter[str] = Counter()  # reads of device data
         self.uploads: Counter[str] = Counter()  # copies of host memory that block the host
         self._patched: list[tuple[Any, str, Any]] = []
-        # inside a counted `.tolist()`/`.numpy()`: the copy to the host it makes on a GPU is
-        # the same read, not a second one
-        self._reading = 0
+        self._reading = 0  # inside a counted `.tolist()`: its copy to the host is the same read
 
     def _count(self, reason: str, upload: bool = False) -> None:
         (self.uploads if upload else self.reasons)[reason] += 1
@@ -176,11 +144,8 @@ class SyncCounter(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Any = None):
         kwargs = kwargs or {}
         if isinstance(func, HigherOrderOperator):
-            # run as the modes below run it (`HigherOrderOperator.dispatch` popped this one),
-            # its inside not counted: a dispatch mode keeps `torch.compile` off, so Flex runs
-            # torch's eager math here (which uploads its -inf fill), not the fused kernel a
-            # training step runs; our score and mask functions are traced into that kernel,
-            # where a host read cannot hide
+            # inside uncounted: under a dispatch mode Flex runs torch's eager math (which uploads
+            # its -inf fill), not the fused kernel a step runs, where a host read cannot hide
             return func(*args, **kwargs)
         tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, Tensor)]
         on_device = [t for t in tensors if self.is_device(t)]
@@ -265,11 +230,8 @@ class SyncCounter(TorchDispatchMode):
 
 
 def _caller() -> str:
-    """`file:line` of the innermost frame of the speechattn package (not this module; the path
-    inside the package), else of the innermost frame outside torch and this module (e.g.
-    Lightning's, or a test's): where a sync comes from."""
-    import traceback
-
+    """Where a sync comes from: `file:line` of the innermost frame in speechattn (not this
+    module), else of the innermost one outside torch (e.g. Lightning's, or a test's)."""
     package = str(Path(__file__).parents[1]) + "/"
     frames = [f for f in traceback.extract_stack() if f.filename != __file__]
     ours = [f for f in frames if f.filename.startswith(package)]
@@ -284,12 +246,8 @@ def _caller() -> str:
 def train_step(task: Any, optimizer: torch.optim.Optimizer, data: dict[str, Any],
                bf16: bool = False) -> Tensor:  # fmt: skip
     """One training step of `task` (a `PretrainTask`) as Lightning's loop runs it, without a
-    Trainer: the micro-batch's loss (under CUDA bf16 autocast when `bf16`, as
-    `trainer.precision=bf16-mixed` has it), backward, the step's one read (`check_step`), the
-    update (always, as Lightning does: a skipped step has no gradients), the parameters'
-    check, gradients cleared. Returns the loss, detached."""
-    import warnings
-
+    Trainer (`bf16`: CUDA bf16 autocast, as `trainer.precision=bf16-mixed`); the update always
+    runs, as Lightning's does (a skipped step has no gradients). Returns the loss, detached."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # self.log without a Trainer
         with torch.autocast("cuda", torch.bfloat16, enabled=bf16):
@@ -303,26 +261,12 @@ def train_step(task: Any, optimizer: torch.optim.Optimizer, data: dict[str, Any]
 
 
 def pretrain_step_syncs(
-    model: dict[str, Any],
-    batch: int,
-    frames: int,
-    device: str = "cpu",
-    steps: int = 1,
-    trace: bool = False,
+    model: dict[str, Any], batch: int, frames: int, device: str = "cpu", steps: int = 1
 ) -> SyncCounter:
-    """Syncs (reads and uploads) of a pretraining step as `PretrainTask` trains: the loader's
-    host side (`batch_masker`: stacking, masking, pinning), then, counted, `step_loss`,
-    backward, `check_step`, the LAMB update and `after_update`; `batch` utterances of `frames`
-    model frames (the second one 10 frames shorter, so the step takes its padded path).
-    Returns the counter of the last of `steps` steps (from the second on, the parameters'
-    check of the previous update is read too, in the same read). On a CPU the CPU stands in
-    for the device. Lightning's own work around the step (logging, progress bar) is not
-    run: `tests/tasks/test_step_syncs.py` counts a `Trainer`'s steps.
-
-    Args:
-        model: `ModelConfig` fields (`PretrainTask`'s `model`).
-        trace: record where each sync comes from (`SyncCounter.where`).
-    """
+    """Syncs of the last of `steps` `train_step`s of a `PretrainTask` with `model`'s
+    `ModelConfig` fields on `batch` utterances of `frames` model frames, the second 10 frames
+    shorter (the padded path); the loader's host side (`batch_masker`) is not counted. From the
+    second step on, the previous update's check is read too, in the same read."""
     from speechattn.model.optim import build_optimizer
     from speechattn.tasks.pretrain.module import PretrainTask
 
@@ -340,15 +284,10 @@ def pretrain_step_syncs(
         if device != "cpu":
             masked = masked.pin_memory()  # as the loader does on a GPU
         masked = masked.to(device)  # non-blocking; its lengths stay on the host
-        data = {"masked": masked, "lengths": lengths}
-        counter = SyncCounter(
-            host=[lengths, masked.lengths],
-            pinned=[masked.lengths],  # pinned by the loader (a CPU cannot pin)
-            cpu_is_device=device == "cpu",
-            trace=trace,
-        )
+        host = [lengths, masked.lengths]  # masked.lengths: pinned by the loader (a CPU cannot)
+        counter = SyncCounter(host=host, pinned=[masked.lengths], cpu_is_device=device == "cpu")
         with counter if step == steps - 1 else contextlib.nullcontext():
-            train_step(task, optimizer, data)
+            train_step(task, optimizer, {"masked": masked, "lengths": lengths})
     return counter
 
 
