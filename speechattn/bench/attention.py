@@ -227,9 +227,14 @@ def row_names(args: argparse.Namespace, device: torch.device) -> tuple[list[str]
     return names, names + ([] if args.no_baselines else BASELINES)
 
 
-def build_cases(T: int, rows: list[str], args: argparse.Namespace, device: torch.device,
-                warmup_peak: dict[str, tuple[int, float]],
-                res: dict[str, dict]) -> dict[str, Case]:  # fmt: skip
+def build_cases(
+    T: int,
+    rows: list[str],
+    args: argparse.Namespace,
+    device: torch.device,
+    warmup_peak: dict[str, tuple[int, float]],
+    res: dict[str, dict],
+) -> dict[str, Case]:
     """Every row's case at length T, built and warmed up once, unless its peak memory,
     predicted from its last warm-up (x length ratio squared) or measured at this warm-up,
     would not fit in MEMORY_SHARE of the memory available. Updates `warmup_peak`; a case
@@ -332,9 +337,11 @@ def describe(n: str, args: argparse.Namespace) -> dict:
     variant, options = variant_of(n)
     attn = build(variant, args.dim, args.heads, **options)
     keys = ("paper", "complexity", "complexity_training", "complexity_inference")
-    return {**{k: getattr(attn, k) for k in keys},
-            "params": sum(p.numel() for p in attn.parameters()),
-            "options": {**registry.options(variant), **options}}  # fmt: skip
+    return {
+        **{k: getattr(attn, k) for k in keys},
+        "params": sum(p.numel() for p in attn.parameters()),
+        "options": {**registry.options(variant), **options},
+    }
 
 
 def run_meta(args: argparse.Namespace, peak: float, reps_at: dict) -> dict:
@@ -344,14 +351,22 @@ def run_meta(args: argparse.Namespace, peak: float, reps_at: dict) -> dict:
         memory = "cuda max_memory_allocated rise"
     elif rss_resettable():
         memory = "peak RSS rise (VmHWM after /proc/self/clear_refs reset)"
-    return {"date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-            "torch": torch.__version__, **setting(args), "matmul_peak_gflops": peak / 1e9,
-            "autotune": args.autotune, "batch": args.batch, "dim": args.dim,
-            "heads": args.heads, "lengths": args.lengths, "reps": reps_at,
-            "timing": f"forward+backward {args.clock} time, min over reps after one warm-up",
-            "memory": memory,
-            "saved_mb": "bytes of distinct non-parameter storages saved for backward "
-            "(saved_tensors_hooks)"}  # fmt: skip
+    return {
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "torch": torch.__version__,
+        **setting(args),
+        "matmul_peak_gflops": peak / 1e9,
+        "autotune": args.autotune,
+        "batch": args.batch,
+        "dim": args.dim,
+        "heads": args.heads,
+        "lengths": args.lengths,
+        "reps": reps_at,
+        "timing": f"forward+backward {args.clock} time, min over reps after one warm-up",
+        "memory": memory,
+        "saved_mb": "bytes of distinct non-parameter storages saved for backward "
+        "(saved_tensors_hooks)",
+    }
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -433,13 +448,22 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--lengths", type=int, nargs="+", default=None)
     p.add_argument("--variants", nargs="+", default=None, help="default: all registered")
     p.add_argument("--reps", type=int, default=None, help="timed steps per case (3; quick 2)")
-    p.add_argument("--min-time", type=float, default=None, help="seconds of timed steps per "
-                   "case at least (0.5; quick 0.1): short lengths get more steps")  # fmt: skip
+    p.add_argument(
+        "--min-time",
+        type=float,
+        default=None,
+        help="seconds of timed steps per "
+        "case at least (0.5; quick 0.1): short lengths get more steps",
+    )
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--dim", type=int, default=768)
     p.add_argument("--heads", type=int, default=12)
-    p.add_argument("--autotune", choices=["on", "off"], default="on", help="two-kernel "
-                   "variants: time both here (on) or the short_path_max_t rule")  # fmt: skip
+    p.add_argument(
+        "--autotune",
+        choices=["on", "off"],
+        default="on",
+        help="two-kernel variants: time both here (on) or the short_path_max_t rule",
+    )
     p.add_argument("--no-memory", action="store_true", help="skip the memory pass")
     p.add_argument("--no-baselines", action="store_true", help="skip sdpa_mha / sdpa_kernel")
     args = p.parse_args(argv)

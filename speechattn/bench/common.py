@@ -37,12 +37,20 @@ def add_run_arguments(
 ) -> None:
     """How a timed benchmark runs (`finish_run_arguments` applies them once parsed)."""
     p.add_argument("--device", default="cpu", choices=devices)
-    p.add_argument("--precision", choices=sorted(PRECISIONS), default=None,
-                   help="autocast dtype (default: bf16 on cuda, fp32 on cpu)")  # fmt: skip
+    p.add_argument(
+        "--precision",
+        choices=sorted(PRECISIONS),
+        default=None,
+        help="autocast dtype (default: bf16 on cuda, fp32 on cpu)",
+    )
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (CPU)")
     if clock:
-        p.add_argument("--clock", default="wall", choices=("wall", "cpu"), help="cpu: process "
-                       "CPU time, immune to other load with --threads 1")  # fmt: skip
+        p.add_argument(
+            "--clock",
+            default="wall",
+            choices=("wall", "cpu"),
+            help="cpu: process CPU time, immune to other load with --threads 1",
+        )
     p.add_argument("--json", type=Path, default=None, help="also write the results here")
 
 
@@ -95,8 +103,12 @@ def time_call(
     return clock() - t
 
 
-def round_robin(steps: dict[str, Callable[[], object]], repeat: int, device: str | torch.device,
-                clock: Clock = time.perf_counter) -> dict[str, list[float]]:  # fmt: skip
+def round_robin(
+    steps: dict[str, Callable[[], object]],
+    repeat: int,
+    device: str | torch.device,
+    clock: Clock = time.perf_counter,
+) -> dict[str, list[float]]:
     """Seconds of `repeat` calls of each step, in turns: drifting load affects all alike."""
     times: dict[str, list[float]] = {name: [] for name in steps}
     for _ in range(repeat):
@@ -136,9 +148,14 @@ def matmul_peak(**kwargs: Any) -> float:
     return max(matmul_series(**kwargs).values())
 
 
-def matmul_series(sizes: Sequence[int] | None = None, seconds: float | None = None,
-                  repeat: int = 2, device: str = "cpu", dtype: torch.dtype = torch.float32,
-                  clock: Clock = time.perf_counter) -> dict[int, float]:  # fmt: skip
+def matmul_series(
+    sizes: Sequence[int] | None = None,
+    seconds: float | None = None,
+    repeat: int = 2,
+    device: str = "cpu",
+    dtype: torch.dtype = torch.float32,
+    clock: Clock = time.perf_counter,
+) -> dict[int, float]:
     """{n: best sustained FLOP/s of n x n x n products}: per size a timed warm-up, then `repeat`
     series of back-to-back products into one output, each lasting about `seconds` (default
     0.2 s on CUDA, 0.05 s on CPU). One product is a poor peak: a GPU raises its clocks under

@@ -55,10 +55,17 @@ def source_audio(seconds: float, seed: int) -> np.ndarray:
     return np.clip(audio, -1.0, 1.0 - 1 / 32768).astype(np.float32)
 
 
-def make_scale_corpus(out: str | Path, utterances: int, speakers: int | None = None,
-                      chapters: int = 2, split: str = "train-clean-360",
-                      seconds: Sequence[float] = DEFAULT_SECONDS, seed: int = 0,
-                      copy: bool = False, progress: bool = False) -> Path:  # fmt: skip
+def make_scale_corpus(
+    out: str | Path,
+    utterances: int,
+    speakers: int | None = None,
+    chapters: int = 2,
+    split: str = "train-clean-360",
+    seconds: Sequence[float] = DEFAULT_SECONDS,
+    seed: int = 0,
+    copy: bool = False,
+    progress: bool = False,
+) -> Path:
     """Write (or reuse) a corpus of `utterances` utterances, spread evenly over `speakers`
     (default: one per `UTTERANCES_PER_SPEAKER`) x `chapters`, into `out`, which must not exist
     unless it holds this very corpus (`corpus.json`); returns `out`. One source file per

@@ -69,9 +69,13 @@ def run(args: argparse.Namespace) -> dict:
         )
         extract_s, audio_s = time.perf_counter() - start, store.audio_seconds
         frames = int(store.lengths.sum())
-        results["extraction"] = {"audio_seconds": audio_s, "wall_seconds": extract_s,
-                                 "x_real_time": audio_s / extract_s, "frames": frames,
-                                 "cache_mb": store.nbytes() / 2**20}  # fmt: skip
+        results["extraction"] = {
+            "audio_seconds": audio_s,
+            "wall_seconds": extract_s,
+            "x_real_time": audio_s / extract_s,
+            "frames": frames,
+            "cache_mb": store.nbytes() / 2**20,
+        }
         # new object, shard files closed: opened (and checked) on first use
         for k in range(store.num_shards):
             OPEN_SHARDS.forget(str(store.paths(k).npy))

@@ -418,9 +418,13 @@ def parse(argv: list[str]) -> argparse.Namespace:
                    help="seconds from the lease's start after which no case starts")  # fmt: skip
     p.add_argument("--variants", default="all", help="comma-separated names, or all")
     p.add_argument("--flex", default="all", help="variants to run with kernel=flex: all|none|A,B")
-    p.add_argument("--compiled", default=None, help="variants to run with model.compile=true "
-                   "('' none; default full,xbox,sign_alsh,ldsa on cuda, none on cpu, where each "
-                   "compiles for minutes)")  # fmt: skip
+    p.add_argument(
+        "--compiled",
+        default=None,
+        help="variants to run with model.compile=true "
+        "('' none; default full,xbox,sign_alsh,ldsa on cuda, none on cpu, where each "
+        "compiles for minutes)",
+    )
     p.add_argument("--steps", type=int, default=8, help="timed steps per case")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps first (autotuning)")
     p.add_argument("--lightning-steps", type=int, default=30, help="0: no Lightning run")

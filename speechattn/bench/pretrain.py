@@ -135,9 +135,13 @@ SDPA_CPU = {  # the counter's additions and corrections
 }
 
 
-def make_step(model: nn.Module, batch: dict[str, Tensor], masking: MaskingConfig,
-              precision: str = "fp32", objective: Callable[[MaskedBatch], Tensor] | None = None
-              ) -> Callable[[], float]:  # fmt: skip
+def make_step(
+    model: nn.Module,
+    batch: dict[str, Tensor],
+    masking: MaskingConfig,
+    precision: str = "fp32",
+    objective: Callable[[MaskedBatch], Tensor] | None = None,
+) -> Callable[[], float]:
     """A closure doing one training step, returning the loss. `objective` scores a masked
     batch: `reconstruction_loss` by default, or what `model.compile=true` compiles."""
     opt = build_optimizer(model, OptimConfig(lr=1e-3))  # LAMB with pretraining's decay groups
@@ -245,9 +249,18 @@ def project_step(cfg: Any, gpu: str, mfu: float) -> tuple[dict[str, Any], dict[s
     frames, steps = crop // config.stack, int(cfg.trainer.max_steps)
     p = str(cfg.trainer.precision)  # -> its products' dtype on tensor cores (TF32 assumed on)
     dtype = "bf16" if p.startswith("bf16") else "fp16" if p.startswith("16") else "tf32"
-    setting = {"model": str(cfg.model.name), "dim": config.dim, "layers": config.num_layers,
-               "heads": config.num_heads, "batch": batch, "frames": frames, "crop": crop,
-               "steps": steps, "precision": p, "dtype": dtype}  # fmt: skip
+    setting = {
+        "model": str(cfg.model.name),
+        "dim": config.dim,
+        "layers": config.num_layers,
+        "heads": config.num_heads,
+        "batch": batch,
+        "frames": frames,
+        "crop": crop,
+        "steps": steps,
+        "precision": p,
+        "dtype": dtype,
+    }
     flops = step_flops(config, batch, frames)
     step_s = flops / (mfu * peaks[dtype])
     return setting, {
@@ -285,9 +298,15 @@ def plan(args: argparse.Namespace) -> dict[str, Any]:
             f"  {r['attention']:15s} {r['step_tflop']:10.2f} {r['step_ms']:8.1f} {hours:>9s} "
             f"{r['loader_frames_per_s'] / 1e6:26.2f}"
         )
-    result = {"benchmark": "pretrain_plan", "overrides": list(args.plan), "gpu": gpu,
-              "peak_tflops": peaks[s["dtype"]] / 1e12, "mfu": args.mfu, **s,
-              "rows": rows}  # fmt: skip
+    result = {
+        "benchmark": "pretrain_plan",
+        "overrides": list(args.plan),
+        "gpu": gpu,
+        "peak_tflops": peaks[s["dtype"]] / 1e12,
+        "mfu": args.mfu,
+        **s,
+        "rows": rows,
+    }
     write_json(args.json, result)
     return result
 
@@ -298,19 +317,31 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--frames", type=int, default=500, help="stacked 30 ms frames per utterance")
     p.add_argument("--attention", default="all", help="comma-separated names, or all")
-    p.add_argument("--lengths", default="training", choices=("training", "full"),
-                   help="training: crops of 2/3 to all of --frames, padded as training pads "
-                   "(default); full: every utterance at --frames, unpadded")  # fmt: skip
+    p.add_argument(
+        "--lengths",
+        default="training",
+        choices=("training", "full"),
+        help="training: crops of 2/3 to all of --frames, padded as training pads "
+        "(default); full: every utterance at --frames, unpadded",
+    )
     p.add_argument("--pad-to-multiple", type=int, default=64, help="model frames (training)")
     p.add_argument("--repeat", type=int, default=5)
     p.add_argument("--warmup", type=int, default=2)
     add_run_arguments(p)
     p.add_argument("--dropout", type=float, default=0.0, help="0 keeps the step matmul-bound")
-    p.add_argument("--compile", action="store_true", help="per variant: graph breaks of "
-                   "model.compile's unit, compiled vs eager step")  # fmt: skip
-    p.add_argument("--plan", nargs="*", default=None, metavar="OVERRIDE",
-                   help="project instead of timing: FLOPs, GPU time and loader rate per "
-                   "step of the config the overrides compose (e.g. experiment=paper)")  # fmt: skip
+    p.add_argument(
+        "--compile",
+        action="store_true",
+        help="per variant: graph breaks of model.compile's unit, compiled vs eager step",
+    )
+    p.add_argument(
+        "--plan",
+        nargs="*",
+        default=None,
+        metavar="OVERRIDE",
+        help="project instead of timing: FLOPs, GPU time and loader rate per "
+        "step of the config the overrides compose (e.g. experiment=paper)",
+    )
     p.add_argument("--gpu", default="h100", choices=sorted(GPU_PEAKS), help="--plan's GPU")
     p.add_argument("--mfu", type=float, default=0.4, help="--plan's model FLOPs utilisation")
     return finish_run_arguments(p.parse_args(argv))
@@ -438,9 +469,15 @@ def run_compile(args: argparse.Namespace) -> dict[str, Any]:
         for reason, n in Counter(info["reasons"]).most_common(4):
             print(f"      {n:3d} x {reason}")
         torch._dynamo.reset()  # each variant compiles from scratch, within the recompile limit
-    result = {"benchmark": "pretrain_compile", "model": args.model, "batch": args.batch,
-              "frames": args.frames, **setting(args), "torch": torch.__version__,
-              "rows": rows}  # fmt: skip
+    result = {
+        "benchmark": "pretrain_compile",
+        "model": args.model,
+        "batch": args.batch,
+        "frames": args.frames,
+        **setting(args),
+        "torch": torch.__version__,
+        "rows": rows,
+    }
     write_json(args.json, result)
     return result
 

@@ -38,10 +38,15 @@ aten = torch.ops.aten
 _SCALAR_READS = {aten._local_scalar_dense.default, aten.equal.default, aten.is_nonzero.default}
 # ops whose output shape depends on the data: the host must learn the size
 _DATA_DEPENDENT = {
-    aten.nonzero.default, aten.argwhere.default, aten.masked_select.default,
-    aten._unique.default, aten._unique2.default, aten.unique_dim.default,
-    aten.unique_consecutive.default, aten.bincount.default,
-}  # fmt: skip
+    aten.nonzero.default,
+    aten.argwhere.default,
+    aten.masked_select.default,
+    aten._unique.default,
+    aten._unique2.default,
+    aten.unique_dim.default,
+    aten.unique_consecutive.default,
+    aten.bincount.default,
+}
 # the reasons of uploads: from pageable memory (always blocks), from pinned memory blocking
 PAGEABLE, BLOCKING = "h2d_pageable", "h2d_blocking"
 
@@ -78,8 +83,13 @@ class SyncCounter(TorchDispatchMode):
     # flex_attention & co. come through `__torch_dispatch__`, run uncounted there
     supports_higher_order_operators = True
 
-    def __init__(self, host: Iterable[Tensor] = (), pinned: Iterable[Tensor] = (),
-                 cpu_is_device: bool = True, trace: bool = False) -> None:  # fmt: skip
+    def __init__(
+        self,
+        host: Iterable[Tensor] = (),
+        pinned: Iterable[Tensor] = (),
+        cpu_is_device: bool = True,
+        trace: bool = False,
+    ) -> None:
         super().__init__()
         self.cpu_is_device, self.trace = cpu_is_device, trace
         self.where: Counter[str] = Counter()  # with trace: "reason at file:line" of our code
