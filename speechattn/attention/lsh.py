@@ -270,9 +270,13 @@ class _LSHAttention(SharedQKBase):
             return self._attend_unfused(q, k, v, idx, allowed)
         N = B * h
         out = sparse_topk_attention(
-            q.reshape(N, T, d), k.reshape(N, T, d), v.reshape(N, T, d),
-            idx.view(N, T, -1), allowed.view(N, T, -1), scale(d),
-        )  # fmt: skip
+            q.reshape(N, T, d),
+            k.reshape(N, T, d),
+            v.reshape(N, T, d),
+            idx.view(N, T, -1),
+            allowed.view(N, T, -1),
+            scale(d),
+        )
         return out.view(B, h, T, d)
 
     def _attend_short(

@@ -127,8 +127,12 @@ class RoutingAttention(SharedQKBase):
             log.info(
                 "routing (layer %d): max_clusters=%d caps the clusters below ceil(sqrt(T)) = %d "
                 "at T = %d: clusters hold about T / %d frames",
-                self.config.layer, C, num_clusters(T, None), T, C,
-            )  # fmt: skip
+                self.config.layer,
+                C,
+                num_clusters(T, None),
+                T,
+                C,
+            )
         return self.num_centroids_stored(C)
 
     def _centroids_of_all_ranks(self, C: int) -> int:

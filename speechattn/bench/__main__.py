@@ -15,9 +15,16 @@ from speechattn.errors import command_line_errors
 
 # each is the module speechattn.bench.<name>
 BENCHMARKS = (
-    "features", "attention", "pretrain", "pruning", "loader", "scale", "corpus", "lease",
+    "features",
+    "attention",
+    "pretrain",
+    "pruning",
+    "loader",
+    "scale",
+    "corpus",
+    "lease",
     "lsh_recall",
-)  # fmt: skip
+)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -192,8 +192,10 @@ def why_missed(r: dict, T: int, full_ms: float) -> str:
         verdict = "the other kernel would: the measured choice differs from this run"
         if ratio > SLOWDOWN_LIMIT:
             verdict = "neither kernel meets the limit"
-        reasons.append(f"{used} kernel used; the {other['kernel']} kernel takes {ratio:.2f}x "
-                       f"full's time: {verdict}")  # fmt: skip
+        reasons.append(
+            f"{used} kernel used; the {other['kernel']} kernel takes {ratio:.2f}x "
+            f"full's time: {verdict}"
+        )
     elif other:
         reasons.append(
             f"{used} kernel used; the {other['kernel']} one not run ({other['skipped']})"
@@ -421,16 +423,22 @@ def targets(out: dict) -> list[dict]:
             if not lo <= T <= hi or bound <= 1 or T not in r["ratio_to_full"]:
                 continue
             slowdown = 1 / r["ratio_to_full"][T]
-            add(f"{n} at T={T}: time <= {SLOWDOWN_LIMIT}x full's (FLOP bound {bound:.2f})",
-                slowdown, slowdown <= SLOWDOWN_LIMIT)  # fmt: skip
+            add(
+                f"{n} at T={T}: time <= {SLOWDOWN_LIMIT}x full's (FLOP bound {bound:.2f})",
+                slowdown,
+                slowdown <= SLOWDOWN_LIMIT,
+            )
             if slowdown > SLOWDOWN_LIMIT:
                 checks[-1]["why"] = why_missed(r, T, v["full"]["time_ms"][T])
         need = next((s for k, s in BOUND_SHARE.items() if n.startswith(k)), None)
         if need is not None:
             for T, share in r["achieved_of_bound"].items():
                 if T >= BOUND_MIN_T:
-                    add(f"{n} at T={T}: >= {need:.0%} of its FLOP-bound speed-up",
-                        share, share >= need)  # fmt: skip
+                    add(
+                        f"{n} at T={T}: >= {need:.0%} of its FLOP-bound speed-up",
+                        share,
+                        share >= need,
+                    )
     full = v["full"]["time_ms"]
     bare = b.get("sdpa_mha", {}).get("time_ms", {})
     if full and max(full) in bare:
@@ -483,8 +491,13 @@ def print_table(out: dict) -> None:
     w = max(len(n) for n in allrows) + 2
     header = "variant".ljust(w) + "".join(f"T={T}".rjust(10) for T in Ts)
 
-    def table(title: str, key: str, fmt: str = "{:10.2f}", rows: dict = allrows,
-              missing: str = f"{'-':>10}") -> None:  # fmt: skip
+    def table(
+        title: str,
+        key: str,
+        fmt: str = "{:10.2f}",
+        rows: dict = allrows,
+        missing: str = f"{'-':>10}",
+    ) -> None:
         print(f"\n{title}\n{header}")
         for n, r in rows.items():
             cells = (r.get(key, {}).get(T) for T in Ts)
@@ -493,8 +506,10 @@ def print_table(out: dict) -> None:
     print(
         f"\n{m['device_name']}; {m['precision']}; matmul peak {m['matmul_peak_gflops']:.1f} GFLOP/s"
     )
-    print(f"forward+backward {m['timing'].split()[1]} time (ms), B={m['batch']} D={m['dim']} "
-          f"h={m['heads']} on {m['device']} ({m['threads']} threads)")  # fmt: skip
+    print(
+        f"forward+backward {m['timing'].split()[1]} time (ms), B={m['batch']} D={m['dim']} "
+        f"h={m['heads']} on {m['device']} ({m['threads']} threads)"
+    )
     print(header + "   exp")
     for n, r in allrows.items():
         cells = "".join(f"{r['time_ms'].get(T, float('nan')):10.1f}" for T in Ts)
@@ -504,8 +519,11 @@ def print_table(out: dict) -> None:
     table("FLOP bound: flops(full) / flops(variant)", "flop_bound")
     table("achieved / bound (speed-up over FLOP bound)", "achieved_of_bound")
     table("MFU (achieved FLOP/s over the measured matmul peak)", "mfu")
-    table("kernels per step (CUDA launches; on the CPU operator calls from Python/autograd)",
-          "kernels", "{:10d}")  # fmt: skip
+    table(
+        "kernels per step (CUDA launches; on the CPU operator calls from Python/autograd)",
+        "kernels",
+        "{:10d}",
+    )
     lsh = {n: r for n, r in allrows.items() if "attention_ms" in r}
     if lsh:
         print("\nLSH: hashing+matching (select) / attention part (ms)")
@@ -517,8 +535,12 @@ def print_table(out: dict) -> None:
     two = {n: r for n, r in allrows.items() if set(r.get("kernel", {}).values()) - {"one"}}
     if two:
         how = "measured (*: here or cached)" if m.get("autotune") == "on" else "rule"
-        table(f"kernel used (short: all T x T pairs, long: the sparse/band one; {how})",
-              "kernel", "{:>10}", two)  # fmt: skip
+        table(
+            f"kernel used (short: all T x T pairs, long: the sparse/band one; {how})",
+            "kernel",
+            "{:>10}",
+            two,
+        )
     if any(r["peak_mem_mb"] for r in allrows.values()):
         table(f"peak memory (MiB; {m['memory']})", "peak_mem_mb", "{:10.1f}", missing="       n/a")
     print("\ntargets")
@@ -555,8 +577,10 @@ def plot(out: dict, path: Path) -> None:
         ax.grid(True, which="both", alpha=0.3)
     axes[1 if axes[1].lines else 0].legend(fontsize=8, ncol=2, loc="upper left")
     m = out["meta"]
-    title = (f"attention variants: B={m['batch']}, D={m['dim']}, h={m['heads']}, {m['device']}, "
-             f"{m['threads']} thread(s); {m['timing']}")  # fmt: skip
+    title = (
+        f"attention variants: B={m['batch']}, D={m['dim']}, h={m['heads']}, {m['device']}, "
+        f"{m['threads']} thread(s); {m['timing']}"
+    )
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=120)

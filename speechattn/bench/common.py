@@ -70,8 +70,12 @@ def clock_of(args: argparse.Namespace) -> Clock:
 
 def setting(args: argparse.Namespace) -> dict[str, Any]:
     """Where and how a run measured: device, its name, precision, torch's threads."""
-    return {"device": str(args.device), "device_name": device_name(args.device),
-            "precision": args.precision, "threads": torch.get_num_threads()}  # fmt: skip
+    return {
+        "device": str(args.device),
+        "device_name": device_name(args.device),
+        "precision": args.precision,
+        "threads": torch.get_num_threads(),
+    }
 
 
 def autocast(device: str, precision: str) -> contextlib.AbstractContextManager:

@@ -87,10 +87,17 @@ def make_scale_corpus(
         )
     out = Path(out)
     # what corpus.json records: an existing corpus is reused only when all of it matches
-    params = {"generator": "speechattn.bench.corpus", "version": GENERATOR_VERSION,
-              "utterances": utterances, "speakers": speakers, "chapters": chapters,
-              "split": split, "seconds": [float(s) for s in seconds], "seed": seed,
-              "copy": copy}  # fmt: skip
+    params = {
+        "generator": "speechattn.bench.corpus",
+        "version": GENERATOR_VERSION,
+        "utterances": utterances,
+        "speakers": speakers,
+        "chapters": chapters,
+        "split": split,
+        "seconds": [float(s) for s in seconds],
+        "seed": seed,
+        "copy": copy,
+    }
     if out.exists():
         found = None
         with contextlib.suppress(OSError, ValueError):
@@ -135,9 +142,13 @@ def make_scale_corpus(
             shutil.rmtree(tmp, ignore_errors=True)
     log.info(
         "scale corpus %s: %d utterances, %d speakers x %d chapters, %s, in %.1f s",
-        out, utterances, speakers, chapters, "copies" if copy else "hard links",
+        out,
+        utterances,
+        speakers,
+        chapters,
+        "copies" if copy else "hard links",
         time.perf_counter() - start,
-    )  # fmt: skip
+    )
     return out
 
 
@@ -180,7 +191,14 @@ def main(argv: list[str]) -> None:
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     root = make_scale_corpus(
-        args.out, args.utterances, args.speakers, args.chapters, args.split, args.seconds,
-        args.seed, args.copy, progress=True,
-    )  # fmt: skip
+        args.out,
+        args.utterances,
+        args.speakers,
+        args.chapters,
+        args.split,
+        args.seconds,
+        args.seed,
+        args.copy,
+        progress=True,
+    )
     print(root)

@@ -60,8 +60,12 @@ def run(args: argparse.Namespace) -> dict:
     splits = args.split or find_splits(root)
     utts = [u for s in splits for u in scan_split(root, s)]
     settings = ExtractionSettings(dtype=args.dtype)
-    results: dict = {"root": str(root), "splits": splits, "utterances": len(utts),
-                     "workers": args.workers}  # fmt: skip
+    results: dict = {
+        "root": str(root),
+        "splits": splits,
+        "utterances": len(utts),
+        "workers": args.workers,
+    }
     with tempfile.TemporaryDirectory(prefix="speechattn-bench-") as cache:
         start = time.perf_counter()
         store = extract_features(
@@ -118,22 +122,41 @@ def _print(r: dict) -> None:
     title = f"features benchmark: {r['utterances']} utterances, {minutes:.1f} min of audio"
     table = Table("measurement", "throughput", "detail", title=title)
     for row in (
-        (f"extraction ({r['workers']} workers)", f"{e['x_real_time']:.0f}x real time",
-         f"{e['wall_seconds']:.2f} s wall, {e['frames']:,} frames, cache {e['cache_mb']:.1f} MB"),
-        ("cached load, first pass", f"{first['frames_per_s']:,.0f} frames/s",
-         f"{first['seconds']:.3f} s; checking every file (data.verify_cache): "
-         f"{r['verify_all_seconds']:.3f} s"),
-        *((name, f"{r[k]['frames_per_s']:,.0f} frames/s", f"{r[k]['utt_per_s']:,.0f} utterances/s")
-          for k, name in (("load_raw", "cached load, raw slices"),
-                            ("load_batches", "cached load, training batches"))),
-        ("load / assumed consumer", f"{r['load_vs_consumer']:.0f}x",
-         f"assumes a tiny model trains at {r['assumed_consumer_fps']:,.0f} mel frames/s "
-         "(not measured)"),
-    ):  # fmt: skip
+        (
+            f"extraction ({r['workers']} workers)",
+            f"{e['x_real_time']:.0f}x real time",
+            f"{e['wall_seconds']:.2f} s wall, {e['frames']:,} frames, cache {e['cache_mb']:.1f} MB",
+        ),
+        (
+            "cached load, first pass",
+            f"{first['frames_per_s']:,.0f} frames/s",
+            f"{first['seconds']:.3f} s; checking every file (data.verify_cache): "
+            f"{r['verify_all_seconds']:.3f} s",
+        ),
+        *(
+            (
+                name,
+                f"{r[k]['frames_per_s']:,.0f} frames/s",
+                f"{r[k]['utt_per_s']:,.0f} utterances/s",
+            )
+            for k, name in (
+                ("load_raw", "cached load, raw slices"),
+                ("load_batches", "cached load, training batches"),
+            )
+        ),
+        (
+            "load / assumed consumer",
+            f"{r['load_vs_consumer']:.0f}x",
+            f"assumes a tiny model trains at {r['assumed_consumer_fps']:,.0f} mel frames/s "
+            "(not measured)",
+        ),
+    ):
         table.add_row(*row)
     Console().print(table)
-    print(f"torch threads {torch.get_num_threads()}, cpu count {os.cpu_count()}; targets: "
-          "extraction >= 300x real time, load >= 20x consumer")  # fmt: skip
+    print(
+        f"torch threads {torch.get_num_threads()}, cpu count {os.cpu_count()}; targets: "
+        "extraction >= 300x real time, load >= 20x consumer"
+    )
 
 
 def main(argv: list[str] | None = None) -> None:

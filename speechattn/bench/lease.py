@@ -37,9 +37,13 @@ from speechattn.errors import UsageExit
 
 FEATURE_DIM = 80
 TINY = [
-    "model.net.dim=64", "model.net.num_layers=2", "model.net.num_heads=4",
-    "model.net.ffn_dim=128", "data.batch_size=2", "data.max_frames=300",
-]  # fmt: skip
+    "model.net.dim=64",
+    "model.net.num_layers=2",
+    "model.net.num_heads=4",
+    "model.net.ffn_dim=128",
+    "data.batch_size=2",
+    "data.max_frames=300",
+]
 TINY_SHAPES = "tiny (2 layers, D 64, batch 2 x 300)"
 # first guesses of a case's seconds on a GPU, before one of its kind has run
 FIRST_GUESS = {"step": 20.0, "flex": 60.0, "compiled": 120.0, "lightning": 90.0}
@@ -75,8 +79,13 @@ class Results:
                         self.done[entry["case"]] = entry
         for case, entry in list(self.done.items()):
             if entry.get("status") == "started":
-                self.write({"case": case, "status": "crashed",
-                            "error": "the process died during this case"})  # fmt: skip
+                self.write(
+                    {
+                        "case": case,
+                        "status": "crashed",
+                        "error": "the process died during this case",
+                    }
+                )
 
     def write(self, entry: dict[str, Any]) -> None:
         if "case" in entry:
@@ -112,10 +121,16 @@ class Step:
         torch.manual_seed(0)
         self.device, self.count = device, 0
         self.loss: torch.Tensor | None = None
-        self.task = PretrainTask(
-            model=plain(cfg.model.net), masking=plain(cfg.model.masking),
-            optimizer=plain(cfg.model.optimizer), compile=compiled,
-        ).to(device).train()  # fmt: skip
+        self.task = (
+            PretrainTask(
+                model=plain(cfg.model.net),
+                masking=plain(cfg.model.masking),
+                optimizer=plain(cfg.model.optimizer),
+                compile=compiled,
+            )
+            .to(device)
+            .train()
+        )
         autotune.enable(self.task.model, bool(cfg.attention.get("autotune", True)))
         self.optimizer = build_optimizer(self.task, self.task.optim)
         masker = self.task.batch_masker(pad_to_multiple=int(cfg.data.pad_to_multiple))
@@ -167,8 +182,11 @@ def timed(step: Step, n: int) -> list[float]:
 
 def attention_backend(kernel_names: list[str]) -> str:
     """Which `ATTENTION_KERNELS` a step ran, joined by "+", or "none"."""
-    found = [name for name, marks in ATTENTION_KERNELS
-             if any(m in k for k in kernel_names for m in marks)]  # fmt: skip
+    found = [
+        name
+        for name, marks in ATTENTION_KERNELS
+        if any(m in k for k in kernel_names for m in marks)
+    ]
     return "+".join(found) or "none"
 
 
@@ -194,9 +212,12 @@ def count_syncs(step: Step) -> dict[str, Any]:
     host = [batch["lengths"], batch["masked"].lengths]
     with SyncCounter(host=host, cpu_is_device=step.device.type == "cpu", trace=True) as counter:
         step()
-    out = {"reads": counter.count, "uploads": counter.upload_count,
-           "sync_reasons": {**counter.reasons, **counter.uploads},
-           "sync_where": dict(counter.where)}  # fmt: skip
+    out = {
+        "reads": counter.count,
+        "uploads": counter.upload_count,
+        "sync_reasons": {**counter.reasons, **counter.uploads},
+        "sync_where": dict(counter.where),
+    }
     if step.device.type == "cuda":
         # torch warns once per process unless told to warn always
         always = torch.is_warn_always_enabled()
@@ -213,8 +234,9 @@ def count_syncs(step: Step) -> dict[str, Any]:
     return out
 
 
-def run_step_case(args: argparse.Namespace, name: str, extra: list[str], compiled: bool,
-                  peak: float) -> dict[str, Any]:  # fmt: skip
+def run_step_case(
+    args: argparse.Namespace, name: str, extra: list[str], compiled: bool, peak: float
+) -> dict[str, Any]:
     """Build, warm up, time, count and profile one variant's training step."""
     if name in (args.inject_failure or "").split(","):
         raise InjectedFailure(f"--inject-failure {name}")
@@ -231,10 +253,16 @@ def run_step_case(args: argparse.Namespace, name: str, extra: list[str], compile
     warmup_s = time_call(lambda: [step() for _ in range(args.warmup)], device)
     times = timed(step, args.steps)
     ms = statistics.median(times)
-    row: dict[str, Any] = {"ms": ms, "ms_min": min(times), "warmup_s": warmup_s,
-                           "frames": step.frames, "useful_tflop": step.flops / 1e12,
-                           "mfu": step.flops / (ms / 1e3) / peak, "loss": float(step.loss),
-                           "finite": bool(torch.isfinite(step.loss))}  # fmt: skip
+    row: dict[str, Any] = {
+        "ms": ms,
+        "ms_min": min(times),
+        "warmup_s": warmup_s,
+        "frames": step.frames,
+        "useful_tflop": step.flops / 1e12,
+        "mfu": step.flops / (ms / 1e3) / peak,
+        "loss": float(step.loss),
+        "finite": bool(torch.isfinite(step.loss)),
+    }
     if device.type == "cuda":
         row["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
     for part in (count_syncs, profile_step):  # each may fail alone (e.g. a dispatch mode)
@@ -255,18 +283,27 @@ def run_lightning(args: argparse.Namespace) -> dict[str, Any]:
     n = args.lightning_steps
     with tempfile.TemporaryDirectory(prefix="lease_") as folder:
         cfg = compose_case(
-            args, "full", "data=embedded", f"trainer.max_steps={n}",
-            f"trainer.val_check_interval={n}", f"trainer.log_every_n_steps={max(1, n // 10)}",
-            f"checkpoint.every_n_steps={n}", "progress_bar=none", "logger=none",
+            args,
+            "full",
+            "data=embedded",
+            f"trainer.max_steps={n}",
+            f"trainer.val_check_interval={n}",
+            f"trainer.log_every_n_steps={max(1, n // 10)}",
+            f"checkpoint.every_n_steps={n}",
+            "progress_bar=none",
+            "logger=none",
             f"output_dir={folder}",
-        )  # fmt: skip
+        )
         t0 = time.perf_counter()
         result = run(cfg)
         rows = read_metrics(Path(folder) / "metrics.csv")
-    return {"steps": result["steps"], "wall_s": time.perf_counter() - t0,
-            "frames_per_s": median_metric(rows, "frames_per_s"),
-            "data_wait": median_metric(rows, "data_wait"),
-            "val_loss": result["val_loss"]}  # fmt: skip
+    return {
+        "steps": result["steps"],
+        "wall_s": time.perf_counter() - t0,
+        "frames_per_s": median_metric(rows, "frames_per_s"),
+        "data_wait": median_metric(rows, "data_wait"),
+        "val_loss": result["val_loss"],
+    }
 
 
 def cases(args: argparse.Namespace) -> list[tuple[str, str, list[str], bool]]:
@@ -321,8 +358,9 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
             continue
         guess = took.get(kind, FIRST_GUESS[kind] if args.device == "cuda" else 0.0)
         if time.time() - t0 + guess > args.deadline:
-            results.write({"case": case, "status": "skipped",
-                           "error": f"deadline: {args.deadline:.0f} s"})  # fmt: skip
+            results.write(
+                {"case": case, "status": "skipped", "error": f"deadline: {args.deadline:.0f} s"}
+            )
             continue
         results.write({"case": case, "status": "started"})
         print(f"[{time.time() - t0:6.1f} s] {case}", flush=True)
@@ -334,9 +372,13 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                 row = run_step_case(args, case.split(":")[0], extra, compiled, peak)
             entry = {"case": case, "kind": kind, "status": "ok", **row}
         except Exception as err:  # noqa: BLE001 - recorded; the next case runs
-            entry = {"case": case, "kind": kind, "status": "failed",
-                     "error": f"{type(err).__name__}: {err}"[:1000],
-                     "traceback": traceback.format_exc()[-2000:]}  # fmt: skip
+            entry = {
+                "case": case,
+                "kind": kind,
+                "status": "failed",
+                "error": f"{type(err).__name__}: {err}"[:1000],
+                "traceback": traceback.format_exc()[-2000:],
+            }
         finally:
             with contextlib.suppress(Exception):
                 torch.cuda.synchronize() if args.device == "cuda" else None
@@ -359,18 +401,28 @@ def summarise(done: dict[str, dict[str, Any]], elapsed: float) -> dict[str, Any]
     """The summary line: counts by status, the ratio of each step case to `full`."""
     steps = {k: v for k, v in done.items() if v.get("kind") in ("step", "flex", "compiled")}
     status = Counter(v.get("status") for k, v in done.items() if k != "machine")
-    return {"summary": True, "elapsed_s": elapsed, **{f"n_{k}": n for k, n in status.items()},
-            "vs_full": {k: v.get("vs_full") for k, v in steps.items()}}  # fmt: skip
+    return {
+        "summary": True,
+        "elapsed_s": elapsed,
+        **{f"n_{k}": n for k, n in status.items()},
+        "vs_full": {k: v.get("vs_full") for k, v in steps.items()},
+    }
 
 
 # the table's columns: (heading, the entry's field, format); MFU is shown in percent
 COLUMNS = (
-    ("ms/step", "ms", ".1f"), ("vs full", "vs_full", ".2f"), ("MFU %", "mfu", "%"),
-    ("peak GiB", "peak_gib", ".1f"), ("finite", "finite", ""), ("reads", "reads", "d"),
-    ("uploads", "uploads", "d"), ("sync warn", "sync_debug_warnings", "d"),
-    ("memcpy", "memcpy_calls", "d"), ("rt syncs", "runtime_syncs", "d"),
+    ("ms/step", "ms", ".1f"),
+    ("vs full", "vs_full", ".2f"),
+    ("MFU %", "mfu", "%"),
+    ("peak GiB", "peak_gib", ".1f"),
+    ("finite", "finite", ""),
+    ("reads", "reads", "d"),
+    ("uploads", "uploads", "d"),
+    ("sync warn", "sync_debug_warnings", "d"),
+    ("memcpy", "memcpy_calls", "d"),
+    ("rt syncs", "runtime_syncs", "d"),
     ("launches", "launches", "d"),
-)  # fmt: skip
+)
 
 
 def verdict(done: dict[str, dict[str, Any]], summary: dict[str, Any]) -> str:
@@ -398,9 +450,11 @@ def verdict(done: dict[str, dict[str, Any]], summary: dict[str, Any]) -> str:
     light = done.get("full:lightning")
     if light is not None and light.get("status") == "ok":
         fps, wait = light.get("frames_per_s"), light.get("data_wait")
-        lines.append(f"\nLightning, full, {light['steps']} steps on the built-in corpus: "
-                     f"{f(fps, ',.0f')} frames/s (10 ms), data_wait {f(wait, '.3f')}, "
-                     f"{light['wall_s']:.0f} s")  # fmt: skip
+        lines.append(
+            f"\nLightning, full, {light['steps']} steps on the built-in corpus: "
+            f"{f(fps, ',.0f')} frames/s (10 ms), data_wait {f(wait, '.3f')}, "
+            f"{light['wall_s']:.0f} s"
+        )
     elif light is not None:
         lines.append(f"\nLightning run of full: {light.get('status')} {light.get('error', '')}")
     for case, e in done.items():
@@ -414,8 +468,12 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     p.add_argument("--tiny", action="store_true", help="a tiny model and batch (harness check)")
     p.add_argument("--out", type=Path, default=Path("gpu_results"))
-    p.add_argument("--deadline", type=float, default=360.0,
-                   help="seconds from the lease's start after which no case starts")  # fmt: skip
+    p.add_argument(
+        "--deadline",
+        type=float,
+        default=360.0,
+        help="seconds from the lease's start after which no case starts",
+    )
     p.add_argument("--variants", default="all", help="comma-separated names, or all")
     p.add_argument("--flex", default="all", help="variants to run with kernel=flex: all|none|A,B")
     p.add_argument(

@@ -81,25 +81,37 @@ def measure(cfg: Any, batches: int = 50, warmup: int = 5, cold: bool = False) ->
         inner = PretrainDataModule(data_cfg)
         inner.prepare_data()
         inner.setup("fit")
-        startup = {"wall_s": time.perf_counter() - wall, "cpu_s": cpu_seconds() - cpu,
-                   "children_cpu_s": finished_children_cpu() - children, "cold": cold}  # fmt: skip
+        startup = {
+            "wall_s": time.perf_counter() - wall,
+            "cpu_s": cpu_seconds() - cpu,
+            "children_cpu_s": finished_children_cpu() - children,
+            "cold": cold,
+        }
         with open_dict(cfg):
             cfg.model.net.feature_dim = int(inner.feature_dim)
         task = PretrainTask(
-            model=plain(cfg.model.net), masking=plain(cfg.model.masking),
-            optimizer=plain(cfg.model.optimizer), total_steps=int(cfg.trainer.max_steps),
+            model=plain(cfg.model.net),
+            masking=plain(cfg.model.masking),
+            optimizer=plain(cfg.model.optimizer),
+            total_steps=int(cfg.trainer.max_steps),
             seed=int(cfg.seed),
-        )  # fmt: skip
+        )
         resumable = ResumableData(inner, seed=int(cfg.seed), batch_masker=task.batch_masker)
         loader = resumable.step_loader(total_batches=1 + warmup + batches)
         timing = _time_loader(loader, warmup, batches)
         summary = inner.describe()
     loading = ("batch_size", "max_frames", "pin_memory", "prefetch_factor", "pad_to_multiple")
-    return {"benchmark": "loader", "train_utterances": summary.get("train_utterances"),
-            "val_utterances": summary.get("val_utterances"),
-            **{k: getattr(data_cfg, k) for k in loading}, "num_workers": data_cfg.loader_workers,
-            "stack": task.model_config.stack, "startup": startup,
-            "descriptors_before_setup": fds_before, **timing}  # fmt: skip
+    return {
+        "benchmark": "loader",
+        "train_utterances": summary.get("train_utterances"),
+        "val_utterances": summary.get("val_utterances"),
+        **{k: getattr(data_cfg, k) for k in loading},
+        "num_workers": data_cfg.loader_workers,
+        "stack": task.model_config.stack,
+        "startup": startup,
+        "descriptors_before_setup": fds_before,
+        **timing,
+    }
 
 
 def _time_loader(loader: Any, warmup: int, batches: int) -> dict[str, Any]:
@@ -124,10 +136,17 @@ def _time_loader(loader: Any, warmup: int, batches: int) -> dict[str, Any]:
     cpu = cpu_seconds() + sum(cpu_seconds(p) for p in workers) - cpu_before
     descriptors = {"main": open_descriptors(), "workers": [open_descriptors(p) for p in workers]}
     del iterator  # stops the workers
-    return {"first_batch_s": first, "batches": batches, "seconds": seconds, "frames": frames,
-            "frames_per_s": frames / seconds, "batches_per_s": batches / seconds,
-            "padded_model_frames": padded, "cpu_s_per_batch": cpu / batches,
-            "descriptors": descriptors}  # fmt: skip
+    return {
+        "first_batch_s": first,
+        "batches": batches,
+        "seconds": seconds,
+        "frames": frames,
+        "frames_per_s": frames / seconds,
+        "batches_per_s": batches / seconds,
+        "padded_model_frames": padded,
+        "cpu_s_per_batch": cpu / batches,
+        "descriptors": descriptors,
+    }
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
@@ -153,8 +172,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         **measure(cfg, args.batches, args.warmup, args.cold),
     }
     gpu, peaks = GPU_PEAKS[args.gpu]
-    result["need"] = {"gpu": gpu, "mfu": args.mfu, "dtype": setting["dtype"],
-                      "peak_tflops": peaks[setting["dtype"]] / 1e12, **need}  # fmt: skip
+    result["need"] = {
+        "gpu": gpu,
+        "mfu": args.mfu,
+        "dtype": setting["dtype"],
+        "peak_tflops": peaks[setting["dtype"]] / 1e12,
+        **need,
+    }
     result["ratio"] = result["frames_per_s"] / need["loader_frames_per_s"]
     r, s, d = result, result["startup"], result["descriptors"]
     valid = r["frames"] / (r["padded_model_frames"] * r["stack"])

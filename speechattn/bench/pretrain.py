@@ -116,8 +116,20 @@ def _sdpa_cpu_flops(q, k, *args, **kwargs) -> int:
     return 4 * B * h * T * k[2] * d
 
 
-def _conv_backward_flops(grad_out, x, w, _bias, _stride, _padding, _dilation, transposed,
-                         _output_padding, _groups, output_mask, **kwargs) -> int:  # fmt: skip
+def _conv_backward_flops(
+    grad_out,
+    x,
+    w,
+    _bias,
+    _stride,
+    _padding,
+    _dilation,
+    transposed,
+    _output_padding,
+    _groups,
+    output_mask,
+    **kwargs,
+) -> int:
     """A convolution's input and weight gradients, each as many products as its forward
     (torch 2.11's counter takes a grouped convolution's input gradient as `groups` times that:
     aalbert_tiny's convolutional positions)."""
@@ -173,8 +185,12 @@ def bench_batch(args: argparse.Namespace, config: ModelConfig) -> dict[str, Any]
         lengths, pad = torch.full((args.batch,), T, dtype=torch.long), 1
     else:
         (features, lengths), pad = crop_batch(args.batch, T, generator), args.pad_to_multiple
-    return {"features": features.to(args.device), "lengths": lengths, "stack": config.stack,
-            "pad_to_multiple": pad}  # fmt: skip
+    return {
+        "features": features.to(args.device),
+        "lengths": lengths,
+        "stack": config.stack,
+        "pad_to_multiple": pad,
+    }
 
 
 def crop_batch(batch: int, crop: int, generator: torch.Generator) -> tuple[Tensor, Tensor]:
@@ -290,8 +306,10 @@ def plan(args: argparse.Namespace) -> dict[str, Any]:
         f"PROJECTION, not a measurement: step time = FLOPs / ({args.mfu:.2f} MFU x {gpu} "
         f"{s['dtype']} dense peak {peaks[s['dtype']] / 1e12:.1f} TFLOP/s, vendor figure)"
     )
-    print(f"  {'attention':15s} {'TFLOP/step':>10s} {'step ms':>8s} {'GPU-hours':>9s} "
-          f"{'loader M frames/s (10 ms)':>26s}")  # fmt: skip
+    print(
+        f"  {'attention':15s} {'TFLOP/step':>10s} {'step ms':>8s} {'GPU-hours':>9s} "
+        f"{'loader M frames/s (10 ms)':>26s}"
+    )
     for r in rows:
         hours = "n/a" if r["gpu_hours"] is None else f"{r['gpu_hours']:9.1f}"
         print(
@@ -353,12 +371,16 @@ def setup(args: argparse.Namespace, header: str = "") -> tuple[list[str], ModelC
     config = preset_config(args.model, feature_dim=FEATURE_DIM, dropout=args.dropout)
     batch, s = bench_batch(args, config), setting(args)
     lengths = batch["lengths"] // batch["stack"]
-    shaped = (f"crops of {int(lengths.min())}-{int(lengths.max())}, padded to multiples of "
-              f"{batch['pad_to_multiple']} as training pads"
-              if batch["pad_to_multiple"] != 1 else "all at the crop, unpadded")  # fmt: skip
-    print(f"{args.model}, batch {args.batch} x {args.frames} stacked frames ({shaped}), "
-          f"{s['device']} ({s['device_name']}), {s['precision']}, {s['threads']} threads"
-          + header)  # fmt: skip
+    shaped = (
+        f"crops of {int(lengths.min())}-{int(lengths.max())}, padded to multiples of "
+        f"{batch['pad_to_multiple']} as training pads"
+        if batch["pad_to_multiple"] != 1
+        else "all at the crop, unpadded"
+    )
+    print(
+        f"{args.model}, batch {args.batch} x {args.frames} stacked frames ({shaped}), "
+        f"{s['device']} ({s['device_name']}), {s['precision']}, {s['threads']} threads" + header
+    )
     return names, config, batch
 
 
@@ -367,8 +389,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         raise UsageExit("--clock cpu needs --device cpu --threads 1 (CPU time of one thread)")
     clock, dtype = clock_of(args), peak_dtype(args.precision)
     peak = matmul_peak(device=args.device, dtype=dtype, clock=clock)
-    names, config, batch = setup(args, f", {args.clock} clock; {str(dtype).removeprefix('torch.')}"
-                                 f" matmul peak {peak / 1e9:.1f} GFLOP/s")  # fmt: skip
+    names, config, batch = setup(
+        args,
+        f", {args.clock} clock; {str(dtype).removeprefix('torch.')}"
+        f" matmul peak {peak / 1e9:.1f} GFLOP/s",
+    )
     # timed round-robin (`round_robin`); the peak is re-measured at the end
     steps = {}
     for name in ["reference", "full", *[n for n in names if n != "full"]]:
@@ -399,9 +424,18 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             reads, uploads = syncs.count, syncs.upload_count
         rate = flops[name] / seconds
         bound = None if name == "reference" else counted_full / flops[name]
-        rows.append(r := {"attention": name, "step_s": seconds, "gflop": flops[name] / 1e9,
-                          "gflops": rate / 1e9, "of_peak": rate / peak, "flop_bound": bound,
-                          "syncs_per_step": reads, "uploads_per_step": uploads})  # fmt: skip
+        rows.append(
+            r := {
+                "attention": name,
+                "step_s": seconds,
+                "gflop": flops[name] / 1e9,
+                "gflops": rate / 1e9,
+                "of_peak": rate / peak,
+                "flop_bound": bound,
+                "syncs_per_step": reads,
+                "uploads_per_step": uploads,
+            }
+        )
         syncs = "" if reads is None else f"  {reads} syncs/step"
         syncs += f", {uploads} uploads/step" if uploads else ""
         print(
@@ -418,9 +452,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 r["achieved_of_bound"] = share = 1 / r["vs_full"] / r["flop_bound"]
                 line += f"  bound {r['flop_bound']:.2f}  achieved/bound {share:.2f}"
             print(line)
-    result = {"benchmark": "pretrain_step", "model": args.model, "batch": args.batch,
-              "frames": args.frames, "lengths": args.lengths, **setting(args),
-              "clock": args.clock, "peak_gflops": peak / 1e9, "rows": rows}  # fmt: skip
+    result = {
+        "benchmark": "pretrain_step",
+        "model": args.model,
+        "batch": args.batch,
+        "frames": args.frames,
+        "lengths": args.lengths,
+        **setting(args),
+        "clock": args.clock,
+        "peak_gflops": peak / 1e9,
+        "rows": rows,
+    }
     write_json(args.json, result)
     return result
 
@@ -428,9 +470,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 def explain(model: nn.Module, batch: dict[str, Tensor], masking: MaskingConfig, precision: str):
     """Graph breaks of the compile unit on one masked batch -> {graphs, breaks, reasons}."""
     masked = mask_batch(
-        batch["features"], batch["lengths"], batch["stack"], masking, torch.Generator(),
+        batch["features"],
+        batch["lengths"],
+        batch["stack"],
+        masking,
+        torch.Generator(),
         batch.get("pad_to_multiple", 1),
-    )  # fmt: skip
+    )
     pad = padding_mask_for(masked.lengths, masked.inputs)
     with autocast(batch["features"].device.type, precision):
         return graph_breaks(model, masked.inputs, masked.target, masked.chosen, pad)
@@ -458,9 +504,18 @@ def run_compile(args: argparse.Namespace) -> dict[str, Any]:
             compiled()
         times = round_robin({"eager": eager, "compiled": compiled}, args.repeat, args.device)
         e, c = (statistics.median(times[k]) for k in ("eager", "compiled"))
-        rows.append({"attention": name, "graphs": info["graphs"], "graph_breaks": info["breaks"],
-                     "break_reasons": info["reasons"], "compile_s": first, "eager_s": e,
-                     "compiled_s": c, "compiled_vs_eager": c / e})  # fmt: skip
+        rows.append(
+            {
+                "attention": name,
+                "graphs": info["graphs"],
+                "graph_breaks": info["breaks"],
+                "break_reasons": info["reasons"],
+                "compile_s": first,
+                "eager_s": e,
+                "compiled_s": c,
+                "compiled_vs_eager": c / e,
+            }
+        )
         print(
             f"  {name:15s} breaks {info['breaks']:3d} ({info['graphs']} graphs)  first compiled "
             f"step {first:7.1f} s  eager {e * 1e3:8.1f} ms  compiled {c * 1e3:8.1f} ms  "

@@ -93,13 +93,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     diff = float((outputs["masked"] - outputs["pruned"]).abs().max())
     times = round_robin(cases, args.reps, device)
     rows = {
-        name: {"time_ms": 1e3 * min(times[name]),
-               "time_ms_median": 1e3 * statistics.median(times[name]),
-               "peak_mem_mb": peak_memory(cases[name], device),
-               "params": sum(p.numel() for p in model.parameters()),
-               "param_mb": sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20}
+        name: {
+            "time_ms": 1e3 * min(times[name]),
+            "time_ms_median": 1e3 * statistics.median(times[name]),
+            "peak_mem_mb": peak_memory(cases[name], device),
+            "params": sum(p.numel() for p in model.parameters()),
+            "param_mb": sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20,
+        }
         for name, model in (("masked", full), ("pruned", pruned))
-    }  # fmt: skip
+    }
     heads = [layer.attention.num_heads for layer in pruned.encoder.layers]
     c, s = full.config, setting(args)
     print(
@@ -128,12 +130,23 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         f"{'-' if mem_ratio is None else f'{mem_ratio:.2f}x'} of masked; parameters "
         f"{p['params'] / m['params']:.2f}x"
     )
-    result = {"benchmark": "pruning", "upstream": args.upstream,
-              "model": None if args.upstream else args.model, "attention": c.attention,
-              "shared": c.shared, "mask_source": source, "mask": mask.tolist(),
-              "heads_left": heads, "batch": args.batch, "frames": args.frames, **s,
-              "max_abs_diff": diff, "rows": rows, "speedup": speedup,
-              "peak_mem_ratio": mem_ratio}  # fmt: skip
+    result = {
+        "benchmark": "pruning",
+        "upstream": args.upstream,
+        "model": None if args.upstream else args.model,
+        "attention": c.attention,
+        "shared": c.shared,
+        "mask_source": source,
+        "mask": mask.tolist(),
+        "heads_left": heads,
+        "batch": args.batch,
+        "frames": args.frames,
+        **s,
+        "max_abs_diff": diff,
+        "rows": rows,
+        "speedup": speedup,
+        "peak_mem_ratio": mem_ratio,
+    }
     write_json(args.json, result)
     return result
 

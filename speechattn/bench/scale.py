@@ -29,8 +29,19 @@ def loader_run(overrides: list[str], batches: int, warmup: int) -> dict[str, Any
     """`python -m speechattn.bench loader OVERRIDES` in a new process; its --json result."""
     with tempfile.TemporaryDirectory(prefix="speechattn-scale-") as tmp:
         out = Path(tmp) / "loader.json"
-        cmd = [sys.executable, "-m", "speechattn.bench", "loader", *overrides,
-               "--batches", str(batches), "--warmup", str(warmup), "--json", str(out)]  # fmt: skip
+        cmd = [
+            sys.executable,
+            "-m",
+            "speechattn.bench",
+            "loader",
+            *overrides,
+            "--batches",
+            str(batches),
+            "--warmup",
+            str(warmup),
+            "--json",
+            str(out),
+        ]
         proc = subprocess.run(cmd, capture_output=True, text=True)
         if proc.returncode != 0:
             raise RuntimeError(
@@ -48,23 +59,32 @@ def measure_size(
     built = time.perf_counter() - start
     cache = work / f"cache-{size}"
     shutil.rmtree(cache, ignore_errors=True)  # cold: nothing extracted yet
-    data = [f"data.root={root}", f"data.cache_dir={cache}", f"data.pretrain_splits=[{SPLIT}]",
-            "data.progress=false"]  # fmt: skip
+    data = [
+        f"data.root={root}",
+        f"data.cache_dir={cache}",
+        f"data.pretrain_splits=[{SPLIT}]",
+        "data.progress=false",
+    ]
     every = ["experiment=paper", *overrides, *data]
     cold = loader_run(every, batches, warmup)
     warm = loader_run(every, batches, warmup)
     workers = [n for n in warm["descriptors"]["workers"] if n is not None]
     return {
-        "utterances": size, "corpus_s": built,
+        "utterances": size,
+        "corpus_s": built,
         "cold_wall_s": cold["startup"]["wall_s"],
         "cold_cpu_s": cold["startup"]["cpu_s"] + cold["startup"]["children_cpu_s"],
         "warm_wall_s": warm["startup"]["wall_s"],
         "warm_cpu_s": warm["startup"]["cpu_s"] + warm["startup"]["children_cpu_s"],
-        "frames_per_s": warm["frames_per_s"], "cpu_ms_per_batch": warm["cpu_s_per_batch"] * 1e3,
-        "num_workers": warm["num_workers"], "descriptors_main": warm["descriptors"]["main"],
+        "frames_per_s": warm["frames_per_s"],
+        "cpu_ms_per_batch": warm["cpu_s_per_batch"] * 1e3,
+        "num_workers": warm["num_workers"],
+        "descriptors_main": warm["descriptors"]["main"],
         "descriptors_worker_max": max(workers, default=None),
-        "need_frames_per_s": warm["need"]["loader_frames_per_s"], "cold": cold, "warm": warm,
-    }  # fmt: skip
+        "need_frames_per_s": warm["need"]["loader_frames_per_s"],
+        "cold": cold,
+        "warm": warm,
+    }
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
@@ -87,9 +107,11 @@ def main(argv: list[str]) -> None:
         f"scale: sizes {sizes}, sources {args.seconds} s, {os.cpu_count()} CPUs, work folder "
         f"{args.work}; experiment=paper {' '.join(args.overrides)}"
     )
-    print(f"  {'utterances':>10s} {'corpus s':>8s} {'cold s':>7s} {'cold CPU':>8s} "
-          f"{'warm s':>7s} {'warm CPU':>8s} {'M frames/s':>10s} {'CPU ms/b':>8s} "
-          f"{'fds main/worker':>15s}")  # fmt: skip
+    print(
+        f"  {'utterances':>10s} {'corpus s':>8s} {'cold s':>7s} {'cold CPU':>8s} "
+        f"{'warm s':>7s} {'warm CPU':>8s} {'M frames/s':>10s} {'CPU ms/b':>8s} "
+        f"{'fds main/worker':>15s}"
+    )
     rows = []
     for size in sizes:
         r = measure_size(args.work, size, args.overrides, args.batches, args.warmup, args.seconds)

@@ -253,8 +253,9 @@ def _caller() -> str:
     return "?"
 
 
-def train_step(task: Any, optimizer: torch.optim.Optimizer, data: dict[str, Any],
-               bf16: bool = False) -> Tensor:  # fmt: skip
+def train_step(
+    task: Any, optimizer: torch.optim.Optimizer, data: dict[str, Any], bf16: bool = False
+) -> Tensor:
     """One training step of `task` (a `PretrainTask`) as Lightning's loop runs it, without a
     Trainer (`bf16`: CUDA bf16 autocast, as `trainer.precision=bf16-mixed`); the update always
     runs, as Lightning's does (a skipped step has no gradients). Returns the loss, detached."""

@@ -292,8 +292,11 @@ class Claims:
             started = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(dead.started))
             log.warning(
                 "%s: took over the claim of %s (started %s, silent for %.0f s)",
-                path, dead, started, self.now() - dead.mtime,
-            )  # fmt: skip
+                path,
+                dead,
+                started,
+                self.now() - dead.mtime,
+            )
             return self._create(unit)
         try:  # a live claim: put it back, unless a new claim filled the name meanwhile
             os.link(grave, path)
@@ -336,8 +339,10 @@ class Claims:
             del self._held[unit]
         log.warning(
             "%s: %s (this process was silent for over %.0f s?); it may be done twice",
-            path, why, self.config.expiry_s,
-        )  # fmt: skip
+            path,
+            why,
+            self.config.expiry_s,
+        )
 
 
 def remove_stale_temps(
@@ -441,9 +446,13 @@ class WorkShare(Claims):
         if now - self._last_log >= config.log_every_s:
             log.info(
                 "waiting for %d %s claimed by other processes: %s; none finished for "
-                "%.0f s (gives up after %.0f s)", len(still), self.what, self._by_holder(still),
-                idle, config.wait_timeout_s,
-            )  # fmt: skip
+                "%.0f s (gives up after %.0f s)",
+                len(still),
+                self.what,
+                self._by_holder(still),
+                idle,
+                config.wait_timeout_s,
+            )
             self._last_log = now
         time.sleep(config.poll_s)
         self._queue.extend(still)

@@ -110,8 +110,17 @@ class FolderSource:
                 detail = f"{out[utt_id].path.name} is utterance {utt_id} too: keep one of the two"
                 issues.report(DataError(path, "duplicate utterance", detail, utt_id), "scan")
             elif (speaker := self._speaker(path, utt_id, issues)) is not None:
-                out[utt_id] = Utterance(utt_id, speaker, "", path, "", self.split,
-                                        size=size, mtime_ns=mtime, ctime_ns=ctime)  # fmt: skip
+                out[utt_id] = Utterance(
+                    utt_id,
+                    speaker,
+                    "",
+                    path,
+                    "",
+                    self.split,
+                    size=size,
+                    mtime_ns=mtime,
+                    ctime_ns=ctime,
+                )
         return sorted(out.values(), key=lambda u: u.utt_id)
 
     def _speaker(self, path: Path, utt_id: str, issues: Issues) -> str | None:
@@ -254,11 +263,12 @@ def manifests_of(root: Path, split: str) -> list[Path]:
         return [recordings, supervisions]
     held = sorted(p.name for p in root.glob("*.json*"))[:12] if root.is_dir() else []
     raise DataError(
-        root, "lhotse manifests not found",
+        root,
+        "lhotse manifests not found",
         f"split {split!r}: expected a CutSet file of that name, *_cuts_{split}.jsonl.gz, or "
         f"*_recordings_{split}.jsonl.gz with *_supervisions_{split}.jsonl.gz; found "
         f"{held or 'no manifest'}",
-    )  # fmt: skip
+    )
 
 
 class LhotseSource:
@@ -276,13 +286,21 @@ class LhotseSource:
         """Parse the manifests and stat every audio file; the digest covers the manifests' and
         audio files' stats, each utterance's segment, and the problems found."""
         self._utterances, self._problems = self._parse()
-        digest = stamp_digest([
-            *(f"{m}\t{st.st_size}\t{st.st_mtime_ns}\t{st.st_ctime_ns}\n"
-              for m in self.manifests for st in [m.stat()]),
-            *(f"{u.utt_id}\t{u.path}\t{u.segment.key if u.segment else 'whole'}\t{u.size}\t"
-              f"{u.mtime_ns}\t{u.ctime_ns}\n" for u in self._utterances),
-            *(f"{e}\n" for e in self._problems),
-        ])  # fmt: skip
+        digest = stamp_digest(
+            [
+                *(
+                    f"{m}\t{st.st_size}\t{st.st_mtime_ns}\t{st.st_ctime_ns}\n"
+                    for m in self.manifests
+                    for st in [m.stat()]
+                ),
+                *(
+                    f"{u.utt_id}\t{u.path}\t{u.segment.key if u.segment else 'whole'}\t{u.size}\t"
+                    f"{u.mtime_ns}\t{u.ctime_ns}\n"
+                    for u in self._utterances
+                ),
+                *(f"{e}\n" for e in self._problems),
+            ]
+        )
         paths = [str(u.path.parent) for u in self._utterances]
         folder = Path(os.path.commonpath(paths)) if paths else self.manifests[0].parent
         name = "lhotse:" + "|".join(str(m) for m in self.manifests)
@@ -330,8 +348,12 @@ class LhotseSource:
                     raise DataError(manifest, "cut without a recording", "it has no audio", cut.id)
                 return cut.id, cut.recording, cut.start, cut.duration, cut.channel, cut.supervisions
         else:
-            raise DataError(manifest, "not a CutSet", f"it holds a {type(loaded[0]).__name__}; "
-                            "give a CutSet, or the split name of a recordings + supervisions pair")  # fmt: skip
+            raise DataError(
+                manifest,
+                "not a CutSet",
+                f"it holds a {type(loaded[0]).__name__}; "
+                "give a CutSet, or the split name of a recordings + supervisions pair",
+            )
         utterances, problems, stats, seen = [], [], {}, set()
         for row in rows:
             try:
@@ -355,29 +377,56 @@ class LhotseSource:
             kind = self.corpus.label_files.alignments  # the alignment kind, e.g. "phone"
             phones = [p for s in sups for p in ((s.alignment or {}).get(kind) or [])]
             self.corpus.entries[utt_id] = _Entry(
-                where, speakers, tuple((p.symbol, p.start, p.start + p.duration) for p in phones) or None,
-                start, duration,
-            )  # fmt: skip
-            utterances.append(Utterance(utt_id, next(iter(speakers), ""), "", path, "", self.split,
-                                        size=st.st_size, mtime_ns=st.st_mtime_ns,
-                                        ctime_ns=st.st_ctime_ns, segment=segment))  # fmt: skip
+                where,
+                speakers,
+                tuple((p.symbol, p.start, p.start + p.duration) for p in phones) or None,
+                start,
+                duration,
+            )
+            utterances.append(
+                Utterance(
+                    utt_id,
+                    next(iter(speakers), ""),
+                    "",
+                    path,
+                    "",
+                    self.split,
+                    size=st.st_size,
+                    mtime_ns=st.st_mtime_ns,
+                    ctime_ns=st.st_ctime_ns,
+                    segment=segment,
+                )
+            )
         return sorted(utterances, key=lambda u: u.utt_id), problems
 
 
-def _audio_segment(recording: Any, start: float, duration: float, channel: Any, where: Path,
-                   utt_id: str) -> tuple[Path, Segment | None]:  # fmt: skip
+def _audio_segment(
+    recording: Any, start: float, duration: float, channel: Any, where: Path, utt_id: str
+) -> tuple[Path, Segment | None]:
     """The audio file and the part of it an utterance reads (None: the whole file)."""
     if recording.transforms:
-        raise DataError(where, "unsupported recording", f"recording {recording.id} has transforms "
-                        "(speed or volume perturbation, resampling): they are not applied here", utt_id)  # fmt: skip
-    wanted = None if channel is None or isinstance(channel, list) and len(channel) != 1 else (
-        channel[0] if isinstance(channel, list) else int(channel))  # fmt: skip
+        raise DataError(
+            where,
+            "unsupported recording",
+            f"recording {recording.id} has transforms "
+            "(speed or volume perturbation, resampling): they are not applied here",
+            utt_id,
+        )
+    wanted = (
+        None
+        if channel is None or isinstance(channel, list) and len(channel) != 1
+        else (channel[0] if isinstance(channel, list) else int(channel))
+    )
     sources = [s for s in recording.sources if wanted is None or wanted in s.channels]
     if len(sources) != 1 or sources[0].type != "file":
         kinds = sorted({s.type for s in recording.sources})
-        raise DataError(where, "unsupported recording",
-                        f"recording {recording.id}: one audio file per utterance is read, it has "
-                        f"{len(recording.sources)} source(s) of type {kinds}", utt_id)  # fmt: skip
+        raise DataError(
+            where,
+            "unsupported recording",
+            f"recording {recording.id}: one audio file per utterance is read, it has "
+            f"{len(recording.sources)} source(s) of type {kinds}",
+            utt_id,
+        )
     source = sources[0]
     path = Path(source.source).expanduser().absolute()
     in_file = None if wanted is None or len(source.channels) == 1 else source.channels.index(wanted)
@@ -406,10 +455,12 @@ class LhotseCorpus(Corpus):
         entry = self.entries[utt_id]
         if len(entry.speakers) != 1:
             raise DataError(
-                entry.manifest, "no single speaker",
+                entry.manifest,
+                "no single speaker",
                 f"its supervisions name {sorted(entry.speakers) or 'no speaker'}: the probes need "
-                f"one speaker per utterance (cut the recording at its supervisions)", utt_id,
-            )  # fmt: skip
+                f"one speaker per utterance (cut the recording at its supervisions)",
+                utt_id,
+            )
         return next(iter(entry.speakers))
 
     def phone_labels(
@@ -445,10 +496,12 @@ class LhotseCorpus(Corpus):
         lead = round((items[0][1] - begin) / HOP_S)
         if n <= 0 or lead > self.label_tolerance:
             raise DataError(
-                entry.manifest, "alignment does not cover the audio",
+                entry.manifest,
+                "alignment does not cover the audio",
                 f"its phones span {items[0][1]:.3f}-{items[-1][2]:.3f} s, the audio "
-                f"{begin:.3f}-{end:.3f} s (recording time)", utt_id,
-            )  # fmt: skip
+                f"{begin:.3f}-{end:.3f} s (recording time)",
+                utt_id,
+            )
         centers = begin + (np.arange(n) + 0.5) * HOP_S
         starts = np.array([p[1] for p in items])
         ends = np.array([p[2] for p in items])

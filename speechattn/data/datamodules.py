@@ -131,11 +131,17 @@ class _CorpusDataModule(L.LightningDataModule):
         if split not in self._splits:
             c = self.cfg
             self._splits[split] = open_source(
-                self.corpus.source(split), extraction_settings(c), c.cache_root(), self.issues,
-                workers=c.extraction_workers, shard_size=c.shard_size,
-                progress=c.progress and local_rank() == 0, verify=c.verify_cache,
-                max_open_shards=c.max_open_shards, claim_config=c.claim_config(),
-            )  # fmt: skip
+                self.corpus.source(split),
+                extraction_settings(c),
+                c.cache_root(),
+                self.issues,
+                workers=c.extraction_workers,
+                shard_size=c.shard_size,
+                progress=c.progress and local_rank() == 0,
+                verify=c.verify_cache,
+                max_open_shards=c.max_open_shards,
+                claim_config=c.claim_config(),
+            )
             register_reader(self._splits[split].manifest)  # gc keeps it while this job runs
         return self._splits[split]
 
@@ -165,10 +171,14 @@ class _CorpusDataModule(L.LightningDataModule):
         )
         workers = c.loader_workers
         return DataLoader(
-            dataset, batch_sampler=batches, collate_fn=collate, num_workers=workers,
-            pin_memory=c.pin_memory, persistent_workers=workers > 0,
+            dataset,
+            batch_sampler=batches,
+            collate_fn=collate,
+            num_workers=workers,
+            pin_memory=c.pin_memory,
+            persistent_workers=workers > 0,
             prefetch_factor=c.prefetch_factor if workers > 0 else None,
-        )  # fmt: skip
+        )
 
     def _dataset(self, name: str) -> _Items:
         if not self.datasets:
@@ -227,8 +237,12 @@ class PretrainDataModule(_CorpusDataModule):
         if len(held) < (wanted := round(c.pretrain_val_fraction * len(everything))):
             log.info(
                 "validation: %d utterances (data.max_val_utterances=%s; pretrain_val_fraction=%s "
-                "would hold out %d)", len(held), c.max_val_utterances, c.pretrain_val_fraction, wanted,
-            )  # fmt: skip
+                "would hold out %d)",
+                len(held),
+                c.max_val_utterances,
+                c.pretrain_val_fraction,
+                wanted,
+            )
         parts: dict[str, list[tuple[FeatureStore, list[int]]]] = {"train": [], "val": []}
         for split, ids in usable.items():
             store = stores[split]
@@ -245,8 +259,11 @@ class PretrainDataModule(_CorpusDataModule):
         }
         log.info(
             "pretraining data: %d train / %d val utterances from %s (%d labelled-test utterances excluded)",
-            len(self.datasets["train"]), len(self.datasets["val"]), self.cfg.pretrain_splits, n_excluded,
-        )  # fmt: skip
+            len(self.datasets["train"]),
+            len(self.datasets["val"]),
+            self.cfg.pretrain_splits,
+            n_excluded,
+        )
         self.issues.log_summary(log)
 
     def val_dataloader(self) -> DataLoader | list:
@@ -309,8 +326,9 @@ class LabelledDataModule(_CorpusDataModule):
         if unused := len(set(labelled) - set(train) - test_set):
             log.info(
                 "%d utterances of %s are in neither the train nor the test list (unused)",
-                unused, c.labelled_splits,
-            )  # fmt: skip
+                unused,
+                c.labelled_splits,
+            )
         return train, test
 
     def _phones(self, ids: list[str], lengths: dict[str, int]) -> dict[str, np.ndarray]:
@@ -361,8 +379,9 @@ class LabelledDataModule(_CorpusDataModule):
         if unseen := sorted({speaker[u] for u in test} - {speaker[u] for u in train}):
             log.warning(
                 "%d test speakers never occur in train (speaker tasks cannot get them right): %s",
-                len(unseen), unseen[:10],
-            )  # fmt: skip
+                len(unseen),
+                unseen[:10],
+            )
         classes = {s: i for i, s in enumerate(self.speakers)}
 
         def by_split(ids: list[str]) -> list[tuple[FeatureStore, list[int], list[str]]]:
@@ -374,12 +393,20 @@ class LabelledDataModule(_CorpusDataModule):
             ]
 
         def items(ids: list[str], random_crop: bool) -> _Items:
-            return _Items([
-                FeatureDataset(store, indices, self._normalizer, c.labelled_max_frames, random_crop,
-                               [classes[speaker[u]] for u in us],
-                               [phones.get(u, np.zeros(0, np.int16)) for u in us])
-                for store, indices, us in by_split(ids)
-            ])  # fmt: skip
+            return _Items(
+                [
+                    FeatureDataset(
+                        store,
+                        indices,
+                        self._normalizer,
+                        c.labelled_max_frames,
+                        random_crop,
+                        [classes[speaker[u]] for u in us],
+                        [phones.get(u, np.zeros(0, np.int16)) for u in us],
+                    )
+                    for store, indices, us in by_split(ids)
+                ]
+            )
 
         self._normalizer = self._normalizer_from([p[:2] for p in by_split(train)])
         self._eval_train = items(train, False)  # uncropped, for feature extraction
@@ -389,12 +416,17 @@ class LabelledDataModule(_CorpusDataModule):
         if cropped := sum(1 for u in train + dev + test if mf and lengths[u] > mf):
             log.warning(
                 "%d labelled utterances are longer than labelled_max_frames=%d and are cropped",
-                cropped, mf,
-            )  # fmt: skip
+                cropped,
+                mf,
+            )
         log.info(
             "labelled data: %d train / %d dev / %d test utterances, %d speakers, %d phone classes",
-            len(train), len(dev), len(test), self.num_speakers, self.num_phones,
-        )  # fmt: skip
+            len(train),
+            len(dev),
+            len(test),
+            self.num_speakers,
+            self.num_phones,
+        )
         self.issues.log_summary(log)
 
     def _dev_split(self, train: list[str]) -> tuple[list[str], list[str]]:

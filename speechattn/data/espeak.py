@@ -69,9 +69,20 @@ class Espeak:
             ("espeak_Initialize", [c.c_int, c.c_int, c.c_char_p, c.c_int]),
             ("espeak_SetVoiceByName", [c.c_char_p]),
             ("espeak_SetParameter", [c.c_int, c.c_int, c.c_int]),
-            ("espeak_Synth", [c.c_void_p, c.c_size_t, c.c_uint, c.c_int,
-                              c.c_uint, c.c_uint, c.c_void_p, c.c_void_p]),
-        ):  # fmt: skip
+            (
+                "espeak_Synth",
+                [
+                    c.c_void_p,
+                    c.c_size_t,
+                    c.c_uint,
+                    c.c_int,
+                    c.c_uint,
+                    c.c_uint,
+                    c.c_void_p,
+                    c.c_void_p,
+                ],
+            ),
+        ):
             function = getattr(self.lib, name)
             function.argtypes, function.restype = argtypes, c.c_int
         flags = INITIALIZE_PHONEME_EVENTS | INITIALIZE_PHONEME_IPA | INITIALIZE_DONT_EXIT
@@ -112,8 +123,12 @@ class Espeak:
         with self._lock:
             if self.lib.espeak_SetVoiceByName(settings.voice.encode()) != 0:
                 raise ConfigError(f"eSpeak NG has no voice {settings.voice!r}")
-            params = {PARAM_RATE: settings.rate, PARAM_PITCH: settings.pitch,
-                      PARAM_RANGE: settings.pitch_range, PARAM_VOLUME: settings.volume}  # fmt: skip
+            params = {
+                PARAM_RATE: settings.rate,
+                PARAM_PITCH: settings.pitch,
+                PARAM_RANGE: settings.pitch_range,
+                PARAM_VOLUME: settings.volume,
+            }
             for param, value in params.items():
                 self.lib.espeak_SetParameter(param, int(value), 0)
             self._chunks, self._events = [], []

@@ -37,10 +37,11 @@ def find_splits(root: str | Path) -> list[str]:
     if not splits:
         found = sorted(p.name + ("/" if p.is_dir() else "") for p in root.iterdir())[:12]
         raise DataError(
-            root, "not a LibriSpeech layout",
+            root,
+            "not a LibriSpeech layout",
             f"expected split folders such as train-clean-100/ holding <speaker>/<chapter>/*{AUDIO_SUFFIX}; "
             f"found {found or 'nothing'}",
-        )  # fmt: skip
+        )
     return splits
 
 

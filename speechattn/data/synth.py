@@ -42,12 +42,56 @@ UTT_TILT_JITTER, UTT_EQ_DB, UTT_GAIN_DB, UTT_SNR_DB = 0.15, 4.0, 4.0, 5.0
 STALE_BUILD_SECONDS = 3600  # temporary build folders older than this belong to killed builds
 
 # eSpeak NG English accents (espeak-ng-data/lang/gmw) and human-sounding voice variants (voices/!v).
-ACCENTS = ("en", "en-us", "en-gb-x-rp", "en-029", "en-gb-scotland", "en-us-nyc",
-           "en-gb-x-gbcwmd", "en-gb-x-gbclan")  # fmt: skip
-VARIANTS = ("m1", "m2", "m3", "m4", "m5", "m6", "m7", "m8", "f1", "f2", "f3", "f4", "f5",
-            "Alex", "Alicia", "Andrea", "Andy", "Annie", "Denis", "Gene", "Jacky", "Lee",
-            "Michael", "Mike", "antonio", "aunty", "belinda", "boris", "ed", "iven", "john",
-            "linda", "max", "norbert", "quincy", "robert", "steph", "travis")  # fmt: skip
+ACCENTS = (
+    "en",
+    "en-us",
+    "en-gb-x-rp",
+    "en-029",
+    "en-gb-scotland",
+    "en-us-nyc",
+    "en-gb-x-gbcwmd",
+    "en-gb-x-gbclan",
+)
+VARIANTS = (
+    "m1",
+    "m2",
+    "m3",
+    "m4",
+    "m5",
+    "m6",
+    "m7",
+    "m8",
+    "f1",
+    "f2",
+    "f3",
+    "f4",
+    "f5",
+    "Alex",
+    "Alicia",
+    "Andrea",
+    "Andy",
+    "Annie",
+    "Denis",
+    "Gene",
+    "Jacky",
+    "Lee",
+    "Michael",
+    "Mike",
+    "antonio",
+    "aunty",
+    "belinda",
+    "boris",
+    "ed",
+    "iven",
+    "john",
+    "linda",
+    "max",
+    "norbert",
+    "quincy",
+    "robert",
+    "steph",
+    "travis",
+)
 
 
 @dataclass(frozen=True)
@@ -82,13 +126,18 @@ def make_speakers(count: int, seed: int = 0, heldout: bool = False) -> list[Spea
         variant, accent = pairs[int(k)]
         rng = np.random.default_rng([seed, int(heldout), i, 104729])
         speakers.append(
-            Speaker(str((7001 if heldout else 1001) + i), accent, variant,
-                    pitch=int(rng.integers(30, 71)), pitch_range=int(rng.integers(30, 81)),
-                    rate=int(rng.integers(140, 201)),
-                    tilt=round(float(rng.uniform(-0.45, 0.45)), 3),
-                    gain_db=round(float(rng.uniform(-6.0, 0.0)), 2),
-                    snr_db=round(float(rng.uniform(28.0, 42.0)), 1))
-        )  # fmt: skip
+            Speaker(
+                str((7001 if heldout else 1001) + i),
+                accent,
+                variant,
+                pitch=int(rng.integers(30, 71)),
+                pitch_range=int(rng.integers(30, 81)),
+                rate=int(rng.integers(140, 201)),
+                tilt=round(float(rng.uniform(-0.45, 0.45)), 3),
+                gain_db=round(float(rng.uniform(-6.0, 0.0)), 2),
+                snr_db=round(float(rng.uniform(28.0, 42.0)), 1),
+            )
+        )
     return speakers
 
 
@@ -244,8 +293,12 @@ def build_corpus(
     seconds = sum(r["num_samples"] for r in results) / SAMPLE_RATE
     log.info(
         "built %s: %d speakers, %d utterances, %.1f min of speech in %.1f s",
-        out, len(table), len(results), seconds / 60, time.perf_counter() - start,
-    )  # fmt: skip
+        out,
+        len(table),
+        len(results),
+        seconds / 60,
+        time.perf_counter() - start,
+    )
     return out
 
 
@@ -348,9 +401,14 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     build_corpus(
-        args.out, args.speakers, args.utterances_per_speaker, args.seed, args.heldout, args.workers,
+        args.out,
+        args.speakers,
+        args.utterances_per_speaker,
+        args.seed,
+        args.heldout,
+        args.workers,
         progress=not args.no_progress,
-    )  # fmt: skip
+    )
 
 
 if __name__ == "__main__":

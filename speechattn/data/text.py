@@ -48,8 +48,16 @@ HELDOUT_SHARE = 5  # one sentence in 5 belongs to the held-out pool
 
 
 # word list -> words per line: (singular, plural) nouns, (base, third person, past) verbs
-LISTS = {"nouns": 2, "verbs": 3, "intransitive": 3, "adjectives": 1, "adverbs": 1, "names": 1,
-         "places": 1, "times": 1}  # fmt: skip
+LISTS = {
+    "nouns": 2,
+    "verbs": 3,
+    "intransitive": 3,
+    "adjectives": 1,
+    "adverbs": 1,
+    "names": 1,
+    "places": 1,
+    "times": 1,
+}
 
 
 @cache
@@ -81,14 +89,27 @@ def sentence(rng: np.random.Generator) -> str:
     (a1, a2) = _pick(rng, lx["adjectives"], 2)
     (name1, name2) = _pick(rng, lx["names"], 2)
     slots = {
-        "N": n1[0], "N2": n2[0], "Ns": n1[1], "Ns2": n2[1],
-        "A": a1, "A2": a2,
-        "V": v[2], "Vb": v[0], "Vz": v[1],
-        "I": i1[2], "I2": i2[2], "Ib": i1[0], "Iz": i1[1],
-        "D": _pick(rng, lx["adverbs"])[0], "P": _pick(rng, lx["places"])[0],
-        "T": _pick(rng, lx["times"])[0], "Name": name1, "Name2": name2,
-        "Num": _pick(rng, NUMBERS)[0], "Prep": _pick(rng, PREPOSITIONS)[0],
-    }  # fmt: skip
+        "N": n1[0],
+        "N2": n2[0],
+        "Ns": n1[1],
+        "Ns2": n2[1],
+        "A": a1,
+        "A2": a2,
+        "V": v[2],
+        "Vb": v[0],
+        "Vz": v[1],
+        "I": i1[2],
+        "I2": i2[2],
+        "Ib": i1[0],
+        "Iz": i1[1],
+        "D": _pick(rng, lx["adverbs"])[0],
+        "P": _pick(rng, lx["places"])[0],
+        "T": _pick(rng, lx["times"])[0],
+        "Name": name1,
+        "Name2": name2,
+        "Num": _pick(rng, NUMBERS)[0],
+        "Prep": _pick(rng, PREPOSITIONS)[0],
+    }
     text = template.format(**slots)
     text = re.sub(r"\b([Aa]) (?=[aeiouAEIOU])", r"\1n ", text)  # a apple -> an apple
     return text[0].upper() + text[1:]

@@ -222,13 +222,17 @@ def _maps(results: ResultSet, variant: str, layer: int | None, report: Report) -
 
 
 def _superb_readme(superb: Table) -> str:
-    return "\n".join([
-        "# SUPERB results", "",
-        "`superb_result.json` files under this folder (`python -m speechattn.superb -m evaluate`); "
-        "regenerate with `python -m speechattn.report RESULTS_DIR`. Every file: "
-        "[superb.md](superb.md) / `superb.csv`.", "",
-        superb.markdown(),
-    ])  # fmt: skip
+    return "\n".join(
+        [
+            "# SUPERB results",
+            "",
+            "`superb_result.json` files under this folder (`python -m speechattn.superb -m evaluate`); "
+            "regenerate with `python -m speechattn.report RESULTS_DIR`. Every file: "
+            "[superb.md](superb.md) / `superb.csv`.",
+            "",
+            superb.markdown(),
+        ]
+    )
 
 
 def _readme(
@@ -259,22 +263,40 @@ def _readme(
         "time and peak memory per variant |",
     ]
     optional_rows = [  # (present, the row)
-        (written("fig_attention_maps.png"), "| [fig_attention_maps.png](fig_attention_maps.png) "
-         "| every head of one layer for one test utterance under its log-mel spectrogram (study "
-         "Fig. 2) |"),
-        (written("fig_accuracy_vs_keys.png"), "| [fig_accuracy_vs_keys.png](fig_accuracy_vs_keys"
-         ".png) | utterance-level speaker accuracy vs keys attended per query (study Fig. 4) |"),
-        (written("heads.md"), "| [heads.md](heads.md), `heads_*.png`, `fig_heads_pruning.png` | "
-         "head importance heat-maps, single-head ablations and pruning curves (`python -m "
-         "speechattn.analyze heads`) |"),
-        (abx is not None, "| [abx.md](abx.md) / `abx.csv`, [fig_abx_layers.png](fig_abx_layers"
-         ".png) | ABX error per variant and layer, within and across speakers (`python -m "
-         "speechattn.abx`) |"),
-        (superb is not None, "| [superb.md](superb.md) / `superb.csv` | SUPERB tasks through "
-         "s3prl's runner: speechattn upstreams vs baselines (`python -m speechattn.superb`) |"),
-        (written("spans.md"), "| [spans.md](spans.md) / `spans.csv` | learned attention span of "
-         "every head and layer of the adaptive_span upstreams |"),
-    ]  # fmt: skip
+        (
+            written("fig_attention_maps.png"),
+            "| [fig_attention_maps.png](fig_attention_maps.png) "
+            "| every head of one layer for one test utterance under its log-mel spectrogram (study "
+            "Fig. 2) |",
+        ),
+        (
+            written("fig_accuracy_vs_keys.png"),
+            "| [fig_accuracy_vs_keys.png](fig_accuracy_vs_keys"
+            ".png) | utterance-level speaker accuracy vs keys attended per query (study Fig. 4) |",
+        ),
+        (
+            written("heads.md"),
+            "| [heads.md](heads.md), `heads_*.png`, `fig_heads_pruning.png` | "
+            "head importance heat-maps, single-head ablations and pruning curves (`python -m "
+            "speechattn.analyze heads`) |",
+        ),
+        (
+            abx is not None,
+            "| [abx.md](abx.md) / `abx.csv`, [fig_abx_layers.png](fig_abx_layers"
+            ".png) | ABX error per variant and layer, within and across speakers (`python -m "
+            "speechattn.abx`) |",
+        ),
+        (
+            superb is not None,
+            "| [superb.md](superb.md) / `superb.csv` | SUPERB tasks through "
+            "s3prl's runner: speechattn upstreams vs baselines (`python -m speechattn.superb`) |",
+        ),
+        (
+            written("spans.md"),
+            "| [spans.md](spans.md) / `spans.csv` | learned attention span of "
+            "every head and layer of the adaptive_span upstreams |",
+        ),
+    ]
     lines += [row for present, row in optional_rows if present]
     lines += ["", "## Accuracy (Table 2)", "", table2.markdown()]
     if report.missing:

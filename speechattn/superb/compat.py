@@ -274,21 +274,48 @@ def set_voxceleb1_cache(expdir: str | Path) -> Path:
 
 
 SHIMS: tuple[Shim, ...] = (
-    Shim("set_audio_backend", "torchaudio 2.9 removed set_audio_backend (s3prl 0.4.18 "
-         "run_downstream.main, upstream/byol_s)", install_set_audio_backend),
-    Shim("sox_effects", "torchaudio 2.9 removed sox_effects (s3prl 0.4.18 speech_commands "
-         "dataset, mos_prediction import)", install_sox_effects),
-    Shim("audio_io", "torchaudio 2.9 routes load/info through torchcodec + FFmpeg (s3prl "
-         "0.4.18 voxceleb1 and ctc datasets)", install_audio_io),
-    Shim("hf_folder", "huggingface_hub 1.0 removed HfFolder and Repository (s3prl 0.4.18 "
-         "runner.py and run_downstream.py imports)", install_hf_folder),
-    Shim("catalyst", "no catalyst release installs and imports on Python 3.11 (s3prl 0.4.18 "
-         "speech_commands expert)", install_catalyst),
-    Shim("checkpoints", "torch 2.6 made torch.load weights-only (s3prl 0.4.18 runner "
-         "checkpoints hold argparse.Namespace)", install_checkpoints),
-    Shim("libriphone", "the s3prl 0.4.18 wheel lacks downstream/ctc/corpus (phoneme "
-         "recognition)", install_libriphone),
-)  # fmt: skip
+    Shim(
+        "set_audio_backend",
+        "torchaudio 2.9 removed set_audio_backend (s3prl 0.4.18 "
+        "run_downstream.main, upstream/byol_s)",
+        install_set_audio_backend,
+    ),
+    Shim(
+        "sox_effects",
+        "torchaudio 2.9 removed sox_effects (s3prl 0.4.18 speech_commands "
+        "dataset, mos_prediction import)",
+        install_sox_effects,
+    ),
+    Shim(
+        "audio_io",
+        "torchaudio 2.9 routes load/info through torchcodec + FFmpeg (s3prl "
+        "0.4.18 voxceleb1 and ctc datasets)",
+        install_audio_io,
+    ),
+    Shim(
+        "hf_folder",
+        "huggingface_hub 1.0 removed HfFolder and Repository (s3prl 0.4.18 "
+        "runner.py and run_downstream.py imports)",
+        install_hf_folder,
+    ),
+    Shim(
+        "catalyst",
+        "no catalyst release installs and imports on Python 3.11 (s3prl 0.4.18 "
+        "speech_commands expert)",
+        install_catalyst,
+    ),
+    Shim(
+        "checkpoints",
+        "torch 2.6 made torch.load weights-only (s3prl 0.4.18 runner "
+        "checkpoints hold argparse.Namespace)",
+        install_checkpoints,
+    ),
+    Shim(
+        "libriphone",
+        "the s3prl 0.4.18 wheel lacks downstream/ctc/corpus (phoneme recognition)",
+        install_libriphone,
+    ),
+)
 
 
 def install() -> list[str]:

@@ -17,8 +17,11 @@ from speechattn.errors import ConfigError
 # s3prl -d names -> the SUPERB abbreviations the recipe and the report use
 ABBREVIATION = {"speech_commands": "ks", "voxceleb1": "sid", "ctc": "pr"}
 # the metric s3prl writes for each task, and whether higher is better
-METRIC = {"speech_commands": ("accuracy", True), "voxceleb1": ("accuracy", True),
-          "ctc": ("per", False)}  # fmt: skip
+METRIC = {
+    "speech_commands": ("accuracy", True),
+    "voxceleb1": ("accuracy", True),
+    "ctc": ("per", False),
+}
 
 _ADAM = {"name": "TorchOptim", "torch_optim_name": "Adam"}
 

@@ -33,9 +33,10 @@ def read_lexicon(paths: list[str | Path], vocabulary: set[str]) -> dict[str, lis
                 unknown = [p for p in phonemes if p not in vocabulary]
                 if unknown:
                     raise DataError(
-                        Path(path), f"line {number}: phonemes {unknown} of {word!r} are not in "
-                        f"the vocabulary", "use the phoneme set of text.vocab_file",
-                    )  # fmt: skip
+                        Path(path),
+                        f"line {number}: phonemes {unknown} of {word!r} are not in the vocabulary",
+                        "use the phoneme set of text.vocab_file",
+                    )
                 lexicon.setdefault(word, phonemes)
     return lexicon
 
@@ -66,9 +67,10 @@ class LibriPhoneDataset(Dataset):
                     missing = [w for w in row["transcription"].split() if w not in words]
                     if missing:
                         raise DataError(
-                            path, f"line {number}: words {missing[:5]} are not in the lexicon",
+                            path,
+                            f"line {number}: words {missing[:5]} are not in the lexicon",
                             "add them to a lexicon file",
-                        )  # fmt: skip
+                        )
                     phonemes = [p for w in row["transcription"].split() for p in words[w]]
                     rows.append((row["wav_path"], tokenizer.encode(" ".join(phonemes))))
         except FileNotFoundError as e:

@@ -305,8 +305,13 @@ def prepare(task: str, root: str | Path, out: str | Path, repeats: int = 3) -> P
         kwargs = {"repeats": repeats} if task == "speech_commands" else {}
         info = PREPARE[task](root, tmp, **kwargs)
         paths = {k: _moved(v, tmp, out) for k, v in info.pop("paths").items()}
-        record = {"task": task, "layout_version": LAYOUT_VERSION, "corpus": str(root),
-                  "config": paths, **info}  # fmt: skip
+        record = {
+            "task": task,
+            "layout_version": LAYOUT_VERSION,
+            "corpus": str(root),
+            "config": paths,
+            **info,
+        }
         if task == "ctc":  # csv rows name the audio by absolute path
             for name in ("train", "dev", "test"):
                 csv_path = tmp / f"{name}.csv"
@@ -339,8 +344,12 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--task", required=True, choices=[*TASKS, "all"])
     parser.add_argument("--root", type=Path, default=None, help="corpus (default: built-in)")
-    parser.add_argument("--out", type=Path, default=None,
-                        help="output folder (default: the cache folder superb reads)")  # fmt: skip
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="output folder (default: the cache folder superb reads)",
+    )
     parser.add_argument("--repeats", type=int, default=3, help="keyword clips per word and speaker")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")

@@ -77,9 +77,15 @@ def key_pointers(col: Tensor, by_key: Tensor, n: int) -> Tensor:
 
 @torch.library.custom_op("speechattn::topk_attention_backward", mutates_args=())
 def _topk_attention_backward(
-    grad: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, p: Tensor, col: Tensor,
+    grad: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    p: Tensor,
+    col: Tensor,
     scale: float,
-) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+) -> tuple[Tensor, Tensor, Tensor]:
     """dL/dq, dL/dk, dL/dv (N, T, d) of `_topk_attention` from dL/dout (N, T, d)."""
     shape = q.shape
     N, T, d = shape
@@ -89,10 +95,13 @@ def _topk_attention_backward(
         if N * T:
             rows = [t.reshape(N * T, d).contiguous().numpy() for t in (grad, q, k, v, out)]
             sparse_topk_cpu.backward(
-                *rows, p.view(N * T, kk).numpy(), col.view(N * T, kk).numpy(),
-                rows[0].dtype.type(scale), T,
+                *rows,
+                p.view(N * T, kk).numpy(),
+                col.view(N * T, kk).numpy(),
+                rows[0].dtype.type(scale),
+                T,
                 *(g.numpy() for g in grads),
-            )  # fmt: skip
+            )
         return tuple(g.view(shape) for g in grads)
     with torch.autocast(q.device.type, enabled=False):
         grad, q, k, v, out = (t.reshape(N * T, d) for t in (grad, q, k, v, out))

@@ -85,9 +85,11 @@ class TableWindows(torch.autograd.Function):
         ctx.save_for_backward(table, offsets)
         ctx.memory = memory
         return torch.stack(
-            [torch.stack([_window(table[i], o, 0, T, T) for i, o in enumerate(offs)])
-             for offs in offsets.tolist()]
-        )  # fmt: skip
+            [
+                torch.stack([_window(table[i], o, 0, T, T) for i, o in enumerate(offs)])
+                for offs in offsets.tolist()
+            ]
+        )
 
     @staticmethod
     def backward(ctx, grad: Tensor) -> tuple[Tensor, None, None, None]:

@@ -72,14 +72,25 @@ def gc(cache_root: Path, dry_run: bool, grace_s: float, forget_missing: bool = F
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m speechattn.data.cache", description=__doc__)
     p.add_argument("command", choices=("ls", "gc"))
-    p.add_argument("--cache-dir", type=Path, default=None,
-                   help="cache root (default: $SPEECHATTN_CACHE or ~/.cache/speechattn)")  # fmt: skip
+    p.add_argument(
+        "--cache-dir",
+        type=Path,
+        default=None,
+        help="cache root (default: $SPEECHATTN_CACHE or ~/.cache/speechattn)",
+    )
     p.add_argument("--dry-run", action="store_true", help="gc: only list what would go")
-    p.add_argument("--grace-hours", type=float, default=GRACE_S / 3600,
-                   help="gc keeps unused files younger than this (an extraction may be running)")  # fmt: skip
-    p.add_argument("--forget-missing", action="store_true",
-                   help="gc: also remove corpora whose folder is not there (by default kept: a "
-                   "renamed folder or an unmounted drive may come back)")  # fmt: skip
+    p.add_argument(
+        "--grace-hours",
+        type=float,
+        default=GRACE_S / 3600,
+        help="gc keeps unused files younger than this (an extraction may be running)",
+    )
+    p.add_argument(
+        "--forget-missing",
+        action="store_true",
+        help="gc: also remove corpora whose folder is not there (by default kept: a "
+        "renamed folder or an unmounted drive may come back)",
+    )
     add_debug_flag(p)
     args = p.parse_args(argv)
     root = (args.cache_dir or default_cache_root()).expanduser()

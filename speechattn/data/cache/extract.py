@@ -135,10 +135,19 @@ def _touch_plan(plan: Path, folder: Path, settings: ExtractionSettings, keys: li
 
 def _write_plan(plan: Path, folder: Path, settings: ExtractionSettings, keys: list[str]) -> None:
     """The shards an extraction in progress needs: `gc` keeps them while the plan is fresh."""
-    atomic_write_text(plan, json.dumps({
-        "folder": str(folder), "settings_key": settings.key, "shards": keys,
-        "host": host_name(), "pid": os.getpid(), "started": time.time(),
-    }))  # fmt: skip
+    atomic_write_text(
+        plan,
+        json.dumps(
+            {
+                "folder": str(folder),
+                "settings_key": settings.key,
+                "shards": keys,
+                "host": host_name(),
+                "pid": os.getpid(),
+                "started": time.time(),
+            }
+        ),
+    )
 
 
 def extract_features(
@@ -203,18 +212,26 @@ def extract_features(
         if marker is not None:
             _check_failures(marker, issues, path_of)
     pending = {
-        key: ShardTask(directory, key,
-                       [(u.utt_id, str(u.path), u.segment) for u in utterances[a:b]],
-                       settings, len(utterances))
+        key: ShardTask(
+            directory,
+            key,
+            [(u.utt_id, str(u.path), u.segment) for u in utterances[a:b]],
+            settings,
+            len(utterances),
+        )
         for key, (a, b) in zip(keys, ranges)
         if markers[key] is None
-    }  # fmt: skip
+    }
     left = sum(len(t.items) for t in pending.values())  # utterances
     if pending:
         log.info(
             "%s: %d of %d shards (%d utterances) to extract -> %s",
-            description, len(pending), len(keys), left, directory,
-        )  # fmt: skip
+            description,
+            len(pending),
+            len(keys),
+            left,
+            directory,
+        )
 
     # 3. extract: every pending shard claimed, written and committed here, or by another process
     start = time.perf_counter()
@@ -234,9 +251,15 @@ def extract_features(
             workers = min(n_workers, len(pending))
             with process_pool(workers) as pool:  # forked before the claims' heartbeat thread starts
                 shards = claim_map(
-                    extract_shard, dict(pending), directory, committed, pool, workers,
-                    claim_config, "shards",
-                )  # fmt: skip
+                    extract_shard,
+                    dict(pending),
+                    directory,
+                    committed,
+                    pool,
+                    workers,
+                    claim_config,
+                    "shards",
+                )
                 with closing(shards):  # closed: claims released, then the pool ends
                     for key, marker in shards:
                         OPEN_SHARDS.forget(str(shard_paths(directory, key).npy))  # replaced file
@@ -269,8 +292,9 @@ def extract_features(
         return (meta["shards"], meta["records"], meta["listing"]) == (keys, records, listing)
 
     for _ in claim_pending([manifest.stem], manifests, written, claim_config, "manifests"):
-        _write_manifest(manifest, folder, settings, utterances, shas, ranges, keys, markers,
-                        listing, scan_skips)  # fmt: skip
+        _write_manifest(
+            manifest, folder, settings, utterances, shas, ranges, keys, markers, listing, scan_skips
+        )
     touch(manifest)  # used now (`ls`), whoever wrote it
     plan.unlink(missing_ok=True)
     store = FeatureStore(manifest, max_open_shards)
@@ -349,14 +373,19 @@ def report(store: FeatureStore, issues: Issues, scan: bool) -> None:
     if len(store.notes) > limit:
         log.warning(
             "audio converted: %d more files (listed in %s)",
-            len(store.notes) - limit, store.manifest,
-        )  # fmt: skip
+            len(store.notes) - limit,
+            store.manifest,
+        )
 
 
 def open_split(
-    root: str | Path, split: str, settings: ExtractionSettings, cache_root: str | Path,
-    issues: Issues | None = None, **options: Any,
-) -> FeatureStore:  # fmt: skip
+    root: str | Path,
+    split: str,
+    settings: ExtractionSettings,
+    cache_root: str | Path,
+    issues: Issues | None = None,
+    **options: Any,
+) -> FeatureStore:
     """The cached features of the LibriSpeech-layout split folder `root/split` (`open_source`
     of its `SplitSource`; `options` as there)."""
     return open_source(SplitSource(Path(root), split), settings, cache_root, issues, **options)
@@ -392,11 +421,23 @@ def open_source(
         if not utts:
             raise DataError(listing.folder, "no usable utterances", source.empty_detail)
         store = extract_features(
-            utts, settings, cache_root, issues, workers, shard_size, progress,
-            f"features {source.split}", on_shard_done, verify, folder=listing.folder,
-            name=listing.name, listing=listing.digest, scan_skips=issues.skips[before:],
-            max_open_shards=max_open_shards, claim_config=claim_config,
-        )  # fmt: skip
+            utts,
+            settings,
+            cache_root,
+            issues,
+            workers,
+            shard_size,
+            progress,
+            f"features {source.split}",
+            on_shard_done,
+            verify,
+            folder=listing.folder,
+            name=listing.name,
+            listing=listing.digest,
+            scan_skips=issues.skips[before:],
+            max_open_shards=max_open_shards,
+            claim_config=claim_config,
+        )
     warn_if_stale(cache_root)
     return store
 

@@ -112,8 +112,12 @@ def _files_in_use(meta: dict, z, folder: Path) -> set[str]:
     """Shard keys of a manifest whose audio files all still have the recorded size and mtime."""
     keys = meta["shards"]
     broken = np.zeros(len(keys), dtype=bool)
-    files = zip(z["files_rel"].tolist(), z["files_size"].tolist(), z["files_mtime"].tolist(),
-                z["files_shard"].tolist())  # fmt: skip
+    files = zip(
+        z["files_rel"].tolist(),
+        z["files_size"].tolist(),
+        z["files_mtime"].tolist(),
+        z["files_shard"].tolist(),
+    )
     for rel, size, mtime, k in files:
         try:
             st = os.stat(folder / rel.decode())
@@ -137,8 +141,9 @@ def _manifest_info(path: Path, check_files: bool, forget_missing: bool) -> Manif
         else:
             in_use = _files_in_use(meta, z, folder) if check_files else set(keys)
             status = "live" if in_use == set(keys) else "changed" if in_use else "stale"
-    return ManifestInfo(path, meta["folder"], exists, meta["utterances"], keys, in_use,
-                        path.stat().st_mtime, status)  # fmt: skip
+    return ManifestInfo(
+        path, meta["folder"], exists, meta["utterances"], keys, in_use, path.stat().st_mtime, status
+    )
 
 
 def owner_running(path: Path, younger_than: float) -> bool:
@@ -185,8 +190,15 @@ def survey(
                 protected.update(shards_of.get(mark.name.split(".", 1)[0], []))
         except (OSError, ValueError, KeyError):
             continue
-    return Survey(features, manifests, _shard_files(features), plans, dead_marks,
-                  _old_entries(features), protected)  # fmt: skip
+    return Survey(
+        features,
+        manifests,
+        _shard_files(features),
+        plans,
+        dead_marks,
+        _old_entries(features),
+        protected,
+    )
 
 
 def _claimed(shard: ShardFiles, claim_config: ClaimConfig | None) -> bool:
@@ -216,8 +228,14 @@ def collect(
     entries too young or claimed to remove)}."""
     s = survey(cache_root, grace_s, forget_missing=forget_missing, claim_config=claim_config)
     now = time.time()
-    removed = {"manifests": [], "shards": [], "old_entries": [], "temp_files": [], "bytes": 0,
-               "kept": 0}  # fmt: skip
+    removed = {
+        "manifests": [],
+        "shards": [],
+        "old_entries": [],
+        "temp_files": [],
+        "bytes": 0,
+        "kept": 0,
+    }
 
     def remove(*paths: Path) -> None:
         if not dry_run:
@@ -270,6 +288,9 @@ def warn_if_stale(cache_root: str | Path) -> None:
         log.warning(
             "%.1f GB of feature cache (%.0f %% of %s) is not used by any corpus: "
             "python -m speechattn.data.cache gc --cache-dir %s%s",
-            stale / 1e9, 100 * stale / max(total, 1), s.root, root,
+            stale / 1e9,
+            100 * stale / max(total, 1),
+            s.root,
+            root,
             " --forget-missing (corpus folders that are gone: see ls)" if missing else "",
-        )  # fmt: skip
+        )

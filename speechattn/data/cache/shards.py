@@ -163,8 +163,13 @@ def save_npy(path: Path, array: np.ndarray) -> Record:
             out = _HashingWriter(f)
             np.save(out, array)
         mtime_ns = os.stat(tmp).st_mtime_ns  # a rename keeps it
-    return {"size": out.size, "shape": list(array.shape), "dtype": array.dtype.str,
-            "sha256": out.sha256.hexdigest(), "mtime_ns": mtime_ns}  # fmt: skip
+    return {
+        "size": out.size,
+        "shape": list(array.shape),
+        "dtype": array.dtype.str,
+        "sha256": out.sha256.hexdigest(),
+        "mtime_ns": mtime_ns,
+    }
 
 
 def save_npz(path: Path, arrays: dict[str, np.ndarray]) -> dict[str, int]:
@@ -354,8 +359,14 @@ def _featurise(task: ShardTask) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
         "npy": np.concatenate(feats) if feats else np.zeros((0, F), dtype),  # (frames, F)
         "stats": np.stack(stats) if stats else np.zeros((0, 2, F)),  # (utterances, 2, F)
     }
-    marker = {"key": task.key, "utt_ids": ids, "lengths": lengths, "failures": failures,
-              "notes": notes, "seconds": seconds}  # fmt: skip
+    marker = {
+        "key": task.key,
+        "utt_ids": ids,
+        "lengths": lengths,
+        "failures": failures,
+        "notes": notes,
+        "seconds": seconds,
+    }
     return arrays, marker
 
 

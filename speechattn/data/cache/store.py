@@ -165,9 +165,10 @@ class FeatureStore:
         self.max_open_shards = max_open_shards
         if problem := self._index_problem():
             raise DataError(
-                self.manifest, "feature cache index does not match its shards",
+                self.manifest,
+                "feature cache index does not match its shards",
                 f"{problem}; rerun the same command: the index is rebuilt from the shards",
-            )  # fmt: skip
+            )
 
     def __len__(self) -> int:
         return len(self.utt_ids)

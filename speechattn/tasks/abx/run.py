@@ -102,12 +102,20 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     scores = []
     for k, layer in enumerate(layers):
         score = abx_score(
-            features.features[:, k], offsets, items.subset(keep), first[keep], stop[keep],
+            features.features[:, k],
+            offsets,
+            items.subset(keep),
+            first[keep],
+            stop[keep],
             cfg.distance,
-        )  # fmt: skip
+        )
         scores.append({"layer": layer, **asdict(score)})
-        log.info("ABX layer %d: within %s, across %s", layer, _percent(score.within),
-                 _percent(score.across))  # fmt: skip
+        log.info(
+            "ABX layer %d: within %s, across %s",
+            layer,
+            _percent(score.within),
+            _percent(score.across),
+        )
     runtime = {"features": t_features, "score": time.perf_counter() - t_score}
     runtime["total"] = time.perf_counter() - t_start
     record = AbxRecord(

@@ -73,12 +73,16 @@ def triphone_items(phones: Sequence[np.ndarray], speakers: Sequence[int]) -> Ite
     run_label, run_utt = labels[run_start], utt[run_start]
     mid = np.arange(1, max(len(run_start) - 1, 1))  # runs with a run on either side
     ok = (
-        (run_utt[mid - 1] == run_utt[mid])
-        & (run_utt[mid + 1] == run_utt[mid])
-        & (run_label[mid - 1] >= 0)
-        & (run_label[mid] >= 0)
-        & (run_label[mid + 1] >= 0)
-    ) if len(run_start) >= 3 else np.zeros(0, dtype=bool)  # fmt: skip
+        (
+            (run_utt[mid - 1] == run_utt[mid])
+            & (run_utt[mid + 1] == run_utt[mid])
+            & (run_label[mid - 1] >= 0)
+            & (run_label[mid] >= 0)
+            & (run_label[mid + 1] >= 0)
+        )
+        if len(run_start) >= 3
+        else np.zeros(0, dtype=bool)
+    )
     mid = mid[ok]
     u = run_utt[mid]
     return Items(
@@ -190,8 +194,21 @@ def _errors(dist, a0, a1, b0, b1, x0, x1):
 
 
 @cpu_kernel()
-def _cells(dist, g0, g1, speaker_lo, speaker_hi, center_order, center_lo, center_hi,
-           speaker, within_at, within, across_at, across):  # fmt: skip
+def _cells(
+    dist,
+    g0,
+    g1,
+    speaker_lo,
+    speaker_hi,
+    center_order,
+    center_lo,
+    center_hi,
+    speaker,
+    within_at,
+    within,
+    across_at,
+    across,
+):
     """The cells of one context's groups (item ranges [g0, g1), sorted by speaker then
     center): for group A and each other group B of its speaker, the within cell (A with at
     least two items), then one across cell per group X of A's center and another speaker
@@ -292,18 +309,51 @@ def abx_score(
         n_across = others * (center_hi - center_lo - 1)
         within = np.zeros((int(n_within.sum()), 3))
         across = np.zeros((int(n_across.sum()), 4))
-        _cells(dist, g0, g1, speaker_lo, speaker_hi, center_order, center_lo, center_hi, spk,
-               np.cumsum(n_within) - n_within, within, np.cumsum(n_across) - n_across, across)  # fmt: skip
+        _cells(
+            dist,
+            g0,
+            g1,
+            speaker_lo,
+            speaker_hi,
+            center_order,
+            center_lo,
+            center_hi,
+            spk,
+            np.cumsum(n_within) - n_within,
+            within,
+            np.cumsum(n_across) - n_across,
+            across,
+        )
         ga = np.repeat(np.arange(c1 - c0), n_within)
         gb = within[:, 0].astype(np.int64)
-        found["within"].append(np.stack([
-            g_context[c0 + ga], spk[ga], cen[ga], cen[gb], spk[ga], within[:, 1] / within[:, 2],
-        ], 1))  # fmt: skip
+        found["within"].append(
+            np.stack(
+                [
+                    g_context[c0 + ga],
+                    spk[ga],
+                    cen[ga],
+                    cen[gb],
+                    spk[ga],
+                    within[:, 1] / within[:, 2],
+                ],
+                1,
+            )
+        )
         ga = np.repeat(np.arange(c1 - c0), n_across)
         gb, gx = across[:, 0].astype(np.int64), across[:, 1].astype(np.int64)
-        found["across"].append(np.stack([
-            g_context[c0 + ga], spk[ga], cen[ga], cen[gb], spk[gx], across[:, 2] / across[:, 3],
-        ], 1))  # fmt: skip
+        found["across"].append(
+            np.stack(
+                [
+                    g_context[c0 + ga],
+                    spk[ga],
+                    cen[ga],
+                    cen[gb],
+                    spk[gx],
+                    across[:, 2] / across[:, 3],
+                ],
+                1,
+            )
+        )
         triplets["within"] += int(within[:, 2].sum())
         triplets["across"] += int(across[:, 3].sum())
     score = AbxScore(None, None, triplets=triplets)
