@@ -25,8 +25,7 @@ def compose_config(overrides: list[str] | None = None) -> DictConfig:
 
 
 def run(cfg: DictConfig, datamodule: Any = None) -> dict[str, Any]:
-    """`speechattn.tasks.analysis.run` with the report's figures (tasks do not import the
-    report layer, the entry point joins them)."""
+    """`speechattn.tasks.analysis.run` with the report's figures (tasks do not import report)."""
     from speechattn.report.figures import head_figures
 
     return run_analysis(cfg, datamodule, figures=head_figures)

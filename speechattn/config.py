@@ -14,7 +14,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from hydra.core.hydra_config import HydraConfig
 from hydra.experimental.callback import Callback
+from hydra.types import RunMode
 from omegaconf import MISSING, DictConfig
 
 from speechattn import CONFIG_DIR
@@ -143,8 +145,7 @@ def register() -> None:
     store = ConfigStore.instance()
     for name, node in SCHEMAS.items():
         store.store(group="schema", name=name, node=node)
-    # each attention variant's options with its config's defaults, which
-    # conf/attention/<name>.yaml extends: any option can be overridden without a `+`
+    # each variant's options with its config's defaults: overridable without a `+`
     from speechattn.attention import available
     from speechattn.attention.registry import options
 
@@ -159,8 +160,7 @@ def register() -> None:
 
 
 def compose(config_name: str, overrides: list[str] | None = None) -> DictConfig:
-    """`conf/<config_name>.yaml` composed with `overrides`, as its entry point's `@hydra.main`
-    would (for tests and notebooks)."""
+    """`conf/<config_name>.yaml` composed with `overrides`, as its `@hydra.main` would."""
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
 
@@ -177,7 +177,8 @@ def run_cli(run: Callable[[DictConfig], dict[str, Any]], cfg: DictConfig) -> dic
         return run(cfg)
     except SpeechattnError as e:
         logging.getLogger(run.__module__).error("%s", one_line(e))
-        if _in_multirun() or traceback_requested():
+        multirun = HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
+        if multirun or traceback_requested():
             raise
         sys.exit(1)
 
@@ -204,14 +205,6 @@ class RunFolderGuard(Callback):
                 for name in (*self.WRITTEN, f"{job}.log"):
                     if (folder / name).is_symlink():
                         raise link_error(folder / name)
-
-
-def _in_multirun() -> bool:
-    """True inside a job of a Hydra multirun (any launcher)."""
-    from hydra.core.hydra_config import HydraConfig
-    from hydra.types import RunMode
-
-    return HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
 
 
 register()

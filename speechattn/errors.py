@@ -20,8 +20,7 @@ TRACEBACK_ENV = "HYDRA_FULL_ERROR"
 
 
 class SpeechattnError(Exception):
-    """Base of every error speechattn raises on purpose; its message names the problem and
-    the fix."""
+    """Base of every error speechattn raises on purpose; its message names the problem and fix."""
 
 
 class ConfigError(SpeechattnError, ValueError):
@@ -58,8 +57,7 @@ class DependencyError(SpeechattnError, RuntimeError):
 
 
 def require(ok: bool, setting: str, value: object, rule: str) -> None:
-    """Raise `ConfigError("<setting>=<value>: must be <rule>")` unless `ok`: the one shape of
-    a start-up check."""
+    """Raise `ConfigError("<setting>=<value>: must be <rule>")` unless `ok`."""
     if not ok:
         raise ConfigError(f"{setting}={value!r}: must be {rule}")
 
@@ -81,11 +79,8 @@ def traceback_requested() -> bool:
 
 def add_debug_flag(parser: argparse.ArgumentParser) -> None:
     """`--debug` on an argparse command: a SpeechattnError keeps its traceback."""
-    parser.add_argument(
-        "--debug",
-        action="store_true",
-        help=f"show the traceback of an error (as {TRACEBACK_ENV}=1 does)",
-    )
+    text = f"show the traceback of an error (as {TRACEBACK_ENV}=1 does)"
+    parser.add_argument("--debug", action="store_true", help=text)
 
 
 @contextmanager

@@ -40,8 +40,7 @@ def crop_lengths(batch: int, crop: int, generator: torch.Generator) -> Tensor:
 
 
 def lengths_to_padding_mask(lengths: Tensor, max_len: int | None = None) -> Tensor:
-    """lengths (B,) -> (B, max_len) bool, True at padded positions, on `lengths`' device;
-    `max_len` defaults to the longest length."""
+    """lengths (B,) -> (B, max_len or longest) bool, True at padded positions."""
     import torch
 
     T = int(lengths.max()) if max_len is None else int(max_len)
@@ -71,8 +70,7 @@ def plain(value: Any) -> Any:
 
 
 def default_cache_root() -> Path:
-    """`$SPEECHATTN_CACHE`, else `~/.cache/speechattn`: the root of every cache we write
-    (features, the built-in corpus, measured kernel choices)."""
+    """`$SPEECHATTN_CACHE`, else `~/.cache/speechattn`: the root of every cache we write."""
     env = os.environ.get("SPEECHATTN_CACHE")
     return Path(env).expanduser() if env else Path.home() / ".cache" / "speechattn"
 

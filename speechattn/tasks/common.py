@@ -172,8 +172,7 @@ def configured_loggers(cfg: Any) -> list[Any]:
 
 
 def finish_loggers(loggers: Any) -> None:
-    """End the runs of loggers that stay open after `fit` (wandb keeps one run per process, so
-    the next job of a multirun would log into it); the others are finished by Lightning."""
+    """End wandb's run, open after `fit` (the next job of a multirun would log into it)."""
     for logger in loggers:
         if type(logger).__name__ == "WandbLogger" and logger._experiment is not None:
             logger.experiment.finish()

@@ -1,12 +1,7 @@
 """Preemption: SIGTERM, SIGUSR1 and SIGUSR2 end training at a step boundary with a resumable
-checkpoint. Users' view, and what Lightning 2.6 does by itself (read in its signal connector,
-loops and cloud_io, and tried here): docs/preemption.md.
-
-`StopOnSignal` takes the signals over once `fit` (or `validate`) has installed the connector's
-handlers and only records the signal; after each optimizer step the ranks agree whether any got
-one (one all-reduce under DDP), and if so all write `last.ckpt` and stop at that step with
-`TrainingStopped`. `AtomicCheckpointIO` writes checkpoints beside the target (Lightning's go
-through $TMPDIR, node-local on a cluster, so its move is a copy a SIGKILL can truncate).
+checkpoint, in place of Lightning's own handling (why: docs/preemption.md). The handler only
+records the signal; after each optimizer step the ranks agree whether any got one, and if so
+all write `last.ckpt` and stop at that step with `TrainingStopped`.
 """
 
 from __future__ import annotations
@@ -70,8 +65,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
 
 
 def remove_partial_checkpoints(checkpoint_dir: Path) -> None:
-    """Delete temporary files that a killed checkpoint write left in `checkpoint_dir` (one run
-    writes to its directory at a time; each is as large as a checkpoint)."""
+    """Delete the temporary files killed checkpoint writes left in `checkpoint_dir`."""
     for partial in sorted(checkpoint_dir.glob(f"*.ckpt{TEMP_MARK}*")):
         log.info("removing %s, left by a checkpoint write that was killed", partial)
         partial.unlink(missing_ok=True)

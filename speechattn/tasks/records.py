@@ -179,8 +179,7 @@ def write_heads(result: HeadsRecord, directory: str | Path) -> Path:
 
 
 def read_heads(path: str | Path) -> HeadsRecord:
-    """Read and check one `heads.json` (or a folder holding one); `DataError` naming the file
-    when it is not one."""
+    """Read and check one `heads.json` (or its folder); `DataError` naming it if it is not one."""
     path = Path(path)
     if path.is_dir():
         path = path / HEADS_FILE
@@ -275,8 +274,7 @@ class SuperbResult(_Record):
 
 
 def read_superb(path: str | Path) -> SuperbResult:
-    """Read and check one `superb_result.json`; a `DataError` (a `ValueError`) naming the file
-    when it is not one."""
+    """Read and check one `superb_result.json`; `DataError` naming a file that is not one."""
     result = _read_record(SuperbResult, path, SUPERB_FILE, SUPERB_KIND)
     if not isinstance(result.value, int | float) or result.value != result.value:
         raise DataError(path, f"value must be a number, found {result.value!r}")
@@ -289,8 +287,7 @@ ABX_KIND = "speechattn-abx"
 
 @dataclass
 class AbxRecord(_Record):
-    """One ABX evaluation: `abx.json` (schema version 1; `python -m speechattn.abx`,
-    docs/abx.md), one JSON object."""
+    """One ABX evaluation: `abx.json` (schema version 1; docs/abx.md), one JSON object."""
 
     FILE: ClassVar[str] = ABX_FILE
 

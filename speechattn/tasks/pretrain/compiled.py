@@ -1,11 +1,6 @@
 """torch.compile for pretraining: `masked_reconstruction` (embedding -> encoder -> head ->
-masked L1), the region a training step spends its device time in. The padding mask is decided
-on the host, so no host read and no branch on data sits inside the graph.
-
-Static shapes: one graph per (B, T', padded or not), bounded by the length buckets. A symbolic
-T' would not give one graph anyway: the variants derive static sizes from T' in Python
-(windows, blocks, strides), which dynamo specialises on or cannot lower (LSH: "Cannot convert
-symbols to int"). Validation stays eager (eval and no_grad would each add a set of graphs).
+masked L1), with static shapes. Design (host-side padding mask, one graph per length bucket,
+graph breaks): docs/benchmarks.md#torchcompile.
 """
 
 from __future__ import annotations
@@ -40,10 +35,9 @@ def masked_reconstruction(
 def compile_objective(
     model: nn.Module, mode: str = "default", backend: str = "inductor", max_graphs: int = 64
 ) -> Callable[[MaskedBatch], Tensor]:
-    """`masked_reconstruction` of `model` compiled with static shapes, as a function of a
-    `MaskedBatch` (no sync); the compiled function is its `compiled` attribute. Dynamo's
-    recompile limit (8, beyond which it silently runs eagerly) is raised to `max_graphs`
-    (2 x length buckets x batch sizes; 64 covers T' up to 2048 in buckets of 64 frames)."""
+    """`masked_reconstruction` of `model` compiled, as a function of a `MaskedBatch` (no
+    sync; the compiled function is its `compiled` attribute). Dynamo's recompile limit (8,
+    beyond which it silently runs eagerly) is raised to `max_graphs`."""
     if mode not in COMPILE_MODES:
         raise ConfigError(f"compile_mode must be one of {COMPILE_MODES}, got {mode!r}")
     if max_graphs > torch._dynamo.config.recompile_limit:
@@ -68,9 +62,7 @@ def compile_objective(
 def graph_breaks(
     model: nn.Module, inputs: Tensor, target: Tensor, chosen: Tensor, padding_mask: Tensor | None
 ) -> dict[str, Any]:
-    """`torch._dynamo.explain` of the compile unit -> {graphs, breaks, reasons (one line
-    each)}. The backward has no breaks of its own (AOTAutograd derives it from the forward;
-    an autograd Function dynamo cannot trace breaks the forward where it is applied)."""
+    """`torch._dynamo.explain` of the compile unit -> {graphs, breaks, reasons (one line each)}."""
     torch._dynamo.reset()
     out = torch._dynamo.explain(masked_reconstruction)(model, inputs, target, chosen, padding_mask)
     torch._dynamo.reset()

@@ -38,12 +38,8 @@ LOSS_CURVE_FILE = "loss_curve.png"
 
 def training_device(trainer: L.Trainer) -> str:
     """What trained the model, e.g. "cuda: NVIDIA H100 80GB HBM3 x 2" or "cpu: <model name>"."""
-    device = trainer.strategy.root_device
-    if device.type == "cuda":
-        name = torch.cuda.get_device_name(device)
-    else:
-        name = _cpu_name()
-    count = trainer.world_size
+    device, count = trainer.strategy.root_device, trainer.world_size
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else _cpu_name()
     return f"{device.type}: {name}" + (f" x {count}" if count > 1 else "")
 
 
@@ -58,8 +54,7 @@ def _cpu_name() -> str:
 
 
 def median_metric(rows: list[dict[str, float]], key: str) -> float | None:
-    """Median of a `metrics.csv` column (e.g. `frames_per_s`, `data_wait`) over the rows that
-    have it; None if none has."""
+    """Median of a `metrics.csv` column over the rows that have it; None if none has."""
     values = [r[key] for r in rows if not math.isnan(r.get(key, math.nan))]
     return statistics.median(values) if values else None
 
@@ -95,8 +90,7 @@ def loss_curve_png(rows: list[dict[str, float]], title: str) -> bytes:
 def card_header(
     upstream_path: Path, rows: list[dict[str, float]], license: str, up: Upstream | None = None
 ) -> dict[str, Any]:
-    """The YAML header's facts, from `upstream.pt` (`up`: it, loaded already) and the rows of
-    `metrics.csv`."""
+    """The YAML header's facts, from `upstream.pt` (`up`: loaded already) and `metrics.csv`."""
     up = up or load_upstream(upstream_path)
     meta, config = up.metadata, up.config
     summary = meta.get("data_summary") or {}

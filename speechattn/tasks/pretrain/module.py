@@ -86,9 +86,8 @@ class PretrainTask(L.LightningModule):
 
     def setup(self, stage: str) -> None:
         if self.trainer.strategy.root_device.type == "cuda":
-            # TF32 for fp32 regions; key selection stays true fp32 (attention/fp32.py). Not the
-            # per-backend fp32_precision attributes: get_float32_matmul_precision() (inductor)
-            # would raise
+            # TF32 for fp32 regions (key selection stays fp32: attention/fp32.py); not per-backend
+            # fp32_precision attributes, which make get_float32_matmul_precision() raise
             torch.set_float32_matmul_precision("high")
             torch.backends.cudnn.allow_tf32 = True
         # the data module's setup, which computes the normaliser, has run
@@ -140,15 +139,10 @@ class PretrainTask(L.LightningModule):
                 state["base_lrs"] = [self.optim.lr] * len(state["base_lrs"])
 
     def batch_masker(self, pad_to_multiple: int = 1) -> BatchMasker:
-        """The host side of a training step, run by the loader (`ResumableData`): stacking,
-        length buckets of `pad_to_multiple` model frames, masking."""
-        limit = self.model.max_input_frames
-        return BatchMasker(
-            stack=self.model_config.stack,
-            masking=self.masking,
-            pad_to_multiple=pad_to_multiple,
-            max_model_frames=None if limit is None else limit // self.model_config.stack,
-        )
+        """The host side of a training step (stack, length buckets, mask), run by the loader."""
+        stack, limit = self.model_config.stack, self.model.max_input_frames
+        max_model_frames = None if limit is None else limit // stack
+        return BatchMasker(stack, self.masking, pad_to_multiple, max_model_frames)
 
     def reconstruction_loss(
         self, batch: dict[str, Any], generator: torch.Generator
@@ -168,8 +162,7 @@ class PretrainTask(L.LightningModule):
         return loss, frames, masked.num_chosen
 
     def _seed_micro_batch(self) -> torch.Generator:
-        """Reseed dropout (and masking of an unmasked batch) from (seed, step, micro-batch,
-        rank): resumable RNG."""
+        """Reseed dropout (and masking of an unmasked batch) from (seed, step, micro, rank)."""
         step = self.global_step
         micro = self._micro[1] + 1 if self._micro[0] == step else 0
         self._micro = (step, micro)
@@ -234,8 +227,7 @@ class PretrainTask(L.LightningModule):
             if not self._skipped_this_step:
                 self._nonfinite_in_row = 0
             if self._step_loss is not None:
-                chosen = self._step_loss[1]
-                value = host_value(loss_value)
+                value, chosen = host_value(loss_value), self._step_loss[1]
                 self.log("train_loss", value, prog_bar=True, on_step=True, batch_size=chosen)
                 # kept here: callback_metrics lose step-only values when validate() runs after fit
                 self._train_loss = loss_value
@@ -261,8 +253,7 @@ class PretrainTask(L.LightningModule):
         return False
 
     def check_parameters(self) -> None:
-        """`NonFiniteLossError` when the last update made parameters NaN/inf (a sync: at
-        checkpoints and at the end only)."""
+        """`NonFiniteLossError` when the last update made parameters NaN/inf (a sync)."""
         if self._params_finite is not None and not bool(self._params_finite[0]):
             self._raise_diverged(self._params_finite[1])
 
@@ -375,11 +366,9 @@ class PretrainTask(L.LightningModule):
 
     def export_upstream(self, path: str | Path, extra: dict[str, Any] | None = None) -> Path:
         """Write `upstream.pt` for the current weights."""
-        norm = self.data_info.get("normalizer")
-        if norm is not None:
-            normalizer = Normalizer.from_state_dict(norm)
-        else:  # data given pre-normalised
-            normalizer = Normalizer.identity(self.model_config.feature_dim)
+        norm = self.data_info.get("normalizer")  # None: data given pre-normalised
+        dim = self.model_config.feature_dim
+        normalizer = Normalizer.identity(dim) if norm is None else Normalizer.from_state_dict(norm)
         features = self.data_info.get("feature_config", {})
         metadata = {**self.upstream_metadata(), **(extra or {})}
         return save_upstream(path, upstream_state(self.model, normalizer, features, metadata))

@@ -54,8 +54,7 @@ def checkpoint_step(path: Path) -> int | None:
 
 
 def _newest(steps: dict[Path, int | None]) -> Path | None:
-    """The readable checkpoint of `steps` (file -> `checkpoint_step`) with the highest step; on
-    a tie `last.ckpt`, then the newest file."""
+    """The readable checkpoint with the highest step; on a tie `last.ckpt`, then the newest."""
     readable = [p for p, s in steps.items() if s is not None]
     return max(
         readable, key=lambda p: (steps[p], p.name == "last.ckpt", p.stat().st_mtime), default=None
@@ -118,8 +117,7 @@ def resolve_ckpt_path(ckpt_path: str | None, output_dir: Path) -> Path | None:
 
 
 def warn_if_requeued_from_scratch(resume: Path | None, output_dir: Path) -> None:
-    """A requeued SLURM job reruns its command: without `ckpt_path=last` in a fixed run
-    directory it starts over and the hours before the requeue are lost. Say so."""
+    """Warn that a requeued SLURM job starts over (no `ckpt_path=last` in a fixed run dir)."""
     restarts = os.environ.get("SLURM_RESTART_COUNT", "0")
     if resume is None and restarts not in ("", "0"):
         warnings.warn(
@@ -310,8 +308,7 @@ def allowed_changes(
 
 @dataclass
 class Resume:
-    """The checkpoint a run continues (`resume_from`): its file, its step, the allowed changes
-    of settings to record and the shapes of its weights."""
+    """The checkpoint a run continues: file, step, allowed changes to record, weight shapes."""
 
     path: Path
     step: int
@@ -378,8 +375,7 @@ def override(key: str, value: str) -> str:
 
 
 def resume_hint(output_dir: Path) -> str:
-    """The command that resumes the run in `output_dir`: this process's Hydra overrides (when
-    run through Hydra) with the run directory and `ckpt_path=last`."""
+    """The command that resumes the run in `output_dir` (this process's Hydra overrides)."""
     overrides: list[str] = []
     try:
         from hydra.core.hydra_config import HydraConfig

@@ -162,8 +162,7 @@ def build_task(cfg: DictConfig, datamodule: Any, resume: Resume | None) -> Pretr
 def build_trainer(
     cfg: DictConfig, output_dir: Path, callbacks: list[L.Callback], loggers: list[Any]
 ) -> L.Trainer:
-    """`cfg.trainer` instantiated with `callbacks`, the progress bar, `loggers` and atomic
-    checkpoint writes."""
+    """`cfg.trainer` with `callbacks`, the progress bar, `loggers` and atomic checkpoint writes."""
     bar = cfg.get("progress_bar", "rich")
     # a bar refresh reads train_loss from the device: once per log interval off the CPU
     refresh = 1 if cfg.trainer.accelerator == "cpu" else int(cfg.trainer.log_every_n_steps)
