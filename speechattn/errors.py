@@ -1,8 +1,6 @@
-"""The errors speechattn raises on purpose, and how a command line reports them (users' view:
-docs/errors.md). Entry points turn a `SpeechattnError` into one line and exit status 1
-(`speechattn.config.run_cli`, `command_line_errors`); anything else is a bug and keeps its
-traceback. Subclasses keep `ValueError`, `FileNotFoundError` or `RuntimeError` as a second base
-where callers already catch those. Checks of the Python API's own contract (a tensor of the
+"""The errors speechattn raises on purpose, and how a command line reports them (policy:
+docs/errors.md). Subclasses keep `ValueError`, `FileNotFoundError` or `RuntimeError` as a second
+base where callers already catch those; checks of the Python API's own contract (a tensor of the
 wrong shape) stay plain `ValueError`/`RuntimeError`: no command line causes them.
 """
 

@@ -35,9 +35,8 @@ def masked_reconstruction(
 def compile_objective(
     model: nn.Module, mode: str = "default", backend: str = "inductor", max_graphs: int = 64
 ) -> Callable[[MaskedBatch], Tensor]:
-    """`masked_reconstruction` of `model` compiled, as a function of a `MaskedBatch` (no
-    sync; the compiled function is its `compiled` attribute). Dynamo's recompile limit (8,
-    beyond which it silently runs eagerly) is raised to `max_graphs`."""
+    """`masked_reconstruction` of `model` compiled (the function is `.compiled`), as a function
+    of a `MaskedBatch`; dynamo's recompile limit (8, then silently eager) raised to `max_graphs`."""
     if mode not in COMPILE_MODES:
         raise ConfigError(f"compile_mode must be one of {COMPILE_MODES}, got {mode!r}")
     if max_graphs > torch._dynamo.config.recompile_limit:

@@ -209,10 +209,8 @@ def write_upstream_folder(
     upstream_path: str | Path, out: str | Path, rows: list[dict[str, float]], license: str = "mit"
 ) -> Path:
     """Export `upstream_path` (an upstream.pt) as an upstream folder at `out`, written
-    atomically: config.json, model.safetensors, README.md (this card, for `rows` of the run's
-    metrics.csv) and loss_curve.png, ready to upload to the Hugging Face Hub. The weights are
-    `load_upstream(upstream_path)`'s, so the folder loads to the same module, bit for bit.
-    `OutputExistsError` when `out` holds anything but an earlier upstream folder."""
+    atomically (docs/upstream.md), loading to the same module bit for bit; `OutputExistsError`
+    when `out` holds anything but an earlier upstream folder."""
     _write_card(Path(upstream_path), rows, license, beside=False, folder=Path(out))
     return Path(out)
 
