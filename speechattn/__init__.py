@@ -9,20 +9,15 @@ from pathlib import Path
 
 __version__ = "0.1.0"
 
-
-# Hydra's configs (their schemas are in speechattn.config): `conf/`, shipped inside the package
-# by `pip install .` (setup.py maps it to `speechattn/conf`); in a checkout or an editable
-# install, the repository's top-level one
+# Hydra's configs: `conf/` inside the package after `pip install .` (setup.py maps it), else
+# the repository's top-level one (a checkout or an editable install)
 _HERE = Path(__file__).resolve().parent
 CONFIG_DIR = _HERE / "conf" if (_HERE / "conf").is_dir() else _HERE.parent / "conf"
 
 
 def load_upstream(path: str | Path, map_location: str = "cpu"):
-    """Load a pretrained upstream: an `upstream.pt` saved by `python -m speechattn.pretrain`,
-    or an upstream folder (config.json + model.safetensors, `python -m speechattn.export`).
-
-    See `speechattn.model.upstream.load_upstream` for the returned module's interface.
-    """
+    """Load a pretrained upstream: an `upstream.pt` of `python -m speechattn.pretrain` or an
+    upstream folder (`python -m speechattn.export`); see `speechattn.model.upstream`."""
     from speechattn.model.upstream import load_upstream as _load
 
     return _load(path, map_location=map_location)

@@ -1,9 +1,7 @@
 """`python -m speechattn.abx upstream=PATH|mel [layer=all|last|N] [split=test] [overrides]`.
 
-ABX discriminability of an upstream's layers without training (docs/abx.md): within- and
-across-speaker error rates on the triphones of a labelled corpus, written to `abx.json` in the
-Hydra run dir. The work is `speechattn.tasks.abx.run(cfg)`, which tests call directly; `main`
-is the Hydra wrapper (every entry point has this shape).
+ABX discriminability of an upstream's layers, without training (docs/abx.md), written to
+`abx.json`. The work is `speechattn.tasks.abx.run(cfg)`; `main` is its Hydra wrapper.
 """
 
 from __future__ import annotations

@@ -1,19 +1,10 @@
 """`python -m speechattn.analyze heads upstream=PATH [task=...] [downstream=RESULT_DIR] [overrides]`.
 
 Analyses of a pretrained upstream, one per option of the `analysis` config group; `heads`
-(`analysis=heads`, the only one so far) gives head importance, single-head and keep-one
-ablations and the pruning curve (Michel et al. 2019; docs/analysis.md), for any attention variant, on the
-pretraining loss or on a trained downstream probe. Writes to the Hydra run dir
-(`outputs/analyze/heads/<time>`, or `hydra.run.dir=DIR`):
-
-    heads.json               importance, ablations, pruning curve and metadata
-    heads_importance.png     normalised importance, depth x head
-    heads_ablation.png       change of the metric per masked / kept head
-    heads_pruning.png        metric vs fraction of heads pruned
-
-`run(cfg)` (tests call it; `compose_config` composes its config) is the analysis job,
-`speechattn.tasks.analysis.run`, with the report's figures; `main` is the Hydra wrapper (every
-entry point has this shape).
+gives head importance, single-head and keep-one ablations and the pruning curve (Michel et al.
+2019; docs/analysis.md) on the pretraining loss or a trained downstream probe, as heads.json
+and heads_*.png in the Hydra run dir. `run(cfg)` is `speechattn.tasks.analysis.run` with the
+report's figures; `main` is the Hydra wrapper (every entry point has this shape).
 """
 
 from __future__ import annotations
@@ -34,8 +25,7 @@ def compose_config(overrides: list[str] | None = None) -> DictConfig:
 
 
 def run(cfg: DictConfig, datamodule: Any = None) -> dict[str, Any]:
-    """`speechattn.tasks.analysis.run` with the report's figures (tasks do not import the
-    report layer, the entry point joins them)."""
+    """`speechattn.tasks.analysis.run` with the report's figures (tasks do not import report)."""
     from speechattn.report.figures import head_figures
 
     return run_analysis(cfg, datamodule, figures=head_figures)
@@ -47,8 +37,7 @@ def _main(cfg: DictConfig) -> Any:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """The analysis is a config group; `python -m speechattn.analyze heads ...`, the documented
-    form, names it first and stands for `analysis=heads ...`."""
+    """`python -m speechattn.analyze heads ...` stands for `analysis=heads ...`."""
     args = sys.argv[1:] if argv is None else argv
     if args and "=" not in args[0] and not args[0].startswith("-"):
         args = [f"analysis={args[0]}", *args[1:]]

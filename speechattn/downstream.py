@@ -1,8 +1,7 @@
 """`python -m speechattn.downstream task=NAME upstream=PATH|mel [overrides]`.
 
-Evaluates a frozen upstream on one downstream task (docs/downstream.md) and writes `result.json` to the
-Hydra run dir. The work is `speechattn.tasks.downstream.run(cfg)`, which tests call directly;
-`main` is the Hydra wrapper (every entry point has this shape).
+Evaluates a frozen upstream on one downstream task (docs/downstream.md), writing `result.json`.
+The work is `speechattn.tasks.downstream.run(cfg)`; `main` is its Hydra wrapper.
 """
 
 from __future__ import annotations

@@ -1,16 +1,7 @@
-"""The errors speechattn raises on purpose, and how a command line reports them.
-
-`SpeechattnError` is the base of every error that means "the input, the settings or the
-machine are wrong, and here is what to do": a damaged file, a value out of range, a missing
-upstream, a diverged run. Entry points turn exactly these into one line and exit status 1
-(`speechattn.config.run_cli` for the Hydra commands, `command_line_errors` for the argparse
-ones); anything else is a bug and keeps its traceback. Subclasses keep `ValueError`,
-`FileNotFoundError` or `RuntimeError` as a second base where callers already catch those.
-
-Checks of the Python API's own contract (a tensor of the wrong shape passed to a module,
-`setup()` not called first) stay plain `ValueError`/`RuntimeError`: a command line never
-causes them, so reached from one they mean a bug in speechattn and keep their traceback.
-The policy, as users see it, is in docs/errors.md.
+"""The errors speechattn raises on purpose, and how a command line reports them (policy:
+docs/errors.md). Subclasses keep `ValueError`, `FileNotFoundError` or `RuntimeError` as a second
+base where callers already catch those; checks of the Python API's own contract (a tensor of the
+wrong shape) stay plain `ValueError`/`RuntimeError`: no command line causes them.
 """
 
 from __future__ import annotations
@@ -27,8 +18,7 @@ TRACEBACK_ENV = "HYDRA_FULL_ERROR"
 
 
 class SpeechattnError(Exception):
-    """Base of every error speechattn raises on purpose; its message names the problem and
-    the fix."""
+    """Base of every error speechattn raises on purpose; its message names the problem and fix."""
 
 
 class ConfigError(SpeechattnError, ValueError):
@@ -37,10 +27,9 @@ class ConfigError(SpeechattnError, ValueError):
 
 
 class DiskFullError(SpeechattnError, OSError):
-    """A write that failed for lack of space (ENOSPC, EDQUOT, or a write cut short), e.g.
-    `/runs/x/upstream.pt: cannot be written: the device is full (12 MiB free in /runs/x) ...`.
-    The message names the file, the folder, the free space there and the fix. An `OSError`
-    with the original `errno`, so code that handles a full disk itself still recognises it."""
+    """A write that failed for lack of space (ENOSPC, EDQUOT, or a write cut short); the
+    message names the file, the free space in its folder and the fix. An `OSError` with the
+    original `errno`, so code that handles a full disk itself still recognises it."""
 
     def __init__(self, message: str, errno: int) -> None:
         super().__init__(message)
@@ -66,11 +55,7 @@ class DependencyError(SpeechattnError, RuntimeError):
 
 
 def require(ok: bool, setting: str, value: object, rule: str) -> None:
-    """Raise `ConfigError("<setting>=<value>: must be <rule>")` unless `ok`.
-
-    The one shape of a start-up check, e.g.
-    `require(heads > 0, "model.net.num_heads", heads, "a positive divisor of dim=256")`.
-    """
+    """Raise `ConfigError("<setting>=<value>: must be <rule>")` unless `ok`."""
     if not ok:
         raise ConfigError(f"{setting}={value!r}: must be {rule}")
 
@@ -92,19 +77,15 @@ def traceback_requested() -> bool:
 
 def add_debug_flag(parser: argparse.ArgumentParser) -> None:
     """`--debug` on an argparse command: a SpeechattnError keeps its traceback."""
-    parser.add_argument(
-        "--debug",
-        action="store_true",
-        help=f"show the traceback of an error (as {TRACEBACK_ENV}=1 does)",
-    )
+    text = f"show the traceback of an error (as {TRACEBACK_ENV}=1 does)"
+    parser.add_argument("--debug", action="store_true", help=text)
 
 
 @contextmanager
 def command_line_errors(debug: bool = False, prog: str | None = None) -> Iterator[None]:
-    """The argparse commands' `run_cli`: a SpeechattnError raised inside ends the process with
-    one line on stderr (`prog: error: ...`) and exit status 1; with `debug` (`--debug`) or
-    `HYDRA_FULL_ERROR=1` it propagates with its traceback. A `UsageExit` prints its message
-    the same way and exits with status 2. Other exceptions are bugs and propagate unchanged."""
+    """The argparse commands' `run_cli`: a SpeechattnError ends the process with one line on
+    stderr (`prog: error: ...`) and exit status 1, or propagates with `debug` (`--debug`) or
+    `HYDRA_FULL_ERROR=1`; a `UsageExit` prints its message the same way (status 2)."""
     name = prog or os.path.basename(sys.argv[0])
     try:
         yield
@@ -120,8 +101,7 @@ def command_line_errors(debug: bool = False, prog: str | None = None) -> Iterato
 
 class UsageExit(SystemExit):
     """Exit status 2 for a command line the parser accepted but the command cannot use (an
-    unknown variant name, --jobs 0), as argparse refuses one. `str()` is the message, which
-    `command_line_errors` prints (`prog: error: message`)."""
+    unknown variant name, --jobs 0); `str()` is the message `command_line_errors` prints."""
 
     def __init__(self, message: str) -> None:
         super().__init__(2)
@@ -132,8 +112,7 @@ class UsageExit(SystemExit):
 
 
 def usage_error(parser: argparse.ArgumentParser, message: str) -> NoReturn:
-    """Refuse the command line as argparse does: the usage line on stderr, then `UsageExit`
-    (exit status 2; `command_line_errors` prints the message)."""
+    """Refuse the command line as argparse does: the usage line on stderr, then `UsageExit`."""
     parser.print_usage(sys.stderr)
     raise UsageExit(message)
 

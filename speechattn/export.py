@@ -2,9 +2,8 @@
 
 Writes the upstream `UPSTREAM_PT` as an upstream folder (docs/upstream.md): `config.json`,
 `model.safetensors`, the model card `README.md` with its Hugging Face YAML header, and
-`loss_curve.png` (from the `metrics.csv` beside the upstream, when there is one). The folder
-is written atomically and can be uploaded to the Hugging Face Hub as it is; nothing is
-uploaded or downloaded here. Every pretraining run writes one too, `upstream/` in its folder.
+`loss_curve.png` (from the `metrics.csv` beside the upstream, if any), written atomically,
+ready to upload to the Hugging Face Hub (nothing is uploaded here).
 """
 
 from __future__ import annotations
@@ -23,8 +22,8 @@ DEFAULT_LICENSE = "mit"  # pretraining's default (`license` in conf/pretrain.yam
 
 
 def card_license(upstream: Path) -> str | None:
-    """The license stated by the run's model card beside `upstream`, or None (no card, no
-    readable header). Read with `yaml.safe_load`: the header is data, never code."""
+    """The license stated by the model card beside `upstream` (read with `yaml.safe_load`), or
+    None (no card, no readable header)."""
     card = upstream.parent / CARD_FILE
     try:
         header = card.read_text(encoding="utf-8").split("---\n")[1]

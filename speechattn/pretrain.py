@@ -1,17 +1,9 @@
 """`python -m speechattn.pretrain [attention=NAME] [experiment=...] [trainer=...] [overrides]`.
 
-Pretrains AALBERT by masked reconstruction (docs/pretraining.md) and writes a run directory:
-
-    checkpoints/last.ckpt, checkpoints/step=NNNNNNN.ckpt   resumable Lightning checkpoints
-    upstream.pt      weights + model/attention/feature config + normaliser + metadata
-    upstream/        the same as a folder to share: config.json, model.safetensors, README.md
-    README.md        model card (YAML header + how to load), loss_curve.png beside it
-    metrics.csv      step, train_loss, val_loss, lr, frames_per_s, data_wait, elapsed_s
-    tensorboard/     TensorBoard event files
-    config.yaml      the resolved configuration (Hydra's own copy is in .hydra/)
-
-The work is `speechattn.tasks.pretrain.run(cfg)`, which tests call directly; `main` is the
-Hydra wrapper (every entry point has this shape).
+Pretrains AALBERT by masked reconstruction and writes a run directory (checkpoints/,
+upstream.pt, upstream/, the model card, metrics.csv, config.yaml: docs/pretraining.md). The
+work is `speechattn.tasks.pretrain.run(cfg)`, which tests call directly; `main` is the Hydra
+wrapper (every entry point has this shape).
 """
 
 from __future__ import annotations
@@ -33,9 +25,8 @@ log = logging.getLogger("speechattn.pretrain")
 def tiny_experiment_warning(
     cfg: DictConfig, choices: Mapping[str, Any], overrides: Sequence[str]
 ) -> str | None:
-    """The warning for LibriSpeech under the default `experiment: tiny` (the defaults list
-    applies the experiment after the data group, so `data=librispeech` alone keeps the CPU
-    quick start), or None: another corpus, another experiment, or `experiment=...` given."""
+    """The warning for LibriSpeech under the default `experiment: tiny` (which `data=librispeech`
+    alone keeps), or None: another corpus, another experiment, or `experiment=...` given."""
     data = cfg.get("data") or {}
     if data.get("corpus") != "librispeech" or choices.get("experiment") != "tiny":
         return None

@@ -1,9 +1,7 @@
 """`python -m speechattn.prune heads=HEADS_JSON fraction=0.3 [upstream=PATH] [out=PATH]`.
 
-Actual pruning: writes an upstream.pt without the heads that a head analysis
-(`python -m speechattn.analyze heads`) masks at the pruning point nearest to `fraction`. The
-work is `speechattn.tasks.analysis.prune.run(cfg)`; `main` is the Hydra wrapper (every entry
-point has this shape).
+Writes an upstream.pt without the heads a head analysis masks at the pruning point nearest to
+`fraction`. The work is `speechattn.tasks.analysis.prune.run(cfg)`; `main` is its Hydra wrapper.
 """
 
 from __future__ import annotations

@@ -1,9 +1,6 @@
 """Small helpers every layer shares: padding masks, the ignored label id, device choice, atomic
-writes, a progress bar and plain (JSON-friendly) copies of config values.
-
-This module imports nothing from the project but `speechattn.errors`, so `data`, `attention`,
-`model`, `tasks`, `report` and `bench` may all use it without bending the dependency rule
-(`tests/test_layering.py` checks both).
+writes, a progress bar and plain (JSON-friendly) copies of config values. It imports nothing
+from the project but `speechattn.errors`, so every layer may use it (`tests/test_layering.py`).
 """
 
 from __future__ import annotations
@@ -31,9 +28,6 @@ T = TypeVar("T")
 IGNORE_INDEX = -100  # label id of padded / unlabelled frames (PyTorch's cross-entropy default)
 
 
-# ----------------------------------------------------------------------------- tensors
-
-
 def crop_lengths(batch: int, crop: int, generator: torch.Generator) -> Tensor:
     """(batch,) lengths as pretraining's random crops of LibriSpeech give them: 2/3 to all of
     `crop`, one utterance in five (the first included) at the crop. Benchmarks and the kernel
@@ -46,10 +40,7 @@ def crop_lengths(batch: int, crop: int, generator: torch.Generator) -> Tensor:
 
 
 def lengths_to_padding_mask(lengths: Tensor, max_len: int | None = None) -> Tensor:
-    """lengths (B,) -> (B, max_len) bool, True at padded positions (`~` of it marks valid ones).
-
-    `max_len` defaults to the longest length; the mask lives on `lengths`' device.
-    """
+    """lengths (B,) -> (B, max_len or longest) bool, True at padded positions."""
     import torch
 
     T = int(lengths.max()) if max_len is None else int(max_len)
@@ -79,8 +70,7 @@ def plain(value: Any) -> Any:
 
 
 def default_cache_root() -> Path:
-    """`$SPEECHATTN_CACHE`, else `~/.cache/speechattn`: the root of every cache we write
-    (features, the built-in corpus, measured kernel choices)."""
+    """`$SPEECHATTN_CACHE`, else `~/.cache/speechattn`: the root of every cache we write."""
     env = os.environ.get("SPEECHATTN_CACHE")
     return Path(env).expanduser() if env else Path.home() / ".cache" / "speechattn"
 
@@ -92,9 +82,6 @@ def choose_device(name: str | torch.device = "auto") -> torch.device:
     if str(name) == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(name)
-
-
-# ----------------------------------------------------------------------------- seeds
 
 
 def derive_seed(*parts: int | str) -> int:
@@ -112,8 +99,6 @@ def digest(obj: Any, lines: Iterable[str] = (), length: int = 16) -> str:
     return h.hexdigest()[:length]
 
 
-# ----------------------------------------------------------------------------- files
-
 TEMP_MARK = ".tmp-"  # temporary names are `<name>.tmp-<pid>-<random>` beside the target
 
 
@@ -126,16 +111,10 @@ def temp_name(path: Path) -> Path:
 def atomic_path(path: str | Path) -> Iterator[Path]:
     """`with atomic_path(p) as tmp: write tmp`: renamed onto `p` when the block succeeds,
     removed when it fails, so readers see the old file or the whole new one, never half.
-
     Durable: `tmp` is fsynced before the rename and the folder after it, so a power loss never
-    leaves the new name over blocks that were not written (a commit record written after its
-    data, as the feature cache does, then never points at missing data). The cost is waiting
-    for the device once per file, which the kernel would write within seconds anyway.
-
-    A full device (ENOSPC, EDQUOT, a short write, or torch's `inline_container.cc ... unexpected
-    pos` for `torch.save(obj, tmp)`) raises `DiskFullError` naming `p`, its folder's free space
-    and the fix, whatever wrote the file.
-    """
+    leaves the new name over unwritten blocks (a commit record written after its data never
+    points at missing data). A full device (`out_of_space`), whatever wrote the file, raises
+    `DiskFullError` naming `p`, its folder's free space and the fix."""
     path = Path(path)
     tmp = temp_name(path)
     try:
@@ -190,8 +169,7 @@ def disk_full_error(path: Path, error: BaseException) -> DiskFullError:
         free = f"{shutil.disk_usage(folder).free / 2**20:.0f} MiB free in {folder}"
     except OSError:
         free = f"free space in {folder} unknown"
-    code = getattr(error, "errno", None)
-    # torch's zip writer and NumPy report a short write without an errno; say what it means
+    code = getattr(error, "errno", None)  # None for torch's zip writer's and NumPy's short writes
     cause = os.strerror(code) if code else "a write came up short"
     fix = "free space there or write to another disk"
     if str(folder.resolve()).startswith(str(Path(tempfile.gettempdir()).resolve())):
@@ -214,12 +192,10 @@ def atomic_write_text(path: str | Path, text: str) -> None:
 
 @contextmanager
 def atomic_folder(path: str | Path) -> Iterator[Path]:
-    """`with atomic_folder(d) as tmp: write files into tmp`: the new folder replaces `d` whole
-    when the block succeeds and is removed when it fails, so readers see the old folder or the
-    whole new one, never a mix or half of it (write the files with `atomic_write_bytes`, which
-    syncs each). A folder cannot be renamed over a non-empty one, so the old folder first moves
-    to a temporary name: a crash between the two renames leaves no folder at `d` (and the old
-    one under that name), never a partial one. Refuses a symbolic link at `d` (`link_error`)."""
+    """`with atomic_folder(d) as tmp: write files into tmp` (with `atomic_write_bytes`): the
+    new folder replaces `d` whole when the block succeeds and is removed when it fails. The old
+    folder first moves to a temporary name (a folder cannot be renamed over a non-empty one):
+    a crash between the renames leaves no folder at `d`, never a partial one. Refuses a link."""
     path = Path(path)
     if path.is_symlink():
         raise link_error(path)
@@ -270,14 +246,10 @@ def append_text(path: str | Path, text: str) -> None:
         f.write(text)
 
 
-# ----------------------------------------------------------------------------- progress
-
-
 def init_pool_worker() -> None:
-    """Initialiser of our process pools' workers: one torch thread each (the pool is the
-    parallelism), and the default action for stop signals. A forked worker inherits the
-    parent's handlers, and the training's stop handler only sets a flag: `Pool.terminate()`
-    (SIGTERM) would then never end the workers and leaving the pool would hang."""
+    """Initialiser of our process pools' workers: one torch thread each, and the default
+    action for stop signals (inherited, the training's flag-setting handler would keep
+    `Pool.terminate()` from ending them)."""
     import torch
 
     torch.set_num_threads(1)
@@ -304,14 +276,8 @@ def progress_bar(
         TimeRemainingColumn,
     )
 
-    columns = (
-        TextColumn("{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        TimeRemainingColumn(),
-    )
-    with Progress(*columns, transient=False) as progress:
+    columns = (BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), TimeRemainingColumn())
+    with Progress(TextColumn("{task.description}"), *columns, transient=False) as progress:
         task = progress.add_task(description, total=total)
         yield lambda steps=1: progress.advance(task, steps)
 

@@ -22,22 +22,16 @@ from speechattn.utils import append_text, atomic_write_text, link_error
 
 
 def host_value(value: float) -> Tensor:
-    """A number for `LightningModule.log`, kept on the host: () float32 on the CPU.
-
-    Lightning turns a logged Python float into a tensor on the module's device, a blocking
-    copy of pageable memory every step; a CPU tensor stays where it is, and the progress bar,
-    the loggers and `callback_metrics` read it without waiting for the device.
-    """
+    """A number for `LightningModule.log` as () float32 on the CPU: a logged Python float
+    would become a tensor on the module's device (a blocking copy every step), read back by
+    the progress bar and loggers."""
     return torch.tensor(float(value), dtype=torch.float32)
 
 
 class MetricsCSV(Callback):
     """`metrics.csv` with fixed columns, one row per logged step and one per validation.
-
     Unlike Lightning's CSVLogger it survives a resume: rows after the checkpoint's step are
-    dropped (they will be recomputed) and new rows are appended, so the file always reads as
-    one uninterrupted run.
-    """
+    dropped (they are recomputed), so the file reads as one uninterrupted run."""
 
     COLUMNS = ("step", "train_loss", "val_loss", "lr", "frames_per_s", "data_wait", "elapsed_s")
 
@@ -46,8 +40,7 @@ class MetricsCSV(Callback):
         self.every_n_steps = max(1, int(every_n_steps))
         self._start = time.perf_counter()
         self._elapsed_before = 0.0
-        # the step a validation outside `fit` describes when not the trainer's global_step:
-        # a resumed run repeating its checkpoint's validation sets it (pretrain run.py)
+        # the step of a validation outside `fit` that is not the trainer's (pretrain run.py)
         self.step_override: int | None = None
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -77,9 +70,7 @@ class MetricsCSV(Callback):
         metrics = trainer.callback_metrics
         step = trainer.global_step if self.step_override is None else self.step_override
         row: dict[str, Any] = {"step": step}
-        for key in keys:
-            if key in metrics:
-                row[key] = f"{float(metrics[key]):.6g}"
+        row.update({key: f"{float(metrics[key]):.6g}" for key in keys if key in metrics})
         row["elapsed_s"] = f"{self._elapsed_before + time.perf_counter() - self._start:.2f}"
         append_text(self.path, self._csv([row]))
 
@@ -106,13 +97,9 @@ class MetricsCSV(Callback):
 
 
 class DataWait(Callback):
-    """Logs `data_wait`: the share of each training batch's wall time spent waiting for it
-    (the loader's next batch and its copy to the device), measured in the run itself. Near 0
-    the data pipeline keeps up with the model; near 1 the model waits for data.
-
-    A batch's time runs from the previous batch's end to its own end; batches after a
-    validation or a checkpoint save are not measured (those pauses are not the loader's).
-    """
+    """Logs `data_wait`: the share of each training batch's wall time (from the previous
+    batch's end to its own) spent waiting for the loader and the copy to the device; near 1
+    the model waits for data. Batches after a validation or a checkpoint are not measured."""
 
     def __init__(self, clock: Callable[[], float] = time.perf_counter) -> None:
         self.clock = clock  # seconds (tests give a clock they advance themselves)
@@ -139,15 +126,12 @@ class StepRichProgressBar(RichProgressBar):
     """Rich bar for runs bounded by `max_steps`: says "Pretraining", not "Epoch 0/-2"."""
 
     def _get_train_description(self, current_epoch: int) -> str:
-        # Lightning's description prints max_epochs - 1, which is -2 for a step-bounded run.
         return f"{'Pretraining':{len(self.validation_description)}}"
 
 
 def progress_bar(kind: str, refresh_rate: int = 1) -> list[ProgressBar]:
-    """`rich` (default), `tqdm`, or `none`; returned as a callback list to splice in.
-
-    Every refresh reads the logged device tensors (train_loss) on the host: on a GPU that is a
-    sync, so GPU runs refresh every `refresh_rate` steps (their log interval)."""
+    """`rich` (default), `tqdm`, or `none`, as a callback list to splice in. A refresh reads
+    the logged device tensors (a sync on a GPU): GPU runs refresh every log interval."""
     if kind == "rich":
         return [StepRichProgressBar(refresh_rate=refresh_rate, leave=True)]
     if kind == "tqdm":
@@ -180,18 +164,15 @@ def configured_loggers(cfg: Any) -> list[Any]:
 
     configs = [c for c in (cfg.get("logger") or {}).values() if c]
     for c in configs:
-        if str(c.get("_target_", "")).endswith("MLFlowLogger") and str(
-            c.get("tracking_uri") or ""
-        ).startswith("file:"):
-            # MLflow >= 3.7 refuses its file store unless asked for it; conf/logger/mlflow.yaml
-            # asks for one in the run dir (no database, no server to set up)
+        uri = str(c.get("tracking_uri") or "")
+        if str(c.get("_target_", "")).endswith("MLFlowLogger") and uri.startswith("file:"):
+            # MLflow >= 3.7 refuses its file store (conf/logger/mlflow.yaml's) unless asked
             os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
     return [instantiate(c) for c in configs]
 
 
 def finish_loggers(loggers: Any) -> None:
-    """End the runs of loggers that stay open after `fit` (wandb keeps one run per process, so
-    the next job of a multirun would log into it); the others are finished by Lightning."""
+    """End wandb's run, open after `fit` (the next job of a multirun would log into it)."""
     for logger in loggers:
         if type(logger).__name__ == "WandbLogger" and logger._experiment is not None:
             logger.experiment.finish()

@@ -1,29 +1,7 @@
 """Preemption: SIGTERM, SIGUSR1 and SIGUSR2 end training at a step boundary with a resumable
-checkpoint (docs/preemption.md is the user's view).
-
-A cluster ends a job with SIGTERM (preemption, time limit, `scancel`; SIGKILL follows after
-SLURM's KillWait, 30 s by default); `sbatch --signal=USR1@90` warns it 90 s early with SIGUSR1
-(SIGUSR2 in jobs of Hydra's submitit launcher). Lightning 2.6 by itself (read from
-`trainer/connectors/signal_connector.py`, `loops/training_epoch_loop.py`,
-`loops/evaluation_loop.py` and `fabric/utilities/cloud_io.py`, and tried here):
-
-- SIGTERM: the loops raise `SIGTERMException` (a `SystemExit` with status 0, so a killed job
-  looks finished) after the step's validation, or after any validation batch, and save
-  nothing. Under DDP the handler runs `dist.broadcast` inside the signal handler: 2 CPU ranks
-  (gloo) both signalled, as SLURM does, deadlocked in mismatched collectives.
-- SIGUSR1 under SLURM (`auto_requeue=True`): its handler writes `hpc_ckpt_N.ckpt` *inside the
-  signal handler*, mid-step (under DDP a barrier each rank enters at a different point), runs
-  `scontrol requeue` and trains on until SLURM kills the job.
-- Checkpoints are written to a `tempfile.mkstemp()` file in $TMPDIR, then `shutil.move`d: on a
-  cluster $TMPDIR is node-local, so the move is a copy into the final name (a SIGKILL during it
-  truncates `last.ckpt`), and a full $TMPDIR fails the save.
-
-So `StopOnSignal`'s handler takes the signals over once `fit` (or `validate`) has installed the
-connector's, and only records the signal. After each optimizer step the ranks agree whether any
-got one (one all-reduce under DDP); if so all write `last.ckpt` and stop at that same step, and
-`run(cfg)` exits with `TrainingStopped` (status 128 + signal number), after `scontrol requeue`
-for SIGUSR1/SIGUSR2 under SLURM. A validation in progress finishes first.
-`AtomicCheckpointIO` writes checkpoints beside the target, fsyncs, and renames.
+checkpoint, in place of Lightning's own handling (why: docs/preemption.md). The handler only
+records the signal; after each optimizer step the ranks agree whether any got one, and if so
+all write `last.ckpt` and stop at that step with `TrainingStopped`.
 """
 
 from __future__ import annotations
@@ -51,19 +29,15 @@ from speechattn.utils import TEMP_MARK, atomic_path
 
 log = logging.getLogger("speechattn.preemption")
 
-# The time-limit warnings that ask for a requeue: `sbatch --signal=USR1@90` (Lightning's
-# default) and USR2, what hydra-submitit-launcher's jobs ask SLURM for (submitit's handler
-# would requeue without saving; this one saves last.ckpt first, then requeues the same job)
+# time-limit warnings that ask for a requeue: `sbatch --signal=USR1@90`, and USR2, what
+# hydra-submitit-launcher's jobs ask for (submitit's handler would requeue without saving)
 REQUEUE_SIGNALS = (signal.SIGUSR1, signal.SIGUSR2)
 STOP_SIGNALS = (signal.SIGTERM, *REQUEUE_SIGNALS)
 
 
 class TrainingStopped(SystemExit):
-    """Training was stopped by `signum` after writing a resumable checkpoint.
-
-    A `SystemExit`, so a command line ends with `code` (128 + signal number, as a shell reports
-    a process ended by that signal) and no traceback; `run(cfg)` callers can catch it.
-    """
+    """Training was stopped by `signum` after writing a resumable checkpoint: a `SystemExit`
+    with code 128 + signal number (as a shell reports it), so no traceback."""
 
     def __init__(self, signum: signal.Signals, step: int, message: str) -> None:
         super().__init__(128 + int(signum))
@@ -76,9 +50,8 @@ class TrainingStopped(SystemExit):
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
-    """Lightning's `TorchCheckpointIO`, writing through a temporary file beside the target that
-    is fsynced and renamed onto it: a reader (a resume) sees the previous checkpoint or the
-    whole new one, never a truncated one, whatever kills the process during the write."""
+    """`TorchCheckpointIO` writing through a temporary file beside the target, fsynced and
+    renamed onto it: a resume sees the previous checkpoint or the new one, never a truncated one."""
 
     def save_checkpoint(
         self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None
@@ -92,30 +65,23 @@ class AtomicCheckpointIO(TorchCheckpointIO):
 
 
 def remove_partial_checkpoints(checkpoint_dir: Path) -> None:
-    """Delete temporary files that a killed checkpoint write left in `checkpoint_dir` (one run
-    writes to its directory at a time; each is as large as a checkpoint)."""
+    """Delete the temporary files killed checkpoint writes left in `checkpoint_dir`."""
     for partial in sorted(checkpoint_dir.glob(f"*.ckpt{TEMP_MARK}*")):
         log.info("removing %s, left by a checkpoint write that was killed", partial)
         partial.unlink(missing_ok=True)
 
 
 class StopOnSignal(Callback):
-    """SIGTERM, SIGUSR1 or SIGUSR2 during training: finish the step, write `last.ckpt`, stop.
-
-    Use as `with stop.handling_signals(trainer, resume_hint): trainer.fit(...)` with this
-    callback among the trainer's: the block installs the handlers and turns the stop into
-    `TrainingStopped` (after `scontrol requeue` for SIGUSR1/SIGUSR2 under SLURM when `requeue`).
-    A signal during a validation takes effect after it; one after the last step is ignored
-    (the run finishes normally).
-    """
+    """SIGTERM, SIGUSR1 or SIGUSR2 during training: finish the step (and a validation in
+    progress), write `last.ckpt`, stop; one after the last step is ignored. Use as
+    `with stop.handling_signals(trainer, resume_hint): trainer.fit(...)` with this callback
+    among the trainer's."""
 
     def __init__(self, checkpoint_dir: str | Path, requeue: bool = True) -> None:
         self.last_path = Path(checkpoint_dir) / "last.ckpt"
         self.requeue = requeue
         self.received: signal.Signals | None = None  # the first stop signal this process got
         self.saved: Path | None = None
-
-    # -- signals ------------------------------------------------------------------------------
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
         if self.received is None:
@@ -154,34 +120,25 @@ class StopOnSignal(Callback):
             for signum, handler in previous.items():
                 signal.signal(signum, handler)
 
-    # -- callback hooks -----------------------------------------------------------------------
-
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self._take_signals()  # fit has just installed the connector's handlers (see above)
+        self._take_signals()  # fit (or validate) has just installed the connector's handlers
 
-    def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self._take_signals()  # as does validate
+    on_validation_start = on_train_start
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args) -> None:
         if trainer.fit_loop._should_accumulate():
             return  # mid-accumulation: not a step boundary
-        # every rank calls this at every step: the agreement is one tiny all-reduce under DDP
-        # (Lightning already syncs once per step there); a single process reads its flag
+        # every rank, every step: one tiny all-reduce under DDP, a flag read in one process
         if not trainer.strategy.reduce_boolean_decision(self.received is not None, all=False):
             return
         trainer.save_checkpoint(self.last_path)  # all ranks: its barrier meets; rank 0 writes
         self.saved = self.last_path
-        # Lightning's own "stopped by a signal", turned into TrainingStopped. Raised here, the
-        # state is that of a periodic checkpoint (resumes tested); what Lightning does after
-        # the callbacks is skipped: the module's on_train_batch_end (PretrainTask has none)
-        # and handing this step's logged values to the loggers (metrics.csv has its row).
+        # raised here the state is a periodic checkpoint's; skipped: the module's
+        # on_train_batch_end (PretrainTask has none), this step's values to the loggers
         raise SIGTERMException
 
-    # -- the end ------------------------------------------------------------------------------
-
     def _stopped(self, trainer: L.Trainer, resume_hint: str) -> TrainingStopped:
-        """Log the stop (rank 0), requeue under SLURM for the requeue signal, and return the
-        exception that ends the process."""
+        """Log the stop and requeue under SLURM (rank 0); the exception that ends the process."""
         signum = self.received or signal.SIGTERM  # a DDP rank may stop on rank 0's signal only
         step = int(trainer.global_step)
         where = f"checkpoint {self.saved}" if self.saved else "no checkpoint written in this run"
@@ -198,9 +155,6 @@ class StopOnSignal(Callback):
             message += f"; resume with: {resume_hint}"
         log.warning("%s", message)
         return TrainingStopped(signum, step, message)
-
-
-# ----------------------------------------------------------------------------- SLURM
 
 
 def slurm_job_id() -> str | None:

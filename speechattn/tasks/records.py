@@ -1,8 +1,6 @@
-"""The records the jobs write and `report/` reads: `result.json` (one per downstream run, the
-typed `DownstreamResult`), `heads.json` (one per head analysis, the typed `HeadsRecord`) and
-`abx.json` (one per ABX evaluation, `AbxRecord`), with their readers and schema checks.
-
-Kept free of torch/Lightning imports so the report can read them cheaply.
+"""The records the jobs write and `report/` reads (`result.json`, `heads.json`,
+`superb_result.json`, `abx.json`), with their readers and schema checks; free of
+torch/Lightning imports so the report reads them cheaply.
 """
 
 from __future__ import annotations
@@ -88,10 +86,9 @@ def _read_json(path: Path, what: str) -> Any:
 
 
 def _read_record(cls: type[T], path: str | Path, name: str, kind: str | None = None) -> T:
-    """`cls` read from the JSON file `path` (a `name` of `kind`), after the checks every
-    record shares: an object, its `kind` (where it has one), the schema version (a record
-    without a kind may omit it), no required field missing. Fields added by newer writers
-    are ignored, never fatal. `DataError` naming the file otherwise."""
+    """`cls` read from the JSON file `path` (a `name` of `kind`) after the shared checks (an
+    object, its `kind`, the schema version, which a record without a kind may omit, no
+    required field missing: `DataError` naming the file); newer writers' fields are ignored."""
     path = Path(path)
     data = _read_json(path, name)
     if not isinstance(data, dict):
@@ -119,9 +116,6 @@ def read_result(path: str | Path) -> DownstreamResult:
         if not isinstance(value, int | float) or not 0.0 <= value <= 1.0:
             raise DataError(path, f"{name} must be a number in [0, 1], found {value!r}")
     return result
-
-
-# ----------------------------------------------------------------------------- heads.json
 
 
 HEADS_SCHEMA_VERSION = 1
@@ -185,8 +179,7 @@ def write_heads(result: HeadsRecord, directory: str | Path) -> Path:
 
 
 def read_heads(path: str | Path) -> HeadsRecord:
-    """Read and check one `heads.json` (or a folder holding one); `DataError` naming the file
-    when it is not one."""
+    """Read and check one `heads.json` (or its folder); `DataError` naming it if it is not one."""
     path = Path(path)
     if path.is_dir():
         path = path / HEADS_FILE
@@ -244,8 +237,6 @@ def find_heads(results_dir: str | Path) -> list[Path]:
     return sorted(Path(results_dir).rglob(HEADS_FILE))
 
 
-# ----------------------------------------------------------------------------- superb_result.json
-
 SUPERB_FILE = "superb_result.json"
 SUPERB_KIND = "speechattn-superb"
 WEIGHTED_SUM = "weighted sum"
@@ -283,15 +274,12 @@ class SuperbResult(_Record):
 
 
 def read_superb(path: str | Path) -> SuperbResult:
-    """Read and check one `superb_result.json`; a `DataError` (a `ValueError`) naming the file
-    when it is not one."""
+    """Read and check one `superb_result.json`; `DataError` naming a file that is not one."""
     result = _read_record(SuperbResult, path, SUPERB_FILE, SUPERB_KIND)
     if not isinstance(result.value, int | float) or result.value != result.value:
         raise DataError(path, f"value must be a number, found {result.value!r}")
     return result
 
-
-# ----------------------------------------------------------------------------- abx.json
 
 ABX_FILE = "abx.json"
 ABX_KIND = "speechattn-abx"
@@ -299,8 +287,7 @@ ABX_KIND = "speechattn-abx"
 
 @dataclass
 class AbxRecord(_Record):
-    """One ABX evaluation: `abx.json` (schema version 1; `python -m speechattn.abx`,
-    docs/abx.md), one JSON object."""
+    """One ABX evaluation: `abx.json` (schema version 1; docs/abx.md), one JSON object."""
 
     FILE: ClassVar[str] = ABX_FILE
 

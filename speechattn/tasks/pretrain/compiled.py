@@ -1,17 +1,6 @@
-"""torch.compile for pretraining: the region a training step spends its device time in.
-
-The compile unit is `masked_reconstruction(model, inputs, target, chosen, padding_mask)`:
-embedding -> encoder -> reconstruction head -> masked L1, after stacking and masking on the
-host. It takes the padding mask (None when no frame is padded, decided on the host by
-`padding_mask_for`), so no host read and no branch on data sits inside the graph.
-
-Static shapes (`dynamic=False`): one graph per (B, T', padded or not), bounded by the data
-layer's length buckets. A symbolic T' would not give one graph anyway: the variants derive
-static sizes from T' in Python (windows, blocks, capacities, strides), which dynamo either
-specialises on or cannot lower (LSH: "Cannot convert symbols to int"). `compile_objective`
-raises dynamo's recompile limit (8) to that bound (64 unless told), so a ninth graph is
-compiled rather than silently run eagerly. Validation stays eager (eval and no_grad would each
-add a set of graphs for a few batches).
+"""torch.compile for pretraining: `masked_reconstruction` (embedding -> encoder -> head ->
+masked L1), with static shapes. Design (host-side padding mask, one graph per length bucket,
+graph breaks): docs/benchmarks.md#torchcompile.
 """
 
 from __future__ import annotations
@@ -32,38 +21,22 @@ COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-
 
 
 def masked_reconstruction(
-    model: nn.Module,
-    inputs: Tensor,
-    target: Tensor,
-    chosen: Tensor,
-    padding_mask: Tensor | None,
+    model: nn.Module, inputs: Tensor, target: Tensor, chosen: Tensor, padding_mask: Tensor | None
 ) -> Tensor:
-    """Masked L1 of AALBERT's reconstruction: the part of a pretraining step that is compiled.
+    """Masked L1 of AALBERT's reconstruction, `masking.reconstruction_loss` as compiled.
 
     inputs, target (B, T', stack*F) corrupted and clean stacked frames, chosen (B, T') bool
     frames scored, padding_mask (B, T') True at padding or None (nothing padded) -> loss ().
-    Equals `masking.reconstruction_loss(model, masked)` with
-    `padding_mask = padding_mask_for(masked.lengths, masked.inputs)`.
     """
     h = model.encode(inputs, padding_mask)[-1]  # (B, T', D)
     return masked_l1(model.head(h), target, chosen)
 
 
 def compile_objective(
-    model: nn.Module,
-    mode: str = "default",
-    backend: str = "inductor",
-    max_graphs: int = 64,
+    model: nn.Module, mode: str = "default", backend: str = "inductor", max_graphs: int = 64
 ) -> Callable[[MaskedBatch], Tensor]:
-    """`masked_reconstruction` of `model` compiled with static shapes, as a function of a
-    `MaskedBatch` (its lengths on the host, read there by `padding_mask_for`: no sync).
-
-    The compiled function itself is the returned function's `compiled` attribute, called as
-    `compiled(inputs, target, chosen, padding_mask)`. max_graphs: graphs the caller may need
-    (2 x length buckets x batch sizes; 64 covers T' up to 2048 in buckets of 64 frames):
-    dynamo's per-function recompile limit (default 8, beyond which it silently runs the
-    function eagerly) is raised to it.
-    """
+    """`masked_reconstruction` of `model` compiled (the function is `.compiled`), as a function
+    of a `MaskedBatch`; dynamo's recompile limit (8, then silently eager) raised to `max_graphs`."""
     if mode not in COMPILE_MODES:
         raise ConfigError(f"compile_mode must be one of {COMPILE_MODES}, got {mode!r}")
     if max_graphs > torch._dynamo.config.recompile_limit:
@@ -72,14 +45,12 @@ def compile_objective(
     def objective(inputs: Tensor, target: Tensor, chosen: Tensor, padding_mask: Tensor | None):
         return masked_reconstruction(model, inputs, target, chosen, padding_mask)
 
-    # "default" is torch.compile's own default mode; None lets backends other than inductor
-    # (aot_eager in the tests) accept it
+    # None: torch.compile's default mode, which backends other than inductor accept too
     compiled = torch.compile(
         objective, backend=backend, mode=None if mode == "default" else mode, dynamic=False
     )
 
     def loss(masked: MaskedBatch) -> Tensor:
-        """Masked L1 of a masked batch (as `masking.reconstruction_loss`), compiled."""
         padding_mask = padding_mask_for(masked.lengths, masked.inputs)  # host-side decision
         return compiled(masked.inputs, masked.target, masked.chosen, padding_mask)
 
@@ -88,19 +59,9 @@ def compile_objective(
 
 
 def graph_breaks(
-    model: nn.Module,
-    inputs: Tensor,
-    target: Tensor,
-    chosen: Tensor,
-    padding_mask: Tensor | None,
+    model: nn.Module, inputs: Tensor, target: Tensor, chosen: Tensor, padding_mask: Tensor | None
 ) -> dict[str, Any]:
-    """`torch._dynamo.explain` of the compile unit at these inputs -> {graphs, breaks,
-    reasons (one line each)}.
-
-    The backward has no graph breaks of its own: AOTAutograd derives it from the forward
-    graphs, and a custom autograd Function whose backward dynamo cannot trace breaks the
-    forward graph where the Function is applied, so it is counted here.
-    """
+    """`torch._dynamo.explain` of the compile unit -> {graphs, breaks, reasons (one line each)}."""
     torch._dynamo.reset()
     out = torch._dynamo.explain(masked_reconstruction)(model, inputs, target, chosen, padding_mask)
     torch._dynamo.reset()

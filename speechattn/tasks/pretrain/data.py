@@ -1,11 +1,6 @@
-"""The pretraining data order: every batch a function of (seed, batch number, rank).
-
-`ResumableData` wraps any DataModule of the data contract (docs/ARCHITECTURE.md) and replaces
-only the order of training batches (`StepBatchSampler`, sharded across DDP ranks, starting
-after the checkpoint's step); `SeededItems` seeds each item's random crop. In the loader's
-workers, `MaskingCollate` stacks each batch into model frames, pads it to `pad_to_multiple`
-model frames and draws its masks seeded by (seed, batch number, rank): the step receives
-`{"masked": MaskedBatch, "lengths": (B,)}`, and masks resume exactly as the order does.
+"""The pretraining data order: every batch, its items' random crops and its masks a function
+of (seed, batch number, rank), so a resume needs the step alone. `ResumableData` wraps any
+DataModule of the data contract (docs/ARCHITECTURE.md) and replaces only the training order.
 """
 
 from __future__ import annotations
@@ -25,32 +20,18 @@ from speechattn.errors import ConfigError
 from speechattn.model.masking import MaskedBatch, MaskingConfig, mask_batch
 from speechattn.utils import derive_seed
 
-# ----------------------------------------------------------------------------- data order
-
 
 class StepBatchSampler(Sampler[list[tuple[int, int]]]):
-    """Batches of a whole run, each a pure function of (seed, batch number, rank).
+    """Batches of a whole run, each a pure function of (seed, batch number, rank), from batch
+    `start` (no saved state); the length is the whole run, for Lightning's epoch bookkeeping.
 
-    The index stream is the concatenation of seeded permutations of the dataset, one per
-    pass. With `lengths`, every pool of `bucket_size` consecutive global batches is sorted by
-    length, cut into batches and put in a seeded random order (less padding, same items):
-    `length_buckets`, which the downstream loaders' `LengthBucketBatchSampler` uses too.
-    Global batch i has G = batch_size * world_size items and rank r takes its r-th slice.
-
-    No utterance appears twice in a pool, so none twice in a batch. A pool holds at most half
-    the dataset (`bucket_size` is lowered to N // 2G where it would hold more), so it spans at
-    most two passes; where it spans two, the later pass's first items that are also among the
-    earlier pass's last items in that pool are swapped with the next items further on in
-    their pass that are not. The swaps never touch a pass's own last pool items, which the
-    next boundary reads: every pass depends on its own and the previous seeded permutation
-    only, so no batch needs the history of the run. This needs N >= 2G - 1 items.
-
-    Iteration starts at `start`, the number of batches already consumed (from the checkpoint
-    when resuming), so the sampler needs no saved state. The length is the whole run, which
-    keeps Lightning's epoch bookkeeping consistent on resume. Each yielded key is
-    (item seed, dataset index): `SeededItems` seeds random crops with it, so even the crops
-    do not depend on how far the loader had prefetched when a run was killed. Each batch of
-    keys (`BatchKeys`) carries the seed of its masks, from (seed, batch number, rank).
+    The index stream concatenates seeded permutations of the dataset, one per pass. With
+    `lengths`, each pool of `bucket_size` global batches (G = batch_size * world_size items,
+    rank r takes the r-th slice) is cut into length buckets (`length_buckets`). A pool holds
+    at most half the dataset, so it spans at most two passes; there the later pass's first
+    items that the earlier pass's tail in that pool holds are swapped further on, never into
+    its own tail: no batch holds an item twice (needs N >= 2G - 1) and each pass depends on
+    its own and the previous permutation only. Yields `BatchKeys` of (item seed, index).
     """
 
     def __init__(
@@ -90,7 +71,6 @@ class StepBatchSampler(Sampler[list[tuple[int, int]]]):
         self.world_size = world_size
         self.start = start
         self.lengths = None if lengths is None else [int(n) for n in lengths]
-        # batches per length-sorting pool: at most half the items per pool (see above)
         wanted = bucket_size if lengths is not None else 1
         self.bucket_size = max(1, min(wanted, num_items // (2 * G)))
         self.pool_items = self.bucket_size * G  # W: stream positions per pool
@@ -163,9 +143,8 @@ class StepBatchSampler(Sampler[list[tuple[int, int]]]):
 
 
 class BatchKeys(list):
-    """One batch's item keys, or its items once `SeededItems` fetched them, with `mask_seed`:
-    its masks' seed (it travels to the workers with the keys, so masks never depend on which
-    worker or how far ahead it runs)."""
+    """One batch's item keys, or its items once `SeededItems` fetched them, with the seed of
+    its masks (it travels to the workers with the keys: no dependence on worker or prefetch)."""
 
     def __init__(self, keys: list[Any], mask_seed: int | None) -> None:
         super().__init__(keys)
@@ -173,9 +152,8 @@ class BatchKeys(list):
 
 
 class SeededItems(Dataset):
-    """`dataset[(seed, index)]` -> `dataset[index]` with the global RNG seeded for that item
-    (the data layer's random crops draw from it) and restored afterwards. A whole batch of
-    keys (the DataLoader's `__getitems__`) gives its items as `BatchKeys`, keeping its mask seed."""
+    """`dataset[(seed, index)]` -> `dataset[index]` with the global RNG (random crops) seeded
+    for that item and restored after; a batch of keys (`__getitems__`) keeps its mask seed."""
 
     def __init__(self, dataset: Dataset) -> None:
         self.dataset = dataset
@@ -186,16 +164,13 @@ class SeededItems(Dataset):
     def __getitem__(self, key: tuple[int, int]) -> Any:
         seed, index = key
         with torch.random.fork_rng(devices=[]):
-            # the CPU generator alone: torch.manual_seed would also queue CUDA/XPU/MTIA
-            # seeding with a formatted stack trace per item in workers (CUDA uninitialised)
+            # the CPU generator alone: torch.manual_seed would queue CUDA seeding with a
+            # formatted stack trace per item in workers
             torch.default_generator.manual_seed(seed)
             return self.dataset[index]
 
     def __getitems__(self, keys: list[tuple[int, int]]) -> BatchKeys:
         return BatchKeys([self[key] for key in keys], getattr(keys, "mask_seed", None))
-
-
-# ----------------------------------------------------------------------------- masking
 
 
 @dataclass(frozen=True)
@@ -218,9 +193,8 @@ class BatchMasker:
 
 
 class MaskingCollate:
-    """collate_fn of the pretraining loader: the wrapped collate's padded batch, stacked,
-    bucketed and masked on the host by `masker` -> {"masked": MaskedBatch, "lengths": (B,)
-    10 ms frames, "utt_ids"}. Picklable: it runs in the loader's worker processes."""
+    """collate_fn of the pretraining loader (picklable, runs in its workers): the wrapped
+    collate's batch masked by `masker` -> {"masked": MaskedBatch, "lengths": (B,), "utt_ids"}."""
 
     def __init__(self, collate: Callable[[list[Any]], dict[str, Any]], masker: BatchMasker):
         self.collate = collate
@@ -235,9 +209,6 @@ class MaskingCollate:
         return {"masked": masked, "lengths": batch["lengths"], "utt_ids": batch.get("utt_ids")}
 
 
-# ----------------------------------------------------------------------------- data module
-
-
 class ResumableData(L.LightningDataModule):
     def __init__(
         self,
@@ -248,13 +219,12 @@ class ResumableData(L.LightningDataModule):
         super().__init__()
         self.inner = inner
         self.seed = seed
-        # the task's host side of a step (`PretrainTask.batch_masker`): the loader stacks and
-        # masks with it; None: batches as the wrapped module collates them
+        # `PretrainTask.batch_masker`, run by the loader; None: the wrapped module's batches
         self.batch_masker = batch_masker
 
     @property
     def normalizer(self) -> Any:
-        """The wrapped module's `Normalizer` (training-split mean/std), available after setup."""
+        """The wrapped module's `Normalizer`, available after setup."""
         return self.inner.normalizer
 
     def describe(self) -> dict[str, Any]:
@@ -287,16 +257,11 @@ class ResumableData(L.LightningDataModule):
         )
 
     def step_loader(
-        self,
-        total_batches: int,
-        start: int = 0,
-        rank: int = 0,
-        world_size: int = 1,
+        self, total_batches: int, start: int = 0, rank: int = 0, world_size: int = 1
     ) -> DataLoader:
-        """The training loader of a run of `total_batches` batches from batch `start`: the
-        wrapped module's dataset, collate, workers, pinning and prefetch with the order of
-        `StepBatchSampler`, and with `batch_masker` (the task's, given the length bucket)
-        stacking and masking in the loader. `bench loader` times this very loader."""
+        """The training loader of `total_batches` batches from batch `start`: the wrapped
+        module's loader settings with `StepBatchSampler`'s order and `batch_masker` stacking
+        and masking. `bench loader` times this very loader."""
         loader = self.inner.train_dataloader()
         batch_size = loader.batch_size or getattr(loader.batch_sampler, "batch_size", None)
         if batch_size is None:
@@ -314,7 +279,7 @@ class ResumableData(L.LightningDataModule):
             bucket_size=int(getattr(loader.batch_sampler, "bucket_size", None) or 1),
         )
         collate = loader.collate_fn
-        if self.batch_masker is not None:  # the pretraining task: stack and mask in the loader
+        if self.batch_masker is not None:
             # model frames per length bucket: the wrapped module's `cfg.pad_to_multiple`, else 1
             pad = getattr(getattr(self.inner, "cfg", None), "pad_to_multiple", 1)
             collate = MaskingCollate(collate, self.batch_masker(int(pad)))
@@ -336,9 +301,8 @@ class ResumableData(L.LightningDataModule):
     def transfer_batch_to_device(
         self, batch: Any, device: torch.device, dataloader_idx: int
     ) -> Any:
-        """Tensors to `device` (non-blocking from pinned memory; a `MaskedBatch` keeps its
-        lengths on the host), `lengths` kept on the host: the model reads them there to size
-        the step without a sync (`padding_mask_for`)."""
+        """Tensors to `device`, `lengths` (and a `MaskedBatch`'s) kept on the host: the model
+        sizes the step from them without a sync (`padding_mask_for`)."""
         if isinstance(batch, dict) and isinstance(batch.get("lengths"), Tensor):
             rest = {k: v for k, v in batch.items() if k != "lengths"}
             moved = super().transfer_batch_to_device(rest, device, dataloader_idx)

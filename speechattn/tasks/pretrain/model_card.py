@@ -38,12 +38,8 @@ LOSS_CURVE_FILE = "loss_curve.png"
 
 def training_device(trainer: L.Trainer) -> str:
     """What trained the model, e.g. "cuda: NVIDIA H100 80GB HBM3 x 2" or "cpu: <model name>"."""
-    device = trainer.strategy.root_device
-    if device.type == "cuda":
-        name = torch.cuda.get_device_name(device)
-    else:
-        name = _cpu_name()
-    count = trainer.world_size
+    device, count = trainer.strategy.root_device, trainer.world_size
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else _cpu_name()
     return f"{device.type}: {name}" + (f" x {count}" if count > 1 else "")
 
 
@@ -58,9 +54,7 @@ def _cpu_name() -> str:
 
 
 def median_metric(rows: list[dict[str, float]], key: str) -> float | None:
-    """Median of a `metrics.csv` column over the rows that have it (e.g. `frames_per_s`, the
-    training throughput in 10 ms frames/s, or `data_wait`, the share of time spent waiting
-    for data); None if no row has it."""
+    """Median of a `metrics.csv` column over the rows that have it; None if none has."""
     values = [r[key] for r in rows if not math.isnan(r.get(key, math.nan))]
     return statistics.median(values) if values else None
 
@@ -96,8 +90,7 @@ def loss_curve_png(rows: list[dict[str, float]], title: str) -> bytes:
 def card_header(
     upstream_path: Path, rows: list[dict[str, float]], license: str, up: Upstream | None = None
 ) -> dict[str, Any]:
-    """The YAML header's facts, from `upstream.pt` (`up`: it, loaded already) and the rows of
-    `metrics.csv`."""
+    """The YAML header's facts, from `upstream.pt` (`up`: loaded already) and `metrics.csv`."""
     up = up or load_upstream(upstream_path)
     meta, config = up.metadata, up.config
     summary = meta.get("data_summary") or {}
@@ -207,25 +200,17 @@ README.
 def write_model_card(
     upstream_path: str | Path, rows: list[dict[str, float]], license: str = "mit"
 ) -> Path:
-    """Write `README.md` and `loss_curve.png` beside `upstream_path`; returns the card's path.
-
-    `rows` are the run's `metrics.csv` rows (`speechattn.tasks.common.read_metrics`).
-    """
-    return _write_card(Path(upstream_path), rows, license, beside=True)
+    """Write `README.md` and `loss_curve.png` beside `upstream_path` for the run's `metrics.csv`
+    `rows` (`speechattn.tasks.common.read_metrics`); returns the card's path."""
+    return _write_card(Path(upstream_path), rows, license)
 
 
 def write_upstream_folder(
     upstream_path: str | Path, out: str | Path, rows: list[dict[str, float]], license: str = "mit"
 ) -> Path:
     """Export `upstream_path` (an upstream.pt) as an upstream folder at `out`, written
-    atomically: config.json, model.safetensors, README.md (this card; the folder loads as
-    `load_upstream(".")` from inside it) and loss_curve.png, ready to upload as a Hugging Face
-    model repository. `rows`: the run's metrics.csv rows ([] when there are none).
-
-    The weights are those `load_upstream(upstream_path)` gives (an older file's attention
-    options stated explicitly), so the folder loads to the same module, bit for bit. Raises
-    `OutputExistsError` when `out` holds anything but an earlier upstream folder.
-    """
+    atomically (docs/upstream.md), loading to the same module bit for bit; `OutputExistsError`
+    when `out` holds anything but an earlier upstream folder."""
     _write_card(Path(upstream_path), rows, license, beside=False, folder=Path(out))
     return Path(out)
 
@@ -234,7 +219,7 @@ def _write_card(
     upstream_path: Path,
     rows: list[dict[str, float]],
     license: str,
-    beside: bool,
+    beside: bool = True,
     folder: Path | None = None,
 ) -> Path:
     """The model card beside `upstream_path` (`beside`) and/or the upstream folder at `folder`,
@@ -255,25 +240,15 @@ def _write_card(
 
 def card_text(header: dict[str, Any], upstream_name: str) -> str:
     """The card: YAML front matter (Hugging Face's model-card metadata) + Markdown body."""
-    return (
-        "---\n"
-        + yaml.safe_dump(header, sort_keys=False)
-        + "---\n"
-        + card_body(header, upstream_name)
-    )
+    return f"---\n{yaml.safe_dump(header, sort_keys=False)}---\n{card_body(header, upstream_name)}"
 
 
 def write_run_upstream(
-    trainer: L.Trainer,
-    task: PretrainTask,
-    output_dir: Path,
-    val_loss: float | None,
-    license: str = "mit",
+    trainer: L.Trainer, task: PretrainTask, output_dir: Path, val_loss: float | None, license: str
 ) -> dict[str, str]:
-    """The results of a pretraining run that finished in `output_dir` (rank zero's to write):
-    `upstream.pt` with the facts of the run (`val_loss`, the final validation loss; throughput,
-    precision, device), its model card and the upstream folder (safetensors, no pickle,
-    docs/upstream.md). Returns their paths as `upstream`, `model_card` and `upstream_folder`."""
+    """The results of a run that finished in `output_dir` (rank zero's): `upstream.pt` with the
+    run's facts (final `val_loss`, throughput, precision, device), its model card and the
+    upstream folder; returns their paths as `upstream`, `model_card` and `upstream_folder`."""
     rows = read_metrics(output_dir / "metrics.csv")
     run_facts = {
         "val_loss": val_loss,
@@ -284,7 +259,7 @@ def write_run_upstream(
     }
     upstream = task.export_upstream(output_dir / "upstream.pt", run_facts)
     folder = output_dir / UPSTREAM_FOLDER
-    card = _write_card(upstream, rows, license, beside=True, folder=folder)
+    card = _write_card(upstream, rows, license, folder=folder)
     print(
         f"upstream.pt written to {upstream} (model card: {card}; as a safetensors folder: "
         f"{folder})",

@@ -1,14 +1,7 @@
-"""Masked-reconstruction pretraining of AALBERT as a LightningModule: one step is stack frames,
-corrupt spans (`model/masking.py`), encode, reconstruct, L1 on the chosen frames.
-
-* Training batches arrive stacked and masked by the loader (`MaskingCollate`, in its workers).
-* Resumable: the data order and masks are a function of (seed, batch, rank) and every
-  micro-batch reseeds dropout from (seed, step, micro-batch, rank), so a resumed run sees
-  exactly the batches, masks and dropout of an uninterrupted one.
-* One host-device sync per step (`check_step`): the finite checks of the loss, the gradient
-  norm and the previous update's parameters are read together. A non-finite loss or gradient
-  skips the update (`NonFiniteWarning`); `max_nonfinite` in a row, or non-finite parameters,
-  stop training with `NonFiniteLossError`.
+"""Masked-reconstruction pretraining of AALBERT as a LightningModule: stack frames, corrupt
+spans (`model/masking.py`, done by the loader for training batches), encode, reconstruct, L1
+on the chosen frames. Every micro-batch reseeds dropout from (seed, step, micro-batch, rank),
+so a resumed run matches an uninterrupted one. One host-device sync per step (`check_step`).
 """
 
 from __future__ import annotations
@@ -37,8 +30,6 @@ from speechattn.tasks.pretrain.compiled import compile_objective
 from speechattn.tasks.pretrain.data import BatchMasker
 from speechattn.utils import derive_seed
 
-# ----------------------------------------------------------------------------- faults
-
 
 class NonFiniteWarning(UserWarning):
     """A training step produced a NaN/inf loss or gradient and was skipped."""
@@ -48,16 +39,10 @@ class NonFiniteLossError(SpeechattnError, RuntimeError):
     """Too many non-finite steps in a row: training cannot recover by skipping."""
 
 
-# ----------------------------------------------------------------------------- module
-
-
 class PretrainTask(L.LightningModule):
-    """AALBERT + masked acoustic modelling.
-
-    Batches follow the data contract: `features` (B, T, F) normalised log-mel at 10 ms,
-    `lengths` (B,). Everything needed to export `upstream.pt` (feature settings, normaliser
-    statistics, corpus) is held in `data_info` and travels in every checkpoint.
-    """
+    """AALBERT + masked acoustic modelling. Batches: `features` (B, T, F) normalised log-mel
+    at 10 ms, `lengths` (B,) (or the loader's `masked`). `data_info` holds what upstream.pt
+    needs of the data (normaliser, feature settings, corpus) and travels in every checkpoint."""
 
     def __init__(
         self,
@@ -79,22 +64,16 @@ class PretrainTask(L.LightningModule):
         self.seed = int(seed)
         self.max_nonfinite = int(max_nonfinite)
         self.model = AALBERT(self.model_config)
-        # what upstream.pt needs of the data (the training split's normaliser, the feature
-        # settings) and facts for its metadata (corpus, data config, ...): set by `run` and
-        # `setup`, kept in every checkpoint
         self.data_info: dict[str, Any] = {}
-        # model.compile: training's masked reconstruction under torch.compile (static shapes,
-        # a graph per length bucket; `tasks/pretrain/compiled.py`), compiled at its first call
         self._compiled = compile_objective(self.model, compile_mode) if compile else None
-        # settings a resume changed against its checkpoint (`allow_resume_changes`), each
-        # {"step", "setting", "checkpoint", "now"}: set before fit, recorded in data_info
+        # `allow_resume_changes`' changes, {"step", "setting", "checkpoint", "now"} each
         self.resume_changes: list[dict[str, Any]] = []
         self._nonfinite_in_row = 0
         self._skipped_this_step = False
         self._micro = (-1, 0)  # (global_step, micro-batch index within the accumulation)
         self._last_time: float | None = None
         self._last_frames = 0
-        # device-side state of the step's checks, read once per step (on_before_optimizer_step)
+        # the step's checks on the device, read once per step (on_before_optimizer_step)
         self._loss_finite: Tensor | None = None  # () bool, all micro-batches' losses finite
         self._step_loss: tuple[Tensor, int] | None = None  # (loss (), chosen frames) to log
         self._params_finite: tuple[Tensor, int] | None = None  # (() bool, step) after an update
@@ -107,14 +86,11 @@ class PretrainTask(L.LightningModule):
 
     def setup(self, stage: str) -> None:
         if self.trainer.strategy.root_device.type == "cuda":
-            # fp32 regions (linear attention, LSH CSR, tables, the optimiser's norms) use TF32
-            # tensor cores: ~8x the fp32 matmul rate, 10-bit mantissa products. Key selection
-            # (LSH hashing and matching, routing's clusters) stays true float32 (attention/fp32.py).
-            # One API for both: per-backend fp32_precision attributes set directly would make
-            # torch.get_float32_matmul_precision() raise, and inductor calls it when it compiles.
+            # TF32 for fp32 regions (key selection stays fp32: attention/fp32.py); not per-backend
+            # fp32_precision attributes, which make get_float32_matmul_precision() raise
             torch.set_float32_matmul_precision("high")
             torch.backends.cudnn.allow_tf32 = True
-        # the normaliser is computed by the data module's setup, which Lightning runs first
+        # the data module's setup, which computes the normaliser, has run
         dm = self.trainer.datamodule if self._trainer is not None else None
         norm = getattr(dm, "normalizer", None)
         if norm is not None:
@@ -129,14 +105,11 @@ class PretrainTask(L.LightningModule):
         checkpoint["speechattn_train_loss"] = self.last_train_loss
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        # Lightning calls this before it restores the optimiser and its schedule from
-        # `checkpoint`: edits to it here take effect
+        # before Lightning restores the optimiser and schedule from `checkpoint`: edits count
         saved = checkpoint.get("speechattn_data", {}) or {}
         history = [*saved.get("resume_changes", []), *self.resume_changes]
         if any(c["setting"].startswith("data.") for c in self.resume_changes):
-            # other features from now on: the checkpoint's normaliser no longer applies
             saved = {k: v for k, v in saved.items() if k not in ("normalizer", "feature_config")}
-        # what this run set (the data it trains on from now) over what the checkpoint recorded
         self.data_info = {**saved, **self.data_info}
         if history:
             self.data_info["resume_changes"] = history
@@ -146,9 +119,8 @@ class PretrainTask(L.LightningModule):
 
     def _apply_optimizer_settings(self, checkpoint: dict[str, Any]) -> None:
         """Put this run's lr, betas, eps and weight decay into the checkpoint's optimiser and
-        schedule state (an allowed `allow_resume_changes`): restored as saved, they would keep
-        the old values while the metadata states the new ones. The schedule's shape (warm-up,
-        final fraction, total steps) is this run's anyway: the state keeps only its step."""
+        schedule state, which would otherwise keep the old values (the schedule's shape is this
+        run's anyway: its state keeps only the step)."""
         for state in checkpoint.get("optimizer_states", []):
             for index, group in enumerate(state["param_groups"]):
                 base = group.get("initial_lr", group["lr"])
@@ -166,27 +138,17 @@ class PretrainTask(L.LightningModule):
                 ]
                 state["base_lrs"] = [self.optim.lr] * len(state["base_lrs"])
 
-    # ------------------------------------------------------------------ step
     def batch_masker(self, pad_to_multiple: int = 1) -> BatchMasker:
-        """The host side of a training step, run by the loader (`ResumableData`): stacking,
-        length buckets of `pad_to_multiple` model frames, masking."""
-        limit = self.model.max_input_frames
-        return BatchMasker(
-            stack=self.model_config.stack,
-            masking=self.masking,
-            pad_to_multiple=pad_to_multiple,
-            max_model_frames=None if limit is None else limit // self.model_config.stack,
-        )
+        """The host side of a training step (stack, length buckets, mask), run by the loader."""
+        stack, limit = self.model_config.stack, self.model.max_input_frames
+        max_model_frames = None if limit is None else limit // stack
+        return BatchMasker(stack, self.masking, pad_to_multiple, max_model_frames)
 
     def reconstruction_loss(
         self, batch: dict[str, Any], generator: torch.Generator
     ) -> tuple[Tensor, int, int]:
-        """Masked L1 of one batch, its valid 10 ms frames and its chosen model frames.
-
-        A training batch comes masked by the loader (`batch["masked"]`, a `MaskedBatch`); a
-        batch of features (validation) is masked here with `generator`. The counts are read
-        from host-side lengths and masks: no sync.
-        """
+        """Masked L1 of one batch, its valid 10 ms frames and its chosen model frames (host
+        counts: no sync). A batch without the loader's `masked` is masked with `generator`."""
         masked: MaskedBatch | None = batch.get("masked")
         if masked is None:
             masked = corrupt(
@@ -200,8 +162,7 @@ class PretrainTask(L.LightningModule):
         return loss, frames, masked.num_chosen
 
     def _seed_micro_batch(self) -> torch.Generator:
-        """Reseed dropout (and masking of an unmasked batch) from (seed, step, micro-batch,
-        rank): resumable RNG."""
+        """Reseed dropout (and masking of an unmasked batch) from (seed, step, micro, rank)."""
         step = self.global_step
         micro = self._micro[1] + 1 if self._micro[0] == step else 0
         self._micro = (step, micro)
@@ -211,8 +172,7 @@ class PretrainTask(L.LightningModule):
 
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> Tensor:
         loss, frames = self.step_loss(batch)
-        # frames_per_s: valid 10 ms frames of the previous step over the time between the
-        # steps' starts, all ranks; logged as host values (`host_value`: no copy to the device)
+        # frames_per_s: the previous step's valid 10 ms frames, all ranks, over its duration
         now = time.perf_counter()
         if self._last_time is not None and now > self._last_time:
             fps = self._last_frames / (now - self._last_time) * self.trainer.world_size
@@ -220,13 +180,12 @@ class PretrainTask(L.LightningModule):
         self._last_time, self._last_frames = now, frames
         scheduler = self.lr_schedulers()
         if scheduler is not None:
-            lr = host_value(scheduler.get_last_lr()[0])
-            self.log("lr", lr, on_step=True, batch_size=1)
+            self.log("lr", host_value(scheduler.get_last_lr()[0]), on_step=True, batch_size=1)
         return loss  # backward runs even when it is not finite; the update is then skipped
 
     def step_loss(self, batch: dict[str, Any]) -> tuple[Tensor, int]:
         """A training micro-batch up to backward: its loss (with the attention's auxiliary
-        loss), whose finite check is queued on the device, and its valid 10 ms frames."""
+        loss; finite check queued on the device) and its valid 10 ms frames."""
         generator = self._seed_micro_batch()
         loss, frames, chosen = self.reconstruction_loss(batch, generator)
         finite = torch.isfinite(loss.detach())  # () bool, stays on the device for check_step
@@ -244,12 +203,10 @@ class PretrainTask(L.LightningModule):
         return loss, frames
 
     def check_step(self) -> bool:
-        """The step's one host read: whether the losses, the gradient norm and the parameters
-        of the previous update are all finite, with the loss and the norm themselves (logged
-        as host values, so neither Lightning nor a progress bar reads the device again).
-        Grads are dropped (update skipped) when not; raises `NonFiniteLossError` when the
-        parameters are not or after `max_nonfinite` skipped steps in a row. Returns whether
-        the update goes ahead."""
+        """The step's one host read: whether the losses, the gradient norm and the previous
+        update's parameters are finite, with the loss and the norm (logged as host values).
+        Not finite: grads dropped (returns False, update skipped); `NonFiniteLossError` for
+        parameters, or after `max_nonfinite` skipped steps in a row."""
         grads = [p.grad for p in self.parameters() if p.grad is not None]
         if not grads and self._loss_finite is None:
             return False
@@ -257,13 +214,9 @@ class PretrainTask(L.LightningModule):
         one = torch.ones((), device=like.device)  # a stand-in filled on the device: no copy
         norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads))) if grads else one
         loss = self._step_loss[0] if self._step_loss is not None else one
-        values = [
-            self._loss_finite if self._loss_finite is not None else one,
-            torch.isfinite(norm),
-            self._params_finite[0] if self._params_finite is not None else one,
-            loss,
-            norm,
-        ]  # () tensors on the device
+        loss_finite = self._loss_finite if self._loss_finite is not None else one
+        params_finite = self._params_finite[0] if self._params_finite is not None else one
+        values = [loss_finite, torch.isfinite(norm), params_finite, loss, norm]  # () on the device
         read = torch.stack([v.float() for v in values]).tolist()
         loss_ok, grad_ok, params_ok, loss_value, norm_value = read
         self._loss_finite = None
@@ -274,8 +227,7 @@ class PretrainTask(L.LightningModule):
             if not self._skipped_this_step:
                 self._nonfinite_in_row = 0
             if self._step_loss is not None:
-                chosen = self._step_loss[1]
-                value = host_value(loss_value)
+                value, chosen = host_value(loss_value), self._step_loss[1]
                 self.log("train_loss", value, prog_bar=True, on_step=True, batch_size=chosen)
                 # kept here: callback_metrics lose step-only values when validate() runs after fit
                 self._train_loss = loss_value
@@ -301,16 +253,12 @@ class PretrainTask(L.LightningModule):
         return False
 
     def check_parameters(self) -> None:
-        """Read the parameters' finite check of the last update (a sync: at checkpoints and at
-        the end only) and raise `NonFiniteLossError` when it failed."""
-        if self._params_finite is not None:
-            ok, step = self._params_finite
-            if not bool(ok):
-                self._raise_diverged(step)
+        """`NonFiniteLossError` when the last update made parameters NaN/inf (a sync)."""
+        if self._params_finite is not None and not bool(self._params_finite[0]):
+            self._raise_diverged(self._params_finite[1])
 
     def _raise_diverged(self, step: int) -> None:
-        # a finite loss and gradient can still overflow the weights (lr far too high); after
-        # that every later loss is NaN, so stop before a checkpoint or upstream.pt keeps them
+        # a finite loss and gradient can still overflow the weights (lr far too high)
         bad = nonfinite_tensors(dict(self.model.named_parameters()))
         raise NonFiniteLossError(
             f"training diverged at step {step}: the update made {len(bad)} "
@@ -325,17 +273,15 @@ class PretrainTask(L.LightningModule):
         return torch.stack(terms).sum() if terms else None
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
-        # after backward was launched, before clipping and the update
-        self.check_step()
+        self.check_step()  # before clipping and the update
 
     def optimizer_step(self, *args: Any, **kwargs: Any) -> None:
         super().optimizer_step(*args, **kwargs)
         self.after_update()
 
     def after_update(self) -> None:
-        """After an optimiser update: adaptive_span's spans back into [0, S], and the
-        parameters' finite check queued on the device (read by the next `check_step`, before
-        a checkpoint, or at the end: no sync here)."""
+        """After an update: adaptive_span's spans back into [0, S]; the parameters' finite
+        check queued on the device (read by the next `check_step`, `check_parameters`)."""
         for module in self.model.modules():
             if isinstance(module, Attention):
                 module.after_optimizer_step()
@@ -345,8 +291,7 @@ class PretrainTask(L.LightningModule):
         self._params_finite = (finite, self.global_step)
 
     def divergence_advice(self) -> str:
-        """What to change after a divergence: a smaller lr, and resuming only if a checkpoint
-        from before it exists."""
+        """What to change after a divergence; resuming only if a checkpoint exists."""
         lr = self.optim.lr
         advice = (
             f"Try a smaller learning rate, e.g. model.optimizer.lr={lr / 10:g} (now {lr:g}), a "
@@ -365,10 +310,8 @@ class PretrainTask(L.LightningModule):
         return advice
 
     def check_converged(self, val_loss: float | None = None) -> None:
-        """Raise `NonFiniteLossError` when the last update made the weights NaN/inf, when
-        training ended inside a run of skipped non-finite steps (the weights never recovered,
-        whatever the step budget cut short), or when the final validation loss `val_loss` is
-        NaN/inf."""
+        """`NonFiniteLossError` when the last update made the weights NaN/inf, training ended
+        inside a streak of skipped steps, or the final validation loss `val_loss` is NaN/inf."""
         self.check_parameters()
         if self._nonfinite_in_row:
             raise NonFiniteLossError(
@@ -384,14 +327,12 @@ class PretrainTask(L.LightningModule):
             )
 
     def validation_step(self, batch: dict[str, Any], batch_idx: int) -> Tensor:
-        # fixed masks per validation batch, so val_loss is comparable across the run
+        # fixed masks per batch: val_loss comparable across the run; weighted by chosen frames
         generator = torch.Generator().manual_seed(derive_seed(self.seed, "val", batch_idx))
         loss, _, chosen = self.reconstruction_loss(batch, generator)
-        # weighted by chosen frames, so val_loss is the L1 over all masked validation frames
         self.log("val_loss", loss, prog_bar=True, sync_dist=True, batch_size=max(chosen, 1))
         return loss
 
-    # ------------------------------------------------------------------ optimisation
     def configure_optimizers(self) -> dict[str, Any]:
         optimizer = build_optimizer(self, self.optim)
         scheduler = build_scheduler(optimizer, self.optim, self.total_steps)
@@ -400,12 +341,10 @@ class PretrainTask(L.LightningModule):
             "lr_scheduler": {"scheduler": scheduler, "interval": "step", "frequency": 1},
         }
 
-    # ------------------------------------------------------------------ export
     def upstream_metadata(self) -> dict[str, Any]:
         from speechattn import code_version
 
-        # the normaliser and feature settings have their own entries in upstream.pt; metadata
-        # holds plain values only
+        # the normaliser and feature settings have their own entries in upstream.pt
         skip = ("mean", "std", "feature_config", "normalizer")
         info = {k: v for k, v in self.data_info.items() if k not in skip}
         trainer = self._trainer
@@ -427,28 +366,18 @@ class PretrainTask(L.LightningModule):
 
     def export_upstream(self, path: str | Path, extra: dict[str, Any] | None = None) -> Path:
         """Write `upstream.pt` for the current weights."""
-        norm = self.data_info.get("normalizer")
-        normalizer = (
-            Normalizer.from_state_dict(norm)
-            if norm is not None
-            else Normalizer.identity(self.model_config.feature_dim)  # data given pre-normalised
-        )
-        state = upstream_state(
-            self.model,
-            normalizer,
-            self.data_info.get("feature_config", {}),
-            {**self.upstream_metadata(), **(extra or {})},
-        )
-        return save_upstream(path, state)
+        norm = self.data_info.get("normalizer")  # None: data given pre-normalised
+        dim = self.model_config.feature_dim
+        normalizer = Normalizer.identity(dim) if norm is None else Normalizer.from_state_dict(norm)
+        features = self.data_info.get("feature_config", {})
+        metadata = {**self.upstream_metadata(), **(extra or {})}
+        return save_upstream(path, upstream_state(self.model, normalizer, features, metadata))
 
 
 def export_upstream(checkpoint: str | Path, out: str | Path) -> Path:
-    """Write `upstream.pt` from a Lightning checkpoint of a pretraining run (e.g. a periodic one).
-
-    The checkpoint is read with `weights_only=True` (`load_torch_file`): a file holding pickled
-    objects is refused, never executed. Raises `TorchFileError` naming the file when it is
-    unreadable or not a pretraining checkpoint.
-    """
+    """Write `upstream.pt` from a Lightning checkpoint of a pretraining run (e.g. a periodic
+    one), read with `weights_only=True`; `TorchFileError` naming a file that is unreadable or
+    not a pretraining checkpoint."""
     ckpt = load_torch_file(checkpoint, "cpu", "pretraining checkpoint")
     try:
         task = PretrainTask(**ckpt["hyper_parameters"])
@@ -459,6 +388,5 @@ def export_upstream(checkpoint: str | Path, out: str | Path) -> Path:
             f"speechattn.pretrain` ({type(e).__name__}: {str(e)[:200]})"
         ) from e
     task.data_info = ckpt.get("speechattn_data", {})
-    # a checkpoint has no trainer, so global_step comes from the file
     extra = {"steps": int(ckpt.get("global_step", 0)), "checkpoint": str(checkpoint)}
     return task.export_upstream(out, extra)

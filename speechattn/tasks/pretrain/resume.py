@@ -1,23 +1,9 @@
-"""Where a pretraining run starts from: which checkpoint `ckpt_path=last` means
-(`newest_checkpoint`), whether it may continue under today's settings (`resume_from`, asked
-before any data is read), the weights of an upstream for a new run (`init_from_upstream`), and
-the lock that keeps one run per run directory (`RunLock`).
-
-A checkpoint continues only the run it came from: Lightning would load its weights into
-another architecture wherever the shapes allow (`num_heads=4` against 8 heads) and keep its
-optimiser state under another optimiser's settings, and the metadata would state the new
-settings as what trained. Differences are refused, listed, unless each is named in
-`allow_resume_changes`: then it is recorded (`resume_changes` in the checkpoints and in
-upstream.pt's metadata) and takes effect from the resume on.
-
-Continued pretraining (`init_from=PATH`) is a new run in every other respect (fresh optimiser
-and schedule, step 0, this run's data, seed, masking and normaliser). The architecture
-(`ModelConfig` but dropout) and the input features (`FeatureConfig`, the normalisation mode)
-must equal the parent's, or the run is refused with every difference named. With `ckpt_path`
-too, only a run started from the same upstream (same sha256, recorded in its checkpoints)
-resumes: what a requeued job needs (`check_init_resume`). The parent, {"path", "sha256"}, is
-recorded as `init_from` in the checkpoints, upstream.pt's metadata, the model card and the
-exported folder's config.json.
+"""Where a pretraining run starts from: which checkpoint `ckpt_path=last` means, whether it may
+continue under today's settings (`resume_from`, asked before any data is read), an upstream's
+weights for a new run (`init_from_upstream`) and the lock that keeps one run per run directory.
+A checkpoint continues only the run it came from: Lightning would load its weights into another
+architecture wherever the shapes fit and keep the old optimiser's state, while the metadata
+stated the new settings. Users' view: docs/preemption.md, docs/upstream.md (`init_from`).
 """
 
 from __future__ import annotations
@@ -56,13 +42,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("speechattn.pretrain")
 
-# ----------------------------------------------------------------------------- which checkpoint
-
 
 def checkpoint_step(path: Path) -> int | None:
-    """The `global_step` stored in the Lightning checkpoint `path`, None when it cannot be read
-    safely (truncated, corrupt, holding objects `weights_only` refuses). Memory-mapped: only
-    the pickled header is read, not the weights."""
+    """The `global_step` of the Lightning checkpoint `path` (memory-mapped: the header only),
+    None when it cannot be read safely (truncated, corrupt, refused by `weights_only`)."""
     try:
         ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
         return int(ckpt["global_step"])
@@ -71,8 +54,7 @@ def checkpoint_step(path: Path) -> int | None:
 
 
 def _newest(steps: dict[Path, int | None]) -> Path | None:
-    """The readable checkpoint of `steps` (file -> `checkpoint_step`) with the highest step; on
-    a tie `last.ckpt`, then the newest file."""
+    """The readable checkpoint with the highest step; on a tie `last.ckpt`, then the newest."""
     readable = [p for p, s in steps.items() if s is not None]
     return max(
         readable, key=lambda p: (steps[p], p.name == "last.ckpt", p.stat().st_mtime), default=None
@@ -80,20 +62,18 @@ def _newest(steps: dict[Path, int | None]) -> Path | None:
 
 
 def newest_checkpoint(checkpoint_dir: Path) -> Path | None:
-    """The checkpoint of `checkpoint_dir` with the highest step (`last.ckpt`, `last-vN.ckpt`,
-    `step=NNNNNNN[-vN].ckpt`), None when there is none. Lightning writes `last-v1.ckpt` when
-    `last.ckpt` is a file it does not think its own (a copied or moved run directory), and
-    `last.ckpt` then stays behind. An unreadable `last*.ckpt` is returned as it stands: the
-    resume then stops with an error naming it and the newest intact checkpoint, rather than
-    quietly going back further."""
+    """The checkpoint of `checkpoint_dir` with the highest step, whatever its name (Lightning
+    writes `last-v1.ckpt` beside a `last.ckpt` of a copied run directory), None when there is
+    none. An unreadable `last*.ckpt` is returned as it stands, so that the resume stops naming
+    it and the newest intact checkpoint rather than quietly going back further."""
     steps = {p: checkpoint_step(p) for p in sorted(checkpoint_dir.glob("*.ckpt")) if p.is_file()}
     damaged = [p for p, s in steps.items() if s is None and p.name.startswith("last")]
     return damaged[0] if damaged else _newest(steps)
 
 
 def periodic_checkpoints(checkpoint_dir: Path, every_n_steps: int, keep: int) -> ModelCheckpoint:
-    """The run's resumable checkpoints: `step=NNNNNNN.ckpt` every `every_n_steps` steps (the
-    newest `keep`, -1 all) and `last.ckpt`."""
+    """`step=NNNNNNN.ckpt` every `every_n_steps` steps (the newest `keep`, -1 all) and
+    `last.ckpt`, overwritten in place (never `last-v1.ckpt` in a copied run directory)."""
     return ModelCheckpoint(
         dirpath=checkpoint_dir,
         filename="step={step:07d}",
@@ -104,16 +84,13 @@ def periodic_checkpoints(checkpoint_dir: Path, every_n_steps: int, keep: int) ->
         mode="max",
         save_last=True,
         save_on_train_epoch_end=False,
-        # overwrite, never `last-v1.ckpt`: in a copied or moved run directory Lightning would
-        # not take last.ckpt for its own and write beside it (newest_checkpoint finds either)
         enable_version_counter=False,
     )
 
 
 def resolve_ckpt_path(ckpt_path: str | None, output_dir: Path) -> Path | None:
-    """`null` -> fresh run; `last` -> the newest checkpoint of <run dir>/checkpoints (highest
-    step, whatever Lightning named it: `newest_checkpoint`), else a fresh run with a warning
-    naming earlier runs that could be resumed; a path -> that file."""
+    """`null` -> fresh run; `last` -> the newest checkpoint of <run dir>/checkpoints, else a
+    fresh run with a warning naming an earlier run that could be resumed; a path -> that file."""
     if ckpt_path in (None, "", "null"):
         return None
     if ckpt_path != "last":
@@ -140,8 +117,7 @@ def resolve_ckpt_path(ckpt_path: str | None, output_dir: Path) -> Path | None:
 
 
 def warn_if_requeued_from_scratch(resume: Path | None, output_dir: Path) -> None:
-    """A requeued SLURM job reruns its command: without `ckpt_path=last` in a fixed run
-    directory it starts over and the hours before the requeue are lost. Say so."""
+    """Warn that a requeued SLURM job starts over (no `ckpt_path=last` in a fixed run dir)."""
     restarts = os.environ.get("SLURM_RESTART_COUNT", "0")
     if resume is None and restarts not in ("", "0"):
         warnings.warn(
@@ -152,11 +128,7 @@ def warn_if_requeued_from_scratch(resume: Path | None, output_dir: Path) -> None
         )
 
 
-# ----------------------------------------------------------------------------- init_from
-
-
-# ModelConfig fields a continued run may change: they do not change the weights' meaning
-TRAINING_ONLY = ("dropout",)
+TRAINING_ONLY = ("dropout",)  # ModelConfig fields a continued run may change
 
 
 def differences(
@@ -192,9 +164,9 @@ def _line(setting: str, parent: Any, mine: Any) -> str:
 def init_from_upstream(
     model: AALBERT, path: str | Path, features: dict[str, Any], normalization: str | None
 ) -> dict[str, str]:
-    """Copy the weights of the upstream at `path` (an upstream.pt or an upstream folder) into
-    `model`, after checking that they fit (`ConfigError` listing every difference). Returns
-    the record of the parent, {"path": resolved path, "sha256": `upstream_sha256`}."""
+    """Copy the weights of the upstream at `path` (an upstream.pt or folder) into `model` once
+    they fit (`ConfigError` listing every difference); returns the parent's record,
+    {"path": resolved path, "sha256": `upstream_sha256`}."""
     path = Path(path).expanduser()
     parent = load_upstream(path)  # its errors name the file and the problem
     found = differences(parent, model.config, features, normalization)
@@ -209,9 +181,8 @@ def init_from_upstream(
 
 
 def check_init_resume(init_from: str | Path, checkpoint: dict[str, Any], resume: Path) -> None:
-    """`init_from` together with a checkpoint to resume: allowed only when the checkpoint's run
-    started from that same upstream (then it resumes, the checkpoint's weights winning);
-    otherwise `ConfigError`, since it is unclear which weights the run should start from."""
+    """`init_from` with a checkpoint to resume: allowed only when the checkpoint's run started
+    from that same upstream (what a requeued job needs), else `ConfigError` (ambiguous)."""
     path = Path(init_from).expanduser()
     if not path.exists():
         raise MissingFileError(f"init_from={init_from}: no such upstream file or folder")
@@ -227,14 +198,10 @@ def check_init_resume(init_from: str | Path, checkpoint: dict[str, Any], resume:
     )
 
 
-# ----------------------------------------------------------------------------- may it continue
-
-
 def read_checkpoint(path: Path) -> dict[str, Any]:
-    """Read `path` safely (`weights_only=True`) before Lightning does and return it. Raises
-    `TorchFileError` naming it: when it is truncated, corrupt or refused (with the newest
-    intact checkpoint beside it, as an override to paste), or when it is not a checkpoint of
-    `python -m speechattn.pretrain` (a plain dict of weights, another program's file)."""
+    """`path` read safely (`weights_only=True`) before Lightning does. `TorchFileError` naming
+    it when it is truncated, corrupt or refused (with the newest intact checkpoint beside it,
+    as an override to paste) or not a checkpoint of `python -m speechattn.pretrain`."""
     try:
         checkpoint = load_torch_file(path, "cpu", "checkpoint to resume")
     except TorchFileError as e:
@@ -264,24 +231,21 @@ def read_checkpoint(path: Path) -> dict[str, Any]:
     return checkpoint
 
 
-# the settings a checkpoint must agree with: (setting as on the command line, where the
-# checkpoint's hyper_parameters keep it, its schema). The model's feature_dim follows the
-# data's n_mels and deltas, which are compared themselves (DATA_KEYS).
+# the settings a checkpoint must agree with: (setting as on the command line, its key in the
+# checkpoint's hyper_parameters, its schema); feature_dim follows the data's, compared itself
 GROUPS = (
     ("model.net", "model", ModelConfig),
     ("model.masking", "masking", MaskingConfig),
     ("model.optimizer", "optimizer", OptimConfig),
 )
 DATA_KEYS = ("n_mels", "deltas", "normalization")
-# settings a recorded override cannot make work: the optimiser's state is another optimiser's
-NEVER_CHANGED = ("model.optimizer.name",)
+NEVER_CHANGED = ("model.optimizer.name",)  # the optimiser's state is that optimiser's
 
 
 def settings_of(hyper_parameters: dict[str, Any], data_config: dict[str, Any]) -> dict[str, Any]:
     """The settings a resume must keep, flat ("model.net.num_heads" -> 8), from a checkpoint's
-    `hyper_parameters` and data config or from today's (the same shapes: `PretrainTask`'s
-    arguments and `plain(cfg.data)`). Values are normalised by the dataclasses, so a tuple
-    and a list of the same betas compare equal."""
+    `hyper_parameters` and data config or from today's (`PretrainTask`'s arguments and
+    `plain(cfg.data)`), normalised by the dataclasses (a tuple equals the same list)."""
     flat: dict[str, Any] = {"seed": hyper_parameters.get("seed")}
     for setting, key, schema in GROUPS:
         for name, value in vars(schema(**(hyper_parameters.get(key) or {}))).items():
@@ -294,11 +258,10 @@ def settings_of(hyper_parameters: dict[str, Any], data_config: dict[str, Any]) -
 def allowed_changes(
     cfg: DictConfig, checkpoint: dict[str, Any], path: Path, step: int
 ) -> list[dict[str, Any]]:
-    """The settings of `cfg` that differ from the checkpoint's (read from `path`, at `step`):
-    refused (`ConfigError` listing them and what to do) unless every one is named in
-    `allow_resume_changes`; returns the allowed changes to record, one {"step", "setting",
-    "checkpoint", "now"} per setting. `TorchFileError` naming the file when its settings are
-    not this speechattn's."""
+    """The settings of `cfg` that differ from the checkpoint's (`path`, at `step`): refused
+    (`ConfigError` listing them and what to do) unless each is named in
+    `allow_resume_changes`; returns them as {"step", "setting", "checkpoint", "now"} to record.
+    `TorchFileError` naming the file when its settings are not this speechattn's."""
     old_data = (checkpoint.get("speechattn_data") or {}).get("data_config") or {}
     try:
         before = settings_of(checkpoint["hyper_parameters"], old_data)
@@ -332,25 +295,20 @@ def allowed_changes(
             f"ckpt_path={path} (step {step}) was trained with other settings than this run's: "
             f"{listed}. {advice}"
         )
-    changes = []
+    recorded = "allow_resume_changes; recorded in upstream.pt's metadata as resume_changes"
     for k, (old, new) in differences.items():
         log.warning(
-            "resuming with %s changed from %r to %r at step %d (allow_resume_changes; recorded "
-            "in upstream.pt's metadata as resume_changes)",
-            k,
-            old,
-            new,
-            step,
+            "resuming with %s changed from %r to %r at step %d (%s)", k, old, new, step, recorded
         )
-        changes.append({"step": step, "setting": k, "checkpoint": old, "now": new})
-    return changes
+    return [
+        {"step": step, "setting": k, "checkpoint": old, "now": new}
+        for k, (old, new) in differences.items()
+    ]
 
 
 @dataclass
 class Resume:
-    """The checkpoint a run continues (`resume_from`): its file, its step, the changes of
-    settings against it that `allow_resume_changes` allows (recorded in what the run writes)
-    and the shapes of its weights."""
+    """The checkpoint a run continues: file, step, allowed changes to record, weight shapes."""
 
     path: Path
     step: int
@@ -358,9 +316,8 @@ class Resume:
     shapes: dict[str, tuple[int, ...]]
 
     def check_fits(self, task: PretrainTask) -> None:
-        """Raise `ConfigError` naming the file when the checkpoint's weights do not fit `task`
-        (keys or shapes), instead of Lightning's `Error(s) in loading state_dict` naming
-        neither; then hand `task` the changes to record."""
+        """`ConfigError` naming the file when the checkpoint's weights do not fit `task` (keys,
+        shapes), instead of Lightning's error naming neither; then hand `task` the changes."""
         saved, wanted = self.shapes, {k: tuple(v.shape) for k, v in task.state_dict().items()}
         problems = {
             "missing": sorted(set(wanted) - set(saved)),
@@ -386,23 +343,19 @@ class Resume:
 
 
 def resume_from(cfg: DictConfig, output_dir: Path) -> Resume | None:
-    """The checkpoint `cfg.ckpt_path` names for the run in `output_dir`, read and checked
-    against `cfg` (and against `cfg.init_from`, `check_init_resume`); None for a fresh
-    run. Raises the errors that refuse the resume, before any data is read."""
+    """The checkpoint `cfg.ckpt_path` names for the run in `output_dir`, checked against `cfg`
+    and `cfg.init_from` before any data is read; None for a fresh run."""
     path = resolve_ckpt_path(cfg.get("ckpt_path"), output_dir)
     warn_if_requeued_from_scratch(path, output_dir)
     if path is None:
         return None
     checkpoint = read_checkpoint(path)
     step = int(checkpoint["global_step"])
-    if cfg.get("init_from"):  # resume only the run it started
+    if cfg.get("init_from"):
         check_init_resume(cfg.init_from, checkpoint, path)
     changes = allowed_changes(cfg, checkpoint, path, step)
     shapes = {k: tuple(v.shape) for k, v in checkpoint["state_dict"].items()}
     return Resume(path, step, changes, shapes)
-
-
-# ----------------------------------------------------------------------------- hints
 
 
 _PLAIN_VALUE = re.compile(r"[\w/\-+.:~%@?*]+")  # needs no quotes in a Hydra override
@@ -422,8 +375,7 @@ def override(key: str, value: str) -> str:
 
 
 def resume_hint(output_dir: Path) -> str:
-    """The command that resumes the run in `output_dir`: this process's own command line
-    (its Hydra overrides, when run through Hydra) with the run directory and `ckpt_path=last`."""
+    """The command that resumes the run in `output_dir` (this process's Hydra overrides)."""
     overrides: list[str] = []
     try:
         from hydra.core.hydra_config import HydraConfig
@@ -434,9 +386,6 @@ def resume_hint(output_dir: Path) -> str:
         pass
     words = [*(shlex.quote(o) for o in overrides), override("hydra.run.dir", str(output_dir))]
     return " ".join(["python -m speechattn.pretrain", *words, "ckpt_path=last"])
-
-
-# ----------------------------------------------------------------------------- an earlier result
 
 
 @contextmanager
@@ -468,9 +417,6 @@ def earlier_result_noted(output_dir: Path, resume: Resume | None) -> Iterator[No
         raise
 
 
-# ----------------------------------------------------------------------------- the run's lock
-
-
 class RunInUseError(SpeechattnError):
     """Another live run writes the same run directory."""
 
@@ -480,22 +426,10 @@ class RunLockLost(SpeechattnError, RuntimeError):
 
 
 class RunLock(L.Callback):
-    """`<run dir>/run.claim` held for a whole run (`with RunLock(dir): ...`), and checked, as
-    one of the run's callbacks, before the run writes into its folder: a metrics row, a
-    validation's row, a checkpoint (Lightning calls `on_save_checkpoint` before the file is
-    written). Put it first among the callbacks, so that its check runs before their writes.
-
-    A claim of a process of this machine holds while that process exists, however long it is
-    silent (a stopped run is not dead), and is taken over at once when it is gone (logged);
-    one of another host is dead once it has missed its heartbeats for `config.expiry_s`: a
-    requeued job that lands on another node within that time waits for it (logged), a live run
-    keeps it fresh and the second run is refused with `RunInUseError` naming the holder. A run
-    of another host that was silent that long and lost its lock finds out at its next write
-    (`check`, fencing by the claim's token) and stops with `RunLockLost`.
-
-    `hold=False` claims and checks nothing: the DDP ranks other than rank zero run the run too,
-    and write nothing into its folder.
-    """
+    """`<run dir>/run.claim` held for a whole run (`with RunLock(dir): ...`) and checked, as the
+    first of the run's callbacks, before each write into the folder (a metrics row, a
+    validation, a checkpoint). Takeover rules: docs/preemption.md ("One run per run
+    directory"). `hold=False` (DDP ranks but zero, which write nothing) claims nothing."""
 
     UNIT = "run"
 
@@ -550,8 +484,8 @@ class RunLock(L.Callback):
                 started = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(holder.started))
                 raise RunInUseError(
                     f"run directory {self.run_dir} is in use by another run ({holder}, "
-                    f"started {started}; "
-                    f"lock {holder.path}): wait for it to end, or choose another hydra.run.dir"
+                    f"started {started}; lock {holder.path}): wait for it to end, or choose "
+                    "another hydra.run.dir"
                 )
             if deadline is None:  # another host: alive, or dead and not yet silent long enough
                 wait = self.config.expiry_s + self.config.heartbeat_s

@@ -1,9 +1,6 @@
-"""`run(cfg)`: pretrain AALBERT as configured and write the run directory.
-
-The shape every job's run has: build the data, the task, the callbacks, loggers and trainer
-(instantiated from the config), fit, write the results. Resuming is `resume.py`'s (which
-checkpoint, whether it may continue, the run lock), stopping on a signal `tasks/preemption.py`'s,
-upstream.pt's model card `model_card.py`'s. `python -m speechattn.pretrain` is its Hydra wrapper.
+"""`run(cfg)`: pretrain AALBERT as configured and write the run directory (build the data,
+task, callbacks, loggers and trainer, fit, write the results); `python -m speechattn.pretrain`
+is its Hydra wrapper. Resuming: `resume.py`; stopping on a signal: `tasks/preemption.py`.
 """
 
 from __future__ import annotations
@@ -53,28 +50,19 @@ log = logging.getLogger("speechattn.pretrain")
 
 
 def run(cfg: DictConfig, datamodule: Any = None) -> dict[str, Any]:
-    """Pretrain as configured; returns final metrics and paths.
-
-    `datamodule` replaces the data layer's PretrainDataModule (tests pass synthetic data);
-    it must follow the batch contract of docs/ARCHITECTURE.md.
-    """
+    """Pretrain as configured; returns final metrics and paths. `datamodule` (of the batch
+    contract, docs/ARCHITECTURE.md) replaces the data layer's, e.g. tests' synthetic data."""
     quiet_library_notices()
     check_settings(cfg)
     output_dir = Path(cfg.output_dir).resolve()
     output_dir.mkdir(parents=True, exist_ok=True)
-    # one run per run directory. Under DDP the launched ranks run this function too; rank 0
-    # holds the lock (rank_zero_only.rank is read from the launcher's environment, so it is
-    # right before the processes are connected)
+    # under DDP every rank runs this; rank 0 (known from the environment already) holds the lock
     with RunLock(output_dir, hold=rank_zero_only.rank == 0) as lock:
         resume = resume_from(cfg, output_dir)  # None: a fresh run; refusals before any data
         L.seed_everything(cfg.seed, workers=True, verbose=False)
-
         inner = datamodule if datamodule is not None else build_datamodule(cfg.data, "pretrain")
         task = build_task(cfg, inner, resume)
-        # the training loader stacks and masks as the task defines it (settings flow down)
         data = ResumableData(inner, seed=cfg.seed, batch_masker=task.batch_masker)
-
-        # SIGTERM/SIGUSR1 end fit after the step in progress, with checkpoints/last.ckpt
         requeue = bool((cfg.get("preemption") or {}).get("requeue", True))  # PreemptionConfig
         stop = StopOnSignal(output_dir / "checkpoints", requeue=requeue)
         metrics = MetricsCSV(output_dir / "metrics.csv", cfg.trainer.log_every_n_steps)
@@ -86,7 +74,6 @@ def run(cfg: DictConfig, datamodule: Any = None) -> dict[str, Any]:
         trainer = build_trainer(cfg, output_dir, callbacks, loggers)
         hint = resume_hint(output_dir)
         open_run_dir(cfg, output_dir, resume, hint)
-
         try:
             with earlier_result_noted(output_dir, resume):
                 with stop.handling_signals(trainer, hint):
@@ -98,10 +85,8 @@ def run(cfg: DictConfig, datamodule: Any = None) -> dict[str, Any]:
 
 
 def check_settings(cfg: DictConfig) -> None:
-    """Refuse, before any data is read, the run-level settings that make a run do nothing or
-    fail later (`ConfigError` naming the setting, its value and its valid range). The groups'
-    own settings are checked by their dataclasses (DataConfig, ModelConfig, ...) as they are
-    built."""
+    """`ConfigError` for a setting that would make the run do nothing or fail later, before
+    any data is read (the groups' own settings by building their dataclasses)."""
     trainer = cfg.trainer
     for name in ("max_steps", "accumulate_grad_batches", "log_every_n_steps"):
         value = trainer.get(name, 1)
@@ -114,8 +99,6 @@ def check_settings(cfg: DictConfig) -> None:
     limit = trainer.get("limit_train_batches", 1.0)
     ok = is_number(limit) and limit > 0
     require(ok, "trainer.limit_train_batches", limit, "> 0 (0 trains nothing)")
-    # the groups' dataclasses check their own settings as they are built: build them now,
-    # before the corpus is read or extracted (the model gets its feature_dim from the data)
     data = cfg.get("data")
     if data is not None and "_target_" not in data:  # tests and custom corpora bring their own
         DataConfig(**plain(data))
@@ -133,10 +116,8 @@ def check_settings(cfg: DictConfig) -> None:
 
 
 def build_task(cfg: DictConfig, datamodule: Any, resume: Resume | None) -> PretrainTask:
-    """The task of `cfg` for the data of `datamodule`: checked against the checkpoint it
-    resumes, or holding the weights of `cfg.init_from` (continued pretraining, a new run), and
-    told what upstream.pt records of the data."""
-    # the model gets the data's feature dim; the saved config.yaml records it
+    """The task of `cfg` for `datamodule`'s data: checked against the checkpoint it resumes,
+    or holding `cfg.init_from`'s weights, and told what upstream.pt records of the data."""
     cfg.model.net.feature_dim = int(datamodule.feature_dim)
     task = PretrainTask(
         model=plain(cfg.model.net),
@@ -150,15 +131,13 @@ def build_task(cfg: DictConfig, datamodule: Any, resume: Resume | None) -> Pretr
     )
     if resume is not None:
         resume.check_fits(task)
-    # two-kernel variants time both kernels per length bucket (config.AttentionGroupConfig;
-    # its default where a config was built without the schema)
+    # AttentionGroupConfig's default where a config was built without the schema
     autotune.enable(task.model, bool(cfg.attention.get("autotune", True)))
     data_config = plain(cfg.get("data")) or {}
     if "max_frames" in data_config:  # the data layer crops to it; fail now, not at a long batch
         task.model.check_input_frames(data_config["max_frames"], "data.max_frames")
-    # the feature settings upstream.pt stores (what `features_from_waveforms` recomputes): the
-    # data module's, else FeatureConfig's own settings of the data config (the normalisation
-    # travels as the normaliser's mode)
+    # the feature settings upstream.pt stores: the data module's, else the data config's
+    # FeatureConfig fields (the normalisation travels as the normaliser's mode)
     fc = getattr(datamodule, "feature_config", None)
     if fc is not None:
         features = dict(fc.to_dict() if hasattr(fc, "to_dict") else vars(fc))
@@ -183,8 +162,7 @@ def build_task(cfg: DictConfig, datamodule: Any, resume: Resume | None) -> Pretr
 def build_trainer(
     cfg: DictConfig, output_dir: Path, callbacks: list[L.Callback], loggers: list[Any]
 ) -> L.Trainer:
-    """`cfg.trainer` instantiated with `callbacks`, the progress bar and `loggers`, writing its
-    checkpoints atomically (`AtomicCheckpointIO`)."""
+    """`cfg.trainer` with `callbacks`, the progress bar, `loggers` and atomic checkpoint writes."""
     bar = cfg.get("progress_bar", "rich")
     # a bar refresh reads train_loss from the device: once per log interval off the CPU
     refresh = 1 if cfg.trainer.accelerator == "cpu" else int(cfg.trainer.log_every_n_steps)
@@ -214,15 +192,14 @@ def resolve_precision(precision: Any, accelerator: str) -> Any:
 
 @rank_zero_only
 def open_run_dir(cfg: DictConfig, output_dir: Path, resume: Resume | None, hint: str) -> None:
-    """Before the first validation or step (rank zero): the resolved config.yaml, no partial
-    file of a killed checkpoint write, a fresh metrics.csv for a fresh run; the log says how
-    the run resumes (`hint`) or where from."""
+    """Before the first validation or step (rank zero): config.yaml, no partial checkpoint
+    files, a fresh metrics.csv for a fresh run; log how the run resumes (`hint`) or from where."""
     atomic_write_text(output_dir / "config.yaml", OmegaConf.to_yaml(cfg, resolve=True))
     log.info("run directory: %s", output_dir)
     remove_partial_checkpoints(output_dir / "checkpoints")
     if resume is None:
         log.info("resume after a crash with: %s", hint)
-        (output_dir / "metrics.csv").unlink(missing_ok=True)  # a fresh run, a fresh file
+        (output_dir / "metrics.csv").unlink(missing_ok=True)
     else:
         log.info("resuming from %s", resume.path)
 
@@ -237,19 +214,16 @@ def fit(
     metrics: MetricsCSV,
 ) -> None:
     """`trainer.fit` from `resume` (None: from scratch), with the validations outside it that
-    make metrics.csv read as one uninterrupted run; a stop signal between them ends the run
-    too (`stop.check`)."""
+    make metrics.csv read as one uninterrupted run (a stop signal between them stops too)."""
     every = trainer.val_check_interval
     every = every if trainer.limit_val_batches and isinstance(every, int) else 0  # in steps
     ckpt_path, step = (str(resume.path), resume.step) if resume is not None else (None, 0)
     if resume is None and cfg.get("validate_at_start", True) and trainer.limit_val_batches:
-        # the untrained model's val_loss: the starting point of the curve in metrics.csv
         trainer.validate(task, datamodule=data, verbose=False)
         stop.check()
     elif step and every and step % every == 0 and not metrics.has_validation(step):
-        # the run stopped between this step's checkpoint and the end of its validation, which
-        # fit skips on resume (Lightning counts it as done): run it here, on the checkpoint's
-        # weights (fit validates after step `every`, 2 * `every`, ..., never at step 0)
+        # stopped between this step's checkpoint and the end of its validation, which fit
+        # skips on resume: run it here, on the checkpoint's weights
         log.info("repeating the validation at step %d that the stop cut short", step)
         metrics.step_override = step
         try:
@@ -260,16 +234,15 @@ def fit(
             metrics.step_override = None
         stop.check()
     trainer.fit(task, datamodule=data, ckpt_path=ckpt_path, weights_only=True)
-    if every and trainer.global_step % every:
-        # the curve in metrics.csv and upstream.pt's val_loss describe the final weights
+    if every and trainer.global_step % every:  # val_loss of the final weights
         trainer.validate(task, datamodule=data, verbose=False)
 
 
 def write_results(
     trainer: L.Trainer, task: PretrainTask, output_dir: Path, license: str
 ) -> dict[str, Any]:
-    """Check the run converged, then write upstream.pt, its model card and the upstream folder
-    (rank zero); returns the final metrics and the paths (None on the other ranks)."""
+    """Check the run converged, then write upstream.pt, its card and the upstream folder (rank
+    zero); returns the final metrics and the paths (None on the other ranks)."""
     val_loss = trainer.callback_metrics.get("val_loss")
     result: dict[str, Any] = {
         "output_dir": str(output_dir),
