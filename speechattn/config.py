@@ -189,8 +189,17 @@ class RunFolderGuard(Callback):
     the job writes is a symbolic link, which Hydra would write through."""
 
     # Hydra's files; pretraining's config.yaml and metrics.csv; the probes' CSV logger's
-    WRITTEN = (".hydra", ".hydra/config.yaml", ".hydra/hydra.yaml", ".hydra/overrides.yaml",
-               "config.yaml", "metrics.csv", "logs", "logs/metrics.csv", "logs/hparams.yaml")  # fmt: skip
+    WRITTEN = (
+        ".hydra",
+        ".hydra/config.yaml",
+        ".hydra/hydra.yaml",
+        ".hydra/overrides.yaml",
+        "config.yaml",
+        "metrics.csv",
+        "logs",
+        "logs/metrics.csv",
+        "logs/hparams.yaml",
+    )
 
     def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
         self._check([Path(config.hydra.run.dir)], config.hydra.job.name)

@@ -187,9 +187,14 @@ class BatchMasker:
         """features (B, T, F) 10 ms, lengths (B,) on the host -> a `MaskedBatch` (host)."""
         generator = torch.Generator().manual_seed(seed)
         return mask_batch(
-            features, lengths, self.stack, self.masking, generator,
-            self.pad_to_multiple, self.max_model_frames,
-        )  # fmt: skip
+            features,
+            lengths,
+            self.stack,
+            self.masking,
+            generator,
+            self.pad_to_multiple,
+            self.max_model_frames,
+        )
 
 
 class MaskingCollate:
