@@ -36,7 +36,7 @@ class DiskFullError(SpeechattnError, OSError):
         self.errno = errno
 
     def __reduce__(self):  # picklable across worker processes
-        return (DiskFullError, (str(self), self.errno))
+        return (type(self), (str(self), self.errno))
 
 
 class MissingFileError(SpeechattnError, FileNotFoundError):

@@ -259,3 +259,25 @@ def test_every_error_class_derives_from_the_base() -> None:
     assert all(issubclass(c, SpeechattnError) for c in classes)
     text = (ROOT / "docs" / "errors.md").read_text()
     assert all(f"`{c.__name__}`" in text for c in classes), "docs/errors.md lists every class"
+
+
+class _ShardError(DataError):
+    """A subclass with no pickling code of its own."""
+
+
+def test_errors_keep_their_type_and_fields_across_processes() -> None:
+    """Worker processes send errors back pickled: a subclass arrives as itself, not its base."""
+    import pickle
+
+    from speechattn.data.claims import ClaimTimeout
+    from speechattn.errors import DiskFullError
+
+    for error in (
+        DataError("/x/a.flac", "unreadable audio", "truncated", "a"),
+        _ShardError("/cache/s.npy", "damaged shard"),
+        ClaimTimeout("/cache/claims", "no progress", "3 shards held"),
+        DiskFullError("/out/x.npy: disk full", 28),
+    ):
+        back = pickle.loads(pickle.dumps(error))
+        assert type(back) is type(error) and str(back) == str(error)
+        assert vars(back) == vars(error)

@@ -128,9 +128,6 @@ def read_claim(path: Path) -> ClaimInfo | None:
 class ClaimTimeout(DataError):
     """Units claimed by other, live processes made no progress within the wait timeout."""
 
-    def __reduce__(self):  # keep the type across processes
-        return (ClaimTimeout, (self.path, self.problem, self.detail, self.utt_id))
-
 
 class Claims:
     """This process's claims in one folder (`try_claim`, `release`); a context manager that

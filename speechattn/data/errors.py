@@ -28,8 +28,8 @@ class DataError(SpeechattnError, ValueError):
         where = f"{self.path}" + (f" [{utt_id}]" if utt_id else "")
         super().__init__(f"{where}: {problem}" + (f" ({detail})" if detail else ""))
 
-    def __reduce__(self):  # picklable across worker processes
-        return (DataError, (self.path, self.problem, self.detail, self.utt_id))
+    def __reduce__(self):  # picklable across worker processes, subclasses keeping their type
+        return (type(self), (self.path, self.problem, self.detail, self.utt_id))
 
 
 @dataclass(frozen=True)
