@@ -214,7 +214,9 @@ def _synth_one(
             text = textgen.utterance_text(rng, max(3, words - 2), words + 2)
         pitch = int(np.clip(spk.pitch + rng.integers(-4, 5), 0, 100))
         pitch_range = int(np.clip(spk.pitch_range + rng.integers(-6, 7), 0, 100))
-        raw, events = engine.synthesize(text, VoiceSettings(spk.voice, rate, pitch, pitch_range))
+        raw, events = engine.synthesize(
+            text, VoiceSettings(spk.voice, rate=rate, pitch=pitch, pitch_range=pitch_range)
+        )
         lead = int(rng.uniform(0.08, 0.35) * SAMPLE_RATE)
         tail = int(rng.uniform(0.05, 0.25) * SAMPLE_RATE)
         speech = _resample(raw.astype(np.float32) / 32768.0, engine.sample_rate)

@@ -142,7 +142,9 @@ class PretrainTask(L.LightningModule):
         """The host side of a training step (stack, length buckets, mask), run by the loader."""
         stack, limit = self.model_config.stack, self.model.max_input_frames
         max_model_frames = None if limit is None else limit // stack
-        return BatchMasker(stack, self.masking, pad_to_multiple, max_model_frames)
+        return BatchMasker(
+            stack, self.masking, pad_to_multiple=pad_to_multiple, max_model_frames=max_model_frames
+        )
 
     def reconstruction_loss(
         self, batch: dict[str, Any], generator: torch.Generator
